@@ -1,0 +1,165 @@
+"""Build and install ringseq with its C++/CUDA extension ``ringseq._C``.
+
+Install from a checkout with ``pip install --no-build-isolation -e .``: the extension is
+compiled against the torch that is already installed in the environment (an isolated build
+environment would download and build against a different torch, whose ABI may not match).
+
+Environment variables:
+  RINGSEQ_CUDA=auto|1|0   auto (default): build the CUDA kernels when torch is a CUDA build and
+                          a CUDA toolkit with the same major version is found; 1: require them
+                          (stop with a message if impossible); 0: CPU kernels only.
+  CUDA_HOME               toolkit root holding include/cuda_runtime.h (else guessed by torch).
+  TORCH_CUDA_ARCH_LIST    e.g. "8.0;9.0"; default builds sm_80 and sm_90.
+  MAX_JOBS                parallel compile jobs (ninja).
+  RINGSEQ_CPU_FLAGS       extra flags for the CPU kernel (default "-march=native" when the
+                          compiler accepts it; set to "" for a portable build).
+"""
+import glob
+import os
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def fail(message):
+    """Stops the build with one readable message instead of a traceback."""
+    sys.stderr.write(f"\nringseq build error: {message}\n\n")
+    sys.exit(1)
+
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:
+    fail("torch must be installed before ringseq is built: `pip install torch` (or "
+         "`pip install torch==2.13.0` for a CPU build), then `pip install --no-build-isolation -e .`")
+
+
+def nvcc_version(cuda_home):
+    """Returns (major, minor) of the toolkit's nvcc, or None."""
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    for token in out.replace(",", " ").split():
+        if token.startswith("V") and token[1:2].isdigit():
+            major, minor = token[1:].split(".")[:2]
+            return int(major), int(minor)
+    return None
+
+
+def find_cuda_home():
+    """CUDA_HOME if it holds the toolkit headers, else the root of the nvcc on PATH."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    from shutil import which
+
+    nvcc = which("nvcc")
+    if nvcc:
+        real = os.path.realpath(nvcc)
+        candidates.append(os.path.dirname(os.path.dirname(real)))
+        candidates.append(os.path.dirname(os.path.dirname(nvcc)))
+    for root in candidates:
+        if root and os.path.exists(os.path.join(root, "include", "cuda_runtime.h")):
+            return root
+    return None
+
+
+def want_cuda():
+    """Decides whether to build the CUDA kernels; returns (bool, reason)."""
+    mode = os.environ.get("RINGSEQ_CUDA", "auto").strip().lower()
+    if mode not in ("auto", "1", "0", "true", "false", "yes", "no"):
+        fail(f"RINGSEQ_CUDA must be auto, 1 or 0, got {mode!r}")
+    if mode in ("0", "false", "no"):
+        return False, "RINGSEQ_CUDA=0"
+    forced = mode in ("1", "true", "yes")
+    problems = []
+    if torch.version.cuda is None:
+        problems.append(f"the installed torch {torch.__version__} is not a CUDA build")
+    cuda_home = find_cuda_home()
+    if cuda_home is None:
+        problems.append("no CUDA toolkit found (set CUDA_HOME to the folder holding include/cuda_runtime.h)")
+    elif torch.version.cuda is not None:
+        version = nvcc_version(cuda_home)
+        torch_major = int(torch.version.cuda.split(".")[0])
+        if version is None:
+            problems.append(f"no working nvcc in {cuda_home}/bin")
+        elif version[0] != torch_major:
+            problems.append(f"nvcc {version[0]}.{version[1]} in {cuda_home} does not match the "
+                            f"CUDA {torch.version.cuda} that torch was built with")
+    if problems:
+        reason = "; ".join(problems)
+        if forced:
+            fail(f"RINGSEQ_CUDA=1 but the CUDA kernels cannot be built: {reason}")
+        return False, reason
+    os.environ["CUDA_HOME"] = cuda_home
+    cpp_extension.CUDA_HOME = cuda_home
+    return True, f"CUDA toolkit {cuda_home}"
+
+
+def cpu_flags():
+    flags = os.environ.get("RINGSEQ_CPU_FLAGS")
+    if flags is not None:
+        return flags.split()
+    return ["-march=native"] if sys.platform.startswith("linux") else []
+
+
+def extension():
+    with_cuda, reason = want_cuda()
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-std=c++17", "-fopenmp", *cpu_flags()]
+    define_macros = []
+    extra_link_args = ["-fopenmp"]
+    nvcc = []
+    if with_cuda:
+        sources += sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
+        define_macros.append(("RINGSEQ_WITH_CUDA", None))
+        nvcc = [
+            "-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
+            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            "-DRINGSEQ_WITH_CUDA",
+        ]
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            nvcc += ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
+        print(f"ringseq: building CPU and CUDA kernels ({reason})")
+        ext_cls = cpp_extension.CUDAExtension
+    else:
+        print(f"ringseq: building CPU kernels only ({reason})")
+        ext_cls = cpp_extension.CppExtension
+    args = {"cxx": cxx}
+    if with_cuda:
+        args["nvcc"] = nvcc
+    return ext_cls(
+        name="ringseq._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=define_macros,
+        extra_compile_args=args,
+        extra_link_args=extra_link_args,
+    )
+
+
+setup(
+    name="ringseq",
+    version="0.1.0",
+    description="Ring sequence parallelism for PyTorch with its own flash-attention kernels",
+    long_description=open(os.path.join(ROOT, "README.md")).read() if os.path.exists(os.path.join(ROOT, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["ringseq", "ringseq.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "einops"],
+    extras_require={
+        "test": ["pytest", "hypothesis"],
+        "flash": ["flash-attn"],
+        "hf": ["transformers"],
+        "plot": ["matplotlib"],
+    },
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)

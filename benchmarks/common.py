@@ -1,0 +1,133 @@
+"""Shared benchmark plumbing: timing, FLOP counts, peak memory, progress, tables, JSON."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+
+def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode="fwd"):
+    """FLOPs as flash-attn counts them: forward 4·b·h·s_q·s_k·d (halved for causal);
+    backward 2.5× forward; "fwd_bwd" is their sum."""
+    fwd = 4 * batch * nheads * seqlen_q * seqlen_k * headdim / (2 if causal else 1)
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
+
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device, warmup=1, repeats=3):
+    """Median wall time of fn() in ms (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        if torch.device(device).type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class PeakMemory:
+    """Peak memory of a block above its starting point, in bytes.
+
+    CUDA: torch.cuda.max_memory_allocated. CPU (Linux): the resident-set high-water mark
+    (VmHWM), reset through /proc/self/clear_refs; None where that is unavailable.
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.peak = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = _reset_rss_peak()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        elif self.base is not None:
+            self.peak = max(0, _status_kb("VmHWM") * 1024 - self.base)
+        return False
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_rss_peak():
+    """Resets VmHWM to the current RSS; returns the current RSS in bytes, or None."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kb("VmRSS") * 1024
+    except OSError:
+        return None
+
+
+def progress(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def environment(device):
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if torch.device(device).type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def write_json(path, payload):
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    progress(f"wrote {path}")
+
+
+def format_table(rows, columns):
+    """Fixed-width text table of dict rows; columns: list of (key, header, format)."""
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        cells.append([("-" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in columns])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def mib(nbytes):
+    return None if nbytes is None else nbytes / 2**20

@@ -1,0 +1,341 @@
+// Forward flash-attention kernel (FlashAttention-2 design) in plain CUDA.
+//
+// One CTA = 4 warps computes a kBlockM-row tile of one (batch, head). Each warp owns
+// kMTiles = kBlockM / 64 consecutive m16 row slabs, so the online softmax needs only quad
+// shuffles and warps never exchange statistics. K/V tiles of kBlockN keys are walked from the
+// last visible block down to block 0 ("newest first"): with causal masking the diagonal and
+// ragged blocks, the only ones that need the per-element predicate, come first.
+//
+// Per kv block: S = Q K^T (ldmatrix + mma.sync m16n8k16, float32 accumulators), optional
+// mask, online softmax in base 2 (log2(e) folded into the scale), O = alpha O + P V with P
+// converted in registers from the C layout straight into the A layout. V_j is fetched with
+// cp.async while S is computed and K_{j-1} while P V runs, so one K and one V buffer suffice.
+// All shared tiles are XOR-swizzled through km::swz_offset.
+#pragma once
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "launch.h"
+#include "primitives.cuh"
+
+namespace ringseq {
+namespace fwd {
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, typename Element_>
+struct Traits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = km::kFwdWarps;
+  static constexpr int kThreads = km::kFwdThreads;
+  static constexpr int kMTiles = kBlockM / (16 * kWarps);  // m16 slabs per warp
+  static constexpr int kNTiles = kBlockN / 8;              // n8 tiles of S
+  static constexpr int kDTiles = kHeadDim / 8;             // n8 tiles of O
+  static constexpr int kQkSteps = kHeadDim / 16;           // k16 steps of Q K^T
+  static constexpr int kPvSteps = kBlockN / 16;            // k16 steps of P V
+  // Q fragments stay in registers when they cost at most 32 registers; otherwise they are
+  // re-read from shared memory each block (the accumulators need the room).
+  static constexpr bool kQInRegs = kMTiles * kQkSteps * 4 <= 32;
+  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * int(sizeof(Element));
+
+  static_assert(kHeadDim % 64 == 0, "head dim must be a multiple of 64 (swizzled rows)");
+  static_assert(kBlockM % (16 * kWarps) == 0, "kBlockM must be a multiple of 64");
+  static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
+  static_assert(sizeof(Element) == 2, "16-bit elements only");
+};
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams p) {
+  using Element = typename T::Element;
+  constexpr int kHeadDim = T::kHeadDim;
+  constexpr int kBlockM = T::kBlockM;
+  constexpr int kBlockN = T::kBlockN;
+  constexpr int kThreads = T::kThreads;
+  constexpr int kMTiles = T::kMTiles;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Element* sQ = reinterpret_cast<Element*>(smem_raw);
+  Element* sK = sQ + kBlockM * kHeadDim;
+  Element* sV = sK + kBlockN * kHeadDim;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  // Heaviest causal tiles (largest m) are launched first so the tail of the grid is short.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int seqlen_q = static_cast<int>(p.shape.seqlen_q);
+  const int seqlen_k = static_cast<int>(p.shape.seqlen_k);
+  const bool causal = p.shape.causal;
+  const int head_kv = head / static_cast<int>(p.shape.nheads / p.shape.nheads_kv);
+  const int m0 = m_block * kBlockM;
+
+  const Element* gQ = static_cast<const Element*>(p.q) + batch * p.q_strides.batch +
+                      head * p.q_strides.head + int64_t(m0) * p.q_strides.row;
+  const Element* gK = static_cast<const Element*>(p.k) + batch * p.k_strides.batch +
+                      head_kv * p.k_strides.head;
+  const Element* gV = static_cast<const Element*>(p.v) + batch * p.v_strides.batch +
+                      head_kv * p.v_strides.head;
+  Element* gO = static_cast<Element*>(p.out) + batch * p.out_strides.batch +
+                head * p.out_strides.head + int64_t(m0) * p.out_strides.row;
+  float* gLse = static_cast<float*>(p.lse) + batch * p.lse_strides.batch +
+                head * p.lse_strides.head + m0;
+  const int rows_q = seqlen_q - m0;  // valid rows of this tile (may exceed kBlockM)
+
+  const int n_blocks = km::fwd_num_kv_blocks(m_block, kBlockM, kBlockN, seqlen_q, seqlen_k, causal);
+  if (n_blocks == 0) {
+    // Causal with seqlen_q > seqlen_k: no row of this tile sees a key.
+    constexpr int kChunksPerRow = kHeadDim / km::kChunkElems;
+#pragma unroll
+    for (int it = 0; it < kBlockM * kChunksPerRow / kThreads; ++it) {
+      const int row = tid / kChunksPerRow + it * (kThreads / kChunksPerRow);
+      if (row < rows_q) {
+        *reinterpret_cast<uint4*>(gO + row * p.out_strides.row +
+                                  (tid % kChunksPerRow) * km::kChunkElems) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    for (int row = tid; row < kBlockM; row += kThreads) {
+      if (row < rows_q) gLse[row] = -INFINITY;
+    }
+    return;
+  }
+  const int n_unmasked =
+      km::fwd_num_unmasked_kv_blocks(m_block, kBlockM, kBlockN, seqlen_q, seqlen_k, causal);
+
+  prim::copy_tile_g2s_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, p.q_strides.row, rows_q, tid);
+  prim::cp_async_commit();
+  {
+    const int n = n_blocks - 1;
+    prim::copy_tile_g2s_async<kBlockN, kHeadDim, kThreads>(
+        sK, gK + int64_t(n) * kBlockN * p.k_strides.row, p.k_strides.row, seqlen_k - n * kBlockN, tid);
+    prim::cp_async_commit();
+  }
+
+  const uint32_t sQ_addr = prim::smem_addr(sQ);
+  const uint32_t sK_addr = prim::smem_addr(sK);
+  const uint32_t sV_addr = prim::smem_addr(sV);
+  const int warp_row0 = warp * 16 * kMTiles;  // first tile row of this warp
+
+  float acc_o[kMTiles][T::kDTiles][4];
+  float row_max[kMTiles][2];
+  float row_sum[kMTiles][2];  // per-lane partial sums; reduced over the quad at the end
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < T::kDTiles; ++dt) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc_o[mt][dt][r] = 0.f;
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      row_max[mt][hf] = -INFINITY;
+      row_sum[mt][hf] = 0.f;
+    }
+  }
+  const float scale_log2 = static_cast<float>(p.shape.softmax_scale * 1.4426950408889634);
+
+  prim::cp_async_wait<0>();
+  __syncthreads();
+
+  uint32_t q_frag[T::kQInRegs ? kMTiles : 1][T::kQInRegs ? T::kQkSteps : 1][4];
+  if constexpr (T::kQInRegs) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int kk = 0; kk < T::kQkSteps; ++kk) {
+        prim::ldmatrix_x4(q_frag[mt][kk],
+                          sQ_addr + 2u * km::swz_offset(warp_row0 + mt * 16 + km::ldsm_a_row(lane),
+                                                        kk * 16 + km::ldsm_a_col(lane), kHeadDim));
+      }
+    }
+  }
+
+  for (int n = n_blocks - 1; n >= 0; --n) {
+    // K_n is resident and every warp is done with the previous V: fetch V_n behind Q K^T.
+    prim::copy_tile_g2s_async<kBlockN, kHeadDim, kThreads>(
+        sV, gV + int64_t(n) * kBlockN * p.v_strides.row, p.v_strides.row, seqlen_k - n * kBlockN, tid);
+    prim::cp_async_commit();
+
+    float s[kMTiles][T::kNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < T::kNTiles; ++nt) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s[mt][nt][r] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < T::kQkSteps; ++kk) {
+      uint32_t qa[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        if constexpr (T::kQInRegs) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) qa[mt][r] = q_frag[mt][kk][r];
+        } else {
+          prim::ldmatrix_x4(qa[mt], sQ_addr + 2u * km::swz_offset(warp_row0 + mt * 16 + km::ldsm_a_row(lane),
+                                                                  kk * 16 + km::ldsm_a_col(lane), kHeadDim));
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < T::kNTiles / 2; ++np) {
+        uint32_t kb[4];
+        prim::ldmatrix_x4(kb, sK_addr + 2u * km::swz_offset(np * 16 + km::ldsm_b_row(lane),
+                                                            kk * 16 + km::ldsm_b_col(lane), kHeadDim));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          prim::mma_16816<Element>(s[mt][2 * np], qa[mt], kb[0], kb[1]);
+          prim::mma_16816<Element>(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
+        }
+      }
+    }
+
+    if (n >= n_unmasked) {  // diagonal or ragged block
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < T::kNTiles; ++nt) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int row = m0 + warp_row0 + mt * 16 + km::mma_c_row(lane, r);
+            const int col = n * kBlockN + nt * 8 + km::mma_c_col(lane, r);
+            if (!km::key_visible(row, col, seqlen_q, seqlen_k, causal)) s[mt][nt][r] = -INFINITY;
+          }
+        }
+      }
+    }
+
+    // Online softmax. A row that has seen no key yet keeps max -inf; it is shifted by 0
+    // instead, so exp2(-inf - shift) = 0 and alpha = 0 and no (-inf) - (-inf) appears.
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float mx = row_max[mt][hf];
+#pragma unroll
+        for (int nt = 0; nt < T::kNTiles; ++nt) {
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+        }
+        mx = prim::quad_max(mx);
+        const float shift = mx == -INFINITY ? 0.f : mx * scale_log2;
+        const float alpha = prim::fast_exp2(row_max[mt][hf] * scale_log2 - shift);
+        row_max[mt][hf] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < T::kNTiles; ++nt) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float e = prim::fast_exp2(fmaf(s[mt][nt][2 * hf + c], scale_log2, -shift));
+            s[mt][nt][2 * hf + c] = e;
+            sum += e;
+          }
+        }
+        row_sum[mt][hf] = row_sum[mt][hf] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < T::kDTiles; ++dt) {
+          acc_o[mt][dt][2 * hf] *= alpha;
+          acc_o[mt][dt][2 * hf + 1] *= alpha;
+        }
+      }
+    }
+
+    // V_n resident; every warp is done reading K_n: fetch K_{n-1} behind P V.
+    prim::cp_async_wait<0>();
+    __syncthreads();
+    if (n > 0) {
+      prim::copy_tile_g2s_async<kBlockN, kHeadDim, kThreads>(
+          sK, gK + int64_t(n - 1) * kBlockN * p.k_strides.row, p.k_strides.row,
+          seqlen_k - (n - 1) * kBlockN, tid);
+      prim::cp_async_commit();
+    }
+
+#pragma unroll
+    for (int kk = 0; kk < T::kPvSteps; ++kk) {
+      uint32_t pa[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int tile = 2 * kk + km::c_to_a_tile(2 * j);
+          pa[mt][j] = prim::pack2<Element>(s[mt][tile][km::c_to_a_reg(2 * j)],
+                                           s[mt][tile][km::c_to_a_reg(2 * j + 1)]);
+        }
+      }
+#pragma unroll
+      for (int dp = 0; dp < T::kDTiles / 2; ++dp) {
+        uint32_t vb[4];
+        prim::ldmatrix_x4_trans(vb, sV_addr + 2u * km::swz_offset(kk * 16 + km::ldsm_a_row(lane),
+                                                                  dp * 16 + km::ldsm_a_col(lane), kHeadDim));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          prim::mma_16816<Element>(acc_o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+          prim::mma_16816<Element>(acc_o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+        }
+      }
+    }
+
+    // K_{n-1} resident; every warp is done reading V_n (and, after the last block, Q).
+    prim::cp_async_wait<0>();
+    __syncthreads();
+  }
+
+  // Epilogue: O /= l, lse = max * scale + ln(l) in natural-log units; rows that saw no key
+  // (l == 0) get O = 0 and lse = -inf. O goes through this warp's own rows of sQ so the
+  // global stores are 16 bytes wide and coalesced.
+  const float softmax_scale = static_cast<float>(p.shape.softmax_scale);
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float l = prim::quad_sum(row_sum[mt][hf]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int row = warp_row0 + mt * 16 + km::mma_c_row(lane, 2 * hf);
+      if (km::lane_in_group(lane) == 0 && row < rows_q) {
+        gLse[row] = l > 0.f ? row_max[mt][hf] * softmax_scale + logf(l) : -INFINITY;
+      }
+#pragma unroll
+      for (int dt = 0; dt < T::kDTiles; ++dt) {
+        prim::store_pair_s<kHeadDim>(sQ, row, dt * 8 + km::mma_c_col(lane, 2 * hf),
+                                     acc_o[mt][dt][2 * hf] * inv, acc_o[mt][dt][2 * hf + 1] * inv);
+      }
+    }
+  }
+  __syncthreads();
+  prim::copy_tile_s2g<kBlockM, kHeadDim, kThreads>(gO, sQ, p.out_strides.row, rows_q, tid);
+}
+
+template <int kHeadDim, int kBlockM, int kBlockN, typename Element>
+void launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
+  using T = Traits<kHeadDim, kBlockM, kBlockN, Element>;
+  auto kernel = &flash_fwd_kernel<T>;
+  constexpr int kSmem = T::kSmemBytes;
+  static_assert(kSmem == km::fwd_smem_bytes(kHeadDim, kBlockM == km::fwd_block_m(kHeadDim, 0) ? 0 : 1) ||
+                    true,
+                "");
+  if (kSmem > 48 * 1024) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+               "cudaFuncSetAttribute(flash_fwd_kernel, max dynamic shared memory)");
+  }
+  const dim3 grid(static_cast<unsigned>(km::ceil_div(static_cast<int>(p.shape.seqlen_q), kBlockM)),
+                  static_cast<unsigned>(p.shape.nheads), static_cast<unsigned>(p.shape.batch));
+  kernel<<<grid, T::kThreads, kSmem, stream>>>(p);
+  check_cuda(cudaGetLastError(), "flash_fwd_kernel launch");
+}
+
+}  // namespace fwd
+
+template <int kHeadDim, typename Element>
+void run_flash_fwd(const FwdParams& p, cudaStream_t stream) {
+  if (p.config == 0) {
+    fwd::launch_flash_fwd<kHeadDim, km::fwd_block_m(kHeadDim, 0), km::fwd_block_n(kHeadDim, 0), Element>(p, stream);
+  } else {
+    fwd::launch_flash_fwd<kHeadDim, km::fwd_block_m(kHeadDim, 1), km::fwd_block_n(kHeadDim, 1), Element>(p, stream);
+  }
+}
+
+}  // namespace ringseq

@@ -1,0 +1,207 @@
+// Device building blocks of the flash-attention kernels: inline PTX for tensor-core MMA,
+// ldmatrix and cp.async, quad reductions, fast exp2 and 16-bit packing, and the swizzled
+// global -> shared tile copy. Torch-free; index math lives in ../kernel_math.h.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../kernel_math.h"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "ringseq kernels need sm_80 or newer (bf16 mma.sync, cp.async)"
+#endif
+
+namespace ringseq {
+namespace prim {
+
+#ifndef RS_DEV
+#define RS_DEV __device__ __forceinline__
+#endif
+
+RS_DEV uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ----------------------------------------------------------------------------------------
+// Tensor cores: D = A * B + D, m16n8k16, float32 accumulators, A row-major, B "col".
+// ----------------------------------------------------------------------------------------
+template <typename Element>
+RS_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  static_assert(std::is_same<Element, __nv_bfloat16>::value || std::is_same<Element, __half>::value,
+                "mma_16816 supports __nv_bfloat16 and __half");
+  if constexpr (std::is_same<Element, __nv_bfloat16>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+// B operand given as two registers picked out of an x4 ldmatrix result.
+template <typename Element>
+RS_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const uint32_t b[2] = {b0, b1};
+  mma_16816<Element>(d, a, b);
+}
+
+// ----------------------------------------------------------------------------------------
+// ldmatrix: `addr` is this lane's row address (shared state space, 16-byte aligned), see
+// km::ldsm_a_row / km::ldsm_b_row for which row each lane points at.
+// ----------------------------------------------------------------------------------------
+RS_DEV void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+RS_DEV void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// x2: lanes 0..15 supply addresses (matrix j = lane >> 3); the other lanes' addresses are
+// ignored but must still be valid shared addresses.
+RS_DEV void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
+}
+RS_DEV void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
+}
+
+// ----------------------------------------------------------------------------------------
+// cp.async: 16-byte global -> shared copy bypassing L1. With valid == false the source size
+// is 0, so nothing is read and the 16 destination bytes are zero-filled: ragged tails never
+// touch memory past the end of a tensor. `gmem` must still be a valid address then (callers
+// pass the tensor base).
+// ----------------------------------------------------------------------------------------
+RS_DEV void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
+RS_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight. Other
+// threads' copies become visible only after a following __syncthreads().
+template <int N>
+RS_DEV void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ----------------------------------------------------------------------------------------
+// Row statistics: the 4 lanes of a group (lane >> 2) hold one row of a C fragment.
+// ----------------------------------------------------------------------------------------
+RS_DEV float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  return x;
+}
+RS_DEV float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+// 2^x with one MUFU instruction; exp2(-inf) = +0, which the online softmax relies on.
+RS_DEV float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats -> one .b32 of 16-bit elements, `lo` in the low half (the lower column of a
+// fragment pair), round to nearest even.
+template <typename Element>
+RS_DEV uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same<Element, __nv_bfloat16>::value) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+template <typename Element>
+RS_DEV float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same<Element, __nv_bfloat16>::value) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+  } else {
+    return __half22float2(*reinterpret_cast<__half2*>(&v));
+  }
+}
+
+// ----------------------------------------------------------------------------------------
+// Tiles. A (kRows x kCols) tile of 16-bit elements whose rows are `row_stride` elements apart
+// in global memory (last dim contiguous), rows >= rows_valid zero-filled.
+// ----------------------------------------------------------------------------------------
+
+// Asynchronous swizzled copy global -> shared by kThreads threads; consecutive threads take
+// consecutive 16-byte chunks of a row, so global reads coalesce and the swizzled smem
+// writes of 8 consecutive threads hit 8 distinct bank groups. The caller commits.
+template <int kRows, int kCols, int kThreads, typename Element>
+RS_DEV void copy_tile_g2s_async(Element* smem, const Element* gmem, int64_t row_stride,
+                                int rows_valid, int tid) {
+  constexpr int kChunksPerRow = kCols / km::kChunkElems;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  static_assert(kCols % 64 == 0, "swizzled rows must be a multiple of 64 elements");
+  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly over the threads");
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  const int chunk = tid % kChunksPerRow;
+  const int row0 = tid / kChunksPerRow;
+  const uint32_t s_base = smem_addr(smem);
+#pragma unroll
+  for (int it = 0; it < kChunks / kThreads; ++it) {
+    const int row = row0 + it * kRowsPerPass;
+    const bool valid = row < rows_valid;
+    const Element* src = valid ? gmem + row * row_stride + chunk * km::kChunkElems : gmem;
+    cp_async_16(s_base + 2u * km::swz_offset(row, chunk * km::kChunkElems, kCols), src, valid);
+  }
+}
+
+// Synchronous swizzled copy shared -> global with 16-byte stores, rows >= rows_valid skipped.
+// The caller synchronizes before (so the tile is complete) and after (before reusing smem).
+template <int kRows, int kCols, int kThreads, typename Element>
+RS_DEV void copy_tile_s2g(Element* gmem, const Element* smem, int64_t row_stride, int rows_valid,
+                          int tid) {
+  constexpr int kChunksPerRow = kCols / km::kChunkElems;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly over the threads");
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  const int chunk = tid % kChunksPerRow;
+  const int row0 = tid / kChunksPerRow;
+#pragma unroll
+  for (int it = 0; it < kChunks / kThreads; ++it) {
+    const int row = row0 + it * kRowsPerPass;
+    if (row < rows_valid) {
+      const uint4 v = *reinterpret_cast<const uint4*>(
+          smem + km::swz_offset(row, chunk * km::kChunkElems, kCols));
+      *reinterpret_cast<uint4*>(gmem + row * row_stride + chunk * km::kChunkElems) = v;
+    }
+  }
+}
+
+// Writes one C fragment pair (two floats of one row, columns col and col+1) into a
+// swizzled 16-bit smem tile; col is even, so the pair never straddles a chunk.
+template <int kCols, typename Element>
+RS_DEV void store_pair_s(Element* smem, int row, int col, float lo, float hi) {
+  *reinterpret_cast<uint32_t*>(smem + km::swz_offset(row, col, kCols)) = pack2<Element>(lo, hi);
+}
+
+}  // namespace prim
+}  // namespace ringseq

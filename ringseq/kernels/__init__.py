@@ -1,0 +1,76 @@
+"""Attention backends behind one contract (see base.AttentionBackend).
+
+``get_backend(name, device, dtype, headdim)`` returns one of:
+  "ringseq"     this package's C++/CUDA kernels (default wherever they support the inputs)
+  "sdpa"        torch's fused attention ops that return the log-sum-exp
+  "reference"   plain math in float32 (float64 for float64 inputs)
+  "flash_attn"  the flash-attn package, when installed (CUDA, fp16/bf16)
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionBackend
+from .checks import accum_dtype, check_qkv, default_scale
+from .extension import ExtensionBackend, extension_available, extension_has_cuda
+from .flash_attn import FlashAttnBackend, flash_attn_module
+from .reference import ReferenceBackend
+from .sdpa import SdpaBackend
+
+BACKEND_NAMES = ("ringseq", "sdpa", "reference", "flash_attn")
+
+_INSTANCES: dict = {}
+
+
+def _instance(name: str, tile_config: int = 0) -> AttentionBackend:
+    key = (name, tile_config)
+    if key not in _INSTANCES:
+        if name == "ringseq":
+            _INSTANCES[key] = ExtensionBackend(tile_config)
+        elif name == "sdpa":
+            _INSTANCES[key] = SdpaBackend()
+        elif name == "reference":
+            _INSTANCES[key] = ReferenceBackend()
+        else:
+            _INSTANCES[key] = FlashAttnBackend()
+    return _INSTANCES[key]
+
+
+def get_backend(backend=None, device=None, dtype=None, headdim=None) -> AttentionBackend:
+    """Resolves a backend name (or an AttentionBackend instance) for inputs on ``device``.
+
+    ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim), else
+    "sdpa" (CUDA) or "reference" (CPU without the extension). Raises ValueError for an unknown
+    name and for a named backend that cannot run such inputs.
+    """
+    if isinstance(backend, AttentionBackend):
+        return backend
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if backend is None:
+        ours = _instance("ringseq")
+        if ours.unsupported_reason(device, dtype or torch.float32, headdim or 64) is None:
+            return ours
+        return _instance("sdpa" if device.type == "cuda" else "reference")
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)} or None, got {backend!r}")
+    chosen = _instance(backend)
+    if dtype is not None:
+        reason = chosen.unsupported_reason(device, dtype, headdim or 64)
+        if reason is not None:
+            raise ValueError(f"backend {backend!r} cannot run {dtype} inputs with head dim "
+                             f"{headdim} on {device}: {reason}")
+    return chosen
+
+
+def available_backends(device="cpu", dtype=torch.float32, headdim=64) -> list[str]:
+    """Names of the backends that can run such inputs here."""
+    device = torch.device(device)
+    return [n for n in BACKEND_NAMES if _instance(n).unsupported_reason(device, dtype, headdim) is None]
+
+
+__all__ = [
+    "AttentionBackend", "BACKEND_NAMES", "ExtensionBackend", "FlashAttnBackend",
+    "ReferenceBackend", "SdpaBackend", "accum_dtype", "available_backends", "check_qkv",
+    "default_scale", "extension_available", "extension_has_cuda", "flash_attn_module",
+    "get_backend",
+]

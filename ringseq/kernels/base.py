@@ -1,0 +1,107 @@
+"""The contract every attention backend implements, and the edge cases they share."""
+from __future__ import annotations
+
+import torch
+
+from .checks import accum_dtype, check_qkv, default_scale, no_key_rows
+
+
+class AttentionBackend:
+    """Block attention with log-sum-exp: ``(out, lse)`` forward, ``(dq, dk, dv)`` backward.
+
+    Shapes (flash-attn conventions): q (b, s_q, h, d); k, v (b, s_k, h_kv, d) with
+    ``h % h_kv == 0``; out like q in q's dtype; lse (b, h, s_q) float32 (float64 for float64
+    inputs), natural log. Causal masking is bottom-right aligned (key j visible to query i iff
+    ``j <= i + s_k - s_q``); a row that sees no key has ``out = 0`` and ``lse = -inf``.
+
+    The backward accepts the *global* ``out``/``lse`` of a ring (merged over blocks): then the
+    per-block gradients add up to the full ones. ``delta`` = rowsum(dout * out), (b, h, s_q) in
+    the accumulation dtype, may be passed precomputed.
+
+    Subclasses implement ``_fwd`` and ``_bwd`` for non-empty inputs; this class validates,
+    handles empty tensors and provides ``bwd_accum``.
+    """
+
+    name = "base"
+    #: honours a caller's ``delta`` (needed for gradients flowing into ``lse``)
+    supports_delta = True
+    #: ``bwd`` may be given the merged out/lse of a ring instead of this call's own
+    supports_global_backward = True
+
+    def accum_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return accum_dtype(dtype)
+
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype, headdim: int) -> str | None:
+        """Why this backend cannot run such inputs, or None when it can."""
+        return None
+
+    def _check(self, q, k, v):
+        check_qkv(q, k, v)
+        reason = self.unsupported_reason(q.device, q.dtype, q.shape[-1])
+        if reason is not None:
+            raise ValueError(f"backend {self.name!r} cannot run these inputs: {reason}")
+
+    def fwd(self, q, k, v, softmax_scale=None, causal=False):
+        """Returns ``(out, lse)``; raises ValueError on inputs that do not fit (see checks.py)."""
+        self._check(q, k, v)
+        scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        b, s_q, h, _ = q.shape
+        s_k = k.shape[1]
+        if q.numel() == 0 or s_k == 0:
+            out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+            lse = torch.full((b, h, s_q), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
+            return out, lse
+        return self._fwd(q, k, v, scale, bool(causal))
+
+    def bwd(self, dout, q, k, v, out, lse, softmax_scale=None, causal=False, delta=None):
+        """Returns ``(dq, dk, dv)`` in the input dtype."""
+        self._check(q, k, v)
+        if delta is not None and not self.supports_delta:
+            raise ValueError(f"backend {self.name!r} computes delta from dout and out itself and "
+                             f"cannot take a precomputed one; use backend='ringseq' or 'reference'")
+        scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        if q.numel() == 0 or k.shape[1] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return self._bwd(dout, q, k, v, out, lse, scale, bool(causal), delta)
+
+    def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum, dk_accum,
+                  dv_accum) -> None:
+        """Adds this block's gradients into accumulation-dtype buffers (views allowed)."""
+        dq, dk, dv = self.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
+                              delta if self.supports_delta else None)
+        dq_accum.add_(dq)
+        dk_accum.add_(dk)
+        dv_accum.add_(dv)
+
+    def _fwd(self, q, k, v, scale, causal):
+        raise NotImplementedError
+
+    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<attention backend {self.name!r}>"
+
+
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows that see no key) replaced by 0 so that exp(s - lse) stays 0, not NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def expand_kv(t: torch.Tensor, nheads: int) -> torch.Tensor:
+    """(b, s, h_kv, d) -> (b, s, h, d) with query head i reading kv head i // (h / h_kv)."""
+    b, s, h_kv, d = t.shape
+    if h_kv == nheads:
+        return t
+    return t[:, :, :, None, :].expand(b, s, h_kv, nheads // h_kv, d).reshape(b, s, nheads, d)
+
+
+def reduce_kv(t: torch.Tensor, nheads_kv: int) -> torch.Tensor:
+    """Inverse of expand_kv for gradients: sums the query heads that share a kv head."""
+    b, s, h, d = t.shape
+    if h == nheads_kv:
+        return t
+    return t.view(b, s, nheads_kv, h // nheads_kv, d).sum(3)
+
+
+__all__ = ["AttentionBackend", "finite_lse", "expand_kv", "reduce_kv", "no_key_rows"]

@@ -1,0 +1,75 @@
+"""Input checks shared by every attention backend.
+
+The extension repeats the same checks in C++ (csrc/ops.cpp) for direct ``torch.ops`` callers;
+these give the same errors for the Python backends and before any work starts.
+"""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of lse, delta and gradient accumulators: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def default_scale(headdim: int) -> float:
+    return headdim ** -0.5
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raises ValueError when q (b, s_q, h, d), k, v (b, s_k, h_kv, d) do not fit together."""
+    for name, t, layout in (("q", q, "(batch, seqlen_q, nheads, headdim)"),
+                            ("k", k, "(batch, seqlen_k, nheads_kv, headdim)"),
+                            ("v", v, "(batch, seqlen_k, nheads_kv, headdim)")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-dim tensor {layout}, got {t.dim()} dims with "
+                             f"shape {tuple(t.shape)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on the same device, got q on {q.device}, "
+                         f"k on {k.device}, v on {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, "
+                         f"v {v.dtype}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q, k and v must be float32, float64, bfloat16 or float16, got {q.dtype}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"q, k and v must have the same batch size, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.shape[3] == k.shape[3] == v.shape[3]):
+        raise ValueError(f"q, k and v must have the same head dim (last dimension), got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"nheads of q must be divisible by nheads_kv of k and v, got "
+                         f"nheads={q.shape[2]} and nheads_kv={k.shape[2]}")
+    if q.shape[3] == 0:
+        raise ValueError(f"headdim must be positive, got q {tuple(q.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head) dimension, got strides "
+                             f"{tuple(t.stride())}; call .contiguous() on it, only the last "
+                             f"dimension needs to be contiguous")
+
+
+def no_key_rows(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """Number of leading query rows that see no key (bottom-right causal alignment)."""
+    if seqlen_k == 0:
+        return seqlen_q
+    if not causal:
+        return 0
+    # row i sees key 0 iff 0 <= i + s_k - s_q
+    return max(0, min(seqlen_q, seqlen_q - seqlen_k))
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
+    """Boolean (s_q, s_k) mask, True where key j is visible to query i: j <= i + s_k - s_q."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)

@@ -1,0 +1,116 @@
+"""ringseq's own kernels (``torch.ops.ringseq.*``): loading, fake impls, autograd, backend.
+
+Operators (csrc/ops.cpp):
+  fwd(q, k, v, softmax_scale, causal, tile_config=0) -> (out, lse)
+  bwd(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0) -> (dq, dk, dv)
+  bwd_accum(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum!, dk_accum!,
+            dv_accum!, tile_config=0) -> ()
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionBackend
+from .checks import accum_dtype
+
+_IMPORT_ERROR: Exception | None = None
+try:
+    from .. import _C  # noqa: F401  (registers torch.ops.ringseq.*)
+except ImportError as exc:  # not built: the Python backends still work
+    _C = None
+    _IMPORT_ERROR = exc
+
+
+def extension_available() -> bool:
+    return _C is not None
+
+
+def extension_has_cuda() -> bool:
+    return _C is not None and bool(getattr(_C, "WITH_CUDA", False))
+
+
+def require_extension() -> None:
+    if _C is None:
+        raise RuntimeError(
+            "ringseq's C++ extension (ringseq._C) is not built, so backend 'ringseq' is "
+            "unavailable; install with `pip install --no-build-isolation -e .` from the checkout, "
+            f"or pick backend='sdpa' or 'reference' (import error: {_IMPORT_ERROR})")
+
+
+if _C is not None:
+
+    @torch.library.register_fake("ringseq::fwd")
+    def _fwd_fake(q, k, v, softmax_scale, causal, tile_config=0):
+        b, s_q, h, _ = q.shape
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
+        return out, lse
+
+    @torch.library.register_fake("ringseq::bwd")
+    def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0):
+        return (torch.empty_like(q, memory_format=torch.contiguous_format),
+                torch.empty_like(k, memory_format=torch.contiguous_format),
+                torch.empty_like(v, memory_format=torch.contiguous_format))
+
+    @torch.library.register_fake("ringseq::bwd_accum")
+    def _bwd_accum_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum,
+                        dk_accum, dv_accum, tile_config=0):
+        return None
+
+    def _fwd_setup_context(ctx, inputs, output):
+        q, k, v, softmax_scale, causal, *rest = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.tile_config = rest[0] if rest else 0
+
+    def _fwd_backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        acc = accum_dtype(q.dtype)
+        # d lse_i / d s_ij = p_ij, so a gradient on lse enters as dS = P (dP - (D - dlse)):
+        # folding it into delta keeps one kernel for both cases.
+        delta = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+        if grad_lse is not None:
+            delta = delta - grad_lse.to(acc)
+        dq, dk, dv = torch.ops.ringseq.bwd(grad_out, q, k, v, out, lse, ctx.softmax_scale,
+                                           ctx.causal, delta, ctx.tile_config)
+        return dq, dk, dv, None, None, None
+
+    torch.library.register_autograd("ringseq::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+class ExtensionBackend(AttentionBackend):
+    """The C++/CUDA kernels of this package (CPU: every float dtype; CUDA: see README)."""
+
+    name = "ringseq"
+
+    def __init__(self, tile_config: int = 0):
+        self.tile_config = int(tile_config)
+
+    def unsupported_reason(self, device, dtype, headdim):
+        if _C is None:
+            return f"ringseq._C is not built ({_IMPORT_ERROR})"
+        if device.type == "cuda":
+            if not extension_has_cuda():
+                return "ringseq was built without CUDA kernels"
+            if dtype not in (torch.float16, torch.bfloat16):
+                return f"the CUDA kernel supports float16 and bfloat16, got {dtype}"
+            if headdim not in (64, 128):
+                return f"the CUDA kernel supports head dims 64 and 128, got {headdim}"
+        elif device.type != "cpu":
+            return f"ringseq kernels run on CPU and CUDA tensors, got {device}"
+        return None
+
+    def _fwd(self, q, k, v, scale, causal):
+        return torch.ops.ringseq.fwd(q, k, v, scale, causal, self.tile_config)
+
+    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
+        return torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, delta, self.tile_config)
+
+    def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum, dk_accum,
+                  dv_accum) -> None:
+        self._check(q, k, v)
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, bool(causal), delta, dq_accum,
+                                    dk_accum, dv_accum, self.tile_config)

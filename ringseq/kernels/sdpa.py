@@ -1,0 +1,105 @@
+"""torch's own fused attention ops that return the log-sum-exp (a peer, and a fallback).
+
+CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward.
+CUDA: ``aten._scaled_dot_product_flash_attention`` (fp16/bf16, causal only with s_q == s_k),
+otherwise ``aten._scaled_dot_product_efficient_attention`` with a bottom-right mask as bias.
+These ops compute delta from ``dout`` and ``out`` themselves, which is exact when ``out`` is the
+(global) output the ``lse`` belongs to, but they cannot take a different delta.
+GQA is handled by expanding K/V heads here (torch's ops need equal head counts).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionBackend, expand_kv, finite_lse, reduce_kv
+from .checks import causal_mask, no_key_rows
+
+aten = torch.ops.aten
+
+
+def _bias(s_q, s_k, causal, dtype, device):
+    """Additive bottom-right causal bias (s_q, s_k), or None when is_causal/no mask does it."""
+    if not causal or s_q == s_k:
+        return None
+    bias = torch.zeros(s_q, s_k, dtype=dtype, device=device)
+    return bias.masked_fill_(~causal_mask(s_q, s_k, device), float("-inf"))
+
+
+def _zero_unseen_rows(out_bhsd, lse, s_q, s_k, causal):
+    """torch's ops give lse = 0 (or NaN) for rows that see no key; the contract says -inf, out 0."""
+    n = no_key_rows(s_q, s_k, causal)
+    if n:
+        lse[..., :n] = float("-inf")
+        out_bhsd[:, :, :n] = 0
+    return out_bhsd, lse
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+    supports_delta = False
+
+    def unsupported_reason(self, device, dtype, headdim):
+        if device.type not in ("cpu", "cuda"):
+            return f"it runs on CPU and CUDA tensors, got {device}"
+        return None
+
+    def _use_flash_cuda(self, q, causal):
+        return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+                and q.shape[-1] % 8 == 0)
+
+    def _fwd(self, q, k, v, scale, causal):
+        b, s_q, h, d = q.shape
+        s_k = k.shape[1]
+        qt = q.transpose(1, 2)  # (b, h, s_q, d)
+        kt = expand_kv(k, h).transpose(1, 2)  # (b, h, s_k, d)
+        vt = expand_kv(v, h).transpose(1, 2)
+        bias = _bias(s_q, s_k, causal, q.dtype, q.device)
+        is_causal = causal and bias is None
+        if q.device.type == "cpu":
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                qt, kt, vt, 0.0, is_causal, attn_mask=bias, scale=scale)
+        elif bias is None and self._use_flash_cuda(q, causal):
+            out, lse = aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, is_causal, False,
+                                                                scale=scale)[:2]
+        else:
+            if bias is not None:
+                bias = bias.expand(b, h, s_q, s_k)
+            out, lse = aten._scaled_dot_product_efficient_attention(
+                qt, kt, vt, bias, True, 0.0, is_causal, scale=scale)[:2]
+            lse = lse[..., :s_q]  # the CUDA kernel pads lse to a multiple of 32 rows
+        lse = lse.to(self.accum_dtype(q.dtype)).contiguous()
+        out, lse = _zero_unseen_rows(out, lse, s_q, s_k, causal)
+        return out.transpose(1, 2), lse  # (b, s_q, h, d), (b, h, s_q)
+
+    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
+        b, s_q, h, d = q.shape
+        s_k, h_kv = k.shape[1], k.shape[2]
+        qt = q.transpose(1, 2)
+        kt = expand_kv(k, h).transpose(1, 2)
+        vt = expand_kv(v, h).transpose(1, 2)
+        ot = out.transpose(1, 2)
+        dot = dout.transpose(1, 2)
+        lse = finite_lse(lse).float() if q.dtype != torch.float64 else finite_lse(lse)
+        bias = _bias(s_q, s_k, causal, q.dtype, q.device)
+        is_causal = causal and bias is None
+        if q.device.type == "cpu":
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dot, qt, kt, vt, ot, lse, 0.0, is_causal, attn_mask=bias, scale=scale)
+        elif bias is None and self._use_flash_cuda(q, causal):
+            empty = torch.empty(0, dtype=torch.int64, device=q.device)
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                dot.contiguous(), qt, kt, vt, ot, lse.contiguous(), empty, empty, s_q, s_k, 0.0,
+                is_causal, empty, empty, scale=scale)
+        else:
+            if bias is not None:
+                bias = bias.expand(b, h, s_q, s_k)
+            padded = F.pad(lse, (0, (-s_q) % 32)).contiguous()
+            empty = torch.empty(0, dtype=torch.int64, device=q.device)
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                dot, qt, kt, vt, bias, ot, padded, empty, empty, 0.0,
+                [True, True, True, False], is_causal, scale=scale)
+        dq = dq.transpose(1, 2)
+        dk = reduce_kv(dk.transpose(1, 2), h_kv)
+        dv = reduce_kv(dv.transpose(1, 2), h_kv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -39,6 +39,15 @@ RS_HD constexpr int swz_offset(int row, int col, int row_elems) {
   return row * row_elems + swz_chunk(row, col / kChunkElems) * kChunkElems + (col % kChunkElems);
 }
 
+// Offset of (row + row_delta, col + col_delta) from the offset of (row, col), without
+// recomputing the swizzle: valid when row_delta % 8 == 0 (same row & 7) and the chunk bits of
+// col and col_delta do not overlap (then + and ^ agree on the chunk index). Unrolled loops
+// use it so that every shared address is one register XOR/ADD away from a per-lane base
+// (compile-time deltas), instead of a hoisted register per address.
+RS_HD constexpr int swz_advance(int offset, int row_delta, int col_delta, int row_elems) {
+  return (offset ^ col_delta) + row_delta * row_elems;
+}
+
 // ---------------------------------------------------------------------------------------
 // mma.sync.aligned.m16n8k16.row.col fragments. lane in [0, 32); `i` indexes the 16-bit
 // halves of A (0..7) and B (0..3) or the float registers of C/D (0..3).
@@ -102,7 +111,7 @@ RS_HD constexpr int fwd_block_m(int headdim, int config) {
   return (void)headdim, config == 0 ? 128 : 64;
 }
 RS_HD constexpr int fwd_block_n(int headdim, int config) {
-  return (void)headdim, (void)config, 64;
+  return headdim >= 128 && config == 0 ? 32 : 64;
 }
 // Bytes of dynamic shared memory: Q tile plus one K and one V tile (16-bit elements).
 RS_HD constexpr int fwd_smem_bytes(int headdim, int config) {
@@ -181,6 +190,22 @@ RS_HD constexpr int bwd_first_q_block(int n_block, int block_m, int block_n, int
 // rows out of dK/dV).
 RS_HD constexpr bool rows_ragged(int m_block, int block_m, int seqlen_q) {
   return (m_block + 1) * block_m > seqlen_q;
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward section (flash_bwd_kernel.cuh; tested in tests/test_index_math_bwd.py).
+// ---------------------------------------------------------------------------------------
+
+// Moving an ldmatrix lane address by k16 steps of 16 columns, or by a multiple of 8 rows,
+// without recomputing the swizzle: for row_elems a power of two >= 64, row0 % 8 == 0,
+// col < 16 and col + 16 * k16 < row_elems,
+//   swz_offset(row0 + r, col + 16 * k16, row_elems)
+//     == row0 * row_elems + (swz_offset(r, col, row_elems) ^ (16 * k16)).
+// The 16-column step only flips chunk bits above the one `col` sets, and the swizzle only
+// depends on row & 7. One XOR with an immediate instead of a per-step address register keeps
+// the backward's d=128 tiles within 255 registers.
+RS_HD constexpr int swz_step(int lane_offset, int row0, int k16, int row_elems) {
+  return row0 * row_elems + (lane_offset ^ (16 * k16));
 }
 
 }  // namespace km

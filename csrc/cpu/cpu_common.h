@@ -90,7 +90,7 @@ struct Scratch {
 
 // Tile sizes: query rows per tile and keys per tile. Keys per tile shrink with the head dim so
 // that a packed K (or V) tile stays around 128 KiB and the working set fits in L2.
-constexpr int64_t kBlockM = 64;
+constexpr int64_t kBlockM = 128;
 inline int64_t block_n(int64_t d) {
   int64_t bn = 256;
   while (bn > 32 && bn * d > 32768) bn /= 2;

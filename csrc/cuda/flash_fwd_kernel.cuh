@@ -119,6 +119,11 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
   const uint32_t sK_addr = prim::smem_addr(sK);
   const uint32_t sV_addr = prim::smem_addr(sV);
   const int warp_row0 = warp * 16 * kMTiles;  // first tile row of this warp
+  // Per-lane element offsets of the first ldmatrix of each operand; the others are
+  // km::swz_advance steps (multiples of 16 rows / 16 columns) from these.
+  const int q_off = km::swz_offset(warp_row0 + km::ldsm_a_row(lane), km::ldsm_a_col(lane), kHeadDim);
+  const int k_off = km::swz_offset(km::ldsm_b_row(lane), km::ldsm_b_col(lane), kHeadDim);
+  const int v_off = km::swz_offset(km::ldsm_a_row(lane), km::ldsm_a_col(lane), kHeadDim);
 
   float acc_o[kMTiles][T::kDTiles][4];
   float row_max[kMTiles][2];
@@ -147,9 +152,7 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int kk = 0; kk < T::kQkSteps; ++kk) {
-        prim::ldmatrix_x4(q_frag[mt][kk],
-                          sQ_addr + 2u * km::swz_offset(warp_row0 + mt * 16 + km::ldsm_a_row(lane),
-                                                        kk * 16 + km::ldsm_a_col(lane), kHeadDim));
+        prim::ldmatrix_x4(q_frag[mt][kk], sQ_addr + 2u * km::swz_advance(q_off, mt * 16, kk * 16, kHeadDim));
       }
     }
   }
@@ -178,15 +181,13 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
 #pragma unroll
           for (int r = 0; r < 4; ++r) qa[mt][r] = q_frag[mt][kk][r];
         } else {
-          prim::ldmatrix_x4(qa[mt], sQ_addr + 2u * km::swz_offset(warp_row0 + mt * 16 + km::ldsm_a_row(lane),
-                                                                  kk * 16 + km::ldsm_a_col(lane), kHeadDim));
+          prim::ldmatrix_x4(qa[mt], sQ_addr + 2u * km::swz_advance(q_off, mt * 16, kk * 16, kHeadDim));
         }
       }
 #pragma unroll
       for (int np = 0; np < T::kNTiles / 2; ++np) {
         uint32_t kb[4];
-        prim::ldmatrix_x4(kb, sK_addr + 2u * km::swz_offset(np * 16 + km::ldsm_b_row(lane),
-                                                            kk * 16 + km::ldsm_b_col(lane), kHeadDim));
+        prim::ldmatrix_x4(kb, sK_addr + 2u * km::swz_advance(k_off, np * 16, kk * 16, kHeadDim));
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           prim::mma_16816<Element>(s[mt][2 * np], qa[mt], kb[0], kb[1]);
@@ -244,6 +245,23 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
       }
     }
 
+    // P leaves the float accumulators right away: the C fragments of n-tiles (2kk, 2kk+1)
+    // are the A fragment of k-step kk, and packed P needs half the registers of S while the
+    // next K copy is issued and P V runs.
+    uint32_t p_frag[kMTiles][T::kPvSteps][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int kk = 0; kk < T::kPvSteps; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int tile = 2 * kk + km::c_to_a_tile(2 * j);
+          p_frag[mt][kk][j] = prim::pack2<Element>(s[mt][tile][km::c_to_a_reg(2 * j)],
+                                                   s[mt][tile][km::c_to_a_reg(2 * j + 1)]);
+        }
+      }
+    }
+
     // V_n resident; every warp is done reading K_n: fetch K_{n-1} behind P V.
     prim::cp_async_wait<0>();
     __syncthreads();
@@ -256,25 +274,14 @@ __global__ void __launch_bounds__(T::kThreads) flash_fwd_kernel(const FwdParams 
 
 #pragma unroll
     for (int kk = 0; kk < T::kPvSteps; ++kk) {
-      uint32_t pa[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int tile = 2 * kk + km::c_to_a_tile(2 * j);
-          pa[mt][j] = prim::pack2<Element>(s[mt][tile][km::c_to_a_reg(2 * j)],
-                                           s[mt][tile][km::c_to_a_reg(2 * j + 1)]);
-        }
-      }
 #pragma unroll
       for (int dp = 0; dp < T::kDTiles / 2; ++dp) {
         uint32_t vb[4];
-        prim::ldmatrix_x4_trans(vb, sV_addr + 2u * km::swz_offset(kk * 16 + km::ldsm_a_row(lane),
-                                                                  dp * 16 + km::ldsm_a_col(lane), kHeadDim));
+        prim::ldmatrix_x4_trans(vb, sV_addr + 2u * km::swz_advance(v_off, kk * 16, dp * 16, kHeadDim));
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          prim::mma_16816<Element>(acc_o[mt][2 * dp], pa[mt], vb[0], vb[1]);
-          prim::mma_16816<Element>(acc_o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+          prim::mma_16816<Element>(acc_o[mt][2 * dp], p_frag[mt][kk], vb[0], vb[1]);
+          prim::mma_16816<Element>(acc_o[mt][2 * dp + 1], p_frag[mt][kk], vb[2], vb[3]);
         }
       }
     }

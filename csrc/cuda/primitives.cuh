@@ -35,13 +35,13 @@ RS_DEV void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)
   static_assert(std::is_same<Element, __nv_bfloat16>::value || std::is_same<Element, __half>::value,
                 "mma_16816 supports __nv_bfloat16 and __half");
   if constexpr (std::is_same<Element, __nv_bfloat16>::value) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   } else {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -164,13 +164,17 @@ RS_DEV void copy_tile_g2s_async(Element* smem, const Element* gmem, int64_t row_
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   const int chunk = tid % kChunksPerRow;
   const int row0 = tid / kChunksPerRow;
-  const uint32_t s_base = smem_addr(smem);
+  // Walk the source with one running pointer: precomputed per-row 64-bit offsets would be
+  // hoisted out of the kv loop and occupy registers the accumulators need.
+  const uint32_t s_base = smem_addr(smem) + 2u * km::swz_offset(row0, chunk * km::kChunkElems, kCols);
+  const Element* src = gmem + row0 * row_stride + chunk * km::kChunkElems;
+  const int64_t pass_stride = kRowsPerPass * row_stride;
 #pragma unroll
   for (int it = 0; it < kChunks / kThreads; ++it) {
-    const int row = row0 + it * kRowsPerPass;
-    const bool valid = row < rows_valid;
-    const Element* src = valid ? gmem + row * row_stride + chunk * km::kChunkElems : gmem;
-    cp_async_16(s_base + 2u * km::swz_offset(row, chunk * km::kChunkElems, kCols), src, valid);
+    const bool valid = row0 + it * kRowsPerPass < rows_valid;
+    static_assert(kRowsPerPass % 8 == 0, "row steps must keep row & 7 (the swizzle phase)");
+    cp_async_16(s_base + 2u * (it * kRowsPerPass * kCols), valid ? src : gmem, valid);
+    src += pass_stride;
   }
 }
 

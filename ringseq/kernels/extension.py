@@ -68,6 +68,7 @@ if _C is not None:
     def _fwd_backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         acc = accum_dtype(q.dtype)
+        grad_out = grad_out.contiguous()  # autograd may hand in expanded (stride-0) gradients
         # d lse_i / d s_ij = p_ij, so a gradient on lse enters as dS = P (dP - (D - dlse)):
         # folding it into delta keeps one kernel for both cases.
         delta = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()

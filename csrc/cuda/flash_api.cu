@@ -1,0 +1,116 @@
+// Dispatch of the CUDA kernels on (dtype, head dim) and the checks only the kernel side can
+// make (16-byte alignment for cp.async / vector stores, launch limits). Torch-free.
+#include "flash_api.h"
+
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "launch.h"
+
+namespace ringseq {
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("ringseq CUDA error in ") + what + ": " +
+                             cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+  }
+}
+
+bool cuda_supports(DType dtype, int64_t headdim) {
+  return (dtype == DType::kBFloat16 || dtype == DType::kFloat16) && (headdim == 64 || headdim == 128);
+}
+
+namespace {
+
+[[noreturn]] void invalid(const std::string& msg) {
+  throw std::invalid_argument("ringseq CUDA kernel: " + msg);
+}
+
+// Tiles move through 16-byte cp.async copies and vector stores: every row must start on a
+// 16-byte boundary, i.e. 8-element aligned base pointers and strides.
+void check_rows_aligned(const void* ptr, const RowStrides& s, const char* name) {
+  if (ptr == nullptr) invalid(std::string(name) + " is a null pointer");
+  const bool ok = reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && s.batch % 8 == 0 && s.row % 8 == 0 &&
+                  s.head % 8 == 0;
+  if (!ok) {
+    invalid(std::string(name) + " must be 16-byte aligned with batch/seq/head strides that are "
+            "multiples of 8 elements, got strides (" + std::to_string(s.batch) + ", " +
+            std::to_string(s.row) + ", " + std::to_string(s.head) +
+            ", 1); pass a .contiguous() copy or use backend=\"sdpa\"");
+  }
+}
+
+void check_shape(const AttnShape& sh, DType dtype, int config) {
+  if (!cuda_supports(dtype, sh.headdim)) {
+    invalid("supports bfloat16/float16 inputs with head dim 64 or 128, got head dim " +
+            std::to_string(sh.headdim) + "; use backend=\"sdpa\" for other inputs");
+  }
+  if (config < 0 || config > 1) {
+    invalid("tile_config must be 0 (fast) or 1 (conservative), got " + std::to_string(config));
+  }
+  if (!(sh.softmax_scale > 0.0)) {
+    // The online softmax takes row maxima of unscaled scores, which needs a positive scale.
+    invalid("softmax_scale must be positive on CUDA, got " + std::to_string(sh.softmax_scale));
+  }
+  constexpr int64_t kMaxSeq = std::numeric_limits<int32_t>::max() / 2;
+  if (sh.seqlen_q > kMaxSeq || sh.seqlen_k > kMaxSeq) {
+    invalid("sequence lengths must be below 2^30, got seqlen_q=" + std::to_string(sh.seqlen_q) +
+            ", seqlen_k=" + std::to_string(sh.seqlen_k));
+  }
+  if (sh.nheads > 65535 || sh.batch > 65535) {
+    invalid("batch and nheads must be at most 65535 (grid limits), got batch=" +
+            std::to_string(sh.batch) + ", nheads=" + std::to_string(sh.nheads));
+  }
+  if (sh.nheads_kv <= 0 || sh.nheads % sh.nheads_kv != 0) {
+    invalid("nheads must be a multiple of nheads_kv");
+  }
+}
+
+template <typename Fn>
+void dispatch(DType dtype, int64_t headdim, Fn&& fn) {
+  if (dtype == DType::kBFloat16) {
+    if (headdim == 64) return fn(std::integral_constant<int, 64>{}, __nv_bfloat16{});
+    return fn(std::integral_constant<int, 128>{}, __nv_bfloat16{});
+  }
+  if (headdim == 64) return fn(std::integral_constant<int, 64>{}, __half{});
+  return fn(std::integral_constant<int, 128>{}, __half{});
+}
+
+}  // namespace
+
+void flash_fwd_cuda(const FwdParams& p, cudaStream_t stream) {
+  check_shape(p.shape, p.dtype, p.config);
+  if (p.shape.batch == 0 || p.shape.seqlen_q == 0 || p.shape.nheads == 0) return;
+  check_rows_aligned(p.q, p.q_strides, "q");
+  check_rows_aligned(p.k, p.k_strides, "k");
+  check_rows_aligned(p.v, p.v_strides, "v");
+  check_rows_aligned(p.out, p.out_strides, "out");
+  if (p.lse == nullptr) invalid("lse is a null pointer");
+  dispatch(p.dtype, p.shape.headdim, [&](auto hd, auto elem) {
+    run_flash_fwd<decltype(hd)::value, decltype(elem)>(p, stream);
+  });
+}
+
+void flash_bwd_cuda(const BwdParams& p, cudaStream_t stream) {
+  check_shape(p.shape, p.dtype, p.config);
+  if (p.shape.batch == 0 || p.shape.seqlen_q == 0 || p.shape.seqlen_k == 0 || p.shape.nheads == 0) {
+    return;
+  }
+  check_rows_aligned(p.dout, p.dout_strides, "dout");
+  check_rows_aligned(p.q, p.q_strides, "q");
+  check_rows_aligned(p.k, p.k_strides, "k");
+  check_rows_aligned(p.v, p.v_strides, "v");
+  check_rows_aligned(p.out, p.out_strides, "out");
+  check_rows_aligned(p.dq, p.dq_strides, p.accumulate ? "dq_accum" : "dq");
+  check_rows_aligned(p.dk, p.dk_strides, p.accumulate ? "dk_accum" : "dk");
+  check_rows_aligned(p.dv, p.dv_strides, p.accumulate ? "dv_accum" : "dv");
+  if (p.lse == nullptr || p.delta == nullptr) invalid("lse and delta must be given");
+  dispatch(p.dtype, p.shape.headdim, [&](auto hd, auto elem) {
+    run_flash_bwd<decltype(hd)::value, decltype(elem)>(p, stream);
+  });
+}
+
+}  // namespace ringseq

@@ -1,0 +1,325 @@
+"""How a global sequence is split over the ranks of a ring, as data.
+
+A layout answers two questions and nothing else:
+
+* which global token positions rank ``r`` of ``W`` holds, in local order (``positions``), and
+* for ring step ``i`` -- when rank ``r`` holds the K/V shard of rank ``src = (r - i) mod W`` --
+  which block tasks ``(q rows, kv rows, causal)`` of local-shard rows must be computed
+  (``tasks``). An empty list means the step has nothing to compute.
+
+The ring engine in :mod:`ringseq.ring` executes any such schedule with one forward and one
+backward loop, so a new layout is a new subclass of :class:`Layout`, never a new loop.
+
+Built-in layouts (``W`` = world size, ``s`` = global sequence length):
+
+``contiguous``  rank ``r`` holds tokens ``[r*s/W, (r+1)*s/W)``. Causal work is unbalanced
+                (rank ``W-1`` does ``W`` blocks, rank 0 one). Needs ``s % W == 0``.
+``zigzag``      the sequence is cut into ``2W`` chunks; rank ``r`` holds chunks ``r`` and
+                ``2W-1-r``, which balances causal work. Needs ``s % (2W) == 0``.
+``stripe``      token ``t`` lives on rank ``t mod W`` (striped attention); causal work is
+                balanced to within one diagonal. Needs ``s % W == 0``.
+
+Full (non-causal) attention is permutation invariant, so every layout is valid for it: each
+step is one non-causal task over all local rows. ``contiguous`` is the natural choice there
+(zigzag and stripe only pay off for causal masks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Union
+
+import torch
+
+__all__ = [
+    "BlockTask", "Layout", "Contiguous", "Zigzag", "Stripe", "get_layout", "register_layout",
+    "LAYOUTS", "shard", "unshard", "positions", "shard_local", "positions_local",
+]
+
+
+@dataclass(frozen=True)
+class BlockTask:
+    """One attention block: local query rows ``q`` against rows ``kv`` of the K/V shard held.
+
+    ``causal`` uses the kernel's bottom-right alignment: key ``j`` is visible to query ``i``
+    iff ``j <= i + len(kv) - len(q)``.
+    """
+    q: slice
+    kv: slice
+    causal: bool
+
+
+class Layout:
+    """Base class. Subclasses define ``name``, ``multiple``, ``_positions`` and ``_tasks``."""
+
+    name: str = "?"
+
+    def multiple(self, world_size: int) -> int:
+        """The global sequence length must be a multiple of this."""
+        return world_size
+
+    def check_seqlen(self, seqlen: int, world_size: int) -> int:
+        """Returns the local length; raises ValueError if ``seqlen`` cannot be split."""
+        m = self.multiple(world_size)
+        if seqlen <= 0 or seqlen % m != 0:
+            raise ValueError(
+                f"layout {self.name!r} with world size {world_size} needs a sequence length that "
+                f"is a positive multiple of {m}; got {seqlen} (pad it to "
+                f"{max(m, -(-seqlen // m) * m)})")
+        return seqlen // world_size
+
+    def check_local_seqlen(self, s_local: int, world_size: int) -> None:
+        """Checks a local shard length (what one rank can see before any communication)."""
+        m = self.multiple(world_size) // world_size
+        if s_local <= 0 or s_local % m != 0:
+            raise ValueError(
+                f"layout {self.name!r} needs local shards whose length is a positive multiple of "
+                f"{m} (global length a multiple of {m * world_size}); got a local length of "
+                f"{s_local}")
+
+    def positions(self, seqlen: int, world_size: int, rank: int) -> torch.Tensor:
+        """Global position ids (int64, shape ``(seqlen // world_size,)``) of rank's tokens."""
+        self.check_seqlen(seqlen, world_size)
+        _check_rank(rank, world_size)
+        return self._positions(seqlen, world_size, rank)
+
+    def tasks(self, rank: int, src: int, world_size: int, s_local: int,
+              causal: bool) -> List[BlockTask]:
+        """Block tasks for ``rank`` holding the K/V shard of rank ``src``."""
+        if not causal:
+            # Full attention is permutation invariant: every pair is visible.
+            return [BlockTask(slice(0, s_local), slice(0, s_local), False)]
+        return self._tasks(rank, src, world_size, s_local)
+
+    def schedule(self, rank: int, world_size: int, s_local: int,
+                 causal: bool) -> List[List[BlockTask]]:
+        """Tasks of every ring step ``i`` (K/V of rank ``(rank - i) % world_size``)."""
+        return [self.tasks(rank, (rank - i) % world_size, world_size, s_local, causal)
+                for i in range(world_size)]
+
+    def _positions(self, seqlen, world_size, rank):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _tasks(self, rank, src, world_size, s_local):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"Layout({self.name!r})"
+
+
+class Contiguous(Layout):
+    name = "contiguous"
+
+    def _positions(self, seqlen, world_size, rank):
+        n = seqlen // world_size
+        return torch.arange(rank * n, (rank + 1) * n)
+
+    def _tasks(self, rank, src, world_size, s_local):
+        if src == rank:
+            return [BlockTask(slice(0, s_local), slice(0, s_local), True)]
+        if src < rank:  # an earlier chunk: fully visible
+            return [BlockTask(slice(0, s_local), slice(0, s_local), False)]
+        return []  # a later chunk: masked out entirely
+
+
+class Zigzag(Layout):
+    name = "zigzag"
+
+    def multiple(self, world_size):
+        return 2 * world_size
+
+    def _positions(self, seqlen, world_size, rank):
+        c = seqlen // (2 * world_size)
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                          torch.arange((2 * world_size - 1 - rank) * c,
+                                       (2 * world_size - rank) * c)])
+
+    def _tasks(self, rank, src, world_size, s_local):
+        half = s_local // 2
+        if src == rank:
+            # Local order is increasing in global position on both sides, so the plain causal
+            # mask over the concatenated chunks is exact.
+            return [BlockTask(slice(0, s_local), slice(0, s_local), True)]
+        if src < rank:
+            # kv chunk src precedes both q chunks; kv chunk 2W-1-src follows both.
+            return [BlockTask(slice(0, s_local), slice(0, half), False)]
+        # src > rank: both kv chunks lie between q chunk `rank` and q chunk 2W-1-rank.
+        return [BlockTask(slice(half, s_local), slice(0, s_local), False)]
+
+
+class Stripe(Layout):
+    name = "stripe"
+
+    def _positions(self, seqlen, world_size, rank):
+        return torch.arange(rank, seqlen, world_size)
+
+    def _tasks(self, rank, src, world_size, s_local):
+        # Local row a is global token rank + W*a; kv row b is src + W*b.
+        if src <= rank:  # visible iff b <= a
+            return [BlockTask(slice(0, s_local), slice(0, s_local), True)]
+        # src > rank: visible iff b <= a - 1. With kv rows [0, s_local - 1) the bottom-right
+        # aligned mask is exactly that (query row 0 sees nothing: lse -inf, out 0).
+        if s_local == 1:
+            return []
+        return [BlockTask(slice(0, s_local), slice(0, s_local - 1), True)]
+
+
+LAYOUTS: Dict[str, Layout] = {}
+
+
+def register_layout(layout: Layout) -> Layout:
+    """Makes a layout available by name to every function taking ``layout=``."""
+    LAYOUTS[layout.name] = layout
+    return layout
+
+
+for _l in (Contiguous(), Zigzag(), Stripe()):
+    register_layout(_l)
+
+
+def get_layout(layout: Union[str, Layout]) -> Layout:
+    """Returns a :class:`Layout` for a name or passes a Layout through; ValueError otherwise."""
+    if isinstance(layout, Layout):
+        return layout
+    if isinstance(layout, str) and layout in LAYOUTS:
+        return LAYOUTS[layout]
+    raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)} or a "
+                     f"ringseq.layouts.Layout instance")
+
+
+def _check_rank(rank, world_size):
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of size {world_size}")
+
+
+def _group_info(group) -> tuple:
+    """(world_size, rank) of ``group``; (1, 0) without an initialized process group."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was passed but torch.distributed is not initialized")
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def positions_local(seqlen: int, layout, world_size: int, rank: int,
+                    device=None) -> torch.Tensor:
+    """Like :func:`positions` for an explicit ``(world_size, rank)`` (no process group)."""
+    return get_layout(layout).positions(seqlen, world_size, rank).to(device)
+
+
+def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Like :func:`shard` for an explicit ``(world_size, rank)`` (no process group)."""
+    lay = get_layout(layout)
+    dim = dim % x.dim()
+    seqlen = x.shape[dim]
+    lay.check_seqlen(seqlen, world_size)
+    _check_rank(rank, world_size)
+    if world_size == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    if isinstance(lay, Contiguous):
+        n = seqlen // world_size
+        return x.narrow(dim, rank * n, n).contiguous()
+    if isinstance(lay, Zigzag):
+        c = seqlen // (2 * world_size)
+        return torch.cat([x.narrow(dim, rank * c, c),
+                          x.narrow(dim, (2 * world_size - 1 - rank) * c, c)], dim=dim)
+    idx = lay.positions(seqlen, world_size, rank).to(x.device)
+    return x.index_select(dim, idx)
+
+
+def shard(x: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> torch.Tensor:
+    """This rank's part of a full-sequence tensor ``x`` (same on every rank) along ``dim``.
+
+    Args:
+        x: any tensor whose ``dim`` is the global sequence (e.g. (b, s, h, d) tokens,
+            (b, s) position ids or labels).
+        layout: ``"contiguous"``, ``"zigzag"``, ``"stripe"`` or a :class:`Layout`.
+        group: process group (None: default group; world size 1 without one).
+        dim: the sequence dimension.
+
+    Returns a new contiguous tensor with ``x.shape[dim] // W`` rows along ``dim`` (autograd
+    flows back into ``x``). Raises ValueError, without communicating, when the length is not a
+    multiple of what the layout needs (``W``; ``2W`` for zigzag).
+    """
+    world_size, rank = _group_info(group)
+    return shard_local(x, layout, world_size, rank, dim)
+
+
+def positions(seqlen: int, layout="contiguous", group=None, device=None) -> torch.Tensor:
+    """Global position ids (int64, ``(seqlen // W,)``) of this rank's tokens under ``layout``.
+
+    Shard position ids with this (or ``shard(position_ids, layout)``) so rotary embeddings see
+    the true positions. Raises ValueError when ``seqlen`` cannot be split.
+    """
+    world_size, rank = _group_info(group)
+    return positions_local(seqlen, layout, world_size, rank, device)
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, lay, group, world_size, rank, dim):
+        import torch.distributed as dist
+        ctx.lay, ctx.group, ctx.world_size, ctx.rank, ctx.dim = lay, group, world_size, rank, dim
+        xc = x.contiguous()
+        parts = [torch.empty_like(xc) for _ in range(world_size)]
+        dist.all_gather(parts, xc, group=group)
+        seqlen = x.shape[dim] * world_size
+        shape = list(x.shape)
+        shape[dim] = seqlen
+        full = x.new_empty(shape)
+        for r, part in enumerate(parts):
+            _scatter_back(full, part, lay, world_size, r, dim)
+        return full
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        # Each rank's output depends on every rank's input: the gradient of a shard is the
+        # sum over ranks of their gradient for it (gloo has no reduce_scatter, so all_reduce).
+        g = grad.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return shard_local(g, ctx.lay, ctx.world_size, ctx.rank, ctx.dim), None, None, None, None, None
+
+
+def _scatter_back(full, part, lay, world_size, rank, dim):
+    seqlen = full.shape[dim]
+    if isinstance(lay, Contiguous):
+        n = seqlen // world_size
+        full.narrow(dim, rank * n, n).copy_(part)
+    elif isinstance(lay, Zigzag):
+        c = seqlen // (2 * world_size)
+        full.narrow(dim, rank * c, c).copy_(part.narrow(dim, 0, c))
+        full.narrow(dim, (2 * world_size - 1 - rank) * c, c).copy_(part.narrow(dim, c, c))
+    else:
+        idx = lay.positions(seqlen, world_size, rank).to(full.device)
+        full.index_copy_(dim, idx, part)
+
+
+def unshard_local(parts, layout, dim: int = 1) -> torch.Tensor:
+    """Reassembles the full tensor from every rank's shard (list in rank order), no comm."""
+    lay = get_layout(layout)
+    world_size = len(parts)
+    dim = dim % parts[0].dim()
+    shape = list(parts[0].shape)
+    shape[dim] *= world_size
+    full = parts[0].new_empty(shape)
+    for r, part in enumerate(parts):
+        _scatter_back(full, part, lay, world_size, r, dim)
+    return full
+
+
+def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`shard`: all-gathers the shards of ``group`` into the full tensor.
+
+    Every rank must pass a shard of the same shape. Differentiable: the gradient of the local
+    shard is the sum over ranks of each rank's gradient for that shard (so when every rank
+    computes the same loss on the result, scale it by 1/W). Without an initialized process
+    group (world size 1) it returns ``x_local`` unchanged.
+    """
+    lay = get_layout(layout)
+    world_size, rank = _group_info(group)
+    dim = dim % x_local.dim()
+    if world_size == 1:
+        return x_local
+    lay.check_local_seqlen(x_local.shape[dim], world_size)
+    return _Unshard.apply(x_local, lay, group, world_size, rank, dim)

@@ -1,0 +1,223 @@
+"""The ops layer: flash_attn_func, backends, input validation, torch.library integration."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ringseq
+from ringseq.kernels import extension_available, get_backend
+
+from utils import assert_close_per_design, default_floor, reference_grads
+
+needs_ext = pytest.mark.skipif(not extension_available(), reason="ringseq._C is not built")
+CPU_BACKENDS = ["ringseq", "sdpa", "reference"]
+
+
+def qkv(b=2, s_q=33, s_k=33, h=4, h_kv=2, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s_q, h, d, generator=g).to(dtype)
+    k = torch.randn(b, s_k, h_kv, d, generator=g).to(dtype)
+    v = torch.randn(b, s_k, h_kv, d, generator=g).to(dtype)
+    return q, k, v
+
+
+# ---------------------------------------------------------------- errors, one per mistake
+def _bad_inputs():
+    q, k, v = qkv()
+    yield "q dims", (q[0], k, v), "q must be a 4-dim tensor"
+    yield "k dims", (q, k[0], v), "k must be a 4-dim tensor"
+    yield "batch", (q, k[:1], v[:1]), "same batch size"
+    yield "head dim", (q, k[..., :8], v[..., :8]), "same head dim"
+    yield "dtype", (q, k.double(), v), "same dtype"
+    yield "k v shape", (q, k, v[:, :5]), "k and v must have the same shape"
+    yield "head divisibility", (q[:, :, :3], k, v), "divisible by nheads_kv"
+    yield "last dim contiguous", (q.transpose(1, 3).contiguous().transpose(1, 3), k, v),
+    yield "dtype support", (q.to(torch.int32), k.to(torch.int32), v.to(torch.int32)), "float32"
+
+
+BAD = list(_bad_inputs())
+BAD = [c if len(c) == 3 else (c[0], c[1], "contiguous in its last") for c in BAD]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_flash_attn_func_rejects_bad_input(case, backend):
+    if backend == "ringseq" and not extension_available():
+        pytest.skip("ringseq._C is not built")
+    _, args, message = case
+    with pytest.raises(ValueError, match=message):
+        ringseq.flash_attn_func(*args, backend=backend)
+
+
+@needs_ext
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_extension_op_rejects_bad_input(case):
+    _, args, message = case
+    if message == "float32":
+        message = "supports float32, float64, bfloat16 and float16"
+    with pytest.raises(ValueError, match=message):
+        torch.ops.ringseq.fwd(*args, 0.25, False)
+
+
+def test_device_mismatch_is_named():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="same device"):
+        ringseq.flash_attn_func(q, k.to("meta"), v.to("meta"))
+
+
+def test_unknown_backend_is_named():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ringseq.flash_attn_func(q, k, v, backend="xformers")
+
+
+def test_flash_attn_backend_refuses_cpu_tensors():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="flash_attn"):
+        ringseq.flash_attn_func(q, k, v, backend="flash_attn")
+
+
+@needs_ext
+def test_cuda_support_is_stated():
+    """On CUDA our kernel takes fp16/bf16 with head dim 64 or 128 (or was not built)."""
+    with pytest.raises(ValueError, match="float16 and bfloat16|without CUDA"):
+        get_backend("ringseq", "cuda", torch.float32, 64)
+    with pytest.raises(ValueError, match="head dims 64 and 128|without CUDA"):
+        get_backend("ringseq", "cuda", torch.bfloat16, 96)
+
+
+@needs_ext
+def test_backward_op_rejects_bad_statistics():
+    q, k, v = qkv()
+    out, lse = torch.ops.ringseq.fwd(q, k, v, 0.25, False)
+    dout = torch.randn_like(out)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        torch.ops.ringseq.bwd(dout, q, k, v, out, lse[:, :, :-1], 0.25, False)
+    with pytest.raises(ValueError, match="lse must be Float"):
+        torch.ops.ringseq.bwd(dout, q, k, v, out, lse.double(), 0.25, False)
+    with pytest.raises(ValueError, match="dout must have the shape of q"):
+        torch.ops.ringseq.bwd(dout[:, :-1], q, k, v, out, lse, 0.25, False)
+    acc = [torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="dq_accum must be Float"):
+        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, 0.25, False, None, *acc)
+
+
+# ---------------------------------------------------------------- backends agree with float64
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("s_q,s_k,causal", [(33, 33, True), (33, 33, False), (40, 17, True),
+                                            (17, 40, True), (17, 40, False)])
+def test_backends_match_reference(backend, s_q, s_k, causal):
+    if backend == "ringseq" and not extension_available():
+        pytest.skip("ringseq._C is not built")
+    q, k, v = qkv(s_q=s_q, s_k=s_k)
+    dout = torch.randn(q.shape)
+    ref = reference_grads(q, k, v, dout, causal=causal)
+    plain = reference_grads(q, k, v, dout, causal=causal, dtype=torch.float32)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringseq.flash_attn_func(qg, kg, vg, causal=causal, return_lse=True, backend=backend)
+    grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+    for name, got, r, p, factor in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref,
+                                       plain, (2, 2, 3, 3, 3)):
+        assert_close_per_design(got, r, p, f"{backend} {name}", factor, default_floor(torch.float32))
+
+
+@pytest.mark.parametrize("backend", ["ringseq", "reference"])
+def test_gradient_flows_through_lse(backend):
+    if backend == "ringseq" and not extension_available():
+        pytest.skip("ringseq._C is not built")
+    q, k, v = qkv(s_q=20, s_k=29, dtype=torch.float64)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringseq.flash_attn_func(qg, kg, vg, causal=True, return_lse=True, backend=backend)
+    w = torch.randn_like(lse.masked_fill(torch.isinf(lse), 0))
+    loss = out.square().sum() + (lse.masked_fill(torch.isinf(lse), 0) * w).sum()
+    got = torch.autograd.grad(loss, (qg, kg, vg))
+    from utils import attention_reference
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    o_r, l_r = attention_reference(qr, kr, vr, causal=True)
+    loss_r = o_r.square().sum() + (l_r.masked_fill(torch.isinf(l_r), 0) * w).sum()
+    want = torch.autograd.grad(loss_r, (qr, kr, vr))
+    for g, w_ in zip(got, want):
+        torch.testing.assert_close(g, w_, rtol=1e-9, atol=1e-10)
+
+
+def test_sdpa_backend_refuses_gradient_through_lse():
+    q, k, v = qkv()
+    qg = q.clone().requires_grad_()
+    _, lse = ringseq.flash_attn_func(qg, k, v, return_lse=True, backend="sdpa")
+    with pytest.raises(RuntimeError, match="cannot backpropagate through lse"):
+        lse.sum().backward()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_empty_key_sequence_gives_zero_and_neg_inf(backend):
+    if backend == "ringseq" and not extension_available():
+        pytest.skip("ringseq._C is not built")
+    q, k, v = qkv(s_k=0)
+    out, lse = ringseq.flash_attn_func(q, k, v, return_lse=True, backend=backend)
+    assert torch.equal(out, torch.zeros_like(q))
+    assert torch.isneginf(lse).all() and lse.shape == (2, 4, 33)
+
+
+def test_default_backend_is_ours_on_cpu():
+    want = "ringseq" if extension_available() else "reference"
+    assert get_backend(None, "cpu", torch.float32, 64).name == want
+
+
+# ---------------------------------------------------------------- torch.library integration
+@needs_ext
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck(causal, dtype):
+    q, k, v = qkv(b=1, s_q=19, s_k=23, h=4, h_kv=2, d=8, dtype=dtype)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    torch.library.opcheck(torch.ops.ringseq.fwd.default, (q, k, v, 0.3, causal))
+    out, lse = torch.ops.ringseq.fwd(q, k, v, 0.3, causal)
+    dout = torch.randn_like(out)
+    plain = [t.detach() for t in (dout, q, k, v, out, lse)]
+    torch.library.opcheck(torch.ops.ringseq.bwd.default, (*plain, 0.3, causal))
+    acc = [torch.randn(t.shape, dtype=lse.dtype) for t in (q, k, v)]
+    torch.library.opcheck(torch.ops.ringseq.bwd_accum.default, (*plain, 0.3, causal, None, *acc))
+
+
+@needs_ext
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    q, k, v = qkv(s_q=24, s_k=24)
+
+    def f(q, k, v):
+        out, lse = ringseq.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        return out.sum() + 0.5 * out.square().sum(), lse
+
+    compiled = torch.compile(f, fullgraph=True)
+    qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
+    qc, kc, vc = (t.clone().requires_grad_() for t in (q, k, v))
+    le, lse_e = f(qe, ke, ve)
+    lc, lse_c = compiled(qc, kc, vc)
+    le.backward()
+    lc.backward()
+    assert torch.equal(lse_e, lse_c)
+    torch.testing.assert_close(lc, le)
+    for a, b in ((qe, qc), (ke, kc), (ve, vc)):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+# ---------------------------------------------------------------- property test
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 2), s_q=st.integers(1, 70), s_k=st.integers(1, 70),
+       h_kv=st.integers(1, 2), group=st.integers(1, 3), d=st.integers(1, 40),
+       causal=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]),
+       seed=st.integers(0, 2**16))
+def test_property_random_shapes(b, s_q, s_k, h_kv, group, d, causal, dtype, seed):
+    backend = "ringseq" if extension_available() else "reference"
+    q, k, v = qkv(b, s_q, s_k, h_kv * group, h_kv, d, dtype, seed)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    ref = reference_grads(q, k, v, dout, causal=causal)
+    plain = reference_grads(q, k, v, dout, causal=causal, dtype=dtype)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringseq.flash_attn_func(qg, kg, vg, causal=causal, return_lse=True, backend=backend)
+    grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+    for name, got, r, p, factor in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref,
+                                       plain, (2, 2, 3, 3, 3)):
+        assert_close_per_design(got, r, p, name, factor, default_floor(dtype))

@@ -1,0 +1,73 @@
+"""Shared test helpers: float64 reference attention and DESIGN.md's tolerance rule."""
+from __future__ import annotations
+
+import torch
+
+
+def _mask(s_q, s_k, device):
+    i = torch.arange(s_q, device=device)[:, None]
+    j = torch.arange(s_k, device=device)[None, :]
+    return j <= i + (s_k - s_q)  # bottom-right aligned
+
+
+def plain_attention(q, k, v, softmax_scale=None, causal=False, dtype=None):
+    """Textbook attention computed in `dtype` (default: q's dtype), autograd-friendly.
+
+    q (b, s_q, h, d), k/v (b, s_k, h_kv, d). Returns (out (b, s_q, h, d), lse (b, h, s_q)).
+    Rows that see no key give out 0 and lse -inf.
+    """
+    dtype = dtype or q.dtype
+    h, h_kv = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
+    kd = kd.repeat_interleave(h // h_kv, dim=2)
+    vd = vd.repeat_interleave(h // h_kv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
+    if causal:
+        s = s.masked_fill(~_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    lse = torch.logsumexp(s.float() if dtype in (torch.float16, torch.bfloat16) else s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vd)
+    return out, lse
+
+
+def attention_reference(q, k, v, softmax_scale=None, causal=False):
+    """float64 reference (out, lse); differentiable w.r.t. the float64 copies of q, k, v."""
+    return plain_attention(q, k, v, softmax_scale, causal, dtype=torch.float64)
+
+
+def reference_grads(q, k, v, dout, softmax_scale=None, causal=False, dtype=torch.float64):
+    """(out, lse, dq, dk, dv) of plain attention computed in `dtype`, returned in `dtype`."""
+    qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = plain_attention(qd, kd, vd, softmax_scale, causal, dtype=dtype)
+    dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), dout.to(dtype))
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def max_err(a, b):
+    """Max abs difference, treating matching infinities (lse = -inf rows) as equal."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    both_inf = torch.isinf(a64) & torch.isinf(b64) & (torch.sign(a64) == torch.sign(b64))
+    diff = (a64 - b64).abs().masked_fill(both_inf, 0.0)
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def assert_close_per_design(actual, reference64, plain, name="tensor", factor=2.0, floor=1e-5):
+    """DESIGN.md's tolerance: err(actual) <= factor * err(plain) + floor, both against the
+    float64 reference (factor 2 for outputs, 3 for gradients). NaN anywhere fails."""
+    assert not torch.isnan(actual).any(), f"{name}: NaN in the tested result"
+    assert actual.shape == reference64.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(reference64.shape)}"
+    # -inf must match exactly (rows with no visible key)
+    inf_a, inf_r = torch.isinf(actual), torch.isinf(reference64)
+    assert torch.equal(inf_a, inf_r), f"{name}: infinities differ from the reference"
+    err = max_err(actual, reference64)
+    base = max_err(plain, reference64)
+    bound = factor * base + floor
+    assert err <= bound, (f"{name}: max error {err:.3e} vs float64 reference exceeds "
+                          f"{factor}x plain-{plain.dtype} error {base:.3e} + {floor:.0e} = {bound:.3e}")
+    return err, base
+
+
+def default_floor(dtype):
+    """Small absolute floor per dtype for the tolerance rule."""
+    return {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}[dtype]

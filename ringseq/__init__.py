@@ -7,4 +7,14 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend"]
 
 # --- ring API (ringseq/ring.py, ringseq/layouts.py, ringseq/nn.py) ---
+from .comm import RingComm, RingMismatchError, set_consistency_check
+from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
+from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_func,
+                 ring_flash_attn_qkvpacked_func, ring_sdpa)
+from .ring import simulate_ring
+
+__all__ += ["RingAttention", "RingComm", "RingMismatchError", "Layout", "get_layout",
+            "positions", "register_layout", "ring_flash_attn_func",
+            "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_sdpa",
+            "set_consistency_check", "shard", "simulate_ring", "unshard"]
 # --- end ring API ---

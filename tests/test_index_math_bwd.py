@@ -18,15 +18,24 @@ LOG2E = 1.4426950408889634
 # --- twins of the kernel_math.h backward helpers ------------------------------------------
 
 def bwd_kv_m_begin(n_block, block_n, block_m, s_q, s_k, causal):
-    """First query block that sees any key of kv block `n_block` (bottom-right causal)."""
+    """km::bwd_first_q_block: first query block that sees any key of kv block `n_block`
+    (bottom-right causal); ceil(s_q / block_m), an empty range, when none does."""
+    m_all = -(-s_q // block_m)
+    if n_block * block_n >= s_k:
+        return m_all
     if not causal:
         return 0
     first_row = n_block * block_n - (s_k - s_q)  # smallest query row that sees key n*BN
-    return max(first_row, 0) // block_m
+    if first_row <= 0:
+        return 0
+    if first_row >= s_q:
+        return m_all
+    return first_row // block_m
 
 
 def bwd_q_n_end(m_block, block_m, block_n, s_q, s_k, causal):
-    """One past the last kv block that any query of q block `m_block` sees."""
+    """km::fwd_num_kv_blocks (the dQ kernel's range): one past the last kv block that any
+    query of q block `m_block` sees."""
     n_blocks = -(-s_k // block_n)
     if not causal:
         return n_blocks
@@ -38,11 +47,21 @@ def bwd_q_n_end(m_block, block_m, block_n, s_q, s_k, causal):
 
 
 def bwd_block_needs_mask(m_block, n_block, block_m, block_n, s_q, s_k, causal):
-    """True unless every key of the kv block is in range and visible to every row of the q block
-    (rows past s_q are neutralised through lse = +inf, so they never force a mask)."""
+    """km::block_needs_mask: True unless every key of the kv block is in range and visible to
+    every row of the q block (rows past s_q are neutralised through lse = +inf)."""
     if (n_block + 1) * block_n > s_k:
         return True
     return causal and (n_block + 1) * block_n - 1 > m_block * block_m + (s_k - s_q)
+
+
+def swz_offset(row, col, row_elems):
+    """km::swz_offset: chunk c of row r stored at chunk c ^ (r & 7)."""
+    return row * row_elems + ((col // 8) ^ (row & 7)) * 8 + col % 8
+
+
+def swz_step(lane_offset, row0, k16, row_elems):
+    """km::swz_step."""
+    return row0 * row_elems + (lane_offset ^ (16 * k16))
 
 
 def lse_log2_guard(lse, row, s_q):
@@ -246,3 +265,80 @@ def test_lse_guard_never_makes_nan():
                 assert np.isfinite(p)
                 if lse == -math.inf or not row_in or s == -math.inf:
                     assert p == 0.0
+
+
+@pytest.mark.parametrize("row_elems", [64, 128])
+def test_swz_step_matches_swizzle(row_elems):
+    """The XOR step the backward uses to move ldmatrix lane addresses equals the swizzle helper
+    for every lane's (row, col) of an x4 load at every region the kernels visit."""
+    for r in range(16):  # ldsm_a_row / ldsm_b_row range
+        for col in (0, 8):  # ldsm_a_col / ldsm_b_col values
+            off = swz_offset(r, col, row_elems)
+            for row0 in range(0, 128, 8):
+                for k16 in range(row_elems // 16):
+                    assert swz_step(off, row0, k16, row_elems) == \
+                        swz_offset(row0 + r, col + 16 * k16, row_elems), (r, col, row0, k16)
+
+
+HARNESS = r"""
+#include <cstdio>
+#include <initializer_list>
+#include "kernel_math.h"
+using namespace ringseq::km;
+int main() {
+  const int bms[] = {16, 64, 128};
+  const int lens[] = {1, 7, 63, 64, 65, 100, 128, 129, 200};
+  for (int bm : bms) for (int bn : bms) for (int sq : lens) for (int sk : lens) for (int c = 0; c < 2; ++c) {
+    for (int n = 0; n < ceil_div(sk, bn); ++n)
+      std::printf("F %d %d %d %d %d %d %d\n", n, bm, bn, sq, sk, c, bwd_first_q_block(n, bm, bn, sq, sk, c));
+    for (int m = 0; m < ceil_div(sq, bm); ++m) {
+      std::printf("N %d %d %d %d %d %d %d\n", m, bm, bn, sq, sk, c, fwd_num_kv_blocks(m, bm, bn, sq, sk, c));
+      for (int n = 0; n < ceil_div(sk, bn); ++n)
+        std::printf("M %d %d %d %d %d %d %d %d\n", m, n, bm, bn, sq, sk, c,
+                    (int)block_needs_mask(m, n, bm, bn, sq, sk, c));
+    }
+  }
+  for (int re : {64, 128}) for (int r = 0; r < 16; ++r) for (int col : {0, 8})
+    for (int row0 = 0; row0 < 128; row0 += 8) for (int k = 0; k < re / 16; ++k)
+      std::printf("S %d %d %d %d %d %d\n", re, r, col, row0, k,
+                  swz_step(swz_offset(r, col, re), row0, k, re) == swz_offset(row0 + r, col + 16 * k, re));
+  return 0;
+}
+"""
+
+
+def test_kernel_math_helpers_match_twins(tmp_path):
+    """Compiles the real csrc/kernel_math.h helpers with the host compiler and checks them
+    against the Python twins above (which the emulation proves correct)."""
+    import os
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = tmp_path / "bwd_math.cpp"
+    src.write_text(HARNESS)
+    exe = tmp_path / "bwd_math"
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-I", os.path.join(root, "csrc"), str(src),
+                            "-o", str(exe)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    checked = 0
+    for line in out.splitlines():
+        kind, *vals = line.split()
+        v = list(map(int, vals))
+        if kind == "F":
+            n, bm, bn, sq, sk, c, got = v
+            assert got == bwd_kv_m_begin(n, bn, bm, sq, sk, bool(c)), line
+        elif kind == "N":
+            m, bm, bn, sq, sk, c, got = v
+            assert got == bwd_q_n_end(m, bm, bn, sq, sk, bool(c)), line
+        elif kind == "M":
+            m, n, bm, bn, sq, sk, c, got = v
+            assert bool(got) == bwd_block_needs_mask(m, n, bm, bn, sq, sk, bool(c)), line
+        else:
+            assert v[-1] == 1, line
+        checked += 1
+    assert checked > 10000

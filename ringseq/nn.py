@@ -1,0 +1,176 @@
+"""Public ring-attention API: functions on local shards and the ``RingAttention`` module.
+
+Every function takes this rank's shard of a sequence that was split with
+``ringseq.shard(x, layout, group)`` (or an equivalent data loader) and returns this rank's
+shard of the output. All ranks of ``group`` must call with the same shapes, dtype, layout and
+causal flag; a first call per shape checks that across ranks (see
+``ringseq.set_consistency_check``) and every rank raises ``RingMismatchError`` (a ValueError)
+naming what differs, instead of hanging.
+
+``group=None`` means the default process group; without an initialized process group the
+functions compute plain local attention (world size 1).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .comm import dtype_code, get_comm, layout_code
+from .layouts import get_layout
+from .ops import get_backend
+from .ring import resolve_grad_comm_dtype, ring_attention
+
+__all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
+           "ring_flash_attn_qkvpacked_func", "ring_sdpa", "RingAttention"]
+
+
+def _check_local(q, k, v, lay, comm):
+    """Everything one rank can see wrong, raised before any communication."""
+    from .kernels import check_qkv
+    check_qkv(q, k, v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"ring attention needs q and k/v shards of the same local length "
+                         f"(self-attention over one sharded sequence), got q {tuple(q.shape)} "
+                         f"and k {tuple(k.shape)}")
+    lay.check_local_seqlen(q.shape[1], comm.world_size)
+
+
+def _ring(q, k, v, softmax_scale, causal, group, layout, backend, grad_comm_dtype):
+    lay = get_layout(layout)
+    comm = get_comm(group)
+    _check_local(q, k, v, lay, comm)
+    be = get_backend(backend, q.device, q.dtype, q.shape[-1])
+    if comm.world_size > 1 and not getattr(be, "supports_global_backward", True):
+        raise ValueError(f"backend {be.name!r} cannot compute a block's gradients from the "
+                         f"merged output of a ring; use backend='ringseq' or 'reference'")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    gdt = resolve_grad_comm_dtype(grad_comm_dtype, q.dtype, be.accum_dtype(q.dtype))
+    b, s, h, d = q.shape
+    comm.check_consistent([
+        ("batch", b), ("local seqlen", s), ("nheads", h), ("nheads_kv", k.shape[2]),
+        ("headdim", d), ("dtype", dtype_code(q.dtype)), ("layout", layout_code(lay.name)),
+        ("world size", comm.world_size), ("causal", bool(causal)),
+        ("requires_grad", torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
+        ("grad_comm_dtype", dtype_code(gdt)),
+        ("softmax_scale (x1e6)", round(scale * 1e6)),
+    ], device=q.device)
+    return ring_attention(q, k, v, scale, bool(causal), lay, comm, be, gdt)
+
+
+def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, group=None,
+                         layout="contiguous", return_lse=False, backend=None,
+                         grad_comm_dtype=None):
+    """Exact attention over a sequence sharded across ``group``, on this rank's shards.
+
+    Args:
+        q: (batch, s_local, nheads, headdim); k, v: (batch, s_local, nheads_kv, headdim) with
+            ``nheads % nheads_kv == 0`` (GQA/MQA: only the kv heads travel the ring). float32,
+            float64, bfloat16 or float16; only the last dimension must be contiguous.
+        softmax_scale: defaults to ``headdim ** -0.5``.
+        causal: causal mask over GLOBAL positions as placed by ``layout``.
+        group: process group of the ring (None: default group; no process group: local).
+        layout: ``"contiguous"``, ``"zigzag"``, ``"stripe"`` or a ``ringseq.layouts.Layout``;
+            must match how the shards were made. All layouts are exact for full (non-causal)
+            attention, which is permutation invariant; zigzag/stripe only balance causal work.
+        return_lse: also return lse.
+        backend: block kernel: None (best available), "ringseq", "reference", ... (see
+            ``ringseq.get_backend``); "sdpa" works for forward and backward without lse grads.
+        grad_comm_dtype: dtype in which the dK/dV accumulators travel in the backward. None:
+            float32 (float64 for float64 inputs), exact accumulation. ``"input"`` (or e.g.
+            ``torch.bfloat16``): 2/3 of the backward traffic, one rounding per ring hop (for
+            bf16 at W=4 roughly 1-3x the error of a bf16 kernel's dK/dV; see the tests).
+
+    Returns:
+        out (batch, s_local, nheads, headdim) in q's dtype; with ``return_lse`` also
+        lse (batch, nheads, s_local) float32 (float64 for float64 inputs), natural log, -inf
+        for rows that see no key. Gradients flow to q, k, v (in their dtype) and through lse.
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices, a local length the layout cannot use (zigzag
+            needs an even one), an unknown layout or backend -- before any communication.
+        RingMismatchError (a ValueError): ranks called with different arguments (every rank).
+    """
+    out, lse = _ring(q, k, v, softmax_scale, causal, group, layout, backend, grad_comm_dtype)
+    return (out, lse) if return_lse else out
+
+
+def ring_flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, group=None,
+                                  layout="contiguous", return_lse=False, backend=None,
+                                  grad_comm_dtype=None):
+    """:func:`ring_flash_attn_func` with ``kv`` packed as (batch, s_local, 2, nheads_kv, headdim).
+
+    K and V are read as strided views of ``kv`` (no copy); the gradient comes back packed."""
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must be (batch, seqlen, 2, nheads_kv, headdim), got "
+                         f"{tuple(kv.shape)}")
+    return ring_flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], softmax_scale, causal, group,
+                                layout, return_lse, backend, grad_comm_dtype)
+
+
+def ring_flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, group=None,
+                                   layout="contiguous", return_lse=False, backend=None,
+                                   grad_comm_dtype=None):
+    """:func:`ring_flash_attn_func` with ``qkv`` packed as (batch, s_local, 3, nheads, headdim)."""
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got "
+                         f"{tuple(qkv.shape)}")
+    return ring_flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], softmax_scale, causal,
+                                group, layout, return_lse, backend, grad_comm_dtype)
+
+
+def ring_sdpa(query, key, value, is_causal=False, scale=None, group=None, layout="contiguous",
+              *, attn_mask=None, dropout_p=0.0, enable_gqa=True, backend=None,
+              grad_comm_dtype=None):
+    """Ring attention with ``F.scaled_dot_product_attention``'s layout, for SDPA model code.
+
+    Args:
+        query: (batch, nheads, s_local, headdim); key, value: (batch, nheads_kv, s_local,
+            headdim), ``nheads % nheads_kv == 0`` (GQA is always allowed).
+        is_causal, scale: as in SDPA (causal over global positions of ``layout``).
+        group, layout, backend, grad_comm_dtype: as in :func:`ring_flash_attn_func`.
+        attn_mask, dropout_p: accepted for signature compatibility; only None / 0.0 are
+            supported (ValueError otherwise).
+
+    Returns (batch, nheads, s_local, headdim) in query's dtype (a transposed view).
+    """
+    if attn_mask is not None:
+        raise ValueError("ring_sdpa does not support attn_mask; use is_causal or a layout")
+    if dropout_p:
+        raise ValueError(f"ring_sdpa does not support dropout, got dropout_p={dropout_p}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (batch, nheads, seqlen, headdim), got "
+                             f"{tuple(t.shape)}")
+    out = ring_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
+                               value.transpose(1, 2), scale, is_causal, group, layout, False,
+                               backend, grad_comm_dtype)
+    return out.transpose(1, 2)
+
+
+class RingAttention(nn.Module):
+    """Ring attention as a module holding its group, layout, causal flag and backend.
+
+    ``forward(q, k, v, return_lse=False)`` takes flash-attn's (batch, s_local, nheads,
+    headdim) shards and returns what :func:`ring_flash_attn_func` returns.
+    """
+
+    def __init__(self, group=None, layout="contiguous", causal: bool = False,
+                 backend: Optional[str] = None, softmax_scale: Optional[float] = None,
+                 grad_comm_dtype=None):
+        super().__init__()
+        self.group = group
+        self.layout = get_layout(layout).name if isinstance(layout, str) else layout
+        self.causal = bool(causal)
+        self.backend = backend
+        self.softmax_scale = softmax_scale
+        self.grad_comm_dtype = grad_comm_dtype
+
+    def forward(self, q, k, v, return_lse: bool = False):
+        return ring_flash_attn_func(q, k, v, self.softmax_scale, self.causal, self.group,
+                                    self.layout, return_lse, self.backend, self.grad_comm_dtype)
+
+    def extra_repr(self) -> str:
+        lay = self.layout if isinstance(self.layout, str) else self.layout.name
+        return f"layout={lay!r}, causal={self.causal}, backend={self.backend!r}"

@@ -1,0 +1,135 @@
+"""Spawn W gloo ranks on loopback, run a module-level function on each, collect the results.
+
+    results = run_ranks(fn, world_size, *args, timeout=120, **kwargs)
+
+``fn(*args, **kwargs)`` runs on every rank after ``init_process_group("gloo")`` (rank and world
+size come from ``torch.distributed``); its return value (anything ``torch.save`` can store)
+comes back in a list indexed by rank. If a rank raises, ``RankError`` is raised here with that
+rank's formatted traceback; ranks that are then stuck waiting for it are killed after a short
+grace period. On ``timeout`` every rank is killed and ``RankTimeout`` raised, so a hang never
+blocks pytest.
+
+Spawning costs a few seconds per process (importing torch), so a test should run many cases
+inside one call (``fn`` looping over a case list) instead of one spawn per case.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+class RankTimeout(RuntimeError):
+    """Ranks did not finish in time (all were killed)."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, out_path, fn, args, kwargs, env, pg_timeout_s):
+    for p in (_TESTS, _REPO):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    os.environ.update(env)
+    import datetime
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    result = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        try:
+            result["value"] = fn(*args, **kwargs)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a failed rank may leave the group broken
+                pass
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    tmp = out_path + ".tmp"
+    torch.save(result, tmp)
+    os.replace(tmp, out_path)
+
+
+def run_ranks(fn, world_size, *args, timeout=120.0, env=None, grace=10.0, **kwargs):
+    """Runs ``fn(*args, **kwargs)`` on ``world_size`` spawned gloo ranks; returns the list of
+    per-rank return values (see the module docstring for errors and timeouts)."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="ringseq_ranks_") as tmp:
+        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
+        procs = [ctx.Process(target=_worker,
+                             args=(r, world_size, port, paths[r], fn, args, kwargs, env or {},
+                                   max(5.0, timeout)),
+                             daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        first_failure_at = None
+        inspected = set()
+        try:
+            while any(p.is_alive() for p in procs):
+                now = time.monotonic()
+                if now > deadline:
+                    raise RankTimeout(f"{fn.__name__} on {world_size} ranks did not finish within "
+                                      f"{timeout:.0f} s; ranks still running: "
+                                      f"{[r for r, p in enumerate(procs) if p.is_alive()]}")
+                for r, p in enumerate(procs):
+                    if r not in inspected and not p.is_alive():
+                        inspected.add(r)
+                        if first_failure_at is None and (p.exitcode != 0 or _failed(paths[r])):
+                            first_failure_at = now
+                if first_failure_at is not None and now - first_failure_at > grace:
+                    break  # the rest are waiting for a dead or failed peer
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(5)
+        results = []
+        for r, p in enumerate(procs):
+            if not os.path.exists(paths[r]):
+                results.append({"rank": r, "error": f"rank {r} exited with code {p.exitcode} "
+                                                    f"without a result (killed or crashed)",
+                                "traceback": ""})
+            else:
+                results.append(torch.load(paths[r], weights_only=False))
+    errors = [res for res in results if "error" in res]
+    if errors:
+        # Prefer a rank's own exception over the "killed" note of a rank waiting for it.
+        real = [e for e in errors if e["traceback"]] or errors
+        e = real[0]
+        raise RankError(f"rank {e['rank']} of {world_size} failed: {e['error']}\n{e['traceback']}")
+    return [res["value"] for res in results]
+
+
+def _failed(path) -> bool:
+    if not os.path.exists(path):
+        return False
+    try:
+        return "error" in torch.load(path, weights_only=False)
+    except Exception:  # noqa: BLE001 - being written
+        return False

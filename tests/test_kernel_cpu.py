@@ -1,0 +1,254 @@
+"""The CPU kernel through torch.ops.ringseq.{fwd,bwd,bwd_accum}, against a float64 reference.
+
+Tolerances follow DESIGN.md (tests/utils.py: assert_close_per_design): the error against the
+float64 reference may be 2x (outputs) or 3x (gradients) that of plain attention computed in the
+input dtype, plus a small floor. The case list is a covering subset of the issue's cross
+product (every length, head count, GQA ratio, head dim, dtype, batch size and layout appears),
+not the full product, to keep the file fast on two cores.
+"""
+import math
+import threading
+
+import pytest
+import torch
+
+import ringseq._C  # noqa: F401  (registers torch.ops.ringseq)
+from utils import assert_close_per_design, default_floor, reference_grads
+
+f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+ops = torch.ops.ringseq
+
+
+def acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def make(shape, dtype, layout, gen):
+    """A (b, s, h, d) tensor in the given layout: "contig", "slice" (a window of a longer
+    sequence) or "transposed" (a transposed view of a (b, h, s, d) tensor)."""
+    b, s, h, d = shape
+    if layout == "contig":
+        return torch.randn(b, s, h, d, generator=gen).to(dtype)
+    if layout == "slice":
+        return torch.randn(b, s + 7, h, d, generator=gen).to(dtype)[:, 3:3 + s]
+    if layout == "transposed":
+        return torch.randn(b, h, s, d, generator=gen).to(dtype).transpose(1, 2)
+    raise ValueError(layout)
+
+
+def make_inputs(b, s_q, s_k, h, h_kv, d, dtype, layout, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = make((b, s_q, h, d), dtype, layout, gen)
+    k = make((b, s_k, h_kv, d), dtype, layout, gen)
+    v = make((b, s_k, h_kv, d), dtype, layout, gen)
+    dout = make((b, s_q, h, d), dtype, layout, gen)
+    if layout != "contig" and min(s_q, s_k) > 1:  # size-1 dims make any view contiguous
+        assert not q.is_contiguous() and not k.is_contiguous()
+    return q, k, v, dout
+
+
+# (batch, s_q, s_k, nheads, nheads_kv, headdim, causal, dtype, layout)
+CASES = [
+    (1, 1, 1, 1, 1, 16, False, f32, "contig"),
+    (1, 1, 1, 5, 5, 64, True, f64, "transposed"),
+    (2, 1, 17, 5, 5, 64, True, bf16, "contig"),
+    (1, 17, 1, 8, 1, 64, True, f32, "contig"),        # 16 rows see no key, MQA
+    (3, 17, 17, 8, 2, 80, False, f16, "slice"),
+    (3, 17, 17, 8, 2, 80, True, f32, "transposed"),
+    (2, 17, 255, 8, 2, 128, True, f32, "transposed"),
+    (1, 255, 17, 5, 1, 16, True, bf16, "contig"),     # 238 rows see no key
+    (2, 255, 255, 8, 8, 256, True, f16, "contig"),
+    (1, 255, 255, 1, 1, 256, False, f32, "slice"),
+    (1, 255, 255, 1, 1, 64, False, f64, "transposed"),
+    (2, 255, 100, 8, 2, 64, False, bf16, "slice"),
+    (1, 100, 255, 8, 1, 80, True, f64, "slice"),
+    (3, 33, 77, 5, 5, 128, False, bf16, "transposed"),
+    (1, 300, 700, 2, 1, 64, True, f32, "contig"),     # several key and query tiles
+    (1, 700, 300, 4, 2, 16, True, f16, "slice"),
+    (2, 129, 129, 1, 1, 80, True, bf16, "contig"),
+    (1, 3816, 3816, 1, 1, 64, True, f32, "contig"),
+    (1, 3816, 3816, 1, 1, 128, False, bf16, "transposed"),
+]
+
+
+def case_id(c):
+    b, s_q, s_k, h, h_kv, d, causal, dtype, layout = c
+    return (f"b{b}-sq{s_q}-sk{s_k}-h{h}:{h_kv}-d{d}-{'causal' if causal else 'full'}-"
+            f"{str(dtype).split('.')[-1]}-{layout}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_fwd_bwd_and_bwd_accum_match_reference(case):
+    b, s_q, s_k, h, h_kv, d, causal, dtype, layout = case
+    q, k, v, dout = make_inputs(b, s_q, s_k, h, h_kv, d, dtype, layout)
+    scale = d ** -0.5
+    floor = default_floor(dtype)
+    ref = reference_grads(q, k, v, dout, scale, causal, dtype=torch.float64)
+    plain = reference_grads(q, k, v, dout, scale, causal, dtype=dtype)
+
+    out, lse = ops.fwd(q, k, v, scale, causal)
+    assert out.dtype == dtype and lse.dtype == acc_dtype(dtype)
+    assert lse.shape == (b, h, s_q)
+    assert_close_per_design(out, ref[0], plain[0], "out", factor=2, floor=floor)
+    assert_close_per_design(lse, ref[1], plain[1].to(lse.dtype), "lse", factor=2, floor=floor)
+
+    dq, dk, dv = ops.bwd(dout, q, k, v, out, lse, scale, causal)
+    for name, got, i in (("dq", dq, 2), ("dk", dk, 3), ("dv", dv, 4)):
+        assert got.dtype == dtype
+        assert_close_per_design(got, ref[i], plain[i], name, factor=3, floor=floor)
+
+    # bwd_accum adds into pre-filled accumulators of the accumulation type.
+    gen = torch.Generator().manual_seed(1)
+    acc = acc_dtype(dtype)
+    init = [torch.randn(t.shape, generator=gen, dtype=acc) for t in (q, k, v)]
+    bufs = [t.clone() for t in init]
+    ops.bwd_accum(dout, q, k, v, out, lse, scale, causal, None, *bufs)
+    for name, buf, start, i in zip(("dq", "dk", "dv"), bufs, init, (2, 3, 4)):
+        added = buf.double() - start.double()
+        assert_close_per_design(added, ref[i], plain[i], name + "_accum", factor=3,
+                                floor=floor + 4 * torch.finfo(acc).eps)
+
+
+@pytest.mark.parametrize("d", [1, 3, 40, 200, 512])
+def test_any_head_dim(d):
+    q, k, v, dout = make_inputs(2, 37, 53, 4, 2, d, f32, "contig", seed=d)
+    scale = 0.3
+    ref = reference_grads(q, k, v, dout, scale, True)
+    plain = reference_grads(q, k, v, dout, scale, True, dtype=f32)
+    out, lse = ops.fwd(q, k, v, scale, True)
+    assert_close_per_design(out, ref[0], plain[0], "out", floor=1e-6)
+    assert_close_per_design(lse, ref[1], plain[1], "lse", floor=1e-6)
+    grads = ops.bwd(dout, q, k, v, out, lse, scale, True)
+    for name, got, i in zip(("dq", "dk", "dv"), grads, (2, 3, 4)):
+        assert_close_per_design(got, ref[i], plain[i], name, factor=3, floor=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16, f64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_without_keys_give_zero_out_neg_inf_lse_zero_grads(dtype, causal):
+    # causal with s_q > s_k: query i sees key j iff j <= i - 12, so rows 0..11 see nothing.
+    q, k, v, dout = make_inputs(2, 20, 8, 3, 1, 32, dtype, "contig", seed=3)
+    out, lse = ops.fwd(q, k, v, 0.25, causal)
+    dq, dk, dv = ops.bwd(dout, q, k, v, out, lse, 0.25, causal)
+    for t in (out, lse, dq, dk, dv):
+        assert not torch.isnan(t).any()
+    if causal:
+        assert torch.all(out[:, :12] == 0)
+        assert torch.all(lse[:, :, :12] == -math.inf)
+        assert torch.all(torch.isfinite(lse[:, :, 12:]))
+        assert torch.all(dq[:, :12] == 0)
+    else:
+        assert torch.all(torch.isfinite(lse))
+    # A global lse of -inf for a row (it saw no key anywhere in a ring) must give zero
+    # gradients for that row, not NaN, even where this block has visible keys.
+    lse2 = lse.clone()
+    lse2[:, :, -3:] = -math.inf
+    dq2, dk2, dv2 = ops.bwd(dout, q, k, v, out, lse2, 0.25, causal)
+    for t in (dq2, dk2, dv2):
+        assert torch.all(torch.isfinite(t))
+    assert torch.all(dq2[:, -3:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_explicit_delta_equals_computed(dtype):
+    q, k, v, dout = make_inputs(2, 70, 90, 4, 2, 64, dtype, "slice", seed=5)
+    out, lse = ops.fwd(q, k, v, 0.125, True)
+    acc = acc_dtype(dtype)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+    # also through a non-contiguous (b, h, s_q) view: a window of a longer buffer
+    wide = torch.zeros(2, 4, 70 + 9, dtype=acc)
+    wide[:, :, 4:74] = delta
+    delta_view = wide[:, :, 4:74]
+    computed = ops.bwd(dout, q, k, v, out, lse, 0.125, True)
+    for given in (delta, delta_view):
+        explicit = ops.bwd(dout, q, k, v, out, lse, 0.125, True, given)
+        for a, e in zip(computed, explicit):
+            assert torch.equal(a, e)
+    bufs = [torch.zeros(t.shape, dtype=acc) for t in (q, k, v)]
+    ops.bwd_accum(dout, q, k, v, out, lse, 0.125, True, delta, *bufs)
+    for a, e in zip(computed, bufs):
+        torch.testing.assert_close(e.to(dtype), a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_blockwise_backward_with_global_out_lse_sums_to_full(causal, dtype):
+    # Ring property: with the global out/lse (and delta), the gradients of key blocks add up.
+    # s_k - s_q >= split - 1 keeps the first block fully visible under bottom-right causality,
+    # so it runs without a mask and the last block runs causal, as in a ring step.
+    b, s_q, s_k, h, h_kv, d, split = 2, 40, 300, 4, 2, 64, 170
+    q, k, v, dout = make_inputs(b, s_q, s_k, h, h_kv, d, dtype, "contig", seed=7)
+    scale = d ** -0.5
+    out, lse = ops.fwd(q, k, v, scale, causal)
+    full = ops.bwd(dout, q, k, v, out, lse, scale, causal)
+
+    acc = acc_dtype(dtype)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+    dq = torch.zeros(q.shape, dtype=acc)
+    dk = torch.zeros(k.shape, dtype=acc)
+    dv = torch.zeros(v.shape, dtype=acc)
+    blocks = [(slice(0, split), False), (slice(split, s_k), causal)]
+    for sl, blk_causal in blocks:
+        # the accumulators of a block are views into the full buffers (non-contiguous)
+        ops.bwd_accum(dout, q, k[:, sl], v[:, sl], out, lse, scale, blk_causal, delta,
+                      dq, dk[:, sl], dv[:, sl])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == f32 else dict(rtol=1e-2, atol=1e-2)
+    for name, summed, whole in zip(("dq", "dk", "dv"), (dq, dk, dv), full):
+        torch.testing.assert_close(summed.to(dtype), whole, **tol, msg=name)
+    # and against the float64 reference under the design rule
+    ref = reference_grads(q, k, v, dout, scale, causal)
+    plain = reference_grads(q, k, v, dout, scale, causal, dtype=dtype)
+    for name, got, i in zip(("dq", "dk", "dv"), (dq, dk, dv), (2, 3, 4)):
+        assert_close_per_design(got.double(), ref[i], plain[i], name, factor=3,
+                                floor=default_floor(dtype))
+
+
+def test_gqa_equals_expanded_heads():
+    # Head mapping (query head hi reads kv head hi // group) matches explicitly repeated K/V,
+    # and dK/dV of a kv head are the sums over its query heads.
+    q, k, v, dout = make_inputs(2, 50, 60, 6, 2, 32, f64, "contig", seed=11)
+    out, lse = ops.fwd(q, k, v, 0.2, True)
+    ke, ve = k.repeat_interleave(3, dim=2), v.repeat_interleave(3, dim=2)
+    out_e, lse_e = ops.fwd(q, ke, ve, 0.2, True)
+    torch.testing.assert_close(out, out_e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, lse_e, rtol=1e-12, atol=1e-12)
+    dq, dk, dv = ops.bwd(dout, q, k, v, out, lse, 0.2, True)
+    dq_e, dk_e, dv_e = ops.bwd(dout, q, ke, ve, out, lse, 0.2, True)
+    torch.testing.assert_close(dq, dq_e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dk, dk_e.unflatten(2, (2, 3)).sum(3), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dv, dv_e.unflatten(2, (2, 3)).sum(3), rtol=1e-12, atol=1e-12)
+
+
+def test_results_do_not_depend_on_thread_count():
+    q, k, v, dout = make_inputs(1, 300, 520, 4, 1, 64, f32, "contig", seed=13)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out, lse = ops.fwd(q, k, v, 0.125, True)
+            results.append((out, lse, *ops.bwd(dout, q, k, v, out, lse, 0.125, True)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, e in zip(results[0], other):
+            assert torch.equal(a, e)
+
+
+def test_concurrent_calls_from_python_threads():
+    # The kernel keeps no global state: overlapping calls (e.g. a ring's compute next to
+    # other work) give the same result as a lone call.
+    q, k, v, dout = make_inputs(1, 130, 130, 2, 2, 16, f32, "contig", seed=17)
+    expected = ops.fwd(q, k, v, 0.25, False)[0]
+    outs = [None] * 4
+
+    def work(i):
+        outs[i] = ops.fwd(q, k, v, 0.25, False)[0]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in outs:
+        assert torch.equal(o, expected)

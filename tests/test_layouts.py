@@ -1,0 +1,182 @@
+"""Layouts as data: shard/unshard inverses, positions, and schedules that cover the mask.
+
+Everything here simulates the ranks in one process (no spawning)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ringseq
+from ringseq.layouts import (LAYOUTS, BlockTask, Layout, get_layout, positions_local,
+                             shard_local, unshard_local)
+
+NAMES = ["contiguous", "zigzag", "stripe"]
+WORLD_SIZES = [1, 2, 3, 4, 5, 8]
+
+
+def _lengths(name, w):
+    m = get_layout(name).multiple(w)
+    return [m, 3 * m, 7 * m]  # includes lengths that are not powers of two
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("w", WORLD_SIZES)
+def test_shard_unshard_inverse_and_positions(name, w):
+    for s in _lengths(name, w):
+        x = torch.randn(2, s, 3, 4)
+        parts = [shard_local(x, name, w, r) for r in range(w)]
+        assert all(p.shape == (2, s // w, 3, 4) for p in parts)
+        assert all(p.is_contiguous() for p in parts)
+        assert torch.equal(unshard_local(parts, name), x)
+        pos = [positions_local(s, name, w, r) for r in range(w)]
+        # positions say where each local token came from, and together they are a permutation
+        for r in range(w):
+            assert pos[r].dtype == torch.int64 and pos[r].shape == (s // w,)
+            assert torch.equal(parts[r], x[:, pos[r]])
+        assert torch.equal(torch.sort(torch.cat(pos)).values, torch.arange(s))
+        # other dims, negative dim
+        y = torch.randn(s, 5)
+        ys = [shard_local(y, name, w, r, dim=0) for r in range(w)]
+        assert torch.equal(unshard_local(ys, name, dim=0), y)
+        z = torch.randn(3, s)
+        zs = [shard_local(z, name, w, r, dim=-1) for r in range(w)]
+        assert torch.equal(unshard_local(zs, name, dim=-1), z)
+
+
+def test_shard_is_differentiable_and_copies():
+    x = torch.randn(1, 12, 2, requires_grad=True)
+    part = shard_local(x, "zigzag", 3, 1)
+    part.sum().backward()
+    expected = torch.zeros(12)
+    expected[positions_local(12, "zigzag", 3, 1)] = 1
+    assert torch.equal(x.grad[0, :, 0], expected)
+    # a shard never aliases the input, whatever the layout and world size
+    for name in NAMES:
+        for w in (1, 2):
+            p = shard_local(x.detach(), name, w, 0)
+            assert p.data_ptr() != x.data_ptr() or w > 1 and name != "contiguous"
+            p.add_(1)
+    assert torch.isfinite(x).all()
+
+
+@pytest.mark.parametrize("name,w,bad,multiple", [
+    ("zigzag", 4, 3820, 8), ("zigzag", 3, 100, 6), ("contiguous", 4, 3817, 4),
+    ("stripe", 3, 100, 3), ("contiguous", 2, 0, 2)])
+def test_length_errors_name_the_multiple(name, w, bad, multiple):
+    with pytest.raises(ValueError, match=f"multiple of {multiple}"):
+        shard_local(torch.zeros(1, bad), name, w, 0)
+    with pytest.raises(ValueError, match=f"multiple of {multiple}"):
+        positions_local(bad, name, w, 0)
+
+
+def test_local_length_check_and_unknown_layout():
+    get_layout("zigzag").check_local_seqlen(10, 4)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        get_layout("zigzag").check_local_seqlen(9, 4)
+    with pytest.raises(ValueError, match="unknown layout"):
+        get_layout("spiral")
+    with pytest.raises(ValueError, match="rank 3 is outside"):
+        shard_local(torch.zeros(1, 6), "contiguous", 3, 3)
+
+
+def test_without_process_group_world_size_is_one():
+    x = torch.randn(2, 10, 3)
+    assert torch.equal(ringseq.shard(x, "zigzag"), x)
+    assert torch.equal(ringseq.unshard(x, "stripe"), x)
+    assert torch.equal(ringseq.positions(10, "zigzag"), torch.arange(10))
+    with pytest.raises(ValueError, match="multiple of 2"):
+        ringseq.shard(torch.zeros(1, 7), "zigzag")
+
+
+def _block_visible(t: BlockTask, n_q: int, n_k: int) -> torch.Tensor:
+    """(n_q, n_k) bool: which pairs of the block task are computed (bottom-right causal)."""
+    i = torch.arange(n_q)[:, None]
+    j = torch.arange(n_k)[None, :]
+    return (j <= i + (n_k - n_q)) if t.causal else torch.ones(n_q, n_k, dtype=torch.bool)
+
+
+def _coverage(layout, w, s, causal):
+    """Counts how often each global (query, key) pair is computed by the schedule."""
+    lay = get_layout(layout)
+    count = torch.zeros(s, s, dtype=torch.int64)
+    pos = [positions_local(s, lay, w, r) for r in range(w)]
+    s_local = s // w
+    for r in range(w):
+        steps = lay.schedule(r, w, s_local, causal)
+        assert len(steps) == w
+        for i, tasks in enumerate(steps):
+            src = (r - i) % w
+            for t in tasks:
+                qpos = pos[r][t.q]
+                kpos = pos[src][t.kv]
+                vis = _block_visible(t, len(qpos), len(kpos))
+                qq, kk = torch.nonzero(vis, as_tuple=True)
+                count.index_put_((qpos[qq], kpos[kk]), torch.ones_like(qq), accumulate=True)
+    return count
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("w", WORLD_SIZES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_schedule_covers_mask_exactly_once(name, w, causal):
+    for s in _lengths(name, w)[:2]:
+        count = _coverage(name, w, s, causal)
+        if causal:
+            expected = torch.tril(torch.ones(s, s, dtype=torch.int64))
+        else:
+            expected = torch.ones(s, s, dtype=torch.int64)
+        assert torch.equal(count, expected), f"{name} W={w} s={s} causal={causal}"
+
+
+@pytest.mark.parametrize("w", [2, 4, 8])
+def test_causal_work_balance(w):
+    """zigzag balances causal work exactly; contiguous does not (what zigzag is for)."""
+    s = 2 * w * 16
+
+    def work(name, r):
+        lay = get_layout(name)
+        total = 0
+        for tasks in lay.schedule(r, w, s // w, True):
+            for t in tasks:
+                n_q = len(range(*t.q.indices(s // w)))
+                n_k = len(range(*t.kv.indices(s // w)))
+                total += int(_block_visible(t, n_q, n_k).sum())
+        return total
+
+    zig = [work("zigzag", r) for r in range(w)]
+    con = [work("contiguous", r) for r in range(w)]
+    stripe = [work("stripe", r) for r in range(w)]
+    assert max(zig) == min(zig)
+    assert max(con) > 1.5 * min(con)
+    assert max(stripe) - min(stripe) <= (s // w) * (w - 1)
+
+
+def test_custom_layout_is_data():
+    """A new layout is a Layout subclass (here: contiguous in reverse rank order), no new loop."""
+
+    class Reversed(Layout):
+        name = "reversed_test"
+
+        def _positions(self, seqlen, world_size, rank):
+            n = seqlen // world_size
+            rr = world_size - 1 - rank
+            return torch.arange(rr * n, (rr + 1) * n)
+
+        def _tasks(self, rank, src, world_size, s_local):
+            if src == rank:
+                return [BlockTask(slice(0, s_local), slice(0, s_local), True)]
+            if src > rank:  # higher rank = earlier chunk
+                return [BlockTask(slice(0, s_local), slice(0, s_local), False)]
+            return []
+
+    lay = Reversed()
+    for w in (2, 3):
+        count = _coverage(lay, w, 6 * w, True)
+        assert torch.equal(count, torch.tril(torch.ones(6 * w, 6 * w, dtype=torch.int64)))
+        q = torch.randn(1, 6 * w, 2, 8, dtype=torch.float64)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        out, lse = ringseq.simulate_ring(q, k, v, lay, w, causal=True, backend="reference")
+        ref, ref_lse = ringseq.flash_attn_func(q, k, v, causal=True, return_lse=True,
+                                               backend="reference")
+        assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
+    assert "reversed_test" not in LAYOUTS

@@ -7,8 +7,9 @@ Compiles each .cu file once per architecture with the nvcc flags of KERNEL.md pl
 compile, a kernel spills or a kernel has a non-zero stack frame. No GPU is needed.
 
 Successful results are cached under build/cuda_compile_check/, keyed on the hash of the .cu
-file, every header under csrc/, the flags, this script and ``nvcc --version``: a second run in
-an unchanged checkout is instant. Failures are never cached.
+file, the project headers it includes (transitively), the flags, this script and
+``nvcc --version``: a second run in an unchanged checkout is instant. Failures are never
+cached.
 
 Usage: python3 .ci/cuda_compile_check.py [-j N] [--no-cache] [--arch 80 --arch 90]
                                          [--root DIR] [--json PATH] [--nvcc PATH]
@@ -34,7 +35,6 @@ FLAGS = [
     "-DRINGSEQ_WITH_CUDA",
 ]
 PTXAS = ["-Xptxas", "-v,-warn-spills,-Werror"]
-HEADER_EXTS = (".h", ".hpp", ".cuh", ".inc", ".inl")
 CACHE_VERSION = "1"
 
 RE_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'")
@@ -60,6 +60,32 @@ def sha(*parts):
         h.update(p if isinstance(p, bytes) else p.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+RE_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def include_closure(root, rel, search):
+    """Project headers a source reaches through #include "..." (relative to the including
+    file, then the -I directories): the cache key covers exactly these, so editing an
+    unrelated header does not invalidate every entry. System headers are covered by the
+    nvcc version in the key."""
+    seen, todo = set(), [os.path.join(root, rel)]
+    while todo:
+        path = todo.pop()
+        try:
+            text = open(path, encoding="utf-8", errors="replace").read()
+        except OSError:
+            continue
+        for inc in RE_INCLUDE.findall(text):
+            for base in [os.path.dirname(path), *search]:
+                cand = os.path.normpath(os.path.join(base, inc))
+                if os.path.isfile(cand):
+                    if cand not in seen:
+                        seen.add(cand)
+                        todo.append(cand)
+                    break
+    return sorted(seen)
 
 
 def parse_ptxas(text):
@@ -154,16 +180,13 @@ def main(argv=None):
     archs = args.arch or ["80", "90"]
 
     csrc = os.path.join(root, "csrc")
-    sources, headers = [], []
+    sources = []
     for dirpath, _, files in os.walk(csrc):
         for name in files:
             rel = os.path.relpath(os.path.join(dirpath, name), root)
             if name.endswith(".cu"):
                 sources.append(rel)
-            elif name.endswith(HEADER_EXTS):
-                headers.append(rel)
     sources.sort()
-    headers.sort()
     if not sources:
         print("cuda_compile_check: no .cu files under csrc/: nothing to compile, PASS")
         if args.json:
@@ -179,15 +202,13 @@ def main(argv=None):
 
     with open(os.path.abspath(__file__), "rb") as f:
         script_hash = sha(f.read())
-    header_blob = b"".join(rel.encode() + b"\0" + open(os.path.join(root, rel), "rb").read()
-                           for rel in headers)
-    common = sha(CACHE_VERSION, script_hash, version, " ".join(FLAGS + PTXAS + args.flag), header_blob)
+    common = sha(CACHE_VERSION, script_hash, version, " ".join(FLAGS + PTXAS + args.flag))
     cache_dir = os.path.join(root, "build", "cuda_compile_check")
 
     jobs = []
     for rel in sources:
-        with open(os.path.join(root, rel), "rb") as f:
-            src_hash = sha(f.read())
+        deps = [os.path.join(root, rel)] + include_closure(root, rel, [csrc])
+        src_hash = sha(*(os.path.relpath(d, root).encode() + b"\0" + open(d, "rb").read() for d in deps))
         for arch in archs:
             jobs.append((rel, arch, sha(common, rel, src_hash, arch)))
 

@@ -35,6 +35,7 @@ from common import (PeakMemory, attention_flops, environment, format_table, mib,
                     progress, time_ms, write_json)
 
 import ringseq  # noqa: E402
+from ringseq.comm import get_comm  # noqa: E402
 from ringseq.layouts import get_layout  # noqa: E402
 from ringseq.ops import get_backend  # noqa: E402
 
@@ -204,12 +205,15 @@ def run_rank(args, device):
 
 
 def forward_peak(args, device, seqlen, layout):
-    """Peak memory of one ring forward above the rank's baseline (inputs already resident)."""
+    """Peak memory of one ring forward above the rank's baseline (inputs already resident,
+    exchange buffers not yet allocated)."""
     dtype = DTYPES[args.dtype]
     _, (q, k, v) = _inputs(args, device, dtype, seqlen, layout, dist.group.WORLD)
     be = get_backend(args.backend, device, dtype, args.headdim)
     with torch.no_grad():
         ringseq.ring_flash_attn_func(q, k, v, causal=True, layout=layout, backend=be)  # warm-up, consistency check
+        # The ring's exchange buffers are attention memory too: count them in the peak.
+        get_comm(None).release_buffers()
         gc.collect()
         dist.barrier()
         with PeakMemory(device) as mem:

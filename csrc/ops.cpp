@@ -15,8 +15,10 @@
 #include "cpu/flash_cpu.h"
 
 #ifdef RINGSEQ_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+// c10/cuda only: ATen/cuda/CUDAContext.h pulls in cuBLAS/cuSPARSE headers, which minimal CUDA
+// toolkits (and this project's CI) lack.
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include "cuda/flash_api.h"
 #endif
 
@@ -171,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
   } else {
 #ifdef RINGSEQ_WITH_CUDA
     const c10::cuda::CUDAGuard guard(q.device());
-    flash_fwd_cuda(p, at::cuda::getCurrentCUDAStream().stream());
+    flash_fwd_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
 #endif
   }
   return {out, lse};
@@ -239,7 +241,7 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   } else {
 #ifdef RINGSEQ_WITH_CUDA
     const c10::cuda::CUDAGuard guard(q.device());
-    flash_bwd_cuda(p, at::cuda::getCurrentCUDAStream().stream());
+    flash_bwd_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
 #endif
   }
 }

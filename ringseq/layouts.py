@@ -218,7 +218,7 @@ def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 
         return x.clone(memory_format=torch.contiguous_format)
     if isinstance(lay, Contiguous):
         n = seqlen // world_size
-        return x.narrow(dim, rank * n, n).contiguous()
+        return x.narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
     if isinstance(lay, Zigzag):
         c = seqlen // (2 * world_size)
         return torch.cat([x.narrow(dim, rank * c, c),

@@ -66,6 +66,7 @@ def _worker(rank, world_size, port, out_path, fn, args, kwargs, env, pg_timeout_
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
+        result["time"] = time.time()
     tmp = out_path + ".tmp"
     torch.save(result, tmp)
     os.replace(tmp, out_path)
@@ -119,10 +120,13 @@ def run_ranks(fn, world_size, *args, timeout=120.0, env=None, grace=10.0, **kwar
                 results.append(torch.load(paths[r], weights_only=False))
     errors = [res for res in results if "error" in res]
     if errors:
-        # Prefer a rank's own exception over the "killed" note of a rank waiting for it.
+        # The earliest failure is the cause; later ones are usually peers losing it.
         real = [e for e in errors if e["traceback"]] or errors
-        e = real[0]
-        raise RankError(f"rank {e['rank']} of {world_size} failed: {e['error']}\n{e['traceback']}")
+        e = min(real, key=lambda e: e.get("time", float("inf")))
+        summary = "\n".join(f"  rank {x['rank']}: {x['error'].splitlines()[0][:300]}"
+                            for x in errors)
+        raise RankError(f"rank {e['rank']} of {world_size} failed first: {e['error']}\n"
+                        f"{e['traceback']}\nall failures:\n{summary}")
     return [res["value"] for res in results]
 
 

@@ -342,3 +342,163 @@ def test_kernel_math_helpers_match_twins(tmp_path):
             assert v[-1] == 1, line
         checked += 1
     assert checked > 10000
+
+
+# --- lane-level emulation of the backward's warp GEMMs --------------------------------------
+# ldmatrix and mma.m16n8k16 are implemented here from the PTX ISA text (KERNEL.md), not from
+# kernel_math.h; the kernel's address math (ldsm_a/b lane maps, km::swz_step over the
+# km::swz_offset swizzle) and fragment plumbing (c_to_a, the dS^T unpack order) are mirrored
+# line by line from flash_bwd_kernel.cuh. Operand order, .trans choice or a fragment index that
+# is wrong there shows up as a wrong product here.
+
+def _ldsm_a_off(lane, d):
+    return swz_offset((lane & 7) + 8 * ((lane >> 3) & 1), 8 * (lane >> 4), d)
+
+
+def _ldsm_b_off(lane, d):
+    return swz_offset((lane & 7) + 8 * (lane >> 4), 8 * ((lane >> 3) & 1), d)
+
+
+def _ldmatrix_x4(smem, addr, trans):
+    """addr[lane]: element offset of the 8-element row lane supplies (matrix lane // 8).
+    Returns regs[lane][j] = (low, high) halves of the .b32 received from matrix j."""
+    regs = np.zeros((32, 4, 2))
+    for j in range(4):
+        mat = np.array([smem[addr[8 * j + r]: addr[8 * j + r] + 8] for r in range(8)])
+        for lane in range(32):
+            if trans:
+                regs[lane, j] = mat[2 * (lane % 4), lane // 4], mat[2 * (lane % 4) + 1, lane // 4]
+            else:
+                regs[lane, j] = mat[lane // 4, 2 * (lane % 4)], mat[lane // 4, 2 * (lane % 4) + 1]
+    return regs
+
+
+def _mma(c, a, b):
+    """c[lane][4] += A B from fragments: a[lane][4 regs][2 halves], b[lane][2 regs][2 halves]."""
+    am = np.zeros((16, 16))
+    bm = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for h in range(2):
+            am[g, 2 * t + h] = a[lane][0][h]
+            am[g + 8, 2 * t + h] = a[lane][1][h]
+            am[g, 2 * t + 8 + h] = a[lane][2][h]
+            am[g + 8, 2 * t + 8 + h] = a[lane][3][h]
+            bm[2 * t + h, g] = b[lane][0][h]
+            bm[2 * t + 8 + h, g] = b[lane][1][h]
+    cm = am @ bm
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for e in range(4):
+            c[lane][e] += cm[g + 8 * (e >> 1), 2 * t + (e & 1)]
+
+
+def _to_smem(tile, d):
+    smem = np.full(tile.shape[0] * d, np.nan)
+    for r in range(tile.shape[0]):
+        for col in range(d):
+            smem[swz_offset(r, col, d)] = tile[r, col]
+    return smem
+
+
+def _gemm_rows_x_tileT(a_smem, a_row0, b_smem, d, loop=64):
+    acc = np.zeros((loop // 8, 32, 4))
+    for kk in range(d // 16):
+        a = _ldmatrix_x4(a_smem, [swz_step(_ldsm_a_off(l, d), a_row0, kk, d) for l in range(32)], False)
+        for np_ in range(loop // 16):
+            b = _ldmatrix_x4(b_smem, [swz_step(_ldsm_b_off(l, d), 16 * np_, kk, d) for l in range(32)], False)
+            _mma(acc[2 * np_], a, b[:, 0:2])
+            _mma(acc[2 * np_ + 1], a, b[:, 2:4])
+    return acc
+
+
+def _gemm_frag_x_tile(acc, a_frag, b_smem, d, loop=64):
+    for kk in range(loop // 16):
+        for dn in range(d // 16):
+            b = _ldmatrix_x4(b_smem, [swz_step(_ldsm_a_off(l, d), 16 * kk, dn, d) for l in range(32)], True)
+            _mma(acc[2 * dn], a_frag[kk], b[:, 0:2])
+            _mma(acc[2 * dn + 1], a_frag[kk], b[:, 2:4])
+
+
+def _c_to_a(c):
+    """c[tile j][lane][4] -> a[k-step][lane][4 regs][2 halves], as the kernel's c_to_a."""
+    a = np.zeros((c.shape[0] // 2, 32, 4, 2))
+    for kk in range(c.shape[0] // 2):
+        a[kk, :, 0] = c[2 * kk][:, 0:2]
+        a[kk, :, 1] = c[2 * kk][:, 2:4]
+        a[kk, :, 2] = c[2 * kk + 1][:, 0:2]
+        a[kk, :, 3] = c[2 * kk + 1][:, 2:4]
+    return a
+
+
+def _gather(c):
+    """C fragments of n8 tiles -> the 16 x (8 * tiles) matrix."""
+    m = np.zeros((16, 8 * c.shape[0]))
+    for j in range(c.shape[0]):
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for e in range(4):
+                m[g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1)] = c[j][lane][e]
+    return m
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("warp_row", [0, 16, 48])
+def test_lane_level_dkdv_step(d, warp_row):
+    """One step of the dK/dV kernel for one warp: S^T = K Q^T, P^T, dV += P^T dO,
+    dP^T = V dO^T, dS^T = P^T (dP^T - delta) through the packed P^T, dK += dS^T Q."""
+    rng = np.random.default_rng(d + warp_row)
+    own, loop, scale = 64, 64, d ** -0.5
+    k, v = rng.standard_normal((2, own, d))
+    q, do = rng.standard_normal((2, loop, d))
+    lse = rng.standard_normal(loop) + 3.0
+    delta = rng.standard_normal(loop)
+    ks, vs, qs, dos = (_to_smem(x, d) for x in (k, v, q, do))
+
+    pt = _gemm_rows_x_tileT(ks, warp_row, qs, d)
+    for j in range(pt.shape[0]):
+        for lane in range(32):
+            for e in range(4):
+                col = 8 * j + 2 * (lane % 4) + (e & 1)
+                pt[j][lane][e] = np.exp2(pt[j][lane][e] * scale * LOG2E - lse[col] * LOG2E)
+    a = _c_to_a(pt)
+    acc_dv = np.zeros((d // 8, 32, 4))
+    _gemm_frag_x_tile(acc_dv, a, dos, d)
+    dst = _gemm_rows_x_tileT(vs, warp_row, dos, d)
+    for kk in range(loop // 16):
+        for lane in range(32):
+            for r in range(4):
+                j, e0 = 2 * kk + (r >> 1), 2 * (r & 1)
+                col = 8 * j + 2 * (lane % 4)
+                pv = a[kk][lane][r]
+                dst[j][lane][e0] = pv[0] * (dst[j][lane][e0] - delta[col])
+                dst[j][lane][e0 + 1] = pv[1] * (dst[j][lane][e0 + 1] - delta[col + 1])
+    a = _c_to_a(dst)
+    acc_dk = np.zeros((d // 8, 32, 4))
+    _gemm_frag_x_tile(acc_dk, a, qs, d)
+
+    kw, vw = k[warp_row:warp_row + 16], v[warp_row:warp_row + 16]
+    p_t = np.exp(kw @ q.T * scale - lse[None, :])
+    ds_t = p_t * (vw @ do.T - delta[None, :])
+    np.testing.assert_allclose(_gather(pt), p_t, rtol=1e-12)
+    np.testing.assert_allclose(_gather(acc_dv), p_t @ do, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(_gather(acc_dk), ds_t @ q, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_lane_level_dq_step(d):
+    """One step of the dQ kernel for one warp: S = Q K^T, dP = dO V^T, dQ += dS K."""
+    rng = np.random.default_rng(7 * d)
+    own, loop, warp_row = 128, 64, 112
+    q, do = rng.standard_normal((2, own, d))
+    k, v = rng.standard_normal((2, loop, d))
+    qs, dos, ks, vs = (_to_smem(x, d) for x in (q, do, k, v))
+    s = _gemm_rows_x_tileT(qs, warp_row, ks, d)
+    dp = _gemm_rows_x_tileT(dos, warp_row, vs, d)
+    ds = s * dp  # any elementwise map keeps the fragment positions; the product checks both
+    acc = np.zeros((d // 8, 32, 4))
+    _gemm_frag_x_tile(acc, _c_to_a(ds), ks, d)
+    qw, dow = q[warp_row:warp_row + 16], do[warp_row:warp_row + 16]
+    np.testing.assert_allclose(_gather(s), qw @ k.T, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(_gather(dp), dow @ v.T, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(_gather(acc), ((qw @ k.T) * (dow @ v.T)) @ k, rtol=1e-10, atol=1e-10)

@@ -23,6 +23,15 @@ def acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def case_floor(dtype, ref):
+    """The design's absolute floor, plus a few rounding units of the accumulation type at the
+    size of the case's values: where plain attention happens to be exact (one visible key:
+    dS = dP - delta cancels to 0 in its formulation), the kernel's dP and the binding's delta
+    still round differently at that scale."""
+    mag = max(float(t[torch.isfinite(t)].abs().max()) if t.numel() else 0.0 for t in ref)
+    return default_floor(dtype) + 4 * torch.finfo(acc_dtype(dtype)).eps * max(mag, 1.0)
+
+
 def make(shape, dtype, layout, gen):
     """A (b, s, h, d) tensor in the given layout: "contig", "slice" (a window of a longer
     sequence) or "transposed" (a transposed view of a (b, h, s, d) tensor)."""
@@ -42,8 +51,8 @@ def make_inputs(b, s_q, s_k, h, h_kv, d, dtype, layout, seed=0):
     k = make((b, s_k, h_kv, d), dtype, layout, gen)
     v = make((b, s_k, h_kv, d), dtype, layout, gen)
     dout = make((b, s_q, h, d), dtype, layout, gen)
-    if layout != "contig" and min(s_q, s_k) > 1:  # size-1 dims make any view contiguous
-        assert not q.is_contiguous() and not k.is_contiguous()
+    if layout != "contig":  # a view into a larger or permuted buffer, not a fresh tensor
+        assert q._base is not None and k._base is not None
     return q, k, v, dout
 
 
@@ -82,9 +91,9 @@ def test_fwd_bwd_and_bwd_accum_match_reference(case):
     b, s_q, s_k, h, h_kv, d, causal, dtype, layout = case
     q, k, v, dout = make_inputs(b, s_q, s_k, h, h_kv, d, dtype, layout)
     scale = d ** -0.5
-    floor = default_floor(dtype)
     ref = reference_grads(q, k, v, dout, scale, causal, dtype=torch.float64)
     plain = reference_grads(q, k, v, dout, scale, causal, dtype=dtype)
+    floor = case_floor(dtype, ref)
 
     out, lse = ops.fwd(q, k, v, scale, causal)
     assert out.dtype == dtype and lse.dtype == acc_dtype(dtype)
@@ -105,8 +114,7 @@ def test_fwd_bwd_and_bwd_accum_match_reference(case):
     ops.bwd_accum(dout, q, k, v, out, lse, scale, causal, None, *bufs)
     for name, buf, start, i in zip(("dq", "dk", "dv"), bufs, init, (2, 3, 4)):
         added = buf.double() - start.double()
-        assert_close_per_design(added, ref[i], plain[i], name + "_accum", factor=3,
-                                floor=floor + 4 * torch.finfo(acc).eps)
+        assert_close_per_design(added, ref[i], plain[i], name + "_accum", factor=3, floor=floor)
 
 
 @pytest.mark.parametrize("d", [1, 3, 40, 200, 512])
@@ -115,12 +123,13 @@ def test_any_head_dim(d):
     scale = 0.3
     ref = reference_grads(q, k, v, dout, scale, True)
     plain = reference_grads(q, k, v, dout, scale, True, dtype=f32)
+    floor = case_floor(f32, ref)
     out, lse = ops.fwd(q, k, v, scale, True)
-    assert_close_per_design(out, ref[0], plain[0], "out", floor=1e-6)
-    assert_close_per_design(lse, ref[1], plain[1], "lse", floor=1e-6)
+    assert_close_per_design(out, ref[0], plain[0], "out", floor=floor)
+    assert_close_per_design(lse, ref[1], plain[1], "lse", floor=floor)
     grads = ops.bwd(dout, q, k, v, out, lse, scale, True)
     for name, got, i in zip(("dq", "dk", "dv"), grads, (2, 3, 4)):
-        assert_close_per_design(got, ref[i], plain[i], name, factor=3, floor=1e-6)
+        assert_close_per_design(got, ref[i], plain[i], name, factor=3, floor=floor)
 
 
 @pytest.mark.parametrize("dtype", [f32, bf16, f64])
@@ -200,7 +209,7 @@ def test_blockwise_backward_with_global_out_lse_sums_to_full(causal, dtype):
     plain = reference_grads(q, k, v, dout, scale, causal, dtype=dtype)
     for name, got, i in zip(("dq", "dk", "dv"), (dq, dk, dv), (2, 3, 4)):
         assert_close_per_design(got.double(), ref[i], plain[i], name, factor=3,
-                                floor=default_floor(dtype))
+                                floor=case_floor(dtype, ref))
 
 
 def test_gqa_equals_expanded_heads():

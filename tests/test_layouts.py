@@ -51,12 +51,11 @@ def test_shard_is_differentiable_and_copies():
     expected[positions_local(12, "zigzag", 3, 1)] = 1
     assert torch.equal(x.grad[0, :, 0], expected)
     # a shard never aliases the input, whatever the layout and world size
+    before = x.detach().clone()
     for name in NAMES:
-        for w in (1, 2):
-            p = shard_local(x.detach(), name, w, 0)
-            assert p.data_ptr() != x.data_ptr() or w > 1 and name != "contiguous"
-            p.add_(1)
-    assert torch.isfinite(x).all()
+        for w in (1, 2, 3):
+            shard_local(x.detach(), name, w, 0).add_(1)
+    assert torch.equal(x.detach(), before)
 
 
 @pytest.mark.parametrize("name,w,bad,multiple", [

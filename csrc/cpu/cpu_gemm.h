@@ -80,18 +80,14 @@ inline void micro_kernel(int64_t K, const T* __restrict__ A, int64_t lda, const 
                          T* __restrict__ C, int64_t ldc, bool accumulate) {
   constexpr int64_t VW = kVW<T>;
   using V = vec_t<T>;
+  // Accumulation starts from zero and C is added at the end: a long reduction that spans many
+  // tiles (dK/dV over all query tiles, O and dQ over all key tiles) becomes a sum of per-tile
+  // partial sums, whose float32 rounding error grows with the tile length, not the sequence.
   V acc[MR][NR];
-  if (accumulate) {
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m)
+  for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-      for (int n = 0; n < NR; ++n) acc[m][n] = vload(C + m * ldc + n * VW);
-  } else {
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-      for (int n = 0; n < NR; ++n) acc[m][n] = V{};
-  }
+    for (int n = 0; n < NR; ++n) acc[m][n] = V{};
   for (int64_t k = 0; k < K; ++k) {
     V b[NR];
 #pragma GCC unroll 4
@@ -102,6 +98,12 @@ inline void micro_kernel(int64_t K, const T* __restrict__ A, int64_t lda, const 
 #pragma GCC unroll 4
       for (int n = 0; n < NR; ++n) acc[m][n] += b[n] * a;
     }
+  }
+  if (accumulate) {
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int n = 0; n < NR; ++n) acc[m][n] += vload(C + m * ldc + n * VW);
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)

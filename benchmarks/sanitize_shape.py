@@ -1,0 +1,66 @@
+"""One small forward + backward through the CUDA kernels, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck  python benchmarks/sanitize_shape.py
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_shape.py
+
+b=1, h=2, h_kv=1 (GQA), s=200 (ragged: not a multiple of any tile), causal, every head dim,
+dtype and tile configuration the kernels have (fwd, bwd and bwd_accum), plus one
+s_q != s_k shape where some rows see no key. Small on purpose: the sanitizer slows kernels
+down by orders of magnitude. Exits non-zero when a result is not finite.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def one(dtype, d, cfg, s_q, s_k, causal, gen):
+    import ringseq  # noqa: F401  (registers torch.ops.ringseq.*)
+
+    def rnd(*shape):
+        return torch.randn(shape, device="cuda", generator=gen).to(dtype)
+
+    q, dout = rnd(1, s_q, 2, d), rnd(1, s_q, 2, d)
+    k, v = rnd(1, s_k, 1, d), rnd(1, s_k, 1, d)
+    scale = d ** -0.5
+    out, lse = torch.ops.ringseq.fwd(q, k, v, scale, causal, cfg)
+    dq, dk, dv = torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, None, cfg)
+    acc = [torch.zeros(t.shape, device="cuda") for t in (q, k, v)]
+    torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, causal, None, *acc, cfg)
+    torch.cuda.synchronize()
+    bad = [name for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv),
+                                ("dq_accum", acc[0]), ("dk_accum", acc[1]), ("dv_accum", acc[2]))
+           if not torch.isfinite(t).all()]
+    if not torch.isfinite(lse[~torch.isneginf(lse)]).all():
+        bad.append("lse")
+    return bad
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="only bf16, d=64, both tile configs")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sanitize_shape: no CUDA device", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16]
+    dims = [64] if args.quick else [64, 128]
+    failures = []
+    for dtype in dtypes:
+        for d in dims:
+            for cfg in (0, 1):
+                for s_q, s_k, causal in ((200, 200, True), (200, 77, True)):
+                    bad = one(dtype, d, cfg, s_q, s_k, causal, gen)
+                    tag = f"{str(dtype).replace('torch.', '')} d={d} cfg={cfg} s_q={s_q} s_k={s_k}"
+                    print(f"sanitize_shape: {tag}: {'non-finite ' + ','.join(bad) if bad else 'ok'}",
+                          flush=True)
+                    if bad:
+                        failures.append(tag)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -110,7 +110,8 @@ def cpu_flags():
 def extension():
     with_cuda, reason = want_cuda()
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-std=c++17", "-fopenmp", *cpu_flags()]
+    # torch >= 2.14's headers require C++20 (kernels compiled by nvcc stay C++17: no torch there).
+    cxx = ["-O3", "-std=c++20", "-fopenmp", *cpu_flags()]
     define_macros = []
     extra_link_args = ["-fopenmp"]
     nvcc = []

@@ -68,11 +68,12 @@ def _build_cases():
         cases.append(c)
     # the long lengths at W=4, one case each
     cases += [
-        dict(w=4, layout="contiguous", causal=True, heads=(8, 2), dtype=torch.float32, d=32,
+        # (few heads: the float64 reference of a 3.8k sequence costs ~1 s per head here)
+        dict(w=4, layout="contiguous", causal=True, heads=(4, 1), dtype=torch.float32, d=32,
              b=1, s=3816, seed=7, backend=None, entry_points=False),
-        dict(w=4, layout="zigzag", causal=True, heads=(8, 1), dtype=torch.bfloat16, d=32,
+        dict(w=4, layout="zigzag", causal=True, heads=(2, 1), dtype=torch.bfloat16, d=32,
              b=1, s=3824, seed=8, backend=None, entry_points=False),
-        dict(w=4, layout="stripe", causal=True, heads=(5, 5), dtype=torch.float16, d=32,
+        dict(w=4, layout="stripe", causal=True, heads=(2, 2), dtype=torch.float16, d=32,
              b=1, s=3824, seed=9, backend=None, entry_points=False),
     ]
     # the other block backends run the same loops
@@ -122,6 +123,9 @@ def _fwd_bwd(fn, q, k, v, dout):
 def _ring_cases_worker(cases):
     results = []
     for case in cases:
+        if case.get("kind") == "grad_comm":
+            results.append(_grad_comm_job(case))
+            continue
         lay = case["layout"]
         q, k, v, dout = (ringseq.shard(t, lay) for t in _inputs(case))
         kw = dict(causal=case["causal"], layout=lay, backend=case["backend"])
@@ -201,7 +205,7 @@ _REFS: dict = {}
 
 def _results_for(w):
     if w not in _RESULTS:
-        cases = [c for c in CASES if c["w"] == w]
+        cases = [c for c in CASES if c["w"] == w] + [c for c in EXTRA_JOBS if c["w"] == w]
         try:
             per_rank = run_ranks(_ring_cases_worker, w, cases, timeout=240)
         except RankError as exc:
@@ -265,10 +269,12 @@ def test_case_list_is_pairwise_and_small():
 
 # ---------------------------------------------------------------- grad_comm_dtype
 GRAD_COMM_CASE = dict(w=4, layout="zigzag", causal=True, heads=(8, 2), dtype=torch.bfloat16,
-                      d=64, b=1, s=4 * 96, seed=21, backend=None)
+                      d=64, b=1, s=4 * 96, seed=21, backend=None, kind="grad_comm",
+                      id="grad_comm")
+EXTRA_JOBS = [GRAD_COMM_CASE]  # run inside the spawn of their world size
 
 
-def _grad_comm_worker(case):
+def _grad_comm_job(case):
     lay = case["layout"]
     q, k, v, dout = (ringseq.shard(t, lay) for t in _inputs(case))
     out = {}
@@ -286,7 +292,9 @@ def test_grad_comm_dtype_accuracy_cost():
     tensor (one bf16 rounding, relative 2**-8 at most, of a partial sum no larger than the
     total per hop) -- and it stays within DESIGN.md's 3x-of-plain-bf16 rule here."""
     case = GRAD_COMM_CASE
-    per_rank = run_ranks(_grad_comm_worker, case["w"], case, timeout=120)
+    cases, results = _results_for(case["w"])
+    idx = [c["id"] for c in cases].index(case["id"])
+    per_rank = [res[idx] for res in results]
     q, k, v, dout = _inputs(case)
     ref = _reference(q, k, v, dout, case["causal"], torch.float64)
     plain = _reference(q, k, v, dout, case["causal"], case["dtype"])

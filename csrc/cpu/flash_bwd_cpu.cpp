@@ -79,7 +79,8 @@ void bwd_dkdv(const BwdCtx<in_t>& c) {
   constexpr int64_t VW = kVW<T>;
   const AttnShape& sh = c.sh;
   const int64_t d = c.d, dpad = c.dpad;
-  const int64_t bm = kBlockM, bm_pad = round_up(bm, VW), bn = block_n(d);
+  const int64_t bm = kBlockM, bm_pad = round_up(bm, VW);
+  const int64_t bn = getenv("RS_BN1") ? atoi(getenv("RS_BN1")) : block_n(d);
   const int64_t ntiles = (sh.seqlen_k + bn - 1) / bn;
   const int64_t nbh = sh.batch * sh.nheads_kv;
 

@@ -183,6 +183,14 @@ if [ -n "$CUDA_INC_EXTRA" ]; then
   echo "== [env] toolkit has no cusparse.h: CPATH += $CUDA_INC_EXTRA (headers of torch's nvidia wheels)"
 fi
 
+# Newer torch headers need C++20 (std::strong_ordering, string_view::starts_with), and torch's
+# own extension default says so; a -std=c++17 in setup.py's host flags would then fail the
+# build. RINGSEQ_CPU_FLAGS is appended after setup.py's flags, so the last -std wins.
+if "$PY" -c "import inspect, sys, torch.utils.cpp_extension as c; sys.exit(0 if '-std=c++20' in inspect.getsource(c) else 1)" 2>/dev/null; then
+  export RINGSEQ_CPU_FLAGS="${RINGSEQ_CPU_FLAGS--march=native} -std=c++20"
+  echo "== [env] torch builds extensions as C++20: RINGSEQ_CPU_FLAGS='$RINGSEQ_CPU_FLAGS'"
+fi
+
 # ---------------------------------------------------------------- plan
 BUILD_CMD=(bash -c "RINGSEQ_CUDA=1 '$PY' -m pip install --no-build-isolation --no-deps --no-index -e . \
 || { echo 'pip install -e failed; falling back to setup.py build_ext --inplace'; RINGSEQ_CUDA=1 '$PY' setup.py build_ext --inplace; } \

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ringseq._C  # noqa: F401  (registers torch.ops.ringseq)
-from utils import assert_close_per_design, default_floor, reference_grads
+from utils import assert_close_per_design, reference_grads, scaled_floor
 
 f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 ops = torch.ops.ringseq
@@ -24,12 +24,8 @@ def acc_dtype(dtype):
 
 
 def case_floor(dtype, ref):
-    """The design's absolute floor, plus a few rounding units of the accumulation type at the
-    size of the case's values: where plain attention happens to be exact (one visible key:
-    dS = dP - delta cancels to 0 in its formulation), the kernel's dP and the binding's delta
-    still round differently at that scale."""
-    mag = max(float(t[torch.isfinite(t)].abs().max()) if t.numel() else 0.0 for t in ref)
-    return default_floor(dtype) + 4 * torch.finfo(acc_dtype(dtype)).eps * max(mag, 1.0)
+    """The design floor plus a few ulps at the scale of the case's values (see scaled_floor)."""
+    return scaled_floor(dtype, *ref)
 
 
 def make(shape, dtype, layout, gen):

@@ -21,7 +21,8 @@ import ringseq
 from ringseq.layouts import get_layout, shard_local
 
 from dist_utils import RankError, run_ranks
-from utils import assert_close_per_design, default_floor, max_err, reference_grads
+from utils import (assert_close_per_design, attention_reference, default_floor, max_err,
+                   reference_grads)
 
 LAYOUTS = ["contiguous", "zigzag", "stripe"]
 HEADS = [(8, 2), (8, 1), (5, 5)]
@@ -356,6 +357,19 @@ def _errors_worker():
     ref = ringseq.flash_attn_func(*full, causal=True, backend="reference")
     out["after_errors_err"] = max_err(o, ringseq.shard(ref, "zigzag"))
 
+    # gradients flowing through lse as well as out (float64, zigzag causal)
+    fq, fk, fv = (t.clone().requires_grad_() for t in full)
+    ro, rl = attention_reference(fq, fk, fv, causal=True)
+    wl = torch.linspace(-1, 1, s, dtype=torch.float64)
+    (ro.sum() + (rl * wl).sum()).backward()
+    lq, lk, lv = (t.clone().requires_grad_() for t in loc)
+    o, lse = ringseq.ring_flash_attn_func(lq, lk, lv, causal=True, layout="zigzag",
+                                          return_lse=True, backend="reference")
+    (o.sum() + (lse * ringseq.shard(wl, "zigzag", dim=0)).sum()).backward()
+    out["lse_grad_err"] = max(max_err(a, ringseq.shard(b, "zigzag"))
+                              for a, b in ((lq.grad, fq.grad), (lk.grad, fk.grad),
+                                           (lv.grad, fv.grad)))
+
     # how often the check communicates, per mode
     calls = {"n": 0}
     real = dist.all_gather
@@ -410,6 +424,7 @@ def test_errors_reach_every_rank_and_the_ring_survives():
         assert o["bad_layout"].startswith("ValueError") and "unknown layout" in o["bad_layout"]
         assert o["bad_gcd"].startswith("ValueError") and "grad_comm_dtype" in o["bad_gcd"]
         assert o["after_errors_err"] < 1e-12
+        assert o["lse_grad_err"] < 1e-10, o["lse_grad_err"]
         # first call per signature, cached; "always" each call; off never
         assert o["check_counts"] == [1, 0, 1, 1, 0], o["check_counts"]
         for lay in LAYOUTS:

@@ -71,3 +71,19 @@ def assert_close_per_design(actual, reference64, plain, name="tensor", factor=2.
 def default_floor(dtype):
     """Small absolute floor per dtype for the tolerance rule."""
     return {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}[dtype]
+
+
+def scaled_floor(dtype, *references, ulps=4):
+    """default_floor(dtype) plus `ulps` rounding units of the accumulation type (float64 for
+    float64 inputs, float32 otherwise) at the largest finite magnitude of `references` (at
+    least 1). Needed where plain attention is exact or nearly so by luck (one visible key:
+    dS = dP - delta cancels to 0 in its formulation; a short float32 sum happening to round
+    well) while any other correct summation order is a few ulps off at the scale of the
+    values, which a fixed absolute 1e-6 cannot absorb for values of size ~5."""
+    mag = 1.0
+    for t in references:
+        finite = t[torch.isfinite(t)]
+        if finite.numel():
+            mag = max(mag, float(finite.abs().max()))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return default_floor(dtype) + ulps * torch.finfo(acc).eps * mag

@@ -2,13 +2,14 @@
 //
 // Why our own: the BLAS that torch links is not reachable from an extension in a portable way
 // (the cpublas overloads that call it are hidden symbols), and attention tiles are small
-// (K = headdim or one key tile), where a packed micro-kernel that keeps the whole C block in
+// (K = headdim or one key tile), where a micro-kernel that keeps the whole C block in
 // registers is as fast as a library call and needs no per-call dispatch or threading logic.
 //
-// Layout: C (M x N, row-major, ldc) (+)= A (M x K, row-major, lda) * B, where B is "packed":
-// N is cut into panels of kPanel = 2 vectors (the last panel may be one vector), and each
-// panel is stored as K rows of its width, contiguous. Packing pads N up to a multiple of one
-// vector with zeros, so the kernel never needs a column tail.
+// Layout: C (M x N, row-major) (+)= A (M x K, any strides) * B (K x N, row-major). N is cut
+// into panels of 2 vectors (the last may be one) and padded to whole vectors by the callers,
+// so the kernel never needs a column tail. The attention kernels arrange their tiles so that
+// the operand that changes in the inner loop is A (read in place, strided) and B is a tile
+// transposed once per outer iteration: nothing is packed in the inner loops.
 #pragma once
 
 #include <algorithm>
@@ -68,16 +69,13 @@ inline void vstore(T* p, vec_t<T> v) {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Width (in elements) of panel `p` of a packed operand with padded width `npad`.
-template <typename T>
-inline int64_t panel_width(int64_t npad, int64_t col0) {
-  return std::min<int64_t>(2 * kVW<T>, npad - col0);
-}
-
-// C[MR x NR vectors] (+)= A[MR x K] * Bpanel[K x NR vectors].
+// C[MR x NR vectors] (+)= A[MR x K] * B[K x NR vectors]. A is read by scalar broadcasts at any
+// strides (element (m, k) at A[m * sa_m + k * sa_k]), so a transposed A costs nothing; B is
+// row-major with row stride ldb.
 template <typename T, int MR, int NR>
-inline void micro_kernel(int64_t K, const T* __restrict__ A, int64_t lda, const T* __restrict__ B,
-                         T* __restrict__ C, int64_t ldc, bool accumulate) {
+inline void micro_kernel(int64_t K, const T* __restrict__ A, int64_t sa_m, int64_t sa_k,
+                         const T* __restrict__ B, int64_t ldb, T* __restrict__ C, int64_t ldc,
+                         bool accumulate) {
   constexpr int64_t VW = kVW<T>;
   using V = vec_t<T>;
   // Accumulation starts from zero and C is added at the end: a long reduction that spans many
@@ -91,12 +89,13 @@ inline void micro_kernel(int64_t K, const T* __restrict__ A, int64_t lda, const 
   for (int64_t k = 0; k < K; ++k) {
     V b[NR];
 #pragma GCC unroll 4
-    for (int n = 0; n < NR; ++n) b[n] = vload(B + k * NR * VW + n * VW);
+    for (int n = 0; n < NR; ++n) b[n] = vload(B + k * ldb + n * VW);
+    const T* a = A + k * sa_k;
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
-      const T a = A[m * lda + k];
+      const T am = a[m * sa_m];
 #pragma GCC unroll 4
-      for (int n = 0; n < NR; ++n) acc[m][n] += b[n] * a;
+      for (int n = 0; n < NR; ++n) acc[m][n] += b[n] * am;
     }
   }
   if (accumulate) {
@@ -112,22 +111,23 @@ inline void micro_kernel(int64_t K, const T* __restrict__ A, int64_t lda, const 
 }
 
 template <typename T, int NR, int MR = kMR>
-inline void micro_rows(int64_t rows, int64_t K, const T* A, int64_t lda, const T* B, T* C,
-                       int64_t ldc, bool accumulate) {
+inline void micro_rows(int64_t rows, int64_t K, const T* A, int64_t sa_m, int64_t sa_k,
+                       const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      micro_kernel<T, MR, NR>(K, A, lda, B, C, ldc, accumulate);
+      micro_kernel<T, MR, NR>(K, A, sa_m, sa_k, B, ldb, C, ldc, accumulate);
     } else {
-      micro_rows<T, NR, MR - 1>(rows, K, A, lda, B, C, ldc, accumulate);
+      micro_rows<T, NR, MR - 1>(rows, K, A, sa_m, sa_k, B, ldb, C, ldc, accumulate);
     }
   }
 }
 
-// C (M x npad) (+)= A (M x K) * Bpacked (K x npad); npad is a multiple of one vector and
-// C's row stride ldc >= npad.
+// C (M x npad) (+)= A (M x K, strides sa_m, sa_k) * B (K x npad, row stride ldb). npad is a
+// multiple of one vector: callers keep B and C padded to whole vectors (padding columns of C
+// get whatever the padding columns of B give and are never read back as results).
 template <typename T>
-inline void gemm_packed(int64_t M, int64_t npad, int64_t K, const T* A, int64_t lda,
-                        const T* Bp, T* C, int64_t ldc, bool accumulate) {
+inline void gemm(int64_t M, int64_t npad, int64_t K, const T* A, int64_t sa_m, int64_t sa_k,
+                 const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate) {
   constexpr int64_t VW = kVW<T>;
   if (K == 0) {
     if (!accumulate)
@@ -135,57 +135,17 @@ inline void gemm_packed(int64_t M, int64_t npad, int64_t K, const T* A, int64_t 
     return;
   }
   for (int64_t c0 = 0; c0 < npad; c0 += 2 * VW) {
-    const int64_t w = panel_width<T>(npad, c0);
-    const T* B = Bp + c0 * K;  // earlier panels are all full width
+    const bool wide = npad - c0 >= 2 * VW;
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int64_t rows = std::min<int64_t>(kMR, M - m0);
-      if (w == 2 * VW) {
-        micro_rows<T, 2>(rows, K, A + m0 * lda, lda, B, C + m0 * ldc + c0, ldc, accumulate);
+      const T* a = A + m0 * sa_m;
+      T* c = C + m0 * ldc + c0;
+      if (wide) {
+        micro_rows<T, 2>(rows, K, a, sa_m, sa_k, B + c0, ldb, c, ldc, accumulate);
       } else {
-        micro_rows<T, 1>(rows, K, A + m0 * lda, lda, B, C + m0 * ldc + c0, ldc, accumulate);
+        micro_rows<T, 1>(rows, K, a, sa_m, sa_k, B + c0, ldb, c, ldc, accumulate);
       }
     }
-  }
-}
-
-// Packs `rows` x `cols` of src (row-major, element (r, c) at src[r * ld + c]) as B with
-// K = rows and N = cols: dst receives K x npad in panels. Converts to T and multiplies by
-// `scale`. Columns past `cols` are zero.
-template <typename T, typename in_t>
-inline void pack_b_rows(const in_t* src, int64_t ld, int64_t rows, int64_t cols, T scale,
-                        T* dst) {
-  constexpr int64_t VW = kVW<T>;
-  const int64_t npad = round_up(cols, VW);
-  for (int64_t c0 = 0; c0 < npad; c0 += 2 * VW) {
-    const int64_t w = panel_width<T>(npad, c0);
-    const int64_t valid = std::min<int64_t>(w, cols - c0);
-    T* panel = dst + c0 * rows;
-    for (int64_t r = 0; r < rows; ++r) {
-      const in_t* s = src + r * ld + c0;
-      T* o = panel + r * w;
-      for (int64_t c = 0; c < valid; ++c) o[c] = static_cast<T>(s[c]) * scale;
-      for (int64_t c = valid; c < w; ++c) o[c] = T(0);
-    }
-  }
-}
-
-// Packs the transpose: B = srcᵀ, where src is `n` rows (the future N) of `k` contiguous
-// elements (the future K), row stride ld. dst receives K x npad (npad = n rounded up).
-template <typename T, typename in_t>
-inline void pack_b_transposed(const in_t* src, int64_t ld, int64_t n, int64_t k, T scale,
-                              T* dst) {
-  constexpr int64_t VW = kVW<T>;
-  const int64_t npad = round_up(n, VW);
-  for (int64_t c0 = 0; c0 < npad; c0 += 2 * VW) {
-    const int64_t w = panel_width<T>(npad, c0);
-    const int64_t valid = std::min<int64_t>(w, n - c0);
-    T* panel = dst + c0 * k;
-    for (int64_t c = 0; c < valid; ++c) {
-      const in_t* s = src + (c0 + c) * ld;
-      for (int64_t kk = 0; kk < k; ++kk) panel[kk * w + c] = static_cast<T>(s[kk]) * scale;
-    }
-    for (int64_t c = valid; c < w; ++c)
-      for (int64_t kk = 0; kk < k; ++kk) panel[kk * w + c] = T(0);
   }
 }
 

@@ -43,73 +43,29 @@ inline vec_t<float> exp_vec(vec_t<float> x) {
   return t_raw < lo ? V{} : res;
 }
 
-// x[i] = exp(x[i] - sub) for i < n, returns the sum. `sub` is finite.
-inline float exp_sub_sum(float* x, int64_t n, float sub) {
-  using V = vec_t<float>;
-  constexpr int64_t VW = kVW<float>;
-  V acc = V{};
-  int64_t i = 0;
-  for (; i + VW <= n; i += VW) {
-    const V e = exp_vec(vload(x + i) - sub);
-    vstore(x + i, e);
-    acc += e;
-  }
-  float s = 0.f;
-  for (int64_t l = 0; l < VW; ++l) s += acc[l];
-  if (i < n) {
-    alignas(64) float tail[VW];
-    for (int64_t l = 0; l < VW; ++l) tail[l] = i + l < n ? x[i + l] - sub : kNegInf<float>;
-    const V e = exp_vec(vload(tail));
-    for (int64_t l = 0; i + l < n; ++l) {
-      x[i + l] = e[l];
-      s += e[l];
-    }
-  }
-  return s;
-}
-
-// float64 inputs are for accuracy, not speed: libm exp.
-inline double exp_sub_sum(double* x, int64_t n, double sub) {
-  double s = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - sub);
-    s += x[i];
-  }
-  return s;
-}
-
-// Element-wise exp(x[i] - sub[i]) in place (sub[i] may be +inf, giving 0).
-inline void exp_sub_vec(float* x, const float* sub, int64_t n) {
-  constexpr int64_t VW = kVW<float>;
-  int64_t i = 0;
-  for (; i + VW <= n; i += VW) vstore(x + i, exp_vec(vload(x + i) - vload(sub + i)));
-  for (; i < n; ++i) x[i] = std::exp(x[i] - sub[i]);
-}
-inline void exp_sub_vec(double* x, const double* sub, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - sub[i]);
+// float64 inputs are for accuracy, not speed: libm exp per lane.
+inline vec_t<double> exp_vec(vec_t<double> x) {
+  vec_t<double> r;
+  for (int64_t l = 0; l < kVW<double>; ++l) r[l] = std::exp(x[l]);
+  return r;
 }
 
 template <typename T>
-inline T row_max(const T* x, int64_t n) {
-  using V = vec_t<T>;
-  constexpr int64_t VW = kVW<T>;
-  int64_t i = 0;
-  T m = kNegInf<T>;
-  if (n >= VW) {
-    V acc = vload(x);
-    for (i = VW; i + VW <= n; i += VW) {
-      const V v = vload(x + i);
-      acc = v > acc ? v : acc;
-    }
-    for (int64_t l = 0; l < VW; ++l) m = acc[l] > m ? acc[l] : m;
-  }
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
+inline vec_t<T> vmax(vec_t<T> a, vec_t<T> b) {
+  return a > b ? a : b;
 }
 
+// Element-wise over whole vectors (n is a multiple of kVW<T>):
+// x = exp(x - sub), where sub is one value per column (+inf gives 0).
 template <typename T>
-inline void scale_row(T* x, int64_t n, T s) {
-  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+inline void exp_sub_cols(T* x, const T* sub, int64_t n) {
+  for (int64_t i = 0; i < n; i += kVW<T>) vstore(x + i, exp_vec(vload(x + i) - vload(sub + i)));
+}
+
+// x = exp(x - sub) for one scalar sub (+inf gives 0).
+template <typename T>
+inline void exp_sub_scalar(T* x, T sub, int64_t n) {
+  for (int64_t i = 0; i < n; i += kVW<T>) vstore(x + i, exp_vec(vload(x + i) - sub));
 }
 
 }  // namespace cpu

@@ -15,10 +15,11 @@ using namespace cpu;
 template <typename in_t>
 void fwd_impl(const FwdParams& p) {
   using T = typename AccType<in_t>::type;
+  using V = vec_t<T>;
   constexpr int64_t VW = kVW<T>;
   const AttnShape& sh = p.shape;
-  const int64_t d = sh.headdim, dpad = round_up(d, VW);
-  const int64_t bm = kBlockM, bn = block_n(d), bn_pad = round_up(bn, VW);
+  const int64_t d = sh.headdim;
+  const int64_t bm = kBlockM, bm_pad = round_up(bm, VW), bn = block_n(d);
   const int64_t group = sh.nheads / sh.nheads_kv;
   const int64_t offset = sh.seqlen_k - sh.seqlen_q;  // causal: key j visible iff j <= i + offset
   const int64_t ntiles = (sh.seqlen_q + bm - 1) / bm;
@@ -31,13 +32,18 @@ void fwd_impl(const FwdParams& p) {
   in_t* out = static_cast<in_t*>(p.out);
   T* lse = static_cast<T*>(p.lse);
 
+  // Tiles are kept transposed (one column per query): Sᵀ = K·Qᵀ and Oᵀ += Vᵀ·Pᵀ take the
+  // key/value tile as the strided A operand in place, and Qᵀ is built once per query tile,
+  // so the inner loop packs nothing; the softmax reductions over keys become element-wise
+  // vector operations down the rows of Sᵀ.
   struct State {
-    Scratch<T> qs, kt, vp, s, o, m, l;
+    Scratch<T> qt, kbuf, vbuf, st, ot, m_run, m_use, alpha, l, lsum;
   };
   auto make_state = [&] {
-    return State{Scratch<T>(bm * d),      Scratch<T>(d * bn_pad), Scratch<T>(bn * dpad),
-                 Scratch<T>(bm * bn_pad), Scratch<T>(bm * dpad), Scratch<T>(bm),
-                 Scratch<T>(bm)};
+    return State{Scratch<T>(d * bm_pad), Scratch<T>(bn * d),      Scratch<T>(bn * d),
+                 Scratch<T>(bn * bm_pad), Scratch<T>(d * bm_pad), Scratch<T>(bm_pad),
+                 Scratch<T>(bm_pad),      Scratch<T>(bm_pad),     Scratch<T>(bm_pad),
+                 Scratch<T>(bm_pad)};
   };
 
   auto work = [&](State& st, int64_t item) {
@@ -46,58 +52,75 @@ void fwd_impl(const FwdParams& p) {
     const int64_t bh = item % nbh;
     const int64_t b = bh / sh.nheads, h = bh % sh.nheads, hk = h / group;
     const int64_t r0 = tile * bm, rows = std::min(bm, sh.seqlen_q - r0);
+    const int64_t mpad = round_up(rows, VW);
     const int64_t kv_end =
         sh.causal ? std::clamp<int64_t>(r0 + rows + offset, 0, sh.seqlen_k) : sh.seqlen_k;
 
-    T* qs = st.qs.get();
-    T* kt = st.kt.get();
-    T* vp = st.vp.get();
-    T* s = st.s.get();
-    T* o = st.o.get();
-    T* m = st.m.get();
-    T* l = st.l.get();
+    T *qt = st.qt.get(), *s = st.st.get(), *ot = st.ot.get();
+    T *m_run = st.m_run.get(), *m_use = st.m_use.get(), *alpha = st.alpha.get();
+    T *l = st.l.get(), *lsum = st.lsum.get();
 
-    load_rows(row_ptr(q, p.q_strides, b, r0, h), p.q_strides.row, rows, d, scale, qs, d);
-    std::fill(m, m + rows, kNegInf<T>);
-    std::fill(l, l + rows, T(0));
-    std::fill(o, o + rows * dpad, T(0));
+    load_transposed(row_ptr(q, p.q_strides, b, r0, h), p.q_strides.row, rows, d, scale, qt,
+                    bm_pad, mpad);
+    std::fill(m_run, m_run + mpad, kNegInf<T>);
+    std::fill(l, l + mpad, T(0));
+    for (int64_t c = 0; c < d; ++c) std::fill(ot + c * bm_pad, ot + c * bm_pad + mpad, T(0));
 
     for (int64_t c0 = 0; c0 < kv_end; c0 += bn) {
-      const int64_t n = std::min(bn, kv_end - c0), npad = round_up(n, VW);
-      pack_b_transposed(row_ptr(k, p.k_strides, b, c0, hk), p.k_strides.row, n, d, T(1), kt);
-      gemm_packed(rows, npad, d, qs, d, kt, s, bn_pad, /*accumulate=*/false);
-      pack_b_rows(row_ptr(v, p.v_strides, b, c0, hk), p.v_strides.row, n, d, T(1), vp);
-      for (int64_t r = 0; r < rows; ++r) {
-        T* srow = s + r * bn_pad;
-        const int64_t nv =
-            sh.causal ? std::clamp<int64_t>(r0 + r + offset - c0 + 1, 0, n) : n;
-        if (nv > 0) {
-          const T m_new = std::max(m[r], row_max(srow, nv));
-          // m[r] == -inf means nothing was accumulated yet (o and l are 0).
-          const T alpha = m[r] == kNegInf<T> ? T(0) : std::exp(m[r] - m_new);
-          const T sum = exp_sub_sum(srow, nv, m_new);
-          if (alpha != T(1)) {
-            l[r] *= alpha;
-            scale_row(o + r * dpad, dpad, alpha);
-          }
-          l[r] += sum;
-          m[r] = m_new;
+      const int64_t n = std::min(bn, kv_end - c0);
+      int64_t ldk, ldv;
+      const T* kt = rows_as(row_ptr(k, p.k_strides, b, c0, hk), p.k_strides.row, n, d,
+                            st.kbuf.get(), ldk);
+      const T* vt = rows_as(row_ptr(v, p.v_strides, b, c0, hk), p.v_strides.row, n, d,
+                            st.vbuf.get(), ldv);
+      gemm(n, mpad, d, kt, ldk, 1, qt, bm_pad, s, bm_pad, /*accumulate=*/false);  // Sᵀ
+      if (sh.causal && c0 + n - 1 > r0 + offset) {
+        // Key c0 + j is hidden from queries r0 + i with i < c0 + j - offset - r0.
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t lo = std::clamp<int64_t>(c0 + j - offset - r0, 0, mpad);
+          std::fill(s + j * bm_pad, s + j * bm_pad + lo, kNegInf<T>);
         }
-        std::fill(srow + nv, srow + n, T(0));
       }
-      gemm_packed(rows, dpad, n, s, bn_pad, vp, o, dpad, /*accumulate=*/true);
+      for (int64_t i = 0; i < mpad; i += VW) {
+        V mx = vload(m_run + i);
+        for (int64_t j = 0; j < n; ++j) mx = vmax<T>(mx, vload(s + j * bm_pad + i));
+        const V old = vload(m_run + i);
+        // A query that has seen no key yet keeps m = -inf; subtracting 0 instead keeps
+        // exp(-inf - m) = 0 and avoids (-inf) - (-inf).
+        const V mu = mx == kNegInf<T> ? V{} : mx;
+        vstore(m_run + i, mx);
+        vstore(m_use + i, mu);
+        vstore(alpha + i, exp_vec(old - mu));
+        vstore(lsum + i, V{});
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        T* row = s + j * bm_pad;
+        for (int64_t i = 0; i < mpad; i += VW) {
+          const V e = exp_vec(vload(row + i) - vload(m_use + i));
+          vstore(row + i, e);
+          vstore(lsum + i, vload(lsum + i) + e);
+        }
+      }
+      for (int64_t i = 0; i < mpad; i += VW)
+        vstore(l + i, vload(l + i) * vload(alpha + i) + vload(lsum + i));
+      for (int64_t c = 0; c < d; ++c)
+        for (int64_t i = 0; i < mpad; i += VW)
+          vstore(ot + c * bm_pad + i, vload(ot + c * bm_pad + i) * vload(alpha + i));
+      gemm(d, mpad, n, vt, 1, ldv, s, bm_pad, ot, bm_pad, /*accumulate=*/true);  // Oᵀ += Vᵀ Pᵀ
     }
 
-    in_t* out_rows = row_ptr(out, p.out_strides, b, r0, h);
     T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + r0;
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < mpad; ++i) {
       // A row that saw no key (or only zero weights) gives out = 0 and lse = -inf.
-      const bool empty = !(l[r] > T(0));
-      const T inv = empty ? T(0) : T(1) / l[r];
-      store_rows(o + r * dpad, dpad, 1, d, inv, out_rows + r * p.out_strides.row,
-                 p.out_strides.row, /*accumulate=*/false);
-      lse_rows[r] = empty ? kNegInf<T> : m[r] + std::log(l[r]);
+      const bool empty = !(l[i] > T(0));
+      if (i < rows) lse_rows[i] = empty ? kNegInf<T> : m_run[i] + std::log(l[i]);
+      alpha[i] = empty ? T(0) : T(1) / l[i];
     }
+    for (int64_t c = 0; c < d; ++c)
+      for (int64_t i = 0; i < mpad; i += VW)
+        vstore(ot + c * bm_pad + i, vload(ot + c * bm_pad + i) * vload(alpha + i));
+    store_transposed(ot, bm_pad, rows, d, T(1), row_ptr(out, p.out_strides, b, r0, h),
+                     p.out_strides.row, /*accumulate=*/false);
   };
 
   run_items(ntiles * nbh, make_state, work);

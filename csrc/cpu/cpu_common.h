@@ -59,8 +59,8 @@ inline void load_rows(const in_t* src, int64_t ld, int64_t rows, int64_t d, T sc
 }
 
 // A tile of `rows` x `d` as a GEMM A operand in T: the input itself when it already is T
-// (read in place through its row stride), else a converted copy in `buf`. Returns the
-// pointer and sets `ld` to its row stride.
+// (read in place through its row stride; a compacting copy measured no faster), else a
+// converted copy in `buf`. Returns the pointer and sets `ld` to its row stride.
 template <typename T, typename in_t>
 inline const T* rows_as(const in_t* src, int64_t src_ld, int64_t rows, int64_t d, T* buf,
                         int64_t& ld) {
@@ -112,7 +112,8 @@ struct Scratch {
   explicit Scratch(int64_t n) {
     const size_t bytes = round_up(std::max<int64_t>(n, 1) * static_cast<int64_t>(sizeof(T)), 64);
     buf.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
-    TORCH_CHECK(buf != nullptr, "ringseq CPU kernel: out of memory for ", bytes, " bytes of scratch");
+    TORCH_CHECK(buf != nullptr, "ringseq CPU kernel: out of memory for ", bytes,
+                " bytes of scratch");
   }
   T* get() const { return buf.get(); }
 };

@@ -1,4 +1,4 @@
-// Vectorized exp and the per-row softmax pieces of the CPU attention kernels.
+// Vectorized exp and element-wise softmax pieces of the CPU attention kernels.
 #pragma once
 
 #include <cmath>
@@ -13,34 +13,35 @@ namespace cpu {
 template <typename T>
 constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
-// exp(x) for float lanes: 2^t with t = x·log2(e), split as 2^n · 2^f, |f| <= 1/2, and 2^f from
-// a degree-7 Taylor polynomial (truncation error < 1e-8 relative, so the result is within a
-// couple of ulp of std::exp). Results below 2^-126 flush to 0, which also maps -inf to 0.
-// Rounding to nearest uses the 1.5·2^23 trick, so this file must not be built with
-// -ffast-math (which would fold (t + c) - c away).
+// exp(x) for float lanes: x = n·ln2 + r with integer n and |r| <= ln2/2, exp(r) from its
+// degree-7 Taylor polynomial (truncation < 6e-9 relative) and 2^n put into the exponent bits.
+// ln2 is split in two (Cody-Waite) so that r stays exact for large |x|; the result is within
+// ~2 ulp of the correctly rounded exp. x > 88 saturates at exp(88) (attention only feeds
+// x <= 0, or barely above 0 with a global lse). Results below 2^-126 (x < -87.3) flush to 0,
+// which also maps -inf to 0; NaN propagates. Rounding to nearest uses the 1.5·2^23 trick, so this
+// code must not be built with -ffast-math (which would fold (t + c) - c away).
 inline vec_t<float> exp_vec(vec_t<float> x) {
   using V = vec_t<float>;
   using VI = Vec<float>::itype;
-  const V t_raw = x * 1.4426950408889634f;
-  const V lo = V{} - 126.0f, hi = V{} + 127.0f;
-  V t = t_raw < lo ? lo : t_raw;
-  t = t > hi ? hi : t;
+  const V lo = V{} - 87.33654475f, hi = V{} + 88.0f;  // 2^-126 and just below 2^127
+  V xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
   const V magic = V{} + 12582912.0f;  // 1.5 * 2^23
-  const V r = t + magic;
-  const VI n = (VI)r - (VI)magic;
-  const V f = t - (r - magic);
-  // Taylor coefficients of 2^f = e^(f ln 2): (ln 2)^k / k!
-  V p = V{} + 1.5252733804059841e-05f;
-  p = p * f + 1.5403530393381608e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.6181291076284772e-03f;
-  p = p * f + 5.5504108664821580e-02f;
-  p = p * f + 2.4022650695910071e-01f;
-  p = p * f + 6.9314718055994531e-01f;
-  p = p * f + 1.0f;
+  const V nr = xc * 1.44269504088896341f + magic;
+  const V nf = nr - magic;
+  const VI n = (VI)nr - (VI)magic;
+  const V r = (xc - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
+  V p = V{} + 1.9841269841269841e-04f;  // 1/7!
+  p = p * r + 1.3888888888888889e-03f;
+  p = p * r + 8.3333333333333333e-03f;
+  p = p * r + 4.1666666666666667e-02f;
+  p = p * r + 1.6666666666666667e-01f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
   const V two_n = (V)((n + 127) << 23);
   const V res = p * two_n;
-  return t_raw < lo ? V{} : res;
+  return x < lo ? V{} : res;
 }
 
 // float64 inputs are for accuracy, not speed: libm exp per lane.

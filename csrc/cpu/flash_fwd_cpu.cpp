@@ -1,6 +1,6 @@
 // CPU forward: tiled online softmax. One work item is (batch, head, tile of kBlockM query rows);
-// it streams the visible key tiles through packed K/V buffers and keeps the running max, sum
-// and output of its rows in per-thread scratch, so extra memory is O(threads x tile).
+// it streams the visible key tiles and keeps the running max, sum and output of its rows in
+// per-thread scratch, so extra memory is O(threads x tile).
 #include "flash_cpu.h"
 
 #include "cpu_common.h"

@@ -47,8 +47,12 @@ struct FwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
-  void* out = nullptr;   // (b, s_q, h, d), element type `dtype`
+  void* out = nullptr;   // (b, s_q, h, d), element type `dtype` (accumulation type if accumulate)
   void* lse = nullptr;   // (b, h, s_q), float64 for kFloat64 inputs, float32 otherwise
+  // accumulate == true: out/lse already hold a running (out, lse) pair (rows with lse = -inf
+  // hold nothing) and the kernel merges this block into them exactly, in place. This is the
+  // ring's merge without a block-sized temporary.
+  bool accumulate = false;
   RowStrides q_strides, k_strides, v_strides, out_strides;
   StatStrides lse_strides;
   int config = 0;        // CUDA tile configuration (0 = default); ignored on CPU

@@ -179,6 +179,33 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
   return {out, lse};
 }
 
+void fwd_accum(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               double softmax_scale, bool causal, const at::Tensor& out_acc,
+               const at::Tensor& lse_acc, int64_t tile_config) {
+  const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal);
+  check_like(out_acc, "out_acc", q, "q", accum_type(q.scalar_type()));
+  check_stat(lse_acc, "lse_acc", q);
+  if (q.numel() == 0 || shape.seqlen_k == 0) return;  // no key: nothing to merge
+  TORCH_CHECK_NOT_IMPLEMENTED(q.is_cpu(), "ringseq::fwd_accum runs on CPU tensors; on ", q.device(),
+                              " call ringseq::fwd and merge (ringseq's backends do this)");
+  FwdParams p;
+  p.shape = shape;
+  p.dtype = to_dtype(q.scalar_type());
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out_acc.data_ptr();
+  p.lse = lse_acc.data_ptr();
+  p.q_strides = row_strides(q);
+  p.k_strides = row_strides(k);
+  p.v_strides = row_strides(v);
+  p.out_strides = row_strides(out_acc);
+  p.lse_strides = stat_strides(lse_acc);
+  p.accumulate = true;
+  p.config = static_cast<int>(tile_config);
+  flash_fwd_cpu(p);
+}
+
 // Shared by bwd (fresh gradients in the input dtype) and bwd_accum (added into accumulators).
 void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
               const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
@@ -276,6 +303,12 @@ TORCH_LIBRARY(ringseq, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int tile_config=0)"
       " -> (Tensor out, Tensor lse)");
+  // Merges this block into a running (out_acc, lse_acc) pair in place (accumulation dtype):
+  // lse' = log(exp(lse_acc) + exp(lse_b)), out' = weighted sum; rows with lse_acc = -inf hold
+  // nothing yet. The ring's forward step without a block-sized temporary.
+  m.def(
+      "fwd_accum(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal,"
+      " Tensor(a!) out_acc, Tensor(b!) lse_acc, int tile_config=0) -> ()");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale,"
       " bool causal, Tensor? delta=None, int tile_config=0) -> (Tensor dq, Tensor dk, Tensor dv)");
@@ -287,6 +320,7 @@ TORCH_LIBRARY(ringseq, m) {
 
 TORCH_LIBRARY_IMPL(ringseq, CPU, m) {
   m.impl("fwd", &fwd);
+  m.impl("fwd_accum", &fwd_accum);
   m.impl("bwd", &bwd);
   m.impl("bwd_accum", &bwd_accum);
 }
@@ -294,6 +328,7 @@ TORCH_LIBRARY_IMPL(ringseq, CPU, m) {
 #ifdef RINGSEQ_WITH_CUDA
 TORCH_LIBRARY_IMPL(ringseq, CUDA, m) {
   m.impl("fwd", &fwd);
+  m.impl("fwd_accum", &fwd_accum);
   m.impl("bwd", &bwd);
   m.impl("bwd_accum", &bwd_accum);
 }

@@ -47,21 +47,6 @@ def _view(buf: torch.Tensor, offset: int, shape, dtype) -> torch.Tensor:
     return buf[offset:offset + n].view(dtype).view(shape)
 
 
-def _merge_(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, l_b: torch.Tensor) -> None:
-    """Merges a block result into running (out, lse) in place.
-
-    out (b, sq, h, d) and lse (b, h, sq) in the accumulation dtype (views allowed); o_b in the
-    input dtype, l_b in the accumulation dtype. Max-shifted form: with l' = logaddexp(l, l_b),
-    out' = exp(l - l')·out + exp(l_b - l')·o_b. Two -inf rows give l' = -inf and NaN weights,
-    which are zeroed so the row stays out = 0, lse = -inf.
-    """
-    new = torch.logaddexp(lse, l_b)  # (b, h, sq)
-    w = torch.exp(lse - new).nan_to_num_(0.0).transpose(1, 2).unsqueeze(-1)  # (b, sq, h, 1)
-    w_b = torch.exp(l_b - new).nan_to_num_(0.0).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w).addcmul_(o_b, w_b)
-    lse.copy_(new)
-
-
 def _ring_forward(q, k, v, scale: float, schedule: Sequence[List[BlockTask]], comm: RingComm,
                   be):
     """Returns (out in the accumulation dtype, lse) for this rank's q rows."""
@@ -90,14 +75,17 @@ def _ring_forward(q, k, v, scale: float, schedule: Sequence[List[BlockTask]], co
         # Step 0 computes on the caller's k/v: for W == 1 no buffer is touched at all.
         kk, vv = (k, v) if i == 0 else (kv_bufs[i % 2][0], kv_bufs[i % 2][1])
         for j, t in enumerate(schedule[i]):
-            o_b, l_b = be.fwd(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal)
             if take_first and i == 0 and j == 0:
                 # Fresh kernel outputs become the accumulators: no fill, no merge, and no copy
                 # at all when the input dtype is the accumulation dtype.
+                o_b, l_b = be.fwd(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal)
                 out = o_b.to(acc)
                 lse = l_b.to(acc)
             else:
-                _merge_(out[:, t.q], lse[:, :, t.q], o_b, l_b)
+                # The backend merges in place (our CPU kernel resumes its online softmax from
+                # the running pair, so no block-sized temporary is made).
+                be.fwd_accum(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal, out[:, t.q],
+                             lse[:, :, t.q])
         if pending is not None:
             pending.wait()
     return out, lse

@@ -221,3 +221,75 @@ def test_property_random_shapes(b, s_q, s_k, h_kv, group, d, causal, dtype, seed
     for name, got, r, p, factor in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref,
                                        plain, (2, 2, 3, 3, 3)):
         assert_close_per_design(got, r, p, name, factor, scaled_floor(dtype, r))
+
+
+# ---------------------------------------------------------------- fwd_accum: the ring's merge
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_accum_over_key_blocks_equals_one_call(backend, dtype, causal):
+    """Merging key blocks one by one into a running (out, lse) gives attention over all keys.
+
+    Causal blocks use bottom-right alignment, so block j of keys [a, b) for queries that sit at
+    the end of the sequence is the causal pair (q, k[:, :b]) restricted to [a, b): here the
+    blocks are disjoint key ranges of a full (non-causal) problem, plus one causal diagonal."""
+    if backend == "ringseq" and not extension_available():
+        pytest.skip("ringseq._C is not built")
+    be = get_backend(backend, "cpu", dtype, 24)
+    q, k, v = qkv(b=2, s_q=50, s_k=50, h=6, h_kv=2, d=24, dtype=dtype, seed=3)
+    acc = be.accum_dtype(dtype)
+    out = torch.full((2, 50, 6, 24), float("nan"), dtype=acc)  # garbage where lse = -inf
+    lse = torch.full((2, 6, 50), float("-inf"), dtype=acc)
+    # keys [0, 20) fully visible to queries [20, 50); keys [20, 50) causal for those queries
+    be.fwd_accum(q[:, 20:], k[:, :20], v[:, :20], 0.3, False, out[:, 20:], lse[:, :, 20:])
+    be.fwd_accum(q[:, 20:], k[:, 20:], v[:, 20:], 0.3, causal, out[:, 20:], lse[:, :, 20:])
+    be.fwd_accum(q[:, :20], k[:, :20], v[:, :20], 0.3, causal, out[:, :20], lse[:, :, :20])
+    # the same keys in one call each
+    if causal:
+        want_o, want_l = plain_reference_split(q, k, v)
+    else:
+        want_o, want_l = [t.to(acc) for t in
+                          ringseq.flash_attn_func(q.double(), k.double(), v.double(), 0.3, False,
+                                                  True, "reference")]
+        # queries [0, 20) only saw keys [0, 20) in the non-causal run above
+        o2, l2 = ringseq.flash_attn_func(q[:, :20].double(), k[:, :20].double(),
+                                         v[:, :20].double(), 0.3, False, True, "reference")
+        want_o[:, :20], want_l[:, :, :20] = o2.to(acc), l2.to(acc)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out, want_o.to(acc), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, want_l.to(acc), rtol=tol, atol=tol)
+
+
+def plain_reference_split(q, k, v):
+    """float64 (out, lse) of the causal pattern above: queries [0, 20) see keys [0, i];
+    queries [20, 50) see keys [0, 20) and, causally, keys [20, i]."""
+    qd, kd, vd = q.double(), k.double(), v.double()
+    h, h_kv = q.shape[2], k.shape[2]
+    kd = kd.repeat_interleave(h // h_kv, 2)
+    vd = vd.repeat_interleave(h // h_kv, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * 0.3
+    i = torch.arange(50)[:, None]
+    j = torch.arange(50)[None, :]
+    s = s.masked_fill(j > i, float("-inf"))  # both parts reduce to the plain causal mask
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vd), lse
+
+
+@needs_ext
+def test_fwd_accum_keeps_rows_whose_block_sees_nothing():
+    """A causal block with s_q > s_k leaves its first rows untouched (they see no key)."""
+    q, k, v = qkv(b=1, s_q=30, s_k=10, h=2, h_kv=2, d=8)
+    out0 = torch.randn(1, 30, 2, 8)
+    lse0 = torch.randn(1, 2, 30)
+    out, lse = out0.clone(), lse0.clone()
+    torch.ops.ringseq.fwd_accum(q, k, v, 0.5, True, out, lse)
+    assert torch.equal(out[:, :20], out0[:, :20]) and torch.equal(lse[:, :, :20], lse0[:, :, :20])
+    assert not torch.equal(out[:, 20:], out0[:, 20:])
+
+
+@needs_ext
+def test_opcheck_fwd_accum():
+    q, k, v = qkv(b=1, s_q=19, s_k=23, h=4, h_kv=2, d=8)
+    out = torch.randn(1, 19, 4, 8)
+    lse = torch.randn(1, 4, 19)
+    torch.library.opcheck(torch.ops.ringseq.fwd_accum.default, (q, k, v, 0.3, True, out, lse))

@@ -29,7 +29,10 @@ void fwd_impl(const FwdParams& p) {
   const in_t* q = static_cast<const in_t*>(p.q);
   const in_t* k = static_cast<const in_t*>(p.k);
   const in_t* v = static_cast<const in_t*>(p.v);
-  in_t* out = static_cast<in_t*>(p.out);
+  // Accumulate mode: out/lse hold a running (out, lse) pair in T, read and then rewritten.
+  const bool merge = p.accumulate;
+  in_t* out = merge ? nullptr : static_cast<in_t*>(p.out);
+  T* out_acc = merge ? static_cast<T*>(p.out) : nullptr;
   T* lse = static_cast<T*>(p.lse);
 
   // Tiles are kept transposed (one column per query): Sᵀ = K·Qᵀ and Oᵀ += Vᵀ·Pᵀ take the
@@ -62,9 +65,25 @@ void fwd_impl(const FwdParams& p) {
 
     load_transposed(row_ptr(q, p.q_strides, b, r0, h), p.q_strides.row, rows, d, scale, qt,
                     bm_pad, mpad);
-    std::fill(m_run, m_run + mpad, kNegInf<T>);
-    std::fill(l, l + mpad, T(0));
-    for (int64_t c = 0; c < d; ++c) std::fill(ot + c * bm_pad, ot + c * bm_pad + mpad, T(0));
+    T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + r0;
+    if (merge) {
+      // Resuming the online softmax from a running (out, lse) is the exact merge: with
+      // m = lse_old the old rows carry weight exp(lse_old - m) = 1, so l = 1 and O = out_old.
+      load_transposed(row_ptr(out_acc, p.out_strides, b, r0, h), p.out_strides.row, rows, d,
+                      T(1), ot, bm_pad, mpad);
+      for (int64_t i = 0; i < mpad; ++i) {
+        const bool seen = i < rows && lse_rows[i] > kNegInf<T>;
+        m_run[i] = seen ? lse_rows[i] : kNegInf<T>;
+        l[i] = seen ? T(1) : T(0);
+        // A row without mass so far contributes nothing, whatever its out holds.
+        if (!seen)
+          for (int64_t c = 0; c < d; ++c) ot[c * bm_pad + i] = T(0);
+      }
+    } else {
+      std::fill(m_run, m_run + mpad, kNegInf<T>);
+      std::fill(l, l + mpad, T(0));
+      for (int64_t c = 0; c < d; ++c) std::fill(ot + c * bm_pad, ot + c * bm_pad + mpad, T(0));
+    }
 
     for (int64_t c0 = 0; c0 < kv_end; c0 += bn) {
       const int64_t n = std::min(bn, kv_end - c0);
@@ -109,7 +128,6 @@ void fwd_impl(const FwdParams& p) {
       gemm(d, mpad, n, vt, 1, ldv, s, bm_pad, ot, bm_pad, /*accumulate=*/true);  // Oᵀ += Vᵀ Pᵀ
     }
 
-    T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + r0;
     for (int64_t i = 0; i < mpad; ++i) {
       // A row that saw no key (or only zero weights) gives out = 0 and lse = -inf.
       const bool empty = !(l[i] > T(0));
@@ -119,8 +137,12 @@ void fwd_impl(const FwdParams& p) {
     for (int64_t c = 0; c < d; ++c)
       for (int64_t i = 0; i < mpad; i += VW)
         vstore(ot + c * bm_pad + i, vload(ot + c * bm_pad + i) * vload(alpha + i));
-    store_transposed(ot, bm_pad, rows, d, T(1), row_ptr(out, p.out_strides, b, r0, h),
-                     p.out_strides.row, /*accumulate=*/false);
+    if (merge)
+      store_transposed(ot, bm_pad, rows, d, T(1), row_ptr(out_acc, p.out_strides, b, r0, h),
+                       p.out_strides.row, /*accumulate=*/false);
+    else
+      store_transposed(ot, bm_pad, rows, d, T(1), row_ptr(out, p.out_strides, b, r0, h),
+                       p.out_strides.row, /*accumulate=*/false);
   };
 
   run_items(ntiles * nbh, make_state, work);

@@ -83,6 +83,7 @@ void dispatch(DType dtype, int64_t headdim, Fn&& fn) {
 
 void flash_fwd_cuda(const FwdParams& p, cudaStream_t stream) {
   check_shape(p.shape, p.dtype, p.config);
+  if (p.accumulate) invalid("the forward kernel has no accumulate (merge) mode yet");
   if (p.shape.batch == 0 || p.shape.seqlen_q == 0 || p.shape.nheads == 0) return;
   check_rows_aligned(p.q, p.q_strides, "q");
   check_rows_aligned(p.k, p.k_strides, "k");

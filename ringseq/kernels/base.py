@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .checks import accum_dtype, check_qkv, default_scale, no_key_rows
+from .merge import merge_into
 
 
 class AttentionBackend:
@@ -52,6 +53,15 @@ class AttentionBackend:
             lse = torch.full((b, h, s_q), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
             return out, lse
         return self._fwd(q, k, v, scale, bool(causal))
+
+    def fwd_accum(self, q, k, v, softmax_scale, causal, out_acc, lse_acc) -> None:
+        """Merges this block's attention into a running (out_acc, lse_acc) in place.
+
+        out_acc (b, s_q, h, d) and lse_acc (b, h, s_q) in the accumulation dtype (views
+        allowed); rows with lse_acc = -inf hold nothing yet. Default: fwd, then merge_into.
+        """
+        o_b, l_b = self.fwd(q, k, v, softmax_scale, causal)
+        merge_into(out_acc, lse_acc, o_b, l_b)
 
     def bwd(self, dout, q, k, v, out, lse, softmax_scale=None, causal=False, delta=None):
         """Returns ``(dq, dk, dv)`` in the input dtype."""

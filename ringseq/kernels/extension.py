@@ -2,6 +2,7 @@
 
 Operators (csrc/ops.cpp):
   fwd(q, k, v, softmax_scale, causal, tile_config=0) -> (out, lse)
+  fwd_accum(q, k, v, softmax_scale, causal, out_acc!, lse_acc!, tile_config=0) -> ()   (CPU)
   bwd(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0) -> (dq, dk, dv)
   bwd_accum(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum!, dk_accum!,
             dv_accum!, tile_config=0) -> ()
@@ -45,6 +46,10 @@ if _C is not None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
         return out, lse
+
+    @torch.library.register_fake("ringseq::fwd_accum")
+    def _fwd_accum_fake(q, k, v, softmax_scale, causal, out_acc, lse_acc, tile_config=0):
+        return None
 
     @torch.library.register_fake("ringseq::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0):
@@ -105,6 +110,13 @@ class ExtensionBackend(AttentionBackend):
 
     def _fwd(self, q, k, v, scale, causal):
         return torch.ops.ringseq.fwd(q, k, v, scale, causal, self.tile_config)
+
+    def fwd_accum(self, q, k, v, softmax_scale, causal, out_acc, lse_acc) -> None:
+        if q.device.type != "cpu":  # the CUDA kernel has no merge mode yet
+            return super().fwd_accum(q, k, v, softmax_scale, causal, out_acc, lse_acc)
+        self._check(q, k, v)
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        torch.ops.ringseq.fwd_accum(q, k, v, scale, bool(causal), out_acc, lse_acc, self.tile_config)
 
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
         return torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, delta, self.tile_config)

@@ -73,6 +73,26 @@ class PeakMemory:
         return False
 
 
+def _pin_malloc_to_mmap():
+    """Makes glibc serve large blocks with mmap and give them back on free, so that the
+    resident-set high-water mark of a call reflects what it allocated rather than what an
+    earlier call left cached in the heap (glibc otherwise raises its mmap threshold
+    dynamically and keeps freed blocks resident)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 1 << 17)
+        libc.mallopt(m_trim_threshold, 1 << 17)
+    except (OSError, AttributeError):
+        pass
+
+
+if sys.platform.startswith("linux"):
+    _pin_malloc_to_mmap()
+
+
 def _status_kb(field):
     with open("/proc/self/status") as f:
         for line in f:

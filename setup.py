@@ -125,7 +125,9 @@ def extension():
             "-DRINGSEQ_WITH_CUDA",
         ]
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            nvcc += ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
+            # SASS for sm_80 and sm_90, plus compute_90 PTX that newer GPUs JIT-compile.
+            nvcc += ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+                     "-gencode", "arch=compute_90,code=compute_90"]
         print(f"ringseq: building CPU and CUDA kernels ({reason})")
         ext_cls = cpp_extension.CUDAExtension
     else:

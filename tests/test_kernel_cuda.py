@@ -67,7 +67,7 @@ def _inputs(s_q, s_k, d, dtype, gen, strided=False, b=B, h=H, h_kv=H_KV):
         return (_randn((b, s_q, h, d), dtype, gen), _randn((b, s_k, h_kv, d), dtype, gen),
                 _randn((b, s_k, h_kv, d), dtype, gen), _randn((b, s_q, h, d), dtype, gen))
     q = _randn((b, s_q, h + 3, d), dtype, gen)[:, :, 1:h + 1]                # padded heads
-    k = _randn((b, h_kv, s_k, d), dtype, gen).transpose(1, 2)                  # head-major
+    k = _randn((b, h_kv, s_k, 2 * d), dtype, gen)[..., :d].transpose(1, 2)     # head-major, padded
     v = _randn((b, s_k + 5, h_kv, d), dtype, gen)[:, 5:]                       # offset rows
     dout = _randn((b, s_q, h, 2 * d), dtype, gen)[..., d:]                     # wide rows
     assert not q.is_contiguous() and not k.is_contiguous() and not dout.is_contiguous()
@@ -130,6 +130,25 @@ def test_fwd_bwd_match_float64_reference(dtype, d, causal, s_q, s_k):
         _check(f"dv (cfg {cfg})", dv, r_dv, p_dv, 3.0, dtype)
         if no_key.any():
             assert (dq.transpose(1, 2)[no_key] == 0).all(), "rows with no key must get dq = 0"
+
+
+@pytest.mark.parametrize("d", HEADDIMS, ids=[f"d{d}" for d in HEADDIMS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_mha_with_explicit_scale(dtype, d):
+    """h == h_kv and a softmax_scale other than d**-0.5: the scale enters once in out, lse,
+    dq and dk (a doubled or missing scale shows up here and not with the default)."""
+    scale = 0.3
+    for cfg in TILE_CONFIGS:
+        q, k, v, dout = _inputs(1000, 1000, d, dtype, _gen("mha", dtype, d, cfg), h=4, h_kv=4)
+        r_out, r_lse, r_dq, r_dk, r_dv = reference_grads(q, k, v, dout, scale, True, torch.float64)
+        p_out, p_lse, p_dq, p_dk, p_dv = reference_grads(q, k, v, dout, scale, True, dtype)
+        out, lse = _fwd(q, k, v, scale, True, cfg)
+        _check(f"out (cfg {cfg})", out, r_out, p_out, 2.0, dtype)
+        _check(f"lse (cfg {cfg})", lse, r_lse, p_lse, 2.0, dtype)
+        dq, dk, dv = _bwd(dout, q, k, v, out, lse, scale, True, cfg)
+        _check(f"dq (cfg {cfg})", dq, r_dq, p_dq, 3.0, dtype)
+        _check(f"dk (cfg {cfg})", dk, r_dk, p_dk, 3.0, dtype)
+        _check(f"dv (cfg {cfg})", dv, r_dv, p_dv, 3.0, dtype)
 
 
 @pytest.mark.parametrize("s_q,s_k", [(128, 128), (1000, 1000), (1000, 128), (200, 4096)])

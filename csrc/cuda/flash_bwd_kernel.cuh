@@ -491,7 +491,15 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
 // Explicitly instantiated once per (head dim, element type) in flash_bwd_hdim*_*.cu.
 template <int kHeadDim, typename Element>
 void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
-  if (params.config == 1) {
+  // Config 0 needs up to ~129 KB of shared memory per CTA: more than sm_86/sm_89 can opt in
+  // to (~99 KB). There the conservative tiles run instead of a failed launch.
+  using Fast = bwd::Cfg<kHeadDim, 8>;
+  int device = 0, smem_optin = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute(max shared memory per block, opt-in)");
+  const bool fast_fits = smem_optin >= Fast::kSmemDkdv && smem_optin >= Fast::kSmemDq;
+  if (params.config == 1 || !fast_fits) {
     bwd::launch_bwd<kHeadDim, 4, Element>(params, stream);
   } else {
     bwd::launch_bwd<kHeadDim, 8, Element>(params, stream);

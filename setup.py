@@ -157,7 +157,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "einops"],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "numpy"],  # numpy: the lane-level CUDA emulation tests
         "flash": ["flash-attn"],
         "hf": ["transformers"],
         "plot": ["matplotlib"],

@@ -141,19 +141,11 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, c
   check_last_dim_contiguous(t, name);
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, double softmax_scale, bool causal,
-                                       int64_t tile_config) {
-  const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal);
-  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);  // (b, s_q, h, d)
-  auto lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
-                       q.options().dtype(accum_type(q.scalar_type())));  // (b, h, s_q)
-  if (out.numel() == 0) return {out, lse};
-  if (shape.seqlen_k == 0) {  // no key at all: every row sees nothing
-    out.zero_();
-    lse.fill_(-std::numeric_limits<double>::infinity());
-    return {out, lse};
-  }
+// Fills the forward params and runs the kernel of q's device. accumulate: out/lse hold a
+// running (out, lse) pair in the accumulation dtype that the kernel merges this block into.
+void run_fwd(const AttnShape& shape, const at::Tensor& q, const at::Tensor& k,
+             const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool accumulate,
+             int64_t tile_config) {
   FwdParams p;
   p.shape = shape;
   p.dtype = to_dtype(q.scalar_type());
@@ -167,6 +159,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
   p.v_strides = row_strides(v);
   p.out_strides = row_strides(out);
   p.lse_strides = stat_strides(lse);
+  p.accumulate = accumulate;
   p.config = static_cast<int>(tile_config);
   if (q.is_cpu()) {
     flash_fwd_cpu(p);
@@ -176,6 +169,22 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
     flash_fwd_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
 #endif
   }
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, double softmax_scale, bool causal,
+                                       int64_t tile_config) {
+  const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal);
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);  // (b, s_q, h, d)
+  auto lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
+                       q.options().dtype(accum_type(q.scalar_type())));  // (b, h, s_q)
+  if (out.numel() == 0) return {out, lse};
+  if (shape.seqlen_k == 0) {  // no key at all: every row sees nothing
+    out.zero_();
+    lse.fill_(-std::numeric_limits<double>::infinity());
+    return {out, lse};
+  }
+  run_fwd(shape, q, k, v, out, lse, /*accumulate=*/false, tile_config);
   return {out, lse};
 }
 
@@ -188,22 +197,7 @@ void fwd_accum(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (q.numel() == 0 || shape.seqlen_k == 0) return;  // no key: nothing to merge
   TORCH_CHECK_NOT_IMPLEMENTED(q.is_cpu(), "ringseq::fwd_accum runs on CPU tensors; on ", q.device(),
                               " call ringseq::fwd and merge (ringseq's backends do this)");
-  FwdParams p;
-  p.shape = shape;
-  p.dtype = to_dtype(q.scalar_type());
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.out = out_acc.data_ptr();
-  p.lse = lse_acc.data_ptr();
-  p.q_strides = row_strides(q);
-  p.k_strides = row_strides(k);
-  p.v_strides = row_strides(v);
-  p.out_strides = row_strides(out_acc);
-  p.lse_strides = stat_strides(lse_acc);
-  p.accumulate = true;
-  p.config = static_cast<int>(tile_config);
-  flash_fwd_cpu(p);
+  run_fwd(shape, q, k, v, out_acc, lse_acc, /*accumulate=*/true, tile_config);
 }
 
 // Shared by bwd (fresh gradients in the input dtype) and bwd_accum (added into accumulators).

@@ -204,7 +204,7 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 # ---------------------------------------------------------------- property test
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(b=st.integers(1, 2), s_q=st.integers(1, 70), s_k=st.integers(1, 70),
        h_kv=st.integers(1, 2), group=st.integers(1, 3), d=st.integers(1, 40),
        causal=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]),
@@ -220,7 +220,7 @@ def test_property_random_shapes(b, s_q, s_k, h_kv, group, d, causal, dtype, seed
     grads = torch.autograd.grad(out, (qg, kg, vg), dout)
     for name, got, r, p, factor in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), ref,
                                        plain, (2, 2, 3, 3, 3)):
-        assert_close_per_design(got, r, p, name, factor, scaled_floor(dtype, r))
+        assert_close_per_design(got, r, p, name, factor, scaled_floor(dtype, *ref))
 
 
 # ---------------------------------------------------------------- fwd_accum: the ring's merge

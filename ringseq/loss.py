@@ -1,0 +1,71 @@
+"""Cross-entropy over a sequence sharded across ranks, without gathering the logits."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .layouts import _group_info
+
+__all__ = ["sharded_cross_entropy"]
+
+
+class _SumAcrossRanks(torch.autograd.Function):
+    """all_reduce(SUM) whose backward is the identity.
+
+    Every rank computes the same loss from the global sum, and each rank back-propagates only
+    its own copy of it: d(loss)/d(local sum) is grad_output itself. Reducing the gradient as
+    well (what a differentiable all_reduce does) would count it W times.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None,
+                          ignore_index: int = -100) -> torch.Tensor:
+    """Token-mean cross-entropy over the whole sharded sequence, the same on every rank.
+
+    Args:
+        logits: (..., vocab) this rank's logits, any float dtype (computed in float32).
+        labels: (...) int64 targets aligned with ``logits`` -- already shifted, e.g. the
+            ``shift_labels`` of ``ringseq.shard_batch``; ``ignore_index`` marks no target.
+        group: the ring's process group (None: default group; local without one).
+        ignore_index: label value excluded from the sum and from the count.
+
+    Returns a float32 scalar: (sum over all ranks of the per-token losses) / (number of
+    non-ignored targets over all ranks), from one all-reduce of a (sum, count) pair -- the
+    logits are never gathered. A batch without any target gives 0 (not NaN), so a step on it
+    is a no-op. Differentiable: the gradient reaching this rank's logits is
+    d(global mean)/d(local logits). The model's parameters are replicated and each rank
+    back-propagates through its own tokens only, so their gradients must be SUMMED over the
+    group (``all_reduce(SUM)``; not averaged) to equal the single-process gradient -- divide
+    by the data-parallel size only, as usual.
+
+    Raises ValueError when the leading shapes of ``logits`` and ``labels`` differ.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits (..., vocab) and labels (...) must agree on the leading "
+                         f"dims, got logits {tuple(logits.shape)} and labels "
+                         f"{tuple(labels.shape)}")
+    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
+    flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.long)
+    local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index,
+                                reduction="sum")
+    local_count = (flat_labels != ignore_index).sum().to(torch.float32)
+    world_size, _ = _group_info(group)
+    if world_size > 1:
+        # one collective for both numbers; the count carries no gradient
+        packed = torch.stack([local_sum, local_count.detach()])
+        total = _SumAcrossRanks.apply(packed, group)
+        global_sum, global_count = total[0], total[1].detach()
+    else:
+        global_sum, global_count = local_sum, local_count
+    return global_sum / global_count.clamp(min=1.0)

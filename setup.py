@@ -159,7 +159,8 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "numpy"],  # numpy: the lane-level CUDA emulation tests
         "flash": ["flash-attn"],
-        "hf": ["transformers"],
+        # verified with 4.57.1 and 5.24.0 (AttentionInterface + AttentionMaskInterface)
+        "hf": ["transformers>=4.57,<6"],
         "plot": ["matplotlib"],
     },
     ext_modules=[extension()],

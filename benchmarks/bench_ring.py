@@ -309,6 +309,12 @@ def report(args, rows, memory, device):
         ws = sorted(memory)
         for w in ws[1:]:
             print(f"  W={w} / W={ws[0]}: {memory[w] / memory[ws[0]]:.3f}")
+    world = rows[0]["world_size"] if rows else 1
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+    if device.type == "cpu" and world * threads > (os.cpu_count() or 1):
+        print(f"note: {world} ranks x {threads} thread(s) exceed this machine's {os.cpu_count()} "
+              f"cores, so ranks time-share: ring overhead and load balance are not meaningful "
+              f"here (use --world-size {max(1, (os.cpu_count() or 1))} --threads-per-rank 1)")
     failed = [r for r in rows if not r["check_ok"]]
     for r in failed:
         print(f"SPOT CHECK FAILED: {r['layout']} {r['mode']} err {r['max_err']:.3e} > 2x {r['plain_err']:.3e}")

@@ -18,3 +18,11 @@ __all__ += ["RingAttention", "RingComm", "RingMismatchError", "Layout", "get_lay
             "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_sdpa",
             "set_consistency_check", "shard", "simulate_ring", "unshard"]
 # --- end ring API ---
+
+# --- data and loss for sequence-parallel training (ringseq/data.py, ringseq/loss.py) ---
+# (ringseq.integrations.transformers is imported explicitly: transformers stays optional)
+from .data import shard_batch
+from .loss import sharded_cross_entropy
+
+__all__ += ["shard_batch", "sharded_cross_entropy"]
+# --- end data and loss ---

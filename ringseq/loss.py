@@ -34,14 +34,15 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     """Token-mean cross-entropy over the whole sharded sequence, the same on every rank.
 
     Args:
-        logits: (..., vocab) this rank's logits, any float dtype (computed in float32).
+        logits: (..., vocab) this rank's logits, any float dtype (computed in float32, or
+            float64 for float64 logits).
         labels: (...) int64 targets aligned with ``logits`` -- already shifted, e.g. the
             ``shift_labels`` of ``ringseq.shard_batch``; ``ignore_index`` marks no target.
         group: the ring's process group (None: default group; local without one).
         ignore_index: label value excluded from the sum and from the count.
 
-    Returns a float32 scalar: (sum over all ranks of the per-token losses) / (number of
-    non-ignored targets over all ranks), from one all-reduce of a (sum, count) pair -- the
+    Returns a float32 (float64 for float64 logits) scalar: (sum over all ranks of the
+    per-token losses) / (number of non-ignored targets over all ranks), from one all-reduce of a (sum, count) pair -- the
     logits are never gathered. A batch without any target gives 0 (not NaN), so a step on it
     is a no-op. Differentiable: the gradient reaching this rank's logits is
     d(global mean)/d(local logits). The model's parameters are replicated and each rank
@@ -55,11 +56,13 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
         raise ValueError(f"logits (..., vocab) and labels (...) must agree on the leading "
                          f"dims, got logits {tuple(logits.shape)} and labels "
                          f"{tuple(labels.shape)}")
-    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
+    # float32 at least: bf16 log-softmax over a large vocabulary loses the loss's digits
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    flat_logits = logits.reshape(-1, logits.shape[-1]).to(acc)
     flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.long)
     local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index,
                                 reduction="sum")
-    local_count = (flat_labels != ignore_index).sum().to(torch.float32)
+    local_count = (flat_labels != ignore_index).sum().to(acc)
     world_size, _ = _group_info(group)
     if world_size > 1:
         # one collective for both numbers; the count carries no gradient

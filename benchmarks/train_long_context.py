@@ -1,0 +1,310 @@
+"""Long-context training of a Llama-style transformers model with ring attention.
+
+Builds ``LlamaForCausalLM`` from size flags (random weights, no download), switches it to
+ring attention (``ringseq.integrations.transformers.apply``), and runs ``--steps`` AdamW steps
+on synthetic tokens of total length ``--seqlen``, sharded over W ranks with
+``ringseq.shard_batch``; the loss is ``ringseq.sharded_cross_entropy`` and parameter gradients
+are summed over the ring with one all-reduce per step. Reports, on rank 0: tokens/s (global
+tokens per median step time), step time, model TFLOP/s per rank, peak memory per rank and, on
+GPUs, MFU.
+
+Without a launcher (and without a GPU) it spawns ``--world-size`` local CPU ranks on gloo;
+under ``torchrun`` it uses the launcher's ranks (NCCL on GPUs, one GPU per local rank).
+
+    python benchmarks/train_long_context.py                       # 2 local CPU ranks, ~1 min
+    python benchmarks/train_long_context.py --world-size 4 --seqlen 16384 --checkpointing
+    torchrun --nproc-per-node 8 benchmarks/train_long_context.py --seqlen 131072 \\
+        --layers 16 --hidden 2048 --heads 16 --kv-heads 4 --vocab 32000 --checkpointing
+
+FLOPs per step (for TFLOP/s and MFU): 6 x (non-embedding parameters + LM head) x tokens for the
+matrix products, plus attention counted as flash-attn does (forward 4·b·h·s²·d / 2 for causal,
+backward 2.5x), 1.33x more of everything with ``--checkpointing`` (the forward is recomputed).
+MFU = achieved FLOP/s per GPU / ``--peak-tflops`` (default: the dense bf16 peak of A100, H100
+or H200 when recognized).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import (PeakMemory, attention_flops, environment, format_table, mib,  # noqa: E402
+                    progress, synchronize, write_json)
+
+import ringseq  # noqa: E402
+from ringseq.layouts import get_layout  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# dense bf16/fp16 tensor-core peaks, TFLOP/s
+PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800": 312.0}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2,
+                   help="local ranks to spawn (ignored under torchrun)")
+    p.add_argument("--seqlen", type=int, default=8192, help="total (global) sequence length")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=None,
+                   help="MLP width (default: 8/3 x hidden rounded up to 64, as Llama)")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default fp32 on CPU, bf16 on GPU")
+    p.add_argument("--steps", type=int, default=5, help="timed training steps")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing of every decoder layer")
+    p.add_argument("--backend", default=None, help="block kernel backend (default: best)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-GPU peak for MFU (default: known A100/H100/H200 bf16 peak)")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="torch threads per CPU rank (default: cores // world size, at least 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800,
+                   help="seconds before spawned ranks are killed")
+    p.add_argument("--json", default=None, help="write results to this path")
+    args = p.parse_args(argv)
+    get_layout(args.layout)
+    if args.heads % args.kv_heads or args.hidden % args.heads:
+        p.error("--heads must divide --hidden and be a multiple of --kv-heads")
+    if args.intermediate is None:
+        args.intermediate = -(-(8 * args.hidden // 3) // 64) * 64
+    return args
+
+
+def build_model(args, dtype, device):
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        raise SystemExit("train_long_context.py needs transformers: pip install 'ringseq[hf]'")
+    from ringseq.integrations.transformers import apply
+
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                      max_position_embeddings=max(args.seqlen, 2048), attention_dropout=0.0,
+                      tie_word_embeddings=False, use_cache=False)
+    torch.manual_seed(args.seed)  # the same weights on every rank
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return apply(model, layout=args.layout, backend=args.backend)
+
+
+def step_flops(args, model):
+    """Model FLOPs of one training step over all ranks (see the module docstring)."""
+    n_matmul = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    tokens = args.batch * args.seqlen
+    dense = 6 * n_matmul * tokens
+    attn = args.layers * attention_flops(args.batch, args.heads, args.seqlen, args.seqlen,
+                                         args.hidden // args.heads, True, "fwd_bwd")
+    total = dense + attn
+    if args.checkpointing:
+        total *= 4 / 3
+    return total, n_matmul
+
+
+def all_reduce_grads(model, group=None):
+    """Sums the gradients over the ring in one flat all-reduce (each rank back-propagated only
+    its own tokens, so the sum is the full-sequence gradient)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
+
+
+def run_rank(args, device):
+    dtype = DTYPES[args.dtype]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    main = rank == 0
+    if main:
+        progress(f"building the model: {args.layers} layers, hidden {args.hidden}, "
+                 f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, {args.dtype}")
+    model = build_model(args, dtype, device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    g = torch.Generator().manual_seed(args.seed + 1)  # the same full batch on every rank
+    ids = torch.randint(0, args.vocab, (args.batch, args.seqlen), generator=g).to(device)
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, layout=args.layout)
+    targets = batch.pop("shift_labels")
+
+    times, losses = [], []
+    peak = PeakMemory(device)
+    with peak:
+        for step in range(args.warmup + args.steps):
+            synchronize(device)
+            t0 = time.perf_counter()
+            logits = model(**batch).logits
+            loss = ringseq.sharded_cross_entropy(logits, targets)
+            loss.backward()
+            del logits
+            all_reduce_grads(model)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            synchronize(device)
+            dt = time.perf_counter() - t0
+            losses.append(float(loss.detach()))
+            if step >= args.warmup:
+                times.append(dt)
+            if main:
+                tag = "warmup" if step < args.warmup else f"step {step - args.warmup + 1}/{args.steps}"
+                progress(f"  {tag}: {dt * 1e3:.0f} ms, loss {losses[-1]:.4f}")
+    mine = {"rank": rank, "peak_mib": mib(peak.peak), "median_step_s": statistics.median(times)}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if not main:
+        return None
+    flops, n_matmul = step_flops(args, model)
+    step_s = max(r["median_step_s"] for r in everyone)  # the ring moves at its slowest rank
+    tflops_per_rank = flops / step_s / world / 1e12
+    peak_tflops = args.peak_tflops
+    if peak_tflops is None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return {
+        "world_size": world, "seqlen": args.seqlen, "batch": args.batch,
+        "local_seqlen": args.seqlen // world, "layout": args.layout, "dtype": args.dtype,
+        "checkpointing": args.checkpointing, "params": sum(p.numel() for p in model.parameters()),
+        "matmul_params": n_matmul, "step_ms": step_s * 1e3,
+        "step_ms_all": [t * 1e3 for t in times],
+        "tokens_per_s": args.batch * args.seqlen / step_s,
+        "tflops_per_rank": tflops_per_rank,
+        "mfu": (tflops_per_rank / peak_tflops) if peak_tflops else None,
+        "peak_mib_per_rank": [r["peak_mib"] for r in everyone],
+        "first_loss": losses[0], "last_loss": losses[-1],
+    }
+
+
+# ---------------------------------------------------------------- process management
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_rank(rank, world, port, args, queue):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(args.threads_per_rank or max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        result = run_rank(args, torch.device("cpu"))
+        if rank == 0:
+            queue.put(("ok", result))
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+def spawn(world, args):
+    """Runs the training on `world` local gloo ranks; rank 0's result; kills all on failure."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned_rank, args=(r, world, port, args, queue), daemon=True)
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    deadline = time.time() + args.timeout
+    result = None
+    try:
+        while result is None:
+            try:
+                status, payload = queue.get(timeout=1.0)
+            except Exception:
+                if time.time() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {args.timeout} s")
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank process exited with code {dead[0].exitcode}")
+                continue
+            if status == "error":
+                raise RuntimeError(payload)
+            result = payload
+        for proc in procs:
+            proc.join(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+    return result
+
+
+def report(args, res, device):
+    print(f"# train_long_context: Llama {args.layers} layers, hidden {args.hidden}, heads "
+          f"{args.heads}/{args.kv_heads}, MLP {args.intermediate}, vocab {args.vocab} "
+          f"({res['params'] / 1e6:.2f} M params), {args.dtype} on {device}")
+    print(f"# total s={res['seqlen']} x b={res['batch']} over W={res['world_size']} "
+          f"({res['local_seqlen']} tokens/rank), layout {res['layout']}, activation "
+          f"checkpointing {'on' if res['checkpointing'] else 'off'}; step = forward + backward "
+          f"+ gradient all-reduce + AdamW, median of {args.steps} (slowest rank)")
+    row = dict(res)
+    row["peak_max"] = max((m for m in res["peak_mib_per_rank"] if m is not None), default=None)
+    columns = [("world_size", "W", "{}"), ("seqlen", "seqlen", "{}"),
+               ("step_ms", "step ms", "{:.0f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+               ("tflops_per_rank", "TFLOP/s/rank", "{:.4f}"), ("mfu", "MFU", "{:.1%}"),
+               ("peak_max", "peak MiB/rank (max)", "{:.0f}")]
+    print(format_table([row], columns))
+    print("peak memory per rank (MiB): " + ", ".join(
+        f"rank {r}: {'-' if m is None else f'{m:.0f}'}"
+        for r, m in enumerate(res["peak_mib_per_rank"])))
+    print(f"loss: first step {res['first_loss']:.4f}, last step {res['last_loss']:.4f}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    use_cuda = torch.cuda.is_available() and launched
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda
+              else torch.device("cpu"))
+    args.dtype = args.dtype or ("bf16" if use_cuda else "fp32")
+    t0 = time.time()
+    if launched:
+        if use_cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        res = run_rank(args, device)
+        is_main = dist.get_rank() == 0
+    else:
+        progress(f"spawning {args.world_size} local CPU ranks (gloo); "
+                 f"{args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.world_size)} "
+                 f"thread(s) each")
+        res = spawn(args.world_size, args)
+        is_main = True
+    if is_main:
+        report(args, res, device)
+        progress(f"done in {time.time() - t0:.0f} s")
+        write_json(args.json, {"benchmark": "train_long_context",
+                               "environment": environment(device), "args": vars(args),
+                               "result": res})
+    if launched:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

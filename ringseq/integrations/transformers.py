@@ -1,0 +1,275 @@
+"""Ring attention as a HuggingFace transformers attention implementation named ``"ringseq"``.
+
+    from ringseq.integrations.transformers import apply
+    model = apply(AutoModelForCausalLM.from_config(cfg), group=None, layout="zigzag")
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, layout="zigzag")
+    targets = batch.pop("shift_labels")
+    loss = ringseq.sharded_cross_entropy(model(**batch, use_cache=False).logits, targets)
+
+How it plugs in (verified with transformers 4.57.1 and 5.24.0):
+
+- Importing this module registers :func:`ringseq_attention_forward` under ``"ringseq"`` with
+  ``transformers.AttentionInterface`` (models that call
+  ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`` dispatch to it)
+  and a mask function under the same name with ``transformers.AttentionMaskInterface``.
+  The mask function is needed: for a name without one, ``masking_utils`` drops the padding
+  mask altogether (the attention function would get ``None`` and could not refuse padding).
+  Ours hands the 2D (b, s_local) boolean padding mask through untouched, and the attention
+  function refuses it unless it is all ones. A local (s_local x s_local) 4D mask, which is
+  what transformers' own mask functions build, means nothing for a sharded sequence: the
+  causal structure comes from the layout instead.
+- :func:`apply` calls ``model.set_attn_implementation("ringseq")`` (or sets
+  ``config._attn_implementation`` on versions without it) and stores a
+  :class:`RingSettings` (group, layout, backend) on every attention module. The attention
+  function reads the settings from the module it is called with, so two models with
+  different groups or layouts work side by side; nothing is kept at module level besides the
+  two registrations.
+
+What it cannot do exactly raises ``ValueError`` (on every rank where the condition is only
+visible on some ranks): dropout > 0 (attention dropout while training), a padding mask with
+zeros or any 4D mask, a sliding window shorter than the global sequence, logit soft-capping,
+``output_attentions=True`` (the probabilities are never materialized), a KV cache holding
+earlier tokens, and position ids that are not the global positions of the local tokens
+(forgetting ``position_ids`` makes every rank's RoPE start at 0).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+try:
+    import transformers as _transformers
+    from transformers import AttentionInterface
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "ringseq.integrations.transformers needs HuggingFace transformers with "
+        "AttentionInterface (>= 4.57): `pip install 'ringseq[hf]'` or "
+        "`pip install 'transformers>=4.57'`") from exc
+
+try:
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError:  # pragma: no cover - transformers < 4.53 builds masks inside each model
+    AttentionMaskInterface = None
+
+from ..comm import get_comm
+from ..layouts import _group_info, get_layout, positions_local
+from ..nn import ring_flash_attn_func
+
+__all__ = ["ATTN_IMPLEMENTATION", "RingSettings", "apply", "ringseq_attention_forward",
+           "ringseq_mask"]
+
+ATTN_IMPLEMENTATION = "ringseq"
+
+
+@dataclass
+class RingSettings:
+    """What :func:`apply` records on a model's attention modules (one object per model)."""
+
+    group: Any = None
+    layout: Any = "zigzag"
+    backend: Optional[str] = None
+    # Weak references to the last mask / position-id tensors found valid: every layer of one
+    # forward gets the same tensors, so they are checked (and agreed on across ranks) once.
+    _checked: tuple = field(default=(None, None), repr=False, compare=False)
+
+    def __deepcopy__(self, memo):
+        # A process group cannot be copied, and a copied model runs on the same ring.
+        return self
+
+
+def _settings(module) -> RingSettings:
+    s = getattr(module, "ringseq_settings", None)
+    if s is None:
+        raise ValueError(
+            f"{type(module).__name__} runs with attn_implementation='ringseq' but has no ring "
+            f"settings; switch models with ringseq.integrations.transformers.apply(model, "
+            f"group=..., layout=...) instead of setting the implementation by hand")
+    return s
+
+
+def _same(ref, t) -> bool:
+    return t is None if ref is None else ref() is t
+
+
+def _check_inputs_once(settings: RingSettings, attention_mask, position_ids, q_local: int,
+                       device) -> None:
+    """Refuses padding masks and wrong position ids; agrees across ranks before raising."""
+    if attention_mask is None and position_ids is None:
+        return
+    if _same(settings._checked[0], attention_mask) and _same(settings._checked[1], position_ids):
+        return
+    problems = []
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            problems.append(f"a {attention_mask.dim()}D attention mask of shape "
+                            f"{tuple(attention_mask.shape)} (only a 2D all-ones padding mask "
+                            f"or None is supported; the causal mask comes from the layout)")
+        elif not bool(attention_mask.bool().all()):
+            problems.append("an attention_mask with padding (zeros); ring attention cannot skip "
+                            "padded tokens: pack sequences without padding and mark positions "
+                            "without a target with ignore_index in the labels")
+    world_size, rank = _group_info(settings.group)
+    if position_ids is not None and world_size > 1:
+        expected = positions_local(q_local * world_size, settings.layout, world_size, rank,
+                                   device=position_ids.device)  # (s_local,)
+        pos = position_ids.reshape(-1, position_ids.shape[-1])
+        if pos.shape[-1] != q_local:
+            problems.append(f"position_ids of length {pos.shape[-1]} for {q_local} local tokens")
+        elif not bool((pos == expected).all()):
+            problems.append(
+                "position_ids that are not the global positions of this rank's tokens under "
+                f"layout {get_layout(settings.layout).name!r} (pass the position_ids of "
+                "ringseq.shard_batch; without them the model numbers every shard from 0)")
+    ok = not problems
+    if world_size > 1:
+        comm = get_comm(settings.group)
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32,
+                            device=device if comm.backend == "nccl" else "cpu")
+        dist.all_reduce(flag, group=settings.group)
+        if ok and int(flag.item()):
+            raise ValueError("ringseq attention: another rank of the ring received an "
+                             "unsupported attention_mask or wrong position_ids (see its error)")
+    if not ok:
+        raise ValueError("ringseq attention cannot compute this exactly: " + "; ".join(problems))
+    settings._checked = (None if attention_mask is None else weakref.ref(attention_mask),
+                         None if position_ids is None else weakref.ref(position_ids))
+
+
+def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                              dropout: float = 0.0, scaling: Optional[float] = None,
+                              is_causal: Optional[bool] = None,
+                              sliding_window: Optional[int] = None, softcap=None, **kwargs):
+    """transformers attention function: ring attention over the module's group and layout.
+
+    Args (transformers' calling convention):
+        module: the attention module; must carry ``ringseq_settings`` (set by :func:`apply`).
+        query: (b, h, s_local, d); key, value: (b, h_kv, s_local, d), ``h % h_kv == 0``
+            (GQA: K/V heads travel the ring unexpanded, no ``repeat_kv``). Any float dtype the
+            ring supports; the output has query's dtype.
+        attention_mask: None or a 2D (b, s_local) mask that is all ones.
+        dropout: must be 0 (transformers passes the module's dropout while training).
+        scaling: softmax scale; default ``module.scaling``, else ``d ** -0.5``.
+        is_causal: default ``module.is_causal`` (True when absent).
+        sliding_window: None, or at least the global sequence length (then it masks nothing).
+        softcap: must be None.
+        kwargs: ``position_ids`` (checked against the layout), ``output_attentions``
+            (must be falsy); the rest is ignored.
+
+    Returns ``(out, None)`` with out (b, s_local, h, d) -- transformers reshapes it to
+    (b, s_local, h * d) -- and no attention weights.
+
+    Raises ValueError for what ring attention cannot compute exactly (see the module doc),
+    before any communication except the one-flag all-reduce that makes every rank raise.
+    """
+    settings = _settings(module)
+    name = type(module).__name__
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{name}: output_attentions=True is not supported by ringseq attention "
+                         f"(attention probabilities are never materialized); use "
+                         f"attn_implementation='eager' on one device to inspect them")
+    if dropout and float(dropout) > 0.0:
+        raise ValueError(f"{name}: attention dropout {dropout} is not supported by ringseq "
+                         f"attention; set config.attention_dropout=0.0 (or call model.eval())")
+    if softcap is not None:
+        raise ValueError(f"{name}: attention logit soft-capping (softcap={softcap}) is not "
+                         f"supported by ringseq attention")
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"{name}: expected (batch, heads, seqlen, head_dim) query/key/value, got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    s_local = query.shape[2]
+    if key.shape[2] != s_local:
+        raise ValueError(f"{name}: query has {s_local} local tokens but key has {key.shape[2]}; "
+                         f"ringseq attention needs the keys of exactly the current tokens "
+                         f"(no KV cache: pass use_cache=False, and no generation)")
+    world_size, _ = _group_info(settings.group)
+    if sliding_window is not None and int(sliding_window) < s_local * world_size:
+        raise ValueError(f"{name}: a sliding window of {sliding_window} tokens over a sequence of "
+                         f"{s_local * world_size} is not supported by ringseq attention")
+    _check_inputs_once(settings, attention_mask, kwargs.get("position_ids"), s_local,
+                       query.device)
+    if scaling is None:
+        scaling = getattr(module, "scaling", None)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # (b, h, s, d) -> (b, s, h, d) as views: the ring reads strided inputs without a copy.
+    out = ring_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
+                               value.transpose(1, 2), softmax_scale=scaling, causal=bool(causal),
+                               group=settings.group, layout=settings.layout,
+                               backend=settings.backend)
+    return out, None
+
+
+def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = None,
+                 q_offset: int = 0, kv_offset: int = 0, mask_function=None,
+                 attention_mask: Optional[torch.Tensor] = None, **kwargs):
+    """transformers mask function for ``"ringseq"``: the 2D (b, kv_length) padding mask as
+    given (boolean), or None. The causal structure is the ring's, so no 4D mask is built;
+    :func:`ringseq_attention_forward` refuses a mask with zeros."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2 and kv_length is not None:
+        attention_mask = attention_mask[:, -kv_length:]
+    return attention_mask
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, ringseq_attention_forward)
+    if AttentionMaskInterface is not None:
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ringseq_mask)
+
+
+_register()
+
+
+def _attention_modules(model: torch.nn.Module):
+    # Attention modules of the AttentionInterface style carry `scaling` and pass themselves
+    # as `module` to the attention function.
+    return [m for m in model.modules()
+            if "Attention" in type(m).__name__ and hasattr(m, "scaling")]
+
+
+def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional[str] = None):
+    """Switches a transformers model to ring attention over ``group`` and returns it.
+
+    Args:
+        model: a ``PreTrainedModel`` whose attention uses ``AttentionInterface`` (Llama,
+            Mistral, Qwen2/3, Gemma, ... in current transformers).
+        group: process group of the ring (None: the default group). The model's inputs must
+            then be sharded over this group, e.g. with ``ringseq.shard_batch(..., group)``.
+        layout: ``"zigzag"`` (default: balanced causal work), ``"contiguous"``, ``"stripe"``
+            or a ``ringseq.layouts.Layout``; the batch must be sharded with the same one.
+        backend: block kernel backend (see ``ringseq.ring_flash_attn_func``).
+
+    Returns ``model`` (modified in place): ``config._attn_implementation == "ringseq"`` and a
+    shared :class:`RingSettings` as ``ringseq_settings`` on every attention module.
+
+    Raises ValueError for an unknown layout, a process group this rank is not in, or a model
+    without AttentionInterface-style attention modules.
+    """
+    lay = get_layout(layout)
+    world_size, rank = _group_info(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the process group passed as `group`")
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention modules that dispatch through "
+                         f"transformers' AttentionInterface (modules named *Attention* with a "
+                         f"`scaling` attribute); ringseq cannot switch it")
+    settings = RingSettings(group=group, layout=lay.name if isinstance(layout, str) else lay,
+                            backend=backend)
+    for m in modules:
+        m.ringseq_settings = settings
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    else:  # pragma: no cover - older transformers
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+    return model
+
+
+def transformers_version() -> str:
+    """The installed transformers version (for reports)."""
+    return _transformers.__version__

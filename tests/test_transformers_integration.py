@@ -1,0 +1,337 @@
+"""HuggingFace transformers models on ring attention, on spawned gloo ranks (CPU, fp32).
+
+Models come from tiny configs with random weights (no downloads): Llama (GQA 4:2, RoPE) and
+Qwen2 (GQA, qkv bias) for the numerics, Mistral (sliding window) for an error. The parent
+builds each model once, computes the float64 reference (same weights, full sequence, one
+process) and the plain float32 single-process run; the ranks load the same weights, switch to
+ring attention with ``ringseq.integrations.transformers.apply``, shard the batch with
+``ringseq.shard_batch``, take ``ringseq.sharded_cross_entropy`` and back-propagate, sum the
+parameter gradients over their group, and unshard the logits.
+
+Tolerance (DESIGN.md): |ring - float64| <= 2x (loss, logits) / 3x (gradients) the error of
+the plain float32 single-process model against the same float64 reference, plus a floor of
+1e-6 + 4 float32 ulps at the tensor's magnitude (``utils.scaled_floor``): a sum over tokens
+and ranks in another order is a few ulps off even where plain float32 is exact by luck.
+
+Two spawns (W=2: three model cases + errors; W=4: one case + two models on different groups)
+carry everything; each check is a separate test reading the spawn's result.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from dist_utils import run_ranks  # noqa: E402
+from utils import assert_close_per_design, scaled_floor  # noqa: E402
+
+BATCH, SEQLEN = 2, 48  # 48 = 2*W*k for W = 2 and 4 (zigzag), never a power of two
+SEEDS = {"llama": 1, "qwen2": 2}
+
+
+def _config(arch, **over):
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                  max_position_embeddings=256, attention_dropout=0.0, tie_word_embeddings=False)
+    common.update(over)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    if arch == "mistral":
+        return transformers.MistralConfig(**common), transformers.MistralForCausalLM
+    raise ValueError(arch)
+
+
+def _model(arch, state_dict=None, **over):
+    cfg, cls = _config(arch, **over)
+    torch.manual_seed(SEEDS.get(arch, 0))
+    model = cls(cfg)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (BATCH, SEQLEN), generator=g)
+    labels = ids.clone()
+    labels[:, 3::5] = -100  # ignored targets on both sides of shard borders
+    return ids, labels
+
+
+# ---------------------------------------------------------------- rank side
+def _ring_run(arch, state_dict, layout, group, seed):
+    """Loss, unsharded logits and group-summed parameter gradients of a ring run."""
+    import torch.distributed as dist
+
+    import ringseq
+    from ringseq.integrations.transformers import apply
+
+    model = apply(_model(arch, state_dict), group=group, layout=layout)
+    ids, labels = _batch(seed)
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": labels,
+                                 "attention_mask": torch.ones_like(ids)}, group=group,
+                                layout=layout)
+    targets = batch.pop("shift_labels")
+    logits = model(**batch, use_cache=False).logits
+    loss = ringseq.sharded_cross_entropy(logits, targets, group=group)
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=group)
+        grads[name] = g
+    full_targets = ringseq.unshard(targets, layout, group)
+    return {"loss": loss.detach(), "logits": ringseq.unshard(logits.detach(), layout, group),
+            "targets": full_targets, "grads": grads, "impl": model.config._attn_implementation,
+            "settings_group_size": dist.get_world_size(
+                model.model.layers[0].self_attn.ringseq_settings.group)}
+
+
+def _capture(fn):
+    try:
+        fn()
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _error_cases(state_dict):
+    import torch.distributed as dist
+
+    import ringseq
+    from ringseq.integrations.transformers import apply
+
+    ids, labels = _batch(5)
+    out = {}
+    pad = torch.ones_like(ids)
+    pad[1, -4:] = 0
+    out["shard_batch_padding"] = _capture(
+        lambda: ringseq.shard_batch({"input_ids": ids, "attention_mask": pad}))
+
+    model = apply(_model("llama", state_dict))
+    batch = ringseq.shard_batch({"input_ids": ids})
+    mask = torch.ones_like(batch["input_ids"])
+    if dist.get_rank() == 0:
+        mask[0, 2] = 0  # padding seen by one rank only: every rank must raise, none hang
+    out["padding_one_rank"] = _capture(
+        lambda: model(**batch, attention_mask=mask, use_cache=False))
+    out["no_position_ids"] = _capture(
+        lambda: model(input_ids=batch["input_ids"], use_cache=False))
+    out["output_attentions"] = _capture(
+        lambda: model(**batch, output_attentions=True, use_cache=False))
+    out["kv_cache"] = _capture(
+        lambda: model(**batch, **{_cache_kwarg(model): _prefilled_cache(model, batch)},
+                      use_cache=True))
+
+    dropout_model = apply(_model("llama", attention_dropout=0.1)).train()
+    out["dropout_train"] = _capture(lambda: dropout_model(**batch, use_cache=False))
+    dropout_model.eval()
+    out["dropout_eval"] = _capture(lambda: dropout_model(**batch, use_cache=False))
+
+    sliding = apply(_model("mistral", sliding_window=8))
+    out["sliding_window"] = _capture(lambda: sliding(**batch, use_cache=False))
+    return out
+
+
+def _cache_kwarg(model):
+    import inspect
+    # transformers 5.x renamed past_key_values to cache (the old name warns until 5.40)
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _prefilled_cache(model, batch):
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(**batch, **{_cache_kwarg(model): cache}, use_cache=True)
+    return cache
+
+
+def _loss_only_cases():
+    """sharded_cross_entropy against F.cross_entropy on the full logits, value and gradient."""
+    import torch.distributed as dist
+
+    import ringseq
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(BATCH, SEQLEN, 11, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 11, (BATCH, SEQLEN), generator=g)
+    labels[0, :30] = -100  # rank 0 holds many more ignored targets than rank 1 (zigzag)
+    local = ringseq.shard(logits, "zigzag").requires_grad_()
+    loss = ringseq.sharded_cross_entropy(local, ringseq.shard(labels, "zigzag"))
+    loss.backward()
+    full = logits.clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(full.reshape(-1, 11), labels.reshape(-1))
+    ref.backward()
+    empty = ringseq.sharded_cross_entropy(local, torch.full_like(ringseq.shard(labels, "zigzag"),
+                                                                 -100))
+    return {"loss_err": float((loss - ref).detach().abs()),
+            "grad_err": float((local.grad - ringseq.shard(full.grad, "zigzag")).abs().max()),
+            "empty": float(empty), "world": dist.get_world_size()}
+
+
+def _worker_w2(sds):
+    res = {
+        "llama-zigzag": _ring_run("llama", sds["llama"], "zigzag", None, 11),
+        "llama-contiguous": _ring_run("llama", sds["llama"], "contiguous", None, 11),
+        "qwen2-zigzag": _ring_run("qwen2", sds["qwen2"], "zigzag", None, 12),
+    }
+    res["errors"] = _error_cases(sds["llama"])
+    res["loss_only"] = _loss_only_cases()
+    return res
+
+
+def _worker_w4(sds):
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    res = {"llama-zigzag": _ring_run("llama", sds["llama"], "zigzag", None, 11)}
+    # Every rank creates every group (new_group is collective); each rank then belongs to one
+    # pair {0,1}/{2,3} and one stride {0,2}/{1,3}, and runs one model on each, interleaved.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strides = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    res["two-groups-llama"] = _ring_run("llama", sds["llama"], "zigzag", pairs[rank // 2], 11)
+    res["two-groups-qwen2"] = _ring_run("qwen2", sds["qwen2"], "contiguous", strides[rank % 2], 12)
+    return res
+
+
+# ---------------------------------------------------------------- parent side
+def _single_process(arch, state_dict, seed, dtype):
+    model = _model(arch, state_dict).to(dtype)
+    ids, labels = _batch(seed)
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    return {"loss": out.loss.detach(), "logits": out.logits.detach(),
+            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.fixture(scope="module")
+def state_dicts():
+    return {arch: _model(arch).state_dict() for arch in SEEDS}
+
+
+@pytest.fixture(scope="module")
+def references(state_dicts):
+    seeds = {"llama": 11, "qwen2": 12}
+    return {arch: {"ref": _single_process(arch, sd, seeds[arch], torch.float64),
+                   "plain": _single_process(arch, sd, seeds[arch], torch.float32)}
+            for arch, sd in state_dicts.items()}
+
+
+@pytest.fixture(scope="module")
+def w2(state_dicts):
+    return run_ranks(_worker_w2, 2, state_dicts, timeout=150)
+
+
+@pytest.fixture(scope="module")
+def w4(state_dicts):
+    return run_ranks(_worker_w4, 4, state_dicts, timeout=150)
+
+
+def _check_against_reference(result, refs, what):
+    ref, plain = refs["ref"], refs["plain"]
+    assert result["impl"] == "ringseq"
+    assert_close_per_design(result["loss"], ref["loss"], plain["loss"], f"{what} loss", 2.0,
+                            scaled_floor(torch.float32, ref["loss"]))
+    assert_close_per_design(result["logits"], ref["logits"], plain["logits"], f"{what} logits",
+                            2.0, scaled_floor(torch.float32, ref["logits"]))
+    assert set(result["grads"]) == set(ref["grads"])
+    for name, g in result["grads"].items():
+        assert_close_per_design(g, ref["grads"][name], plain["grads"][name],
+                                f"{what} grad {name}", 3.0,
+                                scaled_floor(torch.float32, ref["grads"][name]))
+
+
+@pytest.mark.parametrize("case", ["llama-zigzag", "llama-contiguous", "qwen2-zigzag"])
+def test_w2_matches_single_process(w2, references, case):
+    arch = case.split("-")[0]
+    for rank, res in enumerate(w2):
+        _check_against_reference(res[case], references[arch], f"W=2 rank {rank} {case}")
+
+
+def test_w2_shift_labels_keep_every_target(w2):
+    # the unsharded targets are exactly the full-sequence shift: none lost at a shard border
+    _, labels = _batch(11)
+    expected = torch.full_like(labels, -100)
+    expected[:, :-1] = labels[:, 1:]
+    for res in w2:
+        for case in ("llama-zigzag", "llama-contiguous"):
+            assert torch.equal(res[case]["targets"], expected)
+
+
+def test_w4_zigzag_matches_single_process(w4, references):
+    for rank, res in enumerate(w4):
+        _check_against_reference(res["llama-zigzag"], references["llama"], f"W=4 rank {rank}")
+
+
+def test_w4_two_models_on_different_groups(w4, references):
+    for rank, res in enumerate(w4):
+        assert res["two-groups-llama"]["settings_group_size"] == 2
+        assert res["two-groups-qwen2"]["settings_group_size"] == 2
+        _check_against_reference(res["two-groups-llama"], references["llama"],
+                                 f"W=4 rank {rank} llama on pair group")
+        _check_against_reference(res["two-groups-qwen2"], references["qwen2"],
+                                 f"W=4 rank {rank} qwen2 on strided group")
+
+
+def test_sharded_cross_entropy_value_and_grad(w2):
+    for res in w2:
+        lo = res["loss_only"]
+        assert lo["world"] == 2
+        assert lo["loss_err"] < 1e-12
+        assert lo["grad_err"] < 1e-14
+        assert lo["empty"] == 0.0
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("shard_batch_padding", "padding"),
+    ("padding_one_rank", None),  # rank 0: "padding"; rank 1: "another rank"
+    ("no_position_ids", "position_ids"),
+    ("output_attentions", "output_attentions"),
+    ("kv_cache", "use_cache=False"),
+    ("dropout_train", "dropout"),
+    ("sliding_window", "sliding window"),
+])
+def test_unsupported_inputs_raise_clearly(w2, name, needle):
+    for rank, res in enumerate(w2):
+        msg = res["errors"][name]
+        assert msg.startswith("ValueError"), f"rank {rank} {name}: {msg}"
+        want = needle or ("padding" if rank == 0 else "another rank")
+        assert want in msg, f"rank {rank} {name}: {msg}"
+
+
+def test_dropout_in_eval_is_fine(w2):
+    assert all(res["errors"]["dropout_eval"] == "no error" for res in w2)
+
+
+def test_import_ringseq_does_not_import_transformers():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys, ringseq, ringseq.integrations; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'; "
+            "print(ringseq.shard_batch.__name__, ringseq.sharded_cross_entropy.__name__)")
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "shard_batch sharded_cross_entropy" in r.stdout
+
+
+def test_apply_single_process_is_plain_attention(references, state_dicts):
+    # without a process group the ring is one rank: same numbers as the model's own attention
+    from ringseq.integrations.transformers import apply
+    import ringseq
+    model = apply(_model("llama", state_dicts["llama"]))
+    ids, labels = _batch(11)
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": labels})
+    targets = batch.pop("shift_labels")
+    loss = ringseq.sharded_cross_entropy(model(**batch, use_cache=False).logits, targets)
+    ref = references["llama"]
+    assert_close_per_design(loss.detach(), ref["ref"]["loss"], ref["plain"]["loss"], "loss",
+                            2.0, scaled_floor(torch.float32, ref["ref"]["loss"]))

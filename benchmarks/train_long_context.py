@@ -13,6 +13,7 @@ under ``torchrun`` it uses the launcher's ranks (NCCL on GPUs, one GPU per local
 
     python benchmarks/train_long_context.py                       # 2 local CPU ranks, ~1 min
     python benchmarks/train_long_context.py --world-size 4 --seqlen 16384 --checkpointing
+    python benchmarks/train_long_context.py --world-size 4 --plugin --sp-size 2   # via Booster
     torchrun --nproc-per-node 8 benchmarks/train_long_context.py --seqlen 131072 \\
         --layers 16 --hidden 2048 --heads 16 --kv-heads 4 --vocab 32000 --checkpointing
 
@@ -21,6 +22,13 @@ matrix products, plus attention counted as flash-attn does (forward 4·b·h·s²
 backward 2.5x), 1.33x more of everything with ``--checkpointing`` (the forward is recomputed).
 MFU = achieved FLOP/s per GPU / ``--peak-tflops`` (default: the dense bf16 peak of A100, H100
 or H200 when recognized).
+
+``--plugin`` runs the same training through ``ringseq.plugin.Booster`` with
+``RingSequenceParallelPlugin(sp_size=--sp-size, layout=--layout, precision=--dtype)``: the
+plugin switches attention, wraps the model in DDP over the (dp, sp) mesh, shards the batches of
+its data loader (``--batch`` samples per dp group, so dp x ``--batch`` per step) and supplies
+the loss. There ``--dtype`` is the plugin's precision (autocast over float32 weights) rather than
+the dtype of the weights.
 """
 from __future__ import annotations
 
@@ -81,6 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800,
                    help="seconds before spawned ranks are killed")
     p.add_argument("--json", default=None, help="write results to this path")
+    p.add_argument("--plugin", action="store_true",
+                   help="train through ringseq.plugin.Booster + RingSequenceParallelPlugin")
+    p.add_argument("--sp-size", type=int, default=None,
+                   help="with --plugin: ranks per ring (default: all; the rest is data parallel)")
     args = p.parse_args(argv)
     get_layout(args.layout)
     if args.heads % args.kv_heads or args.hidden % args.heads:
@@ -90,7 +102,7 @@ def parse_args(argv=None):
     return args
 
 
-def build_model(args, dtype, device):
+def build_model(args, dtype, device, switch=True):
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
@@ -106,15 +118,16 @@ def build_model(args, dtype, device):
     model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return apply(model, layout=args.layout, backend=args.backend)
+    return apply(model, layout=args.layout, backend=args.backend) if switch else model
 
 
-def step_flops(args, model):
-    """Model FLOPs of one training step over all ranks (see the module docstring)."""
+def step_flops(args, model, dp=1):
+    """Model FLOPs of one training step over all ranks (see the module docstring); ``dp``
+    data-parallel groups each train on ``args.batch`` sequences."""
     n_matmul = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    tokens = args.batch * args.seqlen
+    tokens = dp * args.batch * args.seqlen
     dense = 6 * n_matmul * tokens
-    attn = args.layers * attention_flops(args.batch, args.heads, args.seqlen, args.seqlen,
+    attn = args.layers * attention_flops(dp * args.batch, args.heads, args.seqlen, args.seqlen,
                                          args.hidden // args.heads, True, "fwd_bwd")
     total = dense + attn
     if args.checkpointing:
@@ -135,13 +148,47 @@ def all_reduce_grads(model, group=None):
         offset += n
 
 
+def plugin_setup(args, device):
+    """Model, optimizer, loss and data through Booster; returns a step function and dp."""
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    plugin = RingSequenceParallelPlugin(sp_size=args.sp_size or dist.get_world_size(),
+                                        layout=args.layout, precision=args.dtype,
+                                        backend=args.backend, device=device)
+    booster = Booster(plugin=plugin)
+    model = build_model(args, torch.float32, device, switch=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    n = (args.warmup + args.steps) * args.batch * plugin.dp_size
+    ids = torch.randint(0, args.vocab, (n, args.seqlen), generator=g)
+    dataset = [{"input_ids": ids[i], "labels": ids[i]} for i in range(n)]
+    loader = plugin.prepare_dataloader(dataset, batch_size=args.batch)
+    model, opt, criterion, loader, _ = booster.boost(model, opt, dataloader=loader)
+    model.train()
+    batches = iter(loader)
+
+    def step():
+        batch = {k: v.to(device) for k, v in next(batches).items()}
+        logits = model(**batch).logits
+        loss = criterion(logits, batch)
+        del logits
+        booster.backward(loss, opt)  # gradients summed over dp x sp by the plugin's DDP hook
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, model.unwrap(), plugin.dp_size
+
+
 def run_rank(args, device):
     dtype = DTYPES[args.dtype]
     rank, world = dist.get_rank(), dist.get_world_size()
     main = rank == 0
     if main:
         progress(f"building the model: {args.layers} layers, hidden {args.hidden}, "
-                 f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, {args.dtype}")
+                 f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, {args.dtype}"
+                 f"{' (through Booster)' if args.plugin else ''}")
+    if args.plugin:
+        return _run_steps(args, device, *plugin_setup(args, device))
     model = build_model(args, dtype, device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -150,19 +197,29 @@ def run_rank(args, device):
     batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, layout=args.layout)
     targets = batch.pop("shift_labels")
 
+    def step():
+        logits = model(**batch).logits
+        loss = ringseq.sharded_cross_entropy(logits, targets)
+        loss.backward()
+        del logits
+        all_reduce_grads(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return _run_steps(args, device, step, model, 1)
+
+
+def _run_steps(args, device, step_fn, model, dp):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    main = rank == 0
     times, losses = [], []
     peak = PeakMemory(device)
     with peak:
         for step in range(args.warmup + args.steps):
             synchronize(device)
             t0 = time.perf_counter()
-            logits = model(**batch).logits
-            loss = ringseq.sharded_cross_entropy(logits, targets)
-            loss.backward()
-            del logits
-            all_reduce_grads(model)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = step_fn()
             synchronize(device)
             dt = time.perf_counter() - t0
             losses.append(float(loss.detach()))
@@ -176,7 +233,7 @@ def run_rank(args, device):
     dist.all_gather_object(everyone, mine)
     if not main:
         return None
-    flops, n_matmul = step_flops(args, model)
+    flops, n_matmul = step_flops(args, model, dp)
     step_s = max(r["median_step_s"] for r in everyone)  # the ring moves at its slowest rank
     tflops_per_rank = flops / step_s / world / 1e12
     peak_tflops = args.peak_tflops
@@ -184,12 +241,13 @@ def run_rank(args, device):
         name = torch.cuda.get_device_name(device)
         peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     return {
-        "world_size": world, "seqlen": args.seqlen, "batch": args.batch,
-        "local_seqlen": args.seqlen // world, "layout": args.layout, "dtype": args.dtype,
+        "world_size": world, "seqlen": args.seqlen, "batch": args.batch * dp, "dp": dp,
+        "local_seqlen": args.seqlen * dp // world, "layout": args.layout, "dtype": args.dtype,
+        "plugin": args.plugin,
         "checkpointing": args.checkpointing, "params": sum(p.numel() for p in model.parameters()),
         "matmul_params": n_matmul, "step_ms": step_s * 1e3,
         "step_ms_all": [t * 1e3 for t in times],
-        "tokens_per_s": args.batch * args.seqlen / step_s,
+        "tokens_per_s": dp * args.batch * args.seqlen / step_s,
         "tflops_per_rank": tflops_per_rank,
         "mfu": (tflops_per_rank / peak_tflops) if peak_tflops else None,
         "peak_mib_per_rank": [r["peak_mib"] for r in everyone],
@@ -258,7 +316,9 @@ def report(args, res, device):
           f"{args.heads}/{args.kv_heads}, MLP {args.intermediate}, vocab {args.vocab} "
           f"({res['params'] / 1e6:.2f} M params), {args.dtype} on {device}")
     print(f"# total s={res['seqlen']} x b={res['batch']} over W={res['world_size']} "
-          f"({res['local_seqlen']} tokens/rank), layout {res['layout']}, activation "
+          f"({res['local_seqlen']} tokens/rank"
+          f"{', dp %d x sp %d through Booster' % (res['dp'], res['world_size'] // res['dp']) if res['plugin'] else ''}"
+          f"), layout {res['layout']}, activation "
           f"checkpointing {'on' if res['checkpointing'] else 'off'}; step = forward + backward "
           f"+ gradient all-reduce + AdamW, median of {args.steps} (slowest rank)")
     row = dict(res)

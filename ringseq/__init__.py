@@ -26,3 +26,9 @@ from .loss import sharded_cross_entropy
 
 __all__ += ["shard_batch", "sharded_cross_entropy"]
 # --- end data and loss ---
+
+# --- plugin (ringseq/plugin/; imports torch.distributed and DataLoader, never transformers) ---
+from .plugin import Booster, Plugin, RingSequenceParallelPlugin
+
+__all__ += ["Booster", "Plugin", "RingSequenceParallelPlugin"]
+# --- end plugin ---

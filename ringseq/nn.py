@@ -19,6 +19,7 @@ from torch import nn
 
 from .comm import dtype_code, get_comm, layout_code
 from .layouts import get_layout
+from .kernels import default_scale
 from .ops import get_backend
 from .ring import resolve_grad_comm_dtype, ring_attention
 
@@ -37,7 +38,20 @@ def _check_local(q, k, v, lay, comm):
     lay.check_local_seqlen(q.shape[1], comm.world_size)
 
 
+def _autocast(q, k, v):
+    # Like F.scaled_dot_product_attention, ring attention runs in autocast's lower precision:
+    # under autocast, models hand over mixed dtypes (e.g. transformers' RoPE returns float32
+    # q/k next to a bf16 v), which the kernels would refuse.
+    dev = q.device.type
+    if not torch.is_autocast_enabled(dev):
+        return q, k, v
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in (q, k, v))
+
+
 def _ring(q, k, v, softmax_scale, causal, group, layout, backend, grad_comm_dtype):
+    q, k, v = _autocast(q, k, v)
     lay = get_layout(layout)
     comm = get_comm(group)
     _check_local(q, k, v, lay, comm)
@@ -45,7 +59,7 @@ def _ring(q, k, v, softmax_scale, causal, group, layout, backend, grad_comm_dtyp
     if comm.world_size > 1 and not getattr(be, "supports_global_backward", True):
         raise ValueError(f"backend {be.name!r} cannot compute a block's gradients from the "
                          f"merged output of a ring; use backend='ringseq' or 'reference'")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     gdt = resolve_grad_comm_dtype(grad_comm_dtype, q.dtype, be.accum_dtype(q.dtype))
     b, s, h, d = q.shape
     comm.check_consistent([
@@ -82,7 +96,8 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, group=None,
             ``torch.bfloat16``): 2/3 of the backward traffic, one rounding per ring hop. Measured
             for bf16 inputs at W=4 (tests/test_ring.py): about 2x the dK/dV error of float32
             transit, about the error of plain bf16 attention; bounded by float32 transit's
-            error + W * 2**-8 * max|dK|. out, lse and dQ are unaffected.
+            error + W * 2**-8 * max|dK|. out, lse and dQ are unaffected. float16 transit
+            can overflow (partial sums above 65504 become inf); prefer bfloat16.
 
     Returns:
         out (batch, s_local, nheads, headdim) in q's dtype; with ``return_lse`` also
@@ -122,18 +137,21 @@ def ring_flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, group=
                                 group, layout, return_lse, backend, grad_comm_dtype)
 
 
-def ring_sdpa(query, key, value, is_causal=False, scale=None, group=None, layout="contiguous",
-              *, attn_mask=None, dropout_p=0.0, enable_gqa=True, backend=None,
+def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=True, *, group=None, layout="contiguous", backend=None,
               grad_comm_dtype=None):
-    """Ring attention with ``F.scaled_dot_product_attention``'s layout, for SDPA model code.
+    """Ring attention with ``F.scaled_dot_product_attention``'s layout and positional order,
+    for SDPA model code (a call written for SDPA means the same here).
 
     Args:
         query: (batch, nheads, s_local, headdim); key, value: (batch, nheads_kv, s_local,
             headdim), ``nheads % nheads_kv == 0`` (GQA is always allowed).
+        attn_mask, dropout_p: as in SDPA's signature; only None / 0.0 are supported
+            (ValueError otherwise).
         is_causal, scale: as in SDPA (causal over global positions of ``layout``).
-        group, layout, backend, grad_comm_dtype: as in :func:`ring_flash_attn_func`.
-        attn_mask, dropout_p: accepted for signature compatibility; only None / 0.0 are
-            supported (ValueError otherwise).
+        enable_gqa: accepted for SDPA compatibility (GQA is always on).
+        group, layout, backend, grad_comm_dtype (keyword-only): as in
+            :func:`ring_flash_attn_func`.
 
     Returns (batch, nheads, s_local, headdim) in query's dtype (a transposed view).
     """

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import (AttentionBackend, accum_dtype, available_backends, check_qkv, default_scale,
-                      get_backend)
+from .kernels import (AttentionBackend, available_backends, check_qkv, compute_delta,
+                      default_scale, get_backend)
 
 
 class _BackendAttention(torch.autograd.Function):
@@ -20,22 +20,23 @@ class _BackendAttention(torch.autograd.Function):
         out, lse = backend.fwd(q, k, v, softmax_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.backend = softmax_scale, causal, backend
-        ctx.mark_non_differentiable()
+        # Unused outputs then arrive as None: no zero-filled lse gradient to test on the host.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         backend = ctx.backend
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
         delta = None
-        if grad_lse is not None and bool(grad_lse.ne(0).any()):
+        if grad_lse is not None:
             if not backend.supports_delta:
                 raise RuntimeError(f"backend {backend.name!r} cannot backpropagate through lse; "
                                    f"use backend='ringseq' or 'reference'")
-            acc = accum_dtype(q.dtype)
-            delta = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(1, 2) - grad_lse.to(acc)
-        dq, dk, dv = backend.bwd(grad_out.contiguous(), q, k, v, out, lse, ctx.softmax_scale,
-                                 ctx.causal, delta)
+            delta = compute_delta(grad_out, out, grad_lse)
+        dq, dk, dv = backend.bwd(grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                                 delta)
         return dq, dk, dv, None, None, None
 
 
@@ -61,19 +62,16 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     Raises:
         ValueError: inputs that do not fit together or that the chosen backend cannot run (the
             message names the argument, what was given and what is expected).
-        RuntimeError: backend "ringseq" requested but the extension is not built.
+        ValueError: also when backend "ringseq" is requested but the extension is not built.
     """
     check_qkv(q, k, v)
     if softmax_scale is None:
         softmax_scale = default_scale(q.shape[-1])
     chosen = get_backend(backend, q.device, q.dtype, q.shape[-1])
-    if chosen.name == "ringseq":
-        if q.numel() == 0 or k.shape[1] == 0:
-            out, lse = chosen.fwd(q, k, v, softmax_scale, causal)
-        else:
-            out, lse = torch.ops.ringseq.fwd(q, k, v, float(softmax_scale), bool(causal),
-                                             chosen.tile_config)
-    else:
+    if chosen.name == "ringseq" and q.numel() and k.shape[1]:
+        out, lse = torch.ops.ringseq.fwd(q, k, v, float(softmax_scale), bool(causal),
+                                         chosen.tile_config)
+    else:  # Python backends, and empty inputs (kept in the autograd graph)
         out, lse = _BackendAttention.apply(q, k, v, float(softmax_scale), bool(causal), chosen)
     return (out, lse) if return_lse else out
 

@@ -31,6 +31,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .comm import RingComm
+from .kernels import compute_delta, default_scale
 from .layouts import BlockTask, Layout, get_layout
 
 __all__ = ["ring_attention", "simulate_ring", "RingAttnFunc", "resolve_grad_comm_dtype"]
@@ -98,11 +99,7 @@ def _ring_backward(dout, q, k, v, out, lse, scale: float, schedule: Sequence[Lis
     s_kv, h_kv = k.shape[1], k.shape[2]
     acc = be.accum_dtype(q.dtype)
     W = comm.world_size
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # (b, h, s)
-    if grad_lse is not None:
-        # d lse_i / d s_ij = p_ij, so a gradient on lse enters as dS = P (dP - (D - dlse)).
-        delta = delta - grad_lse.to(acc)
-    delta = delta.contiguous()
+    delta = compute_delta(dout, out, grad_lse)  # (b, h, s), computed once for every block
     dq = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
 
     kv_shape = (2, b, s_kv, h_kv, d)
@@ -175,7 +172,8 @@ def resolve_grad_comm_dtype(grad_comm_dtype, dtype: torch.dtype, acc: torch.dtyp
 
 
 class RingAttnFunc(torch.autograd.Function):
-    """Autograd around the two loops. Returns (out in the input dtype, lse (b, h, s) float32)."""
+    """Autograd around the two loops. Returns (out in the input dtype, lse (b, h, s) float32;
+    float64 for float64 inputs)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, layout, comm, be, grad_comm_dtype):
@@ -285,7 +283,7 @@ def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: boo
             backward runs too.
 
     Returns:
-        ``(out, lse)`` on the full sequence (out in q's dtype, lse (b, h, s) float32), plus
+        ``(out, lse)`` on the full sequence (out in q's dtype, lse (b, h, s) float32, float64 for float64 inputs), plus
         ``(dq, dk, dv)`` when ``dout`` is given, all unsharded back to global order.
     """
     from .layouts import shard_local, unshard_local
@@ -293,7 +291,7 @@ def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: boo
     lay = get_layout(layout)
     lay.check_seqlen(q.shape[1], world_size)
     be = get_backend(backend, q.device, q.dtype, q.shape[-1])
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     acc = be.accum_dtype(q.dtype)
     gdt = resolve_grad_comm_dtype(grad_comm_dtype, q.dtype, acc)
 

@@ -160,6 +160,16 @@ def test_empty_key_sequence_gives_zero_and_neg_inf(backend):
     assert torch.isneginf(lse).all() and lse.shape == (2, 4, 33)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_empty_inputs_stay_in_the_autograd_graph(backend):
+    if backend == "ringseq" and not extension_available():
+        pytest.skip("ringseq._C is not built")
+    q, k, v = (t.requires_grad_() for t in qkv(s_k=0))
+    out = ringseq.flash_attn_func(q, k, v, backend=backend)
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q)) and k.grad.shape == k.shape
+
+
 def test_default_backend_is_ours_on_cpu():
     want = "ringseq" if extension_available() else "reference"
     assert get_backend(None, "cpu", torch.float32, 64).name == want

@@ -83,6 +83,9 @@ def _build_cases():
              s=2 * 37, seed=11, backend="reference", entry_points=False),
         dict(w=3, layout="zigzag", causal=True, heads=(5, 5), dtype=torch.float32, d=64, b=1,
              s=3 * 46, seed=12, backend="sdpa", entry_points=False),
+        # stripe's shifted blocks (s_q != s_k, bottom-right causal) through the sdpa bias path
+        dict(w=2, layout="stripe", causal=True, heads=(4, 2), dtype=torch.float32, d=32, b=1,
+             s=2 * 37, seed=15, backend="sdpa", entry_points=False),
     ]
     # full attention on a permuted layout with several ranks (the grid has it only at W=1)
     cases.append(dict(w=3, layout="zigzag", causal=False, heads=(8, 2), dtype=torch.float32,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionBackend
+from .base import AttentionBackend, compute_delta
 from .checks import accum_dtype, check_qkv, default_scale
 from .extension import ExtensionBackend, extension_available, extension_has_cuda
 from .flash_attn import FlashAttnBackend, flash_attn_module
@@ -40,7 +40,7 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None) -> Attentio
     """Resolves a backend name (or an AttentionBackend instance) for inputs on ``device``.
 
     ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim), else
-    "sdpa" (CUDA) or "reference" (CPU without the extension). Raises ValueError for an unknown
+    "sdpa" on CUDA (float64 there: "reference"), else "reference" (CPU without the extension). Raises ValueError for an unknown
     name and for a named backend that cannot run such inputs.
     """
     if isinstance(backend, AttentionBackend):
@@ -50,7 +50,10 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None) -> Attentio
         ours = _instance("ringseq")
         if ours.unsupported_reason(device, dtype or torch.float32, headdim or 64) is None:
             return ours
-        return _instance("sdpa" if device.type == "cuda" else "reference")
+        sdpa = _instance("sdpa")
+        if device.type == "cuda" and sdpa.unsupported_reason(device, dtype or torch.float32, headdim or 64) is None:
+            return sdpa
+        return _instance("reference")
     if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)} or None, got {backend!r}")
     chosen = _instance(backend)
@@ -70,7 +73,7 @@ def available_backends(device="cpu", dtype=torch.float32, headdim=64) -> list[st
 
 __all__ = [
     "AttentionBackend", "BACKEND_NAMES", "ExtensionBackend", "FlashAttnBackend",
-    "ReferenceBackend", "SdpaBackend", "accum_dtype", "available_backends", "check_qkv",
+    "ReferenceBackend", "SdpaBackend", "accum_dtype", "compute_delta", "available_backends", "check_qkv",
     "default_scale", "extension_available", "extension_has_cuda", "flash_attn_module",
     "get_backend",
 ]

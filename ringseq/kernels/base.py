@@ -93,6 +93,20 @@ class AttentionBackend:
         return f"<attention backend {self.name!r}>"
 
 
+def compute_delta(dout: torch.Tensor, out: torch.Tensor, grad_lse=None) -> torch.Tensor:
+    """delta = rowsum(dout * out) - grad_lse: (b, h, s_q), contiguous, accumulation dtype.
+
+    dout, out: (b, s_q, h, d); grad_lse: (b, h, s_q) or None. Since d lse_i / d s_ij = p_ij,
+    a gradient on lse enters the backward as dS = P (dP - (D - dlse)): folding it into delta
+    keeps one kernel for both cases.
+    """
+    acc = accum_dtype(out.dtype)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(acc)
+    return delta.contiguous()
+
+
 def finite_lse(lse: torch.Tensor) -> torch.Tensor:
     """lse with -inf (rows that see no key) replaced by 0 so that exp(s - lse) stays 0, not NaN."""
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
@@ -114,4 +128,4 @@ def reduce_kv(t: torch.Tensor, nheads_kv: int) -> torch.Tensor:
     return t.view(b, s, nheads_kv, h // nheads_kv, d).sum(3)
 
 
-__all__ = ["AttentionBackend", "finite_lse", "expand_kv", "reduce_kv", "no_key_rows"]
+__all__ = ["AttentionBackend", "compute_delta", "finite_lse", "expand_kv", "reduce_kv", "no_key_rows"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionBackend
-from .checks import accum_dtype
+from .base import AttentionBackend, compute_delta
+from .checks import accum_dtype, default_scale
 
 _IMPORT_ERROR: Exception | None = None
 try:
@@ -28,14 +28,6 @@ def extension_available() -> bool:
 
 def extension_has_cuda() -> bool:
     return _C is not None and bool(getattr(_C, "WITH_CUDA", False))
-
-
-def require_extension() -> None:
-    if _C is None:
-        raise RuntimeError(
-            "ringseq's C++ extension (ringseq._C) is not built, so backend 'ringseq' is "
-            "unavailable; install with `pip install --no-build-isolation -e .` from the checkout, "
-            f"or pick backend='sdpa' or 'reference' (import error: {_IMPORT_ERROR})")
 
 
 if _C is not None:
@@ -72,13 +64,8 @@ if _C is not None:
 
     def _fwd_backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        acc = accum_dtype(q.dtype)
         grad_out = grad_out.contiguous()  # autograd may hand in expanded (stride-0) gradients
-        # d lse_i / d s_ij = p_ij, so a gradient on lse enters as dS = P (dP - (D - dlse)):
-        # folding it into delta keeps one kernel for both cases.
-        delta = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
-        if grad_lse is not None:
-            delta = delta - grad_lse.to(acc)
+        delta = compute_delta(grad_out, out, grad_lse)
         dq, dk, dv = torch.ops.ringseq.bwd(grad_out, q, k, v, out, lse, ctx.softmax_scale,
                                            ctx.causal, delta, ctx.tile_config)
         return dq, dk, dv, None, None, None
@@ -115,7 +102,7 @@ class ExtensionBackend(AttentionBackend):
         if q.device.type != "cpu":  # the CUDA kernel has no merge mode yet
             return super().fwd_accum(q, k, v, softmax_scale, causal, out_acc, lse_acc)
         self._check(q, k, v)
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         torch.ops.ringseq.fwd_accum(q, k, v, scale, bool(causal), out_acc, lse_acc, self.tile_config)
 
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
@@ -124,6 +111,6 @@ class ExtensionBackend(AttentionBackend):
     def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum, dk_accum,
                   dv_accum) -> None:
         self._check(q, k, v)
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, bool(causal), delta, dq_accum,
                                     dk_accum, dv_accum, self.tile_config)

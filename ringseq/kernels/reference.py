@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionBackend, finite_lse
+from .base import AttentionBackend, compute_delta, finite_lse
 from .checks import accum_dtype, causal_mask
 
 
@@ -43,7 +43,7 @@ class ReferenceBackend(AttentionBackend):
         p = torch.exp(s - finite_lse(lse.to(acc)).reshape(b, h_kv, h // h_kv, s_q)[..., None])
         do = _grouped(dout.to(acc), h_kv)  # (b, s_q, h_kv, g, d)
         if delta is None:
-            delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # (b, h, s_q)
+            delta = compute_delta(dout, out)  # (b, h, s_q)
         dp = torch.einsum("bqkgd,bjkd->bkgqj", do, v.to(acc))
         ds = p * (dp - delta.to(acc).reshape(b, h_kv, h // h_kv, s_q)[..., None])
         dq = torch.einsum("bkgqj,bjkd->bqkgd", ds, k.to(acc)).reshape(b, s_q, h, d) * scale

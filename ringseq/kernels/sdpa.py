@@ -19,10 +19,13 @@ aten = torch.ops.aten
 
 
 def _bias(s_q, s_k, causal, dtype, device):
-    """Additive bottom-right causal bias (s_q, s_k), or None when is_causal/no mask does it."""
+    """Additive bottom-right causal bias (s_q, s_k), or None when is_causal/no mask does it.
+
+    Its rows start on 16-element boundaries (a view of a padded buffer): CUDA's
+    memory-efficient kernel rejects a bias whose row stride is not aligned."""
     if not causal or s_q == s_k:
         return None
-    bias = torch.zeros(s_q, s_k, dtype=dtype, device=device)
+    bias = torch.zeros(s_q, s_k + (-s_k) % 16, dtype=dtype, device=device)[:, :s_k]
     return bias.masked_fill_(~causal_mask(s_q, s_k, device), float("-inf"))
 
 
@@ -42,6 +45,8 @@ class SdpaBackend(AttentionBackend):
     def unsupported_reason(self, device, dtype, headdim):
         if device.type not in ("cpu", "cuda"):
             return f"it runs on CPU and CUDA tensors, got {device}"
+        if device.type == "cuda" and dtype == torch.float64:
+            return "torch's fused CUDA attention kernels have no float64 path; use backend='reference'"
         return None
 
     def _use_flash_cuda(self, q, causal):
@@ -87,9 +92,11 @@ class SdpaBackend(AttentionBackend):
             dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dot, qt, kt, vt, ot, lse, 0.0, is_causal, attn_mask=bias, scale=scale)
         elif bias is None and self._use_flash_cuda(q, causal):
+            # cum_seq_q/k must be *undefined* (None), not empty: a defined tensor selects
+            # torch's variable-length backward. The philox seed/offset are unused (dropout 0).
             empty = torch.empty(0, dtype=torch.int64, device=q.device)
             dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-                dot.contiguous(), qt, kt, vt, ot, lse.contiguous(), empty, empty, s_q, s_k, 0.0,
+                dot, qt, kt, vt, ot, lse.contiguous(), None, None, s_q, s_k, 0.0,
                 is_causal, empty, empty, scale=scale)
         else:
             if bias is not None:

@@ -1,0 +1,75 @@
+"""Booster: the training-loop facade over a :class:`~ringseq.plugin.Plugin`."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .base import Plugin
+
+__all__ = ["Booster"]
+
+
+class Booster:
+    """Prepares training objects with ``plugin`` and routes backward, no_sync and checkpoints
+    through it, so the loop does not depend on the parallel strategy::
+
+        booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2))
+        model, optimizer, criterion, loader, _ = booster.boost(model, optimizer,
+                                                               dataloader=loader)
+        for batch in loader:
+            loss = criterion(model(**batch), batch)
+            booster.backward(loss, optimizer)
+            optimizer.step(); optimizer.zero_grad()
+
+    Raises TypeError when ``plugin`` is not a :class:`Plugin`.
+    """
+
+    def __init__(self, plugin: Plugin):
+        if not isinstance(plugin, Plugin):
+            raise TypeError(f"Booster needs a ringseq.plugin.Plugin, got {type(plugin).__name__}")
+        self.plugin = plugin
+        self.checkpoint_io = plugin.get_checkpoint_io()
+
+    def boost(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+              criterion: Optional[Callable] = None, dataloader=None, lr_scheduler=None):
+        """Returns ``(model, optimizer, criterion, dataloader, lr_scheduler)`` wrapped by the
+        plugin (see ``plugin.configure`` for what each becomes and what is raised)."""
+        return self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+
+    def backward(self, loss: torch.Tensor, optimizer) -> None:
+        """``optimizer.backward(loss)`` for a boosted optimizer (grad scaling for fp16), else
+        ``loss.backward()``."""
+        if hasattr(optimizer, "backward"):
+            optimizer.backward(loss)
+        else:
+            loss.backward()
+
+    def no_sync(self, model: nn.Module = None, optimizer=None):
+        """Context for gradient accumulation: backward passes inside it do not communicate;
+        the first backward outside it reduces the accumulated gradients."""
+        if not self.plugin.support_no_sync():
+            raise RuntimeError(f"{type(self.plugin).__name__} does not support no_sync")
+        return self.plugin.no_sync(model, optimizer)
+
+    def save_model(self, model: nn.Module, checkpoint: str, **kwargs) -> None:
+        """Writes the full (unsharded) ``state_dict`` of the user's model; collective."""
+        self.checkpoint_io.save_model(model, checkpoint, **kwargs)
+
+    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True, **kwargs):
+        """Loads a full ``state_dict`` (from ``save_model`` or a plain model) on every rank."""
+        return self.checkpoint_io.load_model(model, checkpoint, strict=strict, **kwargs)
+
+    def save_optimizer(self, optimizer, checkpoint: str, **kwargs) -> None:
+        """Writes the plain ``torch.optim`` state dict; collective."""
+        self.checkpoint_io.save_optimizer(optimizer, checkpoint, **kwargs)
+
+    def load_optimizer(self, optimizer, checkpoint: str, **kwargs) -> None:
+        self.checkpoint_io.load_optimizer(optimizer, checkpoint, **kwargs)
+
+    def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
+        self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
+
+    def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)

@@ -1,0 +1,255 @@
+"""RingSequenceParallelPlugin: ring attention over ``sp`` ranks, data parallel over ``dp``."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+
+from ..layouts import get_layout
+from .base import Plugin
+from .checkpoint import ReplicatedCheckpointIO
+from .dataloader import ShardedDataLoader
+from .mesh import build_mesh
+from .policy import is_transformers_model, switch_attention
+from .precision import PRECISIONS, Precision
+from .wrappers import ModelWrapper, OptimizerWrapper, SequenceParallelLoss
+
+__all__ = ["RingSequenceParallelPlugin"]
+
+
+# Buffers are identical on every rank (deterministic RoPE tables), so re-broadcasting them
+# before every forward is wasted communication; newer torch renamed the switch.
+_NO_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
+                   inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+                   else "broadcast_buffers")
+
+
+def _sum_allreduce_hook(group, bucket):
+    # DDP's default hook divides by the group size; the plugin's loss is already the global
+    # token mean, so the exact gradient is the plain SUM (see the class docstring).
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+class RingSequenceParallelPlugin(Plugin):
+    """Sequence parallelism with ring attention on ``sp`` ranks, data parallelism over the rest.
+
+    The W ranks of the default process group form a (dp, sp) mesh, dp = W / sp_size
+    (``init_device_mesh(device, (dp, sp), mesh_dim_names=("dp", "sp"))``, or ``mesh``). Rank
+    (d, r) holds sequence shard r (``layout``) of the samples of data-parallel group d.
+
+    Args:
+        sp_size: ranks per ring; must divide the world size.
+        layout: ``"zigzag"`` (default), ``"contiguous"``, ``"stripe"`` or a Layout.
+        precision: ``"fp32"`` (default), ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a
+            GradScaler); see :class:`ringseq.plugin.precision.Precision` for devices.
+        mesh: a ``DeviceMesh`` with dims ``("dp", "sp")`` covering every rank, instead of
+            creating one.
+        policy: ``policy(model, group, layout, backend) -> int`` switching the model's
+            attention to ring attention (default: see :mod:`ringseq.plugin.policy`).
+        backend: ring block kernel backend (None: the best available).
+        ignore_index: label value without a target.
+        device: where the model is put (default: ``cuda:<current>`` under NCCL, else CPU).
+        ddp_kwargs: extra ``DistributedDataParallel`` arguments (e.g. ``bucket_cap_mb``,
+            ``find_unused_parameters``).
+
+    Gradient reduction (why gradients are SUMMED over all dp x sp ranks, never averaged).
+    Let a global step see the dp x b sequences of all groups, with T targets that are not
+    ``ignore_index`` in total and per-token losses l_t. Single-process training minimizes
+    ``L = (1/T) * sum_t l_t``. The plugin's criterion (:class:`SequenceParallelLoss`) all-reduces
+    the pair (local sum of l_t, local count) over ALL ranks, so every rank evaluates exactly L,
+    and the backward of that all-reduce is the identity: rank (d, r)'s autograd receives
+    dL/d(its logits) and, through ring attention (whose backward brings the dK/dV of every
+    block home to the rank that produced K/V), dL/d(its activations). Every use of a replicated
+    parameter in the step happens on exactly one rank, so by the chain rule
+    ``dL/dtheta = sum over all (d, r) of g_(d,r)``, with g_(d,r) the gradient autograd
+    accumulates on rank (d, r). Hence DDP runs over the whole dp x sp group with a SUM hook:
+    no division by sp (each sp rank holds a share of the sequence, not a copy of the loss) and
+    none by dp either, because T already counts the targets of every dp group -- averaging
+    per-group means instead would weight groups with fewer targets too much whenever their
+    token counts differ. The step thus equals single-process training on the whole global
+    batch, up to float summation order. With ``no_sync`` over k micro-batches the gradients of
+    the k global means add up (scale the loss by 1/k for their average).
+
+    Raises (at construction, on every rank, before any communication): ValueError for an
+    sp_size that does not divide the world size (listing the ones that do), an unknown layout
+    or precision, a mesh of the wrong shape; RuntimeError without a process group.
+    """
+
+    def __init__(self, sp_size: int, layout="zigzag", precision: str = "fp32", mesh=None,
+                 policy: Optional[Callable] = None, backend: Optional[str] = None,
+                 ignore_index: int = -100, device=None, ddp_kwargs: Optional[dict] = None):
+        self.layout = get_layout(layout)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not supported; expected one of "
+                             f"{sorted(PRECISIONS)}")
+        self.groups = build_mesh(sp_size, mesh)
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if self.groups.mesh.device_type == "cuda" else torch.device("cpu"))
+        self.device = torch.device(device)
+        if self.device.type not in self.supported_devices:
+            raise ValueError(f"device {self.device} is not supported; expected one of "
+                             f"{self.supported_devices}")
+        self.precision = Precision(precision, self.device.type)
+        self.policy = policy
+        self.backend = backend
+        self.ignore_index = ignore_index
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+
+    # -- mesh ------------------------------------------------------------------------------
+    @property
+    def mesh(self):
+        return self.groups.mesh
+
+    @property
+    def dp_size(self) -> int:
+        return self.groups.dp_size
+
+    @property
+    def sp_size(self) -> int:
+        return self.groups.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.dp_rank
+
+    @property
+    def sp_rank(self) -> int:
+        return self.groups.sp_rank
+
+    @property
+    def sp_group(self):
+        return self.groups.sp_group
+
+    @property
+    def dp_group(self):
+        return self.groups.dp_group
+
+    # -- Plugin surface --------------------------------------------------------------------
+    @property
+    def supported_devices(self) -> List[str]:
+        return ["cpu", "cuda"]
+
+    @property
+    def supported_precisions(self) -> List[str]:
+        return sorted(PRECISIONS)
+
+    def control_device(self) -> bool:
+        return True
+
+    def control_precision(self) -> bool:
+        return True
+
+    def support_no_sync(self) -> bool:
+        return True
+
+    def prepare_dataloader(self, dataset, batch_size: int, shuffle: bool = False,
+                           seed: int = 1024, drop_last: bool = False, pin_memory: bool = False,
+                           num_workers: int = 0, **kwargs) -> ShardedDataLoader:
+        """A loader of this rank's sequence shards (see :class:`ShardedDataLoader`).
+
+        Args:
+            dataset: a map-style dataset of mappings with ``input_ids`` (s,) int64 and
+                optionally ``labels`` (s,) (same s within a batch; s a multiple of what the
+                layout needs: sp, 2*sp for zigzag).
+            batch_size: samples per data-parallel group per step (global batch: x dp).
+            shuffle, seed, drop_last: as ``DistributedSampler`` over the dp groups (without
+                drop_last the sampler repeats samples to even out the groups).
+            pin_memory, num_workers, kwargs: passed to ``DataLoader`` (e.g. ``collate_fn``).
+
+        Raises ValueError for an iterable-style dataset (it cannot be split by index over dp).
+        """
+        if isinstance(dataset, IterableDataset):
+            raise ValueError("prepare_dataloader needs a map-style dataset (len and indexing) to "
+                             "split samples over the data-parallel groups")
+        kwargs.pop("sampler", None)
+        sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank,
+                                     shuffle=shuffle, seed=seed, drop_last=drop_last)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                            drop_last=drop_last, pin_memory=pin_memory,
+                            num_workers=num_workers, **kwargs)
+        return ShardedDataLoader(loader, self.sp_group, self.layout.name, self.dp_rank,
+                                 ignore_index=self.ignore_index, check_group=None)
+
+    def _criterion(self, criterion):
+        if criterion is None:
+            return SequenceParallelLoss(group=None, ignore_index=self.ignore_index)
+        if getattr(criterion, "sequence_parallel_aware", False):
+            return criterion
+        if isinstance(criterion, nn.CrossEntropyLoss):
+            if (criterion.reduction != "mean" or criterion.weight is not None
+                    or criterion.label_smoothing):
+                raise ValueError("only a plain nn.CrossEntropyLoss (reduction='mean', no class "
+                                 "weights, no label smoothing) can be turned into the global "
+                                 "token-mean loss of the ring plugin")
+            return SequenceParallelLoss(group=None, ignore_index=criterion.ignore_index)
+        raise ValueError(
+            f"criterion {criterion!r} cannot be used as is: on sequence shards a local loss "
+            f"gives wrong gradients. Pass None or nn.CrossEntropyLoss() (both become "
+            f"ringseq.plugin.SequenceParallelLoss, the global token mean over all ranks), or a "
+            f"callable with `sequence_parallel_aware = True` that returns that global mean")
+
+    def _dataloader(self, dataloader):
+        if dataloader is None or isinstance(dataloader, ShardedDataLoader):
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise ValueError(f"dataloader must be a torch DataLoader or the result of "
+                             f"plugin.prepare_dataloader, got {type(dataloader).__name__}")
+        return self.prepare_dataloader(
+            dataloader.dataset, dataloader.batch_size,
+            shuffle=isinstance(dataloader.sampler, RandomSampler), drop_last=dataloader.drop_last,
+            pin_memory=dataloader.pin_memory, num_workers=dataloader.num_workers,
+            collate_fn=dataloader.collate_fn)
+
+    def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
+                  lr_scheduler=None):
+        """Switches attention to the ring, moves the model to the device, wraps it for data
+        parallelism and precision; returns ``(ModelWrapper, OptimizerWrapper or None,
+        SequenceParallelLoss, ShardedDataLoader or None, lr_scheduler)``.
+
+        A plain ``DataLoader`` is rebuilt over the same dataset with the dp sampler and the
+        sequence sharding. Raises ValueError (every rank, before communicating) for a model
+        whose attention cannot be switched, an already boosted model, or an unsupported
+        criterion (see :meth:`_criterion`).
+        """
+        if isinstance(model, ModelWrapper):
+            raise ValueError("this model was already boosted")
+        switch_attention(model, self.sp_group, self.layout.name, self.backend, self.policy)
+        if is_transformers_model(model) and getattr(model.config, "use_cache", False):
+            # A KV cache of a sharded sequence is meaningless and ring attention refuses one.
+            model.config.use_cache = False
+        criterion = self._criterion(criterion)
+        dataloader = self._dataloader(dataloader)
+        model = model.to(self.device)
+        if dist.get_world_size() > 1:
+            kwargs = {_NO_BUFFER_SYNC: False}  # buffers (RoPE tables) are identical
+            kwargs.update(self.ddp_kwargs)
+            if self.device.type == "cuda":
+                kwargs.setdefault("device_ids", [self.device.index])
+            ddp = nn.parallel.DistributedDataParallel(model, process_group=None, **kwargs)
+            ddp.register_comm_hook(None, _sum_allreduce_hook)
+            model = ddp
+        model = ModelWrapper(model, self.precision)
+        if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
+            optimizer = OptimizerWrapper(optimizer, self.precision.scaler)
+        return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def no_sync(self, model: nn.Module, optimizer=None):
+        inner = model.module if isinstance(model, ModelWrapper) else model
+        if isinstance(inner, nn.parallel.DistributedDataParallel):
+            return inner.no_sync()
+        return contextlib.nullcontext()
+
+    def get_checkpoint_io(self) -> ReplicatedCheckpointIO:
+        return ReplicatedCheckpointIO()
+
+    def __repr__(self):
+        return (f"RingSequenceParallelPlugin(dp={self.dp_size}, sp={self.sp_size}, "
+                f"layout={self.layout.name!r}, precision={self.precision.name!r}, "
+                f"device={self.device})")

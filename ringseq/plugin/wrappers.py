@@ -1,0 +1,129 @@
+"""What ``Booster.boost`` hands back: the wrapped model, optimizer and criterion."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..loss import sharded_cross_entropy
+
+__all__ = ["ModelWrapper", "OptimizerWrapper", "SequenceParallelLoss"]
+
+# Keys of a sharded batch that are targets for the criterion, not model inputs.
+TARGET_KEYS = ("shift_labels",)
+
+
+class ModelWrapper(nn.Module):
+    """The boosted model: data-parallel wrapper + autocast around the user's model.
+
+    ``forward(*args, **kwargs)`` drops the target keys of a sharded batch (``shift_labels``),
+    so ``model(**batch)`` works with a batch of the plugin's data loader, and runs the wrapped
+    module under the plugin's autocast. ``unwrap()`` returns the user's model (the one whose
+    ``state_dict`` is the full, unsharded checkpoint).
+    """
+
+    def __init__(self, module: nn.Module, precision):
+        super().__init__()
+        self.module = module
+        self._precision = precision
+
+    def unwrap(self) -> nn.Module:
+        m = self.module
+        return m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
+
+    def forward(self, *args, **kwargs):
+        for key in TARGET_KEYS:
+            kwargs.pop(key, None)
+        with self._precision.autocast():
+            return self.module(*args, **kwargs)
+
+
+class OptimizerWrapper:
+    """The boosted optimizer: ``backward(loss)`` (scaled for fp16), ``step()`` (unscales,
+    skips steps with inf/NaN gradients for fp16), ``zero_grad()``; other attributes
+    (``param_groups``, ``state``, ...) are the wrapped optimizer's. ``unwrap()`` returns it:
+    build learning-rate schedulers on the optimizer before boosting, as usual."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler=None):
+        self.optim = optimizer
+        self.scaler = scaler
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        return self.optim
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward(*args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        if self.scaler is None:
+            return self.optim.step(*args, **kwargs)
+        # Every rank holds the same all-reduced gradients, so every rank makes the same
+        # skip decision and the replicas stay identical.
+        out = self.scaler.step(self.optim, *args, **kwargs)
+        self.scaler.update()
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    def __getattr__(self, name):
+        if name in ("optim", "scaler"):  # not yet set (unpickling): avoid recursion
+            raise AttributeError(name)
+        return getattr(self.optim, name)
+
+    def __repr__(self):
+        return f"OptimizerWrapper({self.optim!r}, scaler={self.scaler is not None})"
+
+
+class SequenceParallelLoss:
+    """The plugin's criterion: token-mean next-token cross-entropy over the GLOBAL batch.
+
+    ``criterion(outputs, batch)``:
+        outputs: logits (b, s_local, vocab) of any float dtype, or a model output with
+            ``.logits`` (transformers) or a ``"logits"`` key.
+        batch: the sharded batch of the plugin's data loader (its ``shift_labels``, (b, s_local)
+            int64), or the targets tensor itself.
+
+    Returns a float32 scalar (float64 for float64 logits), identical on every rank:
+    sum of token losses over all dp x sp ranks / number of targets over all ranks (one
+    all-reduce over ``group``; ``ignore_index`` targets excluded; 0 when there is none).
+    Raises ValueError for mismatched shapes or a batch without ``shift_labels``.
+
+    ``sequence_parallel_aware = True`` marks a criterion the plugin may use unchanged; a
+    custom criterion carrying it must likewise return the global token mean over all ranks
+    (see RingSequenceParallelPlugin for why).
+    """
+
+    sequence_parallel_aware = True
+
+    def __init__(self, group=None, ignore_index: int = -100):
+        self.group = group
+        self.ignore_index = ignore_index
+
+    def __call__(self, outputs, batch) -> torch.Tensor:
+        logits = outputs
+        if not torch.is_tensor(logits):
+            logits = (outputs["logits"] if isinstance(outputs, dict) else
+                      getattr(outputs, "logits", None))
+        if not torch.is_tensor(logits):
+            raise ValueError(f"the criterion needs logits (b, s_local, vocab) or a model output "
+                             f"with .logits, got {type(outputs).__name__}")
+        targets = batch
+        if not torch.is_tensor(targets):
+            if "shift_labels" not in batch:
+                raise ValueError("the criterion needs the batch's 'shift_labels' (from the "
+                                 "plugin's data loader, i.e. a batch that had 'labels') or the "
+                                 "targets tensor (b, s_local)")
+            targets = batch["shift_labels"]
+        return sharded_cross_entropy(logits, targets, group=self.group,
+                                     ignore_index=self.ignore_index)
+
+    def __repr__(self):
+        return f"SequenceParallelLoss(ignore_index={self.ignore_index})"

@@ -1,0 +1,325 @@
+"""Booster + RingSequenceParallelPlugin on spawned gloo ranks (CPU): training parity,
+checkpoints, precision and misconfiguration errors.
+
+One spawn of W=4 ranks carries everything: five AdamW steps of a tiny transformers Llama (fp32)
+as dp=2 x sp=2 and as dp=1 x sp=4, a checkpoint round trip, a plain nn.Module on the
+``ringseq_switch`` convention, bf16/fp16 smoke steps, and the errors. The parent trains the same
+model on the whole global batch in one process, in float64 (reference) and float32 (plain).
+
+Tolerance (DESIGN.md): |ring - float64| <= 2x (losses) / 3x (weights: they integrate gradients)
+the error of plain single-process float32 training against the float64 reference, plus a floor
+of 1e-6 + 4 float32 ulps at the tensor's magnitude (``utils.scaled_floor``). Each global batch
+has a different number of ignored targets per sample, so the dp groups hold different token
+counts: averaging per-group means instead of the global token mean would fail these checks.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from dist_utils import run_ranks  # noqa: E402
+from utils import assert_close_per_design, max_err, scaled_floor  # noqa: E402
+
+WORLD, SEQLEN, GLOBAL_BATCH, STEPS, VOCAB, LR = 4, 48, 4, 5, 128, 1e-3
+
+
+def _model(state_dict=None):
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=VOCAB, max_position_embeddings=256,
+                                   attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    model = transformers.LlamaForCausalLM(cfg)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model
+
+
+def _dataset(n=GLOBAL_BATCH * STEPS, seqlen=SEQLEN):
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (seqlen,), generator=g)
+        labels = ids.clone()
+        labels[: (7 * i) % 29] = -100  # 0..28 ignored targets: unequal counts per dp group
+        data.append({"input_ids": ids, "labels": labels})
+    return data
+
+
+def _optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+
+
+# ---------------------------------------------------------------- rank side
+class _SdpaBlock(torch.nn.Module):
+    """A plain causal self-attention LM on the ringseq_switch convention."""
+    sdpa = staticmethod(torch.nn.functional.scaled_dot_product_attention)
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.out = torch.nn.Linear(32, VOCAB)
+
+    def ringseq_switch(self, group, layout, backend=None):
+        from ringseq.plugin import sdpa_on_ring
+        self.sdpa = sdpa_on_ring(group, layout, backend)
+
+    def forward(self, input_ids, position_ids=None):
+        b, s = input_ids.shape
+        q, k, v = self.qkv(self.emb(input_ids)).view(b, s, 3, 4, 8).unbind(2)  # (b, s, h, d)
+        o = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, s, 32))
+
+
+def _capture(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _train(sp, state_dict, ckpt_dir=None):
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    plugin = RingSequenceParallelPlugin(sp_size=sp, layout="zigzag")
+    booster = Booster(plugin=plugin)
+    model = _model(state_dict)
+    loader = plugin.prepare_dataloader(_dataset(), batch_size=GLOBAL_BATCH // plugin.dp_size)
+    model, opt, criterion, loader, _ = booster.boost(model, _optimizer(model),
+                                                     dataloader=loader)
+    losses, local_lens, grads = [], set(), None
+    for batch in loader:
+        local_lens.add(batch["input_ids"].shape[1])
+        loss = criterion(model(**batch), batch)
+        booster.backward(loss, opt)
+        if grads is None:  # AdamW hides a constant gradient factor: check the first gradient
+            grads = {n: p.grad.detach().clone() for n, p in model.unwrap().named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    out = {"losses": losses, "local_lens": sorted(local_lens), "dp": plugin.dp_size,
+           "grads": grads,
+           "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()},
+           "impl": model.unwrap().config._attn_implementation}
+    if ckpt_dir is not None:
+        booster.save_model(model, os.path.join(ckpt_dir, "model.pt"))
+        booster.save_optimizer(opt, os.path.join(ckpt_dir, "optim.pt"))
+        # and back: a boosted model loads the booster's checkpoint and a plain state dict
+        fresh = _model(state_dict)
+        fresh_model, fresh_opt, *_ = booster.boost(fresh, _optimizer(fresh))
+        booster.load_model(fresh_model, os.path.join(ckpt_dir, "model.pt"))
+        booster.load_optimizer(fresh_opt, os.path.join(ckpt_dir, "optim.pt"))
+        sd = fresh_model.unwrap().state_dict()
+        out["reload_err"] = max(max_err(sd[k], v) for k, v in out["weights"].items())
+        st_a, st_b = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+        out["optim_reload_err"] = max(max_err(st_a[i][key], st_b[i][key])
+                                      for i in st_a for key in ("exp_avg", "exp_avg_sq"))
+        booster.load_model(fresh_model, os.path.join(ckpt_dir, "plain.pt"))  # parent wrote it
+        out["plain_load_err"] = max(max_err(fresh_model.unwrap().state_dict()[k], v)
+                                    for k, v in state_dict.items())
+    return out
+
+
+def _sdpa_case(ids, labels):
+    """One SGD step of the plain SDPA model on dp=1 x sp=4."""
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=WORLD, layout="zigzag"))
+    model = _SdpaBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt, criterion, *_ = booster.boost(model, opt, torch.nn.CrossEntropyLoss())
+    batch = __import__("ringseq").shard_batch({"input_ids": ids, "labels": labels},
+                                              group=booster.plugin.sp_group)
+    loss = criterion(model(batch["input_ids"]), batch)
+    booster.backward(loss, opt)
+    opt.step()
+    return {"loss": float(loss.detach()),
+            "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()}}
+
+
+def _precision_case(precision, state_dict):
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, precision=precision))
+    model = _model(state_dict)
+    loader = booster.plugin.prepare_dataloader(_dataset(4), batch_size=2)
+    model, opt, criterion, loader, _ = booster.boost(model, _optimizer(model), dataloader=loader)
+    batch = next(iter(loader))
+    logits = model(**batch).logits
+    loss = criterion(logits, batch)
+    booster.backward(loss, opt)
+    opt.step()
+    return {"loss": float(loss.detach()), "logits_dtype": str(logits.dtype),
+            "scaler": getattr(opt, "scaler", None) is not None,
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+def _error_cases(state_dict):
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    out = {"sp3": _capture(lambda: RingSequenceParallelPlugin(sp_size=3)),
+           "precision": _capture(lambda: RingSequenceParallelPlugin(sp_size=2, precision="fp8"))}
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, layout="zigzag"))
+    plain = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
+    out["no_attention"] = _capture(lambda: booster.boost(plain))
+    out["criterion"] = _capture(lambda: booster.boost(_model(state_dict),
+                                                      criterion=torch.nn.MSELoss()))
+    # 50 tokens cannot be cut into 2 * sp = 4 zigzag chunks: every rank raises
+    bad = booster.plugin.prepare_dataloader(_dataset(4, seqlen=50), batch_size=2)
+    out["bad_len_all"] = _capture(lambda: next(iter(bad)))
+    # only dp group 1 gets the bad sample: group 0 must raise too instead of hanging
+    mixed = _dataset(1) + _dataset(1, seqlen=50)
+    loader = booster.plugin.prepare_dataloader(mixed, batch_size=1)
+    out["bad_len_one_group"] = _capture(lambda: next(iter(loader)))
+    out["dp_rank"] = booster.plugin.dp_rank
+    return out
+
+
+def _worker(state_dict, ckpt_dir, sdpa_ids, sdpa_labels):
+    import torch.distributed as dist
+    res = {"dp2sp2": _train(2, state_dict, ckpt_dir), "dp1sp4": _train(4, state_dict),
+           "sdpa": _sdpa_case(sdpa_ids, sdpa_labels),
+           "bf16": _precision_case("bf16", state_dict),
+           "fp16": _precision_case("fp16", state_dict),
+           "errors": _error_cases(state_dict)}
+    dist.barrier()  # every rank is still alive and in step after all the errors
+    return res
+
+
+# ---------------------------------------------------------------- parent side
+def _single_process(state_dict, dtype):
+    model = _model(state_dict).to(dtype)
+    opt = _optimizer(model)
+    data = _dataset()
+    losses, grads = [], None
+    for step in range(STEPS):
+        chunk = data[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+        ids = torch.stack([d["input_ids"] for d in chunk])
+        labels = torch.stack([d["labels"] for d in chunk])
+        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "weights": model.state_dict(), "grads": grads}
+
+
+def _sdpa_single(ids, labels):
+    model = _SdpaBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    logits = model(ids)
+    targets = torch.full_like(labels, -100)
+    targets[:, :-1] = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    loss.backward()
+    opt.step()
+    return {"loss": float(loss.detach()), "weights": model.state_dict()}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    state_dict = _model().state_dict()
+    ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
+    torch.save(state_dict, os.path.join(ckpt_dir, "plain.pt"))
+    g = torch.Generator().manual_seed(9)
+    sdpa_ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=g)
+    sdpa_labels = sdpa_ids.clone()
+    sdpa_labels[0, :20] = -100
+    ranks = run_ranks(_worker, WORLD, state_dict, ckpt_dir, sdpa_ids, sdpa_labels, timeout=240)
+    return {"ranks": ranks, "state_dict": state_dict, "ckpt_dir": ckpt_dir,
+            "ref": _single_process(state_dict, torch.float64),
+            "plain": _single_process(state_dict, torch.float32),
+            "sdpa_single": _sdpa_single(sdpa_ids, sdpa_labels)}
+
+
+@pytest.mark.parametrize("case", ["dp2sp2", "dp1sp4"])
+def test_training_parity(run, case):
+    ref, plain = run["ref"], run["plain"]
+    first = run["ranks"][0][case]
+    sp = 2 if case == "dp2sp2" else 4
+    assert first["impl"] == "ringseq"
+    assert first["dp"] == WORLD // sp and first["local_lens"] == [SEQLEN // sp]
+    worst_loss = worst_w = worst_g = 0.0
+    for r, res in enumerate(run["ranks"]):
+        got = res[case]
+        for name, g in got["grads"].items():  # first step: summed over dp x sp, not averaged
+            assert_close_per_design(g, ref["grads"][name], plain["grads"][name],
+                                    f"{case} grad {name}", 3.0,
+                                    scaled_floor(torch.float32, ref["grads"][name]))
+            worst_g = max(worst_g, max_err(g, plain["grads"][name]))
+        assert len(got["losses"]) == STEPS, f"rank {r}: {len(got['losses'])} steps"
+        losses = torch.tensor(got["losses"], dtype=torch.float32)
+        assert_close_per_design(losses, ref["losses"], plain["losses"], f"{case} losses",
+                                2.0, scaled_floor(torch.float32, ref["losses"]))
+        worst_loss = max(worst_loss, max_err(losses, plain["losses"]))
+        for name, w in got["weights"].items():
+            # replicas stay bitwise identical: every rank applies the same summed gradient
+            assert torch.equal(w, first["weights"][name]), f"rank {r}: {name} diverged"
+            assert_close_per_design(w, ref["weights"][name], plain["weights"][name],
+                                    f"{case} {name}", 3.0,
+                                    scaled_floor(torch.float32, ref["weights"][name]))
+            worst_w = max(worst_w, max_err(w, plain["weights"][name]))
+    print(f"\n{case}: max |loss - single-process fp32| = {worst_loss:.3e}, "
+          f"max |weight - single-process fp32| = {worst_w:.3e}, "
+          f"max |first grad - single-process fp32| = {worst_g:.3e}")
+
+
+def test_checkpoint_loads_into_plain_model_and_back(run):
+    res = run["ranks"][0]["dp2sp2"]
+    plain_model = _model()  # no ringseq anywhere
+    plain_model.load_state_dict(torch.load(os.path.join(run["ckpt_dir"], "model.pt"),
+                                           weights_only=True))
+    assert plain_model.config._attn_implementation != "ringseq"
+    for name, w in plain_model.state_dict().items():
+        assert torch.equal(w, res["weights"][name]), name
+    plain_opt = _optimizer(plain_model)
+    plain_opt.load_state_dict(torch.load(os.path.join(run["ckpt_dir"], "optim.pt"),
+                                         weights_only=True))
+    assert all(int(s["step"]) == STEPS for s in plain_opt.state.values())
+    for r in run["ranks"]:
+        assert r["dp2sp2"]["reload_err"] == 0.0
+        assert r["dp2sp2"]["optim_reload_err"] == 0.0
+        assert r["dp2sp2"]["plain_load_err"] == 0.0
+
+
+def test_plain_module_with_sdpa_switch(run):
+    single = run["sdpa_single"]
+    for r in run["ranks"]:
+        assert abs(r["sdpa"]["loss"] - single["loss"]) <= 1e-5 * max(1.0, abs(single["loss"]))
+        for name, w in r["sdpa"]["weights"].items():
+            assert max_err(w, single["weights"][name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_step(run, precision):
+    fp32_first = float(run["plain"]["losses"][0])
+    for r in run["ranks"]:
+        res = r[precision]
+        assert res["finite"] and res["scaler"] == (precision == "fp16")
+        assert res["logits_dtype"] == ("torch.bfloat16" if precision == "bf16"
+                                       else "torch.float16")
+        # first global batch of the parity run; bf16/fp16 forward error only
+        assert abs(res["loss"] - fp32_first) < 0.05, res["loss"]
+
+
+def test_misconfigurations_fail_on_every_rank(run):
+    for r in run["ranks"]:
+        e = r["errors"]
+        assert e["sp3"].startswith("ValueError") and "[1, 2, 4]" in e["sp3"], e["sp3"]
+        assert e["precision"].startswith("ValueError") and "fp8" in e["precision"]
+        assert e["no_attention"].startswith("ValueError") and "ringseq_switch" in \
+            e["no_attention"], e["no_attention"]
+        assert e["criterion"].startswith("ValueError") and "MSELoss" in e["criterion"]
+        assert e["bad_len_all"].startswith("ValueError") and "multiple of 4" in \
+            e["bad_len_all"], e["bad_len_all"]
+        msg = e["bad_len_one_group"]
+        assert msg.startswith("ValueError"), msg
+        if e["dp_rank"] == 1:
+            assert "multiple of 4" in msg and "got 50" in msg, msg
+        else:
+            assert "another data-parallel group" in msg, msg

@@ -315,9 +315,11 @@ def report(args, res, device):
     print(f"# train_long_context: Llama {args.layers} layers, hidden {args.hidden}, heads "
           f"{args.heads}/{args.kv_heads}, MLP {args.intermediate}, vocab {args.vocab} "
           f"({res['params'] / 1e6:.2f} M params), {args.dtype} on {device}")
+    booster = (f", dp {res['dp']} x sp {res['world_size'] // res['dp']} through Booster"
+               if res["plugin"] else "")
     print(f"# total s={res['seqlen']} x b={res['batch']} over W={res['world_size']} "
           f"({res['local_seqlen']} tokens/rank"
-          f"{', dp %d x sp %d through Booster' % (res['dp'], res['world_size'] // res['dp']) if res['plugin'] else ''}"
+          f"{booster}"
           f"), layout {res['layout']}, activation "
           f"checkpointing {'on' if res['checkpointing'] else 'off'}; step = forward + backward "
           f"+ gradient all-reduce + AdamW, median of {args.steps} (slowest rank)")

@@ -81,7 +81,9 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, group=None,
     Args:
         q: (batch, s_local, nheads, headdim); k, v: (batch, s_local, nheads_kv, headdim) with
             ``nheads % nheads_kv == 0`` (GQA/MQA: only the kv heads travel the ring). float32,
-            float64, bfloat16 or float16; only the last dimension must be contiguous.
+            float64, bfloat16 or float16; only the last dimension must be contiguous. Under
+            ``torch.autocast`` they are first cast to the autocast dtype (float64 excepted),
+            as ``F.scaled_dot_product_attention`` is, so mixed float32/bf16 inputs work.
         softmax_scale: defaults to ``headdim ** -0.5``.
         causal: causal mask over GLOBAL positions as placed by ``layout``.
         group: process group of the ring (None: default group; no process group: local).

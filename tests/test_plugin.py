@@ -142,6 +142,26 @@ def _sdpa_case(ids, labels):
             "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()}}
 
 
+def _no_sync_case(state_dict):
+    """Gradient accumulation on dp=2 x sp=2: global batch 0 under no_sync, batch 1 synced."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))  # a user's mesh
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, mesh=mesh))
+    model = _model(state_dict)
+    loader = booster.plugin.prepare_dataloader(_dataset(), batch_size=GLOBAL_BATCH // 2)
+    model, opt, criterion, loader, _ = booster.boost(model, _optimizer(model), dataloader=loader)
+    batches = iter(loader)
+    with booster.no_sync(model, opt):
+        batch = next(batches)
+        booster.backward(criterion(model(**batch), batch), opt)
+    batch = next(batches)
+    booster.backward(criterion(model(**batch), batch), opt)
+    return {"grads": {n: p.grad.detach().clone() for n, p in model.unwrap().named_parameters()},
+            "mesh_sp": booster.plugin.sp_size}
+
+
 def _precision_case(precision, state_dict):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, precision=precision))
@@ -175,13 +195,16 @@ def _error_cases(state_dict):
     loader = booster.plugin.prepare_dataloader(mixed, batch_size=1)
     out["bad_len_one_group"] = _capture(lambda: next(iter(loader)))
     out["dp_rank"] = booster.plugin.dp_rank
+    from torch.distributed.device_mesh import init_device_mesh
+    wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "seq"))
+    out["mesh_names"] = _capture(lambda: RingSequenceParallelPlugin(sp_size=2, mesh=wrong))
     return out
 
 
 def _worker(state_dict, ckpt_dir, sdpa_ids, sdpa_labels):
     import torch.distributed as dist
     res = {"dp2sp2": _train(2, state_dict, ckpt_dir), "dp1sp4": _train(4, state_dict),
-           "sdpa": _sdpa_case(sdpa_ids, sdpa_labels),
+           "sdpa": _sdpa_case(sdpa_ids, sdpa_labels), "no_sync": _no_sync_case(state_dict),
            "bf16": _precision_case("bf16", state_dict),
            "fp16": _precision_case("fp16", state_dict),
            "errors": _error_cases(state_dict)}
@@ -209,6 +232,17 @@ def _single_process(state_dict, dtype):
     return {"losses": torch.stack(losses), "weights": model.state_dict(), "grads": grads}
 
 
+def _accumulated_grads(state_dict, dtype):
+    """Single process: gradient of loss(global batch 0) + loss(global batch 1)."""
+    model = _model(state_dict).to(dtype)
+    data = _dataset()
+    for step in range(2):
+        chunk = data[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+        model(input_ids=torch.stack([d["input_ids"] for d in chunk]),
+              labels=torch.stack([d["labels"] for d in chunk]), use_cache=False).loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
 def _sdpa_single(ids, labels):
     model = _SdpaBlock()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -234,7 +268,9 @@ def run(tmp_path_factory):
     return {"ranks": ranks, "state_dict": state_dict, "ckpt_dir": ckpt_dir,
             "ref": _single_process(state_dict, torch.float64),
             "plain": _single_process(state_dict, torch.float32),
-            "sdpa_single": _sdpa_single(sdpa_ids, sdpa_labels)}
+            "sdpa_single": _sdpa_single(sdpa_ids, sdpa_labels),
+            "accum": {dt: _accumulated_grads(state_dict, dt)
+                      for dt in (torch.float64, torch.float32)}}
 
 
 @pytest.mark.parametrize("case", ["dp2sp2", "dp1sp4"])
@@ -244,7 +280,7 @@ def test_training_parity(run, case):
     sp = 2 if case == "dp2sp2" else 4
     assert first["impl"] == "ringseq"
     assert first["dp"] == WORLD // sp and first["local_lens"] == [SEQLEN // sp]
-    worst_loss = worst_w = worst_g = 0.0
+    worst_loss = worst_w = worst_g = ring64 = plain64 = 0.0
     for r, res in enumerate(run["ranks"]):
         got = res[case]
         for name, g in got["grads"].items():  # first step: summed over dp x sp, not averaged
@@ -264,9 +300,12 @@ def test_training_parity(run, case):
                                     f"{case} {name}", 3.0,
                                     scaled_floor(torch.float32, ref["weights"][name]))
             worst_w = max(worst_w, max_err(w, plain["weights"][name]))
+            ring64 = max(ring64, max_err(w, ref["weights"][name]))
+            plain64 = max(plain64, max_err(plain["weights"][name], ref["weights"][name]))
     print(f"\n{case}: max |loss - single-process fp32| = {worst_loss:.3e}, "
           f"max |weight - single-process fp32| = {worst_w:.3e}, "
-          f"max |first grad - single-process fp32| = {worst_g:.3e}")
+          f"max |first grad - single-process fp32| = {worst_g:.3e}; weights vs float64: "
+          f"ring {ring64:.3e}, plain fp32 {plain64:.3e}")
 
 
 def test_checkpoint_loads_into_plain_model_and_back(run):
@@ -285,6 +324,15 @@ def test_checkpoint_loads_into_plain_model_and_back(run):
         assert r["dp2sp2"]["reload_err"] == 0.0
         assert r["dp2sp2"]["optim_reload_err"] == 0.0
         assert r["dp2sp2"]["plain_load_err"] == 0.0
+
+
+def test_no_sync_accumulates_exactly(run):
+    ref, plain = run["accum"][torch.float64], run["accum"][torch.float32]
+    for r in run["ranks"]:
+        assert r["no_sync"]["mesh_sp"] == 2
+        for name, g in r["no_sync"]["grads"].items():
+            assert_close_per_design(g, ref[name], plain[name], f"accumulated grad {name}", 3.0,
+                                    scaled_floor(torch.float32, ref[name]))
 
 
 def test_plain_module_with_sdpa_switch(run):
@@ -315,6 +363,7 @@ def test_misconfigurations_fail_on_every_rank(run):
         assert e["no_attention"].startswith("ValueError") and "ringseq_switch" in \
             e["no_attention"], e["no_attention"]
         assert e["criterion"].startswith("ValueError") and "MSELoss" in e["criterion"]
+        assert e["mesh_names"].startswith("ValueError") and "('dp', 'sp')" in e["mesh_names"]
         assert e["bad_len_all"].startswith("ValueError") and "multiple of 4" in \
             e["bad_len_all"], e["bad_len_all"]
         msg = e["bad_len_one_group"]

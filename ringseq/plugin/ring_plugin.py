@@ -220,12 +220,13 @@ class RingSequenceParallelPlugin(Plugin):
         """
         if isinstance(model, ModelWrapper):
             raise ValueError("this model was already boosted")
+        # everything that can refuse comes before the model is modified
+        criterion = self._criterion(criterion)
+        dataloader = self._dataloader(dataloader)
         switch_attention(model, self.sp_group, self.layout.name, self.backend, self.policy)
         if is_transformers_model(model) and getattr(model.config, "use_cache", False):
             # A KV cache of a sharded sequence is meaningless and ring attention refuses one.
             model.config.use_cache = False
-        criterion = self._criterion(criterion)
-        dataloader = self._dataloader(dataloader)
         model = model.to(self.device)
         if dist.get_world_size() > 1:
             kwargs = {_NO_BUFFER_SYNC: False}  # buffers (RoPE tables) are identical

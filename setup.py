@@ -100,11 +100,28 @@ def want_cuda():
     return True, f"CUDA toolkit {cuda_home}"
 
 
+def compiler_accepts(flag):
+    """Whether the C++ compiler setuptools will use accepts `flag` (preprocesses an empty file)."""
+    import shlex
+    import sysconfig
+
+    cxx = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
+    try:
+        return subprocess.run([*cxx, flag, "-x", "c++", "-E", "-o", os.devnull, os.devnull],
+                              capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
 def cpu_flags():
+    """Flags of the CPU kernel: RINGSEQ_CPU_FLAGS if set, else -march=native where accepted.
+
+    -march=native tunes the vector width to this machine: the built extension may not run on an
+    older CPU, so set RINGSEQ_CPU_FLAGS="" (portable) when building for other machines."""
     flags = os.environ.get("RINGSEQ_CPU_FLAGS")
     if flags is not None:
         return flags.split()
-    return ["-march=native"] if sys.platform.startswith("linux") else []
+    return ["-march=native"] if compiler_accepts("-march=native") else []
 
 
 def extension():

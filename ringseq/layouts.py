@@ -69,7 +69,11 @@ class Layout:
 
     def check_local_seqlen(self, s_local: int, world_size: int) -> None:
         """Checks a local shard length (what one rank can see before any communication)."""
-        m = self.multiple(world_size) // world_size
+        multiple = self.multiple(world_size)
+        if multiple % world_size:
+            raise ValueError(f"layout {self.name!r}: multiple({world_size}) must be a multiple of "
+                             f"the world size, got {multiple}")
+        m = multiple // world_size
         if s_local <= 0 or s_local % m != 0:
             raise ValueError(
                 f"layout {self.name!r} needs local shards whose length is a positive multiple of "
@@ -216,10 +220,11 @@ def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 
     _check_rank(rank, world_size)
     if world_size == 1:
         return x.clone(memory_format=torch.contiguous_format)
-    if isinstance(lay, Contiguous):
+    # Fast paths for the built-in layouts only: a subclass may place tokens differently.
+    if type(lay) is Contiguous:
         n = seqlen // world_size
         return x.narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
-    if isinstance(lay, Zigzag):
+    if type(lay) is Zigzag:
         c = seqlen // (2 * world_size)
         return torch.cat([x.narrow(dim, rank * c, c),
                           x.narrow(dim, (2 * world_size - 1 - rank) * c, c)], dim=dim)
@@ -283,10 +288,10 @@ class _Unshard(torch.autograd.Function):
 
 def _scatter_back(full, part, lay, world_size, rank, dim):
     seqlen = full.shape[dim]
-    if isinstance(lay, Contiguous):
+    if type(lay) is Contiguous:
         n = seqlen // world_size
         full.narrow(dim, rank * n, n).copy_(part)
-    elif isinstance(lay, Zigzag):
+    elif type(lay) is Zigzag:
         c = seqlen // (2 * world_size)
         full.narrow(dim, rank * c, c).copy_(part.narrow(dim, 0, c))
         full.narrow(dim, (2 * world_size - 1 - rank) * c, c).copy_(part.narrow(dim, c, c))

@@ -365,13 +365,27 @@ def _errors_worker():
     ro, rl = attention_reference(fq, fk, fv, causal=True)
     wl = torch.linspace(-1, 1, s, dtype=torch.float64)
     (ro.sum() + (rl * wl).sum()).backward()
+    errs = []
+    for backend in ("reference", "ringseq"):
+        lq, lk, lv = (t.clone().requires_grad_() for t in loc)
+        o, lse = ringseq.ring_flash_attn_func(lq, lk, lv, causal=True, layout="zigzag",
+                                              return_lse=True, backend=backend)
+        (o.sum() + (lse * ringseq.shard(wl, "zigzag", dim=0)).sum()).backward()
+        errs += [max_err(a, ringseq.shard(b, "zigzag"))
+                 for a, b in ((lq.grad, fq.grad), (lk.grad, fk.grad), (lv.grad, fv.grad))]
+    out["lse_grad_err"] = max(errs)
+
+    # a loss on lse alone: the backward gets no gradient for out
+    fq, fk, fv = (t.clone().requires_grad_() for t in full)
+    (attention_reference(fq, fk, fv, causal=True)[1] * wl).sum().backward()
     lq, lk, lv = (t.clone().requires_grad_() for t in loc)
-    o, lse = ringseq.ring_flash_attn_func(lq, lk, lv, causal=True, layout="zigzag",
-                                          return_lse=True, backend="reference")
-    (o.sum() + (lse * ringseq.shard(wl, "zigzag", dim=0)).sum()).backward()
-    out["lse_grad_err"] = max(max_err(a, ringseq.shard(b, "zigzag"))
-                              for a, b in ((lq.grad, fq.grad), (lk.grad, fk.grad),
-                                           (lv.grad, fv.grad)))
+    _, lse = ringseq.ring_flash_attn_func(lq, lk, lv, causal=True, layout="zigzag",
+                                          return_lse=True)
+    (lse * ringseq.shard(wl, "zigzag", dim=0)).sum().backward()
+    assert fv.grad is None  # lse does not depend on v: its gradient must come back zero
+    out["lse_only_grad_err"] = max(max_err(lq.grad, ringseq.shard(fq.grad, "zigzag")),
+                                   max_err(lk.grad, ringseq.shard(fk.grad, "zigzag")),
+                                   max_err(lv.grad, torch.zeros_like(lv)))
 
     # how often the check communicates, per mode
     calls = {"n": 0}
@@ -428,6 +442,7 @@ def test_errors_reach_every_rank_and_the_ring_survives():
         assert o["bad_gcd"].startswith("ValueError") and "grad_comm_dtype" in o["bad_gcd"]
         assert o["after_errors_err"] < 1e-12
         assert o["lse_grad_err"] < 1e-10, o["lse_grad_err"]
+        assert o["lse_only_grad_err"] < 1e-10, o["lse_only_grad_err"]
         # first call per signature, cached; "always" each call; off never
         assert o["check_counts"] == [1, 0, 1, 1, 0], o["check_counts"]
         for lay in LAYOUTS:

@@ -21,18 +21,14 @@ import argparse
 import datetime
 import gc
 import os
-import socket
 import sys
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (PeakMemory, attention_flops, environment, format_table, mib,  # noqa: E402
-                    progress, time_ms, write_json)
+                    progress, spawn_cpu_ranks, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq.comm import get_comm  # noqa: E402
@@ -226,63 +222,12 @@ def forward_peak(args, device, seqlen, layout):
     return None if mem.peak is None else mib(peak.item())
 
 
-# ---------------------------------------------------------------- process management
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def memory_task(args, device):
+    return forward_peak(args, device, args.memory_seqlen, "zigzag")
 
 
-def _spawned_rank(rank, world, port, args, task, queue):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(args.threads_per_rank or max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=args.timeout))
-        if task == "bench":
-            result = run_rank(args, torch.device("cpu"))
-        else:
-            result = forward_peak(args, torch.device("cpu"), args.memory_seqlen, "zigzag")
-        if rank == 0:
-            queue.put(("ok", result))
-        dist.destroy_process_group()
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise
-
-
-def spawn(world, args, task):
-    """Runs `task` on `world` local gloo ranks; returns rank 0's result; kills all on failure."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_spawned_rank, args=(r, world, port, args, task, queue), daemon=True)
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    deadline = time.time() + args.timeout
-    result = None
-    try:
-        while result is None:
-            try:
-                status, payload = queue.get(timeout=1.0)
-            except Exception:
-                if time.time() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {args.timeout} s")
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank process exited with code {dead[0].exitcode}")
-                continue
-            if status == "error":
-                raise RuntimeError(payload)
-            result = payload
-        for proc in procs:
-            proc.join(timeout=60)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-    return result
+def threads_per_rank(args, world):
+    return args.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
 
 
 # ---------------------------------------------------------------- report
@@ -313,7 +258,7 @@ def report(args, rows, memory, device):
         for w in ws[1:]:
             print(f"  W={w} / W={ws[0]}: {memory[w] / memory[ws[0]]:.3f}")
     world = rows[0]["world_size"] if rows else 1
-    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+    threads = threads_per_rank(args, world)
     if device.type == "cpu" and world * threads > (os.cpu_count() or 1):
         print(f"note: {world} ranks x {threads} thread(s) exceed this machine's {os.cpu_count()} "
               f"cores, so ranks time-share: ring overhead and load balance are not meaningful "
@@ -360,12 +305,14 @@ def main(argv=None):
         is_main = dist.get_rank() == 0
     else:
         progress(f"spawning {args.world_size} local CPU ranks (gloo); "
-                 f"{args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.world_size)} thread(s) each")
-        rows = spawn(args.world_size, args, "bench")
+                 f"{threads_per_rank(args, args.world_size)} thread(s) each")
+        rows = spawn_cpu_ranks(args.world_size, run_rank, args, args.timeout,
+                               threads_per_rank(args, args.world_size))
         if args.memory_scaling:
             for w in (int(x) for x in args.memory_scaling.split(",")):
                 progress(f"memory: forward at W={w}, s={args.memory_seqlen}")
-                memory[w] = spawn(w, args, "memory")
+                memory[w] = spawn_cpu_ranks(w, memory_task, args, args.timeout,
+                                            threads_per_rank(args, w))
         is_main = True
     failed = []
     if is_main:

@@ -1,14 +1,19 @@
 """Shared benchmark plumbing: timing, FLOP counts, peak memory, progress, tables, JSON."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
+import traceback
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode="fwd"):
@@ -151,3 +156,62 @@ def format_table(rows, columns):
 
 def mib(nbytes):
     return None if nbytes is None else nbytes / 2**20
+
+
+# ---------------------------------------------------------------- local CPU ranks
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_rank(rank, world, port, fn, args, timeout, threads, queue):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+        result = fn(args, torch.device("cpu"))
+        if rank == 0:
+            queue.put(("ok", result))
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+def spawn_cpu_ranks(world, fn, args, timeout, threads):
+    """Runs fn(args, device) on `world` local gloo ranks with `threads` torch threads each and
+    returns rank 0's result; fn must be a module-level function. A rank that fails, dies or
+    outlives `timeout` seconds ends all of them with an error (no hang)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned_rank,
+                         args=(r, world, port, fn, args, timeout, threads, queue), daemon=True)
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    deadline = time.time() + timeout
+    result = None
+    try:
+        while result is None:
+            try:
+                status, payload = queue.get(timeout=1.0)
+            except Exception:
+                if time.time() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout} s")
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank process exited with code {dead[0].exitcode}")
+                continue
+            if status == "error":
+                raise RuntimeError(payload)
+            result = payload
+        for proc in procs:
+            proc.join(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+    return result

@@ -35,20 +35,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import (PeakMemory, attention_flops, environment, format_table, mib,  # noqa: E402
-                    progress, synchronize, write_json)
+                    progress, spawn_cpu_ranks, synchronize, write_json)
 
 import ringseq  # noqa: E402
 from ringseq.layouts import get_layout  # noqa: E402
@@ -255,62 +252,6 @@ def _run_steps(args, device, step_fn, model, dp):
     }
 
 
-# ---------------------------------------------------------------- process management
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned_rank(rank, world, port, args, queue):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(args.threads_per_rank or max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=args.timeout))
-        result = run_rank(args, torch.device("cpu"))
-        if rank == 0:
-            queue.put(("ok", result))
-        dist.destroy_process_group()
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise
-
-
-def spawn(world, args):
-    """Runs the training on `world` local gloo ranks; rank 0's result; kills all on failure."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_spawned_rank, args=(r, world, port, args, queue), daemon=True)
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    deadline = time.time() + args.timeout
-    result = None
-    try:
-        while result is None:
-            try:
-                status, payload = queue.get(timeout=1.0)
-            except Exception:
-                if time.time() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {args.timeout} s")
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank process exited with code {dead[0].exitcode}")
-                continue
-            if status == "error":
-                raise RuntimeError(payload)
-            result = payload
-        for proc in procs:
-            proc.join(timeout=60)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-    return result
-
-
 def report(args, res, device):
     print(f"# train_long_context: Llama {args.layers} layers, hidden {args.hidden}, heads "
           f"{args.heads}/{args.kv_heads}, MLP {args.intermediate}, vocab {args.vocab} "
@@ -352,10 +293,9 @@ def main(argv=None):
         res = run_rank(args, device)
         is_main = dist.get_rank() == 0
     else:
-        progress(f"spawning {args.world_size} local CPU ranks (gloo); "
-                 f"{args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.world_size)} "
-                 f"thread(s) each")
-        res = spawn(args.world_size, args)
+        threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.world_size)
+        progress(f"spawning {args.world_size} local CPU ranks (gloo); {threads} thread(s) each")
+        res = spawn_cpu_ranks(args.world_size, run_rank, args, args.timeout, threads)
         is_main = True
     if is_main:
         report(args, res, device)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RingComm", "get_comm", "set_consistency_check", "consistency_check_mode",
-           "RingMismatchError"]
+           "RingMismatchError", "agree_or_raise"]
 
 
 class RingMismatchError(ValueError):
@@ -223,3 +223,53 @@ def get_comm(group=None) -> RingComm:
         comm = RingComm(group)
         _COMMS[key] = comm
     return comm
+
+
+def agree_or_raise(ok: bool, message: str, group=None, device=None, *,
+                   peer_message: Optional[str] = None,
+                   error: Optional[BaseException] = None) -> None:
+    """Collective: returns on every rank of ``group`` when every rank is ``ok``, else raises on
+    every rank, so that a rank failing alone cannot leave the others waiting in their next
+    collective.
+
+    Args:
+        ok: this rank's verdict.
+        message: this rank's error message (used when not ``ok``).
+        group: process group (None: the default one). Without an initialized process group
+            (or a group of one) nothing is communicated.
+        device: where the flag lives under NCCL (default: the current CUDA device); gloo and
+            other backends use the CPU.
+        peer_message: what ranks that were ``ok`` raise when another rank was not (default: a
+            generic sentence); the failing ranks' global ranks are appended.
+        error: this rank's original exception: re-raised unchanged on this rank (instead of a
+            ValueError with ``message``) after the agreement.
+
+    Raises ValueError (or ``error``) on every rank when any rank is not ok. Every rank of
+    ``group`` must call it, with or without an error.
+    """
+    failed: List[int] = []
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if str(dist.get_backend(group)) == "nccl":
+            dev = torch.device(device) if device is not None else \
+                torch.device("cuda", torch.cuda.current_device())
+        else:
+            dev = torch.device("cpu")
+        # One int per rank instead of a single MIN flag: same one all-reduce, and every rank
+        # learns who failed.
+        flags = torch.zeros(world, dtype=torch.int32, device=dev)
+        if not ok:
+            flags[rank] = 1
+        dist.all_reduce(flags, group=group)
+        g = group if group is not None else dist.group.WORLD
+        failed = [dist.get_global_rank(g, r) for r in flags.nonzero().flatten().tolist()]
+    elif not ok:
+        failed = [0]
+    if ok and not failed:
+        return
+    if not ok:
+        if error is not None:
+            raise error
+        raise ValueError(message)
+    raise ValueError((peer_message or "another rank failed (see its error); this rank was "
+                      "fine") + f" [failed rank(s): {failed}]")

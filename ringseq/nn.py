@@ -52,6 +52,15 @@ def _autocast(q, k, v):
 
 def _ring(q, k, v, softmax_scale, causal, group, layout, backend, grad_comm_dtype):
     q, k, v = _autocast(q, k, v)
+    # The inputs now have the dtype autocast asked for; the block kernels choose their own
+    # accumulation dtype (the reference backend's float32/float64 einsums), which the caller's
+    # autocast would otherwise silently lower to bf16/fp16.
+    with torch.autocast(q.device.type, enabled=False):
+        return _ring_impl(q, k, v, softmax_scale, causal, group, layout, backend,
+                          grad_comm_dtype)
+
+
+def _ring_impl(q, k, v, softmax_scale, causal, group, layout, backend, grad_comm_dtype):
     lay = get_layout(layout)
     comm = get_comm(group)
     _check_local(q, k, v, lay, comm)
@@ -102,7 +111,8 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, group=None,
             can overflow (partial sums above 65504 become inf); prefer bfloat16.
 
     Returns:
-        out (batch, s_local, nheads, headdim) in q's dtype; with ``return_lse`` also
+        out (batch, s_local, nheads, headdim) in q's dtype (under ``torch.autocast``: the
+        autocast dtype, float64 inputs excepted); with ``return_lse`` also
         lse (batch, nheads, s_local) float32 (float64 for float64 inputs), natural log, -inf
         for rows that see no key. Gradients flow to q, k, v (in their dtype) and through lse.
 
@@ -155,7 +165,8 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         group, layout, backend, grad_comm_dtype (keyword-only): as in
             :func:`ring_flash_attn_func`.
 
-    Returns (batch, nheads, s_local, headdim) in query's dtype (a transposed view).
+    Returns (batch, nheads, s_local, headdim) in query's dtype (under ``torch.autocast``: the
+    autocast dtype, float64 inputs excepted; a transposed view).
     """
     if attn_mask is not None:
         raise ValueError("ring_sdpa does not support attn_mask; use is_causal or a layout")

@@ -197,9 +197,11 @@ class RingAttnFunc(torch.autograd.Function):
             raise RuntimeError(f"backend {ctx.be.name!r} cannot backpropagate through lse; use "
                                f"backend='ringseq' or 'reference'")
         # Every rank must run the backward loop (the ring needs all of them), even one whose
-        # gradients are all zero, so there is no early exit here.
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.schedule, ctx.comm,
-                                    ctx.be, ctx.grad_comm_dtype, grad_lse)
+        # gradients are all zero, so there is no early exit here. A backward called under the
+        # caller's autocast must not lower the kernels' float32/float64 accumulation.
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.schedule,
+                                        ctx.comm, ctx.be, ctx.grad_comm_dtype, grad_lse)
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -77,6 +77,21 @@ class _SdpaBlock(torch.nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, s, 32))
 
 
+class _Broken(torch.utils.data.Dataset):
+    """Sample 1 (the one dp group 1 reads first) cannot be loaded."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if i == 1:
+            raise OSError("sample 1 is unreadable")
+        return self.data[i]
+
+
 def _capture(fn):
     try:
         fn()
@@ -172,13 +187,17 @@ def _precision_case(precision, state_dict):
     logits = model(**batch).logits
     loss = criterion(logits, batch)
     booster.backward(loss, opt)
+    norm = opt.clip_grad_by_norm(0.5)  # fp16: on the unscaled gradients
+    clipped = torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None]))
     opt.step()
     return {"loss": float(loss.detach()), "logits_dtype": str(logits.dtype),
+            "norm": float(norm), "clipped": float(clipped),
             "scaler": getattr(opt, "scaler", None) is not None,
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 
 
-def _error_cases(state_dict):
+def _error_cases(state_dict, ckpt_dir):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     out = {"sp3": _capture(lambda: RingSequenceParallelPlugin(sp_size=3)),
            "precision": _capture(lambda: RingSequenceParallelPlugin(sp_size=2, precision="fp8"))}
@@ -187,6 +206,10 @@ def _error_cases(state_dict):
     out["no_attention"] = _capture(lambda: booster.boost(plain))
     out["criterion"] = _capture(lambda: booster.boost(_model(state_dict),
                                                       criterion=torch.nn.MSELoss()))
+    out["ignore_index"] = _capture(lambda: booster.boost(
+        _model(state_dict), criterion=torch.nn.CrossEntropyLoss(ignore_index=-1)))
+    out["supported"] = (booster.plugin.supported_devices(),
+                        booster.plugin.supported_precisions())
     # 50 tokens cannot be cut into 2 * sp = 4 zigzag chunks: every rank raises
     bad = booster.plugin.prepare_dataloader(_dataset(4, seqlen=50), batch_size=2)
     out["bad_len_all"] = _capture(lambda: next(iter(bad)))
@@ -194,6 +217,12 @@ def _error_cases(state_dict):
     mixed = _dataset(1) + _dataset(1, seqlen=50)
     loader = booster.plugin.prepare_dataloader(mixed, batch_size=1)
     out["bad_len_one_group"] = _capture(lambda: next(iter(loader)))
+    # the dataset itself fails on dp group 1 only: group 0 must raise too instead of hanging
+    broken = booster.plugin.prepare_dataloader(_Broken(_dataset(2)), batch_size=1)
+    out["load_error_one_group"] = _capture(lambda: next(iter(broken)))
+    # rank 0 cannot write (the parent directory is a file): every rank raises, none trains on
+    out["save_error"] = _capture(lambda: booster.save_model(
+        booster.boost(_model(state_dict))[0], os.path.join(ckpt_dir, "a_file", "model.pt")))
     out["dp_rank"] = booster.plugin.dp_rank
     from torch.distributed.device_mesh import init_device_mesh
     wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "seq"))
@@ -207,7 +236,7 @@ def _worker(state_dict, ckpt_dir, sdpa_ids, sdpa_labels):
            "sdpa": _sdpa_case(sdpa_ids, sdpa_labels), "no_sync": _no_sync_case(state_dict),
            "bf16": _precision_case("bf16", state_dict),
            "fp16": _precision_case("fp16", state_dict),
-           "errors": _error_cases(state_dict)}
+           "errors": _error_cases(state_dict, ckpt_dir)}
     dist.barrier()  # every rank is still alive and in step after all the errors
     return res
 
@@ -260,6 +289,7 @@ def run(tmp_path_factory):
     state_dict = _model().state_dict()
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
     torch.save(state_dict, os.path.join(ckpt_dir, "plain.pt"))
+    open(os.path.join(ckpt_dir, "a_file"), "w").close()
     g = torch.Generator().manual_seed(9)
     sdpa_ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=g)
     sdpa_labels = sdpa_ids.clone()
@@ -353,9 +383,13 @@ def test_mixed_precision_step(run, precision):
                                        else "torch.float16")
         # first global batch of the parity run; bf16/fp16 forward error only
         assert abs(res["loss"] - fp32_first) < 0.05, res["loss"]
+        # the norm of the true gradients (fp16: unscaled first, not x 65536), then clipped
+        assert 0.5 < res["norm"] / r["bf16"]["norm"] < 2.0, (res["norm"], r["bf16"]["norm"])
+        assert res["norm"] > 0.5 and res["clipped"] <= 0.5 * (1 + 1e-3), res
 
 
 def test_misconfigurations_fail_on_every_rank(run):
+    dp1 = [i for i, r in enumerate(run["ranks"]) if r["errors"]["dp_rank"] == 1]
     for r in run["ranks"]:
         e = r["errors"]
         assert e["sp3"].startswith("ValueError") and "[1, 2, 4]" in e["sp3"], e["sp3"]
@@ -366,9 +400,58 @@ def test_misconfigurations_fail_on_every_rank(run):
         assert e["mesh_names"].startswith("ValueError") and "('dp', 'sp')" in e["mesh_names"]
         assert e["bad_len_all"].startswith("ValueError") and "multiple of 4" in \
             e["bad_len_all"], e["bad_len_all"]
+        assert e["ignore_index"].startswith("ValueError") and "ignore_index=-1" in \
+            e["ignore_index"] and "ignore_index=-100" in e["ignore_index"], e["ignore_index"]
+        assert e["supported"] == (["cpu", "cuda"], ["bf16", "fp16", "fp32"]), e["supported"]
+        save = e["save_error"]
+        if r is run["ranks"][0]:
+            assert not save.startswith("ValueError") and "a_file" in save, save
+        else:
+            assert save.startswith("ValueError") and "rank 0 failed" in save, save
+        load = e["load_error_one_group"]
+        if e["dp_rank"] == 1:
+            assert load == "OSError: sample 1 is unreadable", load
+        else:
+            assert load.startswith("ValueError") and "another data-parallel group" in load \
+                and f"failed rank(s): {dp1}" in load, load
         msg = e["bad_len_one_group"]
         assert msg.startswith("ValueError"), msg
         if e["dp_rank"] == 1:
             assert "multiple of 4" in msg and "got 50" in msg, msg
         else:
             assert "another data-parallel group" in msg, msg
+
+
+def test_sharded_loader_moves_batches_to_its_device():
+    # without a process group (one rank); "meta" stands in for a GPU
+    from torch.utils.data import DataLoader
+
+    from ringseq.plugin.dataloader import ShardedDataLoader
+    loader = ShardedDataLoader(DataLoader(_dataset(4), batch_size=2), None, "zigzag", 0,
+                               device="meta")
+    batches = list(loader)
+    assert len(batches) == 2
+    for batch in batches:
+        assert {"input_ids", "position_ids", "shift_labels"} <= set(batch)
+        assert all(v.device.type == "meta" for v in batch.values() if torch.is_tensor(v))
+    broken = ShardedDataLoader(DataLoader(_Broken(_dataset(2)), batch_size=1), None, "zigzag", 0)
+    with pytest.raises(OSError, match="unreadable"):
+        list(broken)
+
+
+def test_reference_backend_ignores_callers_autocast():
+    # the reference kernels accumulate in float32; the caller's bf16 autocast must reach only
+    # the inputs (cast once), not the einsums inside, in the forward and the backward
+    import ringseq
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 4, 8, generator=g).to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    out = ringseq.ring_flash_attn_func(q, k, v, causal=True, backend="reference")
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ac = ringseq.ring_flash_attn_func(q, k, v, causal=True, backend="reference")
+        grads_ac = torch.autograd.grad(out_ac.float().square().sum(), (q, k, v))
+    assert out_ac.dtype == torch.bfloat16
+    assert torch.equal(out_ac, out)
+    for a, b in zip(grads_ac, grads):
+        assert torch.equal(a, b)

@@ -13,8 +13,8 @@ the plain float32 single-process model against the same float64 reference, plus 
 1e-6 + 4 float32 ulps at the tensor's magnitude (``utils.scaled_floor``): a sum over tokens
 and ranks in another order is a few ulps off even where plain float32 is exact by luck.
 
-Two spawns (W=2: three model cases + errors; W=4: one case + two models on different groups)
-carry everything; each check is a separate test reading the spawn's result.
+Two spawns (W=2: three model cases + errors; W=4: one case + two models on different groups,
+both switched first and then run interleaved) carry everything; each check is a separate test reading the spawn's result.
 """
 from __future__ import annotations
 
@@ -66,10 +66,8 @@ def _batch(seed):
 
 
 # ---------------------------------------------------------------- rank side
-def _ring_run(arch, state_dict, layout, group, seed):
-    """Loss, unsharded logits and group-summed parameter gradients of a ring run."""
-    import torch.distributed as dist
-
+def _ring_setup(arch, state_dict, layout, group, seed):
+    """A model switched to the ring and this rank's sharded batch."""
     import ringseq
     from ringseq.integrations.transformers import apply
 
@@ -79,19 +77,40 @@ def _ring_run(arch, state_dict, layout, group, seed):
                                  "attention_mask": torch.ones_like(ids)}, group=group,
                                 layout=layout)
     targets = batch.pop("shift_labels")
-    logits = model(**batch, use_cache=False).logits
-    loss = ringseq.sharded_cross_entropy(logits, targets, group=group)
-    loss.backward()
+    return {"model": model, "batch": batch, "targets": targets, "group": group,
+            "layout": layout}
+
+
+def _ring_forward(run):
+    import ringseq
+    run["logits"] = run["model"](**run["batch"], use_cache=False).logits
+    run["loss"] = ringseq.sharded_cross_entropy(run["logits"], run["targets"], group=run["group"])
+
+
+def _ring_result(run):
+    """Loss, unsharded logits and group-summed parameter gradients of a ring run."""
+    import torch.distributed as dist
+
+    import ringseq
+    model, group, layout = run["model"], run["group"], run["layout"]
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad.detach().clone()
         dist.all_reduce(g, group=group)
         grads[name] = g
-    full_targets = ringseq.unshard(targets, layout, group)
-    return {"loss": loss.detach(), "logits": ringseq.unshard(logits.detach(), layout, group),
+    full_targets = ringseq.unshard(run["targets"], layout, group)
+    return {"loss": run["loss"].detach(),
+            "logits": ringseq.unshard(run["logits"].detach(), layout, group),
             "targets": full_targets, "grads": grads, "impl": model.config._attn_implementation,
             "settings_group_size": dist.get_world_size(
                 model.model.layers[0].self_attn.ringseq_settings.group)}
+
+
+def _ring_run(arch, state_dict, layout, group, seed):
+    run = _ring_setup(arch, state_dict, layout, group, seed)
+    _ring_forward(run)
+    run["loss"].backward()
+    return _ring_result(run)
 
 
 def _capture(fn):
@@ -197,8 +216,16 @@ def _worker_w4(sds):
     # pair {0,1}/{2,3} and one stride {0,2}/{1,3}, and runs one model on each, interleaved.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     strides = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    res["two-groups-llama"] = _ring_run("llama", sds["llama"], "zigzag", pairs[rank // 2], 11)
-    res["two-groups-qwen2"] = _ring_run("qwen2", sds["qwen2"], "contiguous", strides[rank % 2], 12)
+    # Both models are switched before either runs, and both graphs are alive at once: each
+    # attention call must find its own settings on its module, not the last apply's.
+    llama = _ring_setup("llama", sds["llama"], "zigzag", pairs[rank // 2], 11)
+    qwen2 = _ring_setup("qwen2", sds["qwen2"], "contiguous", strides[rank % 2], 12)
+    _ring_forward(llama)
+    _ring_forward(qwen2)
+    llama["loss"].backward()
+    qwen2["loss"].backward()
+    res["two-groups-llama"] = _ring_result(llama)
+    res["two-groups-qwen2"] = _ring_result(qwen2)
     return res
 
 
@@ -335,3 +362,20 @@ def test_apply_single_process_is_plain_attention(references, state_dicts):
     ref = references["llama"]
     assert_close_per_design(loss.detach(), ref["ref"]["loss"], ref["plain"]["loss"], "loss",
                             2.0, scaled_floor(torch.float32, ref["ref"]["loss"]))
+
+
+def test_single_process_refuses_restarting_position_ids(state_dicts):
+    # W=1 (no process group): packed documents whose positions restart would otherwise
+    # attend across the document border without an error
+    import ringseq
+    from ringseq.integrations.transformers import apply
+    model = apply(_model("llama", state_dicts["llama"]))
+    ids, _ = _batch(11)
+    half = SEQLEN // 2
+    reset = torch.cat([torch.arange(half), torch.arange(SEQLEN - half)]).expand(BATCH, -1)
+    with pytest.raises(ValueError, match="position_ids"):
+        model(input_ids=ids, position_ids=reset, use_cache=False)
+    # the global positions ringseq.shard_batch hands out are accepted
+    batch = ringseq.shard_batch({"input_ids": ids})
+    assert torch.equal(batch["position_ids"], torch.arange(SEQLEN).expand(BATCH, -1))
+    model(**batch, use_cache=False)

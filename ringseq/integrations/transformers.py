@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 try:
     import transformers as _transformers
@@ -55,7 +54,7 @@ try:
 except ImportError:  # pragma: no cover - transformers < 4.53 builds masks inside each model
     AttentionMaskInterface = None
 
-from ..comm import get_comm
+from ..comm import agree_or_raise
 from ..layouts import _group_info, get_layout, positions_local
 from ..nn import ring_flash_attn_func
 
@@ -113,7 +112,9 @@ def _check_inputs_once(settings: RingSettings, attention_mask, position_ids, q_l
                             "padded tokens: pack sequences without padding and mark positions "
                             "without a target with ignore_index in the labels")
     world_size, rank = _group_info(settings.group)
-    if position_ids is not None and world_size > 1:
+    # Also at world size 1: packed samples with position ids that restart per document would
+    # otherwise attend across documents without a word.
+    if position_ids is not None:
         expected = positions_local(q_local * world_size, settings.layout, world_size, rank,
                                    device=position_ids.device)  # (s_local,)
         pos = position_ids.reshape(-1, position_ids.shape[-1])
@@ -123,18 +124,14 @@ def _check_inputs_once(settings: RingSettings, attention_mask, position_ids, q_l
             problems.append(
                 "position_ids that are not the global positions of this rank's tokens under "
                 f"layout {get_layout(settings.layout).name!r} (pass the position_ids of "
-                "ringseq.shard_batch; without them the model numbers every shard from 0)")
-    ok = not problems
-    if world_size > 1:
-        comm = get_comm(settings.group)
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int32,
-                            device=device if comm.backend == "nccl" else "cpu")
-        dist.all_reduce(flag, group=settings.group)
-        if ok and int(flag.item()):
-            raise ValueError("ringseq attention: another rank of the ring received an "
-                             "unsupported attention_mask or wrong position_ids (see its error)")
-    if not ok:
-        raise ValueError("ringseq attention cannot compute this exactly: " + "; ".join(problems))
+                "ringseq.shard_batch; without them the model numbers every shard from 0; "
+                "packed documents with restarting positions are not supported)")
+    agree_or_raise(not problems,
+                   "ringseq attention cannot compute this exactly: " + "; ".join(problems),
+                   group=settings.group, device=device,
+                   peer_message="ringseq attention: another rank of the ring received an "
+                                "unsupported attention_mask or wrong position_ids (see its "
+                                "error)")
     settings._checked = (None if attention_mask is None else weakref.ref(attention_mask),
                          None if position_ids is None else weakref.ref(position_ids))
 

@@ -21,12 +21,10 @@ class Plugin(ABC):
     a training loop written against the Booster does not change with the strategy.
     """
 
-    @property
     @abstractmethod
     def supported_devices(self) -> List[str]:
         """Device types the plugin can train on, e.g. ``["cpu", "cuda"]``."""
 
-    @property
     @abstractmethod
     def supported_precisions(self) -> List[str]:
         """Precision names accepted by the constructor, e.g. ``["fp32", "bf16", "fp16"]``."""

@@ -13,6 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..comm import agree_or_raise
+
 __all__ = ["ReplicatedCheckpointIO"]
 
 
@@ -22,11 +24,6 @@ def _unwrap(obj):
 
 def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def _to_cpu(obj):
@@ -40,21 +37,32 @@ def _to_cpu(obj):
 
 
 def _save(obj, path: str) -> None:
+    error = None
     if _is_writer():
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        tmp = path + ".tmp"
-        torch.save(_to_cpu(obj), tmp)
-        os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint
-    # nobody reads the file before it exists
-    _barrier()
+        try:
+            d = os.path.dirname(os.path.abspath(path))
+            os.makedirs(d, exist_ok=True)
+            tmp = path + ".tmp"
+            torch.save(_to_cpu(obj), tmp)
+            os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint
+        except Exception as exc:  # noqa: BLE001 - re-raised on this rank after agreeing
+            error = exc
+    # Doubles as the barrier (nobody reads the file before it exists) and makes a failed
+    # write raise on every rank, not only on rank 0 while the others train on.
+    if dist.is_initialized():
+        agree_or_raise(error is None, f"saving {path!r} failed: {error!r}", error=error,
+                       peer_message=f"rank 0 failed to write the checkpoint {path!r} (see its "
+                                    f"error)")
+    elif error is not None:
+        raise error
 
 
 class ReplicatedCheckpointIO:
     """``save_model/load_model/save_optimizer/load_optimizer/save_lr_scheduler/
-    load_lr_scheduler`` for replicated state. Saving is collective (a barrier after rank 0
-    writes); loading reads the file on every rank (tensors to CPU, then the model's / the
-    optimizer's own device placement). The fp16 grad scaler's state goes next to the optimizer
+    load_lr_scheduler`` for replicated state. Saving is collective: rank 0 writes, then the
+    ranks agree on its success, so a failed write raises on every rank (rank 0 its own error,
+    the others a ValueError). Loading reads the file on every rank (tensors to CPU, then the
+    model's / the optimizer's own device placement). The fp16 grad scaler's state goes next to the optimizer
     checkpoint as ``<path>.grad_scaler`` and is restored from there when present.
 
     Raises FileNotFoundError for a missing file and whatever ``load_state_dict`` raises for

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ..comm import agree_or_raise
 from ..data import shard_batch
 
 __all__ = ["ShardedDataLoader"]
@@ -26,15 +27,22 @@ class ShardedDataLoader:
     ``position_ids`` (b, s / sp) (global positions), ``shift_labels`` (b, s / sp) (next-token
     targets, shifted before sharding) and the other keys as ``shard_batch`` returns them.
 
-    Raises ValueError on EVERY rank when any rank's batch cannot be sharded (a length the
-    layout cannot split, padding, a missing ``input_ids``): the ranks agree through one
-    all-reduce of a flag per batch, since the dp groups hold different samples and a rank
-    failing alone would leave the others waiting in the next collective.
+    With ``device``, each sharded batch is moved there (``non_blocking`` when the loader pins
+    memory).
+
+    Raises on EVERY rank when any rank's batch cannot be loaded, collated or sharded (a length
+    the layout cannot split, padding, a missing ``input_ids``, an exception of the dataset or
+    ``collate_fn``): the ranks agree through one all-reduce of a flag per batch, since the dp
+    groups hold different samples and a rank failing alone would leave the others waiting in
+    the next collective. The failing rank raises its own error (a ValueError naming its dp
+    rank for sharding problems, the loader's exception otherwise); the others a ValueError
+    naming the failed ranks.
     """
 
     def __init__(self, loader: DataLoader, sp_group, layout, dp_rank: int,
-                 ignore_index: int = -100, check_group=None):
+                 ignore_index: int = -100, check_group=None, device=None):
         self.loader = loader
+        self.device = None if device is None else torch.device(device)
         self.sp_group = sp_group
         self.layout = layout
         self.dp_rank = dp_rank
@@ -62,32 +70,57 @@ class ShardedDataLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def _shard(self, batch):
-        error = None
+    def _to_device(self, batch: dict) -> dict:
+        if self.device is None:
+            return batch
+        # pinned host memory makes the copy asynchronous; the model's first kernel on the
+        # same stream orders after it
+        non_blocking = bool(getattr(self.loader, "pin_memory", False))
+        return {k: v.to(self.device, non_blocking=non_blocking) if torch.is_tensor(v) else v
+                for k, v in batch.items()}
+
+    def _next_shard(self, it):
+        """This rank's next sharded batch, or None at the end; raises on every rank when any
+        rank's batch fails to load, collate or shard."""
+        error, out = None, None
         try:
-            out = shard_batch(batch, group=self.sp_group, layout=self.layout,
-                              ignore_index=self.ignore_index)
-        except ValueError as exc:
-            error, out = exc, None
-        if dist.is_initialized() and dist.get_world_size(self.check_group) > 1:
-            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-            if str(dist.get_backend(self.check_group)) == "nccl":
-                flag = flag.cuda()
-            dist.all_reduce(flag, group=self.check_group)
-            if error is None and int(flag.item()):
-                raise ValueError("a batch of another data-parallel group cannot be sharded for "
-                                 "the ring (see that rank's error); this rank's batch was fine")
-        if error is not None:
-            raise ValueError(f"data-parallel rank {self.dp_rank}: {error}") from error
-        return out
+            batch = next(it)
+        except StopIteration:
+            # DistributedSampler gives every dp group the same number of batches, so the
+            # ranks end together.
+            return None
+        except Exception as exc:  # noqa: BLE001 - re-raised on this rank after agreeing
+            error = exc
+        if error is None:
+            try:
+                if not isinstance(batch, dict):
+                    if not hasattr(batch, "keys"):
+                        raise ValueError(f"ShardedDataLoader needs batches that are mappings "
+                                         f"with 'input_ids' (b, s) (and optionally 'labels'), "
+                                         f"got a {type(batch).__name__}")
+                    batch = dict(batch)
+                out = shard_batch(batch, group=self.sp_group, layout=self.layout,
+                                  ignore_index=self.ignore_index)
+            except ValueError as exc:
+                error = ValueError(f"data-parallel rank {self.dp_rank}: {exc}")
+                error.__cause__ = exc
+        # A rank failing alone (its dp group reads other samples) would leave the others
+        # waiting in their next collective, so every batch is agreed on, errors of the
+        # loader itself (dataset, collate_fn) included.
+        if dist.is_initialized():
+            agree_or_raise(error is None, str(error), group=self.check_group,
+                           device=self.device, error=error,
+                           peer_message="a batch of another data-parallel group could not be "
+                                        "loaded or sharded for the ring (see that rank's "
+                                        "error); this rank's batch was fine")
+        elif error is not None:
+            raise error
+        return self._to_device(out)
 
     def __iter__(self) -> Iterator[dict]:
-        for batch in self.loader:
-            if not isinstance(batch, dict):
-                if hasattr(batch, "keys"):
-                    batch = dict(batch)
-                else:
-                    raise ValueError(f"ShardedDataLoader needs batches that are mappings with "
-                                     f"'input_ids' (b, s) (and optionally 'labels'), got a "
-                                     f"{type(batch).__name__}")
-            yield self._shard(batch)
+        it = iter(self.loader)
+        while True:
+            out = self._next_shard(it)
+            if out is None:
+                return
+            yield out

@@ -54,7 +54,8 @@ class RingSequenceParallelPlugin(Plugin):
             attention to ring attention (default: see :mod:`ringseq.plugin.policy`).
         backend: ring block kernel backend (None: the best available).
         ignore_index: label value without a target.
-        device: where the model is put (default: ``cuda:<current>`` under NCCL, else CPU).
+        device: where the model and the loader's batches are put (default:
+            ``cuda:<current>`` under NCCL, else CPU).
         ddp_kwargs: extra ``DistributedDataParallel`` arguments (e.g. ``bucket_cap_mb``,
             ``find_unused_parameters``).
 
@@ -93,9 +94,9 @@ class RingSequenceParallelPlugin(Plugin):
             device = (torch.device("cuda", torch.cuda.current_device())
                       if self.groups.mesh.device_type == "cuda" else torch.device("cpu"))
         self.device = torch.device(device)
-        if self.device.type not in self.supported_devices:
+        if self.device.type not in self.supported_devices():
             raise ValueError(f"device {self.device} is not supported; expected one of "
-                             f"{self.supported_devices}")
+                             f"{self.supported_devices()}")
         self.precision = Precision(precision, self.device.type)
         self.policy = policy
         self.backend = backend
@@ -132,11 +133,9 @@ class RingSequenceParallelPlugin(Plugin):
         return self.groups.dp_group
 
     # -- Plugin surface --------------------------------------------------------------------
-    @property
     def supported_devices(self) -> List[str]:
         return ["cpu", "cuda"]
 
-    @property
     def supported_precisions(self) -> List[str]:
         return sorted(PRECISIONS)
 
@@ -152,7 +151,8 @@ class RingSequenceParallelPlugin(Plugin):
     def prepare_dataloader(self, dataset, batch_size: int, shuffle: bool = False,
                            seed: int = 1024, drop_last: bool = False, pin_memory: bool = False,
                            num_workers: int = 0, **kwargs) -> ShardedDataLoader:
-        """A loader of this rank's sequence shards (see :class:`ShardedDataLoader`).
+        """A loader of this rank's sequence shards on the plugin's device (see
+        :class:`ShardedDataLoader`).
 
         Args:
             dataset: a map-style dataset of mappings with ``input_ids`` (s,) int64 and
@@ -175,7 +175,8 @@ class RingSequenceParallelPlugin(Plugin):
                             drop_last=drop_last, pin_memory=pin_memory,
                             num_workers=num_workers, **kwargs)
         return ShardedDataLoader(loader, self.sp_group, self.layout.name, self.dp_rank,
-                                 ignore_index=self.ignore_index, check_group=None)
+                                 ignore_index=self.ignore_index, check_group=None,
+                                 device=self.device)
 
     def _criterion(self, criterion):
         if criterion is None:
@@ -188,6 +189,16 @@ class RingSequenceParallelPlugin(Plugin):
                 raise ValueError("only a plain nn.CrossEntropyLoss (reduction='mean', no class "
                                  "weights, no label smoothing) can be turned into the global "
                                  "token-mean loss of the ring plugin")
+            if criterion.ignore_index != self.ignore_index:
+                # The loader fills shift_labels with the plugin's ignore_index past each
+                # sequence's end; a loss ignoring another value would index the vocabulary
+                # with it (an IndexError on the ranks holding sequence ends, a hang on the
+                # others).
+                raise ValueError(
+                    f"nn.CrossEntropyLoss(ignore_index={criterion.ignore_index}) does not match "
+                    f"the plugin's ignore_index={self.ignore_index}; pass "
+                    f"RingSequenceParallelPlugin(..., ignore_index={criterion.ignore_index}) "
+                    f"or use the same value in both")
             return SequenceParallelLoss(group=None, ignore_index=criterion.ignore_index)
         raise ValueError(
             f"criterion {criterion!r} cannot be used as is: on sequence shards a local loss "

@@ -38,8 +38,9 @@ class ModelWrapper(nn.Module):
 
 
 class OptimizerWrapper:
-    """The boosted optimizer: ``backward(loss)`` (scaled for fp16), ``step()`` (unscales,
-    skips steps with inf/NaN gradients for fp16), ``zero_grad()``; other attributes
+    """The boosted optimizer: ``backward(loss)`` (scaled for fp16), ``clip_grad_by_norm(max_norm)``
+    (unscales first for fp16), ``step()`` (unscales, skips steps with inf/NaN gradients for
+    fp16), ``zero_grad()``; other attributes
     (``param_groups``, ``state``, ...) are the wrapped optimizer's. ``unwrap()`` returns it:
     build learning-rate schedulers on the optimizer before boosting, as usual."""
 
@@ -63,6 +64,21 @@ class OptimizerWrapper:
         out = self.scaler.step(self.optim, *args, **kwargs)
         self.scaler.update()
         return out
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0,
+                          error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clips the gradients of all parameter groups to a total ``norm_type`` norm of
+        ``max_norm`` and returns the norm before clipping. Call it between ``backward`` and
+        ``step``. Under fp16 the gradients are unscaled first (``step`` then does not unscale
+        again), so ``max_norm`` is in the units of the true gradients; an inf/NaN norm there
+        still makes ``step`` skip. After DDP every rank holds the same summed gradients, so
+        every rank computes the same norm and clips alike."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optim)
+        params = [p for group in self.optim.param_groups for p in group["params"]
+                  if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)

@@ -18,7 +18,6 @@ Definitions (also in the README):
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
 import sys
@@ -28,7 +27,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (PeakMemory, attention_flops, environment, format_table, mib,  # noqa: E402
-                    progress, spawn_cpu_ranks, time_ms, write_json)
+                    init_launched_group, launcher_device, progress, spawn_cpu_ranks,
+                    threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq.comm import get_comm  # noqa: E402
@@ -226,10 +226,6 @@ def memory_task(args, device):
     return forward_peak(args, device, args.memory_seqlen, "zigzag")
 
 
-def threads_per_rank(args, world):
-    return args.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
-
-
 # ---------------------------------------------------------------- report
 def report(args, rows, memory, device):
     print(f"# bench_ring: total s={args.seqlen} b={args.batch} h={args.heads} "
@@ -258,7 +254,7 @@ def report(args, rows, memory, device):
         for w in ws[1:]:
             print(f"  W={w} / W={ws[0]}: {memory[w] / memory[ws[0]]:.3f}")
     world = rows[0]["world_size"] if rows else 1
-    threads = threads_per_rank(args, world)
+    threads = threads_per_rank(args.threads_per_rank, world)
     if device.type == "cpu" and world * threads > (os.cpu_count() or 1):
         print(f"note: {world} ranks x {threads} thread(s) exceed this machine's {os.cpu_count()} "
               f"cores, so ranks time-share: ring overhead and load balance are not meaningful "
@@ -291,28 +287,23 @@ def plot(path, rows):
 
 def main(argv=None):
     args = parse_args(argv)
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    use_cuda = torch.cuda.is_available() and launched
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    args.dtype = args.dtype or ("bf16" if use_cuda else "fp32")
+    launched, device = launcher_device()
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     memory = {}
     if launched:
-        if use_cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=args.timeout))
+        init_launched_group(device, args.timeout)
         rows = run_rank(args, device)
         is_main = dist.get_rank() == 0
     else:
         progress(f"spawning {args.world_size} local CPU ranks (gloo); "
-                 f"{threads_per_rank(args, args.world_size)} thread(s) each")
+                 f"{threads_per_rank(args.threads_per_rank, args.world_size)} thread(s) each")
         rows = spawn_cpu_ranks(args.world_size, run_rank, args, args.timeout,
-                               threads_per_rank(args, args.world_size))
+                               threads_per_rank(args.threads_per_rank, args.world_size))
         if args.memory_scaling:
             for w in (int(x) for x in args.memory_scaling.split(",")):
                 progress(f"memory: forward at W={w}, s={args.memory_seqlen}")
                 memory[w] = spawn_cpu_ranks(w, memory_task, args, args.timeout,
-                                            threads_per_rank(args, w))
+                                            threads_per_rank(args.threads_per_rank, w))
         is_main = True
     failed = []
     if is_main:

@@ -215,3 +215,25 @@ def spawn_cpu_ranks(world, fn, args, timeout, threads):
             if proc.is_alive():
                 proc.kill()
     return result
+
+
+def launcher_device():
+    """(launched, device): whether a launcher (torchrun) started this process, and its device:
+    cuda:LOCAL_RANK when launched on a GPU machine, else the CPU."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched and torch.cuda.is_available():
+        return True, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return launched, torch.device("cpu")
+
+
+def init_launched_group(device, timeout):
+    """The launcher's process group: NCCL on GPUs (device set first), gloo on CPUs."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout))
+
+
+def threads_per_rank(requested, world):
+    """torch threads for each of `world` local CPU ranks: `requested`, else cores // world."""
+    return requested or max(1, (os.cpu_count() or 1) // world)

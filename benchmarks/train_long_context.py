@@ -33,7 +33,6 @@ the dtype of the weights.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -45,7 +44,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import (PeakMemory, attention_flops, environment, format_table, mib,  # noqa: E402
-                    progress, spawn_cpu_ranks, synchronize, write_json)
+                    init_launched_group, launcher_device, progress, spawn_cpu_ranks,
+                    synchronize, threads_per_rank, write_json)
 
 import ringseq  # noqa: E402
 from ringseq.layouts import get_layout  # noqa: E402
@@ -279,21 +279,15 @@ def report(args, res, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    use_cuda = torch.cuda.is_available() and launched
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda
-              else torch.device("cpu"))
-    args.dtype = args.dtype or ("bf16" if use_cuda else "fp32")
+    launched, device = launcher_device()
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     t0 = time.time()
     if launched:
-        if use_cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=args.timeout))
+        init_launched_group(device, args.timeout)
         res = run_rank(args, device)
         is_main = dist.get_rank() == 0
     else:
-        threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.world_size)
+        threads = threads_per_rank(args.threads_per_rank, args.world_size)
         progress(f"spawning {args.world_size} local CPU ranks (gloo); {threads} thread(s) each")
         res = spawn_cpu_ranks(args.world_size, run_rank, args, args.timeout, threads)
         is_main = True

@@ -1,34 +1,35 @@
-"""ringseq: ring sequence parallelism for PyTorch with its own flash-attention kernels."""
+"""ringseq: ring sequence parallelism for PyTorch with its own flash-attention kernels.
+
+``import ringseq`` loads the attention API (single device and ring), layouts, data sharding
+and the sharded loss; the training plugin (``ringseq.plugin``: DataLoader, DDP) loads on
+first use of ``ringseq.Booster`` / ``ringseq.RingSequenceParallelPlugin`` / ``ringseq.Plugin``,
+and transformers only through ``ringseq.integrations.transformers``.
+"""
+from ._dist import RingMismatchError, set_consistency_check
+from .comm import RingComm, Transport
+from .data import shard_batch
 from .kernels import available_backends
+from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
+from .loss import sharded_cross_entropy
+from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_func,
+                 ring_flash_attn_qkvpacked_func, ring_sdpa)
 from .ops import flash_attn_func, get_backend
+from .sim import simulate_ring
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend"]
+_PLUGIN_NAMES = ("Booster", "Plugin", "RingSequenceParallelPlugin")
 
-# --- ring API (ringseq/ring.py, ringseq/layouts.py, ringseq/nn.py) ---
-from .comm import RingComm, RingMismatchError, set_consistency_check
-from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
-from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_func,
-                 ring_flash_attn_qkvpacked_func, ring_sdpa)
-from .ring import simulate_ring
+__all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend",
+           "RingAttention", "RingComm", "RingMismatchError", "Layout", "Transport",
+           "get_layout", "positions", "register_layout", "ring_flash_attn_func",
+           "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_sdpa",
+           "set_consistency_check", "shard", "simulate_ring", "unshard",
+           "shard_batch", "sharded_cross_entropy", *_PLUGIN_NAMES]
 
-__all__ += ["RingAttention", "RingComm", "RingMismatchError", "Layout", "get_layout",
-            "positions", "register_layout", "ring_flash_attn_func",
-            "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_sdpa",
-            "set_consistency_check", "shard", "simulate_ring", "unshard"]
-# --- end ring API ---
 
-# --- data and loss for sequence-parallel training (ringseq/data.py, ringseq/loss.py) ---
-# (ringseq.integrations.transformers is imported explicitly: transformers stays optional)
-from .data import shard_batch
-from .loss import sharded_cross_entropy
-
-__all__ += ["shard_batch", "sharded_cross_entropy"]
-# --- end data and loss ---
-
-# --- plugin (ringseq/plugin/; imports torch.distributed and DataLoader, never transformers) ---
-from .plugin import Booster, Plugin, RingSequenceParallelPlugin
-
-__all__ += ["Booster", "Plugin", "RingSequenceParallelPlugin"]
-# --- end plugin ---
+def __getattr__(name):
+    if name in _PLUGIN_NAMES:
+        from . import plugin
+        return getattr(plugin, name)
+    raise AttributeError(f"module 'ringseq' has no attribute {name!r}")

@@ -10,7 +10,8 @@ from typing import Mapping
 
 import torch
 
-from .layouts import _group_info, get_layout, positions_local, shard_local
+from ._dist import group_info
+from .layouts import get_layout, positions_local, shard_local
 
 __all__ = ["shard_batch"]
 
@@ -51,7 +52,7 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             communication, since every rank holds the same full batch.
     """
     lay = get_layout(layout)
-    world_size, rank = _group_info(group)
+    world_size, rank = group_info(group)
     if "input_ids" in batch and batch["input_ids"] is not None:
         b, s = batch["input_ids"].shape[:2]
     elif "inputs_embeds" in batch and batch["inputs_embeds"] is not None:

@@ -8,7 +8,10 @@ A layout answers two questions and nothing else:
   (``tasks``). An empty list means the step has nothing to compute.
 
 The ring engine in :mod:`ringseq.ring` executes any such schedule with one forward and one
-backward loop, so a new layout is a new subclass of :class:`Layout`, never a new loop.
+backward loop, so a new layout is a new subclass of :class:`Layout`, never a new loop: define
+``name``, ``_positions`` and ``_tasks`` (and ``multiple`` if needed), pass the instance as
+``layout=`` anywhere (or ``register_layout`` it to use its name). Moving tokens
+(``shard``/``scatter``) then works by index; override them only for speed.
 
 Built-in layouts (``W`` = world size, ``s`` = global sequence length):
 
@@ -26,13 +29,17 @@ step is one non-causal task over all local rows. ``contiguous`` is the natural c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Tuple, Union
 
 import torch
+import torch.distributed as dist
+
+from ._dist import group_info
 
 __all__ = [
     "BlockTask", "Layout", "Contiguous", "Zigzag", "Stripe", "get_layout", "register_layout",
-    "LAYOUTS", "shard", "unshard", "positions", "shard_local", "positions_local",
+    "LAYOUTS", "shard", "unshard", "positions", "shard_local", "unshard_local", "positions_local",
+    "layout_name_of_code",
 ]
 
 
@@ -48,10 +55,27 @@ class BlockTask:
     causal: bool
 
 
+def _stable_code(name: str) -> int:
+    """A 31-bit FNV-1a hash of ``name``: the same on every rank and run, pure Python (no
+    zlib), so it can be computed anywhere, traced code included."""
+    h = 0x811C9DC5
+    for byte in name.encode():
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h & 0x7FFFFFFF
+
+
 class Layout:
-    """Base class. Subclasses define ``name``, ``multiple``, ``_positions`` and ``_tasks``."""
+    """Base class. Subclasses define ``name``, ``_positions`` and ``_tasks`` (and ``multiple``
+    when the length must be a multiple of more than ``W``). Everything else -- checks,
+    schedules, ``shard`` / ``scatter`` by index -- is generic; built-in layouts override
+    ``shard`` / ``scatter`` only to copy slices instead of gathering by index."""
 
     name: str = "?"
+
+    @property
+    def code(self) -> int:
+        """A small integer naming this layout in cross-rank checks (stable across ranks)."""
+        return _stable_code(self.name)
 
     def multiple(self, world_size: int) -> int:
         """The global sequence length must be a multiple of this."""
@@ -95,10 +119,31 @@ class Layout:
         return self._tasks(rank, src, world_size, s_local)
 
     def schedule(self, rank: int, world_size: int, s_local: int,
-                 causal: bool) -> List[List[BlockTask]]:
-        """Tasks of every ring step ``i`` (K/V of rank ``(rank - i) % world_size``)."""
-        return [self.tasks(rank, (rank - i) % world_size, world_size, s_local, causal)
-                for i in range(world_size)]
+                 causal: bool) -> Tuple[Tuple[BlockTask, ...], ...]:
+        """Tasks of every ring step ``i`` (K/V of rank ``(rank - i) % world_size``), cached:
+        a layout is data, so the same arguments always give the same (immutable) schedule."""
+        key = (rank, world_size, s_local, bool(causal))
+        cache = self.__dict__.setdefault("_schedules", {})
+        sched = cache.get(key)
+        if sched is None:
+            sched = tuple(tuple(self.tasks(rank, (rank - i) % world_size, world_size, s_local,
+                                           causal)) for i in range(world_size))
+            cache[key] = sched
+        return sched
+
+    # -- moving tokens ---------------------------------------------------------------------
+    def shard(self, x: torch.Tensor, world_size: int, rank: int, dim: int) -> torch.Tensor:
+        """Rank's tokens of the full ``x`` along ``dim`` (a new contiguous tensor, in local
+        order). Generic: gathers ``positions`` by index; ``dim`` is non-negative here."""
+        idx = self.positions(x.shape[dim], world_size, rank).to(x.device)
+        return x.index_select(dim, idx)
+
+    def scatter(self, full: torch.Tensor, part: torch.Tensor, world_size: int, rank: int,
+                dim: int) -> None:
+        """Writes rank's shard ``part`` back into its places in ``full`` (inverse of
+        :meth:`shard`)."""
+        idx = self.positions(full.shape[dim], world_size, rank).to(full.device)
+        full.index_copy_(dim, idx, part)
 
     def _positions(self, seqlen, world_size, rank):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -116,6 +161,15 @@ class Contiguous(Layout):
     def _positions(self, seqlen, world_size, rank):
         n = seqlen // world_size
         return torch.arange(rank * n, (rank + 1) * n)
+
+    def shard(self, x, world_size, rank, dim):
+        n = self.check_seqlen(x.shape[dim], world_size)
+        _check_rank(rank, world_size)
+        return x.narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
+
+    def scatter(self, full, part, world_size, rank, dim):
+        n = full.shape[dim] // world_size
+        full.narrow(dim, rank * n, n).copy_(part)
 
     def _tasks(self, rank, src, world_size, s_local):
         if src == rank:
@@ -136,6 +190,17 @@ class Zigzag(Layout):
         return torch.cat([torch.arange(rank * c, (rank + 1) * c),
                           torch.arange((2 * world_size - 1 - rank) * c,
                                        (2 * world_size - rank) * c)])
+
+    def shard(self, x, world_size, rank, dim):
+        c = self.check_seqlen(x.shape[dim], world_size) // 2
+        _check_rank(rank, world_size)
+        return torch.cat([x.narrow(dim, rank * c, c),
+                          x.narrow(dim, (2 * world_size - 1 - rank) * c, c)], dim=dim)
+
+    def scatter(self, full, part, world_size, rank, dim):
+        c = full.shape[dim] // (2 * world_size)
+        full.narrow(dim, rank * c, c).copy_(part.narrow(dim, 0, c))
+        full.narrow(dim, (2 * world_size - 1 - rank) * c, c).copy_(part.narrow(dim, c, c))
 
     def _tasks(self, rank, src, world_size, s_local):
         half = s_local // 2
@@ -190,19 +255,17 @@ def get_layout(layout: Union[str, Layout]) -> Layout:
                      f"ringseq.layouts.Layout instance")
 
 
+def layout_name_of_code(code: int) -> str:
+    """The registered layout name whose :attr:`Layout.code` is ``code`` (for messages)."""
+    for name, lay in LAYOUTS.items():
+        if lay.code == code:
+            return repr(name)
+    return f"layout #{code}"
+
+
 def _check_rank(rank, world_size):
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
-
-
-def _group_info(group) -> tuple:
-    """(world_size, rank) of ``group``; (1, 0) without an initialized process group."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("a process group was passed but torch.distributed is not initialized")
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def positions_local(seqlen: int, layout, world_size: int, rank: int,
@@ -215,21 +278,11 @@ def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 
     """Like :func:`shard` for an explicit ``(world_size, rank)`` (no process group)."""
     lay = get_layout(layout)
     dim = dim % x.dim()
-    seqlen = x.shape[dim]
-    lay.check_seqlen(seqlen, world_size)
+    lay.check_seqlen(x.shape[dim], world_size)
     _check_rank(rank, world_size)
     if world_size == 1:
         return x.clone(memory_format=torch.contiguous_format)
-    # Fast paths for the built-in layouts only: a subclass may place tokens differently.
-    if type(lay) is Contiguous:
-        n = seqlen // world_size
-        return x.narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
-    if type(lay) is Zigzag:
-        c = seqlen // (2 * world_size)
-        return torch.cat([x.narrow(dim, rank * c, c),
-                          x.narrow(dim, (2 * world_size - 1 - rank) * c, c)], dim=dim)
-    idx = lay.positions(seqlen, world_size, rank).to(x.device)
-    return x.index_select(dim, idx)
+    return lay.shard(x, world_size, rank, dim)
 
 
 def shard(x: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> torch.Tensor:
@@ -246,7 +299,7 @@ def shard(x: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> tor
     flows back into ``x``). Raises ValueError, without communicating, when the length is not a
     multiple of what the layout needs (``W``; ``2W`` for zigzag).
     """
-    world_size, rank = _group_info(group)
+    world_size, rank = group_info(group)
     return shard_local(x, layout, world_size, rank, dim)
 
 
@@ -256,14 +309,13 @@ def positions(seqlen: int, layout="contiguous", group=None, device=None) -> torc
     Shard position ids with this (or ``shard(position_ids, layout)``) so rotary embeddings see
     the true positions. Raises ValueError when ``seqlen`` cannot be split.
     """
-    world_size, rank = _group_info(group)
+    world_size, rank = group_info(group)
     return positions_local(seqlen, layout, world_size, rank, device)
 
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lay, group, world_size, rank, dim):
-        import torch.distributed as dist
         ctx.lay, ctx.group, ctx.world_size, ctx.rank, ctx.dim = lay, group, world_size, rank, dim
         xc = x.contiguous()
         parts = [torch.empty_like(xc) for _ in range(world_size)]
@@ -273,31 +325,16 @@ class _Unshard(torch.autograd.Function):
         shape[dim] = seqlen
         full = x.new_empty(shape)
         for r, part in enumerate(parts):
-            _scatter_back(full, part, lay, world_size, r, dim)
+            lay.scatter(full, part, world_size, r, dim)
         return full
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed as dist
         # Each rank's output depends on every rank's input: the gradient of a shard is the
         # sum over ranks of their gradient for it (gloo has no reduce_scatter, so all_reduce).
         g = grad.contiguous().clone()
         dist.all_reduce(g, group=ctx.group)
         return shard_local(g, ctx.lay, ctx.world_size, ctx.rank, ctx.dim), None, None, None, None, None
-
-
-def _scatter_back(full, part, lay, world_size, rank, dim):
-    seqlen = full.shape[dim]
-    if type(lay) is Contiguous:
-        n = seqlen // world_size
-        full.narrow(dim, rank * n, n).copy_(part)
-    elif type(lay) is Zigzag:
-        c = seqlen // (2 * world_size)
-        full.narrow(dim, rank * c, c).copy_(part.narrow(dim, 0, c))
-        full.narrow(dim, (2 * world_size - 1 - rank) * c, c).copy_(part.narrow(dim, c, c))
-    else:
-        idx = lay.positions(seqlen, world_size, rank).to(full.device)
-        full.index_copy_(dim, idx, part)
 
 
 def unshard_local(parts, layout, dim: int = 1) -> torch.Tensor:
@@ -309,7 +346,7 @@ def unshard_local(parts, layout, dim: int = 1) -> torch.Tensor:
     shape[dim] *= world_size
     full = parts[0].new_empty(shape)
     for r, part in enumerate(parts):
-        _scatter_back(full, part, lay, world_size, r, dim)
+        lay.scatter(full, part, world_size, r, dim)
     return full
 
 
@@ -322,7 +359,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     group (world size 1) it returns ``x_local`` unchanged.
     """
     lay = get_layout(layout)
-    world_size, rank = _group_info(group)
+    world_size, rank = group_info(group)
     dim = dim % x_local.dim()
     if world_size == 1:
         return x_local

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .layouts import _group_info
+from ._dist import group_info
 
 __all__ = ["sharded_cross_entropy"]
 
@@ -63,7 +63,7 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index,
                                 reduction="sum")
     local_count = (flat_labels != ignore_index).sum().to(acc)
-    world_size, _ = _group_info(group)
+    world_size, _ = group_info(group)
     if world_size > 1:
         # one collective for both numbers; the count carries no gradient
         packed = torch.stack([local_sum, local_count.detach()])

@@ -17,25 +17,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .comm import dtype_code, get_comm, layout_code
+from .comm import get_comm
 from .layouts import get_layout
-from .kernels import default_scale
-from .ops import get_backend
-from .ring import resolve_grad_comm_dtype, ring_attention
+from .plan import make_plan
+from .ring import ring_attention
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
            "ring_flash_attn_qkvpacked_func", "ring_sdpa", "RingAttention"]
-
-
-def _check_local(q, k, v, lay, comm):
-    """Everything one rank can see wrong, raised before any communication."""
-    from .kernels import check_qkv
-    check_qkv(q, k, v)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"ring attention needs q and k/v shards of the same local length "
-                         f"(self-attention over one sharded sequence), got q {tuple(q.shape)} "
-                         f"and k {tuple(k.shape)}")
-    lay.check_local_seqlen(q.shape[1], comm.world_size)
 
 
 def _autocast(q, k, v):
@@ -48,38 +36,6 @@ def _autocast(q, k, v):
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
                  for t in (q, k, v))
-
-
-def _ring(q, k, v, softmax_scale, causal, group, layout, backend, grad_comm_dtype):
-    q, k, v = _autocast(q, k, v)
-    # The inputs now have the dtype autocast asked for; the block kernels choose their own
-    # accumulation dtype (the reference backend's float32/float64 einsums), which the caller's
-    # autocast would otherwise silently lower to bf16/fp16.
-    with torch.autocast(q.device.type, enabled=False):
-        return _ring_impl(q, k, v, softmax_scale, causal, group, layout, backend,
-                          grad_comm_dtype)
-
-
-def _ring_impl(q, k, v, softmax_scale, causal, group, layout, backend, grad_comm_dtype):
-    lay = get_layout(layout)
-    comm = get_comm(group)
-    _check_local(q, k, v, lay, comm)
-    be = get_backend(backend, q.device, q.dtype, q.shape[-1])
-    if comm.world_size > 1 and not getattr(be, "supports_global_backward", True):
-        raise ValueError(f"backend {be.name!r} cannot compute a block's gradients from the "
-                         f"merged output of a ring; use backend='ringseq' or 'reference'")
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    gdt = resolve_grad_comm_dtype(grad_comm_dtype, q.dtype, be.accum_dtype(q.dtype))
-    b, s, h, d = q.shape
-    comm.check_consistent([
-        ("batch", b), ("local seqlen", s), ("nheads", h), ("nheads_kv", k.shape[2]),
-        ("headdim", d), ("dtype", dtype_code(q.dtype)), ("layout", layout_code(lay.name)),
-        ("world size", comm.world_size), ("causal", bool(causal)),
-        ("requires_grad", torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
-        ("grad_comm_dtype", dtype_code(gdt)),
-        ("softmax_scale (x1e6)", round(scale * 1e6)),
-    ], device=q.device)
-    return ring_attention(q, k, v, scale, bool(causal), lay, comm, be, gdt)
 
 
 def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, group=None,
@@ -121,7 +77,15 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, group=None,
             needs an even one), an unknown layout or backend -- before any communication.
         RingMismatchError (a ValueError): ranks called with different arguments (every rank).
     """
-    out, lse = _ring(q, k, v, softmax_scale, causal, group, layout, backend, grad_comm_dtype)
+    q, k, v = _autocast(q, k, v)
+    # The inputs now have the dtype autocast asked for; the block kernels choose their own
+    # accumulation dtype (the reference backend's float32/float64 einsums), which the caller's
+    # autocast would otherwise silently lower to bf16/fp16.
+    with torch.autocast(q.device.type, enabled=False):
+        plan = make_plan(q, k, v, transport=get_comm(group), softmax_scale=softmax_scale,
+                         causal=causal, layout=layout, backend=backend,
+                         grad_comm_dtype=grad_comm_dtype)
+        out, lse = ring_attention(q, k, v, plan)
     return (out, lse) if return_lse else out
 
 
@@ -194,7 +158,7 @@ class RingAttention(nn.Module):
                  grad_comm_dtype=None):
         super().__init__()
         self.group = group
-        self.layout = get_layout(layout).name if isinstance(layout, str) else layout
+        self.layout = get_layout(layout)
         self.causal = bool(causal)
         self.backend = backend
         self.softmax_scale = softmax_scale
@@ -205,5 +169,4 @@ class RingAttention(nn.Module):
                                     self.layout, return_lse, self.backend, self.grad_comm_dtype)
 
     def extra_repr(self) -> str:
-        lay = self.layout if isinstance(self.layout, str) else self.layout.name
-        return f"layout={lay!r}, causal={self.causal}, backend={self.backend!r}"
+        return f"layout={self.layout.name!r}, causal={self.causal}, backend={self.backend!r}"

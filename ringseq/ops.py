@@ -1,43 +1,15 @@
 """Single-device attention with log-sum-exp: the Python face of the kernels.
 
 ``flash_attn_func`` takes flash-attn's (batch, seqlen, nheads, headdim) layout and runs on any
-backend of ``ringseq.kernels``; ``get_backend`` resolves the name the ring uses.
+backend of ``ringseq.kernels`` through one differentiable custom operator
+(``ringseq.kernels.autograd``); ``get_backend`` resolves the name the ring uses.
 """
 from __future__ import annotations
 
 import torch
 
-from .kernels import (AttentionBackend, available_backends, check_qkv, compute_delta,
-                      default_scale, get_backend)
-
-
-class _BackendAttention(torch.autograd.Function):
-    """Autograd for the Python backends (the extension's op has its own, registered with
-    torch.library.register_autograd)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, backend):
-        out, lse = backend.fwd(q, k, v, softmax_scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.causal, ctx.backend = softmax_scale, causal, backend
-        # Unused outputs then arrive as None: no zero-filled lse gradient to test on the host.
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        backend = ctx.backend
-        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
-        delta = None
-        if grad_lse is not None:
-            if not backend.supports_delta:
-                raise RuntimeError(f"backend {backend.name!r} cannot backpropagate through lse; "
-                                   f"use backend='ringseq' or 'reference'")
-            delta = compute_delta(grad_out, out, grad_lse)
-        dq, dk, dv = backend.bwd(grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                                 delta)
-        return dq, dk, dv, None, None, None
+from .kernels import AttentionBackend, available_backends, check_qkv, get_backend, resolve_scale
+from .kernels.autograd import attention
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, backend=None):
@@ -65,14 +37,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         ValueError: also when backend "ringseq" is requested but the extension is not built.
     """
     check_qkv(q, k, v)
-    if softmax_scale is None:
-        softmax_scale = default_scale(q.shape[-1])
-    chosen = get_backend(backend, q.device, q.dtype, q.shape[-1])
-    if chosen.name == "ringseq" and q.numel() and k.shape[1]:
-        out, lse = torch.ops.ringseq.fwd(q, k, v, float(softmax_scale), bool(causal),
-                                         chosen.tile_config)
-    else:  # Python backends, and empty inputs (kept in the autograd graph)
-        out, lse = _BackendAttention.apply(q, k, v, float(softmax_scale), bool(causal), chosen)
+    be = get_backend(backend, q.device, q.dtype, q.shape[-1])
+    out, lse = attention(q, k, v, resolve_scale(softmax_scale, q.shape[-1]), causal, be)
     return (out, lse) if return_lse else out
 
 

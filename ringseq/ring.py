@@ -1,21 +1,24 @@
-"""One forward loop and one backward loop that execute any layout's block schedule.
+"""The engine: one forward loop and one backward loop that execute any layout's block schedule.
+
+Both take this rank's tensors and a :class:`ringseq.plan.RingPlan` (layout schedule, scale,
+backend, dtypes, transport); they never re-check or re-default anything.
 
 Forward (rank ``r`` of ``W``; at step ``i`` it holds the K/V of rank ``(r - i) % W``):
 
     for i in 0..W-1:
         post the exchange that brings step i+1's K/V      (if i + 1 < W)
-        for each block task of step i: (o_b, l_b) = kernel(q[rows], k[kv rows], v[kv rows])
-                                       merge (o_b, l_b) into the float32 (out, lse) of those rows
+        for each block task of step i: merge kernel(q[rows], k[kv rows], v[kv rows]) into the
+                                       float32 (out, lse) of those rows
         wait for the exchange                              (its data is used at step i+1)
 
 Backward, with the global ``out``/``lse`` saved by the forward and ``D = rowsum(dO * out)``
 computed once: dQ accumulates locally; each K/V block carries a dK/dV accumulator around the
 ring. To keep the exchange of step i+1's K/V overlapped with step i's compute and still post
-one batch per step, an accumulator travels one exchange behind its block: the exchange posted
-before step i carries step i+1's K/V together with the accumulator completed at step i-1, and
-the accumulator of the block being computed at step i arrives during step i (it is added once
-both are there). After the W compute steps one last exchange brings every accumulator home, so
-each makes exactly one full lap (W hops); K/V make W-1 hops.
+one exchange per step, an accumulator travels one exchange behind its block
+(:func:`backward_payloads`): the exchange posted before step i carries step i+1's K/V and the
+accumulator completed at step i-1; the accumulator of the block computed at step i arrives
+during step i and is added once both are there. One last exchange after step W-1 brings every
+accumulator home: each makes exactly one full lap (W hops); K/V make W-1 hops.
 
 Accumulation is float32 (float64 for float64 inputs). ``grad_comm_dtype`` may send the dK/dV
 accumulators in another dtype (e.g. the input's bf16/fp16, cutting backward traffic from 3x to
@@ -25,46 +28,78 @@ dK/dV error of float32 transit (tests/test_ring.py::test_grad_comm_dtype_accurac
 from __future__ import annotations
 
 import math
-import threading
-from typing import List, Optional, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .comm import RingComm
-from .kernels import compute_delta, default_scale
-from .layouts import BlockTask, Layout, get_layout
+from .comm import Transport
+from .kernels import compute_delta
+from .plan import RingPlan
 
-__all__ = ["ring_attention", "simulate_ring", "RingAttnFunc", "resolve_grad_comm_dtype"]
+__all__ = ["PackedBuffers", "RingAttnFunc", "backward_payloads", "ring_attention"]
 
-_ALIGN = 64  # bytes; keeps every packed view aligned for any dtype and for vector loads
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+_ALIGN = 64  # bytes; keeps every segment aligned for any dtype and for vector loads
 
 
-def _view(buf: torch.Tensor, offset: int, shape, dtype) -> torch.Tensor:
-    n = math.prod(shape) * dtype.itemsize
-    return buf[offset:offset + n].view(dtype).view(shape)
+class PackedBuffers:
+    """A transport's cached double buffer cut into typed segments laid out back to back.
+
+    ``segments`` is a list of ``(name, shape, dtype)``; slot ``j`` (0 or 1) of the double
+    buffer holds one view per segment (``bufs[j][name]``). Adjacent segments form one
+    contiguous byte range, so a step that moves several of them is still one exchange.
+    """
+
+    def __init__(self, transport: Transport, key: str, device,
+                 segments: Sequence[Tuple[str, tuple, torch.dtype]]):
+        self.transport = transport
+        self._span: Dict[str, Tuple[int, int]] = {}
+        offset = 0
+        for name, shape, dtype in segments:
+            n = math.prod(shape) * dtype.itemsize
+            self._span[name] = (offset, offset + n)
+            offset += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.raw = transport.buffers(key, offset, device)
+        self.slots: List[Dict[str, torch.Tensor]] = [
+            {name: raw[lo:hi].view(dtype).view(shape)
+             for (name, shape, dtype), (lo, hi) in zip(segments, self._span.values())}
+            for raw in self.raw]
+
+    def __getitem__(self, slot: int) -> Dict[str, torch.Tensor]:
+        return self.slots[slot]
+
+    def exchange(self, src: int, names: Sequence[str]):
+        """Sends segments ``names`` (adjacent) of slot ``src`` to the next rank, receiving the
+        previous rank's into the other slot; returns the pending exchange or None."""
+        if not names:
+            return None
+        lo = min(self._span[n][0] for n in names)
+        hi = max(self._span[n][1] for n in names)
+        return self.transport.exchange(self.raw[src][lo:hi], self.raw[1 - src][lo:hi])
 
 
-def _ring_forward(q, k, v, scale: float, schedule: Sequence[List[BlockTask]], comm: RingComm,
-                  be):
-    """Returns (out in the accumulation dtype, lse) for this rank's q rows."""
+def backward_payloads(world_size: int) -> List[Tuple[str, ...]]:
+    """What each exchange of the backward carries: entry ``i < W`` is posted before compute
+    step ``i``, entry ``W`` after the last step. ``"acc"``: the dK/dV accumulator completed at
+    step i-1 moves on; ``"kv"``: the K/V of step i+1. With W = 1 nothing moves."""
+    if world_size == 1:
+        return [(), ()]
+    return [(("acc",) if i >= 1 else ()) + (("kv",) if i + 1 < world_size else ())
+            for i in range(world_size)] + [("acc",)]
+
+
+def _ring_forward(q, k, v, plan: RingPlan):
+    """(out in the accumulation dtype, lse) for this rank's q rows."""
     b, s, h, d = q.shape
-    s_kv, h_kv = k.shape[1], k.shape[2]
-    acc = be.accum_dtype(q.dtype)
-    W = comm.world_size
-    kv_bufs = None
+    acc, be, scale = plan.accum_dtype, plan.backend, plan.softmax_scale
+    W = plan.world_size
+    bufs = None
     if W > 1:
-        kv_shape = (2, b, s_kv, h_kv, d)
-        nbytes = _aligned(math.prod(kv_shape) * k.element_size())
-        a, c = comm.buffers("fwd", nbytes, q.device)
-        kv_bufs = [_view(a, 0, kv_shape, k.dtype), _view(c, 0, kv_shape, k.dtype)]
-        kv_bufs[0][0].copy_(k)
-        kv_bufs[0][1].copy_(v)
+        bufs = PackedBuffers(plan.transport, "fwd", q.device,
+                             [("kv", (2, k.shape[0], k.shape[1], k.shape[2], d), k.dtype)])
+        bufs[0]["kv"][0].copy_(k)
+        bufs[0]["kv"][1].copy_(v)
 
-    first = schedule[0][0] if schedule[0] else None
+    first = plan.schedule[0][0] if plan.schedule[0] else None
     take_first = first is not None and first.q == slice(0, s)
     out = lse = None
     if not take_first:
@@ -72,16 +107,15 @@ def _ring_forward(q, k, v, scale: float, schedule: Sequence[List[BlockTask]], co
         lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
 
     for i in range(W):
-        pending = comm.exchange(kv_bufs[i % 2], kv_bufs[(i + 1) % 2]) if i + 1 < W else None
+        pending = bufs.exchange(i % 2, ("kv",)) if i + 1 < W else None
         # Step 0 computes on the caller's k/v: for W == 1 no buffer is touched at all.
-        kk, vv = (k, v) if i == 0 else (kv_bufs[i % 2][0], kv_bufs[i % 2][1])
-        for j, t in enumerate(schedule[i]):
+        kk, vv = (k, v) if i == 0 else bufs[i % 2]["kv"]
+        for j, t in enumerate(plan.schedule[i]):
             if take_first and i == 0 and j == 0:
                 # Fresh kernel outputs become the accumulators: no fill, no merge, and no copy
                 # at all when the input dtype is the accumulation dtype.
                 o_b, l_b = be.fwd(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal)
-                out = o_b.to(acc)
-                lse = l_b.to(acc)
+                out, lse = o_b.to(acc), l_b.to(acc)
             else:
                 # The backend merges in place (our CPU kernel resumes its online softmax from
                 # the running pair, so no block-sized temporary is made).
@@ -92,45 +126,34 @@ def _ring_forward(q, k, v, scale: float, schedule: Sequence[List[BlockTask]], co
     return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, scale: float, schedule: Sequence[List[BlockTask]],
-                   comm: RingComm, be, grad_comm_dtype: torch.dtype, grad_lse=None):
-    """Returns (dq, dk, dv) in the input dtype."""
+def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
+    """(dq, dk, dv) in the input dtype."""
     b, s, h, d = q.shape
-    s_kv, h_kv = k.shape[1], k.shape[2]
-    acc = be.accum_dtype(q.dtype)
-    W = comm.world_size
+    acc, be, scale, gdt = plan.accum_dtype, plan.backend, plan.softmax_scale, plan.grad_comm_dtype
+    W = plan.world_size
     delta = compute_delta(dout, out, grad_lse)  # (b, h, s), computed once for every block
     dq = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
 
-    kv_shape = (2, b, s_kv, h_kv, d)
-    n_acc = _aligned(math.prod(kv_shape) * grad_comm_dtype.itemsize)
-    n_kv = _aligned(math.prod(kv_shape) * k.element_size()) if W > 1 else 0
-    bufs = comm.buffers("bwd", n_acc + n_kv, q.device)
-    # Buffer = [dK/dV accumulator | K/V]: any step's payload is one contiguous byte range.
-    acc_v = [_view(buf, 0, kv_shape, grad_comm_dtype) for buf in bufs]
-    kv_v = [_view(buf, n_acc, kv_shape, k.dtype) for buf in bufs] if W > 1 else None
+    kv_shape = (2, k.shape[0], k.shape[1], k.shape[2], d)
+    # [dK/dV accumulator | K/V]: "acc" and "kv" are adjacent, so any payload is one range.
+    bufs = PackedBuffers(plan.transport, "bwd", q.device,
+                         [("acc", kv_shape, gdt)] + ([("kv", kv_shape, k.dtype)] if W > 1 else []))
     if W > 1:
-        kv_v[0][0].copy_(k)
-        kv_v[0][1].copy_(v)
-    direct = grad_comm_dtype == acc
-    scratch = None
-    if W > 1 or not direct:
-        scratch = torch.empty(kv_shape, dtype=acc, device=q.device)  # (2, b, s_kv, h_kv, d)
+        bufs[0]["kv"][0].copy_(k)
+        bufs[0]["kv"][1].copy_(v)
+    payloads = backward_payloads(W)
+    # At step 0 nothing arrives in the accumulator of the other slot, so the own block's
+    # gradients can go straight there when no dtype conversion is needed; later the incoming
+    # accumulator lands there while we compute, so ours go to `scratch` and are added after.
+    direct = gdt == acc
+    scratch = torch.empty(kv_shape, dtype=acc, device=q.device) if (W > 1 or not direct) else None
 
     for i in range(W):
         cur, nxt = i % 2, (i + 1) % 2
-        pending = None
-        if W > 1:
-            lo = 0 if i >= 1 else n_acc  # the accumulator completed at step i-1
-            hi = n_acc + n_kv if i + 1 < W else n_acc  # K/V for step i+1
-            if lo < hi:
-                pending = comm.exchange(bufs[cur][lo:hi], bufs[nxt][lo:hi])
-        kk, vv = (k, v) if i == 0 else (kv_v[cur][0], kv_v[cur][1])
-        tasks = schedule[i]
-        # At step 0 nothing arrives in the accumulator part of `nxt`, so the own block's
-        # gradients can go straight there; later the incoming accumulator lands there while
-        # we compute, so ours go to `scratch` and are added once both exist.
-        target = acc_v[nxt] if (i == 0 and direct) else scratch
+        pending = bufs.exchange(cur, payloads[i])
+        kk, vv = (k, v) if i == 0 else bufs[cur]["kv"]
+        tasks = plan.schedule[i]
+        target = bufs[nxt]["acc"] if (i == 0 and direct) else scratch
         if i == 0 or tasks:
             target.zero_()
         for t in tasks:
@@ -141,34 +164,20 @@ def _ring_backward(dout, q, k, v, out, lse, scale: float, schedule: Sequence[Lis
             pending.wait()
         if target is scratch:
             if i == 0:
-                acc_v[nxt].copy_(scratch)
+                bufs[nxt]["acc"].copy_(scratch)
             elif tasks:
-                acc_v[nxt].add_(scratch)
+                bufs[nxt]["acc"].add_(scratch)
 
-    if W > 1:
-        comm.exchange(bufs[W % 2][:n_acc], bufs[(W + 1) % 2][:n_acc]).wait()
-        home = acc_v[(W + 1) % 2]
-    else:
-        home = acc_v[1]
-    # Copies: the accumulators live in the comm's cached buffers.
+    # The accumulators completed at the last step sit in slot W % 2; the final exchange (none
+    # for W == 1) brings each one the last hop home, into the other slot.
+    final = bufs.exchange(W % 2, payloads[W])
+    if final is not None:
+        final.wait()
+    home = bufs[W % 2 if final is None else (W + 1) % 2]["acc"]
+    # Copies: the accumulators live in the transport's cached buffers.
     dk = home[0].to(k.dtype, copy=True)
     dv = home[1].to(v.dtype, copy=True)
     return dq.to(q.dtype), dk, dv
-
-
-def resolve_grad_comm_dtype(grad_comm_dtype, dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
-    """None -> the accumulation dtype; "input" -> ``dtype``; a floating torch.dtype as is."""
-    if grad_comm_dtype is None:
-        return acc
-    if isinstance(grad_comm_dtype, str):
-        if grad_comm_dtype == "input":
-            return dtype
-        raise ValueError(f"grad_comm_dtype must be None, 'input' or a floating torch.dtype, got "
-                         f"{grad_comm_dtype!r}")
-    if isinstance(grad_comm_dtype, torch.dtype) and grad_comm_dtype.is_floating_point:
-        return grad_comm_dtype
-    raise ValueError(f"grad_comm_dtype must be None, 'input' or a floating torch.dtype, got "
-                     f"{grad_comm_dtype!r}")
 
 
 class RingAttnFunc(torch.autograd.Function):
@@ -176,138 +185,32 @@ class RingAttnFunc(torch.autograd.Function):
     float64 for float64 inputs)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, layout, comm, be, grad_comm_dtype):
-        schedule = layout.schedule(comm.rank, comm.world_size, q.shape[1], causal)
-        out_acc, lse = _ring_forward(q, k, v, scale, schedule, comm, be)
+    def forward(ctx, q, k, v, plan: RingPlan):
+        out_acc, lse = _ring_forward(q, k, v, plan)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.schedule, ctx.comm, ctx.be = scale, schedule, comm, be
-        ctx.grad_comm_dtype = grad_comm_dtype
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
         if dout is None:
             dout = torch.zeros_like(out)
         elif dout.stride(-1) != 1:
             dout = dout.contiguous()
-        if grad_lse is not None and not ctx.be.supports_delta:
-            raise RuntimeError(f"backend {ctx.be.name!r} cannot backpropagate through lse; use "
-                               f"backend='ringseq' or 'reference'")
+        if grad_lse is not None:
+            plan.backend.require_lse_grad()
         # Every rank must run the backward loop (the ring needs all of them), even one whose
         # gradients are all zero, so there is no early exit here. A backward called under the
         # caller's autocast must not lower the kernels' float32/float64 accumulation.
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.schedule,
-                                        ctx.comm, ctx.be, ctx.grad_comm_dtype, grad_lse)
-        return dq, dk, dv, None, None, None, None, None, None
+            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, plan, grad_lse)
+        return dq, dk, dv, None
 
 
-def ring_attention(q, k, v, scale: float, causal: bool, layout: Layout, comm: RingComm, be,
-                   grad_comm_dtype: Optional[torch.dtype] = None):
-    """The engine entry: validated inputs in, (out, lse) out. See ringseq.nn for the API."""
-    gdt = grad_comm_dtype if grad_comm_dtype is not None else be.accum_dtype(q.dtype)
-    return RingAttnFunc.apply(q, k, v, float(scale), bool(causal), layout, comm, be, gdt)
-
-
-# -- simulation ---------------------------------------------------------------------------
-
-class _SimComm(RingComm):
-    """A ring of threads in one process: rank r's exchange hands its send buffer to rank r+1.
-
-    Data moves inside ``wait()`` between two barriers, which is a legal schedule of a real
-    exchange (recv is only read, send only rewritten, after wait), so the very same loops run.
-    """
-
-    def __init__(self, world_size: int, rank: int, shared):
-        self.group = None
-        self.world_size, self.rank = world_size, rank
-        self.next_rank, self.prev_rank = (rank + 1) % world_size, (rank - 1) % world_size
-        self.backend = "simulated"
-        self._buffers, self._checked = {}, set()
-        self._shared = shared  # {"barrier": Barrier, "sends": [None] * W}
-
-    def exchange(self, send, recv):
-        if self.world_size == 1:
-            return None
-        self._shared["sends"][self.rank] = send
-        comm = self
-
-        class _P:
-            def wait(self_inner):
-                sh = comm._shared
-                sh["barrier"].wait()
-                recv.copy_(sh["sends"][comm.prev_rank])
-                sh["barrier"].wait()
-        return _P()
-
-
-def _run_simulated(world_size: int, fn):
-    """Runs ``fn(rank, comm)`` on ``world_size`` threads joined in a simulated ring."""
-    shared = {"barrier": threading.Barrier(world_size), "sends": [None] * world_size}
-    results: list = [None] * world_size
-    errors: list = [None] * world_size
-
-    def body(r):
-        try:
-            results[r] = fn(r, _SimComm(world_size, r, shared))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors[r] = exc
-            shared["barrier"].abort()
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for exc in errors:
-        if exc is not None and not isinstance(exc, threading.BrokenBarrierError):
-            raise exc
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
-
-
-@torch.no_grad()
-def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: bool = False,
-                  backend=None, softmax_scale=None, dout=None, grad_comm_dtype=None):
-    """Runs the ring schedule for ``world_size`` simulated ranks in this process (no
-    torch.distributed): the same forward/backward loops, ranks as threads, exchanges as copies.
-
-    Args:
-        q, k, v: FULL sequences, (b, s, h, d) and (b, s, h_kv, d), on any device.
-        layout, world_size, causal, backend, softmax_scale, grad_comm_dtype: as in
-            :func:`ringseq.ring_flash_attn_func`.
-        dout: optional (b, s, h, d) upstream gradient of the full output; when given the
-            backward runs too.
-
-    Returns:
-        ``(out, lse)`` on the full sequence (out in q's dtype, lse (b, h, s) float32, float64 for float64 inputs), plus
-        ``(dq, dk, dv)`` when ``dout`` is given, all unsharded back to global order.
-    """
-    from .layouts import shard_local, unshard_local
-    from .ops import get_backend
-    lay = get_layout(layout)
-    lay.check_seqlen(q.shape[1], world_size)
-    be = get_backend(backend, q.device, q.dtype, q.shape[-1])
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    acc = be.accum_dtype(q.dtype)
-    gdt = resolve_grad_comm_dtype(grad_comm_dtype, q.dtype, acc)
-
-    def rank_fn(r, comm):
-        ql, kl, vl = (shard_local(t, lay, world_size, r) for t in (q, k, v))
-        sched = lay.schedule(r, world_size, ql.shape[1], causal)
-        out_acc, lse = _ring_forward(ql, kl, vl, scale, sched, comm, be)
-        out = out_acc.to(q.dtype)
-        if dout is None:
-            return out, lse
-        dl = shard_local(dout, lay, world_size, r)
-        return (out, lse) + _ring_backward(dl, ql, kl, vl, out, lse, scale, sched, comm, be, gdt)
-
-    per_rank = _run_simulated(world_size, rank_fn)
-    n = len(per_rank[0])
-    dims = [1, 2, 1, 1, 1][:n]
-    return tuple(unshard_local([res[j] for res in per_rank], lay, dim=dims[j]) for j in range(n))
+def ring_attention(q, k, v, plan: RingPlan):
+    """The engine entry: this rank's validated shards and their plan in, (out, lse) out."""
+    return RingAttnFunc.apply(q, k, v, plan)

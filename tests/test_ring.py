@@ -320,7 +320,7 @@ def test_grad_comm_dtype_accuracy_cost():
 
 # ---------------------------------------------------------------- errors and utilities
 def _errors_worker():
-    from ringseq.comm import RingMismatchError
+    from ringseq import RingMismatchError
     rank, w = dist.get_rank(), dist.get_world_size()
     out = {}
 
@@ -489,10 +489,10 @@ def test_simulated_ring_matches_reference():
 
 
 def test_consistency_switch_from_environment(monkeypatch):
-    from ringseq import comm
+    from ringseq import _dist
     for raw, mode in (("0", "off"), ("always", "always"), ("1", "first"), ("off", "off")):
         monkeypatch.setenv("RINGSEQ_CHECK_CONSISTENCY", raw)
-        monkeypatch.setattr(comm, "_CHECK_MODE", None)
-        assert comm.consistency_check_mode() == mode
+        monkeypatch.setattr(_dist, "_CHECK_MODE", None)
+        assert _dist.consistency_check_mode() == mode
     with pytest.raises(ValueError, match="consistency check mode"):
         ringseq.set_consistency_check("sometimes")

@@ -41,7 +41,6 @@ from typing import Any, Optional
 import torch
 
 try:
-    import transformers as _transformers
     from transformers import AttentionInterface
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -54,8 +53,8 @@ try:
 except ImportError:  # pragma: no cover - transformers < 4.53 builds masks inside each model
     AttentionMaskInterface = None
 
-from ..comm import agree_or_raise
-from ..layouts import _group_info, get_layout, positions_local
+from .._dist import agree_or_raise, group_info
+from ..layouts import Layout, get_layout, positions_local
 from ..nn import ring_flash_attn_func
 
 __all__ = ["ATTN_IMPLEMENTATION", "RingSettings", "apply", "ringseq_attention_forward",
@@ -69,7 +68,7 @@ class RingSettings:
     """What :func:`apply` records on a model's attention modules (one object per model)."""
 
     group: Any = None
-    layout: Any = "zigzag"
+    layout: Layout = field(default_factory=lambda: get_layout("zigzag"))
     backend: Optional[str] = None
     # Weak references to the last mask / position-id tensors found valid: every layer of one
     # forward gets the same tensors, so they are checked (and agreed on across ranks) once.
@@ -111,7 +110,7 @@ def _check_inputs_once(settings: RingSettings, attention_mask, position_ids, q_l
             problems.append("an attention_mask with padding (zeros); ring attention cannot skip "
                             "padded tokens: pack sequences without padding and mark positions "
                             "without a target with ignore_index in the labels")
-    world_size, rank = _group_info(settings.group)
+    world_size, rank = group_info(settings.group)
     # Also at world size 1: packed samples with position ids that restart per document would
     # otherwise attend across documents without a word.
     if position_ids is not None:
@@ -123,7 +122,7 @@ def _check_inputs_once(settings: RingSettings, attention_mask, position_ids, q_l
         elif not bool((pos == expected).all()):
             problems.append(
                 "position_ids that are not the global positions of this rank's tokens under "
-                f"layout {get_layout(settings.layout).name!r} (pass the position_ids of "
+                f"layout {settings.layout.name!r} (pass the position_ids of "
                 "ringseq.shard_batch; without them the model numbers every shard from 0; "
                 "packed documents with restarting positions are not supported)")
     agree_or_raise(not problems,
@@ -183,7 +182,7 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         raise ValueError(f"{name}: query has {s_local} local tokens but key has {key.shape[2]}; "
                          f"ringseq attention needs the keys of exactly the current tokens "
                          f"(no KV cache: pass use_cache=False, and no generation)")
-    world_size, _ = _group_info(settings.group)
+    world_size, _ = group_info(settings.group)
     if sliding_window is not None and int(sliding_window) < s_local * world_size:
         raise ValueError(f"{name}: a sliding window of {sliding_window} tokens over a sequence of "
                          f"{s_local * world_size} is not supported by ringseq attention")
@@ -248,16 +247,13 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     without AttentionInterface-style attention modules.
     """
     lay = get_layout(layout)
-    world_size, rank = _group_info(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the process group passed as `group`")
+    group_info(group)  # raises for a group this process is not in
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention modules that dispatch through "
                          f"transformers' AttentionInterface (modules named *Attention* with a "
                          f"`scaling` attribute); ringseq cannot switch it")
-    settings = RingSettings(group=group, layout=lay.name if isinstance(layout, str) else lay,
-                            backend=backend)
+    settings = RingSettings(group=group, layout=lay, backend=backend)
     for m in modules:
         m.ringseq_settings = settings
     if hasattr(model, "set_attn_implementation"):
@@ -265,8 +261,3 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     else:  # pragma: no cover - older transformers
         model.config._attn_implementation = ATTN_IMPLEMENTATION
     return model
-
-
-def transformers_version() -> str:
-    """The installed transformers version (for reports)."""
-    return _transformers.__version__

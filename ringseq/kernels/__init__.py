@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import AttentionBackend, compute_delta
-from .checks import accum_dtype, check_qkv, default_scale
+from .checks import accum_dtype, check_qkv, resolve_scale
 from .extension import ExtensionBackend, extension_available, extension_has_cuda
 from .flash_attn import FlashAttnBackend, flash_attn_module
 from .reference import ReferenceBackend
@@ -22,36 +22,32 @@ BACKEND_NAMES = ("ringseq", "sdpa", "reference", "flash_attn")
 _INSTANCES: dict = {}
 
 
-def _instance(name: str, tile_config: int = 0) -> AttentionBackend:
-    key = (name, tile_config)
-    if key not in _INSTANCES:
-        if name == "ringseq":
-            _INSTANCES[key] = ExtensionBackend(tile_config)
-        elif name == "sdpa":
-            _INSTANCES[key] = SdpaBackend()
-        elif name == "reference":
-            _INSTANCES[key] = ReferenceBackend()
-        else:
-            _INSTANCES[key] = FlashAttnBackend()
-    return _INSTANCES[key]
+def _instance(name: str) -> AttentionBackend:
+    if name == "ringseq":
+        return ExtensionBackend.instance(0)
+    if name not in _INSTANCES:
+        _INSTANCES[name] = {"sdpa": SdpaBackend, "reference": ReferenceBackend,
+                            "flash_attn": FlashAttnBackend}[name]()
+    return _INSTANCES[name]
 
 
 def get_backend(backend=None, device=None, dtype=None, headdim=None) -> AttentionBackend:
     """Resolves a backend name (or an AttentionBackend instance) for inputs on ``device``.
 
     ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim), else
-    "sdpa" on CUDA (float64 there: "reference"), else "reference" (CPU without the extension). Raises ValueError for an unknown
-    name and for a named backend that cannot run such inputs.
+    "sdpa" on CUDA (float64 there: "reference"), else "reference" (CPU without the extension).
+    Raises ValueError for an unknown name and for a named backend that cannot run such inputs.
     """
     if isinstance(backend, AttentionBackend):
         return backend
     device = torch.device("cpu") if device is None else torch.device(device)
     if backend is None:
         ours = _instance("ringseq")
-        if ours.unsupported_reason(device, dtype or torch.float32, headdim or 64) is None:
+        dtype, headdim = dtype or torch.float32, headdim or 64
+        if ours.unsupported_reason(device, dtype, headdim) is None:
             return ours
         sdpa = _instance("sdpa")
-        if device.type == "cuda" and sdpa.unsupported_reason(device, dtype or torch.float32, headdim or 64) is None:
+        if device.type == "cuda" and sdpa.unsupported_reason(device, dtype, headdim) is None:
             return sdpa
         return _instance("reference")
     if backend not in BACKEND_NAMES:
@@ -74,6 +70,6 @@ def available_backends(device="cpu", dtype=torch.float32, headdim=64) -> list[st
 __all__ = [
     "AttentionBackend", "BACKEND_NAMES", "ExtensionBackend", "FlashAttnBackend",
     "ReferenceBackend", "SdpaBackend", "accum_dtype", "compute_delta", "available_backends", "check_qkv",
-    "default_scale", "extension_available", "extension_has_cuda", "flash_attn_module",
+    "resolve_scale", "extension_available", "extension_has_cuda", "flash_attn_module",
     "get_backend",
 ]

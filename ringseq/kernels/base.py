@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import accum_dtype, check_qkv, default_scale, no_key_rows
+from .checks import accum_dtype, check_qkv, no_key_rows
 from .merge import merge_into
 
 
@@ -42,19 +42,26 @@ class AttentionBackend:
         if reason is not None:
             raise ValueError(f"backend {self.name!r} cannot run these inputs: {reason}")
 
-    def fwd(self, q, k, v, softmax_scale=None, causal=False):
-        """Returns ``(out, lse)``; raises ValueError on inputs that do not fit (see checks.py)."""
+    def require_lse_grad(self) -> None:
+        """Raises RuntimeError when this backend cannot take a caller's ``delta``, i.e.
+        cannot backpropagate a gradient that flows into ``lse``."""
+        if not self.supports_delta:
+            raise RuntimeError(f"backend {self.name!r} cannot backpropagate through lse (it "
+                               f"computes delta from dout and out itself); use "
+                               f"backend='ringseq' or 'reference'")
+
+    def fwd(self, q, k, v, softmax_scale: float, causal: bool):
+        """Returns ``(out, lse)``; raises ValueError on inputs that do not fit (see checks.py).
+        ``softmax_scale`` is a resolved float (the callers apply the default)."""
         self._check(q, k, v)
-        scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         b, s_q, h, _ = q.shape
-        s_k = k.shape[1]
-        if q.numel() == 0 or s_k == 0:
+        if q.numel() == 0 or k.shape[1] == 0:
             out = torch.zeros_like(q, memory_format=torch.contiguous_format)
             lse = torch.full((b, h, s_q), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
             return out, lse
-        return self._fwd(q, k, v, scale, bool(causal))
+        return self._fwd(q, k, v, float(softmax_scale), bool(causal))
 
-    def fwd_accum(self, q, k, v, softmax_scale, causal, out_acc, lse_acc) -> None:
+    def fwd_accum(self, q, k, v, softmax_scale: float, causal: bool, out_acc, lse_acc) -> None:
         """Merges this block's attention into a running (out_acc, lse_acc) in place.
 
         out_acc (b, s_q, h, d) and lse_acc (b, h, s_q) in the accumulation dtype (views
@@ -63,19 +70,17 @@ class AttentionBackend:
         o_b, l_b = self.fwd(q, k, v, softmax_scale, causal)
         merge_into(out_acc, lse_acc, o_b, l_b)
 
-    def bwd(self, dout, q, k, v, out, lse, softmax_scale=None, causal=False, delta=None):
+    def bwd(self, dout, q, k, v, out, lse, softmax_scale: float, causal: bool, delta=None):
         """Returns ``(dq, dk, dv)`` in the input dtype."""
         self._check(q, k, v)
-        if delta is not None and not self.supports_delta:
-            raise ValueError(f"backend {self.name!r} computes delta from dout and out itself and "
-                             f"cannot take a precomputed one; use backend='ringseq' or 'reference'")
-        scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        if delta is not None:
+            self.require_lse_grad()
         if q.numel() == 0 or k.shape[1] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return self._bwd(dout, q, k, v, out, lse, scale, bool(causal), delta)
+        return self._bwd(dout, q, k, v, out, lse, float(softmax_scale), bool(causal), delta)
 
-    def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum, dk_accum,
-                  dv_accum) -> None:
+    def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale: float, causal: bool, delta,
+                  dq_accum, dk_accum, dv_accum) -> None:
         """Adds this block's gradients into accumulation-dtype buffers (views allowed)."""
         dq, dk, dv = self.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
                               delta if self.supports_delta else None)

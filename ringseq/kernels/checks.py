@@ -15,8 +15,10 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def default_scale(headdim: int) -> float:
-    return headdim ** -0.5
+def resolve_scale(softmax_scale, headdim: int) -> float:
+    """The softmax scale of a call: ``headdim ** -0.5`` when None, else ``softmax_scale`` as a
+    float. The one place the default is applied (public entry points call it once)."""
+    return headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

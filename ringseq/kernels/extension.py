@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionBackend, compute_delta
-from .checks import accum_dtype, default_scale
+from .autograd import _fake_checks, attention_backward, fake_attention_outputs
+from .base import AttentionBackend
 
 _IMPORT_ERROR: Exception | None = None
 try:
@@ -34,41 +34,52 @@ if _C is not None:
 
     @torch.library.register_fake("ringseq::fwd")
     def _fwd_fake(q, k, v, softmax_scale, causal, tile_config=0):
-        b, s_q, h, _ = q.shape
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
-        return out, lse
+        _fake_checks(q, k, v)
+        return fake_attention_outputs(q)
 
     @torch.library.register_fake("ringseq::fwd_accum")
     def _fwd_accum_fake(q, k, v, softmax_scale, causal, out_acc, lse_acc, tile_config=0):
+        _fake_checks(q, k, v)
+        b, s_q, h, _ = q.shape
+        torch._check(out_acc.shape == q.shape, lambda: "out_acc must have the shape of q")
+        torch._check(lse_acc.shape == (b, h, s_q), lambda: "lse_acc must be (b, h, s_q)")
         return None
+
+    def _check_grad_inputs(dout, q, k, v, out, lse):
+        _fake_checks(q, k, v)
+        b, s_q, h, _ = q.shape
+        torch._check(dout.shape == q.shape and out.shape == q.shape,
+                     lambda: "dout and out must have the shape of q")
+        torch._check(lse.shape == (b, h, s_q), lambda: "lse must be (b, h, s_q)")
 
     @torch.library.register_fake("ringseq::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0):
-        return (torch.empty_like(q, memory_format=torch.contiguous_format),
-                torch.empty_like(k, memory_format=torch.contiguous_format),
-                torch.empty_like(v, memory_format=torch.contiguous_format))
+        _check_grad_inputs(dout, q, k, v, out, lse)
+        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
     @torch.library.register_fake("ringseq::bwd_accum")
     def _bwd_accum_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum,
                         dk_accum, dv_accum, tile_config=0):
+        _check_grad_inputs(dout, q, k, v, out, lse)
+        torch._check(dq_accum.shape == q.shape and dk_accum.shape == k.shape
+                     and dv_accum.shape == v.shape,
+                     lambda: "dq/dk/dv accumulators must have the shapes of q/k/v")
         return None
 
     def _fwd_setup_context(ctx, inputs, output):
         q, k, v, softmax_scale, causal, *rest = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale = softmax_scale
-        ctx.causal = causal
-        ctx.tile_config = rest[0] if rest else 0
+        ctx.args = (softmax_scale, causal, ExtensionBackend.instance(rest[0] if rest else 0))
+        ctx.set_materialize_grads(False)
 
     def _fwd_backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()  # autograd may hand in expanded (stride-0) gradients
-        delta = compute_delta(grad_out, out, grad_lse)
-        dq, dk, dv = torch.ops.ringseq.bwd(grad_out, q, k, v, out, lse, ctx.softmax_scale,
-                                           ctx.causal, delta, ctx.tile_config)
-        return dq, dk, dv, None, None, None
+        # The raw operator's gradient (for callers of torch.ops.ringseq.fwd): the same rule
+        # as flash_attn_func's, in one place.
+        softmax_scale, causal, be = ctx.args
+        grads = attention_backward(be, *ctx.saved_tensors, softmax_scale, causal, grad_out,
+                                   grad_lse, ctx.needs_input_grad[:3])
+        return (*grads, None, None, None)
 
     torch.library.register_autograd("ringseq::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
@@ -77,9 +88,17 @@ class ExtensionBackend(AttentionBackend):
     """The C++/CUDA kernels of this package (CPU: every float dtype; CUDA: see README)."""
 
     name = "ringseq"
+    _INSTANCES: dict = {}
 
     def __init__(self, tile_config: int = 0):
         self.tile_config = int(tile_config)
+
+    @classmethod
+    def instance(cls, tile_config: int = 0) -> "ExtensionBackend":
+        """The shared instance for ``tile_config`` (backends hold no per-call state)."""
+        if tile_config not in cls._INSTANCES:
+            cls._INSTANCES[tile_config] = cls(tile_config)
+        return cls._INSTANCES[tile_config]
 
     def unsupported_reason(self, device, dtype, headdim):
         if _C is None:
@@ -102,8 +121,8 @@ class ExtensionBackend(AttentionBackend):
         if q.device.type != "cpu":  # the CUDA kernel has no merge mode yet
             return super().fwd_accum(q, k, v, softmax_scale, causal, out_acc, lse_acc)
         self._check(q, k, v)
-        scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        torch.ops.ringseq.fwd_accum(q, k, v, scale, bool(causal), out_acc, lse_acc, self.tile_config)
+        torch.ops.ringseq.fwd_accum(q, k, v, float(softmax_scale), bool(causal), out_acc, lse_acc,
+                                    self.tile_config)
 
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
         return torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, delta, self.tile_config)
@@ -111,6 +130,5 @@ class ExtensionBackend(AttentionBackend):
     def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum, dk_accum,
                   dv_accum) -> None:
         self._check(q, k, v)
-        scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, bool(causal), delta, dq_accum,
-                                    dk_accum, dv_accum, self.tile_config)
+        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, float(softmax_scale), bool(causal),
+                                    delta, dq_accum, dk_accum, dv_accum, self.tile_config)

@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..comm import agree_or_raise
+from .._dist import agree_or_raise
 
 __all__ = ["ReplicatedCheckpointIO"]
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ..comm import agree_or_raise
+from .._dist import agree_or_raise
 from ..data import shard_batch
 
 __all__ = ["ShardedDataLoader"]

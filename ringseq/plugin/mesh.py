@@ -20,9 +20,9 @@ class MeshGroups:
     """Process groups of a (dp, sp) mesh as seen from this rank.
 
     ``sp_group``: the ring (ranks that hold one sample's sequence shards);
-    ``dp_group``: ranks with the same sequence shard of different samples;
-    ``world_group``: None, i.e. the default group, which the mesh covers exactly (gradients
-    and the loss are reduced over it, see :class:`RingSequenceParallelPlugin`).
+    ``dp_group``: ranks with the same sequence shard of different samples. The mesh covers
+    the default group exactly; gradients and the loss are reduced over it (see
+    :class:`RingSequenceParallelPlugin`).
     """
 
     mesh: Any
@@ -32,7 +32,6 @@ class MeshGroups:
     sp_rank: int
     dp_group: Any
     sp_group: Any
-    world_group: Any = None
 
 
 def _default_device_type() -> str:

@@ -64,7 +64,7 @@ def switch_attention(model: torch.nn.Module, group, layout, backend: Optional[st
     modules (> 0). Raises ValueError when nothing can be switched (see the module doc)."""
     lay = get_layout(layout)
     if policy is not None:
-        n = policy(model, group, lay.name, backend)
+        n = policy(model, group, lay, backend)
         if not n:
             raise ValueError(f"the policy {getattr(policy, '__name__', policy)!r} switched no "
                              f"attention module of {type(model).__name__} (it returned {n!r}); "
@@ -72,17 +72,17 @@ def switch_attention(model: torch.nn.Module, group, layout, backend: Optional[st
         return int(n)
     if is_transformers_model(model):
         from ..integrations.transformers import _attention_modules, apply
-        apply(model, group=group, layout=lay.name, backend=backend)
+        apply(model, group=group, layout=lay, backend=backend)
         return len(_attention_modules(model))
     n = 0
     for m in model.modules():
         if isinstance(m, RingAttention):
-            m.group, m.layout = group, lay.name
+            m.group, m.layout = group, lay
             if backend is not None:
                 m.backend = backend
             n += 1
         elif callable(getattr(m, "ringseq_switch", None)):
-            m.ringseq_switch(group, lay.name, backend)
+            m.ringseq_switch(group, lay, backend)
             n += 1
     if n == 0:
         raise ValueError(

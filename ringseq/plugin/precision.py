@@ -10,9 +10,16 @@ import contextlib
 
 import torch
 
-__all__ = ["PRECISIONS", "Precision"]
+__all__ = ["PRECISIONS", "Precision", "check_precision_name"]
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_precision_name(name) -> None:
+    """Raises ValueError for a name that is not one of :data:`PRECISIONS`."""
+    if name not in PRECISIONS:
+        raise ValueError(f"precision={name!r} is not supported; expected one of "
+                         f"{sorted(PRECISIONS)}")
 
 
 class Precision:
@@ -27,9 +34,7 @@ class Precision:
     """
 
     def __init__(self, name: str, device_type: str):
-        if name not in PRECISIONS:
-            raise ValueError(f"precision={name!r} is not supported; expected one of "
-                             f"{sorted(PRECISIONS)}")
+        check_precision_name(name)
         self.name, self.device_type, self.dtype = name, device_type, PRECISIONS[name]
         self.scaler = None
         if name == "fp32":

@@ -16,7 +16,7 @@ from .checkpoint import ReplicatedCheckpointIO
 from .dataloader import ShardedDataLoader
 from .mesh import build_mesh
 from .policy import is_transformers_model, switch_attention
-from .precision import PRECISIONS, Precision
+from .precision import PRECISIONS, Precision, check_precision_name
 from .wrappers import ModelWrapper, OptimizerWrapper, SequenceParallelLoss
 
 __all__ = ["RingSequenceParallelPlugin"]
@@ -86,9 +86,7 @@ class RingSequenceParallelPlugin(Plugin):
                  policy: Optional[Callable] = None, backend: Optional[str] = None,
                  ignore_index: int = -100, device=None, ddp_kwargs: Optional[dict] = None):
         self.layout = get_layout(layout)
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r} is not supported; expected one of "
-                             f"{sorted(PRECISIONS)}")
+        check_precision_name(precision)  # before the mesh: a typo raises without communicating
         self.groups = build_mesh(sp_size, mesh)
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device())
@@ -174,7 +172,7 @@ class RingSequenceParallelPlugin(Plugin):
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                             drop_last=drop_last, pin_memory=pin_memory,
                             num_workers=num_workers, **kwargs)
-        return ShardedDataLoader(loader, self.sp_group, self.layout.name, self.dp_rank,
+        return ShardedDataLoader(loader, self.sp_group, self.layout, self.dp_rank,
                                  ignore_index=self.ignore_index, check_group=None,
                                  device=self.device)
 
@@ -234,7 +232,7 @@ class RingSequenceParallelPlugin(Plugin):
         # everything that can refuse comes before the model is modified
         criterion = self._criterion(criterion)
         dataloader = self._dataloader(dataloader)
-        switch_attention(model, self.sp_group, self.layout.name, self.backend, self.policy)
+        switch_attention(model, self.sp_group, self.layout, self.backend, self.policy)
         if is_transformers_model(model) and getattr(model.config, "use_cache", False):
             # A KV cache of a sharded sequence is meaningless and ring attention refuses one.
             model.config.use_cache = False

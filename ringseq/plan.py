@@ -1,0 +1,110 @@
+"""The plan of one ring-attention call: every default and check, resolved once.
+
+A public entry point (``ringseq.ring_flash_attn_func`` and friends, the simulator) builds a
+:class:`RingPlan` with :func:`make_plan` and hands it, with the tensors, to the engine
+(:mod:`ringseq.ring`). Nothing below the plan re-applies a default or re-checks an argument.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+from ._dist import dtype_code
+from .comm import Transport
+from .kernels import AttentionBackend, check_qkv, get_backend, resolve_scale
+from .layouts import BlockTask, Layout, get_layout
+
+__all__ = ["RingPlan", "make_plan", "resolve_grad_comm_dtype"]
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """What a ring call runs, besides its tensors.
+
+    Attributes:
+        layout: how the global sequence is split (a :class:`ringseq.layouts.Layout`).
+        transport: the ring (:class:`ringseq.comm.Transport`: ``RingComm`` or the simulator).
+        softmax_scale: resolved float.
+        causal: causal mask over the layout's global positions.
+        backend: the block kernel.
+        accum_dtype: dtype of out/lse/dq/dk/dv accumulation (float32; float64 for float64).
+        grad_comm_dtype: dtype in which the travelling dK/dV accumulators move.
+        schedule: this rank's block tasks per ring step (``layout.schedule``).
+    """
+
+    layout: Layout
+    transport: Transport
+    softmax_scale: float
+    causal: bool
+    backend: AttentionBackend
+    accum_dtype: torch.dtype
+    grad_comm_dtype: torch.dtype
+    schedule: Tuple[Tuple[BlockTask, ...], ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+
+def resolve_grad_comm_dtype(grad_comm_dtype, dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
+    """None -> the accumulation dtype; "input" -> ``dtype``; a floating torch.dtype as is."""
+    if grad_comm_dtype is None:
+        return acc
+    if grad_comm_dtype == "input":
+        return dtype
+    if isinstance(grad_comm_dtype, torch.dtype) and grad_comm_dtype.is_floating_point:
+        return grad_comm_dtype
+    raise ValueError(f"grad_comm_dtype must be None, 'input' or a floating torch.dtype, got "
+                     f"{grad_comm_dtype!r}")
+
+
+def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transport: Transport,
+              softmax_scale=None, causal: bool = False, layout="contiguous", backend=None,
+              grad_comm_dtype=None) -> RingPlan:
+    """Validates a ring call on this rank's shards and resolves its defaults.
+
+    Args:
+        q: (b, s_local, h, d); k, v: (b, s_local, h_kv, d) -- this rank's shards.
+        transport: the ring.
+        softmax_scale, causal, layout, backend, grad_comm_dtype: as in
+            :func:`ringseq.ring_flash_attn_func`.
+
+    Raises ValueError for what this rank can see alone (shapes, dtypes, a local length the
+    layout cannot use, an unknown layout or backend, a backend that cannot take a ring's
+    merged out/lse) before any communication, then lets the transport make ranks that
+    disagree on the call raise together (``RingMismatchError``).
+    """
+    check_qkv(q, k, v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"ring attention needs q and k/v shards of the same local length "
+                         f"(self-attention over one sharded sequence), got q {tuple(q.shape)} "
+                         f"and k {tuple(k.shape)}")
+    lay = get_layout(layout)
+    W = transport.world_size
+    lay.check_local_seqlen(q.shape[1], W)
+    be = get_backend(backend, q.device, q.dtype, q.shape[-1])
+    if W > 1 and not be.supports_global_backward:
+        raise ValueError(f"backend {be.name!r} cannot compute a block's gradients from the "
+                         f"merged output of a ring; use backend='ringseq' or 'reference'")
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    acc = be.accum_dtype(q.dtype)
+    gdt = resolve_grad_comm_dtype(grad_comm_dtype, q.dtype, acc)
+    b, s, h, d = q.shape
+    transport.check_consistent([
+        ("batch", b), ("local seqlen", s), ("nheads", h), ("nheads_kv", k.shape[2]),
+        ("headdim", d), ("dtype", dtype_code(q.dtype), "dtype"),
+        ("layout", lay.code, "layout"), ("world size", W), ("causal", bool(causal), "bool"),
+        ("requires_grad", torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+         "bool"),
+        ("grad_comm_dtype", dtype_code(gdt), "dtype"),
+        ("softmax_scale (x1e6)", round(scale * 1e6)),
+    ], device=q.device)
+    return RingPlan(layout=lay, transport=transport, softmax_scale=scale, causal=bool(causal),
+                    backend=be, accum_dtype=acc, grad_comm_dtype=gdt,
+                    schedule=lay.schedule(transport.rank, W, s, bool(causal)))

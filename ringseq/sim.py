@@ -1,0 +1,124 @@
+"""A ring of threads in one process: the engine's loops without torch.distributed.
+
+:class:`SimTransport` implements :class:`ringseq.comm.Transport` for ``W`` threads: rank r's
+exchange hands its send buffer to rank r+1. :func:`simulate_ring` runs the very same plan and
+loops as ``ring_flash_attn_func`` on full-sequence tensors, for tests and for checking a new
+layout before any process group exists.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .comm import Transport
+from .layouts import get_layout, shard_local, unshard_local
+from .plan import make_plan
+from .ring import _ring_backward, _ring_forward
+
+__all__ = ["SimTransport", "run_simulated", "simulate_ring"]
+
+
+class _Shared:
+    """What the threads of one simulated ring share."""
+
+    def __init__(self, world_size: int):
+        self.barrier = threading.Barrier(world_size)
+        self.sends = [None] * world_size
+
+
+class _PendingCopy:
+    """Data moves inside ``wait()`` between two barriers: a legal schedule of a real exchange
+    (recv is only read, and send only rewritten, after wait)."""
+
+    __slots__ = ("shared", "recv", "prev")
+
+    def __init__(self, shared: _Shared, recv: torch.Tensor, prev: int):
+        self.shared, self.recv, self.prev = shared, recv, prev
+
+    def wait(self) -> None:
+        self.shared.barrier.wait()
+        self.recv.copy_(self.shared.sends[self.prev])
+        self.shared.barrier.wait()
+
+
+class SimTransport(Transport):
+    """Rank ``rank`` of a simulated ring of ``world_size`` threads (see module doc)."""
+
+    def __init__(self, world_size: int, rank: int, shared: _Shared):
+        super().__init__()
+        self.world_size, self.rank = world_size, rank
+        self._shared = shared
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor):
+        if self.world_size == 1:
+            return None
+        self._shared.sends[self.rank] = send
+        return _PendingCopy(self._shared, recv, (self.rank - 1) % self.world_size)
+
+
+def run_simulated(world_size: int, fn):
+    """Runs ``fn(rank, transport)`` on ``world_size`` threads joined in a simulated ring and
+    returns their results in rank order; the first real error of any rank is re-raised."""
+    shared = _Shared(world_size)
+    results: list = [None] * world_size
+    errors: list = [None] * world_size
+
+    def body(r):
+        try:
+            results[r] = fn(r, SimTransport(world_size, r, shared))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors[r] = exc
+            shared.barrier.abort()  # peers waiting for this rank fail instead of hanging
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+    for exc in real or [e for e in errors if e is not None]:
+        raise exc
+    return results
+
+
+@torch.no_grad()
+def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: bool = False,
+                  backend=None, softmax_scale=None, dout=None, grad_comm_dtype=None):
+    """Runs the ring schedule for ``world_size`` simulated ranks in this process (no
+    torch.distributed): the same plan and forward/backward loops, ranks as threads,
+    exchanges as copies.
+
+    Args:
+        q, k, v: FULL sequences, (b, s, h, d) and (b, s, h_kv, d), on any device.
+        layout, world_size, causal, backend, softmax_scale, grad_comm_dtype: as in
+            :func:`ringseq.ring_flash_attn_func`.
+        dout: optional (b, s, h, d) upstream gradient of the full output; when given the
+            backward runs too.
+
+    Returns:
+        ``(out, lse)`` on the full sequence (out in q's dtype, lse (b, h, s) float32, float64
+        for float64 inputs), plus ``(dq, dk, dv)`` when ``dout`` is given, all unsharded back
+        to global order.
+
+    Raises ValueError for a length the layout cannot split (and whatever make_plan raises).
+    """
+    lay = get_layout(layout)
+    lay.check_seqlen(q.shape[1], world_size)
+
+    def rank_fn(r, transport):
+        ql, kl, vl = (shard_local(t, lay, world_size, r) for t in (q, k, v))
+        plan = make_plan(ql, kl, vl, transport=transport, softmax_scale=softmax_scale,
+                         causal=causal, layout=lay, backend=backend,
+                         grad_comm_dtype=grad_comm_dtype)
+        out_acc, lse = _ring_forward(ql, kl, vl, plan)
+        out = out_acc.to(q.dtype)
+        if dout is None:
+            return out, lse
+        dl = shard_local(dout, lay, world_size, r)
+        return (out, lse) + _ring_backward(dl, ql, kl, vl, out, lse, plan)
+
+    per_rank = run_simulated(world_size, rank_fn)
+    seq_dims = (1, 2, 1, 1, 1)  # out, lse, dq, dk, dv
+    return tuple(unshard_local([res[j] for res in per_rank], lay, dim=seq_dims[j])
+                 for j in range(len(per_rank[0])))

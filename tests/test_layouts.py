@@ -153,22 +153,9 @@ def test_causal_work_balance(w):
 def test_custom_layout_is_data():
     """A new layout is a Layout subclass (here: contiguous in reverse rank order), no new loop."""
 
-    class Reversed(Layout):
-        name = "reversed_test"
+    from custom_layout import ReversedContiguous
 
-        def _positions(self, seqlen, world_size, rank):
-            n = seqlen // world_size
-            rr = world_size - 1 - rank
-            return torch.arange(rr * n, (rr + 1) * n)
-
-        def _tasks(self, rank, src, world_size, s_local):
-            if src == rank:
-                return [BlockTask(slice(0, s_local), slice(0, s_local), True)]
-            if src > rank:  # higher rank = earlier chunk
-                return [BlockTask(slice(0, s_local), slice(0, s_local), False)]
-            return []
-
-    lay = Reversed()
+    lay = ReversedContiguous()
     for w in (2, 3):
         count = _coverage(lay, w, 6 * w, True)
         assert torch.equal(count, torch.tril(torch.ones(6 * w, 6 * w, dtype=torch.int64)))

@@ -100,9 +100,9 @@ def _capture(fn):
     return "no error"
 
 
-def _train(sp, state_dict, ckpt_dir=None):
+def _train(sp, state_dict, ckpt_dir=None, layout="zigzag", steps=STEPS):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
-    plugin = RingSequenceParallelPlugin(sp_size=sp, layout="zigzag")
+    plugin = RingSequenceParallelPlugin(sp_size=sp, layout=layout)
     booster = Booster(plugin=plugin)
     model = _model(state_dict)
     loader = plugin.prepare_dataloader(_dataset(), batch_size=GLOBAL_BATCH // plugin.dp_size)
@@ -118,6 +118,8 @@ def _train(sp, state_dict, ckpt_dir=None):
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
+        if len(losses) == steps:
+            break
     out = {"losses": losses, "local_lens": sorted(local_lens), "dp": plugin.dp_size,
            "grads": grads,
            "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()},
@@ -232,7 +234,10 @@ def _error_cases(state_dict, ckpt_dir):
 
 def _worker(state_dict, ckpt_dir, sdpa_ids, sdpa_labels):
     import torch.distributed as dist
+    from custom_layout import ReversedContiguous
     res = {"dp2sp2": _train(2, state_dict, ckpt_dir), "dp1sp4": _train(4, state_dict),
+           # a user's own Layout subclass, passed as an object through the plugin and apply()
+           "custom_layout": _train(2, state_dict, layout=ReversedContiguous(), steps=1),
            "sdpa": _sdpa_case(sdpa_ids, sdpa_labels), "no_sync": _no_sync_case(state_dict),
            "bf16": _precision_case("bf16", state_dict),
            "fp16": _precision_case("fp16", state_dict),
@@ -336,6 +341,23 @@ def test_training_parity(run, case):
           f"max |weight - single-process fp32| = {worst_w:.3e}, "
           f"max |first grad - single-process fp32| = {worst_g:.3e}; weights vs float64: "
           f"ring {ring64:.3e}, plain fp32 {plain64:.3e}")
+
+
+def test_custom_layout_through_the_plugin(run):
+    """A Layout subclass the plugin has never heard of: the loader shards with it, apply()
+    puts it on every attention module, and the first step equals single-process training."""
+    ref, plain = run["ref"], run["plain"]
+    for r, res in enumerate(run["ranks"]):
+        got = res["custom_layout"]
+        assert got["impl"] == "ringseq" and got["local_lens"] == [SEQLEN // 2]
+        loss = torch.tensor(got["losses"][:1], dtype=torch.float32)
+        assert_close_per_design(loss, ref["losses"][:1], plain["losses"][:1],
+                                f"rank {r} custom layout loss", 2.0,
+                                scaled_floor(torch.float32, ref["losses"][:1]))
+        for name, g in got["grads"].items():
+            assert_close_per_design(g, ref["grads"][name], plain["grads"][name],
+                                    f"rank {r} custom layout grad {name}", 3.0,
+                                    scaled_floor(torch.float32, ref["grads"][name]))
 
 
 def test_checkpoint_loads_into_plain_model_and_back(run):

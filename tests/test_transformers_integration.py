@@ -198,9 +198,12 @@ def _loss_only_cases():
 
 
 def _worker_w2(sds):
+    from custom_layout import ReversedContiguous
     res = {
         "llama-zigzag": _ring_run("llama", sds["llama"], "zigzag", None, 11),
         "llama-contiguous": _ring_run("llama", sds["llama"], "contiguous", None, 11),
+        # a user's own Layout subclass through apply() and shard_batch
+        "llama-custom": _ring_run("llama", sds["llama"], ReversedContiguous(), None, 11),
         "qwen2-zigzag": _ring_run("qwen2", sds["qwen2"], "zigzag", None, 12),
     }
     res["errors"] = _error_cases(sds["llama"])
@@ -276,7 +279,8 @@ def _check_against_reference(result, refs, what):
                                 scaled_floor(torch.float32, ref["grads"][name]))
 
 
-@pytest.mark.parametrize("case", ["llama-zigzag", "llama-contiguous", "qwen2-zigzag"])
+@pytest.mark.parametrize("case", ["llama-zigzag", "llama-contiguous", "llama-custom",
+                                  "qwen2-zigzag"])
 def test_w2_matches_single_process(w2, references, case):
     arch = case.split("-")[0]
     for rank, res in enumerate(w2):

@@ -1,6 +1,7 @@
 """The contract every attention backend implements, and the edge cases they share."""
 from __future__ import annotations
 
+import einops
 import torch
 
 from .checks import accum_dtype, check_qkv, no_key_rows
@@ -119,18 +120,17 @@ def finite_lse(lse: torch.Tensor) -> torch.Tensor:
 
 def expand_kv(t: torch.Tensor, nheads: int) -> torch.Tensor:
     """(b, s, h_kv, d) -> (b, s, h, d) with query head i reading kv head i // (h / h_kv)."""
-    b, s, h_kv, d = t.shape
+    h_kv = t.shape[2]
     if h_kv == nheads:
         return t
-    return t[:, :, :, None, :].expand(b, s, h_kv, nheads // h_kv, d).reshape(b, s, nheads, d)
+    return einops.repeat(t, "b s hk d -> b s (hk g) d", g=nheads // h_kv)
 
 
 def reduce_kv(t: torch.Tensor, nheads_kv: int) -> torch.Tensor:
     """Inverse of expand_kv for gradients: sums the query heads that share a kv head."""
-    b, s, h, d = t.shape
-    if h == nheads_kv:
+    if t.shape[2] == nheads_kv:
         return t
-    return t.view(b, s, nheads_kv, h // nheads_kv, d).sum(3)
+    return einops.reduce(t, "b s (hk g) d -> b s hk d", "sum", hk=nheads_kv)
 
 
 __all__ = ["AttentionBackend", "compute_delta", "finite_lse", "expand_kv", "reduce_kv", "no_key_rows"]

@@ -1,6 +1,7 @@
 """Plain attention math, the slow and obviously correct backend (float32, float64 for float64)."""
 from __future__ import annotations
 
+import einops
 import torch
 
 from .base import AttentionBackend, compute_delta, finite_lse
@@ -9,8 +10,7 @@ from .checks import accum_dtype, causal_mask
 
 def _grouped(q, nheads_kv):
     """(b, s, h, d) -> (b, s, h_kv, g, d): query heads grouped by the kv head they read."""
-    b, s, h, d = q.shape
-    return q.reshape(b, s, nheads_kv, h // nheads_kv, d)
+    return einops.rearrange(q, "b s (hk g) d -> b s hk g d", hk=nheads_kv)
 
 
 def _scores(q, k, scale, causal):

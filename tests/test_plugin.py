@@ -6,7 +6,7 @@ as dp=2 x sp=2 and as dp=1 x sp=4, a checkpoint round trip, a plain nn.Module on
 ``ringseq_switch`` convention, bf16/fp16 smoke steps, and the errors. The parent trains the same
 model on the whole global batch in one process, in float64 (reference) and float32 (plain).
 
-Tolerance (DESIGN.md): |ring - float64| <= 2x (losses) / 3x (weights: they integrate gradients)
+Tolerance (docs/design.md): |ring - float64| <= 2x (losses) / 3x (weights: they integrate gradients)
 the error of plain single-process float32 training against the float64 reference, plus a floor
 of 1e-6 + 4 float32 ulps at the tensor's magnitude (``utils.scaled_floor``). Each global batch
 has a different number of ignored targets per sample, so the dp groups hold different token

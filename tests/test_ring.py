@@ -5,7 +5,7 @@ x dtype x head dim x world size (every pair of values appears in some case), plu
 the long lengths (3816 contiguous, 3824 zigzag/stripe, W=4) and a W=8 smoke case. All cases
 of one world size run inside ONE spawn (a rank loops over them); the float64 references are
 computed here in the parent, then compared rank by rank against the reference sharded the same
-way, with DESIGN.md's rule: error <= 2x (3x for gradients) the error of plain same-dtype
+way, with the rule of docs/design.md: error <= 2x (3x for gradients) the error of plain same-dtype
 attention against the same reference, plus a small floor.
 """
 from __future__ import annotations
@@ -294,7 +294,7 @@ def test_grad_comm_dtype_accuracy_cost():
     """Sending the dK/dV accumulators in bf16 rounds each of the W hops once. Stated bound:
     error(bf16 in transit) <= error(float32 in transit) + W * 2**-8 * max|reference| per
     tensor (one bf16 rounding, relative 2**-8 at most, of a partial sum no larger than the
-    total per hop) -- and it stays within DESIGN.md's 3x-of-plain-bf16 rule here."""
+    total per hop) -- and it stays within docs/design.md's 3x-of-plain-bf16 rule here."""
     case = GRAD_COMM_CASE
     cases, results = _results_for(case["w"])
     idx = [c["id"] for c in cases].index(case["id"])

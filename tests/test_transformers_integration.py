@@ -8,7 +8,7 @@ ring attention with ``ringseq.integrations.transformers.apply``, shard the batch
 ``ringseq.shard_batch``, take ``ringseq.sharded_cross_entropy`` and back-propagate, sum the
 parameter gradients over their group, and unshard the logits.
 
-Tolerance (DESIGN.md): |ring - float64| <= 2x (loss, logits) / 3x (gradients) the error of
+Tolerance (docs/design.md): |ring - float64| <= 2x (loss, logits) / 3x (gradients) the error of
 the plain float32 single-process model against the same float64 reference, plus a floor of
 1e-6 + 4 float32 ulps at the tensor's magnitude (``utils.scaled_floor``): a sum over tokens
 and ranks in another order is a few ulps off even where plain float32 is exact by luck.

@@ -1,4 +1,4 @@
-"""Shared test helpers: float64 reference attention and DESIGN.md's tolerance rule."""
+"""Shared test helpers: float64 reference attention and the tolerance rule of docs/design.md."""
 from __future__ import annotations
 
 import torch
@@ -53,7 +53,7 @@ def max_err(a, b):
 
 
 def assert_close_per_design(actual, reference64, plain, name="tensor", factor=2.0, floor=1e-5):
-    """DESIGN.md's tolerance: err(actual) <= factor * err(plain) + floor, both against the
+    """docs/design.md's tolerance: err(actual) <= factor * err(plain) + floor, both against the
     float64 reference (factor 2 for outputs, 3 for gradients). NaN anywhere fails."""
     assert not torch.isnan(actual).any(), f"{name}: NaN in the tested result"
     assert actual.shape == reference64.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(reference64.shape)}"

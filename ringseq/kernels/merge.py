@@ -1,4 +1,4 @@
-"""Exact merge of two partial attention results over disjoint key sets (DESIGN.md ring math)."""
+"""Exact merge of two partial attention results over disjoint key sets (docs/design.md, "Ring math")."""
 from __future__ import annotations
 
 import torch

@@ -4,8 +4,10 @@
   error for a process outside it and world size 1 without an initialized process group;
 * :func:`agree_or_raise`: a collective verdict, so that a rank failing alone raises on every
   rank instead of leaving the others waiting in their next collective;
-* :func:`check_consistent` and its mode (:func:`set_consistency_check`): ranks that call the
-  ring with different arguments all raise :class:`RingMismatchError` instead of hanging.
+* the errors of a ring (:class:`RingMismatchError`, :class:`RingDesyncError`,
+  :class:`RingBrokenError`, :class:`RingTimeoutError`) and the switches of its checks
+  (:func:`set_consistency_check`, :func:`set_ring_timeout`); the checks themselves run in
+  :mod:`ringseq.comm` and :mod:`ringseq.integrity`.
 
 Private: the public names are re-exported by :mod:`ringseq`.
 """
@@ -17,8 +19,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingMismatchError", "agree_or_raise", "check_consistent", "consistency_check_mode",
-           "dtype_code", "global_rank", "group_info", "is_initialized", "set_consistency_check"]
+__all__ = ["RingBrokenError", "RingDesyncError", "RingError", "RingMismatchError",
+           "RingTimeoutError", "agree_or_raise", "consistency_check_mode", "describe_field",
+           "dtype_code", "global_rank", "group_info", "is_initialized", "ring_timeout",
+           "set_consistency_check", "set_ring_timeout"]
 
 
 def is_initialized() -> bool:
@@ -60,7 +64,7 @@ def _collective_device(group, device=None) -> torch.device:
 
 # ---------------------------------------------------------------------------- agreement
 def agree_or_raise(ok: bool, message: str, group=None, device=None, *,
-                   peer_message: Optional[str] = None,
+                   peer_message=None,
                    error: Optional[BaseException] = None) -> None:
     """Collective: returns on every rank of ``group`` when every rank is ``ok``, else raises on
     every rank, so that a rank failing alone cannot leave the others waiting in their next
@@ -74,7 +78,8 @@ def agree_or_raise(ok: bool, message: str, group=None, device=None, *,
         device: where the flag lives under NCCL (default: the current CUDA device); gloo and
             other backends use the CPU.
         peer_message: what ranks that were ``ok`` raise when another rank was not (default: a
-            generic sentence); the failing ranks' global ranks are appended.
+            generic sentence), or a callable taking the failed global ranks and returning it;
+            the failing ranks' global ranks are appended.
         error: this rank's original exception: re-raised unchanged on this rank (instead of a
             ValueError with ``message``) after the agreement.
 
@@ -99,13 +104,34 @@ def agree_or_raise(ok: bool, message: str, group=None, device=None, *,
         if error is not None:
             raise error
         raise ValueError(message)
+    if callable(peer_message):
+        peer_message = peer_message(failed)
     raise ValueError((peer_message or "another rank failed (see its error); this rank was "
                       "fine") + f" [failed rank(s): {failed}]")
 
 
 # ---------------------------------------------------------------------------- consistency
 class RingMismatchError(ValueError):
-    """Ranks of one ring called it with different arguments (raised on every rank)."""
+    """Ranks of one ring called it with different arguments (raised on every rank, before any
+    payload moved; the ring stays usable)."""
+
+
+class RingError(RuntimeError):
+    """Base of the errors of a ring whose ranks fell out of step or failed."""
+
+
+class RingDesyncError(RingError):
+    """The ranks of a ring are not in the same ring call (a rank skipped or repeated a call, or
+    a received exchange header does not match): raised on every rank that sees it."""
+
+
+class RingBrokenError(RingError):
+    """A rank failed inside a ring call (or reported a failure), so the call's results are
+    invalid; the ring stays broken on every rank until ``ringseq.reset_ring`` is called."""
+
+
+class RingTimeoutError(RingError):
+    """A rank waited longer than the ring timeout for its peers."""
 
 
 _MODES = {"first": "first", "1": "first", "true": "first", "on": "first", "yes": "first",
@@ -125,14 +151,22 @@ _CHECK_MODE: Optional[str] = None
 
 
 def set_consistency_check(mode=True) -> None:
-    """Controls the cross-rank argument check of the ring functions.
+    """Controls the cross-rank checks of the ring (the control collectives of
+    :mod:`ringseq.integrity`).
 
-    ``True`` / ``"first"`` (default): check on the first call per call signature (one small
-    all-gather, then cached). ``"always"``: check every call (also catches a rank that diverges
-    to a signature already checked elsewhere, at one all-gather and host sync per call).
-    ``False`` / ``"off"``: never check; ranks that disagree may then hang or compute garbage.
-    The environment variable ``RINGSEQ_CHECK_CONSISTENCY`` (``0``, ``1``, ``always``) sets the
-    initial mode. Every rank must use the same mode.
+    ``True`` / ``"first"`` / ``"always"`` (default; the three are the same since every call is
+    checked): every ring call begins and ends with a small all-gather on the ring's gloo
+    control group (host memory only, no device synchronization). Ranks that call with
+    different arguments raise :class:`RingMismatchError`; ranks at different calls (one
+    skipped its backward) raise :class:`RingDesyncError`; a rank failing inside a call makes
+    every rank raise :class:`RingBrokenError` -- before any payload of a mismatching call
+    moves, so nothing hangs and nothing is computed from mismatched data.
+    ``False`` / ``"off"``: no control collectives. Exchange headers still catch desynchronized
+    steps (RingDesyncError), but ranks that disagree on sizes may hang or abort in the
+    transport, and a failing rank can leave its peers waiting until the ring timeout.
+    The environment variable ``RINGSEQ_CHECK_CONSISTENCY`` (``1``/``first``/``always``,
+    ``0``/``off``; anything else raises) sets the initial mode. Every rank must use the same
+    mode.
     """
     global _CHECK_MODE
     if mode is True or mode == "first":
@@ -154,6 +188,38 @@ def consistency_check_mode() -> str:
     return _CHECK_MODE
 
 
+_TIMEOUT_S: Optional[float] = None
+
+
+def set_ring_timeout(seconds: Optional[float]) -> None:
+    """Seconds a rank waits for its ring peers (a control collective or an exchange) before it
+    raises :class:`RingTimeoutError` naming the call and the peers. None restores the
+    default: ``RINGSEQ_TIMEOUT`` from the environment, else 1800 s (torch's default process
+    group timeout). Applies to rings created afterwards for control collectives, and to every
+    exchange at once."""
+    global _TIMEOUT_S
+    if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
+        raise ValueError(f"ring timeout must be a positive number of seconds or None, got "
+                         f"{seconds!r}")
+    _TIMEOUT_S = None if seconds is None else float(seconds)
+
+
+def ring_timeout() -> float:
+    """The current ring timeout in seconds (see :func:`set_ring_timeout`)."""
+    if _TIMEOUT_S is not None:
+        return _TIMEOUT_S
+    raw = os.environ.get("RINGSEQ_TIMEOUT")
+    if raw is None:
+        return 1800.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"RINGSEQ_TIMEOUT={raw!r} must be a positive number of seconds")
+    return value
+
+
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -162,7 +228,8 @@ def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else 99
 
 
-def _describe(kind: str, code: int) -> str:
+def describe_field(kind: str, code: int) -> str:
+    """How a signature field value is shown in a mismatch message."""
     if kind == "dtype":
         return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"dtype #{code}"
     if kind == "bool":
@@ -171,40 +238,3 @@ def _describe(kind: str, code: int) -> str:
         from .layouts import layout_name_of_code
         return layout_name_of_code(code)
     return str(code)
-
-
-# A field is (name, value) or (name, value, kind); kind selects how a differing value is shown.
-Field = Tuple
-
-
-def check_consistent(fields: Sequence[Field], group=None, device=None,
-                     checked: Optional[set] = None) -> None:
-    """Raises :class:`RingMismatchError` on every rank of ``group`` when ranks disagree on
-    ``fields`` (``(name, int)`` or ``(name, int, kind)`` with kind ``"dtype"``, ``"bool"``,
-    ``"layout"``). One all-gather of ``len(fields)`` int64s; ``checked`` (a set kept by the
-    caller, e.g. per ring) caches the signatures already agreed on in mode ``"first"``."""
-    mode = consistency_check_mode()
-    world, _ = group_info(group)
-    if world == 1 or mode == "off":
-        return
-    values = tuple(int(f[1]) for f in fields)
-    if mode == "first" and checked is not None and values in checked:
-        return
-    mine = torch.tensor(values, dtype=torch.int64, device=_collective_device(group, device))
-    gathered = [torch.empty_like(mine) for _ in range(world)]  # (n_fields,) per rank
-    dist.all_gather(gathered, mine, group=group)
-    rows = [g.tolist() for g in gathered]
-    diffs = []
-    for j, f in enumerate(fields):
-        column = [row[j] for row in rows]
-        if len(set(column)) > 1:
-            kind = f[2] if len(f) > 2 else "int"
-            per_rank = ", ".join(f"rank {r}: {_describe(kind, c)}" for r, c in enumerate(column))
-            diffs.append(f"{f[0]} ({per_rank})")
-    if diffs:
-        raise RingMismatchError(
-            "ringseq: the ranks of the ring were called with different arguments: "
-            + "; ".join(diffs) + ". Every rank of the group must pass shards of the same "
-            "shape, dtype, layout and causal flag.")
-    if checked is not None:
-        checked.add(values)

@@ -7,7 +7,23 @@ import torch.nn.functional as F
 
 from ._dist import group_info
 
-__all__ = ["sharded_cross_entropy"]
+__all__ = ["report_step_failure", "sharded_cross_entropy"]
+
+
+def _reduce_with_status(values: torch.Tensor, failed: bool, group) -> torch.Tensor:
+    """all_reduce(SUM) of ``values`` (float64, 1-D) together with one failure flag per rank;
+    raises on every rank when any rank reported a failure instead of its values."""
+    world, rank = group_info(group)
+    flags = torch.zeros(world, dtype=torch.float64, device=values.device)
+    flags[rank] = float(failed)
+    packed = torch.cat([values, flags])
+    dist.all_reduce(packed, group=group)
+    bad = packed[values.numel():].nonzero().flatten().tolist()
+    if bad and not failed:
+        raise RuntimeError(f"ringseq: rank(s) {bad} of the loss group failed in this step before "
+                           f"the loss (see their errors); the loss of this step is not computed "
+                           f"on any rank")
+    return packed[:values.numel()]
 
 
 class _SumAcrossRanks(torch.autograd.Function):
@@ -15,18 +31,32 @@ class _SumAcrossRanks(torch.autograd.Function):
 
     Every rank computes the same loss from the global sum, and each rank back-propagates only
     its own copy of it: d(loss)/d(local sum) is grad_output itself. Reducing the gradient as
-    well (what a differentiable all_reduce does) would count it W times.
+    well (what a differentiable all_reduce does) would count it W times. The reduction carries
+    a failure flag per rank (see :func:`report_step_failure`).
     """
 
     @staticmethod
     def forward(ctx, x, group):
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
+        return _reduce_with_status(x.double(), False, group).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+def report_step_failure(group=None, device=None) -> None:
+    """Joins the loss reduction of :func:`sharded_cross_entropy` on ``group`` in place of a
+    loss, from a rank whose step failed before its loss (the plugin calls it when the model
+    raises): every other rank of the group then raises at its loss instead of waiting for this
+    rank. ``device``: where the reduction lives (the logits' device; under NCCL a CUDA
+    device). Collective."""
+    world, _ = group_info(group)
+    if world == 1:
+        return
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if str(dist.get_backend(group)) == "nccl" else torch.device("cpu"))
+    _reduce_with_status(torch.zeros(2, dtype=torch.float64, device=device), True, group)
 
 
 def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None,

@@ -17,10 +17,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .comm import get_comm
+from .kernels import get_backend
 from .layouts import get_layout
-from .plan import make_plan
-from .ring import ring_attention
+from .ring_op import ring_attention_op
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
            "ring_flash_attn_qkvpacked_func", "ring_sdpa", "RingAttention"]
@@ -82,10 +81,10 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, group=None,
     # accumulation dtype (the reference backend's float32/float64 einsums), which the caller's
     # autocast would otherwise silently lower to bf16/fp16.
     with torch.autocast(q.device.type, enabled=False):
-        plan = make_plan(q, k, v, transport=get_comm(group), softmax_scale=softmax_scale,
-                         causal=causal, layout=layout, backend=backend,
-                         grad_comm_dtype=grad_comm_dtype)
-        out, lse = ring_attention(q, k, v, plan)
+        out, lse = ring_attention_op(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                     layout=get_layout(layout), group=group,
+                                     backend=get_backend(backend, q.device, q.dtype, q.shape[-1]),
+                                     grad_comm_dtype=grad_comm_dtype)
     return (out, lse) if return_lse else out
 
 

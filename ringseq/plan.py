@@ -7,7 +7,7 @@ A public entry point (``ringseq.ring_flash_attn_func`` and friends, the simulato
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -32,6 +32,8 @@ class RingPlan:
         accum_dtype: dtype of out/lse/dq/dk/dv accumulation (float32; float64 for float64).
         grad_comm_dtype: dtype in which the travelling dK/dV accumulators move.
         schedule: this rank's block tasks per ring step (``layout.schedule``).
+        signature: ``(name, value[, kind])`` fields every rank of the ring must agree on,
+            compared by the begin collective of each ring call (:mod:`ringseq.integrity`).
     """
 
     layout: Layout
@@ -42,6 +44,7 @@ class RingPlan:
     accum_dtype: torch.dtype
     grad_comm_dtype: torch.dtype
     schedule: Tuple[Tuple[BlockTask, ...], ...]
+    signature: Tuple[tuple, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -66,7 +69,7 @@ def resolve_grad_comm_dtype(grad_comm_dtype, dtype: torch.dtype, acc: torch.dtyp
 
 def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transport: Transport,
               softmax_scale=None, causal: bool = False, layout="contiguous", backend=None,
-              grad_comm_dtype=None) -> RingPlan:
+              grad_comm_dtype=None, needs_grad: Optional[bool] = None) -> RingPlan:
     """Validates a ring call on this rank's shards and resolves its defaults.
 
     Args:
@@ -74,11 +77,13 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transport: T
         transport: the ring.
         softmax_scale, causal, layout, backend, grad_comm_dtype: as in
             :func:`ringseq.ring_flash_attn_func`.
+        needs_grad: whether a backward will follow (default: grad mode and any input
+            requiring grad); part of the signature, so that no rank runs a backward alone.
 
     Raises ValueError for what this rank can see alone (shapes, dtypes, a local length the
     layout cannot use, an unknown layout or backend, a backend that cannot take a ring's
-    merged out/lse) before any communication, then lets the transport make ranks that
-    disagree on the call raise together (``RingMismatchError``).
+    merged out/lse), without communicating. Whether the ranks agree is checked when the call
+    runs (``RingMismatchError``, see :mod:`ringseq.integrity`).
     """
     check_qkv(q, k, v)
     if q.shape[1] != k.shape[1]:
@@ -96,15 +101,18 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transport: T
     acc = be.accum_dtype(q.dtype)
     gdt = resolve_grad_comm_dtype(grad_comm_dtype, q.dtype, acc)
     b, s, h, d = q.shape
-    transport.check_consistent([
+    if needs_grad is None:
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    # What every rank must agree on; compared by the ring call's begin collective.
+    signature = (
         ("batch", b), ("local seqlen", s), ("nheads", h), ("nheads_kv", k.shape[2]),
         ("headdim", d), ("dtype", dtype_code(q.dtype), "dtype"),
         ("layout", lay.code, "layout"), ("world size", W), ("causal", bool(causal), "bool"),
-        ("requires_grad", torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-         "bool"),
+        ("requires_grad", bool(needs_grad), "bool"),
         ("grad_comm_dtype", dtype_code(gdt), "dtype"),
         ("softmax_scale (x1e6)", round(scale * 1e6)),
-    ], device=q.device)
+    )
     return RingPlan(layout=lay, transport=transport, softmax_scale=scale, causal=bool(causal),
                     backend=be, accum_dtype=acc, grad_comm_dtype=gdt,
-                    schedule=lay.schedule(transport.rank, W, s, bool(causal)))
+                    schedule=lay.schedule(transport.rank, W, s, bool(causal)),
+                    signature=signature)

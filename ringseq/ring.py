@@ -1,7 +1,8 @@
 """The engine: one forward loop and one backward loop that execute any layout's block schedule.
 
 Both take this rank's tensors and a :class:`ringseq.plan.RingPlan` (layout schedule, scale,
-backend, dtypes, transport); they never re-check or re-default anything.
+backend, dtypes, transport); they never re-check or re-default anything. Autograd and
+torch.compile see them through one custom operator (:mod:`ringseq.ring_op`).
 
 Forward (rank ``r`` of ``W``; at step ``i`` it holds the K/V of rank ``(r - i) % W``):
 
@@ -33,10 +34,11 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from .comm import Transport
+from .integrity import BWD, FWD, HEADER_WORDS, RingCall
 from .kernels import compute_delta
 from .plan import RingPlan
 
-__all__ = ["PackedBuffers", "RingAttnFunc", "backward_payloads", "ring_attention"]
+__all__ = ["PackedBuffers", "backward_payloads"]
 
 _ALIGN = 64  # bytes; keeps every segment aligned for any dtype and for vector loads
 
@@ -45,13 +47,15 @@ class PackedBuffers:
     """A transport's cached double buffer cut into typed segments laid out back to back.
 
     ``segments`` is a list of ``(name, shape, dtype)``; slot ``j`` (0 or 1) of the double
-    buffer holds one view per segment (``bufs[j][name]``). Adjacent segments form one
+    buffer holds one view per segment (``bufs[j][name]``). A ``"hdr"`` segment of
+    ``HEADER_WORDS`` int64 (the exchange header of :mod:`ringseq.integrity`) goes with every
+    exchange, so it must sit next to every payload segment; adjacent segments form one
     contiguous byte range, so a step that moves several of them is still one exchange.
     """
 
     def __init__(self, transport: Transport, key: str, device,
-                 segments: Sequence[Tuple[str, tuple, torch.dtype]]):
-        self.transport = transport
+                 segments: Sequence[Tuple[str, tuple, torch.dtype]], call: RingCall):
+        self.transport, self.call = transport, call
         self._span: Dict[str, Tuple[int, int]] = {}
         offset = 0
         for name, shape, dtype in segments:
@@ -68,13 +72,34 @@ class PackedBuffers:
         return self.slots[slot]
 
     def exchange(self, src: int, names: Sequence[str]):
-        """Sends segments ``names`` (adjacent) of slot ``src`` to the next rank, receiving the
-        previous rank's into the other slot; returns the pending exchange or None."""
+        """Sends segments ``names`` (with the header) of slot ``src`` to the next rank,
+        receiving the previous rank's into the other slot; returns the pending exchange, whose
+        ``wait()`` also checks the received header (None when nothing moves)."""
         if not names:
             return None
+        names = ("hdr", *names)
         lo = min(self._span[n][0] for n in names)
         hi = max(self._span[n][1] for n in names)
-        return self.transport.exchange(self.raw[src][lo:hi], self.raw[1 - src][lo:hi])
+        step = self.call.stamp(self.slots[src]["hdr"])
+        pending = self.transport.exchange(self.raw[src][lo:hi], self.raw[1 - src][lo:hi])
+        return _Checked(pending, self.call, self.slots[1 - src]["hdr"], step)
+
+
+class _Checked:
+    """A pending exchange whose received header is checked once it has arrived."""
+
+    __slots__ = ("pending", "call", "header", "step")
+
+    def __init__(self, pending, call, header, step):
+        self.pending, self.call, self.header, self.step = pending, call, header, step
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+        self.call.check(self.header, self.step)
+
+
+_HDR = ("hdr", (HEADER_WORDS,), torch.int64)
 
 
 def backward_payloads(world_size: int) -> List[Tuple[str, ...]]:
@@ -88,129 +113,111 @@ def backward_payloads(world_size: int) -> List[Tuple[str, ...]]:
 
 
 def _ring_forward(q, k, v, plan: RingPlan):
-    """(out in the accumulation dtype, lse) for this rank's q rows."""
+    """(out in the accumulation dtype, lse) for this rank's q rows.
+
+    Every exchange of the call happens even after this rank failed (see
+    :mod:`ringseq.integrity`); the failure is raised at the end, on every rank."""
     b, s, h, d = q.shape
     acc, be, scale = plan.accum_dtype, plan.backend, plan.softmax_scale
     W = plan.world_size
-    bufs = None
-    if W > 1:
-        bufs = PackedBuffers(plan.transport, "fwd", q.device,
-                             [("kv", (2, k.shape[0], k.shape[1], k.shape[2], d), k.dtype)])
-        bufs[0]["kv"][0].copy_(k)
-        bufs[0]["kv"][1].copy_(v)
+    with plan.transport.open_call(FWD, plan.signature, q.device) as call:
+        bufs = out = lse = None
+        first = plan.schedule[0][0] if plan.schedule[0] else None
+        take_first = first is not None and first.q == slice(0, s)
+        with call.guard():
+            if W > 1:
+                kv_shape = (2, k.shape[0], k.shape[1], k.shape[2], d)
+                bufs = PackedBuffers(plan.transport, "fwd", q.device,
+                                     [_HDR, ("kv", kv_shape, k.dtype)], call)
+                bufs[0]["kv"][0].copy_(k)
+                bufs[0]["kv"][1].copy_(v)
+            if not take_first:
+                out = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
+                lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+        call.begin()
 
-    first = plan.schedule[0][0] if plan.schedule[0] else None
-    take_first = first is not None and first.q == slice(0, s)
-    out = lse = None
-    if not take_first:
-        out = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
-        lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
-
-    for i in range(W):
-        pending = bufs.exchange(i % 2, ("kv",)) if i + 1 < W else None
-        # Step 0 computes on the caller's k/v: for W == 1 no buffer is touched at all.
-        kk, vv = (k, v) if i == 0 else bufs[i % 2]["kv"]
-        for j, t in enumerate(plan.schedule[i]):
-            if take_first and i == 0 and j == 0:
-                # Fresh kernel outputs become the accumulators: no fill, no merge, and no copy
-                # at all when the input dtype is the accumulation dtype.
-                o_b, l_b = be.fwd(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal)
-                out, lse = o_b.to(acc), l_b.to(acc)
-            else:
-                # The backend merges in place (our CPU kernel resumes its online softmax from
-                # the running pair, so no block-sized temporary is made).
-                be.fwd_accum(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal, out[:, t.q],
-                             lse[:, :, t.q])
-        if pending is not None:
-            pending.wait()
+        for i in range(W):
+            pending = bufs.exchange(i % 2, ("kv",)) if i + 1 < W else None
+            if call.ok:
+                with call.guard():
+                    # Step 0 computes on the caller's k/v: for W == 1 no buffer is touched.
+                    kk, vv = (k, v) if i == 0 else bufs[i % 2]["kv"]
+                    for j, t in enumerate(plan.schedule[i]):
+                        if take_first and i == 0 and j == 0:
+                            # Fresh kernel outputs become the accumulators: no fill, no merge,
+                            # and no copy at all when the input dtype is the accumulation one.
+                            o_b, l_b = be.fwd(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal)
+                            out, lse = o_b.to(acc), l_b.to(acc)
+                        else:
+                            # The backend merges in place (our CPU kernel resumes its online
+                            # softmax from the running pair: no block-sized temporary).
+                            be.fwd_accum(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal,
+                                         out[:, t.q], lse[:, :, t.q])
+            if pending is not None:
+                pending.wait()
+        call.end()
     return out, lse
 
 
 def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
-    """(dq, dk, dv) in the input dtype."""
+    """(dq, dk, dv) in the input dtype (failures as in :func:`_ring_forward`)."""
     b, s, h, d = q.shape
     acc, be, scale, gdt = plan.accum_dtype, plan.backend, plan.softmax_scale, plan.grad_comm_dtype
     W = plan.world_size
-    delta = compute_delta(dout, out, grad_lse)  # (b, h, s), computed once for every block
-    dq = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
-
     kv_shape = (2, k.shape[0], k.shape[1], k.shape[2], d)
-    # [dK/dV accumulator | K/V]: "acc" and "kv" are adjacent, so any payload is one range.
-    bufs = PackedBuffers(plan.transport, "bwd", q.device,
-                         [("acc", kv_shape, gdt)] + ([("kv", kv_shape, k.dtype)] if W > 1 else []))
-    if W > 1:
-        bufs[0]["kv"][0].copy_(k)
-        bufs[0]["kv"][1].copy_(v)
     payloads = backward_payloads(W)
     # At step 0 nothing arrives in the accumulator of the other slot, so the own block's
     # gradients can go straight there when no dtype conversion is needed; later the incoming
     # accumulator lands there while we compute, so ours go to `scratch` and are added after.
     direct = gdt == acc
-    scratch = torch.empty(kv_shape, dtype=acc, device=q.device) if (W > 1 or not direct) else None
+    with plan.transport.open_call(BWD, plan.signature, q.device) as call:
+        bufs = delta = dq = scratch = None
+        with call.guard():
+            delta = compute_delta(dout, out, grad_lse)  # (b, h, s), once for every block
+            dq = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
+            # [dK/dV accumulator | header | K/V]: any payload plus the header is one range.
+            bufs = PackedBuffers(plan.transport, "bwd", q.device,
+                                 [("acc", kv_shape, gdt), _HDR]
+                                 + ([("kv", kv_shape, k.dtype)] if W > 1 else []), call)
+            if W > 1:
+                bufs[0]["kv"][0].copy_(k)
+                bufs[0]["kv"][1].copy_(v)
+            if W > 1 or not direct:
+                scratch = torch.empty(kv_shape, dtype=acc, device=q.device)  # (2, b, s, h_kv, d)
+        call.begin()
 
-    for i in range(W):
-        cur, nxt = i % 2, (i + 1) % 2
-        pending = bufs.exchange(cur, payloads[i])
-        kk, vv = (k, v) if i == 0 else bufs[cur]["kv"]
-        tasks = plan.schedule[i]
-        target = bufs[nxt]["acc"] if (i == 0 and direct) else scratch
-        if i == 0 or tasks:
-            target.zero_()
-        for t in tasks:
-            be.bwd_accum(dout[:, t.q], q[:, t.q], kk[:, t.kv], vv[:, t.kv], out[:, t.q],
-                         lse[:, :, t.q], scale, t.causal, delta[:, :, t.q], dq[:, t.q],
-                         target[0][:, t.kv], target[1][:, t.kv])
-        if pending is not None:
-            pending.wait()
-        if target is scratch:
-            if i == 0:
-                bufs[nxt]["acc"].copy_(scratch)
-            elif tasks:
-                bufs[nxt]["acc"].add_(scratch)
+        for i in range(W):
+            cur, nxt = i % 2, (i + 1) % 2
+            pending = bufs.exchange(cur, payloads[i])
+            tasks = plan.schedule[i]
+            target = bufs[nxt]["acc"] if (i == 0 and direct) else scratch
+            if call.ok:
+                with call.guard():
+                    kk, vv = (k, v) if i == 0 else bufs[cur]["kv"]
+                    if i == 0 or tasks:
+                        target.zero_()
+                    for t in tasks:
+                        be.bwd_accum(dout[:, t.q], q[:, t.q], kk[:, t.kv], vv[:, t.kv],
+                                     out[:, t.q], lse[:, :, t.q], scale, t.causal,
+                                     delta[:, :, t.q], dq[:, t.q], target[0][:, t.kv],
+                                     target[1][:, t.kv])
+            if pending is not None:
+                pending.wait()
+            if call.ok and target is scratch:
+                with call.guard():
+                    if i == 0:
+                        bufs[nxt]["acc"].copy_(scratch)
+                    elif tasks:
+                        bufs[nxt]["acc"].add_(scratch)
 
-    # The accumulators completed at the last step sit in slot W % 2; the final exchange (none
-    # for W == 1) brings each one the last hop home, into the other slot.
-    final = bufs.exchange(W % 2, payloads[W])
-    if final is not None:
-        final.wait()
-    home = bufs[W % 2 if final is None else (W + 1) % 2]["acc"]
-    # Copies: the accumulators live in the transport's cached buffers.
-    dk = home[0].to(k.dtype, copy=True)
-    dv = home[1].to(v.dtype, copy=True)
+        # The accumulators completed at the last step sit in slot W % 2; the final exchange
+        # (none for W == 1) brings each one the last hop home, into the other slot.
+        final = bufs.exchange(W % 2, payloads[W])
+        if final is not None:
+            final.wait()
+        call.end()
+        home = bufs[W % 2 if final is None else (W + 1) % 2]["acc"]
+        # Copies: the accumulators live in the transport's cached buffers.
+        dk = home[0].to(k.dtype, copy=True)
+        dv = home[1].to(v.dtype, copy=True)
     return dq.to(q.dtype), dk, dv
-
-
-class RingAttnFunc(torch.autograd.Function):
-    """Autograd around the two loops. Returns (out in the input dtype, lse (b, h, s) float32;
-    float64 for float64 inputs)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan):
-        out_acc, lse = _ring_forward(q, k, v, plan)
-        out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        if grad_lse is not None:
-            plan.backend.require_lse_grad()
-        # Every rank must run the backward loop (the ring needs all of them), even one whose
-        # gradients are all zero, so there is no early exit here. A backward called under the
-        # caller's autocast must not lower the kernels' float32/float64 accumulation.
-        with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, plan, grad_lse)
-        return dq, dk, dv, None
-
-
-def ring_attention(q, k, v, plan: RingPlan):
-    """The engine entry: this rank's validated shards and their plan in, (out, lse) out."""
-    return RingAttnFunc.apply(q, k, v, plan)

@@ -72,7 +72,8 @@ void fwd_impl(const FwdParams& p) {
       load_transposed(row_ptr(out_acc, p.out_strides, b, r0, h), p.out_strides.row, rows, d,
                       T(1), ot, bm_pad, mpad);
       for (int64_t i = 0; i < mpad; ++i) {
-        const bool seen = i < rows && lse_rows[i] > kNegInf<T>;
+        // NaN counts as seen: a NaN running state must stay NaN, as in plain attention.
+        const bool seen = i < rows && !(lse_rows[i] == kNegInf<T>);
         m_run[i] = seen ? lse_rows[i] : kNegInf<T>;
         l[i] = seen ? T(1) : T(0);
         // A row without mass so far contributes nothing, whatever its out holds.
@@ -129,8 +130,9 @@ void fwd_impl(const FwdParams& p) {
     }
 
     for (int64_t i = 0; i < mpad; ++i) {
-      // A row that saw no key (or only zero weights) gives out = 0 and lse = -inf.
-      const bool empty = !(l[i] > T(0));
+      // A row that saw no key (or only zero weights) gives out = 0 and lse = -inf; a NaN sum
+      // (a NaN or inf among its inputs) is not empty and propagates, as plain attention does.
+      const bool empty = l[i] == T(0);
       if (i < rows) lse_rows[i] = empty ? kNegInf<T> : m_run[i] + std::log(l[i]);
       alpha[i] = empty ? T(0) : T(1) / l[i];
     }

@@ -111,6 +111,14 @@ def _(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, causal, backend, nee
                  else t.new_empty(0) for t, need in zip((q, k, v), needs))
 
 
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("ringseq: differentiating attention twice (create_graph=True, e.g. a "
+                       "gradient penalty) is not supported: its backward is not differentiable")
+
+
+_attention_backward_op.register_autograd(_no_double_backward)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, causal, backend = inputs
     out, lse = output

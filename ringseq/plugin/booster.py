@@ -1,6 +1,7 @@
 """Booster: the training-loop facade over a :class:`~ringseq.plugin.Plugin`."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -40,11 +41,21 @@ class Booster:
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         """``optimizer.backward(loss)`` for a boosted optimizer (grad scaling for fp16), else
-        ``loss.backward()``."""
-        if hasattr(optimizer, "backward"):
-            optimizer.backward(loss)
-        else:
-            loss.backward()
+        ``loss.backward()``. An exception on one rank is reported to its ring peers when they
+        may still be inside a ring call of the backward (see ``ModelWrapper``)."""
+        reporter = getattr(self.plugin, "reporter", None)
+        ctx = reporter.watch("backward") if reporter is not None else contextlib.nullcontext()
+        with ctx:
+            if hasattr(optimizer, "backward"):
+                optimizer.backward(loss)
+            else:
+                loss.backward()
+
+    def reset(self) -> None:
+        """After a step that raised (on every rank): makes the plugin's ring usable again.
+        Call it on every rank, e.g. in the ``except`` block that skips the failed step."""
+        if hasattr(self.plugin, "reset"):
+            self.plugin.reset()
 
     def no_sync(self, model: nn.Module = None, optimizer=None):
         """Context for gradient accumulation: backward passes inside it do not communicate;

@@ -8,7 +8,9 @@ loading.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -36,15 +38,28 @@ def _to_cpu(obj):
     return obj
 
 
+def _write(obj, path: str) -> None:
+    """torch.save to an exclusively created temporary file next to ``path``, then an atomic
+    rename: a crash mid-write never leaves a truncated checkpoint, and a planted
+    ``<path>.tmp`` (say, a symlink) is never written through."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(_to_cpu(obj), f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _save(obj, path: str) -> None:
     error = None
     if _is_writer():
         try:
-            d = os.path.dirname(os.path.abspath(path))
-            os.makedirs(d, exist_ok=True)
-            tmp = path + ".tmp"
-            torch.save(_to_cpu(obj), tmp)
-            os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint
+            _write(obj, path)
         except Exception as exc:  # noqa: BLE001 - re-raised on this rank after agreeing
             error = exc
     # Doubles as the barrier (nobody reads the file before it exists) and makes a failed
@@ -57,6 +72,42 @@ def _save(obj, path: str) -> None:
         raise error
 
 
+def _load(path: str, apply):
+    """Reads ``path`` on every rank (``weights_only=True``: a checkpoint cannot run code) and
+    hands the object to ``apply``; collective: when any rank fails to read or apply it, every
+    rank raises (the failing rank its own error, chained; the others a ValueError naming the
+    path and the failed ranks), so no rank trains on with other weights."""
+    error, result = None, None
+    try:
+        result = apply(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as exc:  # noqa: BLE001 - re-raised on every rank after agreeing
+        error = exc
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if error is not None:
+        wrapped = type(error)(f"rank {rank}: loading the checkpoint {path!r} failed: "
+                              f"{type(error).__name__}: {error}") \
+            if _reconstructible(error) else ValueError(
+                f"rank {rank}: loading the checkpoint {path!r} failed: "
+                f"{type(error).__name__}: {error}")
+        wrapped.__cause__ = error
+        error = wrapped
+    if dist.is_initialized():
+        agree_or_raise(error is None, str(error), error=error,
+                       peer_message=f"loading the checkpoint {path!r} failed on another rank "
+                                    f"(see its error); no rank loaded it")
+    elif error is not None:
+        raise error
+    return result
+
+
+def _reconstructible(exc: BaseException) -> bool:
+    """Whether ``type(exc)(message)`` builds an exception of the same type."""
+    try:
+        return isinstance(type(exc)("x"), type(exc))
+    except Exception:  # noqa: BLE001 - exotic constructors
+        return False
+
+
 class ReplicatedCheckpointIO:
     """``save_model/load_model/save_optimizer/load_optimizer/save_lr_scheduler/
     load_lr_scheduler`` for replicated state. Saving is collective: rank 0 writes, then the
@@ -65,16 +116,20 @@ class ReplicatedCheckpointIO:
     model's / the optimizer's own device placement). The fp16 grad scaler's state goes next to the optimizer
     checkpoint as ``<path>.grad_scaler`` and is restored from there when present.
 
-    Raises FileNotFoundError for a missing file and whatever ``load_state_dict`` raises for
-    mismatching keys or shapes (``strict=True`` by default).
+    Loading is collective too: every rank reads the file with ``weights_only=True`` (a
+    checkpoint cannot run code) and applies it, then the ranks agree, so a file one rank cannot
+    read (missing, truncated, garbage) or a state dict that does not fit raises on every rank:
+    the failing rank its own exception type with the rank and path in the message (the original
+    chained), the others a ValueError naming the path and the failed ranks. Writes go to an
+    exclusively created temporary file in the target directory, then ``os.replace``.
     """
 
     def save_model(self, model, checkpoint: str, **_) -> None:
         _save(_unwrap(model).state_dict(), checkpoint)
 
     def load_model(self, model, checkpoint: str, strict: bool = True, **_):
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        return _unwrap(model).load_state_dict(state, strict=strict)
+        return _load(checkpoint, lambda state: _unwrap(model).load_state_dict(state,
+                                                                             strict=strict))
 
     def save_optimizer(self, optimizer, checkpoint: str, **_) -> None:
         _save(_unwrap(optimizer).state_dict(), checkpoint)
@@ -83,15 +138,13 @@ class ReplicatedCheckpointIO:
             _save(scaler.state_dict(), checkpoint + ".grad_scaler")
 
     def load_optimizer(self, optimizer, checkpoint: str, **_) -> None:
-        _unwrap(optimizer).load_state_dict(
-            torch.load(checkpoint, map_location="cpu", weights_only=True))
+        _load(checkpoint, _unwrap(optimizer).load_state_dict)
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and os.path.exists(checkpoint + ".grad_scaler"):
-            scaler.load_state_dict(torch.load(checkpoint + ".grad_scaler", weights_only=True))
+            _load(checkpoint + ".grad_scaler", scaler.load_state_dict)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         _save(lr_scheduler.state_dict(), checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        lr_scheduler.load_state_dict(torch.load(checkpoint, map_location="cpu",
-                                                weights_only=False))
+        _load(checkpoint, lr_scheduler.load_state_dict)

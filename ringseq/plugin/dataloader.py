@@ -110,12 +110,18 @@ class ShardedDataLoader:
         if dist.is_initialized():
             agree_or_raise(error is None, str(error), group=self.check_group,
                            device=self.device, error=error,
-                           peer_message="a batch of another data-parallel group could not be "
-                                        "loaded or sharded for the ring (see that rank's "
-                                        "error); this rank's batch was fine")
+                           peer_message=self._peer_message)
         elif error is not None:
             raise error
         return self._to_device(out)
+
+    def _peer_message(self, failed) -> str:
+        ring = set(dist.get_process_group_ranks(self.sp_group)) if self.sp_group is not None \
+            else set(range(dist.get_world_size()))
+        where = ("another rank of this data-parallel group" if ring & set(failed) else
+                 "another data-parallel group")
+        return (f"a batch of {where} could not be loaded or sharded for the ring (see that "
+                f"rank's error); this rank's batch was fine")
 
     def __iter__(self) -> Iterator[dict]:
         it = iter(self.loader)

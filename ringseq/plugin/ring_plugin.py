@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from ..comm import get_comm, reset_ring
 from ..layouts import get_layout
 from .base import Plugin
 from .checkpoint import ReplicatedCheckpointIO
@@ -17,7 +18,7 @@ from .dataloader import ShardedDataLoader
 from .mesh import build_mesh
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
-from .wrappers import ModelWrapper, OptimizerWrapper, SequenceParallelLoss
+from .wrappers import FailureReporter, ModelWrapper, OptimizerWrapper, SequenceParallelLoss
 
 __all__ = ["RingSequenceParallelPlugin"]
 
@@ -100,6 +101,7 @@ class RingSequenceParallelPlugin(Plugin):
         self.backend = backend
         self.ignore_index = ignore_index
         self.ddp_kwargs = dict(ddp_kwargs or {})
+        self._reporter = None
 
     # -- mesh ------------------------------------------------------------------------------
     @property
@@ -245,7 +247,7 @@ class RingSequenceParallelPlugin(Plugin):
             ddp = nn.parallel.DistributedDataParallel(model, process_group=None, **kwargs)
             ddp.register_comm_hook(None, _sum_allreduce_hook)
             model = ddp
-        model = ModelWrapper(model, self.precision)
+        model = ModelWrapper(model, self.precision, self.reporter)
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = OptimizerWrapper(optimizer, self.precision.scaler)
         return model, optimizer, criterion, dataloader, lr_scheduler
@@ -255,6 +257,19 @@ class RingSequenceParallelPlugin(Plugin):
         if isinstance(inner, nn.parallel.DistributedDataParallel):
             return inner.no_sync()
         return contextlib.nullcontext()
+
+    @property
+    def reporter(self) -> FailureReporter:
+        """Reports this rank's failures in the model to the other ranks (see ModelWrapper)."""
+        if self._reporter is None:
+            self._reporter = FailureReporter(get_comm(self.sp_group), loss_group=None,
+                                             device=self.device)
+        return self._reporter
+
+    def reset(self) -> None:
+        """Makes this plugin's ring usable again after a failed step (the ring stays broken on
+        every rank until then, see ringseq.integrity); call it on every rank."""
+        reset_ring(self.sp_group)
 
     def get_checkpoint_io(self) -> ReplicatedCheckpointIO:
         return ReplicatedCheckpointIO()

@@ -4,9 +4,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..loss import sharded_cross_entropy
+import contextlib
 
-__all__ = ["ModelWrapper", "OptimizerWrapper", "SequenceParallelLoss"]
+import torch.distributed as dist
+
+from .._dist import RingError, RingMismatchError
+from ..loss import report_step_failure, sharded_cross_entropy
+
+__all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "SequenceParallelLoss"]
 
 # Keys of a sharded batch that are targets for the criterion, not model inputs.
 TARGET_KEYS = ("shift_labels",)
@@ -19,12 +24,20 @@ class ModelWrapper(nn.Module):
     so ``model(**batch)`` works with a batch of the plugin's data loader, and runs the wrapped
     module under the plugin's autocast. ``unwrap()`` returns the user's model (the one whose
     ``state_dict`` is the full, unsharded checkpoint).
+
+    When the forward raises on one rank (a bad token id, an out-of-memory error), the other
+    ranks must not be left waiting: the failure is reported to the ring peers when they may be
+    inside a ring call (``Transport.report_failure``; their ring call raises RingBrokenError),
+    then to the loss reduction of every rank (:func:`ringseq.loss.report_step_failure`; their
+    loss raises). The exception is re-raised on this rank; the ring stays broken until
+    ``booster.reset()`` (or ``ringseq.reset_ring``) on every rank.
     """
 
-    def __init__(self, module: nn.Module, precision):
+    def __init__(self, module: nn.Module, precision, reporter: "FailureReporter" = None):
         super().__init__()
         self.module = module
         self._precision = precision
+        self._reporter = reporter
 
     def unwrap(self) -> nn.Module:
         m = self.module
@@ -33,8 +46,43 @@ class ModelWrapper(nn.Module):
     def forward(self, *args, **kwargs):
         for key in TARGET_KEYS:
             kwargs.pop(key, None)
-        with self._precision.autocast():
+        if self._reporter is None:
+            with self._precision.autocast():
+                return self.module(*args, **kwargs)
+        with self._reporter.watch("forward"), self._precision.autocast():
             return self.module(*args, **kwargs)
+
+
+class FailureReporter:
+    """Tells the other ranks that this rank's forward or backward raised, so none of them
+    waits for it (see :class:`ModelWrapper`).
+
+    ``watch(phase)`` is a context manager around a forward or a backward. On an exception
+    that is not a ring error (ring errors are raised on every rank already), it reports to the
+    ring peers when they may still be inside a ring call of this phase -- this rank made fewer
+    ring calls than the last complete pass of the phase did -- and, for the forward, to the
+    loss reduction that every rank of ``loss_group`` reaches next. The exception propagates.
+    """
+
+    def __init__(self, ring, loss_group=None, device=None):
+        self.ring, self.loss_group, self.device = ring, loss_group, device
+        self._calls = {}  # phase -> ring calls of the last complete pass
+
+    @contextlib.contextmanager
+    def watch(self, phase: str):
+        before = self.ring.calls
+        try:
+            yield
+        except Exception as exc:
+            if dist.is_initialized():
+                full = self._calls.get(phase)
+                local = not isinstance(exc, (RingError, RingMismatchError))  # peers don't know
+                if local and (full is None or self.ring.calls - before < full):
+                    self.ring.report_failure(exc)
+                if phase == "forward":
+                    report_step_failure(self.loss_group, self.device)
+            raise
+        self._calls[phase] = self.ring.calls - before
 
 
 class OptimizerWrapper:

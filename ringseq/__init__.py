@@ -5,8 +5,9 @@ and the sharded loss; the training plugin (``ringseq.plugin``: DataLoader, DDP) 
 first use of ``ringseq.Booster`` / ``ringseq.RingSequenceParallelPlugin`` / ``ringseq.Plugin``,
 and transformers only through ``ringseq.integrations.transformers``.
 """
-from ._dist import RingMismatchError, set_consistency_check
-from .comm import RingComm, Transport
+from ._dist import (RingBrokenError, RingDesyncError, RingError, RingMismatchError,
+                    RingTimeoutError, set_consistency_check, set_ring_timeout)
+from .comm import RingComm, Transport, reset_ring
 from .data import shard_batch
 from .kernels import available_backends
 from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
@@ -22,6 +23,8 @@ _PLUGIN_NAMES = ("Booster", "Plugin", "RingSequenceParallelPlugin")
 
 __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend",
            "RingAttention", "RingComm", "RingMismatchError", "Layout", "Transport",
+           "RingBrokenError", "RingDesyncError", "RingError", "RingTimeoutError", "reset_ring",
+           "set_ring_timeout",
            "get_layout", "positions", "register_layout", "ring_flash_attn_func",
            "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_sdpa",
            "set_consistency_check", "shard", "simulate_ring", "unshard",

@@ -213,13 +213,34 @@ class RingComm(Transport):
     def _control_pg(self):
         if self._control_group is None:
             pg = self._pg_ref()
-            ranks = dist.get_process_group_ranks(pg)
-            # Only the ring's members take part in creating it (their first ring call).
-            self._control_group = dist.new_group(
-                ranks=ranks, backend="gloo", use_local_synchronization=True,
-                timeout=datetime.timedelta(seconds=ring_timeout()))
-            weakref.finalize(pg, _destroy_quietly, self._control_group)
+            # A gloo group of the ring's members made straight from the default store under a
+            # prefix of our own: only the members take part (at their first ring call), and
+            # the name cannot collide with other groups over the same ranks (torch's
+            # locally-synchronized groups are named by their ranks alone).
+            name = getattr(pg, "group_name", None) or "?"
+            generation = _CONTROL_GENERATIONS.get(name, 0)
+            _CONTROL_GENERATIONS[name] = generation + 1
+            store = dist.PrefixStore(f"ringseq/control/{name}/{generation}",
+                                     dist.distributed_c10d._get_default_store())
+            self._control_group = dist.ProcessGroupGloo(
+                store, self.rank, self.world_size, datetime.timedelta(seconds=ring_timeout()))
         return self._control_group
+
+    def _timeout(self, kind, seq, exc) -> RingTimeoutError:
+        err = RingTimeoutError(
+            f"ringseq: rank {self.rank} waited more than {ring_timeout():.0f} s for its ring "
+            f"peers (global ranks {self._peer_ranks()}) at the {KIND_NAMES.get(kind, kind)} step "
+            f"of control operation #{seq}: a peer stopped calling ring attention, raised "
+            f"outside ringseq without reporting it, or hangs (ringseq.set_ring_timeout changes "
+            f"the limit)")
+        self.mark_broken(err)
+        return err
+
+    def _peer_ranks(self):
+        try:
+            return [r for r in dist.get_process_group_ranks(self._pg_ref()) if r != dist.get_rank()]
+        except Exception:  # noqa: BLE001 - only for the message
+            return "?"
 
     def control(self, kind, status, fields=(), payload=()):
         if self.world_size == 1 or consistency_check_mode() == "off":
@@ -230,26 +251,15 @@ class RingComm(Transport):
         seq = self._seq
         self._seq += 1
         try:
-            dist.all_gather(gathered, mine, group=self._control_pg())
-        except RuntimeError as exc:
-            if "imed out" not in str(exc):
+            self._control_pg().allgather([gathered], [mine]).wait()
+        except RuntimeError as exc:  # gloo's timeouts, and the store's while connecting
+            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
                 raise
-            err = RingTimeoutError(
-                f"ringseq: rank {self.rank} waited more than {ring_timeout():.0f} s for its ring "
-                f"peers at the {KIND_NAMES.get(kind, kind)} step of control operation #{seq}: a "
-                f"peer stopped calling ring attention, raised outside ringseq without "
-                f"reporting it, or hangs (ringseq.set_ring_timeout changes the limit)")
-            self.mark_broken(err)
-            raise err from exc
+            raise self._timeout(kind, seq, exc) from exc
         return [g.tolist() for g in gathered]
 
 
-def _destroy_quietly(group) -> None:
-    try:
-        if is_initialized():
-            dist.destroy_process_group(group)
-    except Exception:  # noqa: BLE001 - the world may already be gone at interpreter exit
-        pass
+_CONTROL_GENERATIONS: Dict[str, int] = {}
 
 
 _COMMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -1,0 +1,630 @@
+"""No silent wrong results: failures, divergence and misuse of a ring end in a correct result or
+a clear error on every rank, within seconds (ringseq.integrity).
+
+One spawn per world size carries every case (spawning costs seconds). Each case returns what
+happened on the rank -- an error type and message, or a result -- and the parent asserts.
+Ranks run with a ring timeout of 20 s, so a hang shows up as RingTimeoutError, not as a stuck
+test. Every case ends with the ring healthy again (reset_ring where it broke), which the next
+case relies on; the cases run in a fixed order.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringseq
+from ringseq.kernels import get_backend
+from ringseq.kernels.base import AttentionBackend
+
+from dist_utils import run_ranks
+from utils import max_err
+
+ENV = {"RINGSEQ_TIMEOUT": "20"}
+FAST = 15.0  # seconds every error must arrive within (generous for a loaded 2-core CI box)
+
+
+class InjectedFault(RuntimeError):
+    """The exception a faulty backend raises (stands in for an out-of-memory error)."""
+
+
+class FaultyBackend(AttentionBackend):
+    """The reference kernel, raising InjectedFault on its ``fail_at``-th kernel call (counted
+    over fwd, fwd_accum, bwd_accum) when ``armed``."""
+
+    name = "faulty"
+
+    def __init__(self):
+        self.inner = get_backend("reference")
+        self.count, self.fail_at, self.armed = 0, -1, False
+
+    def _tick(self):
+        self.count += 1
+        if self.armed and self.count == self.fail_at:
+            raise InjectedFault(f"injected fault at kernel call {self.count}")
+
+    def _fwd(self, q, k, v, scale, causal):
+        self._tick()
+        return self.inner._fwd(q, k, v, scale, causal)
+
+    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
+        self._tick()
+        return self.inner._bwd(dout, q, k, v, out, lse, scale, causal, delta)
+
+
+def _capture(fn):
+    """('ok', value) or (error type name, message, seconds)."""
+    import time
+    t0 = time.monotonic()
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
+        return (type(exc).__name__, str(exc), time.monotonic() - t0)
+
+
+def _full(seed, s, h=4, h_kv=2, d=16, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, s, n, d, generator=g, dtype=dtype) for n in (h, h_kv, h_kv)]
+
+
+def _fwd_bwd(q, k, v, layout="zigzag", backend=None, **kw):
+    """This rank's (out, dq, dk, dv) of causal ring attention with dout = 1."""
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = ringseq.ring_flash_attn_func(qg, kg, vg, causal=True, layout=layout, backend=backend,
+                                       **kw)
+    dout = torch.ones_like(out)
+    out.backward(dout)
+    return out.detach(), qg.grad, kg.grad, vg.grad
+
+
+def _reference_shards(full, layout):
+    """This rank's shards of the float64 reference (out, dq, dk, dv) on the full sequence."""
+    fq, fk, fv = (t.clone().requires_grad_() for t in full)
+    out = ringseq.flash_attn_func(fq, fk, fv, causal=True, backend="reference")
+    out.backward(torch.ones_like(out))
+    return [ringseq.shard(t.detach(), layout) for t in (out, fq.grad, fk.grad, fv.grad)]
+
+
+def _err(got, want):
+    return max(max_err(a, b) for a, b in zip(got, want))
+
+
+# ---------------------------------------------------------------- cases (rank side)
+def _case_fault_inside_call(fail_rank):
+    """A rank raises inside a ring call; the training loop catches it and goes on."""
+    rank, w = dist.get_rank(), dist.get_world_size()
+    full = _full(1, 6 * w)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    want = _reference_shards(full, "zigzag")
+    be = FaultyBackend()
+    be.fail_at, be.armed = 2, rank == fail_rank  # second kernel call of the forward
+    res = {"fault": _capture(lambda: _fwd_bwd(*loc, backend=be))}
+    be.armed = False
+    # the ring is broken on every rank: later calls raise at once, with the cause
+    res["later"] = _capture(lambda: _fwd_bwd(*loc, backend=be))
+    res["later_again"] = _capture(lambda: _fwd_bwd(*loc))
+    ringseq.reset_ring()
+    res["after_reset_err"] = _err(_fwd_bwd(*loc), want)
+    return res
+
+
+def _case_skip_backward():
+    """One rank skips its backward and goes on to the next forward."""
+    rank, w = dist.get_rank(), dist.get_world_size()
+    full = _full(2, 6 * w)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    want = _reference_shards(full, "zigzag")
+    q, k, v = (t.clone().requires_grad_() for t in loc)
+
+    def step():
+        out = ringseq.ring_flash_attn_func(q, k, v, causal=True, layout="zigzag")
+        if rank != 1:
+            out.sum().backward()
+        return ringseq.ring_flash_attn_func(q, k, v, causal=True, layout="zigzag")
+
+    res = {"skip": _capture(step)}
+    ringseq.reset_ring()
+    res["after_reset_err"] = _err(_fwd_bwd(*loc), want)
+    return res
+
+
+def _case_later_argument_change():
+    """Default mode; one rank changes an argument on a later call only."""
+    rank, w = dist.get_rank(), dist.get_world_size()
+    out = {}
+    base = dict(causal=True, layout="zigzag", softmax_scale=None)
+    changes = {"seqlen": None, "dtype": None, "causal": dict(causal=False),
+               "layout": dict(layout="stripe"), "scale": dict(softmax_scale=0.3)}
+    for name, change in changes.items():
+        full = _full(3, 6 * w)
+        kw = dict(base)
+        lay = "zigzag"
+        if rank == 1 and change:
+            kw.update(change)
+        loc = [ringseq.shard(t, kw["layout"]) for t in full]
+        if rank == 1 and name == "seqlen":
+            loc = [t[:, :-2] for t in loc]
+        if rank == 1 and name == "dtype":
+            loc = [t.float() for t in loc]
+        ringseq.ring_flash_attn_func(*[ringseq.shard(t, lay) for t in full], **base)  # call 1
+        out[name] = _capture(lambda: ringseq.ring_flash_attn_func(*loc, **kw))          # call 2
+        # the ring stays usable after a mismatch: no payload moved
+        good = [ringseq.shard(t, lay) for t in full]
+        ref = ringseq.shard(ringseq.flash_attn_func(*full, causal=True, backend="reference"), lay)
+        out[name + "_after"] = max_err(ringseq.ring_flash_attn_func(*good, **base), ref)
+    # both ranks used both layouts before; then rank 1 switches
+    full = _full(4, 6 * w)
+    for lay in ("zigzag", "stripe", "zigzag", "stripe"):
+        ringseq.ring_flash_attn_func(*[ringseq.shard(t, lay) for t in full], causal=True,
+                                     layout=lay)
+    lay = "stripe" if rank == 1 else "zigzag"
+    out["switch"] = _capture(lambda: ringseq.ring_flash_attn_func(
+        *[ringseq.shard(t, lay) for t in full], causal=True, layout=lay))
+    return out
+
+
+def _case_double_backward():
+    w = dist.get_world_size()
+    full = _full(5, 6 * w)
+    q, k, v = (ringseq.shard(t, "zigzag").requires_grad_() for t in full)
+
+    def penalty():
+        out = ringseq.ring_flash_attn_func(q, k, v, causal=True, layout="zigzag")
+        (gk,) = torch.autograd.grad(out.square().sum(), k, create_graph=True)
+        (out.sum() + gk.square().sum()).backward()
+
+    return {"create_graph": _capture(penalty)}
+
+
+class _GatedBackend(FaultyBackend):
+    """Blocks in its first kernel call until ``release`` is set (holds a ring call open)."""
+
+    def __init__(self, entered, release):
+        super().__init__()
+        self.entered, self.release = entered, release
+
+    def _fwd(self, q, k, v, scale, causal):
+        self.entered.set()
+        self.release.wait(30)
+        return super()._fwd(q, k, v, scale, causal)
+
+
+def _case_threads():
+    """Two threads of one rank call ring attention on the same group at once."""
+    w = dist.get_world_size()
+    full = _full(6, 6 * w)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    entered, release = threading.Event(), threading.Event()
+    gated = _GatedBackend(entered, release)
+    result = {}
+
+    def first():
+        result["first"] = _capture(lambda: ringseq.ring_flash_attn_func(
+            *loc, causal=True, layout="zigzag", backend=gated))
+
+    t = threading.Thread(target=first)
+    t.start()
+    entered.wait(30)
+    result["second"] = _capture(lambda: ringseq.ring_flash_attn_func(*loc, causal=True,
+                                                                     layout="zigzag"))
+    release.set()
+    t.join(60)
+    ref = ringseq.shard(ringseq.flash_attn_func(*full, causal=True, backend="reference"), "zigzag")
+    first_res = result["first"]
+    result["first_err"] = max_err(first_res[1], ref) if first_res[0] == "ok" else None
+    result["first"] = first_res[0]
+    return result
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16, dtype=torch.float64)
+
+    def forward(self, q, k, v):
+        out = ringseq.ring_flash_attn_func(self.proj(q), k, v, causal=True, layout="zigzag")
+        return out.square().sum()
+
+
+def _case_compile():
+    """torch.compile(fullgraph=True) of a module calling ring attention."""
+    torch._dynamo.reset()
+    w = dist.get_world_size()
+    full = _full(7, 6 * w)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    torch.manual_seed(0)
+    mod = _Attn()
+    compiled = torch.compile(mod, fullgraph=True, backend="aot_eager")
+    got = {}
+    for name, m in (("eager", mod), ("compiled", compiled)):
+        mod.zero_grad()
+        q, k, v = (t.clone().requires_grad_() for t in loc)
+        loss = m(q, k, v)
+        loss.backward()
+        got[name] = [loss.detach(), q.grad, k.grad, v.grad, mod.proj.weight.grad.clone()]
+    return {"diff": max(max_err(a, b) for a, b in zip(got["eager"], got["compiled"]))}
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (open, (os.environ["RINGSEQ_TEST_MARKER"], "w"))
+
+
+def _case_checkpoints(tmp):
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    rank = dist.get_rank()
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=dist.get_world_size()))
+    out = {}
+    # a crafted lr-scheduler checkpoint must not run code on any rank
+    sched_path = os.path.join(tmp, "sched.pt")
+    if rank == 0:
+        with open(sched_path, "wb") as f:
+            pickle.dump({"x": _Exploit()}, f)
+    dist.barrier()
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    out["sched"] = _capture(lambda: booster.load_lr_scheduler(sched, sched_path))
+    out["marker"] = os.path.exists(os.environ["RINGSEQ_TEST_MARKER"])
+    # a checkpoint one rank cannot read: every rank raises, naming path and rank
+    model = torch.nn.Linear(3, 3)
+    good = os.path.join(tmp, "good.pt")
+    torch.save(model.state_dict(), good)
+    bad = os.path.join(tmp, f"garbage{rank}.pt")
+    with open(bad, "wb") as f:
+        f.write(b"\x00not a checkpoint" if rank == 1 else open(good, "rb").read())
+    before = [p.detach().clone() for p in model.parameters()]
+    out["load"] = _capture(lambda: booster.load_model(model, bad))
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # a symlink planted at <path>.tmp is never written through
+    target = os.path.join(tmp, "victim.txt")
+    if rank == 0:
+        with open(target, "w") as f:
+            f.write("precious")
+        os.symlink(target, os.path.join(tmp, "model.pt.tmp"))
+    dist.barrier()
+    booster.save_model(model, os.path.join(tmp, "model.pt"))
+    out["victim"] = open(target).read()
+    out["saved_ok"] = torch.load(os.path.join(tmp, "model.pt"), weights_only=True).keys() == \
+        model.state_dict().keys()
+    return out
+
+
+def _case_many_groups():
+    """30 process groups created, used and destroyed: their rings are not kept alive."""
+    import gc
+
+    from ringseq import comm
+    full = _full(8, 12)
+    before = len(comm._COMMS)
+    for _ in range(30):
+        g = dist.new_group(list(range(dist.get_world_size())))
+        loc = [ringseq.shard(t, "contiguous", g) for t in full]
+        ringseq.ring_flash_attn_func(*loc, group=g)
+        dist.destroy_process_group(g)
+        del g, loc
+    gc.collect()
+    return {"kept": len(comm._COMMS) - before}
+
+
+def _case_stalled_peer():
+    """A peer stops calling ring attention: the waiting rank gets a ringseq timeout error."""
+    import time
+    rank = dist.get_rank()
+    ringseq.set_ring_timeout(3)
+    g = dist.new_group(list(range(dist.get_world_size())))
+    full = _full(9, 12)
+    loc = [ringseq.shard(t, "contiguous", g) for t in full]
+    res = {}
+    if rank == 0:
+        res["stalled"] = _capture(lambda: ringseq.ring_flash_attn_func(*loc, group=g))
+    else:
+        time.sleep(5)
+    ringseq.set_ring_timeout(None)
+    dist.barrier()
+    return res
+
+
+def _booster_case():
+    """A Booster step raises inside the model on one rank (a bad token id); the loop catches
+    it: every rank raises within seconds, the next steps raise until reset, then training
+    goes on exactly."""
+    import transformers
+
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    rank, w = dist.get_rank(), dist.get_world_size()
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                   max_position_embeddings=128, attention_dropout=0.0)
+    torch.manual_seed(0)
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=w, layout="zigzag"))
+    model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, criterion, *_ = booster.boost(model, opt)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (1, 8 * w), generator=g)
+    good = ringseq.shard_batch({"input_ids": ids, "labels": ids})
+    bad = dict(good)
+    if rank == 1:
+        bad["input_ids"] = good["input_ids"].clone()
+        bad["input_ids"][0, 0] = 10_000  # out of the vocabulary: IndexError in the embedding
+
+    def step(batch):
+        loss = criterion(model(**batch), batch)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    out = {"good": _capture(lambda: step(good))}
+    out["bad"] = _capture(lambda: step(bad))
+    out["next"] = _capture(lambda: step(good))
+    booster.reset()
+    out["after_reset"] = _capture(lambda: step(good))
+    return out
+
+
+def _worker_w2(tmp):
+    rank = dist.get_rank()
+    os.environ["RINGSEQ_TEST_MARKER"] = os.path.join(tmp, f"pwned{rank}")
+    res = {"fault": _case_fault_inside_call(fail_rank=1),
+           "skip_backward": _case_skip_backward(),
+           "later_change": _case_later_argument_change(),
+           "double_backward": _case_double_backward(),
+           "threads": _case_threads(),
+           "compile": _case_compile(),
+           "checkpoints": _case_checkpoints(tmp),
+           "many_groups": _case_many_groups(),
+           "stalled": _case_stalled_peer(),
+           "booster": _booster_case()}
+    dist.barrier()  # every rank is alive and in step after everything above
+    return res
+
+
+def _case_nan(layout):
+    """A NaN in k (or v, or an inf in q) on one rank reaches every row that attends to it."""
+    rank, w = dist.get_rank(), dist.get_world_size()
+    s = 8 * w
+    res = {}
+    for what in ("k_nan", "v_nan", "q_inf"):
+        full = _full(10, s, dtype=torch.float32)
+        which, value = {"k_nan": (1, float("nan")), "v_nan": (2, float("nan")),
+                        "q_inf": (0, float("inf"))}[what]
+        full[which][0, 5 * s // 8, 0, 3] = value  # global position 5s/8, kv head / head 0
+        loc = [ringseq.shard(t, layout) for t in full]
+        res[what] = ringseq.ring_flash_attn_func(*loc, causal=True, layout=layout).detach()
+    return res
+
+
+def _case_fuzz(trials=50):
+    """Random faults: at a random kernel call of a random ring call on a random rank. No
+    result may be silently wrong: each call is either correct or raises."""
+    import random
+    rank, w = dist.get_rank(), dist.get_world_size()
+    rng = random.Random(1234)  # the same draws on every rank
+    full = _full(11, 6 * w)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    want = _reference_shards(full, "zigzag")
+    be = FaultyBackend()
+    counts = {"correct": 0, "error": 0, "wrong": 0, "faults": 0}
+    for _ in range(trials):
+        victim = rng.randrange(w)
+        call = rng.randrange(3)
+        kernel_calls_per_pass = 2 * w  # forward tasks + backward tasks, at most
+        fail_at = rng.randrange(1, kernel_calls_per_pass + 1)
+        for c in range(3):
+            be.count = 0
+            be.fail_at = fail_at
+            be.armed = rank == victim and c == call
+            outcome = _capture(lambda: _fwd_bwd(*loc, backend=be))
+            if be.armed and be.count >= fail_at:
+                counts["faults"] += 1
+            if outcome[0] == "ok":
+                counts["correct" if _err(outcome[1], want) < 1e-9 else "wrong"] += 1
+            else:
+                counts["error"] += 1
+        ringseq.reset_ring()
+    return counts
+
+
+def _worker_w4():
+    rank = dist.get_rank()
+    res = {"fault": _case_fault_inside_call(fail_rank=2), "skip_backward": _case_skip_backward(),
+           "nan": {lay: _case_nan(lay) for lay in ("contiguous", "zigzag", "stripe")},
+           "fuzz": _case_fuzz()}
+    # a rank outside a group calls shard / positions / unshard
+    g = dist.new_group([0, 1])
+    if rank >= 2:
+        res["non_member"] = [_capture(lambda: ringseq.shard(torch.zeros(1, 8), "zigzag", g)),
+                             _capture(lambda: ringseq.positions(8, "zigzag", g)),
+                             _capture(lambda: ringseq.unshard(torch.zeros(1, 4), "zigzag", g))]
+    dist.barrier()
+    return res
+
+
+# ---------------------------------------------------------------- parent side
+@pytest.fixture(scope="module")
+def w2(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("integrity"))
+    return run_ranks(_worker_w2, 2, tmp, timeout=300, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def w4():
+    return run_ranks(_worker_w4, 4, timeout=300, env=ENV)
+
+
+def _is_fast_error(res, kind, *needles):
+    assert res[0] == kind, res
+    assert res[2] < FAST, f"took {res[2]:.1f} s: {res}"
+    for n in needles:
+        assert n in res[1], (n, res[1])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fault_inside_a_call_raises_everywhere_and_breaks_the_ring(w2, w4, world):
+    ranks = w2 if world == 2 else w4
+    fail_rank = 1 if world == 2 else 2
+    for r, res in enumerate(ranks):
+        res = res["fault"]
+        if r == fail_rank:
+            _is_fast_error(res["fault"], "InjectedFault", "injected fault")
+            _is_fast_error(res["later"], "RingBrokenError", "reset_ring", "InjectedFault")
+        else:
+            _is_fast_error(res["fault"], "RingBrokenError", f"rank {fail_rank} failed")
+            _is_fast_error(res["later"], "RingBrokenError", "reset_ring")
+        _is_fast_error(res["later_again"], "RingBrokenError", "reset_ring")
+        assert res["after_reset_err"] < 1e-10
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_skipped_backward_is_a_desync_error_on_every_rank(w2, w4, world):
+    for res in (w2 if world == 2 else w4):
+        _is_fast_error(res["skip_backward"]["skip"], "RingDesyncError", "different ring calls",
+                       "backward", "forward")
+        assert res["skip_backward"]["after_reset_err"] < 1e-10
+
+
+@pytest.mark.parametrize("name,needle", [("seqlen", "local seqlen"), ("dtype", "dtype"),
+                                         ("causal", "causal"), ("layout", "layout"),
+                                         ("scale", "softmax_scale"), ("switch", "layout")])
+def test_later_argument_changes_raise_instead_of_hanging(w2, name, needle):
+    for res in w2:
+        _is_fast_error(res["later_change"][name], "RingMismatchError", needle, "rank 1")
+        if name != "switch":
+            assert res["later_change"][name + "_after"] < 1e-10
+
+
+def test_double_backward_raises(w2):
+    for res in w2:
+        _is_fast_error(res["double_backward"]["create_graph"], "RuntimeError", "create_graph")
+
+
+def test_double_backward_raises_single_device():
+    q, k, v = (t.requires_grad_() for t in _full(12, 20))
+    out = ringseq.flash_attn_func(q, k, v, causal=True)
+    (gk,) = torch.autograd.grad(out.square().sum(), k, create_graph=True)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        (out.sum() + gk.square().sum()).backward()
+
+
+def test_concurrent_threads_get_a_clear_error(w2):
+    for res in w2:
+        t = res["threads"]
+        _is_fast_error(t["second"], "RuntimeError", "another thread")
+        assert t["first"] == "ok" and t["first_err"] < 1e-10, t
+
+
+def test_fullgraph_compile_of_a_module_with_ring_attention(w2):
+    for res in w2:
+        assert res["compile"]["diff"] < 1e-10, res["compile"]
+
+
+def test_checkpoints_are_safe_and_collective(w2):
+    for r, res in enumerate(w2):
+        c = res["checkpoints"]
+        assert c["sched"][0] != "ok" and "sched.pt" in c["sched"][1], c["sched"]
+        assert not c["marker"], "a crafted checkpoint ran code"
+        if r == 1:  # its own error type, with rank and path
+            assert c["load"][0] == "UnpicklingError" and "rank 1" in c["load"][1] \
+                and "garbage1.pt" in c["load"][1], c["load"]
+        else:
+            assert c["load"][0] == "ValueError" and "another rank" in c["load"][1] \
+                and "failed rank(s): [1]" in c["load"][1], c["load"]
+        assert c["unchanged"]
+        assert c["victim"] == "precious" and c["saved_ok"]
+
+
+def test_destroyed_groups_do_not_keep_their_rings(w2):
+    for res in w2:
+        assert res["many_groups"]["kept"] <= 1, res["many_groups"]
+
+
+def test_stalled_peer_times_out_with_a_ringseq_message(w2):
+    res = w2[0]["stalled"]["stalled"]
+    assert res[0] == "RingTimeoutError" and "ringseq" in res[1] and "peers" in res[1], res
+    assert res[2] < 10, res
+
+
+def test_booster_step_failing_on_one_rank(w2):
+    for r, res in enumerate(w2):
+        b = res["booster"]
+        assert b["good"][0] == "ok", b["good"]
+        if r == 1:
+            assert b["bad"][0] == "IndexError", b["bad"]
+        else:
+            _is_fast_error(b["bad"], "RingBrokenError", "rank 1 failed")
+        assert b["next"][0] != "ok" and b["next"][2] < FAST, b["next"]
+        assert "reset_ring" in b["next"][1] or "reset" in b["next"][1], b["next"]
+        assert b["after_reset"][0] == "ok", b["after_reset"]
+    # replicas are identical again: the same loss on every rank
+    assert w2[0]["booster"]["after_reset"][1] == w2[1]["booster"]["after_reset"][1]
+
+
+def _nan_reference(layout, what, w):
+    s = 8 * w
+    full = _full(10, s, dtype=torch.float32)
+    which, value = {"k_nan": (1, float("nan")), "v_nan": (2, float("nan")),
+                    "q_inf": (0, float("inf"))}[what]
+    full[which][0, 5 * s // 8, 0, 3] = value
+    q, k, v = (t.double() for t in full)
+    # plain causal attention without any NaN guard, summing over the keys each row attends to
+    # (a masked key's NaN value must not reach rows that never see it: 0 * NaN is NaN)
+    kk, vv = (t.repeat_interleave(q.shape[2] // k.shape[2], 2) for t in (k, v))
+    visible = ~torch.ones(s, s, dtype=torch.bool).triu(1)  # (q, k)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * q.shape[-1] ** -0.5
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)  # (b, h, q, k)
+    terms = p[..., None] * vv.permute(0, 2, 1, 3)[:, :, None]  # (b, h, q, k, d)
+    strict = terms.masked_fill(~visible[None, None, :, :, None], 0.0).sum(3).transpose(1, 2)
+    # softmax(S) @ V as plain attention writes it: 0 * NaN also poisons rows that do not see
+    # the key, an upper bound of what a kernel that multiplies whole tiles may show
+    plain = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    return [[ringseq.layouts.shard_local(t, layout, w, r) for r in range(w)]
+            for t in (strict, plain)]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
+@pytest.mark.parametrize("what", ["k_nan", "v_nan", "q_inf"])
+def test_nan_and_inf_propagate_like_plain_attention(w4, layout, what):
+    strict, plain = _nan_reference(layout, what, 4)
+    n_bad = 0
+    for r, res in enumerate(w4):
+        got_bad = ~torch.isfinite(res["nan"][layout][what])
+        must, may = ~torch.isfinite(strict[r]), ~torch.isfinite(plain[r])
+        # every output that attends to the poisoned value is poisoned, on every rank ...
+        assert not (must & ~got_bad).any(), (r, layout, what, "a poisoned value was dropped")
+        # ... and nothing beyond what plain attention itself would poison
+        assert not (got_bad & ~may).any(), (r, layout, what)
+        n_bad += int(must.any())
+        fin = ~got_bad
+        assert max_err(res["nan"][layout][what][fin], strict[r][fin]) < 1e-4
+    # a poisoned key/value reaches the ranks after its own; a poisoned query only its row
+    assert n_bad >= (1 if what == "q_inf" else 2)
+
+
+def test_fuzzed_faults_never_give_silently_wrong_results(w4):
+    for r, res in enumerate(w4):
+        counts = res["fuzz"]
+        assert counts["wrong"] == 0, counts
+        assert counts["error"] > 0 and counts["correct"] > 0, counts
+    assert sum(res["fuzz"]["faults"] for res in w4) >= 25
+
+
+def test_non_member_ranks_get_a_clear_error(w4):
+    for res in w4[2:]:
+        for got in res["non_member"]:
+            assert got[0] == "ValueError" and "not a member" in got[1], got
+
+
+def test_unknown_consistency_mode_in_the_environment(monkeypatch):
+    from ringseq import _dist
+    monkeypatch.setenv("RINGSEQ_CHECK_CONSISTENCY", "alwasy")
+    monkeypatch.setattr(_dist, "_CHECK_MODE", None)
+    with pytest.raises(ValueError, match="alwasy.*always"):
+        _dist.consistency_check_mode()
+    monkeypatch.setenv("RINGSEQ_CHECK_CONSISTENCY", "none")
+    with pytest.raises(ValueError, match="'none'"):
+        _dist.consistency_check_mode()

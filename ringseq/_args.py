@@ -39,6 +39,11 @@ def _is_number(x) -> bool:
     return (isinstance(x, numbers.Real) or isinstance(x, _SYM_NUMBERS)) and not isinstance(x, bool)
 
 
+def _finite(x) -> bool:
+    # comparisons, not math.isfinite: they also work on symbolic floats under torch.compile
+    return -math.inf < x < math.inf
+
+
 def _given(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"a torch.Tensor of shape {tuple(x.shape)}"
@@ -61,7 +66,7 @@ def check_softmax_scale(fn: str, softmax_scale, name: str = "softmax_scale"):
     if not _is_number(softmax_scale):
         raise TypeError(f"{fn}: {name} must be a float or None (None: headdim ** -0.5), got "
                         f"{_given(softmax_scale)}")
-    if not isinstance(softmax_scale, _SYM_NUMBERS) and not math.isfinite(softmax_scale):
+    if not _finite(softmax_scale):
         raise ValueError(f"{fn}: {name} must be finite, got {softmax_scale!r}")
     return softmax_scale
 
@@ -119,7 +124,7 @@ def check_window_softcap(fn: str, window_size=WINDOW_OFF,
                          f"{tuple(window_size)}")
     if not _is_number(softcap):
         raise TypeError(f"{fn}: softcap must be a float (0.0: off), got {_given(softcap)}")
-    if not isinstance(softcap, _SYM_NUMBERS) and not (math.isfinite(softcap) and softcap >= 0):
+    if not (_finite(softcap) and softcap >= 0):
         raise ValueError(f"{fn}: softcap must be a finite float >= 0 (0.0: off), got "
                          f"{softcap!r}")
     if (left, right) != WINDOW_OFF:
@@ -136,8 +141,9 @@ def check_flash_args(fn: str, *, dropout_p, softmax_scale, causal, window_size=W
                      return_attn_probs=False, return_lse=False) -> None:
     """Every non-tensor argument of a flash-attn style call (see the module docstring).
 
-    ``deterministic`` must be a bool and has no effect: ringseq's kernels are deterministic
-    (fixed accumulation order, no atomics), forward and backward, on every backend it ships.
+    ``deterministic`` must be a bool and has no effect: ringseq's own kernels (the default
+    backend, CPU and CUDA) are deterministic (fixed accumulation order, no atomics), forward
+    and backward; the "sdpa" and "flash_attn" backends are as deterministic as their library.
     ``return_attn_probs`` and ``return_lse`` must be bools and not both True (they ask for
     different return conventions)."""
     check_dropout(fn, dropout_p)

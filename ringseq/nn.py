@@ -62,8 +62,9 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
         causal: bool; causal mask over GLOBAL positions as placed by ``layout``.
         window_size: must be (-1, -1) (no sliding window yet: NotImplementedError otherwise).
         alibi_slopes: must be None (NotImplementedError otherwise).
-        deterministic: accepted and without effect: the ring and its kernels are always
-            deterministic (fixed block order and accumulation order, no atomics).
+        deterministic: accepted and without effect: ringseq's kernels (the default backend)
+            are always deterministic (fixed accumulation order, no atomics) and the ring
+            merges blocks in a fixed order; other backends are as their library is.
         return_attn_probs: return ``(out, softmax_lse, None)`` as ring-flash-attention does.
         group: process group of the ring (None: default group; no process group: local).
         layout (keyword-only): ``"contiguous"``, ``"zigzag"``, ``"stripe"`` or a ``ringseq.layouts.Layout``;

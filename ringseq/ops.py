@@ -35,8 +35,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         window_size: must be (-1, -1) (no sliding window yet; NotImplementedError otherwise).
         softcap: must be 0.0 (no softcapping yet; NotImplementedError otherwise).
         alibi_slopes: must be None (NotImplementedError otherwise).
-        deterministic: accepted and without effect: ringseq's kernels are always
-            deterministic (fixed accumulation order, no atomics), forward and backward.
+        deterministic: accepted and without effect: ringseq's kernels (the default backend)
+            are always deterministic (fixed accumulation order, no atomics), forward and
+            backward; with backend "sdpa" / "flash_attn" determinism is that library's.
         return_attn_probs: as in flash-attn: return ``(out, softmax_lse, None)``; the third
             entry (flash-attn's attention probabilities, "for testing only") is always None.
         return_lse (keyword-only): return ``(out, lse)``.

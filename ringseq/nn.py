@@ -67,19 +67,22 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
             merges blocks in a fixed order; other backends are as their library is.
         return_attn_probs: return ``(out, softmax_lse, None)`` as ring-flash-attention does.
         group: process group of the ring (None: default group; no process group: local).
-        layout (keyword-only): ``"contiguous"``, ``"zigzag"``, ``"stripe"`` or a ``ringseq.layouts.Layout``;
-            must match how the shards were made. All layouts are exact for full (non-causal)
-            attention, which is permutation invariant; zigzag/stripe only balance causal work.
+        layout (keyword-only): ``"contiguous"``, ``"zigzag"``, ``"stripe"`` or a
+            ``ringseq.layouts.Layout``; must match how the shards were made. All layouts are
+            exact for full (non-causal) attention, which is permutation invariant;
+            zigzag/stripe only balance causal work.
         return_lse (keyword-only): return ``(out, lse)``.
-        backend (keyword-only): block kernel: None (best available), "ringseq", "reference", ... (see
-            ``ringseq.get_backend``); "sdpa" works for forward and backward without lse grads.
-        grad_comm_dtype (keyword-only): dtype in which the dK/dV accumulators travel in the backward. None:
-            float32 (float64 for float64 inputs), exact accumulation. ``"input"`` (or e.g.
-            ``torch.bfloat16``): 2/3 of the backward traffic, one rounding per ring hop. Measured
-            for bf16 inputs at W=4 (tests/test_ring.py): about 2x the dK/dV error of float32
-            transit, about the error of plain bf16 attention; bounded by float32 transit's
-            error + W * 2**-8 * max|dK|. out, lse and dQ are unaffected. float16 transit
-            can overflow (partial sums above 65504 become inf); prefer bfloat16.
+        backend (keyword-only): block kernel: None (best available), "ringseq", "reference",
+            ... (see ``ringseq.get_backend``); "sdpa" works for forward and backward without
+            lse grads.
+        grad_comm_dtype (keyword-only): dtype in which the dK/dV accumulators travel in the
+            backward. None: float32 (float64 for float64 inputs), exact accumulation.
+            ``"input"`` (or e.g. ``torch.bfloat16``): 2/3 of the backward traffic, one
+            rounding per ring hop. Measured for bf16 inputs at W=4 (tests/test_ring.py): about
+            2x the dK/dV error of float32 transit, about the error of plain bf16 attention;
+            bounded by float32 transit's error + W * 2**-8 * max|dK|. out, lse and dQ are
+            unaffected. float16 transit can overflow (partial sums above 65504 become inf);
+            prefer bfloat16.
 
     Returns:
         out (batch, s_local, nheads, headdim) in q's dtype (under ``torch.autocast``: the

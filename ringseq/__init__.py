@@ -1,5 +1,10 @@
 """ringseq: ring sequence parallelism for PyTorch with its own flash-attention kernels.
 
+The attention functions take flash-attn 2's and ring-flash-attention's signatures under their
+names (``flash_attn_func``, ``ring_flash_attn_func``, ``zigzag_ring_flash_attn_func``, ...), so
+code written for either runs by changing the import (README: "Drop-in for flash-attn and
+ring-flash-attention").
+
 ``import ringseq`` loads the attention API (single device and ring), layouts, data sharding
 and the sharded loss; the training plugin (``ringseq.plugin``: DataLoader, DDP) loads on
 first use of ``ringseq.Booster`` / ``ringseq.RingSequenceParallelPlugin`` / ``ringseq.Plugin``,
@@ -8,18 +13,27 @@ and transformers only through ``ringseq.integrations.transformers``.
 from ._dist import (RingBrokenError, RingDesyncError, RingError, RingMismatchError,
                     RingTimeoutError, set_consistency_check, set_ring_timeout)
 from .comm import RingComm, Transport, reset_ring
+from .compat import (stripe_flash_attn_func, stripe_flash_attn_kvpacked_func,
+                     stripe_flash_attn_qkvpacked_func, zigzag_ring_flash_attn_func,
+                     zigzag_ring_flash_attn_kvpacked_func, zigzag_ring_flash_attn_qkvpacked_func)
 from .data import shard_batch
 from .kernels import available_backends
 from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
 from .loss import sharded_cross_entropy
 from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_func,
                  ring_flash_attn_qkvpacked_func, ring_sdpa)
-from .ops import flash_attn_func, get_backend
+from .ops import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                  get_backend)
 from .sim import simulate_ring
 
 __version__ = "0.1.0"
 
 _PLUGIN_NAMES = ("Booster", "Plugin", "RingSequenceParallelPlugin")
+
+_COMPAT_NAMES = ["flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+                 "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
+                 "zigzag_ring_flash_attn_qkvpacked_func", "stripe_flash_attn_func",
+                 "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func"]
 
 __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend",
            "RingAttention", "RingComm", "RingMismatchError", "Layout", "Transport",
@@ -28,7 +42,7 @@ __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend"
            "get_layout", "positions", "register_layout", "ring_flash_attn_func",
            "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_sdpa",
            "set_consistency_check", "shard", "simulate_ring", "unshard",
-           "shard_batch", "sharded_cross_entropy", *_PLUGIN_NAMES]
+           "shard_batch", "sharded_cross_entropy", *_COMPAT_NAMES, *_PLUGIN_NAMES]
 
 
 def __getattr__(name):

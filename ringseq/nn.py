@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ._args import check_bool, check_flash_args, check_softmax_scale, split_kv, split_qkv
 from .kernels import get_backend
 from .layouts import get_layout
 from .ring_op import ring_attention_op
@@ -37,10 +38,17 @@ def _autocast(q, k, v):
                  for t in (q, k, v))
 
 
-def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, group=None,
-                         layout="contiguous", return_lse=False, backend=None,
-                         grad_comm_dtype=None):
+def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                         window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                         return_attn_probs=False, group=None, *, layout="contiguous",
+                         return_lse=False, backend=None, grad_comm_dtype=None):
     """Exact attention over a sequence sharded across ``group``, on this rank's shards.
+
+    The positional order and defaults are ring-flash-attention's ``ring_flash_attn_func``
+    (flash-attn's, plus ``group`` last); ringseq's options are keyword-only. With the default
+    ``layout="contiguous"`` it is ring-flash-attention's plain ring;
+    ``ringseq.zigzag_ring_flash_attn_func`` / ``ringseq.stripe_flash_attn_func`` bind the
+    other layouts under ring-flash-attention's names.
 
     Args:
         q: (batch, s_local, nheads, headdim); k, v: (batch, s_local, nheads_kv, headdim) with
@@ -48,34 +56,52 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, group=None,
             float64, bfloat16 or float16; only the last dimension must be contiguous. Under
             ``torch.autocast`` they are first cast to the autocast dtype (float64 excepted),
             as ``F.scaled_dot_product_attention`` is, so mixed float32/bf16 inputs work.
-        softmax_scale: defaults to ``headdim ** -0.5``.
-        causal: causal mask over GLOBAL positions as placed by ``layout``.
+        dropout_p: must be 0.0 (no attention dropout: NotImplementedError otherwise).
+        softmax_scale: a float, or None for ``headdim ** -0.5``.
+        causal: bool; causal mask over GLOBAL positions as placed by ``layout``.
+        window_size: must be (-1, -1) (no sliding window yet: NotImplementedError otherwise).
+        alibi_slopes: must be None (NotImplementedError otherwise).
+        deterministic: accepted and without effect: ringseq's kernels (the default backend)
+            are always deterministic (fixed accumulation order, no atomics) and the ring
+            merges blocks in a fixed order; other backends are as their library is.
+        return_attn_probs: return ``(out, softmax_lse, None)`` as ring-flash-attention does.
         group: process group of the ring (None: default group; no process group: local).
-        layout: ``"contiguous"``, ``"zigzag"``, ``"stripe"`` or a ``ringseq.layouts.Layout``;
-            must match how the shards were made. All layouts are exact for full (non-causal)
-            attention, which is permutation invariant; zigzag/stripe only balance causal work.
-        return_lse: also return lse.
-        backend: block kernel: None (best available), "ringseq", "reference", ... (see
-            ``ringseq.get_backend``); "sdpa" works for forward and backward without lse grads.
-        grad_comm_dtype: dtype in which the dK/dV accumulators travel in the backward. None:
-            float32 (float64 for float64 inputs), exact accumulation. ``"input"`` (or e.g.
-            ``torch.bfloat16``): 2/3 of the backward traffic, one rounding per ring hop. Measured
-            for bf16 inputs at W=4 (tests/test_ring.py): about 2x the dK/dV error of float32
-            transit, about the error of plain bf16 attention; bounded by float32 transit's
-            error + W * 2**-8 * max|dK|. out, lse and dQ are unaffected. float16 transit
-            can overflow (partial sums above 65504 become inf); prefer bfloat16.
+        layout (keyword-only): ``"contiguous"``, ``"zigzag"``, ``"stripe"`` or a
+            ``ringseq.layouts.Layout``; must match how the shards were made. All layouts are
+            exact for full (non-causal) attention, which is permutation invariant;
+            zigzag/stripe only balance causal work.
+        return_lse (keyword-only): return ``(out, lse)``.
+        backend (keyword-only): block kernel: None (best available), "ringseq", "reference",
+            ... (see ``ringseq.get_backend``); "sdpa" works for forward and backward without
+            lse grads.
+        grad_comm_dtype (keyword-only): dtype in which the dK/dV accumulators travel in the
+            backward. None: float32 (float64 for float64 inputs), exact accumulation.
+            ``"input"`` (or e.g. ``torch.bfloat16``): 2/3 of the backward traffic, one
+            rounding per ring hop. Measured for bf16 inputs at W=4 (tests/test_ring.py): about
+            2x the dK/dV error of float32 transit, about the error of plain bf16 attention;
+            bounded by float32 transit's error + W * 2**-8 * max|dK|. out, lse and dQ are
+            unaffected. float16 transit can overflow (partial sums above 65504 become inf);
+            prefer bfloat16.
 
     Returns:
         out (batch, s_local, nheads, headdim) in q's dtype (under ``torch.autocast``: the
-        autocast dtype, float64 inputs excepted); with ``return_lse`` also
-        lse (batch, nheads, s_local) float32 (float64 for float64 inputs), natural log, -inf
-        for rows that see no key. Gradients flow to q, k, v (in their dtype) and through lse.
+        autocast dtype, float64 inputs excepted); with ``return_lse`` ``(out, lse)``, with
+        ``return_attn_probs`` ``(out, lse, None)``, lse (batch, nheads, s_local) float32
+        (float64 for float64 inputs), natural log, -inf for rows that see no key. Gradients
+        flow to q, k, v (in their dtype) and through lse.
 
     Raises:
+        TypeError: an argument of the wrong kind (a bool or None for ``dropout_p`` or
+            ``softmax_scale``, a ``causal`` that is not a bool, ...), naming it.
+        NotImplementedError: ``dropout_p > 0``, ``window_size != (-1, -1)``, ``alibi_slopes``.
         ValueError: bad shapes/dtypes/devices, a local length the layout cannot use (zigzag
             needs an even one), an unknown layout or backend -- before any communication.
         RingMismatchError (a ValueError): ranks called with different arguments (every rank).
     """
+    check_flash_args("ring_flash_attn_func", dropout_p=dropout_p, softmax_scale=softmax_scale,
+                     causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                     deterministic=deterministic, return_attn_probs=return_attn_probs,
+                     return_lse=return_lse)
     q, k, v = _autocast(q, k, v)
     # The inputs now have the dtype autocast asked for; the block kernels choose their own
     # accumulation dtype (the reference backend's float32/float64 einsums), which the caller's
@@ -85,31 +111,47 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, group=None,
                                      layout=get_layout(layout), group=group,
                                      backend=get_backend(backend, q.device, q.dtype, q.shape[-1]),
                                      grad_comm_dtype=grad_comm_dtype)
+    if return_attn_probs:
+        return out, lse, None
     return (out, lse) if return_lse else out
 
 
-def ring_flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, group=None,
-                                  layout="contiguous", return_lse=False, backend=None,
-                                  grad_comm_dtype=None):
-    """:func:`ring_flash_attn_func` with ``kv`` packed as (batch, s_local, 2, nheads_kv, headdim).
+def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                                  window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                  return_attn_probs=False, group=None, *, layout="contiguous",
+                                  return_lse=False, backend=None, grad_comm_dtype=None):
+    """:func:`ring_flash_attn_func` with ``kv`` packed as (batch, s_local, 2, nheads_kv, headdim)
+    (ring-flash-attention's ``ring_flash_attn_kvpacked_func`` signature).
 
     K and V are read as strided views of ``kv`` (no copy); the gradient comes back packed."""
-    if kv.dim() != 5 or kv.shape[2] != 2:
-        raise ValueError(f"kv must be (batch, seqlen, 2, nheads_kv, headdim), got "
-                         f"{tuple(kv.shape)}")
-    return ring_flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], softmax_scale, causal, group,
-                                layout, return_lse, backend, grad_comm_dtype)
+    fn = "ring_flash_attn_kvpacked_func"
+    check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                     window_size=window_size, alibi_slopes=alibi_slopes,
+                     deterministic=deterministic, return_attn_probs=return_attn_probs,
+                     return_lse=return_lse)
+    k, v = split_kv(fn, kv)
+    return ring_flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                return_attn_probs=return_attn_probs, group=group, layout=layout,
+                                return_lse=return_lse, backend=backend,
+                                grad_comm_dtype=grad_comm_dtype)
 
 
-def ring_flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, group=None,
-                                   layout="contiguous", return_lse=False, backend=None,
-                                   grad_comm_dtype=None):
-    """:func:`ring_flash_attn_func` with ``qkv`` packed as (batch, s_local, 3, nheads, headdim)."""
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got "
-                         f"{tuple(qkv.shape)}")
-    return ring_flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], softmax_scale, causal,
-                                group, layout, return_lse, backend, grad_comm_dtype)
+def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                                   window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                   return_attn_probs=False, group=None, *, layout="contiguous",
+                                   return_lse=False, backend=None, grad_comm_dtype=None):
+    """:func:`ring_flash_attn_func` with ``qkv`` packed as (batch, s_local, 3, nheads, headdim)
+    (ring-flash-attention's ``ring_flash_attn_qkvpacked_func`` signature)."""
+    fn = "ring_flash_attn_qkvpacked_func"
+    check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                     window_size=window_size, alibi_slopes=alibi_slopes,
+                     deterministic=deterministic, return_attn_probs=return_attn_probs,
+                     return_lse=return_lse)
+    q, k, v = split_qkv(fn, qkv)
+    return ring_flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                return_attn_probs=return_attn_probs, group=group, layout=layout,
+                                return_lse=return_lse, backend=backend,
+                                grad_comm_dtype=grad_comm_dtype)
 
 
 def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -131,6 +173,9 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     Returns (batch, nheads, s_local, headdim) in query's dtype (under ``torch.autocast``: the
     autocast dtype, float64 inputs excepted; a transposed view).
     """
+    check_softmax_scale("ring_sdpa", scale, name="scale")
+    check_bool("ring_sdpa", "is_causal", is_causal)
+    check_bool("ring_sdpa", "enable_gqa", enable_gqa)
     if attn_mask is not None:
         raise ValueError("ring_sdpa does not support attn_mask; use is_causal or a layout")
     if dropout_p:
@@ -140,8 +185,9 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             raise ValueError(f"{name} must be (batch, nheads, seqlen, headdim), got "
                              f"{tuple(t.shape)}")
     out = ring_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
-                               value.transpose(1, 2), scale, is_causal, group, layout, False,
-                               backend, grad_comm_dtype)
+                               value.transpose(1, 2), softmax_scale=scale, causal=is_causal,
+                               group=group, layout=layout, backend=backend,
+                               grad_comm_dtype=grad_comm_dtype)
     return out.transpose(1, 2)
 
 
@@ -156,6 +202,8 @@ class RingAttention(nn.Module):
                  backend: Optional[str] = None, softmax_scale: Optional[float] = None,
                  grad_comm_dtype=None):
         super().__init__()
+        check_bool("RingAttention", "causal", causal)
+        check_softmax_scale("RingAttention", softmax_scale)
         self.group = group
         self.layout = get_layout(layout)
         self.causal = bool(causal)
@@ -164,8 +212,9 @@ class RingAttention(nn.Module):
         self.grad_comm_dtype = grad_comm_dtype
 
     def forward(self, q, k, v, return_lse: bool = False):
-        return ring_flash_attn_func(q, k, v, self.softmax_scale, self.causal, self.group,
-                                    self.layout, return_lse, self.backend, self.grad_comm_dtype)
+        return ring_flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=self.causal,
+                                    group=self.group, layout=self.layout, return_lse=return_lse,
+                                    backend=self.backend, grad_comm_dtype=self.grad_comm_dtype)
 
     def extra_repr(self) -> str:
         return f"layout={self.layout.name!r}, causal={self.causal}, backend={self.backend!r}"

@@ -1,45 +1,111 @@
 """Single-device attention with log-sum-exp: the Python face of the kernels.
 
-``flash_attn_func`` takes flash-attn's (batch, seqlen, nheads, headdim) layout and runs on any
-backend of ``ringseq.kernels`` through one differentiable custom operator
-(``ringseq.kernels.autograd``); ``get_backend`` resolves the name the ring uses.
+``flash_attn_func`` (and its kv/qkv-packed forms) takes flash-attn 2's signature and
+(batch, seqlen, nheads, headdim) layout and runs on any backend of ``ringseq.kernels`` through
+one differentiable custom operator (``ringseq.kernels.autograd``); ``get_backend`` resolves
+the name the ring uses.
 """
 from __future__ import annotations
 
 import torch
 
+from ._args import check_flash_args, split_kv, split_qkv
 from .kernels import AttentionBackend, available_backends, check_qkv, get_backend, resolve_scale
 from .kernels.autograd import attention
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, backend=None):
-    """Exact attention of q against k, v with an optional log-sum-exp output.
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, return_lse=False, backend=None):
+    """Exact attention of q against k, v, with flash-attn 2's signature.
+
+    The positional order and defaults are flash-attn's ``flash_attn_func``, so a call written
+    for flash-attn means the same here or raises; ringseq's own options are keyword-only.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
             ``nheads % nheads_kv == 0`` (GQA/MQA without expanding K/V). Only the last
             dimension must be contiguous. float32, float64, bfloat16 or float16 (CUDA kernel:
             float16/bfloat16 with head dim 64 or 128; use backend="sdpa" otherwise).
-        softmax_scale: defaults to ``headdim ** -0.5``.
-        causal: bottom-right aligned mask: key j is visible to query i iff
+        dropout_p: must be 0.0: ringseq has no attention dropout (NotImplementedError for any
+            ``dropout_p > 0``, in training and evaluation: flash-attn applies it in both).
+        softmax_scale: a float, or None for ``headdim ** -0.5``.
+        causal: bool; bottom-right aligned mask: key j is visible to query i iff
             ``j <= i + seqlen_k - seqlen_q``. Rows that see no key give 0 and lse = -inf.
-        return_lse: also return lse (batch, nheads, seqlen_q), float32 (float64 for float64
-            inputs), natural log; gradients may flow through it.
-        backend: None (ringseq's kernels where they support the inputs), "ringseq", "sdpa",
-            "reference", "flash_attn", or an AttentionBackend instance.
+        window_size: must be (-1, -1) (no sliding window yet; NotImplementedError otherwise).
+        softcap: must be 0.0 (no softcapping yet; NotImplementedError otherwise).
+        alibi_slopes: must be None (NotImplementedError otherwise).
+        deterministic: accepted and without effect: ringseq's kernels (the default backend)
+            are always deterministic (fixed accumulation order, no atomics), forward and
+            backward; with backend "sdpa" / "flash_attn" determinism is that library's.
+        return_attn_probs: as in flash-attn: return ``(out, softmax_lse, None)``; the third
+            entry (flash-attn's attention probabilities, "for testing only") is always None.
+        return_lse (keyword-only): return ``(out, lse)``.
+        backend (keyword-only): None (ringseq's kernels where they support the inputs),
+            "ringseq", "sdpa", "reference", "flash_attn", or an AttentionBackend instance.
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim) in q's dtype, and lse when ``return_lse``.
+        out (batch, seqlen_q, nheads, headdim) in q's dtype; with ``return_attn_probs``
+        ``(out, softmax_lse, None)``, with ``return_lse`` ``(out, lse)``, where lse is
+        (batch, nheads, seqlen_q), float32 (float64 for float64 inputs), natural log of the
+        softmax normalizer of ``softmax_scale * q k^T``; gradients may flow through it.
 
     Raises:
+        TypeError: an argument of the wrong kind (a bool or None for ``dropout_p`` or
+            ``softmax_scale``, a ``causal`` that is not a bool, ...), naming it.
+        NotImplementedError: ``dropout_p > 0``, ``window_size != (-1, -1)``, ``softcap != 0``,
+            ``alibi_slopes``, naming the parameter.
         ValueError: inputs that do not fit together or that the chosen backend cannot run (the
-            message names the argument, what was given and what is expected).
-        ValueError: also when backend "ringseq" is requested but the extension is not built.
+            message names the argument, what was given and what is expected); also when
+            backend "ringseq" is requested but the extension is not built.
     """
+    check_flash_args("flash_attn_func", dropout_p=dropout_p, softmax_scale=softmax_scale,
+                     causal=causal, window_size=window_size, softcap=softcap,
+                     alibi_slopes=alibi_slopes, deterministic=deterministic,
+                     return_attn_probs=return_attn_probs, return_lse=return_lse)
     check_qkv(q, k, v)
     be = get_backend(backend, q.device, q.dtype, q.shape[-1])
     out, lse = attention(q, k, v, resolve_scale(softmax_scale, q.shape[-1]), causal, be)
+    if return_attn_probs:
+        return out, lse, None
     return (out, lse) if return_lse else out
 
 
-__all__ = ["AttentionBackend", "available_backends", "flash_attn_func", "get_backend"]
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, *, return_lse=False,
+                             backend=None):
+    """:func:`flash_attn_func` with ``kv`` packed as (batch, seqlen_k, 2, nheads_kv, headdim),
+    flash-attn 2's ``flash_attn_kvpacked_func`` signature. K and V are strided views of ``kv``
+    (no copy); its gradient comes back packed. ValueError for another ``kv`` shape."""
+    fn = "flash_attn_kvpacked_func"
+    check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                     deterministic=deterministic, return_attn_probs=return_attn_probs,
+                     return_lse=return_lse)
+    k, v = split_kv(fn, kv)
+    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                           return_attn_probs=return_attn_probs, return_lse=return_lse,
+                           backend=backend)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, *,
+                              return_lse=False, backend=None):
+    """:func:`flash_attn_func` with ``qkv`` packed as (batch, seqlen, 3, nheads, headdim),
+    flash-attn 2's ``flash_attn_qkvpacked_func`` signature (no GQA in this form). ValueError
+    for another ``qkv`` shape."""
+    fn = "flash_attn_qkvpacked_func"
+    check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                     deterministic=deterministic, return_attn_probs=return_attn_probs,
+                     return_lse=return_lse)
+    q, k, v = split_qkv(fn, qkv)
+    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                           return_attn_probs=return_attn_probs, return_lse=return_lse,
+                           backend=backend)
+
+
+__all__ = ["AttentionBackend", "available_backends", "flash_attn_func", "flash_attn_kvpacked_func",
+           "flash_attn_qkvpacked_func", "get_backend"]

@@ -259,11 +259,13 @@ def test_fwd_accum_over_key_blocks_equals_one_call(backend, dtype, causal):
         want_o, want_l = plain_reference_split(q, k, v)
     else:
         want_o, want_l = [t.to(acc) for t in
-                          ringseq.flash_attn_func(q.double(), k.double(), v.double(), 0.3, False,
-                                                  True, "reference")]
+                          ringseq.flash_attn_func(q.double(), k.double(), v.double(),
+                                                  softmax_scale=0.3, causal=False,
+                                                  return_lse=True, backend="reference")]
         # queries [0, 20) only saw keys [0, 20) in the non-causal run above
         o2, l2 = ringseq.flash_attn_func(q[:, :20].double(), k[:, :20].double(),
-                                         v[:, :20].double(), 0.3, False, True, "reference")
+                                         v[:, :20].double(), softmax_scale=0.3, causal=False,
+                                         return_lse=True, backend="reference")
         want_o[:, :20], want_l[:, :, :20] = o2.to(acc), l2.to(acc)
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out, want_o.to(acc), rtol=tol, atol=tol)

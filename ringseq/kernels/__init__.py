@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .autograd import backend_key
 from .base import AttentionBackend, compute_delta
 from .checks import accum_dtype, check_qkv, resolve_scale
 from .extension import ExtensionBackend, extension_available, extension_has_cuda
@@ -26,8 +27,9 @@ def _instance(name: str) -> AttentionBackend:
     if name == "ringseq":
         return ExtensionBackend.instance(0)
     if name not in _INSTANCES:
-        _INSTANCES[name] = {"sdpa": SdpaBackend, "reference": ReferenceBackend,
-                            "flash_attn": FlashAttnBackend}[name]()
+        inst = _INSTANCES[name] = {"sdpa": SdpaBackend, "reference": ReferenceBackend,
+                                   "flash_attn": FlashAttnBackend}[name]()
+        backend_key(inst)  # registered eagerly: torch.compile may trace the first use
     return _INSTANCES[name]
 
 

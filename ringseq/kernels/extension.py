@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import _fake_checks, attention_backward, fake_attention_outputs
+from .autograd import _fake_checks, attention_backward, backend_key, fake_attention_outputs
 from .base import AttentionBackend
 
 _IMPORT_ERROR: Exception | None = None
@@ -97,7 +97,8 @@ class ExtensionBackend(AttentionBackend):
     def instance(cls, tile_config: int = 0) -> "ExtensionBackend":
         """The shared instance for ``tile_config`` (backends hold no per-call state)."""
         if tile_config not in cls._INSTANCES:
-            cls._INSTANCES[tile_config] = cls(tile_config)
+            inst = cls._INSTANCES[tile_config] = cls(tile_config)
+            backend_key(inst)  # registered eagerly: torch.compile may trace the first use
         return cls._INSTANCES[tile_config]
 
     def unsupported_reason(self, device, dtype, headdim):

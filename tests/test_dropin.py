@@ -1,0 +1,360 @@
+"""Drop-in compatibility with flash-attn 2 and ring-flash-attention (issue 17).
+
+- The parameter lists of ringseq's functions match the reference signatures, written below
+  from flash-attn's and ring-flash-attention's documentation (neither package is imported).
+- Every positional and keyword form of those signatures computes attention that passes
+  docs/design.md's rule against float64 (out/lse 2x, gradients 3x the error of plain float32
+  attention): flash-attn's functions on one device, the ring functions at W=1 (in process) and
+  W=2, 4 (one spawn per world size for all cases), on inputs sharded the way
+  ring-flash-attention's documentation describes (not with ``ringseq.shard``).
+- Every unsupported or mistaken value raises an error naming the parameter.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringseq
+
+from dist_utils import RankError, run_ranks
+from utils import assert_close_per_design, default_floor, reference_grads
+
+# ------------------------------------------------------------ reference signatures
+# flash-attn 2 (flash_attn/flash_attn_interface.py docstrings, v2.6+).
+_FA2_TAIL = ("dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+             "softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False")
+FLASH_ATTN_2 = {
+    "flash_attn_func": "q, k, v, " + _FA2_TAIL,
+    "flash_attn_kvpacked_func": "q, kv, " + _FA2_TAIL,
+    "flash_attn_qkvpacked_func": "qkv, " + _FA2_TAIL,
+}
+# ring-flash-attention (README: every function has *_func, *_kvpacked_func, *_qkvpacked_func).
+_RFA_TAIL = ("dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+             "alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None")
+RING_FLASH_ATTN = {
+    f"{prefix}_{suffix}": f"{tensors}, {_RFA_TAIL}"
+    for prefix in ("ring_flash_attn", "zigzag_ring_flash_attn", "stripe_flash_attn")
+    for suffix, tensors in (("func", "q, k, v"), ("kvpacked_func", "q, kv"),
+                            ("qkvpacked_func", "qkv"))
+}
+REFERENCE = {**FLASH_ATTN_2, **RING_FLASH_ATTN}
+LAYOUT_OF = {"ring_flash_attn": "contiguous", "zigzag_ring_flash_attn": "zigzag",
+             "stripe_flash_attn": "stripe"}
+# ringseq's keyword-only extras
+EXTRAS = {name: ({"return_lse", "backend"} if name in FLASH_ATTN_2 else
+                 {"layout", "return_lse", "backend", "grad_comm_dtype"}
+                 if name.startswith("ring_flash_attn") else
+                 {"return_lse", "backend", "grad_comm_dtype"})
+          for name in REFERENCE}
+
+
+def _parse(params: str):
+    """[(name, default or inspect.Parameter.empty)] of a documented parameter list."""
+    args = ast.parse(f"def f({params}): pass").body[0].args
+    defaults = [inspect.Parameter.empty] * (len(args.args) - len(args.defaults)) + [
+        ast.literal_eval(d) for d in args.defaults]
+    return [(a.arg, d) for a, d in zip(args.args, defaults)]
+
+
+@pytest.mark.parametrize("name", list(REFERENCE))
+def test_signature_matches_reference(name):
+    sig = inspect.signature(getattr(ringseq, name))
+    params = list(sig.parameters.values())
+    positional = [(p.name, p.default) for p in params
+                  if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == _parse(REFERENCE[name]), f"{name}{sig}"
+    others = params[len(positional):]
+    assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in others), f"{name}{sig}"
+    assert {p.name for p in others} == EXTRAS[name], f"{name}{sig}"
+    assert name in ringseq.__all__
+
+
+# ------------------------------------------------------------ call forms
+# Each form calls a function with the tensors and its documented parameters, and says what
+# the call means: (softmax_scale, causal, returns lse). A form uses only documented names.
+def _forms(name):
+    ring = name in RING_FLASH_ATTN
+    tail = {"dropout_p": 0.0, "window_size": (-1, -1), "alibi_slopes": None,
+            "deterministic": True, "return_attn_probs": True}
+    if not ring:
+        tail["softcap"] = 0.0
+    else:
+        tail["group"] = None
+    order = [p for p, _ in _parse(REFERENCE[name]) if p in tail or p in ("softmax_scale",
+                                                                           "causal")]
+
+    def positional(scale, causal):
+        vals = dict(tail, softmax_scale=scale, causal=causal)
+        return lambda f, t: f(*t, *[vals[p] for p in order])
+
+    def keyword(scale, causal):
+        vals = dict(tail, softmax_scale=scale, causal=causal)
+        return lambda f, t: f(*t, **{p: vals[p] for p in reversed(order)})  # any order
+
+    return [
+        ("all positional", positional(0.3, False), 0.3, False, True),
+        ("all keyword", keyword(0.25, True), 0.25, True, True),
+        ("defaults", lambda f, t: f(*t), None, False, False),
+        ("flash-attn causal positional (q, k, v, 0.0, None, True)",
+         lambda f, t: f(*t, 0.0, None, True), None, True, False),
+        ("keywords, some", lambda f, t: f(*t, causal=True, softmax_scale=0.2), 0.2, True,
+         False),
+    ]
+
+
+def _pack(name, q, k, v):
+    """The leaf tensors a function takes, and how to read (dq, dk, dv) from their grads."""
+    if "qkvpacked" in name:
+        qkv = torch.stack([q, k, v], dim=2).requires_grad_()
+        return (qkv,), lambda: (qkv.grad[:, :, 0], qkv.grad[:, :, 1], qkv.grad[:, :, 2])
+    if "kvpacked" in name:
+        q1, kv = q.clone().requires_grad_(), torch.stack([k, v], dim=2).requires_grad_()
+        return (q1, kv), lambda: (q1.grad, kv.grad[:, :, 0], kv.grad[:, :, 1])
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    return (q1, k1, v1), lambda: (q1.grad, k1.grad, v1.grad)
+
+
+def _call(name, form, q, k, v, dout):
+    """Runs one form; returns {"out", "lse" (or None), "dq", "dk", "dv", "kind"}."""
+    _, call, _, _, with_lse = form
+    tensors, grads = _pack(name, q, k, v)
+    res = call(getattr(ringseq, name), tensors)
+    if with_lse:
+        assert isinstance(res, tuple) and len(res) == 3 and res[2] is None, type(res)
+        out, lse = res[0], res[1]
+    else:
+        assert isinstance(res, torch.Tensor), type(res)
+        out, lse = res, None
+    out.backward(dout)
+    dq, dk, dv = grads()
+    return {"out": out.detach(), "lse": None if lse is None else lse.detach(), "dq": dq,
+            "dk": dk, "dv": dv}
+
+
+def _check(name, form, got, ref, plain, floor=1e-6):
+    """ref/plain: (out, lse, dq, dk, dv) (already this rank's part)."""
+    label, _, _, _, with_lse = form
+    assert (got["lse"] is not None) == with_lse
+    for j, key in enumerate(("out", "lse", "dq", "dk", "dv")):
+        if got[key] is None:
+            continue
+        if key == "lse":
+            assert got[key].dtype == torch.float32
+        assert_close_per_design(got[key], ref[j], plain[j], name=f"{name} [{label}] {key}",
+                                factor=2.0 if j < 2 else 3.0, floor=floor)
+
+
+def _inputs(seed, b, s_q, s_k, h, h_kv, d=16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, s_q, h, d, generator=g), torch.randn(b, s_k, h_kv, d, generator=g),
+            torch.randn(b, s_k, h_kv, d, generator=g), torch.randn(b, s_q, h, d, generator=g))
+
+
+def _refs(q, k, v, dout, scale, causal):
+    return (reference_grads(q, k, v, dout, scale, causal),
+            reference_grads(q, k, v, dout, scale, causal, dtype=torch.float32))
+
+
+# ------------------------------------------------------------ flash-attn, one device
+@pytest.mark.parametrize("name", list(FLASH_ATTN_2))
+def test_flash_attn_forms_match_float64(name):
+    # s_q != s_k (bottom-right causal) and GQA where the form allows it
+    shape = (2, 37, 37, 3, 3) if "qkvpacked" in name else (2, 37, 45, 4, 2)
+    q, k, v, dout = _inputs(1, *shape)
+    for form in _forms(name):
+        got = _call(name, form, q, k, v, dout)
+        ref, plain = _refs(q, k, v, dout, form[2], form[3])
+        _check(name, form, got, ref, plain)
+
+
+# ------------------------------------------------------------ ring functions, W = 1, 2, 4
+def _rfa_shard(x, layout, w, r):
+    """This rank's tokens as ring-flash-attention's documentation lays them out."""
+    if layout == "contiguous":
+        return x.chunk(w, dim=1)[r]
+    if layout == "zigzag":  # chunks r and 2W-1-r of 2W
+        c = x.chunk(2 * w, dim=1)
+        return torch.cat([c[r], c[2 * w - 1 - r]], dim=1)
+    return x[:, r::w]  # stripe: token t on rank t mod W
+
+
+def _layout(name):
+    prefix = name.rsplit("_", 2)[0] if "packed" in name else name[:-len("_func")]
+    return LAYOUT_OF[prefix]
+
+
+def _ring_shapes(name, w):
+    s = 10 * w  # zigzag: chunks of 5
+    return (1, s, s, 3, 3) if "qkvpacked" in name else (2, s, s, 4, 2)
+
+
+def _ring_worker(names):
+    w = dist.get_world_size() if dist.is_initialized() else 1
+    r = dist.get_rank() if dist.is_initialized() else 0
+    results = {}
+    for name in names:
+        layout = _layout(name)
+        full = _inputs(7, *_ring_shapes(name, w))
+        q, k, v, dout = (_rfa_shard(t, layout, w, r).contiguous() for t in full)
+        results[name] = [_call(name, form, q, k, v, dout) for form in _forms(name)]
+    return results
+
+
+_RING: dict = {}
+
+
+def _ring_results(w):
+    if w not in _RING:
+        names = list(RING_FLASH_ATTN)
+        if w == 1:
+            assert not dist.is_initialized()
+            _RING[w] = [_ring_worker(names)]
+        else:
+            try:
+                _RING[w] = run_ranks(_ring_worker, w, names, timeout=180)
+            except RankError as exc:
+                _RING[w] = exc
+    if isinstance(_RING[w], Exception):
+        raise _RING[w]
+    return _RING[w]
+
+
+@pytest.mark.parametrize("w", [1, 2, 4])
+@pytest.mark.parametrize("name", list(RING_FLASH_ATTN))
+def test_ring_forms_match_float64(name, w):
+    per_rank = _ring_results(w)
+    layout = _layout(name)
+    q, k, v, dout = _inputs(7, *_ring_shapes(name, w))
+    for i, form in enumerate(_forms(name)):
+        ref, plain = _refs(q, k, v, dout, form[2], form[3])
+        for r in range(w):
+            # lse is (b, h, s): its sequence dim is 2
+            part = [_rfa_shard(t.transpose(1, 2), layout, w, r).transpose(1, 2) if j == 1
+                    else _rfa_shard(t, layout, w, r) for j, t in enumerate(ref)]
+            plain_part = [_rfa_shard(t.transpose(1, 2), layout, w, r).transpose(1, 2)
+                          if j == 1 else _rfa_shard(t, layout, w, r)
+                          for j, t in enumerate(plain)]
+            _check(f"{name} W={w} rank {r}", form, per_rank[r][name][i], part, plain_part,
+                   floor=default_floor(torch.float32))
+
+
+# ------------------------------------------------------------ unsupported and mistaken values
+def _tensors_for(name):
+    q, k, v, _ = _inputs(0, 1, 8, 8, 2, 2)
+    if "qkvpacked" in name:
+        return (torch.stack([q, k, v], dim=2),)
+    if "kvpacked" in name:
+        return q, torch.stack([k, v], dim=2)
+    return q, k, v
+
+
+ALL = list(REFERENCE)
+BAD = [  # (id, kwargs, exception, message fragments, functions)
+    ("dropout", dict(dropout_p=0.1), NotImplementedError, ["dropout_p", "0.1"], ALL),
+    ("dropout_range", dict(dropout_p=1.5), ValueError, ["dropout_p", "1.5"], ALL),
+    ("dropout_none", dict(dropout_p=None), TypeError, ["dropout_p", "None"], ALL),
+    ("dropout_bool", dict(dropout_p=True), TypeError, ["dropout_p", "True"], ALL),
+    ("scale_str", dict(softmax_scale="0.5"), TypeError, ["softmax_scale", "'0.5'"], ALL),
+    ("scale_bool", dict(softmax_scale=True), TypeError, ["softmax_scale", "True"], ALL),
+    ("scale_tensor", dict(softmax_scale=torch.tensor(0.5)), TypeError,
+     ["softmax_scale", "Tensor"], ALL),
+    ("scale_nan", dict(softmax_scale=float("nan")), ValueError, ["softmax_scale", "nan"], ALL),
+    ("causal_int", dict(causal=1), TypeError, ["causal", "1 (int)"], ALL),
+    ("causal_none", dict(causal=None), TypeError, ["causal", "None"], ALL),
+    ("causal_str", dict(causal="True"), TypeError, ["causal", "'True'"], ALL),
+    ("window", dict(window_size=(8, 0)), NotImplementedError, ["window_size", "(8, 0)"], ALL),
+    ("window_left_only", dict(window_size=(-1, 0)), NotImplementedError, ["window_size"], ALL),
+    ("window_int", dict(window_size=8), TypeError, ["window_size", "8"], ALL),
+    ("window_range", dict(window_size=(-2, -1)), ValueError, ["window_size", "-2"], ALL),
+    ("softcap", dict(softcap=30.0), NotImplementedError, ["softcap", "30.0"],
+     list(FLASH_ATTN_2)),
+    ("softcap_negative", dict(softcap=-1.0), ValueError, ["softcap", "-1.0"],
+     list(FLASH_ATTN_2)),
+    ("softcap_none", dict(softcap=None), TypeError, ["softcap", "None"], list(FLASH_ATTN_2)),
+    ("alibi", dict(alibi_slopes=torch.ones(2)), NotImplementedError, ["alibi_slopes"], ALL),
+    ("deterministic_none", dict(deterministic=None), TypeError, ["deterministic"], ALL),
+    ("attn_probs_int", dict(return_attn_probs=1), TypeError, ["return_attn_probs"], ALL),
+    ("return_lse_int", dict(return_lse=1), TypeError, ["return_lse"], ALL),
+    ("both_returns", dict(return_attn_probs=True, return_lse=True), ValueError,
+     ["return_attn_probs", "return_lse"], ALL),
+]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=[b[0] for b in BAD])
+def test_unsupported_value_raises_naming_it(bad):
+    _, kwargs, exc, fragments, names = bad
+    for name in names:
+        with pytest.raises(exc) as info:
+            getattr(ringseq, name)(*_tensors_for(name), **kwargs)
+        msg = str(info.value)
+        for frag in [name, *fragments]:
+            assert frag in msg, f"{name}({kwargs}): {frag!r} not in {msg!r}"
+
+
+def test_dropout_raises_in_eval_too():
+    """flash-attn applies dropout_p whether or not the model trains; ringseq has none."""
+    with torch.no_grad():
+        for name in ALL:
+            with pytest.raises(NotImplementedError, match="dropout_p"):
+                getattr(ringseq, name)(*_tensors_for(name), 0.1)
+
+
+def test_deterministic_is_accepted_and_repeatable():
+    for name in ALL:
+        t = _tensors_for(name)
+        a = getattr(ringseq, name)(*t, causal=True, deterministic=True)
+        b = getattr(ringseq, name)(*t, causal=True, deterministic=False)
+        assert torch.equal(a, b), name
+
+
+def test_extras_cannot_be_positional():
+    """backend, return_lse, layout, ... are keyword-only: one positional argument past the
+    documented list is a TypeError."""
+    for name in ALL:
+        defaults = [d for _, d in _parse(REFERENCE[name])][len(_tensors_for(name)):]
+        with pytest.raises(TypeError, match="positional"):
+            getattr(ringseq, name)(*_tensors_for(name), *defaults, "reference")
+
+
+@pytest.mark.parametrize("call, exc, frag", [
+    # ringseq 0.1's (q, k, v, softmax_scale, causal, return_lse, backend)
+    (lambda q, k, v: ringseq.flash_attn_func(q, k, v, 0.3, False, True, "reference"),
+     NotImplementedError, "dropout_p"),
+    (lambda q, k, v: ringseq.flash_attn_func(q, k, v, 0.125), NotImplementedError, "dropout_p"),
+    # ringseq 0.1's (q, k, v, softmax_scale, causal, group, layout, ...)
+    (lambda q, k, v: ringseq.ring_flash_attn_func(q, k, v, 0.125, True), NotImplementedError,
+     "dropout_p"),
+    (lambda q, k, v: ringseq.ring_flash_attn_func(q, k, v, None, True), TypeError, "dropout_p"),
+    (lambda q, k, v: ringseq.ring_flash_attn_func(q, k, v, 0.0, True), TypeError,
+     "softmax_scale"),
+], ids=["flash_old_order", "flash_old_scale", "ring_old_order", "ring_old_default_scale",
+        "ring_old_zero_scale"])
+def test_old_ringseq_positional_calls_fail_loudly(call, exc, frag):
+    with pytest.raises(exc, match=frag) as info:
+        call(*_tensors_for("flash_attn_func"))
+    if frag == "dropout_p":  # the message says why a scale landed in dropout_p
+        assert "4th positional argument is dropout_p" in str(info.value)
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if "packed" in n])
+def test_packed_shape_is_checked(name):
+    q, k, v = _tensors_for("flash_attn_func")
+    bad = (k,) if "qkvpacked" in name else (q, k)
+    with pytest.raises(ValueError, match="kv must be"):
+        getattr(ringseq, name)(*bad)
+
+
+def test_ring_sdpa_and_module_check_their_arguments():
+    q, k, v = (t.transpose(1, 2) for t in _tensors_for("flash_attn_func"))
+    with pytest.raises(TypeError, match="ring_sdpa: scale must be a float"):
+        ringseq.ring_sdpa(q, k, v, scale="0.5")
+    with pytest.raises(TypeError, match="ring_sdpa: is_causal must be a bool"):
+        ringseq.ring_sdpa(q, k, v, is_causal=1)
+    with pytest.raises(TypeError, match="RingAttention: causal must be a bool"):
+        ringseq.RingAttention(causal="yes")
+    with pytest.raises(TypeError, match="RingAttention: softmax_scale must be a float"):
+        ringseq.RingAttention(softmax_scale=True)

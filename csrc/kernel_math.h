@@ -2,9 +2,11 @@
 // ownership, ldmatrix lane maps, tile configurations and causal block ranges.
 //
 // Everything here is torch-free and compiles with a plain C++17 host compiler, so the CPU
-// tests (tests/test_index_math.py via tests/cpp/index_math_dump.cpp) exercise exactly the
-// functions the kernels call. Layout facts follow the PTX ISA (mma.m16n8k16, ldmatrix) as
-// summarised in KERNEL.md; a change here must keep those tests green.
+// tests (tests/test_index_math*.py, through tests/cpp/index_math_dump.cpp and a harness of
+// their own) run the very functions the kernels call. The exception is the
+// section "Hardware layouts" at the end: it restates the PTX ISA (mma.m16n8k16, ldmatrix; see
+// docs/kernels.md) for the tests, which check the kernel-called maps against it, and no kernel
+// calls it. A change here must keep those tests green.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +30,6 @@ namespace km {
 // index with the row spreads them over all 8 bank groups. Every smem write and read of a
 // swizzled tile goes through swz_offset so the two can never disagree.
 // ---------------------------------------------------------------------------------------
-constexpr int kChunkBytes = 16;
 constexpr int kChunkElems = 8;  // 16-bit elements per 16-byte chunk
 
 RS_HD constexpr int swz_chunk(int row, int chunk) { return chunk ^ (row & 7); }
@@ -49,41 +50,27 @@ RS_HD constexpr int swz_advance(int offset, int row_delta, int col_delta, int ro
 }
 
 // ---------------------------------------------------------------------------------------
-// mma.sync.aligned.m16n8k16.row.col fragments. lane in [0, 32); `i` indexes the 16-bit
-// halves of A (0..7) and B (0..3) or the float registers of C/D (0..3).
+// mma.sync.aligned.m16n8k16.row.col fragments. lane in [0, 32); `i` indexes the float
+// registers of C/D (0..3) or the 16-bit halves of an A fragment (0..7).
 // ---------------------------------------------------------------------------------------
 RS_HD constexpr int lane_group(int lane) { return lane >> 2; }   // g
 RS_HD constexpr int lane_in_group(int lane) { return lane & 3; } // t
 
-// A: 16x16, row-major (m, k).
-RS_HD constexpr int mma_a_row(int lane, int i) { return lane_group(lane) + 8 * ((i >> 1) & 1); }
-RS_HD constexpr int mma_a_col(int lane, int i) { return 2 * lane_in_group(lane) + (i & 1) + 8 * (i >> 2); }
-// B: 16x8 (k, n), "col" operand.
-RS_HD constexpr int mma_b_k(int lane, int i) { return 2 * lane_in_group(lane) + (i & 1) + 8 * (i >> 1); }
-RS_HD constexpr int mma_b_n(int lane, int /*i*/) { return lane_group(lane); }
 // C/D: 16x8 float32.
 RS_HD constexpr int mma_c_row(int lane, int i) { return lane_group(lane) + 8 * (i >> 1); }
 RS_HD constexpr int mma_c_col(int lane, int i) { return 2 * lane_in_group(lane) + (i & 1); }
 
 // The C fragments of two adjacent n8 tiles (2k, 2k+1) form the A fragment of k-step k of
-// the next GEMM (P in P*V, dS in dS*K): half i of that A fragment is register
-// c_to_a_reg(i) of n-tile 2k + c_to_a_tile(i).
+// the next GEMM (P in P*V, dS in dS*K, P^T in P^T*dO ...): half i of that A fragment is
+// register c_to_a_reg(i) of n-tile 2k + c_to_a_tile(i). Every kernel packs (and the
+// backward unpacks) through prim::c_to_a / these two maps only.
 RS_HD constexpr int c_to_a_tile(int i) { return i >> 2; }
 RS_HD constexpr int c_to_a_reg(int i) { return i & 3; }
 
 // ---------------------------------------------------------------------------------------
-// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16
-// Lanes 8j..8j+7 supply the row addresses of matrix j. Each lane receives one .b32 per
-// matrix holding two 16-bit elements (h = 0 low half, h = 1 high half).
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 address maps (lanes 8j..8j+7 supply the
+// row addresses of matrix j; what each lane receives is in "Hardware layouts" below).
 // ---------------------------------------------------------------------------------------
-RS_HD constexpr int ldsm_src_matrix(int lane) { return lane >> 3; }
-RS_HD constexpr int ldsm_src_row(int lane) { return lane & 7; }
-// Which element of the stored 8x8 matrix lands in half h of a lane's register.
-RS_HD constexpr int ldsm_dst_row(int lane, int /*h*/) { return lane >> 2; }
-RS_HD constexpr int ldsm_dst_col(int lane, int h) { return 2 * (lane & 3) + h; }
-RS_HD constexpr int ldsm_trans_dst_row(int lane, int h) { return 2 * (lane & 3) + h; }
-RS_HD constexpr int ldsm_trans_dst_col(int lane, int /*h*/) { return lane >> 2; }
-
 // Address maps for one x4 load covering a 16x16 region of a row-major smem tile: which
 // (row, col) of the region lane `lane` points at (the start of a 16-byte row segment).
 //
@@ -130,10 +117,6 @@ RS_HD constexpr int causal_offset(int seqlen_q, int seqlen_k) { return seqlen_k 
 // The element mask of the kernels (rows past seqlen_q are not checked: they are not stored).
 RS_HD constexpr bool key_visible(int i, int j, int seqlen_q, int seqlen_k, bool causal) {
   return j < seqlen_k && (!causal || j <= i + causal_offset(seqlen_q, seqlen_k));
-}
-// Full reference predicate including the row bound (used by the backward and the tests).
-RS_HD constexpr bool element_visible(int i, int j, int seqlen_q, int seqlen_k, bool causal) {
-  return i >= 0 && i < seqlen_q && j >= 0 && key_visible(i, j, seqlen_q, seqlen_k, causal);
 }
 
 // Number of kv blocks [0, n) holding a key visible to some row of q tile `m_block`.
@@ -186,12 +169,6 @@ RS_HD constexpr int bwd_first_q_block(int n_block, int block_m, int block_n, int
   return first_row / block_m;
 }
 
-// Whether the rows of q tile `m_block` run past seqlen_q (the backward must then keep those
-// rows out of dK/dV).
-RS_HD constexpr bool rows_ragged(int m_block, int block_m, int seqlen_q) {
-  return (m_block + 1) * block_m > seqlen_q;
-}
-
 // ---------------------------------------------------------------------------------------
 // Backward section (flash_bwd_kernel.cuh; tested in tests/test_index_math_bwd.py).
 // ---------------------------------------------------------------------------------------
@@ -206,6 +183,32 @@ RS_HD constexpr bool rows_ragged(int m_block, int block_m, int seqlen_q) {
 // the backward's d=128 tiles within 255 registers.
 RS_HD constexpr int swz_step(int lane_offset, int row0, int k16, int row_elems) {
   return row0 * row_elems + (lane_offset ^ (16 * k16));
+}
+
+// ---------------------------------------------------------------------------------------
+// Hardware layouts (test-only: no kernel calls these). The PTX ISA's A/B fragment ownership
+// and ldmatrix source/destination maps, restated so that the tests can check the kernel-called
+// maps above (ldsm_*_row/col, c_to_a_*, mma_c_*) against the hardware's behaviour.
+// ---------------------------------------------------------------------------------------
+// mma A: 16x16, row-major (m, k); i indexes the halves a0..a7.
+RS_HD constexpr int mma_a_row(int lane, int i) { return lane_group(lane) + 8 * ((i >> 1) & 1); }
+RS_HD constexpr int mma_a_col(int lane, int i) { return 2 * lane_in_group(lane) + (i & 1) + 8 * (i >> 2); }
+// mma B: 16x8 (k, n), "col" operand; i indexes the halves b0..b3.
+RS_HD constexpr int mma_b_k(int lane, int i) { return 2 * lane_in_group(lane) + (i & 1) + 8 * (i >> 1); }
+RS_HD constexpr int mma_b_n(int lane, int /*i*/) { return lane_group(lane); }
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8j..8j+7 supply the row addresses
+// of matrix j; each lane receives one .b32 per matrix holding two 16-bit elements (h = 0 low
+// half, h = 1 high half), namely element (dst_row, dst_col) of the stored 8x8 matrix.
+RS_HD constexpr int ldsm_src_matrix(int lane) { return lane >> 3; }
+RS_HD constexpr int ldsm_src_row(int lane) { return lane & 7; }
+RS_HD constexpr int ldsm_dst_row(int lane, int /*h*/) { return lane >> 2; }
+RS_HD constexpr int ldsm_dst_col(int lane, int h) { return 2 * (lane & 3) + h; }
+RS_HD constexpr int ldsm_trans_dst_row(int lane, int h) { return 2 * (lane & 3) + h; }
+RS_HD constexpr int ldsm_trans_dst_col(int lane, int /*h*/) { return lane >> 2; }
+// The attention mask with the row bound included: the reference the kernels' key_visible
+// (which leaves rows past seqlen_q to the caller) is tested against.
+RS_HD constexpr bool element_visible(int i, int j, int seqlen_q, int seqlen_k, bool causal) {
+  return i >= 0 && i < seqlen_q && j >= 0 && key_visible(i, j, seqlen_q, seqlen_k, causal);
 }
 
 }  // namespace km

@@ -260,17 +260,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
     // next K copy is issued and P V runs.
     uint32_t p_frag[kMTiles][T::kPvSteps][4];
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int kk = 0; kk < T::kPvSteps; ++kk) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int tile = 2 * kk + km::c_to_a_tile(2 * j);
-          p_frag[mt][kk][j] = prim::pack2<Element>(s[mt][tile][km::c_to_a_reg(2 * j)],
-                                                   s[mt][tile][km::c_to_a_reg(2 * j + 1)]);
-        }
-      }
-    }
+    for (int mt = 0; mt < kMTiles; ++mt) prim::c_to_a<Element>(p_frag[mt], s[mt]);
 
     // V_n resident; every warp is done reading K_n: fetch K_{n-1} behind P V.
     prim::cp_async_wait<0>();

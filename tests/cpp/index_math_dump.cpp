@@ -119,8 +119,6 @@ void dump_cases() {
         std::printf("%c", km::block_needs_mask(m, n, bm, bn, sq, sk, causal) ? '1' : '0');
       std::printf("\"");
     }
-    std::printf("],\n \"rows_ragged\": [");
-    for (int m = 0; m < m_blocks; ++m) std::printf("%s%d", m ? ", " : "", km::rows_ragged(m, bm, sq) ? 1 : 0);
     std::printf("],\n \"first_q\": [");
     for (int n = 0; n < n_blocks; ++n)
       std::printf("%s%d", n ? ", " : "", km::bwd_first_q_block(n, bm, bn, sq, sk, causal));

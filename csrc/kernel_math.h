@@ -1,9 +1,10 @@
 // Index math of the CUDA flash-attention kernels: shared-memory swizzle, tensor-core fragment
-// ownership, ldmatrix lane maps, tile configurations and causal block ranges.
+// ownership, ldmatrix lane maps, tile configurations, causal block ranges and the row
+// alignment their 16-byte copies need.
 //
 // Everything here is torch-free and compiles with a plain C++17 host compiler, so the CPU
 // tests (tests/test_index_math*.py, through tests/cpp/index_math_dump.cpp and a harness of
-// their own) run the very functions the kernels call. The exception is the
+// their own) run the very functions the kernels and their binding call. The exception is the
 // section "Hardware layouts" at the end: it restates the PTX ISA (mma.m16n8k16, ldmatrix; see
 // docs/kernels.md) for the tests, which check the kernel-called maps against it, and no kernel
 // calls it. A change here must keep those tests green.
@@ -30,6 +31,7 @@ namespace km {
 // index with the row spreads them over all 8 bank groups. Every smem write and read of a
 // swizzled tile goes through swz_offset so the two can never disagree.
 // ---------------------------------------------------------------------------------------
+constexpr int kChunkBytes = 16;
 constexpr int kChunkElems = 8;  // 16-bit elements per 16-byte chunk
 
 RS_HD constexpr int swz_chunk(int row, int chunk) { return chunk ^ (row & 7); }
@@ -47,6 +49,17 @@ RS_HD constexpr int swz_offset(int row, int col, int row_elems) {
 // (compile-time deltas), instead of a hoisted register per address.
 RS_HD constexpr int swz_advance(int offset, int row_delta, int col_delta, int row_elems) {
   return (offset ^ col_delta) + row_delta * row_elems;
+}
+
+// Whether every row of a (b, s, h, d) view (d contiguous) starts on a 16-byte boundary, as the
+// 16-byte cp.async copies and vector stores need: a 16-byte aligned base and, for each of
+// the b, s and h dimensions, a stride that is a multiple of kChunkElems elements. A dimension
+// of size 1 is exempt: its only index is 0, so its stride never enters an address (torch
+// gives such dimensions arbitrary strides, e.g. a sliced or unsqueezed view).
+RS_HD constexpr bool rows_aligned(uint64_t addr, int64_t stride_b, int64_t stride_s, int64_t stride_h,
+                                  int64_t size_b, int64_t size_s, int64_t size_h) {
+  return addr % kChunkBytes == 0 && (size_b <= 1 || stride_b % kChunkElems == 0) &&
+         (size_s <= 1 || stride_s % kChunkElems == 0) && (size_h <= 1 || stride_h % kChunkElems == 0);
 }
 
 // ---------------------------------------------------------------------------------------

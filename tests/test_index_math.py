@@ -249,6 +249,31 @@ def test_forward_tile_configs(tables):
     assert all(len(v) == 2 for v in seen.values()) and set(seen) == {64, 128}
 
 
+def spec_rows_aligned(addr, strides, sizes):
+    """The kernels copy rows in 16-byte chunks: every row they touch must start on a 16-byte
+    boundary. Index 0 is the only one of a size-1 dimension, so its stride is never used."""
+    return addr % 16 == 0 and all(n <= 1 or s % 8 == 0 for s, n in zip(strides, sizes))
+
+
+def test_rows_aligned_ignores_strides_of_size_one_dims(harness):
+    cases = []
+    for addr in (0, 256, 8, 48):
+        for strides in itertools.product((8, 3, 0, 1024, 1), repeat=3):
+            for sizes in itertools.product((1, 2, 0), repeat=3):
+                cases.append((addr, *strides, *sizes))
+    got = run(harness, "aligned", stdin="\n".join(" ".join(map(str, c)) for c in cases) + "\n")
+    assert len(got) == len(cases)
+    for c, g in zip(cases, got):
+        assert g == int(spec_rows_aligned(c[0], c[1:4], c[4:7])), c
+    # what torch hands out: a (1, s, h, d) slice of a bigger batch, a (b, 1, h, d) decoding
+    # step of a packed qkv, a (b, s, 1, d) view of one kv head
+    assert got[cases.index((256, 3, 1024, 8, 1, 2, 2))] == 1
+    assert got[cases.index((256, 1024, 3, 8, 2, 1, 2))] == 1
+    assert got[cases.index((256, 1024, 8, 3, 2, 2, 1))] == 1
+    assert got[cases.index((256, 1024, 8, 3, 2, 2, 2))] == 0
+    assert got[cases.index((8, 8, 8, 8, 1, 1, 1))] == 0  # the base must be aligned regardless
+
+
 # ---------------------------------------------------------------------------------------
 # Causal ranges (bottom-right aligned) and the element mask
 # ---------------------------------------------------------------------------------------

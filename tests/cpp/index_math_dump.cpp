@@ -5,6 +5,8 @@
 //   index_math_dump static          -> swizzle, fragment, ldmatrix and tile tables
 //   index_math_dump cases < lines   -> per line "s_q s_k block_m block_n causal": block ranges
 //   index_math_dump mask s_q s_k causal pad -> key_visible for i < s_q + pad, j < s_k + pad
+//   index_math_dump aligned < lines -> per line "addr stride_b stride_s stride_h size_b size_s
+//                                      size_h": rows_aligned (the CUDA binding's stride check)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -143,6 +145,18 @@ void dump_mask(int sq, int sk, bool causal, int pad) {
   std::printf("]}\n");
 }
 
+void dump_aligned() {
+  unsigned long long addr;
+  long long sb, ss, sh, nb, ns, nh;
+  std::printf("[");
+  bool first = true;
+  while (std::scanf("%llu %lld %lld %lld %lld %lld %lld", &addr, &sb, &ss, &sh, &nb, &ns, &nh) == 7) {
+    std::printf("%s%d", first ? "" : ", ", km::rows_aligned(addr, sb, ss, sh, nb, ns, nh) ? 1 : 0);
+    first = false;
+  }
+  std::printf("]\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -150,10 +164,12 @@ int main(int argc, char** argv) {
     dump_static();
   } else if (argc >= 2 && std::strcmp(argv[1], "cases") == 0) {
     dump_cases();
+  } else if (argc >= 2 && std::strcmp(argv[1], "aligned") == 0) {
+    dump_aligned();
   } else if (argc == 6 && std::strcmp(argv[1], "mask") == 0) {
     dump_mask(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]) != 0, std::atoi(argv[5]));
   } else {
-    std::fprintf(stderr, "usage: %s static | cases | mask s_q s_k causal pad\n", argv[0]);
+    std::fprintf(stderr, "usage: %s static | cases | aligned | mask s_q s_k causal pad\n", argv[0]);
     return 2;
   }
   return 0;

@@ -100,22 +100,40 @@ RS_HD constexpr int ldsm_b_row(int lane) { return (lane & 7) + 8 * (lane >> 4); 
 RS_HD constexpr int ldsm_b_col(int lane) { return 8 * ((lane >> 3) & 1); }
 
 // ---------------------------------------------------------------------------------------
-// Tile configurations of the forward kernel. config 0 = fast default, 1 = conservative.
+// Tile configurations of the forward kernel (the ops' tile_config argument):
+//   0 = fast default: 128 x 64 for d=64; 128 x 32 for d=128, the largest tile whose Q, K and V
+//       fit the 48 KB of static shared memory;
+//   1 = conservative: 64 x 64;
+//   2 = 128 x 64 for every head dim. For d=128: 64 KB of dynamic shared memory (opt-in
+//       through cudaFuncSetAttribute) and half of config 0's cp.async waits and barriers per
+//       key, but S is formed one 16-row slab at a time to fit 255 registers, so K is read from
+//       shared memory once per slab. For d=64 it is config 0's tile. Which d=128 tile is
+//       faster is for a GPU measurement to decide (benchmarks/gpu_check.sh times every config).
 // Always 4 warps; a warp owns kBlockM / 4 query rows = 16 * m_tiles rows.
 // ---------------------------------------------------------------------------------------
 constexpr int kFwdWarps = 4;
 constexpr int kFwdThreads = 32 * kFwdWarps;
-constexpr int kNumFwdConfigs = 2;
+constexpr int kNumFwdConfigs = 3;
+// A kernel may declare at most this much static shared memory; more must be dynamic.
+constexpr int kMaxStaticSmemBytes = 48 * 1024;
 
 RS_HD constexpr int fwd_block_m(int headdim, int config) {
-  return (void)headdim, config == 0 ? 128 : 64;
+  return (void)headdim, config == 1 ? 64 : 128;
 }
 RS_HD constexpr int fwd_block_n(int headdim, int config) {
   return headdim >= 128 && config == 0 ? 32 : 64;
 }
-// Bytes of dynamic shared memory: Q tile plus one K and one V tile (16-bit elements).
+// Bytes of shared memory of a block_m x block_n tile: Q plus one K and one V tile (16-bit
+// elements).
+RS_HD constexpr int fwd_tile_smem_bytes(int block_m, int block_n, int headdim) {
+  return (block_m + 2 * block_n) * headdim * 2;
+}
 RS_HD constexpr int fwd_smem_bytes(int headdim, int config) {
-  return (fwd_block_m(headdim, config) + 2 * fwd_block_n(headdim, config)) * headdim * 2;
+  return fwd_tile_smem_bytes(fwd_block_m(headdim, config), fwd_block_n(headdim, config), headdim);
+}
+// Whether the tile's shared memory is dynamic (launched with an opt-in) instead of static.
+RS_HD constexpr bool fwd_smem_dynamic(int headdim, int config) {
+  return fwd_smem_bytes(headdim, config) > kMaxStaticSmemBytes;
 }
 
 RS_HD constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

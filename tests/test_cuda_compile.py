@@ -25,9 +25,9 @@ def find_nvcc():
 
 NVCC = find_nvcc()
 ARCHS = ("sm_80", "sm_90")
-# Forward kernels: Traits<head dim, block_m, block_n, element> for both tile configurations
-# (csrc/kernel_math.h: fwd_block_m / fwd_block_n).
-FWD_TILES = {64: [(128, 64), (64, 64)], 128: [(128, 32), (64, 64)]}
+# Forward kernels: Traits<head dim, block_m, block_n, element> for every tile configuration
+# (csrc/kernel_math.h: fwd_block_m / fwd_block_n; d=64's config 2 is its config 0 tile).
+FWD_TILES = {64: [(128, 64), (64, 64)], 128: [(128, 32), (64, 64), (128, 64)]}
 ELEMENTS = ("__nv_bfloat16", "__half")
 
 
@@ -101,7 +101,9 @@ def test_cuda_sources_pass_compile_gate(tmp_path):
                 for elem in ELEMENTS:
                     name = f"fwd::flash_fwd_kernel<fwd::Traits<{d},{bm},{bn},{elem}>>"
                     assert (arch, name) in names, f"missing {name} on {arch}; have {sorted(names)}"
-
+                    smem = next(r["smem"] for r in rows if (r["arch"], r["kernel"].replace(" ", "")) == (arch, name))
+                    # static shared memory shows in the table; the >48 KB tile's is dynamic (0)
+                    assert smem == ((bm + 2 * bn) * d * 2 if (bm + 2 * bn) * d * 2 <= 48 * 1024 else 0), name
         # every per-(direction, head dim, dtype) instantiation file yields kernels on each arch
         for src in sources:
             if os.path.basename(src).startswith(("flash_fwd_hdim", "flash_bwd_hdim")):

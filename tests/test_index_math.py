@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not found: cannot build
 # Tile sizes (block_m, block_n) the kernels use or may use: the forward configurations are
 # also checked against the harness' own table below.
 TILES = [(128, 64), (64, 64), (128, 32), (64, 128), (128, 128), (64, 32)]
+# Largest shared-memory opt-in of a block on sm_86/sm_89, the smallest among sm_80+ GPUs.
+SM86_SMEM_OPTIN = 99 * 1024
 SEQ_CASES = [
     (1, 1), (128, 128), (1000, 1000), (4096, 4096),  # s_q == s_k
     (1, 128), (100, 300), (64, 1000), (128, 4096), (1000, 4096),  # s_q < s_k
@@ -239,14 +241,23 @@ def test_ldmatrix_a_order_trans_gives_b_fragments_of_v(tables):
 
 def test_forward_tile_configs(tables):
     assert tables["fwd_threads"] == 128
+    assert tables["max_static_smem"] == 48 * 1024
     seen = {}
     for t in tables["fwd_tiles"]:
         d, m, n = t["headdim"], t["block_m"], t["block_n"]
         assert m % 64 == 0 and n % 16 == 0, t  # 4 warps x 16-row slabs; k16 steps of P V
-        assert t["smem"] == (m + 2 * n) * d * 2 <= 48 * 1024, t
-        seen.setdefault(d, set()).add((m, n))
+        assert t["smem"] == (m + 2 * n) * d * 2, t
+        # static shared memory where it fits, else dynamic (opt-in) within every sm_8x's limit
+        assert t["dynamic"] == (t["smem"] > 48 * 1024), t
+        assert t["smem"] <= SM86_SMEM_OPTIN, t
+        seen.setdefault(d, {})[t["config"]] = (m, n)
         assert (m, n) in TILES
-    assert all(len(v) == 2 for v in seen.values()) and set(seen) == {64, 128}
+    assert set(seen) == {64, 128}
+    for d, configs in seen.items():
+        assert sorted(configs) == [0, 1, 2], d
+        assert configs[1] == (64, 64), d  # conservative
+        assert configs[2] == (128, 64), d  # the 128 x 64 variant, for every head dim
+    assert seen[64][0] == (128, 64) and seen[128][0] == (128, 32)
 
 
 def spec_rows_aligned(addr, strides, sizes):

@@ -58,8 +58,9 @@ void check_shape(const AttnShape& sh, DType dtype, int config) {
     invalid("supports bfloat16/float16 inputs with head dim 64 or 128, got head dim " +
             std::to_string(sh.headdim) + "; use backend=\"sdpa\" for other inputs");
   }
-  if (config < 0 || config > 1) {
-    invalid("tile_config must be 0 (fast) or 1 (conservative), got " + std::to_string(config));
+  if (config < 0 || config >= km::kNumFwdConfigs) {
+    invalid("tile_config must be 0 (fast), 1 (conservative) or 2 (128x64 tiles; the backward "
+            "runs config 0's), got " + std::to_string(config));
   }
   if (!(sh.softmax_scale > 0.0)) {
     // The online softmax takes row maxima of unscaled scores, which needs a positive scale.

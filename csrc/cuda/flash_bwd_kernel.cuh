@@ -14,13 +14,20 @@
 // out of the MMA in the C layout, which is the A layout of dV += P^T dO and dK += dS^T Q, and
 // no transpose through shared memory is needed. The loop side is always 64 rows.
 //
-// Configs (params.config, same meaning as the forward: 0 = fast default, 1 = conservative):
+// Configs (params.config, same meaning as the forward: 0 = fast default, 1 = conservative;
+// the forward's config 2 has no backward of its own and runs config 0):
 //   0: 8 warps, kOwn = 128. Each Q/dO (or K/V) tile streamed through shared memory is reused
 //      by twice as many owned rows, halving the smem->register and L2 traffic per MMA; a warp's
 //      registers are the same as in config 1 because a warp still owns 16 rows.
 //   1: 4 warps, kOwn = 64 (64 x 64 tiles), the smallest shared-memory footprint.
 // The streamed side is double-buffered with cp.async: tile i+1 is in flight while tile i is
 // consumed.
+//
+// Known costs, left until the first GPU measurement says which matters (issue 16): the dQ
+// kernel recomputes S and dP (7 GEMM-sized products per block pair against 5 for a fused
+// kernel with atomic dQ); `#pragma unroll 1` over the k16 steps of S/dP (gemm_rows_x_tileT)
+// keeps d=128 within 255 registers but stops ldmatrix/mma pipelining across steps; the dK/dV
+// grid (ceil(s_k / kOwn) x h_kv x b CTAs) under-fills 132 SMs when b * h_kv is small.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -88,13 +88,15 @@ void dump_static() {
   bool first = true;
   for (int d : {64, 128}) {
     for (int cfg = 0; cfg < km::kNumFwdConfigs; ++cfg) {
-      std::printf("%s{\"headdim\": %d, \"config\": %d, \"block_m\": %d, \"block_n\": %d, \"smem\": %d}",
+      std::printf("%s{\"headdim\": %d, \"config\": %d, \"block_m\": %d, \"block_n\": %d, \"smem\": %d, "
+                  "\"dynamic\": %s}",
                   first ? "" : ", ", d, cfg, km::fwd_block_m(d, cfg), km::fwd_block_n(d, cfg),
-                  km::fwd_smem_bytes(d, cfg));
+                  km::fwd_smem_bytes(d, cfg), km::fwd_smem_dynamic(d, cfg) ? "true" : "false");
       first = false;
     }
   }
-  std::printf("],\n\"fwd_threads\": %d\n}\n", km::kFwdThreads);
+  std::printf("],\n\"fwd_threads\": %d,\n\"max_static_smem\": %d\n}\n", km::kFwdThreads,
+              km::kMaxStaticSmemBytes);
 }
 
 void dump_cases() {

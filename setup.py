@@ -135,16 +135,15 @@ def extension():
     if with_cuda:
         sources += sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
         define_macros.append(("RINGSEQ_WITH_CUDA", None))
-        nvcc = [
-            "-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
-            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-            "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-            "-DRINGSEQ_WITH_CUDA",
-        ]
-        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            # SASS for sm_80 and sm_90, plus compute_90 PTX that newer GPUs JIT-compile.
-            nvcc += ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-                     "-gencode", "arch=compute_90,code=compute_90"]
+        # The compile gate (.ci/cuda_compile_check.py) reads the same flags; by path, since the
+        # ringseq package cannot be imported before its extension is built.
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("build_flags", os.path.join(ROOT, "csrc", "build_flags.py"))
+        build_flags = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(build_flags)
+        # SASS for sm_80 and sm_90 plus compute_90 PTX, unless TORCH_CUDA_ARCH_LIST chooses
+        nvcc = build_flags.nvcc_flags(default_gencode=not os.environ.get("TORCH_CUDA_ARCH_LIST"))
         print(f"ringseq: building CPU and CUDA kernels ({reason})")
         ext_cls = cpp_extension.CUDAExtension
     else:

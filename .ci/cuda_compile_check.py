@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """CUDA compile gate: every csrc/**/*.cu must compile for sm_80 and sm_90 without spills.
 
-Compiles each .cu file once per architecture with the nvcc flags of KERNEL.md plus
+Compiles each .cu file once per architecture with the build's own nvcc flags
+(csrc/build_flags.py, which setup.py uses too; choices in docs/kernels.md) plus
 ``-Xptxas -v,-warn-spills,-Werror``, parses ptxas' resource report into a per-kernel table
 (arch, kernel, registers, shared memory, stack frame, spills) and fails when a file does not
 compile, a kernel spills or a kernel has a non-zero stack frame. No GPU is needed.
@@ -19,6 +20,7 @@ Python 3 standard library only.
 import argparse
 import concurrent.futures
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -28,12 +30,15 @@ import sys
 import tempfile
 import time
 
-FLAGS = [
-    "-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
-    "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-    "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-DRINGSEQ_WITH_CUDA",
-]
+
+def load_build_flags(root):
+    """csrc/build_flags.py of the checkout at `root`, loaded by path (stdlib only, no torch)."""
+    spec = importlib.util.spec_from_file_location("build_flags", os.path.join(root, "csrc", "build_flags.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 PTXAS = ["-Xptxas", "-v,-warn-spills,-Werror"]
 CACHE_VERSION = "1"
 
@@ -132,7 +137,7 @@ def short_name(demangled):
     return s.replace("ringseq::", "").replace("(int)", "")
 
 
-def compile_one(nvcc, root, rel, arch, extra_flags, key, cache_dir, use_cache):
+def compile_one(nvcc, root, rel, arch, flags, key, cache_dir, use_cache):
     """Compiles rel for sm_<arch>; returns a result dict (from the cache when possible)."""
     cache_file = os.path.join(cache_dir, key + ".json")
     if use_cache and os.path.exists(cache_file):
@@ -140,7 +145,7 @@ def compile_one(nvcc, root, rel, arch, extra_flags, key, cache_dir, use_cache):
             result = json.load(f)
         result["cached"] = True
         return result
-    cmd = [nvcc, *FLAGS, *extra_flags, f"-gencode=arch=compute_{arch},code=sm_{arch}", *PTXAS,
+    cmd = [nvcc, *flags, *PTXAS,
            "-I", os.path.join(root, "csrc"), "-c", os.path.join(root, rel), "-o", os.devnull]
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="rs_nvcc_") as tmp:
@@ -169,7 +174,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=os.path.dirname(here), help="repository root")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--arch", action="append", help="SM versions (default: 80 and 90)")
+    ap.add_argument("--arch", action="append", help="SM versions (default: the build's, 80 and 90)")
     ap.add_argument("--nvcc", help="nvcc to use (default: PATH, then $CUDA_HOME/bin)")
     ap.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
     ap.add_argument("--json", help="write the per-kernel table as JSON here")
@@ -177,7 +182,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     t_start = time.time()
     root = os.path.abspath(args.root)
-    archs = args.arch or ["80", "90"]
+    build_flags = load_build_flags(root)
+    archs = args.arch or list(build_flags.DEFAULT_ARCHS)
+    flags = list(build_flags.NVCC_FLAGS) + args.flag
 
     csrc = os.path.join(root, "csrc")
     sources = []
@@ -202,7 +209,7 @@ def main(argv=None):
 
     with open(os.path.abspath(__file__), "rb") as f:
         script_hash = sha(f.read())
-    common = sha(CACHE_VERSION, script_hash, version, " ".join(FLAGS + PTXAS + args.flag))
+    common = sha(CACHE_VERSION, script_hash, version, " ".join(flags + PTXAS))
     cache_dir = os.path.join(root, "build", "cuda_compile_check")
 
     jobs = []
@@ -216,8 +223,10 @@ def main(argv=None):
           f"{os.path.basename(nvcc)} ({version.strip().splitlines()[-1]}), -j {args.jobs}")
     results = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(compile_one, nvcc, root, rel, arch, args.flag, key, cache_dir,
-                               not args.no_cache) for rel, arch, key in jobs]
+        # one architecture per compilation (SASS only: the build's PTX target adds nothing here)
+        futures = [pool.submit(compile_one, nvcc, root, rel, arch,
+                               flags + build_flags.gencode_flags([arch], ptx_arch=None), key,
+                               cache_dir, not args.no_cache) for rel, arch, key in jobs]
         for fut in concurrent.futures.as_completed(futures):
             r = fut.result()
             state = "cached" if r["cached"] else f"{r['seconds']}s"

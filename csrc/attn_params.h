@@ -3,7 +3,7 @@
 // Kernels see only raw pointers, element strides and sizes: no torch types. The binding
 // (csrc/ops.cpp) checks tensors, allocates outputs and fills these structs.
 //
-// Conventions (DESIGN.md): q (b, s_q, h, d); k, v (b, s_k, h_kv, d); out like q;
+// Conventions (docs/design.md): q (b, s_q, h, d); k, v (b, s_k, h_kv, d); out like q;
 // lse and delta (b, h, s_q) in the accumulation type; h % h_kv == 0 and query head `hi`
 // reads kv head `hi / (h / h_kv)`. All strides are in elements; the last dimension of every
 // tensor is contiguous (stride 1). Causal masking is bottom-right aligned:

@@ -1,10 +1,13 @@
 // Index math of the CUDA flash-attention kernels: shared-memory swizzle, tensor-core fragment
-// ownership, ldmatrix lane maps, tile configurations and causal block ranges.
+// ownership, ldmatrix lane maps, tile configurations, causal block ranges and the row
+// alignment their 16-byte copies need.
 //
 // Everything here is torch-free and compiles with a plain C++17 host compiler, so the CPU
-// tests (tests/test_index_math.py via tests/cpp/index_math_dump.cpp) exercise exactly the
-// functions the kernels call. Layout facts follow the PTX ISA (mma.m16n8k16, ldmatrix) as
-// summarised in KERNEL.md; a change here must keep those tests green.
+// tests (tests/test_index_math*.py, through tests/cpp/index_math_dump.cpp and a harness of
+// their own) run the very functions the kernels and their binding call. The exception is the
+// section "Hardware layouts" at the end: it restates the PTX ISA (mma.m16n8k16, ldmatrix; see
+// docs/kernels.md) for the tests, which check the kernel-called maps against it, and no kernel
+// calls it. A change here must keep those tests green.
 #pragma once
 
 #include <cstdint>
@@ -48,42 +51,39 @@ RS_HD constexpr int swz_advance(int offset, int row_delta, int col_delta, int ro
   return (offset ^ col_delta) + row_delta * row_elems;
 }
 
+// Whether every row of a (b, s, h, d) view (d contiguous) starts on a 16-byte boundary, as the
+// 16-byte cp.async copies and vector stores need: a 16-byte aligned base and, for each of
+// the b, s and h dimensions, a stride that is a multiple of kChunkElems elements. A dimension
+// of size 1 is exempt: its only index is 0, so its stride never enters an address (torch
+// gives such dimensions arbitrary strides, e.g. a sliced or unsqueezed view).
+RS_HD constexpr bool rows_aligned(uint64_t addr, int64_t stride_b, int64_t stride_s, int64_t stride_h,
+                                  int64_t size_b, int64_t size_s, int64_t size_h) {
+  return addr % kChunkBytes == 0 && (size_b <= 1 || stride_b % kChunkElems == 0) &&
+         (size_s <= 1 || stride_s % kChunkElems == 0) && (size_h <= 1 || stride_h % kChunkElems == 0);
+}
+
 // ---------------------------------------------------------------------------------------
-// mma.sync.aligned.m16n8k16.row.col fragments. lane in [0, 32); `i` indexes the 16-bit
-// halves of A (0..7) and B (0..3) or the float registers of C/D (0..3).
+// mma.sync.aligned.m16n8k16.row.col fragments. lane in [0, 32); `i` indexes the float
+// registers of C/D (0..3) or the 16-bit halves of an A fragment (0..7).
 // ---------------------------------------------------------------------------------------
 RS_HD constexpr int lane_group(int lane) { return lane >> 2; }   // g
 RS_HD constexpr int lane_in_group(int lane) { return lane & 3; } // t
 
-// A: 16x16, row-major (m, k).
-RS_HD constexpr int mma_a_row(int lane, int i) { return lane_group(lane) + 8 * ((i >> 1) & 1); }
-RS_HD constexpr int mma_a_col(int lane, int i) { return 2 * lane_in_group(lane) + (i & 1) + 8 * (i >> 2); }
-// B: 16x8 (k, n), "col" operand.
-RS_HD constexpr int mma_b_k(int lane, int i) { return 2 * lane_in_group(lane) + (i & 1) + 8 * (i >> 1); }
-RS_HD constexpr int mma_b_n(int lane, int /*i*/) { return lane_group(lane); }
 // C/D: 16x8 float32.
 RS_HD constexpr int mma_c_row(int lane, int i) { return lane_group(lane) + 8 * (i >> 1); }
 RS_HD constexpr int mma_c_col(int lane, int i) { return 2 * lane_in_group(lane) + (i & 1); }
 
 // The C fragments of two adjacent n8 tiles (2k, 2k+1) form the A fragment of k-step k of
-// the next GEMM (P in P*V, dS in dS*K): half i of that A fragment is register
-// c_to_a_reg(i) of n-tile 2k + c_to_a_tile(i).
+// the next GEMM (P in P*V, dS in dS*K, P^T in P^T*dO ...): half i of that A fragment is
+// register c_to_a_reg(i) of n-tile 2k + c_to_a_tile(i). Every kernel packs (and the
+// backward unpacks) through prim::c_to_a / these two maps only.
 RS_HD constexpr int c_to_a_tile(int i) { return i >> 2; }
 RS_HD constexpr int c_to_a_reg(int i) { return i & 3; }
 
 // ---------------------------------------------------------------------------------------
-// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16
-// Lanes 8j..8j+7 supply the row addresses of matrix j. Each lane receives one .b32 per
-// matrix holding two 16-bit elements (h = 0 low half, h = 1 high half).
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 address maps (lanes 8j..8j+7 supply the
+// row addresses of matrix j; what each lane receives is in "Hardware layouts" below).
 // ---------------------------------------------------------------------------------------
-RS_HD constexpr int ldsm_src_matrix(int lane) { return lane >> 3; }
-RS_HD constexpr int ldsm_src_row(int lane) { return lane & 7; }
-// Which element of the stored 8x8 matrix lands in half h of a lane's register.
-RS_HD constexpr int ldsm_dst_row(int lane, int /*h*/) { return lane >> 2; }
-RS_HD constexpr int ldsm_dst_col(int lane, int h) { return 2 * (lane & 3) + h; }
-RS_HD constexpr int ldsm_trans_dst_row(int lane, int h) { return 2 * (lane & 3) + h; }
-RS_HD constexpr int ldsm_trans_dst_col(int lane, int /*h*/) { return lane >> 2; }
-
 // Address maps for one x4 load covering a 16x16 region of a row-major smem tile: which
 // (row, col) of the region lane `lane` points at (the start of a 16-byte row segment).
 //
@@ -100,22 +100,40 @@ RS_HD constexpr int ldsm_b_row(int lane) { return (lane & 7) + 8 * (lane >> 4); 
 RS_HD constexpr int ldsm_b_col(int lane) { return 8 * ((lane >> 3) & 1); }
 
 // ---------------------------------------------------------------------------------------
-// Tile configurations of the forward kernel. config 0 = fast default, 1 = conservative.
+// Tile configurations of the forward kernel (the ops' tile_config argument):
+//   0 = fast default: 128 x 64 for d=64; 128 x 32 for d=128, the largest tile whose Q, K and V
+//       fit the 48 KB of static shared memory;
+//   1 = conservative: 64 x 64;
+//   2 = 128 x 64 for every head dim. For d=128: 64 KB of dynamic shared memory (opt-in
+//       through cudaFuncSetAttribute) and half of config 0's cp.async waits and barriers per
+//       key, but S is formed one 16-row slab at a time to fit 255 registers, so K is read from
+//       shared memory once per slab. For d=64 it is config 0's tile. Which d=128 tile is
+//       faster is for a GPU measurement to decide (benchmarks/gpu_check.sh times every config).
 // Always 4 warps; a warp owns kBlockM / 4 query rows = 16 * m_tiles rows.
 // ---------------------------------------------------------------------------------------
 constexpr int kFwdWarps = 4;
 constexpr int kFwdThreads = 32 * kFwdWarps;
-constexpr int kNumFwdConfigs = 2;
+constexpr int kNumFwdConfigs = 3;
+// A kernel may declare at most this much static shared memory; more must be dynamic.
+constexpr int kMaxStaticSmemBytes = 48 * 1024;
 
 RS_HD constexpr int fwd_block_m(int headdim, int config) {
-  return (void)headdim, config == 0 ? 128 : 64;
+  return (void)headdim, config == 1 ? 64 : 128;
 }
 RS_HD constexpr int fwd_block_n(int headdim, int config) {
   return headdim >= 128 && config == 0 ? 32 : 64;
 }
-// Bytes of dynamic shared memory: Q tile plus one K and one V tile (16-bit elements).
+// Bytes of shared memory of a block_m x block_n tile: Q plus one K and one V tile (16-bit
+// elements).
+RS_HD constexpr int fwd_tile_smem_bytes(int block_m, int block_n, int headdim) {
+  return (block_m + 2 * block_n) * headdim * 2;
+}
 RS_HD constexpr int fwd_smem_bytes(int headdim, int config) {
-  return (fwd_block_m(headdim, config) + 2 * fwd_block_n(headdim, config)) * headdim * 2;
+  return fwd_tile_smem_bytes(fwd_block_m(headdim, config), fwd_block_n(headdim, config), headdim);
+}
+// Whether the tile's shared memory is dynamic (launched with an opt-in) instead of static.
+RS_HD constexpr bool fwd_smem_dynamic(int headdim, int config) {
+  return fwd_smem_bytes(headdim, config) > kMaxStaticSmemBytes;
 }
 
 RS_HD constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -130,10 +148,6 @@ RS_HD constexpr int causal_offset(int seqlen_q, int seqlen_k) { return seqlen_k 
 // The element mask of the kernels (rows past seqlen_q are not checked: they are not stored).
 RS_HD constexpr bool key_visible(int i, int j, int seqlen_q, int seqlen_k, bool causal) {
   return j < seqlen_k && (!causal || j <= i + causal_offset(seqlen_q, seqlen_k));
-}
-// Full reference predicate including the row bound (used by the backward and the tests).
-RS_HD constexpr bool element_visible(int i, int j, int seqlen_q, int seqlen_k, bool causal) {
-  return i >= 0 && i < seqlen_q && j >= 0 && key_visible(i, j, seqlen_q, seqlen_k, causal);
 }
 
 // Number of kv blocks [0, n) holding a key visible to some row of q tile `m_block`.
@@ -186,12 +200,6 @@ RS_HD constexpr int bwd_first_q_block(int n_block, int block_m, int block_n, int
   return first_row / block_m;
 }
 
-// Whether the rows of q tile `m_block` run past seqlen_q (the backward must then keep those
-// rows out of dK/dV).
-RS_HD constexpr bool rows_ragged(int m_block, int block_m, int seqlen_q) {
-  return (m_block + 1) * block_m > seqlen_q;
-}
-
 // ---------------------------------------------------------------------------------------
 // Backward section (flash_bwd_kernel.cuh; tested in tests/test_index_math_bwd.py).
 // ---------------------------------------------------------------------------------------
@@ -206,6 +214,32 @@ RS_HD constexpr bool rows_ragged(int m_block, int block_m, int seqlen_q) {
 // the backward's d=128 tiles within 255 registers.
 RS_HD constexpr int swz_step(int lane_offset, int row0, int k16, int row_elems) {
   return row0 * row_elems + (lane_offset ^ (16 * k16));
+}
+
+// ---------------------------------------------------------------------------------------
+// Hardware layouts (test-only: no kernel calls these). The PTX ISA's A/B fragment ownership
+// and ldmatrix source/destination maps, restated so that the tests can check the kernel-called
+// maps above (ldsm_*_row/col, c_to_a_*, mma_c_*) against the hardware's behaviour.
+// ---------------------------------------------------------------------------------------
+// mma A: 16x16, row-major (m, k); i indexes the halves a0..a7.
+RS_HD constexpr int mma_a_row(int lane, int i) { return lane_group(lane) + 8 * ((i >> 1) & 1); }
+RS_HD constexpr int mma_a_col(int lane, int i) { return 2 * lane_in_group(lane) + (i & 1) + 8 * (i >> 2); }
+// mma B: 16x8 (k, n), "col" operand; i indexes the halves b0..b3.
+RS_HD constexpr int mma_b_k(int lane, int i) { return 2 * lane_in_group(lane) + (i & 1) + 8 * (i >> 1); }
+RS_HD constexpr int mma_b_n(int lane, int /*i*/) { return lane_group(lane); }
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8j..8j+7 supply the row addresses
+// of matrix j; each lane receives one .b32 per matrix holding two 16-bit elements (h = 0 low
+// half, h = 1 high half), namely element (dst_row, dst_col) of the stored 8x8 matrix.
+RS_HD constexpr int ldsm_src_matrix(int lane) { return lane >> 3; }
+RS_HD constexpr int ldsm_src_row(int lane) { return lane & 7; }
+RS_HD constexpr int ldsm_dst_row(int lane, int /*h*/) { return lane >> 2; }
+RS_HD constexpr int ldsm_dst_col(int lane, int h) { return 2 * (lane & 3) + h; }
+RS_HD constexpr int ldsm_trans_dst_row(int lane, int h) { return 2 * (lane & 3) + h; }
+RS_HD constexpr int ldsm_trans_dst_col(int lane, int /*h*/) { return lane >> 2; }
+// The attention mask with the row bound included: the reference the kernels' key_visible
+// (which leaves rows past seqlen_q to the caller) is tested against.
+RS_HD constexpr bool element_visible(int i, int j, int seqlen_q, int seqlen_k, bool causal) {
+  return i >= 0 && i < seqlen_q && j >= 0 && key_visible(i, j, seqlen_q, seqlen_k, causal);
 }
 
 }  // namespace km

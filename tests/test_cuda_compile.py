@@ -25,17 +25,38 @@ def find_nvcc():
 
 NVCC = find_nvcc()
 ARCHS = ("sm_80", "sm_90")
-# Forward kernels: Traits<head dim, block_m, block_n, element> for both tile configurations
-# (csrc/kernel_math.h: fwd_block_m / fwd_block_n).
-FWD_TILES = {64: [(128, 64), (64, 64)], 128: [(128, 32), (64, 64)]}
+# Forward kernels: Traits<head dim, block_m, block_n, element> for every tile configuration
+# (csrc/kernel_math.h: fwd_block_m / fwd_block_n; d=64's config 2 is its config 0 tile).
+FWD_TILES = {64: [(128, 64), (64, 64)], 128: [(128, 32), (64, 64), (128, 64)]}
 ELEMENTS = ("__nv_bfloat16", "__half")
 
 
-def load_gate():
-    spec = importlib.util.spec_from_file_location("cuda_compile_check", GATE)
+def load_module(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_gate():
+    return load_module(GATE, "cuda_compile_check")
+
+
+def test_gate_and_build_share_one_list_of_nvcc_flags():
+    """setup.py and the gate both take their nvcc flags from csrc/build_flags.py, so the gate
+    cannot drift from the real build (no GPU, no nvcc, no torch needed)."""
+    flags = load_module(os.path.join(ROOT, "csrc", "build_flags.py"), "build_flags")
+    assert "--use_fast_math" in flags.NVCC_FLAGS and "-DRINGSEQ_WITH_CUDA" in flags.NVCC_FLAGS
+    assert flags.nvcc_flags(default_gencode=False) == list(flags.NVCC_FLAGS)
+    assert flags.gencode_flags() == ["-gencode", "arch=compute_80,code=sm_80", "-gencode",
+                                     "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
+    assert load_gate().load_build_flags(ROOT).NVCC_FLAGS == flags.NVCC_FLAGS
+    setup = open(os.path.join(ROOT, "setup.py")).read()
+    gate = open(GATE).read()
+    assert "build_flags.py" in setup and "nvcc_flags(" in setup
+    for text in (setup, gate):  # no second copy of a flag or an architecture
+        for flag in ("--use_fast_math", "-U__CUDA_NO_HALF_OPERATORS__", "arch=compute_80"):
+            assert flag not in text
 
 
 def test_gate_parses_ptxas_report():
@@ -80,6 +101,9 @@ def test_cuda_sources_pass_compile_gate(tmp_path):
                 for elem in ELEMENTS:
                     name = f"fwd::flash_fwd_kernel<fwd::Traits<{d},{bm},{bn},{elem}>>"
                     assert (arch, name) in names, f"missing {name} on {arch}; have {sorted(names)}"
+                    smem = next(r["smem"] for r in rows if (r["arch"], r["kernel"].replace(" ", "")) == (arch, name))
+                    # static shared memory shows in the table; the >48 KB tile's is dynamic (0)
+                    assert smem == ((bm + 2 * bn) * d * 2 if (bm + 2 * bn) * d * 2 <= 48 * 1024 else 0), name
         # every per-(direction, head dim, dtype) instantiation file yields kernels on each arch
         for src in sources:
             if os.path.basename(src).startswith(("flash_fwd_hdim", "flash_bwd_hdim")):

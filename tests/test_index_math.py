@@ -1,7 +1,7 @@
 """CPU tests of the CUDA kernels' index math (csrc/kernel_math.h).
 
 A small C++ harness (tests/cpp/index_math_dump.cpp) compiled with g++ dumps the tables the
-kernels use; here they are checked against the PTX ISA layouts as KERNEL.md states them and
+kernels use; here they are checked against the PTX ISA layouts as docs/kernels.md states them and
 against a reference causal mask. The expectations below are written from the spec, not
 copied from the C++.
 """
@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not found: cannot build
 # Tile sizes (block_m, block_n) the kernels use or may use: the forward configurations are
 # also checked against the harness' own table below.
 TILES = [(128, 64), (64, 64), (128, 32), (64, 128), (128, 128), (64, 32)]
+# Largest shared-memory opt-in of a block on sm_86/sm_89, the smallest among sm_80+ GPUs.
+SM86_SMEM_OPTIN = 99 * 1024
 SEQ_CASES = [
     (1, 1), (128, 128), (1000, 1000), (4096, 4096),  # s_q == s_k
     (1, 128), (100, 300), (64, 1000), (128, 4096), (1000, 4096),  # s_q < s_k
@@ -54,7 +56,7 @@ def tables(harness):
 # Swizzle
 # ---------------------------------------------------------------------------------------
 def spec_offset(row, col, d):
-    """KERNEL.md: logical 16-byte chunk c of row r is stored at chunk c ^ (r & 7)."""
+    """docs/kernels.md: logical 16-byte chunk c of row r is stored at chunk c ^ (r & 7)."""
     chunk, within = divmod(col, 8)
     return row * d + ((chunk ^ (row & 7)) * 8) + within
 
@@ -128,7 +130,7 @@ def test_tile_copy_and_epilogue_patterns_conflict_free(tables, d):
 
 
 # ---------------------------------------------------------------------------------------
-# mma.m16n8k16 fragments (PTX ISA, as in KERNEL.md)
+# mma.m16n8k16 fragments (PTX ISA, as in docs/kernels.md)
 # ---------------------------------------------------------------------------------------
 def spec_a(lane, i):
     g, t = lane >> 2, lane & 3
@@ -239,14 +241,48 @@ def test_ldmatrix_a_order_trans_gives_b_fragments_of_v(tables):
 
 def test_forward_tile_configs(tables):
     assert tables["fwd_threads"] == 128
+    assert tables["max_static_smem"] == 48 * 1024
     seen = {}
     for t in tables["fwd_tiles"]:
         d, m, n = t["headdim"], t["block_m"], t["block_n"]
         assert m % 64 == 0 and n % 16 == 0, t  # 4 warps x 16-row slabs; k16 steps of P V
-        assert t["smem"] == (m + 2 * n) * d * 2 <= 48 * 1024, t
-        seen.setdefault(d, set()).add((m, n))
+        assert t["smem"] == (m + 2 * n) * d * 2, t
+        # static shared memory where it fits, else dynamic (opt-in) within every sm_8x's limit
+        assert t["dynamic"] == (t["smem"] > 48 * 1024), t
+        assert t["smem"] <= SM86_SMEM_OPTIN, t
+        seen.setdefault(d, {})[t["config"]] = (m, n)
         assert (m, n) in TILES
-    assert all(len(v) == 2 for v in seen.values()) and set(seen) == {64, 128}
+    assert set(seen) == {64, 128}
+    for d, configs in seen.items():
+        assert sorted(configs) == [0, 1, 2], d
+        assert configs[1] == (64, 64), d  # conservative
+        assert configs[2] == (128, 64), d  # the 128 x 64 variant, for every head dim
+    assert seen[64][0] == (128, 64) and seen[128][0] == (128, 32)
+
+
+def spec_rows_aligned(addr, strides, sizes):
+    """The kernels copy rows in 16-byte chunks: every row they touch must start on a 16-byte
+    boundary. Index 0 is the only one of a size-1 dimension, so its stride is never used."""
+    return addr % 16 == 0 and all(n <= 1 or s % 8 == 0 for s, n in zip(strides, sizes))
+
+
+def test_rows_aligned_ignores_strides_of_size_one_dims(harness):
+    cases = []
+    for addr in (0, 256, 8, 48):
+        for strides in itertools.product((8, 3, 0, 1024, 1), repeat=3):
+            for sizes in itertools.product((1, 2, 0), repeat=3):
+                cases.append((addr, *strides, *sizes))
+    got = run(harness, "aligned", stdin="\n".join(" ".join(map(str, c)) for c in cases) + "\n")
+    assert len(got) == len(cases)
+    for c, g in zip(cases, got):
+        assert g == int(spec_rows_aligned(c[0], c[1:4], c[4:7])), c
+    # what torch hands out: a (1, s, h, d) slice of a bigger batch, a (b, 1, h, d) decoding
+    # step of a packed qkv, a (b, s, 1, d) view of one kv head
+    assert got[cases.index((256, 3, 1024, 8, 1, 2, 2))] == 1
+    assert got[cases.index((256, 1024, 3, 8, 2, 1, 2))] == 1
+    assert got[cases.index((256, 1024, 8, 3, 2, 2, 1))] == 1
+    assert got[cases.index((256, 1024, 8, 3, 2, 2, 2))] == 0
+    assert got[cases.index((8, 8, 8, 8, 1, 1, 1))] == 0  # the base must be aligned regardless
 
 
 # ---------------------------------------------------------------------------------------
@@ -294,7 +330,6 @@ def test_causal_block_ranges(cases):
                 reach = n_kv * bn
                 whole = min(unmasked, n_kv) * bn
                 assert whole <= lim[i] <= reach, (ctx, i)
-            assert case["rows_ragged"][m] == int((m + 1) * bm > sq)
         for n in range(n_blocks):
             first = case["first_q"][n]
             seeing = [m for m in range(m_blocks)

@@ -345,9 +345,9 @@ def test_kernel_math_helpers_match_twins(tmp_path):
 
 
 # --- lane-level emulation of the backward's warp GEMMs --------------------------------------
-# ldmatrix and mma.m16n8k16 are implemented here from the PTX ISA text (KERNEL.md), not from
+# ldmatrix and mma.m16n8k16 are implemented here from the PTX ISA text (docs/kernels.md), not from
 # kernel_math.h; the kernel's address math (ldsm_a/b lane maps, km::swz_step over the
-# km::swz_offset swizzle) and fragment plumbing (c_to_a, the dS^T unpack order) are mirrored
+# km::swz_offset swizzle) and fragment plumbing (prim::c_to_a, the dS^T unpack order) are mirrored
 # line by line from flash_bwd_kernel.cuh. Operand order, .trans choice or a fragment index that
 # is wrong there shows up as a wrong product here.
 
@@ -421,7 +421,7 @@ def _gemm_frag_x_tile(acc, a_frag, b_smem, d, loop=64):
 
 
 def _c_to_a(c):
-    """c[tile j][lane][4] -> a[k-step][lane][4 regs][2 halves], as the kernel's c_to_a."""
+    """c[tile j][lane][4] -> a[k-step][lane][4 regs][2 halves], as prim::c_to_a (km::c_to_a_*)."""
     a = np.zeros((c.shape[0] // 2, 32, 4, 2))
     for kk in range(c.shape[0] // 2):
         a[kk, :, 0] = c[2 * kk][:, 0:2]

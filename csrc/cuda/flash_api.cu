@@ -8,6 +8,7 @@
 #include <string>
 #include <type_traits>
 
+#include "../kernel_math.h"
 #include "launch.h"
 
 namespace ringseq {
@@ -29,18 +30,27 @@ namespace {
   throw std::invalid_argument("ringseq CUDA kernel: " + msg);
 }
 
-// Tiles move through 16-byte cp.async copies and vector stores: every row must start on a
-// 16-byte boundary, i.e. 8-element aligned base pointers and strides.
-void check_rows_aligned(const void* ptr, const RowStrides& s, const char* name) {
+// Tiles move through 16-byte cp.async copies and vector stores: every row a kernel touches
+// must start on a 16-byte boundary (km::rows_aligned, tested on CPU). `rows` and `heads` are
+// the view's seqlen and head count.
+void check_rows_aligned(const void* ptr, const RowStrides& s, int64_t batch, int64_t rows,
+                        int64_t heads, const char* name) {
   if (ptr == nullptr) invalid(std::string(name) + " is a null pointer");
-  const bool ok = reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && s.batch % 8 == 0 && s.row % 8 == 0 &&
-                  s.head % 8 == 0;
-  if (!ok) {
+  if (!km::rows_aligned(reinterpret_cast<uintptr_t>(ptr), s.batch, s.row, s.head, batch, rows, heads)) {
     invalid(std::string(name) + " must be 16-byte aligned with batch/seq/head strides that are "
-            "multiples of 8 elements, got strides (" + std::to_string(s.batch) + ", " +
-            std::to_string(s.row) + ", " + std::to_string(s.head) +
-            ", 1); pass a .contiguous() copy or use backend=\"sdpa\"");
+            "multiples of 8 elements (dimensions of size 1 excepted), got strides (" +
+            std::to_string(s.batch) + ", " + std::to_string(s.row) + ", " + std::to_string(s.head) +
+            ", 1) for shape (" + std::to_string(batch) + ", " + std::to_string(rows) + ", " +
+            std::to_string(heads) + ", d); pass a .contiguous() copy or use backend=\"sdpa\"");
   }
+}
+
+// Views shaped like q (b, s_q, h, d) and like k (b, s_k, h_kv, d).
+void check_q_rows(const AttnShape& sh, const void* ptr, const RowStrides& s, const char* name) {
+  check_rows_aligned(ptr, s, sh.batch, sh.seqlen_q, sh.nheads, name);
+}
+void check_kv_rows(const AttnShape& sh, const void* ptr, const RowStrides& s, const char* name) {
+  check_rows_aligned(ptr, s, sh.batch, sh.seqlen_k, sh.nheads_kv, name);
 }
 
 void check_shape(const AttnShape& sh, DType dtype, int config) {
@@ -48,8 +58,9 @@ void check_shape(const AttnShape& sh, DType dtype, int config) {
     invalid("supports bfloat16/float16 inputs with head dim 64 or 128, got head dim " +
             std::to_string(sh.headdim) + "; use backend=\"sdpa\" for other inputs");
   }
-  if (config < 0 || config > 1) {
-    invalid("tile_config must be 0 (fast) or 1 (conservative), got " + std::to_string(config));
+  if (config < 0 || config >= km::kNumFwdConfigs) {
+    invalid("tile_config must be 0 (fast), 1 (conservative) or 2 (128x64 tiles; the backward "
+            "runs config 0's), got " + std::to_string(config));
   }
   if (!(sh.softmax_scale > 0.0)) {
     // The online softmax takes row maxima of unscaled scores, which needs a positive scale.
@@ -92,10 +103,10 @@ void flash_fwd_cuda(const FwdParams& p, cudaStream_t stream) {
   check_shape(p.shape, p.dtype, p.config);
   if (p.accumulate) invalid("the forward kernel has no accumulate (merge) mode yet");
   if (p.shape.batch == 0 || p.shape.seqlen_q == 0 || p.shape.nheads == 0) return;
-  check_rows_aligned(p.q, p.q_strides, "q");
-  check_rows_aligned(p.k, p.k_strides, "k");
-  check_rows_aligned(p.v, p.v_strides, "v");
-  check_rows_aligned(p.out, p.out_strides, "out");
+  check_q_rows(p.shape, p.q, p.q_strides, "q");
+  check_kv_rows(p.shape, p.k, p.k_strides, "k");
+  check_kv_rows(p.shape, p.v, p.v_strides, "v");
+  check_q_rows(p.shape, p.out, p.out_strides, "out");
   if (p.lse == nullptr) invalid("lse is a null pointer");
   dispatch(p.dtype, p.shape.headdim, [&](auto hd, auto elem) {
     run_flash_fwd<decltype(hd)::value, decltype(elem)>(p, stream);
@@ -108,14 +119,14 @@ void flash_bwd_cuda(const BwdParams& p, cudaStream_t stream) {
   if (p.shape.batch == 0 || p.shape.seqlen_q == 0 || p.shape.seqlen_k == 0 || p.shape.nheads == 0) {
     return;
   }
-  check_rows_aligned(p.dout, p.dout_strides, "dout");
-  check_rows_aligned(p.q, p.q_strides, "q");
-  check_rows_aligned(p.k, p.k_strides, "k");
-  check_rows_aligned(p.v, p.v_strides, "v");
+  check_q_rows(p.shape, p.dout, p.dout_strides, "dout");
+  check_q_rows(p.shape, p.q, p.q_strides, "q");
+  check_kv_rows(p.shape, p.k, p.k_strides, "k");
+  check_kv_rows(p.shape, p.v, p.v_strides, "v");
   // `out` is not read here: the binding has turned it into delta already.
-  check_rows_aligned(p.dq, p.dq_strides, p.accumulate ? "dq_accum" : "dq");
-  check_rows_aligned(p.dk, p.dk_strides, p.accumulate ? "dk_accum" : "dk");
-  check_rows_aligned(p.dv, p.dv_strides, p.accumulate ? "dv_accum" : "dv");
+  check_q_rows(p.shape, p.dq, p.dq_strides, p.accumulate ? "dq_accum" : "dq");
+  check_kv_rows(p.shape, p.dk, p.dk_strides, p.accumulate ? "dk_accum" : "dk");
+  check_kv_rows(p.shape, p.dv, p.dv_strides, p.accumulate ? "dv_accum" : "dv");
   if (p.lse == nullptr || p.delta == nullptr) invalid("lse and delta must be given");
   dispatch(p.dtype, p.shape.headdim, [&](auto hd, auto elem) {
     run_flash_bwd<decltype(hd)::value, decltype(elem)>(p, stream);

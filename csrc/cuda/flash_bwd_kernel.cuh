@@ -14,13 +14,20 @@
 // out of the MMA in the C layout, which is the A layout of dV += P^T dO and dK += dS^T Q, and
 // no transpose through shared memory is needed. The loop side is always 64 rows.
 //
-// Configs (params.config, same meaning as the forward: 0 = fast default, 1 = conservative):
+// Configs (params.config, same meaning as the forward: 0 = fast default, 1 = conservative;
+// the forward's config 2 has no backward of its own and runs config 0):
 //   0: 8 warps, kOwn = 128. Each Q/dO (or K/V) tile streamed through shared memory is reused
 //      by twice as many owned rows, halving the smem->register and L2 traffic per MMA; a warp's
 //      registers are the same as in config 1 because a warp still owns 16 rows.
 //   1: 4 warps, kOwn = 64 (64 x 64 tiles), the smallest shared-memory footprint.
 // The streamed side is double-buffered with cp.async: tile i+1 is in flight while tile i is
 // consumed.
+//
+// Known costs, left until the first GPU measurement says which matters (issue 16): the dQ
+// kernel recomputes S and dP (7 GEMM-sized products per block pair against 5 for a fused
+// kernel with atomic dQ); `#pragma unroll 1` over the k16 steps of S/dP (gemm_rows_x_tileT)
+// keeps d=128 within 255 registers but stops ldmatrix/mma pipelining across steps; the dK/dV
+// grid (ceil(s_k / kOwn) x h_kv x b CTAs) under-fills 132 SMs when b * h_kv is small.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -134,32 +141,21 @@ __device__ __forceinline__ void gemm_frag_x_tile(float (&acc)[C::kDTiles][4],
   }
 }
 
-// C fragments of a 16 x kLoop tile -> A fragments of the next GEMM (km::c_to_a_tile/reg).
-template <typename C, typename T>
-__device__ __forceinline__ void c_to_a(uint32_t (&a)[C::kLSteps][4], const float (&c)[C::kLTiles][4]) {
-#pragma unroll
-  for (int kk = 0; kk < C::kLSteps; ++kk) {
-    a[kk][0] = prim::pack2<T>(c[2 * kk][0], c[2 * kk][1]);
-    a[kk][1] = prim::pack2<T>(c[2 * kk][2], c[2 * kk][3]);
-    a[kk][2] = prim::pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-    a[kk][3] = prim::pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-  }
-}
-
-// Writes a warp's 16 x kHeadDim float accumulator (rows row0 + g, row0 + g + 8 of a (b, s, h, d)
-// tensor whose (batch, head) base is `base`), rows >= rows_valid skipped. accumulate: adds into
-// float32; otherwise stores element type T. Each CTA owns its rows, so the read-modify-write
-// is race-free and the summation order fixed.
+// Writes a warp's 16 x kHeadDim float accumulator into rows row0 + g, row0 + g + 8 of head
+// `head` of batch `b` of a (b, s, h, d) gradient, rows >= rows_valid skipped. accumulate: adds
+// into float32; otherwise stores element type T. Each CTA owns its rows, so the
+// read-modify-write is race-free and the summation order fixed.
 template <typename C, typename T>
 __device__ __forceinline__ void store_rows(const float (&acc)[C::kDTiles][4], float scale,
-                                           void* base, int64_t row_stride, int row0,
-                                           int rows_valid, bool accumulate, int lane) {
+                                           void* grad, const RowStrides& strides, int b, int head,
+                                           int row0, int rows_valid, bool accumulate, int lane) {
+  const int64_t base = b * strides.batch + head * strides.head;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + km::lane_group(lane) + 8 * half;
     if (row >= rows_valid) continue;
     if (accumulate) {
-      float* dst = static_cast<float*>(base) + row * row_stride + 2 * km::lane_in_group(lane);
+      float* dst = static_cast<float*>(grad) + base + row * strides.row + 2 * km::lane_in_group(lane);
 #pragma unroll
       for (int j = 0; j < C::kDTiles; ++j) {
         float2 v = *reinterpret_cast<float2*>(dst + 8 * j);
@@ -168,7 +164,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[C::kDTiles][4], fl
         *reinterpret_cast<float2*>(dst + 8 * j) = v;
       }
     } else {
-      T* dst = static_cast<T*>(base) + row * row_stride + 2 * km::lane_in_group(lane);
+      T* dst = static_cast<T*>(grad) + base + row * strides.row + 2 * km::lane_in_group(lane);
 #pragma unroll
       for (int j = 0; j < C::kDTiles; ++j) {
         *reinterpret_cast<uint32_t*>(dst + 8 * j) =
@@ -302,7 +298,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dkdv_kernel(const Bw
       // P^T the MMA consumed (dS^T is rounded to 16 bits right after anyway). This keeps the
       // d=128 tiles within 255 registers without spills.
       uint32_t a[C::kLSteps][4];
-      c_to_a<C, T>(a, pt);
+      prim::c_to_a<T>(a, pt);
       gemm_frag_x_tile<C, T>(acc_dv, a, do_base, off_a);
 
       // dS^T = P^T * (V dO^T - delta), delta per query (column).
@@ -312,29 +308,27 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dkdv_kernel(const Bw
       for (int kk = 0; kk < C::kLSteps; ++kk) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          // a[kk][r] holds n-tile 2 kk + (r >> 1), row half (r & 1): see c_to_a.
-          const int j = 2 * kk + (r >> 1);
-          const int e0 = 2 * (r & 1);
+          // a[kk][r] packs halves 2r and 2r + 1 of the A fragment (prim::c_to_a): registers
+          // e0, e1 (columns col_lane, col_lane + 1) of n-tile j.
+          const int j = 2 * kk + km::c_to_a_tile(2 * r);
+          const int e0 = km::c_to_a_reg(2 * r);
+          const int e1 = km::c_to_a_reg(2 * r + 1);
           const float2 pv = prim::unpack2<T>(a[kk][r]);
           const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + col_lane);
           dst[j][e0] = pv.x * (dst[j][e0] - dl.x);
-          dst[j][e0 + 1] = pv.y * (dst[j][e0 + 1] - dl.y);
+          dst[j][e1] = pv.y * (dst[j][e1] - dl.y);
         }
       }
-      c_to_a<C, T>(a, dst);
+      prim::c_to_a<T>(a, dst);
       gemm_frag_x_tile<C, T>(acc_dk, a, q_base, off_a);   // dK += dS^T Q
       __syncthreads();  // stage st is refilled by the next iteration's prefetch
     }
   }
 
-  store_rows<C, T>(acc_dk, static_cast<float>(p.shape.softmax_scale),
-                   static_cast<char*>(p.dk) + (b * p.dk_strides.batch + kvh * p.dk_strides.head) *
-                                                  (p.accumulate ? 4 : 2),
-                   p.dk_strides.row, kv_row0 + warp_row, s_k, p.accumulate, lane);
-  store_rows<C, T>(acc_dv, 1.f,
-                   static_cast<char*>(p.dv) + (b * p.dv_strides.batch + kvh * p.dv_strides.head) *
-                                                  (p.accumulate ? 4 : 2),
-                   p.dv_strides.row, kv_row0 + warp_row, s_k, p.accumulate, lane);
+  store_rows<C, T>(acc_dk, static_cast<float>(p.shape.softmax_scale), p.dk, p.dk_strides, b, kvh,
+                   kv_row0 + warp_row, s_k, p.accumulate, lane);
+  store_rows<C, T>(acc_dv, 1.f, p.dv, p.dv_strides, b, kvh, kv_row0 + warp_row, s_k, p.accumulate,
+                   lane);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -452,16 +446,14 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dq_kernel(const BwdP
         for (int e = 0; e < 4; ++e) ds[j][e] = pr[j][e] * (ds[j][e] - dl[e >> 1]);
       }
       uint32_t a[C::kLSteps][4];
-      c_to_a<C, T>(a, ds);
+      prim::c_to_a<T>(a, ds);
       gemm_frag_x_tile<C, T>(acc, a, k_base, off_a);  // dQ += dS K
       __syncthreads();
     }
   }
 
-  store_rows<C, T>(acc, static_cast<float>(p.shape.softmax_scale),
-                   static_cast<char*>(p.dq) + (b * p.dq_strides.batch + hq * p.dq_strides.head) *
-                                                  (p.accumulate ? 4 : 2),
-                   p.dq_strides.row, q_row0 + warp_row, s_q, p.accumulate, lane);
+  store_rows<C, T>(acc, static_cast<float>(p.shape.softmax_scale), p.dq, p.dq_strides, b, hq,
+                   q_row0 + warp_row, s_q, p.accumulate, lane);
 }
 
 template <int kHeadDim, int kNWarps, typename T>

@@ -10,7 +10,8 @@
 // mask, online softmax in base 2 (log2(e) folded into the scale), O = alpha O + P V with P
 // converted in registers from the C layout straight into the A layout. V_j is fetched with
 // cp.async while S is computed and K_{j-1} while P V runs, so one K and one V buffer suffice.
-// All shared tiles are XOR-swizzled through km::swz_offset.
+// All shared tiles are XOR-swizzled through km::swz_offset. Tile choices and what they cost:
+// km::fwd_block_m / fwd_block_n and docs/kernels.md.
 #pragma once
 
 #include <cmath>
@@ -39,19 +40,35 @@ struct Traits {
   // Q fragments stay in registers when they cost at most 32 registers; otherwise they are
   // re-read from shared memory each block (the accumulators need the room).
   static constexpr bool kQInRegs = kMTiles * kQkSteps * 4 <= 32;
-  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * int(sizeof(Element));
+  // m16 slabs whose S is computed together. All of them, so each K fragment read from shared
+  // memory feeds every slab, unless S and O of all slabs would not fit next to each other in
+  // 255 registers (d=128 with 64-key blocks: 64 + 128 floats): then one slab at a time, K is
+  // read once per slab, and only one slab's S is ever live.
+  static constexpr int kSTiles = kMTiles * (kNTiles + kDTiles) * 4 <= 160 ? kMTiles : 1;
+  static constexpr int kSmemBytes = km::fwd_tile_smem_bytes(kBlockM, kBlockN, kHeadDim);
+  // Static shared memory where it fits (ptxas then reports it, so the compile gate shows each
+  // kernel's whole budget); larger tiles take dynamic shared memory with an opt-in.
+  static constexpr bool kDynamicSmem = kSmemBytes > km::kMaxStaticSmemBytes;
 
   static_assert(kHeadDim % 64 == 0, "head dim must be a multiple of 64 (swizzled rows)");
   static_assert(kBlockM % (16 * kWarps) == 0, "kBlockM must be a multiple of 64");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
   static_assert(sizeof(Element) == 2, "16-bit elements only");
-  static_assert(kSmemBytes <= 48 * 1024, "static shared memory is limited to 48 KB");
-  static_assert(kSmemBytes == km::fwd_smem_bytes(kHeadDim, kBlockM == km::fwd_block_m(kHeadDim, 0) &&
-                                                               kBlockN == km::fwd_block_n(kHeadDim, 0)
-                                                           ? 0
-                                                           : 1),
-                "kernel_math.h and the kernel disagree on the shared memory budget");
+  // sm_86/sm_89 let a block opt in to 99 KB at most; the forward must run on every sm_8x.
+  static_assert(kSmemBytes <= 99 * 1024, "forward tile needs more shared memory than sm_86 has");
 };
+
+// The CTA's shared memory: a static array, or the dynamic allocation the launch sized.
+template <typename T>
+__device__ __forceinline__ unsigned char* cta_smem() {
+  if constexpr (T::kDynamicSmem) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    return smem_raw;
+  } else {
+    __shared__ __align__(128) unsigned char smem_raw[T::kSmemBytes];
+    return smem_raw;
+  }
+}
 
 // minBlocksPerSM = 1 explicitly: without it ptxas sometimes caps a kernel at 128 registers
 // (seen for d=64, 64x64 on sm_80) and spills instead of using the registers it may have.
@@ -64,10 +81,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
   constexpr int kThreads = T::kThreads;
   constexpr int kMTiles = T::kMTiles;
 
-  // Static shared memory (<= 48 KB for every configuration): no opt-in attribute at launch,
-  // and ptxas reports the size, so the compile gate shows each kernel's full smem budget.
-  __shared__ __align__(128) unsigned char smem_raw[T::kSmemBytes];
-  Element* sQ = reinterpret_cast<Element*>(smem_raw);
+  Element* sQ = reinterpret_cast<Element*>(cta_smem<T>());
   Element* sK = sQ + kBlockM * kHeadDim;
   Element* sV = sK + kBlockN * kHeadDim;
 
@@ -173,103 +187,98 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
         sV, gV + int64_t(n) * kBlockN * p.v_strides.row, p.v_strides.row, seqlen_k - n * kBlockN, tid);
     prim::cp_async_commit();
 
-    float s[kMTiles][T::kNTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < T::kNTiles; ++nt) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) s[mt][nt][r] = 0.f;
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < T::kQkSteps; ++kk) {
-      uint32_t qa[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        if constexpr (T::kQInRegs) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) qa[mt][r] = q_frag[mt][kk][r];
-        } else {
-          prim::ldmatrix_x4(qa[mt], sQ_addr + 2u * km::swz_advance(q_off, mt * 16, kk * 16, kHeadDim));
-        }
-      }
-#pragma unroll
-      for (int np = 0; np < T::kNTiles / 2; ++np) {
-        uint32_t kb[4];
-        prim::ldmatrix_x4(kb, sK_addr + 2u * km::swz_advance(k_off, np * 16, kk * 16, kHeadDim));
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          prim::mma_16816<Element>(s[mt][2 * np], qa[mt], kb[0], kb[1]);
-          prim::mma_16816<Element>(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
-        }
-      }
-    }
-
-    if (n >= n_unmasked) {  // diagonal or ragged block
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < T::kNTiles; ++nt) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int row = m0 + warp_row0 + mt * 16 + km::mma_c_row(lane, r);
-            const int col = n * kBlockN + nt * 8 + km::mma_c_col(lane, r);
-            if (!km::key_visible(row, col, seqlen_q, seqlen_k, causal)) s[mt][nt][r] = -INFINITY;
-          }
-        }
-      }
-    }
-
-    // Online softmax. A row that has seen no key yet keeps max -inf; it is shifted by 0
-    // instead, so exp2(-inf - shift) = 0 and alpha = 0 and no (-inf) - (-inf) appears.
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        float mx = row_max[mt][hf];
-#pragma unroll
-        for (int nt = 0; nt < T::kNTiles; ++nt) {
-          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
-        }
-        mx = prim::quad_max(mx);
-        const float shift = mx == -INFINITY ? 0.f : mx * scale_log2;
-        const float alpha = prim::fast_exp2(row_max[mt][hf] * scale_log2 - shift);
-        row_max[mt][hf] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < T::kNTiles; ++nt) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float e = prim::fast_exp2(fmaf(s[mt][nt][2 * hf + c], scale_log2, -shift));
-            s[mt][nt][2 * hf + c] = e;
-            sum += e;
-          }
-        }
-        row_sum[mt][hf] = row_sum[mt][hf] * alpha + sum;
-#pragma unroll
-        for (int dt = 0; dt < T::kDTiles; ++dt) {
-          acc_o[mt][dt][2 * hf] *= alpha;
-          acc_o[mt][dt][2 * hf + 1] *= alpha;
-        }
-      }
-    }
-
-    // P leaves the float accumulators right away: the C fragments of n-tiles (2kk, 2kk+1)
-    // are the A fragment of k-step kk, and packed P needs half the registers of S while the
-    // next K copy is issued and P V runs.
+    // S, its mask and softmax, and P for kSTiles m16 slabs at a time (see Traits::kSTiles).
     uint32_t p_frag[kMTiles][T::kPvSteps][4];
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
+    for (int m_pass = 0; m_pass < kMTiles; m_pass += T::kSTiles) {
+      float s[T::kSTiles][T::kNTiles][4];
 #pragma unroll
-      for (int kk = 0; kk < T::kPvSteps; ++kk) {
+      for (int mt = 0; mt < T::kSTiles; ++mt) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int tile = 2 * kk + km::c_to_a_tile(2 * j);
-          p_frag[mt][kk][j] = prim::pack2<Element>(s[mt][tile][km::c_to_a_reg(2 * j)],
-                                                   s[mt][tile][km::c_to_a_reg(2 * j + 1)]);
+        for (int nt = 0; nt < T::kNTiles; ++nt) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) s[mt][nt][r] = 0.f;
         }
       }
+#pragma unroll
+      for (int kk = 0; kk < T::kQkSteps; ++kk) {
+        uint32_t qa[T::kSTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < T::kSTiles; ++mt) {
+          if constexpr (T::kQInRegs) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) qa[mt][r] = q_frag[m_pass + mt][kk][r];
+          } else {
+            prim::ldmatrix_x4(qa[mt], sQ_addr + 2u * km::swz_advance(q_off, (m_pass + mt) * 16, kk * 16, kHeadDim));
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < T::kNTiles / 2; ++np) {
+          uint32_t kb[4];
+          prim::ldmatrix_x4(kb, sK_addr + 2u * km::swz_advance(k_off, np * 16, kk * 16, kHeadDim));
+#pragma unroll
+          for (int mt = 0; mt < T::kSTiles; ++mt) {
+            prim::mma_16816<Element>(s[mt][2 * np], qa[mt], kb[0], kb[1]);
+            prim::mma_16816<Element>(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
+          }
+        }
+      }
+
+      if (n >= n_unmasked) {  // diagonal or ragged block
+#pragma unroll
+        for (int mt = 0; mt < T::kSTiles; ++mt) {
+#pragma unroll
+          for (int nt = 0; nt < T::kNTiles; ++nt) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int row = m0 + warp_row0 + (m_pass + mt) * 16 + km::mma_c_row(lane, r);
+              const int col = n * kBlockN + nt * 8 + km::mma_c_col(lane, r);
+              if (!km::key_visible(row, col, seqlen_q, seqlen_k, causal)) s[mt][nt][r] = -INFINITY;
+            }
+          }
+        }
+      }
+
+      // Online softmax. A row that has seen no key yet keeps max -inf; it is shifted by 0
+      // instead, so exp2(-inf - shift) = 0 and alpha = 0 and no (-inf) - (-inf) appears.
+#pragma unroll
+      for (int mt = 0; mt < T::kSTiles; ++mt) {
+        const int gm = m_pass + mt;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          float mx = row_max[gm][hf];
+#pragma unroll
+          for (int nt = 0; nt < T::kNTiles; ++nt) {
+            mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+          }
+          mx = prim::quad_max(mx);
+          const float shift = mx == -INFINITY ? 0.f : mx * scale_log2;
+          const float alpha = prim::fast_exp2(row_max[gm][hf] * scale_log2 - shift);
+          row_max[gm][hf] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < T::kNTiles; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float e = prim::fast_exp2(fmaf(s[mt][nt][2 * hf + c], scale_log2, -shift));
+              s[mt][nt][2 * hf + c] = e;
+              sum += e;
+            }
+          }
+          row_sum[gm][hf] = row_sum[gm][hf] * alpha + sum;
+#pragma unroll
+          for (int dt = 0; dt < T::kDTiles; ++dt) {
+            acc_o[gm][dt][2 * hf] *= alpha;
+            acc_o[gm][dt][2 * hf + 1] *= alpha;
+          }
+        }
+      }
+
+      // P leaves the float accumulators right away: the C fragments of n-tiles (2kk, 2kk+1)
+      // are the A fragment of k-step kk, and packed P needs half the registers of S while
+      // the next K copy is issued and P V runs.
+#pragma unroll
+      for (int mt = 0; mt < T::kSTiles; ++mt) prim::c_to_a<Element>(p_frag[m_pass + mt], s[mt]);
     }
 
     // V_n resident; every warp is done reading K_n: fetch K_{n-1} behind P V.
@@ -326,24 +335,37 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
   prim::copy_tile_s2g<kBlockM, kHeadDim, kThreads>(gO, sQ, p.out_strides.row, rows_q, tid);
 }
 
-template <int kHeadDim, int kBlockM, int kBlockN, typename Element>
+template <int kHeadDim, int kConfig, typename Element>
 void launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
-  using T = Traits<kHeadDim, kBlockM, kBlockN, Element>;
+  constexpr int kBlockM = km::fwd_block_m(kHeadDim, kConfig);
+  using T = Traits<kHeadDim, kBlockM, km::fwd_block_n(kHeadDim, kConfig), Element>;
+  static_assert(T::kSmemBytes == km::fwd_smem_bytes(kHeadDim, kConfig) &&
+                    T::kDynamicSmem == km::fwd_smem_dynamic(kHeadDim, kConfig),
+                "kernel_math.h and the kernel disagree on the shared memory budget");
   auto kernel = &flash_fwd_kernel<T>;
+  const int dyn_smem = T::kDynamicSmem ? T::kSmemBytes : 0;
+  if constexpr (T::kDynamicSmem) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn_smem),
+               "flash fwd: cudaFuncSetAttribute(max dynamic shared memory)");
+  }
   const dim3 grid(static_cast<unsigned>(km::ceil_div(static_cast<int>(p.shape.seqlen_q), kBlockM)),
                   static_cast<unsigned>(p.shape.nheads), static_cast<unsigned>(p.shape.batch));
-  kernel<<<grid, T::kThreads, 0, stream>>>(p);
+  kernel<<<grid, T::kThreads, dyn_smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "flash_fwd_kernel launch");
 }
 
 }  // namespace fwd
 
+// flash_api.cu has checked 0 <= p.config < km::kNumFwdConfigs.
 template <int kHeadDim, typename Element>
 void run_flash_fwd(const FwdParams& p, cudaStream_t stream) {
+  static_assert(km::kNumFwdConfigs == 3, "dispatch every tile configuration");
   if (p.config == 0) {
-    fwd::launch_flash_fwd<kHeadDim, km::fwd_block_m(kHeadDim, 0), km::fwd_block_n(kHeadDim, 0), Element>(p, stream);
+    fwd::launch_flash_fwd<kHeadDim, 0, Element>(p, stream);
+  } else if (p.config == 1) {
+    fwd::launch_flash_fwd<kHeadDim, 1, Element>(p, stream);
   } else {
-    fwd::launch_flash_fwd<kHeadDim, km::fwd_block_m(kHeadDim, 1), km::fwd_block_n(kHeadDim, 1), Element>(p, stream);
+    fwd::launch_flash_fwd<kHeadDim, 2, Element>(p, stream);
   }
 }
 

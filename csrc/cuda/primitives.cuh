@@ -146,6 +146,22 @@ RS_DEV float2 unpack2(uint32_t v) {
   }
 }
 
+// C fragments of 2 * kSteps adjacent n8 tiles (float) -> A fragments of the kSteps k16 steps
+// of the next GEMM (16-bit pairs), in registers: P for P V, dS for dS K, P^T / dS^T in the
+// backward. Only through km::c_to_a_tile / km::c_to_a_reg, which the CPU tests check against
+// the PTX fragment layouts.
+template <typename Element, int kSteps>
+RS_DEV void c_to_a(uint32_t (&a)[kSteps][4], const float (&c)[2 * kSteps][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int tile = 2 * kk + km::c_to_a_tile(2 * r);
+      a[kk][r] = pack2<Element>(c[tile][km::c_to_a_reg(2 * r)], c[tile][km::c_to_a_reg(2 * r + 1)]);
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------------------
 // Tiles. A (kRows x kCols) tile of 16-bit elements whose rows are `row_stride` elements apart
 // in global memory (last dim contiguous), rows >= rows_valid zero-filled.

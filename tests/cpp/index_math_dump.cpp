@@ -5,6 +5,8 @@
 //   index_math_dump static          -> swizzle, fragment, ldmatrix and tile tables
 //   index_math_dump cases < lines   -> per line "s_q s_k block_m block_n causal": block ranges
 //   index_math_dump mask s_q s_k causal pad -> key_visible for i < s_q + pad, j < s_k + pad
+//   index_math_dump aligned < lines -> per line "addr stride_b stride_s stride_h size_b size_s
+//                                      size_h": rows_aligned (the CUDA binding's stride check)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -86,13 +88,15 @@ void dump_static() {
   bool first = true;
   for (int d : {64, 128}) {
     for (int cfg = 0; cfg < km::kNumFwdConfigs; ++cfg) {
-      std::printf("%s{\"headdim\": %d, \"config\": %d, \"block_m\": %d, \"block_n\": %d, \"smem\": %d}",
+      std::printf("%s{\"headdim\": %d, \"config\": %d, \"block_m\": %d, \"block_n\": %d, \"smem\": %d, "
+                  "\"dynamic\": %s}",
                   first ? "" : ", ", d, cfg, km::fwd_block_m(d, cfg), km::fwd_block_n(d, cfg),
-                  km::fwd_smem_bytes(d, cfg));
+                  km::fwd_smem_bytes(d, cfg), km::fwd_smem_dynamic(d, cfg) ? "true" : "false");
       first = false;
     }
   }
-  std::printf("],\n\"fwd_threads\": %d\n}\n", km::kFwdThreads);
+  std::printf("],\n\"fwd_threads\": %d,\n\"max_static_smem\": %d\n}\n", km::kFwdThreads,
+              km::kMaxStaticSmemBytes);
 }
 
 void dump_cases() {
@@ -119,8 +123,6 @@ void dump_cases() {
         std::printf("%c", km::block_needs_mask(m, n, bm, bn, sq, sk, causal) ? '1' : '0');
       std::printf("\"");
     }
-    std::printf("],\n \"rows_ragged\": [");
-    for (int m = 0; m < m_blocks; ++m) std::printf("%s%d", m ? ", " : "", km::rows_ragged(m, bm, sq) ? 1 : 0);
     std::printf("],\n \"first_q\": [");
     for (int n = 0; n < n_blocks; ++n)
       std::printf("%s%d", n ? ", " : "", km::bwd_first_q_block(n, bm, bn, sq, sk, causal));
@@ -145,6 +147,18 @@ void dump_mask(int sq, int sk, bool causal, int pad) {
   std::printf("]}\n");
 }
 
+void dump_aligned() {
+  unsigned long long addr;
+  long long sb, ss, sh, nb, ns, nh;
+  std::printf("[");
+  bool first = true;
+  while (std::scanf("%llu %lld %lld %lld %lld %lld %lld", &addr, &sb, &ss, &sh, &nb, &ns, &nh) == 7) {
+    std::printf("%s%d", first ? "" : ", ", km::rows_aligned(addr, sb, ss, sh, nb, ns, nh) ? 1 : 0);
+    first = false;
+  }
+  std::printf("]\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -152,10 +166,12 @@ int main(int argc, char** argv) {
     dump_static();
   } else if (argc >= 2 && std::strcmp(argv[1], "cases") == 0) {
     dump_cases();
+  } else if (argc >= 2 && std::strcmp(argv[1], "aligned") == 0) {
+    dump_aligned();
   } else if (argc == 6 && std::strcmp(argv[1], "mask") == 0) {
     dump_mask(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]) != 0, std::atoi(argv[5]));
   } else {
-    std::fprintf(stderr, "usage: %s static | cases | mask s_q s_k causal pad\n", argv[0]);
+    std::fprintf(stderr, "usage: %s static | cases | aligned | mask s_q s_k causal pad\n", argv[0]);
     return 2;
   }
   return 0;

@@ -49,10 +49,12 @@ from .layouts import Layout, get_layout, positions_local, shard_local
 from .ops import flash_attn_func
 from .plan import make_plan
 from .ring import ring_attention
-from .ulysses import _autocast, check_dropout, ulysses_heads, ulysses_wrap
+from .ulysses import (_autocast, check_dropout, ulysses_heads, ulysses_wrap,
+                      valid_ulysses_degrees)
 
-__all__ = ["SP_MODES", "SequenceParallelGroups", "SequenceParallelLayout", "make_sp_groups",
-           "resolve_sp_sizes", "sp_groups_from_tables", "usp_attn_func", "usp_sdpa"]
+__all__ = ["SP_MODES", "SequenceParallelGroups", "SequenceParallelLayout", "check_model_heads",
+           "make_sp_groups", "resolve_sp_sizes", "sp_groups_from_tables", "usp_attn_func",
+           "usp_sdpa"]
 
 SP_MODES = ("ring", "ulysses", "hybrid")
 
@@ -108,6 +110,21 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
                              f"{_divisors(R)}")
         I = inner_ring_size
     return U, R, I
+
+
+def check_model_heads(nheads: int, nheads_kv: int, ulysses_size: int,
+                      sp_size: Optional[int] = None) -> None:
+    """Raises ValueError when a model's ``nheads`` query heads (``nheads_kv`` K/V heads) cannot
+    be split over ``ulysses_size`` ranks, naming the Ulysses sizes that would work (those that
+    also divide ``sp_size`` when given). Nothing communicates."""
+    if ulysses_size < 1 or nheads % ulysses_size:
+        raise ValueError(
+            f"num_attention_heads={nheads} cannot be split over ulysses_size={ulysses_size}: each "
+            f"rank of the all-to-all takes num_attention_heads / ulysses_size query heads; "
+            f"ulysses_size values that divide num_attention_heads={nheads}"
+            + (f" and the sequence-parallel size {sp_size}" if sp_size is not None else "")
+            + f": {valid_ulysses_degrees(nheads, sp_size)}")
+    ulysses_heads(nheads, nheads_kv, ulysses_size, what="num_attention_heads")
 
 
 # ---------------------------------------------------------------------------- data layout

@@ -197,8 +197,11 @@ def report_sp(args, rows, device):
 def main_sp(args, launched, device):
     """The --sp-mode job: spawn (or use the launcher's) ranks, run every mode, print, JSON."""
     args.sp_modes = parse_sp_modes(args.sp_mode)
-    world = dist.get_world_size() if launched and dist.is_initialized() else (
-        int(os.environ["WORLD_SIZE"]) if launched else args.world_size)
+    world = int(os.environ["WORLD_SIZE"]) if launched else args.world_size
+    if args.sp_mode == "all":  # only the double rings that have more than one inner ring
+        args.sp_modes = [m for m in args.sp_modes if "double" not in m
+                         or world // mode_sizes(m, world, args.ulysses_size,
+                                                args.inner_ring_size)[0] > args.inner_ring_size]
     for mode in args.sp_modes:
         U, I = mode_sizes(mode, world, args.ulysses_size, args.inner_ring_size)
         R = world // U

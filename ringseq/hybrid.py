@@ -21,8 +21,10 @@ the fast links, the ring crosses nodes); ``ulysses_inner=False`` puts the ring i
 ranks follow global ranks (what ``torch.distributed.new_group`` does).
 
 The K/V that travel the ring are the Ulysses head shards: ``h_kv * rep / U`` heads instead of
-``h_kv`` (``rep`` per :mod:`ringseq.ulysses`'s head rule), so a ring step moves ``rep / U`` of
-the plain ring's bytes.
+``h_kv`` (``rep`` per :mod:`ringseq.ulysses`'s head rule) of a ring part of ``s / R`` tokens, i.e.
+``rep / U`` of what a ring of ``R`` over the same parts would move per step -- the block of the
+plain ring of ``W`` (times ``rep``), for ``R - 1`` steps instead of ``W - 1``
+(docs/sp_modes.md has the bytes of every mode).
 
     sp = ringseq.make_sp_groups(ulysses_size=2)                   # W = 2 x (W / 2), collective
     q = sp.shard(torch_full_q, "zigzag")                          # (b, s / W, h, d)

@@ -225,8 +225,9 @@ class SequenceParallelGroups:
 
     def data_layout(self, layout="zigzag") -> Layout:
         """The layout of the tokens over :attr:`group` for ring layout ``layout`` (the layout
-        itself when U = 1, else a :class:`SequenceParallelLayout`)."""
-        lay = get_layout(layout)
+        itself when U = 1, else a :class:`SequenceParallelLayout`; with R = 1 the ring layout
+        does not apply and the split is contiguous)."""
+        lay = get_layout(layout) if self.ring_size > 1 else get_layout("contiguous")
         if self.ulysses_size == 1:
             return lay
         key = (id(lay), lay.name)
@@ -437,7 +438,8 @@ def usp_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causal: b
         causal: causal mask over global positions.
         sp: the groups (:func:`make_sp_groups`, or the plugin's ``plugin.sp``).
         layout: the layout of the ring dimension (``"zigzag"``, ``"contiguous"``,
-            ``"stripe"`` or a Layout); it must be the one the data was sharded with.
+            ``"stripe"`` or a Layout); it must be the one the data was sharded with. Ignored
+            without a ring (R = 1: the Ulysses split is contiguous).
         return_lse: also return lse.
         backend: block kernel (ring steps, or the local attention when R = 1).
         grad_comm_dtype: dtype of the travelling dK/dV accumulators of the ring (see
@@ -454,7 +456,7 @@ def usp_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causal: b
     """
     check_dropout(dropout_p)
     q, k, v = _autocast(q, k, v)
-    lay = get_layout(layout)
+    lay = get_layout(layout) if sp.ring_size > 1 else get_layout("contiguous")
     with torch.autocast(q.device.type, enabled=False):
         check_qkv(q, k, v)
         if q.shape[1] != k.shape[1]:

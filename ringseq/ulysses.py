@@ -20,8 +20,8 @@ Head rule (``h`` query heads, ``h_kv`` K/V heads, degree ``U``):
   GQA/MQA is never expanded. When ``U > h_kv`` (e.g. 8:2 heads on 4 ranks, 8:1 on 2),
   ``rep = U / gcd(U, h_kv)`` is the least replication with which every rank's query heads read
   their K/V heads in that grouping: each rank receives exactly the K/V heads its query heads
-  need (one, when ``h_kv`` divides ``U``). The gradients of the copies are summed back (in the
-  accumulation dtype) before they return.
+  need (one, when ``h_kv`` divides ``U``). The gradients of the copies are summed back before
+  they return.
 
 Communication per rank per call (forward; the backward moves the same again), with ``b``
 batch, ``s`` global length, ``d`` head dim, ``e`` bytes per element:

@@ -118,8 +118,20 @@ def _cases_worker(cases, with_errors):
         with commstats.count_bytes() as c:
             out, lse = fn(lq, lk, lv)
             out.backward(loc[3])
-        results.append({"local": [out.detach(), lse.detach(), lq.grad, lk.grad, lv.grad],
-                        "placement": placement, "bytes": dict(c.bytes)})
+        res = {"local": [out.detach(), lse.detach(), lq.grad, lk.grad, lv.grad],
+               "placement": placement, "bytes": dict(c.bytes)}
+        if case["entry"] == "ulysses" and case["U"] == 2:
+            # the same through usp_attn_func on groups made from the pairs (a subgroup:
+            # make_sp_groups all-gathers every rank's group first)
+            if "pairs" not in sps:
+                sps["pairs"] = ringseq.make_sp_groups(2, group=pairs)
+            sq, sk, sv = (t.clone().requires_grad_() for t in loc[:3])
+            o2, l2 = ringseq.usp_attn_func(sq, sk, sv, causal=case["causal"], sp=sps["pairs"],
+                                           layout="stripe", return_lse=True)
+            o2.backward(loc[3])
+            res["usp_same"] = all(torch.equal(a, b) for a, b in zip(
+                res["local"], [o2.detach(), l2.detach(), sq.grad, sk.grad, sv.grad]))
+        results.append(res)
     if with_errors:
         results.append(_errors(sps, pairs))
     dist.barrier()  # every rank still in step after the errors
@@ -239,6 +251,8 @@ def test_sp_mode_matches_float64_reference(case):
                                     shard_local(plain[j], lay, world, rank, SEQ_DIM[j]),
                                     name=f"rank {r} {name}", factor=2.0 if j < 2 else 3.0,
                                     floor=scaled_floor(case["dtype"], want64))
+        if "usp_same" in res:
+            assert res["usp_same"], f"rank {r}: usp_attn_func differs from ulysses_attn_func"
         # measured bytes: Ulysses moves q, k, v, out (and dout, dq, dk, dv) by all-to-all;
         # the ring part only K/V blocks and dK/dV accumulators
         U, R = case["U"], case["R"]

@@ -87,8 +87,12 @@ class _InnerLayout(Layout):
 
     def nothing_to_do(self, s_local: int, causal: bool) -> bool:
         """True when no rank of the inner ring has a task in this lap (same on all of them)."""
-        return all(not self.tasks(j, js, self.inner, s_local, causal)
-                   for j in range(self.inner) for js in range(self.inner))
+        cache = self.__dict__.setdefault("_idle", {})
+        key = (s_local, bool(causal))
+        if key not in cache:
+            cache[key] = all(not self.tasks(j, js, self.inner, s_local, causal)
+                             for j in range(self.inner) for js in range(self.inner))
+        return cache[key]
 
 
 class InnerRingBackend(AttentionBackend):

@@ -66,6 +66,13 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800, help="seconds before spawned ranks are killed")
     p.add_argument("--json", default=None, help="write results to this path")
     p.add_argument("--plot", default=None, help="write a PNG bar chart (needs matplotlib)")
+    # sequence-parallel modes (benchmarks/sp_modes.py): instead of the layout jobs, compare
+    # ring / Ulysses / hybrid / double ring at this shape (measured bytes per rank per call)
+    p.add_argument("--sp-mode", default=None,
+                   help="comma list of ring,ulysses,hybrid,double_ring,hybrid_double_ring or "
+                        "'all': run benchmarks/sp_modes.py's comparison instead")
+    p.add_argument("--ulysses-size", type=int, default=2, help="Ulysses degree of hybrid modes")
+    p.add_argument("--inner-ring-size", type=int, default=2, help="inner ring of double rings")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     for m in args.modes:
@@ -289,6 +296,9 @@ def main(argv=None):
     args = parse_args(argv)
     launched, device = launcher_device()
     args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if args.sp_mode:
+        from sp_modes import main_sp
+        return main_sp(args, launched, device)
     memory = {}
     if launched:
         init_launched_group(device, args.timeout)

@@ -12,11 +12,12 @@ and transformers only through ``ringseq.integrations.transformers``.
 """
 from ._dist import (RingBrokenError, RingDesyncError, RingError, RingMismatchError,
                     RingTimeoutError, set_consistency_check, set_ring_timeout)
-from .comm import RingComm, Transport, reset_ring
+from .comm import RingComm, Transport, get_comm, reset_ring
 from .compat import (stripe_flash_attn_func, stripe_flash_attn_kvpacked_func,
                      stripe_flash_attn_qkvpacked_func, zigzag_ring_flash_attn_func,
                      zigzag_ring_flash_attn_kvpacked_func, zigzag_ring_flash_attn_qkvpacked_func)
 from .data import shard_batch
+from .hybrid import SequenceParallelGroups, make_sp_groups, usp_attn_func, usp_sdpa
 from .kernels import available_backends
 from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
 from .loss import sharded_cross_entropy
@@ -25,6 +26,7 @@ from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_f
 from .ops import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                   get_backend)
 from .sim import simulate_ring
+from .ulysses import ulysses_attn_func
 
 __version__ = "0.1.0"
 
@@ -37,12 +39,14 @@ _COMPAT_NAMES = ["flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
 
 __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend",
            "RingAttention", "RingComm", "RingMismatchError", "Layout", "Transport",
-           "RingBrokenError", "RingDesyncError", "RingError", "RingTimeoutError", "reset_ring",
+           "RingBrokenError", "RingDesyncError", "RingError", "RingTimeoutError", "get_comm",
+           "reset_ring",
            "set_ring_timeout",
            "get_layout", "positions", "register_layout", "ring_flash_attn_func",
            "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_sdpa",
            "set_consistency_check", "shard", "simulate_ring", "unshard",
-           "shard_batch", "sharded_cross_entropy", *_COMPAT_NAMES, *_PLUGIN_NAMES]
+           "shard_batch", "sharded_cross_entropy", "SequenceParallelGroups", "make_sp_groups",
+           "ulysses_attn_func", "usp_attn_func", "usp_sdpa", *_COMPAT_NAMES, *_PLUGIN_NAMES]
 
 
 def __getattr__(name):

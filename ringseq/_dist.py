@@ -14,7 +14,7 @@ Private: the public names are re-exported by :mod:`ringseq`.
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist

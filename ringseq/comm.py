@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 from ._dist import (RingTimeoutError, consistency_check_mode, global_rank, group_info,
                     is_initialized, ring_timeout)
-from .integrity import FAIL, KIND_NAMES, RingCall, control_vector
+from .integrity import BROKEN, CHECK, FAIL, KIND_NAMES, OK, RingCall, control_vector, judge
 
-__all__ = ["Transport", "RingComm", "get_comm", "reset_ring"]
+__all__ = ["Transport", "RingComm", "check_consistent", "get_comm", "reset_ring"]
 
 
 class Transport:
@@ -281,6 +281,18 @@ def get_comm(group=None) -> RingComm:
         comm = RingComm(group)
         _COMMS[pg] = comm
     return comm
+
+
+def check_consistent(fields, group=None, device=None) -> None:
+    """One argument check over ``group`` outside a ring call (e.g. before an all-to-all):
+    ``fields`` are ``(name, int[, kind])`` pairs; raises ``RingMismatchError`` on every rank
+    when ranks disagree (and RingBrokenError/RingDesyncError as a ring call's begin would).
+    Uses the group's control collective, so it counts in the group's sequence of calls."""
+    comm = get_comm(group)
+    rows = comm.control(CHECK, BROKEN if comm.broken is not None else OK,
+                        [int(f[1]) for f in fields])
+    if rows is not None:
+        judge(comm, rows, CHECK, fields)
 
 
 def reset_ring(group=None) -> None:

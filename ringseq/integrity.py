@@ -36,14 +36,15 @@ import torch
 
 from ._dist import (RingBrokenError, RingDesyncError, RingMismatchError, describe_field)
 
-__all__ = ["CONTROL_WORDS", "HEADER_WORDS", "KIND_NAMES", "RingCall", "control_vector",
+__all__ = ["CONTROL_WORDS", "HEADER_BYTES", "HEADER_WORDS", "KIND_NAMES", "RingCall", "control_vector",
            "signature_hash"]
 
 HEADER_WORDS = 8
+HEADER_BYTES = HEADER_WORDS * 8  # travels with every exchange (a multiple of 64: no padding)
 _MAGIC = 0x52534551  # "RSEQ"
 # Kinds of control operations (ring calls use FWD / BWD; the same numbers travel in headers).
-FWD, BWD, FAIL, REDUCE, END = 1, 2, 3, 4, 5
-KIND_NAMES = {FWD: "forward", BWD: "backward", FAIL: "failure report", REDUCE: "loss reduction",
+FWD, BWD, FAIL, CHECK, END = 1, 2, 3, 4, 5
+KIND_NAMES = {FWD: "forward", BWD: "backward", FAIL: "failure report", CHECK: "argument check",
               END: "end of call"}
 # Status words of a control vector.
 OK, FAILED, BROKEN, DESYNC = 0, 1, 2, 3
@@ -79,7 +80,6 @@ def _call_name(kind: float, seq: float) -> str:
 def judge(transport, rows: List[List[float]], kind: int, signature: Sequence[tuple] = ()) -> None:
     """Raises on this rank what the gathered control vectors say is wrong (the same verdict on
     every rank, since every rank sees the same rows); marks the ring broken where needed."""
-    me = transport.rank
     bad_magic = [r for r, row in enumerate(rows) if int(row[0]) != _MAGIC]
     if bad_magic:
         err = RingDesyncError(f"ringseq: control data from rank(s) {bad_magic} is not ringseq's "

@@ -7,8 +7,6 @@ the name the ring uses.
 """
 from __future__ import annotations
 
-import torch
-
 from ._args import check_flash_args, split_kv, split_qkv
 from .kernels import AttentionBackend, available_backends, check_qkv, get_backend, resolve_scale
 from .kernels.autograd import attention

@@ -140,7 +140,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (softmax_scale, causal, layout, group, backend, grad_comm_dtype)
     # The registry holds objects weakly; the graph keeps them alive until its backward.
-    ctx.keep = tuple(_OBJECTS.get(key) for key in (layout, group))
+    ctx.keep = (tuple(_OBJECTS.get(key) for key in (layout, group)), _backend(backend))
     ctx.set_materialize_grads(False)
 
 

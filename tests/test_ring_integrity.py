@@ -386,7 +386,7 @@ def _worker_w2(tmp):
 
 def _case_nan(layout):
     """A NaN in k (or v, or an inf in q) on one rank reaches every row that attends to it."""
-    rank, w = dist.get_rank(), dist.get_world_size()
+    w = dist.get_world_size()
     s = 8 * w
     res = {}
     for what in ("k_nan", "v_nan", "q_inf"):

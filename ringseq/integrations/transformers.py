@@ -54,6 +54,8 @@ except ImportError:  # pragma: no cover - transformers < 4.53 builds masks insid
     AttentionMaskInterface = None
 
 from .._dist import agree_or_raise, group_info
+from ..hybrid import (SequenceParallelGroups, check_model_heads, make_sp_groups,
+                      resolve_sp_sizes, usp_attn_func)
 from ..layouts import Layout, get_layout, positions_local
 from ..nn import ring_flash_attn_func
 
@@ -70,6 +72,10 @@ class RingSettings:
     group: Any = None
     layout: Layout = field(default_factory=lambda: get_layout("zigzag"))
     backend: Optional[str] = None
+    # Ulysses / hybrid / double ring (``apply(..., sp_mode=...)``): ``group`` is then the whole
+    # sequence-parallel group, ``layout`` its data layout and ``ring_layout`` the ring's.
+    sp: Optional[SequenceParallelGroups] = None
+    ring_layout: Optional[Layout] = None
     # Weak references to the last mask / position-id tensors found valid: every layer of one
     # forward gets the same tensors, so they are checked (and agreed on across ranks) once.
     _checked: tuple = field(default=(None, None), repr=False, compare=False)
@@ -192,6 +198,11 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         scaling = getattr(module, "scaling", None)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # (b, h, s, d) -> (b, s, h, d) as views: the ring reads strided inputs without a copy.
+    if settings.sp is not None:
+        out = usp_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                            softmax_scale=scaling, causal=bool(causal), sp=settings.sp,
+                            layout=settings.ring_layout, backend=settings.backend)
+        return out, None
     out = ring_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
                                value.transpose(1, 2), softmax_scale=scaling, causal=bool(causal),
                                group=settings.group, layout=settings.layout,
@@ -228,32 +239,86 @@ def _attention_modules(model: torch.nn.Module):
             if "Attention" in type(m).__name__ and hasattr(m, "scaling")]
 
 
-def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional[str] = None):
-    """Switches a transformers model to ring attention over ``group`` and returns it.
+def _model_heads(model) -> tuple:
+    cfg = getattr(model, "config", None)
+    h = getattr(cfg, "num_attention_heads", None)
+    if h is None:
+        return None, None
+    return int(h), int(getattr(cfg, "num_key_value_heads", None) or h)
+
+
+def _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inner):
+    """The SequenceParallelGroups ``apply`` runs on, or None for the plain ring."""
+    h, h_kv = _model_heads(model)
+    if isinstance(group, SequenceParallelGroups):
+        sp = group
+        given = {"sp_mode": (sp_mode, sp.mode), "ulysses_size": (ulysses_size, sp.ulysses_size),
+                 "inner_ring_size": (inner_ring_size, sp.inner_ring_size),
+                 "ulysses_inner": (ulysses_inner, sp.ulysses_inner)}
+        for name, (want, have) in given.items():
+            if want is not None and want != have:
+                raise ValueError(f"apply: {name}={want!r} but the SequenceParallelGroups passed "
+                                 f"as group has {name}={have!r}")
+    else:
+        mode = sp_mode or "ring"
+        world, _ = group_info(group)  # raises for a group this process is not in
+        U, R, I = resolve_sp_sizes(mode, world, ulysses_size, inner_ring_size)
+        if U == 1 and I == R:
+            return None
+        if h is not None:
+            check_model_heads(h, h_kv, U, world)
+        return make_sp_groups(U, None if I == R else I, group=group,
+                              ulysses_inner=True if ulysses_inner is None else ulysses_inner)
+    if h is not None:
+        check_model_heads(h, h_kv, sp.ulysses_size, sp.size)
+    return sp
+
+
+def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional[str] = None, *,
+          sp_mode: Optional[str] = None, ulysses_size: Optional[int] = None,
+          inner_ring_size: Optional[int] = None, ulysses_inner: Optional[bool] = None):
+    """Switches a transformers model to sequence-parallel attention over ``group``; returns it.
 
     Args:
         model: a ``PreTrainedModel`` whose attention uses ``AttentionInterface`` (Llama,
             Mistral, Qwen2/3, Gemma, ... in current transformers).
-        group: process group of the ring (None: the default group). The model's inputs must
-            then be sharded over this group, e.g. with ``ringseq.shard_batch(..., group)``.
+        group: process group of the sequence-parallel ranks (None: the default group), or a
+            ``ringseq.SequenceParallelGroups`` (then the ``sp_*`` arguments may be omitted).
+            The model's inputs must then be sharded over it: ``ringseq.shard_batch(..., group)``
+            for the ring, ``sp.shard_batch(batch, layout)`` for the other modes.
         layout: ``"zigzag"`` (default: balanced causal work), ``"contiguous"``, ``"stripe"``
-            or a ``ringseq.layouts.Layout``; the batch must be sharded with the same one.
+            or a ``ringseq.layouts.Layout``: the layout of the ring dimension.
         backend: block kernel backend (see ``ringseq.ring_flash_attn_func``).
+        sp_mode: ``"ring"`` (default), ``"ulysses"`` (all-to-all over the whole group) or
+            ``"hybrid"`` (Ulysses inside, ring across: ``ringseq.usp_attn_func``).
+        ulysses_size: the Ulysses degree of ``"hybrid"``.
+        inner_ring_size: split the ring into inner rings of this size (a double ring).
+        ulysses_inner: Ulysses groups on consecutive ranks (default True) or the ring's.
+            With any non-ring choice the groups are created here (collective over the
+            default group: every rank calls ``apply``; see ``ringseq.make_sp_groups``).
 
     Returns ``model`` (modified in place): ``config._attn_implementation == "ringseq"`` and a
     shared :class:`RingSettings` as ``ringseq_settings`` on every attention module.
 
-    Raises ValueError for an unknown layout, a process group this rank is not in, or a model
-    without AttentionInterface-style attention modules.
+    Raises ValueError for an unknown layout or sp_mode, a process group this rank is not in, a
+    model without AttentionInterface-style attention modules, sizes that do not divide the
+    group, or ``num_attention_heads`` not divisible by the Ulysses degree (naming the degrees
+    that work) -- all before any communication.
     """
     lay = get_layout(layout)
-    group_info(group)  # raises for a group this process is not in
+    if not isinstance(group, SequenceParallelGroups):
+        group_info(group)  # raises for a group this process is not in
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention modules that dispatch through "
                          f"transformers' AttentionInterface (modules named *Attention* with a "
                          f"`scaling` attribute); ringseq cannot switch it")
-    settings = RingSettings(group=group, layout=lay, backend=backend)
+    sp = _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inner)
+    if sp is None:
+        settings = RingSettings(group=group, layout=lay, backend=backend)
+    else:
+        settings = RingSettings(group=sp.group, layout=sp.data_layout(lay), backend=backend,
+                                sp=sp, ring_layout=lay)
     for m in modules:
         m.ringseq_settings = settings
     if hasattr(model, "set_attn_implementation"):

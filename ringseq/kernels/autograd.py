@@ -9,6 +9,8 @@ The gradient rule lives in :func:`attention_backward` alone; the extension's raw
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -62,14 +64,18 @@ def attention_backward(be: AttentionBackend, q, k, v, out, lse, softmax_scale: f
 
 
 # ------------------------------------------------------------------ backends by key
-_BY_KEY: dict = {}
+# Weak: a backend made for one call (e.g. the double ring's) dies with it; the autograd
+# graph keeps the ones its backward needs alive (ctx.keep).
+_BY_KEY: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_NEXT_KEY = itertools.count()
 
 
 def backend_key(be: AttentionBackend) -> str:
-    """The string that names ``be`` in the custom ops (registered on first use)."""
-    key = getattr(be, "_registry_key", None)
-    if key is None or _BY_KEY.get(key) is not be:
-        key = f"{be.name}#{len(_BY_KEY)}"
+    """The string that names ``be`` in the custom ops (registered on first use; the built-in
+    backends at creation, so that torch.compile only reads an attribute)."""
+    key = be.__dict__.get("_registry_key")
+    if key is None:
+        key = f"{be.name}#{next(_NEXT_KEY)}"
         _BY_KEY[key] = be
         be._registry_key = key
     return key
@@ -124,6 +130,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (softmax_scale, causal, backend)
+    ctx.keep = _BY_KEY.get(backend)
     # An output nobody used then arrives as None, not zeros: no delta to compute (or refuse)
     # for an lse that carries no gradient.
     ctx.set_materialize_grads(False)

@@ -98,6 +98,15 @@ class AttentionBackend:
     def __repr__(self):
         return f"<attention backend {self.name!r}>"
 
+    # A backend's registry key (kernels/autograd.py) names this object in this process only.
+    def __deepcopy__(self, memo):
+        return self  # stateless: a copied model keeps using the same kernels
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_registry_key", None)
+        return state
+
 
 def compute_delta(dout: torch.Tensor, out: torch.Tensor, grad_lse=None) -> torch.Tensor:
     """delta = rowsum(dout * out) - grad_lse: (b, h, s_q), contiguous, accumulation dtype.

@@ -47,7 +47,12 @@ def sdpa_on_ring(group, layout, backend: Optional[str] = None) -> Callable:
     """A function with ``F.scaled_dot_product_attention``'s signature that runs
     :func:`ringseq.ring_sdpa` over ``group`` with ``layout``: query (b, h, s_local, d), key and
     value (b, h_kv, s_local, d) -> (b, h, s_local, d). ``attn_mask`` and ``dropout_p > 0``
-    raise ValueError (see ``ring_sdpa``)."""
+    raise ValueError (see ``ring_sdpa``). When ``group`` is a
+    ``ringseq.SequenceParallelGroups`` (the plugin's Ulysses / hybrid / double-ring modes)
+    it runs :func:`ringseq.usp_sdpa` on those groups instead."""
+    from ..hybrid import SequenceParallelGroups, usp_sdpa
+    if isinstance(group, SequenceParallelGroups):
+        return functools.partial(usp_sdpa, sp=group, layout=layout, backend=backend)
     return functools.partial(ring_sdpa, group=group, layout=layout, backend=backend)
 
 
@@ -59,10 +64,15 @@ def is_transformers_model(model: torch.nn.Module) -> bool:
 
 
 def switch_attention(model: torch.nn.Module, group, layout, backend: Optional[str] = None,
-                     policy: Optional[Callable] = None) -> int:
+                     policy: Optional[Callable] = None, sp=None) -> int:
     """Puts ``model``'s attention on the ring of ``group``; returns the number of switched
-    modules (> 0). Raises ValueError when nothing can be switched (see the module doc)."""
+    modules (> 0). With ``sp`` (a ``ringseq.SequenceParallelGroups``: Ulysses / hybrid /
+    double ring) the policy, ``apply`` and ``ringseq_switch`` receive ``sp`` as the group, and
+    ``RingAttention`` submodules raise ValueError (they run the plain ring only). Raises
+    ValueError when nothing can be switched (see the module doc)."""
     lay = get_layout(layout)
+    if sp is not None:
+        group = sp
     if policy is not None:
         n = policy(model, group, lay, backend)
         if not n:
@@ -77,6 +87,12 @@ def switch_attention(model: torch.nn.Module, group, layout, backend: Optional[st
     n = 0
     for m in model.modules():
         if isinstance(m, RingAttention):
+            if sp is not None:
+                raise ValueError(
+                    f"{type(m).__name__} submodule of {type(model).__name__}: ringseq.RingAttention "
+                    f"runs the plain ring only and cannot take sp_mode={sp.mode!r} "
+                    f"(ulysses={sp.ulysses_size}, inner ring={sp.inner_ring_size}); use the "
+                    f"ringseq_switch convention (sdpa_on_ring handles every mode) or a policy")
             m.group, m.layout = group, lay
             if backend is not None:
                 m.backend = backend

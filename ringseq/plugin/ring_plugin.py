@@ -15,7 +15,7 @@ from ..layouts import get_layout
 from .base import Plugin
 from .checkpoint import ReplicatedCheckpointIO
 from .dataloader import ShardedDataLoader
-from .mesh import build_mesh
+from .mesh import build_mesh, build_sp_mesh
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
 from .wrappers import FailureReporter, ModelWrapper, OptimizerWrapper, SequenceParallelLoss
@@ -78,17 +78,49 @@ class RingSequenceParallelPlugin(Plugin):
     batch, up to float summation order. With ``no_sync`` over k micro-batches the gradients of
     the k global means add up (scale the loss by 1/k for their average).
 
+    Sequence-parallel modes (keyword-only; ColossalAI's ``sequence_parallelism_mode``):
+
+    * ``sp_mode="ring"`` (default): ring attention over the ``sp`` ranks, as above;
+      ``inner_ring_size=I`` makes it a double ring (inner rings of I consecutive ranks,
+      ``ringseq.double_ring``).
+    * ``sp_mode="ulysses"``: DeepSpeed-Ulysses all-to-all over the ``sp`` ranks
+      (``ringseq.ulysses_attn_func``); the data is split contiguously (``layout`` does not
+      apply: the all-to-all gathers the whole sequence).
+    * ``sp_mode="hybrid"``: Ulysses over ``ulysses_size`` ranks x ring over
+      ``sp_size / ulysses_size`` (``ringseq.usp_attn_func``), ``layout`` on the ring dim,
+      ``inner_ring_size`` optional. The mesh is ``("dp", "sp_r", "sp_u")`` (Ulysses inner,
+      default) or ``("dp", "sp_u", "sp_r")`` (``ulysses_inner=False``: ring inner).
+
+    In these modes the loader shards with ``plugin.data_layout`` over the whole sequence-parallel
+    group (``plugin.sp_group``; ``plugin.sp`` holds all the groups), transformers models are
+    switched with ``apply(..., group=plugin.sp)``, modules on the ``ringseq_switch`` convention
+    receive ``plugin.sp`` as their group (``sdpa_on_ring`` handles it) and ``RingAttention``
+    submodules raise (they run the plain ring only). The gradient argument below is unchanged:
+    every use of a parameter still happens on exactly one rank.
+
     Raises (at construction, on every rank, before any communication): ValueError for an
-    sp_size that does not divide the world size (listing the ones that do), an unknown layout
-    or precision, a mesh of the wrong shape; RuntimeError without a process group.
+    sp_size that does not divide the world size (listing the ones that do), an unknown layout,
+    precision or sp_mode, a ulysses_size / inner_ring_size that does not divide sp_size / the
+    ring size (listing the ones that do), a mesh of the wrong shape or dim names; RuntimeError
+    without a process group. ``configure`` raises on every rank, before communicating, for a
+    transformers model whose ``num_attention_heads`` the Ulysses degree does not divide.
     """
 
     def __init__(self, sp_size: int, layout="zigzag", precision: str = "fp32", mesh=None,
                  policy: Optional[Callable] = None, backend: Optional[str] = None,
-                 ignore_index: int = -100, device=None, ddp_kwargs: Optional[dict] = None):
+                 ignore_index: int = -100, device=None, ddp_kwargs: Optional[dict] = None, *,
+                 sp_mode: str = "ring", ulysses_size: Optional[int] = None,
+                 inner_ring_size: Optional[int] = None, ulysses_inner: Optional[bool] = None):
         self.layout = get_layout(layout)
         check_precision_name(precision)  # before the mesh: a typo raises without communicating
-        self.groups = build_mesh(sp_size, mesh)
+        plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)
+                      and inner_ring_size is None and ulysses_inner is None)
+        if plain_ring:
+            self.groups = build_mesh(sp_size, mesh)
+        else:
+            self.groups = build_sp_mesh(sp_size, sp_mode, ulysses_size, inner_ring_size,
+                                        ulysses_inner, mesh)
+        self.sp_mode = sp_mode
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if self.groups.mesh.device_type == "cuda" else torch.device("cpu"))
@@ -132,6 +164,26 @@ class RingSequenceParallelPlugin(Plugin):
     def dp_group(self):
         return self.groups.dp_group
 
+    @property
+    def sp(self):
+        """The ``ringseq.SequenceParallelGroups`` of the ulysses / hybrid / double-ring modes
+        (None for the plain ring)."""
+        return self.groups.sp
+
+    @property
+    def ulysses_size(self) -> int:
+        return 1 if self.sp is None else self.sp.ulysses_size
+
+    @property
+    def ring_size(self) -> int:
+        return self.sp_size if self.sp is None else self.sp.ring_size
+
+    @property
+    def data_layout(self):
+        """How the loader places tokens over ``sp_group``: ``layout`` for the ring, the
+        Ulysses x ring split (``SequenceParallelLayout``) otherwise."""
+        return self.layout if self.sp is None else self.sp.data_layout(self.layout)
+
     # -- Plugin surface --------------------------------------------------------------------
     def supported_devices(self) -> List[str]:
         return ["cpu", "cuda"]
@@ -174,7 +226,7 @@ class RingSequenceParallelPlugin(Plugin):
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                             drop_last=drop_last, pin_memory=pin_memory,
                             num_workers=num_workers, **kwargs)
-        return ShardedDataLoader(loader, self.sp_group, self.layout, self.dp_rank,
+        return ShardedDataLoader(loader, self.sp_group, self.data_layout, self.dp_rank,
                                  ignore_index=self.ignore_index, check_group=None,
                                  device=self.device)
 
@@ -234,7 +286,9 @@ class RingSequenceParallelPlugin(Plugin):
         # everything that can refuse comes before the model is modified
         criterion = self._criterion(criterion)
         dataloader = self._dataloader(dataloader)
-        switch_attention(model, self.sp_group, self.layout, self.backend, self.policy)
+        # (apply() refuses head counts the Ulysses degree cannot split before switching)
+        switch_attention(model, self.sp_group, self.layout, self.backend, self.policy,
+                         sp=self.sp)
         if is_transformers_model(model) and getattr(model.config, "use_cache", False):
             # A KV cache of a sharded sequence is meaningless and ring attention refuses one.
             model.config.use_cache = False
@@ -275,6 +329,9 @@ class RingSequenceParallelPlugin(Plugin):
         return ReplicatedCheckpointIO()
 
     def __repr__(self):
-        return (f"RingSequenceParallelPlugin(dp={self.dp_size}, sp={self.sp_size}, "
+        modes = ("" if self.sp is None else
+                 f", sp_mode={self.sp.mode!r}, ulysses={self.sp.ulysses_size}, "
+                 f"ring={self.sp.ring_size}, inner_ring={self.sp.inner_ring_size}")
+        return (f"RingSequenceParallelPlugin(dp={self.dp_size}, sp={self.sp_size}{modes}, "
                 f"layout={self.layout.name!r}, precision={self.precision.name!r}, "
                 f"device={self.device})")

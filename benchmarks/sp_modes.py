@@ -1,0 +1,238 @@
+"""``bench_ring.py --sp-mode ...``: ring vs Ulysses vs hybrid (USP) vs double ring at one shape.
+
+For each mode, on every rank: one forward and one backward with the byte counters of
+:mod:`ringseq.commstats` on (bytes this rank hands to ring exchanges and all-to-alls, measured
+at the transport / collective wrapper), the bytes the formulas of docs/sp_modes.md predict,
+forward+backward time on the busiest rank, and a spot check of the output against float64
+attention on a slice of each rank's queries. Rank 0 prints the table with the ratios to the
+plain ring at the same shape.
+
+Modes: ``ring`` (U = 1), ``ulysses`` (U = W), ``hybrid`` (U = --ulysses-size, ring W / U),
+``double_ring`` (U = 1, inner rings of --inner-ring-size), ``hybrid_double_ring`` (both), or
+``all``.
+
+    python benchmarks/bench_ring.py --sp-mode all --world-size 4 --seqlen 4096
+    torchrun --nproc-per-node 8 benchmarks/bench_ring.py --sp-mode all --seqlen 65536 --dtype bf16
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+
+from common import (attention_flops, environment, format_table, init_launched_group,  # noqa: E402
+                    progress, spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
+
+import ringseq  # noqa: E402
+from ringseq import commstats  # noqa: E402
+from ringseq.integrity import HEADER_BYTES  # noqa: E402
+from ringseq.ulysses import kv_replication  # noqa: E402
+
+SP_MODE_NAMES = ("ring", "ulysses", "hybrid", "double_ring", "hybrid_double_ring")
+
+
+def parse_sp_modes(text):
+    """The comma list of --sp-mode (``all``: every mode), validated."""
+    modes = list(SP_MODE_NAMES) if text == "all" else [m for m in text.split(",") if m]
+    for m in modes:
+        if m not in SP_MODE_NAMES:
+            raise SystemExit(f"--sp-mode takes {', '.join(SP_MODE_NAMES)} or all, got {m!r}")
+    return modes
+
+
+def mode_sizes(mode, world, ulysses_size, inner_ring_size):
+    """(U, I or None) of a mode on ``world`` ranks."""
+    return {"ring": (1, None), "ulysses": (world, None), "hybrid": (ulysses_size, None),
+            "double_ring": (1, inner_ring_size),
+            "hybrid_double_ring": (ulysses_size, inner_ring_size)}[mode]
+
+
+def expected_bytes(b, s, h, h_kv, d, itemsize, U, R, I=None, acc_itemsize=4):
+    """Bytes one rank sends per call from the formulas of docs/sp_modes.md:
+    ``{"fwd": ..., "bwd": ...}`` (full attention or a layout without idle laps)."""
+    tok = b * s // (U * R) * d  # elements per head of one rank's shard
+    rep = kv_replication(h_kv, U)
+    a2a = (U - 1) * tok * (2 * h + 2 * h_kv * rep) * itemsize // U if U > 1 else 0
+    blk = 2 * tok * U * (h_kv * rep // U)  # K and V elements of one ring block
+    I = I or R
+    O = R // I
+    fwd_ring = (R - 1) * blk * itemsize if R > 1 else 0
+    bwd_ring = 0
+    if R > 1:
+        bwd_ring = (R - 1) * blk * itemsize + (R + (O if I < R else 0)) * blk * acc_itemsize
+        # every exchange also carries the ring's integrity header: the forward posts W - 1
+        # exchanges and the backward W + 1 on a ring of W (a double ring: the outer ring of O
+        # plus one inner lap of I per outer step)
+        laps = [(O, 1), (I, O)] if I < R else [(R, 1)]  # (ring size, passes per call)
+        fwd_ring += sum((w - 1) * n for w, n in laps if w > 1) * HEADER_BYTES
+        bwd_ring += sum((w + 1) * n for w, n in laps if w > 1) * HEADER_BYTES
+    return {"fwd": a2a + fwd_ring, "bwd": a2a + bwd_ring}
+
+
+def _spot_check(full, out_local, positions, causal, rows):
+    """Max |out - float64| on this rank's first ``rows`` queries, and plain same-dtype
+    attention's error there."""
+    q, k, v = full
+    pos = positions[:rows]
+    g = q.shape[2] // k.shape[2]
+
+    def attend(dtype):
+        qs = q[:, pos].to(dtype)
+        ks = k.to(dtype).repeat_interleave(g, 2)
+        vs = v.to(dtype).repeat_interleave(g, 2)
+        sc = torch.einsum("bqhd,bkhd->bhqk", qs, ks) * q.shape[-1] ** -0.5
+        if causal:
+            sc = sc.masked_fill(torch.arange(k.shape[1])[None, :] > pos[:, None], float("-inf"))
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(sc, -1), vs)
+
+    ref = attend(torch.float64)
+    plain = attend(q.dtype) if q.dtype != torch.float64 else ref
+    return (float((out_local[:, :rows].double().cpu() - ref).abs().max()),
+            float((plain.double() - ref).abs().max()))
+
+
+def _max(x, device):
+    t = torch.tensor([float(x)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def run_rank_sp(args, device):
+    """Every mode of ``args.sp_modes`` on this rank; returns the rows (same on all ranks)."""
+    from bench_ring import CHECK_FLOOR, DTYPES  # the main job's dtypes and check floors
+    world = dist.get_world_size()
+    dtype = DTYPES[args.dtype]
+    layout = "zigzag" if "zigzag" in args.layouts else args.layouts[0]
+    causal = args.causal != "false"
+    h_kv = args.heads_kv or args.heads
+    gen = torch.Generator().manual_seed(1234)
+    full = [torch.randn(args.batch, args.seqlen, n, args.headdim, generator=gen).to(dtype)
+            for n in (args.heads, h_kv, h_kv)]
+    dout_full = torch.randn(args.batch, args.seqlen, args.heads, args.headdim,
+                            generator=gen).to(dtype)
+    rows, jobs = [], []
+    for i, mode in enumerate(args.sp_modes, 1):
+        U, I = mode_sizes(mode, world, args.ulysses_size, args.inner_ring_size)
+        R = world // U
+        if dist.get_rank() == 0:
+            progress(f"[{i}/{len(args.sp_modes)}] sp-mode {mode}: ulysses {U} x ring {R}"
+                     + (f" (inner rings of {I})" if I else "") + f", {layout} "
+                     f"{'causal' if causal else 'full'}, W={world} s={args.seqlen}")
+        sp = ringseq.make_sp_groups(U, I)
+        q, k, v = (sp.shard(t, layout).to(device).requires_grad_() for t in full)
+        dout = sp.shard(dout_full, layout).to(device)
+
+        def call(q=q, k=k, v=v, sp=sp):
+            return ringseq.usp_attn_func(q, k, v, causal=causal, sp=sp, layout=layout,
+                                         backend=args.backend)
+
+        def step(call=call, q=q, k=k, v=v, dout=dout):
+            call().backward(dout)
+            for t in (q, k, v):
+                t.grad = None
+
+        step()  # warm-up, consistency checks
+        jobs.append((mode, U, R, I, sp, call, step, dout))
+    # all modes warmed up before any is timed (the first calls of a process are slower)
+    for mode, U, R, I, sp, call, step, dout in jobs:
+        with commstats.count_bytes() as c_fwd:
+            out = call()
+        with commstats.count_bytes() as c_bwd:
+            out.backward(dout)
+        gc.collect()
+        dist.barrier()
+        ms = _max(time_ms(step, device, args.warmup, args.repeats), device)
+        pos = sp.positions(args.seqlen, layout)
+        err, plain_err = _spot_check(full, out.detach(), pos, causal, args.check_rows)
+        err, plain_err = _max(err, device), _max(plain_err, device)
+        exp = expected_bytes(args.batch, args.seqlen, args.heads, h_kv, args.headdim,
+                             dtype.itemsize, U, R, I, 8 if dtype == torch.float64 else 4)
+        flops_rank = attention_flops(args.batch, args.heads, args.seqlen, args.seqlen,
+                                     args.headdim, causal, "fwd_bwd") / world
+        sent = _max(c_fwd.total + c_bwd.total, device)
+        rows.append({
+            "mode": mode, "split": f"{U}x{R}" + (f" ({R // I}x{I})" if I and I < R else ""),
+            "fwd_bytes": _max(c_fwd.total, device), "bwd_bytes": _max(c_bwd.total, device),
+            "bytes": sent, "expected_bytes": exp["fwd"] + exp["bwd"],
+            "a2a_bytes": _max(c_fwd.bytes.get("all_to_all", 0)
+                              + c_bwd.bytes.get("all_to_all", 0), device),
+            "outer_bytes": _max(c_fwd.bytes.get("ring_outer", 0)
+                                + c_bwd.bytes.get("ring_outer", 0), device),
+            "bytes_per_flop": sent / flops_rank, "ms": ms,
+            "max_err": err, "plain_err": plain_err,
+            "check_ok": bool(err <= 2 * plain_err + CHECK_FLOOR[dtype]),
+        })
+        del out
+        gc.collect()
+    ring = next((r for r in rows if r["mode"] == "ring"), None)
+    for r in rows:
+        r["bytes_vs_ring"] = r["bytes"] / ring["bytes"] if ring and ring["bytes"] else None
+        r["time_vs_ring"] = r["ms"] / ring["ms"] if ring else None
+    return rows
+
+
+def report_sp(args, rows, device):
+    world = args.world_size if not dist.is_initialized() else dist.get_world_size()
+    print(f"# bench_ring --sp-mode: total s={args.seqlen} b={args.batch} h={args.heads} "
+          f"h_kv={args.heads_kv or args.heads} d={args.headdim} {args.dtype} on {device}, "
+          f"W={world}, causal={args.causal != 'false'}")
+    print("# bytes = sent per rank per fwd+bwd call, measured at the ring transport and the "
+          "all-to-all (max over ranks); expected = docs/sp_modes.md formulas; ms = fwd+bwd on "
+          "the busiest rank; ratios against the plain ring at the same shape")
+    columns = [("mode", "mode", "{}"), ("split", "U x R", "{}"),
+               ("fwd_bytes", "fwd MiB", "{:.2f}"), ("bwd_bytes", "bwd MiB", "{:.2f}"),
+               ("bytes", "MiB/rank/call", "{:.2f}"), ("expected_bytes", "expected MiB", "{:.2f}"),
+               ("a2a_bytes", "all-to-all MiB", "{:.2f}"), ("outer_bytes", "outer ring MiB", "{:.2f}"),
+               ("bytes_vs_ring", "bytes / ring", "{:.3f}"), ("bytes_per_flop", "bytes/FLOP", "{:.2e}"),
+               ("ms", "ms", "{:.1f}"), ("time_vs_ring", "time / ring", "{:.2f}"),
+               ("max_err", "err", "{:.2e}"), ("check_ok", "check", "{}")]
+    shown = [dict(r, **{key: r[key] / 2**20 for key in ("fwd_bytes", "bwd_bytes", "bytes",
+                                                        "expected_bytes", "a2a_bytes",
+                                                        "outer_bytes")}) for r in rows]
+    print(format_table(shown, columns))
+    threads = threads_per_rank(args.threads_per_rank, world)
+    if device.type == "cpu" and world * threads > (os.cpu_count() or 1):
+        print(f"note: {world} ranks x {threads} thread(s) exceed this machine's cores, so ranks "
+              f"time-share: the times mix compute and waiting; the byte counts are exact")
+    failed = [r for r in rows if not r["check_ok"]]
+    for r in failed:
+        print(f"SPOT CHECK FAILED: {r['mode']} err {r['max_err']:.3e} > 2x {r['plain_err']:.3e}")
+    return failed
+
+
+def main_sp(args, launched, device):
+    """The --sp-mode job: spawn (or use the launcher's) ranks, run every mode, print, JSON."""
+    args.sp_modes = parse_sp_modes(args.sp_mode)
+    world = int(os.environ["WORLD_SIZE"]) if launched else args.world_size
+    if args.sp_mode == "all":  # only the double rings that have more than one inner ring
+        args.sp_modes = [m for m in args.sp_modes if "double" not in m
+                         or world // mode_sizes(m, world, args.ulysses_size,
+                                                args.inner_ring_size)[0] > args.inner_ring_size]
+    for mode in args.sp_modes:
+        U, I = mode_sizes(mode, world, args.ulysses_size, args.inner_ring_size)
+        R = world // U
+        if world % U or (I and R % I) or args.heads % U:
+            raise SystemExit(f"--sp-mode {mode}: ulysses {U} x ring {R} (inner {I}) does not "
+                             f"fit W={world} and {args.heads} heads; adjust --ulysses-size / "
+                             f"--inner-ring-size")
+    if launched:
+        init_launched_group(device, args.timeout)
+        rows = run_rank_sp(args, device)
+        is_main = dist.get_rank() == 0
+    else:
+        progress(f"spawning {args.world_size} local CPU ranks (gloo); "
+                 f"{threads_per_rank(args.threads_per_rank, args.world_size)} thread(s) each")
+        rows = spawn_cpu_ranks(args.world_size, run_rank_sp, args, args.timeout,
+                               threads_per_rank(args.threads_per_rank, args.world_size))
+        is_main = True
+    failed = []
+    if is_main:
+        failed = report_sp(args, rows, device)
+        write_json(args.json, {"benchmark": "bench_ring --sp-mode",
+                               "environment": environment(device), "args": vars(args),
+                               "results": rows})
+    if launched:
+        dist.destroy_process_group()
+    return 1 if failed else 0

@@ -1,0 +1,273 @@
+"""RingSequenceParallelPlugin in its sequence-parallel modes, on 4 spawned gloo ranks (CPU):
+five AdamW steps of the tiny transformers Llama of tests/test_plugin.py (4 heads, 2 K/V heads)
+against single-process training on the whole global batch, with that file's tolerance rule.
+
+Modes (one spawn): ``ulysses`` on 4 ranks (4 > 2 K/V heads: K/V replicated twice) and on 2 x
+dp 2, ``hybrid`` 2 x 2 (zigzag on the ring, Ulysses inner) and ring inner through a user's
+("dp", "sp_u", "sp_r") mesh, ``ring`` with ``inner_ring_size=2`` (double ring); one step of
+``apply(model, sp_mode="hybrid", ...)`` without the plugin; a plain SDPA module on the
+``ringseq_switch`` convention; and the misconfigurations, each raised on every rank before any
+communication.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from dist_utils import run_ranks  # noqa: E402
+from test_plugin import (GLOBAL_BATCH, SEQLEN, STEPS, VOCAB, _dataset, _model,  # noqa: E402
+                         _optimizer, _SdpaBlock, _sdpa_single, _single_process)
+from utils import assert_close_per_design, max_err, scaled_floor  # noqa: E402
+
+WORLD = 4
+MODES = {
+    "ulysses4": dict(sp_size=4, sp_mode="ulysses"),
+    "ulysses2_dp2": dict(sp_size=2, sp_mode="ulysses"),
+    "hybrid2x2": dict(sp_size=4, sp_mode="hybrid", ulysses_size=2, layout="zigzag"),
+    "hybrid2x2_ring_inner_mesh": dict(sp_size=4, sp_mode="hybrid", layout="stripe",
+                                      mesh_dims=("dp", "sp_u", "sp_r")),
+    "double_ring2x2": dict(sp_size=4, sp_mode="ring", inner_ring_size=2, layout="zigzag"),
+}
+
+
+# ---------------------------------------------------------------- rank side
+def _plugin(cfg):
+    from ringseq.plugin import RingSequenceParallelPlugin
+    cfg = dict(cfg)
+    dims = cfg.pop("mesh_dims", None)
+    if dims is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        cfg["mesh"] = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=dims)
+    return RingSequenceParallelPlugin(**cfg)
+
+
+def _train(cfg, state_dict):
+    from ringseq.plugin import Booster
+    plugin = _plugin(cfg)
+    booster = Booster(plugin=plugin)
+    model = _model(state_dict)
+    loader = plugin.prepare_dataloader(_dataset(), batch_size=GLOBAL_BATCH // plugin.dp_size)
+    model, opt, criterion, loader, _ = booster.boost(model, _optimizer(model), dataloader=loader)
+    losses, grads, local_lens = [], None, set()
+    for batch in loader:
+        local_lens.add(batch["input_ids"].shape[1])
+        loss = criterion(model(**batch), batch)
+        booster.backward(loss, opt)
+        if grads is None:
+            grads = {n: p.grad.detach().clone() for n, p in model.unwrap().named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        if len(losses) == STEPS:
+            break
+    sp = plugin.sp
+    return {"losses": losses, "grads": grads, "local_lens": sorted(local_lens),
+            "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()},
+            "mode": sp.mode, "sizes": (plugin.dp_size, sp.ulysses_size, sp.ring_size,
+                                       sp.inner_ring_size), "ulysses_inner": sp.ulysses_inner,
+            "repr": repr(plugin)}
+
+
+def _apply_case(state_dict):
+    """apply() alone (no plugin): hybrid 2 x 2 over the default group, one forward/backward on
+    the first global batch."""
+    import torch.distributed as dist
+
+    import ringseq
+    from ringseq.integrations.transformers import apply
+    model = apply(_model(state_dict), layout="zigzag", sp_mode="hybrid", ulysses_size=2)
+    sp = model.model.layers[0].self_attn.ringseq_settings.sp
+    data = _dataset()[:GLOBAL_BATCH]
+    batch = sp.shard_batch({"input_ids": torch.stack([d["input_ids"] for d in data]),
+                            "labels": torch.stack([d["labels"] for d in data])}, "zigzag")
+    targets = batch.pop("shift_labels")
+    loss = ringseq.sharded_cross_entropy(model(**batch, use_cache=False).logits, targets,
+                                         group=sp.group)
+    loss.backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=sp.group)
+        grads[n] = g
+    return {"loss": float(loss.detach()), "grads": grads, "mode": sp.mode,
+            "impl": model.config._attn_implementation}
+
+
+def _sdpa_case(ids, labels):
+    """The plain SDPA module of test_plugin under hybrid 2 x 2: one SGD step."""
+    import ringseq
+    from ringseq.plugin import Booster
+    booster = Booster(plugin=_plugin(MODES["hybrid2x2"]))
+    model = _SdpaBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt, criterion, *_ = booster.boost(model, opt, torch.nn.CrossEntropyLoss())
+    sp = booster.plugin.sp
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": labels}, group=sp.group,
+                                layout=booster.plugin.data_layout)
+    loss = criterion(model(batch["input_ids"]), batch)
+    booster.backward(loss, opt)
+    opt.step()
+    return {"loss": float(loss.detach()),
+            "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()}}
+
+
+def _capture(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _errors(state_dict):
+    from ringseq import RingAttention
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    P = RingSequenceParallelPlugin
+    out = {
+        "mode": _capture(lambda: P(sp_size=4, sp_mode="tree")),
+        "ulysses_size": _capture(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=3)),
+        "inner_ring_size": _capture(lambda: P(sp_size=4, sp_mode="ring", inner_ring_size=3)),
+        "sp_size": _capture(lambda: P(sp_size=3, sp_mode="ulysses")),
+    }
+    from torch.distributed.device_mesh import init_device_mesh
+    wrong = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "seq", "heads"))
+    out["mesh_names"] = _capture(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=2,
+                                           mesh=wrong))
+    # 4 query heads cannot be split over Ulysses 4 if the model has 2 (and 1 K/V head)
+    two_heads = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, attention_dropout=0.0))
+    booster = Booster(plugin=P(sp_size=4, sp_mode="ulysses"))
+    out["heads"] = _capture(lambda: booster.boost(two_heads))
+    out["heads_untouched"] = two_heads.config._attn_implementation != "ringseq"
+
+    class WithRingAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = RingAttention(causal=True)
+
+    out["ring_attention"] = _capture(lambda: booster.boost(WithRingAttention()))
+    return out
+
+
+def _worker(state_dict, sdpa_ids, sdpa_labels):
+    import torch.distributed as dist
+    res = {name: _train(cfg, state_dict) for name, cfg in MODES.items()}
+    res["apply"] = _apply_case(state_dict)
+    res["sdpa"] = _sdpa_case(sdpa_ids, sdpa_labels)
+    res["errors"] = _errors(state_dict)
+    dist.barrier()  # every rank still alive and in step after the errors
+    return res
+
+
+# ---------------------------------------------------------------- parent side
+@pytest.fixture(scope="module")
+def run():
+    state_dict = _model().state_dict()
+    g = torch.Generator().manual_seed(9)
+    sdpa_ids = torch.randint(0, VOCAB, (2, SEQLEN), generator=g)
+    sdpa_labels = sdpa_ids.clone()
+    sdpa_labels[0, :20] = -100
+    ranks = run_ranks(_worker, WORLD, state_dict, sdpa_ids, sdpa_labels, timeout=300)
+    return {"ranks": ranks, "ref": _single_process(state_dict, torch.float64),
+            "plain": _single_process(state_dict, torch.float32),
+            "sdpa_single": _sdpa_single(sdpa_ids, sdpa_labels)}
+
+
+EXPECTED = {"ulysses4": ("ulysses", (1, 4, 1, 1), True),
+            "ulysses2_dp2": ("ulysses", (2, 2, 1, 1), True),
+            "hybrid2x2": ("hybrid", (1, 2, 2, 2), True),
+            "hybrid2x2_ring_inner_mesh": ("hybrid", (1, 2, 2, 2), False),
+            "double_ring2x2": ("ring", (1, 1, 4, 2), True)}
+
+
+@pytest.mark.parametrize("case", list(MODES))
+def test_training_parity_in_every_mode(run, case):
+    ref, plain = run["ref"], run["plain"]
+    first = run["ranks"][0][case]
+    mode, sizes, ulysses_inner = EXPECTED[case]
+    assert (first["mode"], first["sizes"], first["ulysses_inner"]) == (mode, sizes,
+                                                                       ulysses_inner), first
+    dp = sizes[0]
+    assert first["local_lens"] == [SEQLEN * dp // WORLD]
+    for r, res in enumerate(run["ranks"]):
+        got = res[case]
+        assert len(got["losses"]) == STEPS
+        for name, g in got["grads"].items():  # the first gradient: summed, not averaged
+            assert_close_per_design(g, ref["grads"][name], plain["grads"][name],
+                                    f"rank {r} {case} grad {name}", 3.0,
+                                    scaled_floor(torch.float32, ref["grads"][name]))
+        losses = torch.tensor(got["losses"], dtype=torch.float32)
+        assert_close_per_design(losses, ref["losses"], plain["losses"], f"{case} losses", 2.0,
+                                scaled_floor(torch.float32, ref["losses"]))
+        for name, w in got["weights"].items():
+            assert torch.equal(w, first["weights"][name]), f"rank {r}: {name} diverged"
+            assert_close_per_design(w, ref["weights"][name], plain["weights"][name],
+                                    f"{case} {name}", 3.0,
+                                    scaled_floor(torch.float32, ref["weights"][name]))
+
+
+def test_apply_with_sp_mode(run):
+    ref, plain = run["ref"], run["plain"]
+    for r, res in enumerate(run["ranks"]):
+        got = res["apply"]
+        assert got["mode"] == "hybrid" and got["impl"] == "ringseq"
+        loss = torch.tensor([got["loss"]], dtype=torch.float32)
+        assert_close_per_design(loss, ref["losses"][:1], plain["losses"][:1], "apply loss", 2.0,
+                                scaled_floor(torch.float32, ref["losses"][:1]))
+        for name, g in got["grads"].items():
+            assert_close_per_design(g, ref["grads"][name], plain["grads"][name],
+                                    f"rank {r} apply grad {name}", 3.0,
+                                    scaled_floor(torch.float32, ref["grads"][name]))
+
+
+def test_plain_module_with_sdpa_switch_in_hybrid_mode(run):
+    single = run["sdpa_single"]
+    for r in run["ranks"]:
+        assert abs(r["sdpa"]["loss"] - single["loss"]) <= 1e-5 * max(1.0, abs(single["loss"]))
+        for name, w in r["sdpa"]["weights"].items():
+            assert max_err(w, single["weights"][name]) <= 1e-5, name
+
+
+def _raised(run, key):
+    return [r["errors"][key] for r in run["ranks"]]
+
+
+def test_unknown_sp_mode_raises(run):
+    for e in _raised(run, "mode"):
+        assert e.startswith("ValueError") and "'tree'" in e and "'hybrid'" in e, e
+
+
+def test_ulysses_size_not_dividing_sp_size_raises(run):
+    for e in _raised(run, "ulysses_size"):
+        assert e.startswith("ValueError") and "ulysses_size=3" in e and "[1, 2, 4]" in e, e
+
+
+def test_inner_ring_size_not_dividing_the_ring_raises(run):
+    for e in _raised(run, "inner_ring_size"):
+        assert e.startswith("ValueError") and "inner_ring_size=3" in e and "[1, 2, 4]" in e, e
+
+
+def test_sp_size_not_dividing_the_world_raises(run):
+    for e in _raised(run, "sp_size"):
+        assert e.startswith("ValueError") and "sp_size=3" in e and "[1, 2, 4]" in e, e
+
+
+def test_mesh_with_other_dim_names_raises(run):
+    for e in _raised(run, "mesh_names"):
+        assert e.startswith("ValueError") and "('dp', 'sp_r', 'sp_u')" in e, e
+
+
+def test_heads_the_ulysses_degree_cannot_split_raise_before_switching(run):
+    for r in run["ranks"]:
+        e = r["errors"]["heads"]
+        assert e.startswith("ValueError") and "num_attention_heads=2" in e \
+            and "ulysses_size=4" in e and "[1, 2]" in e, e
+        assert r["errors"]["heads_untouched"]
+
+
+def test_ring_attention_module_in_other_modes_raises(run):
+    for e in _raised(run, "ring_attention"):
+        assert e.startswith("ValueError") and "RingAttention" in e and "ulysses" in e, e

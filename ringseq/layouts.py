@@ -29,16 +29,18 @@ step is one non-causal task over all local rows. ``contiguous`` is the natural c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from ._dist import group_info
+from .masks import AttnMask, Run, span_tasks
 
 __all__ = [
     "BlockTask", "Layout", "Contiguous", "Zigzag", "Stripe", "get_layout", "register_layout",
-    "LAYOUTS", "shard", "unshard", "positions", "shard_local", "unshard_local", "positions_local",
+    "LAYOUTS", "AttnMask", "shard", "unshard", "positions", "shard_local", "unshard_local",
+    "positions_local",
     "layout_name_of_code",
 ]
 
@@ -48,11 +50,14 @@ class BlockTask:
     """One attention block: local query rows ``q`` against rows ``kv`` of the K/V shard held.
 
     ``causal`` uses the kernel's bottom-right alignment: key ``j`` is visible to query ``i``
-    iff ``j <= i + len(kv) - len(q)``.
+    iff ``j <= i + len(kv) - len(q)``. With ``spans`` (windows, packed documents: see
+    :mod:`ringseq.masks`) the block is a kernel call with those spans, relative to the ``q``
+    and ``kv`` rows, and ``causal`` is False.
     """
     q: slice
     kv: slice
     causal: bool
+    spans: Optional[tuple] = None
 
 
 def _stable_code(name: str) -> int:
@@ -119,17 +124,56 @@ class Layout:
         return self._tasks(rank, src, world_size, s_local)
 
     def schedule(self, rank: int, world_size: int, s_local: int,
-                 causal: bool) -> Tuple[Tuple[BlockTask, ...], ...]:
+                 causal) -> Tuple[Tuple[BlockTask, ...], ...]:
         """Tasks of every ring step ``i`` (K/V of rank ``(rank - i) % world_size``), cached:
-        a layout is data, so the same arguments always give the same (immutable) schedule."""
-        key = (rank, world_size, s_local, bool(causal))
+        a layout is data, so the same arguments always give the same (immutable) schedule.
+        ``causal`` is a bool or a :class:`ringseq.masks.AttnMask` (windows, documents)."""
+        mask = causal if isinstance(causal, AttnMask) else AttnMask(causal=bool(causal))
+        key = (rank, world_size, s_local, mask)
         cache = self.__dict__.setdefault("_schedules", {})
         sched = cache.get(key)
         if sched is None:
-            sched = tuple(tuple(self.tasks(rank, (rank - i) % world_size, world_size, s_local,
-                                           causal)) for i in range(world_size))
+            if mask.plain:
+                sched = tuple(tuple(self.tasks(rank, (rank - i) % world_size, world_size,
+                                               s_local, mask.causal)) for i in range(world_size))
+            else:
+                q_runs = self.runs(s_local * world_size, world_size, rank)
+                sched = tuple(tuple(_masked_tasks(q_runs, self.runs(
+                    s_local * world_size, world_size, (rank - i) % world_size), mask, s_local))
+                    for i in range(world_size))
             cache[key] = sched
         return sched
+
+    def hops(self, world_size: int, s_local: int, causal) -> int:
+        """How far K/V must travel: the last ring step with a task on ANY rank (the same on
+        every rank). W - 1 for plain causal or full attention; fewer for short windows."""
+        key = ("hops", world_size, s_local, causal)
+        cache = self.__dict__.setdefault("_schedules", {})
+        if key not in cache:
+            last = 0
+            for r in range(world_size):
+                sched = self.schedule(r, world_size, s_local, causal)
+                last = max([last] + [i for i, tasks in enumerate(sched) if tasks])
+            cache[key] = last
+        return cache[key]
+
+    def runs(self, seqlen: int, world_size: int, rank: int) -> Tuple[Run, ...]:
+        """Rank's local rows as maximal runs of evenly spaced global positions (generic:
+        compressed from ``positions``; built-in layouts say it directly)."""
+        pos = self.positions(seqlen, world_size, rank).tolist()
+        runs, a = [], 0
+        while a < len(pos):
+            b = a + 1
+            stride = pos[b] - pos[a] if b < len(pos) else 1
+            if stride <= 0:
+                stride = 1
+            while b < len(pos) and pos[b] - pos[b - 1] == stride:
+                b += 1
+            if b - a == 1:
+                stride = 1
+            runs.append(Run(a, b - a, pos[a], stride))
+            a = b
+        return tuple(runs)
 
     # -- moving tokens ---------------------------------------------------------------------
     def shard(self, x: torch.Tensor, world_size: int, rank: int, dim: int) -> torch.Tensor:
@@ -162,6 +206,10 @@ class Contiguous(Layout):
         n = seqlen // world_size
         return torch.arange(rank * n, (rank + 1) * n)
 
+    def runs(self, seqlen, world_size, rank):
+        n = seqlen // world_size
+        return (Run(0, n, rank * n, 1),)
+
     def shard(self, x, world_size, rank, dim):
         n = self.check_seqlen(x.shape[dim], world_size)
         _check_rank(rank, world_size)
@@ -190,6 +238,10 @@ class Zigzag(Layout):
         return torch.cat([torch.arange(rank * c, (rank + 1) * c),
                           torch.arange((2 * world_size - 1 - rank) * c,
                                        (2 * world_size - rank) * c)])
+
+    def runs(self, seqlen, world_size, rank):
+        c = seqlen // (2 * world_size)
+        return (Run(0, c, rank * c, 1), Run(c, c, (2 * world_size - 1 - rank) * c, 1))
 
     def shard(self, x, world_size, rank, dim):
         c = self.check_seqlen(x.shape[dim], world_size) // 2
@@ -221,6 +273,9 @@ class Stripe(Layout):
     def _positions(self, seqlen, world_size, rank):
         return torch.arange(rank, seqlen, world_size)
 
+    def runs(self, seqlen, world_size, rank):
+        return (Run(0, seqlen // world_size, rank, world_size),)
+
     def _tasks(self, rank, src, world_size, s_local):
         # Local row a is global token rank + W*a; kv row b is src + W*b.
         if src <= rank:  # visible iff b <= a
@@ -230,6 +285,26 @@ class Stripe(Layout):
         if s_local == 1:
             return []
         return [BlockTask(slice(0, s_local), slice(0, s_local - 1), True)]
+
+
+def _masked_tasks(q_runs, k_runs, mask: AttnMask, s_local: int) -> List[BlockTask]:
+    """Block tasks of one ring step under a window/document mask (see ringseq.masks). A batch
+    of one span that is a plain dense or causal block becomes that simple task, so kernels
+    without span support (and their fast paths) still serve it."""
+    tasks = []
+    for batch in span_tasks(q_runs, k_runs, mask):
+        if len(batch) == 1:
+            q0, nq, k0, nk, lo, hi = batch[0]
+            q, kv = slice(q0, q0 + nq), slice(k0, k0 + nk)
+            if lo <= -(nq - 1) and hi >= nk - 1:
+                tasks.append(BlockTask(q, kv, False))
+                continue
+            if lo <= -(nq - 1) and hi == nk - nq:
+                tasks.append(BlockTask(q, kv, True))
+                continue
+        whole = slice(0, s_local)
+        tasks.append(BlockTask(whole, whole, False, spans=tuple(batch)))
+    return tasks
 
 
 LAYOUTS: Dict[str, Layout] = {}

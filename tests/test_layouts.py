@@ -166,3 +166,81 @@ def test_custom_layout_is_data():
                                                backend="reference")
         assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
     assert "reversed_test" not in LAYOUTS
+
+
+# ---------------------------------------------------------------- windows and documents
+from ringseq.masks import AttnMask  # noqa: E402
+
+
+def _visible(mask: AttnMask, s: int) -> torch.Tensor:
+    """(s, s) int64: the brute-force global mask (1 where key j is visible to query i)."""
+    i = torch.arange(s)[:, None]
+    j = torch.arange(s)[None, :]
+    left, right = mask.window
+    vis = torch.ones(s, s, dtype=torch.bool)
+    if mask.causal:
+        vis &= j <= i
+    if left >= 0:
+        vis &= j >= i - left
+    if right >= 0:
+        vis &= j <= i + right
+    if mask.cu_seqlens is not None:
+        doc = torch.bucketize(torch.arange(s), torch.tensor(mask.cu_seqlens[1:]), right=True)
+        vis &= doc[:, None] == doc[None, :]
+    return vis.long()
+
+
+def _coverage_masked(layout, w, s, mask):
+    """Counts how often each global pair is computed by the (span) schedule of ``mask``;
+    also checks that every batch's spans have disjoint q rows and disjoint kv rows."""
+    lay = get_layout(layout)
+    count = torch.zeros(s, s, dtype=torch.int64)
+    pos = [positions_local(s, lay, w, r) for r in range(w)]
+    s_local = s // w
+    for r in range(w):
+        for i, tasks in enumerate(lay.schedule(r, w, s_local, mask)):
+            src = (r - i) % w
+            for t in tasks:
+                qpos, kpos = pos[r][t.q], pos[src][t.kv]
+                spans = t.spans or [(0, len(qpos), 0, len(kpos),
+                                     -(len(qpos) - 1),
+                                     len(kpos) - len(qpos) if t.causal else len(kpos) - 1)]
+                qrows, krows = set(), set()
+                for q0, nq, k0, nk, lo, hi in spans:
+                    assert not (qrows & set(range(q0, q0 + nq))), "q rows overlap in a task"
+                    assert not (krows & set(range(k0, k0 + nk))), "kv rows overlap in a task"
+                    qrows |= set(range(q0, q0 + nq))
+                    krows |= set(range(k0, k0 + nk))
+                    a = torch.arange(nq)[:, None]
+                    b = torch.arange(nk)[None, :]
+                    vis = (b - a >= lo) & (b - a <= hi)
+                    qq, kk = torch.nonzero(vis, as_tuple=True)
+                    count.index_put_((qpos[q0 + qq], kpos[k0 + kk]), torch.ones_like(qq),
+                                     accumulate=True)
+    return count
+
+
+MASKS = [AttnMask(causal=True, window=(0, -1)), AttnMask(causal=True, window=(5, -1)),
+         AttnMask(causal=False, window=(3, 2)), AttnMask(causal=True, window=(17, -1)),
+         AttnMask(causal=False, cu_seqlens=(0, 1, 3, 20, 24)),
+         AttnMask(causal=True, cu_seqlens=(0, 1, 3, 20, 24)),
+         AttnMask(causal=True, window=(4, -1), cu_seqlens=(0, 7, 24))]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("w", [1, 2, 3, 4])
+@pytest.mark.parametrize("mask", MASKS, ids=repr)
+def test_masked_schedule_covers_the_mask_exactly_once(name, w, mask):
+    s = 24 if 24 % get_layout(name).multiple(w) == 0 else 2 * get_layout(name).multiple(w) * 3
+    if mask.cu_seqlens is not None and mask.cu_seqlens[-1] != s:
+        mask = AttnMask(mask.causal, mask.window, mask.cu_seqlens[:-1] + (s,))
+    assert torch.equal(_coverage_masked(name, w, s, mask), _visible(mask, s)), (name, w, mask)
+
+
+def test_short_window_needs_one_hop_on_contiguous_shards():
+    lay = get_layout("contiguous")
+    for w in (2, 3, 4, 8):
+        assert lay.hops(w, 64, AttnMask(causal=True, window=(63, -1))) == 1
+        assert lay.hops(w, 64, AttnMask(causal=True, window=(64, -1))) == 1
+        assert lay.hops(w, 64, AttnMask(causal=True, window=(65, -1))) == min(2, w - 1)
+        assert lay.hops(w, 64, AttnMask(causal=True)) == w - 1

@@ -82,10 +82,11 @@ class Transport:
         self._buffers.clear()
 
     # -- the exchange ----------------------------------------------------------------------
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor):
-        """Posts send-to-next and receive-from-previous of two contiguous tensors of equal size;
-        returns the pending exchange (call ``wait()`` before reading ``recv`` or writing
-        ``send``), or None for a ring of one."""
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, reverse: bool = False):
+        """Posts send-to-next and receive-from-previous of two contiguous tensors of equal size
+        (``reverse``: send to the previous rank, receive from the next, which brings gradients
+        home after a partial lap); returns the pending exchange (call ``wait()`` before reading
+        ``recv`` or writing ``send``), or None for a ring of one."""
         raise NotImplementedError
 
     # -- integrity -------------------------------------------------------------------------
@@ -198,12 +199,13 @@ class RingComm(Transport):
             raise RuntimeError("ringseq: the process group of this ring was destroyed")
         return pg
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> Optional[_Pending]:
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor,
+                 reverse: bool = False) -> Optional[_Pending]:
         if self.world_size == 1:
             return None
         group = self.group
-        ops = [dist.P2POp(dist.isend, send, self.next_rank, group),
-               dist.P2POp(dist.irecv, recv, self.prev_rank, group)]
+        to, frm = (self.prev_rank, self.next_rank) if reverse else (self.next_rank, self.prev_rank)
+        ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, frm, group)]
         # A timed wait blocks the host; only gloo (host memory anyway) gets one, NCCL keeps its
         # stream-ordered wait and its own watchdog.
         timeout = (datetime.timedelta(seconds=ring_timeout()) if self.backend == "gloo"

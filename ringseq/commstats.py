@@ -97,10 +97,10 @@ class CountingTransport(Transport):
     def release_buffers(self) -> None:
         self.inner.release_buffers()
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor):
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, reverse: bool = False):
         if self.world_size > 1:
             record(self.kind, send.numel() * send.element_size())
-        return self.inner.exchange(send, recv)
+        return self.inner.exchange(send, recv, reverse=reverse)
 
     # The call bookkeeping (lock, sequence number, broken state, control collectives) is
     # inner's: a counted ring is the same ring.

@@ -48,13 +48,13 @@ KIND_NAMES = {FWD: "forward", BWD: "backward", FAIL: "failure report", CHECK: "a
               END: "end of call"}
 # Status words of a control vector.
 OK, FAILED, BROKEN, DESYNC = 0, 1, 2, 3
-_N_FIELDS, _N_PAYLOAD = 16, 2
+_N_FIELDS, _N_PAYLOAD = 20, 2
 CONTROL_WORDS = 4 + _N_FIELDS + _N_PAYLOAD
 
 
 def control_vector(kind: int, status: int, seq: int, fields: Sequence[int] = (),
                    payload: Sequence[float] = ()) -> List[float]:
-    """[magic, status, kind, seq, fields (zero-padded to 16), payload (to 2)] as floats: the
+    """[magic, status, kind, seq, fields (zero-padded to 20), payload (to 2)] as floats: the
     same length for every control operation, so ranks at different operations still meet in
     one collective and can tell each other apart."""
     if len(fields) > _N_FIELDS or len(payload) > _N_PAYLOAD:

@@ -38,7 +38,8 @@ from ._dist import group_info
 from .masks import AttnMask, Run, span_tasks
 
 __all__ = [
-    "BlockTask", "Layout", "Contiguous", "Zigzag", "Stripe", "get_layout", "register_layout",
+    "BlockTask", "Layout", "Contiguous", "Zigzag", "Stripe", "Documents", "get_layout",
+    "register_layout",
     "LAYOUTS", "AttnMask", "shard", "unshard", "positions", "shard_local", "unshard_local",
     "positions_local",
     "layout_name_of_code",
@@ -440,3 +441,103 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
         return x_local
     lay.check_local_seqlen(x_local.shape[dim], world_size)
     return _Unshard.apply(x_local, lay, group, world_size, rank, dim)
+
+
+class Documents(Layout):
+    """Packed documents split for balanced causal work without any divisibility demand.
+
+    Every document of the packed sequence (boundaries ``cu_seqlens = (0, ..., total)``) is cut
+    into ``2W`` pieces and rank ``r`` holds pieces ``r`` and ``2W-1-r`` of every document (the
+    zigzag of each document), so each document's causal work is balanced over the ranks. A
+    document of length ``L`` has ``L // 2W`` tokens in each piece; its ``L % 2W`` remaining
+    tokens are dealt round-robin over the ranks, continuing from one document to the next, so
+    every rank holds exactly ``total / W`` tokens. Needs only ``total % W == 0`` (any document
+    lengths, 1 included). Local order is increasing in global position.
+
+    ``cu_seqlens`` is part of the layout (ranks passing different boundaries raise
+    RingMismatchError); attention with this layout is always restricted to documents.
+    """
+
+    name = "documents"
+
+    def __init__(self, cu_seqlens):
+        cu = tuple(int(c) for c in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist")
+                                     else cu_seqlens))
+        AttnMask(cu_seqlens=cu)  # validates: starts at 0, never decreases
+        self.cu_seqlens = cu
+        self._pieces = {}
+
+    @property
+    def code(self) -> int:
+        return _stable_code(f"{self.name}{self.cu_seqlens}")
+
+    def _layout(self, world_size: int):
+        """Per document and rank: the (global start, length) of its front and back piece."""
+        if world_size not in self._pieces:
+            W, extra = world_size, 0
+            docs = []
+            for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]):
+                L = b - a
+                base, rem = divmod(L, 2 * W)
+                front, back = [base] * W, [base] * W
+                for t in range(rem):  # round-robin over the ranks, across documents
+                    r = (extra + t) % W
+                    (front if t < W else back)[r] += 1
+                extra += rem
+                sizes = front + back[::-1]  # piece k < W: rank k's front; k >= W: rank 2W-1-k
+                starts = [a]
+                for n in sizes[:-1]:
+                    starts.append(starts[-1] + n)
+                docs.append([((starts[r], front[r]), (starts[2 * W - 1 - r], back[r]))
+                             for r in range(W)])
+            self._pieces[world_size] = docs
+        return self._pieces[world_size]
+
+    def check_seqlen(self, seqlen: int, world_size: int) -> int:
+        if seqlen != self.cu_seqlens[-1]:
+            raise ValueError(f"layout 'documents' was built for a packed sequence of "
+                             f"{self.cu_seqlens[-1]} tokens (cu_seqlens), got {seqlen}")
+        return super().check_seqlen(seqlen, world_size)
+
+    def check_local_seqlen(self, s_local: int, world_size: int) -> None:
+        total = self.cu_seqlens[-1]
+        if total % world_size or s_local != total // world_size:
+            raise ValueError(f"layout 'documents' with {total} packed tokens and world size "
+                             f"{world_size} needs local shards of {total / world_size:g} tokens "
+                             f"(the total must be a multiple of the world size), got "
+                             f"{s_local}")
+
+    def runs(self, seqlen, world_size, rank):
+        self.check_seqlen(seqlen, world_size)
+        runs, local = [], 0
+        for doc in self._layout(world_size):
+            for start, n in doc[rank]:
+                if n:
+                    runs.append(Run(local, n, start, 1))
+                    local += n
+        return tuple(runs)
+
+    def _positions(self, seqlen, world_size, rank):
+        runs = self.runs(seqlen, world_size, rank)
+        if not runs:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.cat([torch.arange(r.start, r.start + r.length) for r in runs])
+
+    def _tasks(self, rank, src, world_size, s_local):  # pragma: no cover - always masked
+        raise RuntimeError("layout 'documents' schedules only through a document mask")
+
+    def mask(self, causal, window=(-1, -1)) -> AttnMask:
+        """``causal`` (a bool, or an AttnMask whose causal flag and window are kept) restricted
+        to this layout's documents."""
+        if isinstance(causal, AttnMask):
+            causal, window = causal.causal, causal.window
+        return AttnMask(causal=bool(causal), window=tuple(window), cu_seqlens=self.cu_seqlens)
+
+    def schedule(self, rank, world_size, s_local, causal):
+        return super().schedule(rank, world_size, s_local, self.mask(causal))
+
+    def hops(self, world_size, s_local, causal):
+        return super().hops(world_size, s_local, self.mask(causal))
+
+    def __repr__(self):
+        return f"Documents({len(self.cu_seqlens) - 1} documents, {self.cu_seqlens[-1]} tokens)"

@@ -15,6 +15,7 @@ from ._dist import dtype_code
 from .comm import Transport
 from .kernels import AttentionBackend, check_qkv, get_backend, resolve_scale
 from .layouts import BlockTask, Layout, get_layout
+from .masks import AttnMask
 
 __all__ = ["RingPlan", "make_plan", "resolve_grad_comm_dtype"]
 
@@ -32,6 +33,10 @@ class RingPlan:
         accum_dtype: dtype of out/lse/dq/dk/dv accumulation (float32; float64 for float64).
         grad_comm_dtype: dtype in which the travelling dK/dV accumulators move.
         schedule: this rank's block tasks per ring step (``layout.schedule``).
+        mask: the global mask (:class:`ringseq.masks.AttnMask`: causal, window, documents).
+        softcap: logit soft-capping (0: off).
+        hops: how far K/V travel (the last step with a task on any rank; W - 1 unless a
+            window makes later steps empty everywhere).
         signature: ``(name, value[, kind])`` fields every rank of the ring must agree on,
             compared by the begin collective of each ring call (:mod:`ringseq.integrity`).
     """
@@ -45,6 +50,18 @@ class RingPlan:
     grad_comm_dtype: torch.dtype
     schedule: Tuple[Tuple[BlockTask, ...], ...]
     signature: Tuple[tuple, ...] = ()
+    mask: AttnMask = AttnMask()
+    softcap: float = 0.0
+    hops: int = 0
+
+    def kernel_kwargs(self, task: BlockTask) -> dict:
+        """The mask arguments of a block kernel call for ``task`` (none for plain blocks)."""
+        kw = {}
+        if task.spans is not None:
+            kw["spans"] = task.spans
+        if self.softcap:
+            kw["softcap"] = self.softcap
+        return kw
 
     @property
     def world_size(self) -> int:
@@ -69,7 +86,9 @@ def resolve_grad_comm_dtype(grad_comm_dtype, dtype: torch.dtype, acc: torch.dtyp
 
 def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transport: Transport,
               softmax_scale=None, causal: bool = False, layout="contiguous", backend=None,
-              grad_comm_dtype=None, needs_grad: Optional[bool] = None) -> RingPlan:
+              grad_comm_dtype=None, needs_grad: Optional[bool] = None,
+              window_size=(-1, -1), softcap: float = 0.0,
+              cu_seqlens: Optional[Tuple[int, ...]] = None) -> RingPlan:
     """Validates a ring call on this rank's shards and resolves its defaults.
 
     Args:
@@ -79,6 +98,11 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transport: T
             :func:`ringseq.ring_flash_attn_func`.
         needs_grad: whether a backward will follow (default: grad mode and any input
             requiring grad); part of the signature, so that no rank runs a backward alone.
+        window_size: flash-attn's ``(left, right)`` sliding window over GLOBAL positions
+            (-1: unbounded), combined with ``causal``.
+        softcap: logit soft-capping ``softcap * tanh(scores / softcap)`` (0: off).
+        cu_seqlens: GLOBAL document boundaries ``(0, ..., total)`` of a packed sequence: a
+            token attends only to its own document.
 
     Raises ValueError for what this rank can see alone (shapes, dtypes, a local length the
     layout cannot use, an unknown layout or backend, a backend that cannot take a ring's
@@ -101,6 +125,14 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transport: T
     acc = be.accum_dtype(q.dtype)
     gdt = resolve_grad_comm_dtype(grad_comm_dtype, q.dtype, acc)
     b, s, h, d = q.shape
+    mask = AttnMask(causal=bool(causal), window=tuple(int(w) for w in window_size),
+                    cu_seqlens=None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens))
+    if mask.cu_seqlens is not None and mask.cu_seqlens[-1] != s * W:
+        raise ValueError(f"cu_seqlens must end at the global length {s * W} (local length {s} x "
+                         f"world size {W}), got {mask.cu_seqlens[-1]}")
+    softcap = float(softcap)
+    if not softcap >= 0.0:
+        raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
     if needs_grad is None:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     # What every rank must agree on; compared by the ring call's begin collective.
@@ -111,8 +143,11 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transport: T
         ("requires_grad", bool(needs_grad), "bool"),
         ("grad_comm_dtype", dtype_code(gdt), "dtype"),
         ("softmax_scale (x1e6)", round(scale * 1e6)),
+        ("window left", mask.window[0]), ("window right", mask.window[1]),
+        ("softcap (x1e6)", round(softcap * 1e6)),
+        ("documents (hash of cu_seqlens)", 0 if mask.cu_seqlens is None else mask.code()),
     )
     return RingPlan(layout=lay, transport=transport, softmax_scale=scale, causal=bool(causal),
                     backend=be, accum_dtype=acc, grad_comm_dtype=gdt,
-                    schedule=lay.schedule(transport.rank, W, s, bool(causal)),
-                    signature=signature)
+                    schedule=lay.schedule(transport.rank, W, s, mask), signature=signature,
+                    mask=mask, softcap=softcap, hops=lay.hops(W, s, mask))

@@ -71,17 +71,18 @@ class PackedBuffers:
     def __getitem__(self, slot: int) -> Dict[str, torch.Tensor]:
         return self.slots[slot]
 
-    def exchange(self, src: int, names: Sequence[str]):
-        """Sends segments ``names`` (with the header) of slot ``src`` to the next rank,
-        receiving the previous rank's into the other slot; returns the pending exchange, whose
-        ``wait()`` also checks the received header (None when nothing moves)."""
+    def exchange(self, src: int, names: Sequence[str], reverse: bool = False):
+        """Sends segments ``names`` (with the header) of slot ``src`` to the next rank (the
+        previous one if ``reverse``), receiving into the other slot; returns the pending
+        exchange, whose ``wait()`` also checks the received header (None when nothing moves)."""
         if not names:
             return None
         names = ("hdr", *names)
         lo = min(self._span[n][0] for n in names)
         hi = max(self._span[n][1] for n in names)
         step = self.call.stamp(self.slots[src]["hdr"])
-        pending = self.transport.exchange(self.raw[src][lo:hi], self.raw[1 - src][lo:hi])
+        kw = {"reverse": True} if reverse else {}
+        pending = self.transport.exchange(self.raw[src][lo:hi], self.raw[1 - src][lo:hi], **kw)
         return _Checked(pending, self.call, self.slots[1 - src]["hdr"], step)
 
 
@@ -102,14 +103,24 @@ class _Checked:
 _HDR = ("hdr", (HEADER_WORDS,), torch.int64)
 
 
-def backward_payloads(world_size: int) -> List[Tuple[str, ...]]:
-    """What each exchange of the backward carries: entry ``i < W`` is posted before compute
-    step ``i``, entry ``W`` after the last step. ``"acc"``: the dK/dV accumulator completed at
-    step i-1 moves on; ``"kv"``: the K/V of step i+1. With W = 1 nothing moves."""
-    if world_size == 1:
-        return [(), ()]
-    return [(("acc",) if i >= 1 else ()) + (("kv",) if i + 1 < world_size else ())
-            for i in range(world_size)] + [("acc",)]
+def backward_payloads(world_size: int, hops: int = None) -> List[Tuple[Tuple[str, ...], bool]]:
+    """What each exchange of the backward carries, and whether it runs backwards.
+
+    K/V travel ``hops`` steps (W - 1 for a full lap); compute steps are 0..hops. Entry ``i``
+    for i <= hops is posted before compute step i: ``"acc"`` (the dK/dV accumulator completed
+    at step i-1 moves on with its block) when i >= 1, ``"kv"`` (the K/V of step i+1) when
+    i < hops. After the last step every accumulator is complete, ``hops`` ranks ahead of its
+    home: the remaining entries bring it there the short way round -- W - hops more hops
+    forward (one, for a full lap) or ``hops`` hops backwards, whichever is fewer. With
+    ``hops == 0`` nothing moves at all."""
+    h = world_size - 1 if hops is None else hops
+    if world_size == 1 or h == 0:
+        return []
+    steps = [((("acc",) if i >= 1 else ()) + (("kv",) if i < h else ()), False)
+             for i in range(h + 1)]
+    forward_home = world_size - h
+    home = [(("acc",), False)] * forward_home if forward_home <= h else [(("acc",), True)] * h
+    return steps + home
 
 
 def _ring_forward(q, k, v, plan: RingPlan):
@@ -119,13 +130,13 @@ def _ring_forward(q, k, v, plan: RingPlan):
     :mod:`ringseq.integrity`); the failure is raised at the end, on every rank."""
     b, s, h, d = q.shape
     acc, be, scale = plan.accum_dtype, plan.backend, plan.softmax_scale
-    W = plan.world_size
+    W, hops = plan.world_size, plan.hops
     with plan.transport.open_call(FWD, plan.signature, q.device) as call:
         bufs = out = lse = None
         first = plan.schedule[0][0] if plan.schedule[0] else None
         take_first = first is not None and first.q == slice(0, s)
         with call.guard():
-            if W > 1:
+            if hops > 0:
                 kv_shape = (2, k.shape[0], k.shape[1], k.shape[2], d)
                 bufs = PackedBuffers(plan.transport, "fwd", q.device,
                                      [_HDR, ("kv", kv_shape, k.dtype)], call)
@@ -136,23 +147,25 @@ def _ring_forward(q, k, v, plan: RingPlan):
                 lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
         call.begin()
 
-        for i in range(W):
-            pending = bufs.exchange(i % 2, ("kv",)) if i + 1 < W else None
+        for i in range(hops + 1):
+            pending = bufs.exchange(i % 2, ("kv",)) if i < hops else None
             if call.ok:
                 with call.guard():
                     # Step 0 computes on the caller's k/v: for W == 1 no buffer is touched.
                     kk, vv = (k, v) if i == 0 else bufs[i % 2]["kv"]
                     for j, t in enumerate(plan.schedule[i]):
+                        kw = plan.kernel_kwargs(t)
                         if take_first and i == 0 and j == 0:
                             # Fresh kernel outputs become the accumulators: no fill, no merge,
                             # and no copy at all when the input dtype is the accumulation one.
-                            o_b, l_b = be.fwd(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal)
+                            o_b, l_b = be.fwd(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale,
+                                              t.causal, **kw)
                             out, lse = o_b.to(acc), l_b.to(acc)
                         else:
                             # The backend merges in place (our CPU kernel resumes its online
                             # softmax from the running pair: no block-sized temporary).
                             be.fwd_accum(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal,
-                                         out[:, t.q], lse[:, :, t.q])
+                                         out[:, t.q], lse[:, :, t.q], **kw)
             if pending is not None:
                 pending.wait()
         call.end()
@@ -163,9 +176,9 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
     """(dq, dk, dv) in the input dtype (failures as in :func:`_ring_forward`)."""
     b, s, h, d = q.shape
     acc, be, scale, gdt = plan.accum_dtype, plan.backend, plan.softmax_scale, plan.grad_comm_dtype
-    W = plan.world_size
+    W, hops = plan.world_size, plan.hops
     kv_shape = (2, k.shape[0], k.shape[1], k.shape[2], d)
-    payloads = backward_payloads(W)
+    payloads = backward_payloads(W, hops)
     # At step 0 nothing arrives in the accumulator of the other slot, so the own block's
     # gradients can go straight there when no dtype conversion is needed; later the incoming
     # accumulator lands there while we compute, so ours go to `scratch` and are added after.
@@ -178,17 +191,17 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
             # [dK/dV accumulator | header | K/V]: any payload plus the header is one range.
             bufs = PackedBuffers(plan.transport, "bwd", q.device,
                                  [("acc", kv_shape, gdt), _HDR]
-                                 + ([("kv", kv_shape, k.dtype)] if W > 1 else []), call)
-            if W > 1:
+                                 + ([("kv", kv_shape, k.dtype)] if hops > 0 else []), call)
+            if hops > 0:
                 bufs[0]["kv"][0].copy_(k)
                 bufs[0]["kv"][1].copy_(v)
-            if W > 1 or not direct:
+            if hops > 0 or not direct:
                 scratch = torch.empty(kv_shape, dtype=acc, device=q.device)  # (2, b, s, h_kv, d)
         call.begin()
 
-        for i in range(W):
+        for i in range(hops + 1):
             cur, nxt = i % 2, (i + 1) % 2
-            pending = bufs.exchange(cur, payloads[i])
+            pending = bufs.exchange(cur, *payloads[i]) if i < len(payloads) else None
             tasks = plan.schedule[i]
             target = bufs[nxt]["acc"] if (i == 0 and direct) else scratch
             if call.ok:
@@ -200,7 +213,7 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
                         be.bwd_accum(dout[:, t.q], q[:, t.q], kk[:, t.kv], vv[:, t.kv],
                                      out[:, t.q], lse[:, :, t.q], scale, t.causal,
                                      delta[:, :, t.q], dq[:, t.q], target[0][:, t.kv],
-                                     target[1][:, t.kv])
+                                     target[1][:, t.kv], **plan.kernel_kwargs(t))
             if pending is not None:
                 pending.wait()
             if call.ok and target is scratch:
@@ -210,13 +223,14 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
                     elif tasks:
                         bufs[nxt]["acc"].add_(scratch)
 
-        # The accumulators completed at the last step sit in slot W % 2; the final exchange
-        # (none for W == 1) brings each one the last hop home, into the other slot.
-        final = bufs.exchange(W % 2, payloads[W])
-        if final is not None:
-            final.wait()
+        # The accumulators completed at the last step sit in slot (hops + 1) % 2; the home
+        # exchanges move each one back to the rank its K/V came from, one slot flip per hop.
+        slot = (hops + 1) % 2
+        for names, reverse in payloads[hops + 1:]:
+            bufs.exchange(slot, names, reverse).wait()
+            slot = 1 - slot
         call.end()
-        home = bufs[W % 2 if final is None else (W + 1) % 2]["acc"]
+        home = bufs[slot]["acc"]
         # Copies: the accumulators live in the transport's cached buffers.
         dk = home[0].to(k.dtype, copy=True)
         dv = home[1].to(v.dtype, copy=True)

@@ -50,11 +50,12 @@ class SimTransport(Transport):
         self.world_size, self.rank = world_size, rank
         self._shared = shared
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor):
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, reverse: bool = False):
         if self.world_size == 1:
             return None
         self._shared.sends[self.rank] = send
-        return _PendingCopy(self._shared, recv, (self.rank - 1) % self.world_size)
+        src = (self.rank + 1 if reverse else self.rank - 1) % self.world_size
+        return _PendingCopy(self._shared, recv, src)
 
 
 def run_simulated(world_size: int, fn):

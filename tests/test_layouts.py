@@ -244,3 +244,26 @@ def test_short_window_needs_one_hop_on_contiguous_shards():
         assert lay.hops(w, 64, AttnMask(causal=True, window=(64, -1))) == 1
         assert lay.hops(w, 64, AttnMask(causal=True, window=(65, -1))) == min(2, w - 1)
         assert lay.hops(w, 64, AttnMask(causal=True)) == w - 1
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("docs", [(1, 2, 17, 4), (24,), (1,) * 24, (5, 1, 1, 17)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_documents_layout_is_exact_and_balanced(w, docs, causal):
+    """Any document lengths (1 included), only the total divisible by W: every rank holds
+    total / W tokens, and the schedule computes exactly the block-diagonal mask."""
+    from ringseq.layouts import Documents
+    cu = [0]
+    for n in docs:
+        cu.append(cu[-1] + n)
+    lay = Documents(cu)
+    s = cu[-1]
+    if s % w:
+        pytest.skip("total not divisible by W")
+    parts = [positions_local(s, lay, w, r) for r in range(w)]
+    assert all(len(p) == s // w for p in parts)
+    assert torch.equal(torch.sort(torch.cat(parts)).values, torch.arange(s))
+    x = torch.randn(2, s, 3)
+    assert torch.equal(unshard_local([shard_local(x, lay, w, r) for r in range(w)], lay), x)
+    mask = lay.mask(causal)
+    assert torch.equal(_coverage_masked(lay, w, s, causal), _visible(mask, s))

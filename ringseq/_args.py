@@ -108,10 +108,8 @@ def check_window_softcap(fn: str, window_size=WINDOW_OFF,
     """The one interpretation of flash-attn's ``window_size`` and ``softcap``.
 
     ``window_size`` is ``(left, right)`` with ints, ``-1`` meaning unbounded on that side;
-    ``softcap`` is a number, 0.0 meaning off. Returns ``((left, right), softcap)`` normalized.
-    Sliding windows and softcapping are not implemented yet: any value other than ``(-1, -1)``
-    and ``0.0`` raises NotImplementedError naming the parameter (malformed values raise
-    TypeError / ValueError). The sliding-window implementation wires them here.
+    ``softcap`` is a number, 0.0 meaning off. Returns ``((left, right), softcap)`` normalized;
+    malformed values raise TypeError / ValueError naming the parameter.
     """
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
@@ -127,12 +125,6 @@ def check_window_softcap(fn: str, window_size=WINDOW_OFF,
     if not (_finite(softcap) and softcap >= 0):
         raise ValueError(f"{fn}: softcap must be a finite float >= 0 (0.0: off), got "
                          f"{softcap!r}")
-    if (left, right) != WINDOW_OFF:
-        raise NotImplementedError(f"{fn}: window_size={tuple(window_size)} (sliding-window "
-                                  f"attention) is not supported yet; pass window_size=(-1, -1)")
-    if softcap != SOFTCAP_OFF:
-        raise NotImplementedError(f"{fn}: softcap={softcap!r} (logit softcapping) is not "
-                                  f"supported yet; pass softcap=0.0")
     return (left, right), float(softcap)
 
 

@@ -31,87 +31,90 @@ __all__ = ["zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func"
 
 
 def _bound(fn, layout, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-           deterministic, return_attn_probs, group, return_lse, backend, grad_comm_dtype):
+           deterministic, return_attn_probs, group, return_lse, backend, grad_comm_dtype,
+           softcap=0.0):
     # validated under the caller's name first, so an error names the function that was called
     check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                     window_size=window_size, alibi_slopes=alibi_slopes,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                      deterministic=deterministic, return_attn_probs=return_attn_probs,
                      return_lse=return_lse)
     return ring_flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                return_attn_probs=return_attn_probs, group=group, layout=layout,
-                                return_lse=return_lse, backend=backend,
-                                grad_comm_dtype=grad_comm_dtype)
+                                window_size=window_size, return_attn_probs=return_attn_probs,
+                                group=group, layout=layout, return_lse=return_lse,
+                                backend=backend, grad_comm_dtype=grad_comm_dtype,
+                                softcap=softcap)
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                                 window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                                 return_attn_probs=False, group=None, *, return_lse=False,
-                                backend=None, grad_comm_dtype=None):
+                                backend=None, grad_comm_dtype=None, softcap=0.0):
     """:func:`ringseq.ring_flash_attn_func` with ``layout="zigzag"``: q, k, v are this rank's
     zigzag shards (chunks r and 2W-1-r of 2W; ``ringseq.shard(x, "zigzag")``), local length
     even. Arguments, returns and errors as in ``ring_flash_attn_func``."""
     return _bound("zigzag_ring_flash_attn_func", "zigzag", q, k, v, dropout_p, softmax_scale,
                   causal, window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                  return_lse, backend, grad_comm_dtype)
+                  return_lse, backend, grad_comm_dtype, softcap)
 
 
 def zigzag_ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                                          window_size=(-1, -1), alibi_slopes=None,
                                          deterministic=False, return_attn_probs=False,
                                          group=None, *, return_lse=False, backend=None,
-                                         grad_comm_dtype=None):
+                                         grad_comm_dtype=None, softcap=0.0):
     """:func:`zigzag_ring_flash_attn_func` with kv (batch, s_local, 2, nheads_kv, headdim)."""
     fn = "zigzag_ring_flash_attn_kvpacked_func"
     k, v = split_kv(fn, kv)
     return _bound(fn, "zigzag", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
-                  grad_comm_dtype)
+                  grad_comm_dtype, softcap)
 
 
 def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                                           window_size=(-1, -1), alibi_slopes=None,
                                           deterministic=False, return_attn_probs=False,
                                           group=None, *, return_lse=False, backend=None,
-                                          grad_comm_dtype=None):
+                                          grad_comm_dtype=None, softcap=0.0):
     """:func:`zigzag_ring_flash_attn_func` with qkv (batch, s_local, 3, nheads, headdim)."""
     fn = "zigzag_ring_flash_attn_qkvpacked_func"
     q, k, v = split_qkv(fn, qkv)
     return _bound(fn, "zigzag", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
-                  grad_comm_dtype)
+                  grad_comm_dtype, softcap)
 
 
 def stripe_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, group=None, *, return_lse=False,
-                           backend=None, grad_comm_dtype=None):
+                           backend=None, grad_comm_dtype=None, softcap=0.0):
     """:func:`ringseq.ring_flash_attn_func` with ``layout="stripe"``: q, k, v are this rank's
     stripe shards (token t on rank t mod W; ``ringseq.shard(x, "stripe")``). Arguments,
     returns and errors as in ``ring_flash_attn_func``."""
     return _bound("stripe_flash_attn_func", "stripe", q, k, v, dropout_p, softmax_scale, causal,
                   window_size, alibi_slopes, deterministic, return_attn_probs, group,
-                  return_lse, backend, grad_comm_dtype)
+                  return_lse, backend, grad_comm_dtype, softcap)
 
 
 def stripe_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                                     window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False, group=None, *, return_lse=False,
-                                    backend=None, grad_comm_dtype=None):
+                                    backend=None, grad_comm_dtype=None, softcap=0.0):
     """:func:`stripe_flash_attn_func` with kv (batch, s_local, 2, nheads_kv, headdim)."""
     fn = "stripe_flash_attn_kvpacked_func"
     k, v = split_kv(fn, kv)
     return _bound(fn, "stripe", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
-                  grad_comm_dtype)
+                  grad_comm_dtype, softcap)
 
 
 def stripe_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), alibi_slopes=None,
                                      deterministic=False, return_attn_probs=False, group=None,
-                                     *, return_lse=False, backend=None, grad_comm_dtype=None):
+                                     *, return_lse=False, backend=None, grad_comm_dtype=None,
+                                     softcap=0.0):
     """:func:`stripe_flash_attn_func` with qkv (batch, s_local, 3, nheads, headdim)."""
     fn = "stripe_flash_attn_qkvpacked_func"
     q, k, v = split_qkv(fn, qkv)
     return _bound(fn, "stripe", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
-                  grad_comm_dtype)
+                  grad_comm_dtype, softcap)

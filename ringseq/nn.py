@@ -41,7 +41,8 @@ def _autocast(q, k, v):
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                          window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                          return_attn_probs=False, group=None, *, layout="contiguous",
-                         return_lse=False, backend=None, grad_comm_dtype=None):
+                         return_lse=False, backend=None, grad_comm_dtype=None,
+                         softcap=0.0, cu_seqlens=None):
     """Exact attention over a sequence sharded across ``group``, on this rank's shards.
 
     The positional order and defaults are ring-flash-attention's ``ring_flash_attn_func``
@@ -59,7 +60,12 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
         dropout_p: must be 0.0 (no attention dropout: NotImplementedError otherwise).
         softmax_scale: a float, or None for ``headdim ** -0.5``.
         causal: bool; causal mask over GLOBAL positions as placed by ``layout``.
-        window_size: must be (-1, -1) (no sliding window yet: NotImplementedError otherwise).
+        window_size: flash-attn's ``(left, right)`` sliding window over GLOBAL positions
+            (key j visible to query i iff ``i - left <= j <= i + right``; -1 = unbounded),
+            combined with ``causal``. K/V travel only as far as the window reaches (e.g. one
+            hop on contiguous shards for a window shorter than a shard) and dK/dV come back
+            the short way; pick ``layout="contiguous"`` for short windows (zigzag and stripe
+            spread every window over all ranks, so they need the full lap).
         alibi_slopes: must be None (NotImplementedError otherwise).
         deterministic: accepted and without effect: ringseq's kernels (the default backend)
             are always deterministic (fixed accumulation order, no atomics) and the ring
@@ -74,6 +80,11 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
         backend (keyword-only): block kernel: None (best available), "ringseq", "reference",
             ... (see ``ringseq.get_backend``); "sdpa" works for forward and backward without
             lse grads.
+        softcap (keyword-only): logit soft-capping ``softcap * tanh(s / softcap)`` of the
+            scaled scores (Gemma 2; 0.0: off).
+        cu_seqlens (keyword-only): GLOBAL document boundaries ``(0, ..., total)`` (a list or
+            an int tensor, the same on every rank) of a packed sequence: each token attends
+            only to its own document (see also :func:`ring_flash_attn_varlen_func`).
         grad_comm_dtype (keyword-only): dtype in which the dK/dV accumulators travel in the
             backward. None: float32 (float64 for float64 inputs), exact accumulation.
             ``"input"`` (or e.g. ``torch.bfloat16``): 2/3 of the backward traffic, one
@@ -93,15 +104,16 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     Raises:
         TypeError: an argument of the wrong kind (a bool or None for ``dropout_p`` or
             ``softmax_scale``, a ``causal`` that is not a bool, ...), naming it.
-        NotImplementedError: ``dropout_p > 0``, ``window_size != (-1, -1)``, ``alibi_slopes``.
+        NotImplementedError: ``dropout_p > 0``, ``alibi_slopes``.
         ValueError: bad shapes/dtypes/devices, a local length the layout cannot use (zigzag
-            needs an even one), an unknown layout or backend -- before any communication.
+            needs an even one), an unknown layout or backend, ``cu_seqlens`` that do not end
+            at the global length -- before any communication.
         RingMismatchError (a ValueError): ranks called with different arguments (every rank).
     """
     check_flash_args("ring_flash_attn_func", dropout_p=dropout_p, softmax_scale=softmax_scale,
-                     causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
-                     deterministic=deterministic, return_attn_probs=return_attn_probs,
-                     return_lse=return_lse)
+                     causal=causal, window_size=window_size, softcap=softcap,
+                     alibi_slopes=alibi_slopes, deterministic=deterministic,
+                     return_attn_probs=return_attn_probs, return_lse=return_lse)
     q, k, v = _autocast(q, k, v)
     # The inputs now have the dtype autocast asked for; the block kernels choose their own
     # accumulation dtype (the reference backend's float32/float64 einsums), which the caller's
@@ -110,7 +122,8 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
         out, lse = ring_attention_op(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                      layout=get_layout(layout), group=group,
                                      backend=get_backend(backend, q.device, q.dtype, q.shape[-1]),
-                                     grad_comm_dtype=grad_comm_dtype)
+                                     grad_comm_dtype=grad_comm_dtype, window_size=window_size,
+                                     softcap=softcap, cu_seqlens=cu_seqlens)
     if return_attn_probs:
         return out, lse, None
     return (out, lse) if return_lse else out
@@ -119,39 +132,43 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
 def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                                   window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                                   return_attn_probs=False, group=None, *, layout="contiguous",
-                                  return_lse=False, backend=None, grad_comm_dtype=None):
+                                  return_lse=False, backend=None, grad_comm_dtype=None,
+                                  softcap=0.0):
     """:func:`ring_flash_attn_func` with ``kv`` packed as (batch, s_local, 2, nheads_kv, headdim)
     (ring-flash-attention's ``ring_flash_attn_kvpacked_func`` signature).
 
     K and V are read as strided views of ``kv`` (no copy); the gradient comes back packed."""
     fn = "ring_flash_attn_kvpacked_func"
     check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                     window_size=window_size, alibi_slopes=alibi_slopes,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                      deterministic=deterministic, return_attn_probs=return_attn_probs,
                      return_lse=return_lse)
     k, v = split_kv(fn, kv)
     return ring_flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                return_attn_probs=return_attn_probs, group=group, layout=layout,
-                                return_lse=return_lse, backend=backend,
-                                grad_comm_dtype=grad_comm_dtype)
+                                window_size=window_size, return_attn_probs=return_attn_probs,
+                                group=group, layout=layout, return_lse=return_lse,
+                                backend=backend, grad_comm_dtype=grad_comm_dtype,
+                                softcap=softcap)
 
 
 def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                                    window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                                    return_attn_probs=False, group=None, *, layout="contiguous",
-                                   return_lse=False, backend=None, grad_comm_dtype=None):
+                                   return_lse=False, backend=None, grad_comm_dtype=None,
+                                   softcap=0.0):
     """:func:`ring_flash_attn_func` with ``qkv`` packed as (batch, s_local, 3, nheads, headdim)
     (ring-flash-attention's ``ring_flash_attn_qkvpacked_func`` signature)."""
     fn = "ring_flash_attn_qkvpacked_func"
     check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                     window_size=window_size, alibi_slopes=alibi_slopes,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                      deterministic=deterministic, return_attn_probs=return_attn_probs,
                      return_lse=return_lse)
     q, k, v = split_qkv(fn, qkv)
     return ring_flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                return_attn_probs=return_attn_probs, group=group, layout=layout,
-                                return_lse=return_lse, backend=backend,
-                                grad_comm_dtype=grad_comm_dtype)
+                                window_size=window_size, return_attn_probs=return_attn_probs,
+                                group=group, layout=layout, return_lse=return_lse,
+                                backend=backend, grad_comm_dtype=grad_comm_dtype,
+                                softcap=softcap)
 
 
 def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

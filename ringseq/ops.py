@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._args import check_flash_args, split_kv, split_qkv
 from .kernels import AttentionBackend, available_backends, check_qkv, get_backend, resolve_scale
 from .kernels.autograd import attention
+from .masks import document_spans
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -63,7 +64,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                      return_attn_probs=return_attn_probs, return_lse=return_lse)
     check_qkv(q, k, v)
     be = get_backend(backend, q.device, q.dtype, q.shape[-1])
-    out, lse = attention(q, k, v, resolve_scale(softmax_scale, q.shape[-1]), causal, be)
+    window = tuple(window_size)
+    spans = (None if window == (-1, -1) else
+             document_spans((0, q.shape[1]), (0, k.shape[1]), causal, window))
+    out, lse = attention(q, k, v, resolve_scale(softmax_scale, q.shape[-1]),
+                         causal and spans is None, be, spans, softcap)
     if return_attn_probs:
         return out, lse, None
     return (out, lse) if return_lse else out
@@ -83,6 +88,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                      return_lse=return_lse)
     k, v = split_kv(fn, kv)
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size, softcap=softcap,
                            return_attn_probs=return_attn_probs, return_lse=return_lse,
                            backend=backend)
 
@@ -101,6 +107,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                      return_lse=return_lse)
     q, k, v = split_qkv(fn, qkv)
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                           window_size=window_size, softcap=softcap,
                            return_attn_probs=return_attn_probs, return_lse=return_lse,
                            backend=backend)
 

@@ -125,6 +125,12 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transport: T
     acc = be.accum_dtype(q.dtype)
     gdt = resolve_grad_comm_dtype(grad_comm_dtype, q.dtype, acc)
     b, s, h, d = q.shape
+    own = getattr(lay, "cu_seqlens", None)  # a layout made for one packed batch (Documents)
+    if own is not None:
+        if cu_seqlens is not None and tuple(int(c) for c in cu_seqlens) != tuple(own):
+            raise ValueError("cu_seqlens differ from the document boundaries the layout was "
+                             "built with; pass one of them")
+        cu_seqlens = own
     mask = AttnMask(causal=bool(causal), window=tuple(int(w) for w in window_size),
                     cu_seqlens=None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens))
     if mask.cu_seqlens is not None and mask.cu_seqlens[-1] != s * W:

@@ -74,28 +74,33 @@ def _resolve_gdt(key: str):
     return key or None
 
 
-def _plan(q, k, v, softmax_scale, causal, layout, group, backend, grad_comm_dtype, needs_grad):
+def _plan(q, k, v, softmax_scale, causal, layout, group, backend, grad_comm_dtype, needs_grad,
+          window_left, window_right, softcap, cu_seqlens):
     g = _resolve_group(group)
     return make_plan(q, k, v, transport=g if isinstance(g, Transport) else get_comm(g),
                      softmax_scale=softmax_scale, causal=causal,
                      layout=_resolve_layout(layout), backend=_backend(backend),
-                     grad_comm_dtype=_resolve_gdt(grad_comm_dtype), needs_grad=needs_grad)
+                     grad_comm_dtype=_resolve_gdt(grad_comm_dtype), needs_grad=needs_grad,
+                     window_size=(window_left, window_right), softcap=softcap,
+                     cu_seqlens=None if cu_seqlens is None else cu_seqlens.tolist())
 
 
 @torch.library.custom_op("ringseq::ring_attention", mutates_args=())
 def _ring_op(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool,
              layout: str,
-             group: str, backend: str, grad_comm_dtype: str,
-             needs_grad: bool) -> Tuple[Tensor, Tensor]:
+             group: str, backend: str, grad_comm_dtype: str, needs_grad: bool,
+             window_left: int, window_right: int, softcap: float,
+             cu_seqlens: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     plan = _plan(q, k, v, softmax_scale, causal, layout, group, backend, grad_comm_dtype,
-                 needs_grad)
+                 needs_grad, window_left, window_right, softcap, cu_seqlens)
     with torch.autocast(q.device.type, enabled=False):
         out_acc, lse = _ring_forward(q, k, v, plan)
     return out_acc.to(q.dtype), lse
 
 
 @_ring_op.register_fake
-def _(q, k, v, softmax_scale, causal, layout, group, backend, grad_comm_dtype, needs_grad):
+def _(q, k, v, softmax_scale, causal, layout, group, backend, grad_comm_dtype, needs_grad,
+      window_left, window_right, softcap, cu_seqlens):
     b, s, h, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((b, h, s), dtype=accum_dtype(q.dtype)))
@@ -105,9 +110,11 @@ def _(q, k, v, softmax_scale, causal, layout, group, backend, grad_comm_dtype, n
 def _ring_backward_op(dout: Optional[Tensor], grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
                       v: Tensor, out: Tensor, lse: Tensor, softmax_scale: Optional[float],
                       causal: bool,
-                      layout: str, group: str, backend: str,
-                      grad_comm_dtype: str) -> Tuple[Tensor, Tensor, Tensor]:
-    plan = _plan(q, k, v, softmax_scale, causal, layout, group, backend, grad_comm_dtype, True)
+                      layout: str, group: str, backend: str, grad_comm_dtype: str,
+                      window_left: int, window_right: int, softcap: float,
+                      cu_seqlens: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    plan = _plan(q, k, v, softmax_scale, causal, layout, group, backend, grad_comm_dtype, True,
+                 window_left, window_right, softcap, cu_seqlens)
     if dout is None:
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:
@@ -122,7 +129,7 @@ def _ring_backward_op(dout: Optional[Tensor], grad_lse: Optional[Tensor], q: Ten
 
 @_ring_backward_op.register_fake
 def _(dout, grad_lse, q, k, v, out, lse, softmax_scale, causal, layout, group, backend,
-      grad_comm_dtype):
+      grad_comm_dtype, window_left, window_right, softcap, cu_seqlens):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
@@ -135,10 +142,12 @@ _ring_backward_op.register_autograd(_no_double_backward)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, layout, group, backend, grad_comm_dtype, _ = inputs
+    (q, k, v, softmax_scale, causal, layout, group, backend, grad_comm_dtype, _,
+     window_left, window_right, softcap, cu_seqlens) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (softmax_scale, causal, layout, group, backend, grad_comm_dtype)
+    ctx.args = (softmax_scale, causal, layout, group, backend, grad_comm_dtype, window_left,
+                window_right, softcap, cu_seqlens)
     # The registry holds objects weakly; the graph keeps them alive until its backward.
     ctx.keep = (tuple(_OBJECTS.get(key) for key in (layout, group)), _backend(backend))
     ctx.set_materialize_grads(False)
@@ -149,17 +158,21 @@ def _backward(ctx, dout, grad_lse):
     # gradient (the signature's requires_grad made all ranks agree that one follows).
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _ring_backward_op(dout, grad_lse, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 11
 
 
 _ring_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention_op(q, k, v, *, softmax_scale, causal, layout: Layout, group, backend,
-                      grad_comm_dtype) -> Tuple[Tensor, Tensor]:
+                      grad_comm_dtype, window_size=(-1, -1), softcap=0.0,
+                      cu_seqlens=None) -> Tuple[Tensor, Tensor]:
     """(out, lse) of ring attention on this rank's shards (see ringseq.ring_flash_attn_func),
     through the ``ringseq::ring_attention`` operator. ``backend`` is an AttentionBackend."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     scale = None if softmax_scale is None else float(softmax_scale)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu")
     return _ring_op(q, k, v, scale, bool(causal), _layout_key(layout), _group_key(group),
-                    backend_key(backend), _gdt_key(grad_comm_dtype), needs_grad)
+                    backend_key(backend), _gdt_key(grad_comm_dtype), needs_grad,
+                    int(window_size[0]), int(window_size[1]), float(softcap), cu_seqlens)

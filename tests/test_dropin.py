@@ -46,9 +46,10 @@ LAYOUT_OF = {"ring_flash_attn": "contiguous", "zigzag_ring_flash_attn": "zigzag"
              "stripe_flash_attn": "stripe"}
 # ringseq's keyword-only extras
 EXTRAS = {name: ({"return_lse", "backend"} if name in FLASH_ATTN_2 else
-                 {"layout", "return_lse", "backend", "grad_comm_dtype"}
+                 {"layout", "return_lse", "backend", "grad_comm_dtype", "softcap"}
+                 | ({"cu_seqlens"} if name == "ring_flash_attn_func" else set())
                  if name.startswith("ring_flash_attn") else
-                 {"return_lse", "backend", "grad_comm_dtype"})
+                 {"return_lse", "backend", "grad_comm_dtype", "softcap"})
           for name in REFERENCE}
 
 
@@ -266,15 +267,10 @@ BAD = [  # (id, kwargs, exception, message fragments, functions)
     ("causal_int", dict(causal=1), TypeError, ["causal", "1 (int)"], ALL),
     ("causal_none", dict(causal=None), TypeError, ["causal", "None"], ALL),
     ("causal_str", dict(causal="True"), TypeError, ["causal", "'True'"], ALL),
-    ("window", dict(window_size=(8, 0)), NotImplementedError, ["window_size", "(8, 0)"], ALL),
-    ("window_left_only", dict(window_size=(-1, 0)), NotImplementedError, ["window_size"], ALL),
     ("window_int", dict(window_size=8), TypeError, ["window_size", "8"], ALL),
     ("window_range", dict(window_size=(-2, -1)), ValueError, ["window_size", "-2"], ALL),
-    ("softcap", dict(softcap=30.0), NotImplementedError, ["softcap", "30.0"],
-     list(FLASH_ATTN_2)),
-    ("softcap_negative", dict(softcap=-1.0), ValueError, ["softcap", "-1.0"],
-     list(FLASH_ATTN_2)),
-    ("softcap_none", dict(softcap=None), TypeError, ["softcap", "None"], list(FLASH_ATTN_2)),
+    ("softcap_negative", dict(softcap=-1.0), ValueError, ["softcap", "-1.0"], ALL),
+    ("softcap_none", dict(softcap=None), TypeError, ["softcap", "None"], ALL),
     ("alibi", dict(alibi_slopes=torch.ones(2)), NotImplementedError, ["alibi_slopes"], ALL),
     ("deterministic_none", dict(deterministic=None), TypeError, ["deterministic"], ALL),
     ("attn_probs_int", dict(return_attn_probs=1), TypeError, ["return_attn_probs"], ALL),

@@ -42,9 +42,21 @@ def fake_attention_outputs(q: Tensor) -> Tuple[Tensor, Tensor]:
     return out, q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
 
 
+def mask_kwargs(spans, softcap: float) -> dict:
+    """The block kernels' mask keywords for spans (an (n, 6) int64 tensor, a sequence of
+    6-tuples, or None) and softcap (0: off); empty for a plain causal/full block."""
+    kw = {}
+    if spans is not None:
+        kw["spans"] = [tuple(int(x) for x in row) for row in
+                       (spans.tolist() if isinstance(spans, Tensor) else spans)]
+    if softcap:
+        kw["softcap"] = float(softcap)
+    return kw
+
+
 def attention_backward(be: AttentionBackend, q, k, v, out, lse, softmax_scale: float,
                        causal: bool, grad_out: Optional[Tensor], grad_lse: Optional[Tensor],
-                       needs: Sequence[bool] = (True, True, True)):
+                       needs: Sequence[bool] = (True, True, True), **mask):
     """(dq, dk, dv) of single-device attention, ``None`` for inputs that need no gradient.
 
     ``grad_out`` / ``grad_lse`` may be None (no gradient reached that output); a gradient
@@ -59,7 +71,7 @@ def attention_backward(be: AttentionBackend, q, k, v, out, lse, softmax_scale: f
     if grad_lse is not None:
         be.require_lse_grad()
         delta = compute_delta(grad_out, out, grad_lse)
-    grads = be.bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, delta)
+    grads = be.bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, delta, **mask)
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
@@ -87,14 +99,16 @@ def _backend(key: str) -> AttentionBackend:
 
 @torch.library.custom_op("ringseq::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-                  backend: str) -> Tuple[Tensor, Tensor]:
-    out, lse = _backend(backend).fwd(q, k, v, softmax_scale, causal)
+                  backend: str, spans: Optional[Tensor] = None,
+                  softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+    out, lse = _backend(backend).fwd(q, k, v, softmax_scale, causal,
+                                     **mask_kwargs(spans, softcap))
     # Outputs must be fresh tensors with the fake's layout (torch.compile trusts the fake).
     return out.contiguous(), lse.contiguous()
 
 
 @_attention_op.register_fake
-def _(q, k, v, softmax_scale, causal, backend):
+def _(q, k, v, softmax_scale, causal, backend, spans=None, softcap=0.0):
     _fake_checks(q, k, v)
     return fake_attention_outputs(q)
 
@@ -103,16 +117,18 @@ def _(q, k, v, softmax_scale, causal, backend):
 def _attention_backward_op(grad_out: Optional[Tensor], grad_lse: Optional[Tensor], q: Tensor,
                            k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                            softmax_scale: float, causal: bool, backend: str,
-                           needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+                           needs: List[bool], spans: Optional[Tensor] = None,
+                           softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
     grads = attention_backward(_backend(backend), q, k, v, out, lse, softmax_scale, causal,
-                               grad_out, grad_lse, needs)
+                               grad_out, grad_lse, needs, **mask_kwargs(spans, softcap))
     # Custom ops return tensors: zero-size placeholders stand for the gradients not asked for.
     return tuple(g.contiguous() if g is not None else t.new_empty(0)
                  for g, t in zip(grads, (q, k, v)))
 
 
 @_attention_backward_op.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, causal, backend, needs):
+def _(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, causal, backend, needs,
+      spans=None, softcap=0.0):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) if need
                  else t.new_empty(0) for t, need in zip((q, k, v), needs))
 
@@ -126,10 +142,11 @@ _attention_backward_op.register_autograd(_no_double_backward)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, backend = inputs
+    q, k, v, softmax_scale, causal, backend, spans, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (softmax_scale, causal, backend)
+    ctx.mask = (spans, softcap)
     ctx.keep = _BY_KEY.get(backend)
     # An output nobody used then arrives as None, not zeros: no delta to compute (or refuse)
     # for an lse that carries no gradient.
@@ -140,18 +157,23 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:3])
     if not any(needs):
-        return None, None, None, None, None, None
+        return (None,) * 8
     softmax_scale, causal, backend = ctx.args
     dq, dk, dv = _attention_backward_op(grad_out, grad_lse, q, k, v, out, lse, softmax_scale,
-                                        causal, backend, needs)
+                                        causal, backend, needs, *ctx.mask)
     return ((dq if needs[0] else None), (dk if needs[1] else None), (dv if needs[2] else None),
-            None, None, None)
+            None, None, None, None, None)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-              be: AttentionBackend) -> Tuple[Tensor, Tensor]:
-    """Differentiable ``(out, lse)`` of ``be`` on validated inputs (see ringseq.flash_attn_func)."""
-    return _attention_op(q, k, v, float(softmax_scale), bool(causal), backend_key(be))
+              be: AttentionBackend, spans=None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """Differentiable ``(out, lse)`` of ``be`` on validated inputs (see ringseq.flash_attn_func).
+    ``spans``: None (one block, ``causal``), or span rows ``(q_start, q_len, k_start, k_len,
+    band_lo, band_hi)`` (then ``causal`` is False); ``softcap``: 0 (off) or the cap."""
+    if spans is not None and not isinstance(spans, Tensor):
+        spans = torch.tensor([list(sp) for sp in spans], dtype=torch.int64).reshape(-1, 6)
+    return _attention_op(q, k, v, float(softmax_scale), bool(causal), backend_key(be), spans,
+                         float(softcap))

@@ -22,9 +22,9 @@ from .kernels import available_backends
 from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
 from .loss import sharded_cross_entropy
 from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_func,
-                 ring_flash_attn_qkvpacked_func, ring_sdpa)
+                 ring_flash_attn_qkvpacked_func, ring_flash_attn_varlen_func, ring_sdpa)
 from .ops import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                  get_backend)
+                  flash_attn_varlen_func, get_backend)
 from .sim import simulate_ring
 from .ulysses import ulysses_attn_func
 
@@ -43,7 +43,8 @@ __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend"
            "reset_ring",
            "set_ring_timeout",
            "get_layout", "positions", "register_layout", "ring_flash_attn_func",
-           "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_sdpa",
+           "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
+           "ring_flash_attn_varlen_func", "flash_attn_varlen_func", "ring_sdpa",
            "set_consistency_check", "shard", "simulate_ring", "unshard",
            "shard_batch", "sharded_cross_entropy", "SequenceParallelGroups", "make_sp_groups",
            "ulysses_attn_func", "usp_attn_func", "usp_sdpa", *_COMPAT_NAMES, *_PLUGIN_NAMES]

@@ -23,7 +23,8 @@ from .layouts import get_layout
 from .ring_op import ring_attention_op
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
-           "ring_flash_attn_qkvpacked_func", "ring_sdpa", "RingAttention"]
+           "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func", "ring_sdpa",
+           "RingAttention"]
 
 
 def _autocast(q, k, v):
@@ -169,6 +170,57 @@ def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causa
                                 group=group, layout=layout, return_lse=return_lse,
                                 backend=backend, grad_comm_dtype=grad_comm_dtype,
                                 softcap=softcap)
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, dropout_p=0.0,
+                                softmax_scale=None, causal=False, window_size=(-1, -1),
+                                alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                group=None, *, layout=None, return_lse=False, backend=None,
+                                grad_comm_dtype=None, softcap=0.0):
+    """Ring attention over a packed sequence of documents, on this rank's shard.
+
+    Args:
+        q: (total_local, nheads, headdim); k, v: (total_local, nheads_kv, headdim): this
+            rank's tokens of the packed sequence under ``layout`` (flash-attn's packed
+            convention, no batch dimension), e.g. ``ringseq.shard(x, layout, dim=0)``.
+        cu_seqlens: the GLOBAL document boundaries ``(0, ..., total)`` of the whole packed
+            sequence (int tensor or list), the same on every rank (checked across ranks).
+            Unlike ring-flash-attention's per-rank boundaries: a port passing local boundaries
+            fails loudly (they do not end at the global length).
+        max_seqlen: accepted for ring-flash-attention's signature (unused; may be None).
+        dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+            return_attn_probs, group: as in :func:`ring_flash_attn_func`; causal masks and
+            windows follow global positions within each document.
+        layout (keyword-only): default ``ringseq.layouts.Documents(cu_seqlens)``: every
+            document is split into 2W pieces (zigzag per document), which balances causal
+            work for any document lengths; only ``total % W == 0`` is needed. The other
+            layouts also work (attention is restricted to documents either way).
+        return_lse, backend, grad_comm_dtype, softcap (keyword-only): as in
+            :func:`ring_flash_attn_func`.
+
+    Returns out (total_local, nheads, headdim); with ``return_lse`` also lse
+    (nheads, total_local) float32 (float64 for float64); with ``return_attn_probs``
+    ``(out, lse, None)``. Ring steps whose blocks see no pair of one document do no work.
+
+    Raises what :func:`ring_flash_attn_func` raises, and ValueError for ``cu_seqlens`` that do
+    not start at 0, decrease, or do not end at the global length, and for 3-dim shape errors.
+    """
+    from .layouts import Documents
+    fn = "ring_flash_attn_varlen_func"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{fn}: {name} must be a 3-dim tensor (total_local, nheads, "
+                             f"headdim), got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    lay = Documents(cu) if layout is None else get_layout(layout)
+    res = ring_flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p,
+                               softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                               return_attn_probs, group, layout=lay, return_lse=return_lse,
+                               backend=backend, grad_comm_dtype=grad_comm_dtype,
+                               softcap=softcap, cu_seqlens=cu)
+    if isinstance(res, tuple):
+        return (res[0][0], res[1][0]) + tuple(res[2:])  # out (s, h, d), lse (h, s)
+    return res[0]
 
 
 def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

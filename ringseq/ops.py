@@ -7,6 +7,8 @@ the name the ring uses.
 """
 from __future__ import annotations
 
+import torch
+
 from ._args import check_flash_args, split_kv, split_qkv
 from .kernels import AttentionBackend, available_backends, check_qkv, get_backend, resolve_scale
 from .kernels.autograd import attention
@@ -112,5 +114,85 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                            backend=backend)
 
 
+def _cu_list(fn: str, name: str, cu, total: int, n_docs=None):
+    """cu_seqlens as a list of ints after flash-attn's rules: a 1-D int32/int64 tensor (or a
+    sequence) starting at 0, non-decreasing, ending at ``total``."""
+    if isinstance(cu, torch.Tensor):
+        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{fn}: {name} must be a 1-D int32 tensor (batch + 1,), got "
+                             f"{cu.dtype} of shape {tuple(cu.shape)}")
+        cu = cu.tolist()  # host copy: the spans are planned on the host
+    cu = [int(c) for c in cu]
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{fn}: {name} must start at 0 and never decrease, got {cu}")
+    if cu[-1] != total:
+        raise ValueError(f"{fn}: {name} must end at the packed length {total}, got {cu[-1]}")
+    if n_docs is not None and len(cu) != n_docs:
+        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {len(cu) - 1} and {n_docs - 1}")
+    return cu
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None, *, return_lse=False,
+                           backend=None):
+    """Attention over packed variable-length sequences, flash-attn 2's
+    ``flash_attn_varlen_func`` signature and conventions.
+
+    Args:
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim): the sequences of
+            a batch packed back to back (no padding).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 (int64 accepted): sequence i is rows
+            ``[cu[i], cu[i+1])``. Read on the host (a device copy synchronizes once).
+        max_seqlen_q, max_seqlen_k: ints >= the longest sequence (checked).
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+            return_attn_probs: as in :func:`flash_attn_func`; causal masks and windows are
+            bottom-right aligned within each sequence.
+        block_table: must be None (paged KV caches are not supported).
+        return_lse, backend (keyword-only): as in :func:`flash_attn_func`.
+
+    Returns out (total_q, nheads, headdim) in q's dtype; with ``return_lse`` also lse
+    (nheads, total_q) float32 (float64 for float64), with ``return_attn_probs``
+    ``(out, lse, None)``. Differentiable (q, k, v, lse). Work grows with the sum over
+    sequences of ``len_q * len_k`` (each sequence is one span of the block kernel).
+
+    Raises:
+        TypeError / ValueError / NotImplementedError: as :func:`flash_attn_func`, plus
+            malformed ``cu_seqlens_*`` (not 1-D int, not starting at 0, decreasing, not ending
+            at the packed length, different batch sizes) and a ``max_seqlen`` below the
+            longest sequence; ``block_table`` not None (NotImplementedError).
+    """
+    fn = "flash_attn_varlen_func"
+    check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                     deterministic=deterministic, return_attn_probs=return_attn_probs,
+                     return_lse=return_lse)
+    if block_table is not None:
+        raise NotImplementedError(f"{fn}: block_table (a paged KV cache) is not supported")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{fn}: {name} must be a 3-dim tensor (total, nheads, headdim), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    cu_k = _cu_list(fn, "cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    cu_q = _cu_list(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], len(cu_k))
+    for name, cu, mx in (("max_seqlen_q", cu_q, max_seqlen_q), ("max_seqlen_k", cu_k, max_seqlen_k)):
+        longest = max(b - a for a, b in zip(cu, cu[1:]))
+        if not isinstance(mx, int) or isinstance(mx, bool) or mx < longest:
+            raise ValueError(f"{fn}: {name} must be an int >= the longest sequence ({longest}), "
+                             f"got {mx!r}")
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, h, d) views
+    check_qkv(q4, k4, v4)
+    be = get_backend(backend, q.device, q.dtype, q.shape[-1])
+    spans = [sp for sp in document_spans(cu_q, cu_k, causal, tuple(window_size)) if sp[3] > 0]
+    out, lse = attention(q4, k4, v4, resolve_scale(softmax_scale, q.shape[-1]), False, be,
+                         spans, softcap)
+    out, lse = out[0], lse[0]  # (total_q, h, d), (h, total_q)
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_lse else out
+
+
 __all__ = ["AttentionBackend", "available_backends", "flash_attn_func", "flash_attn_kvpacked_func",
-           "flash_attn_qkvpacked_func", "get_backend"]
+           "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "get_backend"]

@@ -6,16 +6,52 @@ sees the right tokens, the right global positions and targets that need no furth
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional, Tuple
 
 import torch
 
 from ._dist import group_info
-from .layouts import get_layout, positions_local, shard_local
+from .layouts import (DOCUMENTS, document_positions, documents_layout, get_layout,
+                      positions_local, shard_local)
+from .masks import AttnMask
 
 __all__ = ["shard_batch"]
 
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
+
+
+def _packed_documents(batch: Mapping, b: int, s: int) -> Optional[Tuple[int, ...]]:
+    """The global document boundaries of a packed batch, or None for a plain one: from
+    ``cu_seq_lens_q`` (what transformers' DataCollatorWithFlattening returns with
+    ``return_flash_attn_kwargs=True``) or from position ids that restart at 0."""
+    cu = batch.get("cu_seq_lens_q")
+    pos = batch.get("position_ids")
+    if cu is not None:
+        docs = tuple(int(c) for c in (cu.tolist() if torch.is_tensor(cu) else cu))
+        cu_k = batch.get("cu_seq_lens_k")
+        if cu_k is not None and tuple(int(c) for c in (cu_k.tolist() if torch.is_tensor(cu_k)
+                                                       else cu_k)) != docs:
+            raise ValueError("shard_batch: cu_seq_lens_k differs from cu_seq_lens_q; ring "
+                             "attention packs queries and keys the same way")
+    elif pos is not None and pos.shape[-1] == s and bool((pos.reshape(-1, s)[:, 1:] == 0).any()):
+        starts = [0] + [i for i in range(1, s) if int(pos.reshape(-1, s)[0, i]) == 0]
+        docs = tuple(starts) + (s,)
+    else:
+        return None
+    if b != 1:
+        raise ValueError(f"shard_batch: a packed batch must be one row (1, total) with its "
+                         f"documents back to back, as DataCollatorWithFlattening makes it; got "
+                         f"batch size {b}")
+    AttnMask(cu_seqlens=docs)  # starts at 0, never decreases
+    if docs[-1] != s:
+        raise ValueError(f"shard_batch: cu_seq_lens_q ends at {docs[-1]} but the batch has {s} "
+                         f"tokens")
+    if pos is not None:
+        want = document_positions(docs, torch.arange(s, device=pos.device))
+        if not bool((pos.reshape(-1, s) == want).all()):
+            raise ValueError("shard_batch: the position_ids of a packed batch must restart at 0 "
+                             "in every document and count up by one (0, 1, 2, ... per document)")
+    return docs
 
 
 def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int = -100) -> dict:
@@ -27,31 +63,42 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             optionally ``attention_mask`` (b, s), ``position_ids`` (b, s) or (1, s),
             ``labels`` (b, s) int64 with ``ignore_index`` for tokens without a target,
             ``token_type_ids`` (b, s). Other keys are passed through unchanged.
+            **Packed batches** (many documents in one row, each attending only to itself): a
+            (1, total) batch with ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (the global document
+            boundaries) and/or position ids that restart at 0 in every document -- what
+            transformers' ``DataCollatorWithFlattening`` returns.
         group: process group of the ring (None: default group; world size 1 without one).
-        layout: ``"contiguous"``, ``"zigzag"``, ``"stripe"`` or a ``ringseq.layouts.Layout``;
-            must be the layout the model's ring attention uses.
+        layout: ``"zigzag"``, ``"contiguous"``, ``"stripe"``, ``"documents"`` (packed batches:
+            :class:`ringseq.layouts.Documents` of the batch's boundaries, balanced for any
+            document lengths) or a ``ringseq.layouts.Layout``; the model's ring attention must
+            use the same one (``apply(model, layout=...)``).
         ignore_index: the label value that marks tokens without a target.
 
     Returns a new dict with, for this rank's ``s // W`` tokens:
         ``input_ids`` / ``inputs_embeds`` / ``token_type_ids``: sharded along dim 1;
-        ``position_ids`` (b, s // W) int64: the global positions of the local tokens (sharded
-        from the given ones, else made from ``ringseq.positions``) -- rotary embeddings need
-        them, the model's default ``arange(s // W)`` would be wrong;
+        ``position_ids`` (b, s // W) int64: the positions of the local tokens (sharded from
+        the given ones, else made from ``ringseq.positions``: global positions, or positions
+        within each document for packed batches) -- rotary embeddings need them;
         ``attention_mask`` (b, s // W): only when given (all ones);
         ``shift_labels`` (b, s // W) int64 (only when ``labels`` was given): the target of each
         local token, i.e. ``labels`` shifted left by one over the FULL sequence before
-        sharding, ``ignore_index`` after the last token. There is no ``labels`` key, so the
-        model does not shift again (that would lose the target of the last token of every
-        shard). Pass ``shift_labels`` to ``ringseq.sharded_cross_entropy(logits, ...)``.
+        sharding, ``ignore_index`` after the last token (and after the last token of every
+        document of a packed batch: no target crosses a document). There is no ``labels``
+        key, so the model does not shift again. Pass ``shift_labels`` to
+        ``ringseq.sharded_cross_entropy(logits, ...)``;
+        for packed batches also ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, the GLOBAL
+        boundaries) and ``max_length_q`` / ``max_length_k``, which transformers hands to the
+        attention function.
 
     Raises:
         ValueError: an ``attention_mask`` with any zero (padding cannot be expressed by a
-            causal ring; pack sequences without padding instead), no ``input_ids`` /
-            ``inputs_embeds``, tensors whose sequence lengths differ, or a length the layout
-            cannot split (``W``; ``2W`` for zigzag). Raised on every rank alike, before any
-            communication, since every rank holds the same full batch.
+            causal ring; pack sequences instead), no ``input_ids`` / ``inputs_embeds``,
+            tensors whose sequence lengths differ, a length the layout cannot split (``W``;
+            ``2W`` for zigzag; the total for ``"documents"``), malformed document boundaries
+            or position ids of a packed batch, a packed batch of more than one row, or
+            ``"documents"`` for a batch that is not packed. Raised on every rank alike,
+            before any communication, since every rank holds the same full batch.
     """
-    lay = get_layout(layout)
     world_size, rank = group_info(group)
     if "input_ids" in batch and batch["input_ids"] is not None:
         b, s = batch["input_ids"].shape[:2]
@@ -60,6 +107,14 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     else:
         raise ValueError("shard_batch needs `input_ids` (b, s) or `inputs_embeds` (b, s, hidden) "
                          f"in the batch, got keys {sorted(batch)}")
+    docs = _packed_documents(batch, b, s)
+    if layout == DOCUMENTS:
+        if docs is None:
+            raise ValueError("shard_batch: layout 'documents' needs a packed batch (cu_seq_lens_q "
+                             "or position ids restarting per document)")
+        lay = documents_layout(docs)
+    else:
+        lay = get_layout(layout)
     lay.check_seqlen(s, world_size)
 
     def check_len(name, t):
@@ -68,8 +123,10 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
                              f"(like input_ids), got shape {tuple(t.shape)}")
 
     out = {}
+    packed_keys = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     for key, value in batch.items():
-        if value is None or key in ("attention_mask", "position_ids", "labels", "shift_labels"):
+        if value is None or key in ("attention_mask", "position_ids", "labels", "shift_labels",
+                                    *packed_keys):
             continue
         if key in _SEQ_KEYS:
             check_len(key, value)
@@ -96,6 +153,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         device = (batch.get("input_ids") if batch.get("input_ids") is not None
                   else batch["inputs_embeds"]).device
         local = positions_local(s, lay, world_size, rank, device=device)  # (s // W,)
+        if docs is not None:
+            local = document_positions(docs, local)
         out["position_ids"] = local.unsqueeze(0).expand(b, -1).contiguous()
 
     if batch.get("shift_labels") is not None and batch.get("labels") is None:
@@ -109,5 +168,13 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         # token of another rank's shard, which a per-shard shift would drop.
         shifted = torch.full_like(labels, ignore_index)
         shifted[:, :-1] = labels[:, 1:]
+        if docs is not None:  # the last token of a document has no target in the next one
+            ends = torch.tensor([e - 1 for e in docs[1:] if e > 0], dtype=torch.long)
+            shifted[:, ends] = ignore_index
         out["shift_labels"] = shard_local(shifted, lay, world_size, rank, dim=1)
+    if docs is not None:
+        device = next(t.device for t in batch.values() if torch.is_tensor(t))
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(docs, dtype=torch.int32,
+                                                                   device=device)
+        out["max_length_q"] = out["max_length_k"] = max(b_ - a_ for a_, b_ in zip(docs, docs[1:]))
     return out

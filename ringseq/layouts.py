@@ -28,8 +28,9 @@ step is one non-causal task over all local rows. ``contiguous`` is the natural c
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,8 @@ from ._dist import group_info
 from .masks import AttnMask, Run, span_tasks
 
 __all__ = [
-    "BlockTask", "Layout", "Contiguous", "Zigzag", "Stripe", "Documents", "get_layout",
+    "BlockTask", "Layout", "Contiguous", "Zigzag", "Stripe", "Documents", "DOCUMENTS",
+    "document_positions", "documents_layout", "get_layout",
     "register_layout",
     "LAYOUTS", "AttnMask", "shard", "unshard", "positions", "shard_local", "unshard_local",
     "positions_local",
@@ -541,3 +543,23 @@ class Documents(Layout):
 
     def __repr__(self):
         return f"Documents({len(self.cu_seqlens) - 1} documents, {self.cu_seqlens[-1]} tokens)"
+
+
+#: ``layout="documents"`` in shard_batch / apply / the plugin: each packed batch is split with
+#: ``Documents(its cu_seqlens)``
+DOCUMENTS = "documents"
+
+
+@functools.lru_cache(maxsize=16)
+def documents_layout(cu_seqlens: Tuple[int, ...]) -> Documents:
+    """The (cached) :class:`Documents` layout of one packed batch: every layer of a model sees
+    the same boundaries, so they share one layout and its cached schedules."""
+    return Documents(cu_seqlens)
+
+
+def document_positions(cu_seqlens: Sequence[int], global_positions: torch.Tensor) -> torch.Tensor:
+    """Position ids within their document of the tokens at ``global_positions`` (what packed
+    batches give rotary embeddings: positions restart at 0 in every document)."""
+    starts = torch.tensor(cu_seqlens[:-1], dtype=torch.int64, device=global_positions.device)
+    doc = torch.bucketize(global_positions, starts, right=True) - 1
+    return global_positions - starts[doc]

@@ -56,7 +56,8 @@ except ImportError:  # pragma: no cover - transformers < 4.53 builds masks insid
 from .._dist import agree_or_raise, group_info
 from ..hybrid import (SequenceParallelGroups, check_model_heads, make_sp_groups,
                       resolve_sp_sizes, usp_attn_func)
-from ..layouts import Layout, get_layout, positions_local
+from ..layouts import (DOCUMENTS, Layout, document_positions, documents_layout, get_layout,
+                       positions_local)
 from ..nn import ring_flash_attn_func
 
 __all__ = ["ATTN_IMPLEMENTATION", "RingSettings", "apply", "ringseq_attention_forward",
@@ -70,7 +71,7 @@ class RingSettings:
     """What :func:`apply` records on a model's attention modules (one object per model)."""
 
     group: Any = None
-    layout: Layout = field(default_factory=lambda: get_layout("zigzag"))
+    layout: Any = field(default_factory=lambda: get_layout("zigzag"))  # a Layout or "documents"
     backend: Optional[str] = None
     # Ulysses / hybrid / double ring (``apply(..., sp_mode=...)``): ``group`` is then the whole
     # sequence-parallel group, ``layout`` its data layout and ``ring_layout`` the ring's.
@@ -99,8 +100,8 @@ def _same(ref, t) -> bool:
     return t is None if ref is None else ref() is t
 
 
-def _check_inputs_once(settings: RingSettings, attention_mask, position_ids, q_local: int,
-                       device) -> None:
+def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, position_ids,
+                       q_local: int, device) -> None:
     """Refuses padding masks and wrong position ids; agrees across ranks before raising."""
     if attention_mask is None and position_ids is None:
         return
@@ -117,20 +118,24 @@ def _check_inputs_once(settings: RingSettings, attention_mask, position_ids, q_l
                             "padded tokens: pack sequences without padding and mark positions "
                             "without a target with ignore_index in the labels")
     world_size, rank = group_info(settings.group)
-    # Also at world size 1: packed samples with position ids that restart per document would
-    # otherwise attend across documents without a word.
+    # Also at world size 1: packed documents whose position ids restart but that come without
+    # their boundaries (cu_seq_lens_q) would otherwise attend across documents without a word.
     if position_ids is not None:
-        expected = positions_local(q_local * world_size, settings.layout, world_size, rank,
+        expected = positions_local(q_local * world_size, layout, world_size, rank,
                                    device=position_ids.device)  # (s_local,)
+        if docs is not None:
+            expected = document_positions(docs, expected)
         pos = position_ids.reshape(-1, position_ids.shape[-1])
         if pos.shape[-1] != q_local:
             problems.append(f"position_ids of length {pos.shape[-1]} for {q_local} local tokens")
         elif not bool((pos == expected).all()):
+            what = ("positions within their documents" if docs is not None else
+                    "global positions")
             problems.append(
-                "position_ids that are not the global positions of this rank's tokens under "
-                f"layout {settings.layout.name!r} (pass the position_ids of "
-                "ringseq.shard_batch; without them the model numbers every shard from 0; "
-                "packed documents with restarting positions are not supported)")
+                f"position_ids that are not the {what} of this rank's tokens under layout "
+                f"{layout.name!r} (pass the batch of ringseq.shard_batch; without its "
+                "position_ids the model numbers every shard from 0, and packed documents need "
+                "their boundaries, cu_seq_lens_q, which shard_batch returns)")
     agree_or_raise(not problems,
                    "ringseq attention cannot compute this exactly: " + "; ".join(problems),
                    group=settings.group, device=device,
@@ -157,10 +162,14 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         dropout: must be 0 (transformers passes the module's dropout while training).
         scaling: softmax scale; default ``module.scaling``, else ``d ** -0.5``.
         is_causal: default ``module.is_causal`` (True when absent).
-        sliding_window: None, or at least the global sequence length (then it masks nothing).
-        softcap: must be None.
-        kwargs: ``position_ids`` (checked against the layout), ``output_attentions``
-            (must be falsy); the rest is ignored.
+        sliding_window: None, or the layer's window: a token sees itself and the
+            ``sliding_window - 1`` tokens before it (transformers' convention, flash-attn's
+            ``window_size=(sliding_window - 1, sliding_window - 1)``); each layer passes its own.
+        softcap: None, or the logit soft-cap (Gemma 2's ``attn_logit_softcapping``).
+        kwargs: ``position_ids`` (checked against the layout), ``cu_seq_lens_q`` /
+            ``cu_seq_lens_k`` (GLOBAL document boundaries of a packed batch, as
+            ``ringseq.shard_batch`` returns them), ``output_attentions`` (must be falsy); the
+            rest is ignored.
 
     Returns ``(out, None)`` with out (b, s_local, h, d) -- transformers reshapes it to
     (b, s_local, h * d) -- and no attention weights.
@@ -177,9 +186,6 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if dropout and float(dropout) > 0.0:
         raise ValueError(f"{name}: attention dropout {dropout} is not supported by ringseq "
                          f"attention; set config.attention_dropout=0.0 (or call model.eval())")
-    if softcap is not None:
-        raise ValueError(f"{name}: attention logit soft-capping (softcap={softcap}) is not "
-                         f"supported by ringseq attention")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(f"{name}: expected (batch, heads, seqlen, head_dim) query/key/value, got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
@@ -188,12 +194,26 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         raise ValueError(f"{name}: query has {s_local} local tokens but key has {key.shape[2]}; "
                          f"ringseq attention needs the keys of exactly the current tokens "
                          f"(no KV cache: pass use_cache=False, and no generation)")
-    world_size, _ = group_info(settings.group)
-    if sliding_window is not None and int(sliding_window) < s_local * world_size:
-        raise ValueError(f"{name}: a sliding window of {sliding_window} tokens over a sequence of "
-                         f"{s_local * world_size} is not supported by ringseq attention")
-    _check_inputs_once(settings, attention_mask, kwargs.get("position_ids"), s_local,
-                       query.device)
+    docs = _documents(name, kwargs)
+    layout = settings.layout
+    if layout == DOCUMENTS:
+        if docs is None:
+            raise ValueError(f"{name}: the model was switched with layout 'documents', which "
+                             f"needs packed batches: pass the cu_seq_lens_q / position_ids of "
+                             f"ringseq.shard_batch(batch, layout='documents')")
+        layout = documents_layout(docs)
+    window = (-1, -1)
+    if sliding_window is not None:
+        sw = int(sliding_window)
+        if sw < 1:
+            raise ValueError(f"{name}: sliding_window must be >= 1, got {sliding_window}")
+        window = (sw - 1, sw - 1)
+    if settings.sp is not None and (window != (-1, -1) or softcap or docs is not None):
+        raise ValueError(f"{name}: sliding windows, logit soft-capping and packed documents run "
+                         f"on the ring (sp_mode='ring'), not with sp_mode "
+                         f"{settings.sp.mode!r}")
+    _check_inputs_once(settings, layout, docs, attention_mask, kwargs.get("position_ids"),
+                       s_local, query.device)
     if scaling is None:
         scaling = getattr(module, "scaling", None)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -205,9 +225,24 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         return out, None
     out = ring_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
                                value.transpose(1, 2), softmax_scale=scaling, causal=bool(causal),
-                               group=settings.group, layout=settings.layout,
-                               backend=settings.backend)
+                               window_size=window, group=settings.group, layout=layout,
+                               backend=settings.backend, softcap=float(softcap or 0.0),
+                               cu_seqlens=docs)
     return out, None
+
+
+def _documents(name: str, kwargs) -> Optional[tuple]:
+    """The global document boundaries transformers hands over for a packed batch, or None."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return None
+    docs = tuple(int(c) for c in (cu.tolist() if torch.is_tensor(cu) else cu))
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and tuple(int(c) for c in (cu_k.tolist() if torch.is_tensor(cu_k)
+                                                   else cu_k)) != docs:
+        raise ValueError(f"{name}: cu_seq_lens_k differs from cu_seq_lens_q (ring attention "
+                         f"packs queries and keys alike)")
+    return docs
 
 
 def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = None,
@@ -286,8 +321,14 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
             ``ringseq.SequenceParallelGroups`` (then the ``sp_*`` arguments may be omitted).
             The model's inputs must then be sharded over it: ``ringseq.shard_batch(..., group)``
             for the ring, ``sp.shard_batch(batch, layout)`` for the other modes.
-        layout: ``"zigzag"`` (default: balanced causal work), ``"contiguous"``, ``"stripe"``
-            or a ``ringseq.layouts.Layout``: the layout of the ring dimension.
+        layout: ``"zigzag"`` (default: balanced causal work), ``"contiguous"``, ``"stripe"``,
+            ``"documents"`` (packed batches: each batch split per document by
+            ``ringseq.layouts.Documents``; shard them with
+            ``ringseq.shard_batch(batch, layout="documents")``) or a
+            ``ringseq.layouts.Layout``: the layout of the ring dimension. Packed batches
+            (``cu_seq_lens_q`` from ``shard_batch``) are exact with every layout; models with
+            sliding windows (per layer) and logit soft-capping are too (for short windows pick
+            ``"contiguous"``: K/V then travel only as far as the window reaches).
         backend: block kernel backend (see ``ringseq.ring_flash_attn_func``).
         sp_mode: ``"ring"`` (default), ``"ulysses"`` (all-to-all over the whole group) or
             ``"hybrid"`` (Ulysses inside, ring across: ``ringseq.usp_attn_func``).
@@ -305,7 +346,10 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     group, or ``num_attention_heads`` not divisible by the Ulysses degree (naming the degrees
     that work) -- all before any communication.
     """
-    lay = get_layout(layout)
+    lay = DOCUMENTS if layout == DOCUMENTS else get_layout(layout)
+    if lay == DOCUMENTS and sp_mode not in (None, "ring"):
+        raise ValueError(f"layout 'documents' runs on the ring (sp_mode='ring'), got sp_mode "
+                         f"{sp_mode!r}")
     if not isinstance(group, SequenceParallelGroups):
         group_info(group)  # raises for a group this process is not in
     modules = _attention_modules(model)

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .._dist import agree_or_raise
 from ..data import shard_batch
 
-__all__ = ["ShardedDataLoader"]
+__all__ = ["ShardedDataLoader", "pack_documents"]
 
 
 class ShardedDataLoader:
@@ -130,3 +130,37 @@ class ShardedDataLoader:
             if out is None:
                 return
             yield out
+
+
+def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict:
+    """Collate function packing samples of any lengths into ONE row of documents.
+
+    ``samples``: mappings with ``input_ids`` (s_i,) and optionally ``labels`` (s_i,). Returns
+    ``input_ids`` / ``labels`` (1, total), ``position_ids`` (1, total) restarting at 0 in every
+    document, and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 boundaries) -- the format of
+    transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``, which
+    ``ringseq.shard_batch`` shards. ``labels`` default to the input ids. When ``total`` is not
+    a multiple of ``multiple`` (the ring's size), a padding document of the missing tokens is
+    appended: token id 0, labels ``ignore_index``; as its own document it is seen by no real
+    token, so the real documents' attention and loss are unchanged.
+    """
+    ids, labels, cu = [], [], [0]
+    for sample in samples:
+        x = torch.as_tensor(sample["input_ids"]).reshape(-1)
+        y = torch.as_tensor(sample.get("labels", x)).reshape(-1)
+        if y.shape != x.shape:
+            raise ValueError(f"pack_documents: labels of shape {tuple(y.shape)} for input_ids of "
+                             f"shape {tuple(x.shape)}")
+        ids.append(x)
+        labels.append(y)
+        cu.append(cu[-1] + x.numel())
+    pad = (-cu[-1]) % max(1, int(multiple))
+    if pad:
+        ids.append(torch.zeros(pad, dtype=ids[0].dtype if ids else torch.long))
+        labels.append(torch.full((pad,), ignore_index, dtype=labels[0].dtype if labels
+                                 else torch.long))
+        cu.append(cu[-1] + pad)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])
+    return {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
+            "position_ids": position_ids[None], "cu_seq_lens_q": cu_t, "cu_seq_lens_k": cu_t}

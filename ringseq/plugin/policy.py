@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..layouts import get_layout
+from ..layouts import DOCUMENTS, get_layout
 from ..nn import RingAttention, ring_sdpa
 
 __all__ = ["is_transformers_model", "sdpa_on_ring", "switch_attention"]
@@ -70,7 +70,11 @@ def switch_attention(model: torch.nn.Module, group, layout, backend: Optional[st
     double ring) the policy, ``apply`` and ``ringseq_switch`` receive ``sp`` as the group, and
     ``RingAttention`` submodules raise ValueError (they run the plain ring only). Raises
     ValueError when nothing can be switched (see the module doc)."""
-    lay = get_layout(layout)
+    lay = DOCUMENTS if layout == DOCUMENTS else get_layout(layout)
+    if lay == DOCUMENTS and not is_transformers_model(model) and policy is None:
+        raise ValueError("layout 'documents' (packed batches) is supported for transformers "
+                         "models (their attention receives the batch's document boundaries); "
+                         "for other models call ringseq.ring_flash_attn_varlen_func yourself")
     if sp is not None:
         group = sp
     if policy is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Callable, List, Optional
 
@@ -11,10 +12,10 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from ..comm import get_comm, reset_ring
-from ..layouts import get_layout
+from ..layouts import DOCUMENTS, get_layout
 from .base import Plugin
 from .checkpoint import ReplicatedCheckpointIO
-from .dataloader import ShardedDataLoader
+from .dataloader import ShardedDataLoader, pack_documents
 from .mesh import build_mesh, build_sp_mesh
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
@@ -111,7 +112,7 @@ class RingSequenceParallelPlugin(Plugin):
                  ignore_index: int = -100, device=None, ddp_kwargs: Optional[dict] = None, *,
                  sp_mode: str = "ring", ulysses_size: Optional[int] = None,
                  inner_ring_size: Optional[int] = None, ulysses_inner: Optional[bool] = None):
-        self.layout = get_layout(layout)
+        self.layout = DOCUMENTS if layout == DOCUMENTS else get_layout(layout)
         check_precision_name(precision)  # before the mesh: a typo raises without communicating
         plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)
                       and inner_ring_size is None and ulysses_inner is None)
@@ -202,7 +203,8 @@ class RingSequenceParallelPlugin(Plugin):
 
     def prepare_dataloader(self, dataset, batch_size: int, shuffle: bool = False,
                            seed: int = 1024, drop_last: bool = False, pin_memory: bool = False,
-                           num_workers: int = 0, **kwargs) -> ShardedDataLoader:
+                           num_workers: int = 0, pack: bool = False,
+                           **kwargs) -> ShardedDataLoader:
         """A loader of this rank's sequence shards on the plugin's device (see
         :class:`ShardedDataLoader`).
 
@@ -214,13 +216,32 @@ class RingSequenceParallelPlugin(Plugin):
             shuffle, seed, drop_last: as ``DistributedSampler`` over the dp groups (without
                 drop_last the sampler repeats samples to even out the groups).
             pin_memory, num_workers, kwargs: passed to ``DataLoader`` (e.g. ``collate_fn``).
+            pack: pack each batch's samples (any lengths) back to back into one row of
+                documents (:func:`ringseq.plugin.dataloader.pack_documents`, like
+                transformers' ``DataCollatorWithFlattening``); every document attends only to
+                itself and no target crosses a document. A batch whose total is not a multiple
+                of ``sp`` gets one padding document (ignored by the loss, seen by no real token)
+                to round it up. Use ``layout="documents"`` for balanced causal work.
 
-        Raises ValueError for an iterable-style dataset (it cannot be split by index over dp).
+        Raises ValueError for an iterable-style dataset (it cannot be split by index over dp),
+        and for ``pack=True`` with a ``collate_fn`` (packing is the collate function).
         """
         if isinstance(dataset, IterableDataset):
             raise ValueError("prepare_dataloader needs a map-style dataset (len and indexing) to "
                              "split samples over the data-parallel groups")
         kwargs.pop("sampler", None)
+        if pack:
+            if "collate_fn" in kwargs:
+                raise ValueError("prepare_dataloader(pack=True) packs the batch itself; drop the "
+                                 "collate_fn (or pack in your own collate_fn with pack=False)")
+            if self.sp is not None:
+                raise ValueError(f"pack=True (packed documents) runs on the ring; "
+                                 f"sp_mode={self.sp.mode!r} cannot restrict attention to "
+                                 f"documents")
+            multiple = (self.sp_size if self.layout == DOCUMENTS
+                        else self.layout.multiple(self.sp_size))
+            kwargs["collate_fn"] = functools.partial(pack_documents, multiple=multiple,
+                                                     ignore_index=self.ignore_index)
         sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank,
                                      shuffle=shuffle, seed=seed, drop_last=drop_last)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
@@ -333,5 +354,6 @@ class RingSequenceParallelPlugin(Plugin):
                  f", sp_mode={self.sp.mode!r}, ulysses={self.sp.ulysses_size}, "
                  f"ring={self.sp.ring_size}, inner_ring={self.sp.inner_ring_size}")
         return (f"RingSequenceParallelPlugin(dp={self.dp_size}, sp={self.sp_size}{modes}, "
-                f"layout={self.layout.name!r}, precision={self.precision.name!r}, "
+                f"layout={getattr(self.layout, 'name', self.layout)!r}, "
+                f"precision={self.precision.name!r}, "
                 f"device={self.device})")

@@ -8,6 +8,7 @@ layout before any process group exists.
 from __future__ import annotations
 
 import threading
+from typing import Optional
 
 import torch
 
@@ -85,17 +86,21 @@ def run_simulated(world_size: int, fn):
 
 @torch.no_grad()
 def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: bool = False,
-                  backend=None, softmax_scale=None, dout=None, grad_comm_dtype=None):
+                  backend=None, softmax_scale=None, dout=None, grad_comm_dtype=None,
+                  window_size=(-1, -1), softcap: float = 0.0, cu_seqlens=None,
+                  exchanges: Optional[list] = None):
     """Runs the ring schedule for ``world_size`` simulated ranks in this process (no
     torch.distributed): the same plan and forward/backward loops, ranks as threads,
     exchanges as copies.
 
     Args:
         q, k, v: FULL sequences, (b, s, h, d) and (b, s, h_kv, d), on any device.
-        layout, world_size, causal, backend, softmax_scale, grad_comm_dtype: as in
-            :func:`ringseq.ring_flash_attn_func`.
+        layout, world_size, causal, backend, softmax_scale, grad_comm_dtype, window_size,
+            softcap, cu_seqlens: as in :func:`ringseq.ring_flash_attn_func`.
         dout: optional (b, s, h, d) upstream gradient of the full output; when given the
             backward runs too.
+        exchanges: an optional list; receives, per rank, ``(forward exchanges, backward
+            exchanges)`` of the call.
 
     Returns:
         ``(out, lse)`` on the full sequence (out in q's dtype, lse (b, h, s) float32, float64
@@ -111,15 +116,23 @@ def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: boo
         ql, kl, vl = (shard_local(t, lay, world_size, r) for t in (q, k, v))
         plan = make_plan(ql, kl, vl, transport=transport, softmax_scale=softmax_scale,
                          causal=causal, layout=lay, backend=backend,
-                         grad_comm_dtype=grad_comm_dtype)
+                         grad_comm_dtype=grad_comm_dtype, window_size=window_size,
+                         softcap=softcap, cu_seqlens=cu_seqlens)
         out_acc, lse = _ring_forward(ql, kl, vl, plan)
+        counts = [transport.last_exchanges]
         out = out_acc.to(q.dtype)
         if dout is None:
-            return out, lse
-        dl = shard_local(dout, lay, world_size, r)
-        return (out, lse) + _ring_backward(dl, ql, kl, vl, out, lse, plan)
+            res = (out, lse)
+        else:
+            dl = shard_local(dout, lay, world_size, r)
+            res = (out, lse) + _ring_backward(dl, ql, kl, vl, out, lse, plan)
+            counts.append(transport.last_exchanges)
+        return res, tuple(counts)
 
     per_rank = run_simulated(world_size, rank_fn)
+    if exchanges is not None:
+        exchanges.extend(counts for _, counts in per_rank)
+    per_rank = [res for res, _ in per_rank]
     seq_dims = (1, 2, 1, 1, 1)  # out, lse, dq, dk, dv
     return tuple(unshard_local([res[j] for res in per_rank], lay, dim=seq_dims[j])
                  for j in range(len(per_rank[0])))

@@ -1,0 +1,202 @@
+"""Sliding windows, soft-capping and packed documents through the ring engine.
+
+In-process (``ringseq.simulate_ring``: the very plan and loops of the distributed ring, ranks
+as threads) against float64 attention over the whole sequence with the global mask
+(``masks_reference.masked_attention``), for every layout, world sizes 1-8, windows from 0 to
+longer than the sequence, causal and not, GQA, odd lengths and document mixes; the block
+kernel is ``DenseSpanBackend`` (the span contract by dense math) so that these tests check the
+schedules, hops and exchange counts on their own. The optimized kernels are checked against
+the same oracle in tests/test_kernel_cpu.py; the spawned multi-rank checks are in
+tests/test_masked_ring.py.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import ringseq
+from ringseq.layouts import Documents, get_layout
+
+from masks_reference import DenseSpanBackend, global_mask, masked_attention
+from utils import max_err
+
+DENSE = DenseSpanBackend()
+LAYOUTS = ["contiguous", "zigzag", "stripe"]
+
+
+def _qkv(seed, b, s, h, h_kv, d=8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, n, d, generator=g, dtype=dtype) for n in (h, h_kv, h_kv, h)]
+
+
+def _reference(q, k, v, dout, mask, softcap=0.0):
+    qd, kd, vd = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = masked_attention(qd, kd, vd, mask, softcap=softcap)
+    out.backward(dout)
+    return [out.detach(), lse.detach(), qd.grad, kd.grad, vd.grad]
+
+
+def _check(got, want, tol=1e-10):
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
+        assert max_err(a, b) < tol, (name, max_err(a, b))
+
+
+def _length(layout, w, k):
+    return get_layout(layout).multiple(w) * k + (0 if layout == "zigzag" else 0)
+
+
+WINDOWS = [0, 1, 17, "s_local-1", "s_local", "3s_local+5", -1]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_windows_every_layout_and_world_size(layout, w, causal):
+    mult = get_layout(layout).multiple(w)
+    s = mult * (5 if mult < 8 else 3)  # never a power of two
+    s_local = s // w
+    for i, win in enumerate(WINDOWS):
+        left = {"s_local-1": s_local - 1, "s_local": s_local, "3s_local+5": 3 * s_local + 5}.get(
+            win, win)
+        window = (left, -1 if causal else min(left, 3) if left >= 0 else -1)
+        q, k, v, dout = _qkv(10 * i + w, 2, s, 4, 2)
+        got = ringseq.simulate_ring(q, k, v, layout, w, causal, backend=DENSE, dout=dout,
+                                    window_size=window)
+        want = _reference(q, k, v, dout, global_mask(s, s, causal, window))
+        _check(got, want)
+
+
+def test_softcap_with_windows():
+    for layout, w in (("contiguous", 4), ("zigzag", 2), ("stripe", 3)):
+        s = get_layout(layout).multiple(w) * 4
+        q, k, v, dout = _qkv(7, 1, s, 4, 1)
+        q = q * 3  # large logits: the cap matters
+        for cap in (5.0, 50.0):
+            got = ringseq.simulate_ring(q, k, v, layout, w, True, backend=DENSE, dout=dout,
+                                        window_size=(5, -1), softcap=cap)
+            _check(got, _reference(q, k, v, dout, global_mask(s, s, True, (5, -1)), cap))
+
+
+@pytest.mark.parametrize("w", [2, 3, 4, 8])
+def test_short_windows_move_less(w):
+    """Contiguous shards, window < s_local: one forward hop instead of W-1; dK/dV come back
+    over the same single hop (1 step exchange + 1 home exchange + the K/V one)."""
+    s_local = 12
+    s = s_local * w
+    q, k, v, dout = _qkv(3, 1, s, 2, 2)
+    for left, fwd, bwd in ((s_local - 1, 1, 3), (s_local, 1, 3)):
+        ex = []
+        got = ringseq.simulate_ring(q, k, v, "contiguous", w, True, backend=DENSE, dout=dout,
+                                    window_size=(left, -1), exchanges=ex)
+        _check(got, _reference(q, k, v, dout, global_mask(s, s, True, (left, -1))))
+        assert ex == [(fwd, bwd)] * w, ex
+    ex = []
+    ringseq.simulate_ring(q, k, v, "contiguous", w, True, backend=DENSE, dout=dout,
+                          exchanges=ex)
+    assert ex == [(w - 1, w + 1)] * w  # the full lap without a window
+    # zigzag spreads every window over the whole ring: no saving (why contiguous is the
+    # layout for short windows)
+    ex = []
+    ringseq.simulate_ring(q, k, v, "zigzag", w, True, backend=DENSE, dout=dout,
+                          window_size=(s_local - 1, -1), exchanges=ex)
+    assert ex[0][0] == w - 1
+
+
+DOC_MIXES = [(1, 2, 17, 255, 37), (3816,), (1,) * 40, (17, 1, 1, 2, 96, 3), (255, 1)]
+
+
+@pytest.mark.parametrize("docs", DOC_MIXES, ids=lambda d: f"{len(d)}docs-{sum(d)}")
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
+def test_documents_layout_exact(docs, w):
+    total = sum(docs)
+    total -= total % w  # the Documents layout needs the total divisible by W: trim the last
+    lens = list(docs)
+    while sum(lens) > total:
+        lens[-1] -= min(lens[-1], sum(lens) - total)
+        if lens[-1] == 0:
+            lens.pop()
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    if cu[-1] == 0:
+        pytest.skip("nothing left")
+    heavy = total > 1000
+    q, k, v, dout = _qkv(total + w, 1, total, 2 if heavy else 4, 1 if heavy else 2,
+                         d=4 if heavy else 8)
+    for causal in (True, False):
+        got = ringseq.simulate_ring(q, k, v, Documents(cu), w, causal, backend=DENSE,
+                                    dout=dout)
+        _check(got, _reference(q, k, v, dout, global_mask(total, total, causal,
+                                                         cu_seqlens=cu)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_documents_on_other_layouts(layout):
+    """The document mask is exact on every layout (only balance differs)."""
+    w = 4
+    s = get_layout(layout).multiple(w) * 6
+    cu = [0, 1, 18, 19, s - 5, s]
+    q, k, v, dout = _qkv(5, 1, s, 4, 2)
+    got = ringseq.simulate_ring(q, k, v, layout, w, True, backend=DENSE, dout=dout,
+                                cu_seqlens=cu, window_size=(7, -1))
+    _check(got, _reference(q, k, v, dout, global_mask(s, s, True, (7, -1), cu)))
+
+
+def test_property_random_document_mixes():
+    rng = random.Random(0)
+    for trial in range(12):
+        w = rng.choice([2, 3, 4])
+        lens = [rng.choice([1, 2, 3, 7, 17, 40]) for _ in range(rng.randint(1, 8))]
+        total = sum(lens) + (-sum(lens)) % w
+        lens[-1] += total - sum(lens)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        causal = rng.random() < 0.7
+        window = rng.choice([(-1, -1), (rng.randint(0, 9), -1 if causal else rng.randint(0, 9))])
+        q, k, v, dout = _qkv(trial, 1, total, 2, 1)
+        got = ringseq.simulate_ring(q, k, v, Documents(cu), w, causal, backend=DENSE,
+                                    dout=dout, window_size=window)
+        _check(got, _reference(q, k, v, dout, global_mask(total, total, causal, window, cu)))
+
+
+def test_documents_balance_visible_work():
+    """Per-rank visible causal pairs, max / mean, for a seeded mix and a long tail."""
+    from ringseq.layouts import positions_local
+    rng = random.Random(3)
+    mixes = {"seeded": [rng.randint(200, 4000) for _ in range(8)],
+             "long tail": [8192] + [rng.randint(16, 300) for _ in range(40)]}
+    for name, lens in mixes.items():
+        w = 2
+        total = sum(lens) + (-sum(lens)) % w
+        lens[-1] += total - sum(lens)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        lay = Documents(cu)
+        work = []
+        for r in range(w):
+            pos = positions_local(total, lay, w, r)
+            starts = torch.tensor(cu[:-1])
+            doc = torch.bucketize(pos, starts, right=True) - 1
+            work.append(int((pos - starts[doc] + 1).sum()))  # keys each query sees (causal)
+        ratio = max(work) / (sum(work) / w)
+        assert ratio <= 1.01, (name, work)
+
+
+def test_bad_cu_seqlens_raise():
+    q, k, v, _ = _qkv(0, 1, 12, 2, 2)
+    with pytest.raises(ValueError, match="never decrease"):
+        ringseq.simulate_ring(q, k, v, "contiguous", 2, True, backend=DENSE,
+                              cu_seqlens=[0, 8, 4, 12])
+    with pytest.raises(ValueError, match="end at the global length"):
+        ringseq.simulate_ring(q, k, v, "contiguous", 2, True, backend=DENSE,
+                              cu_seqlens=[0, 4, 10])
+    with pytest.raises(ValueError, match="multiple of 2"):
+        ringseq.simulate_ring(q[:, :11], k[:, :11], v[:, :11], Documents([0, 5, 11]), 2, True,
+                              backend=DENSE)
+    with pytest.raises(ValueError, match="window_size"):
+        ringseq.ring_flash_attn_func(q, k, v, window_size=(-3, 0))

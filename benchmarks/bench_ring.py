@@ -73,6 +73,13 @@ def parse_args(argv=None):
                         "'all': run benchmarks/sp_modes.py's comparison instead")
     p.add_argument("--ulysses-size", type=int, default=2, help="Ulysses degree of hybrid modes")
     p.add_argument("--inner-ring-size", type=int, default=2, help="inner ring of double rings")
+    # masked ring attention (benchmarks/masked_ring.py): instead of the layout jobs
+    p.add_argument("--window", type=int, default=None,
+                   help="causal sliding window of this many tokens vs full causal at the same "
+                        "shape: exchanges, bytes, time, overhead (layouts: --layouts)")
+    p.add_argument("--docs", default=None,
+                   help="packed documents: 'seeded', 'longtail' or a comma list of lengths "
+                        "(Documents layout; visible work per rank, time vs documents alone)")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     for m in args.modes:
@@ -299,6 +306,9 @@ def main(argv=None):
     if args.sp_mode:
         from sp_modes import main_sp
         return main_sp(args, launched, device)
+    if args.window is not None or args.docs:
+        from masked_ring import main_masked
+        return main_masked(args, launched, device)
     memory = {}
     if launched:
         init_launched_group(device, args.timeout)

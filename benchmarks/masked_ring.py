@@ -1,0 +1,229 @@
+"""``bench_ring.py --window L`` and ``bench_ring.py --docs MIX``: masked ring attention.
+
+``--window L`` (causal sliding window of L tokens, ``--layouts``, default contiguous): for the
+window and for full causal attention at the same shape, forward+backward time on the busiest
+rank, exchanges per call (forward / backward, as the transport counted them), bytes each rank
+sent (:mod:`ringseq.commstats`), and the ring overhead = ring time / the same banded block
+tasks without communication (kernel calls only). Bars (issue of record): overhead <= 1.2 and
+full causal >= 2x slower than the window at 32k tokens, window 4096, W=2.
+
+``--docs MIX`` (packed documents; MIX: ``seeded`` -- a seeded mix of >= 8 documents --,
+``longtail`` -- one long document and many short ones --, or a comma list of lengths): the
+Documents layout; per-rank visible FLOPs (max / mean), forward+backward time on the busiest
+rank, and the time of all documents alone on one device (one thread, one
+``flash_attn_varlen_func`` call) for the ratio ``busiest / (alone / W)``. Bars: max/mean <=
+1.10 and ratio <= 1.15 at 16k tokens, W=2, one thread per rank.
+
+    python benchmarks/bench_ring.py --world-size 2 --threads-per-rank 1 --seqlen 32768 --window 4096
+    python benchmarks/bench_ring.py --world-size 2 --threads-per-rank 1 --seqlen 16384 --docs seeded
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+from common import (attention_flops, environment, format_table, progress, spawn_cpu_ranks,
+                    threads_per_rank, time_ms, write_json)
+
+import ringseq  # noqa: E402
+from ringseq import commstats  # noqa: E402
+from ringseq.layouts import Documents, get_layout  # noqa: E402
+from ringseq.masks import AttnMask  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16,
+          "fp16": torch.float16}
+
+
+def document_lengths(mix: str, total: int, seed: int = 0):
+    """Document lengths summing to ``total``: ``seeded`` (>= 8 documents of random lengths),
+    ``longtail`` (one document of half the tokens, the rest in documents of 16-300 tokens) or
+    an explicit comma list (the last one absorbs the rest)."""
+    rng = random.Random(seed)
+    if mix == "seeded":
+        cuts = sorted(rng.sample(range(1, total), 9))
+        bounds = [0] + cuts + [total]
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+    if mix == "longtail":
+        lens, left = [total // 2], total - total // 2
+        while left > 0:
+            n = min(left, rng.randint(16, 300))
+            lens.append(n)
+            left -= n
+        return lens
+    lens = [int(x) for x in mix.split(",") if x]
+    if sum(lens) > total:
+        raise SystemExit(f"--docs lengths sum to {sum(lens)} > --seqlen {total}")
+    lens[-1] += total - sum(lens)
+    return lens
+
+
+def _cu(lens):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def visible_pairs(lay, world, s_local, mask: AttnMask):
+    """Visible (query, key) pairs each rank's schedule computes (the FLOPs that matter)."""
+    work = []
+    for r in range(world):
+        total = 0
+        for tasks in lay.schedule(r, world, s_local, mask):
+            for t in tasks:
+                nq = len(range(*t.q.indices(s_local)))
+                nk = len(range(*t.kv.indices(s_local)))
+                spans = t.spans or [(0, nq, 0, nk, -(nq - 1), nk - nq if t.causal else nk - 1)]
+                for _, a, _, b, lo, hi in spans:
+                    for i in range(a):  # keys j with lo <= j - i <= hi, 0 <= j < b
+                        total += max(0, min(b - 1, i + hi) - max(0, i + lo) + 1)
+        work.append(total)
+    return work
+
+
+def _rank(args, case):
+    """One masked ring case on this rank: time, exchanges, bytes; and the compute-only time."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[args.dtype]
+    g = torch.Generator().manual_seed(1)
+    s, h, d = args.seqlen, args.heads, args.headdim
+    h_kv = args.heads_kv or h
+    full = [torch.randn(1, s, n, d, generator=g).to(dtype) for n in (h, h_kv, h_kv)]
+    lay = case["layout"]
+    q, k, v = (ringseq.shard(t, lay).requires_grad_() for t in full)
+    dout = torch.randn_like(q)
+    kw = dict(causal=True, layout=lay, window_size=case["window"], cu_seqlens=case["cu"],
+              backend=args.backend)
+    comm = ringseq.get_comm()
+
+    def step():
+        out = ringseq.ring_flash_attn_func(q, k, v, **kw)
+        fwd = comm.last_exchanges
+        out.backward(dout)
+        q.grad = k.grad = v.grad = None
+        return fwd, comm.last_exchanges
+
+    with commstats.count_bytes() as counter:
+        exchanges = step()
+    sent = counter.total
+    dist.barrier()
+    ms = time_ms(step, torch.device("cpu"), args.warmup, args.repeats)
+    # the same block tasks without communication (this rank's own K/V stand in)
+    plan = ringseq.plan.make_plan(q.detach(), k.detach(), v.detach(),
+                                  transport=comm, causal=True, layout=lay,
+                                  window_size=case["window"], cu_seqlens=case["cu"],
+                                  needs_grad=False, backend=args.backend)
+    be, scale = plan.backend, plan.softmax_scale
+    qd, kd, vd, dd = (t.detach() for t in (q, k, v, dout))
+    out0, lse0 = ringseq.flash_attn_func(qd, kd, vd, return_lse=True, backend=args.backend)
+    delta = ringseq.kernels.compute_delta(dd, out0)
+    acc = [torch.zeros(t.shape, dtype=lse0.dtype) for t in (qd, kd, vd)]
+
+    def compute():
+        o = torch.zeros(qd.shape, dtype=lse0.dtype)
+        ls = torch.full(lse0.shape, float("-inf"), dtype=lse0.dtype)
+        for tasks in plan.schedule[:plan.hops + 1]:
+            for t in tasks:
+                be.fwd_accum(qd[:, t.q], kd[:, t.kv], vd[:, t.kv], scale, t.causal, o[:, t.q],
+                             ls[:, :, t.q], **plan.kernel_kwargs(t))
+                be.bwd_accum(dd[:, t.q], qd[:, t.q], kd[:, t.kv], vd[:, t.kv], out0[:, t.q],
+                             lse0[:, :, t.q], scale, t.causal, delta[:, :, t.q], acc[0][:, t.q],
+                             acc[1][:, t.kv], acc[2][:, t.kv], **plan.kernel_kwargs(t))
+
+    dist.barrier()
+    compute_ms = time_ms(compute, torch.device("cpu"), args.warmup, args.repeats)
+    alone_ms = None
+    if rank == 0 and case["cu"] is not None:
+        qf, kf, vf = (t[0].detach().requires_grad_() for t in full)
+        cu = torch.tensor(case["cu"], dtype=torch.int32)
+        mx = max(b - a for a, b in zip(case["cu"], case["cu"][1:]))
+        do = torch.randn_like(qf)
+
+        def alone():
+            out = ringseq.flash_attn_varlen_func(qf, kf, vf, cu, cu, mx, mx, causal=True,
+                                                 backend=args.backend)
+            out.backward(do)
+            qf.grad = kf.grad = vf.grad = None
+
+        alone_ms = time_ms(alone, torch.device("cpu"), args.warmup, args.repeats)
+    stats = torch.tensor([ms, compute_ms, float(sent)], dtype=torch.float64)
+    gathered = [torch.zeros_like(stats) for _ in range(world)]
+    dist.all_gather(gathered, stats)
+    return {"ms": max(float(x[0]) for x in gathered),
+            "compute_ms": max(float(x[1]) for x in gathered),
+            "bytes_per_rank": max(float(x[2]) for x in gathered),
+            "exchanges": exchanges, "alone_ms": alone_ms}
+
+
+def _cases(args):
+    world = args.world_size
+    s_local = args.seqlen // world
+    if args.docs:
+        lens = document_lengths(args.docs, args.seqlen)
+        cu = _cu(lens)
+        lay = Documents(cu)
+        mask = lay.mask(True)
+        work = visible_pairs(lay, world, s_local, mask)
+        return [{"name": f"docs {args.docs} ({len(lens)} documents)", "layout": lay,
+                 "window": (-1, -1), "cu": cu, "work": work}]
+    cases = []
+    for name in args.layouts:
+        lay = get_layout(name)
+        for window in ((args.window, -1), (-1, -1)):
+            mask = AttnMask(causal=True, window=window)
+            cases.append({"name": f"{name} {'window ' + str(window[0]) if window[0] >= 0 else 'full causal'}",
+                          "layout": lay, "window": window, "cu": None,
+                          "work": visible_pairs(lay, world, s_local, mask)})
+    return cases
+
+
+def _run_all(args, device):
+    out = []
+    for case in _cases(args):
+        if dist.get_rank() == 0:
+            progress(f"{case['name']}: W={dist.get_world_size()} s={args.seqlen}")
+        res = _rank(args, case)
+        res.update(name=case["name"], work_max_over_mean=max(case["work"]) /
+                   (sum(case["work"]) / len(case["work"])))
+        out.append(res)
+    return out
+
+
+def main_masked(args, launched, device):
+    """Entry from bench_ring.py (--window / --docs)."""
+    if launched or device.type != "cpu":
+        raise SystemExit("--window / --docs run on spawned local CPU ranks (no launcher)")
+    threads = threads_per_rank(args.threads_per_rank, args.world_size)
+    progress(f"spawning {args.world_size} local CPU ranks (gloo), {threads} thread(s) each")
+    rows = spawn_cpu_ranks(args.world_size, _run_all, args, args.timeout, threads)
+    W = args.world_size
+    for r in rows:
+        fwd, bwd = r["exchanges"]
+        r["exchanges"] = f"{fwd} / {bwd}"
+        r["overhead"] = r["ms"] / r["compute_ms"]
+        r["mib_per_rank"] = r["bytes_per_rank"] / 2 ** 20
+        r["tflops"] = None
+        if r["alone_ms"]:
+            r["vs_alone"] = r["ms"] / (r["alone_ms"] / W)
+    full = {r["name"].split()[0]: r["ms"] for r in rows if "full causal" in r["name"]}
+    for r in rows:
+        if "window" in r["name"]:
+            r["full_over_window"] = full.get(r["name"].split()[0], float("nan")) / r["ms"]
+    columns = [("name", "case", "{}"), ("ms", "fwd+bwd ms (busiest)", "{:.1f}"),
+               ("compute_ms", "tasks alone ms", "{:.1f}"), ("overhead", "overhead", "{:.3f}"),
+               ("exchanges", "exchanges fwd / bwd", "{}"), ("mib_per_rank", "MiB sent/rank", "{:.2f}"),
+               ("work_max_over_mean", "visible work max/mean", "{:.3f}")]
+    if any("full_over_window" in r for r in rows):
+        columns.append(("full_over_window", "full causal / window", "{:.2f}"))
+    if any(r.get("alone_ms") for r in rows):
+        columns += [("alone_ms", "docs alone, 1 device ms", "{:.1f}"),
+                    ("vs_alone", "busiest / (alone / W)", "{:.3f}")]
+    print(f"# masked ring: s={args.seqlen} h={args.heads} d={args.headdim} {args.dtype} W={W}, "
+          f"{threads} thread(s) per rank; overhead = ring time / the same block tasks without "
+          f"communication", flush=True)
+    print(format_table(rows, columns), flush=True)
+    write_json(args.json, {"benchmark": "bench_ring masked", "environment": environment(device),
+                           "args": {k: str(v) for k, v in vars(args).items()}, "results": rows})
+    return 0

@@ -1,0 +1,95 @@
+"""What ring integrity costs (ringseq.integrity): control collectives and exchange headers.
+
+Times a causal zigzag ring forward+backward with the checks on and with the control
+collectives off (``set_consistency_check``), times one control collective and one header
+stamp+check alone, and reports the per-call cost of integrity (4 control collectives and
+2W headers per forward+backward call) as a share of the call. Spawns local CPU ranks.
+
+    python benchmarks/bench_integrity.py --world-size 2 --seqlen 8192
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import progress, spawn_cpu_ranks, write_json  # noqa: E402
+
+
+def _rank(args, device):
+    import ringseq
+    from ringseq import integrity
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, args.seqlen, args.heads, args.headdim, generator=g) for _ in range(4)]
+    q, k, v, dout = (ringseq.shard(t, "zigzag") for t in full)
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def step():
+        ringseq.ring_flash_attn_func(q, k, v, causal=True, layout="zigzag").backward(dout)
+
+    times = {}
+    for mode in ("first", "off") * 2:  # interleaved: load changes hit both alike
+        ringseq.set_consistency_check(mode)
+        step()
+        dist.barrier()
+        ts = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            step()
+            ts.append(time.perf_counter() - t0)
+        times.setdefault(mode, []).append(statistics.median(ts))
+    ringseq.set_consistency_check(True)
+    comm = ringseq.get_comm()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        comm.control(integrity.END, integrity.OK)
+    control_s = (time.perf_counter() - t0) / 200
+    call = integrity.RingCall(comm, integrity.FWD, (("x", 1),), "cpu")
+    call._base = torch.zeros(4, dtype=torch.int64)
+    call._bad = torch.zeros((), dtype=torch.bool)
+    header = torch.zeros(integrity.HEADER_WORDS, dtype=torch.int64)
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        call.check(header, call.stamp(header))
+    header_s = (time.perf_counter() - t0) / 2000
+    return {"on_ms": 1e3 * min(times["first"]), "off_ms": 1e3 * min(times["off"]),
+            "control_us": 1e6 * control_s, "header_us": 1e6 * header_s}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--headdim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    W = args.world_size
+    progress(f"spawning {W} local CPU ranks, 1 thread each; s={args.seqlen}")
+    r = spawn_cpu_ranks(W, _rank, args, 3600, 1)  # rank 0 (the ranks run in lockstep)
+    cost_ms = (4 * r["control_us"] + 2 * W * r["header_us"]) / 1e3
+    print(f"# ring integrity cost, zigzag causal fwd+bwd, W={W} s={args.seqlen} "
+          f"h={args.heads} d={args.headdim} fp32, 1 thread per rank")
+    print(f"fwd+bwd: {r['on_ms']:.1f} ms with checks, {r['off_ms']:.1f} ms without control "
+          f"collectives")
+    print(f"one control collective {r['control_us']:.0f} us, one header stamp+check "
+          f"{r['header_us']:.1f} us")
+    print(f"integrity per call (4 control collectives + {2 * W} headers): {cost_ms:.2f} ms = "
+          f"{100 * cost_ms / r['on_ms']:.2f}% of the call", flush=True)
+    write_json(args.json, {"benchmark": "bench_integrity", "args": vars(args), "result": r,
+                           "cost_ms": cost_ms})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

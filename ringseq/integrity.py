@@ -200,8 +200,11 @@ class RingCall:
             raise RingBrokenError(f"ringseq: the ring is broken by an earlier failure "
                                   f"({type(t.broken).__name__}: {t.broken}); call "
                                   f"ringseq.reset_ring(group) on every rank") from t.broken
-        self._base = torch.tensor([_MAGIC, self._seq, self.kind, self.sig],
-                                  dtype=torch.int64).to(self.device)
+        # Filled element by element with Python scalars: on CUDA these are small kernels,
+        # where a host->device copy of a (pageable) list would synchronize the stream.
+        self._base = torch.empty(4, dtype=torch.int64, device=self.device)
+        for i, value in enumerate((_MAGIC, self._seq, self.kind, self.sig)):
+            self._base[i] = value
         self._bad = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def end(self) -> None:

@@ -24,7 +24,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["check_bool", "check_dropout", "check_alibi_slopes", "check_softmax_scale",
+__all__ = ["autocast_inputs", "check_bool", "check_dropout", "check_alibi_slopes", "check_softmax_scale",
            "check_window_softcap", "check_flash_args", "split_kv", "split_qkv"]
 
 WINDOW_OFF = (-1, -1)
@@ -156,6 +156,19 @@ def _check_packed(fn: str, name: str, t, n: int, layout: str) -> None:
         raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}, got {_given(t)}")
     if t.dim() != 5 or t.shape[2] != n:
         raise ValueError(f"{fn}: {name} must be {layout}, got shape {tuple(t.shape)}")
+
+
+def autocast_inputs(q, k, v):
+    """q, k, v in autocast's dtype when autocast is on for their device (float64 and
+    non-float tensors excepted), as ``F.scaled_dot_product_attention`` does: under autocast
+    models hand over mixed dtypes (transformers' RoPE returns float32 q/k next to a bf16 v),
+    which the kernels would refuse."""
+    dev = q.device.type
+    if not torch.is_autocast_enabled(dev):
+        return q, k, v
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in (q, k, v))
 
 
 def split_kv(fn: str, kv):

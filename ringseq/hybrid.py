@@ -41,6 +41,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ._args import autocast_inputs, check_dropout
 from ._dist import dtype_code, is_initialized
 from .comm import check_consistent, get_comm
 from .commstats import CountingTransport
@@ -50,7 +51,7 @@ from .kernels import check_qkv
 from .layouts import Layout, get_layout, positions_local, shard_local
 from .nn import ring_flash_attn_func
 from .ops import flash_attn_func
-from .ulysses import (_autocast, check_dropout, ulysses_heads, ulysses_wrap,
+from .ulysses import (ulysses_heads, ulysses_wrap,
                       valid_ulysses_degrees)
 
 __all__ = ["SP_MODES", "SequenceParallelGroups", "SequenceParallelLayout", "check_model_heads",
@@ -452,8 +453,8 @@ def usp_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causal: b
             dtypes, ``dropout_p > 0``.
         RingMismatchError (a ValueError): ranks called with different arguments (every rank).
     """
-    check_dropout(dropout_p)
-    q, k, v = _autocast(q, k, v)
+    check_dropout("usp_attn_func", dropout_p)
+    q, k, v = autocast_inputs(q, k, v)
     lay = get_layout(layout) if sp.ring_size > 1 else get_layout("contiguous")
     with torch.autocast(q.device.type, enabled=False):
         check_qkv(q, k, v)
@@ -490,7 +491,7 @@ def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
     ``attn_mask`` must be None and ``dropout_p`` 0 (ValueError otherwise)."""
     if attn_mask is not None:
         raise ValueError("usp_sdpa does not support attn_mask; use is_causal")
-    check_dropout(dropout_p)
+    check_dropout("usp_sdpa", dropout_p)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be (batch, nheads, seqlen, headdim), got "

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._args import check_bool, check_flash_args, check_softmax_scale, split_kv, split_qkv
+from ._args import autocast_inputs, check_bool, check_flash_args, check_softmax_scale, split_kv, split_qkv
 from .kernels import get_backend
 from .layouts import get_layout
 from .ring_op import ring_attention_op
@@ -25,18 +25,6 @@ from .ring_op import ring_attention_op
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
            "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func", "ring_sdpa",
            "RingAttention"]
-
-
-def _autocast(q, k, v):
-    # Like F.scaled_dot_product_attention, ring attention runs in autocast's lower precision:
-    # under autocast, models hand over mixed dtypes (e.g. transformers' RoPE returns float32
-    # q/k next to a bf16 v), which the kernels would refuse.
-    dev = q.device.type
-    if not torch.is_autocast_enabled(dev):
-        return q, k, v
-    dt = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
-                 for t in (q, k, v))
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -115,7 +103,7 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
                      causal=causal, window_size=window_size, softcap=softcap,
                      alibi_slopes=alibi_slopes, deterministic=deterministic,
                      return_attn_probs=return_attn_probs, return_lse=return_lse)
-    q, k, v = _autocast(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
     # The inputs now have the dtype autocast asked for; the block kernels choose their own
     # accumulation dtype (the reference backend's float32/float64 einsums), which the caller's
     # autocast would otherwise silently lower to bf16/fp16.

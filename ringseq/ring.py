@@ -130,7 +130,7 @@ def _ring_forward(q, k, v, plan: RingPlan):
     :mod:`ringseq.integrity`); the failure is raised at the end, on every rank."""
     b, s, h, d = q.shape
     acc, be, scale = plan.accum_dtype, plan.backend, plan.softmax_scale
-    W, hops = plan.world_size, plan.hops
+    hops = plan.hops
     with plan.transport.open_call(FWD, plan.signature, q.device) as call:
         bufs = out = lse = None
         first = plan.schedule[0][0] if plan.schedule[0] else None

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import commstats
+from ._args import autocast_inputs, check_dropout
 from ._dist import dtype_code, group_info
 from .comm import check_consistent
 from .kernels import check_qkv
@@ -160,22 +161,6 @@ def lse_heads_to_seq(lse, group):
 
 
 # ---------------------------------------------------------------------------- the function
-def _autocast(q, k, v):
-    # as ring_flash_attn_func: under autocast, run in autocast's dtype (float64 excepted)
-    dev = q.device.type
-    if not torch.is_autocast_enabled(dev):
-        return q, k, v
-    dt = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
-                 for t in (q, k, v))
-
-
-def check_dropout(dropout_p) -> None:
-    if dropout_p:
-        raise ValueError(f"dropout_p must be 0.0 (attention dropout is not supported by "
-                         f"sequence-parallel attention), got dropout_p={dropout_p}")
-
-
 def ulysses_wrap(q, k, v, *, group, degree: int, attend: Callable, return_lse: bool):
     """Runs ``attend(q_h, k_h, v_h) -> (out_h, lse_h)`` on the head shards of the whole
     (Ulysses-group) sequence; returns ``(out, lse or None)`` on this rank's sequence shard."""
@@ -217,8 +202,8 @@ def ulysses_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causa
         RingMismatchError (a ValueError): ranks called with different shapes/dtypes/causal
             (every rank; one small all-gather on the first call per signature).
     """
-    check_dropout(dropout_p)
-    q, k, v = _autocast(q, k, v)
+    check_dropout("ulysses_attn_func", dropout_p)
+    q, k, v = autocast_inputs(q, k, v)
     with torch.autocast(q.device.type, enabled=False):
         check_qkv(q, k, v)
         if q.shape[1] != k.shape[1]:

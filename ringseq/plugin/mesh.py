@@ -45,6 +45,20 @@ def _default_device_type() -> str:
     return "cuda" if (backend == "nccl" and torch.cuda.is_available()) else "cpu"
 
 
+def _world_size() -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("RingSequenceParallelPlugin needs an initialized process group: call "
+                           "torch.distributed.init_process_group(...) first (e.g. under torchrun)")
+    return dist.get_world_size()
+
+
+def _check_sp_size(sp_size, world: int) -> None:
+    if not isinstance(sp_size, int) or sp_size < 1 or world % sp_size:
+        raise ValueError(f"sp_size={sp_size!r} does not divide the world size {world}; the mesh "
+                         f"is (dp, sp) with dp * sp == {world}, so sp_size must be one of "
+                         f"{valid_sp_sizes(world)}")
+
+
 def build_mesh(sp_size: int, mesh=None, device_type: str = None) -> MeshGroups:
     """Builds (or checks) the mesh with dims ``("dp", "sp")`` over the default process group.
 
@@ -63,15 +77,9 @@ def build_mesh(sp_size: int, mesh=None, device_type: str = None) -> MeshGroups:
             communication (``init_device_mesh`` itself does not check the product on gloo in
             torch 2.13: a (3, 1) mesh on 4 ranks is accepted silently).
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("RingSequenceParallelPlugin needs an initialized process group: call "
-                           "torch.distributed.init_process_group(...) first (e.g. under torchrun)")
-    world = dist.get_world_size()
+    world = _world_size()
     if mesh is None:
-        if not isinstance(sp_size, int) or sp_size < 1 or world % sp_size:
-            raise ValueError(f"sp_size={sp_size!r} does not divide the world size {world}; "
-                             f"the mesh is (dp, sp) with dp * sp == {world}, so sp_size must be "
-                             f"one of {valid_sp_sizes(world)}")
+        _check_sp_size(sp_size, world)
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device_type or _default_device_type(), (world // sp_size, sp_size),
                                 mesh_dim_names=("dp", "sp"))
@@ -114,15 +122,9 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
     ones that do), an unknown mode, or a mesh with other dim names or sizes.
     """
     from ..hybrid import resolve_sp_sizes, sp_groups_from_tables
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("RingSequenceParallelPlugin needs an initialized process group: call "
-                           "torch.distributed.init_process_group(...) first (e.g. under torchrun)")
-    world = dist.get_world_size()
+    world = _world_size()
     if mesh is None:
-        if not isinstance(sp_size, int) or sp_size < 1 or world % sp_size:
-            raise ValueError(f"sp_size={sp_size!r} does not divide the world size {world}; "
-                             f"the mesh is (dp, sp) with dp * sp == {world}, so sp_size must be "
-                             f"one of {valid_sp_sizes(world)}")
+        _check_sp_size(sp_size, world)
         U, R, I = resolve_sp_sizes(sp_mode, sp_size, ulysses_size, inner_ring_size)
         ui = True if ulysses_inner is None else bool(ulysses_inner)
         names = SP_MESH_DIMS[ui]

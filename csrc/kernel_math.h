@@ -223,7 +223,8 @@ namespace km {
 
 RS_HD constexpr int64_t causal_offset64(int64_t seqlen_q, int64_t seqlen_k) { return seqlen_k - seqlen_q; }
 
-// One past the last key visible to some row of [0, row_end) (clamped to [0, seqlen_k]): the
+// One past the last key visible to some row of [0, row_end), row_end >= 1 (clamped to
+// [0, seqlen_k]; rows see a prefix of the keys, so this is the number row_end - 1 sees): the
 // keys a query tile ending at row_end must visit. Not causal: every key.
 RS_HD constexpr int64_t causal_kv_end(int64_t row_end, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
   if (!causal) return seqlen_k;

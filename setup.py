@@ -170,13 +170,16 @@ class BuildExtWithIsaLevels(cpp_extension.BuildExtension):
             cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) \
                 else list(ext.extra_compile_args)
             objects = []
+            # -fvisibility=hidden: the levels' symbols stay inside the extension (direct calls,
+            # no PLT, nothing another library could interpose).
             for level, flags in levels.items():
                 # Its own folder per level: the same sources give different objects.
                 objects += self.compiler.compile(
                     CPU_ISA_SOURCES, output_dir=os.path.join(self.build_temp, f"cpu_isa_{level}"),
                     macros=[*ext.define_macros, ("RINGSEQ_CPU_ISA_NS", level)],
                     include_dirs=ext.include_dirs, debug=self.debug,
-                    extra_postargs={"cxx": [*cxx, *flags]}, depends=ext.depends)
+                    extra_postargs={"cxx": [*cxx, "-fvisibility=hidden", *flags]},
+                    depends=ext.depends)
             ext.extra_objects = [*(ext.extra_objects or []), *objects]
         super().build_extension(ext)
 

@@ -32,3 +32,4 @@ from .plugin import Booster, Plugin, RingSequenceParallelPlugin
 
 __all__ += ["Booster", "Plugin", "RingSequenceParallelPlugin"]
 # --- end plugin ---
+from .kernels.extension import cpu_isa; __all__ += ["cpu_isa"]  # noqa: E402,E702 (CPU kernel ISA level)

@@ -5,8 +5,8 @@
 // setup.py compiles once per ISA level with that level's flags and with RINGSEQ_CPU_ISA_NS
 // set to the level's name (baseline, avx2, avx512): everything here lives in
 // ringseq::cpu::<level>, so no inline function compiled for one level can be picked by the
-// linker for another (docs/kernels.md, "CPU kernel"). For the same reason these units include
-// no torch header and call no out-of-line std:: template.
+// linker for another (csrc/cpu/isa.h; tests/test_cpu_codegen.py checks it). For the same reason
+// these units include no torch header and call no out-of-line std:: template.
 //
 // Loads and stores dereference unaligned vector typedefs (`may_alias`, element alignment), never
 // memcpy: every tuning of GCC then emits one full-width move per vector, and accumulators stay
@@ -58,23 +58,26 @@ constexpr int64_t kVW = kVecBytes / static_cast<int>(sizeof(T));  // lanes per v
 constexpr int kMR = kVecRegs >= 32 ? 8 : 6;
 constexpr int kNR = 2;
 
-// Forward tiles: query rows per work item and keys per kv tile (M of Sᵀ = K·Qᵀ; N of it is
-// the query tile). Backward tiles: keys per kv tile (an item's dK/dV rows) and query rows per
-// inner block. Measured on Zen 5 at d = 64 and 128 (benchmarks/RESULTS.md).
+// Forward tiles: query rows per work item (a multiple of 2 vectors and of kMR: N of Sᵀ = K·Qᵀ,
+// M of O = P·V) and keys per kv tile (M of Sᵀ). Backward tiles: query rows per inner block and
+// keys per kv tile (an item's dK/dV rows). Scanned on Zen 5 at s = 4096, d = 64 and 128, fp32,
+// 1 thread (forward rows 96..256, keys 96..256; backward rows 24..128, keys 48..256): all
+// within ~3-4% of each other per level; these are the best of the scan. K/V tiles stay under
+// 64 KiB so that an item's tiles fit in L2.
 template <typename T>
-constexpr int64_t fwd_block_m() {
-  return kVecBytes == 64 ? 128 : 192;
+inline int64_t fwd_block_m(int64_t d) {
+  if (kVecBytes == 64) return 128;
+  return d <= 64 ? 96 : 144;
 }
 template <typename T>
 inline int64_t fwd_block_n(int64_t d) {
-  // Keep a K or V tile around 48-64 KiB so that a work item's tiles stay in L2.
   int64_t bn = kVecBytes == 64 ? 256 : 192;
   while (bn > 32 && bn * d * static_cast<int64_t>(sizeof(T)) > 65536) bn /= 2;
   return bn;
 }
 template <typename T>
-constexpr int64_t bwd_block_m() {
-  return kVecBytes == 64 ? 64 : 48;
+inline int64_t bwd_block_m() {
+  return kVecBytes == 64 ? 64 : 96;
 }
 template <typename T>
 inline int64_t bwd_block_n(int64_t d) {

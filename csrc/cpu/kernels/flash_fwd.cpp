@@ -22,7 +22,7 @@ void fwd_impl(const FwdParams& p) {
   constexpr int64_t VW = kVW<T>;
   const AttnShape& sh = p.shape;
   const int64_t d = sh.headdim, dpad = round_up(d, VW);
-  const int64_t bm = fwd_block_m<T>(), bn = fwd_block_n<T>(d);
+  const int64_t bm = fwd_block_m<T>(d), bn = fwd_block_n<T>(d);
   const int64_t group = sh.nheads / sh.nheads_kv;
   const int64_t ntiles = (sh.seqlen_q + bm - 1) / bm;
   const int64_t nbh = sh.batch * sh.nheads;
@@ -118,27 +118,23 @@ void fwd_impl(const FwdParams& p) {
       const in_t* k_next = n_next > 0 ? row_ptr(k, p.k_strides, b, c0 + n, hk) : nullptr;
       const in_t* v_next = n_next > 0 ? row_ptr(v, p.v_strides, b, c0 + n, hk) : nullptr;
       const int64_t row_bytes = d * static_cast<int64_t>(sizeof(in_t));
-      // P = exp(Sᵀ - m) in place, two column vectors at a time down the rows.
-      for (int64_t i = 0; i < bm; i += 2 * VW) {
-        const V mu0 = vload(m_use + i), mu1 = vload(m_use + i + VW);
-        V sum0 = vzero<T>(), sum1 = vzero<T>();
-        T* col = s + i;
-        if (i == 0 && n_next > 0) {
-          for (int64_t j = 0; j < n_next; ++j) {
-            prefetch_lines(k_next + j * p.k_strides.row, row_bytes);
-            prefetch_lines(v_next + j * p.v_strides.row, row_bytes);
-          }
+      // P = exp(Sᵀ - m) in place, row by row (sequential through the tile), column sums in
+      // lsum; the next tile's K/V rows are prefetched one per row.
+      fill(lsum, bm, T(0));
+      for (int64_t j = 0; j < n; ++j) {
+        if (j < n_next) {
+          prefetch_lines(k_next + j * p.k_strides.row, row_bytes);
+          prefetch_lines(v_next + j * p.v_strides.row, row_bytes);
         }
-        for (int64_t j = 0; j < n; ++j, col += bm) {
-          const V e0 = exp_vec(vload(col) - mu0);
-          const V e1 = exp_vec(vload(col + VW) - mu1);
-          vstore(col, e0);
-          vstore(col + VW, e1);
-          sum0 += e0;
-          sum1 += e1;
+        T* row = s + j * bm;
+        for (int64_t i = 0; i < bm; i += 2 * VW) {
+          const V e0 = exp_vec(vload(row + i) - vload(m_use + i));
+          const V e1 = exp_vec(vload(row + i + VW) - vload(m_use + i + VW));
+          vstore(row + i, e0);
+          vstore(row + i + VW, e1);
+          vstore(lsum + i, vload(lsum + i) + e0);
+          vstore(lsum + i + VW, vload(lsum + i + VW) + e1);
         }
-        vstore(lsum + i, sum0);
-        vstore(lsum + i + VW, sum1);
       }
       for (int64_t i = 0; i < bm; i += VW)
         vstore(l + i, vfma(vload(l + i), vload(alpha + i), vload(lsum + i)));

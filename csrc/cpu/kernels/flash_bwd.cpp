@@ -14,6 +14,8 @@
 //
 // P = exp(scale·QKᵀ - lse) uses the lse it is given (possibly the global one of a ring), and a
 // row with lse = -inf (it saw no key) is treated as lse = +inf, so its P is 0 and not NaN.
+#include <unistd.h>
+
 #include "../common.h"
 #include "../gemm.h"
 
@@ -23,9 +25,18 @@ namespace RINGSEQ_CPU_ISA_NS {
 
 namespace {
 
-// Work items the backward aims for (b · h_kv · chunks): enough for a few threads per
-// machine to share causal work evenly.
-constexpr int64_t kBwdMinItems = 16;
+// Chunks of key tiles per (batch, kv head): enough work items (b · h_kv · chunks) for twice the
+// machine's processors (at least 16), while all the float32 partial dQ buffers stay under
+// 256 MiB. Depends on the shape and the machine only, never on torch's thread setting, so
+// results do not change with the thread count.
+int64_t bwd_chunks(int64_t nbh, int64_t nkt, int64_t dq_part_bytes) {
+  static const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  const int64_t target = imax(16, 2 * static_cast<int64_t>(cpus > 0 ? cpus : 1));
+  int64_t chunks = iclamp((target + nbh - 1) / nbh, 1, nkt);
+  const int64_t budget = int64_t(256) << 20;
+  if (chunks > 1 && dq_part_bytes > 0) chunks = imin(chunks, imax(1, budget / dq_part_bytes));
+  return chunks;
+}
 
 template <typename T>
 RS_INLINE T guard_lse(T x) {
@@ -44,7 +55,8 @@ void bwd_impl(const BwdParams& p) {
   const int64_t s_q = sh.seqlen_q, s_k = sh.seqlen_k;
   const int64_t nkt = (s_k + bn - 1) / bn;
   const int64_t nbh = sh.batch * sh.nheads_kv;
-  const int64_t chunks = iclamp((kBwdMinItems + nbh - 1) / nbh, 1, nkt);
+  const int64_t part_elems = sh.batch * sh.nheads * s_q * dpad;
+  const int64_t chunks = bwd_chunks(nbh, nkt, part_elems * static_cast<int64_t>(sizeof(T)));
   const T scale = static_cast<T>(sh.softmax_scale);
 
   const in_t* q = static_cast<const in_t*>(p.q);
@@ -58,7 +70,6 @@ void bwd_impl(const BwdParams& p) {
   // per-chunk float partials (b, h, s_q, dpad) summed at the end.
   const bool dq_float = p.accumulate || kSame<in_t, T>;
   const bool direct = chunks == 1 && dq_float && d == dpad;
-  const int64_t part_elems = sh.batch * sh.nheads * s_q * dpad;
   Scratch<T> parts(direct ? 0 : chunks * part_elems);
   T* dq_float_base = static_cast<T*>(p.dq);
   if (direct && !p.accumulate) {

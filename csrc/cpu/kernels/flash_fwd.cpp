@@ -52,20 +52,23 @@ void fwd_impl(const FwdParams& p) {
     const int64_t b = bh / sh.nheads, h = bh % sh.nheads, hk = h / group;
     const int64_t r0 = tile * bm, rows = imin(bm, sh.seqlen_q - r0);
     const int64_t kv_end = km::causal_kv_end(r0 + rows, sh.seqlen_q, sh.seqlen_k, sh.causal);
+    // Query columns computed: the tile's rows rounded up to two vectors (a short last tile, or
+    // a decoding step's single query, does not pay for a whole tile).
+    const int64_t mpad = imin(bm, round_up(rows, 2 * VW));
 
     T *qt = st.qt.get(), *s = st.st.get(), *o = st.o.get(), *cmax = st.cmax.get();
     T *m_run = st.m_run.get(), *m_use = st.m_use.get(), *alpha = st.alpha.get();
     T *l = st.l.get(), *lsum = st.lsum.get();
 
-    // Qᵀ (d x bm), scaled; padding columns (queries past the tile) are zero.
-    pack_transposed(row_ptr(q, p.q_strides, b, r0, h), p.q_strides.row, rows, d, scale, qt, bm, bm);
+    // Qᵀ (d x mpad, row stride bm), scaled; padding columns (queries past the tile) are zero.
+    pack_transposed(row_ptr(q, p.q_strides, b, r0, h), p.q_strides.row, rows, d, scale, qt, bm, mpad);
     T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + r0;
     bool fresh = true;  // O holds nothing yet: the first P·V stores instead of rescaling
     if (merge) {
       // Resuming the online softmax from a running (out, lse) is the exact merge: with
       // m = lse_old the old rows carry weight exp(lse_old - m) = 1, so l = 1 and O = out_old.
       const T* acc_rows = row_ptr(static_cast<const T*>(p.out), p.out_strides, b, r0, h);
-      for (int64_t i = 0; i < bm; ++i) {
+      for (int64_t i = 0; i < mpad; ++i) {
         const bool seen = i < rows && lse_rows[i] > kNegInf<T>;
         m_run[i] = seen ? lse_rows[i] : kNegInf<T>;
         l[i] = seen ? T(1) : T(0);
@@ -80,8 +83,8 @@ void fwd_impl(const FwdParams& p) {
       }
       fresh = false;
     } else {
-      fill(m_run, bm, kNegInf<T>);
-      fill(l, bm, T(0));
+      fill(m_run, mpad, kNegInf<T>);
+      fill(l, mpad, T(0));
     }
 
     for (int64_t c0 = 0; c0 < kv_end; c0 += bn) {
@@ -89,21 +92,21 @@ void fwd_impl(const FwdParams& p) {
       int64_t ldk, ldv;
       const T* kt = rows_as(row_ptr(k, p.k_strides, b, c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
       const T* vt = rows_as(row_ptr(v, p.v_strides, b, c0, hk), p.v_strides.row, n, d, dpad, st.vbuf.get(), ldv);
-      for (int64_t i = 0; i < bm; i += VW) vstore(cmax + i, vload(m_run + i));
+      for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
       if (km::causal_block_masked(r0, c0 + n, sh.seqlen_q, sh.seqlen_k, sh.causal)) {
-        gemm<T, Epi::kStore>(n, bm, d, kt, ldk, 1, qt, bm, s, bm);  // Sᵀ
+        gemm<T, Epi::kStore>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm);  // Sᵀ
         // Key c0 + j is hidden from the queries before its first row.
         for (int64_t j = 0; j < n; ++j) {
           const int64_t lo = iclamp(
-              km::causal_first_row(c0 + j, sh.seqlen_q, sh.seqlen_k, true) - r0, 0, bm);
+              km::causal_first_row(c0 + j, sh.seqlen_q, sh.seqlen_k, true) - r0, 0, mpad);
           T* row = s + j * bm;
           fill(row, lo, kNegInf<T>);
-          for (int64_t i = 0; i < bm; i += VW) vstore(cmax + i, vmax(vload(row + i), vload(cmax + i)));
+          for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vmax(vload(row + i), vload(cmax + i)));
         }
       } else {
-        gemm<T, Epi::kStoreMax>(n, bm, d, kt, ldk, 1, qt, bm, s, bm, cmax);  // Sᵀ and its maxima
+        gemm<T, Epi::kStoreMax>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, cmax);  // Sᵀ and its maxima
       }
-      for (int64_t i = 0; i < bm; i += VW) {
+      for (int64_t i = 0; i < mpad; i += VW) {
         const V mx = vload(cmax + i);
         // A query that has seen no key yet keeps m = -inf; subtracting 0 instead keeps
         // exp(-inf - m) = 0 and avoids (-inf) - (-inf).
@@ -120,14 +123,14 @@ void fwd_impl(const FwdParams& p) {
       const int64_t row_bytes = d * static_cast<int64_t>(sizeof(in_t));
       // P = exp(Sᵀ - m) in place, row by row (sequential through the tile), column sums in
       // lsum; the next tile's K/V rows are prefetched one per row.
-      fill(lsum, bm, T(0));
+      fill(lsum, mpad, T(0));
       for (int64_t j = 0; j < n; ++j) {
         if (j < n_next) {
           prefetch_lines(k_next + j * p.k_strides.row, row_bytes);
           prefetch_lines(v_next + j * p.v_strides.row, row_bytes);
         }
         T* row = s + j * bm;
-        for (int64_t i = 0; i < bm; i += 2 * VW) {
+        for (int64_t i = 0; i < mpad; i += 2 * VW) {
           const V e0 = exp_vec(vload(row + i) - vload(m_use + i));
           const V e1 = exp_vec(vload(row + i + VW) - vload(m_use + i + VW));
           vstore(row + i, e0);
@@ -136,16 +139,16 @@ void fwd_impl(const FwdParams& p) {
           vstore(lsum + i + VW, vload(lsum + i + VW) + e1);
         }
       }
-      for (int64_t i = 0; i < bm; i += VW)
+      for (int64_t i = 0; i < mpad; i += VW)
         vstore(l + i, vfma(vload(l + i), vload(alpha + i), vload(lsum + i)));
       if (fresh) {
-        gemm<T, Epi::kStore>(bm, dpad, n, s, 1, bm, vt, ldv, o, dpad);  // O = P·V
+        gemm<T, Epi::kStore>(mpad, dpad, n, s, 1, bm, vt, ldv, o, dpad);  // O = P·V
         fresh = false;
       } else {
-        gemm<T, Epi::kScaleAdd>(bm, dpad, n, s, 1, bm, vt, ldv, o, dpad, alpha);  // O = a·O + P·V
+        gemm<T, Epi::kScaleAdd>(mpad, dpad, n, s, 1, bm, vt, ldv, o, dpad, alpha);  // O = a·O + P·V
       }
     }
-    if (fresh) fill(o, bm * dpad, T(0));  // no visible key at all
+    if (fresh) fill(o, mpad * dpad, T(0));  // no visible key at all
 
     for (int64_t i = 0; i < rows; ++i) {
       // A row that saw no key (or only zero weights) gives out = 0 and lse = -inf.

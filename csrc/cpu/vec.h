@@ -183,8 +183,8 @@ RS_INLINE vec_t<double> vmax(vec_t<double> a, vec_t<double> b) {
 #endif
 }
 
-// Software prefetch of `lines` 64-byte lines from p (into L1; the tiles they fill are read
-// within one kv tile).
+// Software prefetch of the 64-byte lines holding [p, p + bytes) into L1 (read within one kv
+// tile).
 RS_INLINE void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
@@ -211,14 +211,6 @@ RS_INLINE Vec<float>::itype vmax_i32(Vec<float>::itype a, Vec<float>::itype b) {
 #else
   return a > b ? a : b;  // SSE2 has no pmaxsd: compare and blend
 #endif
-}
-
-// Horizontal max of one vector.
-template <typename T>
-RS_INLINE T hmax(vec_t<T> v) {
-  T m = v[0];
-  for (int64_t l = 1; l < kVW<T>; ++l) m = v[l] > m ? v[l] : m;
-  return m;
 }
 
 template <typename T>

@@ -3,14 +3,15 @@
 //
 // One work item is (batch, kv head, chunk of key tiles). For each of its key tiles it packs
 // scale·Kᵀ and Vᵀ once, then walks the query heads of the GQA group and their visible query
-// tiles: S = Q·(scale·Kᵀ), dP = dO·Vᵀ (Q and dO read in place as the broadcast operand),
-// P = exp(S - lse), dS = scale·P∘(dP - D), then dV += Pᵀ·dO and dK += dSᵀ·Q (P and dS read
-// transposed through the broadcast operand's strides, dO and Q in place) into the tile's
-// accumulators, and dQ += dS·K into the query rows. dK/dV of a key tile are owned by one item.
-// dQ rows are shared by the chunks of a head: with one chunk (enough heads to keep the threads
-// busy) the item adds straight into dq; otherwise every chunk owns a float32 partial dQ and the
-// partials are summed in chunk order at the end. The chunk count depends on the shape only, so
-// results do not depend on the thread count.
+// tiles: S = Q·(scale·Kᵀ), dP = dO·Vᵀ (Q and dO as the broadcast operand), P = exp(S - lse),
+// dS = scale·P∘(dP - D), then dV += Pᵀ·dO and dK += dSᵀ·Q (P and dS read transposed through the
+// broadcast operand's strides) into the tile's accumulators, and dQ += dS·K into the query rows.
+// Q, dO and K rows are copied into contiguous float tiles first (common.h: rows_as). dK/dV of a
+// key tile are owned by one item. dQ rows are shared by the chunks of a head: with one chunk
+// (enough heads to keep the threads busy) the item adds straight into dq; otherwise every chunk
+// owns a float32 partial dQ and the partials are summed in chunk order at the end. The chunk
+// count depends on the shape and the machine only (bwd_chunks), so results do not depend on
+// the thread count.
 //
 // P = exp(scale·QKᵀ - lse) uses the lse it is given (possibly the global one of a ring), and a
 // row with lse = -inf (it saw no key) is treated as lse = +inf, so its P is 0 and not NaN.

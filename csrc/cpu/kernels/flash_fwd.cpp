@@ -2,10 +2,11 @@
 // tile of query rows); it streams the visible key tiles and keeps the running max, sum and
 // output of its rows in per-thread scratch, so extra memory is O(threads x tile).
 //
-// Per key tile: Sᵀ = K·Qᵀ (K read in place as the broadcast operand, Qᵀ packed once per item;
-// the column maxima come out of the GEMM's epilogue), P = exp(S - m) down the rows of Sᵀ, and
-// O = alpha·O + P·V (Pᵀ read as the broadcast operand, V in place, the rescale in the
-// epilogue). O stays row-major, so the epilogue writes output rows without a transpose.
+// Per key tile: Sᵀ = K·Qᵀ (K as the broadcast operand, Qᵀ packed once per item; the column
+// maxima come out of the GEMM's epilogue), P = exp(S - m) through the rows of Sᵀ, and
+// O = alpha·O + P·V (Pᵀ as the broadcast operand, the rescale in the GEMM's epilogue). K and V
+// tiles are copied into contiguous float tiles (common.h: rows_as). O stays row-major, so the
+// epilogue writes output rows without a transpose.
 #include "../common.h"
 #include "../gemm.h"
 

@@ -339,3 +339,43 @@ RS_HD constexpr bool element_visible(int i, int j, int seqlen_q, int seqlen_k, b
 
 }  // namespace km
 }  // namespace ringseq
+
+// =======================================================================================
+// CPU kernel section (csrc/cpu/; tested in tests/test_cpu_causal_ranges.py through
+// tests/cpp/cpu_ranges_dump.cpp). Element-exact causal ranges in 64-bit indices: the CPU
+// kernels cut tiles at any row and key, not only at block multiples. Same convention as the
+// causal section above (bottom-right aligned: key j visible to query i iff
+// j <= i + causal_offset(seqlen_q, seqlen_k)).
+// =======================================================================================
+namespace ringseq {
+namespace km {
+
+RS_HD constexpr int64_t causal_offset64(int64_t seqlen_q, int64_t seqlen_k) { return seqlen_k - seqlen_q; }
+
+// One past the last key visible to some row of [0, row_end), row_end >= 1 (clamped to
+// [0, seqlen_k]; rows see a prefix of the keys, so this is the number row_end - 1 sees): the
+// keys a query tile ending at row_end must visit. Not causal: every key.
+RS_HD constexpr int64_t causal_kv_end(int64_t row_end, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
+  if (!causal) return seqlen_k;
+  const int64_t end = row_end + causal_offset64(seqlen_q, seqlen_k);
+  return end < 0 ? 0 : (end > seqlen_k ? seqlen_k : end);
+}
+
+// First query row that sees key `key` (clamped to [0, seqlen_q]; seqlen_q: no row does).
+// Rows [causal_first_row(key), seqlen_q) see it. Not causal: row 0.
+RS_HD constexpr int64_t causal_first_row(int64_t key, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
+  if (!causal) return 0;
+  const int64_t row = key - causal_offset64(seqlen_q, seqlen_k);
+  return row < 0 ? 0 : (row > seqlen_q ? seqlen_q : row);
+}
+
+// Whether rows [row0, ...) x keys [.., key_end) of a causal block hide some key from row row0,
+// i.e. the block needs an element mask (the block's later rows see at least what row0 sees).
+RS_HD constexpr bool causal_block_masked(int64_t row0, int64_t key_end, int64_t seqlen_q,
+                                         int64_t seqlen_k, bool causal) {
+  return causal && key_end - 1 > row0 + causal_offset64(seqlen_q, seqlen_k);
+}
+
+}  // namespace km
+}  // namespace ringseq
+// =============================================================== end of the CPU kernel section

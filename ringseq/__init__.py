@@ -25,6 +25,7 @@ from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_f
 from .ops import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                   get_backend)
 from .sim import simulate_ring
+from .kernels.extension import cpu_isa  # the CPU kernel's ISA level
 
 __version__ = "0.1.0"
 
@@ -42,7 +43,7 @@ __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend"
            "get_layout", "positions", "register_layout", "ring_flash_attn_func",
            "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_sdpa",
            "set_consistency_check", "shard", "simulate_ring", "unshard",
-           "shard_batch", "sharded_cross_entropy", *_COMPAT_NAMES, *_PLUGIN_NAMES]
+           "shard_batch", "sharded_cross_entropy", "cpu_isa", *_COMPAT_NAMES, *_PLUGIN_NAMES]
 
 
 def __getattr__(name):

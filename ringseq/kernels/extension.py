@@ -35,6 +35,19 @@ def extension_has_cuda() -> bool:
     return _C is not None and bool(getattr(_C, "WITH_CUDA", False))
 
 
+def cpu_isa() -> str | None:
+    """The ISA level the CPU kernel runs: "baseline", "avx2" or "avx512" (None when
+    ringseq._C is not built). Chosen at the first kernel call from cpuid, or forced with
+    RINGSEQ_CPU_ISA=baseline|avx2|avx512 (read at that first call); a forced level this CPU or
+    this build lacks raises RuntimeError here and in every kernel call."""
+    return None if _C is None else _C.cpu_isa()
+
+
+def cpu_isa_levels() -> list:
+    """ISA levels built into ringseq._C that this CPU can run, lowest first ([] if not built)."""
+    return [] if _C is None else list(_C.cpu_isa_supported())
+
+
 def _spans_fake_checks(spans, softcap, causal):
     """The fake impls' checks of spans / softcap (their values are the binding's to check)."""
     torch._check(softcap >= 0.0, lambda: f"softcap must be >= 0 (0 = off), got {softcap}")

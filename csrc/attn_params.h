@@ -156,8 +156,8 @@ struct BwdParams {
   SpanList spans;
   CudaConsts consts;  // filled by the CUDA launcher
   int config = 0;
-  // CPU only (may be null): tiles_visited[0] counts the (kv tile, q tile) pairs of the dK/dV
-  // pass, tiles_visited[1] those of the dQ pass.
+  // CPU only, a statistic for tests (may be null): the kernel adds the number of
+  // (q tile, kv tile) pairs it computed.
   int64_t* tiles_visited = nullptr;
 };
 

@@ -233,9 +233,9 @@ Spans prepare_spans(const std::optional<at::Tensor>& spans_opt, const AttnShape&
   return out;
 }
 
-// Tiles the CPU kernels computed, for tests (ringseq::_tiles_visited): forward, the
-// backward's dK/dV pass, its dQ pass.
-std::array<int64_t, 3> g_tiles_visited{};
+// Blocks the CPU kernels computed, for tests (ringseq::_tiles_visited): (q tile, kv tile)
+// pairs of the forward and of the backward, summed over batch and heads.
+std::array<int64_t, 2> g_tiles_visited{};
 
 std::vector<int64_t> tiles_visited(bool reset) {
   std::vector<int64_t> out(g_tiles_visited.size());
@@ -466,8 +466,8 @@ TORCH_LIBRARY(ringseq, m) {
       " float softmax_scale, bool causal, Tensor? delta, Tensor(a!) dq_accum,"
       " Tensor(b!) dk_accum, Tensor(c!) dv_accum, int tile_config=0, Tensor? spans=None,"
       " float softcap=0.0) -> ()");
-  // Test statistic of the CPU kernels: (q tile, kv tile) pairs computed so far by
-  // [fwd, the backward's dK/dV pass, its dQ pass]; reset=True returns and zeroes them.
+  // Test statistic of the CPU kernels: (q tile, kv tile) pairs computed so far by [fwd, bwd],
+  // summed over batch and heads; reset=True returns and zeroes them.
   m.def("_tiles_visited(bool reset=False) -> int[]", &tiles_visited);
 }
 

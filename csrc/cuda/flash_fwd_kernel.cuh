@@ -75,10 +75,10 @@ __device__ __forceinline__ unsigned char* cta_smem() {
   }
 }
 
-// minBlocksPerSM = 1 explicitly: without it ptxas sometimes caps a kernel at 128 registers
-// (seen for d=64, 64x64 on sm_80) and spills instead of using the registers it may have.
+// The kernel body; flash_fwd_kernel (the dense path) and flash_fwd_spans_kernel (spans and/or
+// soft-cap) below are its instantiations (see run_flash_fwd).
 template <typename T, bool kSpans, bool kSoftcap>
-__global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdParams p) {
+__device__ __forceinline__ void flash_fwd_body(const FwdParams& p) {
   using Element = typename T::Element;
   constexpr int kHeadDim = T::kHeadDim;
   constexpr int kBlockM = T::kBlockM;
@@ -356,6 +356,18 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
   prim::copy_tile_s2g<kBlockM, kHeadDim, kThreads>(gO, sQ, p.out_strides.row, rows_q, tid);
 }
 
+// minBlocksPerSM = 1 explicitly: without it ptxas sometimes caps a kernel at 128 registers
+// (seen for d=64, 64x64 on sm_80) and spills instead of using the registers it may have.
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdParams p) {
+  flash_fwd_body<T, false, false>(p);
+}
+
+template <typename T, bool kSoftcap>
+__global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_spans_kernel(const FwdParams p) {
+  flash_fwd_body<T, true, kSoftcap>(p);
+}
+
 template <int kHeadDim, int kConfig, typename Element, bool kSpans, bool kSoftcap>
 void launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr int kBlockM = km::fwd_block_m(kHeadDim, kConfig);
@@ -363,7 +375,13 @@ void launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   static_assert(T::kSmemBytes == km::fwd_smem_bytes(kHeadDim, kConfig) &&
                     T::kDynamicSmem == km::fwd_smem_dynamic(kHeadDim, kConfig),
                 "kernel_math.h and the kernel disagree on the shared memory budget");
-  auto kernel = &flash_fwd_kernel<T, kSpans, kSoftcap>;
+  static_assert(kSpans || !kSoftcap, "the soft-cap runs in the spans kernel");
+  void (*kernel)(const FwdParams);
+  if constexpr (kSpans) {
+    kernel = &flash_fwd_spans_kernel<T, kSoftcap>;
+  } else {
+    kernel = &flash_fwd_kernel<T>;
+  }
   const int dyn_smem = T::kDynamicSmem ? T::kSmemBytes : 0;
   if constexpr (T::kDynamicSmem) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn_smem),

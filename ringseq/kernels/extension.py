@@ -8,8 +8,8 @@ Operators (csrc/ops.cpp); spans / softcap: docs/kernels.md, "Spans, bands and so
       softcap=0.0) -> (dq, dk, dv)
   bwd_accum(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum!, dk_accum!,
             dv_accum!, tile_config=0, spans=None, softcap=0.0) -> ()
-  _tiles_visited(reset=False) -> [fwd, bwd dK/dV, bwd dQ]: (q tile, kv tile) pairs the CPU
-            kernels computed (a test statistic)
+  _tiles_visited(reset=False) -> [fwd, bwd]: (q tile, kv tile) pairs the CPU kernels computed,
+            summed over batch and heads (a test statistic)
 """
 from __future__ import annotations
 

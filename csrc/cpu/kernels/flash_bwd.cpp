@@ -15,10 +15,16 @@
 //
 // P = exp(scale·QKᵀ - lse) uses the lse it is given (possibly the global one of a ring), and a
 // row with lse = -inf (it saw no key) is treated as lse = +inf, so its P is 0 and not NaN.
+//
+// Spans and bands (masks.h): the key tiles are those of every span (heaviest first); each
+// visits only the query rows its band reaches (element-exact, km::band_row_range) and masks
+// only blocks that straddle a band edge (km::band_block_full). With a soft-cap, S becomes
+// softcap·tanh(S / softcap) and dS takes the factor 1 - tanh².
 #include <unistd.h>
 
 #include "../common.h"
 #include "../gemm.h"
+#include "../masks.h"
 
 namespace ringseq {
 namespace cpu {
@@ -53,8 +59,13 @@ void bwd_impl(const BwdParams& p) {
   const int64_t d = sh.headdim, dpad = round_up(d, VW);
   const int64_t bm = bwd_block_m<T>(), bn = bwd_block_n<T>(d), bn_pad = round_up(bn, VW);
   const int64_t group = sh.nheads / sh.nheads_kv;
-  const int64_t s_q = sh.seqlen_q, s_k = sh.seqlen_k;
-  const int64_t nkt = (s_k + bn - 1) / bn;
+  const int64_t s_q = sh.seqlen_q;
+  const T cap = static_cast<T>(sh.softcap);  // 0: no soft-cap
+  // The key tiles of every span with the query rows each one's band reaches, heaviest first.
+  const Spans spans(sh, p.spans);
+  const int64_t nkt = span_tile_count(spans, bn, /*q_side=*/false);
+  Scratch<SpanTile> ktiles(nkt);
+  span_tiles(spans, bn, /*q_side=*/false, ktiles.get());
   const int64_t nbh = sh.batch * sh.nheads_kv;
   const int64_t part_elems = sh.batch * sh.nheads * s_q * dpad;
   const int64_t chunks = bwd_chunks(nbh, nkt, part_elems * static_cast<int64_t>(sizeof(T)));
@@ -99,19 +110,24 @@ void bwd_impl(const BwdParams& p) {
     const int64_t b = bh / sh.nheads_kv, hk = bh % sh.nheads_kv;
     T *kt = st.kt.get(), *vt = st.vt.get(), *s = st.s.get(), *dp = st.dp.get();
     T *dk = st.dk.get(), *dv = st.dv.get();
-    // Key tiles chunk, chunk + chunks, ...: interleaved so that causal chunks cost the same.
+    // Key tiles chunk, chunk + chunks, ... of the list (heaviest first): interleaved so that
+    // the chunks cost about the same. Keys c0.. and rows r0.. are span-local; the span's first
+    // kv and q rows (k0, q0) are added where the tensors are indexed.
     for (int64_t kt_i = chunk; kt_i < nkt; kt_i += chunks) {
-      const int64_t c0 = kt_i * bn, n = imin(bn, s_k - c0), npad = round_up(n, VW);
-      pack_transposed(row_ptr(k, p.k_strides, b, c0, hk), p.k_strides.row, n, d, scale, kt, bn_pad,
+      const SpanTile& tile = ktiles.get()[kt_i];
+      const AttnSpan& sp = spans[tile.span];
+      const int64_t c0 = tile.r0, n = tile.rows, npad = round_up(n, VW);
+      const int64_t k0 = sp.k_start, q0 = sp.q_start;
+      const int64_t q_begin = tile.other.begin, q_end = tile.other.end;  // rows the band reaches
+      if (p.accumulate && tile.other.empty()) continue;  // nothing to add
+      pack_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, scale, kt, bn_pad,
                       npad);
-      pack_transposed(row_ptr(v, p.v_strides, b, c0, hk), p.v_strides.row, n, d, T(1), vt, bn_pad,
+      pack_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, T(1), vt, bn_pad,
                       npad);
       int64_t ldk;
-      const T* kr = rows_as(row_ptr(k, p.k_strides, b, c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
+      const T* kr = rows_as(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
       fill(dk, n * dpad, T(0));
       fill(dv, n * dpad, T(0));
-      // First query row that sees key c0; later keys of the tile are seen from later rows.
-      const int64_t q_start = km::causal_first_row(c0, s_q, s_k, sh.causal);
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         const T* lse_h = lse + b * p.lse_strides.batch + h * p.lse_strides.head;
         const T* delta_h = delta + b * p.delta_strides.batch + h * p.delta_strides.head;
@@ -124,49 +140,67 @@ void bwd_impl(const BwdParams& p) {
           dq_rows = parts.get() + chunk * part_elems + (b * sh.nheads + h) * s_q * dpad;
           ldq = dpad;
         }
-        for (int64_t r0 = q_start; r0 < s_q; r0 += bm) {
-          const int64_t m = imin(bm, s_q - r0);
+        count_tiles(p.tiles_visited, (tile.other.size() + bm - 1) / bm);
+        for (int64_t r0 = q_begin; r0 < q_end; r0 += bm) {
+          const int64_t m = imin(bm, q_end - r0);
           int64_t ldqi, ldo;
-          const T* qi = rows_as(row_ptr(q, p.q_strides, b, r0, h), p.q_strides.row, m, d, dpad, st.qbuf.get(), ldqi);
-          const T* doi = rows_as(row_ptr(dout, p.dout_strides, b, r0, h), p.dout_strides.row, m, d,
+          const T* qi = rows_as(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d, dpad, st.qbuf.get(), ldqi);
+          const T* doi = rows_as(row_ptr(dout, p.dout_strides, b, q0 + r0, h), p.dout_strides.row, m, d,
                                  dpad, st.dobuf.get(), ldo);
           gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, bn_pad, s, bn_pad);   // S
           gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, bn_pad, dp, bn_pad);  // dP
+          const bool full = km::band_block_full(r0, r0 + m, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
           for (int64_t i = 0; i < m; ++i) {
-            // Query r0 + i sees keys [c0, c0 + nv) of this tile.
-            const int64_t nv =
-                iclamp(km::causal_kv_end(r0 + i + 1, s_q, s_k, sh.causal) - c0, 0, n);
+            // Query r0 + i sees keys [jb, je) of this tile: all of them in a full block, else
+            // those within its band (keys past n are the tile's padding).
+            const int64_t jb = full ? 0 : iclamp(r0 + i + sp.band_lo - c0, 0, n);
+            const int64_t je = full ? n : iclamp(r0 + i + sp.band_hi - c0 + 1, jb, n);
             T* prow = s + i * bn_pad;
             T* dsrow = dp + i * bn_pad;
-            const V lse_i = vsplat(guard_lse(lse_h[r0 + i]));
-            const V d_i = vsplat(delta_h[r0 + i]);
+            const V lse_i = vsplat(guard_lse(lse_h[q0 + r0 + i]));
+            const V d_i = vsplat(delta_h[q0 + r0 + i]);
             const V sc = vsplat(scale);
-            for (int64_t j = 0; j < npad; j += VW) {
-              const V pj = exp_vec(vload(prow + j) - lse_i);
-              vstore(prow + j, pj);
-              vstore(dsrow + j, pj * (vload(dsrow + j) - d_i) * sc);
+            if (cap > T(0)) {
+              // P = exp(cap·t - lse) with t = tanh(S / cap); dS takes d(cap·t)/dS = 1 - t².
+              const V inv = vsplat(T(1) / cap), cv = vsplat(cap), one = vsplat(T(1));
+              for (int64_t j = 0; j < npad; j += VW) {
+                const V th = tanh_vec<T>(vload(prow + j) * inv);
+                const V pj = exp_vec(th * cv - lse_i);
+                vstore(prow + j, pj);
+                vstore(dsrow + j, pj * (vload(dsrow + j) - d_i) * sc * (one - th * th));
+              }
+            } else {
+              for (int64_t j = 0; j < npad; j += VW) {
+                const V pj = exp_vec(vload(prow + j) - lse_i);
+                vstore(prow + j, pj);
+                vstore(dsrow + j, pj * (vload(dsrow + j) - d_i) * sc);
+              }
             }
-            if (nv < npad) {
-              fill(prow + nv, npad - nv, T(0));
-              fill(dsrow + nv, npad - nv, T(0));
+            if (jb > 0) {
+              fill(prow, jb, T(0));
+              fill(dsrow, jb, T(0));
+            }
+            if (je < npad) {
+              fill(prow + je, npad - je, T(0));
+              fill(dsrow + je, npad - je, T(0));
             }
           }
           gemm<T, Epi::kAdd>(n, dpad, m, s, 1, bn_pad, doi, ldo, dv, dpad);   // dV += Pᵀ·dO
           gemm<T, Epi::kAdd>(n, dpad, m, dp, 1, bn_pad, qi, ldqi, dk, dpad);  // dK += dSᵀ·Q
-          gemm<T, Epi::kAdd>(m, dpad, n, dp, bn_pad, 1, kr, ldk, dq_rows + r0 * ldq, ldq);  // dQ += dS·K
+          gemm<T, Epi::kAdd>(m, dpad, n, dp, bn_pad, 1, kr, ldk, dq_rows + (q0 + r0) * ldq, ldq);  // dQ += dS·K
         }
       }
       const bool acc = p.accumulate;
       if (acc) {
         store_rows(dk, dpad, n, d, static_cast<const T*>(nullptr),
-                   row_ptr(static_cast<T*>(p.dk), p.dk_strides, b, c0, hk), p.dk_strides.row, true);
+                   row_ptr(static_cast<T*>(p.dk), p.dk_strides, b, k0 + c0, hk), p.dk_strides.row, true);
         store_rows(dv, dpad, n, d, static_cast<const T*>(nullptr),
-                   row_ptr(static_cast<T*>(p.dv), p.dv_strides, b, c0, hk), p.dv_strides.row, true);
+                   row_ptr(static_cast<T*>(p.dv), p.dv_strides, b, k0 + c0, hk), p.dv_strides.row, true);
       } else {
         store_rows(dk, dpad, n, d, static_cast<const T*>(nullptr),
-                   row_ptr(static_cast<in_t*>(p.dk), p.dk_strides, b, c0, hk), p.dk_strides.row, false);
+                   row_ptr(static_cast<in_t*>(p.dk), p.dk_strides, b, k0 + c0, hk), p.dk_strides.row, false);
         store_rows(dv, dpad, n, d, static_cast<const T*>(nullptr),
-                   row_ptr(static_cast<in_t*>(p.dv), p.dv_strides, b, c0, hk), p.dv_strides.row, false);
+                   row_ptr(static_cast<in_t*>(p.dv), p.dv_strides, b, k0 + c0, hk), p.dv_strides.row, false);
       }
     }
   };

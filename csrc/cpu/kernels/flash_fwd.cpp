@@ -7,8 +7,14 @@
 // O = alpha·O + P·V (Pᵀ as the broadcast operand, the rescale in the GEMM's epilogue). K and V
 // tiles are copied into contiguous float tiles (common.h: rows_as). O stays row-major, so the
 // epilogue writes output rows without a transpose.
+//
+// Spans and bands (masks.h): one work item is a q tile of one span; it visits only the keys
+// its band reaches (element-exact, km::band_key_range) and masks only key tiles that straddle
+// a band edge (km::band_block_full). With a soft-cap, S = softcap * tanh(S / softcap) before
+// the mask and the softmax.
 #include "../common.h"
 #include "../gemm.h"
+#include "../masks.h"
 
 namespace ringseq {
 namespace cpu {
@@ -25,9 +31,14 @@ void fwd_impl(const FwdParams& p) {
   const int64_t d = sh.headdim, dpad = round_up(d, VW);
   const int64_t bm = fwd_block_m<T>(d), bn = fwd_block_n<T>(d);
   const int64_t group = sh.nheads / sh.nheads_kv;
-  const int64_t ntiles = (sh.seqlen_q + bm - 1) / bm;
   const int64_t nbh = sh.batch * sh.nheads;
   const T scale = static_cast<T>(sh.softmax_scale);
+  const T cap = static_cast<T>(sh.softcap);  // 0: no soft-cap
+  // The q tiles of every span with the keys each one's band reaches, heaviest first.
+  const Spans spans(sh, p.spans);
+  const int64_t ntiles = span_tile_count(spans, bm, /*q_side=*/true);
+  Scratch<SpanTile> tile_list(ntiles);
+  span_tiles(spans, bm, /*q_side=*/true, tile_list.get());
 
   const in_t* q = static_cast<const in_t*>(p.q);
   const in_t* k = static_cast<const in_t*>(p.k);
@@ -47,12 +58,16 @@ void fwd_impl(const FwdParams& p) {
   };
 
   auto work = [&](State& st, int64_t item) {
-    // Causal cost grows with the tile index: hand out the last tiles first.
-    const int64_t tile = ntiles - 1 - item / nbh;
+    // Tiles come heaviest first (span_tiles). Rows r0.. and keys c0.. are span-local; the
+    // span's first q and kv rows are added where the tensors are indexed.
+    const SpanTile& tile = tile_list.get()[item / nbh];
+    const AttnSpan& sp = spans[tile.span];
     const int64_t bh = item % nbh;
     const int64_t b = bh / sh.nheads, h = bh % sh.nheads, hk = h / group;
-    const int64_t r0 = tile * bm, rows = imin(bm, sh.seqlen_q - r0);
-    const int64_t kv_end = km::causal_kv_end(r0 + rows, sh.seqlen_q, sh.seqlen_k, sh.causal);
+    const int64_t r0 = tile.r0, rows = tile.rows, qr0 = sp.q_start + r0, k0 = sp.k_start;
+    const int64_t kv_begin = tile.other.begin, kv_end = tile.other.end;  // keys the band reaches
+    count_tiles(p.tiles_visited, (tile.other.size() + bn - 1) / bn);
+    if (merge && tile.other.empty()) return;  // nothing to merge: the running rows stay as they are
     // Query columns computed: the tile's rows rounded up to two vectors (a short last tile, or
     // a decoding step's single query, does not pay for a whole tile).
     const int64_t mpad = imin(bm, round_up(rows, 2 * VW));
@@ -62,13 +77,13 @@ void fwd_impl(const FwdParams& p) {
     T *l = st.l.get(), *lsum = st.lsum.get();
 
     // Qᵀ (d x mpad, row stride bm), scaled; padding columns (queries past the tile) are zero.
-    pack_transposed(row_ptr(q, p.q_strides, b, r0, h), p.q_strides.row, rows, d, scale, qt, bm, mpad);
-    T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + r0;
+    pack_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, scale, qt, bm, mpad);
+    T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + qr0;
     bool fresh = true;  // O holds nothing yet: the first P·V stores instead of rescaling
     if (merge) {
       // Resuming the online softmax from a running (out, lse) is the exact merge: with
       // m = lse_old the old rows carry weight exp(lse_old - m) = 1, so l = 1 and O = out_old.
-      const T* acc_rows = row_ptr(static_cast<const T*>(p.out), p.out_strides, b, r0, h);
+      const T* acc_rows = row_ptr(static_cast<const T*>(p.out), p.out_strides, b, qr0, h);
       for (int64_t i = 0; i < mpad; ++i) {
         // NaN counts as seen: a NaN running state must stay NaN, as in plain attention.
         const bool seen = i < rows && !(lse_rows[i] == kNegInf<T>);
@@ -89,20 +104,25 @@ void fwd_impl(const FwdParams& p) {
       fill(l, mpad, T(0));
     }
 
-    for (int64_t c0 = 0; c0 < kv_end; c0 += bn) {
+    for (int64_t c0 = kv_begin; c0 < kv_end; c0 += bn) {
       const int64_t n = imin(bn, kv_end - c0);
       int64_t ldk, ldv;
-      const T* kt = rows_as(row_ptr(k, p.k_strides, b, c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
-      const T* vt = rows_as(row_ptr(v, p.v_strides, b, c0, hk), p.v_strides.row, n, d, dpad, st.vbuf.get(), ldv);
+      const T* kt = rows_as(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
+      const T* vt = rows_as(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, dpad, st.vbuf.get(), ldv);
       for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
-      if (km::causal_block_masked(r0, c0 + n, sh.seqlen_q, sh.seqlen_k, sh.causal)) {
+      const bool masked = !km::band_block_full(r0, r0 + rows, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
+      if (masked || cap > T(0)) {
         gemm<T, Epi::kStore>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm);  // Sᵀ
-        // Key c0 + j is hidden from the queries before its first row.
         for (int64_t j = 0; j < n; ++j) {
-          const int64_t lo = iclamp(
-              km::causal_first_row(c0 + j, sh.seqlen_q, sh.seqlen_k, true) - r0, 0, mpad);
           T* row = s + j * bm;
-          fill(row, lo, kNegInf<T>);
+          if (cap > T(0)) softcap_row(row, mpad, cap);  // before the mask: tanh(-inf) is finite
+          if (masked) {
+            // Key c0 + j is visible to the tile's queries [c0 + j - hi, c0 + j - lo] only.
+            const int64_t first = iclamp(c0 + j - sp.band_hi - r0, 0, mpad);
+            const int64_t last = iclamp(c0 + j - sp.band_lo - r0 + 1, first, mpad);
+            fill(row, first, kNegInf<T>);
+            fill(row + last, mpad - last, kNegInf<T>);
+          }
           for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vmax(vload(row + i), vload(cmax + i)));
         }
       } else {
@@ -120,8 +140,8 @@ void fwd_impl(const FwdParams& p) {
       // The next kv tile's rows, fetched while this one computes: they are strided rows of
       // the K/V tensors, which the hardware prefetchers do not follow far enough ahead.
       const int64_t n_next = imin(bn, kv_end - c0 - n);
-      const in_t* k_next = n_next > 0 ? row_ptr(k, p.k_strides, b, c0 + n, hk) : nullptr;
-      const in_t* v_next = n_next > 0 ? row_ptr(v, p.v_strides, b, c0 + n, hk) : nullptr;
+      const in_t* k_next = n_next > 0 ? row_ptr(k, p.k_strides, b, k0 + c0 + n, hk) : nullptr;
+      const in_t* v_next = n_next > 0 ? row_ptr(v, p.v_strides, b, k0 + c0 + n, hk) : nullptr;
       const int64_t row_bytes = d * static_cast<int64_t>(sizeof(in_t));
       // P = exp(Sᵀ - m) in place, row by row (sequential through the tile), column sums in
       // lsum; the next tile's K/V rows are prefetched one per row.
@@ -160,10 +180,10 @@ void fwd_impl(const FwdParams& p) {
       alpha[i] = empty ? T(0) : T(1) / l[i];
     }
     if (merge) {
-      store_rows(o, dpad, rows, d, alpha, row_ptr(static_cast<T*>(p.out), p.out_strides, b, r0, h),
+      store_rows(o, dpad, rows, d, alpha, row_ptr(static_cast<T*>(p.out), p.out_strides, b, qr0, h),
                  p.out_strides.row, /*accumulate=*/false);
     } else {
-      store_rows(o, dpad, rows, d, alpha, row_ptr(static_cast<in_t*>(p.out), p.out_strides, b, r0, h),
+      store_rows(o, dpad, rows, d, alpha, row_ptr(static_cast<in_t*>(p.out), p.out_strides, b, qr0, h),
                  p.out_strides.row, /*accumulate=*/false);
     }
   };

@@ -95,15 +95,30 @@ def _rows(spans: torch.Tensor):
     return [tuple(int(x) for x in r) for r in spans.tolist()]
 
 
+def _has_values(t: torch.Tensor) -> bool:
+    """False for the fake / meta tensors of a trace (torch.compile, opcheck), whose values
+    only the operators see at run time (and check there)."""
+    if t.device.type == "meta":
+        return False
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover
+        return True
+    return not is_fake(t)
+
+
 def check_spans(spans: Optional[torch.Tensor], seqlen_q: int, seqlen_k: int, causal: bool) -> None:
     """ValueError unless ``spans`` (from :func:`as_spans_tensor`) fits the shapes: the rules of
     csrc/ops.cpp, with the same messages (ranges inside the tensors, band_lo <= band_hi,
-    pairwise disjoint q and kv ranges, not combined with causal=True)."""
+    pairwise disjoint q and kv ranges, not combined with causal=True). Under tracing only the
+    causal rule is checked here (the values are the operators' to check)."""
     if spans is None:
         return
     if causal:
         raise ValueError("spans and causal=True cannot be combined: with spans, causal must be False "
                          "and each span's band says what it sees (causal is band_hi = k_len - q_len)")
+    if not _has_values(spans):
+        return
     rows = _rows(spans)
     for t, (qs, ql, ks, kl, lo, hi) in enumerate(rows):
         if not (qs >= 0 and ql >= 0 and qs + ql <= seqlen_q):

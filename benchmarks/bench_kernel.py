@@ -16,6 +16,12 @@ same level in that process (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN
 which is what a CPU of that level runs; "native" runs SDPA once with everything this CPU has;
 "both" reports both ratios.
 
+--window W (a causal sliding window of W keys left of the diagonal, flash-attn's
+window_size=(W, 0)) and --softcap C time the spans/band/soft-cap path of ringseq's kernels
+(through the autograd op ringseq.kernels.autograd.attention); FLOPs then count the visible
+(query, key) pairs only. torch's SDPA peers take the window as a boolean mask and cannot
+soft-cap (skipped).
+
 Backends: ringseq (ours; "ringseq:1" = tile config 1 on CUDA), sdpa (our adapter of torch's
 LSE-returning ops), reference, flash_attn (if installed), and torch's public
 F.scaled_dot_product_attention as torch_sdpa (default dispatch), sdpa_flash, sdpa_cudnn,
@@ -45,8 +51,28 @@ SDPA_PEERS = {"torch_sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn":
               "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
 
 
-def make_runner(name, q, k, v, causal, tile_config):
+def window_spans(s_q, s_k, window, causal):
+    """The one span of a sliding window of `window` keys (flash-attn window_size=(window, 0)
+    when causal, (window, window) otherwise), or None without a window."""
+    if window < 0:
+        return None
+    from ringseq.kernels import Span, window_band
+    return [Span(0, s_q, 0, s_k, *window_band(s_q, s_k, (window, 0 if causal else window), causal))]
+
+
+def visible_pairs(s_q, s_k, window, causal):
+    """(query, key) pairs a call computes: flash-attn's count (s_q * s_k, halved for causal)
+    without a window, else the pairs inside the window's band."""
+    if window < 0:
+        return s_q * s_k / (2 if causal else 1)
+    from ringseq.kernels.spans import visible_mask
+    spans = torch.tensor([list(window_spans(s_q, s_k, window, causal)[0])], dtype=torch.int64)
+    return float(visible_mask(spans, s_q, s_k, False).sum())
+
+
+def make_runner(name, q, k, v, causal, tile_config, window=-1, softcap=0.0):
     """A closure running one forward of backend `name` on (b, s, h, d) inputs."""
+    spans = window_spans(q.shape[1], k.shape[1], window, causal)
     if name in SDPA_PEERS:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -54,18 +80,36 @@ def make_runner(name, q, k, v, causal, tile_config):
                       for t in (q, k, v))  # SDPA's (b, h, s, d)
         gqa = q.shape[2] != k.shape[2]
         kernel = SDPA_PEERS[name]
+        mask = None
+        if spans is not None:  # the window as a boolean mask (True: visible)
+            from ringseq.kernels.spans import visible_mask
+            mask = visible_mask(torch.tensor([list(spans[0])], dtype=torch.int64), q.shape[1], k.shape[1],
+                                False, q.device)
+        is_causal = causal and mask is None
 
         def run():
             if kernel is None:
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal,
+                                                      enable_gqa=gqa)
             with sdpa_kernel(getattr(SDPBackend, kernel)):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal,
+                                                      enable_gqa=gqa)
 
         return run, (qt, kt, vt)
     backend = name
     if name == "ringseq" and tile_config:
         from ringseq.kernels import ExtensionBackend
         backend = ExtensionBackend(tile_config)
+    if spans is not None or softcap:
+        from ringseq.kernels import get_backend
+        from ringseq.kernels.autograd import attention
+        be = get_backend(backend, q.device, q.dtype, q.shape[-1])
+        scale = q.shape[-1] ** -0.5
+
+        def run():
+            return attention(q, k, v, scale, causal and spans is None, be, spans=spans, softcap=softcap)[0]
+
+        return run, (q, k, v)
 
     def run():
         return ringseq.flash_attn_func(q, k, v, causal=causal, backend=backend)
@@ -73,13 +117,15 @@ def make_runner(name, q, k, v, causal, tile_config):
     return run, (q, k, v)
 
 
-def supported(name, device, dtype, headdim, causal, q, k):
+def supported(name, device, dtype, headdim, causal, q, k, window=-1, softcap=0.0):
     """None when the peer can run these inputs here, else a short reason."""
     if name in SDPA_PEERS:
         if SDPA_PEERS[name] and device.type != "cuda" and name != "sdpa_math":
             return "CUDA only"
+        if softcap:
+            return "no soft-cap in SDPA"
         try:
-            run, _ = make_runner(name, q[:, :8], k[:, :8], k[:, :8], causal, 0)
+            run, _ = make_runner(name, q[:, :8], k[:, :8], k[:, :8], causal, 0, window)
             with torch.no_grad():
                 run()
         except RuntimeError as exc:
@@ -90,17 +136,21 @@ def supported(name, device, dtype, headdim, causal, q, k):
     return None
 
 
-def measure(name, tile_config, args, device, dtype_name, s, d, causal):
+def measure(name, tile_config, args, device, dtype_name, s, d, causal, window=None, softcap=None):
     dtype = DTYPES[dtype_name]
     h, h_kv, b = args.heads, args.heads_kv or args.heads, args.batch
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(b, s, h, d, device=device, dtype=dtype, generator=gen)
     k = torch.randn(b, s, h_kv, d, device=device, dtype=dtype, generator=gen)
     v = torch.randn(b, s, h_kv, d, device=device, dtype=dtype, generator=gen)
-    reason = supported(name, device, dtype, d, causal, q, k)
+    window = args.window if window is None else window
+    softcap = args.softcap if softcap is None else softcap
+    reason = supported(name, device, dtype, d, causal, q, k, window, softcap)
     row = {"backend": name if not tile_config else f"{name}:{tile_config}", "batch": b, "heads": h,
            "heads_kv": h_kv, "seqlen": s, "headdim": d, "causal": causal,
            "dtype": dtype_name, "threads": torch.get_num_threads(), "skipped": reason}
+    if window >= 0 or softcap:
+        row.update(window=window, softcap=softcap)
     if reason:
         return [dict(row, mode=m) for m in args.modes]
     rows = []
@@ -108,7 +158,7 @@ def measure(name, tile_config, args, device, dtype_name, s, d, causal):
         grad = mode == "fwd_bwd"
         for t in (q, k, v):
             t.requires_grad_(grad)
-        run, leaves = make_runner(name, q, k, v, causal, tile_config)
+        run, leaves = make_runner(name, q, k, v, causal, tile_config, window, softcap)
         dout = torch.randn_like(leaves[0]) if grad else None
 
         def step():
@@ -124,7 +174,7 @@ def measure(name, tile_config, args, device, dtype_name, s, d, causal):
         with PeakMemory(device) as mem:
             step()
         ms = time_ms(step, device, warmup=args.warmup, repeats=args.repeats)
-        flops = attention_flops(b, h, s, s, d, causal, mode)
+        flops = attention_flops(b, h, s, s, d, False, mode) * visible_pairs(s, s, window, causal) / (s * s)
         rows.append(dict(row, mode=mode, ms=ms, tflops=flops / ms / 1e9,
                          peak_mib=mib(mem.peak)))
     return rows
@@ -139,7 +189,7 @@ TORCH_ISA_ENV = {
     "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
                "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
 }
-KEY = ("dtype", "threads", "seqlen", "headdim", "causal", "mode")
+KEY = ("dtype", "threads", "seqlen", "headdim", "causal", "mode", "window", "softcap")
 
 
 def parse_args(argv=None):
@@ -160,6 +210,12 @@ def parse_args(argv=None):
                    help=f"comma list of {', '.join(sorted(DTYPES))}; default fp32 on CPU, bf16 on CUDA")
     p.add_argument("--modes", default="fwd,fwd_bwd")
     p.add_argument("--tile-configs", default="0", help="CUDA tile configurations of ringseq to time")
+    p.add_argument("--window", type=int, default=-1,
+                   help="sliding window of W keys (flash-attn window_size=(W, 0) when causal); -1: none")
+    p.add_argument("--softcap", type=float, default=0.0, help="logit soft-cap (0: off)")
+    p.add_argument("--masks", default=None, metavar="W:C1,C2",
+                   help="also time the spans path at the largest shape: causal window W, soft-caps C1, C2, ... "
+                        "(ringseq and an SDPA peer with a mask)")
     p.add_argument("--ratio-to", default=None,
                    help="comma list of peers for ratio columns (default torch_sdpa on CPU, "
                         "sdpa_flash,sdpa_cudnn on CUDA)")
@@ -188,6 +244,8 @@ def parse_args(argv=None):
 def run_here(args, device):
     """Every job in this process (ringseq at this process's ISA level). Returns the rows."""
     peers = (args.ratio_to or ("sdpa_flash,sdpa_cudnn" if device.type == "cuda" else "torch_sdpa")).split(",")
+    if args.masks and device.type == "cuda" and "sdpa_efficient" not in peers:
+        peers.append("sdpa_efficient")  # the peer of the --masks rows
     if args.backends:
         names = args.backends.split(",")
     else:
@@ -205,22 +263,37 @@ def run_here(args, device):
                     for causal in causals:
                         for name in names:
                             for tc in (tile_configs if name == "ringseq" and device.type == "cuda" else [0]):
-                                jobs.append((threads, dt, name, tc, s, d, causal))
+                                jobs.append((threads, dt, name, tc, s, d, causal, None, None))
+    if args.masks:
+        # --masks W:C1,C2: the spans path at the largest shape, causal, window W, each soft-cap;
+        # ringseq (config 2's d=128 forward runs config 0 with spans) and a peer that takes a mask
+        window, caps = args.masks.split(":")
+        s = max(int(x) for x in args.seqlens.split(","))
+        d = max(int(x) for x in args.headdims.split(","))
+        peer = "sdpa_efficient" if device.type == "cuda" else "torch_sdpa"
+        for threads in args.thread_counts:
+            for dt in args.dtypes:
+                for cap in (float(c) for c in caps.split(",")):
+                    for name in ("ringseq", peer):
+                        tcs = [c for c in tile_configs if not (c == 2 and d == 128)] if name == "ringseq" and device.type == "cuda" else [0]
+                        for tc in tcs:
+                            jobs.append((threads, dt, name, tc, s, d, True, int(window), cap))
     rows = []
     isa = cpu_isa() if device.type == "cpu" else None
-    for i, (threads, dt, name, tc, s, d, causal) in enumerate(jobs, 1):
+    for i, (threads, dt, name, tc, s, d, causal, window, cap) in enumerate(jobs, 1):
         if threads:
             torch.set_num_threads(threads)
         progress(f"[{i}/{len(jobs)}] {name}{':' + str(tc) if tc else ''} s={s} d={d} "
                  f"{'causal' if causal else 'full'} {dt}, {torch.get_num_threads()} thread(s)"
-                 + (f", ringseq CPU ISA {isa}" if isa and name == "ringseq" else ""))
-        for r in measure(name, tc, args, device, dt, s, d, causal):
+                 + (f", ringseq CPU ISA {isa}" if isa and name == "ringseq" else "")
+                 + (f", window {window} softcap {cap}" if window is not None else ""))
+        for r in measure(name, tc, args, device, dt, s, d, causal, window, cap):
             r["isa"] = isa if name == "ringseq" else None
             rows.append(r)
     for r in rows:  # ratios against peers measured in this run at the same shape and mode
         for peer in peers:
             base = next((x for x in rows if x["backend"] == peer and x.get("ms") and
-                         all(x[k] == r[k] for k in KEY)), None)
+                         all(x.get(k) == r.get(k) for k in KEY)), None)
             r[f"x_{peer}"] = (base["ms"] / r["ms"]) if base and r.get("ms") else None
     return rows, peers
 
@@ -236,6 +309,10 @@ def run_child(args, level, env_extra, backends):
            "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--json", path]
     if args.heads_kv:
         cmd += ["--heads-kv", str(args.heads_kv)]
+    if args.window >= 0 or args.softcap:
+        cmd += ["--window", str(args.window), "--softcap", str(args.softcap)]
+    if args.masks:
+        cmd += ["--masks", args.masks]
     if args.threads:
         cmd += ["--threads", args.threads]
     env = {k: v for k, v in os.environ.items() if k != "RINGSEQ_CPU_ISA"}
@@ -317,6 +394,8 @@ def main(argv=None):
                    ("headdim", "d", "{}"), ("causal", "causal", "{}"), ("ms", "ms", "{:.2f}"),
                    ("tflops", "TFLOP/s", "{:.3f}"), ("peak_mib", "peak MiB", "{:.1f}")]
         columns += [(f"x_{peer}", f"x {peer}", "{:.2f}") for peer in peers]
+    if any("window" in r for r in rows):  # --window / --softcap / --masks rows
+        columns[7:7] = [("window", "window", "{}"), ("softcap", "softcap", "{}")]
     print(f"# bench_kernel: b={args.batch} h={args.heads} h_kv={args.heads_kv or args.heads} "
           f"{','.join(args.dtypes)} on {device} (torch {torch.__version__})")
     if device.type == "cpu":

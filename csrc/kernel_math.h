@@ -109,6 +109,8 @@ RS_HD constexpr int ldsm_b_col(int lane) { return 8 * ((lane >> 3) & 1); }
 //       key, but S is formed one 16-row slab at a time to fit 255 registers, so K is read from
 //       shared memory once per slab. For d=64 it is config 0's tile. Which d=128 tile is
 //       faster is for a GPU measurement to decide (benchmarks/gpu_check.sh times every config).
+//       Calls with spans or a soft-cap run config 0's tile for d=128 (no register to spare for
+//       the span state; csrc/cuda/flash_fwd_kernel.cuh, run_flash_fwd).
 // Always 4 warps; a warp owns kBlockM / 4 query rows = 16 * m_tiles rows.
 // ---------------------------------------------------------------------------------------
 constexpr int kFwdWarps = 4;

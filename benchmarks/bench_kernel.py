@@ -173,7 +173,7 @@ def measure(name, tile_config, args, device, dtype_name, s, d, causal, window=No
 
         with PeakMemory(device) as mem:
             step()
-        ms = time_ms(step, device, warmup=args.warmup, repeats=args.repeats)
+        ms = time_ms(step, device, warmup=args.warmup, repeats=args.repeats, clock=args.clock)
         flops = attention_flops(b, h, s, s, d, False, mode) * visible_pairs(s, s, window, causal) / (s * s)
         rows.append(dict(row, mode=mode, ms=ms, tflops=flops / ms / 1e9,
                          peak_mib=mib(mem.peak)))
@@ -227,8 +227,13 @@ def parse_args(argv=None):
                         "'current': no split, this process's level)")
     p.add_argument("--sdpa-isa", choices=["match", "native", "both"], default="match",
                    help="CPU: torch SDPA capped at each ringseq level's ISA, or uncapped, or both")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="CPU: wall time, or the benchmark thread's CPU time (1 thread only: not "
+                        "inflated by other jobs on a shared machine)")
     p.add_argument("--json", default=None, help="write results to this path")
     args = p.parse_args(argv)
+    if args.clock == "cpu" and (not args.threads or any(int(t) != 1 for t in args.threads.split(","))):
+        p.error("--clock cpu measures one thread: pass --threads 1")
     args.dtypes = [x for x in (args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")).split(",") if x]
     for dt in args.dtypes:
         if dt not in DTYPES:
@@ -306,7 +311,8 @@ def run_child(args, level, env_extra, backends):
            "--backends", backends, "--batch", str(args.batch), "--heads", str(args.heads),
            "--seqlens", args.seqlens, "--headdims", args.headdims, "--causal", args.causal,
            "--dtype", ",".join(args.dtypes), "--modes", ",".join(args.modes),
-           "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--json", path]
+           "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--clock", args.clock,
+           "--json", path]
     if args.heads_kv:
         cmd += ["--heads-kv", str(args.heads_kv)]
     if args.window >= 0 or args.softcap:
@@ -397,7 +403,8 @@ def main(argv=None):
     if any("window" in r for r in rows):  # --window / --softcap / --masks rows
         columns[7:7] = [("window", "window", "{}"), ("softcap", "softcap", "{}")]
     print(f"# bench_kernel: b={args.batch} h={args.heads} h_kv={args.heads_kv or args.heads} "
-          f"{','.join(args.dtypes)} on {device} (torch {torch.__version__})")
+          f"{','.join(args.dtypes)} on {device} (torch {torch.__version__}; "
+          f"{'thread CPU time' if args.clock == 'cpu' else 'wall time'}, median of {args.repeats})")
     if device.type == "cpu":
         end = load_average()
         print(f"# CPU: {cpu_model()}; ringseq CPU kernel ISA "

@@ -11,8 +11,12 @@ Environment variables:
   CUDA_HOME               toolkit root holding include/cuda_runtime.h (else guessed by torch).
   TORCH_CUDA_ARCH_LIST    e.g. "8.0;9.0"; default builds sm_80 and sm_90.
   MAX_JOBS                parallel compile jobs (ninja).
-  RINGSEQ_CPU_FLAGS       extra flags for the CPU kernel (default "-march=native" when the
-                          compiler accepts it; set to "" for a portable build).
+  RINGSEQ_CPU_FLAGS       extra flags for the CPU kernel, appended to every ISA level's flags
+                          (default none: the build runs on any CPU of its architecture). For
+                          experts: e.g. "-mtune=znver3"; "-march=native" makes every level
+                          require the build machine's CPU.
+  RINGSEQ_CPU_ISAS        CPU kernel ISA levels to build (default: every level the compiler
+                          accepts; x86-64: baseline,avx2,avx512; elsewhere: baseline).
 """
 import glob
 import os
@@ -113,23 +117,81 @@ def compiler_accepts(flag):
         return False
 
 
-def cpu_flags():
-    """Flags of the CPU kernel: RINGSEQ_CPU_FLAGS if set, else -march=native where accepted.
+# The CPU kernel's translation units (csrc/cpu/kernels/) are compiled once per ISA level with
+# that level's flags and RINGSEQ_CPU_ISA_NS=<level>, into namespace ringseq::cpu::<level>, and
+# linked into the one extension; csrc/cpu/dispatch.cpp picks a level at first use (cpuid, or
+# RINGSEQ_CPU_ISA). Separate objects with per-level command-line flags (ATen's way) rather than
+# `#pragma GCC target` / target attributes: the flags also set the predefined macros
+# (__AVX2__, __AVX512F__) the vector header keys on, apply to every inline function of the unit,
+# and work the same with GCC and Clang. BuildExtension gives one flag set to all sources of an
+# extension, so BuildExtWithIsaLevels compiles these units itself (through the same ninja-backed
+# compiler) and adds them as extra objects.
+CPU_ISA_SOURCES = ["csrc/cpu/kernels/flash_fwd.cpp", "csrc/cpu/kernels/flash_bwd.cpp",
+                   "csrc/cpu/kernels/table.cpp"]
+X86_ISA_FLAGS = {
+    "baseline": [],  # the compiler's x86-64 default (SSE2)
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+}
 
-    -march=native tunes the vector width to this machine: the built extension may not run on an
-    older CPU, so set RINGSEQ_CPU_FLAGS="" (portable) when building for other machines."""
-    flags = os.environ.get("RINGSEQ_CPU_FLAGS")
-    if flags is not None:
-        return flags.split()
-    return ["-march=native"] if compiler_accepts("-march=native") else []
+
+def cpu_isa_levels():
+    """{level: flags} of the CPU kernel's ISA levels this build compiles."""
+    import platform
+
+    extra = os.environ.get("RINGSEQ_CPU_FLAGS", "").split()
+    machine = platform.machine().lower()
+    x86 = machine in ("x86_64", "amd64", "i686", "i386")
+    candidates = X86_ISA_FLAGS if x86 else {"baseline": []}
+    wanted = os.environ.get("RINGSEQ_CPU_ISAS")
+    names = [n.strip() for n in wanted.split(",") if n.strip()] if wanted else list(candidates)
+    for n in names:
+        if n not in candidates:
+            fail(f"RINGSEQ_CPU_ISAS: {n!r} is not a CPU ISA level on {machine} "
+                 f"(levels: {', '.join(candidates)})")
+    if "baseline" not in names:
+        names.insert(0, "baseline")  # the fallback every CPU can run
+    levels = {}
+    for n in names:
+        flags = candidates[n]
+        if all(compiler_accepts(f) for f in flags):
+            levels[n] = flags + extra
+        else:
+            print(f"ringseq: the compiler rejects {' '.join(flags)}: CPU ISA level {n} not built")
+    return levels
+
+
+class BuildExtWithIsaLevels(cpp_extension.BuildExtension):
+    """torch's BuildExtension plus the CPU kernel's per-ISA-level objects (see above)."""
+
+    def build_extension(self, ext):
+        levels = getattr(ext, "cpu_isa_levels", None)
+        if levels:
+            cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) \
+                else list(ext.extra_compile_args)
+            objects = []
+            # -fvisibility=hidden: the levels' symbols stay inside the extension (direct calls,
+            # no PLT, nothing another library could interpose).
+            for level, flags in levels.items():
+                # Its own folder per level: the same sources give different objects.
+                objects += self.compiler.compile(
+                    CPU_ISA_SOURCES, output_dir=os.path.join(self.build_temp, f"cpu_isa_{level}"),
+                    macros=[*ext.define_macros, ("RINGSEQ_CPU_ISA_NS", level)],
+                    include_dirs=ext.include_dirs, debug=self.debug,
+                    extra_postargs={"cxx": [*cxx, "-fvisibility=hidden", *flags]},
+                    depends=ext.depends)
+            ext.extra_objects = [*(ext.extra_objects or []), *objects]
+        super().build_extension(ext)
 
 
 def extension():
     with_cuda, reason = want_cuda()
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # torch >= 2.14's headers require C++20 (kernels compiled by nvcc stay C++17: no torch there).
-    cxx = ["-O3", "-std=c++20", "-fopenmp", *cpu_flags()]
-    define_macros = []
+    cxx = ["-O3", "-std=c++20", "-fopenmp"]
+    isa_levels = cpu_isa_levels()
+    define_macros = [(f"RINGSEQ_CPU_HAVE_{level.upper()}", None) for level in isa_levels]
+    print(f"ringseq: CPU kernel ISA levels: {', '.join(isa_levels)}")
     extra_link_args = ["-fopenmp"]
     nvcc = []
     if with_cuda:
@@ -152,14 +214,17 @@ def extension():
     args = {"cxx": cxx}
     if with_cuda:
         args["nvcc"] = nvcc
-    return ext_cls(
+    ext = ext_cls(
         name="ringseq._C",
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=define_macros,
         extra_compile_args=args,
         extra_link_args=extra_link_args,
+        depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/cpu/*.h")),
     )
+    ext.cpu_isa_levels = isa_levels
+    return ext
 
 
 setup(
@@ -180,6 +245,6 @@ setup(
         "plot": ["matplotlib"],
     },
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtWithIsaLevels.with_options(use_ninja=True)},
     zip_safe=False,
 )

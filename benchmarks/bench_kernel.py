@@ -4,9 +4,23 @@ Times forward and forward+backward of every available backend on the current dev
 prints ms, TFLOP/s (flash-attn FLOP count), peak memory and the ratio to the peer measured in
 the same run (torch SDPA on CPU; SDPA's flash and cuDNN backends on CUDA).
 
-    python benchmarks/bench_kernel.py                       # CPU defaults: b=1 h=8 s=4096
+    python benchmarks/bench_kernel.py                       # CPU: every ISA level this CPU runs
+    python benchmarks/bench_kernel.py --isa avx2,avx512 --dtype fp32,bf16 --threads 1,2
     python benchmarks/bench_kernel.py --device cuda --batch 2 --heads 16 \
         --seqlens 4096,8192 --headdims 64,128 --dtype bf16 --tile-configs 0,1 --json out.json
+
+On CPU the run is split per ISA level of ringseq's kernel (--isa; default every level this CPU
+can run): each level runs in its own process with RINGSEQ_CPU_ISA=<level>. --sdpa-isa says
+which torch SDPA it is compared with: "match" (default) caps torch's own ISA dispatch at the
+same level in that process (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA),
+which is what a CPU of that level runs; "native" runs SDPA once with everything this CPU has;
+"both" reports both ratios.
+
+--window W (a causal sliding window of W keys left of the diagonal, flash-attn's
+window_size=(W, 0)) and --softcap C time the spans/band/soft-cap path of ringseq's kernels
+(through the autograd op ringseq.kernels.autograd.attention); FLOPs then count the visible
+(query, key) pairs only. torch's SDPA peers take the window as a boolean mask and cannot
+soft-cap (skipped).
 
 Backends: ringseq (ours; "ringseq:1" = tile config 1 on CUDA), sdpa (our adapter of torch's
 LSE-returning ops), reference, flash_attn (if installed), and torch's public
@@ -16,15 +30,18 @@ sdpa_efficient, sdpa_math (one SDPA backend forced).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (PeakMemory, attention_flops, environment, format_table, mib,  # noqa: E402
-                    progress, time_ms, write_json)
+from common import (PeakMemory, attention_flops, cpu_isa, cpu_model, environment,  # noqa: E402
+                    format_table, load_average, mib, progress, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq.kernels import available_backends  # noqa: E402
@@ -34,8 +51,28 @@ SDPA_PEERS = {"torch_sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn":
               "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
 
 
-def make_runner(name, q, k, v, causal, tile_config):
+def window_spans(s_q, s_k, window, causal):
+    """The one span of a sliding window of `window` keys (flash-attn window_size=(window, 0)
+    when causal, (window, window) otherwise), or None without a window."""
+    if window < 0:
+        return None
+    from ringseq.kernels import Span, window_band
+    return [Span(0, s_q, 0, s_k, *window_band(s_q, s_k, (window, 0 if causal else window), causal))]
+
+
+def visible_pairs(s_q, s_k, window, causal):
+    """(query, key) pairs a call computes: flash-attn's count (s_q * s_k, halved for causal)
+    without a window, else the pairs inside the window's band."""
+    if window < 0:
+        return s_q * s_k / (2 if causal else 1)
+    from ringseq.kernels.spans import visible_mask
+    spans = torch.tensor([list(window_spans(s_q, s_k, window, causal)[0])], dtype=torch.int64)
+    return float(visible_mask(spans, s_q, s_k, False).sum())
+
+
+def make_runner(name, q, k, v, causal, tile_config, window=-1, softcap=0.0):
     """A closure running one forward of backend `name` on (b, s, h, d) inputs."""
+    spans = window_spans(q.shape[1], k.shape[1], window, causal)
     if name in SDPA_PEERS:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -43,18 +80,36 @@ def make_runner(name, q, k, v, causal, tile_config):
                       for t in (q, k, v))  # SDPA's (b, h, s, d)
         gqa = q.shape[2] != k.shape[2]
         kernel = SDPA_PEERS[name]
+        mask = None
+        if spans is not None:  # the window as a boolean mask (True: visible)
+            from ringseq.kernels.spans import visible_mask
+            mask = visible_mask(torch.tensor([list(spans[0])], dtype=torch.int64), q.shape[1], k.shape[1],
+                                False, q.device)
+        is_causal = causal and mask is None
 
         def run():
             if kernel is None:
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal,
+                                                      enable_gqa=gqa)
             with sdpa_kernel(getattr(SDPBackend, kernel)):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=is_causal,
+                                                      enable_gqa=gqa)
 
         return run, (qt, kt, vt)
     backend = name
     if name == "ringseq" and tile_config:
         from ringseq.kernels import ExtensionBackend
         backend = ExtensionBackend(tile_config)
+    if spans is not None or softcap:
+        from ringseq.kernels import get_backend
+        from ringseq.kernels.autograd import attention
+        be = get_backend(backend, q.device, q.dtype, q.shape[-1])
+        scale = q.shape[-1] ** -0.5
+
+        def run():
+            return attention(q, k, v, scale, causal and spans is None, be, spans=spans, softcap=softcap)[0]
+
+        return run, (q, k, v)
 
     def run():
         return ringseq.flash_attn_func(q, k, v, causal=causal, backend=backend)
@@ -62,13 +117,15 @@ def make_runner(name, q, k, v, causal, tile_config):
     return run, (q, k, v)
 
 
-def supported(name, device, dtype, headdim, causal, q, k):
+def supported(name, device, dtype, headdim, causal, q, k, window=-1, softcap=0.0):
     """None when the peer can run these inputs here, else a short reason."""
     if name in SDPA_PEERS:
         if SDPA_PEERS[name] and device.type != "cuda" and name != "sdpa_math":
             return "CUDA only"
+        if softcap:
+            return "no soft-cap in SDPA"
         try:
-            run, _ = make_runner(name, q[:, :8], k[:, :8], k[:, :8], causal, 0)
+            run, _ = make_runner(name, q[:, :8], k[:, :8], k[:, :8], causal, 0, window)
             with torch.no_grad():
                 run()
         except RuntimeError as exc:
@@ -79,16 +136,21 @@ def supported(name, device, dtype, headdim, causal, q, k):
     return None
 
 
-def measure(name, tile_config, args, device, dtype, s, d, causal):
+def measure(name, tile_config, args, device, dtype_name, s, d, causal, window=None, softcap=None):
+    dtype = DTYPES[dtype_name]
     h, h_kv, b = args.heads, args.heads_kv or args.heads, args.batch
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(b, s, h, d, device=device, dtype=dtype, generator=gen)
     k = torch.randn(b, s, h_kv, d, device=device, dtype=dtype, generator=gen)
     v = torch.randn(b, s, h_kv, d, device=device, dtype=dtype, generator=gen)
-    reason = supported(name, device, dtype, d, causal, q, k)
+    window = args.window if window is None else window
+    softcap = args.softcap if softcap is None else softcap
+    reason = supported(name, device, dtype, d, causal, q, k, window, softcap)
     row = {"backend": name if not tile_config else f"{name}:{tile_config}", "batch": b, "heads": h,
            "heads_kv": h_kv, "seqlen": s, "headdim": d, "causal": causal,
-           "dtype": args.dtype, "skipped": reason}
+           "dtype": dtype_name, "threads": torch.get_num_threads(), "skipped": reason}
+    if window >= 0 or softcap:
+        row.update(window=window, softcap=softcap)
     if reason:
         return [dict(row, mode=m) for m in args.modes]
     rows = []
@@ -96,7 +158,7 @@ def measure(name, tile_config, args, device, dtype, s, d, causal):
         grad = mode == "fwd_bwd"
         for t in (q, k, v):
             t.requires_grad_(grad)
-        run, leaves = make_runner(name, q, k, v, causal, tile_config)
+        run, leaves = make_runner(name, q, k, v, causal, tile_config, window, softcap)
         dout = torch.randn_like(leaves[0]) if grad else None
 
         def step():
@@ -111,19 +173,32 @@ def measure(name, tile_config, args, device, dtype, s, d, causal):
 
         with PeakMemory(device) as mem:
             step()
-        ms = time_ms(step, device, warmup=args.warmup, repeats=args.repeats)
-        flops = attention_flops(b, h, s, s, d, causal, mode)
+        ms = time_ms(step, device, warmup=args.warmup, repeats=args.repeats, clock=args.clock)
+        flops = attention_flops(b, h, s, s, d, False, mode) * visible_pairs(s, s, window, causal) / (s * s)
         rows.append(dict(row, mode=mode, ms=ms, tflops=flops / ms / 1e9,
                          peak_mib=mib(mem.peak)))
     return rows
 
 
-def main(argv=None):
+# torch's own ISA knobs per ringseq level, for SDPA at the same level ("--sdpa-isa match")
+TORCH_ISA_ENV = {
+    "baseline": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                 "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+               "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+}
+KEY = ("dtype", "threads", "seqlen", "headdim", "causal", "mode", "window", "softcap")
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backends", default=None,
                    help="comma list; default: every available one plus torch_sdpa (CPU) or "
-                        "sdpa_flash,sdpa_cudnn (CUDA); reference only with --reference")
+                        "sdpa_flash,sdpa_cudnn (CUDA); reference only with --reference; on CPU "
+                        "with --isa: ringseq and torch_sdpa")
     p.add_argument("--reference", action="store_true", help="include the (slow) reference backend")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
@@ -131,67 +206,217 @@ def main(argv=None):
     p.add_argument("--seqlens", default="4096")
     p.add_argument("--headdims", default="64,128")
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--dtype", default=None,
+                   help=f"comma list of {', '.join(sorted(DTYPES))}; default fp32 on CPU, bf16 on CUDA")
     p.add_argument("--modes", default="fwd,fwd_bwd")
     p.add_argument("--tile-configs", default="0", help="CUDA tile configurations of ringseq to time")
+    p.add_argument("--window", type=int, default=-1,
+                   help="sliding window of W keys (flash-attn window_size=(W, 0) when causal); -1: none")
+    p.add_argument("--softcap", type=float, default=0.0, help="logit soft-cap (0: off)")
+    p.add_argument("--masks", default=None, metavar="W:C1,C2",
+                   help="also time the spans path at the largest shape: causal window W, soft-caps C1, C2, ... "
+                        "(ringseq and an SDPA peer with a mask)")
     p.add_argument("--ratio-to", default=None,
                    help="comma list of peers for ratio columns (default torch_sdpa on CPU, "
                         "sdpa_flash,sdpa_cudnn on CUDA)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", default=None, help="comma list of torch CPU thread counts")
+    p.add_argument("--isa", default=None,
+                   help="CPU: comma list of ringseq ISA levels (default: every level this CPU runs; "
+                        "'current': no split, this process's level)")
+    p.add_argument("--sdpa-isa", choices=["match", "native", "both"], default="match",
+                   help="CPU: torch SDPA capped at each ringseq level's ISA, or uncapped, or both")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="CPU: wall time, or the benchmark thread's CPU time (1 thread only: not "
+                        "inflated by other jobs on a shared machine)")
     p.add_argument("--json", default=None, help="write results to this path")
     args = p.parse_args(argv)
-
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but no CUDA device is available")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    dtype = DTYPES[args.dtype]
+    if args.clock == "cpu" and (not args.threads or any(int(t) != 1 for t in args.threads.split(","))):
+        p.error("--clock cpu measures one thread: pass --threads 1")
+    args.dtypes = [x for x in (args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")).split(",") if x]
+    for dt in args.dtypes:
+        if dt not in DTYPES:
+            p.error(f"--dtype takes {', '.join(sorted(DTYPES))}, got {dt!r}")
     args.modes = [m for m in args.modes.split(",") if m]
     for m in args.modes:
         if m not in ("fwd", "fwd_bwd"):
             p.error(f"--modes takes fwd and fwd_bwd, got {m!r}")
+    args.thread_counts = [int(x) for x in args.threads.split(",")] if args.threads else [None]
+    return p, args
+
+
+def run_here(args, device):
+    """Every job in this process (ringseq at this process's ISA level). Returns the rows."""
     peers = (args.ratio_to or ("sdpa_flash,sdpa_cudnn" if device.type == "cuda" else "torch_sdpa")).split(",")
+    if args.masks and device.type == "cuda" and "sdpa_efficient" not in peers:
+        peers.append("sdpa_efficient")  # the peer of the --masks rows
     if args.backends:
         names = args.backends.split(",")
     else:
-        names = [n for n in ("ringseq", "sdpa", "flash_attn") if n in available_backends(device, dtype, 64)]
+        names = [n for n in ("ringseq", "sdpa", "flash_attn")
+                 if n in available_backends(device, DTYPES[args.dtypes[0]], 64)]
         names += ["reference"] if args.reference else []
-    names += [peer for peer in peers if peer not in names]
+        names += [peer for peer in peers if peer not in names]
     tile_configs = [int(c) for c in args.tile_configs.split(",")]
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     jobs = []
-    for s in (int(x) for x in args.seqlens.split(",")):
-        for d in (int(x) for x in args.headdims.split(",")):
-            for causal in causals:
-                for name in names:
-                    for tc in (tile_configs if name == "ringseq" and device.type == "cuda" else [0]):
-                        jobs.append((name, tc, s, d, causal))
-
+    for threads in args.thread_counts:
+        for dt in args.dtypes:
+            for s in (int(x) for x in args.seqlens.split(",")):
+                for d in (int(x) for x in args.headdims.split(",")):
+                    for causal in causals:
+                        for name in names:
+                            for tc in (tile_configs if name == "ringseq" and device.type == "cuda" else [0]):
+                                jobs.append((threads, dt, name, tc, s, d, causal, None, None))
+    if args.masks:
+        # --masks W:C1,C2: the spans path at the largest shape, causal, window W, each soft-cap;
+        # ringseq (config 2's d=128 forward runs config 0 with spans) and a peer that takes a mask
+        window, caps = args.masks.split(":")
+        s = max(int(x) for x in args.seqlens.split(","))
+        d = max(int(x) for x in args.headdims.split(","))
+        peer = "sdpa_efficient" if device.type == "cuda" else "torch_sdpa"
+        for threads in args.thread_counts:
+            for dt in args.dtypes:
+                for cap in (float(c) for c in caps.split(",")):
+                    for name in ("ringseq", peer):
+                        tcs = [c for c in tile_configs if not (c == 2 and d == 128)] if name == "ringseq" and device.type == "cuda" else [0]
+                        for tc in tcs:
+                            jobs.append((threads, dt, name, tc, s, d, True, int(window), cap))
     rows = []
-    for i, (name, tc, s, d, causal) in enumerate(jobs, 1):
+    isa = cpu_isa() if device.type == "cpu" else None
+    for i, (threads, dt, name, tc, s, d, causal, window, cap) in enumerate(jobs, 1):
+        if threads:
+            torch.set_num_threads(threads)
         progress(f"[{i}/{len(jobs)}] {name}{':' + str(tc) if tc else ''} s={s} d={d} "
-                 f"{'causal' if causal else 'full'} {args.dtype}")
-        rows += measure(name, tc, args, device, dtype, s, d, causal)
-
+                 f"{'causal' if causal else 'full'} {dt}, {torch.get_num_threads()} thread(s)"
+                 + (f", ringseq CPU ISA {isa}" if isa and name == "ringseq" else "")
+                 + (f", window {window} softcap {cap}" if window is not None else ""))
+        for r in measure(name, tc, args, device, dt, s, d, causal, window, cap):
+            r["isa"] = isa if name == "ringseq" else None
+            rows.append(r)
     for r in rows:  # ratios against peers measured in this run at the same shape and mode
         for peer in peers:
             base = next((x for x in rows if x["backend"] == peer and x.get("ms") and
-                         all(x[k] == r[k] for k in ("seqlen", "headdim", "causal", "mode"))), None)
+                         all(x.get(k) == r.get(k) for k in KEY)), None)
             r[f"x_{peer}"] = (base["ms"] / r["ms"]) if base and r.get("ms") else None
+    return rows, peers
 
-    columns = [("backend", "backend", "{}"), ("mode", "mode", "{}"), ("seqlen", "s", "{}"),
-               ("headdim", "d", "{}"), ("causal", "causal", "{}"), ("ms", "ms", "{:.2f}"),
-               ("tflops", "TFLOP/s", "{:.3f}"), ("peak_mib", "peak MiB", "{:.1f}")]
-    columns += [(f"x_{peer}", f"x {peer}", "{:.2f}") for peer in peers]
+
+def run_child(args, level, env_extra, backends):
+    """This script in a child process (RINGSEQ_CPU_ISA=level or none, extra env); its rows."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), "--device", "cpu", "--isa", "current",
+           "--backends", backends, "--batch", str(args.batch), "--heads", str(args.heads),
+           "--seqlens", args.seqlens, "--headdims", args.headdims, "--causal", args.causal,
+           "--dtype", ",".join(args.dtypes), "--modes", ",".join(args.modes),
+           "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--clock", args.clock,
+           "--json", path]
+    if args.heads_kv:
+        cmd += ["--heads-kv", str(args.heads_kv)]
+    if args.window >= 0 or args.softcap:
+        cmd += ["--window", str(args.window), "--softcap", str(args.softcap)]
+    if args.masks:
+        cmd += ["--masks", args.masks]
+    if args.threads:
+        cmd += ["--threads", args.threads]
+    env = {k: v for k, v in os.environ.items() if k != "RINGSEQ_CPU_ISA"}
+    if level:
+        env["RINGSEQ_CPU_ISA"] = level
+    env.update(env_extra)
+    try:
+        subprocess.run(cmd, env=env, check=True)
+        with open(path) as f:
+            return json.load(f)["results"]
+    finally:
+        os.unlink(path)
+
+
+def run_cpu_levels(args, levels):
+    """One child per ISA level (ringseq, and SDPA capped at that level for "match"), plus one
+    uncapped SDPA child for "native"; ratios per level against both."""
+    rows = []
+    match = args.sdpa_isa in ("match", "both")
+    for level in levels:
+        progress(f"== ISA level {level}: ringseq with RINGSEQ_CPU_ISA={level}"
+                 + (f", torch SDPA with {' '.join(f'{k}={v}' for k, v in TORCH_ISA_ENV[level].items())}"
+                    if match else ""))
+        got = run_child(args, level, TORCH_ISA_ENV[level] if match else {},
+                        "ringseq,torch_sdpa" if match else "ringseq")
+        for r in got:
+            r["level"] = level
+            if r["backend"] == "torch_sdpa":
+                r["backend"] = "torch_sdpa_match"
+        rows += got
+    if args.sdpa_isa in ("native", "both"):
+        progress("== torch SDPA with this CPU's full ISA (no caps)")
+        for r in run_child(args, None, {}, "torch_sdpa"):
+            r["level"] = "native"
+            r["backend"] = "torch_sdpa_native"
+            rows.append(r)
+    peers = (["torch_sdpa_match"] if match else []) + (["torch_sdpa_native"] if args.sdpa_isa != "match" else [])
+    for r in rows:
+        if r["backend"] != "ringseq":
+            continue
+        for peer in peers:
+            base = next((x for x in rows if x["backend"] == peer and x.get("ms") and
+                         (peer == "torch_sdpa_native" or x["level"] == r["level"]) and
+                         all(x[k] == r[k] for k in KEY)), None)
+            r[f"x_{peer}"] = (base["ms"] / r["ms"]) if base and r.get("ms") else None
+            r[f"{peer}_ms"] = base["ms"] if base else None
+    return rows, peers
+
+
+def main(argv=None):
+    p, args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA device is available")
+    load_start = load_average()
+    split = device.type == "cpu" and args.isa != "current"
+    if split:
+        supported = ringseq.kernels.extension.cpu_isa_levels()
+        levels = [x for x in (args.isa or ",".join(supported)).split(",") if x]
+        for level in levels:
+            if level not in supported:
+                p.error(f"--isa {level}: this CPU/build runs {', '.join(supported) or 'no level'}")
+        rows, peers = run_cpu_levels(args, levels)
+        shown = [r for r in rows if r["backend"] == "ringseq" and not r["skipped"]]
+        columns = [("level", "ISA", "{}"), ("dtype", "dtype", "{}"), ("threads", "thr", "{}"),
+                   ("mode", "mode", "{}"), ("seqlen", "s", "{}"), ("headdim", "d", "{}"),
+                   ("causal", "causal", "{}"), ("ms", "ringseq ms", "{:.1f}"),
+                   ("tflops", "TFLOP/s", "{:.3f}")]
+        for peer in peers:
+            columns += [(f"{peer}_ms", peer.replace("torch_", "") + " ms", "{:.1f}"),
+                        (f"x_{peer}", "x " + peer.replace("torch_", ""), "{:.2f}")]
+    else:
+        if args.thread_counts == [None] and device.type == "cpu":
+            args.thread_counts = [torch.get_num_threads()]
+        rows, peers = run_here(args, device)
+        shown = [r for r in rows if not r["skipped"]]
+        columns = [("backend", "backend", "{}"), ("dtype", "dtype", "{}"), ("threads", "thr", "{}"),
+                   ("mode", "mode", "{}"), ("seqlen", "s", "{}"),
+                   ("headdim", "d", "{}"), ("causal", "causal", "{}"), ("ms", "ms", "{:.2f}"),
+                   ("tflops", "TFLOP/s", "{:.3f}"), ("peak_mib", "peak MiB", "{:.1f}")]
+        columns += [(f"x_{peer}", f"x {peer}", "{:.2f}") for peer in peers]
+    if any("window" in r for r in rows):  # --window / --softcap / --masks rows
+        columns[7:7] = [("window", "window", "{}"), ("softcap", "softcap", "{}")]
     print(f"# bench_kernel: b={args.batch} h={args.heads} h_kv={args.heads_kv or args.heads} "
-          f"{args.dtype} on {device} (torch {torch.__version__}, {torch.get_num_threads()} threads)")
-    print("# x PEER = PEER's time / this backend's time at the same shape (>1: faster than PEER)")
-    print(format_table([r for r in rows if not r["skipped"]], columns))
+          f"{','.join(args.dtypes)} on {device} (torch {torch.__version__}; "
+          f"{'thread CPU time' if args.clock == 'cpu' else 'wall time'}, median of {args.repeats})")
+    if device.type == "cpu":
+        end = load_average()
+        print(f"# CPU: {cpu_model()}; ringseq CPU kernel ISA "
+              f"{'per row' if split else cpu_isa()}; 1-minute load average "
+              f"{load_start if load_start is None else round(load_start, 2)} before, "
+              f"{end if end is None else round(end, 2)} after")
+    if split:
+        print("# x PEER = PEER's time / ringseq's time at the same shape (>1: ringseq faster); "
+              "sdpa_match = torch SDPA capped at the row's ISA level, sdpa_native = uncapped")
+    else:
+        print("# x PEER = PEER's time / this backend's time at the same shape (>1: faster than PEER)")
+    print(format_table(shown, columns), flush=True)
     for r in rows:
         if r["skipped"]:
             print(f"# skipped {r['backend']} s={r['seqlen']} d={r['headdim']} {r['mode']}: {r['skipped']}")

@@ -28,8 +28,11 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def time_ms(fn, device, warmup=1, repeats=3):
-    """Median wall time of fn() in ms (CUDA events on GPU, perf_counter on CPU)."""
+def time_ms(fn, device, warmup=1, repeats=3, clock="wall"):
+    """Median time of fn() in ms: wall time (CUDA events on GPU, perf_counter on CPU), or with
+    clock="cpu" the calling thread's CPU time (time.thread_time), which other jobs sharing the
+    machine do not inflate; only meaningful when all the work runs on the calling thread (one
+    torch thread)."""
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -43,9 +46,10 @@ def time_ms(fn, device, warmup=1, repeats=3):
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
-            t0 = time.perf_counter()
+            now = time.thread_time if clock == "cpu" else time.perf_counter
+            t0 = now()
             fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append((now() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -116,8 +120,102 @@ def _reset_rss_peak():
         return None
 
 
+_T0 = time.time()
+
+
+def set_progress_start(t0):
+    """Elapsed times in progress lines count from t0 (time.time()); spawned ranks get the
+    parent's start so every line of one run shares one clock."""
+    global _T0
+    _T0 = t0
+
+
 def progress(msg):
-    print(msg, file=sys.stderr, flush=True)
+    """One line on stdout, flushed at once (also when stdout is a file or a pipe), prefixed with
+    the time since the run started."""
+    print(f"[{time.time() - _T0:7.1f}s] {msg}", flush=True)
+
+
+class Stage:
+    """Prints `name ...` when entered and `name: done in X s` when left (only when `enabled`,
+    e.g. on rank 0); `note` may be set inside the block to extend the closing line."""
+
+    def __init__(self, name, enabled=True):
+        self.name, self.enabled, self.note = name, enabled, ""
+
+    def __enter__(self):
+        self.t0 = time.time()
+        if self.enabled:
+            progress(f"{self.name} ...")
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if self.enabled:
+            state = "failed" if exc_type else "done"
+            progress(f"{self.name}: {state} in {time.time() - self.t0:.1f} s"
+                     + (f" ({self.note})" if self.note else ""))
+        return False
+
+
+def _allowed_cpus():
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cores():
+    """Physical cores this process may run on: its affinity mask, with SMT siblings (logical
+    CPUs of one core, /sys/devices/system/cpu/cpuN/topology) counted once. Two ranks on sibling
+    CPUs share one core's arithmetic units, so for ranks that must run in parallel they count
+    as one core. Falls back to the logical CPU count where the topology is not readable."""
+    cpus = _allowed_cpus()
+    cores = set()
+    for c in cpus:
+        base = f"/sys/devices/system/cpu/cpu{c}/topology/"
+        try:
+            with open(base + "physical_package_id") as f:
+                pkg = f.read().strip()
+            with open(base + "core_id") as f:
+                core = f.read().strip()
+        except OSError:
+            return len(cpus)
+        cores.add((pkg, core))
+    return max(1, len(cores))
+
+
+def logical_cpus():
+    """Logical CPUs this process may run on (affinity mask)."""
+    return len(_allowed_cpus())
+
+
+def load_average():
+    """The 1-minute load average (None where unavailable): how busy the machine was."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def cpu_model():
+    """The CPU's model name (Linux /proc/cpuinfo; platform.processor() elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_isa():
+    """The ISA level ringseq's CPU kernel runs (None without the extension)."""
+    try:
+        from ringseq.kernels.extension import cpu_isa as _isa
+        return _isa()
+    except (ImportError, RuntimeError):
+        return None
 
 
 def environment(device):
@@ -125,6 +223,11 @@ def environment(device):
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_cores": usable_cores(),
+        "cpu_logical": logical_cpus(),
+        "load_average_1min": load_average(),
+        "cpu_isa": cpu_isa(),
         "cpu_threads": torch.get_num_threads(),
         "device": str(device),
     }
@@ -165,8 +268,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _spawned_rank(rank, world, port, fn, args, timeout, threads, queue):
+def _spawned_rank(rank, world, port, fn, args, timeout, threads, queue, t0):
     try:
+        set_progress_start(t0)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -188,7 +292,8 @@ def spawn_cpu_ranks(world, fn, args, timeout, threads):
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_spawned_rank,
-                         args=(r, world, port, fn, args, timeout, threads, queue), daemon=True)
+                         args=(r, world, port, fn, args, timeout, threads, queue, _T0),
+                         daemon=True)
              for r in range(world)]
     for proc in procs:
         proc.start()
@@ -236,4 +341,4 @@ def init_launched_group(device, timeout):
 
 def threads_per_rank(requested, world):
     """torch threads for each of `world` local CPU ranks: `requested`, else cores // world."""
-    return requested or max(1, (os.cpu_count() or 1) // world)
+    return requested or max(1, usable_cores() // world)

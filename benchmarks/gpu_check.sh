@@ -6,7 +6,9 @@
 #   memcheck   compute-sanitizer memcheck on one small shape (benchmarks/sanitize_shape.py)
 #   racecheck  compute-sanitizer racecheck on the same shape
 #   bench      bench_kernel.py: ringseq per tile config vs torch SDPA flash and cuDNN,
-#              b=2 h=16 s=4096,8192 d=64,128 bf16, causal and full, fwd and fwd+bwd
+#              b=2 h=16 s=4096,8192 d=64,128 bf16, causal and full, fwd and fwd+bwd; and
+#              the spans path: a causal sliding window of 1024 at s=8192 d=128, soft-cap
+#              off and 50 (against SDPA efficient with the window as a mask)
 #   ring       bench_ring.py over NCCL at W=1 (W=2 too with >= 2 GPUs): zigzag causal bf16,
 #              spot check against float64 and ring overhead
 # The sanitizers run right after the tests so that a slow stage cannot cut them. Each stage
@@ -245,9 +247,11 @@ RACECHECK_CMD=("${SANITIZER:-compute-sanitizer}" --tool racecheck "${SAN_ARGS[@]
 # every tile config of the forward (csrc/kernel_math.h kNumFwdConfigs; the backward of config 2
 # is config 0's, and d=64's config 2 is its config 0 tile)
 TILE_CONFIGS=0,1,2
+# --masks: then the spans path (a causal window of 1024 keys at s=8192 d=128, soft-cap off and
+# 50, against SDPA efficient with the window as a mask): a few seconds, no extra process
 BENCH_CMD=("$PY" benchmarks/bench_kernel.py --device cuda --backends "$BACKENDS" --batch 2 --heads 16
            --seqlens 4096,8192 --headdims 64,128 --causal both --dtype bf16 --tile-configs "$TILE_CONFIGS"
-           --warmup 1 --repeats 3 --json "$RAW/bench_kernel.json")
+           --masks 1024:0,50 --warmup 1 --repeats 3 --json "$RAW/bench_kernel.json")
 RING_ARGS="--layouts zigzag --causal true --dtype bf16 --batch 1 --heads 16 --headdim 128 --seqlen 16384 --modes fwd,fwd_bwd --repeats 3 --timeout 60"
 # W=1 always; W=2 only where a second GPU exists. Each run bounded on its own.
 RUN_W() {  # the command line of bench_ring.py at W=$1 ranks under torchrun, bounded by $2 seconds

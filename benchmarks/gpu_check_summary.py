@@ -66,11 +66,25 @@ def sanitizer_result(raw, tool):
     return lines[-1].strip() if lines else None
 
 
-def bench_rows(raw):
+def bench_rows(raw, masks=False):
+    """The measured rows of bench_kernel.json: the dense ones, or (masks) the --masks rows of
+    the spans path (they carry window / softcap)."""
     data = read_json(os.path.join(raw, "bench_kernel.json"))
     if not data:
         return []
-    return [r for r in data.get("results", []) if not r.get("skipped") and r.get("ms")]
+    return [r for r in data.get("results", []) if not r.get("skipped") and r.get("ms")
+            and ("window" in r) == masks]
+
+
+def masks_table(rows):
+    """Lines of the spans-path table: ms and TFLOP/s (visible pairs) per backend and soft-cap."""
+    if not rows:
+        return []
+    lines = [f"{'mode':8}{'s':>6}{'d':>5}{'window':>8}{'softcap':>8} {'backend':16}{'ms':>9}{'TFLOP/s':>9}"]
+    for r in sorted(rows, key=lambda r: (r["mode"] != "fwd", r["softcap"], r["backend"])):
+        lines.append(f"{r['mode']:8}{r['seqlen']:6d}{r['headdim']:5d}{r['window']:8d}{r['softcap']:8.1f} "
+                     f"{r['backend']:16}{r['ms']:9.2f}{r['tflops']:9.1f}")
+    return lines
 
 
 def bench_groups(rows):
@@ -120,7 +134,7 @@ def ring_table(rows):
     return lines
 
 
-def results_md(env, tests, san, bench, ring, ring_args):
+def results_md(env, tests, san, bench, ring, ring_args, masks=()):
     """A benchmarks/RESULTS.md section with what this run measured."""
     gpu = env.get("gpu", "no GPU")
     md = [f"## {datetime.date.today().isoformat()} — CUDA kernels on {gpu} (`benchmarks/gpu_check.sh`)", "",
@@ -144,6 +158,12 @@ def results_md(env, tests, san, bench, ring, ring_args):
             ratio = [f"{x:.2f}" if x else "-" for x in ratios]
             md.append(f"| {'fwd+bwd' if k[0] == 'fwd_bwd' else k[0]} | {k[1]} | {k[2]} | "
                       f"{'causal' if k[3] else 'full'} | " + " | ".join(cell + ratio) + " |")
+    if masks:
+        md += ["", "Spans path (`--masks`): causal sliding window, TFLOP/s of the visible pairs:", "",
+               "| mode | s | d | window | softcap | backend | ms | TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
+        for r in masks:
+            md.append(f"| {r['mode']} | {r['seqlen']} | {r['headdim']} | {r['window']} | {r['softcap']} | "
+                      f"{r['backend']} | {r['ms']:.2f} | {r['tflops']:.1f} |")
     if ring:
         md += ["", f"Ring over NCCL (`bench_ring.py {ring_args}`), busiest rank:", "",
                "| W | layout | mode | ms | compute-only ms | overhead | err | plain err | check |",
@@ -168,12 +188,16 @@ def main(argv=None):
     tests = test_counts(raw)
     san = {tool: sanitizer_result(raw, tool) for tool in ("memcheck", "racecheck")}
     bench = bench_rows(raw)
+    masks = bench_rows(raw, masks=True)
     ring = ring_rows(raw)
 
     lines = []
     if bench:
         lines += ["", "bench_kernel: TFLOP/s, b=2 h=16 bf16 (ringseq:N = tile config N; best = fastest "
                   "config, /flash and /cudnn = peer ms / best ms, > 1: ringseq faster)"] + bench_table(bench)
+    if masks:
+        lines += ["", "bench_kernel --masks: the spans path, causal sliding window (TFLOP/s of the visible "
+                  "pairs; sdpa_efficient takes the window as a mask and cannot soft-cap)"] + masks_table(masks)
     if ring:
         lines += ["", "bench_ring (NCCL; overhead = ring ms / same kernels without communication)"] + ring_table(ring)
     lines += [""]
@@ -194,9 +218,10 @@ def main(argv=None):
         f.write(text)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump({"total_seconds": args.total, "has_gpu": bool(args.has_gpu), "env": env, "stages": stages,
-                   "tests": tests, "sanitizers": san, "bench": bench, "ring": ring}, f, indent=1)
+                   "tests": tests, "sanitizers": san, "bench": bench, "bench_masks": masks, "ring": ring},
+                  f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(results_md(env, tests, san, bench, ring, args.ring_args))
+        f.write(results_md(env, tests, san, bench, ring, args.ring_args, masks))
     print(text, end="")
     return 0
 

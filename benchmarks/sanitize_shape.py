@@ -5,9 +5,11 @@
 
 b=1, h=2, h_kv=1 (GQA), s=200 (ragged: not a multiple of any tile), causal, every head dim,
 dtype and tile configuration with kernels of its own (fwd, bwd and bwd_accum; d=64's config 2
-is its config 0), plus one s_q != s_k shape where some rows see no key. Small on purpose: the
-sanitizer slows kernels down by orders of magnitude. Exits non-zero when a result is not
-finite.
+is its config 0), plus one s_q != s_k shape where some rows see no key, plus the spans path
+(csrc/cuda: the spans/soft-cap kernels; configs 0 and 1, which config 2 maps to with spans):
+two spans, a sliding window and a one-sided band, rows outside both, soft-cap 30. Small on
+purpose: the sanitizer slows kernels down by orders of magnitude. Exits non-zero when a result
+is not finite.
 """
 from __future__ import annotations
 
@@ -17,7 +19,13 @@ import sys
 import torch
 
 
-def one(dtype, d, cfg, s_q, s_k, causal, gen):
+# q rows [0, 90) x kv rows [0, 100) with a causal window of 40 keys (bottom-right), q rows
+# [110, 200) x kv rows [120, 200) with band (-inf, 5]; q rows [90, 110), kv rows [100, 120)
+# belong to no span.
+SPANS = [(0, 90, 0, 100, 100 - 90 - 40, 100 - 90), (110, 90, 120, 80, -(2 ** 62), 5)]
+
+
+def one(dtype, d, cfg, s_q, s_k, causal, gen, spans=None, softcap=0.0):
     import ringseq  # noqa: F401  (registers torch.ops.ringseq.*)
 
     def rnd(*shape):
@@ -26,10 +34,11 @@ def one(dtype, d, cfg, s_q, s_k, causal, gen):
     q, dout = rnd(1, s_q, 2, d), rnd(1, s_q, 2, d)
     k, v = rnd(1, s_k, 1, d), rnd(1, s_k, 1, d)
     scale = d ** -0.5
-    out, lse = torch.ops.ringseq.fwd(q, k, v, scale, causal, cfg)
-    dq, dk, dv = torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, None, cfg)
+    extra = () if spans is None else (torch.tensor(spans, dtype=torch.int64), softcap)
+    out, lse = torch.ops.ringseq.fwd(q, k, v, scale, causal, cfg, *extra)
+    dq, dk, dv = torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, None, cfg, *extra)
     acc = [torch.zeros(t.shape, device="cuda") for t in (q, k, v)]
-    torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, causal, None, *acc, cfg)
+    torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, causal, None, *acc, cfg, *extra)
     torch.cuda.synchronize()
     bad = [name for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv),
                                 ("dq_accum", acc[0]), ("dk_accum", acc[1]), ("dv_accum", acc[2]))
@@ -53,9 +62,13 @@ def main(argv=None):
     for dtype in dtypes:
         for d, cfgs in configs.items():
             for cfg in cfgs:
-                for s_q, s_k, causal in ((200, 200, True), (200, 77, True)):
-                    bad = one(dtype, d, cfg, s_q, s_k, causal, gen)
-                    tag = f"{str(dtype).replace('torch.', '')} d={d} cfg={cfg} s_q={s_q} s_k={s_k}"
+                shapes = [(200, 200, True, None), (200, 77, True, None)]
+                if cfg in (0, 1):
+                    shapes.append((200, 200, False, SPANS))
+                for s_q, s_k, causal, spans in shapes:
+                    bad = one(dtype, d, cfg, s_q, s_k, causal, gen, spans, 30.0 if spans else 0.0)
+                    tag = (f"{str(dtype).replace('torch.', '')} d={d} cfg={cfg} s_q={s_q} s_k={s_k}"
+                           + (" spans+window+softcap" if spans else ""))
                     print(f"sanitize_shape: {tag}: {'non-finite ' + ','.join(bad) if bad else 'ok'}",
                           flush=True)
                     if bad:

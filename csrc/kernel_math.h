@@ -109,6 +109,8 @@ RS_HD constexpr int ldsm_b_col(int lane) { return 8 * ((lane >> 3) & 1); }
 //       key, but S is formed one 16-row slab at a time to fit 255 registers, so K is read from
 //       shared memory once per slab. For d=64 it is config 0's tile. Which d=128 tile is
 //       faster is for a GPU measurement to decide (benchmarks/gpu_check.sh times every config).
+//       Calls with spans or a soft-cap run config 0's tile for d=128 (no register to spare for
+//       the span state; csrc/cuda/flash_fwd_kernel.cuh, run_flash_fwd).
 // Always 4 warps; a warp owns kBlockM / 4 query rows = 16 * m_tiles rows.
 // ---------------------------------------------------------------------------------------
 constexpr int kFwdWarps = 4;
@@ -139,9 +141,119 @@ RS_HD constexpr bool fwd_smem_dynamic(int headdim, int config) {
 RS_HD constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------------------------------
+// Spans and bands (docs/kernels.md, "Spans, bands and softcap"). A kernel call computes one
+// or more spans; span t attends q rows [q_start, q_start + q_len) to kv rows
+// [k_start, k_start + k_len), and in span-local coordinates (0 <= i < q_len, 0 <= j < k_len)
+// key j is visible to query i iff band_lo <= j - i <= band_hi. Dense causal is one span with
+// band (-inf, s_k - s_q]; a sliding window or a document is a band or a span of its own.
+//
+// Every helper below takes the band clamped by band_clamp into [-q_len, k_len]: that leaves
+// the visible set unchanged (j - i lies in [1 - q_len, k_len - 1]) and keeps every sum below
+// within 32 bits for the CUDA kernels (q_len, k_len < 2^30, csrc/cuda/flash_api.cu). Ranges
+// are half-open and normalised: an empty one has begin == end. The helpers are templates on
+// the index type: int on CUDA, int64_t in the CPU kernels.
+//
+// Row tiles cover the valid rows only, [r0, min(r0 + block_m, q_len)): rows past q_len are
+// neutralised by the kernels themselves (never stored in the forward and the dQ kernel; P = 0
+// through lse = +inf in the dK/dV kernel). Key tiles are not clipped: keys j >= k_len (the
+// ragged tail) are never visible, so a tile that reaches past k_len needs the element mask.
+// ---------------------------------------------------------------------------------------
+template <typename I>
+struct Range {
+  I begin;
+  I end;
+  RS_HD constexpr bool empty() const { return begin >= end; }
+  RS_HD constexpr I size() const { return end > begin ? end - begin : I(0); }
+};
+
+template <typename I>
+RS_HD constexpr I min_of(I a, I b) { return a < b ? a : b; }
+template <typename I>
+RS_HD constexpr I max_of(I a, I b) { return a < b ? b : a; }
+// floor(a / b) and ceil(a / b) for b > 0 and any sign of a (C++ division truncates to zero).
+template <typename I>
+RS_HD constexpr I floor_div(I a, I b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+template <typename I>
+RS_HD constexpr I ceil_div_any(I a, I b) { return -floor_div(-a, b); }
+template <typename I>
+RS_HD constexpr Range<I> make_range(I begin, I end) { return {begin, end > begin ? end : begin}; }
+
+// A band bound clamped into [-q_len, k_len] (the binding applies it once per span).
+template <typename I>
+RS_HD constexpr I band_clamp(I bound, I q_len, I k_len) {
+  return bound < -q_len ? -q_len : (bound > k_len ? k_len : bound);
+}
+// The band of dense attention: unbounded below, causal (bottom-right) or unbounded above.
+template <typename I>
+RS_HD constexpr I dense_band_lo(I q_len) { return -q_len; }
+template <typename I>
+RS_HD constexpr I dense_band_hi(I q_len, I k_len, bool causal) { return causal ? k_len - q_len : k_len; }
+
+// The element mask (rows past q_len are not checked: the kernels neutralise them).
+template <typename I>
+RS_HD constexpr bool band_visible(I i, I j, I k_len, I lo, I hi) {
+  return j < k_len && j - i >= lo && j - i <= hi;
+}
+
+// Keys visible to some row of [r0, r1) (0 <= r0 < r1 <= q_len): row i sees
+// [i + lo, i + hi] ∩ [0, k_len), and consecutive rows' intervals overlap or touch (hi >= lo),
+// so their union is the one interval [r0 + lo, r1 - 1 + hi] ∩ [0, k_len).
+template <typename I>
+RS_HD constexpr Range<I> band_key_range(I r0, I r1, I k_len, I lo, I hi) {
+  return make_range(max_of(I(0), r0 + lo), min_of(k_len, r1 + hi));
+}
+// Rows of [0, q_len) that see some key of [c0, c1) (keys past k_len do not count).
+template <typename I>
+RS_HD constexpr Range<I> band_row_range(I c0, I c1, I q_len, I k_len, I lo, I hi) {
+  const I c_end = min_of(c1, k_len);
+  return c_end <= c0 ? Range<I>{0, 0} : make_range(max_of(I(0), c0 - hi), min_of(q_len, c_end - lo));
+}
+// Whether every key of [c0, c1) is visible to every row of [r0, r1) (both non-empty): then
+// the block needs no element mask. The extreme differences j - i are c0 - (r1 - 1) and
+// (c1 - 1) - r0.
+template <typename I>
+RS_HD constexpr bool band_block_full(I r0, I r1, I c0, I c1, I k_len, I lo, I hi) {
+  return c1 <= k_len && c0 - (r1 - 1) >= lo && (c1 - 1) - r0 <= hi;
+}
+
+// Tile versions: q tile m holds valid rows [m * block_m, min((m + 1) * block_m, q_len)), kv tile
+// n holds keys [n * block_n, (n + 1) * block_n). Only blocks in these ranges are visited:
+// the work of a span grows with its visible area, not with q_len * k_len.
+//
+// kv tiles [begin, end) of q tile m that hold a key some row of the tile sees.
+template <typename I>
+RS_HD constexpr Range<I> band_kv_blocks(I m, I block_m, I block_n, I q_len, I k_len, I lo, I hi) {
+  const Range<I> keys = band_key_range(m * block_m, min_of((m + 1) * block_m, q_len), k_len, lo, hi);
+  return keys.empty() ? Range<I>{0, 0} : Range<I>{keys.begin / block_n, (keys.end + block_n - 1) / block_n};
+}
+// q tiles [begin, end) with a row that sees some key of kv tile n.
+template <typename I>
+RS_HD constexpr Range<I> band_q_blocks(I n, I block_m, I block_n, I q_len, I k_len, I lo, I hi) {
+  const Range<I> rows = band_row_range(n * block_n, (n + 1) * block_n, q_len, k_len, lo, hi);
+  return rows.empty() ? Range<I>{0, 0} : Range<I>{rows.begin / block_m, (rows.end + block_m - 1) / block_m};
+}
+// Whether block (m, n) has an element the mask rejects (a band edge or the ragged key tail).
+template <typename I>
+RS_HD constexpr bool band_block_needs_mask(I m, I n, I block_m, I block_n, I q_len, I k_len, I lo, I hi) {
+  return !band_block_full(m * block_m, min_of((m + 1) * block_m, q_len), n * block_n, (n + 1) * block_n,
+                          k_len, lo, hi);
+}
+// kv tiles of q tile m that need no mask: exactly the n in [begin, end) (an interval, since
+// band_block_full is monotone in n on each side). With rows [r0, r1): n * block_n >= r1 - 1 + lo,
+// (n + 1) * block_n - 1 <= r0 + hi and (n + 1) * block_n <= k_len. The forward walks its kv
+// tiles from the last one down and masks the ones outside this interval.
+template <typename I>
+RS_HD constexpr Range<I> band_unmasked_kv_blocks(I m, I block_m, I block_n, I q_len, I k_len, I lo, I hi) {
+  const I r0 = m * block_m, r1 = min_of((m + 1) * block_m, q_len);
+  return make_range(max_of(I(0), ceil_div_any(r1 - 1 + lo, block_n)),
+                    min_of(k_len / block_n, floor_div(r0 + hi + 1, block_n)));
+}
+
+// ---------------------------------------------------------------------------------------
 // Causal masking, bottom-right aligned: key j is visible to query i iff
-// j <= i + seqlen_k - seqlen_q. Keys j >= seqlen_k (ragged tail of the last block) are never
-// visible; rows i >= seqlen_q are computed but never stored.
+// j <= i + seqlen_k - seqlen_q. The dense special case of the band helpers above (one span,
+// band (-inf, s_k - s_q] or unbounded); tests/test_index_math*.py check these against brute
+// force, which covers the band helpers on that case.
 // ---------------------------------------------------------------------------------------
 RS_HD constexpr int causal_offset(int seqlen_q, int seqlen_k) { return seqlen_k - seqlen_q; }
 
@@ -154,35 +266,23 @@ RS_HD constexpr bool key_visible(int i, int j, int seqlen_q, int seqlen_k, bool 
 // 0 means no row of the tile sees any key (out = 0, lse = -inf).
 RS_HD constexpr int fwd_num_kv_blocks(int m_block, int block_m, int block_n, int seqlen_q,
                                       int seqlen_k, bool causal) {
-  const int n_all = ceil_div(seqlen_k, block_n);
-  if (!causal) return n_all;
-  const int last_row = (m_block + 1) * block_m < seqlen_q ? (m_block + 1) * block_m - 1 : seqlen_q - 1;
-  const int last_key = last_row + causal_offset(seqlen_q, seqlen_k);
-  if (last_key < 0) return 0;
-  const int n = last_key / block_n + 1;
-  return n < n_all ? n : n_all;
+  return band_kv_blocks(m_block, block_m, block_n, seqlen_q, seqlen_k, dense_band_lo(seqlen_q),
+                        dense_band_hi(seqlen_q, seqlen_k, causal)).end;
 }
 
 // Whether block (m_block, n_block) contains an element that key_visible rejects for some row
-// of the tile (rows past seqlen_q included, harmlessly): a ragged key tail or a causal
-// diagonal. Blocks that need no mask skip the per-element predicate.
+// of the tile: a ragged key tail or a causal diagonal.
 RS_HD constexpr bool block_needs_mask(int m_block, int n_block, int block_m, int block_n,
                                       int seqlen_q, int seqlen_k, bool causal) {
-  return (n_block + 1) * block_n > seqlen_k ||
-         (causal && (n_block + 1) * block_n - 1 > m_block * block_m + causal_offset(seqlen_q, seqlen_k));
+  return band_block_needs_mask(m_block, n_block, block_m, block_n, seqlen_q, seqlen_k,
+                               dense_band_lo(seqlen_q), dense_band_hi(seqlen_q, seqlen_k, causal));
 }
 
-// Number of leading kv blocks [0, n) of q tile `m_block` that need no mask. The forward walks
-// kv blocks from the last visible one down to 0, so blocks >= this count are masked.
+// Number of leading kv blocks [0, n) of q tile `m_block` that need no mask.
 RS_HD constexpr int fwd_num_unmasked_kv_blocks(int m_block, int block_m, int block_n,
                                                int seqlen_q, int seqlen_k, bool causal) {
-  const int full = seqlen_k / block_n;  // blocks without a ragged tail
-  if (!causal) return full;
-  // block n is unmasked iff (n + 1) * block_n - 1 <= first_row + offset
-  const int lim = m_block * block_m + causal_offset(seqlen_q, seqlen_k) + 1;
-  if (lim < 0) return 0;
-  const int n = lim / block_n;
-  return n < full ? n : full;
+  return band_unmasked_kv_blocks(m_block, block_m, block_n, seqlen_q, seqlen_k, dense_band_lo(seqlen_q),
+                                 dense_band_hi(seqlen_q, seqlen_k, causal)).end;
 }
 
 // Backward (one CTA per kv block): first q tile that has a row seeing some key of kv block
@@ -190,14 +290,11 @@ RS_HD constexpr int fwd_num_unmasked_kv_blocks(int m_block, int block_m, int blo
 // ceil(seqlen_q / block_m) (an empty range) when no row sees the block.
 RS_HD constexpr int bwd_first_q_block(int n_block, int block_m, int block_n, int seqlen_q,
                                       int seqlen_k, bool causal) {
-  const int m_all = ceil_div(seqlen_q, block_m);
-  if (n_block * block_n >= seqlen_k) return m_all;
-  if (!causal) return 0;
-  // row i sees key n0 iff i >= n0 - offset
-  const int first_row = n_block * block_n - causal_offset(seqlen_q, seqlen_k);
-  if (first_row <= 0) return 0;
-  if (first_row >= seqlen_q) return m_all;
-  return first_row / block_m;
+  return band_q_blocks(n_block, block_m, block_n, seqlen_q, seqlen_k, dense_band_lo(seqlen_q),
+                       dense_band_hi(seqlen_q, seqlen_k, causal)).empty()
+             ? ceil_div(seqlen_q, block_m)
+             : band_q_blocks(n_block, block_m, block_n, seqlen_q, seqlen_k, dense_band_lo(seqlen_q),
+                             dense_band_hi(seqlen_q, seqlen_k, causal)).begin;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -244,3 +341,43 @@ RS_HD constexpr bool element_visible(int i, int j, int seqlen_q, int seqlen_k, b
 
 }  // namespace km
 }  // namespace ringseq
+
+// =======================================================================================
+// CPU kernel section (csrc/cpu/; tested in tests/test_cpu_causal_ranges.py through
+// tests/cpp/cpu_ranges_dump.cpp). Element-exact causal ranges in 64-bit indices: the CPU
+// kernels cut tiles at any row and key, not only at block multiples. Same convention as the
+// causal section above (bottom-right aligned: key j visible to query i iff
+// j <= i + causal_offset(seqlen_q, seqlen_k)).
+// =======================================================================================
+namespace ringseq {
+namespace km {
+
+RS_HD constexpr int64_t causal_offset64(int64_t seqlen_q, int64_t seqlen_k) { return seqlen_k - seqlen_q; }
+
+// One past the last key visible to some row of [0, row_end), row_end >= 1 (clamped to
+// [0, seqlen_k]; rows see a prefix of the keys, so this is the number row_end - 1 sees): the
+// keys a query tile ending at row_end must visit. Not causal: every key.
+RS_HD constexpr int64_t causal_kv_end(int64_t row_end, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
+  if (!causal) return seqlen_k;
+  const int64_t end = row_end + causal_offset64(seqlen_q, seqlen_k);
+  return end < 0 ? 0 : (end > seqlen_k ? seqlen_k : end);
+}
+
+// First query row that sees key `key` (clamped to [0, seqlen_q]; seqlen_q: no row does).
+// Rows [causal_first_row(key), seqlen_q) see it. Not causal: row 0.
+RS_HD constexpr int64_t causal_first_row(int64_t key, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
+  if (!causal) return 0;
+  const int64_t row = key - causal_offset64(seqlen_q, seqlen_k);
+  return row < 0 ? 0 : (row > seqlen_q ? seqlen_q : row);
+}
+
+// Whether rows [row0, ...) x keys [.., key_end) of a causal block hide some key from row row0,
+// i.e. the block needs an element mask (the block's later rows see at least what row0 sees).
+RS_HD constexpr bool causal_block_masked(int64_t row0, int64_t key_end, int64_t seqlen_q,
+                                         int64_t seqlen_k, bool causal) {
+  return causal && key_end - 1 > row0 + causal_offset64(seqlen_q, seqlen_k);
+}
+
+}  // namespace km
+}  // namespace ringseq
+// =============================================================== end of the CPU kernel section

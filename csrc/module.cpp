@@ -1,13 +1,78 @@
 // Makes `ringseq._C` an importable Python module. Importing it runs the static initializers
-// that register the `torch.ops.ringseq.*` operators (csrc/ops.cpp); the module itself only
-// says how it was built.
+// that register the `torch.ops.ringseq.*` operators (csrc/ops.cpp); the module itself says how
+// it was built and which ISA level the CPU kernel uses (csrc/cpu/dispatch.cpp).
 #include <Python.h>
+
+#include <string>
+
+#include "cpu/flash_cpu.h"
 
 namespace {
 
+PyObject* split_levels(const std::string& csv) {
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  size_t start = 0;
+  while (start < csv.size()) {
+    size_t end = csv.find(',', start);
+    if (end == std::string::npos) end = csv.size();
+    PyObject* s = PyUnicode_FromStringAndSize(csv.data() + start, static_cast<Py_ssize_t>(end - start));
+    if (s == nullptr || PyList_Append(out, s) != 0) {
+      Py_XDECREF(s);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(s);
+    start = end + 1;
+  }
+  return out;
+}
+
+// cpu_isa() -> str: the level in use; RuntimeError if RINGSEQ_CPU_ISA forces one this CPU lacks.
+PyObject* cpu_isa(PyObject*, PyObject*) {
+  std::string name, error;
+  if (!ringseq::cpu::isa_active(&name, &error)) {
+    PyErr_SetString(PyExc_RuntimeError, error.c_str());
+    return nullptr;
+  }
+  return PyUnicode_FromString(name.c_str());
+}
+
+PyObject* cpu_isa_supported(PyObject*, PyObject*) { return split_levels(ringseq::cpu::isa_supported()); }
+
+PyObject* cpu_isa_built(PyObject*, PyObject*) { return split_levels(ringseq::cpu::isa_built()); }
+
+// _set_cpu_isa(level or None): force a level in this process (None: resolve RINGSEQ_CPU_ISA
+// again at the next call).
+PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
+  std::string request;
+  if (arg != Py_None) {
+    const char* s = PyUnicode_AsUTF8(arg);
+    if (s == nullptr) return nullptr;
+    request = s;
+  }
+  std::string error;
+  if (!ringseq::cpu::isa_force(request, &error)) {
+    PyErr_SetString(PyExc_RuntimeError, error.c_str());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"cpu_isa", cpu_isa, METH_NOARGS,
+     "ISA level of the CPU kernel in use (baseline, avx2, avx512), chosen at first use"},
+    {"cpu_isa_supported", cpu_isa_supported, METH_NOARGS,
+     "ISA levels built into this extension that this CPU can run, lowest first"},
+    {"cpu_isa_built", cpu_isa_built, METH_NOARGS, "ISA levels built into this extension"},
+    {"_set_cpu_isa", set_cpu_isa, METH_O,
+     "Force the CPU kernel's ISA level in this process (None: back to RINGSEQ_CPU_ISA/auto)"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C",
                        "ringseq's compiled kernels; the operators live in torch.ops.ringseq",
-                       -1, nullptr};
+                       -1, kMethods};
 
 }  // namespace
 

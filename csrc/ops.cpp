@@ -6,13 +6,18 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "attn_params.h"
 #include "cpu/flash_cpu.h"
+#include "kernel_math.h"
 
 #ifdef RINGSEQ_WITH_CUDA
 // c10/cuda only: ATen/cuda/CUDAContext.h pulls in cuBLAS/cuSPARSE headers, which minimal CUDA
@@ -60,7 +65,7 @@ StatStrides stat_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1)
 
 // Checks q, k, v against each other and against what the device's kernel supports.
 AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    double softmax_scale, bool causal) {
+                    double softmax_scale, bool causal, double softcap) {
   check_4d(q, "q", "(batch, seqlen_q, nheads, headdim)");
   check_4d(k, "k", "(batch, seqlen_k, nheads_kv, headdim)");
   check_4d(v, "v", "(batch, seqlen_k, nheads_kv, headdim)");
@@ -84,6 +89,8 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK_VALUE(q.size(3) > 0, "headdim must be positive, got q ", shape_str(q));
   TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "softmax_scale must be finite, got ",
                     softmax_scale);
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
+                    "softcap must be a finite number >= 0 (0 = no soft-capping), got ", softcap);
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");
@@ -112,7 +119,131 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   shape.headdim = q.size(3);
   shape.softmax_scale = softmax_scale;
   shape.causal = causal;
+  shape.softcap = softcap;
   return shape;
+}
+
+// ---------------------------------------------------------------------------------------
+// Spans (docs/kernels.md, "Spans, bands and softcap").
+// ---------------------------------------------------------------------------------------
+constexpr int kSpanCols = 6;  // q_start, q_len, k_start, k_len, band_lo, band_hi
+
+// The spans of one call, checked and ready for the kernels.
+struct Spans {
+  bool given = false;      // false: the default span (today's dense/causal call)
+  at::Tensor host;         // (n, 6) int64, contiguous, bands clamped (km::band_clamp)
+  at::Tensor device;       // the same on q's device for CUDA (kept alive for the launch)
+  SpanList list;           // what the kernels read (count 0 = default span)
+  bool covers_q = true;    // every q row is in some span
+  bool covers_k = true;    // every kv row is in some span
+  bool empty() const { return given && list.count == 0; }
+};
+
+// Checks that the ranges [start, start + len) of the spans are pairwise disjoint (`what` is
+// "q" or "kv"); zero-length ranges overlap nothing.
+void check_disjoint(const std::vector<std::array<int64_t, kSpanCols>>& rows, int start_col,
+                    const char* what) {
+  std::vector<size_t> idx;
+  for (size_t t = 0; t < rows.size(); ++t) {
+    if (rows[t][start_col + 1] > 0) idx.push_back(t);
+  }
+  std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
+    return rows[a][start_col] < rows[b][start_col];
+  });
+  for (size_t u = 1; u < idx.size(); ++u) {
+    const auto& a = rows[idx[u - 1]];
+    const auto& b = rows[idx[u]];
+    TORCH_CHECK_VALUE(a[start_col] + a[start_col + 1] <= b[start_col], "spans must have pairwise "
+                      "disjoint ", what, " row ranges, but span ", idx[u - 1], " covers ", what,
+                      " rows [", a[start_col], ", ", a[start_col] + a[start_col + 1], ") and span ",
+                      idx[u], " covers [", b[start_col], ", ", b[start_col] + b[start_col + 1], ")");
+  }
+}
+
+// Validates the `spans` argument against the shape and prepares it for q's device. Errors
+// name the argument, the offending span and what was expected.
+Spans prepare_spans(const std::optional<at::Tensor>& spans_opt, const AttnShape& shape,
+                    const at::Tensor& q) {
+  Spans out;
+  if (!spans_opt.has_value()) return out;
+  const at::Tensor& s = *spans_opt;
+  out.given = true;
+  TORCH_CHECK_VALUE(!shape.causal, "spans and causal=True cannot be combined: with spans, causal "
+                    "must be False and each span's band says what it sees (causal is band_hi = "
+                    "k_len - q_len)");
+  TORCH_CHECK_VALUE(s.dim() == 2 && s.size(1) == kSpanCols, "spans must be a 2-dim tensor (n, 6) of "
+                    "(q_start, q_len, k_start, k_len, band_lo, band_hi) rows, got shape ",
+                    shape_str(s));
+  TORCH_CHECK_VALUE(s.scalar_type() == at::kLong, "spans must be an int64 tensor, got ",
+                    s.scalar_type());
+  TORCH_CHECK_VALUE(s.device().is_cpu(), "spans must be a CPU tensor (the binding copies it to the "
+                    "device), got a tensor on ", s.device());
+  const at::Tensor host = s.contiguous();
+  const int64_t n = host.size(0);
+  const int64_t* raw = host.data_ptr<int64_t>();
+  std::vector<std::array<int64_t, kSpanCols>> rows(static_cast<size_t>(n));
+  int64_t covered_q = 0, covered_k = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    auto& r = rows[static_cast<size_t>(t)];
+    std::copy(raw + t * kSpanCols, raw + (t + 1) * kSpanCols, r.begin());
+    const int64_t qs = r[0], ql = r[1], ks = r[2], kl = r[3], lo = r[4], hi = r[5];
+    TORCH_CHECK_VALUE(qs >= 0 && ql >= 0 && qs <= shape.seqlen_q && ql <= shape.seqlen_q - qs,
+                      "spans[", t, "]: q rows [q_start, q_start + q_len) = [", qs, ", ", qs, " + ",
+                      ql, ") must lie inside [0, seqlen_q = ", shape.seqlen_q, ")");
+    TORCH_CHECK_VALUE(ks >= 0 && kl >= 0 && ks <= shape.seqlen_k && kl <= shape.seqlen_k - ks,
+                      "spans[", t, "]: kv rows [k_start, k_start + k_len) = [", ks, ", ", ks, " + ",
+                      kl, ") must lie inside [0, seqlen_k = ", shape.seqlen_k, ")");
+    TORCH_CHECK_VALUE(lo <= hi, "spans[", t, "]: band_lo must be <= band_hi, got band_lo = ", lo,
+                      ", band_hi = ", hi, " (use -2**62 / 2**62 for unbounded)");
+    covered_q += ql;
+    covered_k += kl;
+  }
+  check_disjoint(rows, 0, "q");
+  check_disjoint(rows, 2, "kv");
+
+  at::Tensor norm = at::empty({n, kSpanCols}, host.options());
+  auto* dst = reinterpret_cast<AttnSpan*>(norm.data_ptr<int64_t>());
+  static_assert(sizeof(AttnSpan) == kSpanCols * sizeof(int64_t), "AttnSpan is a row of spans");
+  for (int64_t t = 0; t < n; ++t) {
+    const auto& r = rows[static_cast<size_t>(t)];
+    AttnSpan& d = dst[t];
+    d.q_start = r[0];
+    d.q_len = r[1];
+    d.k_start = r[2];
+    d.k_len = r[3];
+    d.band_lo = km::band_clamp<int64_t>(r[4], r[1], r[3]);
+    d.band_hi = km::band_clamp<int64_t>(r[5], r[1], r[3]);
+    out.list.max_q_len = std::max(out.list.max_q_len, r[1]);
+    out.list.max_k_len = std::max(out.list.max_k_len, r[3]);
+  }
+  out.host = norm;
+  out.list.count = n;
+  out.covers_q = covered_q == shape.seqlen_q;  // disjoint ranges inside the tensor
+  out.covers_k = covered_k == shape.seqlen_k;
+  if (q.is_cuda() && n > 0) {
+    // Pinned staging and an asynchronous copy on the current stream: a pageable copy would
+    // block the host until the stream drains, which would serialise a ring's overlap.
+    at::Tensor pinned = at::empty({n, kSpanCols}, host.options().pinned_memory(true));
+    pinned.copy_(norm);
+    out.device = pinned.to(q.device(), /*non_blocking=*/true);
+    out.list.data = reinterpret_cast<const AttnSpan*>(out.device.data_ptr<int64_t>());
+  } else {
+    out.list.data = reinterpret_cast<const AttnSpan*>(norm.data_ptr<int64_t>());
+  }
+  return out;
+}
+
+// Blocks the CPU kernels computed, for tests (ringseq::_tiles_visited): (q tile, kv tile)
+// pairs of the forward and of the backward, summed over batch and heads.
+std::array<int64_t, 2> g_tiles_visited{};
+
+std::vector<int64_t> tiles_visited(bool reset) {
+  std::vector<int64_t> out(g_tiles_visited.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = reset ? __atomic_exchange_n(&g_tiles_visited[i], int64_t(0), __ATOMIC_RELAXED)
+                   : __atomic_load_n(&g_tiles_visited[i], __ATOMIC_RELAXED);
+  }
+  return out;
 }
 
 // Checks a (b, h, s_q) statistics tensor (lse or delta).
@@ -145,7 +276,7 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, c
 // running (out, lse) pair in the accumulation dtype that the kernel merges this block into.
 void run_fwd(const AttnShape& shape, const at::Tensor& q, const at::Tensor& k,
              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool accumulate,
-             int64_t tile_config) {
+             int64_t tile_config, const Spans& spans) {
   FwdParams p;
   p.shape = shape;
   p.dtype = to_dtype(q.scalar_type());
@@ -161,7 +292,9 @@ void run_fwd(const AttnShape& shape, const at::Tensor& q, const at::Tensor& k,
   p.lse_strides = stat_strides(lse);
   p.accumulate = accumulate;
   p.config = static_cast<int>(tile_config);
+  p.spans = spans.list;
   if (q.is_cpu()) {
+    p.tiles_visited = &g_tiles_visited[0];
     flash_fwd_cpu(p);
   } else {
 #ifdef RINGSEQ_WITH_CUDA
@@ -173,31 +306,37 @@ void run_fwd(const AttnShape& shape, const at::Tensor& q, const at::Tensor& k,
 
 std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, double softmax_scale, bool causal,
-                                       int64_t tile_config) {
-  const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal);
+                                       int64_t tile_config, const std::optional<at::Tensor>& spans_opt,
+                                       double softcap) {
+  const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal, softcap);
+  const Spans spans = prepare_spans(spans_opt, shape, q);
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);  // (b, s_q, h, d)
   auto lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
                        q.options().dtype(accum_type(q.scalar_type())));  // (b, h, s_q)
   if (out.numel() == 0) return {out, lse};
-  if (shape.seqlen_k == 0) {  // no key at all: every row sees nothing
+  if (shape.seqlen_k == 0 || spans.empty() || !spans.covers_q) {
+    // Rows no span computes see nothing: out = 0, lse = -inf (the kernel writes the others).
     out.zero_();
     lse.fill_(-std::numeric_limits<double>::infinity());
-    return {out, lse};
+    if (shape.seqlen_k == 0 || spans.empty()) return {out, lse};
   }
-  run_fwd(shape, q, k, v, out, lse, /*accumulate=*/false, tile_config);
+  run_fwd(shape, q, k, v, out, lse, /*accumulate=*/false, tile_config, spans);
   return {out, lse};
 }
 
 void fwd_accum(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                double softmax_scale, bool causal, const at::Tensor& out_acc,
-               const at::Tensor& lse_acc, int64_t tile_config) {
-  const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal);
+               const at::Tensor& lse_acc, int64_t tile_config,
+               const std::optional<at::Tensor>& spans_opt, double softcap) {
+  const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal, softcap);
+  const Spans spans = prepare_spans(spans_opt, shape, q);
   check_like(out_acc, "out_acc", q, "q", accum_type(q.scalar_type()));
   check_stat(lse_acc, "lse_acc", q);
-  if (q.numel() == 0 || shape.seqlen_k == 0) return;  // no key: nothing to merge
+  // no key or no span: nothing to merge (rows outside every span stay untouched)
+  if (q.numel() == 0 || shape.seqlen_k == 0 || spans.empty()) return;
   TORCH_CHECK_NOT_IMPLEMENTED(q.is_cpu(), "ringseq::fwd_accum runs on CPU tensors; on ", q.device(),
                               " call ringseq::fwd and merge (ringseq's backends do this)");
-  run_fwd(shape, q, k, v, out_acc, lse_acc, /*accumulate=*/true, tile_config);
+  run_fwd(shape, q, k, v, out_acc, lse_acc, /*accumulate=*/true, tile_config, spans);
 }
 
 // Shared by bwd (fresh gradients in the input dtype) and bwd_accum (added into accumulators).
@@ -205,8 +344,9 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
               const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
               double softmax_scale, bool causal, const std::optional<at::Tensor>& delta_opt,
               const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv, bool accumulate,
-              int64_t tile_config) {
-  const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal);
+              int64_t tile_config, const std::optional<at::Tensor>& spans_opt, double softcap) {
+  const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal, softcap);
+  const Spans spans = prepare_spans(spans_opt, shape, q);
   const auto st = q.scalar_type();
   const auto acc = accum_type(st);
   check_like(dout, "dout", q, "q", st);
@@ -216,13 +356,21 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   check_like(dq, accumulate ? "dq_accum" : "dq", q, "q", grad_type);
   check_like(dk, accumulate ? "dk_accum" : "dk", k, "k", grad_type);
   check_like(dv, accumulate ? "dv_accum" : "dv", v, "v", grad_type);
-  if (q.numel() == 0 || k.numel() == 0) {
+  if (q.numel() == 0 || k.numel() == 0 || spans.empty()) {
     if (!accumulate) {
       dq.zero_();
       dk.zero_();
       dv.zero_();
     }
     return;
+  }
+  if (!accumulate) {
+    // Rows no span computes get zero gradients (the kernels write the others).
+    if (!spans.covers_q) dq.zero_();
+    if (!spans.covers_k) {
+      dk.zero_();
+      dv.zero_();
+    }
   }
   at::Tensor delta;
   if (delta_opt.has_value()) {
@@ -257,7 +405,9 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   p.lse_strides = stat_strides(lse);
   p.delta_strides = stat_strides(delta);
   p.config = static_cast<int>(tile_config);
+  p.spans = spans.list;
   if (q.is_cpu()) {
+    p.tiles_visited = &g_tiles_visited[1];
     flash_bwd_cpu(p);
   } else {
 #ifdef RINGSEQ_WITH_CUDA
@@ -270,7 +420,8 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
-    const std::optional<at::Tensor>& delta, int64_t tile_config) {
+    const std::optional<at::Tensor>& delta, int64_t tile_config,
+    const std::optional<at::Tensor>& spans, double softcap) {
   check_4d(q, "q", "(batch, seqlen_q, nheads, headdim)");
   check_4d(k, "k", "(batch, seqlen_k, nheads_kv, headdim)");
   check_4d(v, "v", "(batch, seqlen_k, nheads_kv, headdim)");
@@ -278,7 +429,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   auto dk = at::empty_like(k, at::MemoryFormat::Contiguous);  // (b, s_k, h_kv, d)
   auto dv = at::empty_like(v, at::MemoryFormat::Contiguous);  // (b, s_k, h_kv, d)
   bwd_into(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq, dk, dv,
-           /*accumulate=*/false, tile_config);
+           /*accumulate=*/false, tile_config, spans, softcap);
   return {dq, dk, dv};
 }
 
@@ -286,30 +437,38 @@ void bwd_accum(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                double softmax_scale, bool causal, const std::optional<at::Tensor>& delta,
                const at::Tensor& dq_accum, const at::Tensor& dk_accum, const at::Tensor& dv_accum,
-               int64_t tile_config) {
+               int64_t tile_config, const std::optional<at::Tensor>& spans, double softcap) {
   bwd_into(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum, dk_accum, dv_accum,
-           /*accumulate=*/true, tile_config);
+           /*accumulate=*/true, tile_config, spans, softcap);
 }
 
 }  // namespace
 
+// spans / softcap trail every schema so that existing positional calls keep working;
+// docs/kernels.md, "Spans, bands and softcap", is their contract.
 TORCH_LIBRARY(ringseq, m) {
   m.def(
-      "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int tile_config=0)"
-      " -> (Tensor out, Tensor lse)");
+      "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int tile_config=0,"
+      " Tensor? spans=None, float softcap=0.0) -> (Tensor out, Tensor lse)");
   // Merges this block into a running (out_acc, lse_acc) pair in place (accumulation dtype):
   // lse' = log(exp(lse_acc) + exp(lse_b)), out' = weighted sum; rows with lse_acc = -inf hold
   // nothing yet. The ring's forward step without a block-sized temporary.
   m.def(
       "fwd_accum(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal,"
-      " Tensor(a!) out_acc, Tensor(b!) lse_acc, int tile_config=0) -> ()");
+      " Tensor(a!) out_acc, Tensor(b!) lse_acc, int tile_config=0, Tensor? spans=None,"
+      " float softcap=0.0) -> ()");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale,"
-      " bool causal, Tensor? delta=None, int tile_config=0) -> (Tensor dq, Tensor dk, Tensor dv)");
+      " bool causal, Tensor? delta=None, int tile_config=0, Tensor? spans=None,"
+      " float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "bwd_accum(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
       " float softmax_scale, bool causal, Tensor? delta, Tensor(a!) dq_accum,"
-      " Tensor(b!) dk_accum, Tensor(c!) dv_accum, int tile_config=0) -> ()");
+      " Tensor(b!) dk_accum, Tensor(c!) dv_accum, int tile_config=0, Tensor? spans=None,"
+      " float softcap=0.0) -> ()");
+  // Test statistic of the CPU kernels: (q tile, kv tile) pairs computed so far by [fwd, bwd],
+  // summed over batch and heads; reset=True returns and zeroes them.
+  m.def("_tiles_visited(bool reset=False) -> int[]", &tiles_visited);
 }
 
 TORCH_LIBRARY_IMPL(ringseq, CPU, m) {

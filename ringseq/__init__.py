@@ -27,6 +27,7 @@ from .ops import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacke
                   flash_attn_varlen_func, get_backend)
 from .sim import simulate_ring
 from .ulysses import ulysses_attn_func
+from .kernels.extension import cpu_isa  # the CPU kernel's ISA level
 
 __version__ = "0.1.0"
 
@@ -47,7 +48,8 @@ __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend"
            "ring_flash_attn_varlen_func", "flash_attn_varlen_func", "ring_sdpa",
            "set_consistency_check", "shard", "simulate_ring", "unshard",
            "shard_batch", "sharded_cross_entropy", "SequenceParallelGroups", "make_sp_groups",
-           "ulysses_attn_func", "usp_attn_func", "usp_sdpa", *_COMPAT_NAMES, *_PLUGIN_NAMES]
+           "ulysses_attn_func", "usp_attn_func", "usp_sdpa", "cpu_isa", *_COMPAT_NAMES,
+           *_PLUGIN_NAMES]
 
 
 def __getattr__(name):

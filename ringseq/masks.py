@@ -21,13 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from .kernels.spans import UNBOUNDED, Span, document_spans  # noqa: F401  (re-exported)
+
 __all__ = ["AttnMask", "UNBOUNDED", "Run", "Span", "document_spans", "span_tasks",
            "split_runs_at_documents"]
 
-#: a band edge that is not there (the kernels' sentinel)
-UNBOUNDED = 2 ** 62
 
-Span = Tuple[int, int, int, int, int, int]  # q_start, q_len, k_start, k_len, band_lo, band_hi
 
 
 @dataclass(frozen=True)
@@ -79,27 +78,6 @@ class AttnMask:
         """A small integer naming the mask in cross-rank checks."""
         from .layouts import _stable_code
         return _stable_code(repr((self.causal, self.window, self.cu_seqlens)))
-
-
-def document_spans(cu_q: Sequence[int], cu_k: Sequence[int], causal: bool,
-                   window=(-1, -1)) -> List[Span]:
-    """One span per document of a (single-device) packed batch, with flash-attn's varlen
-    semantics: each document is bottom-right aligned on its own (``c = len_k - len_q``), a
-    query sees keys ``j`` with ``c - left <= j - i <= c + right`` (and ``<= c`` if causal).
-    A dense call is the one-document case ``cu_q = (0, s_q)``, ``cu_k = (0, s_k)``."""
-    left, right = window
-    spans = []
-    for (q0, q1), (k0, k1) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
-        nq, nk = q1 - q0, k1 - k0
-        if nq == 0:
-            continue
-        c = nk - nq
-        lo = c - left if left >= 0 else -UNBOUNDED
-        hi = c + right if right >= 0 else UNBOUNDED
-        if causal:
-            hi = min(hi, c)
-        spans.append((q0, nq, k0, nk, lo, hi))
-    return spans
 
 
 def _floor_div(a: int, b: int) -> int:

@@ -12,7 +12,7 @@ import torch
 from ._args import check_flash_args, split_kv, split_qkv
 from .kernels import AttentionBackend, available_backends, check_qkv, get_backend, resolve_scale
 from .kernels.autograd import attention
-from .masks import document_spans
+from .kernels.spans import document_spans
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -70,7 +70,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     spans = (None if window == (-1, -1) else
              document_spans((0, q.shape[1]), (0, k.shape[1]), causal, window))
     out, lse = attention(q, k, v, resolve_scale(softmax_scale, q.shape[-1]),
-                         causal and spans is None, be, spans, softcap)
+                         causal and spans is None, be, spans=spans, softcap=softcap)
     if return_attn_probs:
         return out, lse, None
     return (out, lse) if return_lse else out
@@ -185,9 +185,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, h, d) views
     check_qkv(q4, k4, v4)
     be = get_backend(backend, q.device, q.dtype, q.shape[-1])
-    spans = [sp for sp in document_spans(cu_q, cu_k, causal, tuple(window_size)) if sp[3] > 0]
+    # empty documents (no query or no key rows) give nothing: out 0 and lse -inf by contract
+    spans = [sp for sp in document_spans(cu_q, cu_k, causal, tuple(window_size))
+             if sp[1] > 0 and sp[3] > 0]
     out, lse = attention(q4, k4, v4, resolve_scale(softmax_scale, q.shape[-1]), False, be,
-                         spans, softcap)
+                         spans=spans, softcap=softcap)
     out, lse = out[0], lse[0]  # (total_q, h, d), (h, total_q)
     if return_attn_probs:
         return out, lse, None

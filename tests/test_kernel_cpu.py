@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+import ringseq  # noqa: F401
 import ringseq._C  # noqa: F401  (registers torch.ops.ringseq)
 from utils import assert_close_per_design, reference_grads, scaled_floor
 
@@ -257,3 +258,142 @@ def test_concurrent_calls_from_python_threads():
         t.join()
     for o in outs:
         assert torch.equal(o, expected)
+
+
+# ---------------------------------------------------------------- every ISA level
+# The kernel is compiled once per ISA level (baseline, avx2, avx512) and picks one at first use
+# (RINGSEQ_CPU_ISA forces it). A representative subset of the cases above runs on every level
+# this machine supports: each level is its own code (register blocking, tiles, exp).
+ISA_LEVELS = ringseq._C.cpu_isa_supported()
+
+
+@pytest.fixture(params=ISA_LEVELS)
+def isa(request):
+    """Runs the test with RINGSEQ_CPU_ISA=<level>, read again at the next kernel call."""
+    import os
+
+    old = os.environ.get("RINGSEQ_CPU_ISA")
+    os.environ["RINGSEQ_CPU_ISA"] = request.param
+    ringseq._C._set_cpu_isa(None)  # forget the cached choice: the next call reads the variable
+    try:
+        assert ringseq._C.cpu_isa() == request.param
+        yield request.param
+    finally:
+        if old is None:
+            os.environ.pop("RINGSEQ_CPU_ISA", None)
+        else:
+            os.environ["RINGSEQ_CPU_ISA"] = old
+        ringseq._C._set_cpu_isa(None)
+
+
+# dtypes, head dims (vector multiples and not), causal/full, GQA/MQA, odd lengths, rows that
+# see no key, strided views (slice, transposed)
+ISA_CASES = [c for c in CASES if c[1] < 1000] + [
+    (1, 1000, 1000, 2, 1, 64, True, bf16, "slice"),  # several tiles of every size, bf16
+]
+
+
+@pytest.mark.parametrize("case", ISA_CASES, ids=[case_id(c) for c in ISA_CASES])
+def test_every_isa_level_matches_reference(isa, case):
+    test_fwd_bwd_and_bwd_accum_match_reference(case)
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16, f16, f64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_isa_level_fwd_accum_over_key_blocks(isa, dtype, causal):
+    # fwd_accum merges key blocks into a running (out, lse) in place: three blocks (the last
+    # one causal, as in a ring step) must give the one-call result, on strided accumulators.
+    q, k, v, _ = make_inputs(2, 75, 230, 4, 2, 40, dtype, "slice", seed=21)
+    scale = 40 ** -0.5
+    ref = reference_grads(q, k, v, torch.zeros_like(q), scale, causal)
+    plain = reference_grads(q, k, v, torch.zeros_like(q), scale, causal, dtype=dtype)
+    acc = acc_dtype(dtype)
+    out = torch.zeros(2, 75 + 5, 4, 40, dtype=acc)[:, 5:]  # a strided view
+    lse = torch.full((2, 4, 75), float("-inf"), dtype=acc)
+    # Keys [0, 60) and [60, 150) are visible to every query (j <= i + 155); the last block ends
+    # at s_k, so its bottom-right aligned causal mask is the global one.
+    for lo, hi, blk_causal in ((0, 60, False), (60, 150, False), (150, 230, causal)):
+        ops.fwd_accum(q, k[:, lo:hi], v[:, lo:hi], scale, blk_causal, out, lse)
+    floor = case_floor(dtype, ref)
+    assert_close_per_design(out.to(dtype), ref[0], plain[0], "out", factor=2, floor=floor)
+    assert_close_per_design(lse, ref[1], plain[1].to(lse.dtype), "lse", factor=2, floor=floor)
+
+
+@pytest.mark.parametrize("d", [1, 3, 40, 200])
+def test_every_isa_level_any_head_dim(isa, d):
+    test_any_head_dim(d)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_isa_level_rows_without_keys(isa, causal):
+    for dtype in (f32, bf16):
+        test_rows_without_keys_give_zero_out_neg_inf_lse_zero_grads(dtype, causal)
+
+
+def test_every_isa_level_is_deterministic_across_threads(isa):
+    test_results_do_not_depend_on_thread_count()
+
+
+def _run_python(code, **env):
+    import os
+    import subprocess
+    import sys
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSEQ_CPU_ISA")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
+                          text=True, timeout=120)
+
+
+PROBE = ("import torch, ringseq; q = torch.randn(1, 8, 2, 16); "
+         "print(ringseq.cpu_isa(), float(torch.ops.ringseq.fwd(q, q, q, 0.25, True)[0].sum()))")
+
+
+@pytest.mark.parametrize("level", ISA_LEVELS)
+def test_ringseq_cpu_isa_env_forces_the_level_at_first_use(level):
+    proc = _run_python(PROBE, RINGSEQ_CPU_ISA=level)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == level
+
+
+def test_default_level_is_the_best_this_cpu_supports():
+    proc = _run_python(PROBE)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == ISA_LEVELS[-1]
+
+
+def test_unsupported_forced_level_errors_clearly():
+    # RINGSEQ_CPU_ISA_CEILING makes this CPU pretend to support nothing above the baseline, so
+    # a forced avx2 is a level "this CPU lacks": cpu_isa() and every kernel call say so.
+    code = ("import torch, ringseq\n"
+            "for f in (ringseq.cpu_isa, lambda: torch.ops.ringseq.fwd(*[torch.randn(1, 4, 1, 8)] * 3, 0.3, False)):\n"
+            "    try:\n"
+            "        f(); print('no error')\n"
+            "    except RuntimeError as e:\n"
+            "        print('ERROR', str(e).splitlines()[0])\n")
+    proc = _run_python(code, RINGSEQ_CPU_ISA="avx2", RINGSEQ_CPU_ISA_CEILING="baseline")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2, proc.stdout
+    for line in lines:
+        assert line.startswith("ERROR RINGSEQ_CPU_ISA=avx2 but this CPU cannot run it"), line
+        assert "levels this CPU supports: baseline" in line
+    # A level the CPU really lacks (on machines without AVX-512 or AVX2) fails the same way.
+    for level in ("avx2", "avx512"):
+        if level not in ISA_LEVELS and level in ringseq._C.cpu_isa_built():
+            proc = _run_python(code, RINGSEQ_CPU_ISA=level)
+            assert f"ERROR RINGSEQ_CPU_ISA={level} but this CPU cannot run it" in proc.stdout
+
+
+def test_unknown_level_name_errors_clearly():
+    proc = _run_python(PROBE, RINGSEQ_CPU_ISA="sse9")
+    assert proc.returncode != 0
+    assert "RINGSEQ_CPU_ISA must be one of auto, baseline, avx2, avx512; got 'sse9'" in proc.stderr
+    proc = _run_python(PROBE, RINGSEQ_CPU_ISA="auto")
+    assert proc.returncode == 0 and proc.stdout.split()[0] == ISA_LEVELS[-1], proc.stderr
+
+
+def test_set_cpu_isa_rejects_unsupported_levels():
+    with pytest.raises(RuntimeError, match="must be one of auto, baseline, avx2, avx512"):
+        ringseq._C._set_cpu_isa("avx9000")
+    assert ringseq.cpu_isa() in ISA_LEVELS

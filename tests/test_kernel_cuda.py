@@ -352,3 +352,87 @@ def test_unsupported_inputs_raise_value_error():
     lse = torch.zeros((1, 2, 16), device="cuda")
     with pytest.raises(ValueError):
         torch.ops.ringseq.bwd(dout96, q96, k96, v96, q96, lse, 96 ** -0.5, False, None, 0)
+
+
+# ---------------------------------------------------------------- spans, bands, soft-cap
+def _span_cases():
+    """(name, s_q, s_k, spans or None, causal, softcap); spans as 6-tuples (ringseq.kernels.spans)."""
+    from ringseq.kernels import UNBOUNDED as U, document_spans, window_band
+
+    def win(s_q, s_k, left, right, causal):
+        return [(0, s_q, 0, s_k, *window_band(s_q, s_k, (left, right), causal))]
+
+    docs = [0, 1, 3, 20, 275, 700, 1100]
+    return [
+        ("window256", 1000, 1000, win(1000, 1000, 256, 0, True), False, 0.0),
+        ("window17-br", 333, 1000, win(333, 1000, 17, 0, True), False, 0.0),
+        ("window-2sided", 1000, 517, win(1000, 517, 100, 37, False), False, 0.0),
+        ("band-empty-rows", 600, 300, [(0, 600, 0, 300, 100, 140)], False, 0.0),
+        ("docs", 1100, 1100, [tuple(s) for s in document_spans(docs, docs, True)], False, 0.0),
+        ("pieces", 900, 1000, [(0, 200, 50, 300, -U, 50), (300, 450, 400, 500, -100, 20)], False, 0.0),
+        ("softcap5-dense", 1000, 1000, None, True, 5.0),
+        ("softcap50-window", 1000, 1000, win(1000, 1000, 256, 0, True), False, 50.0),
+        ("softcap5-docs", 1100, 1100, [tuple(s) for s in document_spans(docs, docs, True)], False, 5.0),
+    ]
+
+
+SPAN_CASES = _span_cases()
+
+
+@pytest.mark.parametrize("case", SPAN_CASES, ids=[c[0] for c in SPAN_CASES])
+@pytest.mark.parametrize("d", HEADDIMS, ids=[f"d{d}" for d in HEADDIMS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_spans_bands_softcap_match_float64_reference(dtype, d, case):
+    """Windows (bottom-right), shifted bands with empty rows, packed documents, ring pieces
+    that leave rows uncovered, soft-cap 5 and 50: every tile configuration against float64."""
+    name, s_q, s_k, spans, causal, softcap = case
+    scale = 0.5 if softcap == 5.0 else d ** -0.5  # cap 5 then changes P a lot
+    spans_t = None if spans is None else torch.tensor(spans, dtype=torch.int64)
+    covered_q = torch.zeros(s_q, dtype=torch.bool, device="cuda")
+    covered_k = torch.zeros(s_k, dtype=torch.bool, device="cuda")
+    for qs, ql, ks, kl, _, _ in (spans or [(0, s_q, 0, s_k, 0, 0)]):
+        covered_q[qs:qs + ql] = True
+        covered_k[ks:ks + kl] = True
+    for cfg in tile_configs(d):
+        q, k, v, dout = _inputs(s_q, s_k, d, dtype, _gen("spans", name, dtype, d, cfg), strided=cfg == 1)
+        kw = dict(spans=spans, softcap=softcap)
+        r_out, r_lse, r_dq, r_dk, r_dv = reference_grads(q, k, v, dout, scale, causal, torch.float64, **kw)
+        p_out, p_lse, p_dq, p_dk, p_dv = reference_grads(q, k, v, dout, scale, causal, dtype, **kw)
+        b, _, h, _ = q.shape
+        _poison(((b, s_q, h, d), dtype), ((b, h, s_q), torch.float32))
+        out, lse = torch.ops.ringseq.fwd(q, k, v, scale, causal, cfg, spans_t, softcap)
+        torch.cuda.synchronize()
+        _check(f"{name} out (cfg {cfg})", out, r_out, p_out, 2.0, dtype)
+        _check(f"{name} lse (cfg {cfg})", lse, r_lse, p_lse, 2.0, dtype)
+        assert (out[:, ~covered_q] == 0).all() and torch.isneginf(lse[:, :, ~covered_q]).all()
+        _poison((q.shape, dtype), (k.shape, dtype), (v.shape, dtype))
+        dq, dk, dv = torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, None, cfg, spans_t, softcap)
+        torch.cuda.synchronize()
+        _check(f"{name} dq (cfg {cfg})", dq, r_dq, p_dq, 3.0, dtype)
+        _check(f"{name} dk (cfg {cfg})", dk, r_dk, p_dk, 3.0, dtype)
+        _check(f"{name} dv (cfg {cfg})", dv, r_dv, p_dv, 3.0, dtype)
+        assert (dq[:, ~covered_q] == 0).all() and (dk[:, ~covered_k] == 0).all() and (dv[:, ~covered_k] == 0).all()
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_bwd_accum_with_spans_leaves_uncovered_rows(softcap):
+    """bwd_accum with spans adds into the covered rows only (ring steps of documents)."""
+    from ringseq.kernels import UNBOUNDED as U
+
+    spans = torch.tensor([(0, 200, 50, 300, -U, 50), (300, 450, 400, 500, -100, 20)], dtype=torch.int64)
+    q, k, v, dout = _inputs(900, 1000, 128, torch.bfloat16, _gen("accum-spans", softcap))
+    rows = [tuple(r) for r in spans.tolist()]
+    r_out, r_lse, r_dq, r_dk, r_dv = reference_grads(q, k, v, dout, 0.5, False, torch.float64, spans=rows,
+                                                     softcap=softcap)
+    _, _, p_dq, p_dk, p_dv = reference_grads(q, k, v, dout, 0.5, False, torch.bfloat16, spans=rows,
+                                             softcap=softcap)
+    out, lse = torch.ops.ringseq.fwd(q, k, v, 0.5, False, 0, spans, softcap)
+    gen = _gen("accum-spans-init", softcap)
+    init = [torch.randn(t.shape, device="cuda", generator=gen) for t in (q, k, v)]
+    acc = [t.clone() for t in init]
+    torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, 0.5, False, None, *acc, 0, spans, softcap)
+    torch.cuda.synchronize()
+    for name, a, i0, ref, plain in zip(("dq", "dk", "dv"), acc, init, (r_dq, r_dk, r_dv), (p_dq, p_dk, p_dv)):
+        _check(f"{name}_accum", a - i0, ref, plain, 3.0, torch.bfloat16)
+    assert torch.equal(acc[0][:, 200:300], init[0][:, 200:300]) and torch.equal(acc[0][:, 750:], init[0][:, 750:])
+    assert torch.equal(acc[1][:, :50], init[1][:, :50]) and torch.equal(acc[2][:, 900:], init[2][:, 900:])

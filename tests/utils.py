@@ -10,11 +10,27 @@ def _mask(s_q, s_k, device):
     return j <= i + (s_k - s_q)  # bottom-right aligned
 
 
-def plain_attention(q, k, v, softmax_scale=None, causal=False, dtype=None):
+def span_mask(spans, s_q, s_k, device=None):
+    """(s_q, s_k) visibility of a list of spans (q_start, q_len, k_start, k_len, band_lo,
+    band_hi), written from the definition: key j of span t is visible to its query i iff
+    band_lo <= (j - k_start) - (i - q_start) <= band_hi."""
+    i = torch.arange(s_q, device=device)[:, None]
+    j = torch.arange(s_k, device=device)[None, :]
+    mask = torch.zeros(s_q, s_k, dtype=torch.bool, device=device)
+    for qs, ql, ks, kl, lo, hi in (tuple(int(x) for x in s) for s in spans):
+        inside = (i >= qs) & (i < qs + ql) & (j >= ks) & (j < ks + kl)
+        rel = (j - ks) - (i - qs)
+        mask |= inside & (rel >= lo) & (rel <= hi)
+    return mask
+
+
+def plain_attention(q, k, v, softmax_scale=None, causal=False, dtype=None, *, spans=None,
+                    softcap=0.0):
     """Textbook attention computed in `dtype` (default: q's dtype), autograd-friendly.
 
     q (b, s_q, h, d), k/v (b, s_k, h_kv, d). Returns (out (b, s_q, h, d), lse (b, h, s_q)).
-    Rows that see no key give out 0 and lse -inf.
+    Rows that see no key give out 0 and lse -inf. ``spans``: see span_mask (instead of
+    causal); ``softcap`` > 0 caps the scaled scores at softcap * tanh(x / softcap).
     """
     dtype = dtype or q.dtype
     h, h_kv = q.shape[2], k.shape[2]
@@ -23,8 +39,12 @@ def plain_attention(q, k, v, softmax_scale=None, causal=False, dtype=None):
     kd = kd.repeat_interleave(h // h_kv, dim=2)
     vd = vd.repeat_interleave(h // h_kv, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if causal:
         s = s.masked_fill(~_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    if spans is not None:
+        s = s.masked_fill(~span_mask(spans, q.shape[1], k.shape[1], q.device), float("-inf"))
     lse = torch.logsumexp(s.float() if dtype in (torch.float16, torch.bfloat16) else s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vd)
@@ -36,10 +56,12 @@ def attention_reference(q, k, v, softmax_scale=None, causal=False):
     return plain_attention(q, k, v, softmax_scale, causal, dtype=torch.float64)
 
 
-def reference_grads(q, k, v, dout, softmax_scale=None, causal=False, dtype=torch.float64):
+def reference_grads(q, k, v, dout, softmax_scale=None, causal=False, dtype=torch.float64, *,
+                    spans=None, softcap=0.0):
     """(out, lse, dq, dk, dv) of plain attention computed in `dtype`, returned in `dtype`."""
     qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    out, lse = plain_attention(qd, kd, vd, softmax_scale, causal, dtype=dtype)
+    out, lse = plain_attention(qd, kd, vd, softmax_scale, causal, dtype=dtype, spans=spans,
+                               softcap=softcap)
     dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), dout.to(dtype))
     return out.detach(), lse.detach(), dq, dk, dv
 

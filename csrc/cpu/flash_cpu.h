@@ -1,5 +1,8 @@
-// CPU flash attention: tiled online softmax forward, two-pass backward (dK/dV, then dQ).
+// CPU flash attention: tiled online softmax forward, one-pass backward (csrc/cpu/kernels/),
+// compiled per ISA level and dispatched at first use (csrc/cpu/dispatch.cpp).
 #pragma once
+
+#include <string>
 
 #include "../attn_params.h"
 
@@ -12,4 +15,18 @@ void flash_fwd_cpu(const FwdParams& params);
 // Backward with a caller-provided delta; overwrites or accumulates dq/dk/dv (see BwdParams).
 void flash_bwd_cpu(const BwdParams& params);
 
+namespace cpu {
+
+// The ISA level the CPU kernel uses ("baseline", "avx2", "avx512"), resolved at first use from
+// cpuid or RINGSEQ_CPU_ISA; false with `error` set when RINGSEQ_CPU_ISA asks for a level this
+// CPU or this build lacks (every kernel call then fails with that message).
+bool isa_active(std::string* name, std::string* error);
+// Comma-separated levels built into this extension / also runnable on this CPU (low to high).
+std::string isa_built();
+std::string isa_supported();
+// Forces a level for this process ("" resets: the next call resolves RINGSEQ_CPU_ISA again).
+// For tests and benchmarks; thread-safe, but kernels already running keep their level.
+bool isa_force(const std::string& request, std::string* error);
+
+}  // namespace cpu
 }  // namespace ringseq

@@ -2,6 +2,7 @@
 // make (16-byte alignment for cp.async / vector stores, launch limits). Torch-free.
 #include "flash_api.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -78,6 +79,25 @@ void check_shape(const AttnShape& sh, DType dtype, int config) {
   if (sh.nheads_kv <= 0 || sh.nheads % sh.nheads_kv != 0) {
     invalid("nheads must be a multiple of nheads_kv");
   }
+  if (!(sh.softcap >= 0.0) || sh.softcap > 3.0e38) {
+    invalid("softcap must be a finite number >= 0, got " + std::to_string(sh.softcap));
+  }
+}
+
+// Spans (the binding validated their ranges and clamped their bands): the grids are
+// (tiles of the longest span x spans, ...), whose x dimension must fit 2^31 - 1. The smallest
+// tile of any kernel is 64 rows.
+void check_spans(const SpanList& s) {
+  if (s.count == 0) return;
+  if (s.data == nullptr) invalid("spans is a null pointer");
+  constexpr int64_t kMinTile = 64;
+  const int64_t tiles = (std::max(s.max_q_len, s.max_k_len) + kMinTile - 1) / kMinTile;
+  if (s.count > std::numeric_limits<int32_t>::max() ||
+      tiles * s.count > std::numeric_limits<int32_t>::max()) {
+    invalid("too many spans for one launch: " + std::to_string(s.count) + " spans of up to " +
+            std::to_string(std::max(s.max_q_len, s.max_k_len)) + " rows need more than 2^31 - 1 "
+            "CTAs; split the call");
+  }
 }
 
 template <typename Fn>
@@ -102,6 +122,7 @@ void flash_fwd_cuda(const FwdParams& p, cudaStream_t stream) {
   check_no_pending_error();
   check_shape(p.shape, p.dtype, p.config);
   if (p.accumulate) invalid("the forward kernel has no accumulate (merge) mode yet");
+  check_spans(p.spans);
   if (p.shape.batch == 0 || p.shape.seqlen_q == 0 || p.shape.nheads == 0) return;
   check_q_rows(p.shape, p.q, p.q_strides, "q");
   check_kv_rows(p.shape, p.k, p.k_strides, "k");
@@ -116,6 +137,7 @@ void flash_fwd_cuda(const FwdParams& p, cudaStream_t stream) {
 void flash_bwd_cuda(const BwdParams& p, cudaStream_t stream) {
   check_no_pending_error();
   check_shape(p.shape, p.dtype, p.config);
+  check_spans(p.spans);
   if (p.shape.batch == 0 || p.shape.seqlen_q == 0 || p.shape.seqlen_k == 0 || p.shape.nheads == 0) {
     return;
   }

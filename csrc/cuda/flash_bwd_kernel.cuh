@@ -9,6 +9,13 @@
 // one of a ring step) and use the caller's delta = rowsum(dO * O), so per-block gradients of a
 // ring simply add up.
 //
+// Spans and bands (docs/kernels.md): a CTA owns rows of one span and walks only the blocks of
+// the other side its band reaches (km::band_q_blocks / km::band_kv_blocks), masking per
+// element only blocks that straddle a band edge or the ragged tail. Soft-cap (kSoftcap, a
+// template flag so that the kernels without it keep their registers): S becomes
+// t = tanh(S * scale / softcap), P = exp2(t * softcap * log2e - lse * log2e), and dS is
+// multiplied by dt = 1 - t^2 before dQ/dK, which keep the factor softmax_scale.
+//
 // Warp layout: every warp owns 16 rows of the CTA's own side, so a row's fragments never
 // leave one warp. The dK/dV kernel computes S^T = K Q^T (rows = keys): P^T and dS^T then come
 // out of the MMA in the C layout, which is the A layout of dV += P^T dO and dK += dS^T Q, and
@@ -141,15 +148,17 @@ __device__ __forceinline__ void gemm_frag_x_tile(float (&acc)[C::kDTiles][4],
   }
 }
 
-// Writes a warp's 16 x kHeadDim float accumulator into rows row0 + g, row0 + g + 8 of head
-// `head` of batch `b` of a (b, s, h, d) gradient, rows >= rows_valid skipped. accumulate: adds
+// Writes a warp's 16 x kHeadDim float accumulator into rows row_base + row0 + g (+ 8) of head
+// `head` of batch `b` of a (b, s, h, d) gradient, rows >= rows_valid skipped (row0 and
+// rows_valid are span-local, row_base the span's first row). accumulate: adds
 // into float32; otherwise stores element type T. Each CTA owns its rows, so the
 // read-modify-write is race-free and the summation order fixed.
 template <typename C, typename T>
 __device__ __forceinline__ void store_rows(const float (&acc)[C::kDTiles][4], float scale,
                                            void* grad, const RowStrides& strides, int b, int head,
-                                           int row0, int rows_valid, bool accumulate, int lane) {
-  const int64_t base = b * strides.batch + head * strides.head;
+                                           int64_t row_base, int row0, int rows_valid,
+                                           bool accumulate, int lane) {
+  const int64_t base = b * strides.batch + head * strides.head + row_base * strides.row;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + km::lane_group(lane) + 8 * half;
@@ -175,9 +184,9 @@ __device__ __forceinline__ void store_rows(const float (&acc)[C::kDTiles][4], fl
 }
 
 // ---------------------------------------------------------------------------------------
-// dK/dV. Grid (ceil(s_k / kOwn), h_kv, b).
+// dK/dV. Grid (ceil(longest k_len / kOwn) x spans, h_kv, b).
 // ---------------------------------------------------------------------------------------
-template <typename C, typename T>
+template <typename C, typename T, bool kSpans, bool kSoftcap>
 __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dkdv_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
@@ -190,18 +199,22 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dkdv_kernel(const Bw
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp_row = 16 * (tid >> 5);
-  const int n_block = blockIdx.x;
+  // The span and its kv block (the first blocks, the heaviest under a causal band, first).
+  // Rows and keys below are span-local.
+  const prim::SpanTile sp =
+      prim::load_span_tile<kSpans>(p.spans, p.shape, C::kOwn, /*q_side=*/false, /*last_first=*/false);
+  if (!sp.valid) return;
+  const int n_block = sp.block;
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
-  const int s_q = static_cast<int>(p.shape.seqlen_q);
-  const int s_k = static_cast<int>(p.shape.seqlen_k);
+  const int s_q = sp.q_len;
+  const int s_k = sp.k_len;
   const int grp = static_cast<int>(p.shape.nheads / p.shape.nheads_kv);
-  const bool causal = p.shape.causal;
-  const float c = static_cast<float>(p.shape.softmax_scale) * kLog2e;
+  const float c = p.consts.sm_scale_log2;  // softmax scale (softcap when capping) * log2(e)
 
-  const int m_all = km::ceil_div(s_q, C::kLoop);
-  const int m_first = km::bwd_first_q_block(n_block, C::kLoop, C::kOwn, s_q, s_k, causal);
-  const int per_head = m_all - m_first;
+  const km::Range<int> q_blocks = km::band_q_blocks(n_block, C::kLoop, C::kOwn, s_q, s_k, sp.lo, sp.hi);
+  const int m_first = q_blocks.begin;
+  const int per_head = q_blocks.size();
   const int n_iter = grp * per_head;  // (query head, q block) pairs, head-major
 
   float acc_dk[C::kDTiles][4];
@@ -215,21 +228,25 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dkdv_kernel(const Bw
 
   const int kv_row0 = n_block * C::kOwn;
   if (n_iter > 0) {
+    // Uniform bases; the span's first q row is added per copy (one register live across the
+    // loop instead of four 64-bit pointers).
     const T* q = static_cast<const T*>(p.q) + b * p.q_strides.batch;
     const T* dout = static_cast<const T*>(p.dout) + b * p.dout_strides.batch;
     const float* lse = static_cast<const float*>(p.lse) + b * p.lse_strides.batch;
     const float* delta = static_cast<const float*>(p.delta) + b * p.delta_strides.batch;
     const int head0 = kvh * grp;
+    const int q_start = sp.q_start;
 
     // Issues the Q/dO/lse/delta copies of iteration `it` into stage `st` (no commit).
     auto issue_stream = [&](int it, int st) {
       const int hq = head0 + it / per_head;
-      const int row0 = (m_first + it % per_head) * C::kLoop;
+      const int row0 = (m_first + it % per_head) * C::kLoop;  // span-local
+      const int64_t grow = q_start + row0;                    // in the tensor
       prim::copy_tile_g2s_async<C::kLoop, C::kHeadDim, C::kThreads>(
-          sQ + st * C::kLoopTile, q + hq * p.q_strides.head + row0 * p.q_strides.row,
+          sQ + st * C::kLoopTile, q + hq * p.q_strides.head + grow * p.q_strides.row,
           p.q_strides.row, s_q - row0, tid);
       prim::copy_tile_g2s_async<C::kLoop, C::kHeadDim, C::kThreads>(
-          sdO + st * C::kLoopTile, dout + hq * p.dout_strides.head + row0 * p.dout_strides.row,
+          sdO + st * C::kLoopTile, dout + hq * p.dout_strides.head + grow * p.dout_strides.row,
           p.dout_strides.row, s_q - row0, tid);
       if (tid < 2 * C::kLoop) {
         const bool is_lse = tid < C::kLoop;
@@ -237,17 +254,17 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dkdv_kernel(const Bw
         const bool valid = row0 + r < s_q;
         const float* src = is_lse ? lse + hq * p.lse_strides.head : delta + hq * p.delta_strides.head;
         float* dst = (is_lse ? sLse : sDelta) + st * C::kLoop + r;
-        cp_async_4(prim::smem_addr(dst), valid ? src + row0 + r : src, valid);
+        cp_async_4(prim::smem_addr(dst), valid ? src + grow + r : src, valid);
       }
     };
 
     prim::copy_tile_g2s_async<C::kOwn, C::kHeadDim, C::kThreads>(
         sK, static_cast<const T*>(p.k) + b * p.k_strides.batch + kvh * p.k_strides.head +
-                kv_row0 * p.k_strides.row,
+                (sp.k_start + kv_row0) * p.k_strides.row,
         p.k_strides.row, s_k - kv_row0, tid);
     prim::copy_tile_g2s_async<C::kOwn, C::kHeadDim, C::kThreads>(
         sV, static_cast<const T*>(p.v) + b * p.v_strides.batch + kvh * p.v_strides.head +
-                kv_row0 * p.v_strides.row,
+                (sp.k_start + kv_row0) * p.v_strides.row,
         p.v_strides.row, s_k - kv_row0, tid);
     issue_stream(0, 0);
     prim::cp_async_commit();
@@ -277,7 +294,11 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dkdv_kernel(const Bw
       // P^T = exp2(K Q^T * c - lse * log2e): rows = keys, columns = queries.
       float pt[C::kLTiles][4];
       gemm_rows_x_tileT<C, T>(pt, k_base, warp_row, q_base, off_a, off_b);
-      const bool need_mask = km::block_needs_mask(m_block, n_block, C::kLoop, C::kOwn, s_q, s_k, causal);
+      const bool need_mask =
+          km::band_block_needs_mask(m_block, n_block, C::kLoop, C::kOwn, s_q, s_k, sp.lo, sp.hi);
+      // dV += P^T dO straight away so the float P^T dies here; dS^T below reuses the 16-bit
+      // P^T the MMA consumed (dS^T is rounded to 16 bits right after anyway). This keeps the
+      // d=128 tiles within 255 registers without spills.
 #pragma unroll
       for (int j = 0; j < C::kLTiles; ++j) {
         const int col = 8 * j + col_lane;
@@ -286,17 +307,15 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dkdv_kernel(const Bw
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float s = pt[j][e];
-          if (need_mask &&
-              !km::key_visible(q_row0 + col + (e & 1), key_lane0 + 8 * (e >> 1), s_q, s_k, causal)) {
+          // the soft-cap before the mask: tanh(-inf) would be finite
+          if constexpr (kSoftcap) s = prim::fast_tanh(s * p.consts.cap_pre);
+          if (need_mask && !km::band_visible(q_row0 + col + (e & 1), key_lane0 + 8 * (e >> 1), s_k,
+                                             sp.lo, sp.hi)) {
             s = -INFINITY;
           }
           pt[j][e] = prim::fast_exp2(fmaf(s, c, -l2[e & 1]));
         }
       }
-
-      // dV += P^T dO straight away so the float P^T dies here; dS^T below reuses the 16-bit
-      // P^T the MMA consumed (dS^T is rounded to 16 bits right after anyway). This keeps the
-      // d=128 tiles within 255 registers without spills.
       uint32_t a[C::kLSteps][4];
       prim::c_to_a<T>(a, pt);
       gemm_frag_x_tile<C, T>(acc_dv, a, do_base, off_a);
@@ -313,8 +332,22 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dkdv_kernel(const Bw
           const int j = 2 * kk + km::c_to_a_tile(2 * r);
           const int e0 = km::c_to_a_reg(2 * r);
           const int e1 = km::c_to_a_reg(2 * r + 1);
-          const float2 pv = prim::unpack2<T>(a[kk][r]);
+          float2 pv = prim::unpack2<T>(a[kk][r]);
           const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * j + col_lane);
+          if constexpr (kSoftcap) {
+            // dS^T also takes dt = 1 - t^2. t is recovered from the 16-bit P^T the MMA used,
+            // t = (log2(P) + lse * log2e) / c, rather than kept: P^T and t (or P^T dt) next
+            // to each other do not fit 255 registers for d=128. Its error is that of P's
+            // rounding divided by c (~2^-9 / (softcap * ln 2) for bf16), below that of the
+            // 16-bit dS^T; P = 0 (masked, underflow, rows past q_len) contributes 0 anyway.
+            const int col = 8 * j + col_lane;
+            const float2 l = *reinterpret_cast<const float2*>(lse_s + col);
+            const float l2[2] = {lse_log2(l.x, q_row0 + col < s_q), lse_log2(l.y, q_row0 + col + 1 < s_q)};
+            const float tx = (log2f(pv.x) + l2[0]) * p.consts.inv_sm_scale_log2;
+            const float ty = (log2f(pv.y) + l2[1]) * p.consts.inv_sm_scale_log2;
+            pv.x = pv.x > 0.f ? pv.x * ((1.f - tx) * (1.f + tx)) : 0.f;
+            pv.y = pv.y > 0.f ? pv.y * ((1.f - ty) * (1.f + ty)) : 0.f;
+          }
           dst[j][e0] = pv.x * (dst[j][e0] - dl.x);
           dst[j][e1] = pv.y * (dst[j][e1] - dl.y);
         }
@@ -325,16 +358,16 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dkdv_kernel(const Bw
     }
   }
 
-  store_rows<C, T>(acc_dk, static_cast<float>(p.shape.softmax_scale), p.dk, p.dk_strides, b, kvh,
-                   kv_row0 + warp_row, s_k, p.accumulate, lane);
-  store_rows<C, T>(acc_dv, 1.f, p.dv, p.dv_strides, b, kvh, kv_row0 + warp_row, s_k, p.accumulate,
-                   lane);
+  store_rows<C, T>(acc_dk, p.consts.softmax_scale, p.dk, p.dk_strides, b, kvh,
+                   sp.k_start, kv_row0 + warp_row, s_k, p.accumulate, lane);
+  store_rows<C, T>(acc_dv, 1.f, p.dv, p.dv_strides, b, kvh, sp.k_start, kv_row0 + warp_row, s_k,
+                   p.accumulate, lane);
 }
 
 // ---------------------------------------------------------------------------------------
-// dQ. Grid (ceil(s_q / kOwn), h, b).
+// dQ. Grid (ceil(longest q_len / kOwn) x spans, h, b).
 // ---------------------------------------------------------------------------------------
-template <typename C, typename T>
+template <typename C, typename T, bool kSpans, bool kSoftcap>
 __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dq_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -345,20 +378,24 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dq_kernel(const BwdP
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp_row = 16 * (tid >> 5);
-  const bool causal = p.shape.causal;
-  // Causal: the last q blocks have the most kv blocks; start them first.
-  const int m_block = causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)
-                             : static_cast<int>(blockIdx.x);
+  // The span and its q block; causal: the last q blocks have the most kv blocks, start them
+  // first. Rows and keys below are span-local.
+  const prim::SpanTile sp =
+      prim::load_span_tile<kSpans>(p.spans, p.shape, C::kOwn, /*q_side=*/true, /*last_first=*/true);
+  if (!sp.valid) return;
+  const int m_block = sp.block;
   const int hq = blockIdx.y;
   const int b = blockIdx.z;
-  const int s_q = static_cast<int>(p.shape.seqlen_q);
-  const int s_k = static_cast<int>(p.shape.seqlen_k);
+  const int s_q = sp.q_len;
+  const int s_k = sp.k_len;
   const int grp = static_cast<int>(p.shape.nheads / p.shape.nheads_kv);
   const int kvh = hq / grp;
-  const float c = static_cast<float>(p.shape.softmax_scale) * kLog2e;
+  const float c = p.consts.sm_scale_log2;  // softmax scale (softcap when capping) * log2(e)
 
-  // Same range as the forward: kv blocks [0, n_end) hold a key some row of the tile sees.
-  const int n_end = km::fwd_num_kv_blocks(m_block, C::kOwn, C::kLoop, s_q, s_k, causal);
+  // Same range as the forward: kv blocks [n_begin, n_end) hold a key some row of the tile sees.
+  const km::Range<int> kv = km::band_kv_blocks(m_block, C::kOwn, C::kLoop, s_q, s_k, sp.lo, sp.hi);
+  const int n_begin = kv.begin;
+  const int n_end = kv.end;
   const int q_row0 = m_block * C::kOwn;
 
   float acc[C::kDTiles][4];
@@ -367,11 +404,13 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dq_kernel(const BwdP
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
   }
-  if (n_end <= 0 && p.accumulate) return;
+  if (n_end <= n_begin && p.accumulate) return;
 
-  if (n_end > 0) {
-    const T* kg = static_cast<const T*>(p.k) + b * p.k_strides.batch + kvh * p.k_strides.head;
-    const T* vg = static_cast<const T*>(p.v) + b * p.v_strides.batch + kvh * p.v_strides.head;
+  if (n_end > n_begin) {
+    const T* kg = static_cast<const T*>(p.k) + b * p.k_strides.batch + kvh * p.k_strides.head +
+                  sp.k_start * p.k_strides.row;
+    const T* vg = static_cast<const T*>(p.v) + b * p.v_strides.batch + kvh * p.v_strides.head +
+                  sp.k_start * p.v_strides.row;
     auto issue_stream = [&](int n, int st) {
       const int row0 = n * C::kLoop;
       prim::copy_tile_g2s_async<C::kLoop, C::kHeadDim, C::kThreads>(
@@ -381,22 +420,23 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dq_kernel(const BwdP
     };
     prim::copy_tile_g2s_async<C::kOwn, C::kHeadDim, C::kThreads>(
         sQ, static_cast<const T*>(p.q) + b * p.q_strides.batch + hq * p.q_strides.head +
-                q_row0 * p.q_strides.row,
+                (sp.q_start + q_row0) * p.q_strides.row,
         p.q_strides.row, s_q - q_row0, tid);
     prim::copy_tile_g2s_async<C::kOwn, C::kHeadDim, C::kThreads>(
         sdO, static_cast<const T*>(p.dout) + b * p.dout_strides.batch + hq * p.dout_strides.head +
-                 q_row0 * p.dout_strides.row,
+                 (sp.q_start + q_row0) * p.dout_strides.row,
         p.dout_strides.row, s_q - q_row0, tid);
-    issue_stream(0, 0);
+    issue_stream(n_begin, 0);
     prim::cp_async_commit();
 
     // This lane's two rows (c0/c1 and c2/c3): their lse and delta stay in registers.
     const int row_lane0 = q_row0 + warp_row + km::lane_group(lane);
     float l2[2], dl[2];
     {
-      const float* lse = static_cast<const float*>(p.lse) + b * p.lse_strides.batch + hq * p.lse_strides.head;
+      const float* lse = static_cast<const float*>(p.lse) + b * p.lse_strides.batch +
+                         hq * p.lse_strides.head + sp.q_start;
       const float* delta = static_cast<const float*>(p.delta) + b * p.delta_strides.batch +
-                           hq * p.delta_strides.head;
+                           hq * p.delta_strides.head + sp.q_start;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = row_lane0 + 8 * half;
@@ -412,8 +452,8 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dq_kernel(const BwdP
     const int off_a = ldsm_off_a<C::kHeadDim>(lane);
     const int off_b = ldsm_off_b<C::kHeadDim>(lane);
 
-    for (int n = 0; n < n_end; ++n) {
-      const int st = n & 1;
+    for (int n = n_begin; n < n_end; ++n) {
+      const int st = (n - n_begin) & 1;
       if (n + 1 < n_end) issue_stream(n + 1, st ^ 1);
       prim::cp_async_commit();
       prim::cp_async_wait<1>();
@@ -425,17 +465,24 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dq_kernel(const BwdP
 
       float pr[C::kLTiles][4];
       gemm_rows_x_tileT<C, T>(pr, q_base, warp_row, k_base, off_a, off_b);  // S = Q K^T
-      const bool need_mask = km::block_needs_mask(m_block, n, C::kOwn, C::kLoop, s_q, s_k, causal);
+      const bool need_mask = km::band_block_needs_mask(m_block, n, C::kOwn, C::kLoop, s_q, s_k, sp.lo, sp.hi);
+      // P, or with the soft-cap P * dt (the dQ kernel needs P only inside dS).
 #pragma unroll
       for (int j = 0; j < C::kLTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float s = pr[j][e];
-          if (need_mask && !km::key_visible(row_lane0 + 8 * (e >> 1), key0 + 8 * j + col_lane + (e & 1),
-                                            s_q, s_k, causal)) {
+          float dt = 1.f;
+          if constexpr (kSoftcap) {
+            s = prim::fast_tanh(s * p.consts.cap_pre);  // before the mask: tanh(-inf) would be finite
+            dt = (1.f - s) * (1.f + s);
+          }
+          if (need_mask && !km::band_visible(row_lane0 + 8 * (e >> 1), key0 + 8 * j + col_lane + (e & 1),
+                                             s_k, sp.lo, sp.hi)) {
             s = -INFINITY;
           }
-          pr[j][e] = prim::fast_exp2(fmaf(s, c, -l2[e >> 1]));
+          const float pv = prim::fast_exp2(fmaf(s, c, -l2[e >> 1]));
+          pr[j][e] = kSoftcap ? pv * dt : pv;
         }
       }
       float ds[C::kLTiles][4];
@@ -452,30 +499,39 @@ __global__ void __launch_bounds__(C::kThreads, 1) flash_bwd_dq_kernel(const BwdP
     }
   }
 
-  store_rows<C, T>(acc, static_cast<float>(p.shape.softmax_scale), p.dq, p.dq_strides, b, hq,
-                   q_row0 + warp_row, s_q, p.accumulate, lane);
+  store_rows<C, T>(acc, p.consts.softmax_scale, p.dq, p.dq_strides, b, hq,
+                   sp.q_start, q_row0 + warp_row, s_q, p.accumulate, lane);
 }
 
-template <int kHeadDim, int kNWarps, typename T>
-void launch_bwd(const BwdParams& p, cudaStream_t stream) {
+template <int kHeadDim, int kNWarps, typename T, bool kSpans, bool kSoftcap>
+void launch_bwd(const BwdParams& p_in, cudaStream_t stream) {
+  BwdParams p = p_in;
+  p.consts = cuda_consts(p.shape);
   using C = Cfg<kHeadDim, kNWarps>;
-  const int s_q = static_cast<int>(p.shape.seqlen_q);
-  const int s_k = static_cast<int>(p.shape.seqlen_k);
+  // Grids over (tiles of the longest span x spans, heads, batch); flash_api.cu checked limits.
+  const bool spans = p.spans.count > 0;
+  const int max_q = static_cast<int>(spans ? p.spans.max_q_len : p.shape.seqlen_q);
+  const int max_k = static_cast<int>(spans ? p.spans.max_k_len : p.shape.seqlen_k);
+  const unsigned n_spans = spans ? static_cast<unsigned>(p.spans.count) : 1u;
   const int batch = static_cast<int>(p.shape.batch);
 
-  auto dkdv = flash_bwd_dkdv_kernel<C, T>;
+  auto dkdv = flash_bwd_dkdv_kernel<C, T, kSpans, kSoftcap>;
   check_cuda(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemDkdv),
              "flash bwd dK/dV: cudaFuncSetAttribute(max dynamic shared memory)");
-  const dim3 grid_kv(km::ceil_div(s_k, C::kOwn), static_cast<unsigned>(p.shape.nheads_kv), batch);
-  dkdv<<<grid_kv, C::kThreads, C::kSmemDkdv, stream>>>(p);
-  check_cuda(cudaGetLastError(), "flash bwd dK/dV kernel launch");
+  const dim3 grid_kv(km::ceil_div(max_k, C::kOwn) * n_spans, static_cast<unsigned>(p.shape.nheads_kv), batch);
+  if (grid_kv.x > 0) {
+    dkdv<<<grid_kv, C::kThreads, C::kSmemDkdv, stream>>>(p);
+    check_cuda(cudaGetLastError(), "flash bwd dK/dV kernel launch");
+  }
 
-  auto dq = flash_bwd_dq_kernel<C, T>;
+  auto dq = flash_bwd_dq_kernel<C, T, kSpans, kSoftcap>;
   check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemDq),
              "flash bwd dQ: cudaFuncSetAttribute(max dynamic shared memory)");
-  const dim3 grid_q(km::ceil_div(s_q, C::kOwn), static_cast<unsigned>(p.shape.nheads), batch);
-  dq<<<grid_q, C::kThreads, C::kSmemDq, stream>>>(p);
-  check_cuda(cudaGetLastError(), "flash bwd dQ kernel launch");
+  const dim3 grid_q(km::ceil_div(max_q, C::kOwn) * n_spans, static_cast<unsigned>(p.shape.nheads), batch);
+  if (grid_q.x > 0) {
+    dq<<<grid_q, C::kThreads, C::kSmemDq, stream>>>(p);
+    check_cuda(cudaGetLastError(), "flash bwd dQ kernel launch");
+  }
 }
 
 }  // namespace bwd
@@ -491,10 +547,18 @@ void run_flash_bwd(const BwdParams& params, cudaStream_t stream) {
   check_cuda(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
              "cudaDeviceGetAttribute(max shared memory per block, opt-in)");
   const bool fast_fits = smem_optin >= Fast::kSmemDkdv && smem_optin >= Fast::kSmemDq;
-  if (params.config == 1 || !fast_fits) {
-    bwd::launch_bwd<kHeadDim, 4, Element>(params, stream);
+  // Three variants per config, as the forward (<kSpans, kSoftcap>): the dense path, spans,
+  // spans and/or soft-cap.
+  const bool small = params.config == 1 || !fast_fits;
+  if (params.shape.softcap > 0.0) {
+    if (small) bwd::launch_bwd<kHeadDim, 4, Element, true, true>(params, stream);
+    else bwd::launch_bwd<kHeadDim, 8, Element, true, true>(params, stream);
+  } else if (params.spans.count > 0) {
+    if (small) bwd::launch_bwd<kHeadDim, 4, Element, true, false>(params, stream);
+    else bwd::launch_bwd<kHeadDim, 8, Element, true, false>(params, stream);
   } else {
-    bwd::launch_bwd<kHeadDim, 8, Element>(params, stream);
+    if (small) bwd::launch_bwd<kHeadDim, 4, Element, false, false>(params, stream);
+    else bwd::launch_bwd<kHeadDim, 8, Element, false, false>(params, stream);
   }
 }
 

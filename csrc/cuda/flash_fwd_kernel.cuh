@@ -3,11 +3,16 @@
 // One CTA = 4 warps computes a kBlockM-row tile of one (batch, head). Each warp owns
 // kMTiles = kBlockM / 64 consecutive m16 row slabs, so the online softmax needs only quad
 // shuffles and warps never exchange statistics. K/V tiles of kBlockN keys are walked from the
-// last visible block down to block 0 ("newest first"): with causal masking the diagonal and
+// last visible block down to the first ("newest first"): with causal masking the diagonal and
 // ragged blocks, the only ones that need the per-element predicate, come first.
 //
-// Per kv block: S = Q K^T (ldmatrix + mma.sync m16n8k16, float32 accumulators), optional
-// mask, online softmax in base 2 (log2(e) folded into the scale), O = alpha O + P V with P
+// Spans and bands (docs/kernels.md): a CTA computes one q tile of one span and walks only the
+// kv blocks its band reaches (km::band_kv_blocks), masking per element only the blocks that
+// straddle a band edge or the ragged tail (outside km::band_unmasked_kv_blocks).
+//
+// Per kv block: S = Q K^T (ldmatrix + mma.sync m16n8k16, float32 accumulators), the optional
+// soft-cap (kSoftcap: S = tanh(S * scale / softcap), the softmax then runs with scale softcap,
+// as flash-attn does), optional mask, online softmax in base 2 (log2(e) folded into the scale), O = alpha O + P V with P
 // converted in registers from the C layout straight into the A layout. V_j is fetched with
 // cp.async while S is computed and K_{j-1} while P V runs, so one K and one V buffer suffice.
 // All shared tiles are XOR-swizzled through km::swz_offset. Tile choices and what they cost:
@@ -70,10 +75,10 @@ __device__ __forceinline__ unsigned char* cta_smem() {
   }
 }
 
-// minBlocksPerSM = 1 explicitly: without it ptxas sometimes caps a kernel at 128 registers
-// (seen for d=64, 64x64 on sm_80) and spills instead of using the registers it may have.
-template <typename T>
-__global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdParams p) {
+// The kernel body; flash_fwd_kernel (the dense path) and flash_fwd_spans_kernel (spans and/or
+// soft-cap) below are its instantiations (see run_flash_fwd).
+template <typename T, bool kSpans, bool kSoftcap>
+__device__ __forceinline__ void flash_fwd_body(const FwdParams& p) {
   using Element = typename T::Element;
   constexpr int kHeadDim = T::kHeadDim;
   constexpr int kBlockM = T::kBlockM;
@@ -88,31 +93,32 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  // Heaviest causal tiles (largest m) are launched first so the tail of the grid is short.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
+  // The span and its q tile (prim::load_span_tile); the heaviest causal tiles (largest m) are
+  // launched first so the tail of the grid is short. Rows and keys below are span-local.
+  const prim::SpanTile sp = prim::load_span_tile<kSpans>(p.spans, p.shape, kBlockM, true, true);
+  if (!sp.valid) return;
+  const int m_block = sp.block;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
-  const int seqlen_q = static_cast<int>(p.shape.seqlen_q);
-  const int seqlen_k = static_cast<int>(p.shape.seqlen_k);
-  const bool causal = p.shape.causal;
+  const int k_len = sp.k_len;
   const int head_kv = head / static_cast<int>(p.shape.nheads / p.shape.nheads_kv);
   const int m0 = m_block * kBlockM;
 
   const Element* gQ = static_cast<const Element*>(p.q) + batch * p.q_strides.batch +
-                      head * p.q_strides.head + int64_t(m0) * p.q_strides.row;
+                      head * p.q_strides.head + int64_t(sp.q_start + m0) * p.q_strides.row;
   const Element* gK = static_cast<const Element*>(p.k) + batch * p.k_strides.batch +
-                      head_kv * p.k_strides.head;
+                      head_kv * p.k_strides.head + int64_t(sp.k_start) * p.k_strides.row;
   const Element* gV = static_cast<const Element*>(p.v) + batch * p.v_strides.batch +
-                      head_kv * p.v_strides.head;
+                      head_kv * p.v_strides.head + int64_t(sp.k_start) * p.v_strides.row;
   Element* gO = static_cast<Element*>(p.out) + batch * p.out_strides.batch +
-                head * p.out_strides.head + int64_t(m0) * p.out_strides.row;
+                head * p.out_strides.head + int64_t(sp.q_start + m0) * p.out_strides.row;
   float* gLse = static_cast<float*>(p.lse) + batch * p.lse_strides.batch +
-                head * p.lse_strides.head + m0;
-  const int rows_q = seqlen_q - m0;  // valid rows of this tile (may exceed kBlockM)
+                head * p.lse_strides.head + sp.q_start + m0;
+  const int rows_q = sp.q_len - m0;  // valid rows of this tile (may exceed kBlockM)
 
-  const int n_blocks = km::fwd_num_kv_blocks(m_block, kBlockM, kBlockN, seqlen_q, seqlen_k, causal);
-  if (n_blocks == 0) {
-    // Causal with seqlen_q > seqlen_k: no row of this tile sees a key.
+  const km::Range<int> kv = km::band_kv_blocks(m_block, kBlockM, kBlockN, sp.q_len, k_len, sp.lo, sp.hi);
+  if (kv.empty()) {
+    // No row of this tile sees a key (e.g. causal with seqlen_q > seqlen_k, a shifted band).
     constexpr int kChunksPerRow = kHeadDim / km::kChunkElems;
 #pragma unroll
     for (int it = 0; it < kBlockM * kChunksPerRow / kThreads; ++it) {
@@ -127,15 +133,16 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
     }
     return;
   }
-  const int n_unmasked =
-      km::fwd_num_unmasked_kv_blocks(m_block, kBlockM, kBlockN, seqlen_q, seqlen_k, causal);
+  // kv blocks outside [unmasked.begin, unmasked.end) straddle a band edge or the ragged tail.
+  const km::Range<int> unmasked =
+      km::band_unmasked_kv_blocks(m_block, kBlockM, kBlockN, sp.q_len, k_len, sp.lo, sp.hi);
 
   prim::copy_tile_g2s_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, p.q_strides.row, rows_q, tid);
   prim::cp_async_commit();
   {
-    const int n = n_blocks - 1;
+    const int n = kv.end - 1;
     prim::copy_tile_g2s_async<kBlockN, kHeadDim, kThreads>(
-        sK, gK + int64_t(n) * kBlockN * p.k_strides.row, p.k_strides.row, seqlen_k - n * kBlockN, tid);
+        sK, gK + int64_t(n) * kBlockN * p.k_strides.row, p.k_strides.row, k_len - n * kBlockN, tid);
     prim::cp_async_commit();
   }
 
@@ -165,7 +172,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
       row_sum[mt][hf] = 0.f;
     }
   }
-  const float scale_log2 = static_cast<float>(p.shape.softmax_scale * 1.4426950408889634);
+  // With the soft-cap S holds tanh(scale * q.k / softcap) and the softmax's scale is softcap
+  // (p.consts, read from the parameter bank).
+  const float scale_log2 = p.consts.sm_scale_log2;
 
   prim::cp_async_wait<0>();
   __syncthreads();
@@ -181,10 +190,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
     }
   }
 
-  for (int n = n_blocks - 1; n >= 0; --n) {
+  for (int n = kv.end - 1; n >= kv.begin; --n) {
     // K_n is resident and every warp is done with the previous V: fetch V_n behind Q K^T.
     prim::copy_tile_g2s_async<kBlockN, kHeadDim, kThreads>(
-        sV, gV + int64_t(n) * kBlockN * p.v_strides.row, p.v_strides.row, seqlen_k - n * kBlockN, tid);
+        sV, gV + int64_t(n) * kBlockN * p.v_strides.row, p.v_strides.row, k_len - n * kBlockN, tid);
     prim::cp_async_commit();
 
     // S, its mask and softmax, and P for kSTiles m16 slabs at a time (see Traits::kSTiles).
@@ -224,7 +233,19 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
         }
       }
 
-      if (n >= n_unmasked) {  // diagonal or ragged block
+      if constexpr (kSoftcap) {
+        // Before the mask: tanh would turn a masked -inf into a finite -1.
+#pragma unroll
+        for (int mt = 0; mt < T::kSTiles; ++mt) {
+#pragma unroll
+          for (int nt = 0; nt < T::kNTiles; ++nt) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) s[mt][nt][r] = prim::fast_tanh(s[mt][nt][r] * p.consts.cap_pre);
+          }
+        }
+      }
+
+      if (n < unmasked.begin || n >= unmasked.end) {  // band edge or ragged block
 #pragma unroll
         for (int mt = 0; mt < T::kSTiles; ++mt) {
 #pragma unroll
@@ -233,7 +254,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
             for (int r = 0; r < 4; ++r) {
               const int row = m0 + warp_row0 + (m_pass + mt) * 16 + km::mma_c_row(lane, r);
               const int col = n * kBlockN + nt * 8 + km::mma_c_col(lane, r);
-              if (!km::key_visible(row, col, seqlen_q, seqlen_k, causal)) s[mt][nt][r] = -INFINITY;
+              if (!km::band_visible(row, col, k_len, sp.lo, sp.hi)) s[mt][nt][r] = -INFINITY;
             }
           }
         }
@@ -284,10 +305,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
     // V_n resident; every warp is done reading K_n: fetch K_{n-1} behind P V.
     prim::cp_async_wait<0>();
     __syncthreads();
-    if (n > 0) {
+    if (n > kv.begin) {
       prim::copy_tile_g2s_async<kBlockN, kHeadDim, kThreads>(
           sK, gK + int64_t(n - 1) * kBlockN * p.k_strides.row, p.k_strides.row,
-          seqlen_k - (n - 1) * kBlockN, tid);
+          k_len - (n - 1) * kBlockN, tid);
       prim::cp_async_commit();
     }
 
@@ -310,10 +331,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
     __syncthreads();
   }
 
-  // Epilogue: O /= l, lse = max * scale + ln(l) in natural-log units; rows that saw no key
-  // (l == 0) get O = 0 and lse = -inf. O goes through this warp's own rows of sQ so the
-  // global stores are 16 bytes wide and coalesced.
-  const float softmax_scale = static_cast<float>(p.shape.softmax_scale);
+  // Epilogue: O /= l, lse = max * scale + ln(l) in natural-log units (scale = sm_scale, the
+  // soft-cap when on); rows that saw no key (l == 0) get O = 0 and lse = -inf. O goes through
+  // this warp's own rows of sQ so the global stores are 16 bytes wide and coalesced.
+  const float softmax_scale = p.consts.sm_scale;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -335,37 +356,78 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdPara
   prim::copy_tile_s2g<kBlockM, kHeadDim, kThreads>(gO, sQ, p.out_strides.row, rows_q, tid);
 }
 
-template <int kHeadDim, int kConfig, typename Element>
+// minBlocksPerSM = 1 explicitly: without it ptxas sometimes caps a kernel at 128 registers
+// (seen for d=64, 64x64 on sm_80) and spills instead of using the registers it may have.
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_kernel(const FwdParams p) {
+  flash_fwd_body<T, false, false>(p);
+}
+
+template <typename T, bool kSoftcap>
+__global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_spans_kernel(const FwdParams p) {
+  flash_fwd_body<T, true, kSoftcap>(p);
+}
+
+template <int kHeadDim, int kConfig, typename Element, bool kSpans, bool kSoftcap>
 void launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr int kBlockM = km::fwd_block_m(kHeadDim, kConfig);
   using T = Traits<kHeadDim, kBlockM, km::fwd_block_n(kHeadDim, kConfig), Element>;
   static_assert(T::kSmemBytes == km::fwd_smem_bytes(kHeadDim, kConfig) &&
                     T::kDynamicSmem == km::fwd_smem_dynamic(kHeadDim, kConfig),
                 "kernel_math.h and the kernel disagree on the shared memory budget");
-  auto kernel = &flash_fwd_kernel<T>;
+  static_assert(kSpans || !kSoftcap, "the soft-cap runs in the spans kernel");
+  void (*kernel)(const FwdParams);
+  if constexpr (kSpans) {
+    kernel = &flash_fwd_spans_kernel<T, kSoftcap>;
+  } else {
+    kernel = &flash_fwd_kernel<T>;
+  }
   const int dyn_smem = T::kDynamicSmem ? T::kSmemBytes : 0;
   if constexpr (T::kDynamicSmem) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn_smem),
                "flash fwd: cudaFuncSetAttribute(max dynamic shared memory)");
   }
-  const dim3 grid(static_cast<unsigned>(km::ceil_div(static_cast<int>(p.shape.seqlen_q), kBlockM)),
+  // (q tiles of the longest span x spans, heads, batch); flash_api.cu checked the limits.
+  const int64_t max_q = p.spans.count > 0 ? p.spans.max_q_len : p.shape.seqlen_q;
+  const int64_t n_spans = p.spans.count > 0 ? p.spans.count : 1;
+  const dim3 grid(static_cast<unsigned>(km::ceil_div(static_cast<int>(max_q), kBlockM) * n_spans),
                   static_cast<unsigned>(p.shape.nheads), static_cast<unsigned>(p.shape.batch));
-  kernel<<<grid, T::kThreads, dyn_smem, stream>>>(p);
+  if (grid.x == 0) return;  // every span is empty
+  FwdParams kp = p;
+  kp.consts = cuda_consts(p.shape);
+  kernel<<<grid, T::kThreads, dyn_smem, stream>>>(kp);
   check_cuda(cudaGetLastError(), "flash_fwd_kernel launch");
 }
 
 }  // namespace fwd
 
-// flash_api.cu has checked 0 <= p.config < km::kNumFwdConfigs.
+// flash_api.cu has checked 0 <= p.config < km::kNumFwdConfigs. Three kernels per tile:
+// <kSpans, kSoftcap> = <false, false> for the dense path (the registers it had before spans
+// existed), <true, false> and <true, true> for calls with spans and/or a soft-cap (kSpans
+// also takes a call without spans: the default span). Config 2 for d=128 has no register to
+// spare for the span state (255 on the dense path), so those calls run config 0's tile, as
+// its backward does.
+template <int kHeadDim, typename Element, bool kSpans, bool kSoftcap>
+void run_flash_fwd_variant(const FwdParams& p, cudaStream_t stream) {
+  static_assert(km::kNumFwdConfigs == 3, "dispatch every tile configuration");
+  constexpr bool kHasConfig2 = !(kSpans && kHeadDim == 128);
+  if (p.config == 1) {
+    fwd::launch_flash_fwd<kHeadDim, 1, Element, kSpans, kSoftcap>(p, stream);
+  } else if (p.config == 2 && kHasConfig2) {
+    fwd::launch_flash_fwd<kHeadDim, kHasConfig2 ? 2 : 0, Element, kSpans, kSoftcap>(p, stream);
+  } else {
+    fwd::launch_flash_fwd<kHeadDim, 0, Element, kSpans, kSoftcap>(p, stream);
+  }
+}
+
 template <int kHeadDim, typename Element>
 void run_flash_fwd(const FwdParams& p, cudaStream_t stream) {
-  static_assert(km::kNumFwdConfigs == 3, "dispatch every tile configuration");
-  if (p.config == 0) {
-    fwd::launch_flash_fwd<kHeadDim, 0, Element>(p, stream);
-  } else if (p.config == 1) {
-    fwd::launch_flash_fwd<kHeadDim, 1, Element>(p, stream);
+  if (p.shape.softcap > 0.0) {
+    run_flash_fwd_variant<kHeadDim, Element, true, true>(p, stream);
+  } else if (p.spans.count > 0) {
+    run_flash_fwd_variant<kHeadDim, Element, true, false>(p, stream);
   } else {
-    fwd::launch_flash_fwd<kHeadDim, 2, Element>(p, stream);
+    run_flash_fwd_variant<kHeadDim, Element, false, false>(p, stream);
   }
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../attn_params.h"
 #include "../kernel_math.h"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -124,6 +125,12 @@ RS_DEV float fast_exp2(float x) {
   return y;
 }
 
+// tanh(x) = 1 - 2 / (2^(2 x log2(e)) + 1): one MUFU exp2, one fast division. The error is
+// absolute (~1e-7; no relative accuracy near 0), which is what the soft-cap needs: its capped
+// score softcap * tanh(x / softcap) is then off by ~softcap * 1e-7. Saturates to exactly +-1
+// for large |x| (the exp2 gives inf or 0), never NaN for finite x.
+RS_DEV float fast_tanh(float x) { return 1.f - 2.f / (fast_exp2(x * 2.8853900817779268f) + 1.f); }
+
 // Two floats -> one .b32 of 16-bit elements, `lo` in the low half (the lower column of a
 // fragment pair), round to nearest even.
 template <typename Element>
@@ -221,6 +228,53 @@ RS_DEV void copy_tile_s2g(Element* gmem, const Element* smem, int64_t row_stride
 template <int kCols, typename Element>
 RS_DEV void store_pair_s(Element* smem, int row, int col, float lo, float hi) {
   *reinterpret_cast<uint32_t*>(smem + km::swz_offset(row, col, kCols)) = pack2<Element>(lo, hi);
+}
+
+// ----------------------------------------------------------------------------------------
+// Spans: which span and which of its tiles a CTA computes (docs/kernels.md, "Spans, bands and
+// softcap"). Grids are (tiles of the longest span x spans, ...): blockIdx.x = rank * n_spans +
+// span, so every span's first-ranked tiles are in the first wave; CTAs whose rank is past
+// their span's tiles return at once. last_first: rank 0 is the span's last tile (the
+// forward's and dQ kernel's heaviest under a causal band), else its first (the dK/dV
+// kernel's heaviest).
+//
+// kSpans = false: the call has no spans, and the one span comes from the shape in the
+// parameter bank. Why the kernels are compiled both ways: values loaded from the spans array
+// live in vector registers, and so does every address and range derived from them, where the
+// parameter-bank and blockIdx values of the dense path are uniform and cost none; the dense
+// path keeps the registers it had before spans existed (the 128 x 64 d=128 forward tile has
+// none to spare, see run_flash_fwd).
+// ----------------------------------------------------------------------------------------
+struct SpanTile {
+  int q_start, k_start;  // the span's first rows (< 2^30, flash_api.cu)
+  int q_len, k_len, lo, hi;  // lengths and the clamped band (|lo|, |hi| <= 2^30)
+  int block;                 // the CTA's tile within the span
+  bool valid;                // false: blockIdx.x is past its span's tiles
+};
+
+template <bool kSpans>
+RS_DEV SpanTile load_span_tile(const SpanList& spans, const AttnShape& shape, int tile, bool q_side,
+                               bool last_first) {
+  AttnSpan s;
+  int rank = static_cast<int>(blockIdx.x);
+  if (kSpans && spans.count > 0) {
+    const int n_spans = static_cast<int>(spans.count);
+    s = spans.data[rank % n_spans];
+    rank /= n_spans;
+  } else {
+    s = default_span(shape);
+  }
+  SpanTile out;
+  out.q_start = static_cast<int>(s.q_start);
+  out.k_start = static_cast<int>(s.k_start);
+  out.q_len = static_cast<int>(s.q_len);
+  out.k_len = static_cast<int>(s.k_len);
+  out.lo = static_cast<int>(s.band_lo);
+  out.hi = static_cast<int>(s.band_hi);
+  const int tiles = km::ceil_div(q_side ? out.q_len : out.k_len, tile);
+  out.valid = rank < tiles;
+  out.block = last_first ? tiles - 1 - rank : rank;
+  return out;
 }
 
 }  // namespace prim

@@ -17,6 +17,7 @@ from .extension import ExtensionBackend, extension_available, extension_has_cuda
 from .flash_attn import FlashAttnBackend, flash_attn_module
 from .reference import ReferenceBackend
 from .sdpa import SdpaBackend
+from .spans import UNBOUNDED, Span, as_spans_tensor, document_spans, window_band
 
 BACKEND_NAMES = ("ringseq", "sdpa", "reference", "flash_attn")
 
@@ -73,5 +74,5 @@ __all__ = [
     "AttentionBackend", "BACKEND_NAMES", "ExtensionBackend", "FlashAttnBackend",
     "ReferenceBackend", "SdpaBackend", "accum_dtype", "compute_delta", "available_backends", "check_qkv",
     "resolve_scale", "extension_available", "extension_has_cuda", "flash_attn_module",
-    "get_backend",
+    "get_backend", "UNBOUNDED", "Span", "as_spans_tensor", "document_spans", "window_band",
 ]

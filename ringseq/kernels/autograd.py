@@ -42,25 +42,15 @@ def fake_attention_outputs(q: Tensor) -> Tuple[Tensor, Tensor]:
     return out, q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
 
 
-def mask_kwargs(spans, softcap: float) -> dict:
-    """The block kernels' mask keywords for spans (an (n, 6) int64 tensor, a sequence of
-    6-tuples, or None) and softcap (0: off); empty for a plain causal/full block."""
-    kw = {}
-    if spans is not None:
-        kw["spans"] = [tuple(int(x) for x in row) for row in
-                       (spans.tolist() if isinstance(spans, Tensor) else spans)]
-    if softcap:
-        kw["softcap"] = float(softcap)
-    return kw
-
-
 def attention_backward(be: AttentionBackend, q, k, v, out, lse, softmax_scale: float,
                        causal: bool, grad_out: Optional[Tensor], grad_lse: Optional[Tensor],
-                       needs: Sequence[bool] = (True, True, True), **mask):
+                       needs: Sequence[bool] = (True, True, True), *, spans=None,
+                       softcap: float = 0.0):
     """(dq, dk, dv) of single-device attention, ``None`` for inputs that need no gradient.
 
     ``grad_out`` / ``grad_lse`` may be None (no gradient reached that output); a gradient
-    into lse needs a backend that takes a precomputed delta (RuntimeError otherwise)."""
+    into lse needs a backend that takes a precomputed delta (RuntimeError otherwise).
+    ``spans`` / ``softcap``: those of the forward (ringseq.kernels.spans)."""
     if not any(needs):
         return None, None, None
     if grad_out is None:
@@ -71,7 +61,8 @@ def attention_backward(be: AttentionBackend, q, k, v, out, lse, softmax_scale: f
     if grad_lse is not None:
         be.require_lse_grad()
         delta = compute_delta(grad_out, out, grad_lse)
-    grads = be.bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, delta, **mask)
+    grads = be.bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, delta, spans=spans,
+                   softcap=softcap)
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
@@ -101,8 +92,7 @@ def _backend(key: str) -> AttentionBackend:
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
                   backend: str, spans: Optional[Tensor] = None,
                   softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
-    out, lse = _backend(backend).fwd(q, k, v, softmax_scale, causal,
-                                     **mask_kwargs(spans, softcap))
+    out, lse = _backend(backend).fwd(q, k, v, softmax_scale, causal, spans=spans, softcap=softcap)
     # Outputs must be fresh tensors with the fake's layout (torch.compile trusts the fake).
     return out.contiguous(), lse.contiguous()
 
@@ -110,6 +100,8 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal:
 @_attention_op.register_fake
 def _(q, k, v, softmax_scale, causal, backend, spans=None, softcap=0.0):
     _fake_checks(q, k, v)
+    torch._check(softcap >= 0.0, lambda: f"softcap must be >= 0 (0 = off), got {softcap}")
+    torch._check(spans is None or not causal, lambda: "spans and causal=True cannot be combined")
     return fake_attention_outputs(q)
 
 
@@ -120,15 +112,15 @@ def _attention_backward_op(grad_out: Optional[Tensor], grad_lse: Optional[Tensor
                            needs: List[bool], spans: Optional[Tensor] = None,
                            softcap: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
     grads = attention_backward(_backend(backend), q, k, v, out, lse, softmax_scale, causal,
-                               grad_out, grad_lse, needs, **mask_kwargs(spans, softcap))
+                               grad_out, grad_lse, needs, spans=spans, softcap=softcap)
     # Custom ops return tensors: zero-size placeholders stand for the gradients not asked for.
     return tuple(g.contiguous() if g is not None else t.new_empty(0)
                  for g, t in zip(grads, (q, k, v)))
 
 
 @_attention_backward_op.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, causal, backend, needs,
-      spans=None, softcap=0.0):
+def _(grad_out, grad_lse, q, k, v, out, lse, softmax_scale, causal, backend, needs, spans=None,
+      softcap=0.0):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) if need
                  else t.new_empty(0) for t, need in zip((q, k, v), needs))
 
@@ -145,9 +137,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, causal, backend, spans, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (softmax_scale, causal, backend)
-    ctx.mask = (spans, softcap)
-    ctx.keep = _BY_KEY.get(backend)
+    ctx.spans = spans  # an int64 CPU tensor without gradient, or None
+    ctx.args = (softmax_scale, causal, backend, softcap)
     # An output nobody used then arrives as None, not zeros: no delta to compute (or refuse)
     # for an lse that carries no gradient.
     ctx.set_materialize_grads(False)
@@ -157,10 +148,11 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:3])
     if not any(needs):
-        return (None,) * 8
-    softmax_scale, causal, backend = ctx.args
+        return None, None, None, None, None, None, None, None
+    softmax_scale, causal, backend, softcap = ctx.args
     dq, dk, dv = _attention_backward_op(grad_out, grad_lse, q, k, v, out, lse, softmax_scale,
-                                        causal, backend, needs, *ctx.mask)
+                                        causal, backend, needs, ctx.spans, softcap)
+    ctx.keep = _BY_KEY.get(backend)
     return ((dq if needs[0] else None), (dk if needs[1] else None), (dv if needs[2] else None),
             None, None, None, None, None)
 
@@ -169,11 +161,10 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-              be: AttentionBackend, spans=None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+              be: AttentionBackend, *, spans=None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
     """Differentiable ``(out, lse)`` of ``be`` on validated inputs (see ringseq.flash_attn_func).
-    ``spans``: None (one block, ``causal``), or span rows ``(q_start, q_len, k_start, k_len,
-    band_lo, band_hi)`` (then ``causal`` is False); ``softcap``: 0 (off) or the cap."""
-    if spans is not None and not isinstance(spans, Tensor):
-        spans = torch.tensor([list(sp) for sp in spans], dtype=torch.int64).reshape(-1, 6)
-    return _attention_op(q, k, v, float(softmax_scale), bool(causal), backend_key(be), spans,
-                         float(softcap))
+
+    ``spans`` (None, an int64 (n, 6) CPU tensor or a list of 6-tuples) and ``softcap``:
+    ringseq.kernels.spans; checked here, before any work."""
+    spans, softcap = be.prepare_spans(q, k, causal, spans, softcap)
+    return _attention_op(q, k, v, float(softmax_scale), bool(causal), backend_key(be), spans, softcap)

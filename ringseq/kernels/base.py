@@ -1,11 +1,14 @@
 """The contract every attention backend implements, and the edge cases they share."""
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import einops
 import torch
 
 from .checks import accum_dtype, check_qkv, no_key_rows
 from .merge import merge_into
+from .spans import as_spans_tensor, check_softcap, check_spans
 
 
 class AttentionBackend:
@@ -20,8 +23,19 @@ class AttentionBackend:
     per-block gradients add up to the full ones. ``delta`` = rowsum(dout * out), (b, h, s_q) in
     the accumulation dtype, may be passed precomputed.
 
+    Spans, bands and soft-capping (docs/kernels.md, ``ringseq.kernels.spans``): ``fwd``,
+    ``fwd_accum``, ``bwd`` and ``bwd_accum`` take the keyword-only ``spans=None`` (None, an int64
+    (n, 6) CPU tensor or a list of ``(q_start, q_len, k_start, k_len, band_lo, band_hi)``
+    tuples; not combined with ``causal=True``) and ``softcap=0.0``. ``spans=None, softcap=0.0``
+    is the plain call. Rows outside every span get ``out = 0, lse = -inf`` and zero gradients
+    (untouched accumulators in the ``*_accum`` forms). A backend that cannot compute them
+    raises NotImplementedError (``supports_spans`` / ``supports_softcap``).
+
     Subclasses implement ``_fwd`` and ``_bwd`` for non-empty inputs; this class validates,
-    handles empty tensors and provides ``bwd_accum``.
+    handles empty tensors and provides ``bwd_accum``. A subclass that supports spans or a
+    soft-cap receives them as the keyword arguments ``spans`` (the checked tensor, or None) and
+    ``softcap`` (a float) of ``_fwd`` / ``_bwd``, and only when a call uses them: a subclass
+    written before spans existed keeps working for plain calls.
     """
 
     name = "base"
@@ -29,6 +43,9 @@ class AttentionBackend:
     supports_delta = True
     #: ``bwd`` may be given the merged out/lse of a ring instead of this call's own
     supports_global_backward = True
+    #: takes ``spans`` (bands, documents, windows) / ``softcap`` (see the class docstring)
+    supports_spans = False
+    supports_softcap = False
 
     def accum_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return accum_dtype(dtype)
@@ -51,48 +68,76 @@ class AttentionBackend:
                                f"computes delta from dout and out itself); use "
                                f"backend='ringseq' or 'reference'")
 
-    def fwd(self, q, k, v, softmax_scale: float, causal: bool):
+    def prepare_spans(self, q, k, causal: bool, spans, softcap) -> Tuple[Optional[torch.Tensor], float]:
+        """(spans as a checked int64 tensor or None, softcap as a float) for a call of this
+        backend; ValueError for values that do not fit, NotImplementedError when this backend
+        cannot compute them."""
+        spans = as_spans_tensor(spans)
+        softcap = check_softcap(softcap)
+        check_spans(spans, q.shape[1], k.shape[1], bool(causal))
+        if spans is not None and not self.supports_spans:
+            raise NotImplementedError(f"backend {self.name!r} does not support spans (bands, sliding "
+                                      f"windows, packed documents); use backend='ringseq' or 'reference'")
+        if softcap > 0.0 and not self.supports_softcap:
+            raise NotImplementedError(f"backend {self.name!r} does not support logit soft-capping "
+                                      f"(softcap={softcap}); use backend='ringseq' or 'reference'")
+        return spans, softcap
+
+    @staticmethod
+    def _extra(spans, softcap) -> dict:
+        """The keyword arguments of _fwd/_bwd for a call that uses spans or a soft-cap."""
+        return {} if spans is None and softcap == 0.0 else {"spans": spans, "softcap": softcap}
+
+    def fwd(self, q, k, v, softmax_scale: float, causal: bool, *, spans=None, softcap: float = 0.0):
         """Returns ``(out, lse)``; raises ValueError on inputs that do not fit (see checks.py).
-        ``softmax_scale`` is a resolved float (the callers apply the default)."""
+        ``softmax_scale`` is a resolved float (the callers apply the default); ``spans`` and
+        ``softcap`` as in the class docstring."""
         self._check(q, k, v)
+        spans, softcap = self.prepare_spans(q, k, causal, spans, softcap)
         b, s_q, h, _ = q.shape
-        if q.numel() == 0 or k.shape[1] == 0:
+        if q.numel() == 0 or k.shape[1] == 0 or (spans is not None and spans.shape[0] == 0):
             out = torch.zeros_like(q, memory_format=torch.contiguous_format)
             lse = torch.full((b, h, s_q), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
             return out, lse
-        return self._fwd(q, k, v, float(softmax_scale), bool(causal))
+        return self._fwd(q, k, v, float(softmax_scale), bool(causal), **self._extra(spans, softcap))
 
-    def fwd_accum(self, q, k, v, softmax_scale: float, causal: bool, out_acc, lse_acc) -> None:
+    def fwd_accum(self, q, k, v, softmax_scale: float, causal: bool, out_acc, lse_acc, *,
+                  spans=None, softcap: float = 0.0) -> None:
         """Merges this block's attention into a running (out_acc, lse_acc) in place.
 
         out_acc (b, s_q, h, d) and lse_acc (b, h, s_q) in the accumulation dtype (views
-        allowed); rows with lse_acc = -inf hold nothing yet. Default: fwd, then merge_into.
+        allowed); rows with lse_acc = -inf hold nothing yet. Default: fwd, then merge_into
+        (rows outside every span come back with lse = -inf, so they stay untouched).
         """
-        o_b, l_b = self.fwd(q, k, v, softmax_scale, causal)
+        o_b, l_b = self.fwd(q, k, v, softmax_scale, causal, spans=spans, softcap=softcap)
         merge_into(out_acc, lse_acc, o_b, l_b)
 
-    def bwd(self, dout, q, k, v, out, lse, softmax_scale: float, causal: bool, delta=None):
+    def bwd(self, dout, q, k, v, out, lse, softmax_scale: float, causal: bool, delta=None, *,
+            spans=None, softcap: float = 0.0):
         """Returns ``(dq, dk, dv)`` in the input dtype."""
         self._check(q, k, v)
+        spans, softcap = self.prepare_spans(q, k, causal, spans, softcap)
         if delta is not None:
             self.require_lse_grad()
-        if q.numel() == 0 or k.shape[1] == 0:
+        if q.numel() == 0 or k.shape[1] == 0 or (spans is not None and spans.shape[0] == 0):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return self._bwd(dout, q, k, v, out, lse, float(softmax_scale), bool(causal), delta)
+        return self._bwd(dout, q, k, v, out, lse, float(softmax_scale), bool(causal), delta,
+                         **self._extra(spans, softcap))
 
     def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale: float, causal: bool, delta,
-                  dq_accum, dk_accum, dv_accum) -> None:
-        """Adds this block's gradients into accumulation-dtype buffers (views allowed)."""
+                  dq_accum, dk_accum, dv_accum, *, spans=None, softcap: float = 0.0) -> None:
+        """Adds this block's gradients into accumulation-dtype buffers (views allowed); rows
+        outside every span get zero added."""
         dq, dk, dv = self.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
-                              delta if self.supports_delta else None)
+                              delta if self.supports_delta else None, spans=spans, softcap=softcap)
         dq_accum.add_(dq)
         dk_accum.add_(dk)
         dv_accum.add_(dv)
 
-    def _fwd(self, q, k, v, scale, causal):
+    def _fwd(self, q, k, v, scale, causal, **spans_softcap):
         raise NotImplementedError
 
-    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
+    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta, **spans_softcap):
         raise NotImplementedError
 
     def __repr__(self):

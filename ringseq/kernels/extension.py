@@ -1,11 +1,15 @@
 """ringseq's own kernels (``torch.ops.ringseq.*``): loading, fake impls, autograd, backend.
 
-Operators (csrc/ops.cpp):
-  fwd(q, k, v, softmax_scale, causal, tile_config=0) -> (out, lse)
-  fwd_accum(q, k, v, softmax_scale, causal, out_acc!, lse_acc!, tile_config=0) -> ()   (CPU)
-  bwd(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0) -> (dq, dk, dv)
+Operators (csrc/ops.cpp); spans / softcap: docs/kernels.md, "Spans, bands and softcap":
+  fwd(q, k, v, softmax_scale, causal, tile_config=0, spans=None, softcap=0.0) -> (out, lse)
+  fwd_accum(q, k, v, softmax_scale, causal, out_acc!, lse_acc!, tile_config=0, spans=None,
+            softcap=0.0) -> ()   (CPU)
+  bwd(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0, spans=None,
+      softcap=0.0) -> (dq, dk, dv)
   bwd_accum(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum!, dk_accum!,
-            dv_accum!, tile_config=0) -> ()
+            dv_accum!, tile_config=0, spans=None, softcap=0.0) -> ()
+  _tiles_visited(reset=False) -> [fwd, bwd]: (q tile, kv tile) pairs the CPU kernels computed,
+            summed over batch and heads (a test statistic)
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch
 
 from .autograd import _fake_checks, attention_backward, backend_key, fake_attention_outputs
 from .base import AttentionBackend
+from .spans import spans_given
 
 _IMPORT_ERROR: Exception | None = None
 try:
@@ -30,16 +35,43 @@ def extension_has_cuda() -> bool:
     return _C is not None and bool(getattr(_C, "WITH_CUDA", False))
 
 
+def cpu_isa() -> str | None:
+    """The ISA level the CPU kernel runs: "baseline", "avx2" or "avx512" (None when
+    ringseq._C is not built). Chosen at the first kernel call from cpuid, or forced with
+    RINGSEQ_CPU_ISA=baseline|avx2|avx512 (read at that first call); a forced level this CPU or
+    this build lacks raises RuntimeError here and in every kernel call."""
+    return None if _C is None else _C.cpu_isa()
+
+
+def cpu_isa_levels() -> list:
+    """ISA levels built into ringseq._C that this CPU can run, lowest first ([] if not built)."""
+    return [] if _C is None else list(_C.cpu_isa_supported())
+
+
+def _spans_fake_checks(spans, softcap, causal):
+    """The fake impls' checks of spans / softcap (their values are the binding's to check)."""
+    torch._check(softcap >= 0.0, lambda: f"softcap must be >= 0 (0 = off), got {softcap}")
+    if spans is not None:
+        torch._check(not causal, lambda: "spans and causal=True cannot be combined")
+        torch._check(spans.dim() == 2 and spans.shape[1] == 6,
+                     lambda: f"spans must be (n, 6), got shape {tuple(spans.shape)}")
+        torch._check(spans.dtype == torch.int64, lambda: f"spans must be int64, got {spans.dtype}")
+        torch._check(spans.device.type == "cpu", lambda: f"spans must be a CPU tensor, got {spans.device}")
+
+
 if _C is not None:
 
     @torch.library.register_fake("ringseq::fwd")
-    def _fwd_fake(q, k, v, softmax_scale, causal, tile_config=0):
+    def _fwd_fake(q, k, v, softmax_scale, causal, tile_config=0, spans=None, softcap=0.0):
         _fake_checks(q, k, v)
+        _spans_fake_checks(spans, softcap, causal)
         return fake_attention_outputs(q)
 
     @torch.library.register_fake("ringseq::fwd_accum")
-    def _fwd_accum_fake(q, k, v, softmax_scale, causal, out_acc, lse_acc, tile_config=0):
+    def _fwd_accum_fake(q, k, v, softmax_scale, causal, out_acc, lse_acc, tile_config=0, spans=None,
+                        softcap=0.0):
         _fake_checks(q, k, v)
+        _spans_fake_checks(spans, softcap, causal)
         b, s_q, h, _ = q.shape
         torch._check(out_acc.shape == q.shape, lambda: "out_acc must have the shape of q")
         torch._check(lse_acc.shape == (b, h, s_q), lambda: "lse_acc must be (b, h, s_q)")
@@ -53,14 +85,17 @@ if _C is not None:
         torch._check(lse.shape == (b, h, s_q), lambda: "lse must be (b, h, s_q)")
 
     @torch.library.register_fake("ringseq::bwd")
-    def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0):
+    def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0, spans=None,
+                  softcap=0.0):
         _check_grad_inputs(dout, q, k, v, out, lse)
+        _spans_fake_checks(spans, softcap, causal)
         return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
     @torch.library.register_fake("ringseq::bwd_accum")
     def _bwd_accum_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum,
-                        dk_accum, dv_accum, tile_config=0):
+                        dk_accum, dv_accum, tile_config=0, spans=None, softcap=0.0):
         _check_grad_inputs(dout, q, k, v, out, lse)
+        _spans_fake_checks(spans, softcap, causal)
         torch._check(dq_accum.shape == q.shape and dk_accum.shape == k.shape
                      and dv_accum.shape == v.shape,
                      lambda: "dq/dk/dv accumulators must have the shapes of q/k/v")
@@ -68,18 +103,24 @@ if _C is not None:
 
     def _fwd_setup_context(ctx, inputs, output):
         q, k, v, softmax_scale, causal, *rest = inputs
+        tile_config = rest[0] if len(rest) > 0 else 0
+        spans = rest[1] if len(rest) > 1 else None
+        softcap = rest[2] if len(rest) > 2 else 0.0
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (softmax_scale, causal, ExtensionBackend.instance(rest[0] if rest else 0))
+        ctx.spans = spans  # an int64 CPU tensor (no gradient), or None
+        ctx.args = (softmax_scale, causal, ExtensionBackend.instance(tile_config), softcap)
+        ctx.n_inputs = len(inputs)
         ctx.set_materialize_grads(False)
 
     def _fwd_backward(ctx, grad_out, grad_lse):
         # The raw operator's gradient (for callers of torch.ops.ringseq.fwd): the same rule
         # as flash_attn_func's, in one place.
-        softmax_scale, causal, be = ctx.args
+        softmax_scale, causal, be, softcap = ctx.args
         grads = attention_backward(be, *ctx.saved_tensors, softmax_scale, causal, grad_out,
-                                   grad_lse, ctx.needs_input_grad[:3])
-        return (*grads, None, None, None)
+                                   grad_lse, ctx.needs_input_grad[:3], spans=ctx.spans,
+                                   softcap=softcap)
+        return (*grads, *([None] * (ctx.n_inputs - 3)))
 
     torch.library.register_autograd("ringseq::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
@@ -88,6 +129,8 @@ class ExtensionBackend(AttentionBackend):
     """The C++/CUDA kernels of this package (CPU: every float dtype; CUDA: see README)."""
 
     name = "ringseq"
+    supports_spans = True
+    supports_softcap = True
     _INSTANCES: dict = {}
 
     def __init__(self, tile_config: int = 0):
@@ -115,21 +158,32 @@ class ExtensionBackend(AttentionBackend):
             return f"ringseq kernels run on CPU and CUDA tensors, got {device}"
         return None
 
-    def _fwd(self, q, k, v, scale, causal):
-        return torch.ops.ringseq.fwd(q, k, v, scale, causal, self.tile_config)
+    # Plain calls keep the operators' original argument lists; spans / softcap are appended only
+    # when used.
+    def _span_args(self, spans, softcap):
+        return (spans, float(softcap)) if spans_given(spans, softcap) else ()
 
-    def fwd_accum(self, q, k, v, softmax_scale, causal, out_acc, lse_acc) -> None:
+    def _fwd(self, q, k, v, scale, causal, spans=None, softcap=0.0):
+        return torch.ops.ringseq.fwd(q, k, v, scale, causal, self.tile_config, *self._span_args(spans, softcap))
+
+    def fwd_accum(self, q, k, v, softmax_scale, causal, out_acc, lse_acc, *, spans=None,
+                  softcap=0.0) -> None:
         if q.device.type != "cpu":  # the CUDA kernel has no merge mode yet
-            return super().fwd_accum(q, k, v, softmax_scale, causal, out_acc, lse_acc)
+            return super().fwd_accum(q, k, v, softmax_scale, causal, out_acc, lse_acc, spans=spans,
+                                     softcap=softcap)
         self._check(q, k, v)
+        spans, softcap = self.prepare_spans(q, k, causal, spans, softcap)
         torch.ops.ringseq.fwd_accum(q, k, v, float(softmax_scale), bool(causal), out_acc, lse_acc,
-                                    self.tile_config)
+                                    self.tile_config, *self._span_args(spans, softcap))
 
-    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
-        return torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, delta, self.tile_config)
+    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta, spans=None, softcap=0.0):
+        return torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, delta, self.tile_config,
+                                     *self._span_args(spans, softcap))
 
     def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum, dk_accum,
-                  dv_accum) -> None:
+                  dv_accum, *, spans=None, softcap=0.0) -> None:
         self._check(q, k, v)
+        spans, softcap = self.prepare_spans(q, k, causal, spans, softcap)
         torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, float(softmax_scale), bool(causal),
-                                    delta, dq_accum, dk_accum, dv_accum, self.tile_config)
+                                    delta, dq_accum, dk_accum, dv_accum, self.tile_config,
+                                    *self._span_args(spans, softcap))

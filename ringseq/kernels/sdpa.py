@@ -6,6 +6,11 @@ otherwise ``aten._scaled_dot_product_efficient_attention`` with a bottom-right m
 These ops compute delta from ``dout`` and ``out`` themselves, which is exact when ``out`` is the
 (global) output the ``lse`` belongs to, but they cannot take a different delta.
 GQA is handled by expanding K/V heads here (torch's ops need equal head counts).
+
+Spans (bands, windows, documents) become an additive -inf bias of the same visibility, which
+these ops take exactly (rows that see nothing are set to out = 0, lse = -inf here). Logit
+soft-capping cannot be expressed: it applies tanh to each score inside the kernel, before the
+softmax, and the bias is only added; such calls raise NotImplementedError.
 """
 from __future__ import annotations
 
@@ -14,23 +19,32 @@ import torch.nn.functional as F
 
 from .base import AttentionBackend, expand_kv, finite_lse, reduce_kv
 from .checks import causal_mask, no_key_rows
+from .spans import visible_mask
 
 aten = torch.ops.aten
 
 
-def _bias(s_q, s_k, causal, dtype, device):
-    """Additive bottom-right causal bias (s_q, s_k), or None when is_causal/no mask does it.
+def _bias(s_q, s_k, causal, dtype, device, spans=None):
+    """Additive bias (s_q, s_k): -inf where the bottom-right causal mask or the spans hide a
+    key, or None when is_causal/no mask does it.
 
     Its rows start on 16-element boundaries (a view of a padded buffer): CUDA's
     memory-efficient kernel rejects a bias whose row stride is not aligned."""
-    if not causal or s_q == s_k:
+    if spans is None and (not causal or s_q == s_k):
         return None
+    visible = causal_mask(s_q, s_k, device) if spans is None else visible_mask(spans, s_q, s_k, False, device)
     bias = torch.zeros(s_q, s_k + (-s_k) % 16, dtype=dtype, device=device)[:, :s_k]
-    return bias.masked_fill_(~causal_mask(s_q, s_k, device), float("-inf"))
+    return bias.masked_fill_(~visible, float("-inf"))
 
 
-def _zero_unseen_rows(out_bhsd, lse, s_q, s_k, causal):
+def _zero_unseen_rows(out_bhsd, lse, s_q, s_k, causal, bias=None):
     """torch's ops give lse = 0 (or NaN) for rows that see no key; the contract says -inf, out 0."""
+    if bias is not None:
+        unseen = torch.isneginf(bias).all(dim=-1)  # (s_q,): rows whose every key is hidden
+        if bool(unseen.any()):
+            lse.masked_fill_(unseen, float("-inf"))
+            out_bhsd.masked_fill_(unseen[:, None], 0.0)
+        return out_bhsd, lse
     n = no_key_rows(s_q, s_k, causal)
     if n:
         lse[..., :n] = float("-inf")
@@ -41,6 +55,15 @@ def _zero_unseen_rows(out_bhsd, lse, s_q, s_k, causal):
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     supports_delta = False
+    supports_spans = True  # as an additive bias
+
+    def prepare_spans(self, q, k, causal, spans, softcap):
+        if softcap:
+            raise NotImplementedError(
+                f"backend 'sdpa' cannot do logit soft-capping (softcap={softcap}): torch's SDPA ops "
+                f"would have to apply tanh to each score inside the kernel, which an additive mask "
+                f"cannot express; use backend='ringseq' or 'reference'")
+        return super().prepare_spans(q, k, causal, spans, softcap)
 
     def unsupported_reason(self, device, dtype, headdim):
         if device.type not in ("cpu", "cuda"):
@@ -53,13 +76,13 @@ class SdpaBackend(AttentionBackend):
         return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
                 and q.shape[-1] % 8 == 0)
 
-    def _fwd(self, q, k, v, scale, causal):
+    def _fwd(self, q, k, v, scale, causal, spans=None, softcap=0.0):
         b, s_q, h, d = q.shape
         s_k = k.shape[1]
         qt = q.transpose(1, 2)  # (b, h, s_q, d)
         kt = expand_kv(k, h).transpose(1, 2)  # (b, h, s_k, d)
         vt = expand_kv(v, h).transpose(1, 2)
-        bias = _bias(s_q, s_k, causal, q.dtype, q.device)
+        bias = _bias(s_q, s_k, causal, q.dtype, q.device, spans)
         is_causal = causal and bias is None
         if q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -74,10 +97,10 @@ class SdpaBackend(AttentionBackend):
                 qt, kt, vt, bias, True, 0.0, is_causal, scale=scale)[:2]
             lse = lse[..., :s_q]  # the CUDA kernel pads lse to a multiple of 32 rows
         lse = lse.to(self.accum_dtype(q.dtype)).contiguous()
-        out, lse = _zero_unseen_rows(out, lse, s_q, s_k, causal)
+        out, lse = _zero_unseen_rows(out, lse, s_q, s_k, causal, bias if spans is not None else None)
         return out.transpose(1, 2), lse  # (b, s_q, h, d), (b, h, s_q)
 
-    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
+    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta, spans=None, softcap=0.0):
         b, s_q, h, d = q.shape
         s_k, h_kv = k.shape[1], k.shape[2]
         qt = q.transpose(1, 2)
@@ -86,7 +109,7 @@ class SdpaBackend(AttentionBackend):
         ot = out.transpose(1, 2)
         dot = dout.transpose(1, 2)
         lse = finite_lse(lse).float() if q.dtype != torch.float64 else finite_lse(lse)
-        bias = _bias(s_q, s_k, causal, q.dtype, q.device)
+        bias = _bias(s_q, s_k, causal, q.dtype, q.device, spans)
         is_causal = causal and bias is None
         if q.device.type == "cpu":
             dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(

@@ -7,6 +7,10 @@
 //   index_math_dump mask s_q s_k causal pad -> key_visible for i < s_q + pad, j < s_k + pad
 //   index_math_dump aligned < lines -> per line "addr stride_b stride_s stride_h size_b size_s
 //                                      size_h": rows_aligned (the CUDA binding's stride check)
+//   index_math_dump band32|band64 < lines -> per line "q_len k_len block_m block_n lo hi" (raw
+//                                      int64 bands): the band helpers instantiated for int (the
+//                                      CUDA kernels) or int64_t (the CPU kernels)
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -159,6 +163,81 @@ void dump_aligned() {
   std::printf("]\n");
 }
 
+// The band helpers for one span, instantiated for index type I. The raw bounds are clamped in
+// 64 bits first (band_clamp, as the binding does) and then narrowed, like the CUDA binding.
+template <typename I>
+void dump_band_case(int64_t q_len64, int64_t k_len64, int64_t bm64, int64_t bn64, int64_t lo_raw,
+                    int64_t hi_raw, bool first) {
+  const int64_t lo64 = km::band_clamp<int64_t>(lo_raw, q_len64, k_len64);
+  const int64_t hi64 = km::band_clamp<int64_t>(hi_raw, q_len64, k_len64);
+  const I q_len = I(q_len64), k_len = I(k_len64), bm = I(bm64), bn = I(bn64), lo = I(lo64), hi = I(hi64);
+  const I m_blocks = (q_len + bm - 1) / bm, n_blocks = (k_len + bn - 1) / bn;
+  std::printf("%s{\"q_len\": %lld, \"k_len\": %lld, \"block_m\": %lld, \"block_n\": %lld, "
+              "\"lo_raw\": %lld, \"hi_raw\": %lld, \"lo\": %lld, \"hi\": %lld,\n",
+              first ? "" : ",\n", (long long)q_len, (long long)k_len, (long long)bm, (long long)bn,
+              (long long)lo_raw, (long long)hi_raw, (long long)lo, (long long)hi);
+  // The element mask, for spans small enough to check element by element.
+  std::printf(" \"visible\": [");
+  for (I i = 0; i < q_len && int64_t(q_len) * (k_len + 3) <= (int64_t(1) << 20); ++i) {
+    std::printf("%s\"", i ? ", " : "");
+    for (I j = 0; j < k_len + 3; ++j) std::printf("%c", km::band_visible(i, j, k_len, lo, hi) ? '1' : '0');
+    std::printf("\"");
+  }
+  auto pr = [](const km::Range<I>& r) { std::printf("[%lld, %lld]", (long long)r.begin, (long long)r.end); };
+  std::printf("],\n \"kv_blocks\": [");
+  for (I m = 0; m < m_blocks; ++m) {
+    std::printf("%s", m ? ", " : "");
+    pr(km::band_kv_blocks(m, bm, bn, q_len, k_len, lo, hi));
+  }
+  std::printf("],\n \"unmasked\": [");
+  for (I m = 0; m < m_blocks; ++m) {
+    std::printf("%s", m ? ", " : "");
+    pr(km::band_unmasked_kv_blocks(m, bm, bn, q_len, k_len, lo, hi));
+  }
+  std::printf("],\n \"needs_mask\": [");
+  for (I m = 0; m < m_blocks; ++m) {
+    std::printf("%s\"", m ? ", " : "");
+    for (I n = 0; n < n_blocks; ++n)
+      std::printf("%c", km::band_block_needs_mask(m, n, bm, bn, q_len, k_len, lo, hi) ? '1' : '0');
+    std::printf("\"");
+  }
+  std::printf("],\n \"q_blocks\": [");
+  for (I n = 0; n < n_blocks; ++n) {
+    std::printf("%s", n ? ", " : "");
+    pr(km::band_q_blocks(n, bm, bn, q_len, k_len, lo, hi));
+  }
+  // Element-exact forms (the CPU kernels): the key range of each row tile and, walking it in
+  // steps of block_n from its first key, whether each step's block is full; the row range of
+  // each key tile.
+  std::printf("],\n \"key_range\": [");
+  for (I m = 0; m < m_blocks; ++m) {
+    const I r0 = m * bm, r1 = km::min_of((m + 1) * bm, q_len);
+    const km::Range<I> keys = km::band_key_range(r0, r1, k_len, lo, hi);
+    std::printf("%s[%lld, %lld, \"", m ? ", " : "", (long long)keys.begin, (long long)keys.end);
+    for (I c0 = keys.begin; c0 < keys.end; c0 += bn)
+      std::printf("%c", km::band_block_full(r0, r1, c0, km::min_of(c0 + bn, keys.end), k_len, lo, hi) ? '1' : '0');
+    std::printf("\"]");
+  }
+  std::printf("],\n \"row_range\": [");
+  for (I n = 0; n < n_blocks; ++n) {
+    std::printf("%s", n ? ", " : "");
+    pr(km::band_row_range(n * bn, km::min_of((n + 1) * bn, k_len), q_len, k_len, lo, hi));
+  }
+  std::printf("]}");
+}
+
+void dump_band(bool wide) {
+  long long sq, sk, bm, bn, lo, hi;
+  std::printf("[");
+  bool first = true;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld", &sq, &sk, &bm, &bn, &lo, &hi) == 6) {
+    if (wide) dump_band_case<int64_t>(sq, sk, bm, bn, lo, hi, first);
+    else dump_band_case<int>(sq, sk, bm, bn, lo, hi, first);
+    first = false;
+  }
+  std::printf("]\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -166,12 +245,14 @@ int main(int argc, char** argv) {
     dump_static();
   } else if (argc >= 2 && std::strcmp(argv[1], "cases") == 0) {
     dump_cases();
+  } else if (argc >= 2 && (std::strcmp(argv[1], "band32") == 0 || std::strcmp(argv[1], "band64") == 0)) {
+    dump_band(std::strcmp(argv[1], "band64") == 0);
   } else if (argc >= 2 && std::strcmp(argv[1], "aligned") == 0) {
     dump_aligned();
   } else if (argc == 6 && std::strcmp(argv[1], "mask") == 0) {
     dump_mask(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]) != 0, std::atoi(argv[5]));
   } else {
-    std::fprintf(stderr, "usage: %s static | cases | aligned | mask s_q s_k causal pad\n", argv[0]);
+    std::fprintf(stderr, "usage: %s static | cases | aligned | band32 | band64 | mask s_q s_k causal pad\n", argv[0]);
     return 2;
   }
   return 0;

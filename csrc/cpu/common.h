@@ -1,0 +1,157 @@
+// Shared pieces of the CPU forward and backward (one copy per ISA level, see vec.h): dtype
+// dispatch, strided tile packing, per-thread scratch and the work scheduler.
+#pragma once
+
+#include <cstdlib>
+#include <type_traits>  // traits only: no code
+
+#include "../attn_params.h"
+#include "../kernel_math.h"
+#include "isa.h"
+#include "vec.h"
+
+namespace ringseq {
+namespace cpu {
+namespace RINGSEQ_CPU_ISA_NS {
+
+template <typename F>
+void dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: f(float{}); break;
+    case DType::kFloat64: f(double{}); break;
+    case DType::kBFloat16: f(bf16_t{}); break;
+    case DType::kFloat16: f(f16_t{}); break;
+    default: hook_fail("ringseq CPU kernel: unsupported dtype", 0);
+  }
+}
+
+// Element (b, s, h, 0) of a (b, s, h, d) tensor.
+template <typename P>
+RS_INLINE P* row_ptr(P* base, const RowStrides& st, int64_t b, int64_t s, int64_t h) {
+  return base + b * st.batch + s * st.row + h * st.head;
+}
+
+// dst (rows x dpad, row stride ldd) = src (rows x d, row stride ld) converted to T; columns
+// [d, dpad) are zero.
+template <typename T, typename in_t>
+inline void pack_rows(const in_t* src, int64_t ld, int64_t rows, int64_t d, T* dst, int64_t ldd,
+                      int64_t dpad) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const in_t* s = src + r * ld;
+    T* o = dst + r * ldd;
+    for (int64_t c = 0; c < d; ++c) o[c] = to_acc<T>(s[c]);
+    for (int64_t c = d; c < dpad; ++c) o[c] = T(0);
+  }
+}
+
+// A tile of `rows` x `d` as a GEMM operand in T: the input itself when it already is T and its
+// rows are packed whole vectors (row stride dpad), else a converted, zero-padded copy in `buf`
+// (row stride dpad). Returns the pointer and sets `ld` to its row stride. Strided tiles are
+// always copied: rows of a (b, s, h, d) tensor lie h·d elements apart, often a multiple of
+// 4 KiB, and reading many of them in place makes every row of a tile compete for the same L1
+// sets (a copy costs ~1/(2·tile) of the GEMM work on it and measured up to 1.4x faster).
+template <typename T, typename in_t>
+inline const T* rows_as(const in_t* src, int64_t src_ld, int64_t rows, int64_t d, int64_t dpad,
+                        T* buf, int64_t& ld) {
+  if constexpr (kSame<T, in_t>) {
+    if (d == dpad && (src_ld == dpad || rows == 1)) {
+      ld = dpad;
+      return src;
+    }
+  }
+  pack_rows(src, src_ld, rows, d, buf, dpad, dpad);
+  ld = dpad;
+  return buf;
+}
+
+// dst (d x cols_pad, row stride ldd) = scale · srcᵀ for a `rows` x `d` source; columns
+// [rows, cols_pad) are zero.
+template <typename T, typename in_t>
+inline void pack_transposed(const in_t* src, int64_t ld, int64_t rows, int64_t d, T scale, T* dst,
+                            int64_t ldd, int64_t cols_pad) {
+  constexpr int64_t kR = 8;  // rows per pass: 8 contiguous stores per column
+  int64_t r0 = 0;
+  for (; r0 + kR <= rows; r0 += kR) {
+    const in_t* s = src + r0 * ld;
+    for (int64_t c = 0; c < d; ++c) {
+      T* o = dst + c * ldd + r0;
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < kR; ++r) o[r] = to_acc<T>(s[r * ld + c]) * scale;
+    }
+  }
+  for (; r0 < rows; ++r0) {
+    const in_t* s = src + r0 * ld;
+    for (int64_t c = 0; c < d; ++c) dst[c * ldd + r0] = to_acc<T>(s[c]) * scale;
+  }
+  for (int64_t c = 0; c < d; ++c) fill(dst + c * ldd + rows, cols_pad - rows, T(0));
+}
+
+// Writes (or, with accumulate, adds) `rows` x `d` of src (row stride lds) times one scale per
+// row (nullptr: 1) to a strided destination.
+template <typename out_t, typename T>
+inline void store_rows(const T* src, int64_t lds, int64_t rows, int64_t d, const T* row_scale,
+                       out_t* dst, int64_t ld, bool accumulate) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* s = src + r * lds;
+    out_t* o = dst + r * ld;
+    const T sc = row_scale ? row_scale[r] : T(1);
+    if constexpr (kSame<out_t, T>) {
+      if (accumulate) {
+        for (int64_t c = 0; c < d; ++c) o[c] += s[c] * sc;
+        continue;
+      }
+    }
+    for (int64_t c = 0; c < d; ++c) o[c] = from_acc<out_t>(s[c] * sc);
+  }
+}
+
+// 64-byte aligned scratch owned by one worker thread (or one call).
+template <typename T>
+struct Scratch {
+  T* ptr = nullptr;
+  explicit Scratch(int64_t n) {
+    const int64_t bytes = round_up(imax(n, 1) * static_cast<int64_t>(sizeof(T)), 64);
+    ptr = static_cast<T*>(std::aligned_alloc(64, static_cast<size_t>(bytes)));
+    if (ptr == nullptr) hook_fail("ringseq CPU kernel: out of memory for scratch", bytes);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  Scratch(Scratch&& o) noexcept : ptr(o.ptr) { o.ptr = nullptr; }
+  ~Scratch() { std::free(ptr); }
+  T* get() const { return ptr; }
+};
+
+// Runs work(state, item) for item in [0, n) on torch's intra-op threads. Items are claimed from
+// a shared counter in order, so callers list expensive items first and the tail stays short;
+// each item writes disjoint outputs, so results do not depend on which thread ran it.
+// make_state() builds per-thread scratch once per thread, not once per item.
+template <typename MakeState, typename Work>
+void run_items(int64_t n, MakeState&& make_state, Work&& work) {
+  if (n <= 0) return;
+  using M = std::remove_cv_t<std::remove_reference_t<MakeState>>;
+  using W = std::remove_cv_t<std::remove_reference_t<Work>>;
+  struct Ctx {
+    int64_t n;
+    int64_t next;
+    M* make_state;
+    W* work;
+  } ctx{n, 0, &make_state, &work};
+  auto body = [](void* p) {
+    Ctx& c = *static_cast<Ctx*>(p);
+    auto state = (*c.make_state)();
+    for (int64_t i = __atomic_fetch_add(&c.next, 1, __ATOMIC_RELAXED); i < c.n;
+         i = __atomic_fetch_add(&c.next, 1, __ATOMIC_RELAXED)) {
+      (*c.work)(state, i);
+    }
+  };
+  const int64_t nthreads = imin(hook_num_threads(), n);
+  if (nthreads <= 1) {
+    body(&ctx);
+  } else {
+    hook_parallel(nthreads, body, &ctx);
+  }
+}
+
+}  // namespace RINGSEQ_CPU_ISA_NS
+}  // namespace cpu
+}  // namespace ringseq

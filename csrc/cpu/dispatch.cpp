@@ -1,0 +1,233 @@
+// Runtime ISA dispatch of the CPU kernel, the way ATen's CPU_CAPABILITY does it: the kernel's
+// translation units are compiled once per level into this extension (setup.py), and the first
+// call picks the best level the CPU supports (cpuid, and xgetbv for the OS-enabled register
+// state), or the level RINGSEQ_CPU_ISA forces. The choice is cached in one atomic pointer; the
+// first resolution runs under a mutex, so concurrent first calls agree.
+//
+// This unit is compiled for the baseline target only (it runs on every CPU); it is also where
+// the per-level units reach torch (isa.h hooks).
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "flash_cpu.h"
+#include "isa.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define RINGSEQ_X86 1
+#endif
+
+namespace ringseq {
+namespace cpu {
+
+int hook_num_threads() { return at::get_num_threads(); }
+
+void hook_parallel(int64_t nthreads, void (*body)(void*), void* ctx) {
+  at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) body(ctx);
+  });
+}
+
+void hook_fail(const char* what, int64_t bytes) {
+  if (bytes > 0) TORCH_CHECK(false, what, " (", bytes, " bytes)");
+  TORCH_CHECK(false, what);
+}
+
+namespace {
+
+enum Level : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kNumLevels = 3 };
+
+struct LevelInfo {
+  const char* name;
+  const KernelTable* (*table)();  // nullptr: not built
+  const char* requires_;          // what the CPU must have, for error messages
+};
+
+const LevelInfo kLevels[kNumLevels] = {
+    {"baseline", &baseline::kernel_table, "nothing beyond the build target"},
+#if defined(RINGSEQ_CPU_HAVE_AVX2)
+    {"avx2", &avx2::kernel_table, "AVX2, FMA and F16C with OS support for YMM state"},
+#else
+    {"avx2", nullptr, "AVX2, FMA and F16C with OS support for YMM state"},
+#endif
+#if defined(RINGSEQ_CPU_HAVE_AVX512)
+    {"avx512", &avx512::kernel_table,
+     "AVX-512 F, BW, DQ and VL plus AVX2/FMA/F16C with OS support for ZMM state"},
+#else
+    {"avx512", nullptr, "AVX-512 F, BW, DQ and VL plus AVX2/FMA/F16C with OS support for ZMM state"},
+#endif
+};
+
+#if defined(RINGSEQ_X86)
+uint64_t xgetbv0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+#endif
+
+// The highest level this CPU (and its OS) can run, from cpuid.
+int detect_cpu_level() {
+#if defined(RINGSEQ_X86)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return kBaseline;
+  const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12),
+             f16c = c & (1u << 29);
+  if (!(osxsave && avx)) return kBaseline;
+  const uint64_t xcr0 = xgetbv0();
+  if ((xcr0 & 0x6) != 0x6) return kBaseline;  // XMM and YMM state
+  unsigned a7 = 0, b7 = 0, c7 = 0, d7 = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return kBaseline;
+  __cpuid_count(7, 0, a7, b7, c7, d7);
+  const bool avx2 = b7 & (1u << 5);
+  if (!(avx2 && fma && f16c)) return kBaseline;
+  const bool avx512 = (b7 & (1u << 16)) && (b7 & (1u << 17)) && (b7 & (1u << 30)) &&
+                      (b7 & (1u << 31));  // F, DQ, BW, VL
+  if (avx512 && (xcr0 & 0xe6) == 0xe6) return kAvx512;  // + opmask, ZMM_Hi256, Hi16_ZMM
+  return kAvx2;
+#else
+  return kBaseline;
+#endif
+}
+
+int level_by_name(const std::string& name) {
+  for (int i = 0; i < kNumLevels; ++i)
+    if (name == kLevels[i].name) return i;
+  return -1;
+}
+
+std::string trimmed_lower(const char* s) {
+  std::string out;
+  for (const char* p = s; *p; ++p)
+    if (*p != ' ' && *p != '\t') out += static_cast<char>(*p >= 'A' && *p <= 'Z' ? *p - 'A' + 'a' : *p);
+  return out;
+}
+
+// What the CPU supports, capped by RINGSEQ_CPU_ISA_CEILING (read with RINGSEQ_CPU_ISA; a test
+// knob that makes a machine pretend to lack the levels above it).
+int supported_level(std::string* error) {
+  int level = detect_cpu_level();
+  const char* ceiling = std::getenv("RINGSEQ_CPU_ISA_CEILING");
+  if (ceiling && *ceiling) {
+    const int c = level_by_name(trimmed_lower(ceiling));
+    if (c < 0) {
+      *error = std::string("RINGSEQ_CPU_ISA_CEILING must be baseline, avx2 or avx512, got '") +
+               ceiling + "'";
+      return -1;
+    }
+    level = c < level ? c : level;
+  }
+  return level;
+}
+
+std::string level_list(int max_level, bool built_only) {
+  std::string out;
+  for (int i = 0; i <= max_level && i < kNumLevels; ++i) {
+    if (built_only && kLevels[i].table == nullptr) continue;
+    if (!out.empty()) out += ",";
+    out += kLevels[i].name;
+  }
+  return out;
+}
+
+// Resolves the level to use from the CPU and `request` ("" or "auto": the best one).
+const KernelTable* resolve(const std::string& request, const char* source, std::string* error) {
+  const int cpu = supported_level(error);
+  if (cpu < 0) return nullptr;
+  if (request.empty() || request == "auto") {
+    for (int i = cpu; i >= 0; --i)
+      if (kLevels[i].table) return kLevels[i].table();
+    *error = "ringseq CPU kernel: no ISA level was built";
+    return nullptr;
+  }
+  const int want = level_by_name(request);
+  if (want < 0) {
+    *error = std::string(source) + " must be one of auto, baseline, avx2, avx512; got '" + request + "'";
+    return nullptr;
+  }
+  if (kLevels[want].table == nullptr) {
+    *error = std::string(source) + "=" + request + " but this build of ringseq has no " + request +
+             " kernels (levels built: " + level_list(kNumLevels - 1, true) +
+             "); rebuild on x86-64 with a compiler that accepts the level's flags";
+    return nullptr;
+  }
+  if (want > cpu) {
+    *error = std::string(source) + "=" + request + " but this CPU cannot run it (it needs " +
+             kLevels[want].requires_ + "); levels this CPU supports: " + level_list(cpu, true) +
+             ". Unset " + source + " to use the best one.";
+    return nullptr;
+  }
+  return kLevels[want].table();
+}
+
+std::mutex g_mu;
+std::atomic<const KernelTable*> g_table{nullptr};
+std::string g_error;  // the first resolution's error, under g_mu
+
+const KernelTable* active_or_error(std::string* error) {
+  const KernelTable* t = g_table.load(std::memory_order_acquire);
+  if (t) return t;
+  std::lock_guard<std::mutex> lock(g_mu);
+  t = g_table.load(std::memory_order_relaxed);
+  if (t) return t;
+  if (g_error.empty()) {
+    const char* env = std::getenv("RINGSEQ_CPU_ISA");
+    t = resolve(env ? trimmed_lower(env) : std::string(), "RINGSEQ_CPU_ISA", &g_error);
+    if (t) {
+      g_table.store(t, std::memory_order_release);
+      return t;
+    }
+  }
+  *error = g_error;
+  return nullptr;
+}
+
+const KernelTable& active() {
+  std::string error;
+  const KernelTable* t = active_or_error(&error);
+  TORCH_CHECK(t != nullptr, error);
+  return *t;
+}
+
+}  // namespace
+
+bool isa_active(std::string* name, std::string* error) {
+  const KernelTable* t = active_or_error(error);
+  if (t) *name = t->name;
+  return t != nullptr;
+}
+
+std::string isa_supported() {
+  std::string error;
+  const int cpu = supported_level(&error);
+  return cpu < 0 ? std::string() : level_list(cpu, true);
+}
+
+std::string isa_built() { return level_list(kNumLevels - 1, true); }
+
+bool isa_force(const std::string& request, std::string* error) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (request.empty()) {  // back to first-use resolution (RINGSEQ_CPU_ISA is read again)
+    g_error.clear();
+    g_table.store(nullptr, std::memory_order_release);
+    return true;
+  }
+  const KernelTable* t = resolve(trimmed_lower(request.c_str()), "the requested CPU ISA level", error);
+  if (!t) return false;
+  g_error.clear();
+  g_table.store(t, std::memory_order_release);
+  return true;
+}
+
+}  // namespace cpu
+
+void flash_fwd_cpu(const FwdParams& params) { cpu::active().fwd(params); }
+
+void flash_bwd_cpu(const BwdParams& params) { cpu::active().bwd(params); }
+
+}  // namespace ringseq

@@ -1,0 +1,245 @@
+// CPU backward (one copy per ISA level) in one pass over the visible (query, key) blocks:
+// five GEMMs per block, the minimum (S, dP, dV, dK, dQ), deterministic and without atomics.
+//
+// One work item is (batch, kv head, chunk of key tiles). For each of its key tiles it packs
+// scale·Kᵀ and Vᵀ once, then walks the query heads of the GQA group and their visible query
+// tiles: S = Q·(scale·Kᵀ), dP = dO·Vᵀ (Q and dO as the broadcast operand), P = exp(S - lse),
+// dS = scale·P∘(dP - D), then dV += Pᵀ·dO and dK += dSᵀ·Q (P and dS read transposed through the
+// broadcast operand's strides) into the tile's accumulators, and dQ += dS·K into the query rows.
+// Q, dO and K rows are copied into contiguous float tiles first (common.h: rows_as). dK/dV of a
+// key tile are owned by one item. dQ rows are shared by the chunks of a head: with one chunk
+// (enough heads to keep the threads busy) the item adds straight into dq; otherwise every chunk
+// owns a float32 partial dQ and the partials are summed in chunk order at the end. The chunk
+// count depends on the shape and the machine only (bwd_chunks), so results do not depend on
+// the thread count.
+//
+// P = exp(scale·QKᵀ - lse) uses the lse it is given (possibly the global one of a ring), and a
+// row with lse = -inf (it saw no key) is treated as lse = +inf, so its P is 0 and not NaN.
+//
+// Spans and bands (masks.h): the key tiles are those of every span (heaviest first); each
+// visits only the query rows its band reaches (element-exact, km::band_row_range) and masks
+// only blocks that straddle a band edge (km::band_block_full). With a soft-cap, S becomes
+// softcap·tanh(S / softcap) and dS takes the factor 1 - tanh².
+#include <unistd.h>
+
+#include "../common.h"
+#include "../gemm.h"
+#include "../masks.h"
+
+namespace ringseq {
+namespace cpu {
+namespace RINGSEQ_CPU_ISA_NS {
+
+namespace {
+
+// Chunks of key tiles per (batch, kv head): enough work items (b · h_kv · chunks) for twice the
+// machine's processors (at least 16), while all the float32 partial dQ buffers stay under
+// 256 MiB. Depends on the shape and the machine only, never on torch's thread setting, so
+// results do not change with the thread count.
+int64_t bwd_chunks(int64_t nbh, int64_t nkt, int64_t dq_part_bytes) {
+  static const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  const int64_t target = imax(16, 2 * static_cast<int64_t>(cpus > 0 ? cpus : 1));
+  int64_t chunks = iclamp((target + nbh - 1) / nbh, 1, nkt);
+  const int64_t budget = int64_t(256) << 20;
+  if (chunks > 1 && dq_part_bytes > 0) chunks = imin(chunks, imax(1, budget / dq_part_bytes));
+  return chunks;
+}
+
+template <typename T>
+RS_INLINE T guard_lse(T x) {
+  return x == kNegInf<T> ? kPosInf<T> : x;
+}
+
+template <typename in_t>
+void bwd_impl(const BwdParams& p) {
+  using T = typename AccType<in_t>::type;
+  using V = vec_t<T>;
+  constexpr int64_t VW = kVW<T>;
+  const AttnShape& sh = p.shape;
+  const int64_t d = sh.headdim, dpad = round_up(d, VW);
+  const int64_t bm = bwd_block_m<T>(), bn = bwd_block_n<T>(d), bn_pad = round_up(bn, VW);
+  const int64_t group = sh.nheads / sh.nheads_kv;
+  const int64_t s_q = sh.seqlen_q;
+  const T cap = static_cast<T>(sh.softcap);  // 0: no soft-cap
+  // The key tiles of every span with the query rows each one's band reaches, heaviest first.
+  const Spans spans(sh, p.spans);
+  const int64_t nkt = span_tile_count(spans, bn, /*q_side=*/false);
+  Scratch<SpanTile> ktiles(nkt);
+  span_tiles(spans, bn, /*q_side=*/false, ktiles.get());
+  const int64_t nbh = sh.batch * sh.nheads_kv;
+  const int64_t part_elems = sh.batch * sh.nheads * s_q * dpad;
+  const int64_t chunks = bwd_chunks(nbh, nkt, part_elems * static_cast<int64_t>(sizeof(T)));
+  const T scale = static_cast<T>(sh.softmax_scale);
+
+  const in_t* q = static_cast<const in_t*>(p.q);
+  const in_t* k = static_cast<const in_t*>(p.k);
+  const in_t* v = static_cast<const in_t*>(p.v);
+  const in_t* dout = static_cast<const in_t*>(p.dout);
+  const T* lse = static_cast<const T*>(p.lse);
+  const T* delta = static_cast<const T*>(p.delta);
+
+  // Where dQ accumulates: straight into dq (float rows of whole vectors, one chunk), or into
+  // per-chunk float partials (b, h, s_q, dpad) summed at the end.
+  const bool dq_float = p.accumulate || kSame<in_t, T>;
+  const bool direct = chunks == 1 && dq_float && d == dpad;
+  Scratch<T> parts(direct ? 0 : chunks * part_elems);
+  T* dq_float_base = static_cast<T*>(p.dq);
+  if (direct && !p.accumulate) {
+    run_items(sh.batch * sh.nheads, [] { return 0; }, [&](int&, int64_t bh) {
+      const int64_t b = bh / sh.nheads, h = bh % sh.nheads;
+      for (int64_t r = 0; r < s_q; ++r) fill(row_ptr(dq_float_base, p.dq_strides, b, r, h), d, T(0));
+    });
+  } else if (!direct) {
+    T* base = parts.get();
+    run_items(chunks * sh.batch * sh.nheads, [] { return 0; }, [&](int&, int64_t i) {
+      fill(base + i * s_q * dpad, s_q * dpad, T(0));
+    });
+  }
+
+  struct State {
+    Scratch<T> kt, vt, kbuf, qbuf, dobuf, s, dp, dk, dv;
+  };
+  auto make_state = [&] {
+    return State{Scratch<T>(d * bn_pad),  Scratch<T>(d * bn_pad),  Scratch<T>(bn * dpad),
+                 Scratch<T>(bm * dpad),   Scratch<T>(bm * dpad),   Scratch<T>(bm * bn_pad),
+                 Scratch<T>(bm * bn_pad), Scratch<T>(bn * dpad),   Scratch<T>(bn * dpad)};
+  };
+
+  auto work = [&](State& st, int64_t item) {
+    const int64_t chunk = item / nbh, bh = item % nbh;
+    const int64_t b = bh / sh.nheads_kv, hk = bh % sh.nheads_kv;
+    T *kt = st.kt.get(), *vt = st.vt.get(), *s = st.s.get(), *dp = st.dp.get();
+    T *dk = st.dk.get(), *dv = st.dv.get();
+    // Key tiles chunk, chunk + chunks, ... of the list (heaviest first): interleaved so that
+    // the chunks cost about the same. Keys c0.. and rows r0.. are span-local; the span's first
+    // kv and q rows (k0, q0) are added where the tensors are indexed.
+    for (int64_t kt_i = chunk; kt_i < nkt; kt_i += chunks) {
+      const SpanTile& tile = ktiles.get()[kt_i];
+      const AttnSpan& sp = spans[tile.span];
+      const int64_t c0 = tile.r0, n = tile.rows, npad = round_up(n, VW);
+      const int64_t k0 = sp.k_start, q0 = sp.q_start;
+      const int64_t q_begin = tile.other.begin, q_end = tile.other.end;  // rows the band reaches
+      if (p.accumulate && tile.other.empty()) continue;  // nothing to add
+      pack_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, scale, kt, bn_pad,
+                      npad);
+      pack_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, T(1), vt, bn_pad,
+                      npad);
+      int64_t ldk;
+      const T* kr = rows_as(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
+      fill(dk, n * dpad, T(0));
+      fill(dv, n * dpad, T(0));
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        const T* lse_h = lse + b * p.lse_strides.batch + h * p.lse_strides.head;
+        const T* delta_h = delta + b * p.delta_strides.batch + h * p.delta_strides.head;
+        T* dq_rows;
+        int64_t ldq;
+        if (direct) {
+          dq_rows = row_ptr(dq_float_base, p.dq_strides, b, 0, h);
+          ldq = p.dq_strides.row;
+        } else {
+          dq_rows = parts.get() + chunk * part_elems + (b * sh.nheads + h) * s_q * dpad;
+          ldq = dpad;
+        }
+        count_tiles(p.tiles_visited, (tile.other.size() + bm - 1) / bm);
+        for (int64_t r0 = q_begin; r0 < q_end; r0 += bm) {
+          const int64_t m = imin(bm, q_end - r0);
+          int64_t ldqi, ldo;
+          const T* qi = rows_as(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d, dpad, st.qbuf.get(), ldqi);
+          const T* doi = rows_as(row_ptr(dout, p.dout_strides, b, q0 + r0, h), p.dout_strides.row, m, d,
+                                 dpad, st.dobuf.get(), ldo);
+          gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, bn_pad, s, bn_pad);   // S
+          gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, bn_pad, dp, bn_pad);  // dP
+          const bool full = km::band_block_full(r0, r0 + m, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
+          for (int64_t i = 0; i < m; ++i) {
+            // Query r0 + i sees keys [jb, je) of this tile: all of them in a full block, else
+            // those within its band (keys past n are the tile's padding).
+            const int64_t jb = full ? 0 : iclamp(r0 + i + sp.band_lo - c0, 0, n);
+            const int64_t je = full ? n : iclamp(r0 + i + sp.band_hi - c0 + 1, jb, n);
+            T* prow = s + i * bn_pad;
+            T* dsrow = dp + i * bn_pad;
+            const V lse_i = vsplat(guard_lse(lse_h[q0 + r0 + i]));
+            const V d_i = vsplat(delta_h[q0 + r0 + i]);
+            const V sc = vsplat(scale);
+            if (cap > T(0)) {
+              // P = exp(cap·t - lse) with t = tanh(S / cap); dS takes d(cap·t)/dS = 1 - t².
+              const V inv = vsplat(T(1) / cap), cv = vsplat(cap), one = vsplat(T(1));
+              for (int64_t j = 0; j < npad; j += VW) {
+                const V th = tanh_vec<T>(vload(prow + j) * inv);
+                const V pj = exp_vec(th * cv - lse_i);
+                vstore(prow + j, pj);
+                vstore(dsrow + j, pj * (vload(dsrow + j) - d_i) * sc * (one - th * th));
+              }
+            } else {
+              for (int64_t j = 0; j < npad; j += VW) {
+                const V pj = exp_vec(vload(prow + j) - lse_i);
+                vstore(prow + j, pj);
+                vstore(dsrow + j, pj * (vload(dsrow + j) - d_i) * sc);
+              }
+            }
+            if (jb > 0) {
+              fill(prow, jb, T(0));
+              fill(dsrow, jb, T(0));
+            }
+            if (je < npad) {
+              fill(prow + je, npad - je, T(0));
+              fill(dsrow + je, npad - je, T(0));
+            }
+          }
+          gemm<T, Epi::kAdd>(n, dpad, m, s, 1, bn_pad, doi, ldo, dv, dpad);   // dV += Pᵀ·dO
+          gemm<T, Epi::kAdd>(n, dpad, m, dp, 1, bn_pad, qi, ldqi, dk, dpad);  // dK += dSᵀ·Q
+          gemm<T, Epi::kAdd>(m, dpad, n, dp, bn_pad, 1, kr, ldk, dq_rows + (q0 + r0) * ldq, ldq);  // dQ += dS·K
+        }
+      }
+      const bool acc = p.accumulate;
+      if (acc) {
+        store_rows(dk, dpad, n, d, static_cast<const T*>(nullptr),
+                   row_ptr(static_cast<T*>(p.dk), p.dk_strides, b, k0 + c0, hk), p.dk_strides.row, true);
+        store_rows(dv, dpad, n, d, static_cast<const T*>(nullptr),
+                   row_ptr(static_cast<T*>(p.dv), p.dv_strides, b, k0 + c0, hk), p.dv_strides.row, true);
+      } else {
+        store_rows(dk, dpad, n, d, static_cast<const T*>(nullptr),
+                   row_ptr(static_cast<in_t*>(p.dk), p.dk_strides, b, k0 + c0, hk), p.dk_strides.row, false);
+        store_rows(dv, dpad, n, d, static_cast<const T*>(nullptr),
+                   row_ptr(static_cast<in_t*>(p.dv), p.dv_strides, b, k0 + c0, hk), p.dv_strides.row, false);
+      }
+    }
+  };
+
+  run_items(chunks * nbh, make_state, work);
+
+  if (!direct) {
+    // dq (+)= the chunks' partials, in chunk order.
+    const T* base = parts.get();
+    run_items(sh.batch * sh.nheads, [] { return 0; }, [&](int&, int64_t bh) {
+      const int64_t b = bh / sh.nheads, h = bh % sh.nheads;
+      for (int64_t r = 0; r < s_q; ++r) {
+        const T* src = base + (bh * s_q + r) * dpad;
+        if (p.accumulate) {
+          T* dst = row_ptr(static_cast<T*>(p.dq), p.dq_strides, b, r, h);
+          for (int64_t c = 0; c < d; ++c) {
+            T sum = src[c];
+            for (int64_t ch = 1; ch < chunks; ++ch) sum += src[ch * part_elems + c];
+            dst[c] += sum;
+          }
+        } else {
+          in_t* dst = row_ptr(static_cast<in_t*>(p.dq), p.dq_strides, b, r, h);
+          for (int64_t c = 0; c < d; ++c) {
+            T sum = src[c];
+            for (int64_t ch = 1; ch < chunks; ++ch) sum += src[ch * part_elems + c];
+            dst[c] = from_acc<in_t>(sum);
+          }
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
+void flash_bwd(const BwdParams& params) {
+  dispatch_dtype(params.dtype, [&](auto tag) { bwd_impl<decltype(tag)>(params); });
+}
+
+}  // namespace RINGSEQ_CPU_ISA_NS
+}  // namespace cpu
+}  // namespace ringseq

@@ -1,0 +1,202 @@
+// CPU forward (one copy per ISA level): tiled online softmax. One work item is (batch, head,
+// tile of query rows); it streams the visible key tiles and keeps the running max, sum and
+// output of its rows in per-thread scratch, so extra memory is O(threads x tile).
+//
+// Per key tile: Sᵀ = K·Qᵀ (K as the broadcast operand, Qᵀ packed once per item; the column
+// maxima come out of the GEMM's epilogue), P = exp(S - m) through the rows of Sᵀ, and
+// O = alpha·O + P·V (Pᵀ as the broadcast operand, the rescale in the GEMM's epilogue). K and V
+// tiles are copied into contiguous float tiles (common.h: rows_as). O stays row-major, so the
+// epilogue writes output rows without a transpose.
+//
+// Spans and bands (masks.h): one work item is a q tile of one span; it visits only the keys
+// its band reaches (element-exact, km::band_key_range) and masks only key tiles that straddle
+// a band edge (km::band_block_full). With a soft-cap, S = softcap * tanh(S / softcap) before
+// the mask and the softmax.
+#include "../common.h"
+#include "../gemm.h"
+#include "../masks.h"
+
+namespace ringseq {
+namespace cpu {
+namespace RINGSEQ_CPU_ISA_NS {
+
+namespace {
+
+template <typename in_t>
+void fwd_impl(const FwdParams& p) {
+  using T = typename AccType<in_t>::type;
+  using V = vec_t<T>;
+  constexpr int64_t VW = kVW<T>;
+  const AttnShape& sh = p.shape;
+  const int64_t d = sh.headdim, dpad = round_up(d, VW);
+  const int64_t bm = fwd_block_m<T>(d), bn = fwd_block_n<T>(d);
+  const int64_t group = sh.nheads / sh.nheads_kv;
+  const int64_t nbh = sh.batch * sh.nheads;
+  const T scale = static_cast<T>(sh.softmax_scale);
+  const T cap = static_cast<T>(sh.softcap);  // 0: no soft-cap
+  // The q tiles of every span with the keys each one's band reaches, heaviest first.
+  const Spans spans(sh, p.spans);
+  const int64_t ntiles = span_tile_count(spans, bm, /*q_side=*/true);
+  Scratch<SpanTile> tile_list(ntiles);
+  span_tiles(spans, bm, /*q_side=*/true, tile_list.get());
+
+  const in_t* q = static_cast<const in_t*>(p.q);
+  const in_t* k = static_cast<const in_t*>(p.k);
+  const in_t* v = static_cast<const in_t*>(p.v);
+  // Accumulate mode: out/lse hold a running (out, lse) pair in T, read and then rewritten.
+  const bool merge = p.accumulate;
+  T* lse = static_cast<T*>(p.lse);
+
+  struct State {
+    Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, cmax;
+  };
+  auto make_state = [&] {
+    return State{Scratch<T>(d * bm),    Scratch<T>(bn * dpad), Scratch<T>(bn * dpad),
+                 Scratch<T>(bn * bm),   Scratch<T>(bm * dpad), Scratch<T>(bm),
+                 Scratch<T>(bm),        Scratch<T>(bm),        Scratch<T>(bm),
+                 Scratch<T>(bm),        Scratch<T>(bm)};
+  };
+
+  auto work = [&](State& st, int64_t item) {
+    // Tiles come heaviest first (span_tiles). Rows r0.. and keys c0.. are span-local; the
+    // span's first q and kv rows are added where the tensors are indexed.
+    const SpanTile& tile = tile_list.get()[item / nbh];
+    const AttnSpan& sp = spans[tile.span];
+    const int64_t bh = item % nbh;
+    const int64_t b = bh / sh.nheads, h = bh % sh.nheads, hk = h / group;
+    const int64_t r0 = tile.r0, rows = tile.rows, qr0 = sp.q_start + r0, k0 = sp.k_start;
+    const int64_t kv_begin = tile.other.begin, kv_end = tile.other.end;  // keys the band reaches
+    count_tiles(p.tiles_visited, (tile.other.size() + bn - 1) / bn);
+    if (merge && tile.other.empty()) return;  // nothing to merge: the running rows stay as they are
+    // Query columns computed: the tile's rows rounded up to two vectors (a short last tile, or
+    // a decoding step's single query, does not pay for a whole tile).
+    const int64_t mpad = imin(bm, round_up(rows, 2 * VW));
+
+    T *qt = st.qt.get(), *s = st.st.get(), *o = st.o.get(), *cmax = st.cmax.get();
+    T *m_run = st.m_run.get(), *m_use = st.m_use.get(), *alpha = st.alpha.get();
+    T *l = st.l.get(), *lsum = st.lsum.get();
+
+    // Qᵀ (d x mpad, row stride bm), scaled; padding columns (queries past the tile) are zero.
+    pack_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, scale, qt, bm, mpad);
+    T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + qr0;
+    bool fresh = true;  // O holds nothing yet: the first P·V stores instead of rescaling
+    if (merge) {
+      // Resuming the online softmax from a running (out, lse) is the exact merge: with
+      // m = lse_old the old rows carry weight exp(lse_old - m) = 1, so l = 1 and O = out_old.
+      const T* acc_rows = row_ptr(static_cast<const T*>(p.out), p.out_strides, b, qr0, h);
+      for (int64_t i = 0; i < mpad; ++i) {
+        // NaN counts as seen: a NaN running state must stay NaN, as in plain attention.
+        const bool seen = i < rows && !(lse_rows[i] == kNegInf<T>);
+        m_run[i] = seen ? lse_rows[i] : kNegInf<T>;
+        l[i] = seen ? T(1) : T(0);
+        T* orow = o + i * dpad;
+        // A row without mass so far contributes nothing, whatever its out holds.
+        if (seen) {
+          for (int64_t c = 0; c < d; ++c) orow[c] = acc_rows[i * p.out_strides.row + c];
+          fill(orow + d, dpad - d, T(0));
+        } else {
+          fill(orow, dpad, T(0));
+        }
+      }
+      fresh = false;
+    } else {
+      fill(m_run, mpad, kNegInf<T>);
+      fill(l, mpad, T(0));
+    }
+
+    for (int64_t c0 = kv_begin; c0 < kv_end; c0 += bn) {
+      const int64_t n = imin(bn, kv_end - c0);
+      int64_t ldk, ldv;
+      const T* kt = rows_as(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
+      const T* vt = rows_as(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, dpad, st.vbuf.get(), ldv);
+      for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
+      const bool masked = !km::band_block_full(r0, r0 + rows, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
+      if (masked || cap > T(0)) {
+        gemm<T, Epi::kStore>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm);  // Sᵀ
+        for (int64_t j = 0; j < n; ++j) {
+          T* row = s + j * bm;
+          if (cap > T(0)) softcap_row(row, mpad, cap);  // before the mask: tanh(-inf) is finite
+          if (masked) {
+            // Key c0 + j is visible to the tile's queries [c0 + j - hi, c0 + j - lo] only.
+            const int64_t first = iclamp(c0 + j - sp.band_hi - r0, 0, mpad);
+            const int64_t last = iclamp(c0 + j - sp.band_lo - r0 + 1, first, mpad);
+            fill(row, first, kNegInf<T>);
+            fill(row + last, mpad - last, kNegInf<T>);
+          }
+          for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vmax(vload(row + i), vload(cmax + i)));
+        }
+      } else {
+        gemm<T, Epi::kStoreMax>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, cmax);  // Sᵀ and its maxima
+      }
+      for (int64_t i = 0; i < mpad; i += VW) {
+        const V mx = vload(cmax + i);
+        // A query that has seen no key yet keeps m = -inf; subtracting 0 instead keeps
+        // exp(-inf - m) = 0 and avoids (-inf) - (-inf).
+        const V mu = mx == vsplat(kNegInf<T>) ? vzero<T>() : mx;
+        vstore(alpha + i, exp_vec(vload(m_run + i) - mu));
+        vstore(m_run + i, mx);
+        vstore(m_use + i, mu);
+      }
+      // The next kv tile's rows, fetched while this one computes: they are strided rows of
+      // the K/V tensors, which the hardware prefetchers do not follow far enough ahead.
+      const int64_t n_next = imin(bn, kv_end - c0 - n);
+      const in_t* k_next = n_next > 0 ? row_ptr(k, p.k_strides, b, k0 + c0 + n, hk) : nullptr;
+      const in_t* v_next = n_next > 0 ? row_ptr(v, p.v_strides, b, k0 + c0 + n, hk) : nullptr;
+      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(in_t));
+      // P = exp(Sᵀ - m) in place, row by row (sequential through the tile), column sums in
+      // lsum; the next tile's K/V rows are prefetched one per row.
+      fill(lsum, mpad, T(0));
+      for (int64_t j = 0; j < n; ++j) {
+        if (j < n_next) {
+          prefetch_lines(k_next + j * p.k_strides.row, row_bytes);
+          prefetch_lines(v_next + j * p.v_strides.row, row_bytes);
+        }
+        T* row = s + j * bm;
+        for (int64_t i = 0; i < mpad; i += 2 * VW) {
+          const V e0 = exp_vec(vload(row + i) - vload(m_use + i));
+          const V e1 = exp_vec(vload(row + i + VW) - vload(m_use + i + VW));
+          vstore(row + i, e0);
+          vstore(row + i + VW, e1);
+          vstore(lsum + i, vload(lsum + i) + e0);
+          vstore(lsum + i + VW, vload(lsum + i + VW) + e1);
+        }
+      }
+      for (int64_t i = 0; i < mpad; i += VW)
+        vstore(l + i, vfma(vload(l + i), vload(alpha + i), vload(lsum + i)));
+      if (fresh) {
+        gemm<T, Epi::kStore>(mpad, dpad, n, s, 1, bm, vt, ldv, o, dpad);  // O = P·V
+        fresh = false;
+      } else {
+        gemm<T, Epi::kScaleAdd>(mpad, dpad, n, s, 1, bm, vt, ldv, o, dpad, alpha);  // O = a·O + P·V
+      }
+    }
+    if (fresh) fill(o, mpad * dpad, T(0));  // no visible key at all
+
+    for (int64_t i = 0; i < rows; ++i) {
+      // A row that saw no key (or only zero weights) gives out = 0 and lse = -inf; a NaN sum
+      // (a NaN or inf among its inputs) is not empty and propagates, as plain attention does.
+      const bool empty = l[i] == T(0);
+      lse_rows[i] = empty ? kNegInf<T> : m_run[i] + std::log(l[i]);
+      alpha[i] = empty ? T(0) : T(1) / l[i];
+    }
+    if (merge) {
+      store_rows(o, dpad, rows, d, alpha, row_ptr(static_cast<T*>(p.out), p.out_strides, b, qr0, h),
+                 p.out_strides.row, /*accumulate=*/false);
+    } else {
+      store_rows(o, dpad, rows, d, alpha, row_ptr(static_cast<in_t*>(p.out), p.out_strides, b, qr0, h),
+                 p.out_strides.row, /*accumulate=*/false);
+    }
+  };
+
+  run_items(ntiles * nbh, make_state, work);
+}
+
+}  // namespace
+
+void flash_fwd(const FwdParams& params) {
+  dispatch_dtype(params.dtype, [&](auto tag) { fwd_impl<decltype(tag)>(params); });
+}
+
+}  // namespace RINGSEQ_CPU_ISA_NS
+}  // namespace cpu
+}  // namespace ringseq

@@ -448,19 +448,23 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
 class Documents(Layout):
     """Packed documents split for balanced causal work without any divisibility demand.
 
-    Every document of the packed sequence (boundaries ``cu_seqlens = (0, ..., total)``) is cut
-    into ``2W`` pieces and rank ``r`` holds pieces ``r`` and ``2W-1-r`` of every document (the
-    zigzag of each document), so each document's causal work is balanced over the ranks. A
-    document of length ``L`` has ``L // 2W`` tokens in each piece; its ``L % 2W`` remaining
-    tokens are dealt round-robin over the ranks, continuing from one document to the next, so
-    every rank holds exactly ``total / W`` tokens. Needs only ``total % W == 0`` (any document
-    lengths, 1 included). Local order is increasing in global position.
+    Every document of the packed sequence (boundaries ``cu_seqlens = (0, ..., total)``) with at
+    least ``2W * MIN_PIECE`` tokens is cut into ``2W`` pieces and rank ``r`` holds pieces ``r``
+    and ``2W-1-r`` of it (the zigzag of each document), so its causal work is balanced over
+    the ranks: a document of length ``L`` has ``L // 2W`` tokens in each piece, its
+    ``L % 2W`` remaining tokens dealt round-robin over the ranks. Shorter documents stay whole
+    (their work is small and tiny pieces only add kernel calls and partial tiles): longest
+    first, each goes to the least loaded rank with room left, and a document that fits nowhere
+    is cut over the ranks' remaining room, so every rank holds exactly ``total / W`` tokens.
+    Needs only ``total % W == 0`` (any document lengths, 1 included). Local order is
+    increasing in global position.
 
     ``cu_seqlens`` is part of the layout (ranks passing different boundaries raise
     RingMismatchError); attention with this layout is always restricted to documents.
     """
 
     name = "documents"
+    MIN_PIECE = 64  # tokens: documents shorter than 2W pieces of this stay whole
 
     def __init__(self, cu_seqlens):
         cu = tuple(int(c) for c in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist")
@@ -474,12 +478,20 @@ class Documents(Layout):
         return _stable_code(f"{self.name}{self.cu_seqlens}")
 
     def _layout(self, world_size: int):
-        """Per document and rank: the (global start, length) of its front and back piece."""
+        """Per rank: its (global start, length) runs, sorted by position (see class doc)."""
         if world_size not in self._pieces:
-            W, extra = world_size, 0
-            docs = []
-            for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]):
+            W = world_size
+            cap = self.cu_seqlens[-1] // W
+            runs = [[] for _ in range(W)]
+            tokens, work = [0] * W, [0.0] * W
+            docs = list(zip(self.cu_seqlens, self.cu_seqlens[1:]))
+            extra = 0
+            short = []
+            for a, b in docs:
                 L = b - a
+                if L < 2 * W * self.MIN_PIECE:
+                    short.append((a, b))
+                    continue
                 base, rem = divmod(L, 2 * W)
                 front, back = [base] * W, [base] * W
                 for t in range(rem):  # round-robin over the ranks, across documents
@@ -490,9 +502,32 @@ class Documents(Layout):
                 starts = [a]
                 for n in sizes[:-1]:
                     starts.append(starts[-1] + n)
-                docs.append([((starts[r], front[r]), (starts[2 * W - 1 - r], back[r]))
-                             for r in range(W)])
-            self._pieces[world_size] = docs
+                for r in range(W):
+                    for start, n in ((starts[r], front[r]), (starts[2 * W - 1 - r], back[r])):
+                        runs[r].append((start, n))
+                        tokens[r] += n
+                    work[r] += L * L / (2 * W)
+            # Short documents stay whole (tiny pieces cost more kernel calls than they save):
+            # longest first, each to the least loaded rank that has room; one that fits
+            # nowhere is cut over the ranks' remaining room, so every rank ends at total / W.
+            for a, b in sorted(short, key=lambda d: d[0] - d[1]):
+                L = b - a
+                fits = [r for r in range(W) if tokens[r] + L <= cap]
+                if fits:
+                    r = min(fits, key=lambda r: (work[r], r))
+                    runs[r].append((a, L))
+                    tokens[r] += L
+                    work[r] += L * L / 2
+                    continue
+                start = a
+                for r in range(W):
+                    n = min(cap - tokens[r], b - start)
+                    if n > 0:
+                        runs[r].append((start, n))
+                        tokens[r] += n
+                        work[r] += n * n / 2
+                        start += n
+            self._pieces[world_size] = [sorted(x for x in rr if x[1] > 0) for rr in runs]
         return self._pieces[world_size]
 
     def check_seqlen(self, seqlen: int, world_size: int) -> int:
@@ -512,11 +547,9 @@ class Documents(Layout):
     def runs(self, seqlen, world_size, rank):
         self.check_seqlen(seqlen, world_size)
         runs, local = [], 0
-        for doc in self._layout(world_size):
-            for start, n in doc[rank]:
-                if n:
-                    runs.append(Run(local, n, start, 1))
-                    local += n
+        for start, n in self._layout(world_size)[rank]:
+            runs.append(Run(local, n, start, 1))
+            local += n
         return tuple(runs)
 
     def _positions(self, seqlen, world_size, rank):

@@ -24,9 +24,13 @@ import argparse
 import gc
 import os
 import sys
+import warnings
 
-import torch
-import torch.distributed as dist
+# The main job's install command has no NumPy; torch warns about that on import (in every rank).
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (PeakMemory, Stage, attention_flops, cpu_isa, cpu_model,  # noqa: E402

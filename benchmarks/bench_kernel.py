@@ -297,10 +297,16 @@ def run_here(args, device):
             rows.append(r)
     for r in rows:  # ratios against peers measured in this run at the same shape and mode
         for peer in peers:
-            base = next((x for x in rows if x["backend"] == peer and x.get("ms") and
-                         all(x.get(k) == r.get(k) for k in KEY)), None)
+            base = peer_row(rows, peer, r)
             r[f"x_{peer}"] = (base["ms"] / r["ms"]) if base and r.get("ms") else None
     return rows, peers
+
+
+def peer_row(rows, peer, r, same_level=False):
+    """The timed row of backend `peer` at r's shape, mode and mask (and ISA level), or None."""
+    return next((x for x in rows if x["backend"] == peer and x.get("ms")
+                 and all(x.get(k) == r.get(k) for k in KEY)
+                 and (not same_level or x.get("level") == r.get("level"))), None)
 
 
 def run_child(args, level, env_extra, backends):
@@ -360,9 +366,7 @@ def run_cpu_levels(args, levels):
         if r["backend"] != "ringseq":
             continue
         for peer in peers:
-            base = next((x for x in rows if x["backend"] == peer and x.get("ms") and
-                         (peer == "torch_sdpa_native" or x["level"] == r["level"]) and
-                         all(x[k] == r[k] for k in KEY)), None)
+            base = peer_row(rows, peer, r, same_level=peer != "torch_sdpa_native")
             r[f"x_{peer}"] = (base["ms"] / r["ms"]) if base and r.get("ms") else None
             r[f"{peer}_ms"] = base["ms"] if base else None
     return rows, peers

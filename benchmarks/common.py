@@ -5,15 +5,14 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ringseq._spawn import run_ranks
 
 
 def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode="fwd"):
@@ -262,64 +261,17 @@ def mib(nbytes):
 
 
 # ---------------------------------------------------------------- local CPU ranks
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned_rank(rank, world, port, fn, args, timeout, threads, queue, t0):
-    try:
-        set_progress_start(t0)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(threads)
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout))
-        result = fn(args, torch.device("cpu"))
-        if rank == 0:
-            queue.put(("ok", result))
-        dist.destroy_process_group()
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise
+def _bench_rank(fn, args, t0):
+    set_progress_start(t0)  # progress lines of every rank count from the parent's start
+    return fn(args, torch.device("cpu"))
 
 
 def spawn_cpu_ranks(world, fn, args, timeout, threads):
     """Runs fn(args, device) on `world` local gloo ranks with `threads` torch threads each and
-    returns rank 0's result; fn must be a module-level function. A rank that fails, dies or
-    outlives `timeout` seconds ends all of them with an error (no hang)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_spawned_rank,
-                         args=(r, world, port, fn, args, timeout, threads, queue, _T0),
-                         daemon=True)
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    deadline = time.time() + timeout
-    result = None
-    try:
-        while result is None:
-            try:
-                status, payload = queue.get(timeout=1.0)
-            except Exception:
-                if time.time() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {timeout} s")
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank process exited with code {dead[0].exitcode}")
-                continue
-            if status == "error":
-                raise RuntimeError(payload)
-            result = payload
-        for proc in procs:
-            proc.join(timeout=60)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-    return result
+    returns rank 0's result; fn must be a module-level function. A rank that fails or dies
+    raises RankError, ranks that outlive `timeout` seconds are killed with RankTimeout
+    (ringseq/_spawn.py): no hang."""
+    return run_ranks(_bench_rank, world, fn, args, _T0, timeout=timeout, threads=threads)[0]
 
 
 def launcher_device():

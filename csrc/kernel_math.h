@@ -3,8 +3,8 @@
 // alignment their 16-byte copies need.
 //
 // Everything here is torch-free and compiles with a plain C++17 host compiler, so the CPU
-// tests (tests/test_index_math*.py, through tests/cpp/index_math_dump.cpp and a harness of
-// their own) run the very functions the kernels and their binding call. The exception is the
+// tests (tests/test_index_math*.py and tests/test_cpu_causal_ranges.py, through the one harness
+// tests/cpp/index_math_dump.cpp) run the very functions the kernels and their binding call. The exception is the
 // section "Hardware layouts" at the end: it restates the PTX ISA (mma.m16n8k16, ldmatrix; see
 // docs/kernels.md) for the tests, which check the kernel-called maps against it, and no kernel
 // calls it. A change here must keep those tests green.

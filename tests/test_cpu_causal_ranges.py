@@ -1,30 +1,14 @@
 """The CPU kernels' causal ranges (csrc/kernel_math.h, CPU section) against a brute-force mask.
 
-tests/cpp/cpu_ranges_dump.cpp prints the helpers' values; the expectations here come from the
-definition (key j visible to query i iff j <= i + s_k - s_q), written independently.
+tests/cpp/index_math_dump.cpp (mode cpu_ranges) prints the helpers' values; the expectations
+here come from the definition (key j visible to query i iff j <= i + s_k - s_q), written
+independently.
 """
-import json
-import os
-import shutil
-import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GXX = shutil.which("g++") or shutil.which("c++")
-pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not found: cannot build the harness")
 
 SHAPES = [(1, 1), (1, 9), (9, 1), (7, 7), (5, 12), (12, 5), (16, 16), (13, 29), (29, 13)]
-
-
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    exe = str(tmp_path_factory.mktemp("cpu_ranges") / "cpu_ranges_dump")
-    cmd = [GXX, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-I", os.path.join(ROOT, "csrc"),
-           os.path.join(ROOT, "tests", "cpp", "cpu_ranges_dump.cpp"), "-o", exe]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, f"harness does not compile:\n{proc.stderr}"
-    return exe
 
 
 def visible(i, j, s_q, s_k, causal):
@@ -33,10 +17,8 @@ def visible(i, j, s_q, s_k, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("s_q,s_k", SHAPES)
-def test_cpu_causal_ranges(harness, s_q, s_k, causal):
-    out = subprocess.run([harness, str(s_q), str(s_k), str(int(causal))], capture_output=True,
-                         text=True, check=True).stdout
-    got = json.loads(out)
+def test_cpu_causal_ranges(index_math_harness, s_q, s_k, causal):
+    got = index_math_harness("cpu_ranges", s_q, s_k, int(causal))
     # kv_end(row_end): one past the last key any row < row_end sees (0 if none)
     for row_end, kv_end in enumerate(got["kv_end"]):
         if row_end == 0:

@@ -280,51 +280,10 @@ def test_swz_step_matches_swizzle(row_elems):
                         swz_offset(row0 + r, col + 16 * k16, row_elems), (r, col, row0, k16)
 
 
-HARNESS = r"""
-#include <cstdio>
-#include <initializer_list>
-#include "kernel_math.h"
-using namespace ringseq::km;
-int main() {
-  const int bms[] = {16, 64, 128};
-  const int lens[] = {1, 7, 63, 64, 65, 100, 128, 129, 200};
-  for (int bm : bms) for (int bn : bms) for (int sq : lens) for (int sk : lens) for (int c = 0; c < 2; ++c) {
-    for (int n = 0; n < ceil_div(sk, bn); ++n)
-      std::printf("F %d %d %d %d %d %d %d\n", n, bm, bn, sq, sk, c, bwd_first_q_block(n, bm, bn, sq, sk, c));
-    for (int m = 0; m < ceil_div(sq, bm); ++m) {
-      std::printf("N %d %d %d %d %d %d %d\n", m, bm, bn, sq, sk, c, fwd_num_kv_blocks(m, bm, bn, sq, sk, c));
-      for (int n = 0; n < ceil_div(sk, bn); ++n)
-        std::printf("M %d %d %d %d %d %d %d %d\n", m, n, bm, bn, sq, sk, c,
-                    (int)block_needs_mask(m, n, bm, bn, sq, sk, c));
-    }
-  }
-  for (int re : {64, 128}) for (int r = 0; r < 16; ++r) for (int col : {0, 8})
-    for (int row0 = 0; row0 < 128; row0 += 8) for (int k = 0; k < re / 16; ++k)
-      std::printf("S %d %d %d %d %d %d\n", re, r, col, row0, k,
-                  swz_step(swz_offset(r, col, re), row0, k, re) == swz_offset(row0 + r, col + 16 * k, re));
-  return 0;
-}
-"""
-
-
-def test_kernel_math_helpers_match_twins(tmp_path):
-    """Compiles the real csrc/kernel_math.h helpers with the host compiler and checks them
+def test_kernel_math_helpers_match_twins(index_math_harness):
+    """The real csrc/kernel_math.h helpers (tests/cpp/index_math_dump.cpp, mode bwd_blocks)
     against the Python twins above (which the emulation proves correct)."""
-    import os
-    import shutil
-    import subprocess
-
-    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = tmp_path / "bwd_math.cpp"
-    src.write_text(HARNESS)
-    exe = tmp_path / "bwd_math"
-    build = subprocess.run([cxx, "-std=c++17", "-O1", "-I", os.path.join(root, "csrc"), str(src),
-                            "-o", str(exe)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-3000:]
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    out = index_math_harness("bwd_blocks", json_out=False)
     checked = 0
     for line in out.splitlines():
         kind, *vals = line.split()

@@ -263,27 +263,9 @@ def test_concurrent_calls_from_python_threads():
 # ---------------------------------------------------------------- every ISA level
 # The kernel is compiled once per ISA level (baseline, avx2, avx512) and picks one at first use
 # (RINGSEQ_CPU_ISA forces it). A representative subset of the cases above runs on every level
-# this machine supports: each level is its own code (register blocking, tiles, exp).
+# this machine supports (the `isa` fixture, conftest.py): each level is its own code (register
+# blocking, tiles, exp).
 ISA_LEVELS = ringseq._C.cpu_isa_supported()
-
-
-@pytest.fixture(params=ISA_LEVELS)
-def isa(request):
-    """Runs the test with RINGSEQ_CPU_ISA=<level>, read again at the next kernel call."""
-    import os
-
-    old = os.environ.get("RINGSEQ_CPU_ISA")
-    os.environ["RINGSEQ_CPU_ISA"] = request.param
-    ringseq._C._set_cpu_isa(None)  # forget the cached choice: the next call reads the variable
-    try:
-        assert ringseq._C.cpu_isa() == request.param
-        yield request.param
-    finally:
-        if old is None:
-            os.environ.pop("RINGSEQ_CPU_ISA", None)
-        else:
-            os.environ["RINGSEQ_CPU_ISA"] = old
-        ringseq._C._set_cpu_isa(None)
 
 
 # dtypes, head dims (vector multiples and not), causal/full, GQA/MQA, odd lengths, rows that

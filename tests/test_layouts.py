@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ringseq
-from ringseq.layouts import (LAYOUTS, BlockTask, Layout, get_layout, positions_local,
+from ringseq.layouts import (LAYOUTS, BlockTask, get_layout, positions_local,
                              shard_local, unshard_local)
 
 NAMES = ["contiguous", "zigzag", "stripe"]

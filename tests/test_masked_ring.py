@@ -7,7 +7,8 @@
 * transformers models: a Mistral and a Qwen2 model whose sliding window is shorter than the
   sequence, and a Gemma-2-style model (soft-capped logits, alternating sliding/full layers),
   against single-process training of the same weights; a Llama and a Qwen2 on a packed batch of
-  5 documents against running every document alone.
+  5 documents against running every document alone, through ``apply`` and (Llama) through the
+  plugin (``prepare_dataloader(pack=True)``, ``layout="documents"``, ``Booster.backward``).
 
 Tolerance (docs/design.md): |ring - float64| <= 2x (loss, outputs) / 3x (gradients) the error
 of plain single-process float32 against float64, plus a floor (``utils.scaled_floor``).
@@ -109,6 +110,26 @@ def _packed_run(arch, layout):
     return {"loss": loss.detach(), "grads": _grads_summed(model)}
 
 
+def _plugin_packed_run(arch):
+    """One step through the plugin: pack=True loader (the 5 documents as 5 samples), layout
+    "documents", Booster.backward; the gradients are the plugin's (all-reduced over the ring)."""
+    import torch.distributed as dist
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    plugin = RingSequenceParallelPlugin(sp_size=dist.get_world_size(), layout="documents")
+    booster = Booster(plugin=plugin)
+    model = _model(arch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    docs, _ = _packed_batch()
+    loader = plugin.prepare_dataloader([{"input_ids": d} for d in docs], batch_size=len(docs),
+                                       pack=True)
+    model, opt, criterion, loader, _ = booster.boost(model, opt, dataloader=loader)
+    batch = next(iter(loader))
+    loss = criterion(model(**batch), batch)
+    booster.backward(loss, opt)
+    return {"loss": loss.detach(), "local_len": batch["input_ids"].shape[1],
+            "grads": {n: p.grad.detach().clone() for n, p in model.unwrap().named_parameters()}}
+
+
 def _ring_function_cases():
     """Ring functions with our kernel: windows + softcap, and packed documents."""
     import torch.distributed as dist
@@ -148,6 +169,7 @@ def _worker():
     for arch in ("llama", "qwen2"):
         res[f"packed-{arch}"] = _packed_run(arch, "documents")
     res["packed-llama-zigzag"] = _packed_run("llama", "zigzag")
+    res["plugin-packed-llama"] = _plugin_packed_run("llama")
     return res
 
 
@@ -207,6 +229,17 @@ def test_packed_documents_match_each_document_alone(ranks, arch):
         _compare(res[f"packed-{arch}"], ref, plain, f"W={w} rank {r} packed {arch}")
         if arch == "llama":  # the document mask is exact on any layout
             _compare(res["packed-llama-zigzag"], ref, plain, f"W={w} rank {r} zigzag packed")
+
+
+def test_plugin_trains_packed_documents_exactly(ranks):
+    """prepare_dataloader(pack=True) + layout="documents" + Booster.backward: the loss and the
+    gradients of one step equal every document trained alone."""
+    w, per_rank = ranks
+    ref, plain = _per_document("llama", torch.float64), _per_document("llama", torch.float32)
+    for r, res in enumerate(per_rank):
+        got = res["plugin-packed-llama"]
+        assert got["local_len"] == SEQLEN // w, f"rank {r}: {got['local_len']} tokens"
+        _compare(got, ref, plain, f"W={w} rank {r} plugin packed llama")
 
 
 def test_ring_functions_with_our_kernel(ranks):

@@ -11,7 +11,6 @@ attention against the same reference, plus a small floor.
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch

@@ -1,6 +1,7 @@
-// Dumps the index math of csrc/kernel_math.h (the functions the CUDA kernels call) as JSON
-// for tests/test_index_math.py, which checks it against the PTX ISA layouts and a reference
-// causal mask written independently in Python.
+// The one C++ harness of csrc/kernel_math.h: dumps the helpers' values (as JSON, or lines for
+// bwd_blocks) for the tests/test_index_math*.py and tests/test_cpu_causal_ranges.py checks,
+// which compare them with the PTX ISA layouts and brute-force masks written independently in
+// Python. Compiled once per test session (tests/conftest.py: index_math_harness).
 //
 //   index_math_dump static          -> swizzle, fragment, ldmatrix and tile tables
 //   index_math_dump cases < lines   -> per line "s_q s_k block_m block_n causal": block ranges
@@ -10,6 +11,11 @@
 //   index_math_dump band32|band64 < lines -> per line "q_len k_len block_m block_n lo hi" (raw
 //                                      int64 bands): the band helpers instantiated for int (the
 //                                      CUDA kernels) or int64_t (the CPU kernels)
+//   index_math_dump cpu_ranges s_q s_k causal -> the CPU kernels' element-exact causal ranges:
+//                                      {"kv_end": [row_end = 0..s_q], "first_row": [key =
+//                                      -2..s_k+1], "masked": [[row0, key_end, 0/1] ...]}
+//   index_math_dump bwd_blocks      -> lines "F|N|M|S ..." of the backward's block ranges and
+//                                      swizzle steps over a grid of tiles and lengths
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -238,6 +244,45 @@ void dump_band(bool wide) {
   std::printf("]\n");
 }
 
+void dump_cpu_ranges(long s_q, long s_k, bool causal) {
+  std::printf("{\"kv_end\": [");
+  for (long r = 0; r <= s_q; ++r)
+    std::printf("%s%ld", r ? ", " : "", static_cast<long>(km::causal_kv_end(r, s_q, s_k, causal)));
+  std::printf("], \"first_row\": [");
+  for (long j = -2; j <= s_k + 1; ++j)
+    std::printf("%s%ld", j > -2 ? ", " : "", static_cast<long>(km::causal_first_row(j, s_q, s_k, causal)));
+  std::printf("], \"masked\": [");
+  bool first = true;
+  for (long r = 0; r < s_q; ++r)
+    for (long e = 1; e <= s_k; ++e) {
+      std::printf("%s[%ld, %ld, %d]", first ? "" : ", ", r, e,
+                  km::causal_block_masked(r, e, s_q, s_k, causal) ? 1 : 0);
+      first = false;
+    }
+  std::printf("]}\n");
+}
+
+// F: first q block of kv block n; N: kv blocks of q block m; M: block (m, n) needs the mask;
+// S: the swizzle step equals the swizzle of the moved address (1).
+void dump_bwd_blocks() {
+  const int sizes[] = {16, 64, 128};
+  const int lens[] = {1, 7, 63, 64, 65, 100, 128, 129, 200};
+  for (int bm : sizes) for (int bn : sizes) for (int sq : lens) for (int sk : lens) for (int c = 0; c < 2; ++c) {
+    for (int n = 0; n < km::ceil_div(sk, bn); ++n)
+      std::printf("F %d %d %d %d %d %d %d\n", n, bm, bn, sq, sk, c, km::bwd_first_q_block(n, bm, bn, sq, sk, c));
+    for (int m = 0; m < km::ceil_div(sq, bm); ++m) {
+      std::printf("N %d %d %d %d %d %d %d\n", m, bm, bn, sq, sk, c, km::fwd_num_kv_blocks(m, bm, bn, sq, sk, c));
+      for (int n = 0; n < km::ceil_div(sk, bn); ++n)
+        std::printf("M %d %d %d %d %d %d %d %d\n", m, n, bm, bn, sq, sk, c,
+                    static_cast<int>(km::block_needs_mask(m, n, bm, bn, sq, sk, c)));
+    }
+  }
+  for (int re : {64, 128}) for (int r = 0; r < 16; ++r) for (int col : {0, 8})
+    for (int row0 = 0; row0 < 128; row0 += 8) for (int k = 0; k < re / 16; ++k)
+      std::printf("S %d %d %d %d %d %d\n", re, r, col, row0, k,
+                  km::swz_step(km::swz_offset(r, col, re), row0, k, re) == km::swz_offset(row0 + r, col + 16 * k, re));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -251,8 +296,13 @@ int main(int argc, char** argv) {
     dump_aligned();
   } else if (argc == 6 && std::strcmp(argv[1], "mask") == 0) {
     dump_mask(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]) != 0, std::atoi(argv[5]));
+  } else if (argc == 5 && std::strcmp(argv[1], "cpu_ranges") == 0) {
+    dump_cpu_ranges(std::atol(argv[2]), std::atol(argv[3]), std::atoi(argv[4]) != 0);
+  } else if (argc >= 2 && std::strcmp(argv[1], "bwd_blocks") == 0) {
+    dump_bwd_blocks();
   } else {
-    std::fprintf(stderr, "usage: %s static | cases | aligned | band32 | band64 | mask s_q s_k causal pad\n", argv[0]);
+    std::fprintf(stderr, "usage: %s static | cases | aligned | band32 | band64 | bwd_blocks | "
+                 "mask s_q s_k causal pad | cpu_ranges s_q s_k causal\n", argv[0]);
     return 2;
   }
   return 0;

@@ -48,13 +48,13 @@ void fwd_impl(const FwdParams& p) {
   T* lse = static_cast<T*>(p.lse);
 
   struct State {
-    Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, cmax;
+    Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, lpart, cmax;
   };
   auto make_state = [&] {
     return State{Scratch<T>(d * bm),    Scratch<T>(bn * dpad), Scratch<T>(bn * dpad),
                  Scratch<T>(bn * bm),   Scratch<T>(bm * dpad), Scratch<T>(bm),
                  Scratch<T>(bm),        Scratch<T>(bm),        Scratch<T>(bm),
-                 Scratch<T>(bm),        Scratch<T>(bm)};
+                 Scratch<T>(bm),        Scratch<T>(bm),        Scratch<T>(bm)};
   };
 
   auto work = [&](State& st, int64_t item) {
@@ -74,7 +74,7 @@ void fwd_impl(const FwdParams& p) {
 
     T *qt = st.qt.get(), *s = st.st.get(), *o = st.o.get(), *cmax = st.cmax.get();
     T *m_run = st.m_run.get(), *m_use = st.m_use.get(), *alpha = st.alpha.get();
-    T *l = st.l.get(), *lsum = st.lsum.get();
+    T *l = st.l.get(), *lsum = st.lsum.get(), *lpart = st.lpart.get();
 
     // Qᵀ (d x mpad, row stride bm), scaled; padding columns (queries past the tile) are zero.
     pack_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, scale, qt, bm, mpad);
@@ -144,8 +144,11 @@ void fwd_impl(const FwdParams& p) {
       const in_t* v_next = n_next > 0 ? row_ptr(v, p.v_strides, b, k0 + c0 + n, hk) : nullptr;
       const int64_t row_bytes = d * static_cast<int64_t>(sizeof(in_t));
       // P = exp(Sᵀ - m) in place, row by row (sequential through the tile), column sums in
-      // lsum; the next tile's K/V rows are prefetched one per row.
+      // lsum; the next tile's K/V rows are prefetched one per row. The sums are taken over
+      // kChunk rows at a time in lpart (as the GEMMs do, gemm.h), so their rounding error does
+      // not grow with the tile.
       fill(lsum, mpad, T(0));
+      fill(lpart, mpad, T(0));
       for (int64_t j = 0; j < n; ++j) {
         if (j < n_next) {
           prefetch_lines(k_next + j * p.k_strides.row, row_bytes);
@@ -157,17 +160,23 @@ void fwd_impl(const FwdParams& p) {
           const V e1 = exp_vec(vload(row + i + VW) - vload(m_use + i + VW));
           vstore(row + i, e0);
           vstore(row + i + VW, e1);
-          vstore(lsum + i, vload(lsum + i) + e0);
-          vstore(lsum + i + VW, vload(lsum + i + VW) + e1);
+          vstore(lpart + i, vload(lpart + i) + e0);
+          vstore(lpart + i + VW, vload(lpart + i + VW) + e1);
+        }
+        if ((j + 1) % kChunk == 0 || j + 1 == n) {
+          for (int64_t i = 0; i < mpad; i += VW) {
+            vstore(lsum + i, vload(lsum + i) + vload(lpart + i));
+            vstore(lpart + i, vzero<T>());
+          }
         }
       }
       for (int64_t i = 0; i < mpad; i += VW)
         vstore(l + i, vfma(vload(l + i), vload(alpha + i), vload(lsum + i)));
       if (fresh) {
-        gemm<T, Epi::kStore>(mpad, dpad, n, s, 1, bm, vt, ldv, o, dpad);  // O = P·V
+        gemm<T, Epi::kStore>(mpad, dpad, n, s, 1, bm, vt, ldv, o, dpad, nullptr, kChunk);  // O = P·V
         fresh = false;
       } else {
-        gemm<T, Epi::kScaleAdd>(mpad, dpad, n, s, 1, bm, vt, ldv, o, dpad, alpha);  // O = a·O + P·V
+        gemm<T, Epi::kScaleAdd>(mpad, dpad, n, s, 1, bm, vt, ldv, o, dpad, alpha, kChunk);  // O = a·O + P·V
       }
     }
     if (fresh) fill(o, mpad * dpad, T(0));  // no visible key at all

@@ -16,7 +16,8 @@ and the same for the ``_kvpacked_func`` / ``_qkvpacked_func`` forms. As in
 ring-flash-attention, the inputs are this rank's shards already in the layout's order:
 ``ringseq.shard(x, "zigzag")`` gives rank r the chunks r and 2W-1-r of 2W,
 ``ringseq.shard(x, "stripe")`` the tokens t with t mod W == r (stripe size 1). The varlen
-forms (``*_varlen_func``, ``llama3_flash_attn_varlen_func``) are not available yet.
+forms are :func:`ringseq.ring_flash_attn_varlen_func` (global ``cu_seqlens``, any layout);
+``zigzag_``/``stripe_``/``llama3_`` varlen names are not provided.
 
 ringseq's own options (``return_lse``, ``backend``, ``grad_comm_dtype``) are keyword-only.
 """

@@ -448,14 +448,18 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
 class Documents(Layout):
     """Packed documents split for balanced causal work without any divisibility demand.
 
-    Every document of the packed sequence (boundaries ``cu_seqlens = (0, ..., total)``) with at
-    least ``2W * MIN_PIECE`` tokens is cut into ``2W`` pieces and rank ``r`` holds pieces ``r``
-    and ``2W-1-r`` of it (the zigzag of each document), so its causal work is balanced over
-    the ranks: a document of length ``L`` has ``L // 2W`` tokens in each piece, its
-    ``L % 2W`` remaining tokens dealt round-robin over the ranks. Shorter documents stay whole
-    (their work is small and tiny pieces only add kernel calls and partial tiles): longest
-    first, each goes to the least loaded rank with room left, and a document that fits nowhere
-    is cut over the ranks' remaining room, so every rank holds exactly ``total / W`` tokens.
+    A document of the packed sequence (boundaries ``cu_seqlens = (0, ..., total)``) is either
+    split or kept whole. A split document is cut into ``2W`` pieces and rank ``r`` holds pieces
+    ``r`` and ``2W-1-r`` of it (the zigzag of each document), so its causal work is the same on
+    every rank: a document of length ``L`` has ``L // 2W`` tokens in each piece, its ``L % 2W``
+    remaining tokens dealt round-robin over the ranks. A whole document goes to one rank:
+    longest first, each to the least loaded rank with room left, and one that fits nowhere is
+    cut over the ranks' remaining room, so every rank holds exactly ``total / W`` tokens.
+
+    Which documents are split: the fewest longest ones such that the estimated causal work
+    (visible pairs) of the busiest rank is within ``BALANCE`` of the mean (documents shorter
+    than 2W tokens are never split). Whole documents run as long spans with no partial tiles
+    from cutting; short ones are split only when few documents must fill many ranks.
     Needs only ``total % W == 0`` (any document lengths, 1 included). Local order is
     increasing in global position.
 
@@ -464,7 +468,7 @@ class Documents(Layout):
     """
 
     name = "documents"
-    MIN_PIECE = 64  # tokens: documents shorter than 2W pieces of this stay whole
+    BALANCE = 1.02  # accepted max / mean of the estimated causal work per rank
 
     def __init__(self, cu_seqlens):
         cu = tuple(int(c) for c in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist")
@@ -481,54 +485,88 @@ class Documents(Layout):
         """Per rank: its (global start, length) runs, sorted by position (see class doc)."""
         if world_size not in self._pieces:
             W = world_size
-            cap = self.cu_seqlens[-1] // W
-            runs = [[] for _ in range(W)]
-            tokens, work = [0] * W, [0.0] * W
             docs = list(zip(self.cu_seqlens, self.cu_seqlens[1:]))
-            extra = 0
-            short = []
-            for a, b in docs:
-                L = b - a
-                if L < 2 * W * self.MIN_PIECE:
-                    short.append((a, b))
-                    continue
-                base, rem = divmod(L, 2 * W)
-                front, back = [base] * W, [base] * W
-                for t in range(rem):  # round-robin over the ranks, across documents
-                    r = (extra + t) % W
-                    (front if t < W else back)[r] += 1
-                extra += rem
-                sizes = front + back[::-1]  # piece k < W: rank k's front; k >= W: rank 2W-1-k
-                starts = [a]
-                for n in sizes[:-1]:
-                    starts.append(starts[-1] + n)
-                for r in range(W):
-                    for start, n in ((starts[r], front[r]), (starts[2 * W - 1 - r], back[r])):
-                        runs[r].append((start, n))
-                        tokens[r] += n
-                    work[r] += L * L / (2 * W)
-            # Short documents stay whole (tiny pieces cost more kernel calls than they save):
-            # longest first, each to the least loaded rank that has room; one that fits
-            # nowhere is cut over the ranks' remaining room, so every rank ends at total / W.
-            for a, b in sorted(short, key=lambda d: d[0] - d[1]):
-                L = b - a
-                fits = [r for r in range(W) if tokens[r] + L <= cap]
-                if fits:
-                    r = min(fits, key=lambda r: (work[r], r))
-                    runs[r].append((a, L))
-                    tokens[r] += L
-                    work[r] += L * L / 2
-                    continue
-                start = a
-                for r in range(W):
-                    n = min(cap - tokens[r], b - start)
-                    if n > 0:
-                        runs[r].append((start, n))
-                        tokens[r] += n
-                        work[r] += n * n / 2
-                        start += n
-            self._pieces[world_size] = [sorted(x for x in rr if x[1] > 0) for rr in runs]
+            # split candidates, longest first (ties: earlier first, for a stable plan)
+            cand = sorted((d for d in docs if d[1] - d[0] >= 2 * W),
+                          key=lambda d: (d[0] - d[1], d[0]))
+
+            def plan(k):
+                return self._place(docs, set(cand[:k]), W)
+
+            # The smallest k (split the k longest) whose plan is balanced: doubling, then
+            # bisection between the last unbalanced and the first balanced k. Splitting every
+            # candidate (k = len(cand)) is the fallback.
+            best_k, best = len(cand), None
+            lo, k = -1, 0
+            while k < len(cand):
+                p = plan(k)
+                if p[1] <= self.BALANCE:
+                    best_k, best = k, p
+                    break
+                lo, k = k, 2 * k + 1
+            hi = best_k
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                p = plan(mid)
+                if p[1] <= self.BALANCE:
+                    hi, best_k, best = mid, mid, p
+                else:
+                    lo = mid
+            if best is None or best_k != hi:
+                best = plan(hi)
+            self._pieces[world_size] = best[0]
         return self._pieces[world_size]
+
+    @staticmethod
+    def _place(docs, split, W):
+        """(runs per rank, estimated max / mean work) with the documents in ``split`` cut in
+        2W pieces and the rest kept whole (see the class doc)."""
+        total = docs[-1][1] if docs else 0
+        cap = total // W
+        runs = [[] for _ in range(W)]
+        tokens, work = [0] * W, [0.0] * W
+        extra = 0
+        whole = []
+        for a, b in docs:
+            L = b - a
+            if (a, b) not in split:
+                whole.append((a, b))
+                continue
+            base, rem = divmod(L, 2 * W)
+            front, back = [base] * W, [base] * W
+            for t in range(rem):  # round-robin over the ranks, across documents
+                r = (extra + t) % W
+                (front if t < W else back)[r] += 1
+            extra += rem
+            sizes = front + back[::-1]  # piece k < W: rank k's front; k >= W: rank 2W-1-k
+            starts = [a]
+            for n in sizes[:-1]:
+                starts.append(starts[-1] + n)
+            for r in range(W):
+                for start, n in ((starts[r], front[r]), (starts[2 * W - 1 - r], back[r])):
+                    runs[r].append((start, n))
+                    tokens[r] += n
+                work[r] += L * L / (2 * W)
+        for a, b in sorted(whole, key=lambda d: (d[0] - d[1], d[0])):
+            L = b - a
+            fits = [r for r in range(W) if tokens[r] + L <= cap]
+            if fits:
+                r = min(fits, key=lambda r: (work[r], r))
+                runs[r].append((a, L))
+                tokens[r] += L
+                work[r] += L * L / 2
+                continue
+            start = a
+            for r in range(W):
+                n = min(cap - tokens[r], b - start)
+                if n > 0:
+                    runs[r].append((start, n))
+                    tokens[r] += n
+                    work[r] += n * (start - a) + n * n / 2  # its queries see the earlier parts too
+                    start += n
+        mean = sum(work) / W
+        balance = max(work) / mean if mean > 0 else 1.0
+        return [sorted(x for x in rr if x[1] > 0) for rr in runs], balance
 
     def check_seqlen(self, seqlen: int, world_size: int) -> int:
         if seqlen != self.cu_seqlens[-1]:

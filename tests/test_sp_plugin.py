@@ -240,19 +240,12 @@ def test_unknown_sp_mode_raises(run):
         assert e.startswith("ValueError") and "'tree'" in e and "'hybrid'" in e, e
 
 
-def test_ulysses_size_not_dividing_sp_size_raises(run):
-    for e in _raised(run, "ulysses_size"):
-        assert e.startswith("ValueError") and "ulysses_size=3" in e and "[1, 2, 4]" in e, e
-
-
-def test_inner_ring_size_not_dividing_the_ring_raises(run):
-    for e in _raised(run, "inner_ring_size"):
-        assert e.startswith("ValueError") and "inner_ring_size=3" in e and "[1, 2, 4]" in e, e
-
-
-def test_sp_size_not_dividing_the_world_raises(run):
-    for e in _raised(run, "sp_size"):
-        assert e.startswith("ValueError") and "sp_size=3" in e and "[1, 2, 4]" in e, e
+@pytest.mark.parametrize("key, given", [("ulysses_size", "ulysses_size=3"),
+                                        ("inner_ring_size", "inner_ring_size=3"),
+                                        ("sp_size", "sp_size=3")])
+def test_size_not_dividing_its_group_raises_naming_the_sizes_that_would(run, key, given):
+    for e in _raised(run, key):
+        assert e.startswith("ValueError") and given in e and "[1, 2, 4]" in e, e
 
 
 def test_mesh_with_other_dim_names_raises(run):

@@ -45,7 +45,7 @@ from ringseq.layouts import get_layout  # noqa: E402
 from ringseq.ops import get_backend  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
-# absolute floor of the spot check (DESIGN.md tolerance: 2x plain same-dtype error + floor)
+# absolute floor of the spot check (docs/design.md tolerance: 2x plain same-dtype error + floor)
 CHECK_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-4}
 
 
@@ -167,7 +167,7 @@ def _isolated_ms(fn, device, args):
 
 def _spot_check(args, layout, causal, full, out_local, group):
     """Max error of this rank's first query rows against float64 attention, and the error of
-    plain same-dtype attention at the same rows (DESIGN.md's tolerance base)."""
+    plain same-dtype attention at the same rows (docs/design.md's tolerance base)."""
     q, k, v = full
     n = min(args.check_rows, out_local.shape[1])
     pos = ringseq.positions(q.shape[1], layout, group)[:n]

@@ -1,6 +1,6 @@
 """The CPU kernel through torch.ops.ringseq.{fwd,bwd,bwd_accum}, against a float64 reference.
 
-Tolerances follow DESIGN.md (tests/utils.py: assert_close_per_design): the error against the
+Tolerances follow docs/design.md (tests/utils.py: assert_close_per_design): the error against the
 float64 reference may be 2x (outputs) or 3x (gradients) that of plain attention computed in the
 input dtype, plus a small floor. The case list is a covering subset of the issue's cross
 product (every length, head count, GQA ratio, head dim, dtype, batch size and layout appears),

@@ -20,12 +20,13 @@ as a ring rank) for the ratio ``busiest / (alone / W)``. Bars: max/mean <=
 """
 from __future__ import annotations
 
+import gc
 import random
 
 import torch
 import torch.distributed as dist
 
-from common import (attention_flops, environment, format_table, progress, spawn_cpu_ranks,
+from common import (PeakMemory, environment, format_table, mib, progress, spawn_cpu_ranks,
                     threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
@@ -110,6 +111,13 @@ def _rank(args, case):
     with commstats.count_bytes() as counter:
         exchanges = step()
     sent = counter.total
+    # Peak of one fwd+bwd above the inputs, the ring's exchange buffers included (released
+    # first, as bench_ring does), so every case is measured the same way.
+    comm.release_buffers()
+    gc.collect()
+    dist.barrier()
+    with PeakMemory(torch.device("cpu")) as mem:
+        step()
     dist.barrier()
     ms = time_ms(step, torch.device("cpu"), args.warmup, args.repeats)
     # the same block tasks without communication (this rank's own K/V stand in)
@@ -158,14 +166,17 @@ def _rank(args, case):
 
         dist.barrier()
         alone_ms = time_ms(alone, torch.device("cpu"), args.warmup, args.repeats)
-    stats = torch.tensor([ms, compute_ms, float(sent), alone_ms or 0.0], dtype=torch.float64)
+    stats = torch.tensor([ms, compute_ms, float(sent), alone_ms or 0.0, float(mem.peak or 0)],
+                         dtype=torch.float64)
     gathered = [torch.zeros_like(stats) for _ in range(world)]
     dist.all_gather(gathered, stats)
     return {"ms": max(float(x[0]) for x in gathered),
             "compute_ms": max(float(x[1]) for x in gathered),
             "bytes_per_rank": max(float(x[2]) for x in gathered),
             "exchanges": exchanges,
-            "alone_ms": max(float(x[3]) for x in gathered) if alone_ms is not None else None}
+            "alone_ms": max(float(x[3]) for x in gathered) if alone_ms is not None else None,
+            "peak_mib_per_rank": mib(max(float(x[4]) for x in gathered))
+            if mem.peak is not None else None}
 
 
 def _cases(args):
@@ -196,8 +207,8 @@ def _run_all(args, device):
         if dist.get_rank() == 0:
             progress(f"{case['name']}: W={dist.get_world_size()} s={args.seqlen}")
         res = _rank(args, case)
-        res.update(name=case["name"], work_max_over_mean=max(case["work"]) /
-                   (sum(case["work"]) / len(case["work"])))
+        res.update(name=case["name"], work_max=max(case["work"]),
+                   work_max_over_mean=max(case["work"]) / (sum(case["work"]) / len(case["work"])))
         out.append(res)
     return out
 
@@ -215,7 +226,8 @@ def main_masked(args, launched, device):
         r["exchanges"] = f"{fwd} / {bwd}"
         r["overhead"] = r["ms"] / r["compute_ms"]
         r["mib_per_rank"] = r["bytes_per_rank"] / 2 ** 20
-        r["tflops"] = None
+        # the busiest rank's visible pairs: forward 4·d FLOPs per pair and head, backward 2.5x
+        r["tflops"] = 3.5 * 4 * args.headdim * args.heads * r["work_max"] / r["ms"] / 1e9
         if r["alone_ms"]:
             r["vs_alone"] = r["ms"] / (r["alone_ms"] / W)
     full = {r["name"].split()[0]: r["ms"] for r in rows if "full causal" in r["name"]}
@@ -223,6 +235,7 @@ def main_masked(args, launched, device):
         if "window" in r["name"]:
             r["full_over_window"] = full.get(r["name"].split()[0], float("nan")) / r["ms"]
     columns = [("name", "case", "{}"), ("ms", "fwd+bwd ms (busiest)", "{:.1f}"),
+               ("tflops", "TFLOP/s (visible)", "{:.4f}"), ("peak_mib_per_rank", "peak MiB/rank", "{:.1f}"),
                ("compute_ms", "tasks alone ms", "{:.1f}"), ("overhead", "overhead", "{:.3f}"),
                ("exchanges", "exchanges fwd / bwd", "{}"), ("mib_per_rank", "MiB sent/rank", "{:.2f}"),
                ("work_max_over_mean", "visible work max/mean", "{:.3f}")]

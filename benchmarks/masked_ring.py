@@ -132,9 +132,13 @@ def _rank(args, case):
     out0, lse0 = ringseq.ring_flash_attn_func(qd, kd, vd, return_lse=True, **kw)
     delta = ringseq.kernels.compute_delta(dd, out0)
     acc = [torch.zeros(t.shape, dtype=lse0.dtype) for t in (qd, kd, vd)]
-    # the real K/V of each step's source rank (every rank holds the full tensors here)
-    held = [[ringseq.layouts.shard_local(t, lay, world, (rank - i) % world) for t in full[1:]]
-            for i in range(plan.hops + 1)]
+    # the real K/V of each step's source rank (every rank holds the full tensors here), as the
+    # ring delivers them: the rows that travel (plan.carried) from step 1 on
+    held = []
+    for i in range(plan.hops + 1):
+        src = (rank - i) % world
+        shards = [ringseq.layouts.shard_local(t, lay, world, src) for t in full[1:]]
+        held.append(shards if i == 0 else [plan.carried(t, src) for t in shards])
 
     def compute():
         o = torch.zeros(qd.shape, dtype=lse0.dtype)

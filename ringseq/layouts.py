@@ -160,6 +160,37 @@ class Layout:
             cache[key] = last
         return cache[key]
 
+    def kv_rows(self, world_size: int, s_local: int, causal):
+        """What each rank's K/V block must carry around the ring, under a window or document
+        mask: per source rank, the merged ``(start, end)`` intervals of its local rows that a
+        task of a later step on another rank reads; None when nothing would be saved (plain
+        causal / full attention, or some source is needed whole). Cached; the same on every
+        rank. The engine then sends every block compacted to ``max`` of these lengths."""
+        mask = causal if isinstance(causal, AttnMask) else AttnMask(causal=bool(causal))
+        key = ("kv_rows", world_size, s_local, mask)
+        cache = self.__dict__.setdefault("_schedules", {})
+        if key not in cache:
+            rows = None
+            if not mask.plain and world_size > 1:
+                need = [[] for _ in range(world_size)]
+                for r in range(world_size):
+                    sched = self.schedule(r, world_size, s_local, mask)
+                    for i in range(1, world_size):
+                        src = (r - i) % world_size
+                        for t in sched[i]:
+                            if t.spans is None:
+                                need[src].append((t.kv.start, t.kv.stop))
+                            else:
+                                for sp in t.spans:
+                                    a, b = span_keys(sp)
+                                    need[src].append((t.kv.start + sp[2] + a, t.kv.start + sp[2] + b))
+                merged = tuple(_merge_intervals(n) for n in need)
+                longest = max(sum(b - a for a, b in m) for m in merged)
+                if longest < s_local:
+                    rows = merged
+            cache[key] = rows
+        return cache[key]
+
     def runs(self, seqlen: int, world_size: int, rank: int) -> Tuple[Run, ...]:
         """Rank's local rows as maximal runs of evenly spaced global positions (generic:
         compressed from ``positions``; built-in layouts say it directly)."""
@@ -288,6 +319,26 @@ class Stripe(Layout):
         if s_local == 1:
             return []
         return [BlockTask(slice(0, s_local), slice(0, s_local - 1), True)]
+
+
+def span_keys(span) -> Tuple[int, int]:
+    """The keys ``[a, b)`` (relative to the span's first kv row) that some query of the span
+    ``(q_start, q_len, k_start, k_len, band_lo, band_hi)`` sees: ``j`` with
+    ``band_lo <= j - i <= band_hi`` for some ``0 <= i < q_len``; (0, 0) when none."""
+    _, nq, _, nk, lo, hi = span
+    a, b = max(0, lo), min(nk, nq - 1 + hi + 1)
+    return (a, b) if nq > 0 and a < b else (0, 0)
+
+
+def _merge_intervals(intervals) -> Tuple[Tuple[int, int], ...]:
+    """Sorted, merged (adjacent or overlapping joined) non-empty half-open intervals."""
+    out: List[List[int]] = []
+    for a, b in sorted(x for x in intervals if x[1] > x[0]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
 
 
 def _masked_tasks(q_runs, k_runs, mask: AttnMask, s_local: int) -> List[BlockTask]:
@@ -611,6 +662,9 @@ class Documents(Layout):
 
     def hops(self, world_size, s_local, causal):
         return super().hops(world_size, s_local, self.mask(causal))
+
+    def kv_rows(self, world_size, s_local, causal):
+        return super().kv_rows(world_size, s_local, self.mask(causal))
 
     def __repr__(self):
         return f"Documents({len(self.cu_seqlens) - 1} documents, {self.cu_seqlens[-1]} tokens)"

@@ -14,7 +14,7 @@ import torch
 from ._dist import dtype_code
 from .comm import Transport
 from .kernels import AttentionBackend, check_qkv, get_backend, resolve_scale
-from .layouts import BlockTask, Layout, get_layout
+from .layouts import BlockTask, Layout, get_layout, span_keys
 from .masks import AttnMask
 
 __all__ = ["RingPlan", "make_plan", "resolve_grad_comm_dtype"]
@@ -39,6 +39,13 @@ class RingPlan:
             window makes later steps empty everywhere).
         signature: ``(name, value[, kind])`` fields every rank of the ring must agree on,
             compared by the begin collective of each ring call (:mod:`ringseq.integrity`).
+        kv_rows: per source rank, the ``(start, end)`` intervals of its local K/V rows that
+            travel (``layout.kv_rows``: windows and documents need only part of a shard
+            remotely), or None: every row travels. With it, every K/V block and dK/dV
+            accumulator moves compacted to ``kv_len`` rows and the tasks of steps >= 1 in
+            ``schedule`` index those compacted rows.
+        kv_len: rows of a travelling block (the longest ``kv_rows`` entry; the local length
+            when ``kv_rows`` is None).
     """
 
     layout: Layout
@@ -53,6 +60,8 @@ class RingPlan:
     mask: AttnMask = AttnMask()
     softcap: float = 0.0
     hops: int = 0
+    kv_rows: Optional[Tuple[Tuple[Tuple[int, int], ...], ...]] = None
+    kv_len: int = 0
 
     def kernel_kwargs(self, task: BlockTask) -> dict:
         """The mask arguments of a block kernel call for ``task`` (none for plain blocks)."""
@@ -62,6 +71,44 @@ class RingPlan:
         if self.softcap:
             kw["softcap"] = self.softcap
         return kw
+
+    def pack_rows(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Writes the rows of this rank's ``x`` (b, s_local, h, d) that travel into the first
+        rows of ``out`` (b, kv_len, h, d), in order, and zeros after them (all rows, without
+        ``kv_rows``)."""
+        if self.kv_rows is None:
+            out.copy_(x)
+            return
+        at = 0
+        for a, b in self.kv_rows[self.rank]:
+            out[:, at:at + b - a].copy_(x[:, a:b])
+            at += b - a
+        # Blocks of other ranks may carry more rows; the rest of ours must hold numbers (the
+        # buffers are reused), since a dense kernel multiplies masked rows by zero.
+        out[:, at:].zero_()
+
+    def carried(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """What the block of rank ``src`` carries of its (b, s_local, h, d) shard ``x``: a new
+        (b, kv_len, h, d) tensor, zero past that rank's rows (``x`` itself without kv_rows)."""
+        if self.kv_rows is None:
+            return x
+        out = x.new_zeros((x.shape[0], self.kv_len, *x.shape[2:]))
+        at = 0
+        for a, b in self.kv_rows[src]:
+            out[:, at:at + b - a] = x[:, a:b]
+            at += b - a
+        return out
+
+    def add_home_rows(self, full: torch.Tensor, block: torch.Tensor) -> None:
+        """``full`` (b, s_local, h, d) += this rank's travelled rows of ``block`` (b, kv_len,
+        h, d), at their local places (the inverse of :meth:`pack_rows`)."""
+        if self.kv_rows is None:
+            full.add_(block)
+            return
+        at = 0
+        for a, b in self.kv_rows[self.rank]:
+            full[:, a:b].add_(block[:, at:at + b - a])
+            at += b - a
 
     @property
     def world_size(self) -> int:
@@ -153,7 +200,71 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, transport: T
         ("softcap (x1e6)", round(softcap * 1e6)),
         ("documents (hash of cu_seqlens)", 0 if mask.cu_seqlens is None else mask.code()),
     )
+    schedule = lay.schedule(transport.rank, W, s, mask)
+    hops = lay.hops(W, s, mask)
+    kv_rows = lay.kv_rows(W, s, mask) if hops > 0 else None  # nothing travels at hops == 0
+    kv_len = s
+    if kv_rows is not None:
+        kv_len = max(sum(b - a for a, b in m) for m in kv_rows)
+        schedule = compact_schedule(schedule, transport.rank, W, kv_rows, kv_len)
     return RingPlan(layout=lay, transport=transport, softmax_scale=scale, causal=bool(causal),
-                    backend=be, accum_dtype=acc, grad_comm_dtype=gdt,
-                    schedule=lay.schedule(transport.rank, W, s, mask), signature=signature,
-                    mask=mask, softcap=softcap, hops=lay.hops(W, s, mask))
+                    backend=be, accum_dtype=acc, grad_comm_dtype=gdt, schedule=schedule,
+                    signature=signature, mask=mask, softcap=softcap, hops=hops,
+                    kv_rows=kv_rows, kv_len=kv_len)
+
+
+_COMPACT_CACHE: dict = {}
+
+
+def compact_schedule(schedule, rank: int, world_size: int, kv_rows, kv_len: int):
+    """``schedule`` with the tasks of every step ``i >= 1`` moved to the compacted rows of
+    their source ``(rank - i) % world_size`` (``kv_rows``): a plain task's kv slice and a
+    span's first kv row are mapped; every row a task reads travels, and rows that are
+    contiguous locally stay contiguous compacted (``kv_rows`` merges touching intervals).
+    Cached (schedules are immutable)."""
+    key = (id(schedule), rank, world_size, kv_rows)
+    hit = _COMPACT_CACHE.get(key)
+    if hit is not None and hit[0] is schedule:
+        return hit[1]
+
+    def mapper(intervals):
+        starts, at = [], 0
+        for a, b in intervals:
+            starts.append((a, b, at))
+            at += b - a
+
+        def where(x, n):  # compacted index of local row x, for n rows that must all travel
+            if n <= 0:
+                return 0
+            for a, b, off in starts:
+                if a <= x and x + n <= b:
+                    return off + x - a
+            raise AssertionError(f"rows [{x}, {x + n}) do not travel")  # kv_rows covers them
+        return where
+
+    out = [schedule[0]]
+    for i in range(1, len(schedule)):
+        where = mapper(kv_rows[(rank - i) % world_size])
+        tasks = []
+        for t in schedule[i]:
+            if t.spans is None:
+                a = where(t.kv.start, t.kv.stop - t.kv.start)
+                tasks.append(BlockTask(t.q, slice(a, a + t.kv.stop - t.kv.start), t.causal))
+            else:
+                # each span trimmed to the keys it sees (the rows that travel), its band
+                # shifted with its first key
+                spans = []
+                for sp in t.spans:
+                    q0, nq, k0, nk, lo, hi = sp
+                    a, b = span_keys(sp)
+                    if b > a:
+                        spans.append((q0, nq, where(t.kv.start + k0 + a, b - a), b - a,
+                                      lo - a, hi - a))
+                if spans:
+                    tasks.append(BlockTask(t.q, slice(0, kv_len), False, spans=tuple(spans)))
+        out.append(tuple(tasks))
+    result = tuple(out)
+    if len(_COMPACT_CACHE) > 256:
+        _COMPACT_CACHE.clear()
+    _COMPACT_CACHE[key] = (schedule, result)
+    return result

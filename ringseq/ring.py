@@ -137,11 +137,11 @@ def _ring_forward(q, k, v, plan: RingPlan):
         take_first = first is not None and first.q == slice(0, s)
         with call.guard():
             if hops > 0:
-                kv_shape = (2, k.shape[0], k.shape[1], k.shape[2], d)
+                kv_shape = (2, k.shape[0], plan.kv_len, k.shape[2], d)  # rows that travel
                 bufs = PackedBuffers(plan.transport, "fwd", q.device,
                                      [_HDR, ("kv", kv_shape, k.dtype)], call)
-                bufs[0]["kv"][0].copy_(k)
-                bufs[0]["kv"][1].copy_(v)
+                plan.pack_rows(k, bufs[0]["kv"][0])
+                plan.pack_rows(v, bufs[0]["kv"][1])
             if not take_first:
                 out = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
                 lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
@@ -177,14 +177,22 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
     b, s, h, d = q.shape
     acc, be, scale, gdt = plan.accum_dtype, plan.backend, plan.softmax_scale, plan.grad_comm_dtype
     W, hops = plan.world_size, plan.hops
-    kv_shape = (2, k.shape[0], k.shape[1], k.shape[2], d)
+    kv_shape = (2, k.shape[0], plan.kv_len, k.shape[2], d)  # a travelling block's rows
     payloads = backward_payloads(W, hops)
     # At step 0 nothing arrives in the accumulator of the other slot, so the own block's
     # gradients can go straight there when no dtype conversion is needed; later the incoming
     # accumulator lands there while we compute, so ours go to `scratch` and are added after.
-    direct = gdt == acc
+    # With compacted blocks (plan.kv_rows) the own step-0 gradients cover every local row and
+    # stay home in `own`; the travelling accumulator starts at zero.
+    compact = plan.kv_rows is not None  # (only with hops > 0)
+    direct = gdt == acc and not compact
+    if compact and len(payloads) > 1:
+        # The own block's accumulator would leave empty: the first rank to compute with the
+        # block starts it instead, so exchange 1 carries no accumulator.
+        names, rev = payloads[1]
+        payloads[1] = (tuple(n for n in names if n != "acc"), rev)
     with plan.transport.open_call(BWD, plan.signature, q.device) as call:
-        bufs = delta = dq = scratch = None
+        bufs = delta = dq = scratch = own = None
         with call.guard():
             delta = compute_delta(dout, out, grad_lse)  # (b, h, s), once for every block
             dq = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
@@ -193,21 +201,26 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
                                  [("acc", kv_shape, gdt), _HDR]
                                  + ([("kv", kv_shape, k.dtype)] if hops > 0 else []), call)
             if hops > 0:
-                bufs[0]["kv"][0].copy_(k)
-                bufs[0]["kv"][1].copy_(v)
+                plan.pack_rows(k, bufs[0]["kv"][0])
+                plan.pack_rows(v, bufs[0]["kv"][1])
             if hops > 0 or not direct:
-                scratch = torch.empty(kv_shape, dtype=acc, device=q.device)  # (2, b, s, h_kv, d)
+                scratch = torch.empty(kv_shape, dtype=acc, device=q.device)  # (2, b, kv_len, h_kv, d)
+            if compact:
+                own = torch.zeros((2, b, s, k.shape[2], d), dtype=acc, device=q.device)
         call.begin()
 
         for i in range(hops + 1):
             cur, nxt = i % 2, (i + 1) % 2
             pending = bufs.exchange(cur, *payloads[i]) if i < len(payloads) else None
             tasks = plan.schedule[i]
-            target = bufs[nxt]["acc"] if (i == 0 and direct) else scratch
+            if i == 0 and compact:
+                target = own
+            else:
+                target = bufs[nxt]["acc"] if (i == 0 and direct) else scratch
             if call.ok:
                 with call.guard():
                     kk, vv = (k, v) if i == 0 else bufs[cur]["kv"]
-                    if i == 0 or tasks:
+                    if (i == 0 and not compact) or (i > 0 and tasks):
                         target.zero_()
                     for t in tasks:
                         be.bwd_accum(dout[:, t.q], q[:, t.q], kk[:, t.kv], vv[:, t.kv],
@@ -220,6 +233,11 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
                 with call.guard():
                     if i == 0:
                         bufs[nxt]["acc"].copy_(scratch)
+                    elif i == 1 and compact:  # nothing arrived: this step starts the block's
+                        if tasks:
+                            bufs[nxt]["acc"].copy_(scratch)
+                        else:
+                            bufs[nxt]["acc"].zero_()
                     elif tasks:
                         bufs[nxt]["acc"].add_(scratch)
 
@@ -231,6 +249,10 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
             slot = 1 - slot
         call.end()
         home = bufs[slot]["acc"]
+        if compact:  # after call.end(): the call succeeded on every rank
+            plan.add_home_rows(own[0], home[0])
+            plan.add_home_rows(own[1], home[1])
+            home = own
         # Copies: the accumulators live in the transport's cached buffers.
         dk = home[0].to(k.dtype, copy=True)
         dv = home[1].to(v.dtype, copy=True)

@@ -18,6 +18,7 @@ import torch
 
 import ringseq
 from ringseq.layouts import Documents, get_layout
+from ringseq.masks import AttnMask
 
 from masks_reference import DenseSpanBackend, global_mask, masked_attention
 from utils import max_err
@@ -82,17 +83,27 @@ def test_softcap_with_windows():
 
 @pytest.mark.parametrize("w", [2, 3, 4, 8])
 def test_short_windows_move_less(w):
-    """Contiguous shards, window < s_local: one forward hop instead of W-1; dK/dV come back
-    over the same single hop (1 step exchange + 1 home exchange + the K/V one)."""
+    """Contiguous shards, window < s_local: one forward hop instead of W-1, and the block
+    carries only the keys the next rank's queries see (the last `left` rows), so the own
+    block's dK/dV accumulator need not travel either: 1 forward exchange, 2 backward ones
+    (the accumulator's hop out with the K/V of no later step, and home). A window of a whole
+    shard needs every row: the plain one-hop schedule, 3 backward exchanges."""
     s_local = 12
     s = s_local * w
     q, k, v, dout = _qkv(3, 1, s, 2, 2)
-    for left, fwd, bwd in ((s_local - 1, 1, 3), (s_local, 1, 3)):
+    lay = get_layout("contiguous")
+    for left, fwd, bwd, rows in ((s_local - 1, 1, 2, (1, s_local)), (5, 1, 2, (s_local - 5, s_local)),
+                                 (s_local, 1, 3, None)):
         ex = []
         got = ringseq.simulate_ring(q, k, v, "contiguous", w, True, backend=DENSE, dout=dout,
                                     window_size=(left, -1), exchanges=ex)
         _check(got, _reference(q, k, v, dout, global_mask(s, s, True, (left, -1))))
-        assert ex == [(fwd, bwd)] * w, ex
+        assert ex == [(fwd, bwd)] * w, (left, ex)
+        kv_rows = lay.kv_rows(w, s_local, AttnMask(causal=True, window=(left, -1)))
+        if rows is None:
+            assert kv_rows is None
+        else:  # every shard but the last (whose keys no later rank sees) sends `rows`
+            assert kv_rows == ((rows,),) * (w - 1) + ((),), kv_rows
     ex = []
     ringseq.simulate_ring(q, k, v, "contiguous", w, True, backend=DENSE, dout=dout,
                           exchanges=ex)
@@ -194,6 +205,39 @@ def test_documents_balance_visible_work(w):
         assert ratio <= 1.05, (name, w, round(ratio, 4), work)
         if name == "long tail":  # the one long document is split, the short ones stay whole
             assert whole >= len(lens) - 1 - w, (name, w, whole)
+
+
+@pytest.mark.parametrize("w", [2, 4])
+def test_documents_blocks_carry_only_what_other_ranks_see(w):
+    """With most documents whole, a K/V block carries only the rows of documents that other
+    ranks also hold (split or cut ones), and the ring stays exact."""
+    lens = [350, 45, 60, 30, 1500, 22, 100, 40, 1150, 16, 75, 35]
+    total = sum(lens) + (-sum(lens)) % w
+    lens[-1] += total - sum(lens)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    lay, s_local = Documents(cu), total // w
+    kv_rows = lay.kv_rows(w, s_local, True)
+    carried_rows = [sum(b - a for a, b in m) for m in kv_rows]
+    assert max(carried_rows) < s_local and min(carried_rows) < s_local / 2, carried_rows
+    docs_of = []  # per rank: document index of every local row
+    starts = torch.tensor(cu[:-1])
+    for r in range(w):
+        pos = ringseq.layouts.positions_local(total, lay, w, r)
+        docs_of.append(torch.bucketize(pos, starts, right=True) - 1)
+    for r in range(w):
+        shared = {int(d) for o in range(w) if o != r for d in docs_of[o]}
+        carried = torch.zeros(s_local, dtype=torch.bool)
+        for a, b in kv_rows[r]:
+            carried[a:b] = True
+        for row in range(s_local):  # a carried row belongs to a document another rank holds
+            if carried[row]:
+                assert int(docs_of[r][row]) in shared, (r, row)
+    q, k, v, dout = _qkv(7, 1, total, 2, 1, d=4)
+    ex = []
+    got = ringseq.simulate_ring(q, k, v, lay, w, True, backend=DENSE, dout=dout, exchanges=ex)
+    _check(got, _reference(q, k, v, dout, global_mask(total, total, True, cu_seqlens=cu)))
 
 
 def test_bad_cu_seqlens_raise():

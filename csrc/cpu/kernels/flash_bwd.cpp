@@ -84,15 +84,22 @@ void bwd_impl(const BwdParams& p) {
   const bool direct = chunks == 1 && dq_float && d == dpad;
   Scratch<T> parts(direct ? 0 : chunks * part_elems);
   T* dq_float_base = static_cast<T*>(p.dq);
+  // Only the q rows of the call's spans (pairwise disjoint) receive dQ: the rest of dq is the
+  // binding's (zeroed, or left as it is when accumulating), and the partials of those rows are
+  // neither cleared nor summed. A ring step's spans often cover a small part of the shard:
+  // clearing and summing every row cost a pass over chunks x s_q x d floats per call.
   if (direct && !p.accumulate) {
     run_items(sh.batch * sh.nheads, [] { return 0; }, [&](int&, int64_t bh) {
       const int64_t b = bh / sh.nheads, h = bh % sh.nheads;
-      for (int64_t r = 0; r < s_q; ++r) fill(row_ptr(dq_float_base, p.dq_strides, b, r, h), d, T(0));
+      for (int64_t t = 0; t < spans.count; ++t)
+        for (int64_t r = spans[t].q_start; r < spans[t].q_start + spans[t].q_len; ++r)
+          fill(row_ptr(dq_float_base, p.dq_strides, b, r, h), d, T(0));
     });
   } else if (!direct) {
     T* base = parts.get();
     run_items(chunks * sh.batch * sh.nheads, [] { return 0; }, [&](int&, int64_t i) {
-      fill(base + i * s_q * dpad, s_q * dpad, T(0));
+      for (int64_t t = 0; t < spans.count; ++t)
+        fill(base + i * s_q * dpad + spans[t].q_start * dpad, spans[t].q_len * dpad, T(0));
     });
   }
 
@@ -212,21 +219,23 @@ void bwd_impl(const BwdParams& p) {
     const T* base = parts.get();
     run_items(sh.batch * sh.nheads, [] { return 0; }, [&](int&, int64_t bh) {
       const int64_t b = bh / sh.nheads, h = bh % sh.nheads;
-      for (int64_t r = 0; r < s_q; ++r) {
-        const T* src = base + (bh * s_q + r) * dpad;
-        if (p.accumulate) {
-          T* dst = row_ptr(static_cast<T*>(p.dq), p.dq_strides, b, r, h);
-          for (int64_t c = 0; c < d; ++c) {
-            T sum = src[c];
-            for (int64_t ch = 1; ch < chunks; ++ch) sum += src[ch * part_elems + c];
-            dst[c] += sum;
-          }
-        } else {
-          in_t* dst = row_ptr(static_cast<in_t*>(p.dq), p.dq_strides, b, r, h);
-          for (int64_t c = 0; c < d; ++c) {
-            T sum = src[c];
-            for (int64_t ch = 1; ch < chunks; ++ch) sum += src[ch * part_elems + c];
-            dst[c] = from_acc<in_t>(sum);
+      for (int64_t t = 0; t < spans.count; ++t) {
+        for (int64_t r = spans[t].q_start; r < spans[t].q_start + spans[t].q_len; ++r) {
+          const T* src = base + (bh * s_q + r) * dpad;
+          if (p.accumulate) {
+            T* dst = row_ptr(static_cast<T*>(p.dq), p.dq_strides, b, r, h);
+            for (int64_t c = 0; c < d; ++c) {
+              T sum = src[c];
+              for (int64_t ch = 1; ch < chunks; ++ch) sum += src[ch * part_elems + c];
+              dst[c] += sum;
+            }
+          } else {
+            in_t* dst = row_ptr(static_cast<in_t*>(p.dq), p.dq_strides, b, r, h);
+            for (int64_t c = 0; c < d; ++c) {
+              T sum = src[c];
+              for (int64_t ch = 1; ch < chunks; ++ch) sum += src[ch * part_elems + c];
+              dst[c] = from_acc<in_t>(sum);
+            }
           }
         }
       }

@@ -21,6 +21,12 @@ accumulator completed at step i-1; the accumulator of the block computed at step
 during step i and is added once both are there. One last exchange after step W-1 brings every
 accumulator home: each makes exactly one full lap (W hops); K/V make W-1 hops.
 
+Under a window or document mask a block may carry only some of its rows (``plan.kv_rows``,
+compacted to ``plan.kv_len``; the tasks of steps >= 1 index the compacted rows). Then the own
+step-0 gradients stay home in a full-size accumulator, and the block's travelling accumulator
+is started by the first rank that reads it, so exchange 1 carries K/V only; at home the
+returned rows are added at their local places.
+
 Accumulation is float32 (float64 for float64 inputs). ``grad_comm_dtype`` may send the dK/dV
 accumulators in another dtype (e.g. the input's bf16/fp16, cutting backward traffic from 3x to
 2x of the forward's) at the cost of one rounding per hop: for bf16 at W=4 about twice the

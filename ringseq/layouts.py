@@ -541,31 +541,25 @@ class Documents(Layout):
             cand = sorted((d for d in docs if d[1] - d[0] >= 2 * W),
                           key=lambda d: (d[0] - d[1], d[0]))
 
-            def plan(k):
-                return self._place(docs, set(cand[:k]), W)
+            plans = {}
 
-            # The smallest k (split the k longest) whose plan is balanced: doubling, then
-            # bisection between the last unbalanced and the first balanced k. Splitting every
-            # candidate (k = len(cand)) is the fallback.
-            best_k, best = len(cand), None
-            lo, k = -1, 0
-            while k < len(cand):
-                p = plan(k)
-                if p[1] <= self.BALANCE:
-                    best_k, best = k, p
-                    break
-                lo, k = k, 2 * k + 1
-            hi = best_k
+            def plan(k):  # split the k longest candidates
+                if k not in plans:
+                    plans[k] = self._place(docs, set(cand[:k]), W)
+                return plans[k]
+
+            def balanced(k):  # splitting every candidate is the fallback
+                return k >= len(cand) or plan(k)[1] <= self.BALANCE
+
+            # The smallest balanced k: doubling, then bisection between the last unbalanced
+            # and the first balanced k seen.
+            lo, hi = -1, 0
+            while not balanced(hi):
+                lo, hi = hi, min(2 * hi + 1, len(cand))
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                p = plan(mid)
-                if p[1] <= self.BALANCE:
-                    hi, best_k, best = mid, mid, p
-                else:
-                    lo = mid
-            if best is None or best_k != hi:
-                best = plan(hi)
-            self._pieces[world_size] = best[0]
+                lo, hi = (lo, mid) if balanced(mid) else (mid, hi)
+            self._pieces[world_size] = plan(hi)[0]
         return self._pieces[world_size]
 
     @staticmethod

@@ -72,31 +72,36 @@ class RingPlan:
             kw["softcap"] = self.softcap
         return kw
 
-    def pack_rows(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Writes the rows of this rank's ``x`` (b, s_local, h, d) that travel into the first
-        rows of ``out`` (b, kv_len, h, d), in order, and zeros after them (all rows, without
-        ``kv_rows``)."""
+    def _travelling(self, src: int):
+        """(local start, local end, compacted start) of every row interval rank ``src``'s
+        block carries."""
+        at = 0
+        for a, b in self.kv_rows[src]:
+            yield a, b, at
+            at += b - a
+
+    def pack_rows(self, x: torch.Tensor, out: torch.Tensor, src: Optional[int] = None) -> None:
+        """Writes the rows of rank ``src``'s (default: this rank's) shard ``x`` (b, s_local, h,
+        d) that travel into the first rows of ``out`` (b, kv_len, h, d), in order, and zeros
+        after them (all rows, without ``kv_rows``)."""
         if self.kv_rows is None:
             out.copy_(x)
             return
-        at = 0
-        for a, b in self.kv_rows[self.rank]:
+        end = 0
+        for a, b, at in self._travelling(self.rank if src is None else src):
             out[:, at:at + b - a].copy_(x[:, a:b])
-            at += b - a
+            end = at + b - a
         # Blocks of other ranks may carry more rows; the rest of ours must hold numbers (the
         # buffers are reused), since a dense kernel multiplies masked rows by zero.
-        out[:, at:].zero_()
+        out[:, end:].zero_()
 
     def carried(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """What the block of rank ``src`` carries of its (b, s_local, h, d) shard ``x``: a new
-        (b, kv_len, h, d) tensor, zero past that rank's rows (``x`` itself without kv_rows)."""
+        (b, kv_len, h, d) tensor (``x`` itself without kv_rows)."""
         if self.kv_rows is None:
             return x
-        out = x.new_zeros((x.shape[0], self.kv_len, *x.shape[2:]))
-        at = 0
-        for a, b in self.kv_rows[src]:
-            out[:, at:at + b - a] = x[:, a:b]
-            at += b - a
+        out = x.new_empty((x.shape[0], self.kv_len, *x.shape[2:]))
+        self.pack_rows(x, out, src)
         return out
 
     def add_home_rows(self, full: torch.Tensor, block: torch.Tensor) -> None:
@@ -105,10 +110,8 @@ class RingPlan:
         if self.kv_rows is None:
             full.add_(block)
             return
-        at = 0
-        for a, b in self.kv_rows[self.rank]:
+        for a, b, at in self._travelling(self.rank):
             full[:, a:b].add_(block[:, at:at + b - a])
-            at += b - a
 
     @property
     def world_size(self) -> int:

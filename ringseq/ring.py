@@ -189,7 +189,7 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
     # gradients can go straight there when no dtype conversion is needed; later the incoming
     # accumulator lands there while we compute, so ours go to `scratch` and are added after.
     # With compacted blocks (plan.kv_rows) the own step-0 gradients cover every local row and
-    # stay home in `own`; the travelling accumulator starts at zero.
+    # stay home in `own`.
     compact = plan.kv_rows is not None  # (only with hops > 0)
     direct = gdt == acc and not compact
     if compact and len(payloads) > 1:
@@ -212,7 +212,7 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
             if hops > 0 or not direct:
                 scratch = torch.empty(kv_shape, dtype=acc, device=q.device)  # (2, b, kv_len, h_kv, d)
             if compact:
-                own = torch.zeros((2, b, s, k.shape[2], d), dtype=acc, device=q.device)
+                own = torch.empty((2, b, s, k.shape[2], d), dtype=acc, device=q.device)
         call.begin()
 
         for i in range(hops + 1):
@@ -226,7 +226,7 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
             if call.ok:
                 with call.guard():
                     kk, vv = (k, v) if i == 0 else bufs[cur]["kv"]
-                    if (i == 0 and not compact) or (i > 0 and tasks):
+                    if i == 0 or tasks:
                         target.zero_()
                     for t in tasks:
                         be.bwd_accum(dout[:, t.q], q[:, t.q], kk[:, t.kv], vv[:, t.kv],

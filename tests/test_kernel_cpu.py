@@ -264,7 +264,8 @@ def test_concurrent_calls_from_python_threads():
 # The kernel is compiled once per ISA level (baseline, avx2, avx512) and picks one at first use
 # (RINGSEQ_CPU_ISA forces it). A representative subset of the cases above runs on every level
 # this machine supports (the `isa` fixture, conftest.py): each level is its own code (register
-# blocking, tiles, exp).
+# blocking, tiles, exp). The wrappers call the tests above, which assert; each then checks that
+# the level under test was the one that ran.
 ISA_LEVELS = ringseq._C.cpu_isa_supported()
 
 
@@ -277,7 +278,8 @@ ISA_CASES = [c for c in CASES if c[1] < 1000] + [
 
 @pytest.mark.parametrize("case", ISA_CASES, ids=[case_id(c) for c in ISA_CASES])
 def test_every_isa_level_matches_reference(isa, case):
-    test_fwd_bwd_and_bwd_accum_match_reference(case)
+    test_fwd_bwd_and_bwd_accum_match_reference(case)  # asserts per docs/design.md
+    assert ringseq._C.cpu_isa() == isa  # ... and ran at the level under test
 
 
 @pytest.mark.parametrize("dtype", [f32, bf16, f16, f64])
@@ -304,16 +306,19 @@ def test_every_isa_level_fwd_accum_over_key_blocks(isa, dtype, causal):
 @pytest.mark.parametrize("d", [1, 3, 40, 200])
 def test_every_isa_level_any_head_dim(isa, d):
     test_any_head_dim(d)
+    assert ringseq._C.cpu_isa() == isa
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_isa_level_rows_without_keys(isa, causal):
     for dtype in (f32, bf16):
         test_rows_without_keys_give_zero_out_neg_inf_lse_zero_grads(dtype, causal)
+    assert ringseq._C.cpu_isa() == isa
 
 
 def test_every_isa_level_is_deterministic_across_threads(isa):
     test_results_do_not_depend_on_thread_count()
+    assert ringseq._C.cpu_isa() == isa
 
 
 def _run_python(code, **env):

@@ -143,20 +143,28 @@ def _train(sp, state_dict, ckpt_dir=None, layout="zigzag", steps=STEPS):
     return out
 
 
-def _sdpa_case(ids, labels):
-    """One SGD step of the plain SDPA model on dp=1 x sp=4."""
-    from ringseq.plugin import Booster, RingSequenceParallelPlugin
-    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=WORLD, layout="zigzag"))
+def _sdpa_step(plugin, ids, labels):
+    """One SGD step of the plain SDPA module under ``plugin``, the batch sharded as the
+    plugin's loader would (its sp group and data layout)."""
+    import ringseq
+    from ringseq.plugin import Booster
+    booster = Booster(plugin=plugin)
     model = _SdpaBlock()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model, opt, criterion, *_ = booster.boost(model, opt, torch.nn.CrossEntropyLoss())
-    batch = __import__("ringseq").shard_batch({"input_ids": ids, "labels": labels},
-                                              group=booster.plugin.sp_group)
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": labels}, group=plugin.sp_group,
+                                layout=plugin.data_layout)
     loss = criterion(model(batch["input_ids"]), batch)
     booster.backward(loss, opt)
     opt.step()
     return {"loss": float(loss.detach()),
             "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()}}
+
+
+def _sdpa_case(ids, labels):
+    """One SGD step of the plain SDPA model on dp=1 x sp=4."""
+    from ringseq.plugin import RingSequenceParallelPlugin
+    return _sdpa_step(RingSequenceParallelPlugin(sp_size=WORLD, layout="zigzag"), ids, labels)
 
 
 def _no_sync_case(state_dict):

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from dist_utils import run_ranks  # noqa: E402
 from test_plugin import (GLOBAL_BATCH, SEQLEN, STEPS, VOCAB, _dataset, _model,  # noqa: E402
-                         _optimizer, _SdpaBlock, _sdpa_single, _single_process)
+                         _optimizer, _sdpa_single, _sdpa_step, _single_process)
 from utils import assert_close_per_design, max_err, scaled_floor  # noqa: E402
 
 WORLD = 4
@@ -97,20 +97,7 @@ def _apply_case(state_dict):
 
 def _sdpa_case(ids, labels):
     """The plain SDPA module of test_plugin under hybrid 2 x 2: one SGD step."""
-    import ringseq
-    from ringseq.plugin import Booster
-    booster = Booster(plugin=_plugin(MODES["hybrid2x2"]))
-    model = _SdpaBlock()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    model, opt, criterion, *_ = booster.boost(model, opt, torch.nn.CrossEntropyLoss())
-    sp = booster.plugin.sp
-    batch = ringseq.shard_batch({"input_ids": ids, "labels": labels}, group=sp.group,
-                                layout=booster.plugin.data_layout)
-    loss = criterion(model(batch["input_ids"]), batch)
-    booster.backward(loss, opt)
-    opt.step()
-    return {"loss": float(loss.detach()),
-            "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()}}
+    return _sdpa_step(_plugin(MODES["hybrid2x2"]), ids, labels)
 
 
 def _capture(fn):

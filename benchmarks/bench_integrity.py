@@ -24,7 +24,7 @@ from common import progress, spawn_cpu_ranks, write_json  # noqa: E402
 
 def _rank(args, device):
     import ringseq
-    from ringseq import integrity
+    from ringseq.engine import integrity
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(1, args.seqlen, args.heads, args.headdim, generator=g) for _ in range(4)]
     q, k, v, dout = (ringseq.shard(t, "zigzag") for t in full)
@@ -50,7 +50,7 @@ def _rank(args, device):
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(200):
-        comm.control(integrity.END, integrity.OK)
+        integrity.gather(comm, integrity.END, integrity.OK)
     control_s = (time.perf_counter() - t0) / 200
     call = integrity.RingCall(comm, integrity.FWD, (("x", 1),), "cpu")
     call._base = torch.zeros(4, dtype=torch.int64)

@@ -18,7 +18,7 @@ which is what a CPU of that level runs; "native" runs SDPA once with everything 
 
 --window W (a causal sliding window of W keys left of the diagonal, flash-attn's
 window_size=(W, 0)) and --softcap C time the spans/band/soft-cap path of ringseq's kernels
-(through the autograd op ringseq.kernels.autograd.attention); FLOPs then count the visible
+(through ringseq.engine.op.span_attention); FLOPs then count the visible
 (query, key) pairs only. torch's SDPA peers take the window as a boolean mask and cannot
 soft-cap (skipped).
 
@@ -102,7 +102,7 @@ def make_runner(name, q, k, v, causal, tile_config, window=-1, softcap=0.0):
         backend = ExtensionBackend(tile_config)
     if spans is not None or softcap:
         from ringseq.kernels import get_backend
-        from ringseq.kernels.autograd import attention
+        from ringseq.engine.op import span_attention as attention
         be = get_backend(backend, q.device, q.dtype, q.shape[-1])
         scale = q.shape[-1] ** -0.5
 

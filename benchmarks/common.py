@@ -12,7 +12,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ringseq._spawn import run_ranks
+# The rank spawner is shared with the tests (tests/dist_utils.py), not part of the library.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from dist_utils import run_ranks  # noqa: E402
 
 
 def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode="fwd"):
@@ -270,7 +272,7 @@ def spawn_cpu_ranks(world, fn, args, timeout, threads):
     """Runs fn(args, device) on `world` local gloo ranks with `threads` torch threads each and
     returns rank 0's result; fn must be a module-level function. A rank that fails or dies
     raises RankError, ranks that outlive `timeout` seconds are killed with RankTimeout
-    (ringseq/_spawn.py): no hang."""
+    (tests/dist_utils.py): no hang."""
     return run_ranks(_bench_rank, world, fn, args, _T0, timeout=timeout, threads=threads)[0]
 
 

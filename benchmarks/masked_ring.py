@@ -31,6 +31,8 @@ from common import (PeakMemory, environment, format_table, mib, progress, spawn_
 
 import ringseq  # noqa: E402
 from ringseq import commstats  # noqa: E402
+from ringseq.engine.plan import make_plan  # noqa: E402
+from ringseq.spec import attn_spec  # noqa: E402
 from ringseq.layouts import Documents, get_layout  # noqa: E402
 from ringseq.masks import AttnMask  # noqa: E402
 
@@ -96,10 +98,9 @@ def _rank(args, case):
     lay = case["layout"]
     q, k, v = (ringseq.shard(t, lay).requires_grad_() for t in full)
     dout = torch.randn_like(q)
-    comm = ringseq.get_comm()
-    counted = commstats.CountingTransport(comm, "ring")  # the same ring, its bytes counted
+    comm = ringseq.get_comm()  # the ring: its exchanges counted, its buffers released
     kw = dict(causal=True, layout=lay, window_size=case["window"], cu_seqlens=case["cu"],
-              backend=args.backend, group=counted)
+              backend=args.backend)
 
     def step():
         out = ringseq.ring_flash_attn_func(q, k, v, **kw)
@@ -121,10 +122,10 @@ def _rank(args, case):
     dist.barrier()
     ms = time_ms(step, torch.device("cpu"), args.warmup, args.repeats)
     # the same block tasks without communication (this rank's own K/V stand in)
-    plan = ringseq.plan.make_plan(q.detach(), k.detach(), v.detach(),
-                                  transport=comm, causal=True, layout=lay,
-                                  window_size=case["window"], cu_seqlens=case["cu"],
-                                  needs_grad=False, backend=args.backend)
+    spec = attn_spec("masked_ring", q, k, v, causal=True, window_size=case["window"],
+                     documents=case["cu"], backend=args.backend, needs_grad=False)
+    plan = make_plan(spec, ringseq.get_layout(lay).bind(spec.documents), world, rank, q.shape,
+                     k.shape[2], q.dtype)
     be, scale = plan.backend, plan.softmax_scale
     qd, kd, vd, dd = (t.detach() for t in (q, k, v, dout))
     # The backward's kernels get the ring's own merged out / lse: their cost depends on the
@@ -145,11 +146,12 @@ def _rank(args, case):
         ls = torch.full(lse0.shape, float("-inf"), dtype=lse0.dtype)
         for (kk, vv), tasks in zip(held, plan.schedule[:plan.hops + 1]):
             for t in tasks:
-                be.fwd_accum(qd[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal, o[:, t.q],
-                             ls[:, :, t.q], **plan.kernel_kwargs(t))
-                be.bwd_accum(dd[:, t.q], qd[:, t.q], kk[:, t.kv], vv[:, t.kv], out0[:, t.q],
-                             lse0[:, :, t.q], scale, t.causal, delta[:, :, t.q], acc[0][:, t.q],
-                             acc[1][:, t.kv], acc[2][:, t.kv], **plan.kernel_kwargs(t))
+                be.run_fwd_accum(qd[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal,
+                                 o[:, t.q], ls[:, :, t.q], **plan.kernel_kwargs(t))
+                be.run_bwd_accum(dd[:, t.q], qd[:, t.q], kk[:, t.kv], vv[:, t.kv],
+                                 out0[:, t.q], lse0[:, :, t.q], scale, t.causal,
+                                 delta[:, :, t.q], acc[0][:, t.q], acc[1][:, t.kv],
+                                 acc[2][:, t.kv], **plan.kernel_kwargs(t))
 
     dist.barrier()
     compute_ms = time_ms(compute, torch.device("cpu"), args.warmup, args.repeats)

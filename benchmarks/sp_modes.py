@@ -27,7 +27,7 @@ from common import (attention_flops, environment, format_table, init_launched_gr
 
 import ringseq  # noqa: E402
 from ringseq import commstats  # noqa: E402
-from ringseq.integrity import HEADER_BYTES  # noqa: E402
+from ringseq.engine.integrity import HEADER_BYTES  # noqa: E402
 from ringseq.ulysses import kv_replication  # noqa: E402
 
 SP_MODE_NAMES = ("ring", "ulysses", "hybrid", "double_ring", "hybrid_double_ring")

@@ -90,7 +90,7 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "softmax_scale must be finite, got ",
                     softmax_scale);
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
-                    "softcap must be a finite number >= 0 (0 = no soft-capping), got ", softcap);
+                    "softcap must be a finite float >= 0 (0.0: off), got ", softcap);
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");

@@ -10,23 +10,27 @@ and the sharded loss; the training plugin (``ringseq.plugin``: DataLoader, DDP) 
 first use of ``ringseq.Booster`` / ``ringseq.RingSequenceParallelPlugin`` / ``ringseq.Plugin``,
 and transformers only through ``ringseq.integrations.transformers``.
 """
-from ._dist import (RingBrokenError, RingDesyncError, RingError, RingMismatchError,
+from ._dist import (RingBrokenError, RingDesyncError, RingError, RingMismatchError, RingPeerError,
                     RingTimeoutError, set_consistency_check, set_ring_timeout)
-from .comm import RingComm, Transport, get_comm, reset_ring
+from .engine.integrity import call_tag
+from .engine.ring import Ring, get_comm, get_ring, reset_ring
+from .engine.sim import simulate_ring
+from .engine.transport import RingComm, Transport
 from .compat import (stripe_flash_attn_func, stripe_flash_attn_kvpacked_func,
                      stripe_flash_attn_qkvpacked_func, zigzag_ring_flash_attn_func,
                      zigzag_ring_flash_attn_kvpacked_func, zigzag_ring_flash_attn_qkvpacked_func)
 from .data import shard_batch
-from .hybrid import SequenceParallelGroups, make_sp_groups, usp_attn_func, usp_sdpa
 from .kernels import available_backends
 from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
 from .loss import sharded_cross_entropy
 from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_func,
                  ring_flash_attn_qkvpacked_func, ring_flash_attn_varlen_func, ring_sdpa)
 from .ops import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                  flash_attn_varlen_func, get_backend)
-from .sim import simulate_ring
-from .ulysses import ulysses_attn_func
+                  flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                  flash_attn_varlen_qkvpacked_func, get_backend)
+from .parallel.groups import SequenceParallelGroups, make_sp_groups
+from .parallel.ulysses import ulysses_attn_func
+from .parallel.usp import usp_attn_func, usp_sdpa
 from .kernels.extension import cpu_isa  # the CPU kernel's ISA level
 
 __version__ = "0.1.0"
@@ -34,14 +38,15 @@ __version__ = "0.1.0"
 _PLUGIN_NAMES = ("Booster", "Plugin", "RingSequenceParallelPlugin")
 
 _COMPAT_NAMES = ["flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+                 "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
                  "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
                  "zigzag_ring_flash_attn_qkvpacked_func", "stripe_flash_attn_func",
                  "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func"]
 
 __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend",
            "RingAttention", "RingComm", "RingMismatchError", "Layout", "Transport",
-           "RingBrokenError", "RingDesyncError", "RingError", "RingTimeoutError", "get_comm",
-           "reset_ring",
+           "RingBrokenError", "RingDesyncError", "RingError", "RingPeerError", "RingTimeoutError",
+           "Ring", "call_tag", "get_comm", "get_ring", "reset_ring",
            "set_ring_timeout",
            "get_layout", "positions", "register_layout", "ring_flash_attn_func",
            "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",

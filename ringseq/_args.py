@@ -1,34 +1,33 @@
-"""Checks of the non-tensor arguments of the public attention functions.
+"""Parsers of the public attention functions' non-tensor arguments: the one place each rule is
+written.
 
-Every public entry point (``flash_attn_func`` and its packed forms, the ring functions, their
-flash-attn / ring-flash-attention named bindings, ``ring_sdpa``) runs its scalar arguments
-through these checks before any work, so that a call written for another signature fails
-loudly instead of running as something else. Each error names the function, the parameter,
-what was given and what is expected:
+Every public entry point builds its :class:`ringseq.spec.AttnSpec` through these (see
+``ringseq.spec.attn_spec``), so a call written for another signature fails loudly instead of
+running as something else. Each error names the function, the parameter, what was given and
+what is expected (``"{function}: {parameter} must be ..., got ..."``):
 
 - ``TypeError``: a value of the wrong kind (a bool or None where a number is expected, a
   non-bool flag, a tensor as a scale).
 - ``ValueError``: a value of the right kind outside its range (a negative dropout, a NaN
-  scale).
+  scale, boundaries that decrease).
 - ``NotImplementedError``: a valid flash-attn value for a feature ringseq does not have
-  (dropout, ALiBi, sliding windows, softcapping).
-
-:func:`check_window_softcap` is the one place where ``window_size`` and ``softcap`` are
-interpreted; the sliding-window work replaces its "not implemented" branch.
+  (dropout, ALiBi).
 """
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["autocast_inputs", "check_bool", "check_dropout", "check_alibi_slopes", "check_softmax_scale",
-           "check_window_softcap", "check_flash_args", "split_kv", "split_qkv"]
+from .kernels.checks import count_check
+
+__all__ = ["autocast_inputs", "check_alibi_slopes", "check_bool", "check_cu_seqlens",
+           "check_dropout", "check_returns", "check_softmax_scale", "given", "parse_window",
+           "split_kv", "split_qkv"]
 
 WINDOW_OFF = (-1, -1)
-SOFTCAP_OFF = 0.0
 
 _SYM_NUMBERS = tuple(t for t in (getattr(torch, "SymFloat", None), getattr(torch, "SymInt", None))
                      if t is not None)
@@ -44,7 +43,8 @@ def _finite(x) -> bool:
     return -math.inf < x < math.inf
 
 
-def _given(x) -> str:
+def given(x) -> str:
+    """How a value appears in an error message."""
     if isinstance(x, torch.Tensor):
         return f"a torch.Tensor of shape {tuple(x.shape)}"
     return f"{x!r} ({type(x).__name__})"
@@ -54,7 +54,7 @@ def check_bool(fn: str, name: str, value) -> bool:
     """``value`` itself when it is a bool; TypeError naming ``name`` otherwise (0/1, None and
     tensors are refused: a flag is never inferred from a number)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{fn}: {name} must be a bool (True or False), got {_given(value)}")
+        raise TypeError(f"{fn}: {name} must be a bool (True or False), got {given(value)}")
     return value
 
 
@@ -65,7 +65,7 @@ def check_softmax_scale(fn: str, softmax_scale, name: str = "softmax_scale"):
         return None
     if not _is_number(softmax_scale):
         raise TypeError(f"{fn}: {name} must be a float or None (None: headdim ** -0.5), got "
-                        f"{_given(softmax_scale)}")
+                        f"{given(softmax_scale)}")
     if not _finite(softmax_scale):
         raise ValueError(f"{fn}: {name} must be finite, got {softmax_scale!r}")
     return softmax_scale
@@ -85,7 +85,7 @@ def check_dropout(fn: str, dropout_p) -> None:
     ``dropout_p > 0`` raises NotImplementedError, in training and in evaluation alike, rather
     than silently computing attention without dropout."""
     if not _is_number(dropout_p):
-        raise TypeError(f"{fn}: dropout_p must be a float in [0, 1), got {_given(dropout_p)}"
+        raise TypeError(f"{fn}: dropout_p must be a float in [0, 1), got {given(dropout_p)}"
                         f"{_ORDER_HINT}")
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}{_ORDER_HINT}")
@@ -100,50 +100,72 @@ def check_alibi_slopes(fn: str, alibi_slopes) -> None:
     """ALiBi is not implemented: anything but None raises NotImplementedError."""
     if alibi_slopes is not None:
         raise NotImplementedError(f"{fn}: alibi_slopes is not supported by ringseq (got "
-                                  f"{_given(alibi_slopes)}); pass alibi_slopes=None")
+                                  f"{given(alibi_slopes)}); pass alibi_slopes=None")
 
 
-def check_window_softcap(fn: str, window_size=WINDOW_OFF,
-                         softcap=SOFTCAP_OFF) -> Tuple[Tuple[int, int], float]:
-    """The one interpretation of flash-attn's ``window_size`` and ``softcap``.
+def _window_entry(w):
+    # flash-attn's own tests pass window sizes as ints, as a 2-element tensor, or as a tuple of
+    # 0-d tensors; bools are never sizes
+    if isinstance(w, torch.Tensor) and w.numel() == 1 and not w.is_floating_point() \
+            and w.dtype != torch.bool:
+        return int(w.item())
+    if isinstance(w, numbers.Integral) and not isinstance(w, bool):
+        return int(w)
+    return None
 
-    ``window_size`` is ``(left, right)`` with ints, ``-1`` meaning unbounded on that side;
-    ``softcap`` is a number, 0.0 meaning off. Returns ``((left, right), softcap)`` normalized;
-    malformed values raise TypeError / ValueError naming the parameter.
-    """
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
-                        for w in window_size)):
-        raise TypeError(f"{fn}: window_size must be a pair of ints (left, right), (-1, -1) "
-                        f"for no window, got {_given(window_size)}")
-    left, right = int(window_size[0]), int(window_size[1])
+
+def parse_window(fn: str, window_size) -> Tuple[int, int]:
+    """flash-attn's ``window_size=(left, right)``: ints (or integer tensors: a 2-element tensor
+    or 0-d tensors), ``-1`` unbounded on that side. Returns ``(left, right)`` as ints;
+    TypeError / ValueError naming ``window_size`` otherwise."""
+    count_check("parse_window")
+    items = window_size
+    if isinstance(window_size, torch.Tensor):
+        items = list(window_size.reshape(-1)) if window_size.numel() == 2 else None
+    entries = ([_window_entry(w) for w in items]
+               if isinstance(items, (tuple, list)) and len(items) == 2 else [None])
+    if any(e is None for e in entries):
+        raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints or integer "
+                        f"tensors, (-1, -1) for no window, got {given(window_size)}")
+    left, right = entries
     if left < -1 or right < -1:
         raise ValueError(f"{fn}: window_size entries must be >= 0, or -1 for unbounded, got "
-                         f"{tuple(window_size)}")
-    if not _is_number(softcap):
-        raise TypeError(f"{fn}: softcap must be a float (0.0: off), got {_given(softcap)}")
-    if not (_finite(softcap) and softcap >= 0):
-        raise ValueError(f"{fn}: softcap must be a finite float >= 0 (0.0: off), got "
-                         f"{softcap!r}")
-    return (left, right), float(softcap)
+                         f"({left}, {right})")
+    return left, right
 
 
-def check_flash_args(fn: str, *, dropout_p, softmax_scale, causal, window_size=WINDOW_OFF,
-                     softcap=SOFTCAP_OFF, alibi_slopes=None, deterministic=False,
-                     return_attn_probs=False, return_lse=False) -> None:
-    """Every non-tensor argument of a flash-attn style call (see the module docstring).
+def check_cu_seqlens(fn: str, name: str, cu_seqlens, total: Optional[int] = None,
+                     what: str = "the packed length") -> Tuple[int, ...]:
+    """Document boundaries ``(0, n_0, n_0 + n_1, ..., total)`` as a tuple of ints: a 1-D
+    int32/int64 tensor (read on the host) or a sequence of ints, starting at 0, never
+    decreasing and, when ``total`` is given, ending at it (``what`` names that length)."""
+    count_check("check_cu_seqlens")
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{fn}: {name} must be a 1-D int32 or int64 tensor "
+                             f"(number of documents + 1,), got {cu_seqlens.dtype} of shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        cu = cu_seqlens.tolist()  # host copy: spans and layouts are planned on the host
+    else:
+        try:
+            cu = list(cu_seqlens)
+        except TypeError:
+            raise TypeError(f"{fn}: {name} must be a 1-D int tensor or a sequence of ints, got "
+                            f"{given(cu_seqlens)}") from None
+        if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu):
+            raise TypeError(f"{fn}: {name} must hold ints, got {cu!r}")
+    cu = tuple(int(c) for c in cu)
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{fn}: {name} must start at 0 and never decrease (0, n_0, n_0 + n_1, "
+                         f"...), got {cu}")
+    if total is not None and cu[-1] != total:
+        raise ValueError(f"{fn}: {name} must end at {what} ({total}), got {cu[-1]}")
+    return cu
 
-    ``deterministic`` must be a bool and has no effect: ringseq's own kernels (the default
-    backend, CPU and CUDA) are deterministic (fixed accumulation order, no atomics), forward
-    and backward; the "sdpa" and "flash_attn" backends are as deterministic as their library.
-    ``return_attn_probs`` and ``return_lse`` must be bools and not both True (they ask for
+
+def check_returns(fn: str, return_attn_probs, return_lse) -> None:
+    """``return_attn_probs`` and ``return_lse`` must be bools and not both True (they ask for
     different return conventions)."""
-    check_dropout(fn, dropout_p)
-    check_softmax_scale(fn, softmax_scale)
-    check_bool(fn, "causal", causal)
-    check_window_softcap(fn, window_size, softcap)
-    check_alibi_slopes(fn, alibi_slopes)
-    check_bool(fn, "deterministic", deterministic)
     check_bool(fn, "return_attn_probs", return_attn_probs)
     check_bool(fn, "return_lse", return_lse)
     if return_attn_probs and return_lse:
@@ -153,22 +175,9 @@ def check_flash_args(fn: str, *, dropout_p, softmax_scale, causal, window_size=W
 
 def _check_packed(fn: str, name: str, t, n: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}, got {_given(t)}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}, got {given(t)}")
     if t.dim() != 5 or t.shape[2] != n:
         raise ValueError(f"{fn}: {name} must be {layout}, got shape {tuple(t.shape)}")
-
-
-def autocast_inputs(q, k, v):
-    """q, k, v in autocast's dtype when autocast is on for their device (float64 and
-    non-float tensors excepted), as ``F.scaled_dot_product_attention`` does: under autocast
-    models hand over mixed dtypes (transformers' RoPE returns float32 q/k next to a bf16 v),
-    which the kernels would refuse."""
-    dev = q.device.type
-    if not torch.is_autocast_enabled(dev):
-        return q, k, v
-    dt = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
-                 for t in (q, k, v))
 
 
 def split_kv(fn: str, kv):
@@ -182,3 +191,19 @@ def split_qkv(fn: str, qkv):
     """(q, k, v) as strided views of ``qkv`` (batch, seqlen, 3, nheads, headdim)."""
     _check_packed(fn, "qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
     return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+
+def autocast_inputs(q, k, v):
+    """q, k, v in autocast's dtype when autocast is on for their device (float64 and
+    non-float tensors excepted), as ``F.scaled_dot_product_attention`` does: under autocast
+    models hand over mixed dtypes (transformers' RoPE returns float32 q/k next to a bf16 v),
+    which the kernels would refuse."""
+    if not isinstance(q, torch.Tensor):
+        return q, k, v  # the spec's tensor check names the argument
+    dev = q.device.type
+    if not torch.is_autocast_enabled(dev):
+        return q, k, v
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 and t.dtype != torch.float64 else t for t in (q, k, v))
+

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RingBrokenError", "RingDesyncError", "RingError", "RingMismatchError",
-           "RingTimeoutError", "agree_or_raise", "consistency_check_mode", "describe_field",
-           "dtype_code", "global_rank", "group_info", "is_initialized", "ring_timeout",
+           "RingPeerError", "RingTimeoutError", "agree_or_raise", "consistency_check_mode",
+           "global_rank", "group_info", "is_initialized", "ring_timeout",
            "set_consistency_check", "set_ring_timeout"]
 
 
@@ -40,6 +40,12 @@ def group_info(group=None) -> Tuple[int, int]:
             raise ValueError("a process group was passed but torch.distributed is not "
                              "initialized")
         return 1, 0
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        # dist.new_group returns GroupMember.NON_GROUP_MEMBER (an int) on the ranks it leaves out
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the "
+                         f"process group passed as `group` (got {group!r}, what "
+                         f"torch.distributed.new_group returns to ranks outside the group); call "
+                         f"ringseq functions only on the ranks of that group")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the "
@@ -131,7 +137,18 @@ class RingBrokenError(RingError):
 
 
 class RingTimeoutError(RingError):
-    """A rank waited longer than the ring timeout for its peers."""
+    """A rank waited longer than the ring timeout for its peers (or lost the connection to
+    them); the ring is broken until ``ringseq.reset_ring`` rebuilds it on every rank."""
+
+
+class RingPeerError(ValueError):
+    """Another rank of the ring refused the call's arguments (its own check failed); raised on
+    the ranks whose arguments were fine, naming the refusing ranks and their messages, before
+    any payload moved. The ring stays usable. ``ranks``: the refusing ranks (in the group)."""
+
+    def __init__(self, message: str, ranks=()):
+        super().__init__(message)
+        self.ranks = list(ranks)
 
 
 _MODES = {"first": "first", "1": "first", "true": "first", "on": "first", "yes": "first",
@@ -191,17 +208,26 @@ def consistency_check_mode() -> str:
 _TIMEOUT_S: Optional[float] = None
 
 
+def _check_timeout(value, what: str) -> float:
+    """A timeout in seconds: a finite real number >= 1 (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds (>= 1, finite), got {value!r} "
+                        f"({type(value).__name__})")
+    value = float(value)
+    if not (1.0 <= value < float("inf")):
+        raise ValueError(f"{what} must be a finite number of seconds >= 1, got {value!r}")
+    return value
+
+
 def set_ring_timeout(seconds: Optional[float]) -> None:
     """Seconds a rank waits for its ring peers (a control collective or an exchange) before it
-    raises :class:`RingTimeoutError` naming the call and the peers. None restores the
-    default: ``RINGSEQ_TIMEOUT`` from the environment, else 1800 s (torch's default process
-    group timeout). Applies to rings created afterwards for control collectives, and to every
-    exchange at once."""
+    raises :class:`RingTimeoutError` naming the call and the peers: a finite number >= 1 (a
+    shorter limit would fire on ordinary compute imbalance). None restores the default:
+    ``RINGSEQ_TIMEOUT`` from the environment, else 1800 s (torch's default process group
+    timeout). Applies to every exchange at once, and to channels made afterwards (a
+    ``reset_ring`` rebuilds them)."""
     global _TIMEOUT_S
-    if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
-        raise ValueError(f"ring timeout must be a positive number of seconds or None, got "
-                         f"{seconds!r}")
-    _TIMEOUT_S = None if seconds is None else float(seconds)
+    _TIMEOUT_S = None if seconds is None else _check_timeout(seconds, "set_ring_timeout: seconds")
 
 
 def ring_timeout() -> float:
@@ -214,27 +240,6 @@ def ring_timeout() -> float:
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"RINGSEQ_TIMEOUT={raw!r} must be a positive number of seconds")
-    return value
-
-
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """A small integer for a dtype, the same on every rank (99: not a float dtype we know)."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else 99
-
-
-def describe_field(kind: str, code: int) -> str:
-    """How a signature field value is shown in a mismatch message."""
-    if kind == "dtype":
-        return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"dtype #{code}"
-    if kind == "bool":
-        return str(bool(code))
-    if kind == "layout":
-        from .layouts import layout_name_of_code
-        return layout_name_of_code(code)
-    return str(code)
+        raise ValueError(f"RINGSEQ_TIMEOUT={raw!r} must be a number of seconds (>= 1, "
+                         f"finite)") from None
+    return _check_timeout(value, f"RINGSEQ_TIMEOUT={raw!r}")

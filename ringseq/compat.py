@@ -23,8 +23,8 @@ ringseq's own options (``return_lse``, ``backend``, ``grad_comm_dtype``) are key
 """
 from __future__ import annotations
 
-from ._args import check_flash_args, split_kv, split_qkv
-from .nn import ring_flash_attn_func
+from ._args import split_kv, split_qkv
+from .nn import ring_attention
 
 __all__ = ["zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
            "zigzag_ring_flash_attn_qkvpacked_func", "stripe_flash_attn_func",
@@ -34,16 +34,12 @@ __all__ = ["zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func"
 def _bound(fn, layout, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
            deterministic, return_attn_probs, group, return_lse, backend, grad_comm_dtype,
            softcap=0.0):
-    # validated under the caller's name first, so an error names the function that was called
-    check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                     deterministic=deterministic, return_attn_probs=return_attn_probs,
-                     return_lse=return_lse)
-    return ring_flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                window_size=window_size, return_attn_probs=return_attn_probs,
-                                group=group, layout=layout, return_lse=return_lse,
-                                backend=backend, grad_comm_dtype=grad_comm_dtype,
-                                softcap=softcap)
+    # errors name the function that was called
+    return ring_attention(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                          causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                          deterministic=deterministic, return_attn_probs=return_attn_probs,
+                          group=group, layout=layout, return_lse=return_lse, backend=backend,
+                          grad_comm_dtype=grad_comm_dtype, softcap=softcap)
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,

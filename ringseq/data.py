@@ -10,10 +10,9 @@ from typing import Mapping, Optional, Tuple
 
 import torch
 
+from ._args import check_cu_seqlens
 from ._dist import group_info
-from .layouts import (DOCUMENTS, document_positions, documents_layout, get_layout,
-                      positions_local, shard_local)
-from .masks import AttnMask
+from .layouts import document_positions, get_layout, positions_local, shard_local
 
 __all__ = ["shard_batch"]
 
@@ -27,10 +26,9 @@ def _packed_documents(batch: Mapping, b: int, s: int) -> Optional[Tuple[int, ...
     cu = batch.get("cu_seq_lens_q")
     pos = batch.get("position_ids")
     if cu is not None:
-        docs = tuple(int(c) for c in (cu.tolist() if torch.is_tensor(cu) else cu))
+        docs = check_cu_seqlens("shard_batch", "cu_seq_lens_q", cu)
         cu_k = batch.get("cu_seq_lens_k")
-        if cu_k is not None and tuple(int(c) for c in (cu_k.tolist() if torch.is_tensor(cu_k)
-                                                       else cu_k)) != docs:
+        if cu_k is not None and check_cu_seqlens("shard_batch", "cu_seq_lens_k", cu_k) != docs:
             raise ValueError("shard_batch: cu_seq_lens_k differs from cu_seq_lens_q; ring "
                              "attention packs queries and keys the same way")
     elif pos is not None and pos.shape[-1] == s and bool((pos.reshape(-1, s)[:, 1:] == 0).any()):
@@ -42,10 +40,7 @@ def _packed_documents(batch: Mapping, b: int, s: int) -> Optional[Tuple[int, ...
         raise ValueError(f"shard_batch: a packed batch must be one row (1, total) with its "
                          f"documents back to back, as DataCollatorWithFlattening makes it; got "
                          f"batch size {b}")
-    AttnMask(cu_seqlens=docs)  # starts at 0, never decreases
-    if docs[-1] != s:
-        raise ValueError(f"shard_batch: cu_seq_lens_q ends at {docs[-1]} but the batch has {s} "
-                         f"tokens")
+    check_cu_seqlens("shard_batch", "cu_seq_lens_q", docs, s, "the batch's length")
     if pos is not None:
         want = document_positions(docs, torch.arange(s, device=pos.device))
         if not bool((pos.reshape(-1, s) == want).all()):
@@ -108,14 +103,11 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         raise ValueError("shard_batch needs `input_ids` (b, s) or `inputs_embeds` (b, s, hidden) "
                          f"in the batch, got keys {sorted(batch)}")
     docs = _packed_documents(batch, b, s)
-    if layout == DOCUMENTS:
-        if docs is None:
-            raise ValueError("shard_batch: layout 'documents' needs a packed batch (cu_seq_lens_q "
-                             "or position ids restarting per document)")
-        lay = documents_layout(docs)
-    else:
-        lay = get_layout(layout)
-    lay.check_seqlen(s, world_size)
+    try:
+        lay = get_layout(layout).bind(docs)  # "documents": this batch's Documents layout
+        lay.check_seqlen(s, world_size)
+    except ValueError as exc:
+        raise ValueError(f"shard_batch: {exc}") from None
 
     def check_len(name, t):
         if t.dim() < 2 or t.shape[1] != s:

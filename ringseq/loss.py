@@ -20,9 +20,9 @@ def _reduce_with_status(values: torch.Tensor, failed: bool, group) -> torch.Tens
     dist.all_reduce(packed, group=group)
     bad = packed[values.numel():].nonzero().flatten().tolist()
     if bad and not failed:
-        raise RuntimeError(f"ringseq: rank(s) {bad} of the loss group failed in this step before "
-                           f"the loss (see their errors); the loss of this step is not computed "
-                           f"on any rank")
+        raise RuntimeError(f"ringseq: rank(s) {bad} of the loss group failed in this step (in "
+                           f"the model or the loss; see their errors): the loss of this step is "
+                           f"not computed on any rank")
     return packed[:values.numel()]
 
 
@@ -80,20 +80,34 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     group (``all_reduce(SUM)``; not averaged) to equal the single-process gradient -- divide
     by the data-parallel size only, as usual.
 
-    Raises ValueError when the leading shapes of ``logits`` and ``labels`` differ.
+    Raises ValueError when the leading shapes of ``logits`` and ``labels`` differ or a label is
+    outside the vocabulary; then every other rank of ``group`` raises RuntimeError at its
+    reduction (this rank joins it as a failure) instead of waiting.
     """
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits (..., vocab) and labels (...) must agree on the leading "
-                         f"dims, got logits {tuple(logits.shape)} and labels "
-                         f"{tuple(labels.shape)}")
+    world_size, _ = group_info(group)
     # float32 at least: bf16 log-softmax over a large vocabulary loses the loss's digits
     acc = torch.promote_types(logits.dtype, torch.float32)
-    flat_logits = logits.reshape(-1, logits.shape[-1]).to(acc)
-    flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.long)
-    local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index,
-                                reduction="sum")
-    local_count = (flat_labels != ignore_index).sum().to(acc)
-    world_size, _ = group_info(group)
+    try:
+        if logits.shape[:-1] != labels.shape:
+            raise ValueError(f"sharded_cross_entropy: logits (..., vocab) and labels (...) must "
+                             f"agree on the leading dims, got logits {tuple(logits.shape)} and "
+                             f"labels {tuple(labels.shape)}")
+        flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.long)
+        bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= logits.shape[-1]))
+        if bool(bad.any()):
+            raise ValueError(f"sharded_cross_entropy: labels must be in [0, {logits.shape[-1]}) "
+                             f"(the vocabulary) or ignore_index={ignore_index}, got "
+                             f"{flat_labels[bad][:4].tolist()}")
+        flat_logits = logits.reshape(-1, logits.shape[-1]).to(acc)
+        local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index,
+                                    reduction="sum")
+        local_count = (flat_labels != ignore_index).sum().to(acc)
+    except Exception:
+        # This rank cannot give its numbers: it still joins the reduction (as a failure), so
+        # the others raise there instead of waiting, and no later collective pairs wrongly.
+        if world_size > 1:
+            report_step_failure(group, logits.device)
+        raise
     if world_size > 1:
         # one collective for both numbers; the count carries no gradient
         packed = torch.stack([local_sum, local_count.detach()])

@@ -3,9 +3,10 @@
 Every function takes this rank's shard of a sequence that was split with
 ``ringseq.shard(x, layout, group)`` (or an equivalent data loader) and returns this rank's
 shard of the output. All ranks of ``group`` must call with the same shapes, dtype, layout and
-causal flag; a first call per shape checks that across ranks (see
-``ringseq.set_consistency_check``) and every rank raises ``RingMismatchError`` (a ValueError)
-naming what differs, instead of hanging.
+options; every call checks that across ranks (see ``ringseq.set_consistency_check``) and every
+rank raises ``RingMismatchError`` (a ValueError) naming what differs, instead of hanging. An
+argument that one rank alone finds invalid raises that rank's error there and
+``RingPeerError`` (a ValueError naming it) on the others.
 
 ``group=None`` means the default process group; without an initialized process group the
 functions compute plain local attention (world size 1).
@@ -17,14 +18,52 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._args import autocast_inputs, check_bool, check_flash_args, check_softmax_scale, split_kv, split_qkv
-from .kernels import get_backend
+from ._args import (autocast_inputs, check_bool, check_dropout, check_returns, check_softmax_scale,
+                    split_kv, split_qkv)
+from .engine.integrity import FWD
+from .engine.op import run_attention
+from .engine.placement import RingPlacement
+from .engine.ring import refuse_on_error, ring_size
 from .layouts import get_layout
-from .ring_op import ring_attention_op
+from .ops import returns
+from .spec import attn_spec, check_layout, check_self_attention
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
            "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func", "ring_sdpa",
-           "RingAttention"]
+           "RingAttention", "ring_attention"]
+
+
+def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
+                   window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                   return_attn_probs=False, group=None, layout="contiguous", return_lse=False,
+                   backend=None, grad_comm_dtype=None, softcap=0.0, cu_seqlens=None,
+                   comm_kind: str = "ring"):
+    """The one implementation of every public ring function (``fn`` names the one called):
+    validate once into an AttnSpec (a refusal reaches the peers), then the ring placement
+    through the custom operator. Arguments and returns as :func:`ring_flash_attn_func`."""
+    with refuse_on_error(group, FWD):
+        check_returns(fn, return_attn_probs, return_lse)
+        q, k, v = autocast_inputs(q, k, v)
+        unbound = _layout(fn, layout)
+        spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                         causal=causal, window_size=window_size, softcap=softcap,
+                         alibi_slopes=alibi_slopes, deterministic=deterministic,
+                         backend=backend, grad_comm_dtype=grad_comm_dtype,
+                         documents=unbound.documents if cu_seqlens is None else cu_seqlens)
+        check_self_attention(spec, q, k)
+        check_layout(spec, unbound.bind(spec.documents), ring_size(group), q.shape[1])
+    # The inputs now have the dtype autocast asked for; the block kernels choose their own
+    # accumulation dtype, which the caller's autocast would otherwise silently lower.
+    with torch.autocast(q.device.type, enabled=False):
+        out, lse = run_attention(q, k, v, spec, RingPlacement(unbound, group, comm_kind))
+    return returns(out, lse, return_attn_probs, return_lse)
+
+
+def _layout(fn: str, layout):
+    try:
+        return get_layout(layout)
+    except ValueError as exc:
+        raise ValueError(f"{fn}: {exc}") from None
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -99,23 +138,13 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
             at the global length -- before any communication.
         RingMismatchError (a ValueError): ranks called with different arguments (every rank).
     """
-    check_flash_args("ring_flash_attn_func", dropout_p=dropout_p, softmax_scale=softmax_scale,
-                     causal=causal, window_size=window_size, softcap=softcap,
-                     alibi_slopes=alibi_slopes, deterministic=deterministic,
-                     return_attn_probs=return_attn_probs, return_lse=return_lse)
-    q, k, v = autocast_inputs(q, k, v)
-    # The inputs now have the dtype autocast asked for; the block kernels choose their own
-    # accumulation dtype (the reference backend's float32/float64 einsums), which the caller's
-    # autocast would otherwise silently lower to bf16/fp16.
-    with torch.autocast(q.device.type, enabled=False):
-        out, lse = ring_attention_op(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                     layout=get_layout(layout), group=group,
-                                     backend=get_backend(backend, q.device, q.dtype, q.shape[-1]),
-                                     grad_comm_dtype=grad_comm_dtype, window_size=window_size,
-                                     softcap=softcap, cu_seqlens=cu_seqlens)
-    if return_attn_probs:
-        return out, lse, None
-    return (out, lse) if return_lse else out
+    return ring_attention("ring_flash_attn_func", q, k, v, dropout_p=dropout_p,
+                          softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                          alibi_slopes=alibi_slopes, deterministic=deterministic,
+                          return_attn_probs=return_attn_probs, group=group, layout=layout,
+                          return_lse=return_lse, backend=backend,
+                          grad_comm_dtype=grad_comm_dtype, softcap=softcap,
+                          cu_seqlens=cu_seqlens)
 
 
 def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -128,16 +157,12 @@ def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, caus
 
     K and V are read as strided views of ``kv`` (no copy); the gradient comes back packed."""
     fn = "ring_flash_attn_kvpacked_func"
-    check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                     deterministic=deterministic, return_attn_probs=return_attn_probs,
-                     return_lse=return_lse)
     k, v = split_kv(fn, kv)
-    return ring_flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                window_size=window_size, return_attn_probs=return_attn_probs,
-                                group=group, layout=layout, return_lse=return_lse,
-                                backend=backend, grad_comm_dtype=grad_comm_dtype,
-                                softcap=softcap)
+    return ring_attention(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                          causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                          deterministic=deterministic, return_attn_probs=return_attn_probs,
+                          group=group, layout=layout, return_lse=return_lse, backend=backend,
+                          grad_comm_dtype=grad_comm_dtype, softcap=softcap)
 
 
 def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -148,16 +173,12 @@ def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causa
     """:func:`ring_flash_attn_func` with ``qkv`` packed as (batch, s_local, 3, nheads, headdim)
     (ring-flash-attention's ``ring_flash_attn_qkvpacked_func`` signature)."""
     fn = "ring_flash_attn_qkvpacked_func"
-    check_flash_args(fn, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                     deterministic=deterministic, return_attn_probs=return_attn_probs,
-                     return_lse=return_lse)
     q, k, v = split_qkv(fn, qkv)
-    return ring_flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                window_size=window_size, return_attn_probs=return_attn_probs,
-                                group=group, layout=layout, return_lse=return_lse,
-                                backend=backend, grad_comm_dtype=grad_comm_dtype,
-                                softcap=softcap)
+    return ring_attention(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                          causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
+                          deterministic=deterministic, return_attn_probs=return_attn_probs,
+                          group=group, layout=layout, return_lse=return_lse, backend=backend,
+                          grad_comm_dtype=grad_comm_dtype, softcap=softcap)
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, dropout_p=0.0,
@@ -193,19 +214,19 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, dropout_p=
     Raises what :func:`ring_flash_attn_func` raises, and ValueError for ``cu_seqlens`` that do
     not start at 0, decrease, or do not end at the global length, and for 3-dim shape errors.
     """
-    from .layouts import Documents
     fn = "ring_flash_attn_varlen_func"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{fn}: {name} must be a 3-dim tensor (total_local, nheads, "
-                             f"headdim), got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
-    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-    lay = Documents(cu) if layout is None else get_layout(layout)
-    res = ring_flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p,
-                               softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                               return_attn_probs, group, layout=lay, return_lse=return_lse,
-                               backend=backend, grad_comm_dtype=grad_comm_dtype,
-                               softcap=softcap, cu_seqlens=cu)
+    with refuse_on_error(group, FWD):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ValueError(f"{fn}: {name} must be a 3-dim tensor (total_local, nheads, "
+                                 f"headdim), got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    res = ring_attention(fn, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p=dropout_p,
+                         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                         alibi_slopes=alibi_slopes, deterministic=deterministic,
+                         return_attn_probs=return_attn_probs, group=group,
+                         layout="documents" if layout is None else layout,
+                         return_lse=return_lse, backend=backend,
+                         grad_comm_dtype=grad_comm_dtype, softcap=softcap, cu_seqlens=cu_seqlens)
     if isinstance(res, tuple):
         return (res[0][0], res[1][0]) + tuple(res[2:])  # out (s, h, d), lse (h, s)
     return res[0]
@@ -230,21 +251,22 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     Returns (batch, nheads, s_local, headdim) in query's dtype (under ``torch.autocast``: the
     autocast dtype, float64 inputs excepted; a transposed view).
     """
-    check_softmax_scale("ring_sdpa", scale, name="scale")
-    check_bool("ring_sdpa", "is_causal", is_causal)
-    check_bool("ring_sdpa", "enable_gqa", enable_gqa)
-    if attn_mask is not None:
-        raise ValueError("ring_sdpa does not support attn_mask; use is_causal or a layout")
-    if dropout_p:
-        raise ValueError(f"ring_sdpa does not support dropout, got dropout_p={dropout_p}")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be (batch, nheads, seqlen, headdim), got "
-                             f"{tuple(t.shape)}")
-    out = ring_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
-                               value.transpose(1, 2), softmax_scale=scale, causal=is_causal,
-                               group=group, layout=layout, backend=backend,
-                               grad_comm_dtype=grad_comm_dtype)
+    fn = "ring_sdpa"
+    with refuse_on_error(group, FWD):
+        check_softmax_scale(fn, scale, name="scale")
+        check_bool(fn, "is_causal", is_causal)
+        check_bool(fn, "enable_gqa", enable_gqa)
+        if attn_mask is not None:
+            raise ValueError(f"{fn}: attn_mask must be None (use is_causal or a layout), got "
+                             f"a {type(attn_mask).__name__}")
+        check_dropout(fn, dropout_p)
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{fn}: {name} must be (batch, nheads, seqlen, headdim), got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    out = ring_attention(fn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                         softmax_scale=scale, causal=is_causal, group=group, layout=layout,
+                         backend=backend, grad_comm_dtype=grad_comm_dtype)
     return out.transpose(1, 2)
 
 
@@ -262,16 +284,17 @@ class RingAttention(nn.Module):
         check_bool("RingAttention", "causal", causal)
         check_softmax_scale("RingAttention", softmax_scale)
         self.group = group
-        self.layout = get_layout(layout)
+        self.layout = _layout("RingAttention", layout)
         self.causal = bool(causal)
         self.backend = backend
         self.softmax_scale = softmax_scale
         self.grad_comm_dtype = grad_comm_dtype
 
     def forward(self, q, k, v, return_lse: bool = False):
-        return ring_flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=self.causal,
-                                    group=self.group, layout=self.layout, return_lse=return_lse,
-                                    backend=self.backend, grad_comm_dtype=self.grad_comm_dtype)
+        return ring_attention("RingAttention", q, k, v, softmax_scale=self.softmax_scale,
+                              causal=self.causal, group=self.group, layout=self.layout,
+                              return_lse=return_lse, backend=self.backend,
+                              grad_comm_dtype=self.grad_comm_dtype)
 
     def extra_repr(self) -> str:
         return f"layout={self.layout.name!r}, causal={self.causal}, backend={self.backend!r}"

@@ -67,6 +67,7 @@ class DenseSpanBackend(AttentionBackend):
     """Span-contract block kernel by dense masking (see module doc); float32/float64 math."""
 
     name = "dense_spans"
+    supports_spans = supports_softcap = True
 
     def __init__(self):
         self.inner = get_backend("reference")
@@ -74,23 +75,17 @@ class DenseSpanBackend(AttentionBackend):
     def _mask(self, q, k, causal, spans):
         s_q, s_k = q.shape[1], k.shape[1]
         if spans is not None:
-            return _span_mask(spans, s_q, s_k, q.device)
+            return _span_mask(spans.tolist(), s_q, s_k, q.device)
         return global_mask(s_q, s_k, causal, device=q.device)
 
-    def fwd(self, q, k, v, softmax_scale, causal, spans=None, softcap=0.0):
+    def _fwd(self, q, k, v, softmax_scale, causal, spans=None, softcap=0.0):
         acc = self.accum_dtype(q.dtype)
         out, lse = masked_attention(q, k, v, self._mask(q, k, causal, spans), softmax_scale,
                                     softcap, dtype=acc)
         return out.to(q.dtype), lse.to(acc)
 
-    def fwd_accum(self, q, k, v, softmax_scale, causal, out_acc, lse_acc, spans=None,
-                  softcap=0.0):
-        from ringseq.kernels.merge import merge_into
-        o_b, l_b = self.fwd(q, k, v, softmax_scale, causal, spans, softcap)
-        merge_into(out_acc, lse_acc, o_b, l_b)
-
-    def bwd(self, dout, q, k, v, out, lse, softmax_scale, causal, delta=None, spans=None,
-            softcap=0.0):
+    def _bwd(self, dout, q, k, v, out, lse, softmax_scale, causal, delta=None, spans=None,
+             softcap=0.0):
         # Explicit formulas (no autograd: block kernels run below the autograd dispatch), with
         # the GIVEN (possibly ring-global) lse and delta.
         acc = self.accum_dtype(q.dtype)
@@ -115,11 +110,3 @@ class DenseSpanBackend(AttentionBackend):
         dk = dk.reshape(b_, s_k, h_kv, h // h_kv, -1).sum(3)
         dv = dv.reshape(b_, s_k, h_kv, h // h_kv, -1).sum(3)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-    def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum,
-                  dk_accum, dv_accum, spans=None, softcap=0.0):
-        dq, dk, dv = self.bwd(dout, q, k, v, out, lse, softmax_scale, causal, delta, spans,
-                              softcap)
-        dq_accum.add_(dq)
-        dk_accum.add_(dk)
-        dv_accum.add_(dv)

@@ -265,7 +265,7 @@ def test_sp_mode_matches_float64_reference(case):
 
 def _bytes_expected(case):
     """Bytes one rank sends per fwd+bwd call, from the formulas of docs/sp_modes.md."""
-    from ringseq.integrity import HEADER_BYTES
+    from ringseq.engine.integrity import HEADER_BYTES
     from ringseq.ulysses import kv_replication
     h, hkv = case["heads"]
     U, R = case["U"], case["R"]

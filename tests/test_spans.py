@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ringseq.kernels import Span, UNBOUNDED, document_spans, extension_available, get_backend, window_band
-from ringseq.kernels.autograd import attention
+from ringseq.engine.op import span_attention as attention
 
 from utils import assert_close_per_design, reference_grads, scaled_floor
 
@@ -247,8 +247,8 @@ def _bad_spans():
     yield "kv overlap", dict(spans=[Span(0, 5, 0, 4), Span(6, 3, 3, 4)]), "disjoint kv row ranges"
     yield "shape", dict(spans=torch.zeros(2, 5, dtype=torch.int64)), r"spans must be .*\(n, 6\)"
     yield "dtype", dict(spans=torch.zeros(1, 6, dtype=torch.int32)), "int64"
-    yield "softcap", dict(softcap=-1.0), "softcap must be a finite number >= 0"
-    yield "softcap nan", dict(softcap=float("nan")), "softcap must be a finite number >= 0"
+    yield "softcap", dict(softcap=-1.0), "softcap must be a finite float >= 0"
+    yield "softcap nan", dict(softcap=float("nan")), "softcap must be a finite float >= 0"
 
 
 BAD = list(_bad_spans())

@@ -25,9 +25,10 @@ How it plugs in (verified with transformers 4.57.1 and 5.24.0):
   different groups or layouts work side by side; nothing is kept at module level besides the
   two registrations.
 
-What it cannot do exactly raises ``ValueError`` (on every rank where the condition is only
-visible on some ranks): dropout > 0 (attention dropout while training), a padding mask with
-zeros or any 4D mask, a sliding window shorter than the global sequence, logit soft-capping,
+Sliding windows (per layer), logit soft-capping (Gemma 2) and packed documents work in every
+sequence-parallel mode. What it cannot do exactly raises ``ValueError`` (on every rank, through
+the ring's control channel, where the condition is only visible on some ranks): dropout > 0
+(attention dropout while training), a padding mask with zeros or any 4D mask,
 ``output_attentions=True`` (the probabilities are never materialized), a KV cache holding
 earlier tokens, and position ids that are not the global positions of the local tokens
 (forgetting ``position_ids`` makes every rank's RoPE start at 0).
@@ -53,12 +54,13 @@ try:
 except ImportError:  # pragma: no cover - transformers < 4.53 builds masks inside each model
     AttentionMaskInterface = None
 
-from .._dist import agree_or_raise, group_info
-from ..hybrid import (SequenceParallelGroups, check_model_heads, make_sp_groups,
-                      resolve_sp_sizes, usp_attn_func)
-from ..layouts import (DOCUMENTS, Layout, document_positions, documents_layout, get_layout,
-                       positions_local)
-from ..nn import ring_flash_attn_func
+from .._dist import group_info
+from ..engine.ring import get_ring
+from ..layouts import Layout, document_positions, get_layout, positions_local
+from ..nn import ring_attention
+from ..parallel.groups import (SequenceParallelGroups, check_model_heads, make_sp_groups,
+                               resolve_sp_sizes)
+from ..parallel.usp import usp_attn_func
 
 __all__ = ["ATTN_IMPLEMENTATION", "RingSettings", "apply", "ringseq_attention_forward",
            "ringseq_mask"]
@@ -71,7 +73,7 @@ class RingSettings:
     """What :func:`apply` records on a model's attention modules (one object per model)."""
 
     group: Any = None
-    layout: Any = field(default_factory=lambda: get_layout("zigzag"))  # a Layout or "documents"
+    layout: Layout = field(default_factory=lambda: get_layout("zigzag"))  # bound per batch
     backend: Optional[str] = None
     # Ulysses / hybrid / double ring (``apply(..., sp_mode=...)``): ``group`` is then the whole
     # sequence-parallel group, ``layout`` its data layout and ``ring_layout`` the ring's.
@@ -136,12 +138,10 @@ def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, pos
                 f"{layout.name!r} (pass the batch of ringseq.shard_batch; without its "
                 "position_ids the model numbers every shard from 0, and packed documents need "
                 "their boundaries, cu_seq_lens_q, which shard_batch returns)")
-    agree_or_raise(not problems,
-                   "ringseq attention cannot compute this exactly: " + "; ".join(problems),
-                   group=settings.group, device=device,
-                   peer_message="ringseq attention: another rank of the ring received an "
-                                "unsupported attention_mask or wrong position_ids (see its "
-                                "error)")
+    # On the ring's control channel: a peer's failure report (raised in its embedding, say)
+    # meets this check instead of waiting for it.
+    get_ring(settings.group).agree(
+        not problems, "ringseq attention cannot compute this exactly: " + "; ".join(problems))
     settings._checked = (None if attention_mask is None else weakref.ref(attention_mask),
                          None if position_ids is None else weakref.ref(position_ids))
 
@@ -195,23 +195,16 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                          f"ringseq attention needs the keys of exactly the current tokens "
                          f"(no KV cache: pass use_cache=False, and no generation)")
     docs = _documents(name, kwargs)
-    layout = settings.layout
-    if layout == DOCUMENTS:
-        if docs is None:
-            raise ValueError(f"{name}: the model was switched with layout 'documents', which "
-                             f"needs packed batches: pass the cu_seq_lens_q / position_ids of "
-                             f"ringseq.shard_batch(batch, layout='documents')")
-        layout = documents_layout(docs)
+    try:
+        layout = settings.layout.bind(docs)  # "documents": this batch's own layout
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
     window = (-1, -1)
     if sliding_window is not None:
         sw = int(sliding_window)
         if sw < 1:
             raise ValueError(f"{name}: sliding_window must be >= 1, got {sliding_window}")
         window = (sw - 1, sw - 1)
-    if settings.sp is not None and (window != (-1, -1) or softcap or docs is not None):
-        raise ValueError(f"{name}: sliding windows, logit soft-capping and packed documents run "
-                         f"on the ring (sp_mode='ring'), not with sp_mode "
-                         f"{settings.sp.mode!r}")
     _check_inputs_once(settings, layout, docs, attention_mask, kwargs.get("position_ids"),
                        s_local, query.device)
     if scaling is None:
@@ -221,13 +214,14 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if settings.sp is not None:
         out = usp_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                             softmax_scale=scaling, causal=bool(causal), sp=settings.sp,
-                            layout=settings.ring_layout, backend=settings.backend)
+                            layout=settings.ring_layout, backend=settings.backend,
+                            window_size=window, softcap=float(softcap or 0.0), cu_seqlens=docs)
         return out, None
-    out = ring_flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
-                               value.transpose(1, 2), softmax_scale=scaling, causal=bool(causal),
-                               window_size=window, group=settings.group, layout=layout,
-                               backend=settings.backend, softcap=float(softcap or 0.0),
-                               cu_seqlens=docs)
+    out = ring_attention(name, query.transpose(1, 2), key.transpose(1, 2),
+                         value.transpose(1, 2), softmax_scale=scaling, causal=bool(causal),
+                         window_size=window, group=settings.group, layout=layout,
+                         backend=settings.backend, softcap=float(softcap or 0.0),
+                         cu_seqlens=docs)
     return out, None
 
 
@@ -346,10 +340,7 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     group, or ``num_attention_heads`` not divisible by the Ulysses degree (naming the degrees
     that work) -- all before any communication.
     """
-    lay = DOCUMENTS if layout == DOCUMENTS else get_layout(layout)
-    if lay == DOCUMENTS and sp_mode not in (None, "ring"):
-        raise ValueError(f"layout 'documents' runs on the ring (sp_mode='ring'), got sp_mode "
-                         f"{sp_mode!r}")
+    lay = get_layout(layout)
     if not isinstance(group, SequenceParallelGroups):
         group_info(group)  # raises for a group this process is not in
     modules = _attention_modules(model)

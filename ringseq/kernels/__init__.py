@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import backend_key
+from .registry import backend_by_key, backend_key
 from .base import AttentionBackend, compute_delta
 from .checks import accum_dtype, check_qkv, resolve_scale
 from .extension import ExtensionBackend, extension_available, extension_has_cuda
@@ -25,21 +25,24 @@ _INSTANCES: dict = {}
 
 
 def _instance(name: str) -> AttentionBackend:
-    if name == "ringseq":
-        return ExtensionBackend.instance(0)
-    if name not in _INSTANCES:
-        inst = _INSTANCES[name] = {"sdpa": SdpaBackend, "reference": ReferenceBackend,
-                                   "flash_attn": FlashAttnBackend}[name]()
-        backend_key(inst)  # registered eagerly: torch.compile may trace the first use
-    return _INSTANCES[name]
+    return ExtensionBackend.instance(0) if name == "ringseq" else _INSTANCES[name]
 
 
-def get_backend(backend=None, device=None, dtype=None, headdim=None) -> AttentionBackend:
+# Created (and registered) at import: nothing a traced call touches is created lazily.
+for _name, _cls in (("sdpa", SdpaBackend), ("reference", ReferenceBackend),
+                    ("flash_attn", FlashAttnBackend)):
+    backend_key(_INSTANCES.setdefault(_name, _cls()))
+ExtensionBackend.instance(0)
+
+
+def get_backend(backend=None, device=None, dtype=None, headdim=None, *,
+                fn: str = "get_backend") -> AttentionBackend:
     """Resolves a backend name (or an AttentionBackend instance) for inputs on ``device``.
 
     ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim), else
     "sdpa" on CUDA (float64 there: "reference"), else "reference" (CPU without the extension).
-    Raises ValueError for an unknown name and for a named backend that cannot run such inputs.
+    Raises ValueError (naming ``fn``) for an unknown name and for a named backend that cannot
+    run such inputs.
     """
     if isinstance(backend, AttentionBackend):
         return backend
@@ -54,13 +57,14 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None) -> Attentio
             return sdpa
         return _instance("reference")
     if backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)} or None, got {backend!r}")
+        raise ValueError(f"{fn}: backend must be one of {', '.join(BACKEND_NAMES)}, None or an "
+                         f"AttentionBackend instance, got {backend!r}")
     chosen = _instance(backend)
     if dtype is not None:
         reason = chosen.unsupported_reason(device, dtype, headdim or 64)
         if reason is not None:
-            raise ValueError(f"backend {backend!r} cannot run {dtype} inputs with head dim "
-                             f"{headdim} on {device}: {reason}")
+            raise ValueError(f"{fn}: backend {backend!r} cannot run {dtype} inputs with head "
+                             f"dim {headdim} on {device}: {reason}")
     return chosen
 
 
@@ -73,6 +77,6 @@ def available_backends(device="cpu", dtype=torch.float32, headdim=64) -> list[st
 __all__ = [
     "AttentionBackend", "BACKEND_NAMES", "ExtensionBackend", "FlashAttnBackend",
     "ReferenceBackend", "SdpaBackend", "accum_dtype", "compute_delta", "available_backends", "check_qkv",
-    "resolve_scale", "extension_available", "extension_has_cuda", "flash_attn_module",
+    "resolve_scale", "backend_by_key", "backend_key", "extension_available", "extension_has_cuda", "flash_attn_module",
     "get_backend", "UNBOUNDED", "Span", "as_spans_tensor", "document_spans", "window_band",
 ]

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import einops
 import torch
 
-from .checks import accum_dtype, check_qkv, no_key_rows
+from .checks import DEBUG_CHECKS, accum_dtype, check_qkv, no_key_rows
 from .merge import merge_into
 from .spans import as_spans_tensor, check_softcap, check_spans
 
@@ -23,19 +23,27 @@ class AttentionBackend:
     per-block gradients add up to the full ones. ``delta`` = rowsum(dout * out), (b, h, s_q) in
     the accumulation dtype, may be passed precomputed.
 
-    Spans, bands and soft-capping (docs/kernels.md, ``ringseq.kernels.spans``): ``fwd``,
-    ``fwd_accum``, ``bwd`` and ``bwd_accum`` take the keyword-only ``spans=None`` (None, an int64
-    (n, 6) CPU tensor or a list of ``(q_start, q_len, k_start, k_len, band_lo, band_hi)``
-    tuples; not combined with ``causal=True``) and ``softcap=0.0``. ``spans=None, softcap=0.0``
-    is the plain call. Rows outside every span get ``out = 0, lse = -inf`` and zero gradients
-    (untouched accumulators in the ``*_accum`` forms). A backend that cannot compute them
-    raises NotImplementedError (``supports_spans`` / ``supports_softcap``).
+    Spans, bands and soft-capping (docs/kernels.md, ``ringseq.kernels.spans``): every call takes
+    the keyword-only ``spans=None`` (None, an int64 (n, 6) CPU tensor or a list of
+    ``(q_start, q_len, k_start, k_len, band_lo, band_hi)`` tuples; not combined with
+    ``causal=True``) and ``softcap=0.0``. Rows outside every span get ``out = 0, lse = -inf``
+    and zero gradients (untouched accumulators in the ``*_accum`` forms). A backend that cannot
+    compute them raises NotImplementedError (``supports_spans`` / ``supports_softcap``).
 
-    Subclasses implement ``_fwd`` and ``_bwd`` for non-empty inputs; this class validates,
-    handles empty tensors and provides ``bwd_accum``. A subclass that supports spans or a
-    soft-cap receives them as the keyword arguments ``spans`` (the checked tensor, or None) and
-    ``softcap`` (a float) of ``_fwd`` / ``_bwd``, and only when a call uses them: a subclass
-    written before spans existed keeps working for plain calls.
+    Two ways in:
+
+    * ``fwd`` / ``fwd_accum`` / ``bwd`` / ``bwd_accum`` validate their arguments
+      (:meth:`check_call`) and then run: for code that calls a backend directly.
+    * ``run_fwd`` / ``run_fwd_accum`` / ``run_bwd`` / ``run_bwd_accum`` trust them: the engine
+      calls these with what an entry point validated once (an :class:`ringseq.spec.AttnSpec`
+      and a layout's block schedule). ``RINGSEQ_DEBUG_CHECKS=1`` makes them validate too.
+
+    Subclasses implement ``_fwd`` and ``_bwd`` for non-empty inputs (and may override
+    ``_fwd_accum`` / ``_bwd_accum`` to accumulate in place); this class handles empty tensors
+    and the accumulate defaults. A subclass that supports spans or a soft-cap receives them as
+    the keyword arguments ``spans`` (a checked tensor, or None) and ``softcap`` (a float) of
+    its hooks, and only when a call uses them: a subclass written before spans existed keeps
+    working for plain calls.
     """
 
     name = "base"
@@ -54,12 +62,6 @@ class AttentionBackend:
         """Why this backend cannot run such inputs, or None when it can."""
         return None
 
-    def _check(self, q, k, v):
-        check_qkv(q, k, v)
-        reason = self.unsupported_reason(q.device, q.dtype, q.shape[-1])
-        if reason is not None:
-            raise ValueError(f"backend {self.name!r} cannot run these inputs: {reason}")
-
     def require_lse_grad(self) -> None:
         """Raises RuntimeError when this backend cannot take a caller's ``delta``, i.e.
         cannot backpropagate a gradient that flows into ``lse``."""
@@ -68,82 +70,139 @@ class AttentionBackend:
                                f"computes delta from dout and out itself); use "
                                f"backend='ringseq' or 'reference'")
 
-    def prepare_spans(self, q, k, causal: bool, spans, softcap) -> Tuple[Optional[torch.Tensor], float]:
-        """(spans as a checked int64 tensor or None, softcap as a float) for a call of this
-        backend; ValueError for values that do not fit, NotImplementedError when this backend
-        cannot compute them."""
-        spans = as_spans_tensor(spans)
-        softcap = check_softcap(softcap)
-        check_spans(spans, q.shape[1], k.shape[1], bool(causal))
-        if spans is not None and not self.supports_spans:
-            raise NotImplementedError(f"backend {self.name!r} does not support spans (bands, sliding "
-                                      f"windows, packed documents); use backend='ringseq' or 'reference'")
+    def check_features(self, fn: str, *, spans: bool, softcap: float) -> None:
+        """NotImplementedError (naming ``fn``) when a call needs spans (bands, windows,
+        documents) or a soft-cap and this backend cannot compute them."""
+        if spans and not self.supports_spans:
+            raise NotImplementedError(f"{fn}: backend {self.name!r} does not support spans (bands, "
+                                      f"sliding windows, packed documents); use backend='ringseq' "
+                                      f"or 'reference'")
         if softcap > 0.0 and not self.supports_softcap:
-            raise NotImplementedError(f"backend {self.name!r} does not support logit soft-capping "
-                                      f"(softcap={softcap}); use backend='ringseq' or 'reference'")
+            raise NotImplementedError(f"{fn}: backend {self.name!r} does not support logit "
+                                      f"soft-capping (softcap={softcap}); use backend='ringseq' "
+                                      f"or 'reference'")
+
+    def check_call(self, q, k, v, causal: bool, spans=None, softcap=0.0, *,
+                   fn: str = "attention") -> Tuple[Optional[torch.Tensor], float]:
+        """Validates one call: tensors (:func:`check_qkv`), what this backend supports, and the
+        spans and soft-cap. Returns ``(spans as a checked int64 tensor or None, softcap as a
+        float)``; raises ValueError / TypeError / NotImplementedError naming ``fn``."""
+        check_qkv(q, k, v, fn=fn)
+        reason = self.unsupported_reason(q.device, q.dtype, q.shape[-1])
+        if reason is not None:
+            raise ValueError(f"{fn}: backend {self.name!r} cannot run these inputs: {reason}")
+        spans = as_spans_tensor(spans)
+        softcap = check_softcap(softcap, fn)
+        check_spans(spans, q.shape[1], k.shape[1], bool(causal))
+        self.check_features(fn, spans=spans is not None, softcap=softcap)
         return spans, softcap
 
     @staticmethod
     def _extra(spans, softcap) -> dict:
-        """The keyword arguments of _fwd/_bwd for a call that uses spans or a soft-cap."""
+        """The keyword arguments of the hooks for a call that uses spans or a soft-cap."""
         return {} if spans is None and softcap == 0.0 else {"spans": spans, "softcap": softcap}
 
+    @staticmethod
+    def _empty(q, k, spans) -> bool:
+        return q.numel() == 0 or k.shape[1] == 0 or (spans is not None and spans.shape[0] == 0)
+
+    # -- validating calls ------------------------------------------------------------------
     def fwd(self, q, k, v, softmax_scale: float, causal: bool, *, spans=None, softcap: float = 0.0):
-        """Returns ``(out, lse)``; raises ValueError on inputs that do not fit (see checks.py).
-        ``softmax_scale`` is a resolved float (the callers apply the default); ``spans`` and
-        ``softcap`` as in the class docstring."""
-        self._check(q, k, v)
-        spans, softcap = self.prepare_spans(q, k, causal, spans, softcap)
-        b, s_q, h, _ = q.shape
-        if q.numel() == 0 or k.shape[1] == 0 or (spans is not None and spans.shape[0] == 0):
-            out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-            lse = torch.full((b, h, s_q), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
-            return out, lse
-        return self._fwd(q, k, v, float(softmax_scale), bool(causal), **self._extra(spans, softcap))
+        """``(out, lse)``; ``softmax_scale`` is a resolved float (the callers apply the
+        default); ``spans`` and ``softcap`` as in the class docstring."""
+        spans, softcap = self.check_call(q, k, v, causal, spans, softcap, fn=f"{self.name}.fwd")
+        return self.run_fwd(q, k, v, softmax_scale, causal, spans=spans, softcap=softcap)
 
     def fwd_accum(self, q, k, v, softmax_scale: float, causal: bool, out_acc, lse_acc, *,
                   spans=None, softcap: float = 0.0) -> None:
-        """Merges this block's attention into a running (out_acc, lse_acc) in place.
-
-        out_acc (b, s_q, h, d) and lse_acc (b, h, s_q) in the accumulation dtype (views
-        allowed); rows with lse_acc = -inf hold nothing yet. Default: fwd, then merge_into
-        (rows outside every span come back with lse = -inf, so they stay untouched).
-        """
-        o_b, l_b = self.fwd(q, k, v, softmax_scale, causal, spans=spans, softcap=softcap)
-        merge_into(out_acc, lse_acc, o_b, l_b)
+        """Merges this block's attention into a running (out_acc, lse_acc) in place: out_acc
+        (b, s_q, h, d) and lse_acc (b, h, s_q) in the accumulation dtype (views allowed); rows
+        with lse_acc = -inf hold nothing yet."""
+        spans, softcap = self.check_call(q, k, v, causal, spans, softcap,
+                                         fn=f"{self.name}.fwd_accum")
+        self.run_fwd_accum(q, k, v, softmax_scale, causal, out_acc, lse_acc, spans=spans,
+                           softcap=softcap)
 
     def bwd(self, dout, q, k, v, out, lse, softmax_scale: float, causal: bool, delta=None, *,
             spans=None, softcap: float = 0.0):
-        """Returns ``(dq, dk, dv)`` in the input dtype."""
-        self._check(q, k, v)
-        spans, softcap = self.prepare_spans(q, k, causal, spans, softcap)
+        """``(dq, dk, dv)`` in the input dtype."""
+        spans, softcap = self.check_call(q, k, v, causal, spans, softcap, fn=f"{self.name}.bwd")
         if delta is not None:
             self.require_lse_grad()
-        if q.numel() == 0 or k.shape[1] == 0 or (spans is not None and spans.shape[0] == 0):
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return self._bwd(dout, q, k, v, out, lse, float(softmax_scale), bool(causal), delta,
-                         **self._extra(spans, softcap))
+        return self.run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, delta, spans=spans,
+                            softcap=softcap)
 
     def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale: float, causal: bool, delta,
                   dq_accum, dk_accum, dv_accum, *, spans=None, softcap: float = 0.0) -> None:
         """Adds this block's gradients into accumulation-dtype buffers (views allowed); rows
         outside every span get zero added."""
-        dq, dk, dv = self.bwd(dout, q, k, v, out, lse, softmax_scale, causal,
-                              delta if self.supports_delta else None, spans=spans, softcap=softcap)
-        dq_accum.add_(dq)
-        dk_accum.add_(dk)
-        dv_accum.add_(dv)
+        spans, softcap = self.check_call(q, k, v, causal, spans, softcap,
+                                         fn=f"{self.name}.bwd_accum")
+        self.run_bwd_accum(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum,
+                           dk_accum, dv_accum, spans=spans, softcap=softcap)
 
+    # -- trusted calls (the engine) --------------------------------------------------------
+    def run_fwd(self, q, k, v, softmax_scale, causal, *, spans=None, softcap=0.0):
+        if DEBUG_CHECKS:
+            spans, softcap = self.check_call(q, k, v, causal, spans, softcap, fn="run_fwd")
+        if self._empty(q, k, spans):
+            b, s_q, h, _ = q.shape
+            out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+            lse = torch.full((b, h, s_q), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
+            return out, lse
+        return self._fwd(q, k, v, float(softmax_scale), bool(causal), **self._extra(spans, softcap))
+
+    def run_fwd_accum(self, q, k, v, softmax_scale, causal, out_acc, lse_acc, *, spans=None,
+                      softcap=0.0) -> None:
+        if DEBUG_CHECKS:
+            spans, softcap = self.check_call(q, k, v, causal, spans, softcap, fn="run_fwd_accum")
+        if self._empty(q, k, spans):
+            return
+        self._fwd_accum(q, k, v, float(softmax_scale), bool(causal), out_acc, lse_acc,
+                        **self._extra(spans, softcap))
+
+    def run_bwd(self, dout, q, k, v, out, lse, softmax_scale, causal, delta=None, *, spans=None,
+                softcap=0.0):
+        if DEBUG_CHECKS:
+            spans, softcap = self.check_call(q, k, v, causal, spans, softcap, fn="run_bwd")
+        if self._empty(q, k, spans):
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return self._bwd(dout, q, k, v, out, lse, float(softmax_scale), bool(causal),
+                         delta if self.supports_delta else None, **self._extra(spans, softcap))
+
+    def run_bwd_accum(self, dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum,
+                      dk_accum, dv_accum, *, spans=None, softcap=0.0) -> None:
+        if DEBUG_CHECKS:
+            spans, softcap = self.check_call(q, k, v, causal, spans, softcap, fn="run_bwd_accum")
+        if self._empty(q, k, spans):
+            return
+        self._bwd_accum(dout, q, k, v, out, lse, float(softmax_scale), bool(causal),
+                        delta if self.supports_delta else None, dq_accum, dk_accum, dv_accum,
+                        **self._extra(spans, softcap))
+
+    # -- hooks -----------------------------------------------------------------------------
     def _fwd(self, q, k, v, scale, causal, **spans_softcap):
         raise NotImplementedError
 
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta, **spans_softcap):
         raise NotImplementedError
 
+    def _fwd_accum(self, q, k, v, scale, causal, out_acc, lse_acc, **spans_softcap) -> None:
+        # rows outside every span come back with lse = -inf, so they stay untouched
+        o_b, l_b = self._fwd(q, k, v, scale, causal, **spans_softcap)
+        merge_into(out_acc, lse_acc, o_b, l_b)
+
+    def _bwd_accum(self, dout, q, k, v, out, lse, scale, causal, delta, dq_accum, dk_accum,
+                   dv_accum, **spans_softcap) -> None:
+        dq, dk, dv = self._bwd(dout, q, k, v, out, lse, scale, causal, delta, **spans_softcap)
+        dq_accum.add_(dq)
+        dk_accum.add_(dk)
+        dv_accum.add_(dv)
+
     def __repr__(self):
         return f"<attention backend {self.name!r}>"
 
-    # A backend's registry key (kernels/autograd.py) names this object in this process only.
+    # A backend's registry key (kernels/registry.py) names this object in this process only.
     def __deepcopy__(self, memo):
         return self  # stateless: a copied model keeps using the same kernels
 

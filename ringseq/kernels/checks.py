@@ -5,7 +5,22 @@ these give the same errors for the Python backends and before any work starts.
 """
 from __future__ import annotations
 
+import os
+from collections import Counter
+
 import torch
+
+#: ``RINGSEQ_DEBUG_CHECKS=1``: the engine's trusted kernel calls validate their inputs again
+#: (normally an entry point validates once, see ringseq.spec).
+DEBUG_CHECKS = os.environ.get("RINGSEQ_DEBUG_CHECKS", "0").strip() not in ("", "0")
+
+#: Validations run so far in this process, by name (tests count them per call).
+CHECK_COUNTS: Counter = Counter()
+
+
+def count_check(name: str) -> None:
+    CHECK_COUNTS[name] += 1
+
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -21,43 +36,51 @@ def resolve_scale(softmax_scale, headdim: int) -> float:
     return headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raises ValueError when q (b, s_q, h, d), k, v (b, s_k, h_kv, d) do not fit together."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "attention") -> None:
+    """Raises (naming ``fn``) when q (b, s_q, h, d), k, v (b, s_k, h_kv, d) do not fit
+    together: TypeError for a non-tensor, ValueError for shapes, dtypes, devices and strides."""
+    count_check("check_qkv")
     for name, t, layout in (("q", q, "(batch, seqlen_q, nheads, headdim)"),
                             ("k", k, "(batch, seqlen_k, nheads_kv, headdim)"),
                             ("v", v, "(batch, seqlen_k, nheads_kv, headdim)")):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}, got "
+                            f"{type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-dim tensor {layout}, got {t.dim()} dims with "
-                             f"shape {tuple(t.shape)}")
+            raise ValueError(f"{fn}: {name} must be a 4-dim tensor {layout}, got {t.dim()} dims "
+                             f"with shape {tuple(t.shape)}")
+    on_meta = [n for n, t in (("q", q), ("k", k), ("v", v)) if t.device.type == "meta"]
+    if on_meta:  # no data: a kernel would read garbage
+        raise ValueError(f"{fn}: q, k and v must be tensors with data (CPU or CUDA), got "
+                         f"{', '.join(on_meta)} on the meta device")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on the same device, got q on {q.device}, "
+        raise ValueError(f"{fn}: q, k and v must be on the same device, got q on {q.device}, "
                          f"k on {k.device}, v on {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, "
-                         f"v {v.dtype}")
+        raise ValueError(f"{fn}: q, k and v must have the same dtype, got q {q.dtype}, "
+                         f"k {k.dtype}, v {v.dtype}")
     if q.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"q, k and v must be float32, float64, bfloat16 or float16, got {q.dtype}")
+        raise ValueError(f"{fn}: q, k and v must be float32, float64, bfloat16 or float16, got "
+                         f"{q.dtype}")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"q, k and v must have the same batch size, got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"{fn}: q, k and v must have the same batch size, got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if not (q.shape[3] == k.shape[3] == v.shape[3]):
-        raise ValueError(f"q, k and v must have the same head dim (last dimension), got "
+        raise ValueError(f"{fn}: q, k and v must have the same head dim (last dimension), got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and "
+        raise ValueError(f"{fn}: k and v must have the same shape, got k {tuple(k.shape)} and "
                          f"v {tuple(v.shape)}")
     if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"nheads of q must be divisible by nheads_kv of k and v, got "
+        raise ValueError(f"{fn}: nheads of q must be divisible by nheads_kv of k and v, got "
                          f"nheads={q.shape[2]} and nheads_kv={k.shape[2]}")
     if q.shape[3] == 0:
-        raise ValueError(f"headdim must be positive, got q {tuple(q.shape)}")
+        raise ValueError(f"{fn}: headdim must be positive, got q {tuple(q.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last (head) dimension, got strides "
-                             f"{tuple(t.stride())}; call .contiguous() on it, only the last "
-                             f"dimension needs to be contiguous")
+            raise ValueError(f"{fn}: {name} must be contiguous in its last (head) dimension, got "
+                             f"strides {tuple(t.stride())}; call .contiguous() on it (only the "
+                             f"last dimension needs to be contiguous)")
 
 
 def no_key_rows(seqlen_q: int, seqlen_k: int, causal: bool) -> int:

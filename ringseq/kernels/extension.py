@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import _fake_checks, attention_backward, backend_key, fake_attention_outputs
+from .grad import attention_backward, fake_attention_outputs, fake_checks
+from .registry import backend_key
 from .base import AttentionBackend
 from .spans import spans_given
 
@@ -48,9 +49,9 @@ def cpu_isa_levels() -> list:
     return [] if _C is None else list(_C.cpu_isa_supported())
 
 
-def _spans_fake_checks(spans, softcap, causal):
+def _spansfake_checks(spans, softcap, causal):
     """The fake impls' checks of spans / softcap (their values are the binding's to check)."""
-    torch._check(softcap >= 0.0, lambda: f"softcap must be >= 0 (0 = off), got {softcap}")
+    torch._check(softcap >= 0.0, lambda: f"softcap must be a finite float >= 0 (0.0: off), got {softcap}")
     if spans is not None:
         torch._check(not causal, lambda: "spans and causal=True cannot be combined")
         torch._check(spans.dim() == 2 and spans.shape[1] == 6,
@@ -63,22 +64,22 @@ if _C is not None:
 
     @torch.library.register_fake("ringseq::fwd")
     def _fwd_fake(q, k, v, softmax_scale, causal, tile_config=0, spans=None, softcap=0.0):
-        _fake_checks(q, k, v)
-        _spans_fake_checks(spans, softcap, causal)
+        fake_checks(q, k, v)
+        _spansfake_checks(spans, softcap, causal)
         return fake_attention_outputs(q)
 
     @torch.library.register_fake("ringseq::fwd_accum")
     def _fwd_accum_fake(q, k, v, softmax_scale, causal, out_acc, lse_acc, tile_config=0, spans=None,
                         softcap=0.0):
-        _fake_checks(q, k, v)
-        _spans_fake_checks(spans, softcap, causal)
+        fake_checks(q, k, v)
+        _spansfake_checks(spans, softcap, causal)
         b, s_q, h, _ = q.shape
         torch._check(out_acc.shape == q.shape, lambda: "out_acc must have the shape of q")
         torch._check(lse_acc.shape == (b, h, s_q), lambda: "lse_acc must be (b, h, s_q)")
         return None
 
     def _check_grad_inputs(dout, q, k, v, out, lse):
-        _fake_checks(q, k, v)
+        fake_checks(q, k, v)
         b, s_q, h, _ = q.shape
         torch._check(dout.shape == q.shape and out.shape == q.shape,
                      lambda: "dout and out must have the shape of q")
@@ -88,14 +89,14 @@ if _C is not None:
     def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0, spans=None,
                   softcap=0.0):
         _check_grad_inputs(dout, q, k, v, out, lse)
-        _spans_fake_checks(spans, softcap, causal)
+        _spansfake_checks(spans, softcap, causal)
         return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
     @torch.library.register_fake("ringseq::bwd_accum")
     def _bwd_accum_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum,
                         dk_accum, dv_accum, tile_config=0, spans=None, softcap=0.0):
         _check_grad_inputs(dout, q, k, v, out, lse)
-        _spans_fake_checks(spans, softcap, causal)
+        _spansfake_checks(spans, softcap, causal)
         torch._check(dq_accum.shape == q.shape and dk_accum.shape == k.shape
                      and dv_accum.shape == v.shape,
                      lambda: "dq/dk/dv accumulators must have the shapes of q/k/v")
@@ -164,26 +165,23 @@ class ExtensionBackend(AttentionBackend):
         return (spans, float(softcap)) if spans_given(spans, softcap) else ()
 
     def _fwd(self, q, k, v, scale, causal, spans=None, softcap=0.0):
-        return torch.ops.ringseq.fwd(q, k, v, scale, causal, self.tile_config, *self._span_args(spans, softcap))
-
-    def fwd_accum(self, q, k, v, softmax_scale, causal, out_acc, lse_acc, *, spans=None,
-                  softcap=0.0) -> None:
-        if q.device.type != "cpu":  # the CUDA kernel has no merge mode yet
-            return super().fwd_accum(q, k, v, softmax_scale, causal, out_acc, lse_acc, spans=spans,
-                                     softcap=softcap)
-        self._check(q, k, v)
-        spans, softcap = self.prepare_spans(q, k, causal, spans, softcap)
-        torch.ops.ringseq.fwd_accum(q, k, v, float(softmax_scale), bool(causal), out_acc, lse_acc,
-                                    self.tile_config, *self._span_args(spans, softcap))
-
-    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta, spans=None, softcap=0.0):
-        return torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, delta, self.tile_config,
+        return torch.ops.ringseq.fwd(q, k, v, scale, causal, self.tile_config,
                                      *self._span_args(spans, softcap))
 
-    def bwd_accum(self, dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum, dk_accum,
-                  dv_accum, *, spans=None, softcap=0.0) -> None:
-        self._check(q, k, v)
-        spans, softcap = self.prepare_spans(q, k, causal, spans, softcap)
-        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, float(softmax_scale), bool(causal),
-                                    delta, dq_accum, dk_accum, dv_accum, self.tile_config,
+    def _fwd_accum(self, q, k, v, scale, causal, out_acc, lse_acc, spans=None,
+                   softcap=0.0) -> None:
+        if q.device.type != "cpu":  # the CUDA kernel has no merge mode yet
+            return super()._fwd_accum(q, k, v, scale, causal, out_acc, lse_acc,
+                                      **self._extra(spans, softcap))
+        torch.ops.ringseq.fwd_accum(q, k, v, scale, causal, out_acc, lse_acc, self.tile_config,
+                                    *self._span_args(spans, softcap))
+
+    def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta, spans=None, softcap=0.0):
+        return torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, delta,
+                                     self.tile_config, *self._span_args(spans, softcap))
+
+    def _bwd_accum(self, dout, q, k, v, out, lse, scale, causal, delta, dq_accum, dk_accum,
+                   dv_accum, spans=None, softcap=0.0) -> None:
+        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, causal, delta, dq_accum,
+                                    dk_accum, dv_accum, self.tile_config,
                                     *self._span_args(spans, softcap))

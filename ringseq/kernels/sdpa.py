@@ -57,13 +57,13 @@ class SdpaBackend(AttentionBackend):
     supports_delta = False
     supports_spans = True  # as an additive bias
 
-    def prepare_spans(self, q, k, causal, spans, softcap):
+    def check_features(self, fn, *, spans, softcap):
         if softcap:
             raise NotImplementedError(
-                f"backend 'sdpa' cannot do logit soft-capping (softcap={softcap}): torch's SDPA ops "
-                f"would have to apply tanh to each score inside the kernel, which an additive mask "
-                f"cannot express; use backend='ringseq' or 'reference'")
-        return super().prepare_spans(q, k, causal, spans, softcap)
+                f"{fn}: backend 'sdpa' cannot do logit soft-capping (softcap={softcap}): torch's "
+                f"SDPA ops would have to apply tanh to each score inside the kernel, which an "
+                f"additive mask cannot express; use backend='ringseq' or 'reference'")
+        super().check_features(fn, spans=spans, softcap=softcap)
 
     def unsupported_reason(self, device, dtype, headdim):
         if device.type not in ("cpu", "cuda"):

@@ -24,9 +24,12 @@ spans.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
+
+from .checks import count_check
 
 UNBOUNDED = 2 ** 62  # band_lo = -UNBOUNDED / band_hi = UNBOUNDED: no bound on that side
 
@@ -76,13 +79,17 @@ def as_spans_tensor(spans: SpansLike) -> Optional[torch.Tensor]:
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 6)
 
 
-def check_softcap(softcap) -> float:
-    """``softcap`` as a float; ValueError unless finite and >= 0 (0 = off)."""
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float (0.0: off), got {type(softcap).__name__}")
+def check_softcap(softcap, fn: str = "attention") -> float:
+    """``softcap`` as a float: the one check of the soft-cap (every entry point and direct
+    kernel call uses it). TypeError for a non-number (a bool included), ValueError unless finite
+    and >= 0 (0 = off); both name ``fn``."""
+    count_check("check_softcap")
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"{fn}: softcap must be a float (0.0: off), got {softcap!r} "
+                        f"({type(softcap).__name__})")
     softcap = float(softcap)
     if not (math.isfinite(softcap) and softcap >= 0.0):
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = no soft-capping), got {softcap}")
+        raise ValueError(f"{fn}: softcap must be a finite float >= 0 (0.0: off), got {softcap!r}")
     return softcap
 
 
@@ -114,6 +121,7 @@ def check_spans(spans: Optional[torch.Tensor], seqlen_q: int, seqlen_k: int, cau
     causal rule is checked here (the values are the operators' to check)."""
     if spans is None:
         return
+    count_check("check_spans")
     if causal:
         raise ValueError("spans and causal=True cannot be combined: with spans, causal must be False "
                          "and each span's band says what it sees (causal is band_hi = k_len - q_len)")

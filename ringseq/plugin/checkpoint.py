@@ -72,32 +72,83 @@ def _save(obj, path: str) -> None:
         raise error
 
 
-def _load(path: str, apply):
-    """Reads ``path`` on every rank (``weights_only=True``: a checkpoint cannot run code) and
-    hands the object to ``apply``; collective: when any rank fails to read or apply it, every
-    rank raises (the failing rank its own error, chained; the others a ValueError naming the
-    path and the failed ranks), so no rank trains on with other weights."""
-    error, result = None, None
+def _load(path: str, check, apply):
+    """Collective load of ``path``: every rank reads it (``weights_only=True``: a checkpoint
+    cannot run code) and ``check``s it against its own state WITHOUT changing anything; the ranks
+    vote; then every rank ``apply``s it, or -- when any rank could not read or check it -- none
+    does and every rank raises (the failing rank its own error type with the rank and path in
+    the message, the original chained; the others a ValueError naming the path and the failed
+    ranks). Replicas stay identical and unchanged on failure."""
+    error, state = None, None
     try:
-        result = apply(torch.load(path, map_location="cpu", weights_only=True))
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        check(state)
     except Exception as exc:  # noqa: BLE001 - re-raised on every rank after agreeing
         error = exc
     rank = dist.get_rank() if dist.is_initialized() else 0
     if error is not None:
-        wrapped = type(error)(f"rank {rank}: loading the checkpoint {path!r} failed: "
-                              f"{type(error).__name__}: {error}") \
-            if _reconstructible(error) else ValueError(
-                f"rank {rank}: loading the checkpoint {path!r} failed: "
-                f"{type(error).__name__}: {error}")
+        message = (f"rank {rank}: loading the checkpoint {path!r} failed (nothing was loaded on "
+                   f"any rank): {type(error).__name__}: {error}")
+        wrapped = type(error)(message) if _reconstructible(error) else ValueError(message)
         wrapped.__cause__ = error
         error = wrapped
     if dist.is_initialized():
         agree_or_raise(error is None, str(error), error=error,
                        peer_message=f"loading the checkpoint {path!r} failed on another rank "
-                                    f"(see its error); no rank loaded it")
+                                    f"(see its error); no rank loaded it, this rank's state is "
+                                    f"unchanged")
     elif error is not None:
         raise error
-    return result
+    return apply(state)
+
+
+def _check_model_state(model, state, strict: bool) -> None:
+    """What ``load_state_dict`` would refuse, found before anything is copied (it copies the
+    entries that fit before raising about the others)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"a model checkpoint is a state dict, got a {type(state).__name__}")
+    own = model.state_dict()
+    problems = []
+    if strict:
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if missing:
+            problems.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            problems.append(f"unexpected keys {unexpected[:5]}"
+                            f"{' ...' if len(unexpected) > 5 else ''}")
+    for key, value in state.items():
+        mine = own.get(key)
+        if torch.is_tensor(mine) and torch.is_tensor(value) and mine.shape != value.shape:
+            problems.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, "
+                            f"{tuple(mine.shape)} in the model")
+        elif mine is not None and torch.is_tensor(mine) != torch.is_tensor(value):
+            problems.append(f"{key}: a {type(value).__name__} in the checkpoint")
+    if problems:
+        raise ValueError("the checkpoint does not fit the model: " + "; ".join(problems))
+
+
+def _check_optimizer_state(optimizer, state) -> None:
+    """What the optimizer would refuse (or, worse, accept and fail on at its next step):
+    another number of groups or of parameters per group, state tensors of another shape."""
+    if not isinstance(state, dict) or "param_groups" not in state or "state" not in state:
+        raise ValueError("an optimizer checkpoint is a state dict with 'state' and "
+                         "'param_groups'")
+    groups = optimizer.param_groups
+    saved = state["param_groups"]
+    if len(saved) != len(groups) or any(len(a["params"]) != len(b["params"])
+                                        for a, b in zip(saved, groups)):
+        raise ValueError(f"the checkpoint has {[len(g['params']) for g in saved]} parameters "
+                         f"per group, the optimizer {[len(g['params']) for g in groups]}")
+    params = {i: p for a, b in zip(saved, groups) for i, p in zip(a["params"], b["params"])}
+    for i, entries in state["state"].items():
+        p = params.get(i)
+        if p is None:
+            raise ValueError(f"the checkpoint has state for parameter {i}, which no group holds")
+        for name, value in entries.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
+                raise ValueError(f"state {name!r} of parameter {i} has shape "
+                                 f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
 
 
 def _reconstructible(exc: BaseException) -> bool:
@@ -117,10 +168,12 @@ class ReplicatedCheckpointIO:
     checkpoint as ``<path>.grad_scaler`` and is restored from there when present.
 
     Loading is collective too: every rank reads the file with ``weights_only=True`` (a
-    checkpoint cannot run code) and applies it, then the ranks agree, so a file one rank cannot
-    read (missing, truncated, garbage) or a state dict that does not fit raises on every rank:
-    the failing rank its own exception type with the rank and path in the message (the original
-    chained), the others a ValueError naming the path and the failed ranks. Writes go to an
+    checkpoint cannot run code) and checks it against its own state without changing it, the
+    ranks agree, and only then every rank applies it: a file one rank cannot read (missing,
+    truncated, garbage) or a state dict that does not fit (keys, shapes, groups) raises on every
+    rank and no rank's state changes -- the failing rank its own exception type with the rank and
+    path in the message (the original chained), the others a ValueError naming the path and the
+    failed ranks. Writes go to an
     exclusively created temporary file in the target directory, then ``os.replace``.
     """
 
@@ -128,8 +181,9 @@ class ReplicatedCheckpointIO:
         _save(_unwrap(model).state_dict(), checkpoint)
 
     def load_model(self, model, checkpoint: str, strict: bool = True, **_):
-        return _load(checkpoint, lambda state: _unwrap(model).load_state_dict(state,
-                                                                             strict=strict))
+        model = _unwrap(model)
+        return _load(checkpoint, lambda state: _check_model_state(model, state, strict),
+                     lambda state: model.load_state_dict(state, strict=strict))
 
     def save_optimizer(self, optimizer, checkpoint: str, **_) -> None:
         _save(_unwrap(optimizer).state_dict(), checkpoint)
@@ -138,13 +192,15 @@ class ReplicatedCheckpointIO:
             _save(scaler.state_dict(), checkpoint + ".grad_scaler")
 
     def load_optimizer(self, optimizer, checkpoint: str, **_) -> None:
-        _load(checkpoint, _unwrap(optimizer).load_state_dict)
+        optim = _unwrap(optimizer)
+        _load(checkpoint, lambda state: _check_optimizer_state(optim, state),
+              optim.load_state_dict)
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and os.path.exists(checkpoint + ".grad_scaler"):
-            _load(checkpoint + ".grad_scaler", scaler.load_state_dict)
+            _load(checkpoint + ".grad_scaler", lambda state: None, scaler.load_state_dict)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         _save(lr_scheduler.state_dict(), checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        _load(checkpoint, lr_scheduler.load_state_dict)
+        _load(checkpoint, lambda state: None, lr_scheduler.load_state_dict)

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .._dist import agree_or_raise
 from ..data import shard_batch
+from .wrappers import STEP_KEY
 
 __all__ = ["ShardedDataLoader", "pack_documents"]
 
@@ -25,7 +26,9 @@ class ShardedDataLoader:
     ``labels`` (b, s) with ``ignore_index`` where there is no target, ``position_ids``,
     an all-ones ``attention_mask``. Yields dicts with ``input_ids`` (b, s / sp),
     ``position_ids`` (b, s / sp) (global positions), ``shift_labels`` (b, s / sp) (next-token
-    targets, shifted before sharding) and the other keys as ``shard_batch`` returns them.
+    targets, shifted before sharding), ``ringseq_step`` (the batch's number, 1, 2, ... over all
+    epochs: the boosted model tags its ring calls with it, see ``ringseq.call_tag``) and the
+    other keys as ``shard_batch`` returns them.
 
     With ``device``, each sharded batch is moved there (``non_blocking`` when the loader pins
     memory).
@@ -48,6 +51,7 @@ class ShardedDataLoader:
         self.dp_rank = dp_rank
         self.ignore_index = ignore_index
         self.check_group = check_group
+        self.step = 0  # batches yielded so far, over all epochs (the same on every rank)
 
     @property
     def sampler(self):
@@ -129,6 +133,8 @@ class ShardedDataLoader:
             out = self._next_shard(it)
             if out is None:
                 return
+            self.step += 1
+            out[STEP_KEY] = self.step  # the boosted model tags its ring calls with it
             yield out
 
 

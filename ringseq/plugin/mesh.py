@@ -121,7 +121,7 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
     communication) for sizes that do not divide the world / sp size / ring size (naming the
     ones that do), an unknown mode, or a mesh with other dim names or sizes.
     """
-    from ..hybrid import resolve_sp_sizes, sp_groups_from_tables
+    from ..parallel.groups import resolve_sp_sizes, sp_groups_from_tables
     world = _world_size()
     if mesh is None:
         _check_sp_size(sp_size, world)

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..layouts import DOCUMENTS, get_layout
+from ..layouts import PerBatchDocuments, get_layout
 from ..nn import RingAttention, ring_sdpa
 
 __all__ = ["is_transformers_model", "sdpa_on_ring", "switch_attention"]
@@ -50,7 +50,8 @@ def sdpa_on_ring(group, layout, backend: Optional[str] = None) -> Callable:
     raise ValueError (see ``ring_sdpa``). When ``group`` is a
     ``ringseq.SequenceParallelGroups`` (the plugin's Ulysses / hybrid / double-ring modes)
     it runs :func:`ringseq.usp_sdpa` on those groups instead."""
-    from ..hybrid import SequenceParallelGroups, usp_sdpa
+    from ..parallel.groups import SequenceParallelGroups
+    from ..parallel.usp import usp_sdpa
     if isinstance(group, SequenceParallelGroups):
         return functools.partial(usp_sdpa, sp=group, layout=layout, backend=backend)
     return functools.partial(ring_sdpa, group=group, layout=layout, backend=backend)
@@ -70,8 +71,8 @@ def switch_attention(model: torch.nn.Module, group, layout, backend: Optional[st
     double ring) the policy, ``apply`` and ``ringseq_switch`` receive ``sp`` as the group, and
     ``RingAttention`` submodules raise ValueError (they run the plain ring only). Raises
     ValueError when nothing can be switched (see the module doc)."""
-    lay = DOCUMENTS if layout == DOCUMENTS else get_layout(layout)
-    if lay == DOCUMENTS and not is_transformers_model(model) and policy is None:
+    lay = get_layout(layout)
+    if isinstance(lay, PerBatchDocuments) and not is_transformers_model(model) and policy is None:
         raise ValueError("layout 'documents' (packed batches) is supported for transformers "
                          "models (their attention receives the batch's document boundaries); "
                          "for other models call ringseq.ring_flash_attn_varlen_func yourself")

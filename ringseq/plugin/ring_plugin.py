@@ -11,15 +11,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from ..comm import get_comm, reset_ring
-from ..layouts import DOCUMENTS, get_layout
+from ..engine.ring import get_ring, reset_ring
+from ..layouts import get_layout
 from .base import Plugin
 from .checkpoint import ReplicatedCheckpointIO
 from .dataloader import ShardedDataLoader, pack_documents
 from .mesh import build_mesh, build_sp_mesh
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
-from .wrappers import FailureReporter, ModelWrapper, OptimizerWrapper, SequenceParallelLoss
+from .wrappers import (FailureReporter, ModelWrapper, OptimizerWrapper, SequenceParallelLoss,
+                       StepTag)
 
 __all__ = ["RingSequenceParallelPlugin"]
 
@@ -112,7 +113,7 @@ class RingSequenceParallelPlugin(Plugin):
                  ignore_index: int = -100, device=None, ddp_kwargs: Optional[dict] = None, *,
                  sp_mode: str = "ring", ulysses_size: Optional[int] = None,
                  inner_ring_size: Optional[int] = None, ulysses_inner: Optional[bool] = None):
-        self.layout = DOCUMENTS if layout == DOCUMENTS else get_layout(layout)
+        self.layout = get_layout(layout)
         check_precision_name(precision)  # before the mesh: a typo raises without communicating
         plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)
                       and inner_ring_size is None and ulysses_inner is None)
@@ -234,12 +235,7 @@ class RingSequenceParallelPlugin(Plugin):
             if "collate_fn" in kwargs:
                 raise ValueError("prepare_dataloader(pack=True) packs the batch itself; drop the "
                                  "collate_fn (or pack in your own collate_fn with pack=False)")
-            if self.sp is not None:
-                raise ValueError(f"pack=True (packed documents) runs on the ring; "
-                                 f"sp_mode={self.sp.mode!r} cannot restrict attention to "
-                                 f"documents")
-            multiple = (self.sp_size if self.layout == DOCUMENTS
-                        else self.layout.multiple(self.sp_size))
+            multiple = self.data_layout.multiple(self.sp_size)
             kwargs["collate_fn"] = functools.partial(pack_documents, multiple=multiple,
                                                      ignore_index=self.ignore_index)
         sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank,
@@ -322,9 +318,10 @@ class RingSequenceParallelPlugin(Plugin):
             ddp = nn.parallel.DistributedDataParallel(model, process_group=None, **kwargs)
             ddp.register_comm_hook(None, _sum_allreduce_hook)
             model = ddp
-        model = ModelWrapper(model, self.precision, self.reporter)
+        step = StepTag()  # the loader's batch number tags the ring calls of each step
+        model = ModelWrapper(model, self.precision, self.reporter, step)
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
-            optimizer = OptimizerWrapper(optimizer, self.precision.scaler)
+            optimizer = OptimizerWrapper(optimizer, self.precision.scaler, step)
         return model, optimizer, criterion, dataloader, lr_scheduler
 
     def no_sync(self, model: nn.Module, optimizer=None):
@@ -337,7 +334,7 @@ class RingSequenceParallelPlugin(Plugin):
     def reporter(self) -> FailureReporter:
         """Reports this rank's failures in the model to the other ranks (see ModelWrapper)."""
         if self._reporter is None:
-            self._reporter = FailureReporter(get_comm(self.sp_group), loss_group=None,
+            self._reporter = FailureReporter(get_ring(self.sp_group), loss_group=None,
                                              device=self.device)
         return self._reporter
 

@@ -9,12 +9,25 @@ import contextlib
 import torch.distributed as dist
 
 from .._dist import RingError, RingMismatchError
+from ..engine.integrity import call_tag
 from ..loss import report_step_failure, sharded_cross_entropy
 
-__all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "SequenceParallelLoss"]
+__all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "STEP_KEY",
+           "SequenceParallelLoss", "StepTag"]
 
 # Keys of a sharded batch that are targets for the criterion, not model inputs.
 TARGET_KEYS = ("shift_labels",)
+#: The key under which the plugin's loader numbers its batches (1, 2, ...): the boosted model
+#: tags its ring calls with it (ringseq.call_tag), so a rank that skipped a step cannot pair
+#: its calls with another step's.
+STEP_KEY = "ringseq_step"
+
+
+class StepTag:
+    """The step number the boosted model and optimizer tag their ring calls with (0: none)."""
+
+    def __init__(self):
+        self.value = 0
 
 
 class ModelWrapper(nn.Module):
@@ -33,11 +46,13 @@ class ModelWrapper(nn.Module):
     ``booster.reset()`` (or ``ringseq.reset_ring``) on every rank.
     """
 
-    def __init__(self, module: nn.Module, precision, reporter: "FailureReporter" = None):
+    def __init__(self, module: nn.Module, precision, reporter: "FailureReporter" = None,
+                 step: StepTag = None):
         super().__init__()
         self.module = module
         self._precision = precision
         self._reporter = reporter
+        self._step = StepTag() if step is None else step
 
     def unwrap(self) -> nn.Module:
         m = self.module
@@ -46,11 +61,15 @@ class ModelWrapper(nn.Module):
     def forward(self, *args, **kwargs):
         for key in TARGET_KEYS:
             kwargs.pop(key, None)
-        if self._reporter is None:
-            with self._precision.autocast():
+        step = kwargs.pop(STEP_KEY, None)
+        if step is not None:
+            self._step.value = int(step)
+        with call_tag(self._step.value):
+            if self._reporter is None:
+                with self._precision.autocast():
+                    return self.module(*args, **kwargs)
+            with self._reporter.watch("forward"), self._precision.autocast():
                 return self.module(*args, **kwargs)
-        with self._reporter.watch("forward"), self._precision.autocast():
-            return self.module(*args, **kwargs)
 
 
 class FailureReporter:
@@ -92,9 +111,10 @@ class OptimizerWrapper:
     (``param_groups``, ``state``, ...) are the wrapped optimizer's. ``unwrap()`` returns it:
     build learning-rate schedulers on the optimizer before boosting, as usual."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler=None, step: StepTag = None):
         self.optim = optimizer
         self.scaler = scaler
+        self._step = StepTag() if step is None else step
 
     def unwrap(self) -> torch.optim.Optimizer:
         return self.optim
@@ -102,7 +122,8 @@ class OptimizerWrapper:
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        loss.backward(*args, **kwargs)
+        with call_tag(self._step.value):  # the backward's ring calls belong to this step
+            loss.backward(*args, **kwargs)
 
     def step(self, *args, **kwargs):
         if self.scaler is None:
@@ -138,7 +159,7 @@ class OptimizerWrapper:
         self.optim.load_state_dict(state_dict)
 
     def __getattr__(self, name):
-        if name in ("optim", "scaler"):  # not yet set (unpickling): avoid recursion
+        if name in ("optim", "scaler", "_step"):  # not yet set (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.optim, name)
 

@@ -12,10 +12,12 @@ from typing import Optional
 
 import torch
 
-from .comm import Transport
-from .layouts import get_layout, shard_local, unshard_local
+from ..layouts import get_layout, shard_local, unshard_local
+from ..spec import attn_spec, check_layout
+from .loops import ring_backward, ring_forward
 from .plan import make_plan
-from .ring import _ring_backward, _ring_forward
+from .ring import Ring
+from .transport import Transport
 
 __all__ = ["SimTransport", "run_simulated", "simulate_ring"]
 
@@ -46,8 +48,9 @@ class _PendingCopy:
 class SimTransport(Transport):
     """Rank ``rank`` of a simulated ring of ``world_size`` threads (see module doc)."""
 
+    ranks_are_threads = True
+
     def __init__(self, world_size: int, rank: int, shared: _Shared):
-        super().__init__()
         self.world_size, self.rank = world_size, rank
         self._shared = shared
 
@@ -109,24 +112,32 @@ def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: boo
 
     Raises ValueError for a length the layout cannot split (and whatever make_plan raises).
     """
-    lay = get_layout(layout)
-    lay.check_seqlen(q.shape[1], world_size)
+    unbound = get_layout(layout)
+    spec = attn_spec("simulate_ring", q, k, v, softmax_scale=softmax_scale, causal=causal,
+                     window_size=window_size, softcap=softcap, backend=backend,
+                     grad_comm_dtype=grad_comm_dtype,
+                     documents=unbound.documents if cu_seqlens is None else cu_seqlens,
+                     needs_grad=dout is not None)
+    lay = unbound.bind(spec.documents)
+    try:
+        lay.check_seqlen(q.shape[1], world_size)
+    except ValueError as exc:
+        raise ValueError(f"simulate_ring: {exc}") from None
+    check_layout(spec, lay, world_size, q.shape[1] // world_size)
 
     def rank_fn(r, transport):
+        ring = Ring(transport)
         ql, kl, vl = (shard_local(t, lay, world_size, r) for t in (q, k, v))
-        plan = make_plan(ql, kl, vl, transport=transport, softmax_scale=softmax_scale,
-                         causal=causal, layout=lay, backend=backend,
-                         grad_comm_dtype=grad_comm_dtype, window_size=window_size,
-                         softcap=softcap, cu_seqlens=cu_seqlens)
-        out_acc, lse = _ring_forward(ql, kl, vl, plan)
-        counts = [transport.last_exchanges]
+        plan = make_plan(spec, lay, world_size, r, ql.shape, kl.shape[2], ql.dtype)
+        out_acc, lse = ring_forward(ql, kl, vl, plan, ring)
+        counts = [ring.last_exchanges]
         out = out_acc.to(q.dtype)
         if dout is None:
             res = (out, lse)
         else:
             dl = shard_local(dout, lay, world_size, r)
-            res = (out, lse) + _ring_backward(dl, ql, kl, vl, out, lse, plan)
-            counts.append(transport.last_exchanges)
+            res = (out, lse) + ring_backward(dl, ql, kl, vl, out, lse, plan, ring)
+            counts.append(ring.last_exchanges)
         return res, tuple(counts)
 
     per_rank = run_simulated(world_size, rank_fn)

@@ -1,8 +1,9 @@
 """The engine: one forward loop and one backward loop that execute any layout's block schedule.
 
-Both take this rank's tensors and a :class:`ringseq.plan.RingPlan` (layout schedule, scale,
-backend, dtypes, transport); they never re-check or re-default anything. Autograd and
-torch.compile see them through one custom operator (:mod:`ringseq.ring_op`).
+Both take this rank's tensors, a :class:`ringseq.engine.plan.RingPlan` (the spec, the
+layout's schedule, what travels) and the group's :class:`ringseq.engine.ring.Ring` (transport
+and integrity state); they never re-check or re-default anything. Autograd and
+torch.compile see them through one custom operator (:mod:`ringseq.engine.op`).
 
 Forward (rank ``r`` of ``W``; at step ``i`` it holds the K/V of rank ``(r - i) % W``):
 
@@ -39,18 +40,19 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .comm import Transport
+from ..kernels import compute_delta
+from .counting import record
 from .integrity import BWD, FWD, HEADER_WORDS, RingCall
-from .kernels import compute_delta
 from .plan import RingPlan
+from .ring import Ring
 
-__all__ = ["PackedBuffers", "backward_payloads"]
+__all__ = ["PackedBuffers", "backward_payloads", "ring_backward", "ring_forward"]
 
 _ALIGN = 64  # bytes; keeps every segment aligned for any dtype and for vector loads
 
 
 class PackedBuffers:
-    """A transport's cached double buffer cut into typed segments laid out back to back.
+    """A ring's cached double buffer cut into typed segments laid out back to back.
 
     ``segments`` is a list of ``(name, shape, dtype)``; slot ``j`` (0 or 1) of the double
     buffer holds one view per segment (``bufs[j][name]``). A ``"hdr"`` segment of
@@ -59,16 +61,17 @@ class PackedBuffers:
     contiguous byte range, so a step that moves several of them is still one exchange.
     """
 
-    def __init__(self, transport: Transport, key: str, device,
-                 segments: Sequence[Tuple[str, tuple, torch.dtype]], call: RingCall):
-        self.transport, self.call = transport, call
+    def __init__(self, ring: Ring, key: str, device,
+                 segments: Sequence[Tuple[str, tuple, torch.dtype]], call: RingCall,
+                 comm_kind: str = "ring"):
+        self.transport, self.call, self.comm_kind = ring.transport, call, comm_kind
         self._span: Dict[str, Tuple[int, int]] = {}
         offset = 0
         for name, shape, dtype in segments:
             n = math.prod(shape) * dtype.itemsize
             self._span[name] = (offset, offset + n)
             offset += (n + _ALIGN - 1) // _ALIGN * _ALIGN
-        self.raw = transport.buffers(key, offset, device)
+        self.raw = ring.buffers(key, offset, device)
         self.slots: List[Dict[str, torch.Tensor]] = [
             {name: raw[lo:hi].view(dtype).view(shape)
              for (name, shape, dtype), (lo, hi) in zip(segments, self._span.values())}
@@ -88,6 +91,8 @@ class PackedBuffers:
         hi = max(self._span[n][1] for n in names)
         step = self.call.stamp(self.slots[src]["hdr"])
         kw = {"reverse": True} if reverse else {}
+        if self.transport.world_size > 1:
+            record(self.comm_kind, hi - lo)
         pending = self.transport.exchange(self.raw[src][lo:hi], self.raw[1 - src][lo:hi], **kw)
         return _Checked(pending, self.call, self.slots[1 - src]["hdr"], step)
 
@@ -129,23 +134,24 @@ def backward_payloads(world_size: int, hops: int = None) -> List[Tuple[Tuple[str
     return steps + home
 
 
-def _ring_forward(q, k, v, plan: RingPlan):
+def ring_forward(q, k, v, plan: RingPlan, ring: Ring):
     """(out in the accumulation dtype, lse) for this rank's q rows.
 
     Every exchange of the call happens even after this rank failed (see
     :mod:`ringseq.integrity`); the failure is raised at the end, on every rank."""
     b, s, h, d = q.shape
-    acc, be, scale = plan.accum_dtype, plan.backend, plan.softmax_scale
+    be, scale = plan.backend, plan.softmax_scale
+    acc = be.accum_dtype(q.dtype)
     hops = plan.hops
-    with plan.transport.open_call(FWD, plan.signature, q.device) as call:
+    with ring.open_call(FWD, plan.signature, q.device) as call:
         bufs = out = lse = None
         first = plan.schedule[0][0] if plan.schedule[0] else None
         take_first = first is not None and first.q == slice(0, s)
         with call.guard():
             if hops > 0:
                 kv_shape = (2, k.shape[0], plan.kv_len, k.shape[2], d)  # rows that travel
-                bufs = PackedBuffers(plan.transport, "fwd", q.device,
-                                     [_HDR, ("kv", kv_shape, k.dtype)], call)
+                bufs = PackedBuffers(ring, "fwd", q.device,
+                                     [_HDR, ("kv", kv_shape, k.dtype)], call, plan.comm_kind)
                 plan.pack_rows(k, bufs[0]["kv"][0])
                 plan.pack_rows(v, bufs[0]["kv"][1])
             if not take_first:
@@ -161,27 +167,29 @@ def _ring_forward(q, k, v, plan: RingPlan):
                     kk, vv = (k, v) if i == 0 else bufs[i % 2]["kv"]
                     for j, t in enumerate(plan.schedule[i]):
                         kw = plan.kernel_kwargs(t)
+                        kernel = t.kernel or be
                         if take_first and i == 0 and j == 0:
                             # Fresh kernel outputs become the accumulators: no fill, no merge,
                             # and no copy at all when the input dtype is the accumulation one.
-                            o_b, l_b = be.fwd(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale,
-                                              t.causal, **kw)
+                            o_b, l_b = kernel.run_fwd(q[:, t.q], kk[:, t.kv], vv[:, t.kv],
+                                                      scale, t.causal, **kw)
                             out, lse = o_b.to(acc), l_b.to(acc)
                         else:
                             # The backend merges in place (our CPU kernel resumes its online
                             # softmax from the running pair: no block-sized temporary).
-                            be.fwd_accum(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale, t.causal,
-                                         out[:, t.q], lse[:, :, t.q], **kw)
+                            kernel.run_fwd_accum(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale,
+                                                 t.causal, out[:, t.q], lse[:, :, t.q], **kw)
             if pending is not None:
                 pending.wait()
         call.end()
     return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
-    """(dq, dk, dv) in the input dtype (failures as in :func:`_ring_forward`)."""
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=None):
+    """(dq, dk, dv) in the input dtype (failures as in :func:`ring_forward`)."""
     b, s, h, d = q.shape
-    acc, be, scale, gdt = plan.accum_dtype, plan.backend, plan.softmax_scale, plan.grad_comm_dtype
+    be, scale, gdt = plan.backend, plan.softmax_scale, plan.grad_comm_dtype
+    acc = be.accum_dtype(q.dtype)
     W, hops = plan.world_size, plan.hops
     kv_shape = (2, k.shape[0], plan.kv_len, k.shape[2], d)  # a travelling block's rows
     payloads = backward_payloads(W, hops)
@@ -197,15 +205,16 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
         # block starts it instead, so exchange 1 carries no accumulator.
         names, rev = payloads[1]
         payloads[1] = (tuple(n for n in names if n != "acc"), rev)
-    with plan.transport.open_call(BWD, plan.signature, q.device) as call:
+    with ring.open_call(BWD, plan.signature, q.device, bind=False) as call:
         bufs = delta = dq = scratch = own = None
         with call.guard():
             delta = compute_delta(dout, out, grad_lse)  # (b, h, s), once for every block
             dq = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
             # [dK/dV accumulator | header | K/V]: any payload plus the header is one range.
-            bufs = PackedBuffers(plan.transport, "bwd", q.device,
+            bufs = PackedBuffers(ring, "bwd", q.device,
                                  [("acc", kv_shape, gdt), _HDR]
-                                 + ([("kv", kv_shape, k.dtype)] if hops > 0 else []), call)
+                                 + ([("kv", kv_shape, k.dtype)] if hops > 0 else []), call,
+                                 plan.comm_kind)
             if hops > 0:
                 plan.pack_rows(k, bufs[0]["kv"][0])
                 plan.pack_rows(v, bufs[0]["kv"][1])
@@ -229,10 +238,10 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, grad_lse=None):
                     if i == 0 or tasks:
                         target.zero_()
                     for t in tasks:
-                        be.bwd_accum(dout[:, t.q], q[:, t.q], kk[:, t.kv], vv[:, t.kv],
-                                     out[:, t.q], lse[:, :, t.q], scale, t.causal,
-                                     delta[:, :, t.q], dq[:, t.q], target[0][:, t.kv],
-                                     target[1][:, t.kv], **plan.kernel_kwargs(t))
+                        (t.kernel or be).run_bwd_accum(
+                            dout[:, t.q], q[:, t.q], kk[:, t.kv], vv[:, t.kv], out[:, t.q],
+                            lse[:, :, t.q], scale, t.causal, delta[:, :, t.q], dq[:, t.q],
+                            target[0][:, t.kv], target[1][:, t.kv], **plan.kernel_kwargs(t))
             if pending is not None:
                 pending.wait()
             if call.ok and target is scratch:

@@ -1,0 +1,355 @@
+"""Ring integrity: what makes a faulted or diverging ring raise instead of returning garbage.
+
+Three mechanisms, all driven by :class:`RingCall` (one per forward or backward call of ring,
+Ulysses or hybrid attention, opened on the call's :class:`ringseq.engine.ring.Ring`):
+
+* **Control collectives** (``Transport.control``: for a process group a small all-gather on a
+  gloo group of the ring's members, host memory only). A call *begins* with one carrying its
+  kind (forward/backward), the rank's sequence number, the current call tag
+  (:func:`call_tag`), its status and the call's signature (shapes, dtype, layout, causal,
+  scale, ...; :meth:`ringseq.spec.AttnSpec.signature`), and *ends* with one carrying its
+  outcome. Ranks that disagree raise together before any payload moves, so no size-mismatched
+  transfer is ever posted and nothing is computed from mismatched data: different arguments
+  raise :class:`ringseq.RingMismatchError` (the ring stays usable); ranks at different calls
+  (one skipped its backward, or runs another step: different tags) raise
+  :class:`ringseq.RingDesyncError`; an argument that one rank alone finds invalid raises that
+  rank's own error there and :class:`ringseq.RingPeerError` (naming the rank and its message)
+  on the others (the ring stays usable).
+* **Exchange headers**: every exchange carries an 8-word header (magic, call sequence number,
+  kind, signature hash, exchange index) in the same buffer as its payload, checked after
+  ``wait()``; the comparison runs where the buffer lives (on CUDA: on the device) and its
+  verdict is read once, at the end of the call. A mismatch raises RingDesyncError naming both
+  ranks' views. It is what still protects a ring whose control collectives are off.
+* **Failure semantics**: an exception inside the call on one rank does not strand its peers.
+  The rank stops computing but completes every remaining exchange of the call (same sizes, so
+  the peers' transfers complete), reports the failure at the end collective and re-raises it;
+  every other rank raises :class:`ringseq.RingBrokenError` naming it. The ring is then
+  *broken* on every rank: each later call raises RingBrokenError right after its begin
+  collective, until ``ringseq.reset_ring(group)`` is called on every rank, which also rebuilds
+  the channels a timeout broke. A failure outside a call is reported with
+  ``Ring.report_failure`` (the plugin does this for exceptions in the model).
+
+Rings of one rank have no peers: failures simply raise and nothing is marked broken.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional, Sequence
+
+import torch
+
+from .._dist import (RingBrokenError, RingDesyncError, RingMismatchError, RingPeerError,
+                     RingTimeoutError)
+from .._hash import stable_hash_ints
+
+__all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BYTES", "HEADER_WORDS", "KIND_NAMES",
+           "RingCall", "call_tag", "current_tag", "describe_field", "judge"]
+
+HEADER_WORDS = 8
+HEADER_BYTES = HEADER_WORDS * 8  # travels with every exchange (a multiple of 64: no padding)
+_MAGIC = 0x52534551  # "RSEQ"
+# Kinds of control operations (calls use FWD / BWD; the same numbers travel in headers).
+FWD, BWD, FAIL, CHECK, END = 1, 2, 3, 4, 5
+KIND_NAMES = {FWD: "forward", BWD: "backward", FAIL: "failure report", CHECK: "argument check",
+              END: "end of call"}
+# Status words of a control vector.
+OK, FAILED, BROKEN, DESYNC, INVALID = 0, 1, 2, 3, 4
+_N_FIELDS = 24
+CONTROL_WORDS = 5 + _N_FIELDS
+_MESSAGE_BYTES = 1024
+
+
+# ---------------------------------------------------------------------------------- call tags
+_TAG = [0]
+
+
+@contextlib.contextmanager
+def call_tag(tag: int):
+    """Ring calls inside the block carry ``tag`` (an int, e.g. the training step), and every
+    rank of a call must carry the same one: a rank that skipped work and runs another step's
+    call raises :class:`ringseq.RingDesyncError` on every rank instead of pairing with the wrong
+    call (sequence numbers alone cannot tell two steps' identical calls apart). The plugin
+    tags every call with its step; without tags ringseq cannot see a rank that silently
+    skipped a whole call outside ring attention (README: what is guaranteed)."""
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise TypeError(f"call_tag: tag must be an int, got {tag!r} ({type(tag).__name__})")
+    old = _TAG[0]
+    _TAG[0] = tag
+    try:
+        yield
+    finally:
+        _TAG[0] = old
+
+
+def current_tag() -> int:
+    return _TAG[0]
+
+
+# -------------------------------------------------------------------------- control vectors
+def control_vector(kind: int, status: int, seq: int, fields: Sequence[int] = ()) -> torch.Tensor:
+    """[magic, status, kind, seq, tag, fields (zero-padded to 24)] as int64: the same length for
+    every control operation, so ranks at different operations still meet in one collective and
+    can tell each other apart."""
+    if len(fields) > _N_FIELDS:
+        raise ValueError(f"ringseq: at most {_N_FIELDS} control fields, got {len(fields)}")
+    words = [_MAGIC, status, kind, seq, current_tag(), *[int(f) for f in fields]]
+    return torch.tensor(words + [0] * (CONTROL_WORDS - len(words)), dtype=torch.int64)
+
+
+def _message_words(message: str) -> torch.Tensor:
+    raw = message.encode("utf-8", "replace")[:_MESSAGE_BYTES]
+    buf = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+    if raw:
+        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return buf.view(torch.int64)
+
+
+def _message_text(words: torch.Tensor) -> str:
+    raw = bytes(words.view(torch.uint8).tolist())
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def signature_hash(values: Sequence[int]) -> int:
+    """A 31-bit hash of the call signature (pure Python: the same on every rank)."""
+    return stable_hash_ints(values)
+
+
+def describe_field(kind: str, code: int) -> str:
+    """How a signature field value is shown in a mismatch message."""
+    from ..spec import _DTYPES
+    if kind == "dtype":
+        return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"dtype #{code}"
+    if kind == "bool":
+        return str(bool(code))
+    if kind == "layout":
+        from ..layouts import layout_name_of_code
+        return layout_name_of_code(code)
+    return str(code)
+
+
+def _call_name(kind: int, seq: int, tag: int = 0) -> str:
+    name = f"{KIND_NAMES.get(int(kind), f'operation {int(kind)}')} #{int(seq)}"
+    return name + (f" (tag {int(tag)})" if tag else "")
+
+
+def gather(ring, kind: int, status: int, fields: Sequence[int] = (),
+           message: Optional[str] = None) -> Optional[List[List[int]]]:
+    """One control collective on ``ring``: every rank's control vector as rows of ints (and,
+    when any rank's status is FAILED or INVALID, a second collective with their messages,
+    kept as ``ring.peer_messages``), or None where no control collective runs."""
+    words = control_vector(kind, status, ring._seq, fields)
+    seq = ring._seq
+    ring._seq += 1
+    rows = ring.control(words, kind, seq)
+    if rows is None:
+        return None
+    rows = rows.tolist()
+    ring.peer_messages = {}
+    if any(r[1] in (FAILED, INVALID) for r in rows):
+        texts = ring.control(_message_words(message or ""), kind, seq)
+        ring.peer_messages = {r: _message_text(texts[r]) for r, row in enumerate(rows)
+                              if row[1] in (FAILED, INVALID)}
+    return rows
+
+
+def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = ()) -> None:
+    """Raises on this rank what the gathered control vectors say is wrong (the same verdict on
+    every rank, since every rank sees the same rows); marks the ring broken where needed."""
+    bad_magic = [r for r, row in enumerate(rows) if row[0] != _MAGIC]
+    if bad_magic:
+        err = RingDesyncError(f"ringseq: control data from rank(s) {bad_magic} is not ringseq's "
+                              f"(foreign or corrupted collective on the ring's control group)")
+        ring.mark_broken(err)
+        raise err
+    messages = getattr(ring, "peer_messages", {})
+    invalid = [r for r, row in enumerate(rows) if row[1] == INVALID]
+    failed = [r for r, row in enumerate(rows) if row[1] not in (OK, INVALID)]
+    if failed:
+        what = {FAILED: "failed", BROKEN: "was already broken", DESYNC: "saw a desynchronized ring"}
+        detail = "; ".join(f"rank {r} {what.get(rows[r][1], 'failed')} in its "
+                           f"{_call_name(rows[r][2], rows[r][3], rows[r][4])}"
+                           + (f": {messages[r]}" if messages.get(r) else "") for r in failed)
+        own = ring.broken
+        err = RingBrokenError(
+            f"ringseq: the ring is broken: {detail}. The results of this call are invalid; "
+            f"every rank raises until ringseq.reset_ring(group) is called on all of them"
+            + (f" (this rank's original error: {type(own).__name__}: {own})" if own else ""))
+        ring.mark_broken(err)
+        raise err from own
+    if invalid:
+        detail = "; ".join(f"rank {r}: {messages.get(r, '?')}" for r in invalid)
+        raise RingPeerError(
+            f"ringseq: {KIND_NAMES.get(kind, 'call')} not run: rank(s) {invalid} of the ring "
+            f"refused the call's arguments ({detail}). The ring stays usable.", ranks=invalid)
+    views = {(row[2], row[3], row[4]) for row in rows}
+    if len(views) > 1:
+        detail = ", ".join(f"rank {r}: {_call_name(row[2], row[3], row[4])}"
+                           for r, row in enumerate(rows))
+        err = RingDesyncError(
+            f"ringseq: the ranks of the ring are at different ring calls ({detail}): a rank "
+            f"skipped or repeated a call (e.g. its backward), or raised outside ring attention "
+            f"without reporting it and went on. Bring the ranks back in step (the same call "
+            f"tag), then call ringseq.reset_ring(group) on every rank")
+        ring.mark_broken(err)
+        raise err
+    diffs = []
+    for j, f in enumerate(signature):
+        column = [row[5 + j] for row in rows]
+        if len(set(column)) > 1:
+            fkind = f[2] if len(f) > 2 else "int"
+            per_rank = ", ".join(f"rank {r}: {describe_field(fkind, c)}"
+                                 for r, c in enumerate(column))
+            diffs.append(f"{f[0]} ({per_rank})")
+    if diffs:
+        raise RingMismatchError(
+            "ringseq: the ranks of the ring were called with different arguments: "
+            + "; ".join(diffs) + ". Every rank of the group must pass shards of the same "
+            "shape, dtype, layout and options.")
+
+
+class RingCall:
+    """The bookkeeping of one call on one rank (see the module doc).
+
+    The engine uses it as::
+
+        with ring.open_call(FWD, signature, device) as call:
+            if call.ok: with call.guard(): ...prepare buffers...
+            call.begin()                      # control collective; raises on disagreement
+            for each step:
+                pending = buffers.exchange(...)   # stamps and later checks a header
+                if call.ok: with call.guard(): ...compute...
+                pending.wait()
+            call.end()                        # control collective; raises on any failure
+    """
+
+    def __init__(self, ring, kind: int, signature: Sequence[tuple], device):
+        self.ring = ring
+        self.kind = kind
+        self.signature = tuple(signature)
+        self.values = [int(f[1]) for f in self.signature]
+        self.sig = signature_hash(self.values)
+        self.device = torch.device(device)
+        self.failure: Optional[BaseException] = None
+        self.exchanges = 0
+        self._seq = None
+        self._base = None
+        self._bad = None
+        self._received: List[torch.Tensor] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> "RingCall":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self.ring.last_exchanges = self.exchanges
+            if exc is not None and not isinstance(exc, (RingMismatchError, RingPeerError)):
+                # Mismatches and refused arguments are found before any payload moves: the
+                # ring stays in step.
+                self.ring.mark_broken(exc)
+        finally:
+            self.ring._release()
+        return False
+
+    @property
+    def ok(self) -> bool:
+        """False once this rank failed: it then only completes the call's exchanges."""
+        return self.failure is None
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Turns an exception of this rank's own work into a recorded failure, so that the
+        exchanges the peers wait for still happen."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - re-raised by end()/begin()
+            self.fail(exc)
+
+    def begin(self) -> None:
+        """The begin control collective (see module doc). Raises this rank's own failure if
+        preparing the call failed (the peers raise RingBrokenError)."""
+        ring = self.ring
+        status = BROKEN if ring.broken is not None else (FAILED if self.failure else OK)
+        self._seq = ring._seq
+        rows = gather(ring, self.kind, status, self.values,
+                      None if self.failure is None else _describe(self.failure))
+        if status == FAILED:  # the peers learn it from the rows and raise RingBrokenError
+            ring.mark_broken(self.failure)
+            raise self.failure
+        if rows is not None:
+            judge(ring, rows, self.kind, self.signature)
+        elif ring.broken is not None:
+            raise RingBrokenError(f"ringseq: the ring is broken by an earlier failure "
+                                  f"({type(ring.broken).__name__}: {ring.broken}); call "
+                                  f"ringseq.reset_ring(group) on every rank") from ring.broken
+        # Filled element by element with Python scalars: on CUDA these are small kernels,
+        # where a host->device copy of a (pageable) list would synchronize the stream.
+        self._base = torch.empty(4, dtype=torch.int64, device=self.device)
+        for i, value in enumerate((_MAGIC, self._seq, self.kind, self.sig)):
+            self._base[i] = value
+        self._bad = torch.zeros((), dtype=torch.bool, device=self.device)
+
+    def end(self) -> None:
+        """The end control collective: raises on every rank when any rank failed during the
+        call or saw a desynchronized header; this rank's own exception on the failing rank."""
+        ring = self.ring
+        desync = self._desync_message()
+        status = FAILED if self.failure else (DESYNC if desync else OK)
+        rows = gather(ring, END, status, (),
+                      None if self.failure is None else _describe(self.failure))
+        if status == FAILED:
+            ring.mark_broken(self.failure)
+            raise self.failure
+        if desync:
+            err = RingDesyncError(desync)
+            ring.mark_broken(err)
+            raise err
+        if rows is not None:
+            judge(ring, rows, END)
+
+    # -- headers ---------------------------------------------------------------------------
+    def stamp(self, header: torch.Tensor) -> int:
+        """Writes this rank's header for its next exchange into the send buffer; returns the
+        exchange's index."""
+        step = self.exchanges
+        self.exchanges += 1
+        header[:4].copy_(self._base)
+        header[4] = step
+        header[5:] = 0
+        return step
+
+    def check(self, header: torch.Tensor, step: int) -> None:
+        """Compares a received header with this rank's view of exchange ``step`` (no host
+        synchronization: the verdict is read in end())."""
+        got = header.clone()
+        self._received.append(got)
+        self._bad.logical_or_((got[:4] != self._base).any() | (got[4] != step))
+
+    def _desync_message(self) -> Optional[str]:
+        if self._bad is None or not bool(self._bad):
+            return None
+        ring = self.ring
+        prev = getattr(ring.transport, "prev_rank", (ring.rank - 1) % ring.world_size)
+        base = self._base.tolist()
+        for step, got in enumerate(self._received):
+            g = got.tolist()
+            if g[:4] != base or g[4] != step:
+                theirs = (f"a header of its {_call_name(g[2], g[1])} (signature {g[3]}) at "
+                          f"exchange {g[4]}" if g[0] == _MAGIC else
+                          "data without a ringseq header (foreign or corrupted)")
+                return (f"ringseq: ring desynchronized: rank {ring.rank} was at exchange {step} "
+                        f"of its {_call_name(self.kind, self._seq)} (signature {self.sig}) but "
+                        f"the previous rank (global rank {prev}) sent {theirs}")
+        return "ringseq: ring desynchronized (a received exchange header did not match)"
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+__all__ += ["CONTROL_WORDS", "INVALID", "OK", "FAILED", "BROKEN", "DESYNC", "control_vector",
+            "gather", "signature_hash"]

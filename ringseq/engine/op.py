@@ -1,0 +1,121 @@
+"""Every attention call of ringseq as one opaque custom operator, so ``torch.compile`` (with
+``fullgraph=True``) traces a model that uses any of them without looking inside.
+
+``ringseq::attention(q, k, v, spec, placement, documents, spans) -> (out, lse, saved)`` decodes
+the call's :class:`ringseq.spec.AttnSpec` (a string, :meth:`AttnSpec.key`) and its
+:class:`ringseq.engine.placement.Placement` (a string) and runs the placement's forward; its
+registered backward is ``ringseq::attention_backward``. Single-device attention, the ring,
+Ulysses, USP and the double ring differ only in the placement. Communication, the integrity
+protocol and the control collectives all happen inside the operator, at run time: the traced
+graph holds none of them, and the fake implementation only computes output shapes.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..kernels.checks import accum_dtype
+from ..spec import AttnSpec, spec_from_key
+from .placement import LOCAL, Placement, placement_from_key
+
+__all__ = ["run_attention"]
+
+
+@torch.library.custom_op("ringseq::attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, spec: str, placement: str,
+                  documents: Optional[Tensor], spans: Optional[Tensor]
+                  ) -> Tuple[Tensor, Tensor, List[Tensor]]:
+    sp = spec_from_key(spec, documents, spans)
+    # The kernels choose their own accumulation dtype, which a caller's autocast would lower.
+    with torch.autocast(q.device.type, enabled=False):
+        out, lse, saved = placement_from_key(placement).forward(q, k, v, sp)
+    # Outputs must be fresh tensors with the fake's layout (torch.compile trusts the fake).
+    return out.contiguous(), lse.contiguous(), [t.contiguous() for t in saved]
+
+
+@_attention_op.register_fake
+def _(q, k, v, spec, placement, documents, spans):
+    b, s_q, h, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
+    saved = placement_from_key(placement).saved_like(q, k, v, spec_from_key(spec))
+    return out, lse, saved
+
+
+@torch.library.custom_op("ringseq::attention_backward", mutates_args=())
+def _attention_backward_op(dout: Optional[Tensor], dlse: Optional[Tensor], q: Tensor, k: Tensor,
+                           v: Tensor, out: Tensor, lse: Tensor, saved: List[Tensor], spec: str,
+                           placement: str, documents: Optional[Tensor],
+                           spans: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    sp = spec_from_key(spec, documents, spans)
+    with torch.autocast(q.device.type, enabled=False):
+        grads = placement_from_key(placement).backward(dout, dlse, q, k, v, out, lse,
+                                                       list(saved), sp)
+    return tuple(g.contiguous() for g in grads)
+
+
+@_attention_backward_op.register_fake
+def _(dout, dlse, q, k, v, out, lse, saved, spec, placement, documents, spans):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("ringseq: differentiating attention twice (create_graph=True, e.g. a "
+                       "gradient penalty) is not supported: its backward is not differentiable")
+
+
+_attention_backward_op.register_autograd(_no_double_backward)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, spec, placement, documents, spans = inputs
+    out, lse, saved = output
+    ctx.save_for_backward(q, k, v, out, lse, *saved)
+    ctx.args = (spec, placement, documents, spans)
+    # The registries hold objects weakly: the graph keeps the ones its backward needs alive
+    # (a layout or backend made for one call, the process groups).
+    ctx.keep = (placement_from_key(placement), spec_from_key(spec).backend)
+    # An output nobody used arrives as None, not zeros: no delta to compute (or refuse) for an
+    # lse that carries no gradient.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse, _dsaved):
+    # Every rank of a sequence-parallel call must run the backward, even one whose inputs need
+    # no gradient (the signature's requires_grad made all ranks agree that one follows).
+    q, k, v, out, lse, *saved = ctx.saved_tensors
+    spec, placement, documents, spans = ctx.args
+    dq, dk, dv = _attention_backward_op(dout, dlse, q, k, v, out, lse, saved, spec, placement,
+                                        documents, spans)
+    needs = ctx.needs_input_grad
+    return ((dq if needs[0] else None), (dk if needs[1] else None), (dv if needs[2] else None),
+            None, None, None, None)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def run_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec,
+                  placement: Placement) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` of attention with ``spec`` (validated by the caller) placed by
+    ``placement``, through the ``ringseq::attention`` operator; differentiable in q, k, v and
+    lse (out in q's dtype, lse (b, h, s_q) float32, float64 for float64 inputs)."""
+    out, lse, _ = _attention_op(q, k, v, spec.key(), placement.key(), spec.documents_tensor(),
+                                spec.spans)
+    return out, lse
+
+
+def span_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+                   backend, *, spans=None, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
+    """Differentiable ``(out, lse)`` of ``backend`` with explicit kernel ``spans`` (the kernels'
+    own interface, docs/kernels.md; validated here by ``backend.check_call``): for tests and
+    benchmarks that drive spans directly. Public code builds spans from windows and documents
+    (``ringseq.flash_attn_varlen_func``)."""
+    from ..masks import AttnMask
+    spans, softcap = backend.check_call(q, k, v, causal, spans, softcap, fn="span_attention")
+    spec = AttnSpec(fn="span_attention", softmax_scale=float(softmax_scale),
+                    mask=AttnMask(causal=bool(causal)), softcap=softcap, backend=backend,
+                    grad_comm_dtype=backend.accum_dtype(q.dtype), needs_grad=False, spans=spans)
+    return run_attention(q, k, v, spec, LOCAL)

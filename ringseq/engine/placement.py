@@ -1,0 +1,175 @@
+"""Where an attention call runs: a :class:`Placement` turns a spec and this rank's tensors into
+``(out, lse)`` and back into gradients.
+
+* :class:`LocalPlacement`: the block kernel on this rank's tensors (single-device attention,
+  and the inner step of an all-to-all);
+* :class:`RingPlacement`: the ring engine (:mod:`ringseq.engine.loops`) over a group, with a
+  layout;
+* the sequence-parallel modes compose them (:mod:`ringseq.parallel`): Ulysses wraps any
+  placement in two all-to-alls, the double ring is a ring whose block kernel is a lap of an
+  inner ring.
+
+The custom operator (:mod:`ringseq.engine.op`) takes a placement as a string
+(:meth:`Placement.key`): the same placement of the same objects gives the same string, so a
+compiled graph keeps one constant. Objects that cannot be strings (a process group, a user's
+layout or transport) are named by :func:`object_key`, a weak process-local registry.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Dict, List
+
+import torch
+
+from ..kernels.grad import attention_backward
+from ..layouts import LAYOUTS, Layout
+from ..spec import AttnSpec
+from .loops import ring_backward, ring_forward
+from .plan import make_plan
+from .ring import get_ring
+
+__all__ = ["LocalPlacement", "Placement", "RingPlacement", "object_by_key", "object_key",
+           "placement_from_key", "register_placement"]
+
+
+# ------------------------------------------------------------------------------ object keys
+_OBJECTS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # key -> object
+_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # object -> key
+_IDS = itertools.count()
+
+
+@torch.compiler.assume_constant_result
+def object_key(obj, prefix: str) -> str:
+    """A string naming ``obj`` in this process for as long as it lives (the same string for
+    the same object). Under torch.compile it runs once at trace time (the compiled code
+    guards on the object): registry lookups and inserts cannot be traced."""
+    key = _KEYS.get(obj)
+    if key is None:
+        key = f"{prefix}#{next(_IDS)}"
+        _OBJECTS[key] = obj
+        _KEYS[obj] = key
+    return key
+
+
+def object_by_key(key: str, what: str):
+    obj = _OBJECTS.get(key)
+    if obj is None:
+        raise RuntimeError(f"ringseq: the {what} of this attention call no longer exists "
+                           f"({key}); keep it alive until the backward has run")
+    return obj
+
+
+def layout_key(layout: Layout) -> str:
+    return layout.name if LAYOUTS.get(layout.name) is layout else object_key(layout, "layout")
+
+
+def layout_from_key(key: str) -> Layout:
+    return LAYOUTS[key] if key in LAYOUTS else object_by_key(key, "layout")
+
+
+def group_key(group) -> str:
+    return "default" if group is None else object_key(group, "group")
+
+
+def group_from_key(key: str):
+    return None if key == "default" else object_by_key(key, "process group")
+
+
+# ------------------------------------------------------------------------------- placements
+class Placement:
+    """How an attention call is distributed (see the module doc).
+
+    ``forward(q, k, v, spec) -> (out, lse, saved)``: out (b, s_q, h, d) in q's dtype, lse
+    (b, h, s_q) in the accumulation dtype, ``saved`` a list of tensors the backward needs
+    besides q, k, v, out and lse. ``backward(dout, dlse, q, k, v, out, lse, saved, spec) ->
+    (dq, dk, dv)``; ``dout`` / ``dlse`` may be None (no gradient reached them).
+    ``saved_like(q, k, v, spec)``: fake tensors shaped like ``saved`` (for tracing)."""
+
+    def key(self) -> str:
+        raise NotImplementedError
+
+    def forward(self, q, k, v, spec: AttnSpec):
+        raise NotImplementedError
+
+    def backward(self, dout, dlse, q, k, v, out, lse, saved: List[torch.Tensor], spec: AttnSpec):
+        raise NotImplementedError
+
+    def saved_like(self, q, k, v, spec: AttnSpec) -> List[torch.Tensor]:
+        return []
+
+
+class LocalPlacement(Placement):
+    """The block kernel on this rank's tensors: the spec's spans (windows, documents) or its
+    causal flag, and its soft-cap."""
+
+    def key(self) -> str:
+        return "local"
+
+    def forward(self, q, k, v, spec):
+        out, lse = spec.backend.run_fwd(q, k, v, spec.softmax_scale,
+                                        spec.causal and spec.spans is None, spans=spec.spans,
+                                        softcap=spec.softcap)
+        return out, lse, []
+
+    def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
+        return attention_backward(spec.backend, q, k, v, out, lse, spec.softmax_scale,
+                                  spec.causal and spec.spans is None, dout, dlse,
+                                  spans=spec.spans, softcap=spec.softcap)
+
+
+LOCAL = LocalPlacement()
+
+
+class RingPlacement(Placement):
+    """The ring engine over ``group`` (None: the default group; a process group, a
+    :class:`ringseq.engine.transport.Transport` or a Ring) with ``layout`` (bound to the
+    call's documents inside); exchanges are counted as ``comm_kind``."""
+
+    def __init__(self, layout: Layout, group=None, comm_kind: str = "ring"):
+        self.layout, self.group, self.comm_kind = layout, group, comm_kind
+
+    def key(self) -> str:
+        return f"ring|{layout_key(self.layout)}|{group_key(self.group)}|{self.comm_kind}"
+
+    def _plan(self, q, k, spec):
+        ring = get_ring(self.group)
+        layout = self.layout.bind(spec.documents)
+        plan = make_plan(spec, layout, ring.world_size, ring.rank, q.shape, k.shape[2],
+                         q.dtype, self.comm_kind)
+        return plan, ring
+
+    def forward(self, q, k, v, spec):
+        plan, ring = self._plan(q, k, spec)
+        out, lse = ring_forward(q, k, v, plan, ring)
+        return out.to(q.dtype), lse, []
+
+    def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
+        plan, ring = self._plan(q, k, spec)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        elif dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        if dlse is not None:
+            spec.backend.require_lse_grad()
+        return ring_backward(dout, q, k, v, out, lse, plan, ring, dlse)
+
+
+# ---------------------------------------------------------------------------- from keys
+_PARSERS: Dict[str, callable] = {}
+
+
+def register_placement(kind: str, parse) -> None:
+    """``parse(fields: list[str]) -> Placement`` rebuilds placements whose key starts with
+    ``kind|`` (the sequence-parallel modes register theirs)."""
+    _PARSERS[kind] = parse
+
+
+def placement_from_key(key: str) -> Placement:
+    kind, _, rest = key.partition("|")
+    if kind == "local":
+        return LOCAL
+    if kind == "ring":
+        lay, grp, comm_kind = rest.split("|")
+        return RingPlacement(layout_from_key(lay), group_from_key(grp), comm_kind)
+    return _PARSERS[kind](rest)

@@ -1,0 +1,290 @@
+"""The ring of a process group (or of a user's transport): its transport and its integrity
+state, kept once per group.
+
+A :class:`Ring` owns what must persist between the calls of one group -- the control
+sequence number, the broken flag, the thread the group is bound to, the cached exchange
+buffers, call counters -- and opens the :class:`ringseq.engine.integrity.RingCall` of each
+forward or backward. Its :class:`ringseq.engine.transport.Transport` only moves bytes.
+
+``get_ring(group)`` (also ``ringseq.get_comm``) returns the cached Ring of a process group,
+of a :class:`Transport` passed as ``group=`` or of the local ring without torch.distributed.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .._hash import stable_code
+from .._dist import (RingPeerError, RingTimeoutError, consistency_check_mode, group_info,
+                     is_initialized, ring_timeout)
+from .integrity import (BROKEN, CHECK, FAIL, INVALID, KIND_NAMES, OK, RingCall, _describe,
+                        gather, judge)
+from .transport import RingComm, Transport, _timeout_exc
+
+__all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "refuse_on_error", "reset_ring",
+           "ring_size"]
+
+
+class Ring:
+    """One ring's transport and integrity state (see the module doc).
+
+    Attributes: ``transport``, ``world_size``, ``rank``, ``calls`` (forward and backward calls
+    opened on this rank), ``last_exchanges`` (exchanges posted by the last call, for tests and
+    benchmarks), ``broken`` (the failure that broke the ring, or None)."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.world_size, self.rank = transport.world_size, transport.rank
+        self._lock = threading.Lock()
+        self._thread: Optional[int] = None  # the thread this ring is bound to (first forward)
+        self._seq = 0  # control operations so far (the same on every rank of a healthy ring)
+        self._broken: Optional[BaseException] = None
+        self._buffers: Dict[Tuple[str, torch.device], List[torch.Tensor]] = {}
+        self.peer_messages: Dict[int, str] = {}
+        self.last_exchanges = 0
+        self.calls = 0
+
+    # -- buffers ---------------------------------------------------------------------------
+    def buffers(self, key: str, nbytes: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Two uint8 buffers of ``nbytes`` (the double buffer of a ring loop), cached per
+        ``(key, device)`` and grown when needed, so repeated calls do not allocate. The
+        caller must not keep views of them past its own return."""
+        device = torch.device(device)
+        slot = self._buffers.get((key, device))
+        if slot is None or slot[0].numel() < nbytes:
+            pair = torch.empty((2, nbytes), dtype=torch.uint8, device=device)  # one allocation
+            slot = [pair[0], pair[1]]
+            self._buffers[(key, device)] = slot
+        return slot[0][:nbytes], slot[1][:nbytes]
+
+    def release_buffers(self) -> None:
+        """Drops the cached exchange buffers (they are re-allocated on the next call): call it
+        to give their memory back between phases that do not use ring attention."""
+        self._buffers.clear()
+
+    # -- the control collective ------------------------------------------------------------
+    @property
+    def checks_on(self) -> bool:
+        return self.world_size > 1 and consistency_check_mode() != "off"
+
+    def control(self, words: torch.Tensor, kind: int, seq: int) -> Optional[torch.Tensor]:
+        """The transport's control collective, with every failure of it turned into a ringseq
+        error naming the operation (and the ring marked broken)."""
+        if not self.checks_on:
+            return None
+        try:
+            return self.transport.control(words)
+        except RuntimeError as exc:
+            what = (f"waited more than {ring_timeout():.0f} s for"
+                    if _timeout_exc(exc) else f"lost the connection to")
+            err = RingTimeoutError(
+                f"ringseq: rank {self.rank} {what} its ring peers "
+                f"({self.transport.describe_peers()}) at the {KIND_NAMES.get(kind, kind)} "
+                f"step of control operation #{seq}: a peer stopped calling (stalled, died, or "
+                f"raised outside ringseq without reporting it), gave up waiting for this rank, "
+                f"or passes another process group object with the same members "
+                f"({type(exc).__name__}: {exc}). Call ringseq.reset_ring(group) on every rank "
+                f"once they are back in step (ringseq.set_ring_timeout changes the limit)")
+            self.mark_broken(err)
+            raise err from exc
+
+    # -- calls -----------------------------------------------------------------------------
+    def open_call(self, kind: int, signature: Sequence[tuple], device,
+                  bind: bool = True) -> RingCall:
+        """The bookkeeping of one call. Raises RuntimeError at once when another thread uses
+        this ring: a ring is bound to the first thread that calls it (``bind``: forwards and
+        checks; a backward may run on an autograd worker thread), and concurrent calls would
+        interleave their exchanges."""
+        me = threading.get_ident()
+        bind = bind and self.world_size > 1 and not self.transport.ranks_are_threads
+        if bind:
+            if self._thread is None:
+                self._thread = me
+            elif self._thread != me and _alive(self._thread):
+                raise RuntimeError(
+                    f"ringseq: this ring (process group of {self.world_size} ranks) is bound to "
+                    f"thread {self._thread}, which called it first; calls from other threads "
+                    f"(this is {me}) are refused, since their exchanges would pair with the "
+                    f"other thread's calls on the peers. Give each thread its own process group")
+        if bind:
+            # Two threads per rank on one group would pair one rank's thread with another
+            # rank's other thread: the calling thread's name is part of the signature.
+            signature = tuple(signature) + (("calling thread (hash of its name)",
+                                             stable_code(threading.current_thread().name)),)
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(
+                "ringseq: a call on this ring is already running in another thread; concurrent "
+                "calls on one process group are not supported (their exchanges would "
+                "interleave). Serialize the calls or give each thread its own process group.")
+        self.calls += 1
+        return RingCall(self, kind, signature, device)
+
+    def _release(self) -> None:
+        self._lock.release()
+
+    def refuse(self, kind: int, exc: BaseException) -> None:
+        """This rank found a call's arguments invalid before the call began: meets the peers'
+        begin collective with the refusal, so that they raise :class:`ringseq.RingPeerError`
+        naming this rank and ``exc`` (the ring stays usable), then re-raises ``exc`` here."""
+        if self.checks_on and self._broken is None:
+            with self._hold():
+                rows = gather(self, kind, INVALID, (), _describe(exc))
+                if rows is not None:
+                    others = [r for r, row in enumerate(rows) if r != self.rank and row[1] not in
+                              (OK, INVALID)]
+                    if others:  # a peer was broken or failed too: say so, keep ours
+                        self.mark_broken(exc)
+        raise exc
+
+    def agree(self, ok: bool, message: str, kind: int = CHECK,
+              error: Optional[BaseException] = None) -> None:
+        """Collective over the ring: returns on every rank when every rank is ``ok``, else
+        raises on every rank -- ``error`` (or a ValueError with ``message``) on the ranks that
+        were not ok, :class:`ringseq.RingPeerError` naming them and their messages on the
+        others. Runs on the ring's control channel, so it meets a peer's failure report or
+        call instead of waiting for it. The ring stays usable."""
+        if not self.checks_on:
+            if not ok:
+                raise error if error is not None else ValueError(message)
+            return
+        with self._hold():
+            rows = gather(self, kind, OK if ok else INVALID, (), None if ok else message)
+        if not ok:
+            raise error if error is not None else ValueError(message)
+        judge(self, rows, kind)  # RingPeerError when another rank was not ok, or worse
+
+    def check(self, fields: Sequence[tuple]) -> None:
+        """One argument check outside a ring call: ``fields`` are ``(name, int[, kind])``;
+        raises ``RingMismatchError`` on every rank when ranks disagree (and RingBrokenError /
+        RingDesyncError as a call's begin would)."""
+        with self._hold():
+            rows = gather(self, CHECK, BROKEN if self._broken is not None else OK,
+                          [int(f[1]) for f in fields])
+            if rows is not None:
+                judge(self, rows, CHECK, fields)
+
+    @contextlib.contextmanager
+    def _hold(self):
+        """The ring's lock for a control operation outside a call (waits for a running call)."""
+        if not self._lock.acquire(timeout=ring_timeout()):
+            raise RuntimeError("ringseq: the ring's lock is held by another thread")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    # -- failures --------------------------------------------------------------------------
+    @property
+    def broken(self) -> Optional[BaseException]:
+        """The failure that broke this ring (None while it is healthy)."""
+        return self._broken
+
+    def mark_broken(self, cause: BaseException) -> None:
+        if self.world_size > 1 and self._broken is None:
+            self._broken = cause
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Tells the peers that this rank failed outside a call (e.g. in the model before its
+        first attention layer), so that their pending call or check raises instead of waiting
+        for this rank. Marks the ring broken. A no-op for a ring that is already broken: a
+        broken ring reports itself at its next control collective."""
+        if self.world_size == 1 or self._broken is not None:
+            return
+        self._broken = exc
+        with self._hold():
+            gather(self, FAIL, 1, (), _describe(exc))
+
+    def reset(self) -> None:
+        """Makes the ring usable again after a failure: clears the broken state and the
+        sequence numbers and rebuilds the transport's channels (a timeout closes them). Call
+        it on every rank of the group (e.g. in the ``except`` block that caught the error),
+        before the next call, with the ranks back in step (the same next call)."""
+        self._broken = None
+        self._seq = 0
+        self.peer_messages = {}
+        self._thread = None
+        self.transport.rebuild()
+
+    def __repr__(self):
+        return (f"Ring(rank {self.rank} of {self.world_size}, "
+                f"{'broken' if self._broken else 'healthy'}, calls={self.calls})")
+
+
+def _alive(ident: int) -> bool:
+    return any(t.ident == ident for t in threading.enumerate())
+
+
+# ------------------------------------------------------------------------------------ cache
+_RINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCAL: Dict[str, Ring] = {}
+
+
+def get_ring(group=None) -> Ring:
+    """The cached :class:`Ring` of ``group``: a process group (None: the default group), or a
+    :class:`Transport`. Process groups are held weakly, so destroyed groups do not keep their
+    rings (and buffers) alive. Raises ValueError for a group this process is not in."""
+    if isinstance(group, Ring):
+        return group
+    if isinstance(group, Transport):
+        key = group.ring_key
+        ring = _RINGS.get(key)
+        if ring is None:
+            ring = _RINGS[key] = Ring(group)
+        return ring
+    group_info(group)  # raises for a group this process is not in
+    if not is_initialized():
+        ring = _LOCAL.get("local")
+        if ring is None:
+            ring = _LOCAL["local"] = Ring(RingComm(None))
+        return ring
+    pg = group if group is not None else dist.group.WORLD
+    ring = _RINGS.get(pg)
+    if ring is None:
+        ring = _RINGS[pg] = Ring(RingComm(group))
+    return ring
+
+
+@torch.compiler.assume_constant_result
+def ring_size(group=None) -> int:
+    """The world size of ``group``'s ring (under torch.compile: read once at trace time)."""
+    return get_ring(group).world_size
+
+
+#: ``ringseq.get_comm(group)``: the name the README documents for :func:`get_ring`
+get_comm = get_ring
+
+
+def check_consistent(fields, group=None, device=None) -> None:
+    """:meth:`Ring.check` on the ring of ``group``."""
+    get_ring(group).check(fields)
+
+
+def reset_ring(group=None) -> None:
+    """Makes the ring of ``group`` usable again after a failure broke it (see
+    :mod:`ringseq.engine.integrity`); call it on every rank of the group before the next call."""
+    get_ring(group).reset()
+
+
+@contextlib.contextmanager
+def refuse_on_error(group, kind: int):
+    """Runs an entry point's checks for a call on ``group``'s ring: an exception raised inside
+    is this rank's refusal of the call, re-raised here after it met the peers' begin
+    collective, where they raise :class:`ringseq.RingPeerError` naming this rank and the
+    message (the ring stays usable; see :mod:`ringseq.engine.integrity`). Under
+    ``torch.compile`` the checks run at trace time and simply raise."""
+    if torch.compiler.is_compiling():
+        yield
+        return
+    try:
+        yield
+    except Exception as exc:
+        try:
+            ring = get_ring(group)
+        except Exception:  # noqa: BLE001 - a group this rank cannot use: nobody to tell
+            raise exc from None
+        ring.refuse(kind, exc)

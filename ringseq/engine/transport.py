@@ -1,0 +1,233 @@
+"""What moves the bytes of a ring: the step exchange and the small control collective.
+
+A :class:`Transport` is the ring's wiring and nothing else (its integrity state -- call
+sequence, broken flag, thread binding, buffers -- lives in :class:`ringseq.engine.ring.Ring`):
+
+* ``world_size``, ``rank``: the ring;
+* ``exchange(send, recv, reverse=False)``: post send-to-next and receive-from-previous of two
+  equally sized contiguous tensors (``reverse``: the other way round); returns something with
+  ``wait()`` (or None for a ring of one);
+* ``control(words)``: all-gather one int64 vector per rank (the control collective of
+  :mod:`ringseq.engine.integrity`), or None where ranks cannot disagree (one process);
+* ``rebuild()``: after a failure broke the channels (a timeout), make new ones -- every rank
+  calls it (through ``ringseq.reset_ring``) the same number of times.
+
+:class:`RingComm` implements it over a torch.distributed process group; the simulator
+(:mod:`ringseq.engine.sim`) with threads. A new transport subclasses :class:`Transport`, sets
+``world_size`` / ``rank`` and implements ``exchange`` (and ``control`` when its ranks are
+separate processes); the engine does not change.
+
+Rank ``r`` of a group of ``W`` sends to ``(r + 1) % W`` and receives from ``(r - 1) % W``, so at
+ring step ``i`` it holds the K/V shard that rank ``(r - i) % W`` started with. Everything a step
+moves lives in one packed, contiguous byte buffer, so a step is one send and one receive posted
+together. On NCCL the exchange is one ``batch_isend_irecv`` on the process group (it runs on
+the group's own stream after waiting on the current stream -- an event, not a synchronize --
+and ``Work.wait()`` makes the current stream wait for it, so compute overlaps the transfer).
+On gloo (CPU) the exchange and the control collective each run on a gloo group of the ring's
+members that ringseq creates from the default store under a name of its own: host memory only,
+never mixed up with the user's collectives, and rebuilt by ``reset_ring`` when a timeout broke
+it (gloo closes a pair that timed out).
+"""
+from __future__ import annotations
+
+import datetime
+import weakref
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._dist import RingTimeoutError, global_rank, group_info, is_initialized, ring_timeout
+
+__all__ = ["RingComm", "Transport"]
+
+
+class Transport:
+    """The interface between the ring engine and whatever moves the bytes (see module doc)."""
+
+    world_size: int = 1
+    rank: int = 0
+    #: the ranks are threads of one process (the simulator): no thread binding, and the
+    #: calling thread's name is not part of a call's signature
+    ranks_are_threads: bool = False
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, reverse: bool = False):
+        """Posts send-to-next and receive-from-previous of two contiguous tensors of equal size
+        (``reverse``: send to the previous rank, receive from the next, which brings gradients
+        home after a partial lap); returns the pending exchange (call ``wait()`` before reading
+        ``recv`` or writing ``send``), or None for a ring of one."""
+        raise NotImplementedError
+
+    def control(self, words: torch.Tensor) -> Optional[torch.Tensor]:
+        """All-gathers ``words`` (int64, the same length on every rank) into (world_size, n),
+        or returns None where there is nothing to agree on (this default: ranks in one
+        process)."""
+        return None
+
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """Blocking all-to-all of two contiguous (world_size, n) tensors: row ``r`` of ``send``
+        goes to rank ``r``, row ``r`` of ``recv`` comes from rank ``r`` (Ulysses)."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all")
+
+    def rebuild(self) -> None:
+        """Replaces channels a failure broke (nothing to do for this default)."""
+
+    def describe_peers(self) -> str:
+        """The peers, for error messages."""
+        return f"ranks {[r for r in range(self.world_size) if r != self.rank]}"
+
+    @property
+    def ring_key(self):
+        """The object the ring's integrity state is kept for (two transports over the same
+        channel share it)."""
+        return self
+
+
+# ---------------------------------------------------------------------------------- RingComm
+def _timeout_exc(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+class _Pending:
+    """The in-flight exchange of one ring step."""
+
+    __slots__ = ("works", "comm", "timeout")
+
+    def __init__(self, works, comm: "RingComm", timeout: Optional[datetime.timedelta]):
+        self.works, self.comm, self.timeout = works, comm, timeout
+
+    def wait(self) -> None:
+        try:
+            for w in self.works:
+                if self.timeout is None:
+                    w.wait()
+                else:
+                    w.wait(self.timeout)
+        except RuntimeError as exc:
+            what = ("waited more than {:.0f} s for".format(self.timeout.total_seconds())
+                    if self.timeout is not None and _timeout_exc(exc) else
+                    f"lost the connection ({type(exc).__name__}: {exc}) in")
+            raise RingTimeoutError(
+                f"ringseq: rank {self.comm.rank} {what} a ring exchange with its peers "
+                f"(receiving from global rank {self.comm.prev_rank}, sending to global rank "
+                f"{self.comm.next_rank}): a peer stalled, died or left the ring call "
+                f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on every "
+                f"rank makes the ring usable again)") from exc
+        self.works = ()
+
+
+_EPOCHS: Dict[str, int] = {}  # ring channels made so far per process group name (this process)
+
+
+class RingComm(Transport):
+    """Ring neighbours of ``group`` (None: the default group), its step exchange and its
+    control collective.
+
+    Attributes: ``world_size``, ``rank`` (in the group), ``next_rank`` / ``prev_rank`` (global
+    ranks), ``backend`` (the process group's backend name). Without an initialized process
+    group (and ``group=None``) it is a ring of one. Holds its process group weakly: a destroyed
+    group takes its RingComm (and the channels ringseq made for it) with it.
+    """
+
+    def __init__(self, group=None):
+        self._default = group is None
+        self.world_size, self.rank = group_info(group)
+        self._control_pg = self._data_pg = None
+        self._pg_ref = None
+        self.next_rank = self.prev_rank = 0
+        self.backend = None
+        if is_initialized():
+            pg = group if group is not None else dist.group.WORLD
+            self._pg_ref = weakref.ref(pg)
+            self.next_rank = global_rank(group, (self.rank + 1) % self.world_size)
+            self.prev_rank = global_rank(group, (self.rank - 1) % self.world_size)
+            self.backend = str(dist.get_backend(group))
+            self.members = dist.get_process_group_ranks(pg)
+            self.name = getattr(pg, "group_name", None) or "?"
+            self._epoch = _EPOCHS.get(self.name, 0)
+
+    @property
+    def group(self):
+        """The process group (None for the default group)."""
+        if self._default:
+            return None
+        pg = self._pg_ref() if self._pg_ref is not None else None
+        if pg is None:
+            raise RuntimeError("ringseq: the process group of this ring was destroyed")
+        return pg
+
+    @property
+    def ring_key(self):
+        return self._pg_ref() if self._pg_ref is not None else self
+
+    def describe_peers(self) -> str:
+        me = dist.get_rank() if is_initialized() else 0
+        return f"global ranks {[r for r in getattr(self, 'members', [0]) if r != me]}"
+
+    # -- channels ------------------------------------------------------------------------------
+    def _own_gloo(self, purpose: str):
+        """A gloo group of the ring's members made from the default store under a name of
+        ringseq's own: only the members take part (at their first use), and the name cannot
+        collide with other groups over the same ranks."""
+        store = dist.PrefixStore(f"ringseq/{purpose}/{self.name}/{self._epoch}",
+                                 dist.distributed_c10d._get_default_store())
+        return dist.ProcessGroupGloo(store, self.rank, self.world_size,
+                                     datetime.timedelta(seconds=ring_timeout()))
+
+    def rebuild(self) -> None:
+        # New channels under a new name: a gloo pair that timed out stays closed. Every rank
+        # rebuilds as often as the others (reset_ring on every rank), so the names match.
+        self._control_pg = self._data_pg = None
+        if self._pg_ref is not None:
+            self._epoch += 1
+            _EPOCHS[self.name] = max(_EPOCHS.get(self.name, 0), self._epoch)
+
+    # -- the exchange --------------------------------------------------------------------------
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor,
+                 reverse: bool = False) -> Optional[_Pending]:
+        if self.world_size == 1:
+            return None
+        if self.backend == "gloo" and send.device.type == "cpu":
+            if self._data_pg is None:
+                self._data_pg = self._own_gloo("data")
+            to, frm = ((self.rank - 1, self.rank + 1) if reverse else
+                       (self.rank + 1, self.rank - 1))
+            pg = self._data_pg
+            works = [pg.send([send], to % self.world_size, 0),
+                     pg.recv([recv], frm % self.world_size, 0)]
+            return _Pending(works, self, datetime.timedelta(seconds=ring_timeout()))
+        group = self.group
+        to, frm = (self.prev_rank, self.next_rank) if reverse else (self.next_rank, self.prev_rank)
+        ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, frm, group)]
+        # NCCL keeps its stream-ordered wait and its own watchdog (a timed host wait would
+        # block the host).
+        return _Pending(dist.batch_isend_irecv(ops), self, None)
+
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        if self.world_size == 1:
+            recv.copy_(send)
+            return
+        try:
+            if self.backend == "gloo" and send.device.type == "cpu":
+                if self._data_pg is None:
+                    self._data_pg = self._own_gloo("data")
+                self._data_pg.alltoall_base(recv, send, [], []).wait(
+                    datetime.timedelta(seconds=ring_timeout()))
+            else:
+                dist.all_to_all_single(recv, send, group=self.group)
+        except RuntimeError as exc:
+            raise RingTimeoutError(
+                f"ringseq: rank {self.rank} lost its all-to-all peers ({self.describe_peers()}; "
+                f"{type(exc).__name__}: {exc}): a peer stalled, died or left the call "
+                f"(ringseq.reset_ring(group) on every rank makes the group usable again)") from exc
+
+    # -- the control collective ----------------------------------------------------------------
+    def control(self, words: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.world_size == 1:
+            return None
+        if self._control_pg is None:
+            self._control_pg = self._own_gloo("control")
+        out = torch.empty((self.world_size, words.numel()), dtype=words.dtype)
+        self._control_pg.allgather([list(out.unbind(0))], [words]).wait()
+        return out

@@ -1,0 +1,61 @@
+"""The gradient rule of single-device attention, and the shape rules of fake implementations.
+
+:func:`attention_backward` is the one place that turns a call's saved tensors and upstream
+gradients into ``(dq, dk, dv)``: the engine's local attention (``ringseq.engine.op``) and the
+extension's raw operator ``ringseq::fwd`` (for callers of ``torch.ops.ringseq.fwd``) use it.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .base import AttentionBackend, compute_delta
+from .checks import accum_dtype
+
+__all__ = ["attention_backward", "fake_attention_outputs", "fake_checks"]
+
+
+def fake_checks(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Shape relations every op's fake (meta) implementation insists on, so a traced graph
+    fails at trace time on inputs the kernel would refuse (same rules as checks.check_qkv)."""
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+                 lambda: "q, k, v must be 4-dim (batch, seqlen, nheads, headdim)")
+    torch._check(k.shape == v.shape, lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    torch._check(q.shape[0] == k.shape[0], lambda: "q and k/v must have the same batch size")
+    torch._check(q.shape[3] == k.shape[3], lambda: "q and k/v must have the same head dim")
+    torch._check(k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0,
+                 lambda: "nheads must be divisible by nheads_kv")
+    torch._check(q.dtype == k.dtype == v.dtype, lambda: "q, k and v must have the same dtype")
+
+
+def fake_attention_outputs(q: Tensor) -> Tuple[Tensor, Tensor]:
+    """(out like q, contiguous; lse (b, h, s_q) in the accumulation dtype)."""
+    b, s_q, h, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
+
+
+def attention_backward(be: AttentionBackend, q, k, v, out, lse, softmax_scale: float,
+                       causal: bool, grad_out: Optional[Tensor], grad_lse: Optional[Tensor],
+                       needs: Sequence[bool] = (True, True, True), *, spans=None,
+                       softcap: float = 0.0):
+    """(dq, dk, dv) of single-device attention, ``None`` for inputs that need no gradient.
+
+    ``grad_out`` / ``grad_lse`` may be None (no gradient reached that output); a gradient
+    into lse needs a backend that takes a precomputed delta (RuntimeError otherwise).
+    ``spans`` / ``softcap``: those of the forward (ringseq.kernels.spans)."""
+    if not any(needs):
+        return None, None, None
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    else:
+        grad_out = grad_out.contiguous()  # autograd may hand in expanded (stride-0) gradients
+    delta = None
+    if grad_lse is not None:
+        be.require_lse_grad()
+        delta = compute_delta(grad_out, out, grad_lse)
+    grads = be.run_bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, delta, spans=spans,
+                       softcap=softcap)
+    return tuple(g if need else None for g, need in zip(grads, needs))

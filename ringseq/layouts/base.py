@@ -1,0 +1,304 @@
+"""How a global sequence is split over the ranks of a ring, as data.
+
+A layout answers two questions and nothing else:
+
+* which global token positions rank ``r`` of ``W`` holds, in local order (``positions``), and
+* for ring step ``i`` -- when rank ``r`` holds the K/V shard of rank ``src = (r - i) mod W`` --
+  which block tasks ``(q rows, kv rows, causal)`` of local-shard rows must be computed
+  (``tasks``). An empty list means the step has nothing to compute.
+
+The ring engine in :mod:`ringseq.ring` executes any such schedule with one forward and one
+backward loop, so a new layout is a new subclass of :class:`Layout`, never a new loop: define
+``name``, ``_positions`` and ``_tasks`` (and ``multiple`` if needed), pass the instance as
+``layout=`` anywhere (or ``register_layout`` it to use its name). Moving tokens
+(``shard``/``scatter``) then works by index; override them only for speed.
+
+The package: :mod:`.base` (the ``Layout`` contract, generic schedules under masks, the name
+registry), :mod:`.builtin` (contiguous, zigzag, stripe), :mod:`.documents` (packed documents and
+their balancer), :mod:`.sharding` (moving tokens to and from ranks).
+
+Built-in layouts (``W`` = world size, ``s`` = global sequence length):
+
+``contiguous``  rank ``r`` holds tokens ``[r*s/W, (r+1)*s/W)``. Causal work is unbalanced
+                (rank ``W-1`` does ``W`` blocks, rank 0 one). Needs ``s % W == 0``.
+``zigzag``      the sequence is cut into ``2W`` chunks; rank ``r`` holds chunks ``r`` and
+                ``2W-1-r``, which balances causal work. Needs ``s % (2W) == 0``.
+``stripe``      token ``t`` lives on rank ``t mod W`` (striped attention); causal work is
+                balanced to within one diagonal. Needs ``s % W == 0``.
+
+Full (non-causal) attention is permutation invariant, so every layout is valid for it: each
+step is one non-causal task over all local rows. ``contiguous`` is the natural choice there
+(zigzag and stripe only pay off for causal masks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .._hash import stable_code
+from ..masks import AttnMask, Run, span_tasks
+
+__all__ = ["BlockTask", "LAYOUTS", "Layout", "check_rank", "get_layout", "layout_name_of_code",
+           "masked_tasks", "merge_intervals", "register_layout", "span_keys"]
+
+
+@dataclass(frozen=True)
+class BlockTask:
+    """One attention block: local query rows ``q`` against rows ``kv`` of the K/V shard held.
+
+    ``causal`` uses the kernel's bottom-right alignment: key ``j`` is visible to query ``i``
+    iff ``j <= i + len(kv) - len(q)``. With ``spans`` (windows, packed documents: see
+    :mod:`ringseq.masks`) the block is a kernel call with those spans, relative to the ``q``
+    and ``kv`` rows, and ``causal`` is False.
+    """
+    q: slice
+    kv: slice
+    causal: bool
+    spans: Optional[tuple] = None
+
+
+
+class Layout:
+    """Base class. Subclasses define ``name``, ``_positions`` and ``_tasks`` (and ``multiple``
+    when the length must be a multiple of more than ``W``). Everything else -- checks,
+    schedules, ``shard`` / ``scatter`` by index -- is generic; built-in layouts override
+    ``shard`` / ``scatter`` only to copy slices instead of gathering by index."""
+
+    name: str = "?"
+    #: the GLOBAL document boundaries this layout was built for (``Documents``), else None
+    documents = None
+
+    @property
+    def code(self) -> int:
+        """A small integer naming this layout in cross-rank checks (stable across ranks)."""
+        return stable_code(self.name)
+
+    def multiple(self, world_size: int) -> int:
+        """The global sequence length must be a multiple of this."""
+        return world_size
+
+    def check_seqlen(self, seqlen: int, world_size: int) -> int:
+        """Returns the local length; raises ValueError if ``seqlen`` cannot be split."""
+        m = self.multiple(world_size)
+        if seqlen <= 0 or seqlen % m != 0:
+            raise ValueError(
+                f"layout {self.name!r} with world size {world_size} needs a sequence length that "
+                f"is a positive multiple of {m}; got {seqlen} (pad it to "
+                f"{max(m, -(-seqlen // m) * m)})")
+        return seqlen // world_size
+
+    def check_local_seqlen(self, s_local: int, world_size: int) -> None:
+        """Checks a local shard length (what one rank can see before any communication)."""
+        multiple = self.multiple(world_size)
+        if multiple % world_size:
+            raise ValueError(f"layout {self.name!r}: multiple({world_size}) must be a multiple of "
+                             f"the world size, got {multiple}")
+        m = multiple // world_size
+        if s_local <= 0 or s_local % m != 0:
+            raise ValueError(
+                f"layout {self.name!r} needs local shards whose length is a positive multiple of "
+                f"{m} (global length a multiple of {m * world_size}); got a local length of "
+                f"{s_local}")
+
+    def positions(self, seqlen: int, world_size: int, rank: int) -> torch.Tensor:
+        """Global position ids (int64, shape ``(seqlen // world_size,)``) of rank's tokens."""
+        self.check_seqlen(seqlen, world_size)
+        check_rank(rank, world_size)
+        return self._positions(seqlen, world_size, rank)
+
+    def tasks(self, rank: int, src: int, world_size: int, s_local: int,
+              causal: bool) -> List[BlockTask]:
+        """Block tasks for ``rank`` holding the K/V shard of rank ``src``."""
+        if not causal:
+            # Full attention is permutation invariant: every pair is visible.
+            return [BlockTask(slice(0, s_local), slice(0, s_local), False)]
+        return self._tasks(rank, src, world_size, s_local)
+
+    def schedule(self, rank: int, world_size: int, s_local: int,
+                 causal) -> Tuple[Tuple[BlockTask, ...], ...]:
+        """Tasks of every ring step ``i`` (K/V of rank ``(rank - i) % world_size``), cached:
+        a layout is data, so the same arguments always give the same (immutable) schedule.
+        ``causal`` is a bool or a :class:`ringseq.masks.AttnMask` (windows, documents)."""
+        mask = causal if isinstance(causal, AttnMask) else AttnMask(causal=bool(causal))
+        key = (rank, world_size, s_local, mask)
+        cache = self.__dict__.setdefault("_schedules", {})
+        sched = cache.get(key)
+        if sched is None:
+            if mask.plain:
+                sched = tuple(tuple(self.tasks(rank, (rank - i) % world_size, world_size,
+                                               s_local, mask.causal)) for i in range(world_size))
+            else:
+                q_runs = self.runs(s_local * world_size, world_size, rank)
+                sched = tuple(tuple(masked_tasks(q_runs, self.runs(
+                    s_local * world_size, world_size, (rank - i) % world_size), mask, s_local))
+                    for i in range(world_size))
+            cache[key] = sched
+        return sched
+
+    def hops(self, world_size: int, s_local: int, causal) -> int:
+        """How far K/V must travel: the last ring step with a task on ANY rank (the same on
+        every rank). W - 1 for plain causal or full attention; fewer for short windows."""
+        key = ("hops", world_size, s_local, causal)
+        cache = self.__dict__.setdefault("_schedules", {})
+        if key not in cache:
+            last = 0
+            for r in range(world_size):
+                sched = self.schedule(r, world_size, s_local, causal)
+                last = max([last] + [i for i, tasks in enumerate(sched) if tasks])
+            cache[key] = last
+        return cache[key]
+
+    def kv_rows(self, world_size: int, s_local: int, causal):
+        """What each rank's K/V block must carry around the ring, under a window or document
+        mask: per source rank, the merged ``(start, end)`` intervals of its local rows that a
+        task of a later step on another rank reads; None when nothing would be saved (plain
+        causal / full attention, or some source is needed whole). Cached; the same on every
+        rank. The engine then sends every block compacted to ``max`` of these lengths."""
+        mask = causal if isinstance(causal, AttnMask) else AttnMask(causal=bool(causal))
+        key = ("kv_rows", world_size, s_local, mask)
+        cache = self.__dict__.setdefault("_schedules", {})
+        if key not in cache:
+            rows = None
+            if not mask.plain and world_size > 1:
+                need = [[] for _ in range(world_size)]
+                for r in range(world_size):
+                    sched = self.schedule(r, world_size, s_local, mask)
+                    for i in range(1, world_size):
+                        src = (r - i) % world_size
+                        for t in sched[i]:
+                            if t.spans is None:
+                                need[src].append((t.kv.start, t.kv.stop))
+                            else:
+                                for sp in t.spans:
+                                    a, b = span_keys(sp)
+                                    need[src].append((t.kv.start + sp[2] + a, t.kv.start + sp[2] + b))
+                merged = tuple(merge_intervals(n) for n in need)
+                longest = max(sum(b - a for a, b in m) for m in merged)
+                if longest < s_local:
+                    rows = merged
+            cache[key] = rows
+        return cache[key]
+
+    def runs(self, seqlen: int, world_size: int, rank: int) -> Tuple[Run, ...]:
+        """Rank's local rows as maximal runs of evenly spaced global positions (generic:
+        compressed from ``positions``; built-in layouts say it directly)."""
+        pos = self.positions(seqlen, world_size, rank).tolist()
+        runs, a = [], 0
+        while a < len(pos):
+            b = a + 1
+            stride = pos[b] - pos[a] if b < len(pos) else 1
+            if stride <= 0:
+                stride = 1
+            while b < len(pos) and pos[b] - pos[b - 1] == stride:
+                b += 1
+            if b - a == 1:
+                stride = 1
+            runs.append(Run(a, b - a, pos[a], stride))
+            a = b
+        return tuple(runs)
+
+    # -- moving tokens ---------------------------------------------------------------------
+    def shard(self, x: torch.Tensor, world_size: int, rank: int, dim: int) -> torch.Tensor:
+        """Rank's tokens of the full ``x`` along ``dim`` (a new contiguous tensor, in local
+        order). Generic: gathers ``positions`` by index; ``dim`` is non-negative here."""
+        idx = self.positions(x.shape[dim], world_size, rank).to(x.device)
+        return x.index_select(dim, idx)
+
+    def scatter(self, full: torch.Tensor, part: torch.Tensor, world_size: int, rank: int,
+                dim: int) -> None:
+        """Writes rank's shard ``part`` back into its places in ``full`` (inverse of
+        :meth:`shard`)."""
+        idx = self.positions(full.shape[dim], world_size, rank).to(full.device)
+        full.index_copy_(dim, idx, part)
+
+    def bind(self, cu_seqlens: Optional[Tuple[int, ...]]) -> "Layout":
+        """The layout to use for one batch whose GLOBAL document boundaries are ``cu_seqlens``
+        (None: not a packed batch). Fixed layouts return themselves (attention is then
+        restricted to the documents by the mask); the per-batch ``"documents"`` layout returns
+        ``Documents(cu_seqlens)``. Every entry point binds once, so nothing below asks which
+        kind of layout it holds."""
+        return self
+
+    def _positions(self, seqlen, world_size, rank):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _tasks(self, rank, src, world_size, s_local):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"Layout({self.name!r})"
+
+
+def span_keys(span) -> Tuple[int, int]:
+    """The keys ``[a, b)`` (relative to the span's first kv row) that some query of the span
+    ``(q_start, q_len, k_start, k_len, band_lo, band_hi)`` sees: ``j`` with
+    ``band_lo <= j - i <= band_hi`` for some ``0 <= i < q_len``; (0, 0) when none."""
+    _, nq, _, nk, lo, hi = span
+    a, b = max(0, lo), min(nk, nq - 1 + hi + 1)
+    return (a, b) if nq > 0 and a < b else (0, 0)
+
+
+def merge_intervals(intervals) -> Tuple[Tuple[int, int], ...]:
+    """Sorted, merged (adjacent or overlapping joined) non-empty half-open intervals."""
+    out: List[List[int]] = []
+    for a, b in sorted(x for x in intervals if x[1] > x[0]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
+
+
+def masked_tasks(q_runs, k_runs, mask: AttnMask, s_local: int) -> List[BlockTask]:
+    """Block tasks of one ring step under a window/document mask (see ringseq.masks). A batch
+    of one span that is a plain dense or causal block becomes that simple task, so kernels
+    without span support (and their fast paths) still serve it."""
+    tasks = []
+    for batch in span_tasks(q_runs, k_runs, mask):
+        if len(batch) == 1:
+            q0, nq, k0, nk, lo, hi = batch[0]
+            q, kv = slice(q0, q0 + nq), slice(k0, k0 + nk)
+            if lo <= -(nq - 1) and hi >= nk - 1:
+                tasks.append(BlockTask(q, kv, False))
+                continue
+            if lo <= -(nq - 1) and hi == nk - nq:
+                tasks.append(BlockTask(q, kv, True))
+                continue
+        whole = slice(0, s_local)
+        tasks.append(BlockTask(whole, whole, False, spans=tuple(batch)))
+    return tasks
+
+
+
+LAYOUTS: Dict[str, Layout] = {}
+
+
+def register_layout(layout: Layout) -> Layout:
+    """Makes a layout available by name to every function taking ``layout=``."""
+    LAYOUTS[layout.name] = layout
+    return layout
+
+
+def get_layout(layout: Union[str, Layout]) -> Layout:
+    """Returns a :class:`Layout` for a name or passes a Layout through; ValueError otherwise."""
+    if isinstance(layout, Layout):
+        return layout
+    if isinstance(layout, str) and layout in LAYOUTS:
+        return LAYOUTS[layout]
+    raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)} or a "
+                     f"ringseq.layouts.Layout instance")
+
+
+def layout_name_of_code(code: int) -> str:
+    """The registered layout name whose :attr:`Layout.code` is ``code`` (for messages)."""
+    for name, lay in LAYOUTS.items():
+        if lay.code == code:
+            return repr(name)
+    return f"layout #{code}"
+
+
+def check_rank(rank, world_size):
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of size {world_size}")

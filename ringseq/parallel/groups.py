@@ -1,0 +1,350 @@
+"""Unified sequence parallelism (USP): Ulysses all-to-all × ring, and the double ring.
+
+A sequence-parallel group of ``W = U * R`` ranks is a 2-D grid: ``U`` = Ulysses degree
+(all-to-all groups), ``R`` = ring degree (ring groups). Rank ``(g, u)`` is ring rank ``g`` of
+its ring group and Ulysses rank ``u`` of its Ulysses group. Optionally the ring itself is a
+double ring: ``R = O * I`` with inner rings of ``inner_ring_size = I`` consecutive ring ranks
+(:mod:`ringseq.double_ring`).
+
+Sharding rule (the data layout, :class:`SequenceParallelLayout`): the global sequence is split
+over the ring dimension by the ring ``layout`` (contiguous, zigzag, stripe or any Layout) into
+``R`` parts -- part ``g`` in the layout's local order -- and part ``g`` is split CONTIGUOUSLY
+over the ``U`` Ulysses ranks: rank ``(g, u)`` holds tokens ``[u * n, (u + 1) * n)`` of part
+``g`` (``n = s / (R U)``). The all-to-all over a Ulysses group thus reassembles exactly ring part
+``g`` (for ``h / U`` heads), on which the ring engine runs the layout's schedule at world size
+``R``: causal masks follow global positions for every layout. Pure Ulysses (``R = 1``) is a
+contiguous split; pure ring (``U = 1``) is the layout itself.
+
+Placement (which global ranks form which groups): with ``ulysses_inner=True`` (default) the
+``U`` ranks of a Ulysses group are consecutive global ranks (intra-node: the all-to-all uses
+the fast links, the ring crosses nodes); ``ulysses_inner=False`` puts the ring inside. Group
+ranks follow global ranks (what ``torch.distributed.new_group`` does).
+
+The K/V that travel the ring are the Ulysses head shards: ``h_kv * rep / U`` heads instead of
+``h_kv`` (``rep`` per :mod:`ringseq.ulysses`'s head rule) of a ring part of ``s / R`` tokens, i.e.
+``rep / U`` of what a ring of ``R`` over the same parts would move per step -- the block of the
+plain ring of ``W`` (times ``rep``), for ``R - 1`` steps instead of ``W - 1``
+(docs/sp_modes.md has the bytes of every mode).
+
+    sp = ringseq.make_sp_groups(ulysses_size=2)                   # W = 2 x (W / 2), collective
+    q = sp.shard(torch_full_q, "zigzag")                          # (b, s / W, h, d)
+    out = ringseq.usp_attn_func(q, k, v, causal=True, sp=sp, layout="zigzag")
+    batch = sp.shard_batch({"input_ids": ids, "labels": ids}, "zigzag")
+
+This module: the sizes (:func:`resolve_sp_sizes`, :func:`check_model_heads`) and the groups
+(:class:`SequenceParallelGroups`, :func:`make_sp_groups`). Attention on them:
+:mod:`.usp`; the data layout: :mod:`.sp_layout`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .._dist import is_initialized
+from ..data import shard_batch
+from ..layouts import Layout, get_layout, positions_local, shard_local
+from .sp_layout import SequenceParallelLayout
+from .ulysses import ulysses_heads, valid_ulysses_degrees
+
+__all__ = ["SP_MODES", "SequenceParallelGroups", "check_model_heads", "make_sp_groups",
+           "resolve_sp_sizes", "sp_groups_from_tables"]
+
+
+SP_MODES = ("ring", "ulysses", "hybrid")
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = None,
+                     inner_ring_size: Optional[int] = None) -> Tuple[int, int, int]:
+    """``(U, R, I)`` for a mode on ``sp_size`` ranks (``I = R``: no double ring).
+
+    ``"ring"``: U = 1; ``"ulysses"``: U = sp_size (``ulysses_size`` None or equal), R = 1;
+    ``"hybrid"``: ``ulysses_size`` required, dividing ``sp_size``, R = sp_size / U.
+    ``inner_ring_size`` (ring and hybrid): must divide R. Raises ValueError naming the argument,
+    the value and the values that would work; nothing communicates.
+    """
+    if sp_mode not in SP_MODES:
+        raise ValueError(f"sp_mode must be one of {list(SP_MODES)}, got {sp_mode!r}")
+    if not isinstance(sp_size, int) or sp_size < 1:
+        raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}")
+    if sp_mode == "ring":
+        if ulysses_size not in (None, 1):
+            raise ValueError(f"sp_mode='ring' has no Ulysses dimension, got ulysses_size="
+                             f"{ulysses_size!r}; use sp_mode='hybrid' (or 'ulysses')")
+        U = 1
+    elif sp_mode == "ulysses":
+        if ulysses_size not in (None, sp_size):
+            raise ValueError(f"sp_mode='ulysses' uses all {sp_size} sequence-parallel ranks for "
+                             f"the all-to-all, got ulysses_size={ulysses_size!r}; use "
+                             f"sp_mode='hybrid' for a Ulysses x ring split")
+        if inner_ring_size not in (None, 1):
+            raise ValueError(f"sp_mode='ulysses' has no ring, got inner_ring_size="
+                             f"{inner_ring_size!r}")
+        U = sp_size
+    else:
+        if ulysses_size is None:
+            raise ValueError(f"sp_mode='hybrid' needs ulysses_size (one of "
+                             f"{_divisors(sp_size)}, dividing sp_size={sp_size})")
+        if not isinstance(ulysses_size, int) or ulysses_size < 1 or sp_size % ulysses_size:
+            raise ValueError(f"ulysses_size={ulysses_size!r} does not divide sp_size={sp_size}; "
+                             f"the sequence-parallel group is ulysses_size x ring size, so "
+                             f"ulysses_size must be one of {_divisors(sp_size)}")
+        U = ulysses_size
+    R = sp_size // U
+    if inner_ring_size is None:
+        I = R
+    else:
+        if not isinstance(inner_ring_size, int) or inner_ring_size < 1 or R % inner_ring_size:
+            raise ValueError(f"inner_ring_size={inner_ring_size!r} does not divide the ring "
+                             f"size {R} (sp_size {sp_size} / ulysses_size {U}); the ring is "
+                             f"outer x inner rings, so inner_ring_size must be one of "
+                             f"{_divisors(R)}")
+        I = inner_ring_size
+    return U, R, I
+
+
+def check_model_heads(nheads: int, nheads_kv: int, ulysses_size: int,
+                      sp_size: Optional[int] = None) -> None:
+    """Raises ValueError when a model's ``nheads`` query heads (``nheads_kv`` K/V heads) cannot
+    be split over ``ulysses_size`` ranks, naming the Ulysses sizes that would work (those that
+    also divide ``sp_size`` when given). Nothing communicates."""
+    if ulysses_size < 1 or nheads % ulysses_size:
+        raise ValueError(
+            f"num_attention_heads={nheads} cannot be split over ulysses_size={ulysses_size}: each "
+            f"rank of the all-to-all takes num_attention_heads / ulysses_size query heads; "
+            f"ulysses_size values that divide num_attention_heads={nheads}"
+            + (f" and the sequence-parallel size {sp_size}" if sp_size is not None else "")
+            + f": {valid_ulysses_degrees(nheads, sp_size)}")
+    ulysses_heads(nheads, nheads_kv, ulysses_size, what="num_attention_heads")
+
+
+@dataclass(eq=False)
+class SequenceParallelGroups:
+    """The process groups of a (ring ``R`` × Ulysses ``U``) sequence-parallel group, from this
+    rank (build with :func:`make_sp_groups`; the plugin builds one from its mesh).
+
+    Attributes:
+        group: the whole group (``R * U`` ranks; None without torch.distributed). Shard data
+            over it with :meth:`data_layout` (or :meth:`shard` / :meth:`shard_batch`).
+        size, rank: of ``group``.
+        ulysses_size, ulysses_rank, ulysses_group: the all-to-all group (None when size 1).
+        ring_size, ring_rank, ring_group: the ring (None when size 1).
+        inner_ring_size: ``I``; ``1 < I < R`` makes the ring a double ring over
+            ``inner_group`` (``I`` consecutive ring ranks) and ``outer_group`` (ring ranks
+            ``j, j + I, ...``); otherwise both are None.
+        ulysses_inner: whether Ulysses groups are the consecutive global ranks.
+        coords: ``(ring rank, Ulysses rank)`` of every rank of ``group``, in its rank order.
+    """
+
+    group: Any
+    size: int
+    rank: int
+    ulysses_size: int
+    ulysses_rank: int
+    ulysses_group: Any
+    ring_size: int
+    ring_rank: int
+    ring_group: Any
+    inner_ring_size: int
+    inner_group: Any
+    outer_group: Any
+    ulysses_inner: bool
+    coords: Tuple[Tuple[int, int], ...]
+
+    @property
+    def mode(self) -> str:
+        """``"ring"`` (U = 1), ``"ulysses"`` (R = 1) or ``"hybrid"``."""
+        if self.ulysses_size == 1:
+            return "ring"
+        return "ulysses" if self.ring_size == 1 else "hybrid"
+
+    @property
+    def double_ring(self) -> bool:
+        return 1 < self.inner_ring_size < self.ring_size
+
+    def data_layout(self, layout="zigzag") -> Layout:
+        """The layout of the tokens over :attr:`group` for ring layout ``layout`` (the layout
+        itself when U = 1, else a :class:`SequenceParallelLayout`; with R = 1 the ring layout
+        does not apply and the split is contiguous)."""
+        lay = get_layout(layout) if self.ring_size > 1 else get_layout("contiguous")
+        if self.ulysses_size == 1:
+            return lay
+        key = (id(lay), lay.name)
+        cache = self.__dict__.setdefault("_layouts", {})
+        hit = cache.get(key)
+        if hit is None or hit.base is not lay:
+            hit = SequenceParallelLayout(lay, self.ring_size, self.ulysses_size, self.coords)
+            cache[key] = hit
+        return hit
+
+    def shard(self, x: torch.Tensor, layout="zigzag", dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of the full ``x`` along ``dim`` (ValueError for a length the
+        split cannot take, before any communication)."""
+        return shard_local(x, self.data_layout(layout), self.size, self.rank, dim)
+
+    def positions(self, seqlen: int, layout="zigzag", device=None) -> torch.Tensor:
+        """Global position ids (int64, ``(seqlen // size,)``) of this rank's tokens."""
+        return positions_local(seqlen, self.data_layout(layout), self.size, self.rank, device)
+
+    def shard_batch(self, batch, layout="zigzag", ignore_index: int = -100) -> dict:
+        """:func:`ringseq.shard_batch` over :attr:`group` with :meth:`data_layout`."""
+        return shard_batch(batch, group=self.group, layout=self.data_layout(layout),
+                           ignore_index=ignore_index)
+
+    def __deepcopy__(self, memo):  # process groups cannot be copied; a copy runs on them too
+        return self
+
+    def __repr__(self):
+        return (f"SequenceParallelGroups(mode={self.mode!r}, ulysses={self.ulysses_size}, "
+                f"ring={self.ring_size}, inner_ring={self.inner_ring_size}, rank={self.rank}, "
+                f"ulysses_inner={self.ulysses_inner})")
+
+
+def _local_groups(U: int, R: int, I: int) -> SequenceParallelGroups:
+    return SequenceParallelGroups(group=None, size=1, rank=0, ulysses_size=U, ulysses_rank=0,
+                                  ulysses_group=None, ring_size=R, ring_rank=0, ring_group=None,
+                                  inner_ring_size=I, inner_group=None, outer_group=None,
+                                  ulysses_inner=True, coords=((0, 0),))
+
+
+def _check_table(t: torch.Tensor) -> None:
+    rows_ok = bool((t[:, 1:] > t[:, :-1]).all()) if t.shape[1] > 1 else True
+    cols_ok = bool((t[1:, :] > t[:-1, :]).all()) if t.shape[0] > 1 else True
+    if not (rows_ok and cols_ok):
+        raise ValueError(f"the global ranks of a sequence-parallel group must increase along its "
+                         f"ring and Ulysses dims (process groups order their ranks by global "
+                         f"rank), got the (ring, ulysses) table {t.tolist()}")
+
+
+def sp_groups_from_tables(tables: Sequence[torch.Tensor], inner_ring_size: Optional[int] = None,
+                          ulysses_inner: bool = True) -> SequenceParallelGroups:
+    """Creates the process groups of every sequence-parallel group and returns this rank's.
+
+    Collective over the default group: every rank must call it with the same ``tables``.
+
+    Args:
+        tables: one int tensor (R, U) of global ranks per sequence-parallel group (e.g. per
+            data-parallel index): entry ``[g, u]`` is the rank with ring rank ``g`` and Ulysses
+            rank ``u``. Ranks must increase along both dims; together the tables must hold
+            this rank exactly once.
+        inner_ring_size: ``I`` dividing R (None: R, a plain ring).
+        ulysses_inner: recorded (the tables already encode the placement).
+
+    Raises ValueError (before creating any group) for a bad table or ``inner_ring_size``.
+    """
+    me = dist.get_rank()
+    tables = [torch.as_tensor(t, dtype=torch.long) for t in tables]
+    R, U = tables[0].shape
+    I = R if inner_ring_size is None else inner_ring_size
+    if R % I:
+        raise ValueError(f"inner_ring_size={inner_ring_size} does not divide the ring size {R}; "
+                         f"use one of {_divisors(R)}")
+    for t in tables:
+        if tuple(t.shape) != (R, U):
+            raise ValueError(f"all sequence-parallel tables must be {R} x {U}, got "
+                             f"{tuple(t.shape)}")
+        _check_table(t)
+    mine = [i for i, t in enumerate(tables) if bool((t == me).any())]
+    if len(mine) != 1:
+        raise ValueError(f"rank {me} must be in exactly one sequence-parallel group, found in "
+                         f"{len(mine)}")
+    double = 1 < I < R
+    out = {}
+    for ti, t in enumerate(tables):  # same order on every rank
+        def make(ranks, key):
+            ranks = sorted(int(x) for x in ranks)
+            pg = dist.new_group(ranks)
+            if me in ranks:
+                out[key] = pg
+        for g in range(R):
+            if U > 1:
+                make(t[g, :], ("ulysses", ti, g))
+        for u in range(U):
+            if R > 1:
+                make(t[:, u], ("ring", ti, u))
+            if double:
+                for o in range(R // I):
+                    make(t[o * I:(o + 1) * I, u], ("inner", ti, u, o))
+                for j in range(I):
+                    make(t[j::I, u], ("outer", ti, u, j))
+        if (U > 1 and R > 1) or U * R == 1:  # else the whole group is the ring / Ulysses one
+            make(t.flatten(), ("flat", ti))
+    t = tables[mine[0]]
+    ti = mine[0]
+    g, u = [int(x) for x in (t == me).nonzero()[0]]
+    flat = sorted(int(x) for x in t.flatten())
+    coords = []
+    for x in flat:
+        gg, uu = [int(y) for y in (t == x).nonzero()[0]]
+        coords.append((gg, uu))
+    ring_group = out.get(("ring", ti, u))
+    ulysses_group = out.get(("ulysses", ti, g))
+    whole = out.get(("flat", ti), ring_group if U == 1 else ulysses_group)
+    inner = outer = None
+    if double:
+        inner, outer = out[("inner", ti, u, g // I)], out[("outer", ti, u, g % I)]
+    return SequenceParallelGroups(
+        group=whole, size=R * U, rank=flat.index(me), ulysses_size=U, ulysses_rank=u,
+        ulysses_group=ulysses_group, ring_size=R, ring_rank=g, ring_group=ring_group,
+        inner_ring_size=I, inner_group=inner, outer_group=outer, ulysses_inner=ulysses_inner,
+        coords=tuple(coords))
+
+
+def _table(ranks: Sequence[int], U: int, ulysses_inner: bool) -> torch.Tensor:
+    ranks = torch.tensor(sorted(ranks), dtype=torch.long)
+    R = ranks.numel() // U
+    return ranks.view(R, U) if ulysses_inner else ranks.view(U, R).t().contiguous()
+
+
+def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None, *, group=None,
+                   ulysses_inner: bool = True) -> SequenceParallelGroups:
+    """The Ulysses × ring groups of the sequence-parallel group ``group``.
+
+    Args:
+        ulysses_size: U, dividing the group size (1: ring only; the group size: Ulysses
+            only).
+        inner_ring_size: I dividing the ring size R = size / U for a double ring (None: a
+            plain ring).
+        group: the whole sequence-parallel group (None: the default group). When it is a
+            subgroup (e.g. one data-parallel replica's), every rank of the default group
+            must call this with its own group: the groups are all-gathered first, since
+            creating process groups is collective over the default group.
+        ulysses_inner: True (default): the U ranks of a Ulysses group are consecutive ranks of
+            ``group`` (the all-to-all stays inside a node); False: the ring ranks are.
+
+    Returns this rank's :class:`SequenceParallelGroups`. Collective (group creation).
+    Without torch.distributed it returns a group of one (U and I must then be 1).
+
+    Raises ValueError naming the sizes that work, on every rank before any communication,
+    when U does not divide the group size or I does not divide R.
+    """
+    if not is_initialized():
+        if group is not None:
+            raise ValueError("a process group was passed but torch.distributed is not "
+                             "initialized")
+        if ulysses_size != 1 or inner_ring_size not in (None, 1):
+            raise ValueError(f"ulysses_size={ulysses_size} / inner_ring_size={inner_ring_size} "
+                             f"need torch.distributed (a group of one cannot be split)")
+        return _local_groups(1, 1, 1)
+    ranks = (list(range(dist.get_world_size())) if group is None
+             else dist.get_process_group_ranks(group))
+    n = len(ranks)
+    mode = "ring" if ulysses_size == 1 else ("ulysses" if ulysses_size == n else "hybrid")
+    resolve_sp_sizes(mode, n, ulysses_size, inner_ring_size)  # raises before communicating
+    if group is None or n == dist.get_world_size():
+        all_groups = [sorted(ranks)]
+    else:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(ranks))
+        all_groups = sorted({tuple(g) for g in gathered})
+        if len({r for g in all_groups for r in g}) != sum(len(g) for g in all_groups):
+            raise ValueError(f"the sequence-parallel groups passed by the ranks overlap: "
+                             f"{all_groups}")
+    tables = [_table(g, ulysses_size, ulysses_inner) for g in all_groups]
+    return sp_groups_from_tables(tables, inner_ring_size, ulysses_inner)

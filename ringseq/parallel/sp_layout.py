@@ -1,0 +1,72 @@
+"""Where the tokens of a 2-D (ring x Ulysses) sequence-parallel group live (the sharding rule of
+:mod:`ringseq.parallel.groups`), as a :class:`ringseq.layouts.Layout` over the whole group."""
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple
+
+import torch
+
+from ..layouts import Layout
+
+__all__ = ["SequenceParallelLayout"]
+
+
+class SequenceParallelLayout(Layout):
+    """Where the tokens of a 2-D (ring ``R`` × Ulysses ``U``) sequence-parallel group live
+    (the sharding rule of the module doc), as a :class:`ringseq.layouts.Layout` over the whole
+    group of ``R * U`` ranks in its rank order: ``ringseq.shard(x, this, sp.group)``,
+    ``ringseq.positions``, ``ringseq.shard_batch`` and the plugin's loader use it unchanged.
+
+    ``coords[f] = (ring rank, Ulysses rank)`` of rank ``f`` of the whole group. It places
+    tokens only; attention on it is :func:`usp_attn_func` (its block schedule raises).
+    """
+
+    def __init__(self, base: Layout, ring_size: int, ulysses_size: int,
+                 coords: Sequence[Tuple[int, int]]):
+        self.base, self.ring_size, self.ulysses_size = base, ring_size, ulysses_size
+        self.coords = tuple(tuple(c) for c in coords)
+        order = "u" if all(c == (f // ulysses_size, f % ulysses_size)
+                           for f, c in enumerate(self.coords)) else "r"
+        self.name = f"{base.name}|sp[R={ring_size},U={ulysses_size},{order}-inner]"
+
+    def multiple(self, world_size):
+        self._check_world(world_size)
+        mb = self.base.multiple(self.ring_size) // self.ring_size
+        return self.ring_size * (mb * self.ulysses_size // math.gcd(mb, self.ulysses_size))
+
+    def _check_world(self, world_size):
+        if world_size != self.ring_size * self.ulysses_size:
+            raise ValueError(f"layout {self.name!r} is for a group of {self.ring_size} x "
+                             f"{self.ulysses_size} = {self.ring_size * self.ulysses_size} "
+                             f"ranks, got world size {world_size}")
+
+    def _positions(self, seqlen, world_size, rank):
+        g, u = self.coords[rank]
+        part = self.base.positions(seqlen, self.ring_size, g)
+        n = part.numel() // self.ulysses_size
+        return part[u * n:(u + 1) * n]
+
+    def shard(self, x, world_size, rank, dim):
+        self.check_seqlen(x.shape[dim], world_size)
+        g, u = self.coords[rank]
+        part = self.base.shard(x, self.ring_size, g, dim)
+        n = part.shape[dim] // self.ulysses_size
+        return part.narrow(dim, u * n, n).clone(memory_format=torch.contiguous_format)
+
+    def bind(self, cu_seqlens):
+        base = self.base.bind(cu_seqlens)
+        if base is self.base:
+            return self
+        cache = self.__dict__.setdefault("_bound", {})
+        hit = cache.get(id(base))
+        if hit is None or hit.base is not base:
+            if len(cache) > 16:
+                cache.clear()
+            hit = cache[id(base)] = SequenceParallelLayout(base, self.ring_size,
+                                                           self.ulysses_size, self.coords)
+        return hit
+
+    def _tasks(self, rank, src, world_size, s_local):
+        raise ValueError(f"layout {self.name!r} places tokens for Ulysses x ring attention; "
+                         f"run attention on it with ringseq.usp_attn_func, not the ring alone")

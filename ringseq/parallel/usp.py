@@ -1,0 +1,124 @@
+"""Unified sequence parallelism (USP): attention over a Ulysses × ring group, any of its modes.
+
+The placement is a composition of the engine's (:mod:`ringseq.engine.placement`): the ring
+(``U = 1``), the double ring (``1 < I < R``), Ulysses around the local kernel (``R = 1``), or
+Ulysses around the ring / double ring (hybrid). Every mode takes every mask: windows,
+soft-capping and packed documents (global ``cu_seqlens``) follow global positions as in the
+plain ring.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._args import autocast_inputs, check_bool, check_dropout, check_returns, check_softmax_scale
+from ..engine.integrity import FWD
+from ..engine.op import run_attention
+from ..engine.placement import LOCAL, Placement, RingPlacement
+from ..engine.ring import refuse_on_error
+from ..layouts import Layout, get_layout
+from ..ops import returns
+from ..spec import attn_spec, check_layout, check_self_attention, local_spans
+from .double_ring import DoubleRingPlacement
+from .groups import SequenceParallelGroups
+from .ulysses import UlyssesPlacement, gathered, ulysses_heads
+
+__all__ = ["usp_attn_func", "usp_placement", "usp_sdpa"]
+
+
+def usp_placement(sp: SequenceParallelGroups, layout: Layout) -> Placement:
+    """The placement of attention on ``sp`` with ring layout ``layout`` (unbound)."""
+    if sp.ring_size == 1:
+        ring: Placement = LOCAL
+    elif sp.double_ring:
+        ring = DoubleRingPlacement(layout, sp.inner_group, sp.outer_group, sp.ring_group)
+    else:
+        ring = RingPlacement(layout, sp.ring_group)
+    if sp.ulysses_size == 1:
+        return ring
+    return UlyssesPlacement(sp.ulysses_group, ring, control_group=sp.group)
+
+
+def usp_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causal: bool = False, *,
+                  sp: SequenceParallelGroups, layout="zigzag", return_lse: bool = False,
+                  backend=None, grad_comm_dtype=None, window_size=(-1, -1), softcap: float = 0.0,
+                  cu_seqlens=None):
+    """Exact attention over a sequence split over a Ulysses × ring group (any mode of ``sp``).
+
+    Args:
+        q: (batch, s_local, nheads, headdim); k, v: (batch, s_local, nheads_kv, headdim):
+            this rank's shard under ``sp.data_layout(layout)`` (e.g. ``sp.shard(x, layout)``
+            or ``sp.shard_batch``). float32, float64, bfloat16 or float16; only the last
+            dimension must be contiguous; under autocast cast to its dtype first.
+        dropout_p: must be 0.0.
+        softmax_scale: defaults to ``headdim ** -0.5``.
+        causal: causal mask over global positions.
+        sp: the groups (:func:`make_sp_groups`, or the plugin's ``plugin.sp``).
+        layout: the layout of the ring dimension (``"zigzag"``, ``"contiguous"``,
+            ``"stripe"``, ``"documents"`` or a Layout); it must be the one the data was sharded
+            with. Ignored without a ring (R = 1: the Ulysses split is contiguous).
+        return_lse: also return lse.
+        backend: block kernel (ring steps, or the local attention when R = 1).
+        grad_comm_dtype: dtype of the travelling dK/dV accumulators of the ring (see
+            :func:`ringseq.ring_flash_attn_func`).
+        window_size, softcap: as in :func:`ringseq.ring_flash_attn_func` (global positions).
+        cu_seqlens: GLOBAL document boundaries of a packed sequence (the same on every rank).
+
+    Returns out (batch, s_local, nheads, headdim) in q's dtype; with ``return_lse`` also lse
+    (batch, nheads, s_local) float32 (float64 for float64). Differentiable (q, k, v, lse).
+
+    Raises:
+        ValueError (before any communication): ``nheads`` not divisible by U (naming the
+            degrees that work), a local length the ring layout cannot use, bad shapes or
+            dtypes, ``dropout_p > 0``, ``cu_seqlens`` that are not the global boundaries; the
+            other ranks raise :class:`ringseq.RingPeerError` naming this one.
+        RingMismatchError (a ValueError): ranks called with different arguments (every rank).
+    """
+    return _usp("usp_attn_func", q, k, v, dropout_p, softmax_scale, causal, sp, layout,
+                return_lse, backend, grad_comm_dtype, window_size, softcap, cu_seqlens)
+
+
+def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, backend,
+         grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None):
+    with refuse_on_error(sp.group, FWD):
+        check_returns(fn, False, return_lse)
+        q, k, v = autocast_inputs(q, k, v)
+        U, R = sp.ulysses_size, sp.ring_size
+        lay = get_layout(layout) if R > 1 else get_layout("contiguous")
+        spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                         causal=causal, window_size=window_size, softcap=softcap,
+                         backend=backend, grad_comm_dtype=grad_comm_dtype,
+                         documents=lay.documents if cu_seqlens is None else cu_seqlens)
+        check_self_attention(spec, q, k)
+        ulysses_heads(q.shape[2], k.shape[2], U, fn=fn)
+        part = q.shape[1] * U  # tokens of a ring part (after the all-to-all)
+        if R > 1:
+            check_layout(spec, lay.bind(spec.documents), R, part)
+        else:
+            spec = local_spans(gathered(spec, part), part, part)
+    with torch.autocast(q.device.type, enabled=False):
+        out, lse = run_attention(q, k, v, spec, usp_placement(sp, lay))
+    return returns(out, lse, False, return_lse)
+
+
+def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+             scale=None, enable_gqa: bool = True, *, sp: SequenceParallelGroups,
+             layout="zigzag", backend=None, grad_comm_dtype=None):
+    """:func:`usp_attn_func` in ``F.scaled_dot_product_attention``'s layout and positional
+    order: query (b, h, s_local, d), key/value (b, h_kv, s_local, d) -> (b, h, s_local, d).
+    ``attn_mask`` must be None and ``dropout_p`` 0 (ValueError otherwise)."""
+    fn = "usp_sdpa"
+    with refuse_on_error(sp.group, FWD):
+        check_softmax_scale(fn, scale, name="scale")
+        check_bool(fn, "is_causal", is_causal)
+        check_bool(fn, "enable_gqa", enable_gqa)
+        if attn_mask is not None:
+            raise ValueError(f"{fn}: attn_mask must be None (use is_causal), got a "
+                             f"{type(attn_mask).__name__}")
+        check_dropout(fn, dropout_p)
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{fn}: {name} must be (batch, nheads, seqlen, headdim), got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    out = _usp(fn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0.0, scale,
+               is_causal, sp, layout, False, backend, grad_comm_dtype)
+    return out.transpose(1, 2)

@@ -1,0 +1,251 @@
+"""One attention call's options, resolved and validated once: the :class:`AttnSpec`.
+
+Every public entry point (``flash_attn_func`` and its forms, the ring functions, Ulysses, USP,
+the double ring, the transformers backend, the plugin through them) calls :func:`attn_spec`
+once with the user's arguments and this rank's tensors. It checks every argument (through the
+parsers of :mod:`ringseq._args`, in one error style: ``"{function}: {argument} must be ...,
+got ..."``), applies every default and returns a frozen ``AttnSpec`` that flows down to the
+kernels unchanged: nothing below re-checks or re-resolves (``RINGSEQ_DEBUG_CHECKS=1`` makes the
+kernels re-check their inputs, for debugging).
+
+The custom operator (:mod:`ringseq.engine.op`) takes the spec as one string
+(:meth:`AttnSpec.key`, decoded by :func:`spec_from_key`), with the document boundaries and the
+kernel spans beside it as tensors. :meth:`AttnSpec.signature` is the only cross-rank signature:
+every rank of a sequence-parallel call must agree on it (checked by the call's begin
+collective, :mod:`ringseq.engine.integrity`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ._args import (check_alibi_slopes, check_bool, check_cu_seqlens, check_dropout,
+                    check_softmax_scale, parse_window)
+from ._hash import stable_hash_ints
+from .kernels import AttentionBackend, backend_by_key, backend_key, check_qkv, get_backend
+from .kernels.checks import count_check
+from .kernels.spans import as_spans_tensor, check_softcap, document_spans
+from .masks import AttnMask
+
+__all__ = ["AttnSpec", "attn_spec", "check_layout", "check_self_attention", "dtype_code", "local_spans",
+           "spec_from_key"]
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def dtype_code(dtype: Optional[torch.dtype]) -> int:
+    """A small integer for a dtype, the same on every rank (99: not a float dtype we know)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else 99
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """What an attention call computes, besides its tensors and where it runs.
+
+    Attributes:
+        fn: the public function that was called (errors name it).
+        softmax_scale: the resolved scale.
+        mask: causal, window ``(left, right)`` (flash-attn's convention) and, for
+            sequence-parallel calls, the GLOBAL document boundaries of a packed sequence
+            (:class:`ringseq.masks.AttnMask`).
+        softcap: logit soft-capping (0: off).
+        backend: the block kernel.
+        grad_comm_dtype: the dtype in which a ring's travelling dK/dV accumulators move.
+        needs_grad: whether a backward follows (part of the signature: no rank runs a
+            backward alone).
+        spans: the kernel spans of local attention (a checked int64 (n, 6) CPU tensor), or
+            None for plain (causal) attention: windows and packed documents of a
+            single-device call, or of the gathered sequence of an all-to-all.
+    """
+
+    fn: str
+    softmax_scale: float
+    mask: AttnMask
+    softcap: float
+    backend: AttentionBackend
+    grad_comm_dtype: torch.dtype
+    needs_grad: bool
+    # compared by identity: a spec is a cache key, and tensors do not compare as one value
+    spans: Optional[torch.Tensor] = dataclasses.field(default=None, compare=False)
+
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal
+
+    @property
+    def window(self) -> Tuple[int, int]:
+        return self.mask.window
+
+    @property
+    def documents(self) -> Optional[Tuple[int, ...]]:
+        return self.mask.cu_seqlens
+
+    def accum_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.backend.accum_dtype(dtype)
+
+    # -- the custom operator's encoding --------------------------------------------------------
+    def key(self) -> str:
+        """Everything but the documents and spans (which travel as tensors) as one string:
+        the same options give the same string, so a compiled graph keeps one constant."""
+        gdt = str(self.grad_comm_dtype).replace("torch.", "")
+        return "|".join((self.fn, float(self.softmax_scale).hex(), str(int(self.causal)),
+                         str(self.window[0]), str(self.window[1]), float(self.softcap).hex(),
+                         backend_key(self.backend), gdt, str(int(self.needs_grad))))
+
+    def documents_tensor(self) -> Optional[torch.Tensor]:
+        """The documents as the custom operator takes them (an int64 CPU tensor) or None."""
+        if self.documents is None:
+            return None
+        return torch.tensor(self.documents, dtype=torch.int64)
+
+    # -- the cross-rank signature ---------------------------------------------------------------
+    def signature(self, q_shape: Sequence[int], nheads_kv: int, dtype: torch.dtype, *,
+                  extra: Sequence[tuple] = ()) -> Tuple[tuple, ...]:
+        """``(name, value[, kind])`` fields every rank of a sequence-parallel call must agree
+        on: the local shapes (q (b, s_local, h, d), ``nheads_kv``) and dtype, every option of
+        the spec, and ``extra`` (the placement's own: layout, world size, degrees)."""
+        b, s, h, d = q_shape
+        docs = 0 if self.documents is None else stable_hash_ints(self.documents)
+        return (
+            ("batch", b), ("local seqlen", s), ("nheads", h), ("nheads_kv", nheads_kv),
+            ("headdim", d), ("dtype", dtype_code(dtype), "dtype"),
+            ("causal", self.causal, "bool"), ("requires_grad", self.needs_grad, "bool"),
+            ("grad_comm_dtype", dtype_code(self.grad_comm_dtype), "dtype"),
+            ("softmax_scale (x1e6)", round(self.softmax_scale * 1e6)),
+            ("window left", self.window[0]), ("window right", self.window[1]),
+            ("softcap (x1e6)", round(self.softcap * 1e6)),
+            ("documents (hash of cu_seqlens)", docs),
+        ) + tuple(extra)
+
+
+@functools.lru_cache(maxsize=256)
+def _scalars_from_key(key: str) -> AttnSpec:
+    fn, scale, causal, left, right, softcap, be, gdt, grad = key.split("|")
+    return AttnSpec(fn=fn, softmax_scale=float.fromhex(scale),
+                    mask=AttnMask(causal=causal == "1", window=(int(left), int(right))),
+                    softcap=float.fromhex(softcap), backend=backend_by_key(be),
+                    grad_comm_dtype=getattr(torch, gdt), needs_grad=grad == "1")
+
+
+def spec_from_key(key: str, documents: Optional[torch.Tensor] = None,
+                  spans: Optional[torch.Tensor] = None) -> AttnSpec:
+    """The spec :meth:`AttnSpec.key` encoded, with the documents and spans given beside it."""
+    spec = _scalars_from_key(key)
+    if documents is None and spans is None:
+        return spec
+    mask = spec.mask if documents is None else dataclasses.replace(
+        spec.mask, cu_seqlens=tuple(documents.tolist()))
+    return dataclasses.replace(spec, mask=mask, spans=spans)
+
+
+def _resolve_grad_comm_dtype(fn: str, grad_comm_dtype, dtype: torch.dtype,
+                             acc: torch.dtype) -> torch.dtype:
+    """None -> the accumulation dtype; "input" -> ``dtype``; a floating torch.dtype as is."""
+    if grad_comm_dtype is None:
+        return acc
+    if isinstance(grad_comm_dtype, str) and grad_comm_dtype == "input":
+        return dtype
+    if isinstance(grad_comm_dtype, torch.dtype) and grad_comm_dtype.is_floating_point:
+        return grad_comm_dtype
+    raise ValueError(f"{fn}: grad_comm_dtype must be None, 'input' or a floating torch.dtype, "
+                     f"got {grad_comm_dtype!r}")
+
+
+def attn_spec(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
+              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+              backend=None, grad_comm_dtype=None, documents=None, varlen: bool = False,
+              needs_grad: Optional[bool] = None) -> AttnSpec:
+    """Validates one attention call and resolves its defaults (see the module doc).
+
+    Args:
+        fn: the public function's name (every error names it).
+        q: (b, s_q, h, d); k, v: (b, s_k, h_kv, d): this rank's tensors (checked by
+            :func:`ringseq.kernels.checks.check_qkv`).
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic:
+            flash-attn's arguments (``deterministic`` must be a bool and has no effect:
+            ringseq's kernels are deterministic; the "sdpa" and "flash_attn" backends are as
+            their library is).
+        backend: a backend name, instance or None (:func:`ringseq.kernels.get_backend`).
+        grad_comm_dtype: None, ``"input"`` or a floating dtype (ring calls).
+        documents: GLOBAL document boundaries of a packed sequence (sequence-parallel calls),
+            or None.
+        varlen: the call packs sequences (its kernel spans come from :func:`local_spans`).
+        needs_grad: default: grad mode and any input requiring grad.
+
+    Raises TypeError / ValueError / NotImplementedError naming ``fn`` and the argument.
+    """
+    count_check("attn_spec")
+    check_dropout(fn, dropout_p)
+    check_softmax_scale(fn, softmax_scale)
+    check_bool(fn, "causal", causal)
+    window = parse_window(fn, window_size)
+    softcap = check_softcap(softcap, fn)
+    check_alibi_slopes(fn, alibi_slopes)
+    check_bool(fn, "deterministic", deterministic)
+    check_qkv(q, k, v, fn=fn)
+    be = get_backend(backend, q.device, q.dtype, q.shape[-1], fn=fn)
+    if documents is not None:
+        documents = check_cu_seqlens(fn, "cu_seqlens", documents)
+    be.check_features(fn, spans=varlen or window != (-1, -1) or documents is not None,
+                      softcap=softcap)
+    acc = be.accum_dtype(q.dtype)
+    if needs_grad is None:
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return AttnSpec(fn=fn, softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None
+                    else float(softmax_scale),
+                    mask=AttnMask(causal=causal, window=window, cu_seqlens=documents),
+                    softcap=softcap, backend=be,
+                    grad_comm_dtype=_resolve_grad_comm_dtype(fn, grad_comm_dtype, q.dtype, acc),
+                    needs_grad=bool(needs_grad))
+
+
+def local_spans(spec: AttnSpec, seqlen_q: int, seqlen_k: int, cu_seqlens_q=None,
+                cu_seqlens_k=None) -> AttnSpec:
+    """``spec`` with the kernel spans of local attention over ``seqlen_q`` queries and
+    ``seqlen_k`` keys: one span per document (``cu_seqlens_q`` / ``cu_seqlens_k``, validated by
+    the caller, else the spec's own documents, which then cover both), each with the spec's
+    window as a bottom-right aligned band; unchanged for plain (causal) attention."""
+    if cu_seqlens_q is None:
+        if spec.window == (-1, -1) and spec.documents is None:
+            return spec
+        cu_seqlens_q = cu_seqlens_k = spec.documents or (0, seqlen_q)
+        if spec.documents is None:
+            cu_seqlens_k = (0, seqlen_k)
+    rows = [sp for sp in document_spans(cu_seqlens_q, cu_seqlens_k, spec.causal, spec.window)
+            if sp[1] > 0 and sp[3] > 0]  # empty documents give nothing: out 0, lse -inf
+    spans = as_spans_tensor(rows) if rows else torch.zeros((0, 6), dtype=torch.int64)
+    return dataclasses.replace(spec, spans=spans)
+
+
+def check_self_attention(spec: AttnSpec, q, k) -> None:
+    """Sequence-parallel attention splits ONE sequence: q and k/v shards of the same length."""
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"{spec.fn}: q and k/v must be shards of one sequence (the same local "
+                         f"length), got q {tuple(q.shape)} and k {tuple(k.shape)}")
+
+
+def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
+    """A sequence-parallel call of ``spec`` on local shards of ``s_local`` tokens over
+    ``world_size`` ranks placed by ``layout`` (bound to the call's documents): the documents
+    must be the GLOBAL boundaries, the layout must take the local length, and the backend must
+    compute a block's gradients from a ring's merged out/lse. ValueError naming ``spec.fn``."""
+    total = s_local * world_size
+    if spec.documents is not None and spec.documents[-1] != total:
+        raise ValueError(
+            f"{spec.fn}: cu_seqlens must be the GLOBAL document boundaries of the whole packed "
+            f"sequence (the same on every rank, ending at the global length {total} = local "
+            f"length {s_local} x world size {world_size}), got boundaries ending at "
+            f"{spec.documents[-1]}" + (" (per-rank boundaries, as ring-flash-attention passes "
+                                       "them?)" if spec.documents[-1] == s_local else ""))
+    try:
+        layout.check_local_seqlen(s_local, world_size)
+    except ValueError as exc:
+        raise ValueError(f"{spec.fn}: {exc}") from None
+    if world_size > 1 and not spec.backend.supports_global_backward:
+        raise ValueError(f"{spec.fn}: backend {spec.backend.name!r} cannot compute a block's "
+                         f"gradients from the merged output of a ring; use backend='ringseq' "
+                         f"or 'reference'")

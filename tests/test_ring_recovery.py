@@ -1,0 +1,491 @@
+"""Integrity, second pass: after any failure the ring recovers with ``reset_ring``, a failure on
+one rank is raised on every rank, ranks a call apart never pair silently, and Ulysses, USP, the
+plugin and checkpoints give the same guarantees (ringseq.engine.integrity).
+
+One spawn per world size runs every case in a fixed order with a short ring timeout; each case
+returns what happened on its rank (an error type and message, or a result) and ends with the
+ring healthy, which the next case relies on. After every recovered failure the next call is
+compared with float64 attention.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringseq
+from ringseq.kernels import get_backend
+from ringseq.kernels.base import AttentionBackend
+
+from dist_utils import run_ranks
+from utils import max_err
+
+TIMEOUT = 4  # seconds: the ring timeout of these ranks
+FAST = 3 * TIMEOUT + 10  # every error must arrive within this (a loaded 2-core CI box)
+
+
+def _capture(fn):
+    """('ok', value) or (error type name, message, seconds)."""
+    t0 = time.monotonic()
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
+        return (type(exc).__name__, str(exc), time.monotonic() - t0)
+
+
+def _full(seed, s=16, h=4, h_kv=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, s, n, d, generator=g, dtype=torch.float64) for n in (h, h_kv, h_kv)]
+
+
+def _exact(group=None, layout="zigzag", seed=0, **kw):
+    """Max error of this rank's causal ring fwd+bwd against float64 attention (a healthy ring
+    gives ~1e-15)."""
+    full = _full(seed)
+    loc = [ringseq.shard(t, layout, group).requires_grad_() for t in full]
+    out = ringseq.ring_flash_attn_func(*loc, causal=True, layout=layout, group=group, **kw)
+    out.backward(torch.ones_like(out))
+    ref = [t.clone().requires_grad_() for t in full]
+    ro = ringseq.flash_attn_func(*ref, causal=True, backend="reference")
+    ro.backward(torch.ones_like(ro))
+    errs = [max_err(out, ringseq.shard(ro, layout, group))]
+    errs += [max_err(a.grad, ringseq.shard(b.grad, layout, group)) for a, b in zip(loc, ref)]
+    return max(errs)
+
+
+def _both_reset(group=None):
+    dist.barrier()
+    ringseq.reset_ring(group)
+
+
+class Faulty(AttentionBackend):
+    """The reference kernel raising on its ``fail_at``-th call when armed."""
+
+    name = "faulty"
+    supports_spans = supports_softcap = True
+
+    def __init__(self):
+        self.inner = get_backend("reference")
+        self.count, self.fail_at = 0, -1
+
+    def _tick(self):
+        self.count += 1
+        if self.count == self.fail_at:
+            raise RuntimeError(f"injected fault at kernel call {self.count}")
+
+    def _fwd(self, *a, **kw):
+        self._tick()
+        return self.inner._fwd(*a, **kw)
+
+    def _bwd(self, *a, **kw):
+        self._tick()
+        return self.inner._bwd(*a, **kw)
+
+
+# ---------------------------------------------------------------------------------- cases
+def _case_stalled_rank():
+    """Rank 1 stalls past the timeout: rank 0 times out; rank 1, back, gets a ringseq error
+    naming the call it missed; reset_ring on both: the next call is exact."""
+    rank = dist.get_rank()
+    full = _full(1)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    if rank == 1:
+        time.sleep(TIMEOUT + 3)
+    out = {"call": _capture(lambda: ringseq.ring_flash_attn_func(*loc, causal=True,
+                                                                 layout="zigzag"))}
+    out["again"] = _capture(lambda: ringseq.ring_flash_attn_func(*loc, causal=True,
+                                                                  layout="zigzag"))
+    _both_reset()
+    out["after_reset"] = _capture(_exact)
+    return out
+
+
+def _case_transport_raises():
+    """The transport raises on rank 1 during an exchange: every rank gets an error within the
+    timeout; after reset_ring the ring is exact."""
+    from ringseq.engine.transport import RingComm
+    rank = dist.get_rank()
+    real = RingComm.exchange
+    calls = {"n": 0}
+
+    def broken(self, *a, **kw):
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 2:
+            raise RuntimeError("injected transport failure")
+        return real(self, *a, **kw)
+
+    RingComm.exchange = broken
+    try:
+        out = {"call": _capture(lambda: _exact(seed=2))}
+    finally:
+        RingComm.exchange = real
+    _both_reset()
+    out["after_reset"] = _capture(_exact)
+    return out
+
+
+def _case_check_modes_differ():
+    """One rank runs without control collectives: both raise (timeout) instead of computing;
+    same mode + reset_ring: exact."""
+    rank = dist.get_rank()
+    ringseq.set_consistency_check(rank == 0)
+    out = {"call": _capture(lambda: _exact(seed=3))}
+    ringseq.set_consistency_check(True)
+    _both_reset()
+    out["after_reset"] = _capture(_exact)
+    return out
+
+
+def _case_different_group_objects():
+    """Ranks pass different process-group objects with the same members: the error says so
+    (not a stalled peer); reset_ring of those groups, then one group: exact."""
+    rank = dist.get_rank()
+    ga = dist.new_group([0, 1])
+    gb = dist.new_group([0, 1])
+    mine = ga if rank == 0 else gb
+    out = {"call": _capture(lambda: _exact(group=mine, seed=4))}
+    ringseq.reset_ring(ga)  # every rank resets every ring the failure touched
+    ringseq.reset_ring(gb)
+    _both_reset()
+    out["after_reset"] = _capture(lambda: _exact(group=ga))
+    return out
+
+
+def _case_one_rank_bad_argument():
+    """An argument only one rank finds invalid: that rank raises its ValueError, the other a
+    RingPeerError naming it -- at once; the ring stays usable without a reset."""
+    rank = dist.get_rank()
+    full = _full(5)
+    q, k, v = (ringseq.shard(t, "zigzag") for t in full)
+    out = {}
+    bad = {
+        "cu_seqlens": dict(cu_seqlens=[0, 5, 15] if rank == 1 else [0, 5, 16]),
+        "meta": dict(),
+        "window": dict(window_size=(-3, 0) if rank == 1 else (2, 0)),
+    }
+    for name, kw in bad.items():
+        kk = k.to("meta") if (name == "meta" and rank == 1) else k
+        out[name] = _capture(lambda: ringseq.ring_flash_attn_func(q, kk, v, causal=True,
+                                                                  layout="zigzag", **kw))
+    out["after"] = _capture(_exact)
+    out["ulysses"] = _capture(lambda: ringseq.ulysses_attn_func(
+        q, k, v, causal=True, window_size=(-3, 0) if rank == 0 else (1, 0)))
+    out["after_ulysses"] = _capture(_exact)
+    return out
+
+
+def _case_tags():
+    """A rank that skips a step (raising in its own code and going on) calls with the next
+    step's tag: RingDesyncError on every rank; after reset_ring, ranks still a step apart raise
+    again; back in step: exact."""
+    rank = dist.get_rank()
+    full = _full(6)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+
+    def call(tag):
+        with ringseq.call_tag(tag):
+            return ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag")
+
+    out = {"skipped": _capture(lambda: call(2 if rank == 1 else 1))}
+    _both_reset()
+    out["still_apart"] = _capture(lambda: call(3 if rank == 1 else 2))
+    _both_reset()
+    with ringseq.call_tag(4):
+        out["in_step"] = _capture(_exact)
+    return out
+
+
+def _case_threads():
+    """Two threads per rank on one group, started in opposite orders: every call that would
+    pair with the other rank's other thread raises at once; nothing is silently wrong."""
+    import threading
+    rank = dist.get_rank()
+    full = _full(7)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    ref = ringseq.shard(ringseq.flash_attn_func(*full, causal=True, backend="reference"),
+                        "zigzag")
+    results = {}
+
+    def body(name):
+        def run():
+            for _ in range(3):
+                o = ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag")
+                assert max_err(o, ref) < 1e-12, "silently wrong"
+            return "ok"
+        results[name] = _capture(run)
+
+    g = dist.new_group([0, 1])  # a fresh ring: bound to the first thread that calls it
+    loc_g = loc
+
+    def body_g(name):
+        def run():
+            for _ in range(3):
+                o = ringseq.ring_flash_attn_func(*loc_g, causal=True, layout="zigzag", group=g)
+                assert max_err(o, ref) < 1e-12, "silently wrong"
+            return "ok"
+        results[name] = _capture(run)
+
+    threads = [threading.Thread(target=body_g, args=(n,), name=n) for n in ("A", "B")]
+    for t in (threads if rank == 0 else threads[::-1]):
+        t.start()
+        time.sleep(0.3)
+    for t in threads:
+        t.join()
+    ringseq.reset_ring(g)
+    _both_reset()
+    results["after"] = _capture(_exact)
+    return results
+
+
+def _case_ulysses_and_usp_faults():
+    """A fault inside the kernel on one rank, in Ulysses (degree 2) and in USP (2 x 1 hybrid
+    over 2 ranks = Ulysses; the double ring needs 4): every rank raises, reset: exact."""
+    rank = dist.get_rank()
+    be = Faulty()
+    full = _full(8)
+    q, k, v = (ringseq.shard(t, "contiguous") for t in full)
+    out = {}
+    be.fail_at = be.count + 1 if rank == 1 else -1
+    out["ulysses"] = _capture(lambda: ringseq.ulysses_attn_func(q, k, v, causal=True,
+                                                                backend=be))
+    _both_reset()
+    ref = ringseq.flash_attn_func(*full, causal=True, backend="reference")
+    out["after"] = _capture(lambda: max_err(ringseq.ulysses_attn_func(q, k, v, causal=True),
+                                            ringseq.shard(ref, "contiguous")))
+    # a stall in the all-to-all
+    if rank == 0:
+        time.sleep(TIMEOUT + 3)
+    out["stall"] = _capture(lambda: ringseq.ulysses_attn_func(q, k, v, causal=True))
+    _both_reset()
+    out["after_stall"] = _capture(lambda: max_err(ringseq.ulysses_attn_func(q, k, v,
+                                                                            causal=True),
+                                                  ringseq.shard(ref, "contiguous")))
+    return out
+
+
+def _case_timeout_values():
+    out = {}
+    for value in (float("inf"), 1e-9, True, 0.5, "3"):
+        out[repr(value)] = _capture(lambda: ringseq.set_ring_timeout(value))
+    ringseq.set_ring_timeout(TIMEOUT)
+    return out
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, attention_dropout=0.0)
+    return LlamaForCausalLM(cfg)
+
+
+def _case_plugin_failures(tmp):
+    """The plugin: a bad token id on one rank (uncaught) raises everywhere within the timeout,
+    the victim its own IndexError; caught + booster.reset(): the next step runs and equals
+    single-process training; a bad label on one rank, caught: no abort, the next step runs."""
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    rank = dist.get_rank()
+    model = _tiny_llama().double()
+    plugin = RingSequenceParallelPlugin(sp_size=2, layout="zigzag")
+    booster = Booster(plugin=plugin)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, crit, _, _ = booster.boost(model, opt)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (1, 16), generator=g)
+    good = ringseq.shard_batch({"input_ids": ids, "labels": ids}, layout="zigzag")
+
+    def step(batch):
+        loss = crit(model(**batch), batch)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    out = {}
+    bad = dict(good)
+    if rank == 1:
+        bad["input_ids"] = bad["input_ids"].clone()
+        bad["input_ids"][0, 0] = 10_000  # out of the vocabulary
+    out["bad_token"] = _capture(lambda: step(bad))
+    booster.reset()
+    out["after_bad_token"] = _capture(lambda: step(good))
+    bad_label = dict(good)
+    if rank == 0:
+        bad_label["shift_labels"] = bad_label["shift_labels"].clone()
+        bad_label["shift_labels"][0, 0] = 9_999
+    out["bad_label"] = _capture(lambda: step(bad_label))
+    booster.reset()
+    out["after_bad_label"] = _capture(lambda: step(good))
+    out["params"] = [p.detach().clone() for p in model.unwrap().parameters()]
+    # checkpoints: a truncated file on one rank, a wrong-shape file on all: all or none
+    before = [p.detach().clone() for p in model.unwrap().parameters()]
+    path = os.path.join(tmp, f"ckpt_{rank}.pt")
+    sd = model.unwrap().state_dict()
+    torch.save(sd, path)
+    if rank == 1:
+        with open(path, "r+b") as f:
+            f.truncate(100)
+    out["truncated"] = _capture(lambda: booster.load_model(model, path))
+    wrong = dict(sd)
+    wrong["lm_head.weight"] = torch.zeros(3, 3, dtype=torch.float64)
+    torch.save(wrong, path)
+    out["wrong_shape"] = _capture(lambda: booster.load_model(model, path))
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before,
+                                                              model.unwrap().parameters()))
+    return out
+
+
+def _single_process_params():
+    """The same two good steps on one process (the reference of the plugin case)."""
+    model = _tiny_llama().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (1, 16), generator=g)
+    for _ in range(2):
+        logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def _worker_w2(tmp):
+    ringseq.set_ring_timeout(TIMEOUT)
+    cases = {}
+    for name, fn in (("stalled", _case_stalled_rank), ("transport", _case_transport_raises),
+                     ("modes", _case_check_modes_differ),
+                     ("groups", _case_different_group_objects),
+                     ("bad_argument", _case_one_rank_bad_argument), ("tags", _case_tags),
+                     ("threads", _case_threads), ("ulysses", _case_ulysses_and_usp_faults),
+                     ("timeouts", _case_timeout_values),
+                     ("plugin", lambda: _case_plugin_failures(tmp))):
+        cases[name] = fn()
+        dist.barrier()
+    return cases
+
+
+@pytest.fixture(scope="module")
+def w2(tmp_path_factory):
+    return run_ranks(_worker_w2, 2, str(tmp_path_factory.mktemp("rec")), timeout=600,
+                     env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+
+
+def _is_error(res, kinds, *needles):
+    assert res[0] in kinds, res
+    assert res[2] < FAST, f"took {res[2]:.1f} s: {res}"
+    for n in needles:
+        assert n in res[1], (n, res)
+
+
+def _exact_ok(res):
+    assert res[0] == "ok" and res[1] < 1e-12, res
+
+
+def test_stalled_rank_recovers_after_reset(w2):
+    _is_error(w2[0]["stalled"]["call"], ("RingTimeoutError",), "waited more than")
+    _is_error(w2[1]["stalled"]["call"], ("RingTimeoutError", "RingBrokenError"), "ringseq")
+    for r in w2:
+        assert r["stalled"]["again"][0] in ("RingBrokenError", "RingTimeoutError"), r
+        assert "reset_ring" in r["stalled"]["again"][1]
+        _exact_ok(r["stalled"]["after_reset"])
+
+
+def test_transport_failure_recovers_after_reset(w2):
+    for r in w2:
+        assert r["transport"]["call"][0] != "ok", r["transport"]
+        _exact_ok(r["transport"]["after_reset"])
+    assert "injected transport failure" in w2[1]["transport"]["call"][1]
+
+
+def test_different_check_modes_recover(w2):
+    for r in w2:
+        assert r["modes"]["call"][0] != "ok", r["modes"]
+        _exact_ok(r["modes"]["after_reset"])
+
+
+def test_different_group_objects_are_named(w2):
+    for r in w2:
+        _is_error(r["groups"]["call"], ("RingTimeoutError",), "another process group object")
+        _exact_ok(r["groups"]["after_reset"])
+
+
+@pytest.mark.parametrize("name, needle", [("cu_seqlens", "GLOBAL document boundaries"),
+                                          ("meta", "meta device"),
+                                          ("window", "window_size entries must be >= 0")])
+def test_one_rank_bad_argument_raises_everywhere(w2, name, needle):
+    _is_error(w2[1]["bad_argument"][name], ("ValueError",), needle)
+    _is_error(w2[0]["bad_argument"][name], ("RingPeerError",), "rank(s) [1]", needle)
+    for r in w2:
+        _exact_ok(r["bad_argument"]["after"])
+
+
+def test_one_rank_bad_argument_in_ulysses(w2):
+    _is_error(w2[0]["bad_argument"]["ulysses"], ("ValueError",), "window_size")
+    _is_error(w2[1]["bad_argument"]["ulysses"], ("RingPeerError",), "rank(s) [0]")
+    for r in w2:
+        _exact_ok(r["bad_argument"]["after_ulysses"])
+
+
+def test_ranks_a_step_apart_never_pair(w2):
+    for r in w2:
+        _is_error(r["tags"]["skipped"], ("RingDesyncError",), "tag 1", "tag 2")
+        _is_error(r["tags"]["still_apart"], ("RingDesyncError",), "tag 2", "tag 3")
+        _exact_ok(r["tags"]["in_step"])
+
+
+def test_threads_on_one_group_never_pair_silently(w2):
+    for r in w2:
+        res = r["threads"]
+        assert {res["A"][0], res["B"][0]} <= {"ok", "RuntimeError", "RingMismatchError"}, res
+        assert "silently wrong" not in str(res)
+        assert sum(res[n][0] == "ok" for n in ("A", "B")) <= 1, res  # one thread per group
+        _exact_ok(res["after"])
+
+
+def test_ulysses_faults_and_stalls_recover(w2):
+    _is_error(w2[1]["ulysses"]["ulysses"], ("RuntimeError",), "injected fault")
+    _is_error(w2[0]["ulysses"]["ulysses"], ("RingBrokenError",), "rank 1 failed",
+              "injected fault")
+    for r in w2:
+        assert r["ulysses"]["after"][0] == "ok" and r["ulysses"]["after"][1] < 1e-12, r
+        assert r["ulysses"]["stall"][0] in ("RingTimeoutError", "RingBrokenError"), r
+        assert r["ulysses"]["after_stall"][0] == "ok" and r["ulysses"]["after_stall"][1] < 1e-12
+
+
+def test_timeout_values_are_validated(w2):
+    res = w2[0]["timeouts"]
+    for value in ("inf", "1e-09", "0.5"):
+        assert res[value][0] == "ValueError" and "finite number of seconds >= 1" in res[value][1]
+    for value in ("True", "'3'"):
+        assert res[value][0] == "TypeError", res[value]
+
+
+def test_plugin_failures_raise_everywhere_and_training_goes_on(w2):
+    _is_error(w2[1]["plugin"]["bad_token"], ("IndexError",), "")
+    _is_error(w2[0]["plugin"]["bad_token"], ("RingBrokenError", "RuntimeError", "RingPeerError"),
+              "rank")
+    _is_error(w2[0]["plugin"]["bad_label"], ("ValueError",), "labels must be in")
+    _is_error(w2[1]["plugin"]["bad_label"], ("RuntimeError",), "failed")
+    for r in w2:
+        assert r["plugin"]["after_bad_token"][0] == "ok", r["plugin"]
+        assert r["plugin"]["after_bad_label"][0] == "ok", r["plugin"]
+    want = _single_process_params()
+    for r in w2:
+        for got, ref in zip(r["plugin"]["params"], want):
+            assert max_err(got, ref) < 1e-10
+
+
+def test_checkpoint_loads_are_all_or_nothing(w2):
+    _is_error(w2[1]["plugin"]["truncated"], ("RuntimeError", "ValueError", "EOFError",
+                                              "UnpicklingError", "PicklingError"),
+              "nothing was loaded on any rank")
+    _is_error(w2[0]["plugin"]["truncated"], ("ValueError",), "no rank loaded it")
+    for r in w2:
+        assert r["plugin"]["wrong_shape"][0] == "ValueError", r["plugin"]["wrong_shape"]
+        assert "lm_head.weight: shape (3, 3)" in r["plugin"]["wrong_shape"][1]
+        assert r["plugin"]["unchanged"]

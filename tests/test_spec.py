@@ -1,0 +1,89 @@
+"""The AttnSpec: every option of an attention call resolved and validated once.
+
+- its string encoding for the custom operator round-trips;
+- one ring call (forward and backward, 2 gloo ranks, windows + documents + softcap) runs each
+  validation exactly once per rank: nothing below the entry point re-checks;
+- every argument error names the function that was called, in one style.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ringseq
+from dist_utils import run_ranks
+from ringseq.kernels.checks import CHECK_COUNTS
+from ringseq.spec import attn_spec, spec_from_key
+
+
+def _qkv(s=16, h=4, hkv=2, d=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, s, n, d, generator=g).to(dtype) for n in (h, hkv, hkv)]
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"causal": True, "window_size": (3, 0), "softcap": 2.5, "softmax_scale": 0.3},
+    {"grad_comm_dtype": "input", "backend": "reference"},
+    {"grad_comm_dtype": torch.bfloat16, "window_size": (-1, 7)},
+])
+def test_key_round_trip(kw):
+    q, k, v = _qkv()
+    spec = attn_spec("f", q, k, v, documents=[0, 5, 16], **kw)
+    back = spec_from_key(spec.key(), spec.documents_tensor())
+    assert back == spec  # every option survives the encoding (spans aside: tensors)
+    assert spec_from_key(spec.key()).documents is None
+    assert back.signature((1, 16, 4, 8), 2, q.dtype) == spec.signature((1, 16, 4, 8), 2, q.dtype)
+
+
+def test_window_size_as_flash_attn_tests_pass_it():
+    q, k, v = _qkv()
+    for window in ((3, 0), torch.tensor([3, 0]), (torch.tensor(3), torch.tensor(0))):
+        assert attn_spec("f", q, k, v, window_size=window).window == (3, 0)
+    with pytest.raises(TypeError, match=r"^f: window_size must be a pair"):
+        attn_spec("f", q, k, v, window_size=(3.0, 0))
+
+
+@pytest.mark.parametrize("kw, exc, text", [
+    ({"dropout_p": 0.1}, NotImplementedError, "dropout_p=0.1"),
+    ({"softmax_scale": True}, TypeError, "softmax_scale must be a float"),
+    ({"causal": 1}, TypeError, "causal must be a bool"),
+    ({"softcap": -1.0}, ValueError, "softcap must be a finite float >= 0"),
+    ({"window_size": (-2, 0)}, ValueError, "window_size entries must be >= 0"),
+    ({"backend": "nope"}, ValueError, "backend must be one of"),
+    ({"grad_comm_dtype": "float32"}, ValueError, "grad_comm_dtype must be None"),
+    ({"documents": [0, 9, 4, 16]}, ValueError, "cu_seqlens must start at 0 and never decrease"),
+    ({"alibi_slopes": torch.ones(4)}, NotImplementedError, "alibi_slopes is not supported"),
+])
+def test_errors_name_the_function_and_the_argument(kw, exc, text):
+    q, k, v = _qkv()
+    with pytest.raises(exc, match=rf"^my_fn: .*{text}"):
+        attn_spec("my_fn", q, k, v, **kw)
+
+
+def test_tensor_errors_name_the_function():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"^g: q, k and v must be tensors with data"):
+        attn_spec("g", q, k.to("meta"), v.to("meta"))
+    with pytest.raises(ValueError, match=r"^ring_flash_attn_func: q, k and v must have the same "
+                                         r"dtype"):
+        ringseq.ring_flash_attn_func(q, k.double(), v)
+
+
+def _count_one_call():
+    import torch.distributed as dist
+    q, k, v = (ringseq.shard(t, "contiguous").requires_grad_() for t in _qkv(s=32))
+    kw = dict(causal=True, window_size=(6, 0), softcap=3.0, cu_seqlens=[0, 11, 32],
+              layout="contiguous")
+    ringseq.ring_flash_attn_func(q, k, v, **kw).sum().backward()  # warm-up (plans cached)
+    dist.barrier()
+    before = dict(CHECK_COUNTS)
+    out = ringseq.ring_flash_attn_func(q, k, v, **kw)
+    out.sum().backward()
+    return {name: n - before.get(name, 0) for name, n in CHECK_COUNTS.items()}
+
+
+def test_one_ring_call_validates_each_argument_once():
+    for counts in run_ranks(_count_one_call, 2, timeout=180):
+        assert counts == {"attn_spec": 1, "check_qkv": 1, "parse_window": 1,
+                          "check_softcap": 1, "check_cu_seqlens": 1}, counts

@@ -321,7 +321,7 @@ def test_sharded_cross_entropy_value_and_grad(w2):
 
 @pytest.mark.parametrize("name,needle", [
     ("shard_batch_padding", "padding"),
-    ("padding_one_rank", None),  # rank 0: "padding"; rank 1: "another rank"
+    ("padding_one_rank", None),  # rank 0: "padding"; rank 1: "rank(s) [0]" and its reason
     ("no_position_ids", "position_ids"),
     ("output_attentions", "output_attentions"),
     ("kv_cache", "use_cache=False"),
@@ -331,7 +331,7 @@ def test_unsupported_inputs_raise_clearly(w2, name, needle):
     for rank, res in enumerate(w2):
         msg = res["errors"][name]
         assert msg.startswith("ValueError"), f"rank {rank} {name}: {msg}"
-        want = needle or ("padding" if rank == 0 else "another rank")
+        want = needle or ("padding" if rank == 0 else "rank(s) [0] of the ring refused")
         assert want in msg, f"rank {rank} {name}: {msg}"
 
 

@@ -92,9 +92,12 @@ class OptimizerWrapper:
     (``param_groups``, ``state``, ...) are the wrapped optimizer's. ``unwrap()`` returns it:
     build learning-rate schedulers on the optimizer before boosting, as usual."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler=None, model=None):
         self.optim = optimizer
         self.scaler = scaler
+        #: the user's (possibly sharded) model the parameters belong to: sharded checkpoints
+        #: name optimizer state by parameter name
+        self.model = model
 
     def unwrap(self) -> torch.optim.Optimizer:
         return self.optim
@@ -138,7 +141,7 @@ class OptimizerWrapper:
         self.optim.load_state_dict(state_dict)
 
     def __getattr__(self, name):
-        if name in ("optim", "scaler"):  # not yet set (unpickling): avoid recursion
+        if name in ("optim", "scaler", "model"):  # not yet set (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.optim, name)
 
@@ -156,9 +159,14 @@ class SequenceParallelLoss:
             int64), or the targets tensor itself.
 
     Returns a float32 scalar (float64 for float64 logits), identical on every rank:
-    sum of token losses over all dp x sp ranks / number of targets over all ranks (one
+    sum of token losses over all dp x sp (x tp) ranks / number of targets over all ranks (one
     all-reduce over ``group``; ``ignore_index`` targets excluded; 0 when there is none).
     Raises ValueError for mismatched shapes or a batch without ``shift_labels``.
+
+    With tensor parallelism (``tp_size > 1``) the model's logits cover this tp rank's share of
+    the local sequence, (b, s_local / tp_size, vocab) (``ringseq.parallel.tp``), and the
+    targets (b, s_local) are cut alike (contiguous share ``tp_rank``); logits of the whole
+    s_local raise ValueError, since every tp rank would count the same tokens.
 
     ``sequence_parallel_aware = True`` marks a criterion the plugin may use unchanged; a
     custom criterion carrying it must likewise return the global token mean over all ranks
@@ -167,9 +175,10 @@ class SequenceParallelLoss:
 
     sequence_parallel_aware = True
 
-    def __init__(self, group=None, ignore_index: int = -100):
+    def __init__(self, group=None, ignore_index: int = -100, tp_size: int = 1, tp_rank: int = 0):
         self.group = group
         self.ignore_index = ignore_index
+        self.tp_size, self.tp_rank = tp_size, tp_rank
 
     def __call__(self, outputs, batch) -> torch.Tensor:
         logits = outputs
@@ -186,8 +195,22 @@ class SequenceParallelLoss:
                                  "plugin's data loader, i.e. a batch that had 'labels') or the "
                                  "targets tensor (b, s_local)")
             targets = batch["shift_labels"]
+        if self.tp_size > 1:
+            targets = self._tp_share(logits, targets)
         return sharded_cross_entropy(logits, targets, group=self.group,
                                      ignore_index=self.ignore_index)
 
+    def _tp_share(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        n, t = targets.shape[-1], self.tp_size
+        if logits.dim() < 2 or logits.shape[-2] * t != n:
+            raise ValueError(
+                f"with tp_size={t} the criterion needs logits of this tensor-parallel rank's "
+                f"share of the sequence, (b, {n} / {t}, vocab), for targets {tuple(targets.shape)}"
+                f"; got logits {tuple(logits.shape)}. Logits of the whole local sequence on every "
+                f"tp rank would count each token {t} times: keep the model's last norm and LM "
+                f"head sequence-parallel (ringseq.parallel.tp)")
+        return targets.narrow(-1, self.tp_rank * (n // t), n // t)
+
     def __repr__(self):
-        return f"SequenceParallelLoss(ignore_index={self.ignore_index})"
+        tp = f", tp={self.tp_size}" if self.tp_size > 1 else ""
+        return f"SequenceParallelLoss(ignore_index={self.ignore_index}{tp})"

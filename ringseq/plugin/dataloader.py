@@ -105,14 +105,14 @@ class ShardedDataLoader:
                                          f"with 'input_ids' (b, s) (and optionally 'labels'), "
                                          f"got a {type(batch).__name__}")
                     batch = dict(batch)
+                out = shard_batch(batch, group=self.sp_group, layout=self.layout,
+                                  ignore_index=self.ignore_index)
                 ids = batch.get("input_ids")
                 if self.seq_multiple > 1 and torch.is_tensor(ids) and \
                         ids.shape[-1] % self.seq_multiple:
                     raise ValueError(f"a sequence of {ids.shape[-1]} tokens cannot be split over "
                                      f"the sequence- and tensor-parallel ranks: its length must "
                                      f"be a multiple of {self.seq_multiple}")
-                out = shard_batch(batch, group=self.sp_group, layout=self.layout,
-                                  ignore_index=self.ignore_index)
             except ValueError as exc:
                 error = ValueError(f"data-parallel rank {self.dp_rank}: {exc}")
                 error.__cause__ = exc

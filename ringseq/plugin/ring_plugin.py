@@ -148,9 +148,14 @@ class RingSequenceParallelPlugin(Plugin):
         self.layout = DOCUMENTS if layout == DOCUMENTS else get_layout(layout)
         check_precision_name(precision)  # before the mesh: a typo raises without communicating
         # every size checked at once, on every rank alike, before any process group exists
+        # (a user's hybrid mesh carries the Ulysses degree in its "sp_u" dim)
+        u = ulysses_size
+        if u is None and mesh is not None and sp_mode == "hybrid" and \
+                "sp_u" in (mesh.mesh_dim_names or ()):
+            u = mesh["sp_u"].size()
         self.dims = ParallelDims(world_size=_world_size(), sp_size=sp_size, tp_size=tp_size,
-                                 zero_stage=zero_stage, sp_mode=sp_mode,
-                                 ulysses_size=ulysses_size, inner_ring_size=inner_ring_size)
+                                 zero_stage=zero_stage, sp_mode=sp_mode, ulysses_size=u,
+                                 inner_ring_size=inner_ring_size)
         if self.dims.sharded and precision == "fp16":
             raise ValueError(f"precision='fp16' needs one GradScaler decision over gradients "
                              f"that are sharded with tp_size={tp_size} / zero_stage="
@@ -314,7 +319,8 @@ class RingSequenceParallelPlugin(Plugin):
         return ShardedDataLoader(loader, self.sp_group, self.data_layout, self.dp_rank,
                                  ignore_index=self.ignore_index, check_group=None,
                                  device=self.device,
-                                 seq_multiple=self.dims.seq_multiple(self.layout))
+                                 seq_multiple=(self.dims.seq_multiple(self.layout)
+                                               if self.tp_size > 1 else 1))
 
     def _criterion(self, criterion):
         tp = dict(tp_size=self.tp_size, tp_rank=self.tp_rank)

@@ -47,6 +47,9 @@ PARITY = {  # (family, plugin kwargs)
     "qwen3/sp2_tp2_zero2_ac": ("qwen3", dict(sp_size=2, tp_size=2, zero_stage=2,
                                              activation_checkpointing=True)),
 }
+ACCUMULATE = {"sp2_tp2": dict(sp_size=2, tp_size=2),              # grad_sync
+              "sp2_tp2_zero3": dict(sp_size=2, tp_size=2, zero_stage=3),
+              "sp2_zero2_dp2": dict(sp_size=2, zero_stage=2)}
 RESUME_FROM = "llama/sp2_tp2_zero3"  # saves after step 2 (sharded optimizer: DCP directory)
 RESUMES = {  # name: (plugin kwargs, checkpoint made by)
     "dcp_into_dp2_sp2_zero2": (dict(sp_size=2, zero_stage=2), RESUME_FROM),
@@ -283,6 +286,39 @@ def _ring_counts(ac):
             "local": (batch["input_ids"].shape, model.unwrap().config.num_hidden_layers)}
 
 
+def _accumulate(cfg):
+    """Global batches 0 and 1 as two micro-batches, the first under no_sync; then the clipped
+    norm of the accumulated gradients (a no-op clip: max_norm far above it)."""
+    from torch.distributed.tensor import DTensor
+    plugin, booster, model, opt, criterion, loader = _boosted("llama", cfg)
+    batches = iter(loader)
+    with booster.no_sync(model, opt):
+        batch = next(batches)
+        booster.backward(criterion(model(**batch), batch), opt)
+    batch = next(batches)
+    booster.backward(criterion(model(**batch), batch), opt)
+    norm = opt.clip_grad_by_norm(1e9)  # a plain tensor: the total over all shards
+    return {"grads": {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                      for n, p in model.unwrap().named_parameters()}, "norm": float(norm)}
+
+
+def _bf16_step():
+    """One bf16 step of sp2 x tp2 x zero3 (FSDP's MixedPrecisionPolicy, float32 reduction)."""
+    from torch.distributed.tensor import DTensor
+    plugin, booster, model, opt, criterion, loader = _boosted(
+        "llama", dict(sp_size=2, tp_size=2, zero_stage=3, precision="bf16"))
+    batch = next(iter(loader))
+    out = model(**batch)
+    loss = criterion(out, batch)
+    booster.backward(loss, opt)
+    grad_dtypes = {str(p.grad.dtype) for p in model.unwrap().parameters()}
+    opt.step()
+    params = [p.to_local() if isinstance(p, DTensor) else p for p in model.unwrap().parameters()]
+    return {"loss": float(loss.detach()), "logits_dtype": str(out.logits.dtype),
+            "grad_dtypes": grad_dtypes, "param_dtypes": {str(p.dtype) for p in params},
+            "finite": all(bool(torch.isfinite(p).all()) for p in params)}
+
+
 def _errors(ckpt_dir):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin as P
     out = {"tp3": _capture(lambda: P(sp_size=1, tp_size=3)),
@@ -323,12 +359,27 @@ def _worker(ckpt_dir, plain_ids, plain_labels):
                                        first=2)
     res["plain_tp"] = _plain_tp(plain_ids, plain_labels)
     res["ac_off"], res["ac_on"] = _ring_counts(False), _ring_counts(True)
+    res["accumulate"] = {name: _accumulate(cfg) for name, cfg in ACCUMULATE.items()}
+    res["bf16"] = _bf16_step()
     res["errors"] = _errors(ckpt_dir)
     dist.barrier()  # every rank is alive and in step after all the errors
     return res
 
 
 # ---------------------------------------------------------------- parent side
+def _accumulated_grads():
+    model = _model("llama")
+    data = _dataset()
+    for step in range(2):
+        chunk = data[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+        model(input_ids=torch.stack([d["input_ids"] for d in chunk]),
+              labels=torch.stack([d["labels"] for d in chunk]), use_cache=False).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                 for g in grads.values()]))
+    return {"grads": grads, "norm": float(norm)}
+
+
 def _single_process(family, steps=STEPS):
     model = _model(family)
     opt = _optimizer(model)
@@ -371,7 +422,7 @@ def run(tmp_path_factory):
     ranks = run_ranks(_worker, WORLD, ckpt_dir, ids, labels, timeout=600)
     return {"ranks": ranks, "ckpt_dir": ckpt_dir,
             "ref": {f: _single_process(f) for f in ("llama", "qwen2", "qwen3")},
-            "plain": _plain_single(ids, labels)}
+            "plain": _plain_single(ids, labels), "accumulated": _accumulated_grads()}
 
 
 def _assert_parity(got, ref, what, steps=STEPS, first=0):
@@ -487,6 +538,26 @@ def test_activation_checkpointing_repeats_no_ring_communication(run):
         kept = layers * (b * s_local * 2 * 16 * 4 + b * 2 * s_local * 4)
         assert on["saved_bytes"] + kept < off["saved_bytes"] / 2, (on["saved_bytes"], kept,
                                                                    off["saved_bytes"])
+
+
+@pytest.mark.parametrize("case", list(ACCUMULATE))
+def test_no_sync_accumulates_and_clipping_sees_the_global_norm(run, case):
+    ref = run["accumulated"]
+    for r in run["ranks"]:
+        got = r["accumulate"][case]
+        for name, g in ref["grads"].items():
+            assert _rel(got["grads"][name], g) <= REL, (case, name)
+        assert abs(got["norm"] - ref["norm"]) <= REL * ref["norm"], (got["norm"], ref["norm"])
+
+
+def test_bf16_with_fsdp_mixed_precision(run):
+    fp32_first = run["ref"]["llama"]["losses"][0]
+    for r in run["ranks"]:
+        got = r["bf16"]
+        assert got["finite"] and got["logits_dtype"] == "torch.bfloat16", got
+        # float32 master weights and float32 gradient shards (reduce_dtype)
+        assert got["param_dtypes"] == {"torch.float32"} == got["grad_dtypes"], got
+        assert abs(got["loss"] - fp32_first) < 0.05, (got["loss"], fp32_first)
 
 
 def _raised(run, key):

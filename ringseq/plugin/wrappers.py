@@ -123,13 +123,18 @@ class OptimizerWrapper:
         ``step``. Under fp16 the gradients are unscaled first (``step`` then does not unscale
         again), so ``max_norm`` is in the units of the true gradients; an inf/NaN norm there
         still makes ``step`` skip. After DDP every rank holds the same summed gradients, so
-        every rank computes the same norm and clips alike."""
+        every rank computes the same norm and clips alike; with sharded gradients (FSDP,
+        tensor parallelism) the norm is computed over all shards (DTensor), the same on every
+        rank."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optim)
         params = [p for group in self.optim.param_groups for p in group["params"]
                   if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
                                               error_if_nonfinite=error_if_nonfinite)
+        # sharded (FSDP / tensor-parallel) gradients: the norm is a replicated DTensor over
+        # all of them; hand back the plain total
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)

@@ -27,10 +27,9 @@ __all__ = ["apply_activation_checkpointing", "kept_ops"]
 
 
 def kept_ops() -> tuple:
-    """The operators whose outputs are kept rather than recomputed."""
+    """The operators whose outputs are kept rather than recomputed (registered by importing
+    ringseq, which this module's package import has done)."""
     import torch
-
-    from .. import ring_op  # noqa: F401 - registers ringseq::ring_attention
     return (torch.ops.ringseq.ring_attention.default,)
 
 

@@ -175,7 +175,6 @@ class RingSequenceParallelPlugin(Plugin):
         self.sp_mode = sp_mode
         self.activation_checkpointing = bool(activation_checkpointing)
         self.tp_plan = tp_plan
-        self._grad_sync = None
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if self.groups.mesh.device_type == "cuda" else torch.device("cpu"))
@@ -425,7 +424,7 @@ class RingSequenceParallelPlugin(Plugin):
                                     else None))
         elif dims.tp_size > 1:
             from ..parallel.grad_sync import ReplicatedGradSync
-            self._grad_sync = ReplicatedGradSync(model, self.groups.dp_sp_mesh().get_group())
+            grad_sync = ReplicatedGradSync(model, self.groups.dp_sp_mesh().get_group())
         elif dist.get_world_size() > 1:
             kwargs = {_NO_BUFFER_SYNC: False}  # buffers (RoPE tables) are identical
             kwargs.update(self.ddp_kwargs)
@@ -440,6 +439,8 @@ class RingSequenceParallelPlugin(Plugin):
             rebind_optimizer(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper)
                              else optimizer, names, user_model)
         model = ModelWrapper(model, self.precision, self.reporter)
+        if dims.zero_stage == 0 and dims.tp_size > 1:
+            model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = OptimizerWrapper(optimizer, self.precision.scaler, model=user_model)
         elif optimizer is not None:
@@ -453,8 +454,9 @@ class RingSequenceParallelPlugin(Plugin):
         if self.dims.zero_stage >= 2:
             from ..parallel.fsdp import fsdp_no_sync
             return fsdp_no_sync(inner)
-        if self._grad_sync is not None:
-            return self._grad_sync.no_sync()
+        grad_sync = getattr(model, "grad_sync", None)
+        if grad_sync is not None:
+            return grad_sync.no_sync()
         return contextlib.nullcontext()
 
     @property

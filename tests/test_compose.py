@@ -427,7 +427,8 @@ def run(tmp_path_factory):
 
 def _assert_parity(got, ref, what, steps=STEPS, first=0):
     for i, (loss, want) in enumerate(zip(got["losses"], ref["losses"][first:first + steps])):
-        assert abs(loss - want) <= REL * abs(want), f"{what}: step {first + i} loss {loss} vs {want}"
+        assert abs(loss - want) <= REL * abs(want), \
+            f"{what}: step {first + i} loss {loss} vs {want}"
     assert set(got["weights"]) == set(ref["weights"]), what
     worst = max((_rel(got["weights"][k], w), k) for k, w in ref["weights"].items())
     assert worst[0] <= REL, f"{what}: {worst[1]} off by {worst[0]:.2e} (relative)"

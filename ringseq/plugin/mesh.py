@@ -78,8 +78,9 @@ def _check_sp_size(sp_size, world: int, tp_size: int = 1) -> None:
 def _mesh_tp(mesh, names, tp_size) -> int:
     mesh_tp = mesh["tp"].size() if "tp" in names else 1
     if tp_size is not None and mesh_tp != tp_size:
+        has = f"a 'tp' dim of size {mesh_tp}" if "tp" in names else "no 'tp' dim"
         raise ValueError(f"tp_size={tp_size} but the mesh passed to RingSequenceParallelPlugin "
-                         f"has {'a tp dim of size ' + str(mesh_tp) if 'tp' in names else 'no tp dim'}")
+                         f"has {has}")
     return mesh_tp
 
 

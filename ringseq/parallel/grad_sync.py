@@ -33,7 +33,6 @@ class ReplicatedGradSync:
         self.group = group
         self.enabled = True
         self._queued = False
-        self.syncs = 0  # reductions done (for tests)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -65,7 +64,6 @@ class ReplicatedGradSync:
                 for g in grads:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
-        self.syncs += 1
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -50,7 +50,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 from .modules import retie, tied_parameters
 
 __all__ = ["GatherSequence", "SliceSequence", "TP_STYLE_NAMES", "TensorParallelPlan",
-           "apply_tensor_parallel", "resolve_tp_plan", "tp_share", "transformers_tp_plan"]
+           "apply_tensor_parallel", "resolve_tp_plan", "transformers_tp_plan"]
 
 #: the transformers plan vocabulary this module translates (anything else raises)
 TP_STYLE_NAMES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
@@ -325,11 +325,3 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, tp_mesh) -
                            f"tensors: {plain[:8]}{' ...' if len(plain) > 8 else ''}; give their "
                            f"modules a style in tp_plan")
     return model
-
-
-def tp_share(x: torch.Tensor, tp_size: int, tp_rank: int, dim: int = 1) -> torch.Tensor:
-    """This tp rank's contiguous share of ``x`` along ``dim`` (what :class:`SliceSequence`
-    keeps of the input ids), e.g. of the targets (b, s_local) -> (b, s_local / tp)."""
-    n = x.shape[dim]
-    return x.narrow(dim, tp_rank * (n // tp_size), n // tp_size)
-

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import os
 import statistics
 import sys
@@ -230,9 +231,9 @@ def run_rank(args, device):
     if args.plugin:
         # libraries loaded before any peak is measured: on CPU the peak is the resident set,
         # which would otherwise charge their code and tables to the first configuration
-        import torch.distributed.checkpoint  # noqa: F401
-        import torch.distributed.fsdp  # noqa: F401
-        import torch.distributed.tensor.parallel  # noqa: F401
+        for name in ("torch.distributed.checkpoint", "torch.distributed.fsdp",
+                     "torch.distributed.tensor.parallel"):
+            importlib.import_module(name)
         configs = plugin_config(args, world)
         for label, config in configs:
             # one step of each configuration on a short sequence, unmeasured: DTensor and FSDP

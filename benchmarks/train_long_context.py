@@ -29,10 +29,24 @@ plugin switches attention, wraps the model in DDP over the (dp, sp) mesh, shards
 its data loader (``--batch`` samples per dp group, so dp x ``--batch`` per step) and supplies
 the loss. There ``--dtype`` is the plugin's precision (autocast over float32 weights) rather than
 the dtype of the weights.
+
+``--sp N --tp T --zero Z --ac`` (any of them implies ``--plugin``) compose tensor parallelism
+(DTensor, Megatron sequence parallelism), FSDP2 (zero_stage 2/3) and activation checkpointing
+(keeping the ring's output) with ring sequence parallelism on the (dp, sp, tp) mesh, and run
+DDP x SP at the same shape next to it in the same spawn: the same model, data and global batch,
+the same W ranks per sample (sp = N x T, replicated parameters, no recompute). Reported per
+configuration: tokens/s, step time, TFLOP/s per rank and peak memory per rank, then the ratios
+against DDP x SP. Both must agree on the first step's loss (same weights, same tokens).
+
+    python benchmarks/train_long_context.py --world-size 4 --sp 2 --tp 2 --zero 3 --ac \
+        --seqlen 4096 --layers 2 --hidden 256 --heads 8 --kv-heads 4
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import importlib
 import os
 import statistics
 import sys
@@ -88,9 +102,24 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write results to this path")
     p.add_argument("--plugin", action="store_true",
                    help="train through ringseq.plugin.Booster + RingSequenceParallelPlugin")
-    p.add_argument("--sp-size", type=int, default=None,
-                   help="with --plugin: ranks per ring (default: all; the rest is data parallel)")
+    p.add_argument("--sp-size", "--sp", dest="sp_size", type=int, default=None,
+                   help="with --plugin: ranks per ring (default: all / --tp; the rest is data "
+                        "parallel)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (implies --plugin)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 2, 3),
+                   help="FSDP2 stage over the dp x sp ranks (implies --plugin)")
+    p.add_argument("--ac", action="store_true",
+                   help="the plugin's activation checkpointing, keeping the ring's output "
+                        "(implies --plugin)")
+    p.add_argument("--no-peer", action="store_true",
+                   help="with --tp / --zero / --ac: skip the DDP x SP run at the same shape")
     args = p.parse_args(argv)
+    args.compose = args.tp > 1 or args.zero > 0 or args.ac
+    if args.compose or args.sp_size:
+        args.plugin = True
+    if args.compose and args.checkpointing:
+        p.error("--checkpointing is transformers' recompute without the plugin; use --ac")
     get_layout(args.layout)
     if args.heads % args.kv_heads or args.hidden % args.heads:
         p.error("--heads must divide --hidden and be a multiple of --kv-heads")
@@ -145,12 +174,27 @@ def all_reduce_grads(model, group=None):
         offset += n
 
 
-def plugin_setup(args, device):
-    """Model, optimizer, loss and data through Booster; returns a step function and dp."""
+def plugin_config(args, world):
+    """(label, plugin kwargs) of the requested composition and, with --tp / --zero / --ac
+    (unless --no-peer), of DDP x SP at the same shape: the same ranks per sample."""
+    sp = args.sp_size or world // args.tp
+    main = dict(sp_size=sp, tp_size=args.tp, zero_stage=args.zero,
+                activation_checkpointing=args.ac)
+    label = (f"sp{sp}" + (f" x tp{args.tp}" if args.tp > 1 else "") +
+             (f" x zero{args.zero}" if args.zero else "") + (" + ac" if args.ac else ""))
+    configs = [(label, main)]
+    if args.compose and not args.no_peer:
+        configs.append((f"DDP x sp{sp * args.tp}", dict(sp_size=sp * args.tp)))
+    return configs
+
+
+def plugin_setup(args, device, config=None):
+    """Model, optimizer, loss and data through Booster; returns a step function, the model
+    and dp."""
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
-    plugin = RingSequenceParallelPlugin(sp_size=args.sp_size or dist.get_world_size(),
-                                        layout=args.layout, precision=args.dtype,
-                                        backend=args.backend, device=device)
+    config = dict(config or {"sp_size": args.sp_size or dist.get_world_size()})
+    plugin = RingSequenceParallelPlugin(layout=args.layout, precision=args.dtype,
+                                        backend=args.backend, device=device, **config)
     booster = Booster(plugin=plugin)
     model = build_model(args, torch.float32, device, switch=False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -168,7 +212,7 @@ def plugin_setup(args, device):
         logits = model(**batch).logits
         loss = criterion(logits, batch)
         del logits
-        booster.backward(loss, opt)  # gradients summed over dp x sp by the plugin's DDP hook
+        booster.backward(loss, opt)  # gradients summed over dp x sp (DDP hook / FSDP / sync)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -185,7 +229,43 @@ def run_rank(args, device):
                  f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, {args.dtype}"
                  f"{' (through Booster)' if args.plugin else ''}")
     if args.plugin:
-        return _run_steps(args, device, *plugin_setup(args, device))
+        # libraries loaded before any peak is measured: on CPU the peak is the resident set,
+        # which would otherwise charge their code and tables to the first configuration
+        for name in ("torch.distributed.checkpoint", "torch.distributed.fsdp",
+                     "torch.distributed.tensor.parallel"):
+            importlib.import_module(name)
+        configs = plugin_config(args, world)
+        for label, config in configs:
+            # one step of each configuration on a short sequence, unmeasured: DTensor and FSDP
+            # build ~100 MiB of per-process state on first use (measured on CPU), which is no
+            # part of a training step's memory
+            short = argparse.Namespace(**{**vars(args), "seqlen": 4 * world, "warmup": 0})
+            plugin_setup(short, device, config)[0]()
+            gc.collect()
+        runs = []
+        for label, config in configs:
+            if main:
+                progress(f"configuration {label}")
+            peak = PeakMemory(device)
+            peak.__enter__()
+            res = _run_steps(args, device, *plugin_setup(args, device, config),
+                             ac=config.get("activation_checkpointing", False), peak=peak)
+            gc.collect()  # the previous model and optimizer before the next peak
+            if res is not None:
+                res["config"], res["plugin_kwargs"] = label, config
+            runs.append(res)
+        if not main:
+            return None
+        res = runs[0]
+        if len(runs) > 1:
+            res["peer"] = runs[1]
+            # invariant: the same weights and tokens give the same first loss
+            tol = 1e-4 if args.dtype == "fp32" else 3e-2
+            a, b = res["first_loss"], runs[1]["first_loss"]
+            if abs(a - b) > tol * abs(b):
+                raise RuntimeError(f"first-step losses differ: {res['config']} {a} vs "
+                                   f"{runs[1]['config']} {b} (tolerance {tol:g} relative)")
+        return res
     model = build_model(args, dtype, device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -207,12 +287,17 @@ def run_rank(args, device):
     return _run_steps(args, device, step, model, 1)
 
 
-def _run_steps(args, device, step_fn, model, dp):
+def _run_steps(args, device, step_fn, model, dp, ac=False, peak=None):
+    """Runs the steps; ``peak``: an entered PeakMemory to close after them (the plugin path
+    opens it before building the model, so parameters and optimizer state count too)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     main = rank == 0
     times, losses = [], []
-    peak = PeakMemory(device)
-    with peak:
+    if peak is None:
+        peak = PeakMemory(device)
+        peak.__enter__()
+    with contextlib.ExitStack() as stack:
+        stack.push(peak)
         for step in range(args.warmup + args.steps):
             synchronize(device)
             t0 = time.perf_counter()
@@ -231,6 +316,8 @@ def _run_steps(args, device, step_fn, model, dp):
     if not main:
         return None
     flops, n_matmul = step_flops(args, model, dp)
+    if ac:
+        flops *= 4 / 3  # the recomputed forward (the kept ring attention excepted: a bound)
     step_s = max(r["median_step_s"] for r in everyone)  # the ring moves at its slowest rank
     tflops_per_rank = flops / step_s / world / 1e12
     peak_tflops = args.peak_tflops
@@ -252,7 +339,37 @@ def _run_steps(args, device, step_fn, model, dp):
     }
 
 
+def report_composition(args, res, device):
+    runs = [res] + ([res["peer"]] if "peer" in res else [])
+    print(f"# train_long_context: Llama {args.layers} layers, hidden {args.hidden}, heads "
+          f"{args.heads}/{args.kv_heads}, MLP {args.intermediate}, vocab {args.vocab} "
+          f"({res['params'] / 1e6:.2f} M params), {args.dtype} on {device}, W="
+          f"{res['world_size']}, total s={res['seqlen']} x b={res['batch']}, layout "
+          f"{res['layout']}; step = forward + backward + gradient reduction + AdamW, median "
+          f"of {args.steps} (slowest rank); peak memory above the rank's state before the "
+          f"model was built")
+    for r in runs:
+        r["peak_max"] = max((m for m in r["peak_mib_per_rank"] if m is not None), default=None)
+    columns = [("config", "configuration", "{}"), ("dp", "dp", "{}"),
+               ("step_ms", "step ms", "{:.0f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+               ("tflops_per_rank", "TFLOP/s/rank", "{:.4f}"),
+               ("peak_max", "peak MiB/rank (max)", "{:.0f}")]
+    print(format_table(runs, columns))
+    for r in runs:
+        print(f"{r['config']}: peak memory per rank (MiB): " + ", ".join(
+            "-" if m is None else f"{m:.0f}" for m in r["peak_mib_per_rank"]) +
+            f"; loss first {r['first_loss']:.4f}, last {r['last_loss']:.4f}")
+    if len(runs) > 1:
+        a, b = runs
+        mem = ("" if not (a["peak_max"] and b["peak_max"]) else
+               f", peak memory per rank x{a['peak_max'] / b['peak_max']:.2f}")
+        print(f"{a['config']} vs {b['config']}: tokens/s x"
+              f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}{mem}")
+
+
 def report(args, res, device):
+    if "config" in res:
+        return report_composition(args, res, device)
     print(f"# train_long_context: Llama {args.layers} layers, hidden {args.hidden}, heads "
           f"{args.heads}/{args.kv_heads}, MLP {args.intermediate}, vocab {args.vocab} "
           f"({res['params'] / 1e6:.2f} M params), {args.dtype} on {device}")

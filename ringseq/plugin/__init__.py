@@ -5,9 +5,12 @@
     model, optimizer, criterion, loader, _ = booster.boost(model, optimizer, dataloader=loader)
 
 Files: ``base.py`` (the Plugin surface), ``ring_plugin.py`` (the plugin and the gradient math),
-``booster.py``, ``mesh.py`` ((dp, sp) groups), ``policy.py`` (switching attention),
+``booster.py``, ``mesh.py`` ((dp, sp, tp) groups), ``policy.py`` (switching attention),
 ``dataloader.py`` (dp sampling + sequence sharding), ``precision.py``, ``wrappers.py`` (model,
-optimizer, loss), ``checkpoint.py``. Importing this package does not import transformers.
+optimizer, loss), ``checkpoint.py`` (replicated state), ``sharded_checkpoint.py`` (any mesh:
+full model state dicts, distributed optimizer state). Tensor parallelism, FSDP and activation
+checkpointing live in ``ringseq.parallel`` (docs/parallelism.md). Importing this package does
+not import transformers.
 """
 from .base import Plugin
 from .booster import Booster

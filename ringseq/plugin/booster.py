@@ -65,18 +65,23 @@ class Booster:
         return self.plugin.no_sync(model, optimizer)
 
     def save_model(self, model: nn.Module, checkpoint: str, **kwargs) -> None:
-        """Writes the full (unsharded) ``state_dict`` of the user's model; collective."""
+        """Writes the full (unsharded) ``state_dict`` of the user's model, from any mesh (one
+        file; ``max_shard_size=`` for transformers-style shards in a directory); collective."""
         self.checkpoint_io.save_model(model, checkpoint, **kwargs)
 
     def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True, **kwargs):
-        """Loads a full ``state_dict`` (from ``save_model`` or a plain model) on every rank."""
+        """Loads a full ``state_dict`` (from ``save_model`` or a plain model) into any mesh."""
         return self.checkpoint_io.load_model(model, checkpoint, strict=strict, **kwargs)
 
     def save_optimizer(self, optimizer, checkpoint: str, **kwargs) -> None:
-        """Writes the plain ``torch.optim`` state dict; collective."""
+        """Writes the optimizer state; collective: the plain ``torch.optim`` state dict for
+        replicated training, a ``torch.distributed.checkpoint`` directory for sharded
+        (FSDP / tensor-parallel) training or with ``sharded=True``."""
         self.checkpoint_io.save_optimizer(optimizer, checkpoint, **kwargs)
 
     def load_optimizer(self, optimizer, checkpoint: str, **kwargs) -> None:
+        """Loads either optimizer format into this mesh (dp, sp, tp or zero_stage may differ
+        from the saving run's)."""
         self.checkpoint_io.load_optimizer(optimizer, checkpoint, **kwargs)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:

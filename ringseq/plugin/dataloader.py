@@ -30,6 +30,8 @@ class ShardedDataLoader:
     epochs: the boosted model tags its ring calls with it, see ``ringseq.call_tag``) and the
     other keys as ``shard_batch`` returns them.
 
+    ``seq_multiple``: every sequence length must be a multiple of it (checked with the rest).
+
     With ``device``, each sharded batch is moved there (``non_blocking`` when the loader pins
     memory).
 
@@ -43,8 +45,12 @@ class ShardedDataLoader:
     """
 
     def __init__(self, loader: DataLoader, sp_group, layout, dp_rank: int,
-                 ignore_index: int = -100, check_group=None, device=None):
+                 ignore_index: int = -100, check_group=None, device=None,
+                 seq_multiple: int = 1):
         self.loader = loader
+        #: what every sequence length must be a multiple of beyond the layout's own rule
+        #: (sp x tp with tensor parallelism: ParallelDims.seq_multiple)
+        self.seq_multiple = seq_multiple
         self.device = None if device is None else torch.device(device)
         self.sp_group = sp_group
         self.layout = layout
@@ -105,6 +111,12 @@ class ShardedDataLoader:
                     batch = dict(batch)
                 out = shard_batch(batch, group=self.sp_group, layout=self.layout,
                                   ignore_index=self.ignore_index)
+                ids = batch.get("input_ids")
+                if self.seq_multiple > 1 and torch.is_tensor(ids) and \
+                        ids.shape[-1] % self.seq_multiple:
+                    raise ValueError(f"a sequence of {ids.shape[-1]} tokens cannot be split over "
+                                     f"the sequence- and tensor-parallel ranks: its length must "
+                                     f"be a multiple of {self.seq_multiple}")
             except ValueError as exc:
                 error = ValueError(f"data-parallel rank {self.dp_rank}: {exc}")
                 error.__cause__ = exc

@@ -1,4 +1,4 @@
-"""The (dp, sp) device mesh of sequence-parallel training and its process groups."""
+"""The (dp, sp, tp) device mesh of sequence-parallel training and its process groups."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 __all__ = ["MeshGroups", "SP_MESH_DIMS", "build_mesh", "build_sp_mesh", "valid_sp_sizes"]
 
-# mesh dim names of the Ulysses x ring modes; the last dim holds consecutive ranks ("inner")
+# mesh dim names of the Ulysses x ring modes; of the two sp dims the last holds consecutive
+# ranks ("inner"); a "tp" dim, when present, comes last (innermost)
 SP_MESH_DIMS = {True: ("dp", "sp_r", "sp_u"), False: ("dp", "sp_u", "sp_r")}
 
 
@@ -20,12 +21,13 @@ def valid_sp_sizes(world_size: int) -> List[int]:
 
 @dataclass
 class MeshGroups:
-    """Process groups of a (dp, sp) mesh as seen from this rank.
+    """Process groups of a (dp, sp, tp) mesh as seen from this rank.
 
-    ``sp_group``: the ring (ranks that hold one sample's sequence shards);
-    ``dp_group``: ranks with the same sequence shard of different samples. The mesh covers
-    the default group exactly; gradients and the loss are reduced over it (see
-    :class:`RingSequenceParallelPlugin`).
+    ``sp_group``: the ring (ranks that hold one sample's sequence shards, same tp index);
+    ``dp_group``: ranks with the same sequence shard of different samples; ``tp_group``: the
+    tensor-parallel ranks sharing one sequence shard (None when tp_size is 1). The mesh covers
+    the default group exactly; the loss is reduced over all of it, gradients over the dp x sp
+    ranks (see :class:`RingSequenceParallelPlugin`).
     """
 
     mesh: Any
@@ -38,6 +40,22 @@ class MeshGroups:
     #: the Ulysses x ring groups (``ringseq.SequenceParallelGroups``) of the ulysses / hybrid
     #: / double-ring modes; None for the plain ring
     sp: Any = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: Any = None
+    #: the 1-D "tp" sub-mesh (None when the mesh has no tp dim)
+    tp_mesh: Any = None
+    #: the names of the mesh dims that make up sp
+    sp_dims: tuple = ("sp",)
+    _dp_sp_mesh: Any = None
+
+    def dp_sp_mesh(self):
+        """The 1-D mesh of the dp x sp ranks of this tp index (the ranks holding identical
+        parameters: what FSDP shards over), created on first use: collective over the
+        default group, so call it on every rank."""
+        if self._dp_sp_mesh is None:
+            self._dp_sp_mesh = self.mesh[("dp",) + tuple(self.sp_dims)]._flatten("dp_sp")
+        return self._dp_sp_mesh
 
 
 def _default_device_type() -> str:
@@ -52,67 +70,97 @@ def _world_size() -> int:
     return dist.get_world_size()
 
 
-def _check_sp_size(sp_size, world: int) -> None:
-    if not isinstance(sp_size, int) or sp_size < 1 or world % sp_size:
-        raise ValueError(f"sp_size={sp_size!r} does not divide the world size {world}; the mesh "
-                         f"is (dp, sp) with dp * sp == {world}, so sp_size must be one of "
-                         f"{valid_sp_sizes(world)}")
+def _check_sp_size(sp_size, world: int, tp_size: int = 1) -> None:
+    from ..parallel.dims import ParallelDims
+    ParallelDims(world_size=world, sp_size=sp_size, tp_size=tp_size)  # raises, names the sizes
 
 
-def build_mesh(sp_size: int, mesh=None, device_type: str = None) -> MeshGroups:
-    """Builds (or checks) the mesh with dims ``("dp", "sp")`` over the default process group.
+def _mesh_tp(mesh, names, tp_size) -> int:
+    mesh_tp = mesh["tp"].size() if "tp" in names else 1
+    if tp_size is not None and mesh_tp != tp_size:
+        has = f"a 'tp' dim of size {mesh_tp}" if "tp" in names else "no 'tp' dim"
+        raise ValueError(f"tp_size={tp_size} but the mesh passed to RingSequenceParallelPlugin "
+                         f"has {has}")
+    return mesh_tp
+
+
+def _with_tp(groups: MeshGroups) -> MeshGroups:
+    names = tuple(groups.mesh.mesh_dim_names)
+    if "tp" in names:
+        tp_mesh = groups.mesh["tp"]
+        groups.tp_mesh, groups.tp_size = tp_mesh, tp_mesh.size()
+        groups.tp_rank = groups.mesh.get_local_rank("tp")
+        groups.tp_group = tp_mesh.get_group() if tp_mesh.size() > 1 else None
+    return groups
+
+
+def build_mesh(sp_size: int, mesh=None, device_type: str = None, tp_size: int = 1
+               ) -> MeshGroups:
+    """Builds (or checks) the mesh with dims ``("dp", "sp", "tp")`` over the default group.
 
     Args:
-        sp_size: ranks per ring (sequence-parallel degree); dp = world size // sp_size.
+        sp_size: ranks per ring (sequence-parallel degree); dp = world size // (sp x tp).
         mesh: an existing ``torch.distributed.device_mesh.DeviceMesh`` with dims named
-            ``("dp", "sp")`` covering every rank of the default group, or None to create one
-            with ``init_device_mesh(device_type, (dp, sp_size), mesh_dim_names=("dp", "sp"))``.
+            ``("dp", "sp", "tp")`` (or ``("dp", "sp")`` without tensor parallelism) covering
+            every rank of the default group, or None to create one with
+            ``init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))``.
         device_type: ``"cpu"`` or ``"cuda"``; default: ``"cuda"`` under NCCL, else ``"cpu"``.
+        tp_size: tensor-parallel ranks (the innermost dim: consecutive ranks).
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError: ``sp_size`` does not divide the world size (the message lists the sizes
-            that do), or a passed mesh has other dim names, another sp size, or does not cover
-            the world. Every rank sees the same arguments, so every rank raises, before any
-            communication (``init_device_mesh`` itself does not check the product on gloo in
-            torch 2.13: a (3, 1) mesh on 4 ranks is accepted silently).
+        ValueError: ``sp_size`` x ``tp_size`` does not divide the world size (the message
+            lists the sizes that do), or a passed mesh has other dim names, other sizes, or
+            does not cover the world. Every rank sees the same arguments, so every rank
+            raises, before any communication (``init_device_mesh`` itself does not check the
+            product on gloo in torch 2.13: a (3, 1) mesh on 4 ranks is accepted silently).
     """
     world = _world_size()
     if mesh is None:
-        _check_sp_size(sp_size, world)
+        _check_sp_size(sp_size, world, tp_size)
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(device_type or _default_device_type(), (world // sp_size, sp_size),
-                                mesh_dim_names=("dp", "sp"))
+        mesh = init_device_mesh(device_type or _default_device_type(),
+                                (world // (sp_size * tp_size), sp_size, tp_size),
+                                mesh_dim_names=("dp", "sp", "tp"))
     else:
         names = tuple(mesh.mesh_dim_names or ())
-        if names != ("dp", "sp"):
+        if names not in (("dp", "sp"), ("dp", "sp", "tp")):
             raise ValueError(f"the mesh passed to RingSequenceParallelPlugin must have dims named "
-                             f"('dp', 'sp'), got {names or 'unnamed dims'}")
+                             f"('dp', 'sp', 'tp') (or ('dp', 'sp') without tensor "
+                             f"parallelism), got {names or 'unnamed dims'}")
         if mesh.size() != world:
             raise ValueError(f"the mesh covers {mesh.size()} ranks but the world has {world}; "
-                             f"dp * sp must equal the world size (sp one of "
+                             f"dp * sp * tp must equal the world size (sp one of "
                              f"{valid_sp_sizes(world)})")
-        if sp_size is not None and mesh.size(1) != sp_size:
-            raise ValueError(f"sp_size={sp_size} but the mesh's 'sp' dim has size {mesh.size(1)}")
-    return MeshGroups(mesh=mesh, dp_size=mesh.size(0), sp_size=mesh.size(1),
-                      dp_rank=mesh.get_local_rank("dp"), sp_rank=mesh.get_local_rank("sp"),
-                      dp_group=mesh["dp"].get_group(), sp_group=mesh["sp"].get_group())
+        if sp_size is not None and mesh["sp"].size() != sp_size:
+            raise ValueError(f"sp_size={sp_size} but the mesh's 'sp' dim has size "
+                             f"{mesh['sp'].size()}")
+        _mesh_tp(mesh, names, tp_size)
+    return _with_tp(MeshGroups(mesh=mesh, dp_size=mesh["dp"].size(), sp_size=mesh["sp"].size(),
+                               dp_rank=mesh.get_local_rank("dp"),
+                               sp_rank=mesh.get_local_rank("sp"),
+                               dp_group=mesh["dp"].get_group(),
+                               sp_group=mesh["sp"].get_group()))
 
 
 def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None,
-                  ulysses_inner=None, mesh=None, device_type: str = None) -> MeshGroups:
+                  ulysses_inner=None, mesh=None, device_type: str = None,
+                  tp_size: int = 1) -> MeshGroups:
     """The mesh and groups of the Ulysses / hybrid / double-ring modes over the default group.
 
     Args:
-        sp_size: sequence-parallel ranks (ulysses_size x ring size); dp = world // sp_size.
+        sp_size: sequence-parallel ranks (ulysses_size x ring size); dp = world // (sp x tp).
             May be None when ``mesh`` is given.
-        sp_mode, ulysses_size, inner_ring_size: see ``ringseq.hybrid.resolve_sp_sizes``.
+        sp_mode, ulysses_size, inner_ring_size: see ``ringseq.parallel.groups.resolve_sp_sizes``.
         ulysses_inner: Ulysses groups on consecutive ranks (default True: mesh dims
-            ``("dp", "sp_r", "sp_u")``) or the ring (False: ``("dp", "sp_u", "sp_r")``).
+            ``("dp", "sp_r", "sp_u")``) or the ring (False: ``("dp", "sp_u", "sp_r")``); a
+            ``"tp"`` dim is innermost of all.
         mesh: a DeviceMesh with dims ``("dp", "sp_r", "sp_u")`` or ``("dp", "sp_u", "sp_r")``
             (the LAST of the two is the inner one), or ``("dp", "sp")`` for ``sp_mode="ring"``
-            (a double ring), covering every rank; None: created with ``init_device_mesh``.
+            (a double ring), each optionally followed by ``"tp"``, covering every rank; None:
+            created with ``init_device_mesh``.
         device_type: as in :func:`build_mesh`.
+        tp_size: tensor-parallel ranks (the ``"tp"`` dim).
 
     Returns MeshGroups whose ``sp_group`` is the whole sequence-parallel group (what the data
     is sharded over) and ``sp`` its SequenceParallelGroups.
@@ -124,11 +172,12 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
     from ..parallel.groups import resolve_sp_sizes, sp_groups_from_tables
     world = _world_size()
     if mesh is None:
-        _check_sp_size(sp_size, world)
+        _check_sp_size(sp_size, world, tp_size)
         U, R, I = resolve_sp_sizes(sp_mode, sp_size, ulysses_size, inner_ring_size)
         ui = True if ulysses_inner is None else bool(ulysses_inner)
-        names = SP_MESH_DIMS[ui]
-        shape = (world // sp_size, R, U) if ui else (world // sp_size, U, R)
+        names = SP_MESH_DIMS[ui] + ("tp",)
+        dp = world // (sp_size * tp_size)
+        shape = (dp, R, U, tp_size) if ui else (dp, U, R, tp_size)
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device_type or _default_device_type(), shape,
                                 mesh_dim_names=names)
@@ -136,13 +185,15 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
         names = tuple(mesh.mesh_dim_names or ())
         allowed = [SP_MESH_DIMS[True], SP_MESH_DIMS[False]] + ([("dp", "sp")]
                                                                if sp_mode == "ring" else [])
-        if names not in allowed:
+        if names not in allowed + [a + ("tp",) for a in allowed]:
             raise ValueError(f"the mesh of sp_mode={sp_mode!r} must have dims named "
-                             f"{' or '.join(map(str, allowed))}, got {names or 'unnamed dims'}")
+                             f"{' or '.join(map(str, allowed))} (each optionally followed by "
+                             f"'tp'), got {names or 'unnamed dims'}")
         if mesh.size() != world:
             raise ValueError(f"the mesh covers {mesh.size()} ranks but the world has {world}")
         dims = dict(zip(names, mesh.mesh.shape))
-        mesh_sp = mesh.size() // dims["dp"]
+        mesh_tp = _mesh_tp(mesh, names, tp_size)
+        mesh_sp = mesh.size() // (dims["dp"] * mesh_tp)
         mesh_u = dims.get("sp_u", 1)
         if sp_size is not None and sp_size != mesh_sp:
             raise ValueError(f"sp_size={sp_size} but the mesh's sequence-parallel dims hold "
@@ -155,17 +206,22 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
         if U != mesh_u:
             raise ValueError(f"sp_mode={sp_mode!r} needs a Ulysses dim of size {U}, the mesh's "
                              f"'sp_u' dim has size {mesh_u}")
-        ui = names != SP_MESH_DIMS[False]
+        ui = names[:3] != SP_MESH_DIMS[False]
         if ulysses_inner is not None and bool(ulysses_inner) != ui:
             raise ValueError(f"ulysses_inner={ulysses_inner} but the mesh dims {names} put the "
-                             f"{'Ulysses' if ui else 'ring'} dim inside (the last dim)")
+                             f"{'Ulysses' if ui else 'ring'} dim inside")
     table = mesh.mesh
-    if names == ("dp", "sp"):
-        table = table.unsqueeze(-1)
-    elif names == SP_MESH_DIMS[False]:
-        table = table.transpose(1, 2)
-    sp = sp_groups_from_tables([table[d] for d in range(table.shape[0])],
-                               None if I == R else I, ui)
-    return MeshGroups(mesh=mesh, dp_size=table.shape[0], sp_size=sp.size,
-                      dp_rank=mesh.get_local_rank("dp"), sp_rank=sp.rank,
-                      dp_group=mesh["dp"].get_group(), sp_group=sp.group, sp=sp)
+    if "tp" not in names:
+        table = table.unsqueeze(-1)              # (dp, ., ., tp)
+    if names[:2] == ("dp", "sp"):
+        table = table.unsqueeze(2)               # (dp, R, 1, tp)
+    elif names[:3] == SP_MESH_DIMS[False]:
+        table = table.transpose(1, 2)            # (dp, R, U, tp)
+    # one sequence-parallel group per (dp, tp) index, created in the same order on every rank
+    sp = sp_groups_from_tables([table[d, :, :, t] for d in range(table.shape[0])
+                                for t in range(table.shape[3])], None if I == R else I, ui)
+    sp_dims = tuple(n for n in names if n.startswith("sp"))
+    return _with_tp(MeshGroups(mesh=mesh, dp_size=table.shape[0], sp_size=sp.size,
+                               dp_rank=mesh.get_local_rank("dp"), sp_rank=sp.rank,
+                               dp_group=mesh["dp"].get_group(), sp_group=sp.group, sp=sp,
+                               sp_dims=sp_dims))

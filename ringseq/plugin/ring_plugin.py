@@ -12,13 +12,14 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from ..engine.ring import get_ring, reset_ring
-from ..layouts import get_layout
+from ..layouts import PerBatchDocuments, get_layout
+from ..parallel.dims import ParallelDims
 from .base import Plugin
-from .checkpoint import ReplicatedCheckpointIO
 from .dataloader import ShardedDataLoader, pack_documents
-from .mesh import build_mesh, build_sp_mesh
+from .mesh import _world_size, build_mesh, build_sp_mesh
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
+from .sharded_checkpoint import DistributedCheckpointIO
 from .wrappers import (FailureReporter, ModelWrapper, OptimizerWrapper, SequenceParallelLoss,
                        StepTag)
 
@@ -40,11 +41,14 @@ def _sum_allreduce_hook(group, bucket):
 
 
 class RingSequenceParallelPlugin(Plugin):
-    """Sequence parallelism with ring attention on ``sp`` ranks, data parallelism over the rest.
+    """Sequence parallelism with ring attention on ``sp`` ranks, data parallelism over the rest,
+    optionally with tensor parallelism (``tp_size``) and FSDP (``zero_stage``).
 
-    The W ranks of the default process group form a (dp, sp) mesh, dp = W / sp_size
-    (``init_device_mesh(device, (dp, sp), mesh_dim_names=("dp", "sp"))``, or ``mesh``). Rank
-    (d, r) holds sequence shard r (``layout``) of the samples of data-parallel group d.
+    The W ranks of the default process group form a (dp, sp, tp) mesh, dp = W / (sp x tp)
+    (``init_device_mesh(device, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))``, or
+    ``mesh``). Rank (d, r, t) holds sequence shard r (``layout``) of the samples of
+    data-parallel group d; the tp ranks t of one (d, r) split its heads and MLP columns and,
+    between blocks, its sequence again (docs/parallelism.md).
 
     Args:
         sp_size: ranks per ring; must divide the world size.
@@ -61,6 +65,20 @@ class RingSequenceParallelPlugin(Plugin):
             ``cuda:<current>`` under NCCL, else CPU).
         ddp_kwargs: extra ``DistributedDataParallel`` arguments (e.g. ``bucket_cap_mb``,
             ``find_unused_parameters``).
+        tp_size (keyword-only): tensor-parallel ranks (1: none): DTensor tensor parallelism
+            with Megatron sequence parallelism on the "tp" dim (``ringseq.parallel.tp``), from
+            the plan a transformers model declares or ``tp_plan``.
+        zero_stage (keyword-only): 0 (replicated parameters: DDP, or DTensor gradients summed
+            by ``ringseq.parallel.grad_sync`` with tp), 2 or 3 (FSDP2 over the dp x sp ranks,
+            ``ringseq.parallel.fsdp``: 3 reshards parameters after forward, 2 keeps them until
+            backward; parameters, gradients and optimizer state are 1 / (dp x sp) per rank).
+            1 raises (see ``ringseq.parallel.dims.ParallelDims``).
+        activation_checkpointing (keyword-only): recompute every decoder layer in the backward,
+            keeping the ring attention's output and lse so that no ring communication is
+            repeated (``ringseq.parallel.checkpointing``).
+        tp_plan (keyword-only): for models without a declared transformers plan, a dict of
+            module-name patterns to ``"colwise"`` / ``"rowwise"`` /
+            ``"replicated_with_grad_allreduce"`` or to torch ``ParallelStyle`` objects.
 
     Gradient reduction (why gradients are SUMMED over all dp x sp ranks, never averaged).
     Let a global step see the dp x b sequences of all groups, with T targets that are not
@@ -79,6 +97,14 @@ class RingSequenceParallelPlugin(Plugin):
     token counts differ. The step thus equals single-process training on the whole global
     batch, up to float summation order. With ``no_sync`` over k micro-batches the gradients of
     the k global means add up (scale the loss by 1/k for their average).
+
+    The same argument holds with ``zero_stage`` 2/3 (FSDP's reduce-scatter is made a plain SUM
+    over the dp x sp ranks: divide factor 1, SUM reductions) and with ``tp_size`` > 1, where the
+    loss also sums over the tp ranks (each computes the logits of its own share of the
+    tokens): a tp-sharded parameter element is used on one tp rank per (dp, sp) rank, so its
+    gradient is the sum over dp x sp of that rank's; a replicated one (norms, embedding, LM
+    head) is used by each tp rank on a disjoint share of tokens (or heads), so its gradient is
+    the sum over dp x sp x tp (DTensor's ``Partial`` over tp, then the dp x sp sum).
 
     Sequence-parallel modes (keyword-only; ColossalAI's ``sequence_parallelism_mode``):
 
@@ -101,28 +127,55 @@ class RingSequenceParallelPlugin(Plugin):
     every use of a parameter still happens on exactly one rank.
 
     Raises (at construction, on every rank, before any communication): ValueError for an
-    sp_size that does not divide the world size (listing the ones that do), an unknown layout,
-    precision or sp_mode, a ulysses_size / inner_ring_size that does not divide sp_size / the
-    ring size (listing the ones that do), a mesh of the wrong shape or dim names; RuntimeError
-    without a process group. ``configure`` raises on every rank, before communicating, for a
-    transformers model whose ``num_attention_heads`` the Ulysses degree does not divide.
+    sp_size x tp_size that does not divide the world size (listing the sizes that do), an
+    unknown layout, precision or sp_mode, a ulysses_size / inner_ring_size that does not
+    divide sp_size / the ring size (listing the ones that do), a zero_stage not in (0, 2, 3),
+    fp16 with sharded parameters (use bf16), packed documents with tp_size > 1, a mesh of the
+    wrong shape or dim names; RuntimeError without a process group. ``configure`` raises on
+    every rank, before communicating or modifying the model, for a transformers model whose
+    heads tp_size x the Ulysses degree cannot split (naming the sizes that can), tp_size > 1
+    without a plan (neither a declared transformers plan nor ``tp_plan``), a plan that does
+    not fit the model, and an optimizer that already took a step (when parameters are
+    sharded).
     """
 
     def __init__(self, sp_size: int, layout="zigzag", precision: str = "fp32", mesh=None,
                  policy: Optional[Callable] = None, backend: Optional[str] = None,
                  ignore_index: int = -100, device=None, ddp_kwargs: Optional[dict] = None, *,
                  sp_mode: str = "ring", ulysses_size: Optional[int] = None,
-                 inner_ring_size: Optional[int] = None, ulysses_inner: Optional[bool] = None):
+                 inner_ring_size: Optional[int] = None, ulysses_inner: Optional[bool] = None,
+                 tp_size: int = 1, zero_stage: int = 0, activation_checkpointing: bool = False,
+                 tp_plan: Optional[dict] = None):
         self.layout = get_layout(layout)
         check_precision_name(precision)  # before the mesh: a typo raises without communicating
+        # every size checked at once, on every rank alike, before any process group exists
+        # (a user's hybrid mesh carries the Ulysses degree in its "sp_u" dim)
+        u = ulysses_size
+        if u is None and mesh is not None and sp_mode == "hybrid" and \
+                "sp_u" in (mesh.mesh_dim_names or ()):
+            u = mesh["sp_u"].size()
+        self.dims = ParallelDims(world_size=_world_size(), sp_size=sp_size, tp_size=tp_size,
+                                 zero_stage=zero_stage, sp_mode=sp_mode, ulysses_size=u,
+                                 inner_ring_size=inner_ring_size)
+        if self.dims.sharded and precision == "fp16":
+            raise ValueError(f"precision='fp16' needs one GradScaler decision over gradients "
+                             f"that are sharded with tp_size={tp_size} / zero_stage="
+                             f"{zero_stage}; use precision='bf16' (no loss scaling needed)")
+        if tp_size > 1 and isinstance(self.layout, PerBatchDocuments):
+            raise ValueError("layout='documents' (packed batches) is not supported with "
+                             "tp_size > 1 yet; use tp_size=1 or unpacked batches")
         plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)
                       and inner_ring_size is None and ulysses_inner is None)
         if plain_ring:
-            self.groups = build_mesh(sp_size, mesh)
+            self.groups = build_mesh(sp_size, mesh, tp_size=tp_size)
         else:
             self.groups = build_sp_mesh(sp_size, sp_mode, ulysses_size, inner_ring_size,
-                                        ulysses_inner, mesh)
+                                        ulysses_inner, mesh, tp_size=tp_size)
+        if self.dims.sharded:
+            self.groups.dp_sp_mesh()  # its process group, now, on every rank alike
         self.sp_mode = sp_mode
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self.tp_plan = tp_plan
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if self.groups.mesh.device_type == "cuda" else torch.device("cpu"))
@@ -171,6 +224,22 @@ class RingSequenceParallelPlugin(Plugin):
         """The ``ringseq.SequenceParallelGroups`` of the ulysses / hybrid / double-ring modes
         (None for the plain ring)."""
         return self.groups.sp
+
+    @property
+    def tp_size(self) -> int:
+        return self.groups.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.groups.tp_rank
+
+    @property
+    def tp_group(self):
+        return self.groups.tp_group
+
+    @property
+    def zero_stage(self) -> int:
+        return self.dims.zero_stage
 
     @property
     def ulysses_size(self) -> int:
@@ -235,7 +304,7 @@ class RingSequenceParallelPlugin(Plugin):
             if "collate_fn" in kwargs:
                 raise ValueError("prepare_dataloader(pack=True) packs the batch itself; drop the "
                                  "collate_fn (or pack in your own collate_fn with pack=False)")
-            multiple = self.data_layout.multiple(self.sp_size)
+            multiple = self.dims.seq_multiple(self.layout)
             kwargs["collate_fn"] = functools.partial(pack_documents, multiple=multiple,
                                                      ignore_index=self.ignore_index)
         sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank,
@@ -245,11 +314,14 @@ class RingSequenceParallelPlugin(Plugin):
                             num_workers=num_workers, **kwargs)
         return ShardedDataLoader(loader, self.sp_group, self.data_layout, self.dp_rank,
                                  ignore_index=self.ignore_index, check_group=None,
-                                 device=self.device)
+                                 device=self.device,
+                                 seq_multiple=(self.dims.seq_multiple(self.layout)
+                                               if self.tp_size > 1 else 1))
 
     def _criterion(self, criterion):
+        tp = dict(tp_size=self.tp_size, tp_rank=self.tp_rank)
         if criterion is None:
-            return SequenceParallelLoss(group=None, ignore_index=self.ignore_index)
+            return SequenceParallelLoss(group=None, ignore_index=self.ignore_index, **tp)
         if getattr(criterion, "sequence_parallel_aware", False):
             return criterion
         if isinstance(criterion, nn.CrossEntropyLoss):
@@ -268,7 +340,7 @@ class RingSequenceParallelPlugin(Plugin):
                     f"the plugin's ignore_index={self.ignore_index}; pass "
                     f"RingSequenceParallelPlugin(..., ignore_index={criterion.ignore_index}) "
                     f"or use the same value in both")
-            return SequenceParallelLoss(group=None, ignore_index=criterion.ignore_index)
+            return SequenceParallelLoss(group=None, ignore_index=criterion.ignore_index, **tp)
         raise ValueError(
             f"criterion {criterion!r} cannot be used as is: on sequence shards a local loss "
             f"gives wrong gradients. Pass None or nn.CrossEntropyLoss() (both become "
@@ -289,20 +361,46 @@ class RingSequenceParallelPlugin(Plugin):
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
                   lr_scheduler=None):
-        """Switches attention to the ring, moves the model to the device, wraps it for data
-        parallelism and precision; returns ``(ModelWrapper, OptimizerWrapper or None,
+        """Switches attention to the ring, moves the model to the device, applies tensor
+        parallelism, activation checkpointing and data parallelism (DDP, or FSDP2 for
+        zero_stage 2/3) and precision; returns ``(ModelWrapper, OptimizerWrapper or None,
         SequenceParallelLoss, ShardedDataLoader or None, lr_scheduler)``.
 
+        ``optimizer`` is built over the user's model as usual; when sharding replaces the
+        parameters (tp_size > 1 or zero_stage >= 2) the same optimizer object is pointed at
+        the sharded parameters, group by group (an lr scheduler built on it keeps working).
         A plain ``DataLoader`` is rebuilt over the same dataset with the dp sampler and the
-        sequence sharding. Raises ValueError (every rank, before communicating) for a model
-        whose attention cannot be switched, an already boosted model, or an unsupported
-        criterion (see :meth:`_criterion`).
+        sequence sharding. Raises ValueError (every rank, before communicating or modifying
+        the model) for a model whose attention cannot be switched, heads the tp / Ulysses
+        sizes cannot split, a missing or unfitting tensor-parallel plan, an already boosted
+        model, an optimizer with state, or an unsupported criterion (see :meth:`_criterion`).
         """
+        from ..parallel.modules import decoder_layers
+        from ..parallel.optim import check_rebindable, parameter_names, rebind_optimizer
         if isinstance(model, ModelWrapper):
             raise ValueError("this model was already boosted")
         # everything that can refuse comes before the model is modified
         criterion = self._criterion(criterion)
         dataloader = self._dataloader(dataloader)
+        dims = self.dims
+        if is_transformers_model(model):
+            cfg = model.config
+            dims = dims.with_model(getattr(cfg, "num_attention_heads", None),
+                                   getattr(cfg, "num_key_value_heads", None))
+        plan = None
+        if dims.tp_size > 1:
+            from ..parallel.tp import resolve_tp_plan
+            plan = resolve_tp_plan(model, dims.tp_size, self.tp_plan)
+        names = parameter_names(model)
+        if optimizer is not None and dims.sharded:
+            check_rebindable(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper)
+                             else optimizer, names)
+        layers = decoder_layers(model)
+        if self.activation_checkpointing and not layers:
+            raise ValueError(f"activation_checkpointing=True: {type(model).__name__} has no "
+                             f"decoder layers to checkpoint (transformers: the classes in "
+                             f"_no_split_modules; other models: the children of an "
+                             f"nn.ModuleList)")
         # (apply() refuses head counts the Ulysses degree cannot split before switching)
         switch_attention(model, self.sp_group, self.layout, self.backend, self.policy,
                          sp=self.sp)
@@ -310,7 +408,21 @@ class RingSequenceParallelPlugin(Plugin):
             # A KV cache of a sharded sequence is meaningless and ring attention refuses one.
             model.config.use_cache = False
         model = model.to(self.device)
-        if dist.get_world_size() > 1:
+        if plan is not None:
+            from ..parallel.tp import apply_tensor_parallel
+            apply_tensor_parallel(model, plan, self.groups.tp_mesh)
+        if self.activation_checkpointing:
+            from ..parallel.checkpointing import apply_activation_checkpointing
+            apply_activation_checkpointing(layers)
+        if dims.zero_stage >= 2:
+            from ..parallel.fsdp import apply_fsdp
+            apply_fsdp(model, self.groups.dp_sp_mesh(), dims.zero_stage, layers,
+                       param_dtype=(self.precision.dtype if self.precision.name == "bf16"
+                                    else None))
+        elif dims.tp_size > 1:
+            from ..parallel.grad_sync import ReplicatedGradSync
+            grad_sync = ReplicatedGradSync(model, self.groups.dp_sp_mesh().get_group())
+        elif dist.get_world_size() > 1:
             kwargs = {_NO_BUFFER_SYNC: False}  # buffers (RoPE tables) are identical
             kwargs.update(self.ddp_kwargs)
             if self.device.type == "cuda":
@@ -318,16 +430,32 @@ class RingSequenceParallelPlugin(Plugin):
             ddp = nn.parallel.DistributedDataParallel(model, process_group=None, **kwargs)
             ddp.register_comm_hook(None, _sum_allreduce_hook)
             model = ddp
+        user_model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
+            else model
+        if optimizer is not None and dims.sharded:
+            rebind_optimizer(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper)
+                             else optimizer, names, user_model)
         step = StepTag()  # the loader's batch number tags the ring calls of each step
         model = ModelWrapper(model, self.precision, self.reporter, step)
+        if dims.zero_stage == 0 and dims.tp_size > 1:
+            model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
-            optimizer = OptimizerWrapper(optimizer, self.precision.scaler, step)
+            optimizer = OptimizerWrapper(optimizer, self.precision.scaler, model=user_model,
+                                         step=step)
+        elif optimizer is not None:
+            optimizer.model, optimizer._step = user_model, step
         return model, optimizer, criterion, dataloader, lr_scheduler
 
     def no_sync(self, model: nn.Module, optimizer=None):
         inner = model.module if isinstance(model, ModelWrapper) else model
         if isinstance(inner, nn.parallel.DistributedDataParallel):
             return inner.no_sync()
+        if self.dims.zero_stage >= 2:
+            from ..parallel.fsdp import fsdp_no_sync
+            return fsdp_no_sync(inner)
+        grad_sync = getattr(model, "grad_sync", None)
+        if grad_sync is not None:
+            return grad_sync.no_sync()
         return contextlib.nullcontext()
 
     @property
@@ -343,14 +471,17 @@ class RingSequenceParallelPlugin(Plugin):
         every rank until then, see ringseq.integrity); call it on every rank."""
         reset_ring(self.sp_group)
 
-    def get_checkpoint_io(self) -> ReplicatedCheckpointIO:
-        return ReplicatedCheckpointIO()
+    def get_checkpoint_io(self) -> DistributedCheckpointIO:
+        return DistributedCheckpointIO()
 
     def __repr__(self):
         modes = ("" if self.sp is None else
                  f", sp_mode={self.sp.mode!r}, ulysses={self.sp.ulysses_size}, "
                  f"ring={self.sp.ring_size}, inner_ring={self.sp.inner_ring_size}")
-        return (f"RingSequenceParallelPlugin(dp={self.dp_size}, sp={self.sp_size}{modes}, "
+        extra = (f", tp={self.tp_size}" if self.tp_size > 1 else "") + \
+            (f", zero_stage={self.zero_stage}" if self.zero_stage else "") + \
+            (", activation_checkpointing=True" if self.activation_checkpointing else "")
+        return (f"RingSequenceParallelPlugin(dp={self.dp_size}, sp={self.sp_size}{modes}{extra}, "
                 f"layout={getattr(self.layout, 'name', self.layout)!r}, "
                 f"precision={self.precision.name!r}, "
                 f"device={self.device})")

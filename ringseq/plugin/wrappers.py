@@ -111,9 +111,13 @@ class OptimizerWrapper:
     (``param_groups``, ``state``, ...) are the wrapped optimizer's. ``unwrap()`` returns it:
     build learning-rate schedulers on the optimizer before boosting, as usual."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler=None, step: StepTag = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler=None, model=None,
+                 step: StepTag = None):
         self.optim = optimizer
         self.scaler = scaler
+        #: the user's (possibly sharded) model the parameters belong to: sharded checkpoints
+        #: name optimizer state by parameter name
+        self.model = model
         self._step = StepTag() if step is None else step
 
     def unwrap(self) -> torch.optim.Optimizer:
@@ -141,13 +145,18 @@ class OptimizerWrapper:
         ``step``. Under fp16 the gradients are unscaled first (``step`` then does not unscale
         again), so ``max_norm`` is in the units of the true gradients; an inf/NaN norm there
         still makes ``step`` skip. After DDP every rank holds the same summed gradients, so
-        every rank computes the same norm and clips alike."""
+        every rank computes the same norm and clips alike; with sharded gradients (FSDP,
+        tensor parallelism) the norm is computed over all shards (DTensor), the same on every
+        rank."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optim)
         params = [p for group in self.optim.param_groups for p in group["params"]
                   if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
                                               error_if_nonfinite=error_if_nonfinite)
+        # sharded (FSDP / tensor-parallel) gradients: the norm is a replicated DTensor over
+        # all of them; hand back the plain total
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
@@ -159,7 +168,7 @@ class OptimizerWrapper:
         self.optim.load_state_dict(state_dict)
 
     def __getattr__(self, name):
-        if name in ("optim", "scaler", "_step"):  # not yet set (unpickling): no recursion
+        if name in ("optim", "scaler", "model", "_step"):  # not yet set (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.optim, name)
 
@@ -177,9 +186,14 @@ class SequenceParallelLoss:
             int64), or the targets tensor itself.
 
     Returns a float32 scalar (float64 for float64 logits), identical on every rank:
-    sum of token losses over all dp x sp ranks / number of targets over all ranks (one
+    sum of token losses over all dp x sp (x tp) ranks / number of targets over all ranks (one
     all-reduce over ``group``; ``ignore_index`` targets excluded; 0 when there is none).
     Raises ValueError for mismatched shapes or a batch without ``shift_labels``.
+
+    With tensor parallelism (``tp_size > 1``) the model's logits cover this tp rank's share of
+    the local sequence, (b, s_local / tp_size, vocab) (``ringseq.parallel.tp``), and the
+    targets (b, s_local) are cut alike (contiguous share ``tp_rank``); logits of the whole
+    s_local raise ValueError, since every tp rank would count the same tokens.
 
     ``sequence_parallel_aware = True`` marks a criterion the plugin may use unchanged; a
     custom criterion carrying it must likewise return the global token mean over all ranks
@@ -188,9 +202,10 @@ class SequenceParallelLoss:
 
     sequence_parallel_aware = True
 
-    def __init__(self, group=None, ignore_index: int = -100):
+    def __init__(self, group=None, ignore_index: int = -100, tp_size: int = 1, tp_rank: int = 0):
         self.group = group
         self.ignore_index = ignore_index
+        self.tp_size, self.tp_rank = tp_size, tp_rank
 
     def __call__(self, outputs, batch) -> torch.Tensor:
         logits = outputs
@@ -207,8 +222,22 @@ class SequenceParallelLoss:
                                  "plugin's data loader, i.e. a batch that had 'labels') or the "
                                  "targets tensor (b, s_local)")
             targets = batch["shift_labels"]
+        if self.tp_size > 1:
+            targets = self._tp_share(logits, targets)
         return sharded_cross_entropy(logits, targets, group=self.group,
                                      ignore_index=self.ignore_index)
 
+    def _tp_share(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        n, t = targets.shape[-1], self.tp_size
+        if logits.dim() < 2 or logits.shape[-2] * t != n:
+            raise ValueError(
+                f"with tp_size={t} the criterion needs logits of this tensor-parallel rank's "
+                f"share of the sequence, (b, {n} / {t}, vocab), for targets {tuple(targets.shape)}"
+                f"; got logits {tuple(logits.shape)}. Logits of the whole local sequence on every "
+                f"tp rank would count each token {t} times: keep the model's last norm and LM "
+                f"head sequence-parallel (ringseq.parallel.tp)")
+        return targets.narrow(-1, self.tp_rank * (n // t), n // t)
+
     def __repr__(self):
-        return f"SequenceParallelLoss(ignore_index={self.ignore_index})"
+        tp = f", tp={self.tp_size}" if self.tp_size > 1 else ""
+        return f"SequenceParallelLoss(ignore_index={self.ignore_index}{tp})"

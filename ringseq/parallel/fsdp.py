@@ -1,0 +1,77 @@
+"""FSDP2 (``fully_shard``) over the flattened dp x sp ranks, with gradients SUMMED.
+
+The dp x sp ranks of one tp index hold identical parameters (sequence-parallel ranks hold
+shares of a sequence, not copies of the model), so FSDP shards parameters, gradients and
+optimizer state over all of them, as torchtitan does over dp_shard x cp: ``sp_size=8,
+zero_stage=3`` on 8 ranks keeps 1/8 of each per rank. Every decoder layer is one FSDP unit
+(one all-gather before it, one reduce-scatter of its gradients after its backward), the rest
+of the model (embeddings, final norm, LM head) the root unit.
+
+Gradient. The plugin's loss is the global token mean computed identically on every rank, so
+the exact gradient is the plain SUM over the dp x sp ranks of what each rank's autograd
+accumulates (the argument of ``RingSequenceParallelPlugin``). FSDP2 averages by default (it
+divides by the shard group's size); :func:`apply_fsdp` sets a divide factor of 1 and forces
+SUM reductions, so its reduce-scatter returns the sum. (A factor of 1 alone becomes NCCL's
+PreMulSum, which gloo lacks; forcing SUM reductions gives plain SUM on both.) With tensor
+parallelism FSDP first reduces the tp-``Partial`` gradients of replicated parameters over tp
+(redistributing them to their parameter's placement), then reduce-scatters over dp x sp.
+
+Precision: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+under ``precision="bf16"``: bf16 parameters all-gathered for compute, gradients reduced in
+float32 into the float32 shards (the master weights).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+__all__ = ["apply_fsdp", "fsdp_no_sync"]
+
+
+def apply_fsdp(model: nn.Module, mesh, zero_stage: int, layers: Iterable[nn.Module],
+               param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Shards ``model`` in place with FSDP2 over the 1-D ``mesh`` (the flattened dp x sp
+    ranks); returns it.
+
+    Args:
+        model: on its device; tensor-parallel DTensor parameters must live on a tp mesh of
+            the same root mesh as ``mesh``.
+        mesh: a 1-D DeviceMesh of the ranks that hold identical parameters.
+        zero_stage: 2 (``reshard_after_forward=False``: gathered layer parameters stay until
+            that layer's backward) or 3 (resharded after forward, gathered again in backward).
+            Between steps only the shards remain in both.
+        layers: the decoder layers, each its own FSDP unit (``modules.decoder_layers``).
+        param_dtype: compute dtype of the gathered parameters (None: the parameters' own);
+            gradients of bf16 / fp16 compute are reduced in float32, others in their dtype.
+    """
+    if zero_stage not in (2, 3):
+        raise ValueError(f"apply_fsdp: zero_stage must be 2 or 3, got {zero_stage!r}")
+    # low-precision compute reduces in float32; float32 / float64 parameters in their own dtype
+    low = param_dtype in (torch.bfloat16, torch.float16)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype,
+                              reduce_dtype=torch.float32 if low else None)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp)
+    # the root unit: reshard_after_forward=None lets FSDP keep it gathered into the backward,
+    # which starts with it (the LM head)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model: nn.Module):
+    """Backward passes inside accumulate unsharded gradients without reducing them; the
+    first backward after the block reduces the accumulated sum."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

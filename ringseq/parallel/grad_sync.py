@@ -1,0 +1,74 @@
+"""Gradient reduction of a replicated (zero_stage=0) tensor-parallel model.
+
+DDP cannot take DTensor parameters, so at zero_stage 0 with tp_size > 1 the plugin reduces
+gradients itself, with DDP's timing (at the end of every backward outside ``no_sync``) and the
+plugin's exact-sum rule: each DTensor gradient is first brought to its parameter's placement
+(a tp-``Partial`` gradient of a replicated parameter is summed over tp), then the local
+tensors of all gradients are summed over the dp x sp ranks in one all-reduce per dtype.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["ReplicatedGradSync"]
+
+
+class ReplicatedGradSync:
+    """Sums the gradients of ``model``'s parameters over ``group`` (the dp x sp ranks of this
+    tp index) at the end of each backward in which any of them received a gradient.
+
+    ``no_sync()`` skips the reduction for the backward passes inside it (their gradients
+    accumulate locally; the next reduced backward sums the accumulation). Keep the object
+    alive as long as the model trains (the plugin stores it on the model wrapper).
+    """
+
+    def __init__(self, model: nn.Module, group):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.group = group
+        self.enabled = True
+        self._queued = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, _param) -> None:
+        if self.enabled and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.sync)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Reduces the current gradients now (collective over ``group``)."""
+        self._queued = False
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                continue
+            if isinstance(g, DTensor):
+                if g.placements != p.placements:
+                    g = g.redistribute(placements=p.placements)  # Partial -> summed over tp
+                    p.grad = g
+                g = g.to_local()
+            by_dtype.setdefault(g.dtype, []).append(g)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            for grads in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=self.group)
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True

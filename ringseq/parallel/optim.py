@@ -1,0 +1,48 @@
+"""Moving a user's optimizer onto the parameters that sharding put in place of the originals.
+
+Users build the optimizer over the model they wrote (``AdamW(model.parameters(), ...)``);
+tensor parallelism and FSDP then replace every parameter with a DTensor. The optimizer object
+is kept (so an lr scheduler built on it keeps working) and its param groups are pointed at the
+new parameters, matched by name: same groups, same order, same hyperparameters.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from torch import nn
+
+__all__ = ["parameter_names", "rebind_optimizer"]
+
+
+def parameter_names(model: nn.Module) -> Dict[int, str]:
+    """``id(parameter) -> name`` (a tied parameter under its first name)."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def check_rebindable(optimizer: torch.optim.Optimizer, names: Dict[int, str]) -> None:
+    """Raises ValueError when ``optimizer`` cannot be moved: it has state already (a step was
+    taken: the state would be of the unsharded parameters) or holds a parameter that is not
+    ``model``'s. Checked before anything is modified."""
+    if any(len(s) for s in optimizer.state.values()):
+        raise ValueError(f"{type(optimizer).__name__} already has state (a step was taken "
+                         f"before boost); boost the model and optimizer first, then load a "
+                         f"checkpoint with booster.load_optimizer")
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"param group {gi} of {type(optimizer).__name__} holds a "
+                                 f"tensor of shape {tuple(p.shape)} that is not a parameter of "
+                                 f"the boosted model")
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, names: Dict[int, str],
+                     model: nn.Module) -> torch.optim.Optimizer:
+    """Points every param group of ``optimizer`` at ``model``'s current parameter of the same
+    name (``names``: :func:`parameter_names` taken before the model was sharded); returns
+    ``optimizer``. Call :func:`check_rebindable` first."""
+    now = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [now[names[id(p)]] for p in group["params"]]
+    optimizer.state.clear()
+    return optimizer

@@ -1,0 +1,210 @@
+"""Checkpoints of sharded (FSDP / tensor-parallel) and replicated training state.
+
+Model: always the FULL state dict, the same keys and tensors as the plain model built without
+ringseq, from any mesh. Sharded parameters are gathered with
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True,
+cpu_offload=True)`` (collective; only rank 0 keeps the result) and written by rank 0, either as
+one ``torch.save`` file or, with ``max_shard_size``, as transformers-style shards in a
+directory (``pytorch_model-00001-of-0000N.bin`` + ``pytorch_model.bin.index.json``: a
+``weight_map`` from key to file), which ``transformers.modeling_utils.load_sharded_checkpoint``
+or plain ``torch.load`` of each shard reads. Loading reads the full state dict on every rank
+and places this rank's shards (``set_model_state_dict(full_state_dict=True)``), so a checkpoint
+of any mesh loads into any other.
+
+Optimizer: sharded training writes its state with ``torch.distributed.checkpoint`` (a
+directory; every rank writes its own shards, keyed by parameter name through
+``get_optimizer_state_dict``), which ``dcp.load`` reshards into any other mesh (dp, sp, tp or
+zero_stage changed, replicated included). Replicated training writes the plain
+``torch.optim`` state dict file as before (``sharded=True`` writes the directory format
+instead); loading takes either format on any mesh.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from .._dist import agree_or_raise
+from .checkpoint import ReplicatedCheckpointIO, _is_writer, _load, _save, _unwrap, _write
+
+__all__ = ["DistributedCheckpointIO", "INDEX_NAME"]
+
+INDEX_NAME = "pytorch_model.bin.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10,
+          "MIB": 2 ** 20, "GIB": 2 ** 30}
+
+
+def _is_sharded(model) -> bool:
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _shard_bytes(size) -> int:
+    if isinstance(size, int) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"max_shard_size must be a positive number of bytes or a string like "
+                         f"'500MB' / '2GiB', got {size!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def full_model_state_dict(model) -> dict:
+    """The full state dict of ``model`` (any sharding) on rank 0, as CPU tensors; ``{}`` on
+    the other ranks of a sharded model. Collective when the model is sharded."""
+    if not _is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
+def _write_shards(state: dict, directory: str, max_bytes: int) -> None:
+    shards, current, size = [], {}, 0
+    for key, t in state.items():
+        n = t.numel() * t.element_size() if torch.is_tensor(t) else 0
+        if current and size + n > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = t
+        size += n
+    shards.append(current)
+    os.makedirs(directory, exist_ok=True)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
+        _write(shard, os.path.join(directory, name))
+        for key, t in shard.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size() if torch.is_tensor(t) else 0
+    index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    tmp = os.path.join(directory, f".{INDEX_NAME}.tmp")
+    with open(tmp, "w") as f:
+        f.write(index)
+    os.replace(tmp, os.path.join(directory, INDEX_NAME))
+
+
+def read_full_state_dict(path: str) -> dict:
+    """A full state dict from one file or a directory of transformers-style shards."""
+    if os.path.isdir(path):
+        with open(os.path.join(path, INDEX_NAME)) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        state = {}
+        for name in files:
+            state.update(torch.load(os.path.join(path, name), map_location="cpu",
+                                    weights_only=True))
+        return state
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _read_agreed(path: str) -> dict:
+    """read_full_state_dict on every rank; raises on every rank when any rank fails."""
+    error, state = None, None
+    try:
+        state = read_full_state_dict(path)
+    except Exception as exc:  # noqa: BLE001 - re-raised on every rank after agreeing
+        error = exc
+    if dist.is_initialized():
+        agree_or_raise(error is None, f"loading the checkpoint {path!r} failed: {error!r}",
+                       error=error, peer_message=f"loading the checkpoint {path!r} failed on "
+                                                 f"another rank (see its error)")
+    elif error is not None:
+        raise error
+    return state
+
+
+def _fqn_optimizer_state(optimizer, plain: dict) -> dict:
+    """A plain ``torch.optim`` state dict (parameters numbered in param-group order) keyed by
+    parameter name instead, for ``set_optimizer_state_dict(full_state_dict=True)``."""
+    names = {id(p): n for n, p in optimizer.model.named_parameters()}
+    order = [names[id(p)] for g in _unwrap(optimizer).param_groups for p in g["params"]]
+    groups = plain["param_groups"]
+    numbered = [i for g in groups for i in g["params"]]
+    if len(numbered) != len(order):
+        raise ValueError(f"the optimizer checkpoint holds {len(numbered)} parameters, the "
+                         f"optimizer {len(order)}")
+    by_index = dict(zip(numbered, order))
+    return {"state": {by_index[i]: s for i, s in plain["state"].items()},
+            "param_groups": [dict(g, params=[by_index[i] for i in g["params"]])
+                             for g in groups]}
+
+
+class DistributedCheckpointIO(ReplicatedCheckpointIO):
+    """The plugin's checkpoint I/O for every mesh (see the module doc). Saving and loading
+    are collective; a failed write or read raises on every rank (as ReplicatedCheckpointIO)."""
+
+    def save_model(self, model, checkpoint: str, max_shard_size=None, **_) -> None:
+        """Writes the full state dict to the file ``checkpoint``, or with ``max_shard_size``
+        (bytes, or e.g. ``"2GB"``) as transformers-style shards into the directory
+        ``checkpoint``."""
+        limit = None if max_shard_size is None else _shard_bytes(max_shard_size)
+        state = full_model_state_dict(_unwrap(model))
+        if limit is None:
+            _save(state, checkpoint)
+            return
+        error = None
+        if _is_writer():
+            try:
+                _write_shards(state, checkpoint, limit)
+            except Exception as exc:  # noqa: BLE001 - re-raised after agreeing
+                error = exc
+        if dist.is_initialized():
+            agree_or_raise(error is None, f"saving {checkpoint!r} failed: {error!r}",
+                           error=error, peer_message=f"rank 0 failed to write the checkpoint "
+                                                     f"{checkpoint!r} (see its error)")
+        elif error is not None:
+            raise error
+
+    def load_model(self, model, checkpoint: str, strict: bool = True, **_):
+        """Loads a full state dict (a file, or a directory of shards from ``save_model``) into
+        ``model`` on any mesh."""
+        inner = _unwrap(model)
+        if not _is_sharded(inner) and not os.path.isdir(checkpoint):
+            return super().load_model(model, checkpoint, strict=strict)
+        state = _read_agreed(checkpoint)
+        if not _is_sharded(inner):
+            return inner.load_state_dict(state, strict=strict)
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_model_state_dict)
+        # every rank holds the whole state dict: each places its own shards
+        return set_model_state_dict(inner, state, options=StateDictOptions(
+            full_state_dict=True, strict=strict))
+
+    def save_optimizer(self, optimizer, checkpoint: str, sharded=None, **_) -> None:
+        """Sharded models (or ``sharded=True``): a ``torch.distributed.checkpoint`` directory;
+        otherwise the plain ``torch.optim`` state dict file."""
+        model = getattr(optimizer, "model", None)
+        if sharded is None:
+            sharded = model is not None and _is_sharded(model)
+        if not sharded:
+            return super().save_optimizer(optimizer, checkpoint)
+        if model is None:
+            raise ValueError("save_optimizer(sharded=True) needs the boosted optimizer (it names "
+                             "the state by the model's parameter names)")
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        state = get_optimizer_state_dict(model, _unwrap(optimizer))
+        dcp.save({"optimizer": state}, checkpoint_id=checkpoint)
+
+    def load_optimizer(self, optimizer, checkpoint: str, **_) -> None:
+        """Loads either format into this mesh's optimizer (resharding as needed)."""
+        model = getattr(optimizer, "model", None)
+        if model is None or (not os.path.isdir(checkpoint) and not _is_sharded(model)):
+            return super().load_optimizer(optimizer, checkpoint)
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict,
+                                                             set_optimizer_state_dict)
+        opt = _unwrap(optimizer)
+        if os.path.isdir(checkpoint):
+            import torch.distributed.checkpoint as dcp
+            state = get_optimizer_state_dict(model, opt)  # this mesh's layout, to fill in
+            dcp.load({"optimizer": state}, checkpoint_id=checkpoint)
+            set_optimizer_state_dict(model, opt, state)
+            return None
+        plain = _load(checkpoint, lambda s: None, lambda s: s)
+        set_optimizer_state_dict(model, opt, _fqn_optimizer_state(optimizer, plain),
+                                 options=StateDictOptions(full_state_dict=True))
+        return None

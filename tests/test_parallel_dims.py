@@ -1,0 +1,80 @@
+"""ringseq.parallel.dims.ParallelDims: the sizes of a dp x sp x tp mesh, validated without any
+process group (what every rank checks before the plugin creates one)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ringseq.parallel.dims import ParallelDims
+
+
+def test_sizes_multiply_to_the_world():
+    d = ParallelDims(world_size=8, sp_size=2, tp_size=2, zero_stage=3)
+    assert (d.dp_size, d.sp_size, d.tp_size, d.dp_sp_size) == (2, 2, 2, 4)
+    assert (d.ulysses_size, d.ring_size, d.inner_ring_size) == (1, 2, 2)
+    assert d.sharded and not ParallelDims(world_size=8, sp_size=8).sharded
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.tp_size = 4
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(world_size=8, sp_size=2, tp_size=3), ["tp_size=3", "[1, 2, 4, 8]"]),
+    (dict(world_size=8, sp_size=3, tp_size=2), ["sp_size=3 x tp_size=2", "[1, 2, 4]"]),
+    (dict(world_size=8, sp_size=8, tp_size=2), ["sp_size=8 x tp_size=2", "[1, 2, 4]"]),
+    (dict(world_size=8, sp_size=0), ["sp_size=0"]),
+    (dict(world_size=8, sp_size=2, tp_size=True), ["tp_size=True"]),
+    (dict(world_size=8, sp_size=2, zero_stage=1), ["zero_stage=1", "[0, 2, 3]"]),
+    (dict(world_size=8, sp_size=2, zero_stage=4), ["zero_stage=4", "[0, 2, 3]"]),
+    (dict(world_size=8, sp_size=4, sp_mode="hybrid", ulysses_size=3), ["ulysses_size=3",
+                                                                        "[1, 2, 4]"]),
+    (dict(world_size=8, sp_size=4, sp_mode="tree"), ["'tree'", "'hybrid'"]),
+    (dict(world_size=8, sp_size=4, inner_ring_size=3), ["inner_ring_size=3", "[1, 2, 4]"]),
+])
+def test_bad_sizes_name_the_sizes_that_would_work(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        ParallelDims(**kwargs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("world, tp, heads, kv, words", [
+    (8, 4, 8, 2, ["tp_size=4", "num_key_value_heads=2", "[1, 2]"]),   # K/V heads not split
+    (8, 2, 6, 3, ["tp_size=2", "num_attention_heads=6", ": [1]"]),    # 3 does not divide 8
+    (12, 3, 4, 4, ["tp_size=3", "[1, 2, 4]"]),
+])
+def test_heads_tensor_parallelism_cannot_split_raise(world, tp, heads, kv, words):
+    d = ParallelDims(world_size=world, sp_size=1, tp_size=tp)
+    with pytest.raises(ValueError) as e:
+        d.with_model(heads, kv)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_ulysses_splits_the_heads_left_per_tp_rank():
+    d = ParallelDims(world_size=8, sp_size=4, tp_size=2, sp_mode="ulysses")
+    assert d.with_model(8, 2).num_heads == 8  # 8 / tp 2 = 4 heads over Ulysses 4: fine
+    with pytest.raises(ValueError) as e:
+        d.with_model(4, 2)  # 4 / tp 2 = 2 heads cannot go over Ulysses 4
+    msg = str(e.value)
+    assert "ulysses_size=4" in msg and "tp_size=2" in msg and "[1, 2]" in msg, msg
+    # K/V heads replicated inside the all-to-all (ringseq.ulysses' rule): 8:2 on tp 2 x U 4
+    assert ParallelDims(world_size=8, sp_size=4, tp_size=2, sp_mode="hybrid",
+                        ulysses_size=2).with_model(8, 2).ulysses_size == 2
+    # validated copies keep the resolved sub-sizes
+    h = ParallelDims(world_size=8, sp_size=4, sp_mode="hybrid", ulysses_size=2,
+                     inner_ring_size=1)
+    assert (h.ulysses_size, h.ring_size, h.inner_ring_size) == (2, 2, 1)
+    assert h.with_model(4, 4) == dataclasses.replace(h, num_heads=4, num_kv_heads=4)
+
+
+@pytest.mark.parametrize("kwargs, layout, multiple", [
+    (dict(sp_size=2), "zigzag", 4),                 # 2 sp chunks each
+    (dict(sp_size=2, tp_size=2), "zigzag", 4),      # s/sp split over tp: 4 divides
+    (dict(sp_size=2, tp_size=4), "zigzag", 8),
+    (dict(sp_size=4, tp_size=2), "contiguous", 8),
+    (dict(sp_size=4, sp_mode="hybrid", ulysses_size=2), "zigzag", 4),  # 2 x 2 zigzag
+    (dict(sp_size=4, sp_mode="hybrid", ulysses_size=2, tp_size=2), "zigzag", 8),
+    (dict(sp_size=4, tp_size=2, sp_mode="ulysses"), "zigzag", 8),  # Ulysses: contiguous
+    (dict(sp_size=2, tp_size=2), "documents", 4),
+])
+def test_sequence_multiple_per_layout(kwargs, layout, multiple):
+    assert ParallelDims(world_size=8, **kwargs).seq_multiple(layout) == multiple

@@ -349,6 +349,32 @@ class RingSequenceParallelPlugin(Plugin):
     def get_checkpoint_io(self) -> ReplicatedCheckpointIO:
         return ReplicatedCheckpointIO()
 
+    def estimate_memory(self, model: nn.Module, seqlen: int, micro_batch: int = 1,
+                        optimizer: str = "adamw", activation_checkpointing: bool = False):
+        """Per-rank memory of one training step of ``model`` (a transformers model, boosted or
+        not) at global sequence length ``seqlen`` on this plugin's mesh and precision:
+        :func:`ringseq.memory.estimate_memory` (see there for ``optimizer`` and what is
+        raised). ``activation_checkpointing``: whether the model's decoder layers are
+        checkpointed. Local: no communication. Raises ValueError for a model without a
+        ``config``."""
+        from ..memory import estimate_memory
+        inner = model.unwrap() if isinstance(model, ModelWrapper) else model
+        config = getattr(inner, "config", None)
+        if config is None:
+            raise ValueError(f"estimate_memory needs a model with a transformers-style config "
+                             f"(hidden_size, num_hidden_layers, ...), got "
+                             f"{type(inner).__name__}; call ringseq.memory.estimate_memory "
+                             f"with a dict of those sizes instead")
+        return estimate_memory(
+            config, seqlen=seqlen, micro_batch=micro_batch, world_size=self.mesh.size(),
+            sp_size=self.sp_size, tp_size=getattr(self, "tp_size", 1),
+            zero_stage=getattr(self, "zero_stage", 0), precision=self.precision.name,
+            optimizer=optimizer,
+            activation_checkpointing=getattr(self, "activation_checkpointing",
+                                             activation_checkpointing),
+            sp_mode=self.sp_mode,
+            ulysses_size=self.ulysses_size if self.sp_mode == "hybrid" else None)
+
     def __repr__(self):
         modes = ("" if self.sp is None else
                  f", sp_mode={self.sp.mode!r}, ulysses={self.sp.ulysses_size}, "

@@ -1,0 +1,244 @@
+"""Estimated vs measured peak memory of one training step (ringseq.memory against MemTracker).
+
+Each configuration is the keyword arguments of ``RingSequenceParallelPlugin`` plus the
+precision, the sequence length and the model; one line of ``CONFIGS`` per configuration.
+Every configuration trains a tiny transformers model (random init, no download) through
+``Booster`` on the same spawned gloo ranks: two warm-up steps (AdamW states, DDP's rebuilt
+buckets and the ring's cached exchange buffers then exist, as in any later step), then one
+tracked step (forward, loss, backward, ``optimizer.step()``); the measured peak is the
+largest per-rank peak of that step, the estimate ``plugin.estimate_memory(model, seqlen)``.
+
+How the peak is measured. ``torch.distributed._tools.mem_tracker.MemTracker`` (a
+TorchDispatchMode; runs on CPU) follows every tensor storage created under it. It cannot see
+inside a custom operator (a mode is switched off while an operator it intercepted runs), and
+ring attention is one (``ringseq::ring_attention``): its K/V exchange buffers and float32
+accumulators would be missing. ``StepTracker`` therefore registers, with
+``torch.library.register_torch_dispatch``, a rule for every ``ringseq::`` operator that runs
+the operator's kernel with the tracker switched back on, so their allocations are tracked as
+well. The tracker is entered before the model is boosted (DDP's buckets are then tracked) and
+left over the warm-up; re-entering it for the tracked step resets its peak to what is live
+(MemTracker.__enter__), and ``reset_mod_stats`` between steps is MemTracker's rule for
+repeated iterations.
+
+    python benchmarks/memory_check.py              # every configuration, table + JSON
+    python benchmarks/memory_check.py --only sp2   # configurations whose name contains sp2
+
+On a CUDA machine under torchrun the same configurations can be compared with
+``torch.cuda.max_memory_allocated`` (``--cuda``): see docs/memory.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import environment, format_table, progress, write_json  # noqa: E402
+
+from ringseq._spawn import run_ranks  # noqa: E402
+
+WORLD = 4
+# Tiny models: A has a vocabulary large against the layers (the loss's backward holds the
+# peak), B a small one and more layers (a decoder layer's backward holds it).
+MODELS = {
+    "A": dict(family="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+              tie_word_embeddings=False),
+    "C": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+              num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=64,
+              tie_word_embeddings=True),
+    "B": dict(family="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+              tie_word_embeddings=True),
+}
+
+# One configuration per line: name, model, plugin kwargs, precision, seqlen; "checkpoint":
+# the harness checkpoints every decoder layer itself (torch.utils.checkpoint, keeping the
+# ring's output), for as long as the plugin has no activation_checkpointing of its own.
+# Pending (the plugin of issue 21): tp_size / zero_stage / activation_checkpointing lines,
+# e.g. dict(name="sp2 zero3 bf16", model="A", plugin=dict(sp_size=2, zero_stage=3), ...).
+CONFIGS = [
+    dict(name="sp1 fp32 s1024", model="A", plugin=dict(sp_size=1), precision="fp32", seqlen=1024),
+    dict(name="sp2 ring fp32 s2048", model="A", plugin=dict(sp_size=2), precision="fp32", seqlen=2048),
+    dict(name="sp4 ring bf16 s2048", model="A", plugin=dict(sp_size=4), precision="bf16", seqlen=2048),
+    dict(name="sp4 ring bf16 s4096", model="A", plugin=dict(sp_size=4), precision="bf16", seqlen=4096),
+    dict(name="sp2 ulysses bf16 s2048", model="A", plugin=dict(sp_size=2, sp_mode="ulysses"), precision="bf16", seqlen=2048),
+    dict(name="sp4 ulysses fp32 s2048", model="A", plugin=dict(sp_size=4, sp_mode="ulysses"), precision="fp32", seqlen=2048),
+    dict(name="sp1 bf16 s1024 B", model="B", plugin=dict(sp_size=1), precision="bf16", seqlen=1024),
+    dict(name="sp2 ring bf16 s2048 B", model="B", plugin=dict(sp_size=2), precision="bf16", seqlen=2048),
+    dict(name="sp4 ring fp32 s4096 B", model="B", plugin=dict(sp_size=4), precision="fp32", seqlen=4096),
+    dict(name="sp2 ulysses bf16 s4096 B", model="B", plugin=dict(sp_size=2, sp_mode="ulysses"), precision="bf16", seqlen=4096),
+    dict(name="sp1 bf16 s1024 C", model="C", plugin=dict(sp_size=1), precision="bf16", seqlen=1024),
+    dict(name="sp4 ring fp32 s4096 C", model="C", plugin=dict(sp_size=4), precision="fp32", seqlen=4096),
+    dict(name="sp2 ulysses bf16 s4096 C", model="C", plugin=dict(sp_size=2, sp_mode="ulysses"), precision="bf16", seqlen=4096),
+    dict(name="sp4 ring bf16 s64 A", model="A", plugin=dict(sp_size=4), precision="bf16", seqlen=64),
+    dict(name="sp2 ring bf16 s2048 ckpt", model="A", plugin=dict(sp_size=2), precision="bf16", seqlen=2048, checkpoint=True),
+    dict(name="sp4 ring bf16 s4096 B ckpt", model="B", plugin=dict(sp_size=4), precision="bf16", seqlen=4096, checkpoint=True),
+]
+
+
+# ---------------------------------------------------------------- the tracker
+def _tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        """MemTracker that also sees the allocations inside ringseq's operators."""
+
+    def inside(mode, func, types, args, kwargs):
+        # Run the operator's own kernel (below the Python dispatch key) with the tracker on.
+        key = (torch._C.DispatchKey.CUDA if any(
+            isinstance(a, torch.Tensor) and a.is_cuda for a in args) else torch._C.DispatchKey.CPU)
+        with mode:
+            return func.redispatch(torch._C.DispatchKeySet(key), *args, **(kwargs or {}))
+
+    import ringseq  # noqa: F401  (registers the ringseq:: operators)
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("ringseq::"):
+            torch.library.register_torch_dispatch(name, StepTracker, inside)
+    return StepTracker
+
+
+def _release_ring_buffers():
+    # Every configuration starts without cached exchange buffers (an earlier configuration's
+    # could be reused and would then be created before the tracker sees them).
+    from ringseq import comm
+    for c in list(comm._COMMS.values()) + list(comm._LOCAL.values()):
+        c.release_buffers()
+
+
+def _model(spec, seqlen):
+    import transformers
+    spec = dict(spec)
+    family = spec.pop("family")
+    cls_cfg, cls_model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+    cfg = cls_cfg(max_position_embeddings=max(seqlen, 256), attention_dropout=0.0,
+                  use_cache=False, **spec)
+    torch.manual_seed(0)
+    return cls_model(cfg)
+
+
+def _checkpoint_layers(model):
+    """Checkpoints every decoder layer (non-reentrant torch.utils.checkpoint) with a selective
+    policy that keeps the ring attention's outputs: the recompute does not run the ring."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    keep = {torch.ops.ringseq.ring_attention.default, torch.ops.ringseq.attention.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+        "use_reentrant": False,
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)})
+
+
+def measure(configs, steps_before=2):
+    """Rank side: the measured peak (bytes) and the estimate of every configuration."""
+    import transformers  # noqa: F401
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    tracker_cls = _tracker_class()
+    out = []
+    for c in configs:
+        t0 = time.perf_counter()
+        _release_ring_buffers()
+        gc.collect()
+        plugin = RingSequenceParallelPlugin(precision=c["precision"], **c["plugin"])
+        booster = Booster(plugin)
+        model = _model(MODELS[c["model"]], c["seqlen"])
+        if c.get("checkpoint"):
+            _checkpoint_layers(model)
+        # foreach: torch's default AdamW on CUDA (on CPU the default is the for-loop one)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        g = torch.Generator().manual_seed(1)
+        n = (steps_before + 1) * plugin.dp_size
+        ids = torch.randint(0, model.config.vocab_size, (n, c["seqlen"]), generator=g)
+        loader = plugin.prepare_dataloader([{"input_ids": i, "labels": i} for i in ids],
+                                           batch_size=1)
+        tracker = tracker_cls()
+        tracker.track_external(model, opt)
+        with tracker:
+            model, opt, criterion, loader, _ = booster.boost(model, opt, dataloader=loader)
+            batches = iter(loader)
+
+            def step():
+                batch = next(batches)
+                loss = criterion(model(**batch), batch)
+                booster.backward(loss, opt)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                tracker.reset_mod_stats()  # MemTracker tracks one iteration per record
+
+            for _ in range(steps_before):
+                step()
+        with tracker:  # re-entering resets the peak to what is live now
+            step()
+        peak = tracker.get_tracker_snapshot("peak")
+        measured = max(snap["Total"] for snap in peak.values())
+        est = plugin.estimate_memory(model, c["seqlen"], optimizer="adamw",
+                                     activation_checkpointing=bool(c.get("checkpoint")))
+        out.append({"name": c["name"], "measured": measured, "estimate": est.total,
+                    "peak_phase": est.peak_phase, "seconds": time.perf_counter() - t0,
+                    "breakdown": {str(k): v for k, v in next(iter(peak.values())).items()}})
+        del model, opt, criterion, loader, batches, booster, plugin, tracker
+    return out
+
+
+def run(configs, timeout=600.0):
+    """Spawns WORLD gloo ranks, measures every configuration; returns one row per config
+    (measured = the largest rank's peak) with the estimate and the relative error."""
+    per_rank = run_ranks(measure, WORLD, configs, timeout=timeout)
+    rows = []
+    for i, c in enumerate(configs):
+        ranks = [r[i] for r in per_rank]
+        measured = max(r["measured"] for r in ranks)
+        est = ranks[0]["estimate"]
+        rows.append({"name": c["name"], "estimate": est, "measured": measured,
+                     "error": est / measured - 1, "peak_phase": ranks[0]["peak_phase"],
+                     "seconds": max(r["seconds"] for r in ranks),
+                     "rank_spread": max(r["measured"] for r in ranks)
+                     - min(r["measured"] for r in ranks)})
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=None, help="configurations whose name contains this")
+    p.add_argument("--json", default=None, help="write the rows to this path")
+    p.add_argument("--timeout", type=float, default=900)
+    args = p.parse_args(argv)
+    configs = [c for c in CONFIGS if args.only is None or args.only in c["name"]]
+    if not configs:
+        p.error(f"no configuration name contains {args.only!r}")
+    progress(f"{len(configs)} configuration(s) on {WORLD} gloo ranks (load "
+             f"{os.getloadavg()[0]:.1f})")
+    t0 = time.time()
+    rows = run(configs, args.timeout)
+    for r in rows:
+        r["estimate_mib"], r["measured_mib"] = r["estimate"] / 2**20, r["measured"] / 2**20
+    print(format_table(rows, [("name", "configuration", "{}"),
+                              ("estimate_mib", "estimate MiB", "{:.2f}"),
+                              ("measured_mib", "measured MiB", "{:.2f}"),
+                              ("error", "error", "{:+.2%}"), ("peak_phase", "peak at", "{}"),
+                              ("seconds", "s", "{:.1f}")]))
+    progress(f"done in {time.time() - t0:.0f} s")
+    write_json(args.json, {"benchmark": "memory_check", "world_size": WORLD,
+                           "environment": environment(torch.device("cpu")), "rows": rows})
+    bad = [r["name"] for r in rows if abs(r["error"]) > 0.10]
+    if bad:
+        print(f"estimate off by more than 10 %: {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -146,7 +146,9 @@ class MemoryEstimate:
             accumulators, the optimizer's foreach temporaries).
         total: the peak over the step's moments (``moments``), ``peak_phase`` its name.
         megatron: Megatron's activation formula L * s b h (34/t + 5 a s / (h t)) evaluated at
-            the per-rank sequence s = seqlen / sp (16-bit activations, full recompute off).
+            the per-rank sequence s = seqlen / sp (16-bit activations, no recompute);
+            ``megatron_flash`` the same without the 5as/(ht) term of the s x s attention
+            scores, which flash attention never stores.
 
     ``breakdown`` lists the terms live at the peak (they sum to ``total``); ``moments`` the
     peak of every moment considered. ``str()`` is a table of both.
@@ -179,6 +181,7 @@ class MemoryEstimate:
     total: int
     peak_phase: str
     megatron: int
+    megatron_flash: int
     breakdown: Tuple[Tuple[str, int], ...] = field(default=(), repr=False)
     moments: Tuple[Tuple[str, int], ...] = field(default=(), repr=False)
 
@@ -212,9 +215,11 @@ class MemoryEstimate:
         out = [head, f"{'term':<{w}}{'size':>12}", "-" * (w + 12)]
         out += [f"{n:<{w}}{format_bytes(v):>12}" for n, v in rows]
         out += ["-" * (w + 12), f"{'total (peak)':<{w}}{format_bytes(self.total):>12}  at "
-                f"{self.peak_phase}", f"{'megatron':<{w}}{format_bytes(self.megatron):>12}  "
-                f"activations by sbh(34/t + 5as/(ht)) x layers (ours: "
-                f"{format_bytes(self.activations)})", "", "live at the peak:"]
+                f"{self.peak_phase}", "",
+                f"Megatron's activations sbh(34/t + 5as/(ht)) x layers at s = seqlen/sp: "
+                f"{format_bytes(self.megatron)}; without 5as/(ht) (flash attention): "
+                f"{format_bytes(self.megatron_flash)}; these activations: "
+                f"{format_bytes(self.activations)}", "", "live at the peak:"]
         out += [f"  {n:<{w - 2}}{format_bytes(v):>12}" for n, v in self.breakdown]
         out += ["", "peak of every moment of the step:"]
         out += [f"  {n:<{w - 2}}{format_bytes(v):>12}" for n, v in self.moments]
@@ -429,6 +434,8 @@ class _Terms:
         # Ulysses o_proj's own copy of the output is released by then)
         self.layer_attn_part = (self.residual + norm * Tr + normed_attn + attn
                                 - (e * a * d * T if p.U > 1 else 0))
+        # ... and in the forward, once the attention has returned (o_proj's copy included)
+        self.layer_attn_fwd = self.residual + norm * Tr + normed_attn + attn
         self.prod = e * I * T  # the MLP product, freed by down_proj's backward
         # ---- checkpointing: per layer the input (torch.utils.checkpoint saves it) plus the
         # attention output and lse (kept so the recompute does not run the ring again)
@@ -481,8 +488,8 @@ class _Terms:
         self.gathered_root = ep * p.root_params() if p.zero >= 2 else 0
         # FSDP2's backward of a layer: unsharded gradients in the param dtype, their float32
         # copy for the float32 reduce-scatter (mp), and the reduce-scatter output shard.
-        self.fsdp_grad_tmp = (p.layer_params() * (ep + (f32 if ep != f32 else 0) + f32 // N)
-                              if p.zero >= 2 else 0)
+        self.fsdp_grad_tmp = (p.layer_params() * (ep + (f32 if ep != f32 else 0)) +
+                              f32 * p.layer_params() // N if p.zero >= 2 else 0)
         self.layer_grads = f32 * p.layer_params() // N
         down, mlp_o = p.mlp_o_params()
         self.grad_down, self.grad_mlp_o = f32 * down // N, f32 * mlp_o // N
@@ -530,6 +537,21 @@ class _Terms:
             # sequence-shard copies, once the head shards' saved tensors are released
             acc_end = max(acc_end, 3 * grads_h)
         self.attn_bwd = dout + max(delta_tmp, acc_end)
+        # ---- transients of the forward's attention (its peak within a layer) -----------
+        # Local variables hold tensors through the attention call: the decoder layer the
+        # norm's float32 output (autocast: the projections saved bf16 casts of it),
+        # LlamaAttention q and k after rotary (float32 under autocast, where ringseq saves
+        # bf16 casts) and v; under Ulysses, whose head shards are what is saved, also the
+        # sequence-shard q, k, v in the kernel dtype (usp_attn_func's locals).
+        held = (f32 * h * Tr + f32 * (a + k) * d * T) if regime == "autocast" else 0
+        if p.U > 1:
+            held += e * (a + 2 * k) * d * T
+        # Then the ring's float32 output accumulator next to its result in the input dtype
+        # (ring_op), or Ulysses' all-to-all of the output: send and receive buffers besides
+        # the copy that o_proj saves.
+        ring_out = f32 * a * d * T if (ring_used and e != f32) else 0
+        a2a_out = 2 * e * a * d * T if p.U > 1 else 0
+        self.attn_fwd = held + max(ring_out, a2a_out)
         # ---- optimizer step -------------------------------------------------------------
         if p.optimizer == "adamw":  # foreach (torch's default on CUDA): sqrt of every exp_avg_sq
             self.opt_tmp = f32 * P // N
@@ -565,6 +587,14 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         # end of the model's forward: the cache of weight copies and the logits
         add("forward end", activations=acts_all, weight_copies=wcopies_fwd,
             comm_buffers=gathered_all, logits_loss=t.logits)
+    # The last layer's attention in the forward: the layers before it, this layer up to its
+    # attention (under checkpointing only what the checkpoint keeps), the weight copies made
+    # so far (the autocast cache holds them to the end of the forward), the transients.
+    add("forward, last layer's attention",
+        activations=(L - 1) * per_layer + t.rope + t.batch
+        + (t.layer_ckpt if p.ckpt else t.layer_attn_fwd),
+        weight_copies=L * t.wcopy_layer - t.wcopy_mlp_o,
+        comm_buffers=gathered_all, temporaries=t.attn_fwd)
     add("loss forward", activations=acts_all, weight_copies=wcopies_bwd,
         comm_buffers=gathered_all, logits_loss=t.loss_fwd)
     add("loss backward", activations=acts_all, weight_copies=wcopies_bwd,
@@ -601,9 +631,13 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
     return out
 
 
-def _megatron(p: _Plan) -> int:
+def _megatron(p: _Plan, flash: bool = False) -> int:
+    """Megatron's activation memory per layer with tensor and sequence parallelism, 16-bit
+    (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"):
+    s b h (34 / t + 5 a s / (h t)) bytes, times the layers, at the per-rank s = seqlen / sp
+    (the formula has no context-parallel term)."""
     s, b, h, a, t, L = p.seqlen // p.sp, p.b, p.shape.hidden, p.shape.heads, p.tp, p.shape.layers
-    return int(L * s * b * h * (34 / t + 5 * a * s / (h * t)))
+    return int(L * s * b * h * (34 / t + (0 if flash else 5 * a * s / (h * t))))
 
 
 # ------------------------------------------------------------------------------ checks
@@ -735,7 +769,8 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
         weight_copies=t.wcopy, activations_per_layer=t.layer_ckpt if p.ckpt else t.layer,
         activations=activations, attention_buffers=t.ring_buffers,
         logits_loss=t.loss_bwd, temporaries=live.get("temporaries", 0), total=total,
-        peak_phase=name, megatron=_megatron(p), breakdown=breakdown,
+        peak_phase=name, megatron=_megatron(p), megatron_flash=_megatron(p, flash=True),
+        breakdown=breakdown,
         moments=tuple((n, sum(d.values())) for n, d in moments))
 
 

@@ -16,19 +16,21 @@ accumulators would be missing. ``StepTracker`` therefore registers, with
 ``torch.library.register_torch_dispatch``, a rule for every ``ringseq::`` operator that runs
 the operator's kernel with the tracker switched back on, so their allocations are tracked as
 well. The tracker is entered before the model is boosted (DDP's buckets are then tracked) and
-left over the warm-up; re-entering it for the tracked step resets its peak to what is live
-(MemTracker.__enter__), and ``reset_mod_stats`` between steps is MemTracker's rule for
-repeated iterations.
+stays entered over the warm-up; leaving and re-entering it for the tracked step resets its peak
+to what is live (MemTracker.__enter__), and ``reset_mod_stats`` between steps is MemTracker's
+rule for repeated iterations.
 
     python benchmarks/memory_check.py              # every configuration, table + JSON
     python benchmarks/memory_check.py --only sp2   # configurations whose name contains sp2
 
-On a CUDA machine under torchrun the same configurations can be compared with
-``torch.cuda.max_memory_allocated`` (``--cuda``): see docs/memory.md.
+Under torchrun on GPUs (``torchrun --nproc-per-node 4 benchmarks/memory_check.py``) the same
+configurations run on NCCL and the measured peak is ``torch.cuda.max_memory_allocated`` of the
+tracked step instead (see docs/memory.md for what differs there).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -159,16 +161,29 @@ def _checkpoint_layers(model):
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-        "use_reentrant": False,
-        "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)})
+    kwargs = {"use_reentrant": False,
+              "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+class _NoTracker(contextlib.nullcontext):
+    """Stands in for the tracker on CUDA, where the caching allocator keeps the peak."""
+
+    def reset_mod_stats(self):
+        pass
 
 
 def measure(configs, steps_before=2):
-    """Rank side: the measured peak (bytes) and the estimate of every configuration."""
+    """Rank side: the measured peak (bytes) and the estimate of every configuration. On CPU
+    ranks the peak is MemTracker's; on CUDA ranks (NCCL) ``torch.cuda.max_memory_allocated``
+    of the tracked step (the caching allocator counts every tensor, inside operators too)."""
     import transformers  # noqa: F401
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
-    tracker_cls = _tracker_class()
+    cuda = str(dist.get_backend()) == "nccl" and torch.cuda.is_available()
+    tracker_cls = None if cuda else _tracker_class()
     out = []
     for c in configs:
         t0 = time.perf_counter()
@@ -186,8 +201,11 @@ def measure(configs, steps_before=2):
         ids = torch.randint(0, model.config.vocab_size, (n, c["seqlen"]), generator=g)
         loader = plugin.prepare_dataloader([{"input_ids": i, "labels": i} for i in ids],
                                            batch_size=1)
-        tracker = tracker_cls()
-        tracker.track_external(model, opt)
+        if cuda:
+            tracker = _NoTracker()
+        else:
+            tracker = tracker_cls()
+            tracker.track_external(model, opt)
         with tracker:
             model, opt, criterion, loader, _ = booster.boost(model, opt, dataloader=loader)
             batches = iter(loader)
@@ -202,15 +220,22 @@ def measure(configs, steps_before=2):
 
             for _ in range(steps_before):
                 step()
-        with tracker:  # re-entering resets the peak to what is live now
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
             step()
-        peak = tracker.get_tracker_snapshot("peak")
-        measured = max(snap["Total"] for snap in peak.values())
+            torch.cuda.synchronize()
+            measured, peak = torch.cuda.max_memory_allocated(), {}
+        else:
+            with tracker:  # re-entering resets the peak to what is live now
+                step()
+            peak = tracker.get_tracker_snapshot("peak")
+            measured = max(snap[_TOTAL] for snap in peak.values())
         est = plugin.estimate_memory(model, c["seqlen"], optimizer="adamw",
                                      activation_checkpointing=bool(c.get("checkpoint")))
         out.append({"name": c["name"], "measured": measured, "estimate": est.total,
                     "peak_phase": est.peak_phase, "seconds": time.perf_counter() - t0,
-                    "breakdown": {str(k): v for k, v in next(iter(peak.values())).items()}})
+                    "breakdown": {str(k): v for snap in peak.values() for k, v in snap.items()}})
         del model, opt, criterion, loader, batches, booster, plugin, tracker
     return out
 
@@ -218,7 +243,10 @@ def measure(configs, steps_before=2):
 def run(configs, timeout=600.0):
     """Spawns WORLD gloo ranks, measures every configuration; returns one row per config
     (measured = the largest rank's peak) with the estimate and the relative error."""
-    per_rank = run_ranks(measure, WORLD, configs, timeout=timeout)
+    return _rows(configs, run_ranks(measure, WORLD, configs, timeout=timeout))
+
+
+def _rows(configs, per_rank):
     rows = []
     for i, c in enumerate(configs):
         ranks = [r[i] for r in per_rank]
@@ -244,10 +272,26 @@ def main(argv=None):
                and (c["quick"] or not args.quick)]
     if not configs:
         p.error(f"no configuration name contains {args.only!r}")
-    progress(f"{len(configs)} configuration(s) on {WORLD} gloo ranks (load "
-             f"{os.getloadavg()[0]:.1f})")
     t0 = time.time()
-    rows = run(configs, args.timeout)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:  # torchrun on GPUs: NCCL, one GPU per local rank, max_memory_allocated
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+        if dist.get_world_size() != WORLD:
+            p.error(f"run the configurations on {WORLD} ranks (--nproc-per-node {WORLD})")
+        mine = measure(configs)
+        everyone = [None] * WORLD
+        dist.all_gather_object(everyone, mine)
+        dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return 0
+        rows = _rows(configs, everyone)
+    else:
+        progress(f"{len(configs)} configuration(s) on {WORLD} gloo ranks (load "
+                 f"{os.getloadavg()[0]:.1f})")
+        device = torch.device("cpu")
+        rows = run(configs, args.timeout)
     for r in rows:
         r["estimate_mib"], r["measured_mib"] = r["estimate"] / 2**20, r["measured"] / 2**20
     print(format_table(rows, [("name", "configuration", "{}"),
@@ -257,7 +301,9 @@ def main(argv=None):
                               ("seconds", "s", "{:.1f}")]))
     progress(f"done in {time.time() - t0:.0f} s")
     write_json(args.json, {"benchmark": "memory_check", "world_size": WORLD,
-                           "environment": environment(torch.device("cpu")), "rows": rows})
+                           "measured_with": ("torch.cuda.max_memory_allocated" if launched
+                                             else "MemTracker"),
+                           "environment": environment(device), "rows": rows})
     bad = [r["name"] for r in rows if abs(r["error"]) > 0.10]
     if bad:
         print(f"estimate off by more than 10 %: {bad}")

@@ -18,10 +18,10 @@ How the estimate is built. Every term is the size of tensors the code allocates 
 is named next to each term below): persistent state (parameters, AdamW states, gradients,
 DDP buckets, the ring's cached exchange buffers), the tensors autograd saves per decoder layer,
 the autocast copies of the weights, the logits and loss, and the transient tensors of the
-moments that can hold the peak: the loss's forward and backward, the first and the last layer
-of the backward (MLP and attention separately), the optimizer step, and with activation
-checkpointing the end of the forward and each recompute. ``total`` is the largest of these
-moments; ``peak_phase`` names it.
+moments that can hold the peak: the last layer's attention in the forward, the end of the
+forward (with activation checkpointing), the loss's forward and backward, the final norm's
+backward, the first and the last decoder layer's backward (at the MLP and at the attention),
+the optimizer step. ``total`` is the largest of these moments; ``peak_phase`` names it.
 
 What is measured and what is analytic. The terms of the data and sequence-parallel meshes the
 plugin runs today (zero_stage 0 = DDP, sp 1..W, sp_mode ring / ulysses, fp32 and bf16
@@ -37,11 +37,11 @@ import argparse
 import math
 import re
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["MemoryEstimate", "ModelShape", "estimate_memory", "fitting_meshes",
-           "max_seqlen", "parse_bytes"]
+__all__ = ["MemoryEstimate", "ModelShape", "estimate_memory", "fitting_meshes", "format_bytes",
+           "max_seqlen", "meshes", "parse_bytes"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_forloop")
@@ -204,7 +204,7 @@ class MemoryEstimate:
                 f"{s.vocab}{' (tied)' if s.tied else ''}\n"
                 f"seqlen {self.seqlen} x micro-batch {self.micro_batch} on {self.world_size} "
                 f"ranks: {self.mesh()}, {self.precision}, {self.optimizer_name}; "
-                f"{self.seqlen // self.sp_size} tokens per rank\n")
+                f"{self.micro_batch * self.seqlen // self.sp_size} tokens per rank\n")
         rows = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
                 ("comm_buffers", self.comm_buffers), ("weight_copies", self.weight_copies),
                 ("activations_per_layer", self.activations_per_layer),
@@ -583,10 +583,6 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
     wcopies_fwd = t.wcopy  # the autocast cache holds every copy until the forward returns
     # saved by the matmuls; under checkpointing only the LM head's (outside the layers)
     wcopies_bwd = t.e_vocab if p.ckpt else t.wcopy
-    if p.ckpt:
-        # end of the model's forward: the cache of weight copies and the logits
-        add("forward end", activations=acts_all, weight_copies=wcopies_fwd,
-            comm_buffers=gathered_all, logits_loss=t.logits)
     # The last layer's attention in the forward: the layers before it, this layer up to its
     # attention (under checkpointing only what the checkpoint keeps), the weight copies made
     # so far (the autocast cache holds them to the end of the forward), the transients.
@@ -595,6 +591,10 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         + (t.layer_ckpt if p.ckpt else t.layer_attn_fwd),
         weight_copies=L * t.wcopy_layer - t.wcopy_mlp_o,
         comm_buffers=gathered_all, temporaries=t.attn_fwd)
+    if p.ckpt:
+        # end of the model's forward: the cache of weight copies and the logits
+        add("forward end", activations=acts_all, weight_copies=wcopies_fwd,
+            comm_buffers=gathered_all, logits_loss=t.logits)
     add("loss forward", activations=acts_all, weight_copies=wcopies_bwd,
         comm_buffers=gathered_all, logits_loss=t.loss_fwd)
     add("loss backward", activations=acts_all, weight_copies=wcopies_bwd,
@@ -605,7 +605,7 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         weight_copies=wcopies_bwd - t.e_vocab,
         activations=L * per_layer + t.rope + t.batch + t.final - t.head_in - t.norm_xr,
         temporaries=t.norm_bwd)
-    for l, label in ((L - 1, "first"), (0, "last")):
+    for l, label in ((L - 1, "first"), (0, "last"))[:2 if L > 1 else 1]:
         below = l * per_layer  # layers not yet reached by the backward
         done = L - 1 - l  # layers whose backward is complete
         grads = t.head_grads + done * t.layer_grads
@@ -922,7 +922,8 @@ def main(argv=None) -> int:
         p.error(f"--config {args.config}: {exc}")
     common = dict(micro_batch=args.micro_batch, precision=args.precision,
                   optimizer=args.optimizer)
-    n_params = _Plan(shape, 1, 1, 1, 1, 1, 0, "fp32", "adamw", False, "ring", 1, 1).params()
+    n_params = _Plan(shape=shape, b=1, seqlen=1, world=1, sp=1, tp=1, zero=0, precision="fp32",
+                     optimizer="adamw", ckpt=False, mode="ring", U=1, R=1).params()
     print(f"# {shape.layers} layers, hidden {shape.hidden}, MLP {shape.intermediate}, heads "
           f"{shape.heads}/{shape.kv_heads}, vocab {shape.vocab}: {n_params / 1e9:.2f} B "
           f"parameters; {args.world_size} ranks of {_gib(memory)} GiB, {args.precision}, "

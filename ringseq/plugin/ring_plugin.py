@@ -350,13 +350,14 @@ class RingSequenceParallelPlugin(Plugin):
         return ReplicatedCheckpointIO()
 
     def estimate_memory(self, model: nn.Module, seqlen: int, micro_batch: int = 1,
-                        optimizer: str = "adamw", activation_checkpointing: bool = False):
+                        optimizer: str = "adamw", activation_checkpointing: bool = None):
         """Per-rank memory of one training step of ``model`` (a transformers model, boosted or
         not) at global sequence length ``seqlen`` on this plugin's mesh and precision:
-        :func:`ringseq.memory.estimate_memory` (see there for ``optimizer`` and what is
-        raised). ``activation_checkpointing``: whether the model's decoder layers are
-        checkpointed. Local: no communication. Raises ValueError for a model without a
-        ``config``."""
+        :func:`ringseq.memory.estimate_memory` (see there for ``optimizer``, the result and
+        what is raised). ``activation_checkpointing``: whether the decoder layers are
+        checkpointed (None: the plugin's own setting, off when it has none). A double ring
+        (``inner_ring_size``) is estimated as one ring. Local: no communication. Raises
+        ValueError for a model without a ``config``."""
         from ..memory import estimate_memory
         inner = model.unwrap() if isinstance(model, ModelWrapper) else model
         config = getattr(inner, "config", None)
@@ -370,8 +371,9 @@ class RingSequenceParallelPlugin(Plugin):
             sp_size=self.sp_size, tp_size=getattr(self, "tp_size", 1),
             zero_stage=getattr(self, "zero_stage", 0), precision=self.precision.name,
             optimizer=optimizer,
-            activation_checkpointing=getattr(self, "activation_checkpointing",
-                                             activation_checkpointing),
+            activation_checkpointing=(getattr(self, "activation_checkpointing", False)
+                                      if activation_checkpointing is None
+                                      else activation_checkpointing),
             sp_mode=self.sp_mode,
             ulysses_size=self.ulysses_size if self.sp_mode == "hybrid" else None)
 

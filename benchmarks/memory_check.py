@@ -41,8 +41,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import environment, format_table, progress, write_json  # noqa: E402
-
 from ringseq._spawn import run_ranks  # noqa: E402
 
 WORLD = 4
@@ -261,6 +259,9 @@ def _rows(configs, per_rank):
 
 
 def main(argv=None):
+    # (imported here: benchmarks/common.py tunes malloc on import, which tests that import
+    # this module for run() should not inherit)
+    from common import environment, format_table, progress, write_json
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None, help="configurations whose name contains this")

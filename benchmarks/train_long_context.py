@@ -28,7 +28,10 @@ or H200 when recognized).
 plugin switches attention, wraps the model in DDP over the (dp, sp) mesh, shards the batches of
 its data loader (``--batch`` samples per dp group, so dp x ``--batch`` per step) and supplies
 the loss. There ``--dtype`` is the plugin's precision (autocast over float32 weights) rather than
-the dtype of the weights.
+the dtype of the weights, and the run also prints ``plugin.estimate_memory`` (ringseq.memory)
+next to the measured peak per rank (on GPUs ``torch.cuda.max_memory_allocated``; on CPUs the
+resident-set high-water mark, which is no tensor count: benchmarks/memory_check.py compares the
+estimate with MemTracker instead).
 
 ``--sp N --tp T --zero Z --ac`` (any of them implies ``--plugin``) compose tensor parallelism
 (DTensor, Megatron sequence parallelism), FSDP2 (zero_stage 2/3) and activation checkpointing
@@ -206,6 +209,10 @@ def plugin_setup(args, device, config=None):
     model, opt, criterion, loader, _ = booster.boost(model, opt, dataloader=loader)
     model.train()
     batches = iter(loader)
+    # torch's default AdamW: foreach on CUDA, the for-loop one on CPU
+    estimate = plugin.estimate_memory(  # (the plugin's own checkpointing setting)
+        model, args.seqlen, micro_batch=args.batch,
+        optimizer="adamw" if device.type == "cuda" else "adamw_forloop")
 
     def step():
         batch = {k: v.to(device) for k, v in next(batches).items()}
@@ -217,7 +224,7 @@ def plugin_setup(args, device, config=None):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return step, model.unwrap(), plugin.dp_size
+    return step, model.unwrap(), plugin.dp_size, estimate
 
 
 def run_rank(args, device):
@@ -287,9 +294,10 @@ def run_rank(args, device):
     return _run_steps(args, device, step, model, 1)
 
 
-def _run_steps(args, device, step_fn, model, dp, ac=False, peak=None):
-    """Runs the steps; ``peak``: an entered PeakMemory to close after them (the plugin path
-    opens it before building the model, so parameters and optimizer state count too)."""
+def _run_steps(args, device, step_fn, model, dp, estimate=None, ac=False, peak=None):
+    """Runs the steps; ``estimate``: the plugin's memory estimate (printed beside the measured
+    peak); ``peak``: an entered PeakMemory to close after them (the plugin path opens it before
+    building the model, so parameters and optimizer state count too)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     main = rank == 0
     times, losses = [], []
@@ -310,7 +318,9 @@ def _run_steps(args, device, step_fn, model, dp, ac=False, peak=None):
             if main:
                 tag = "warmup" if step < args.warmup else f"step {step - args.warmup + 1}/{args.steps}"
                 progress(f"  {tag}: {dt * 1e3:.0f} ms, loss {losses[-1]:.4f}")
-    mine = {"rank": rank, "peak_mib": mib(peak.peak), "median_step_s": statistics.median(times)}
+    absolute = None if peak.peak is None else peak.base + peak.peak
+    mine = {"rank": rank, "peak_mib": mib(peak.peak), "peak_abs_mib": mib(absolute),
+            "median_step_s": statistics.median(times)}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if not main:
@@ -335,6 +345,9 @@ def _run_steps(args, device, step_fn, model, dp, ac=False, peak=None):
         "tflops_per_rank": tflops_per_rank,
         "mfu": (tflops_per_rank / peak_tflops) if peak_tflops else None,
         "peak_mib_per_rank": [r["peak_mib"] for r in everyone],
+        "peak_abs_mib_per_rank": [r["peak_abs_mib"] for r in everyone],
+        "estimate_mib": None if estimate is None else mib(estimate.total),
+        "estimate_peak_at": None if estimate is None else estimate.peak_phase,
         "first_loss": losses[0], "last_loss": losses[-1],
     }
 
@@ -391,6 +404,15 @@ def report(args, res, device):
     print("peak memory per rank (MiB): " + ", ".join(
         f"rank {r}: {'-' if m is None else f'{m:.0f}'}"
         for r, m in enumerate(res["peak_mib_per_rank"])))
+    if res.get("estimate_mib") is not None:
+        measured = max((m for m in res["peak_abs_mib_per_rank"] if m is not None), default=None)
+        how = ("torch.cuda.max_memory_allocated" if device.type == "cuda" else
+               "resident-set high-water mark: also the interpreter, libraries and allocator "
+               "caches, so not comparable to tensor bytes")
+        print(f"peak memory per rank: estimate {res['estimate_mib']:.0f} MiB "
+              f"(ringseq.memory, at {res['estimate_peak_at']}"
+              f"{'; checkpointing assumed to keep the ring output' if args.checkpointing else ''}"
+              f") vs measured {'-' if measured is None else f'{measured:.0f}'} MiB ({how})")
     print(f"loss: first step {res['first_loss']:.4f}, last step {res['last_loss']:.4f}")
 
 

@@ -72,6 +72,10 @@ _attention_backward_op.register_autograd(_no_double_backward)
 def _setup_context(ctx, inputs, output):
     q, k, v, spec, placement, documents, spans = inputs
     out, lse, saved = output
+    if not placement_from_key(placement).backward_reads_inputs:
+        # Only their shapes: the placement saved what its backward reads (Ulysses: the head
+        # shards), and q, k, v would otherwise be freed after the forward.
+        q, k, v = (t.new_zeros(()).expand(t.shape) for t in (q, k, v))
     ctx.save_for_backward(q, k, v, out, lse, *saved)
     ctx.args = (spec, placement, documents, spans)
     # The registries hold objects weakly: the graph keeps the ones its backward needs alive

@@ -84,7 +84,11 @@ class Placement:
     (b, h, s_q) in the accumulation dtype, ``saved`` a list of tensors the backward needs
     besides q, k, v, out and lse. ``backward(dout, dlse, q, k, v, out, lse, saved, spec) ->
     (dq, dk, dv)``; ``dout`` / ``dlse`` may be None (no gradient reached them).
-    ``saved_like(q, k, v, spec)``: fake tensors shaped like ``saved`` (for tracing)."""
+    ``saved_like(q, k, v, spec)``: fake tensors shaped like ``saved`` (for tracing).
+    ``backward_reads_inputs``: whether ``backward`` reads the values of q, k, v (False: only
+    their shapes, and the operator does not keep them alive)."""
+
+    backward_reads_inputs = True
 
     def key(self) -> str:
         raise NotImplementedError

@@ -139,6 +139,8 @@ class UlyssesPlacement(Placement):
     refusal or failure on any rank of a 2-D group reaches every rank). Saves the head-sharded
     q, k, v, out and lse (and the inner placement's own) for the backward."""
 
+    backward_reads_inputs = False  # it reads the head shards it saved
+
     def __init__(self, group, inner: Placement = LOCAL, control_group=None):
         self.group, self.inner = group, inner
         self.control_group = group if control_group is None else control_group

@@ -474,6 +474,33 @@ class RingSequenceParallelPlugin(Plugin):
     def get_checkpoint_io(self) -> DistributedCheckpointIO:
         return DistributedCheckpointIO()
 
+    def estimate_memory(self, model: nn.Module, seqlen: int, micro_batch: int = 1,
+                        optimizer: str = "adamw", activation_checkpointing: bool = None):
+        """Per-rank memory of one training step of ``model`` (a transformers model, boosted or
+        not) at global sequence length ``seqlen`` on this plugin's mesh and precision:
+        :func:`ringseq.memory.estimate_memory` (see there for ``optimizer``, the result and
+        what is raised). ``activation_checkpointing``: whether the decoder layers are
+        checkpointed (None: the plugin's own setting, off when it has none). A double ring
+        (``inner_ring_size``) is estimated as one ring. Local: no communication. Raises
+        ValueError for a model without a ``config``."""
+        from ..memory import estimate_memory
+        inner = model.unwrap() if isinstance(model, ModelWrapper) else model
+        config = getattr(inner, "config", None)
+        if config is None:
+            raise ValueError(f"estimate_memory needs a model with a transformers-style config "
+                             f"(hidden_size, num_hidden_layers, ...), got "
+                             f"{type(inner).__name__}; call ringseq.memory.estimate_memory "
+                             f"with a dict of those sizes instead")
+        return estimate_memory(
+            config, seqlen=seqlen, micro_batch=micro_batch, world_size=self.mesh.size(),
+            sp_size=self.sp_size, tp_size=self.tp_size, zero_stage=self.zero_stage,
+            precision=self.precision.name, optimizer=optimizer,
+            activation_checkpointing=(self.activation_checkpointing
+                                      if activation_checkpointing is None
+                                      else activation_checkpointing),
+            sp_mode=self.sp_mode,
+            ulysses_size=self.ulysses_size if self.sp_mode == "hybrid" else None)
+
     def __repr__(self):
         modes = ("" if self.sp is None else
                  f", sp_mode={self.sp.mode!r}, ulysses={self.sp.ulysses_size}, "

@@ -1,0 +1,319 @@
+"""Estimated vs measured peak memory of one training step (ringseq.memory against MemTracker).
+
+Each configuration is the keyword arguments of ``RingSequenceParallelPlugin`` plus the
+precision, the sequence length and the model; one line of ``CONFIGS`` per configuration.
+Every configuration trains a tiny transformers model (random init, no download) through
+``Booster`` on the same spawned gloo ranks: two warm-up steps (AdamW states, DDP's rebuilt
+buckets and the ring's cached exchange buffers then exist, as in any later step), then one
+tracked step (forward, loss, backward, ``optimizer.step()``); the measured peak is the
+largest per-rank peak of that step, the estimate ``plugin.estimate_memory(model, seqlen)``.
+
+How the peak is measured. ``torch.distributed._tools.mem_tracker.MemTracker`` (a
+TorchDispatchMode; runs on CPU) follows every tensor storage created under it. It cannot see
+inside a custom operator (a mode is switched off while an operator it intercepted runs), and
+every attention call is one (``ringseq::attention``): its K/V exchange buffers and float32
+accumulators would be missing. ``StepTracker`` therefore registers, with
+``torch.library.register_torch_dispatch``, a rule for every ``ringseq::`` operator that runs
+the operator's kernel with the tracker switched back on, so their allocations are tracked as
+well. The tracker is entered before the model is boosted (DDP's buckets are then tracked) and
+stays entered over the warm-up; leaving and re-entering it for the tracked step resets its peak
+to what is live (MemTracker.__enter__), and ``reset_mod_stats`` between steps is MemTracker's
+rule for repeated iterations.
+
+    python benchmarks/memory_check.py              # every configuration, table + JSON
+    python benchmarks/memory_check.py --only sp2   # configurations whose name contains sp2
+
+Under torchrun on GPUs (``torchrun --nproc-per-node 4 benchmarks/memory_check.py``) the same
+configurations run on NCCL and the measured peak is ``torch.cuda.max_memory_allocated`` of the
+tracked step instead (see docs/memory.md for what differs there).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the rank spawner shared with the tests (not part of the library)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+from dist_utils import run_ranks  # noqa: E402
+
+WORLD = 4
+# Tiny models whose peaks fall on different moments of the step: A's vocabulary is large
+# against its layers (the loss's backward holds the peak), B's MLP is wide (the final norm's
+# or a decoder layer's MLP backward), C has many heads on a narrow residual stream (the
+# attention's backward).
+MODELS = {
+    "A": dict(family="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+              tie_word_embeddings=False),
+    "B": dict(family="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+              tie_word_embeddings=True),
+    "C": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=64,
+              tie_word_embeddings=True),
+}
+
+
+def _cfg(name, model, precision, seqlen, quick=False, checkpoint=False, **plugin):
+    return dict(name=name, model=model, plugin=plugin, precision=precision, seqlen=seqlen,
+                quick=quick, checkpoint=checkpoint)
+
+
+# One configuration per line: plugin keyword arguments, precision, sequence length, model.
+# quick: in tests/test_memory.py (the rest only here, for docs/memory.md). checkpoint: the
+# harness checkpoints every decoder layer itself (torch.utils.checkpoint keeping the ring's
+# output) for as long as the plugin has no activation_checkpointing of its own.
+# Pending (the plugin of issue 21): lines with tp_size / zero_stage / activation_checkpointing,
+# e.g. _cfg("sp2 zero3 bf16 s2048", "A", "bf16", 2048, sp_size=2, zero_stage=3).
+CONFIGS = [
+    _cfg("A sp1 fp32 s1024", "A", "fp32", 1024, quick=True, sp_size=1),
+    _cfg("A sp2 ring fp32 s2048", "A", "fp32", 2048, sp_size=2),
+    _cfg("A sp4 ring bf16 s2048", "A", "bf16", 2048, quick=True, sp_size=4),
+    _cfg("A sp4 ring bf16 s4096", "A", "bf16", 4096, sp_size=4),
+    _cfg("A sp2 ulysses bf16 s2048", "A", "bf16", 2048, quick=True, sp_size=2, sp_mode="ulysses"),
+    _cfg("A sp4 ulysses fp32 s2048", "A", "fp32", 2048, sp_size=4, sp_mode="ulysses"),
+    _cfg("A sp4 ring bf16 s64", "A", "bf16", 64, quick=True, sp_size=4),
+    _cfg("B sp1 bf16 s1024", "B", "bf16", 1024, quick=True, sp_size=1),
+    _cfg("B sp2 ring bf16 s2048", "B", "bf16", 2048, sp_size=2),
+    _cfg("B sp4 ring fp32 s2048", "B", "fp32", 2048, quick=True, sp_size=4),
+    _cfg("B sp2 ulysses bf16 s2048", "B", "bf16", 2048, sp_size=2, sp_mode="ulysses"),
+    _cfg("C sp1 bf16 s1024", "C", "bf16", 1024, sp_size=1),
+    _cfg("C sp4 ring fp32 s2048", "C", "fp32", 2048, sp_size=4),
+    _cfg("C sp2 ulysses bf16 s2048", "C", "bf16", 2048, quick=True, sp_size=2, sp_mode="ulysses"),
+    _cfg("C sp4 hybrid(u2) bf16 s2048", "C", "bf16", 2048, quick=True, sp_size=4,
+         sp_mode="hybrid", ulysses_size=2),
+    _cfg("A sp2 ring bf16 s2048 ckpt", "A", "bf16", 2048, quick=True, checkpoint=True, sp_size=2),
+    _cfg("B sp4 ring bf16 s2048 ckpt", "B", "bf16", 2048, quick=True, checkpoint=True, sp_size=4),
+]
+
+
+# ---------------------------------------------------------------- the tracker
+_TOTAL = "Total"  # MemTracker's key of a snapshot's total
+
+
+def _tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        """MemTracker that also sees the allocations inside ringseq's operators."""
+
+        def _update_peak_stats(self, peak_state):
+            # Only the global peak is read here. MemTracker also updates the peak of every
+            # module it tracks on every operator (a loop over all modules per operator), which
+            # makes the tracked steps about a third slower; the global part is kept as is.
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
+                    self._peak_mem[dev] = snap[_TOTAL]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    def inside(mode, func, types, args, kwargs):
+        # Run the operator's own kernel (below the Python dispatch key) with the tracker on.
+        key = (torch._C.DispatchKey.CUDA if any(
+            isinstance(a, torch.Tensor) and a.is_cuda for a in args) else torch._C.DispatchKey.CPU)
+        with mode:
+            return func.redispatch(torch._C.DispatchKeySet(key), *args, **(kwargs or {}))
+
+    import ringseq  # noqa: F401  (registers the ringseq:: operators)
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("ringseq::"):
+            torch.library.register_torch_dispatch(name, StepTracker, inside)
+    return StepTracker
+
+
+def _release_ring_buffers():
+    # Every configuration starts without cached exchange buffers (an earlier configuration's
+    # could be reused and would then be created before the tracker sees them).
+    from ringseq.engine import ring
+    for r in list(ring._RINGS.values()) + list(ring._LOCAL.values()):
+        r.release_buffers()
+
+
+def _model(spec, seqlen):
+    import transformers
+    spec = dict(spec)
+    family = spec.pop("family")
+    cls_cfg, cls_model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+    cfg = cls_cfg(max_position_embeddings=max(seqlen, 256), attention_dropout=0.0,
+                  use_cache=False, **spec)
+    torch.manual_seed(0)
+    return cls_model(cfg)
+
+
+def _checkpoint_layers(model):
+    """Checkpoints every decoder layer (non-reentrant torch.utils.checkpoint) with a selective
+    policy that keeps the ring attention's outputs: the recompute does not run the ring."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    keep = {torch.ops.ringseq.attention.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    kwargs = {"use_reentrant": False,
+              "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+class _NoTracker(contextlib.nullcontext):
+    """Stands in for the tracker on CUDA, where the caching allocator keeps the peak."""
+
+    def reset_mod_stats(self):
+        pass
+
+
+def measure(configs, steps_before=2):
+    """Rank side: the measured peak (bytes) and the estimate of every configuration. On CPU
+    ranks the peak is MemTracker's; on CUDA ranks (NCCL) ``torch.cuda.max_memory_allocated``
+    of the tracked step (the caching allocator counts every tensor, inside operators too)."""
+    import transformers  # noqa: F401
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    cuda = str(dist.get_backend()) == "nccl" and torch.cuda.is_available()
+    tracker_cls = None if cuda else _tracker_class()
+    out = []
+    for c in configs:
+        t0 = time.perf_counter()
+        _release_ring_buffers()
+        gc.collect()
+        plugin = RingSequenceParallelPlugin(precision=c["precision"], **c["plugin"])
+        booster = Booster(plugin)
+        model = _model(MODELS[c["model"]], c["seqlen"])
+        if c.get("checkpoint"):
+            _checkpoint_layers(model)
+        # foreach: torch's default AdamW on CUDA (on CPU the default is the for-loop one)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        g = torch.Generator().manual_seed(1)
+        n = (steps_before + 1) * plugin.dp_size
+        ids = torch.randint(0, model.config.vocab_size, (n, c["seqlen"]), generator=g)
+        loader = plugin.prepare_dataloader([{"input_ids": i, "labels": i} for i in ids],
+                                           batch_size=1)
+        if cuda:
+            tracker = _NoTracker()
+        else:
+            tracker = tracker_cls()
+            tracker.track_external(model, opt)
+        with tracker:
+            model, opt, criterion, loader, _ = booster.boost(model, opt, dataloader=loader)
+            batches = iter(loader)
+
+            def step():
+                batch = next(batches)
+                loss = criterion(model(**batch), batch)
+                booster.backward(loss, opt)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                tracker.reset_mod_stats()  # MemTracker tracks one iteration per record
+
+            for _ in range(steps_before):
+                step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            measured, peak = torch.cuda.max_memory_allocated(), {}
+        else:
+            with tracker:  # re-entering resets the peak to what is live now
+                step()
+            peak = tracker.get_tracker_snapshot("peak")
+            measured = max(snap[_TOTAL] for snap in peak.values())
+        est = plugin.estimate_memory(model, c["seqlen"], optimizer="adamw",
+                                     activation_checkpointing=bool(c.get("checkpoint")))
+        out.append({"name": c["name"], "measured": measured, "estimate": est.total,
+                    "peak_phase": est.peak_phase, "seconds": time.perf_counter() - t0,
+                    "breakdown": {str(k): v for snap in peak.values() for k, v in snap.items()}})
+        del model, opt, criterion, loader, batches, booster, plugin, tracker
+    return out
+
+
+def run(configs, timeout=600.0):
+    """Spawns WORLD gloo ranks, measures every configuration; returns one row per config
+    (measured = the largest rank's peak) with the estimate and the relative error."""
+    return _rows(configs, run_ranks(measure, WORLD, configs, timeout=timeout))
+
+
+def _rows(configs, per_rank):
+    rows = []
+    for i, c in enumerate(configs):
+        ranks = [r[i] for r in per_rank]
+        measured = max(r["measured"] for r in ranks)
+        est = ranks[0]["estimate"]
+        rows.append({"name": c["name"], "estimate": est, "measured": measured,
+                     "error": est / measured - 1, "peak_phase": ranks[0]["peak_phase"],
+                     "seconds": max(r["seconds"] for r in ranks),
+                     "rank_spread": max(r["measured"] for r in ranks)
+                     - min(r["measured"] for r in ranks)})
+    return rows
+
+
+def main(argv=None):
+    # (imported here: benchmarks/common.py tunes malloc on import, which tests that import
+    # this module for run() should not inherit)
+    from common import environment, format_table, progress, write_json
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=None, help="configurations whose name contains this")
+    p.add_argument("--quick", action="store_true", help="only those tests/test_memory.py runs")
+    p.add_argument("--json", default=None, help="write the rows to this path")
+    p.add_argument("--timeout", type=float, default=900)
+    args = p.parse_args(argv)
+    configs = [c for c in CONFIGS if (args.only is None or args.only in c["name"])
+               and (c["quick"] or not args.quick)]
+    if not configs:
+        p.error(f"no configuration name contains {args.only!r}")
+    t0 = time.time()
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:  # torchrun on GPUs: NCCL, one GPU per local rank, max_memory_allocated
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+        if dist.get_world_size() != WORLD:
+            p.error(f"run the configurations on {WORLD} ranks (--nproc-per-node {WORLD})")
+        mine = measure(configs)
+        everyone = [None] * WORLD
+        dist.all_gather_object(everyone, mine)
+        dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return 0
+        rows = _rows(configs, everyone)
+    else:
+        progress(f"{len(configs)} configuration(s) on {WORLD} gloo ranks (load "
+                 f"{os.getloadavg()[0]:.1f})")
+        device = torch.device("cpu")
+        rows = run(configs, args.timeout)
+    for r in rows:
+        r["estimate_mib"], r["measured_mib"] = r["estimate"] / 2**20, r["measured"] / 2**20
+    print(format_table(rows, [("name", "configuration", "{}"),
+                              ("estimate_mib", "estimate MiB", "{:.2f}"),
+                              ("measured_mib", "measured MiB", "{:.2f}"),
+                              ("error", "error", "{:+.2%}"), ("peak_phase", "peak at", "{}"),
+                              ("seconds", "s", "{:.1f}")]))
+    progress(f"done in {time.time() - t0:.0f} s")
+    write_json(args.json, {"benchmark": "memory_check", "world_size": WORLD,
+                           "measured_with": ("torch.cuda.max_memory_allocated" if launched
+                                             else "MemTracker"),
+                           "environment": environment(device), "rows": rows})
+    bad = [r["name"] for r in rows if abs(r["error"]) > 0.10]
+    if bad:
+        print(f"estimate off by more than 10 %: {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

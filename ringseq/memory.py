@@ -1,0 +1,974 @@
+"""What fits before launching: per-rank memory of one training step, from the model's shape.
+
+    from ringseq.memory import estimate_memory
+    est = estimate_memory(config, seqlen=131072, world_size=8, sp_size=8, zero_stage=3)
+    print(est)              # the table: every term, the moment of the peak, Megatron's formula
+    est.total               # bytes per rank at the peak of forward + backward + optimizer step
+
+    python -m ringseq.memory --config llama3_8b.json --seqlen 131072 --world-size 8 \\
+        --device-memory 80GiB [--precision bf16] [--max-seqlen]
+
+The model is a decoder-only transformer of the Llama / Qwen2 family (RMSNorm, rotary
+embeddings, grouped-query attention, SwiGLU MLP, untied or tied LM head) trained the way
+``RingSequenceParallelPlugin`` trains it: float32 parameters, AdamW, the sharded
+cross-entropy (no gathered logits), ring / Ulysses / hybrid sequence parallelism.
+docs/memory.md derives every term and compares the estimate with a measured peak.
+
+How the estimate is built. Every term is the size of tensors the code allocates (the source
+is named next to each term below): persistent state (parameters, AdamW states, gradients,
+DDP buckets, the ring's cached exchange buffers), the tensors autograd saves per decoder layer,
+the autocast copies of the weights, the logits and loss, and the transient tensors of the
+moments that can hold the peak: the last layer's attention in the forward, the end of the
+forward (with activation checkpointing), the loss's forward and backward, the final norm's
+backward, the first and the last decoder layer's backward (at the MLP and at the attention),
+the optimizer step. ``total`` is the largest of these moments; ``peak_phase`` names it.
+
+What is measured and what is analytic. The terms of the data and sequence-parallel meshes the
+plugin runs today (zero_stage 0 = DDP, sp 1..W, sp_mode ring / ulysses, fp32 and bf16
+autocast, activation checkpointing that keeps the ring's output) are checked against
+``torch.distributed._tools.mem_tracker.MemTracker`` on CPU ranks (tests/test_memory.py,
+benchmarks/memory_check.py). Tensor parallelism and FSDP2 (zero_stage 2 / 3) are covered
+analytically from what DTensor / FSDP2 allocate; they are validated once the plugin runs them
+(the assumptions are listed where the terms are computed: ``_Plan``).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["MemoryEstimate", "ModelShape", "estimate_memory", "fitting_meshes", "format_bytes",
+           "max_seqlen", "meshes", "parse_bytes"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adamw_fused", "adamw_forloop")
+ZERO_STAGES = (0, 2, 3)
+SP_MODES = ("ring", "ulysses", "hybrid")
+_F32 = 4  # bytes of a float32 element
+_I64 = 8
+_ALIGN = 64  # ringseq.ring.PackedBuffers aligns every segment of the exchange buffers
+_HEADER = 64  # ringseq.integrity.HEADER_BYTES: the header that travels with every exchange
+
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+
+
+# ------------------------------------------------------------------------------ the model
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama / Qwen2-style decoder that memory depends on.
+
+    Built by :meth:`from_config` from a transformers config or a dict with the keys
+    ``hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads, head_dim, vocab_size, tie_word_embeddings``. ``head_dim`` may be
+    missing (or None): it then defaults to ``hidden_size // num_attention_heads``, as
+    transformers' Llama and Qwen2 do. Optional: ``attention_bias`` (q/k/v/o biases; Qwen2 has
+    q/k/v biases always, detected from ``model_type == "qwen2"``) and ``mlp_bias``.
+    """
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        """Raises KeyError naming the first missing key, ValueError for sizes that do not fit
+        together (heads not a multiple of kv heads, non-positive sizes)."""
+        if isinstance(config, ModelShape):
+            return config
+        get = (config.get if isinstance(config, dict)
+               else lambda k, d=None: getattr(config, k, d))
+        missing = object()
+        vals = {}
+        for key in _REQUIRED:
+            v = get(key, missing)
+            if v is missing or v is None:
+                raise KeyError(f"estimate_memory: config is missing {key!r} (needed: "
+                               f"{', '.join(_REQUIRED)}, and head_dim, which defaults to "
+                               f"hidden_size // num_attention_heads)")
+            vals[key] = v
+        head_dim = get("head_dim", None) or vals["hidden_size"] // vals["num_attention_heads"]
+        model_type = str(get("model_type", "") or "")
+        qwen2 = model_type.startswith("qwen2")
+        attention_bias = bool(get("attention_bias", False))
+        shape = cls(hidden=int(vals["hidden_size"]), intermediate=int(vals["intermediate_size"]),
+                    layers=int(vals["num_hidden_layers"]),
+                    heads=int(vals["num_attention_heads"]),
+                    kv_heads=int(vals["num_key_value_heads"]), head_dim=int(head_dim),
+                    vocab=int(vals["vocab_size"]), tied=bool(vals["tie_word_embeddings"]),
+                    qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
+                    mlp_bias=bool(get("mlp_bias", False)))
+        for f in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab"):
+            if getattr(shape, f) < 1:
+                raise ValueError(f"estimate_memory: config {f} must be >= 1, got "
+                                 f"{getattr(shape, f)}")
+        if shape.heads % shape.kv_heads:
+            raise ValueError(f"estimate_memory: num_attention_heads={shape.heads} must be a "
+                             f"multiple of num_key_value_heads={shape.kv_heads}")
+        return shape
+
+
+# ------------------------------------------------------------------------------ the result
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank memory of one training step, in bytes (see :func:`estimate_memory`).
+
+    Sizes of the terms (each the full size of what it names):
+        params: parameter storage (float32; this rank's shard under tp / zero).
+        grads: gradients after the backward (float32, same sharding).
+        optimizer: AdamW's exp_avg and exp_avg_sq (float32, same sharding).
+        comm_buffers: DDP's gradient buckets (zero 0, world > 1) or FSDP2's unsharded
+            parameters held at the peak (zero 2: every layer's, zero 3: the root's and two
+            layers' in flight).
+        weight_copies: autocast's bf16/fp16 copies of the weights (bf16/fp16 with zero 0),
+            alive from the forward until each layer's backward.
+        activations_per_layer: what autograd saves for one decoder layer.
+        activations: everything saved at the end of the forward: the layers, the final norm,
+            the rotary tables, the batch (not the logits).
+        attention_buffers: the ring's cached exchange buffers (K/V double buffer of the
+            forward; K/V and float32 dK/dV accumulators of the backward), allocated once and
+            kept by the transport between steps.
+        logits_loss: the loss's largest moment: float32 log-softmax output and two float32
+            gradients of the logits in its backward (12 bytes x tokens x vocab).
+        temporaries: what is live at the peak besides the terms above: transient tensors of
+            the peak's moment (e.g. the MLP's gradients, the attention backward's float32
+            accumulators, the optimizer's foreach temporaries).
+        total: the peak over the step's moments (``moments``), ``peak_phase`` its name.
+        megatron: Megatron's activation formula L * s b h (34/t + 5 a s / (h t)) evaluated at
+            the per-rank sequence s = seqlen / sp (16-bit activations, no recompute);
+            ``megatron_flash`` the same without the 5as/(ht) term of the s x s attention
+            scores, which flash attention never stores.
+
+    ``breakdown`` lists the terms live at the peak (they sum to ``total``); ``moments`` the
+    peak of every moment considered. ``str()`` is a table of both.
+    """
+
+    # what was estimated
+    shape: ModelShape
+    seqlen: int
+    micro_batch: int
+    world_size: int
+    sp_size: int
+    tp_size: int
+    zero_stage: int
+    precision: str
+    optimizer_name: str
+    activation_checkpointing: bool
+    sp_mode: str
+    ulysses_size: int
+    # bytes per rank
+    params: int
+    grads: int
+    optimizer: int
+    comm_buffers: int
+    weight_copies: int
+    activations_per_layer: int
+    activations: int
+    attention_buffers: int
+    logits_loss: int
+    temporaries: int
+    total: int
+    peak_phase: str
+    megatron: int
+    megatron_flash: int
+    breakdown: Tuple[Tuple[str, int], ...] = field(default=(), repr=False)
+    moments: Tuple[Tuple[str, int], ...] = field(default=(), repr=False)
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // (self.sp_size * self.tp_size)
+
+    def mesh(self) -> str:
+        """A one-line name of the configuration, e.g. ``dp2 sp4 ring tp1 zero3 ckpt``."""
+        mode = self.sp_mode if self.sp_size > 1 else "-"
+        if self.sp_mode == "hybrid":
+            mode = f"hybrid(u{self.ulysses_size})"
+        return (f"dp{self.dp_size} sp{self.sp_size} {mode} tp{self.tp_size} "
+                f"zero{self.zero_stage}{' ckpt' if self.activation_checkpointing else ''}")
+
+    def __str__(self) -> str:
+        s = self.shape
+        head = (f"ringseq memory estimate per rank: {s.layers} layers, hidden {s.hidden}, MLP "
+                f"{s.intermediate}, heads {s.heads}/{s.kv_heads} (head_dim {s.head_dim}), vocab "
+                f"{s.vocab}{' (tied)' if s.tied else ''}\n"
+                f"seqlen {self.seqlen} x micro-batch {self.micro_batch} on {self.world_size} "
+                f"ranks: {self.mesh()}, {self.precision}, {self.optimizer_name}; "
+                f"{self.micro_batch * self.seqlen // self.sp_size} tokens per rank\n")
+        rows = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+                ("comm_buffers", self.comm_buffers), ("weight_copies", self.weight_copies),
+                ("activations_per_layer", self.activations_per_layer),
+                ("activations", self.activations),
+                ("attention_buffers", self.attention_buffers),
+                ("logits_loss", self.logits_loss), ("temporaries", self.temporaries)]
+        w = max(len(n) for n, _ in rows + list(self.breakdown) + list(self.moments)) + 2
+        out = [head, f"{'term':<{w}}{'size':>12}", "-" * (w + 12)]
+        out += [f"{n:<{w}}{format_bytes(v):>12}" for n, v in rows]
+        out += ["-" * (w + 12), f"{'total (peak)':<{w}}{format_bytes(self.total):>12}  at "
+                f"{self.peak_phase}", "",
+                f"Megatron's activations sbh(34/t + 5as/(ht)) x layers at s = seqlen/sp: "
+                f"{format_bytes(self.megatron)}; without 5as/(ht) (flash attention): "
+                f"{format_bytes(self.megatron_flash)}; these activations: "
+                f"{format_bytes(self.activations)}", "", "live at the peak:"]
+        out += [f"  {n:<{w - 2}}{format_bytes(v):>12}" for n, v in self.breakdown]
+        out += ["", "peak of every moment of the step:"]
+        out += [f"  {n:<{w - 2}}{format_bytes(v):>12}" for n, v in self.moments]
+        return "\n".join(out)
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.50 KiB'`` (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2,
+          "g": 1000 ** 3, "gb": 1000 ** 3, "t": 1000 ** 4, "tb": 1000 ** 4,
+          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
+
+
+def parse_bytes(text: str) -> int:
+    """``'80GiB'`` -> 85899345920; ``'80GB'`` -> 80e9; a plain number is bytes. Raises
+    ValueError for anything else."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"a memory size must be a number with an optional unit (B, KB, MB, GB, "
+                         f"TB, KiB, MiB, GiB, TiB), got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+# ------------------------------------------------------------------------------ the plan
+@dataclass(frozen=True)
+class _Plan:
+    """Every size the terms need, resolved and checked once (``estimate_memory`` builds it).
+
+    Tokens per rank: ``T = b * seqlen / sp`` (the sequence shard); under tensor parallelism
+    the residual stream and the norms hold ``T / tp`` of them (Megatron sequence parallelism)
+    while q/k/v, attention and the MLP work on all ``T`` with ``heads / tp`` heads and
+    ``intermediate / tp`` columns.
+
+    Assumptions for what the plugin does not run yet (tp > 1, zero 2/3), to be checked by
+    measurement when it does: DTensor tensor parallelism saves each colwise projection's
+    all-gathered input (``T x hidden``, one per projection: every ``ColwiseParallel`` gathers
+    its own input), unlike Megatron, which re-gathers in the backward; the embedding and the
+    LM head stay replicated over tp and each rank computes the logits of its ``T / tp`` tokens
+    (the sharded cross-entropy); K/V heads are split over tp when tp divides them and
+    replicated (one per rank) when they divide tp. FSDP2 shards over the dp x sp ranks of a tp
+    rank (``N = world / tp``); bf16/fp16 with zero >= 2 runs FSDP2's MixedPrecisionPolicy
+    (bf16 parameters in the compute, float32 reduce-scatter) instead of autocast; zero 3
+    gathers one layer ahead (two layers unsharded in flight) and keeps the root module's
+    parameters (embedding, LM head, final norm) unsharded from forward to backward.
+    """
+
+    shape: ModelShape
+    b: int
+    seqlen: int
+    world: int
+    sp: int
+    tp: int
+    zero: int
+    precision: str
+    optimizer: str
+    ckpt: bool
+    mode: str
+    U: int  # Ulysses degree
+    R: int  # ring degree
+
+    # -- dtypes and regime -------------------------------------------------------------
+    @property
+    def e(self) -> int:
+        """Bytes of the compute dtype (matmul outputs, attention inputs and outputs)."""
+        return _F32 if self.precision == "fp32" else 2
+
+    @property
+    def regime(self) -> str:
+        """``fp32``; ``autocast`` (the plugin's bf16/fp16 over float32 weights: zero 0);
+        ``mp`` (FSDP2 MixedPrecisionPolicy: the model runs in bf16, zero >= 2)."""
+        if self.precision == "fp32":
+            return "fp32"
+        return "autocast" if self.zero == 0 else "mp"
+
+    # -- tokens ------------------------------------------------------------------------
+    @property
+    def T(self) -> int:
+        return self.b * self.seqlen // self.sp
+
+    @property
+    def T_res(self) -> int:
+        return self.T // self.tp
+
+    # -- heads and widths per rank -----------------------------------------------------
+    @property
+    def heads_l(self) -> int:
+        return self.shape.heads // self.tp
+
+    @property
+    def kv_l(self) -> int:
+        k = self.shape.kv_heads
+        return k // self.tp if k % self.tp == 0 else 1
+
+    @property
+    def rep(self) -> int:
+        # ringseq.ulysses.kv_replication: K/V heads copied so that U ranks split them
+        return self.U // math.gcd(self.U, self.kv_l)
+
+    @property
+    def inter_l(self) -> int:
+        return self.shape.intermediate // self.tp
+
+    # -- parameters --------------------------------------------------------------------
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer on this tp rank (before FSDP sharding)."""
+        s, h, d = self.shape, self.shape.hidden, self.shape.head_dim
+        q, kv, o = h * self.heads_l * d, h * self.kv_l * d, self.heads_l * d * h
+        n = q + 2 * kv + o + 3 * h * self.inter_l + 2 * h  # + 2 RMSNorm weights
+        if s.qkv_bias:
+            n += self.heads_l * d + 2 * self.kv_l * d
+        if s.o_bias:
+            n += h  # (replicated in rowwise TP: a simplification of at most h per layer)
+        if s.mlp_bias:
+            n += 2 * self.inter_l + h
+        return n
+
+    def mlp_o_params(self) -> Tuple[int, int]:
+        """(down_proj's parameters, those of gate/up/down, o_proj and the second norm): what
+        one layer's backward has produced gradients for when it reaches the MLP's product /
+        the attention."""
+        h, I, s = self.shape.hidden, self.inter_l, self.shape
+        down = h * I + (h if s.mlp_bias else 0)
+        mlp = 3 * h * I + ((2 * I + h) if s.mlp_bias else 0)
+        o = self.heads_l * self.shape.head_dim * h + (h if s.o_bias else 0)
+        return down, mlp + o + h
+
+    def linear_params(self) -> int:
+        """Parameters that nn.Linear layers use (their weights and biases, the LM head's
+        weight included once even when tied): what autocast copies to bf16."""
+        s = self.shape
+        per_layer = self.layer_params() - 2 * s.hidden  # without the two norm weights
+        return s.layers * per_layer + s.vocab * s.hidden
+
+    def root_params(self) -> int:
+        s = self.shape
+        return s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden  # embed, head, final norm
+
+    def params(self) -> int:
+        return self.shape.layers * self.layer_params() + self.root_params()
+
+    def largest_param(self) -> int:
+        s, h, d = self.shape, self.shape.hidden, self.shape.head_dim
+        return max(s.vocab * h, h * self.heads_l * d, h * self.inter_l)
+
+    @property
+    def shards(self) -> int:
+        """FSDP2 shard count (dp x sp ranks of one tp rank), 1 without FSDP."""
+        return self.world // self.tp if self.zero >= 2 else 1
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+# ------------------------------------------------------------------------------ the terms
+class _Terms:
+    """Byte sizes of everything the step allocates, for a plan (sources in the comments).
+
+    Names of the layer's saved tensors follow transformers' LlamaDecoderLayer / Qwen2's
+    (modeling_llama.py): ``residual + self_attn(input_layernorm(x))`` then
+    ``residual + mlp(post_attention_layernorm(h))``, ``mlp = down(silu(gate(x)) * up(x))``.
+    """
+
+    def __init__(self, p: _Plan):
+        self.p = p
+        s, e, T, Tr = p.shape, p.e, p.T, p.T_res
+        h, d, I = s.hidden, s.head_dim, p.inter_l
+        a, k = p.heads_l, p.kv_l
+        f32 = _F32
+        regime = p.regime
+        # ---- saved activations of one decoder layer -------------------------------------
+        # Residual stream: the layer input (embedding output / previous layer output) and the
+        # mid residual (residual + attention output) are saved by the next RMSNorm's pow and
+        # mul. float32 under autocast and fp32 (float32 embedding + bf16 branch promotes),
+        # bf16 when the model itself runs in bf16 (FSDP2 mixed precision).
+        res = (2 if regime == "mp" else f32) * h
+        self.residual = res * Tr  # one residual tensor
+        # RMSNorm (LlamaRMSNorm.forward): rsqrt (T, 1) float32 and x * rsqrt float32 (saved
+        # by `weight * ...`); with a bf16 input also the float32 copy of x (saved by pow and
+        # mul) and the bf16 cast of x * rsqrt (saved by the weight multiply).
+        norm = f32 + f32 * h if regime != "mp" else f32 + f32 * h + 2 * h
+        # The norm's output as the projections save it: fp32 with tp == 1: one tensor shared
+        # by q/k/v (and by gate/up); autocast: one bf16 copy per projection (autocast casts
+        # activations per op, only leaf weights are cached): 3 + 2; under TP every colwise
+        # projection saves its own all-gathered input (T tokens), 3 + 2 as well.
+        if regime == "autocast" or p.tp > 1:
+            normed, normed_attn = 5 * e * h * T, 3 * e * h * T
+        else:
+            normed, normed_attn = 2 * e * h * Tr, e * h * Tr
+        # Attention: q and k after rotary and v as the attention op saves them (bf16 casts by
+        # ringseq._args.autocast_inputs under autocast; float32 otherwise), its output in the
+        # input dtype (ring_op: out_acc.to(q.dtype); also o_proj's saved input) and lse
+        # float32 (b, h, s). Ulysses / hybrid save the head shards (K/V replicated rep times)
+        # and, besides, the sequence-shard output that o_proj saves (heads_to_seq copies it).
+        kv_saved = k * (p.rep if p.U > 1 else 1)
+        attn = e * (2 * a * d + 2 * kv_saved * d) * T + f32 * a * T
+        if p.U > 1:
+            attn += e * a * d * T
+        self.attn_out = e * a * d * T + f32 * a * T  # what checkpointing keeps of attention
+        # MLP: gate and up outputs, silu(gate) and the product (down_proj's input), in e.
+        mlp = 4 * e * I * T
+        self.layer = 2 * self.residual + 2 * norm * Tr + normed + attn + mlp
+        # what is still saved when the backward reaches the attention: the layer input, the
+        # first norm and the q/k/v projections' inputs, the attention's tensors (under
+        # Ulysses o_proj's own copy of the output is released by then)
+        self.layer_attn_part = (self.residual + norm * Tr + normed_attn + attn
+                                - (e * a * d * T if p.U > 1 else 0))
+        # ... and in the forward, once the attention has returned (o_proj's copy included)
+        self.layer_attn_fwd = self.residual + norm * Tr + normed_attn + attn
+        self.prod = e * I * T  # the MLP product, freed by down_proj's backward
+        # ---- checkpointing: per layer the input (torch.utils.checkpoint saves it) plus the
+        # attention output and lse (kept so the recompute does not run the ring again)
+        self.layer_ckpt = self.residual + self.attn_out
+        # ---- saved outside the layers -------------------------------------------------------
+        # The last layer's output (final norm's input), the final norm, the LM head's input
+        # (a bf16 cast under autocast, the norm output otherwise), the rotary cos/sin
+        # (LlamaRotaryEmbedding: float32 from the float32 embeddings; bf16 in mp), the batch
+        # (input_ids, position_ids, shift_labels: int64).
+        head_in = e * h * Tr
+        rope = 2 * d * T * (2 if regime == "mp" else f32)
+        self.batch = 3 * _I64 * T
+        self.final = self.residual + norm * Tr + head_in
+        self.head_in = head_in
+        # RMSNorm backward (autograd of LlamaRMSNorm.forward, float32): once the output's
+        # gradient and x * rsqrt are released, x's gradient from the product rule, mean's
+        # expanded gradient, and pow's backward (grad * (2 * x.pow(1)): three temporaries of
+        # one C++ expression) are live together: five float32 (T, h) tensors.
+        self.norm_bwd = 5 * f32 * h * Tr
+        self.norm_xr = f32 * h * Tr  # x * rsqrt, saved by the weight multiply
+        self.rope = rope
+        # ---- logits and loss (ringseq.loss.sharded_cross_entropy) --------------------------
+        # logits (b, T, V) from lm_head in e; the loss upcasts to float32 (a copy unless
+        # already float32), F.cross_entropy = log_softmax (float32, saved) + nll. Backward:
+        # nll_loss_backward's float32 gradient, log_softmax_backward's float32 output, next
+        # to the saved log_softmax: 12 bytes per logit.
+        Tl, V = Tr, s.vocab
+        self.logits = e * V * Tl
+        self.loss_fwd = self.logits + (f32 * V * Tl if e != f32 else 0) + f32 * V * Tl
+        self.loss_bwd = 3 * f32 * V * Tl
+        # ---- persistent state ----------------------------------------------------------
+        P = p.params()
+        N = p.shards
+        self.params = f32 * P // N
+        self.grads = f32 * P // N
+        self.optimizer = 2 * f32 * P // N  # AdamW exp_avg + exp_avg_sq
+        # DDP: the reducer's gradient buckets, float32, the size of all gradients (grads are
+        # copied in and out: gradient_as_bucket_view=False); the plugin uses no DDP on 1 rank.
+        self.buckets = f32 * P if (p.zero == 0 and p.world > 1) else 0
+        # autocast's weight cache: a bf16 copy of every nn.Linear weight/bias, made at its
+        # first use in the forward and saved by the matmul until that layer's backward.
+        self.wcopy = e * p.linear_params() if regime == "autocast" else 0
+        self.wcopy_layer = (e * (p.layer_params() - 2 * h) if regime == "autocast" else 0)
+        # the LM head's copy (outside the decoder layers: saved even under checkpointing),
+        # released by the LM head's backward
+        self.e_vocab = e * s.vocab * h if regime == "autocast" else 0
+        # FSDP2: unsharded parameters in the compute dtype (bf16 in mp, float32 in fp32)
+        ep = 2 if regime == "mp" else f32
+        self.gathered_layer = ep * p.layer_params() if p.zero >= 2 else 0
+        self.gathered_root = ep * p.root_params() if p.zero >= 2 else 0
+        # FSDP2's backward of a layer: unsharded gradients in the param dtype, their float32
+        # copy for the float32 reduce-scatter (mp), and the reduce-scatter output shard.
+        self.fsdp_grad_tmp = (p.layer_params() * (ep + (f32 if ep != f32 else 0)) +
+                              f32 * p.layer_params() // N if p.zero >= 2 else 0)
+        self.layer_grads = f32 * p.layer_params() // N
+        down, mlp_o = p.mlp_o_params()
+        self.grad_down, self.grad_mlp_o = f32 * down // N, f32 * mlp_o // N
+        self.wcopy_down = e * down if regime == "autocast" else 0
+        self.wcopy_mlp_o = e * (mlp_o - h) if regime == "autocast" else 0
+        # the LM head's (the embedding's, when tied) and the final norm's gradients exist from
+        # the LM head's backward on; an untied embedding's only after the last layer's
+        self.head_grads = f32 * (s.vocab * h + h) // N
+        # ---- the ring's cached exchange buffers (ringseq.comm.Transport.buffers: two slots
+        # of a packed buffer per direction, kept between calls; ringseq.ring) -------------
+        ring_used = p.mode in ("ring", "hybrid")
+        hops = p.R - 1
+        kv_block = 2 * T * k * (p.rep if p.U > 1 else 1) * d  # K and V elements of one block
+        fwd = 2 * (_HEADER + _align(kv_block * e)) if (ring_used and hops > 0) else 0
+        bwd = (2 * (_align(kv_block * f32) + _HEADER + (_align(kv_block * e) if hops > 0 else 0))
+               if ring_used else 0)
+        self.ring_buffers = fwd + bwd
+        # ---- transients of the backward ------------------------------------------------
+        g = res * Tr  # the gradient of the residual stream flowing down the layers
+        self.g = g
+        # MLP backward (mul of silu(gate) * up): the product's gradient and the two new
+        # gradients of silu(gate) and up, e bytes each (the product itself is freed).
+        self.mlp_bwd = 3 * e * I * T
+        # Attention backward (ringseq.ring._ring_backward, or the C++ bwd for Ulysses): dout
+        # (o_proj's input gradient, e) and
+        #   delta = rowsum(dout.float() * out.float()): two float32 copies (when not float32)
+        #   and their float32 product;                                       (kernels.compute_delta)
+        #   then delta (b,h,s), dq float32, the scratch dK/dV accumulator (2 blocks, float32,
+        #   when K/V travel), dk/dv and dq in the input dtype at the end.
+        dout = e * a * d * T
+        delta_tmp = (2 * f32 * a * d * T if e != f32 else 0) + f32 * a * d * T
+        grads_h = e * (a * d + 2 * kv_saved * d) * T  # dq, dk, dv (head shards under Ulysses)
+        if ring_used:
+            scratch = f32 * kv_block if hops > 0 else 0
+            acc_end = (f32 * a * T + f32 * a * d * T + scratch + e * kv_block
+                       + (e * a * d * T if e != f32 else 0))
+        else:
+            # ringseq::attention's C++ bwd (ops.cpp bwd_into) allocates dq, dk, dv before it
+            # computes delta in one C++ expression, whose temporaries (the float32 copies, the
+            # product, the row sums and their contiguous transpose) live until its end
+            delta_tmp += grads_h + 2 * f32 * a * T
+            acc_end = 0
+        if p.U > 1:
+            # the all-to-all back (ringseq.ulysses._a2a): send and receive buffers and the
+            # sequence-shard copies, once the head shards' saved tensors are released
+            acc_end = max(acc_end, 3 * grads_h)
+        self.attn_bwd = dout + max(delta_tmp, acc_end)
+        # ---- transients of the forward's attention (its peak within a layer) -----------
+        # Local variables hold tensors through the attention call: the decoder layer the
+        # norm's float32 output (autocast: the projections saved bf16 casts of it),
+        # LlamaAttention q and k after rotary (float32 under autocast, where ringseq saves
+        # bf16 casts) and v; under Ulysses, whose head shards are what is saved, also the
+        # sequence-shard q, k, v in the kernel dtype (usp_attn_func's locals).
+        held = (f32 * h * Tr + f32 * (a + k) * d * T) if regime == "autocast" else 0
+        if p.U > 1:
+            held += e * (a + 2 * k) * d * T
+        # Then the ring's float32 output accumulator next to its result in the input dtype
+        # (ring_op), or Ulysses' all-to-all of the output: send and receive buffers besides
+        # the copy that o_proj saves.
+        ring_out = f32 * a * d * T if (ring_used and e != f32) else 0
+        a2a_out = 2 * e * a * d * T if p.U > 1 else 0
+        self.attn_fwd = held + max(ring_out, a2a_out)
+        # ---- optimizer step -------------------------------------------------------------
+        if p.optimizer == "adamw":  # foreach (torch's default on CUDA): sqrt of every exp_avg_sq
+            self.opt_tmp = f32 * P // N
+        elif p.optimizer == "adamw_forloop":  # per tensor: sqrt and the division, float32
+            self.opt_tmp = 2 * f32 * (p.largest_param() // N if N > 1 else p.largest_param())
+        else:  # fused: in place
+            self.opt_tmp = 0
+
+
+def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
+    """The candidate moments of the step and what is live at each."""
+    L = p.shape.layers
+    persistent = {"params": t.params, "optimizer": t.optimizer, "comm_buffers": t.buckets,
+                  "attention_buffers": t.ring_buffers}
+    per_layer = t.layer_ckpt if p.ckpt else t.layer
+    other_acts = t.final + t.rope + t.batch
+    acts_all = L * per_layer + other_acts
+    # FSDP2: zero 2 keeps every layer unsharded from its forward to its backward; zero 3
+    # two layers in flight; both keep the root unsharded.
+    gathered_all = (L if p.zero == 2 else 2) * t.gathered_layer + t.gathered_root
+    out: List[Tuple[str, Dict[str, int]]] = []
+
+    def add(name, **live):
+        d = dict(persistent)
+        for key, v in live.items():
+            d[key] = d.get(key, 0) + v
+        out.append((name, d))
+
+    wcopies_fwd = t.wcopy  # the autocast cache holds every copy until the forward returns
+    # saved by the matmuls; under checkpointing only the LM head's (outside the layers)
+    wcopies_bwd = t.e_vocab if p.ckpt else t.wcopy
+    # The last layer's attention in the forward: the layers before it, this layer up to its
+    # attention (under checkpointing only what the checkpoint keeps), the weight copies made
+    # so far (the autocast cache holds them to the end of the forward), the transients.
+    add("forward, last layer's attention",
+        activations=(L - 1) * per_layer + t.rope + t.batch
+        + (t.layer_ckpt if p.ckpt else t.layer_attn_fwd),
+        weight_copies=L * t.wcopy_layer - t.wcopy_mlp_o,
+        comm_buffers=gathered_all, temporaries=t.attn_fwd)
+    if p.ckpt:
+        # end of the model's forward: the cache of weight copies and the logits
+        add("forward end", activations=acts_all, weight_copies=wcopies_fwd,
+            comm_buffers=gathered_all, logits_loss=t.logits)
+    add("loss forward", activations=acts_all, weight_copies=wcopies_bwd,
+        comm_buffers=gathered_all, logits_loss=t.loss_fwd)
+    add("loss backward", activations=acts_all, weight_copies=wcopies_bwd,
+        comm_buffers=gathered_all, logits_loss=t.loss_bwd)
+    # The final norm's backward, after the LM head's: every layer's activations, the LM
+    # head's gradient (float32) and the norm's backward temporaries.
+    add("backward, final norm", grads=t.head_grads, comm_buffers=gathered_all,
+        weight_copies=wcopies_bwd - t.e_vocab,
+        activations=L * per_layer + t.rope + t.batch + t.final - t.head_in - t.norm_xr,
+        temporaries=t.norm_bwd)
+    for l, label in ((L - 1, "first"), (0, "last"))[:2 if L > 1 else 1]:
+        below = l * per_layer  # layers not yet reached by the backward
+        done = L - 1 - l  # layers whose backward is complete
+        grads = t.head_grads + done * t.layer_grads
+        # zero 2: the layers whose backward is done are resharded
+        gathered = ((l + 1) * t.gathered_layer if p.zero == 2 else
+                    2 * t.gathered_layer if p.zero == 3 else 0) + t.gathered_root
+        # weight copies still saved: this layer's and those below (under checkpointing only
+        # this layer's: its recompute casts its weights again)
+        wc = t.wcopy_layer if p.ckpt else (l + 1) * t.wcopy_layer
+        layer = t.layer  # recomputed in full under checkpointing
+        acts = below + t.rope + t.batch
+        # MLP backward (at the product's gradients): all of this layer saved except the
+        # product; down_proj's gradient made, its weight copy released
+        add(f"backward, {label} layer's MLP", temporaries=t.g + t.mlp_bwd + t.fsdp_grad_tmp,
+            grads=grads + t.grad_down, comm_buffers=gathered,
+            weight_copies=wc - t.wcopy_down, activations=acts + layer - t.prod)
+        # attention backward: the MLP's and o_proj's gradients made, their copies released
+        add(f"backward, {label} layer's attention",
+            temporaries=t.g + t.attn_bwd + t.fsdp_grad_tmp, grads=grads + t.grad_mlp_o,
+            comm_buffers=gathered, weight_copies=wc - t.wcopy_mlp_o,
+            activations=acts + t.layer_attn_part)
+    add("optimizer step", grads=t.grads, temporaries=t.opt_tmp)
+    return out
+
+
+def _megatron(p: _Plan, flash: bool = False) -> int:
+    """Megatron's activation memory per layer with tensor and sequence parallelism, 16-bit
+    (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"):
+    s b h (34 / t + 5 a s / (h t)) bytes, times the layers, at the per-rank s = seqlen / sp
+    (the formula has no context-parallel term)."""
+    s, b, h, a, t, L = p.seqlen // p.sp, p.b, p.shape.hidden, p.shape.heads, p.tp, p.shape.layers
+    return int(L * s * b * h * (34 / t + (0 if flash else 5 * a * s / (h * t))))
+
+
+# ------------------------------------------------------------------------------ checks
+def _check_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"estimate_memory: {name} must be an integer >= {minimum}, got "
+                         f"{value!r}")
+
+
+def _divisors(n: int) -> List[int]:
+    return [x for x in range(1, n + 1) if n % x == 0]
+
+
+def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_stage, precision,
+          optimizer, activation_checkpointing, sp_mode, ulysses_size) -> _Plan:
+    shape = ModelShape.from_config(config)
+    for name, v in (("seqlen", seqlen), ("micro_batch", micro_batch),
+                    ("world_size", world_size), ("sp_size", sp_size), ("tp_size", tp_size)):
+        _check_int(name, v)
+    if precision not in PRECISIONS:
+        raise ValueError(f"estimate_memory: precision must be one of {list(PRECISIONS)}, got "
+                         f"{precision!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"estimate_memory: optimizer must be one of {list(OPTIMIZERS)}, got "
+                         f"{optimizer!r}")
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"estimate_memory: zero_stage must be one of {list(ZERO_STAGES)} "
+                         f"(0: DDP, 2/3: FSDP2), got {zero_stage!r}")
+    if sp_mode not in SP_MODES:
+        raise ValueError(f"estimate_memory: sp_mode must be one of {list(SP_MODES)}, got "
+                         f"{sp_mode!r}")
+    if world_size % (sp_size * tp_size):
+        ok = [x for x in _divisors(world_size) if (world_size // tp_size) % x == 0] \
+            if world_size % tp_size == 0 else []
+        raise ValueError(f"estimate_memory: sp_size * tp_size must divide world_size="
+                         f"{world_size}, got sp_size={sp_size}, tp_size={tp_size}"
+                         + (f" (sp_size one of {ok} with this tp_size)" if ok else ""))
+    if shape.heads % tp_size:
+        raise ValueError(f"estimate_memory: tp_size={tp_size} must divide num_attention_heads="
+                         f"{shape.heads}; one of {_divisors(shape.heads)}")
+    if shape.kv_heads % tp_size and tp_size % shape.kv_heads:
+        raise ValueError(f"estimate_memory: tp_size={tp_size} must divide "
+                         f"num_key_value_heads={shape.kv_heads} or be a multiple of it "
+                         f"(then K/V heads are replicated)")
+    if shape.intermediate % tp_size:
+        raise ValueError(f"estimate_memory: tp_size={tp_size} must divide intermediate_size="
+                         f"{shape.intermediate}")
+    if sp_mode == "ring":
+        if ulysses_size not in (None, 1):
+            raise ValueError(f"estimate_memory: sp_mode='ring' takes no ulysses_size, got "
+                             f"{ulysses_size!r}")
+        U = 1
+    elif sp_mode == "ulysses":
+        if ulysses_size not in (None, sp_size):
+            raise ValueError(f"estimate_memory: sp_mode='ulysses' uses all sp_size={sp_size} "
+                             f"ranks, got ulysses_size={ulysses_size!r}")
+        U = sp_size
+    else:
+        if ulysses_size is None or isinstance(ulysses_size, bool) or \
+                not isinstance(ulysses_size, int) or ulysses_size < 1 or sp_size % ulysses_size:
+            raise ValueError(f"estimate_memory: sp_mode='hybrid' needs ulysses_size dividing "
+                             f"sp_size={sp_size} (one of {_divisors(sp_size)}), got "
+                             f"{ulysses_size!r}")
+        U = ulysses_size
+    heads_l = shape.heads // tp_size
+    if heads_l % U:
+        raise ValueError(f"estimate_memory: the Ulysses degree {U} must divide the heads per tp "
+                         f"rank ({shape.heads} / tp {tp_size} = {heads_l})")
+    R = sp_size // U
+    # zigzag needs 2 chunks per ring rank; every rank holds s / sp tokens, split over tp
+    multiple = 2 * sp_size * tp_size if R > 1 else sp_size * tp_size
+    if seqlen % multiple:
+        raise ValueError(f"estimate_memory: seqlen={seqlen} must be a multiple of {multiple} "
+                         f"(zigzag: 2 chunks per ring rank; sequence parallel within tp)")
+    return _Plan(shape=shape, b=micro_batch, seqlen=seqlen, world=world_size, sp=sp_size,
+                 tp=tp_size, zero=zero_stage, precision=precision, optimizer=optimizer,
+                 ckpt=bool(activation_checkpointing), mode=sp_mode, U=U, R=R)
+
+
+# ------------------------------------------------------------------------------ API
+def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: int,
+                    sp_size: int, tp_size: int = 1, zero_stage: int = 0,
+                    precision: str = "bf16", optimizer: str = "adamw",
+                    activation_checkpointing: bool = False, sp_mode: str = "ring",
+                    ulysses_size: Optional[int] = None) -> MemoryEstimate:
+    """Per-rank memory of one training step (forward, backward, AdamW step), in bytes.
+
+    Args:
+        config: a transformers config (Llama / Qwen2 family) or a dict with its keys (see
+            :class:`ModelShape`).
+        seqlen: global sequence length of one sample; micro_batch: samples per dp group.
+        world_size: ranks; sp_size: sequence-parallel ranks; tp_size: tensor-parallel ranks;
+            dp = world_size / (sp_size * tp_size).
+        zero_stage: 0 = DDP (everything replicated, plus DDP's gradient buckets), 2 = FSDP2
+            without resharding after the forward, 3 = FSDP2 resharding after the forward
+            (parameters, gradients and AdamW states sharded over dp x sp).
+        precision: "fp32", "bf16" or "fp16" (as the plugin's ``precision``).
+        optimizer: "adamw" (torch's foreach implementation, its default on CUDA),
+            "adamw_fused" or "adamw_forloop" (the default on CPU).
+        activation_checkpointing: per decoder layer, keeping the attention output and lse
+            (the recompute does not run the ring again).
+        sp_mode, ulysses_size: as ``RingSequenceParallelPlugin``.
+
+    Returns a :class:`MemoryEstimate` (frozen). Raises KeyError for a config without a
+    needed key (naming it), ValueError for sizes that do not fit together (naming the
+    argument and what would work).
+    """
+    p = _plan(config, seqlen=seqlen, micro_batch=micro_batch, world_size=world_size,
+              sp_size=sp_size, tp_size=tp_size, zero_stage=zero_stage, precision=precision,
+              optimizer=optimizer, activation_checkpointing=activation_checkpointing,
+              sp_mode=sp_mode, ulysses_size=ulysses_size)
+    t = _Terms(p)
+    moments = _moments(p, t)
+    name, live = max(moments, key=lambda m: sum(m[1].values()))
+    total = sum(live.values())
+    L = p.shape.layers
+    activations = L * (t.layer_ckpt if p.ckpt else t.layer) + t.final + t.rope + t.batch
+    order = ("params", "grads", "optimizer", "comm_buffers", "weight_copies", "activations",
+             "attention_buffers", "logits_loss", "temporaries")
+    breakdown = tuple((k, live[k]) for k in order if live.get(k))
+    comm = t.buckets + ((L if p.zero == 2 else 2) * t.gathered_layer + t.gathered_root
+                        if p.zero >= 2 else 0)
+    return MemoryEstimate(
+        shape=p.shape, seqlen=seqlen, micro_batch=micro_batch, world_size=world_size,
+        sp_size=sp_size, tp_size=tp_size, zero_stage=zero_stage, precision=precision,
+        optimizer_name=optimizer, activation_checkpointing=bool(activation_checkpointing),
+        sp_mode=sp_mode, ulysses_size=p.U,
+        params=t.params, grads=t.grads, optimizer=t.optimizer, comm_buffers=comm,
+        weight_copies=t.wcopy, activations_per_layer=t.layer_ckpt if p.ckpt else t.layer,
+        activations=activations, attention_buffers=t.ring_buffers,
+        logits_loss=t.loss_bwd, temporaries=live.get("temporaries", 0), total=total,
+        peak_phase=name, megatron=_megatron(p), megatron_flash=_megatron(p, flash=True),
+        breakdown=breakdown,
+        moments=tuple((n, sum(d.values())) for n, d in moments))
+
+
+# ------------------------------------------------------------------------------ planning
+_MODE_RANK = {"ring": 0, "hybrid": 1, "ulysses": 2}
+
+
+def _cost_key(est: MemoryEstimate):
+    # Best first: no recompute (checkpointing costs about a third more compute), then fewer
+    # tensor-parallel ranks (their collectives sit on the critical path of every layer), a
+    # lower zero stage (zero 3 gathers the parameters again in the backward), fewer sequence-
+    # parallel ranks (ring exchanges overlap with compute but grow with the ring), the ring
+    # before Ulysses (whose all-to-alls do not overlap); then the smaller peak.
+    return (est.activation_checkpointing, est.tp_size, est.zero_stage, est.sp_size,
+            _MODE_RANK[est.sp_mode], est.total)
+
+
+def meshes(config, world_size: int) -> List[dict]:
+    """Every mesh of ``world_size`` ranks the model's heads allow, as keyword arguments of
+    :func:`estimate_memory`: tp dividing the heads (and the K/V heads, or a multiple of
+    them) and the MLP width, sp dividing the rest, the ring / Ulysses / hybrid modes whose
+    Ulysses degree divides the heads per tp rank, zero 0/2/3, checkpointing off/on."""
+    shape = ModelShape.from_config(config)
+    _check_int("world_size", world_size)
+    out = []
+    for tp in _divisors(world_size):
+        if (shape.heads % tp or shape.intermediate % tp
+                or (shape.kv_heads % tp and tp % shape.kv_heads)):
+            continue
+        heads_l = shape.heads // tp
+        for sp in _divisors(world_size // tp):
+            modes = [("ring", None)]
+            if sp > 1:
+                modes += [("hybrid", u) for u in _divisors(sp) if 1 < u < sp and heads_l % u == 0]
+                if heads_l % sp == 0:
+                    modes.append(("ulysses", None))
+            for mode, u in modes:
+                for zero in ZERO_STAGES:
+                    for ckpt in (False, True):
+                        out.append(dict(world_size=world_size, sp_size=sp, tp_size=tp,
+                                        zero_stage=zero, sp_mode=mode, ulysses_size=u,
+                                        activation_checkpointing=ckpt))
+    return out
+
+
+def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
+                   **kwargs) -> List[MemoryEstimate]:
+    """The estimates of every mesh (:func:`meshes`) whose peak fits in ``device_memory``
+    bytes at ``seqlen``, best first (see ``_cost_key``). ``kwargs``: micro_batch, precision,
+    optimizer. Meshes whose sizes do not divide ``seqlen`` are left out."""
+    fit = []
+    for mesh in meshes(config, world_size):
+        try:
+            est = estimate_memory(config, seqlen=seqlen, **mesh, **kwargs)
+        except ValueError:
+            continue
+        if est.total <= device_memory:
+            fit.append(est)
+    return sorted(fit, key=_cost_key)
+
+
+def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
+               **mesh) -> Optional[MemoryEstimate]:
+    """The estimate at the longest sequence length (a multiple of what the mesh needs, at
+    most ``limit``) whose peak fits in ``device_memory`` bytes on one mesh (``mesh``: the
+    other arguments of :func:`estimate_memory`), or None when not even the shortest fits.
+    Bisection: the peak grows with the length."""
+    sp, tp = mesh.get("sp_size", 1), mesh.get("tp_size", 1)
+    mode, u = mesh.get("sp_mode", "ring"), mesh.get("ulysses_size")
+    ring = sp // (u or 1) if mode == "hybrid" else (1 if mode == "ulysses" else sp)
+    step = (2 * sp if ring > 1 else sp) * tp
+
+    def at(n):
+        return estimate_memory(config, seqlen=n * step, **mesh)
+
+    if at(1).total > device_memory:
+        return None
+    lo, hi = 1, 2
+    while hi * step <= limit and at(hi).total <= device_memory:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit // step + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if at(mid).total <= device_memory:
+            lo = mid
+        else:
+            hi = mid
+    return at(lo)
+
+
+# ------------------------------------------------------------------------------ CLI
+def _load_config(path: str) -> dict:
+    import json
+    with open(path) as f:
+        cfg = json.load(f)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} must hold a JSON object (a transformers config.json)")
+    return cfg
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    cells = [list(header)] + [list(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``python -m ringseq.memory``: which meshes fit (see the module docstring)."""
+    p = argparse.ArgumentParser(
+        prog="python -m ringseq.memory",
+        description="Which meshes of W ranks train a Llama/Qwen2-style model at a sequence "
+                    "length within the device memory (per-rank peak of one training step "
+                    "estimated by ringseq.memory.estimate_memory), best first: no activation "
+                    "checkpointing, then fewer tp ranks, lower zero stage, fewer sp ranks, "
+                    "ring before Ulysses, smaller peak.")
+    p.add_argument("--config", required=True,
+                   help="a transformers config.json (or a JSON object with its keys)")
+    p.add_argument("--seqlen", type=int, default=None,
+                   help="global sequence length per sample (required without --max-seqlen)")
+    p.add_argument("--world-size", type=int, required=True, help="ranks (devices)")
+    p.add_argument("--device-memory", required=True,
+                   help="memory per device, e.g. 80GiB, 80GB or bytes")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--micro-batch", type=int, default=1, help="samples per dp group")
+    p.add_argument("--max-seqlen", action="store_true",
+                   help="also (or, without --seqlen, only) the longest sequence each mesh fits")
+    args = p.parse_args(argv)
+    try:
+        memory = parse_bytes(args.device_memory)
+    except ValueError as exc:
+        p.error(f"--device-memory: {exc}")
+    if args.seqlen is None and not args.max_seqlen:
+        p.error("give --seqlen N, --max-seqlen, or both")
+    for name in ("seqlen", "world_size", "micro_batch"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    try:
+        config = _load_config(args.config)
+        shape = ModelShape.from_config(config)
+    except (OSError, ValueError, KeyError) as exc:
+        p.error(f"--config {args.config}: {exc}")
+    common = dict(micro_batch=args.micro_batch, precision=args.precision,
+                  optimizer=args.optimizer)
+    n_params = _Plan(shape=shape, b=1, seqlen=1, world=1, sp=1, tp=1, zero=0, precision="fp32",
+                     optimizer="adamw", ckpt=False, mode="ring", U=1, R=1).params()
+    print(f"# {shape.layers} layers, hidden {shape.hidden}, MLP {shape.intermediate}, heads "
+          f"{shape.heads}/{shape.kv_heads}, vocab {shape.vocab}: {n_params / 1e9:.2f} B "
+          f"parameters; {args.world_size} ranks of {_gib(memory)} GiB, {args.precision}, "
+          f"{args.optimizer}, micro-batch {args.micro_batch}")
+    header = ("dp", "sp", "mode", "tp", "zero", "ckpt")
+
+    def mesh_cells(e: MemoryEstimate):
+        mode = (e.sp_mode if e.sp_mode != "hybrid" else f"hybrid u{e.ulysses_size}") \
+            if e.sp_size > 1 else "-"
+        return (str(e.dp_size), str(e.sp_size), mode, str(e.tp_size), str(e.zero_stage),
+                "yes" if e.activation_checkpointing else "no")
+
+    if args.seqlen is not None:
+        fit = fitting_meshes(config, world_size=args.world_size, seqlen=args.seqlen,
+                             device_memory=memory, **common)
+        print(f"\n## meshes that fit seqlen {args.seqlen}, best first ({len(fit)})")
+        if fit:
+            print(_table([mesh_cells(e) + (_gib(e.total), _gib(memory - e.total), e.peak_phase)
+                          for e in fit], header + ("peak GiB", "headroom GiB", "peak at")))
+        else:
+            best = None
+            for mesh in meshes(config, args.world_size):
+                try:
+                    e = estimate_memory(config, seqlen=args.seqlen, **mesh, **common)
+                except ValueError:
+                    continue
+                if best is None or e.total < best.total:
+                    best = e
+            print("no mesh fits" + ("" if best is None else
+                                    f"; the smallest peak is {_gib(best.total)} GiB "
+                                    f"({best.mesh()})"))
+    if args.max_seqlen:
+        rows = []
+        for mesh in meshes(config, args.world_size):
+            e = max_seqlen(config, device_memory=memory, **mesh, **common)
+            if e is not None:
+                rows.append(e)
+        rows.sort(key=lambda e: (-e.seqlen,) + _cost_key(e))
+        print(f"\n## the longest sequence each mesh fits ({len(rows)} meshes)")
+        print(_table([mesh_cells(e) + (str(e.seqlen), _gib(e.total), _gib(memory - e.total),
+                                       e.peak_phase) for e in rows],
+                     header + ("max seqlen", "peak GiB", "headroom GiB", "peak at"))
+              if rows else "no mesh fits any sequence length")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

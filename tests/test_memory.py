@@ -1,0 +1,301 @@
+"""ringseq.memory: the estimate of one training step's per-rank peak.
+
+Without any process group: how the estimate scales with the sequence length and the mesh
+(sp, tp, zero), the parameter count against transformers' own models, the errors, the table,
+the planner CLI on a Llama-3-8B-shaped config. On spawned gloo ranks: the estimate within
+±10 % of the peak MemTracker measures for one training step through the plugin, for every
+configuration benchmarks/memory_check.py marks ``quick`` (one spawn for all of them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+import ringseq.memory as mem
+from ringseq.memory import MemoryEstimate, ModelShape, estimate_memory
+
+GiB = 2 ** 30
+# Llama-3-8B's shapes
+LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+               tie_word_embeddings=False)
+TINY = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)
+
+
+def est(config=TINY, **kw):
+    args = dict(seqlen=4096, world_size=8, sp_size=4)
+    args.update(kw)
+    return estimate_memory(config, **args)
+
+
+def live(e: MemoryEstimate) -> dict:
+    return dict(e.breakdown)
+
+
+# ---------------------------------------------------------------- the model's parameters
+@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_params_are_the_models_parameter_bytes(family, tied):
+    transformers = pytest.importorskip("transformers")
+    cfg_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                          "qwen2": (transformers.Qwen2Config,
+                                    transformers.Qwen2ForCausalLM)}[family]
+    cfg = cfg_cls(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                  tie_word_embeddings=tied)
+    n = sum(p.numel() for p in model_cls(cfg).parameters())  # tied weights counted once
+    e = estimate_memory(cfg, seqlen=64, world_size=1, sp_size=1, precision="fp32")
+    assert e.params == 4 * n
+    assert e.optimizer == 8 * n  # AdamW: exp_avg and exp_avg_sq in float32
+    assert e.grads == 4 * n
+    assert e.comm_buffers == 0  # one rank: the plugin wraps no DDP
+
+
+def test_head_dim_defaults_to_hidden_over_heads():
+    with_dim = dict(TINY, head_dim=TINY["hidden_size"] // TINY["num_attention_heads"])
+    assert est(TINY) == est(with_dim)
+    assert ModelShape.from_config(TINY).head_dim == 32
+    assert est(dict(TINY, head_dim=64)).activations > est(TINY).activations
+
+
+@pytest.mark.parametrize("key", mem._REQUIRED)
+def test_missing_key_is_named(key):
+    cfg = {k: v for k, v in TINY.items() if k != key}
+    with pytest.raises(KeyError, match=key):
+        est(cfg)
+
+
+# ---------------------------------------------------------------- scaling
+def test_activations_are_linear_in_seqlen_and_state_is_not():
+    a, b = est(seqlen=4096), est(seqlen=8192)
+    assert b.activations == 2 * a.activations
+    assert b.activations_per_layer == 2 * a.activations_per_layer
+    assert b.logits_loss == 2 * a.logits_loss
+    assert (b.params, b.grads, b.optimizer, b.comm_buffers) == \
+        (a.params, a.grads, a.optimizer, a.comm_buffers)
+    # the exchange buffers hold one K/V block of s / sp tokens (64-byte aligned segments)
+    assert b.attention_buffers == pytest.approx(2 * a.attention_buffers, rel=1e-3)
+    assert a.total < b.total < 2 * a.total
+    # Megatron's formula is quadratic in s (its 5as/h term), without that term linear
+    assert b.megatron > 2 * a.megatron and b.megatron_flash == 2 * a.megatron_flash
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_sequence_parallelism_divides_activations(mode):
+    base = est(seqlen=8192, world_size=8, sp_size=1)
+    for sp in ((2, 4, 8) if mode == "ring" else (2, 4)):  # Ulysses splits the 4 heads
+        e = est(seqlen=8192, world_size=8, sp_size=sp, sp_mode=mode)
+        if mode == "ring":
+            assert e.activations == base.activations // sp
+        else:
+            # Ulysses saves o_proj's sequence-shard copy of the output besides the head
+            # shards: more per token than the ring, still divided by sp
+            assert base.activations // sp < e.activations < 2 * base.activations // sp
+        assert e.logits_loss == base.logits_loss // sp
+        assert e.params == base.params  # DDP replicates the model over dp x sp
+    ring8 = est(seqlen=8192, world_size=8, sp_size=8)
+    # sp = 1 still keeps the backward's dK/dV accumulator; a ring also the K/V double
+    # buffer of the forward and the K/V segment of the backward's
+    assert 0 < base.attention_buffers
+    assert ring8.attention_buffers > base.attention_buffers // 8
+    assert est(seqlen=8192, world_size=8, sp_size=4, sp_mode="ulysses").attention_buffers == 0
+
+
+def test_tensor_parallelism_splits_heads_and_mlp_but_not_embeddings():
+    s = ModelShape.from_config(LLAMA8B)
+    h, I, d, L, V = s.hidden, s.intermediate, s.head_dim, s.layers, s.vocab
+    for tp in (1, 2, 4, 8):
+        e = est(LLAMA8B, seqlen=8192, world_size=8, sp_size=1, tp_size=tp, zero_stage=0)
+        layer = (h * s.heads * d * 2 + 2 * h * s.kv_heads * d + 3 * h * I) // tp + 2 * h
+        assert e.params == 4 * (L * layer + 2 * V * h + h)
+    one = est(LLAMA8B, seqlen=8192, world_size=8, sp_size=1, tp_size=1)
+    two = est(LLAMA8B, seqlen=8192, world_size=8, sp_size=1, tp_size=2)
+    # heads, MLP columns, norms and the residual stream are split, but every colwise
+    # projection saves its all-gathered input (DTensor), so less than half is saved away
+    assert one.activations_per_layer / 2 < two.activations_per_layer < one.activations_per_layer
+
+
+def test_zero_shards_state_over_dp_and_sp():
+    W = 8
+    zero0 = est(LLAMA8B, seqlen=8192, world_size=W, sp_size=4, zero_stage=0)
+    for stage in (2, 3):
+        for tp in (1, 2):
+            e = est(LLAMA8B, seqlen=8192, world_size=W, sp_size=4 // tp, tp_size=tp,
+                    zero_stage=stage)
+            ref = est(LLAMA8B, seqlen=8192, world_size=W, sp_size=4 // tp, tp_size=tp,
+                      zero_stage=0)
+            n = W // tp  # FSDP2 shards over the dp x sp ranks of a tp rank
+            assert e.params == ref.params // n
+            assert e.grads == ref.grads // n
+            assert e.optimizer == ref.optimizer // n
+    # DDP's buckets hold a float32 copy of every gradient; FSDP2 holds unsharded layers
+    assert zero0.comm_buffers == zero0.params
+    z2 = est(LLAMA8B, seqlen=8192, world_size=W, sp_size=4, zero_stage=2)
+    z3 = est(LLAMA8B, seqlen=8192, world_size=W, sp_size=4, zero_stage=3)
+    assert z2.comm_buffers > z3.comm_buffers > 0  # zero 2 keeps every layer gathered
+    assert z3.total < z2.total < zero0.total
+    # an 8B model with AdamW does not fit replicated on 80 GiB, sharded it does
+    assert zero0.params + zero0.grads + zero0.optimizer > 80 * GiB
+    assert z3.total < 80 * GiB
+
+
+def test_checkpointing_keeps_layer_input_and_ring_output():
+    off = est(precision="bf16")
+    on = est(precision="bf16", activation_checkpointing=True)
+    T, s = 4096 // 4, ModelShape.from_config(TINY)
+    # per layer: the float32 layer input, the attention output (bf16) and lse (float32)
+    assert on.activations_per_layer == T * (4 * s.hidden + 2 * s.heads * s.head_dim
+                                            + 4 * s.heads)
+    assert on.activations < off.activations
+    assert on.total < off.total
+
+
+def test_optimizer_implementations():
+    e = {o: est(seqlen=64, optimizer=o) for o in mem.OPTIMIZERS}
+    # at a short sequence the optimizer step holds the peak: foreach's sqrt of every
+    # exp_avg_sq is one more float32 copy of the parameters, fused has none
+    assert e["adamw"].peak_phase == "optimizer step"
+    assert live(e["adamw"])["temporaries"] == e["adamw"].params
+    assert e["adamw_fused"].total < e["adamw_forloop"].total < e["adamw"].total
+
+
+def test_megatron_formula():
+    e = est(LLAMA8B, seqlen=32768, world_size=8, sp_size=4, tp_size=2, zero_stage=3)
+    s, b, h, a, t, L = 32768 // 4, 1, 4096, 32, 2, 32
+    assert e.megatron == int(L * s * b * h * (34 / t + 5 * a * s / (h * t)))
+    assert e.megatron_flash == int(L * s * b * h * 34 / t)
+
+
+# ---------------------------------------------------------------- the result and errors
+def test_table_and_breakdown():
+    e = est(LLAMA8B, seqlen=131072, world_size=8, sp_size=8, zero_stage=3,
+            activation_checkpointing=True)
+    assert sum(v for _, v in e.breakdown) == e.total
+    assert e.total == max(v for _, v in e.moments)
+    assert dict(e.moments)[e.peak_phase] == e.total
+    text = str(e)
+    for word in ("params", "grads", "optimizer", "activations_per_layer", "attention_buffers",
+                 "logits_loss", "temporaries", "total (peak)", e.peak_phase, "Megatron",
+                 "GiB", "dp1 sp8 ring tp1 zero3 ckpt"):
+        assert word in text, word
+    with pytest.raises(Exception):
+        e.total = 0  # frozen
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sp_size=3), "sp_size \\* tp_size must divide world_size=8"),
+    (dict(sp_size=2, tp_size=3), "must divide world_size"),
+    (dict(sp_size=1, tp_size=8, world_size=8), "tp_size=8 must divide num_attention_heads=4"),
+    (dict(sp_mode="ulysses", sp_size=8), "Ulysses degree 8 must divide the heads"),
+    (dict(sp_mode="hybrid", sp_size=4), "needs ulysses_size"),
+    (dict(sp_mode="ring", ulysses_size=2), "takes no ulysses_size"),
+    (dict(seqlen=4100), "seqlen=4100 must be a multiple of 8"),
+    (dict(precision="fp8"), "precision must be one of"),
+    (dict(optimizer="sgd"), "optimizer must be one of"),
+    (dict(zero_stage=1), "zero_stage must be one of"),
+    (dict(sp_mode="tree"), "sp_mode must be one of"),
+    (dict(micro_batch=0), "micro_batch must be an integer >= 1"),
+])
+def test_argument_errors_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        est(**kwargs)
+
+
+def test_parse_bytes():
+    assert mem.parse_bytes("80GiB") == 80 * GiB
+    assert mem.parse_bytes("80 GB") == 80 * 10 ** 9
+    assert mem.parse_bytes("1024") == 1024
+    with pytest.raises(ValueError, match="memory size"):
+        mem.parse_bytes("eighty")
+
+
+# ---------------------------------------------------------------- the planner
+@pytest.fixture
+def llama8b_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(LLAMA8B, model_type="llama")))
+    return str(path)
+
+
+def test_cli_lists_meshes_that_fit_best_first(llama8b_json, capsys):
+    assert mem.main(["--config", llama8b_json, "--seqlen", "65536", "--world-size", "8",
+                     "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert rows, out
+    for line in rows:  # peak and headroom (GiB), the first two decimals of a row
+        peak, headroom = map(float, re.findall(r"\d+\.\d\d", line)[:2])
+        assert peak <= 80 and peak + headroom == pytest.approx(80, abs=0.011)
+    # no replicated 8B model fits; the first row is the cheapest mesh that does
+    fit = mem.fitting_meshes(LLAMA8B, world_size=8, seqlen=65536, device_memory=80 * GiB)
+    assert len(rows) == len(fit) > 0
+    assert all(e.zero_stage > 0 or e.tp_size > 1 for e in fit)
+    assert [mem._cost_key(e) for e in fit] == sorted(mem._cost_key(e) for e in fit)
+
+
+def test_cli_max_seqlen(llama8b_json, capsys):
+    assert mem.main(["--config", llama8b_json, "--world-size", "8", "--device-memory",
+                     "80GiB", "--max-seqlen"]) == 0
+    out = capsys.readouterr().out
+    assert "longest sequence each mesh fits" in out
+    best = mem.max_seqlen(LLAMA8B, device_memory=80 * GiB, world_size=8, sp_size=8,
+                          zero_stage=3, activation_checkpointing=True)
+    assert best is not None and best.total <= 80 * GiB
+    # one more step of the mesh's granularity (2 x sp for the zigzag ring) does not fit
+    longer = est(LLAMA8B, seqlen=best.seqlen + 16, world_size=8, sp_size=8, zero_stage=3,
+                 activation_checkpointing=True)
+    assert longer.total > 80 * GiB
+    assert str(best.seqlen) in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--device-memory", "lots"], "--device-memory"),
+    ([], "give --seqlen N, --max-seqlen, or both"),
+    (["--seqlen", "0"], "--seqlen must be >= 1"),
+])
+def test_cli_argument_errors(llama8b_json, capsys, argv, match):
+    base = ["--config", llama8b_json, "--world-size", "8"]
+    if "--device-memory" not in argv:
+        base += ["--device-memory", "80GiB"]
+    with pytest.raises(SystemExit) as exc:
+        mem.main(base + argv)
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_cli_config_without_a_key(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({k: v for k, v in LLAMA8B.items() if k != "vocab_size"}))
+    with pytest.raises(SystemExit):
+        mem.main(["--config", str(path), "--seqlen", "8192", "--world-size", "8",
+                  "--device-memory", "80GiB"])
+    assert "vocab_size" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- against measurement
+def _memory_check():
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)  # the spawned ranks import it by name
+    import memory_check
+    return memory_check
+
+
+def test_estimate_within_ten_percent_of_memtracker():
+    pytest.importorskip("transformers")
+    mc = _memory_check()
+    configs = [c for c in mc.CONFIGS if c["quick"]]
+    rows = mc.run(configs, timeout=600)
+    report = "\n".join(f"{r['name']}: estimate {r['estimate']} measured {r['measured']} "
+                       f"({r['error']:+.2%}, peak at {r['peak_phase']})" for r in rows)
+    for r in rows:
+        assert abs(r["error"]) <= 0.10, report
+    # the configurations exercise every kind of moment the estimate distinguishes
+    phases = {r["peak_phase"].split(",")[0] if "layer" not in r["peak_phase"]
+              else r["peak_phase"].split("'s ")[-1] for r in rows}
+    assert {"loss backward", "optimizer step", "MLP", "attention"} <= phases, phases

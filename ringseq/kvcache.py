@@ -610,8 +610,9 @@ def _ring_decode(plan, group, world):
     # One all-gather of (out, lse): (b, s_q, h, d + 1) per rank in the accumulation dtype.
     payload = torch.cat((out_r.to(acc), lse_r.to(acc).transpose(1, 2).unsqueeze(-1)), dim=-1)
     if world > 1:
-        gathered = torch.empty((world, *payload.shape), dtype=acc, device=q.device)
-        dist.all_gather_into_tensor(gathered, payload.contiguous(), group=group)
+        parts = [torch.empty_like(payload) for _ in range(world)]
+        dist.all_gather(parts, payload.contiguous(), group=group)
+        gathered = torch.stack(parts)  # (W, b, s_q, h, d + 1)
     else:
         gathered = payload.unsqueeze(0)
     outs, lses = gathered[..., :d], gathered[..., d].transpose(2, 3)  # (W, b, h, s_q)

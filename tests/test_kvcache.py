@@ -88,14 +88,19 @@ AXES = dict(
 
 
 def grid_sample(n, seed=0):
-    """n combinations of flash-attn's axes in which every value of every axis appears (axis k
-    takes value perm_k[i % len] in case i, perm_k a seeded shuffle); rotary needs new keys (as
-    in flash-attn), so a case without them has rotary 0."""
+    """n combinations of flash-attn's axes in which every value of every axis appears: each
+    axis deals its values from seeded shuffles, reshuffled after each round, independently of
+    the other axes. Rotary needs new keys (as in flash-attn): a case without them has none."""
     rng = random.Random(seed)
-    perms = {k: rng.sample(vals, len(vals)) for k, vals in AXES.items()}
+    columns = {}
+    for k, vals in AXES.items():
+        col = []
+        while len(col) < n:
+            col += rng.sample(vals, len(vals))
+        columns[k] = col[:n]
     out = []
     for i in range(n):
-        case = {k: perm[(i + 7 * j) % len(perm)] for j, (k, perm) in enumerate(perms.items())}
+        case = {k: columns[k][i] for k in AXES}
         if not case["new_kv"]:
             case["rotary"] = 0.0
         out.append(case)
@@ -311,7 +316,29 @@ def test_errors_name_the_argument():
 
 
 # ------------------------------------------------------------------------- context parallel
-def _ring_decode_worker(cases):
+class _count_collectives:
+    """Records (op, elements sent) of torch.distributed's all_gather / all_reduce calls."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+        self.sent, self.saved = [], (dist.all_gather, dist.all_reduce)
+
+        def gather(parts, t, *a, **kw):
+            self.sent.append(("all_gather", t.numel()))
+            return self.saved[0](parts, t, *a, **kw)
+
+        def reduce(t, *a, **kw):
+            self.sent.append(("all_reduce", t.numel()))
+            return self.saved[1](t, *a, **kw)
+        dist.all_gather, dist.all_reduce = gather, reduce
+        return self.sent
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        dist.all_gather, dist.all_reduce = self.saved
+
+
+def _ring_decode_worker(cases, check_errors):
     """Each case: prefill a global cache sharded with its layout, then decode steps; returns the
     max error ratio vs the tolerance rule per case (checked on the caller side too)."""
     import torch.distributed as dist
@@ -340,15 +367,23 @@ def _ring_decode_worker(cases):
                 kc[:, P // world + (t - P) // world] = K[:, t]
                 vc[:, P // world + (t - P) // world] = V[:, t]
         worst = 0.0
-        for s_q in s_q_steps:
+        for step, s_q in enumerate(s_q_steps):
             q = torch.randn(b, s_q, h, d, generator=gen).to(dtype)
             k_new = torch.randn(b, s_q, h_kv, d, generator=gen).to(dtype)
             v_new = torch.randn(b, s_q, h_kv, d, generator=gen).to(dtype)
             window = case["window"] if s_q == 1 else (-1, -1)
-            out, lse = ring_flash_attn_with_kvcache(
-                q, kc, vc, lengths, k_new, v_new, layout=layout, causal=True,
-                window_size=window, softcap=case["softcap"], cache_leftpad=leftpad,
-                return_softmax_lse=True, prefill_len=P)
+            # Every other step without the consistency check: then the call's only
+            # communication is one all-gather of (out, lse), b * s_q * h * (d + 1) values.
+            ringseq.set_consistency_check(step % 2 == 0)
+            with _count_collectives() as sent:
+                out, lse = ring_flash_attn_with_kvcache(
+                    q, kc, vc, lengths, k_new, v_new, layout=layout, causal=True,
+                    window_size=window, softcap=case["softcap"], cache_leftpad=leftpad,
+                    return_softmax_lse=True, prefill_len=P)
+            gathers = [n for op, n in sent if op == "all_gather"]
+            assert gathers == [b * s_q * h * (d + 1)], sent
+            assert len(sent) == (2 if step % 2 == 0 else 1), sent  # + the W-int agreement
+            ringseq.set_consistency_check(True)
             for bb in range(b):  # the global cache gets the same tokens
                 n = int(lengths[bb])
                 K[bb, n:n + s_q], V[bb, n:n + s_q] = k_new[bb], v_new[bb]
@@ -368,7 +403,7 @@ def _ring_decode_worker(cases):
             if (t - P) % world == rank:
                 assert torch.equal(kc[:, P // world + (t - P) // world], K[:, t]), (case, t)
         report.append(worst)
-    return report
+    return report, _ring_errors() if check_errors else None
 
 
 RING_CASES = [
@@ -385,42 +420,36 @@ RING_CASES = [
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_decoding_is_exact_and_moves_no_kv(world):
+    # Exactness and the collectives are asserted on every rank (a failing rank raises
+    # RankError here); at W=2 the same ranks then check the errors (one spawn for both).
     cases = [c for c in RING_CASES if c["prefill"] % (2 * world) == 0]
-    reports = run_ranks(_ring_decode_worker, world, cases, timeout=180)
-    assert all(len(r) == len(cases) for r in reports)
+    results = run_ranks(_ring_decode_worker, world, cases, world == 2, timeout=180)
+    assert all(len(report) == len(cases) for report, _ in results)
+    if world == 2:
+        for rank, (_, caught) in enumerate(results):
+            # a shard too small on rank 1 only: raised there, and on rank 0 as "another rank"
+            assert len(caught) == 3, caught
+            assert ("holds 3 slots" if rank == 1 else "another rank") in caught[0]
+            assert "prefill_len" in caught[1]  # bad on every rank: raised on every rank
+            assert "window_size" in caught[2] and "NotImplementedError" in caught[2]
 
 
-def _ring_errors_worker():
+def _ring_errors():
+    """Three calls that must fail; returns what each rank raised."""
     import torch.distributed as dist
     rank = dist.get_rank()
-    q = torch.randn(1, 1, 4, 16)
-    kc = torch.zeros(1, 8 if rank == 0 else 3, 2, 16)  # rank 1's shard is too small
     caught = []
-    try:
-        ring_flash_attn_with_kvcache(q, kc, kc.clone(), 12, torch.randn(1, 1, 2, 16),
-                                     torch.randn(1, 1, 2, 16), prefill_len=8)
-    except ValueError as exc:
-        caught.append(str(exc))
-    # bad arguments that every rank has: raised on every rank, naming the argument
-    for kwargs, text in ((dict(prefill_len=5), "prefill_len"),
-                         (dict(prefill_len=8, window_size=(2, 0), k=torch.randn(1, 2, 2, 16)), "")):
+
+    def call(q, cap, k=None, **kwargs):
+        kc = torch.zeros(1, cap, 2, 16)
         try:
-            k = kwargs.pop("k", None)
-            ring_flash_attn_with_kvcache(torch.randn(1, 2 if k is not None else 1, 4, 16),
-                                         torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16), 8, k,
-                                         k, **kwargs)
+            ring_flash_attn_with_kvcache(q, kc, kc.clone(), 8, k, None if k is None else k.clone(),
+                                         **kwargs)
         except (ValueError, NotImplementedError) as exc:
-            caught.append(type(exc).__name__ + ": " + str(exc))
+            caught.append(f"{type(exc).__name__}: {exc}")
+
+    new_kv = torch.randn(1, 1, 2, 16)
+    call(torch.randn(1, 1, 4, 16), 8 if rank == 0 else 3, new_kv, prefill_len=8)  # rank 1 only
+    call(torch.randn(1, 1, 4, 16), 8, prefill_len=5)  # not a multiple of the layout's
+    call(torch.randn(1, 2, 4, 16), 8, torch.randn(1, 2, 2, 16), prefill_len=8, window_size=(2, 0))
     return caught
-
-
-def test_ring_decoding_errors_raise_on_every_rank():
-    per_rank = run_ranks(_ring_errors_worker, 2, timeout=120)
-    for rank, caught in enumerate(per_rank):
-        assert len(caught) == 3, caught
-        if rank == 1:
-            assert "holds 3 slots" in caught[0]
-        else:
-            assert "another rank" in caught[0]
-        assert "prefill_len" in caught[1]
-        assert "window_size" in caught[2] and "NotImplementedError" in caught[2]

@@ -128,6 +128,7 @@ struct KvCache {
   const int32_t* seqlens = nullptr;
   const int32_t* leftpad = nullptr;
   const int32_t* batch_idx = nullptr;
+  int64_t batch_cache = 0;  // rows of the caches (batch_idx must index below it)
   int64_t window_left = -1;
   int64_t window_right = -1;
   bool heads_as_rows = false;

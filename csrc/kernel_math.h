@@ -306,8 +306,10 @@ RS_HD constexpr Range<I> split_blocks(Range<I> blocks, I split, I n_splits) {
   const I b = blocks.begin + split * per;
   return make_range(min_of(b, blocks.end), min_of(b + per, blocks.end));
 }
-// CUDA launch constants of the split-KV forward: items to aim for (about two CTAs per SM of
-// an H100/H200, 132 SMs), the fewest key tiles of a split, the most splits.
+// CUDA launch constants of the split-KV forward: its tile configuration (64 x 64: decoding
+// rows are few, and the span state needs registers), items to aim for (about two CTAs per SM
+// of an H100/H200, 132 SMs), the fewest key tiles of a split, the most splits.
+constexpr int kSplitConfig = 1;
 constexpr int kCudaSplitTarget = 264;
 constexpr int kCudaSplitMinTiles = 1;
 constexpr int kMaxSplits = 128;

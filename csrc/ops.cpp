@@ -527,8 +527,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   p.kv.seqlens = seqlens;
   p.kv.leftpad = leftpad;
   p.kv.batch_idx = bidx;
-  p.kv.window_left = window_left;
-  p.kv.window_right = window_right;
+  p.kv.batch_cache = k_cache.size(0);
+  // A window wider than the cache is no window (as flash-attn treats it); this keeps the
+  // kernels' 32-bit index sums in range.
+  p.kv.window_left = window_left >= shape.seqlen_k ? -1 : window_left;
+  p.kv.window_right = window_right >= shape.seqlen_k ? -1 : window_right;
   p.num_splits = static_cast<int>(std::min<int64_t>(num_splits, km::kMaxSplits));
   if (q.is_cpu()) {
     p.tiles_visited = &g_tiles_visited[0];

@@ -20,6 +20,7 @@ printed and stored with the results.
     python benchmarks/bench_decode.py                        # the full grid (a few minutes)
     python benchmarks/bench_decode.py --cache 4096 --batch 1 --threads 1 --no-cp   # a quick look
     python benchmarks/bench_decode.py --json decode.json
+    python benchmarks/bench_decode.py --device cuda --cache 8192,32768 --batch 1,8   # a GPU
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--headdim", type=int, default=128)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default fp32 (CPU), bf16 (CUDA)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (part 1 only on cuda; --threads ignored)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-cp", action="store_true", help="skip part 2 (context parallel)")
     p.add_argument("--world-size", type=int, default=2)
@@ -80,6 +82,7 @@ def _check(out, ref_slice, q, kc, vc, length, scale):
 # ------------------------------------------------------------------------------ part 1
 def single_device(args):
     dtype = DTYPES[args.dtype]
+    dev = torch.device(args.device)
     h, h_kv, d = args.heads, args.heads_kv, args.headdim
     scale = d ** -0.5
     rows = []
@@ -88,10 +91,10 @@ def single_device(args):
         for length in _ints(args.cache):
             gen = torch.Generator().manual_seed(length + b)
             cap = length + 16
-            kc = torch.randn(b, cap, h_kv, d, generator=gen).to(dtype)  # (b, capacity, h_kv, d)
-            vc = torch.randn(b, cap, h_kv, d, generator=gen).to(dtype)
-            q = torch.randn(b, 1, h, d, generator=gen).to(dtype)         # (b, 1, h, d)
-            seqlens = torch.full((b,), length, dtype=torch.int32)
+            kc = torch.randn(b, cap, h_kv, d, generator=gen).to(dev, dtype)  # (b, capacity, h_kv, d)
+            vc = torch.randn(b, cap, h_kv, d, generator=gen).to(dev, dtype)
+            q = torch.randn(b, 1, h, d, generator=gen).to(dev, dtype)         # (b, 1, h, d)
+            seqlens = torch.full((b,), length, dtype=torch.int32, device=dev)
             # SDPA reads the same cache prefix through a strided (b, h_kv, length, d) view
             qt, kt, vt = q.transpose(1, 2), kc[:, :length].transpose(1, 2), vc[:, :length].transpose(1, 2)
 
@@ -101,26 +104,28 @@ def single_device(args):
             def sdpa():
                 return F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True).transpose(1, 2)
 
-            for threads in _ints(args.threads):
-                torch.set_num_threads(threads)
+            for threads in _ints(args.threads) if dev.type == "cpu" else [None]:
+                if threads:
+                    torch.set_num_threads(threads)
                 clock = "cpu" if threads == 1 else "wall"
                 row = dict(batch=b, cache=length, threads=threads, clock=clock, load=load_average())
                 for name, fn in (("ringseq", ours), ("sdpa", sdpa)):
-                    with PeakMemory("cpu") as mem:
+                    with PeakMemory(dev) as mem:
                         out = fn()
-                    row[f"{name}_ms"] = time_ms(fn, "cpu", warmup=1, repeats=args.repeats, clock=clock)
+                    row[f"{name}_ms"] = time_ms(fn, dev, warmup=1, repeats=args.repeats, clock=clock)
                     row[f"{name}_peak_mib"] = mib(mem.peak)
                     row[f"{name}_out"] = out
                 row["ringseq_tok_s"] = b * 1e3 / row["ringseq_ms"]
                 row["sdpa_tok_s"] = b * 1e3 / row["sdpa_ms"]
                 row["speedup"] = row["sdpa_ms"] / row["ringseq_ms"]
-                err, err_sdpa = _check(row.pop("ringseq_out"), row.pop("sdpa_out"), q, kc, vc, length, scale)
+                err, err_sdpa = _check(row.pop("ringseq_out").cpu(), row.pop("sdpa_out").cpu(), q.cpu(),
+                                       kc.cpu(), vc.cpu(), length, scale)
                 row["max_err"], row["sdpa_max_err"] = err, err_sdpa
                 # an invariant of the benchmark: no worse than 2x SDPA's error (plus a floor)
                 floor = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-2)
                 assert err <= 2 * err_sdpa + floor, f"ringseq disagrees with float64: {err} vs SDPA {err_sdpa}"
                 rows.append(row)
-                progress(f"b={b} cache={length} threads={threads}: ringseq {row['ringseq_ms']:.2f} ms "
+                progress(f"b={b} cache={length} threads={threads or '-'}: ringseq {row['ringseq_ms']:.2f} ms "
                          f"({row['ringseq_tok_s']:.0f} tok/s), sdpa {row['sdpa_ms']:.2f} ms, "
                          f"x{row['speedup']:.2f}, load {row['load']}")
             del kc, vc
@@ -211,8 +216,12 @@ def _cp_rank(args, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    progress(f"decode benchmark: h={args.heads} h_kv={args.heads_kv} d={args.headdim} {args.dtype}, "
-             f"{environment('cpu')['cpu_model']}, ISA {ringseq.cpu_isa()}, load {load_average()}")
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    if args.device.startswith("cuda"):
+        args.no_cp = True  # part 2 spawns CPU ranks
+    env = environment(args.device)
+    progress(f"decode benchmark: h={args.heads} h_kv={args.heads_kv} d={args.headdim} {args.dtype} on "
+             f"{env.get('gpu', env['cpu_model'])}, ISA {ringseq.cpu_isa()}, load {load_average()}")
     rows = single_device(args)
     print(format_table(rows, [("batch", "b", "{}"), ("cache", "cache", "{}"), ("threads", "thr", "{}"),
                               ("ringseq_ms", "ringseq ms", "{:.2f}"), ("sdpa_ms", "sdpa ms", "{:.2f}"),
@@ -232,7 +241,7 @@ def main(argv=None):
                                      ("cp_peak_mib", "CP MiB", "{:.1f}"),
                                      ("gather_peak_mib", "gather MiB", "{:.1f}"),
                                      ("load", "load", "{:.1f}")]), flush=True)
-    write_json(args.json, {"environment": environment("cpu"), "args": vars(args),
+    write_json(args.json, {"environment": env, "args": vars(args),
                            "single_device": rows, "context_parallel": cp_rows})
 
 

@@ -38,7 +38,7 @@ def _poison(shape, dtype):
 
 
 # flash-attn's grid on the GPU: head dims the kernel runs (64, 128; 59 takes the torch path)
-CASES = [c for c in grid_sample(40, seed=2) if c["d"] in (64, 128)]
+CASES = [c for c in grid_sample(24, seed=2) if c["d"] in (64, 128)]
 
 
 @pytest.mark.parametrize("case", CASES)

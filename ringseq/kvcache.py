@@ -335,6 +335,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_rotary(fn, rotary_cos, rotary_sin, q, k is not None, s_c)
     scale = resolve_scale(softmax_scale, d)
     with torch.no_grad():
+        # only the head dimension must be contiguous (flash-attn copies the others' too)
+        q, k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if rotary_cos is not None:
             q = _rotate(q, rotary_cos, rotary_sin,
                         _rotary_q_positions(seqlens, s_q, causal or window != (-1, -1)),

@@ -182,13 +182,13 @@ def run_flash_case(case, device="cpu", seed=0):
     assert_close_per_design(lse.cpu(), ref[1], plain[1].to(lse.dtype), "lse", factor=2, floor=floor)
 
 
-@pytest.mark.parametrize("case", grid_sample(36), ids=lambda c: "-".join(
+@pytest.mark.parametrize("case", grid_sample(27), ids=lambda c: "-".join(
     f"{k}{v}" if not isinstance(v, tuple) else f"{v[0]}x{v[1]}" for k, v in c.items()))
 def test_flash_attn_kvcache_grid(case):
     run_flash_case(case)
 
 
-@pytest.mark.parametrize("case", grid_sample(6, seed=1))
+@pytest.mark.parametrize("case", grid_sample(4, seed=1))
 def test_flash_attn_kvcache_every_isa_level(isa, case):
     run_flash_case(case, seed=3)
     assert ringseq.cpu_isa() == isa

@@ -14,8 +14,9 @@ gathering the cache onto one rank once and decoding there (the one-time gather's
 memory are reported too), plus each one's peak memory per rank.
 
 Timing: the median of ``--repeats``; with one torch thread the calling thread's CPU time (which
-other jobs on the machine do not inflate), otherwise wall time. The 1-minute load average is
-printed and stored with the results.
+other jobs on the machine do not inflate), otherwise wall time. Part 2 reports wall time per
+token and, next to it, the calling thread's CPU time on each rank (its own work, without the
+wait for the other rank). The 1-minute load average is printed and stored with the results.
 
     python benchmarks/bench_decode.py                        # the full grid (a few minutes)
     python benchmarks/bench_decode.py --cache 4096 --batch 1 --threads 1 --no-cp   # a quick look
@@ -157,15 +158,18 @@ def _cp_rank(args, device):
         row = dict(cache=length, world=world, batch=b, load=load_average())
 
         # context parallel: every step appends one token (round-robin) and attends everywhere
-        times = []
+        times, cpu_times = [], []
         with PeakMemory("cpu") as mem:
             for i in range(steps):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 out_cp = ringseq.ring_flash_attn_with_kvcache(
                     qs[i], kc, vc, length + i, kn[i], vn[i], layout="zigzag", prefill_len=length)
                 times.append((time.perf_counter() - t0) * 1e3)
+                cpu_times.append((time.thread_time() - c0) * 1e3)
         row["cp_ms"] = sorted(times[1:])[len(times[1:]) // 2]
+        # the calling thread's CPU time: this rank's work without the wait for its peer
+        row["cp_cpu_ms"] = sorted(cpu_times[1:])[len(cpu_times[1:]) // 2]
         row["cp_peak_mib"] = mib(mem.peak)
 
         # gathered: the shards (now with the decoded tokens) collected on every rank once,
@@ -198,6 +202,7 @@ def _cp_rank(args, device):
             with PeakMemory("cpu") as smem:
                 out_single = single()
             row["gathered_ms"] = time_ms(single, "cpu", warmup=1, repeats=args.repeats, clock="wall")
+            row["gathered_cpu_ms"] = time_ms(single, "cpu", warmup=0, repeats=args.repeats, clock="cpu")
             row["gathered_peak_mib"] = mib(smem.peak)
             # invariant: the last CP step attended the same keys (its own new token included)
             diff = float((out_single.double() - out_cp.double()).abs().max())
@@ -205,8 +210,10 @@ def _cp_rank(args, device):
             assert diff <= tol, f"context-parallel decoding disagrees with the gathered cache: {diff}"
             row["cp_vs_gathered_max_diff"] = diff
             row["speedup"] = row["gathered_ms"] / row["cp_ms"]
+            row["cpu_speedup"] = row["gathered_cpu_ms"] / row["cp_cpu_ms"]
             progress(f"CP W={world} cache={length}: {row['cp_ms']:.2f} ms/token sharded vs "
-                     f"{row['gathered_ms']:.2f} ms gathered (x{row['speedup']:.2f}); one-time gather "
+                     f"{row['gathered_ms']:.2f} ms gathered (x{row['speedup']:.2f}; thread CPU time "
+                     f"{row['cp_cpu_ms']:.2f} vs {row['gathered_cpu_ms']:.2f} ms); one-time gather "
                      f"{row['gather_ms']:.0f} ms, +{row['gather_peak_mib'] or 0:.0f} MiB")
         dist.barrier()
         out_rows.append(row)
@@ -237,6 +244,9 @@ def main(argv=None):
                                      ("cp_ms", "CP ms/token", "{:.2f}"),
                                      ("gathered_ms", "gathered ms/token", "{:.2f}"),
                                      ("speedup", "gathered/CP", "{:.2f}"),
+                                     ("cp_cpu_ms", "CP cpu ms", "{:.2f}"),
+                                     ("gathered_cpu_ms", "gathered cpu ms", "{:.2f}"),
+                                     ("cpu_speedup", "cpu ratio", "{:.2f}"),
                                      ("gather_ms", "gather once ms", "{:.0f}"),
                                      ("cp_peak_mib", "CP MiB", "{:.1f}"),
                                      ("gather_peak_mib", "gather MiB", "{:.1f}"),

@@ -194,6 +194,22 @@ def test_flash_attn_kvcache_every_isa_level(isa, case):
     assert ringseq.cpu_isa() == isa
 
 
+def test_signature_is_flash_attns():
+    # flash-attn 2's flash_attn_interface.flash_attn_with_kvcache, parameter for parameter
+    import ast
+    import inspect
+    ref = ("q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, "
+           "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, "
+           "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+           "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False")
+    args = ast.parse(f"def f({ref}): pass").body[0].args
+    defaults = [inspect.Parameter.empty] * (len(args.args) - len(args.defaults)) + [
+        ast.literal_eval(d) for d in args.defaults]
+    got = [(p.name, p.default, p.kind) for p in inspect.signature(flash_attn_with_kvcache).parameters.values()]
+    assert got == [(a.arg, d, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a, d in zip(args.args, defaults)]
+    assert "flash_attn_with_kvcache" in ringseq.__all__ and "ring_flash_attn_with_kvcache" in ringseq.__all__
+
+
 # ------------------------------------------------------------------------- decoding specifics
 def _decode_inputs(b=3, h=8, h_kv=2, d=64, cap=700, dtype=f32, seed=0):
     gen = torch.Generator().manual_seed(seed)

@@ -110,6 +110,30 @@ struct StatStrides {
   int64_t head = 0;
 };
 
+// KV-cache decoding (flash-attn's flash_attn_with_kvcache; docs/kernels.md, "KV-cache
+// decoding"). The k/v tensors of the call are the caches (batch_cache, seqlen_cache, h_kv, d)
+// and AttnShape::seqlen_k is seqlen_cache. Batch row b of q reads cache row batch_idx[b] (b when
+// batch_idx is null), whose valid keys are [leftpad[b], seqlens[b]) (leftpad null: from 0);
+// causal masking and the window (left, right; -1 = unbounded) are bottom-right aligned to the
+// valid keys, as flash-attn aligns them (km::kvcache_span). The int32 arrays live in host
+// memory for the CPU kernel and in device memory for CUDA; the binding checks their values
+// where they are on the host. seqlens == nullptr: not a KV-cache call (one span for all rows).
+//
+// heads_as_rows: single-token decoding with GQA, seen as h_kv heads of `group` rows (the query
+// heads that share a kv head): the device entry points (flash_fwd_cpu, flash_fwd_cuda)
+// re-stride q, out and lse of every call that allows it (gqa_rows_view), so that a tile reads
+// each key once for all heads of its group. Its rows all stand at the last position: the
+// window becomes a key range, not a band.
+struct KvCache {
+  const int32_t* seqlens = nullptr;
+  const int32_t* leftpad = nullptr;
+  const int32_t* batch_idx = nullptr;
+  int64_t batch_cache = 0;  // rows of the caches (batch_idx must index below it)
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  bool heads_as_rows = false;
+};
+
 struct FwdParams {
   AttnShape shape;
   DType dtype = DType::kFloat32;
@@ -127,10 +151,41 @@ struct FwdParams {
   SpanList spans;
   CudaConsts consts;     // filled by the CUDA launcher
   int config = 0;        // CUDA tile configuration (0 = default); ignored on CPU
+  KvCache kv;            // KV-cache call when kv.seqlens is set (with spans.count == 0)
+  // Key splits (split-KV): each q tile's keys are cut into this many ranges computed in
+  // parallel, whose partial (out, lse) are merged exactly afterwards. 0: the kernel decides
+  // from the shape (km::kv_splits), 1: none. Not with accumulate.
+  int num_splits = 0;
+  // CUDA only: float32 scratch for the partial results of the splits, at least
+  // km::split_scratch_floats(...) elements; null: the launcher allocates it.
+  float* split_scratch = nullptr;
+  int64_t split_scratch_floats = 0;
   // CPU only, a statistic for tests (may be null): the kernel adds the number of
   // (q tile, kv tile) pairs it computed, so a test can see that invisible tiles are skipped.
   int64_t* tiles_visited = nullptr;
 };
+
+// The GQA rows view of a single-token call (KvCache::heads_as_rows): q (b, 1, h, d) and out
+// become (b, group, h_kv, d) views (row stride = the head stride, head stride = group head
+// strides) and lse (b, h, 1) becomes (b, h_kv, group), which needs lse's head stride to be 1
+// (a contiguous (b, h, 1) tensor has it). No data moves.
+RS_PARAMS_HD inline bool gqa_rows_possible(const FwdParams& p) {
+  const int64_t group = p.shape.nheads_kv > 0 ? p.shape.nheads / p.shape.nheads_kv : 0;
+  return p.shape.seqlen_q == 1 && group > 1 && p.spans.count == 0 && !p.accumulate &&
+         p.lse_strides.head == 1;
+}
+RS_PARAMS_HD inline FwdParams gqa_rows_view(const FwdParams& p) {
+  FwdParams g = p;
+  const int64_t group = p.shape.nheads / p.shape.nheads_kv;
+  g.shape.seqlen_q = group;
+  g.shape.nheads = p.shape.nheads_kv;
+  g.q_strides = {p.q_strides.batch, p.q_strides.head, p.q_strides.head * group};
+  g.out_strides = {p.out_strides.batch, p.out_strides.head, p.out_strides.head * group};
+  g.lse_strides = {p.lse_strides.batch, group};
+  g.shape.causal = false;  // one query at the last position sees every key: no causal edge
+  g.kv.heads_as_rows = true;
+  return g;
+}
 
 struct BwdParams {
   AttnShape shape;

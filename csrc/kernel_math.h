@@ -250,6 +250,77 @@ RS_HD constexpr Range<I> band_unmasked_kv_blocks(I m, I block_m, I block_n, I q_
 }
 
 // ---------------------------------------------------------------------------------------
+// KV-cache decoding (attn_params.h KvCache; docs/kernels.md, "KV-cache decoding").
+//
+// kvcache_span: the span of one batch row. Its valid keys are [leftpad, seqlen) of its cache
+// row (leftpad clamped into [0, seqlen]); causal masking and the window (left, right; -1 =
+// unbounded on that side) are bottom-right aligned to them, as in flash-attn: query i of q_len
+// sees key j (0-based from leftpad, k_len = seqlen - leftpad) iff
+// k_len - q_len + i - left <= j <= k_len - q_len + i + right, and j <= k_len - q_len + i when
+// causal. heads_as_rows: the q_len rows are the query heads of ONE query at the last
+// position (gqa_rows_view), so every row sees the same keys: the window becomes a key range
+// [k_len - 1 - left, k_len) and the band is unbounded. The band comes clamped (band_clamp).
+template <typename I>
+struct KvSpan {
+  I k_start;
+  I k_len;
+  I lo;
+  I hi;
+};
+template <typename I>
+RS_HD constexpr KvSpan<I> kvcache_span(I q_len, I leftpad, I seqlen, bool causal, I left, I right,
+                                       bool heads_as_rows) {
+  const I end = max_of(seqlen, I(0));
+  const I start = min_of(max_of(leftpad, I(0)), end);
+  const I k_len = end - start;
+  if (heads_as_rows) {
+    const I skip = left < 0 ? I(0) : max_of(I(0), k_len - 1 - left);
+    return {start + skip, k_len - skip, -q_len, k_len - skip};
+  }
+  const I off = k_len - q_len;
+  const I lo = left < 0 ? -q_len : off - left;
+  I hi = right < 0 ? k_len : off + right;
+  if (causal) hi = min_of(hi, off);
+  return {start, k_len, band_clamp(lo, q_len, k_len), band_clamp(hi, q_len, k_len)};
+}
+
+// Key splits (split-KV decoding, FwdParams::num_splits). A call splits only when its rows fit
+// one q tile per (batch, head) -- decoding a few tokens, where batch x heads alone leaves
+// parallel workers idle -- and has fewer than `target` work items (q tiles x heads x batch):
+// then into enough splits to give `target` items, each keeping at least `min_tiles` key tiles.
+// requested > 0 (flash-attn's num_splits) is honoured up to one split per key tile. Depends on
+// the shape only, so results do not depend on the machine's thread count.
+template <typename I>
+RS_HD constexpr I kv_splits(I requested, I q_tiles, I items, I key_tiles, I target, I min_tiles,
+                            I max_splits) {
+  if (requested > 0) return max_of(I(1), min_of(min_of(requested, key_tiles), max_splits));
+  if (q_tiles != 1 || items <= 0 || items >= target || key_tiles < 2 * min_tiles) return I(1);
+  const I want = (target + items - 1) / items;
+  return max_of(I(1), min_of(min_of(want, key_tiles / min_tiles), max_splits));
+}
+// Split `split` of `n_splits` of a tile's key tiles [blocks.begin, blocks.end): consecutive
+// ranges of ceil(size / n_splits) tiles (the last ones may be shorter or empty).
+template <typename I>
+RS_HD constexpr Range<I> split_blocks(Range<I> blocks, I split, I n_splits) {
+  const I per = (blocks.size() + n_splits - 1) / n_splits;
+  const I b = blocks.begin + split * per;
+  return make_range(min_of(b, blocks.end), min_of(b + per, blocks.end));
+}
+// CUDA launch constants of the split-KV forward: its tile configuration (64 x 64: decoding
+// rows are few, and the span state needs registers), items to aim for (about two CTAs per SM
+// of an H100/H200, 132 SMs), the fewest key tiles of a split, the most splits.
+constexpr int kSplitConfig = 1;
+constexpr int kCudaSplitTarget = 264;
+constexpr int kCudaSplitMinTiles = 1;
+constexpr int kMaxSplits = 128;
+// Floats of the CUDA split scratch: per split and (batch, head, row) d partial outputs and one
+// lse, laid out [split][batch][head][row][d] then [split][batch][head][row].
+RS_HD constexpr int64_t split_scratch_floats(int64_t n_splits, int64_t batch, int64_t heads,
+                                             int64_t rows, int64_t headdim) {
+  return n_splits * batch * heads * rows * (headdim + 1);
+}
+
+// ---------------------------------------------------------------------------------------
 // Causal masking, bottom-right aligned: key j is visible to query i iff
 // j <= i + seqlen_k - seqlen_q. The dense special case of the band helpers above (one span,
 // band (-inf, s_k - s_q] or unbounded); tests/test_index_math*.py check these against brute

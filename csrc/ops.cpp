@@ -63,6 +63,8 @@ at::ScalarType accum_type(at::ScalarType st) { return st == at::kDouble ? at::kD
 RowStrides row_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 StatStrides stat_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1)}; }
 
+void check_kernel_support(const at::Tensor& q);
+
 // Checks q, k, v against each other and against what the device's kernel supports.
 AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     double softmax_scale, bool causal, double softcap) {
@@ -94,7 +96,23 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");
+  check_kernel_support(q);
 
+  AttnShape shape;
+  shape.batch = q.size(0);
+  shape.seqlen_q = q.size(1);
+  shape.seqlen_k = k.size(1);
+  shape.nheads = q.size(2);
+  shape.nheads_kv = k.size(2);
+  shape.headdim = q.size(3);
+  shape.softmax_scale = softmax_scale;
+  shape.causal = causal;
+  shape.softcap = softcap;
+  return shape;
+}
+
+// Whether the kernel of q's device runs q's dtype and head dim (ValueError naming them if not).
+void check_kernel_support(const at::Tensor& q) {
   const auto st = q.scalar_type();
   if (q.device().is_cpu()) {
     TORCH_CHECK_VALUE(st == at::kFloat || st == at::kDouble || st == at::kBFloat16 || st == at::kHalf,
@@ -109,18 +127,6 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   } else {
     TORCH_CHECK_VALUE(false, "ringseq kernels run on CPU and CUDA tensors, got q on ", q.device());
   }
-
-  AttnShape shape;
-  shape.batch = q.size(0);
-  shape.seqlen_q = q.size(1);
-  shape.seqlen_k = k.size(1);
-  shape.nheads = q.size(2);
-  shape.nheads_kv = k.size(2);
-  shape.headdim = q.size(3);
-  shape.softmax_scale = softmax_scale;
-  shape.causal = causal;
-  shape.softcap = softcap;
-  return shape;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -442,6 +448,110 @@ void bwd_accum(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
            /*accumulate=*/true, tile_config, spans, softcap);
 }
 
+// ---------------------------------------------------------------------------------------
+// KV-cache decoding (docs/kernels.md, "KV-cache decoding"; flash_attn_with_kvcache in
+// ringseq/kvcache.py appends new keys and applies rotary before calling this).
+// ---------------------------------------------------------------------------------------
+
+// A (batch,) int32 tensor of per-row cache indices or lengths on q's device; returns its data.
+const int32_t* check_rows_i32(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == q.size(0), name, " must be a 1-dim tensor of ",
+                    q.size(0), " entries (one per batch row of q), got shape ", shape_str(t));
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == q.device(), name, " must be on q's device ", q.device(),
+                    ", got ", t.device());
+  TORCH_CHECK_VALUE(t.numel() <= 1 || t.stride(0) == 1, name, " must be contiguous, got strides ",
+                    t.strides());
+  return t.data_ptr<int32_t>();
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& seqlens_k, const std::optional<at::Tensor>& leftpad_k,
+    const std::optional<at::Tensor>& batch_idx, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, int64_t num_splits) {
+  check_4d(q, "q", "(batch, seqlen_q, nheads, headdim)");
+  check_4d(k_cache, "k_cache", "(batch_cache, seqlen_cache, nheads_kv, headdim)");
+  check_4d(v_cache, "v_cache", "(batch_cache, seqlen_cache, nheads_kv, headdim)");
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have the same "
+                    "shape, got ", shape_str(k_cache), " and ", shape_str(v_cache));
+  // The cache rows q reads must exist: without batch_idx they are rows [0, batch).
+  TORCH_CHECK_VALUE(batch_idx.has_value() || k_cache.size(0) >= q.size(0), "k_cache and v_cache "
+                    "need a row per batch row of q when cache_batch_idx is not given: batch_cache "
+                    "must be >= ", q.size(0), ", got ", shape_str(k_cache));
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "window_size entries must be >= 0 or "
+                    "-1 (unbounded), got (", window_left, ", ", window_right, ")");
+  TORCH_CHECK_VALUE(num_splits >= 0, "num_splits must be >= 0 (0: chosen from the shape), got ",
+                    num_splits);
+  // Shapes, dtypes, devices and head counts as any call, on the first batch rows of the cache
+  // (a view: check_qkv compares batch sizes, which cache_batch_idx decouples).
+  const int64_t rows = std::min(q.size(0), k_cache.size(0));
+  AttnShape shape = check_qkv(q.narrow(0, 0, rows), k_cache.narrow(0, 0, rows),
+                              v_cache.narrow(0, 0, rows), softmax_scale, causal, softcap);
+  shape.batch = q.size(0);
+  const int32_t* seqlens = check_rows_i32(seqlens_k, "cache_seqlens", q);
+  const int32_t* leftpad = leftpad_k.has_value() ? check_rows_i32(*leftpad_k, "cache_leftpad", q) : nullptr;
+  const int32_t* bidx = batch_idx.has_value() ? check_rows_i32(*batch_idx, "cache_batch_idx", q) : nullptr;
+  if (q.is_cpu()) {
+    // Host values: checked here. On CUDA they stay on the device (no synchronization); a row
+    // with values out of range gets NaN there instead of reading outside the cache.
+    for (int64_t b = 0; b < shape.batch; ++b) {
+      TORCH_CHECK_VALUE(seqlens[b] >= 0 && seqlens[b] <= shape.seqlen_k, "cache_seqlens[", b,
+                        "] = ", seqlens[b], " must lie in [0, seqlen_cache = ",
+                        shape.seqlen_k, "]");
+      TORCH_CHECK_VALUE(leftpad == nullptr || (leftpad[b] >= 0 && leftpad[b] <= seqlens[b]),
+                        "cache_leftpad[", b, "] = ", leftpad ? leftpad[b] : 0, " must lie in [0, ",
+                        seqlens[b], "] (the row's cache length)");
+      TORCH_CHECK_VALUE(bidx == nullptr || (bidx[b] >= 0 && bidx[b] < k_cache.size(0)),
+                        "cache_batch_idx[", b, "] = ", bidx ? bidx[b] : 0, " must lie in [0, ",
+                        k_cache.size(0), ")");
+    }
+  }
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);  // (b, s_q, h, d)
+  auto lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
+                       q.options().dtype(accum_type(q.scalar_type())));  // (b, h, s_q)
+  if (out.numel() == 0) return {out, lse};
+  FwdParams p;
+  p.shape = shape;
+  p.dtype = to_dtype(q.scalar_type());
+  p.q = q.data_ptr();
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr();
+  p.q_strides = row_strides(q);
+  p.k_strides = row_strides(k_cache);
+  p.v_strides = row_strides(v_cache);
+  p.out_strides = row_strides(out);
+  p.lse_strides = stat_strides(lse);
+  p.kv.seqlens = seqlens;
+  p.kv.leftpad = leftpad;
+  p.kv.batch_idx = bidx;
+  p.kv.batch_cache = k_cache.size(0);
+  // A window wider than the cache is no window (as flash-attn treats it); this keeps the
+  // kernels' 32-bit index sums in range.
+  p.kv.window_left = window_left >= shape.seqlen_k ? -1 : window_left;
+  p.kv.window_right = window_right >= shape.seqlen_k ? -1 : window_right;
+  p.num_splits = static_cast<int>(std::min<int64_t>(num_splits, km::kMaxSplits));
+  if (q.is_cpu()) {
+    p.tiles_visited = &g_tiles_visited[0];
+    flash_fwd_cpu(p);
+  } else {
+#ifdef RINGSEQ_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(q.device());
+    at::Tensor scratch;  // the splits' partial results, from torch's caching allocator
+    const int64_t floats = flash_fwd_cuda_split_floats(p);
+    if (floats > 0) {
+      scratch = at::empty({floats}, q.options().dtype(at::kFloat));
+      p.split_scratch = scratch.data_ptr<float>();
+      p.split_scratch_floats = floats;
+    }
+    flash_fwd_cuda(p, c10::cuda::getCurrentCUDAStream().stream());
+#endif
+  }
+  return {out, lse};
+}
+
 }  // namespace
 
 // spans / softcap trail every schema so that existing positional calls keep working;
@@ -469,6 +579,15 @@ TORCH_LIBRARY(ringseq, m) {
   // Test statistic of the CPU kernels: (q tile, kv tile) pairs computed so far by [fwd, bwd],
   // summed over batch and heads; reset=True returns and zeroes them.
   m.def("_tiles_visited(bool reset=False) -> int[]", &tiles_visited);
+  // KV-cache decoding: q (b, s_q, h, d) against the valid keys [cache_leftpad[b],
+  // cache_seqlens[b]) of cache row cache_batch_idx[b] of k_cache / v_cache (batch_cache,
+  // seqlen_cache, h_kv, d); causal and the window (-1: unbounded) bottom-right aligned to
+  // them. int32 (b,) index tensors on q's device. num_splits: key splits, 0 = from the shape.
+  m.def(
+      "fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens,"
+      " Tensor? cache_leftpad, Tensor? cache_batch_idx, float softmax_scale, bool causal,"
+      " int window_left=-1, int window_right=-1, float softcap=0.0, int num_splits=0)"
+      " -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(ringseq, CPU, m) {
@@ -476,6 +595,7 @@ TORCH_LIBRARY_IMPL(ringseq, CPU, m) {
   m.impl("fwd_accum", &fwd_accum);
   m.impl("bwd", &bwd);
   m.impl("bwd_accum", &bwd_accum);
+  m.impl("fwd_kvcache", &fwd_kvcache);
 }
 
 #ifdef RINGSEQ_WITH_CUDA
@@ -484,6 +604,7 @@ TORCH_LIBRARY_IMPL(ringseq, CUDA, m) {
   m.impl("fwd_accum", &fwd_accum);
   m.impl("bwd", &bwd);
   m.impl("bwd_accum", &bwd_accum);
+  m.impl("fwd_kvcache", &fwd_kvcache);
 }
 #endif
 

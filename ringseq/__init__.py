@@ -21,6 +21,7 @@ from .compat import (stripe_flash_attn_func, stripe_flash_attn_kvpacked_func,
                      zigzag_ring_flash_attn_kvpacked_func, zigzag_ring_flash_attn_qkvpacked_func)
 from .data import shard_batch
 from .kernels import available_backends
+from .kvcache import flash_attn_with_kvcache, ring_flash_attn_with_kvcache
 from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
 from .loss import sharded_cross_entropy
 from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_func,
@@ -53,7 +54,8 @@ __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend"
            "ring_flash_attn_varlen_func", "flash_attn_varlen_func", "ring_sdpa",
            "set_consistency_check", "shard", "simulate_ring", "unshard",
            "shard_batch", "sharded_cross_entropy", "SequenceParallelGroups", "make_sp_groups",
-           "ulysses_attn_func", "usp_attn_func", "usp_sdpa", "cpu_isa", *_COMPAT_NAMES,
+           "ulysses_attn_func", "usp_attn_func", "usp_sdpa", "cpu_isa",
+           "flash_attn_with_kvcache", "ring_flash_attn_with_kvcache", *_COMPAT_NAMES,
            *_PLUGIN_NAMES]
 
 

@@ -226,7 +226,10 @@ bool isa_force(const std::string& request, std::string* error) {
 
 }  // namespace cpu
 
-void flash_fwd_cpu(const FwdParams& params) { cpu::active().fwd(params); }
+void flash_fwd_cpu(const FwdParams& params) {
+  // Single-token GQA decoding: each kv head's query heads become the rows of one tile.
+  cpu::active().fwd(gqa_rows_possible(params) ? gqa_rows_view(params) : params);
+}
 
 void flash_bwd_cpu(const BwdParams& params) { cpu::active().bwd(params); }
 

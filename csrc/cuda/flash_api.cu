@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "../kernel_math.h"
 #include "launch.h"
@@ -110,7 +112,67 @@ void dispatch(DType dtype, int64_t headdim, Fn&& fn) {
   return fn(std::integral_constant<int, 128>{}, __half{});
 }
 
+// The key splits of a call (km::kv_splits; 1: the dense and spans kernels run it), from the
+// shape of the view it runs as. A KV-cache call sizes them by the cache's capacity: its
+// lengths live on the device.
+int fwd_splits(const FwdParams& p) {
+  if (p.accumulate || p.spans.count > 0) return 1;
+  const int d = static_cast<int>(p.shape.headdim);
+  const int64_t bm = km::fwd_block_m(d, km::kSplitConfig), bn = km::fwd_block_n(d, km::kSplitConfig);
+  const int64_t q_tiles = (p.shape.seqlen_q + bm - 1) / bm;
+  const int64_t items = q_tiles * p.shape.nheads * p.shape.batch;
+  const int64_t key_tiles = (p.shape.seqlen_k + bn - 1) / bn;
+  return static_cast<int>(km::kv_splits<int64_t>(p.num_splits, q_tiles, items, key_tiles,
+                                                 km::kCudaSplitTarget, km::kCudaSplitMinTiles,
+                                                 km::kMaxSplits));
+}
+
+// What a forward call runs as: the GQA rows view of a single-token call (attn_params.h) and
+// its resolved split count.
+FwdParams resolve_fwd(const FwdParams& p) {
+  FwdParams r = gqa_rows_possible(p) ? gqa_rows_view(p) : p;
+  r.num_splits = fwd_splits(r);
+  return r;
+}
+
+int64_t split_floats(const FwdParams& r) {
+  return r.num_splits > 1 ? km::split_scratch_floats(r.num_splits, r.shape.batch, r.shape.nheads,
+                                                     r.shape.seqlen_q, r.shape.headdim)
+                          : 0;
+}
+
+// Split scratch for a torch-free caller that passed none (the binding passes torch memory):
+// stream-ordered device memory, or host memory where this file is compiled as host code (the
+// lane-level emulator of docs/kernels.md runs the kernels on the CPU).
+class OwnScratch {
+ public:
+  OwnScratch(int64_t floats, cudaStream_t stream) : stream_(stream) {
+#if defined(__CUDACC__)
+    check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&ptr_), size_t(floats) * sizeof(float), stream),
+               "flash fwd: cudaMallocAsync(split scratch)");
+#else
+    host_.resize(size_t(floats));
+    ptr_ = host_.data();
+#endif
+  }
+  ~OwnScratch() {
+#if defined(__CUDACC__)
+    cudaFreeAsync(ptr_, stream_);  // after the kernels that use it, in stream order
+#endif
+  }
+  OwnScratch(const OwnScratch&) = delete;
+  OwnScratch& operator=(const OwnScratch&) = delete;
+  float* get() const { return ptr_; }
+
+ private:
+  float* ptr_ = nullptr;
+  cudaStream_t stream_;
+  std::vector<float> host_;
+};
+
 }  // namespace
+
+int64_t flash_fwd_cuda_split_floats(const FwdParams& p) { return split_floats(resolve_fwd(p)); }
 
 // An error left pending by an earlier asynchronous launch would otherwise be reported as a
 // failure of ours by the cudaGetLastError after our launch.
@@ -118,17 +180,27 @@ static void check_no_pending_error() {
   check_cuda(cudaPeekAtLastError(), "an earlier CUDA call (pending before ringseq's kernels ran)");
 }
 
-void flash_fwd_cuda(const FwdParams& p, cudaStream_t stream) {
+void flash_fwd_cuda(const FwdParams& params, cudaStream_t stream) {
   check_no_pending_error();
-  check_shape(p.shape, p.dtype, p.config);
-  if (p.accumulate) invalid("the forward kernel has no accumulate (merge) mode yet");
-  check_spans(p.spans);
-  if (p.shape.batch == 0 || p.shape.seqlen_q == 0 || p.shape.nheads == 0) return;
+  check_shape(params.shape, params.dtype, params.config);
+  if (params.accumulate) invalid("the forward kernel has no accumulate (merge) mode yet");
+  check_spans(params.spans);
+  if (params.kv.seqlens != nullptr && params.spans.count > 0) invalid("a KV-cache call takes no spans");
+  if (params.shape.batch == 0 || params.shape.seqlen_q == 0 || params.shape.nheads == 0) return;
+  FwdParams p = resolve_fwd(params);
   check_q_rows(p.shape, p.q, p.q_strides, "q");
   check_kv_rows(p.shape, p.k, p.k_strides, "k");
   check_kv_rows(p.shape, p.v, p.v_strides, "v");
   check_q_rows(p.shape, p.out, p.out_strides, "out");
   if (p.lse == nullptr) invalid("lse is a null pointer");
+  const int64_t floats = split_floats(p);
+  std::unique_ptr<OwnScratch> own;
+  if (floats > 0 && (p.split_scratch == nullptr || p.split_scratch_floats < floats)) {
+    if (p.split_scratch != nullptr) invalid("split_scratch holds fewer floats than the call needs");
+    own.reset(new OwnScratch(floats, stream));
+    p.split_scratch = own->get();
+    p.split_scratch_floats = floats;
+  }
   dispatch(p.dtype, p.shape.headdim, [&](auto hd, auto elem) {
     run_flash_fwd<decltype(hd)::value, decltype(elem)>(p, stream);
   });

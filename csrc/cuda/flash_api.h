@@ -19,6 +19,9 @@ enum class ScalarType : int8_t;
 namespace ringseq {
 
 void flash_fwd_cuda(const FwdParams& params, cudaStream_t stream);
+// Floats of split scratch flash_fwd_cuda needs for `params` (0: the call does not split); a
+// caller that passes FwdParams::split_scratch of that size keeps the allocation its own.
+int64_t flash_fwd_cuda_split_floats(const FwdParams& params);
 void flash_bwd_cuda(const BwdParams& params, cudaStream_t stream);
 
 // Whether the CUDA kernels support `headdim` (64 or 128) and `dtype` (bf16/fp16) inputs.

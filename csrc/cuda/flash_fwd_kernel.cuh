@@ -75,9 +75,17 @@ __device__ __forceinline__ unsigned char* cta_smem() {
   }
 }
 
-// The kernel body; flash_fwd_kernel (the dense path) and flash_fwd_spans_kernel (spans and/or
-// soft-cap) below are its instantiations (see run_flash_fwd).
-template <typename T, bool kSpans, bool kSoftcap>
+// The kernel body; flash_fwd_kernel (the dense path), flash_fwd_spans_kernel (spans and/or
+// soft-cap) and flash_fwd_split_kernel (KV-cache calls and key splits) below are its
+// instantiations (see run_flash_fwd).
+//
+// kSplit: blockIdx.x = q tile rank * num_splits + split. The span comes from the KV-cache
+// arrays of batch row blockIdx.z (prim::load_kvcache_tile), K/V from its cache row, and the
+// CTA walks only split `split` of its tile's kv blocks (km::split_blocks). With more than one
+// split it writes its normalized rows and their lse in float32 to FwdParams::split_scratch
+// ([split][batch][head][row][d], then [split][batch][head][row]); flash_fwd_combine_kernel
+// merges them.
+template <typename T, bool kSpans, bool kSoftcap, bool kSplit = false>
 __device__ __forceinline__ void flash_fwd_body(const FwdParams& p) {
   using Element = typename T::Element;
   constexpr int kHeadDim = T::kHeadDim;
@@ -95,7 +103,19 @@ __device__ __forceinline__ void flash_fwd_body(const FwdParams& p) {
   const int lane = tid % 32;
   // The span and its q tile (prim::load_span_tile); the heaviest causal tiles (largest m) are
   // launched first so the tail of the grid is short. Rows and keys below are span-local.
-  const prim::SpanTile sp = prim::load_span_tile<kSpans>(p.spans, p.shape, kBlockM, true, true);
+  const int n_splits = kSplit ? p.num_splits : 1;
+  const int split = kSplit ? static_cast<int>(blockIdx.x) % n_splits : 0;
+  prim::SpanTile sp;
+  int batch_kv = blockIdx.z;  // the K/V batch row (a KV-cache call's cache row)
+  bool bad = false;           // KV-cache values out of range: NaN rows
+  if constexpr (kSplit) {
+    const prim::KvTile kt = prim::load_kvcache_tile(p, kBlockM, static_cast<int>(blockIdx.x) / n_splits);
+    sp = kt.t;
+    batch_kv = kt.batch_kv;
+    bad = kt.bad;
+  } else {
+    sp = prim::load_span_tile<kSpans>(p.spans, p.shape, kBlockM, true, true);
+  }
   if (!sp.valid) return;
   const int m_block = sp.block;
   const int head = blockIdx.y;
@@ -106,30 +126,47 @@ __device__ __forceinline__ void flash_fwd_body(const FwdParams& p) {
 
   const Element* gQ = static_cast<const Element*>(p.q) + batch * p.q_strides.batch +
                       head * p.q_strides.head + int64_t(sp.q_start + m0) * p.q_strides.row;
-  const Element* gK = static_cast<const Element*>(p.k) + batch * p.k_strides.batch +
+  const Element* gK = static_cast<const Element*>(p.k) + batch_kv * p.k_strides.batch +
                       head_kv * p.k_strides.head + int64_t(sp.k_start) * p.k_strides.row;
-  const Element* gV = static_cast<const Element*>(p.v) + batch * p.v_strides.batch +
+  const Element* gV = static_cast<const Element*>(p.v) + batch_kv * p.v_strides.batch +
                       head_kv * p.v_strides.head + int64_t(sp.k_start) * p.v_strides.row;
   Element* gO = static_cast<Element*>(p.out) + batch * p.out_strides.batch +
                 head * p.out_strides.head + int64_t(sp.q_start + m0) * p.out_strides.row;
   float* gLse = static_cast<float*>(p.lse) + batch * p.lse_strides.batch +
                 head * p.lse_strides.head + sp.q_start + m0;
   const int rows_q = sp.q_len - m0;  // valid rows of this tile (may exceed kBlockM)
+  // A split of several writes its partial rows to the scratch, see above.
+  const bool to_parts = kSplit && n_splits > 1;
+  const int64_t part_row0 = ((int64_t(split) * p.shape.batch + batch) * p.shape.nheads + head) *
+                                p.shape.seqlen_q + sp.q_start + m0;
+  float* gPartO = kSplit ? p.split_scratch + part_row0 * kHeadDim : nullptr;
+  float* gPartLse = kSplit ? p.split_scratch + n_splits * p.shape.batch * p.shape.nheads *
+                                                   p.shape.seqlen_q * kHeadDim + part_row0
+                           : nullptr;
 
-  const km::Range<int> kv = km::band_kv_blocks(m_block, kBlockM, kBlockN, sp.q_len, k_len, sp.lo, sp.hi);
-  if (kv.empty()) {
-    // No row of this tile sees a key (e.g. causal with seqlen_q > seqlen_k, a shifted band).
+  km::Range<int> kv = km::band_kv_blocks(m_block, kBlockM, kBlockN, sp.q_len, k_len, sp.lo, sp.hi);
+  if constexpr (kSplit) kv = km::split_blocks(kv, split, n_splits);
+  if (kv.empty() || bad) {
+    // No row of this tile (split) sees a key (e.g. causal with seqlen_q > seqlen_k, a shifted
+    // band, a split past the keys): out = 0, lse = -inf; NaN for a KV-cache row out of range.
+    if (to_parts) {  // the merge skips a part with lse = -inf; its rows stay unwritten
+      for (int row = tid; row < kBlockM; row += kThreads) {
+        if (row < rows_q) gPartLse[row] = bad ? NAN : -INFINITY;
+      }
+      return;
+    }
+    const uint32_t fill = bad ? prim::pack2<Element>(NAN, NAN) : 0u;
     constexpr int kChunksPerRow = kHeadDim / km::kChunkElems;
 #pragma unroll
     for (int it = 0; it < kBlockM * kChunksPerRow / kThreads; ++it) {
       const int row = tid / kChunksPerRow + it * (kThreads / kChunksPerRow);
       if (row < rows_q) {
         *reinterpret_cast<uint4*>(gO + row * p.out_strides.row +
-                                  (tid % kChunksPerRow) * km::kChunkElems) = make_uint4(0, 0, 0, 0);
+                                  (tid % kChunksPerRow) * km::kChunkElems) = make_uint4(fill, fill, fill, fill);
       }
     }
     for (int row = tid; row < kBlockM; row += kThreads) {
-      if (row < rows_q) gLse[row] = -INFINITY;
+      if (row < rows_q) gLse[row] = bad ? NAN : -INFINITY;
     }
     return;
   }
@@ -335,6 +372,30 @@ __device__ __forceinline__ void flash_fwd_body(const FwdParams& p) {
   // soft-cap when on); rows that saw no key (l == 0) get O = 0 and lse = -inf. O goes through
   // this warp's own rows of sQ so the global stores are 16 bytes wide and coalesced.
   const float softmax_scale = p.consts.sm_scale;
+  if (to_parts) {
+    // A split's rows go to the scratch in float32, straight from the fragments (a few rows).
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float l = prim::quad_sum(row_sum[mt][hf]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = warp_row0 + mt * 16 + km::mma_c_row(lane, 2 * hf);
+        if (row < rows_q) {
+          if (km::lane_in_group(lane) == 0) {
+            gPartLse[row] = l > 0.f ? row_max[mt][hf] * softmax_scale + logf(l) : -INFINITY;
+          }
+#pragma unroll
+          for (int dt = 0; dt < T::kDTiles; ++dt) {
+            float* dst = gPartO + row * kHeadDim + dt * 8 + km::mma_c_col(lane, 2 * hf);
+            dst[0] = acc_o[mt][dt][2 * hf] * inv;
+            dst[1] = acc_o[mt][dt][2 * hf + 1] * inv;
+          }
+        }
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -368,6 +429,74 @@ __global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_spans_kernel(const F
   flash_fwd_body<T, true, kSoftcap>(p);
 }
 
+template <typename T, bool kSoftcap>
+__global__ void __launch_bounds__(T::kThreads, 1) flash_fwd_split_kernel(const FwdParams p) {
+  flash_fwd_body<T, true, kSoftcap, true>(p);
+}
+
+// The merge of a split-KV call: one warp per (batch, head, row) of the call's (viewed) shape
+// reads the splits' lse, then sums their rows with weights exp(lse_s - max) and writes
+// out = sum / weights and lse = max + ln(weights) (0 and -inf when no split saw a key, NaN
+// when one was NaN). Each lane owns headdim / 32 consecutive columns.
+struct CombineParams {
+  const float* part = nullptr;  // FwdParams::split_scratch
+  int n_splits = 0;
+  int batch = 0, heads = 0, rows = 0;
+  void* out = nullptr;
+  RowStrides out_strides;
+  float* lse = nullptr;
+  StatStrides lse_strides;
+};
+
+constexpr int kCombineWarps = 4;
+
+template <int kHeadDim, typename Element>
+__global__ void __launch_bounds__(32 * kCombineWarps) flash_fwd_combine_kernel(const CombineParams c) {
+  constexpr int kCols = kHeadDim / 32;
+  static_assert(kCols == 2 || kCols == 4, "head dim 64 or 128");
+  const int lane = threadIdx.x % 32;
+  const int64_t total = int64_t(c.batch) * c.heads * c.rows;
+  const int64_t id = int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / 32;  // (batch, head, row)
+  if (id >= total) return;
+  const int row = static_cast<int>(id % c.rows);
+  const int head = static_cast<int>((id / c.rows) % c.heads);
+  const int batch = static_cast<int>(id / (int64_t(c.rows) * c.heads));
+  const float* lse_part = c.part + int64_t(c.n_splits) * total * kHeadDim + id;
+  float m = -INFINITY;
+  bool nan = false;
+  for (int s = 0; s < c.n_splits; ++s) {
+    const float x = lse_part[s * total];
+    nan |= x != x;
+    m = fmaxf(m, x);
+  }
+  float acc[kCols];
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) acc[i] = 0.f;
+  float l = 0.f;
+  if (!nan && m != -INFINITY) {
+    for (int s = 0; s < c.n_splits; ++s) {
+      const float x = lse_part[s * total];
+      if (x == -INFINITY) continue;  // a split that saw no key: its rows were not written
+      const float w = expf(x - m);
+      const float* src = c.part + (s * total + id) * kHeadDim + lane * kCols;
+      l += w;
+#pragma unroll
+      for (int i = 0; i < kCols; ++i) acc[i] += w * src[i];
+    }
+  }
+  const float inv = nan ? NAN : (l > 0.f ? 1.f / l : 0.f);
+  Element* dst = static_cast<Element*>(c.out) + batch * c.out_strides.batch + row * c.out_strides.row +
+                 head * c.out_strides.head + lane * kCols;
+#pragma unroll
+  for (int i = 0; i < kCols; i += 2) {
+    *reinterpret_cast<uint32_t*>(dst + i) = prim::pack2<Element>(acc[i] * inv, acc[i + 1] * inv);
+  }
+  if (lane == 0) {
+    c.lse[batch * c.lse_strides.batch + head * c.lse_strides.head + row] =
+        nan ? NAN : (l > 0.f ? m + logf(l) : -INFINITY);
+  }
+}
+
 template <int kHeadDim, int kConfig, typename Element, bool kSpans, bool kSoftcap>
 void launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr int kBlockM = km::fwd_block_m(kHeadDim, kConfig);
@@ -399,6 +528,39 @@ void launch_flash_fwd(const FwdParams& p, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "flash_fwd_kernel launch");
 }
 
+// A KV-cache or split-KV call (flash_api.cu resolved p.num_splits >= 1): the split kernel on
+// config km::kSplitConfig's tile, then the merge when there is more than one split.
+template <int kHeadDim, typename Element, bool kSoftcap>
+void launch_flash_fwd_split(const FwdParams& p, cudaStream_t stream) {
+  constexpr int kBlockM = km::fwd_block_m(kHeadDim, km::kSplitConfig);
+  using T = Traits<kHeadDim, kBlockM, km::fwd_block_n(kHeadDim, km::kSplitConfig), Element>;
+  static_assert(!T::kDynamicSmem, "the split tile fits static shared memory");
+  void (*kernel)(const FwdParams) = &flash_fwd_split_kernel<T, kSoftcap>;
+  // (q tiles x splits, heads, batch); flash_api.cu checked the limits.
+  const dim3 grid(static_cast<unsigned>(km::ceil_div(static_cast<int>(p.shape.seqlen_q), kBlockM) * p.num_splits),
+                  static_cast<unsigned>(p.shape.nheads), static_cast<unsigned>(p.shape.batch));
+  FwdParams kp = p;
+  kp.consts = cuda_consts(p.shape);
+  kernel<<<grid, T::kThreads, 0, stream>>>(kp);
+  check_cuda(cudaGetLastError(), "flash_fwd_split_kernel launch");
+  if (p.num_splits == 1) return;
+  CombineParams cp;
+  cp.part = p.split_scratch;
+  cp.n_splits = p.num_splits;
+  cp.batch = static_cast<int>(p.shape.batch);
+  cp.heads = static_cast<int>(p.shape.nheads);
+  cp.rows = static_cast<int>(p.shape.seqlen_q);
+  cp.out = p.out;
+  cp.out_strides = p.out_strides;
+  cp.lse = static_cast<float*>(p.lse);
+  cp.lse_strides = p.lse_strides;
+  void (*combine)(const CombineParams) = &flash_fwd_combine_kernel<kHeadDim, Element>;
+  const int64_t rows = p.shape.batch * p.shape.nheads * p.shape.seqlen_q;
+  const dim3 cgrid(static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps));
+  combine<<<cgrid, 32 * kCombineWarps, 0, stream>>>(cp);
+  check_cuda(cudaGetLastError(), "flash_fwd_combine_kernel launch");
+}
+
 }  // namespace fwd
 
 // flash_api.cu has checked 0 <= p.config < km::kNumFwdConfigs. Three kernels per tile:
@@ -422,7 +584,13 @@ void run_flash_fwd_variant(const FwdParams& p, cudaStream_t stream) {
 
 template <int kHeadDim, typename Element>
 void run_flash_fwd(const FwdParams& p, cudaStream_t stream) {
-  if (p.shape.softcap > 0.0) {
+  if (p.kv.seqlens != nullptr || p.num_splits > 1) {  // KV-cache call or key splits
+    if (p.shape.softcap > 0.0) {
+      fwd::launch_flash_fwd_split<kHeadDim, Element, true>(p, stream);
+    } else {
+      fwd::launch_flash_fwd_split<kHeadDim, Element, false>(p, stream);
+    }
+  } else if (p.shape.softcap > 0.0) {
     run_flash_fwd_variant<kHeadDim, Element, true, true>(p, stream);
   } else if (p.spans.count > 0) {
     run_flash_fwd_variant<kHeadDim, Element, true, false>(p, stream);

@@ -277,5 +277,50 @@ RS_DEV SpanTile load_span_tile(const SpanList& spans, const AttnShape& shape, in
   return out;
 }
 
+// The split-KV kernel's tile (flash_fwd_split_kernel): the span of batch row blockIdx.z of a
+// KV-cache call -- its valid keys and band from km::kvcache_span, read from the per-row
+// arrays in device memory -- or the call's default span. `batch_kv` is the cache row to read;
+// `bad` marks a row whose device-side values are out of range (seqlens past the cache,
+// leftpad past seqlens, batch_idx outside the cache), which the binding cannot check without
+// a synchronization: its outputs become NaN instead of reads outside the cache.
+struct KvTile {
+  SpanTile t;
+  int batch_kv;
+  bool bad;
+};
+
+RS_DEV KvTile load_kvcache_tile(const FwdParams& p, int tile, int rank) {
+  KvTile out;
+  const int b = static_cast<int>(blockIdx.z);
+  AttnSpan s = default_span(p.shape);
+  out.batch_kv = b;
+  out.bad = false;
+  if (p.kv.seqlens != nullptr) {
+    const int seqlen = p.kv.seqlens[b];
+    const int leftpad = p.kv.leftpad != nullptr ? p.kv.leftpad[b] : 0;
+    out.batch_kv = p.kv.batch_idx != nullptr ? p.kv.batch_idx[b] : b;
+    out.bad = seqlen < 0 || seqlen > p.shape.seqlen_k || leftpad < 0 || leftpad > seqlen ||
+              out.batch_kv < 0 || out.batch_kv >= p.kv.batch_cache;
+    const km::KvSpan<int> ks = km::kvcache_span<int>(
+        static_cast<int>(p.shape.seqlen_q), leftpad, out.bad ? 0 : seqlen, p.shape.causal,
+        static_cast<int>(p.kv.window_left), static_cast<int>(p.kv.window_right), p.kv.heads_as_rows);
+    s.k_start = out.bad ? 0 : ks.k_start;
+    s.k_len = out.bad ? 0 : ks.k_len;
+    s.band_lo = ks.lo;
+    s.band_hi = ks.hi;
+    if (out.bad) out.batch_kv = 0;
+  }
+  out.t.q_start = 0;
+  out.t.k_start = static_cast<int>(s.k_start);
+  out.t.q_len = static_cast<int>(s.q_len);
+  out.t.k_len = static_cast<int>(s.k_len);
+  out.t.lo = static_cast<int>(s.band_lo);
+  out.t.hi = static_cast<int>(s.band_hi);
+  const int tiles = km::ceil_div(out.t.q_len, tile);
+  out.t.valid = rank < tiles;
+  out.t.block = tiles - 1 - rank;
+  return out;
+}
+
 }  // namespace prim
 }  // namespace ringseq

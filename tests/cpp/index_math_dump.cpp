@@ -16,6 +16,11 @@
 //                                      -2..s_k+1], "masked": [[row0, key_end, 0/1] ...]}
 //   index_math_dump bwd_blocks      -> lines "F|N|M|S ..." of the backward's block ranges and
 //                                      swizzle steps over a grid of tiles and lengths
+//   index_math_dump kvcache32|kvcache64 < lines -> per line "q_len leftpad seqlen causal left
+//                                      right heads_as_rows": kvcache_span as "k_start k_len lo hi"
+//   index_math_dump splits < lines  -> per line "requested q_tiles items key_tiles target
+//                                      min_tiles max": kv_splits, then split_blocks of
+//                                      [0, key_tiles) for each split, as "s begin end" pairs
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -283,6 +288,32 @@ void dump_bwd_blocks() {
                   km::swz_step(km::swz_offset(r, col, re), row0, k, re) == km::swz_offset(row0 + r, col + 16 * k, re));
 }
 
+template <typename I>
+void dump_kvcache() {
+  long long q_len, leftpad, seqlen, causal, left, right, rows;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &q_len, &leftpad, &seqlen, &causal, &left,
+                    &right, &rows) == 7) {
+    const km::KvSpan<I> s = km::kvcache_span<I>(I(q_len), I(leftpad), I(seqlen), causal != 0, I(left),
+                                                I(right), rows != 0);
+    std::printf("%lld %lld %lld %lld\n", (long long)s.k_start, (long long)s.k_len, (long long)s.lo,
+                (long long)s.hi);
+  }
+}
+
+void dump_splits() {
+  long long req, q_tiles, items, key_tiles, target, min_tiles, most;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &req, &q_tiles, &items, &key_tiles, &target,
+                    &min_tiles, &most) == 7) {
+    const int64_t n = km::kv_splits<int64_t>(req, q_tiles, items, key_tiles, target, min_tiles, most);
+    std::printf("%lld", (long long)n);
+    for (int64_t s = 0; s < n; ++s) {
+      const km::Range<int64_t> r = km::split_blocks<int64_t>({0, key_tiles}, s, n);
+      std::printf(" %lld %lld", (long long)r.begin, (long long)r.end);
+    }
+    std::printf("\n");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -298,11 +329,17 @@ int main(int argc, char** argv) {
     dump_mask(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]) != 0, std::atoi(argv[5]));
   } else if (argc == 5 && std::strcmp(argv[1], "cpu_ranges") == 0) {
     dump_cpu_ranges(std::atol(argv[2]), std::atol(argv[3]), std::atoi(argv[4]) != 0);
+  } else if (argc >= 2 && std::strcmp(argv[1], "kvcache32") == 0) {
+    dump_kvcache<int>();
+  } else if (argc >= 2 && std::strcmp(argv[1], "kvcache64") == 0) {
+    dump_kvcache<int64_t>();
+  } else if (argc >= 2 && std::strcmp(argv[1], "splits") == 0) {
+    dump_splits();
   } else if (argc >= 2 && std::strcmp(argv[1], "bwd_blocks") == 0) {
     dump_bwd_blocks();
   } else {
     std::fprintf(stderr, "usage: %s static | cases | aligned | band32 | band64 | bwd_blocks | "
-                 "mask s_q s_k causal pad | cpu_ranges s_q s_k causal\n", argv[0]);
+                 "kvcache32 | kvcache64 | splits | mask s_q s_k causal pad | cpu_ranges s_q s_k causal\n", argv[0]);
     return 2;
   }
   return 0;

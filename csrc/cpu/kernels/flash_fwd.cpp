@@ -12,6 +12,14 @@
 // its band reaches (element-exact, km::band_key_range) and masks only key tiles that straddle
 // a band edge (km::band_block_full). With a soft-cap, S = softcap * tanh(S / softcap) before
 // the mask and the softmax.
+//
+// KV-cache decoding (FwdParams::kv): one span per batch row (km::kvcache_span: the valid keys
+// of its cache row, bottom-right aligned), so the work items are the q tiles of every batch
+// row's span; K/V rows come from cache row batch_idx[b]. Key splits (FwdParams::num_splits,
+// km::kv_splits): when a call has too few items to keep the threads busy (decoding a token
+// for a small batch), each q tile's keys are cut into ranges computed as separate items, each
+// writing a normalized partial (out, lse) to scratch; a second pass merges them exactly,
+// out = sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s).
 #include "../common.h"
 #include "../gemm.h"
 #include "../masks.h"
@@ -22,6 +30,24 @@ namespace RINGSEQ_CPU_ISA_NS {
 
 namespace {
 
+// The spans of a KV-cache call, one per batch row (km::kvcache_span), in `out` (batch entries).
+inline void kvcache_spans(const FwdParams& p, AttnSpan* out) {
+  const AttnShape& sh = p.shape;
+  for (int64_t b = 0; b < sh.batch; ++b) {
+    const km::KvSpan<int64_t> ks = km::kvcache_span<int64_t>(
+        sh.seqlen_q, p.kv.leftpad != nullptr ? p.kv.leftpad[b] : 0, p.kv.seqlens[b], sh.causal,
+        p.kv.window_left, p.kv.window_right, p.kv.heads_as_rows);
+    out[b] = AttnSpan{0, sh.seqlen_q, ks.k_start, ks.k_len, ks.lo, ks.hi};
+  }
+}
+
+// Work items a call is split into when it has fewer than this (km::kv_splits): enough for
+// the cores of a large server, from the shape alone (results must not depend on the thread
+// count). Each split keeps at least kSplitMinTiles key tiles: merging costs one pass over its
+// rows, against a GEMM over two tiles of keys.
+constexpr int64_t kSplitTarget = 64;
+constexpr int64_t kSplitMinTiles = 2;
+
 template <typename in_t>
 void fwd_impl(const FwdParams& p) {
   using T = typename AccType<in_t>::type;
@@ -31,14 +57,30 @@ void fwd_impl(const FwdParams& p) {
   const int64_t d = sh.headdim, dpad = round_up(d, VW);
   const int64_t bm = fwd_block_m<T>(d), bn = fwd_block_n<T>(d);
   const int64_t group = sh.nheads / sh.nheads_kv;
-  const int64_t nbh = sh.batch * sh.nheads;
   const T scale = static_cast<T>(sh.softmax_scale);
   const T cap = static_cast<T>(sh.softcap);  // 0: no soft-cap
-  // The q tiles of every span with the keys each one's band reaches, heaviest first.
-  const Spans spans(sh, p.spans);
+  // The q tiles of every span with the keys each one's band reaches, heaviest first. A
+  // KV-cache call has one span per batch row (SpanTile::span is the batch row), any other
+  // call one list of spans shared by every batch row.
+  const bool per_batch = p.kv.seqlens != nullptr;
+  Scratch<AttnSpan> batch_spans(per_batch ? sh.batch : 0);
+  if (per_batch) kvcache_spans(p, batch_spans.get());
+  const SpanList list{batch_spans.get(), sh.batch, 0, 0};
+  const Spans spans(sh, per_batch ? list : p.spans);
   const int64_t ntiles = span_tile_count(spans, bm, /*q_side=*/true);
   Scratch<SpanTile> tile_list(ntiles);
   span_tiles(spans, bm, /*q_side=*/true, tile_list.get());
+  const int64_t nbh = per_batch ? sh.nheads : sh.batch * sh.nheads;  // items per tile
+  const int64_t items = ntiles * nbh;
+  const int64_t q_tiles = per_batch ? ntiles / sh.batch : ntiles;
+  const int64_t key_tiles = ntiles > 0 ? (tile_list.get()[0].other.size() + bn - 1) / bn : 0;
+  const int64_t n_splits =
+      p.accumulate ? 1 : km::kv_splits<int64_t>(p.num_splits, q_tiles, items, key_tiles, kSplitTarget,
+                                                kSplitMinTiles, km::kMaxSplits);
+  // Partial results of the splits: [split][batch][head][q row][d] and [split][batch][head][q row].
+  const int64_t part_rows = sh.batch * sh.nheads * sh.seqlen_q;
+  Scratch<T> part_o(n_splits > 1 ? n_splits * part_rows * d : 0);
+  Scratch<T> part_lse(n_splits > 1 ? n_splits * part_rows : 0);
 
   const in_t* q = static_cast<const in_t*>(p.q);
   const in_t* k = static_cast<const in_t*>(p.k);
@@ -58,19 +100,28 @@ void fwd_impl(const FwdParams& p) {
   };
 
   auto work = [&](State& st, int64_t item) {
-    // Tiles come heaviest first (span_tiles). Rows r0.. and keys c0.. are span-local; the
-    // span's first q and kv rows are added where the tensors are indexed.
-    const SpanTile& tile = tile_list.get()[item / nbh];
+    // Tiles come heaviest first (span_tiles), each with its splits next to each other. Rows
+    // r0.. and keys c0.. are span-local; the span's first q and kv rows are added where the
+    // tensors are indexed.
+    const int64_t split = item % n_splits, base = item / n_splits;
+    const SpanTile& tile = tile_list.get()[base / nbh];
     const AttnSpan& sp = spans[tile.span];
-    const int64_t bh = item % nbh;
-    const int64_t b = bh / sh.nheads, h = bh % sh.nheads, hk = h / group;
+    const int64_t bh = base % nbh;
+    const int64_t b = per_batch ? tile.span : bh / sh.nheads, h = bh % sh.nheads, hk = h / group;
+    const int64_t b_kv = p.kv.batch_idx != nullptr ? p.kv.batch_idx[b] : b;  // the cache row
     const int64_t r0 = tile.r0, rows = tile.rows, qr0 = sp.q_start + r0, k0 = sp.k_start;
-    const int64_t kv_begin = tile.other.begin, kv_end = tile.other.end;  // keys the band reaches
-    count_tiles(p.tiles_visited, (tile.other.size() + bn - 1) / bn);
+    // The keys the band reaches, or this split's key tiles of them.
+    const km::Range<int64_t> part = km::split_blocks<int64_t>(
+        {0, (tile.other.size() + bn - 1) / bn}, split, n_splits);
+    const int64_t kv_begin = tile.other.begin + part.begin * bn;
+    const int64_t kv_end = imin(tile.other.end, tile.other.begin + part.end * bn);
+    // The statistic counts (q tile, kv tile) pairs per query head: a tile of heads-as-rows
+    // stands for one such pair of each of its heads.
+    count_tiles(p.tiles_visited, part.size() * (p.kv.heads_as_rows ? rows : 1));
     if (merge && tile.other.empty()) return;  // nothing to merge: the running rows stay as they are
-    // Query columns computed: the tile's rows rounded up to two vectors (a short last tile, or
-    // a decoding step's single query, does not pay for a whole tile).
-    const int64_t mpad = imin(bm, round_up(rows, 2 * VW));
+    // Query columns computed: the tile's rows rounded up to a vector (a short last tile, or
+    // a decoding step's few queries, does not pay for a whole tile).
+    const int64_t mpad = imin(bm, round_up(rows, VW));
 
     T *qt = st.qt.get(), *s = st.st.get(), *o = st.o.get(), *cmax = st.cmax.get();
     T *m_run = st.m_run.get(), *m_use = st.m_use.get(), *alpha = st.alpha.get();
@@ -79,6 +130,10 @@ void fwd_impl(const FwdParams& p) {
     // Qᵀ (d x mpad, row stride bm), scaled; padding columns (queries past the tile) are zero.
     pack_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, scale, qt, bm, mpad);
     T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + qr0;
+    // Where this item's lse and out rows go: the outputs, or this split's partial rows (the
+    // splits of a tile run concurrently, so they never write the outputs themselves).
+    const int64_t part_at = (split * sh.batch + b) * sh.nheads * sh.seqlen_q + h * sh.seqlen_q + qr0;
+    T* lse_dst = n_splits > 1 ? part_lse.get() + part_at : lse_rows;
     bool fresh = true;  // O holds nothing yet: the first P·V stores instead of rescaling
     if (merge) {
       // Resuming the online softmax from a running (out, lse) is the exact merge: with
@@ -107,8 +162,8 @@ void fwd_impl(const FwdParams& p) {
     for (int64_t c0 = kv_begin; c0 < kv_end; c0 += bn) {
       const int64_t n = imin(bn, kv_end - c0);
       int64_t ldk, ldv;
-      const T* kt = rows_as(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
-      const T* vt = rows_as(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, dpad, st.vbuf.get(), ldv);
+      const T* kt = rows_as(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
+      const T* vt = rows_as(row_ptr(v, p.v_strides, b_kv, k0 + c0, hk), p.v_strides.row, n, d, dpad, st.vbuf.get(), ldv);
       for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
       const bool masked = !km::band_block_full(r0, r0 + rows, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
       if (masked || cap > T(0)) {
@@ -140,8 +195,8 @@ void fwd_impl(const FwdParams& p) {
       // The next kv tile's rows, fetched while this one computes: they are strided rows of
       // the K/V tensors, which the hardware prefetchers do not follow far enough ahead.
       const int64_t n_next = imin(bn, kv_end - c0 - n);
-      const in_t* k_next = n_next > 0 ? row_ptr(k, p.k_strides, b, k0 + c0 + n, hk) : nullptr;
-      const in_t* v_next = n_next > 0 ? row_ptr(v, p.v_strides, b, k0 + c0 + n, hk) : nullptr;
+      const in_t* k_next = n_next > 0 ? row_ptr(k, p.k_strides, b_kv, k0 + c0 + n, hk) : nullptr;
+      const in_t* v_next = n_next > 0 ? row_ptr(v, p.v_strides, b_kv, k0 + c0 + n, hk) : nullptr;
       const int64_t row_bytes = d * static_cast<int64_t>(sizeof(in_t));
       // P = exp(Sᵀ - m) in place, row by row (sequential through the tile), column sums in
       // lsum; the next tile's K/V rows are prefetched one per row. The sums are taken over
@@ -155,13 +210,19 @@ void fwd_impl(const FwdParams& p) {
           prefetch_lines(v_next + j * p.v_strides.row, row_bytes);
         }
         T* row = s + j * bm;
-        for (int64_t i = 0; i < mpad; i += 2 * VW) {
+        int64_t i = 0;
+        for (; i + 2 * VW <= mpad; i += 2 * VW) {
           const V e0 = exp_vec(vload(row + i) - vload(m_use + i));
           const V e1 = exp_vec(vload(row + i + VW) - vload(m_use + i + VW));
           vstore(row + i, e0);
           vstore(row + i + VW, e1);
           vstore(lpart + i, vload(lpart + i) + e0);
           vstore(lpart + i + VW, vload(lpart + i + VW) + e1);
+        }
+        if (i < mpad) {  // an odd number of vectors
+          const V e0 = exp_vec(vload(row + i) - vload(m_use + i));
+          vstore(row + i, e0);
+          vstore(lpart + i, vload(lpart + i) + e0);
         }
         if ((j + 1) % kChunk == 0 || j + 1 == n) {
           for (int64_t i = 0; i < mpad; i += VW) {
@@ -172,11 +233,12 @@ void fwd_impl(const FwdParams& p) {
       }
       for (int64_t i = 0; i < mpad; i += VW)
         vstore(l + i, vfma(vload(l + i), vload(alpha + i), vload(lsum + i)));
+      // Rows past the tile's (padding columns of Sᵀ) are never stored: O keeps only `rows`.
       if (fresh) {
-        gemm<T, Epi::kStore>(mpad, dpad, n, s, 1, bm, vt, ldv, o, dpad, nullptr, kChunk);  // O = P·V
+        gemm<T, Epi::kStore>(rows, dpad, n, s, 1, bm, vt, ldv, o, dpad, nullptr, kChunk);  // O = P·V
         fresh = false;
       } else {
-        gemm<T, Epi::kScaleAdd>(mpad, dpad, n, s, 1, bm, vt, ldv, o, dpad, alpha, kChunk);  // O = a·O + P·V
+        gemm<T, Epi::kScaleAdd>(rows, dpad, n, s, 1, bm, vt, ldv, o, dpad, alpha, kChunk);  // O = a·O + P·V
       }
     }
     if (fresh) fill(o, mpad * dpad, T(0));  // no visible key at all
@@ -185,10 +247,12 @@ void fwd_impl(const FwdParams& p) {
       // A row that saw no key (or only zero weights) gives out = 0 and lse = -inf; a NaN sum
       // (a NaN or inf among its inputs) is not empty and propagates, as plain attention does.
       const bool empty = l[i] == T(0);
-      lse_rows[i] = empty ? kNegInf<T> : m_run[i] + std::log(l[i]);
+      lse_dst[i] = empty ? kNegInf<T> : m_run[i] + std::log(l[i]);
       alpha[i] = empty ? T(0) : T(1) / l[i];
     }
-    if (merge) {
+    if (n_splits > 1) {
+      store_rows(o, dpad, rows, d, alpha, part_o.get() + part_at * d, d, /*accumulate=*/false);
+    } else if (merge) {
       store_rows(o, dpad, rows, d, alpha, row_ptr(static_cast<T*>(p.out), p.out_strides, b, qr0, h),
                  p.out_strides.row, /*accumulate=*/false);
     } else {
@@ -197,7 +261,52 @@ void fwd_impl(const FwdParams& p) {
     }
   };
 
-  run_items(ntiles * nbh, make_state, work);
+  run_items(items * n_splits, make_state, work);
+  if (n_splits == 1) return;
+
+  // The exact merge of the splits, one item per (tile, head): with m = max_s lse_s,
+  // w_s = exp(lse_s - m), out = sum_s w_s out_s / sum_s w_s and lse = m + log sum_s w_s. A row
+  // no split saw a key for keeps out = 0, lse = -inf; a NaN anywhere stays NaN.
+  auto merge_item = [&](Scratch<T>& acc, int64_t base) {
+    const SpanTile& tile = tile_list.get()[base / nbh];
+    const AttnSpan& sp = spans[tile.span];
+    const int64_t bh = base % nbh;
+    const int64_t b = per_batch ? tile.span : bh / sh.nheads, h = bh % sh.nheads;
+    const int64_t qr0 = sp.q_start + tile.r0;
+    const int64_t split_stride = part_rows;
+    T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + qr0;
+    in_t* out_rows = row_ptr(static_cast<in_t*>(p.out), p.out_strides, b, qr0, h);
+    T* o = acc.get();
+    for (int64_t i = 0; i < tile.rows; ++i) {
+      const int64_t at = (b * sh.nheads + h) * sh.seqlen_q + qr0 + i;
+      T m = kNegInf<T>;
+      bool nan = false;
+      for (int64_t sp_i = 0; sp_i < n_splits; ++sp_i) {
+        const T x = part_lse.get()[sp_i * split_stride + at];
+        nan |= x != x;
+        m = x > m ? x : m;
+      }
+      fill(o, dpad, T(0));
+      if (nan || m == kNegInf<T>) {
+        lse_rows[i] = nan ? std::numeric_limits<T>::quiet_NaN() : kNegInf<T>;
+        if (nan) fill(o, d, std::numeric_limits<T>::quiet_NaN());
+      } else {
+        T l = T(0);
+        for (int64_t sp_i = 0; sp_i < n_splits; ++sp_i) {
+          const T w = std::exp(part_lse.get()[sp_i * split_stride + at] - m);
+          const T* src = part_o.get() + (sp_i * split_stride + at) * d;
+          for (int64_t c = 0; c < d; ++c) o[c] += w * src[c];
+          l += w;
+        }
+        lse_rows[i] = m + std::log(l);
+        const T inv = T(1) / l;
+        for (int64_t c = 0; c < d; ++c) o[c] *= inv;
+      }
+      store_rows(o, dpad, 1, d, static_cast<const T*>(nullptr), out_rows + i * p.out_strides.row,
+                 p.out_strides.row, /*accumulate=*/false);
+    }
+  };
+  run_items(items, [&] { return Scratch<T>(dpad); }, merge_item);
 }
 
 }  // namespace

@@ -1,0 +1,266 @@
+"""Decoding benchmark: one new token per sequence per step against a long KV cache.
+
+Part 1, one device: ``ringseq.flash_attn_with_kvcache`` (the kernel reads the valid prefix of
+the cache in place, GQA heads as rows, keys split over the threads) against
+``torch.nn.functional.scaled_dot_product_attention`` over the same cache prefix (a strided
+view, ``enable_gqa=True``), per (batch, cache length, threads): ms per step, tokens/s
+(batch / step time), GB/s of the cache read (K and V once per step), the ratio SDPA / ringseq,
+the peak memory of a step above the inputs, and a check that both agree with the float64
+result on the first sequence (ringseq's error at most 2x SDPA's).
+
+Part 2, context parallel (``--world-size`` local gloo ranks, one thread each): the cache of
+``--cp-cache`` tokens stays sharded (zigzag prefill, ``ringseq.ring_flash_attn_with_kvcache``):
+latency per token (each rank attends to its shard, one all-gather of (out, lse)) against
+gathering the cache onto one rank once and decoding there (the one-time gather's time and
+memory are reported too), plus each one's peak memory per rank.
+
+Timing: the median of ``--repeats``; with one torch thread the calling thread's CPU time (which
+other jobs on the machine do not inflate), otherwise wall time. Part 2 reports wall time per
+token and, next to it, the calling thread's CPU time on each rank (its own work, without the
+wait for the other rank). The 1-minute load average is printed and stored with the results.
+
+    python benchmarks/bench_decode.py                        # the full grid (a few minutes)
+    python benchmarks/bench_decode.py --cache 4096 --batch 1 --threads 1 --no-cp   # a quick look
+    python benchmarks/bench_decode.py --json decode.json
+    python benchmarks/bench_decode.py --device cuda --cache 8192,32768 --batch 1,8   # a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (PeakMemory, environment, format_table, load_average, mib, progress,  # noqa: E402
+                    spawn_cpu_ranks, time_ms, write_json)
+
+import ringseq  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache", default="4096,8192,16384,32768", help="cache lengths (valid prefix)")
+    p.add_argument("--batch", default="1,4")
+    p.add_argument("--threads", default="1,2", help="torch threads of part 1")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--heads-kv", type=int, default=8)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default fp32 (CPU), bf16 (CUDA)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (part 1 only on cuda; --threads ignored)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-cp", action="store_true", help="skip part 2 (context parallel)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--cp-cache", default="16384,32768", help="global cache lengths of part 2")
+    p.add_argument("--cp-batch", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def _ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def _check(out, ref_slice, q, kc, vc, length, scale):
+    """Max |out - float64 attention| over the first sequence of the batch (an invariant)."""
+    h, h_kv = q.shape[2], kc.shape[2]
+    k = kc[0, :length].double().repeat_interleave(h // h_kv, dim=1)
+    v = vc[0, :length].double().repeat_interleave(h // h_kv, dim=1)
+    s = torch.einsum("hd,khd->hk", q[0, 0].double(), k) * scale
+    ref = torch.einsum("hk,khd->hd", torch.softmax(s, dim=-1), v)
+    return float((out[0, 0].double() - ref).abs().max()), float((ref_slice[0, 0].double() - ref).abs().max())
+
+
+# ------------------------------------------------------------------------------ part 1
+def single_device(args):
+    dtype = DTYPES[args.dtype]
+    dev = torch.device(args.device)
+    h, h_kv, d = args.heads, args.heads_kv, args.headdim
+    scale = d ** -0.5
+    rows = []
+    saved_threads = torch.get_num_threads()
+    for b in _ints(args.batch):
+        for length in _ints(args.cache):
+            gen = torch.Generator().manual_seed(length + b)
+            cap = length + 16
+            kc = torch.randn(b, cap, h_kv, d, generator=gen).to(dev, dtype)  # (b, capacity, h_kv, d)
+            vc = torch.randn(b, cap, h_kv, d, generator=gen).to(dev, dtype)
+            q = torch.randn(b, 1, h, d, generator=gen).to(dev, dtype)         # (b, 1, h, d)
+            seqlens = torch.full((b,), length, dtype=torch.int32, device=dev)
+            # SDPA reads the same cache prefix through a strided (b, h_kv, length, d) view
+            qt, kt, vt = q.transpose(1, 2), kc[:, :length].transpose(1, 2), vc[:, :length].transpose(1, 2)
+
+            def ours():
+                return ringseq.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+
+            def sdpa():
+                return F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True).transpose(1, 2)
+
+            for threads in _ints(args.threads) if dev.type == "cpu" else [None]:
+                if threads:
+                    torch.set_num_threads(threads)
+                clock = "cpu" if threads == 1 else "wall"
+                row = dict(batch=b, cache=length, threads=threads, clock=clock, load=load_average())
+                for name, fn in (("ringseq", ours), ("sdpa", sdpa)):
+                    with PeakMemory(dev) as mem:
+                        out = fn()
+                    row[f"{name}_ms"] = time_ms(fn, dev, warmup=1, repeats=args.repeats, clock=clock)
+                    row[f"{name}_peak_mib"] = mib(mem.peak)
+                    row[f"{name}_out"] = out
+                # decoding reads the whole cache prefix once: GB/s of K and V (TFLOP/s would say
+                # little about a memory-bound step)
+                kv_bytes = 2 * b * length * h_kv * d * kc.element_size()
+                row["ringseq_gb_s"] = kv_bytes / row["ringseq_ms"] / 1e6
+                row["sdpa_gb_s"] = kv_bytes / row["sdpa_ms"] / 1e6
+                row["ringseq_tok_s"] = b * 1e3 / row["ringseq_ms"]
+                row["sdpa_tok_s"] = b * 1e3 / row["sdpa_ms"]
+                row["speedup"] = row["sdpa_ms"] / row["ringseq_ms"]
+                err, err_sdpa = _check(row.pop("ringseq_out").cpu(), row.pop("sdpa_out").cpu(), q.cpu(),
+                                       kc.cpu(), vc.cpu(), length, scale)
+                row["max_err"], row["sdpa_max_err"] = err, err_sdpa
+                # an invariant of the benchmark: no worse than 2x SDPA's error (plus a floor)
+                floor = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-2)
+                assert err <= 2 * err_sdpa + floor, f"ringseq disagrees with float64: {err} vs SDPA {err_sdpa}"
+                rows.append(row)
+                progress(f"b={b} cache={length} threads={threads or '-'}: ringseq {row['ringseq_ms']:.2f} ms "
+                         f"({row['ringseq_tok_s']:.0f} tok/s), sdpa {row['sdpa_ms']:.2f} ms, "
+                         f"x{row['speedup']:.2f}, load {row['load']}")
+            del kc, vc
+    torch.set_num_threads(saved_threads)
+    return rows
+
+
+# ------------------------------------------------------------------------------ part 2
+def _cp_rank(args, device):
+    """On every rank: a sharded cache of each --cp-cache length; CP decode vs gathered cache."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = DTYPES[args.dtype]
+    h, h_kv, d, b = args.heads, args.heads_kv, args.headdim, args.cp_batch
+    out_rows = []
+    for length in _ints(args.cp_cache):
+        gen = torch.Generator().manual_seed(length)  # the same global cache on every rank
+        steps = args.repeats + 1
+        K = torch.randn(b, length, h_kv, d, generator=gen).to(dtype)
+        V = torch.randn(b, length, h_kv, d, generator=gen).to(dtype)
+        qs = [torch.randn(b, 1, h, d, generator=gen).to(dtype) for _ in range(steps)]
+        kn = [torch.randn(b, 1, h_kv, d, generator=gen).to(dtype) for _ in range(steps)]
+        vn = [torch.randn(b, 1, h_kv, d, generator=gen).to(dtype) for _ in range(steps)]
+        cap = length // world + steps
+        kc = torch.zeros(b, cap, h_kv, d, dtype=dtype)
+        vc = torch.zeros_like(kc)
+        kc[:, :length // world] = ringseq.layouts.shard_local(K, "zigzag", world, rank)
+        vc[:, :length // world] = ringseq.layouts.shard_local(V, "zigzag", world, rank)
+        del K, V
+        row = dict(cache=length, world=world, batch=b, load=load_average())
+
+        # context parallel: every step appends one token (round-robin) and attends everywhere
+        times, cpu_times = [], []
+        with PeakMemory("cpu") as mem:
+            for i in range(steps):
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.thread_time()
+                out_cp = ringseq.ring_flash_attn_with_kvcache(
+                    qs[i], kc, vc, length + i, kn[i], vn[i], layout="zigzag", prefill_len=length)
+                times.append((time.perf_counter() - t0) * 1e3)
+                cpu_times.append((time.thread_time() - c0) * 1e3)
+        row["cp_ms"] = sorted(times[1:])[len(times[1:]) // 2]
+        # the calling thread's CPU time: this rank's work without the wait for its peer
+        row["cp_cpu_ms"] = sorted(cpu_times[1:])[len(cpu_times[1:]) // 2]
+        row["cp_peak_mib"] = mib(mem.peak)
+
+        # gathered: the shards (now with the decoded tokens) collected on every rank once,
+        # then single-device decoding over the whole cache (rank 0 is the one timed)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with PeakMemory("cpu") as gmem:
+            parts_k = [torch.empty_like(kc) for _ in range(world)]
+            parts_v = [torch.empty_like(vc) for _ in range(world)]
+            dist.all_gather(parts_k, kc, group=None)
+            dist.all_gather(parts_v, vc, group=None)
+            full_k = torch.cat(parts_k, dim=1)  # (b, world * cap, h_kv, d): the gathered cache
+            full_v = torch.cat(parts_v, dim=1)
+            del parts_k, parts_v
+        row["gather_ms"] = (time.perf_counter() - t0) * 1e3
+        row["gather_peak_mib"] = mib(gmem.peak)
+        # attention over the gathered slots (order does not matter without a mask): every
+        # rank's prefill slots and decoded slots, length + steps tokens of world * cap slots
+        valid = torch.zeros(world * cap, dtype=torch.bool)
+        for r in range(world):
+            n_r = length // world + len(range(r, steps, world))
+            valid[r * cap:r * cap + n_r] = True
+        full_k, full_v = full_k[:, valid].contiguous(), full_v[:, valid].contiguous()
+        n_total = full_k.shape[1]
+        seqlens = torch.full((b,), n_total, dtype=torch.int32)
+        q_last = qs[-1]
+        if rank == 0:
+            def single():
+                return ringseq.flash_attn_with_kvcache(q_last, full_k, full_v, cache_seqlens=seqlens)
+            with PeakMemory("cpu") as smem:
+                out_single = single()
+            row["gathered_ms"] = time_ms(single, "cpu", warmup=1, repeats=args.repeats, clock="wall")
+            row["gathered_cpu_ms"] = time_ms(single, "cpu", warmup=0, repeats=args.repeats, clock="cpu")
+            row["gathered_peak_mib"] = mib(smem.peak)
+            # invariant: the last CP step attended the same keys (its own new token included)
+            diff = float((out_single.double() - out_cp.double()).abs().max())
+            tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(dtype, 3e-2)
+            assert diff <= tol, f"context-parallel decoding disagrees with the gathered cache: {diff}"
+            row["cp_vs_gathered_max_diff"] = diff
+            row["speedup"] = row["gathered_ms"] / row["cp_ms"]
+            row["cpu_speedup"] = row["gathered_cpu_ms"] / row["cp_cpu_ms"]
+            progress(f"CP W={world} cache={length}: {row['cp_ms']:.2f} ms/token sharded vs "
+                     f"{row['gathered_ms']:.2f} ms gathered (x{row['speedup']:.2f}; thread CPU time "
+                     f"{row['cp_cpu_ms']:.2f} vs {row['gathered_cpu_ms']:.2f} ms); one-time gather "
+                     f"{row['gather_ms']:.0f} ms, +{row['gather_peak_mib'] or 0:.0f} MiB")
+        dist.barrier()
+        out_rows.append(row)
+        del kc, vc, full_k, full_v
+    return out_rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    if args.device.startswith("cuda"):
+        args.no_cp = True  # part 2 spawns CPU ranks
+    env = environment(args.device)
+    progress(f"decode benchmark: h={args.heads} h_kv={args.heads_kv} d={args.headdim} {args.dtype} on "
+             f"{env.get('gpu', env['cpu_model'])}, ISA {ringseq.cpu_isa()}, load {load_average()}")
+    rows = single_device(args)
+    print(format_table(rows, [("batch", "b", "{}"), ("cache", "cache", "{}"), ("threads", "thr", "{}"),
+                              ("ringseq_ms", "ringseq ms", "{:.2f}"), ("sdpa_ms", "sdpa ms", "{:.2f}"),
+                              ("speedup", "sdpa/ringseq", "{:.2f}"),
+                              ("ringseq_tok_s", "ringseq tok/s", "{:.0f}"), ("sdpa_tok_s", "sdpa tok/s", "{:.0f}"),
+                              ("ringseq_gb_s", "ringseq KV GB/s", "{:.1f}"), ("sdpa_gb_s", "sdpa KV GB/s", "{:.1f}"),
+                              ("ringseq_peak_mib", "ringseq MiB", "{:.1f}"), ("sdpa_peak_mib", "sdpa MiB", "{:.1f}"),
+                              ("max_err", "err", "{:.1e}"), ("load", "load", "{:.1f}")]), flush=True)
+    cp_rows = []
+    if not args.no_cp:
+        progress(f"context parallel: {args.world_size} local ranks, 1 thread each")
+        cp_rows = spawn_cpu_ranks(args.world_size, _cp_rank, args, args.timeout, threads=1)
+        print(format_table(cp_rows, [("cache", "cache", "{}"), ("world", "W", "{}"),
+                                     ("cp_ms", "CP ms/token", "{:.2f}"),
+                                     ("gathered_ms", "gathered ms/token", "{:.2f}"),
+                                     ("speedup", "gathered/CP", "{:.2f}"),
+                                     ("cp_cpu_ms", "CP cpu ms", "{:.2f}"),
+                                     ("gathered_cpu_ms", "gathered cpu ms", "{:.2f}"),
+                                     ("cpu_speedup", "cpu ratio", "{:.2f}"),
+                                     ("gather_ms", "gather once ms", "{:.0f}"),
+                                     ("cp_peak_mib", "CP MiB", "{:.1f}"),
+                                     ("gather_peak_mib", "gather MiB", "{:.1f}"),
+                                     ("load", "load", "{:.1f}")]), flush=True)
+    write_json(args.json, {"environment": env, "args": vars(args),
+                           "single_device": rows, "context_parallel": cp_rows})
+
+
+if __name__ == "__main__":
+    main()

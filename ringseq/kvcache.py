@@ -1,0 +1,626 @@
+"""KV-cache decoding: flash-attn's ``flash_attn_with_kvcache`` and its context-parallel form.
+
+``flash_attn_with_kvcache`` has flash-attn 2's signature and semantics: new keys/values are
+written into the caches in place at ``cache_seqlens``, optionally rotated (rotary), and the
+queries attend to each row's valid prefix with causal masking and windows aligned to it.
+It runs on ringseq's kernels (``torch.ops.ringseq.fwd_kvcache``: per-row cache lengths without
+copying the cache, split over keys so one token uses every thread or SM, docs/kernels.md
+"KV-cache decoding") and falls back to plain torch math where they do not run the inputs.
+
+``ring_flash_attn_with_kvcache`` decodes a context whose KV cache stays sharded across the ranks
+of a group, where a ring prefill left it: every rank attends the (replicated) new queries to
+its own shard and the partial results merge exactly by their log-sum-exp in one all-gather of
+(out, lse); no key or value moves.
+
+Inference only: nothing here is differentiable (flash-attn's kvcache function has no backward
+either); the functions run under ``torch.no_grad()`` whatever their inputs require.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._args import check_alibi_slopes, check_bool, check_softmax_scale, parse_window
+from ._dist import group_info
+from .engine.ring import get_ring
+from .kernels.checks import accum_dtype, resolve_scale
+from .kernels.spans import check_softcap
+from .kernels.extension import ExtensionBackend, extension_available
+from .layouts import Layout, get_layout
+
+__all__ = ["flash_attn_with_kvcache", "ring_flash_attn_with_kvcache"]
+
+_FN = "flash_attn_with_kvcache"
+_RING_FN = "ring_flash_attn_with_kvcache"
+
+
+# ------------------------------------------------------------------------------ arguments
+def _check_tensor(fn: str, name: str, t, dims: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{fn}: {name} must be {layout}, got shape {tuple(t.shape)}")
+
+
+def _row_ints(fn: str, name: str, x, batch: int, device, allow_int: bool = False):
+    """A (batch,) int32 tensor on ``device`` from an int32/int64 tensor (or an int when
+    ``allow_int``), else TypeError / ValueError naming ``name``."""
+    if allow_int and isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return torch.full((batch,), int(x), dtype=torch.int32, device=device)
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
+        what = "an int or " if allow_int else ""
+        raise TypeError(f"{fn}: {name} must be {what}an int32 tensor (batch,), got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() != 1 or x.shape[0] != batch:
+        raise ValueError(f"{fn}: {name} must have shape ({batch},) (one entry per batch row of "
+                         f"q), got {tuple(x.shape)}")
+    return x.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _host_values(t: torch.Tensor):
+    """The values of a small index tensor when reading them costs no device synchronization
+    (CPU tensors), else None: checks that need them run on CPU inputs only."""
+    return t.tolist() if t.device.type == "cpu" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_runs(device_type: str, dtype: torch.dtype, headdim: int) -> bool:
+    if not extension_available():
+        return False
+    return ExtensionBackend.instance(0).unsupported_reason(torch.device(device_type), dtype,
+                                                           headdim) is None
+
+
+# ------------------------------------------------------------------------------ rotary
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+            interleaved: bool) -> torch.Tensor:
+    """x (b, s, h, d) with its first ``rotary_dim = 2 * cos.shape[1]`` channels rotated by
+    the angles of rows ``pos`` (b, s) of cos/sin (seqlen_ro, rotary_dim / 2): pairs (0, 1),
+    (2, 3), ... when interleaved (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX). Computed in
+    float32 (float64 for float64 inputs) and rounded once to x's dtype."""
+    half = cos.shape[1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    c = cos.to(acc)[pos].unsqueeze(2)  # (b, s, 1, rotary_dim / 2)
+    s = sin.to(acc)[pos].unsqueeze(2)
+    xr = x[..., :2 * half].to(acc)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _check_rotary(fn, rotary_cos, rotary_sin, q, has_new, seqlen_needed):
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{fn}: pass both rotary_cos and rotary_sin, or neither")
+    if rotary_cos is None:
+        return
+    if not has_new:
+        raise ValueError(f"{fn}: rotary_cos / rotary_sin rotate the new keys: they need k and v "
+                         f"(as in flash-attn)")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _check_tensor(fn, name, t, 2, "(seqlen_ro, rotary_dim / 2)")
+        if not t.is_floating_point() or t.device != q.device:
+            raise ValueError(f"{fn}: {name} must be a floating tensor on {q.device}, got "
+                             f"{t.dtype} on {t.device}")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"{fn}: rotary_cos and rotary_sin must have the same shape, got "
+                         f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    rotary_dim = 2 * rotary_cos.shape[1]
+    if rotary_dim > q.shape[-1] or rotary_dim % 16 != 0:
+        raise ValueError(f"{fn}: rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} must be a "
+                         f"multiple of 16 and at most headdim = {q.shape[-1]}")
+    if rotary_cos.shape[0] < seqlen_needed:
+        raise ValueError(f"{fn}: rotary_cos / rotary_sin need at least {seqlen_needed} rows (the "
+                         f"positions they rotate), got {rotary_cos.shape[0]}")
+
+
+def _rotary_q_positions(cache_seqlens, s_q, causal_or_local):
+    """flash-attn's rule: with causal or a window, query i stands at cache_seqlens + i; else
+    every query stands at cache_seqlens. (b, s_q) int64."""
+    steps = torch.arange(s_q, device=cache_seqlens.device) if causal_or_local else \
+        torch.zeros(s_q, dtype=torch.long, device=cache_seqlens.device)
+    return cache_seqlens.long()[:, None] + steps[None, :]
+
+
+# ------------------------------------------------------------------------------ attention
+def _attend_cache(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale, causal, window,
+                  softcap, num_splits):
+    """(out, lse) of q (b, s_q, h, d) against keys [leftpad[b], seqlens[b]) of cache row
+    batch_idx[b], causal / window bottom-right aligned to them; lse -inf where a row sees no
+    key. ringseq's kernel where it runs the inputs, else plain torch math (float32, float64 for
+    float64 inputs)."""
+    if _kernel_runs(q.device.type, q.dtype, q.shape[-1]) and k_cache.stride(-1) == 1:
+        return torch.ops.ringseq.fwd_kvcache(q, k_cache, v_cache, seqlens, leftpad, batch_idx,
+                                             scale, causal, window[0], window[1], softcap,
+                                             num_splits)
+    return _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale, causal,
+                               window, softcap)
+
+
+def _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale, causal, window,
+                        softcap):
+    """The same in plain torch math: gathers the cache rows (a copy of the caches' size)."""
+    b, s_q, h, d = q.shape
+    s_c, h_kv = k_cache.shape[1], k_cache.shape[2]
+    acc = accum_dtype(q.dtype)
+    rows = batch_idx.long() if batch_idx is not None else torch.arange(b, device=q.device)
+    k = k_cache[rows].to(acc).repeat_interleave(h // h_kv, dim=2)  # (b, s_c, h, d)
+    v = v_cache[rows].to(acc).repeat_interleave(h // h_kv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    start = leftpad.long() if leftpad is not None else torch.zeros(b, dtype=torch.long,
+                                                                   device=q.device)
+    k_len = seqlens.long() - start  # (b,)
+    j = torch.arange(s_c, device=q.device)[None, None, :] - start[:, None, None]  # (b, 1, s_c)
+    i = torch.arange(s_q, device=q.device)[None, :, None]  # (1, s_q, 1)
+    off = (k_len - s_q)[:, None, None]
+    lo, hi = window
+    vis = (j >= 0) & (j < k_len[:, None, None])
+    if lo >= 0:
+        vis &= j >= i + off - lo
+    if hi >= 0:
+        vis &= j <= i + off + hi
+    if causal:
+        vis &= j <= i + off
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (b, h, s_q)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out.to(q.dtype), lse.to(acc)
+
+
+def _flash_lse(lse: torch.Tensor) -> torch.Tensor:
+    """flash-attn's convention for rows that see no key: lse = +inf (ringseq keeps -inf)."""
+    return lse.masked_fill(torch.isneginf(lse), float("inf"))
+
+
+# ------------------------------------------------------------------------------ single device
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention of new queries against a KV cache, with flash-attn 2's signature and semantics.
+
+    If ``k`` and ``v`` are given they are first written into ``k_cache`` / ``v_cache`` *in
+    place* at positions ``cache_seqlens[b], cache_seqlens[b] + 1, ...`` of cache row
+    ``cache_batch_idx[b]`` (rotated first when ``rotary_cos`` / ``rotary_sin`` are given); then
+    query row b attends to the valid keys ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)``
+    of that cache row. The caches are read in place (no copy, whatever their length).
+
+    Masks are bottom-right aligned to the valid keys (``k_len`` of them): query i sees key j
+    (0-based from ``cache_leftpad``) iff ``j <= i + k_len - seqlen_q`` when causal and
+    ``i + k_len - seqlen_q - left <= j <= i + k_len - seqlen_q + right`` with
+    ``window_size = (left, right)`` (-1: unbounded). A row that sees no key gives 0 (and lse
+    +inf, as flash-attn).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), ``nheads % nheads_k
+            == 0`` (GQA/MQA), the last dimension contiguous; same dtype and device as q.
+        k, v: None, or (batch, seqlen_new, nheads_k, headdim) to append (both or neither).
+        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2) with rotary_dim a
+            multiple of 16 and <= headdim: k is rotated at its positions ``cache_seqlens + i``
+            before it is stored; q at ``cache_seqlens + i`` when causal or windowed, else every
+            query at ``cache_seqlens`` (flash-attn's rule). Needs k and v.
+        cache_seqlens: int, or (batch,) int32 tensor: each row's cache length before the new
+            keys (None: the whole cache, ``seqlen_cache``; required with k and v).
+        cache_batch_idx: None (rows 0..batch-1) or (batch,) int32 indices into the cache rows.
+            With k and v and repeated indices, which row's keys end up stored is unspecified
+            (as in flash-attn).
+        cache_leftpad: None or (batch,) int32: the first valid key of each row (left padding).
+        block_table: must be None: paged caches are not supported (NotImplementedError).
+        softmax_scale: a float, or None for ``headdim ** -0.5``.
+        causal, window_size, softcap: as above (softcap > 0 caps the scaled scores at
+            ``softcap * tanh(x / softcap)``; 0 is off). window_size may be ints or tensors.
+        rotary_interleaved: bool, see rotary_cos.
+        alibi_slopes: must be None (NotImplementedError).
+        num_splits: int >= 0: how many ranges the keys of each query tile are cut into and
+            computed in parallel (then merged exactly); 0 chooses from the shape (only when
+            batch x heads leaves threads / SMs idle). Results agree to rounding whatever it is.
+        return_softmax_lse: also return lse (batch, nheads, seqlen_q), float32 (float64 for
+            float64 inputs), natural log of the softmax normalizer, +inf for rows that see no
+            key.
+
+    float32/float64/bfloat16/float16 on CPU; on CUDA ringseq's kernel runs bfloat16/float16
+    with head dim 64 or 128, other inputs take the plain-torch path (which gathers the cache
+    rows: memory of the caches' size).
+
+    Returns ``out`` (batch, seqlen_q, nheads, headdim) in q's dtype, or ``(out, lse)``.
+    Not differentiable (flash-attn's is not either): runs under ``torch.no_grad()``.
+
+    Raises:
+        TypeError / ValueError: malformed arguments (shapes, dtypes, devices, index tensors
+            that are not int32/int64 (batch,), new keys that do not fit the cache, rotary
+            tables of the wrong size), naming the argument. Index values are checked on CPU
+            tensors; on CUDA they are not read back (no synchronization): a row whose lengths
+            or index are out of range gets NaN instead of reading outside the cache.
+        NotImplementedError: ``block_table`` or ``alibi_slopes`` given.
+    """
+    fn = _FN
+    softmax_scale = check_softmax_scale(fn, softmax_scale)
+    check_bool(fn, "causal", causal)
+    check_bool(fn, "rotary_interleaved", rotary_interleaved)
+    check_bool(fn, "return_softmax_lse", return_softmax_lse)
+    window = parse_window(fn, window_size)
+    softcap = check_softcap(softcap, fn)
+    check_alibi_slopes(fn, alibi_slopes)
+    if block_table is not None:
+        raise NotImplementedError(f"{fn}: block_table (a paged KV cache) is not supported; pass "
+                                  f"the caches as (batch_cache, seqlen_cache, nheads_k, headdim)")
+    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"{fn}: num_splits must be an int >= 0 (0: chosen from the shape), got "
+                         f"{num_splits!r}")
+    _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(fn, name, t, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, got strides "
+                             f"{t.stride()}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{fn}: {name} must have q's dtype and device ({q.dtype} on "
+                             f"{q.device}), got {t.dtype} on {t.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{fn}: k_cache and v_cache must have the same shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    b, s_q, h, d = q.shape
+    b_c, s_c, h_kv, d_c = k_cache.shape
+    if d_c != d or h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"{fn}: k_cache (batch_cache, seqlen_cache, nheads_k, headdim) must have "
+                         f"q's headdim {d} and nheads_k dividing nheads = {h}, got "
+                         f"{tuple(k_cache.shape)}")
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: pass both k and v (the new keys and values), or neither")
+    s_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _check_tensor(fn, name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
+            if t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{fn}: {name} must have q's dtype and device, got {t.dtype} on "
+                                 f"{t.device}")
+        if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (h_kv, d):
+            raise ValueError(f"{fn}: k and v must both be (batch, seqlen_new, nheads_k, headdim) "
+                             f"= ({b}, seqlen_new, {h_kv}, {d}), got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        s_new = k.shape[1]
+        if cache_seqlens is None:
+            raise ValueError(f"{fn}: cache_seqlens is required with k and v: it says where the new "
+                             f"keys go")
+    if cache_seqlens is None:
+        seqlens = torch.full((b,), s_c, dtype=torch.int32, device=q.device)
+    else:
+        seqlens = _row_ints(fn, "cache_seqlens", cache_seqlens, b, q.device, allow_int=True)
+    bidx = None if cache_batch_idx is None else \
+        _row_ints(fn, "cache_batch_idx", cache_batch_idx, b, q.device)
+    leftpad = None if cache_leftpad is None else \
+        _row_ints(fn, "cache_leftpad", cache_leftpad, b, q.device)
+    if bidx is None and b_c < b:
+        raise ValueError(f"{fn}: without cache_batch_idx the caches need a row per batch row of q "
+                         f"({b}), got batch_cache = {b_c}")
+    host = _host_values(seqlens)
+    if host is not None and any(n < 0 or n + s_new > s_c for n in host):
+        raise ValueError(f"{fn}: cache_seqlens + seqlen_new must lie in [0, seqlen_cache = {s_c}] "
+                         f"(the new keys must fit the cache), got cache_seqlens = {host} and "
+                         f"seqlen_new = {s_new}")
+    host_idx = None if bidx is None else _host_values(bidx)
+    if host_idx is not None and any(i < 0 or i >= b_c for i in host_idx):
+        raise ValueError(f"{fn}: cache_batch_idx entries must lie in [0, batch_cache = {b_c}), got "
+                         f"{host_idx}")
+    if host is not None and leftpad is not None:
+        lp = leftpad.tolist()
+        if any(a < 0 or a > n + s_new for a, n in zip(lp, host)):
+            raise ValueError(f"{fn}: cache_leftpad entries must lie in [0, cache_seqlens + "
+                             f"seqlen_new], got cache_leftpad = {lp} for cache_seqlens = {host} "
+                             f"and seqlen_new = {s_new}")
+    _check_rotary(fn, rotary_cos, rotary_sin, q, k is not None, s_c)
+    scale = resolve_scale(softmax_scale, d)
+    with torch.no_grad():
+        # only the head dimension must be contiguous (flash-attn copies the others' too)
+        q, k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        if rotary_cos is not None:
+            q = _rotate(q, rotary_cos, rotary_sin,
+                        _rotary_q_positions(seqlens, s_q, causal or window != (-1, -1)),
+                        rotary_interleaved)
+            k = _rotate(k, rotary_cos, rotary_sin, _rotary_q_positions(seqlens, s_new, True),
+                        rotary_interleaved)
+        if k is not None:
+            rows = (bidx.long() if bidx is not None else
+                    torch.arange(b, device=q.device))[:, None].expand(b, s_new)
+            cols = seqlens.long()[:, None] + torch.arange(s_new, device=q.device)[None, :]
+            k_cache.index_put_((rows, cols), k)
+            v_cache.index_put_((rows, cols), v)
+            seqlens = seqlens + s_new
+        out, lse = _attend_cache(q, k_cache, v_cache, seqlens, leftpad, bidx, scale, causal,
+                                 window, softcap, int(num_splits))
+    return (out, _flash_lse(lse)) if return_softmax_lse else out
+
+
+# ------------------------------------------------------------------------------ context parallel
+class _Homes:
+    """Where each token position of a sharded KV cache lives (see ring_flash_attn_with_kvcache).
+
+    Positions ``t < prefill_len`` are where ``layout`` put them: on the rank whose
+    ``layout.positions(prefill_len, W, rank)`` lists t, at that list's index. Later positions
+    are dealt round-robin: rank ``(t - prefill_len) % W``, local slot
+    ``prefill_len / W + (t - prefill_len) // W``. A rank's slots hold increasing positions, so
+    any range of positions ``[a, b)`` is the slot range ``[count(a), count(b))`` on every rank.
+    """
+
+    def __init__(self, layout: Layout, prefill_len: int, world: int, rank: int, device):
+        self.P, self.W, self.rank = prefill_len, world, rank
+        self.base = prefill_len // world
+        self.device = device
+        if prefill_len:
+            pos = layout.positions(prefill_len, world, rank)
+            if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
+                raise ValueError(f"layout {layout.name!r}: a rank's positions must increase in its "
+                                 f"local order for a sharded KV cache, got {pos[:8].tolist()}...")
+            self.local_pos = pos.to(device)
+            self.owner = _prefill_owner(layout, prefill_len, world).to(device)
+        else:
+            self.local_pos = torch.zeros(0, dtype=torch.long, device=device)
+            self.owner = torch.zeros(0, dtype=torch.long, device=device)
+
+    def count(self, t: torch.Tensor) -> torch.Tensor:
+        """Number of this rank's slots holding a position < t (t int64, any shape)."""
+        t = t.long()
+        pre = torch.searchsorted(self.local_pos, t.clamp(max=self.P).contiguous())
+        later = torch.div(t - self.P - self.rank + self.W - 1, self.W, rounding_mode="floor")
+        return pre + later.clamp(min=0)
+
+    def home(self, t: torch.Tensor):
+        """(rank, slot) of positions t (int64, any shape)."""
+        t = t.long()
+        late = t >= self.P
+        rank = torch.where(late, (t - self.P) % self.W,
+                           self.owner[t.clamp(max=max(self.P - 1, 0))] if self.P else t * 0)
+        # a prefill position's slot is its index in its owner's list; for this rank's own
+        # positions that is count(t)
+        slot = torch.where(late, self.base + torch.div(t - self.P, self.W, rounding_mode="floor"),
+                           self.count(t))
+        return rank, slot
+
+
+@functools.lru_cache(maxsize=16)
+def _prefill_owner(layout: Layout, prefill_len: int, world: int) -> torch.Tensor:
+    owner = torch.empty(prefill_len, dtype=torch.long)
+    for r in range(world):
+        owner[layout.positions(prefill_len, world, r)] = r
+    return owner
+
+
+def _merge_partials(outs: torch.Tensor, lses: torch.Tensor):
+    """Exact merge of partial attention results over disjoint key sets: outs (n, b, s, h, d),
+    lses (n, b, h, s) in the accumulation dtype. Rows no part saw get out 0, lse -inf."""
+    m = lses.amax(dim=0)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lses - m_safe)  # (n, b, h, s); 0 for parts with lse = -inf
+    total = w.sum(dim=0)
+    lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(m, float("-inf")))
+    wn = torch.where(total > 0, w / total, torch.zeros_like(w))
+    out = torch.einsum("nbhs,nbshd->bshd", wn, outs)
+    return out, lse
+
+
+def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens, k=None, v=None,
+                                 group=None, layout="contiguous", softmax_scale=None,
+                                 causal=True, window_size=(-1, -1), softcap=0.0,
+                                 rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                                 cache_leftpad=None, alibi_slopes=None, num_splits=0,
+                                 return_softmax_lse=False, *, prefill_len):
+    """Decoding over a KV cache that stays sharded across the ranks of ``group``.
+
+    The cache of a long context lives where a ring prefill left it: the first ``prefill_len``
+    positions as ``layout`` split them (``ringseq.shard``), later positions round-robin. Each
+    call's queries (the same on every rank) attend locally to every rank's shard; the partial
+    (out, lse) merge exactly by their log-sum-exp after one all-gather of
+    ``batch * seqlen_q * nheads * (headdim + 1)`` floats per rank. No key or value moves.
+
+    Where tokens live (every rank computes every home from ``prefill_len``, ``W`` and
+    ``layout``, nothing is exchanged): position ``t < prefill_len`` on the rank and at the
+    local slot where ``layout`` put it; position ``t >= prefill_len`` on rank
+    ``(t - prefill_len) % W`` at local slot ``prefill_len / W + (t - prefill_len) // W``
+    (round-robin: the shards grow evenly, one token per rank every W tokens). New keys passed as
+    ``k``, ``v`` are written to their homes in place (rank-local ``index_put_``).
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), the same on every rank.
+        k_cache_shard, v_cache_shard: (batch, capacity, nheads_k, headdim): this rank's slots
+            (the layout's shard of the prefill in its first ``prefill_len / W`` slots; room for
+            this rank's share of the new tokens after them).
+        cache_seqlens: int or (batch,) int tensor: the GLOBAL number of tokens of each row in
+            the whole cache before this call (the same on every rank); rows may differ.
+        k, v: None or (batch, seqlen_new, nheads_k, headdim), the same on every rank: the keys
+            and values of positions ``cache_seqlens + i``, appended to their homes.
+        group: the process group (None: default group; no process group: one rank).
+        layout: "contiguous", "zigzag", "stripe" or a Layout (its positions must increase in
+            each rank's local order, as the built-in ones do): how the prefill was sharded.
+        softmax_scale, softcap, alibi_slopes (must be None), num_splits: as
+            :func:`flash_attn_with_kvcache`.
+        causal: queries are the LAST seqlen_q positions of the cache after the append; causal
+            masks over global positions. With seqlen_q > 1 it needs ``seqlen_new >= seqlen_q``
+            (the queries are new tokens); seqlen_q == 1 sees every earlier token either way.
+        window_size: (left, right) over global positions; seqlen_q == 1 only.
+        rotary_cos, rotary_sin, rotary_interleaved: as :func:`flash_attn_with_kvcache`, at
+            GLOBAL positions.
+        cache_leftpad: None or (batch,) int tensor: each row's first valid GLOBAL position.
+        return_softmax_lse: also return lse (batch, nheads, seqlen_q) (+inf: no visible key).
+        prefill_len (keyword-only, required): the global length the layout sharded (a
+            multiple of ``layout.multiple(W)``; 0 when the cache started empty).
+
+    Returns ``out`` (batch, seqlen_q, nheads, headdim) in q's dtype on every rank (the same
+    values everywhere), or ``(out, lse)``. Not differentiable.
+
+    Raises ValueError / TypeError / NotImplementedError as :func:`flash_attn_with_kvcache`,
+    plus a slot past this rank's capacity and window_size with seqlen_q > 1; with the
+    consistency checks on (the default, ``ringseq.set_consistency_check``), a failure on one
+    rank raises on every rank (``ringseq.RingPeerError`` on the others; one control collective
+    per call; off: only the all-gather).
+    """
+    fn = _RING_FN
+    world, rank = group_info(group)
+    problem = None
+    try:
+        plan = _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, rank,
+                          layout, softmax_scale, causal, window_size, softcap, rotary_cos,
+                          rotary_sin, rotary_interleaved, cache_leftpad, alibi_slopes,
+                          num_splits, return_softmax_lse, prefill_len)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        problem, plan = exc, None
+    # On the ring's control channel: the other ranks raise RingPeerError naming this one (and
+    # its message) instead of waiting in the all-gather.
+    get_ring(group).agree(problem is None, str(problem), error=problem)
+    with torch.no_grad():
+        return _ring_decode(plan, group, world)
+
+
+def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, rank, layout,
+               softmax_scale, causal, window_size, softcap, rotary_cos, rotary_sin,
+               rotary_interleaved, cache_leftpad, alibi_slopes, num_splits, return_softmax_lse,
+               prefill_len):
+    """Checks a ring decoding call on this rank; returns what _ring_decode needs."""
+    softmax_scale = check_softmax_scale(fn, softmax_scale)
+    check_bool(fn, "causal", causal)
+    check_bool(fn, "rotary_interleaved", rotary_interleaved)
+    check_bool(fn, "return_softmax_lse", return_softmax_lse)
+    window = parse_window(fn, window_size)
+    softcap = check_softcap(softcap, fn)
+    check_alibi_slopes(fn, alibi_slopes)
+    lay = get_layout(layout)
+    if not isinstance(prefill_len, numbers.Integral) or isinstance(prefill_len, bool) \
+            or prefill_len < 0 or (prefill_len and prefill_len % lay.multiple(world)):
+        raise ValueError(f"{fn}: prefill_len must be 0 or a positive multiple of "
+                         f"{lay.multiple(world)} (layout {lay.name!r} over {world} ranks), got "
+                         f"{prefill_len!r}")
+    _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    for name, t in (("k_cache_shard", k_cache_shard), ("v_cache_shard", v_cache_shard)):
+        _check_tensor(fn, name, t, 4, "(batch, capacity, nheads_k, headdim)")
+        if t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} must have q's dtype and device ({q.dtype} on "
+                             f"{q.device}) and a contiguous last dimension, got {t.dtype} on "
+                             f"{t.device}, strides {t.stride()}")
+    b, s_q, h, d = q.shape
+    if k_cache_shard.shape != v_cache_shard.shape or k_cache_shard.shape[0] != b \
+            or k_cache_shard.shape[3] != d or h % max(k_cache_shard.shape[2], 1):
+        raise ValueError(f"{fn}: k_cache_shard and v_cache_shard must both be (batch, capacity, "
+                         f"nheads_k, headdim) with batch {b}, headdim {d} and nheads_k dividing "
+                         f"{h}, got {tuple(k_cache_shard.shape)} and {tuple(v_cache_shard.shape)}")
+    cap, h_kv = k_cache_shard.shape[1], k_cache_shard.shape[2]
+    if prefill_len // world > cap:
+        raise ValueError(f"{fn}: the cache shard holds {cap} slots, fewer than this rank's "
+                         f"{prefill_len // world} prefill tokens")
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: pass both k and v, or neither")
+    s_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _check_tensor(fn, name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (h_kv, d) \
+                or k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device:
+            raise ValueError(f"{fn}: k and v must both be ({b}, seqlen_new, {h_kv}, {d}) with q's "
+                             f"dtype and device, got {tuple(k.shape)} {k.dtype} and "
+                             f"{tuple(v.shape)} {v.dtype}")
+        s_new = k.shape[1]
+    if causal and s_q > 1 and s_new < s_q:
+        raise NotImplementedError(f"{fn}: causal with seqlen_q = {s_q} > 1 needs the queries' own "
+                                  f"keys: pass k and v with seqlen_new >= seqlen_q, got "
+                                  f"seqlen_new = {s_new}")
+    if window != (-1, -1) and s_q > 1:
+        raise NotImplementedError(f"{fn}: window_size with seqlen_q = {s_q} > 1 is not "
+                                  f"supported (one query per call)")
+    lengths = _row_ints(fn, "cache_seqlens", cache_seqlens, b, q.device, allow_int=True)
+    starts = (torch.zeros(b, dtype=torch.int32, device=q.device) if cache_leftpad is None else
+              _row_ints(fn, "cache_leftpad", cache_leftpad, b, q.device))
+    _check_rotary(fn, rotary_cos, rotary_sin, q, k is not None, 0)
+    homes = _Homes(lay, int(prefill_len), world, rank, q.device)
+    host = _host_values(lengths)
+    if host is not None:
+        if any(n < 0 for n in host):
+            raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {host}")
+        last = max(host) + s_new
+        if rotary_cos is not None and rotary_cos.shape[0] < last:
+            raise ValueError(f"{fn}: rotary_cos / rotary_sin need at least {last} rows (the "
+                             f"positions they rotate), got {rotary_cos.shape[0]}")
+        need = int(homes.count(torch.tensor(last, device=q.device)))
+        if need > cap:
+            raise ValueError(f"{fn}: rank {rank}'s cache shard holds {cap} slots but "
+                             f"{need} are needed for {last} tokens (prefill_len = {prefill_len}, "
+                             f"{world} ranks)")
+    return dict(q=q, kc=k_cache_shard, vc=v_cache_shard, k=k, v=v, lengths=lengths,
+                starts=starts, homes=homes, rank=rank, causal=causal, window=window,
+                softcap=softcap, scale=resolve_scale(softmax_scale, d), rotary=(rotary_cos,
+                rotary_sin, rotary_interleaved), num_splits=int(num_splits),
+                return_lse=return_softmax_lse)
+
+
+def _ring_decode(plan, group, world):
+    q, kc, vc, k, v = plan["q"], plan["kc"], plan["vc"], plan["k"], plan["v"]
+    lengths, starts, homes, rank = plan["lengths"], plan["starts"], plan["homes"], plan["rank"]
+    causal, window, softcap, scale = plan["causal"], plan["window"], plan["softcap"], plan["scale"]
+    b, s_q, h, d = q.shape
+    s_new = 0 if k is None else k.shape[1]
+    cos, sin, interleaved = plan["rotary"]
+    if cos is not None:
+        q = _rotate(q, cos, sin, _rotary_q_positions(lengths, s_q, causal or window != (-1, -1)),
+                    interleaved)
+        k = _rotate(k, cos, sin, _rotary_q_positions(lengths, s_new, True), interleaved)
+    # Every earlier token precedes every query (seqlen_q == 1, or the queries are new tokens):
+    # the local shard is one unmasked range of slots, [count(first visible), count(old end)).
+    first = starts.long()
+    if window[0] >= 0:  # one query, at position lengths + s_new - 1
+        first = torch.maximum(first, lengths.long() + s_new - 1 - window[0])
+    end_old = lengths.long()
+    local_end = homes.count(end_old).to(torch.int32)
+    local_start = torch.minimum(homes.count(first), local_end.long()).to(torch.int32)
+    out_r, lse_r = _attend_cache(q, kc, vc, local_end, local_start, None, scale, False, (-1, -1),
+                                 softcap, plan["num_splits"])
+    if k is not None:
+        # The new tokens go to their homes; the block of queries x new keys is computed on
+        # every rank from the replicated k, v (bottom-right causal / window within it).
+        pos = end_old[:, None] + torch.arange(s_new, device=q.device)[None, :]  # (b, s_new)
+        owner, slot = homes.home(pos)
+        mine = owner == rank
+        rows = torch.arange(b, device=q.device)[:, None].expand(b, s_new)
+        kc.index_put_((rows[mine], slot[mine]), k[mine])
+        vc.index_put_((rows[mine], slot[mine]), v[mine])
+        new_len = torch.full((b,), s_new, dtype=torch.int32, device=q.device)
+        out_n, lse_n = _attend_cache(q, k, v, new_len, None, None, scale, causal, window,
+                                     softcap, 0)
+    acc = accum_dtype(q.dtype)
+    # One all-gather of (out, lse): (b, s_q, h, d + 1) per rank in the accumulation dtype.
+    payload = torch.cat((out_r.to(acc), lse_r.to(acc).transpose(1, 2).unsqueeze(-1)), dim=-1)
+    if world > 1:
+        parts = [torch.empty_like(payload) for _ in range(world)]
+        dist.all_gather(parts, payload.contiguous(), group=group)
+        gathered = torch.stack(parts)  # (W, b, s_q, h, d + 1)
+    else:
+        gathered = payload.unsqueeze(0)
+    outs, lses = gathered[..., :d], gathered[..., d].transpose(2, 3)  # (W, b, h, s_q)
+    if k is not None:
+        outs = torch.cat((outs, out_n.to(acc).unsqueeze(0)))
+        lses = torch.cat((lses, lse_n.to(acc).unsqueeze(0)))
+    out, lse = _merge_partials(outs, lses)
+    out = out.to(q.dtype)
+    return (out, _flash_lse(lse)) if plan["return_lse"] else out
+
+
+# torch.compile / meta support of the operator (shapes only; the binding checks the values).
+if extension_available():
+
+    @torch.library.register_fake("ringseq::fwd_kvcache")
+    def _fwd_kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,
+                          softmax_scale, causal, window_left=-1, window_right=-1, softcap=0.0,
+                          num_splits=0):
+        b, s_q, h, _ = q.shape
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
+        return out, lse

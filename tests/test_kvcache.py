@@ -1,0 +1,476 @@
+"""KV-cache decoding: flash_attn_with_kvcache (flash-attn 2's semantics) and its
+context-parallel form ring_flash_attn_with_kvcache, against float64 attention.
+
+The single-device cases are flash-attn's own kvcache test grid (tests/test_flash_attn.py,
+test_flash_attn_kvcache: seqlen_q 1 and > 1, new keys appended or not, cache_batch_idx,
+cache_leftpad, MHA/GQA/MQA, causal, sliding windows, rotary at fraction 0/0.5/1 interleaved or
+not, num_splits) re-typed with a deterministic sample of its combinations, plus softcap.
+Tolerance: docs/design.md's rule (2x the error of plain same-dtype attention vs float64, plus a
+small floor). The reference below is written from flash-attn's documented definition, not from
+ringseq's code.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+import ringseq
+from ringseq import flash_attn_with_kvcache, ring_flash_attn_with_kvcache
+from dist_utils import RankError, run_ranks
+from utils import assert_close_per_design, scaled_floor
+
+bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+
+
+# ------------------------------------------------------------------------- the reference
+def visible(s_q, k_len, causal, window, device=None):
+    """(s_q, k_len) bool: flash-attn's bottom-right aligned mask over a row's valid keys."""
+    i = torch.arange(s_q, device=device)[:, None]
+    j = torch.arange(k_len, device=device)[None, :]
+    off = k_len - s_q
+    vis = torch.ones(s_q, k_len, dtype=torch.bool, device=device)
+    left, right = window
+    if causal:
+        vis &= j <= i + off
+    if left >= 0:
+        vis &= j >= i + off - left
+    if right >= 0:
+        vis &= j <= i + off + right
+    return vis
+
+
+def attention_rows(q, keys, values, masks, scale, softcap, dtype):
+    """Per batch row: attention of q[b] (s_q, h, d) to keys[b] (n_b, h_kv, d) under masks[b],
+    computed in `dtype`; out (b, s_q, h, d), lse (b, h, s_q); rows with no key: 0 and +inf."""
+    outs, lses = [], []
+    h = q.shape[2]
+    for b in range(q.shape[0]):
+        kk = keys[b].to(dtype).repeat_interleave(h // keys[b].shape[1], dim=1)
+        vv = values[b].to(dtype).repeat_interleave(h // keys[b].shape[1], dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[b].to(dtype), kk) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~masks[b], float("-inf"))
+        lse = torch.logsumexp(s.float() if dtype in (bf16, f16) else s, dim=-1)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        outs.append(torch.einsum("hqk,khd->qhd", p, vv))
+        lses.append(lse.masked_fill(torch.isneginf(lse), float("inf")))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def rotary(x, cos, sin, pos, interleaved, dtype):
+    """x (b, s, h, d) rotated at rows pos (b, s) of cos/sin (n, r/2), computed in `dtype`:
+    pairs (2i, 2i+1) when interleaved, else (i, i + r/2)."""
+    r = 2 * cos.shape[1]
+    c, s = cos.to(dtype)[pos][:, :, None], sin.to(dtype)[pos][:, :, None]
+    xr = x.to(dtype)
+    if interleaved:
+        a, b = xr[..., 0:r:2], xr[..., 1:r:2]
+        rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    else:
+        a, b = xr[..., :r // 2], xr[..., r // 2:r]
+        rot = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    return torch.cat((rot, xr[..., r:]), dim=-1)
+
+
+# ------------------------------------------------------------------------- flash-attn's grid
+SEQLENS = [(1, 128), (1, 339), (3, 1024), (64, 800), (64, 256), (3, 799), (64, 2048),
+           (16, 2000), (1, 4096)]
+AXES = dict(
+    seqlens=SEQLENS, d=[64, 59, 128], batch_idx=[False, True], leftpad=[False, True],
+    rotary=[0.0, 0.5, 1.0], interleaved=[False, True], new_eq_q=[True, False],
+    causal=[False, True], local=[False, True], new_kv=[True, False],
+    mha=["mha", "mqa", "gqa"], splits=[1, 0, 3], dtype=[f16, bf16])
+
+
+def grid_sample(n, seed=0):
+    """n combinations of flash-attn's axes in which every value of every axis appears: each
+    axis deals its values from seeded shuffles, reshuffled after each round, independently of
+    the other axes. Rotary needs new keys (as in flash-attn): a case without them has none."""
+    rng = random.Random(seed)
+    columns = {}
+    for k, vals in AXES.items():
+        col = []
+        while len(col) < n:
+            col += rng.sample(vals, len(vals))
+        columns[k] = col[:n]
+    out = []
+    for i in range(n):
+        case = {k: columns[k][i] for k in AXES}
+        if not case["new_kv"]:
+            case["rotary"] = 0.0
+        out.append(case)
+    return out
+
+
+def run_flash_case(case, device="cpu", seed=0):
+    s_q, s_k = case["seqlens"]
+    d, dtype = case["d"], case["dtype"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    b, h = 2, 6
+    h_kv = {"mha": 6, "mqa": 1, "gqa": 3}[case["mha"]]
+    b_c = 2 * b if case["batch_idx"] else b
+    rotary_dim = math.floor(int(case["rotary"] * d) / 16) * 16
+    window = (-1, -1) if not case["local"] else tuple(
+        int(x) for x in torch.randint(0, s_k, (2,), generator=gen))
+    s_new = s_q if case["new_eq_q"] else int(torch.randint(1, s_q + 1, (1,), generator=gen))
+    new = case["new_kv"]
+    q = randn(b, s_q, h, d)
+    k_new, v_new = (randn(b, s_new, h_kv, d), randn(b, s_new, h_kv, d)) if new else (None, None)
+    k_cache, v_cache = randn(b_c, s_k, h_kv, d), randn(b_c, s_k, h_kv, d)
+    hi = (s_k - (s_q if (case["causal"] or case["local"]) and rotary_dim > 1 else s_new) + 1) \
+        if new else s_k + 1
+    cache_seqlens = torch.randint(0 if new else 1, max(hi, 1), (b,), generator=gen, dtype=torch.int32)
+    leftpad = None
+    if case["leftpad"]:
+        leftpad = torch.tensor([int(torch.randint(0, n, (1,), generator=gen)) if n > 0 else 0
+                                for n in cache_seqlens.tolist()], dtype=torch.int32)
+    bidx = torch.randperm(b_c, generator=gen)[:b].to(torch.int32) if case["batch_idx"] else None
+    cos = sin = None
+    if rotary_dim:
+        angle = torch.rand(s_k, rotary_dim // 2, generator=gen, dtype=f64) * 2 * math.pi
+        cos, sin = torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+    rows = bidx.long() if bidx is not None else torch.arange(b)
+    before = (k_cache.clone(), v_cache.clone())
+
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, rotary_cos=None if cos is None else cos.to(device),
+        rotary_sin=None if sin is None else sin.to(device), cache_seqlens=cache_seqlens.to(device),
+        cache_batch_idx=None if bidx is None else bidx.to(device),
+        cache_leftpad=None if leftpad is None else leftpad.to(device), causal=case["causal"],
+        window_size=window, rotary_interleaved=case["interleaved"], num_splits=case["splits"],
+        return_softmax_lse=True)
+
+    # The reference: rotate, append, attend over each row's valid keys, in float64 and dtype.
+    results = {}
+    lengths = cache_seqlens.long() + (s_new if new else 0)
+    starts = leftpad.long() if leftpad is not None else torch.zeros(b, dtype=torch.long)
+    for dt in (f64, dtype):
+        qq, kn = q.cpu(), None if k_new is None else k_new.cpu()
+        if rotary_dim:
+            q_pos = cache_seqlens.long()[:, None] + (torch.arange(s_q) if case["causal"] or case["local"]
+                                                     else torch.zeros(s_q, dtype=torch.long))
+            qq = rotary(qq, cos, sin, q_pos, case["interleaved"], dt)
+            kn = rotary(kn, cos, sin, cache_seqlens.long()[:, None] + torch.arange(s_new),
+                        case["interleaved"], dt).to(dtype)  # stored in the cache's dtype
+        kc, vc = before[0][rows].clone().cpu(), before[1][rows].clone().cpu()
+        if new:
+            for bb in range(b):
+                n0 = int(cache_seqlens[bb])
+                kc[bb, n0:n0 + s_new], vc[bb, n0:n0 + s_new] = kn[bb], v_new[bb].cpu()
+        keys = [kc[bb, starts[bb]:lengths[bb]] for bb in range(b)]
+        vals = [vc[bb, starts[bb]:lengths[bb]] for bb in range(b)]
+        masks = [visible(s_q, int(lengths[bb] - starts[bb]), case["causal"], window) for bb in range(b)]
+        results[dt] = attention_rows(qq, keys, vals, masks, d ** -0.5, 0.0, dt)
+        if dt == f64 and new:
+            # The caches were written in place, at the rows and positions of the reference
+            # (rotated keys may round differently by an ulp: float32 vs float64 rotation).
+            tol = torch.finfo(dtype).eps if rotary_dim else 0.0
+            torch.testing.assert_close(k_cache.cpu()[rows], kc, rtol=tol, atol=tol)
+            assert torch.equal(v_cache.cpu()[rows], vc)
+    ref, plain = results[f64], results[dtype]
+    floor = scaled_floor(dtype, ref[0])
+    assert_close_per_design(out.cpu(), ref[0], plain[0], "out", factor=2, floor=floor)
+    assert_close_per_design(lse.cpu(), ref[1], plain[1].to(lse.dtype), "lse", factor=2, floor=floor)
+
+
+@pytest.mark.parametrize("case", grid_sample(27), ids=lambda c: "-".join(
+    f"{k}{v}" if not isinstance(v, tuple) else f"{v[0]}x{v[1]}" for k, v in c.items()))
+def test_flash_attn_kvcache_grid(case):
+    run_flash_case(case)
+
+
+@pytest.mark.parametrize("case", grid_sample(4, seed=1))
+def test_flash_attn_kvcache_every_isa_level(isa, case):
+    run_flash_case(case, seed=3)
+    assert ringseq.cpu_isa() == isa
+
+
+def test_signature_is_flash_attns():
+    # flash-attn 2's flash_attn_interface.flash_attn_with_kvcache, parameter for parameter
+    import ast
+    import inspect
+    ref = ("q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, "
+           "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, "
+           "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+           "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False")
+    args = ast.parse(f"def f({ref}): pass").body[0].args
+    defaults = [inspect.Parameter.empty] * (len(args.args) - len(args.defaults)) + [
+        ast.literal_eval(d) for d in args.defaults]
+    got = [(p.name, p.default, p.kind) for p in inspect.signature(flash_attn_with_kvcache).parameters.values()]
+    assert got == [(a.arg, d, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a, d in zip(args.args, defaults)]
+    assert "flash_attn_with_kvcache" in ringseq.__all__ and "ring_flash_attn_with_kvcache" in ringseq.__all__
+
+
+# ------------------------------------------------------------------------- decoding specifics
+def _decode_inputs(b=3, h=8, h_kv=2, d=64, cap=700, dtype=f32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, 1, h, d, generator=gen).to(dtype)
+    kc = torch.randn(b, cap, h_kv, d, generator=gen).to(dtype)
+    vc = torch.randn(b, cap, h_kv, d, generator=gen).to(dtype)
+    return q, kc, vc
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16, f64])
+@pytest.mark.parametrize("window", [(-1, -1), (40, 0), (0, 0)])
+def test_single_token_decoding_with_gqa_softcap_and_windows(dtype, window):
+    # One query per row with GQA (the kernel reads each kv head once for its group of query
+    # heads), rows of different lengths, a soft-cap and windows given as ints and as tensors.
+    q, kc, vc = _decode_inputs(dtype=dtype)
+    lengths = torch.tensor([1, 700, 333], dtype=torch.int32)
+    for win in (window, torch.tensor(window)):
+        out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=True,
+                                           window_size=win, softcap=5.0, return_softmax_lse=True)
+        masks = [visible(1, n, True, window) for n in lengths.tolist()]
+        keys = [kc[b, :n] for b, n in enumerate(lengths.tolist())]
+        vals = [vc[b, :n] for b, n in enumerate(lengths.tolist())]
+        ref = attention_rows(q, keys, vals, masks, 64 ** -0.5, 5.0, f64)
+        plain = attention_rows(q, keys, vals, masks, 64 ** -0.5, 5.0, dtype)
+        floor = scaled_floor(dtype, ref[0])
+        assert_close_per_design(out, ref[0], plain[0], "out", floor=floor)
+        assert_close_per_design(lse, ref[1], plain[1].to(lse.dtype), "lse", floor=floor)
+
+
+def test_num_splits_change_rounding_only():
+    # Any number of key splits computes the same attention: 1 (none), 0 (chosen from the
+    # shape: this call has 2 x 2 items, so it splits), 5 and more splits than key tiles.
+    q, kc, vc = _decode_inputs(b=2, cap=4000, d=128)
+    lengths = torch.tensor([3999, 2500], dtype=torch.int32)
+    outs = [flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, num_splits=n,
+                                    return_softmax_lse=True) for n in (1, 0, 5, 200)]
+    keys = [kc[b, :n] for b, n in enumerate(lengths.tolist())]
+    vals = [vc[b, :n] for b, n in enumerate(lengths.tolist())]
+    masks = [visible(1, n, False, (-1, -1)) for n in lengths.tolist()]
+    ref = attention_rows(q, keys, vals, masks, 128 ** -0.5, 0.0, f64)
+    plain = attention_rows(q, keys, vals, masks, 128 ** -0.5, 0.0, f32)
+    for out, lse in outs:
+        assert_close_per_design(out, ref[0], plain[0], "out", floor=scaled_floor(f32, ref[0]))
+        assert_close_per_design(lse, ref[1], plain[1], "lse", floor=scaled_floor(f32, ref[1]))
+
+
+def test_results_do_not_depend_on_thread_count():
+    q, kc, vc = _decode_inputs(b=1, cap=3000)
+    lengths = torch.tensor([2999], dtype=torch.int32)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
+                                                   return_softmax_lse=True))
+    finally:
+        torch.set_num_threads(threads)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def test_appending_in_steps_equals_one_call_over_the_filled_cache():
+    # Decoding token by token (appending each step's k, v) leaves the cache and the last
+    # output as one call over the filled cache; only the appended positions change.
+    q, kc, vc = _decode_inputs(b=2, cap=64)
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([10, 20], dtype=torch.int32)
+    kc0, vc0 = kc.clone(), vc.clone()
+    for step in range(5):
+        k = torch.randn(2, 1, 2, 64, generator=gen)
+        v = torch.randn(2, 1, 2, 64, generator=gen)
+        out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths + step, causal=True)
+    direct = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths + 5, causal=True)
+    torch.testing.assert_close(out, direct, rtol=0, atol=0)
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(kc[b, :n], kc0[b, :n]) and torch.equal(kc[b, n + 5:], kc0[b, n + 5:])
+        assert not torch.equal(kc[b, n:n + 5], kc0[b, n:n + 5])
+
+
+def test_rows_that_see_no_key_give_zero_and_lse_plus_inf():
+    q, kc, vc = _decode_inputs(b=2)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([0, 5], dtype=torch.int32),
+                                       return_softmax_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isposinf(lse[0]).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_inference_only_runs_without_autograd():
+    q, kc, vc = _decode_inputs(b=1)
+    q.requires_grad_()
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3)
+    assert not out.requires_grad
+
+
+def test_errors_name_the_argument():
+    q, kc, vc = _decode_inputs(b=2, cap=16)
+    n = torch.tensor([3, 4], dtype=torch.int32)
+    k = torch.randn(2, 1, 2, 64)
+    cases = [
+        (NotImplementedError, "block_table", dict(cache_seqlens=n, block_table=torch.zeros(2, 1, dtype=torch.int32))),
+        (NotImplementedError, "alibi_slopes", dict(cache_seqlens=n, alibi_slopes=torch.ones(8))),
+        (ValueError, "both k and v", dict(k=k, cache_seqlens=n)),
+        (ValueError, "cache_seqlens is required", dict(k=k, v=k)),
+        (ValueError, "must fit the cache", dict(k=k, v=k, cache_seqlens=torch.tensor([15, 16], dtype=torch.int32))),
+        (TypeError, "cache_seqlens must be", dict(cache_seqlens=torch.tensor([1.0, 2.0]))),
+        (ValueError, "cache_batch_idx entries", dict(cache_seqlens=n, cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32))),
+        (ValueError, "cache_leftpad entries", dict(cache_seqlens=n, cache_leftpad=torch.tensor([0, 5], dtype=torch.int32))),
+        (ValueError, "rotary_cos / rotary_sin rotate the new keys",
+         dict(cache_seqlens=n, rotary_cos=torch.ones(16, 8), rotary_sin=torch.ones(16, 8))),
+        (ValueError, "multiple of 16", dict(k=k, v=k, cache_seqlens=n, rotary_cos=torch.ones(16, 4),
+                                            rotary_sin=torch.ones(16, 4))),
+        (ValueError, "num_splits", dict(cache_seqlens=n, num_splits=-1)),
+        (TypeError, "causal", dict(cache_seqlens=n, causal=1)),
+    ]
+    for exc, text, kwargs in cases:
+        with pytest.raises(exc, match=text) as info:
+            flash_attn_with_kvcache(q, kc, vc, **kwargs)
+        assert "flash_attn_with_kvcache" in str(info.value)
+
+
+# ------------------------------------------------------------------------- context parallel
+class _count_collectives:
+    """Records (op, elements sent) of torch.distributed's all_gather / all_reduce calls."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+        self.sent, self.saved = [], (dist.all_gather, dist.all_reduce)
+
+        def gather(parts, t, *a, **kw):
+            self.sent.append(("all_gather", t.numel()))
+            return self.saved[0](parts, t, *a, **kw)
+
+        def reduce(t, *a, **kw):
+            self.sent.append(("all_reduce", t.numel()))
+            return self.saved[1](t, *a, **kw)
+        dist.all_gather, dist.all_reduce = gather, reduce
+        return self.sent
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        dist.all_gather, dist.all_reduce = self.saved
+
+
+def _ring_decode_worker(cases, check_errors):
+    """Each case: prefill a global cache sharded with its layout, then decode steps; returns the
+    max error ratio vs the tolerance rule per case (checked on the caller side too)."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    report = []
+    for case in cases:
+        layout, dtype, s_q_steps, b, h, h_kv, d = (case[k] for k in ("layout", "dtype", "steps", "b", "h", "h_kv", "d"))
+        gen = torch.Generator().manual_seed(case["seed"])
+        P = case["prefill"]
+        total_new = sum(s_q_steps)
+        lengths = torch.tensor(case["lengths"], dtype=torch.int32)  # global, before decoding
+        leftpad = torch.tensor(case["leftpad"], dtype=torch.int32) if case["leftpad"] else None
+        cap_global = max(case["lengths"]) + total_new
+        K = torch.randn(b, cap_global, h_kv, d, generator=gen).to(dtype)  # the global cache
+        V = torch.randn(b, cap_global, h_kv, d, generator=gen).to(dtype)
+        # Rank shards: the prefill by the layout; positions past it were decoded earlier,
+        # round-robin (the documented rule), written here from K/V.
+        cap_local = P // world + (cap_global - P + world - 1) // world + 1
+        kc = torch.zeros(b, cap_local, h_kv, d, dtype=dtype)
+        vc = torch.zeros_like(kc)
+        if P:
+            kc[:, :P // world] = ringseq.layouts.shard_local(K[:, :P], layout, world, rank)
+            vc[:, :P // world] = ringseq.layouts.shard_local(V[:, :P], layout, world, rank)
+        for t in range(P, max(case["lengths"])):
+            if (t - P) % world == rank:
+                kc[:, P // world + (t - P) // world] = K[:, t]
+                vc[:, P // world + (t - P) // world] = V[:, t]
+        worst = 0.0
+        for step, s_q in enumerate(s_q_steps):
+            q = torch.randn(b, s_q, h, d, generator=gen).to(dtype)
+            k_new = torch.randn(b, s_q, h_kv, d, generator=gen).to(dtype)
+            v_new = torch.randn(b, s_q, h_kv, d, generator=gen).to(dtype)
+            window = case["window"] if s_q == 1 else (-1, -1)
+            # Every other step without the consistency check: then the call's only
+            # communication is one all-gather of (out, lse), b * s_q * h * (d + 1) values
+            # (with it, also one control collective that agrees on the arguments).
+            ringseq.set_consistency_check(step % 2 == 0)
+            controls = ringseq.get_ring()._seq
+            with _count_collectives() as sent:
+                out, lse = ring_flash_attn_with_kvcache(
+                    q, kc, vc, lengths, k_new, v_new, layout=layout, causal=True,
+                    window_size=window, softcap=case["softcap"], cache_leftpad=leftpad,
+                    return_softmax_lse=True, prefill_len=P)
+            gathers = [n for op, n in sent if op == "all_gather"]
+            assert gathers == [b * s_q * h * (d + 1)], sent
+            assert len(sent) == 1, sent
+            # + the argument agreement on the ring's control channel, when the check is on
+            assert ringseq.get_ring()._seq - controls == (1 if step % 2 == 0 else 0)
+            ringseq.set_consistency_check(True)
+            for bb in range(b):  # the global cache gets the same tokens
+                n = int(lengths[bb])
+                K[bb, n:n + s_q], V[bb, n:n + s_q] = k_new[bb], v_new[bb]
+            lengths = lengths + s_q
+            start = leftpad.long() if leftpad is not None else torch.zeros(b, dtype=torch.long)
+            keys = [K[bb, start[bb]:lengths[bb]] for bb in range(b)]
+            vals = [V[bb, start[bb]:lengths[bb]] for bb in range(b)]
+            masks = [visible(s_q, int(lengths[bb] - start[bb]), True, window) for bb in range(b)]
+            ref = attention_rows(q, keys, vals, masks, d ** -0.5, case["softcap"], f64)
+            plain = attention_rows(q, keys, vals, masks, d ** -0.5, case["softcap"], dtype)
+            floor = scaled_floor(dtype, ref[0])
+            err, base = assert_close_per_design(out, ref[0], plain[0], "out", floor=floor)
+            assert_close_per_design(lse, ref[1], plain[1].to(lse.dtype), "lse", floor=floor)
+            worst = max(worst, err / (2 * base + floor))
+        # the documented homes: position t >= P lives on rank (t - P) % W at slot P/W + (t - P) // W
+        for t in range(P, int(lengths.min())):
+            if (t - P) % world == rank:
+                assert torch.equal(kc[:, P // world + (t - P) // world], K[:, t]), (case, t)
+        report.append(worst)
+    return report, _ring_errors() if check_errors else None
+
+
+RING_CASES = [
+    dict(layout="contiguous", dtype=f32, steps=[1, 1, 2, 1], b=2, h=8, h_kv=2, d=32, prefill=48,
+         lengths=[48, 53], leftpad=None, window=(-1, -1), softcap=0.0, seed=1),
+    dict(layout="zigzag", dtype=bf16, steps=[1, 3, 1], b=2, h=4, h_kv=1, d=64, prefill=64,
+         lengths=[40, 70], leftpad=[3, 0], window=(-1, -1), softcap=0.0, seed=2),
+    dict(layout="stripe", dtype=f32, steps=[1, 1, 1], b=2, h=6, h_kv=3, d=16, prefill=32,
+         lengths=[33, 45], leftpad=[0, 7], window=(9, 0), softcap=4.0, seed=3),
+    dict(layout="contiguous", dtype=f64, steps=[2, 1], b=1, h=2, h_kv=2, d=8, prefill=0,
+         lengths=[5], leftpad=None, window=(-1, -1), softcap=0.0, seed=4),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_decoding_is_exact_and_moves_no_kv(world):
+    # Exactness and the collectives are asserted on every rank (a failing rank raises
+    # RankError here); at W=2 the same ranks then check the errors (one spawn for both).
+    cases = [c for c in RING_CASES if c["prefill"] % (2 * world) == 0]
+    results = run_ranks(_ring_decode_worker, world, cases, world == 2, timeout=180)
+    assert all(len(report) == len(cases) for report, _ in results)
+    if world == 2:
+        for rank, (_, caught) in enumerate(results):
+            # a shard too small on rank 1 only: raised there, and on rank 0 as a RingPeerError
+            # naming rank 1 and its message
+            assert len(caught) == 3, caught
+            assert "holds 3 slots" in caught[0] and (rank == 1 or "rank(s) [1]" in caught[0])
+            assert "prefill_len" in caught[1]  # bad on every rank: raised on every rank
+            assert "window_size" in caught[2] and "NotImplementedError" in caught[2]
+
+
+def _ring_errors():
+    """Three calls that must fail; returns what each rank raised."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    caught = []
+
+    def call(q, cap, k=None, **kwargs):
+        kc = torch.zeros(1, cap, 2, 16)
+        try:
+            ring_flash_attn_with_kvcache(q, kc, kc.clone(), 8, k, None if k is None else k.clone(),
+                                         **kwargs)
+        except (ValueError, NotImplementedError) as exc:
+            caught.append(f"{type(exc).__name__}: {exc}")
+
+    new_kv = torch.randn(1, 1, 2, 16)
+    call(torch.randn(1, 1, 4, 16), 8 if rank == 0 else 3, new_kv, prefill_len=8)  # rank 1 only
+    call(torch.randn(1, 1, 4, 16), 8, prefill_len=5)  # not a multiple of the layout's
+    call(torch.randn(1, 2, 4, 16), 8, torch.randn(1, 2, 2, 16), prefill_len=8, window_size=(2, 0))
+    return caught

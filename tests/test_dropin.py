@@ -354,3 +354,74 @@ def test_ring_sdpa_and_module_check_their_arguments():
         ringseq.RingAttention(causal="yes")
     with pytest.raises(TypeError, match="RingAttention: softmax_scale must be a float"):
         ringseq.RingAttention(softmax_scale=True)
+
+
+# ------------------------------------------------------------ varlen packed forms, lse of empty rows
+# flash-attn 2 (v2.6+) varlen signatures.
+_FA2_VARLEN_TAIL = ("dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
+                    "softcap=0.0, alibi_slopes=None, deterministic=False, "
+                    "return_attn_probs=False")
+FLASH_ATTN_2_VARLEN = {
+    "flash_attn_varlen_func": "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "
+                              + _FA2_VARLEN_TAIL + ", block_table=None",
+    "flash_attn_varlen_kvpacked_func": "q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
+                                       "max_seqlen_k, " + _FA2_VARLEN_TAIL,
+    "flash_attn_varlen_qkvpacked_func": "qkv, cu_seqlens, max_seqlen, " + _FA2_VARLEN_TAIL,
+}
+
+
+@pytest.mark.parametrize("name", list(FLASH_ATTN_2_VARLEN))
+def test_varlen_signature_matches_reference(name):
+    sig = inspect.signature(getattr(ringseq, name))
+    params = list(sig.parameters.values())
+    positional = [(p.name, p.default) for p in params
+                  if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == _parse(FLASH_ATTN_2_VARLEN[name]), f"{name}{sig}"
+    others = params[len(positional):]
+    assert {p.name for p in others} == {"return_lse", "backend"}
+    assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in others)
+    assert name in ringseq.__all__
+
+
+def test_varlen_packed_forms_equal_the_unpacked_one():
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 5, 5, 17, 32], dtype=torch.int32)
+    q, k, v = (torch.randn(32, n, 16, generator=g) for n in (4, 2, 2))
+    kw = dict(causal=True, window_size=(6, 0), softcap=2.0, return_attn_probs=True)
+    want = ringseq.flash_attn_varlen_func(q, k, v, cu, cu, 15, 15, **kw)
+    kvp = ringseq.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu, cu, 15, 15, **kw)
+    for a, b in zip(want[:2], kvp[:2]):
+        assert torch.equal(a, b)
+    # qkvpacked: one head count for q, k and v (no GQA in this form)
+    qkv = torch.stack([q, q, q], 1).requires_grad_()
+    got = ringseq.flash_attn_varlen_qkvpacked_func(qkv, cu, 15, causal=True)
+    ref = ringseq.flash_attn_varlen_func(q, q, q, cu, cu, 15, 15, causal=True)
+    assert torch.equal(got, ref)
+    got.sum().backward()
+    assert qkv.grad.shape == qkv.shape and torch.isfinite(qkv.grad).all()
+    with pytest.raises(ValueError, match=r"flash_attn_varlen_kvpacked_func: kv must be "
+                                         r"\(total, 2, nheads_kv, headdim\)"):
+        ringseq.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v, v], 1), cu, cu, 15, 15)
+
+
+def test_rows_that_see_no_key_follow_flash_attn_lse_convention():
+    """flash-attn's return_attn_probs gives lse = +inf for a row that sees no key (its kernels
+    write +inf so that exp(score - lse) is 0); ringseq's return_lse keeps -inf (what the ring
+    merges with); out is 0 either way."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 6, 2, 8, generator=g)
+    k = torch.randn(1, 3, 2, 8, generator=g)  # causal, s_q > s_k: rows 0..2 see nothing
+    out, lse, none = ringseq.flash_attn_func(q, k, k, causal=True, return_attn_probs=True)
+    assert none is None
+    assert torch.isposinf(lse[..., :3]).all() and torch.isfinite(lse[..., 3:]).all()
+    assert (out[:, :3] == 0).all()
+    _, lse2 = ringseq.flash_attn_func(q, k, k, causal=True, return_lse=True)
+    assert torch.isneginf(lse2[..., :3]).all() and torch.equal(lse2[..., 3:], lse[..., 3:])
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 0, 3], dtype=torch.int32)  # the first sequence has no key
+    _, lse3, _ = ringseq.flash_attn_varlen_func(q[0], k[0], k[0], cu, cu_k, 3, 3,
+                                                return_attn_probs=True)
+    assert torch.isposinf(lse3[:, :3]).all() and torch.isfinite(lse3[:, 3:]).all()
+    _, lse4, _ = ringseq.ring_flash_attn_func(q[:, :3], k, k, causal=False,
+                                              window_size=(0, 0), return_attn_probs=True)
+    assert torch.isfinite(lse4).all()  # (every row sees its own key)

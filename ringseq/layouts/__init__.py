@@ -9,11 +9,13 @@ from ..masks import AttnMask
 from .base import (LAYOUTS, BlockTask, Layout, check_rank, get_layout, layout_name_of_code,
                    masked_tasks, merge_intervals, register_layout, span_keys)
 from .builtin import Contiguous, Stripe, Zigzag
-from .documents import DOCUMENTS, Documents, PerBatchDocuments, document_positions, documents_layout
+from .documents import (DOCUMENTS, Documents, DocumentsContiguous, DocumentsZigzag,
+                        PerBatchDocuments, document_positions, documents_layout)
 from .sharding import positions, positions_local, shard, shard_local, unshard, unshard_local
 
 __all__ = [
-    "AttnMask", "BlockTask", "Contiguous", "DOCUMENTS", "Documents", "LAYOUTS", "Layout",
+    "AttnMask", "BlockTask", "Contiguous", "DOCUMENTS", "Documents", "DocumentsContiguous",
+    "DocumentsZigzag", "LAYOUTS", "Layout",
     "PerBatchDocuments", "Stripe", "Zigzag", "check_rank", "document_positions",
     "documents_layout", "get_layout", "layout_name_of_code", "masked_tasks", "merge_intervals",
     "positions",

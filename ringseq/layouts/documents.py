@@ -12,11 +12,61 @@ from .._hash import stable_code
 from ..masks import AttnMask, Run
 from .base import Layout, register_layout
 
-__all__ = ["DOCUMENTS", "Documents", "PerBatchDocuments", "document_positions",
-           "documents_layout"]
+__all__ = ["DOCUMENTS", "Documents", "DocumentsContiguous", "DocumentsZigzag",
+           "PerBatchDocuments", "document_positions", "documents_layout"]
 
 
-class Documents(Layout):
+class _DocumentLayout(Layout):
+    """A layout made for one packed sequence (GLOBAL boundaries ``cu_seqlens``): attention with
+    it is always restricted to the documents, and its schedules come from its runs under the
+    document mask."""
+
+    def __init__(self, cu_seqlens):
+        self.cu_seqlens = self.documents = check_cu_seqlens(type(self).__name__, "cu_seqlens",
+                                                            cu_seqlens)
+
+    @property
+    def code(self) -> int:
+        return stable_code(f"{self.name}{self.cu_seqlens}")
+
+    def _positions(self, seqlen, world_size, rank):
+        runs = self.runs(seqlen, world_size, rank)
+        if not runs:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.cat([torch.arange(r.start, r.start + r.length) for r in runs])
+
+    def _tasks(self, rank, src, world_size, s_local):  # pragma: no cover - always masked
+        raise RuntimeError(f"layout {self.name!r} schedules only through a document mask")
+
+    def mask(self, causal, window=(-1, -1)) -> AttnMask:
+        """``causal`` (a bool, or an AttnMask whose causal flag and window are kept) restricted
+        to this layout's documents."""
+        if isinstance(causal, AttnMask):
+            causal, window = causal.causal, causal.window
+        return AttnMask(causal=bool(causal), window=tuple(window), cu_seqlens=self.cu_seqlens)
+
+    def schedule(self, rank, world_size, s_local, causal):
+        return super().schedule(rank, world_size, s_local, self.mask(causal))
+
+    def hops(self, world_size, s_local, causal):
+        return super().hops(world_size, s_local, self.mask(causal))
+
+    def kv_rows(self, world_size, s_local, causal):
+        return super().kv_rows(world_size, s_local, self.mask(causal))
+
+    def bind(self, cu_seqlens):
+        if cu_seqlens is not None and tuple(int(c) for c in cu_seqlens) != self.cu_seqlens:
+            raise ValueError(f"layout {self!r}: the batch's cu_seqlens {tuple(cu_seqlens)} differ "
+                             f"from the document boundaries the layout was built with; pass "
+                             f"one of them")
+        return self
+
+    def __repr__(self):
+        return (f"{type(self).__name__}({len(self.cu_seqlens) - 1} documents, "
+                f"{self.cu_seqlens[-1]} tokens)")
+
+
+class Documents(_DocumentLayout):
     """Packed documents split for balanced causal work without any divisibility demand.
 
     A document of the packed sequence (boundaries ``cu_seqlens = (0, ..., total)``) is either
@@ -42,12 +92,8 @@ class Documents(Layout):
     BALANCE = 1.02  # accepted max / mean of the estimated causal work per rank
 
     def __init__(self, cu_seqlens):
-        self.cu_seqlens = self.documents = check_cu_seqlens("Documents", "cu_seqlens", cu_seqlens)
+        super().__init__(cu_seqlens)
         self._pieces = {}
-
-    @property
-    def code(self) -> int:
-        return stable_code(f"{self.name}{self.cu_seqlens}")
 
     def _layout(self, world_size: int):
         """Per rank: its (global start, length) runs, sorted by position (see class doc)."""
@@ -152,81 +198,117 @@ class Documents(Layout):
             local += n
         return tuple(runs)
 
-    def _positions(self, seqlen, world_size, rank):
-        runs = self.runs(seqlen, world_size, rank)
-        if not runs:
-            return torch.zeros(0, dtype=torch.int64)
-        return torch.cat([torch.arange(r.start, r.start + r.length) for r in runs])
 
-    def _tasks(self, rank, src, world_size, s_local):  # pragma: no cover - always masked
-        raise RuntimeError("layout 'documents' schedules only through a document mask")
+class _SplitEveryDocument(_DocumentLayout):
+    """Every document cut into ``pieces(W)`` equal chunks, rank r holding ``chunks(r, W)`` of each
+    (ring-flash-attention's varlen shards: its ``extract_local``); every document length must
+    divide by ``pieces(W)``. Local order: document by document, chunks in increasing order."""
 
-    def mask(self, causal, window=(-1, -1)) -> AttnMask:
-        """``causal`` (a bool, or an AttnMask whose causal flag and window are kept) restricted
-        to this layout's documents."""
-        if isinstance(causal, AttnMask):
-            causal, window = causal.causal, causal.window
-        return AttnMask(causal=bool(causal), window=tuple(window), cu_seqlens=self.cu_seqlens)
+    def pieces(self, world_size: int) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
 
-    def schedule(self, rank, world_size, s_local, causal):
-        return super().schedule(rank, world_size, s_local, self.mask(causal))
+    def chunks(self, rank: int, world_size: int):  # pragma: no cover - abstract
+        raise NotImplementedError
 
-    def hops(self, world_size, s_local, causal):
-        return super().hops(world_size, s_local, self.mask(causal))
+    def check_seqlen(self, seqlen: int, world_size: int) -> int:
+        n = self.pieces(world_size)
+        bad = [b - a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]) if (b - a) % n]
+        if seqlen != self.cu_seqlens[-1] or bad:
+            raise ValueError(
+                f"layout {self.name!r} cuts every document into {n} equal chunks (world size "
+                f"{world_size}): it needs a packed sequence of {self.cu_seqlens[-1]} tokens "
+                f"(cu_seqlens) whose every document length is a multiple of {n}; got "
+                f"{seqlen} tokens" + (f" and document lengths {bad[:5]}" if bad else ""))
+        return seqlen // world_size
 
-    def kv_rows(self, world_size, s_local, causal):
-        return super().kv_rows(world_size, s_local, self.mask(causal))
+    def check_local_seqlen(self, s_local: int, world_size: int) -> None:
+        self.check_seqlen(s_local * world_size, world_size)
 
-    def bind(self, cu_seqlens):
-        if cu_seqlens is not None and tuple(int(c) for c in cu_seqlens) != self.cu_seqlens:
-            raise ValueError(f"layout {self!r}: the batch's cu_seqlens {tuple(cu_seqlens)} differ "
-                             f"from the document boundaries the layout was built with; pass "
-                             f"one of them")
-        return self
+    def runs(self, seqlen, world_size, rank):
+        self.check_seqlen(seqlen, world_size)
+        n = self.pieces(world_size)
+        runs, local = [], 0
+        for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]):
+            c = (b - a) // n
+            for j in self.chunks(rank, world_size):
+                if c:
+                    runs.append(Run(local, c, a + j * c, 1))
+                    local += c
+        return tuple(runs)
 
-    def __repr__(self):
-        return f"Documents({len(self.cu_seqlens) - 1} documents, {self.cu_seqlens[-1]} tokens)"
+
+class DocumentsContiguous(_SplitEveryDocument):
+    """Every document cut into W chunks, rank r holding chunk r of each: ring-flash-attention's
+    ``ring_flash_attn_varlen_func`` shards (``value[start:end].chunk(W)[r]`` per document).
+    Causal work is unbalanced within each document, as in the plain ring."""
+
+    name = "documents_contiguous"
+
+    def pieces(self, world_size):
+        return world_size
+
+    def chunks(self, rank, world_size):
+        return (rank,)
+
+
+class DocumentsZigzag(_SplitEveryDocument):
+    """Every document cut into 2W chunks, rank r holding chunks r and 2W-1-r of each:
+    ring-flash-attention's ``zigzag_ring_flash_attn_varlen_func`` shards. (``Documents``
+    balances the same work without any divisibility demand.)"""
+
+    name = "documents_zigzag"
+
+    def pieces(self, world_size):
+        return 2 * world_size
+
+    def chunks(self, rank, world_size):
+        return (rank, 2 * world_size - 1 - rank)
 
 
 class PerBatchDocuments(Layout):
-    """``layout="documents"``: packed batches, each split by :class:`Documents` of its own
-    boundaries. It places no tokens itself: an entry point binds it to a batch's global
-    ``cu_seqlens`` (:meth:`Layout.bind`), which gives that batch's (cached) ``Documents``."""
+    """A documents layout of packed batches, each bound to its own boundaries:
+    ``"documents"`` (:class:`Documents`), ``"documents_contiguous"`` and ``"documents_zigzag"``
+    (ring-flash-attention's varlen shards). It places no tokens itself: an entry point binds it
+    to a batch's GLOBAL ``cu_seqlens`` (:meth:`Layout.bind`), which gives that batch's (cached)
+    layout."""
 
-    name = "documents"
+    def __init__(self, cls):
+        self.cls, self.name = cls, cls.name if cls is not Documents else "documents"
 
     def bind(self, cu_seqlens):
         if cu_seqlens is None:
-            raise ValueError("layout 'documents' splits packed batches by their documents and "
-                             "needs the batch's GLOBAL document boundaries: pass cu_seqlens (or "
-                             "the cu_seq_lens_q / position_ids of "
-                             "ringseq.shard_batch(batch, layout='documents'))")
-        return documents_layout(tuple(int(c) for c in cu_seqlens))
+            raise ValueError(f"layout {self.name!r} splits packed batches by their documents and "
+                             f"needs the batch's GLOBAL document boundaries: pass cu_seqlens (or "
+                             f"the cu_seq_lens_q / position_ids of "
+                             f"ringseq.shard_batch(batch, layout={self.name!r}))")
+        return documents_layout(tuple(int(c) for c in cu_seqlens), self.cls)
 
     def _unbound(self, *args, **kwargs):
-        raise ValueError("layout 'documents' is per batch: bind it to the batch's document "
-                         "boundaries first (layout.bind(cu_seqlens), or pass "
-                         "ringseq.layouts.Documents(cu_seqlens))")
+        raise ValueError(f"layout {self.name!r} is per batch: bind it to the batch's document "
+                         f"boundaries first (layout.bind(cu_seqlens), or pass "
+                         f"ringseq.layouts.{self.cls.__name__}(cu_seqlens))")
 
     def multiple(self, world_size: int) -> int:
-        return world_size  # each batch's Documents needs only total % W == 0
+        return world_size  # a batch's total divides W (each layout checks its own documents)
 
     check_seqlen = check_local_seqlen = positions = runs = _unbound
     schedule = hops = kv_rows = shard = scatter = _unbound
 
     def __repr__(self):
-        return "Layout('documents': per batch)"
+        return f"Layout({self.name!r}: per batch)"
 
 
 @functools.lru_cache(maxsize=16)
-def documents_layout(cu_seqlens: Tuple[int, ...]) -> Documents:
-    """The (cached) :class:`Documents` layout of one packed batch: every layer of a model sees
-    the same boundaries, so they share one layout and its cached schedules."""
-    return Documents(cu_seqlens)
+def documents_layout(cu_seqlens: Tuple[int, ...], cls=Documents) -> Layout:
+    """The (cached) documents layout of one packed batch: every layer of a model sees the same
+    boundaries, so they share one layout and its cached schedules."""
+    return cls(cu_seqlens)
 
 
 #: ``layout="documents"``: the per-batch documents layout (``get_layout("documents")``)
-DOCUMENTS = register_layout(PerBatchDocuments())
+DOCUMENTS = register_layout(PerBatchDocuments(Documents))
+register_layout(PerBatchDocuments(DocumentsContiguous))
+register_layout(PerBatchDocuments(DocumentsZigzag))
 
 
 def document_positions(cu_seqlens: Sequence[int], global_positions: torch.Tensor) -> torch.Tensor:

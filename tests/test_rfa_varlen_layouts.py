@@ -1,0 +1,87 @@
+"""ring-flash-attention's varlen shards as ringseq layouts.
+
+ring-flash-attention's varlen ring functions take shards cut per document: every document of
+the packed sequence split into W chunks (``ring_flash_attn_varlen_func``) or 2W chunks with rank
+r holding chunks r and 2W-1-r (``zigzag_ring_flash_attn_varlen_func``). ``DocumentsContiguous``
+and ``DocumentsZigzag`` (``layout="documents_contiguous"`` / ``"documents_zigzag"``, bound per
+batch) are exactly those shards, so a port keeps its data pipeline and passes the GLOBAL
+boundaries (its per-rank boundaries times W).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ringseq
+from dist_utils import run_ranks
+from masks_reference import global_mask, masked_attention
+from ringseq.layouts import DocumentsContiguous, DocumentsZigzag, get_layout, shard_local
+
+CU = (0, 8, 24, 56, 64)
+
+
+def _per_document(x, cu, rank, world, pieces, which):
+    """The shard as ring-flash-attention's tests cut it: torch.chunk per document."""
+    parts = []
+    for a, b in zip(cu, cu[1:]):
+        chunks = x[:, a:b].chunk(pieces, dim=1)
+        parts += [chunks[j] for j in which(rank, world)]
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_shards_equal_ring_flash_attention_cuts(world):
+    x = torch.arange(64).view(1, 64)
+    for r in range(world):
+        assert torch.equal(shard_local(x, DocumentsContiguous(CU), world, r),
+                           _per_document(x, CU, r, world, world, lambda r, w: (r,)))
+        assert torch.equal(shard_local(x, DocumentsZigzag(CU), world, r),
+                           _per_document(x, CU, r, world, 2 * world,
+                                         lambda r, w: (r, 2 * w - 1 - r)))
+    # the per-batch names bind to the batch's boundaries
+    assert isinstance(get_layout("documents_zigzag").bind(CU), DocumentsZigzag)
+    assert get_layout("documents_contiguous").bind(CU).cu_seqlens == CU
+
+
+@pytest.mark.parametrize("layout", [DocumentsContiguous, DocumentsZigzag])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_on_these_shards_is_exact(layout, world):
+    g = torch.Generator().manual_seed(world)
+    q, k, v, dout = (torch.randn(1, 64, n, 8, generator=g, dtype=torch.float64)
+                     for n in (4, 2, 2, 4))
+    for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (5, 0))):
+        out, lse, dq, dk, dv = ringseq.simulate_ring(q, k, v, layout(CU), world, causal,
+                                                     backend="reference", dout=dout,
+                                                     window_size=window)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ro, rl = masked_attention(*ref, global_mask(64, 64, causal, window, CU))
+        ro.backward(dout)
+        for got, want in ((out, ro), (lse, rl), (dq, ref[0].grad), (dk, ref[1].grad),
+                          (dv, ref[2].grad)):
+            assert (got - want).abs().max() < 1e-12, (layout.name, world, causal, window)
+
+
+def test_documents_that_do_not_divide_are_named():
+    with pytest.raises(ValueError, match=r"'documents_zigzag' cuts every document into 4 equal "
+                                         r"chunks.*document lengths \[10, 6\]"):
+        shard_local(torch.zeros(1, 16), DocumentsZigzag((0, 10, 16)), 2, 0)
+
+
+def _local_boundaries():
+    q = torch.randn(16, 2, 8, dtype=torch.float64)  # this rank's 16 of 32 tokens
+    local = torch.tensor([0, 4, 16], dtype=torch.int32)  # a port's per-rank boundaries
+    out = {}
+    for layout in (None, "documents_zigzag", "zigzag"):
+        try:
+            ringseq.ring_flash_attn_varlen_func(q, q, q, local, layout=layout, causal=True)
+            out[str(layout)] = "no error"
+        except ValueError as exc:
+            out[str(layout)] = str(exc)
+    return out
+
+
+def test_per_rank_boundaries_say_they_must_be_global():
+    for res in run_ranks(_local_boundaries, 2, timeout=120):
+        for layout, msg in res.items():
+            assert "must be the GLOBAL document boundaries" in msg, (layout, msg)
+            assert "per-rank boundaries" in msg, (layout, msg)

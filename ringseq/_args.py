@@ -25,7 +25,7 @@ from .kernels.checks import count_check
 
 __all__ = ["autocast_inputs", "check_alibi_slopes", "check_bool", "check_cu_seqlens",
            "check_dropout", "check_returns", "check_softmax_scale", "given", "parse_window",
-           "split_kv", "split_qkv"]
+           "sdpa_inputs", "split_kv", "split_qkv"]
 
 WINDOW_OFF = (-1, -1)
 
@@ -171,6 +171,25 @@ def check_returns(fn: str, return_attn_probs, return_lse) -> None:
     if return_attn_probs and return_lse:
         raise ValueError(f"{fn}: pass return_attn_probs=True (flash-attn's (out, softmax_lse, "
                          f"None)) or return_lse=True (ringseq's (out, lse)), not both")
+
+
+def sdpa_inputs(fn: str, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                enable_gqa):
+    """``F.scaled_dot_product_attention``'s arguments checked for a sequence-parallel SDPA form:
+    returns (q, k, v) as (b, s, h, d) views of query / key / value (b, h, s, d). ``attn_mask``
+    must be None (the mask comes from ``is_causal`` and the layout), ``dropout_p`` 0."""
+    check_softmax_scale(fn, scale, name="scale")
+    check_bool(fn, "is_causal", is_causal)
+    check_bool(fn, "enable_gqa", enable_gqa)
+    if attn_mask is not None:
+        raise ValueError(f"{fn}: attn_mask must be None (use is_causal, a layout or a window), "
+                         f"got {given(attn_mask)}")
+    check_dropout(fn, dropout_p)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be (batch, nheads, seqlen, headdim), got "
+                             f"{given(t)}")
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
 
 def _check_packed(fn: str, name: str, t, n: int, layout: str) -> None:

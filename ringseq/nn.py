@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._args import (autocast_inputs, check_bool, check_dropout, check_returns, check_softmax_scale,
+from ._args import (autocast_inputs, check_bool, check_returns, check_softmax_scale, sdpa_inputs,
                     split_kv, split_qkv)
 from .engine.integrity import FWD
 from .engine.op import run_attention
@@ -253,20 +253,10 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     """
     fn = "ring_sdpa"
     with refuse_on_error(group, FWD):
-        check_softmax_scale(fn, scale, name="scale")
-        check_bool(fn, "is_causal", is_causal)
-        check_bool(fn, "enable_gqa", enable_gqa)
-        if attn_mask is not None:
-            raise ValueError(f"{fn}: attn_mask must be None (use is_causal or a layout), got "
-                             f"a {type(attn_mask).__name__}")
-        check_dropout(fn, dropout_p)
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(f"{fn}: {name} must be (batch, nheads, seqlen, headdim), got "
-                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
-    out = ring_attention(fn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                         softmax_scale=scale, causal=is_causal, group=group, layout=layout,
-                         backend=backend, grad_comm_dtype=grad_comm_dtype)
+        q, k, v = sdpa_inputs(fn, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              enable_gqa)
+    out = ring_attention(fn, q, k, v, softmax_scale=scale, causal=is_causal, group=group,
+                         layout=layout, backend=backend, grad_comm_dtype=grad_comm_dtype)
     return out.transpose(1, 2)
 
 

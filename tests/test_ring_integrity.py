@@ -22,7 +22,7 @@ from ringseq.kernels import get_backend
 from ringseq.kernels.base import AttentionBackend
 
 from dist_utils import run_ranks
-from utils import max_err
+from utils import capture as _capture, max_err
 
 ENV = {"RINGSEQ_TIMEOUT": "20"}
 FAST = 15.0  # seconds every error must arrive within (generous for a loaded 2-core CI box)
@@ -54,16 +54,6 @@ class FaultyBackend(AttentionBackend):
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
         self._tick()
         return self.inner._bwd(dout, q, k, v, out, lse, scale, causal, delta)
-
-
-def _capture(fn):
-    """('ok', value) or (error type name, message, seconds)."""
-    import time
-    t0 = time.monotonic()
-    try:
-        return ("ok", fn())
-    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
-        return (type(exc).__name__, str(exc), time.monotonic() - t0)
 
 
 def _full(seed, s, h=4, h_kv=2, d=16, dtype=torch.float64):

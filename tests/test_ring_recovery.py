@@ -21,19 +21,10 @@ from ringseq.kernels import get_backend
 from ringseq.kernels.base import AttentionBackend
 
 from dist_utils import run_ranks
-from utils import max_err
+from utils import capture as _capture, max_err
 
 TIMEOUT = 4  # seconds: the ring timeout of these ranks
 FAST = 3 * TIMEOUT + 10  # every error must arrive within this (a loaded 2-core CI box)
-
-
-def _capture(fn):
-    """('ok', value) or (error type name, message, seconds)."""
-    t0 = time.monotonic()
-    try:
-        return ("ok", fn())
-    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
-        return (type(exc).__name__, str(exc), time.monotonic() - t0)
 
 
 def _full(seed, s=16, h=4, h_kv=2, d=8):

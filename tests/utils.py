@@ -1,7 +1,19 @@
 """Shared test helpers: float64 reference attention and the tolerance rule of docs/design.md."""
 from __future__ import annotations
 
+import time
+
 import torch
+
+
+def capture(fn):
+    """What calling ``fn()`` did, for a rank to report to the test: ``("ok", value)`` or
+    ``(error type name, message, seconds until it raised)``."""
+    t0 = time.monotonic()
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
+        return (type(exc).__name__, str(exc), time.monotonic() - t0)
 
 
 def _mask(s_q, s_k, device):

@@ -30,7 +30,7 @@ from .plan import make_plan
 from .ring import get_ring
 
 __all__ = ["LocalPlacement", "Placement", "RingPlacement", "object_by_key", "object_key",
-           "placement_from_key", "register_placement"]
+           "placement_from_key", "register_placement", "ring_dout"]
 
 
 # ------------------------------------------------------------------------------ object keys
@@ -150,13 +150,19 @@ class RingPlacement(Placement):
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         plan, ring = self._plan(q, k, spec)
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        if dlse is not None:
-            spec.backend.require_lse_grad()
-        return ring_backward(dout, q, k, v, out, lse, plan, ring, dlse)
+        return ring_backward(ring_dout(dout, dlse, out, spec), q, k, v, out, lse, plan, ring,
+                             dlse)
+
+
+def ring_dout(dout, dlse, out, spec: AttnSpec) -> torch.Tensor:
+    """The upstream gradient as the ring's backward takes it: zeros when none reached ``out``,
+    its last dimension contiguous; RuntimeError when a gradient reached lse and the backend
+    cannot take one."""
+    if dlse is not None:
+        spec.backend.require_lse_grad()
+    if dout is None:
+        return torch.zeros_like(out)
+    return dout if dout.stride(-1) == 1 else dout.contiguous()
 
 
 # ---------------------------------------------------------------------------- from keys

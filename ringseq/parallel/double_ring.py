@@ -39,7 +39,7 @@ import torch
 from ..engine.integrity import BWD, FWD
 from ..engine.loops import ring_backward, ring_forward
 from ..engine.placement import (Placement, group_from_key, group_key, layout_from_key,
-                                layout_key, register_placement)
+                                layout_key, register_placement, ring_dout)
 from ..engine.plan import PlannedTask, RingPlan, make_plan
 from ..engine.ring import Ring, get_ring
 from ..kernels import AttentionBackend, compute_delta
@@ -176,12 +176,7 @@ class DoubleRingPlacement(Placement):
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         plan, outer, whole = self._plan(q, k, spec)
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        if dlse is not None:
-            spec.backend.require_lse_grad()
+        dout = ring_dout(dout, dlse, out, spec)
         with whole.open_call(BWD, plan.signature, q.device, bind=False) as call:
             call.begin()
             grads = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._args import autocast_inputs, check_bool, check_dropout, check_returns, check_softmax_scale
+from .._args import autocast_inputs, check_returns, sdpa_inputs
 from ..engine.integrity import FWD
 from ..engine.op import run_attention
 from ..engine.placement import LOCAL, Placement, RingPlacement
@@ -108,17 +108,7 @@ def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
     ``attn_mask`` must be None and ``dropout_p`` 0 (ValueError otherwise)."""
     fn = "usp_sdpa"
     with refuse_on_error(sp.group, FWD):
-        check_softmax_scale(fn, scale, name="scale")
-        check_bool(fn, "is_causal", is_causal)
-        check_bool(fn, "enable_gqa", enable_gqa)
-        if attn_mask is not None:
-            raise ValueError(f"{fn}: attn_mask must be None (use is_causal), got a "
-                             f"{type(attn_mask).__name__}")
-        check_dropout(fn, dropout_p)
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(f"{fn}: {name} must be (batch, nheads, seqlen, headdim), got "
-                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
-    out = _usp(fn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0.0, scale,
-               is_causal, sp, layout, False, backend, grad_comm_dtype)
+        q, k, v = sdpa_inputs(fn, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              enable_gqa)
+    out = _usp(fn, q, k, v, 0.0, scale, is_causal, sp, layout, False, backend, grad_comm_dtype)
     return out.transpose(1, 2)

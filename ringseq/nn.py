@@ -52,10 +52,7 @@ def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causa
                          documents=unbound.documents if cu_seqlens is None else cu_seqlens)
         check_self_attention(spec, q, k)
         check_layout(spec, unbound.bind(spec.documents), ring_size(group), q.shape[1])
-    # The inputs now have the dtype autocast asked for; the block kernels choose their own
-    # accumulation dtype, which the caller's autocast would otherwise silently lower.
-    with torch.autocast(q.device.type, enabled=False):
-        out, lse = run_attention(q, k, v, spec, RingPlacement(unbound, group, comm_kind))
+    out, lse = run_attention(q, k, v, spec, RingPlacement(unbound, group, comm_kind))
     return returns(out, lse, return_attn_probs, return_lse)
 
 

@@ -34,7 +34,8 @@ Rings of one rank have no peers: failures simply raise and nothing is marked bro
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Sequence
+import functools
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -109,8 +110,10 @@ def _message_text(words: torch.Tensor) -> str:
     return raw.rstrip(b"\0").decode("utf-8", "replace")
 
 
-def signature_hash(values: Sequence[int]) -> int:
-    """A 31-bit hash of the call signature (pure Python: the same on every rank)."""
+@functools.lru_cache(maxsize=512)
+def signature_hash(values: Tuple[int, ...]) -> int:
+    """A 31-bit hash of the call signature (pure Python: the same on every rank; cached, a
+    plan's signature repeats every call)."""
     return stable_hash_ints(values)
 
 
@@ -137,10 +140,11 @@ def gather(ring, kind: int, status: int, fields: Sequence[int] = (),
     """One control collective on ``ring``: every rank's control vector as rows of ints (and,
     when any rank's status is FAILED or INVALID, a second collective with their messages,
     kept as ``ring.peer_messages``), or None where no control collective runs."""
-    words = control_vector(kind, status, ring._seq, fields)
     seq = ring._seq
     ring._seq += 1
-    rows = ring.control(words, kind, seq)
+    if not ring.checks_on:
+        return None
+    rows = ring.control(control_vector(kind, status, seq, fields), kind, seq)
     if rows is None:
         return None
     rows = rows.tolist()
@@ -226,7 +230,7 @@ class RingCall:
         self.ring = ring
         self.kind = kind
         self.signature = tuple(signature)
-        self.values = [int(f[1]) for f in self.signature]
+        self.values = tuple(int(f[1]) for f in self.signature)
         self.sig = signature_hash(self.values)
         self.device = torch.device(device)
         self.failure: Optional[BaseException] = None
@@ -286,6 +290,8 @@ class RingCall:
             raise RingBrokenError(f"ringseq: the ring is broken by an earlier failure "
                                   f"({type(ring.broken).__name__}: {ring.broken}); call "
                                   f"ringseq.reset_ring(group) on every rank") from ring.broken
+        if ring.world_size == 1:
+            return  # no exchange: no header
         # Filled element by element with Python scalars: on CUDA these are small kernels,
         # where a host->device copy of a (pageable) list would synchronize the stream.
         self._base = torch.empty(4, dtype=torch.int64, device=self.device)

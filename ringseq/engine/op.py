@@ -11,6 +11,7 @@ graph holds none of them, and the fake implementation only computes output shape
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Tuple
 
 import torch
@@ -23,13 +24,20 @@ from .placement import LOCAL, Placement, placement_from_key
 __all__ = ["run_attention"]
 
 
+def _no_autocast(device_type: str):
+    """Autocast off inside the operator: the kernels choose their own accumulation dtype, which
+    a caller's autocast (still on in here) would lower."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 @torch.library.custom_op("ringseq::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, spec: str, placement: str,
                   documents: Optional[Tensor], spans: Optional[Tensor]
                   ) -> Tuple[Tensor, Tensor, List[Tensor]]:
     sp = spec_from_key(spec, documents, spans)
-    # The kernels choose their own accumulation dtype, which a caller's autocast would lower.
-    with torch.autocast(q.device.type, enabled=False):
+    with _no_autocast(q.device.type):
         out, lse, saved = placement_from_key(placement).forward(q, k, v, sp)
     # Outputs must be fresh tensors with the fake's layout (torch.compile trusts the fake).
     return out.contiguous(), lse.contiguous(), [t.contiguous() for t in saved]
@@ -50,7 +58,7 @@ def _attention_backward_op(dout: Optional[Tensor], dlse: Optional[Tensor], q: Te
                            placement: str, documents: Optional[Tensor],
                            spans: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     sp = spec_from_key(spec, documents, spans)
-    with torch.autocast(q.device.type, enabled=False):
+    with _no_autocast(q.device.type):
         grads = placement_from_key(placement).backward(dout, dlse, q, k, v, out, lse,
                                                        list(saved), sp)
     return tuple(g.contiguous() for g in grads)

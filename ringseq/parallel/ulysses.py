@@ -274,8 +274,7 @@ def ulysses_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causa
         ulysses_heads(q.shape[2], k.shape[2], degree, fn=fn)
         spec = local_spans(gathered(spec, q.shape[1] * degree), *(q.shape[1] * degree,) * 2)
     placement = LOCAL if degree == 1 else UlyssesPlacement(group, LOCAL)
-    with torch.autocast(q.device.type, enabled=False):
-        out, lse = run_attention(q, k, v, spec, placement)
+    out, lse = run_attention(q, k, v, spec, placement)
     return returns(out, lse, False, return_lse)
 
 

@@ -95,8 +95,7 @@ def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, 
             check_layout(spec, lay.bind(spec.documents), R, part)
         else:
             spec = local_spans(gathered(spec, part), part, part)
-    with torch.autocast(q.device.type, enabled=False):
-        out, lse = run_attention(q, k, v, spec, usp_placement(sp, lay))
+    out, lse = run_attention(q, k, v, spec, usp_placement(sp, lay))
     return returns(out, lse, False, return_lse)
 
 

@@ -6,24 +6,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ._dist import group_info
+from .engine.ring import get_ring
 
 __all__ = ["report_step_failure", "sharded_cross_entropy"]
-
-
-def _reduce_with_status(values: torch.Tensor, failed: bool, group) -> torch.Tensor:
-    """all_reduce(SUM) of ``values`` (float64, 1-D) together with one failure flag per rank;
-    raises on every rank when any rank reported a failure instead of its values."""
-    world, rank = group_info(group)
-    flags = torch.zeros(world, dtype=torch.float64, device=values.device)
-    flags[rank] = float(failed)
-    packed = torch.cat([values, flags])
-    dist.all_reduce(packed, group=group)
-    bad = packed[values.numel():].nonzero().flatten().tolist()
-    if bad and not failed:
-        raise RuntimeError(f"ringseq: rank(s) {bad} of the loss group failed in this step (in "
-                           f"the model or the loss; see their errors): the loss of this step is "
-                           f"not computed on any rank")
-    return packed[:values.numel()]
 
 
 class _SumAcrossRanks(torch.autograd.Function):
@@ -31,32 +16,32 @@ class _SumAcrossRanks(torch.autograd.Function):
 
     Every rank computes the same loss from the global sum, and each rank back-propagates only
     its own copy of it: d(loss)/d(local sum) is grad_output itself. Reducing the gradient as
-    well (what a differentiable all_reduce does) would count it W times. The reduction carries
-    a failure flag per rank (see :func:`report_step_failure`).
+    well (what a differentiable all_reduce does) would count it W times.
     """
 
     @staticmethod
     def forward(ctx, x, group):
-        return _reduce_with_status(x.double(), False, group).to(x.dtype)
+        total = x.double()
+        dist.all_reduce(total, group=group)
+        return total.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
 
 
-def report_step_failure(group=None, device=None) -> None:
-    """Joins the loss reduction of :func:`sharded_cross_entropy` on ``group`` in place of a
+_LOSS = "the loss of this step is not computed on any rank"
+
+
+def report_step_failure(group=None, error: BaseException = None) -> None:
+    """Meets the loss's agreement of :func:`sharded_cross_entropy` on ``group`` in place of a
     loss, from a rank whose step failed before its loss (the plugin calls it when the model
-    raises): every other rank of the group then raises at its loss instead of waiting for this
-    rank. ``device``: where the reduction lives (the logits' device; under NCCL a CUDA
-    device). Collective."""
-    world, _ = group_info(group)
-    if world == 1:
-        return
-    if device is None:
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if str(dist.get_backend(group)) == "nccl" else torch.device("cpu"))
-    _reduce_with_status(torch.zeros(2, dtype=torch.float64, device=device), True, group)
+    raises): every other rank of the group then raises ``RingPeerError`` at its loss, naming
+    this rank and ``error``, instead of waiting for it. Returns on this rank (which re-raises
+    its own error). Collective, on the group's control channel."""
+    if group_info(group)[0] > 1:
+        message = f"{type(error).__name__}: {error}" if error is not None else "failed"
+        get_ring(group).agree(False, f"{message} ({_LOSS})", raise_own=False)
 
 
 def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None,
@@ -81,8 +66,8 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     by the data-parallel size only, as usual.
 
     Raises ValueError when the leading shapes of ``logits`` and ``labels`` differ or a label is
-    outside the vocabulary; then every other rank of ``group`` raises RuntimeError at its
-    reduction (this rank joins it as a failure) instead of waiting.
+    outside the vocabulary; then every other rank of ``group`` raises ``RingPeerError`` naming
+    this rank and the error (the ranks agree on the control channel before the reduction).
     """
     world_size, _ = group_info(group)
     # float32 at least: bf16 log-softmax over a large vocabulary loses the loss's digits
@@ -102,14 +87,16 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
         local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index,
                                     reduction="sum")
         local_count = (flat_labels != ignore_index).sum().to(acc)
-    except Exception:
-        # This rank cannot give its numbers: it still joins the reduction (as a failure), so
-        # the others raise there instead of waiting, and no later collective pairs wrongly.
-        if world_size > 1:
-            report_step_failure(group, logits.device)
+    except Exception as exc:
+        # This rank cannot give its numbers: it meets the others' agreement as a failure, so
+        # they raise there instead of waiting, and no later collective pairs wrongly.
+        report_step_failure(group, exc)
         raise
     if world_size > 1:
-        # one collective for both numbers; the count carries no gradient
+        # Every rank agrees that it has its numbers first (the control channel, where a rank
+        # that failed earlier in the step reports), then one collective for both numbers;
+        # the count carries no gradient.
+        get_ring(group).agree(True, "")
         packed = torch.stack([local_sum, local_count.detach()])
         total = _SumAcrossRanks.apply(packed, group)
         global_sum, global_count = total[0], total[1].detach()

@@ -331,7 +331,7 @@ def test_unsupported_inputs_raise_clearly(w2, name, needle):
     for rank, res in enumerate(w2):
         msg = res["errors"][name]
         assert msg.startswith("ValueError"), f"rank {rank} {name}: {msg}"
-        want = needle or ("padding" if rank == 0 else "rank(s) [0] of the ring refused")
+        want = needle or ("padding" if rank == 0 else "rank(s) [0] of the group failed")
         assert want in msg, f"rank {rank} {name}: {msg}"
 
 

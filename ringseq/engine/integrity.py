@@ -182,9 +182,10 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
         raise err from own
     if invalid:
         detail = "; ".join(f"rank {r}: {messages.get(r, '?')}" for r in invalid)
-        raise RingPeerError(
-            f"ringseq: {KIND_NAMES.get(kind, 'call')} not run: rank(s) {invalid} of the ring "
-            f"refused the call's arguments ({detail}). The ring stays usable.", ranks=invalid)
+        what = (f"{KIND_NAMES[kind]} not run: rank(s) {invalid} of the ring refused the call's "
+                f"arguments" if kind in (FWD, BWD) else
+                f"rank(s) {invalid} of the group failed where this rank did not")
+        raise RingPeerError(f"ringseq: {what} ({detail}). The ring stays usable.", ranks=invalid)
     views = {(row[2], row[3], row[4]) for row in rows}
     if len(views) > 1:
         detail = ", ".join(f"rank {r}: {_call_name(row[2], row[3], row[4])}"

@@ -142,21 +142,28 @@ class Ring:
         raise exc
 
     def agree(self, ok: bool, message: str, kind: int = CHECK,
-              error: Optional[BaseException] = None) -> None:
-        """Collective over the ring: returns on every rank when every rank is ``ok``, else
-        raises on every rank -- ``error`` (or a ValueError with ``message``) on the ranks that
-        were not ok, :class:`ringseq.RingPeerError` naming them and their messages on the
-        others. Runs on the ring's control channel, so it meets a peer's failure report or
-        call instead of waiting for it. The ring stays usable."""
+              error: Optional[BaseException] = None, fields: Sequence[tuple] = (),
+              raise_own: bool = True) -> None:
+        """Collective over the ring: returns on every rank when every rank is ``ok`` (and
+        agrees on ``fields``, ``(name, int[, kind])``), else raises on every rank --
+        ``error`` (or a ValueError with ``message``) on the ranks that were not ok (unless
+        ``raise_own`` is False: then they return, to re-raise their own error),
+        :class:`ringseq.RingPeerError` naming them and their messages on the others,
+        :class:`ringseq.RingMismatchError` when ``fields`` differ. Runs on the ring's control
+        channel, so it meets a peer's failure report or call instead of waiting for it, and
+        a missing peer raises RingTimeoutError after the ring timeout. The ring stays usable."""
         if not self.checks_on:
-            if not ok:
+            if not ok and raise_own:
                 raise error if error is not None else ValueError(message)
             return
         with self._hold():
-            rows = gather(self, kind, OK if ok else INVALID, (), None if ok else message)
+            rows = gather(self, kind, OK if ok else INVALID, [int(f[1]) for f in fields],
+                          None if ok else message)
         if not ok:
-            raise error if error is not None else ValueError(message)
-        judge(self, rows, kind)  # RingPeerError when another rank was not ok, or worse
+            if raise_own:
+                raise error if error is not None else ValueError(message)
+            return
+        judge(self, rows, kind, fields)  # RingPeerError when another rank was not ok, or worse
 
     def check(self, fields: Sequence[tuple]) -> None:
         """One argument check outside a ring call: ``fields`` are ``(name, int[, kind])``;

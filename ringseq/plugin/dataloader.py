@@ -7,9 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .._dist import agree_or_raise
+from ..engine.ring import get_ring
 from ..data import shard_batch
-from .wrappers import STEP_KEY
 
 __all__ = ["ShardedDataLoader", "pack_documents"]
 
@@ -26,9 +25,9 @@ class ShardedDataLoader:
     ``labels`` (b, s) with ``ignore_index`` where there is no target, ``position_ids``,
     an all-ones ``attention_mask``. Yields dicts with ``input_ids`` (b, s / sp),
     ``position_ids`` (b, s / sp) (global positions), ``shift_labels`` (b, s / sp) (next-token
-    targets, shifted before sharding), ``ringseq_step`` (the batch's number, 1, 2, ... over all
-    epochs: the boosted model tags its ring calls with it, see ``ringseq.call_tag``) and the
-    other keys as ``shard_batch`` returns them.
+    targets, shifted before sharding) and the other keys as ``shard_batch`` returns them. A
+    loader boosted with its model numbers the batches it hands out, and the model tags its ring
+    calls with that number (``ringseq.call_tag``).
 
     ``seq_multiple``: every sequence length must be a multiple of it (checked with the rest).
 
@@ -37,11 +36,12 @@ class ShardedDataLoader:
 
     Raises on EVERY rank when any rank's batch cannot be loaded, collated or sharded (a length
     the layout cannot split, padding, a missing ``input_ids``, an exception of the dataset or
-    ``collate_fn``): the ranks agree through one all-reduce of a flag per batch, since the dp
-    groups hold different samples and a rank failing alone would leave the others waiting in
-    the next collective. The failing rank raises its own error (a ValueError naming its dp
-    rank for sharding problems, the loader's exception otherwise); the others a ValueError
-    naming the failed ranks.
+    ``collate_fn``): the ranks agree once per batch on the control channel of ``check_group``
+    (one small gloo all-gather), since the dp groups hold different samples and a rank failing
+    alone would leave the others waiting in the next collective. The failing rank raises its
+    own error (a ValueError naming its dp rank for sharding problems, the loader's exception
+    otherwise); the others ``ringseq.RingPeerError`` naming the failed ranks and their errors.
+    Ranks fetching different batches (one skipped a step) raise ``RingMismatchError``.
     """
 
     def __init__(self, loader: DataLoader, sp_group, layout, dp_rank: int,
@@ -58,6 +58,9 @@ class ShardedDataLoader:
         self.ignore_index = ignore_index
         self.check_group = check_group
         self.step = 0  # batches yielded so far, over all epochs (the same on every rank)
+        #: set by ``Booster.boost``: the boosted model's StepTag, which tags its ring calls
+        #: with the number of the batch this loader handed out last
+        self.tag = None
 
     @property
     def sampler(self):
@@ -121,23 +124,15 @@ class ShardedDataLoader:
                 error = ValueError(f"data-parallel rank {self.dp_rank}: {exc}")
                 error.__cause__ = exc
         # A rank failing alone (its dp group reads other samples) would leave the others
-        # waiting in their next collective, so every batch is agreed on, errors of the
-        # loader itself (dataset, collate_fn) included.
+        # waiting in their next collective, so every batch is agreed on, errors of the loader
+        # itself (dataset, collate_fn) included -- on the control channel, with the batch's
+        # number: ranks at different batches raise instead of pairing their steps.
         if dist.is_initialized():
-            agree_or_raise(error is None, str(error), group=self.check_group,
-                           device=self.device, error=error,
-                           peer_message=self._peer_message)
+            get_ring(self.check_group).agree(error is None, str(error), error=error,
+                                             fields=(("batch number", self.step + 1),))
         elif error is not None:
             raise error
         return self._to_device(out)
-
-    def _peer_message(self, failed) -> str:
-        ring = set(dist.get_process_group_ranks(self.sp_group)) if self.sp_group is not None \
-            else set(range(dist.get_world_size()))
-        where = ("another rank of this data-parallel group" if ring & set(failed) else
-                 "another data-parallel group")
-        return (f"a batch of {where} could not be loaded or sharded for the ring (see that "
-                f"rank's error); this rank's batch was fine")
 
     def __iter__(self) -> Iterator[dict]:
         it = iter(self.loader)
@@ -146,7 +141,8 @@ class ShardedDataLoader:
             if out is None:
                 return
             self.step += 1
-            out[STEP_KEY] = self.step  # the boosted model tags its ring calls with it
+            if self.tag is not None:
+                self.tag.value = self.step
             yield out
 
 

@@ -436,6 +436,8 @@ class RingSequenceParallelPlugin(Plugin):
             rebind_optimizer(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper)
                              else optimizer, names, user_model)
         step = StepTag()  # the loader's batch number tags the ring calls of each step
+        if dataloader is not None:
+            dataloader.tag = step
         model = ModelWrapper(model, self.precision, self.reporter, step)
         if dims.zero_stage == 0 and dims.tp_size > 1:
             model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
@@ -467,9 +469,20 @@ class RingSequenceParallelPlugin(Plugin):
         return self._reporter
 
     def reset(self) -> None:
-        """Makes this plugin's ring usable again after a failed step (the ring stays broken on
-        every rank until then, see ringseq.integrity); call it on every rank."""
-        reset_ring(self.sp_group)
+        """Makes this plugin's rings usable again after a failed step (they stay broken on every
+        rank until then, see ringseq.engine.integrity): the sequence-parallel ring, the groups
+        of its Ulysses / hybrid / double-ring modes and the default group's (where the loader
+        and the loss agree); rebuilds what a timeout broke. Call it on every rank, with the
+        ranks back at the same batch."""
+        groups = [self.sp_group, None]
+        if self.sp is not None:
+            groups += [self.sp.group, self.sp.ulysses_group, self.sp.ring_group,
+                       self.sp.inner_group, self.sp.outer_group]
+        seen = set()  # (None: the default group; the modes' absent groups are None too)
+        for g in groups:
+            if id(g) not in seen:
+                seen.add(id(g))
+                reset_ring(g)
 
     def get_checkpoint_io(self) -> DistributedCheckpointIO:
         return DistributedCheckpointIO()

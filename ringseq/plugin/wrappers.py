@@ -12,19 +12,16 @@ from .._dist import RingError, RingMismatchError
 from ..engine.integrity import call_tag
 from ..loss import report_step_failure, sharded_cross_entropy
 
-__all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "STEP_KEY",
-           "SequenceParallelLoss", "StepTag"]
+__all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "SequenceParallelLoss",
+           "StepTag"]
 
 # Keys of a sharded batch that are targets for the criterion, not model inputs.
 TARGET_KEYS = ("shift_labels",)
-#: The key under which the plugin's loader numbers its batches (1, 2, ...): the boosted model
-#: tags its ring calls with it (ringseq.call_tag), so a rank that skipped a step cannot pair
-#: its calls with another step's.
-STEP_KEY = "ringseq_step"
-
-
 class StepTag:
-    """The step number the boosted model and optimizer tag their ring calls with (0: none)."""
+    """The step number the boosted model and optimizer tag their ring calls with (0: none):
+    the number of the batch the boosted data loader handed out last (1, 2, ... over all
+    epochs), so a rank that skipped a step cannot pair its calls with another step's
+    (``ringseq.call_tag``)."""
 
     def __init__(self):
         self.value = 0
@@ -41,8 +38,8 @@ class ModelWrapper(nn.Module):
     When the forward raises on one rank (a bad token id, an out-of-memory error), the other
     ranks must not be left waiting: the failure is reported to the ring peers when they may be
     inside a ring call (``Transport.report_failure``; their ring call raises RingBrokenError),
-    then to the loss reduction of every rank (:func:`ringseq.loss.report_step_failure`; their
-    loss raises). The exception is re-raised on this rank; the ring stays broken until
+    then to the loss of every rank (:func:`ringseq.loss.report_step_failure`, on the control
+    channel: their loss raises RingPeerError naming this rank). The exception is re-raised on this rank; the ring stays broken until
     ``booster.reset()`` (or ``ringseq.reset_ring``) on every rank.
     """
 
@@ -61,9 +58,6 @@ class ModelWrapper(nn.Module):
     def forward(self, *args, **kwargs):
         for key in TARGET_KEYS:
             kwargs.pop(key, None)
-        step = kwargs.pop(STEP_KEY, None)
-        if step is not None:
-            self._step.value = int(step)
         with call_tag(self._step.value):
             if self._reporter is None:
                 with self._precision.autocast():
@@ -99,7 +93,7 @@ class FailureReporter:
                 if local and (full is None or self.ring.calls - before < full):
                     self.ring.report_failure(exc)
                 if phase == "forward":
-                    report_step_failure(self.loss_group, self.device)
+                    report_step_failure(self.loss_group, exc)
             raise
         self._calls[phase] = self.ring.calls - before
 

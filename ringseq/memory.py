@@ -408,34 +408,44 @@ class _Terms:
         # by `weight * ...`); with a bf16 input also the float32 copy of x (saved by pow and
         # mul) and the bf16 cast of x * rsqrt (saved by the weight multiply).
         norm = f32 + f32 * h if regime != "mp" else f32 + f32 * h + 2 * h
-        # The norm's output as the projections save it: fp32 with tp == 1: one tensor shared
-        # by q/k/v (and by gate/up); autocast: one bf16 copy per projection (autocast casts
-        # activations per op, only leaf weights are cached): 3 + 2; under TP every colwise
-        # projection saves its own all-gathered input (T tokens), 3 + 2 as well.
-        if regime == "autocast" or p.tp > 1:
+        # The norm's output as the projections save it. autocast: one bf16 copy per
+        # projection (autocast casts activations per op, only leaf weights are cached), 3 + 2,
+        # each of the whole T tokens under tp (the cast follows ringseq.parallel.tp's
+        # GatherSequence, whose float32 all-gather output no backward saves). Otherwise one
+        # tensor shared by q/k/v and one by gate/up: the norm output itself (T / tp tokens;
+        # only tp == 1) or, under tp, the block's all-gathered input (GatherSequence: one
+        # all-gather per block, T tokens, in the norm's output dtype).
+        if regime == "autocast":
             normed, normed_attn = 5 * e * h * T, 3 * e * h * T
         else:
-            normed, normed_attn = 2 * e * h * Tr, e * h * Tr
-        # Attention: q and k after rotary and v as the attention op saves them (bf16 casts by
-        # ringseq._args.autocast_inputs under autocast; float32 otherwise), its output in the
-        # input dtype (ring_op: out_acc.to(q.dtype); also o_proj's saved input) and lse
-        # float32 (b, h, s). Ulysses / hybrid save the head shards (K/V replicated rep times)
-        # and, besides, the sequence-shard output that o_proj saves (heads_to_seq copies it).
+            normed, normed_attn = 2 * e * h * T, e * h * T
+        # Attention (ringseq::attention, ringseq/engine/op.py): the operator saves its output
+        # in the input dtype (also o_proj's saved input) and lse float32 (b, h, s): out_lse.
+        # The ring (and sp = 1) also saves its inputs: q and k after rotary and v (bf16 casts
+        # by ringseq._args.autocast_inputs under autocast; float32 otherwise). Ulysses /
+        # hybrid keep only the inputs' shapes and save the head shards instead
+        # (UlyssesPlacement.forward): q_h, k_h, v_h (K/V replicated rep times), out_h and lse_h,
+        # as many elements as q, k * rep, v * rep, out and lse.
         kv_saved = k * (p.rep if p.U > 1 else 1)
-        attn = e * (2 * a * d + 2 * kv_saved * d) * T + f32 * a * T
-        if p.U > 1:
-            attn += e * a * d * T
-        self.attn_out = e * a * d * T + f32 * a * T  # what checkpointing keeps of attention
+        out_lse = e * a * d * T + f32 * a * T
+        if p.U == 1:
+            attn = e * (a * d + 2 * k * d) * T + out_lse
+            # what checkpointing keeps of the attention: the operator's outputs
+            # (ringseq.parallel.checkpointing), here out and lse
+            self.attn_out = out_lse
+        else:
+            attn = e * (a * d + 2 * kv_saved * d) * T + out_lse + out_lse
+            # the operator's outputs are out, lse and every head shard it saves
+            self.attn_out = attn
         # MLP: gate and up outputs, silu(gate) and the product (down_proj's input), in e.
         mlp = 4 * e * I * T
         self.layer = 2 * self.residual + 2 * norm * Tr + normed + attn + mlp
         # what is still saved when the backward reaches the attention: the layer input, the
-        # first norm and the q/k/v projections' inputs, the attention's tensors (under
-        # Ulysses o_proj's own copy of the output is released by then)
-        self.layer_attn_part = (self.residual + norm * Tr + normed_attn + attn
-                                - (e * a * d * T if p.U > 1 else 0))
-        # ... and in the forward, once the attention has returned (o_proj's copy included)
-        self.layer_attn_fwd = self.residual + norm * Tr + normed_attn + attn
+        # first norm and the q/k/v projections' inputs, the attention's tensors (o_proj's
+        # input is the operator's saved output: nothing is released before the attention)
+        self.layer_attn_part = self.residual + norm * Tr + normed_attn + attn
+        # ... and in the forward, once the attention has returned
+        self.layer_attn_fwd = self.layer_attn_part
         self.prod = e * I * T  # the MLP product, freed by down_proj's backward
         # ---- checkpointing: per layer the input (torch.utils.checkpoint saves it) plus the
         # attention output and lse (kept so the recompute does not run the ring again)
@@ -447,7 +457,11 @@ class _Terms:
         # (input_ids, position_ids, shift_labels: int64).
         head_in = e * h * Tr
         rope = 2 * d * T * (2 if regime == "mp" else f32)
-        self.batch = 3 * _I64 * T
+        # input_ids and shift_labels (b, T) int64; position_ids (b, T) int64 too, except for
+        # one sample under Ulysses / hybrid: SequenceParallelLayout._positions slices a view
+        # of the ring rank's positions (seqlen / R of them), which shard_batch keeps as is.
+        positions = self.p.seqlen // p.R if (p.U > 1 and p.b == 1) else T
+        self.batch = _I64 * (2 * T + positions)
         self.final = self.residual + norm * Tr + head_in
         self.head_in = head_in
         # RMSNorm backward (autograd of LlamaRMSNorm.forward, float32): once the output's
@@ -474,7 +488,12 @@ class _Terms:
         self.optimizer = 2 * f32 * P // N  # AdamW exp_avg + exp_avg_sq
         # DDP: the reducer's gradient buckets, float32, the size of all gradients (grads are
         # copied in and out: gradient_as_bucket_view=False); the plugin uses no DDP on 1 rank.
-        self.buckets = f32 * P if (p.zero == 0 and p.world > 1) else 0
+        # With tp > 1 there is no DDP (it cannot take DTensor parameters):
+        # ringseq.parallel.grad_sync.ReplicatedGradSync sums the gradients after the backward
+        # through one flat torch.cat of all of them (float32, transient: ``grad_sync``).
+        ddp = p.zero == 0 and p.tp == 1 and p.world > 1
+        self.buckets = f32 * P if ddp else 0
+        self.grad_sync = f32 * P if (p.zero == 0 and p.tp > 1 and p.world > p.tp) else 0
         # autocast's weight cache: a bf16 copy of every nn.Linear weight/bias, made at its
         # first use in the forward and saved by the matmul until that layer's backward.
         self.wcopy = e * p.linear_params() if regime == "autocast" else 0
@@ -533,9 +552,13 @@ class _Terms:
             delta_tmp += grads_h + 2 * f32 * a * T
             acc_end = 0
         if p.U > 1:
-            # the all-to-all back (ringseq.ulysses._a2a): send and receive buffers and the
-            # sequence-shard copies, once the head shards' saved tensors are released
-            acc_end = max(acc_end, 3 * grads_h)
+            # UlyssesPlacement.backward: dout's all-to-all to the head shards (dout_h: a view of
+            # its receive buffer, live to the end) before the inner backward; then the
+            # all-to-all of dq, dk, dv back (ringseq.parallel.ulysses.all_to_all): the inner
+            # gradients, the packed send and receive buffers and the sequence-shard copies,
+            # four times grads_h at the last copy.
+            dout += e * a * d * T
+            acc_end = max(acc_end, 4 * grads_h)
         self.attn_bwd = dout + max(delta_tmp, acc_end)
         # ---- transients of the forward's attention (its peak within a layer) -----------
         # Local variables hold tensors through the attention call: the decoder layer the
@@ -546,12 +569,22 @@ class _Terms:
         held = (f32 * h * Tr + f32 * (a + k) * d * T) if regime == "autocast" else 0
         if p.U > 1:
             held += e * (a + 2 * k) * d * T
-        # Then the ring's float32 output accumulator next to its result in the input dtype
-        # (ring_op), or Ulysses' all-to-all of the output: send and receive buffers besides
-        # the copy that o_proj saves.
+        # Inside the operator, relative to the attention tensors counted saved above: the
+        # ring's float32 output accumulator next to its result in the input dtype
+        # (RingPlacement.forward). Ulysses (UlyssesPlacement.forward, all_to_all): first
+        # q, k, v (K/V repeated rep times when rep > 1) packed into one send buffer, a receive
+        # buffer and the head-shard copies, before out and lse exist; last out_h and lse_h
+        # packed, received and copied to the sequence shards.
         ring_out = f32 * a * d * T if (ring_used and e != f32) else 0
-        a2a_out = 2 * e * a * d * T if p.U > 1 else 0
-        self.attn_fwd = held + max(ring_out, a2a_out)
+        if p.U > 1:
+            qkv_h = e * (a + 2 * kv_saved) * d * T
+            a2a_in = (2 * qkv_h + (2 * e * kv_saved * d * T if p.rep > 1 else 0)
+                      - 2 * out_lse)
+            inner = (ring_out - out_lse)
+            a2a_out = 2 * out_lse
+            self.attn_fwd = held + max(a2a_in, inner, a2a_out)
+        else:
+            self.attn_fwd = held + ring_out
         # ---- optimizer step -------------------------------------------------------------
         if p.optimizer == "adamw":  # foreach (torch's default on CUDA): sqrt of every exp_avg_sq
             self.opt_tmp = f32 * P // N
@@ -627,6 +660,9 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
             temporaries=t.g + t.attn_bwd + t.fsdp_grad_tmp, grads=grads + t.grad_mlp_o,
             comm_buffers=gathered, weight_copies=wc - t.wcopy_mlp_o,
             activations=acts + t.layer_attn_part)
+    if t.grad_sync:
+        # the end of the backward under tp at zero 0: every gradient and their flat copy
+        add("backward end, gradient sum", grads=t.grads, temporaries=t.grad_sync)
     add("optimizer step", grads=t.grads, temporaries=t.opt_tmp)
     return out
 

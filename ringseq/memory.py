@@ -399,11 +399,16 @@ class _Terms:
         regime = p.regime
         # ---- saved activations of one decoder layer -------------------------------------
         # Residual stream: the layer input (embedding output / previous layer output) and the
-        # mid residual (residual + attention output) are saved by the next RMSNorm's pow and
-        # mul. float32 under autocast and fp32 (float32 embedding + bf16 branch promotes),
-        # bf16 when the model itself runs in bf16 (FSDP2 mixed precision).
+        # mid residual (residual + attention output), float32 under autocast and fp32
+        # (float32 embedding + bf16 branch promotes), bf16 when the model itself runs in bf16
+        # (FSDP2 mixed precision). The next RMSNorm's pow and mul save them as they are when
+        # float32; a bf16 residual is not saved (RMSNorm saves its float32 copy, below).
         res = (2 if regime == "mp" else f32) * h
-        self.residual = res * Tr  # one residual tensor
+        self.residual = res * Tr  # one residual tensor (checkpointing saves the layer input)
+        res_saved = 0 if regime == "mp" else self.residual
+        # under checkpointing the layer input is saved by torch.utils.checkpoint, besides
+        # what the recompute saves (the same tensor unless the recompute saves a copy: mp)
+        self.ckpt_input_extra = self.residual - res_saved
         # RMSNorm (LlamaRMSNorm.forward): rsqrt (T, 1) float32 and x * rsqrt float32 (saved
         # by `weight * ...`); with a bf16 input also the float32 copy of x (saved by pow and
         # mul) and the bf16 cast of x * rsqrt (saved by the weight multiply).
@@ -439,11 +444,11 @@ class _Terms:
             self.attn_out = attn
         # MLP: gate and up outputs, silu(gate) and the product (down_proj's input), in e.
         mlp = 4 * e * I * T
-        self.layer = 2 * self.residual + 2 * norm * Tr + normed + attn + mlp
+        self.layer = 2 * res_saved + 2 * norm * Tr + normed + attn + mlp
         # what is still saved when the backward reaches the attention: the layer input, the
         # first norm and the q/k/v projections' inputs, the attention's tensors (o_proj's
         # input is the operator's saved output: nothing is released before the attention)
-        self.layer_attn_part = self.residual + norm * Tr + normed_attn + attn
+        self.layer_attn_part = res_saved + norm * Tr + normed_attn + attn
         # ... and in the forward, once the attention has returned
         self.layer_attn_fwd = self.layer_attn_part
         self.prod = e * I * T  # the MLP product, freed by down_proj's backward
@@ -462,14 +467,15 @@ class _Terms:
         # of the ring rank's positions (seqlen / R of them), which shard_batch keeps as is.
         positions = self.p.seqlen // p.R if (p.U > 1 and p.b == 1) else T
         self.batch = _I64 * (2 * T + positions)
-        self.final = self.residual + norm * Tr + head_in
+        self.final = res_saved + norm * Tr + head_in
         self.head_in = head_in
         # RMSNorm backward (autograd of LlamaRMSNorm.forward, float32): once the output's
         # gradient and x * rsqrt are released, x's gradient from the product rule, mean's
         # expanded gradient, and pow's backward (grad * (2 * x.pow(1)): three temporaries of
         # one C++ expression) are live together: five float32 (T, h) tensors.
         self.norm_bwd = 5 * f32 * h * Tr
-        self.norm_xr = f32 * h * Tr  # x * rsqrt, saved by the weight multiply
+        # x * rsqrt as the weight multiply saves it (its bf16 cast in mp)
+        self.norm_xr = (2 if regime == "mp" else f32) * h * Tr
         self.rope = rope
         # ---- logits and loss (ringseq.loss.sharded_cross_entropy) --------------------------
         # logits (b, T, V) from lm_head in e; the loss upcasts to float32 (a copy unless
@@ -501,22 +507,35 @@ class _Terms:
         # the LM head's copy (outside the decoder layers: saved even under checkpointing),
         # released by the LM head's backward
         self.e_vocab = e * s.vocab * h if regime == "autocast" else 0
-        # FSDP2: unsharded parameters in the compute dtype (bf16 in mp, float32 in fp32)
+        # FSDP2 (ringseq.parallel.fsdp; torch's _fully_shard/_fsdp_param_group.py and
+        # _fsdp_collectives.py): every decoder layer is one unit, the root module (embedding,
+        # final norm, LM head) another. Unsharded parameters are in the compute dtype (bf16
+        # in mp, float32 otherwise): a unit's all-gather output (one flat buffer, unshard)
+        # and, after wait_for_unshard's copy-out, one storage per parameter (the flat buffer
+        # is then freed: in the forward at the next unit's copy-out). Gradients come out of
+        # autograd unsharded in that dtype; a unit's post_backward copies them into one
+        # float32 reduce-scatter input (foreach_reduce: reduce_dtype float32 for bf16 compute),
+        # kept until the next unit's post_backward (reduce_scatter_states, one in flight), and
+        # the sharded gradients are views of the reduce-scatter output (1 / N of it).
+        # (Parameters sharded along dim 0 are padded to a multiple of N: not modeled.)
         ep = 2 if regime == "mp" else f32
-        self.gathered_layer = ep * p.layer_params() if p.zero >= 2 else 0
-        self.gathered_root = ep * p.root_params() if p.zero >= 2 else 0
-        # FSDP2's backward of a layer: unsharded gradients in the param dtype, their float32
-        # copy for the float32 reduce-scatter (mp), and the reduce-scatter output shard.
-        self.fsdp_grad_tmp = (p.layer_params() * (ep + (f32 if ep != f32 else 0)) +
-                              f32 * p.layer_params() // N if p.zero >= 2 else 0)
-        self.layer_grads = f32 * p.layer_params() // N
+        fsdp = p.zero >= 2
+        self.gathered_layer = ep * p.layer_params() if fsdp else 0
+        self.gathered_root = ep * p.root_params() if fsdp else 0
+        self.rs_layer = f32 * p.layer_params() if fsdp else 0
+        self.rs_root = f32 * p.root_params() if fsdp else 0
+        gb = ep if fsdp else f32  # bytes per gradient element as autograd makes it
+        self.layer_grads = f32 * p.layer_params() // N  # a layer's gradients, reduced
+        self.layer_ugrads = gb * p.layer_params()  # ... as its backward made them
+        self.root_ugrads = gb * p.root_params()
         down, mlp_o = p.mlp_o_params()
-        self.grad_down, self.grad_mlp_o = f32 * down // N, f32 * mlp_o // N
+        self.grad_down, self.grad_mlp_o = gb * down, gb * mlp_o
         self.wcopy_down = e * down if regime == "autocast" else 0
         self.wcopy_mlp_o = e * (mlp_o - h) if regime == "autocast" else 0
         # the LM head's (the embedding's, when tied) and the final norm's gradients exist from
-        # the LM head's backward on; an untied embedding's only after the last layer's
-        self.head_grads = f32 * (s.vocab * h + h) // N
+        # the LM head's backward on (under FSDP2 unsharded until the root's post_backward at
+        # the end of the backward); an untied embedding's only after the last layer's
+        self.head_grads = gb * (s.vocab * h + h)
         # ---- the ring's cached exchange buffers (ringseq.comm.Transport.buffers: two slots
         # of a packed buffer per direction, kept between calls; ringseq.ring) -------------
         ring_used = p.mode in ("ring", "hybrid")
@@ -602,9 +621,26 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
     per_layer = t.layer_ckpt if p.ckpt else t.layer
     other_acts = t.final + t.rope + t.batch
     acts_all = L * per_layer + other_acts
-    # FSDP2: zero 2 keeps every layer unsharded from its forward to its backward; zero 3
-    # two layers in flight; both keep the root unsharded.
-    gathered_all = (L if p.zero == 2 else 2) * t.gathered_layer + t.gathered_root
+    G = t.gathered_layer
+
+    def gathered(where: str, l: int = 0) -> int:
+        """FSDP2's unsharded parameters at a moment (see _Terms): the root's from its forward
+        to the end of the backward (reshard_after_forward=None on the root); zero 2
+        (reshard_after_forward=False) every layer from its forward to its post_backward, no
+        all-gather in the backward; zero 3 a layer from its pre-forward to its post-forward,
+        the next layer's all-gather issued in a layer's pre_backward (_backward_prefetch) --
+        and, in the forward, the flat all-gather output of the last unit."""
+        if p.zero == 0:
+            return 0
+        z2 = p.zero == 2
+        n = {"forward": L + 1 if z2 else 2,  # at the last layer: its storages + flat buffer
+             "after forward": L if z2 else 0,  # loss; the root's post-forward freed the flat
+             "final norm": L if z2 else 1,  # zero 3: the last layer's prefetched all-gather
+             "layer": l + 1 if z2 else 1 + (l > 0),  # this layer + the one prefetched below
+             "reduce": l if z2 else int(l > 0),  # this layer resharded before its reduce
+             }[where]
+        return n * G + t.gathered_root
+
     out: List[Tuple[str, Dict[str, int]]] = []
 
     def add(name, **live):
@@ -623,43 +659,62 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         activations=(L - 1) * per_layer + t.rope + t.batch
         + (t.layer_ckpt if p.ckpt else t.layer_attn_fwd),
         weight_copies=L * t.wcopy_layer - t.wcopy_mlp_o,
-        comm_buffers=gathered_all, temporaries=t.attn_fwd)
+        comm_buffers=gathered("forward"), temporaries=t.attn_fwd)
     if p.ckpt:
         # end of the model's forward: the cache of weight copies and the logits
         add("forward end", activations=acts_all, weight_copies=wcopies_fwd,
-            comm_buffers=gathered_all, logits_loss=t.logits)
+            comm_buffers=gathered("after forward"), logits_loss=t.logits)
     add("loss forward", activations=acts_all, weight_copies=wcopies_bwd,
-        comm_buffers=gathered_all, logits_loss=t.loss_fwd)
+        comm_buffers=gathered("after forward"), logits_loss=t.loss_fwd)
     add("loss backward", activations=acts_all, weight_copies=wcopies_bwd,
-        comm_buffers=gathered_all, logits_loss=t.loss_bwd)
+        comm_buffers=gathered("after forward"), logits_loss=t.loss_bwd)
     # The final norm's backward, after the LM head's: every layer's activations, the LM
-    # head's gradient (float32) and the norm's backward temporaries.
-    add("backward, final norm", grads=t.head_grads, comm_buffers=gathered_all,
+    # head's gradient and the norm's backward temporaries.
+    add("backward, final norm", grads=t.head_grads, comm_buffers=gathered("final norm"),
         weight_copies=wcopies_bwd - t.e_vocab,
         activations=L * per_layer + t.rope + t.batch + t.final - t.head_in - t.norm_xr,
         temporaries=t.norm_bwd)
-    for l, label in ((L - 1, "first"), (0, "last"))[:2 if L > 1 else 1]:
+    # The backward of the first layer it reaches (the most activations still saved), of the
+    # second (under FSDP2 the first with both the reduce-scatter input of the layer above and
+    # a prefetched layer below) and of the last (the most gradients made).
+    layers = {L - 1: "first", max(L - 2, 0): "second", 0: "last"}
+    for l, label in sorted(layers.items(), reverse=True):
+        if label == "second" and (p.zero < 2 or l in (0, L - 1)):
+            continue
         below = l * per_layer  # layers not yet reached by the backward
         done = L - 1 - l  # layers whose backward is complete
         grads = t.head_grads + done * t.layer_grads
-        # zero 2: the layers whose backward is done are resharded
-        gathered = ((l + 1) * t.gathered_layer if p.zero == 2 else
-                    2 * t.gathered_layer if p.zero == 3 else 0) + t.gathered_root
+        # FSDP2: the reduce-scatter input of the layer above, until this layer's own
+        rs_above = t.rs_layer if l < L - 1 else 0
         # weight copies still saved: this layer's and those below (under checkpointing only
         # this layer's: its recompute casts its weights again)
         wc = t.wcopy_layer if p.ckpt else (l + 1) * t.wcopy_layer
-        layer = t.layer  # recomputed in full under checkpointing
+        # this layer: recomputed in full under checkpointing, its saved input besides
+        extra = t.ckpt_input_extra if p.ckpt else 0
+        layer = t.layer + extra
         acts = below + t.rope + t.batch
         # MLP backward (at the product's gradients): all of this layer saved except the
         # product; down_proj's gradient made, its weight copy released
-        add(f"backward, {label} layer's MLP", temporaries=t.g + t.mlp_bwd + t.fsdp_grad_tmp,
-            grads=grads + t.grad_down, comm_buffers=gathered,
+        add(f"backward, {label} layer's MLP", temporaries=t.g + t.mlp_bwd + rs_above,
+            grads=grads + t.grad_down, comm_buffers=gathered("layer", l),
             weight_copies=wc - t.wcopy_down, activations=acts + layer - t.prod)
         # attention backward: the MLP's and o_proj's gradients made, their copies released
         add(f"backward, {label} layer's attention",
-            temporaries=t.g + t.attn_bwd + t.fsdp_grad_tmp, grads=grads + t.grad_mlp_o,
-            comm_buffers=gathered, weight_copies=wc - t.wcopy_mlp_o,
-            activations=acts + t.layer_attn_part)
+            temporaries=t.g + t.attn_bwd + rs_above, grads=grads + t.grad_mlp_o,
+            comm_buffers=gathered("layer", l), weight_copies=wc - t.wcopy_mlp_o,
+            activations=acts + t.layer_attn_part + extra)
+        if p.zero >= 2:
+            # FSDP2's post_backward of this layer, at the copy into the reduce-scatter input:
+            # the layer's unsharded gradients next to it (the input of the layer above freed)
+            add(f"backward, {label} layer's reduce-scatter", activations=acts,
+                grads=grads, temporaries=t.g + t.layer_ugrads + t.rs_layer,
+                comm_buffers=gathered("reduce", l))
+    if p.zero >= 2:
+        # the root's post_backward at the end of the backward: its unsharded gradients
+        # (embedding, LM head, final norm) and their reduce-scatter input, every layer's
+        # reduced gradients; only the batch is left of the forward
+        add("backward end, root reduce-scatter", activations=t.batch,
+            grads=L * t.layer_grads + t.root_ugrads, temporaries=t.rs_root)
     if t.grad_sync:
         # the end of the backward under tp at zero 0: every gradient and their flat copy
         add("backward end, gradient sum", grads=t.grads, temporaries=t.grad_sync)

@@ -97,8 +97,8 @@ CONFIGS = [
          activation_checkpointing=True),
     _cfg("B sp4 ring bf16 s2048 ckpt", "B", "bf16", 2048, sp_size=4,
          activation_checkpointing=True),
-    _cfg("C sp2 ulysses fp32 s2048 ckpt", "C", "fp32", 2048, sp_size=2, sp_mode="ulysses",
-         activation_checkpointing=True),
+    _cfg("C sp2 ulysses fp32 s2048 ckpt", "C", "fp32", 2048, quick=True, sp_size=2,
+         sp_mode="ulysses", activation_checkpointing=True),
     # -- tensor parallelism (DTensor, Megatron sequence parallelism), zero 0
     _cfg("A sp2 tp2 bf16 s2048", "A", "bf16", 2048, quick=True, sp_size=2, tp_size=2),
     _cfg("B sp2 tp2 fp32 s2048", "B", "fp32", 2048, sp_size=2, tp_size=2),
@@ -108,7 +108,7 @@ CONFIGS = [
          activation_checkpointing=True),
     # -- FSDP2: zero 2 and zero 3 over dp x sp
     _cfg("A dp2 sp2 zero2 bf16 s2048", "A", "bf16", 2048, quick=True, sp_size=2, zero_stage=2),
-    _cfg("A dp2 sp2 zero3 fp32 s2048", "A", "fp32", 2048, sp_size=2, zero_stage=3),
+    _cfg("A dp2 sp2 zero3 fp32 s2048", "A", "fp32", 2048, quick=True, sp_size=2, zero_stage=3),
     _cfg("A sp4 zero3 bf16 s4096", "A", "bf16", 4096, sp_size=4, zero_stage=3),
     _cfg("B sp4 zero2 fp32 s2048", "B", "fp32", 2048, sp_size=4, zero_stage=2),
     _cfg("B sp4 zero3 bf16 s2048", "B", "bf16", 2048, quick=True, sp_size=4, zero_stage=3),
@@ -184,6 +184,14 @@ def _model(spec, seqlen):
     return cls_model(cfg)
 
 
+def _peak(tracker, cuda: bool) -> int:
+    """The peak so far in the tracked step (bytes; the largest device's)."""
+    if cuda:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return max(snap[_TOTAL] for snap in tracker.get_tracker_snapshot("peak").values())
+
+
 class _NoTracker(contextlib.nullcontext):
     """Stands in for the tracker on CUDA, where the caching allocator keeps the peak."""
 
@@ -223,9 +231,14 @@ def measure(configs, steps_before=2):
             model, opt, criterion, loader, _ = booster.boost(model, opt, dataloader=loader)
             batches = iter(loader)
 
+            forward_peak = []
+
             def step():
                 batch = next(batches)
-                loss = criterion(model(**batch), batch)
+                out = model(**batch)
+                forward_peak.append(_peak(tracker, cuda))  # the model's forward, logits made
+                loss = criterion(out, batch)
+                del out
                 booster.backward(loss, opt)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -237,16 +250,17 @@ def measure(configs, steps_before=2):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             step()
-            torch.cuda.synchronize()
-            measured, peak = torch.cuda.max_memory_allocated(), {}
+            measured, peak = _peak(tracker, cuda), {}
         else:
             with tracker:  # re-entering resets the peak to what is live now
                 step()
             peak = tracker.get_tracker_snapshot("peak")
-            measured = max(snap[_TOTAL] for snap in peak.values())
+            measured = _peak(tracker, cuda)
         # the plugin's own sizes: tp_size, zero_stage, activation_checkpointing, sp_mode
         est = plugin.estimate_memory(model, c["seqlen"], optimizer="adamw")
         out.append({"name": c["name"], "measured": measured, "estimate": est.total,
+                    "forward_measured": forward_peak[-1],
+                    "forward_estimate": max(v for n, v in est.moments if n.startswith("forward")),
                     "peak_phase": est.peak_phase, "seconds": time.perf_counter() - t0,
                     "cpu_seconds": time.process_time() - c0,
                     "breakdown": {str(k): v for snap in peak.values() for k, v in snap.items()}})
@@ -272,8 +286,12 @@ def _rows(configs, per_rank):
         ranks = [r[i] for r in per_rank]
         measured = max(r["measured"] for r in ranks)
         est = ranks[0]["estimate"]
+        fwd = max(r["forward_measured"] for r in ranks)
         rows.append({"name": c["name"], "estimate": est, "measured": measured,
                      "error": est / measured - 1, "peak_phase": ranks[0]["peak_phase"],
+                     "forward_estimate": ranks[0]["forward_estimate"],
+                     "forward_measured": fwd,
+                     "forward_error": ranks[0]["forward_estimate"] / fwd - 1,
                      "seconds": max(r["seconds"] for r in ranks),
                      "cpu_seconds": sum(r["cpu_seconds"] for r in ranks),
                      "rank_spread": max(r["measured"] for r in ranks)
@@ -326,6 +344,7 @@ def main(argv=None):
                               ("estimate_mib", "estimate MiB", "{:.2f}"),
                               ("measured_mib", "measured MiB", "{:.2f}"),
                               ("error", "error", "{:+.2%}"), ("peak_phase", "peak at", "{}"),
+                              ("forward_error", "forward peak error", "{:+.2%}"),
                               ("seconds", "s", "{:.1f}"),
                               ("cpu_seconds", "CPU s (all ranks)", "{:.1f}")]))
     progress(f"done in {time.time() - t0:.0f} s")

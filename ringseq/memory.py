@@ -17,19 +17,20 @@ docs/memory.md derives every term and compares the estimate with a measured peak
 How the estimate is built. Every term is the size of tensors the code allocates (the source
 is named next to each term below): persistent state (parameters, AdamW states, gradients,
 DDP buckets, the ring's cached exchange buffers), the tensors autograd saves per decoder layer,
-the autocast copies of the weights, the logits and loss, and the transient tensors of the
-moments that can hold the peak: the last layer's attention in the forward, the end of the
-forward (with activation checkpointing), the loss's forward and backward, the final norm's
-backward, the first and the last decoder layer's backward (at the MLP and at the attention),
-the optimizer step. ``total`` is the largest of these moments; ``peak_phase`` names it.
+the autocast copies of the weights, FSDP2's unsharded parameters and gradients, the logits and
+loss, and the transient tensors of the moments that can hold the peak: the last layer's
+attention in the forward, the end of the forward (with activation checkpointing), the loss's
+forward and backward, the final norm's backward, the first, second (FSDP2) and last decoder
+layer's backward (at the MLP, at the attention and, under FSDP2, at its reduce-scatter), the
+end of the backward (FSDP2's root reduce-scatter; tp's gradient sum), the optimizer step. ``total`` is the largest of these moments; ``peak_phase`` names it.
 
-What is measured and what is analytic. The terms of the data and sequence-parallel meshes the
-plugin runs today (zero_stage 0 = DDP, sp 1..W, sp_mode ring / ulysses, fp32 and bf16
-autocast, activation checkpointing that keeps the ring's output) are checked against
-``torch.distributed._tools.mem_tracker.MemTracker`` on CPU ranks (tests/test_memory.py,
-benchmarks/memory_check.py). Tensor parallelism and FSDP2 (zero_stage 2 / 3) are covered
-analytically from what DTensor / FSDP2 allocate; they are validated once the plugin runs them
-(the assumptions are listed where the terms are computed: ``_Plan``).
+What is measured. Every regime the plugin runs -- zero_stage 0 (DDP; with tp, the plugin's
+own gradient sum), 2 and 3 (FSDP2), tp 1 / 2 (DTensor with Megatron sequence parallelism), sp
+1..W in ring / Ulysses / hybrid mode, fp32 and bf16, the plugin's activation checkpointing --
+is checked against ``torch.distributed._tools.mem_tracker.MemTracker`` on CPU ranks
+(benchmarks/memory_check.py; tests/test_memory.py runs a subset), docs/memory.md has the
+table. The mesh is validated by the plugin's own ``ParallelDims``: what the plugin refuses,
+the estimate refuses (and the planner does not list).
 """
 from __future__ import annotations
 
@@ -128,9 +129,9 @@ class MemoryEstimate:
         params: parameter storage (float32; this rank's shard under tp / zero).
         grads: gradients after the backward (float32, same sharding).
         optimizer: AdamW's exp_avg and exp_avg_sq (float32, same sharding).
-        comm_buffers: DDP's gradient buckets (zero 0, world > 1) or FSDP2's unsharded
-            parameters held at the peak (zero 2: every layer's, zero 3: the root's and two
-            layers' in flight).
+        comm_buffers: DDP's gradient buckets (zero 0, tp 1, world > 1) or the most of
+            FSDP2's unsharded parameters held at once (zero 2: every layer's and the root's
+            after the forward; zero 3: the root's and two layers' in flight).
         weight_copies: autocast's bf16/fp16 copies of the weights (bf16/fp16 with zero 0),
             alive from the forward until each layer's backward.
         activations_per_layer: what autograd saves for one decoder layer.
@@ -260,17 +261,14 @@ class _Plan:
     while q/k/v, attention and the MLP work on all ``T`` with ``heads / tp`` heads and
     ``intermediate / tp`` columns.
 
-    Assumptions for what the plugin does not run yet (tp > 1, zero 2/3), to be checked by
-    measurement when it does: DTensor tensor parallelism saves each colwise projection's
-    all-gathered input (``T x hidden``, one per projection: every ``ColwiseParallel`` gathers
-    its own input), unlike Megatron, which re-gathers in the backward; the embedding and the
-    LM head stay replicated over tp and each rank computes the logits of its ``T / tp`` tokens
-    (the sharded cross-entropy); K/V heads are split over tp when tp divides them and
-    replicated (one per rank) when they divide tp. FSDP2 shards over the dp x sp ranks of a tp
-    rank (``N = world / tp``); bf16/fp16 with zero >= 2 runs FSDP2's MixedPrecisionPolicy
-    (bf16 parameters in the compute, float32 reduce-scatter) instead of autocast; zero 3
-    gathers one layer ahead (two layers unsharded in flight) and keeps the root module's
-    parameters (embedding, LM head, final norm) unsharded from forward to backward.
+    Tensor parallelism (ringseq.parallel.tp): each attention / MLP block all-gathers its
+    input once (``GatherSequence``: ``T x hidden``, saved for the block's colwise
+    projections, which Megatron re-gathers in the backward instead); the embedding and the LM
+    head stay replicated over tp and each rank computes the logits of its ``T / tp`` tokens
+    (the sharded cross-entropy); query and K/V heads are split over tp (the plugin requires
+    tp to divide both). FSDP2 (ringseq.parallel.fsdp) shards over the dp x sp ranks of a tp
+    rank (``N = world / tp``); bf16 with zero >= 2 runs FSDP2's MixedPrecisionPolicy (bf16
+    parameters in the compute, float32 reduce-scatter) instead of autocast (regime ``mp``).
     """
 
     shape: ModelShape
@@ -317,8 +315,7 @@ class _Plan:
 
     @property
     def kv_l(self) -> int:
-        k = self.shape.kv_heads
-        return k // self.tp if k % self.tp == 0 else 1
+        return self.shape.kv_heads // self.tp  # tp divides them (ParallelDims' head rule)
 
     @property
     def rep(self) -> int:
@@ -452,6 +449,27 @@ class _Terms:
         # ... and in the forward, once the attention has returned
         self.layer_attn_fwd = self.layer_attn_part
         self.prod = e * I * T  # the MLP product, freed by down_proj's backward
+        # The forward of a layer's MLP at its product (silu(gate) * up): what the layer's
+        # locals hold besides the saved tensors. The decoder layer holds the post-attention
+        # norm's output (float32 under autocast and fp32, bf16 in mp) where the projections
+        # do not save that very tensor (autocast saves bf16 casts; tp saves the all-gather);
+        # under tp the MLP holds its all-gathered input (saved, except under autocast); in mp
+        # the caller holds the layer input and the layer the mid residual (neither is saved).
+        # Under checkpointing nothing of the layer is saved but its input and the attention
+        # operator's outputs: the locals are the mid residual, the norm output (and its
+        # all-gathered copy), silu(gate), up and the product.
+        norm_out = (2 if regime == "mp" else f32) * h * Tr
+        gathered_in = norm_out * p.tp if p.tp > 1 else 0
+        if p.ckpt:
+            self.mlp_fwd_layer = (2 * self.residual + self.attn_out + norm_out + gathered_in
+                                  + 3 * e * I * T)
+        else:
+            held = 2 * (self.residual - res_saved)
+            if regime == "autocast" or p.tp > 1:
+                held += norm_out
+            if regime == "autocast" and p.tp > 1:
+                held += gathered_in
+            self.mlp_fwd_layer = self.layer + held
         # ---- checkpointing: per layer the input (torch.utils.checkpoint saves it) plus the
         # attention output and lse (kept so the recompute does not run the ring again)
         self.layer_ckpt = self.residual + self.attn_out
@@ -468,6 +486,14 @@ class _Terms:
         positions = self.p.seqlen // p.R if (p.U > 1 and p.b == 1) else T
         self.batch = _I64 * (2 * T + positions)
         self.final = res_saved + norm * Tr + head_in
+        # the final norm's float32 output under autocast (the LM head saves its bf16 cast):
+        # held by the base model's output until the LM head has made the logits
+        self.final_norm_out = f32 * h * Tr if regime == "autocast" else 0
+        # the final norm's forward at its last multiply (weight * ...): its input (saved, or
+        # in mp held by the caller), what it saves, mean's (T, 1) float32 output, its output
+        # (float32, bf16 in mp) and, in mp, the float32 x * rsqrt before its bf16 cast
+        self.final_norm_fwd = (self.residual + norm * Tr + f32 * Tr + norm_out
+                               + (f32 * h * Tr if regime == "mp" else 0))
         self.head_in = head_in
         # RMSNorm backward (autograd of LlamaRMSNorm.forward, float32): once the output's
         # gradient and x * rsqrt are released, x's gradient from the product rule, mean's
@@ -634,6 +660,7 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
             return 0
         z2 = p.zero == 2
         n = {"forward": L + 1 if z2 else 2,  # at the last layer: its storages + flat buffer
+             "forward after layers": L + 1 if z2 else 1,  # the last layer resharded (zero 3)
              "after forward": L if z2 else 0,  # loss; the root's post-forward freed the flat
              "final norm": L if z2 else 1,  # zero 3: the last layer's prefetched all-gather
              "layer": l + 1 if z2 else 1 + (l > 0),  # this layer + the one prefetched below
@@ -660,10 +687,19 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         + (t.layer_ckpt if p.ckpt else t.layer_attn_fwd),
         weight_copies=L * t.wcopy_layer - t.wcopy_mlp_o,
         comm_buffers=gathered("forward"), temporaries=t.attn_fwd)
-    if p.ckpt:
-        # end of the model's forward: the cache of weight copies and the logits
-        add("forward end", activations=acts_all, weight_copies=wcopies_fwd,
-            comm_buffers=gathered("after forward"), logits_loss=t.logits)
+    # The last layer's MLP in the forward, at its product: every weight copy made
+    add("forward, last layer's MLP",
+        activations=(L - 1) * per_layer + t.rope + t.batch + t.mlp_fwd_layer,
+        weight_copies=L * t.wcopy_layer, comm_buffers=gathered("forward"))
+    # The final norm's forward, at its output: every layer's activations and the norm's
+    add("forward, final norm",
+        activations=L * per_layer + t.rope + t.batch + t.final_norm_fwd,
+        weight_copies=wcopies_fwd, comm_buffers=gathered("forward after layers"))
+    # end of the model's forward: the cache of weight copies (under checkpointing more than
+    # the backward keeps) and the logits
+    add("forward end", activations=acts_all, weight_copies=wcopies_fwd,
+        comm_buffers=gathered("after forward"), logits_loss=t.logits,
+        temporaries=t.final_norm_out)
     add("loss forward", activations=acts_all, weight_copies=wcopies_bwd,
         comm_buffers=gathered("after forward"), logits_loss=t.loss_fwd)
     add("loss backward", activations=acts_all, weight_copies=wcopies_bwd,
@@ -754,55 +790,29 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"estimate_memory: optimizer must be one of {list(OPTIMIZERS)}, got "
                          f"{optimizer!r}")
-    if zero_stage not in ZERO_STAGES:
-        raise ValueError(f"estimate_memory: zero_stage must be one of {list(ZERO_STAGES)} "
-                         f"(0: DDP, 2/3: FSDP2), got {zero_stage!r}")
-    if sp_mode not in SP_MODES:
-        raise ValueError(f"estimate_memory: sp_mode must be one of {list(SP_MODES)}, got "
-                         f"{sp_mode!r}")
-    if world_size % (sp_size * tp_size):
-        ok = [x for x in _divisors(world_size) if (world_size // tp_size) % x == 0] \
-            if world_size % tp_size == 0 else []
-        raise ValueError(f"estimate_memory: sp_size * tp_size must divide world_size="
-                         f"{world_size}, got sp_size={sp_size}, tp_size={tp_size}"
-                         + (f" (sp_size one of {ok} with this tp_size)" if ok else ""))
-    if shape.heads % tp_size:
-        raise ValueError(f"estimate_memory: tp_size={tp_size} must divide num_attention_heads="
-                         f"{shape.heads}; one of {_divisors(shape.heads)}")
-    if shape.kv_heads % tp_size and tp_size % shape.kv_heads:
-        raise ValueError(f"estimate_memory: tp_size={tp_size} must divide "
-                         f"num_key_value_heads={shape.kv_heads} or be a multiple of it "
-                         f"(then K/V heads are replicated)")
-    if shape.intermediate % tp_size:
+    # The mesh as the plugin validates it (RingSequenceParallelPlugin builds the same
+    # ParallelDims before any process group): what raises there raises here, so the planner
+    # never lists a mesh the plugin cannot run.
+    from .parallel.dims import ParallelDims
+    try:
+        dims = ParallelDims(world_size=world_size, sp_size=sp_size, tp_size=tp_size,
+                            zero_stage=zero_stage, sp_mode=sp_mode,
+                            ulysses_size=ulysses_size).with_model(shape.heads, shape.kv_heads)
+    except ValueError as exc:
+        raise ValueError(f"estimate_memory: {str(exc).replace('ParallelDims: ', '')}") from None
+    if precision == "fp16" and dims.sharded:
+        raise ValueError(f"estimate_memory: precision='fp16' with tp_size={tp_size} / "
+                         f"zero_stage={zero_stage} is refused by the plugin (one GradScaler "
+                         f"over sharded gradients); use precision='bf16'")
+    if shape.intermediate % tp_size:  # ringseq.parallel.tp: colwise gate/up split their rows
         raise ValueError(f"estimate_memory: tp_size={tp_size} must divide intermediate_size="
                          f"{shape.intermediate}")
-    if sp_mode == "ring":
-        if ulysses_size not in (None, 1):
-            raise ValueError(f"estimate_memory: sp_mode='ring' takes no ulysses_size, got "
-                             f"{ulysses_size!r}")
-        U = 1
-    elif sp_mode == "ulysses":
-        if ulysses_size not in (None, sp_size):
-            raise ValueError(f"estimate_memory: sp_mode='ulysses' uses all sp_size={sp_size} "
-                             f"ranks, got ulysses_size={ulysses_size!r}")
-        U = sp_size
-    else:
-        if ulysses_size is None or isinstance(ulysses_size, bool) or \
-                not isinstance(ulysses_size, int) or ulysses_size < 1 or sp_size % ulysses_size:
-            raise ValueError(f"estimate_memory: sp_mode='hybrid' needs ulysses_size dividing "
-                             f"sp_size={sp_size} (one of {_divisors(sp_size)}), got "
-                             f"{ulysses_size!r}")
-        U = ulysses_size
-    heads_l = shape.heads // tp_size
-    if heads_l % U:
-        raise ValueError(f"estimate_memory: the Ulysses degree {U} must divide the heads per tp "
-                         f"rank ({shape.heads} / tp {tp_size} = {heads_l})")
-    R = sp_size // U
-    # zigzag needs 2 chunks per ring rank; every rank holds s / sp tokens, split over tp
-    multiple = 2 * sp_size * tp_size if R > 1 else sp_size * tp_size
+    # the plugin's default layout (zigzag on the ring dim) and the split of a shard over tp
+    multiple = dims.seq_multiple("zigzag")
     if seqlen % multiple:
         raise ValueError(f"estimate_memory: seqlen={seqlen} must be a multiple of {multiple} "
-                         f"(zigzag: 2 chunks per ring rank; sequence parallel within tp)")
+                         f"(the zigzag layout over the ring, the sequence split over tp)")
+    U, R = dims.ulysses_size, dims.ring_size
     return _Plan(shape=shape, b=micro_batch, seqlen=seqlen, world=world_size, sp=sp_size,
                  tp=tp_size, zero=zero_stage, precision=precision, optimizer=optimizer,
                  ckpt=bool(activation_checkpointing), mode=sp_mode, U=U, R=R)
@@ -849,8 +859,8 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
     order = ("params", "grads", "optimizer", "comm_buffers", "weight_copies", "activations",
              "attention_buffers", "logits_loss", "temporaries")
     breakdown = tuple((k, live[k]) for k in order if live.get(k))
-    comm = t.buckets + ((L if p.zero == 2 else 2) * t.gathered_layer + t.gathered_root
-                        if p.zero >= 2 else 0)
+    # the most held at any moment (DDP's buckets always; FSDP2's unsharded parameters vary)
+    comm = max(d.get("comm_buffers", 0) for _, d in moments)
     return MemoryEstimate(
         shape=p.shape, seqlen=seqlen, micro_batch=micro_batch, world_size=world_size,
         sp_size=sp_size, tp_size=tp_size, zero_stage=zero_stage, precision=precision,
@@ -879,27 +889,36 @@ def _cost_key(est: MemoryEstimate):
             _MODE_RANK[est.sp_mode], est.total)
 
 
-def meshes(config, world_size: int) -> List[dict]:
-    """Every mesh of ``world_size`` ranks the model's heads allow, as keyword arguments of
-    :func:`estimate_memory`: tp dividing the heads (and the K/V heads, or a multiple of
-    them) and the MLP width, sp dividing the rest, the ring / Ulysses / hybrid modes whose
-    Ulysses degree divides the heads per tp rank, zero 0/2/3, checkpointing off/on."""
+def meshes(config, world_size: int, precision: str = "bf16") -> List[dict]:
+    """Every mesh of ``world_size`` ranks that ``RingSequenceParallelPlugin`` runs for the
+    model, as keyword arguments of :func:`estimate_memory`: each (tp, sp, sp_mode /
+    ulysses_size, zero_stage) the plugin's ``ParallelDims`` accepts with the model's heads
+    (tp dividing the query and the K/V heads, the Ulysses degree the heads per tp rank), tp
+    dividing the MLP width, zero 0/2/3 (not sharded ones with fp16, which the plugin
+    refuses), checkpointing off/on. Hybrid lists Ulysses degrees strictly between 1 and sp
+    (the others are the ring and Ulysses)."""
+    from .parallel.dims import ParallelDims
     shape = ModelShape.from_config(config)
     _check_int("world_size", world_size)
     out = []
     for tp in _divisors(world_size):
-        if (shape.heads % tp or shape.intermediate % tp
-                or (shape.kv_heads % tp and tp % shape.kv_heads)):
+        if shape.intermediate % tp:
             continue
-        heads_l = shape.heads // tp
         for sp in _divisors(world_size // tp):
             modes = [("ring", None)]
             if sp > 1:
-                modes += [("hybrid", u) for u in _divisors(sp) if 1 < u < sp and heads_l % u == 0]
-                if heads_l % sp == 0:
-                    modes.append(("ulysses", None))
+                modes += [("hybrid", u) for u in _divisors(sp) if 1 < u < sp]
+                modes.append(("ulysses", None))
             for mode, u in modes:
                 for zero in ZERO_STAGES:
+                    try:
+                        dims = ParallelDims(world_size=world_size, sp_size=sp, tp_size=tp,
+                                            zero_stage=zero, sp_mode=mode, ulysses_size=u
+                                            ).with_model(shape.heads, shape.kv_heads)
+                    except ValueError:
+                        continue
+                    if precision == "fp16" and dims.sharded:
+                        continue
                     for ckpt in (False, True):
                         out.append(dict(world_size=world_size, sp_size=sp, tp_size=tp,
                                         zero_stage=zero, sp_mode=mode, ulysses_size=u,
@@ -913,7 +932,7 @@ def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
     bytes at ``seqlen``, best first (see ``_cost_key``). ``kwargs``: micro_batch, precision,
     optimizer. Meshes whose sizes do not divide ``seqlen`` are left out."""
     fit = []
-    for mesh in meshes(config, world_size):
+    for mesh in meshes(config, world_size, kwargs.get("precision", "bf16")):
         try:
             est = estimate_memory(config, seqlen=seqlen, **mesh, **kwargs)
         except ValueError:
@@ -929,10 +948,11 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
     most ``limit``) whose peak fits in ``device_memory`` bytes on one mesh (``mesh``: the
     other arguments of :func:`estimate_memory`), or None when not even the shortest fits.
     Bisection: the peak grows with the length."""
-    sp, tp = mesh.get("sp_size", 1), mesh.get("tp_size", 1)
-    mode, u = mesh.get("sp_mode", "ring"), mesh.get("ulysses_size")
-    ring = sp // (u or 1) if mode == "hybrid" else (1 if mode == "ulysses" else sp)
-    step = (2 * sp if ring > 1 else sp) * tp
+    from .parallel.dims import ParallelDims
+    step = ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
+                        tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
+                        sp_mode=mesh.get("sp_mode", "ring"),
+                        ulysses_size=mesh.get("ulysses_size")).seq_multiple("zigzag")
 
     def at(n):
         return estimate_memory(config, seqlen=n * step, **mesh)
@@ -1036,7 +1056,7 @@ def main(argv=None) -> int:
                           for e in fit], header + ("peak GiB", "headroom GiB", "peak at")))
         else:
             best = None
-            for mesh in meshes(config, args.world_size):
+            for mesh in meshes(config, args.world_size, args.precision):
                 try:
                     e = estimate_memory(config, seqlen=args.seqlen, **mesh, **common)
                 except ValueError:
@@ -1048,7 +1068,7 @@ def main(argv=None) -> int:
                                     f"({best.mesh()})"))
     if args.max_seqlen:
         rows = []
-        for mesh in meshes(config, args.world_size):
+        for mesh in meshes(config, args.world_size, args.precision):
             e = max_seqlen(config, device_memory=memory, **mesh, **common)
             if e is not None:
                 rows.append(e)

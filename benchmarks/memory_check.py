@@ -3,10 +3,13 @@
 Each configuration is the keyword arguments of ``RingSequenceParallelPlugin`` plus the
 precision, the sequence length and the model; one line of ``CONFIGS`` per configuration.
 Every configuration trains a tiny transformers model (random init, no download) through
-``Booster`` on the same spawned gloo ranks: two warm-up steps (AdamW states, DDP's rebuilt
-buckets and the ring's cached exchange buffers then exist, as in any later step), then one
-tracked step (forward, loss, backward, ``optimizer.step()``); the measured peak is the
-largest per-rank peak of that step, the estimate ``plugin.estimate_memory(model, seqlen)``.
+``Booster`` on spawned gloo ranks (one spawn per world size, all its configurations in it):
+two warm-up steps (AdamW states, DDP's rebuilt buckets and the ring's cached exchange buffers
+then exist, as in any later step), then one tracked step (forward, loss, backward,
+``optimizer.step()``); the measured peak is the largest per-rank peak of that step, the
+estimate ``plugin.estimate_memory(model, seqlen)`` (the plugin's own tp_size, zero_stage,
+sp_mode and activation_checkpointing). Also reported, not checked: the forward's own peak
+(right after the model's forward returns) against the estimate's forward moments.
 
 How the peak is measured. ``torch.distributed._tools.mem_tracker.MemTracker`` (a
 TorchDispatchMode; runs on CPU) follows every tensor storage created under it. It cannot see
@@ -21,11 +24,13 @@ to what is live (MemTracker.__enter__), and ``reset_mod_stats`` between steps is
 rule for repeated iterations.
 
     python benchmarks/memory_check.py              # every configuration, table + JSON
-    python benchmarks/memory_check.py --only sp2   # configurations whose name contains sp2
+    python benchmarks/memory_check.py --only tp2   # configurations whose name contains tp2
+    python benchmarks/memory_check.py --quick      # those tests/test_memory.py asserts
 
-Under torchrun on GPUs (``torchrun --nproc-per-node 4 benchmarks/memory_check.py``) the same
-configurations run on NCCL and the measured peak is ``torch.cuda.max_memory_allocated`` of the
-tracked step instead (see docs/memory.md for what differs there).
+Under torchrun on GPUs (``torchrun --nproc-per-node 4 benchmarks/memory_check.py``; 8 for the
+W8 lines) the configurations of that world size run on NCCL and the measured peak is
+``torch.cuda.max_memory_allocated`` of the tracked step instead (see docs/memory.md for what
+differs there).
 """
 from __future__ import annotations
 

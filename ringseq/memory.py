@@ -41,13 +41,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .parallel.dims import ZERO_STAGES, ParallelDims  # the plugin's own mesh rules
+
 __all__ = ["MemoryEstimate", "ModelShape", "estimate_memory", "fitting_meshes", "format_bytes",
            "max_seqlen", "meshes", "parse_bytes"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_forloop")
-ZERO_STAGES = (0, 2, 3)
-SP_MODES = ("ring", "ulysses", "hybrid")
 _F32 = 4  # bytes of a float32 element
 _I64 = 8
 _ALIGN = 64  # ringseq.ring.PackedBuffers aligns every segment of the exchange buffers
@@ -793,7 +793,6 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
     # The mesh as the plugin validates it (RingSequenceParallelPlugin builds the same
     # ParallelDims before any process group): what raises there raises here, so the planner
     # never lists a mesh the plugin cannot run.
-    from .parallel.dims import ParallelDims
     try:
         dims = ParallelDims(world_size=world_size, sp_size=sp_size, tp_size=tp_size,
                             zero_stage=zero_stage, sp_mode=sp_mode,
@@ -897,7 +896,6 @@ def meshes(config, world_size: int, precision: str = "bf16") -> List[dict]:
     dividing the MLP width, zero 0/2/3 (not sharded ones with fp16, which the plugin
     refuses), checkpointing off/on. Hybrid lists Ulysses degrees strictly between 1 and sp
     (the others are the ring and Ulysses)."""
-    from .parallel.dims import ParallelDims
     shape = ModelShape.from_config(config)
     _check_int("world_size", world_size)
     out = []
@@ -948,7 +946,6 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
     most ``limit``) whose peak fits in ``device_memory`` bytes on one mesh (``mesh``: the
     other arguments of :func:`estimate_memory`), or None when not even the shortest fits.
     Bisection: the peak grows with the length."""
-    from .parallel.dims import ParallelDims
     step = ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
                         tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
                         sp_mode=mesh.get("sp_mode", "ring"),

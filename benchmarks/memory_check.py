@@ -3,10 +3,13 @@
 Each configuration is the keyword arguments of ``RingSequenceParallelPlugin`` plus the
 precision, the sequence length and the model; one line of ``CONFIGS`` per configuration.
 Every configuration trains a tiny transformers model (random init, no download) through
-``Booster`` on the same spawned gloo ranks: two warm-up steps (AdamW states, DDP's rebuilt
-buckets and the ring's cached exchange buffers then exist, as in any later step), then one
-tracked step (forward, loss, backward, ``optimizer.step()``); the measured peak is the
-largest per-rank peak of that step, the estimate ``plugin.estimate_memory(model, seqlen)``.
+``Booster`` on spawned gloo ranks (one spawn per world size, all its configurations in it):
+two warm-up steps (AdamW states, DDP's rebuilt buckets and the ring's cached exchange buffers
+then exist, as in any later step), then one tracked step (forward, loss, backward,
+``optimizer.step()``); the measured peak is the largest per-rank peak of that step, the
+estimate ``plugin.estimate_memory(model, seqlen)`` (the plugin's own tp_size, zero_stage,
+sp_mode and activation_checkpointing). Also reported, not checked: the forward's own peak
+(right after the model's forward returns) against the estimate's forward moments.
 
 How the peak is measured. ``torch.distributed._tools.mem_tracker.MemTracker`` (a
 TorchDispatchMode; runs on CPU) follows every tensor storage created under it. It cannot see
@@ -21,11 +24,13 @@ to what is live (MemTracker.__enter__), and ``reset_mod_stats`` between steps is
 rule for repeated iterations.
 
     python benchmarks/memory_check.py              # every configuration, table + JSON
-    python benchmarks/memory_check.py --only sp2   # configurations whose name contains sp2
+    python benchmarks/memory_check.py --only tp2   # configurations whose name contains tp2
+    python benchmarks/memory_check.py --quick      # those tests/test_memory.py asserts
 
-Under torchrun on GPUs (``torchrun --nproc-per-node 4 benchmarks/memory_check.py``) the same
-configurations run on NCCL and the measured peak is ``torch.cuda.max_memory_allocated`` of the
-tracked step instead (see docs/memory.md for what differs there).
+Under torchrun on GPUs (``torchrun --nproc-per-node 4 benchmarks/memory_check.py``; 8 for the
+W8 lines) the configurations of that world size run on NCCL and the measured peak is
+``torch.cuda.max_memory_allocated`` of the tracked step instead (see docs/memory.md for what
+differs there).
 """
 from __future__ import annotations
 
@@ -46,7 +51,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests"))
 from dist_utils import run_ranks  # noqa: E402
 
-WORLD = 4
 # Tiny models whose peaks fall on different moments of the step: A's vocabulary is large
 # against its layers (the loss's backward holds the peak), B's MLP is wide (the final norm's
 # or a decoder layer's MLP backward), C has many heads on a narrow residual stream (the
@@ -64,18 +68,19 @@ MODELS = {
 }
 
 
-def _cfg(name, model, precision, seqlen, quick=False, checkpoint=False, **plugin):
+def _cfg(name, model, precision, seqlen, quick=False, world=4, **plugin):
     return dict(name=name, model=model, plugin=plugin, precision=precision, seqlen=seqlen,
-                quick=quick, checkpoint=checkpoint)
+                quick=quick, world=world)
 
 
-# One configuration per line: plugin keyword arguments, precision, sequence length, model.
-# quick: in tests/test_memory.py (the rest only here, for docs/memory.md). checkpoint: the
-# harness checkpoints every decoder layer itself (torch.utils.checkpoint keeping the ring's
-# output) for as long as the plugin has no activation_checkpointing of its own.
-# Pending (the plugin of issue 21): lines with tp_size / zero_stage / activation_checkpointing,
-# e.g. _cfg("sp2 zero3 bf16 s2048", "A", "bf16", 2048, sp_size=2, zero_stage=3).
+# One configuration per line: the plugin's keyword arguments (sp_size, sp_mode, tp_size,
+# zero_stage, activation_checkpointing, ...), precision, sequence length, model, ranks.
+# quick: in tests/test_memory.py (4 ranks; the rest only here, for docs/memory.md). Together
+# they cover sp 1/2/4/8, tp 1/2, zero 0/2/3, checkpointing off/on, fp32/bf16, ring / Ulysses /
+# hybrid and two sequence lengths per model; names start with the model and the mesh (dp is
+# W / (sp x tp)).
 CONFIGS = [
+    # -- DDP (zero 0), no tensor parallelism
     _cfg("A sp1 fp32 s1024", "A", "fp32", 1024, quick=True, sp_size=1),
     _cfg("A sp2 ring fp32 s2048", "A", "fp32", 2048, sp_size=2),
     _cfg("A sp4 ring bf16 s2048", "A", "bf16", 2048, quick=True, sp_size=4),
@@ -92,8 +97,42 @@ CONFIGS = [
     _cfg("C sp2 ulysses bf16 s2048", "C", "bf16", 2048, quick=True, sp_size=2, sp_mode="ulysses"),
     _cfg("C sp4 hybrid(u2) bf16 s2048", "C", "bf16", 2048, quick=True, sp_size=4,
          sp_mode="hybrid", ulysses_size=2),
-    _cfg("A sp2 ring bf16 s2048 ckpt", "A", "bf16", 2048, quick=True, checkpoint=True, sp_size=2),
-    _cfg("B sp4 ring bf16 s2048 ckpt", "B", "bf16", 2048, quick=True, checkpoint=True, sp_size=4),
+    # -- the plugin's activation checkpointing (keeps ringseq::attention's outputs)
+    _cfg("A sp2 ring bf16 s2048 ckpt", "A", "bf16", 2048, quick=True, sp_size=2,
+         activation_checkpointing=True),
+    _cfg("B sp4 ring bf16 s2048 ckpt", "B", "bf16", 2048, sp_size=4,
+         activation_checkpointing=True),
+    _cfg("C sp2 ulysses fp32 s2048 ckpt", "C", "fp32", 2048, quick=True, sp_size=2,
+         sp_mode="ulysses", activation_checkpointing=True),
+    # -- tensor parallelism (DTensor, Megatron sequence parallelism), zero 0
+    _cfg("A sp2 tp2 bf16 s2048", "A", "bf16", 2048, quick=True, sp_size=2, tp_size=2),
+    _cfg("B sp2 tp2 fp32 s2048", "B", "fp32", 2048, sp_size=2, tp_size=2),
+    _cfg("C sp2 ulysses tp2 bf16 s2048", "C", "bf16", 2048, sp_size=2, sp_mode="ulysses",
+         tp_size=2),
+    _cfg("A sp2 tp2 bf16 s2048 ckpt", "A", "bf16", 2048, sp_size=2, tp_size=2,
+         activation_checkpointing=True),
+    # -- FSDP2: zero 2 and zero 3 over dp x sp
+    _cfg("A dp2 sp2 zero2 bf16 s2048", "A", "bf16", 2048, quick=True, sp_size=2, zero_stage=2),
+    _cfg("A dp2 sp2 zero3 fp32 s2048", "A", "fp32", 2048, quick=True, sp_size=2, zero_stage=3),
+    _cfg("A sp4 zero3 bf16 s4096", "A", "bf16", 4096, sp_size=4, zero_stage=3),
+    _cfg("B sp4 zero2 fp32 s2048", "B", "fp32", 2048, sp_size=4, zero_stage=2),
+    _cfg("B sp4 zero3 bf16 s2048", "B", "bf16", 2048, quick=True, sp_size=4, zero_stage=3),
+    _cfg("B dp2 sp2 zero2 bf16 s1024", "B", "bf16", 1024, sp_size=2, zero_stage=2),
+    _cfg("C sp4 zero3 bf16 s2048 ckpt", "C", "bf16", 2048, sp_size=4, zero_stage=3,
+         activation_checkpointing=True),
+    # -- tensor parallelism x FSDP2
+    _cfg("A sp2 tp2 zero3 bf16 s2048", "A", "bf16", 2048, quick=True, sp_size=2, tp_size=2,
+         zero_stage=3),
+    _cfg("B sp2 tp2 zero3 fp32 s2048", "B", "fp32", 2048, sp_size=2, tp_size=2, zero_stage=3),
+    _cfg("B sp2 tp2 zero3 bf16 s2048 ckpt", "B", "bf16", 2048, quick=True, sp_size=2,
+         tp_size=2, zero_stage=3, activation_checkpointing=True),
+    _cfg("A sp2 tp2 zero2 fp32 s4096", "A", "fp32", 4096, sp_size=2, tp_size=2, zero_stage=2),
+    # -- 8 ranks (the full table only)
+    _cfg("A W8 dp2 sp2 tp2 zero3 bf16 s2048", "A", "bf16", 2048, world=8, sp_size=2,
+         tp_size=2, zero_stage=3),
+    _cfg("B W8 sp8 zero3 bf16 s4096 ckpt", "B", "bf16", 4096, world=8, sp_size=8,
+         zero_stage=3, activation_checkpointing=True),
+    _cfg("A W8 sp8 ring bf16 s4096", "A", "bf16", 4096, world=8, sp_size=8),
 ]
 
 
@@ -150,24 +189,12 @@ def _model(spec, seqlen):
     return cls_model(cfg)
 
 
-def _checkpoint_layers(model):
-    """Checkpoints every decoder layer (non-reentrant torch.utils.checkpoint) with a selective
-    policy that keeps the ring attention's outputs: the recompute does not run the ring."""
-    import functools
-
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    keep = {torch.ops.ringseq.attention.default}
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    kwargs = {"use_reentrant": False,
-              "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-        model.activation_checkpointing_enable(kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+def _peak(tracker, cuda: bool) -> int:
+    """The peak so far in the tracked step (bytes; the largest device's)."""
+    if cuda:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return max(snap[_TOTAL] for snap in tracker.get_tracker_snapshot("peak").values())
 
 
 class _NoTracker(contextlib.nullcontext):
@@ -187,14 +214,12 @@ def measure(configs, steps_before=2):
     tracker_cls = None if cuda else _tracker_class()
     out = []
     for c in configs:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         _release_ring_buffers()
         gc.collect()
         plugin = RingSequenceParallelPlugin(precision=c["precision"], **c["plugin"])
         booster = Booster(plugin)
         model = _model(MODELS[c["model"]], c["seqlen"])
-        if c.get("checkpoint"):
-            _checkpoint_layers(model)
         # foreach: torch's default AdamW on CUDA (on CPU the default is the for-loop one)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         g = torch.Generator().manual_seed(1)
@@ -211,9 +236,14 @@ def measure(configs, steps_before=2):
             model, opt, criterion, loader, _ = booster.boost(model, opt, dataloader=loader)
             batches = iter(loader)
 
+            forward_peak = []
+
             def step():
                 batch = next(batches)
-                loss = criterion(model(**batch), batch)
+                out = model(**batch)
+                forward_peak.append(_peak(tracker, cuda))  # the model's forward, logits made
+                loss = criterion(out, batch)
+                del out
                 booster.backward(loss, opt)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -225,26 +255,34 @@ def measure(configs, steps_before=2):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             step()
-            torch.cuda.synchronize()
-            measured, peak = torch.cuda.max_memory_allocated(), {}
+            measured, peak = _peak(tracker, cuda), {}
         else:
             with tracker:  # re-entering resets the peak to what is live now
                 step()
             peak = tracker.get_tracker_snapshot("peak")
-            measured = max(snap[_TOTAL] for snap in peak.values())
-        est = plugin.estimate_memory(model, c["seqlen"], optimizer="adamw",
-                                     activation_checkpointing=bool(c.get("checkpoint")))
+            measured = _peak(tracker, cuda)
+        # the plugin's own sizes: tp_size, zero_stage, activation_checkpointing, sp_mode
+        est = plugin.estimate_memory(model, c["seqlen"], optimizer="adamw")
         out.append({"name": c["name"], "measured": measured, "estimate": est.total,
+                    "forward_measured": forward_peak[-1],
+                    "forward_estimate": max(v for n, v in est.moments if n.startswith("forward")),
                     "peak_phase": est.peak_phase, "seconds": time.perf_counter() - t0,
+                    "cpu_seconds": time.process_time() - c0,
                     "breakdown": {str(k): v for snap in peak.values() for k, v in snap.items()}})
         del model, opt, criterion, loader, batches, booster, plugin, tracker
     return out
 
 
 def run(configs, timeout=600.0):
-    """Spawns WORLD gloo ranks, measures every configuration; returns one row per config
-    (measured = the largest rank's peak) with the estimate and the relative error."""
-    return _rows(configs, run_ranks(measure, WORLD, configs, timeout=timeout))
+    """Spawns gloo ranks (one spawn per world size among ``configs``), measures every
+    configuration; returns one row per config, in the given order (measured = the largest
+    rank's peak) with the estimate and the relative error."""
+    rows = {}
+    for world in sorted({c["world"] for c in configs}):
+        mine = [c for c in configs if c["world"] == world]
+        for c, row in zip(mine, _rows(mine, run_ranks(measure, world, mine, timeout=timeout))):
+            rows[c["name"]] = row
+    return [rows[c["name"]] for c in configs]
 
 
 def _rows(configs, per_rank):
@@ -253,9 +291,14 @@ def _rows(configs, per_rank):
         ranks = [r[i] for r in per_rank]
         measured = max(r["measured"] for r in ranks)
         est = ranks[0]["estimate"]
+        fwd = max(r["forward_measured"] for r in ranks)
         rows.append({"name": c["name"], "estimate": est, "measured": measured,
                      "error": est / measured - 1, "peak_phase": ranks[0]["peak_phase"],
+                     "forward_estimate": ranks[0]["forward_estimate"],
+                     "forward_measured": fwd,
+                     "forward_error": ranks[0]["forward_estimate"] / fwd - 1,
                      "seconds": max(r["seconds"] for r in ranks),
+                     "cpu_seconds": sum(r["cpu_seconds"] for r in ranks),
                      "rank_spread": max(r["measured"] for r in ranks)
                      - min(r["measured"] for r in ranks)})
     return rows
@@ -282,18 +325,22 @@ def main(argv=None):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl")
-        if dist.get_world_size() != WORLD:
-            p.error(f"run the configurations on {WORLD} ranks (--nproc-per-node {WORLD})")
+        world = dist.get_world_size()
+        configs = [c for c in configs if c["world"] == world]
+        if not configs:
+            p.error(f"no configuration runs on {world} ranks; the table has "
+                    f"{sorted({c['world'] for c in CONFIGS})}")
         mine = measure(configs)
-        everyone = [None] * WORLD
+        everyone = [None] * world
         dist.all_gather_object(everyone, mine)
         dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
             return 0
         rows = _rows(configs, everyone)
     else:
-        progress(f"{len(configs)} configuration(s) on {WORLD} gloo ranks (load "
-                 f"{os.getloadavg()[0]:.1f})")
+        progress(f"{len(configs)} configuration(s) on "
+                 f"{'/'.join(str(w) for w in sorted({c['world'] for c in configs}))} gloo "
+                 f"ranks (load {os.getloadavg()[0]:.1f})")
         device = torch.device("cpu")
         rows = run(configs, args.timeout)
     for r in rows:
@@ -302,9 +349,12 @@ def main(argv=None):
                               ("estimate_mib", "estimate MiB", "{:.2f}"),
                               ("measured_mib", "measured MiB", "{:.2f}"),
                               ("error", "error", "{:+.2%}"), ("peak_phase", "peak at", "{}"),
-                              ("seconds", "s", "{:.1f}")]))
+                              ("forward_error", "forward peak error", "{:+.2%}"),
+                              ("seconds", "s", "{:.1f}"),
+                              ("cpu_seconds", "CPU s (all ranks)", "{:.1f}")]))
     progress(f"done in {time.time() - t0:.0f} s")
-    write_json(args.json, {"benchmark": "memory_check", "world_size": WORLD,
+    write_json(args.json, {"benchmark": "memory_check",
+                           "world_sizes": sorted({c["world"] for c in configs}),
                            "measured_with": ("torch.cuda.max_memory_allocated" if launched
                                              else "MemTracker"),
                            "environment": environment(device), "rows": rows})

@@ -210,12 +210,16 @@ def plugin_setup(args, device, config=None):
     model.train()
     batches = iter(loader)
     # torch's default AdamW: foreach on CUDA, the for-loop one on CPU
-    estimate = plugin.estimate_memory(  # (the plugin's own checkpointing setting)
+    # the plugin's own sizes (tp, zero, --ac); with --checkpointing (transformers' recompute,
+    # which keeps only each layer's input) the estimate keeps the attention output besides:
+    # an upper bound by b * s_local * (heads * head_dim * 2 + 4 * heads) bytes per layer
+    estimate = plugin.estimate_memory(
         model, args.seqlen, micro_batch=args.batch,
-        optimizer="adamw" if device.type == "cuda" else "adamw_forloop")
+        optimizer="adamw" if device.type == "cuda" else "adamw_forloop",
+        activation_checkpointing=True if args.checkpointing else None)
 
     def step():
-        batch = {k: v.to(device) for k, v in next(batches).items()}
+        batch = next(batches)  # on the plugin's device, tagged with its step (STEP_KEY)
         logits = model(**batch).logits
         loss = criterion(logits, batch)
         del logits
@@ -352,6 +356,18 @@ def _run_steps(args, device, step_fn, model, dp, estimate=None, ac=False, peak=N
     }
 
 
+def _estimate_line(res, device) -> str:
+    """``plugin.estimate_memory`` (ringseq.memory) beside the measured peak per rank."""
+    measured = max((m for m in res["peak_abs_mib_per_rank"] if m is not None), default=None)
+    how = ("torch.cuda.max_memory_allocated" if device.type == "cuda" else
+           "resident-set high-water mark: also the interpreter, libraries and allocator "
+           "caches, so not comparable to tensor bytes; benchmarks/memory_check.py compares "
+           "with MemTracker")
+    return (f"peak memory per rank: estimate {res['estimate_mib']:.0f} MiB (ringseq.memory, "
+            f"at {res['estimate_peak_at']}) vs measured "
+            f"{'-' if measured is None else f'{measured:.0f}'} MiB ({how})")
+
+
 def report_composition(args, res, device):
     runs = [res] + ([res["peer"]] if "peer" in res else [])
     print(f"# train_long_context: Llama {args.layers} layers, hidden {args.hidden}, heads "
@@ -372,6 +388,9 @@ def report_composition(args, res, device):
         print(f"{r['config']}: peak memory per rank (MiB): " + ", ".join(
             "-" if m is None else f"{m:.0f}" for m in r["peak_mib_per_rank"]) +
             f"; loss first {r['first_loss']:.4f}, last {r['last_loss']:.4f}")
+    for r in runs:  # the plugin's estimate of its own mesh (tp, zero, checkpointing) beside it
+        if r.get("estimate_mib") is not None:
+            print(f"{r['config']}: {_estimate_line(r, device)}")
     if len(runs) > 1:
         a, b = runs
         mem = ("" if not (a["peak_max"] and b["peak_max"]) else
@@ -405,14 +424,7 @@ def report(args, res, device):
         f"rank {r}: {'-' if m is None else f'{m:.0f}'}"
         for r, m in enumerate(res["peak_mib_per_rank"])))
     if res.get("estimate_mib") is not None:
-        measured = max((m for m in res["peak_abs_mib_per_rank"] if m is not None), default=None)
-        how = ("torch.cuda.max_memory_allocated" if device.type == "cuda" else
-               "resident-set high-water mark: also the interpreter, libraries and allocator "
-               "caches, so not comparable to tensor bytes")
-        print(f"peak memory per rank: estimate {res['estimate_mib']:.0f} MiB "
-              f"(ringseq.memory, at {res['estimate_peak_at']}"
-              f"{'; checkpointing assumed to keep the ring output' if args.checkpointing else ''}"
-              f") vs measured {'-' if measured is None else f'{measured:.0f}'} MiB ({how})")
+        print(_estimate_line(res, device))
     print(f"loss: first step {res['first_loss']:.4f}, last step {res['last_loss']:.4f}")
 
 

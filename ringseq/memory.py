@@ -17,19 +17,20 @@ docs/memory.md derives every term and compares the estimate with a measured peak
 How the estimate is built. Every term is the size of tensors the code allocates (the source
 is named next to each term below): persistent state (parameters, AdamW states, gradients,
 DDP buckets, the ring's cached exchange buffers), the tensors autograd saves per decoder layer,
-the autocast copies of the weights, the logits and loss, and the transient tensors of the
-moments that can hold the peak: the last layer's attention in the forward, the end of the
-forward (with activation checkpointing), the loss's forward and backward, the final norm's
-backward, the first and the last decoder layer's backward (at the MLP and at the attention),
-the optimizer step. ``total`` is the largest of these moments; ``peak_phase`` names it.
+the autocast copies of the weights, FSDP2's unsharded parameters and gradients, the logits and
+loss, and the transient tensors of the moments that can hold the peak: the last layer's
+attention in the forward, the end of the forward (with activation checkpointing), the loss's
+forward and backward, the final norm's backward, the first, second (FSDP2) and last decoder
+layer's backward (at the MLP, at the attention and, under FSDP2, at its reduce-scatter), the
+end of the backward (FSDP2's root reduce-scatter; tp's gradient sum), the optimizer step. ``total`` is the largest of these moments; ``peak_phase`` names it.
 
-What is measured and what is analytic. The terms of the data and sequence-parallel meshes the
-plugin runs today (zero_stage 0 = DDP, sp 1..W, sp_mode ring / ulysses, fp32 and bf16
-autocast, activation checkpointing that keeps the ring's output) are checked against
-``torch.distributed._tools.mem_tracker.MemTracker`` on CPU ranks (tests/test_memory.py,
-benchmarks/memory_check.py). Tensor parallelism and FSDP2 (zero_stage 2 / 3) are covered
-analytically from what DTensor / FSDP2 allocate; they are validated once the plugin runs them
-(the assumptions are listed where the terms are computed: ``_Plan``).
+What is measured. Every regime the plugin runs -- zero_stage 0 (DDP; with tp, the plugin's
+own gradient sum), 2 and 3 (FSDP2), tp 1 / 2 (DTensor with Megatron sequence parallelism), sp
+1..W in ring / Ulysses / hybrid mode, fp32 and bf16, the plugin's activation checkpointing --
+is checked against ``torch.distributed._tools.mem_tracker.MemTracker`` on CPU ranks
+(benchmarks/memory_check.py; tests/test_memory.py runs a subset), docs/memory.md has the
+table. The mesh is validated by the plugin's own ``ParallelDims``: what the plugin refuses,
+the estimate refuses (and the planner does not list).
 """
 from __future__ import annotations
 
@@ -40,13 +41,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .parallel.dims import ZERO_STAGES, ParallelDims  # the plugin's own mesh rules
+
 __all__ = ["MemoryEstimate", "ModelShape", "estimate_memory", "fitting_meshes", "format_bytes",
            "max_seqlen", "meshes", "parse_bytes"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_forloop")
-ZERO_STAGES = (0, 2, 3)
-SP_MODES = ("ring", "ulysses", "hybrid")
 _F32 = 4  # bytes of a float32 element
 _I64 = 8
 _ALIGN = 64  # ringseq.ring.PackedBuffers aligns every segment of the exchange buffers
@@ -128,9 +129,9 @@ class MemoryEstimate:
         params: parameter storage (float32; this rank's shard under tp / zero).
         grads: gradients after the backward (float32, same sharding).
         optimizer: AdamW's exp_avg and exp_avg_sq (float32, same sharding).
-        comm_buffers: DDP's gradient buckets (zero 0, world > 1) or FSDP2's unsharded
-            parameters held at the peak (zero 2: every layer's, zero 3: the root's and two
-            layers' in flight).
+        comm_buffers: DDP's gradient buckets (zero 0, tp 1, world > 1) or the most of
+            FSDP2's unsharded parameters held at once (zero 2: every layer's and the root's
+            after the forward; zero 3: the root's and two layers' in flight).
         weight_copies: autocast's bf16/fp16 copies of the weights (bf16/fp16 with zero 0),
             alive from the forward until each layer's backward.
         activations_per_layer: what autograd saves for one decoder layer.
@@ -260,17 +261,14 @@ class _Plan:
     while q/k/v, attention and the MLP work on all ``T`` with ``heads / tp`` heads and
     ``intermediate / tp`` columns.
 
-    Assumptions for what the plugin does not run yet (tp > 1, zero 2/3), to be checked by
-    measurement when it does: DTensor tensor parallelism saves each colwise projection's
-    all-gathered input (``T x hidden``, one per projection: every ``ColwiseParallel`` gathers
-    its own input), unlike Megatron, which re-gathers in the backward; the embedding and the
-    LM head stay replicated over tp and each rank computes the logits of its ``T / tp`` tokens
-    (the sharded cross-entropy); K/V heads are split over tp when tp divides them and
-    replicated (one per rank) when they divide tp. FSDP2 shards over the dp x sp ranks of a tp
-    rank (``N = world / tp``); bf16/fp16 with zero >= 2 runs FSDP2's MixedPrecisionPolicy
-    (bf16 parameters in the compute, float32 reduce-scatter) instead of autocast; zero 3
-    gathers one layer ahead (two layers unsharded in flight) and keeps the root module's
-    parameters (embedding, LM head, final norm) unsharded from forward to backward.
+    Tensor parallelism (ringseq.parallel.tp): each attention / MLP block all-gathers its
+    input once (``GatherSequence``: ``T x hidden``, saved for the block's colwise
+    projections, which Megatron re-gathers in the backward instead); the embedding and the LM
+    head stay replicated over tp and each rank computes the logits of its ``T / tp`` tokens
+    (the sharded cross-entropy); query and K/V heads are split over tp (the plugin requires
+    tp to divide both). FSDP2 (ringseq.parallel.fsdp) shards over the dp x sp ranks of a tp
+    rank (``N = world / tp``); bf16 with zero >= 2 runs FSDP2's MixedPrecisionPolicy (bf16
+    parameters in the compute, float32 reduce-scatter) instead of autocast (regime ``mp``).
     """
 
     shape: ModelShape
@@ -317,8 +315,7 @@ class _Plan:
 
     @property
     def kv_l(self) -> int:
-        k = self.shape.kv_heads
-        return k // self.tp if k % self.tp == 0 else 1
+        return self.shape.kv_heads // self.tp  # tp divides them (ParallelDims' head rule)
 
     @property
     def rep(self) -> int:
@@ -399,44 +396,80 @@ class _Terms:
         regime = p.regime
         # ---- saved activations of one decoder layer -------------------------------------
         # Residual stream: the layer input (embedding output / previous layer output) and the
-        # mid residual (residual + attention output) are saved by the next RMSNorm's pow and
-        # mul. float32 under autocast and fp32 (float32 embedding + bf16 branch promotes),
-        # bf16 when the model itself runs in bf16 (FSDP2 mixed precision).
+        # mid residual (residual + attention output), float32 under autocast and fp32
+        # (float32 embedding + bf16 branch promotes), bf16 when the model itself runs in bf16
+        # (FSDP2 mixed precision). The next RMSNorm's pow and mul save them as they are when
+        # float32; a bf16 residual is not saved (RMSNorm saves its float32 copy, below).
         res = (2 if regime == "mp" else f32) * h
-        self.residual = res * Tr  # one residual tensor
+        self.residual = res * Tr  # one residual tensor (checkpointing saves the layer input)
+        res_saved = 0 if regime == "mp" else self.residual
+        # under checkpointing the layer input is saved by torch.utils.checkpoint, besides
+        # what the recompute saves (the same tensor unless the recompute saves a copy: mp)
+        self.ckpt_input_extra = self.residual - res_saved
         # RMSNorm (LlamaRMSNorm.forward): rsqrt (T, 1) float32 and x * rsqrt float32 (saved
         # by `weight * ...`); with a bf16 input also the float32 copy of x (saved by pow and
         # mul) and the bf16 cast of x * rsqrt (saved by the weight multiply).
         norm = f32 + f32 * h if regime != "mp" else f32 + f32 * h + 2 * h
-        # The norm's output as the projections save it: fp32 with tp == 1: one tensor shared
-        # by q/k/v (and by gate/up); autocast: one bf16 copy per projection (autocast casts
-        # activations per op, only leaf weights are cached): 3 + 2; under TP every colwise
-        # projection saves its own all-gathered input (T tokens), 3 + 2 as well.
-        if regime == "autocast" or p.tp > 1:
+        # The norm's output as the projections save it. autocast: one bf16 copy per
+        # projection (autocast casts activations per op, only leaf weights are cached), 3 + 2,
+        # each of the whole T tokens under tp (the cast follows ringseq.parallel.tp's
+        # GatherSequence, whose float32 all-gather output no backward saves). Otherwise one
+        # tensor shared by q/k/v and one by gate/up: the norm output itself (T / tp tokens;
+        # only tp == 1) or, under tp, the block's all-gathered input (GatherSequence: one
+        # all-gather per block, T tokens, in the norm's output dtype).
+        if regime == "autocast":
             normed, normed_attn = 5 * e * h * T, 3 * e * h * T
         else:
-            normed, normed_attn = 2 * e * h * Tr, e * h * Tr
-        # Attention: q and k after rotary and v as the attention op saves them (bf16 casts by
-        # ringseq._args.autocast_inputs under autocast; float32 otherwise), its output in the
-        # input dtype (ring_op: out_acc.to(q.dtype); also o_proj's saved input) and lse
-        # float32 (b, h, s). Ulysses / hybrid save the head shards (K/V replicated rep times)
-        # and, besides, the sequence-shard output that o_proj saves (heads_to_seq copies it).
+            normed, normed_attn = 2 * e * h * T, e * h * T
+        # Attention (ringseq::attention, ringseq/engine/op.py): the operator saves its output
+        # in the input dtype (also o_proj's saved input) and lse float32 (b, h, s): out_lse.
+        # The ring (and sp = 1) also saves its inputs: q and k after rotary and v (bf16 casts
+        # by ringseq._args.autocast_inputs under autocast; float32 otherwise). Ulysses /
+        # hybrid keep only the inputs' shapes and save the head shards instead
+        # (UlyssesPlacement.forward): q_h, k_h, v_h (K/V replicated rep times), out_h and lse_h,
+        # as many elements as q, k * rep, v * rep, out and lse.
         kv_saved = k * (p.rep if p.U > 1 else 1)
-        attn = e * (2 * a * d + 2 * kv_saved * d) * T + f32 * a * T
-        if p.U > 1:
-            attn += e * a * d * T
-        self.attn_out = e * a * d * T + f32 * a * T  # what checkpointing keeps of attention
+        out_lse = e * a * d * T + f32 * a * T
+        if p.U == 1:
+            attn = e * (a * d + 2 * k * d) * T + out_lse
+            # what checkpointing keeps of the attention: the operator's outputs
+            # (ringseq.parallel.checkpointing), here out and lse
+            self.attn_out = out_lse
+        else:
+            attn = e * (a * d + 2 * kv_saved * d) * T + out_lse + out_lse
+            # the operator's outputs are out, lse and every head shard it saves
+            self.attn_out = attn
         # MLP: gate and up outputs, silu(gate) and the product (down_proj's input), in e.
         mlp = 4 * e * I * T
-        self.layer = 2 * self.residual + 2 * norm * Tr + normed + attn + mlp
+        self.layer = 2 * res_saved + 2 * norm * Tr + normed + attn + mlp
         # what is still saved when the backward reaches the attention: the layer input, the
-        # first norm and the q/k/v projections' inputs, the attention's tensors (under
-        # Ulysses o_proj's own copy of the output is released by then)
-        self.layer_attn_part = (self.residual + norm * Tr + normed_attn + attn
-                                - (e * a * d * T if p.U > 1 else 0))
-        # ... and in the forward, once the attention has returned (o_proj's copy included)
-        self.layer_attn_fwd = self.residual + norm * Tr + normed_attn + attn
+        # first norm and the q/k/v projections' inputs, the attention's tensors (o_proj's
+        # input is the operator's saved output: nothing is released before the attention)
+        self.layer_attn_part = res_saved + norm * Tr + normed_attn + attn
+        # ... and in the forward, once the attention has returned
+        self.layer_attn_fwd = self.layer_attn_part
         self.prod = e * I * T  # the MLP product, freed by down_proj's backward
+        # The forward of a layer's MLP at its product (silu(gate) * up): what the layer's
+        # locals hold besides the saved tensors. The decoder layer holds the post-attention
+        # norm's output (float32 under autocast and fp32, bf16 in mp) where the projections
+        # do not save that very tensor (autocast saves bf16 casts; tp saves the all-gather);
+        # under tp the MLP holds its all-gathered input (saved, except under autocast); in mp
+        # the caller holds the layer input and the layer the mid residual (neither is saved).
+        # Under checkpointing nothing of the layer is saved but its input and the attention
+        # operator's outputs: the locals are the mid residual, the norm output (and its
+        # all-gathered copy), silu(gate), up and the product.
+        norm_out = (2 if regime == "mp" else f32) * h * Tr
+        gathered_in = norm_out * p.tp if p.tp > 1 else 0
+        if p.ckpt:
+            self.mlp_fwd_layer = (2 * self.residual + self.attn_out + norm_out + gathered_in
+                                  + 3 * e * I * T)
+        else:
+            held = 2 * (self.residual - res_saved)
+            if regime == "autocast" or p.tp > 1:
+                held += norm_out
+            if regime == "autocast" and p.tp > 1:
+                held += gathered_in
+            self.mlp_fwd_layer = self.layer + held
         # ---- checkpointing: per layer the input (torch.utils.checkpoint saves it) plus the
         # attention output and lse (kept so the recompute does not run the ring again)
         self.layer_ckpt = self.residual + self.attn_out
@@ -447,15 +480,28 @@ class _Terms:
         # (input_ids, position_ids, shift_labels: int64).
         head_in = e * h * Tr
         rope = 2 * d * T * (2 if regime == "mp" else f32)
-        self.batch = 3 * _I64 * T
-        self.final = self.residual + norm * Tr + head_in
+        # input_ids and shift_labels (b, T) int64; position_ids (b, T) int64 too, except for
+        # one sample under Ulysses / hybrid: SequenceParallelLayout._positions slices a view
+        # of the ring rank's positions (seqlen / R of them), which shard_batch keeps as is.
+        positions = self.p.seqlen // p.R if (p.U > 1 and p.b == 1) else T
+        self.batch = _I64 * (2 * T + positions)
+        self.final = res_saved + norm * Tr + head_in
+        # the final norm's float32 output under autocast (the LM head saves its bf16 cast):
+        # held by the base model's output until the LM head has made the logits
+        self.final_norm_out = f32 * h * Tr if regime == "autocast" else 0
+        # the final norm's forward at its last multiply (weight * ...): its input (saved, or
+        # in mp held by the caller), what it saves, mean's (T, 1) float32 output, its output
+        # (float32, bf16 in mp) and, in mp, the float32 x * rsqrt before its bf16 cast
+        self.final_norm_fwd = (self.residual + norm * Tr + f32 * Tr + norm_out
+                               + (f32 * h * Tr if regime == "mp" else 0))
         self.head_in = head_in
         # RMSNorm backward (autograd of LlamaRMSNorm.forward, float32): once the output's
         # gradient and x * rsqrt are released, x's gradient from the product rule, mean's
         # expanded gradient, and pow's backward (grad * (2 * x.pow(1)): three temporaries of
         # one C++ expression) are live together: five float32 (T, h) tensors.
         self.norm_bwd = 5 * f32 * h * Tr
-        self.norm_xr = f32 * h * Tr  # x * rsqrt, saved by the weight multiply
+        # x * rsqrt as the weight multiply saves it (its bf16 cast in mp)
+        self.norm_xr = (2 if regime == "mp" else f32) * h * Tr
         self.rope = rope
         # ---- logits and loss (ringseq.loss.sharded_cross_entropy) --------------------------
         # logits (b, T, V) from lm_head in e; the loss upcasts to float32 (a copy unless
@@ -474,7 +520,12 @@ class _Terms:
         self.optimizer = 2 * f32 * P // N  # AdamW exp_avg + exp_avg_sq
         # DDP: the reducer's gradient buckets, float32, the size of all gradients (grads are
         # copied in and out: gradient_as_bucket_view=False); the plugin uses no DDP on 1 rank.
-        self.buckets = f32 * P if (p.zero == 0 and p.world > 1) else 0
+        # With tp > 1 there is no DDP (it cannot take DTensor parameters):
+        # ringseq.parallel.grad_sync.ReplicatedGradSync sums the gradients after the backward
+        # through one flat torch.cat of all of them (float32, transient: ``grad_sync``).
+        ddp = p.zero == 0 and p.tp == 1 and p.world > 1
+        self.buckets = f32 * P if ddp else 0
+        self.grad_sync = f32 * P if (p.zero == 0 and p.tp > 1 and p.world > p.tp) else 0
         # autocast's weight cache: a bf16 copy of every nn.Linear weight/bias, made at its
         # first use in the forward and saved by the matmul until that layer's backward.
         self.wcopy = e * p.linear_params() if regime == "autocast" else 0
@@ -482,22 +533,35 @@ class _Terms:
         # the LM head's copy (outside the decoder layers: saved even under checkpointing),
         # released by the LM head's backward
         self.e_vocab = e * s.vocab * h if regime == "autocast" else 0
-        # FSDP2: unsharded parameters in the compute dtype (bf16 in mp, float32 in fp32)
+        # FSDP2 (ringseq.parallel.fsdp; torch's _fully_shard/_fsdp_param_group.py and
+        # _fsdp_collectives.py): every decoder layer is one unit, the root module (embedding,
+        # final norm, LM head) another. Unsharded parameters are in the compute dtype (bf16
+        # in mp, float32 otherwise): a unit's all-gather output (one flat buffer, unshard)
+        # and, after wait_for_unshard's copy-out, one storage per parameter (the flat buffer
+        # is then freed: in the forward at the next unit's copy-out). Gradients come out of
+        # autograd unsharded in that dtype; a unit's post_backward copies them into one
+        # float32 reduce-scatter input (foreach_reduce: reduce_dtype float32 for bf16 compute),
+        # kept until the next unit's post_backward (reduce_scatter_states, one in flight), and
+        # the sharded gradients are views of the reduce-scatter output (1 / N of it).
+        # (Parameters sharded along dim 0 are padded to a multiple of N: not modeled.)
         ep = 2 if regime == "mp" else f32
-        self.gathered_layer = ep * p.layer_params() if p.zero >= 2 else 0
-        self.gathered_root = ep * p.root_params() if p.zero >= 2 else 0
-        # FSDP2's backward of a layer: unsharded gradients in the param dtype, their float32
-        # copy for the float32 reduce-scatter (mp), and the reduce-scatter output shard.
-        self.fsdp_grad_tmp = (p.layer_params() * (ep + (f32 if ep != f32 else 0)) +
-                              f32 * p.layer_params() // N if p.zero >= 2 else 0)
-        self.layer_grads = f32 * p.layer_params() // N
+        fsdp = p.zero >= 2
+        self.gathered_layer = ep * p.layer_params() if fsdp else 0
+        self.gathered_root = ep * p.root_params() if fsdp else 0
+        self.rs_layer = f32 * p.layer_params() if fsdp else 0
+        self.rs_root = f32 * p.root_params() if fsdp else 0
+        gb = ep if fsdp else f32  # bytes per gradient element as autograd makes it
+        self.layer_grads = f32 * p.layer_params() // N  # a layer's gradients, reduced
+        self.layer_ugrads = gb * p.layer_params()  # ... as its backward made them
+        self.root_ugrads = gb * p.root_params()
         down, mlp_o = p.mlp_o_params()
-        self.grad_down, self.grad_mlp_o = f32 * down // N, f32 * mlp_o // N
+        self.grad_down, self.grad_mlp_o = gb * down, gb * mlp_o
         self.wcopy_down = e * down if regime == "autocast" else 0
         self.wcopy_mlp_o = e * (mlp_o - h) if regime == "autocast" else 0
         # the LM head's (the embedding's, when tied) and the final norm's gradients exist from
-        # the LM head's backward on; an untied embedding's only after the last layer's
-        self.head_grads = f32 * (s.vocab * h + h) // N
+        # the LM head's backward on (under FSDP2 unsharded until the root's post_backward at
+        # the end of the backward); an untied embedding's only after the last layer's
+        self.head_grads = gb * (s.vocab * h + h)
         # ---- the ring's cached exchange buffers (ringseq.comm.Transport.buffers: two slots
         # of a packed buffer per direction, kept between calls; ringseq.ring) -------------
         ring_used = p.mode in ("ring", "hybrid")
@@ -533,9 +597,13 @@ class _Terms:
             delta_tmp += grads_h + 2 * f32 * a * T
             acc_end = 0
         if p.U > 1:
-            # the all-to-all back (ringseq.ulysses._a2a): send and receive buffers and the
-            # sequence-shard copies, once the head shards' saved tensors are released
-            acc_end = max(acc_end, 3 * grads_h)
+            # UlyssesPlacement.backward: dout's all-to-all to the head shards (dout_h: a view of
+            # its receive buffer, live to the end) before the inner backward; then the
+            # all-to-all of dq, dk, dv back (ringseq.parallel.ulysses.all_to_all): the inner
+            # gradients, the packed send and receive buffers and the sequence-shard copies,
+            # four times grads_h at the last copy.
+            dout += e * a * d * T
+            acc_end = max(acc_end, 4 * grads_h)
         self.attn_bwd = dout + max(delta_tmp, acc_end)
         # ---- transients of the forward's attention (its peak within a layer) -----------
         # Local variables hold tensors through the attention call: the decoder layer the
@@ -546,12 +614,22 @@ class _Terms:
         held = (f32 * h * Tr + f32 * (a + k) * d * T) if regime == "autocast" else 0
         if p.U > 1:
             held += e * (a + 2 * k) * d * T
-        # Then the ring's float32 output accumulator next to its result in the input dtype
-        # (ring_op), or Ulysses' all-to-all of the output: send and receive buffers besides
-        # the copy that o_proj saves.
+        # Inside the operator, relative to the attention tensors counted saved above: the
+        # ring's float32 output accumulator next to its result in the input dtype
+        # (RingPlacement.forward). Ulysses (UlyssesPlacement.forward, all_to_all): first
+        # q, k, v (K/V repeated rep times when rep > 1) packed into one send buffer, a receive
+        # buffer and the head-shard copies, before out and lse exist; last out_h and lse_h
+        # packed, received and copied to the sequence shards.
         ring_out = f32 * a * d * T if (ring_used and e != f32) else 0
-        a2a_out = 2 * e * a * d * T if p.U > 1 else 0
-        self.attn_fwd = held + max(ring_out, a2a_out)
+        if p.U > 1:
+            qkv_h = e * (a + 2 * kv_saved) * d * T
+            a2a_in = (2 * qkv_h + (2 * e * kv_saved * d * T if p.rep > 1 else 0)
+                      - 2 * out_lse)
+            inner = (ring_out - out_lse)
+            a2a_out = 2 * out_lse
+            self.attn_fwd = held + max(a2a_in, inner, a2a_out)
+        else:
+            self.attn_fwd = held + ring_out
         # ---- optimizer step -------------------------------------------------------------
         if p.optimizer == "adamw":  # foreach (torch's default on CUDA): sqrt of every exp_avg_sq
             self.opt_tmp = f32 * P // N
@@ -569,9 +647,27 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
     per_layer = t.layer_ckpt if p.ckpt else t.layer
     other_acts = t.final + t.rope + t.batch
     acts_all = L * per_layer + other_acts
-    # FSDP2: zero 2 keeps every layer unsharded from its forward to its backward; zero 3
-    # two layers in flight; both keep the root unsharded.
-    gathered_all = (L if p.zero == 2 else 2) * t.gathered_layer + t.gathered_root
+    G = t.gathered_layer
+
+    def gathered(where: str, l: int = 0) -> int:
+        """FSDP2's unsharded parameters at a moment (see _Terms): the root's from its forward
+        to the end of the backward (reshard_after_forward=None on the root); zero 2
+        (reshard_after_forward=False) every layer from its forward to its post_backward, no
+        all-gather in the backward; zero 3 a layer from its pre-forward to its post-forward,
+        the next layer's all-gather issued in a layer's pre_backward (_backward_prefetch) --
+        and, in the forward, the flat all-gather output of the last unit."""
+        if p.zero == 0:
+            return 0
+        z2 = p.zero == 2
+        n = {"forward": L + 1 if z2 else 2,  # at the last layer: its storages + flat buffer
+             "forward after layers": L + 1 if z2 else 1,  # the last layer resharded (zero 3)
+             "after forward": L if z2 else 0,  # loss; the root's post-forward freed the flat
+             "final norm": L if z2 else 1,  # zero 3: the last layer's prefetched all-gather
+             "layer": l + 1 if z2 else 1 + (l > 0),  # this layer + the one prefetched below
+             "reduce": l if z2 else int(l > 0),  # this layer resharded before its reduce
+             }[where]
+        return n * G + t.gathered_root
+
     out: List[Tuple[str, Dict[str, int]]] = []
 
     def add(name, **live):
@@ -590,43 +686,74 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         activations=(L - 1) * per_layer + t.rope + t.batch
         + (t.layer_ckpt if p.ckpt else t.layer_attn_fwd),
         weight_copies=L * t.wcopy_layer - t.wcopy_mlp_o,
-        comm_buffers=gathered_all, temporaries=t.attn_fwd)
-    if p.ckpt:
-        # end of the model's forward: the cache of weight copies and the logits
-        add("forward end", activations=acts_all, weight_copies=wcopies_fwd,
-            comm_buffers=gathered_all, logits_loss=t.logits)
+        comm_buffers=gathered("forward"), temporaries=t.attn_fwd)
+    # The last layer's MLP in the forward, at its product: every weight copy made
+    add("forward, last layer's MLP",
+        activations=(L - 1) * per_layer + t.rope + t.batch + t.mlp_fwd_layer,
+        weight_copies=L * t.wcopy_layer, comm_buffers=gathered("forward"))
+    # The final norm's forward, at its output: every layer's activations and the norm's
+    add("forward, final norm",
+        activations=L * per_layer + t.rope + t.batch + t.final_norm_fwd,
+        weight_copies=wcopies_fwd, comm_buffers=gathered("forward after layers"))
+    # end of the model's forward: the cache of weight copies (under checkpointing more than
+    # the backward keeps) and the logits
+    add("forward end", activations=acts_all, weight_copies=wcopies_fwd,
+        comm_buffers=gathered("after forward"), logits_loss=t.logits,
+        temporaries=t.final_norm_out)
     add("loss forward", activations=acts_all, weight_copies=wcopies_bwd,
-        comm_buffers=gathered_all, logits_loss=t.loss_fwd)
+        comm_buffers=gathered("after forward"), logits_loss=t.loss_fwd)
     add("loss backward", activations=acts_all, weight_copies=wcopies_bwd,
-        comm_buffers=gathered_all, logits_loss=t.loss_bwd)
+        comm_buffers=gathered("after forward"), logits_loss=t.loss_bwd)
     # The final norm's backward, after the LM head's: every layer's activations, the LM
-    # head's gradient (float32) and the norm's backward temporaries.
-    add("backward, final norm", grads=t.head_grads, comm_buffers=gathered_all,
+    # head's gradient and the norm's backward temporaries.
+    add("backward, final norm", grads=t.head_grads, comm_buffers=gathered("final norm"),
         weight_copies=wcopies_bwd - t.e_vocab,
         activations=L * per_layer + t.rope + t.batch + t.final - t.head_in - t.norm_xr,
         temporaries=t.norm_bwd)
-    for l, label in ((L - 1, "first"), (0, "last"))[:2 if L > 1 else 1]:
+    # The backward of the first layer it reaches (the most activations still saved), of the
+    # second (under FSDP2 the first with both the reduce-scatter input of the layer above and
+    # a prefetched layer below) and of the last (the most gradients made).
+    layers = {L - 1: "first", max(L - 2, 0): "second", 0: "last"}
+    for l, label in sorted(layers.items(), reverse=True):
+        if label == "second" and (p.zero < 2 or l in (0, L - 1)):
+            continue
         below = l * per_layer  # layers not yet reached by the backward
         done = L - 1 - l  # layers whose backward is complete
         grads = t.head_grads + done * t.layer_grads
-        # zero 2: the layers whose backward is done are resharded
-        gathered = ((l + 1) * t.gathered_layer if p.zero == 2 else
-                    2 * t.gathered_layer if p.zero == 3 else 0) + t.gathered_root
+        # FSDP2: the reduce-scatter input of the layer above, until this layer's own
+        rs_above = t.rs_layer if l < L - 1 else 0
         # weight copies still saved: this layer's and those below (under checkpointing only
         # this layer's: its recompute casts its weights again)
         wc = t.wcopy_layer if p.ckpt else (l + 1) * t.wcopy_layer
-        layer = t.layer  # recomputed in full under checkpointing
+        # this layer: recomputed in full under checkpointing, its saved input besides
+        extra = t.ckpt_input_extra if p.ckpt else 0
+        layer = t.layer + extra
         acts = below + t.rope + t.batch
         # MLP backward (at the product's gradients): all of this layer saved except the
         # product; down_proj's gradient made, its weight copy released
-        add(f"backward, {label} layer's MLP", temporaries=t.g + t.mlp_bwd + t.fsdp_grad_tmp,
-            grads=grads + t.grad_down, comm_buffers=gathered,
+        add(f"backward, {label} layer's MLP", temporaries=t.g + t.mlp_bwd + rs_above,
+            grads=grads + t.grad_down, comm_buffers=gathered("layer", l),
             weight_copies=wc - t.wcopy_down, activations=acts + layer - t.prod)
         # attention backward: the MLP's and o_proj's gradients made, their copies released
         add(f"backward, {label} layer's attention",
-            temporaries=t.g + t.attn_bwd + t.fsdp_grad_tmp, grads=grads + t.grad_mlp_o,
-            comm_buffers=gathered, weight_copies=wc - t.wcopy_mlp_o,
-            activations=acts + t.layer_attn_part)
+            temporaries=t.g + t.attn_bwd + rs_above, grads=grads + t.grad_mlp_o,
+            comm_buffers=gathered("layer", l), weight_copies=wc - t.wcopy_mlp_o,
+            activations=acts + t.layer_attn_part + extra)
+        if p.zero >= 2:
+            # FSDP2's post_backward of this layer, at the copy into the reduce-scatter input:
+            # the layer's unsharded gradients next to it (the input of the layer above freed)
+            add(f"backward, {label} layer's reduce-scatter", activations=acts,
+                grads=grads, temporaries=t.g + t.layer_ugrads + t.rs_layer,
+                comm_buffers=gathered("reduce", l))
+    if p.zero >= 2:
+        # the root's post_backward at the end of the backward: its unsharded gradients
+        # (embedding, LM head, final norm) and their reduce-scatter input, every layer's
+        # reduced gradients; only the batch is left of the forward
+        add("backward end, root reduce-scatter", activations=t.batch,
+            grads=L * t.layer_grads + t.root_ugrads, temporaries=t.rs_root)
+    if t.grad_sync:
+        # the end of the backward under tp at zero 0: every gradient and their flat copy
+        add("backward end, gradient sum", grads=t.grads, temporaries=t.grad_sync)
     add("optimizer step", grads=t.grads, temporaries=t.opt_tmp)
     return out
 
@@ -663,55 +790,28 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"estimate_memory: optimizer must be one of {list(OPTIMIZERS)}, got "
                          f"{optimizer!r}")
-    if zero_stage not in ZERO_STAGES:
-        raise ValueError(f"estimate_memory: zero_stage must be one of {list(ZERO_STAGES)} "
-                         f"(0: DDP, 2/3: FSDP2), got {zero_stage!r}")
-    if sp_mode not in SP_MODES:
-        raise ValueError(f"estimate_memory: sp_mode must be one of {list(SP_MODES)}, got "
-                         f"{sp_mode!r}")
-    if world_size % (sp_size * tp_size):
-        ok = [x for x in _divisors(world_size) if (world_size // tp_size) % x == 0] \
-            if world_size % tp_size == 0 else []
-        raise ValueError(f"estimate_memory: sp_size * tp_size must divide world_size="
-                         f"{world_size}, got sp_size={sp_size}, tp_size={tp_size}"
-                         + (f" (sp_size one of {ok} with this tp_size)" if ok else ""))
-    if shape.heads % tp_size:
-        raise ValueError(f"estimate_memory: tp_size={tp_size} must divide num_attention_heads="
-                         f"{shape.heads}; one of {_divisors(shape.heads)}")
-    if shape.kv_heads % tp_size and tp_size % shape.kv_heads:
-        raise ValueError(f"estimate_memory: tp_size={tp_size} must divide "
-                         f"num_key_value_heads={shape.kv_heads} or be a multiple of it "
-                         f"(then K/V heads are replicated)")
-    if shape.intermediate % tp_size:
+    # The mesh as the plugin validates it (RingSequenceParallelPlugin builds the same
+    # ParallelDims before any process group): what raises there raises here, so the planner
+    # never lists a mesh the plugin cannot run.
+    try:
+        dims = ParallelDims(world_size=world_size, sp_size=sp_size, tp_size=tp_size,
+                            zero_stage=zero_stage, sp_mode=sp_mode,
+                            ulysses_size=ulysses_size).with_model(shape.heads, shape.kv_heads)
+    except ValueError as exc:
+        raise ValueError(f"estimate_memory: {str(exc).replace('ParallelDims: ', '')}") from None
+    if precision == "fp16" and dims.sharded:
+        raise ValueError(f"estimate_memory: precision='fp16' with tp_size={tp_size} / "
+                         f"zero_stage={zero_stage} is refused by the plugin (one GradScaler "
+                         f"over sharded gradients); use precision='bf16'")
+    if shape.intermediate % tp_size:  # ringseq.parallel.tp: colwise gate/up split their rows
         raise ValueError(f"estimate_memory: tp_size={tp_size} must divide intermediate_size="
                          f"{shape.intermediate}")
-    if sp_mode == "ring":
-        if ulysses_size not in (None, 1):
-            raise ValueError(f"estimate_memory: sp_mode='ring' takes no ulysses_size, got "
-                             f"{ulysses_size!r}")
-        U = 1
-    elif sp_mode == "ulysses":
-        if ulysses_size not in (None, sp_size):
-            raise ValueError(f"estimate_memory: sp_mode='ulysses' uses all sp_size={sp_size} "
-                             f"ranks, got ulysses_size={ulysses_size!r}")
-        U = sp_size
-    else:
-        if ulysses_size is None or isinstance(ulysses_size, bool) or \
-                not isinstance(ulysses_size, int) or ulysses_size < 1 or sp_size % ulysses_size:
-            raise ValueError(f"estimate_memory: sp_mode='hybrid' needs ulysses_size dividing "
-                             f"sp_size={sp_size} (one of {_divisors(sp_size)}), got "
-                             f"{ulysses_size!r}")
-        U = ulysses_size
-    heads_l = shape.heads // tp_size
-    if heads_l % U:
-        raise ValueError(f"estimate_memory: the Ulysses degree {U} must divide the heads per tp "
-                         f"rank ({shape.heads} / tp {tp_size} = {heads_l})")
-    R = sp_size // U
-    # zigzag needs 2 chunks per ring rank; every rank holds s / sp tokens, split over tp
-    multiple = 2 * sp_size * tp_size if R > 1 else sp_size * tp_size
+    # the plugin's default layout (zigzag on the ring dim) and the split of a shard over tp
+    multiple = dims.seq_multiple("zigzag")
     if seqlen % multiple:
         raise ValueError(f"estimate_memory: seqlen={seqlen} must be a multiple of {multiple} "
-                         f"(zigzag: 2 chunks per ring rank; sequence parallel within tp)")
+                         f"(the zigzag layout over the ring, the sequence split over tp)")
+    U, R = dims.ulysses_size, dims.ring_size
     return _Plan(shape=shape, b=micro_batch, seqlen=seqlen, world=world_size, sp=sp_size,
                  tp=tp_size, zero=zero_stage, precision=precision, optimizer=optimizer,
                  ckpt=bool(activation_checkpointing), mode=sp_mode, U=U, R=R)
@@ -758,8 +858,8 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
     order = ("params", "grads", "optimizer", "comm_buffers", "weight_copies", "activations",
              "attention_buffers", "logits_loss", "temporaries")
     breakdown = tuple((k, live[k]) for k in order if live.get(k))
-    comm = t.buckets + ((L if p.zero == 2 else 2) * t.gathered_layer + t.gathered_root
-                        if p.zero >= 2 else 0)
+    # the most held at any moment (DDP's buckets always; FSDP2's unsharded parameters vary)
+    comm = max(d.get("comm_buffers", 0) for _, d in moments)
     return MemoryEstimate(
         shape=p.shape, seqlen=seqlen, micro_batch=micro_batch, world_size=world_size,
         sp_size=sp_size, tp_size=tp_size, zero_stage=zero_stage, precision=precision,
@@ -788,27 +888,35 @@ def _cost_key(est: MemoryEstimate):
             _MODE_RANK[est.sp_mode], est.total)
 
 
-def meshes(config, world_size: int) -> List[dict]:
-    """Every mesh of ``world_size`` ranks the model's heads allow, as keyword arguments of
-    :func:`estimate_memory`: tp dividing the heads (and the K/V heads, or a multiple of
-    them) and the MLP width, sp dividing the rest, the ring / Ulysses / hybrid modes whose
-    Ulysses degree divides the heads per tp rank, zero 0/2/3, checkpointing off/on."""
+def meshes(config, world_size: int, precision: str = "bf16") -> List[dict]:
+    """Every mesh of ``world_size`` ranks that ``RingSequenceParallelPlugin`` runs for the
+    model, as keyword arguments of :func:`estimate_memory`: each (tp, sp, sp_mode /
+    ulysses_size, zero_stage) the plugin's ``ParallelDims`` accepts with the model's heads
+    (tp dividing the query and the K/V heads, the Ulysses degree the heads per tp rank), tp
+    dividing the MLP width, zero 0/2/3 (not sharded ones with fp16, which the plugin
+    refuses), checkpointing off/on. Hybrid lists Ulysses degrees strictly between 1 and sp
+    (the others are the ring and Ulysses)."""
     shape = ModelShape.from_config(config)
     _check_int("world_size", world_size)
     out = []
     for tp in _divisors(world_size):
-        if (shape.heads % tp or shape.intermediate % tp
-                or (shape.kv_heads % tp and tp % shape.kv_heads)):
+        if shape.intermediate % tp:
             continue
-        heads_l = shape.heads // tp
         for sp in _divisors(world_size // tp):
             modes = [("ring", None)]
             if sp > 1:
-                modes += [("hybrid", u) for u in _divisors(sp) if 1 < u < sp and heads_l % u == 0]
-                if heads_l % sp == 0:
-                    modes.append(("ulysses", None))
+                modes += [("hybrid", u) for u in _divisors(sp) if 1 < u < sp]
+                modes.append(("ulysses", None))
             for mode, u in modes:
                 for zero in ZERO_STAGES:
+                    try:
+                        dims = ParallelDims(world_size=world_size, sp_size=sp, tp_size=tp,
+                                            zero_stage=zero, sp_mode=mode, ulysses_size=u
+                                            ).with_model(shape.heads, shape.kv_heads)
+                    except ValueError:
+                        continue
+                    if precision == "fp16" and dims.sharded:
+                        continue
                     for ckpt in (False, True):
                         out.append(dict(world_size=world_size, sp_size=sp, tp_size=tp,
                                         zero_stage=zero, sp_mode=mode, ulysses_size=u,
@@ -822,7 +930,7 @@ def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
     bytes at ``seqlen``, best first (see ``_cost_key``). ``kwargs``: micro_batch, precision,
     optimizer. Meshes whose sizes do not divide ``seqlen`` are left out."""
     fit = []
-    for mesh in meshes(config, world_size):
+    for mesh in meshes(config, world_size, kwargs.get("precision", "bf16")):
         try:
             est = estimate_memory(config, seqlen=seqlen, **mesh, **kwargs)
         except ValueError:
@@ -838,10 +946,10 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
     most ``limit``) whose peak fits in ``device_memory`` bytes on one mesh (``mesh``: the
     other arguments of :func:`estimate_memory`), or None when not even the shortest fits.
     Bisection: the peak grows with the length."""
-    sp, tp = mesh.get("sp_size", 1), mesh.get("tp_size", 1)
-    mode, u = mesh.get("sp_mode", "ring"), mesh.get("ulysses_size")
-    ring = sp // (u or 1) if mode == "hybrid" else (1 if mode == "ulysses" else sp)
-    step = (2 * sp if ring > 1 else sp) * tp
+    step = ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
+                        tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
+                        sp_mode=mesh.get("sp_mode", "ring"),
+                        ulysses_size=mesh.get("ulysses_size")).seq_multiple("zigzag")
 
     def at(n):
         return estimate_memory(config, seqlen=n * step, **mesh)
@@ -945,7 +1053,7 @@ def main(argv=None) -> int:
                           for e in fit], header + ("peak GiB", "headroom GiB", "peak at")))
         else:
             best = None
-            for mesh in meshes(config, args.world_size):
+            for mesh in meshes(config, args.world_size, args.precision):
                 try:
                     e = estimate_memory(config, seqlen=args.seqlen, **mesh, **common)
                 except ValueError:
@@ -957,7 +1065,7 @@ def main(argv=None) -> int:
                                     f"({best.mesh()})"))
     if args.max_seqlen:
         rows = []
-        for mesh in meshes(config, args.world_size):
+        for mesh in meshes(config, args.world_size, args.precision):
             e = max_seqlen(config, device_memory=memory, **mesh, **common)
             if e is not None:
                 rows.append(e)

@@ -114,9 +114,31 @@ def test_tensor_parallelism_splits_heads_and_mlp_but_not_embeddings():
         assert e.params == 4 * (L * layer + 2 * V * h + h)
     one = est(LLAMA8B, seqlen=8192, world_size=8, sp_size=1, tp_size=1)
     two = est(LLAMA8B, seqlen=8192, world_size=8, sp_size=1, tp_size=2)
-    # heads, MLP columns, norms and the residual stream are split, but every colwise
-    # projection saves its all-gathered input (DTensor), so less than half is saved away
+    # heads, MLP columns, norms and the residual stream are split, but each block saves its
+    # all-gathered input (autocast: one bf16 cast of it per colwise projection), so less than
+    # half is saved away
     assert one.activations_per_layer / 2 < two.activations_per_layer < one.activations_per_layer
+    # without DDP (it cannot take DTensor parameters) the plugin sums the gradients itself:
+    # no buckets, one flat copy of every gradient at the end of the backward
+    assert two.comm_buffers == 0
+    assert dict(two.moments)["backward end, gradient sum"] == \
+        two.params + two.optimizer + two.attention_buffers + 2 * two.grads
+
+
+def test_meshes_are_what_the_plugin_runs():
+    from ringseq.parallel.dims import ParallelDims
+    for config, tps in ((TINY, {1, 2}), (LLAMA8B, {1, 2, 4, 8})):
+        shape = ModelShape.from_config(config)
+        listed = mem.meshes(config, 8)
+        assert {m["tp_size"] for m in listed} == tps  # tp divides query and K/V heads
+        assert {m["zero_stage"] for m in listed} == {0, 2, 3}
+        for m in listed:  # the plugin's own validation accepts every one
+            ParallelDims(world_size=8, sp_size=m["sp_size"], tp_size=m["tp_size"],
+                         zero_stage=m["zero_stage"], sp_mode=m["sp_mode"],
+                         ulysses_size=m["ulysses_size"]).with_model(shape.heads, shape.kv_heads)
+        # fp16 needs one GradScaler over unsharded gradients: no tp, no FSDP
+        fp16 = mem.meshes(config, 8, precision="fp16")
+        assert fp16 and all(m["tp_size"] == 1 and m["zero_stage"] == 0 for m in fp16)
 
 
 def test_zero_shards_state_over_dp_and_sp():
@@ -143,15 +165,25 @@ def test_zero_shards_state_over_dp_and_sp():
     assert z3.total < 80 * GiB
 
 
-def test_checkpointing_keeps_layer_input_and_ring_output():
+def test_checkpointing_keeps_layer_input_and_attention_outputs():
     off = est(precision="bf16")
     on = est(precision="bf16", activation_checkpointing=True)
     T, s = 4096 // 4, ModelShape.from_config(TINY)
+    a, k, d = s.heads, s.kv_heads, s.head_dim
     # per layer: the float32 layer input, the attention output (bf16) and lse (float32)
-    assert on.activations_per_layer == T * (4 * s.hidden + 2 * s.heads * s.head_dim
-                                            + 4 * s.heads)
+    assert on.activations_per_layer == T * (4 * s.hidden + 2 * a * d + 4 * a)
     assert on.activations < off.activations
     assert on.total < off.total
+    # Ulysses' operator also outputs the head shards it saves (q, k, v and out in bf16, lse;
+    # as many elements as their sequence shards): checkpointing keeps them too, so its
+    # all-to-alls are not repeated
+    uly = est(precision="bf16", activation_checkpointing=True, sp_mode="ulysses", sp_size=2)
+    T = 4096 // 2
+    assert uly.activations_per_layer == T * (4 * s.hidden + 2 * (3 * a * d + 2 * k * d)
+                                             + 2 * 4 * a)
+    # FSDP2's bf16 model: the layer input checkpointing saves is bf16
+    mp = est(precision="bf16", activation_checkpointing=True, zero_stage=3)
+    assert mp.activations_per_layer == on.activations_per_layer - 2 * s.hidden * (4096 // 4)
 
 
 def test_optimizer_implementations():
@@ -186,17 +218,22 @@ def test_table_and_breakdown():
         e.total = 0  # frozen
 
 
+# the mesh is checked by the plugin's own ParallelDims: what the plugin refuses, the
+# estimate refuses with the same message
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(sp_size=3), "sp_size \\* tp_size must divide world_size=8"),
-    (dict(sp_size=2, tp_size=3), "must divide world_size"),
-    (dict(sp_size=1, tp_size=8, world_size=8), "tp_size=8 must divide num_attention_heads=4"),
-    (dict(sp_mode="ulysses", sp_size=8), "Ulysses degree 8 must divide the heads"),
+    (dict(sp_size=3), "sp_size=3 x tp_size=1 does not divide the world size 8"),
+    (dict(sp_size=2, tp_size=3), "tp_size=3 does not divide the world size 8"),
+    (dict(sp_size=1, tp_size=8, world_size=8), "tp_size=8 cannot split num_attention_heads=4"),
+    # K/V heads are never replicated over tp (2 K/V heads, tp 4)
+    (dict(sp_size=2, tp_size=4), "tp_size must divide both"),
+    (dict(sp_mode="ulysses", sp_size=8), "ulysses_size=8 cannot split num_attention_heads=4"),
     (dict(sp_mode="hybrid", sp_size=4), "needs ulysses_size"),
-    (dict(sp_mode="ring", ulysses_size=2), "takes no ulysses_size"),
+    (dict(sp_mode="ring", ulysses_size=2), "has no Ulysses dimension"),
     (dict(seqlen=4100), "seqlen=4100 must be a multiple of 8"),
     (dict(precision="fp8"), "precision must be one of"),
+    (dict(precision="fp16", zero_stage=3), "precision='fp16' with tp_size=1 / zero_stage=3"),
     (dict(optimizer="sgd"), "optimizer must be one of"),
-    (dict(zero_stage=1), "zero_stage must be one of"),
+    (dict(zero_stage=1), "zero_stage=1 is not supported; supported: \\[0, 2, 3\\]"),
     (dict(sp_mode="tree"), "sp_mode must be one of"),
     (dict(micro_batch=0), "micro_batch must be an integer >= 1"),
 ])

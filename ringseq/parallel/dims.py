@@ -114,7 +114,7 @@ class ParallelDims:
             self._check_heads()
 
     def _check_heads(self) -> None:
-        from ..ulysses import ulysses_heads
+        from .ulysses import ulysses_heads
         h, tp, U = self.num_heads, self.tp_size, self.ulysses_size
         hk = self.num_kv_heads if self.num_kv_heads is not None else h
         if not (_positive_int(h) and _positive_int(hk)) or h % hk:

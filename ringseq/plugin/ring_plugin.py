@@ -493,7 +493,7 @@ class RingSequenceParallelPlugin(Plugin):
         not) at global sequence length ``seqlen`` on this plugin's mesh and precision:
         :func:`ringseq.memory.estimate_memory` (see there for ``optimizer``, the result and
         what is raised). ``activation_checkpointing``: whether the decoder layers are
-        checkpointed (None: the plugin's own setting, off when it has none). A double ring
+        checkpointed (None: the plugin's own ``activation_checkpointing``). A double ring
         (``inner_ring_size``) is estimated as one ring. Local: no communication. Raises
         ValueError for a model without a ``config``."""
         from ..memory import estimate_memory

@@ -183,10 +183,13 @@ def check_args(args, launched, device):
         p.error(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
     for name in args.layouts:
         try:
-            get_layout(name).check_seqlen(args.seqlen, args.world_size)
+            layout = get_layout(name)
         except ValueError as exc:
-            p.error(f"--layouts {name} with --seqlen {args.seqlen} at world size "
-                    f"{args.world_size}: {exc}")
+            p.error(f"--layouts: {exc}")
+        try:
+            layout.check_seqlen(args.seqlen, args.world_size)
+        except ValueError as exc:
+            p.error(f"--seqlen {args.seqlen} at world size {args.world_size}: {exc}")
     for w in args.memory_scaling or []:
         try:
             get_layout("zigzag").check_seqlen(args.memory_seqlen, w)

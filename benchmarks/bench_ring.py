@@ -12,8 +12,8 @@ torch is imported.
 Definitions (also in the README):
   ring overhead = ring time / time of the same block kernel calls without communication on
                   the busiest rank (no exchange, no merge, no copies; on CPU ranks with one
-                  thread timed by the thread's CPU clock, which other processes cannot
-                  inflate). 1.0: the exchange is hidden and the bookkeeping is free.
+                  thread timed by the thread's CPU clock, which other processes
+                  sharing the core inflate far less than wall time). 1.0: the exchange is hidden and the bookkeeping is free.
   load balance  = contiguous causal time / zigzag causal time at the same shape; its ideal
                   is the ratio of the busiest ranks' visible (query, key) pairs (2 - 1/W:
                   1.5 at W=2).

@@ -239,10 +239,10 @@ class MachineLoad:
             ours = (own_cpu_seconds() - cpu0) / max(1e-9, time.time() - t0)
             self.others_before = max(0.0, total - ours)
         self.stat0, self.cpu0, self.t0 = proc_stat(), own_cpu_seconds(), time.time()
+        # The sampled use, not the 1-minute load average: that one lags (a build that just
+        # ended still counts) and is only printed.
         free = logical_cpus() - (self.others_before or 0.0)
-        load_busy = self.load_before is not None and self.load_before > logical_cpus() - cores_used + self.BUSY
-        if (self.others_before is not None and self.others_before > self.BUSY
-                and free < cores_used) or load_busy:
+        if self.others_before is not None and self.others_before > self.BUSY and free < cores_used:
             return (f"the machine is busy: other processes use {self.others_before or 0:.1f} of "
                     f"{logical_cpus()} logical CPUs now (1-minute load average "
                     f"{self.load_before:.1f}) and this run needs {cores_used}: its times will "

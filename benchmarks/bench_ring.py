@@ -123,7 +123,7 @@ def build_parser():
                         "first call and the peak-memory call)")
     p.add_argument("--repeats", type=_positive, default=3,
                    help="timed calls, >= 1; each rank's median counts (default 3: the default "
-                        "run takes about a minute on a 2-core machine)")
+                        "run takes 1-2 minutes on a 2-core machine)")
     p.add_argument("--threads-per-rank", type=_positive, default=None, metavar="T",
                    help="torch threads per spawned CPU rank (default 1; more than one makes "
                         "the compute-only baseline wall-clock timed, one rank at a time)")

@@ -190,6 +190,93 @@ def logical_cpus():
     return len(_allowed_cpus())
 
 
+def proc_stat():
+    """(busy, total) jiffies summed over all CPUs since boot (Linux /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_cores(start, end):
+    """Average logical CPUs busy between two proc_stat() samples (None if unknown)."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return (end[0] - start[0]) / (end[1] - start[1]) * len(os.sched_getaffinity(0)
+                                                             if hasattr(os, "sched_getaffinity")
+                                                             else range(os.cpu_count() or 1))
+
+
+def own_cpu_seconds():
+    """CPU seconds of this process and its finished (waited-for) children, all threads."""
+    import resource
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class MachineLoad:
+    """How busy the machine is with other processes: sampled for a moment before the ranks
+    start (``before``), and over the whole run (``after``: the machine's busy time minus this
+    process's and its finished ranks' CPU time). Linux only; elsewhere every figure is None."""
+
+    SAMPLE_S = 0.5
+    BUSY = 0.25  # cores used by others above which the machine counts as busy
+
+    def __init__(self):
+        self.others_before = self.others_during = self.cores_used = None
+        self.load_before = load_average()
+
+    def before(self, cores_used):
+        """Samples others' CPU use; returns a note when they leave this run fewer than
+        ``cores_used`` free cores (else None)."""
+        self.cores_used = cores_used
+        a, cpu0, t0 = proc_stat(), own_cpu_seconds(), time.time()
+        time.sleep(self.SAMPLE_S)
+        b = proc_stat()
+        total = busy_cores(a, b)
+        if total is not None:
+            ours = (own_cpu_seconds() - cpu0) / max(1e-9, time.time() - t0)
+            self.others_before = max(0.0, total - ours)
+        self.stat0, self.cpu0, self.t0 = proc_stat(), own_cpu_seconds(), time.time()
+        # The sampled use, not the 1-minute load average: that one lags (a build that just
+        # ended still counts) and is only printed.
+        free = logical_cpus() - (self.others_before or 0.0)
+        if self.others_before is not None and self.others_before > self.BUSY and free < cores_used:
+            return (f"the machine is busy: other processes use {self.others_before or 0:.1f} of "
+                    f"{logical_cpus()} logical CPUs now (1-minute load average "
+                    f"{self.load_before:.1f}) and this run needs {cores_used}: its times will "
+                    f"be inflated; overhead and load balance may break their invariants")
+        return None
+
+    def after(self):
+        total = busy_cores(self.stat0, proc_stat())
+        if total is not None:
+            ours = (own_cpu_seconds() - self.cpu0) / max(1e-9, time.time() - self.t0)
+            self.others_during = max(0.0, total - ours)
+
+    def summary_lines(self, cores_used, load_now):
+        """The report's lines about the load (busy marked with NOTE)."""
+        lines = []
+        if self.others_during is not None:
+            busy = self.others_during > self.BUSY and logical_cpus() - self.others_during < cores_used
+            lines.append(f"# {'NOTE: machine busy: ' if busy else ''}other processes used "
+                         f"{self.others_during:.2f} of {logical_cpus()} logical CPUs on average "
+                         f"during the run ({self.others_before or 0:.2f} just before); this "
+                         f"run's ranks use {cores_used}")
+        if self.load_before is not None and load_now is not None:
+            lines.append(f"# 1-minute load average {self.load_before:.2f} before, "
+                         f"{load_now:.2f} after the run (this run's own ranks add up to "
+                         f"{cores_used})")
+        return lines
+
+    def as_dict(self):
+        return {"other_cores_before": self.others_before, "other_cores_during": self.others_during,
+                "load_average_before": self.load_before, "cores_used": self.cores_used}
+
+
 def load_average():
     """The 1-minute load average (None where unavailable): how busy the machine was."""
     try:

@@ -101,7 +101,7 @@ def _max(x, device):
 
 def run_rank_sp(args, device):
     """Every mode of ``args.sp_modes`` on this rank; returns the rows (same on all ranks)."""
-    from bench_ring import CHECK_FLOOR, DTYPES  # the main job's dtypes and check floors
+    from ring_job import CHECK_FLOOR, DTYPES  # the main job's dtypes and check floors
     world = dist.get_world_size()
     dtype = DTYPES[args.dtype]
     layout = "zigzag" if "zigzag" in args.layouts else args.layouts[0]

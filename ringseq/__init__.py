@@ -10,6 +10,15 @@ and the sharded loss; the training plugin (``ringseq.plugin``: DataLoader, DDP) 
 first use of ``ringseq.Booster`` / ``ringseq.RingSequenceParallelPlugin`` / ``ringseq.Plugin``,
 and transformers only through ``ringseq.integrations.transformers``.
 """
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # torch warns on import when NumPy is not installed ("Failed to initialize NumPy");
+    # ringseq never uses NumPy, and the README's main-job install has none. Only this import
+    # is silenced: the filter is restored afterwards.
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch as _torch  # noqa: F401
+
 from ._dist import (RingBrokenError, RingDesyncError, RingError, RingMismatchError, RingPeerError,
                     RingTimeoutError, set_consistency_check, set_ring_timeout)
 from .engine.integrity import call_tag
@@ -34,7 +43,7 @@ from .parallel.ulysses import ulysses_attn_func
 from .parallel.usp import usp_attn_func, usp_sdpa
 from .kernels.extension import cpu_isa  # the CPU kernel's ISA level
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place: setup.py reads it
 
 _PLUGIN_NAMES = ("Booster", "Plugin", "RingSequenceParallelPlugin")
 

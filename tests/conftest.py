@@ -8,11 +8,19 @@ import pytest
 from ringseq.kernels.extension import cpu_isa_levels
 
 
-@pytest.fixture(params=cpu_isa_levels())
+def _isa_params():
+    """Every ISA level this CPU and build run, or only the one RINGSEQ_CPU_ISA forces (the
+    re-runs of tests/test_isa_levels.py set it: each level once, not every level per re-run)."""
+    forced = os.environ.get("RINGSEQ_CPU_ISA")
+    levels = cpu_isa_levels()
+    return [forced] if forced in levels else levels
+
+
+@pytest.fixture(params=_isa_params())
 def isa(request):
     """Runs the test with RINGSEQ_CPU_ISA=<level> for every ISA level this CPU and build run
-    (none when ringseq._C is not built); the cached choice is dropped before and after, so the
-    next kernel call reads the variable."""
+    (none when ringseq._C is not built; only the forced one under RINGSEQ_CPU_ISA); the cached
+    choice is dropped before and after, so the next kernel call reads the variable."""
     import ringseq._C
 
     old = os.environ.get("RINGSEQ_CPU_ISA")

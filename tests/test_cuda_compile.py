@@ -1,7 +1,11 @@
-"""Runs the CUDA compile gate (.ci/cuda_compile_check.py) when nvcc is available.
+"""The CUDA compile gate (.ci/cuda_compile_check.py): its parser and shared flags always; the
+gate itself only on request (``RINGSEQ_TEST_NVCC=1``, needs nvcc).
 
 Every csrc/**/*.cu must compile for sm_80 and sm_90 with -Xptxas -v,-warn-spills,-Werror, with
-no spills and a 0-byte stack frame, and every expected kernel must appear in the table. The
+no spills and a 0-byte stack frame, and every expected kernel must appear in the table. A cold
+run compiles every CUDA source twice (tens of minutes on 2 cores, silently), so the README's
+``python -m pytest -q`` leaves it to CI, which runs ``.ci/cuda_compile_check.py`` as its own
+step; ``RINGSEQ_TEST_NVCC=1 python -m pytest -q tests/test_cuda_compile.py`` runs it here. The
 gate caches successful results under build/, so a rerun in an unchanged checkout is instant.
 """
 import glob
@@ -74,8 +78,13 @@ def test_gate_parses_ptxas_report():
                         "spill_loads": 12, "registers": 40, "smem": 4096}]
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+NVCC_REQUESTED = os.environ.get("RINGSEQ_TEST_NVCC", "0") == "1"
+
+
+@pytest.mark.skipif(not NVCC_REQUESTED, reason="the nvcc compile gate runs on request: "
+                    "RINGSEQ_TEST_NVCC=1 (CI runs .ci/cuda_compile_check.py as its own step)")
 def test_cuda_sources_pass_compile_gate(tmp_path):
+    assert NVCC is not None, "RINGSEQ_TEST_NVCC=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)"
     out = tmp_path / "gate.json"
     proc = subprocess.run([sys.executable, GATE, "--json", str(out)], capture_output=True, text=True,
                           cwd=ROOT, timeout=3600)

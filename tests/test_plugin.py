@@ -6,11 +6,21 @@ as dp=2 x sp=2 and as dp=1 x sp=4, a checkpoint round trip, a plain nn.Module on
 ``ringseq_switch`` convention, bf16/fp16 smoke steps, and the errors. The parent trains the same
 model on the whole global batch in one process, in float64 (reference) and float32 (plain).
 
-Tolerance (docs/design.md): |ring - float64| <= 2x (losses) / 3x (weights: they integrate gradients)
-the error of plain single-process float32 training against the float64 reference, plus a floor
-of 1e-6 + 4 float32 ulps at the tensor's magnitude (``utils.scaled_floor``). Each global batch
-has a different number of ignored targets per sample, so the dp groups hold different token
-counts: averaging per-group means instead of the global token mean would fail these checks.
+Tolerance (docs/design.md): |ring - float64| <= 2x (losses) / 3x (gradients) the error of
+plain single-process float32 training against the float64 reference, plus a floor of 1e-6 +
+4 float32 ulps at the tensor's magnitude (``utils.scaled_floor``). The AdamW runs are checked
+step by step on their own trajectory (``assert_steps_match_single_process``): at every step
+the run's loss and summed gradient against single-process float64 / float32 at the weights
+the run had then, and the run's weights against AdamW replayed on its own gradients. Final
+weights are not compared with an independent single-process run: AdamW divides each update
+by the gradient's running RMS, so where a gradient is near zero a rounding-level difference
+becomes an update difference of order lr, and the largest weight difference of two equally
+exact float32 runs is set by one or two such elements (with torch's AVX2 kernels the ring's
+largest weight error came out 4.2x plain float32's, bound 3x, while every first-step gradient
+error stayed below 1 % of its bound).
+Each global batch has a different number of ignored targets per sample, so the dp groups hold
+different token counts: averaging per-group means instead of the global token mean would fail
+these checks.
 """
 from __future__ import annotations
 
@@ -100,6 +110,16 @@ def _capture(fn):
     return "no error"
 
 
+def _grads_to_report(model, step):
+    """The summed gradients of a boosted model after ``booster.backward`` at ``step`` (0-based):
+    every step's on rank 0 (the parent re-traces its run), the first step's on the other ranks
+    (each checked against single process: summed over dp x sp, not averaged), else None."""
+    import torch.distributed as dist
+    if step > 0 and dist.get_rank() != 0:
+        return None
+    return {n: p.grad.detach().clone() for n, p in model.unwrap().named_parameters()}
+
+
 def _train(sp, state_dict, ckpt_dir=None, layout="zigzag", steps=STEPS):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     plugin = RingSequenceParallelPlugin(sp_size=sp, layout=layout)
@@ -108,20 +128,19 @@ def _train(sp, state_dict, ckpt_dir=None, layout="zigzag", steps=STEPS):
     loader = plugin.prepare_dataloader(_dataset(), batch_size=GLOBAL_BATCH // plugin.dp_size)
     model, opt, criterion, loader, _ = booster.boost(model, _optimizer(model),
                                                      dataloader=loader)
-    losses, local_lens, grads = [], set(), None
+    losses, local_lens, step_grads = [], set(), []
     for batch in loader:
         local_lens.add(batch["input_ids"].shape[1])
         loss = criterion(model(**batch), batch)
         booster.backward(loss, opt)
-        if grads is None:  # AdamW hides a constant gradient factor: check the first gradient
-            grads = {n: p.grad.detach().clone() for n, p in model.unwrap().named_parameters()}
+        step_grads.append(_grads_to_report(model, len(losses)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
         if len(losses) == steps:
             break
     out = {"losses": losses, "local_lens": sorted(local_lens), "dp": plugin.dp_size,
-           "grads": grads,
+           "grads": step_grads[0], "step_grads": step_grads,
            "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()},
            "impl": model.unwrap().config._attn_implementation}
     if ckpt_dir is not None:
@@ -255,23 +274,65 @@ def _worker(state_dict, ckpt_dir, sdpa_ids, sdpa_labels):
 
 
 # ---------------------------------------------------------------- parent side
+def _global_batch(step):
+    """input_ids and labels (GLOBAL_BATCH, SEQLEN) of global batch ``step``: what the plugin's
+    loader hands out at that step (no shuffling), split over the dp groups."""
+    chunk = _dataset()[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+    return (torch.stack([d["input_ids"] for d in chunk]),
+            torch.stack([d["labels"] for d in chunk]))
+
+
+def _loss_and_grads(weights, step, dtype):
+    """Single-process training's loss (a 1-element tensor) and gradients on global batch
+    ``step`` at ``weights`` (a state dict), computed in ``dtype``."""
+    model = _model(weights).to(dtype)
+    ids, labels = _global_batch(step)
+    loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+    loss.backward()
+    return (loss.detach().reshape(1),
+            {n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+
 def _single_process(state_dict, dtype):
-    model = _model(state_dict).to(dtype)
+    """The first step of single-process training on the whole global batch, in ``dtype``."""
+    loss, grads = _loss_and_grads(state_dict, 0, dtype)
+    return {"losses": loss, "grads": grads}
+
+
+def assert_steps_match_single_process(got, state_dict, label):
+    """Checks a training run of the plugin step by step along its own trajectory.
+
+    ``got``: rank 0's result of ``_train`` (``losses`` per step, ``step_grads`` the summed
+    gradients at each step, final ``weights``). At each step, the run's loss (2x) and every
+    gradient (3x) against single-process float64 at the weights the run had then, with
+    single-process float32 at those weights as the same-dtype reference (docs/design.md);
+    then AdamW replayed in the parent on the run's own gradients must give the run's weights
+    bitwise. Comparing final weights with an independently trained run instead would measure
+    AdamW's amplification of rounding where gradients are near zero, not the plugin (module
+    docstring)."""
+    model = _model(state_dict)
     opt = _optimizer(model)
-    data = _dataset()
-    losses, grads = [], None
-    for step in range(STEPS):
-        chunk = data[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
-        ids = torch.stack([d["input_ids"] for d in chunk])
-        labels = torch.stack([d["labels"] for d in chunk])
-        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
-        loss.backward()
-        if grads is None:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    assert len(got["step_grads"]) == len(got["losses"]) == STEPS, label
+    for step, grads in enumerate(got["step_grads"]):
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        ref_loss, ref_grads = _loss_and_grads(weights, step, torch.float64)
+        plain_loss, plain_grads = _loss_and_grads(weights, step, torch.float32)
+        loss = torch.tensor([got["losses"][step]], dtype=torch.float32)
+        assert_close_per_design(loss, ref_loss, plain_loss, f"{label} step {step} loss", 2.0,
+                                scaled_floor(torch.float32, ref_loss))
+        assert set(grads) == set(ref_grads), label
+        for name, g in grads.items():
+            assert_close_per_design(g, ref_grads[name], plain_grads[name],
+                                    f"{label} step {step} grad {name}", 3.0,
+                                    scaled_floor(torch.float32, ref_grads[name]))
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach())
-    return {"losses": torch.stack(losses), "weights": model.state_dict(), "grads": grads}
+    for name, w in model.state_dict().items():
+        assert torch.equal(w, got["weights"][name]), (
+            f"{label}: {name}: AdamW on the run's own gradients gives other weights than the "
+            f"run's (max difference {max_err(w, got['weights'][name]):.3e})")
 
 
 def _accumulated_grads(state_dict, dtype):
@@ -318,37 +379,22 @@ def run(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["dp2sp2", "dp1sp4"])
 def test_training_parity(run, case):
-    ref, plain = run["ref"], run["plain"]
     first = run["ranks"][0][case]
     sp = 2 if case == "dp2sp2" else 4
     assert first["impl"] == "ringseq"
     assert first["dp"] == WORLD // sp and first["local_lens"] == [SEQLEN // sp]
-    worst_loss = worst_w = worst_g = ring64 = plain64 = 0.0
+    assert_steps_match_single_process(first, run["state_dict"], case)
+    ref, plain = run["ref"], run["plain"]
     for r, res in enumerate(run["ranks"]):
         got = res[case]
+        assert got["losses"] == first["losses"], f"rank {r}: losses differ from rank 0's"
         for name, g in got["grads"].items():  # first step: summed over dp x sp, not averaged
             assert_close_per_design(g, ref["grads"][name], plain["grads"][name],
-                                    f"{case} grad {name}", 3.0,
+                                    f"rank {r} {case} grad {name}", 3.0,
                                     scaled_floor(torch.float32, ref["grads"][name]))
-            worst_g = max(worst_g, max_err(g, plain["grads"][name]))
-        assert len(got["losses"]) == STEPS, f"rank {r}: {len(got['losses'])} steps"
-        losses = torch.tensor(got["losses"], dtype=torch.float32)
-        assert_close_per_design(losses, ref["losses"], plain["losses"], f"{case} losses",
-                                2.0, scaled_floor(torch.float32, ref["losses"]))
-        worst_loss = max(worst_loss, max_err(losses, plain["losses"]))
         for name, w in got["weights"].items():
             # replicas stay bitwise identical: every rank applies the same summed gradient
             assert torch.equal(w, first["weights"][name]), f"rank {r}: {name} diverged"
-            assert_close_per_design(w, ref["weights"][name], plain["weights"][name],
-                                    f"{case} {name}", 3.0,
-                                    scaled_floor(torch.float32, ref["weights"][name]))
-            worst_w = max(worst_w, max_err(w, plain["weights"][name]))
-            ring64 = max(ring64, max_err(w, ref["weights"][name]))
-            plain64 = max(plain64, max_err(plain["weights"][name], ref["weights"][name]))
-    print(f"\n{case}: max |loss - single-process fp32| = {worst_loss:.3e}, "
-          f"max |weight - single-process fp32| = {worst_w:.3e}, "
-          f"max |first grad - single-process fp32| = {worst_g:.3e}; weights vs float64: "
-          f"ring {ring64:.3e}, plain fp32 {plain64:.3e}")
 
 
 def test_custom_layout_through_the_plugin(run):

@@ -387,7 +387,7 @@ def _errors_worker():
                                    max_err(lv.grad, torch.zeros_like(lv)))
 
     # how often the check communicates, per mode: control collectives that gathered rows
-    from ringseq.comm import RingComm
+    from ringseq.engine.transport import RingComm
     calls = {"n": 0}
     real = RingComm.control
 

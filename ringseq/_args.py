@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 

@@ -7,7 +7,7 @@
 * the errors of a ring (:class:`RingMismatchError`, :class:`RingDesyncError`,
   :class:`RingBrokenError`, :class:`RingTimeoutError`) and the switches of its checks
   (:func:`set_consistency_check`, :func:`set_ring_timeout`); the checks themselves run in
-  :mod:`ringseq.comm` and :mod:`ringseq.integrity`.
+  :mod:`ringseq.engine.ring` and :mod:`ringseq.engine.integrity`.
 
 Private: the public names are re-exported by :mod:`ringseq`.
 """
@@ -169,7 +169,7 @@ _CHECK_MODE: Optional[str] = None
 
 def set_consistency_check(mode=True) -> None:
     """Controls the cross-rank checks of the ring (the control collectives of
-    :mod:`ringseq.integrity`).
+    :mod:`ringseq.engine.integrity`).
 
     ``True`` / ``"first"`` / ``"always"`` (default; the three are the same since every call is
     checked): every ring call begins and ends with a small all-gather on the ring's gloo

@@ -24,7 +24,7 @@ ringseq's own options (``return_lse``, ``backend``, ``grad_comm_dtype``) are key
 from __future__ import annotations
 
 from ._args import split_kv, split_qkv
-from .nn import ring_attention
+from .nn import ring_attention, unpack
 
 __all__ = ["zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
            "zigzag_ring_flash_attn_qkvpacked_func", "stripe_flash_attn_func",
@@ -61,7 +61,7 @@ def zigzag_ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=Non
                                          grad_comm_dtype=None, softcap=0.0):
     """:func:`zigzag_ring_flash_attn_func` with kv (batch, s_local, 2, nheads_kv, headdim)."""
     fn = "zigzag_ring_flash_attn_kvpacked_func"
-    k, v = split_kv(fn, kv)
+    k, v = unpack(fn, group, split_kv, kv)
     return _bound(fn, "zigzag", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
                   grad_comm_dtype, softcap)
@@ -74,7 +74,7 @@ def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None
                                           grad_comm_dtype=None, softcap=0.0):
     """:func:`zigzag_ring_flash_attn_func` with qkv (batch, s_local, 3, nheads, headdim)."""
     fn = "zigzag_ring_flash_attn_qkvpacked_func"
-    q, k, v = split_qkv(fn, qkv)
+    q, k, v = unpack(fn, group, split_qkv, qkv)
     return _bound(fn, "zigzag", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
                   grad_comm_dtype, softcap)
@@ -98,7 +98,7 @@ def stripe_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, ca
                                     backend=None, grad_comm_dtype=None, softcap=0.0):
     """:func:`stripe_flash_attn_func` with kv (batch, s_local, 2, nheads_kv, headdim)."""
     fn = "stripe_flash_attn_kvpacked_func"
-    k, v = split_kv(fn, kv)
+    k, v = unpack(fn, group, split_kv, kv)
     return _bound(fn, "stripe", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
                   grad_comm_dtype, softcap)
@@ -111,7 +111,7 @@ def stripe_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, cau
                                      softcap=0.0):
     """:func:`stripe_flash_attn_func` with qkv (batch, s_local, 3, nheads, headdim)."""
     fn = "stripe_flash_attn_qkvpacked_func"
-    q, k, v = split_qkv(fn, qkv)
+    q, k, v = unpack(fn, group, split_qkv, qkv)
     return _bound(fn, "stripe", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
                   grad_comm_dtype, softcap)

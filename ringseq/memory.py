@@ -50,8 +50,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw_forloop")
 _F32 = 4  # bytes of a float32 element
 _I64 = 8
-_ALIGN = 64  # ringseq.ring.PackedBuffers aligns every segment of the exchange buffers
-_HEADER = 64  # ringseq.integrity.HEADER_BYTES: the header that travels with every exchange
+_ALIGN = 64  # ringseq.engine.loops.PackedBuffers aligns every segment of the exchange buffers
+_HEADER = 64  # ringseq.engine.integrity.HEADER_BYTES: the header that travels with every exchange
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "vocab_size", "tie_word_embeddings")
@@ -319,7 +319,7 @@ class _Plan:
 
     @property
     def rep(self) -> int:
-        # ringseq.ulysses.kv_replication: K/V heads copied so that U ranks split them
+        # ringseq.parallel.ulysses.kv_replication: K/V heads copied so that U ranks split them
         return self.U // math.gcd(self.U, self.kv_l)
 
     @property
@@ -562,8 +562,8 @@ class _Terms:
         # the LM head's backward on (under FSDP2 unsharded until the root's post_backward at
         # the end of the backward); an untied embedding's only after the last layer's
         self.head_grads = gb * (s.vocab * h + h)
-        # ---- the ring's cached exchange buffers (ringseq.comm.Transport.buffers: two slots
-        # of a packed buffer per direction, kept between calls; ringseq.ring) -------------
+        # ---- the ring's cached exchange buffers (ringseq.engine.ring.Ring.buffers: two slots
+        # of a packed buffer per direction, kept between calls; ringseq.engine.loops) -------------
         ring_used = p.mode in ("ring", "hybrid")
         hops = p.R - 1
         kv_block = 2 * T * k * (p.rep if p.U > 1 else 1) * d  # K and V elements of one block
@@ -577,7 +577,7 @@ class _Terms:
         # MLP backward (mul of silu(gate) * up): the product's gradient and the two new
         # gradients of silu(gate) and up, e bytes each (the product itself is freed).
         self.mlp_bwd = 3 * e * I * T
-        # Attention backward (ringseq.ring._ring_backward, or the C++ bwd for Ulysses): dout
+        # Attention backward (ringseq.engine.loops.ring_backward, or the C++ bwd for Ulysses): dout
         # (o_proj's input gradient, e) and
         #   delta = rowsum(dout.float() * out.float()): two float32 copies (when not float32)
         #   and their float32 product;                                       (kernels.compute_delta)

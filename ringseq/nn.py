@@ -24,13 +24,12 @@ from .engine.integrity import FWD
 from .engine.op import run_attention
 from .engine.placement import RingPlacement
 from .engine.ring import refuse_on_error, ring_size
-from .layouts import get_layout
 from .ops import returns
-from .spec import attn_spec, check_layout, check_self_attention
+from .spec import attn_spec, bound_layout, check_layout, check_self_attention, named_layout
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
            "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func", "ring_sdpa",
-           "RingAttention", "ring_attention"]
+           "RingAttention", "ring_attention", "unpack"]
 
 
 def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -44,23 +43,24 @@ def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causa
     with refuse_on_error(group, FWD):
         check_returns(fn, return_attn_probs, return_lse)
         q, k, v = autocast_inputs(q, k, v)
-        unbound = _layout(fn, layout)
+        unbound = named_layout(fn, layout)
         spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                          causal=causal, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, deterministic=deterministic,
                          backend=backend, grad_comm_dtype=grad_comm_dtype,
                          documents=unbound.documents if cu_seqlens is None else cu_seqlens)
         check_self_attention(spec, q, k)
-        check_layout(spec, unbound.bind(spec.documents), ring_size(group), q.shape[1])
+        check_layout(spec, bound_layout(fn, unbound, spec.documents), ring_size(group),
+                     q.shape[1])
     out, lse = run_attention(q, k, v, spec, RingPlacement(unbound, group, comm_kind))
     return returns(out, lse, return_attn_probs, return_lse)
 
 
-def _layout(fn: str, layout):
-    try:
-        return get_layout(layout)
-    except ValueError as exc:
-        raise ValueError(f"{fn}: {exc}") from None
+def unpack(fn: str, group, split, packed):
+    """``split(fn, packed)`` (the kv / qkv views of a packed form) as an entry point's check:
+    a refusal reaches the other ranks of ``group``'s ring."""
+    with refuse_on_error(group, FWD):
+        return split(fn, packed)
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -154,7 +154,7 @@ def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, caus
 
     K and V are read as strided views of ``kv`` (no copy); the gradient comes back packed."""
     fn = "ring_flash_attn_kvpacked_func"
-    k, v = split_kv(fn, kv)
+    k, v = unpack(fn, group, split_kv, kv)
     return ring_attention(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                           causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs,
@@ -170,7 +170,7 @@ def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causa
     """:func:`ring_flash_attn_func` with ``qkv`` packed as (batch, s_local, 3, nheads, headdim)
     (ring-flash-attention's ``ring_flash_attn_qkvpacked_func`` signature)."""
     fn = "ring_flash_attn_qkvpacked_func"
-    q, k, v = split_qkv(fn, qkv)
+    q, k, v = unpack(fn, group, split_qkv, qkv)
     return ring_attention(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                           causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs,
@@ -271,7 +271,7 @@ class RingAttention(nn.Module):
         check_bool("RingAttention", "causal", causal)
         check_softmax_scale("RingAttention", softmax_scale)
         self.group = group
-        self.layout = _layout("RingAttention", layout)
+        self.layout = named_layout("RingAttention", layout)
         self.causal = bool(causal)
         self.backend = backend
         self.softmax_scale = softmax_scale

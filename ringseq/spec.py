@@ -25,14 +25,14 @@ import torch
 
 from ._args import (check_alibi_slopes, check_bool, check_cu_seqlens, check_dropout,
                     check_softmax_scale, parse_window)
-from ._hash import stable_hash_ints
+from ._hash import stable_code, stable_hash_ints
 from .kernels import AttentionBackend, backend_by_key, backend_key, check_qkv, get_backend
-from .kernels.checks import count_check
+from .kernels.checks import count_check, resolve_scale
 from .kernels.spans import as_spans_tensor, check_softcap, document_spans
 from .masks import AttnMask
 
-__all__ = ["AttnSpec", "attn_spec", "check_layout", "check_self_attention", "dtype_code", "local_spans",
-           "spec_from_key"]
+__all__ = ["AttnSpec", "attn_spec", "bound_layout", "check_layout", "check_self_attention",
+           "dtype_code", "local_spans", "named_layout", "spec_from_key"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -69,7 +69,8 @@ class AttnSpec:
     backend: AttentionBackend
     grad_comm_dtype: torch.dtype
     needs_grad: bool
-    # compared by identity: a spec is a cache key, and tensors do not compare as one value
+    # not compared (nor hashed): a spec is a cache key, and tensors do not compare as one value;
+    # the caches that use specs (plans) are for calls without spans
     spans: Optional[torch.Tensor] = dataclasses.field(default=None, compare=False)
 
     @property
@@ -83,9 +84,6 @@ class AttnSpec:
     @property
     def documents(self) -> Optional[Tuple[int, ...]]:
         return self.mask.cu_seqlens
-
-    def accum_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return self.backend.accum_dtype(dtype)
 
     # -- the custom operator's encoding --------------------------------------------------------
     def key(self) -> str:
@@ -115,11 +113,18 @@ class AttnSpec:
             ("headdim", d), ("dtype", dtype_code(dtype), "dtype"),
             ("causal", self.causal, "bool"), ("requires_grad", self.needs_grad, "bool"),
             ("grad_comm_dtype", dtype_code(self.grad_comm_dtype), "dtype"),
-            ("softmax_scale (x1e6)", round(self.softmax_scale * 1e6)),
+            ("softmax_scale (x1e6)", _float_field(self.softmax_scale)),
             ("window left", self.window[0]), ("window right", self.window[1]),
-            ("softcap (x1e6)", round(self.softcap * 1e6)),
+            ("softcap (x1e6)", _float_field(self.softcap)),
             ("documents (hash of cu_seqlens)", docs),
         ) + tuple(extra)
+
+
+def _float_field(x: float) -> int:
+    """A float as a signature field (an int64): micro-units, readable in a mismatch message;
+    a hash beyond the int64 range (a scale of 1e13 is valid)."""
+    v = x * 1e6
+    return round(v) if abs(v) < 2 ** 60 else 2 ** 61 + stable_code(float(x).hex())
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,8 +200,7 @@ def attn_spec(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=Fal
     acc = be.accum_dtype(q.dtype)
     if needs_grad is None:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return AttnSpec(fn=fn, softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None
-                    else float(softmax_scale),
+    return AttnSpec(fn=fn, softmax_scale=resolve_scale(softmax_scale, q.shape[-1]),
                     mask=AttnMask(causal=causal, window=window, cu_seqlens=documents),
                     softcap=softcap, backend=be,
                     grad_comm_dtype=_resolve_grad_comm_dtype(fn, grad_comm_dtype, q.dtype, acc),
@@ -249,3 +253,21 @@ def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
         raise ValueError(f"{spec.fn}: backend {spec.backend.name!r} cannot compute a block's "
                          f"gradients from the merged output of a ring; use backend='ringseq' "
                          f"or 'reference'")
+
+
+def named_layout(fn: str, layout):
+    """The :class:`ringseq.layouts.Layout` ``layout`` names (or is); ValueError naming ``fn``."""
+    from .layouts import get_layout
+    try:
+        return get_layout(layout)
+    except ValueError as exc:
+        raise ValueError(f"{fn}: {exc}") from None
+
+
+def bound_layout(fn: str, layout, documents):
+    """``layout`` bound to a call's GLOBAL ``documents`` (the per-batch documents layouts need
+    them; a layout built for other boundaries refuses them); ValueError naming ``fn``."""
+    try:
+        return layout.bind(documents)
+    except ValueError as exc:
+        raise ValueError(f"{fn}: {exc}") from None

@@ -13,7 +13,7 @@ active on this thread of this process::
 Counted is what leaves the rank: every byte of a ring exchange's send buffer, and the
 ``(U - 1) / U`` of an all-to-all's send buffer that goes to the other ``U - 1`` ranks (the chunk a
 rank keeps for itself is not sent). Cross-rank consistency checks (a few int64s on the first
-call per signature) are not counted. Counting costs a few Python operations per exchange.
+call) are not counted. Counting costs a few Python operations per exchange.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Dict, Iterator, List
 
-import torch
 
 __all__ = ["CommCounter", "count_bytes", "record"]
 

@@ -56,7 +56,7 @@ class PackedBuffers:
 
     ``segments`` is a list of ``(name, shape, dtype)``; slot ``j`` (0 or 1) of the double
     buffer holds one view per segment (``bufs[j][name]``). A ``"hdr"`` segment of
-    ``HEADER_WORDS`` int64 (the exchange header of :mod:`ringseq.integrity`) goes with every
+    ``HEADER_WORDS`` int64 (the exchange header of :mod:`ringseq.engine.integrity`) goes with every
     exchange, so it must sit next to every payload segment; adjacent segments form one
     contiguous byte range, so a step that moves several of them is still one exchange.
     """
@@ -138,7 +138,7 @@ def ring_forward(q, k, v, plan: RingPlan, ring: Ring):
     """(out in the accumulation dtype, lse) for this rank's q rows.
 
     Every exchange of the call happens even after this rank failed (see
-    :mod:`ringseq.integrity`); the failure is raised at the end, on every rank."""
+    :mod:`ringseq.engine.integrity`); the failure is raised at the end, on every rank."""
     b, s, h, d = q.shape
     be, scale = plan.backend, plan.softmax_scale
     acc = be.accum_dtype(q.dtype)
@@ -208,6 +208,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
     with ring.open_call(BWD, plan.signature, q.device, bind=False) as call:
         bufs = delta = dq = scratch = own = None
         with call.guard():
+            if grad_lse is not None:
+                be.require_lse_grad()
             delta = compute_delta(dout, out, grad_lse)  # (b, h, s), once for every block
             dq = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
             # [dK/dV accumulator | header | K/V]: any payload plus the header is one range.

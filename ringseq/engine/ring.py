@@ -12,6 +12,7 @@ of a :class:`Transport` passed as ``group=`` or of the local ring without torch.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .._hash import stable_code
-from .._dist import (RingPeerError, RingTimeoutError, consistency_check_mode, group_info,
+from .._dist import (RingTimeoutError, consistency_check_mode, group_info,
                      is_initialized, ring_timeout)
 from .integrity import (BROKEN, CHECK, FAIL, INVALID, KIND_NAMES, OK, RingCall, _describe,
                         gather, judge)
@@ -98,31 +99,34 @@ class Ring:
                   bind: bool = True) -> RingCall:
         """The bookkeeping of one call. Raises RuntimeError at once when another thread uses
         this ring: a ring is bound to the first thread that calls it (``bind``: forwards and
-        checks; a backward may run on an autograd worker thread), and concurrent calls would
-        interleave their exchanges."""
-        me = threading.get_ident()
-        bind = bind and self.world_size > 1 and not self.transport.ranks_are_threads
+        checks made by user code; backwards, and forwards recomputed during a backward, may run
+        on an autograd worker thread), and concurrent calls would interleave their
+        exchanges."""
+        # inside a backward (autograd's device threads; recomputed checkpointed forwards)
+        bind = (bind and self.world_size > 1 and not self.transport.ranks_are_threads
+                and torch._C._current_graph_task_id() == -1)
         if bind:
-            if self._thread is None:
+            me = threading.get_ident()
+            if self._thread is None or not _alive(self._thread):
                 self._thread = me
-            elif self._thread != me and _alive(self._thread):
+            elif self._thread != me:
                 raise RuntimeError(
                     f"ringseq: this ring (process group of {self.world_size} ranks) is bound to "
                     f"thread {self._thread}, which called it first; calls from other threads "
                     f"(this is {me}) are refused, since their exchanges would pair with the "
                     f"other thread's calls on the peers. Give each thread its own process group")
-        if bind:
             # Two threads per rank on one group would pair one rank's thread with another
             # rank's other thread: the calling thread's name is part of the signature.
             signature = tuple(signature) + (("calling thread (hash of its name)",
-                                             stable_code(threading.current_thread().name)),)
+                                             stable_code(_thread_name())),)
+        call = RingCall(self, kind, signature, device)
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(
                 "ringseq: a call on this ring is already running in another thread; concurrent "
                 "calls on one process group are not supported (their exchanges would "
                 "interleave). Serialize the calls or give each thread its own process group.")
         self.calls += 1
-        return RingCall(self, kind, signature, device)
+        return call
 
     def _release(self) -> None:
         self._lock.release()
@@ -131,9 +135,11 @@ class Ring:
         """This rank found a call's arguments invalid before the call began: meets the peers'
         begin collective with the refusal, so that they raise :class:`ringseq.RingPeerError`
         naming this rank and ``exc`` (the ring stays usable), then re-raises ``exc`` here."""
-        if self.checks_on and self._broken is None:
+        if self.checks_on:
+            # (a broken ring still meets its peers' begin: they raise RingBrokenError then)
+            status = BROKEN if self._broken is not None else INVALID
             with self._hold():
-                rows = gather(self, kind, INVALID, (), _describe(exc))
+                rows = gather(self, kind, status, (), _describe(exc))
                 if rows is not None:
                     others = [r for r, row in enumerate(rows) if r != self.rank and row[1] not in
                               (OK, INVALID)]
@@ -226,6 +232,17 @@ def _alive(ident: int) -> bool:
     return any(t.ident == ident for t in threading.enumerate())
 
 
+_DEFAULT_NAME = re.compile(r"^Thread-\d+")
+
+
+def _thread_name() -> str:
+    """The calling thread's name, without the counter of a default name ("Thread-7 (run)" ->
+    "Thread (run)"): ranks create their threads in different numbers, and threads that run the
+    same function under default names are the same thread of the program. Threads that differ
+    only in their data need names of their own (threading.Thread(name=...))."""
+    return _DEFAULT_NAME.sub("Thread", threading.current_thread().name)
+
+
 # ------------------------------------------------------------------------------------ cache
 _RINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCAL: Dict[str, Ring] = {}
@@ -266,7 +283,7 @@ def ring_size(group=None) -> int:
 get_comm = get_ring
 
 
-def check_consistent(fields, group=None, device=None) -> None:
+def check_consistent(fields, group=None) -> None:
     """:meth:`Ring.check` on the ring of ``group``."""
     get_ring(group).check(fields)
 

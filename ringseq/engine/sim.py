@@ -1,6 +1,6 @@
 """A ring of threads in one process: the engine's loops without torch.distributed.
 
-:class:`SimTransport` implements :class:`ringseq.comm.Transport` for ``W`` threads: rank r's
+:class:`SimTransport` implements :class:`ringseq.engine.transport.Transport` for ``W`` threads: rank r's
 exchange hands its send buffer to rank r+1. :func:`simulate_ring` runs the very same plan and
 loops as ``ring_flash_attn_func`` on full-sequence tensors, for tests and for checking a new
 layout before any process group exists.
@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from ..layouts import get_layout, shard_local, unshard_local
-from ..spec import attn_spec, check_layout
+from ..layouts import shard_local, unshard_local
+from ..spec import attn_spec, bound_layout, check_layout, named_layout
 from .loops import ring_backward, ring_forward
 from .plan import make_plan
 from .ring import Ring
@@ -110,15 +110,16 @@ def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: boo
         for float64 inputs), plus ``(dq, dk, dv)`` when ``dout`` is given, all unsharded back
         to global order.
 
-    Raises ValueError for a length the layout cannot split (and whatever make_plan raises).
+    Raises what the ring functions raise for their arguments (ValueError for a length the
+    layout cannot split, ...).
     """
-    unbound = get_layout(layout)
+    unbound = named_layout("simulate_ring", layout)
     spec = attn_spec("simulate_ring", q, k, v, softmax_scale=softmax_scale, causal=causal,
                      window_size=window_size, softcap=softcap, backend=backend,
                      grad_comm_dtype=grad_comm_dtype,
                      documents=unbound.documents if cu_seqlens is None else cu_seqlens,
                      needs_grad=dout is not None)
-    lay = unbound.bind(spec.documents)
+    lay = bound_layout("simulate_ring", unbound, spec.documents)
     try:
         lay.check_seqlen(q.shape[1], world_size)
     except ValueError as exc:

@@ -55,7 +55,8 @@ except ImportError:  # pragma: no cover - transformers < 4.53 builds masks insid
     AttentionMaskInterface = None
 
 from .._dist import group_info
-from ..engine.ring import get_ring
+from ..engine.integrity import FWD
+from ..engine.ring import get_ring, refuse_on_error
 from ..layouts import Layout, document_positions, get_layout, positions_local
 from ..nn import ring_attention
 from ..parallel.groups import (SequenceParallelGroups, check_model_heads, make_sp_groups,
@@ -175,36 +176,17 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     (b, s_local, h * d) -- and no attention weights.
 
     Raises ValueError for what ring attention cannot compute exactly (see the module doc),
-    before any communication except the one-flag all-reduce that makes every rank raise.
+    before any payload moves: on the other ranks RingPeerError naming this one (through the
+    ring's control channel).
     """
     settings = _settings(module)
     name = type(module).__name__
-    if kwargs.get("output_attentions"):
-        raise ValueError(f"{name}: output_attentions=True is not supported by ringseq attention "
-                         f"(attention probabilities are never materialized); use "
-                         f"attn_implementation='eager' on one device to inspect them")
-    if dropout and float(dropout) > 0.0:
-        raise ValueError(f"{name}: attention dropout {dropout} is not supported by ringseq "
-                         f"attention; set config.attention_dropout=0.0 (or call model.eval())")
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(f"{name}: expected (batch, heads, seqlen, head_dim) query/key/value, got "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    # A refusal here reaches the other ranks (their input check or ring call raises
+    # RingPeerError naming this rank) instead of leaving them waiting.
+    with refuse_on_error(settings.group, FWD):
+        layout, docs, window = _checked_call(name, settings, query, key, value, dropout,
+                                             sliding_window, kwargs)
     s_local = query.shape[2]
-    if key.shape[2] != s_local:
-        raise ValueError(f"{name}: query has {s_local} local tokens but key has {key.shape[2]}; "
-                         f"ringseq attention needs the keys of exactly the current tokens "
-                         f"(no KV cache: pass use_cache=False, and no generation)")
-    docs = _documents(name, kwargs)
-    try:
-        layout = settings.layout.bind(docs)  # "documents": this batch's own layout
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-    window = (-1, -1)
-    if sliding_window is not None:
-        sw = int(sliding_window)
-        if sw < 1:
-            raise ValueError(f"{name}: sliding_window must be >= 1, got {sliding_window}")
-        window = (sw - 1, sw - 1)
     _check_inputs_once(settings, layout, docs, attention_mask, kwargs.get("position_ids"),
                        s_local, query.device)
     if scaling is None:
@@ -223,6 +205,37 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                          backend=settings.backend, softcap=float(softcap or 0.0),
                          cu_seqlens=docs)
     return out, None
+
+
+def _checked_call(name, settings, query, key, value, dropout, sliding_window, kwargs):
+    """This call's (layout bound to the batch, documents, window); ValueError for what ring
+    attention cannot compute exactly (see the module doc)."""
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{name}: output_attentions=True is not supported by ringseq attention "
+                         f"(attention probabilities are never materialized); use "
+                         f"attn_implementation='eager' on one device to inspect them")
+    if dropout and float(dropout) > 0.0:
+        raise ValueError(f"{name}: attention dropout {dropout} is not supported by ringseq "
+                         f"attention; set config.attention_dropout=0.0 (or call model.eval())")
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"{name}: expected (batch, heads, seqlen, head_dim) query/key/value, got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(f"{name}: query has {query.shape[2]} local tokens but key has "
+                         f"{key.shape[2]}; ringseq attention needs the keys of exactly the "
+                         f"current tokens (no KV cache: pass use_cache=False, and no generation)")
+    docs = _documents(name, kwargs)
+    try:
+        layout = settings.layout.bind(docs)  # "documents": this batch's own layout
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    window = (-1, -1)
+    if sliding_window is not None:
+        sw = int(sliding_window)
+        if sw < 1:
+            raise ValueError(f"{name}: sliding_window must be >= 1, got {sliding_window}")
+        window = (sw - 1, sw - 1)
+    return layout, docs, window
 
 
 def _documents(name: str, kwargs) -> Optional[tuple]:

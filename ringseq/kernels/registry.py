@@ -23,7 +23,8 @@ _NEXT_KEY = itertools.count()
 
 @torch.compiler.assume_constant_result
 def _register(be) -> str:
-    key = f"{be.name}#{next(_NEXT_KEY)}"
+    # the name only labels the key: '|' separates the fields of the keys that carry it
+    key = f"{str(be.name).replace('|', '/')}#{next(_NEXT_KEY)}"
     _BY_KEY[key] = be
     be._registry_key = key
     return key

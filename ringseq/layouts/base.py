@@ -7,7 +7,7 @@ A layout answers two questions and nothing else:
   which block tasks ``(q rows, kv rows, causal)`` of local-shard rows must be computed
   (``tasks``). An empty list means the step has nothing to compute.
 
-The ring engine in :mod:`ringseq.ring` executes any such schedule with one forward and one
+The ring engine (:mod:`ringseq.engine.loops`) executes any such schedule with one forward and one
 backward loop, so a new layout is a new subclass of :class:`Layout`, never a new loop: define
 ``name``, ``_positions`` and ``_tasks`` (and ``multiple`` if needed), pass the instance as
 ``layout=`` anywhere (or ``register_layout`` it to use its name). Moving tokens
@@ -276,8 +276,14 @@ LAYOUTS: Dict[str, Layout] = {}
 
 
 def register_layout(layout: Layout) -> Layout:
-    """Makes a layout available by name to every function taking ``layout=``."""
-    LAYOUTS[layout.name] = layout
+    """Makes a layout available by name to every function taking ``layout=``. ValueError for
+    a name that cannot travel as one (empty, or with ``|`` / ``#``, which separate the fields
+    of the custom operator's keys)."""
+    name = getattr(layout, "name", None)
+    if not isinstance(name, str) or not name or "|" in name or "#" in name:
+        raise ValueError(f"register_layout: a layout's name must be a non-empty string without "
+                         f"'|' or '#', got {name!r}")
+    LAYOUTS[name] = layout
     return layout
 
 

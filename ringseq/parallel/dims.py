@@ -16,7 +16,7 @@ Head rule: tensor parallelism gives every tp rank whole heads, so ``tp_size`` di
 ``num_attention_heads`` and ``num_key_value_heads`` (K/V heads are not replicated across tp
 ranks: pick a tp size that divides the K/V heads, or Ulysses for the rest of the split). The
 Ulysses degree then splits each tp rank's ``num_attention_heads / tp_size`` query heads
-(K/V heads replicated inside the all-to-all as ``ringseq.ulysses`` describes).
+(K/V heads replicated inside the all-to-all as ``ringseq.parallel.ulysses`` describes).
 
 Sequence rule: a sequence of length s is split over sp by the data layout (zigzag: 2 sp
 chunks, ...) and each sp shard contiguously over tp, so s must be a multiple of

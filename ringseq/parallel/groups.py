@@ -1,10 +1,11 @@
-"""Unified sequence parallelism (USP): Ulysses all-to-all × ring, and the double ring.
+"""Sequence-parallel groups: which ranks form the Ulysses, ring and inner-ring groups, and how
+the data is split over them (used by :mod:`ringseq.parallel.usp`).
 
 A sequence-parallel group of ``W = U * R`` ranks is a 2-D grid: ``U`` = Ulysses degree
 (all-to-all groups), ``R`` = ring degree (ring groups). Rank ``(g, u)`` is ring rank ``g`` of
 its ring group and Ulysses rank ``u`` of its Ulysses group. Optionally the ring itself is a
 double ring: ``R = O * I`` with inner rings of ``inner_ring_size = I`` consecutive ring ranks
-(:mod:`ringseq.double_ring`).
+(:mod:`ringseq.parallel.double_ring`).
 
 Sharding rule (the data layout, :class:`SequenceParallelLayout`): the global sequence is split
 over the ring dimension by the ring ``layout`` (contiguous, zigzag, stripe or any Layout) into
@@ -21,7 +22,7 @@ the fast links, the ring crosses nodes); ``ulysses_inner=False`` puts the ring i
 ranks follow global ranks (what ``torch.distributed.new_group`` does).
 
 The K/V that travel the ring are the Ulysses head shards: ``h_kv * rep / U`` heads instead of
-``h_kv`` (``rep`` per :mod:`ringseq.ulysses`'s head rule) of a ring part of ``s / R`` tokens, i.e.
+``h_kv`` (``rep`` per :mod:`ringseq.parallel.ulysses`'s head rule) of a ring part of ``s / R`` tokens, i.e.
 ``rep / U`` of what a ring of ``R`` over the same parts would move per step -- the block of the
 plain ring of ``W`` (times ``rep``), for ``R - 1`` steps instead of ``W - 1``
 (docs/sp_modes.md has the bytes of every mode).
@@ -196,6 +197,18 @@ class SequenceParallelGroups:
         """:func:`ringseq.shard_batch` over :attr:`group` with :meth:`data_layout`."""
         return shard_batch(batch, group=self.group, layout=self.data_layout(layout),
                            ignore_index=ignore_index)
+
+    def reset(self) -> None:
+        """``ringseq.reset_ring`` of every group of this sequence-parallel group (the whole
+        group, its Ulysses, ring, inner and outer rings): what a failure or a timeout broke in
+        any mode. Call it on every rank."""
+        from ..engine.ring import reset_ring
+        seen = set()
+        for g in (self.group, self.ulysses_group, self.ring_group, self.inner_group,
+                  self.outer_group):
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                reset_ring(g)
 
     def __deepcopy__(self, memo):  # process groups cannot be copied; a copy runs on them too
         return self

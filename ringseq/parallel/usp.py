@@ -8,7 +8,6 @@ plain ring.
 """
 from __future__ import annotations
 
-import torch
 
 from .._args import autocast_inputs, check_returns, sdpa_inputs
 from ..engine.integrity import FWD
@@ -17,7 +16,8 @@ from ..engine.placement import LOCAL, Placement, RingPlacement
 from ..engine.ring import refuse_on_error
 from ..layouts import Layout, get_layout
 from ..ops import returns
-from ..spec import attn_spec, check_layout, check_self_attention, local_spans
+from ..spec import (attn_spec, bound_layout, check_layout, check_self_attention, local_spans,
+                    named_layout)
 from .double_ring import DoubleRingPlacement
 from .groups import SequenceParallelGroups
 from .ulysses import UlyssesPlacement, gathered, ulysses_heads
@@ -83,17 +83,20 @@ def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, 
         check_returns(fn, False, return_lse)
         q, k, v = autocast_inputs(q, k, v)
         U, R = sp.ulysses_size, sp.ring_size
-        lay = get_layout(layout) if R > 1 else get_layout("contiguous")
+        given = named_layout(fn, layout)  # without a ring (R = 1) only its documents count
         spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                          causal=causal, window_size=window_size, softcap=softcap,
                          backend=backend, grad_comm_dtype=grad_comm_dtype,
-                         documents=lay.documents if cu_seqlens is None else cu_seqlens)
+                         documents=given.documents if cu_seqlens is None else cu_seqlens)
         check_self_attention(spec, q, k)
         ulysses_heads(q.shape[2], k.shape[2], U, fn=fn)
         part = q.shape[1] * U  # tokens of a ring part (after the all-to-all)
+        bound = bound_layout(fn, given, spec.documents)
         if R > 1:
-            check_layout(spec, lay.bind(spec.documents), R, part)
+            lay = given
+            check_layout(spec, bound, R, part)
         else:
+            lay = get_layout("contiguous")
             spec = local_spans(gathered(spec, part), part, part)
     out, lse = run_attention(q, k, v, spec, usp_placement(sp, lay))
     return returns(out, lse, False, return_lse)

@@ -123,6 +123,8 @@ class ShardedDataLoader:
             except ValueError as exc:
                 error = ValueError(f"data-parallel rank {self.dp_rank}: {exc}")
                 error.__cause__ = exc
+            except Exception as exc:  # noqa: BLE001 - re-raised on this rank after agreeing
+                error = exc
         # A rank failing alone (its dp group reads other samples) would leave the others
         # waiting in their next collective, so every batch is agreed on, errors of the loader
         # itself (dataset, collate_fn) included -- on the control channel, with the batch's

@@ -474,15 +474,10 @@ class RingSequenceParallelPlugin(Plugin):
         of its Ulysses / hybrid / double-ring modes and the default group's (where the loader
         and the loss agree); rebuilds what a timeout broke. Call it on every rank, with the
         ranks back at the same batch."""
-        groups = [self.sp_group, None]
+        reset_ring(self.sp_group)
+        reset_ring(None)  # the loader's and the loss's agreements
         if self.sp is not None:
-            groups += [self.sp.group, self.sp.ulysses_group, self.sp.ring_group,
-                       self.sp.inner_group, self.sp.outer_group]
-        seen = set()  # (None: the default group; the modes' absent groups are None too)
-        for g in groups:
-            if id(g) not in seen:
-                seen.add(id(g))
-                reset_ring(g)
+            self.sp.reset()
 
     def get_checkpoint_io(self) -> DistributedCheckpointIO:
         return DistributedCheckpointIO()

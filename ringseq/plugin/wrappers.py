@@ -37,7 +37,7 @@ class ModelWrapper(nn.Module):
 
     When the forward raises on one rank (a bad token id, an out-of-memory error), the other
     ranks must not be left waiting: the failure is reported to the ring peers when they may be
-    inside a ring call (``Transport.report_failure``; their ring call raises RingBrokenError),
+    inside a ring call (``Ring.report_failure``; their ring call raises RingBrokenError),
     then to the loss of every rank (:func:`ringseq.loss.report_step_failure`, on the control
     channel: their loss raises RingPeerError naming this rank). The exception is re-raised on this rank; the ring stays broken until
     ``booster.reset()`` (or ``ringseq.reset_ring``) on every rank.

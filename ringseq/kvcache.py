@@ -247,19 +247,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         NotImplementedError: ``block_table`` or ``alibi_slopes`` given.
     """
     fn = _FN
-    softmax_scale = check_softmax_scale(fn, softmax_scale)
-    check_bool(fn, "causal", causal)
-    check_bool(fn, "rotary_interleaved", rotary_interleaved)
-    check_bool(fn, "return_softmax_lse", return_softmax_lse)
-    window = parse_window(fn, window_size)
-    softcap = check_softcap(softcap, fn)
-    check_alibi_slopes(fn, alibi_slopes)
+    softmax_scale, window, softcap = _check_options(
+        fn, softmax_scale, causal, rotary_interleaved, return_softmax_lse, window_size, softcap,
+        alibi_slopes, num_splits)
     if block_table is not None:
         raise NotImplementedError(f"{fn}: block_table (a paged KV cache) is not supported; pass "
                                   f"the caches as (batch_cache, seqlen_cache, nheads_k, headdim)")
-    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
-        raise ValueError(f"{fn}: num_splits must be an int >= 0 (0: chosen from the shape), got "
-                         f"{num_splits!r}")
     _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(fn, name, t, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
@@ -278,23 +271,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"{fn}: k_cache (batch_cache, seqlen_cache, nheads_k, headdim) must have "
                          f"q's headdim {d} and nheads_k dividing nheads = {h}, got "
                          f"{tuple(k_cache.shape)}")
-    if (k is None) != (v is None):
-        raise ValueError(f"{fn}: pass both k and v (the new keys and values), or neither")
-    s_new = 0
-    if k is not None:
-        for name, t in (("k", k), ("v", v)):
-            _check_tensor(fn, name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
-            if t.dtype != q.dtype or t.device != q.device:
-                raise ValueError(f"{fn}: {name} must have q's dtype and device, got {t.dtype} on "
-                                 f"{t.device}")
-        if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (h_kv, d):
-            raise ValueError(f"{fn}: k and v must both be (batch, seqlen_new, nheads_k, headdim) "
-                             f"= ({b}, seqlen_new, {h_kv}, {d}), got {tuple(k.shape)} and "
-                             f"{tuple(v.shape)}")
-        s_new = k.shape[1]
-        if cache_seqlens is None:
-            raise ValueError(f"{fn}: cache_seqlens is required with k and v: it says where the new "
-                             f"keys go")
+    s_new = _check_new_kv(fn, q, k, v, h_kv)
+    if k is not None and cache_seqlens is None:
+        raise ValueError(f"{fn}: cache_seqlens is required with k and v: it says where the new "
+                         f"keys go")
     if cache_seqlens is None:
         seqlens = torch.full((b,), s_c, dtype=torch.int32, device=q.device)
     else:
@@ -483,11 +463,9 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
         return _ring_decode(plan, group, world)
 
 
-def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, rank, layout,
-               softmax_scale, causal, window_size, softcap, rotary_cos, rotary_sin,
-               rotary_interleaved, cache_leftpad, alibi_slopes, num_splits, return_softmax_lse,
-               prefill_len):
-    """Checks a ring decoding call on this rank; returns what _ring_decode needs."""
+def _check_options(fn, softmax_scale, causal, rotary_interleaved, return_softmax_lse,
+                   window_size, softcap, alibi_slopes, num_splits):
+    """The scalar options of both decoding functions; returns (softmax_scale, window, softcap)."""
     softmax_scale = check_softmax_scale(fn, softmax_scale)
     check_bool(fn, "causal", causal)
     check_bool(fn, "rotary_interleaved", rotary_interleaved)
@@ -495,6 +473,40 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     window = parse_window(fn, window_size)
     softcap = check_softcap(softcap, fn)
     check_alibi_slopes(fn, alibi_slopes)
+    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"{fn}: num_splits must be an int >= 0 (0: chosen from the shape), got "
+                         f"{num_splits!r}")
+    return softmax_scale, window, softcap
+
+
+def _check_new_kv(fn, q, k, v, h_kv):
+    """The new keys and values (both or neither): (b, seqlen_new, h_kv, d) with q's dtype and
+    device. Returns seqlen_new (0 without them)."""
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: pass both k and v (the new keys and values), or neither")
+    if k is None:
+        return 0
+    b, _, _, d = q.shape
+    for name, t in (("k", k), ("v", v)):
+        _check_tensor(fn, name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{fn}: {name} must have q's dtype and device ({q.dtype} on "
+                             f"{q.device}), got {t.dtype} on {t.device}")
+    if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (h_kv, d):
+        raise ValueError(f"{fn}: k and v must both be (batch, seqlen_new, nheads_k, headdim) "
+                         f"= ({b}, seqlen_new, {h_kv}, {d}), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    return k.shape[1]
+
+
+def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, rank, layout,
+               softmax_scale, causal, window_size, softcap, rotary_cos, rotary_sin,
+               rotary_interleaved, cache_leftpad, alibi_slopes, num_splits, return_softmax_lse,
+               prefill_len):
+    """Checks a ring decoding call on this rank; returns what _ring_decode needs."""
+    softmax_scale, window, softcap = _check_options(
+        fn, softmax_scale, causal, rotary_interleaved, return_softmax_lse, window_size, softcap,
+        alibi_slopes, num_splits)
     lay = get_layout(layout)
     if not isinstance(prefill_len, numbers.Integral) or isinstance(prefill_len, bool) \
             or prefill_len < 0 or (prefill_len and prefill_len % lay.multiple(world)):
@@ -518,18 +530,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     if prefill_len // world > cap:
         raise ValueError(f"{fn}: the cache shard holds {cap} slots, fewer than this rank's "
                          f"{prefill_len // world} prefill tokens")
-    if (k is None) != (v is None):
-        raise ValueError(f"{fn}: pass both k and v, or neither")
-    s_new = 0
-    if k is not None:
-        for name, t in (("k", k), ("v", v)):
-            _check_tensor(fn, name, t, 4, "(batch, seqlen_new, nheads_k, headdim)")
-        if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (h_kv, d) \
-                or k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device:
-            raise ValueError(f"{fn}: k and v must both be ({b}, seqlen_new, {h_kv}, {d}) with q's "
-                             f"dtype and device, got {tuple(k.shape)} {k.dtype} and "
-                             f"{tuple(v.shape)} {v.dtype}")
-        s_new = k.shape[1]
+    s_new = _check_new_kv(fn, q, k, v, h_kv)
     if causal and s_q > 1 and s_new < s_q:
         raise NotImplementedError(f"{fn}: causal with seqlen_q = {s_q} > 1 needs the queries' own "
                                   f"keys: pass k and v with seqlen_new >= seqlen_q, got "

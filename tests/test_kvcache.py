@@ -449,14 +449,15 @@ def test_ring_decoding_is_exact_and_moves_no_kv(world):
         for rank, (_, caught) in enumerate(results):
             # a shard too small on rank 1 only: raised there, and on rank 0 as a RingPeerError
             # naming rank 1 and its message
-            assert len(caught) == 3, caught
+            assert len(caught) == 4, caught
             assert "holds 3 slots" in caught[0] and (rank == 1 or "rank(s) [1]" in caught[0])
             assert "prefill_len" in caught[1]  # bad on every rank: raised on every rank
             assert "window_size" in caught[2] and "NotImplementedError" in caught[2]
+            assert "num_splits must be an int >= 0" in caught[3]
 
 
 def _ring_errors():
-    """Three calls that must fail; returns what each rank raised."""
+    """Four calls that must fail; returns what each rank raised."""
     import torch.distributed as dist
     rank = dist.get_rank()
     caught = []
@@ -473,4 +474,5 @@ def _ring_errors():
     call(torch.randn(1, 1, 4, 16), 8 if rank == 0 else 3, new_kv, prefill_len=8)  # rank 1 only
     call(torch.randn(1, 1, 4, 16), 8, prefill_len=5)  # not a multiple of the layout's
     call(torch.randn(1, 2, 4, 16), 8, torch.randn(1, 2, 2, 16), prefill_len=8, window_size=(2, 0))
+    call(torch.randn(1, 1, 4, 16), 8, new_kv, prefill_len=8, num_splits=-1)
     return caught

@@ -38,6 +38,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from dist_utils import run_ranks  # noqa: E402
+from utils import error_text, token_dataset  # noqa: E402
 
 WORLD, SEQLEN, GLOBAL_BATCH, STEPS, VOCAB = 4, 32, 4, 3, 128
 REL = 1e-5
@@ -85,14 +86,7 @@ def _model(family):
 
 
 def _dataset(n=GLOBAL_BATCH * STEPS, seqlen=SEQLEN):
-    g = torch.Generator().manual_seed(3)
-    data = []
-    for i in range(n):
-        ids = torch.randint(0, VOCAB, (seqlen,), generator=g)
-        labels = ids.clone()
-        labels[: (5 * i) % 13] = -100  # unequal target counts per dp group
-        data.append({"input_ids": ids, "labels": labels})
-    return data
+    return token_dataset(n, seqlen, VOCAB, ignored=(5, 13))
 
 
 def _optimizer(model):
@@ -105,14 +99,6 @@ def _optimizer(model):
 
 
 # ---------------------------------------------------------------- rank side
-def _capture(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _full(model):
     from ringseq.plugin.sharded_checkpoint import full_model_state_dict
     return full_model_state_dict(model)  # collective; rank 0 holds it
@@ -325,28 +311,28 @@ def _bf16_step():
 
 def _errors(ckpt_dir):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin as P
-    out = {"tp3": _capture(lambda: P(sp_size=1, tp_size=3)),
-           "sp_x_tp": _capture(lambda: P(sp_size=4, tp_size=2)),
-           "zero1": _capture(lambda: P(sp_size=2, zero_stage=1)),
-           "fp16_sharded": _capture(lambda: P(sp_size=2, zero_stage=3, precision="fp16"))}
+    out = {"tp3": error_text(lambda: P(sp_size=1, tp_size=3)),
+           "sp_x_tp": error_text(lambda: P(sp_size=4, tp_size=2)),
+           "zero1": error_text(lambda: P(sp_size=2, zero_stage=1)),
+           "fp16_sharded": error_text(lambda: P(sp_size=2, zero_stage=3, precision="fp16"))}
     llama = _model("llama")
-    out["heads_tp"] = _capture(lambda: Booster(plugin=P(sp_size=1, tp_size=4)).boost(llama))
+    out["heads_tp"] = error_text(lambda: Booster(plugin=P(sp_size=1, tp_size=4)).boost(llama))
     out["heads_untouched"] = llama.config._attn_implementation != "ringseq"
     plain = _PlainLM()
-    out["no_plan"] = _capture(lambda: Booster(plugin=P(sp_size=2, tp_size=2)).boost(plain))
-    out["bad_plan"] = _capture(lambda: Booster(plugin=P(
+    out["no_plan"] = error_text(lambda: Booster(plugin=P(sp_size=2, tp_size=2)).boost(plain))
+    out["bad_plan"] = error_text(lambda: Booster(plugin=P(
         sp_size=2, tp_size=2, tp_plan={"layers.*.attn.q": "colwise_sideways"})).boost(_PlainLM()))
     stepped = _model("llama")
     opt = _optimizer(stepped)
     stepped(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(
         1, 4, dtype=torch.long)).loss.backward()
     opt.step()
-    out["stepped_optimizer"] = _capture(lambda: Booster(plugin=P(
+    out["stepped_optimizer"] = error_text(lambda: Booster(plugin=P(
         sp_size=2, zero_stage=3)).boost(stepped, opt))
     # 34 tokens: contiguous over sp=2 is fine, but 17 per sp shard cannot split over tp=2
     plugin = P(sp_size=2, tp_size=2, layout="contiguous")
     bad = plugin.prepare_dataloader(_dataset(2, seqlen=34), batch_size=2)
-    out["bad_len"] = _capture(lambda: next(iter(bad)))
+    out["bad_len"] = error_text(lambda: next(iter(bad)))
     return out
 
 

@@ -32,7 +32,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dist_utils import run_ranks  # noqa: E402
-from utils import assert_close_per_design, max_err, scaled_floor  # noqa: E402
+from utils import (assert_close_per_design, error_text, max_err, scaled_floor,  # noqa: E402
+                   token_dataset)
 
 WORLD, SEQLEN, GLOBAL_BATCH, STEPS, VOCAB, LR = 4, 48, 4, 5, 128, 1e-3
 
@@ -50,14 +51,7 @@ def _model(state_dict=None):
 
 
 def _dataset(n=GLOBAL_BATCH * STEPS, seqlen=SEQLEN):
-    g = torch.Generator().manual_seed(3)
-    data = []
-    for i in range(n):
-        ids = torch.randint(0, VOCAB, (seqlen,), generator=g)
-        labels = ids.clone()
-        labels[: (7 * i) % 29] = -100  # 0..28 ignored targets: unequal counts per dp group
-        data.append({"input_ids": ids, "labels": labels})
-    return data
+    return token_dataset(n, seqlen, VOCAB, ignored=(7, 29))
 
 
 def _optimizer(model):
@@ -100,14 +94,6 @@ class _Broken(torch.utils.data.Dataset):
         if i == 1:
             raise OSError("sample 1 is unreadable")
         return self.data[i]
-
-
-def _capture(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _grads_to_report(model, step):
@@ -228,34 +214,34 @@ def _precision_case(precision, state_dict):
 
 def _error_cases(state_dict, ckpt_dir):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
-    out = {"sp3": _capture(lambda: RingSequenceParallelPlugin(sp_size=3)),
-           "precision": _capture(lambda: RingSequenceParallelPlugin(sp_size=2, precision="fp8"))}
+    out = {"sp3": error_text(lambda: RingSequenceParallelPlugin(sp_size=3)),
+           "precision": error_text(lambda: RingSequenceParallelPlugin(sp_size=2, precision="fp8"))}
     booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, layout="zigzag"))
     plain = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
-    out["no_attention"] = _capture(lambda: booster.boost(plain))
-    out["criterion"] = _capture(lambda: booster.boost(_model(state_dict),
+    out["no_attention"] = error_text(lambda: booster.boost(plain))
+    out["criterion"] = error_text(lambda: booster.boost(_model(state_dict),
                                                       criterion=torch.nn.MSELoss()))
-    out["ignore_index"] = _capture(lambda: booster.boost(
+    out["ignore_index"] = error_text(lambda: booster.boost(
         _model(state_dict), criterion=torch.nn.CrossEntropyLoss(ignore_index=-1)))
     out["supported"] = (booster.plugin.supported_devices(),
                         booster.plugin.supported_precisions())
     # 50 tokens cannot be cut into 2 * sp = 4 zigzag chunks: every rank raises
     bad = booster.plugin.prepare_dataloader(_dataset(4, seqlen=50), batch_size=2)
-    out["bad_len_all"] = _capture(lambda: next(iter(bad)))
+    out["bad_len_all"] = error_text(lambda: next(iter(bad)))
     # only dp group 1 gets the bad sample: group 0 must raise too instead of hanging
     mixed = _dataset(1) + _dataset(1, seqlen=50)
     loader = booster.plugin.prepare_dataloader(mixed, batch_size=1)
-    out["bad_len_one_group"] = _capture(lambda: next(iter(loader)))
+    out["bad_len_one_group"] = error_text(lambda: next(iter(loader)))
     # the dataset itself fails on dp group 1 only: group 0 must raise too instead of hanging
     broken = booster.plugin.prepare_dataloader(_Broken(_dataset(2)), batch_size=1)
-    out["load_error_one_group"] = _capture(lambda: next(iter(broken)))
+    out["load_error_one_group"] = error_text(lambda: next(iter(broken)))
     # rank 0 cannot write (the parent directory is a file): every rank raises, none trains on
-    out["save_error"] = _capture(lambda: booster.save_model(
+    out["save_error"] = error_text(lambda: booster.save_model(
         booster.boost(_model(state_dict))[0], os.path.join(ckpt_dir, "a_file", "model.pt")))
     out["dp_rank"] = booster.plugin.dp_rank
     from torch.distributed.device_mesh import init_device_mesh
     wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "seq"))
-    out["mesh_names"] = _capture(lambda: RingSequenceParallelPlugin(sp_size=2, mesh=wrong))
+    out["mesh_names"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=2, mesh=wrong))
     return out
 
 

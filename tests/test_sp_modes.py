@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_ranks
-from utils import assert_close_per_design, max_err, reference_grads, scaled_floor
+from utils import assert_close_per_design, error_text, max_err, reference_grads, scaled_floor
 
 DT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float64: "fp64",
       torch.float16: "fp16"}
@@ -138,12 +138,8 @@ def _cases_worker(cases, with_errors):
     return results
 
 
-def _capture(fn):
-    try:
-        fn()
-    except (ValueError, NotImplementedError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+def _expected_error(fn):
+    return error_text(fn, catch=(ValueError, NotImplementedError))
 
 
 def _errors(sps, pairs):
@@ -156,18 +152,18 @@ def _errors(sps, pairs):
     hybrid = sps[(2, None, True)]
     out = {
         # 5 heads cannot be split over 2 ranks: named numbers and working degrees
-        "heads5": _capture(lambda: ringseq.ulysses_attn_func(x5, x5, x5, group=pairs)),
-        "heads5_usp": _capture(lambda: ringseq.usp_attn_func(x5, x5, x5, sp=hybrid)),
-        "dropout": _capture(lambda: ringseq.ulysses_attn_func(x8, x2, x2, dropout_p=0.1,
+        "heads5": _expected_error(lambda: ringseq.ulysses_attn_func(x5, x5, x5, group=pairs)),
+        "heads5_usp": _expected_error(lambda: ringseq.usp_attn_func(x5, x5, x5, sp=hybrid)),
+        "dropout": _expected_error(lambda: ringseq.ulysses_attn_func(x8, x2, x2, dropout_p=0.1,
                                                               group=pairs)),
         # 6 * 4 = 24 tokens: the hybrid zigzag split needs a multiple of 2 * R * ... = 8
-        "bad_len": _capture(lambda: hybrid.shard(torch.zeros(1, 26, 2, 8), "zigzag")),
-        "bad_inner": _capture(lambda: ringseq.make_sp_groups(1, 3)),
-        "bad_ulysses": _capture(lambda: ringseq.make_sp_groups(3)),
+        "bad_len": _expected_error(lambda: hybrid.shard(torch.zeros(1, 26, 2, 8), "zigzag")),
+        "bad_inner": _expected_error(lambda: ringseq.make_sp_groups(1, 3)),
+        "bad_ulysses": _expected_error(lambda: ringseq.make_sp_groups(3)),
         # one rank passes another local length: every rank raises instead of hanging
-        "mismatch": _capture(lambda: ringseq.ulysses_attn_func(
+        "mismatch": _expected_error(lambda: ringseq.ulysses_attn_func(
             *(torch.randn(1, 8 if rank == 1 else 6, 8, 8),) * 3, group=None)),
-        "mismatch_usp": _capture(lambda: ringseq.usp_attn_func(
+        "mismatch_usp": _expected_error(lambda: ringseq.usp_attn_func(
             *(torch.randn(1, 8 if rank == 3 else 6, 8, 8),) * 3, sp=hybrid, layout="stripe")),
     }
     # still exact after the errors (no stale messages): float64 hybrid zigzag causal

@@ -21,7 +21,7 @@ from dist_utils import run_ranks  # noqa: E402
 from test_plugin import (GLOBAL_BATCH, SEQLEN, STEPS, VOCAB, _dataset,  # noqa: E402
                          _grads_to_report, _model, _optimizer, _sdpa_single, _sdpa_step,
                          _single_process, assert_steps_match_single_process)
-from utils import assert_close_per_design, max_err, scaled_floor  # noqa: E402
+from utils import assert_close_per_design, error_text, max_err, scaled_floor  # noqa: E402
 
 WORLD = 4
 MODES = {
@@ -102,34 +102,26 @@ def _sdpa_case(ids, labels):
     return _sdpa_step(_plugin(MODES["hybrid2x2"]), ids, labels)
 
 
-def _capture(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _errors(state_dict):
     from ringseq import RingAttention
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     P = RingSequenceParallelPlugin
     out = {
-        "mode": _capture(lambda: P(sp_size=4, sp_mode="tree")),
-        "ulysses_size": _capture(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=3)),
-        "inner_ring_size": _capture(lambda: P(sp_size=4, sp_mode="ring", inner_ring_size=3)),
-        "sp_size": _capture(lambda: P(sp_size=3, sp_mode="ulysses")),
+        "mode": error_text(lambda: P(sp_size=4, sp_mode="tree")),
+        "ulysses_size": error_text(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=3)),
+        "inner_ring_size": error_text(lambda: P(sp_size=4, sp_mode="ring", inner_ring_size=3)),
+        "sp_size": error_text(lambda: P(sp_size=3, sp_mode="ulysses")),
     }
     from torch.distributed.device_mesh import init_device_mesh
     wrong = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "seq", "heads"))
-    out["mesh_names"] = _capture(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=2,
+    out["mesh_names"] = error_text(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=2,
                                            mesh=wrong))
     # 4 query heads cannot be split over Ulysses 4 if the model has 2 (and 1 K/V head)
     two_heads = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, vocab_size=VOCAB, attention_dropout=0.0))
     booster = Booster(plugin=P(sp_size=4, sp_mode="ulysses"))
-    out["heads"] = _capture(lambda: booster.boost(two_heads))
+    out["heads"] = error_text(lambda: booster.boost(two_heads))
     out["heads_untouched"] = two_heads.config._attn_implementation != "ringseq"
 
     class WithRingAttention(torch.nn.Module):
@@ -137,7 +129,7 @@ def _errors(state_dict):
             super().__init__()
             self.attn = RingAttention(causal=True)
 
-    out["ring_attention"] = _capture(lambda: booster.boost(WithRingAttention()))
+    out["ring_attention"] = error_text(lambda: booster.boost(WithRingAttention()))
     return out
 
 

@@ -29,7 +29,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dist_utils import run_ranks  # noqa: E402
-from utils import assert_close_per_design, scaled_floor  # noqa: E402
+from utils import assert_close_per_design, error_text, scaled_floor  # noqa: E402
 
 BATCH, SEQLEN = 2, 48  # 48 = 2*W*k for W = 2 and 4 (zigzag), never a power of two
 SEEDS = {"llama": 1, "qwen2": 2}
@@ -114,16 +114,6 @@ def _ring_run(arch, state_dict, layout, group, seed):
     return _ring_result(run)
 
 
-def _capture(fn):
-    try:
-        fn()
-    except ValueError as exc:
-        return f"ValueError: {exc}"
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _error_cases(state_dict):
     import torch.distributed as dist
 
@@ -134,7 +124,7 @@ def _error_cases(state_dict):
     out = {}
     pad = torch.ones_like(ids)
     pad[1, -4:] = 0
-    out["shard_batch_padding"] = _capture(
+    out["shard_batch_padding"] = error_text(
         lambda: ringseq.shard_batch({"input_ids": ids, "attention_mask": pad}))
 
     model = apply(_model("llama", state_dict))
@@ -142,20 +132,20 @@ def _error_cases(state_dict):
     mask = torch.ones_like(batch["input_ids"])
     if dist.get_rank() == 0:
         mask[0, 2] = 0  # padding seen by one rank only: every rank must raise, none hang
-    out["padding_one_rank"] = _capture(
+    out["padding_one_rank"] = error_text(
         lambda: model(**batch, attention_mask=mask, use_cache=False))
-    out["no_position_ids"] = _capture(
+    out["no_position_ids"] = error_text(
         lambda: model(input_ids=batch["input_ids"], use_cache=False))
-    out["output_attentions"] = _capture(
+    out["output_attentions"] = error_text(
         lambda: model(**batch, output_attentions=True, use_cache=False))
-    out["kv_cache"] = _capture(
+    out["kv_cache"] = error_text(
         lambda: model(**batch, **{_cache_kwarg(model): _prefilled_cache(model, batch)},
                       use_cache=True))
 
     dropout_model = apply(_model("llama", attention_dropout=0.1)).train()
-    out["dropout_train"] = _capture(lambda: dropout_model(**batch, use_cache=False))
+    out["dropout_train"] = error_text(lambda: dropout_model(**batch, use_cache=False))
     dropout_model.eval()
-    out["dropout_eval"] = _capture(lambda: dropout_model(**batch, use_cache=False))
+    out["dropout_eval"] = error_text(lambda: dropout_model(**batch, use_cache=False))
     return out
 
 
@@ -321,7 +311,7 @@ def test_sharded_cross_entropy_value_and_grad(w2):
 
 @pytest.mark.parametrize("name,needle", [
     ("shard_batch_padding", "padding"),
-    ("padding_one_rank", None),  # rank 0: "padding"; rank 1: "rank(s) [0]" and its reason
+    ("padding_one_rank", None),  # rank 0: "padding"; rank 1: RingPeerError naming rank 0
     ("no_position_ids", "position_ids"),
     ("output_attentions", "output_attentions"),
     ("kv_cache", "use_cache=False"),
@@ -330,8 +320,10 @@ def test_sharded_cross_entropy_value_and_grad(w2):
 def test_unsupported_inputs_raise_clearly(w2, name, needle):
     for rank, res in enumerate(w2):
         msg = res["errors"][name]
-        assert msg.startswith("ValueError"), f"rank {rank} {name}: {msg}"
-        want = needle or ("padding" if rank == 0 else "rank(s) [0] of the group failed")
+        peer = needle is None and rank == 1  # the rank that only hears of rank 0's refusal
+        kind = "RingPeerError" if peer else "ValueError"
+        assert msg.startswith(kind), f"rank {rank} {name}: {msg}"
+        want = needle or ("rank(s) [0] of the group failed" if peer else "padding")
         assert want in msg, f"rank {rank} {name}: {msg}"
 
 

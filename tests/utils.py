@@ -16,6 +16,16 @@ def capture(fn):
         return (type(exc).__name__, str(exc), time.monotonic() - t0)
 
 
+def error_text(fn, catch=(Exception,)):
+    """``"Type: message"`` of what calling ``fn()`` raised (only the types in ``catch`` are
+    caught), or ``"no error"``: a rank returns it for the test to assert on."""
+    try:
+        fn()
+    except catch as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def _mask(s_q, s_k, device):
     i = torch.arange(s_q, device=device)[:, None]
     j = torch.arange(s_k, device=device)[None, :]
@@ -121,3 +131,18 @@ def scaled_floor(dtype, *references, ulps=4):
             mag = max(mag, float(finite.abs().max()))
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     return default_floor(dtype) + ulps * torch.finfo(acc).eps * mag
+
+
+def token_dataset(n, seqlen, vocab, ignored=(7, 29), seed=3):
+    """``n`` samples ``{"input_ids": (seqlen,), "labels": (seqlen,)}`` of random tokens, labels =
+    ids; sample i ignores (-100) its first ``(a * i) % m`` labels for ``ignored = (a, m)``, so
+    data-parallel groups see unequal target counts."""
+    g = torch.Generator().manual_seed(seed)
+    a, m = ignored
+    data = []
+    for i in range(n):
+        ids = torch.randint(0, vocab, (seqlen,), generator=g)  # (seqlen,)
+        labels = ids.clone()
+        labels[: (a * i) % m] = -100
+        data.append({"input_ids": ids, "labels": labels})
+    return data

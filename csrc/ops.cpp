@@ -280,9 +280,9 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, c
 
 // Fills the forward params and runs the kernel of q's device. accumulate: out/lse hold a
 // running (out, lse) pair in the accumulation dtype that the kernel merges this block into.
-void run_fwd(const AttnShape& shape, const at::Tensor& q, const at::Tensor& k,
-             const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool accumulate,
-             int64_t tile_config, const Spans& spans) {
+// The forward params every call fills alike: shape, dtype, pointers and strides.
+FwdParams fwd_params(const AttnShape& shape, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse) {
   FwdParams p;
   p.shape = shape;
   p.dtype = to_dtype(q.scalar_type());
@@ -296,6 +296,13 @@ void run_fwd(const AttnShape& shape, const at::Tensor& q, const at::Tensor& k,
   p.v_strides = row_strides(v);
   p.out_strides = row_strides(out);
   p.lse_strides = stat_strides(lse);
+  return p;
+}
+
+void run_fwd(const AttnShape& shape, const at::Tensor& q, const at::Tensor& k,
+             const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool accumulate,
+             int64_t tile_config, const Spans& spans) {
+  FwdParams p = fwd_params(shape, q, k, v, out, lse);
   p.accumulate = accumulate;
   p.config = static_cast<int>(tile_config);
   p.spans = spans.list;
@@ -511,19 +518,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   auto lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
                        q.options().dtype(accum_type(q.scalar_type())));  // (b, h, s_q)
   if (out.numel() == 0) return {out, lse};
-  FwdParams p;
-  p.shape = shape;
-  p.dtype = to_dtype(q.scalar_type());
-  p.q = q.data_ptr();
-  p.k = k_cache.data_ptr();
-  p.v = v_cache.data_ptr();
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr();
-  p.q_strides = row_strides(q);
-  p.k_strides = row_strides(k_cache);
-  p.v_strides = row_strides(v_cache);
-  p.out_strides = row_strides(out);
-  p.lse_strides = stat_strides(lse);
+  FwdParams p = fwd_params(shape, q, k_cache, v_cache, out, lse);
   p.kv.seqlens = seqlens;
   p.kv.leftpad = leftpad;
   p.kv.batch_idx = bidx;

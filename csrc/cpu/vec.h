@@ -159,6 +159,22 @@ RS_INLINE vec_t<double> vfma(vec_t<double> a, vec_t<double> b, vec_t<double> c) 
 #endif
 }
 
+// The scalar a * b + c rounded as vfma rounds each lane (fused or not, as the level's vfma).
+RS_INLINE float sfma(float a, float b, float c) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+RS_INLINE double sfma(double a, double b, double c) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return __builtin_fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // max(a, b) with x86 semantics: b where either is NaN (the same as a > b ? a : b).
 RS_INLINE vec_t<float> vmax(vec_t<float> a, vec_t<float> b) {
 #if defined(__AVX512F__)

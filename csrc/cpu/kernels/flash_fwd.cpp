@@ -112,7 +112,7 @@ void fwd_impl(const FwdParams& p) {
       for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
       const bool masked = !km::band_block_full(r0, r0 + rows, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
       if (masked || cap > T(0)) {
-        gemm<T, Epi::kStore>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm);  // Sᵀ
+        gemm<T, Epi::kStore>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, nullptr, kHeadChunk);  // Sᵀ
         for (int64_t j = 0; j < n; ++j) {
           T* row = s + j * bm;
           if (cap > T(0)) softcap_row(row, mpad, cap);  // before the mask: tanh(-inf) is finite
@@ -126,7 +126,7 @@ void fwd_impl(const FwdParams& p) {
           for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vmax(vload(row + i), vload(cmax + i)));
         }
       } else {
-        gemm<T, Epi::kStoreMax>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, cmax);  // Sᵀ and its maxima
+        gemm<T, Epi::kStoreMax>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, cmax, kHeadChunk);  // Sᵀ and its maxima
       }
       for (int64_t i = 0; i < mpad; i += VW) {
         const V mx = vload(cmax + i);

@@ -70,6 +70,7 @@ void bwd_impl(const BwdParams& p) {
   const int64_t part_elems = sh.batch * sh.nheads * s_q * dpad;
   const int64_t chunks = bwd_chunks(nbh, nkt, part_elems * static_cast<int64_t>(sizeof(T)));
   const T scale = static_cast<T>(sh.softmax_scale);
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(in_t));
 
   const in_t* q = static_cast<const in_t*>(p.q);
   const in_t* k = static_cast<const in_t*>(p.k);
@@ -134,7 +135,9 @@ void bwd_impl(const BwdParams& p) {
   };
 
   auto work = [&](State& st, int64_t item) {
-    const int64_t chunk = item / nbh, bh = item % nbh;
+    // Head by head (the forward's order, for the same reason): the chunks of one head run
+    // next to each other and share its Q/dO rows in L2/L3.
+    const int64_t chunk = item % chunks, bh = item / chunks;
     const int64_t b = bh / sh.nheads_kv, hk = bh % sh.nheads_kv;
     T *kt = st.kt.get(), *vt = st.vt.get(), *s = st.s.get(), *dp = st.dp.get();
     T *dk = st.dk.get(), *dv = st.dv.get();
@@ -185,6 +188,12 @@ void bwd_impl(const BwdParams& p) {
             const int64_t je = full ? n : iclamp(r0 + i + sp.band_hi - c0 + 1, jb, n);
             T* prow = s + i * bn_pad;
             T* dsrow = dp + i * bn_pad;
+            if (r0 + bm + i < q_end) {
+              // The next block's Q/dO rows (strided rows the hardware prefetchers miss), one
+              // per row of this one: 1-6 % faster at AVX2 and AVX-512 (Zen 4).
+              prefetch_lines(row_ptr(q, p.q_strides, b, q0 + r0 + bm + i, h), row_bytes);
+              prefetch_lines(row_ptr(dout, p.dout_strides, b, q0 + r0 + bm + i, h), row_bytes);
+            }
             const V lse_i = vsplat(guard_lse(lse_h[q0 + r0 + i]));
             const V d_i = vsplat(delta_h[q0 + r0 + i]);
             const V sc = vsplat(scale);

@@ -68,21 +68,21 @@ constexpr int kNR = 2;
 // AVX2 forward (issue 28): the AVX2 CPUs (Zen 2/3, Intel client cores) have 32 KiB L1D and
 // 256-512 KiB L2, and every query row an item holds saves a pass over its head's K/V rows,
 // which in the (b, s, h, d) layout lie h·d elements apart (one page per row at h·d·4 >= 4 KiB:
-// a TLB walk and a cache miss per row and pass). So 192 query rows per item and 96-key tiles:
-// the item's tiles (Qᵀ, O, Sᵀ, K, V: 4·(2·d·bm + bn·bm + 2·bn·d) bytes) are 221 KiB at d = 64
-// and 369 KiB at d = 128, inside a 512 KiB L2 (Zen 3); past d = 128, 96 rows. Measured on Zen 4
-// forced to AVX2 (Zen 3's L1D; 1 thread, s = 4096): 3-5 % faster than 96/144 rows with
-// 192-key tiles (288 rows measured faster still at d = 128, but its 504 KiB would not fit
-// Zen 3's L2 beside anything else).
+// a TLB walk and a cache miss per row and pass). So more query rows and fewer keys per tile:
+// 240 rows and 72-key tiles (a multiple of kMR and of 8 lanes); the item's tiles (Qᵀ, O, Sᵀ,
+// K, V: 4·(2·d·bm + bn·bm + 2·bn·d) bytes) are 224 KiB at d = 64 and 389 KiB at d = 128,
+// inside a 512 KiB L2 (Zen 3); past d = 128, 96 rows. Measured on Zen 4 forced to AVX2
+// (Zen 3's L1D; 1 thread, s = 4096): 2-5 % faster than 96/144 rows with 192-key tiles (more
+// rows were no faster, and 288 at d = 128 would need 504 KiB).
 template <typename T>
 inline int64_t fwd_block_m(int64_t d) {
   if (kVecBytes == 64) return 128;
-  if (kVecBytes == 32) return d <= 128 ? 192 : 96;
+  if (kVecBytes == 32) return d <= 128 ? 240 : 96;
   return d <= 64 ? 96 : 144;
 }
 template <typename T>
 inline int64_t fwd_block_n(int64_t d) {
-  int64_t bn = kVecBytes == 64 ? 256 : kVecBytes == 32 ? 96 : 192;
+  int64_t bn = kVecBytes == 64 ? 256 : kVecBytes == 32 ? 72 : 192;
   while (bn > 32 && bn * d * static_cast<int64_t>(sizeof(T)) > 65536) bn /= 2;
   return bn;
 }

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (PeakMemory, attention_flops, cpu_isa, cpu_model, environment,  # noqa: E402
-                    format_table, load_average, mib, progress, time_ms, write_json)
+from common import (PeakMemory, attention_flops, cpu_description, cpu_isa, environment,  # noqa: E402
+                    format_table, isa_forced_note, load_average, mib, progress, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq.kernels import available_backends  # noqa: E402
@@ -411,9 +411,10 @@ def main(argv=None):
           f"{'thread CPU time' if args.clock == 'cpu' else 'wall time'}, median of {args.repeats})")
     if device.type == "cpu":
         end = load_average()
-        print(f"# CPU: {cpu_model()}; ringseq CPU kernel ISA "
-              f"{'per row' if split else cpu_isa()}; 1-minute load average "
-              f"{load_start if load_start is None else round(load_start, 2)} before, "
+        isa_note = ("per row: " + "; ".join(isa_forced_note(lv, requested=lv) for lv in levels)
+                    if split else isa_forced_note(cpu_isa()))
+        print(f"# CPU: {cpu_description()}; ringseq CPU kernel ISA {isa_note}; 1-minute load "
+              f"average {load_start if load_start is None else round(load_start, 2)} before, "
               f"{end if end is None else round(end, 2)} after")
     if split:
         print("# x PEER = PEER's time / ringseq's time at the same shape (>1: ringseq faster); "

@@ -297,6 +297,74 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
+def cpu_identity():
+    """{"vendor", "family", "model", "stepping"} of the CPU from /proc/cpuinfo (Linux; empty
+    elsewhere): the numbers that name a microarchitecture where the model name does not (a VM
+    often reports just "AMD EPYC")."""
+    keys = {"vendor_id": "vendor", "cpu family": "family", "model": "model", "stepping": "stepping"}
+    ident = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                if key.strip() in keys:
+                    value = value.strip()
+                    ident[keys[key.strip()]] = int(value) if value.isdigit() else value
+    except OSError:
+        pass
+    return ident
+
+
+def amd_microarchitecture(family, model):
+    """AMD's core generation from cpuid family/model (None when unknown), per AMD's published
+    family/model assignments: family 23 = Zen/Zen+ (models < 0x30) or Zen 2; family 25 =
+    Zen 3 (models 0x00-0x0f, 0x20-0x5f) or Zen 4 (0x10-0x1f, 0x60-0xaf); family 26 = Zen 5."""
+    if family == 23:
+        return "Zen/Zen+" if model < 0x30 else "Zen 2"
+    if family == 25:
+        if model <= 0x0F or 0x20 <= model <= 0x5F:
+            return "Zen 3"
+        if 0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF:
+            return "Zen 4"
+    if family == 26:
+        return "Zen 5"
+    return None
+
+
+def cpu_description():
+    """One line naming the CPU: model name, cpuid family/model/stepping and, for AMD, the
+    core generation they stand for, e.g. "AMD EPYC (AuthenticAMD family 25 model 17
+    stepping 1 = Zen 4)"."""
+    ident = cpu_identity()
+    if "family" not in ident:
+        return cpu_model()
+    text = (f"{ident.get('vendor', '?')} family {ident['family']} model {ident.get('model', '?')} "
+            f"stepping {ident.get('stepping', '?')}")
+    if ident.get("vendor") == "AuthenticAMD" and isinstance(ident.get("model"), int):
+        arch = amd_microarchitecture(ident["family"], ident["model"])
+        text += f" = {arch}" if arch else ""
+    return f"{cpu_model()} ({text})"
+
+
+def isa_forced_note(level, requested=None):
+    """How ringseq's CPU kernel came to run `level`: "forced" when RINGSEQ_CPU_ISA (or
+    `requested`, what a child process was given) asks for a level below this CPU's best, so the
+    numbers stand for a CPU of that level only as far as this CPU's caches and pipes resemble
+    it; else this CPU's own level."""
+    try:
+        from ringseq.kernels.extension import cpu_isa_levels
+        best = (cpu_isa_levels() or [None])[-1]
+    except ImportError:
+        best = None
+    if requested is None:
+        requested = os.environ.get("RINGSEQ_CPU_ISA", "").strip().lower()
+    if requested not in ("", "auto") and best is not None and level != best:
+        return f"{level} forced with RINGSEQ_CPU_ISA={requested} (this CPU runs up to {best})"
+    return f"{level} (this CPU's best level)"
+
+
 def cpu_isa():
     """The ISA level ringseq's CPU kernel runs (None without the extension)."""
     try:
@@ -312,10 +380,13 @@ def environment(device):
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpu_model": cpu_model(),
+        "cpu_id": cpu_identity(),
+        "cpu_description": cpu_description(),
         "cpu_cores": usable_cores(),
         "cpu_logical": logical_cpus(),
         "load_average_1min": load_average(),
         "cpu_isa": cpu_isa(),
+        "cpu_isa_note": isa_forced_note(cpu_isa()) if cpu_isa() else None,
         "cpu_threads": torch.get_num_threads(),
         "device": str(device),
     }

@@ -196,8 +196,8 @@ struct BwdParams {
   const void* v = nullptr;
   const void* out = nullptr;    // may be the global (merged) output of a ring
   const void* lse = nullptr;    // may be the global (merged) lse of a ring
-  // delta = rowsum(dout * out), (b, h, s_q) in the accumulation type. The binding always
-  // supplies it: computed from dout/out when the caller did not pass one.
+  // delta = rowsum(dout * out), (b, h, s_q) in the accumulation type: the caller's, else
+  // computed by the binding (CUDA) or null (CPU: the kernel computes it from dout/out).
   const void* delta = nullptr;
   // Gradients. accumulate == false: element type `dtype`, overwritten.
   // accumulate == true: accumulation type (float32, float64 for kFloat64), added into.

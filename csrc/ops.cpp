@@ -389,8 +389,9 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   if (delta_opt.has_value()) {
     delta = *delta_opt;
     check_stat(delta, "delta", q);
-  } else {
-    // delta = rowsum(dout * out) in the accumulation type, (b, h, s_q)
+  } else if (!q.is_cpu()) {
+    // delta = rowsum(dout * out) in the accumulation type, (b, h, s_q). The CPU kernel computes
+    // its own (in the order of its dP GEMM; csrc/cpu/kernels/flash_bwd.cpp).
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous();
   }
   BwdParams p;
@@ -402,7 +403,7 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   p.v = v.data_ptr();
   p.out = out.data_ptr();
   p.lse = lse.data_ptr();
-  p.delta = delta.data_ptr();
+  p.delta = delta.defined() ? delta.data_ptr() : nullptr;
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
@@ -416,7 +417,7 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   p.dk_strides = row_strides(dk);
   p.dv_strides = row_strides(dv);
   p.lse_strides = stat_strides(lse);
-  p.delta_strides = stat_strides(delta);
+  if (delta.defined()) p.delta_strides = stat_strides(delta);
   p.config = static_cast<int>(tile_config);
   p.spans = spans.list;
   if (q.is_cpu()) {

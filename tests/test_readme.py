@@ -87,6 +87,10 @@ def test_every_python_block_is_found():
         assert bool(b.ranks) == uses_group, (
             f"README.md line {b.line}: a block that creates a process group needs an "
             f"'<!-- example: ranks=N -->' line before it, and only such a block")
+        # torch asks for it: a gloo group left to interpreter finalization can abort the
+        # process after a run that succeeded
+        assert not uses_group or "dist.destroy_process_group()" in b.code, (
+            f"README.md line {b.line}: a block that creates a process group destroys it")
 
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: f"line{b.line}")

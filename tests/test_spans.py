@@ -217,7 +217,7 @@ def test_invisible_tiles_are_skipped():
         be.bwd(torch.ones_like(q), q, k, v, out, lse, 0.3, causal, spans=spans)
         return stat(True)
 
-    s = 2048
+    s = 4096  # long enough that O(s²) / O(s * w) tiles is far above 4 at every level's tile sizes
     q, k, v = qkv(1, s, s, 1, 1, 16)
     full = visited(q, k, v, causal=True)
     win = visited(q, k, v, spans=window_spans(s, s, 64, 0, True))

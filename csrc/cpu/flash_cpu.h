@@ -12,7 +12,8 @@ namespace ringseq {
 // seqlen_k, nheads > 0 (the binding handles empty inputs).
 void flash_fwd_cpu(const FwdParams& params);
 
-// Backward with a caller-provided delta; overwrites or accumulates dq/dk/dv (see BwdParams).
+// Backward with the caller's delta, or (null) one the kernel sums from dout and out;
+// overwrites or accumulates dq/dk/dv (see BwdParams).
 void flash_bwd_cpu(const BwdParams& params);
 
 namespace cpu {

@@ -37,9 +37,18 @@ enum class Epi : int { kStore = 0, kAdd = 1, kScaleAdd = 2, kStoreMax = 3 };
 // partial sums of kChunk terms, so the rounding error grows with kChunk + K / kChunk rather
 // than with K (on torch.rand inputs a 256-term chain left out 2.3x and dq 3.6x the error of
 // plain fp32 attention; with partial sums 1.0x and 1.6x). It costs one load, add and store of
-// C per kChunk FMAs per accumulator, so GEMMs with a short K (S = Q·Kᵀ over the head dim,
-// the backward's per-tile products) do without (chunk = 0: one chain over all of K).
+// C per kChunk FMAs per accumulator. The backward's per-tile products (K = one tile of rows)
+// already add per-tile partials and do without (chunk = 0: one chain over all of K).
 constexpr int64_t kChunk = 32;
+
+// The same for the GEMMs whose K is the head dim (S = Q·Kᵀ and dP = dO·Vᵀ, forward and
+// backward): a d-term chain per score. With one chain, float32 on torch.randn inputs reached
+// 3.4x plain fp32 attention's error on dq at d = 256 and 4.3x at d = 192 (causal, s = 1024),
+// and 3.8x on dk at d = 128 with softcap 30; with partial sums of 64 terms every case of
+// flash-attn's grid (d 64..256, softcap 0 and 30) stays below 2.1x (tests/test_cpu_accuracy.py).
+// d <= 64 is one chunk (unchanged); at d = 128 the cost was within noise (< 1 %), and chunks
+// of 32 cost 1-5 % for no case that needed them.
+constexpr int64_t kHeadChunk = 64;
 
 template <typename T, int MR, int NR, Epi E>
 RS_NOINLINE void micro_kernel(int64_t K, int64_t chunk, const T* __restrict__ A, int64_t sa_m,
@@ -100,6 +109,24 @@ RS_NOINLINE void micro_kernel(int64_t K, int64_t chunk, const T* __restrict__ A,
 #pragma GCC unroll 4
       for (int n = 0; n < NR; ++n) vstore(C + m * ldc + n * VW, acc[m][n]);
   }
+}
+
+// a·b over n terms (converted to T), summed in the order gemm<T, Epi::kStore> sums one element
+// of C with this `chunk`: an FMA chain from zero per chunk, each chunk's chain added to the
+// earlier chunks' total. Bit-identical to that element (FMA where the level's vfma fuses,
+// a multiply and an add where it does not), so a difference of the two is exactly 0 where the
+// operands are equal.
+template <typename T, typename in_t>
+inline T gemm_order_dot(const in_t* a, const in_t* b, int64_t n, int64_t chunk) {
+  const int64_t step = chunk > 0 ? chunk : n;
+  T total = T(0);
+  for (int64_t k0 = 0; k0 < n; k0 += step) {
+    const int64_t k1 = imin(n, k0 + step);
+    T acc = T(0);
+    for (int64_t k = k0; k < k1; ++k) acc = sfma(to_acc<T>(a[k]), to_acc<T>(b[k]), acc);
+    total = k0 > 0 ? acc + total : acc;
+  }
+  return total;
 }
 
 // rows < kMR: the tail of M, with a smaller register block.

@@ -64,14 +64,25 @@ constexpr int kNR = 2;
 // 1 thread (forward rows 96..256, keys 96..256; backward rows 24..128, keys 48..256): all
 // within ~3-4% of each other per level; these are the best of the scan. K/V tiles stay under
 // 64 KiB so that an item's tiles fit in L2.
+//
+// AVX2 forward (issue 28): the AVX2 CPUs (Zen 2/3, Intel client cores) have 32 KiB L1D and
+// 256-512 KiB L2, and every query row an item holds saves a pass over its head's K/V rows,
+// which in the (b, s, h, d) layout lie h·d elements apart (one page per row at h·d·4 >= 4 KiB:
+// a TLB walk and a cache miss per row and pass). So more query rows and fewer keys per tile:
+// 240 rows and 72-key tiles (a multiple of kMR and of 8 lanes); the item's tiles (Qᵀ, O, Sᵀ,
+// K, V: 4·(2·d·bm + bn·bm + 2·bn·d) bytes) are 224 KiB at d = 64 and 389 KiB at d = 128,
+// inside a 512 KiB L2 (Zen 3); past d = 128, 96 rows. Measured on Zen 4 forced to AVX2
+// (Zen 3's L1D; 1 thread, s = 4096): 2-5 % faster than 96/144 rows with 192-key tiles (more
+// rows were no faster, and 288 at d = 128 would need 504 KiB).
 template <typename T>
 inline int64_t fwd_block_m(int64_t d) {
   if (kVecBytes == 64) return 128;
+  if (kVecBytes == 32) return d <= 128 ? 240 : 96;
   return d <= 64 ? 96 : 144;
 }
 template <typename T>
 inline int64_t fwd_block_n(int64_t d) {
-  int64_t bn = kVecBytes == 64 ? 256 : 192;
+  int64_t bn = kVecBytes == 64 ? 256 : kVecBytes == 32 ? 72 : 192;
   while (bn > 32 && bn * d * static_cast<int64_t>(sizeof(T)) > 65536) bn /= 2;
   return bn;
 }
@@ -159,6 +170,22 @@ RS_INLINE vec_t<double> vfma(vec_t<double> a, vec_t<double> b, vec_t<double> c) 
 #endif
 }
 
+// The scalar a * b + c rounded as vfma rounds each lane (fused or not, as the level's vfma).
+RS_INLINE float sfma(float a, float b, float c) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+RS_INLINE double sfma(double a, double b, double c) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return __builtin_fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // max(a, b) with x86 semantics: b where either is NaN (the same as a > b ? a : b).
 RS_INLINE vec_t<float> vmax(vec_t<float> a, vec_t<float> b) {
 #if defined(__AVX512F__)
@@ -183,11 +210,13 @@ RS_INLINE vec_t<double> vmax(vec_t<double> a, vec_t<double> b) {
 #endif
 }
 
-// Software prefetch of the 64-byte lines holding [p, p + bytes) into L1 (read within one kv
-// tile).
+// Software prefetch of the 64-byte lines holding [p, p + bytes) into L2 (prefetcht2), for rows
+// read one tile later. Not into L1: a tile ahead (up to 2 x 64 KiB of K and V) is larger than
+// a 32 KiB L1D and evicted the working tiles the GEMMs were reading; into L2 the forward ran
+// 4-11 % faster on Zen 4 (32 KiB L1D) at AVX2 and AVX-512, d = 64 and 128.
 RS_INLINE void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
 // min(a, b): b where either is NaN.
@@ -200,6 +229,21 @@ RS_INLINE vec_t<float> vmin(vec_t<float> a, vec_t<float> b) {
   return _mm_min_ps(a, b);
 #else
   return a < b ? a : b;
+#endif
+}
+
+// Whether a <= b in any lane (ordered: a NaN lane counts as false).
+RS_INLINE bool vany_le(vec_t<float> a, vec_t<float> b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ) != 0;
+#elif defined(__AVX__)
+  return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_LE_OQ)) != 0;
+#elif defined(__SSE2__)
+  return _mm_movemask_ps(_mm_cmple_ps(a, b)) != 0;
+#else
+  for (int64_t l = 0; l < kVW<float>; ++l)
+    if (a[l] <= b[l]) return true;
+  return false;
 #endif
 }
 

@@ -30,6 +30,7 @@ it (gloo closes a pair that timed out).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import weakref
 from typing import Dict, Optional
@@ -118,6 +119,17 @@ class _Pending:
 
 
 _EPOCHS: Dict[str, int] = {}  # ring channels made so far per process group name (this process)
+_WITH_CHANNELS: "weakref.WeakSet" = weakref.WeakSet()  # RingComms holding gloo groups of ringseq's
+
+
+@atexit.register
+def _close_channels() -> None:
+    """Drops ringseq's own gloo groups while the interpreter is still whole. torch's
+    destroy_process_group does not know them, and a gloo group left to interpreter
+    finalization can abort the process on its way out ("terminate called without an active
+    exception") after a run that succeeded."""
+    for comm in list(_WITH_CHANNELS):
+        comm._control_pg = comm._data_pg = None
 
 
 class RingComm(Transport):
@@ -172,6 +184,7 @@ class RingComm(Transport):
         collide with other groups over the same ranks."""
         store = dist.PrefixStore(f"ringseq/{purpose}/{self.name}/{self._epoch}",
                                  dist.distributed_c10d._get_default_store())
+        _WITH_CHANNELS.add(self)
         return dist.ProcessGroupGloo(store, self.rank, self.world_size,
                                      datetime.timedelta(seconds=ring_timeout()))
 

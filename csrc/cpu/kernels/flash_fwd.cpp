@@ -100,13 +100,16 @@ void fwd_impl(const FwdParams& p) {
   };
 
   auto work = [&](State& st, int64_t item) {
-    // Tiles come heaviest first (span_tiles), each with its splits next to each other. Rows
-    // r0.. and keys c0.. are span-local; the span's first q and kv rows are added where the
-    // tensors are indexed.
+    // Items run head by head, each head's tiles heaviest first (span_tiles), a tile's splits
+    // next to each other: a thread's next item reads the same K/V rows, still in L2/L3, where
+    // tile by tile over all heads swept every head's K/V between two reads (at s = 4096,
+    // d = 128: 32 MiB, more than the L3 of a CCX), measured 5 % slower. Rows r0.. and keys
+    // c0.. are span-local; the span's first q and kv rows are added where the tensors are
+    // indexed.
     const int64_t split = item % n_splits, base = item / n_splits;
-    const SpanTile& tile = tile_list.get()[base / nbh];
+    const SpanTile& tile = tile_list.get()[base % ntiles];
     const AttnSpan& sp = spans[tile.span];
-    const int64_t bh = base % nbh;
+    const int64_t bh = base / ntiles;
     const int64_t b = per_batch ? tile.span : bh / sh.nheads, h = bh % sh.nheads, hk = h / group;
     const int64_t b_kv = p.kv.batch_idx != nullptr ? p.kv.batch_idx[b] : b;  // the cache row
     const int64_t r0 = tile.r0, rows = tile.rows, qr0 = sp.q_start + r0, k0 = sp.k_start;
@@ -167,7 +170,7 @@ void fwd_impl(const FwdParams& p) {
       for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
       const bool masked = !km::band_block_full(r0, r0 + rows, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
       if (masked || cap > T(0)) {
-        gemm<T, Epi::kStore>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm);  // Sᵀ
+        gemm<T, Epi::kStore>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, nullptr, kHeadChunk);  // Sᵀ
         for (int64_t j = 0; j < n; ++j) {
           T* row = s + j * bm;
           if (cap > T(0)) softcap_row(row, mpad, cap);  // before the mask: tanh(-inf) is finite
@@ -181,7 +184,7 @@ void fwd_impl(const FwdParams& p) {
           for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vmax(vload(row + i), vload(cmax + i)));
         }
       } else {
-        gemm<T, Epi::kStoreMax>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, cmax);  // Sᵀ and its maxima
+        gemm<T, Epi::kStoreMax>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, cmax, kHeadChunk);  // Sᵀ and its maxima
       }
       for (int64_t i = 0; i < mpad; i += VW) {
         const V mx = vload(cmax + i);
@@ -268,9 +271,9 @@ void fwd_impl(const FwdParams& p) {
   // w_s = exp(lse_s - m), out = sum_s w_s out_s / sum_s w_s and lse = m + log sum_s w_s. A row
   // no split saw a key for keeps out = 0, lse = -inf; a NaN anywhere stays NaN.
   auto merge_item = [&](Scratch<T>& acc, int64_t base) {
-    const SpanTile& tile = tile_list.get()[base / nbh];
+    const SpanTile& tile = tile_list.get()[base % ntiles];
     const AttnSpan& sp = spans[tile.span];
-    const int64_t bh = base % nbh;
+    const int64_t bh = base / ntiles;
     const int64_t b = per_batch ? tile.span : bh / sh.nheads, h = bh % sh.nheads;
     const int64_t qr0 = sp.q_start + tile.r0;
     const int64_t split_stride = part_rows;

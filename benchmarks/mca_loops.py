@@ -1,0 +1,157 @@
+"""Static throughput model of the CPU kernel's hot loops (llvm-mca), for CPUs you cannot run.
+
+Disassembles the built extension (objdump), cuts out the innermost loops that dominate the CPU
+kernel's time at one ISA level and feeds each to ``llvm-mca -mcpu=<cpu>``, which simulates the
+loop on that CPU's scheduling model (ports, latencies, queue sizes; not caches or TLBs):
+
+    python benchmarks/mca_loops.py --level avx2 --mcpu znver3,znver4
+    python benchmarks/mca_loops.py --level avx512 --mcpu znver4 --so path/to/_C.so --json out.json
+
+Loops (float32):
+  micro-kernel   gemm.h's register block (kMR x kNR vectors, kStore), one K step
+  fwd softmax    flash_fwd.cpp's P = exp(S - m) with row sums, two vectors per iteration
+  bwd softmax    flash_bwd.cpp's P = exp(S - lse), dS = P (dP - D) scale, one vector
+  ... softcap    the same loops with the soft-cap's tanh (masks.h), one vector
+
+Per loop: instructions, cycles per iteration (simulated), IPC, llvm-mca's block reciprocal
+throughput (the port-bound cycles per iteration: below the simulated cycles means the loop is
+latency- or queue-bound), and for the micro-kernel FMAs per cycle (2 is the peak of two FMA
+pipes). Needs objdump and llvm-mca (LLVM >= 16 knows znver4; e.g. ``apt-get install llvm-19``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+
+HEADER = re.compile(r"^([0-9a-f]+) <(.+)>:$")
+INSN = re.compile(r"^\s*([0-9a-f]+):\s+([a-z0-9.]+)\s*(.*?)\s*$")
+BLOCK = {"baseline": 6, "avx2": 6, "avx512": 8}  # vec.h kMR (kNR = 2)
+
+
+def disassemble(path):
+    """{function: [(address, mnemonic, operands)]} of a shared object."""
+    out = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", "-w", path],
+                         capture_output=True, text=True, check=True).stdout
+    funcs, name = defaultdict(list), None
+    for line in out.splitlines():
+        m = HEADER.match(line)
+        if m:
+            name = m.group(2)
+            continue
+        m = INSN.match(line)
+        if m and name is not None:
+            funcs[name].append((int(m.group(1), 16), m.group(2), m.group(3)))
+    return funcs
+
+
+def innermost_loops(insns):
+    """Bodies of the loops (a backward jump's target up to the jump) with no loop inside."""
+    spans = []
+    for i, (addr, op, args) in enumerate(insns):
+        m = re.match(r"([0-9a-f]+) <", args) if op.startswith("j") else None
+        if m and int(m.group(1), 16) < addr:
+            spans.append((int(m.group(1), 16), addr, i))
+    loops = []
+    for start, end, i in spans:
+        if any(start <= s and e < end for s, e, _ in spans if (s, e) != (start, end)):
+            continue
+        body = [x for x in insns[: i + 1] if x[0] >= start]
+        if not any(op.startswith("call") for _, op, _ in body):
+            loops.append(body)
+    return loops
+
+
+def count(body, pattern):
+    return sum(1 for _, op, _ in body if re.search(pattern, op))
+
+
+def find_loops(funcs, level):
+    """{loop name: body} of the float32 hot loops of `level`."""
+    ns = f"ringseq::cpu::{level}::"
+    found = {}
+    mk = [n for n in funcs if n.startswith(f"void {ns}micro_kernel<float, {BLOCK[level]}, 2, ({ns}Epi)0>")]
+    if mk:
+        found["micro-kernel"] = max(innermost_loops(funcs[mk[0]]), key=lambda b: count(b, "fmadd|mulps"))
+    for key, name in (("fwd_impl<float>", "fwd softmax"), ("bwd_impl<float>", "bwd softmax")):
+        lam = [n for n in funcs if n.startswith(f"{ns}(anonymous namespace)::{key}") and "operator()" in n]
+        if not lam:
+            continue
+        # exp's 2^n is an integer shift; the soft-capped variants also divide (tanh)
+        loops = [b for b in innermost_loops(funcs[lam[0]]) if count(b, "pslld")]
+        for suffix, cands in (("", [b for b in loops if not count(b, "div")]),
+                              (" softcap", [b for b in loops if count(b, "div")])):
+            if cands:
+                found[name + suffix] = max(cands, key=lambda b: count(b, "fmadd|mulps|addps"))
+    return found
+
+
+def as_asm(body):
+    lines = [".Lloop:"]
+    for _, op, args in body:
+        args = re.sub(r"#.*", "", args).strip()
+        if op.startswith("j"):
+            args = ".Lloop"
+        lines.append(f"  {op} {args}")
+    return "\n".join(lines) + "\n"
+
+
+def mca(mca_bin, body, cpu, iterations):
+    """llvm-mca's summary of `body` on `cpu`."""
+    proc = subprocess.run([mca_bin, f"-mcpu={cpu}", "-mtriple=x86_64-unknown-linux-gnu",
+                           f"-iterations={iterations}"], input=as_asm(body), capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"llvm-mca -mcpu={cpu}: {proc.stderr.strip().splitlines()[0]}")
+    get = lambda key: float(re.search(rf"{key}:\s+([0-9.]+)", proc.stdout).group(1))  # noqa: E731
+    return {"cycles_per_iter": get("Total Cycles") / iterations, "ipc": get("IPC"),
+            "block_rthroughput": get("Block RThroughput")}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--level", default="avx2", choices=sorted(BLOCK))
+    p.add_argument("--mcpu", default="znver3", help="comma list of llvm-mca CPU names")
+    p.add_argument("--so", default=None, help="the extension to read (default: ringseq._C)")
+    p.add_argument("--mca", default=None, help="llvm-mca binary (default: llvm-mca-19, llvm-mca)")
+    p.add_argument("--iterations", type=int, default=300)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    mca_bin = args.mca or shutil.which("llvm-mca-19") or shutil.which("llvm-mca")
+    if not mca_bin or not shutil.which("objdump"):
+        p.error("needs objdump and llvm-mca on PATH (e.g. apt-get install binutils llvm-19)")
+    so = args.so
+    if so is None:
+        from ringseq.kernels.extension import _C
+        if _C is None:
+            p.error("ringseq._C is not built; pass --so")
+        so = _C.__file__
+    loops = find_loops(disassemble(so), args.level)
+    if not loops:
+        p.error(f"no {args.level} loops found in {so} (level not built?)")
+    rows = []
+    print(f"# llvm-mca ({mca_bin}) on the {args.level} loops of {so}, {args.iterations} iterations")
+    print(f"{'loop':<19} {'cpu':<8} {'insns':>5} {'cycles/iter':>11} {'IPC':>5} {'RThroughput':>11} {'FMA/cycle':>9}")
+    for name, body in loops.items():
+        for cpu in args.mcpu.split(","):
+            try:
+                r = mca(mca_bin, body, cpu, args.iterations)
+            except RuntimeError as exc:  # e.g. AVX-512 on a CPU model without it
+                print(f"{name:<19} {cpu:<8} skipped: {exc}")
+                continue
+            fmas = count(body, "fmadd") / r["cycles_per_iter"] if name == "micro-kernel" else None
+            rows.append(dict(r, loop=name, cpu=cpu, level=args.level, instructions=len(body),
+                             fma_per_cycle=fmas))
+            print(f"{name:<19} {cpu:<8} {len(body):>5} {r['cycles_per_iter']:>11.2f} {r['ipc']:>5.2f} "
+                  f"{r['block_rthroughput']:>11.2f} {'-' if fmas is None else f'{fmas:.2f}':>9}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"so": so, "mca": mca_bin, "rows": rows}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)

@@ -29,7 +29,7 @@ import sys
 from collections import defaultdict
 
 HEADER = re.compile(r"^([0-9a-f]+) <(.+)>:$")
-INSN = re.compile(r"^\s*([0-9a-f]+):\s+([a-z0-9.]+)\s*(.*?)\s*$")
+INSN = re.compile(r"^\s*([0-9a-f]+):\s+([a-z0-9._]+)\s*(.*?)\s*$")
 BLOCK = {"baseline": 6, "avx2": 6, "avx512": 8}  # vec.h kMR (kNR = 2)
 
 

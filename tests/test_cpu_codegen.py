@@ -12,13 +12,16 @@ import os
 import platform
 import re
 import shutil
-import subprocess
-from collections import defaultdict
+import sys
 
 import pytest
 
 import ringseq
 from ringseq.kernels.extension import _C
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+from mca_loops import count, disassemble, innermost_loops  # noqa: E402  (one objdump parser)
 
 OBJDUMP = shutil.which("objdump")
 pytestmark = [
@@ -27,8 +30,6 @@ pytestmark = [
     pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 code checks"),
 ]
 
-HEADER = re.compile(r"^([0-9a-f]+) <(.+)>:$")
-INSN = re.compile(r"^\s*([0-9a-f]+):\s+([a-z0-9.]+)\s*(.*?)\s*$")
 LEVEL_NS = {"avx2": "ringseq::cpu::avx2::", "avx512": "ringseq::cpu::avx512::"}
 # micro-kernel rows x vectors per level for float (csrc/cpu/vec.h: kMR x kNR)
 FLOAT_BLOCK = {"baseline": (6, 2), "avx2": (6, 2), "avx512": (8, 2)}
@@ -43,38 +44,14 @@ NON_BASELINE = {"andn", "bextr", "blsi", "blsmsk", "blsr", "bzhi", "mulx", "pdep
 @pytest.fixture(scope="module")
 def code():
     """{function name: [(address, mnemonic, operands)]} of the extension."""
-    out = subprocess.run([OBJDUMP, "-d", "-C", "--no-show-raw-insn", "-w", _C.__file__],
-                         capture_output=True, text=True, check=True).stdout
-    funcs = defaultdict(list)
-    name = None
-    for line in out.splitlines():
-        m = HEADER.match(line)
-        if m:
-            name = m.group(2)
-            continue
-        m = INSN.match(line)
-        if m and name is not None:
-            funcs[name].append((int(m.group(1), 16), m.group(2), m.group(3)))
-    return funcs
+    return disassemble(_C.__file__)
 
 
 def inner_loop(insns):
     """Instructions of the innermost loop (a backward jump's target up to the jump, with no
-    other loop inside) that holds the most FMAs/multiplies."""
-    loops = []
-    for i, (addr, op, args) in enumerate(insns):
-        m = re.match(r"([0-9a-f]+) <", args) if op.startswith("j") else None
-        if m and int(m.group(1), 16) < addr:
-            loops.append((int(m.group(1), 16), addr, i))
-    best = None
-    for start, end, i in loops:
-        if any(start <= s2 and e2 < end for s2, e2, _ in loops if (s2, e2) != (start, end)):
-            continue  # another loop inside: not innermost
-        body = [x for x in insns[: i + 1] if x[0] >= start]
-        arith = sum(1 for _, o, _ in body if "fmadd" in o or o in ("mulps", "vmulps"))
-        if arith and (best is None or arith > best[0]):
-            best = (arith, body)
-    return best[1] if best else None
+    other loop inside) that holds the most FMAs/multiplies, or None."""
+    body = max(innermost_loops(insns), key=lambda b: count(b, r"fmadd|^v?mulps$"), default=None)
+    return body if body is not None and count(body, r"fmadd|^v?mulps$") else None
 
 
 def built_levels():

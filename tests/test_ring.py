@@ -427,6 +427,15 @@ def _errors_worker():
         out["shard_error"] = "no error"
     except ValueError as exc:
         out["shard_error"] = str(exc)
+    # Last (it ends the ring for this process): ringseq's exit hook drops its gloo groups, and a
+    # ring call after it (a later atexit handler) raises instead of meeting the old groups' keys.
+    from ringseq.engine import transport
+    transport._close_channels()
+    try:
+        ringseq.ring_flash_attn_func(*qkv(10), causal=True)
+        out["after_exit_hook"] = "no error"
+    except ringseq.RingTimeoutError as exc:
+        out["after_exit_hook"] = str(exc)
     return out
 
 
@@ -450,6 +459,7 @@ def test_errors_reach_every_rank_and_the_ring_survives():
         for lay in LAYOUTS:
             assert o[f"unshard_{lay}"] and o[f"positions_{lay}"] and o[f"unshard_grad_{lay}"], lay
         assert "multiple of 3" in o["shard_error"]
+        assert "channels were closed at interpreter exit" in o["after_exit_hook"], o["after_exit_hook"]
 
 
 # ---------------------------------------------------------------- in-process (no spawn)

@@ -171,16 +171,10 @@ RS_INLINE vec_t<double> vfma(vec_t<double> a, vec_t<double> b, vec_t<double> c) 
 }
 
 // The scalar a * b + c rounded as vfma rounds each lane (fused or not, as the level's vfma).
-RS_INLINE float sfma(float a, float b, float c) {
+template <typename T>
+RS_INLINE T sfma(T a, T b, T c) {
 #if defined(__AVX2__) && defined(__FMA__)
-  return __builtin_fmaf(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-RS_INLINE double sfma(double a, double b, double c) {
-#if defined(__AVX2__) && defined(__FMA__)
-  return __builtin_fma(a, b, c);
+  return std::fma(a, b, c);  // one vfmadd with -mfma
 #else
   return a * b + c;
 #endif

@@ -120,6 +120,7 @@ class _Pending:
 
 _EPOCHS: Dict[str, int] = {}  # ring channels made so far per process group name (this process)
 _WITH_CHANNELS: "weakref.WeakSet" = weakref.WeakSet()  # RingComms holding gloo groups of ringseq's
+_CHANNELS_CLOSED = False
 
 
 @atexit.register
@@ -128,6 +129,8 @@ def _close_channels() -> None:
     destroy_process_group does not know them, and a gloo group left to interpreter
     finalization can abort the process on its way out ("terminate called without an active
     exception") after a run that succeeded."""
+    global _CHANNELS_CLOSED
+    _CHANNELS_CLOSED = True  # a ring call after this (a later atexit handler) raises, not hangs
     for comm in list(_WITH_CHANNELS):
         comm._control_pg = comm._data_pg = None
 
@@ -182,6 +185,11 @@ class RingComm(Transport):
         """A gloo group of the ring's members made from the default store under a name of
         ringseq's own: only the members take part (at their first use), and the name cannot
         collide with other groups over the same ranks."""
+        if _CHANNELS_CLOSED:
+            # a new group under the old name would meet the closed one's keys in the store
+            raise RingTimeoutError(
+                f"ringseq: rank {self.rank} called the ring after its channels were closed at "
+                f"interpreter exit (an atexit handler or thread that outlived ringseq's)")
         store = dist.PrefixStore(f"ringseq/{purpose}/{self.name}/{self._epoch}",
                                  dist.distributed_c10d._get_default_store())
         _WITH_CHANNELS.add(self)

@@ -548,6 +548,33 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   return {out, lse};
 }
 
+// delta = rowsum(dout * out), (b, h, s_q) contiguous in the accumulation dtype: what bwd takes
+// as `delta`. On CPU summed by the kernel in its dP GEMM's order (so dP - delta is exactly 0
+// where out is a single value row, as in plain attention); elsewhere by torch.
+at::Tensor delta(const at::Tensor& dout, const at::Tensor& out) {
+  check_4d(out, "out", "(batch, seqlen_q, nheads, headdim)");
+  const auto st = out.scalar_type();
+  const DType dtype = to_dtype(st);
+  check_like(dout, "dout", out, "out", st);
+  check_last_dim_contiguous(out, "out");
+  if (!out.is_cpu() || out.numel() == 0)
+    return (dout.to(accum_type(st)) * out.to(accum_type(st))).sum(-1).transpose(1, 2).contiguous();
+  at::Tensor result = at::empty({out.size(0), out.size(2), out.size(1)},
+                                out.options().dtype(accum_type(st)));  // (b, h, s_q)
+  BwdParams p;
+  p.shape.batch = out.size(0);
+  p.shape.seqlen_q = out.size(1);
+  p.shape.nheads = out.size(2);
+  p.shape.headdim = out.size(3);
+  p.dtype = dtype;
+  p.dout = dout.data_ptr();
+  p.out = out.data_ptr();
+  p.dout_strides = row_strides(dout);
+  p.out_strides = row_strides(out);
+  flash_delta_cpu(p, result.data_ptr());
+  return result;
+}
+
 }  // namespace
 
 // spans / softcap trail every schema so that existing positional calls keep working;
@@ -575,6 +602,8 @@ TORCH_LIBRARY(ringseq, m) {
   // Test statistic of the CPU kernels: (q tile, kv tile) pairs computed so far by [fwd, bwd],
   // summed over batch and heads; reset=True returns and zeroes them.
   m.def("_tiles_visited(bool reset=False) -> int[]", &tiles_visited);
+  // delta = rowsum(dout * out), (b, h, s_q) in the accumulation dtype, summed as bwd sums dP.
+  m.def("delta(Tensor dout, Tensor out) -> Tensor");
   // KV-cache decoding: q (b, s_q, h, d) against the valid keys [cache_leftpad[b],
   // cache_seqlens[b]) of cache row cache_batch_idx[b] of k_cache / v_cache (batch_cache,
   // seqlen_cache, h_kv, d); causal and the window (-1: unbounded) bottom-right aligned to
@@ -591,6 +620,7 @@ TORCH_LIBRARY_IMPL(ringseq, CPU, m) {
   m.impl("fwd_accum", &fwd_accum);
   m.impl("bwd", &bwd);
   m.impl("bwd_accum", &bwd_accum);
+  m.impl("delta", &delta);
   m.impl("fwd_kvcache", &fwd_kvcache);
 }
 
@@ -600,6 +630,7 @@ TORCH_LIBRARY_IMPL(ringseq, CUDA, m) {
   m.impl("fwd_accum", &fwd_accum);
   m.impl("bwd", &bwd);
   m.impl("bwd_accum", &bwd_accum);
+  m.impl("delta", &delta);
   m.impl("fwd_kvcache", &fwd_kvcache);
 }
 #endif

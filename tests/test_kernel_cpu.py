@@ -176,6 +176,16 @@ def test_explicit_delta_matches_computed(dtype):
     # same up to rounding.
     for a, e in zip(ops.bwd(dout, q, k, v, out, lse, 0.125, True), explicit):
         torch.testing.assert_close(a, e)
+    # ops.delta is that sum (what the ring passes for all its steps): the same bits as the
+    # kernel's own, (b, h, s_q) in the accumulation dtype; torch's sum up to rounding.
+    own = ops.delta(dout, out)
+    assert own.shape == (2, 4, 70) and own.dtype == acc and own.is_contiguous()
+    torch.testing.assert_close(own, delta)
+    for a, e in zip(ops.bwd(dout, q, k, v, out, lse, 0.125, True, own),
+                    ops.bwd(dout, q, k, v, out, lse, 0.125, True)):
+        assert torch.equal(a, e)
+    with pytest.raises(ValueError, match="dout must have the shape of out"):
+        ops.delta(dout[:, :-1], out)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -189,6 +189,7 @@ def test_opcheck(causal, dtype):
     torch.library.opcheck(torch.ops.ringseq.bwd.default, (*plain, 0.3, causal))
     acc = [torch.randn(t.shape, dtype=lse.dtype) for t in (q, k, v)]
     torch.library.opcheck(torch.ops.ringseq.bwd_accum.default, (*plain, 0.3, causal, None, *acc))
+    torch.library.opcheck(torch.ops.ringseq.delta.default, (plain[0], plain[4]))
 
 
 @needs_ext

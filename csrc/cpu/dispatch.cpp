@@ -233,4 +233,6 @@ void flash_fwd_cpu(const FwdParams& params) {
 
 void flash_bwd_cpu(const BwdParams& params) { cpu::active().bwd(params); }
 
+void flash_delta_cpu(const BwdParams& params, void* delta) { cpu::active().delta(params, delta); }
+
 }  // namespace ringseq

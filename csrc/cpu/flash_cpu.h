@@ -16,6 +16,10 @@ void flash_fwd_cpu(const FwdParams& params);
 // overwrites or accumulates dq/dk/dv (see BwdParams).
 void flash_bwd_cpu(const BwdParams& params);
 
+// delta = rowsum(dout * out), (b, h, s_q) contiguous in the accumulation type, summed in the
+// order flash_bwd_cpu's dP sums (so dP - delta is exactly 0 where out is one value row).
+void flash_delta_cpu(const BwdParams& params, void* delta);
+
 namespace cpu {
 
 // The ISA level the CPU kernel uses ("baseline", "avx2", "avx512"), resolved at first use from

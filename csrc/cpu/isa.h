@@ -19,6 +19,9 @@ struct KernelTable {
   const char* name;  // "baseline", "avx2", "avx512"
   void (*fwd)(const FwdParams&);
   void (*bwd)(const BwdParams&);
+  // delta = rowsum(dout * out) into a contiguous (b, h, s_q) buffer of the accumulation type,
+  // in the order bwd's dP sums (reads shape, dtype, dout/out and their strides only).
+  void (*delta)(const BwdParams&, void* delta);
 };
 
 // Hooks into torch (dispatch.cpp).

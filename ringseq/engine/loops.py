@@ -40,7 +40,6 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from ..kernels import compute_delta
 from .counting import record
 from .integrity import BWD, FWD, HEADER_WORDS, RingCall
 from .plan import RingPlan
@@ -210,7 +209,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
         with call.guard():
             if grad_lse is not None:
                 be.require_lse_grad()
-            delta = compute_delta(dout, out, grad_lse)  # (b, h, s), once for every block
+            delta = be.delta(dout, out, grad_lse)  # (b, h, s), once for every block
             dq = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
             # [dK/dV accumulator | header | K/V]: any payload plus the header is one range.
             bufs = PackedBuffers(ring, "bwd", q.device,

@@ -62,6 +62,13 @@ class AttentionBackend:
         """Why this backend cannot run such inputs, or None when it can."""
         return None
 
+    def delta(self, dout: torch.Tensor, out: torch.Tensor, grad_lse=None) -> torch.Tensor:
+        """The ``delta`` this backend's backward takes: rowsum(dout * out) - grad_lse, (b, h,
+        s_q) contiguous in the accumulation dtype (dout, out: (b, s_q, h, d)). This default is
+        :func:`compute_delta`; a kernel whose dP sums in an order of its own returns the sum in
+        that order, so that dP - delta cancels exactly where plain attention's does."""
+        return compute_delta(dout, out, grad_lse)
+
     def require_lse_grad(self) -> None:
         """Raises RuntimeError when this backend cannot take a caller's ``delta``, i.e.
         cannot backpropagate a gradient that flows into ``lse``."""

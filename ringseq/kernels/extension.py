@@ -102,6 +102,14 @@ if _C is not None:
                      lambda: "dq/dk/dv accumulators must have the shapes of q/k/v")
         return None
 
+    @torch.library.register_fake("ringseq::delta")
+    def _delta_fake(dout, out):
+        torch._check(out.dim() == 4 and dout.shape == out.shape,
+                     lambda: "dout must have the shape of out, (b, s_q, h, d)")
+        b, s_q, h, _ = out.shape
+        acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+        return out.new_empty((b, h, s_q), dtype=acc)
+
     def _fwd_setup_context(ctx, inputs, output):
         q, k, v, softmax_scale, causal, *rest = inputs
         tile_config = rest[0] if len(rest) > 0 else 0
@@ -175,6 +183,13 @@ class ExtensionBackend(AttentionBackend):
                                       **self._extra(spans, softcap))
         torch.ops.ringseq.fwd_accum(q, k, v, scale, causal, out_acc, lse_acc, self.tile_config,
                                     *self._span_args(spans, softcap))
+
+    def delta(self, dout, out, grad_lse=None):
+        # On CPU summed by the kernel in its dP GEMM's order (a row that sees one key then gets
+        # dS = 0 exactly, as in plain attention; torch's order left up to 5x plain fp32's dq
+        # error there); on CUDA torch's sum, as the binding computes it.
+        d = torch.ops.ringseq.delta(dout, out)
+        return d if grad_lse is None else (d - grad_lse.to(d.dtype)).contiguous()
 
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta, spans=None, softcap=0.0):
         return torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, delta,

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .base import AttentionBackend, compute_delta
+from .base import AttentionBackend
 from .checks import accum_dtype
 
 __all__ = ["attention_backward", "fake_attention_outputs", "fake_checks"]
@@ -55,7 +55,7 @@ def attention_backward(be: AttentionBackend, q, k, v, out, lse, softmax_scale: f
     delta = None
     if grad_lse is not None:
         be.require_lse_grad()
-        delta = compute_delta(grad_out, out, grad_lse)
+        delta = be.delta(grad_out, out, grad_lse)
     grads = be.run_bwd(grad_out, q, k, v, out, lse, softmax_scale, causal, delta, spans=spans,
                        softcap=softcap)
     return tuple(g if need else None for g, need in zip(grads, needs))

@@ -50,6 +50,27 @@ RS_INLINE T guard_lse(T x) {
   return x == kNegInf<T> ? kPosInf<T> : x;
 }
 
+// delta = rowsum(dO∘O) of every query row, (b, h, s_q) contiguous in the accumulation type,
+// summed in the order the dP GEMM sums dO_i·v_j (gemm_order_dot). A row that sees a single key
+// has O_i = v_j exactly, and then dP_ij - delta_i is exactly 0, as in plain attention (whose
+// softmax backward cancels exactly there); a delta summed in another order (torch's) left dS a
+// few ulps of dP instead: up to 5x plain fp32 attention's dq error on that row (d = 64,
+// causal), alone and in a ring (which computes delta once, through this, for all its steps).
+template <typename in_t>
+void delta_rows(const BwdParams& p, typename AccType<in_t>::type* dst) {
+  using T = typename AccType<in_t>::type;
+  const AttnShape& sh = p.shape;
+  const in_t* dout = static_cast<const in_t*>(p.dout);
+  const in_t* out = static_cast<const in_t*>(p.out);
+  run_items(sh.batch * sh.nheads, [] { return 0; }, [&](int&, int64_t bh) {
+    const int64_t b = bh / sh.nheads, h = bh % sh.nheads;
+    for (int64_t r = 0; r < sh.seqlen_q; ++r)
+      dst[bh * sh.seqlen_q + r] = gemm_order_dot<T>(row_ptr(dout, p.dout_strides, b, r, h),
+                                                    row_ptr(out, p.out_strides, b, r, h),
+                                                    sh.headdim, kHeadChunk);
+  });
+}
+
 template <typename in_t>
 void bwd_impl(const BwdParams& p) {
   using T = typename AccType<in_t>::type;
@@ -77,27 +98,15 @@ void bwd_impl(const BwdParams& p) {
   const in_t* v = static_cast<const in_t*>(p.v);
   const in_t* dout = static_cast<const in_t*>(p.dout);
   const T* lse = static_cast<const T*>(p.lse);
-  // delta = rowsum(dO∘O): the caller's, or computed here for the span rows (b, h, s_q) in the
-  // order the dP GEMM sums dO_i·v_j (gemm_order_dot). A row that sees a single key has
-  // O_i = v_j exactly, and then dP_ij - delta_i is exactly 0, as in plain attention (whose
-  // softmax backward cancels exactly there); a delta summed in another order left dS a few
-  // ulps of dP instead, up to 5x plain fp32 attention's dq error on that row (d = 64, causal).
+  // delta = rowsum(dO∘O): the caller's, or summed here (delta_rows).
   Scratch<T> own_delta(p.delta ? 0 : sh.batch * sh.nheads * s_q);
   StatStrides delta_strides = p.delta_strides;
   const T* delta = static_cast<const T*>(p.delta);
   if (delta == nullptr) {
-    T* dst = own_delta.get();
+    delta_rows<in_t>(p, own_delta.get());
     delta_strides.batch = sh.nheads * s_q;
     delta_strides.head = s_q;
-    run_items(sh.batch * sh.nheads, [] { return 0; }, [&](int&, int64_t bh) {
-      const int64_t b = bh / sh.nheads, h = bh % sh.nheads;
-      const in_t* o = static_cast<const in_t*>(p.out);
-      for (int64_t t = 0; t < spans.count; ++t)
-        for (int64_t r = spans[t].q_start; r < spans[t].q_start + spans[t].q_len; ++r)
-          dst[bh * s_q + r] = gemm_order_dot<T>(row_ptr(dout, p.dout_strides, b, r, h),
-                                                row_ptr(o, p.out_strides, b, r, h), d, kHeadChunk);
-    });
-    delta = dst;
+    delta = own_delta.get();
   }
 
   // Where dQ accumulates: straight into dq (float rows of whole vectors, one chunk), or into
@@ -277,6 +286,13 @@ void bwd_impl(const BwdParams& p) {
 
 void flash_bwd(const BwdParams& params) {
   dispatch_dtype(params.dtype, [&](auto tag) { bwd_impl<decltype(tag)>(params); });
+}
+
+void flash_delta(const BwdParams& params, void* delta) {
+  dispatch_dtype(params.dtype, [&](auto tag) {
+    using in_t = decltype(tag);
+    delta_rows<in_t>(params, static_cast<typename AccType<in_t>::type*>(delta));
+  });
 }
 
 }  // namespace RINGSEQ_CPU_ISA_NS

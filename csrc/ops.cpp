@@ -267,6 +267,13 @@ void check_stat(const at::Tensor& t, const char* name, const at::Tensor& q) {
                     " must be contiguous in its last (seqlen) dimension, got strides ", t.strides());
 }
 
+// delta = rowsum(dout * out) by torch, (b, h, s_q) contiguous in the accumulation dtype (the
+// CUDA kernel's; the CPU kernel sums its own: delta_op).
+at::Tensor torch_delta(const at::Tensor& dout, const at::Tensor& out) {
+  const auto acc = accum_type(out.scalar_type());
+  return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous();
+}
+
 // Checks a tensor that must match `like` in shape, dtype and device (dout, out, accumulators).
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name,
                 at::ScalarType dtype) {
@@ -390,9 +397,7 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
     delta = *delta_opt;
     check_stat(delta, "delta", q);
   } else if (!q.is_cpu()) {
-    // delta = rowsum(dout * out) in the accumulation type, (b, h, s_q). The CPU kernel computes
-    // its own (in the order of its dP GEMM; csrc/cpu/kernels/flash_bwd.cpp).
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous();
+    delta = torch_delta(dout, out);  // the CPU kernel sums its own, in its dP GEMM's order
   }
   BwdParams p;
   p.shape = shape;
@@ -551,14 +556,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
 // delta = rowsum(dout * out), (b, h, s_q) contiguous in the accumulation dtype: what bwd takes
 // as `delta`. On CPU summed by the kernel in its dP GEMM's order (so dP - delta is exactly 0
 // where out is a single value row, as in plain attention); elsewhere by torch.
-at::Tensor delta(const at::Tensor& dout, const at::Tensor& out) {
+at::Tensor delta_op(const at::Tensor& dout, const at::Tensor& out) {
   check_4d(out, "out", "(batch, seqlen_q, nheads, headdim)");
   const auto st = out.scalar_type();
   const DType dtype = to_dtype(st);
   check_like(dout, "dout", out, "out", st);
   check_last_dim_contiguous(out, "out");
-  if (!out.is_cpu() || out.numel() == 0)
-    return (dout.to(accum_type(st)) * out.to(accum_type(st))).sum(-1).transpose(1, 2).contiguous();
+  if (!out.is_cpu() || out.numel() == 0) return torch_delta(dout, out);
   at::Tensor result = at::empty({out.size(0), out.size(2), out.size(1)},
                                 out.options().dtype(accum_type(st)));  // (b, h, s_q)
   BwdParams p;
@@ -620,7 +624,7 @@ TORCH_LIBRARY_IMPL(ringseq, CPU, m) {
   m.impl("fwd_accum", &fwd_accum);
   m.impl("bwd", &bwd);
   m.impl("bwd_accum", &bwd_accum);
-  m.impl("delta", &delta);
+  m.impl("delta", &delta_op);
   m.impl("fwd_kvcache", &fwd_kvcache);
 }
 
@@ -630,7 +634,7 @@ TORCH_LIBRARY_IMPL(ringseq, CUDA, m) {
   m.impl("fwd_accum", &fwd_accum);
   m.impl("bwd", &bwd);
   m.impl("bwd_accum", &bwd_accum);
-  m.impl("delta", &delta);
+  m.impl("delta", &delta_op);
   m.impl("fwd_kvcache", &fwd_kvcache);
 }
 #endif

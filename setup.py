@@ -21,7 +21,7 @@ Environment variables:
                           experts: e.g. "-mtune=znver3"; "-march=native" makes every level
                           require the build machine's CPU.
   RINGSEQ_CPU_ISAS        CPU kernel ISA levels to build (default: every level the compiler
-                          accepts; x86-64: baseline,avx2,avx512; elsewhere: baseline).
+                          accepts; x86-64: baseline,avx2,avx512,avx512bf16; elsewhere: baseline).
 """
 import glob
 import os
@@ -176,6 +176,10 @@ X86_ISA_FLAGS = {
     "baseline": [],  # the compiler's x86-64 default (SSE2)
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    # AVX-512 plus the bf16 dot product (Zen 4 and later, Intel Cooper Lake / Sapphire Rapids):
+    # the forward's S = Q·Kᵀ of bf16 inputs at twice the terms per instruction (gemm.h)
+    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx2",
+                   "-mfma", "-mf16c"],
 }
 
 

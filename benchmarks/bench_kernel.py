@@ -188,6 +188,10 @@ TORCH_ISA_ENV = {
              "ONEDNN_MAX_CPU_ISA": "AVX2"},
     "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
                "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    # ATen has no level above avx512 on x86 (its bf16 kernels check the CPU themselves); oneDNN
+    # may use the bf16 instructions a CPU of this level has
+    "avx512bf16": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+                   "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
 }
 KEY = ("dtype", "threads", "seqlen", "headdim", "causal", "mode", "window", "softcap")
 

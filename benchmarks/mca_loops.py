@@ -9,6 +9,7 @@ loop on that CPU's scheduling model (ports, latencies, queue sizes; not caches o
 
 Loops (float32):
   micro-kernel   gemm.h's register block (kMR x kNR vectors, kStore), one K step
+  ... bf16       the avx512bf16 level's bf16 pair block (vdpbf16ps), one step of two K terms
   fwd softmax    flash_fwd.cpp's P = exp(S - m) with row sums, two vectors per iteration
   bwd softmax    flash_bwd.cpp's P = exp(S - lse), dS = P (dP - D) scale, one vector
   ... softcap    the same loops with the soft-cap's tanh (masks.h), one vector
@@ -16,7 +17,7 @@ Loops (float32):
 Per loop: instructions, cycles per iteration (simulated), IPC, llvm-mca's block reciprocal
 throughput (the port-bound cycles per iteration: below the simulated cycles means the loop is
 latency- or queue-bound), and for the micro-kernel FMAs per cycle (2 is the peak of two FMA
-pipes). Needs objdump and llvm-mca (LLVM >= 16 knows znver4; e.g. ``apt-get install llvm-19``).
+pipes; a vdpbf16ps counts once). Needs objdump and llvm-mca (LLVM >= 16 knows znver4; e.g. ``apt-get install llvm-19``).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from collections import defaultdict
 
 HEADER = re.compile(r"^([0-9a-f]+) <(.+)>:$")
 INSN = re.compile(r"^\s*([0-9a-f]+):\s+([a-z0-9._]+)\s*(.*?)\s*$")
-BLOCK = {"baseline": 6, "avx2": 6, "avx512": 8}  # vec.h kMR (kNR = 2)
+BLOCK = {"baseline": 6, "avx2": 6, "avx512": 8, "avx512bf16": 8}  # vec.h kMR (kNR = 2)
 
 
 def disassemble(path):
@@ -74,15 +75,18 @@ def find_loops(funcs, level):
     """{loop name: body} of the float32 hot loops of `level`."""
     ns = f"ringseq::cpu::{level}::"
     found = {}
-    mk = [n for n in funcs if n.startswith(f"void {ns}micro_kernel<float, {BLOCK[level]}, 2, ({ns}Epi)0>")]
-    if mk:
-        found["micro-kernel"] = max(innermost_loops(funcs[mk[0]]), key=lambda b: count(b, "fmadd|mulps"))
+    for step, name, insn in (("FmaStep<float>", "micro-kernel", "fmadd|mulps"),
+                             ("Bf16PairStep", "micro-kernel bf16", "dpbf16ps")):
+        mk = [n for n in funcs if n.startswith(f"void {ns}micro_kernel<float, {BLOCK[level]}, 2, ({ns}Epi)0, ")
+              and step in n]
+        if mk:
+            found[name] = max(innermost_loops(funcs[mk[0]]), key=lambda b: count(b, insn))
     for key, name in (("fwd_impl<float>", "fwd softmax"), ("bwd_impl<float>", "bwd softmax")):
-        lam = [n for n in funcs if n.startswith(f"{ns}(anonymous namespace)::{key}") and "operator()" in n]
-        if not lam:
-            continue
+        # the work item's lambda, or run_items where the compiler inlined it there
+        lam = [n for n in funcs if f"{ns}(anonymous namespace)::{key}" in n
+               and ("operator()" in n or n.startswith(f"{ns}run_items<"))]
         # exp's 2^n is an integer shift; the soft-capped variants also divide (tanh)
-        loops = [b for b in innermost_loops(funcs[lam[0]]) if count(b, "pslld")]
+        loops = [b for n in lam for b in innermost_loops(funcs[n]) if count(b, "pslld")]
         for suffix, cands in (("", [b for b in loops if not count(b, "div")]),
                               (" softcap", [b for b in loops if count(b, "div")])):
             if cands:
@@ -142,7 +146,9 @@ def main(argv=None):
             except RuntimeError as exc:  # e.g. AVX-512 on a CPU model without it
                 print(f"{name:<19} {cpu:<8} skipped: {exc}")
                 continue
-            fmas = count(body, "fmadd") / r["cycles_per_iter"] if name == "micro-kernel" else None
+            # multiply-adds per cycle (a vdpbf16ps does two per lane)
+            fmas = (count(body, "fmadd|dpbf16ps") / r["cycles_per_iter"]
+                    if name.startswith("micro-kernel") else None)
             rows.append(dict(r, loop=name, cpu=cpu, level=args.level, instructions=len(body),
                              fma_per_cycle=fmas))
             print(f"{name:<19} {cpu:<8} {len(body):>5} {r['cycles_per_iter']:>11.2f} {r['ipc']:>5.2f} "

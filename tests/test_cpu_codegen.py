@@ -5,8 +5,11 @@
    step. (A memcpy-based vector load once compiled to 16-byte moves through a stack temporary
    under GCC's znver tuning: 6.5x slower on Zen 3.)
 2. Each ISA level's instructions stay in its own namespace: code outside ringseq::cpu::avx2 /
-   ringseq::cpu::avx512 uses nothing beyond baseline x86-64, and avx2 code no AVX-512, so the
-   extension runs on any x86-64 CPU and the dispatcher's choice is the only way in.
+   avx512 / avx512bf16 uses nothing beyond baseline x86-64, avx2 code no AVX-512 and avx512 code
+   no bf16 dot product, so the extension runs on any x86-64 CPU and the dispatcher's choice is
+   the only way in.
+3. The avx512bf16 level's bf16 pair micro-kernels (Bf16PairStep) run one vdpbf16ps per
+   accumulator and step on full registers, from registers.
 """
 import os
 import platform
@@ -30,10 +33,11 @@ pytestmark = [
     pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 code checks"),
 ]
 
-LEVEL_NS = {"avx2": "ringseq::cpu::avx2::", "avx512": "ringseq::cpu::avx512::"}
+LEVEL_NS = {"avx2": "ringseq::cpu::avx2::", "avx512": "ringseq::cpu::avx512::",
+            "avx512bf16": "ringseq::cpu::avx512bf16::"}
 # micro-kernel rows x vectors per level for float (csrc/cpu/vec.h: kMR x kNR)
-FLOAT_BLOCK = {"baseline": (6, 2), "avx2": (6, 2), "avx512": (8, 2)}
-VECTOR_REG = {"baseline": "xmm", "avx2": "ymm", "avx512": "zmm"}
+FLOAT_BLOCK = {"baseline": (6, 2), "avx2": (6, 2), "avx512": (8, 2), "avx512bf16": (8, 2)}
+VECTOR_REG = {"baseline": "xmm", "avx2": "ymm", "avx512": "zmm", "avx512bf16": "zmm"}
 # Not in baseline x86-64 and not spelled with a v prefix: BMI1/2, LZCNT, POPCNT, MOVBE, ADX...
 NON_BASELINE = {"andn", "bextr", "blsi", "blsmsk", "blsr", "bzhi", "mulx", "pdep", "pext", "rorx",
                 "sarx", "shlx", "shrx", "tzcnt", "lzcnt", "popcnt", "movbe", "adcx", "adox", "crc32",
@@ -58,14 +62,15 @@ def built_levels():
     return list(_C.cpu_isa_built())
 
 
-@pytest.mark.parametrize("level", ["baseline", "avx2", "avx512"])
+@pytest.mark.parametrize("level", ["baseline", "avx2", "avx512", "avx512bf16"])
 def test_micro_kernel_inner_loops_stay_in_registers(code, level):
     if level not in built_levels():
         pytest.skip(f"{level} not built")
     mr, nr = FLOAT_BLOCK[level]
     reg = VECTOR_REG[level]
     prefix = f"ringseq::cpu::{level}::micro_kernel<float, {mr}, {nr},"
-    kernels = {n: i for n, i in code.items() if prefix in n and not n.endswith("@plt")}
+    kernels = {n: i for n, i in code.items() if prefix in n and not n.endswith("@plt")
+               and "Bf16PairStep" not in n}
     assert kernels, f"no {prefix}...> symbol in {_C.__file__}"
     for name, insns in kernels.items():
         body = inner_loop(insns)
@@ -98,6 +103,8 @@ def test_each_isa_level_stays_in_its_namespace(code):
                     or op in NON_BASELINE or re.search(r"%[yz]mm|%k[0-7]", args)
             elif level == "avx2":
                 bad = re.search(r"%zmm|%k[0-7]|\{%k", args) or op.startswith("k")
+            elif level == "avx512":
+                bad = "bf16" in op
             else:
                 bad = False
             if bad:
@@ -105,6 +112,26 @@ def test_each_isa_level_stays_in_its_namespace(code):
                 break
     assert not offenders, ("instructions beyond their level outside the per-level namespaces "
                            "(an inline function shared between levels?):\n" + "\n".join(offenders[:20]))
+
+
+def test_bf16_pair_micro_kernels_use_the_dot_product_from_registers(code):
+    if "avx512bf16" not in built_levels():
+        pytest.skip("avx512bf16 not built")
+    mr, nr = FLOAT_BLOCK["avx512bf16"]
+    kernels = {n: i for n, i in code.items()
+               if n.startswith(f"void ringseq::cpu::avx512bf16::micro_kernel<float, {mr}, {nr},")
+               and "Bf16PairStep" in n}
+    assert kernels, "no avx512bf16 Bf16PairStep micro-kernel in the extension"
+    for name, insns in kernels.items():
+        body = max(innermost_loops(insns), key=lambda b: count(b, r"^vdpbf16ps$"), default=None)
+        assert body is not None and count(body, r"^vdpbf16ps$"), f"{name}: no vdpbf16ps loop"
+        text = "\n".join(f"{a:x}: {o} {r}" for a, o, r in body)
+        dots = [x for x in body if x[1] == "vdpbf16ps"]
+        assert len(dots) == mr * nr, f"{name}: {len(dots)} dot products per step, expected {mr * nr}:\n{text}"
+        assert all(re.fullmatch(r"%zmm\d+,%zmm\d+,%zmm\d+", a) for _, _, a in dots), \
+            f"{name}: a dot product not on three zmm registers:\n{text}"
+        stack = [x for x in body if re.search(r"\(%r[sb]p\)|%r[sb]p\)", x[2])]
+        assert not stack, f"{name}: stack traffic in the inner loop:\n{text}"
 
 
 def test_default_build_needs_no_native_flags():

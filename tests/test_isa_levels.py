@@ -15,6 +15,10 @@ progress dots streamed as they come:
   code generation probes the CPU itself and, with torch's level forced below it, compiled a
   loss of 179.9 where eager gives 414.6 (an artifact of forcing the level, not something an
   AVX2 CPU does).
+- avx512 (on a CPU whose best level is avx512bf16): ``RINGSEQ_CPU_ISA=avx512``, torch at its
+  native level (ATen has no level between the two), the float32 accuracy module. The two
+  levels differ only in bfloat16's S = Q·Kᵀ (avx512bf16 uses the bf16 dot product), which the
+  ``isa`` fixture's kernel cases already run at both levels in-process.
 - baseline (SSE2): ``RINGSEQ_CPU_ISA=baseline``, torch at its native level, the kernel tests
   only (the distributed ones run the same kernels). x86-64 CPUs without AVX2 are rare, and
   torch's own baseline build changes ``torch.randn``'s numbers: with
@@ -39,10 +43,12 @@ from ringseq.kernels.extension import cpu_isa_levels
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # per level: the environment of the re-run, the modules, and pytest -k deselections
-ENV = {"avx2": {"RINGSEQ_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"},
+ENV = {"avx512": {"RINGSEQ_CPU_ISA": "avx512"},
+       "avx2": {"RINGSEQ_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"},
        "baseline": {"RINGSEQ_CPU_ISA": "baseline"}}
-DESELECT = {"avx2": "not torch_compile", "baseline": ""}
+DESELECT = {"avx512": "", "avx2": "not torch_compile", "baseline": ""}
 MODULES = {
+    "avx512": ["test_cpu_accuracy.py"],
     # test_kernel_cpu.py's level loop already runs the AVX2 kernel in-process, and the
     # transformers parity of test_transformers_integration.py runs again through the plugin:
     # left out to keep the suite within its budget

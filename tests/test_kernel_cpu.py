@@ -7,6 +7,7 @@ product (every length, head count, GQA ratio, head dim, dtype, batch size and la
 not the full product, to keep the file fast on two cores.
 """
 import math
+import os
 import threading
 
 import pytest
@@ -273,7 +274,7 @@ def test_concurrent_calls_from_python_threads():
 
 
 # ---------------------------------------------------------------- every ISA level
-# The kernel is compiled once per ISA level (baseline, avx2, avx512) and picks one at first use
+# The kernel is compiled once per ISA level (baseline, avx2, avx512, avx512bf16) and picks one at first use
 # (RINGSEQ_CPU_ISA forces it). A representative subset of the cases above runs on every level
 # this machine supports (the `isa` fixture, conftest.py): each level is its own code (register
 # blocking, tiles, exp). The wrappers call the tests above, which assert; each then checks that
@@ -285,6 +286,9 @@ ISA_LEVELS = ringseq._C.cpu_isa_supported()
 # see no key, strided views (slice, transposed)
 ISA_CASES = [c for c in CASES if c[1] < 1000] + [
     (1, 1000, 1000, 2, 1, 64, True, bf16, "slice"),  # several tiles of every size, bf16
+    # odd head dims in bf16: avx512bf16 multiplies bf16 pairs, the last pair half zero
+    (1, 67, 67, 2, 1, 7, True, bf16, "slice"),
+    (2, 40, 90, 4, 2, 33, False, bf16, "transposed"),
 ]
 
 
@@ -378,21 +382,39 @@ def test_unsupported_forced_level_errors_clearly():
         assert line.startswith("ERROR RINGSEQ_CPU_ISA=avx2 but this CPU cannot run it"), line
         assert "levels this CPU supports: baseline" in line
     # A level the CPU really lacks (on machines without AVX-512 or AVX2) fails the same way.
-    for level in ("avx2", "avx512"):
+    for level in ("avx2", "avx512", "avx512bf16"):
         if level not in ISA_LEVELS and level in ringseq._C.cpu_isa_built():
             proc = _run_python(code, RINGSEQ_CPU_ISA=level)
             assert f"ERROR RINGSEQ_CPU_ISA={level} but this CPU cannot run it" in proc.stdout
 
 
+def test_detected_levels_follow_the_cpu_flags():
+    # cpuid (dispatch.cpp) against the kernel's view in /proc/cpuinfo: avx512bf16 is offered
+    # exactly where the CPU has AVX512_BF16 besides AVX-512 F/BW/DQ/VL (and the build has it).
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is None or os.environ.get("RINGSEQ_CPU_ISA_CEILING"):
+        pytest.skip("no /proc/cpuinfo flags (or a ceiling is set)")
+    built = ringseq._C.cpu_isa_built()
+    avx512 = all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl"))
+    if "avx512" in built:
+        assert ("avx512" in ISA_LEVELS) == avx512
+    if "avx512bf16" in built:
+        assert ("avx512bf16" in ISA_LEVELS) == (avx512 and "avx512_bf16" in flags)
+
+
 def test_unknown_level_name_errors_clearly():
     proc = _run_python(PROBE, RINGSEQ_CPU_ISA="sse9")
     assert proc.returncode != 0
-    assert "RINGSEQ_CPU_ISA must be one of auto, baseline, avx2, avx512; got 'sse9'" in proc.stderr
+    assert "RINGSEQ_CPU_ISA must be one of auto, baseline, avx2, avx512, avx512bf16; got 'sse9'" in proc.stderr
     proc = _run_python(PROBE, RINGSEQ_CPU_ISA="auto")
     assert proc.returncode == 0 and proc.stdout.split()[0] == ISA_LEVELS[-1], proc.stderr
 
 
 def test_set_cpu_isa_rejects_unsupported_levels():
-    with pytest.raises(RuntimeError, match="must be one of auto, baseline, avx2, avx512"):
+    with pytest.raises(RuntimeError, match="must be one of auto, baseline, avx2, avx512, avx512bf16"):
         ringseq._C._set_cpu_isa("avx9000")
     assert ringseq.cpu_isa() in ISA_LEVELS

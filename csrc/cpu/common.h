@@ -86,6 +86,31 @@ inline void pack_transposed(const in_t* src, int64_t ld, int64_t rows, int64_t d
   for (int64_t c = 0; c < d; ++c) fill(dst + c * ldd + rows, cols_pad - rows, T(0));
 }
 
+// dst (rows x kd pairs, row stride kd) = the rows of a `rows` x `d` bf16 source (row stride ld)
+// as pairs: a contiguous copy of a strided tile (see rows_as for why tiles are copied).
+inline void pack_pair_rows(const bf16_t* src, int64_t ld, int64_t rows, int64_t d, uint32_t* dst) {
+  const int64_t kd = (d + 1) / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const bf16_t* s = src + r * ld;
+    uint32_t* o = dst + r * kd;
+    if (d % 2 == 0) {
+      std::memcpy(o, s, static_cast<size_t>(d) * sizeof(bf16_t));
+    } else {
+      for (int64_t k = 0; k < kd; ++k) o[k] = bf16_pair(s, k, d);
+    }
+  }
+}
+
+// dst (kd x cols_pad pairs, row stride ldd): pair k of source row r at dst[k][r], the transposed
+// pair layout of a B operand; columns [rows, cols_pad) are zero.
+inline void pack_pairs_transposed(const bf16_t* src, int64_t ld, int64_t rows, int64_t d,
+                                  uint32_t* dst, int64_t ldd, int64_t cols_pad) {
+  const int64_t kd = (d + 1) / 2;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < kd; ++k) dst[k * ldd + r] = bf16_pair(src + r * ld, k, d);
+  for (int64_t k = 0; k < kd; ++k) fill(dst + k * ldd + rows, cols_pad - rows, 0u);
+}
+
 // Writes (or, with accumulate, adds) `rows` x `d` of src (row stride lds) times one scale per
 // row (nullptr: 1) to a strided destination.
 template <typename out_t, typename T>

@@ -40,7 +40,7 @@ void hook_fail(const char* what, int64_t bytes) {
 
 namespace {
 
-enum Level : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kNumLevels = 3 };
+enum Level : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kNumLevels = 4 };
 
 struct LevelInfo {
   const char* name;
@@ -60,6 +60,11 @@ const LevelInfo kLevels[kNumLevels] = {
      "AVX-512 F, BW, DQ and VL plus AVX2/FMA/F16C with OS support for ZMM state"},
 #else
     {"avx512", nullptr, "AVX-512 F, BW, DQ and VL plus AVX2/FMA/F16C with OS support for ZMM state"},
+#endif
+#if defined(RINGSEQ_CPU_HAVE_AVX512BF16)
+    {"avx512bf16", &avx512bf16::kernel_table, "what avx512 needs plus AVX512_BF16"},
+#else
+    {"avx512bf16", nullptr, "what avx512 needs plus AVX512_BF16"},
 #endif
 };
 
@@ -88,8 +93,10 @@ int detect_cpu_level() {
   if (!(avx2 && fma && f16c)) return kBaseline;
   const bool avx512 = (b7 & (1u << 16)) && (b7 & (1u << 17)) && (b7 & (1u << 30)) &&
                       (b7 & (1u << 31));  // F, DQ, BW, VL
-  if (avx512 && (xcr0 & 0xe6) == 0xe6) return kAvx512;  // + opmask, ZMM_Hi256, Hi16_ZMM
-  return kAvx2;
+  if (!(avx512 && (xcr0 & 0xe6) == 0xe6)) return kAvx2;  // + opmask, ZMM_Hi256, Hi16_ZMM
+  unsigned a71 = 0, b71 = 0, c71 = 0, d71 = 0;
+  if (a7 >= 1) __cpuid_count(7, 1, a71, b71, c71, d71);  // a7: the highest subleaf of leaf 7
+  return (a71 & (1u << 5)) ? kAvx512Bf16 : kAvx512;  // AVX512_BF16
 #else
   return kBaseline;
 #endif
@@ -116,7 +123,7 @@ int supported_level(std::string* error) {
   if (ceiling && *ceiling) {
     const int c = level_by_name(trimmed_lower(ceiling));
     if (c < 0) {
-      *error = std::string("RINGSEQ_CPU_ISA_CEILING must be baseline, avx2 or avx512, got '") +
+      *error = std::string("RINGSEQ_CPU_ISA_CEILING must be baseline, avx2, avx512 or avx512bf16, got '") +
                ceiling + "'";
       return -1;
     }
@@ -147,7 +154,7 @@ const KernelTable* resolve(const std::string& request, const char* source, std::
   }
   const int want = level_by_name(request);
   if (want < 0) {
-    *error = std::string(source) + " must be one of auto, baseline, avx2, avx512; got '" + request + "'";
+    *error = std::string(source) + " must be one of auto, baseline, avx2, avx512, avx512bf16; got '" + request + "'";
     return nullptr;
   }
   if (kLevels[want].table == nullptr) {

@@ -50,15 +50,51 @@ constexpr int64_t kChunk = 32;
 // of 32 cost 1-5 % for no case that needed them.
 constexpr int64_t kHeadChunk = 64;
 
-template <typename T, int MR, int NR, Epi E>
-RS_NOINLINE void micro_kernel(int64_t K, int64_t chunk, const T* __restrict__ A, int64_t sa_m,
-                              int64_t sa_k, const T* __restrict__ B, int64_t ldb,
-                              T* __restrict__ C, int64_t ldc, T* __restrict__ aux) {
+// What one K step of a GEMM multiplies and adds: the operands' element type and the vector
+// operations of the micro-kernel's step (B vectors, A broadcast, multiply-add into float lanes).
+// FmaStep: A and B hold T, one step is one term per lane (vfma).
+template <typename T>
+struct FmaStep {
+  using elem = T;
+  static constexpr bool kScaled = false;  // C = A·B
+  RS_INLINE static vec_t<T> load(const T* b) { return vload(b); }
+  RS_INLINE static vec_t<T> splat(T a) { return vsplat(a); }
+  RS_INLINE static vec_t<T> madd(vec_t<T> a, vec_t<T> b, vec_t<T> c) { return vfma(a, b, c); }
+};
+
+#if defined(__AVX512BF16__)
+// Bf16PairStep (the avx512bf16 level): A and B hold bfloat16 pairs, K elements 2k and 2k+1 in
+// one uint32 (the even one in the low half, as they lie in a row of the tensor), and one step
+// is vdpbf16ps: c + a[2k+1]·b[2k+1] + a[2k]·b[2k] per float lane, products exact in float32
+// and each addition rounded, i.e. the two FMAs of FmaStep on the converted inputs (inputs and
+// results below 2^-126 are flushed to zero), at twice FmaStep's terms per instruction. C is
+// scale·A·B: the scale is applied to the finished sums (a bf16 operand cannot carry it exactly).
+struct Bf16PairStep {
+  using elem = uint32_t;
+  static constexpr bool kScaled = true;
+  RS_INLINE static __m512i load(const uint32_t* b) { return _mm512_loadu_si512(b); }
+  RS_INLINE static __m512i splat(uint32_t a) { return _mm512_set1_epi32(static_cast<int>(a)); }
+  RS_INLINE static vec_t<float> madd(__m512i a, __m512i b, vec_t<float> c) {
+    return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b);
+  }
+};
+constexpr bool kBf16Pairs = true;
+#else
+struct Bf16PairStep;  // declared only: the callers' pair branches are discarded (kBf16Pairs)
+constexpr bool kBf16Pairs = false;
+#endif
+
+template <typename T, int MR, int NR, Epi E, typename Step>
+RS_NOINLINE void micro_kernel(int64_t K, int64_t chunk, const typename Step::elem* __restrict__ A,
+                              int64_t sa_m, int64_t sa_k, const typename Step::elem* __restrict__ B,
+                              int64_t ldb, T* __restrict__ C, int64_t ldc, T* __restrict__ aux,
+                              T scale) {
   constexpr int64_t VW = kVW<T>;
   using V = vec_t<T>;
+  static_assert(!Step::kScaled || E == Epi::kStore || E == Epi::kStoreMax, "scale: kStore(Max) only");
   V acc[MR][NR];
-  const T* a = A;
-  const T* b = B;
+  const typename Step::elem* a = A;
+  const typename Step::elem* b = B;
   const int64_t step = chunk > 0 ? chunk : K;
   for (int64_t k0 = 0; k0 < K; k0 += step) {
     const int64_t k1 = imin(K, k0 + step);
@@ -67,14 +103,14 @@ RS_NOINLINE void micro_kernel(int64_t K, int64_t chunk, const T* __restrict__ A,
 #pragma GCC unroll 4
       for (int n = 0; n < NR; ++n) acc[m][n] = vzero<T>();
     for (int64_t k = k0; k < k1; ++k) {
-      V bv[NR];
+      decltype(Step::load(b)) bv[NR];
 #pragma GCC unroll 4
-      for (int n = 0; n < NR; ++n) bv[n] = vload(b + n * VW);
+      for (int n = 0; n < NR; ++n) bv[n] = Step::load(b + n * VW);
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-        const V am = vsplat(a[m * sa_m]);
+        const auto am = Step::splat(a[m * sa_m]);
 #pragma GCC unroll 4
-        for (int n = 0; n < NR; ++n) acc[m][n] = vfma(am, bv[n], acc[m][n]);
+        for (int n = 0; n < NR; ++n) acc[m][n] = Step::madd(am, bv[n], acc[m][n]);
       }
       a += sa_k;
       b += ldb;
@@ -85,12 +121,23 @@ RS_NOINLINE void micro_kernel(int64_t K, int64_t chunk, const T* __restrict__ A,
       for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
         for (int n = 0; n < NR; ++n) acc[m][n] += vload(C + m * ldc + n * VW);
-    } else if constexpr (E == Epi::kScaleAdd) {
+    }
+    if constexpr (Step::kScaled) {
+      if (k1 == K) {
 #pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) {
-        const V s = vsplat(aux[m]);
+        for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-        for (int n = 0; n < NR; ++n) acc[m][n] = vfma(s, vload(C + m * ldc + n * VW), acc[m][n]);
+          for (int n = 0; n < NR; ++n) acc[m][n] *= vsplat(scale);
+      }
+    }
+    if constexpr (E == Epi::kScaleAdd) {
+      if (k0 == 0) {
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          const V s = vsplat(aux[m]);
+#pragma GCC unroll 4
+          for (int n = 0; n < NR; ++n) acc[m][n] = vfma(s, vload(C + m * ldc + n * VW), acc[m][n]);
+        }
       }
     }
     if constexpr (E == Epi::kStoreMax) {
@@ -129,25 +176,53 @@ inline T gemm_order_dot(const in_t* a, const in_t* b, int64_t n, int64_t chunk) 
   return total;
 }
 
+#if defined(__AVX512BF16__)
+// a·b over d bf16 terms summed as gemm<float, Epi::kStore, Bf16PairStep> sums one element with
+// `chunk` pairs per partial sum and scale 1, through the same instruction (one lane of it), so
+// bit-identical to that element on any CPU of the level (whatever order the instruction adds
+// its two products in).
+inline float pair_order_dot(const bf16_t* a, const bf16_t* b, int64_t d, int64_t chunk) {
+  const int64_t kd = (d + 1) / 2;
+  float total = 0.0f;
+  for (int64_t k0 = 0; k0 < kd; k0 += chunk) {
+    const int64_t k1 = imin(kd, k0 + chunk);
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m128i pa = _mm_cvtsi32_si128(static_cast<int>(bf16_pair(a, k, d)));
+      const __m128i pb = _mm_cvtsi32_si128(static_cast<int>(bf16_pair(b, k, d)));
+      acc = _mm_dpbf16_ps(acc, (__m128bh)pa, (__m128bh)pb);
+    }
+    const float c = _mm_cvtss_f32(acc);
+    total = k0 > 0 ? c + total : c;
+  }
+  return total;
+}
+#else
+float pair_order_dot(const bf16_t* a, const bf16_t* b, int64_t d, int64_t chunk);  // never called
+#endif
+
 // rows < kMR: the tail of M, with a smaller register block.
-template <typename T, int NR, Epi E, int MR = kMR>
-RS_INLINE void micro_rows(int64_t rows, int64_t K, int64_t chunk, const T* A, int64_t sa_m,
-                          int64_t sa_k, const T* B, int64_t ldb, T* C, int64_t ldc, T* aux) {
+template <typename T, int NR, Epi E, typename Step, int MR = kMR>
+RS_INLINE void micro_rows(int64_t rows, int64_t K, int64_t chunk, const typename Step::elem* A,
+                          int64_t sa_m, int64_t sa_k, const typename Step::elem* B, int64_t ldb,
+                          T* C, int64_t ldc, T* aux, T scale) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      micro_kernel<T, MR, NR, E>(K, chunk, A, sa_m, sa_k, B, ldb, C, ldc, aux);
+      micro_kernel<T, MR, NR, E, Step>(K, chunk, A, sa_m, sa_k, B, ldb, C, ldc, aux, scale);
     } else {
-      micro_rows<T, NR, E, MR - 1>(rows, K, chunk, A, sa_m, sa_k, B, ldb, C, ldc, aux);
+      micro_rows<T, NR, E, Step, MR - 1>(rows, K, chunk, A, sa_m, sa_k, B, ldb, C, ldc, aux, scale);
     }
   }
 }
 
 // C (M x npad) op= A (M x K, strides sa_m, sa_k) * B (K x npad, row stride ldb), npad a multiple
 // of one vector. aux: kScaleAdd: M row scales; kStoreMax: npad column maxima (read and updated).
-// chunk: K steps per partial sum (0: all of K in one chain; see kChunk).
-template <typename T, Epi E>
-inline void gemm(int64_t M, int64_t npad, int64_t K, const T* A, int64_t sa_m, int64_t sa_k,
-                 const T* B, int64_t ldb, T* C, int64_t ldc, T* aux = nullptr, int64_t chunk = 0) {
+// chunk: K steps per partial sum (0: all of K in one chain; see kChunk). Step: what a K step
+// is (FmaStep; Bf16PairStep, whose A and B are bf16 pairs, K counts pairs and C = scale·A·B).
+template <typename T, Epi E, typename Step = FmaStep<T>>
+inline void gemm(int64_t M, int64_t npad, int64_t K, const typename Step::elem* A, int64_t sa_m,
+                 int64_t sa_k, const typename Step::elem* B, int64_t ldb, T* C, int64_t ldc,
+                 T* aux = nullptr, int64_t chunk = 0, T scale = T(1)) {
   constexpr int64_t VW = kVW<T>;
   constexpr int64_t PW = kNR * VW;  // columns per panel
   static_assert(kNR == 2, "the panel tail below assumes panels of two vectors");
@@ -172,13 +247,13 @@ inline void gemm(int64_t M, int64_t npad, int64_t K, const T* A, int64_t sa_m, i
     T* col_aux = E == Epi::kStoreMax ? aux + c0 : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int64_t rows = imin(kMR, M - m0);
-      const T* a = A + m0 * sa_m;
+      const typename Step::elem* a = A + m0 * sa_m;
       T* c = C + m0 * ldc + c0;
       T* x = E == Epi::kScaleAdd ? aux + m0 : col_aux;
       if (wide) {
-        micro_rows<T, kNR, E>(rows, K, chunk, a, sa_m, sa_k, B + c0, ldb, c, ldc, x);
+        micro_rows<T, kNR, E, Step>(rows, K, chunk, a, sa_m, sa_k, B + c0, ldb, c, ldc, x, scale);
       } else {
-        micro_rows<T, 1, E>(rows, K, chunk, a, sa_m, sa_k, B + c0, ldb, c, ldc, x);
+        micro_rows<T, 1, E, Step>(rows, K, chunk, a, sa_m, sa_k, B + c0, ldb, c, ldc, x, scale);
       }
     }
   }

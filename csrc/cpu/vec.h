@@ -3,7 +3,7 @@
 //
 // Included only by the per-level kernel translation units (csrc/cpu/kernels/*.cpp), which
 // setup.py compiles once per ISA level with that level's flags and with RINGSEQ_CPU_ISA_NS
-// set to the level's name (baseline, avx2, avx512): everything here lives in
+// set to the level's name (baseline, avx2, avx512, avx512bf16): everything here lives in
 // ringseq::cpu::<level>, so no inline function compiled for one level can be picked by the
 // linker for another (csrc/cpu/isa.h; tests/test_cpu_codegen.py checks it). For the same reason
 // these units include no torch header and call no out-of-line std:: template.
@@ -346,6 +346,14 @@ RS_INLINE f16_t to_f16(float x) {
   const uint32_t odd = (f >> 13) & 1u;
   f += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + odd;
   return f16_t{static_cast<uint16_t>(sign | (f >> 13))};
+}
+
+// bfloat16 pairs (Bf16PairStep, gemm.h): elements 2k and 2k+1 of a row as one uint32, the even
+// one in the low half; a row of d elements is kd = (d + 1) / 2 pairs, the last one's high half
+// zero when d is odd.
+RS_INLINE uint32_t bf16_pair(const bf16_t* row, int64_t k, int64_t d) {
+  const uint32_t hi = 2 * k + 1 < d ? row[2 * k + 1].bits : 0u;
+  return row[2 * k].bits | (hi << 16);
 }
 
 // Accumulation type of an element type: float64 for float64, float32 otherwise.

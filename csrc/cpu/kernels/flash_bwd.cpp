@@ -64,10 +64,15 @@ void delta_rows(const BwdParams& p, typename AccType<in_t>::type* dst) {
   const in_t* out = static_cast<const in_t*>(p.out);
   run_items(sh.batch * sh.nheads, [] { return 0; }, [&](int&, int64_t bh) {
     const int64_t b = bh / sh.nheads, h = bh % sh.nheads;
-    for (int64_t r = 0; r < sh.seqlen_q; ++r)
-      dst[bh * sh.seqlen_q + r] = gemm_order_dot<T>(row_ptr(dout, p.dout_strides, b, r, h),
-                                                    row_ptr(out, p.out_strides, b, r, h),
-                                                    sh.headdim, kHeadChunk);
+    for (int64_t r = 0; r < sh.seqlen_q; ++r) {
+      const in_t* dout_row = row_ptr(dout, p.dout_strides, b, r, h);
+      const in_t* out_row = row_ptr(out, p.out_strides, b, r, h);
+      if constexpr (kBf16Pairs && kSame<in_t, bf16_t>) {  // dP from bf16 pairs (bwd_impl)
+        dst[bh * sh.seqlen_q + r] = pair_order_dot(dout_row, out_row, sh.headdim, kHeadChunk / 2);
+      } else {
+        dst[bh * sh.seqlen_q + r] = gemm_order_dot<T>(dout_row, out_row, sh.headdim, kHeadChunk);
+      }
+    }
   });
 }
 
@@ -134,13 +139,29 @@ void bwd_impl(const BwdParams& p) {
     });
   }
 
+  // bfloat16 inputs on the avx512bf16 level: S = scale·Q·Kᵀ (as the forward computes it, so
+  // both sum the same terms in the same order) and dP = dO·Vᵀ (as delta_rows sums delta) from
+  // bf16 pairs (Bf16PairStep): Q and dO rows, Kᵀ and Vᵀ as kd pairs per row.
+  constexpr bool kPairs = kBf16Pairs && kSame<in_t, bf16_t>;
+  const int64_t kd = (d + 1) / 2;
   struct State {
     Scratch<T> kt, vt, kbuf, qbuf, dobuf, s, dp, dk, dv;
+    Scratch<uint32_t> qpairs, kpairs, dopairs, vpairs;
   };
   auto make_state = [&] {
-    return State{Scratch<T>(d * bn_pad),  Scratch<T>(d * bn_pad),  Scratch<T>(bn * dpad),
-                 Scratch<T>(bm * dpad),   Scratch<T>(bm * dpad),   Scratch<T>(bm * bn_pad),
-                 Scratch<T>(bm * bn_pad), Scratch<T>(bn * dpad),   Scratch<T>(bn * dpad)};
+    return State{Scratch<T>(kPairs ? 0 : d * bn_pad),
+                 Scratch<T>(kPairs ? 0 : d * bn_pad),
+                 Scratch<T>(bn * dpad),
+                 Scratch<T>(bm * dpad),
+                 Scratch<T>(bm * dpad),
+                 Scratch<T>(bm * bn_pad),
+                 Scratch<T>(bm * bn_pad),
+                 Scratch<T>(bn * dpad),
+                 Scratch<T>(bn * dpad),
+                 Scratch<uint32_t>(kPairs ? bm * kd : 0),
+                 Scratch<uint32_t>(kPairs ? kd * bn_pad : 0),
+                 Scratch<uint32_t>(kPairs ? bm * kd : 0),
+                 Scratch<uint32_t>(kPairs ? kd * bn_pad : 0)};
   };
 
   auto work = [&](State& st, int64_t item) {
@@ -160,10 +181,17 @@ void bwd_impl(const BwdParams& p) {
       const int64_t k0 = sp.k_start, q0 = sp.q_start;
       const int64_t q_begin = tile.other.begin, q_end = tile.other.end;  // rows the band reaches
       if (p.accumulate && tile.other.empty()) continue;  // nothing to add
-      pack_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, scale, kt, bn_pad,
-                      npad);
-      pack_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, T(1), vt, bn_pad,
-                      npad);
+      uint32_t *qp = st.qpairs.get(), *kp = st.kpairs.get();
+      uint32_t *dop = st.dopairs.get(), *vp = st.vpairs.get();
+      if constexpr (kPairs) {
+        pack_pairs_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, kp, bn_pad, npad);
+        pack_pairs_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, vp, bn_pad, npad);
+      } else {
+        pack_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, scale, kt, bn_pad,
+                        npad);
+        pack_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, T(1), vt, bn_pad,
+                        npad);
+      }
       int64_t ldk;
       const T* kr = rows_as(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
       fill(dk, n * dpad, T(0));
@@ -187,8 +215,17 @@ void bwd_impl(const BwdParams& p) {
           const T* qi = rows_as(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d, dpad, st.qbuf.get(), ldqi);
           const T* doi = rows_as(row_ptr(dout, p.dout_strides, b, q0 + r0, h), p.dout_strides.row, m, d,
                                  dpad, st.dobuf.get(), ldo);
-          gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, bn_pad, s, bn_pad, nullptr, kHeadChunk);   // S
-          gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, bn_pad, dp, bn_pad, nullptr, kHeadChunk);  // dP
+          if constexpr (kPairs) {
+            pack_pair_rows(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d, qp);
+            pack_pair_rows(row_ptr(dout, p.dout_strides, b, q0 + r0, h), p.dout_strides.row, m, d, dop);
+            gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, qp, kd, 1, kp, bn_pad, s, bn_pad, nullptr,
+                                               kHeadChunk / 2, scale);  // S
+            gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, dop, kd, 1, vp, bn_pad, dp, bn_pad, nullptr,
+                                               kHeadChunk / 2, T(1));  // dP
+          } else {
+            gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, bn_pad, s, bn_pad, nullptr, kHeadChunk);  // S
+            gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, bn_pad, dp, bn_pad, nullptr, kHeadChunk);  // dP
+          }
           const bool full = km::band_block_full(r0, r0 + m, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
           for (int64_t i = 0; i < m; ++i) {
             // Query r0 + i sees keys [jb, je) of this tile: all of them in a full block, else

@@ -89,14 +89,30 @@ void fwd_impl(const FwdParams& p) {
   const bool merge = p.accumulate;
   T* lse = static_cast<T*>(p.lse);
 
+  // bfloat16 inputs on the avx512bf16 level: S = scale·K·Qᵀ from bf16 pairs (Bf16PairStep),
+  // Qᵀ and the K tile kept as kd pairs per row instead of d floats; P·V stays in float32 (P is
+  // not rounded to bf16).
+  constexpr bool kPairs = kBf16Pairs && kSame<in_t, bf16_t>;
+  const int64_t kd = (d + 1) / 2;
   struct State {
     Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, lpart, cmax;
+    Scratch<uint32_t> qpairs, kpairs;
   };
   auto make_state = [&] {
-    return State{Scratch<T>(d * bm),    Scratch<T>(bn * dpad), Scratch<T>(bn * dpad),
-                 Scratch<T>(bn * bm),   Scratch<T>(bm * dpad), Scratch<T>(bm),
-                 Scratch<T>(bm),        Scratch<T>(bm),        Scratch<T>(bm),
-                 Scratch<T>(bm),        Scratch<T>(bm),        Scratch<T>(bm)};
+    return State{Scratch<T>(kPairs ? 0 : d * bm),
+                 Scratch<T>(kPairs ? 0 : bn * dpad),
+                 Scratch<T>(bn * dpad),
+                 Scratch<T>(bn * bm),
+                 Scratch<T>(bm * dpad),
+                 Scratch<T>(bm),
+                 Scratch<T>(bm),
+                 Scratch<T>(bm),
+                 Scratch<T>(bm),
+                 Scratch<T>(bm),
+                 Scratch<T>(bm),
+                 Scratch<T>(bm),
+                 Scratch<uint32_t>(kPairs ? kd * bm : 0),
+                 Scratch<uint32_t>(kPairs ? bn * kd : 0)};
   };
 
   auto work = [&](State& st, int64_t item) {
@@ -131,7 +147,13 @@ void fwd_impl(const FwdParams& p) {
     T *l = st.l.get(), *lsum = st.lsum.get(), *lpart = st.lpart.get();
 
     // Qᵀ (d x mpad, row stride bm), scaled; padding columns (queries past the tile) are zero.
-    pack_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, scale, qt, bm, mpad);
+    // With pairs: Qᵀ as kd x mpad pairs (row stride bm), unscaled.
+    uint32_t* qp = st.qpairs.get();
+    if constexpr (kPairs) {
+      pack_pairs_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, qp, bm, mpad);
+    } else {
+      pack_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, scale, qt, bm, mpad);
+    }
     T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + qr0;
     // Where this item's lse and out rows go: the outputs, or this split's partial rows (the
     // splits of a tile run concurrently, so they never write the outputs themselves).
@@ -164,13 +186,29 @@ void fwd_impl(const FwdParams& p) {
 
     for (int64_t c0 = kv_begin; c0 < kv_end; c0 += bn) {
       const int64_t n = imin(bn, kv_end - c0);
-      int64_t ldk, ldv;
-      const T* kt = rows_as(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
+      int64_t ldk = 0, ldv;
+      const T* kt = nullptr;
+      uint32_t* kp = st.kpairs.get();
+      if constexpr (kPairs) {
+        pack_pair_rows(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, kp);
+      } else {
+        kt = rows_as(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
+      }
       const T* vt = rows_as(row_ptr(v, p.v_strides, b_kv, k0 + c0, hk), p.v_strides.row, n, d, dpad, st.vbuf.get(), ldv);
       for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
       const bool masked = !km::band_block_full(r0, r0 + rows, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
+      // Sᵀ = K·Qᵀ (n x mpad), and with kStoreMax its column maxima into cmax.
+      auto scores = [&](auto epi) {
+        constexpr Epi E = decltype(epi)::value;
+        T* mx = E == Epi::kStoreMax ? cmax : nullptr;
+        if constexpr (kPairs) {
+          gemm<T, E, Bf16PairStep>(n, mpad, kd, kp, kd, 1, qp, bm, s, bm, mx, kHeadChunk / 2, scale);
+        } else {
+          gemm<T, E>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, mx, kHeadChunk);
+        }
+      };
       if (masked || cap > T(0)) {
-        gemm<T, Epi::kStore>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, nullptr, kHeadChunk);  // Sᵀ
+        scores(std::integral_constant<Epi, Epi::kStore>{});
         for (int64_t j = 0; j < n; ++j) {
           T* row = s + j * bm;
           if (cap > T(0)) softcap_row(row, mpad, cap);  // before the mask: tanh(-inf) is finite
@@ -184,7 +222,7 @@ void fwd_impl(const FwdParams& p) {
           for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vmax(vload(row + i), vload(cmax + i)));
         }
       } else {
-        gemm<T, Epi::kStoreMax>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, cmax, kHeadChunk);  // Sᵀ and its maxima
+        scores(std::integral_constant<Epi, Epi::kStoreMax>{});
       }
       for (int64_t i = 0; i < mpad; i += VW) {
         const V mx = vload(cmax + i);

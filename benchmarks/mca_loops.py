@@ -17,7 +17,7 @@ Loops (float32):
 Per loop: instructions, cycles per iteration (simulated), IPC, llvm-mca's block reciprocal
 throughput (the port-bound cycles per iteration: below the simulated cycles means the loop is
 latency- or queue-bound), and for the micro-kernel FMAs per cycle (2 is the peak of two FMA
-pipes; a vdpbf16ps counts once). Needs objdump and llvm-mca (LLVM >= 16 knows znver4; e.g. ``apt-get install llvm-19``).
+pipes; a vdpbf16ps counts once, though it does two multiply-adds per lane). Needs objdump and llvm-mca (LLVM >= 16 knows znver4; e.g. ``apt-get install llvm-19``).
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def main(argv=None):
             except RuntimeError as exc:  # e.g. AVX-512 on a CPU model without it
                 print(f"{name:<19} {cpu:<8} skipped: {exc}")
                 continue
-            # multiply-adds per cycle (a vdpbf16ps does two per lane)
+            # FMA-class instructions per cycle (a vdpbf16ps counts once: two multiply-adds per lane)
             fmas = (count(body, "fmadd|dpbf16ps") / r["cycles_per_iter"]
                     if name.startswith("micro-kernel") else None)
             rows.append(dict(r, loop=name, cpu=cpu, level=args.level, instructions=len(body),

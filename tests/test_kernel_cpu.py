@@ -403,7 +403,10 @@ def test_detected_levels_follow_the_cpu_flags():
     if "avx512" in built:
         assert ("avx512" in ISA_LEVELS) == avx512
     if "avx512bf16" in built:
-        assert ("avx512bf16" in ISA_LEVELS) == (avx512 and "avx512_bf16" in flags)
+        # (a kernel older than Linux 5.2 lists no avx512_bf16 flag even where cpuid has it)
+        assert avx512 or "avx512bf16" not in ISA_LEVELS
+        if avx512 and "avx512_bf16" in flags:
+            assert "avx512bf16" in ISA_LEVELS
 
 
 def test_unknown_level_name_errors_clearly():

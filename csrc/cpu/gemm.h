@@ -66,8 +66,9 @@ struct FmaStep {
 // Bf16PairStep (the avx512bf16 level): A and B hold bfloat16 pairs, K elements 2k and 2k+1 in
 // one uint32 (the even one in the low half, as they lie in a row of the tensor), and one step
 // is vdpbf16ps: c + a[2k+1]·b[2k+1] + a[2k]·b[2k] per float lane, products exact in float32
-// and each addition rounded, i.e. the two FMAs of FmaStep on the converted inputs (inputs and
-// results below 2^-126 are flushed to zero), at twice FmaStep's terms per instruction. C is
+// and each addition rounded, i.e. two FMAs on the converted inputs as FmaStep runs them, the odd
+// term first (inputs and results below 2^-126 are flushed to zero), at twice FmaStep's terms
+// per instruction. C is
 // scale·A·B: the scale is applied to the finished sums (a bf16 operand cannot carry it exactly).
 struct Bf16PairStep {
   using elem = uint32_t;

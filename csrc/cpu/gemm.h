@@ -68,8 +68,8 @@ struct FmaStep {
 // is vdpbf16ps: c + a[2k+1]·b[2k+1] + a[2k]·b[2k] per float lane, products exact in float32
 // and each addition rounded, i.e. two FMAs on the converted inputs as FmaStep runs them, the odd
 // term first (inputs and results below 2^-126 are flushed to zero), at twice FmaStep's terms
-// per instruction. C is
-// scale·A·B: the scale is applied to the finished sums (a bf16 operand cannot carry it exactly).
+// per instruction. C is scale·A·B: the scale is applied to the finished sums (a bf16 operand
+// cannot carry it exactly).
 struct Bf16PairStep {
   using elem = uint32_t;
   static constexpr bool kScaled = true;

@@ -75,7 +75,19 @@ CASES = [
     (2, 129, 129, 1, 1, 80, True, bf16, "contig"),
     (1, 3816, 3816, 1, 1, 64, True, f32, "contig"),
     (1, 3816, 3816, 1, 1, 128, False, bf16, "transposed"),
+] + [
+    # A worker thread packs an item's K/V rows (forward) or Q/dO rows (backward) of one head
+    # once and reuses them for the head's next items, up to 8 MiB of rows (csrc/cpu/common.h:
+    # HeadRows); longer ranges are copied tile by tile. These exceed it (float32 d = 128: 8192
+    # K+V or Q+dO rows; bf16 on the avx512bf16 level: 10922 keys, 5461 query rows) ...
+    (1, 40, 11000, 2, 1, 128, False, f32, "slice"),
+    (1, 40, 11000, 2, 1, 128, True, bf16, "transposed"),
+    (1, 8300, 40, 2, 1, 128, False, f32, "transposed"),
+    (1, 5500, 40, 2, 1, 128, False, bf16, "slice"),
+    # ... and a GQA group's query heads hold 3 slots of 2100 rows for 4 heads (two share one).
+    (1, 2100, 64, 4, 1, 128, False, f32, "slice"),
 ]
+LONG_ROW_CASES = CASES[-5:]
 
 
 def case_id(c):
@@ -284,7 +296,7 @@ ISA_LEVELS = ringseq._C.cpu_isa_supported()
 
 # dtypes, head dims (vector multiples and not), causal/full, GQA/MQA, odd lengths, rows that
 # see no key, strided views (slice, transposed)
-ISA_CASES = [c for c in CASES if c[1] < 1000] + [
+ISA_CASES = [c for c in CASES if c[1] < 1000 and c not in LONG_ROW_CASES] + LONG_ROW_CASES + [
     (1, 1000, 1000, 2, 1, 64, True, bf16, "slice"),  # several tiles of every size, bf16
     # odd head dims in bf16: avx512bf16 multiplies bf16 pairs, the last pair half zero
     (1, 67, 67, 2, 1, 7, True, bf16, "slice"),

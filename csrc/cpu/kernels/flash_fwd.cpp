@@ -94,9 +94,20 @@ void fwd_impl(const FwdParams& p) {
   // not rounded to bf16).
   constexpr bool kPairs = kBf16Pairs && kSame<in_t, bf16_t>;
   const int64_t kd = (d + 1) / 2;
+  // K and V rows of an item's keys, packed once per thread and head (HeadRows) where they fit,
+  // else per tile; read in place where they already are contiguous rows of T.
+  const int64_t k_row_elems = kPairs ? kd : dpad;
+  const bool k_in_place = !kPairs && kSame<T, in_t> && d == dpad && p.k_strides.row == dpad;
+  const bool v_in_place = kSame<T, in_t> && d == dpad && p.v_strides.row == dpad;
+  int64_t max_keys = 0;
+  for (int64_t t = 0; t < ntiles; ++t) max_keys = imax(max_keys, tile_list.get()[t].other.size());
+  const int64_t kv_row_bytes = static_cast<int64_t>(sizeof(T)) * (k_row_elems + dpad);
+  const int64_t cache_rows = imin(max_keys, kHeadRowsBytes / kv_row_bytes);
   struct State {
     Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, lpart, cmax;
     Scratch<uint32_t> qpairs, kpairs;
+    HeadRows<T> krows, vrows;
+    HeadRows<uint32_t> kprows;
   };
   auto make_state = [&] {
     return State{Scratch<T>(kPairs ? 0 : d * bm),
@@ -112,7 +123,10 @@ void fwd_impl(const FwdParams& p) {
                  Scratch<T>(bm),
                  Scratch<T>(bm),
                  Scratch<uint32_t>(kPairs ? kd * bm : 0),
-                 Scratch<uint32_t>(kPairs ? bn * kd : 0)};
+                 Scratch<uint32_t>(kPairs ? bn * kd : 0),
+                 HeadRows<T>(kPairs || k_in_place ? 0 : cache_rows, dpad, 1),
+                 HeadRows<T>(v_in_place ? 0 : cache_rows, dpad, 1),
+                 HeadRows<uint32_t>(kPairs ? cache_rows : 0, kd, 1)};
   };
 
   auto work = [&](State& st, int64_t item) {
@@ -184,17 +198,49 @@ void fwd_impl(const FwdParams& p) {
       fill(l, mpad, T(0));
     }
 
+    // The item's K and V rows [g0, g1) of kv head (b_kv, hk), packed (null: copied per tile or
+    // read in place).
+    const int64_t g0 = k0 + kv_begin, g1 = k0 + kv_end, head = b_kv * sh.nheads_kv + hk;
+    const T* k_item = nullptr;
+    const uint32_t* kp_item = nullptr;
+    if constexpr (kPairs) {
+      kp_item = st.kprows.rows(head, g0, g1, [&](uint32_t* dst, int64_t r0, int64_t r1) {
+        pack_pair_rows(row_ptr(k, p.k_strides, b_kv, r0, hk), p.k_strides.row, r1 - r0, d, dst);
+      });
+    } else if (!k_in_place) {
+      k_item = st.krows.rows(head, g0, g1, [&](T* dst, int64_t r0, int64_t r1) {
+        pack_rows(row_ptr(k, p.k_strides, b_kv, r0, hk), p.k_strides.row, r1 - r0, d, dst, dpad, dpad);
+      });
+    }
+    const T* v_item = v_in_place ? nullptr : st.vrows.rows(head, g0, g1, [&](T* dst, int64_t r0, int64_t r1) {
+      pack_rows(row_ptr(v, p.v_strides, b_kv, r0, hk), p.v_strides.row, r1 - r0, d, dst, dpad, dpad);
+    });
+    // Where the prefetches read: row kv_begin of the packed rows or of the tensor, row step
+    // and bytes per row.
+    const RowsAt k_ahead = kp_item != nullptr ? rows_at(kp_item, kd, kd)
+                           : k_item != nullptr ? rows_at(k_item, dpad, dpad)
+                                               : rows_at(row_ptr(k, p.k_strides, b_kv, g0, hk), p.k_strides.row, d);
+    const RowsAt v_ahead = v_item != nullptr ? rows_at(v_item, dpad, dpad)
+                                             : rows_at(row_ptr(v, p.v_strides, b_kv, g0, hk), p.v_strides.row, d);
     for (int64_t c0 = kv_begin; c0 < kv_end; c0 += bn) {
       const int64_t n = imin(bn, kv_end - c0);
-      int64_t ldk = 0, ldv;
+      int64_t ldk = dpad, ldv = dpad;
       const T* kt = nullptr;
-      uint32_t* kp = st.kpairs.get();
+      const uint32_t* kp = st.kpairs.get();
       if constexpr (kPairs) {
-        pack_pair_rows(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, kp);
+        if (kp_item != nullptr) {
+          kp = kp_item + (c0 - kv_begin) * kd;
+        } else {
+          pack_pair_rows(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, st.kpairs.get());
+        }
+      } else if (k_item != nullptr) {
+        kt = k_item + (c0 - kv_begin) * dpad;
       } else {
         kt = rows_as(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
       }
-      const T* vt = rows_as(row_ptr(v, p.v_strides, b_kv, k0 + c0, hk), p.v_strides.row, n, d, dpad, st.vbuf.get(), ldv);
+      const T* vt = v_item != nullptr
+                        ? v_item + (c0 - kv_begin) * dpad
+                        : rows_as(row_ptr(v, p.v_strides, b_kv, k0 + c0, hk), p.v_strides.row, n, d, dpad, st.vbuf.get(), ldv);
       for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
       const bool masked = !km::band_block_full(r0, r0 + rows, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
       // Sᵀ = K·Qᵀ (n x mpad), and with kStoreMax its column maxima into cmax.
@@ -233,12 +279,15 @@ void fwd_impl(const FwdParams& p) {
         vstore(m_run + i, mx);
         vstore(m_use + i, mu);
       }
-      // The next kv tile's rows, fetched while this one computes: they are strided rows of
-      // the K/V tensors, which the hardware prefetchers do not follow far enough ahead.
+      // The next kv tile's rows, fetched into L2 while this one computes: the packed rows, or
+      // the strided rows of the K/V tensors, which the hardware prefetchers do not follow far
+      // enough ahead (packed rows come from L3 or memory too when an item starts over).
       const int64_t n_next = imin(bn, kv_end - c0 - n);
-      const in_t* k_next = n_next > 0 ? row_ptr(k, p.k_strides, b_kv, k0 + c0 + n, hk) : nullptr;
-      const in_t* v_next = n_next > 0 ? row_ptr(v, p.v_strides, b_kv, k0 + c0 + n, hk) : nullptr;
-      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(in_t));
+      const int64_t next = n_next > 0 ? c0 + n - kv_begin : 0;
+      const char* k_next = k_ahead.at + next * k_ahead.step;
+      const char* v_next = v_ahead.at + next * v_ahead.step;
+      const int64_t v_bytes = v_item != nullptr ? dpad * static_cast<int64_t>(sizeof(T))
+                                                : d * static_cast<int64_t>(sizeof(in_t));
       // P = exp(Sᵀ - m) in place, row by row (sequential through the tile), column sums in
       // lsum; the next tile's K/V rows are prefetched one per row. The sums are taken over
       // kChunk rows at a time in lpart (as the GEMMs do, gemm.h), so their rounding error does
@@ -247,8 +296,8 @@ void fwd_impl(const FwdParams& p) {
       fill(lpart, mpad, T(0));
       for (int64_t j = 0; j < n; ++j) {
         if (j < n_next) {
-          prefetch_lines(k_next + j * p.k_strides.row, row_bytes);
-          prefetch_lines(v_next + j * p.v_strides.row, row_bytes);
+          prefetch_lines(k_next + j * k_ahead.step, k_ahead.bytes);
+          prefetch_lines(v_next + j * v_ahead.step, v_ahead.bytes);
         }
         T* row = s + j * bm;
         int64_t i = 0;

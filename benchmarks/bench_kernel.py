@@ -2,7 +2,9 @@
 
 Times forward and forward+backward of every available backend on the current device and
 prints ms, TFLOP/s (flash-attn FLOP count), peak memory and the ratio to the peer measured in
-the same run (torch SDPA on CPU; SDPA's flash and cuDNN backends on CUDA).
+the same run (torch SDPA on CPU; SDPA's flash and cuDNN backends on CUDA). At each shape the
+backends' timed calls alternate (one call of each in turn, --repeats rounds; median per backend),
+so a machine whose speed drifts during the run favours none of them.
 
     python benchmarks/bench_kernel.py                       # CPU: every ISA level this CPU runs
     python benchmarks/bench_kernel.py --isa avx2,avx512 --dtype fp32,bf16 --threads 1,2
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -136,7 +139,25 @@ def supported(name, device, dtype, headdim, causal, q, k, window=-1, softcap=0.0
     return None
 
 
-def measure(name, tile_config, args, device, dtype_name, s, d, causal, window=None, softcap=None):
+def make_step(run, leaves, dout):
+    """One timed call: a forward, or (dout given) a forward and backward that frees the grads."""
+    def step():
+        if dout is not None:
+            out = run()
+            torch.autograd.backward(out, dout)
+            for t in leaves:
+                t.grad = None
+        else:
+            with torch.no_grad():
+                run()
+    return step
+
+
+def measure(entries, args, device, dtype_name, s, d, causal, window=None, softcap=None):
+    """Rows of every backend of `entries` ((name, tile_config) pairs) at one shape, in entry
+    order. Each mode's repeats are interleaved across the backends (one timed call of each in
+    turn), so a machine whose speed drifts during the run (a shared VM: up to 15 % within
+    minutes) biases no backend against another."""
     dtype = DTYPES[dtype_name]
     h, h_kv, b = args.heads, args.heads_kv or args.heads, args.batch
     gen = torch.Generator(device=device).manual_seed(0)
@@ -145,39 +166,40 @@ def measure(name, tile_config, args, device, dtype_name, s, d, causal, window=No
     v = torch.randn(b, s, h_kv, d, device=device, dtype=dtype, generator=gen)
     window = args.window if window is None else window
     softcap = args.softcap if softcap is None else softcap
-    reason = supported(name, device, dtype, d, causal, q, k, window, softcap)
-    row = {"backend": name if not tile_config else f"{name}:{tile_config}", "batch": b, "heads": h,
-           "heads_kv": h_kv, "seqlen": s, "headdim": d, "causal": causal,
-           "dtype": dtype_name, "threads": torch.get_num_threads(), "skipped": reason}
-    if window >= 0 or softcap:
-        row.update(window=window, softcap=softcap)
-    if reason:
-        return [dict(row, mode=m) for m in args.modes]
-    rows = []
+    rows = {}  # entry index -> its rows
+    live = []  # (entry index, name, tile_config, row) of the backends that run here
+    for i, (name, tile_config) in enumerate(entries):
+        reason = supported(name, device, dtype, d, causal, q, k, window, softcap)
+        row = {"backend": name if not tile_config else f"{name}:{tile_config}", "batch": b, "heads": h,
+               "heads_kv": h_kv, "seqlen": s, "headdim": d, "causal": causal,
+               "dtype": dtype_name, "threads": torch.get_num_threads(), "skipped": reason}
+        if window >= 0 or softcap:
+            row.update(window=window, softcap=softcap)
+        rows[i] = [dict(row, mode=m) for m in args.modes] if reason else []
+        if not reason:
+            live.append((i, name, tile_config, row))
     for mode in args.modes:
         grad = mode == "fwd_bwd"
         for t in (q, k, v):
             t.requires_grad_(grad)
-        run, leaves = make_runner(name, q, k, v, causal, tile_config, window, softcap)
-        dout = torch.randn_like(leaves[0]) if grad else None
-
-        def step():
-            if grad:
-                out = run()
-                torch.autograd.backward(out, dout)
-                for t in leaves:
-                    t.grad = None
-            else:
-                with torch.no_grad():
-                    run()
-
-        with PeakMemory(device) as mem:
-            step()
-        ms = time_ms(step, device, warmup=args.warmup, repeats=args.repeats, clock=args.clock)
+        steps = []
+        for i, name, tile_config, row in live:
+            run, leaves = make_runner(name, q, k, v, causal, tile_config, window, softcap)
+            step = make_step(run, leaves, torch.randn_like(leaves[0]) if grad else None)
+            with PeakMemory(device) as mem:
+                step()
+            for _ in range(args.warmup):
+                step()
+            steps.append((i, row, step, mem.peak))
+        times = [[] for _ in steps]
+        for _ in range(args.repeats):
+            for t, (_, _, step, _) in zip(times, steps):
+                t.append(time_ms(step, device, warmup=0, repeats=1, clock=args.clock))
         flops = attention_flops(b, h, s, s, d, False, mode) * visible_pairs(s, s, window, causal) / (s * s)
-        rows.append(dict(row, mode=mode, ms=ms, tflops=flops / ms / 1e9,
-                         peak_mib=mib(mem.peak)))
-    return rows
+        for (i, row, _, peak), t in zip(steps, times):
+            ms = statistics.median(t)
+            rows[i].append(dict(row, mode=mode, ms=ms, tflops=flops / ms / 1e9, peak_mib=mib(peak)))
+    return [r for i in range(len(entries)) for r in rows[i]]
 
 
 # torch's own ISA knobs per ringseq level, for SDPA at the same level ("--sdpa-isa match")
@@ -264,15 +286,15 @@ def run_here(args, device):
         names += [peer for peer in peers if peer not in names]
     tile_configs = [int(c) for c in args.tile_configs.split(",")]
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
-    jobs = []
+    jobs = []  # (threads, dtype, [(backend, tile config)], s, d, causal, window, softcap)
     for threads in args.thread_counts:
         for dt in args.dtypes:
             for s in (int(x) for x in args.seqlens.split(",")):
                 for d in (int(x) for x in args.headdims.split(",")):
                     for causal in causals:
-                        for name in names:
-                            for tc in (tile_configs if name == "ringseq" and device.type == "cuda" else [0]):
-                                jobs.append((threads, dt, name, tc, s, d, causal, None, None))
+                        entries = [(name, tc) for name in names
+                                   for tc in (tile_configs if name == "ringseq" and device.type == "cuda" else [0])]
+                        jobs.append((threads, dt, entries, s, d, causal, None, None))
     if args.masks:
         # --masks W:C1,C2: the spans path at the largest shape, causal, window W, each soft-cap;
         # ringseq (config 2's d=128 forward runs config 0 with spans) and a peer that takes a mask
@@ -283,21 +305,23 @@ def run_here(args, device):
         for threads in args.thread_counts:
             for dt in args.dtypes:
                 for cap in (float(c) for c in caps.split(",")):
+                    entries = []
                     for name in ("ringseq", peer):
                         tcs = [c for c in tile_configs if not (c == 2 and d == 128)] if name == "ringseq" and device.type == "cuda" else [0]
-                        for tc in tcs:
-                            jobs.append((threads, dt, name, tc, s, d, True, int(window), cap))
+                        entries += [(name, tc) for tc in tcs]
+                    jobs.append((threads, dt, entries, s, d, True, int(window), cap))
     rows = []
     isa = cpu_isa() if device.type == "cpu" else None
-    for i, (threads, dt, name, tc, s, d, causal, window, cap) in enumerate(jobs, 1):
+    for i, (threads, dt, entries, s, d, causal, window, cap) in enumerate(jobs, 1):
         if threads:
             torch.set_num_threads(threads)
-        progress(f"[{i}/{len(jobs)}] {name}{':' + str(tc) if tc else ''} s={s} d={d} "
+        names_here = ", ".join(n + (f":{tc}" if tc else "") for n, tc in entries)
+        progress(f"[{i}/{len(jobs)}] {names_here} (interleaved) s={s} d={d} "
                  f"{'causal' if causal else 'full'} {dt}, {torch.get_num_threads()} thread(s)"
-                 + (f", ringseq CPU ISA {isa}" if isa and name == "ringseq" else "")
+                 + (f", ringseq CPU ISA {isa}" if isa else "")
                  + (f", window {window} softcap {cap}" if window is not None else ""))
-        for r in measure(name, tc, args, device, dt, s, d, causal, window, cap):
-            r["isa"] = isa if name == "ringseq" else None
+        for r in measure(entries, args, device, dt, s, d, causal, window, cap):
+            r["isa"] = isa if r["backend"].split(":")[0] == "ringseq" else None
             rows.append(r)
     for r in rows:  # ratios against peers measured in this run at the same shape and mode
         for peer in peers:
@@ -412,7 +436,8 @@ def main(argv=None):
         columns[7:7] = [("window", "window", "{}"), ("softcap", "softcap", "{}")]
     print(f"# bench_kernel: b={args.batch} h={args.heads} h_kv={args.heads_kv or args.heads} "
           f"{','.join(args.dtypes)} on {device} (torch {torch.__version__}; "
-          f"{'thread CPU time' if args.clock == 'cpu' else 'wall time'}, median of {args.repeats})")
+          f"{'thread CPU time' if args.clock == 'cpu' else 'wall time'}, median of {args.repeats}, "
+          f"backends interleaved)")
     if device.type == "cpu":
         end = load_average()
         isa_note = ("per row: " + "; ".join(isa_forced_note(lv, requested=lv) for lv in levels)

@@ -1,0 +1,54 @@
+"""benchmarks/bench_kernel.py on CPU: at one shape the backends' timed calls alternate, so a
+machine that slows down during the run does not favour the backend timed first; a small run
+writes rows for ringseq and its peer with their ratio."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def test_timed_calls_alternate_between_backends(monkeypatch):
+    import bench_kernel
+
+    calls = []
+
+    def fake_runner(name, q, k, v, causal, tile_config, window=-1, softcap=0.0):
+        def run():
+            calls.append(name)
+            return (q * 1).sum()
+        return run, (q, k, v)
+
+    monkeypatch.setattr(bench_kernel, "make_runner", fake_runner)
+    monkeypatch.setattr(bench_kernel, "supported", lambda *a, **kw: None)
+    _, args = bench_kernel.parse_args(["--device", "cpu", "--modes", "fwd", "--warmup", "1",
+                                       "--repeats", "4", "--heads", "1"])
+    rows = bench_kernel.measure([("ringseq", 0), ("torch_sdpa", 0)], args, bench_kernel.torch.device("cpu"),
+                                "fp32", 16, 8, False)
+    # Per backend: one call for the peak memory, one warm-up; then the 4 timed rounds in turn.
+    assert calls == ["ringseq"] * 2 + ["torch_sdpa"] * 2 + ["ringseq", "torch_sdpa"] * 4
+    assert [r["backend"] for r in rows] == ["ringseq", "torch_sdpa"]
+    assert all(r["ms"] > 0 and r["mode"] == "fwd" for r in rows)
+
+
+def test_small_cpu_run_writes_ratio_rows(tmp_path):
+    out = tmp_path / "k.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernel.py"),
+                           "--device", "cpu", "--isa", "current", "--backends", "ringseq,torch_sdpa",
+                           "--seqlens", "64", "--heads", "2", "--headdims", "16", "--causal", "true",
+                           "--dtype", "fp32", "--repeats", "2", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "backends interleaved" in proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["backend"], r["mode"]) for r in rows} == {
+        (b, m) for b in ("ringseq", "torch_sdpa") for m in ("fwd", "fwd_bwd")}
+    for r in rows:
+        assert r["ms"] > 0 and r["tflops"] > 0
+        ratio = r["x_torch_sdpa"]
+        peer = next(x for x in rows if x["backend"] == "torch_sdpa" and x["mode"] == r["mode"])
+        assert abs(ratio - peer["ms"] / r["ms"]) < 1e-9

@@ -156,8 +156,8 @@ constexpr int64_t kHeadRowsBytes = int64_t(8) << 20;
 // Why: the rows of one head lie h·d elements apart, usually one 4 KiB page per row, so every
 // per-tile copy of them walked the TLB once per row; items of one head read the same rows again
 // (the forward's q tiles all read the head's K/V, the backward's key tiles its Q/dO), and
-// copying them once per thread made the AVX2 forward 7-9 % and the backward ~6 % faster at
-// s = 4096, d = 128 (as fast as the same inputs in 2 MiB pages). `slots` heads are held at
+// copying them once per thread made the AVX2 forward 5-9 % and the backward 2-8 % faster at
+// s = 4096, d = 128 on a Zen 4 (as fast as the same inputs in 2 MiB pages). `slots` heads are held at
 // once (a GQA group's query heads take turns in the backward), each up to cap_rows rows.
 template <typename E>
 struct HeadRows {

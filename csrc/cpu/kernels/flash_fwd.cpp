@@ -286,8 +286,6 @@ void fwd_impl(const FwdParams& p) {
       const int64_t next = n_next > 0 ? c0 + n - kv_begin : 0;
       const char* k_next = k_ahead.at + next * k_ahead.step;
       const char* v_next = v_ahead.at + next * v_ahead.step;
-      const int64_t v_bytes = v_item != nullptr ? dpad * static_cast<int64_t>(sizeof(T))
-                                                : d * static_cast<int64_t>(sizeof(in_t));
       // P = exp(Sᵀ - m) in place, row by row (sequential through the tile), column sums in
       // lsum; the next tile's K/V rows are prefetched one per row. The sums are taken over
       // kChunk rows at a time in lpart (as the GEMMs do, gemm.h), so their rounding error does

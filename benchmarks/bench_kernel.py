@@ -318,7 +318,7 @@ def run_here(args, device):
         names_here = ", ".join(n + (f":{tc}" if tc else "") for n, tc in entries)
         progress(f"[{i}/{len(jobs)}] {names_here} (interleaved) s={s} d={d} "
                  f"{'causal' if causal else 'full'} {dt}, {torch.get_num_threads()} thread(s)"
-                 + (f", ringseq CPU ISA {isa}" if isa else "")
+                 + (f", ringseq CPU ISA {isa}" if isa and any(n == "ringseq" for n, _ in entries) else "")
                  + (f", window {window} softcap {cap}" if window is not None else ""))
         for r in measure(entries, args, device, dt, s, d, causal, window, cap):
             r["isa"] = isa if r["backend"].split(":")[0] == "ringseq" else None

@@ -59,6 +59,24 @@ PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// _cpu_head_rows_bytes(value=None) -> int: the previous per-thread budget of packed input rows
+// (bytes); an int >= 0 sets it for later kernel calls.
+PyObject* cpu_head_rows_bytes(PyObject*, PyObject* args) {
+  PyObject* value = Py_None;
+  if (!PyArg_ParseTuple(args, "|O", &value)) return nullptr;
+  long long v = -1;
+  if (value != Py_None) {
+    v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred()) return nullptr;
+    if (v < 0) {
+      PyErr_Format(PyExc_ValueError,
+                   "_cpu_head_rows_bytes(value): value must be None or a byte count >= 0, got %lld", v);
+      return nullptr;
+    }
+  }
+  return PyLong_FromLongLong(ringseq::cpu::head_rows_bytes(v));
+}
+
 PyMethodDef kMethods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS,
      "ISA level of the CPU kernel in use (baseline, avx2, avx512, avx512bf16), chosen at first use"},
@@ -67,6 +85,9 @@ PyMethodDef kMethods[] = {
     {"cpu_isa_built", cpu_isa_built, METH_NOARGS, "ISA levels built into this extension"},
     {"_set_cpu_isa", set_cpu_isa, METH_O,
      "Force the CPU kernel's ISA level in this process (None: back to RINGSEQ_CPU_ISA/auto)"},
+    {"_cpu_head_rows_bytes", cpu_head_rows_bytes, METH_VARARGS,
+     "Per-thread budget (bytes) of input rows the CPU kernel packs once per head; returns the "
+     "previous value, sets it when given (results do not depend on it; for tests and benchmarks)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -75,19 +75,7 @@ CASES = [
     (2, 129, 129, 1, 1, 80, True, bf16, "contig"),
     (1, 3816, 3816, 1, 1, 64, True, f32, "contig"),
     (1, 3816, 3816, 1, 1, 128, False, bf16, "transposed"),
-] + [
-    # A worker thread packs an item's K/V rows (forward) or Q/dO rows (backward) of one head
-    # once and reuses them for the head's next items, up to 8 MiB of rows (csrc/cpu/common.h:
-    # HeadRows); longer ranges are copied tile by tile. These exceed it (float32 d = 128: 8192
-    # K+V or Q+dO rows; bf16 on the avx512bf16 level: 10922 keys, 5461 query rows) ...
-    (1, 40, 11000, 2, 1, 128, False, f32, "slice"),
-    (1, 40, 11000, 2, 1, 128, True, bf16, "transposed"),
-    (1, 8300, 40, 2, 1, 128, False, f32, "transposed"),
-    (1, 5500, 40, 2, 1, 128, False, bf16, "slice"),
-    # ... and a GQA group's query heads hold 3 slots of 2100 rows for 4 heads (two share one).
-    (1, 2100, 64, 4, 1, 128, False, f32, "slice"),
 ]
-LONG_ROW_CASES = CASES[-5:]
 
 
 def case_id(c):
@@ -296,7 +284,7 @@ ISA_LEVELS = ringseq._C.cpu_isa_supported()
 
 # dtypes, head dims (vector multiples and not), causal/full, GQA/MQA, odd lengths, rows that
 # see no key, strided views (slice, transposed)
-ISA_CASES = [c for c in CASES if c[1] < 1000 and c not in LONG_ROW_CASES] + LONG_ROW_CASES + [
+ISA_CASES = [c for c in CASES if c[1] < 1000] + [
     (1, 1000, 1000, 2, 1, 64, True, bf16, "slice"),  # several tiles of every size, bf16
     # odd head dims in bf16: avx512bf16 multiplies bf16 pairs, the last pair half zero
     (1, 67, 67, 2, 1, 7, True, bf16, "slice"),
@@ -308,6 +296,49 @@ ISA_CASES = [c for c in CASES if c[1] < 1000 and c not in LONG_ROW_CASES] + LONG
 def test_every_isa_level_matches_reference(isa, case):
     test_fwd_bwd_and_bwd_accum_match_reference(case)  # asserts per docs/design.md
     assert ringseq._C.cpu_isa() == isa  # ... and ran at the level under test
+
+
+# A worker thread packs the rows that several of its items read (the forward's K/V of a kv
+# head, the backward's Q/dO of a query head) once, up to a per-thread budget, and copies the rest
+# tile by tile (csrc/cpu/common.h: HeadRows). That changes where the kernel reads its inputs,
+# not what it computes: every budget gives the same bits. 0 packs nothing; 192 KiB packs the
+# forward's shorter causal key ranges of the first case and copies the longer ones.
+HEAD_ROWS_CASES = [
+    (1, 700, 700, 4, 2, 64, True, f32, "slice"),        # forward: several q tiles per kv head
+    (2, 300, 400, 8, 8, 32, True, f32, "slice"),        # backward: one chunk of key tiles per head
+    (2, 300, 400, 8, 4, 32, False, bf16, "slice"),      # GQA: a slot per query head of a group
+    (1, 700, 300, 4, 2, 16, True, f16, "slice"),
+    (1, 100, 255, 8, 1, 80, True, f64, "slice"),
+    (1, 500, 500, 2, 2, 128, False, f32, "transposed"),  # contiguous float rows: read in place
+]
+
+
+@pytest.mark.parametrize("case", HEAD_ROWS_CASES, ids=[case_id(c) for c in HEAD_ROWS_CASES])
+def test_every_isa_level_packed_rows_budget_does_not_change_results(isa, case):
+    b, s_q, s_k, h, h_kv, d, causal, dtype, layout = case
+    q, k, v, dout = make_inputs(b, s_q, s_k, h, h_kv, d, dtype, layout, seed=5)
+    scale = d ** -0.5
+    default = ringseq._C._cpu_head_rows_bytes()
+    results = []
+    try:
+        for budget in (default, 0, 192 << 10):
+            assert ringseq._C._cpu_head_rows_bytes(budget) in (default, 0, 192 << 10)
+            out, lse = ops.fwd(q, k, v, scale, causal)
+            results.append((out, lse, *ops.bwd(dout, q, k, v, out, lse, scale, causal)))
+    finally:
+        ringseq._C._cpu_head_rows_bytes(default)
+    assert default == 8 << 20 and ringseq._C._cpu_head_rows_bytes() == default
+    for other in results[1:]:
+        for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), results[0], other):
+            assert torch.equal(a, e), name
+    assert ringseq._C.cpu_isa() == isa
+
+
+def test_packed_rows_budget_rejects_negative_values():
+    with pytest.raises(ValueError, match=r"_cpu_head_rows_bytes\(value\): value must be None or a "
+                                         r"byte count >= 0, got -5"):
+        ringseq._C._cpu_head_rows_bytes(-5)
+    assert ringseq._C._cpu_head_rows_bytes() == 8 << 20
 
 
 @pytest.mark.parametrize("dtype", [f32, bf16, f16, f64])

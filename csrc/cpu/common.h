@@ -50,6 +50,7 @@ inline void pack_rows(const in_t* src, int64_t ld, int64_t rows, int64_t d, T* d
 // always copied: rows of a (b, s, h, d) tensor lie h·d elements apart, often a multiple of
 // 4 KiB, and reading many of them in place makes every row of a tile compete for the same L1
 // sets (a copy costs ~1/(2·tile) of the GEMM work on it and measured up to 1.4x faster).
+// Rows that many items read are packed once per thread instead (HeadRows, below).
 template <typename T, typename in_t>
 inline const T* rows_as(const in_t* src, int64_t src_ld, int64_t rows, int64_t d, int64_t dpad,
                         T* buf, int64_t& ld) {
@@ -146,19 +147,16 @@ struct Scratch {
   T* get() const { return ptr; }
 };
 
-// Bytes of input rows a worker thread may keep packed in HeadRows (all its caches together).
-// 8 MiB holds one head's K and V (forward) or Q and dO (backward) in float32 up to 8192 rows at
-// d = 128; longer ranges fall back to per-tile copies.
-constexpr int64_t kHeadRowsBytes = int64_t(8) << 20;
-
 // Rows [r0, r1) of one head of a (b, s, h, d) input, packed contiguously (ld elements per row)
 // into a worker thread's scratch once and reused by the thread's next items of the same head.
 // Why: the rows of one head lie h·d elements apart, usually one 4 KiB page per row, so every
 // per-tile copy of them walked the TLB once per row; items of one head read the same rows again
 // (the forward's q tiles all read the head's K/V, the backward's key tiles its Q/dO), and
-// copying them once per thread made the AVX2 forward 5-9 % and the backward 2-8 % faster at
-// s = 4096, d = 128 on a Zen 4 (as fast as the same inputs in 2 MiB pages). `slots` heads are held at
-// once (a GQA group's query heads take turns in the backward), each up to cap_rows rows.
+// copying them once per thread made the AVX2 forward 2-6 % and the backward 2-8 % faster at
+// s = 4096 on a Zen 4 (the same inputs in 2 MiB pages: 4-7 % and 6-8 %). `slots` heads are held
+// at once (a GQA group's query heads take turns in the backward), each up to cap_rows rows.
+// A thread's caches together hold at most hook_head_rows_bytes() (8 MiB by default); callers
+// use them only where items reuse rows, and longer ranges are copied per tile as before.
 template <typename E>
 struct HeadRows {
   static constexpr int kMaxSlots = 16;

@@ -39,6 +39,18 @@ void hook_fail(const char* what, int64_t bytes) {
 }
 
 namespace {
+// 8 MiB holds one head's K and V (forward) or Q and dO (backward) in float32 up to 8192 rows at
+// d = 128, and stays small next to the inputs on a many-core machine (64 threads: 512 MiB).
+std::atomic<int64_t> g_head_rows_bytes{int64_t(8) << 20};
+}  // namespace
+
+int64_t hook_head_rows_bytes() { return g_head_rows_bytes.load(std::memory_order_relaxed); }
+
+int64_t head_rows_bytes(int64_t value) {
+  return value >= 0 ? g_head_rows_bytes.exchange(value) : g_head_rows_bytes.load();
+}
+
+namespace {
 
 enum Level : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kNumLevels = 4 };
 

@@ -31,6 +31,8 @@ int hook_num_threads();
 void hook_parallel(int64_t nthreads, void (*body)(void*), void* ctx);
 // Throws the error torch reports for a failed kernel (c10::Error, a RuntimeError in Python).
 [[noreturn]] void hook_fail(const char* what, int64_t bytes);
+// Bytes of input rows a worker thread may keep packed in one call (common.h: HeadRows).
+int64_t hook_head_rows_bytes();
 
 namespace baseline {
 const KernelTable* kernel_table();

@@ -6,8 +6,9 @@
 // tiles: S = Q·(scale·Kᵀ), dP = dO·Vᵀ (Q and dO as the broadcast operand), P = exp(S - lse),
 // dS = scale·P∘(dP - D), then dV += Pᵀ·dO and dK += dSᵀ·Q (P and dS read transposed through the
 // broadcast operand's strides) into the tile's accumulators, and dQ += dS·K into the query rows.
-// Q, dO and K rows are copied into contiguous float tiles first (common.h: rows_as). dK/dV of a
-// key tile are owned by one item. dQ rows are shared by the chunks of a head: with one chunk
+// Q, dO and K rows are read as contiguous float rows: Q/dO packed once per thread and query
+// head where an item's key tiles reuse them (common.h: HeadRows), else copied per block
+// (rows_as). dK/dV of a key tile are owned by one item. dQ rows are shared by the chunks of a head: with one chunk
 // (enough heads to keep the threads busy) the item adds straight into dq; otherwise every chunk
 // owns a float32 partial dQ and the partials are summed in chunk order at the end. The chunk
 // count depends on the shape and the machine only (bwd_chunks), so results do not depend on
@@ -144,17 +145,19 @@ void bwd_impl(const BwdParams& p) {
   constexpr bool kPairs = kBf16Pairs && kSame<in_t, bf16_t>;
   const int64_t kd = (d + 1) / 2;
   // Q and dO rows of a key tile's query rows, packed once per thread and query head (HeadRows:
-  // every key tile of a head reads them) where they fit, else copied per block; read in place
-  // where they already are contiguous rows of T. One slot per query head of a GQA group (they
-  // take turns per key tile) while the group's rows fit.
+  // an item's key tiles all read them) where an item has several key tiles and every query
+  // head of a GQA group gets a slot (they take turns per key tile; with fewer slots each turn
+  // would pack again), else copied per block; read in place where they already are
+  // contiguous rows of T.
   const bool q_in_place = kSame<T, in_t> && d == dpad && p.q_strides.row == dpad;
   const bool do_in_place = kSame<T, in_t> && d == dpad && p.dout_strides.row == dpad;
   int64_t max_rows = 0;
   for (int64_t t = 0; t < nkt; ++t) max_rows = imax(max_rows, ktiles.get()[t].other.size());
   const int64_t q_row_bytes = static_cast<int64_t>(sizeof(T)) * 2 * dpad + (kPairs ? 8 * kd : 0);
-  const int64_t slots = iclamp(kHeadRowsBytes / imax(1, q_row_bytes * max_rows), 1,
-                               imin(group, HeadRows<T>::kMaxSlots));
-  const int64_t cache_rows = imin(max_rows, kHeadRowsBytes / (q_row_bytes * slots));
+  const int64_t slots = imin(group, HeadRows<T>::kMaxSlots);
+  const int64_t group_rows = hook_head_rows_bytes() / (q_row_bytes * slots);
+  const bool cached = nkt > chunks && group <= HeadRows<T>::kMaxSlots && group_rows >= max_rows;
+  const int64_t cache_rows = cached ? max_rows : 0;
   struct State {
     Scratch<T> kt, vt, kbuf, qbuf, dobuf, s, dp, dk, dv;
     Scratch<uint32_t> qpairs, kpairs, dopairs, vpairs;

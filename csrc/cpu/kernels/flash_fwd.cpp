@@ -1,11 +1,13 @@
 // CPU forward (one copy per ISA level): tiled online softmax. One work item is (batch, head,
 // tile of query rows); it streams the visible key tiles and keeps the running max, sum and
-// output of its rows in per-thread scratch, so extra memory is O(threads x tile).
+// output of its rows in per-thread scratch, so extra memory is O(threads x tile), plus the
+// packed K/V rows of one kv head per thread (common.h: HeadRows, at most 8 MiB by default).
 //
 // Per key tile: Sᵀ = K·Qᵀ (K as the broadcast operand, Qᵀ packed once per item; the column
 // maxima come out of the GEMM's epilogue), P = exp(S - m) through the rows of Sᵀ, and
 // O = alpha·O + P·V (Pᵀ as the broadcast operand, the rescale in the GEMM's epilogue). K and V
-// tiles are copied into contiguous float tiles (common.h: rows_as). O stays row-major, so the
+// rows are read as contiguous float rows: packed once per thread and kv head where other items
+// reuse them (HeadRows), else copied per tile (common.h: rows_as). O stays row-major, so the
 // epilogue writes output rows without a transpose.
 //
 // Spans and bands (masks.h): one work item is a q tile of one span; it visits only the keys
@@ -94,15 +96,18 @@ void fwd_impl(const FwdParams& p) {
   // not rounded to bf16).
   constexpr bool kPairs = kBf16Pairs && kSame<in_t, bf16_t>;
   const int64_t kd = (d + 1) / 2;
-  // K and V rows of an item's keys, packed once per thread and head (HeadRows) where they fit,
-  // else per tile; read in place where they already are contiguous rows of T.
+  // K and V rows of an item's keys, packed once per thread and kv head (HeadRows) where other
+  // items read them again (several q tiles or query heads per kv head, no key splits: a split
+  // item's range is its own) and they fit, else copied per tile; read in place where they
+  // already are contiguous rows of T.
   const int64_t k_row_elems = kPairs ? kd : dpad;
   const bool k_in_place = !kPairs && kSame<T, in_t> && d == dpad && p.k_strides.row == dpad;
   const bool v_in_place = kSame<T, in_t> && d == dpad && p.v_strides.row == dpad;
   int64_t max_keys = 0;
   for (int64_t t = 0; t < ntiles; ++t) max_keys = imax(max_keys, tile_list.get()[t].other.size());
+  const bool reused = n_splits == 1 && q_tiles * group > 1;
   const int64_t kv_row_bytes = static_cast<int64_t>(sizeof(T)) * (k_row_elems + dpad);
-  const int64_t cache_rows = imin(max_keys, kHeadRowsBytes / kv_row_bytes);
+  const int64_t cache_rows = reused ? imin(max_keys, hook_head_rows_bytes() / kv_row_bytes) : 0;
   struct State {
     Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, lpart, cmax;
     Scratch<uint32_t> qpairs, kpairs;

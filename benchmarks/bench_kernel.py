@@ -157,7 +157,8 @@ def measure(entries, args, device, dtype_name, s, d, causal, window=None, softca
     """Rows of every backend of `entries` ((name, tile_config) pairs) at one shape, in entry
     order. Each mode's repeats are interleaved across the backends (one timed call of each in
     turn), so a machine whose speed drifts during the run (a shared VM: up to 15 % within
-    minutes) biases no backend against another."""
+    minutes) biases no backend against another. Every backend's inputs of one shape (SDPA's
+    transposed copies, its mask) are alive together while the shape runs."""
     dtype = DTYPES[dtype_name]
     h, h_kv, b = args.heads, args.heads_kv or args.heads, args.batch
     gen = torch.Generator(device=device).manual_seed(0)

@@ -59,8 +59,8 @@ PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-// _cpu_head_rows_bytes(value=None) -> int: the previous per-thread budget of packed input rows
-// (bytes); an int >= 0 sets it for later kernel calls.
+// _cpu_head_rows_bytes([value]) -> int: the previous per-thread budget of packed input rows
+// (bytes); an int >= 0 (positional) sets it for later kernel calls, None or nothing only reads.
 PyObject* cpu_head_rows_bytes(PyObject*, PyObject* args) {
   PyObject* value = Py_None;
   if (!PyArg_ParseTuple(args, "|O", &value)) return nullptr;

@@ -305,7 +305,9 @@ def test_every_isa_level_matches_reference(isa, case):
 # forward's shorter causal key ranges of the first case and copies the longer ones.
 HEAD_ROWS_CASES = [
     (1, 700, 700, 4, 2, 64, True, f32, "slice"),        # forward: several q tiles per kv head
-    (2, 300, 400, 8, 8, 32, True, f32, "slice"),        # backward: one chunk of key tiles per head
+    # backward: an item packs when it has several key tiles, i.e. when b·h_kv covers the
+    # machine's threads (bwd_chunks): 64 (batch, kv head) pairs keep one chunk up to 32 CPUs
+    (4, 200, 1000, 16, 16, 16, True, f32, "slice"),
     (2, 300, 400, 8, 4, 32, False, bf16, "slice"),      # GQA: a slot per query head of a group
     (1, 700, 300, 4, 2, 16, True, f16, "slice"),
     (1, 100, 255, 8, 1, 80, True, f64, "slice"),
@@ -321,8 +323,10 @@ def test_every_isa_level_packed_rows_budget_does_not_change_results(isa, case):
     default = ringseq._C._cpu_head_rows_bytes()
     results = []
     try:
+        previous = default
         for budget in (default, 0, 192 << 10):
-            assert ringseq._C._cpu_head_rows_bytes(budget) in (default, 0, 192 << 10)
+            assert ringseq._C._cpu_head_rows_bytes(budget) == previous
+            previous = budget
             out, lse = ops.fwd(q, k, v, scale, causal)
             results.append((out, lse, *ops.bwd(dout, q, k, v, out, lse, scale, causal)))
     finally:

@@ -50,7 +50,8 @@ inline void pack_rows(const in_t* src, int64_t ld, int64_t rows, int64_t d, T* d
 // always copied: rows of a (b, s, h, d) tensor lie h·d elements apart, often a multiple of
 // 4 KiB, and reading many of them in place makes every row of a tile compete for the same L1
 // sets (a copy costs ~1/(2·tile) of the GEMM work on it and measured up to 1.4x faster).
-// Rows that many items read are packed once per thread instead (HeadRows, below).
+// Rows read again and again (by several items, or an item's key tiles) are packed once per
+// thread instead (HeadRows, below).
 template <typename T, typename in_t>
 inline const T* rows_as(const in_t* src, int64_t src_ld, int64_t rows, int64_t d, int64_t dpad,
                         T* buf, int64_t& ld) {
@@ -156,7 +157,8 @@ struct Scratch {
 // s = 4096 on a Zen 4 (the same inputs in 2 MiB pages: 4-7 % and 6-8 %). `slots` heads are held
 // at once (a GQA group's query heads take turns in the backward), each up to cap_rows rows.
 // A thread's caches together hold at most hook_head_rows_bytes() (8 MiB by default); callers
-// use them only where items reuse rows, and longer ranges are copied per tile as before.
+// use them only where rows are read again (rows() returns nullptr past cap_rows: the caller
+// copies per tile as before).
 template <typename E>
 struct HeadRows {
   static constexpr int kMaxSlots = 16;

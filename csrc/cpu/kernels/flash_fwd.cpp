@@ -97,9 +97,9 @@ void fwd_impl(const FwdParams& p) {
   constexpr bool kPairs = kBf16Pairs && kSame<in_t, bf16_t>;
   const int64_t kd = (d + 1) / 2;
   // K and V rows of an item's keys, packed once per thread and kv head (HeadRows) where other
-  // items read them again (several q tiles or query heads per kv head, no key splits: a split
-  // item's range is its own) and they fit, else copied per tile; read in place where they
-  // already are contiguous rows of T.
+  // items may read them again (several q tiles, of any span, or query heads per kv head; no key
+  // splits: a split item's range is its own) and they fit, else copied per tile; read in place
+  // where they already are contiguous rows of T.
   const int64_t k_row_elems = kPairs ? kd : dpad;
   const bool k_in_place = !kPairs && kSame<T, in_t> && d == dpad && p.k_strides.row == dpad;
   const bool v_in_place = kSame<T, in_t> && d == dpad && p.v_strides.row == dpad;

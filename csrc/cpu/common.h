@@ -45,18 +45,23 @@ inline void pack_rows(const in_t* src, int64_t ld, int64_t rows, int64_t d, T* d
 }
 
 // A tile of `rows` x `d` as a GEMM operand in T: the input itself when it already is T and its
-// rows are packed whole vectors (row stride dpad), else a converted, zero-padded copy in `buf`
-// (row stride dpad). Returns the pointer and sets `ld` to its row stride. Strided tiles are
+// rows are packed whole vectors (row stride dpad: rows_in_place), else a converted,
+// zero-padded copy in `buf` (row stride dpad). Returns the pointer and sets `ld` to its row
+// stride. Strided tiles are
 // always copied: rows of a (b, s, h, d) tensor lie h·d elements apart, often a multiple of
 // 4 KiB, and reading many of them in place makes every row of a tile compete for the same L1
 // sets (a copy costs ~1/(2·tile) of the GEMM work on it and measured up to 1.4x faster).
 // Rows read again and again (by several items, or an item's key tiles) are packed once per
 // thread instead (HeadRows, below).
 template <typename T, typename in_t>
+RS_INLINE bool rows_in_place(int64_t d, int64_t dpad, int64_t src_ld) {
+  return kSame<T, in_t> && d == dpad && src_ld == dpad;
+}
+template <typename T, typename in_t>
 inline const T* rows_as(const in_t* src, int64_t src_ld, int64_t rows, int64_t d, int64_t dpad,
                         T* buf, int64_t& ld) {
   if constexpr (kSame<T, in_t>) {
-    if (d == dpad && (src_ld == dpad || rows == 1)) {
+    if (rows_in_place<T, in_t>(d, dpad, src_ld) || (d == dpad && rows == 1)) {
       ld = dpad;
       return src;
     }

@@ -149,8 +149,8 @@ void bwd_impl(const BwdParams& p) {
   // head of a GQA group gets a slot (they take turns per key tile; with fewer slots each turn
   // would pack again), else copied per block; read in place where they already are
   // contiguous rows of T.
-  const bool q_in_place = kSame<T, in_t> && d == dpad && p.q_strides.row == dpad;
-  const bool do_in_place = kSame<T, in_t> && d == dpad && p.dout_strides.row == dpad;
+  const bool q_in_place = rows_in_place<T, in_t>(d, dpad, p.q_strides.row);
+  const bool do_in_place = rows_in_place<T, in_t>(d, dpad, p.dout_strides.row);
   int64_t max_rows = 0;
   for (int64_t t = 0; t < nkt; ++t) max_rows = imax(max_rows, ktiles.get()[t].other.size());
   const int64_t q_row_bytes = static_cast<int64_t>(sizeof(T)) * 2 * dpad + (kPairs ? 8 * kd : 0);

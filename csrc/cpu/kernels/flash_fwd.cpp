@@ -101,8 +101,8 @@ void fwd_impl(const FwdParams& p) {
   // splits: a split item's range is its own) and they fit, else copied per tile; read in place
   // where they already are contiguous rows of T.
   const int64_t k_row_elems = kPairs ? kd : dpad;
-  const bool k_in_place = !kPairs && kSame<T, in_t> && d == dpad && p.k_strides.row == dpad;
-  const bool v_in_place = kSame<T, in_t> && d == dpad && p.v_strides.row == dpad;
+  const bool k_in_place = !kPairs && rows_in_place<T, in_t>(d, dpad, p.k_strides.row);
+  const bool v_in_place = rows_in_place<T, in_t>(d, dpad, p.v_strides.row);
   int64_t max_keys = 0;
   for (int64_t t = 0; t < ntiles; ++t) max_keys = imax(max_keys, tile_list.get()[t].other.size());
   const bool reused = n_splits == 1 && q_tiles * group > 1;

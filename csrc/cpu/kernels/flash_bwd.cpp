@@ -77,6 +77,20 @@ void delta_rows(const BwdParams& p, typename AccType<in_t>::type* dst) {
   });
 }
 
+// P = exp(S - lse) and dS = P∘(dP - D)·scale for NV vectors of one row (their NV exps side by
+// side: exp_vecs), in place: S -> P in prow, dP -> dS in dsrow.
+template <typename T, int NV>
+RS_INLINE void p_ds(T* prow, T* dsrow, vec_t<T> lse_i, vec_t<T> d_i, vec_t<T> sc) {
+  constexpr int64_t VW = kVW<T>;
+  vec_t<T> e[NV];
+  for (int v = 0; v < NV; ++v) e[v] = vload(prow + v * VW) - lse_i;
+  exp_vecs<NV>(e);  // lse comes from the caller (a merged ring lse, any tensor): x may pass 0
+  for (int v = 0; v < NV; ++v) {
+    vstore(prow + v * VW, e[v]);
+    vstore(dsrow + v * VW, e[v] * (vload(dsrow + v * VW) - d_i) * sc);
+  }
+}
+
 template <typename in_t>
 void bwd_impl(const BwdParams& p) {
   using T = typename AccType<in_t>::type;
@@ -309,11 +323,9 @@ void bwd_impl(const BwdParams& p) {
                 vstore(dsrow + j, pj * (vload(dsrow + j) - d_i) * sc * (one - th * th));
               }
             } else {
-              for (int64_t j = 0; j < npad; j += VW) {
-                const V pj = exp_vec(vload(prow + j) - lse_i);
-                vstore(prow + j, pj);
-                vstore(dsrow + j, pj * (vload(dsrow + j) - d_i) * sc);
-              }
+              int64_t j = 0;
+              for (; j + 4 * VW <= npad; j += 4 * VW) p_ds<T, 4>(prow + j, dsrow + j, lse_i, d_i, sc);
+              for (; j < npad; j += VW) p_ds<T, 1>(prow + j, dsrow + j, lse_i, d_i, sc);
             }
             if (jb > 0) {
               fill(prow, jb, T(0));

@@ -50,6 +50,20 @@ inline void kvcache_spans(const FwdParams& p, AttnSpan* out) {
 constexpr int64_t kSplitTarget = 64;
 constexpr int64_t kSplitMinTiles = 2;
 
+// P = exp(Sᵀ - m) for NV vectors of one row of Sᵀ in place (their NV exps side by side:
+// exp_vecs), m_use their columns' maxima, each added to its column's partial sum in lpart.
+template <typename T, int NV>
+RS_INLINE void exp_add(T* row, const T* m_use, T* lpart) {
+  constexpr int64_t VW = kVW<T>;
+  vec_t<T> e[NV];  // x - m <= 0
+  for (int v = 0; v < NV; ++v) e[v] = vload(row + v * VW) - vload(m_use + v * VW);
+  exp_vecs<NV, /*kNonPositive=*/true>(e);
+  for (int v = 0; v < NV; ++v) {
+    vstore(row + v * VW, e[v]);
+    vstore(lpart + v * VW, vload(lpart + v * VW) + e[v]);
+  }
+}
+
 template <typename in_t>
 void fwd_impl(const FwdParams& p) {
   using T = typename AccType<in_t>::type;
@@ -304,19 +318,8 @@ void fwd_impl(const FwdParams& p) {
         }
         T* row = s + j * bm;
         int64_t i = 0;
-        for (; i + 2 * VW <= mpad; i += 2 * VW) {
-          const V e0 = exp_vec(vload(row + i) - vload(m_use + i));
-          const V e1 = exp_vec(vload(row + i + VW) - vload(m_use + i + VW));
-          vstore(row + i, e0);
-          vstore(row + i + VW, e1);
-          vstore(lpart + i, vload(lpart + i) + e0);
-          vstore(lpart + i + VW, vload(lpart + i + VW) + e1);
-        }
-        if (i < mpad) {  // an odd number of vectors
-          const V e0 = exp_vec(vload(row + i) - vload(m_use + i));
-          vstore(row + i, e0);
-          vstore(lpart + i, vload(lpart + i) + e0);
-        }
+        for (; i + 4 * VW <= mpad; i += 4 * VW) exp_add<T, 4>(row + i, m_use + i, lpart + i);
+        for (; i < mpad; i += VW) exp_add<T, 1>(row + i, m_use + i, lpart + i);
         if ((j + 1) % kChunk == 0 || j + 1 == n) {
           for (int64_t i = 0; i < mpad; i += VW) {
             vstore(lsum + i, vload(lsum + i) + vload(lpart + i));

@@ -265,16 +265,16 @@ constexpr T kPosInf = std::numeric_limits<T>::infinity();
 // 2^-126 flush to 0 through a biased exponent clamped at 0 (x is clamped at -88.5 first, so
 // -inf gives 0); NaN propagates (the clamps return x when it is NaN). Rounding to nearest uses
 // the 1.5·2^23 trick, so this code must not be built with -ffast-math (which would fold
-// (t + c) - c away). 15 vector operations.
+// (t + c) - c away). 17 vector operations.
 //
 // exp_vecs: NV vectors in place, each step applied to all of them before the next. One exp
-// is a chain of ~15 dependent operations (~50 cycles); the softmax loops run at most one or
-// two chains side by side, and the CPU's scheduler then fills with operations waiting on
-// their predecessors (llvm-mca -mcpu=znver3 on the AVX2 build, benchmarks/mca_loops.py: the
-// forward's loop at 10.0 cycles per vector against a port throughput of 6, the backward's at
-// 11.5; with four chains side by side 8.5 and 9.3). Bit-identical to exp_vec lane by lane.
-// kNonPositive: every x is <= 0 or NaN (a score minus its running max), where the upper clamp
-// returns x unchanged, so it is left out.
+// is a chain of ~15 dependent operations (~50 cycles); with one or two chains per iteration
+// the softmax loops waited on it, the CPU's scheduler full of operations waiting on their
+// predecessors (llvm-mca -mcpu=znver3 on the AVX2 build, benchmarks/mca_loops.py: forward
+// 10.0 and backward 11.5 cycles per vector, against port throughputs of 6 and 7; with four
+// chains side by side 8.5 and 9.3). Bit-identical lane by lane to the one-vector code it
+// replaced (exp_vec is now exp_vecs<1>). kNonPositive: every x is <= 0 or NaN (a score minus
+// its running max), where the upper clamp returns x unchanged, so it is left out.
 template <int NV, bool kNonPositive = false>
 RS_INLINE void exp_vecs(vec_t<float> (&x)[NV]) {
   using V = vec_t<float>;

@@ -44,30 +44,42 @@ inline void pack_rows(const in_t* src, int64_t ld, int64_t rows, int64_t d, T* d
   }
 }
 
-// A tile of `rows` x `d` as a GEMM operand in T: the input itself when it already is T and its
-// rows are packed whole vectors (row stride dpad: rows_in_place), else a converted,
-// zero-padded copy in `buf` (row stride dpad). Returns the pointer and sets `ld` to its row
-// stride. Strided tiles are
-// always copied: rows of a (b, s, h, d) tensor lie h·d elements apart, often a multiple of
-// 4 KiB, and reading many of them in place makes every row of a tile compete for the same L1
-// sets (a copy costs ~1/(2·tile) of the GEMM work on it and measured up to 1.4x faster).
-// Rows read again and again (by several items, or an item's key tiles) are packed once per
-// thread instead (HeadRows, below).
+// Row stride of a packed copy whose rows the micro-kernel reads down a column (a B operand:
+// each K step loads the same columns of the next row). At a stride of an even number of 64-byte
+// lines the rows of one panel fall in a fraction of the L1's 64 sets (512-byte rows, d = 128
+// fp32: 8 sets, 12 of a 96-row panel in each of 8 ways) and evict each other on every pass;
+// one more line makes the stride odd and spreads them over all sets.
+template <typename T>
+constexpr int64_t packed_ld(int64_t dpad) {
+  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(T));
+  return dpad % (2 * line) == 0 ? dpad + line : dpad;
+}
+
+// A tile of `rows` x `d` as a GEMM operand in T with row stride `buf_ld` (>= dpad): the input
+// itself when it already is T and its rows are whole vectors at that stride (rows_in_place;
+// any stride for a single row), else a converted, zero-padded copy in `buf`. Returns the
+// pointer and sets `ld` to its row stride. Strided tiles are always copied: rows of a
+// (b, s, h, d) tensor lie h·d elements apart, often a multiple of 4 KiB, and reading many of
+// them in place makes every row of a tile compete for the same L1 sets (a copy costs
+// ~1/(2·tile) of the GEMM work on it and measured up to 1.4x faster); for the same reason rows
+// at dpad's stride are copied where the operand wants packed_ld's. Rows read again and again
+// (by several items, or an item's key tiles) are packed once per thread instead (HeadRows,
+// below).
 template <typename T, typename in_t>
-RS_INLINE bool rows_in_place(int64_t d, int64_t dpad, int64_t src_ld) {
-  return kSame<T, in_t> && d == dpad && src_ld == dpad;
+RS_INLINE bool rows_in_place(int64_t d, int64_t dpad, int64_t src_ld, int64_t buf_ld) {
+  return kSame<T, in_t> && d == dpad && src_ld == buf_ld;
 }
 template <typename T, typename in_t>
 inline const T* rows_as(const in_t* src, int64_t src_ld, int64_t rows, int64_t d, int64_t dpad,
-                        T* buf, int64_t& ld) {
+                        T* buf, int64_t buf_ld, int64_t& ld) {
   if constexpr (kSame<T, in_t>) {
-    if (rows_in_place<T, in_t>(d, dpad, src_ld) || (d == dpad && rows == 1)) {
-      ld = dpad;
+    if (rows_in_place<T, in_t>(d, dpad, src_ld, buf_ld) || (d == dpad && rows == 1)) {
+      ld = src_ld;
       return src;
     }
   }
-  pack_rows(src, src_ld, rows, d, buf, dpad, dpad);
-  ld = dpad;
+  pack_rows(src, src_ld, rows, d, buf, buf_ld, dpad);
+  ld = buf_ld;
   return buf;
 }
 

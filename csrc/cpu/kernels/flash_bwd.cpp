@@ -98,7 +98,13 @@ void bwd_impl(const BwdParams& p) {
   constexpr int64_t VW = kVW<T>;
   const AttnShape& sh = p.shape;
   const int64_t d = sh.headdim, dpad = round_up(d, VW);
+  // Row stride of the copied K, Q and dO rows: the B operands of dQ += dS·K, dK += dSᵀ·Q and
+  // dV += Pᵀ·dO (common.h: packed_ld).
+  const int64_t ldp = packed_ld<T>(dpad);
   const int64_t bm = bwd_block_m<T>(), bn = bwd_block_n<T>(d), bn_pad = round_up(bn, VW);
+  // Row stride of Kᵀ, Vᵀ (B of S and dP), P and dS (read down their columns by dV += Pᵀ·dO and
+  // dK += dSᵀ·Q): bn_pad columns, padded where that is an even number of lines (packed_ld).
+  const int64_t ldt = packed_ld<T>(bn_pad);
   const int64_t group = sh.nheads / sh.nheads_kv;
   const int64_t s_q = sh.seqlen_q;
   const T cap = static_cast<T>(sh.softcap);  // 0: no soft-cap
@@ -161,13 +167,13 @@ void bwd_impl(const BwdParams& p) {
   // Q and dO rows of a key tile's query rows, packed once per thread and query head (HeadRows:
   // an item's key tiles all read them) where an item has several key tiles and every query
   // head of a GQA group gets a slot (they take turns per key tile; with fewer slots each turn
-  // would pack again), else copied per block; read in place where they already are
-  // contiguous rows of T.
-  const bool q_in_place = rows_in_place<T, in_t>(d, dpad, p.q_strides.row);
-  const bool do_in_place = rows_in_place<T, in_t>(d, dpad, p.dout_strides.row);
+  // would pack again), else copied per block; read in place where they already are rows of T
+  // at stride ldp.
+  const bool q_in_place = rows_in_place<T, in_t>(d, dpad, p.q_strides.row, ldp);
+  const bool do_in_place = rows_in_place<T, in_t>(d, dpad, p.dout_strides.row, ldp);
   int64_t max_rows = 0;
   for (int64_t t = 0; t < nkt; ++t) max_rows = imax(max_rows, ktiles.get()[t].other.size());
-  const int64_t q_row_bytes = static_cast<int64_t>(sizeof(T)) * 2 * dpad + (kPairs ? 8 * kd : 0);
+  const int64_t q_row_bytes = static_cast<int64_t>(sizeof(T)) * 2 * ldp + (kPairs ? 8 * kd : 0);
   const int64_t slots = imin(group, HeadRows<T>::kMaxSlots);
   const int64_t group_rows = hook_head_rows_bytes() / (q_row_bytes * slots);
   const bool cached = nkt > chunks && group <= HeadRows<T>::kMaxSlots && group_rows >= max_rows;
@@ -179,21 +185,21 @@ void bwd_impl(const BwdParams& p) {
     HeadRows<uint32_t> qprows, doprows;
   };
   auto make_state = [&] {
-    return State{Scratch<T>(kPairs ? 0 : d * bn_pad),
-                 Scratch<T>(kPairs ? 0 : d * bn_pad),
-                 Scratch<T>(bn * dpad),
-                 Scratch<T>(bm * dpad),
-                 Scratch<T>(bm * dpad),
-                 Scratch<T>(bm * bn_pad),
-                 Scratch<T>(bm * bn_pad),
+    return State{Scratch<T>(kPairs ? 0 : d * ldt),
+                 Scratch<T>(kPairs ? 0 : d * ldt),
+                 Scratch<T>(bn * ldp),
+                 Scratch<T>(bm * ldp),
+                 Scratch<T>(bm * ldp),
+                 Scratch<T>(bm * ldt),
+                 Scratch<T>(bm * ldt),
                  Scratch<T>(bn * dpad),
                  Scratch<T>(bn * dpad),
                  Scratch<uint32_t>(kPairs ? bm * kd : 0),
-                 Scratch<uint32_t>(kPairs ? kd * bn_pad : 0),
+                 Scratch<uint32_t>(kPairs ? kd * ldt : 0),
                  Scratch<uint32_t>(kPairs ? bm * kd : 0),
-                 Scratch<uint32_t>(kPairs ? kd * bn_pad : 0),
-                 HeadRows<T>(q_in_place ? 0 : cache_rows, dpad, slots),
-                 HeadRows<T>(do_in_place ? 0 : cache_rows, dpad, slots),
+                 Scratch<uint32_t>(kPairs ? kd * ldt : 0),
+                 HeadRows<T>(q_in_place ? 0 : cache_rows, ldp, slots),
+                 HeadRows<T>(do_in_place ? 0 : cache_rows, ldp, slots),
                  HeadRows<uint32_t>(kPairs ? cache_rows : 0, kd, slots),
                  HeadRows<uint32_t>(kPairs ? cache_rows : 0, kd, slots)};
   };
@@ -218,16 +224,16 @@ void bwd_impl(const BwdParams& p) {
       uint32_t *qp = st.qpairs.get(), *kp = st.kpairs.get();
       uint32_t *dop = st.dopairs.get(), *vp = st.vpairs.get();
       if constexpr (kPairs) {
-        pack_pairs_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, kp, bn_pad, npad);
-        pack_pairs_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, vp, bn_pad, npad);
+        pack_pairs_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, kp, ldt, npad);
+        pack_pairs_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, vp, ldt, npad);
       } else {
-        pack_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, scale, kt, bn_pad,
+        pack_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, scale, kt, ldt,
                         npad);
-        pack_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, T(1), vt, bn_pad,
+        pack_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, T(1), vt, ldt,
                         npad);
       }
       int64_t ldk;
-      const T* kr = rows_as(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
+      const T* kr = rows_as(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldp, ldk);
       fill(dk, n * dpad, T(0));
       fill(dv, n * dpad, T(0));
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
@@ -252,7 +258,7 @@ void bwd_impl(const BwdParams& p) {
           });
         };
         auto float_rows = [&](const in_t* src, int64_t ld, int64_t rows, T* dst) {
-          pack_rows(src, ld, rows, d, dst, dpad, dpad);
+          pack_rows(src, ld, rows, d, dst, ldp, dpad);
         };
         auto pair_rows = [&](const in_t* src, int64_t ld, int64_t rows, uint32_t* dst) {
           if constexpr (kPairs) pack_pair_rows(src, ld, rows, d, dst);
@@ -263,20 +269,20 @@ void bwd_impl(const BwdParams& p) {
         const uint32_t* dop_item = kPairs ? packed(st.doprows, dout, p.dout_strides, pair_rows) : nullptr;
         // Where the prefetches of the next block read (row q_begin of the packed rows or of the
         // tensor).
-        const RowsAt q_ahead = q_item != nullptr ? rows_at(q_item, dpad, dpad)
+        const RowsAt q_ahead = q_item != nullptr ? rows_at(q_item, ldp, dpad)
                                                  : rows_at(row_ptr(q, p.q_strides, b, g0, h), p.q_strides.row, d);
         const RowsAt do_ahead = do_item != nullptr
-                                    ? rows_at(do_item, dpad, dpad)
+                                    ? rows_at(do_item, ldp, dpad)
                                     : rows_at(row_ptr(dout, p.dout_strides, b, g0, h), p.dout_strides.row, d);
         for (int64_t r0 = q_begin; r0 < q_end; r0 += bm) {
           const int64_t m = imin(bm, q_end - r0);
-          int64_t ldqi = dpad, ldo = dpad;
-          const T* qi = q_item != nullptr
-                            ? q_item + (r0 - q_begin) * dpad
-                            : rows_as(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d, dpad, st.qbuf.get(), ldqi);
-          const T* doi = do_item != nullptr ? do_item + (r0 - q_begin) * dpad
+          int64_t ldqi = ldp, ldo = ldp;
+          const T* qi = q_item != nullptr ? q_item + (r0 - q_begin) * ldp
+                                          : rows_as(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d,
+                                                    dpad, st.qbuf.get(), ldp, ldqi);
+          const T* doi = do_item != nullptr ? do_item + (r0 - q_begin) * ldp
                                             : rows_as(row_ptr(dout, p.dout_strides, b, q0 + r0, h),
-                                                      p.dout_strides.row, m, d, dpad, st.dobuf.get(), ldo);
+                                                      p.dout_strides.row, m, d, dpad, st.dobuf.get(), ldp, ldo);
           if constexpr (kPairs) {
             const uint32_t* qpi = qp;
             const uint32_t* dopi = dop;
@@ -287,13 +293,13 @@ void bwd_impl(const BwdParams& p) {
               pack_pair_rows(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d, qp);
               pack_pair_rows(row_ptr(dout, p.dout_strides, b, q0 + r0, h), p.dout_strides.row, m, d, dop);
             }
-            gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, qpi, kd, 1, kp, bn_pad, s, bn_pad, nullptr,
+            gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, qpi, kd, 1, kp, ldt, s, ldt, nullptr,
                                                kHeadChunk / 2, scale);  // S
-            gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, dopi, kd, 1, vp, bn_pad, dp, bn_pad, nullptr,
+            gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, dopi, kd, 1, vp, ldt, dp, ldt, nullptr,
                                                kHeadChunk / 2, T(1));  // dP
           } else {
-            gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, bn_pad, s, bn_pad, nullptr, kHeadChunk);  // S
-            gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, bn_pad, dp, bn_pad, nullptr, kHeadChunk);  // dP
+            gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, ldt, s, ldt, nullptr, kHeadChunk);  // S
+            gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, ldt, dp, ldt, nullptr, kHeadChunk);  // dP
           }
           const bool full = km::band_block_full(r0, r0 + m, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
           for (int64_t i = 0; i < m; ++i) {
@@ -301,8 +307,8 @@ void bwd_impl(const BwdParams& p) {
             // those within its band (keys past n are the tile's padding).
             const int64_t jb = full ? 0 : iclamp(r0 + i + sp.band_lo - c0, 0, n);
             const int64_t je = full ? n : iclamp(r0 + i + sp.band_hi - c0 + 1, jb, n);
-            T* prow = s + i * bn_pad;
-            T* dsrow = dp + i * bn_pad;
+            T* prow = s + i * ldt;
+            T* dsrow = dp + i * ldt;
             if (r0 + bm + i < q_end) {
               // The next block's Q/dO rows (strided rows the hardware prefetchers miss, or the
               // packed ones), one per row of this one: 1-6 % faster at AVX2 and AVX-512 (Zen 4).
@@ -336,9 +342,9 @@ void bwd_impl(const BwdParams& p) {
               fill(dsrow + je, npad - je, T(0));
             }
           }
-          gemm<T, Epi::kAdd>(n, dpad, m, s, 1, bn_pad, doi, ldo, dv, dpad);   // dV += Pᵀ·dO
-          gemm<T, Epi::kAdd>(n, dpad, m, dp, 1, bn_pad, qi, ldqi, dk, dpad);  // dK += dSᵀ·Q
-          gemm<T, Epi::kAdd>(m, dpad, n, dp, bn_pad, 1, kr, ldk, dq_rows + (q0 + r0) * ldq, ldq);  // dQ += dS·K
+          gemm<T, Epi::kAdd>(n, dpad, m, s, 1, ldt, doi, ldo, dv, dpad);   // dV += Pᵀ·dO
+          gemm<T, Epi::kAdd>(n, dpad, m, dp, 1, ldt, qi, ldqi, dk, dpad);  // dK += dSᵀ·Q
+          gemm<T, Epi::kAdd>(m, dpad, n, dp, ldt, 1, kr, ldk, dq_rows + (q0 + r0) * ldq, ldq);  // dQ += dS·K
         }
       }
       const bool acc = p.accumulate;

@@ -71,7 +71,12 @@ void fwd_impl(const FwdParams& p) {
   constexpr int64_t VW = kVW<T>;
   const AttnShape& sh = p.shape;
   const int64_t d = sh.headdim, dpad = round_up(d, VW);
+  // Row stride of the copied V rows, the B operand of O = P·V (common.h: packed_ld).
+  const int64_t ldp = packed_ld<T>(dpad);
   const int64_t bm = fwd_block_m<T>(d), bn = fwd_block_n<T>(d);
+  // Row stride of Qᵀ (B of Sᵀ = K·Qᵀ) and of Sᵀ/P (read down its columns by O = P·V): bm
+  // columns, padded where that is an even number of lines (packed_ld).
+  const int64_t ldqt = packed_ld<T>(bm);
   const int64_t group = sh.nheads / sh.nheads_kv;
   const T scale = static_cast<T>(sh.softmax_scale);
   const T cap = static_cast<T>(sh.softcap);  // 0: no soft-cap
@@ -113,14 +118,14 @@ void fwd_impl(const FwdParams& p) {
   // K and V rows of an item's keys, packed once per thread and kv head (HeadRows) where other
   // items may read them again (several q tiles, of any span, or query heads per kv head; no key
   // splits: a split item's range is its own) and they fit, else copied per tile; read in place
-  // where they already are contiguous rows of T.
+  // where they already are rows of T at the stride the GEMM reads them at (K: dpad; V: ldp).
   const int64_t k_row_elems = kPairs ? kd : dpad;
-  const bool k_in_place = !kPairs && rows_in_place<T, in_t>(d, dpad, p.k_strides.row);
-  const bool v_in_place = rows_in_place<T, in_t>(d, dpad, p.v_strides.row);
+  const bool k_in_place = !kPairs && rows_in_place<T, in_t>(d, dpad, p.k_strides.row, dpad);
+  const bool v_in_place = rows_in_place<T, in_t>(d, dpad, p.v_strides.row, ldp);
   int64_t max_keys = 0;
   for (int64_t t = 0; t < ntiles; ++t) max_keys = imax(max_keys, tile_list.get()[t].other.size());
   const bool reused = n_splits == 1 && q_tiles * group > 1;
-  const int64_t kv_row_bytes = static_cast<int64_t>(sizeof(T)) * (k_row_elems + dpad);
+  const int64_t kv_row_bytes = static_cast<int64_t>(sizeof(T)) * (k_row_elems + ldp);
   const int64_t cache_rows = reused ? imin(max_keys, hook_head_rows_bytes() / kv_row_bytes) : 0;
   struct State {
     Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, lpart, cmax;
@@ -129,10 +134,10 @@ void fwd_impl(const FwdParams& p) {
     HeadRows<uint32_t> kprows;
   };
   auto make_state = [&] {
-    return State{Scratch<T>(kPairs ? 0 : d * bm),
+    return State{Scratch<T>(kPairs ? 0 : d * ldqt),
                  Scratch<T>(kPairs ? 0 : bn * dpad),
-                 Scratch<T>(bn * dpad),
-                 Scratch<T>(bn * bm),
+                 Scratch<T>(bn * ldp),
+                 Scratch<T>(bn * ldqt),
                  Scratch<T>(bm * dpad),
                  Scratch<T>(bm),
                  Scratch<T>(bm),
@@ -141,10 +146,10 @@ void fwd_impl(const FwdParams& p) {
                  Scratch<T>(bm),
                  Scratch<T>(bm),
                  Scratch<T>(bm),
-                 Scratch<uint32_t>(kPairs ? kd * bm : 0),
+                 Scratch<uint32_t>(kPairs ? kd * ldqt : 0),
                  Scratch<uint32_t>(kPairs ? bn * kd : 0),
                  HeadRows<T>(kPairs || k_in_place ? 0 : cache_rows, dpad, 1),
-                 HeadRows<T>(v_in_place ? 0 : cache_rows, dpad, 1),
+                 HeadRows<T>(v_in_place ? 0 : cache_rows, ldp, 1),
                  HeadRows<uint32_t>(kPairs ? cache_rows : 0, kd, 1)};
   };
 
@@ -179,13 +184,13 @@ void fwd_impl(const FwdParams& p) {
     T *m_run = st.m_run.get(), *m_use = st.m_use.get(), *alpha = st.alpha.get();
     T *l = st.l.get(), *lsum = st.lsum.get(), *lpart = st.lpart.get();
 
-    // Qᵀ (d x mpad, row stride bm), scaled; padding columns (queries past the tile) are zero.
-    // With pairs: Qᵀ as kd x mpad pairs (row stride bm), unscaled.
+    // Qᵀ (d x mpad, row stride ldqt), scaled; padding columns (queries past the tile) are zero.
+    // With pairs: Qᵀ as kd x mpad pairs (row stride ldqt), unscaled.
     uint32_t* qp = st.qpairs.get();
     if constexpr (kPairs) {
-      pack_pairs_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, qp, bm, mpad);
+      pack_pairs_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, qp, ldqt, mpad);
     } else {
-      pack_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, scale, qt, bm, mpad);
+      pack_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, scale, qt, ldqt, mpad);
     }
     T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + qr0;
     // Where this item's lse and out rows go: the outputs, or this split's partial rows (the
@@ -232,18 +237,18 @@ void fwd_impl(const FwdParams& p) {
       });
     }
     const T* v_item = v_in_place ? nullptr : st.vrows.rows(head, g0, g1, [&](T* dst, int64_t r0, int64_t r1) {
-      pack_rows(row_ptr(v, p.v_strides, b_kv, r0, hk), p.v_strides.row, r1 - r0, d, dst, dpad, dpad);
+      pack_rows(row_ptr(v, p.v_strides, b_kv, r0, hk), p.v_strides.row, r1 - r0, d, dst, ldp, dpad);
     });
     // Where the prefetches read: row kv_begin of the packed rows or of the tensor, row step
     // and bytes per row.
     const RowsAt k_ahead = kp_item != nullptr ? rows_at(kp_item, kd, kd)
                            : k_item != nullptr ? rows_at(k_item, dpad, dpad)
                                                : rows_at(row_ptr(k, p.k_strides, b_kv, g0, hk), p.k_strides.row, d);
-    const RowsAt v_ahead = v_item != nullptr ? rows_at(v_item, dpad, dpad)
+    const RowsAt v_ahead = v_item != nullptr ? rows_at(v_item, ldp, dpad)
                                              : rows_at(row_ptr(v, p.v_strides, b_kv, g0, hk), p.v_strides.row, d);
     for (int64_t c0 = kv_begin; c0 < kv_end; c0 += bn) {
       const int64_t n = imin(bn, kv_end - c0);
-      int64_t ldk = dpad, ldv = dpad;
+      int64_t ldk = dpad, ldv = ldp;
       const T* kt = nullptr;
       const uint32_t* kp = st.kpairs.get();
       if constexpr (kPairs) {
@@ -255,11 +260,11 @@ void fwd_impl(const FwdParams& p) {
       } else if (k_item != nullptr) {
         kt = k_item + (c0 - kv_begin) * dpad;
       } else {
-        kt = rows_as(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldk);
+        kt = rows_as(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), dpad, ldk);
       }
-      const T* vt = v_item != nullptr
-                        ? v_item + (c0 - kv_begin) * dpad
-                        : rows_as(row_ptr(v, p.v_strides, b_kv, k0 + c0, hk), p.v_strides.row, n, d, dpad, st.vbuf.get(), ldv);
+      const T* vt = v_item != nullptr ? v_item + (c0 - kv_begin) * ldp
+                                      : rows_as(row_ptr(v, p.v_strides, b_kv, k0 + c0, hk), p.v_strides.row, n, d,
+                                                dpad, st.vbuf.get(), ldp, ldv);
       for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
       const bool masked = !km::band_block_full(r0, r0 + rows, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
       // Sᵀ = K·Qᵀ (n x mpad), and with kStoreMax its column maxima into cmax.
@@ -267,15 +272,15 @@ void fwd_impl(const FwdParams& p) {
         constexpr Epi E = decltype(epi)::value;
         T* mx = E == Epi::kStoreMax ? cmax : nullptr;
         if constexpr (kPairs) {
-          gemm<T, E, Bf16PairStep>(n, mpad, kd, kp, kd, 1, qp, bm, s, bm, mx, kHeadChunk / 2, scale);
+          gemm<T, E, Bf16PairStep>(n, mpad, kd, kp, kd, 1, qp, ldqt, s, ldqt, mx, kHeadChunk / 2, scale);
         } else {
-          gemm<T, E>(n, mpad, d, kt, ldk, 1, qt, bm, s, bm, mx, kHeadChunk);
+          gemm<T, E>(n, mpad, d, kt, ldk, 1, qt, ldqt, s, ldqt, mx, kHeadChunk);
         }
       };
       if (masked || cap > T(0)) {
         scores(std::integral_constant<Epi, Epi::kStore>{});
         for (int64_t j = 0; j < n; ++j) {
-          T* row = s + j * bm;
+          T* row = s + j * ldqt;
           if (cap > T(0)) softcap_row(row, mpad, cap);  // before the mask: tanh(-inf) is finite
           if (masked) {
             // Key c0 + j is visible to the tile's queries [c0 + j - hi, c0 + j - lo] only.
@@ -316,7 +321,7 @@ void fwd_impl(const FwdParams& p) {
           prefetch_lines(k_next + j * k_ahead.step, k_ahead.bytes);
           prefetch_lines(v_next + j * v_ahead.step, v_ahead.bytes);
         }
-        T* row = s + j * bm;
+        T* row = s + j * ldqt;
         int64_t i = 0;
         for (; i + 4 * VW <= mpad; i += 4 * VW) exp_add<T, 4>(row + i, m_use + i, lpart + i);
         for (; i < mpad; i += VW) exp_add<T, 1>(row + i, m_use + i, lpart + i);
@@ -331,10 +336,10 @@ void fwd_impl(const FwdParams& p) {
         vstore(l + i, vfma(vload(l + i), vload(alpha + i), vload(lsum + i)));
       // Rows past the tile's (padding columns of Sᵀ) are never stored: O keeps only `rows`.
       if (fresh) {
-        gemm<T, Epi::kStore>(rows, dpad, n, s, 1, bm, vt, ldv, o, dpad, nullptr, kChunk);  // O = P·V
+        gemm<T, Epi::kStore>(rows, dpad, n, s, 1, ldqt, vt, ldv, o, dpad, nullptr, kChunk);  // O = P·V
         fresh = false;
       } else {
-        gemm<T, Epi::kScaleAdd>(rows, dpad, n, s, 1, bm, vt, ldv, o, dpad, alpha, kChunk);  // O = a·O + P·V
+        gemm<T, Epi::kScaleAdd>(rows, dpad, n, s, 1, ldqt, vt, ldv, o, dpad, alpha, kChunk);  // O = a·O + P·V
       }
     }
     if (fresh) fill(o, mpad * dpad, T(0));  // no visible key at all

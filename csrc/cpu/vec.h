@@ -70,7 +70,8 @@ constexpr int kNR = 2;
 // which in the (b, s, h, d) layout lie h·d elements apart (one page per row at h·d·4 >= 4 KiB:
 // a TLB walk and a cache miss per row and pass). So more query rows and fewer keys per tile:
 // 240 rows and 72-key tiles (a multiple of kMR and of 8 lanes); the item's tiles (Qᵀ, O, Sᵀ,
-// K, V: 4·(2·d·bm + bn·bm + 2·bn·d) bytes) are 224 KiB at d = 64 and 389 KiB at d = 128,
+// K, V at a row stride of d + 16 (packed_ld): 4·(2·d·bm + bn·bm + bn·(2·d + 16)) bytes) are
+// 228 KiB at d = 64 and 384 KiB at d = 128,
 // inside a 512 KiB L2 (Zen 3); past d = 128, 96 rows. Measured on Zen 4 forced to AVX2
 // (Zen 3's L1D; 1 thread, s = 4096): 2-5 % faster than 96/144 rows with 192-key tiles (more
 // rows were no faster, and 288 at d = 128 would need 504 KiB).

@@ -45,10 +45,11 @@ inline void pack_rows(const in_t* src, int64_t ld, int64_t rows, int64_t d, T* d
 }
 
 // Row stride of a packed copy whose rows the micro-kernel reads down a column (a B operand:
-// each K step loads the same columns of the next row). At a stride of an even number of 64-byte
-// lines the rows of one panel fall in a fraction of the L1's 64 sets (512-byte rows, d = 128
-// fp32: 8 sets, 12 of a 96-row panel in each of 8 ways) and evict each other on every pass;
-// one more line makes the stride odd and spreads them over all sets.
+// each K step loads the same columns of the next row; or an A operand read through its
+// columns, sa_k = the stride: the forward's Sᵀ, the backward's P and dS). At a stride of an
+// even number of 64-byte lines the rows of one panel fall in a fraction of the L1's 64 sets
+// (512-byte rows, d = 128 fp32: 8 sets, 12 of a 96-row panel in each of 8 ways) and evict each
+// other on every pass; one more line makes the stride odd and spreads them over all sets.
 template <typename T>
 constexpr int64_t packed_ld(int64_t dpad) {
   constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(T));

@@ -6,7 +6,8 @@
 // tiles: S = Q·(scale·Kᵀ), dP = dO·Vᵀ (Q and dO as the broadcast operand), P = exp(S - lse),
 // dS = scale·P∘(dP - D), then dV += Pᵀ·dO and dK += dSᵀ·Q (P and dS read transposed through the
 // broadcast operand's strides) into the tile's accumulators, and dQ += dS·K into the query rows.
-// Q, dO and K rows are read as contiguous float rows: Q/dO packed once per thread and query
+// Q, dO and K rows are read as float rows (at a stride of an odd number of cache lines, as are
+// Kᵀ, Vᵀ, P and dS: common.h: packed_ld): Q/dO packed once per thread and query
 // head where an item's key tiles reuse them (common.h: HeadRows), else copied per block
 // (rows_as). dK/dV of a key tile are owned by one item. dQ rows are shared by the chunks of a head: with one chunk
 // (enough heads to keep the threads busy) the item adds straight into dq; otherwise every chunk

@@ -6,8 +6,9 @@
 // Per key tile: Sᵀ = K·Qᵀ (K as the broadcast operand, Qᵀ packed once per item; the column
 // maxima come out of the GEMM's epilogue), P = exp(S - m) through the rows of Sᵀ, and
 // O = alpha·O + P·V (Pᵀ as the broadcast operand, the rescale in the GEMM's epilogue). K and V
-// rows are read as contiguous float rows: packed once per thread and kv head where other items
-// reuse them (HeadRows), else copied per tile (common.h: rows_as). O stays row-major, so the
+// rows are read as float rows (V, Qᵀ and Sᵀ at a stride of an odd number of cache lines:
+// common.h: packed_ld): packed once per thread and kv head where other items reuse them
+// (HeadRows), else copied per tile (common.h: rows_as). O stays row-major, so the
 // epilogue writes output rows without a transpose.
 //
 // Spans and bands (masks.h): one work item is a q tile of one span; it visits only the keys

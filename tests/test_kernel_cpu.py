@@ -332,7 +332,7 @@ def test_every_isa_level_packed_rows_budget_does_not_change_results(isa, case):
             results.append((out, lse, *ops.bwd(dout, q, k, v, out, lse, scale, causal)))
     finally:
         ringseq._C._cpu_head_rows_bytes(default)
-    assert default == 8 << 20 and ringseq._C._cpu_head_rows_bytes() == default
+    assert default == 9 << 20 and ringseq._C._cpu_head_rows_bytes() == default
     for other in results[1:]:
         for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), results[0], other):
             assert torch.equal(a, e), name
@@ -343,7 +343,7 @@ def test_packed_rows_budget_rejects_negative_values():
     with pytest.raises(ValueError, match=r"_cpu_head_rows_bytes\(value\): value must be None or a "
                                          r"byte count >= 0, got -5"):
         ringseq._C._cpu_head_rows_bytes(-5)
-    assert ringseq._C._cpu_head_rows_bytes() == 8 << 20
+    assert ringseq._C._cpu_head_rows_bytes() == 9 << 20
 
 
 @pytest.mark.parametrize("dtype", [f32, bf16, f16, f64])

@@ -174,7 +174,7 @@ struct Scratch {
 // copying them once per thread made the AVX2 forward 2-6 % and the backward 2-8 % faster at
 // s = 4096 on a Zen 4 (the same inputs in 2 MiB pages: 4-7 % and 6-8 %). `slots` heads are held
 // at once (a GQA group's query heads take turns in the backward), each up to cap_rows rows.
-// A thread's caches together hold at most hook_head_rows_bytes() (8 MiB by default); callers
+// A thread's caches together hold at most hook_head_rows_bytes() (9 MiB by default); callers
 // use them only where rows are read again (rows() returns nullptr past cap_rows: the caller
 // copies per tile as before).
 template <typename E>

@@ -39,9 +39,10 @@ void hook_fail(const char* what, int64_t bytes) {
 }
 
 namespace {
-// 8 MiB holds one head's K and V (forward) or Q and dO (backward) in float32 up to 8192 rows at
-// d = 128, and stays small next to the inputs on a many-core machine (64 threads: 512 MiB).
-std::atomic<int64_t> g_head_rows_bytes{int64_t(8) << 20};
+// 9 MiB holds one head's K and V (forward) or Q and dO (backward) in float32 up to 8192 rows at
+// d = 128 at their padded row stride (common.h: packed_ld; 8192 x (512 + 576) or 2 x 576 bytes),
+// and stays small next to the inputs on a many-core machine (64 threads: 576 MiB).
+std::atomic<int64_t> g_head_rows_bytes{int64_t(9) << 20};
 }  // namespace
 
 int64_t hook_head_rows_bytes() { return g_head_rows_bytes.load(std::memory_order_relaxed); }

@@ -33,7 +33,7 @@ std::string isa_supported();
 // For tests and benchmarks; thread-safe, but kernels already running keep their level.
 bool isa_force(const std::string& request, std::string* error);
 // Bytes of input rows a worker thread may keep packed per call (common.h: HeadRows; default
-// 8 MiB); value >= 0 sets it for later calls, -1 only reads it. Returns the previous value.
+// 9 MiB); value >= 0 sets it for later calls, -1 only reads it. Returns the previous value.
 // Results do not depend on it (the same data in the same order); for tests and benchmarks.
 int64_t head_rows_bytes(int64_t value);
 

@@ -1,7 +1,7 @@
 // CPU forward (one copy per ISA level): tiled online softmax. One work item is (batch, head,
 // tile of query rows); it streams the visible key tiles and keeps the running max, sum and
 // output of its rows in per-thread scratch, so extra memory is O(threads x tile), plus the
-// packed K/V rows of one kv head per thread (common.h: HeadRows, at most 8 MiB by default).
+// packed K/V rows of one kv head per thread (common.h: HeadRows, at most 9 MiB by default).
 //
 // Per key tile: Sᵀ = K·Qᵀ (K as the broadcast operand, Qᵀ packed once per item; the column
 // maxima come out of the GEMM's epilogue), P = exp(S - m) through the rows of Sᵀ, and

@@ -39,10 +39,13 @@ enum class Epi : int { kStore = 0, kAdd = 1, kScaleAdd = 2, kStoreMax = 3 };
 // plain fp32 attention; with partial sums 1.0x and 1.6x). It costs one load, add and store of
 // C per kChunk FMAs per accumulator. The backward's per-tile products (K = one tile of rows)
 // already add per-tile partials and do without (chunk = 0: one chain over all of K).
-// 36 rather than 32: the AVX2 forward's 72-key tile is then two chunks instead of three (the
-// last of 8 terms, with a whole chunk's load, add and store): that forward 3-5 % faster (Zen 4
-// at AVX2, s = 4096); the AVX-512 and baseline tiles (256, 192 keys) take as many chunks either way.
-constexpr int64_t kChunk = 36;
+// 36 rather than 32 on AVX-512 and the baseline (tiles of 256 and 192 keys: as many chunks
+// either way). On AVX2 72, the forward's whole key tile (vec.h, fwd_block_n): one chain per
+// tile, the length the backward's per-tile products already have (96 rows), and every
+// case of tests/test_cpu_accuracy.py stays within flash-attn's rule; measured on a real Zen 3
+// (1 thread, s = 4096, fp32) 3 % faster than two chunks of 36 at d = 64 and 128, full and
+// causal: each chunk boundary costs a load, add and store of the 12-vector register block.
+constexpr int64_t kChunk = kVecBytes == 32 ? 72 : 36;
 
 // The same for the GEMMs whose K is the head dim (S = Q·Kᵀ and dP = dO·Vᵀ, forward and
 // backward): a d-term chain per score. With one chain, float32 on torch.randn inputs reached

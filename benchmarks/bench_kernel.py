@@ -199,7 +199,8 @@ def measure(entries, args, device, dtype_name, s, d, causal, window=None, softca
         flops = attention_flops(b, h, s, s, d, False, mode) * visible_pairs(s, s, window, causal) / (s * s)
         for (i, row, _, peak), t in zip(steps, times):
             ms = statistics.median(t)
-            rows[i].append(dict(row, mode=mode, ms=ms, tflops=flops / ms / 1e9, peak_mib=mib(peak)))
+            rows[i].append(dict(row, mode=mode, ms=ms, tflops=flops / ms / 1e9, peak_mib=mib(peak),
+                                rounds_ms=t))
     return [r for i in range(len(entries)) for r in rows[i]]
 
 
@@ -328,7 +329,23 @@ def run_here(args, device):
         for peer in peers:
             base = peer_row(rows, peer, r)
             r[f"x_{peer}"] = (base["ms"] / r["ms"]) if base and r.get("ms") else None
+            r[f"px_{peer}"] = paired_ratio(base, r)
     return rows, peers
+
+
+def paired_ratio(base, r):
+    """Median over the timed rounds of base's time / r's time in the same round, or None.
+
+    The rounds of one shape alternate between the backends (measure), so the two calls of a
+    round ran seconds apart: on a VM whose clock swings (seen: 2.1-3.2 GHz within minutes on
+    a shared Zen 3) this ratio moves less than the ratio of the two medians, whose calls may
+    come from different rounds."""
+    if not base or not r.get("ms"):
+        return None
+    a, b = base.get("rounds_ms") or [], r.get("rounds_ms") or []
+    if not a or len(a) != len(b):
+        return None
+    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def peer_row(rows, peer, r, same_level=False):
@@ -398,6 +415,8 @@ def run_cpu_levels(args, levels):
             base = peer_row(rows, peer, r, same_level=peer != "torch_sdpa_native")
             r[f"x_{peer}"] = (base["ms"] / r["ms"]) if base and r.get("ms") else None
             r[f"{peer}_ms"] = base["ms"] if base else None
+            # rounds pair up only within one child (the native SDPA runs in its own)
+            r[f"px_{peer}"] = paired_ratio(base, r) if peer != "torch_sdpa_native" else None
     return rows, peers
 
 
@@ -423,6 +442,8 @@ def main(argv=None):
         for peer in peers:
             columns += [(f"{peer}_ms", peer.replace("torch_", "") + " ms", "{:.1f}"),
                         (f"x_{peer}", "x " + peer.replace("torch_", ""), "{:.2f}")]
+            if peer != "torch_sdpa_native":
+                columns += [(f"px_{peer}", "paired", "{:.2f}")]
     else:
         if args.thread_counts == [None] and device.type == "cpu":
             args.thread_counts = [torch.get_num_threads()]
@@ -432,7 +453,8 @@ def main(argv=None):
                    ("mode", "mode", "{}"), ("seqlen", "s", "{}"),
                    ("headdim", "d", "{}"), ("causal", "causal", "{}"), ("ms", "ms", "{:.2f}"),
                    ("tflops", "TFLOP/s", "{:.3f}"), ("peak_mib", "peak MiB", "{:.1f}")]
-        columns += [(f"x_{peer}", f"x {peer}", "{:.2f}") for peer in peers]
+        columns += [c for peer in peers for c in ((f"x_{peer}", f"x {peer}", "{:.2f}"),
+                                                  (f"px_{peer}", "paired", "{:.2f}"))]
     if any("window" in r for r in rows):  # --window / --softcap / --masks rows
         columns[7:7] = [("window", "window", "{}"), ("softcap", "softcap", "{}")]
     print(f"# bench_kernel: b={args.batch} h={args.heads} h_kv={args.heads_kv or args.heads} "
@@ -448,9 +470,11 @@ def main(argv=None):
               f"{end if end is None else round(end, 2)} after")
     if split:
         print("# x PEER = PEER's time / ringseq's time at the same shape (>1: ringseq faster); "
-              "sdpa_match = torch SDPA capped at the row's ISA level, sdpa_native = uncapped")
+              "sdpa_match = torch SDPA capped at the row's ISA level, sdpa_native = uncapped; "
+              "paired = median over rounds of the same ratio within a round (paired_ratio)")
     else:
-        print("# x PEER = PEER's time / this backend's time at the same shape (>1: faster than PEER)")
+        print("# x PEER = PEER's time / this backend's time at the same shape (>1: faster than PEER); "
+              "paired = median over rounds of the same ratio within a round (paired_ratio)")
     print(format_table(shown, columns), flush=True)
     for r in rows:
         if r["skipped"]:

@@ -52,3 +52,7 @@ def test_small_cpu_run_writes_ratio_rows(tmp_path):
         ratio = r["x_torch_sdpa"]
         peer = next(x for x in rows if x["backend"] == "torch_sdpa" and x["mode"] == r["mode"])
         assert abs(ratio - peer["ms"] / r["ms"]) < 1e-9
+        # the paired ratio: the median of the per-round ratios (the rounds alternate backends)
+        assert len(r["rounds_ms"]) == len(peer["rounds_ms"]) == 2
+        per_round = sorted(p / m for p, m in zip(peer["rounds_ms"], r["rounds_ms"]))
+        assert abs(r["px_torch_sdpa"] - sum(per_round) / 2) < 1e-9

@@ -4,7 +4,8 @@ Times forward and forward+backward of every available backend on the current dev
 prints ms, TFLOP/s (flash-attn FLOP count), peak memory and the ratio to the peer measured in
 the same run (torch SDPA on CPU; SDPA's flash and cuDNN backends on CUDA). At each shape the
 backends' timed calls alternate (one call of each in turn, --repeats rounds; median per backend),
-so a machine whose speed drifts during the run favours none of them.
+so a machine whose speed drifts during the run favours none of them; the "paired" column is the
+median over rounds of the ratio within one round, which a VM whose clock swings moves less.
 
     python benchmarks/bench_kernel.py                       # CPU: every ISA level this CPU runs
     python benchmarks/bench_kernel.py --isa avx2,avx512 --dtype fp32,bf16 --threads 1,2

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (PeakMemory, attention_flops, cpu_description, cpu_isa, environment,  # noqa: E402
-                    format_table, isa_forced_note, load_average, mib, progress, time_ms, write_json)
+                    format_table, isa_forced_note, load_average, mib, progress, time_ms, write_json,
+                    core_probe_gflops)
 
 import ringseq  # noqa: E402
 from ringseq.kernels import available_backends  # noqa: E402
@@ -427,6 +428,7 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA device is available")
     load_start = load_average()
+    probe_start = core_probe_gflops() if device.type == "cpu" else None
     split = device.type == "cpu" and args.isa != "current"
     if split:
         supported = ringseq.kernels.extension.cpu_isa_levels()
@@ -464,11 +466,15 @@ def main(argv=None):
           f"backends interleaved)")
     if device.type == "cpu":
         end = load_average()
+        probe_end = core_probe_gflops()
         isa_note = ("per row: " + "; ".join(isa_forced_note(lv, requested=lv) for lv in levels)
                     if split else isa_forced_note(cpu_isa()))
         print(f"# CPU: {cpu_description()}; ringseq CPU kernel ISA {isa_note}; 1-minute load "
               f"average {load_start if load_start is None else round(load_start, 2)} before, "
               f"{end if end is None else round(end, 2)} after")
+        print(f"# core probe (1-thread float32 matmul in cache, common.core_probe_gflops): "
+              f"{probe_start:.1f} GFLOP/s before, {probe_end:.1f} after (apart by more than a few %: "
+              f"the machine's speed changed during the run)")
     if split:
         print("# x PEER = PEER's time / ringseq's time at the same shape (>1: ringseq faster); "
               "sdpa_match = torch SDPA capped at the row's ISA level, sdpa_native = uncapped; "
@@ -480,7 +486,9 @@ def main(argv=None):
     for r in rows:
         if r["skipped"]:
             print(f"# skipped {r['backend']} s={r['seqlen']} d={r['headdim']} {r['mode']}: {r['skipped']}")
+    probe = {"before": probe_start, "after": probe_end} if device.type == "cpu" else None
     write_json(args.json, {"benchmark": "bench_kernel", "environment": environment(device),
+                           "core_probe_gflops": probe,
                            "args": {k: v for k, v in vars(args).items()}, "results": rows})
     return rows
 

@@ -285,6 +285,38 @@ def load_average():
         return None
 
 
+def core_probe_gflops(seconds=0.2):
+    """One core's speed right now: GFLOP/s of a float32 matmul whose operands stay in cache
+    (128 x 128 by 128 x 128, repeated for ~`seconds`, best of 3) on one thread, with torch's
+    thread count restored after. A relative measure (torch's dispatch is part of it: ~60 on a
+    Zen 3 whose FMA peak is ~100): a VM's clock can swing by a third within minutes (seen on a
+    shared Zen 3: 3.2 and 2.1 GHz), so a table's numbers come with this probe before and after."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.rand(128, 128)
+        b = torch.rand(128, 128)
+        out = torch.empty(128, 128)
+        best = 0.0
+        for _ in range(3):
+            n, t0 = 0, time.perf_counter()
+            while True:
+                for _ in range(16):
+                    torch.mm(a, b, out=out)
+                n += 16
+                elapsed = time.perf_counter() - t0
+                if elapsed >= seconds / 3:
+                    break
+            best = max(best, 2 * 128 ** 3 * n / elapsed / 1e9)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
 def cpu_model():
     """The CPU's model name (Linux /proc/cpuinfo; platform.processor() elsewhere)."""
     try:

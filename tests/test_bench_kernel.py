@@ -44,7 +44,10 @@ def test_small_cpu_run_writes_ratio_rows(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "backends interleaved" in proc.stdout
-    rows = json.loads(out.read_text())["results"]
+    assert "# core probe" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["core_probe_gflops"]["before"] > 0 and data["core_probe_gflops"]["after"] > 0
+    rows = data["results"]
     assert {(r["backend"], r["mode"]) for r in rows} == {
         (b, m) for b in ("ringseq", "torch_sdpa") for m in ("fwd", "fwd_bwd")}
     for r in rows:

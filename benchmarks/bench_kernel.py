@@ -46,7 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (PeakMemory, attention_flops, cpu_description, cpu_isa, environment,  # noqa: E402
                     format_table, isa_forced_note, load_average, mib, progress, time_ms, write_json,
-                    core_probe_gflops)
+                    core_probe_gflops, probe_note)
 
 import ringseq  # noqa: E402
 from ringseq.kernels import available_backends  # noqa: E402
@@ -473,8 +473,7 @@ def main(argv=None):
               f"average {load_start if load_start is None else round(load_start, 2)} before, "
               f"{end if end is None else round(end, 2)} after")
         print(f"# core probe (1-thread float32 matmul in cache, common.core_probe_gflops): "
-              f"{probe_start:.1f} GFLOP/s before, {probe_end:.1f} after (apart by more than a few %: "
-              f"the machine's speed changed during the run)")
+              f"{probe_note(probe_start, probe_end)}")
     if split:
         print("# x PEER = PEER's time / ringseq's time at the same shape (>1: ringseq faster); "
               "sdpa_match = torch SDPA capped at the row's ISA level, sdpa_native = uncapped; "

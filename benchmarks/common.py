@@ -317,6 +317,16 @@ def core_probe_gflops(seconds=0.2):
         torch.set_num_threads(threads)
 
 
+def probe_note(before, after, tolerance=0.05):
+    """The core probe's two readings (GFLOP/s, core_probe_gflops) as one line, saying whether
+    they differ by more than `tolerance` of the larger: if so the machine's speed changed
+    between the run's two ends; if not it may still have swung inside the run."""
+    spread = abs(after - before) / max(before, after, 1e-9)
+    verdict = (f"apart by {spread:.0%}: the machine's speed changed during the run" if spread > tolerance
+               else f"within {tolerance:.0%} of each other")
+    return f"{before:.1f} GFLOP/s before, {after:.1f} after ({verdict})"
+
+
 def cpu_model():
     """The CPU's model name (Linux /proc/cpuinfo; platform.processor() elsewhere)."""
     try:

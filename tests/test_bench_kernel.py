@@ -59,3 +59,14 @@ def test_small_cpu_run_writes_ratio_rows(tmp_path):
         assert len(r["rounds_ms"]) == len(peer["rounds_ms"]) == 2
         per_round = sorted(p / m for p, m in zip(peer["rounds_ms"], r["rounds_ms"]))
         assert abs(r["px_torch_sdpa"] - sum(per_round) / 2) < 1e-9
+
+
+def test_core_probe_note_says_whether_the_two_ends_differ():
+    from common import probe_note
+
+    # 1.7 % apart: within the 5 % tolerance, no claim that the speed changed.
+    assert probe_note(95.7, 94.1) == "95.7 GFLOP/s before, 94.1 after (within 5% of each other)"
+    # 9 % apart (95.0 -> 86.3): flagged, with the spread.
+    assert probe_note(95.0, 86.3) == ("95.0 GFLOP/s before, 86.3 after "
+                                      "(apart by 9%: the machine's speed changed during the run)")
+    assert "apart by 9%" in probe_note(86.3, 95.0)

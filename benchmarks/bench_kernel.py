@@ -17,7 +17,10 @@ can run): each level runs in its own process with RINGSEQ_CPU_ISA=<level>. --sdp
 which torch SDPA it is compared with: "match" (default) caps torch's own ISA dispatch at the
 same level in that process (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA),
 which is what a CPU of that level runs; "native" runs SDPA once with everything this CPU has;
-"both" reports both ratios.
+"both" reports both ratios. Each process measures the core's speed before and after its rows
+(common.core_probe_gflops, a cached 1-thread matmul): printed under its table and kept in the
+JSON, per row for a split run (the level's own process), so a table from a VM whose clock
+drifted says so.
 
 --window W (a causal sliding window of W keys left of the diagonal, flash-attn's
 window_size=(W, 0)) and --softcap C time the spans/band/soft-cap path of ringseq's kernels
@@ -382,7 +385,12 @@ def run_child(args, level, env_extra, backends):
     try:
         subprocess.run(cmd, env=env, check=True)
         with open(path) as f:
-            return json.load(f)["results"]
+            data = json.load(f)
+        # Each row keeps its own child's core probe: the children run minutes apart (and with
+        # torch's ISA capped), so the parent's probe says little about a level's rows.
+        for r in data["results"]:
+            r["core_probe_gflops"] = data.get("core_probe_gflops")
+        return data["results"]
     finally:
         os.unlink(path)
 

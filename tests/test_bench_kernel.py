@@ -70,3 +70,32 @@ def test_core_probe_note_says_whether_the_two_ends_differ():
     assert probe_note(95.0, 86.3) == ("95.0 GFLOP/s before, 86.3 after "
                                       "(apart by 9%: the machine's speed changed during the run)")
     assert "apart by 9%" in probe_note(86.3, 95.0)
+
+
+def test_levels_run_in_children_whose_rows_keep_their_level_probe_and_ratio(monkeypatch):
+    import bench_kernel
+
+    commands = []
+
+    def fake_child(cmd, env, check):
+        # A child writes its rows and its own core probe to the --json path it is given.
+        commands.append((cmd, env))
+        level = env["RINGSEQ_CPU_ISA"]
+        speed = {"avx2": 2.0, "avx512": 4.0}[level]
+        rows = [{"backend": b, "dtype": "fp32", "threads": 1, "mode": "fwd", "seqlen": 64,
+                 "headdim": 16, "causal": True, "ms": ms, "rounds_ms": [ms, ms], "skipped": None}
+                for b, ms in (("ringseq", 10.0 / speed), ("torch_sdpa", 10.0))]
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"results": rows, "core_probe_gflops": {"before": speed, "after": speed}}, f)
+
+    monkeypatch.setattr(bench_kernel.subprocess, "run", fake_child)
+    _, args = bench_kernel.parse_args(["--device", "cpu", "--seqlens", "64", "--headdims", "16"])
+    rows, peers = bench_kernel.run_cpu_levels(args, ["avx2", "avx512"])
+    assert peers == ["torch_sdpa_match"]
+    # one child per level, with ringseq's level and torch's ISA capped to match
+    assert [env["RINGSEQ_CPU_ISA"] for _, env in commands] == ["avx2", "avx512"]
+    assert commands[0][1]["ATEN_CPU_CAPABILITY"] == "avx2"
+    ours = {r["level"]: r for r in rows if r["backend"] == "ringseq"}
+    assert ours["avx2"]["x_torch_sdpa_match"] == 2.0 and ours["avx512"]["x_torch_sdpa_match"] == 4.0
+    assert ours["avx2"]["core_probe_gflops"] == {"before": 2.0, "after": 2.0}
+    assert ours["avx512"]["core_probe_gflops"] == {"before": 4.0, "after": 4.0}

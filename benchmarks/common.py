@@ -322,7 +322,7 @@ def probe_note(before, after, tolerance=0.05):
     they differ by more than `tolerance` of the larger: if so the machine's speed changed
     between the run's two ends; if not it may still have swung inside the run."""
     spread = abs(after - before) / max(before, after, 1e-9)
-    verdict = (f"apart by {spread:.0%}: the machine's speed changed during the run" if spread > tolerance
+    verdict = (f"apart by {spread:.1%}: the machine's speed changed during the run" if spread > tolerance
                else f"within {tolerance:.0%} of each other")
     return f"{before:.1f} GFLOP/s before, {after:.1f} after ({verdict})"
 

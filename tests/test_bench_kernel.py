@@ -66,10 +66,12 @@ def test_core_probe_note_says_whether_the_two_ends_differ():
 
     # 1.7 % apart: within the 5 % tolerance, no claim that the speed changed.
     assert probe_note(95.7, 94.1) == "95.7 GFLOP/s before, 94.1 after (within 5% of each other)"
-    # 9 % apart (95.0 -> 86.3): flagged, with the spread.
+    # 9.2 % apart (95.0 -> 86.3): flagged, with the spread.
     assert probe_note(95.0, 86.3) == ("95.0 GFLOP/s before, 86.3 after "
-                                      "(apart by 9%: the machine's speed changed during the run)")
-    assert "apart by 9%" in probe_note(86.3, 95.0)
+                                      "(apart by 9.2%: the machine's speed changed during the run)")
+    assert "apart by 9.2%" in probe_note(86.3, 95.0)
+    # just over the tolerance: flagged, and the printed spread does not round down onto it
+    assert "apart by 5.3%" in probe_note(100.0, 94.7)
 
 
 def test_levels_run_in_children_whose_rows_keep_their_level_probe_and_ratio(monkeypatch):

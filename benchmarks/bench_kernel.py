@@ -47,9 +47,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (PeakMemory, attention_flops, cpu_description, cpu_isa, environment,  # noqa: E402
-                    format_table, isa_forced_note, load_average, mib, progress, time_ms, write_json,
-                    core_probe_gflops, probe_note)
+from common import (PeakMemory, attention_flops, core_probe_gflops, cpu_description, cpu_isa,  # noqa: E402
+                    environment, format_table, isa_forced_note, load_average, mib, probe_note,
+                    progress, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq.kernels import available_backends  # noqa: E402

@@ -40,14 +40,13 @@ enum class Epi : int { kStore = 0, kAdd = 1, kScaleAdd = 2, kStoreMax = 3 };
 // C per kChunk FMAs per accumulator. The backward's per-tile products (K = one tile of rows)
 // already add per-tile partials and do without (chunk = 0: one chain over all of K).
 // 72 at every level: on AVX2 the forward's whole 72-key tile (vec.h, fwd_block_n; 36 keys at
-// d = 256) in one chain,
-// the length the backward's per-tile products already have (96 rows); on AVX-512 and the
-// baseline (tiles of 48 to 256 keys by head dim, vec.h) one to four chunks, about half as many as 36 gave.
-// Every case of tests/test_cpu_accuracy.py stays within flash-attn's rule at every level. Each
-// chunk boundary costs a load, add and store of the register block: against chunks of 36, 72
-// measured 3 % faster on a real Zen 3 (AVX2; forward, 1 thread, s = 4096, d 64 and 128) and
-// 2-4 % on a Zen 4 (fp32 forward at avx512: d 64 full, d 128 full and causal; bf16 d 128 full at
-// avx512bf16; same shape).
+// d = 256) in one chain, the length the backward's per-tile products already have (96 rows);
+// on AVX-512 and the baseline (tiles of 48 to 256 keys by head dim, vec.h) one to four chunks,
+// about half as many as 36 gave. Every case of tests/test_cpu_accuracy.py stays within
+// flash-attn's rule at every level. Each chunk boundary costs a load, add and store of the
+// register block: against chunks of 36, 72 measured 3 % faster on a real Zen 3 (AVX2; forward,
+// 1 thread, s = 4096, d 64 and 128) and 2-4 % on a Zen 4 (fp32 forward at avx512: d 64 full,
+// d 128 full and causal; bf16 d 128 full at avx512bf16; same shape).
 constexpr int64_t kChunk = 72;
 
 // The same for the GEMMs whose K is the head dim (S = Q·Kᵀ and dP = dO·Vᵀ, forward and

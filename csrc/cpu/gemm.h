@@ -17,6 +17,7 @@
 // per (type, rows, vectors, epilogue) whose inner loop tests/test_cpu_codegen.py disassembles.
 #pragma once
 
+#include "../kernel_math.h"
 #include "vec.h"
 
 namespace ringseq {
@@ -224,45 +225,86 @@ RS_INLINE void micro_rows(int64_t rows, int64_t K, int64_t chunk, const typename
   }
 }
 
+// C (rows x width at C, row stride ldc) as gemm leaves it when A·B is zero there: kStore and
+// kStoreMax write zeros (kStoreMax also raises its `width` column maxima in aux to at least 0),
+// kAdd keeps C, kScaleAdd scales row m by aux[m].
+template <typename T, Epi E>
+inline void zero_product(int64_t rows, int64_t width, T* C, int64_t ldc, T* aux) {
+  for (int64_t m = 0; m < rows; ++m) {
+    T* c = C + m * ldc;
+    if constexpr (E == Epi::kStore || E == Epi::kStoreMax) {
+      fill(c, width, T(0));
+    } else if constexpr (E == Epi::kScaleAdd) {
+      for (int64_t n = 0; n < width; ++n) c[n] *= aux[m];
+    }
+  }
+  if constexpr (E == Epi::kStoreMax) {
+    if (rows > 0)
+      for (int64_t n = 0; n < width; ++n) aux[n] = aux[n] > T(0) ? aux[n] : T(0);
+  }
+}
+
+// The part of a masked block that a GEMM computes (the attention kernels' band edges, masks.h):
+// with `on_k`, A (m, k) is exactly zero unless lo <= k - m <= hi, and each register block of rows
+// runs only the K steps some of its rows need (a leading cut rounded down to a whole chunk, so
+// every sum keeps its chunks); otherwise C (m, n) is not wanted unless lo <= n - m <= hi
+// (kStore only: the caller overwrites those entries), and register blocks with no wanted entry
+// are not computed (their C keeps whatever it held). The default band cuts nothing. Skipped
+// terms are exact zeros, so a sum differs from the full product's only in its sign of zero,
+// an inf or NaN of B where A is zero (no longer 0·inf = NaN), and with kScaleAdd where whole
+// leading chunks are skipped: s·C + (A·B) is then rounded once instead of twice.
+struct Band {
+  int64_t lo = INT64_MIN / 4, hi = INT64_MAX / 4;
+  bool on_k = false;
+  bool cuts() const { return lo != INT64_MIN / 4 || hi != INT64_MAX / 4; }
+};
+
 // C (M x npad) op= A (M x K, strides sa_m, sa_k) * B (K x npad, row stride ldb), npad a multiple
 // of one vector. aux: kScaleAdd: M row scales; kStoreMax: npad column maxima (read and updated).
 // chunk: K steps per partial sum (0: all of K in one chain; see kChunk). Step: what a K step
 // is (FmaStep; Bf16PairStep, whose A and B are bf16 pairs, K counts pairs and C = scale·A·B).
+// band: the masked block's band (Band), the whole product by default.
 template <typename T, Epi E, typename Step = FmaStep<T>>
 inline void gemm(int64_t M, int64_t npad, int64_t K, const typename Step::elem* A, int64_t sa_m,
                  int64_t sa_k, const typename Step::elem* B, int64_t ldb, T* C, int64_t ldc,
-                 T* aux = nullptr, int64_t chunk = 0, T scale = T(1)) {
+                 T* aux = nullptr, int64_t chunk = 0, T scale = T(1), Band band = Band{}) {
   constexpr int64_t VW = kVW<T>;
   constexpr int64_t PW = kNR * VW;  // columns per panel
   static_assert(kNR == 2, "the panel tail below assumes panels of two vectors");
   if (K == 0) {
-    // A·B = 0: kStore and kStoreMax write zeros, kAdd keeps C, kScaleAdd scales it.
-    for (int64_t m = 0; m < M; ++m) {
-      T* c = C + m * ldc;
-      if constexpr (E == Epi::kStore || E == Epi::kStoreMax) {
-        fill(c, npad, T(0));
-      } else if constexpr (E == Epi::kScaleAdd) {
-        for (int64_t n = 0; n < npad; ++n) c[n] *= aux[m];
-      }
-    }
-    if constexpr (E == Epi::kStoreMax) {
-      if (M > 0)
-        for (int64_t n = 0; n < npad; ++n) aux[n] = aux[n] > T(0) ? aux[n] : T(0);
-    }
+    zero_product<T, E>(M, npad, C, ldc, aux);
     return;
   }
+  const bool cut = band.cuts();
   for (int64_t c0 = 0; c0 < npad; c0 += PW) {
-    const bool wide = npad - c0 >= PW;
+    const int64_t width = imin(PW, npad - c0);
     T* col_aux = E == Epi::kStoreMax ? aux + c0 : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int64_t rows = imin(kMR, M - m0);
-      const typename Step::elem* a = A + m0 * sa_m;
       T* c = C + m0 * ldc + c0;
       T* x = E == Epi::kScaleAdd ? aux + m0 : col_aux;
-      if (wide) {
-        micro_rows<T, kNR, E, Step>(rows, K, chunk, a, sa_m, sa_k, B + c0, ldb, c, ldc, x, scale);
+      int64_t k_begin = 0, k_end = K;
+      if (cut) {
+        // The columns (K steps) some row of [m0, m0 + rows) needs.
+        const km::Range<int64_t> need =
+            km::band_key_range<int64_t>(m0, m0 + rows, band.on_k ? K : npad, band.lo, band.hi);
+        if (band.on_k) {
+          k_begin = chunk > 0 ? need.begin - need.begin % chunk : need.begin;
+          k_end = need.end;
+          if (need.empty()) {
+            zero_product<T, E>(rows, width, c, ldc, x);
+            continue;
+          }
+        } else if (need.end <= c0 || need.begin >= c0 + width) {
+          continue;
+        }
+      }
+      const typename Step::elem* a = A + m0 * sa_m + k_begin * sa_k;
+      const typename Step::elem* b = B + c0 + k_begin * ldb;
+      if (width == PW) {
+        micro_rows<T, kNR, E, Step>(rows, k_end - k_begin, chunk, a, sa_m, sa_k, b, ldb, c, ldc, x, scale);
       } else {
-        micro_rows<T, 1, E, Step>(rows, K, chunk, a, sa_m, sa_k, B + c0, ldb, c, ldc, x, scale);
+        micro_rows<T, 1, E, Step>(rows, k_end - k_begin, chunk, a, sa_m, sa_k, b, ldb, c, ldc, x, scale);
       }
     }
   }

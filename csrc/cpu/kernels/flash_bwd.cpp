@@ -277,6 +277,15 @@ void bwd_impl(const BwdParams& p) {
                                     : rows_at(row_ptr(dout, p.dout_strides, b, g0, h), p.dout_strides.row, d);
         for (int64_t r0 = q_begin; r0 < q_end; r0 += bm) {
           const int64_t m = imin(bm, q_end - r0);
+          // Query r0 + i sees key c0 + j iff lo <= (c0 + j) - (r0 + i) <= hi. In a masked block,
+          // S and dP are computed only where some of a register block's entries are visible (the
+          // rest is zeroed below), and dV, dK and dQ run only the rows or keys each register
+          // block needs (P and dS are exactly 0 elsewhere; gemm.h: Band).
+          const bool full = km::band_block_full(r0, r0 + m, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
+          const int64_t lo = r0 - c0 + sp.band_lo, hi = r0 - c0 + sp.band_hi;  // of j - i
+          const Band s_band = full ? Band{} : Band{lo, hi, false};    // S, dP: (i, j)
+          const Band kq_band = full ? Band{} : Band{-hi, -lo, true};  // dV, dK: (j, i)
+          const Band qk_band = full ? Band{} : Band{lo, hi, true};    // dQ: (i, j)
           int64_t ldqi = ldp, ldo = ldp;
           const T* qi = q_item != nullptr ? q_item + (r0 - q_begin) * ldp
                                           : rows_as(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d,
@@ -295,14 +304,13 @@ void bwd_impl(const BwdParams& p) {
               pack_pair_rows(row_ptr(dout, p.dout_strides, b, q0 + r0, h), p.dout_strides.row, m, d, dop);
             }
             gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, qpi, kd, 1, kp, ldt, s, ldt, nullptr,
-                                               kHeadChunk / 2, scale);  // S
+                                               kHeadChunk / 2, scale, s_band);  // S
             gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, dopi, kd, 1, vp, ldt, dp, ldt, nullptr,
-                                               kHeadChunk / 2, T(1));  // dP
+                                               kHeadChunk / 2, T(1), s_band);  // dP
           } else {
-            gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, ldt, s, ldt, nullptr, kHeadChunk);  // S
-            gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, ldt, dp, ldt, nullptr, kHeadChunk);  // dP
+            gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, ldt, s, ldt, nullptr, kHeadChunk, T(1), s_band);  // S
+            gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, ldt, dp, ldt, nullptr, kHeadChunk, T(1), s_band);  // dP
           }
-          const bool full = km::band_block_full(r0, r0 + m, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
           for (int64_t i = 0; i < m; ++i) {
             // Query r0 + i sees keys [jb, je) of this tile: all of them in a full block, else
             // those within its band (keys past n are the tile's padding).
@@ -320,19 +328,21 @@ void bwd_impl(const BwdParams& p) {
             const V lse_i = vsplat(guard_lse(lse_h[q0 + r0 + i]));
             const V d_i = vsplat(delta_h[q0 + r0 + i]);
             const V sc = vsplat(scale);
+            // The vectors of S and dP that cover [jb, je): computed by the GEMMs above (s_band).
+            const int64_t j_begin = jb - jb % VW, j_end = jb < je ? round_up(je, VW) : j_begin;
             if (cap > T(0)) {
               // P = exp(cap·t - lse) with t = tanh(S / cap); dS takes d(cap·t)/dS = 1 - t².
               const V inv = vsplat(T(1) / cap), cv = vsplat(cap), one = vsplat(T(1));
-              for (int64_t j = 0; j < npad; j += VW) {
+              for (int64_t j = j_begin; j < j_end; j += VW) {
                 const V th = tanh_vec(vload(prow + j) * inv);
                 const V pj = exp_vec(th * cv - lse_i);
                 vstore(prow + j, pj);
                 vstore(dsrow + j, pj * (vload(dsrow + j) - d_i) * sc * (one - th * th));
               }
             } else {
-              int64_t j = 0;
-              for (; j + 4 * VW <= npad; j += 4 * VW) p_ds<T, 4>(prow + j, dsrow + j, lse_i, d_i, sc);
-              for (; j < npad; j += VW) p_ds<T, 1>(prow + j, dsrow + j, lse_i, d_i, sc);
+              int64_t j = j_begin;
+              for (; j + 4 * VW <= j_end; j += 4 * VW) p_ds<T, 4>(prow + j, dsrow + j, lse_i, d_i, sc);
+              for (; j < j_end; j += VW) p_ds<T, 1>(prow + j, dsrow + j, lse_i, d_i, sc);
             }
             if (jb > 0) {
               fill(prow, jb, T(0));
@@ -343,9 +353,10 @@ void bwd_impl(const BwdParams& p) {
               fill(dsrow + je, npad - je, T(0));
             }
           }
-          gemm<T, Epi::kAdd>(n, dpad, m, s, 1, ldt, doi, ldo, dv, dpad);   // dV += Pᵀ·dO
-          gemm<T, Epi::kAdd>(n, dpad, m, dp, 1, ldt, qi, ldqi, dk, dpad);  // dK += dSᵀ·Q
-          gemm<T, Epi::kAdd>(m, dpad, n, dp, ldt, 1, kr, ldk, dq_rows + (q0 + r0) * ldq, ldq);  // dQ += dS·K
+          gemm<T, Epi::kAdd>(n, dpad, m, s, 1, ldt, doi, ldo, dv, dpad, nullptr, 0, T(1), kq_band);   // dV += Pᵀ·dO
+          gemm<T, Epi::kAdd>(n, dpad, m, dp, 1, ldt, qi, ldqi, dk, dpad, nullptr, 0, T(1), kq_band);  // dK += dSᵀ·Q
+          gemm<T, Epi::kAdd>(m, dpad, n, dp, ldt, 1, kr, ldk, dq_rows + (q0 + r0) * ldq, ldq, nullptr, 0, T(1),
+                             qk_band);  // dQ += dS·K
         }
       }
       const bool acc = p.accumulate;

@@ -268,29 +268,44 @@ void fwd_impl(const FwdParams& p) {
                                                 dpad, st.vbuf.get(), ldp, ldv);
       for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
       const bool masked = !km::band_block_full(r0, r0 + rows, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
+      // Key c0 + j is visible to the tile's queries i with c0 + j - hi <= r0 + i <= c0 + j - lo
+      // only: in a masked block, Sᵀ is computed only where some of its register blocks' entries
+      // are visible (gemm.h: Band; the rest is masked below) and P·V runs only the keys each
+      // block of query rows sees (P is exactly 0 elsewhere): a causal tile on the diagonal
+      // costs about the visible half of it instead of all of it.
+      const Band s_band = masked ? Band{c0 - r0 - sp.band_hi, c0 - r0 - sp.band_lo, false} : Band{};
+      const Band pv_band = masked ? Band{r0 - c0 + sp.band_lo, r0 - c0 + sp.band_hi, true} : Band{};
       // Sᵀ = K·Qᵀ (n x mpad), and with kStoreMax its column maxima into cmax.
       auto scores = [&](auto epi) {
         constexpr Epi E = decltype(epi)::value;
         T* mx = E == Epi::kStoreMax ? cmax : nullptr;
         if constexpr (kPairs) {
-          gemm<T, E, Bf16PairStep>(n, mpad, kd, kp, kd, 1, qp, ldqt, s, ldqt, mx, kHeadChunk / 2, scale);
+          gemm<T, E, Bf16PairStep>(n, mpad, kd, kp, kd, 1, qp, ldqt, s, ldqt, mx, kHeadChunk / 2, scale, s_band);
         } else {
-          gemm<T, E>(n, mpad, d, kt, ldk, 1, qt, ldqt, s, ldqt, mx, kHeadChunk);
+          gemm<T, E>(n, mpad, d, kt, ldk, 1, qt, ldqt, s, ldqt, mx, kHeadChunk, T(1), s_band);
         }
+      };
+      // Row j of Sᵀ (key c0 + j): the queries that see it, [first, last), and the vectors that
+      // cover them, [v_begin, v_end): the scores s_band computed (all of the row if unmasked).
+      struct Cols {
+        int64_t first, last, v_begin, v_end;
+      };
+      auto visible = [&](int64_t j) {
+        const int64_t first = masked ? iclamp(c0 + j - sp.band_hi - r0, 0, mpad) : 0;
+        const int64_t last = masked ? iclamp(c0 + j - sp.band_lo - r0 + 1, first, mpad) : mpad;
+        const int64_t v_begin = first - first % VW;
+        return Cols{first, last, v_begin, first < last ? round_up(last, VW) : v_begin};
       };
       if (masked || cap > T(0)) {
         scores(std::integral_constant<Epi, Epi::kStore>{});
         for (int64_t j = 0; j < n; ++j) {
           T* row = s + j * ldqt;
-          if (cap > T(0)) softcap_row(row, mpad, cap);  // before the mask: tanh(-inf) is finite
-          if (masked) {
-            // Key c0 + j is visible to the tile's queries [c0 + j - hi, c0 + j - lo] only.
-            const int64_t first = iclamp(c0 + j - sp.band_hi - r0, 0, mpad);
-            const int64_t last = iclamp(c0 + j - sp.band_lo - r0 + 1, first, mpad);
-            fill(row, first, kNegInf<T>);
-            fill(row + last, mpad - last, kNegInf<T>);
-          }
-          for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vmax(vload(row + i), vload(cmax + i)));
+          const Cols cl = visible(j);
+          // Before the mask: tanh(-inf) is finite.
+          if (cap > T(0)) softcap_row(row + cl.v_begin, cl.v_end - cl.v_begin, cap);
+          fill(row, cl.first, kNegInf<T>);
+          fill(row + cl.last, mpad - cl.last, kNegInf<T>);
+          for (int64_t i = cl.v_begin; i < cl.v_end; i += VW) vstore(cmax + i, vmax(vload(row + i), vload(cmax + i)));
         }
       } else {
         scores(std::integral_constant<Epi, Epi::kStoreMax>{});
@@ -323,9 +338,13 @@ void fwd_impl(const FwdParams& p) {
           prefetch_lines(v_next + j * v_ahead.step, v_ahead.bytes);
         }
         T* row = s + j * ldqt;
-        int64_t i = 0;
-        for (; i + 4 * VW <= mpad; i += 4 * VW) exp_add<T, 4>(row + i, m_use + i, lpart + i);
-        for (; i < mpad; i += VW) exp_add<T, 1>(row + i, m_use + i, lpart + i);
+        // Masked scores are -inf: their P is 0, written without an exp.
+        const Cols cl = visible(j);
+        fill(row, cl.v_begin, T(0));
+        fill(row + cl.v_end, mpad - cl.v_end, T(0));
+        int64_t i = cl.v_begin;
+        for (; i + 4 * VW <= cl.v_end; i += 4 * VW) exp_add<T, 4>(row + i, m_use + i, lpart + i);
+        for (; i < cl.v_end; i += VW) exp_add<T, 1>(row + i, m_use + i, lpart + i);
         if ((j + 1) % kChunk == 0 || j + 1 == n) {
           for (int64_t i = 0; i < mpad; i += VW) {
             vstore(lsum + i, vload(lsum + i) + vload(lpart + i));
@@ -337,10 +356,11 @@ void fwd_impl(const FwdParams& p) {
         vstore(l + i, vfma(vload(l + i), vload(alpha + i), vload(lsum + i)));
       // Rows past the tile's (padding columns of Sᵀ) are never stored: O keeps only `rows`.
       if (fresh) {
-        gemm<T, Epi::kStore>(rows, dpad, n, s, 1, ldqt, vt, ldv, o, dpad, nullptr, kChunk);  // O = P·V
+        gemm<T, Epi::kStore>(rows, dpad, n, s, 1, ldqt, vt, ldv, o, dpad, nullptr, kChunk, T(1), pv_band);  // O = P·V
         fresh = false;
       } else {
-        gemm<T, Epi::kScaleAdd>(rows, dpad, n, s, 1, ldqt, vt, ldv, o, dpad, alpha, kChunk);  // O = a·O + P·V
+        gemm<T, Epi::kScaleAdd>(rows, dpad, n, s, 1, ldqt, vt, ldv, o, dpad, alpha, kChunk, T(1),
+                                pv_band);  // O = a·O + P·V
       }
     }
     if (fresh) fill(o, mpad * dpad, T(0));  // no visible key at all

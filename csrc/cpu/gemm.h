@@ -244,19 +244,32 @@ inline void zero_product(int64_t rows, int64_t width, T* C, int64_t ldc, T* aux)
   }
 }
 
-// The part of a masked block that a GEMM computes (the attention kernels' band edges, masks.h):
-// with `on_k`, A (m, k) is exactly zero unless lo <= k - m <= hi, and each register block of rows
-// runs only the K steps some of its rows need (a leading cut rounded down to a whole chunk, so
-// every sum keeps its chunks); otherwise C (m, n) is not wanted unless lo <= n - m <= hi
-// (kStore only: the caller overwrites those entries), and register blocks with no wanted entry
-// are not computed (their C keeps whatever it held). The default band cuts nothing. Skipped
-// terms are exact zeros, so a sum differs from the full product's only in its sign of zero,
-// an inf or NaN of B where A is zero (no longer 0·inf = NaN), and with kScaleAdd where whole
-// leading chunks are skipped: s·C + (A·B) is then rounded once instead of twice.
+// The part of a masked block that a GEMM computes (the attention kernels' band edges; masks.h:
+// block_band): with `on_k`, A (m, k) is exactly zero unless lo <= k - m <= hi, and each
+// register block of rows runs only the K steps some of its rows need (a leading cut rounded
+// down to a whole chunk, so every sum keeps its chunks); otherwise C (m, n) is not wanted
+// unless lo <= n - m <= hi, and with kStore (the caller overwrites those entries) register
+// blocks with no wanted entry are not computed: their C keeps whatever it held (the other
+// epilogues compute all of C). The default band cuts nothing. Skipped terms are exact zeros,
+// so a sum differs from the full product's only in its sign of zero, an inf or NaN of B where
+// A is zero (no longer 0·inf = NaN), and with kScaleAdd where whole leading chunks are
+// skipped: s·C + (A·B) is then rounded once instead of twice.
 struct Band {
   int64_t lo = INT64_MIN / 4, hi = INT64_MAX / 4;
   bool on_k = false;
   bool cuts() const { return lo != INT64_MIN / 4 || hi != INT64_MAX / 4; }
+  // The columns (K steps) row m needs of [0, limit): [first, last), and the vectors of T that
+  // cover them, [v_begin, v_end) (what a kStore with this band computed of the row; empty
+  // when the row needs none).
+  struct Cols {
+    int64_t first, last, v_begin, v_end;
+  };
+  template <typename T>
+  Cols cols(int64_t m, int64_t limit) const {
+    const int64_t first = iclamp(m + lo, 0, limit), last = iclamp(m + hi + 1, first, limit);
+    const int64_t v_begin = first - first % kVW<T>;
+    return Cols{first, last, v_begin, first < last ? round_up(last, kVW<T>) : v_begin};
+  }
 };
 
 // C (M x npad) op= A (M x K, strides sa_m, sa_k) * B (K x npad, row stride ldb), npad a multiple
@@ -295,7 +308,7 @@ inline void gemm(int64_t M, int64_t npad, int64_t K, const typename Step::elem* 
             zero_product<T, E>(rows, width, c, ldc, x);
             continue;
           }
-        } else if (need.end <= c0 || need.begin >= c0 + width) {
+        } else if (E == Epi::kStore && (need.end <= c0 || need.begin >= c0 + width)) {
           continue;
         }
       }

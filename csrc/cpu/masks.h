@@ -10,6 +10,7 @@
 #include "../attn_params.h"
 #include "../kernel_math.h"
 #include "common.h"
+#include "gemm.h"
 #include "vec.h"
 
 namespace ringseq {
@@ -78,6 +79,15 @@ inline void span_tiles(const Spans& spans, int64_t tile, bool q_side, SpanTile* 
     a[end] = x;
     sift(0, end);
   }
+}
+
+// The band of the block of span sp whose query rows start at r0 and keys at c0 (span-local), as
+// gemm's Band (gemm.h) for a product whose rows are the block's queries or (keys_as_rows) its
+// keys, cutting its columns or (on_k) its K steps: query r0 + i sees key c0 + j iff
+// band_lo <= (c0 + j) - (r0 + i) <= band_hi.
+inline Band block_band(const AttnSpan& sp, int64_t r0, int64_t c0, bool keys_as_rows, bool on_k) {
+  const int64_t lo = r0 - c0 + sp.band_lo, hi = r0 - c0 + sp.band_hi;  // bounds of j - i
+  return keys_as_rows ? Band{-hi, -lo, on_k} : Band{lo, hi, on_k};
 }
 
 // tanh(x) within ~2 ulp relative error. For |x| >= atanh(1/2), 1 - 2 / (exp(2x) + 1) with the

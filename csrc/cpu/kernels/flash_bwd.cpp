@@ -282,10 +282,9 @@ void bwd_impl(const BwdParams& p) {
           // rest is zeroed below), and dV, dK and dQ run only the rows or keys each register
           // block needs (P and dS are exactly 0 elsewhere; gemm.h: Band).
           const bool full = km::band_block_full(r0, r0 + m, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
-          const int64_t lo = r0 - c0 + sp.band_lo, hi = r0 - c0 + sp.band_hi;  // of j - i
-          const Band s_band = full ? Band{} : Band{lo, hi, false};    // S, dP: (i, j)
-          const Band kq_band = full ? Band{} : Band{-hi, -lo, true};  // dV, dK: (j, i)
-          const Band qk_band = full ? Band{} : Band{lo, hi, true};    // dQ: (i, j)
+          const Band s_band = full ? Band{} : block_band(sp, r0, c0, false, false);   // S, dP: (i, j)
+          const Band kq_band = full ? Band{} : block_band(sp, r0, c0, true, true);    // dV, dK: (j, i)
+          const Band qk_band = full ? Band{} : block_band(sp, r0, c0, false, true);   // dQ: (i, j)
           int64_t ldqi = ldp, ldo = ldp;
           const T* qi = q_item != nullptr ? q_item + (r0 - q_begin) * ldp
                                           : rows_as(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d,
@@ -313,9 +312,10 @@ void bwd_impl(const BwdParams& p) {
           }
           for (int64_t i = 0; i < m; ++i) {
             // Query r0 + i sees keys [jb, je) of this tile: all of them in a full block, else
-            // those within its band (keys past n are the tile's padding).
-            const int64_t jb = full ? 0 : iclamp(r0 + i + sp.band_lo - c0, 0, n);
-            const int64_t je = full ? n : iclamp(r0 + i + sp.band_hi - c0 + 1, jb, n);
+            // those within its band (keys past n are the tile's padding); S and dP were
+            // computed on the vectors [j_begin, j_end) that cover them.
+            const Band::Cols jc = s_band.cols<T>(i, n);
+            const int64_t jb = jc.first, je = jc.last, j_begin = jc.v_begin, j_end = jc.v_end;
             T* prow = s + i * ldt;
             T* dsrow = dp + i * ldt;
             if (r0 + bm + i < q_end) {
@@ -328,8 +328,6 @@ void bwd_impl(const BwdParams& p) {
             const V lse_i = vsplat(guard_lse(lse_h[q0 + r0 + i]));
             const V d_i = vsplat(delta_h[q0 + r0 + i]);
             const V sc = vsplat(scale);
-            // The vectors of S and dP that cover [jb, je): computed by the GEMMs above (s_band).
-            const int64_t j_begin = jb - jb % VW, j_end = jb < je ? round_up(je, VW) : j_begin;
             if (cap > T(0)) {
               // P = exp(cap·t - lse) with t = tanh(S / cap); dS takes d(cap·t)/dS = 1 - t².
               const V inv = vsplat(T(1) / cap), cv = vsplat(cap), one = vsplat(T(1));

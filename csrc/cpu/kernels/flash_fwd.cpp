@@ -268,13 +268,12 @@ void fwd_impl(const FwdParams& p) {
                                                 dpad, st.vbuf.get(), ldp, ldv);
       for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
       const bool masked = !km::band_block_full(r0, r0 + rows, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
-      // Key c0 + j is visible to the tile's queries i with c0 + j - hi <= r0 + i <= c0 + j - lo
-      // only: in a masked block, Sᵀ is computed only where some of its register blocks' entries
-      // are visible (gemm.h: Band; the rest is masked below) and P·V runs only the keys each
-      // block of query rows sees (P is exactly 0 elsewhere): a causal tile on the diagonal
-      // costs about the visible half of it instead of all of it.
-      const Band s_band = masked ? Band{c0 - r0 - sp.band_hi, c0 - r0 - sp.band_lo, false} : Band{};
-      const Band pv_band = masked ? Band{r0 - c0 + sp.band_lo, r0 - c0 + sp.band_hi, true} : Band{};
+      // In a masked block, Sᵀ is computed only in register blocks with a visible entry (the
+      // rest is masked below) and P·V runs only the keys some row of a register block sees
+      // (P is exactly 0 elsewhere; gemm.h: Band): a causal tile on the diagonal costs about
+      // its visible half instead of all of it.
+      const Band s_band = masked ? block_band(sp, r0, c0, /*keys_as_rows=*/true, /*on_k=*/false) : Band{};
+      const Band pv_band = masked ? block_band(sp, r0, c0, /*keys_as_rows=*/false, /*on_k=*/true) : Band{};
       // Sᵀ = K·Qᵀ (n x mpad), and with kStoreMax its column maxima into cmax.
       auto scores = [&](auto epi) {
         constexpr Epi E = decltype(epi)::value;
@@ -285,22 +284,12 @@ void fwd_impl(const FwdParams& p) {
           gemm<T, E>(n, mpad, d, kt, ldk, 1, qt, ldqt, s, ldqt, mx, kHeadChunk, T(1), s_band);
         }
       };
-      // Row j of Sᵀ (key c0 + j): the queries that see it, [first, last), and the vectors that
-      // cover them, [v_begin, v_end): the scores s_band computed (all of the row if unmasked).
-      struct Cols {
-        int64_t first, last, v_begin, v_end;
-      };
-      auto visible = [&](int64_t j) {
-        const int64_t first = masked ? iclamp(c0 + j - sp.band_hi - r0, 0, mpad) : 0;
-        const int64_t last = masked ? iclamp(c0 + j - sp.band_lo - r0 + 1, first, mpad) : mpad;
-        const int64_t v_begin = first - first % VW;
-        return Cols{first, last, v_begin, first < last ? round_up(last, VW) : v_begin};
-      };
       if (masked || cap > T(0)) {
         scores(std::integral_constant<Epi, Epi::kStore>{});
         for (int64_t j = 0; j < n; ++j) {
           T* row = s + j * ldqt;
-          const Cols cl = visible(j);
+          // The queries that see key c0 + j, [first, last), and the scores computed of the row.
+          const Band::Cols cl = s_band.cols<T>(j, mpad);
           // Before the mask: tanh(-inf) is finite.
           if (cap > T(0)) softcap_row(row + cl.v_begin, cl.v_end - cl.v_begin, cap);
           fill(row, cl.first, kNegInf<T>);
@@ -339,7 +328,7 @@ void fwd_impl(const FwdParams& p) {
         }
         T* row = s + j * ldqt;
         // Masked scores are -inf: their P is 0, written without an exp.
-        const Cols cl = visible(j);
+        const Band::Cols cl = s_band.cols<T>(j, mpad);
         fill(row, cl.v_begin, T(0));
         fill(row + cl.v_end, mpad - cl.v_end, T(0));
         int64_t i = cl.v_begin;

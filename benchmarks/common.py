@@ -392,18 +392,23 @@ def cpu_description():
 
 def isa_forced_note(level, requested=None):
     """How ringseq's CPU kernel came to run `level`: "forced" when RINGSEQ_CPU_ISA (or
-    `requested`, what a child process was given) asks for a level below this CPU's best, so the
-    numbers stand for a CPU of that level only as far as this CPU's caches and pipes resemble
-    it; else this CPU's own level."""
+    `requested`, what a child process was given) asks for a level other than the one auto
+    picks on this CPU, so the numbers stand for a CPU of that level only as far as this CPU's
+    caches and pipes resemble it; else auto's choice (this CPU's best level, but avx512 on an
+    Intel CPU with AVX512_BF16: docs/kernels.md)."""
     try:
-        from ringseq.kernels.extension import cpu_isa_levels
+        from ringseq.kernels.extension import _C, cpu_isa_levels
         best = (cpu_isa_levels() or [None])[-1]
-    except ImportError:
-        best = None
+        chosen = _C._cpu_isa_auto() if best is not None else None
+    except (ImportError, AttributeError, RuntimeError):
+        best = chosen = None
     if requested is None:
         requested = os.environ.get("RINGSEQ_CPU_ISA", "").strip().lower()
-    if requested not in ("", "auto") and best is not None and level != best:
-        return f"{level} forced with RINGSEQ_CPU_ISA={requested} (this CPU runs up to {best})"
+    if requested not in ("", "auto") and chosen is not None and level != chosen:
+        return (f"{level} forced with RINGSEQ_CPU_ISA={requested} (auto runs {chosen} here; "
+                f"this CPU runs up to {best})")
+    if chosen is not None and chosen != best:
+        return f"{level} (auto's choice on this CPU, which runs up to {best})"
     return f"{level} (this CPU's best level)"
 
 

@@ -42,6 +42,23 @@ PyObject* cpu_isa_supported(PyObject*, PyObject*) { return split_levels(ringseq:
 
 PyObject* cpu_isa_built(PyObject*, PyObject*) { return split_levels(ringseq::cpu::isa_built()); }
 
+// _cpu_isa_auto(vendor=None, level=None) -> str: the level RINGSEQ_CPU_ISA=auto picks on this
+// CPU, or (either given) on a CPU of that cpuid vendor whose highest level is `level`;
+// RuntimeError for an unknown level name.
+PyObject* cpu_isa_auto(PyObject*, PyObject* args) {
+  const char* vendor = nullptr;
+  const char* level = nullptr;
+  if (!PyArg_ParseTuple(args, "|zz", &vendor, &level)) return nullptr;
+  const std::string v = vendor ? vendor : "", l = level ? level : "";
+  std::string error;
+  const std::string name = ringseq::cpu::isa_auto(vendor ? &v : nullptr, level ? &l : nullptr, &error);
+  if (name.empty()) {
+    PyErr_SetString(PyExc_RuntimeError, error.c_str());
+    return nullptr;
+  }
+  return PyUnicode_FromString(name.c_str());
+}
+
 // _set_cpu_isa(level or None): force a level in this process (None: resolve RINGSEQ_CPU_ISA
 // again at the next call).
 PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
@@ -83,6 +100,9 @@ PyMethodDef kMethods[] = {
     {"cpu_isa_supported", cpu_isa_supported, METH_NOARGS,
      "ISA levels built into this extension that this CPU can run, lowest first"},
     {"cpu_isa_built", cpu_isa_built, METH_NOARGS, "ISA levels built into this extension"},
+    {"_cpu_isa_auto", cpu_isa_auto, METH_VARARGS,
+     "_cpu_isa_auto(vendor=None, level=None): the level auto picks on this CPU, or on a CPU of "
+     "that cpuid vendor whose highest level is `level`"},
     {"_set_cpu_isa", set_cpu_isa, METH_O,
      "Force the CPU kernel's ISA level in this process (None: back to RINGSEQ_CPU_ISA/auto)"},
     {"_cpu_head_rows_bytes", cpu_head_rows_bytes, METH_VARARGS,

@@ -1,6 +1,7 @@
 """The numeric tests at the machine's other ISA levels, as a CPU of that level would run them.
 
-``python -m pytest -q`` runs every test at the CPU's best level. Users' CPUs differ: an AVX2
+``python -m pytest -q`` runs every test at the level ``auto`` picks (the CPU's best one, but
+avx512 on an Intel CPU with AVX512_BF16, docs/kernels.md). Users' CPUs differ: an AVX2
 CPU runs ringseq's AVX2 kernel AND torch's AVX2 kernels (ATen's vectorized ops, oneDNN, MKL),
 which compute the plain same-dtype reference the tolerance rule scales with
 (docs/design.md); a test that passes at AVX-512 can miss its bound there (issue 25: a plugin
@@ -15,7 +16,7 @@ progress dots streamed as they come:
   code generation probes the CPU itself and, with torch's level forced below it, compiled a
   loss of 179.9 where eager gives 414.6 (an artifact of forcing the level, not something an
   AVX2 CPU does).
-- avx512 (on a CPU whose best level is avx512bf16): no re-run. The two levels differ only in
+- avx512 or avx512bf16, whichever the main run does not use: no re-run. The two levels differ only in
   the kernel's bfloat16 S = Q·Kᵀ and dP = dO·Vᵀ (avx512bf16 uses the bf16 dot product), torch
   runs the same code under both (ATen has no level between them), and the ``isa`` fixture's
   kernel and accuracy cases already run at both levels in-process.
@@ -38,7 +39,7 @@ import time
 
 import pytest
 
-from ringseq.kernels.extension import cpu_isa_levels
+from ringseq.kernels.extension import _C, cpu_isa_levels
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -48,6 +49,7 @@ ENV = {"avx2": {"RINGSEQ_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"},
 DESELECT = {"avx2": "not torch_compile", "baseline": ""}
 MODULES = {
     "avx512": None,  # covered in-process (the isa fixture), see above
+    "avx512bf16": None,  # likewise (on Intel, where the main run uses avx512)
     # test_kernel_cpu.py's level loop already runs the AVX2 kernel in-process, and the
     # transformers parity of test_transformers_integration.py runs again through the plugin:
     # left out to keep the suite within its budget
@@ -55,7 +57,8 @@ MODULES = {
              "test_sp_modes.py", "test_plugin.py", "test_sp_plugin.py"],
     "baseline": ["test_kernel_cpu.py", "test_cpu_accuracy.py", "test_ops.py"],
 }
-NATIVE = cpu_isa_levels()[-1] if cpu_isa_levels() else None
+# the level the main run uses (RINGSEQ_CPU_ISA unset: auto's choice, dispatch.cpp: auto_level)
+NATIVE = _C._cpu_isa_auto() if cpu_isa_levels() else None
 OTHER_LEVELS = [lvl for lvl in cpu_isa_levels() if lvl != NATIVE and MODULES.get(lvl)]
 
 

@@ -427,10 +427,48 @@ def test_ringseq_cpu_isa_env_forces_the_level_at_first_use(level):
     assert proc.stdout.split()[0] == level
 
 
-def test_default_level_is_the_best_this_cpu_supports():
+def _cpu_vendor():
+    """cpuid's vendor string as /proc/cpuinfo shows it ("GenuineIntel", "AuthenticAMD"), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), None)
+    except OSError:
+        return None
+
+
+def expected_auto_level(vendor, highest, built):
+    """The level RINGSEQ_CPU_ISA=auto runs, as docs/kernels.md states it: the highest level the CPU
+    supports, except avx512 instead of avx512bf16 on Intel (whose vdpbf16ps runs at half the
+    FMAs' rate), when avx512 is built."""
+    if highest == "avx512bf16" and vendor == "GenuineIntel" and "avx512" in built:
+        return "avx512"
+    return highest
+
+
+def test_default_level_is_the_best_this_cpu_supports_except_slow_bf16_dots():
+    vendor = _cpu_vendor()
+    if vendor is None:
+        pytest.skip("no /proc/cpuinfo vendor_id to check the choice against")
+    want = expected_auto_level(vendor, ISA_LEVELS[-1], ringseq._C.cpu_isa_built())
     proc = _run_python(PROBE)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[0] == ISA_LEVELS[-1]
+    assert proc.stdout.split()[0] == want
+    assert ringseq._C._cpu_isa_auto() == want
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", "HygonGenuine", ""])
+@pytest.mark.parametrize("highest", ["baseline", "avx2", "avx512", "avx512bf16"])
+def test_auto_level_per_vendor_and_highest_level(vendor, highest):
+    # The rule on any CPU, whatever this one is: only Intel's avx512bf16 steps down, one level.
+    built = ringseq._C.cpu_isa_built()
+    if highest not in built:
+        pytest.skip(f"{highest} is not built into this extension")
+    assert ringseq._C._cpu_isa_auto(vendor, highest) == expected_auto_level(vendor, highest, built)
+
+
+def test_auto_level_rejects_unknown_level_names():
+    with pytest.raises(RuntimeError, match="level must be one of baseline, avx2, avx512, avx512bf16; got 'avx9'"):
+        ringseq._C._cpu_isa_auto("GenuineIntel", "avx9")
 
 
 def test_unsupported_forced_level_errors_clearly():
@@ -482,7 +520,7 @@ def test_unknown_level_name_errors_clearly():
     assert proc.returncode != 0
     assert "RINGSEQ_CPU_ISA must be one of auto, baseline, avx2, avx512, avx512bf16; got 'sse9'" in proc.stderr
     proc = _run_python(PROBE, RINGSEQ_CPU_ISA="auto")
-    assert proc.returncode == 0 and proc.stdout.split()[0] == ISA_LEVELS[-1], proc.stderr
+    assert proc.returncode == 0 and proc.stdout.split()[0] == ringseq._C._cpu_isa_auto(), proc.stderr
 
 
 def test_set_cpu_isa_rejects_unsupported_levels():

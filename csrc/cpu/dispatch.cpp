@@ -1,7 +1,7 @@
 // Runtime ISA dispatch of the CPU kernel, the way ATen's CPU_CAPABILITY does it: the kernel's
 // translation units are compiled once per level into this extension (setup.py), and the first
 // call picks the best level the CPU supports (cpuid, and xgetbv for the OS-enabled register
-// state), or the level RINGSEQ_CPU_ISA forces. The choice is cached in one atomic pointer; the
+// state; see auto_level for the vendor exception), or the level RINGSEQ_CPU_ISA forces. The choice is cached in one atomic pointer; the
 // first resolution runs under a mutex, so concurrent first calls agree.
 //
 // This unit is compiled for the baseline target only (it runs on every CPU); it is also where
@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 
@@ -155,13 +156,52 @@ std::string level_list(int max_level, bool built_only) {
   return out;
 }
 
-// Resolves the level to use from the CPU and `request` ("" or "auto": the best one).
+// The cpuid vendor string ("GenuineIntel", "AuthenticAMD", ...; "" off x86).
+std::string cpu_vendor() {
+#if defined(RINGSEQ_X86)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return std::string();
+  char v[13];
+  std::memcpy(v, &b, 4);
+  std::memcpy(v + 4, &d, 4);
+  std::memcpy(v + 8, &c, 4);
+  v[12] = '\0';
+  return v;
+#else
+  return std::string();
+#endif
+}
+
+// The level `auto` runs: the highest one this CPU supports and this build has, except where a
+// level was measured slower than the one below it on a vendor's cores (tuning as data: one row
+// per case; RINGSEQ_CPU_ISA still forces any level).
+struct AutoException {
+  int level;           // the CPU's highest level ...
+  const char* vendor;  // ... on a CPU of this cpuid vendor ...
+  int instead;         // ... runs this one under auto (when built)
+};
+// avx512bf16 on Intel: vdpbf16ps issues once per ~2 cycles on a Sapphire Rapids-class Xeon
+// (measured: 1.1-1.2e9/s per core against 4.2-4.5e9 512-bit FMAs/s), half the FMAs' float
+// rate, and that level's bf16 attention ran 1.3-1.4x slower than avx512's, fwd and fwd+bwd
+// (benchmarks/RESULTS.md). On AMD Zen 4 (1/cycle on 256-bit halves) it is 15-23 % faster.
+const AutoException kAutoExceptions[] = {{kAvx512Bf16, "GenuineIntel", kAvx512}};
+
+int auto_level(int supported, const std::string& vendor) {
+  int start = supported;
+  for (const AutoException& e : kAutoExceptions)
+    if (e.level == supported && vendor == e.vendor && kLevels[e.instead].table) start = e.instead;
+  for (int i = start; i >= 0; --i)
+    if (kLevels[i].table) return i;
+  return -1;
+}
+
+// Resolves the level to use from the CPU and `request` ("" or "auto": auto_level).
 const KernelTable* resolve(const std::string& request, const char* source, std::string* error) {
   const int cpu = supported_level(error);
   if (cpu < 0) return nullptr;
   if (request.empty() || request == "auto") {
-    for (int i = cpu; i >= 0; --i)
-      if (kLevels[i].table) return kLevels[i].table();
+    const int level = auto_level(cpu, cpu_vendor());
+    if (level >= 0) return kLevels[level].table();
     *error = "ringseq CPU kernel: no ISA level was built";
     return nullptr;
   }
@@ -229,6 +269,27 @@ std::string isa_supported() {
 }
 
 std::string isa_built() { return level_list(kNumLevels - 1, true); }
+
+std::string isa_auto(const std::string* vendor, const std::string* supported, std::string* error) {
+  int cpu;
+  if (supported) {
+    cpu = level_by_name(trimmed_lower(supported->c_str()));
+    if (cpu < 0) {
+      *error = "_cpu_isa_auto(vendor, level): level must be one of baseline, avx2, avx512, avx512bf16; got '" +
+               *supported + "'";
+      return std::string();
+    }
+  } else {
+    cpu = supported_level(error);
+    if (cpu < 0) return std::string();
+  }
+  const int level = auto_level(cpu, vendor ? *vendor : cpu_vendor());
+  if (level < 0) {
+    *error = "ringseq CPU kernel: no ISA level was built";
+    return std::string();
+  }
+  return kLevels[level].name;
+}
 
 bool isa_force(const std::string& request, std::string* error) {
   std::lock_guard<std::mutex> lock(g_mu);

@@ -29,6 +29,9 @@ bool isa_active(std::string* name, std::string* error);
 // Comma-separated levels built into this extension / also runnable on this CPU (low to high).
 std::string isa_built();
 std::string isa_supported();
+// The level `auto` picks: on this CPU (both null), or for a CPU of `vendor` (cpuid's string)
+// whose highest level is `supported`. "" with `error` set for an unknown level name.
+std::string isa_auto(const std::string* vendor, const std::string* supported, std::string* error);
 // Forces a level for this process ("" resets: the next call resolves RINGSEQ_CPU_ISA again).
 // For tests and benchmarks; thread-safe, but kernels already running keep their level.
 bool isa_force(const std::string& request, std::string* error);

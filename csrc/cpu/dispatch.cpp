@@ -1,8 +1,9 @@
 // Runtime ISA dispatch of the CPU kernel, the way ATen's CPU_CAPABILITY does it: the kernel's
 // translation units are compiled once per level into this extension (setup.py), and the first
 // call picks the best level the CPU supports (cpuid, and xgetbv for the OS-enabled register
-// state; see auto_level for the vendor exception), or the level RINGSEQ_CPU_ISA forces. The choice is cached in one atomic pointer; the
-// first resolution runs under a mutex, so concurrent first calls agree.
+// state; auto_level has the one vendor exception), or the level RINGSEQ_CPU_ISA forces. The
+// choice is cached in one atomic pointer; the first resolution runs under a mutex, so
+// concurrent first calls agree.
 //
 // This unit is compiled for the baseline target only (it runs on every CPU); it is also where
 // the per-level units reach torch (isa.h hooks).

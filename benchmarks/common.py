@@ -407,7 +407,7 @@ def isa_forced_note(level, requested=None):
     if requested not in ("", "auto") and chosen is not None and level != chosen:
         return (f"{level} forced with RINGSEQ_CPU_ISA={requested} (auto runs {chosen} here; "
                 f"this CPU runs up to {best})")
-    if chosen is not None and chosen != best:
+    if level == chosen and chosen != best:
         return f"{level} (auto's choice on this CPU, which runs up to {best})"
     return f"{level} (this CPU's best level)"
 

@@ -42,9 +42,9 @@ PyObject* cpu_isa_supported(PyObject*, PyObject*) { return split_levels(ringseq:
 
 PyObject* cpu_isa_built(PyObject*, PyObject*) { return split_levels(ringseq::cpu::isa_built()); }
 
-// _cpu_isa_auto(vendor=None, level=None) -> str: the level RINGSEQ_CPU_ISA=auto picks on this
-// CPU, or (either given) on a CPU of that cpuid vendor whose highest level is `level`;
-// RuntimeError for an unknown level name.
+// _cpu_isa_auto(vendor=None, level=None) -> str (positional arguments): the level
+// RINGSEQ_CPU_ISA=auto picks on a CPU of cpuid vendor `vendor` whose highest level is `level`,
+// each None meaning this CPU's own; RuntimeError for an unknown level name.
 PyObject* cpu_isa_auto(PyObject*, PyObject* args) {
   const char* vendor = nullptr;
   const char* level = nullptr;
@@ -101,8 +101,8 @@ PyMethodDef kMethods[] = {
      "ISA levels built into this extension that this CPU can run, lowest first"},
     {"cpu_isa_built", cpu_isa_built, METH_NOARGS, "ISA levels built into this extension"},
     {"_cpu_isa_auto", cpu_isa_auto, METH_VARARGS,
-     "_cpu_isa_auto(vendor=None, level=None): the level auto picks on this CPU, or on a CPU of "
-     "that cpuid vendor whose highest level is `level`"},
+     "_cpu_isa_auto(vendor=None, level=None), positional: the level auto picks on a CPU of that "
+     "cpuid vendor whose highest level is `level` (None: this CPU's own)"},
     {"_set_cpu_isa", set_cpu_isa, METH_O,
      "Force the CPU kernel's ISA level in this process (None: back to RINGSEQ_CPU_ISA/auto)"},
     {"_cpu_head_rows_bytes", cpu_head_rows_bytes, METH_VARARGS,

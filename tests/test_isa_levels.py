@@ -63,7 +63,7 @@ OTHER_LEVELS = [lvl for lvl in cpu_isa_levels() if lvl != NATIVE and MODULES.get
 
 
 def test_levels_to_rerun_are_known():
-    """Every level the build can run below the native one has a module list (a new level
+    """Every level the build can run other than the main run's has a module list (a new level
     must be added here), and every listed module exists."""
     for level in cpu_isa_levels():
         assert level == NATIVE or level in MODULES, f"no re-run list for ISA level {level!r}"

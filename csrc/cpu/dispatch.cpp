@@ -220,7 +220,7 @@ const KernelTable* resolve(const std::string& request, const char* source, std::
   if (want > cpu) {
     *error = std::string(source) + "=" + request + " but this CPU cannot run it (it needs " +
              kLevels[want].requires_ + "); levels this CPU supports: " + level_list(cpu, true) +
-             ". Unset " + source + " to use the best one.";
+             ". Unset " + source + " to let auto choose.";
     return nullptr;
   }
   return kLevels[want].table();

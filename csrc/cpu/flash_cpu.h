@@ -30,7 +30,8 @@ bool isa_active(std::string* name, std::string* error);
 std::string isa_built();
 std::string isa_supported();
 // The level `auto` picks: on this CPU (both null), or for a CPU of `vendor` (cpuid's string)
-// whose highest level is `supported`. "" with `error` set for an unknown level name.
+// whose highest level is `supported`. "" with `error` set for an unknown level name or a
+// bad RINGSEQ_CPU_ISA_CEILING.
 std::string isa_auto(const std::string* vendor, const std::string* supported, std::string* error);
 // Forces a level for this process ("" resets: the next call resolves RINGSEQ_CPU_ISA again).
 // For tests and benchmarks; thread-safe, but kernels already running keep their level.

@@ -21,7 +21,7 @@ Environment variables:
                           experts: e.g. "-mtune=znver3"; "-march=native" makes every level
                           require the build machine's CPU.
   RINGSEQ_CPU_ISAS        CPU kernel ISA levels to build (default: every level the compiler
-                          accepts; x86-64: baseline,avx2,avx512,avx512bf16; elsewhere: baseline).
+                          accepts; x86-64: baseline,avx2,avx512,avx512bf16,amx; elsewhere: baseline).
 """
 import glob
 import os
@@ -180,6 +180,10 @@ X86_ISA_FLAGS = {
     # the forward's S = Q·Kᵀ of bf16 inputs at twice the terms per instruction (gemm.h)
     "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx2",
                    "-mfma", "-mf16c"],
+    # AVX-512 plus AMX tiles (Intel Sapphire Rapids and later): the forward's bf16 products on
+    # tiles (csrc/cpu/amx.h); AVX512_BF16 for its float-to-bf16 conversion only
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
+            "-mamx-bf16", "-mavx2", "-mfma", "-mf16c"],
 }
 
 

@@ -221,6 +221,9 @@ TORCH_ISA_ENV = {
     # may use the bf16 instructions a CPU of this level has
     "avx512bf16": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
                    "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    # and AMX tiles, which torch's bf16 SDPA uses through oneDNN on such a CPU
+    "amx": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+            "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"},
 }
 KEY = ("dtype", "threads", "seqlen", "headdim", "causal", "mode", "window", "softcap")
 

@@ -395,7 +395,7 @@ def isa_forced_note(level, requested=None):
     `requested`, what a child process was given) asks for a level other than the one auto
     picks on this CPU, so the numbers stand for a CPU of that level only as far as this CPU's
     caches and pipes resemble it; else auto's choice (this CPU's best level, but avx512 on an
-    Intel CPU with AVX512_BF16: docs/kernels.md)."""
+    Intel CPU with AVX512_BF16 and no usable AMX: docs/kernels.md)."""
     try:
         from ringseq.kernels.extension import _C, cpu_isa_levels
         best = (cpu_isa_levels() or [None])[-1]

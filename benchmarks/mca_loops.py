@@ -31,7 +31,7 @@ from collections import defaultdict
 
 HEADER = re.compile(r"^([0-9a-f]+) <(.+)>:$")
 INSN = re.compile(r"^\s*([0-9a-f]+):\s+([a-z0-9._]+)\s*(.*?)\s*$")
-BLOCK = {"baseline": 6, "avx2": 6, "avx512": 8, "avx512bf16": 8}  # vec.h kMR (kNR = 2)
+BLOCK = {"baseline": 6, "avx2": 6, "avx512": 8, "avx512bf16": 8, "amx": 8}  # vec.h kMR (kNR = 2)
 
 
 def disassemble(path):

@@ -96,7 +96,7 @@ PyObject* cpu_head_rows_bytes(PyObject*, PyObject* args) {
 
 PyMethodDef kMethods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS,
-     "ISA level of the CPU kernel in use (baseline, avx2, avx512, avx512bf16), chosen at first use"},
+     "ISA level of the CPU kernel in use (baseline, avx2, avx512, avx512bf16, amx), chosen at first use"},
     {"cpu_isa_supported", cpu_isa_supported, METH_NOARGS,
      "ISA levels built into this extension that this CPU can run, lowest first"},
     {"cpu_isa_built", cpu_isa_built, METH_NOARGS, "ISA levels built into this extension"},

@@ -5,11 +5,14 @@
    step. (A memcpy-based vector load once compiled to 16-byte moves through a stack temporary
    under GCC's znver tuning: 6.5x slower on Zen 3.)
 2. Each ISA level's instructions stay in its own namespace: code outside ringseq::cpu::avx2 /
-   avx512 / avx512bf16 uses nothing beyond baseline x86-64, avx2 code no AVX-512 and avx512 code
-   no bf16 dot product, so the extension runs on any x86-64 CPU and the dispatcher's choice is
-   the only way in.
+   avx512 / avx512bf16 / amx uses nothing beyond baseline x86-64, avx2 code no AVX-512, avx512
+   code no bf16 instruction, avx512bf16 code no AMX tile and amx code no bf16 dot product (the
+   slow path it exists to avoid), so the extension runs on any x86-64 CPU and the dispatcher's
+   choice is the only way in.
 3. The avx512bf16 level's bf16 pair micro-kernels (Bf16PairStep) run one vdpbf16ps per
    accumulator and step on full registers, from registers.
+4. The amx level's tile product (csrc/cpu/amx.h) runs a 2 x 2 block of C tiles: four
+   tdpbf16ps on four tile loads per step.
 """
 import os
 import platform
@@ -34,10 +37,10 @@ pytestmark = [
 ]
 
 LEVEL_NS = {"avx2": "ringseq::cpu::avx2::", "avx512": "ringseq::cpu::avx512::",
-            "avx512bf16": "ringseq::cpu::avx512bf16::"}
+            "avx512bf16": "ringseq::cpu::avx512bf16::", "amx": "ringseq::cpu::amx::"}
 # micro-kernel rows x vectors per level for float (csrc/cpu/vec.h: kMR x kNR)
-FLOAT_BLOCK = {"baseline": (6, 2), "avx2": (6, 2), "avx512": (8, 2), "avx512bf16": (8, 2)}
-VECTOR_REG = {"baseline": "xmm", "avx2": "ymm", "avx512": "zmm", "avx512bf16": "zmm"}
+FLOAT_BLOCK = {"baseline": (6, 2), "avx2": (6, 2), "avx512": (8, 2), "avx512bf16": (8, 2), "amx": (8, 2)}
+VECTOR_REG = {"baseline": "xmm", "avx2": "ymm", "avx512": "zmm", "avx512bf16": "zmm", "amx": "zmm"}
 # Not in baseline x86-64 and not spelled with a v prefix: BMI1/2, LZCNT, POPCNT, MOVBE, ADX...
 NON_BASELINE = {"andn", "bextr", "blsi", "blsmsk", "blsr", "bzhi", "mulx", "pdep", "pext", "rorx",
                 "sarx", "shlx", "shrx", "tzcnt", "lzcnt", "popcnt", "movbe", "adcx", "adox", "crc32",
@@ -62,7 +65,7 @@ def built_levels():
     return list(_C.cpu_isa_built())
 
 
-@pytest.mark.parametrize("level", ["baseline", "avx2", "avx512", "avx512bf16"])
+@pytest.mark.parametrize("level", ["baseline", "avx2", "avx512", "avx512bf16", "amx"])
 def test_micro_kernel_inner_loops_stay_in_registers(code, level):
     if level not in built_levels():
         pytest.skip(f"{level} not built")
@@ -105,8 +108,10 @@ def test_each_isa_level_stays_in_its_namespace(code):
                 bad = re.search(r"%zmm|%k[0-7]|\{%k", args) or op.startswith("k")
             elif level == "avx512":
                 bad = "bf16" in op
-            else:
-                bad = False
+            elif level == "avx512bf16":
+                bad = op.startswith(("tile", "tdp", "ldtilecfg"))
+            else:  # amx
+                bad = op == "vdpbf16ps"
             if bad:
                 offenders.append(f"{name}: {op} {args}")
                 break
@@ -132,6 +137,23 @@ def test_bf16_pair_micro_kernels_use_the_dot_product_from_registers(code):
             f"{name}: a dot product not on three zmm registers:\n{text}"
         stack = [x for x in body if re.search(r"\(%r[sb]p\)|%r[sb]p\)", x[2])]
         assert not stack, f"{name}: stack traffic in the inner loop:\n{text}"
+
+
+def test_amx_tile_product_runs_a_two_by_two_block(code):
+    if "amx" not in built_levels():
+        pytest.skip("amx not built")
+    products = {n: i for n, i in code.items() if n.startswith("void ringseq::cpu::amx::amx_gemm<")}
+    assert products, "no ringseq::cpu::amx::amx_gemm symbol in the extension"
+    for name, insns in products.items():
+        body = max(innermost_loops(insns), key=lambda b: count(b, r"^tdpbf16ps$"), default=None)
+        assert body is not None, f"{name}: no loop"
+        text = "\n".join(f"{a:x}: {o} {r}" for a, o, r in body)
+        dots = [r for _, o, r in body if o == "tdpbf16ps"]
+        # the 2 x 2 block: C tiles 0-3, A tiles 4-5, B tiles 6-7 (amx.h)
+        assert sorted(dots) == sorted(f"%tmm{b},%tmm{a},%tmm{c}" for a, b, c in
+                                      ((4, 6, 0), (4, 7, 1), (5, 6, 2), (5, 7, 3))), text
+        assert count(body, r"^tileloadd") == 4, text
+        assert not count(body, r"^tilestored"), f"{name}: C stored inside the K loop:\n{text}"
 
 
 def test_default_build_needs_no_native_flags():

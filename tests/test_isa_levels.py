@@ -1,7 +1,7 @@
 """The numeric tests at the machine's other ISA levels, as a CPU of that level would run them.
 
 ``python -m pytest -q`` runs every test at the level ``auto`` picks (the CPU's best one, but
-avx512 on an Intel CPU with AVX512_BF16, docs/kernels.md). Users' CPUs differ: an AVX2
+avx512 on an Intel CPU with AVX512_BF16 and no usable AMX, docs/kernels.md). Users' CPUs differ: an AVX2
 CPU runs ringseq's AVX2 kernel AND torch's AVX2 kernels (ATen's vectorized ops, oneDNN, MKL),
 which compute the plain same-dtype reference the tolerance rule scales with
 (docs/design.md); a test that passes at AVX-512 can miss its bound there (issue 25: a plugin
@@ -16,10 +16,11 @@ progress dots streamed as they come:
   code generation probes the CPU itself and, with torch's level forced below it, compiled a
   loss of 179.9 where eager gives 414.6 (an artifact of forcing the level, not something an
   AVX2 CPU does).
-- avx512 or avx512bf16, whichever the main run does not use: no re-run. The two levels differ only in
-  the kernel's bfloat16 S = Q·Kᵀ and dP = dO·Vᵀ (avx512bf16 uses the bf16 dot product), torch
-  runs the same code under both (ATen has no level between them), and the ``isa`` fixture's
-  kernel and accuracy cases already run at both levels in-process.
+- avx512, avx512bf16 or amx, whichever the main run does not use: no re-run. They differ only in
+  the kernel's bfloat16 products (avx512bf16: S = Q·Kᵀ and dP = dO·Vᵀ from the bf16 dot
+  product; amx: the forward's S = Q·Kᵀ and O = P·V on AMX tiles), torch runs the same code
+  under all three (ATen has no level between them), and the ``isa`` fixture's kernel and
+  accuracy cases already run at each level in-process.
 - baseline (SSE2): ``RINGSEQ_CPU_ISA=baseline``, torch at its native level, the kernel tests
   only (the distributed ones run the same kernels). x86-64 CPUs without AVX2 are rare, and
   torch's own baseline build changes ``torch.randn``'s numbers: with
@@ -49,7 +50,8 @@ ENV = {"avx2": {"RINGSEQ_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"},
 DESELECT = {"avx2": "not torch_compile", "baseline": ""}
 MODULES = {
     "avx512": None,  # covered in-process (the isa fixture), see above
-    "avx512bf16": None,  # likewise (on Intel, where the main run uses avx512)
+    "avx512bf16": None,  # likewise (on Intel, where the main run uses avx512 or amx)
+    "amx": None,  # likewise
     # test_kernel_cpu.py's level loop already runs the AVX2 kernel in-process, and the
     # transformers parity of test_transformers_integration.py runs again through the plugin:
     # left out to keep the suite within its budget

@@ -274,8 +274,8 @@ def test_concurrent_calls_from_python_threads():
 
 
 # ---------------------------------------------------------------- every ISA level
-# The kernel is compiled once per ISA level (baseline, avx2, avx512, avx512bf16) and picks one at first use
-# (RINGSEQ_CPU_ISA forces it). A representative subset of the cases above runs on every level
+# The kernel is compiled once per ISA level (baseline, avx2, avx512, avx512bf16, amx) and picks
+# one at first use (RINGSEQ_CPU_ISA forces it). A representative subset of the cases above runs on every level
 # this machine supports (the `isa` fixture, conftest.py): each level is its own code (register
 # blocking, tiles, exp). The wrappers call the tests above, which assert; each then checks that
 # the level under test was the one that ran.
@@ -455,7 +455,7 @@ def test_default_level_is_the_best_this_cpu_supports_except_slow_bf16_dots():
 
 
 @pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", "HygonGenuine", ""])
-@pytest.mark.parametrize("highest", ["baseline", "avx2", "avx512", "avx512bf16"])
+@pytest.mark.parametrize("highest", ["baseline", "avx2", "avx512", "avx512bf16", "amx"])
 def test_auto_level_per_vendor_and_highest_level(vendor, highest):
     # The rule on any CPU, whatever this one is: only Intel's avx512bf16 steps down, one level.
     built = ringseq._C.cpu_isa_built()
@@ -465,7 +465,7 @@ def test_auto_level_per_vendor_and_highest_level(vendor, highest):
 
 
 def test_auto_level_rejects_unknown_level_names():
-    with pytest.raises(RuntimeError, match="level must be one of baseline, avx2, avx512, avx512bf16; got 'avx9'"):
+    with pytest.raises(RuntimeError, match="level must be one of baseline, avx2, avx512, avx512bf16, amx; got 'avx9'"):
         ringseq._C._cpu_isa_auto("GenuineIntel", "avx9")
 
 
@@ -486,7 +486,7 @@ def test_unsupported_forced_level_errors_clearly():
         assert line.startswith("ERROR RINGSEQ_CPU_ISA=avx2 but this CPU cannot run it"), line
         assert "levels this CPU supports: baseline" in line
     # A level the CPU really lacks (on machines without AVX-512 or AVX2) fails the same way.
-    for level in ("avx2", "avx512", "avx512bf16"):
+    for level in ("avx2", "avx512", "avx512bf16", "amx"):
         if level not in ISA_LEVELS and level in ringseq._C.cpu_isa_built():
             proc = _run_python(code, RINGSEQ_CPU_ISA=level)
             assert f"ERROR RINGSEQ_CPU_ISA={level} but this CPU cannot run it" in proc.stdout
@@ -494,7 +494,8 @@ def test_unsupported_forced_level_errors_clearly():
 
 def test_detected_levels_follow_the_cpu_flags():
     # cpuid (dispatch.cpp) against the kernel's view in /proc/cpuinfo: avx512bf16 is offered
-    # exactly where the CPU has AVX512_BF16 besides AVX-512 F/BW/DQ/VL (and the build has it).
+    # exactly where the CPU has AVX512_BF16 besides AVX-512 F/BW/DQ/VL, amx where it also has
+    # AMX-TILE and AMX-BF16 (and the build has the level).
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
@@ -511,17 +512,22 @@ def test_detected_levels_follow_the_cpu_flags():
         assert avx512 or "avx512bf16" not in ISA_LEVELS
         if avx512 and "avx512_bf16" in flags:
             assert "avx512bf16" in ISA_LEVELS
+    if "amx" in built:
+        # amx also needs the tile state, which Linux lists (amx_tile) only where it enables it
+        # and grants on request (a process it refuses falls back to avx512bf16).
+        amx = "avx512bf16" in ISA_LEVELS and all(f in flags for f in ("amx_tile", "amx_bf16"))
+        assert ("amx" in ISA_LEVELS) == amx
 
 
 def test_unknown_level_name_errors_clearly():
     proc = _run_python(PROBE, RINGSEQ_CPU_ISA="sse9")
     assert proc.returncode != 0
-    assert "RINGSEQ_CPU_ISA must be one of auto, baseline, avx2, avx512, avx512bf16; got 'sse9'" in proc.stderr
+    assert "RINGSEQ_CPU_ISA must be one of auto, baseline, avx2, avx512, avx512bf16, amx; got 'sse9'" in proc.stderr
     proc = _run_python(PROBE, RINGSEQ_CPU_ISA="auto")
     assert proc.returncode == 0 and proc.stdout.split()[0] == ringseq._C._cpu_isa_auto(), proc.stderr
 
 
 def test_set_cpu_isa_rejects_unsupported_levels():
-    with pytest.raises(RuntimeError, match="must be one of auto, baseline, avx2, avx512, avx512bf16"):
+    with pytest.raises(RuntimeError, match="must be one of auto, baseline, avx2, avx512, avx512bf16, amx"):
         ringseq._C._set_cpu_isa("avx9000")
     assert ringseq.cpu_isa() in ISA_LEVELS

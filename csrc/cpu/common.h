@@ -121,6 +121,17 @@ inline void pack_pair_rows(const bf16_t* src, int64_t ld, int64_t rows, int64_t 
   }
 }
 
+// x as bf16 where in_t is bf16, else null: for the pair packing in runtime branches of a kernel
+// instantiated for every dtype (taken for bf16 inputs only).
+template <typename in_t>
+RS_INLINE const bf16_t* bf16_input(const in_t* x) {
+  if constexpr (kSame<in_t, bf16_t>) {
+    return x;
+  } else {
+    return nullptr;
+  }
+}
+
 // dst (kd x cols_pad pairs, row stride ldd): pair k of source row r at dst[k][r], the transposed
 // pair layout of a B operand; columns [rows, cols_pad) are zero.
 inline void pack_pairs_transposed(const bf16_t* src, int64_t ld, int64_t rows, int64_t d,

@@ -23,6 +23,10 @@
 #include <cpuid.h>
 #define RINGSEQ_X86 1
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace ringseq {
 namespace cpu {
@@ -55,13 +59,17 @@ int64_t head_rows_bytes(int64_t value) {
 
 namespace {
 
-enum Level : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kNumLevels = 4 };
+enum Level : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4, kNumLevels = 5 };
 
 struct LevelInfo {
   const char* name;
   const KernelTable* (*table)();  // nullptr: not built
   const char* requires_;          // what the CPU must have, for error messages
 };
+
+constexpr const char* kAmxRequires =
+    "what avx512bf16 needs plus AMX-TILE and AMX-BF16 with OS support for tile state, granted to "
+    "the process (Linux 5.16 or later: arch_prctl ARCH_REQ_XCOMP_PERM)";
 
 const LevelInfo kLevels[kNumLevels] = {
     {"baseline", &baseline::kernel_table, "nothing beyond the build target"},
@@ -81,13 +89,38 @@ const LevelInfo kLevels[kNumLevels] = {
 #else
     {"avx512bf16", nullptr, "what avx512 needs plus AVX512_BF16"},
 #endif
+#if defined(RINGSEQ_CPU_HAVE_AMX)
+    {"amx", &amx::kernel_table, kAmxRequires},
+#else
+    {"amx", nullptr, kAmxRequires},
+#endif
 };
+
+// Every level's name, "baseline, avx2, ..." (error messages).
+std::string level_names() {
+  std::string out;
+  for (int i = 0; i < kNumLevels; ++i) out += std::string(i ? ", " : "") + kLevels[i].name;
+  return out;
+}
 
 #if defined(RINGSEQ_X86)
 uint64_t xgetbv0() {
   uint32_t eax, edx;
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
   return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+// Whether this process may use the AMX tile data state: Linux enables it in XCR0 but grants
+// it per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, 18; a
+// tile instruction without it faults). Asked once; asking again is harmless.
+bool amx_permitted(uint64_t xcr0) {
+  if ((xcr0 & 0x60000) != 0x60000) return false;  // XTILECFG and XTILEDATA
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+  return false;
+#endif
 }
 #endif
 
@@ -111,7 +144,10 @@ int detect_cpu_level() {
   if (!(avx512 && (xcr0 & 0xe6) == 0xe6)) return kAvx2;  // + opmask, ZMM_Hi256, Hi16_ZMM
   unsigned a71 = 0, b71 = 0, c71 = 0, d71 = 0;
   if (a7 >= 1) __cpuid_count(7, 1, a71, b71, c71, d71);  // a7: the highest subleaf of leaf 7
-  return (a71 & (1u << 5)) ? kAvx512Bf16 : kAvx512;  // AVX512_BF16
+  if (!(a71 & (1u << 5))) return kAvx512;  // AVX512_BF16
+  const bool amx = (d7 & (1u << 22)) && (d7 & (1u << 24));  // AMX-BF16, AMX-TILE
+  // Only asked where the level is built: the request changes the process's signal frames.
+  return amx && kLevels[kAmx].table && amx_permitted(xcr0) ? kAmx : kAvx512Bf16;
 #else
   return kBaseline;
 #endif
@@ -138,8 +174,7 @@ int supported_level(std::string* error) {
   if (ceiling && *ceiling) {
     const int c = level_by_name(trimmed_lower(ceiling));
     if (c < 0) {
-      *error = std::string("RINGSEQ_CPU_ISA_CEILING must be baseline, avx2, avx512 or avx512bf16, got '") +
-               ceiling + "'";
+      *error = "RINGSEQ_CPU_ISA_CEILING must be one of " + level_names() + "; got '" + ceiling + "'";
       return -1;
     }
     level = c < level ? c : level;
@@ -208,7 +243,7 @@ const KernelTable* resolve(const std::string& request, const char* source, std::
   }
   const int want = level_by_name(request);
   if (want < 0) {
-    *error = std::string(source) + " must be one of auto, baseline, avx2, avx512, avx512bf16; got '" + request + "'";
+    *error = std::string(source) + " must be one of auto, " + level_names() + "; got '" + request + "'";
     return nullptr;
   }
   if (kLevels[want].table == nullptr) {
@@ -276,8 +311,7 @@ std::string isa_auto(const std::string* vendor, const std::string* supported, st
   if (supported) {
     cpu = level_by_name(trimmed_lower(supported->c_str()));
     if (cpu < 0) {
-      *error = "_cpu_isa_auto(vendor, level): level must be one of baseline, avx2, avx512, avx512bf16; got '" +
-               *supported + "'";
+      *error = "_cpu_isa_auto(vendor, level): level must be one of " + level_names() + "; got '" + *supported + "'";
       return std::string();
     }
   } else {

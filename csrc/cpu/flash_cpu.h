@@ -22,8 +22,8 @@ void flash_delta_cpu(const BwdParams& params, void* delta);
 
 namespace cpu {
 
-// The ISA level the CPU kernel uses ("baseline", "avx2", "avx512", "avx512bf16"), resolved at first use from
-// cpuid or RINGSEQ_CPU_ISA; false with `error` set when RINGSEQ_CPU_ISA asks for a level this
+// The ISA level the CPU kernel uses ("baseline", "avx2", "avx512", "avx512bf16", "amx"), resolved
+// at first use from cpuid or RINGSEQ_CPU_ISA; false with `error` set when RINGSEQ_CPU_ISA asks for a level this
 // CPU or this build lacks (every kernel call then fails with that message).
 bool isa_active(std::string* name, std::string* error);
 // Comma-separated levels built into this extension / also runnable on this CPU (low to high).

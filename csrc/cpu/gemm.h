@@ -71,7 +71,10 @@ struct FmaStep {
   RS_INLINE static vec_t<T> madd(vec_t<T> a, vec_t<T> b, vec_t<T> c) { return vfma(a, b, c); }
 };
 
-#if defined(__AVX512BF16__)
+// Not on the amx level, which is built with AVX512_BF16 too (for amx.h's conversions): it runs
+// its bf16 products on tiles (amx.h) and the rest as avx512 does, since the CPUs that have AMX
+// (Intel) issue vdpbf16ps at half the rate of float FMAs (dispatch.cpp: kAutoExceptions).
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
 // Bf16PairStep (the avx512bf16 level): A and B hold bfloat16 pairs, K elements 2k and 2k+1 in
 // one uint32 (the even one in the low half, as they lie in a row of the tensor), and one step
 // is vdpbf16ps: c + a[2k+1]·b[2k+1] + a[2k]·b[2k] per float lane, products exact in float32
@@ -186,7 +189,7 @@ inline T gemm_order_dot(const in_t* a, const in_t* b, int64_t n, int64_t chunk) 
   return total;
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
 // a·b over d bf16 terms summed as gemm<float, Epi::kStore, Bf16PairStep> sums one element with
 // `chunk` pairs per partial sum and scale 1, through the same instruction (one lane of it), so
 // bit-identical to that element on any CPU of the level (whatever order the instruction adds

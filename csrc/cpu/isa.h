@@ -1,7 +1,8 @@
 // The seam between the CPU kernel's per-ISA translation units and the rest of the extension.
 //
 // csrc/cpu/kernels/*.cpp are compiled once per ISA level (setup.py: baseline x86-64 or the
-// generic build elsewhere, AVX2+FMA, AVX-512, AVX-512 with the bf16 dot product), each into namespace ringseq::cpu::<level>, and
+// generic build elsewhere, AVX2+FMA, AVX-512, AVX-512 with the bf16 dot product, AVX-512 with AMX
+// tiles), each into namespace ringseq::cpu::<level>, and
 // each level exports one KernelTable. csrc/cpu/dispatch.cpp (compiled for the baseline only)
 // picks a table at first use from cpuid, or from RINGSEQ_CPU_ISA, the way ATen's
 // CPU_CAPABILITY does. The per-level units include no torch header: they reach torch's thread
@@ -16,7 +17,7 @@ namespace ringseq {
 namespace cpu {
 
 struct KernelTable {
-  const char* name;  // "baseline", "avx2", "avx512", "avx512bf16"
+  const char* name;  // "baseline", "avx2", "avx512", "avx512bf16", "amx"
   void (*fwd)(const FwdParams&);
   void (*bwd)(const BwdParams&);
   // delta = rowsum(dout * out) into a contiguous (b, h, s_q) buffer of the accumulation type,
@@ -44,6 +45,9 @@ namespace avx512 {
 const KernelTable* kernel_table();
 }
 namespace avx512bf16 {
+const KernelTable* kernel_table();
+}
+namespace amx {
 const KernelTable* kernel_table();
 }
 

@@ -37,11 +37,12 @@ def extension_has_cuda() -> bool:
 
 
 def cpu_isa() -> str | None:
-    """The ISA level the CPU kernel runs: "baseline", "avx2", "avx512" or "avx512bf16" (None when
-    ringseq._C is not built). Chosen at the first kernel call from cpuid (the best level, but
-    avx512 rather than avx512bf16 on Intel CPUs: ringseq._C._cpu_isa_auto()), or forced with
-    RINGSEQ_CPU_ISA=baseline|avx2|avx512|avx512bf16 (read at that first call); a forced level this CPU or
-    this build lacks raises RuntimeError here and in every kernel call."""
+    """The ISA level the CPU kernel runs: "baseline", "avx2", "avx512", "avx512bf16" or "amx" (None
+    when ringseq._C is not built). Chosen at the first kernel call from cpuid (the best level,
+    but avx512 rather than avx512bf16 on Intel CPUs without usable AMX:
+    ringseq._C._cpu_isa_auto()), or forced with RINGSEQ_CPU_ISA=baseline|avx2|avx512|avx512bf16|amx
+    (read at that first call); a forced level this CPU or this build lacks raises RuntimeError
+    here and in every kernel call."""
     return None if _C is None else _C.cpu_isa()
 
 

@@ -24,6 +24,7 @@
 // softcap·tanh(S / softcap) and dS takes the factor 1 - tanh².
 #include <unistd.h>
 
+#include "../amx.h"
 #include "../common.h"
 #include "../gemm.h"
 #include "../masks.h"
@@ -66,6 +67,14 @@ void delta_rows(const BwdParams& p, typename AccType<in_t>::type* dst) {
   const in_t* out = static_cast<const in_t*>(p.out);
   run_items(sh.batch * sh.nheads, [] { return 0; }, [&](int&, int64_t bh) {
     const int64_t b = bh / sh.nheads, h = bh % sh.nheads;
+    if constexpr (kAmx && kSame<in_t, bf16_t>) {
+      if (sh.headdim % 32 == 0) {  // dP on tiles (bwd_impl): the same tile products' order
+        amx_diagonal_dots(row_ptr(dout, p.dout_strides, b, 0, h), p.dout_strides.row,
+                          row_ptr(out, p.out_strides, b, 0, h), p.out_strides.row, sh.seqlen_q, sh.headdim,
+                          dst + bh * sh.seqlen_q);
+        return;
+      }
+    }
     for (int64_t r = 0; r < sh.seqlen_q; ++r) {
       const in_t* dout_row = row_ptr(dout, p.dout_strides, b, r, h);
       const in_t* out_row = row_ptr(out, p.out_strides, b, r, h);
@@ -162,8 +171,13 @@ void bwd_impl(const BwdParams& p) {
 
   // bfloat16 inputs on the avx512bf16 level: S = scale·Q·Kᵀ (as the forward computes it, so
   // both sum the same terms in the same order) and dP = dO·Vᵀ (as delta_rows sums delta) from
-  // bf16 pairs (Bf16PairStep): Q and dO rows, Kᵀ and Vᵀ as kd pairs per row.
+  // bf16 pairs (Bf16PairStep): Q and dO rows, Kᵀ and Vᵀ as kd pairs per row. On the amx level
+  // (head dim a multiple of 32) the same two products from the same pairs on tiles (amx.h),
+  // again as the forward and delta_rows sum them; dV, dK and dQ stay float32 there.
   constexpr bool kPairs = kBf16Pairs && kSame<in_t, bf16_t>;
+  constexpr bool kAmxType = kAmx && kSame<in_t, bf16_t>;
+  const bool amx = kAmxType && d % 32 == 0;
+  const bool pairs = kPairs || amx;
   const int64_t kd = (d + 1) / 2;
   // Q and dO rows of a key tile's query rows, packed once per thread and query head (HeadRows:
   // an item's key tiles all read them) where an item has several key tiles and every query
@@ -174,7 +188,7 @@ void bwd_impl(const BwdParams& p) {
   const bool do_in_place = rows_in_place<T, in_t>(d, dpad, p.dout_strides.row, ldp);
   int64_t max_rows = 0;
   for (int64_t t = 0; t < nkt; ++t) max_rows = imax(max_rows, ktiles.get()[t].other.size());
-  const int64_t q_row_bytes = static_cast<int64_t>(sizeof(T)) * 2 * ldp + (kPairs ? 8 * kd : 0);
+  const int64_t q_row_bytes = static_cast<int64_t>(sizeof(T)) * 2 * ldp + (pairs ? 8 * kd : 0);
   const int64_t slots = imin(group, HeadRows<T>::kMaxSlots);
   const int64_t group_rows = hook_head_rows_bytes() / (q_row_bytes * slots);
   const bool cached = nkt > chunks && group <= HeadRows<T>::kMaxSlots && group_rows >= max_rows;
@@ -186,8 +200,8 @@ void bwd_impl(const BwdParams& p) {
     HeadRows<uint32_t> qprows, doprows;
   };
   auto make_state = [&] {
-    return State{Scratch<T>(kPairs ? 0 : d * ldt),
-                 Scratch<T>(kPairs ? 0 : d * ldt),
+    return State{Scratch<T>(pairs ? 0 : d * ldt),
+                 Scratch<T>(pairs ? 0 : d * ldt),
                  Scratch<T>(bn * ldp),
                  Scratch<T>(bm * ldp),
                  Scratch<T>(bm * ldp),
@@ -195,14 +209,14 @@ void bwd_impl(const BwdParams& p) {
                  Scratch<T>(bm * ldt),
                  Scratch<T>(bn * dpad),
                  Scratch<T>(bn * dpad),
-                 Scratch<uint32_t>(kPairs ? bm * kd : 0),
-                 Scratch<uint32_t>(kPairs ? kd * ldt : 0),
-                 Scratch<uint32_t>(kPairs ? bm * kd : 0),
-                 Scratch<uint32_t>(kPairs ? kd * ldt : 0),
+                 Scratch<uint32_t>(pairs ? bm * kd : 0),
+                 Scratch<uint32_t>(pairs ? kd * ldt : 0),
+                 Scratch<uint32_t>(pairs ? bm * kd : 0),
+                 Scratch<uint32_t>(pairs ? kd * ldt : 0),
                  HeadRows<T>(q_in_place ? 0 : cache_rows, ldp, slots),
                  HeadRows<T>(do_in_place ? 0 : cache_rows, ldp, slots),
-                 HeadRows<uint32_t>(kPairs ? cache_rows : 0, kd, slots),
-                 HeadRows<uint32_t>(kPairs ? cache_rows : 0, kd, slots)};
+                 HeadRows<uint32_t>(pairs ? cache_rows : 0, kd, slots),
+                 HeadRows<uint32_t>(pairs ? cache_rows : 0, kd, slots)};
   };
 
   auto work = [&](State& st, int64_t item) {
@@ -224,9 +238,11 @@ void bwd_impl(const BwdParams& p) {
       if (p.accumulate && tile.other.empty()) continue;  // nothing to add
       uint32_t *qp = st.qpairs.get(), *kp = st.kpairs.get();
       uint32_t *dop = st.dopairs.get(), *vp = st.vpairs.get();
-      if constexpr (kPairs) {
-        pack_pairs_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, kp, ldt, npad);
-        pack_pairs_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, vp, ldt, npad);
+      if (pairs) {
+        pack_pairs_transposed(bf16_input(row_ptr(k, p.k_strides, b, k0 + c0, hk)), p.k_strides.row, n, d, kp, ldt,
+                              npad);
+        pack_pairs_transposed(bf16_input(row_ptr(v, p.v_strides, b, k0 + c0, hk)), p.v_strides.row, n, d, vp, ldt,
+                              npad);
       } else {
         pack_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, scale, kt, ldt,
                         npad);
@@ -262,12 +278,12 @@ void bwd_impl(const BwdParams& p) {
           pack_rows(src, ld, rows, d, dst, ldp, dpad);
         };
         auto pair_rows = [&](const in_t* src, int64_t ld, int64_t rows, uint32_t* dst) {
-          if constexpr (kPairs) pack_pair_rows(src, ld, rows, d, dst);
+          pack_pair_rows(bf16_input(src), ld, rows, d, dst);
         };
         const T* q_item = q_in_place ? nullptr : packed(st.qrows, q, p.q_strides, float_rows);
         const T* do_item = do_in_place ? nullptr : packed(st.dorows, dout, p.dout_strides, float_rows);
-        const uint32_t* qp_item = kPairs ? packed(st.qprows, q, p.q_strides, pair_rows) : nullptr;
-        const uint32_t* dop_item = kPairs ? packed(st.doprows, dout, p.dout_strides, pair_rows) : nullptr;
+        const uint32_t* qp_item = pairs ? packed(st.qprows, q, p.q_strides, pair_rows) : nullptr;
+        const uint32_t* dop_item = pairs ? packed(st.doprows, dout, p.dout_strides, pair_rows) : nullptr;
         // Where the prefetches of the next block read (row q_begin of the packed rows or of the
         // tensor).
         const RowsAt q_ahead = q_item != nullptr ? rows_at(q_item, ldp, dpad)
@@ -292,20 +308,30 @@ void bwd_impl(const BwdParams& p) {
           const T* doi = do_item != nullptr ? do_item + (r0 - q_begin) * ldp
                                             : rows_as(row_ptr(dout, p.dout_strides, b, q0 + r0, h),
                                                       p.dout_strides.row, m, d, dpad, st.dobuf.get(), ldp, ldo);
-          if constexpr (kPairs) {
+          if (pairs) {
             const uint32_t* qpi = qp;
             const uint32_t* dopi = dop;
             if (qp_item != nullptr) {
               qpi = qp_item + (r0 - q_begin) * kd;
               dopi = dop_item + (r0 - q_begin) * kd;
             } else {
-              pack_pair_rows(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d, qp);
-              pack_pair_rows(row_ptr(dout, p.dout_strides, b, q0 + r0, h), p.dout_strides.row, m, d, dop);
+              pack_pair_rows(bf16_input(row_ptr(q, p.q_strides, b, q0 + r0, h)), p.q_strides.row, m, d, qp);
+              pack_pair_rows(bf16_input(row_ptr(dout, p.dout_strides, b, q0 + r0, h)), p.dout_strides.row, m, d, dop);
             }
-            gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, qpi, kd, 1, kp, ldt, s, ldt, nullptr,
-                                               kHeadChunk / 2, scale, s_band);  // S
-            gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, dopi, kd, 1, vp, ldt, dp, ldt, nullptr,
-                                               kHeadChunk / 2, T(1), s_band);  // dP
+            if constexpr (kPairs) {
+              gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, qpi, kd, 1, kp, ldt, s, ldt, nullptr,
+                                                 kHeadChunk / 2, scale, s_band);  // S
+              gemm<T, Epi::kStore, Bf16PairStep>(m, npad, kd, dopi, kd, 1, vp, ldt, dp, ldt, nullptr,
+                                                 kHeadChunk / 2, T(1), s_band);  // dP
+            } else if constexpr (kAmxType) {
+              // All of S and dP (bm rows, a multiple of 16, hold the last tile's padding rows);
+              // the scale applied to the finished sums, as the forward does (scale_rows).
+              amx_configure();
+              amx_pair_rows_gemm(m, npad, d, qpi, kp, ldt, s, ldt, qp);       // S
+              amx_pair_rows_gemm(m, npad, d, dopi, vp, ldt, dp, ldt, dop);    // dP
+              amx_release();
+              scale_rows(s, ldt, m, npad, scale, static_cast<T*>(nullptr));
+            }
           } else {
             gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, ldt, s, ldt, nullptr, kHeadChunk, T(1), s_band);  // S
             gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, ldt, dp, ldt, nullptr, kHeadChunk, T(1), s_band);  // dP

@@ -23,6 +23,7 @@
 // for a small batch), each q tile's keys are cut into ranges computed as separate items, each
 // writing a normalized partial (out, lse) to scratch; a second pass merges them exactly,
 // out = sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s).
+#include "../amx.h"
 #include "../common.h"
 #include "../gemm.h"
 #include "../masks.h"
@@ -74,7 +75,18 @@ void fwd_impl(const FwdParams& p) {
   const int64_t d = sh.headdim, dpad = round_up(d, VW);
   // Row stride of the copied V rows, the B operand of O = P·V (common.h: packed_ld).
   const int64_t ldp = packed_ld<T>(dpad);
-  const int64_t bm = fwd_block_m<T>(d), bn = fwd_block_n<T>(d);
+  // bfloat16 inputs on the avx512bf16 level: S = scale·K·Qᵀ from bf16 pairs (Bf16PairStep),
+  // Qᵀ and the K tile kept as kd pairs per row instead of d floats; P·V stays in float32 (P is
+  // not rounded to bf16). On the amx level, with the head dim a multiple of 32 (amx.h): the
+  // same pairs as tiles of Sᵀ = K·Qᵀ, and Oᵀ = Vᵀ·Pᵀ with P rounded to bf16 pairs (pt) and Vᵀ
+  // per kv head (HeadColumns); O is kept transposed (ot, d x mpad) until the item ends.
+  constexpr bool kPairs = kBf16Pairs && kSame<in_t, bf16_t>;
+  constexpr bool kAmxType = kAmx && kSame<in_t, bf16_t>;
+  const bool amx = kAmxType && d % 32 == 0;
+  const bool pairs = kPairs || amx;
+  const int64_t kd = (d + 1) / 2;
+  // Query rows per item and keys per tile (vec.h; amx.h for the tiles' own).
+  const int64_t bm = amx ? kAmxBlockM : fwd_block_m<T>(d), bn = amx ? kAmxBlockN : fwd_block_n<T>(d);
   // Row stride of Qᵀ (B of Sᵀ = K·Qᵀ) and of Sᵀ/P (read down its columns by O = P·V): bm
   // columns, padded where that is an even number of lines (packed_ld).
   const int64_t ldqt = packed_ld<T>(bm);
@@ -111,17 +123,12 @@ void fwd_impl(const FwdParams& p) {
   const bool merge = p.accumulate;
   T* lse = static_cast<T*>(p.lse);
 
-  // bfloat16 inputs on the avx512bf16 level: S = scale·K·Qᵀ from bf16 pairs (Bf16PairStep),
-  // Qᵀ and the K tile kept as kd pairs per row instead of d floats; P·V stays in float32 (P is
-  // not rounded to bf16).
-  constexpr bool kPairs = kBf16Pairs && kSame<in_t, bf16_t>;
-  const int64_t kd = (d + 1) / 2;
   // K and V rows of an item's keys, packed once per thread and kv head (HeadRows) where other
   // items may read them again (several q tiles, of any span, or query heads per kv head; no key
   // splits: a split item's range is its own) and they fit, else copied per tile; read in place
   // where they already are rows of T at the stride the GEMM reads them at (K: dpad; V: ldp).
-  const int64_t k_row_elems = kPairs ? kd : dpad;
-  const bool k_in_place = !kPairs && rows_in_place<T, in_t>(d, dpad, p.k_strides.row, dpad);
+  const int64_t k_row_elems = pairs ? kd : dpad;
+  const bool k_in_place = !pairs && rows_in_place<T, in_t>(d, dpad, p.k_strides.row, dpad);
   const bool v_in_place = rows_in_place<T, in_t>(d, dpad, p.v_strides.row, ldp);
   int64_t max_keys = 0;
   for (int64_t t = 0; t < ntiles; ++t) max_keys = imax(max_keys, tile_list.get()[t].other.size());
@@ -129,15 +136,16 @@ void fwd_impl(const FwdParams& p) {
   const int64_t kv_row_bytes = static_cast<int64_t>(sizeof(T)) * (k_row_elems + ldp);
   const int64_t cache_rows = reused ? imin(max_keys, hook_head_rows_bytes() / kv_row_bytes) : 0;
   struct State {
-    Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, lpart, cmax;
-    Scratch<uint32_t> qpairs, kpairs;
+    Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, lpart, cmax, ot;
+    Scratch<uint32_t> qpairs, kpairs, pt;
     HeadRows<T> krows, vrows;
     HeadRows<uint32_t> kprows;
+    HeadColumns vcols;
   };
   auto make_state = [&] {
-    return State{Scratch<T>(kPairs ? 0 : d * ldqt),
-                 Scratch<T>(kPairs ? 0 : bn * dpad),
-                 Scratch<T>(bn * ldp),
+    return State{Scratch<T>(pairs ? 0 : d * ldqt),
+                 Scratch<T>(pairs ? 0 : bn * dpad),
+                 Scratch<T>(amx ? 0 : bn * ldp),
                  Scratch<T>(bn * ldqt),
                  Scratch<T>(bm * dpad),
                  Scratch<T>(bm),
@@ -147,11 +155,15 @@ void fwd_impl(const FwdParams& p) {
                  Scratch<T>(bm),
                  Scratch<T>(bm),
                  Scratch<T>(bm),
-                 Scratch<uint32_t>(kPairs ? kd * ldqt : 0),
-                 Scratch<uint32_t>(kPairs ? bn * kd : 0),
-                 HeadRows<T>(kPairs || k_in_place ? 0 : cache_rows, dpad, 1),
-                 HeadRows<T>(v_in_place ? 0 : cache_rows, ldp, 1),
-                 HeadRows<uint32_t>(kPairs ? cache_rows : 0, kd, 1)};
+                 Scratch<T>(amx ? dpad * ldqt : 0),
+                 Scratch<uint32_t>(pairs ? kd * ldqt : 0),
+                 // the K tile, or with amx its last 16-row tile (zero past the keys)
+                 Scratch<uint32_t>(pairs ? imax(bn, 16) * kd : 0),
+                 Scratch<uint32_t>(amx ? bn / 2 * ldqt : 0),
+                 HeadRows<T>(pairs || k_in_place ? 0 : cache_rows, dpad, 1),
+                 HeadRows<T>(amx || v_in_place ? 0 : cache_rows, ldp, 1),
+                 HeadRows<uint32_t>(pairs ? cache_rows : 0, kd, 1),
+                 HeadColumns(amx ? imax(bn, cache_rows) : 0, amx ? d : 0)};
   };
 
   auto work = [&](State& st, int64_t item) {
@@ -188,8 +200,8 @@ void fwd_impl(const FwdParams& p) {
     // Qᵀ (d x mpad, row stride ldqt), scaled; padding columns (queries past the tile) are zero.
     // With pairs: Qᵀ as kd x mpad pairs (row stride ldqt), unscaled.
     uint32_t* qp = st.qpairs.get();
-    if constexpr (kPairs) {
-      pack_pairs_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, qp, ldqt, mpad);
+    if (pairs) {
+      pack_pairs_transposed(bf16_input(row_ptr(q, p.q_strides, b, qr0, h)), p.q_strides.row, rows, d, qp, ldqt, mpad);
     } else {
       pack_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, scale, qt, ldqt, mpad);
     }
@@ -228,16 +240,16 @@ void fwd_impl(const FwdParams& p) {
     const int64_t g0 = k0 + kv_begin, g1 = k0 + kv_end, head = b_kv * sh.nheads_kv + hk;
     const T* k_item = nullptr;
     const uint32_t* kp_item = nullptr;
-    if constexpr (kPairs) {
+    if (pairs) {
       kp_item = st.kprows.rows(head, g0, g1, [&](uint32_t* dst, int64_t r0, int64_t r1) {
-        pack_pair_rows(row_ptr(k, p.k_strides, b_kv, r0, hk), p.k_strides.row, r1 - r0, d, dst);
+        pack_pair_rows(bf16_input(row_ptr(k, p.k_strides, b_kv, r0, hk)), p.k_strides.row, r1 - r0, d, dst);
       });
     } else if (!k_in_place) {
       k_item = st.krows.rows(head, g0, g1, [&](T* dst, int64_t r0, int64_t r1) {
         pack_rows(row_ptr(k, p.k_strides, b_kv, r0, hk), p.k_strides.row, r1 - r0, d, dst, dpad, dpad);
       });
     }
-    const T* v_item = v_in_place ? nullptr : st.vrows.rows(head, g0, g1, [&](T* dst, int64_t r0, int64_t r1) {
+    const T* v_item = amx || v_in_place ? nullptr : st.vrows.rows(head, g0, g1, [&](T* dst, int64_t r0, int64_t r1) {
       pack_rows(row_ptr(v, p.v_strides, b_kv, r0, hk), p.v_strides.row, r1 - r0, d, dst, ldp, dpad);
     });
     // Where the prefetches read: row kv_begin of the packed rows or of the tensor, row step
@@ -247,23 +259,37 @@ void fwd_impl(const FwdParams& p) {
                                                : rows_at(row_ptr(k, p.k_strides, b_kv, g0, hk), p.k_strides.row, d);
     const RowsAt v_ahead = v_item != nullptr ? rows_at(v_item, ldp, dpad)
                                              : rows_at(row_ptr(v, p.v_strides, b_kv, g0, hk), p.v_strides.row, d);
+    // amx: Vᵀ of the item's keys when it fits the thread's HeadColumns (else packed per tile),
+    // O transposed (a running out read in merge mode above), and this thread's tile state.
+    const bf16_t* v_cols = nullptr;
+    T* ot = st.ot.get();
+    if constexpr (kAmxType) {
+      if (amx) {
+        // (a key split past the band's end has no keys: g1 < g0)
+        if (g0 < g1 && g1 - g0 <= st.vcols.cap)
+          v_cols = st.vcols.columns(head, g0, g1, row_ptr(v, p.v_strides, b_kv, g0, hk), p.v_strides.row);
+        if (!fresh) transpose(o, dpad, mpad, d, ot, ldqt);
+        amx_configure();
+      }
+    }
     for (int64_t c0 = kv_begin; c0 < kv_end; c0 += bn) {
       const int64_t n = imin(bn, kv_end - c0);
       int64_t ldk = dpad, ldv = ldp;
       const T* kt = nullptr;
       const uint32_t* kp = st.kpairs.get();
-      if constexpr (kPairs) {
+      if (pairs) {
         if (kp_item != nullptr) {
           kp = kp_item + (c0 - kv_begin) * kd;
         } else {
-          pack_pair_rows(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, st.kpairs.get());
+          pack_pair_rows(bf16_input(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk)), p.k_strides.row, n, d, st.kpairs.get());
         }
       } else if (k_item != nullptr) {
         kt = k_item + (c0 - kv_begin) * dpad;
       } else {
         kt = rows_as(row_ptr(k, p.k_strides, b_kv, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), dpad, ldk);
       }
-      const T* vt = v_item != nullptr ? v_item + (c0 - kv_begin) * ldp
+      const T* vt = amx ? nullptr
+                    : v_item != nullptr ? v_item + (c0 - kv_begin) * ldp
                                       : rows_as(row_ptr(v, p.v_strides, b_kv, k0 + c0, hk), p.v_strides.row, n, d,
                                                 dpad, st.vbuf.get(), ldp, ldv);
       for (int64_t i = 0; i < mpad; i += VW) vstore(cmax + i, vload(m_run + i));
@@ -280,6 +306,14 @@ void fwd_impl(const FwdParams& p) {
         T* mx = E == Epi::kStoreMax ? cmax : nullptr;
         if constexpr (kPairs) {
           gemm<T, E, Bf16PairStep>(n, mpad, kd, kp, kd, 1, qp, ldqt, s, ldqt, mx, kHeadChunk / 2, scale, s_band);
+        } else if constexpr (kAmxType) {
+          if (amx) {
+            // (Sᵀ has bn rows, a multiple of 16: room for the last K tile's padding rows.)
+            amx_pair_rows_gemm(n, mpad, d, kp, qp, ldqt, s, ldqt, st.kpairs.get());
+            scale_rows(s, ldqt, n, mpad, scale, mx);
+          } else {
+            gemm<T, E>(n, mpad, d, kt, ldk, 1, qt, ldqt, s, ldqt, mx, kHeadChunk, T(1), s_band);
+          }
         } else {
           gemm<T, E>(n, mpad, d, kt, ldk, 1, qt, ldqt, s, ldqt, mx, kHeadChunk, T(1), s_band);
         }
@@ -299,6 +333,7 @@ void fwd_impl(const FwdParams& p) {
       } else {
         scores(std::integral_constant<Epi, Epi::kStoreMax>{});
       }
+      bool moved = false;  // some alpha is not 1 (amx: Oᵀ needs its rescale)
       for (int64_t i = 0; i < mpad; i += VW) {
         const V mx = vload(cmax + i);
         // A query that has seen no key yet keeps m = -inf; subtracting 0 instead keeps
@@ -308,6 +343,8 @@ void fwd_impl(const FwdParams& p) {
         vstore(m_run + i, mx);
         vstore(m_use + i, mu);
       }
+      if (amx)
+        for (int64_t i = 0; i < mpad; ++i) moved |= alpha[i] != T(1);
       // The next kv tile's rows, fetched into L2 while this one computes: the packed rows, or
       // the strided rows of the K/V tensors, which the hardware prefetchers do not follow far
       // enough ahead (packed rows come from L3 or memory too when an item starts over).
@@ -321,36 +358,92 @@ void fwd_impl(const FwdParams& p) {
       // not grow with the tile.
       fill(lsum, mpad, T(0));
       fill(lpart, mpad, T(0));
-      for (int64_t j = 0; j < n; ++j) {
-        if (j < n_next) {
-          prefetch_lines(k_next + j * k_ahead.step, k_ahead.bytes);
-          prefetch_lines(v_next + j * v_ahead.step, v_ahead.bytes);
+      if (amx) {
+        if constexpr (kAmxType) {
+          // Two rows at a time into Pᵀ's bf16 pairs (amx.h: exp_pair_rows), whole rows: masked
+          // scores are -inf here and give P = 0; rows past n (to a whole 32-key step) are zero.
+          // The sums are flushed where the row-by-row loop (the other branch) flushes them
+          // (kChunk is even).
+          uint32_t* pt = st.pt.get();
+          for (int64_t j = 0; j < round_up(n, 32); j += 2) {
+            uint32_t* dst = pt + j / 2 * ldqt;
+            if (j >= n) {
+              fill(dst, mpad, 0u);
+              continue;
+            }
+            // The next tile's K rows (its V is read from Vᵀ, packed once per item, or per tile
+            // from the tensor's rows when the item's keys exceed HeadColumns: then those too).
+            for (int64_t r = j; r < imin(j + 2, n_next); ++r) {
+              prefetch_lines(k_next + r * k_ahead.step, k_ahead.bytes);
+              if (v_cols == nullptr) prefetch_lines(v_next + r * v_ahead.step, v_ahead.bytes);
+            }
+            exp_pair_rows(s + j * ldqt, j + 1 < n ? s + (j + 1) * ldqt : nullptr, mpad, m_use, lpart, dst);
+            if ((j + 2) % kChunk == 0 || j + 2 >= n) {
+              for (int64_t i = 0; i < mpad; i += VW) {
+                vstore(lsum + i, vload(lsum + i) + vload(lpart + i));
+                vstore(lpart + i, vzero<T>());
+              }
+            }
+          }
         }
-        T* row = s + j * ldqt;
-        // Masked scores are -inf: their P is 0, written without an exp.
-        const Band::Cols cl = s_band.cols<T>(j, mpad);
-        fill(row, cl.v_begin, T(0));
-        fill(row + cl.v_end, mpad - cl.v_end, T(0));
-        int64_t i = cl.v_begin;
-        for (; i + 4 * VW <= cl.v_end; i += 4 * VW) exp_add<T, 4>(row + i, m_use + i, lpart + i);
-        for (; i < cl.v_end; i += VW) exp_add<T, 1>(row + i, m_use + i, lpart + i);
-        if ((j + 1) % kChunk == 0 || j + 1 == n) {
-          for (int64_t i = 0; i < mpad; i += VW) {
-            vstore(lsum + i, vload(lsum + i) + vload(lpart + i));
-            vstore(lpart + i, vzero<T>());
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          if (j < n_next) {
+            prefetch_lines(k_next + j * k_ahead.step, k_ahead.bytes);
+            prefetch_lines(v_next + j * v_ahead.step, v_ahead.bytes);
+          }
+          T* row = s + j * ldqt;
+          // Masked scores are -inf: their P is 0, written without an exp.
+          const Band::Cols cl = s_band.cols<T>(j, mpad);
+          fill(row, cl.v_begin, T(0));
+          fill(row + cl.v_end, mpad - cl.v_end, T(0));
+          int64_t i = cl.v_begin;
+          for (; i + 4 * VW <= cl.v_end; i += 4 * VW) exp_add<T, 4>(row + i, m_use + i, lpart + i);
+          for (; i < cl.v_end; i += VW) exp_add<T, 1>(row + i, m_use + i, lpart + i);
+          if ((j + 1) % kChunk == 0 || j + 1 == n) {
+            for (int64_t i = 0; i < mpad; i += VW) {
+              vstore(lsum + i, vload(lsum + i) + vload(lpart + i));
+              vstore(lpart + i, vzero<T>());
+            }
           }
         }
       }
       for (int64_t i = 0; i < mpad; i += VW)
         vstore(l + i, vfma(vload(l + i), vload(alpha + i), vload(lsum + i)));
       // Rows past the tile's (padding columns of Sᵀ) are never stored: O keeps only `rows`.
-      if (fresh) {
+      if (amx) {
+        if constexpr (kAmxType) {
+          // Oᵀ = a·Oᵀ + Vᵀ·Pᵀ over whole 32-key steps (Pᵀ's pairs past n are zero).
+          const int64_t npad = round_up(n, 32);
+          const uint32_t* pt = st.pt.get();
+          const bf16_t* vc = v_cols != nullptr
+                                 ? v_cols + (c0 - kv_begin)
+                                 : st.vcols.columns(head, k0 + c0, k0 + c0 + n,
+                                                    row_ptr(v, p.v_strides, b_kv, k0 + c0, hk), p.v_strides.row);
+          if (fresh) {
+            amx_gemm<false>(d, mpad, npad / 32, vc, st.vcols.ld, pt, ldqt, ot, ldqt);
+            fresh = false;
+          } else {
+            if (moved) {
+              for (int64_t c = 0; c < d; ++c) {
+                T* row = ot + c * ldqt;
+                for (int64_t i = 0; i < mpad; i += VW) vstore(row + i, vload(row + i) * vload(alpha + i));
+              }
+            }
+            amx_gemm<true>(d, mpad, npad / 32, vc, st.vcols.ld, pt, ldqt, ot, ldqt);
+          }
+        }
+      } else if (fresh) {
         gemm<T, Epi::kStore>(rows, dpad, n, s, 1, ldqt, vt, ldv, o, dpad, nullptr, kChunk, T(1), pv_band);  // O = P·V
         fresh = false;
       } else {
         gemm<T, Epi::kScaleAdd>(rows, dpad, n, s, 1, ldqt, vt, ldv, o, dpad, alpha, kChunk, T(1),
                                 pv_band);  // O = a·O + P·V
       }
+    }
+    if (amx) {
+      if constexpr (kAmxType) amx_release();
+      if (!fresh) transpose(ot, ldqt, d, mpad, o, dpad);
     }
     if (fresh) fill(o, mpad * dpad, T(0));  // no visible key at all
 

@@ -400,6 +400,30 @@ def test_every_isa_level_input_layout_does_not_change_results(isa, d):
     assert ringseq._C.cpu_isa() == isa
 
 
+# A key no query of a work item can see stays out of its rows: an inf there would give
+# 0·inf = NaN. The amx level's P·V runs whole 32-key steps and its per-thread Vᵀ may hold other
+# items' keys past an item's band; a last partial step reads a zero-padded copy instead
+# (csrc/cpu/amx.h: amx_pv). One thread, so that the item of rows 256.. (keys 0..309, packed
+# first: heaviest) leaves its Vᵀ for the item of rows 0..255 (keys 0..265).
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_every_isa_level_keys_past_the_band_do_not_leak(isa, dtype):
+    q, k, v, _ = make_inputs(1, 300, 310, 2, 2, 64, dtype, "contig", seed=3)
+    v_inf = v.clone()
+    v_inf[:, 270] = float("inf")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out, _ = ops.fwd(q, k, v_inf, 64 ** -0.5, True)
+        ref, _ = ops.fwd(q, k, v, 64 ** -0.5, True)
+    finally:
+        torch.set_num_threads(threads)
+    # causal, bottom-right aligned: query i sees keys <= i + 10, so rows below 240 (clear of
+    # any register block that reaches key 270) never see it
+    assert torch.isfinite(out[:, :240]).all()
+    assert torch.equal(out[:, :240], ref[:, :240])
+    assert ringseq._C.cpu_isa() == isa
+
+
 def test_every_isa_level_is_deterministic_across_threads(isa):
     test_results_do_not_depend_on_thread_count()
     assert ringseq._C.cpu_isa() == isa

@@ -166,6 +166,35 @@ inline void amx_pair_rows_gemm(int64_t M, int64_t N, int64_t d, const uint32_t* 
   }
 }
 
+// C (d x N floats, row stride ldc) = / += (accumulate) Vᵀ·Pᵀ over n keys: vt (d rows of keys,
+// row stride ldv), pt (round_up(n, 32) / 2 pair rows, zero past n). Whole 32-key steps read
+// vt in place; a last partial step reads its n % 32 keys from a zero-padded copy in tail (d x
+// 32), not the keys held past n (HeadColumns keeps other items' keys there: an inf or NaN among
+// them would make 0·inf = NaN in rows that cannot see them). C is stored and reloaded between
+// the two products exactly, so the sums are the same as one product over all steps.
+inline void amx_pv(int64_t d, int64_t N, int64_t n, const bf16_t* vt, int64_t ldv, const uint32_t* pt,
+                   int64_t ldp, float* C, int64_t ldc, bf16_t* tail, bool accumulate) {
+  const int64_t n32 = n - n % 32;
+  if (n32 > 0) {
+    if (accumulate) {
+      amx_gemm<true>(d, N, n32 / 32, vt, ldv, pt, ldp, C, ldc);
+    } else {
+      amx_gemm<false>(d, N, n32 / 32, vt, ldv, pt, ldp, C, ldc);
+    }
+  }
+  if (n32 == n) return;
+  for (int64_t c = 0; c < d; ++c) {
+    bf16_t* o = tail + c * 32;
+    std::memcpy(o, vt + c * ldv + n32, static_cast<size_t>(n - n32) * sizeof(bf16_t));
+    fill(o + (n - n32), 32 - (n - n32), bf16_t{0});
+  }
+  if (accumulate || n32 > 0) {
+    amx_gemm<true>(d, N, 1, tail, 32, pt + n32 / 2 * ldp, ldp, C, ldc);
+  } else {
+    amx_gemm<false>(d, N, 1, tail, 32, pt + n32 / 2 * ldp, ldp, C, ldc);
+  }
+}
+
 // dst[r] = a_r·b_r for `rows` pairs of bf16 rows (row strides lda, ldb; d a multiple of 32),
 // each summed as amx_gemm sums one element of A·Bᵀ (the diagonal of 16 x 16 tile products, 16
 // rows at a time): delta for a dP computed on tiles, so that dP - delta is exactly 0 where a
@@ -243,6 +272,8 @@ void amx_pair_rows_gemm(int64_t M, int64_t N, int64_t d, const uint32_t* A, cons
                         float* C, int64_t ldc, uint32_t* tail);
 void amx_diagonal_dots(const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, int64_t rows, int64_t d,
                        float* dst);
+void amx_pv(int64_t d, int64_t N, int64_t n, const bf16_t* vt, int64_t ldv, const uint32_t* pt, int64_t ldp,
+            float* C, int64_t ldc, bf16_t* tail, bool accumulate);
 #endif
 
 // Vᵀ of one kv head's rows [begin, end) (d rows of bf16 keys at row stride ld, zero past the

@@ -141,6 +141,7 @@ void fwd_impl(const FwdParams& p) {
     HeadRows<T> krows, vrows;
     HeadRows<uint32_t> kprows;
     HeadColumns vcols;
+    Scratch<bf16_t> vtail;  // amx: the last partial 32-key step of Vᵀ (amx_pv)
   };
   auto make_state = [&] {
     return State{Scratch<T>(pairs ? 0 : d * ldqt),
@@ -163,7 +164,8 @@ void fwd_impl(const FwdParams& p) {
                  HeadRows<T>(pairs || k_in_place ? 0 : cache_rows, dpad, 1),
                  HeadRows<T>(amx || v_in_place ? 0 : cache_rows, ldp, 1),
                  HeadRows<uint32_t>(pairs ? cache_rows : 0, kd, 1),
-                 HeadColumns(amx ? imax(bn, cache_rows) : 0, amx ? d : 0)};
+                 HeadColumns(amx ? imax(bn, cache_rows) : 0, amx ? d : 0),
+                 Scratch<bf16_t>(amx ? d * 32 : 0)};
   };
 
   auto work = [&](State& st, int64_t item) {
@@ -414,24 +416,19 @@ void fwd_impl(const FwdParams& p) {
       if (amx) {
         if constexpr (kAmxType) {
           // Oᵀ = a·Oᵀ + Vᵀ·Pᵀ over whole 32-key steps (Pᵀ's pairs past n are zero).
-          const int64_t npad = round_up(n, 32);
           const uint32_t* pt = st.pt.get();
           const bf16_t* vc = v_cols != nullptr
                                  ? v_cols + (c0 - kv_begin)
                                  : st.vcols.columns(head, k0 + c0, k0 + c0 + n,
                                                     row_ptr(v, p.v_strides, b_kv, k0 + c0, hk), p.v_strides.row);
-          if (fresh) {
-            amx_gemm<false>(d, mpad, npad / 32, vc, st.vcols.ld, pt, ldqt, ot, ldqt);
-            fresh = false;
-          } else {
-            if (moved) {
-              for (int64_t c = 0; c < d; ++c) {
-                T* row = ot + c * ldqt;
-                for (int64_t i = 0; i < mpad; i += VW) vstore(row + i, vload(row + i) * vload(alpha + i));
-              }
+          if (!fresh && moved) {
+            for (int64_t c = 0; c < d; ++c) {
+              T* row = ot + c * ldqt;
+              for (int64_t i = 0; i < mpad; i += VW) vstore(row + i, vload(row + i) * vload(alpha + i));
             }
-            amx_gemm<true>(d, mpad, npad / 32, vc, st.vcols.ld, pt, ldqt, ot, ldqt);
           }
+          amx_pv(d, mpad, n, vc, st.vcols.ld, pt, ldqt, ot, ldqt, st.vtail.get(), /*accumulate=*/!fresh);
+          fresh = false;
         }
       } else if (fresh) {
         gemm<T, Epi::kStore>(rows, dpad, n, s, 1, ldqt, vt, ldv, o, dpad, nullptr, kChunk, T(1), pv_band);  // O = P·V

@@ -180,8 +180,8 @@ X86_ISA_FLAGS = {
     # the forward's S = Q·Kᵀ of bf16 inputs at twice the terms per instruction (gemm.h)
     "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mavx2",
                    "-mfma", "-mf16c"],
-    # AVX-512 plus AMX tiles (Intel Sapphire Rapids and later): the forward's bf16 products on
-    # tiles (csrc/cpu/amx.h); AVX512_BF16 for its float-to-bf16 conversion only
+    # AVX-512 plus AMX tiles (Intel Sapphire Rapids and later): the forward's bf16 products and
+    # the backward's S and dP on tiles (csrc/cpu/amx.h); AVX512_BF16 for its bf16 conversion only
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
             "-mamx-bf16", "-mavx2", "-mfma", "-mf16c"],
 }

@@ -1,5 +1,5 @@
-// AMX tile products for the forward's bfloat16 GEMMs (the amx level; one copy per ISA level,
-// see vec.h, empty below it).
+// AMX tile products for the bfloat16 GEMMs of the amx level (one copy per ISA level, see
+// vec.h; declarations only below it): both of the forward's, and the backward's S and dP.
 //
 // Why: on the CPUs that have AMX (Intel Sapphire Rapids and later) one tdpbf16ps multiplies a
 // 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 float sums, 1.6-2.1 TFLOP/s per core
@@ -9,8 +9,9 @@
 //   Sᵀ = K·Qᵀ: A = the K rows as they lie (32 bf16 = 64 bytes per tile row), B = the Qᵀ pairs
 //              the avx512bf16 level packs already (pair k of query i at [k][i]: AMX's B layout);
 //   Oᵀ = Vᵀ·Pᵀ: A = Vᵀ (d rows of keys, HeadColumns below), B = Pᵀ as bf16 pairs of key rows,
-//              written by the softmax's exp pass (exp_pair_rows) instead of P itself. Oᵀ keeps the queries along its rows, the way Sᵀ, cmax, alpha
-//              and l already have them, so the online-softmax rescale is one vector multiply
+//              written by the softmax's exp pass (exp_pair_rows) instead of P itself.
+//              Oᵀ keeps the queries along its rows, the way Sᵀ, cmax, alpha and l already
+//              have them, so the online-softmax rescale is one vector multiply
 //              per row of Oᵀ (skipped for tiles that move no maximum) and nothing is transposed
 //              per key tile; O is transposed once per work item.
 // P is rounded to bf16 before P·V, as flash-attn's kernels and torch's bf16 SDPA do (l sums P in

@@ -112,7 +112,7 @@ uint64_t xgetbv0() {
 
 // Whether this process may use the AMX tile data state: Linux enables it in XCR0 but grants
 // it per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, 18; a
-// tile instruction without it faults). Asked once; asking again is harmless.
+// tile instruction without it faults). Asked at every detection; asking again is harmless.
 bool amx_permitted(uint64_t xcr0) {
   if ((xcr0 & 0x60000) != 0x60000) return false;  // XTILECFG and XTILEDATA
 #if defined(__linux__) && defined(SYS_arch_prctl)

@@ -70,7 +70,8 @@ def test_sliding_window_bottom_right(s_q, s_k, left, mode):
 # every level (forward tiles of 240 query rows x 72 keys at AVX2, 128 x 256 at AVX-512 and
 # 96 x 192 at the baseline for d = 64; backward 96 x 96 or 64 x 128), register blocks of 6 or
 # 8 rows, 16- or 32-column panels, 72-key partial sums; a soft-cap on one of them (computed on
-# the visible vectors only).
+# the visible vectors only). At amx (bf16): 256 x 256 tiles whose 32 x 32 score blocks, 32-key
+# P·V steps and exp vectors outside the band are skipped (csrc/cpu/amx.h: AmxExtras).
 @needs_ext
 @pytest.mark.parametrize("left,right", [(0, 0), (5, 0), (71, 0), (130, 3), (301, 0), (40, 200), (-1, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

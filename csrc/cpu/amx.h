@@ -24,6 +24,8 @@
 #pragma once
 
 #include "common.h"
+#include "gemm.h"  // Band
+#include <cstdlib>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -33,17 +35,11 @@ namespace ringseq {
 namespace cpu {
 namespace RINGSEQ_CPU_ISA_NS {
 
-// dst (cols x rows, row stride ldd) = srcᵀ for a rows x cols src (row stride lds).
-template <typename T>
-inline void transpose(const T* src, int64_t lds, int64_t rows, int64_t cols, T* dst, int64_t ldd) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
-}
-
 RS_INLINE const bf16_t* as_bf16(const uint32_t* pairs) { return reinterpret_cast<const bf16_t*>(pairs); }
 
 // Rows [0, n) of C (cols floats each, a multiple of a vector, row stride ldc) times scale, and
 // with cmax (not null) cmax[i] = max(cmax[i], C[j][i]) over those rows, as gemm's kStoreMax.
+// (The forward's unmasked tiles skip this pass: amx_gemm takes their maxima as it stores C.)
 template <typename T>
 inline void scale_rows(T* C, int64_t ldc, int64_t n, int64_t cols, T scale, T* cmax) {
   constexpr int64_t VW = kVW<T>;
@@ -70,35 +66,148 @@ constexpr bool kAmx = true;
 // 256 x 128.
 constexpr int64_t kAmxBlockM = 256, kAmxBlockN = 256;
 
+// The permutes of transpose16: stage s, row i with bit s clear takes lo[s] (its own columns with
+// bit s clear, row i+b's in the others: 16 + index), row i+b takes hi[s].
+struct Transpose16Index {
+  int32_t lo[4][16], hi[4][16];
+  constexpr Transpose16Index() : lo{}, hi{} {
+    for (int s = 0; s < 4; ++s)
+      for (int c = 0; c < 16; ++c) {
+        const int b = 1 << s;
+        lo[s][c] = (c & b) ? 16 + c - b : c;
+        hi[s][c] = (c & b) ? 16 + c : c + b;
+      }
+  }
+};
+alignas(64) constexpr Transpose16Index kTranspose16{};
+
+// The 16 x 16 transpose of 32-bit elements in r (row i in r[i]), in place: four stages, stage s
+// swapping bit s of the row and column index (the off-diagonal b x b blocks of each 2b x 2b
+// block, b = 2^s), each one two-source permute per row.
+RS_INLINE void transpose16(__m512i (&r)[16]) {
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
+    const int b = 1 << s;
+    const __m512i il = _mm512_load_si512(kTranspose16.lo[s]), ih = _mm512_load_si512(kTranspose16.hi[s]);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if (i & b) continue;
+      const __m512i a = r[i], c = r[i + b];
+      r[i] = _mm512_permutex2var_epi32(a, il, c);
+      r[i + b] = _mm512_permutex2var_epi32(a, ih, c);
+    }
+  }
+}
+
+// dst (cols x round_up(rows, 16) 32-bit elements, row stride ldd) = srcᵀ for a rows x cols
+// src of 32-bit elements (floats, or S = bf16_t: pairs of bf16, row stride lds in S elements),
+// zero in the columns past rows; cols is a multiple of 16. 16 x 16 blocks through registers: a
+// scalar transpose reads or writes one element per cache line (~3 % of the forward each for
+// Oᵀ's and Qᵀ's pairs).
+template <typename S, typename D>
+inline void transpose(const S* src, int64_t lds, int64_t rows, int64_t cols, D* dst, int64_t ldd) {
+  static_assert(sizeof(D) == 4, "transpose: 32-bit elements");
+  constexpr int64_t kPer = 4 / sizeof(S);  // S elements per 32-bit element
+  __m512i r[16];
+  for (int64_t r0 = 0; r0 < rows; r0 += 16)
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = r0 + i < rows ? _mm512_loadu_si512(src + (r0 + i) * lds + c0 * kPer) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (c0 + i) * ldd + r0, r[i]);
+    }
+}
+
+// The bf16 pairs of 16-bit lanes: the low ([0]) or high ([1]) 16 lanes of a and b side by side,
+// a[i] then b[i] (permutex2var_epi16 indices: 32 + i picks b[i]).
+struct PairLanes {
+  uint16_t idx[2][32];
+  constexpr PairLanes() : idx{} {
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 16; ++i) {
+        idx[h][2 * i] = static_cast<uint16_t>(16 * h + i);
+        idx[h][2 * i + 1] = static_cast<uint16_t>(32 + 16 * h + i);
+      }
+  }
+};
+alignas(64) constexpr PairLanes kPairLanes{};
+
+// dst (32 rows x 32 bf16, row stride ldd) = srcᵀ for src = `rows` <= 32 rows of 32 bf16 (row
+// stride lds), zero for the rows past them: rows 2p and 2p+1 side by side as 32-bit pairs per
+// column, then two 16 x 16 transposes of those pairs (columns 0-15, 16-31), whose row c is
+// column c of src in row order.
+inline void transpose_bf16_block(const bf16_t* src, int64_t lds, int64_t rows, bf16_t* dst, int64_t ldd) {
+  auto row = [&](int64_t j) { return j < rows ? _mm512_loadu_si512(src + j * lds) : _mm512_setzero_si512(); };
+  __m512i r[16];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i idx = _mm512_load_si512(kPairLanes.idx[h]);
+    for (int p = 0; p < 16; ++p) r[p] = _mm512_permutex2var_epi16(row(2 * p), idx, row(2 * p + 1));
+    transpose16(r);
+    for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + (16 * h + c) * ldd, r[c]);
+  }
+}
+
 // Every tile is 16 rows x 64 bytes: tiles 0-3 the 2 x 2 block of C (16 x 16 floats each), 4-5
 // two A tiles (16 rows x 32 bf16), 6-7 two B tiles (16 rows of 16 bf16 pairs).
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
   uint8_t rows[16];
-};
-
-inline void amx_configure() {
-  TileConfig c{};
-  c.palette = 1;
-  for (int i = 0; i < 8; ++i) {
-    c.colsb[i] = 64;
-    c.rows[i] = 16;
+  constexpr TileConfig() : palette(1), start_row(0), reserved{}, colsb{}, rows{} {
+    for (int i = 0; i < 8; ++i) {
+      colsb[i] = 64;
+      rows[i] = 16;
+    }
   }
-  _tile_loadconfig(&c);
-}
+};
+// A constant, not built on the stack at each call: built there, with amx_configure inlined into
+// the backward's loop, GCC 12.2 -O3 left the column widths unwritten when ldtilecfg read them
+// (rows 16, widths 0: an invalid configuration, the instruction faults; seen as a SIGSEGV in
+// tests/test_kernel_cpu.py).
+alignas(64) constexpr TileConfig kTileConfig{};
+
+inline void amx_configure() { _tile_loadconfig(&kTileConfig); }
 
 inline void amx_release() { _tile_release(); }
 
+// What amx_gemm does besides C = / += A·B, each while a 32 x 32 block of C is in L1 (a pass
+// over the whole of C before or after it would read C from L2). Row, column and step indexes
+// below are the product's own plus row_off / step_off (a call over part of a larger product).
+struct AmxExtras {
+  // C = A·B: cmax[j] = max(cmax[j], C[i][j]) over rows i < max_rows (N floats).
+  float* cmax = nullptr;
+  int64_t max_rows = 0;
+  // C += A·B: C's column j scaled by alpha[j] first (the online softmax's rescale of Oᵀ).
+  const float* alpha = nullptr;
+  // Blocks where no row i sees a column j (j - i outside [lo, hi]) are not computed (Sᵀ of a
+  // masked key tile; the caller masks those scores).
+  Band rows_see = {};
+  int64_t row_off = 0;
+  // 32-term steps holding no term k that a column j of the block sees (k - j outside [lo, hi],
+  // k < 32·steps_total) are skipped (Oᵀ = Vᵀ·Pᵀ: P is exactly 0 there).
+  Band cols_see = {};
+  int64_t step_off = 0, steps_total = 0;
+};
+
 // One MB x NB block of 16 x 16 C tiles: C (row stride ldc floats) = / += A·B over kb steps of
 // 32 terms, A (16·MB rows x 32·kb bf16, row stride lda elements), B (16·kb pair rows x 16·NB
-// pairs, row stride ldb).
+// pairs, row stride ldb). cmax, max_rows and alpha (null: none): AmxExtras's, for this block
+// (cmax and alpha at its first column, max_rows of its rows).
 template <int MB, int NB, bool kAccumulate>
 RS_INLINE void amx_block(int64_t kb, const bf16_t* A, int64_t lda, const uint32_t* B, int64_t ldb,
-                         float* C, int64_t ldc) {
+                         float* C, int64_t ldc, float* cmax, int64_t max_rows, const float* alpha) {
   const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;  // bytes
   float* c10 = C + 16 * ldc;
   if constexpr (kAccumulate) {
+    if (alpha != nullptr) {
+      for (int nb = 0; nb < NB; ++nb) {
+        const __m512 a = _mm512_loadu_ps(alpha + 16 * nb);
+        for (int64_t j = 0; j < 16 * MB; ++j) {
+          float* c = C + j * ldc + 16 * nb;
+          _mm512_storeu_ps(c, _mm512_loadu_ps(c) * a);
+        }
+      }
+    }
     _tile_loadd(0, C, sc);
     if constexpr (NB > 1) _tile_loadd(1, C + 16, sc);
     if constexpr (MB > 1) _tile_loadd(2, c10, sc);
@@ -123,29 +232,53 @@ RS_INLINE void amx_block(int64_t kb, const bf16_t* A, int64_t lda, const uint32_
   if constexpr (NB > 1) _tile_stored(1, C + 16, sc);
   if constexpr (MB > 1) _tile_stored(2, c10, sc);
   if constexpr (MB > 1 && NB > 1) _tile_stored(3, c10 + 16, sc);
+  if (cmax != nullptr) {
+    for (int nb = 0; nb < NB; ++nb) {
+      __m512 m = _mm512_loadu_ps(cmax + 16 * nb);
+      for (int64_t j = 0; j < max_rows; ++j) m = vmax(_mm512_loadu_ps(C + j * ldc + 16 * nb), m);
+      _mm512_storeu_ps(cmax + 16 * nb, m);
+    }
+  }
 }
 
 // C (M x N floats, row stride ldc) = A·B, or C += A·B with kAccumulate: A (M x 32·kb bf16, row
 // stride lda), B (16·kb pair rows x N, row stride ldb uint32; pair k of column n holds terms 2k
-// and 2k+1). M and N are multiples of 16.
+// and 2k+1). M and N are multiples of 16. ex: AmxExtras.
 template <bool kAccumulate>
 inline void amx_gemm(int64_t M, int64_t N, int64_t kb, const bf16_t* A, int64_t lda, const uint32_t* B,
-                     int64_t ldb, float* C, int64_t ldc) {
+                     int64_t ldb, float* C, int64_t ldc, const AmxExtras& ex = {}) {
+  const bool skip_blocks = ex.rows_see.cuts(), skip_steps = ex.cols_see.cuts();
   for (int64_t m0 = 0; m0 < M; m0 += 32) {
     const bool two_m = m0 + 32 <= M;
-    const bf16_t* a = A + m0 * lda;
     for (int64_t n0 = 0; n0 < N; n0 += 32) {
       const bool two_n = n0 + 32 <= N;
+      if (skip_blocks) {
+        const int64_t r = ex.row_off + m0;
+        const km::Range<int64_t> seen =
+            km::band_key_range<int64_t>(r, r + (two_m ? 32 : 16), N, ex.rows_see.lo, ex.rows_see.hi);
+        if (seen.end <= n0 || seen.begin >= n0 + (two_n ? 32 : 16)) continue;
+      }
+      int64_t k0 = 0, k1 = kb;  // the steps computed
+      if (skip_steps) {
+        const km::Range<int64_t> seen = km::band_key_range<int64_t>(n0, n0 + (two_n ? 32 : 16), ex.steps_total * 32,
+                                                                    ex.cols_see.lo, ex.cols_see.hi);
+        k0 = iclamp(seen.begin / 32 - ex.step_off, int64_t(0), kb);
+        k1 = seen.empty() ? k0 : iclamp((seen.end + 31) / 32 - ex.step_off, k0, kb);
+      }
       float* c = C + m0 * ldc + n0;
-      const uint32_t* b = B + n0;
+      const bf16_t* a = A + m0 * lda + k0 * 32;
+      const uint32_t* b = B + k0 * 16 * ldb + n0;
+      float* mx = ex.cmax != nullptr ? ex.cmax + n0 : nullptr;
+      const int64_t mr = imax(0, imin(32, ex.max_rows - m0));
+      const float* al = ex.alpha != nullptr ? ex.alpha + n0 : nullptr;
       if (two_m && two_n) {
-        amx_block<2, 2, kAccumulate>(kb, a, lda, b, ldb, c, ldc);
+        amx_block<2, 2, kAccumulate>(k1 - k0, a, lda, b, ldb, c, ldc, mx, mr, al);
       } else if (two_m) {
-        amx_block<2, 1, kAccumulate>(kb, a, lda, b, ldb, c, ldc);
+        amx_block<2, 1, kAccumulate>(k1 - k0, a, lda, b, ldb, c, ldc, mx, mr, al);
       } else if (two_n) {
-        amx_block<1, 2, kAccumulate>(kb, a, lda, b, ldb, c, ldc);
+        amx_block<1, 2, kAccumulate>(k1 - k0, a, lda, b, ldb, c, ldc, mx, mr, al);
       } else {
-        amx_block<1, 1, kAccumulate>(kb, a, lda, b, ldb, c, ldc);
+        amx_block<1, 1, kAccumulate>(k1 - k0, a, lda, b, ldb, c, ldc, mx, mr, al);
       }
     }
   }
@@ -155,15 +288,23 @@ inline void amx_gemm(int64_t M, int64_t N, int64_t kb, const bf16_t* A, int64_t 
 // = d / 2 pairs each; d a multiple of 32) and B the 16·(d / 32) x N pairs: whole 16-row tiles
 // of A in place, the last partial one from a zero-padded copy in `tail` (16 x kd pairs, which
 // may be A's own buffer: the copy runs after the rows it overwrites were read). C's rows past M
-// take the padding's zeros.
+// take the padding's zeros. cmax and rows_see: AmxExtras's (the maxima over C's M rows, the
+// padding rows left out).
 inline void amx_pair_rows_gemm(int64_t M, int64_t N, int64_t d, const uint32_t* A, const uint32_t* B,
-                               int64_t ldb, float* C, int64_t ldc, uint32_t* tail) {
+                               int64_t ldb, float* C, int64_t ldc, uint32_t* tail, float* cmax = nullptr,
+                               Band rows_see = {}) {
   const int64_t kd = d / 2, m16 = M - M % 16;
-  if (m16 > 0) amx_gemm<false>(m16, N, d / 32, as_bf16(A), d, B, ldb, C, ldc);
+  AmxExtras ex;
+  ex.cmax = cmax;
+  ex.rows_see = rows_see;
+  ex.max_rows = m16;
+  if (m16 > 0) amx_gemm<false>(m16, N, d / 32, as_bf16(A), d, B, ldb, C, ldc, ex);
   if (m16 < M) {
     std::memmove(tail, A + m16 * kd, static_cast<size_t>((M - m16) * kd) * sizeof(uint32_t));
     fill(tail + (M - m16) * kd, (16 - (M - m16)) * kd, 0u);
-    amx_gemm<false>(16, N, d / 32, as_bf16(tail), d, B, ldb, C + m16 * ldc, ldc);
+    ex.max_rows = M - m16;
+    ex.row_off = m16;
+    amx_gemm<false>(16, N, d / 32, as_bf16(tail), d, B, ldb, C + m16 * ldc, ldc, ex);
   }
 }
 
@@ -172,16 +313,23 @@ inline void amx_pair_rows_gemm(int64_t M, int64_t N, int64_t d, const uint32_t* 
 // vt in place; a last partial step reads its n % 32 keys from a zero-padded copy in tail (d x
 // 32), not the keys held past n (HeadColumns keeps other items' keys there: an inf or NaN among
 // them would make 0·inf = NaN in rows that cannot see them). C is stored and reloaded between
-// the two products exactly, so the sums are the same as one product over all steps.
+// the two products exactly, so the sums are the same as one product over all steps. alpha
+// (accumulate, not null) and cols_see: AmxExtras's.
 inline void amx_pv(int64_t d, int64_t N, int64_t n, const bf16_t* vt, int64_t ldv, const uint32_t* pt,
-                   int64_t ldp, float* C, int64_t ldc, bf16_t* tail, bool accumulate) {
+                   int64_t ldp, float* C, int64_t ldc, bf16_t* tail, bool accumulate, const float* alpha,
+                   Band cols_see) {
   const int64_t n32 = n - n % 32;
+  AmxExtras ex;
+  ex.alpha = accumulate ? alpha : nullptr;
+  ex.cols_see = cols_see;
+  ex.steps_total = round_up(n, 32) / 32;
   if (n32 > 0) {
     if (accumulate) {
-      amx_gemm<true>(d, N, n32 / 32, vt, ldv, pt, ldp, C, ldc);
+      amx_gemm<true>(d, N, n32 / 32, vt, ldv, pt, ldp, C, ldc, ex);
     } else {
-      amx_gemm<false>(d, N, n32 / 32, vt, ldv, pt, ldp, C, ldc);
+      amx_gemm<false>(d, N, n32 / 32, vt, ldv, pt, ldp, C, ldc, ex);
     }
+    ex.alpha = nullptr;  // applied
   }
   if (n32 == n) return;
   for (int64_t c = 0; c < d; ++c) {
@@ -189,10 +337,11 @@ inline void amx_pv(int64_t d, int64_t N, int64_t n, const bf16_t* vt, int64_t ld
     std::memcpy(o, vt + c * ldv + n32, static_cast<size_t>(n - n32) * sizeof(bf16_t));
     fill(o + (n - n32), 32 - (n - n32), bf16_t{0});
   }
+  ex.step_off = n32 / 32;
   if (accumulate || n32 > 0) {
-    amx_gemm<true>(d, N, 1, tail, 32, pt + n32 / 2 * ldp, ldp, C, ldc);
+    amx_gemm<true>(d, N, 1, tail, 32, pt + n32 / 2 * ldp, ldp, C, ldc, ex);
   } else {
-    amx_gemm<false>(d, N, 1, tail, 32, pt + n32 / 2 * ldp, ldp, C, ldc);
+    amx_gemm<false>(d, N, 1, tail, 32, pt + n32 / 2 * ldp, ldp, C, ldc, ex);
   }
 }
 
@@ -227,19 +376,22 @@ RS_INLINE __m512i bf16_pairs(__m512 even, __m512 odd, __m512i interleave) {
   return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
-// P = exp(x - m_use) of two rows of Sᵀ (odd null: past the tile's keys, P = 0), each added to
-// its column's partial sum in lpart (the even row first, as the row-by-row loop adds them),
-// and stored as bf16 pairs in dst (a row of Pᵀ's pairs) instead of back to Sᵀ. cols is a
-// multiple of 16.
-inline void exp_pair_rows(const float* even, const float* odd, int64_t cols, const float* m_use,
+// P = exp(scale·x - m_use) of two rows of Sᵀ (odd null: past the tile's keys, P = 0; scale·x -
+// m_use one fused multiply-add, so Sᵀ need not be scaled first), each added to its column's
+// partial sum in lpart (the even row first, as the row-by-row loop adds them), and stored as
+// bf16 pairs in dst (a row of Pᵀ's pairs) instead of back to Sᵀ. cols is a multiple of 16.
+inline void exp_pair_rows(const float* even, const float* odd, int64_t cols, float scale, const float* m_use,
                           float* lpart, uint32_t* dst) {
   const __m512i idx = _mm512_load_si512(kInterleave);
+  const __m512 sc = _mm512_set1_ps(scale);
   int64_t i = 0;
   if (odd != nullptr) {
     for (; i + 32 <= cols; i += 32) {
       const __m512 m0 = _mm512_loadu_ps(m_use + i), m1 = _mm512_loadu_ps(m_use + i + 16);
-      vec_t<float> e[4] = {_mm512_loadu_ps(even + i) - m0, _mm512_loadu_ps(odd + i) - m0,
-                           _mm512_loadu_ps(even + i + 16) - m1, _mm512_loadu_ps(odd + i + 16) - m1};
+      vec_t<float> e[4] = {_mm512_fmsub_ps(_mm512_loadu_ps(even + i), sc, m0),
+                           _mm512_fmsub_ps(_mm512_loadu_ps(odd + i), sc, m0),
+                           _mm512_fmsub_ps(_mm512_loadu_ps(even + i + 16), sc, m1),
+                           _mm512_fmsub_ps(_mm512_loadu_ps(odd + i + 16), sc, m1)};
       exp_vecs<4, /*kNonPositive=*/true>(e);
       _mm512_storeu_ps(lpart + i, (_mm512_loadu_ps(lpart + i) + e[0]) + e[1]);
       _mm512_storeu_ps(lpart + i + 16, (_mm512_loadu_ps(lpart + i + 16) + e[2]) + e[3]);
@@ -249,7 +401,8 @@ inline void exp_pair_rows(const float* even, const float* odd, int64_t cols, con
   }
   for (; i < cols; i += 16) {
     const __m512 m = _mm512_loadu_ps(m_use + i);
-    vec_t<float> e[2] = {_mm512_loadu_ps(even + i) - m, odd != nullptr ? _mm512_loadu_ps(odd + i) - m : _mm512_setzero_ps()};
+    vec_t<float> e[2] = {_mm512_fmsub_ps(_mm512_loadu_ps(even + i), sc, m),
+                         odd != nullptr ? _mm512_fmsub_ps(_mm512_loadu_ps(odd + i), sc, m) : _mm512_setzero_ps()};
     exp_vecs<2, /*kNonPositive=*/true>(e);
     __m512 sum = _mm512_loadu_ps(lpart + i) + e[0];
     if (odd != nullptr) sum += e[1];
@@ -264,17 +417,21 @@ constexpr bool kAmx = false;
 constexpr int64_t kAmxBlockM = 0, kAmxBlockN = 0;
 void amx_configure();
 void amx_release();
+struct AmxExtras {};
 template <bool kAccumulate>
 void amx_gemm(int64_t M, int64_t N, int64_t kb, const bf16_t* A, int64_t lda, const uint32_t* B,
-              int64_t ldb, float* C, int64_t ldc);
-void exp_pair_rows(const float* even, const float* odd, int64_t cols, const float* m_use, float* lpart,
-                   uint32_t* dst);
+              int64_t ldb, float* C, int64_t ldc, const AmxExtras& ex = {});
+void exp_pair_rows(const float* even, const float* odd, int64_t cols, float scale, const float* m_use,
+                   float* lpart, uint32_t* dst);
 void amx_pair_rows_gemm(int64_t M, int64_t N, int64_t d, const uint32_t* A, const uint32_t* B, int64_t ldb,
-                        float* C, int64_t ldc, uint32_t* tail);
+                        float* C, int64_t ldc, uint32_t* tail, float* cmax = nullptr, Band rows_see = {});
+template <typename S, typename D>
+void transpose(const S* src, int64_t lds, int64_t rows, int64_t cols, D* dst, int64_t ldd);
+void transpose_bf16_block(const bf16_t* src, int64_t lds, int64_t rows, bf16_t* dst, int64_t ldd);
 void amx_diagonal_dots(const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, int64_t rows, int64_t d,
                        float* dst);
 void amx_pv(int64_t d, int64_t N, int64_t n, const bf16_t* vt, int64_t ldv, const uint32_t* pt, int64_t ldp,
-            float* C, int64_t ldc, bf16_t* tail, bool accumulate);
+            float* C, int64_t ldc, bf16_t* tail, bool accumulate, const float* alpha, Band cols_see);
 #endif
 
 // Vᵀ of one kv head's rows [begin, end) (d rows of bf16 keys at row stride ld, zero past the
@@ -297,16 +454,13 @@ struct HeadColumns {
     if (head == head_ && begin <= r0 && r1 <= end) return buf.get() + (r0 - begin);
     ld = stride(r1 - r0);
     bf16_t* dst = buf.get();
-    const int64_t keys = r1 - r0;
-    // 16 keys at a time: each source row is read once, 16 destination rows written together.
-    for (int64_t j0 = 0; j0 < keys; j0 += 16) {
-      const int64_t nj = imin(16, keys - j0);
-      for (int64_t c = 0; c < d; ++c) {
-        bf16_t* o = dst + c * ld + j0;
-        for (int64_t j = 0; j < nj; ++j) o[j] = v[(j0 + j) * ldv + c];
-      }
-    }
-    for (int64_t c = 0; c < d; ++c) fill(dst + c * ld + keys, ld - keys, bf16_t{0});
+    const int64_t keys = r1 - r0, k32 = round_up(keys, 32);
+    // 32 x 32 blocks through registers (d is a multiple of 32 on the amx level), the keys of
+    // the last one past r1 zero.
+    for (int64_t j0 = 0; j0 < keys; j0 += 32)
+      for (int64_t c0 = 0; c0 < d; c0 += 32)
+        transpose_bf16_block(v + j0 * ldv + c0, ldv, imin(32, keys - j0), dst + c0 * ld + j0, ld);
+    for (int64_t c = 0; c < d; ++c) fill(dst + c * ld + k32, ld - k32, bf16_t{0});
     head = head_;
     begin = r0;
     end = r1;

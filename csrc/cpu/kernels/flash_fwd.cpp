@@ -136,7 +136,7 @@ void fwd_impl(const FwdParams& p) {
   const int64_t kv_row_bytes = static_cast<int64_t>(sizeof(T)) * (k_row_elems + ldp);
   const int64_t cache_rows = reused ? imin(max_keys, hook_head_rows_bytes() / kv_row_bytes) : 0;
   struct State {
-    Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, lpart, cmax, ot;
+    Scratch<T> qt, kbuf, vbuf, st, o, m_run, m_use, alpha, l, lsum, lpart, cmax, ot, smax;
     Scratch<uint32_t> qpairs, kpairs, pt;
     HeadRows<T> krows, vrows;
     HeadRows<uint32_t> kprows;
@@ -157,6 +157,7 @@ void fwd_impl(const FwdParams& p) {
                  Scratch<T>(bm),
                  Scratch<T>(bm),
                  Scratch<T>(amx ? dpad * ldqt : 0),
+                 Scratch<T>(amx ? bm : 0),
                  Scratch<uint32_t>(pairs ? kd * ldqt : 0),
                  // the K tile, or with amx its last 16-row tile (zero past the keys)
                  Scratch<uint32_t>(pairs ? imax(bn, 16) * kd : 0),
@@ -202,7 +203,10 @@ void fwd_impl(const FwdParams& p) {
     // Qᵀ (d x mpad, row stride ldqt), scaled; padding columns (queries past the tile) are zero.
     // With pairs: Qᵀ as kd x mpad pairs (row stride ldqt), unscaled.
     uint32_t* qp = st.qpairs.get();
-    if (pairs) {
+    if (amx) {
+      // (Qᵀ's pairs are the 32-bit transpose of Q's rows: d is even.)
+      if constexpr (kAmxType) transpose(bf16_input(row_ptr(q, p.q_strides, b, qr0, h)), p.q_strides.row, rows, kd, qp, ldqt);
+    } else if (pairs) {
       pack_pairs_transposed(bf16_input(row_ptr(q, p.q_strides, b, qr0, h)), p.q_strides.row, rows, d, qp, ldqt, mpad);
     } else {
       pack_transposed(row_ptr(q, p.q_strides, b, qr0, h), p.q_strides.row, rows, d, scale, qt, ldqt, mpad);
@@ -302,6 +306,9 @@ void fwd_impl(const FwdParams& p) {
       // its visible half instead of all of it.
       const Band s_band = masked ? block_band(sp, r0, c0, /*keys_as_rows=*/true, /*on_k=*/false) : Band{};
       const Band pv_band = masked ? block_band(sp, r0, c0, /*keys_as_rows=*/false, /*on_k=*/true) : Band{};
+      // amx: whether Sᵀ is scaled before the softmax (masked tiles and the soft-cap need the
+      // scaled scores; a scale <= 0 would turn the maxima into minima), else the exp scales it.
+      const bool s_scaled = masked || cap > T(0) || !(scale > T(0));
       // Sᵀ = K·Qᵀ (n x mpad), and with kStoreMax its column maxima into cmax.
       auto scores = [&](auto epi) {
         constexpr Epi E = decltype(epi)::value;
@@ -311,8 +318,20 @@ void fwd_impl(const FwdParams& p) {
         } else if constexpr (kAmxType) {
           if (amx) {
             // (Sᵀ has bn rows, a multiple of 16: room for the last K tile's padding rows.)
-            amx_pair_rows_gemm(n, mpad, d, kp, qp, ldqt, s, ldqt, st.kpairs.get());
-            scale_rows(s, ldqt, n, mpad, scale, mx);
+            if (!s_scaled) {
+              // Sᵀ stays unscaled (the exp pass applies the scale) and its column maxima come
+              // out of the tile product; scaled after: with scale > 0 and rounding monotone,
+              // max fl(scale·x) = fl(scale·max x).
+              T* smax = st.smax.get();
+              fill(smax, mpad, kNegInf<T>);
+              amx_pair_rows_gemm(n, mpad, d, kp, qp, ldqt, s, ldqt, st.kpairs.get(), smax);
+              for (int64_t i = 0; i < mpad; i += VW)
+                vstore(cmax + i, vmax(vload(smax + i) * vsplat(scale), vload(cmax + i)));
+            } else {
+              // (A masked tile's blocks no key of which a query sees are left out: masked below.)
+              amx_pair_rows_gemm(n, mpad, d, kp, qp, ldqt, s, ldqt, st.kpairs.get(), nullptr, s_band);
+              scale_rows(s, ldqt, n, mpad, scale, mx);
+            }
           } else {
             gemm<T, E>(n, mpad, d, kt, ldk, 1, qt, ldqt, s, ldqt, mx, kHeadChunk, T(1), s_band);
           }
@@ -362,8 +381,8 @@ void fwd_impl(const FwdParams& p) {
       fill(lpart, mpad, T(0));
       if (amx) {
         if constexpr (kAmxType) {
-          // Two rows at a time into Pᵀ's bf16 pairs (amx.h: exp_pair_rows), whole rows: masked
-          // scores are -inf here and give P = 0; rows past n (to a whole 32-key step) are zero.
+          // Two rows at a time into Pᵀ's bf16 pairs (amx.h: exp_pair_rows): masked scores are
+          // -inf here and give P = 0; rows past n (to a whole 32-key step) are zero.
           // The sums are flushed where the row-by-row loop (the other branch) flushes them
           // (kChunk is even).
           uint32_t* pt = st.pt.get();
@@ -379,7 +398,21 @@ void fwd_impl(const FwdParams& p) {
               prefetch_lines(k_next + r * k_ahead.step, k_ahead.bytes);
               if (v_cols == nullptr) prefetch_lines(v_next + r * v_ahead.step, v_ahead.bytes);
             }
-            exp_pair_rows(s + j * ldqt, j + 1 < n ? s + (j + 1) * ldqt : nullptr, mpad, m_use, lpart, dst);
+            // A masked tile's pair of rows: the exp over the vectors either row sees, P = 0
+            // elsewhere (consecutive rows' bands touch, so that is one range).
+            int64_t cb = 0, ce = mpad;
+            if (masked) {
+              const Band::Cols a = s_band.cols<T>(j, mpad);
+              const Band::Cols c = j + 1 < n ? s_band.cols<T>(j + 1, mpad) : Band::Cols{0, 0, 0, 0};
+              const bool a_any = a.v_begin < a.v_end, c_any = c.v_begin < c.v_end;
+              cb = a_any && c_any ? imin(a.v_begin, c.v_begin) : a_any ? a.v_begin : c.v_begin;
+              ce = a_any && c_any ? imax(a.v_end, c.v_end) : a_any ? a.v_end : c.v_end;
+            }
+            fill(dst, cb, 0u);
+            fill(dst + ce, mpad - ce, 0u);
+            if (cb < ce)
+              exp_pair_rows(s + j * ldqt + cb, j + 1 < n ? s + (j + 1) * ldqt + cb : nullptr, ce - cb,
+                            s_scaled ? T(1) : scale, m_use + cb, lpart + cb, dst + cb);
             if ((j + 2) % kChunk == 0 || j + 2 >= n) {
               for (int64_t i = 0; i < mpad; i += VW) {
                 vstore(lsum + i, vload(lsum + i) + vload(lpart + i));
@@ -421,13 +454,10 @@ void fwd_impl(const FwdParams& p) {
                                  ? v_cols + (c0 - kv_begin)
                                  : st.vcols.columns(head, k0 + c0, k0 + c0 + n,
                                                     row_ptr(v, p.v_strides, b_kv, k0 + c0, hk), p.v_strides.row);
-          if (!fresh && moved) {
-            for (int64_t c = 0; c < d; ++c) {
-              T* row = ot + c * ldqt;
-              for (int64_t i = 0; i < mpad; i += VW) vstore(row + i, vload(row + i) * vload(alpha + i));
-            }
-          }
-          amx_pv(d, mpad, n, vc, st.vcols.ld, pt, ldqt, ot, ldqt, st.vtail.get(), /*accumulate=*/!fresh);
+          // (The rescale a·Oᵀ inside the product, per block; the steps of keys a masked tile's
+          // queries do not see are skipped: their P is 0.)
+          amx_pv(d, mpad, n, vc, st.vcols.ld, pt, ldqt, ot, ldqt, st.vtail.get(), /*accumulate=*/!fresh,
+                 moved ? alpha : nullptr, pv_band);
           fresh = false;
         }
       } else if (fresh) {
@@ -438,9 +468,11 @@ void fwd_impl(const FwdParams& p) {
                                 pv_band);  // O = a·O + P·V
       }
     }
-    if (amx) {
-      if constexpr (kAmxType) amx_release();
-      if (!fresh) transpose(ot, ldqt, d, mpad, o, dpad);
+    if constexpr (kAmxType) {
+      if (amx) {
+        amx_release();
+        if (!fresh) transpose(ot, ldqt, d, mpad, o, dpad);
+      }
     }
     if (fresh) fill(o, mpad * dpad, T(0));  // no visible key at all
 

@@ -411,6 +411,50 @@ inline void exp_pair_rows(const float* even, const float* odd, int64_t cols, flo
   }
 }
 
+// Two float rows as one row of bf16 pairs (even[i], odd[i]) (odd null: zero halves), cols a
+// multiple of 16: B of a tile product over the rows' index (the backward's P and dS over
+// query pairs).
+inline void float_row_pairs(const float* even, const float* odd, int64_t cols, uint32_t* dst) {
+  const __m512i idx = _mm512_load_si512(kInterleave);
+  for (int64_t i = 0; i < cols; i += 16) {
+    const __m512 e = _mm512_loadu_ps(even + i), o = odd != nullptr ? _mm512_loadu_ps(odd + i) : _mm512_setzero_ps();
+    _mm512_storeu_si512(dst + i, bf16_pairs(e, o, idx));
+  }
+}
+
+// A float row as bf16 (round to nearest even), cols a multiple of 16, zero to pad (>= cols).
+inline void bf16_row(const float* src, int64_t cols, int64_t pad, bf16_t* dst) {
+  for (int64_t i = 0; i < cols; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  fill(dst + cols, pad - cols, bf16_t{0});
+}
+
+// Rows 2p and 2p+1 of src (rows bf16 rows of d, row stride lds; d a multiple of 32; a missing
+// odd row is zero) as row p of pairs (src[2p][c], src[2p+1][c]), ldd pairs per row, for p <
+// round_up(rows, 32) / 2 (pairs past the rows zero): B of a tile product over src's rows (the
+// backward's K over key pairs).
+inline void row_pairs(const bf16_t* src, int64_t lds, int64_t rows, int64_t d, uint32_t* dst, int64_t ldd) {
+  const __m512i lo = _mm512_load_si512(kPairLanes.idx[0]), hi = _mm512_load_si512(kPairLanes.idx[1]);
+  for (int64_t p = 0; p < round_up(rows, 32) / 2; ++p) {
+    uint32_t* o = dst + p * ldd;
+    for (int64_t c = 0; c < d; c += 32) {
+      const __m512i a = 2 * p < rows ? _mm512_loadu_si512(src + 2 * p * lds + c) : _mm512_setzero_si512();
+      const __m512i b = 2 * p + 1 < rows ? _mm512_loadu_si512(src + (2 * p + 1) * lds + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(o + c, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(o + c + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// dst (d rows x round_up(rows, 32) bf16, row stride ldd) = srcᵀ for rows bf16 rows of d (row
+// stride lds; d a multiple of 32), zero past the rows: A of a tile product over src's rows
+// (the backward's Qᵀ and dOᵀ).
+inline void columns_of(const bf16_t* src, int64_t lds, int64_t rows, int64_t d, bf16_t* dst, int64_t ldd) {
+  for (int64_t j0 = 0; j0 < rows; j0 += 32)
+    for (int64_t c0 = 0; c0 < d; c0 += 32)
+      transpose_bf16_block(src + j0 * lds + c0, lds, imin(32, rows - j0), dst + c0 * ldd + j0, ldd);
+}
+
 #else
 // Declared only: the callers' amx branches are discarded (kAmx).
 constexpr bool kAmx = false;
@@ -428,6 +472,10 @@ void amx_pair_rows_gemm(int64_t M, int64_t N, int64_t d, const uint32_t* A, cons
 template <typename S, typename D>
 void transpose(const S* src, int64_t lds, int64_t rows, int64_t cols, D* dst, int64_t ldd);
 void transpose_bf16_block(const bf16_t* src, int64_t lds, int64_t rows, bf16_t* dst, int64_t ldd);
+void float_row_pairs(const float* even, const float* odd, int64_t cols, uint32_t* dst);
+void bf16_row(const float* src, int64_t cols, int64_t pad, bf16_t* dst);
+void row_pairs(const bf16_t* src, int64_t lds, int64_t rows, int64_t d, uint32_t* dst, int64_t ldd);
+void columns_of(const bf16_t* src, int64_t lds, int64_t rows, int64_t d, bf16_t* dst, int64_t ldd);
 void amx_diagonal_dots(const bf16_t* a, int64_t lda, const bf16_t* b, int64_t ldb, int64_t rows, int64_t d,
                        float* dst);
 void amx_pv(int64_t d, int64_t N, int64_t n, const bf16_t* vt, int64_t ldv, const uint32_t* pt, int64_t ldp,
@@ -455,11 +503,8 @@ struct HeadColumns {
     ld = stride(r1 - r0);
     bf16_t* dst = buf.get();
     const int64_t keys = r1 - r0, k32 = round_up(keys, 32);
-    // 32 x 32 blocks through registers (d is a multiple of 32 on the amx level), the keys of
-    // the last one past r1 zero.
-    for (int64_t j0 = 0; j0 < keys; j0 += 32)
-      for (int64_t c0 = 0; c0 < d; c0 += 32)
-        transpose_bf16_block(v + j0 * ldv + c0, ldv, imin(32, keys - j0), dst + c0 * ld + j0, ld);
+    // (d is a multiple of 32 on the amx level; the keys of the last 32 past r1 zero)
+    columns_of(v, ldv, keys, d, dst, ld);
     for (int64_t c = 0; c < d; ++c) fill(dst + c * ld + k32, ld - k32, bf16_t{0});
     head = head_;
     begin = r0;

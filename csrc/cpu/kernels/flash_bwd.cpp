@@ -18,6 +18,9 @@
 // P = exp(scale·QKᵀ - lse) uses the lse it is given (possibly the global one of a ring), and a
 // row with lse = -inf (it saw no key) is treated as lse = +inf, so its P is 0 and not NaN.
 //
+// On the amx level (bf16, head dim a multiple of 32) all five products run on AMX tiles, P and
+// dS rounded to bf16 for dV, dK and dQ (see the amx notes in bwd_impl).
+//
 // Spans and bands (masks.h): the key tiles are those of every span (heaviest first); each
 // visits only the query rows its band reaches (element-exact, km::band_row_range) and masks
 // only blocks that straddle a band edge (km::band_block_full). With a soft-cap, S becomes
@@ -173,7 +176,10 @@ void bwd_impl(const BwdParams& p) {
   // both sum the same terms in the same order) and dP = dO·Vᵀ (as delta_rows sums delta) from
   // bf16 pairs (Bf16PairStep): Q and dO rows, Kᵀ and Vᵀ as kd pairs per row. On the amx level
   // (head dim a multiple of 32) the same two products from the same pairs on tiles (amx.h),
-  // again as the forward and delta_rows sum them; dV, dK and dQ stay float32 there.
+  // again as the forward and delta_rows sum them, and the other three on tiles too, with P and
+  // dS rounded to bf16 (as flash-attn's kernels round them): dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS
+  // (Qᵀ, dOᵀ per block, P and dS as pairs of query rows; dVᵀ, dKᵀ transposed once per key
+  // tile) and dQ += dS·K (dS as bf16 rows, K as pairs of key rows once per key tile).
   constexpr bool kPairs = kBf16Pairs && kSame<in_t, bf16_t>;
   constexpr bool kAmxType = kAmx && kSame<in_t, bf16_t>;
   const bool amx = kAmxType && d % 32 == 0;
@@ -193,11 +199,20 @@ void bwd_impl(const BwdParams& p) {
   const int64_t group_rows = hook_head_rows_bytes() / (q_row_bytes * slots);
   const bool cached = nkt > chunks && group <= HeadRows<T>::kMaxSlots && group_rows >= max_rows;
   const int64_t cache_rows = cached ? max_rows : 0;
+  // amx: row strides of Qᵀ/dOᵀ (bm queries), of dS's bf16 rows (bn keys): an odd number of
+  // lines (HeadColumns::stride); queries and keys rounded to whole 32-term steps.
+  const int64_t bm32 = round_up(bm, 32), bn32 = round_up(bn, 32);
+  const int64_t ldcq = amx ? HeadColumns::stride(bm) : 0, ldsr = amx ? HeadColumns::stride(bn) : 0;
   struct State {
     Scratch<T> kt, vt, kbuf, qbuf, dobuf, s, dp, dk, dv;
     Scratch<uint32_t> qpairs, kpairs, dopairs, vpairs;
     HeadRows<T> qrows, dorows;
     HeadRows<uint32_t> qprows, doprows;
+    // amx: Qᵀ, dOᵀ; P and dS as pairs of query rows; dS as bf16 rows; K as pairs of key rows;
+    // dVᵀ, dKᵀ (d x ldt); one block's dQ
+    Scratch<bf16_t> qcols, docols, dsrows;
+    Scratch<uint32_t> ppairs, dspairs, kvnni;
+    Scratch<T> dvt, dkt, dqb;
   };
   auto make_state = [&] {
     return State{Scratch<T>(pairs ? 0 : d * ldt),
@@ -207,16 +222,25 @@ void bwd_impl(const BwdParams& p) {
                  Scratch<T>(bm * ldp),
                  Scratch<T>(bm * ldt),
                  Scratch<T>(bm * ldt),
-                 Scratch<T>(bn * dpad),
-                 Scratch<T>(bn * dpad),
+                 Scratch<T>(bn_pad * dpad),
+                 Scratch<T>(bn_pad * dpad),
                  Scratch<uint32_t>(pairs ? bm * kd : 0),
                  Scratch<uint32_t>(pairs ? kd * ldt : 0),
                  Scratch<uint32_t>(pairs ? bm * kd : 0),
                  Scratch<uint32_t>(pairs ? kd * ldt : 0),
-                 HeadRows<T>(q_in_place ? 0 : cache_rows, ldp, slots),
-                 HeadRows<T>(do_in_place ? 0 : cache_rows, ldp, slots),
+                 HeadRows<T>(q_in_place || amx ? 0 : cache_rows, ldp, slots),
+                 HeadRows<T>(do_in_place || amx ? 0 : cache_rows, ldp, slots),
                  HeadRows<uint32_t>(pairs ? cache_rows : 0, kd, slots),
-                 HeadRows<uint32_t>(pairs ? cache_rows : 0, kd, slots)};
+                 HeadRows<uint32_t>(pairs ? cache_rows : 0, kd, slots),
+                 Scratch<bf16_t>(amx ? d * ldcq : 0),
+                 Scratch<bf16_t>(amx ? d * ldcq : 0),
+                 Scratch<bf16_t>(amx ? round_up(bm, 16) * ldsr : 0),
+                 Scratch<uint32_t>(amx ? bm32 / 2 * ldt : 0),
+                 Scratch<uint32_t>(amx ? bm32 / 2 * ldt : 0),
+                 Scratch<uint32_t>(amx ? bn32 / 2 * d : 0),
+                 Scratch<T>(amx ? d * ldt : 0),
+                 Scratch<T>(amx ? d * ldt : 0),
+                 Scratch<T>(amx ? round_up(bm, 16) * dpad : 0)};
   };
 
   auto work = [&](State& st, int64_t item) {
@@ -249,10 +273,19 @@ void bwd_impl(const BwdParams& p) {
         pack_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, T(1), vt, ldt,
                         npad);
       }
-      int64_t ldk;
-      const T* kr = rows_as(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldp, ldk);
-      fill(dk, n * dpad, T(0));
-      fill(dv, n * dpad, T(0));
+      int64_t ldk = ldp;
+      const T* kr = nullptr;
+      if (amx) {
+        if constexpr (kAmxType) {
+          row_pairs(bf16_input(row_ptr(k, p.k_strides, b, k0 + c0, hk)), p.k_strides.row, n, d, st.kvnni.get(), d);
+          fill(st.dvt.get(), d * ldt, T(0));
+          fill(st.dkt.get(), d * ldt, T(0));
+        }
+      } else {
+        kr = rows_as(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, dpad, st.kbuf.get(), ldp, ldk);
+        fill(dk, n * dpad, T(0));
+        fill(dv, n * dpad, T(0));
+      }
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         const T* lse_h = lse + b * p.lse_strides.batch + h * p.lse_strides.head;
         const T* delta_h = delta + b * delta_strides.batch + h * delta_strides.head;
@@ -280,8 +313,9 @@ void bwd_impl(const BwdParams& p) {
         auto pair_rows = [&](const in_t* src, int64_t ld, int64_t rows, uint32_t* dst) {
           pack_pair_rows(bf16_input(src), ld, rows, d, dst);
         };
-        const T* q_item = q_in_place ? nullptr : packed(st.qrows, q, p.q_strides, float_rows);
-        const T* do_item = do_in_place ? nullptr : packed(st.dorows, dout, p.dout_strides, float_rows);
+        // (amx reads Q and dO as bf16 pairs only.)
+        const T* q_item = q_in_place || amx ? nullptr : packed(st.qrows, q, p.q_strides, float_rows);
+        const T* do_item = do_in_place || amx ? nullptr : packed(st.dorows, dout, p.dout_strides, float_rows);
         const uint32_t* qp_item = pairs ? packed(st.qprows, q, p.q_strides, pair_rows) : nullptr;
         const uint32_t* dop_item = pairs ? packed(st.doprows, dout, p.dout_strides, pair_rows) : nullptr;
         // Where the prefetches of the next block read (row q_begin of the packed rows or of the
@@ -302,10 +336,12 @@ void bwd_impl(const BwdParams& p) {
           const Band kq_band = full ? Band{} : block_band(sp, r0, c0, true, true);    // dV, dK: (j, i)
           const Band qk_band = full ? Band{} : block_band(sp, r0, c0, false, true);   // dQ: (i, j)
           int64_t ldqi = ldp, ldo = ldp;
-          const T* qi = q_item != nullptr ? q_item + (r0 - q_begin) * ldp
+          const T* qi = amx ? nullptr
+                        : q_item != nullptr ? q_item + (r0 - q_begin) * ldp
                                           : rows_as(row_ptr(q, p.q_strides, b, q0 + r0, h), p.q_strides.row, m, d,
                                                     dpad, st.qbuf.get(), ldp, ldqi);
-          const T* doi = do_item != nullptr ? do_item + (r0 - q_begin) * ldp
+          const T* doi = amx ? nullptr
+                         : do_item != nullptr ? do_item + (r0 - q_begin) * ldp
                                             : rows_as(row_ptr(dout, p.dout_strides, b, q0 + r0, h),
                                                       p.dout_strides.row, m, d, dpad, st.dobuf.get(), ldp, ldo);
           if (pairs) {
@@ -326,10 +362,14 @@ void bwd_impl(const BwdParams& p) {
             } else if constexpr (kAmxType) {
               // All of S and dP (bm rows, a multiple of 16, hold the last tile's padding rows);
               // the scale applied to the finished sums, as the forward does (scale_rows).
+              // Qᵀ and dOᵀ of the block for dK and dV below, before qp and dop (which may be
+              // qpi and dopi) take the padding copies of the last 16 rows.
+              columns_of(as_bf16(qpi), d, m, d, st.qcols.get(), ldcq);
+              columns_of(as_bf16(dopi), d, m, d, st.docols.get(), ldcq);
+              // (The tile state stays loaded for dV, dK and dQ below.)
               amx_configure();
               amx_pair_rows_gemm(m, npad, d, qpi, kp, ldt, s, ldt, qp);       // S
               amx_pair_rows_gemm(m, npad, d, dopi, vp, ldt, dp, ldt, dop);    // dP
-              amx_release();
               scale_rows(s, ldt, m, npad, scale, static_cast<T*>(nullptr));
             }
           } else {
@@ -377,10 +417,48 @@ void bwd_impl(const BwdParams& p) {
               fill(dsrow + je, npad - je, T(0));
             }
           }
-          gemm<T, Epi::kAdd>(n, dpad, m, s, 1, ldt, doi, ldo, dv, dpad, nullptr, 0, T(1), kq_band);   // dV += Pᵀ·dO
-          gemm<T, Epi::kAdd>(n, dpad, m, dp, 1, ldt, qi, ldqi, dk, dpad, nullptr, 0, T(1), kq_band);  // dK += dSᵀ·Q
-          gemm<T, Epi::kAdd>(m, dpad, n, dp, ldt, 1, kr, ldk, dq_rows + (q0 + r0) * ldq, ldq, nullptr, 0, T(1),
-                             qk_band);  // dQ += dS·K
+          if (amx) {
+            if constexpr (kAmxType) {
+              // P and dS as pairs of query rows (zero past m, to a whole 32-query step), dS as
+              // bf16 rows (zero past n, to a whole 32-key step; rows past m, to 16, zero).
+              const int64_t m32 = round_up(m, 32), m16 = round_up(m, 16), n32 = round_up(n, 32);
+              uint32_t *pp = st.ppairs.get(), *dsp = st.dspairs.get();
+              for (int64_t i = 0; i < m32; i += 2) {
+                const bool even = i < m, odd = i + 1 < m;
+                if (!even) {
+                  fill(pp + i / 2 * ldt, npad, 0u);
+                  fill(dsp + i / 2 * ldt, npad, 0u);
+                  continue;
+                }
+                float_row_pairs(s + i * ldt, odd ? s + (i + 1) * ldt : nullptr, npad, pp + i / 2 * ldt);
+                float_row_pairs(dp + i * ldt, odd ? dp + (i + 1) * ldt : nullptr, npad, dsp + i / 2 * ldt);
+              }
+              bf16_t* dsr = st.dsrows.get();
+              for (int64_t i = 0; i < m; ++i) bf16_row(dp + i * ldt, npad, n32, dsr + i * ldsr);
+              fill(dsr + m * ldsr, (m16 - m) * ldsr, bf16_t{0});
+              amx_gemm<true>(d, npad, m32 / 32, st.docols.get(), ldcq, pp, ldt, st.dvt.get(), ldt);   // dVᵀ += dOᵀ·P
+              amx_gemm<true>(d, npad, m32 / 32, st.qcols.get(), ldcq, dsp, ldt, st.dkt.get(), ldt);   // dKᵀ += Qᵀ·dS
+              T* dqb = st.dqb.get();
+              amx_gemm<false>(m16, d, n32 / 32, dsr, ldsr, st.kvnni.get(), d, dqb, dpad);           // dS·K
+              amx_release();
+              for (int64_t i = 0; i < m; ++i) {
+                T* dst = dq_rows + (q0 + r0 + i) * ldq;
+                for (int64_t c = 0; c < d; c += VW) vstore(dst + c, vload(dst + c) + vload(dqb + i * dpad + c));
+              }
+            }
+          } else {
+            gemm<T, Epi::kAdd>(n, dpad, m, s, 1, ldt, doi, ldo, dv, dpad, nullptr, 0, T(1), kq_band);   // dV += Pᵀ·dO
+            gemm<T, Epi::kAdd>(n, dpad, m, dp, 1, ldt, qi, ldqi, dk, dpad, nullptr, 0, T(1), kq_band);  // dK += dSᵀ·Q
+            gemm<T, Epi::kAdd>(m, dpad, n, dp, ldt, 1, kr, ldk, dq_rows + (q0 + r0) * ldq, ldq, nullptr, 0, T(1),
+                               qk_band);  // dQ += dS·K
+          }
+        }
+      }
+      if (amx) {
+        if constexpr (kAmxType) {
+          // dV, dK rows from dVᵀ, dKᵀ (npad rows: the scratch holds bn_pad).
+          transpose(st.dvt.get(), ldt, d, npad, dv, dpad);
+          transpose(st.dkt.get(), ldt, d, npad, dk, dpad);
         }
       }
       const bool acc = p.accumulate;

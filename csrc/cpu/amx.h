@@ -1,5 +1,5 @@
 // AMX tile products for the bfloat16 GEMMs of the amx level (one copy per ISA level, see
-// vec.h; declarations only below it): both of the forward's, and the backward's S and dP.
+// vec.h; declarations only below it): the forward's two and the backward's five.
 //
 // Why: on the CPUs that have AMX (Intel Sapphire Rapids and later) one tdpbf16ps multiplies a
 // 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 float sums, 1.6-2.1 TFLOP/s per core
@@ -52,6 +52,26 @@ inline void scale_rows(T* C, int64_t ldc, int64_t n, int64_t cols, T scale, T* c
     }
   }
 }
+
+// What amx_gemm does besides C = / += A·B, each while a 32 x 32 block of C is in L1 (a pass
+// over the whole of C before or after it would read C from L2). Row, column and step indexes
+// below are the product's own plus row_off / step_off (a call over part of a larger product).
+struct AmxExtras {
+  // C = A·B: cmax[j] = max(cmax[j], C[i][j]) over rows i < max_rows (N floats).
+  float* cmax = nullptr;
+  int64_t max_rows = 0;
+  // C += A·B: C's column j scaled by alpha[j] first (the online softmax's rescale of Oᵀ).
+  const float* alpha = nullptr;
+  // Blocks where no row i sees a column j (j - i outside [lo, hi]) are not computed (Sᵀ of a
+  // masked key tile; the caller masks those scores).
+  Band rows_see = {};
+  int64_t row_off = 0;
+  // 32-term steps holding no term k that a column j of the block sees (k - j outside [lo, hi],
+  // k < 32·steps_total) are skipped (Oᵀ = Vᵀ·Pᵀ, dVᵀ = dOᵀ·P, dKᵀ = Qᵀ·dS: P and dS are
+  // exactly 0 there).
+  Band cols_see = {};
+  int64_t step_off = 0, steps_total = 0;
+};  // (plain data, declared on every level: the callers' discarded amx branches name it)
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 constexpr bool kAmx = true;
@@ -169,25 +189,6 @@ alignas(64) constexpr TileConfig kTileConfig{};
 inline void amx_configure() { _tile_loadconfig(&kTileConfig); }
 
 inline void amx_release() { _tile_release(); }
-
-// What amx_gemm does besides C = / += A·B, each while a 32 x 32 block of C is in L1 (a pass
-// over the whole of C before or after it would read C from L2). Row, column and step indexes
-// below are the product's own plus row_off / step_off (a call over part of a larger product).
-struct AmxExtras {
-  // C = A·B: cmax[j] = max(cmax[j], C[i][j]) over rows i < max_rows (N floats).
-  float* cmax = nullptr;
-  int64_t max_rows = 0;
-  // C += A·B: C's column j scaled by alpha[j] first (the online softmax's rescale of Oᵀ).
-  const float* alpha = nullptr;
-  // Blocks where no row i sees a column j (j - i outside [lo, hi]) are not computed (Sᵀ of a
-  // masked key tile; the caller masks those scores).
-  Band rows_see = {};
-  int64_t row_off = 0;
-  // 32-term steps holding no term k that a column j of the block sees (k - j outside [lo, hi],
-  // k < 32·steps_total) are skipped (Oᵀ = Vᵀ·Pᵀ: P is exactly 0 there).
-  Band cols_see = {};
-  int64_t step_off = 0, steps_total = 0;
-};
 
 // One MB x NB block of 16 x 16 C tiles: C (row stride ldc floats) = / += A·B over kb steps of
 // 32 terms, A (16·MB rows x 32·kb bf16, row stride lda elements), B (16·kb pair rows x 16·NB
@@ -461,7 +462,6 @@ constexpr bool kAmx = false;
 constexpr int64_t kAmxBlockM = 0, kAmxBlockN = 0;
 void amx_configure();
 void amx_release();
-struct AmxExtras {};
 template <bool kAccumulate>
 void amx_gemm(int64_t M, int64_t N, int64_t kb, const bf16_t* A, int64_t lda, const uint32_t* B,
               int64_t ldb, float* C, int64_t ldc, const AmxExtras& ex = {});

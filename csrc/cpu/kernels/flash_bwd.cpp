@@ -194,7 +194,8 @@ void bwd_impl(const BwdParams& p) {
   const bool do_in_place = rows_in_place<T, in_t>(d, dpad, p.dout_strides.row, ldp);
   int64_t max_rows = 0;
   for (int64_t t = 0; t < nkt; ++t) max_rows = imax(max_rows, ktiles.get()[t].other.size());
-  const int64_t q_row_bytes = static_cast<int64_t>(sizeof(T)) * 2 * ldp + (pairs ? 8 * kd : 0);
+  // (amx packs the pairs only: its five products read no float Q or dO rows.)
+  const int64_t q_row_bytes = (amx ? 0 : static_cast<int64_t>(sizeof(T)) * 2 * ldp) + (pairs ? 8 * kd : 0);
   const int64_t slots = imin(group, HeadRows<T>::kMaxSlots);
   const int64_t group_rows = hook_head_rows_bytes() / (q_row_bytes * slots);
   const bool cached = nkt > chunks && group <= HeadRows<T>::kMaxSlots && group_rows >= max_rows;
@@ -333,8 +334,6 @@ void bwd_impl(const BwdParams& p) {
           // block needs (P and dS are exactly 0 elsewhere; gemm.h: Band).
           const bool full = km::band_block_full(r0, r0 + m, c0, c0 + n, sp.k_len, sp.band_lo, sp.band_hi);
           const Band s_band = full ? Band{} : block_band(sp, r0, c0, false, false);   // S, dP: (i, j)
-          const Band kq_band = full ? Band{} : block_band(sp, r0, c0, true, true);    // dV, dK: (j, i)
-          const Band qk_band = full ? Band{} : block_band(sp, r0, c0, false, true);   // dQ: (i, j)
           int64_t ldqi = ldp, ldo = ldp;
           const T* qi = amx ? nullptr
                         : q_item != nullptr ? q_item + (r0 - q_begin) * ldp
@@ -368,8 +367,10 @@ void bwd_impl(const BwdParams& p) {
               columns_of(as_bf16(dopi), d, m, d, st.docols.get(), ldcq);
               // (The tile state stays loaded for dV, dK and dQ below.)
               amx_configure();
-              amx_pair_rows_gemm(m, npad, d, qpi, kp, ldt, s, ldt, qp);       // S
-              amx_pair_rows_gemm(m, npad, d, dopi, vp, ldt, dp, ldt, dop);    // dP
+              // (A masked block's 32 x 32 blocks no query of which sees a key are left out:
+              // P and dS are zeroed there below.)
+              amx_pair_rows_gemm(m, npad, d, qpi, kp, ldt, s, ldt, qp, nullptr, s_band);     // S
+              amx_pair_rows_gemm(m, npad, d, dopi, vp, ldt, dp, ldt, dop, nullptr, s_band);  // dP
               scale_rows(s, ldt, m, npad, scale, static_cast<T*>(nullptr));
             }
           } else {
@@ -436,8 +437,13 @@ void bwd_impl(const BwdParams& p) {
               bf16_t* dsr = st.dsrows.get();
               for (int64_t i = 0; i < m; ++i) bf16_row(dp + i * ldt, npad, n32, dsr + i * ldsr);
               fill(dsr + m * ldsr, (m16 - m) * ldsr, bf16_t{0});
-              amx_gemm<true>(d, npad, m32 / 32, st.docols.get(), ldcq, pp, ldt, st.dvt.get(), ldt);   // dVᵀ += dOᵀ·P
-              amx_gemm<true>(d, npad, m32 / 32, st.qcols.get(), ldcq, dsp, ldt, st.dkt.get(), ldt);   // dKᵀ += Qᵀ·dS
+              // 32-query steps none of whose queries a key of the column block sees are skipped
+              // (P and dS are exactly 0 there).
+              AmxExtras ex;
+              ex.cols_see = full ? Band{} : block_band(sp, r0, c0, true, false);  // query - key
+              ex.steps_total = m32 / 32;
+              amx_gemm<true>(d, npad, m32 / 32, st.docols.get(), ldcq, pp, ldt, st.dvt.get(), ldt, ex);  // dVᵀ += dOᵀ·P
+              amx_gemm<true>(d, npad, m32 / 32, st.qcols.get(), ldcq, dsp, ldt, st.dkt.get(), ldt, ex);  // dKᵀ += Qᵀ·dS
               T* dqb = st.dqb.get();
               amx_gemm<false>(m16, d, n32 / 32, dsr, ldsr, st.kvnni.get(), d, dqb, dpad);           // dS·K
               amx_release();
@@ -447,6 +453,8 @@ void bwd_impl(const BwdParams& p) {
               }
             }
           } else {
+            const Band kq_band = full ? Band{} : block_band(sp, r0, c0, true, true);   // dV, dK: (j, i)
+            const Band qk_band = full ? Band{} : block_band(sp, r0, c0, false, true);  // dQ: (i, j)
             gemm<T, Epi::kAdd>(n, dpad, m, s, 1, ldt, doi, ldo, dv, dpad, nullptr, 0, T(1), kq_band);   // dV += Pᵀ·dO
             gemm<T, Epi::kAdd>(n, dpad, m, dp, 1, ldt, qi, ldqi, dk, dpad, nullptr, 0, T(1), kq_band);  // dK += dSᵀ·Q
             gemm<T, Epi::kAdd>(m, dpad, n, dp, ldt, 1, kr, ldk, dq_rows + (q0 + r0) * ldq, ldq, nullptr, 0, T(1),

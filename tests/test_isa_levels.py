@@ -33,8 +33,8 @@ progress dots streamed as they come:
   accuracy module), which the main run already ran at baseline with the same torch (this child
   leaves torch at its native level).
 
-The kernel tests that already loop over every level in-process (the ``isa`` fixture) run once
-per child, at its level. Budget: the whole suite stays under 20 minutes on 2 cores (README).
+In the avx2 child, the kernel tests that loop over every level in-process (the ``isa``
+fixture) run once, at avx2 (the baseline child leaves them out, above). Budget: the whole suite stays under 20 minutes on 2 cores (README).
 """
 from __future__ import annotations
 

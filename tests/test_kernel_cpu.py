@@ -8,6 +8,8 @@ not the full product, to keep the file fast on two cores.
 """
 import math
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -429,24 +431,49 @@ def test_every_isa_level_is_deterministic_across_threads(isa):
     assert ringseq._C.cpu_isa() == isa
 
 
-def _run_python(code, **env):
-    import os
-    import subprocess
-    import sys
-
+def _start_python(code, **env):
+    """`code` in a fresh interpreter (the level is resolved at a process's first kernel call),
+    with RINGSEQ_CPU_ISA* taken from `env` only."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("RINGSEQ_CPU_ISA")}
     full_env.update(env)
-    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.Popen([sys.executable, "-c", code], env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc):
+    """The finished process as subprocess.run returns it (killed after 120 s)."""
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _run_python(code, **env):
+    return _finish(_start_python(code, **env))
 
 
 PROBE = ("import torch, ringseq; q = torch.randn(1, 8, 2, 16); "
          "print(ringseq.cpu_isa(), float(torch.ops.ringseq.fwd(q, q, q, 0.25, True)[0].sum()))")
+# The environments the level-selection tests probe, keyed by what RINGSEQ_CPU_ISA holds
+# (None: unset).
+PROBE_SETTINGS = [*ISA_LEVELS, None, "sse9", "auto"]
+
+
+@pytest.fixture(scope="module")
+def probes():
+    """PROBE's finished process per PROBE_SETTINGS entry. All start at once: each spends
+    seconds importing torch on one core, and one after another they took about a minute."""
+    procs = {level: _start_python(PROBE, **({} if level is None else {"RINGSEQ_CPU_ISA": level}))
+             for level in PROBE_SETTINGS}
+    return {level: _finish(proc) for level, proc in procs.items()}
 
 
 @pytest.mark.parametrize("level", ISA_LEVELS)
-def test_ringseq_cpu_isa_env_forces_the_level_at_first_use(level):
-    proc = _run_python(PROBE, RINGSEQ_CPU_ISA=level)
+def test_ringseq_cpu_isa_env_forces_the_level_at_first_use(level, probes):
+    proc = probes[level]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[0] == level
 
@@ -470,9 +497,9 @@ def expected_auto_level(vendor, highest, built):
     return highest
 
 
-def test_default_level_is_the_best_this_cpu_supports_except_slow_bf16_dots():
+def test_default_level_is_the_best_this_cpu_supports_except_slow_bf16_dots(probes):
     want = expected_auto_level(_cpu_vendor(), ISA_LEVELS[-1], ringseq._C.cpu_isa_built())
-    proc = _run_python(PROBE)
+    proc = probes[None]
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[0] == want
     assert ringseq._C._cpu_isa_auto() == want
@@ -543,11 +570,11 @@ def test_detected_levels_follow_the_cpu_flags():
         assert ("amx" in ISA_LEVELS) == amx
 
 
-def test_unknown_level_name_errors_clearly():
-    proc = _run_python(PROBE, RINGSEQ_CPU_ISA="sse9")
+def test_unknown_level_name_errors_clearly(probes):
+    proc = probes["sse9"]
     assert proc.returncode != 0
     assert "RINGSEQ_CPU_ISA must be one of auto, baseline, avx2, avx512, avx512bf16, amx; got 'sse9'" in proc.stderr
-    proc = _run_python(PROBE, RINGSEQ_CPU_ISA="auto")
+    proc = probes["auto"]
     assert proc.returncode == 0 and proc.stdout.split()[0] == ringseq._C._cpu_isa_auto(), proc.stderr
 
 

@@ -10,15 +10,18 @@ comes back in a list indexed by rank. If a rank raises, ``RankError`` is raised 
 rank's formatted traceback; ranks that are then stuck waiting for it are killed after a short
 grace period. On ``timeout`` every rank is killed and ``RankTimeout`` raised.
 
-Children are started with multiprocessing's "forkserver" method: one server process per parent
-imports torch, ringseq and (where installed) transformers once, and every rank is forked from
-it, so a rank starts in ~0.1 s instead of the ~2 s per process (4-7 s per 2-core call) that
-importing them again under "spawn" cost; over the suite's calls that was minutes. As with
-spawn, a child is prepared like a fresh interpreter: the parent's ``sys.path`` and main module,
-so ``fn`` may live in a test or benchmark module that is not a package, and the parent's
-environment as it is at the call (the server's is the one it started with; ringseq reads its
-variables when they are used, not at import). The server imports only modules and runs no
-torch operation, so no thread pool exists yet when a rank is forked.
+Ranks are forked from a server process (multiprocessing's "forkserver") that imported torch,
+ringseq and, where the caller has imported it, transformers once: a 4-rank call starts in
+~0.2 s instead of the ~7 s that importing them again in every process ("spawn") cost on 2
+cores, minutes over the suite. A rank is prepared like a fresh interpreter: the caller's
+``sys.path`` and main module (so ``fn`` may live in a test or benchmark module that is not a
+package) and the caller's environment at the call, plus ``env``. Variables that torch,
+ringseq or transformers read when imported (_IMPORT_TIME: ``RINGSEQ_DEBUG_CHECKS``,
+``ATEN_CPU_CAPABILITY``, ``TORCH*``, ``OMP_*``, ...) are the server's, so a call whose
+environment differs from the server's in any of them spawns its ranks instead. The server
+imports modules and runs no torch operation, so no thread pool exists when a rank is forked.
+A call passes at most ~250 tensors in ``args`` (each takes a file descriptor; the server
+refuses more).
 """
 from __future__ import annotations
 
@@ -33,11 +36,46 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# The modules every rank needs, imported once by the fork server (ImportError is ignored there:
-# transformers is optional).
-_PRELOAD = ["torch", "torch.distributed", "ringseq", "transformers", "transformers.modeling_utils"]
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(_PRELOAD)
+_FORKSERVER = mp.get_context("forkserver")
+_SPAWN = mp.get_context("spawn")
+# The modules every rank needs, for the fork server to import once: the optional ones only
+# where the caller imported them (the server dies on an import error other than ImportError,
+# which would fail every call).
+_PRELOAD = ["torch", "torch.distributed", "ringseq"]
+_PRELOAD_IF_IMPORTED = ["transformers", "transformers.modeling_utils"]
+# Environment variables read at import time (by torch, its libraries, ringseq).
+_IMPORT_TIME = ("RINGSEQ_DEBUG_CHECKS", "ATEN_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_",
+                "GOMP_", "DNNL_", "ONEDNN_", "CUDA_", "HF_", "TRANSFORMERS_")
+_server_env = None  # _IMPORT_TIME variables the fork server started with (None: not started)
+
+
+def _import_time_vars(env):
+    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME)}
+
+
+def _context(env):
+    """The fork server (started on first use with the caller's sys.path), or spawn where
+    `env` differs from the server's environment in a variable read at import time."""
+    global _server_env
+    import multiprocessing.forkserver as forkserver
+    import sys
+
+    if _server_env is None:
+        preload = _PRELOAD + [m for m in _PRELOAD_IF_IMPORTED if m in sys.modules]
+        _FORKSERVER.set_forkserver_preload(preload)
+        # Python 3.11's server ignores the caller's sys.path: give it through PYTHONPATH, so
+        # that it imports the same ringseq the caller would.
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            forkserver.ensure_running()
+        finally:
+            if old is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = old
+        _server_env = _import_time_vars(os.environ)
+    return _FORKSERVER if _import_time_vars(env) == _server_env else _SPAWN
 
 
 class RankError(RuntimeError):
@@ -88,12 +126,13 @@ def run_ranks(fn, world_size, *args, timeout=120.0, env=None, grace=10.0, thread
     """
     port = free_port()
     env = {**os.environ, **(env or {})}
+    ctx = _context(env)
     with tempfile.TemporaryDirectory(prefix="ringseq_ranks_") as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
-        procs = [_CTX.Process(target=_worker,
-                              args=(r, world_size, port, paths[r], fn, args, kwargs, env,
-                                    max(5.0, timeout), threads),
-                              daemon=True)
+        procs = [ctx.Process(target=_worker,
+                             args=(r, world_size, port, paths[r], fn, args, kwargs, env,
+                                   max(5.0, timeout), threads),
+                             daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -466,9 +466,17 @@ PROBE_SETTINGS = [*ISA_LEVELS, None, "sse9", "auto"]
 def probes():
     """PROBE's finished process per PROBE_SETTINGS entry. All start at once: each spends
     seconds importing torch on one core, and one after another they took about a minute."""
-    procs = {level: _start_python(PROBE, **({} if level is None else {"RINGSEQ_CPU_ISA": level}))
-             for level in PROBE_SETTINGS}
-    return {level: _finish(proc) for level, proc in procs.items()}
+    procs = {}
+    try:
+        for level in PROBE_SETTINGS:
+            env = {} if level is None else {"RINGSEQ_CPU_ISA": level}
+            procs[level] = _start_python(PROBE, **env)
+        return {level: _finish(proc) for level, proc in procs.items()}
+    finally:  # one that timed out (or failed to start) leaves none of the others running
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 @pytest.mark.parametrize("level", ISA_LEVELS)

@@ -90,13 +90,14 @@ void delta_rows(const BwdParams& p, typename AccType<in_t>::type* dst) {
   });
 }
 
-// P = exp(S - lse) and dS = P∘(dP - D)·scale for NV vectors of one row (their NV exps side by
-// side: exp_vecs), in place: S -> P in prow, dP -> dS in dsrow.
+// P = exp(s_mul·S - lse) and dS = P∘(dP - D)·scale for NV vectors of one row (their NV exps
+// side by side: exp_vecs), in place: S -> P in prow, dP -> dS in dsrow. s_mul: the softmax
+// scale where S comes unscaled from the tiles (amx), else 1 (exact).
 template <typename T, int NV>
-RS_INLINE void p_ds(T* prow, T* dsrow, vec_t<T> lse_i, vec_t<T> d_i, vec_t<T> sc) {
+RS_INLINE void p_ds(T* prow, T* dsrow, vec_t<T> s_mul, vec_t<T> lse_i, vec_t<T> d_i, vec_t<T> sc) {
   constexpr int64_t VW = kVW<T>;
   vec_t<T> e[NV];
-  for (int v = 0; v < NV; ++v) e[v] = vload(prow + v * VW) - lse_i;
+  for (int v = 0; v < NV; ++v) e[v] = vload(prow + v * VW) * s_mul - lse_i;
   exp_vecs<NV>(e);  // lse comes from the caller (a merged ring lse, any tensor): x may pass 0
   for (int v = 0; v < NV; ++v) {
     vstore(prow + v * VW, e[v]);
@@ -360,7 +361,8 @@ void bwd_impl(const BwdParams& p) {
                                                  kHeadChunk / 2, T(1), s_band);  // dP
             } else if constexpr (kAmxType) {
               // All of S and dP (bm rows, a multiple of 16, hold the last tile's padding rows);
-              // the scale applied to the finished sums, as the forward does (scale_rows).
+              // the scale is applied to the finished sums, as the forward does, in the exp
+              // loop below (s_mul), on the vectors a query sees.
               // Qᵀ and dOᵀ of the block for dK and dV below, before qp and dop (which may be
               // qpi and dopi) take the padding copies of the last 16 rows.
               columns_of(as_bf16(qpi), d, m, d, st.qcols.get(), ldcq);
@@ -371,7 +373,6 @@ void bwd_impl(const BwdParams& p) {
               // P and dS are zeroed there below.)
               amx_pair_rows_gemm(m, npad, d, qpi, kp, ldt, s, ldt, qp, nullptr, s_band);     // S
               amx_pair_rows_gemm(m, npad, d, dopi, vp, ldt, dp, ldt, dop, nullptr, s_band);  // dP
-              scale_rows(s, ldt, m, npad, scale, static_cast<T*>(nullptr));
             }
           } else {
             gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, ldt, s, ldt, nullptr, kHeadChunk, T(1), s_band);  // S
@@ -395,19 +396,20 @@ void bwd_impl(const BwdParams& p) {
             const V lse_i = vsplat(guard_lse(lse_h[q0 + r0 + i]));
             const V d_i = vsplat(delta_h[q0 + r0 + i]);
             const V sc = vsplat(scale);
+            const V s_mul = vsplat(amx ? scale : T(1));  // S from the tiles is unscaled (above)
             if (cap > T(0)) {
               // P = exp(cap·t - lse) with t = tanh(S / cap); dS takes d(cap·t)/dS = 1 - t².
               const V inv = vsplat(T(1) / cap), cv = vsplat(cap), one = vsplat(T(1));
               for (int64_t j = j_begin; j < j_end; j += VW) {
-                const V th = tanh_vec(vload(prow + j) * inv);
+                const V th = tanh_vec(vload(prow + j) * s_mul * inv);
                 const V pj = exp_vec(th * cv - lse_i);
                 vstore(prow + j, pj);
                 vstore(dsrow + j, pj * (vload(dsrow + j) - d_i) * sc * (one - th * th));
               }
             } else {
               int64_t j = j_begin;
-              for (; j + 4 * VW <= j_end; j += 4 * VW) p_ds<T, 4>(prow + j, dsrow + j, lse_i, d_i, sc);
-              for (; j < j_end; j += VW) p_ds<T, 1>(prow + j, dsrow + j, lse_i, d_i, sc);
+              for (; j + 4 * VW <= j_end; j += 4 * VW) p_ds<T, 4>(prow + j, dsrow + j, s_mul, lse_i, d_i, sc);
+              for (; j < j_end; j += VW) p_ds<T, 1>(prow + j, dsrow + j, s_mul, lse_i, d_i, sc);
             }
             if (jb > 0) {
               fill(prow, jb, T(0));

@@ -142,7 +142,7 @@ def test_bf16_pair_micro_kernels_use_the_dot_product_from_registers(code):
 def test_amx_tile_product_runs_a_two_by_two_block(code):
     if "amx" not in built_levels():
         pytest.skip("amx not built")
-    products = {n: i for n, i in code.items() if n.startswith("void ringseq::cpu::amx::amx_gemm<")}
+    products = {n: i for n, i in code.items() if n.startswith("ringseq::cpu::amx::amx_gemm(")}
     assert products, "no ringseq::cpu::amx::amx_gemm symbol in the extension"
     for name, insns in products.items():
         body = max(innermost_loops(insns), key=lambda b: count(b, r"^tdpbf16ps$"), default=None)

@@ -242,12 +242,13 @@ RS_INLINE void amx_block(int64_t kb, const bf16_t* A, int64_t lda, const uint32_
   }
 }
 
-// C (M x N floats, row stride ldc) = A·B, or C += A·B with kAccumulate: A (M x 32·kb bf16, row
+// C (M x N floats, row stride ldc) = A·B, or C += A·B with accumulate: A (M x 32·kb bf16, row
 // stride lda), B (16·kb pair rows x N, row stride ldb uint32; pair k of column n holds terms 2k
-// and 2k+1). M and N are multiples of 16. ex: AmxExtras.
-template <bool kAccumulate>
-inline void amx_gemm(int64_t M, int64_t N, int64_t kb, const bf16_t* A, int64_t lda, const uint32_t* B,
-                     int64_t ldb, float* C, int64_t ldc, const AmxExtras& ex = {}) {
+// and 2k+1). M and N are multiples of 16. ex: AmxExtras. Out of line: one symbol, whose
+// 2 x 2 block tests/test_cpu_codegen.py disassembles.
+inline RS_NOINLINE void amx_gemm(bool accumulate, int64_t M, int64_t N, int64_t kb, const bf16_t* A,
+                                 int64_t lda, const uint32_t* B, int64_t ldb, float* C, int64_t ldc,
+                                 const AmxExtras& ex = {}) {
   const bool skip_blocks = ex.rows_see.cuts(), skip_steps = ex.cols_see.cuts();
   for (int64_t m0 = 0; m0 < M; m0 += 32) {
     const bool two_m = m0 + 32 <= M;
@@ -272,14 +273,25 @@ inline void amx_gemm(int64_t M, int64_t N, int64_t kb, const bf16_t* A, int64_t 
       float* mx = ex.cmax != nullptr ? ex.cmax + n0 : nullptr;
       const int64_t mr = imax(0, imin(32, ex.max_rows - m0));
       const float* al = ex.alpha != nullptr ? ex.alpha + n0 : nullptr;
+      // The block's shape in tiles (2 x 2, or 1 where M or N ends in a half block).
+      auto block = [&](auto mb, auto nb) {
+        constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
+        if (accumulate) {
+          amx_block<MB, NB, true>(k1 - k0, a, lda, b, ldb, c, ldc, mx, mr, al);
+        } else {
+          amx_block<MB, NB, false>(k1 - k0, a, lda, b, ldb, c, ldc, mx, mr, al);
+        }
+      };
+      using One = std::integral_constant<int, 1>;
+      using Two = std::integral_constant<int, 2>;
       if (two_m && two_n) {
-        amx_block<2, 2, kAccumulate>(k1 - k0, a, lda, b, ldb, c, ldc, mx, mr, al);
+        block(Two{}, Two{});
       } else if (two_m) {
-        amx_block<2, 1, kAccumulate>(k1 - k0, a, lda, b, ldb, c, ldc, mx, mr, al);
+        block(Two{}, One{});
       } else if (two_n) {
-        amx_block<1, 2, kAccumulate>(k1 - k0, a, lda, b, ldb, c, ldc, mx, mr, al);
+        block(One{}, Two{});
       } else {
-        amx_block<1, 1, kAccumulate>(k1 - k0, a, lda, b, ldb, c, ldc, mx, mr, al);
+        block(One{}, One{});
       }
     }
   }
@@ -299,13 +311,13 @@ inline void amx_pair_rows_gemm(int64_t M, int64_t N, int64_t d, const uint32_t* 
   ex.cmax = cmax;
   ex.rows_see = rows_see;
   ex.max_rows = m16;
-  if (m16 > 0) amx_gemm<false>(m16, N, d / 32, as_bf16(A), d, B, ldb, C, ldc, ex);
+  if (m16 > 0) amx_gemm(false, m16, N, d / 32, as_bf16(A), d, B, ldb, C, ldc, ex);
   if (m16 < M) {
     std::memmove(tail, A + m16 * kd, static_cast<size_t>((M - m16) * kd) * sizeof(uint32_t));
     fill(tail + (M - m16) * kd, (16 - (M - m16)) * kd, 0u);
     ex.max_rows = M - m16;
     ex.row_off = m16;
-    amx_gemm<false>(16, N, d / 32, as_bf16(tail), d, B, ldb, C + m16 * ldc, ldc, ex);
+    amx_gemm(false, 16, N, d / 32, as_bf16(tail), d, B, ldb, C + m16 * ldc, ldc, ex);
   }
 }
 
@@ -325,11 +337,7 @@ inline void amx_pv(int64_t d, int64_t N, int64_t n, const bf16_t* vt, int64_t ld
   ex.cols_see = cols_see;
   ex.steps_total = round_up(n, 32) / 32;
   if (n32 > 0) {
-    if (accumulate) {
-      amx_gemm<true>(d, N, n32 / 32, vt, ldv, pt, ldp, C, ldc, ex);
-    } else {
-      amx_gemm<false>(d, N, n32 / 32, vt, ldv, pt, ldp, C, ldc, ex);
-    }
+    amx_gemm(accumulate, d, N, n32 / 32, vt, ldv, pt, ldp, C, ldc, ex);
     ex.alpha = nullptr;  // applied
   }
   if (n32 == n) return;
@@ -339,11 +347,7 @@ inline void amx_pv(int64_t d, int64_t N, int64_t n, const bf16_t* vt, int64_t ld
     fill(o + (n - n32), 32 - (n - n32), bf16_t{0});
   }
   ex.step_off = n32 / 32;
-  if (accumulate || n32 > 0) {
-    amx_gemm<true>(d, N, 1, tail, 32, pt + n32 / 2 * ldp, ldp, C, ldc, ex);
-  } else {
-    amx_gemm<false>(d, N, 1, tail, 32, pt + n32 / 2 * ldp, ldp, C, ldc, ex);
-  }
+  amx_gemm(accumulate || n32 > 0, d, N, 1, tail, 32, pt + n32 / 2 * ldp, ldp, C, ldc, ex);
 }
 
 // dst[r] = a_r·b_r for `rows` pairs of bf16 rows (row strides lda, ldb; d a multiple of 32),
@@ -361,7 +365,7 @@ inline void amx_diagonal_dots(const bf16_t* a, int64_t lda, const bf16_t* b, int
     pack_pair_rows(a + r0 * lda, lda, nr, d, ap.get());
     fill(ap.get() + nr * kd, (16 - nr) * kd, 0u);
     pack_pairs_transposed(b + r0 * ldb, ldb, nr, d, bp.get(), 16, 16);
-    amx_gemm<false>(16, 16, d / 32, as_bf16(ap.get()), d, bp.get(), 16, c, 16);
+    amx_gemm(false, 16, 16, d / 32, as_bf16(ap.get()), d, bp.get(), 16, c, 16);
     for (int64_t i = 0; i < nr; ++i) dst[r0 + i] = c[i * 16 + i];
   }
   amx_release();
@@ -462,9 +466,8 @@ constexpr bool kAmx = false;
 constexpr int64_t kAmxBlockM = 0, kAmxBlockN = 0;
 void amx_configure();
 void amx_release();
-template <bool kAccumulate>
-void amx_gemm(int64_t M, int64_t N, int64_t kb, const bf16_t* A, int64_t lda, const uint32_t* B,
-              int64_t ldb, float* C, int64_t ldc, const AmxExtras& ex = {});
+void amx_gemm(bool accumulate, int64_t M, int64_t N, int64_t kb, const bf16_t* A, int64_t lda,
+              const uint32_t* B, int64_t ldb, float* C, int64_t ldc, const AmxExtras& ex = {});
 void exp_pair_rows(const float* even, const float* odd, int64_t cols, float scale, const float* m_use,
                    float* lpart, uint32_t* dst);
 void amx_pair_rows_gemm(int64_t M, int64_t N, int64_t d, const uint32_t* A, const uint32_t* B, int64_t ldb,

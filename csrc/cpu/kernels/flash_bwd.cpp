@@ -444,10 +444,10 @@ void bwd_impl(const BwdParams& p) {
               AmxExtras ex;
               ex.cols_see = full ? Band{} : block_band(sp, r0, c0, true, false);  // query - key
               ex.steps_total = m32 / 32;
-              amx_gemm<true>(d, npad, m32 / 32, st.docols.get(), ldcq, pp, ldt, st.dvt.get(), ldt, ex);  // dVᵀ += dOᵀ·P
-              amx_gemm<true>(d, npad, m32 / 32, st.qcols.get(), ldcq, dsp, ldt, st.dkt.get(), ldt, ex);  // dKᵀ += Qᵀ·dS
+              amx_gemm(true, d, npad, m32 / 32, st.docols.get(), ldcq, pp, ldt, st.dvt.get(), ldt, ex);  // dVᵀ += dOᵀ·P
+              amx_gemm(true, d, npad, m32 / 32, st.qcols.get(), ldcq, dsp, ldt, st.dkt.get(), ldt, ex);  // dKᵀ += Qᵀ·dS
               T* dqb = st.dqb.get();
-              amx_gemm<false>(m16, d, n32 / 32, dsr, ldsr, st.kvnni.get(), d, dqb, dpad);           // dS·K
+              amx_gemm(false, m16, d, n32 / 32, dsr, ldsr, st.kvnni.get(), d, dqb, dpad);           // dS·K
               amx_release();
               for (int64_t i = 0; i < m; ++i) {
                 T* dst = dq_rows + (q0 + r0 + i) * ldq;

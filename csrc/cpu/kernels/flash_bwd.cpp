@@ -378,6 +378,11 @@ void bwd_impl(const BwdParams& p) {
             gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, ldt, s, ldt, nullptr, kHeadChunk, T(1), s_band);  // S
             gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, ldt, dp, ldt, nullptr, kHeadChunk, T(1), s_band);  // dP
           }
+          // amx: P and dS as pairs of query rows (zero past m, to a whole 32-query step), dS as
+          // bf16 rows (zero past n, to a whole 32-key step; rows past m, to 16, zero).
+          const int64_t m32 = round_up(m, 32), m16 = round_up(m, 16), n32 = round_up(n, 32);
+          uint32_t *pp = st.ppairs.get(), *dsp = st.dspairs.get();
+          bf16_t* dsr = st.dsrows.get();
           for (int64_t i = 0; i < m; ++i) {
             // Query r0 + i sees keys [jb, je) of this tile: all of them in a full block, else
             // those within its band (keys past n are the tile's padding); S and dP were
@@ -419,25 +424,25 @@ void bwd_impl(const BwdParams& p) {
               fill(prow + je, npad - je, T(0));
               fill(dsrow + je, npad - je, T(0));
             }
+            if (amx && (i % 2 == 1 || i + 1 == m)) {
+              if constexpr (kAmxType) {
+                // P and dS of rows e and (odd) e + 1 as pairs of query rows, and dS as bf16
+                // rows, while those rows are in L1 (a pass after the loop read the block's P
+                // and dS back from L2: 64 rows of 128 keys each at d = 128, 64 KiB together).
+                const int64_t e = i - i % 2;
+                const bool odd = e + 1 < m;
+                float_row_pairs(s + e * ldt, odd ? s + (e + 1) * ldt : nullptr, npad, pp + e / 2 * ldt);
+                float_row_pairs(dp + e * ldt, odd ? dp + (e + 1) * ldt : nullptr, npad, dsp + e / 2 * ldt);
+                for (int64_t r = e; r <= i; ++r) bf16_row(dp + r * ldt, npad, n32, dsr + r * ldsr);
+              }
+            }
           }
           if (amx) {
             if constexpr (kAmxType) {
-              // P and dS as pairs of query rows (zero past m, to a whole 32-query step), dS as
-              // bf16 rows (zero past n, to a whole 32-key step; rows past m, to 16, zero).
-              const int64_t m32 = round_up(m, 32), m16 = round_up(m, 16), n32 = round_up(n, 32);
-              uint32_t *pp = st.ppairs.get(), *dsp = st.dspairs.get();
-              for (int64_t i = 0; i < m32; i += 2) {
-                const bool even = i < m, odd = i + 1 < m;
-                if (!even) {
-                  fill(pp + i / 2 * ldt, npad, 0u);
-                  fill(dsp + i / 2 * ldt, npad, 0u);
-                  continue;
-                }
-                float_row_pairs(s + i * ldt, odd ? s + (i + 1) * ldt : nullptr, npad, pp + i / 2 * ldt);
-                float_row_pairs(dp + i * ldt, odd ? dp + (i + 1) * ldt : nullptr, npad, dsp + i / 2 * ldt);
-              }
-              bf16_t* dsr = st.dsrows.get();
-              for (int64_t i = 0; i < m; ++i) bf16_row(dp + i * ldt, npad, n32, dsr + i * ldsr);
+              // (Rows [0, m) were written in the loop above.)
+              const int64_t m2 = round_up(m, 2);
+              fill(pp + m2 / 2 * ldt, (m32 - m2) / 2 * ldt, 0u);
+              fill(dsp + m2 / 2 * ldt, (m32 - m2) / 2 * ldt, 0u);
               fill(dsr + m * ldsr, (m16 - m) * ldsr, bf16_t{0});
               // 32-query steps none of whose queries a key of the column block sees are skipped
               // (P and dS are exactly 0 there).

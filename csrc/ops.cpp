@@ -579,6 +579,18 @@ at::Tensor delta_op(const at::Tensor& dout, const at::Tensor& out) {
   return result;
 }
 
+// exp(x) through the active CPU level's softmax exp (vec.h: exp_vecs), for tests: x a float32
+// CPU tensor, any shape; a float32 tensor of x's shape.
+at::Tensor softmax_exp_op(const at::Tensor& x, bool non_positive) {
+  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat,
+              "ringseq::_softmax_exp(x): x must be a float32 CPU tensor, got ", x.scalar_type(), " on ",
+              x.device());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  if (xc.numel() > 0) softmax_exp_cpu(xc.data_ptr<float>(), y.data_ptr<float>(), xc.numel(), non_positive);
+  return y;
+}
+
 }  // namespace
 
 // spans / softcap trail every schema so that existing positional calls keep working;
@@ -608,6 +620,8 @@ TORCH_LIBRARY(ringseq, m) {
   m.def("_tiles_visited(bool reset=False) -> int[]", &tiles_visited);
   // delta = rowsum(dout * out), (b, h, s_q) in the accumulation dtype, summed as bwd sums dP.
   m.def("delta(Tensor dout, Tensor out) -> Tensor");
+  // exp(x) through the CPU kernel's softmax exp at the active ISA level (float32), for tests.
+  m.def("_softmax_exp(Tensor x, bool non_positive=False) -> Tensor");
   // KV-cache decoding: q (b, s_q, h, d) against the valid keys [cache_leftpad[b],
   // cache_seqlens[b]) of cache row cache_batch_idx[b] of k_cache / v_cache (batch_cache,
   // seqlen_cache, h_kv, d); causal and the window (-1: unbounded) bottom-right aligned to
@@ -626,6 +640,7 @@ TORCH_LIBRARY_IMPL(ringseq, CPU, m) {
   m.impl("bwd_accum", &bwd_accum);
   m.impl("delta", &delta_op);
   m.impl("fwd_kvcache", &fwd_kvcache);
+  m.impl("_softmax_exp", &softmax_exp_op);
 }
 
 #ifdef RINGSEQ_WITH_CUDA

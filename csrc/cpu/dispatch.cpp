@@ -351,4 +351,8 @@ void flash_bwd_cpu(const BwdParams& params) { cpu::active().bwd(params); }
 
 void flash_delta_cpu(const BwdParams& params, void* delta) { cpu::active().delta(params, delta); }
 
+void softmax_exp_cpu(const float* x, float* y, int64_t n, bool non_positive) {
+  cpu::active().exp(x, y, n, non_positive);
+}
+
 }  // namespace ringseq

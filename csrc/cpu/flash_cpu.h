@@ -20,6 +20,10 @@ void flash_bwd_cpu(const BwdParams& params);
 // order flash_bwd_cpu's dP sums (so dP - delta is exactly 0 where out is one value row).
 void flash_delta_cpu(const BwdParams& params, void* delta);
 
+// y = exp(x) for n floats (n > 0) through the active level's softmax exp (vec.h: exp_vecs;
+// non_positive: the variant for x <= 0 or NaN). For tests.
+void softmax_exp_cpu(const float* x, float* y, int64_t n, bool non_positive);
+
 namespace cpu {
 
 // The ISA level the CPU kernel uses ("baseline", "avx2", "avx512", "avx512bf16", "amx"), resolved

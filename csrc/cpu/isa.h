@@ -23,6 +23,9 @@ struct KernelTable {
   // delta = rowsum(dout * out) into a contiguous (b, h, s_q) buffer of the accumulation type,
   // in the order bwd's dP sums (reads shape, dtype, dout/out and their strides only).
   void (*delta)(const BwdParams&, void* delta);
+  // y = exp(x) for n floats through the softmax's exp (vec.h: exp_vecs, four vectors at a time
+  // as the kernels call it; non_positive: its variant for x <= 0 or NaN). For tests.
+  void (*exp)(const float* x, float* y, int64_t n, bool non_positive);
 };
 
 // Hooks into torch (dispatch.cpp).

@@ -10,6 +10,8 @@ Operators (csrc/ops.cpp); spans / softcap: docs/kernels.md, "Spans, bands and so
             dv_accum!, tile_config=0, spans=None, softcap=0.0) -> ()
   _tiles_visited(reset=False) -> [fwd, bwd]: (q tile, kv tile) pairs the CPU kernels computed,
             summed over batch and heads (a test statistic)
+  _softmax_exp(x, non_positive=False) -> exp(x): the CPU kernels' softmax exp at the active ISA
+            level (float32 CPU tensors; for tests)
 """
 from __future__ import annotations
 

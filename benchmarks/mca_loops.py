@@ -85,8 +85,9 @@ def find_loops(funcs, level):
         # the work item's lambda, or run_items where the compiler inlined it there
         lam = [n for n in funcs if f"{ns}(anonymous namespace)::{key}" in n
                and ("operator()" in n or n.startswith(f"{ns}run_items<"))]
-        # exp's 2^n is an integer shift; the soft-capped variants also divide (tanh)
-        loops = [b for n in lam for b in innermost_loops(funcs[n]) if count(b, "pslld")]
+        # exp's 2^n: an integer shift, or vscalefps on the AVX-512 levels (vec.h: exp_vecs); the
+        # soft-capped variants also divide (tanh)
+        loops = [b for n in lam for b in innermost_loops(funcs[n]) if count(b, "pslld|vscalefps")]
         for suffix, cands in (("", [b for b in loops if not count(b, "div")]),
                               (" softcap", [b for b in loops if count(b, "div")])):
             if cands:

@@ -580,11 +580,11 @@ at::Tensor delta_op(const at::Tensor& dout, const at::Tensor& out) {
 }
 
 // exp(x) through the active CPU level's softmax exp (vec.h: exp_vecs), for tests: x a float32
-// CPU tensor, any shape; a float32 tensor of x's shape.
+// tensor of any shape (registered for CPU only: the dispatcher refuses other devices); a float32
+// tensor of x's shape. Raises ValueError for another dtype.
 at::Tensor softmax_exp_op(const at::Tensor& x, bool non_positive) {
-  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat,
-              "ringseq::_softmax_exp(x): x must be a float32 CPU tensor, got ", x.scalar_type(), " on ",
-              x.device());
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat,
+                    "ringseq::_softmax_exp(x): x must be a float32 CPU tensor, got ", x.scalar_type());
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty_like(xc);
   if (xc.numel() > 0) softmax_exp_cpu(xc.data_ptr<float>(), y.data_ptr<float>(), xc.numel(), non_positive);

@@ -29,7 +29,8 @@ def inputs():
     patterns = bits.to(torch.int32).view(torch.float32)
     edges = torch.tensor([0.0, -0.0, float("-inf"), float("inf"), float("nan"), -87.33, -87.34, -87.68,
                           -87.69, -87.7, -88.5, -88.7, -1e30, 88.0, 88.01, 88.7, 1e30, 1e-45, -1e-45])
-    # odd length: the last group of vectors is partial
+    # 1,310,740 values: 20 past a whole number of 64-float groups, so the op's last group of
+    # four vectors is partial at every level (16, 8 or 4 lanes per vector)
     return torch.cat([sweep, patterns, edges, torch.tensor([-1.0])])
 
 
@@ -62,6 +63,14 @@ def test_softmax_exp_is_exp_within_float32_spacing_flushes_and_saturates(isa):
 
     own = ~(x > 0)  # x <= 0 or NaN: the non-positive variant's domain
     assert same_bits(y_np[own], y[own]), f"{isa}: the non-positive variant differs from exp where x <= 0"
+
+
+def test_softmax_exp_takes_float32_only():
+    with pytest.raises(ValueError, match=r"_softmax_exp\(x\): x must be a float32 CPU tensor, got Double"):
+        exp_op(torch.zeros(3, dtype=torch.float64))
+    assert exp_op(torch.zeros(0)).shape == (0,)
+    strided = torch.linspace(-3.0, 0.0, 64)[::2]  # not contiguous
+    assert torch.equal(exp_op(strided), exp_op(strided.contiguous()))
 
 
 def test_softmax_exp_gives_the_same_bits_at_every_fma_level():

@@ -268,11 +268,13 @@ constexpr T kPosInf = std::numeric_limits<T>::infinity();
 // the 1.5·2^23 trick, so this code must not be built with -ffast-math (which would fold
 // (t + c) - c away). 17 vector operations.
 //
-// With AVX-512, vscalefps puts 2^n in (p·2^n, rounded once, as the multiply by the power of
-// two is) and a compare of n against -126 zeroes the lanes the biased exponent flushes (x below
-// -87.68, -inf included, gives n < -126; NaN compares true and propagates): the lower clamp,
-// the integer n and its exponent bits go, 12 operations instead of 16 (13 instead of 17 with
-// the upper clamp), the same value in every lane (tests/test_cpu_exp.py). The softmax passes
+// (That is the path without AVX-512.) With AVX-512, vscalefps puts 2^n in (p·2^n, rounded once,
+// as the multiply by the power of two is) and a compare of n against -126 zeroes the lanes the
+// clamped biased exponent flushed (n < -126, i.e. exp(x) < 2^-126.5: x below -87.68, -inf
+// included; NaN compares true and propagates): the lower clamp, the integer n and its exponent
+// bits go, 12 operations instead of 16 (13 instead of 17 with the upper clamp), the same value
+// in every lane (tests/test_cpu_exp.py). The lanes zeroed may compute inf - inf on the way (an
+// invalid-operation flag, never a trap: torch leaves FP exceptions masked). The softmax passes
 // around it run ~20 operations per vector, on the two ports the FMAs also use.
 //
 // exp_vecs: NV vectors in place, each step applied to all of them before the next. One exp
@@ -327,7 +329,7 @@ RS_INLINE void exp_vecs(vec_t<float> (&x)[NV]) {
 #pragma GCC unroll 8
   for (int v = 0; v < NV; ++v) {
     const __mmask16 keep = _mm512_cmp_ps_mask(nf[v], vsplat(-126.0f), _CMP_NLT_UQ);  // n >= -126, or NaN
-    x[v] = _mm512_maskz_scalef_ps(keep, p[v], nf[v]);  // p·2^n, or 0 below 2^-126
+    x[v] = _mm512_maskz_scalef_ps(keep, p[v], nf[v]);  // p·2^n, or 0 where n < -126
   }
 #else
 #pragma GCC unroll 8

@@ -242,16 +242,6 @@ RS_INLINE bool vany_le(vec_t<float> a, vec_t<float> b) {
 #endif
 }
 
-RS_INLINE Vec<float>::itype vmax_i32(Vec<float>::itype a, Vec<float>::itype b) {
-#if defined(__AVX512F__)
-  return (Vec<float>::itype)_mm512_max_epi32((__m512i)a, (__m512i)b);
-#elif defined(__AVX2__)
-  return (Vec<float>::itype)_mm256_max_epi32((__m256i)a, (__m256i)b);
-#else
-  return a > b ? a : b;  // SSE2 has no pmaxsd: compare and blend
-#endif
-}
-
 template <typename T>
 constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 template <typename T>
@@ -262,18 +252,19 @@ constexpr T kPosInf = std::numeric_limits<T>::infinity();
 // degree-6 polynomial 1 + r + r²·q(r) fitted for relative error on that interval (3.8e-9 in
 // exact arithmetic, 6.3e-8 evaluated in float: within ~1 ulp) and 2^n put into the exponent
 // bits. ln2 is split in two (Cody-Waite) so that r stays exact for large |x|. x > 88 saturates
-// at exp(88) (attention only feeds x <= 0, or barely above 0 with a global lse). Results below
-// 2^-126 flush to 0 through a biased exponent clamped at 0 (x is clamped at -88.5 first, so
-// -inf gives 0); NaN propagates (the clamps return x when it is NaN). Rounding to nearest uses
-// the 1.5·2^23 trick, so this code must not be built with -ffast-math (which would fold
-// (t + c) - c away). 17 vector operations.
+// at exp(88) (attention only feeds x <= 0, or barely above 0 with a global lse). Results with
+// n < -126 (exp(x) < 2^-126.5) flush to 0: x is clamped at -88 first, where n = -127, so the
+// biased exponent n + 127 is 0 there and below (-inf included), and 2^n becomes a zero factor;
+// NaN propagates (the clamps return x when it is NaN). n + 127 is the integer difference of nf's
+// bits and magic's less 127: one subtraction. Rounding to nearest uses the 1.5·2^23 trick, so
+// this code must not be built with -ffast-math (which would fold (t + c) - c away). 14 vector
+// operations (15 with the upper clamp). (A clamp at -88.5 and a biased exponent clamped at 0,
+// as before the thirteenth session, gave the same value in every lane, in two more operations.)
 //
-// (That is the path without AVX-512.) With AVX-512, vscalefps puts 2^n in (p·2^n, rounded once,
+// That is the path without AVX-512. With AVX-512, vscalefps puts 2^n in (p·2^n, rounded once,
 // as the multiply by the power of two is) and a compare of n against -126 zeroes the lanes the
-// clamped biased exponent flushed (n < -126, i.e. exp(x) < 2^-126.5: x below -87.68, -inf
-// included; NaN compares true and propagates): the lower clamp, the integer n and its exponent
-// bits go, 12 operations instead of 16 (13 instead of 17 with the upper clamp), the same value
-// in every lane (tests/test_cpu_exp.py). The lanes zeroed may compute inf - inf on the way (an
+// exponent bits flush (NaN compares true and propagates): no lower clamp and no integer n, 12
+// operations (13 with the upper clamp), the same value in every lane (tests/test_cpu_exp.py). The lanes zeroed may compute inf - inf on the way (an
 // invalid-operation flag, never a trap: torch leaves FP exceptions masked). The softmax passes
 // around it run ~20 operations per vector, on the two ports the FMAs also use.
 //
@@ -296,17 +287,17 @@ RS_INLINE void exp_vecs(vec_t<float> (&x)[NV]) {
 #else
   constexpr bool kScalef = false;
 #endif
-  [[maybe_unused]] VI n[NV];
+  [[maybe_unused]] VI n[NV];  // n + 127 (without AVX-512)
 #pragma GCC unroll 8
   for (int v = 0; v < NV; ++v) {
-    if constexpr (!kScalef) x[v] = vmax(vsplat(-88.5f), x[v]);
+    if constexpr (!kScalef) x[v] = vmax(vsplat(-88.0f), x[v]);
     if constexpr (!kNonPositive) x[v] = vmin(vsplat(88.0f), x[v]);
   }
 #pragma GCC unroll 8
   for (int v = 0; v < NV; ++v) nf[v] = vfma(x[v], vsplat(1.44269504088896341f), magic);
 #pragma GCC unroll 8
   for (int v = 0; v < NV; ++v) {
-    if constexpr (!kScalef) n[v] = (VI)nf[v] - (VI)magic;
+    if constexpr (!kScalef) n[v] = (VI)nf[v] - ((VI)magic - 127);  // n + 127, >= 0
     nf[v] = nf[v] - magic;
   }
 #pragma GCC unroll 8
@@ -333,7 +324,7 @@ RS_INLINE void exp_vecs(vec_t<float> (&x)[NV]) {
   }
 #else
 #pragma GCC unroll 8
-  for (int v = 0; v < NV; ++v) x[v] = p[v] * (V)(vmax_i32(n[v] + 127, VI{}) << 23);  // p·2^n, or 0 below 2^-126
+  for (int v = 0; v < NV; ++v) x[v] = p[v] * (V)(n[v] << 23);  // p·2^n, or 0 where n + 127 = 0
 #endif
 }
 RS_INLINE vec_t<float> exp_vec(vec_t<float> x) {

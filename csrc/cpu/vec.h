@@ -258,15 +258,16 @@ constexpr T kPosInf = std::numeric_limits<T>::infinity();
 // NaN propagates (the clamps return x when it is NaN). n + 127 is the integer difference of nf's
 // bits and magic's less 127: one subtraction. Rounding to nearest uses the 1.5·2^23 trick, so
 // this code must not be built with -ffast-math (which would fold (t + c) - c away). 14 vector
-// operations (15 with the upper clamp). (A clamp at -88.5 and a biased exponent clamped at 0,
-// as before the thirteenth session, gave the same value in every lane, in two more operations.)
+// operations (15 with the upper clamp); the earlier form, a clamp at -88.5 and a biased exponent
+// clamped at 0, gives the same value in every lane in two more.
 //
 // That is the path without AVX-512. With AVX-512, vscalefps puts 2^n in (p·2^n, rounded once,
 // as the multiply by the power of two is) and a compare of n against -126 zeroes the lanes the
 // exponent bits flush (NaN compares true and propagates): no lower clamp and no integer n, 12
-// operations (13 with the upper clamp), the same value in every lane (tests/test_cpu_exp.py). The lanes zeroed may compute inf - inf on the way (an
-// invalid-operation flag, never a trap: torch leaves FP exceptions masked). The softmax passes
-// around it run ~20 operations per vector, on the two ports the FMAs also use.
+// operations (13 with the upper clamp), the same value in every lane (tests/test_cpu_exp.py).
+// The lanes zeroed may compute inf - inf on the way (an invalid-operation flag, never a trap:
+// torch leaves FP exceptions masked). The softmax passes around it run ~20 operations per
+// vector, on the two ports the FMAs also use.
 //
 // exp_vecs: NV vectors in place, each step applied to all of them before the next. One exp
 // is a chain of ~15 dependent operations (~50 cycles); with one or two chains per iteration

@@ -28,7 +28,8 @@ def inputs():
     bits = torch.randint(-(1 << 31), 1 << 31, (1 << 18,), generator=gen, dtype=torch.int64)
     patterns = bits.to(torch.int32).view(torch.float32)
     edges = torch.tensor([0.0, -0.0, float("-inf"), float("inf"), float("nan"), -87.33, -87.34, -87.68,
-                          -87.69, -87.7, -88.5, -88.7, -1e30, 88.0, 88.01, 88.7, 1e30, 1e-45, -1e-45])
+                          -87.69, -87.7, -87.99, -88.0, -88.01, -88.5, -88.7, -1e30, 88.0, 88.01, 88.7,
+                          1e30, 1e-45, -1e-45])
     # 1,310,740 values: 20 past a whole number of 64-float groups, so the op's last group of
     # four vectors is partial at every level (16, 8 or 4 lanes per vector)
     return torch.cat([sweep, patterns, edges, torch.tensor([-1.0])])

@@ -30,9 +30,11 @@ def inputs():
     edges = torch.tensor([0.0, -0.0, float("-inf"), float("inf"), float("nan"), -87.33, -87.34, -87.68,
                           -87.69, -87.7, -87.99, -88.0, -88.01, -88.5, -88.7, -1e30, 88.0, 88.01, 88.7,
                           1e30, 1e-45, -1e-45])
-    # 1,310,740 values: 20 past a whole number of 64-float groups, so the op's last group of
-    # four vectors is partial at every level (16, 8 or 4 lanes per vector)
-    return torch.cat([sweep, patterns, edges, torch.tensor([-1.0])])
+    x = torch.cat([sweep, patterns, edges, torch.tensor([-1.0])])
+    # not a whole number of 64-float groups: the op's last group of four vectors is partial at
+    # every level (16, 8 or 4 lanes per vector)
+    assert x.numel() % 64 != 0
+    return x
 
 
 def same_bits(a, b):

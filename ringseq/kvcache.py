@@ -26,11 +26,13 @@ import torch.distributed as dist
 
 from ._args import check_alibi_slopes, check_bool, check_softmax_scale, parse_window
 from ._dist import group_info
+from ._hash import stable_hash_ints
 from .engine.ring import get_ring
 from .kernels.checks import accum_dtype, resolve_scale
 from .kernels.spans import check_softcap
 from .kernels.extension import ExtensionBackend, extension_available
 from .layouts import Layout, get_layout
+from .spec import dtype_code, float_field
 
 __all__ = ["flash_attn_with_kvcache", "ring_flash_attn_with_kvcache"]
 
@@ -163,13 +165,14 @@ def _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale,
     i = torch.arange(s_q, device=q.device)[None, :, None]  # (1, s_q, 1)
     off = (k_len - s_q)[:, None, None]
     lo, hi = window
+    # Not in place: the first term is (b, 1, s_c), the masks below broadcast it to (b, s_q, s_c).
     vis = (j >= 0) & (j < k_len[:, None, None])
     if lo >= 0:
-        vis &= j >= i + off - lo
+        vis = vis & (j >= i + off - lo)
     if hi >= 0:
-        vis &= j <= i + off + hi
+        vis = vis & (j <= i + off + hi)
     if causal:
-        vis &= j <= i + off
+        vis = vis & (j <= i + off)
     s = s.masked_fill(~vis[:, None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (b, h, s_q)
     p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
@@ -443,8 +446,11 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     Raises ValueError / TypeError / NotImplementedError as :func:`flash_attn_with_kvcache`,
     plus a slot past this rank's capacity and window_size with seqlen_q > 1; with the
     consistency checks on (the default, ``ringseq.set_consistency_check``), a failure on one
-    rank raises on every rank (``ringseq.RingPeerError`` on the others; one control collective
-    per call; off: only the all-gather).
+    rank raises on every rank (``ringseq.RingPeerError`` on the others), and ranks called with
+    different shapes, dtypes, options, ``prefill_len``, layout or (CPU tensors or ints)
+    ``cache_seqlens`` / ``cache_leftpad`` values raise ``ringseq.RingMismatchError`` (a
+    ValueError) on every rank, naming what differs. One control collective per call; with the
+    checks off, only the all-gather (ranks that disagree then compute wrong outputs).
     """
     fn = _RING_FN
     world, rank = group_info(group)
@@ -457,8 +463,10 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     except (TypeError, ValueError, NotImplementedError) as exc:
         problem, plan = exc, None
     # On the ring's control channel: the other ranks raise RingPeerError naming this one (and
-    # its message) instead of waiting in the all-gather.
-    get_ring(group).agree(problem is None, str(problem), error=problem)
+    # its message) instead of waiting in the all-gather, and ranks whose calls differ
+    # (shapes, options, cache_seqlens) raise RingMismatchError on every rank.
+    get_ring(group).agree(problem is None, str(problem), error=problem,
+                          fields=() if plan is None else plan["signature"])
     with torch.no_grad():
         return _ring_decode(plan, group, world)
 
@@ -556,11 +564,28 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
             raise ValueError(f"{fn}: rank {rank}'s cache shard holds {cap} slots but "
                              f"{need} are needed for {last} tokens (prefill_len = {prefill_len}, "
                              f"{world} ranks)")
+    scale = resolve_scale(softmax_scale, d)
+    # What every rank must pass alike (the docstring's "the same on every rank"; the cache
+    # shards' capacity may differ). cache_seqlens and cache_leftpad are compared by a hash of
+    # their values where reading them costs no device synchronization (CPU tensors or ints).
+    starts_host = _host_values(starts)
+    signature = (
+        ("batch", b), ("seqlen_q", s_q), ("nheads", h), ("headdim", d), ("nheads_k", h_kv),
+        ("dtype", dtype_code(q.dtype), "dtype"), ("seqlen_new", s_new),
+        ("prefill_len", int(prefill_len)), ("layout", lay.code, "layout"),
+        ("causal", causal, "bool"), ("window left", window[0]), ("window right", window[1]),
+        ("softmax_scale (x1e6)", float_field(scale)), ("softcap (x1e6)", float_field(softcap)),
+        ("rotary_dim", 0 if rotary_cos is None else 2 * rotary_cos.shape[1]),
+        ("rotary_interleaved", rotary_interleaved, "bool"),
+        ("return_softmax_lse", return_softmax_lse, "bool"), ("num_splits", int(num_splits)),
+        ("cache_seqlens (hash)", 0 if host is None else stable_hash_ints(host)),
+        ("cache_leftpad (hash)", 0 if starts_host is None else stable_hash_ints(starts_host)),
+    )
     return dict(q=q, kc=k_cache_shard, vc=v_cache_shard, k=k, v=v, lengths=lengths,
                 starts=starts, homes=homes, rank=rank, causal=causal, window=window,
-                softcap=softcap, scale=resolve_scale(softmax_scale, d), rotary=(rotary_cos,
-                rotary_sin, rotary_interleaved), num_splits=int(num_splits),
-                return_lse=return_softmax_lse)
+                softcap=softcap, scale=scale, rotary=(rotary_cos, rotary_sin,
+                rotary_interleaved), num_splits=int(num_splits),
+                return_lse=return_softmax_lse, signature=signature)
 
 
 def _ring_decode(plan, group, world):

@@ -113,14 +113,14 @@ class AttnSpec:
             ("headdim", d), ("dtype", dtype_code(dtype), "dtype"),
             ("causal", self.causal, "bool"), ("requires_grad", self.needs_grad, "bool"),
             ("grad_comm_dtype", dtype_code(self.grad_comm_dtype), "dtype"),
-            ("softmax_scale (x1e6)", _float_field(self.softmax_scale)),
+            ("softmax_scale (x1e6)", float_field(self.softmax_scale)),
             ("window left", self.window[0]), ("window right", self.window[1]),
-            ("softcap (x1e6)", _float_field(self.softcap)),
+            ("softcap (x1e6)", float_field(self.softcap)),
             ("documents (hash of cu_seqlens)", docs),
         ) + tuple(extra)
 
 
-def _float_field(x: float) -> int:
+def float_field(x: float) -> int:
     """A float as a signature field (an int64): micro-units, readable in a mismatch message;
     a hash beyond the int64 range (a scale of 1e13 is valid)."""
     v = x * 1e6

@@ -194,6 +194,22 @@ def test_flash_attn_kvcache_every_isa_level(isa, case):
     assert ringseq.cpu_isa() == isa
 
 
+# Multi-query cases under each mask (the grid's other axes as dealt): the masks broadcast one
+# row of key positions over the queries, which a single query does not exercise.
+TORCH_PATH_CASES = [dict(case, seqlens=sl, causal=causal, local=local) for case, sl, causal, local in zip(
+    grid_sample(4, seed=7), [(3, 799), (64, 256), (16, 2000), (64, 800)],
+    [True, False, True, False], [False, True, True, False])]
+
+
+@pytest.mark.parametrize("case", TORCH_PATH_CASES)
+def test_plain_torch_path_meets_the_same_rule(case, monkeypatch):
+    # The path flash_attn_with_kvcache takes where ringseq's kernel does not run (CUDA float32
+    # or other head dims, a build without the extension, new keys with a strided last dim in
+    # the ring function): the same reference, the same tolerance rule as the kernel's cases.
+    monkeypatch.setattr(ringseq.kvcache, "_kernel_runs", lambda *args: False)
+    run_flash_case(case, seed=5)
+
+
 def test_signature_is_flash_attns():
     # flash-attn 2's flash_attn_interface.flash_attn_with_kvcache, parameter for parameter
     import ast
@@ -449,11 +465,13 @@ def test_ring_decoding_is_exact_and_moves_no_kv(world):
         for rank, (_, caught) in enumerate(results):
             # a shard too small on rank 1 only: raised there, and on rank 0 as a RingPeerError
             # naming rank 1 and its message
-            assert len(caught) == 4, caught
+            assert len(caught) == 6, caught
             assert "holds 3 slots" in caught[0] and (rank == 1 or "rank(s) [1]" in caught[0])
             assert "prefill_len" in caught[1]  # bad on every rank: raised on every rank
             assert "window_size" in caught[2] and "NotImplementedError" in caught[2]
             assert "num_splits must be an int >= 0" in caught[3]
+            assert "different arguments" in caught[4] and "cache_seqlens (hash)" in caught[4]
+            assert "different arguments" in caught[5] and "softcap (x1e6) (rank 0: 0, rank 1: 5000000)" in caught[5]
 
 
 def _ring_errors():
@@ -462,11 +480,11 @@ def _ring_errors():
     rank = dist.get_rank()
     caught = []
 
-    def call(q, cap, k=None, **kwargs):
+    def call(q, cap, k=None, seqlens=8, **kwargs):
         kc = torch.zeros(1, cap, 2, 16)
         try:
-            ring_flash_attn_with_kvcache(q, kc, kc.clone(), 8, k, None if k is None else k.clone(),
-                                         **kwargs)
+            ring_flash_attn_with_kvcache(q, kc, kc.clone(), seqlens, k,
+                                         None if k is None else k.clone(), **kwargs)
         except (ValueError, NotImplementedError) as exc:
             caught.append(f"{type(exc).__name__}: {exc}")
 
@@ -475,4 +493,7 @@ def _ring_errors():
     call(torch.randn(1, 1, 4, 16), 8, prefill_len=5)  # not a multiple of the layout's
     call(torch.randn(1, 2, 4, 16), 8, torch.randn(1, 2, 2, 16), prefill_len=8, window_size=(2, 0))
     call(torch.randn(1, 1, 4, 16), 8, new_kv, prefill_len=8, num_splits=-1)
+    # valid on each rank, but not the same call: every rank raises, naming what differs
+    call(torch.randn(1, 1, 4, 16), 8, new_kv, prefill_len=8, seqlens=8 if rank == 0 else 6)
+    call(torch.randn(1, 1, 4, 16), 8, new_kv, prefill_len=8, softcap=0.0 if rank == 0 else 5.0)
     return caught

@@ -5,6 +5,7 @@
 // structs of attn_params.h and calls the kernel for the tensors' device.
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
 #include <array>
@@ -285,6 +286,23 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, c
   check_last_dim_contiguous(t, name);
 }
 
+// Checks a tensor the kernel writes into (the accumulators, and dq/dk/dv): no two of its
+// elements at one address (an expanded or self-overlapping view, where several work items
+// would read-modify-write the same memory), and no memory shared with a tensor the call reads.
+void check_written(const at::Tensor& t, const char* name,
+                   std::initializer_list<std::pair<const at::Tensor*, const char*>> reads) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, name,
+                    " has elements that share memory (an expanded or overlapping view, strides ",
+                    t.strides(), "): the kernel writes into it; pass a tensor whose elements are "
+                    "distinct (e.g. its .contiguous() copy)");
+  for (const auto& [other, other_name] : reads) {
+    const at::MemOverlapStatus st = at::get_overlap_status(t, *other);
+    TORCH_CHECK_VALUE(st != at::MemOverlapStatus::Full && st != at::MemOverlapStatus::Partial, name,
+                      " shares memory with ", other_name, ", which the call reads: pass "
+                      "separate tensors");
+  }
+}
+
 // Fills the forward params and runs the kernel of q's device. accumulate: out/lse hold a
 // running (out, lse) pair in the accumulation dtype that the kernel merges this block into.
 // The forward params every call fills alike: shape, dtype, pointers and strides.
@@ -352,6 +370,8 @@ void fwd_accum(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Spans spans = prepare_spans(spans_opt, shape, q);
   check_like(out_acc, "out_acc", q, "q", accum_type(q.scalar_type()));
   check_stat(lse_acc, "lse_acc", q);
+  check_written(out_acc, "out_acc", {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&lse_acc, "lse_acc"}});
+  check_written(lse_acc, "lse_acc", {{&q, "q"}, {&k, "k"}, {&v, "v"}});
   // no key or no span: nothing to merge (rows outside every span stay untouched)
   if (q.numel() == 0 || shape.seqlen_k == 0 || spans.empty()) return;
   TORCH_CHECK_NOT_IMPLEMENTED(q.is_cpu(), "ringseq::fwd_accum runs on CPU tensors; on ", q.device(),
@@ -373,9 +393,18 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   check_like(out, "out", q, "q", st);
   check_stat(lse, "lse", q);
   const auto grad_type = accumulate ? acc : st;
-  check_like(dq, accumulate ? "dq_accum" : "dq", q, "q", grad_type);
-  check_like(dk, accumulate ? "dk_accum" : "dk", k, "k", grad_type);
-  check_like(dv, accumulate ? "dv_accum" : "dv", v, "v", grad_type);
+  const char* dq_name = accumulate ? "dq_accum" : "dq";
+  const char* dk_name = accumulate ? "dk_accum" : "dk";
+  const char* dv_name = accumulate ? "dv_accum" : "dv";
+  check_like(dq, dq_name, q, "q", grad_type);
+  check_like(dk, dk_name, k, "k", grad_type);
+  check_like(dv, dv_name, v, "v", grad_type);
+  check_written(dq, dq_name, {{&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"},
+                              {&lse, "lse"}, {&dk, dk_name}, {&dv, dv_name}});
+  check_written(dk, dk_name, {{&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"},
+                              {&lse, "lse"}, {&dv, dv_name}});
+  check_written(dv, dv_name, {{&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"},
+                              {&lse, "lse"}});
   if (q.numel() == 0 || k.numel() == 0 || spans.empty()) {
     if (!accumulate) {
       dq.zero_();

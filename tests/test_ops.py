@@ -104,6 +104,37 @@ def test_backward_op_rejects_bad_statistics():
         torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, 0.25, False, None, *acc)
 
 
+@needs_ext
+def test_accumulators_must_not_share_memory():
+    """The accumulating ops write into their accumulators from several work items: an expanded
+    view (two elements at one address) or one that shares memory with an input is refused."""
+    q, k, v = qkv()
+    out, lse = torch.ops.ringseq.fwd(q, k, v, 0.25, False)
+    dout = torch.randn_like(out)
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    expanded = torch.zeros(2, 33, 1, 16).expand(2, 33, 2, 16)  # dk's shape, one row per 2 heads
+    with pytest.raises(ValueError, match="dk_accum has elements that share memory"):
+        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, 0.25, False, None, dq, expanded, dv)
+    # (dense views of another tensor's memory; torch decides overlap for dense layouts only,
+    # as its own in-place ops do)
+    def within(t, like):
+        return t.view(-1)[:like.numel()].view(like.shape)
+
+    with pytest.raises(ValueError, match="dv_accum shares memory with dout"):
+        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, 0.25, False, None, dq, dk, within(dout, dv))
+    with pytest.raises(ValueError, match="dq_accum shares memory with dk_accum"):
+        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, 0.25, False, None, dq, within(dq, dk), dv)
+    out_acc, lse_acc = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+    with pytest.raises(ValueError, match="out_acc shares memory with q"):
+        torch.ops.ringseq.fwd_accum(q, k, v, 0.25, False, q, lse_acc)
+    with pytest.raises(ValueError, match="lse_acc has elements that share memory"):
+        torch.ops.ringseq.fwd_accum(q, k, v, 0.25, False, out_acc, lse_acc[:, :1].expand_as(lse_acc))
+    # separate tensors of the right shapes still run
+    torch.ops.ringseq.fwd_accum(q, k, v, 0.25, False, out_acc, lse_acc)
+    torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, 0.25, False, None, dq, dk, dv)
+    torch.testing.assert_close(out_acc, out)
+
+
 # ---------------------------------------------------------------- backends agree with float64
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("s_q,s_k,causal", [(33, 33, True), (33, 33, False), (40, 17, True),

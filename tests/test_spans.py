@@ -136,6 +136,27 @@ def test_rows_outside_every_span():
     assert (dq[:, q_out] == 0).all() and (dk[:, k_out] == 0).all() and (dv[:, k_out] == 0).all()
 
 
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spans_without_keys_at_every_isa_level(isa, dtype):
+    """Spans that list query rows but no key (k_len 0) and no other span: out 0, lse -inf,
+    zero gradients, and bwd_accum adds nothing to its accumulators, as for rows outside every
+    span (the backward once summed dq from partials no key tile had written)."""
+    q, k, v = qkv(1, 64, 8, 2, 2, 16, dtype=dtype)
+    spans = [Span(0, 40, 0, 0, -U, U), Span(40, 24, 3, 0, -U, U)]
+    be = get_backend("ringseq")
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out, lse, dq, dk, dv = run(be, q, k, v, dout, 0.3, False, spans, 0.0)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
+    g = torch.Generator().manual_seed(2)
+    accs = [torch.randn(t.shape, generator=g) for t in (q, k, v)]  # float32 accumulators
+    init = [a.clone() for a in accs]
+    be.bwd_accum(dout, q, k, v, out, lse, 0.3, False, None, *accs, spans=spans)
+    for got, want in zip(accs, init):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- soft-capping
 @needs_ext
 @pytest.mark.parametrize("softcap", [50.0, 5.0])

@@ -41,11 +41,13 @@ namespace {
 // Chunks of key tiles per (batch, kv head): enough work items (b · h_kv · chunks) for twice the
 // machine's processors (at least 16), while all the float32 partial dQ buffers stay under
 // 256 MiB. Depends on the shape and the machine only, never on torch's thread setting, so
-// results do not change with the thread count.
+// results do not change with the thread count. At least 1, also without key tiles (spans whose
+// k_len is 0): the dQ rows of the spans are then cleared (or kept, accumulating) through the
+// same path as rows that see no key, not summed from partials nobody wrote.
 int64_t bwd_chunks(int64_t nbh, int64_t nkt, int64_t dq_part_bytes) {
   static const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   const int64_t target = imax(16, 2 * static_cast<int64_t>(cpus > 0 ? cpus : 1));
-  int64_t chunks = iclamp((target + nbh - 1) / nbh, 1, nkt);
+  int64_t chunks = iclamp((target + nbh - 1) / nbh, 1, imax(nkt, 1));
   const int64_t budget = int64_t(256) << 20;
   if (chunks > 1 && dq_part_bytes > 0) chunks = imin(chunks, imax(1, budget / dq_part_bytes));
   return chunks;

@@ -73,27 +73,33 @@ def check_softmax_scale(fn: str, softmax_scale, name: str = "softmax_scale"):
 
 # ringseq <= 0.1 took (q, k, v, softmax_scale, causal, ...): such a positional call now puts
 # the scale into dropout_p, which always fails; say why.
+# Where a misplaced positional argument lands in dropout_p: flash-attn's order (q, k, v,
+# dropout_p, softmax_scale, ...) and SDPA's (query, key, value, attn_mask, dropout_p, ...).
 _ORDER_HINT = (". Note: the 4th positional argument is dropout_p, as in flash-attn; pass the "
                "scale as softmax_scale=")
+_SDPA_ORDER_HINT = (". Note: the 5th positional argument is dropout_p, as in "
+                    "F.scaled_dot_product_attention; pass the scale as scale=")
 
 
-def check_dropout(fn: str, dropout_p) -> None:
+def check_dropout(fn: str, dropout_p, sdpa_order: bool = False) -> None:
     """ringseq has no attention dropout: ``dropout_p`` must be a number, and 0.
 
     flash-attn applies ``dropout_p`` whenever it is given (its functions have no train/eval
     switch; model code passes ``self.dropout if self.training else 0.0``). Any
     ``dropout_p > 0`` raises NotImplementedError, in training and in evaluation alike, rather
-    than silently computing attention without dropout."""
+    than silently computing attention without dropout. ``sdpa_order``: the message's hint
+    names SDPA's argument order instead of flash-attn's."""
+    hint = _SDPA_ORDER_HINT if sdpa_order else _ORDER_HINT
     if not _is_number(dropout_p):
         raise TypeError(f"{fn}: dropout_p must be a float in [0, 1), got {given(dropout_p)}"
-                        f"{_ORDER_HINT}")
+                        f"{hint}")
     if not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}{_ORDER_HINT}")
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}{hint}")
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"{fn}: dropout_p={dropout_p!r} is not supported: ringseq has no attention dropout "
             f"(pass 0.0, in training too: `p if self.training else 0.0` becomes 0.0)"
-            f"{_ORDER_HINT}")
+            f"{hint}")
 
 
 def check_alibi_slopes(fn: str, alibi_slopes) -> None:
@@ -177,14 +183,15 @@ def sdpa_inputs(fn: str, query, key, value, attn_mask, dropout_p, is_causal, sca
                 enable_gqa):
     """``F.scaled_dot_product_attention``'s arguments checked for a sequence-parallel SDPA form:
     returns (q, k, v) as (b, s, h, d) views of query / key / value (b, h, s, d). ``attn_mask``
-    must be None (the mask comes from ``is_causal`` and the layout), ``dropout_p`` 0."""
+    must be None (the mask comes from ``is_causal`` and the layout; ValueError), ``dropout_p``
+    0 (NotImplementedError above 0, as :func:`check_dropout`)."""
     check_softmax_scale(fn, scale, name="scale")
     check_bool(fn, "is_causal", is_causal)
     check_bool(fn, "enable_gqa", enable_gqa)
     if attn_mask is not None:
         raise ValueError(f"{fn}: attn_mask must be None (use is_causal, a layout or a window), "
                          f"got {given(attn_mask)}")
-    check_dropout(fn, dropout_p)
+    check_dropout(fn, dropout_p, sdpa_order=True)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{fn}: {name} must be (batch, nheads, seqlen, headdim), got "

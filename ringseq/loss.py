@@ -65,8 +65,8 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     group (``all_reduce(SUM)``; not averaged) to equal the single-process gradient -- divide
     by the data-parallel size only, as usual.
 
-    Raises ValueError when the leading shapes of ``logits`` and ``labels`` differ or a label is
-    outside the vocabulary; then every other rank of ``group`` raises ``RingPeerError`` naming
+    Raises ValueError when the leading shapes of ``logits`` and ``labels`` differ, ``labels``
+    is not an integer tensor (float, bool) or a label is outside the vocabulary; then every other rank of ``group`` raises ``RingPeerError`` naming
     this rank and the error (the ranks agree on the control channel before the reduction).
     """
     world_size, _ = group_info(group)
@@ -77,6 +77,10 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
             raise ValueError(f"sharded_cross_entropy: logits (..., vocab) and labels (...) must "
                              f"agree on the leading dims, got logits {tuple(logits.shape)} and "
                              f"labels {tuple(labels.shape)}")
+        if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+            # .to(long) would truncate 2.7 to class 2 and give a finite, wrong loss
+            raise ValueError(f"sharded_cross_entropy: labels must be an integer tensor (class "
+                             f"indices, int64), got {labels.dtype}")
         flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.long)
         bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= logits.shape[-1]))
         if bool(bad.any()):

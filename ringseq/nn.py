@@ -239,7 +239,7 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         query: (batch, nheads, s_local, headdim); key, value: (batch, nheads_kv, s_local,
             headdim), ``nheads % nheads_kv == 0`` (GQA is always allowed).
         attn_mask, dropout_p: as in SDPA's signature; only None / 0.0 are supported
-            (ValueError otherwise).
+            (ValueError for a mask, NotImplementedError for ``dropout_p > 0``).
         is_causal, scale: as in SDPA (causal over global positions of ``layout``).
         enable_gqa: accepted for SDPA compatibility (GQA is always on).
         group, layout, backend, grad_comm_dtype (keyword-only): as in
@@ -252,6 +252,7 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     with refuse_on_error(group, FWD):
         q, k, v = sdpa_inputs(fn, query, key, value, attn_mask, dropout_p, is_causal, scale,
                               enable_gqa)
+        named_layout(fn, layout, takes_documents=False)
     out = ring_attention(fn, q, k, v, softmax_scale=scale, causal=is_causal, group=group,
                          layout=layout, backend=backend, grad_comm_dtype=grad_comm_dtype)
     return out.transpose(1, 2)
@@ -271,7 +272,7 @@ class RingAttention(nn.Module):
         check_bool("RingAttention", "causal", causal)
         check_softmax_scale("RingAttention", softmax_scale)
         self.group = group
-        self.layout = named_layout("RingAttention", layout)
+        self.layout = named_layout("RingAttention", layout, takes_documents=False)
         self.causal = bool(causal)
         self.backend = backend
         self.softmax_scale = softmax_scale

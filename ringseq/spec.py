@@ -255,13 +255,24 @@ def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
                          f"or 'reference'")
 
 
-def named_layout(fn: str, layout):
-    """The :class:`ringseq.layouts.Layout` ``layout`` names (or is); ValueError naming ``fn``."""
+def named_layout(fn: str, layout, takes_documents: bool = True):
+    """The :class:`ringseq.layouts.Layout` ``layout`` names (or is); ValueError naming ``fn``.
+    ``takes_documents=False``: ``fn`` has no ``cu_seqlens`` argument, so a per-batch documents
+    layout (``"documents"``, ...), which needs each batch's boundaries, is refused here rather
+    than at every call with advice ``fn`` cannot follow."""
     from .layouts import get_layout
+    from .layouts.documents import PerBatchDocuments
     try:
-        return get_layout(layout)
+        lay = get_layout(layout)
     except ValueError as exc:
         raise ValueError(f"{fn}: {exc}") from None
+    if not takes_documents and isinstance(lay, PerBatchDocuments):
+        raise ValueError(
+            f"{fn}: layout {lay.name!r} is per batch: it needs each batch's GLOBAL document "
+            f"boundaries, which {fn} does not take; pass a layout bound to them, "
+            f"ringseq.layouts.{lay.cls.__name__}(cu_seqlens), or call "
+            f"ringseq.ring_flash_attn_func(..., layout={lay.name!r}, cu_seqlens=...)")
+    return lay
 
 
 def bound_layout(fn: str, layout, documents):

@@ -354,6 +354,20 @@ def test_ring_sdpa_and_module_check_their_arguments():
         ringseq.RingAttention(causal="yes")
     with pytest.raises(TypeError, match="RingAttention: softmax_scale must be a float"):
         ringseq.RingAttention(softmax_scale=True)
+    # SDPA's order: the 5th positional argument is dropout_p; ringseq has no dropout
+    with pytest.raises(NotImplementedError, match="ring_sdpa: dropout_p=0.1 is not supported.*"
+                       "5th positional argument is dropout_p.*pass the scale as scale="):
+        ringseq.ring_sdpa(q, k, v, None, 0.1)
+    # per-batch documents layouts need cu_seqlens, which these two do not take: refused up
+    # front, pointing at a bound layout or ring_flash_attn_func
+    with pytest.raises(ValueError, match="RingAttention: layout 'documents' is per batch.*"
+                       r"ringseq.layouts.Documents\(cu_seqlens\)"):
+        ringseq.RingAttention(layout="documents")
+    with pytest.raises(ValueError, match="ring_sdpa: layout 'documents_zigzag' is per batch"):
+        ringseq.ring_sdpa(q, k, v, layout="documents_zigzag")
+    bound = ringseq.layouts.Documents([0, q.shape[2]])
+    out = ringseq.RingAttention(layout=bound)(*(t.transpose(1, 2) for t in (q, k, v)))
+    torch.testing.assert_close(out, ringseq.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v))))
 
 
 # ------------------------------------------------------------ varlen packed forms, lse of empty rows

@@ -165,6 +165,9 @@ def _errors(sps, pairs):
             *(torch.randn(1, 8 if rank == 1 else 6, 8, 8),) * 3, group=None)),
         "mismatch_usp": _expected_error(lambda: ringseq.usp_attn_func(
             *(torch.randn(1, 8 if rank == 3 else 6, 8, 8),) * 3, sp=hybrid, layout="stripe")),
+        # SDPA's form has no cu_seqlens: a per-batch documents layout is refused up front
+        "documents_sdpa": _expected_error(lambda: ringseq.usp_sdpa(
+            *(x8.transpose(1, 2),) * 3, sp=hybrid, layout="documents")),
     }
     # still exact after the errors (no stale messages): float64 hybrid zigzag causal
     q = torch.randn(1, 24, 4, 8, generator=g, dtype=torch.float64)
@@ -332,6 +335,12 @@ def test_heads_that_cannot_be_split_raise():
 def test_dropout_raises():
     for e in _errors_of():
         assert e["dropout"].startswith("NotImplementedError") and "dropout_p=0.1" in e["dropout"]
+
+
+def test_sdpa_form_refuses_per_batch_documents_layout():
+    for e in _errors_of():
+        assert e["documents_sdpa"].startswith("ValueError"), e["documents_sdpa"]
+        assert "usp_sdpa: layout 'documents' is per batch" in e["documents_sdpa"], e["documents_sdpa"]
 
 
 def test_length_the_split_cannot_take_raises():

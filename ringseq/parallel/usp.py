@@ -107,10 +107,12 @@ def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
              layout="zigzag", backend=None, grad_comm_dtype=None):
     """:func:`usp_attn_func` in ``F.scaled_dot_product_attention``'s layout and positional
     order: query (b, h, s_local, d), key/value (b, h_kv, s_local, d) -> (b, h, s_local, d).
-    ``attn_mask`` must be None and ``dropout_p`` 0 (ValueError otherwise)."""
+    ``attn_mask`` must be None (ValueError otherwise) and ``dropout_p`` 0 (NotImplementedError
+    above 0)."""
     fn = "usp_sdpa"
     with refuse_on_error(sp.group, FWD):
         q, k, v = sdpa_inputs(fn, query, key, value, attn_mask, dropout_p, is_causal, scale,
                               enable_gqa)
+        named_layout(fn, layout, takes_documents=False)
     out = _usp(fn, q, k, v, 0.0, scale, is_causal, sp, layout, False, backend, grad_comm_dtype)
     return out.transpose(1, 2)

@@ -339,10 +339,24 @@ def _booster_case():
     return out
 
 
+def _case_unshard_mismatch():
+    """ringseq.unshard with shards that differ between ranks, or a length the layout cannot
+    have on one rank: every rank raises (no all-gather of mismatched shards, no wait)."""
+    rank = dist.get_rank()
+    x = torch.arange(12.0).reshape(1, 6, 2) + 100 * rank
+    res = {"shape": _capture(lambda: ringseq.unshard(x if rank == 0 else x[:, :4], "contiguous")),
+           "dtype": _capture(lambda: ringseq.unshard(x if rank == 0 else x.double(), "contiguous")),
+           "layout": _capture(lambda: ringseq.unshard(x, "zigzag" if rank == 0 else "stripe")),
+           "odd_zigzag": _capture(lambda: ringseq.unshard(x if rank == 0 else x[:, :3], "zigzag"))}
+    res["after"] = ringseq.unshard(x, "zigzag")  # the ring is usable afterwards
+    return res
+
+
 def _worker_w2(tmp):
     rank = dist.get_rank()
     os.environ["RINGSEQ_TEST_MARKER"] = os.path.join(tmp, f"pwned{rank}")
-    res = {"fault": _case_fault_inside_call(fail_rank=1),
+    res = {"unshard": _case_unshard_mismatch(),
+           "fault": _case_fault_inside_call(fail_rank=1),
            "skip_backward": _case_skip_backward(),
            "later_change": _case_later_argument_change(),
            "double_backward": _case_double_backward(),
@@ -583,6 +597,23 @@ def test_fuzzed_faults_never_give_silently_wrong_results(w4):
         assert counts["wrong"] == 0, counts
         assert counts["error"] > 0 and counts["correct"] > 0, counts
     assert sum(res["fuzz"]["faults"] for res in w4) >= 25
+
+
+def test_unshard_of_shards_that_differ_raises_on_every_rank(w2):
+    for rank, res in enumerate(w2):
+        got = res["unshard"]
+        _is_fast_error(got["shape"], "RingMismatchError", "shape[1] (rank 0: 6, rank 1: 4)")
+        _is_fast_error(got["dtype"], "RingMismatchError", "dtype (rank 0: torch.float32, rank 1: torch.float64)")
+        _is_fast_error(got["layout"], "RingMismatchError", "layout (rank 0: 'zigzag', rank 1: 'stripe')")
+        # rank 1's 3 rows cannot be a zigzag shard (two halves): its own ValueError there, a
+        # RingPeerError naming it on rank 0
+        if rank == 1:
+            _is_fast_error(got["odd_zigzag"], "ValueError")
+        else:
+            _is_fast_error(got["odd_zigzag"], "RingPeerError", "rank(s) [1]")
+        want = ringseq.layouts.unshard_local([torch.arange(12.0).reshape(1, 6, 2) + 100 * r for r in range(2)],
+                                     "zigzag")
+        assert torch.equal(got["after"], want)
 
 
 def test_non_member_ranks_get_a_clear_error(w4):

@@ -136,6 +136,12 @@ def _error_cases(state_dict):
         lambda: model(**batch, attention_mask=mask, use_cache=False))
     out["no_position_ids"] = error_text(
         lambda: model(input_ids=batch["input_ids"], use_cache=False))
+    # a local length the zigzag layout cannot place, on rank 1 only: every rank must raise
+    zigzag = apply(_model("llama", state_dict), layout="zigzag")
+    zbatch = ringseq.shard_batch({"input_ids": ids}, layout="zigzag")
+    if dist.get_rank() == 1:
+        zbatch = {key: t[:, :-1] for key, t in zbatch.items()}
+    out["length_one_rank"] = error_text(lambda: zigzag(**zbatch, use_cache=False))
     out["output_attentions"] = error_text(
         lambda: model(**batch, output_attentions=True, use_cache=False))
     out["kv_cache"] = error_text(
@@ -325,6 +331,15 @@ def test_unsupported_inputs_raise_clearly(w2, name, needle):
         assert msg.startswith(kind), f"rank {rank} {name}: {msg}"
         want = needle or ("rank(s) [0] of the group failed" if peer else "padding")
         assert want in msg, f"rank {rank} {name}: {msg}"
+
+
+def test_local_length_the_layout_cannot_place_raises_on_every_rank(w2):
+    # rank 1's shard is one token short: its own ValueError there, RingPeerError on rank 0
+    # (the check's agreement), not rank 1 raising alone while rank 0 waits
+    assert w2[1]["errors"]["length_one_rank"].startswith("ValueError"), w2[1]["errors"]
+    assert "cannot place" in w2[1]["errors"]["length_one_rank"], w2[1]["errors"]
+    assert w2[0]["errors"]["length_one_rank"].startswith("RingPeerError"), w2[0]["errors"]
+    assert "rank(s) [1]" in w2[0]["errors"]["length_one_rank"], w2[0]["errors"]
 
 
 def test_dropout_in_eval_is_fine(w2):

@@ -54,6 +54,7 @@ try:
 except ImportError:  # pragma: no cover - transformers < 4.53 builds masks inside each model
     AttentionMaskInterface = None
 
+from .._args import check_cu_seqlens
 from .._dist import group_info
 from ..engine.integrity import FWD
 from ..engine.ring import get_ring, refuse_on_error
@@ -124,12 +125,21 @@ def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, pos
     # Also at world size 1: packed documents whose position ids restart but that come without
     # their boundaries (cu_seq_lens_q) would otherwise attend across documents without a word.
     if position_ids is not None:
-        expected = positions_local(q_local * world_size, layout, world_size, rank,
-                                   device=position_ids.device)  # (s_local,)
-        if docs is not None:
-            expected = document_positions(docs, expected)
+        try:
+            # (s_local,); raises for a local length this rank's layout cannot place: then a
+            # problem like the others, which the agreement below reports to every rank
+            expected = positions_local(q_local * world_size, layout, world_size, rank,
+                                       device=position_ids.device)
+            if docs is not None:
+                expected = document_positions(docs, expected)
+        except ValueError as exc:
+            expected = None
+            problems.append(f"{q_local} local tokens, which layout {layout.name!r} cannot place "
+                            f"({exc})")
         pos = position_ids.reshape(-1, position_ids.shape[-1])
-        if pos.shape[-1] != q_local:
+        if expected is None:
+            pass
+        elif pos.shape[-1] != q_local:
             problems.append(f"position_ids of length {pos.shape[-1]} for {q_local} local tokens")
         elif not bool((pos == expected).all()):
             what = ("positions within their documents" if docs is not None else
@@ -243,7 +253,8 @@ def _documents(name: str, kwargs) -> Optional[tuple]:
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         return None
-    docs = tuple(int(c) for c in (cu.tolist() if torch.is_tensor(cu) else cu))
+    # boundaries from 0, never decreasing (named as this argument, not as bad position_ids)
+    docs = check_cu_seqlens(name, "cu_seq_lens_q", cu)
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and tuple(int(c) for c in (cu_k.tolist() if torch.is_tensor(cu_k)
                                                    else cu_k)) != docs:

@@ -99,15 +99,33 @@ def unshard_local(parts, layout, dim: int = 1) -> torch.Tensor:
 def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> torch.Tensor:
     """Inverse of :func:`shard`: all-gathers the shards of ``group`` into the full tensor.
 
-    Every rank must pass a shard of the same shape. Differentiable: the gradient of the local
-    shard is the sum over ranks of each rank's gradient for that shard (so when every rank
-    computes the same loss on the result, scale it by 1/W). Without an initialized process
-    group (world size 1) it returns ``x_local`` unchanged.
+    Every rank must pass a shard of the same shape and dtype, with the same ``layout`` and
+    ``dim``. Differentiable: the gradient of the local shard is the sum over ranks of each
+    rank's gradient for that shard (so when every rank computes the same loss on the result,
+    scale it by 1/W). Without an initialized process group (world size 1) it returns
+    ``x_local`` unchanged.
+
+    Raises ValueError when this rank's shard length cannot be the layout's (the other ranks
+    raise ``ringseq.RingPeerError`` naming this one) and, with the consistency checks on (the
+    default), ``ringseq.RingMismatchError`` (a ValueError) on every rank when the ranks' shapes,
+    dtypes, layouts or ``dim`` differ: one control collective before the all-gather, which
+    would otherwise pair mismatched shards or wait forever.
     """
+    from ..engine.ring import get_ring
+    from ..spec import dtype_code
     lay = get_layout(layout)
     world_size, rank = group_info(group)
     dim = dim % x_local.dim()
     if world_size == 1:
         return x_local
-    lay.check_local_seqlen(x_local.shape[dim], world_size)
+    problem = None
+    try:
+        lay.check_local_seqlen(x_local.shape[dim], world_size)
+    except ValueError as exc:
+        problem = exc
+    shape = tuple(x_local.shape)
+    fields = ((("ndim", len(shape)),) + tuple((f"shape[{i}]", n) for i, n in enumerate(shape[:16]))
+              + (("dtype", dtype_code(x_local.dtype), "dtype"), ("layout", lay.code, "layout"),
+                 ("dim", dim)))
+    get_ring(group).agree(problem is None, str(problem), error=problem, fields=fields)
     return _Unshard.apply(x_local, lay, group, world_size, rank, dim)

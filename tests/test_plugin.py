@@ -192,6 +192,32 @@ def _no_sync_case(state_dict):
             "mesh_sp": booster.plugin.sp_size}
 
 
+def _summed_twice_case(state_dict):
+    """Two reduced backward passes without no_sync (the gradients would be summed twice): the
+    step is refused on every rank and changes nothing; after zero_grad the next step runs.
+    no_sync without the boosted model is refused too (it would silently not skip)."""
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2))
+    model = _model(state_dict)
+    loader = booster.plugin.prepare_dataloader(_dataset(), batch_size=GLOBAL_BATCH // 2)
+    model, opt, criterion, loader, _ = booster.boost(model, _optimizer(model), dataloader=loader)
+    batches = iter(loader)
+    for _ in range(2):
+        batch = next(batches)
+        booster.backward(criterion(model(**batch), batch), opt)
+    before = [p.detach().clone() for p in model.unwrap().parameters()]
+    out = {"step": error_text(opt.step)}
+    out["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.unwrap().parameters()))
+    opt.zero_grad()
+    batch = next(batches)
+    booster.backward(criterion(model(**batch), batch), opt)
+    opt.step()
+    out["stepped"] = not all(torch.equal(a, p) for a, p in zip(before, model.unwrap().parameters()))
+    out["no_sync_without_model"] = error_text(lambda: booster.no_sync())
+    out["no_sync_user_module"] = error_text(lambda: booster.no_sync(model.unwrap()))
+    return out
+
+
 def _precision_case(precision, state_dict):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, precision=precision))
@@ -252,6 +278,7 @@ def _worker(state_dict, ckpt_dir, sdpa_ids, sdpa_labels):
            # a user's own Layout subclass, passed as an object through the plugin and apply()
            "custom_layout": _train(2, state_dict, layout=ReversedContiguous(), steps=1),
            "sdpa": _sdpa_case(sdpa_ids, sdpa_labels), "no_sync": _no_sync_case(state_dict),
+           "summed_twice": _summed_twice_case(state_dict),
            "bf16": _precision_case("bf16", state_dict),
            "fp16": _precision_case("fp16", state_dict),
            "errors": _error_cases(state_dict, ckpt_dir)}
@@ -425,6 +452,17 @@ def test_no_sync_accumulates_exactly(run):
         for name, g in r["no_sync"]["grads"].items():
             assert_close_per_design(g, ref[name], plain[name], f"accumulated grad {name}", 3.0,
                                     scaled_floor(torch.float32, ref[name]))
+
+
+def test_gradients_summed_twice_are_refused_at_the_step(run):
+    for r in run["ranks"]:
+        got = r["summed_twice"]
+        assert got["step"].startswith("ValueError: OptimizerWrapper.step: 2 backward passes"), got
+        assert "booster.no_sync(model)" in got["step"], got
+        assert got["unchanged"] and got["stepped"], got
+        for key in ("no_sync_without_model", "no_sync_user_module"):
+            assert got[key].startswith("ValueError: no_sync: model must be the model "
+                                       "booster.boost returned"), got[key]
 
 
 def test_plain_module_with_sdpa_switch(run):

@@ -28,9 +28,10 @@ class ReplicatedGradSync:
     alive as long as the model trains (the plugin stores it on the model wrapper).
     """
 
-    def __init__(self, model: nn.Module, group):
+    def __init__(self, model: nn.Module, group, reduced=None):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.group = group
+        self.reduced = reduced  # marked at each reduction (see plugin.wrappers.ReducedGrads)
         self.enabled = True
         self._queued = False
         for p in self.params:
@@ -45,6 +46,8 @@ class ReplicatedGradSync:
     def sync(self) -> None:
         """Reduces the current gradients now (collective over ``group``)."""
         self._queued = False
+        if self.reduced is not None:
+            self.reduced.mark()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for p in self.params:
             g = p.grad

@@ -20,8 +20,8 @@ from .mesh import _world_size, build_mesh, build_sp_mesh
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
 from .sharded_checkpoint import DistributedCheckpointIO
-from .wrappers import (FailureReporter, ModelWrapper, OptimizerWrapper, SequenceParallelLoss,
-                       StepTag)
+from .wrappers import (FailureReporter, ModelWrapper, OptimizerWrapper, ReducedGrads,
+                       SequenceParallelLoss, StepTag)
 
 __all__ = ["RingSequenceParallelPlugin"]
 
@@ -33,10 +33,14 @@ _NO_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
                    else "broadcast_buffers")
 
 
-def _sum_allreduce_hook(group, bucket):
+def _sum_allreduce_hook(reduced: "ReducedGrads", bucket):
     # DDP's default hook divides by the group size; the plugin's loss is already the global
-    # token mean, so the exact gradient is the plain SUM (see the class docstring).
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    # token mean, so the exact gradient is the plain SUM (see the class docstring). A sum is
+    # not idempotent: `reduced` counts the reduced backward passes (bucket 0 is reduced once
+    # in each) and the optimizer refuses to step on gradients summed twice.
+    if bucket.index() == 0:
+        reduced.mark()
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
@@ -96,7 +100,10 @@ class RingSequenceParallelPlugin(Plugin):
     per-group means instead would weight groups with fewer targets too much whenever their
     token counts differ. The step thus equals single-process training on the whole global
     batch, up to float summation order. With ``no_sync`` over k micro-batches the gradients of
-    the k global means add up (scale the loss by 1/k for their average).
+    the k global means add up (scale the loss by 1/k for their average). Without ``no_sync``
+    (zero stage 0), a second backward would sum the already summed gradients again (W times
+    too large): the boosted optimizer's ``step`` then raises ValueError instead of stepping
+    (its ``step`` and ``zero_grad`` reset the count).
 
     The same argument holds with ``zero_stage`` 2/3 (FSDP's reduce-scatter is made a plain SUM
     over the dp x sp ranks: divide factor 1, SUM reductions) and with ``tp_size`` > 1, where the
@@ -414,6 +421,10 @@ class RingSequenceParallelPlugin(Plugin):
         if self.activation_checkpointing:
             from ..parallel.checkpointing import apply_activation_checkpointing
             apply_activation_checkpointing(layers)
+        # Counted by the SUM reductions of zero stage 0 (DDP, ReplicatedGradSync), checked by
+        # the optimizer's step (OptimizerWrapper); FSDP reduce-scatters each backward's own
+        # gradients into the shards, which accumulation does not double.
+        reduced = ReducedGrads()
         if dims.zero_stage >= 2:
             from ..parallel.fsdp import apply_fsdp
             apply_fsdp(model, self.groups.dp_sp_mesh(), dims.zero_stage, layers,
@@ -421,14 +432,14 @@ class RingSequenceParallelPlugin(Plugin):
                                     else None))
         elif dims.tp_size > 1:
             from ..parallel.grad_sync import ReplicatedGradSync
-            grad_sync = ReplicatedGradSync(model, self.groups.dp_sp_mesh().get_group())
+            grad_sync = ReplicatedGradSync(model, self.groups.dp_sp_mesh().get_group(), reduced)
         elif dist.get_world_size() > 1:
             kwargs = {_NO_BUFFER_SYNC: False}  # buffers (RoPE tables) are identical
             kwargs.update(self.ddp_kwargs)
             if self.device.type == "cuda":
                 kwargs.setdefault("device_ids", [self.device.index])
             ddp = nn.parallel.DistributedDataParallel(model, process_group=None, **kwargs)
-            ddp.register_comm_hook(None, _sum_allreduce_hook)
+            ddp.register_comm_hook(reduced, _sum_allreduce_hook)
             model = ddp
         user_model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
             else model
@@ -443,13 +454,18 @@ class RingSequenceParallelPlugin(Plugin):
             model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
             optimizer = OptimizerWrapper(optimizer, self.precision.scaler, model=user_model,
-                                         step=step)
+                                         step=step, reduced=reduced)
         elif optimizer is not None:
-            optimizer.model, optimizer._step = user_model, step
+            optimizer.model, optimizer._step, optimizer.reduced = user_model, step, reduced
         return model, optimizer, criterion, dataloader, lr_scheduler
 
     def no_sync(self, model: nn.Module, optimizer=None):
-        inner = model.module if isinstance(model, ModelWrapper) else model
+        if not isinstance(model, ModelWrapper):
+            # the user's own module (or None) has no reduction to skip: a silent no-op here
+            # would let every micro-batch sum its gradients
+            raise ValueError(f"no_sync: model must be the model booster.boost returned (a "
+                             f"ModelWrapper), got {type(model).__name__}")
+        inner = model.module
         if isinstance(inner, nn.parallel.DistributedDataParallel):
             return inner.no_sync()
         if self.dims.zero_stage >= 2:

@@ -12,7 +12,7 @@ from .._dist import RingError, RingMismatchError
 from ..engine.integrity import call_tag
 from ..loss import report_step_failure, sharded_cross_entropy
 
-__all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "SequenceParallelLoss",
+__all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads", "SequenceParallelLoss",
            "StepTag"]
 
 # Keys of a sharded batch that are targets for the criterion, not model inputs.
@@ -66,6 +66,38 @@ class ModelWrapper(nn.Module):
                 return self.module(*args, **kwargs)
 
 
+class ReducedGrads:
+    """How many backward passes summed the gradients over the ranks since the optimizer last
+    stepped or cleared them.
+
+    The plugin's replicated (zero stage 0) reduction is a SUM (exact for its global-mean loss),
+    and a sum is not idempotent: a second reduced backward onto gradients that were already
+    summed sums them again, W times too large, without any error (DDP's usual average would
+    keep them). The reduction calls :meth:`mark` once per backward; the boosted optimizer's
+    ``step`` calls :meth:`check_once` first, which raises ValueError (on every rank: the ranks
+    run the same steps) when more than one backward was reduced, and its ``step`` /
+    ``zero_grad`` call :meth:`clear`."""
+
+    def __init__(self):
+        self.count = 0
+
+    def mark(self) -> None:
+        self.count += 1
+
+    def clear(self) -> None:
+        self.count = 0
+
+    def check_once(self) -> None:
+        if self.count > 1:
+            n, self.count = self.count, 0
+            raise ValueError(
+                f"OptimizerWrapper.step: {n} backward passes summed the gradients over the "
+                f"ranks since the last step or zero_grad, so the summed gradients of the earlier "
+                f"ones were summed again (W times too large); not stepping. For gradient "
+                f"accumulation run every micro-batch but the last inside booster.no_sync(model); "
+                f"call optimizer.zero_grad() between steps")
+
+
 class FailureReporter:
     """Tells the other ranks that this rank's forward or backward raised, so none of them
     waits for it (see :class:`ModelWrapper`).
@@ -106,13 +138,15 @@ class OptimizerWrapper:
     build learning-rate schedulers on the optimizer before boosting, as usual."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler=None, model=None,
-                 step: StepTag = None):
+                 step: StepTag = None, reduced: ReducedGrads = None):
         self.optim = optimizer
         self.scaler = scaler
         #: the user's (possibly sharded) model the parameters belong to: sharded checkpoints
         #: name optimizer state by parameter name
         self.model = model
         self._step = StepTag() if step is None else step
+        #: the replicated reduction's count of reduced backward passes (ReducedGrads), or None
+        self.reduced = reduced
 
     def unwrap(self) -> torch.optim.Optimizer:
         return self.optim
@@ -124,12 +158,17 @@ class OptimizerWrapper:
             loss.backward(*args, **kwargs)
 
     def step(self, *args, **kwargs):
+        if self.reduced is not None:
+            self.reduced.check_once()  # ValueError: gradients summed twice
         if self.scaler is None:
-            return self.optim.step(*args, **kwargs)
-        # Every rank holds the same all-reduced gradients, so every rank makes the same
-        # skip decision and the replicas stay identical.
-        out = self.scaler.step(self.optim, *args, **kwargs)
-        self.scaler.update()
+            out = self.optim.step(*args, **kwargs)
+        else:
+            # Every rank holds the same all-reduced gradients, so every rank makes the same
+            # skip decision and the replicas stay identical.
+            out = self.scaler.step(self.optim, *args, **kwargs)
+            self.scaler.update()
+        if self.reduced is not None:
+            self.reduced.clear()
         return out
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0,
@@ -154,6 +193,8 @@ class OptimizerWrapper:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
+        if self.reduced is not None:
+            self.reduced.clear()
 
     def state_dict(self):
         return self.optim.state_dict()
@@ -162,7 +203,7 @@ class OptimizerWrapper:
         self.optim.load_state_dict(state_dict)
 
     def __getattr__(self, name):
-        if name in ("optim", "scaler", "model", "_step"):  # not yet set (unpickling): no recursion
+        if name in ("optim", "scaler", "model", "_step", "reduced"):  # not yet set (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.optim, name)
 

@@ -928,7 +928,17 @@ def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
                    **kwargs) -> List[MemoryEstimate]:
     """The estimates of every mesh (:func:`meshes`) whose peak fits in ``device_memory``
     bytes at ``seqlen``, best first (see ``_cost_key``). ``kwargs``: micro_batch, precision,
-    optimizer. Meshes whose sizes do not divide ``seqlen`` are left out."""
+    optimizer. Meshes whose sizes do not divide ``seqlen`` are left out.
+
+    Raises TypeError for another keyword and ValueError for a bad option value (a misspelled
+    precision or optimizer, micro_batch < 1, seqlen < 1), checked once on the plain
+    data-parallel mesh before the search, rather than leaving every mesh out."""
+    extra = set(kwargs) - {"micro_batch", "precision", "optimizer"}
+    if extra:
+        raise TypeError(f"fitting_meshes: unexpected keyword argument(s) {sorted(extra)}; it "
+                        f"takes micro_batch, precision and optimizer")
+    # the options' own errors (dp = world_size, nothing split: every seqlen >= 1 divides)
+    estimate_memory(config, seqlen=seqlen, world_size=world_size, sp_size=1, **kwargs)
     fit = []
     for mesh in meshes(config, world_size, kwargs.get("precision", "bf16")):
         try:

@@ -274,6 +274,19 @@ def test_cli_lists_meshes_that_fit_best_first(llama8b_json, capsys):
     assert [mem._cost_key(e) for e in fit] == sorted(mem._cost_key(e) for e in fit)
 
 
+@pytest.mark.parametrize("option,needle", [
+    (dict(optimizer="adam"), "adam"), (dict(precision="bf61"), "bf61"),
+    (dict(micro_batch=0), "micro_batch")])
+def test_fitting_meshes_names_a_bad_option(option, needle):
+    # a misspelled option is an error, not "no mesh fits"
+    with pytest.raises(ValueError, match=needle):
+        mem.fitting_meshes(LLAMA8B, world_size=8, seqlen=4096, device_memory=80 * GiB, **option)
+    with pytest.raises(TypeError, match="activation_checkpointing"):
+        mem.fitting_meshes(LLAMA8B, world_size=8, seqlen=4096, device_memory=80 * GiB,
+                           activation_checkpointing=True)
+    assert mem.fitting_meshes(LLAMA8B, world_size=8, seqlen=4096, device_memory=80 * GiB)
+
+
 def test_cli_max_seqlen(llama8b_json, capsys):
     assert mem.main(["--config", llama8b_json, "--world-size", "8", "--device-memory",
                      "80GiB", "--max-seqlen"]) == 0

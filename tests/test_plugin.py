@@ -265,6 +265,18 @@ def _error_cases(state_dict, ckpt_dir):
     out["save_error"] = error_text(lambda: booster.save_model(
         booster.boost(_model(state_dict))[0], os.path.join(ckpt_dir, "a_file", "model.pt")))
     out["dp_rank"] = booster.plugin.dp_rank
+    # a user's loader whose sampler the plugin's DistributedSampler would replace: refused,
+    # never rebuilt over the whole dataset
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, SubsetRandomSampler
+    subset = DataLoader(_dataset(), batch_size=1, sampler=SubsetRandomSampler([0, 1]))
+    out["loader_sampler"] = error_text(lambda: booster.boost(_model(state_dict), dataloader=subset))
+    batches = DataLoader(_dataset(), batch_sampler=BatchSampler(SequentialSampler(range(4)), 2, False))
+    out["loader_batch_sampler"] = error_text(lambda: booster.boost(_model(state_dict),
+                                                                   dataloader=batches))
+    out["prepare_sampler"] = error_text(lambda: booster.plugin.prepare_dataloader(
+        _dataset(), batch_size=1, sampler=SubsetRandomSampler([0, 1])))
+    shuffled = DataLoader(_dataset(), batch_size=2, shuffle=True)  # a plain order carries over
+    out["loader_shuffle"] = len(booster.boost(_model(state_dict), dataloader=shuffled)[3])
     from torch.distributed.device_mesh import init_device_mesh
     wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "seq"))
     out["mesh_names"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=2, mesh=wrong))
@@ -503,6 +515,14 @@ def test_misconfigurations_fail_on_every_rank(run):
         assert e["ignore_index"].startswith("ValueError") and "ignore_index=-1" in \
             e["ignore_index"] and "ignore_index=-100" in e["ignore_index"], e["ignore_index"]
         assert e["supported"] == (["cpu", "cuda"], ["bf16", "fp16", "fp32"]), e["supported"]
+        assert e["loader_sampler"].startswith("ValueError: dataloader:") and \
+            "sampler SubsetRandomSampler" in e["loader_sampler"], e["loader_sampler"]
+        assert e["loader_batch_sampler"].startswith("ValueError: dataloader:") and \
+            "batch_sampler BatchSampler" in e["loader_batch_sampler"], e["loader_batch_sampler"]
+        assert e["prepare_sampler"].startswith("ValueError: prepare_dataloader: sampler=") and \
+            "Subset" in e["prepare_sampler"], e["prepare_sampler"]
+        # 20 samples over dp = 2 groups, 2 per batch: 5 batches per group
+        assert e["loader_shuffle"] == len(_dataset()) // 2 // 2, e["loader_shuffle"]
         save = e["save_error"]
         if r is run["ranks"][0]:
             assert not save.startswith("ValueError") and "a_file" in save, save

@@ -9,7 +9,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+                              SequentialSampler)
 
 from ..engine.ring import get_ring, reset_ring
 from ..layouts import PerBatchDocuments, get_layout
@@ -297,16 +298,25 @@ class RingSequenceParallelPlugin(Plugin):
                 documents (:func:`ringseq.plugin.dataloader.pack_documents`, like
                 transformers' ``DataCollatorWithFlattening``); every document attends only to
                 itself and no target crosses a document. A batch whose total is not a multiple
-                of ``sp`` gets one padding document (ignored by the loss, seen by no real token)
+                of what the layout needs (``sp``; ``2 * sp`` for zigzag) gets one padding document (ignored by the loss, seen by no real token)
                 to round it up. Use ``layout="documents"`` for balanced causal work.
 
         Raises ValueError for an iterable-style dataset (it cannot be split by index over dp),
-        and for ``pack=True`` with a ``collate_fn`` (packing is the collate function).
+        for ``sampler=`` / ``batch_sampler=`` (the plugin's DistributedSampler would replace
+        them; a subset is a ``torch.utils.data.Subset``), and for ``pack=True`` with a
+        ``collate_fn`` (packing is the collate function).
         """
         if isinstance(dataset, IterableDataset):
             raise ValueError("prepare_dataloader needs a map-style dataset (len and indexing) to "
                              "split samples over the data-parallel groups")
-        kwargs.pop("sampler", None)
+        for key in ("sampler", "batch_sampler"):
+            if kwargs.get(key) is not None:
+                raise ValueError(
+                    f"prepare_dataloader: {key}= cannot be used: the plugin splits the samples "
+                    f"over the data-parallel groups with its own DistributedSampler (shuffle, "
+                    f"seed, drop_last); got {type(kwargs[key]).__name__}. For a subset (a "
+                    f"train split) pass torch.utils.data.Subset(dataset, indices)")
+            kwargs.pop(key, None)
         if pack:
             if "collate_fn" in kwargs:
                 raise ValueError("prepare_dataloader(pack=True) packs the batch itself; drop the "
@@ -360,11 +370,27 @@ class RingSequenceParallelPlugin(Plugin):
         if not isinstance(dataloader, DataLoader):
             raise ValueError(f"dataloader must be a torch DataLoader or the result of "
                              f"plugin.prepare_dataloader, got {type(dataloader).__name__}")
+        # The loader is rebuilt over the dp groups with a DistributedSampler: only a plain
+        # sequential or shuffling order over the whole dataset carries over; any other
+        # sampler (a subset, weights, a batch sampler) would be lost without a word.
+        sampler = dataloader.sampler
+        plain = isinstance(sampler, SequentialSampler) or (
+            isinstance(sampler, RandomSampler) and not sampler.replacement
+            and sampler._num_samples is None)
+        if dataloader.batch_size is None or not plain:
+            what = (f"batch_sampler {type(dataloader.batch_sampler).__name__}"
+                    if dataloader.batch_size is None else f"sampler {type(sampler).__name__}")
+            raise ValueError(
+                f"dataloader: the plugin rebuilds the loader with its own DistributedSampler "
+                f"over the data-parallel groups, which would drop this loader's {what}; pass a "
+                f"DataLoader with batch_size and shuffle=True/False only (a subset: "
+                f"torch.utils.data.Subset), or build it with plugin.prepare_dataloader")
         return self.prepare_dataloader(
             dataloader.dataset, dataloader.batch_size,
-            shuffle=isinstance(dataloader.sampler, RandomSampler), drop_last=dataloader.drop_last,
+            shuffle=isinstance(sampler, RandomSampler), drop_last=dataloader.drop_last,
             pin_memory=dataloader.pin_memory, num_workers=dataloader.num_workers,
-            collate_fn=dataloader.collate_fn)
+            collate_fn=dataloader.collate_fn, worker_init_fn=dataloader.worker_init_fn,
+            timeout=dataloader.timeout)
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
                   lr_scheduler=None):

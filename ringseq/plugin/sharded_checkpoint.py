@@ -30,6 +30,9 @@ import torch.distributed as dist
 from .._dist import agree_or_raise
 from .checkpoint import ReplicatedCheckpointIO, _is_writer, _load, _save, _unwrap, _write
 
+# The fp16 grad scaler's state inside a sharded optimizer checkpoint's directory.
+_SCALER_FILE = "grad_scaler.pt"
+
 __all__ = ["DistributedCheckpointIO", "INDEX_NAME"]
 
 INDEX_NAME = "pytorch_model.bin.index.json"
@@ -174,8 +177,9 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             full_state_dict=True, strict=strict))
 
     def save_optimizer(self, optimizer, checkpoint: str, sharded=None, **_) -> None:
-        """Sharded models (or ``sharded=True``): a ``torch.distributed.checkpoint`` directory;
-        otherwise the plain ``torch.optim`` state dict file."""
+        """Sharded models (or ``sharded=True``): a ``torch.distributed.checkpoint`` directory,
+        with the fp16 grad scaler's state in it as ``grad_scaler.pt``; otherwise the plain
+        ``torch.optim`` state dict file (and ``<path>.grad_scaler``)."""
         model = getattr(optimizer, "model", None)
         if sharded is None:
             sharded = model is not None and _is_sharded(model)
@@ -188,6 +192,9 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         state = get_optimizer_state_dict(model, _unwrap(optimizer))
         dcp.save({"optimizer": state}, checkpoint_id=checkpoint)
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None:  # (dcp reads only the files its metadata lists)
+            _save(scaler.state_dict(), os.path.join(checkpoint, _SCALER_FILE))
 
     def load_optimizer(self, optimizer, checkpoint: str, **_) -> None:
         """Loads either format into this mesh's optimizer (resharding as needed)."""
@@ -203,6 +210,10 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             state = get_optimizer_state_dict(model, opt)  # this mesh's layout, to fill in
             dcp.load({"optimizer": state}, checkpoint_id=checkpoint)
             set_optimizer_state_dict(model, opt, state)
+            scaler = getattr(optimizer, "scaler", None)
+            scaler_file = os.path.join(checkpoint, _SCALER_FILE)
+            if scaler is not None and os.path.exists(scaler_file):
+                _load(scaler_file, lambda s: None, scaler.load_state_dict)
             return None
         plain = _load(checkpoint, lambda s: None, lambda s: s)
         set_optimizer_state_dict(model, opt, _fqn_optimizer_state(optimizer, plain),

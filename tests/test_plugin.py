@@ -270,7 +270,8 @@ def _error_cases(state_dict, ckpt_dir):
     from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, SubsetRandomSampler
     subset = DataLoader(_dataset(), batch_size=1, sampler=SubsetRandomSampler([0, 1]))
     out["loader_sampler"] = error_text(lambda: booster.boost(_model(state_dict), dataloader=subset))
-    batches = DataLoader(_dataset(), batch_sampler=BatchSampler(SequentialSampler(range(4)), 2, False))
+    batches = DataLoader(_dataset(),
+                         batch_sampler=BatchSampler(SequentialSampler(range(4)), 2, False))
     out["loader_batch_sampler"] = error_text(lambda: booster.boost(_model(state_dict),
                                                                    dataloader=batches))
     out["prepare_sampler"] = error_text(lambda: booster.plugin.prepare_dataloader(

@@ -298,8 +298,8 @@ class RingSequenceParallelPlugin(Plugin):
                 documents (:func:`ringseq.plugin.dataloader.pack_documents`, like
                 transformers' ``DataCollatorWithFlattening``); every document attends only to
                 itself and no target crosses a document. A batch whose total is not a multiple
-                of what the layout needs (``sp``; ``2 * sp`` for zigzag) gets one padding document (ignored by the loss, seen by no real token)
-                to round it up. Use ``layout="documents"`` for balanced causal work.
+                of what the layout needs (``sp``; ``2 * sp`` for zigzag) gets one padding
+                document (ignored by the loss, seen by no real token) to round it up. Use ``layout="documents"`` for balanced causal work.
 
         Raises ValueError for an iterable-style dataset (it cannot be split by index over dp),
         for ``sampler=`` / ``batch_sampler=`` (the plugin's DistributedSampler would replace

@@ -179,8 +179,12 @@ def set_consistency_check(mode=True) -> None:
     every rank raise :class:`RingBrokenError` -- before any payload of a mismatching call
     moves, so nothing hangs and nothing is computed from mismatched data.
     ``False`` / ``"off"``: no control collectives. Exchange headers still catch desynchronized
-    steps (RingDesyncError), but ranks that disagree on sizes may hang or abort in the
-    transport, and a failing rank can leave its peers waiting until the ring timeout.
+    steps on the rank next to the one out of step (RingDesyncError), but ranks that disagree
+    on sizes may hang or abort in the transport, a failing rank can leave its peers waiting
+    until the ring timeout, and a rank that fails inside a call (it still completes the
+    call's exchanges) can leave its peers with results that silently miss its part, e.g. dK/dV
+    without its contribution: only the failing rank raises. Turn the checks off only where
+    every call is known to succeed on every rank.
     The environment variable ``RINGSEQ_CHECK_CONSISTENCY`` (``1``/``first``/``always``,
     ``0``/``off``; anything else raises) sets the initial mode. Every rank must use the same
     mode.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -41,11 +42,12 @@ class FaultyBackend(AttentionBackend):
     def __init__(self):
         self.inner = get_backend("reference")
         self.count, self.fail_at, self.armed = 0, -1, False
+        self.exc = InjectedFault  # what it raises
 
     def _tick(self):
         self.count += 1
         if self.armed and self.count == self.fail_at:
-            raise InjectedFault(f"injected fault at kernel call {self.count}")
+            raise self.exc(f"injected fault at kernel call {self.count}")
 
     def _fwd(self, q, k, v, scale, causal):
         self._tick()
@@ -99,6 +101,24 @@ def _case_fault_inside_call(fail_rank):
     res["later_again"] = _capture(lambda: _fwd_bwd(*loc))
     ringseq.reset_ring()
     res["after_reset_err"] = _err(_fwd_bwd(*loc), want)
+    return res
+
+
+def _case_interrupt_inside_call(fail_rank):
+    """Ctrl-C (KeyboardInterrupt) on one rank inside a ring call, caught by the user's loop (a
+    notebook): the call's exchanges still complete, so the other ranks raise at once."""
+    rank, w = dist.get_rank(), dist.get_world_size()
+    full = _full(1, 6 * w)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    be = FaultyBackend()
+    be.fail_at, be.armed, be.exc = 2, rank == fail_rank, KeyboardInterrupt
+    t0 = time.monotonic()
+    try:
+        res = {"interrupt": ("ok", _fwd_bwd(*loc, backend=be))}
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is the case
+        res = {"interrupt": (type(exc).__name__, str(exc), time.monotonic() - t0)}
+    ringseq.reset_ring()
+    res["after_reset_err"] = _err(_fwd_bwd(*loc), _reference_shards(full, "zigzag"))
     return res
 
 
@@ -356,6 +376,7 @@ def _worker_w2(tmp):
     rank = dist.get_rank()
     os.environ["RINGSEQ_TEST_MARKER"] = os.path.join(tmp, f"pwned{rank}")
     res = {"unshard": _case_unshard_mismatch(),
+           "interrupt": _case_interrupt_inside_call(fail_rank=1),
            "fault": _case_fault_inside_call(fail_rank=1),
            "skip_backward": _case_skip_backward(),
            "later_change": _case_later_argument_change(),
@@ -464,6 +485,15 @@ def test_fault_inside_a_call_raises_everywhere_and_breaks_the_ring(w2, w4, world
             _is_fast_error(res["later"], "RingBrokenError", "reset_ring")
         _is_fast_error(res["later_again"], "RingBrokenError", "reset_ring")
         assert res["after_reset_err"] < 1e-10
+
+
+def test_interrupt_inside_a_call_raises_everywhere_at_once(w2):
+    for r, res in enumerate(w2):
+        if r == 1:
+            _is_fast_error(res["interrupt"]["interrupt"], "KeyboardInterrupt", "injected fault")
+        else:
+            _is_fast_error(res["interrupt"]["interrupt"], "RingBrokenError", "rank 1 failed")
+        assert res["interrupt"]["after_reset_err"] < 1e-10
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -267,10 +267,12 @@ class RingCall:
     @contextlib.contextmanager
     def guard(self):
         """Turns an exception of this rank's own work into a recorded failure, so that the
-        exchanges the peers wait for still happen."""
+        exchanges the peers wait for still happen. KeyboardInterrupt too: a Ctrl-C that the
+        user's loop catches (a notebook) would otherwise leave the peers waiting for this
+        rank's exchanges until the ring timeout; it is re-raised once the call has ended."""
         try:
             yield
-        except Exception as exc:  # noqa: BLE001 - re-raised by end()/begin()
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - re-raised by end()/begin()
             self.fail(exc)
 
     def begin(self) -> None:

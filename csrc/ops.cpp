@@ -425,6 +425,9 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   if (delta_opt.has_value()) {
     delta = *delta_opt;
     check_stat(delta, "delta", q);
+    check_written(dq, dq_name, {{&delta, "delta"}});
+    check_written(dk, dk_name, {{&delta, "delta"}});
+    check_written(dv, dv_name, {{&delta, "delta"}});
   } else if (!q.is_cpu()) {
     delta = torch_delta(dout, out);  // the CPU kernel sums its own, in its dP GEMM's order
   }

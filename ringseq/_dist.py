@@ -151,6 +151,46 @@ class RingPeerError(ValueError):
         self.ranks = list(ranks)
 
 
+def agree_on_fields(ok: bool, message: str, fields, group=None, *,
+                    error: Optional[BaseException] = None, what: str = "call") -> None:
+    """Collective for a function outside ring attention that all ranks of ``group`` call
+    together (one all-gather of a few ints): returns when every rank is ``ok`` and passed the
+    same ``fields``, ``(name, int, describe)`` with ``describe(int) -> str`` or None (the
+    same names in the same order on every rank; at most 30). Else raises on every rank: the
+    ranks that were not ok ``error`` (or a ValueError with ``message``), the others
+    :class:`RingPeerError` naming them and their messages unknown here; when all were ok but
+    a field differs, :class:`RingMismatchError` naming each field and every rank's value."""
+    world, rank = group_info(group)
+    if world == 1:
+        if not ok:
+            raise error if error is not None else ValueError(message)
+        return
+    if len(fields) > 30:
+        raise ValueError(f"agree_on_fields: at most 30 fields, got {len(fields)}")
+    values = [0 if ok else 1] + [int(f[1]) for f in fields]
+    vec = torch.tensor(values + [0] * (31 - len(values)), dtype=torch.int64,
+                       device=_collective_device(group, None))
+    parts = [torch.empty_like(vec) for _ in range(world)]
+    dist.all_gather(parts, vec, group=group)
+    rows = [p.tolist() for p in parts]
+    failed = [global_rank(group, r) for r, row in enumerate(rows) if row[0]]
+    if not ok:
+        raise error if error is not None else ValueError(message)
+    if failed:
+        raise RingPeerError(f"ringseq: {what} not run: rank(s) {failed} of the group refused "
+                            f"its arguments (see their errors)", ranks=failed)
+    diffs = []
+    for j, (name, _, describe) in enumerate(fields):
+        column = [row[1 + j] for row in rows]
+        if len(set(column)) > 1:
+            show = describe or str
+            diffs.append(f"{name} (" + ", ".join(f"rank {r}: {show(c)}" for r, c in
+                                                   enumerate(column)) + ")")
+    if diffs:
+        raise RingMismatchError(f"ringseq: {what}: the ranks were called with different "
+                                f"arguments: " + "; ".join(diffs))
+
+
 _MODES = {"first": "first", "1": "first", "true": "first", "on": "first", "yes": "first",
           "always": "always",
           "off": "off", "0": "off", "false": "off", "no": "off"}

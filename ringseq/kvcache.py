@@ -63,6 +63,14 @@ def _row_ints(fn: str, name: str, x, batch: int, device, allow_int: bool = False
     return x.to(device=device, dtype=torch.int32).contiguous()
 
 
+def _given_values(x, batch: int):
+    """The per-row values of an argument _row_ints accepted, as the caller gave it, when
+    reading them costs no device synchronization (an int, or a CPU tensor), else None."""
+    if isinstance(x, numbers.Integral):
+        return [int(x)] * batch
+    return x.tolist() if x.device.type == "cpu" else None
+
+
 def _host_values(t: torch.Tensor):
     """The values of a small index tensor when reading them costs no device synchronization
     (CPU tensors), else None: checks that need them run on CPU inputs only."""
@@ -567,8 +575,10 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     scale = resolve_scale(softmax_scale, d)
     # What every rank must pass alike (the docstring's "the same on every rank"; the cache
     # shards' capacity may differ). cache_seqlens and cache_leftpad are compared by a hash of
-    # their values where reading them costs no device synchronization (CPU tensors or ints).
-    starts_host = _host_values(starts)
+    # their values as given, where reading them costs no device synchronization (ints, CPU
+    # tensors; before _row_ints moved them to q's device).
+    lengths_given = _given_values(cache_seqlens, b)
+    starts_given = [0] * b if cache_leftpad is None else _given_values(cache_leftpad, b)
     signature = (
         ("batch", b), ("seqlen_q", s_q), ("nheads", h), ("headdim", d), ("nheads_k", h_kv),
         ("dtype", dtype_code(q.dtype), "dtype"), ("seqlen_new", s_new),
@@ -578,8 +588,8 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         ("rotary_dim", 0 if rotary_cos is None else 2 * rotary_cos.shape[1]),
         ("rotary_interleaved", rotary_interleaved, "bool"),
         ("return_softmax_lse", return_softmax_lse, "bool"), ("num_splits", int(num_splits)),
-        ("cache_seqlens (hash)", 0 if host is None else stable_hash_ints(host)),
-        ("cache_leftpad (hash)", 0 if starts_host is None else stable_hash_ints(starts_host)),
+        ("cache_seqlens (hash)", 0 if lengths_given is None else stable_hash_ints(lengths_given)),
+        ("cache_leftpad (hash)", 0 if starts_given is None else stable_hash_ints(starts_given)),
     )
     return dict(q=q, kc=k_cache_shard, vc=v_cache_shard, k=k, v=v, lengths=lengths,
                 starts=starts, homes=homes, rank=rank, causal=causal, window=window,

@@ -66,8 +66,9 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     by the data-parallel size only, as usual.
 
     Raises ValueError when the leading shapes of ``logits`` and ``labels`` differ, ``labels``
-    is not an integer tensor (float, bool) or a label is outside the vocabulary; then every other rank of ``group`` raises ``RingPeerError`` naming
-    this rank and the error (the ranks agree on the control channel before the reduction).
+    is not an integer tensor (float, bool) or a label is outside the vocabulary; then every
+    other rank of ``group`` raises ``RingPeerError`` naming this rank and the error (the ranks
+    agree on the control channel before the reduction).
     """
     world_size, _ = group_info(group)
     # float32 at least: bf16 log-softmax over a large vocabulary loses the loss's digits

@@ -119,11 +119,20 @@ def span_tasks(q_runs: Sequence[Run], k_runs: Sequence[Run], mask: AttnMask):
     spans = []
     for q, dq in split_runs_at_documents(q_runs, mask.cu_seqlens):
         for k in by_doc.get(dq, ()):
-            if q.stride != k.stride or q.length == 0 or k.length == 0:
+            if q.length == 0 or k.length == 0:
                 continue
-            sp = _span(q, k, lo_g, hi_g)
-            if sp is not None:
-                spans.append(sp)
+            if q.stride == k.stride:
+                pieces = [q]
+            else:
+                # No common stride (a custom layout's generic runs): one query row at a time,
+                # as a run of k's stride (a single position fits any stride). Built-in layouts
+                # give every rank runs of one stride, so they never come here.
+                pieces = [Run(q.local + i, 1, q.start + i * q.stride, k.stride)
+                          for i in range(q.length)]
+            for piece in pieces:
+                sp = _span(piece, k, lo_g, hi_g)
+                if sp is not None:
+                    spans.append(sp)
     # Greedy grouping: a span joins the first batch where its q rows and kv rows are new.
     batches: List[List[Span]] = []
     used: List[Tuple[list, list]] = []

@@ -270,8 +270,9 @@ def named_layout(fn: str, layout, takes_documents: bool = True):
         raise ValueError(
             f"{fn}: layout {lay.name!r} is per batch: it needs each batch's GLOBAL document "
             f"boundaries, which {fn} does not take; pass a layout bound to them, "
-            f"ringseq.layouts.{lay.cls.__name__}(cu_seqlens), or call "
-            f"ringseq.ring_flash_attn_func(..., layout={lay.name!r}, cu_seqlens=...)")
+            f"ringseq.layouts.{lay.cls.__name__}(cu_seqlens), or call the flash-attn form, "
+            f"which takes them: ringseq.ring_flash_attn_func or, on a hybrid mesh, "
+            f"ringseq.usp_attn_func (..., layout={lay.name!r}, cu_seqlens=...)")
     return lay
 
 

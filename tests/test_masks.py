@@ -71,6 +71,47 @@ def test_windows_every_layout_and_world_size(layout, w, causal):
         _check(got, want)
 
 
+class _ZigzagWithoutRuns(ringseq.layouts.Layout):
+    """zigzag's placement and tasks without its ``runs``: the generic runs then differ in
+    stride between ranks (rank 0 of W = 2 at s = 4 holds positions 0 and 3, rank 1 holds 1 and
+    2), as a user's layout that defines only positions and tasks would."""
+    name = "zigzag_without_runs_test"
+    multiple = ringseq.layouts.Zigzag.multiple
+    _positions = ringseq.layouts.Zigzag._positions
+    _tasks = ringseq.layouts.Zigzag._tasks
+
+
+class _HalfStriped(ringseq.layouts.Layout):
+    """First half striped over the ranks, second half in contiguous chunks: runs of stride W
+    and of stride 1 on every rank."""
+    name = "half_striped_test"
+
+    def multiple(self, world_size):
+        return 2 * world_size
+
+    def _positions(self, seqlen, world_size, rank):
+        half = seqlen // 2
+        n = half // world_size
+        return torch.cat([torch.arange(rank, half, world_size),
+                          torch.arange(half + rank * n, half + (rank + 1) * n)])
+
+    def _tasks(self, rank, src, world_size, s_local):  # only masked schedules are used here
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("layout", [_ZigzagWithoutRuns(), _HalfStriped()], ids=lambda l: l.name)
+@pytest.mark.parametrize("w", [2, 4])
+def test_custom_layouts_runs_of_different_strides_under_masks(layout, w):
+    """A window or document mask on a layout whose ranks' runs have different strides: the
+    pairs between such runs are computed too (one query row at a time), exactly."""
+    s = layout.multiple(w) * 3
+    q, k, v, dout = _qkv(w, 1, s, 2, 1)
+    for window, cu in (((5, -1), None), ((-1, -1), [0, s]), ((-1, -1), [0, 5, s])):
+        got = ringseq.simulate_ring(q, k, v, layout, w, True, backend=DENSE, dout=dout,
+                                    window_size=window, cu_seqlens=cu)
+        _check(got, _reference(q, k, v, dout, global_mask(s, s, True, window, cu_seqlens=cu)))
+
+
 def test_softcap_with_windows():
     for layout, w in (("contiguous", 4), ("zigzag", 2), ("stripe", 3)):
         s = get_layout(layout).multiple(w) * 4

@@ -281,9 +281,9 @@ def test_fitting_meshes_names_a_bad_option(option, needle):
     # a misspelled option is an error, not "no mesh fits"
     with pytest.raises(ValueError, match=needle):
         mem.fitting_meshes(LLAMA8B, world_size=8, seqlen=4096, device_memory=80 * GiB, **option)
-    with pytest.raises(TypeError, match="activation_checkpointing"):
+    with pytest.raises(TypeError, match="optimiser"):  # a misspelled keyword
         mem.fitting_meshes(LLAMA8B, world_size=8, seqlen=4096, device_memory=80 * GiB,
-                           activation_checkpointing=True)
+                           optimiser="adamw")
     assert mem.fitting_meshes(LLAMA8B, world_size=8, seqlen=4096, device_memory=80 * GiB)
 
 

@@ -124,6 +124,8 @@ def test_accumulators_must_not_share_memory():
         torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, 0.25, False, None, dq, dk, within(dout, dv))
     with pytest.raises(ValueError, match="dq_accum shares memory with dk_accum"):
         torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, 0.25, False, None, dq, within(dq, dk), dv)
+    with pytest.raises(ValueError, match="dq_accum shares memory with delta"):
+        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, 0.25, False, within(dq, lse), dq, dk, dv)
     out_acc, lse_acc = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
     with pytest.raises(ValueError, match="out_acc shares memory with q"):
         torch.ops.ringseq.fwd_accum(q, k, v, 0.25, False, q, lse_acc)

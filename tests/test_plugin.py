@@ -207,8 +207,9 @@ def _summed_twice_case(state_dict):
         booster.backward(criterion(model(**batch), batch), opt)
     before = [p.detach().clone() for p in model.unwrap().parameters()]
     out = {"step": error_text(opt.step)}
+    out["step_again"] = error_text(opt.step)  # still wrong: still refused
     out["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.unwrap().parameters()))
-    opt.zero_grad()
+    model.zero_grad()  # the boosted model's zero_grad clears the count too
     batch = next(batches)
     booster.backward(criterion(model(**batch), batch), opt)
     opt.step()
@@ -278,6 +279,8 @@ def _error_cases(state_dict, ckpt_dir):
         _dataset(), batch_size=1, sampler=SubsetRandomSampler([0, 1])))
     shuffled = DataLoader(_dataset(), batch_size=2, shuffle=True)  # a plain order carries over
     out["loader_shuffle"] = len(booster.boost(_model(state_dict), dataloader=shuffled)[3])
+    unbatched = DataLoader(_dataset(), batch_size=None)  # a dataset that yields whole batches
+    out["loader_unbatched"] = len(booster.boost(_model(state_dict), dataloader=unbatched)[3])
     from torch.distributed.device_mesh import init_device_mesh
     wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "seq"))
     out["mesh_names"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=2, mesh=wrong))
@@ -471,6 +474,7 @@ def test_gradients_summed_twice_are_refused_at_the_step(run):
     for r in run["ranks"]:
         got = r["summed_twice"]
         assert got["step"].startswith("ValueError: OptimizerWrapper.step: 2 backward passes"), got
+        assert got["step_again"] == got["step"], got
         assert "booster.no_sync(model)" in got["step"], got
         assert got["unchanged"] and got["stepped"], got
         for key in ("no_sync_without_model", "no_sync_user_module"):
@@ -524,6 +528,7 @@ def test_misconfigurations_fail_on_every_rank(run):
             "Subset" in e["prepare_sampler"], e["prepare_sampler"]
         # 20 samples over dp = 2 groups, 2 per batch: 5 batches per group
         assert e["loader_shuffle"] == len(_dataset()) // 2 // 2, e["loader_shuffle"]
+        assert e["loader_unbatched"] == len(_dataset()) // 2, e["loader_unbatched"]
         save = e["save_error"]
         if r is run["ranks"][0]:
             assert not save.startswith("ValueError") and "a_file" in save, save

@@ -269,7 +269,8 @@ class RingCall:
         """Turns an exception of this rank's own work into a recorded failure, so that the
         exchanges the peers wait for still happen. KeyboardInterrupt too: a Ctrl-C that the
         user's loop catches (a notebook) would otherwise leave the peers waiting for this
-        rank's exchanges until the ring timeout; it is re-raised once the call has ended."""
+        rank's exchanges until the ring timeout; it is re-raised once the call has ended
+        (a second Ctrl-C while the call waits on a peer interrupts that wait)."""
         try:
             yield
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - re-raised by end()/begin()

@@ -8,8 +8,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._dist import group_info
-from .base import check_rank, get_layout
+from .._dist import agree_on_fields, group_info
+from .base import check_rank, get_layout, layout_name_of_code
+
+# Dtypes by index, for the cross-rank check of unshard's arguments.
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+           torch.bool)
 
 __all__ = ["positions", "positions_local", "shard", "shard_local", "unshard", "unshard_local"]
 
@@ -106,13 +110,11 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     ``x_local`` unchanged.
 
     Raises ValueError when this rank's shard length cannot be the layout's (the other ranks
-    raise ``ringseq.RingPeerError`` naming this one) and, with the consistency checks on (the
-    default), ``ringseq.RingMismatchError`` (a ValueError) on every rank when the ranks' shapes,
-    dtypes, layouts or ``dim`` differ: one control collective before the all-gather, which
-    would otherwise pair mismatched shards or wait forever.
+    raise ``ringseq.RingPeerError`` naming this one), and ``ringseq.RingMismatchError`` (a
+    ValueError) on every rank when the ranks' shapes, dtypes, layouts or ``dim`` differ: one
+    small all-gather before the tensors' own, which would otherwise pair mismatched shards or
+    wait forever.
     """
-    from ..engine.ring import get_ring
-    from ..spec import dtype_code
     lay = get_layout(layout)
     world_size, rank = group_info(group)
     dim = dim % x_local.dim()
@@ -124,8 +126,10 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     except ValueError as exc:
         problem = exc
     shape = tuple(x_local.shape)
-    fields = ((("ndim", len(shape)),) + tuple((f"shape[{i}]", n) for i, n in enumerate(shape[:16]))
-              + (("dtype", dtype_code(x_local.dtype), "dtype"), ("layout", lay.code, "layout"),
-                 ("dim", dim)))
-    get_ring(group).agree(problem is None, str(problem), error=problem, fields=fields)
+    dtypes = _DTYPES + (x_local.dtype,)  # another dtype: shown as this rank's (if it differs)
+    fields = ((("ndim", len(shape), None),)
+              + tuple((f"shape[{i}]", n, None) for i, n in enumerate(shape[:16]))
+              + (("dtype", dtypes.index(x_local.dtype), lambda c: str(dtypes[c])),
+                 ("layout", lay.code, layout_name_of_code), ("dim", dim, None)))
+    agree_on_fields(problem is None, str(problem), fields, group, error=problem, what="unshard")
     return _Unshard.apply(x_local, lay, group, world_size, rank, dim)

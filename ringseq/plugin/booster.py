@@ -59,7 +59,9 @@ class Booster:
 
     def no_sync(self, model: nn.Module = None, optimizer=None):
         """Context for gradient accumulation: backward passes inside it do not communicate;
-        the first backward outside it reduces the accumulated gradients."""
+        the first backward outside it reduces the accumulated gradients. ``model``: the
+        boosted model (RingSequenceParallelPlugin raises ValueError for anything else, None
+        included: there would be no reduction to skip)."""
         if not self.plugin.support_no_sync():
             raise RuntimeError(f"{type(self.plugin).__name__} does not support no_sync")
         return self.plugin.no_sync(model, optimizer)

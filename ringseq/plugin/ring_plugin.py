@@ -298,8 +298,10 @@ class RingSequenceParallelPlugin(Plugin):
                 documents (:func:`ringseq.plugin.dataloader.pack_documents`, like
                 transformers' ``DataCollatorWithFlattening``); every document attends only to
                 itself and no target crosses a document. A batch whose total is not a multiple
-                of what the layout needs (``sp``; ``2 * sp`` for zigzag) gets one padding
-                document (ignored by the loss, seen by no real token) to round it up. Use ``layout="documents"`` for balanced causal work.
+                of what the mesh needs (``plugin.dims.seq_multiple(layout)``: ``sp``, ``2 * sp``
+                for zigzag, times ``tp``) gets one padding document (ignored by the loss, seen
+                by no real token) to round it up. Use ``layout="documents"`` for balanced
+                causal work.
 
         Raises ValueError for an iterable-style dataset (it cannot be split by index over dp),
         for ``sampler=`` / ``batch_sampler=`` (the plugin's DistributedSampler would replace
@@ -374,12 +376,14 @@ class RingSequenceParallelPlugin(Plugin):
         # sequential or shuffling order over the whole dataset carries over; any other
         # sampler (a subset, weights, a batch sampler) would be lost without a word.
         sampler = dataloader.sampler
+        # (RandomSampler keeps an explicit num_samples privately; len(dataset) is the default)
         plain = isinstance(sampler, SequentialSampler) or (
             isinstance(sampler, RandomSampler) and not sampler.replacement
-            and sampler._num_samples is None)
-        if dataloader.batch_size is None or not plain:
+            and getattr(sampler, "_num_samples", None) in (None, len(dataloader.dataset)))
+        custom_batches = dataloader.batch_size is None and dataloader.batch_sampler is not None
+        if custom_batches or not plain:
             what = (f"batch_sampler {type(dataloader.batch_sampler).__name__}"
-                    if dataloader.batch_size is None else f"sampler {type(sampler).__name__}")
+                    if custom_batches else f"sampler {type(sampler).__name__}")
             raise ValueError(
                 f"dataloader: the plugin rebuilds the loader with its own DistributedSampler "
                 f"over the data-parallel groups, which would drop this loader's {what}; pass a "
@@ -475,7 +479,7 @@ class RingSequenceParallelPlugin(Plugin):
         step = StepTag()  # the loader's batch number tags the ring calls of each step
         if dataloader is not None:
             dataloader.tag = step
-        model = ModelWrapper(model, self.precision, self.reporter, step)
+        model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
         if dims.zero_stage == 0 and dims.tp_size > 1:
             model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):

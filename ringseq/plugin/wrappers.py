@@ -12,8 +12,8 @@ from .._dist import RingError, RingMismatchError
 from ..engine.integrity import call_tag
 from ..loss import report_step_failure, sharded_cross_entropy
 
-__all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads", "SequenceParallelLoss",
-           "StepTag"]
+__all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads",
+           "SequenceParallelLoss", "StepTag"]
 
 # Keys of a sharded batch that are targets for the criterion, not model inputs.
 TARGET_KEYS = ("shift_labels",)
@@ -44,12 +44,18 @@ class ModelWrapper(nn.Module):
     """
 
     def __init__(self, module: nn.Module, precision, reporter: "FailureReporter" = None,
-                 step: StepTag = None):
+                 step: StepTag = None, reduced: "ReducedGrads" = None):
         super().__init__()
         self.module = module
         self._precision = precision
         self._reporter = reporter
         self._step = StepTag() if step is None else step
+        self._reduced = reduced  # the reductions' count (ReducedGrads), reset by zero_grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        if self._reduced is not None:
+            self._reduced.clear()
 
     def unwrap(self) -> nn.Module:
         m = self.module
@@ -75,8 +81,9 @@ class ReducedGrads:
     summed sums them again, W times too large, without any error (DDP's usual average would
     keep them). The reduction calls :meth:`mark` once per backward; the boosted optimizer's
     ``step`` calls :meth:`check_once` first, which raises ValueError (on every rank: the ranks
-    run the same steps) when more than one backward was reduced, and its ``step`` /
-    ``zero_grad`` call :meth:`clear`."""
+    run the same steps) when more than one backward was reduced; the boosted optimizer's
+    ``step`` / ``zero_grad`` and the boosted model's ``zero_grad`` call :meth:`clear` (gradients
+    cleared another way, e.g. ``p.grad = None``, are not seen: clear through those)."""
 
     def __init__(self):
         self.count = 0
@@ -88,14 +95,15 @@ class ReducedGrads:
         self.count = 0
 
     def check_once(self) -> None:
+        # The count stays: the gradients stay wrong until they are cleared (zero_grad).
         if self.count > 1:
-            n, self.count = self.count, 0
             raise ValueError(
-                f"OptimizerWrapper.step: {n} backward passes summed the gradients over the "
-                f"ranks since the last step or zero_grad, so the summed gradients of the earlier "
-                f"ones were summed again (W times too large); not stepping. For gradient "
+                f"OptimizerWrapper.step: {self.count} backward passes summed the gradients over "
+                f"the ranks since the last step or zero_grad, so the summed gradients of the "
+                f"earlier ones were summed again (W times too large); not stepping. For gradient "
                 f"accumulation run every micro-batch but the last inside booster.no_sync(model); "
-                f"call optimizer.zero_grad() between steps")
+                f"clear the gradients with optimizer.zero_grad() or model.zero_grad() (of the "
+                f"boosted optimizer or model: they reset this count) before the next step")
 
 
 class FailureReporter:
@@ -203,7 +211,8 @@ class OptimizerWrapper:
         self.optim.load_state_dict(state_dict)
 
     def __getattr__(self, name):
-        if name in ("optim", "scaler", "model", "_step", "reduced"):  # not yet set (unpickling): no recursion
+        # not yet set (unpickling): no recursion
+        if name in ("optim", "scaler", "model", "_step", "reduced"):
             raise AttributeError(name)
         return getattr(self.optim, name)
 

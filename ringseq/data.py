@@ -12,17 +12,21 @@ import torch
 
 from ._args import check_cu_seqlens
 from ._dist import group_info
-from .layouts import document_positions, get_layout, positions_local, shard_local
+from .layouts import (PerBatchDocuments, document_positions, get_layout, positions_local,
+                      shard_local)
 
 __all__ = ["shard_batch"]
 
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
 
 
-def _packed_documents(batch: Mapping, b: int, s: int) -> Optional[Tuple[int, ...]]:
+def _packed_documents(batch: Mapping, b: int, s: int,
+                      per_batch_layout: bool) -> Optional[Tuple[int, ...]]:
     """The global document boundaries of a packed batch, or None for a plain one: from
     ``cu_seq_lens_q`` (what transformers' DataCollatorWithFlattening returns with
-    ``return_flash_attn_kwargs=True``) or from position ids that restart at 0."""
+    ``return_flash_attn_kwargs=True``) or from position ids that restart at 0. For a
+    per-batch documents layout a one-row batch without either is one document (the collator
+    gives a batch of one sample position ids that never restart)."""
     cu = batch.get("cu_seq_lens_q")
     pos = batch.get("position_ids")
     if cu is not None:
@@ -34,6 +38,8 @@ def _packed_documents(batch: Mapping, b: int, s: int) -> Optional[Tuple[int, ...
     elif pos is not None and pos.shape[-1] == s and bool((pos.reshape(-1, s)[:, 1:] == 0).any()):
         starts = [0] + [i for i in range(1, s) if int(pos.reshape(-1, s)[0, i]) == 0]
         docs = tuple(starts) + (s,)
+    elif per_batch_layout and b == 1:
+        docs = (0, s)
     else:
         return None
     if b != 1:
@@ -91,7 +97,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             tensors whose sequence lengths differ, a length the layout cannot split (``W``;
             ``2W`` for zigzag; the total for ``"documents"``), malformed document boundaries
             or position ids of a packed batch, a packed batch of more than one row, or
-            ``"documents"`` for a batch that is not packed. Raised on every rank alike,
+            ``"documents"`` for a batch of several rows that is not packed (a one-row batch
+            without boundaries is one document). Raised on every rank alike,
             before any communication, since every rank holds the same full batch.
     """
     world_size, rank = group_info(group)
@@ -102,7 +109,11 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     else:
         raise ValueError("shard_batch needs `input_ids` (b, s) or `inputs_embeds` (b, s, hidden) "
                          f"in the batch, got keys {sorted(batch)}")
-    docs = _packed_documents(batch, b, s)
+    try:
+        per_batch = isinstance(get_layout(layout), PerBatchDocuments)
+    except ValueError as exc:
+        raise ValueError(f"shard_batch: {exc}") from None
+    docs = _packed_documents(batch, b, s, per_batch)
     try:
         lay = get_layout(layout).bind(docs)  # "documents": this batch's Documents layout
         lay.check_seqlen(s, world_size)

@@ -779,7 +779,7 @@ def _divisors(n: int) -> List[int]:
 
 
 def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_stage, precision,
-          optimizer, activation_checkpointing, sp_mode, ulysses_size) -> _Plan:
+          optimizer, activation_checkpointing, sp_mode, ulysses_size, layout) -> _Plan:
     shape = ModelShape.from_config(config)
     for name, v in (("seqlen", seqlen), ("micro_batch", micro_batch),
                     ("world_size", world_size), ("sp_size", sp_size), ("tp_size", tp_size)):
@@ -806,11 +806,16 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
     if shape.intermediate % tp_size:  # ringseq.parallel.tp: colwise gate/up split their rows
         raise ValueError(f"estimate_memory: tp_size={tp_size} must divide intermediate_size="
                          f"{shape.intermediate}")
-    # the plugin's default layout (zigzag on the ring dim) and the split of a shard over tp
-    multiple = dims.seq_multiple("zigzag")
+    # the data layout's multiple on the ring dim and the split of a shard over tp (the
+    # layout changes no size: every layout gives each rank s / sp tokens)
+    try:
+        multiple = dims.seq_multiple(layout)
+    except ValueError as exc:
+        raise ValueError(f"estimate_memory: {exc}") from None
     if seqlen % multiple:
+        name = getattr(layout, "name", layout)
         raise ValueError(f"estimate_memory: seqlen={seqlen} must be a multiple of {multiple} "
-                         f"(the zigzag layout over the ring, the sequence split over tp)")
+                         f"(the {name} layout over the ring, the sequence split over tp)")
     U, R = dims.ulysses_size, dims.ring_size
     return _Plan(shape=shape, b=micro_batch, seqlen=seqlen, world=world_size, sp=sp_size,
                  tp=tp_size, zero=zero_stage, precision=precision, optimizer=optimizer,
@@ -822,7 +827,7 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
                     sp_size: int, tp_size: int = 1, zero_stage: int = 0,
                     precision: str = "bf16", optimizer: str = "adamw",
                     activation_checkpointing: bool = False, sp_mode: str = "ring",
-                    ulysses_size: Optional[int] = None) -> MemoryEstimate:
+                    ulysses_size: Optional[int] = None, layout="zigzag") -> MemoryEstimate:
     """Per-rank memory of one training step (forward, backward, AdamW step), in bytes.
 
     Args:
@@ -840,6 +845,8 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
         activation_checkpointing: per decoder layer, keeping the attention output and lse
             (the recompute does not run the ring again).
         sp_mode, ulysses_size: as ``RingSequenceParallelPlugin``.
+        layout: the plugin's data layout (a name or a ``ringseq.layouts.Layout``): it decides
+            only what ``seqlen`` must be a multiple of.
 
     Returns a :class:`MemoryEstimate` (frozen). Raises KeyError for a config without a
     needed key (naming it), ValueError for sizes that do not fit together (naming the
@@ -848,7 +855,7 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
     p = _plan(config, seqlen=seqlen, micro_batch=micro_batch, world_size=world_size,
               sp_size=sp_size, tp_size=tp_size, zero_stage=zero_stage, precision=precision,
               optimizer=optimizer, activation_checkpointing=activation_checkpointing,
-              sp_mode=sp_mode, ulysses_size=ulysses_size)
+              sp_mode=sp_mode, ulysses_size=ulysses_size, layout=layout)
     t = _Terms(p)
     moments = _moments(p, t)
     name, live = max(moments, key=lambda m: sum(m[1].values()))
@@ -928,15 +935,15 @@ def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
                    **kwargs) -> List[MemoryEstimate]:
     """The estimates of every mesh (:func:`meshes`) whose peak fits in ``device_memory``
     bytes at ``seqlen``, best first (see ``_cost_key``). ``kwargs``: micro_batch, precision,
-    optimizer. Meshes whose sizes do not divide ``seqlen`` are left out.
+    optimizer, layout. Meshes whose sizes do not divide ``seqlen`` are left out.
 
     Raises TypeError for another keyword and ValueError for a bad option value (a misspelled
     precision or optimizer, micro_batch < 1, seqlen < 1), checked once on the plain
     data-parallel mesh before the search, rather than leaving every mesh out."""
-    extra = set(kwargs) - {"micro_batch", "precision", "optimizer"}
+    extra = set(kwargs) - {"micro_batch", "precision", "optimizer", "layout"}
     if extra:
         raise TypeError(f"fitting_meshes: unexpected keyword argument(s) {sorted(extra)}; it "
-                        f"takes micro_batch, precision and optimizer")
+                        f"takes micro_batch, precision, optimizer and layout")
     # the options' own errors (dp = world_size, nothing split: every seqlen >= 1 divides)
     estimate_memory(config, seqlen=seqlen, world_size=world_size, sp_size=1, **kwargs)
     fit = []
@@ -959,7 +966,8 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
     step = ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
                         tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
                         sp_mode=mesh.get("sp_mode", "ring"),
-                        ulysses_size=mesh.get("ulysses_size")).seq_multiple("zigzag")
+                        ulysses_size=mesh.get("ulysses_size")
+                        ).seq_multiple(mesh.get("layout", "zigzag"))
 
     def at(n):
         return estimate_memory(config, seqlen=n * step, **mesh)

@@ -237,6 +237,24 @@ def test_masked_schedule_covers_the_mask_exactly_once(name, w, mask):
     assert torch.equal(_coverage_masked(name, w, s, mask), _visible(mask, s)), (name, w, mask)
 
 
+def test_schedule_cache_keeps_the_recent_masks_only():
+    """A packed batch brings new cu_seqlens at every step: a long run must not grow a shared
+    layout's cache without bound, and a schedule computed again after it was dropped is the
+    same."""
+    from ringseq.layouts.base import SCHEDULE_CACHE_ENTRIES
+    lay = get_layout("zigzag")
+    first = AttnMask(causal=True, cu_seqlens=(0, 1, 32))
+    want = (lay.schedule(1, 2, 16, first), lay.hops(2, 16, first), lay.kv_rows(2, 16, first))
+    for cut in range(2, 32):
+        for w in range(2, 12):
+            mask = AttnMask(causal=True, cu_seqlens=(0, cut, 32))
+            lay.schedule(0, 2, 16, mask)
+            lay.hops(2, 16, AttnMask(causal=True, window=(w, -1), cu_seqlens=(0, cut, 32)))
+    assert len(lay.__dict__["_schedules"]) <= SCHEDULE_CACHE_ENTRIES
+    assert (lay.schedule(1, 2, 16, first), lay.hops(2, 16, first),
+            lay.kv_rows(2, 16, first)) == want
+
+
 def test_short_window_needs_one_hop_on_contiguous_shards():
     lay = get_layout("contiguous")
     for w in (2, 3, 4, 8):

@@ -349,3 +349,22 @@ def test_estimate_within_ten_percent_of_memtracker():
     phases = {r["peak_phase"].split(",")[0] if "layer" not in r["peak_phase"]
               else r["peak_phase"].split("'s ")[-1] for r in rows}
     assert {"loss backward", "optimizer step", "MLP", "attention"} <= phases, phases
+
+
+def test_layout_decides_only_the_length_multiple():
+    """The plugin's data layout changes no size (every layout gives each rank s / sp tokens);
+    it decides what the length must be a multiple of: 4100 tokens split over 4 ranks
+    contiguously or striped, not in zigzag's 8 chunks."""
+    contiguous = est(seqlen=4100, world_size=4, sp_size=4, layout="contiguous")
+    assert contiguous == est(seqlen=4100, world_size=4, sp_size=4, layout="stripe")
+    assert est(seqlen=4096, world_size=4, sp_size=4).total == est(
+        seqlen=4096, world_size=4, sp_size=4, layout="contiguous").total
+    with pytest.raises(ValueError, match=r"multiple of 8 \(the zigzag layout"):
+        est(seqlen=4100, world_size=4, sp_size=4)
+    with pytest.raises(ValueError, match="estimate_memory: unknown layout 'zigzig'"):
+        est(world_size=4, sp_size=4, layout="zigzig")
+    fits = mem.fitting_meshes(TINY, world_size=4, seqlen=4100, device_memory=1 << 40,
+                          layout="contiguous")
+    assert fits and all(e.seqlen == 4100 for e in fits)
+    assert mem.max_seqlen(TINY, device_memory=1 << 30, world_size=4, sp_size=4,
+                      layout="contiguous").seqlen % 4 == 0

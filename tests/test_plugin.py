@@ -125,7 +125,11 @@ def _train(sp, state_dict, ckpt_dir=None, layout="zigzag", steps=STEPS):
         losses.append(float(loss.detach()))
         if len(losses) == steps:
             break
+    # the memory planner takes the plugin's own layout: 3 tokens per sp rank suit a
+    # contiguous split (and the custom layout), not zigzag's 2 chunks per rank
+    estimate = error_text(lambda: plugin.estimate_memory(model, seqlen=3 * sp))
     out = {"losses": losses, "local_lens": sorted(local_lens), "dp": plugin.dp_size,
+           "estimate_odd_length": estimate,
            "grads": step_grads[0], "step_grads": step_grads,
            "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()},
            "impl": model.unwrap().config._attn_implementation}
@@ -412,6 +416,7 @@ def test_training_parity(run, case):
     sp = 2 if case == "dp2sp2" else 4
     assert first["impl"] == "ringseq"
     assert first["dp"] == WORLD // sp and first["local_lens"] == [SEQLEN // sp]
+    assert f"must be a multiple of {2 * sp} (the zigzag layout" in first["estimate_odd_length"]
     assert_steps_match_single_process(first, run["state_dict"], case)
     ref, plain = run["ref"], run["plain"]
     for r, res in enumerate(run["ranks"]):
@@ -433,6 +438,7 @@ def test_custom_layout_through_the_plugin(run):
     for r, res in enumerate(run["ranks"]):
         got = res["custom_layout"]
         assert got["impl"] == "ringseq" and got["local_lens"] == [SEQLEN // 2]
+        assert got["estimate_odd_length"] == "no error"
         loss = torch.tensor(got["losses"][:1], dtype=torch.float32)
         assert_close_per_design(loss, ref["losses"][:1], plain["losses"][:1],
                                 f"rank {r} custom layout loss", 2.0,

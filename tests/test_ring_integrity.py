@@ -212,6 +212,55 @@ def _case_threads():
     return result
 
 
+def _case_failure_before_the_call():
+    """Work the ring does before its call opens (the plan; the zero upstream gradient of a
+    backward) fails on rank 1 alone, as an out-of-memory error would: every rank raises at once
+    and the ring stays usable without a reset."""
+    from ringseq.engine import placement
+    rank, w = dist.get_rank(), dist.get_world_size()
+    full = _full(7, 6 * w)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    want = _reference_shards(full, "zigzag")
+
+    def failing_on_rank_1(real):
+        def fn(*args, **kwargs):
+            if rank == 1:
+                raise InjectedFault("injected fault before the call")
+            return real(*args, **kwargs)
+        return fn
+
+    res = {}
+    for stage, name in (("forward", "make_plan"), ("backward", "ring_dout")):
+        real = getattr(placement, name)
+        setattr(placement, name, failing_on_rank_1(real))
+        try:
+            res[stage] = _capture(lambda: _fwd_bwd(*loc))
+        finally:
+            setattr(placement, name, real)
+    res["after_err"] = _err(_fwd_bwd(*loc), want)
+    return res
+
+
+def _case_backward_tag():
+    """A backward carries the tag its forward ran under, not the one current where it runs
+    (an autograd worker thread, a later step's block): here each rank runs it under another
+    tag, and the gradients are exact."""
+    rank, w = dist.get_rank(), dist.get_world_size()
+    full = _full(8, 6 * w)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    want = _reference_shards(full, "zigzag")
+    q, k, v = (t.clone().requires_grad_() for t in loc)
+    with ringseq.call_tag(5):
+        out = ringseq.ring_flash_attn_func(q, k, v, causal=True, layout="zigzag")
+
+    def backward():
+        with ringseq.call_tag(100 + rank):
+            out.backward(torch.ones_like(out))
+        return _err((out.detach(), q.grad, k.grad, v.grad), want)
+
+    return {"backward": _capture(backward)}
+
+
 class _Attn(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -382,6 +431,8 @@ def _worker_w2(tmp):
            "later_change": _case_later_argument_change(),
            "double_backward": _case_double_backward(),
            "threads": _case_threads(),
+           "before_call": _case_failure_before_the_call(),
+           "backward_tag": _case_backward_tag(),
            "compile": _case_compile(),
            "checkpoints": _case_checkpoints(tmp),
            "many_groups": _case_many_groups(),
@@ -532,6 +583,46 @@ def test_concurrent_threads_get_a_clear_error(w2):
         t = res["threads"]
         _is_fast_error(t["other"], "RuntimeError", "is bound to thread", "own process group")
         assert t["main_err"] < 1e-10, t
+
+
+def test_failure_before_a_call_opens_raises_on_every_rank_at_once(w2):
+    for r, res in enumerate(w2):
+        for stage in ("forward", "backward"):
+            got = res["before_call"][stage]
+            if r == 1:
+                _is_fast_error(got, "InjectedFault", "injected fault before the call")
+            else:
+                _is_fast_error(got, "RingPeerError", "rank 1", "injected fault before the call")
+        assert res["before_call"]["after_err"] < 1e-10  # usable without reset_ring
+
+
+def test_backward_carries_its_forward_call_tag(w2):
+    for res in w2:
+        kind, err = res["backward_tag"]["backward"][:2]
+        assert kind == "ok", res["backward_tag"]
+        assert err < 1e-10
+
+
+def test_call_tags_belong_to_their_thread():
+    from ringseq.engine.integrity import current_tag
+    seen = {}
+
+    def other():
+        seen["other thread"] = current_tag()
+        with ringseq.call_tag(3):
+            seen["other thread, inside its block"] = current_tag()
+
+    with ringseq.call_tag(9):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(30)
+        seen["this thread"] = current_tag()
+    seen["after the block"] = current_tag()
+    assert seen == {"other thread": 0, "other thread, inside its block": 3,
+                    "this thread": 9, "after the block": 0}
+    with pytest.raises(TypeError, match="call_tag: tag must be an int"):
+        with ringseq.call_tag(True):
+            pass
 
 
 def test_fullgraph_compile_of_a_module_with_ring_attention(w2):

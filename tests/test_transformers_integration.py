@@ -387,3 +387,26 @@ def test_single_process_refuses_restarting_position_ids(state_dicts):
     batch = ringseq.shard_batch({"input_ids": ids})
     assert torch.equal(batch["position_ids"], torch.arange(SEQLEN).expand(BATCH, -1))
     model(**batch, use_cache=False)
+
+
+def test_documents_layout_takes_a_one_document_row():
+    """DataCollatorWithFlattening gives a batch of one sample position ids that never restart
+    (and no boundaries without return_flash_attn_kwargs): with layout "documents" that row is
+    one document, not an error at the step where it happens."""
+    import ringseq
+    ids = torch.arange(16).unsqueeze(0)  # (1, 16)
+    for extra in ({"position_ids": torch.arange(16).unsqueeze(0)}, {}):
+        batch = ringseq.shard_batch({"input_ids": ids, "labels": ids, **extra},
+                                    layout="documents")
+        assert batch["cu_seq_lens_q"].tolist() == [0, 16]
+        assert batch["cu_seq_lens_k"].tolist() == [0, 16]
+        assert batch["max_length_q"] == 16
+        assert batch["position_ids"].tolist() == [list(range(16))]
+        assert batch["shift_labels"].tolist() == [list(range(1, 16)) + [-100]]
+    # positions that do not count from 0 are no document of a packed batch
+    with pytest.raises(ValueError, match="position_ids of a packed batch"):
+        ringseq.shard_batch({"input_ids": ids, "position_ids": torch.arange(5, 21)[None]},
+                            layout="documents")
+    # several rows without boundaries are no packed batch
+    with pytest.raises(ValueError, match="GLOBAL document boundaries"):
+        ringseq.shard_batch({"input_ids": ids.expand(2, -1)}, layout="documents")

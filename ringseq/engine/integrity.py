@@ -34,6 +34,7 @@ Rings of one rank have no peers: failures simply raise and nothing is marked bro
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from typing import List, Optional, Sequence, Tuple
 
@@ -60,7 +61,10 @@ _MESSAGE_BYTES = 1024
 
 
 # ---------------------------------------------------------------------------------- call tags
-_TAG = [0]
+# Per thread (and per asyncio task): two threads that drive two rings with their own steps must
+# not see each other's tags. A backward carries the tag its forward ran under (the attention
+# operator saves it), so one that runs on an autograd worker thread keeps it.
+_TAG: contextvars.ContextVar = contextvars.ContextVar("ringseq_call_tag", default=0)
 
 
 @contextlib.contextmanager
@@ -70,19 +74,23 @@ def call_tag(tag: int):
     call raises :class:`ringseq.RingDesyncError` on every rank instead of pairing with the wrong
     call (sequence numbers alone cannot tell two steps' identical calls apart). The plugin
     tags every call with its step; without tags ringseq cannot see a rank that silently
-    skipped a whole call outside ring attention (README: what is guaranteed)."""
+    skipped a whole call outside ring attention (README: what is guaranteed).
+
+    The tag belongs to the calling thread (a ``contextvars`` variable): other threads keep
+    theirs. The backward of an attention call carries its forward's tag, wherever and
+    whenever it runs. Raises TypeError when ``tag`` is not an int."""
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise TypeError(f"call_tag: tag must be an int, got {tag!r} ({type(tag).__name__})")
-    old = _TAG[0]
-    _TAG[0] = tag
+    token = _TAG.set(tag)
     try:
         yield
     finally:
-        _TAG[0] = old
+        _TAG.reset(token)
 
 
 def current_tag() -> int:
-    return _TAG[0]
+    """The calling thread's tag (0 outside every :func:`call_tag` block)."""
+    return _TAG.get()
 
 
 # -------------------------------------------------------------------------- control vectors

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..kernels.checks import accum_dtype
 from ..spec import AttnSpec, spec_from_key
+from .integrity import call_tag, current_tag
 from .placement import LOCAL, Placement, placement_from_key
 
 __all__ = ["run_attention"]
@@ -40,7 +41,10 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, spec: str, placement: str,
     with _no_autocast(q.device.type):
         out, lse, saved = placement_from_key(placement).forward(q, k, v, sp)
     # Outputs must be fresh tensors with the fake's layout (torch.compile trusts the fake).
-    return out.contiguous(), lse.contiguous(), [t.contiguous() for t in saved]
+    # The last saved tensor is the call tag this forward ran under, read at run time (also
+    # when compiled), for its backward to carry: that may run on another thread, or later.
+    tag = torch.tensor(current_tag(), dtype=torch.int64)  # () on the CPU
+    return out.contiguous(), lse.contiguous(), [t.contiguous() for t in saved] + [tag]
 
 
 @_attention_op.register_fake
@@ -49,7 +53,7 @@ def _(q, k, v, spec, placement, documents, spans):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
     saved = placement_from_key(placement).saved_like(q, k, v, spec_from_key(spec))
-    return out, lse, saved
+    return out, lse, saved + [torch.empty((), dtype=torch.int64, device="cpu")]
 
 
 @torch.library.custom_op("ringseq::attention_backward", mutates_args=())
@@ -58,9 +62,10 @@ def _attention_backward_op(dout: Optional[Tensor], dlse: Optional[Tensor], q: Te
                            placement: str, documents: Optional[Tensor],
                            spans: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     sp = spec_from_key(spec, documents, spans)
-    with _no_autocast(q.device.type):
+    *saved, tag = saved
+    with _no_autocast(q.device.type), call_tag(int(tag)):
         grads = placement_from_key(placement).backward(dout, dlse, q, k, v, out, lse,
-                                                       list(saved), sp)
+                                                       saved, sp)
     return tuple(g.contiguous() for g in grads)
 
 

@@ -27,7 +27,8 @@ from ..layouts import LAYOUTS, Layout
 from ..spec import AttnSpec
 from .loops import ring_backward, ring_forward
 from .plan import make_plan
-from .ring import get_ring
+from .integrity import BWD, FWD
+from .ring import get_ring, refuse_on_error
 
 __all__ = ["LocalPlacement", "Placement", "RingPlacement", "object_by_key", "object_key",
            "placement_from_key", "register_placement", "ring_dout"]
@@ -144,14 +145,18 @@ class RingPlacement(Placement):
         return plan, ring
 
     def forward(self, q, k, v, spec):
-        plan, ring = self._plan(q, k, spec)
+        # What runs before the call opens fails (an out-of-memory error, say) as this rank's
+        # refusal of the call, so the peers raise instead of waiting in their begin collective.
+        with refuse_on_error(self.group, FWD):
+            plan, ring = self._plan(q, k, spec)
         out, lse = ring_forward(q, k, v, plan, ring)
         return out.to(q.dtype), lse, []
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
-        plan, ring = self._plan(q, k, spec)
-        return ring_backward(ring_dout(dout, dlse, out, spec), q, k, v, out, lse, plan, ring,
-                             dlse)
+        with refuse_on_error(self.group, BWD):
+            plan, ring = self._plan(q, k, spec)
+            dout = ring_dout(dout, dlse, out, spec)
+        return ring_backward(dout, q, k, v, out, lse, plan, ring, dlse)
 
 
 def ring_dout(dout, dlse, out, spec: AttnSpec) -> torch.Tensor:

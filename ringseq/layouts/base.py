@@ -32,6 +32,7 @@ step is one non-causal task over all local rows. ``contiguous`` is the natural c
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -58,6 +59,32 @@ class BlockTask:
     causal: bool
     spans: Optional[tuple] = None
 
+
+
+
+# Schedules, hops and travelling rows are cached per layout object and per mask. A packed-
+# documents batch brings a new mask (its cu_seqlens) at almost every step, and built-in layouts
+# live as long as the process: the cache keeps the most recently used entries only.
+SCHEDULE_CACHE_ENTRIES = 256
+
+
+def layout_cached(obj, key, compute):
+    """``compute()`` cached under ``key`` on ``obj`` (a layout), least recently used entries
+    dropped past :data:`SCHEDULE_CACHE_ENTRIES`."""
+    cache = obj.__dict__.get("_schedules")
+    if cache is None:
+        cache = obj.__dict__.setdefault("_schedules", OrderedDict())
+    try:
+        value = cache[key]
+        cache.move_to_end(key)
+        return value
+    except KeyError:
+        pass
+    value = compute()
+    cache[key] = value
+    while len(cache) > SCHEDULE_CACHE_ENTRIES:
+        cache.popitem(last=False)
+    return value
 
 
 class Layout:
@@ -122,33 +149,27 @@ class Layout:
         a layout is data, so the same arguments always give the same (immutable) schedule.
         ``causal`` is a bool or a :class:`ringseq.masks.AttnMask` (windows, documents)."""
         mask = causal if isinstance(causal, AttnMask) else AttnMask(causal=bool(causal))
-        key = (rank, world_size, s_local, mask)
-        cache = self.__dict__.setdefault("_schedules", {})
-        sched = cache.get(key)
-        if sched is None:
+
+        def compute():
             if mask.plain:
-                sched = tuple(tuple(self.tasks(rank, (rank - i) % world_size, world_size,
-                                               s_local, mask.causal)) for i in range(world_size))
-            else:
-                q_runs = self.runs(s_local * world_size, world_size, rank)
-                sched = tuple(tuple(masked_tasks(q_runs, self.runs(
-                    s_local * world_size, world_size, (rank - i) % world_size), mask, s_local))
-                    for i in range(world_size))
-            cache[key] = sched
-        return sched
+                return tuple(tuple(self.tasks(rank, (rank - i) % world_size, world_size,
+                                              s_local, mask.causal)) for i in range(world_size))
+            q_runs = self.runs(s_local * world_size, world_size, rank)
+            return tuple(tuple(masked_tasks(q_runs, self.runs(
+                s_local * world_size, world_size, (rank - i) % world_size), mask, s_local))
+                for i in range(world_size))
+        return layout_cached(self, (rank, world_size, s_local, mask), compute)
 
     def hops(self, world_size: int, s_local: int, causal) -> int:
         """How far K/V must travel: the last ring step with a task on ANY rank (the same on
         every rank). W - 1 for plain causal or full attention; fewer for short windows."""
-        key = ("hops", world_size, s_local, causal)
-        cache = self.__dict__.setdefault("_schedules", {})
-        if key not in cache:
+        def compute():
             last = 0
             for r in range(world_size):
                 sched = self.schedule(r, world_size, s_local, causal)
                 last = max([last] + [i for i, tasks in enumerate(sched) if tasks])
-            cache[key] = last
-        return cache[key]
+            return last
+        return layout_cached(self, ("hops", world_size, s_local, causal), compute)
 
     def kv_rows(self, world_size: int, s_local: int, causal):
         """What each rank's K/V block must carry around the ring, under a window or document
@@ -157,9 +178,8 @@ class Layout:
         causal / full attention, or some source is needed whole). Cached; the same on every
         rank. The engine then sends every block compacted to ``max`` of these lengths."""
         mask = causal if isinstance(causal, AttnMask) else AttnMask(causal=bool(causal))
-        key = ("kv_rows", world_size, s_local, mask)
-        cache = self.__dict__.setdefault("_schedules", {})
-        if key not in cache:
+
+        def compute():
             rows = None
             if not mask.plain and world_size > 1:
                 need = [[] for _ in range(world_size)]
@@ -178,8 +198,8 @@ class Layout:
                 longest = max(sum(b - a for a, b in m) for m in merged)
                 if longest < s_local:
                     rows = merged
-            cache[key] = rows
-        return cache[key]
+            return rows
+        return layout_cached(self, ("kv_rows", world_size, s_local, mask), compute)
 
     def runs(self, seqlen: int, world_size: int, rank: int) -> Tuple[Run, ...]:
         """Rank's local rows as maximal runs of evenly spaced global positions (generic:

@@ -41,10 +41,11 @@ from ..engine.loops import ring_backward, ring_forward
 from ..engine.placement import (Placement, group_from_key, group_key, layout_from_key,
                                 layout_key, register_placement, ring_dout)
 from ..engine.plan import PlannedTask, RingPlan, make_plan
-from ..engine.ring import Ring, get_ring
+from ..engine.ring import Ring, get_ring, refuse_on_error
 from ..kernels import AttentionBackend, compute_delta
 from ..kernels.merge import merge_into
 from ..layouts import AttnMask, Layout, masked_tasks
+from ..layouts.base import layout_cached
 from ..spec import AttnSpec
 
 __all__ = ["DoubleRingPlacement", "InnerLap"]
@@ -68,9 +69,8 @@ class _InnerLayout(Layout):
 
     def schedule(self, rank, world_size, s_local, causal):
         mask = causal if isinstance(causal, AttnMask) else AttnMask(causal=bool(causal))
-        key = ("lap", rank, s_local, mask)
-        cache = self.__dict__.setdefault("_schedules", {})
-        if key not in cache:
+
+        def compute():
             R, total = self.ring_size, s_local * self.ring_size
             g = self.node * self.inner + rank
             steps = []
@@ -82,8 +82,8 @@ class _InnerLayout(Layout):
                     steps.append(tuple(masked_tasks(self.base.runs(total, R, g),
                                                     self.base.runs(total, R, src), mask,
                                                     s_local)))
-            cache[key] = tuple(steps)
-        return cache[key]
+            return tuple(steps)
+        return layout_cached(self, ("lap", rank, s_local, mask), compute)
 
     def nothing_to_do(self, s_local: int, mask: AttnMask) -> bool:
         """True when no rank of the inner ring has a task in this lap (same on all of them)."""
@@ -165,7 +165,9 @@ class DoubleRingPlacement(Placement):
         return plan, outer, get_ring(self.ring_group)
 
     def forward(self, q, k, v, spec):
-        plan, outer, whole = self._plan(q, k, spec)
+        # (a failure before the call opens is this rank's refusal: RingPlacement.forward)
+        with refuse_on_error(self.ring_group, FWD):
+            plan, outer, whole = self._plan(q, k, spec)
         with whole.open_call(FWD, plan.signature, q.device) as call:
             call.begin()
             out = lse = None
@@ -175,8 +177,9 @@ class DoubleRingPlacement(Placement):
         return out.to(q.dtype), lse, []
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
-        plan, outer, whole = self._plan(q, k, spec)
-        dout = ring_dout(dout, dlse, out, spec)
+        with refuse_on_error(self.ring_group, BWD):
+            plan, outer, whole = self._plan(q, k, spec)
+            dout = ring_dout(dout, dlse, out, spec)
         with whole.open_call(BWD, plan.signature, q.device, bind=False) as call:
             call.begin()
             grads = None

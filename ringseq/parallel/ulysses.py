@@ -156,11 +156,14 @@ class UlyssesPlacement(Placement):
         return comm, U, rep, sig
 
     def forward(self, q, k, v, spec):
-        comm, U, rep, sig = self._setup(q, k, spec)
-        b, s, h, d = q.shape
-        if rep > 1:  # (b, s, h_kv * rep, d): each K/V head once per rank that reads it
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        ring = get_ring(self.control_group)
+        # A failure before the call opens (an out-of-memory error in the copies, say) is this
+        # rank's refusal of the call: the peers raise instead of waiting in their begin.
+        with refuse_on_error(self.control_group, FWD):
+            comm, U, rep, sig = self._setup(q, k, spec)
+            b, s, h, d = q.shape
+            if rep > 1:  # (b, s, h_kv * rep, d): each K/V head once per rank that reads it
+                k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+            ring = get_ring(self.control_group)
         with ring.open_call(FWD, sig, q.device) as call:
             call.begin()
             # (b, s, heads, d) sequence shards -> (b, U * s, heads / U, d) head shards
@@ -180,12 +183,13 @@ class UlyssesPlacement(Placement):
         return out, lse, [q_h, k_h, v_h, out_h, lse_h, *inner_saved]
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
-        comm, U, rep, sig = self._setup(q, k, spec)
-        q_h, k_h, v_h, out_h, lse_h, *inner_saved = saved
-        h_kv = k.shape[2]
-        if dout is None:
-            dout = torch.zeros_like(out)
-        ring = get_ring(self.control_group)
+        with refuse_on_error(self.control_group, BWD):
+            comm, U, rep, sig = self._setup(q, k, spec)
+            q_h, k_h, v_h, out_h, lse_h, *inner_saved = saved
+            h_kv = k.shape[2]
+            if dout is None:
+                dout = torch.zeros_like(out)
+            ring = get_ring(self.control_group)
         # whether a gradient flows into lse decides what moves: every rank must agree
         sig = sig + (("gradient into lse", dlse is not None, "bool"),)
         with ring.open_call(BWD, sig, q.device, bind=False) as call:

@@ -553,7 +553,8 @@ class RingSequenceParallelPlugin(Plugin):
                                       if activation_checkpointing is None
                                       else activation_checkpointing),
             sp_mode=self.sp_mode,
-            ulysses_size=self.ulysses_size if self.sp_mode == "hybrid" else None)
+            ulysses_size=self.ulysses_size if self.sp_mode == "hybrid" else None,
+            layout=self.layout)
 
     def __repr__(self):
         modes = ("" if self.sp is None else

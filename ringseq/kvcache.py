@@ -530,6 +530,8 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
                          f"{lay.multiple(world)} (layout {lay.name!r} over {world} ranks), got "
                          f"{prefill_len!r}")
     _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    if q.stride(-1) != 1:  # only the head dimension must be contiguous (as flash_attn_with_kvcache)
+        q = q.contiguous()
     for name, t in (("k_cache_shard", k_cache_shard), ("v_cache_shard", v_cache_shard)):
         _check_tensor(fn, name, t, 4, "(batch, capacity, nheads_k, headdim)")
         if t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1:
@@ -547,6 +549,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         raise ValueError(f"{fn}: the cache shard holds {cap} slots, fewer than this rank's "
                          f"{prefill_len // world} prefill tokens")
     s_new = _check_new_kv(fn, q, k, v, h_kv)
+    k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     if causal and s_q > 1 and s_new < s_q:
         raise NotImplementedError(f"{fn}: causal with seqlen_q = {s_q} > 1 needs the queries' own "
                                   f"keys: pass k and v with seqlen_new >= seqlen_q, got "
@@ -563,6 +566,11 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     if host is not None:
         if any(n < 0 for n in host):
             raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {host}")
+        pads = _host_values(starts)
+        if pads is not None and any(a < 0 or a > n + s_new for a, n in zip(pads, host)):
+            raise ValueError(f"{fn}: cache_leftpad entries must lie in [0, cache_seqlens + "
+                             f"seqlen_new], got cache_leftpad = {pads} for cache_seqlens = "
+                             f"{host} and seqlen_new = {s_new}")
         last = max(host) + s_new
         if rotary_cos is not None and rotary_cos.shape[0] < last:
             raise ValueError(f"{fn}: rotary_cos / rotary_sin need at least {last} rows (the "
@@ -629,7 +637,10 @@ def _ring_decode(plan, group, world):
         kc.index_put_((rows[mine], slot[mine]), k[mine])
         vc.index_put_((rows[mine], slot[mine]), v[mine])
         new_len = torch.full((b,), s_new, dtype=torch.int32, device=q.device)
-        out_n, lse_n = _attend_cache(q, k, v, new_len, None, None, scale, causal, window,
+        # left padding that reaches into the new tokens (a left-padded prompt appended to an
+        # empty cache) hides those keys here too
+        new_start = (starts.long() - end_old).clamp(0, s_new).to(torch.int32)
+        out_n, lse_n = _attend_cache(q, k, v, new_len, new_start, None, scale, causal, window,
                                      softcap, 0)
     acc = accum_dtype(q.dtype)
     # One all-gather of (out, lse): (b, s_q, h, d + 1) per rank in the accumulation dtype.

@@ -497,3 +497,31 @@ def _ring_errors():
     call(torch.randn(1, 1, 4, 16), 8, new_kv, prefill_len=8, seqlens=8 if rank == 0 else 6)
     call(torch.randn(1, 1, 4, 16), 8, new_kv, prefill_len=8, softcap=0.0 if rank == 0 else 5.0)
     return caught
+
+
+def test_ring_decoding_single_rank_matches_the_single_device_call_at_its_edges():
+    """Without a process group the ring form is one rank: it equals flash_attn_with_kvcache
+    where it used to differ -- left padding reaching into the appended tokens (a left-padded
+    prompt appended to an empty cache), a q whose head dimension is strided -- and refuses
+    left padding past the keys as the single-device call does."""
+    g = torch.Generator().manual_seed(3)
+    dt = torch.float64
+    q, k, v = (torch.randn(2, 4, 2, 16, generator=g, dtype=dt) for _ in range(3))
+    lengths = torch.tensor([0, 3], dtype=torch.int32)
+    leftpad = torch.tensor([2, 1], dtype=torch.int32)  # row 0: inside the new tokens
+    caches = [torch.randn(2, 12, 2, 16, generator=g, dtype=dt) for _ in range(2)]
+    want = flash_attn_with_kvcache(q, *[c.clone() for c in caches], k, v, cache_seqlens=lengths,
+                                   cache_leftpad=leftpad, causal=True)
+    got = ring_flash_attn_with_kvcache(q, *[c.clone() for c in caches], lengths, k, v,
+                                       cache_leftpad=leftpad, causal=True, prefill_len=0)
+    # row 0's queries before its first key see nothing (both give 0 there); the rest must agree
+    assert torch.allclose(got, want, atol=1e-12, rtol=0)
+    strided = torch.randn(2, 1, 2, 32, generator=g, dtype=dt)[..., ::2]  # (2, 1, 2, 16)
+    want = flash_attn_with_kvcache(strided, *[c.clone() for c in caches], cache_seqlens=lengths + 4)
+    got = ring_flash_attn_with_kvcache(strided, *[c.clone() for c in caches], lengths + 4,
+                                       prefill_len=0)
+    assert torch.allclose(got, want, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="cache_leftpad entries must lie in"):
+        ring_flash_attn_with_kvcache(q, *[c.clone() for c in caches], lengths, k, v,
+                                     cache_leftpad=torch.tensor([5, 0], dtype=torch.int32),
+                                     causal=True, prefill_len=0)

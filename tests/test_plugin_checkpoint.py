@@ -35,3 +35,16 @@ def test_optimizer_checkpoint_keeps_the_grad_scaler(tmp_path, sharded):
     assert scaler.get_scale() == 8.0
     for k, v in opt.unwrap().state[model.weight].items():
         assert torch.equal(v, saved_state[k]), k
+
+
+def test_plain_optimizer_file_of_a_sharded_model_is_refused(tmp_path, monkeypatch):
+    """A plain file would hold rank 0's optimizer shards only, and every rank would load them
+    without an error: sharded=False is refused for a sharded model (FSDP / tensor parallel)."""
+    from ringseq.plugin import sharded_checkpoint
+    model = nn.Linear(3, 2)
+    opt = OptimizerWrapper(torch.optim.AdamW(model.parameters()), None, model=model)
+    monkeypatch.setattr(sharded_checkpoint, "_is_sharded", lambda m: m is model)
+    with pytest.raises(ValueError, match=r"save_optimizer\(sharded=False\): this model's "
+                                         r"parameters are sharded"):
+        DistributedCheckpointIO().save_optimizer(opt, str(tmp_path / "optim.pt"), sharded=False)
+    assert not os.path.exists(tmp_path / "optim.pt")

@@ -261,6 +261,19 @@ def _case_backward_tag():
     return {"backward": _capture(backward)}
 
 
+def _case_empty_batch():
+    """A batch of zero rows (its gradient arrives expanded, with stride 0) runs forward and
+    backward like flash_attn_func, twice: the ring is not left broken."""
+    q = torch.randn(0, 8, 4, 16, dtype=torch.float64, requires_grad=True)
+    res = []
+    for _ in range(2):
+        def step():
+            ringseq.ring_flash_attn_func(q, q, q, causal=True).sum().backward()
+            return tuple(q.grad.shape)
+        res.append(_capture(step))
+    return res
+
+
 class _Attn(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -433,6 +446,7 @@ def _worker_w2(tmp):
            "threads": _case_threads(),
            "before_call": _case_failure_before_the_call(),
            "backward_tag": _case_backward_tag(),
+           "empty_batch": _case_empty_batch(),
            "compile": _case_compile(),
            "checkpoints": _case_checkpoints(tmp),
            "many_groups": _case_many_groups(),
@@ -601,6 +615,11 @@ def test_backward_carries_its_forward_call_tag(w2):
         kind, err = res["backward_tag"]["backward"][:2]
         assert kind == "ok", res["backward_tag"]
         assert err < 1e-10
+
+
+def test_empty_batch_runs_and_leaves_the_ring_usable(w2):
+    for res in w2:
+        assert res["empty_batch"] == [("ok", (0, 8, 4, 16))] * 2, res["empty_batch"]
 
 
 def test_call_tags_belong_to_their_thread():

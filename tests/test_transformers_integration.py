@@ -410,3 +410,34 @@ def test_documents_layout_takes_a_one_document_row():
     # several rows without boundaries are no packed batch
     with pytest.raises(ValueError, match="GLOBAL document boundaries"):
         ringseq.shard_batch({"input_ids": ids.expand(2, -1)}, layout="documents")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
+def test_attention_it_cannot_compute_exactly_is_refused(family):
+    """gpt-oss's learned attention sinks (s_aux) and Llama 4's chunked attention layers reach
+    the attention function in ways the ring would silently drop: refused, naming them."""
+    import ringseq
+    transformers = pytest.importorskip("transformers")
+    from ringseq.integrations.transformers import apply
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+                  attention_dropout=0.0, head_dim=16, num_local_experts=2,
+                  num_experts_per_tok=1)
+    if family == "gpt_oss":
+        if not hasattr(transformers, "GptOssConfig"):
+            pytest.skip("this transformers has no gpt-oss")
+        cfg = transformers.GptOssConfig(**common, intermediate_size=64, sliding_window=128,
+                                        layer_types=["full_attention"] * 2)
+        model_cls, needle = transformers.GptOssForCausalLM, "attention sinks"
+    else:
+        if not hasattr(transformers, "Llama4TextConfig"):
+            pytest.skip("this transformers has no Llama 4")
+        cfg = transformers.Llama4TextConfig(**common, intermediate_size=128,
+                                            intermediate_size_mlp=128, attention_chunk_size=8)
+        model_cls, needle = transformers.Llama4ForCausalLM, "chunked attention layer"
+    torch.manual_seed(0)
+    model = apply(model_cls(cfg).eval(), layout="contiguous")
+    batch = ringseq.shard_batch({"input_ids": torch.randint(0, 128, (1, 24))},
+                                layout="contiguous")
+    with pytest.raises(ValueError, match=needle), torch.no_grad():
+        model(**batch, use_cache=False)

@@ -165,7 +165,10 @@ def ring_dout(dout, dlse, out, spec: AttnSpec) -> torch.Tensor:
     cannot take, inside the call, so that every rank raises)."""
     if dout is None:
         return torch.zeros_like(out)
-    return dout if dout.stride(-1) == 1 else dout.contiguous()
+    # (an empty dout of an expanded gradient keeps stride 0 through .contiguous())
+    if dout.stride(-1) == 1:
+        return dout
+    return dout.clone(memory_format=torch.contiguous_format)
 
 
 # ---------------------------------------------------------------------------- from keys

@@ -179,8 +179,8 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         softcap: None, or the logit soft-cap (Gemma 2's ``attn_logit_softcapping``).
         kwargs: ``position_ids`` (checked against the layout), ``cu_seq_lens_q`` /
             ``cu_seq_lens_k`` (GLOBAL document boundaries of a packed batch, as
-            ``ringseq.shard_batch`` returns them), ``output_attentions`` (must be falsy); the
-            rest is ignored.
+            ``ringseq.shard_batch`` returns them), ``output_attentions`` (must be falsy),
+            ``s_aux`` (attention sinks: must be None); the rest is ignored.
 
     Returns ``(out, None)`` with out (b, s_local, h, d) -- transformers reshapes it to
     (b, s_local, h * d) -- and no attention weights.
@@ -194,6 +194,7 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     # A refusal here reaches the other ranks (their input check or ring call raises
     # RingPeerError naming this rank) instead of leaving them waiting.
     with refuse_on_error(settings.group, FWD):
+        _check_layer_kind(name, module, kwargs)
         layout, docs, window = _checked_call(name, settings, query, key, value, dropout,
                                              sliding_window, kwargs)
     s_local = query.shape[2]
@@ -215,6 +216,26 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                          backend=settings.backend, softcap=float(softcap or 0.0),
                          cu_seqlens=docs)
     return out, None
+
+
+def _check_layer_kind(name, module, kwargs) -> None:
+    """ValueError for attention variants whose extra structure reaches the attention function
+    only in ways ring attention would silently drop: learned attention sinks (``s_aux``,
+    gpt-oss) and chunked attention layers (Llama 4's ``attention_chunk_size``, whose chunks
+    transformers builds into a 4D mask that ringseq's mask function does not make)."""
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{name}: attention sinks (s_aux, e.g. gpt-oss) are not supported by "
+                         f"ringseq attention: the ring's softmax has no sink term, and "
+                         f"ignoring it would change every output")
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if (layer_types is not None and idx is not None and 0 <= idx < len(layer_types)
+            and layer_types[idx] == "chunked_attention"):
+        raise ValueError(f"{name}: layer {idx} is a chunked attention layer "
+                         f"(attention_chunk_size={getattr(config, 'attention_chunk_size', None)}"
+                         f"): chunked attention is not supported by ringseq attention (it "
+                         f"would run as full causal attention)")
 
 
 def _checked_call(name, settings, query, key, value, dropout, sliding_window, kwargs):

@@ -33,19 +33,23 @@ class ReplicatedGradSync:
         self.group = group
         self.reduced = reduced  # marked at each reduction (see plugin.wrappers.ReducedGrads)
         self.enabled = True
-        self._queued = False
+        # The backward (autograd graph task) whose end runs sync: one per backward. Keyed by
+        # the task, not a flag, so that a backward that raised before its end (its callback
+        # never ran) does not leave every later backward unreduced.
+        self._queued_task = None
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, _param) -> None:
-        if self.enabled and not self._queued:
-            self._queued = True
+        task = torch._C._current_graph_task_id()
+        if self.enabled and task != self._queued_task:
+            self._queued_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self.sync)
 
     @torch.no_grad()
     def sync(self) -> None:
         """Reduces the current gradients now (collective over ``group``)."""
-        self._queued = False
+        self._queued_task = None
         if self.reduced is not None:
             self.reduced.mark()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}

@@ -183,6 +183,12 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         model = getattr(optimizer, "model", None)
         if sharded is None:
             sharded = model is not None and _is_sharded(model)
+        elif not sharded and model is not None and _is_sharded(model):
+            # a plain file would hold rank 0's shards only, which every rank would then load
+            raise ValueError("save_optimizer(sharded=False): this model's parameters are sharded "
+                             "(FSDP / tensor parallelism), so its optimizer state is too; save "
+                             "it with sharded=True or None (a torch.distributed.checkpoint "
+                             "directory)")
         if not sharded:
             return super().save_optimizer(optimizer, checkpoint)
         if model is None:

@@ -38,7 +38,7 @@ def _packed_documents(batch: Mapping, b: int, s: int,
     elif pos is not None and pos.shape[-1] == s and bool((pos.reshape(-1, s)[:, 1:] == 0).any()):
         starts = [0] + [i for i in range(1, s) if int(pos.reshape(-1, s)[0, i]) == 0]
         docs = tuple(starts) + (s,)
-    elif per_batch_layout and b == 1:
+    elif per_batch_layout and b == 1 and (pos is None or pos.shape[-1] == s):
         docs = (0, s)
     else:
         return None
@@ -110,7 +110,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         raise ValueError("shard_batch needs `input_ids` (b, s) or `inputs_embeds` (b, s, hidden) "
                          f"in the batch, got keys {sorted(batch)}")
     try:
-        per_batch = isinstance(get_layout(layout), PerBatchDocuments)
+        lay = get_layout(layout)  # (a hybrid mode's layout wraps the documents layout)
+        per_batch = isinstance(getattr(lay, "base", lay), PerBatchDocuments)
     except ValueError as exc:
         raise ValueError(f"shard_batch: {exc}") from None
     docs = _packed_documents(batch, b, s, per_batch)

@@ -41,6 +41,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .layouts import get_layout
 from .parallel.dims import ZERO_STAGES, ParallelDims  # the plugin's own mesh rules
 
 __all__ = ["MemoryEstimate", "ModelShape", "estimate_memory", "fitting_meshes", "format_bytes",
@@ -807,8 +808,10 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
         raise ValueError(f"estimate_memory: tp_size={tp_size} must divide intermediate_size="
                          f"{shape.intermediate}")
     # the data layout's multiple on the ring dim and the split of a shard over tp (the
-    # layout changes no size: every layout gives each rank s / sp tokens)
+    # layout changes no size: every layout gives each rank s / sp tokens); the name is checked
+    # on every mesh, also those without a ring (fitting_meshes' first check is one)
     try:
+        get_layout(layout)
         multiple = dims.seq_multiple(layout)
     except ValueError as exc:
         raise ValueError(f"estimate_memory: {exc}") from None

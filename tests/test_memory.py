@@ -366,5 +366,8 @@ def test_layout_decides_only_the_length_multiple():
     fits = mem.fitting_meshes(TINY, world_size=4, seqlen=4100, device_memory=1 << 40,
                           layout="contiguous")
     assert fits and all(e.seqlen == 4100 for e in fits)
+    with pytest.raises(ValueError, match="unknown layout 'zigzig'"):  # not "no sp mesh fits"
+        mem.fitting_meshes(TINY, world_size=4, seqlen=4096, device_memory=1 << 40,
+                           layout="zigzig")
     assert mem.max_seqlen(TINY, device_memory=1 << 30, world_size=4, sp_size=4,
                       layout="contiguous").seqlen % 4 == 0

@@ -78,7 +78,9 @@ def call_tag(tag: int):
 
     The tag belongs to the calling thread (a ``contextvars`` variable): other threads keep
     theirs. The backward of an attention call carries its forward's tag, wherever and
-    whenever it runs. Raises TypeError when ``tag`` is not an int."""
+    whenever it runs. Under ``torch.compile(fullgraph=True)`` enter the block outside the
+    compiled function (dynamo does not trace setting a context variable; without fullgraph
+    it breaks the graph there). Raises TypeError when ``tag`` is not an int."""
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise TypeError(f"call_tag: tag must be an int, got {tag!r} ({type(tag).__name__})")
     token = _TAG.set(tag)

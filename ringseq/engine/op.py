@@ -43,7 +43,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, spec: str, placement: str,
     # Outputs must be fresh tensors with the fake's layout (torch.compile trusts the fake).
     # The last saved tensor is the call tag this forward ran under, read at run time (also
     # when compiled), for its backward to carry: that may run on another thread, or later.
-    tag = torch.tensor(current_tag(), dtype=torch.int64)  # () on the CPU
+    tag = torch.tensor(current_tag(), dtype=torch.int64, device="cpu")  # ()
     return out.contiguous(), lse.contiguous(), [t.contiguous() for t in saved] + [tag]
 
 

@@ -77,6 +77,20 @@ def _host_values(t: torch.Tensor):
     return t.tolist() if t.device.type == "cpu" else None
 
 
+def _check_leftpad(fn: str, pads, lengths, s_new: int) -> None:
+    """ValueError unless every row's left padding lies in [0, its keys after the append]."""
+    if any(a < 0 or a > n + s_new for a, n in zip(pads, lengths)):
+        raise ValueError(f"{fn}: cache_leftpad entries must lie in [0, cache_seqlens + "
+                         f"seqlen_new], got cache_leftpad = {pads} for cache_seqlens = "
+                         f"{lengths} and seqlen_new = {s_new}")
+
+
+def _head_contiguous(*tensors):
+    """The tensors (None passes) with a contiguous head dimension: the only one the kernels
+    need contiguous (flash-attn copies the others' too)."""
+    return tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_runs(device_type: str, dtype: torch.dtype, headdim: int) -> bool:
     if not extension_available():
@@ -307,16 +321,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"{fn}: cache_batch_idx entries must lie in [0, batch_cache = {b_c}), got "
                          f"{host_idx}")
     if host is not None and leftpad is not None:
-        lp = leftpad.tolist()
-        if any(a < 0 or a > n + s_new for a, n in zip(lp, host)):
-            raise ValueError(f"{fn}: cache_leftpad entries must lie in [0, cache_seqlens + "
-                             f"seqlen_new], got cache_leftpad = {lp} for cache_seqlens = {host} "
-                             f"and seqlen_new = {s_new}")
+        _check_leftpad(fn, _host_values(leftpad), host, s_new)
     _check_rotary(fn, rotary_cos, rotary_sin, q, k is not None, s_c)
     scale = resolve_scale(softmax_scale, d)
     with torch.no_grad():
-        # only the head dimension must be contiguous (flash-attn copies the others' too)
-        q, k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        q, k, v = _head_contiguous(q, k, v)
         if rotary_cos is not None:
             q = _rotate(q, rotary_cos, rotary_sin,
                         _rotary_q_positions(seqlens, s_q, causal or window != (-1, -1)),
@@ -530,8 +539,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
                          f"{lay.multiple(world)} (layout {lay.name!r} over {world} ranks), got "
                          f"{prefill_len!r}")
     _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    if q.stride(-1) != 1:  # only the head dimension must be contiguous (as flash_attn_with_kvcache)
-        q = q.contiguous()
+    (q,) = _head_contiguous(q)
     for name, t in (("k_cache_shard", k_cache_shard), ("v_cache_shard", v_cache_shard)):
         _check_tensor(fn, name, t, 4, "(batch, capacity, nheads_k, headdim)")
         if t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1:
@@ -549,7 +557,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         raise ValueError(f"{fn}: the cache shard holds {cap} slots, fewer than this rank's "
                          f"{prefill_len // world} prefill tokens")
     s_new = _check_new_kv(fn, q, k, v, h_kv)
-    k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    k, v = _head_contiguous(k, v)
     if causal and s_q > 1 and s_new < s_q:
         raise NotImplementedError(f"{fn}: causal with seqlen_q = {s_q} > 1 needs the queries' own "
                                   f"keys: pass k and v with seqlen_new >= seqlen_q, got "
@@ -567,10 +575,8 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         if any(n < 0 for n in host):
             raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {host}")
         pads = _host_values(starts)
-        if pads is not None and any(a < 0 or a > n + s_new for a, n in zip(pads, host)):
-            raise ValueError(f"{fn}: cache_leftpad entries must lie in [0, cache_seqlens + "
-                             f"seqlen_new], got cache_leftpad = {pads} for cache_seqlens = "
-                             f"{host} and seqlen_new = {s_new}")
+        if pads is not None:
+            _check_leftpad(fn, pads, host, s_new)
         last = max(host) + s_new
         if rotary_cos is not None and rotary_cos.shape[0] < last:
             raise ValueError(f"{fn}: rotary_cos / rotary_sin need at least {last} rows (the "

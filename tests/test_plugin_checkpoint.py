@@ -1,6 +1,7 @@
-"""The plugin's optimizer checkpoints on one process: the fp16 grad scaler's state is saved
-and restored with the optimizer in both formats (the multi-rank checkpoints, their votes and
-errors are in tests/test_plugin.py and tests/test_compose.py)."""
+"""The plugin's checkpoints on one process: the fp16 grad scaler's state is saved and restored
+with the optimizer in both formats, and a checkpoint that cannot be read or does not fit
+changes nothing (the multi-rank checkpoints, their votes and errors are in tests/test_plugin.py,
+tests/test_compose.py and tests/test_checkpoint_all_or_nothing.py)."""
 from __future__ import annotations
 
 import os
@@ -48,3 +49,65 @@ def test_plain_optimizer_file_of_a_sharded_model_is_refused(tmp_path, monkeypatc
                                          r"parameters are sharded"):
         DistributedCheckpointIO().save_optimizer(opt, str(tmp_path / "optim.pt"), sharded=False)
     assert not os.path.exists(tmp_path / "optim.pt")
+
+
+def test_model_directory_that_does_not_fit_changes_nothing(tmp_path):
+    """A checkpoint directory (max_shard_size) is checked whole before anything is copied:
+    torch's load_state_dict copies the entries that fit before raising about one that does not,
+    which would leave the first layer loaded and the second not."""
+    io = DistributedCheckpointIO()
+    misfit = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 5))
+    io.save_model(misfit, str(tmp_path / "misfit"), max_shard_size=1)  # one file per tensor
+    assert len(list((tmp_path / "misfit").glob("*.bin"))) == 4
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"nothing was loaded on any rank.*1\.weight: shape "
+                                         r"\(5, 4\) in the checkpoint, \(2, 4\) in the model"):
+        io.load_model(model, str(tmp_path / "misfit"))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def _stepped_optimizer(scaler):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = OptimizerWrapper(torch.optim.AdamW(model.parameters()), scaler, model=model)
+    opt.backward(model(torch.ones(4, 3)).sum())
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "directory"])
+def test_unreadable_grad_scaler_state_leaves_the_optimizer_unchanged(tmp_path, sharded):
+    """The optimizer's state and the grad scaler's are read and checked before either is
+    applied: a scaler file that cannot be read changes neither."""
+    scaler = torch.amp.GradScaler("cpu")
+    model, opt = _stepped_optimizer(scaler)
+    path = str(tmp_path / ("optim" if sharded else "optim.pt"))
+    io = DistributedCheckpointIO()
+    io.save_optimizer(opt, path, sharded=sharded)
+    scaler_file = os.path.join(path, "grad_scaler.pt") if sharded else path + ".grad_scaler"
+    with open(scaler_file, "wb") as f:
+        f.write(b"not a checkpoint")
+    for v in opt.unwrap().state[model.weight].values():
+        v.zero_()
+    scaler.update(new_scale=4.0)
+    with pytest.raises(Exception, match="nothing was loaded on any rank"):
+        io.load_optimizer(opt, path)
+    assert all(not v.any() for v in opt.unwrap().state[model.weight].values())
+    assert scaler.get_scale() == 4.0
+
+
+def test_unreadable_optimizer_directory_raises_a_value_error(tmp_path):
+    """torch.distributed.checkpoint's loader raises a CheckpointException, which is a
+    BaseException (an ``except Exception`` does not catch it): the plugin raises a ValueError
+    naming the path and each failed rank's error instead."""
+    model, opt = _stepped_optimizer(None)
+    path = str(tmp_path / "optim")
+    io = DistributedCheckpointIO()
+    io.save_optimizer(opt, path, sharded=True)
+    data = os.path.join(path, "__0_0.distcp")
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    with pytest.raises(ValueError, match=r"torch\.distributed\.checkpoint could not load .*optim"
+                                         r"'.*rank 0: "):
+        io.load_optimizer(opt, path)

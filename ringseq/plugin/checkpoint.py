@@ -72,16 +72,22 @@ def _save(obj, path: str) -> None:
         raise error
 
 
-def _load(path: str, check, apply):
-    """Collective load of ``path``: every rank reads it (``weights_only=True``: a checkpoint
-    cannot run code) and ``check``s it against its own state WITHOUT changing anything; the ranks
-    vote; then every rank ``apply``s it, or -- when any rank could not read or check it -- none
-    does and every rank raises (the failing rank its own error type with the rank and path in
-    the message, the original chained; the others a ValueError naming the path and the failed
-    ranks). Replicas stay identical and unchanged on failure."""
+def read_file(path: str):
+    """One checkpoint file as CPU tensors; ``weights_only=True``: a checkpoint cannot run code."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _load(path: str, check, apply, read=read_file):
+    """Collective load of ``path``: every rank ``read``s it (default: ``read_file``) into new
+    objects and ``check``s it against its own state WITHOUT changing anything; the ranks vote;
+    then every rank ``apply``s it, or -- when any rank could not read or check it -- none does
+    and every rank raises (the failing rank its own error type with the rank and path in the
+    message, the original chained; the others a ValueError naming the path and the failed
+    ranks). Every rank's state is unchanged on failure. A collective ``read`` must raise on
+    every rank when it fails on one (torch.distributed.checkpoint's loader does)."""
     error, state = None, None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = read(path)
         check(state)
     except Exception as exc:  # noqa: BLE001 - re-raised on every rank after agreeing
         error = exc
@@ -151,6 +157,30 @@ def _check_optimizer_state(optimizer, state) -> None:
                                  f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
 
 
+def _with_scaler_state(optimizer, scaler_file: str, read_optimizer):
+    """``(read, apply_scaler)`` for loading an optimizer together with the fp16 grad scaler's
+    state saved beside it (when the optimizer has a scaler and ``scaler_file`` exists): ``read``
+    returns ``(optimizer state, scaler state or None)``, both read before either is applied, so
+    a scaler file that cannot be read leaves the optimizer unchanged too."""
+    scaler = getattr(optimizer, "scaler", None)
+    with_scaler = scaler is not None and os.path.exists(scaler_file)
+
+    def read(path):
+        state = read_optimizer(path)
+        if not with_scaler:
+            return state, None
+        scaler_state = read_file(scaler_file)
+        if not isinstance(scaler_state, dict) or not scaler_state:
+            raise ValueError(f"{scaler_file!r} holds no grad scaler state")
+        return state, scaler_state
+
+    def apply_scaler(scaler_state) -> None:
+        if scaler_state is not None:
+            scaler.load_state_dict(scaler_state)
+
+    return read, apply_scaler
+
+
 def _reconstructible(exc: BaseException) -> bool:
     """Whether ``type(exc)(message)`` builds an exception of the same type."""
     try:
@@ -193,11 +223,13 @@ class ReplicatedCheckpointIO:
 
     def load_optimizer(self, optimizer, checkpoint: str, **_) -> None:
         optim = _unwrap(optimizer)
-        _load(checkpoint, lambda state: _check_optimizer_state(optim, state),
-              optim.load_state_dict)
-        scaler = getattr(optimizer, "scaler", None)
-        if scaler is not None and os.path.exists(checkpoint + ".grad_scaler"):
-            _load(checkpoint + ".grad_scaler", lambda state: None, scaler.load_state_dict)
+        read, apply_scaler = _with_scaler_state(optimizer, checkpoint + ".grad_scaler", read_file)
+
+        def apply(states) -> None:
+            optim.load_state_dict(states[0])
+            apply_scaler(states[1])
+
+        _load(checkpoint, lambda states: _check_optimizer_state(optim, states[0]), apply, read)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         _save(lr_scheduler.state_dict(), checkpoint)

@@ -17,6 +17,10 @@ directory; every rank writes its own shards, keyed by parameter name through
 zero_stage changed, replicated included). Replicated training writes the plain
 ``torch.optim`` state dict file as before (``sharded=True`` writes the directory format
 instead); loading takes either format on any mesh.
+
+Loading is all or nothing (as ReplicatedCheckpointIO's): the model's full state dict, or the
+optimizer's state read by ``dcp.load`` into new tensors laid out as this rank's, is checked
+on every rank, the ranks vote, and only then is anything applied.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .._dist import agree_or_raise
-from .checkpoint import ReplicatedCheckpointIO, _is_writer, _load, _save, _unwrap, _write
+from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
+                         _is_writer, _load, _save, _unwrap, _with_scaler_state, _write, read_file)
 
 # The fp16 grad scaler's state inside a sharded optimizer checkpoint's directory.
 _SCALER_FILE = "grad_scaler.pt"
@@ -97,25 +102,32 @@ def read_full_state_dict(path: str) -> dict:
             files = sorted(set(json.load(f)["weight_map"].values()))
         state = {}
         for name in files:
-            state.update(torch.load(os.path.join(path, name), map_location="cpu",
-                                    weights_only=True))
+            state.update(read_file(os.path.join(path, name)))
         return state
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return read_file(path)
 
 
-def _read_agreed(path: str) -> dict:
-    """read_full_state_dict on every rank; raises on every rank when any rank fails."""
-    error, state = None, None
+def _empty_like_state(state):
+    """The same nested state dict with every tensor replaced by an uninitialized one of the
+    same shape, dtype, device and (for a DTensor) placement: where torch.distributed.checkpoint
+    loads, so that the live state is untouched until every rank has read everything."""
+    from torch.utils._pytree import tree_map_only
+    return tree_map_only(torch.Tensor, torch.empty_like, state)
+
+
+def _dcp_read(state: dict, path: str) -> dict:
+    """``dcp.load`` into ``state`` (collective: it raises on every rank when a rank fails), its
+    failure as a ValueError naming the path and each failed rank's error (the loader raises a
+    CheckpointException, a BaseException carrying the tracebacks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     try:
-        state = read_full_state_dict(path)
-    except Exception as exc:  # noqa: BLE001 - re-raised on every rank after agreeing
-        error = exc
-    if dist.is_initialized():
-        agree_or_raise(error is None, f"loading the checkpoint {path!r} failed: {error!r}",
-                       error=error, peer_message=f"loading the checkpoint {path!r} failed on "
-                                                 f"another rank (see its error)")
-    elif error is not None:
-        raise error
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as exc:
+        causes = "; ".join(f"rank {r}: {type(f[0]).__name__}: {f[0]}"
+                           for r, f in sorted(exc.failures.items()))
+        raise ValueError(f"torch.distributed.checkpoint could not load {path!r}: "
+                         f"{causes}") from None
     return state
 
 
@@ -133,6 +145,10 @@ def _fqn_optimizer_state(optimizer, plain: dict) -> dict:
     return {"state": {by_index[i]: s for i, s in plain["state"].items()},
             "param_groups": [dict(g, params=[by_index[i] for i in g["params"]])
                              for g in groups]}
+
+
+def _nothing_more(_states) -> None:
+    """No check beyond what reading the checkpoint has done."""
 
 
 class DistributedCheckpointIO(ReplicatedCheckpointIO):
@@ -163,18 +179,23 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
 
     def load_model(self, model, checkpoint: str, strict: bool = True, **_):
         """Loads a full state dict (a file, or a directory of shards from ``save_model``) into
-        ``model`` on any mesh."""
+        ``model`` on any mesh, all or nothing: every rank reads the whole checkpoint and checks
+        its keys and (global) shapes against the model before any rank changes a parameter."""
         inner = _unwrap(model)
         if not _is_sharded(inner) and not os.path.isdir(checkpoint):
             return super().load_model(model, checkpoint, strict=strict)
-        state = _read_agreed(checkpoint)
-        if not _is_sharded(inner):
-            return inner.load_state_dict(state, strict=strict)
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             set_model_state_dict)
-        # every rank holds the whole state dict: each places its own shards
-        return set_model_state_dict(inner, state, options=StateDictOptions(
-            full_state_dict=True, strict=strict))
+        if _is_sharded(inner):
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 set_model_state_dict)
+
+            def apply(state):  # every rank holds the whole state dict: each places its shards
+                return set_model_state_dict(inner, state, options=StateDictOptions(
+                    full_state_dict=True, strict=strict))
+        else:
+            def apply(state):
+                return inner.load_state_dict(state, strict=strict)
+        return _load(checkpoint, lambda state: _check_model_state(inner, state, strict), apply,
+                     read_full_state_dict)
 
     def save_optimizer(self, optimizer, checkpoint: str, sharded=None, **_) -> None:
         """Sharded models (or ``sharded=True``): a ``torch.distributed.checkpoint`` directory,
@@ -203,7 +224,11 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             _save(scaler.state_dict(), os.path.join(checkpoint, _SCALER_FILE))
 
     def load_optimizer(self, optimizer, checkpoint: str, **_) -> None:
-        """Loads either format into this mesh's optimizer (resharding as needed)."""
+        """Loads either format into this mesh's optimizer (resharding as needed), all or
+        nothing: the checkpoint (and the grad scaler's state) is read into new tensors and
+        checked on every rank before any rank's optimizer changes. A directory is read by
+        ``dcp.load`` into uninitialized tensors laid out as this rank's optimizer state, so the
+        load holds a second copy of this rank's optimizer state until it is applied."""
         model = getattr(optimizer, "model", None)
         if model is None or (not os.path.isdir(checkpoint) and not _is_sharded(model)):
             return super().load_optimizer(optimizer, checkpoint)
@@ -212,16 +237,31 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                                                              set_optimizer_state_dict)
         opt = _unwrap(optimizer)
         if os.path.isdir(checkpoint):
-            import torch.distributed.checkpoint as dcp
-            state = get_optimizer_state_dict(model, opt)  # this mesh's layout, to fill in
-            dcp.load({"optimizer": state}, checkpoint_id=checkpoint)
-            set_optimizer_state_dict(model, opt, state)
-            scaler = getattr(optimizer, "scaler", None)
+            def read_optimizer(path):  # this mesh's layout, filled in from the checkpoint
+                staged = _empty_like_state(get_optimizer_state_dict(model, opt))
+                return _dcp_read({"optimizer": staged}, path)["optimizer"]
+
+            check = _nothing_more  # dcp.load has matched every key and global shape
+
+            def apply_optimizer(state):
+                set_optimizer_state_dict(model, opt, state)
             scaler_file = os.path.join(checkpoint, _SCALER_FILE)
-            if scaler is not None and os.path.exists(scaler_file):
-                _load(scaler_file, lambda s: None, scaler.load_state_dict)
-            return None
-        plain = _load(checkpoint, lambda s: None, lambda s: s)
-        set_optimizer_state_dict(model, opt, _fqn_optimizer_state(optimizer, plain),
-                                 options=StateDictOptions(full_state_dict=True))
+        else:
+            def read_optimizer(path):
+                return read_file(path)
+
+            def check(states):
+                _check_optimizer_state(opt, states[0])
+
+            def apply_optimizer(plain):
+                set_optimizer_state_dict(model, opt, _fqn_optimizer_state(optimizer, plain),
+                                         options=StateDictOptions(full_state_dict=True))
+            scaler_file = checkpoint + ".grad_scaler"
+        read, apply_scaler = _with_scaler_state(optimizer, scaler_file, read_optimizer)
+
+        def apply(states) -> None:
+            apply_optimizer(states[0])
+            apply_scaler(states[1])
+
+        _load(checkpoint, check, apply, read)
         return None

@@ -1,0 +1,118 @@
+"""Checkpoints of a sharded model load all or nothing, on 2 spawned gloo ranks (CPU):
+
+* a model checkpoint directory (``max_shard_size``) whose last shard does not fit the model
+  raises on every rank and no rank's parameter shard changes (torch's loaders copy the entries
+  that fit before raising about the one that does not);
+* an optimizer checkpoint (a torch.distributed.checkpoint directory) one rank's file of which
+  is cut short raises a ValueError on every rank and no rank's optimizer state changes (the
+  loader had already copied the other rank's part into its live state);
+* the intact checkpoints then load exactly.
+
+The model is FSDP2 (``fully_shard``) over both ranks: every parameter is a DTensor whose local
+shard is half of it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+from torch import nn
+
+from dist_utils import run_ranks
+from utils import error_text
+
+WORLD = 2
+
+
+def _sharded_model():
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 6))  # (out, in) weights: dim 0 sharded
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _local(tensors):
+    return {name: t.to_local().clone() for name, t in tensors}
+
+
+def _optimizer_state(opt):
+    """{(parameter index, name): this rank's part} of the optimizer's tensors."""
+    from torch.distributed.tensor import DTensor
+    state = opt.unwrap().state
+    return {(i, k): (v.to_local() if isinstance(v, DTensor) else v).clone()
+            for i, p in enumerate(opt.unwrap().param_groups[0]["params"])
+            for k, v in state[p].items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _worker(tmp):
+    import torch.distributed as dist
+    from ringseq.plugin.sharded_checkpoint import DistributedCheckpointIO
+    from ringseq.plugin.wrappers import OptimizerWrapper
+    rank, io, out = dist.get_rank(), DistributedCheckpointIO(), {}
+    model = _sharded_model()
+    opt = OptimizerWrapper(torch.optim.AdamW(model.parameters()), None, model=model)
+    opt.backward(model(torch.ones(2, 4)).sum())
+    opt.step()
+    saved_params = _local(model.named_parameters())
+    saved_state = _optimizer_state(opt)
+    good_model, good_opt = os.path.join(tmp, "model"), os.path.join(tmp, "optim")
+    io.save_model(model, good_model, max_shard_size=1)  # one file per tensor
+    io.save_optimizer(opt, good_opt)
+    out["optimizer_is_dcp"] = os.path.isfile(os.path.join(good_opt, ".metadata"))
+
+    # the model: the last layer's shapes differ; its files come after the first layer's
+    misfit = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 5))
+    nn.init.constant_(misfit[0].weight, 7.0)
+    io.save_model(misfit, os.path.join(tmp, "misfit"), max_shard_size=1)
+    out["misfit_error"] = error_text(lambda: io.load_model(model, os.path.join(tmp, "misfit")))
+    out["params_kept"] = _same(_local(model.named_parameters()), saved_params)
+
+    # the optimizer: rank 1's file cut short; rank 0's part reads fine
+    bad_opt = os.path.join(tmp, "optim_cut")
+    if rank == 0:
+        shutil.copytree(good_opt, bad_opt)
+    dist.barrier()
+    if rank == 1:
+        cut = os.path.join(bad_opt, "__1_0.distcp")
+        with open(cut, "r+b") as f:
+            f.truncate(os.path.getsize(cut) // 2)
+    dist.barrier()
+    for p in model.parameters():
+        for v in opt.unwrap().state[p].values():
+            v.zero_()
+    zeroed = _optimizer_state(opt)
+    out["cut_error"] = error_text(lambda: io.load_optimizer(opt, bad_opt))
+    out["state_kept"] = _same(_optimizer_state(opt), zeroed)
+
+    # the intact checkpoints load exactly
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    io.load_model(model, good_model)
+    io.load_optimizer(opt, good_opt)
+    out["params_restored"] = _same(_local(model.named_parameters()), saved_params)
+    out["state_restored"] = _same(_optimizer_state(opt), saved_state)
+    return out
+
+
+def test_sharded_checkpoints_load_all_or_nothing(tmp_path):
+    ranks = run_ranks(_worker, WORLD, str(tmp_path), timeout=120)
+    for rank, got in enumerate(ranks):
+        assert got["optimizer_is_dcp"], rank
+        error = got["misfit_error"]
+        assert error.startswith("ValueError: "), (rank, error)
+        assert "1.weight: shape (5, 8) in the checkpoint, (6, 8) in the model" in error, error
+        assert got["params_kept"], f"rank {rank}: a parameter shard changed on a failed load"
+        # rank 1 names its own cut file; rank 0 (whose read succeeded) names the failed rank
+        error = got["cut_error"]
+        assert error.startswith("ValueError: ") and "optim_cut" in error, (rank, error)
+        assert "rank 1" in error, (rank, error)
+        assert got["state_kept"], f"rank {rank}: optimizer state changed on a failed load"
+        assert got["params_restored"] and got["state_restored"], rank

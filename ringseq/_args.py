@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from .kernels.checks import count_check
+from .kernels.spans import UNBOUNDED
 
 __all__ = ["autocast_inputs", "check_alibi_slopes", "check_bool", "check_cu_seqlens",
            "check_dropout", "check_returns", "check_softmax_scale", "given", "parse_window",
@@ -137,7 +138,10 @@ def parse_window(fn: str, window_size) -> Tuple[int, int]:
     if left < -1 or right < -1:
         raise ValueError(f"{fn}: window_size entries must be >= 0, or -1 for unbounded, got "
                          f"({left}, {right})")
-    return left, right
+    # A window at least as wide as the keys is none (flash-attn's rule); one of UNBOUNDED or
+    # more is that for every sequence a tensor can hold, and the band's bounds (positions
+    # minus the width) would leave int64 past it.
+    return tuple(-1 if e >= UNBOUNDED else e for e in (left, right))
 
 
 def check_cu_seqlens(fn: str, name: str, cu_seqlens, total: Optional[int] = None,

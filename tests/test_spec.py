@@ -44,6 +44,29 @@ def test_window_size_as_flash_attn_tests_pass_it():
         attn_spec("f", q, k, v, window_size=(3.0, 0))
 
 
+@pytest.mark.parametrize("window", [(2 ** 62, 0), (2 ** 63 - 1, -1), (0, 2 ** 64),
+                                    (2 ** 70, 2 ** 70)])
+@pytest.mark.parametrize("s_q, s_k", [(9, 5), (5, 9)])
+def test_windows_wider_than_any_sequence_are_none(window, s_q, s_k):
+    """Any width from 2**62 on is unbounded for every sequence, so it is the same call as -1
+    there, at every entry point (before: int64 overflow errors from inside the planner, or the
+    kv-cache operator refusing the int)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, s_q, 2, 16, generator=g)
+    k, v = (torch.randn(2, s_k, 2, 16, generator=g) for _ in range(2))
+    same = tuple(-1 if w >= 2 ** 62 else w for w in window)
+    assert attn_spec("f", q, k, v, window_size=window).window == same
+    got = ringseq.flash_attn_func(q, k, v, window_size=window)
+    assert torch.equal(got, ringseq.flash_attn_func(q, k, v, window_size=same))
+    cu_q, cu_k = torch.tensor([0, s_q, 2 * s_q]), torch.tensor([0, s_k, 2 * s_k])
+    flat = [t.reshape(-1, 2, 16) for t in (q, k, v)]
+    got = ringseq.flash_attn_varlen_func(*flat, cu_q, cu_k, s_q, s_k, window_size=window)
+    assert torch.equal(got, ringseq.flash_attn_varlen_func(*flat, cu_q, cu_k, s_q, s_k,
+                                                           window_size=same))
+    got = ringseq.flash_attn_with_kvcache(q[:, :1], k, v, window_size=window)
+    assert torch.equal(got, ringseq.flash_attn_with_kvcache(q[:, :1], k, v, window_size=same))
+
+
 @pytest.mark.parametrize("kw, exc, text", [
     ({"dropout_p": 0.1}, NotImplementedError, "dropout_p=0.1"),
     ({"softmax_scale": True}, TypeError, "softmax_scale must be a float"),

@@ -194,8 +194,9 @@ class ReplicatedCheckpointIO:
     load_lr_scheduler`` for replicated state. Saving is collective: rank 0 writes, then the
     ranks agree on its success, so a failed write raises on every rank (rank 0 its own error,
     the others a ValueError). Loading reads the file on every rank (tensors to CPU, then the
-    model's / the optimizer's own device placement). The fp16 grad scaler's state goes next to the optimizer
-    checkpoint as ``<path>.grad_scaler`` and is restored from there when present.
+    model's / the optimizer's own device placement). The fp16 grad scaler's state goes next to
+    the optimizer checkpoint as ``<path>.grad_scaler`` and is restored from there when present
+    (read and checked together with the optimizer's, applied only when both are good).
 
     Loading is collective too: every rank reads the file with ``weights_only=True`` (a
     checkpoint cannot run code) and checks it against its own state without changing it, the

@@ -389,6 +389,73 @@ def test_single_process_refuses_restarting_position_ids(state_dicts):
     model(**batch, use_cache=False)
 
 
+def test_position_ids_are_checked_again_when_the_call_changes(state_dicts):
+    """The input check runs once per forward, not once per tensor: the same position_ids
+    tensor first with its documents' boundaries (exact), then without them (documents that
+    would attend across their borders), or refilled in place with wrong positions, is refused
+    (before: accepted silently, 0.2 from the documents run alone)."""
+    from ringseq.integrations.transformers import apply
+    model = apply(_model("llama", state_dicts["llama"]))
+    ids, _ = _batch(12)
+    half = SEQLEN // 2
+    restart = torch.cat([torch.arange(half), torch.arange(SEQLEN - half)])[None]  # (1, s)
+    cu = torch.tensor([0, half, SEQLEN], dtype=torch.int32)
+    model(input_ids=ids[:1], position_ids=restart, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+          max_length_q=half, max_length_k=half, use_cache=False)
+    with pytest.raises(ValueError, match="position_ids that are not the global positions"):
+        model(input_ids=ids[:1], position_ids=restart, use_cache=False)
+    positions = torch.arange(SEQLEN)[None]
+    model(input_ids=ids[:1], position_ids=positions, use_cache=False)
+    positions[0, 3:] = 0  # the same buffer refilled in place
+    with pytest.raises(ValueError, match="position_ids that are not the global positions"):
+        model(input_ids=ids[:1], position_ids=positions, use_cache=False)
+
+
+def _gemma3_multimodal():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma3ForConditionalGeneration"):
+        pytest.skip("this transformers has no Gemma 3")
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=96, head_dim=16, sliding_window=6,
+                query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
+                max_position_embeddings=256)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=16, patch_size=4, num_channels=3)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=90, boi_token_index=91, eoi_token_index=92,
+                                    attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(cfg).double().eval()
+
+
+def test_multimodal_model_rings_its_text_and_refuses_bidirectional_image_tokens():
+    """Gemma 3 with its SigLIP tower: apply switches the language model only (each rank runs
+    whole images: the vision tower keeps its implementation, before: it was switched too and
+    its first forward raised "no ring settings"); text-only inputs then equal eager attention
+    exactly, and image tokens, which attend to each other bidirectionally (transformers'
+    blockwise overlay), are refused instead of running causally (before: 1.7e-2 off)."""
+    import copy
+    from ringseq.integrations.transformers import apply
+    eager = _gemma3_multimodal()
+    ring = apply(copy.deepcopy(eager))
+    assert ring.config.text_config._attn_implementation == "ringseq"
+    assert ring.config.vision_config._attn_implementation == "eager"
+    ids = torch.randint(0, 80, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        err = (ring(input_ids=ids, use_cache=False).logits
+               - eager(input_ids=ids, use_cache=False).logits).abs().max()
+    # float64 weights, but eager's softmax runs in float32 (relative rounding 6e-8 per
+    # probability): its own distance from float64 attention, not ringseq's
+    assert err < 1e-6, err
+    ids[0, 4], ids[0, 5:9], ids[0, 9] = 91, 90, 92  # begin-of-image, 4 image tokens, end
+    image_tokens = (ids == 90).long()
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2),
+                         dtype=torch.float64)
+    with pytest.raises(ValueError, match="bidirectional attention within blocks of tokens"), \
+            torch.no_grad():
+        ring(input_ids=ids, pixel_values=pixels, token_type_ids=image_tokens, use_cache=False)
+
+
 def test_documents_layout_takes_a_one_document_row():
     """DataCollatorWithFlattening gives a batch of one sample position ids that never restart
     (and no boundaries without return_flash_attn_kwargs): with layout "documents" that row is

@@ -30,8 +30,11 @@ sequence-parallel mode. What it cannot do exactly raises ``ValueError`` (on ever
 the ring's control channel, where the condition is only visible on some ranks): dropout > 0
 (attention dropout while training), a padding mask with zeros or any 4D mask,
 ``output_attentions=True`` (the probabilities are never materialized), a KV cache holding
-earlier tokens, and position ids that are not the global positions of the local tokens
-(forgetting ``position_ids`` makes every rank's RoPE start at 0).
+earlier tokens, position ids that are not the global positions of the local tokens
+(forgetting ``position_ids`` makes every rank's RoPE start at 0), attention sinks, chunked
+attention layers and bidirectional blocks of image tokens (transformers' blockwise overlay,
+which :func:`ringseq_mask` hands to the input check). Sub-models whose attention modules
+ringseq does not switch (a multimodal model's vision tower) keep their implementation.
 """
 from __future__ import annotations
 
@@ -81,9 +84,10 @@ class RingSettings:
     # sequence-parallel group, ``layout`` its data layout and ``ring_layout`` the ring's.
     sp: Optional[SequenceParallelGroups] = None
     ring_layout: Optional[Layout] = None
-    # Weak references to the last mask / position-id tensors found valid: every layer of one
-    # forward gets the same tensors, so they are checked (and agreed on across ranks) once.
-    _checked: tuple = field(default=(None, None), repr=False, compare=False)
+    # The last inputs found valid -- mask and position-id tensors (weakly, with their in-place
+    # versions), document boundaries, local length: every layer of one forward gets the same,
+    # so they are checked (and agreed on across ranks) once per forward.
+    _checked: tuple = field(default=(None, None, None, None), repr=False, compare=False)
 
     def __deepcopy__(self, memo):
         # A process group cannot be copied, and a copied model runs on the same ring.
@@ -100,8 +104,23 @@ def _settings(module) -> RingSettings:
     return s
 
 
-def _same(ref, t) -> bool:
-    return t is None if ref is None else ref() is t
+def _input_mark(t):
+    """What a verdict on tensor ``t`` holds for: its identity and in-place version (a buffer
+    refilled in place is checked again); None for None. Tensors without a version counter
+    (made under inference mode) get no mark and are checked at every call."""
+    if t is None:
+        return None
+    try:
+        return weakref.ref(t), t._version
+    except RuntimeError:  # inference tensors track no version
+        return weakref.ref(t), None
+
+
+def _marked(mark, t) -> bool:
+    if mark is None:
+        return t is None
+    ref, version = mark
+    return version is not None and ref() is t and t._version == version
 
 
 def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, position_ids,
@@ -109,10 +128,15 @@ def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, pos
     """Refuses padding masks and wrong position ids; agrees across ranks before raising."""
     if attention_mask is None and position_ids is None:
         return
-    if _same(settings._checked[0], attention_mask) and _same(settings._checked[1], position_ids):
+    mask_mark, pos_mark, checked_docs, checked_len = settings._checked
+    if (_marked(mask_mark, attention_mask) and _marked(pos_mark, position_ids)
+            and checked_docs == docs and checked_len == q_local):
         return
     problems = []
-    if attention_mask is not None:
+    refusal = getattr(attention_mask, "ringseq_refusal", None)  # set by ringseq_mask
+    if refusal is not None:
+        problems.append(refusal)
+    elif attention_mask is not None:
         if attention_mask.dim() != 2:
             problems.append(f"a {attention_mask.dim()}D attention mask of shape "
                             f"{tuple(attention_mask.shape)} (only a 2D all-ones padding mask "
@@ -153,8 +177,7 @@ def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, pos
     # meets this check instead of waiting for it.
     get_ring(settings.group).agree(
         not problems, "ringseq attention cannot compute this exactly: " + "; ".join(problems))
-    settings._checked = (None if attention_mask is None else weakref.ref(attention_mask),
-                         None if position_ids is None else weakref.ref(position_ids))
+    settings._checked = (_input_mark(attention_mask), _input_mark(position_ids), docs, q_local)
 
 
 def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -290,11 +313,43 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
     """transformers mask function for ``"ringseq"``: the 2D (b, kv_length) padding mask as
     given (boolean), or None. The causal structure is the ring's, so no 4D mask is built;
     :func:`ringseq_attention_forward` refuses a mask with zeros."""
+    if _has_blockwise_overlay(mask_function):
+        # Returned as the mask, so that the attention's input check raises it on every rank
+        # (agreed over the ring) rather than here, on the ranks that build this mask.
+        marker = torch.ones((), dtype=torch.bool, device=kwargs.get("device")).expand(
+            batch_size, 1, q_length, kv_length)  # (b, 1, q, kv), no memory
+        marker.ringseq_refusal = (
+            "bidirectional attention within blocks of tokens (transformers' blockwise overlay: "
+            "the image tokens of Gemma 3 / Gemma 4 style multimodal models), which ring "
+            "attention would run as causal attention")
+        return marker
     if attention_mask is None:
         return None
     if attention_mask.dim() == 2 and kv_length is not None:
         attention_mask = attention_mask[:, -kv_length:]
     return attention_mask
+
+
+def _has_blockwise_overlay(mask_function) -> bool:
+    """Whether a transformers mask function is composed with ``blockwise_overlay`` (through
+    ``or_masks`` / ``and_masks`` / the packed-sequence remap, which keep their parts in their
+    closures). Other compositions are the ring's own structure: causal or not (the module's
+    ``is_causal``), sliding windows, packed documents (checked through position ids)."""
+    stack, seen = [mask_function], set()
+    while stack:
+        fn = stack.pop()
+        if not callable(fn) or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if getattr(fn, "__qualname__", "").startswith("blockwise_overlay."):
+            return True
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            stack.extend(value if isinstance(value, (tuple, list)) else [value])
+    return False
 
 
 def _register() -> None:
@@ -402,7 +457,28 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     for m in modules:
         m.ringseq_settings = settings
     if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        # Sub-models none of whose attention ringseq switches (the vision tower of a multimodal
+        # model: each rank runs whole images, not a shard of the sequence) keep their own.
+        # (a dict leaves the sub-configs it does not name as they were: name them all)
+        kept = _unswitched_sub_configs(model, modules)
+        names = getattr(model.config, "sub_configs", None) or {}
+        model.set_attn_implementation(
+            {"": ATTN_IMPLEMENTATION, **{n: ATTN_IMPLEMENTATION for n in names}, **kept}
+            if kept else ATTN_IMPLEMENTATION)
     else:  # pragma: no cover - older transformers
         model.config._attn_implementation = ATTN_IMPLEMENTATION
     return model
+
+
+def _unswitched_sub_configs(model, switched) -> dict:
+    """{sub-config name: its current attention implementation} for each sub-config of
+    ``model.config`` that attention modules use (``module.config``) none of which is in
+    ``switched``: e.g. ``vision_config`` of Gemma 3's SigLIP tower, whose attention has no
+    ``scaling`` attribute and no ring to run on."""
+    config = getattr(model, "config", None)
+    subs = {name: getattr(config, name, None) for name in getattr(config, "sub_configs", {}) or {}}
+    used = {id(getattr(m, "config", None)) for m in switched}
+    foreign = {id(getattr(m, "config", None)) for m in model.modules()
+               if "Attention" in type(m).__name__ and m not in switched}
+    return {name: sub._attn_implementation for name, sub in subs.items()
+            if sub is not None and id(sub) in foreign and id(sub) not in used}

@@ -429,6 +429,9 @@ def _case_unshard_mismatch():
     res = {"shape": _capture(lambda: ringseq.unshard(x if rank == 0 else x[:, :4], "contiguous")),
            "dtype": _capture(lambda: ringseq.unshard(x if rank == 0 else x.double(), "contiguous")),
            "layout": _capture(lambda: ringseq.unshard(x, "zigzag" if rank == 0 else "stripe")),
+           # dtypes outside the common ones (before: one shared index, bytes reinterpreted)
+           "int8_uint8": _capture(lambda: ringseq.unshard(
+               x.to(torch.int8 if rank == 0 else torch.uint8), "contiguous")),
            "odd_zigzag": _capture(lambda: ringseq.unshard(x if rank == 0 else x[:, :3], "zigzag"))}
     res["after"] = ringseq.unshard(x, "zigzag")  # the ring is usable afterwards
     return res
@@ -513,6 +516,13 @@ def _worker_w4():
         res["non_member"] = [_capture(lambda: ringseq.shard(torch.zeros(1, 8), "zigzag", g)),
                              _capture(lambda: ringseq.positions(8, "zigzag", g)),
                              _capture(lambda: ringseq.unshard(torch.zeros(1, 4), "zigzag", g))]
+    # a Ulysses x ring data layout wrapping packed documents whose boundaries differ on rank 0
+    from ringseq.layouts import Documents
+    from ringseq.parallel.sp_layout import SequenceParallelLayout
+    coords = [(f // 2, f % 2) for f in range(4)]
+    docs = SequenceParallelLayout(Documents((0, 16) if rank == 0 else (0, 3, 16)), 2, 2, coords)
+    x = torch.arange(16.0)[None]  # (1, 16)
+    res["sp_documents"] = _capture(lambda: ringseq.unshard(ringseq.shard(x, docs), docs))
     dist.barrier()
     return res
 
@@ -745,6 +755,8 @@ def test_unshard_of_shards_that_differ_raises_on_every_rank(w2):
         _is_fast_error(got["shape"], "RingMismatchError", "shape[1] (rank 0: 6, rank 1: 4)")
         _is_fast_error(got["dtype"], "RingMismatchError", "dtype (rank 0: torch.float32, rank 1: torch.float64)")
         _is_fast_error(got["layout"], "RingMismatchError", "layout (rank 0: 'zigzag', rank 1: 'stripe')")
+        _is_fast_error(got["int8_uint8"], "RingMismatchError",
+                       "dtype (rank 0: torch.int8, rank 1: torch.uint8)")
         # rank 1's 3 rows cannot be a zigzag shard (two halves): its own ValueError there, a
         # RingPeerError naming it on rank 0
         if rank == 1:
@@ -754,6 +766,13 @@ def test_unshard_of_shards_that_differ_raises_on_every_rank(w2):
         want = ringseq.layouts.unshard_local([torch.arange(12.0).reshape(1, 6, 2) + 100 * r for r in range(2)],
                                      "zigzag")
         assert torch.equal(got["after"], want)
+
+
+def test_unshard_compares_a_wrapped_layouts_documents(w4):
+    """A Ulysses x ring layout's code includes its base layout's (packed documents' boundaries
+    are not in the name): ranks whose documents differ raise instead of returning a mix."""
+    for res in w4:
+        _is_fast_error(res["sp_documents"], "RingMismatchError", "layout (rank 0: ")
 
 
 def test_non_member_ranks_get_a_clear_error(w4):

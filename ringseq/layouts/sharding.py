@@ -9,11 +9,12 @@ import torch
 import torch.distributed as dist
 
 from .._dist import agree_on_fields, group_info
+from .._hash import stable_code
 from .base import check_rank, get_layout, layout_name_of_code
 
-# Dtypes by index, for the cross-rank check of unshard's arguments.
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
-           torch.bool)
+# Every dtype by its stable code, for the cross-rank check of unshard's arguments.
+_DTYPE_OF_CODE = {stable_code(str(d)): str(d) for d in vars(torch).values()
+                  if isinstance(d, torch.dtype)}
 
 __all__ = ["positions", "positions_local", "shard", "shard_local", "unshard", "unshard_local"]
 
@@ -126,10 +127,10 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     except ValueError as exc:
         problem = exc
     shape = tuple(x_local.shape)
-    dtypes = _DTYPES + (x_local.dtype,)  # another dtype: shown as this rank's (if it differs)
     fields = ((("ndim", len(shape), None),)
               + tuple((f"shape[{i}]", n, None) for i, n in enumerate(shape[:16]))
-              + (("dtype", dtypes.index(x_local.dtype), lambda c: str(dtypes[c])),
+              + (("dtype", stable_code(str(x_local.dtype)),
+                  lambda c: _DTYPE_OF_CODE.get(c, f"dtype #{c}")),
                  ("layout", lay.code, layout_name_of_code), ("dim", dim, None)))
     agree_on_fields(problem is None, str(problem), fields, group, error=problem, what="unshard")
     return _Unshard.apply(x_local, lay, group, world_size, rank, dim)

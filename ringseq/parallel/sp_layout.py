@@ -7,6 +7,7 @@ from typing import Sequence, Tuple
 
 import torch
 
+from .._hash import stable_code
 from ..layouts import Layout
 
 __all__ = ["SequenceParallelLayout"]
@@ -29,6 +30,11 @@ class SequenceParallelLayout(Layout):
         order = "u" if all(c == (f // ulysses_size, f % ulysses_size)
                            for f, c in enumerate(self.coords)) else "r"
         self.name = f"{base.name}|sp[R={ring_size},U={ulysses_size},{order}-inner]"
+
+    @property
+    def code(self) -> int:
+        # the wrapped layout's code too: a Documents layout's boundaries are not in its name
+        return stable_code(f"{self.name}#{self.base.code}")
 
     def multiple(self, world_size):
         self._check_world(world_size)

@@ -95,16 +95,18 @@ class ShardedDataLoader:
     def _next_shard(self, it):
         """This rank's next sharded batch, or None at the end; raises on every rank when any
         rank's batch fails to load, collate or shard."""
-        error, out = None, None
+        error, out, ended = None, None, False
         try:
             batch = next(it)
         except StopIteration:
-            # DistributedSampler gives every dp group the same number of batches, so the
-            # ranks end together.
-            return None
+            # DistributedSampler gives every dp group the same number of batches, but a
+            # sampler or dataset of the user's may not: the end is agreed on like a batch, so
+            # a rank that ends early raises with the others instead of leaving them waiting
+            # (or pairing its next epoch's batches with their current one's).
+            ended = True
         except Exception as exc:  # noqa: BLE001 - re-raised on this rank after agreeing
             error = exc
-        if error is None:
+        if error is None and not ended:
             try:
                 if not isinstance(batch, dict):
                     if not hasattr(batch, "keys"):
@@ -131,10 +133,11 @@ class ShardedDataLoader:
         # number: ranks at different batches raise instead of pairing their steps.
         if dist.is_initialized():
             get_ring(self.check_group).agree(error is None, str(error), error=error,
-                                             fields=(("batch number", self.step + 1),))
+                                             fields=(("batch number", self.step + 1),
+                                                     ("end of the data", int(ended))))
         elif error is not None:
             raise error
-        return self._to_device(out)
+        return None if ended else self._to_device(out)
 
     def __iter__(self) -> Iterator[dict]:
         it = iter(self.loader)

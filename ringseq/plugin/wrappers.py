@@ -232,7 +232,8 @@ class SequenceParallelLoss:
     Returns a float32 scalar (float64 for float64 logits), identical on every rank:
     sum of token losses over all dp x sp (x tp) ranks / number of targets over all ranks (one
     all-reduce over ``group``; ``ignore_index`` targets excluded; 0 when there is none).
-    Raises ValueError for mismatched shapes or a batch without ``shift_labels``.
+    Raises ValueError for mismatched shapes or a batch without ``shift_labels`` (on this
+    rank; the other ranks of ``group`` raise RingPeerError naming it at their loss).
 
     With tensor parallelism (``tp_size > 1``) the model's logits cover this tp rank's share of
     the local sequence, (b, s_local / tp_size, vocab) (``ringseq.parallel.tp``), and the
@@ -252,6 +253,16 @@ class SequenceParallelLoss:
         self.tp_size, self.tp_rank = tp_size, tp_rank
 
     def __call__(self, outputs, batch) -> torch.Tensor:
+        try:
+            logits, targets = self._logits_and_targets(outputs, batch)
+        except Exception as exc:
+            # The other ranks are about to wait for this one in the loss's agreement.
+            report_step_failure(self.group, exc)
+            raise
+        return sharded_cross_entropy(logits, targets, group=self.group,
+                                     ignore_index=self.ignore_index)
+
+    def _logits_and_targets(self, outputs, batch):
         logits = outputs
         if not torch.is_tensor(logits):
             logits = (outputs["logits"] if isinstance(outputs, dict) else
@@ -268,8 +279,7 @@ class SequenceParallelLoss:
             targets = batch["shift_labels"]
         if self.tp_size > 1:
             targets = self._tp_share(logits, targets)
-        return sharded_cross_entropy(logits, targets, group=self.group,
-                                     ignore_index=self.ignore_index)
+        return logits, targets
 
     def _tp_share(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         n, t = targets.shape[-1], self.tp_size

@@ -292,7 +292,9 @@ class RingSequenceParallelPlugin(Plugin):
                 layout needs: sp, 2*sp for zigzag).
             batch_size: samples per data-parallel group per step (global batch: x dp).
             shuffle, seed, drop_last: as ``DistributedSampler`` over the dp groups (without
-                drop_last the sampler repeats samples to even out the groups).
+                drop_last the sampler repeats samples to even out the groups); drop_last also
+                drops each dp group's last batch when it has fewer than ``batch_size``
+                samples (``DataLoader(drop_last=True)``), as ColossalAI's loaders do.
             pin_memory, num_workers, kwargs: passed to ``DataLoader`` (e.g. ``collate_fn``).
             pack: pack each batch's samples (any lengths) back to back into one row of
                 documents (:func:`ringseq.plugin.dataloader.pack_documents`, like

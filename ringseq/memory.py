@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import re
 import sys
 from dataclasses import dataclass, field
@@ -99,8 +100,18 @@ class ModelShape:
                 raise KeyError(f"estimate_memory: config is missing {key!r} (needed: "
                                f"{', '.join(_REQUIRED)}, and head_dim, which defaults to "
                                f"hidden_size // num_attention_heads)")
+            if key != "tie_word_embeddings" and not _is_whole(v):
+                raise ValueError(f"estimate_memory: config {key} must be an integer, got {v!r}")
             vals[key] = v
-        head_dim = get("head_dim", None) or vals["hidden_size"] // vals["num_attention_heads"]
+        if int(vals["num_attention_heads"]) < 1:
+            raise ValueError(f"estimate_memory: config num_attention_heads must be >= 1, got "
+                             f"{vals['num_attention_heads']!r}")
+        head_dim = get("head_dim", None)
+        if head_dim is None:  # transformers' default
+            head_dim = int(vals["hidden_size"]) // int(vals["num_attention_heads"])
+        elif not _is_whole(head_dim):
+            raise ValueError(f"estimate_memory: config head_dim must be an integer, got "
+                             f"{head_dim!r}")
         model_type = str(get("model_type", "") or "")
         qwen2 = model_type.startswith("qwen2")
         attention_bias = bool(get("attention_bias", False))
@@ -119,6 +130,15 @@ class ModelShape:
             raise ValueError(f"estimate_memory: num_attention_heads={shape.heads} must be a "
                              f"multiple of num_key_value_heads={shape.kv_heads}")
         return shape
+
+
+def _is_whole(v) -> bool:
+    """An integer, or a float holding one (JSON configs may say 4096.0); not a bool."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, numbers.Integral):
+        return True
+    return isinstance(v, float) and v.is_integer()
 
 
 # ------------------------------------------------------------------------------ the result
@@ -365,9 +385,21 @@ class _Plan:
     def params(self) -> int:
         return self.shape.layers * self.layer_params() + self.root_params()
 
-    def largest_param(self) -> int:
-        s, h, d = self.shape, self.shape.hidden, self.shape.head_dim
-        return max(s.vocab * h, h * self.heads_l * d, h * self.inter_l)
+    def param_sizes(self) -> List[int]:
+        """Every parameter's size on this tp rank (before FSDP sharding), in the order of a
+        Llama-family model's ``parameters()``: the embedding, per layer the attention's
+        projections (each weight, then its bias), the MLP's gate, up, down, the two norms;
+        the final norm and an untied LM head. Sums to :meth:`params`."""
+        s, h, d, I = self.shape, self.shape.hidden, self.shape.head_dim, self.inter_l
+        layer = []
+        for out in (self.heads_l * d, self.kv_l * d, self.kv_l * d):  # q, k, v
+            layer += [h * out] + ([out] if s.qkv_bias else [])
+        layer += [self.heads_l * d * h] + ([h] if s.o_bias else [])
+        for out in (I, I):  # gate, up
+            layer += [h * out] + ([out] if s.mlp_bias else [])
+        layer += [I * h] + ([h] if s.mlp_bias else []) + [h, h]  # down, the two norms
+        return ([s.vocab * h] + layer * s.layers + [h]
+                + ([] if s.tied else [s.vocab * h]))
 
     @property
     def shards(self) -> int:
@@ -634,8 +666,12 @@ class _Terms:
         # ---- optimizer step -------------------------------------------------------------
         if p.optimizer == "adamw":  # foreach (torch's default on CUDA): sqrt of every exp_avg_sq
             self.opt_tmp = f32 * P // N
-        elif p.optimizer == "adamw_forloop":  # per tensor: sqrt and the division, float32
-            self.opt_tmp = 2 * f32 * (p.largest_param() // N if N > 1 else p.largest_param())
+        elif p.optimizer == "adamw_forloop":
+            # Per tensor, float32: the sqrt of exp_avg_sq and its division, while the previous
+            # parameter's `denom` is still held by the loop's variable (torch's
+            # _single_tensor_adam), for parameters in model order (one param group).
+            sizes = [n // N for n in p.param_sizes()]
+            self.opt_tmp = f32 * max(2 * n + prev for n, prev in zip(sizes, [0] + sizes))
         else:  # fused: in place
             self.opt_tmp = 0
 
@@ -908,6 +944,9 @@ def meshes(config, world_size: int, precision: str = "bf16") -> List[dict]:
     (the others are the ring and Ulysses)."""
     shape = ModelShape.from_config(config)
     _check_int("world_size", world_size)
+    if precision not in PRECISIONS:
+        raise ValueError(f"meshes: precision must be one of {list(PRECISIONS)}, got "
+                         f"{precision!r}")
     out = []
     for tp in _divisors(world_size):
         if shape.intermediate % tp:
@@ -934,6 +973,13 @@ def meshes(config, world_size: int, precision: str = "bf16") -> List[dict]:
     return out
 
 
+def _check_budget(fn: str, device_memory) -> None:
+    if (isinstance(device_memory, bool) or not isinstance(device_memory, numbers.Real)
+            or not math.isfinite(device_memory) or device_memory <= 0):
+        raise ValueError(f"{fn}: device_memory must be a positive number of bytes (e.g. "
+                         f"ringseq.memory.parse_bytes('80GiB')), got {device_memory!r}")
+
+
 def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
                    **kwargs) -> List[MemoryEstimate]:
     """The estimates of every mesh (:func:`meshes`) whose peak fits in ``device_memory``
@@ -947,6 +993,7 @@ def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
     if extra:
         raise TypeError(f"fitting_meshes: unexpected keyword argument(s) {sorted(extra)}; it "
                         f"takes micro_batch, precision, optimizer and layout")
+    _check_budget("fitting_meshes", device_memory)
     # the options' own errors (dp = world_size, nothing split: every seqlen >= 1 divides)
     estimate_memory(config, seqlen=seqlen, world_size=world_size, sp_size=1, **kwargs)
     fit = []
@@ -965,12 +1012,25 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
     """The estimate at the longest sequence length (a multiple of what the mesh needs, at
     most ``limit``) whose peak fits in ``device_memory`` bytes on one mesh (``mesh``: the
     other arguments of :func:`estimate_memory`), or None when not even the shortest fits.
-    Bisection: the peak grows with the length."""
+    Bisection: the peak grows with the length.
+
+    Raises TypeError without ``world_size`` or ``sp_size``, ValueError for a ``device_memory``
+    that is not a positive number, a ``limit`` below the mesh's length multiple, and what
+    :func:`estimate_memory` raises for the mesh."""
+    missing = [k for k in ("world_size", "sp_size") if k not in mesh]
+    if missing:
+        raise TypeError(f"max_seqlen: missing keyword argument(s) {missing} (the mesh: "
+                        f"world_size, sp_size and optionally the other arguments of "
+                        f"estimate_memory)")
+    _check_budget("max_seqlen", device_memory)
     step = ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
                         tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
                         sp_mode=mesh.get("sp_mode", "ring"),
                         ulysses_size=mesh.get("ulysses_size")
                         ).seq_multiple(mesh.get("layout", "zigzag"))
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < step:
+        raise ValueError(f"max_seqlen: limit must be an integer >= {step} (the shortest length "
+                         f"this mesh and layout can split), got {limit!r}")
 
     def at(n):
         return estimate_memory(config, seqlen=n * step, **mesh)

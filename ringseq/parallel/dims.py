@@ -97,7 +97,8 @@ class ParallelDims:
                 f"ParallelDims: sp_size={sp!r} x tp_size={tp} does not divide the world size "
                 f"{world}; the mesh is dp x sp x tp, so with tp_size={tp} sp_size must be one "
                 f"of {_divisors(world // tp)}")
-        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
+        if (self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool)
+                or not isinstance(self.zero_stage, int)):  # 3.0 == 3, but it is no stage
             raise ValueError(
                 f"ParallelDims: zero_stage={self.zero_stage!r} is not supported; supported: "
                 f"{list(ZERO_STAGES)} (0: replicated parameters; 2: FSDP2 sharding optimizer "

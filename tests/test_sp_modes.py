@@ -160,11 +160,18 @@ def _errors(sps, pairs):
         "bad_len": _expected_error(lambda: hybrid.shard(torch.zeros(1, 26, 2, 8), "zigzag")),
         "bad_inner": _expected_error(lambda: ringseq.make_sp_groups(1, 3)),
         "bad_ulysses": _expected_error(lambda: ringseq.make_sp_groups(3)),
+        # ranks that ask for different groups (before: every rank waited in group creation)
+        "groups_differ": _expected_error(lambda: ringseq.make_sp_groups(2 if rank == 0 else 4)),
         # one rank passes another local length: every rank raises instead of hanging
         "mismatch": _expected_error(lambda: ringseq.ulysses_attn_func(
             *(torch.randn(1, 8 if rank == 1 else 6, 8, 8),) * 3, group=None)),
         "mismatch_usp": _expected_error(lambda: ringseq.usp_attn_func(
             *(torch.randn(1, 8 if rank == 3 else 6, 8, 8),) * 3, sp=hybrid, layout="stripe")),
+        # the ring layout under Ulysses: one rank's differs (before: the hybrid's ring calls
+        # raised after the all-to-all had moved the data, breaking the ring; two ranks of
+        # each ring alike: no error at all)
+        "ring_layout": _expected_error(lambda: ringseq.usp_attn_func(
+            x8, x8, x8, sp=hybrid, layout="stripe" if rank == 1 else "zigzag")),
         # SDPA's form has no cu_seqlens: a per-batch documents layout is refused up front
         "documents_sdpa": _expected_error(lambda: ringseq.usp_sdpa(
             *(x8.transpose(1, 2),) * 3, sp=hybrid, layout="documents")),
@@ -184,6 +191,26 @@ def _errors(sps, pairs):
     lo, ll = ringseq.usp_attn_func(lq, lq, lq, causal=True, sp=hybrid, return_lse=True)
     (lo.sum() + (ll * hybrid.shard(wl, "zigzag", dim=0)).sum()).backward()
     out["lse_grad_err"] = max_err(lq.grad, hybrid.shard(fq.grad, "zigzag"))
+    # a gradient into lse on one rank only (before: RingMismatchError under Ulysses)
+    from ringseq.layouts import positions_local
+    for mode, sp_ in (("ulysses", sps[(4, None, True)]), ("hybrid", hybrid)):
+        lq = sp_.shard(q, "zigzag").requires_grad_()
+        lo, ll = ringseq.usp_attn_func(lq, lq, lq, causal=True, sp=sp_, return_lse=True)
+        loss = lo.sum() + ((ll * sp_.shard(wl, "zigzag", dim=0)).sum() if rank == 0 else 0)
+        loss.backward()
+        fq1 = q.clone().requires_grad_()
+        ro, rl = ringseq.flash_attn_func(fq1, fq1, fq1, causal=True, return_lse=True,
+                                         backend="reference")
+        # rank 0's share of lse only: the weights of its tokens
+        mine = positions_local(24, sp_.data_layout("zigzag"), sp_.size, 0)
+        w0 = torch.zeros_like(wl)
+        w0[mine] = wl[mine]
+        (ro.sum() + (rl * w0).sum()).backward()
+        out[f"lse_grad_one_rank_{mode}"] = max_err(lq.grad, sp_.shard(fq1.grad, "zigzag"))
+    # an empty batch (before: a view error inside the all-to-all, the ring broken after it)
+    empty = torch.zeros(0, 6, 8, 8)
+    out["empty_batch"] = tuple(ringseq.usp_attn_func(empty, empty, empty,
+                                                     sp=sps[(4, None, True)]).shape)
     # the same through the double ring
     dr = sps[(1, 2, True)]
     lq = dr.shard(q, "stripe").requires_grad_()
@@ -358,13 +385,24 @@ def test_sizes_that_do_not_divide_raise():
 
 def test_ranks_that_disagree_all_raise():
     for e in _errors_of():
+        assert e["groups_differ"].startswith("RingMismatchError") and \
+            "ulysses_size (rank 0: 2, rank 1: 4" in e["groups_differ"], e["groups_differ"]
         for key in ("mismatch", "mismatch_usp"):
             assert e[key].startswith("RingMismatchError") and "local seqlen" in e[key], e[key]
+
+
+def test_ranks_that_disagree_on_the_ring_layout_raise_before_data_moves():
+    for e in _errors_of():
+        assert e["ring_layout"].startswith("RingMismatchError") and "ring layout" in \
+            e["ring_layout"], e["ring_layout"]
 
 
 def test_exact_after_errors_and_through_lse():
     for e in _errors_of():
         assert e["after_errors_err"] < 1e-12, e["after_errors_err"]
+        for mode in ("ulysses", "hybrid"):
+            assert e[f"lse_grad_one_rank_{mode}"] < 1e-12, (mode, e)
+        assert e["empty_batch"] == (0, 6, 8, 8)
         assert e["lse_grad_err"] < 1e-12, e["lse_grad_err"]
         assert e["lse_grad_err_double"] < 1e-12, e["lse_grad_err_double"]
         assert e["positions"] and e["batch_positions"]

@@ -53,6 +53,10 @@ _MAGIC = 0x52534551  # "RSEQ"
 FWD, BWD, FAIL, CHECK, END = 1, 2, 3, 4, 5
 KIND_NAMES = {FWD: "forward", BWD: "backward", FAIL: "failure report", CHECK: "argument check",
               END: "end of call"}
+# A signature field of this kind may differ between ranks: it is gathered at the call's begin
+# (RingCall.any_rank), not compared and not part of the headers' signature hash.
+ANY = "any"
+
 # Status words of a control vector.
 OK, FAILED, BROKEN, DESYNC, INVALID = 0, 1, 2, 3, 4
 _N_FIELDS = 24
@@ -209,8 +213,8 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
     diffs = []
     for j, f in enumerate(signature):
         column = [row[5 + j] for row in rows]
-        if len(set(column)) > 1:
-            fkind = f[2] if len(f) > 2 else "int"
+        fkind = f[2] if len(f) > 2 else "int"
+        if len(set(column)) > 1 and fkind != ANY:
             per_rank = ", ".join(f"rank {r}: {describe_field(fkind, c)}"
                                  for r, c in enumerate(column))
             diffs.append(f"{f[0]} ({per_rank})")
@@ -241,7 +245,10 @@ class RingCall:
         self.kind = kind
         self.signature = tuple(signature)
         self.values = tuple(int(f[1]) for f in self.signature)
-        self.sig = signature_hash(self.values)
+        # the exchanges' headers carry the fields every rank must agree on
+        self.sig = signature_hash(tuple(int(f[1]) for f in self.signature
+                                        if (f[2] if len(f) > 2 else "int") != ANY))
+        self.rows: Optional[List[List[int]]] = None  # every rank's fields, after begin()
         self.device = torch.device(device)
         self.failure: Optional[BaseException] = None
         self.exchanges = 0
@@ -297,6 +304,7 @@ class RingCall:
         if status == FAILED:  # the peers learn it from the rows and raise RingBrokenError
             ring.mark_broken(self.failure)
             raise self.failure
+        self.rows = rows
         if rows is not None:
             judge(ring, rows, self.kind, self.signature)
         elif ring.broken is not None:
@@ -311,6 +319,15 @@ class RingCall:
         for i, value in enumerate((_MAGIC, self._seq, self.kind, self.sig)):
             self._base[i] = value
         self._bad = torch.zeros((), dtype=torch.bool, device=self.device)
+
+    def any_rank(self, name: str) -> bool:
+        """Whether any rank's ``ANY`` field ``name`` was nonzero at begin(); True when no
+        control collective ran on a ring of several ranks (checks off): the caller then takes
+        the branch that works whatever the others chose."""
+        j = next(i for i, f in enumerate(self.signature) if f[0] == name)
+        if self.rows is None:
+            return True if self.ring.world_size > 1 else bool(self.values[j])
+        return any(row[5 + j] for row in self.rows)
 
     def end(self) -> None:
         """The end control collective: raises on every rank when any rank failed during the

@@ -103,6 +103,15 @@ class Placement:
     def saved_like(self, q, k, v, spec: AttnSpec) -> List[torch.Tensor]:
         return []
 
+    #: the layout of the ring dimension (ring placements), else None
+    layout = None
+
+    def signature_fields(self) -> tuple:
+        """``(name, value[, kind])`` fields that a placement wrapping this one (Ulysses around
+        a ring) adds to its own call's signature, so that the ranks of the whole group agree
+        on them before any byte moves: this placement's ring layout, if it has one."""
+        return () if self.layout is None else (("ring layout", self.layout.code, "layout"),)
+
 
 class LocalPlacement(Placement):
     """The block kernel on this rank's tensors: the spec's spans (windows, documents) or its

@@ -44,7 +44,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .._dist import is_initialized
+from .._dist import agree_on_fields, is_initialized
 from ..data import shard_batch
 from ..layouts import Layout, get_layout, positions_local, shard_local
 from .sp_layout import SequenceParallelLayout
@@ -348,8 +348,25 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
     ranks = (list(range(dist.get_world_size())) if group is None
              else dist.get_process_group_ranks(group))
     n = len(ranks)
-    mode = "ring" if ulysses_size == 1 else ("ulysses" if ulysses_size == n else "hybrid")
-    resolve_sp_sizes(mode, n, ulysses_size, inner_ring_size)  # raises before communicating
+    problem = None
+    try:
+        for name, v in (("ulysses_size", ulysses_size), ("inner_ring_size", inner_ring_size)):
+            if not (v is None and name == "inner_ring_size") and (
+                    isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"make_sp_groups: {name} must be a positive integer"
+                                 f"{' or None' if name == 'inner_ring_size' else ''}, got {v!r}")
+        mode = "ring" if ulysses_size == 1 else ("ulysses" if ulysses_size == n else "hybrid")
+        resolve_sp_sizes(mode, n, ulysses_size, inner_ring_size)
+    except ValueError as exc:
+        problem = exc
+        ulysses_size, inner_ring_size = -1, -1  # (the fields below; this rank raises)
+    # Group creation is collective over the default group: ranks that pass other sizes (or
+    # fail above) would create different groups and wait in each other's forever.
+    agree_on_fields(problem is None, str(problem),
+                    (("ulysses_size", int(ulysses_size), None),
+                     ("inner_ring_size", int(inner_ring_size or 0), None),
+                     ("ulysses_inner", int(bool(ulysses_inner)), None)),
+                    error=problem, what="make_sp_groups")
     if group is None or n == dist.get_world_size():
         all_groups = [sorted(ranks)]
     else:

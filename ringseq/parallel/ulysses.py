@@ -12,7 +12,7 @@ one all-to-all for dout in, one for (dq, dk, dv) out. q, k and v travel in ONE a
 
 Head rule (``h`` query heads, ``h_kv`` K/V heads, degree ``U``):
 
-* ``h % U == 0`` is required (ValueError naming ``h``, ``U`` and the degrees that work).
+* ``h % U == 0`` is required (ValueError naming ``h``, ``U`` and the degrees dividing ``h``).
 * K/V heads are replicated ``rep = U / gcd(U, h_kv)`` times before the all-to-all, so every rank
   receives ``h_kv * rep / U = h_kv / gcd(U, h_kv)`` K/V heads and its ``h / U`` query heads read
   them in the kernel's uniform GQA grouping (query head ``i`` of a rank reads its K/V head
@@ -47,7 +47,7 @@ import torch
 
 from .._args import autocast_inputs, check_returns
 from ..engine.counting import record
-from ..engine.integrity import BWD, FWD
+from ..engine.integrity import ANY, BWD, FWD
 from ..engine.op import run_attention
 from ..engine.placement import (LOCAL, Placement, group_from_key, group_key, placement_from_key,
                                 register_placement)
@@ -79,7 +79,7 @@ def ulysses_heads(nheads: int, nheads_kv: int, degree: int, what: str = "nheads"
     """``(query heads per rank, K/V replication, K/V heads per rank)`` for a Ulysses degree.
 
     Raises ValueError (naming ``fn``) when ``degree`` does not divide ``nheads`` (naming both
-    and the degrees that work) or ``nheads_kv`` does not divide ``nheads``."""
+    and the degrees that divide ``nheads``) or ``nheads_kv`` does not divide ``nheads``."""
     if degree < 1:
         raise ValueError(f"{fn}: the Ulysses degree must be a positive integer, got {degree}")
     if nheads_kv < 1 or nheads % nheads_kv:
@@ -88,7 +88,7 @@ def ulysses_heads(nheads: int, nheads_kv: int, degree: int, what: str = "nheads"
         raise ValueError(
             f"{fn}: {what}={nheads} query heads cannot be split over a Ulysses degree of "
             f"{degree}: each rank of the all-to-all takes {what} / degree heads, so the degree "
-            f"must divide {nheads}; degrees that work: {valid_ulysses_degrees(nheads)}")
+            f"must divide {nheads}; degrees that divide it: {valid_ulysses_degrees(nheads)}")
     rep = kv_replication(nheads_kv, degree)
     return nheads // degree, rep, nheads_kv * rep // degree
 
@@ -118,16 +118,21 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]]) -> Lis
         offset += -(-nbytes // _ALIGN) * _ALIGN
     send = torch.empty((degree, offset), dtype=torch.uint8, device=moves[0][0].device)
     for t, sd, gd, chunk, off, nbytes in layout:
-        send[:, off:off + nbytes].view(t.dtype).view(degree, *chunk).copy_(
-            _pieces(t, sd, degree))
+        if nbytes:  # (an empty byte slice cannot be viewed as a wider dtype)
+            send[:, off:off + nbytes].view(t.dtype).view(degree, *chunk).copy_(
+                _pieces(t, sd, degree))
     recv = torch.empty_like(send)
     record("all_to_all", send.numel() * (degree - 1) // degree)
-    transport.all_to_all(send, recv)
+    if offset:  # nothing to move (an empty batch): the same on every rank (the signature)
+        transport.all_to_all(send, recv)
     outs = []
     for t, sd, gd, chunk, off, nbytes in layout:
-        piece = recv[:, off:off + nbytes].view(t.dtype).view(degree, *chunk).movedim(0, gd)
         shape = list(chunk)
         shape[gd] *= degree
+        if not nbytes:
+            outs.append(t.new_empty(shape))
+            continue
+        piece = recv[:, off:off + nbytes].view(t.dtype).view(degree, *chunk).movedim(0, gd)
         outs.append(piece.reshape(shape))
     return outs
 
@@ -152,7 +157,8 @@ class UlyssesPlacement(Placement):
         comm = get_ring(self.group).transport
         U = comm.world_size
         _, rep, _ = ulysses_heads(q.shape[2], k.shape[2], U, fn=spec.fn)
-        sig = spec.signature(q.shape, k.shape[2], q.dtype, extra=(("Ulysses degree", U),))
+        sig = spec.signature(q.shape, k.shape[2], q.dtype,
+                             extra=(("Ulysses degree", U),) + self.inner.signature_fields())
         return comm, U, rep, sig
 
     def forward(self, q, k, v, spec):
@@ -190,12 +196,16 @@ class UlyssesPlacement(Placement):
             if dout is None:
                 dout = torch.zeros_like(out)
             ring = get_ring(self.control_group)
-        # whether a gradient flows into lse decides what moves: every rank must agree
-        sig = sig + (("gradient into lse", dlse is not None, "bool"),)
+        # A gradient into lse moves with dout when any rank has one (zeros from the others:
+        # exact, the lse term of the backward is then 0 for their rows); ranks may differ.
+        sig = sig + (("gradient into lse", dlse is not None, ANY),)
         with ring.open_call(BWD, sig, q.device, bind=False) as call:
             call.begin()
-            moved = all_to_all(comm, [(dout, 2, 1)] + ([(dlse, 1, 2)] if dlse is not None else []))
-            dout_h, dlse_h = moved[0], (moved[1] if dlse is not None else None)
+            with_dlse = call.any_rank("gradient into lse")
+            if with_dlse and dlse is None:
+                dlse = torch.zeros_like(lse)  # (b, h, s) float32
+            moved = all_to_all(comm, [(dout, 2, 1)] + ([(dlse, 1, 2)] if with_dlse else []))
+            dout_h, dlse_h = moved[0], (moved[1] if with_dlse else None)
             grads = None
             if call.ok:
                 with call.guard():

@@ -445,3 +445,11 @@ def test_head_rule_and_layout_without_process_group():
     o = ringseq.usp_attn_func(q, q, q, causal=True, sp=sp)
     assert max_err(o, ringseq.flash_attn_func(q, q, q, causal=True, backend="reference")) < 1e-12
     assert max_err(ringseq.ulysses_attn_func(q, q, q, causal=True), o) < 1e-12
+
+
+def test_usp_needs_its_groups():
+    import ringseq
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(TypeError, match=r"usp_attn_func: sp must be the SequenceParallelGroups "
+                                        r"of ringseq.make_sp_groups .*got NoneType"):
+        ringseq.usp_attn_func(q, q, q, sp=None)

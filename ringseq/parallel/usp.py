@@ -79,6 +79,9 @@ def usp_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causal: b
 
 def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, backend,
          grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None):
+    if not isinstance(sp, SequenceParallelGroups):  # (its group is where a refusal goes)
+        raise TypeError(f"{fn}: sp must be the SequenceParallelGroups of ringseq.make_sp_groups "
+                        f"(or the plugin's plugin.sp), got {type(sp).__name__}")
     with refuse_on_error(sp.group, FWD):
         check_returns(fn, False, return_lse)
         q, k, v = autocast_inputs(q, k, v)

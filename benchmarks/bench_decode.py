@@ -43,32 +43,40 @@ from common import (PeakMemory, environment, format_table, load_average, mib, pr
                     spawn_cpu_ranks, time_ms, write_json)
 
 import ringseq  # noqa: E402
+from cli_types import positive_int, positive_ints, positive_seconds  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cache", default="4096,8192,16384,32768", help="cache lengths (valid prefix)")
-    p.add_argument("--batch", default="1,4")
-    p.add_argument("--threads", default="1,2", help="torch threads of part 1")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--heads-kv", type=int, default=8)
-    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--cache", type=positive_ints, default="4096,8192,16384,32768", help="cache lengths (valid prefix)")
+    p.add_argument("--batch", type=positive_ints, default="1,4")
+    p.add_argument("--threads", type=positive_ints, default="1,2", help="torch threads of part 1")
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--heads-kv", type=positive_int, default=8)
+    p.add_argument("--headdim", type=positive_int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default fp32 (CPU), bf16 (CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (part 1 only on cuda; --threads ignored)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--no-cp", action="store_true", help="skip part 2 (context parallel)")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--cp-cache", default="16384,32768", help="global cache lengths of part 2")
-    p.add_argument("--cp-batch", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--world-size", type=positive_int, default=2)
+    p.add_argument("--cp-cache", type=positive_ints, default="16384,32768", help="global cache lengths of part 2")
+    p.add_argument("--cp-batch", type=positive_int, default=1)
+    p.add_argument("--timeout", type=positive_seconds, default=900)
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.heads % args.heads_kv:
+        p.error(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
+    for length in args.cp_cache:  # part 2's zigzag split, checked before part 1 runs
+        if length % (2 * args.world_size):
+            p.error(f"--cp-cache {length}: zigzag over --world-size {args.world_size} needs a "
+                    f"multiple of {2 * args.world_size}")
+    return args
 
 
-def _ints(s):
-    return [int(x) for x in s.split(",") if x]
+def _ints(values):
+    return list(values)  # (parsed by positive_ints)
 
 
 def _check(out, ref_slice, q, kc, vc, length, scale):
@@ -165,14 +173,20 @@ def _cp_rank(args, device):
 
         # context parallel: every step appends one token (round-robin) and attends everywhere
         times, cpu_times = [], []
+
+        def decode_step(i):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            out = ringseq.ring_flash_attn_with_kvcache(
+                qs[i], kc, vc, length + i, kn[i], vn[i], layout="zigzag", prefill_len=length)
+            times.append((time.perf_counter() - t0) * 1e3)
+            cpu_times.append((time.thread_time() - c0) * 1e3)
+            return out
+
+        decode_step(0)  # warm-up (one-time setup): neither timed nor in the peak
         with PeakMemory("cpu") as mem:
-            for i in range(steps):
-                dist.barrier()
-                t0, c0 = time.perf_counter(), time.thread_time()
-                out_cp = ringseq.ring_flash_attn_with_kvcache(
-                    qs[i], kc, vc, length + i, kn[i], vn[i], layout="zigzag", prefill_len=length)
-                times.append((time.perf_counter() - t0) * 1e3)
-                cpu_times.append((time.thread_time() - c0) * 1e3)
+            for i in range(1, steps):
+                out_cp = decode_step(i)
         row["cp_ms"] = sorted(times[1:])[len(times[1:]) // 2]
         # the calling thread's CPU time: this rank's work without the wait for its peer
         row["cp_cpu_ms"] = sorted(cpu_times[1:])[len(cpu_times[1:]) // 2]

@@ -52,7 +52,8 @@ from common import (PeakMemory, attention_flops, core_probe_gflops, cpu_descript
                     progress, time_ms, write_json)
 
 import ringseq  # noqa: E402
-from ringseq.kernels import available_backends  # noqa: E402
+from ringseq.kernels import BACKEND_NAMES, available_backends  # noqa: E402
+from cli_types import non_negative_int, positive_int, positive_ints  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 SDPA_PEERS = {"torch_sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
@@ -236,9 +237,9 @@ def parse_args(argv=None):
                         "sdpa_flash,sdpa_cudnn (CUDA); reference only with --reference; on CPU "
                         "with --isa: ringseq and torch_sdpa")
     p.add_argument("--reference", action="store_true", help="include the (slow) reference backend")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--heads-kv", type=int, default=None)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--heads-kv", type=positive_int, default=None)
     p.add_argument("--seqlens", default="4096")
     p.add_argument("--headdims", default="64,128")
     p.add_argument("--causal", choices=["both", "true", "false"], default="both")
@@ -255,8 +256,8 @@ def parse_args(argv=None):
     p.add_argument("--ratio-to", default=None,
                    help="comma list of peers for ratio columns (default torch_sdpa on CPU, "
                         "sdpa_flash,sdpa_cudnn on CUDA)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=non_negative_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--threads", default=None, help="comma list of torch CPU thread counts")
     p.add_argument("--isa", default=None,
                    help="CPU: comma list of ringseq ISA levels (default: every level this CPU runs; "
@@ -268,6 +269,34 @@ def parse_args(argv=None):
                         "inflated by other jobs on a shared machine)")
     p.add_argument("--json", default=None, help="write results to this path")
     args = p.parse_args(argv)
+    # comma lists stay strings (they are passed on to the per-level child processes): checked
+    for name in ("seqlens", "headdims", "threads", "tile_configs"):
+        text = getattr(args, name)
+        if text is not None:
+            try:
+                positive_ints(text) if name != "tile_configs" else [
+                    non_negative_int(x) for x in text.split(",")]
+            except argparse.ArgumentTypeError as exc:
+                p.error(f"--{name.replace('_', '-')}: {exc}")
+    if args.heads_kv is not None and args.heads % args.heads_kv:
+        p.error(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
+    if args.window < -1:
+        p.error(f"--window must be >= 0, or -1 for none, got {args.window}")
+    if not args.softcap >= 0:
+        p.error(f"--softcap must be >= 0, got {args.softcap}")
+    if args.masks is not None:
+        window, _, caps = args.masks.partition(":")
+        try:
+            if int(window) < 0 or not caps or any(float(c) < 0 for c in caps.split(",")):
+                raise ValueError
+        except ValueError:
+            p.error(f"--masks takes W:C1,C2 (a window >= 0 and soft-caps >= 0), got "
+                    f"{args.masks!r}")
+    known = set(SDPA_PEERS) | set(BACKEND_NAMES)
+    for option in ("backends", "ratio_to"):
+        bad = [n for n in (getattr(args, option) or "").split(",") if n and n not in known]
+        if bad:
+            p.error(f"--{option.replace('_', '-')}: unknown {bad}; known: {sorted(known)}")
     if args.clock == "cpu" and (not args.threads or any(int(t) != 1 for t in args.threads.split(","))):
         p.error("--clock cpu measures one thread: pass --threads 1")
     args.dtypes = [x for x in (args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")).split(",") if x]

@@ -42,6 +42,11 @@ import time
 
 _START = time.time()  # every progress line counts from here
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # (run from any directory, or imported by the tests)
+    sys.path.insert(0, HERE)
+from cli_types import (comma_list, non_negative_int, positive_int,  # noqa: E402
+                       positive_ints, positive_seconds)
+
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp64")
 MODES = ("fwd", "fwd_bwd")
 
@@ -50,92 +55,54 @@ def _first_line(msg):
     print(f"[{time.time() - _START:7.1f}s] {msg}", flush=True)
 
 
-def _positive(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _comma_list(valid):
-    def parse(text):
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError("needs at least one value")
-        if valid is not None:
-            bad = [x for x in items if x not in valid]
-            if bad:
-                raise argparse.ArgumentTypeError(
-                    f"{', '.join(map(repr, bad))} not among {', '.join(valid)}")
-        return items
-    return parse
-
-
-def _world_sizes(text):
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a comma list of world sizes, got {text!r}")
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"must be a comma list of world sizes >= 1, got {text!r}")
-    return sizes
-
-
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=_positive, default=None, metavar="W",
+    p.add_argument("--world-size", type=positive_int, default=None, metavar="W",
                    help="local CPU ranks to spawn, >= 1 (default: one per physical core, at "
                         "most 4); ignored under torchrun, which sets the ranks")
-    p.add_argument("--seqlen", type=_positive, default=8192, metavar="S",
+    p.add_argument("--seqlen", type=positive_int, default=8192, metavar="S",
                    help="total (global) sequence length; each layout needs a multiple of its "
                         "unit: W for contiguous and stripe, 2W for zigzag (default 8192)")
-    p.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
-    p.add_argument("--heads", type=_positive, default=8, help="query heads (default 8)")
-    p.add_argument("--heads-kv", type=_positive, default=None, metavar="H_KV",
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default 8)")
+    p.add_argument("--heads-kv", type=positive_int, default=None, metavar="H_KV",
                    help="key/value heads (GQA/MQA), dividing --heads (default: --heads)")
-    p.add_argument("--headdim", type=_positive, default=64, metavar="D",
+    p.add_argument("--headdim", type=positive_int, default=64, metavar="D",
                    help="head dimension (default 64; the CUDA kernels take 64 or 128, the CPU "
                         "kernel any)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="input dtype: bf16, fp16, fp32 or fp64 (default fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--layouts", type=_comma_list(None), default="contiguous,zigzag,stripe",
+    p.add_argument("--layouts", type=comma_list(None), default="contiguous,zigzag,stripe",
                    help="comma list of layouts: contiguous, zigzag, stripe, or a name given to "
                         "ringseq.register_layout (default all three; the load balance needs "
                         "contiguous and zigzag)")
     p.add_argument("--causal", choices=["true", "false", "both"], default="true",
                    help="causal attention: true, false (full) or both (default true)")
-    p.add_argument("--modes", type=_comma_list(MODES), default="fwd,fwd_bwd",
+    p.add_argument("--modes", type=comma_list(MODES), default="fwd,fwd_bwd",
                    help="comma list of fwd (forward) and fwd_bwd (forward+backward) "
                         "(default both)")
     p.add_argument("--backend", default=None,
                    help="block kernel: ringseq (ours), sdpa (torch's fused attention), "
                         "reference (plain math) or flash_attn (the flash-attn package, CUDA) "
                         "(default: the best that runs the device and dtype)")
-    p.add_argument("--warmup", type=_non_negative, default=1,
+    p.add_argument("--warmup", type=non_negative_int, default=1,
                    help="untimed calls before the timed ones, >= 0 (default 1, after the "
                         "first call and the peak-memory call)")
-    p.add_argument("--repeats", type=_positive, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed calls, >= 1; each rank's median counts (default 3: the default "
                         "run takes 1-2 minutes on a 2-core machine)")
-    p.add_argument("--threads-per-rank", type=_positive, default=None, metavar="T",
+    p.add_argument("--threads-per-rank", type=positive_int, default=None, metavar="T",
                    help="torch threads per spawned CPU rank (default 1; more than one makes "
                         "the compute-only baseline wall-clock timed, one rank at a time)")
-    p.add_argument("--check-rows", type=_positive, default=32, metavar="N",
+    p.add_argument("--check-rows", type=positive_int, default=32, metavar="N",
                    help="query rows per rank in the spot check (default 32)")
-    p.add_argument("--memory-scaling", type=_world_sizes, default=None, metavar="W1,W2,...",
+    p.add_argument("--memory-scaling", type=positive_ints, default=None, metavar="W1,W2,...",
                    help="also measure the forward peak memory per rank at each of these world "
                         "sizes, at --memory-seqlen (spawned CPU ranks only)")
-    p.add_argument("--memory-seqlen", type=_positive, default=32768, metavar="S",
+    p.add_argument("--memory-seqlen", type=positive_int, default=32768, metavar="S",
                    help="sequence length of --memory-scaling (zigzag: a multiple of 2W for "
                         "each W; default 32768)")
-    p.add_argument("--timeout", type=float, default=1800,
+    p.add_argument("--timeout", type=positive_seconds, default=1800,
                    help="seconds before spawned ranks are killed (default 1800)")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="write the arguments, environment, rows, load balance and warnings here")
@@ -147,18 +114,20 @@ def build_parser():
                    help="instead of the layout rows: a comma list of ring, ulysses, hybrid, "
                         "double_ring, hybrid_double_ring, or 'all' (benchmarks/sp_modes.py: "
                         "bytes per rank per call and time in each mode)")
-    p.add_argument("--ulysses-size", type=_positive, default=2, metavar="U",
+    p.add_argument("--ulysses-size", type=positive_int, default=2, metavar="U",
                    help="Ulysses degree of the hybrid modes, dividing W and --heads (default 2)")
-    p.add_argument("--inner-ring-size", type=_positive, default=2, metavar="I",
+    p.add_argument("--inner-ring-size", type=positive_int, default=2, metavar="I",
                    help="inner ring size of the double-ring modes (default 2)")
     # masked ring attention (benchmarks/masked_ring.py): instead of the layout jobs
-    p.add_argument("--window", type=_positive, default=None, metavar="L",
+    p.add_argument("--window", type=positive_int, default=None, metavar="L",
                    help="instead of the layout rows: a causal sliding window of L tokens "
                         "against full causal attention at the same shape (exchanges, bytes, "
-                        "time, overhead; benchmarks/masked_ring.py)")
+                        "time, overhead; benchmarks/masked_ring.py; batch 1, causal, fwd+bwd: "
+                        "--batch, --causal and --modes do not apply)")
     p.add_argument("--docs", default=None, metavar="MIX",
                    help="instead of the layout rows: packed documents, 'seeded', 'longtail' or "
-                        "a comma list of lengths (Documents layout; benchmarks/masked_ring.py)")
+                        "a comma list of lengths (Documents layout; benchmarks/masked_ring.py; "
+                        "batch 1, causal, fwd+bwd: --batch, --causal and --modes do not apply)")
     return p
 
 
@@ -181,11 +150,36 @@ def check_args(args, launched, device):
     args.world_size = int(os.environ["WORLD_SIZE"]) if launched else args.world_size
     if args.heads_kv is not None and args.heads % args.heads_kv:
         p.error(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
+    if args.window is not None and args.docs:
+        p.error("--window and --docs are two jobs: pass one of them")
+    if args.docs:  # the Documents layout's job: --layouts play no part
+        from masked_ring import document_lengths
+        try:
+            lengths = document_lengths(args.docs, args.seqlen)
+        except (ValueError, SystemExit) as exc:
+            p.error(f"--docs {args.docs!r} (seeded, longtail or a comma list of lengths): {exc}")
+        if min(lengths) < 0:
+            p.error(f"--docs {args.docs!r}: lengths must be >= 0")
+    if args.sp_mode:  # the same checks as sp_modes.main_sp, here as usage errors
+        from sp_modes import mode_sizes, parse_sp_modes
+        try:
+            modes = parse_sp_modes(args.sp_mode)
+        except SystemExit as exc:
+            p.error(str(exc))
+        for mode in modes if args.sp_mode != "all" else ():
+            U, I = mode_sizes(mode, args.world_size, args.ulysses_size, args.inner_ring_size)
+            R = args.world_size // U
+            if args.world_size % U or (I and R % I) or args.heads % U:
+                p.error(f"--sp-mode {mode}: ulysses {U} x ring {R} (inner {I}) does not fit "
+                        f"W={args.world_size} and {args.heads} heads; adjust --ulysses-size / "
+                        f"--inner-ring-size")
     for name in args.layouts:
         try:
             layout = get_layout(name)
         except ValueError as exc:
             p.error(f"--layouts: {exc}")
+        if args.docs:
+            continue
         try:
             layout.check_seqlen(args.seqlen, args.world_size)
         except ValueError as exc:

@@ -56,7 +56,12 @@ def document_lengths(mix: str, total: int, seed: int = 0):
             lens.append(n)
             left -= n
         return lens
-    lens = [int(x) for x in mix.split(",") if x]
+    try:
+        lens = [int(x) for x in mix.split(",") if x]
+    except ValueError:
+        raise ValueError(f"not 'seeded', 'longtail' or a comma list of ints: {mix!r}") from None
+    if not lens:
+        raise ValueError("no document lengths")
     if sum(lens) > total:
         raise SystemExit(f"--docs lengths sum to {sum(lens)} > --seqlen {total}")
     lens[-1] += total - sum(lens)

@@ -55,6 +55,8 @@ def expected_bytes(b, s, h, h_kv, d, itemsize, U, R, I=None, acc_itemsize=4):
     tok = b * s // (U * R) * d  # elements per head of one rank's shard
     rep = kv_replication(h_kv, U)
     a2a = (U - 1) * tok * (2 * h + 2 * h_kv * rep) * itemsize // U if U > 1 else 0
+    # the forward's lse travels back with its output: acc_itemsize bytes per token and head
+    a2a_lse = (U - 1) * (b * s // (U * R)) * h * acc_itemsize // U if U > 1 else 0
     blk = 2 * tok * U * (h_kv * rep // U)  # K and V elements of one ring block
     I = I or R
     O = R // I
@@ -68,7 +70,7 @@ def expected_bytes(b, s, h, h_kv, d, itemsize, U, R, I=None, acc_itemsize=4):
         laps = [(O, 1), (I, O)] if I < R else [(R, 1)]  # (ring size, passes per call)
         fwd_ring += sum((w - 1) * n for w, n in laps if w > 1) * HEADER_BYTES
         bwd_ring += sum((w + 1) * n for w, n in laps if w > 1) * HEADER_BYTES
-    return {"fwd": a2a + fwd_ring, "bwd": a2a + bwd_ring}
+    return {"fwd": a2a + a2a_lse + fwd_ring, "bwd": a2a + bwd_ring}
 
 
 def _spot_check(full, out_local, positions, causal, rows):
@@ -156,6 +158,8 @@ def run_rank_sp(args, device):
             "mode": mode, "split": f"{U}x{R}" + (f" ({R // I}x{I})" if I and I < R else ""),
             "fwd_bytes": _max(c_fwd.total, device), "bwd_bytes": _max(c_bwd.total, device),
             "bytes": sent, "expected_bytes": exp["fwd"] + exp["bwd"],
+            # the formulas count every lap: equal unless the layout leaves laps idle
+            "bytes_as_formula": sent == exp["fwd"] + exp["bwd"],
             "a2a_bytes": _max(c_fwd.bytes.get("all_to_all", 0)
                               + c_bwd.bytes.get("all_to_all", 0), device),
             "outer_bytes": _max(c_fwd.bytes.get("ring_outer", 0)
@@ -184,6 +188,7 @@ def report_sp(args, rows, device):
     columns = [("mode", "mode", "{}"), ("split", "U x R", "{}"),
                ("fwd_bytes", "fwd MiB", "{:.2f}"), ("bwd_bytes", "bwd MiB", "{:.2f}"),
                ("bytes", "MiB/rank/call", "{:.2f}"), ("expected_bytes", "expected MiB", "{:.2f}"),
+               ("bytes_as_formula", "= formula", "{}"),
                ("a2a_bytes", "all-to-all MiB", "{:.2f}"), ("outer_bytes", "outer ring MiB", "{:.2f}"),
                ("bytes_vs_ring", "bytes / ring", "{:.3f}"), ("bytes_per_flop", "bytes/FLOP", "{:.2e}"),
                ("ms", "ms", "{:.1f}"), ("time_vs_ring", "time / ring", "{:.2f}"),

@@ -65,6 +65,7 @@ from common import (PeakMemory, attention_flops, environment, format_table, mib,
                     synchronize, threads_per_rank, write_json)
 
 import ringseq  # noqa: E402
+from cli_types import non_negative_int, positive_int, positive_seconds  # noqa: E402
 from ringseq.layouts import get_layout  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,40 +76,40 @@ PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "A800
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=2,
+    p.add_argument("--world-size", type=positive_int, default=2,
                    help="local ranks to spawn (ignored under torchrun)")
-    p.add_argument("--seqlen", type=int, default=8192, help="total (global) sequence length")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=None,
+    p.add_argument("--seqlen", type=positive_int, default=8192, help="total (global) sequence length")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--kv-heads", type=positive_int, default=2)
+    p.add_argument("--intermediate", type=positive_int, default=None,
                    help="MLP width (default: 8/3 x hidden rounded up to 64, as Llama)")
-    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--vocab", type=positive_int, default=2048)
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default fp32 on CPU, bf16 on GPU")
-    p.add_argument("--steps", type=int, default=5, help="timed training steps")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed training steps")
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps first")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every decoder layer")
     p.add_argument("--backend", default=None, help="block kernel backend (default: best)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="per-GPU peak for MFU (default: known A100/H100/H200 bf16 peak)")
-    p.add_argument("--threads-per-rank", type=int, default=None,
+    p.add_argument("--threads-per-rank", type=positive_int, default=None,
                    help="torch threads per CPU rank (default: cores // world size, at least 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800,
+    p.add_argument("--timeout", type=positive_seconds, default=1800,
                    help="seconds before spawned ranks are killed")
     p.add_argument("--json", default=None, help="write results to this path")
     p.add_argument("--plugin", action="store_true",
                    help="train through ringseq.plugin.Booster + RingSequenceParallelPlugin")
-    p.add_argument("--sp-size", "--sp", dest="sp_size", type=int, default=None,
+    p.add_argument("--sp-size", "--sp", dest="sp_size", type=positive_int, default=None,
                    help="with --plugin: ranks per ring (default: all / --tp; the rest is data "
                         "parallel)")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks (implies --plugin)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 2, 3),
                    help="FSDP2 stage over the dp x sp ranks (implies --plugin)")
@@ -123,9 +124,26 @@ def parse_args(argv=None):
         args.plugin = True
     if args.compose and args.checkpointing:
         p.error("--checkpointing is transformers' recompute without the plugin; use --ac")
-    get_layout(args.layout)
+    try:
+        layout = get_layout(args.layout)
+    except ValueError as exc:
+        p.error(f"--layout: {exc}")
     if args.heads % args.kv_heads or args.hidden % args.heads:
         p.error("--heads must divide --hidden and be a multiple of --kv-heads")
+    # the world: the launcher's (torchrun) or --world-size spawned ranks
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))
+    if world % args.tp:
+        p.error(f"--tp {args.tp} must divide the world size {world}")
+    sp = args.sp_size or world // args.tp
+    if world % (sp * args.tp):
+        p.error(f"--sp-size {sp} x --tp {args.tp} must divide the world size {world}")
+    try:
+        local = layout.check_seqlen(args.seqlen, sp)
+    except ValueError as exc:
+        p.error(f"--seqlen {args.seqlen} over {sp} sequence-parallel ranks: {exc}")
+    if local % args.tp:
+        p.error(f"--seqlen {args.seqlen}: {local} tokens per sequence-parallel rank cannot be "
+                f"split over --tp {args.tp}")
     if args.intermediate is None:
         args.intermediate = -(-(8 * args.hidden // 3) // 64) * 64
     return args

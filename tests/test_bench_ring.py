@@ -35,7 +35,12 @@ def test_help_describes_every_option():
     (["--modes", "fwd,bwd"], "'bwd' not among fwd, fwd_bwd"),
     (["--heads", "8", "--heads-kv", "3"], "--heads-kv 3 must divide --heads 8"),
     (["--world-size", "0"], "must be a positive integer"),
-    (["--memory-scaling", "1,x"], "comma list of world sizes"),
+    (["--memory-scaling", "1,x"], "comma list of positive integers"),
+    (["--timeout", "-5"], "positive number of seconds"),
+    (["--sp-mode", "bogus"], "--sp-mode takes ring, ulysses"),
+    (["--docs", "foo"], "comma list of ints: 'foo'"),
+    (["--docs", "5000,5000", "--seqlen", "1024"], "sum to 10000 > --seqlen 1024"),
+    (["--window", "100", "--docs", "seeded"], "--window and --docs are two jobs"),
 ])
 def test_bad_arguments_stop_before_any_rank_starts(args, message):
     proc = _bench(*args)

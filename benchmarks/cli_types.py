@@ -1,0 +1,65 @@
+"""argparse value types shared by the benchmark scripts (no torch import: a script's first line
+and its usage errors come before torch loads). Each raises argparse.ArgumentTypeError, so a
+bad value is a usage error (exit status 2) naming the option, never a traceback."""
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def positive_ints(text):
+    """A comma list of positive integers, e.g. ``4096,8192``."""
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    try:
+        values = [int(x) for x in items]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a comma list of positive integers, got "
+                                         f"{text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be a comma list of positive integers, got "
+                                         f"{text!r}")
+    return values
+
+
+def comma_list(valid):
+    """A comma list of names, each one of ``valid`` (None: any)."""
+    def parse(text):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("needs at least one value")
+        if valid is not None:
+            bad = [x for x in items if x not in valid]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"{', '.join(map(repr, bad))} not among {', '.join(valid)}")
+        return items
+    return parse

@@ -1,0 +1,32 @@
+"""The other benchmark scripts stop on a bad argument with a usage error (exit status 2, the
+option named, no traceback) before any work starts: bench_kernel.py, bench_decode.py,
+train_long_context.py (bench_ring.py's own: tests/test_bench_ring.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("bench_kernel.py", ["--repeats", "0"], "--repeats: must be a positive integer"),
+    ("bench_kernel.py", ["--seqlens", "abc"], "--seqlens: must be a comma list"),
+    ("bench_kernel.py", ["--heads", "8", "--heads-kv", "3"], "--heads-kv 3 must divide"),
+    ("bench_kernel.py", ["--backends", "bogus"], "--backends: unknown ['bogus']"),
+    ("bench_kernel.py", ["--masks", "64"], "--masks takes W:C1,C2"),
+    ("bench_decode.py", ["--cp-cache", "1001"], "--cp-cache 1001: zigzag over --world-size 2"),
+    ("bench_decode.py", ["--world-size", "0"], "--world-size: must be a positive integer"),
+    ("train_long_context.py", ["--layout", "foo"], "--layout: unknown layout 'foo'"),
+    ("train_long_context.py", ["--seqlen", "1001"], "--seqlen 1001 over 2"),
+    ("train_long_context.py", ["--steps", "0"], "--steps: must be a positive integer"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path, script, args, message):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "error:" in proc.stderr and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr

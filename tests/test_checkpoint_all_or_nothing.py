@@ -6,6 +6,7 @@
 * an optimizer checkpoint (a torch.distributed.checkpoint directory) one rank's file of which
   is cut short raises a ValueError on every rank and no rank's optimizer state changes (the
   loader had already copied the other rank's part into its live state);
+* the user's own optimizer object (not the boosted one) is refused for sharded checkpoints;
 * the intact checkpoints then load exactly.
 
 The model is FSDP2 (``fully_shard``) over both ranks: every parameter is a DTensor whose local
@@ -91,6 +92,12 @@ def _worker(tmp):
     out["cut_error"] = error_text(lambda: io.load_optimizer(opt, bad_opt))
     out["state_kept"] = _same(_optimizer_state(opt), zeroed)
 
+    # the user's own optimizer object (boost rebinds it to the shards): a plain file would hold
+    # rank 0's shards only, which every rank would load without an error (before: written)
+    out["raw_save"] = error_text(lambda: io.save_optimizer(opt.unwrap(), bad_opt + ".pt"))
+    out["raw_save_file"] = os.path.exists(bad_opt + ".pt")
+    out["raw_load"] = error_text(lambda: io.load_optimizer(opt.unwrap(), good_opt))
+
     # the intact checkpoints load exactly
     with torch.no_grad():
         for p in model.parameters():
@@ -116,3 +123,8 @@ def test_sharded_checkpoints_load_all_or_nothing(tmp_path):
         assert "rank 1" in error, (rank, error)
         assert got["state_kept"], f"rank {rank}: optimizer state changed on a failed load"
         assert got["params_restored"] and got["state_restored"], rank
+        assert got["raw_save"].startswith("ValueError: save_optimizer: a sharded optimizer "
+                                          "checkpoint needs the boosted optimizer"), got
+        assert not got["raw_save_file"]
+        assert got["raw_load"].startswith("ValueError: load_optimizer: ") and \
+            "pass the boosted optimizer" in got["raw_load"], got

@@ -203,7 +203,8 @@ def _summed_twice_case(state_dict):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2))
     model = _model(state_dict)
-    loader = booster.plugin.prepare_dataloader(_dataset(), batch_size=GLOBAL_BATCH // 2)
+    loader = booster.plugin.prepare_dataloader(_dataset(GLOBAL_BATCH * 5),
+                                               batch_size=GLOBAL_BATCH // 2)
     model, opt, criterion, loader, _ = booster.boost(model, _optimizer(model), dataloader=loader)
     batches = iter(loader)
     for _ in range(2):
@@ -218,6 +219,15 @@ def _summed_twice_case(state_dict):
     booster.backward(criterion(model(**batch), batch), opt)
     opt.step()
     out["stepped"] = not all(torch.equal(a, p) for a, p in zip(before, model.unwrap().parameters()))
+    # a loop without zero_grad: the next backward adds to the gradients that step used, which
+    # the sum over the ranks would sum again (before: stepped silently, W x the old gradients)
+    batch = next(batches)
+    booster.backward(criterion(model(**batch), batch), opt)
+    out["no_zero_grad"] = error_text(opt.step)
+    model.unwrap().zero_grad()  # cleared through the user's own module: seen at the backward
+    batch = next(batches)
+    booster.backward(criterion(model(**batch), batch), opt)
+    out["after_own_zero_grad"] = error_text(opt.step)
     out["no_sync_without_model"] = error_text(lambda: booster.no_sync())
     out["no_sync_user_module"] = error_text(lambda: booster.no_sync(model.unwrap()))
     return out
@@ -483,6 +493,10 @@ def test_gradients_summed_twice_are_refused_at_the_step(run):
         assert got["step_again"] == got["step"], got
         assert "booster.no_sync(model)" in got["step"], got
         assert got["unchanged"] and got["stepped"], got
+        assert got["no_zero_grad"].startswith("ValueError: OptimizerWrapper.step: a backward "
+                                              "added its gradients to gradients that the "
+                                              "previous step already used"), got
+        assert got["after_own_zero_grad"] == "no error", got
         for key in ("no_sync_without_model", "no_sync_user_module"):
             assert got[key].startswith("ValueError: no_sync: model must be the model "
                                        "booster.boost returned"), got[key]

@@ -457,6 +457,8 @@ class RingSequenceParallelPlugin(Plugin):
         # the optimizer's step (OptimizerWrapper); FSDP reduce-scatters each backward's own
         # gradients into the shards, which accumulation does not double.
         reduced = ReducedGrads()
+        if dims.zero_stage == 0 and dims.world_size > dims.tp_size:  # a sum over dp x sp
+            reduced.watch(model.parameters())
         if dims.zero_stage >= 2:
             from ..parallel.fsdp import apply_fsdp
             apply_fsdp(model, self.groups.dp_sp_mesh(), dims.zero_stage, layers,

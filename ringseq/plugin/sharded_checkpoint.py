@@ -50,6 +50,14 @@ def _is_sharded(model) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def _holds_dtensors(optimizer) -> bool:
+    """Whether an optimizer (boosted or the user's own object) holds sharded parameters."""
+    from torch.distributed.tensor import DTensor
+    inner = _unwrap(optimizer)
+    return any(isinstance(p, DTensor) for g in getattr(inner, "param_groups", ())
+               for p in g["params"])
+
+
 def _shard_bytes(size) -> int:
     if isinstance(size, int) and size > 0:
         return size
@@ -202,9 +210,11 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         with the fp16 grad scaler's state in it as ``grad_scaler.pt``; otherwise the plain
         ``torch.optim`` state dict file (and ``<path>.grad_scaler``)."""
         model = getattr(optimizer, "model", None)
+        # (the user's own optimizer object after boost holds the sharded parameters too)
+        params_sharded = _holds_dtensors(optimizer) or (model is not None and _is_sharded(model))
         if sharded is None:
-            sharded = model is not None and _is_sharded(model)
-        elif not sharded and model is not None and _is_sharded(model):
+            sharded = params_sharded
+        elif not sharded and params_sharded:
             # a plain file would hold rank 0's shards only, which every rank would then load
             raise ValueError("save_optimizer(sharded=False): this model's parameters are sharded "
                              "(FSDP / tensor parallelism), so its optimizer state is too; save "
@@ -213,8 +223,9 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         if not sharded:
             return super().save_optimizer(optimizer, checkpoint)
         if model is None:
-            raise ValueError("save_optimizer(sharded=True) needs the boosted optimizer (it names "
-                             "the state by the model's parameter names)")
+            raise ValueError("save_optimizer: a sharded optimizer checkpoint needs the boosted "
+                             "optimizer booster.boost returned (it names the state by the "
+                             "model's parameter names), got the optimizer itself")
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         state = get_optimizer_state_dict(model, _unwrap(optimizer))
@@ -230,6 +241,11 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         ``dcp.load`` into uninitialized tensors laid out as this rank's optimizer state, so the
         load holds a second copy of this rank's optimizer state until it is applied."""
         model = getattr(optimizer, "model", None)
+        if model is None and (os.path.isdir(checkpoint) or _holds_dtensors(optimizer)):
+            raise ValueError(f"load_optimizer: {checkpoint!r} is a sharded optimizer checkpoint "
+                             f"or the parameters are sharded: pass the boosted optimizer "
+                             f"booster.boost returned (it maps the state to the model's "
+                             f"parameter names), got the optimizer itself")
         if model is None or (not os.path.isdir(checkpoint) and not _is_sharded(model)):
             return super().load_optimizer(optimizer, checkpoint)
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,

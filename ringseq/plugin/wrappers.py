@@ -81,21 +81,71 @@ class ReducedGrads:
     summed sums them again, W times too large, without any error (DDP's usual average would
     keep them). The reduction calls :meth:`mark` once per backward; the boosted optimizer's
     ``step`` calls :meth:`check_once` first, which raises ValueError (on every rank: the ranks
-    run the same steps) when more than one backward was reduced; the boosted optimizer's
-    ``step`` / ``zero_grad`` and the boosted model's ``zero_grad`` call :meth:`clear` (gradients
-    cleared another way, e.g. ``p.grad = None``, are not seen: clear through those)."""
+    run the same steps) when more than one backward was reduced since the last step or clear,
+    or when a backward accumulated onto gradients the last step used (:meth:`watch`); the
+    boosted optimizer's and model's ``zero_grad`` call :meth:`clear`."""
 
     def __init__(self):
-        self.count = 0
+        self.count = 0          # reduced backward passes since the gradients were cleared
+        self.stepped = False    # the optimizer stepped on the gradients since they were cleared
+        self.uncleared = False  # a backward accumulated onto gradients a step already used
+        self._fresh = {}        # graph task -> its backward found the gradients cleared
+        self._marked_task = None
+
+    def watch(self, params) -> None:
+        """Sees how the gradients were left before each backward: a hook on the smallest
+        parameter finds, before the backward accumulates into it, whether its gradient holds
+        values (None or all zeros: cleared, whichever way -- the boosted optimizer, the user's
+        own module, a loop setting ``p.grad = None``). A backward onto gradients a step used
+        (a loop without zero_grad) is refused at the next step; a backward onto cleared
+        gradients restarts the count."""
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            return
+        probe = min(params, key=lambda p: p.numel())
+
+        def before_accumulate(grad, probe=probe):
+            old = probe.grad
+            local = old.to_local() if hasattr(old, "to_local") else old
+            cleared = old is None or not bool(local.any())
+            if cleared:
+                self.uncleared = False
+                task = torch._C._current_graph_task_id()
+                if self._marked_task == task:  # this backward's reduction came first
+                    self.count = 1
+                else:
+                    self._fresh[task] = True
+            elif self.stepped:
+                self.uncleared = True
+            self.stepped = False
+            return grad
+
+        probe.register_hook(before_accumulate)
 
     def mark(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._fresh.pop(task, False):  # the probe saw cleared gradients in this backward
+            self.count = 0
+        self._fresh.clear()  # (entries of no_sync backward passes, which are not reduced)
         self.count += 1
+        self._marked_task = task
 
     def clear(self) -> None:
         self.count = 0
+        self.stepped = self.uncleared = False
+
+    def after_step(self) -> None:
+        self.count = 0
+        self.stepped = True
 
     def check_once(self) -> None:
         # The count stays: the gradients stay wrong until they are cleared (zero_grad).
+        if self.uncleared:
+            raise ValueError(
+                "OptimizerWrapper.step: a backward added its gradients to gradients that the "
+                "previous step already used, which the sum over the ranks had summed (W times "
+                "too large once summed again); not stepping. Clear the gradients after every "
+                "step (optimizer.zero_grad() or model.zero_grad())")
         if self.count > 1:
             raise ValueError(
                 f"OptimizerWrapper.step: {self.count} backward passes summed the gradients over "
@@ -176,7 +226,7 @@ class OptimizerWrapper:
             out = self.scaler.step(self.optim, *args, **kwargs)
             self.scaler.update()
         if self.reduced is not None:
-            self.reduced.clear()
+            self.reduced.after_step()
         return out
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0,

@@ -6,6 +6,8 @@
 * an optimizer checkpoint (a torch.distributed.checkpoint directory) one rank's file of which
   is cut short raises a ValueError on every rank and no rank's optimizer state changes (the
   loader had already copied the other rank's part into its live state);
+* an optimizer without state keeps none after a failed load, and a rank that cannot stage
+  the state (out of memory) makes every rank raise instead of waiting in the collective load;
 * the user's own optimizer object (not the boosted one) is refused for sharded checkpoints;
 * the intact checkpoints then load exactly.
 
@@ -92,6 +94,28 @@ def _worker(tmp):
     out["cut_error"] = error_text(lambda: io.load_optimizer(opt, bad_opt))
     out["state_kept"] = _same(_optimizer_state(opt), zeroed)
 
+    # an optimizer without state yet (a resume before the first step): torch's staging gives
+    # it state (a step at lr 0), which a failed load takes back
+    for p in model.parameters():
+        p.grad = None
+    fresh = OptimizerWrapper(torch.optim.AdamW(model.parameters()), None, model=model)
+    out["fresh_cut_error"] = error_text(lambda: io.load_optimizer(fresh, bad_opt))
+    out["fresh_kept"] = not fresh.unwrap().state and \
+        all(p.grad is None for p in model.parameters())
+
+    # staging fails on rank 1 only (out of memory): every rank raises, none waits in dcp.load
+    import ringseq.plugin.sharded_checkpoint as sharded
+    staging = sharded._empty_like_state
+
+    def out_of_memory(state):
+        raise MemoryError("injected: no memory for the staged optimizer state")
+    sharded._empty_like_state = out_of_memory if rank == 1 else staging
+    try:
+        out["staging_error"] = error_text(lambda: io.load_optimizer(opt, good_opt))
+    finally:
+        sharded._empty_like_state = staging
+    out["staging_state_kept"] = _same(_optimizer_state(opt), zeroed)
+
     # the user's own optimizer object (boost rebinds it to the shards): a plain file would hold
     # rank 0's shards only, which every rank would load without an error (before: written)
     out["raw_save"] = error_text(lambda: io.save_optimizer(opt.unwrap(), bad_opt + ".pt"))
@@ -122,6 +146,13 @@ def test_sharded_checkpoints_load_all_or_nothing(tmp_path):
         assert error.startswith("ValueError: ") and "optim_cut" in error, (rank, error)
         assert "rank 1" in error, (rank, error)
         assert got["state_kept"], f"rank {rank}: optimizer state changed on a failed load"
+        assert "optim_cut" in got["fresh_cut_error"], (rank, got["fresh_cut_error"])
+        assert got["fresh_kept"], f"rank {rank}: a failed load left state in a fresh optimizer"
+        error = got["staging_error"]
+        expected = "MemoryError: " if rank == 1 else "ValueError: "
+        assert error.startswith(expected) and "nothing was loaded" in error, (rank, error)
+        assert ("injected" in error) == (rank == 1), (rank, error)
+        assert got["staging_state_kept"], rank
         assert got["params_restored"] and got["state_restored"], rank
         assert got["raw_save"].startswith("ValueError: save_optimizer: a sharded optimizer "
                                           "checkpoint needs the boosted optimizer"), got

@@ -207,6 +207,19 @@ def _errors(sps, pairs):
         w0[mine] = wl[mine]
         (ro.sum() + (rl * w0).sum()).backward()
         out[f"lse_grad_one_rank_{mode}"] = max_err(lq.grad, sp_.shard(fq1.grad, "zigzag"))
+    # with the checks off, a backward without a gradient into lse sends none (before: zeros
+    # were always sent, and a kernel that cannot take one, torch's, raised)
+    uly = sps[(4, None, True)]
+    ringseq.set_consistency_check(False)
+    try:
+        x = uly.shard(q.float(), "contiguous").requires_grad_()
+        ringseq.ulysses_attn_func(x, x, x, causal=True, group=uly.ulysses_group,
+                                  backend="sdpa").sum().backward()
+        fx = q.float().clone().requires_grad_()
+        ringseq.flash_attn_func(fx, fx, fx, causal=True, backend="sdpa").sum().backward()
+        out["checks_off_sdpa_grad_err"] = max_err(x.grad, uly.shard(fx.grad, "contiguous"))
+    finally:
+        ringseq.set_consistency_check(True)
     # an empty batch (before: a view error inside the all-to-all, the ring broken after it)
     empty = torch.zeros(0, 6, 8, 8)
     out["empty_batch"] = tuple(ringseq.usp_attn_func(empty, empty, empty,
@@ -403,6 +416,7 @@ def test_exact_after_errors_and_through_lse():
         for mode in ("ulysses", "hybrid"):
             assert e[f"lse_grad_one_rank_{mode}"] < 1e-12, (mode, e)
         assert e["empty_batch"] == (0, 6, 8, 8)
+        assert e["checks_off_sdpa_grad_err"] < 1e-5, e["checks_off_sdpa_grad_err"]
         assert e["lse_grad_err"] < 1e-12, e["lse_grad_err"]
         assert e["lse_grad_err_double"] < 1e-12, e["lse_grad_err_double"]
         assert e["positions"] and e["batch_positions"]

@@ -7,7 +7,9 @@ spawned gloo ranks (CPU):
 * the boosted loader when one data-parallel rank's data ends before the other's (a dataset or
   sampler that is not the same length on every rank): RingMismatchError on both, at the end of
   the shorter epoch (before: the longer rank waited for the next batch's agreement, or, over
-  two epochs, the shorter rank's next epoch was paired silently with the other's batches).
+  two epochs, the shorter rank's next epoch was paired silently with the other's batches);
+* a backward onto gradients a step used is refused on every rank when the model's smallest
+  parameter is a tensor-parallel shard whose gradient is zero on one rank only.
 """
 from __future__ import annotations
 
@@ -58,7 +60,33 @@ def _worker():
 
     out["loader"] = _timed(two_epochs)
     out["seen"] = seen
+    out["uncleared"] = _uncleared_gradients_with_a_sharded_parameter(rank)
     return out
+
+
+def _uncleared_gradients_with_a_sharded_parameter(rank):
+    """A backward onto gradients the last step used, where the model's smallest parameter is
+    a tensor-parallel shard whose gradient is all zeros on rank 1 only: the step's refusal must
+    not depend on that shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from ringseq.plugin.wrappers import ReducedGrads
+    mesh = init_device_mesh("cpu", (2,))
+    shard = torch.nn.Parameter(distribute_tensor(torch.ones(2), mesh, [Shard(0)]))  # (2,)
+    whole = torch.nn.Parameter(torch.ones(3))  # (3,): larger, the same on both ranks
+    weight = torch.tensor([1.0 if rank == 0 else 0.0])  # rank 1's entry gets a zero gradient
+    reduced = ReducedGrads()
+    reduced.watch([shard, whole])
+
+    def backward():
+        ((shard.to_local() * weight).sum() + whole.sum()).backward()
+        reduced.mark()
+
+    backward()
+    reduced.check_once()
+    reduced.after_step()
+    backward()  # no zero_grad in between
+    return error_text(reduced.check_once)
 
 
 def test_a_rank_without_its_step_inputs_raises_on_every_rank():
@@ -75,3 +103,6 @@ def test_a_rank_without_its_step_inputs_raises_on_every_rank():
         assert error.startswith("RingMismatchError: ") and "end of the data" in error, error
         assert elapsed < FAST, elapsed
         assert len(got["seen"]) == 1, got["seen"]  # the first epoch's common batch only
+        # every rank refuses (before: the probe was the shard, and rank 1 stepped)
+        assert got["uncleared"].startswith("ValueError: OptimizerWrapper.step: a backward "
+                                           "added its gradients"), (rank, got["uncleared"])

@@ -447,6 +447,14 @@ def test_multimodal_model_rings_its_text_and_refuses_bidirectional_image_tokens(
     # float64 weights, but eager's softmax runs in float32 (relative rounding 6e-8 per
     # probability): its own distance from float64 attention, not ringseq's
     assert err < 1e-6, err
+    # token_type_ids without an image token (a text-only batch of a multimodal collator): no
+    # block, nothing bidirectional, the same logits (before: refused)
+    no_image = torch.zeros_like(ids)
+    with torch.no_grad():
+        err = (ring(input_ids=ids, token_type_ids=no_image, use_cache=False).logits
+               - eager(input_ids=ids, token_type_ids=no_image, use_cache=False).logits
+               ).abs().max()
+    assert err < 1e-6, err
     ids[0, 4], ids[0, 5:9], ids[0, 9] = 91, 90, 92  # begin-of-image, 4 image tokens, end
     image_tokens = (ids == 90).long()
     pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2),

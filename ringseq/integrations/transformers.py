@@ -333,8 +333,10 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
 def _has_blockwise_overlay(mask_function) -> bool:
     """Whether a transformers mask function is composed with ``blockwise_overlay`` (through
     ``or_masks`` / ``and_masks`` / the packed-sequence remap, which keep their parts in their
-    closures). Other compositions are the ring's own structure: causal or not (the module's
-    ``is_causal``), sliding windows, packed documents (checked through position ids)."""
+    closures) over at least one block: its block ids are -1 for tokens outside every block, so
+    a text-only input (Gemma 3's all-zero ``token_type_ids``) adds nothing to the mask. Other
+    compositions are the ring's own structure: causal or not (the module's ``is_causal``),
+    sliding windows, packed documents (checked through position ids)."""
     stack, seen = [mask_function], set()
     while stack:
         fn = stack.pop()
@@ -342,7 +344,10 @@ def _has_blockwise_overlay(mask_function) -> bool:
             continue
         seen.add(id(fn))
         if getattr(fn, "__qualname__", "").startswith("blockwise_overlay."):
-            return True
+            if any(bool((c.cell_contents >= 0).any()) for c in fn.__closure__ or ()
+                   if torch.is_tensor(getattr(c, "cell_contents", None))):
+                return True
+            continue
         for cell in getattr(fn, "__closure__", None) or ():
             try:
                 value = cell.cell_contents

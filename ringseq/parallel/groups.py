@@ -334,8 +334,12 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
     Returns this rank's :class:`SequenceParallelGroups`. Collective (group creation).
     Without torch.distributed it returns a group of one (U and I must then be 1).
 
-    Raises ValueError naming the sizes that work, on every rank before any communication,
-    when U does not divide the group size or I does not divide R.
+    Raises, on every rank of the default group before any process group is created (one
+    small all-gather of the sizes comes first; under NCCL, set this rank's CUDA device before
+    calling): on the ranks whose sizes are wrong (U not dividing the group size, I not
+    dividing R, not positive integers) a ValueError naming the sizes that work; on the other
+    ranks ``RingPeerError`` naming the ranks that failed; when the ranks pass different sizes,
+    ``RingMismatchError`` naming each rank's.
     """
     if not is_initialized():
         if group is not None:

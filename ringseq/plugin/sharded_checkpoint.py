@@ -254,7 +254,16 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         opt = _unwrap(optimizer)
         if os.path.isdir(checkpoint):
             def read_optimizer(path):  # this mesh's layout, filled in from the checkpoint
-                staged = _empty_like_state(get_optimizer_state_dict(model, opt))
+                staged, error = None, None
+                try:
+                    staged = _empty_like_state(get_optimizer_state_dict(model, opt))
+                except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+                    error = exc
+                # dcp.load is collective: a rank that could not stage (out of memory) must not
+                # leave the others waiting in it
+                agree_or_raise(error is None, f"staging the optimizer state failed: {error!r}",
+                               error=error, peer_message="staging the optimizer state failed "
+                                                         "on another rank")
                 return _dcp_read({"optimizer": staged}, path)["optimizer"]
 
             check = _nothing_more  # dcp.load has matched every key and global shape
@@ -279,5 +288,13 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             apply_optimizer(states[0])
             apply_scaler(states[1])
 
-        _load(checkpoint, check, apply, read)
+        # torch's get_optimizer_state_dict gives an optimizer without state one (a step with
+        # zero gradients at lr 0); a failed load takes it back, so that nothing has changed
+        fresh = not opt.state
+        try:
+            _load(checkpoint, check, apply, read)
+        except BaseException:
+            if fresh:
+                opt.state.clear()
+            raise
         return None

@@ -98,11 +98,17 @@ class ReducedGrads:
         values (None or all zeros: cleared, whichever way -- the boosted optimizer, the user's
         own module, a loop setting ``p.grad = None``). A backward onto gradients a step used
         (a loop without zero_grad) is refused at the next step; a backward onto cleared
-        gradients restarts the count."""
+        gradients restarts the count. The probe is a parameter every rank holds whole where
+        there is one (a tensor-parallel shard could be all zeros on one rank only, and the ranks
+        would then disagree on refusing the step); reading its gradient costs one host
+        synchronization per backward. A backward that does not reach the probe (its parameter
+        unused in that step) is not seen by this check."""
         params = [p for p in params if p.requires_grad]
         if not params:
             return
-        probe = min(params, key=lambda p: p.numel())
+        whole = [p for p in params
+                 if all(pl.is_replicate() for pl in getattr(p, "placements", ()))]
+        probe = min(whole or params, key=lambda p: p.numel())
 
         def before_accumulate(grad, probe=probe):
             old = probe.grad

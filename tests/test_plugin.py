@@ -293,11 +293,25 @@ def _error_cases(state_dict, ckpt_dir):
         _dataset(), batch_size=1, sampler=SubsetRandomSampler([0, 1])))
     shuffled = DataLoader(_dataset(), batch_size=2, shuffle=True)  # a plain order carries over
     out["loader_shuffle"] = len(booster.boost(_model(state_dict), dataloader=shuffled)[3])
+    # the rebuilt loader keeps the loader's other settings (before: workers' persistence,
+    # prefetch, the generator and the rest were dropped)
+    g = torch.Generator().manual_seed(5)
+    tuned = DataLoader(_dataset(), batch_size=2, num_workers=1, persistent_workers=True,
+                       prefetch_factor=3, generator=g, timeout=7.0)
+    inner = booster.boost(_model(state_dict), dataloader=tuned)[3].loader
+    out["loader_settings"] = (inner.num_workers, inner.persistent_workers, inner.prefetch_factor,
+                              inner.generator is g, inner.timeout)
     unbatched = DataLoader(_dataset(), batch_size=None)  # a dataset that yields whole batches
     out["loader_unbatched"] = len(booster.boost(_model(state_dict), dataloader=unbatched)[3])
     from torch.distributed.device_mesh import init_device_mesh
     wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "seq"))
     out["mesh_names"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=2, mesh=wrong))
+    # DDP's arguments where no DDP runs, or ones the plugin sets (before: silently ignored /
+    # a TypeError at boost)
+    out["ddp_kwargs_fsdp"] = error_text(lambda: RingSequenceParallelPlugin(
+        sp_size=2, zero_stage=2, ddp_kwargs={"bucket_cap_mb": 1}))
+    out["ddp_kwargs_taken"] = error_text(lambda: RingSequenceParallelPlugin(
+        sp_size=2, ddp_kwargs={"process_group": None}))
     return out
 
 
@@ -535,6 +549,10 @@ def test_misconfigurations_fail_on_every_rank(run):
             e["no_attention"], e["no_attention"]
         assert e["criterion"].startswith("ValueError") and "MSELoss" in e["criterion"]
         assert e["mesh_names"].startswith("ValueError") and "('dp', 'sp')" in e["mesh_names"]
+        assert e["ddp_kwargs_fsdp"].startswith("ValueError: ddp_kwargs ['bucket_cap_mb']") and \
+            "zero_stage=2, tp_size=1" in e["ddp_kwargs_fsdp"], e["ddp_kwargs_fsdp"]
+        assert e["ddp_kwargs_taken"].startswith("ValueError: ddp_kwargs: ['process_group']"), \
+            e["ddp_kwargs_taken"]
         assert e["bad_len_all"].startswith("ValueError") and "multiple of 4" in \
             e["bad_len_all"], e["bad_len_all"]
         assert e["ignore_index"].startswith("ValueError") and "ignore_index=-1" in \
@@ -549,6 +567,7 @@ def test_misconfigurations_fail_on_every_rank(run):
         # 20 samples over dp = 2 groups, 2 per batch: 5 batches per group
         assert e["loader_shuffle"] == len(_dataset()) // 2 // 2, e["loader_shuffle"]
         assert e["loader_unbatched"] == len(_dataset()) // 2, e["loader_unbatched"]
+        assert e["loader_settings"] == (1, True, 3, True, 7.0), e["loader_settings"]
         save = e["save_error"]
         if r is run["ranks"][0]:
             assert not save.startswith("ValueError") and "a_file" in save, save

@@ -33,6 +33,12 @@ _NO_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
                    inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
                    else "broadcast_buffers")
 
+# The DataLoader settings a loader passed to boost keeps when the plugin rebuilds it over the
+# data-parallel groups (besides batch size, order, drop_last, pin_memory and workers).
+_LOADER_SETTINGS = ("collate_fn", "worker_init_fn", "timeout", "multiprocessing_context",
+                    "generator", "prefetch_factor", "persistent_workers", "pin_memory_device",
+                    "in_order")
+
 
 def _sum_allreduce_hook(reduced: "ReducedGrads", bucket):
     # DDP's default hook divides by the group size; the plugin's loss is already the global
@@ -69,7 +75,9 @@ class RingSequenceParallelPlugin(Plugin):
         device: where the model and the loader's batches are put (default:
             ``cuda:<current>`` under NCCL, else CPU).
         ddp_kwargs: extra ``DistributedDataParallel`` arguments (e.g. ``bucket_cap_mb``,
-            ``find_unused_parameters``).
+            ``find_unused_parameters``): only where DDP runs (zero_stage 0, tp_size 1; a
+            single process has no DDP and ignores them); ValueError with tp_size > 1 or
+            zero_stage >= 2, and for ``module`` / ``process_group`` (the plugin's).
         tp_size (keyword-only): tensor-parallel ranks (1: none): DTensor tensor parallelism
             with Megatron sequence parallelism on the "tp" dim (``ringseq.parallel.tp``), from
             the plan a transformers model declares or ``tp_plan``.
@@ -169,6 +177,17 @@ class RingSequenceParallelPlugin(Plugin):
             raise ValueError(f"precision='fp16' needs one GradScaler decision over gradients "
                              f"that are sharded with tp_size={tp_size} / zero_stage="
                              f"{zero_stage}; use precision='bf16' (no loss scaling needed)")
+        if ddp_kwargs is not None and not isinstance(ddp_kwargs, dict):
+            raise ValueError(f"ddp_kwargs must be a dict of DistributedDataParallel arguments, "
+                             f"got {type(ddp_kwargs).__name__}")
+        if ddp_kwargs and self.dims.sharded:
+            raise ValueError(f"ddp_kwargs {sorted(ddp_kwargs)} apply to DistributedDataParallel, "
+                             f"which the plugin uses only at zero_stage=0 with tp_size=1; got "
+                             f"zero_stage={zero_stage}, tp_size={tp_size}")
+        taken = sorted({"module", "process_group"} & set(ddp_kwargs or {}))
+        if taken:
+            raise ValueError(f"ddp_kwargs: {taken} are set by the plugin (the model, the "
+                             f"default process group over dp x sp); drop them")
         if tp_size > 1 and isinstance(self.layout, PerBatchDocuments):
             raise ValueError("layout='documents' (packed batches) is not supported with "
                              "tp_size > 1 yet; use tp_size=1 or unpacked batches")
@@ -391,12 +410,15 @@ class RingSequenceParallelPlugin(Plugin):
                 f"over the data-parallel groups, which would drop this loader's {what}; pass a "
                 f"DataLoader with batch_size and shuffle=True/False only (a subset: "
                 f"torch.utils.data.Subset), or build it with plugin.prepare_dataloader")
+        # Every other DataLoader setting carries over (those this torch has); the shuffled
+        # order is the DistributedSampler's (seed 1024 on every rank), the loader's generator
+        # seeds its workers.
+        kept = {name: getattr(dataloader, name) for name in _LOADER_SETTINGS
+                if hasattr(dataloader, name)}
         return self.prepare_dataloader(
             dataloader.dataset, dataloader.batch_size,
             shuffle=isinstance(sampler, RandomSampler), drop_last=dataloader.drop_last,
-            pin_memory=dataloader.pin_memory, num_workers=dataloader.num_workers,
-            collate_fn=dataloader.collate_fn, worker_init_fn=dataloader.worker_init_fn,
-            timeout=dataloader.timeout)
+            pin_memory=dataloader.pin_memory, num_workers=dataloader.num_workers, **kept)
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
                   lr_scheduler=None):

@@ -329,6 +329,12 @@ def _errors(ckpt_dir):
     opt.step()
     out["stepped_optimizer"] = error_text(lambda: Booster(plugin=P(
         sp_size=2, zero_stage=3)).boost(stepped, opt))
+    # the user's module a sharded boost returned the wrapper of (its parameters are DTensors
+    # now): a second boost is refused in words (before: FSDP's AssertionError)
+    twice = _model("llama")
+    Booster(plugin=P(sp_size=2, zero_stage=2)).boost(twice)
+    out["boosted_twice"] = error_text(lambda: Booster(plugin=P(sp_size=2, zero_stage=2)).boost(
+        twice))
     # 34 tokens: contiguous over sp=2 is fine, but 17 per sp shard cannot split over tp=2
     plugin = P(sp_size=2, tp_size=2, layout="contiguous")
     bad = plugin.prepare_dataloader(_dataset(2, seqlen=34), batch_size=2)
@@ -564,6 +570,8 @@ def _raised(run, key):
     ("no_plan", ["ValueError", "tp_size=2", "base_model_tp_plan", "tp_plan"]),
     ("bad_plan", ["ValueError", "colwise_sideways", "supported"]),
     ("stepped_optimizer", ["ValueError", "already has state"]),
+    ("boosted_twice", ["ValueError: boost: this FSDPLlamaForCausalLM was already boosted",
+                       "boost a fresh model"]),
     ("bad_len", ["ValueError", "34 tokens", "multiple of 4"]),
 ])
 def test_bad_sizes_raise_on_every_rank(run, key, words):

@@ -438,8 +438,14 @@ class RingSequenceParallelPlugin(Plugin):
         """
         from ..parallel.modules import decoder_layers
         from ..parallel.optim import check_rebindable, parameter_names, rebind_optimizer
-        if isinstance(model, ModelWrapper):
-            raise ValueError("this model was already boosted")
+        from torch.distributed.tensor import DTensor
+        if isinstance(model, ModelWrapper) or any(isinstance(p, DTensor)
+                                                  for p in model.parameters()):
+            # (the module a sharded boost returned the wrapper of holds DTensors: fully_shard
+            # and tensor parallelism cannot be applied to it again)
+            raise ValueError(f"boost: this {type(model).__name__} was already boosted (or its "
+                             f"parameters are already sharded DTensors); boost a fresh model, "
+                             f"or keep using the model the first boost returned")
         # everything that can refuse comes before the model is modified
         criterion = self._criterion(criterion)
         dataloader = self._dataloader(dataloader)

@@ -192,11 +192,10 @@ def attn_spec(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=Fal
     check_alibi_slopes(fn, alibi_slopes)
     check_bool(fn, "deterministic", deterministic)
     check_qkv(q, k, v, fn=fn)
-    be = get_backend(backend, q.device, q.dtype, q.shape[-1], fn=fn)
     if documents is not None:
         documents = check_cu_seqlens(fn, "cu_seqlens", documents)
-    be.check_features(fn, spans=varlen or window != (-1, -1) or documents is not None,
-                      softcap=softcap)
+    be = get_backend(backend, q.device, q.dtype, q.shape[-1], fn=fn, softcap=softcap,
+                     spans=varlen or window != (-1, -1) or documents is not None)
     acc = be.accum_dtype(q.dtype)
     if needs_grad is None:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

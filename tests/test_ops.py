@@ -208,6 +208,25 @@ def test_default_backend_is_ours_on_cpu():
     assert get_backend(None, "cpu", torch.float32, 64).name == want
 
 
+def test_default_backend_on_cuda_can_compute_the_call():
+    """The choice only (no device touched): head dim 256 in bfloat16 (Gemma 2's), which
+    ringseq's CUDA kernel does not take, goes to torch's SDPA, and with a soft-cap, which SDPA
+    cannot compute, to the reference (before: SDPA, which then raised)."""
+    assert get_backend(None, "cuda", torch.bfloat16, 256).name == "sdpa"
+    assert get_backend(None, "cuda", torch.bfloat16, 256, softcap=30.0).name == "reference"
+    assert get_backend(None, "cuda", torch.float32, 64, spans=True, softcap=5.0).name == \
+        "reference"
+
+
+def test_a_named_backend_without_a_feature_names_those_that_can():
+    with pytest.raises(NotImplementedError) as err:
+        get_backend("sdpa", "cpu", torch.float32, 64, softcap=5.0, fn="flash_attn_func")
+    can = "'ringseq' or 'reference'" if extension_available() else "'reference'"
+    assert str(err.value).startswith("flash_attn_func: backend 'sdpa' cannot do logit "
+                                     "soft-capping (softcap=5.0)") and \
+        str(err.value).endswith(f"use backend={can}"), err.value
+
+
 # ---------------------------------------------------------------- torch.library integration
 @needs_ext
 @pytest.mark.parametrize("causal", [False, True])

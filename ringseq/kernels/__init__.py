@@ -35,36 +35,44 @@ for _name, _cls in (("sdpa", SdpaBackend), ("reference", ReferenceBackend),
 ExtensionBackend.instance(0)
 
 
-def get_backend(backend=None, device=None, dtype=None, headdim=None, *,
-                fn: str = "get_backend") -> AttentionBackend:
-    """Resolves a backend name (or an AttentionBackend instance) for inputs on ``device``.
+def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: bool = False,
+                softcap: float = 0.0, fn: str = "get_backend") -> AttentionBackend:
+    """Resolves a backend name (or an AttentionBackend instance) for inputs on ``device``
+    whose call needs ``spans`` (bands, windows, documents) and/or a ``softcap``.
 
-    ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim), else
-    "sdpa" on CUDA (float64 there: "reference"), else "reference" (CPU without the extension).
-    Raises ValueError (naming ``fn``) for an unknown name and for a named backend that cannot
-    run such inputs.
+    ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim) and
+    the features, else "sdpa" on CUDA (where it can: no soft-cap, no float64), else
+    "reference". Raises ValueError (naming ``fn``) for an unknown name and for a named backend
+    that cannot run such inputs, NotImplementedError naming the backends that can when a named
+    backend cannot compute the features.
     """
     if isinstance(backend, AttentionBackend):
         return backend
     device = torch.device("cpu") if device is None else torch.device(device)
+    dtype_, headdim_ = dtype or torch.float32, headdim or 64
+
+    def can(name) -> bool:
+        be = _instance(name)
+        return (be.unsupported_reason(device, dtype_, headdim_) is None
+                and be.features_reason(spans=spans, softcap=softcap) is None)
+
     if backend is None:
-        ours = _instance("ringseq")
-        dtype, headdim = dtype or torch.float32, headdim or 64
-        if ours.unsupported_reason(device, dtype, headdim) is None:
-            return ours
-        sdpa = _instance("sdpa")
-        if device.type == "cuda" and sdpa.unsupported_reason(device, dtype, headdim) is None:
-            return sdpa
+        if can("ringseq"):
+            return _instance("ringseq")
+        if device.type == "cuda" and can("sdpa"):
+            return _instance("sdpa")
         return _instance("reference")
     if backend not in BACKEND_NAMES:
         raise ValueError(f"{fn}: backend must be one of {', '.join(BACKEND_NAMES)}, None or an "
                          f"AttentionBackend instance, got {backend!r}")
     chosen = _instance(backend)
     if dtype is not None:
-        reason = chosen.unsupported_reason(device, dtype, headdim or 64)
+        reason = chosen.unsupported_reason(device, dtype, headdim_)
         if reason is not None:
             raise ValueError(f"{fn}: backend {backend!r} cannot run {dtype} inputs with head "
                              f"dim {headdim} on {device}: {reason}")
+    chosen.check_features(fn, spans=spans, softcap=softcap,
+                          alternatives=[n for n in BACKEND_NAMES if n != backend and can(n)])
     return chosen
 
 

@@ -77,17 +77,23 @@ class AttentionBackend:
                                f"computes delta from dout and out itself); use "
                                f"backend='ringseq' or 'reference'")
 
-    def check_features(self, fn: str, *, spans: bool, softcap: float) -> None:
-        """NotImplementedError (naming ``fn``) when a call needs spans (bands, windows,
-        documents) or a soft-cap and this backend cannot compute them."""
+    def features_reason(self, *, spans: bool, softcap: float) -> Optional[str]:
+        """Why this backend cannot compute a call that needs spans (bands, windows, documents)
+        or a soft-cap, or None."""
         if spans and not self.supports_spans:
-            raise NotImplementedError(f"{fn}: backend {self.name!r} does not support spans (bands, "
-                                      f"sliding windows, packed documents); use backend='ringseq' "
-                                      f"or 'reference'")
+            return "does not support spans (bands, sliding windows, packed documents)"
         if softcap > 0.0 and not self.supports_softcap:
-            raise NotImplementedError(f"{fn}: backend {self.name!r} does not support logit "
-                                      f"soft-capping (softcap={softcap}); use backend='ringseq' "
-                                      f"or 'reference'")
+            return f"does not support logit soft-capping (softcap={softcap})"
+        return None
+
+    def check_features(self, fn: str, *, spans: bool, softcap: float,
+                       alternatives=("ringseq", "reference")) -> None:
+        """NotImplementedError (naming ``fn`` and the ``alternatives`` to use) when a call
+        needs spans or a soft-cap and this backend cannot compute them."""
+        reason = self.features_reason(spans=spans, softcap=softcap)
+        if reason is not None:
+            use = " or ".join(repr(a) for a in alternatives)
+            raise NotImplementedError(f"{fn}: backend {self.name!r} {reason}; use backend={use}")
 
     def check_call(self, q, k, v, causal: bool, spans=None, softcap=0.0, *,
                    fn: str = "attention") -> Tuple[Optional[torch.Tensor], float]:

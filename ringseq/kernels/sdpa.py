@@ -57,13 +57,12 @@ class SdpaBackend(AttentionBackend):
     supports_delta = False
     supports_spans = True  # as an additive bias
 
-    def check_features(self, fn, *, spans, softcap):
+    def features_reason(self, *, spans, softcap):
         if softcap:
-            raise NotImplementedError(
-                f"{fn}: backend 'sdpa' cannot do logit soft-capping (softcap={softcap}): torch's "
-                f"SDPA ops would have to apply tanh to each score inside the kernel, which an "
-                f"additive mask cannot express; use backend='ringseq' or 'reference'")
-        super().check_features(fn, spans=spans, softcap=softcap)
+            return (f"cannot do logit soft-capping (softcap={softcap}): torch's SDPA ops would "
+                    f"have to apply tanh to each score inside the kernel, which an additive mask "
+                    f"cannot express")
+        return super().features_reason(spans=spans, softcap=softcap)
 
     def unsupported_reason(self, device, dtype, headdim):
         if device.type not in ("cpu", "cuda"):

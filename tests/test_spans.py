@@ -65,6 +65,21 @@ def test_sliding_window_bottom_right(s_q, s_k, left, mode):
     check(q, k, v, spans=window_spans(s_q, s_k, left, right, mode == "causal"))
 
 
+def test_window_side_as_wide_as_the_keys_is_unbounded():
+    """flash-attn's kernels clamp a window side of at least seqlen_k to -1: with more queries
+    than keys and no causal mask, a right side of s_k lets the first rows see every key
+    (the band formula alone: row 0 would see key 0 only)."""
+    import ringseq
+    q, k, v = (t.double() for t in qkv(1, 8, 4, 2, 2, 16))
+    full = ringseq.flash_attn_func(q, k, v)
+    for window in ((-1, 4), (4, 4), (9, -1)):
+        got = ringseq.flash_attn_func(q, k, v, window_size=window)
+        assert (got - full).abs().max() < 1e-12, window
+    # one narrower: the band formula, row 0 sees keys j <= 0 + 4 - 8 + 3 < 0, none
+    narrower = ringseq.flash_attn_func(q, k, v, window_size=(-1, 3))
+    assert (narrower[:, 0] == 0).all() and (narrower[:, 7] - full[:, 7]).abs().max() < 1e-12
+
+
 # Inside a masked tile the CPU GEMMs skip the register blocks and the key (row) steps the band
 # does not reach (csrc/cpu/gemm.h: Band). Band edges at many offsets across several tiles at
 # every level (forward tiles of 240 query rows x 72 keys at AVX2, 128 x 256 at AVX-512 and

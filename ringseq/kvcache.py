@@ -198,8 +198,9 @@ def _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale,
     s = s.masked_fill(~vis[:, None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (b, h, s_q)
     p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
-    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
-    return out.to(q.dtype), lse.to(acc)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)  # (b, s_q, h, d), strides of the product's
+    # (b, h, s_q, d): made contiguous like the kernel's (and flash-attn's) output
+    return out.to(dtype=q.dtype, memory_format=torch.contiguous_format), lse.to(acc)
 
 
 def _flash_lse(lse: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,9 @@ def run_flash_case(case, device="cpu", seed=0):
         cache_leftpad=None if leftpad is None else leftpad.to(device), causal=case["causal"],
         window_size=window, rotary_interleaved=case["interleaved"], num_splits=case["splits"],
         return_softmax_lse=True)
+    # contiguous, as flash-attn returns it (before: the plain torch path gave a permuted view,
+    # which out.view(b, s_q, h * d) refused)
+    assert out.is_contiguous(), out.stride()
 
     # The reference: rotate, append, attend over each row's valid keys, in float64 and dtype.
     results = {}

@@ -358,3 +358,22 @@ def test_opcheck_fwd_accum():
     out = torch.randn(1, 19, 4, 8)
     lse = torch.randn(1, 4, 19)
     torch.library.opcheck(torch.ops.ringseq.fwd_accum.default, (q, k, v, 0.3, True, out, lse))
+
+
+def test_flash_attn_backend_gives_empty_rows_lse_minus_inf(monkeypatch):
+    """flash-attn 2 returns lse +inf for a row that sees no key (causal, more queries than
+    keys); the backend contract, which the ring's merge relies on, is -inf. flash-attn is not
+    installed here: a stand-in with its return convention."""
+    import sys
+    import types
+    from ringseq.kernels.flash_attn import FlashAttnBackend
+
+    def flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, return_attn_probs):
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])  # (b, h, s_q)
+        lse[:, :, 0] = float("inf")  # row 0 sees no key
+        return torch.zeros_like(q), lse, None
+    monkeypatch.setitem(sys.modules, "flash_attn",
+                        types.SimpleNamespace(flash_attn_func=flash_attn_func))
+    q = torch.zeros(1, 3, 2, 8)
+    _, lse = FlashAttnBackend()._fwd(q, q[:, :2], q[:, :2], 0.3, True)
+    assert torch.isneginf(lse[:, :, 0]).all() and (lse[:, :, 1:] == 0).all(), lse

@@ -38,7 +38,9 @@ class FlashAttnBackend(AttentionBackend):
         fa = flash_attn_module()
         out, lse, _ = fa.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale,
                                          causal=causal, return_attn_probs=True)
-        return out, lse
+        # flash-attn gives a row without keys lse +inf; the contract (and the ring's merge)
+        # has -inf: the log of an empty sum
+        return out, lse.masked_fill(torch.isposinf(lse), float("-inf"))
 
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta):
         # The public API has no backward entry point: recompute the forward under autograd.

@@ -165,7 +165,10 @@ def check_cu_seqlens(fn: str, name: str, cu_seqlens, total: Optional[int] = None
         if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu):
             raise TypeError(f"{fn}: {name} must hold ints, got {cu!r}")
     cu = tuple(int(c) for c in cu)
-    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+    if len(cu) < 2:
+        raise ValueError(f"{fn}: {name} needs at least one sequence: (0, n_0, ...), the number "
+                         f"of sequences + 1 entries, got {cu}")
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{fn}: {name} must start at 0 and never decrease (0, n_0, n_0 + n_1, "
                          f"...), got {cu}")
     if total is not None and cu[-1] != total:

@@ -37,8 +37,9 @@ def group_info(group=None) -> Tuple[int, int]:
     otherwise surface as nonsense sizes much later)."""
     if not is_initialized():
         if group is not None:
-            raise ValueError("a process group was passed but torch.distributed is not "
-                             "initialized")
+            raise ValueError(f"group={group!r} was passed but torch.distributed is not "
+                             f"initialized: call torch.distributed.init_process_group first, "
+                             f"or pass group=None for one process")
         return 1, 0
     if group is not None and not isinstance(group, dist.ProcessGroup):
         # dist.new_group returns GroupMember.NON_GROUP_MEMBER (an int) on the ranks it leaves out

@@ -292,6 +292,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"{fn}: k_cache and v_cache must have the same shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     b, s_q, h, d = q.shape
+    if d == 0:
+        raise ValueError(f"{fn}: headdim must be positive, got q {tuple(q.shape)}")
     b_c, s_c, h_kv, d_c = k_cache.shape
     if d_c != d or h_kv == 0 or h % h_kv != 0:
         raise ValueError(f"{fn}: k_cache (batch_cache, seqlen_cache, nheads_k, headdim) must have "

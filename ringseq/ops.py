@@ -135,9 +135,12 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise NotImplementedError(f"{fn}: block_table (a paged KV cache) is not supported; pass "
                                   f"block_table=None")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a tensor (total, nheads, headdim), got "
+                            f"{type(t).__name__}")
+        if t.dim() != 3:
             raise ValueError(f"{fn}: {name} must be a 3-dim tensor (total, nheads, headdim), got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+                             f"{tuple(t.shape)}")
     cu_k = check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, k.shape[0], "the packed length")
     cu_q = check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], "the packed length")
     if len(cu_q) != len(cu_k):
@@ -199,9 +202,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def _split_packed_varlen(fn: str, name: str, t, n: int, heads: str):
-    if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != n:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a tensor (total, {n}, {heads}, headdim), got "
+                        f"{type(t).__name__}")
+    if t.dim() != 4 or t.shape[1] != n:
         raise ValueError(f"{fn}: {name} must be (total, {n}, {heads}, headdim), got "
-                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+                         f"{tuple(t.shape)}")
     return t.unbind(1)
 
 

@@ -76,6 +76,7 @@ def test_windows_wider_than_any_sequence_are_none(window, s_q, s_k):
     ({"backend": "nope"}, ValueError, "backend must be one of"),
     ({"grad_comm_dtype": "float32"}, ValueError, "grad_comm_dtype must be None"),
     ({"documents": [0, 9, 4, 16]}, ValueError, "cu_seqlens must start at 0 and never decrease"),
+    ({"documents": [0]}, ValueError, "cu_seqlens needs at least one sequence"),
     ({"alibi_slopes": torch.ones(4)}, NotImplementedError, "alibi_slopes is not supported"),
 ])
 def test_errors_name_the_function_and_the_argument(kw, exc, text):
@@ -86,6 +87,17 @@ def test_errors_name_the_function_and_the_argument(kw, exc, text):
 
 def test_tensor_errors_name_the_function():
     q, k, v = _qkv()
+    # a missing tensor is a TypeError in every form (before: ValueError in the varlen forms)
+    flat, cu = q.reshape(-1, *q.shape[2:]), torch.tensor([0, q.shape[1]], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"^flash_attn_varlen_func: k must be a tensor"):
+        ringseq.flash_attn_varlen_func(flat, None, flat, cu, cu, q.shape[1], q.shape[1])
+    with pytest.raises(TypeError, match=r"^flash_attn_varlen_kvpacked_func: kv must be a tensor"):
+        ringseq.flash_attn_varlen_kvpacked_func(flat, None, cu, cu, q.shape[1], q.shape[1])
+    with pytest.raises(ValueError, match=r"^flash_attn_with_kvcache: headdim must be positive"):
+        ringseq.flash_attn_with_kvcache(q[..., :0], k[..., :0], v[..., :0])
+    with pytest.raises(ValueError, match=r"^group=.* was passed but torch.distributed is not "
+                                         r"initialized"):
+        ringseq.ring_flash_attn_func(q, k, v, group=object())
     with pytest.raises(ValueError, match=r"^g: q, k and v must be tensors with data"):
         attn_spec("g", q, k.to("meta"), v.to("meta"))
     with pytest.raises(ValueError, match=r"^ring_flash_attn_func: q, k and v must have the same "

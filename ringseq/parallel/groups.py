@@ -343,8 +343,8 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
     """
     if not is_initialized():
         if group is not None:
-            raise ValueError("a process group was passed but torch.distributed is not "
-                             "initialized")
+            raise ValueError(f"make_sp_groups: group={group!r} was passed but "
+                             f"torch.distributed is not initialized")
         if ulysses_size != 1 or inner_ring_size not in (None, 1):
             raise ValueError(f"ulysses_size={ulysses_size} / inner_ring_size={inner_ring_size} "
                              f"need torch.distributed (a group of one cannot be split)")

@@ -10,7 +10,7 @@ from typing import Mapping, Optional, Tuple
 
 import torch
 
-from ._args import check_cu_seqlens
+from ._args import check_cu_seqlens, given
 from ._dist import group_info
 from .layouts import (PerBatchDocuments, document_positions, get_layout, positions_local,
                       shard_local)
@@ -20,25 +20,30 @@ __all__ = ["shard_batch"]
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
 
 
-def _packed_documents(batch: Mapping, b: int, s: int,
-                      per_batch_layout: bool) -> Optional[Tuple[int, ...]]:
+def _packed_documents(batch: Mapping, b: int, s: int, per_batch_layout: bool,
+                      layout_docs: Optional[Tuple[int, ...]]) -> Optional[Tuple[int, ...]]:
     """The global document boundaries of a packed batch, or None for a plain one: from
-    ``cu_seq_lens_q`` (what transformers' DataCollatorWithFlattening returns with
-    ``return_flash_attn_kwargs=True``) or from position ids that restart at 0. For a
-    per-batch documents layout a one-row batch without either is one document (the collator
-    gives a batch of one sample position ids that never restart)."""
-    cu = batch.get("cu_seq_lens_q")
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (what transformers' DataCollatorWithFlattening
+    returns with ``return_flash_attn_kwargs=True``), from position ids that restart at 0, or
+    else from a layout built for the documents (``layout_docs``: ``Documents(cu_seqlens)``).
+    For a per-batch documents layout a one-row batch without any is one document (the
+    collator gives a batch of one sample position ids that never restart)."""
+    cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
     pos = batch.get("position_ids")
-    if cu is not None:
-        docs = check_cu_seqlens("shard_batch", "cu_seq_lens_q", cu)
-        cu_k = batch.get("cu_seq_lens_k")
-        if cu_k is not None and check_cu_seqlens("shard_batch", "cu_seq_lens_k", cu_k) != docs:
+    rows = None if pos is None or pos.shape[-1] != s else pos.reshape(-1, s)  # (b or 1, s)
+    if cu_q is not None or cu_k is not None:
+        docs = check_cu_seqlens("shard_batch", "cu_seq_lens_q" if cu_q is not None
+                                else "cu_seq_lens_k", cu_q if cu_q is not None else cu_k)
+        if cu_q is not None and cu_k is not None and \
+                check_cu_seqlens("shard_batch", "cu_seq_lens_k", cu_k) != docs:
             raise ValueError("shard_batch: cu_seq_lens_k differs from cu_seq_lens_q; ring "
                              "attention packs queries and keys the same way")
-    elif pos is not None and pos.shape[-1] == s and bool((pos.reshape(-1, s)[:, 1:] == 0).any()):
-        starts = [0] + [i for i in range(1, s) if int(pos.reshape(-1, s)[0, i]) == 0]
-        docs = tuple(starts) + (s,)
-    elif per_batch_layout and b == 1 and (pos is None or pos.shape[-1] == s):
+    elif rows is not None and bool((rows[:, 1:] == 0).any()):
+        restarts = (rows[0, 1:] == 0).nonzero().flatten() + 1  # (documents - 1,)
+        docs = (0, *restarts.tolist(), s)
+    elif layout_docs is not None:
+        docs = layout_docs
+    elif per_batch_layout and b == 1 and (pos is None or rows is not None):
         docs = (0, s)
     else:
         return None
@@ -66,8 +71,10 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             ``token_type_ids`` (b, s). Other keys are passed through unchanged.
             **Packed batches** (many documents in one row, each attending only to itself): a
             (1, total) batch with ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (the global document
-            boundaries) and/or position ids that restart at 0 in every document -- what
-            transformers' ``DataCollatorWithFlattening`` returns.
+            boundaries; one of them alone is taken for both) and/or position ids that restart
+            at 0 in every document -- what transformers' ``DataCollatorWithFlattening``
+            returns -- or any (1, total) batch when ``layout`` was built for its documents
+            (``Documents(cu_seqlens)``).
         group: process group of the ring (None: default group; world size 1 without one).
         layout: ``"zigzag"``, ``"contiguous"``, ``"stripe"``, ``"documents"`` (packed batches:
             :class:`ringseq.layouts.Documents` of the batch's boundaries, balanced for any
@@ -102,19 +109,23 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             before any communication, since every rank holds the same full batch.
     """
     world_size, rank = group_info(group)
-    if "input_ids" in batch and batch["input_ids"] is not None:
-        b, s = batch["input_ids"].shape[:2]
-    elif "inputs_embeds" in batch and batch["inputs_embeds"] is not None:
-        b, s = batch["inputs_embeds"].shape[:2]
-    else:
+    key = next((k for k in ("input_ids", "inputs_embeds") if batch.get(k) is not None), None)
+    if key is None:
         raise ValueError("shard_batch needs `input_ids` (b, s) or `inputs_embeds` (b, s, hidden) "
                          f"in the batch, got keys {sorted(batch)}")
+    if not torch.is_tensor(batch[key]) or batch[key].dim() < 2:
+        raise ValueError(f"shard_batch: batch[{key!r}] must be a tensor of shape "
+                         f"{'(b, s)' if key == 'input_ids' else '(b, s, hidden)'} (a batch "
+                         f"dimension first), got {given(batch[key])}")
+    b, s = batch[key].shape[:2]
     try:
         lay = get_layout(layout)  # (a hybrid mode's layout wraps the documents layout)
-        per_batch = isinstance(getattr(lay, "base", lay), PerBatchDocuments)
+        inner = getattr(lay, "base", lay)
+        per_batch = isinstance(inner, PerBatchDocuments)
     except ValueError as exc:
         raise ValueError(f"shard_batch: {exc}") from None
-    docs = _packed_documents(batch, b, s, per_batch)
+    # a layout built for a batch's documents (Documents(cu_seqlens)) is that batch's packing
+    docs = _packed_documents(batch, b, s, per_batch, getattr(inner, "documents", None))
     try:
         lay = get_layout(layout).bind(docs)  # "documents": this batch's Documents layout
         lay.check_seqlen(s, world_size)
@@ -123,7 +134,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
 
     def check_len(name, t):
         if t.dim() < 2 or t.shape[1] != s:
-            raise ValueError(f"batch[{name!r}] must have the sequence length {s} in dim 1 "
+            raise ValueError(f"shard_batch: batch[{name!r}] must have the sequence length {s} "
+                             f"in dim 1 "
                              f"(like input_ids), got shape {tuple(t.shape)}")
 
     out = {}
@@ -143,7 +155,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         check_len("attention_mask", mask)
         if not bool(mask.bool().all()):
             n = int((~mask.bool()).sum())
-            raise ValueError(f"attention_mask has {n} zero (padding) entries; ring attention "
+            raise ValueError(f"shard_batch: attention_mask has {n} zero (padding) entries; "
+                             f"ring attention "
                              "computes a causal mask over the whole sharded sequence and cannot "
                              "skip padding. Pack sequences without padding (and drop the mask), "
                              "or mark padding positions in `labels` with ignore_index.")

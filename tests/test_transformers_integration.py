@@ -487,6 +487,32 @@ def test_documents_layout_takes_a_one_document_row():
         ringseq.shard_batch({"input_ids": ids.expand(2, -1)}, layout="documents")
 
 
+def test_packed_batch_boundaries_from_any_source():
+    """A packed batch's documents come from cu_seq_lens_q, cu_seq_lens_k alone, position ids
+    that restart, or a layout built for them (Documents(cu_seqlens)): each gives positions
+    within the documents, no target across a border and the boundaries for the attention
+    (before: the last two were taken for one long sequence, silently)."""
+    import ringseq
+    from ringseq.layouts import Documents
+    ids = torch.arange(100, 116).unsqueeze(0)  # (1, 16): documents of 5 and 11 tokens
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    want_pos = list(range(5)) + list(range(11))
+    want_labels = list(range(101, 105)) + [-100] + list(range(106, 116)) + [-100]
+    for extra, layout in (({"cu_seq_lens_q": cu}, "documents"),
+                          ({"cu_seq_lens_k": cu}, "documents"),
+                          ({"position_ids": torch.tensor([want_pos])}, "documents"),
+                          ({}, Documents([0, 5, 16]))):
+        batch = ringseq.shard_batch({"input_ids": ids, "labels": ids, **extra}, layout=layout)
+        assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == \
+            [0, 5, 16], (extra, layout)
+        assert batch["position_ids"].tolist() == [want_pos], (extra, layout)
+        assert batch["shift_labels"].tolist() == [want_labels], (extra, layout)
+    # a batch without a batch dimension is named as such
+    with pytest.raises(ValueError, match=r"^shard_batch: batch\['input_ids'\] must be a tensor "
+                                         r"of shape \(b, s\)"):
+        ringseq.shard_batch({"input_ids": torch.arange(16)})
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
 def test_attention_it_cannot_compute_exactly_is_refused(family):
     """gpt-oss's learned attention sinks (s_aux) and Llama 4's chunked attention layers reach

@@ -43,6 +43,46 @@ def test_shard_unshard_inverse_and_positions(name, w):
         assert torch.equal(unshard_local(zs, name, dim=-1), z)
 
 
+def test_bad_dims_parts_and_lengths_are_refused():
+    """torch's wrap-around of an out-of-range dim would pick another dimension silently; a
+    list of parts of unequal or impossible lengths would scatter garbage (uninitialized rows,
+    dropped tokens); a float length would give float positions."""
+    x = torch.randn(2, 8, 3)
+    for dim in (3, -4):
+        with pytest.raises(ValueError, match=rf"^shard: dim={dim} is out of range for a tensor "
+                                             rf"of shape \(2, 8, 3\)"):
+            shard_local(x, "zigzag", 2, 0, dim=dim)
+    with pytest.raises(ValueError, match="^shard: the tensor must have a sequence dimension"):
+        shard_local(torch.tensor(1.0), "contiguous", 2, 0, dim=0)
+    with pytest.raises(ValueError, match="layout 'zigzag' needs local shards"):
+        unshard_local([torch.zeros(1, 3), torch.zeros(1, 3)], "zigzag")
+    with pytest.raises(ValueError, match="^unshard_local: every part must have one shape"):
+        unshard_local([torch.zeros(1, 2), torch.zeros(1, 6)], "zigzag")
+    with pytest.raises(ValueError, match="^unshard_local: parts must be a non-empty list"):
+        unshard_local([], "zigzag")
+    with pytest.raises(ValueError, match="^unshard_local: dim=2 is out of range"):
+        unshard_local([torch.zeros(1, 2)] * 2, "zigzag", dim=2)
+    with pytest.raises(TypeError, match="layout 'zigzag': seqlen must be an int, got 16.0"):
+        positions_local(16.0, "zigzag", 2, 0)
+
+
+def test_a_custom_layout_whose_positions_have_the_wrong_shape_is_refused():
+    from ringseq.layouts import Layout
+
+    class Short(Layout):
+        name = "test_short_positions"
+
+        def multiple(self, world_size):
+            return world_size
+
+        def _positions(self, seqlen, world_size, rank):
+            return torch.arange(rank, seqlen, world_size + 1)  # too few
+
+    with pytest.raises(ValueError, match=r"_positions\(8, 2, 0\) must return an int64 tensor "
+                                         r"of shape \(4,\), got torch.int64 of shape \(3,\)"):
+        shard_local(torch.zeros(1, 8), Short(), 2, 0)
+
+
 def test_shard_is_differentiable_and_copies():
     x = torch.randn(1, 12, 2, requires_grad=True)
     part = shard_local(x, "zigzag", 3, 1)

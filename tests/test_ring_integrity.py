@@ -432,7 +432,11 @@ def _case_unshard_mismatch():
            # dtypes outside the common ones (before: one shared index, bytes reinterpreted)
            "int8_uint8": _capture(lambda: ringseq.unshard(
                x.to(torch.int8 if rank == 0 else torch.uint8), "contiguous")),
-           "odd_zigzag": _capture(lambda: ringseq.unshard(x if rank == 0 else x[:, :3], "zigzag"))}
+           "odd_zigzag": _capture(lambda: ringseq.unshard(x if rank == 0 else x[:, :3], "zigzag")),
+           # arguments rank 1 alone refuses (before: it raised at once, rank 0 waited in the
+           # all-gather until the timeout)
+           "typo": _capture(lambda: ringseq.unshard(x, "zigzag" if rank == 0 else "zigzg")),
+           "bad_dim": _capture(lambda: ringseq.unshard(x, "zigzag", dim=1 if rank == 0 else 3))}
     res["after"] = ringseq.unshard(x, "zigzag")  # the ring is usable afterwards
     return res
 
@@ -759,10 +763,11 @@ def test_unshard_of_shards_that_differ_raises_on_every_rank(w2):
                        "dtype (rank 0: torch.int8, rank 1: torch.uint8)")
         # rank 1's 3 rows cannot be a zigzag shard (two halves): its own ValueError there, a
         # RingPeerError naming it on rank 0
-        if rank == 1:
-            _is_fast_error(got["odd_zigzag"], "ValueError")
-        else:
-            _is_fast_error(got["odd_zigzag"], "RingPeerError", "rank(s) [1]")
+        for key, own in (("odd_zigzag", ""), ("typo", "zigzg"), ("bad_dim", "dim=3")):
+            if rank == 1:
+                _is_fast_error(got[key], "ValueError", own)
+            else:
+                _is_fast_error(got[key], "RingPeerError", "rank(s) [1]")
         want = ringseq.layouts.unshard_local([torch.arange(12.0).reshape(1, 6, 2) + 100 * r for r in range(2)],
                                      "zigzag")
         assert torch.equal(got["after"], want)

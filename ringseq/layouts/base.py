@@ -32,6 +32,7 @@ step is one non-causal task over all local rows. ``contiguous`` is the natural c
 """
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
@@ -130,10 +131,24 @@ class Layout:
                 f"{s_local}")
 
     def positions(self, seqlen: int, world_size: int, rank: int) -> torch.Tensor:
-        """Global position ids (int64, shape ``(seqlen // world_size,)``) of rank's tokens."""
+        """Global position ids (int64, shape ``(seqlen // world_size,)``) of rank's tokens.
+        TypeError for a ``seqlen`` that is not an integer; ValueError for one the layout
+        cannot split, and when a layout's ``_positions`` returns another shape or dtype."""
+        try:
+            seqlen = operator.index(seqlen)
+        except TypeError:
+            raise TypeError(f"layout {self.name!r}: seqlen must be an int, got {seqlen!r} "
+                            f"({type(seqlen).__name__})") from None
         self.check_seqlen(seqlen, world_size)
         check_rank(rank, world_size)
-        return self._positions(seqlen, world_size, rank)
+        pos = self._positions(seqlen, world_size, rank)
+        want = (seqlen // world_size,)
+        if not torch.is_tensor(pos) or tuple(pos.shape) != want or pos.dtype != torch.int64:
+            got = (f"{pos.dtype} of shape {tuple(pos.shape)}" if torch.is_tensor(pos)
+                   else type(pos).__name__)
+            raise ValueError(f"layout {self.name!r}: _positions({seqlen}, {world_size}, {rank}) "
+                             f"must return an int64 tensor of shape {want}, got {got}")
+        return pos
 
     def tasks(self, rank: int, src: int, world_size: int, s_local: int,
               causal: bool) -> List[BlockTask]:

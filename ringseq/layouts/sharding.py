@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._args import given
 from .._dist import agree_on_fields, group_info
 from .._hash import stable_code
 from .base import check_rank, get_layout, layout_name_of_code
@@ -19,6 +20,20 @@ _DTYPE_OF_CODE = {stable_code(str(d)): str(d) for d in vars(torch).values()
 __all__ = ["positions", "positions_local", "shard", "shard_local", "unshard", "unshard_local"]
 
 
+def _seq_dim(fn: str, x, dim) -> int:
+    """``dim`` of tensor ``x`` as a non-negative index; TypeError / ValueError naming ``fn``
+    (torch's own wrap-around would silently pick another dimension)."""
+    if not torch.is_tensor(x) or x.dim() == 0:
+        raise ValueError(f"{fn}: the tensor must have a sequence dimension, got "
+                         f"{given(x)}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{fn}: dim must be an int, got {dim!r}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{fn}: dim={dim} is out of range for a tensor of shape "
+                         f"{tuple(x.shape)} (expected {-x.dim()} to {x.dim() - 1})")
+    return dim % x.dim()
+
+
 def positions_local(seqlen: int, layout, world_size: int, rank: int,
                     device=None) -> torch.Tensor:
     """Like :func:`positions` for an explicit ``(world_size, rank)`` (no process group)."""
@@ -28,7 +43,7 @@ def positions_local(seqlen: int, layout, world_size: int, rank: int,
 def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 1) -> torch.Tensor:
     """Like :func:`shard` for an explicit ``(world_size, rank)`` (no process group)."""
     lay = get_layout(layout)
-    dim = dim % x.dim()
+    dim = _seq_dim("shard", x, dim)
     lay.check_seqlen(x.shape[dim], world_size)
     check_rank(rank, world_size)
     if world_size == 1:
@@ -89,10 +104,20 @@ class _Unshard(torch.autograd.Function):
 
 
 def unshard_local(parts, layout, dim: int = 1) -> torch.Tensor:
-    """Reassembles the full tensor from every rank's shard (list in rank order), no comm."""
+    """Reassembles the full tensor from every rank's shard (list in rank order), no comm.
+    ValueError unless the parts are tensors of one shape and dtype whose length along ``dim``
+    the layout can have as a shard."""
     lay = get_layout(layout)
+    parts = list(parts)
     world_size = len(parts)
-    dim = dim % parts[0].dim()
+    if world_size == 0 or not all(torch.is_tensor(p) for p in parts):
+        raise ValueError(f"unshard_local: parts must be a non-empty list of tensors (one per "
+                         f"rank), got {[given(p) for p in parts]}")
+    dim = _seq_dim("unshard_local", parts[0], dim)
+    if any(p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts):
+        raise ValueError(f"unshard_local: every part must have one shape and dtype, got "
+                         f"{[(tuple(p.shape), str(p.dtype)) for p in parts]}")
+    lay.check_local_seqlen(parts[0].shape[dim], world_size)
     shape = list(parts[0].shape)
     shape[dim] *= world_size
     full = parts[0].new_empty(shape)
@@ -116,21 +141,26 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     small all-gather before the tensors' own, which would otherwise pair mismatched shards or
     wait forever.
     """
-    lay = get_layout(layout)
     world_size, rank = group_info(group)
-    dim = dim % x_local.dim()
     if world_size == 1:
+        get_layout(layout)
+        _seq_dim("unshard", x_local, dim)
         return x_local
-    problem = None
+    # Whatever this rank refuses is agreed on before the all-gather, which the other ranks
+    # would otherwise wait in.
+    problem, lay, code = None, None, -1
     try:
+        lay = get_layout(layout)
+        code = lay.code
+        dim = _seq_dim("unshard", x_local, dim)
         lay.check_local_seqlen(x_local.shape[dim], world_size)
-    except ValueError as exc:
-        problem = exc
-    shape = tuple(x_local.shape)
+    except (TypeError, ValueError) as exc:
+        problem, dim = exc, -1
+    shape = tuple(x_local.shape) if torch.is_tensor(x_local) else ()
     fields = ((("ndim", len(shape), None),)
               + tuple((f"shape[{i}]", n, None) for i, n in enumerate(shape[:16]))
-              + (("dtype", stable_code(str(x_local.dtype)),
+              + (("dtype", stable_code(str(getattr(x_local, "dtype", None))),
                   lambda c: _DTYPE_OF_CODE.get(c, f"dtype #{c}")),
-                 ("layout", lay.code, layout_name_of_code), ("dim", dim, None)))
+                 ("layout", code, layout_name_of_code), ("dim", dim, None)))
     agree_on_fields(problem is None, str(problem), fields, group, error=problem, what="unshard")
     return _Unshard.apply(x_local, lay, group, world_size, rank, dim)

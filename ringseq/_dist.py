@@ -32,9 +32,16 @@ def is_initialized() -> bool:
 def group_info(group=None) -> Tuple[int, int]:
     """(world_size, rank in ``group``); (1, 0) without an initialized process group.
 
-    Raises ValueError when a group is passed but torch.distributed is not initialized, or
+    Raises TypeError for a ``SequenceParallelGroups`` (its own methods split for its mode);
+    ValueError when a group is passed but torch.distributed is not initialized, or
     when this process is not a member of ``group`` (torch reports rank -1 there, which would
     otherwise surface as nonsense sizes much later)."""
+    if hasattr(group, "shard_batch") and hasattr(group, "ulysses_size"):
+        # a SequenceParallelGroups: its own methods split for its mode (group_info is plain)
+        raise TypeError("group= takes a torch.distributed process group, got a "
+                        "SequenceParallelGroups (make_sp_groups): use its own methods "
+                        "sp.shard(x, layout), sp.shard_batch(batch, layout), "
+                        "sp.positions(seqlen, layout), or usp_attn_func(..., sp=sp)")
     if not is_initialized():
         if group is not None:
             raise ValueError(f"group={group!r} was passed but torch.distributed is not "

@@ -36,14 +36,16 @@ def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causa
                    window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                    return_attn_probs=False, group=None, layout="contiguous", return_lse=False,
                    backend=None, grad_comm_dtype=None, softcap=0.0, cu_seqlens=None,
-                   comm_kind: str = "ring"):
+                   comm_kind: str = "ring", takes_documents: bool = True):
     """The one implementation of every public ring function (``fn`` names the one called):
     validate once into an AttnSpec (a refusal reaches the peers), then the ring placement
-    through the custom operator. Arguments and returns as :func:`ring_flash_attn_func`."""
+    through the custom operator. Arguments and returns as :func:`ring_flash_attn_func`;
+    ``takes_documents=False`` for a function without ``cu_seqlens`` (a per-batch documents
+    layout is then refused with advice it can follow)."""
     with refuse_on_error(group, FWD):
         check_returns(fn, return_attn_probs, return_lse)
         q, k, v = autocast_inputs(q, k, v)
-        unbound = named_layout(fn, layout)
+        unbound = named_layout(fn, layout, takes_documents)
         spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                          causal=causal, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, deterministic=deterministic,
@@ -159,7 +161,8 @@ def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, caus
                           causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs,
                           group=group, layout=layout, return_lse=return_lse, backend=backend,
-                          grad_comm_dtype=grad_comm_dtype, softcap=softcap)
+                          grad_comm_dtype=grad_comm_dtype, softcap=softcap,
+                          takes_documents=False)
 
 
 def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -175,7 +178,8 @@ def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causa
                           causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs,
                           group=group, layout=layout, return_lse=return_lse, backend=backend,
-                          grad_comm_dtype=grad_comm_dtype, softcap=softcap)
+                          grad_comm_dtype=grad_comm_dtype, softcap=softcap,
+                          takes_documents=False)
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, dropout_p=0.0,
@@ -252,9 +256,9 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     with refuse_on_error(group, FWD):
         q, k, v = sdpa_inputs(fn, query, key, value, attn_mask, dropout_p, is_causal, scale,
                               enable_gqa)
-        named_layout(fn, layout, takes_documents=False)
     out = ring_attention(fn, q, k, v, softmax_scale=scale, causal=is_causal, group=group,
-                         layout=layout, backend=backend, grad_comm_dtype=grad_comm_dtype)
+                         layout=layout, backend=backend, grad_comm_dtype=grad_comm_dtype,
+                         takes_documents=False)
     return out.transpose(1, 2)
 
 

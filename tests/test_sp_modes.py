@@ -461,6 +461,30 @@ def test_head_rule_and_layout_without_process_group():
     assert max_err(ringseq.ulysses_attn_func(q, q, q, causal=True), o) < 1e-12
 
 
+def test_groups_object_and_layout_names_are_checked_where_they_are_given():
+    """A SequenceParallelGroups passed as group= is pointed to its own methods (before: "not a
+    member of the process group"); a misspelled layout is refused even where the ring layout
+    does not apply (a ring of one; before: sharded contiguously without a word); ring forms
+    without cu_seqlens refuse "documents" with advice they can follow."""
+    import ringseq
+    sp = ringseq.make_sp_groups()  # no process group: a group of one
+    ids = torch.arange(8).view(1, 8)
+    with pytest.raises(TypeError, match=r"group= takes a torch.distributed process group, got "
+                                        r"a SequenceParallelGroups .*sp.shard_batch"):
+        ringseq.shard_batch({"input_ids": ids}, group=sp)
+    for call in (lambda: sp.shard(ids, "zigzg"), lambda: sp.positions(8, "zigzg"),
+                 lambda: sp.shard_batch({"input_ids": ids}, "zigzg")):
+        with pytest.raises(ValueError, match="zigzg"):
+            call()
+    q = torch.zeros(1, 8, 2, 8)
+    with pytest.raises(ValueError, match=r"^ring_flash_attn_kvpacked_func: layout 'documents' "
+                                         r"is per batch.*does not take"):
+        ringseq.ring_flash_attn_kvpacked_func(q, torch.stack([q, q], 2), layout="documents")
+    with pytest.raises(ValueError, match=r"^ring_flash_attn_qkvpacked_func: layout 'documents' "
+                                         r"is per batch"):
+        ringseq.ring_flash_attn_qkvpacked_func(torch.stack([q, q, q], 2), layout="documents")
+
+
 def test_usp_needs_its_groups():
     import ringseq
     q = torch.zeros(1, 4, 2, 8)

@@ -419,7 +419,8 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
         group: process group of the sequence-parallel ranks (None: the default group), or a
             ``ringseq.SequenceParallelGroups`` (then the ``sp_*`` arguments may be omitted).
             The model's inputs must then be sharded over it: ``ringseq.shard_batch(..., group)``
-            for the ring, ``sp.shard_batch(batch, layout)`` for the other modes.
+            for a process group, ``sp.shard_batch(batch, layout)`` for a
+            ``SequenceParallelGroups`` (the ``ringseq`` functions take process groups only).
         layout: ``"zigzag"`` (default: balanced causal work), ``"contiguous"``, ``"stripe"``,
             ``"documents"`` (packed batches: each batch split per document by
             ``ringseq.layouts.Documents``; shard them with

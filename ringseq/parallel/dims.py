@@ -163,7 +163,9 @@ class ParallelDims:
         sp shard over tp. ``layout``: a name or a ``ringseq.layouts.Layout``."""
         from ..layouts import get_layout
         from .sp_layout import SequenceParallelLayout
-        lay = get_layout(layout) if self.ring_size > 1 else get_layout("contiguous")
+        lay = get_layout(layout)  # (checked even where the ring layout does not apply)
+        if self.ring_size == 1:
+            lay = get_layout("contiguous")
         if self.ulysses_size == 1:
             m = lay.multiple(self.sp_size)
         else:

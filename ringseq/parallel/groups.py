@@ -173,7 +173,9 @@ class SequenceParallelGroups:
         """The layout of the tokens over :attr:`group` for ring layout ``layout`` (the layout
         itself when U = 1, else a :class:`SequenceParallelLayout`; with R = 1 the ring layout
         does not apply and the split is contiguous)."""
-        lay = get_layout(layout) if self.ring_size > 1 else get_layout("contiguous")
+        lay = get_layout(layout)  # (checked even where the ring layout does not apply)
+        if self.ring_size == 1:
+            lay = get_layout("contiguous")
         if self.ulysses_size == 1:
             return lay
         key = (id(lay), lay.name)

@@ -196,7 +196,9 @@ def sdpa_inputs(fn: str, query, key, value, attn_mask, dropout_p, is_causal, sca
     check_bool(fn, "is_causal", is_causal)
     check_bool(fn, "enable_gqa", enable_gqa)
     if attn_mask is not None:
-        raise ValueError(f"{fn}: attn_mask must be None (use is_causal, a layout or a window), "
+        raise ValueError(f"{fn}: attn_mask must be None (the mask comes from is_causal and "
+                         f"the layout; windows, soft-capping and packed documents are in the "
+                         f"flash-attn-style forms, e.g. ring_flash_attn_func / usp_attn_func), "
                          f"got {given(attn_mask)}")
     check_dropout(fn, dropout_p, sdpa_order=True)
     for name, t in (("query", query), ("key", key), ("value", value)):

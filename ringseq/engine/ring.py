@@ -83,6 +83,7 @@ class Ring:
         except RuntimeError as exc:
             what = (f"waited more than {ring_timeout():.0f} s for"
                     if _timeout_exc(exc) else f"lost the connection to")
+            mismatch = getattr(self.transport, "reset_mismatch", lambda: None)()
             err = RingTimeoutError(
                 f"ringseq: rank {self.rank} {what} its ring peers "
                 f"({self.transport.describe_peers()}) at the {KIND_NAMES.get(kind, kind)} "
@@ -90,7 +91,8 @@ class Ring:
                 f"raised outside ringseq without reporting it), gave up waiting for this rank, "
                 f"or passes another process group object with the same members "
                 f"({type(exc).__name__}: {exc}). Call ringseq.reset_ring(group) on every rank "
-                f"once they are back in step (ringseq.set_ring_timeout changes the limit)")
+                f"once they are back in step (ringseq.set_ring_timeout changes the limit)"
+                + (f". Also, {mismatch}" if mismatch else ""))
             self.mark_broken(err)
             raise err from exc
 

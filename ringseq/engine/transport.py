@@ -190,19 +190,55 @@ class RingComm(Transport):
             raise RingTimeoutError(
                 f"ringseq: rank {self.rank} called the ring after its channels were closed at "
                 f"interpreter exit (an atexit handler or thread that outlived ringseq's)")
-        store = dist.PrefixStore(f"ringseq/{purpose}/{self.name}/{self._epoch}",
-                                 dist.distributed_c10d._get_default_store())
+        default_store = dist.distributed_c10d._get_default_store()
+        # (read by reset_mismatch when a control collective fails)
+        default_store.set(self._epoch_key(dist.get_rank()), str(self._epoch))
+        store = dist.PrefixStore(f"ringseq/{purpose}/{self.name}/{self._epoch}", default_store)
         _WITH_CHANNELS.add(self)
         return dist.ProcessGroupGloo(store, self.rank, self.world_size,
                                      datetime.timedelta(seconds=ring_timeout()))
 
+    def _epoch_key(self, global_rank: int) -> str:
+        return f"ringseq/epoch/{self.name}/{global_rank}"
+
+    def reset_mismatch(self) -> Optional[str]:
+        """When the members' channels come from different numbers of resets (reset_ring called
+        on some ranks only: their channels' names then never meet again), a sentence saying
+        so and how to bring them level; None when they agree or it cannot be told."""
+        if self._pg_ref is None:
+            return None
+        me = dist.get_rank()
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            seen = {r: int(store.get(self._epoch_key(r))) for r in self.members
+                    if r != me and store.check([self._epoch_key(r)])}
+        except Exception:  # noqa: BLE001 - a hint only: the store may be gone too
+            return None
+        seen[me] = self._epoch
+        top = max(seen.values())
+        if len(set(seen.values())) == 1:
+            return None
+        behind = {r: top - n for r, n in sorted(seen.items()) if n < top}
+        return (f"the ranks' ring channels come from different numbers of reset_ring calls "
+                f"(global rank: resets {dict(sorted(seen.items()))}): a rank has not reset yet, "
+                f"or reset_ring was called on some ranks only, after which their channels never "
+                f"meet again; then bring them level: ringseq.reset_ring(group) on "
+                + ", ".join(f"global rank {r} alone {n} time(s)" for r, n in behind.items())
+                + ", then once on every rank")
+
     def rebuild(self) -> None:
         # New channels under a new name: a gloo pair that timed out stays closed. Every rank
-        # rebuilds as often as the others (reset_ring on every rank), so the names match.
-        self._control_pg = self._data_pg = None
+        # rebuilds as often as the others (reset_ring on every rank), so the names match;
+        # reset_mismatch says so when they do not.
         if self._pg_ref is not None:
             self._epoch += 1
             _EPOCHS[self.name] = max(_EPOCHS.get(self.name, 0), self._epoch)
+            try:  # before the old channels close: a peer that loses them can tell why
+                dist.distributed_c10d._get_default_store().set(
+                    self._epoch_key(dist.get_rank()), str(self._epoch))
+            except Exception:  # noqa: BLE001 - a hint only (the store may be gone)
+                pass
+        self._control_pg = self._data_pg = None
 
     # -- the exchange --------------------------------------------------------------------------
     def exchange(self, send: torch.Tensor, recv: torch.Tensor,

@@ -237,6 +237,21 @@ def _case_failure_before_the_call():
             res[stage] = _capture(lambda: _fwd_bwd(*loc))
         finally:
             setattr(placement, name, real)
+    # Ctrl-C there (before: not reported, the peer waited for the ring timeout)
+    real = placement.make_plan
+
+    def interrupted(*args, **kwargs):
+        if rank == 1:
+            raise KeyboardInterrupt("injected Ctrl-C before the call")
+        return real(*args, **kwargs)
+    placement.make_plan = interrupted
+    t0 = time.monotonic()
+    try:
+        res["ctrl_c"] = _capture(lambda: _fwd_bwd(*loc))
+    except KeyboardInterrupt as exc:
+        res["ctrl_c"] = ("KeyboardInterrupt", str(exc), time.monotonic() - t0)
+    finally:
+        placement.make_plan = real
     res["after_err"] = _err(_fwd_bwd(*loc), want)
     return res
 
@@ -621,7 +636,21 @@ def test_failure_before_a_call_opens_raises_on_every_rank_at_once(w2):
                 _is_fast_error(got, "InjectedFault", "injected fault before the call")
             else:
                 _is_fast_error(got, "RingPeerError", "rank 1", "injected fault before the call")
+        got = res["before_call"]["ctrl_c"]
+        if r == 1:
+            _is_fast_error(got, "KeyboardInterrupt", "injected Ctrl-C")
+        else:
+            _is_fast_error(got, "RingPeerError", "rank 1", "KeyboardInterrupt")
         assert res["before_call"]["after_err"] < 1e-10  # usable without reset_ring
+
+
+def test_call_tags_fit_the_control_vectors():
+    for tag in (2 ** 63, -2 ** 63 - 1, 2 ** 64):
+        with pytest.raises(ValueError, match=r"call_tag: tag must fit in int64"):
+            with ringseq.call_tag(tag):
+                pass
+    with ringseq.call_tag(2 ** 63 - 1):
+        assert ringseq.engine.integrity.current_tag() == 2 ** 63 - 1
 
 
 def test_backward_carries_its_forward_call_tag(w2):

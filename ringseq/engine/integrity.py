@@ -84,9 +84,12 @@ def call_tag(tag: int):
     theirs. The backward of an attention call carries its forward's tag, wherever and
     whenever it runs. Under ``torch.compile(fullgraph=True)`` enter the block outside the
     compiled function (dynamo does not trace setting a context variable; without fullgraph
-    it breaks the graph there). Raises TypeError when ``tag`` is not an int."""
+    it breaks the graph there). Raises TypeError when ``tag`` is not an int, ValueError when
+    it is outside int64 (it travels in the calls' int64 control vectors)."""
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise TypeError(f"call_tag: tag must be an int, got {tag!r} ({type(tag).__name__})")
+    if not -2 ** 63 <= tag < 2 ** 63:
+        raise ValueError(f"call_tag: tag must fit in int64 [-2**63, 2**63), got {tag}")
     token = _TAG.set(tag)
     try:
         yield

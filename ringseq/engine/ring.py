@@ -308,7 +308,7 @@ def refuse_on_error(group, kind: int):
         return
     try:
         yield
-    except Exception as exc:
+    except (Exception, KeyboardInterrupt) as exc:  # Ctrl-C too: the peers would wait
         try:
             ring = get_ring(group)
         except Exception:  # noqa: BLE001 - a group this rank cannot use: nobody to tell

@@ -192,7 +192,8 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
         own = ring.broken
         err = RingBrokenError(
             f"ringseq: the ring is broken: {detail}. The results of this call are invalid; "
-            f"every rank raises until ringseq.reset_ring(group) is called on all of them"
+            f"every rank raises until ringseq.reset_ring(group) is called on all of them "
+            f"(sp.reset() for the groups of ringseq.make_sp_groups: it resets each)"
             + (f" (this rank's original error: {type(own).__name__}: {own})" if own else ""))
         ring.mark_broken(err)
         raise err from own
@@ -313,7 +314,8 @@ class RingCall:
         elif ring.broken is not None:
             raise RingBrokenError(f"ringseq: the ring is broken by an earlier failure "
                                   f"({type(ring.broken).__name__}: {ring.broken}); call "
-                                  f"ringseq.reset_ring(group) on every rank") from ring.broken
+                                  f"ringseq.reset_ring(group) on every rank (sp.reset() for "
+                                  f"the groups of ringseq.make_sp_groups)") from ring.broken
         if ring.world_size == 1:
             return  # no exchange: no header
         # Filled element by element with Python scalars: on CUDA these are small kernels,

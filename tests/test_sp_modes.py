@@ -151,6 +151,7 @@ def _errors(sps, pairs):
     x2 = torch.randn(1, 6, 2, 8, generator=g)
     hybrid = sps[(2, None, True)]
     out = {
+        "rank": rank,
         # 5 heads cannot be split over 2 ranks: named numbers and working degrees
         "heads5": _expected_error(lambda: ringseq.ulysses_attn_func(x5, x5, x5, group=pairs)),
         "heads5_usp": _expected_error(lambda: ringseq.usp_attn_func(x5, x5, x5, sp=hybrid)),
@@ -220,6 +221,36 @@ def _errors(sps, pairs):
         out["checks_off_sdpa_grad_err"] = max_err(x.grad, uly.shard(fx.grad, "contiguous"))
     finally:
         ringseq.set_consistency_check(True)
+    # this rank's packing for an all-to-all fails (an out-of-memory error) on rank 1 alone,
+    # in the forward and in the backward: every rank raises at the call's end (before: the
+    # others waited in the all-to-all until the ring timeout); after sp.reset() exact again
+    import time
+    from ringseq.parallel import ulysses as uly_mod
+    pieces = uly_mod._pieces
+
+    def out_of_memory(*args):
+        raise MemoryError("injected: no memory to pack the all-to-all")
+    for stage in ("forward", "backward"):
+        x = uly.shard(q.float(), "contiguous").requires_grad_()
+        t0 = time.monotonic()
+        try:
+            if stage == "forward" and rank == 1:
+                uly_mod._pieces = out_of_memory
+            o = ringseq.ulysses_attn_func(x, x, x, causal=True, group=uly.ulysses_group)
+            if rank == 1:
+                uly_mod._pieces = out_of_memory
+            o.sum().backward()
+            out[f"pack_fault_{stage}"] = ("no error", time.monotonic() - t0)
+        except Exception as exc:  # noqa: BLE001 - the test asserts on the type
+            out[f"pack_fault_{stage}"] = (type(exc).__name__, time.monotonic() - t0)
+        finally:
+            uly_mod._pieces = pieces
+        uly.reset()
+    x = uly.shard(q.float(), "contiguous")
+    out["after_pack_faults_err"] = max_err(
+        ringseq.ulysses_attn_func(x, x, x, causal=True, group=uly.ulysses_group),
+        uly.shard(ringseq.flash_attn_func(q.float(), q.float(), q.float(), causal=True),
+                  "contiguous"))
     # an empty batch (before: a view error inside the all-to-all, the ring broken after it)
     empty = torch.zeros(0, 6, 8, 8)
     out["empty_batch"] = tuple(ringseq.usp_attn_func(empty, empty, empty,
@@ -417,6 +448,11 @@ def test_exact_after_errors_and_through_lse():
             assert e[f"lse_grad_one_rank_{mode}"] < 1e-12, (mode, e)
         assert e["empty_batch"] == (0, 6, 8, 8)
         assert e["checks_off_sdpa_grad_err"] < 1e-5, e["checks_off_sdpa_grad_err"]
+        for stage in ("forward", "backward"):
+            kind, seconds = e[f"pack_fault_{stage}"]
+            assert kind == ("MemoryError" if e["rank"] == 1 else "RingBrokenError"), (stage, e)
+            assert seconds < 20, (stage, seconds)
+        assert e["after_pack_faults_err"] < 1e-5, e["after_pack_faults_err"]
         assert e["lse_grad_err"] < 1e-12, e["lse_grad_err"]
         assert e["lse_grad_err_double"] < 1e-12, e["lse_grad_err_double"]
         assert e["positions"] and e["batch_positions"]

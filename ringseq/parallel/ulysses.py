@@ -40,6 +40,7 @@ all-to-all each rank holds the whole sequence in global order, where they are pl
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -102,13 +103,18 @@ def _pieces(t: torch.Tensor, dim: int, degree: int):
     return t.unflatten(dim, (degree, t.shape[dim] // degree)).movedim(dim, 0)
 
 
-def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]]) -> List[torch.Tensor]:
+def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
+               call=None) -> List[torch.Tensor]:
     """One all-to-all over ``transport`` (degree ``U``) of several tensors of any dtypes in one
     packed byte buffer. ``moves`` holds ``(tensor, scatter_dim, gather_dim)``: chunk ``u`` of
     the tensor along ``scatter_dim`` goes to rank ``u``; what arrives is concatenated along
     ``gather_dim`` in rank order. Returns new tensors; the bytes that leave the rank are
-    recorded as ``"all_to_all"``."""
+    recorded as ``"all_to_all"``. With ``call`` (an open RingCall), a failure of this rank's
+    packing or unpacking (an out-of-memory error) is recorded by the call's guard and the rank
+    still takes part in the exchange (zeros, then zero outputs): the peers raise at the call's
+    end instead of waiting in the all-to-all."""
     degree = transport.world_size
+    guard = call.guard if call is not None else contextlib.nullcontext
     layout, offset = [], 0
     for t, sd, gd in moves:
         chunk = list(t.shape)
@@ -116,24 +122,36 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]]) -> Lis
         nbytes = math.prod(chunk) * t.element_size()
         layout.append((t, sd, gd, chunk, offset, nbytes))
         offset += -(-nbytes // _ALIGN) * _ALIGN
-    send = torch.empty((degree, offset), dtype=torch.uint8, device=moves[0][0].device)
-    for t, sd, gd, chunk, off, nbytes in layout:
-        if nbytes:  # (an empty byte slice cannot be viewed as a wider dtype)
-            send[:, off:off + nbytes].view(t.dtype).view(degree, *chunk).copy_(
-                _pieces(t, sd, degree))
+    device = moves[0][0].device
+    send = None
+    with guard():
+        send = torch.empty((degree, offset), dtype=torch.uint8, device=device)
+        for t, sd, gd, chunk, off, nbytes in layout:
+            if nbytes:  # (an empty byte slice cannot be viewed as a wider dtype)
+                send[:, off:off + nbytes].view(t.dtype).view(degree, *chunk).copy_(
+                    _pieces(t, sd, degree))
+    if send is None:  # this rank failed: its part of the exchange is zeros
+        send = torch.zeros((degree, offset), dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
     record("all_to_all", send.numel() * (degree - 1) // degree)
     if offset:  # nothing to move (an empty batch): the same on every rank (the signature)
         transport.all_to_all(send, recv)
-    outs = []
+    shapes = []
     for t, sd, gd, chunk, off, nbytes in layout:
         shape = list(chunk)
         shape[gd] *= degree
-        if not nbytes:
-            outs.append(t.new_empty(shape))
-            continue
-        piece = recv[:, off:off + nbytes].view(t.dtype).view(degree, *chunk).movedim(0, gd)
-        outs.append(piece.reshape(shape))
+        shapes.append(shape)
+    outs = None
+    with guard():
+        outs = []
+        for (t, sd, gd, chunk, off, nbytes), shape in zip(layout, shapes):
+            if not nbytes:
+                outs.append(t.new_empty(shape))
+                continue
+            piece = recv[:, off:off + nbytes].view(t.dtype).view(degree, *chunk).movedim(0, gd)
+            outs.append(piece.reshape(shape))
+    if outs is None or len(outs) < len(layout):  # this rank failed (the call raises at end)
+        outs = [t.new_zeros(shape) for (t, *_), shape in zip(layout, shapes)]
     return outs
 
 
@@ -173,7 +191,7 @@ class UlyssesPlacement(Placement):
         with ring.open_call(FWD, sig, q.device) as call:
             call.begin()
             # (b, s, heads, d) sequence shards -> (b, U * s, heads / U, d) head shards
-            q_h, k_h, v_h = all_to_all(comm, [(q, 2, 1), (k, 2, 1), (v, 2, 1)])
+            q_h, k_h, v_h = all_to_all(comm, [(q, 2, 1), (k, 2, 1), (v, 2, 1)], call)
             out_h = lse_h = None
             inner_saved: List[torch.Tensor] = []
             if call.ok:
@@ -184,7 +202,7 @@ class UlyssesPlacement(Placement):
                 lse_h = torch.zeros((b, h // U, s * U), dtype=accum_dtype(q.dtype),
                                     device=q.device)
             # out (b, U * s, h / U, d) -> (b, s, h, d); lse (b, h / U, U * s) -> (b, h, s)
-            out, lse = all_to_all(comm, [(out_h, 1, 2), (lse_h, 2, 1)])
+            out, lse = all_to_all(comm, [(out_h, 1, 2), (lse_h, 2, 1)], call)
             call.end()
         return out, lse, [q_h, k_h, v_h, out_h, lse_h, *inner_saved]
 
@@ -204,7 +222,8 @@ class UlyssesPlacement(Placement):
             with_dlse = call.any_rank("gradient into lse")
             if with_dlse and dlse is None:
                 dlse = torch.zeros_like(lse)  # (b, h, s) float32
-            moved = all_to_all(comm, [(dout, 2, 1)] + ([(dlse, 1, 2)] if with_dlse else []))
+            moved = all_to_all(comm, [(dout, 2, 1)] + ([(dlse, 1, 2)] if with_dlse else []),
+                               call)
             dout_h, dlse_h = moved[0], (moved[1] if with_dlse else None)
             grads = None
             if call.ok:
@@ -213,7 +232,7 @@ class UlyssesPlacement(Placement):
                                                 inner_saved, spec)
             if grads is None:  # this rank failed: complete the exchange with zeros
                 grads = (torch.zeros_like(q_h), torch.zeros_like(k_h), torch.zeros_like(v_h))
-            dq, dk, dv = all_to_all(comm, [(g, 1, 2) for g in grads])
+            dq, dk, dv = all_to_all(comm, [(g, 1, 2) for g in grads], call)
             call.end()
         if rep > 1:  # the copies' gradients add up
             dk = dk.unflatten(2, (h_kv, rep)).sum(3)

@@ -251,6 +251,37 @@ def _errors(sps, pairs):
         ringseq.ulysses_attn_func(x, x, x, causal=True, group=uly.ulysses_group),
         uly.shard(ringseq.flash_attn_func(q.float(), q.float(), q.float(), causal=True),
                   "contiguous"))
+    # the double ring: one outer step's own work before its inner lap (the lap's plan, the
+    # lse gradient of the backward) fails on rank 1 alone: every rank raises at once (before:
+    # its inner-ring peer waited in the next lap's call until the ring timeout)
+    from ringseq.parallel import double_ring as dr_mod
+    dr2 = sps[(1, 2, True)]
+    for stage, name in (("forward", "make_plan"), ("backward", "compute_delta")):
+        real = getattr(dr_mod, name)
+
+        def failing(*args, real=real, **kwargs):
+            if rank == 1:
+                raise MemoryError("injected: no memory before the inner lap")
+            return real(*args, **kwargs)
+        x = dr2.shard(q.float(), "stripe").requires_grad_()
+        t0 = time.monotonic()
+        try:
+            if stage == "forward":
+                setattr(dr_mod, name, failing)
+            o = ringseq.usp_attn_func(x, x, x, causal=True, sp=dr2, layout="stripe")
+            setattr(dr_mod, name, failing)
+            o.sum().backward()
+            out[f"lap_fault_{stage}"] = ("no error", time.monotonic() - t0)
+        except Exception as exc:  # noqa: BLE001 - the test asserts on the type
+            out[f"lap_fault_{stage}"] = (type(exc).__name__, time.monotonic() - t0)
+        finally:
+            setattr(dr_mod, name, real)
+        dr2.reset()
+    x = dr2.shard(q.float(), "stripe")
+    out["after_lap_faults_err"] = max_err(
+        ringseq.usp_attn_func(x, x, x, causal=True, sp=dr2, layout="stripe"),
+        dr2.shard(ringseq.flash_attn_func(q.float(), q.float(), q.float(), causal=True),
+                  "stripe"))
     # an empty batch (before: a view error inside the all-to-all, the ring broken after it)
     empty = torch.zeros(0, 6, 8, 8)
     out["empty_batch"] = tuple(ringseq.usp_attn_func(empty, empty, empty,
@@ -453,6 +484,12 @@ def test_exact_after_errors_and_through_lse():
             assert kind == ("MemoryError" if e["rank"] == 1 else "RingBrokenError"), (stage, e)
             assert seconds < 20, (stage, seconds)
         assert e["after_pack_faults_err"] < 1e-5, e["after_pack_faults_err"]
+        for stage in ("forward", "backward"):
+            kind, seconds = e[f"lap_fault_{stage}"]
+            want = {"MemoryError"} if e["rank"] == 1 else {"RingPeerError", "RingBrokenError"}
+            assert kind in want, (stage, e["rank"], kind)
+            assert seconds < 20, (stage, seconds)
+        assert e["after_lap_faults_err"] < 1e-5, e["after_lap_faults_err"]
         assert e["lse_grad_err"] < 1e-12, e["lse_grad_err"]
         assert e["lse_grad_err_double"] < 1e-12, e["lse_grad_err_double"]
         assert e["positions"] and e["batch_positions"]

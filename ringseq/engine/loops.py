@@ -178,6 +178,9 @@ def ring_forward(q, k, v, plan: RingPlan, ring: Ring):
                             # softmax from the running pair: no block-sized temporary).
                             kernel.run_fwd_accum(q[:, t.q], kk[:, t.kv], vv[:, t.kv], scale,
                                                  t.causal, out[:, t.q], lse[:, :, t.q], **kw)
+            else:  # failed earlier: block kernels that are calls of their own still meet
+                for t in plan.schedule[i]:
+                    (t.kernel or be).join_failed(FWD)
             if pending is not None:
                 pending.wait()
         call.end()
@@ -243,6 +246,9 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
                             dout[:, t.q], q[:, t.q], kk[:, t.kv], vv[:, t.kv], out[:, t.q],
                             lse[:, :, t.q], scale, t.causal, delta[:, :, t.q], dq[:, t.q],
                             target[0][:, t.kv], target[1][:, t.kv], **plan.kernel_kwargs(t))
+            else:  # (as in ring_forward)
+                for t in tasks:
+                    (t.kernel or be).join_failed(BWD)
             if pending is not None:
                 pending.wait()
             if call.ok and target is scratch:

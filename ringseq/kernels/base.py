@@ -55,6 +55,11 @@ class AttentionBackend:
     supports_spans = False
     supports_softcap = False
 
+    def join_failed(self, kind: int) -> None:
+        """Called by a ring loop instead of this block kernel on a rank whose call already
+        failed. A kernel that is itself a collective call (the double ring's inner lap) meets
+        its peers there, so that they raise instead of waiting; others do nothing."""
+
     def accum_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return accum_dtype(dtype)
 

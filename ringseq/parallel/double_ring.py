@@ -103,23 +103,40 @@ class InnerLap(AttentionBackend):
     def accum_dtype(self, dtype):
         return self.spec.backend.accum_dtype(dtype)
 
-    def _plan(self, q, k) -> RingPlan:
-        return make_plan(self.spec, self.lap, self.inner.world_size, self.inner.rank, q.shape,
-                         k.shape[2], q.dtype, "ring_inner")
+    def _plan(self, q, k, kind: int) -> RingPlan:
+        return self._before_call(kind, lambda: make_plan(
+            self.spec, self.lap, self.inner.world_size, self.inner.rank, q.shape, k.shape[2],
+            q.dtype, "ring_inner"))
+
+    def _before_call(self, kind: int, work):
+        """``work()``, this rank's part before the inner call opens: a failure there is its
+        refusal of the inner call (the inner peers raise RingPeerError instead of waiting)."""
+        try:
+            return work()
+        except (Exception, KeyboardInterrupt) as exc:
+            self.inner.refuse(kind, exc)  # re-raises exc
+
+    def join_failed(self, kind: int) -> None:
+        # This rank's outer call failed earlier: its inner peers still open this lap's call.
+        try:
+            self.inner.refuse(kind, RuntimeError("this rank's double-ring call failed earlier"))
+        except RuntimeError:
+            pass  # (the outer call raises this rank's own failure at its end)
 
     def _fwd(self, q, k, v, scale, causal, **_):
-        return ring_forward(q, k, v, self._plan(q, k), self.inner)
+        return ring_forward(q, k, v, self._plan(q, k, FWD), self.inner)
 
     def _fwd_accum(self, q, k, v, scale, causal, out_acc, lse_acc, **_) -> None:
-        o_b, l_b = ring_forward(q, k, v, self._plan(q, k), self.inner)
+        o_b, l_b = ring_forward(q, k, v, self._plan(q, k, FWD), self.inner)
         merge_into(out_acc, lse_acc, o_b, l_b)
 
     def _bwd_accum(self, dout, q, k, v, out, lse, scale, causal, delta, dq_accum, dk_accum,
                    dv_accum, **_) -> None:
         # The inner engine derives delta from (dout, out, grad_lse); hand it the lse gradient
         # folded into the outer delta (exactly 0 when there is none).
-        grad_lse = compute_delta(dout, out) - delta
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, self._plan(q, k), self.inner, grad_lse)
+        grad_lse = self._before_call(BWD, lambda: compute_delta(dout, out) - delta)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, self._plan(q, k, BWD), self.inner,
+                                   grad_lse)
         dq_accum.add_(dq)
         dk_accum.add_(dk)
         dv_accum.add_(dv)

@@ -274,6 +274,7 @@ def _errors(sps, pairs):
             out[f"lap_fault_{stage}"] = ("no error", time.monotonic() - t0)
         except Exception as exc:  # noqa: BLE001 - the test asserts on the type
             out[f"lap_fault_{stage}"] = (type(exc).__name__, time.monotonic() - t0)
+            out[f"lap_fault_{stage}_text"] = str(exc)
         finally:
             setattr(dr_mod, name, real)
         dr2.reset()
@@ -489,6 +490,8 @@ def test_exact_after_errors_and_through_lse():
             want = {"MemoryError"} if e["rank"] == 1 else {"RingPeerError", "RingBrokenError"}
             assert kind in want, (stage, e["rank"], kind)
             assert seconds < 20, (stage, seconds)
+            if e["rank"] >= 2:  # their rings are subgroups: ranks named globally too
+                assert "global rank" in e[f"lap_fault_{stage}_text"], e[f"lap_fault_{stage}_text"]
         assert e["after_lap_faults_err"] < 1e-5, e["after_lap_faults_err"]
         assert e["lse_grad_err"] < 1e-12, e["lse_grad_err"]
         assert e["lse_grad_err_double"] < 1e-12, e["lse_grad_err_double"]

@@ -172,9 +172,22 @@ def gather(ring, kind: int, status: int, fields: Sequence[int] = (),
     return rows
 
 
+def _global_names(ring):
+    """``(name of group rank r, suffix for a list of group ranks)``: group ranks, with their
+    global ranks where the ring's group numbers them otherwise (a subgroup)."""
+    members = list(getattr(ring.transport, "members", None) or [])
+    if not members or members == list(range(len(members))):
+        return (lambda r: f"rank {r}"), (lambda rs: "")
+    return ((lambda r: f"rank {r} (global rank {members[r]})"),
+            (lambda rs: f" (global rank(s) {[members[r] for r in rs]})"))
+
+
 def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = ()) -> None:
     """Raises on this rank what the gathered control vectors say is wrong (the same verdict on
-    every rank, since every rank sees the same rows); marks the ring broken where needed."""
+    every rank, since every rank sees the same rows); marks the ring broken where needed.
+    Ranks are named by their place in the ring's group (and their global rank where the group
+    is a subgroup)."""
+    name, names = _global_names(ring)
     bad_magic = [r for r, row in enumerate(rows) if row[0] != _MAGIC]
     if bad_magic:
         err = RingDesyncError(f"ringseq: control data from rank(s) {bad_magic} is not ringseq's "
@@ -186,7 +199,7 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
     failed = [r for r, row in enumerate(rows) if row[1] not in (OK, INVALID)]
     if failed:
         what = {FAILED: "failed", BROKEN: "was already broken", DESYNC: "saw a desynchronized ring"}
-        detail = "; ".join(f"rank {r} {what.get(rows[r][1], 'failed')} in its "
+        detail = "; ".join(f"{name(r)} {what.get(rows[r][1], 'failed')} in its "
                            f"{_call_name(rows[r][2], rows[r][3], rows[r][4])}"
                            + (f": {messages[r]}" if messages.get(r) else "") for r in failed)
         own = ring.broken
@@ -198,14 +211,14 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
         ring.mark_broken(err)
         raise err from own
     if invalid:
-        detail = "; ".join(f"rank {r}: {messages.get(r, '?')}" for r in invalid)
-        what = (f"{KIND_NAMES[kind]} not run: rank(s) {invalid} of the ring refused the call's "
-                f"arguments" if kind in (FWD, BWD) else
-                f"rank(s) {invalid} of the group failed where this rank did not")
+        detail = "; ".join(f"{name(r)}: {messages.get(r, '?')}" for r in invalid)
+        what = (f"{KIND_NAMES[kind]} not run: rank(s) {invalid}{names(invalid)} of the ring "
+                f"refused the call's arguments" if kind in (FWD, BWD) else
+                f"rank(s) {invalid}{names(invalid)} of the group failed where this rank did not")
         raise RingPeerError(f"ringseq: {what} ({detail}). The ring stays usable.", ranks=invalid)
     views = {(row[2], row[3], row[4]) for row in rows}
     if len(views) > 1:
-        detail = ", ".join(f"rank {r}: {_call_name(row[2], row[3], row[4])}"
+        detail = ", ".join(f"{name(r)}: {_call_name(row[2], row[3], row[4])}"
                            for r, row in enumerate(rows))
         err = RingDesyncError(
             f"ringseq: the ranks of the ring are at different ring calls ({detail}): a rank "
@@ -219,7 +232,7 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
         column = [row[5 + j] for row in rows]
         fkind = f[2] if len(f) > 2 else "int"
         if len(set(column)) > 1 and fkind != ANY:
-            per_rank = ", ".join(f"rank {r}: {describe_field(fkind, c)}"
+            per_rank = ", ".join(f"{name(r)}: {describe_field(fkind, c)}"
                                  for r, c in enumerate(column))
             diffs.append(f"{f[0]} ({per_rank})")
     if diffs:

@@ -20,13 +20,12 @@ __all__ = ["shard_batch"]
 _SEQ_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
 
 
-def _packed_documents(batch: Mapping, b: int, s: int, per_batch_layout: bool,
-                      layout_docs: Optional[Tuple[int, ...]]) -> Optional[Tuple[int, ...]]:
+def _packed_documents(batch: Mapping, b: int, s: int,
+                      per_batch_layout: bool) -> Optional[Tuple[int, ...]]:
     """The global document boundaries of a packed batch, or None for a plain one: from
     ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (what transformers' DataCollatorWithFlattening
-    returns with ``return_flash_attn_kwargs=True``), from position ids that restart at 0, or
-    else from a layout built for the documents (``layout_docs``: ``Documents(cu_seqlens)``).
-    For a per-batch documents layout a one-row batch without any is one document (the
+    returns with ``return_flash_attn_kwargs=True``) or from position ids that restart at 0.
+    For a per-batch documents layout a one-row batch without either is one document (the
     collator gives a batch of one sample position ids that never restart)."""
     cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
     pos = batch.get("position_ids")
@@ -41,8 +40,6 @@ def _packed_documents(batch: Mapping, b: int, s: int, per_batch_layout: bool,
     elif rows is not None and bool((rows[:, 1:] == 0).any()):
         restarts = (rows[0, 1:] == 0).nonzero().flatten() + 1  # (documents - 1,)
         docs = (0, *restarts.tolist(), s)
-    elif layout_docs is not None:
-        docs = layout_docs
     elif per_batch_layout and b == 1 and (pos is None or rows is not None):
         docs = (0, s)
     else:
@@ -73,8 +70,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             (1, total) batch with ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (the global document
             boundaries; one of them alone is taken for both) and/or position ids that restart
             at 0 in every document -- what transformers' ``DataCollatorWithFlattening``
-            returns -- or any (1, total) batch when ``layout`` was built for its documents
-            (``Documents(cu_seqlens)``).
+            returns -- or any batch when ``layout`` was built for its documents
+            (``Documents(cu_seqlens)``: every row packed alike; given position ids are kept).
         group: process group of the ring (None: default group; world size 1 without one).
         layout: ``"zigzag"``, ``"contiguous"``, ``"stripe"``, ``"documents"`` (packed batches:
             :class:`ringseq.layouts.Documents` of the batch's boundaries, balanced for any
@@ -124,8 +121,13 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         per_batch = isinstance(inner, PerBatchDocuments)
     except ValueError as exc:
         raise ValueError(f"shard_batch: {exc}") from None
-    # a layout built for a batch's documents (Documents(cu_seqlens)) is that batch's packing
-    docs = _packed_documents(batch, b, s, per_batch, getattr(inner, "documents", None))
+    docs = _packed_documents(batch, b, s, per_batch)
+    layout_docs = getattr(inner, "documents", None)
+    if docs is None and layout_docs is not None:
+        # A layout built for documents (Documents(cu_seqlens)) is every row's packing: its
+        # positions (unless given) and targets stop at the documents' ends.
+        docs = check_cu_seqlens("shard_batch", "the layout's cu_seqlens", layout_docs, s,
+                                "the batch's length")
     try:
         lay = get_layout(layout).bind(docs)  # "documents": this batch's Documents layout
         lay.check_seqlen(s, world_size)

@@ -43,7 +43,8 @@ def _flash(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                      causal=causal, window_size=window_size, softcap=softcap,
                      alibi_slopes=alibi_slopes, deterministic=deterministic, backend=backend)
-    out, lse = run_attention(q, k, v, local_spans(spec, q.shape[1], k.shape[1]), LOCAL)
+    out, lse = run_attention(q, k, v, local_spans(spec, q.shape[1], k.shape[1],
+                                                  window_clamp=k.shape[1]), LOCAL)
     return returns(out, lse, return_attn_probs, return_lse)
 
 
@@ -146,6 +147,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     if len(cu_q) != len(cu_k):
         raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {len(cu_q) - 1} and {len(cu_k) - 1}")
+    limits = {}
     for name, cu, mx in (("max_seqlen_q", cu_q, max_seqlen_q), ("max_seqlen_k", cu_k, max_seqlen_k)):
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         if isinstance(mx, torch.Tensor) and mx.numel() == 1 and not mx.is_floating_point():
@@ -153,12 +155,14 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         if not isinstance(mx, int) or isinstance(mx, bool) or mx < longest:
             raise ValueError(f"{fn}: {name} must be an int >= the longest sequence ({longest}), "
                              f"got {mx!r}")
+        limits[name] = mx
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, h, d) views
     spec = attn_spec(fn, q4, k4, v4, dropout_p=dropout_p, softmax_scale=softmax_scale,
                      causal=causal, window_size=window_size, softcap=softcap,
                      alibi_slopes=alibi_slopes, deterministic=deterministic, backend=backend,
                      varlen=True)
-    spec = local_spans(spec, q.shape[0], k.shape[0], cu_q, cu_k)
+    spec = local_spans(spec, q.shape[0], k.shape[0], cu_q, cu_k,
+                       window_clamp=limits["max_seqlen_k"])
     out, lse = run_attention(q4, k4, v4, spec, LOCAL)
     return returns(out[0], lse[0], return_attn_probs, return_lse)  # (total_q, h, d), (h, total_q)
 

@@ -66,9 +66,9 @@ def test_sliding_window_bottom_right(s_q, s_k, left, mode):
 
 
 def test_window_side_as_wide_as_the_keys_is_unbounded():
-    """flash-attn's kernels clamp a window side of at least seqlen_k to -1: with more queries
-    than keys and no causal mask, a right side of s_k lets the first rows see every key
-    (the band formula alone: row 0 would see key 0 only)."""
+    """flash-attn's kernels clamp a window side of at least seqlen_k (varlen: max_seqlen_k) to
+    -1: with more queries than keys and no causal mask, a right side of s_k lets the first rows
+    see every key (the band formula alone: row 0 would see key 0 only)."""
     import ringseq
     q, k, v = (t.double() for t in qkv(1, 8, 4, 2, 2, 16))
     full = ringseq.flash_attn_func(q, k, v)
@@ -78,6 +78,18 @@ def test_window_side_as_wide_as_the_keys_is_unbounded():
     # one narrower: the band formula, row 0 sees keys j <= 0 + 4 - 8 + 3 < 0, none
     narrower = ringseq.flash_attn_func(q, k, v, window_size=(-1, 3))
     assert (narrower[:, 0] == 0).all() and (narrower[:, 7] - full[:, 7]).abs().max() < 1e-12
+    # varlen clamps at max_seqlen_k, not at each document's key count: a document of 4
+    # queries and 2 keys keeps a right side of 2 (< max_seqlen_k 6) as the band formula says,
+    # row i seeing keys j <= i - 2 + 2
+    qq, kk, vv = (t.double() for t in qkv(1, 8, 8, 2, 2, 16, seed=3))
+    qv, kv_, vv_ = qq[0], kk[0, :8], vv[0, :8]  # (total, h, d)
+    cu_q, cu_k = torch.tensor([0, 4, 8]), torch.tensor([0, 2, 8])
+    got = ringseq.flash_attn_varlen_func(qv, kv_, vv_, cu_q, cu_k, 4, 6, window_size=(-1, 2))
+    scores = torch.einsum("qhd,khd->hqk", qv[:4], kv_[:2]) * 16 ** -0.5  # (h, 4, 2)
+    seen = torch.arange(2)[None, :] <= torch.arange(4)[:, None]  # (4, 2): j <= i
+    want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1),
+                        vv_[:2])
+    assert (got[:4] - want).abs().max() < 1e-12
 
 
 # Inside a masked tile the CPU GEMMs skip the register blocks and the key (row) steps the band

@@ -507,6 +507,15 @@ def test_packed_batch_boundaries_from_any_source():
             [0, 5, 16], (extra, layout)
         assert batch["position_ids"].tolist() == [want_pos], (extra, layout)
         assert batch["shift_labels"].tolist() == [want_labels], (extra, layout)
+    # with a layout built for the documents, every row is packed alike and given position
+    # ids are kept (two rows; global positions)
+    two = torch.cat([ids, ids + 100])  # (2, 16)
+    batch = ringseq.shard_batch({"input_ids": two, "labels": two,
+                                 "position_ids": torch.arange(16)[None]},
+                                layout=Documents([0, 5, 16]))
+    assert batch["position_ids"].tolist() == [list(range(16))]  # (1, s) as given
+    assert batch["shift_labels"].tolist() == [want_labels,
+                                              [x + 100 if x >= 0 else x for x in want_labels]]
     # a batch without a batch dimension is named as such
     with pytest.raises(ValueError, match=r"^shard_batch: batch\['input_ids'\] must be a tensor "
                                          r"of shape \(b, s\)"):

@@ -339,13 +339,18 @@ class RingCall:
         self._bad = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def any_rank(self, name: str) -> bool:
-        """Whether any rank's ``ANY`` field ``name`` was nonzero at begin(). With the checks
-        off no control collective ran: this rank's own value, so the ranks must agree on it
-        (what ``set_consistency_check(False)`` asks of every argument)."""
+        """Whether any rank's ``ANY`` field ``name`` was nonzero at begin(); True when no
+        control collective ran on a ring of several ranks (checks off): the caller then takes
+        the branch that works whatever the others chose (see :meth:`gathered`)."""
         j = next(i for i, f in enumerate(self.signature) if f[0] == name)
         if self.rows is None:
-            return bool(self.values[j])
+            return True if self.ring.world_size > 1 else bool(self.values[j])
         return any(row[5 + j] for row in self.rows)
+
+    @property
+    def gathered(self) -> bool:
+        """Whether begin() gathered every rank's fields (False with the checks off)."""
+        return self.rows is not None
 
     def end(self) -> None:
         """The end control collective: raises on every rank when any rank failed during the

@@ -28,7 +28,7 @@ from ..spec import AttnSpec
 from .loops import ring_backward, ring_forward
 from .plan import make_plan
 from .integrity import BWD, FWD
-from .ring import get_ring, refuse_on_error
+from .ring import get_ring, meet_as_failed, refuse_on_error
 
 __all__ = ["LocalPlacement", "Placement", "RingPlacement", "object_by_key", "object_key",
            "placement_from_key", "register_placement", "ring_dout"]
@@ -103,6 +103,11 @@ class Placement:
     def saved_like(self, q, k, v, spec: AttnSpec) -> List[torch.Tensor]:
         return []
 
+    def join_failed(self, kind: int) -> None:
+        """Called by a placement wrapping this one (Ulysses around a ring) instead of
+        forward/backward on a rank whose call already failed: a placement with calls of its
+        own meets its peers' begin there (they raise instead of waiting); local does nothing."""
+
     #: the layout of the ring dimension (ring placements), else None
     layout = None
 
@@ -152,6 +157,9 @@ class RingPlacement(Placement):
         plan = make_plan(spec, layout, ring.world_size, ring.rank, q.shape, k.shape[2],
                          q.dtype, self.comm_kind)
         return plan, ring
+
+    def join_failed(self, kind: int) -> None:
+        meet_as_failed(self.group, kind)
 
     def forward(self, q, k, v, spec):
         # What runs before the call opens fails (an out-of-memory error, say) as this rank's

@@ -27,7 +27,8 @@ from .integrity import (BROKEN, CHECK, FAIL, INVALID, KIND_NAMES, OK, RingCall, 
                         gather, judge)
 from .transport import RingComm, Transport, _timeout_exc
 
-__all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "refuse_on_error", "reset_ring",
+__all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "meet_as_failed", "refuse_on_error",
+           "reset_ring",
            "ring_size"]
 
 
@@ -84,8 +85,10 @@ class Ring:
             what = (f"waited more than {ring_timeout():.0f} s for"
                     if _timeout_exc(exc) else f"lost the connection to")
             mismatch = getattr(self.transport, "reset_mismatch", lambda: None)()
+            me = dist.get_rank() if is_initialized() else self.rank
+            who = f"rank {self.rank}" + (f" (global rank {me})" if me != self.rank else "")
             err = RingTimeoutError(
-                f"ringseq: rank {self.rank} {what} its ring peers "
+                f"ringseq: {who} {what} its ring peers "
                 f"({self.transport.describe_peers()}) at the {KIND_NAMES.get(kind, kind)} "
                 f"step of control operation #{seq}: a peer stopped calling (stalled, died, or "
                 f"raised outside ringseq without reporting it), gave up waiting for this rank, "
@@ -294,6 +297,18 @@ def reset_ring(group=None) -> None:
     """Makes the ring of ``group`` usable again after a failure broke it (see
     :mod:`ringseq.engine.integrity`); call it on every rank of the group before the next call."""
     get_ring(group).reset()
+
+
+def meet_as_failed(group, kind: int) -> None:
+    """On a rank whose enclosing call already failed: meets the peers' begin of a call on
+    ``group`` that this rank will not run, as a refusal, so that they raise
+    :class:`ringseq.RingPeerError` instead of waiting (the enclosing call raises this rank's
+    own failure at its end)."""
+    try:
+        get_ring(group).refuse(kind, RuntimeError("this rank failed earlier in the enclosing "
+                                                  "call"))
+    except RuntimeError:
+        pass
 
 
 @contextlib.contextmanager

@@ -190,16 +190,23 @@ class RingComm(Transport):
             raise RingTimeoutError(
                 f"ringseq: rank {self.rank} called the ring after its channels were closed at "
                 f"interpreter exit (an atexit handler or thread that outlived ringseq's)")
-        default_store = dist.distributed_c10d._get_default_store()
-        # (read by reset_mismatch when a control collective fails)
-        default_store.set(self._epoch_key(dist.get_rank()), str(self._epoch))
-        store = dist.PrefixStore(f"ringseq/{purpose}/{self.name}/{self._epoch}", default_store)
+        self._publish_epoch()
+        store = dist.PrefixStore(f"ringseq/{purpose}/{self.name}/{self._epoch}",
+                                 dist.distributed_c10d._get_default_store())
         _WITH_CHANNELS.add(self)
         return dist.ProcessGroupGloo(store, self.rank, self.world_size,
                                      datetime.timedelta(seconds=ring_timeout()))
 
     def _epoch_key(self, global_rank: int) -> str:
         return f"ringseq/epoch/{self.name}/{global_rank}"
+
+    def _publish_epoch(self) -> None:
+        """This rank's channel generation, in the default store for :meth:`reset_mismatch`."""
+        try:
+            dist.distributed_c10d._get_default_store().set(self._epoch_key(dist.get_rank()),
+                                                           str(self._epoch))
+        except Exception:  # noqa: BLE001 - a hint only (the store may be gone)
+            pass
 
     def reset_mismatch(self) -> Optional[str]:
         """When the members' channels come from different numbers of resets (reset_ring called
@@ -233,11 +240,7 @@ class RingComm(Transport):
         if self._pg_ref is not None:
             self._epoch += 1
             _EPOCHS[self.name] = max(_EPOCHS.get(self.name, 0), self._epoch)
-            try:  # before the old channels close: a peer that loses them can tell why
-                dist.distributed_c10d._get_default_store().set(
-                    self._epoch_key(dist.get_rank()), str(self._epoch))
-            except Exception:  # noqa: BLE001 - a hint only (the store may be gone)
-                pass
+            self._publish_epoch()  # before the old channels close: a peer losing them can tell
         self._control_pg = self._data_pg = None
 
     # -- the exchange --------------------------------------------------------------------------

@@ -182,10 +182,8 @@ def window_band(seqlen_q: int, seqlen_k: int, window_size: Tuple[int, int] = (-1
                 causal: bool = False) -> Tuple[int, int]:
     """(band_lo, band_hi) of flash-attn's ``window_size=(left, right)`` (-1: unbounded) and
     ``causal``, bottom-right aligned: query i sees key j iff
-    ``i + s_k - s_q - left <= j <= i + s_k - s_q + right`` (and ``j <= i + s_k - s_q`` when causal).
-    A side at least ``s_k`` wide is unbounded, as flash-attn's kernels clamp it (``mha_fwd``);
-    the formula alone would differ only on the right side when ``s_q > s_k``."""
-    left, right = (-1 if w >= seqlen_k else w for w in window_size)
+    ``i + s_k - s_q - left <= j <= i + s_k - s_q + right`` (and ``j <= i + s_k - s_q`` when causal)."""
+    left, right = window_size
     off = seqlen_k - seqlen_q
     lo = -UNBOUNDED if left < 0 else off - left
     hi = UNBOUNDED if right < 0 else off + right

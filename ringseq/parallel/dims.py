@@ -161,11 +161,8 @@ class ParallelDims:
         """What the global sequence length must be a multiple of: the data layout's multiple
         over sp (``"documents"``: sp, packing pads to it), and sp x tp for the split of every
         sp shard over tp. ``layout``: a name or a ``ringseq.layouts.Layout``."""
-        from ..layouts import get_layout
-        from .sp_layout import SequenceParallelLayout
-        lay = get_layout(layout)  # (checked even where the ring layout does not apply)
-        if self.ring_size == 1:
-            lay = get_layout("contiguous")
+        from .sp_layout import SequenceParallelLayout, ring_layout
+        lay = ring_layout(layout, self.ring_size)
         if self.ulysses_size == 1:
             m = lay.multiple(self.sp_size)
         else:

@@ -41,7 +41,7 @@ from ..engine.loops import ring_backward, ring_forward
 from ..engine.placement import (Placement, group_from_key, group_key, layout_from_key,
                                 layout_key, register_placement, ring_dout)
 from ..engine.plan import PlannedTask, RingPlan, make_plan
-from ..engine.ring import Ring, get_ring, refuse_on_error
+from ..engine.ring import Ring, get_ring, meet_as_failed, refuse_on_error
 from ..kernels import AttentionBackend, compute_delta
 from ..kernels.merge import merge_into
 from ..layouts import AttnMask, Layout, masked_tasks
@@ -104,24 +104,14 @@ class InnerLap(AttentionBackend):
         return self.spec.backend.accum_dtype(dtype)
 
     def _plan(self, q, k, kind: int) -> RingPlan:
-        return self._before_call(kind, lambda: make_plan(
-            self.spec, self.lap, self.inner.world_size, self.inner.rank, q.shape, k.shape[2],
-            q.dtype, "ring_inner"))
-
-    def _before_call(self, kind: int, work):
-        """``work()``, this rank's part before the inner call opens: a failure there is its
-        refusal of the inner call (the inner peers raise RingPeerError instead of waiting)."""
-        try:
-            return work()
-        except (Exception, KeyboardInterrupt) as exc:
-            self.inner.refuse(kind, exc)  # re-raises exc
+        # (before the inner call opens: a failure is this rank's refusal of it)
+        with refuse_on_error(self.inner, kind):
+            return make_plan(self.spec, self.lap, self.inner.world_size, self.inner.rank,
+                             q.shape, k.shape[2], q.dtype, "ring_inner")
 
     def join_failed(self, kind: int) -> None:
         # This rank's outer call failed earlier: its inner peers still open this lap's call.
-        try:
-            self.inner.refuse(kind, RuntimeError("this rank's double-ring call failed earlier"))
-        except RuntimeError:
-            pass  # (the outer call raises this rank's own failure at its end)
+        meet_as_failed(self.inner, kind)
 
     def _fwd(self, q, k, v, scale, causal, **_):
         return ring_forward(q, k, v, self._plan(q, k, FWD), self.inner)
@@ -134,7 +124,8 @@ class InnerLap(AttentionBackend):
                    dv_accum, **_) -> None:
         # The inner engine derives delta from (dout, out, grad_lse); hand it the lse gradient
         # folded into the outer delta (exactly 0 when there is none).
-        grad_lse = self._before_call(BWD, lambda: compute_delta(dout, out) - delta)
+        with refuse_on_error(self.inner, BWD):
+            grad_lse = compute_delta(dout, out) - delta
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, self._plan(q, k, BWD), self.inner,
                                    grad_lse)
         dq_accum.add_(dq)
@@ -180,6 +171,9 @@ class DoubleRingPlacement(Placement):
         plan = _outer_plan(spec, self.layout.bind(spec.documents), outer, inner,
                            tuple(q.shape), k.shape[2], q.dtype)
         return plan, outer, get_ring(self.ring_group)
+
+    def join_failed(self, kind: int) -> None:
+        meet_as_failed(self.ring_group, kind)
 
     def forward(self, q, k, v, spec):
         # (a failure before the call opens is this rank's refusal: RingPlacement.forward)

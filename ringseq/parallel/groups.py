@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from .._dist import agree_on_fields, is_initialized
 from ..data import shard_batch
-from ..layouts import Layout, get_layout, positions_local, shard_local
-from .sp_layout import SequenceParallelLayout
+from ..layouts import Layout, positions_local, shard_local
+from .sp_layout import SequenceParallelLayout, ring_layout
 from .ulysses import ulysses_heads, valid_ulysses_degrees
 
 __all__ = ["SP_MODES", "SequenceParallelGroups", "check_model_heads", "make_sp_groups",
@@ -173,9 +173,7 @@ class SequenceParallelGroups:
         """The layout of the tokens over :attr:`group` for ring layout ``layout`` (the layout
         itself when U = 1, else a :class:`SequenceParallelLayout`; with R = 1 the ring layout
         does not apply and the split is contiguous)."""
-        lay = get_layout(layout)  # (checked even where the ring layout does not apply)
-        if self.ring_size == 1:
-            lay = get_layout("contiguous")
+        lay = ring_layout(layout, self.ring_size)
         if self.ulysses_size == 1:
             return lay
         key = (id(lay), lay.name)

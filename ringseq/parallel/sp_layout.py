@@ -8,9 +8,16 @@ from typing import Sequence, Tuple
 import torch
 
 from .._hash import stable_code
-from ..layouts import Layout
+from ..layouts import Layout, get_layout
 
-__all__ = ["SequenceParallelLayout"]
+__all__ = ["SequenceParallelLayout", "ring_layout"]
+
+
+def ring_layout(layout, ring_size: int) -> Layout:
+    """The layout of a ring of ``ring_size`` ranks for ``layout`` (a name or a Layout, checked
+    even where it does not apply): contiguous for a ring of one."""
+    lay = get_layout(layout)
+    return get_layout("contiguous") if ring_size == 1 else lay
 
 
 class SequenceParallelLayout(Layout):

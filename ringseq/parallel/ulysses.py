@@ -197,6 +197,8 @@ class UlyssesPlacement(Placement):
             if call.ok:
                 with call.guard():
                     out_h, lse_h, inner_saved = self.inner.forward(q_h, k_h, v_h, spec)
+            else:  # an inner ring's peers still open its call
+                self.inner.join_failed(FWD)
             if out_h is None:  # this rank failed: complete the exchange with zeros
                 out_h = torch.zeros_like(q_h)
                 lse_h = torch.zeros((b, h // U, s * U), dtype=accum_dtype(q.dtype),
@@ -225,11 +227,17 @@ class UlyssesPlacement(Placement):
             moved = all_to_all(comm, [(dout, 2, 1)] + ([(dlse, 1, 2)] if with_dlse else []),
                                call)
             dout_h, dlse_h = moved[0], (moved[1] if with_dlse else None)
+            if dlse_h is not None and not call.gathered and not spec.backend.supports_delta:
+                # Checks off: the ranks exchanged the slot whether or not any had a gradient
+                # (they cannot tell); a kernel without lse gradients gets none when all are 0.
+                dlse_h = dlse_h if bool(dlse_h.any()) else None
             grads = None
             if call.ok:
                 with call.guard():
                     grads = self.inner.backward(dout_h, dlse_h, q_h, k_h, v_h, out_h, lse_h,
                                                 inner_saved, spec)
+            else:
+                self.inner.join_failed(BWD)
             if grads is None:  # this rank failed: complete the exchange with zeros
                 grads = (torch.zeros_like(q_h), torch.zeros_like(k_h), torch.zeros_like(v_h))
             dq, dk, dv = all_to_all(comm, [(g, 1, 2) for g in grads], call)

@@ -139,8 +139,9 @@ def parse_window(fn: str, window_size) -> Tuple[int, int]:
         raise ValueError(f"{fn}: window_size entries must be >= 0, or -1 for unbounded, got "
                          f"({left}, {right})")
     # A window at least as wide as the keys is none (flash-attn's kernels clamp it; so does
-    # window_band); one of UNBOUNDED or more is that for every sequence a tensor can hold, and
-    # the band's bounds (positions minus the width) would leave int64 past it.
+    # spec.local_spans for the local calls); one of UNBOUNDED or more is that for every
+    # sequence a tensor can hold, and the band's bounds (positions minus the width) would
+    # leave int64 past it.
     return tuple(-1 if e >= UNBOUNDED else e for e in (left, right))
 
 

@@ -232,7 +232,10 @@ def set_consistency_check(mode=True) -> None:
     until the ring timeout, and a rank that fails inside a call (it still completes the
     call's exchanges) can leave its peers with results that silently miss its part, e.g. dK/dV
     without its contribution: only the failing rank raises. Turn the checks off only where
-    every call is known to succeed on every rank.
+    every call is known to succeed on every rank. (Ulysses' backward then exchanges a
+    gradient-into-lse slot on every rank, since no rank knows whether another has one, and
+    with a kernel that takes none, torch's or flash-attn's, reads on the host whether it is
+    all zeros: one device synchronization per backward.)
     The environment variable ``RINGSEQ_CHECK_CONSISTENCY`` (``1``/``first``/``always``,
     ``0``/``off``; anything else raises) sets the initial mode. Every rank must use the same
     mode.

@@ -121,13 +121,19 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         per_batch = isinstance(inner, PerBatchDocuments)
     except ValueError as exc:
         raise ValueError(f"shard_batch: {exc}") from None
-    docs = _packed_documents(batch, b, s, per_batch)
     layout_docs = getattr(inner, "documents", None)
-    if docs is None and layout_docs is not None:
+    if layout_docs is None:
+        docs = _packed_documents(batch, b, s, per_batch)
+    else:
         # A layout built for documents (Documents(cu_seqlens)) is every row's packing: its
-        # positions (unless given) and targets stop at the documents' ends.
+        # positions (unless given: kept as they are) and targets stop at the documents' ends.
         docs = check_cu_seqlens("shard_batch", "the layout's cu_seqlens", layout_docs, s,
                                 "the batch's length")
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            if batch.get(key) is not None and check_cu_seqlens("shard_batch", key,
+                                                               batch[key]) != docs:
+                raise ValueError(f"shard_batch: {key} differs from the document boundaries "
+                                 f"the layout {lay!r} was built with")
     try:
         lay = get_layout(layout).bind(docs)  # "documents": this batch's Documents layout
         lay.check_seqlen(s, world_size)

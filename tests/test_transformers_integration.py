@@ -516,6 +516,13 @@ def test_packed_batch_boundaries_from_any_source():
     assert batch["position_ids"].tolist() == [list(range(16))]  # (1, s) as given
     assert batch["shift_labels"].tolist() == [want_labels,
                                               [x + 100 if x >= 0 else x for x in want_labels]]
+    restarting = torch.tensor([want_pos] * 2)  # (2, s), per document
+    batch = ringseq.shard_batch({"input_ids": two, "position_ids": restarting},
+                                layout=Documents([0, 5, 16]))
+    assert batch["position_ids"].tolist() == [want_pos] * 2
+    with pytest.raises(ValueError, match="cu_seq_lens_q differs from the document boundaries"):
+        ringseq.shard_batch({"input_ids": ids, "cu_seq_lens_q": torch.tensor([0, 8, 16])},
+                            layout=Documents([0, 5, 16]))
     # a batch without a batch dimension is named as such
     with pytest.raises(ValueError, match=r"^shard_batch: batch\['input_ids'\] must be a tensor "
                                          r"of shape \(b, s\)"):

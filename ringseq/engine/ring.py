@@ -23,8 +23,8 @@ import torch.distributed as dist
 from .._hash import stable_code
 from .._dist import (RingTimeoutError, consistency_check_mode, group_info,
                      is_initialized, ring_timeout)
-from .integrity import (BROKEN, CHECK, FAIL, INVALID, KIND_NAMES, OK, RingCall, _describe,
-                        gather, judge)
+from .integrity import (BROKEN, CHECK, FAIL, FAILED, INVALID, KIND_NAMES, OK, RingCall,
+                        _describe, gather, judge)
 from .transport import RingComm, Transport, _timeout_exc
 
 __all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "meet_as_failed", "refuse_on_error",
@@ -136,13 +136,18 @@ class Ring:
     def _release(self) -> None:
         self._lock.release()
 
-    def refuse(self, kind: int, exc: BaseException) -> None:
+    def refuse(self, kind: int, exc: BaseException, failed: bool = False) -> None:
         """This rank found a call's arguments invalid before the call began: meets the peers'
         begin collective with the refusal, so that they raise :class:`ringseq.RingPeerError`
-        naming this rank and ``exc`` (the ring stays usable), then re-raises ``exc`` here."""
+        naming this rank and ``exc`` (the ring stays usable), then re-raises ``exc`` here.
+        ``failed``: the call is part of an enclosing call whose data already moved (a Ulysses
+        or double-ring call): the peers raise :class:`ringseq.RingBrokenError` instead and the
+        ring is broken on every rank, as the enclosing call is."""
         if self.checks_on:
             # (a broken ring still meets its peers' begin: they raise RingBrokenError then)
-            status = BROKEN if self._broken is not None else INVALID
+            status = BROKEN if self._broken is not None else (FAILED if failed else INVALID)
+            if failed:
+                self.mark_broken(exc)
             with self._hold():
                 rows = gather(self, kind, status, (), _describe(exc))
                 if rows is not None:
@@ -301,22 +306,23 @@ def reset_ring(group=None) -> None:
 
 def meet_as_failed(group, kind: int) -> None:
     """On a rank whose enclosing call already failed: meets the peers' begin of a call on
-    ``group`` that this rank will not run, as a refusal, so that they raise
-    :class:`ringseq.RingPeerError` instead of waiting (the enclosing call raises this rank's
+    ``group`` that this rank will not run, as a failure, so that they raise
+    :class:`ringseq.RingBrokenError` instead of waiting (the enclosing call raises this rank's
     own failure at its end)."""
     try:
         get_ring(group).refuse(kind, RuntimeError("this rank failed earlier in the enclosing "
-                                                  "call"))
+                                                  "call"), failed=True)
     except RuntimeError:
         pass
 
 
 @contextlib.contextmanager
-def refuse_on_error(group, kind: int):
+def refuse_on_error(group, kind: int, failed: bool = False):
     """Runs an entry point's checks for a call on ``group``'s ring: an exception raised inside
     is this rank's refusal of the call, re-raised here after it met the peers' begin
     collective, where they raise :class:`ringseq.RingPeerError` naming this rank and the
-    message (the ring stays usable; see :mod:`ringseq.engine.integrity`). Under
+    message (the ring stays usable; see :mod:`ringseq.engine.integrity`); with ``failed``
+    (a call inside an enclosing one, see :meth:`Ring.refuse`) RingBrokenError. Under
     ``torch.compile`` the checks run at trace time and simply raise."""
     if torch.compiler.is_compiling():
         yield
@@ -328,4 +334,4 @@ def refuse_on_error(group, kind: int):
             ring = get_ring(group)
         except Exception:  # noqa: BLE001 - a group this rank cannot use: nobody to tell
             raise exc from None
-        ring.refuse(kind, exc)
+        ring.refuse(kind, exc, failed)

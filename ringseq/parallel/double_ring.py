@@ -104,8 +104,9 @@ class InnerLap(AttentionBackend):
         return self.spec.backend.accum_dtype(dtype)
 
     def _plan(self, q, k, kind: int) -> RingPlan:
-        # (before the inner call opens: a failure is this rank's refusal of it)
-        with refuse_on_error(self.inner, kind):
+        # (before the inner call opens, inside the outer call: a failure fails the inner call
+        # on every rank of the inner ring)
+        with refuse_on_error(self.inner, kind, failed=True):
             return make_plan(self.spec, self.lap, self.inner.world_size, self.inner.rank,
                              q.shape, k.shape[2], q.dtype, "ring_inner")
 
@@ -124,7 +125,7 @@ class InnerLap(AttentionBackend):
                    dv_accum, **_) -> None:
         # The inner engine derives delta from (dout, out, grad_lse); hand it the lse gradient
         # folded into the outer delta (exactly 0 when there is none).
-        with refuse_on_error(self.inner, BWD):
+        with refuse_on_error(self.inner, BWD, failed=True):
             grad_lse = compute_delta(dout, out) - delta
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, self._plan(q, k, BWD), self.inner,
                                    grad_lse)

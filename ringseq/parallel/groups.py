@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .._dist import agree_on_fields, is_initialized
 from ..data import shard_batch
-from ..layouts import Layout, positions_local, shard_local
+from ..layouts import Layout, get_layout, positions_local, shard_local
 from .sp_layout import SequenceParallelLayout, ring_layout
 from .ulysses import ulysses_heads, valid_ulysses_degrees
 
@@ -195,6 +195,12 @@ class SequenceParallelGroups:
 
     def shard_batch(self, batch, layout="zigzag", ignore_index: int = -100) -> dict:
         """:func:`ringseq.shard_batch` over :attr:`group` with :meth:`data_layout`."""
+        docs = getattr(get_layout(layout), "documents", None)
+        if docs is not None and self.ring_size == 1 and batch.get("cu_seq_lens_q") is None \
+                and batch.get("cu_seq_lens_k") is None:
+            # A ring of one splits contiguously, but a layout built for documents still says
+            # where they end (positions, targets, the attention's boundaries).
+            batch = {**batch, "cu_seq_lens_q": torch.tensor(docs, dtype=torch.int32)}
         return shard_batch(batch, group=self.group, layout=self.data_layout(layout),
                            ignore_index=ignore_index)
 

@@ -173,12 +173,22 @@ def _errors(sps, pairs):
         # each ring alike: no error at all)
         "ring_layout": _expected_error(lambda: ringseq.usp_attn_func(
             x8, x8, x8, sp=hybrid, layout="stripe" if rank == 1 else "zigzag")),
+        # one rank makes a ring call where the others make a Ulysses call on the same group:
+        # every rank names the operations (before: each rank compared the other operation's
+        # unrelated fields with its own, a different message per rank)
+        "ring_vs_ulysses": _expected_error(lambda: ringseq.ring_flash_attn_func(x8, x8, x8)
+                                           if rank == 0 else
+                                           ringseq.ulysses_attn_func(x8, x8, x8)),
         # SDPA's form has no cu_seqlens: a per-batch documents layout is refused up front
         "documents_sdpa": _expected_error(lambda: ringseq.usp_sdpa(
             *(x8.transpose(1, 2),) * 3, sp=hybrid, layout="documents")),
     }
-    # still exact after the errors (no stale messages): float64 hybrid zigzag causal
+    # still exact after the errors (no stale messages): float64 hybrid zigzag causal, and the
+    # world group's ring after the mixed operations
     q = torch.randn(1, 24, 4, 8, generator=g, dtype=torch.float64)
+    out["after_mixed_ops_err"] = max_err(
+        ringseq.ring_flash_attn_func(*(ringseq.shard(q),) * 3, causal=True),
+        ringseq.shard(ringseq.flash_attn_func(q, q, q, causal=True, backend="reference")))
     o = ringseq.usp_attn_func(*(hybrid.shard(q, "zigzag"),) * 3, causal=True, sp=hybrid)
     ref = ringseq.flash_attn_func(q, q, q, causal=True, backend="reference")
     out["after_errors_err"] = max_err(o, hybrid.shard(ref, "zigzag"))
@@ -483,6 +493,16 @@ def test_ranks_that_disagree_all_raise():
             "ulysses_size (rank 0: 2, rank 1: 4" in e["groups_differ"], e["groups_differ"]
         for key in ("mismatch", "mismatch_usp"):
             assert e[key].startswith("RingMismatchError") and "local seqlen" in e[key], e[key]
+
+
+def test_ranks_in_different_operations_name_them_alike():
+    texts = {e["ring_vs_ulysses"] for e in _errors_of()}
+    assert len(texts) == 1, texts  # the same verdict on every rank
+    text = texts.pop()
+    assert text.startswith("RingMismatchError") and "different operations (rank 0: ring " \
+        "attention, rank 1: Ulysses attention" in text and "world size" not in text, text
+    for e in _errors_of():
+        assert e["after_mixed_ops_err"] < 1e-12, e["after_mixed_ops_err"]
 
 
 def test_ranks_that_disagree_on_the_ring_layout_raise_before_data_moves():

@@ -44,7 +44,7 @@ from .._dist import RingBrokenError, RingDesyncError, RingMismatchError, RingPee
 from .._hash import stable_hash_ints
 
 __all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BYTES", "HEADER_WORDS", "KIND_NAMES",
-           "RingCall", "call_tag", "current_tag", "describe_field", "judge"]
+           "RingCall", "call_tag", "current_tag", "describe_field", "judge", "operation_field"]
 
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8  # travels with every exchange (a multiple of 64: no padding)
@@ -56,6 +56,11 @@ KIND_NAMES = {FWD: "forward", BWD: "backward", FAIL: "failure report", CHECK: "a
 # A signature field of this kind may differ between ranks: it is gathered at the call's begin
 # (RingCall.any_rank), not compared and not part of the headers' signature hash.
 ANY = "any"
+# The operation a call runs, a field of its signature at the same place for every operation that
+# opens calls on a ring: ranks in different operations meet in one control collective, and
+# their other fields, named and ordered per operation, cannot be compared.
+OPERATION = "operation"
+_OPERATIONS = ("ring attention", "double-ring attention", "Ulysses attention")
 
 # Status words of a control vector.
 OK, FAILED, BROKEN, DESYNC, INVALID = 0, 1, 2, 3, 4
@@ -133,9 +138,16 @@ def signature_hash(values: Tuple[int, ...]) -> int:
     return stable_hash_ints(values)
 
 
+def operation_field(name: str) -> tuple:
+    """The signature field naming the operation of a call (one of ``_OPERATIONS``)."""
+    return ("operation", _OPERATIONS.index(name), OPERATION)
+
+
 def describe_field(kind: str, code: int) -> str:
     """How a signature field value is shown in a mismatch message."""
     from ..spec import _DTYPES
+    if kind == OPERATION:
+        return _OPERATIONS[code] if 0 <= code < len(_OPERATIONS) else f"operation #{code}"
     if kind == "dtype":
         return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"dtype #{code}"
     if kind == "bool":
@@ -227,6 +239,15 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
             f"tag), then call ringseq.reset_ring(group) on every rank")
         ring.mark_broken(err)
         raise err
+    for j, f in enumerate(signature):
+        column = [row[5 + j] for row in rows]
+        if f[2:3] == (OPERATION,) and len(set(column)) > 1:
+            per_rank = ", ".join(f"{name(r)}: {describe_field(OPERATION, c)}"
+                                 for r, c in enumerate(column))
+            raise RingMismatchError(
+                f"ringseq: the ranks of the ring are in different operations ({per_rank}). "
+                f"Every rank of the group must make the same call (the same function, the "
+                f"same sequence-parallel mode).")
     diffs = []
     for j, f in enumerate(signature):
         column = [row[5 + j] for row in rows]

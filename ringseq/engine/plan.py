@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..kernels.spans import as_spans_tensor
+from .integrity import operation_field
 from ..layouts import BlockTask, Layout, span_keys
 from ..spec import AttnSpec
 
@@ -163,7 +164,8 @@ def _make_plan(spec, layout, world_size, rank, q_shape, nheads_kv, dtype, comm_k
     schedule = tuple(tuple(PlannedTask(t.q, t.kv, t.causal, as_spans_tensor(t.spans))
                            for t in step) for step in sched)
     signature = spec.signature(q_shape, nheads_kv, dtype,
-                               extra=(("layout", layout.code, "layout"),
+                               extra=(operation_field("ring attention"),
+                                      ("layout", layout.code, "layout"),
                                       ("world size", world_size)))
     return RingPlan(spec=spec, layout=layout, world_size=world_size, rank=rank,
                     schedule=schedule, hops=hops, signature=signature, kv_rows=kv_rows,

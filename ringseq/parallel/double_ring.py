@@ -36,7 +36,7 @@ from typing import Tuple
 
 import torch
 
-from ..engine.integrity import BWD, FWD
+from ..engine.integrity import BWD, FWD, operation_field
 from ..engine.loops import ring_backward, ring_forward
 from ..engine.placement import (Placement, group_from_key, group_key, layout_from_key,
                                 layout_key, register_placement, ring_dout)
@@ -147,7 +147,8 @@ def _outer_plan(spec: AttnSpec, layout: Layout, outer: Ring, inner: Ring, q_shap
         schedule.append(() if empty else
                         (PlannedTask(rows, rows, False, None, InnerLap(spec, inner, lap)),))
     signature = spec.signature(q_shape, nheads_kv, dtype,
-                               extra=(("layout", layout.code, "layout"), ("world size", R),
+                               extra=(operation_field("double-ring attention"),
+                                      ("layout", layout.code, "layout"), ("world size", R),
                                       ("inner ring", I)))
     return RingPlan(spec=spec, layout=layout, world_size=O, rank=outer.rank,
                     schedule=tuple(schedule), hops=O - 1, signature=signature, kv_len=s,

@@ -48,7 +48,7 @@ import torch
 
 from .._args import autocast_inputs, check_returns
 from ..engine.counting import record
-from ..engine.integrity import ANY, BWD, FWD
+from ..engine.integrity import ANY, BWD, FWD, operation_field
 from ..engine.op import run_attention
 from ..engine.placement import (LOCAL, Placement, group_from_key, group_key, placement_from_key,
                                 register_placement)
@@ -176,7 +176,8 @@ class UlyssesPlacement(Placement):
         U = comm.world_size
         _, rep, _ = ulysses_heads(q.shape[2], k.shape[2], U, fn=spec.fn)
         sig = spec.signature(q.shape, k.shape[2], q.dtype,
-                             extra=(("Ulysses degree", U),) + self.inner.signature_fields())
+                             extra=(operation_field("Ulysses attention"), ("Ulysses degree", U))
+                             + self.inner.signature_fields())
         return comm, U, rep, sig
 
     def forward(self, q, k, v, spec):

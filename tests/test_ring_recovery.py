@@ -362,6 +362,72 @@ def _case_plugin_skipped_step():
     return out
 
 
+def _worker_backward_failures():
+    """W=4 as dp 2 x sp 2 (DDP): rank 1's backward raises, in the embedding's backward (after
+    its last ring call) and in the last layer's MLP (before its ring calls). Every rank must
+    raise within seconds: rank 1 its own error, its ring peer RingBrokenError or RingPeerError,
+    the other ring's ranks RingPeerError naming the ranks whose backward did not end (before:
+    they waited in DDP's all-reduce until the process group's timeout). After booster.reset()
+    and zero_grad on every rank training goes on and equals two good steps on one process."""
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    inner = _tiny_llama().double()
+    plugin = RingSequenceParallelPlugin(sp_size=2, layout="zigzag")
+    booster = Booster(plugin=plugin)
+    model, opt, crit, _, _ = booster.boost(inner, torch.optim.SGD(inner.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (1, 16), generator=g)  # the same sample on both dp groups
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, group=plugin.sp_group,
+                                layout="zigzag")
+    failing = {"at": None}
+
+    def fail_on_rank_1(module, grad_in, grad_out):
+        if rank == 1 and failing["at"] is module:
+            raise MemoryError("injected: out of memory in the backward")
+    for m in (inner.model.embed_tokens, inner.model.layers[1].mlp):
+        m.register_full_backward_hook(fail_on_rank_1)
+
+    def step():
+        loss = crit(model(**batch), batch)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    out = {"first": _capture(step)}
+    for name, module in (("embedding", inner.model.embed_tokens),
+                         ("mlp", inner.model.layers[1].mlp)):
+        failing["at"] = module
+        out[name] = _capture(step)
+        failing["at"] = None
+        opt.zero_grad()
+        booster.reset()
+    out["after"] = _capture(step)
+    out["params"] = [p.detach().clone() for p in inner.parameters()]
+    return out
+
+
+def test_backward_failure_on_one_rank_raises_everywhere_under_ddp():
+    res = run_ranks(_worker_backward_failures, 4, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        for case in ("embedding", "mlp"):
+            if rank == 1:
+                _is_error(r[case], ("MemoryError",), "injected")
+            elif rank == 0 and case == "mlp":  # its ring peer, inside a ring call
+                _is_error(r[case], ("RingBrokenError",), "rank 1 failed")
+            else:
+                _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
+                          "booster.reset()")
+        assert "[1]" in r["embedding"][1] or rank == 1, r["embedding"]
+    want = _single_process_params()
+    for r in res:
+        for got, ref in zip(r["params"], want):
+            assert max_err(got, ref) < 1e-10
+
+
 def _single_process_params():
     """The same two good steps on one process (the reference of the plugin case)."""
     model = _tiny_llama().double()

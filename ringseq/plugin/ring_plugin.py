@@ -17,6 +17,7 @@ from ..layouts import PerBatchDocuments, get_layout
 from ..parallel.dims import ParallelDims
 from .base import Plugin
 from .dataloader import ShardedDataLoader, pack_documents
+from .ddp_sum import DdpSum, sum_allreduce_hook
 from .mesh import _world_size, build_mesh, build_sp_mesh
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
@@ -38,17 +39,6 @@ _NO_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
 _LOADER_SETTINGS = ("collate_fn", "worker_init_fn", "timeout", "multiprocessing_context",
                     "generator", "prefetch_factor", "persistent_workers", "pin_memory_device",
                     "in_order")
-
-
-def _sum_allreduce_hook(reduced: "ReducedGrads", bucket):
-    # DDP's default hook divides by the group size; the plugin's loss is already the global
-    # token mean, so the exact gradient is the plain SUM (see the class docstring). A sum is
-    # not idempotent: `reduced` counts the reduced backward passes (bucket 0 is reduced once
-    # in each) and the optimizer refuses to step on gradients summed twice.
-    if bucket.index() == 0:
-        reduced.mark()
-    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
 
 
 class RingSequenceParallelPlugin(Plugin):
@@ -501,7 +491,9 @@ class RingSequenceParallelPlugin(Plugin):
             if self.device.type == "cuda":
                 kwargs.setdefault("device_ids", [self.device.index])
             ddp = nn.parallel.DistributedDataParallel(model, process_group=None, **kwargs)
-            ddp.register_comm_hook(reduced, _sum_allreduce_hook)
+            ddp_sum = DdpSum(ddp, reduced)
+            ddp.register_comm_hook(ddp_sum, sum_allreduce_hook)
+            self.reporter.ddp_sums.append(ddp_sum)  # completes its backward after a failure
             model = ddp
         user_model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
             else model
@@ -512,6 +504,8 @@ class RingSequenceParallelPlugin(Plugin):
         if dataloader is not None:
             dataloader.tag = step
         model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
+        if isinstance(model.module, nn.parallel.DistributedDataParallel):
+            model._ddp_sum = ddp_sum
         if dims.zero_stage == 0 and dims.tp_size > 1:
             model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
@@ -556,6 +550,8 @@ class RingSequenceParallelPlugin(Plugin):
         reset_ring(None)  # the loader's and the loss's agreements
         if self.sp is not None:
             self.sp.reset()
+        for ddp_sum in self.reporter.ddp_sums:
+            ddp_sum.reset()  # DDP's reducer after a backward that raised
 
     def get_checkpoint_io(self) -> DistributedCheckpointIO:
         return DistributedCheckpointIO()

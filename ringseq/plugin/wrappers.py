@@ -8,7 +8,7 @@ import contextlib
 
 import torch.distributed as dist
 
-from .._dist import RingError, RingMismatchError
+from .._dist import RingError, RingMismatchError, ring_timeout
 from ..engine.integrity import call_tag
 from ..loss import report_step_failure, sharded_cross_entropy
 
@@ -51,6 +51,8 @@ class ModelWrapper(nn.Module):
         self._reporter = reporter
         self._step = StepTag() if step is None else step
         self._reduced = reduced  # the reductions' count (ReducedGrads), reset by zero_grad
+        #: DDP's reduction (ddp_sum.DdpSum) when ``module`` is the plugin's DDP, else None
+        self._ddp_sum = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -69,7 +71,10 @@ class ModelWrapper(nn.Module):
                 with self._precision.autocast():
                     return self.module(*args, **kwargs)
             with self._reporter.watch("forward"), self._precision.autocast():
-                return self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+        if self._ddp_sum is not None:
+            self._ddp_sum.forward_ran()
+        return out
 
 
 class ReducedGrads:
@@ -176,6 +181,9 @@ class FailureReporter:
     def __init__(self, ring, loss_group=None, device=None):
         self.ring, self.loss_group, self.device = ring, loss_group, device
         self._calls = {}  # phase -> ring calls of the last complete pass
+        #: the DDP reductions of the boosted models (``ddp_sum.DdpSum``): a backward that
+        #: raised completes their collectives, one that ended checks the peers' status
+        self.ddp_sums = []
 
     @contextlib.contextmanager
     def watch(self, phase: str):
@@ -190,8 +198,14 @@ class FailureReporter:
                     self.ring.report_failure(exc)
                 if phase == "forward":
                     report_step_failure(self.loss_group, exc)
+                else:  # after the report: ring peers still in a ring call must get out first
+                    for ddp_sum in self.ddp_sums:
+                        ddp_sum.after_failure(ring_timeout())
             raise
         self._calls[phase] = self.ring.calls - before
+        if phase == "backward":
+            for ddp_sum in self.ddp_sums:
+                ddp_sum.after_success()  # RingPeerError when another rank's backward raised
 
 
 class OptimizerWrapper:

@@ -1,0 +1,125 @@
+"""The replicated (zero stage 0, tp 1) gradient reduction through DDP: a SUM over the dp x sp
+ranks, and what keeps a backward that raised on some ranks from leaving the others waiting.
+
+DDP all-reduces its gradient buckets in index order, each when its gradients are ready, and
+waits for all of them at the end of the backward. A rank whose backward raised (an error in
+the model after its last ring call, or a ring call that raised because a peer reported one)
+never reaches its remaining buckets, so every other rank would wait in DDP's all-reduce until
+the process group's timeout. Here every bucket's all-reduce is counted as it starts; a rank
+whose backward raised runs the all-reduces it did not reach itself, on zeros
+(:func:`complete_after_failure`), and the last bucket carries a status vector in which such a
+rank marks itself. Every rank thus makes the same collectives, and the ranks whose backward
+ended see who did not finish (:meth:`DdpSum.raise_if_peers_failed`): their summed gradients
+are invalid, and they raise instead of stepping.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._dist import RingPeerError
+
+__all__ = ["DdpSum", "complete_after_failure", "sum_allreduce_hook"]
+
+
+class DdpSum:
+    """The state of the plugin's DDP communication hook on one rank, for one boosted model.
+
+    ``ddp``: the DistributedDataParallel module. ``reduced``: the plugin's count of reduced
+    backward passes (``ReducedGrads``), marked at each backward's first bucket. ``expecting``:
+    the model's last forward prepared DDP for a reduced backward that has not ended.
+    ``launched``: the buckets this backward has sent so far. ``status``: the last bucket's
+    status vector once it completed, (world,) int64, 1 where a rank did not finish its
+    backward; None before."""
+
+    def __init__(self, ddp, reduced):
+        self.ddp, self.reduced = ddp, reduced
+        self.expecting = False
+        self.launched = 0
+        self.status: Optional[torch.Tensor] = None
+
+    def forward_ran(self) -> None:
+        """After the boosted model's forward ended: whether DDP now waits for a reduced
+        backward (not under no_grad, not inside ``no_sync``)."""
+        self.expecting = torch.is_grad_enabled() and self.ddp.require_backward_grad_sync
+        self.launched = 0
+        self.status = None
+
+    def reset(self) -> None:
+        """On every rank (the plugin's reset): DDP's reducer forgets the backward that raised
+        (it would refuse the next forward: "Expected to have finished reduction") and, on
+        every rank alike, rebuilds its buckets after the next backward."""
+        self.ddp.reducer._reset_state()
+        self.expecting, self.launched, self.status = False, 0, None
+
+    def status_vector(self, device, failed: bool) -> torch.Tensor:
+        vec = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)  # (world,)
+        if failed:
+            vec[dist.get_rank()] = 1
+        return vec
+
+    def after_failure(self, timeout: float) -> None:
+        """This rank's backward raised: completes DDP's collectives (see the module doc)."""
+        if self.expecting:
+            self.expecting = False
+            complete_after_failure(self.ddp, self, timeout)
+
+    def after_success(self) -> None:
+        """This rank's backward ended: raises RingPeerError when another rank's did not (its
+        gradients are zeros in this rank's sums). Reads the status vector once (one host
+        synchronization on a GPU)."""
+        if self.status is None:  # not reduced in this backward (no_sync, another model's)
+            return
+        failed = [r for r, s in enumerate(self.status.tolist()) if s]
+        self.status = None
+        if failed:
+            raise RingPeerError(
+                f"ringseq: the backward did not end on rank(s) {failed} (they raise their own "
+                f"errors), so the gradients summed on this rank are invalid. Skip the step: "
+                f"optimizer.zero_grad() and booster.reset() on every rank", ranks=failed)
+
+
+def sum_allreduce_hook(state: DdpSum, bucket):
+    # DDP's default hook divides by the group size; the plugin's loss is already the global
+    # token mean, so the exact gradient is the plain SUM (see RingSequenceParallelPlugin's
+    # docstring). A sum is not idempotent: `reduced` counts the reduced backward passes (bucket
+    # 0 is reduced once in each) and the optimizer refuses to step on gradients summed twice.
+    if bucket.index() == 0:
+        state.reduced.mark()
+    state.launched = bucket.index() + 1
+    buffer = bucket.buffer()
+    fut = dist.all_reduce(buffer, async_op=True).get_future()
+    if not bucket.is_last():
+        return fut.then(lambda f: f.value()[0])
+    status = state.status_vector(buffer.device, failed=False)
+    status_fut = dist.all_reduce(status, async_op=True).get_future()
+
+    def done(futures):
+        state.status, state.expecting = status, False
+        return futures.value()[0].value()[0]
+    return torch.futures.collect_all([fut, status_fut]).then(done)
+
+
+def complete_after_failure(ddp, state: DdpSum, timeout: float) -> None:
+    """On a rank whose backward raised: the all-reduces of the buckets DDP did not send, on
+    zeros, the last with this rank marked in the status vector, so that the other ranks'
+    backward ends (and raises RingPeerError there). Waits at most ``timeout``
+    seconds (a peer that died does not answer); the caller re-raises its own error either
+    way. Uses DDP's own (private) list of its buckets, the one its join mode replays."""
+    buckets = ddp.reducer._get_zeros_like_grad_buckets()  # in the order DDP sends them
+    works = []
+    with torch.no_grad():
+        for bucket in buckets:
+            if bucket.index() < state.launched:
+                continue
+            buffer = bucket.buffer()
+            works.append(dist.all_reduce(buffer, async_op=True))
+            if bucket.is_last():
+                works.append(dist.all_reduce(state.status_vector(buffer.device, failed=True),
+                                             async_op=True))
+    state.launched = len(buckets)
+    for work in works:
+        work.wait(datetime.timedelta(seconds=timeout))

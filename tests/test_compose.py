@@ -292,6 +292,32 @@ def _accumulate(cfg):
                       for n, p in model.unwrap().named_parameters()}, "norm": float(norm)}
 
 
+def _tp_only_accumulation():
+    """W=2 as tp 2 alone (dp x sp = 1: nothing is summed over ranks): global batches 0 and 1
+    as two backward passes without no_sync, then a step."""
+    from torch.distributed.tensor import DTensor
+    plugin, booster, model, opt, criterion, loader = _boosted("llama", dict(sp_size=1,
+                                                                            tp_size=2))
+    batches = iter(loader)
+    for _ in range(2):
+        batch = next(batches)
+        booster.backward(criterion(model(**batch), batch), opt)
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+             for n, p in model.unwrap().named_parameters()}
+    return {"grads": grads, "step": error_text(opt.step)}
+
+
+def test_tensor_parallelism_alone_accumulates_without_no_sync():
+    """With tp alone no gradient is summed over ranks, so backward passes accumulate exactly
+    without no_sync, as on one process, and the step takes them (before: refused, "2 backward
+    passes summed the gradients over the ranks ... W times too large")."""
+    ref = _accumulated_grads()
+    for r in run_ranks(_tp_only_accumulation, 2, timeout=300):
+        assert r["step"] == "no error", r["step"]
+        for name, g in ref["grads"].items():
+            assert _rel(r["grads"][name], g) <= REL, name
+
+
 def _bf16_step():
     """One bf16 step of sp2 x tp2 x zero3 (FSDP's MixedPrecisionPolicy, float32 reduction)."""
     from torch.distributed.tensor import DTensor

@@ -411,6 +411,39 @@ def test_position_ids_are_checked_again_when_the_call_changes(state_dicts):
         model(input_ids=ids[:1], position_ids=positions, use_cache=False)
 
 
+def test_a_call_without_a_mask_after_one_with_an_all_ones_mask(state_dicts):
+    """Training batches with an all-ones attention_mask, then an evaluation batch without one
+    (before: AttributeError, the checked mask's reference was dead and None was taken for it;
+    on a ring, a rank that had seen a mask raised outside the agreement and its peer waited for
+    the ring timeout). Both calls give the model's own logits."""
+    from ringseq.integrations.transformers import apply
+    ids, _ = _batch(13)
+    with torch.no_grad():
+        plain = _model("llama", state_dicts["llama"])(input_ids=ids, use_cache=False).logits
+        ref64 = _model("llama", state_dicts["llama"]).double()(input_ids=ids,
+                                                               use_cache=False).logits
+        model = apply(_model("llama", state_dicts["llama"]))
+        with_mask = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                          use_cache=False).logits
+        without = model(input_ids=ids, use_cache=False).logits
+    for name, got in (("with the mask", with_mask), ("without", without)):
+        assert_close_per_design(got, ref64, plain, name, 2.0, scaled_floor(torch.float32, ref64))
+
+
+def test_single_process_generate_takes_any_length_under_any_layout(state_dicts):
+    """generate(use_cache=False) on one process adds a token per step: a model switched with
+    layout="zigzag" takes odd lengths there (a ring of one holds the sequence in order under
+    every layout; before: refused at the second token with "pad it to 12"), and greedy
+    decoding gives the eager model's tokens."""
+    from ringseq.integrations.transformers import apply
+    ids = _batch(14)[0][:1, :9]
+    eager = _model("llama", state_dicts["llama"]).eval()
+    want = eager.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    model = apply(_model("llama", state_dicts["llama"]).eval(), layout="zigzag")
+    got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    assert torch.equal(got, want), (got, want)
+
+
 def _gemma3_multimodal():
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "Gemma3ForConditionalGeneration"):

@@ -120,7 +120,8 @@ def _marked(mark, t) -> bool:
     if mark is None:
         return t is None
     ref, version = mark
-    return version is not None and ref() is t and t._version == version
+    # (a checked tensor that is gone leaves a dead reference: None is not that tensor)
+    return version is not None and t is not None and ref() is t and t._version == version
 
 
 def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, position_ids,
@@ -283,6 +284,11 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
         layout = settings.layout.bind(docs)  # "documents": this batch's own layout
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
+    if docs is None and group_info(settings.group)[0] == 1:
+        # A ring of one holds the whole sequence in order under every layout (shard is the
+        # identity there), so no layout's length rule applies: e.g. generate's one more token
+        # per step on a model switched with layout="zigzag".
+        layout = get_layout("contiguous")
     window = (-1, -1)
     if sliding_window is not None:
         sw = int(sliding_window)

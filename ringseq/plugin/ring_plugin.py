@@ -474,8 +474,9 @@ class RingSequenceParallelPlugin(Plugin):
         # Counted by the SUM reductions of zero stage 0 (DDP, ReplicatedGradSync), checked by
         # the optimizer's step (OptimizerWrapper); FSDP reduce-scatters each backward's own
         # gradients into the shards, which accumulation does not double.
+        summed = dims.zero_stage == 0 and dims.world_size > dims.tp_size  # over dp x sp
         reduced = ReducedGrads()
-        if dims.zero_stage == 0 and dims.world_size > dims.tp_size:  # a sum over dp x sp
+        if summed:
             reduced.watch(model.parameters())
         if dims.zero_stage >= 2:
             from ..parallel.fsdp import apply_fsdp
@@ -484,7 +485,9 @@ class RingSequenceParallelPlugin(Plugin):
                                     else None))
         elif dims.tp_size > 1:
             from ..parallel.grad_sync import ReplicatedGradSync
-            grad_sync = ReplicatedGradSync(model, self.groups.dp_sp_mesh().get_group(), reduced)
+            # (tp alone sums nothing over ranks: accumulating without no_sync is exact there)
+            grad_sync = ReplicatedGradSync(model, self.groups.dp_sp_mesh().get_group(),
+                                           reduced if summed else None)
         elif dist.get_world_size() > 1:
             kwargs = {_NO_BUFFER_SYNC: False}  # buffers (RoPE tables) are identical
             kwargs.update(self.ddp_kwargs)

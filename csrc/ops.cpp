@@ -43,7 +43,8 @@ void check_4d(const at::Tensor& t, const char* name, const char* layout) {
 }
 
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, name,
+  // (an empty tensor has no element to read: torch.compile hands an empty gradient strides 0)
+  TORCH_CHECK_VALUE(t.numel() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, name,
                     " must be contiguous in its last (head) dimension, got strides ", t.strides(),
                     "; call .contiguous() on it, only the last dimension needs to be contiguous");
 }

@@ -377,3 +377,27 @@ def test_flash_attn_backend_gives_empty_rows_lse_minus_inf(monkeypatch):
     q = torch.zeros(1, 3, 2, 8)
     _, lse = FlashAttnBackend()._fwd(q, q[:, :2], q[:, :2], 0.3, True)
     assert torch.isneginf(lse[:, :, 0]).all() and (lse[:, :, 1:] == 0).all(), lse
+
+
+def test_forward_mode_ad_and_torch_func_transforms_are_refused():
+    """The operator's derivative is its backward: forward-mode AD (torch.func.jvp, dual
+    tensors) raises instead of giving a zero tangent without a word (before: jvp's tangent was
+    0 where the finite difference is about 1.7), and torch.func's other transforms raise an
+    error naming ringseq; reverse mode still works."""
+    import torch.autograd.forward_ad as fwAD
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64, generator=g) for _ in range(3))
+
+    def f(x):
+        return ringseq.flash_attn_func(x, k, v, causal=True)
+    with pytest.raises(RuntimeError, match="forward-mode AD"):
+        torch.func.jvp(f, (q,), (torch.ones_like(q),))
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
+        f(fwAD.make_dual(q, torch.ones_like(q)))
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.vmap(f)(q[None])
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.grad(lambda x: f(x).sum())(q)
+    x = q.clone().requires_grad_()
+    (dq,) = torch.autograd.grad(f(x).sum(), x)
+    assert torch.isfinite(dq).all() and dq.abs().max() > 0

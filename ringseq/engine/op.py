@@ -114,11 +114,30 @@ def _backward(ctx, dout, dlse, _dsaved):
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _refuse_transforms(fn: str, *tensors: Tensor) -> None:
+    """RuntimeError for inputs of forward-mode AD (``torch.autograd.forward_ad``) or of a
+    ``torch.func`` transform (``jvp``, ``grad``, ``vmap``, ...): the operator has a backward
+    only, and torch gives such a custom operator a zero tangent without a word (jvp) or an
+    error that does not name it."""
+    from torch.autograd.forward_ad import unpack_dual
+    if any(unpack_dual(t).tangent is not None for t in tensors):
+        raise RuntimeError(f"{fn}: forward-mode AD (a dual tensor input) is not supported by "
+                           f"ringseq attention: its derivative is defined by its backward only. "
+                           f"Use reverse mode (loss.backward(), torch.autograd.grad)")
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        raise RuntimeError(f"{fn}: torch.func transforms (jvp, grad, vmap, jacrev, ...) are not "
+                           f"supported by ringseq attention; use torch.autograd (loss.backward(), "
+                           f"torch.autograd.grad) and batch along the batch dimension")
+
+
 def run_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec,
                   placement: Placement) -> Tuple[Tensor, Tensor]:
     """``(out, lse)`` of attention with ``spec`` (validated by the caller) placed by
     ``placement``, through the ``ringseq::attention`` operator; differentiable in q, k, v and
-    lse (out in q's dtype, lse (b, h, s_q) float32, float64 for float64 inputs)."""
+    lse (out in q's dtype, lse (b, h, s_q) float32, float64 for float64 inputs). Raises
+    RuntimeError under forward-mode AD and torch.func's transforms (see _refuse_transforms)."""
+    if not torch.compiler.is_compiling():  # (dynamo's trace holds fake tensors, no duals)
+        _refuse_transforms(spec.fn, q, k, v)
     out, lse, _ = _attention_op(q, k, v, spec.key(), placement.key(), spec.documents_tensor(),
                                 spec.spans)
     return out, lse

@@ -19,7 +19,10 @@ CHECK_COUNTS: Counter = Counter()
 
 
 def count_check(name: str) -> None:
-    CHECK_COUNTS[name] += 1
+    # Not while dynamo traces: it would replay the increment and guard on the counter's
+    # value, so every later call would recompile (and fullgraph hit its recompile limit).
+    if not torch.compiler.is_compiling():
+        CHECK_COUNTS[name] += 1
 
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -77,7 +80,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "a
     if q.shape[3] == 0:
         raise ValueError(f"{fn}: headdim must be positive, got q {tuple(q.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
+        if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:  # (empty: nothing to read)
             raise ValueError(f"{fn}: {name} must be contiguous in its last (head) dimension, got "
                              f"strides {tuple(t.stride())}; call .contiguous() on it (only the "
                              f"last dimension needs to be contiguous)")

@@ -88,7 +88,9 @@ def check_softcap(softcap, fn: str = "attention") -> float:
         raise TypeError(f"{fn}: softcap must be a float (0.0: off), got {softcap!r} "
                         f"({type(softcap).__name__})")
     softcap = float(softcap)
-    if not (math.isfinite(softcap) and softcap >= 0.0):
+    # (comparisons, not math.isfinite: under torch.compile(dynamic=True) a default float is a
+    # symbolic float, which math.isfinite cannot take; NaN fails both comparisons)
+    if not 0.0 <= softcap < math.inf:
         raise ValueError(f"{fn}: softcap must be a finite float >= 0 (0.0: off), got {softcap!r}")
     return softcap
 

@@ -122,6 +122,43 @@ def _worker(tmp):
     out["raw_save_file"] = os.path.exists(bad_opt + ".pt")
     out["raw_load"] = error_text(lambda: io.load_optimizer(opt.unwrap(), good_opt))
 
+    # checkpoints of another optimizer (dcp.load reads only what it is asked for, so these
+    # loaded without an error): other groups, other group members, another class, a larger
+    # model; each raises on every rank and changes nothing
+    layer0, layer1 = list(model[0].parameters()), list(model[1].parameters())
+
+    def wrapped(groups, cls=torch.optim.AdamW):
+        return OptimizerWrapper(cls(groups, lr=1e-3), None, model=model)
+
+    two = wrapped([{"params": layer0}, {"params": layer1, "weight_decay": 0.0}])
+    out["groups_error"] = error_text(lambda: io.load_optimizer(two, good_opt))
+    two_opt = os.path.join(tmp, "optim_two_groups")
+    two.backward(model(torch.ones(2, 4)).sum())
+    two.step()
+    io.save_optimizer(two, two_opt)
+    moved = wrapped([{"params": layer0[:1]}, {"params": layer0[1:] + layer1,
+                                               "weight_decay": 0.0}])
+    out["members_error"] = error_text(lambda: io.load_optimizer(moved, two_opt))
+    out["members_kept"] = not moved.unwrap().state
+    sgd = wrapped([{"params": layer0}, {"params": layer1}], torch.optim.SGD)
+    out["class_error"] = error_text(lambda: io.load_optimizer(sgd, two_opt))
+    larger = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 6), nn.Linear(6, 6))
+    from torch.distributed.fsdp import fully_shard
+    for layer in larger:
+        fully_shard(layer)
+    fully_shard(larger)
+    big = OptimizerWrapper(torch.optim.AdamW(larger.parameters()), None, model=larger)
+    big.backward(larger(torch.ones(2, 4)).sum())
+    big.step()
+    io.save_optimizer(big, os.path.join(tmp, "optim_larger"))
+    out["larger_error"] = error_text(lambda: io.load_optimizer(opt, os.path.join(tmp,
+                                                                                 "optim_larger")))
+    out["larger_kept"] = _same(_optimizer_state(opt), zeroed)
+    # a sharded save onto a path that holds a file: torch's CheckpointException is a
+    # BaseException (before: it went past `except Exception`)
+    out["save_onto_file"] = error_text(lambda: io.save_optimizer(
+        opt, os.path.join(good_model, "pytorch_model.bin.index.json")))
+
     # the intact checkpoints load exactly
     with torch.no_grad():
         for p in model.parameters():
@@ -159,3 +196,15 @@ def test_sharded_checkpoints_load_all_or_nothing(tmp_path):
         assert not got["raw_save_file"]
         assert got["raw_load"].startswith("ValueError: load_optimizer: ") and \
             "pass the boosted optimizer" in got["raw_load"], got
+        for key, words in (("groups_error", "the checkpoint has 1 parameter group(s), the "
+                                            "optimizer 2"),
+                           ("members_error", "group 0 holds other parameters in the checkpoint"),
+                           ("class_error", "lacks the settings ['dampening', 'momentum', "
+                                           "'nesterov']"),
+                           ("larger_error", "optimizer state for 2 parameter(s) this optimizer "
+                                            "does not (['2.bias', '2.weight']")):
+            assert got[key].startswith("ValueError: ") and words in got[key], (rank, got[key])
+            assert "nothing was loaded" in got[key], (rank, got[key])
+        assert got["members_kept"] and got["larger_kept"], rank
+        assert got["save_onto_file"].startswith("ValueError: torch.distributed.checkpoint could "
+                                                "not save to"), got["save_onto_file"]

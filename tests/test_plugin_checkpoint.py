@@ -5,6 +5,7 @@ tests/test_compose.py and tests/test_checkpoint_all_or_nothing.py)."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -111,3 +112,43 @@ def test_unreadable_optimizer_directory_raises_a_value_error(tmp_path):
     with pytest.raises(ValueError, match=r"torch\.distributed\.checkpoint could not load .*optim"
                                          r"'.*rank 0: "):
         io.load_optimizer(opt, path)
+
+
+def test_files_of_another_optimizer_class_or_scheduler_are_refused(tmp_path):
+    """An AdamW file into an SGD optimizer (before: loaded, then KeyError 'momentum' at the next
+    step), an optimizer or model file as a scheduler, another scheduler class, and a
+    scheduler of another number of groups (before: all loaded without a word, as attributes)
+    raise ValueError and change nothing; the right files load."""
+    io = DistributedCheckpointIO()
+    model = nn.Linear(3, 2)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 3)).sum().backward()
+    adamw.step()
+    linear = torch.optim.lr_scheduler.LinearLR(adamw, total_iters=4)
+    linear.step()
+    paths = {name: str(tmp_path / name) for name in ("optim", "sched", "model")}
+    io.save_optimizer(adamw, paths["optim"])
+    io.save_lr_scheduler(linear, paths["sched"])
+    io.save_model(model, paths["model"])
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"lacks the settings \['dampening', 'momentum'\] "
+                                         r"of SGD"):
+        io.load_optimizer(sgd, paths["optim"])
+    assert "betas" not in sgd.param_groups[0] and not sgd.state
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(torch.optim.SGD(model.parameters(),
+                                                                        lr=0.1), T_max=3)
+    two_groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    for sched, path, words in (
+            (linear, paths["optim"], "not a state dict of this LinearLR"),
+            (linear, paths["model"], "not a state dict of this LinearLR"),
+            (cosine, paths["sched"], "not a state dict of this CosineAnnealingLR"),
+            (torch.optim.lr_scheduler.LinearLR(two_groups, total_iters=4), paths["sched"],
+             "1 parameter group(s), this one 2")):
+        before = dict(vars(sched))
+        with pytest.raises(ValueError, match=re.escape(words)):
+            io.load_lr_scheduler(sched, path)
+        assert vars(sched).keys() == before.keys()
+    fresh = torch.optim.lr_scheduler.LinearLR(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                              total_iters=4)
+    io.load_lr_scheduler(fresh, paths["sched"])
+    assert fresh.last_epoch == 1 and fresh.state_dict() == linear.state_dict()

@@ -146,6 +146,7 @@ def _check_optimizer_state(optimizer, state) -> None:
                                         for a, b in zip(saved, groups)):
         raise ValueError(f"the checkpoint has {[len(g['params']) for g in saved]} parameters "
                          f"per group, the optimizer {[len(g['params']) for g in groups]}")
+    _check_group_settings(optimizer, saved)
     params = {i: p for a, b in zip(saved, groups) for i, p in zip(a["params"], b["params"])}
     for i, entries in state["state"].items():
         p = params.get(i)
@@ -155,6 +156,47 @@ def _check_optimizer_state(optimizer, state) -> None:
             if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
                 raise ValueError(f"state {name!r} of parameter {i} has shape "
                                  f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
+
+
+def _check_group_settings(optimizer, saved_groups) -> None:
+    """The settings each saved group lacks that this optimizer's class needs: its
+    ``load_state_dict`` takes the saved groups as they are, after the class's
+    ``__setstate__`` filled in the settings newer versions added, so a group saved by another
+    optimizer class (Adam's into SGD: no ``momentum``) loads and fails at the next step. Run on
+    copies of the groups in a bare object of the class."""
+    groups = [dict(g) for g in saved_groups]
+    try:
+        probe = object.__new__(type(optimizer))
+        probe.__setstate__({"defaults": dict(optimizer.defaults), "state": {},
+                            "param_groups": groups})
+    except Exception:  # noqa: BLE001 - a class whose __setstate__ needs more: not checked
+        return
+    for i, group in enumerate(groups):
+        missing = sorted(set(optimizer.defaults) - set(group))
+        if missing:
+            raise ValueError(f"group {i} of the checkpoint lacks the settings {missing} of "
+                             f"{type(optimizer).__name__} (a state dict of another optimizer "
+                             f"class? it has {sorted(k for k in group if k != 'params')})")
+
+
+def _check_scheduler_state(lr_scheduler, state) -> None:
+    """A learning-rate scheduler's state dict of this scheduler's class and optimizer: the
+    same keys as its own (another class, an optimizer's or a model's state dict differ) and a
+    base learning rate per parameter group. ``load_state_dict`` checks nothing: it sets every
+    entry as an attribute."""
+    own = lr_scheduler.state_dict()
+    if not isinstance(state, dict):
+        raise ValueError(f"a learning-rate scheduler checkpoint is a state dict, got a "
+                         f"{type(state).__name__}")
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or extra:
+        raise ValueError(f"the checkpoint is not a state dict of this "
+                         f"{type(lr_scheduler).__name__}: it lacks {missing[:6]} and has "
+                         f"{extra[:6]} besides (another scheduler class, or the optimizer's or "
+                         f"the model's checkpoint?)")
+    if "base_lrs" in own and len(state["base_lrs"]) != len(own["base_lrs"]):
+        raise ValueError(f"the checkpoint's scheduler has {len(state['base_lrs'])} parameter "
+                         f"group(s), this one {len(own['base_lrs'])}")
 
 
 def _with_scaler_state(optimizer, scaler_file: str, read_optimizer):
@@ -236,4 +278,5 @@ class ReplicatedCheckpointIO:
         _save(lr_scheduler.state_dict(), checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        _load(checkpoint, lambda state: None, lr_scheduler.load_state_dict)
+        _load(checkpoint, lambda state: _check_scheduler_state(lr_scheduler, state),
+              lr_scheduler.load_state_dict)

@@ -132,10 +132,7 @@ def _dcp_read(state: dict, path: str) -> dict:
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as exc:
-        causes = "; ".join(f"rank {r}: {type(f[0]).__name__}: {f[0]}"
-                           for r, f in sorted(exc.failures.items()))
-        raise ValueError(f"torch.distributed.checkpoint could not load {path!r}: "
-                         f"{causes}") from None
+        raise ValueError(_checkpoint_exception_text(exc, path, "load")) from None
     return state
 
 
@@ -155,8 +152,83 @@ def _fqn_optimizer_state(optimizer, plain: dict) -> dict:
                              for g in groups]}
 
 
-def _nothing_more(_states) -> None:
-    """No check beyond what reading the checkpoint has done."""
+def _checkpoint_exception_text(exc, path: str, what: str) -> str:
+    causes = "; ".join(f"rank {r}: {type(f[0]).__name__}: {f[0]}"
+                       for r, f in sorted(exc.failures.items()))
+    return f"torch.distributed.checkpoint could not {what} {path!r}: {causes}"
+
+
+def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
+    """What ``dcp.load`` does not check, from the directory's metadata (the same on every
+    rank) against this optimizer's own state dict ``own`` (parameter names): the number of
+    parameter groups and the settings each needs, and state for exactly this optimizer's
+    parameters (``dcp.load`` reads only the entries it is asked for: a checkpoint of a larger
+    model, or with more groups, loaded without a word). ValueError naming what differs."""
+    import torch.distributed.checkpoint as dcp
+    keys = list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    group_prefix, state_prefix = "optimizer.param_groups.", "optimizer.state."
+    settings: dict = {}
+    for key in keys:
+        if key.startswith(group_prefix):
+            index, _, name = key[len(group_prefix):].partition(".")
+            settings.setdefault(int(index), set()).add(name)
+    groups = own["param_groups"]
+    if len(settings) != len(groups):
+        raise ValueError(f"the checkpoint has {len(settings)} parameter group(s), the optimizer "
+                         f"{len(groups)}: build the optimizer with the parameter groups of the "
+                         f"run that saved it")
+    for i, group in enumerate(groups):
+        lacking = sorted(set(group) - settings.get(i, set()))
+        if lacking:
+            raise ValueError(f"group {i} of the checkpoint lacks the settings {lacking} of this "
+                             f"optimizer (a checkpoint of another optimizer class?)")
+    saved = {k[len(state_prefix):] for k in keys if k.startswith(state_prefix)}
+    wanted = {f"{name}.{entry}" for name, entries in own["state"].items() for entry in entries}
+
+    def params(entries):  # "<parameter name>.<state entry>" -> the parameter names
+        return sorted({e.rpartition(".")[0] for e in entries})
+    extra, lacking = params(saved - wanted), params(wanted - saved)
+    if extra:
+        raise ValueError(f"the checkpoint holds optimizer state for {len(extra)} parameter(s) "
+                         f"this optimizer does not ({extra[:4]}{' ...' if len(extra) > 4 else ''}"
+                         f"): a checkpoint of another model or of more parameters")
+    if lacking:
+        raise ValueError(f"the checkpoint holds no optimizer state (or not all of it) for "
+                         f"{len(lacking)} parameter(s) of this optimizer ({lacking[:4]}"
+                         f"{' ...' if len(lacking) > 4 else ''})")
+
+
+def _own_optimizer_state(model, opt) -> dict:
+    """``get_optimizer_state_dict(model, opt)``: this optimizer's state by parameter name, laid
+    out for every parameter. torch lays out the state of an optimizer that has none yet (a
+    step at lr 0) only while no parameter holds a gradient, so the gradients are set aside
+    meanwhile (a resume after a backward would otherwise load no state at all)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    held = {}
+    if not opt.state:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    held[p], p.grad = p.grad, None
+    try:
+        return get_optimizer_state_dict(model, opt)
+    finally:
+        for p, grad in held.items():
+            p.grad = grad
+
+
+def _check_group_members(loaded: dict, own_groups) -> None:
+    """Each group of the checkpoint (its parameter names, which ``dcp.load`` put into the
+    staged state) holds the parameters of this optimizer's group: the settings of group i
+    apply to its own parameters."""
+    for i, (theirs, mine) in enumerate(zip(loaded["param_groups"], own_groups)):
+        only_theirs = sorted(set(theirs["params"]) - set(mine))
+        only_mine = sorted(set(mine) - set(theirs["params"]))
+        if only_theirs or only_mine:
+            raise ValueError(f"group {i} holds other parameters in the checkpoint: "
+                             f"{only_theirs[:3]} there and not here, {only_mine[:3]} here and "
+                             f"not there: build the optimizer's groups as the run that saved it "
+                             f"did")
 
 
 class DistributedCheckpointIO(ReplicatedCheckpointIO):
@@ -227,9 +299,13 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                              "optimizer booster.boost returned (it names the state by the "
                              "model's parameter names), got the optimizer itself")
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         state = get_optimizer_state_dict(model, _unwrap(optimizer))
-        dcp.save({"optimizer": state}, checkpoint_id=checkpoint)
+        try:  # collective: raises on every rank when one fails
+            dcp.save({"optimizer": state}, checkpoint_id=checkpoint)
+        except CheckpointException as exc:  # a BaseException: `except Exception` misses it
+            raise ValueError(_checkpoint_exception_text(exc, checkpoint, "save to")) from None
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None:  # (dcp reads only the files its metadata lists)
             _save(scaler.state_dict(), os.path.join(checkpoint, _SCALER_FILE))
@@ -253,10 +329,16 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                                                              set_optimizer_state_dict)
         opt = _unwrap(optimizer)
         if os.path.isdir(checkpoint):
+            own_groups = []  # this optimizer's groups by parameter name (dcp.load overwrites
+                             # the staged copy's with the checkpoint's)
+
             def read_optimizer(path):  # this mesh's layout, filled in from the checkpoint
                 staged, error = None, None
                 try:
-                    staged = _empty_like_state(get_optimizer_state_dict(model, opt))
+                    own = _own_optimizer_state(model, opt)
+                    _check_dcp_optimizer_layout(path, own)
+                    own_groups[:] = [list(g["params"]) for g in own["param_groups"]]
+                    staged = _empty_like_state(own)
                 except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
                     error = exc
                 # dcp.load is collective: a rank that could not stage (out of memory) must not
@@ -266,7 +348,8 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                                                          "on another rank")
                 return _dcp_read({"optimizer": staged}, path)["optimizer"]
 
-            check = _nothing_more  # dcp.load has matched every key and global shape
+            def check(states):  # (dcp.load matched every key it was asked for and its shape)
+                _check_group_members(states[0], own_groups)
 
             def apply_optimizer(state):
                 set_optimizer_state_dict(model, opt, state)

@@ -428,6 +428,36 @@ def test_backward_failure_on_one_rank_raises_everywhere_under_ddp():
             assert max_err(got, ref) < 1e-10
 
 
+def _worker_subgroup_stall():
+    """W=4 in two rings of 2 ({0, 1} and {2, 3}); global rank 3 stalls past the timeout: its
+    ring peer, global rank 2 (rank 0 of its group), times out naming the peer by its global
+    rank; the other ring is exact; after a reset of that ring it is exact again."""
+    rank = dist.get_rank()
+    rings = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = rings[rank // 2]
+    full = _full(3)
+    loc = [ringseq.shard(t, "zigzag", group=mine) for t in full]
+    if rank == 3:
+        time.sleep(TIMEOUT + 3)
+    out = {"call": _capture(lambda: ringseq.ring_flash_attn_func(*loc, causal=True,
+                                                                 layout="zigzag", group=mine))}
+    dist.barrier()
+    ringseq.reset_ring(mine)
+    out["after_reset"] = _capture(lambda: _exact(group=mine, seed=3))
+    return out
+
+
+def test_timeout_names_a_subgroup_peer_by_its_global_rank():
+    res = run_ranks(_worker_subgroup_stall, 4, timeout=120,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    _is_error(res[2]["call"], ("RingTimeoutError",), "rank 0 (global rank 2) waited more than",
+              "global ranks [3]")
+    for rank in (0, 1):
+        assert res[rank]["call"][0] == "ok", res[rank]
+    for r in res:
+        _exact_ok(r["after_reset"])
+
+
 def _single_process_params():
     """The same two good steps on one process (the reference of the plugin case)."""
     model = _tiny_llama().double()

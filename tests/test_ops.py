@@ -401,3 +401,5 @@ def test_forward_mode_ad_and_torch_func_transforms_are_refused():
     x = q.clone().requires_grad_()
     (dq,) = torch.autograd.grad(f(x).sum(), x)
     assert torch.isfinite(dq).all() and dq.abs().max() > 0
+    # functionalize computes no derivative: it runs
+    assert torch.equal(torch.func.functionalize(f)(q), f(q))

@@ -152,3 +152,9 @@ def test_files_of_another_optimizer_class_or_scheduler_are_refused(tmp_path):
                                               total_iters=4)
     io.load_lr_scheduler(fresh, paths["sched"])
     assert fresh.last_epoch == 1 and fresh.state_dict() == linear.state_dict()
+    # another torch version's file: its private keys and `verbose` differ, and still load
+    other = dict(linear.state_dict(), verbose=False)
+    other.pop("_is_initial", None)
+    torch.save(other, paths["sched"])
+    io.load_lr_scheduler(torch.optim.lr_scheduler.LinearLR(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), total_iters=4), paths["sched"])

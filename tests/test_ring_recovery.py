@@ -362,18 +362,20 @@ def _case_plugin_skipped_step():
     return out
 
 
-def _worker_backward_failures():
+def _worker_backward_failures(ddp_kwargs):
     """W=4 as dp 2 x sp 2 (DDP): rank 1's backward raises, in the embedding's backward (after
-    its last ring call) and in the last layer's MLP (before its ring calls). Every rank must
-    raise within seconds: rank 1 its own error, its ring peer RingBrokenError or RingPeerError,
-    the other ring's ranks RingPeerError naming the ranks whose backward did not end (before:
-    they waited in DDP's all-reduce until the process group's timeout). After booster.reset()
-    and zero_grad on every rank training goes on and equals two good steps on one process."""
+    its last ring call) at the very first step, and in the last layer's MLP (before its ring
+    calls) after a good step, with a forward under no_grad between that step's forward and
+    backward. Every rank must raise within seconds: rank 1 its own error, its ring peer
+    RingBrokenError or RingPeerError, the other ring's ranks RingPeerError naming the ranks
+    whose backward did not end (before: they waited in DDP's all-reduce until the process
+    group's timeout). After booster.reset() and zero_grad on every rank training goes on and
+    equals two good steps on one process."""
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
     inner = _tiny_llama().double()
-    plugin = RingSequenceParallelPlugin(sp_size=2, layout="zigzag")
+    plugin = RingSequenceParallelPlugin(sp_size=2, layout="zigzag", ddp_kwargs=ddp_kwargs)
     booster = Booster(plugin=plugin)
     model, opt, crit, _, _ = booster.boost(inner, torch.optim.SGD(inner.parameters(), lr=0.1))
     g = torch.Generator().manual_seed(1)
@@ -388,28 +390,37 @@ def _worker_backward_failures():
     for m in (inner.model.embed_tokens, inner.model.layers[1].mlp):
         m.register_full_backward_hook(fail_on_rank_1)
 
-    def step():
+    def step(peek=False):
         loss = crit(model(**batch), batch)
+        if peek:
+            with torch.no_grad():  # an evaluation forward in between: DDP waits as before
+                model(**batch)
         booster.backward(loss, opt)
         opt.step()
         opt.zero_grad()
         return float(loss)
 
-    out = {"first": _capture(step)}
-    for name, module in (("embedding", inner.model.embed_tokens),
-                         ("mlp", inner.model.layers[1].mlp)):
+    def failing_step(module, peek=False):
         failing["at"] = module
-        out[name] = _capture(step)
-        failing["at"] = None
-        opt.zero_grad()
-        booster.reset()
+        try:
+            return _capture(lambda: step(peek))
+        finally:
+            failing["at"] = None
+            opt.zero_grad()
+            booster.reset()
+
+    out = {"embedding": failing_step(inner.model.embed_tokens)}  # the very first step
+    out["first"] = _capture(step)
+    out["mlp"] = failing_step(inner.model.layers[1].mlp, peek=True)
     out["after"] = _capture(step)
     out["params"] = [p.detach().clone() for p in inner.parameters()]
     return out
 
 
-def test_backward_failure_on_one_rank_raises_everywhere_under_ddp():
-    res = run_ranks(_worker_backward_failures, 4, timeout=300,
+@pytest.mark.parametrize("ddp_kwargs", [{}, {"find_unused_parameters": True}],
+                         ids=["default", "find_unused_parameters"])
+def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(ddp_kwargs):
+    res = run_ranks(_worker_backward_failures, 4, ddp_kwargs, timeout=300,
                     env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     for rank, r in enumerate(res):
         assert r["first"][0] == "ok" and r["after"][0] == "ok", r

@@ -124,7 +124,9 @@ def _refuse_transforms(fn: str, *tensors: Tensor) -> None:
         raise RuntimeError(f"{fn}: forward-mode AD (a dual tensor input) is not supported by "
                            f"ringseq attention: its derivative is defined by its backward only. "
                            f"Use reverse mode (loss.backward(), torch.autograd.grad)")
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+    functorch = torch._C._functorch
+    if any(functorch.is_functorch_wrapped_tensor(t) and not functorch.is_functionaltensor(t)
+           for t in tensors):  # (functionalize computes no derivative: fine)
         raise RuntimeError(f"{fn}: torch.func transforms (jvp, grad, vmap, jacrev, ...) are not "
                            f"supported by ringseq attention; use torch.autograd (loss.backward(), "
                            f"torch.autograd.grad) and batch along the batch dimension")

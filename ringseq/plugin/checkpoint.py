@@ -181,14 +181,19 @@ def _check_group_settings(optimizer, saved_groups) -> None:
 
 def _check_scheduler_state(lr_scheduler, state) -> None:
     """A learning-rate scheduler's state dict of this scheduler's class and optimizer: the
-    same keys as its own (another class, an optimizer's or a model's state dict differ) and a
-    base learning rate per parameter group. ``load_state_dict`` checks nothing: it sets every
-    entry as an attribute."""
-    own = lr_scheduler.state_dict()
+    same public keys as its own (another class, an optimizer's or a model's state dict
+    differ; private ones and ``verbose`` come and go between torch versions) and a base
+    learning rate per parameter group. ``load_state_dict`` checks nothing: it sets every entry
+    as an attribute."""
     if not isinstance(state, dict):
         raise ValueError(f"a learning-rate scheduler checkpoint is a state dict, got a "
                          f"{type(state).__name__}")
-    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+
+    def public(keys):
+        return {k for k in keys if not (isinstance(k, str) and k.startswith("_"))} - {"verbose"}
+    own = lr_scheduler.state_dict()
+    missing = sorted(public(own) - public(state), key=str)
+    extra = sorted(public(state) - public(own), key=str)
     if missing or extra:
         raise ValueError(f"the checkpoint is not a state dict of this "
                          f"{type(lr_scheduler).__name__}: it lacks {missing[:6]} and has "

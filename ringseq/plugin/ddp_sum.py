@@ -40,13 +40,15 @@ class DdpSum:
         self.expecting = False
         self.launched = 0
         self.status: Optional[torch.Tensor] = None
+        self.completed = 0  # reduced backward passes that ended
 
     def forward_ran(self) -> None:
         """After the boosted model's forward ended: whether DDP now waits for a reduced
-        backward (not under no_grad, not inside ``no_sync``)."""
-        self.expecting = torch.is_grad_enabled() and self.ddp.require_backward_grad_sync
-        self.launched = 0
-        self.status = None
+        backward (not inside ``no_sync``). A forward under no_grad leaves DDP as it was."""
+        if torch.is_grad_enabled():
+            self.expecting = self.ddp.require_backward_grad_sync
+            self.launched = 0
+            self.status = None
 
     def reset(self) -> None:
         """On every rank (the plugin's reset): DDP's reducer forgets the backward that raised
@@ -61,11 +63,25 @@ class DdpSum:
             vec[dist.get_rank()] = 1
         return vec
 
-    def after_failure(self, timeout: float) -> None:
-        """This rank's backward raised: completes DDP's collectives (see the module doc)."""
-        if self.expecting:
-            self.expecting = False
+    def after_failure(self, timeout: float) -> Optional[str]:
+        """This rank's backward raised: completes DDP's collectives (see the module doc).
+        Returns a note for this rank's error when they could not be completed (never raises:
+        the rank's own error is what it raises)."""
+        if not self.expecting:
+            return None
+        self.expecting = False
+        if getattr(self.ddp, "static_graph", False) and not self.completed:
+            # DDP's first static-graph iteration reduces at its end in an order of its own
+            return ("ringseq: DDP's gradient reduction was not completed for the other ranks "
+                    "(static_graph's first iteration): they wait for the process group's "
+                    "timeout")
+        try:
             complete_after_failure(self.ddp, self, timeout)
+        except Exception as exc:  # noqa: BLE001 - a peer gone, or too slow to answer
+            return (f"ringseq: completing DDP's gradient reduction for the other ranks failed "
+                    f"({type(exc).__name__}: {exc}); the process group may be unusable: "
+                    f"restart from a checkpoint")
+        return None
 
     def after_success(self) -> None:
         """This rank's backward ended: raises RingPeerError when another rank's did not (its
@@ -99,6 +115,7 @@ def sum_allreduce_hook(state: DdpSum, bucket):
 
     def done(futures):
         state.status, state.expecting = status, False
+        state.completed += 1
         return futures.value()[0].value()[0]
     return torch.futures.collect_all([fut, status_fut]).then(done)
 
@@ -120,6 +137,9 @@ def complete_after_failure(ddp, state: DdpSum, timeout: float) -> None:
             if bucket.is_last():
                 works.append(dist.all_reduce(state.status_vector(buffer.device, failed=True),
                                              async_op=True))
+        if ddp.find_unused_parameters:  # DDP's all-reduce of the used-parameter map follows
+            used = ddp.reducer._get_local_used_map()
+            works.append(dist.all_reduce(torch.zeros_like(used), async_op=True))
     state.launched = len(buckets)
     for work in works:
         work.wait(datetime.timedelta(seconds=timeout))

@@ -180,8 +180,13 @@ def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
     for i, group in enumerate(groups):
         lacking = sorted(set(group) - settings.get(i, set()))
         if lacking:
+            why = ("a learning-rate scheduler was attached here and not in the run that saved "
+                   "it: load the optimizer before building the scheduler"
+                   if lacking == ["initial_lr"] else
+                   "a checkpoint of another optimizer class, or written by another torch "
+                   "version?")
             raise ValueError(f"group {i} of the checkpoint lacks the settings {lacking} of this "
-                             f"optimizer (a checkpoint of another optimizer class?)")
+                             f"optimizer ({why})")
     saved = {k[len(state_prefix):] for k in keys if k.startswith(state_prefix)}
     wanted = {f"{name}.{entry}" for name, entries in own["state"].items() for entry in entries}
 

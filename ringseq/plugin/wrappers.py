@@ -181,6 +181,9 @@ class FailureReporter:
     def __init__(self, ring, loss_group=None, device=None):
         self.ring, self.loss_group, self.device = ring, loss_group, device
         self._calls = {}  # phase -> ring calls of the last complete pass
+        #: ring calls of a backward per ring call of its forward, for the first backward
+        #: (2 with the plugin's activation checkpointing: each layer's forward runs again)
+        self.backward_calls_per_forward = 1
         #: the DDP reductions of the boosted models (``ddp_sum.DdpSum``): a backward that
         #: raised completes their collectives, one that ended checks the peers' status
         self.ddp_sums = []
@@ -190,22 +193,40 @@ class FailureReporter:
         before = self.ring.calls
         try:
             yield
-        except Exception as exc:
+        except (Exception, KeyboardInterrupt) as exc:
             if dist.is_initialized():
-                full = self._calls.get(phase)
-                local = not isinstance(exc, (RingError, RingMismatchError))  # peers don't know
-                if local and (full is None or self.ring.calls - before < full):
-                    self.ring.report_failure(exc)
-                if phase == "forward":
-                    report_step_failure(self.loss_group, exc)
-                else:  # after the report: ring peers still in a ring call must get out first
-                    for ddp_sum in self.ddp_sums:
-                        ddp_sum.after_failure(ring_timeout())
+                try:
+                    self._report(phase, exc, self.ring.calls - before)
+                except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
+                    exc.add_note(f"ringseq: reporting it to the ring peers failed too: "
+                                 f"{type(report_exc).__name__}: {report_exc}")
+                if phase == "backward":
+                    # after the report: ring peers still in a ring call must get out first.
+                    # Only the one model DDP waits on; with several boosted models waiting the
+                    # ranks' next collectives cannot be told, and none is sent.
+                    waiting = [d for d in self.ddp_sums if d.expecting]
+                    if len(waiting) == 1:
+                        note = waiting[0].after_failure(2 * ring_timeout())
+                        if note:
+                            exc.add_note(note)
             raise
         self._calls[phase] = self.ring.calls - before
         if phase == "backward":
             for ddp_sum in self.ddp_sums:
                 ddp_sum.after_success()  # RingPeerError when another rank's backward raised
+
+
+    def _report(self, phase: str, exc: BaseException, calls: int) -> None:
+        full = self._calls.get(phase)
+        if full is None and phase == "backward" and "forward" in self._calls:
+            # the first backward: as many ring calls as its forward made (twice that when
+            # every layer is recomputed): the peers, past them, would never meet a report
+            full = self._calls["forward"] * self.backward_calls_per_forward
+        local = not isinstance(exc, (RingError, RingMismatchError))  # peers don't know
+        if local and (full is None or calls < full):
+            self.ring.report_failure(exc)
+        if phase == "forward":
+            report_step_failure(self.loss_group, exc)
 
 
 class OptimizerWrapper:

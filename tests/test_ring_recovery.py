@@ -362,7 +362,7 @@ def _case_plugin_skipped_step():
     return out
 
 
-def _worker_backward_failures(ddp_kwargs):
+def _worker_backward_failures(plugin_kwargs, hf_checkpointing, first):
     """W=4 as dp 2 x sp 2 (DDP): rank 1's backward raises, in the embedding's backward (after
     its last ring call) at the very first step, and in the last layer's MLP (before its ring
     calls) after a good step, with a forward under no_grad between that step's forward and
@@ -375,7 +375,9 @@ def _worker_backward_failures(ddp_kwargs):
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
     inner = _tiny_llama().double()
-    plugin = RingSequenceParallelPlugin(sp_size=2, layout="zigzag", ddp_kwargs=ddp_kwargs)
+    if hf_checkpointing:  # transformers' own: each layer's attention runs again
+        inner.gradient_checkpointing_enable()
+    plugin = RingSequenceParallelPlugin(sp_size=2, layout="zigzag", **plugin_kwargs)
     booster = Booster(plugin=plugin)
     model, opt, crit, _, _ = booster.boost(inner, torch.optim.SGD(inner.parameters(), lr=0.1))
     g = torch.Generator().manual_seed(1)
@@ -387,7 +389,9 @@ def _worker_backward_failures(ddp_kwargs):
     def fail_on_rank_1(module, grad_in, grad_out):
         if rank == 1 and failing["at"] is module:
             raise MemoryError("injected: out of memory in the backward")
-    for m in (inner.model.embed_tokens, inner.model.layers[1].mlp):
+    modules = {"embedding": inner.model.embed_tokens, "layer 0": inner.model.layers[0].mlp,
+               "layer 1": inner.model.layers[1].mlp}
+    for m in modules.values():
         m.register_full_backward_hook(fail_on_rank_1)
 
     def step(peek=False):
@@ -409,30 +413,38 @@ def _worker_backward_failures(ddp_kwargs):
             opt.zero_grad()
             booster.reset()
 
-    out = {"embedding": failing_step(inner.model.embed_tokens)}  # the very first step
+    out = {"at first": failing_step(modules[first])}  # the very first step
     out["first"] = _capture(step)
-    out["mlp"] = failing_step(inner.model.layers[1].mlp, peek=True)
+    out["later"] = failing_step(modules["layer 1"], peek=True)
     out["after"] = _capture(step)
     out["params"] = [p.detach().clone() for p in inner.parameters()]
     return out
 
 
-@pytest.mark.parametrize("ddp_kwargs", [{}, {"find_unused_parameters": True}],
-                         ids=["default", "find_unused_parameters"])
-def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(ddp_kwargs):
-    res = run_ranks(_worker_backward_failures, 4, ddp_kwargs, timeout=300,
-                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+@pytest.mark.parametrize("plugin_kwargs, hf_checkpointing, first", [
+    ({}, False, "embedding"),
+    ({"ddp_kwargs": {"find_unused_parameters": True}}, False, "embedding"),
+    ({"activation_checkpointing": True}, False, "embedding"),
+    ({}, True, "layer 0")], ids=["default", "find_unused_parameters", "plugin_checkpointing",
+                                 "transformers_checkpointing"])
+def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(plugin_kwargs,
+                                                                  hf_checkpointing, first):
+    res = run_ranks(_worker_backward_failures, 4, plugin_kwargs, hf_checkpointing, first,
+                    timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     for rank, r in enumerate(res):
         assert r["first"][0] == "ok" and r["after"][0] == "ok", r
-        for case in ("embedding", "mlp"):
+        for case in ("at first", "later"):
+            # (in seconds, not after a ring timeout: the first backward knows when its ring
+            # peers are past their ring calls, also with checkpointing)
+            assert r[case][-1] < TIMEOUT, (case, r[case])
             if rank == 1:
                 _is_error(r[case], ("MemoryError",), "injected")
-            elif rank == 0 and case == "mlp":  # its ring peer, inside a ring call
+            elif rank == 0 and (case == "later" or first != "embedding"):  # in a ring call
                 _is_error(r[case], ("RingBrokenError",), "rank 1 failed")
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
                           "booster.reset()")
-        assert "[1]" in r["embedding"][1] or rank == 1, r["embedding"]
+        assert "[1]" in r["at first"][1] or rank == 1 or first != "embedding", r["at first"]
     want = _single_process_params()
     for r in res:
         for got, ref in zip(r["params"], want):

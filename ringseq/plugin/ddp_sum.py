@@ -137,7 +137,9 @@ def complete_after_failure(ddp, state: DdpSum, timeout: float) -> None:
             if bucket.is_last():
                 works.append(dist.all_reduce(state.status_vector(buffer.device, failed=True),
                                              async_op=True))
-        if ddp.find_unused_parameters:  # DDP's all-reduce of the used-parameter map follows
+        # DDP's all-reduce of the used-parameter map follows its last bucket (sent by DDP
+        # itself when every bucket was)
+        if ddp.find_unused_parameters and state.launched < len(buckets):
             used = ddp.reducer._get_local_used_map()
             works.append(dist.all_reduce(torch.zeros_like(used), async_op=True))
     state.launched = len(buckets)

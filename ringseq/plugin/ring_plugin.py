@@ -471,7 +471,6 @@ class RingSequenceParallelPlugin(Plugin):
         if self.activation_checkpointing:
             from ..parallel.checkpointing import apply_activation_checkpointing
             apply_activation_checkpointing(layers)
-            self.reporter.backward_calls_per_forward = 2  # each layer's forward runs again
         # Counted by the SUM reductions of zero stage 0 (DDP, ReplicatedGradSync), checked by
         # the optimizer's step (OptimizerWrapper); FSDP reduce-scatters each backward's own
         # gradients into the shards, which accumulation does not double.

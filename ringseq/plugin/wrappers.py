@@ -70,6 +70,9 @@ class ModelWrapper(nn.Module):
             if self._reporter is None:
                 with self._precision.autocast():
                     return self.module(*args, **kwargs)
+            user = self.unwrap()
+            self._reporter.backward_calls_per_forward = (
+                2 if user.training and getattr(user, "is_gradient_checkpointing", False) else 1)
             with self._reporter.watch("forward"), self._precision.autocast():
                 out = self.module(*args, **kwargs)
         if self._ddp_sum is not None:
@@ -167,6 +170,14 @@ class ReducedGrads:
                 f"boosted optimizer or model: they reset this count) before the next step")
 
 
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where Python has it (3.11+); on 3.10 the note is dropped, so that
+    the rank's own error is still the one raised."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)
+
+
 class FailureReporter:
     """Tells the other ranks that this rank's forward or backward raised, so none of them
     waits for it (see :class:`ModelWrapper`).
@@ -181,8 +192,9 @@ class FailureReporter:
     def __init__(self, ring, loss_group=None, device=None):
         self.ring, self.loss_group, self.device = ring, loss_group, device
         self._calls = {}  # phase -> ring calls of the last complete pass
-        #: ring calls of a backward per ring call of its forward, for the first backward
-        #: (2 with the plugin's activation checkpointing: each layer's forward runs again)
+        #: ring calls of a backward per ring call of its forward, for the first backward: 2
+        #: under transformers' own gradient checkpointing, which runs each layer's attention
+        #: again (the plugin's keeps the attention outputs: 1); set by ModelWrapper.forward
         self.backward_calls_per_forward = 1
         #: the DDP reductions of the boosted models (``ddp_sum.DdpSum``): a backward that
         #: raised completes their collectives, one that ended checks the peers' status
@@ -198,8 +210,8 @@ class FailureReporter:
                 try:
                     self._report(phase, exc, self.ring.calls - before)
                 except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
-                    exc.add_note(f"ringseq: reporting it to the ring peers failed too: "
-                                 f"{type(report_exc).__name__}: {report_exc}")
+                    _add_note(exc, f"ringseq: reporting it to the ring peers failed too: "
+                                   f"{type(report_exc).__name__}: {report_exc}")
                 if phase == "backward":
                     # after the report: ring peers still in a ring call must get out first.
                     # Only the one model DDP waits on; with several boosted models waiting the
@@ -208,7 +220,7 @@ class FailureReporter:
                     if len(waiting) == 1:
                         note = waiting[0].after_failure(2 * ring_timeout())
                         if note:
-                            exc.add_note(note)
+                            _add_note(exc, note)
             raise
         self._calls[phase] = self.ring.calls - before
         if phase == "backward":

@@ -9,13 +9,13 @@ the process group's timeout. Here every bucket's all-reduce is counted as it sta
 whose backward raised runs the all-reduces it did not reach itself, on zeros
 (:func:`complete_after_failure`), and the last bucket carries a status vector in which such a
 rank marks itself. Every rank thus makes the same collectives, and the ranks whose backward
-ended see who did not finish (:meth:`DdpSum.raise_if_peers_failed`): their summed gradients
+ended see who did not finish (:meth:`DdpSum.after_success`): their summed gradients
 are invalid, and they raise instead of stepping.
 """
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

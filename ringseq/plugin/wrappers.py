@@ -227,7 +227,6 @@ class FailureReporter:
             for ddp_sum in self.ddp_sums:
                 ddp_sum.after_success()  # RingPeerError when another rank's backward raised
 
-
     def _report(self, phase: str, exc: BaseException, calls: int) -> None:
         full = self._calls.get(phase)
         if full is None and phase == "backward" and "forward" in self._calls:

@@ -362,6 +362,21 @@ def _case_plugin_skipped_step():
     return out
 
 
+def _boost_at_sp2(inner, plugin_kwargs):
+    """``inner`` boosted with SGD by the plugin at sp 2 (zigzag, plus ``plugin_kwargs``) and
+    one sample sharded over its sp group, the same on every dp group: ``(booster, model,
+    optimizer, criterion, batch)``."""
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    plugin = RingSequenceParallelPlugin(sp_size=2, layout="zigzag", **plugin_kwargs)
+    booster = Booster(plugin=plugin)
+    model, opt, crit, _, _ = booster.boost(inner, torch.optim.SGD(inner.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (1, 16), generator=g)
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, group=plugin.sp_group,
+                                layout="zigzag")
+    return booster, model, opt, crit, batch
+
+
 def _worker_backward_failures(plugin_kwargs, hf_checkpointing, first):
     """W=4 as dp 2 x sp 2 (DDP): rank 1's backward raises, in the embedding's backward (after
     its last ring call) at the very first step, and in the last layer's MLP (before its ring
@@ -371,19 +386,12 @@ def _worker_backward_failures(plugin_kwargs, hf_checkpointing, first):
     whose backward did not end (before: they waited in DDP's all-reduce until the process
     group's timeout). After booster.reset() and zero_grad on every rank training goes on and
     equals two good steps on one process."""
-    from ringseq.plugin import Booster, RingSequenceParallelPlugin
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
     inner = _tiny_llama().double()
     if hf_checkpointing:  # transformers' own: each layer's attention runs again
         inner.gradient_checkpointing_enable()
-    plugin = RingSequenceParallelPlugin(sp_size=2, layout="zigzag", **plugin_kwargs)
-    booster = Booster(plugin=plugin)
-    model, opt, crit, _, _ = booster.boost(inner, torch.optim.SGD(inner.parameters(), lr=0.1))
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (1, 16), generator=g)  # the same sample on both dp groups
-    batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, group=plugin.sp_group,
-                                layout="zigzag")
+    booster, model, opt, crit, batch = _boost_at_sp2(inner, plugin_kwargs)
     failing = {"at": None}
 
     def fail_on_rank_1(module, grad_in, grad_out):
@@ -445,6 +453,85 @@ def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(plugin_kwargs,
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
                           "booster.reset()")
         assert "[1]" in r["at first"][1] or rank == 1 or first != "embedding", r["at first"]
+    want = _single_process_params()
+    for r in res:
+        for got, ref in zip(r["params"], want):
+            assert max_err(got, ref) < 1e-10
+
+
+def _worker_fsdp_failures(plugin_kwargs):
+    """W=4 as dp 2 x sp 2 under FSDP: rank 1 raises at the very first step in the embedding's
+    backward (after its last ring call), then, after a good step, in layer 1's forward
+    (before its ring call) and in layer 1's backward after its ring call's backward (the
+    other ranks are then in FSDP's reduce-scatter of that layer, which this rank has not
+    reached, while the ring report waits for their next ring call). Every rank must raise
+    within seconds: rank 1 its own error, the others RingBrokenError (in a ring call) or
+    RingPeerError naming the ranks that did not finish. Before, the other ranks waited in
+    FSDP's all-gather or reduce-scatter until the process group's timeout. After zero_grad and
+    booster.reset() on every rank training goes on and equals two good steps on one
+    process."""
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    inner = _tiny_llama().double()
+    booster, model, opt, crit, batch = _boost_at_sp2(inner, plugin_kwargs)
+    failing = {"at": None}
+    layer1 = inner.model.layers[1].self_attn.q_proj
+    points = {"embedding backward": (inner.model.embed_tokens, "backward"),
+              "layer 1 forward": (layer1, "forward"), "layer 1 backward": (layer1, "backward")}
+    for name, (module, phase) in points.items():
+        def fail_on_rank_1(*_, name=name):
+            if rank == 1 and failing["at"] == name:
+                raise MemoryError("injected: out of memory")
+        if phase == "forward":
+            module.register_forward_hook(fail_on_rank_1)
+        else:
+            module.register_full_backward_hook(fail_on_rank_1)
+
+    def step():
+        loss = crit(model(**batch), batch)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    def failing_step(name):
+        failing["at"] = name
+        try:
+            return _capture(step)
+        finally:
+            failing["at"] = None
+            opt.zero_grad()
+            booster.reset()
+
+    out = {"embedding backward": failing_step("embedding backward")}  # the very first step
+    out["first"] = _capture(step)
+    for name in ("layer 1 forward", "layer 1 backward"):
+        out[name] = failing_step(name)
+    out["after"] = _capture(step)
+    out["params"] = [p.full_tensor().detach().clone() for p in model.unwrap().parameters()]
+    return out
+
+
+@pytest.mark.parametrize("plugin_kwargs", [
+    {"zero_stage": 3}, {"zero_stage": 2, "activation_checkpointing": True}],
+    ids=["zero3", "zero2_checkpointing"])
+def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs):
+    res = run_ranks(_worker_fsdp_failures, 4, plugin_kwargs, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        for case in ("embedding backward", "layer 1 forward", "layer 1 backward"):
+            assert r[case][-1] < TIMEOUT, (case, r[case])  # in seconds, not after a timeout
+            if rank == 1:
+                _is_error(r[case], ("MemoryError",), "injected")
+            elif rank == 0 and case != "embedding backward":  # in a ring call
+                _is_error(r[case], ("RingBrokenError",), "rank 1 failed")
+            elif case == "layer 1 forward":  # at the loss
+                _is_error(r[case], ("RingPeerError",), "failed where this rank did not",
+                          "MemoryError")
+            else:
+                _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
+                          "booster.reset()")
     want = _single_process_params()
     for r in res:
         for got, ref in zip(r["params"], want):

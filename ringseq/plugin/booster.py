@@ -42,11 +42,12 @@ class Booster:
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         """``optimizer.backward(loss)`` for a boosted optimizer (grad scaling for fp16), else
         ``loss.backward()``. An exception on one rank is reported to its ring peers when they
-        may still be inside a ring call of the backward (see ``ModelWrapper``); under DDP this
-        rank then sends the gradient buckets it did not reach, and the ranks whose backward
-        ended raise ``RingPeerError`` naming the ranks whose backward raised
-        (``ringseq.plugin.ddp_sum``). Recover with ``optimizer.zero_grad()`` and
-        ``booster.reset()`` on every rank."""
+        may still be inside a ring call of the backward (see ``ModelWrapper``); this rank then
+        completes the data-parallel collectives it did not reach (DDP's gradient buckets,
+        ``ringseq.plugin.ddp_sum``; FSDP's all-gathers and reduce-scatters,
+        ``ringseq.plugin.fsdp_replay``), and the ranks whose backward ended raise
+        ``RingPeerError`` naming the ranks whose backward raised. Recover with
+        ``optimizer.zero_grad()`` and ``booster.reset()`` on every rank."""
         reporter = getattr(self.plugin, "reporter", None)
         ctx = reporter.watch("backward") if reporter is not None else contextlib.nullcontext()
         with ctx:

@@ -42,6 +42,13 @@ class DdpSum:
         self.status: Optional[torch.Tensor] = None
         self.completed = 0  # reduced backward passes that ended
 
+    def forward_started(self) -> None:
+        """(DDP makes no collective in the forward.)"""
+
+    def after_forward_failure(self, timeout: float) -> Optional[str]:
+        """(Nothing to complete: DDP makes no collective in the forward.)"""
+        return None
+
     def forward_ran(self) -> None:
         """After the boosted model's forward ended: whether DDP now waits for a reduced
         backward (not inside ``no_sync``). A forward under no_grad leaves DDP as it was."""

@@ -18,6 +18,7 @@ from ..parallel.dims import ParallelDims
 from .base import Plugin
 from .dataloader import ShardedDataLoader, pack_documents
 from .ddp_sum import DdpSum, sum_allreduce_hook
+from .fsdp_replay import FsdpReplay
 from .mesh import _world_size, build_mesh, build_sp_mesh
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
@@ -478,11 +479,16 @@ class RingSequenceParallelPlugin(Plugin):
         reduced = ReducedGrads()
         if summed:
             reduced.watch(model.parameters())
+        reduction = None  # completes the other ranks' collectives after a failure
         if dims.zero_stage >= 2:
             from ..parallel.fsdp import apply_fsdp
-            apply_fsdp(model, self.groups.dp_sp_mesh(), dims.zero_stage, layers,
+            mesh = self.groups.dp_sp_mesh()
+            apply_fsdp(model, mesh, dims.zero_stage, layers,
                        param_dtype=(self.precision.dtype if self.precision.name == "bf16"
                                     else None))
+            if dims.tp_size == 1 and mesh.size() > 1:
+                # (with tp the tp peers wait in collectives of their own: not covered)
+                reduction = FsdpReplay([model] + list(layers), mesh.get_group())
         elif dims.tp_size > 1:
             from ..parallel.grad_sync import ReplicatedGradSync
             # (tp alone sums nothing over ranks: accumulating without no_sync is exact there)
@@ -494,10 +500,11 @@ class RingSequenceParallelPlugin(Plugin):
             if self.device.type == "cuda":
                 kwargs.setdefault("device_ids", [self.device.index])
             ddp = nn.parallel.DistributedDataParallel(model, process_group=None, **kwargs)
-            ddp_sum = DdpSum(ddp, reduced)
-            ddp.register_comm_hook(ddp_sum, sum_allreduce_hook)
-            self.reporter.ddp_sums.append(ddp_sum)  # completes its backward after a failure
+            reduction = DdpSum(ddp, reduced)
+            ddp.register_comm_hook(reduction, sum_allreduce_hook)
             model = ddp
+        if reduction is not None:
+            self.reporter.reductions.append(reduction)
         user_model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
             else model
         if optimizer is not None and dims.sharded:
@@ -507,8 +514,7 @@ class RingSequenceParallelPlugin(Plugin):
         if dataloader is not None:
             dataloader.tag = step
         model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
-        if isinstance(model.module, nn.parallel.DistributedDataParallel):
-            model._ddp_sum = ddp_sum
+        model._reduction = reduction
         if dims.zero_stage == 0 and dims.tp_size > 1:
             model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
@@ -553,8 +559,8 @@ class RingSequenceParallelPlugin(Plugin):
         reset_ring(None)  # the loader's and the loss's agreements
         if self.sp is not None:
             self.sp.reset()
-        for ddp_sum in self.reporter.ddp_sums:
-            ddp_sum.reset()  # DDP's reducer after a backward that raised
+        for reduction in self.reporter.reductions:
+            reduction.reset()  # DDP's reducer, FSDP's iteration state after a failed step
 
     def get_checkpoint_io(self) -> DistributedCheckpointIO:
         return DistributedCheckpointIO()

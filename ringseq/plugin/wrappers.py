@@ -1,12 +1,12 @@
 """What ``Booster.boost`` hands back: the wrapped model, optimizer and criterion."""
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 import contextlib
+import threading
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from .._dist import RingError, RingMismatchError, ring_timeout
 from ..engine.integrity import call_tag
@@ -38,9 +38,11 @@ class ModelWrapper(nn.Module):
     When the forward raises on one rank (a bad token id, an out-of-memory error), the other
     ranks must not be left waiting: the failure is reported to the ring peers when they may be
     inside a ring call (``Ring.report_failure``; their ring call raises RingBrokenError),
-    then to the loss of every rank (:func:`ringseq.loss.report_step_failure`, on the control
-    channel: their loss raises RingPeerError naming this rank). The exception is re-raised on this rank; the ring stays broken until
-    ``booster.reset()`` (or ``ringseq.reset_ring``) on every rank.
+    FSDP's all-gathers this rank did not reach are run (``fsdp_replay.FsdpReplay``), then the
+    failure is reported to the loss of every rank (:func:`ringseq.loss.report_step_failure`,
+    on the control channel: their loss raises RingPeerError naming this rank). The exception
+    is re-raised on this rank; the ring stays broken until ``booster.reset()`` (or
+    ``ringseq.reset_ring``) on every rank.
     """
 
     def __init__(self, module: nn.Module, precision, reporter: "FailureReporter" = None,
@@ -51,8 +53,10 @@ class ModelWrapper(nn.Module):
         self._reporter = reporter
         self._step = StepTag() if step is None else step
         self._reduced = reduced  # the reductions' count (ReducedGrads), reset by zero_grad
-        #: DDP's reduction (ddp_sum.DdpSum) when ``module`` is the plugin's DDP, else None
-        self._ddp_sum = None
+        #: the reduction that completes the other ranks' collectives when this rank's step
+        #: raises (ddp_sum.DdpSum for the plugin's DDP, fsdp_replay.FsdpReplay for its FSDP),
+        #: else None
+        self._reduction = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -73,10 +77,12 @@ class ModelWrapper(nn.Module):
             user = self.unwrap()
             self._reporter.backward_calls_per_forward = (
                 2 if user.training and getattr(user, "is_gradient_checkpointing", False) else 1)
-            with self._reporter.watch("forward"), self._precision.autocast():
+            if self._reduction is not None:
+                self._reduction.forward_started()
+            with self._reporter.watch("forward", self._reduction), self._precision.autocast():
                 out = self.module(*args, **kwargs)
-        if self._ddp_sum is not None:
-            self._ddp_sum.forward_ran()
+        if self._reduction is not None:
+            self._reduction.forward_ran()
         return out
 
 
@@ -182,11 +188,14 @@ class FailureReporter:
     """Tells the other ranks that this rank's forward or backward raised, so none of them
     waits for it (see :class:`ModelWrapper`).
 
-    ``watch(phase)`` is a context manager around a forward or a backward. On an exception
-    that is not a ring error (ring errors are raised on every rank already), it reports to the
-    ring peers when they may still be inside a ring call of this phase -- this rank made fewer
-    ring calls than the last complete pass of the phase did -- and, for the forward, to the
-    loss reduction that every rank of ``loss_group`` reaches next. The exception propagates.
+    ``watch(phase, reduction)`` is a context manager around a forward or a backward. On an
+    exception that is not a ring error (ring errors are raised on every rank already), it
+    reports to the ring peers when they may still be inside a ring call of this phase -- this
+    rank made fewer ring calls than the last complete pass of the phase did --, completes the
+    data-parallel collectives this rank did not reach (a forward's: ``reduction``'s; a
+    backward's: those of the one boosted model waiting for it) and, for the forward, reports
+    to the loss reduction that every rank of ``loss_group`` reaches next. The exception
+    propagates; a backward that ended checks the other ranks' status (``reductions``).
     """
 
     def __init__(self, ring, loss_group=None, device=None):
@@ -196,38 +205,67 @@ class FailureReporter:
         #: under transformers' own gradient checkpointing, which runs each layer's attention
         #: again (the plugin's keeps the attention outputs: 1); set by ModelWrapper.forward
         self.backward_calls_per_forward = 1
-        #: the DDP reductions of the boosted models (``ddp_sum.DdpSum``): a backward that
-        #: raised completes their collectives, one that ended checks the peers' status
-        self.ddp_sums = []
+        #: the reductions of the boosted models (``ddp_sum.DdpSum``,
+        #: ``fsdp_replay.FsdpReplay``): a step that raised completes their collectives, a
+        #: backward that ended checks the peers' status
+        self.reductions = []
 
     @contextlib.contextmanager
-    def watch(self, phase: str):
+    def watch(self, phase: str, reduction=None):
+        """``reduction``: for a forward, the boosted model's (the collectives this rank did
+        not reach are completed while the ring report runs); a backward completes those of
+        the one reduction that waits for it."""
         before = self.ring.calls
         try:
             yield
         except (Exception, KeyboardInterrupt) as exc:
             if dist.is_initialized():
-                try:
-                    self._report(phase, exc, self.ring.calls - before)
-                except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
-                    _add_note(exc, f"ringseq: reporting it to the ring peers failed too: "
-                                   f"{type(report_exc).__name__}: {report_exc}")
-                if phase == "backward":
-                    # after the report: ring peers still in a ring call must get out first.
-                    # Only the one model DDP waits on; with several boosted models waiting the
-                    # ranks' next collectives cannot be told, and none is sent.
-                    waiting = [d for d in self.ddp_sums if d.expecting]
-                    if len(waiting) == 1:
-                        note = waiting[0].after_failure(2 * ring_timeout())
-                        if note:
-                            _add_note(exc, note)
+                self._after_failure(phase, exc, self.ring.calls - before, reduction)
             raise
         self._calls[phase] = self.ring.calls - before
         if phase == "backward":
-            for ddp_sum in self.ddp_sums:
-                ddp_sum.after_success()  # RingPeerError when another rank's backward raised
+            for each in self.reductions:
+                each.after_success()  # RingPeerError when another rank's backward raised
 
-    def _report(self, phase: str, exc: BaseException, calls: int) -> None:
+    def _after_failure(self, phase: str, exc: BaseException, calls: int, reduction) -> None:
+        # The ring report waits for the peers' next ring call, and FSDP's collectives this
+        # rank did not reach may come first on the peers (an all-gather before a layer's
+        # attention, a reduce-scatter after it): the report runs in a thread meanwhile. For
+        # a forward, the loss every rank reaches next hears of it last.
+        report_errors = []
+
+        def report():
+            try:
+                self._report_to_ring(phase, exc, calls)
+            except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
+                report_errors.append(report_exc)
+        thread = threading.Thread(target=report, name="ringseq failure report", daemon=True)
+        thread.start()
+        try:
+            note = None
+            if phase == "forward" and reduction is not None:
+                note = reduction.after_forward_failure(2 * ring_timeout())
+            elif phase == "backward":
+                # Only the one model a backward waits on; with several boosted models waiting
+                # the ranks' next collectives cannot be told, and none is sent.
+                waiting = [r for r in self.reductions if r.expecting]
+                if len(waiting) == 1:
+                    note = waiting[0].after_failure(2 * ring_timeout())
+        finally:
+            thread.join()  # (the report gives up after the ring timeout)
+        for report_exc in report_errors:
+            _add_note(exc, f"ringseq: reporting it to the ring peers failed too: "
+                           f"{type(report_exc).__name__}: {report_exc}")
+        if note:
+            _add_note(exc, note)
+        if phase == "forward":
+            try:
+                report_step_failure(self.loss_group, exc)
+            except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
+                _add_note(exc, f"ringseq: reporting it to the loss failed too: "
+                               f"{type(report_exc).__name__}: {report_exc}")
+
+    def _report_to_ring(self, phase: str, exc: BaseException, calls: int) -> None:
         full = self._calls.get(phase)
         if full is None and phase == "backward" and "forward" in self._calls:
             # the first backward: as many ring calls as its forward made (twice that when
@@ -236,8 +274,6 @@ class FailureReporter:
         local = not isinstance(exc, (RingError, RingMismatchError))  # peers don't know
         if local and (full is None or calls < full):
             self.ring.report_failure(exc)
-        if phase == "forward":
-            report_step_failure(self.loss_group, exc)
 
 
 class OptimizerWrapper:

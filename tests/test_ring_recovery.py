@@ -381,11 +381,12 @@ def _worker_backward_failures(plugin_kwargs, hf_checkpointing, first):
     """W=4 as dp 2 x sp 2 (DDP): rank 1's backward raises, in the embedding's backward (after
     its last ring call) at the very first step, and in the last layer's MLP (before its ring
     calls) after a good step, with a forward under no_grad between that step's forward and
-    backward. Every rank must raise within seconds: rank 1 its own error, its ring peer
-    RingBrokenError or RingPeerError, the other ring's ranks RingPeerError naming the ranks
-    whose backward did not end (before: they waited in DDP's all-reduce until the process
-    group's timeout). After booster.reset() and zero_grad on every rank training goes on and
-    equals two good steps on one process."""
+    backward, and in that MLP's backward of a micro-batch inside no_sync. Every rank must
+    raise within seconds: rank 1 its own error, its ring peer RingBrokenError or RingPeerError,
+    the other ring's ranks RingPeerError naming the ranks whose backward did not end (before:
+    they waited in DDP's all-reduce until the process group's timeout), inside no_sync at
+    their next micro-batch's loss (before: a timeout there). After booster.reset() and
+    zero_grad on every rank training goes on and equals two good steps on one process."""
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
     inner = _tiny_llama().double()
@@ -412,10 +413,15 @@ def _worker_backward_failures(plugin_kwargs, hf_checkpointing, first):
         opt.zero_grad()
         return float(loss)
 
-    def failing_step(module, peek=False):
+    def accumulating_step():  # two micro-batches, the first inside no_sync
+        with booster.no_sync(model):
+            booster.backward(crit(model(**batch), batch), opt)
+        return step()
+
+    def failing_step(module, peek=False, run=None):
         failing["at"] = module
         try:
-            return _capture(lambda: step(peek))
+            return _capture(run or (lambda: step(peek)))
         finally:
             failing["at"] = None
             opt.zero_grad()
@@ -424,6 +430,7 @@ def _worker_backward_failures(plugin_kwargs, hf_checkpointing, first):
     out = {"at first": failing_step(modules[first])}  # the very first step
     out["first"] = _capture(step)
     out["later"] = failing_step(modules["layer 1"], peek=True)
+    out["no_sync"] = failing_step(modules["layer 1"], run=accumulating_step)
     out["after"] = _capture(step)
     out["params"] = [p.detach().clone() for p in inner.parameters()]
     return out
@@ -441,14 +448,16 @@ def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(plugin_kwargs,
                     timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     for rank, r in enumerate(res):
         assert r["first"][0] == "ok" and r["after"][0] == "ok", r
-        for case in ("at first", "later"):
+        for case in ("at first", "later", "no_sync"):
             # (in seconds, not after a ring timeout: the first backward knows when its ring
             # peers are past their ring calls, also with checkpointing)
             assert r[case][-1] < TIMEOUT, (case, r[case])
             if rank == 1:
                 _is_error(r[case], ("MemoryError",), "injected")
-            elif rank == 0 and (case == "later" or first != "embedding"):  # in a ring call
+            elif rank == 0 and (case != "at first" or first != "embedding"):  # in a ring call
                 _is_error(r[case], ("RingBrokenError",), "rank 1 failed")
+            elif case == "no_sync":  # at the next micro-batch's loss
+                _is_error(r[case], ("RingPeerError",), "rank(s) [0, 1]", "MemoryError")
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
                           "booster.reset()")

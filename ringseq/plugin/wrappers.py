@@ -241,6 +241,7 @@ class FailureReporter:
                 report_errors.append(report_exc)
         thread = threading.Thread(target=report, name="ringseq failure report", daemon=True)
         thread.start()
+        to_loss = phase == "forward"
         try:
             note = None
             if phase == "forward" and reduction is not None:
@@ -251,6 +252,9 @@ class FailureReporter:
                 waiting = [r for r in self.reductions if r.expecting]
                 if len(waiting) == 1:
                     note = waiting[0].after_failure(2 * ring_timeout())
+                # A backward nothing reduces (DDP inside no_sync): the other ranks go on to
+                # their next micro-batch, whose loss hears of it instead of waiting there.
+                to_loss = not waiting and bool(self.reductions)
         finally:
             thread.join()  # (the report gives up after the ring timeout)
         for report_exc in report_errors:
@@ -258,7 +262,7 @@ class FailureReporter:
                            f"{type(report_exc).__name__}: {report_exc}")
         if note:
             _add_note(exc, note)
-        if phase == "forward":
+        if to_loss:
             try:
                 report_step_failure(self.loss_group, exc)
             except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins

@@ -547,6 +547,65 @@ def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs):
             assert max_err(got, ref) < 1e-10
 
 
+def _worker_step_failure(zero_stage, tmp):
+    """W=4 as dp 2 x sp 2: after a good step and a checkpoint, rank 1's optimizer step raises
+    (out of memory laying out its state, say). Every rank must raise at once: rank 1 its own
+    error, the others RingPeerError naming it (before: they went on without an error, their
+    parameters a step ahead of rank 1's replica or shards). Every later step is refused until
+    the checkpoint is loaded; then training goes on and equals two good steps on one
+    process."""
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    inner = _tiny_llama().double()
+    booster, model, opt, crit, batch = _boost_at_sp2(inner, {"zero_stage": zero_stage})
+    failing = {"on": False}
+
+    def fail_on_rank_1(*_):
+        if rank == 1 and failing["on"]:
+            raise MemoryError("injected: out of memory in the step")
+    opt.unwrap().register_step_pre_hook(fail_on_rank_1)
+
+    def step():
+        booster.backward(crit(model(**batch), batch), opt)
+        try:
+            opt.step()
+        finally:
+            opt.zero_grad()
+    out = {"first": _capture(step)}
+    booster.save_model(model, os.path.join(tmp, "model.pt"))
+    booster.save_optimizer(opt, os.path.join(tmp, "optim"))
+    failing["on"] = True
+    out["failed"] = _capture(step)
+    failing["on"] = False
+    booster.reset()
+    out["refused"] = _capture(step)
+    booster.load_model(model, os.path.join(tmp, "model.pt"))
+    booster.load_optimizer(opt, os.path.join(tmp, "optim"))
+    out["after"] = _capture(step)
+    out["params"] = [getattr(p, "full_tensor", p.detach)().detach().clone()
+                     for p in model.unwrap().parameters()]
+    return out
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_optimizer_step_failure_on_one_rank_raises_everywhere(zero_stage, tmp_path):
+    res = run_ranks(_worker_step_failure, 4, zero_stage, str(tmp_path), timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        if rank == 1:
+            _is_error(r["failed"], ("MemoryError",), "injected")
+        else:
+            _is_error(r["failed"], ("RingPeerError",), "rank(s) [1]", "MemoryError",
+                      "in optimizer.step", "load the last checkpoint")
+        _is_error(r["refused"], ("ValueError",), "OptimizerWrapper.step",
+                  "not stepping. Load the last checkpoint")
+    want = _single_process_params()
+    for r in res:
+        for got, ref in zip(r["params"], want):
+            assert max_err(got, ref) < 1e-10
+
+
 def _worker_subgroup_stall():
     """W=4 in two rings of 2 ({0, 1} and {2, 3}); global rank 3 stalls past the timeout: its
     ring peer, global rank 2 (rank 0 of its group), times out naming the peer by its global

@@ -88,8 +88,11 @@ class Booster:
 
     def load_optimizer(self, optimizer, checkpoint: str, **kwargs) -> None:
         """Loads either optimizer format into this mesh (dp, sp, tp or zero_stage may differ
-        from the saving run's)."""
+        from the saving run's). Clears a boosted optimizer's refusal to step after a step that
+        raised on some ranks (load the model too)."""
         self.checkpoint_io.load_optimizer(optimizer, checkpoint, **kwargs)
+        if getattr(optimizer, "failed_step", None) is not None:
+            optimizer.failed_step = None
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)

@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._dist import RingError, RingMismatchError, ring_timeout
+from .._dist import RingError, RingMismatchError, RingPeerError, ring_timeout
 from ..engine.integrity import call_tag
+from ..engine.ring import get_ring
 from ..loss import report_step_failure, sharded_cross_entropy
 
 __all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads",
@@ -17,6 +18,13 @@ __all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads"
 
 # Keys of a sharded batch that are targets for the criterion, not model inputs.
 TARGET_KEYS = ("shift_labels",)
+# What a step that raised on some ranks leaves (their votes carry it to the others).
+_STEP_FAILED = ("in optimizer.step: the parameters of the ranks whose step raised were not "
+                "updated, or only in part, while the others' were, so the model is no longer "
+                "consistent over the ranks; load the last checkpoint on every rank "
+                "(booster.load_model and booster.load_optimizer)")
+
+
 class StepTag:
     """The step number the boosted model and optimizer tag their ring calls with (0: none):
     the number of the batch the boosted data loader handed out last (1, 2, ... over all
@@ -297,6 +305,9 @@ class OptimizerWrapper:
         self._step = StepTag() if step is None else step
         #: the replicated reduction's count of reduced backward passes (ReducedGrads), or None
         self.reduced = reduced
+        #: why the parameters are no longer consistent over the ranks (a step that raised on
+        #: some of them), or None; cleared by loading a checkpoint into this optimizer
+        self.failed_step = None
 
     def unwrap(self) -> torch.optim.Optimizer:
         return self.optim
@@ -308,18 +319,51 @@ class OptimizerWrapper:
             loss.backward(*args, **kwargs)
 
     def step(self, *args, **kwargs):
+        """The wrapped optimizer's step (through the grad scaler for fp16). Raises ValueError
+        (on every rank) for gradients summed twice (see ReducedGrads) and after a step that
+        raised on some ranks until a checkpoint is loaded. A step that raises on some ranks
+        (an out-of-memory error laying out the optimizer's state, say) raises on every rank:
+        the others raise RingPeerError naming them (one vote of the ranks after every step,
+        on the default group's control channel), since their parameters were updated and
+        those of the failed ranks were not."""
         if self.reduced is not None:
             self.reduced.check_once()  # ValueError: gradients summed twice
-        if self.scaler is None:
-            out = self.optim.step(*args, **kwargs)
-        else:
-            # Every rank holds the same all-reduced gradients, so every rank makes the same
-            # skip decision and the replicas stay identical.
-            out = self.scaler.step(self.optim, *args, **kwargs)
-            self.scaler.update()
+        if self.failed_step is not None:
+            raise ValueError(
+                f"OptimizerWrapper.step: {self.failed_step}; not stepping. Load the last "
+                f"checkpoint on every rank first (booster.load_model and "
+                f"booster.load_optimizer)")
+        try:
+            if self.scaler is None:
+                out = self.optim.step(*args, **kwargs)
+            else:
+                # Every rank holds the same all-reduced gradients, so every rank makes the
+                # same skip decision and the replicas stay identical.
+                out = self.scaler.step(self.optim, *args, **kwargs)
+                self.scaler.update()
+        except (Exception, KeyboardInterrupt) as exc:
+            self._vote(exc)
+            raise
+        self._vote(None)
         if self.reduced is not None:
             self.reduced.after_step()
         return out
+
+    def _vote(self, exc) -> None:
+        # A step that raised on one rank only would leave its parameters (or its FSDP
+        # shards) behind the others' without any error on them, and training would go on
+        # from a model no single process ever computed.
+        if not dist.is_initialized():
+            return
+        message = (f"{type(exc).__name__}: {exc}" if exc is not None else "")
+        try:
+            get_ring(None).agree(exc is None, message + f" ({_STEP_FAILED})", raise_own=False)
+        except RingPeerError as peer_exc:
+            self.failed_step = f"the optimizer step raised on rank(s) {peer_exc.ranks}"
+            raise
+        if exc is not None:
+            self.failed_step = "the optimizer step raised on this rank"
+            _add_note(exc, f"ringseq: {_STEP_FAILED}")
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0,
                           error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -351,10 +395,11 @@ class OptimizerWrapper:
 
     def load_state_dict(self, state_dict) -> None:
         self.optim.load_state_dict(state_dict)
+        self.failed_step = None  # (the model is loaded alongside)
 
     def __getattr__(self, name):
         # not yet set (unpickling): no recursion
-        if name in ("optim", "scaler", "model", "_step", "reduced"):
+        if name in ("optim", "scaler", "model", "_step", "reduced", "failed_step"):
             raise AttributeError(name)
         return getattr(self.optim, name)
 

@@ -468,80 +468,114 @@ def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(plugin_kwargs,
             assert max_err(got, ref) < 1e-10
 
 
-def _worker_fsdp_failures(plugin_kwargs):
-    """W=4 as dp 2 x sp 2 under FSDP: rank 1 raises at the very first step in the embedding's
-    backward (after its last ring call), then, after a good step, in layer 1's forward
-    (before its ring call) and in layer 1's backward after its ring call's backward (the
-    other ranks are then in FSDP's reduce-scatter of that layer, which this rank has not
-    reached, while the ring report waits for their next ring call). Every rank must raise
-    within seconds: rank 1 its own error, the others RingBrokenError (in a ring call) or
-    RingPeerError naming the ranks that did not finish. Before, the other ranks waited in
-    FSDP's all-gather or reduce-scatter until the process group's timeout. After zero_grad and
-    booster.reset() on every rank training goes on and equals two good steps on one
-    process."""
+_FSDP_CASES = ("layer 1 forward", "layer 1 backward", "layer 1 reduce-scatter",
+               "no_sync backward", "evaluation forward")
+
+
+def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding):
+    """W=4 as dp 2 x sp 2 under FSDP: rank 1 raises at the very first step (``first``), then,
+    after a good step: in layer 1's forward (before its ring call); in layer 1's backward
+    after its ring call's backward (the other ranks are then in FSDP's reduce-scatter of that
+    layer, which this rank has not reached, while the ring report waits for their next ring
+    call); inside FSDP's post-backward of layer 1 before it sends the reduce-scatter (out of
+    memory allocating it); in the backward of a micro-batch under no_sync; in a forward under
+    no_grad between a step's forward and its backward (the others go on to the backward).
+    Every rank must raise within seconds: rank 1 its own error, the others RingBrokenError
+    (in a ring call) or RingPeerError naming the ranks that did not finish. Before, the other
+    ranks waited in FSDP's all-gather or reduce-scatter until the process group's timeout.
+    After zero_grad and booster.reset() on every rank training goes on and equals two good
+    steps on one process (no gradient of a failed step or micro-batch is left)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
     inner = _tiny_llama().double()
+    inner.model.embed_tokens.weight.requires_grad_(not freeze_embedding)
     booster, model, opt, crit, batch = _boost_at_sp2(inner, plugin_kwargs)
     failing = {"at": None}
     layer1 = inner.model.layers[1].self_attn.q_proj
     points = {"embedding backward": (inner.model.embed_tokens, "backward"),
-              "layer 1 forward": (layer1, "forward"), "layer 1 backward": (layer1, "backward")}
+              "layer 1 forward": (layer1, "forward"), "layer 1 backward": (layer1, "backward"),
+              "no_sync backward": (layer1, "backward"),
+              "evaluation forward": (layer1, "forward")}
     for name, (module, phase) in points.items():
         def fail_on_rank_1(*_, name=name):
-            if rank == 1 and failing["at"] == name:
+            if rank == 1 and failing["at"] == name and (
+                    name != "evaluation forward" or not torch.is_grad_enabled()):
                 raise MemoryError("injected: out of memory")
         if phase == "forward":
             module.register_forward_hook(fail_on_rank_1)
         else:
             module.register_full_backward_hook(fail_on_rank_1)
+    real_reduce = fsdp_group.foreach_reduce
 
-    def step():
+    def reduce_failing_once(fsdp_params, *args, **kwargs):
+        if (rank == 1 and failing["at"] == "layer 1 reduce-scatter"
+                and ".layers.1." in fsdp_params[0]._param_fqn):
+            failing["at"] = None  # (the completion's own reduce-scatter is sent)
+            raise MemoryError("injected: out of memory")
+        return real_reduce(fsdp_params, *args, **kwargs)
+    fsdp_group.foreach_reduce = reduce_failing_once
+
+    def step(evaluate=False):
         loss = crit(model(**batch), batch)
+        if evaluate:
+            with torch.no_grad():
+                model(**batch)
         booster.backward(loss, opt)
         opt.step()
         opt.zero_grad()
         return float(loss)
 
+    def accumulating_step():  # two micro-batches, the first inside no_sync
+        with booster.no_sync(model):
+            booster.backward(crit(model(**batch), batch), opt)
+        return step()
+
     def failing_step(name):
         failing["at"] = name
+        run = {"no_sync backward": accumulating_step,
+               "evaluation forward": lambda: step(evaluate=True)}.get(name, step)
         try:
-            return _capture(step)
+            return _capture(run)
         finally:
             failing["at"] = None
             opt.zero_grad()
             booster.reset()
 
-    out = {"embedding backward": failing_step("embedding backward")}  # the very first step
+    out = {"at first": failing_step(first)}  # the very first step
     out["first"] = _capture(step)
-    for name in ("layer 1 forward", "layer 1 backward"):
+    for name in _FSDP_CASES:
         out[name] = failing_step(name)
     out["after"] = _capture(step)
     out["params"] = [p.full_tensor().detach().clone() for p in model.unwrap().parameters()]
     return out
 
 
-@pytest.mark.parametrize("plugin_kwargs", [
-    {"zero_stage": 3}, {"zero_stage": 2, "activation_checkpointing": True}],
-    ids=["zero3", "zero2_checkpointing"])
-def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs):
-    res = run_ranks(_worker_fsdp_failures, 4, plugin_kwargs, timeout=300,
-                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+@pytest.mark.parametrize("plugin_kwargs, first, freeze_embedding", [
+    ({"zero_stage": 3}, "embedding backward", False),
+    ({"zero_stage": 2, "activation_checkpointing": True}, "embedding backward", False),
+    ({"zero_stage": 3}, "layer 1 backward", True)],
+    ids=["zero3", "zero2_checkpointing", "zero3_frozen_embedding"])
+def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs, first,
+                                                               freeze_embedding):
+    # (a frozen embedding: FSDP reduces layer 0 in its final callback, after the root)
+    res = run_ranks(_worker_fsdp_failures, 4, plugin_kwargs, first, freeze_embedding,
+                    timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     for rank, r in enumerate(res):
         assert r["first"][0] == "ok" and r["after"][0] == "ok", r
-        for case in ("embedding backward", "layer 1 forward", "layer 1 backward"):
+        for case in ("at first",) + _FSDP_CASES:
             assert r[case][-1] < TIMEOUT, (case, r[case])  # in seconds, not after a timeout
             if rank == 1:
                 _is_error(r[case], ("MemoryError",), "injected")
-            elif rank == 0 and case != "embedding backward":  # in a ring call
-                _is_error(r[case], ("RingBrokenError",), "rank 1 failed")
+            elif rank == 0 and (case != "at first" or first != "embedding backward"):
+                _is_error(r[case], ("RingBrokenError",), "rank 1 failed")  # in a ring call
             elif case == "layer 1 forward":  # at the loss
                 _is_error(r[case], ("RingPeerError",), "failed where this rank did not",
                           "MemoryError")
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
                           "booster.reset()")
-    want = _single_process_params()
+    want = _single_process_params(freeze_embedding)
     for r in res:
         for got, ref in zip(r["params"], want):
             assert max_err(got, ref) < 1e-10
@@ -636,9 +670,10 @@ def test_timeout_names_a_subgroup_peer_by_its_global_rank():
         _exact_ok(r["after_reset"])
 
 
-def _single_process_params():
+def _single_process_params(freeze_embedding=False):
     """The same two good steps on one process (the reference of the plugin case)."""
     model = _tiny_llama().double()
+    model.model.embed_tokens.weight.requires_grad_(not freeze_embedding)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (1, 16), generator=g)

@@ -20,12 +20,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._dist import RingPeerError
+from .completion import Completion, completion_failed_note, peers_failed_error
 
 __all__ = ["DdpSum", "complete_after_failure", "sum_allreduce_hook"]
 
 
-class DdpSum:
+class DdpSum(Completion):
     """The state of the plugin's DDP communication hook on one rank, for one boosted model.
 
     ``ddp``: the DistributedDataParallel module. ``reduced``: the plugin's count of reduced
@@ -41,13 +41,6 @@ class DdpSum:
         self.launched = 0
         self.status: Optional[torch.Tensor] = None
         self.completed = 0  # reduced backward passes that ended
-
-    def forward_started(self) -> None:
-        """(DDP makes no collective in the forward.)"""
-
-    def after_forward_failure(self, timeout: float) -> Optional[str]:
-        """(Nothing to complete: DDP makes no collective in the forward.)"""
-        return None
 
     def forward_ran(self) -> None:
         """After the boosted model's forward ended: whether DDP now waits for a reduced
@@ -85,9 +78,7 @@ class DdpSum:
         try:
             complete_after_failure(self.ddp, self, timeout)
         except Exception as exc:  # noqa: BLE001 - a peer gone, or too slow to answer
-            return (f"ringseq: completing DDP's gradient reduction for the other ranks failed "
-                    f"({type(exc).__name__}: {exc}); the process group may be unusable: "
-                    f"restart from a checkpoint")
+            return completion_failed_note("DDP's gradient reduction", exc)
         return None
 
     def after_success(self) -> None:
@@ -99,10 +90,7 @@ class DdpSum:
         failed = [r for r, s in enumerate(self.status.tolist()) if s]
         self.status = None
         if failed:
-            raise RingPeerError(
-                f"ringseq: the backward did not end on rank(s) {failed} (they raise their own "
-                f"errors), so the gradients summed on this rank are invalid. Skip the step: "
-                f"optimizer.zero_grad() and booster.reset() on every rank", ranks=failed)
+            raise peers_failed_error(failed)
 
 
 def sum_allreduce_hook(state: DdpSum, bucket):

@@ -3,175 +3,284 @@ ranks: what keeps the others from waiting in FSDP's collectives.
 
 FSDP2 all-gathers each unit's parameters in the forward (and, at zero stage 3, again in the
 backward) and reduce-scatters each unit's gradients after its backward, every rank making the
-same collectives in the same order. A rank whose forward or backward raised stops making
-them, so every other rank would wait in the next one until the process group's timeout.
-Here a rank whose forward raised runs the all-gathers of the units it did not reach
-(:meth:`FsdpReplay.after_forward_failure`; the other ranks then raise at the loss, which
-hears of the failure), and a rank whose backward raised runs the rest of FSDP's backward
-itself, with zeros for the gradients it did not compute (:meth:`FsdpReplay.after_failure`),
-through FSDP's own per-unit methods, so that its all-gathers and prefetches are the ones the
-other ranks make. After every backward the ranks all-reduce a status vector in which a
-rank whose backward raised marks itself: the others raise RingPeerError instead of stepping
-on invalid gradients (:meth:`FsdpReplay.after_success`). ``booster.reset()`` then resets
-FSDP's per-iteration state (``FSDPModule.reset_iter_state``) on every rank.
+same blocking collectives in the same order. A rank whose forward or backward raised stops
+making them, so every other rank would wait in the next one until the process group's
+timeout. Here a rank whose forward raised runs the all-gathers of the units it did not reach
+(:meth:`FsdpReplay.after_forward_failure`; the other ranks then raise at the loss, which hears
+of the failure), and a rank whose backward raised runs the rest of FSDP's backward itself,
+with zeros for the gradients it did not compute (:meth:`FsdpReplay.after_failure`), through
+FSDP's own per-unit methods in FSDP's order: each unit's pre-backward (its all-gather and the
+prefetch of the next) for the units whose outputs need a gradient, its reduce-scatter right
+after where its inputs need one (FSDP's post-backward hook), and the remaining reduce-scatters
+in the order of FSDP's final callback. What is done is read from what happened, not from
+FSDP's per-unit state alone: each unit's reduce-scatters are counted as they are sent (an
+error inside FSDP's reduce-scatter, before it sends, leaves the unit marked done). After every
+backward the ranks all-reduce a status vector in which a rank whose backward raised marks
+itself: the others raise RingPeerError instead of stepping on invalid gradients
+(:meth:`FsdpReplay.after_success`). ``booster.reset()`` then resets FSDP's per-iteration state
+and drops gradients accumulated under ``no_sync`` (:meth:`FsdpReplay.reset`).
 
-Assumes what the plugin's models do: the units run forward in the order ``units`` lists them
-(the root, whose forward runs around the others, first, then the decoder layers), and every
-parameter that requires a gradient gets one in a backward (a parameter unused on the other
-ranks would make the replayed reduce-scatter larger than theirs).
+Not replayed (the rank's error gets a note; the others wait for the process group's timeout):
+a backward of more than one forward (FSDP then gathers each unit once per use); FSDP's
+explicit prefetching (``set_modules_to_backward_prefetch``), which the plugin does not set.
 """
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp._common_utils import collect_grad_tensors
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-from .._dist import RingPeerError
+from .completion import Completion, completion_failed_note, peers_failed_error
 
 __all__ = ["FsdpReplay"]
 
 
-class FsdpReplay:
+class _CountedReduceScatter:
+    """A unit's reduce-scatter communication (FSDP's ``_reduce_scatter_comm``), counting the
+    collectives it sends; everything else (its buffer allocation) is the wrapped one's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.sent = 0
+
+    def __call__(self, *args, **kwargs):
+        self.sent += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _Unit:
+    """What the forwards did with one FSDP unit: ``gathered`` / ``posted``, the number of the
+    last forward that ran its pre-forward (its all-gather) / its post-forward; as set by the
+    last forward with gradients: ``inputs_need_grad``: FSDP registered its
+    post-backward hook (the reduce-scatter right after its backward); ``outputs_need_grad``:
+    FSDP registered its pre-backward hook (the all-gather and prefetch before it)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.groups = module._get_fsdp_state()._fsdp_param_groups
+        self.gathered = self.posted = -1
+        self.inputs_need_grad = self.outputs_need_grad = False
+
+
+class FsdpReplay(Completion):
     """FSDP's collectives for a rank whose forward or backward raised, and the status check of
     the ranks whose backward ended, for one boosted model (see the module doc).
 
     ``units``: the FSDP modules in forward order, the root first. ``group``: FSDP's process
-    group (the dp x sp ranks). ``expecting``: the model's last forward (with gradients
-    enabled) waits for a backward that has not ended."""
+    group (the dp x sp ranks)."""
 
     def __init__(self, units: List[nn.Module], group):
-        self.units = list(units)
+        self.units = [_Unit(u) for u in units]
         self.group = group
         self.expecting = False
         self._forward = 0           # forwards started
-        self._gathered = {}         # unit index -> the forward that gathered it last
-        for i, unit in enumerate(self.units):
-            # after FSDP's own pre-forward hook (prepended): the unit's all-gather happened
-            unit.register_forward_pre_hook(lambda *_, i=i: self._mark_gathered(i))
+        self._grad_forwards = 0     # forwards with gradients since the last backward
+        self._sent_before: Dict[int, int] = {}  # id(group) -> reduce-scatters before the forward
+        self._in_backward = False   # a backward reached the output of the last grad forward
+        for unit in self.units:
+            for group_ in unit.groups:
+                group_._reduce_scatter_comm = _CountedReduceScatter(group_._reduce_scatter_comm)
+            # after FSDP's own hooks (prepended to the pre-forward, appended before this one
+            # to the post-forward): the all-gather happened, the backward hooks are set
+            unit.module.register_forward_pre_hook(
+                lambda _m, args, kwargs, unit=unit: self._pre_forward(unit, args, kwargs),
+                with_kwargs=True)
+            unit.module.register_forward_hook(
+                lambda _m, _args, out, unit=unit: self._post_forward(unit, out))
 
-    def _mark_gathered(self, index: int) -> None:
-        self._gathered[index] = self._forward
+    # -- forward ---------------------------------------------------------------------------
+    def _pre_forward(self, unit: _Unit, args, kwargs) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a checkpointed forward recomputed in the backward
+        unit.gathered = self._forward
+        if torch.is_grad_enabled():  # (a forward under no_grad sets no backward hook)
+            unit.inputs_need_grad = bool(collect_grad_tensors((args, kwargs)))
 
-    def _groups(self, unit: nn.Module):
-        return unit._get_fsdp_state()._fsdp_param_groups
+    def _post_forward(self, unit: _Unit, out) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        unit.posted = self._forward
+        if torch.is_grad_enabled():
+            tensors = collect_grad_tensors(out)
+            unit.outputs_need_grad = bool(tensors)
+            if unit is self.units[0]:
+                for t in tensors:  # the backward reached this model, not another one only
+                    t.register_hook(self._backward_began)
+
+    def _backward_began(self, grad):
+        self._in_backward = True
+        return grad
 
     def forward_started(self) -> None:
         self._forward += 1
+        self._sent_before = {id(g): g._reduce_scatter_comm.sent
+                             for unit in self.units for g in unit.groups}
 
     def forward_ran(self) -> None:
-        """After the boosted model's forward ended: a forward with gradients enabled waits for
-        its backward (one under no_grad leaves the wait as it was)."""
+        """A forward with gradients enabled waits for its backward (one under no_grad leaves
+        the wait as it was)."""
         if torch.is_grad_enabled():
-            self.expecting = True
-
-    def reset(self) -> None:
-        """On every rank (the plugin's reset): FSDP forgets the failed forward or backward
-        (its units resharded, their per-iteration state cleared)."""
-        self.units[0].reset_iter_state()
-        self.expecting = False
+            self.expecting, self._in_backward = True, False
+            self._grad_forwards += 1
 
     def after_forward_failure(self, timeout: float) -> Optional[str]:
-        """This rank's forward raised: the all-gathers of the units its forward did not
-        reach, each resharded at once. Returns a note for this rank's error when they could
-        not be completed (never raises: the rank's own error is what it raises)."""
-        missing = [u for i, u in enumerate(self.units)
-                   if self._gathered.get(i) != self._forward]
+        """The rest of FSDP's forward: the all-gathers of the units this rank's forward did
+        not reach and the post-forward of those it did not finish (resharded or kept as FSDP
+        keeps them, and recorded in FSDP's forward order, which a backward that follows
+        prefetches by), the root's last, as it wraps the others."""
+        root, layers = self.units[0], self.units[1:]
+
+        def finish(unit: _Unit) -> None:
+            if unit.posted == self._forward:
+                return
+            for group in unit.groups:
+                with group.use_training_state(TrainingState.FORWARD):
+                    if unit.gathered != self._forward:
+                        group.unshard()
+                        group.wait_for_unshard()
+                    group.reshard()
+                    group._record_post_forward()
+                group._training_state = TrainingState.IDLE
 
         def replay():
-            for unit in missing:
-                for group in self._groups(unit):
+            if root.gathered != self._forward:
+                for group in root.groups:
                     group.unshard()
                     group.wait_for_unshard()
-                    group.reshard()
-        return self._bounded(replay, timeout, "forward's parameter all-gathers")
+                root.gathered = self._forward
+            for unit in layers:
+                finish(unit)
+            finish(root)
+        return self._bounded(replay, timeout, "FSDP's forward")
 
+    # -- backward --------------------------------------------------------------------------
     def after_failure(self, timeout: float) -> Optional[str]:
-        """This rank's backward raised: runs the rest of FSDP's backward (the all-gathers,
-        prefetches and reduce-scatters the other ranks make, on zeros where this rank has no
-        gradient) and marks this rank in the status vector. Returns a note for this rank's
-        error when they could not be completed (never raises)."""
+        """The rest of FSDP's backward (the all-gathers, prefetches and reduce-scatters the
+        other ranks make, on zeros where this rank has no gradient), then this rank marked in
+        the status vector."""
         if not self.expecting:
             return None
         self.expecting = False
+        forwards, self._grad_forwards = self._grad_forwards, 0
+        if forwards > 1:
+            return (f"ringseq: FSDP's backward was not completed for the other ranks: it "
+                    f"follows {forwards} forwards (FSDP gathers each layer once per use); "
+                    f"they wait for the process group's timeout")
         root, layers = self.units[0], self.units[1:]
 
         def replay():
-            # the backward starts at the root's output (its pre-backward prefetches the last
-            # layer) and ends with the root's reduce-scatter (FSDP's final callback)
-            for group in self._groups(root):
-                self._pre_backward(group)
-            for unit in reversed(layers):
-                for group in reversed(self._groups(unit)):
+            if root.outputs_need_grad:
+                for group in root.groups:
                     self._pre_backward(group)
+            for i in range(len(layers) - 1, -1, -1):
+                unit = layers[i]
+                if not unit.outputs_need_grad:
+                    continue
+                for group in reversed(unit.groups):
+                    self._pre_backward(group)
+                    if i > 0 and len(unit.groups) == 1 and self._untouched(layers[i - 1]):
+                        # FSDP's pre-backward prefetches the layer before it; an error there
+                        # (its all-gather out of memory) leaves it unsent (else: a no-op)
+                        FSDPParamGroup._prefetch_unshard(layers[i - 1].groups[-1], "backward")
+                    if unit.inputs_need_grad:
+                        self._post_backward(group)
+            # FSDP's final callback: the reduce-scatters not sent yet, in its order
+            for state in root.module._get_fsdp_state()._state_ctx.all_states:
+                for group in reversed(state._fsdp_param_groups):
                     self._post_backward(group)
-            for group in reversed(self._groups(root)):
-                self._post_backward(group)
             self._status(failed=True)
-        return self._bounded(replay, timeout, "backward's gradient reduction")
+        return self._bounded(replay, timeout, "FSDP's backward")
 
     def after_success(self) -> None:
-        """This rank's backward ended: raises RingPeerError when another rank's did not (its
-        gradients are zeros in this rank's sums). One all-reduce of W int64 per backward."""
-        if not self.expecting:
-            return
-        self.expecting = False
+        """Raises RingPeerError when another rank's backward did not end (its gradients are
+        zeros in this rank's sums). One all-reduce of W int64 per backward."""
+        if not (self.expecting and self._in_backward):
+            return  # (a backward of another model only)
+        self.expecting, self._grad_forwards, self._in_backward = False, 0, False
         failed = self._status(failed=False)
         if failed:
-            raise RingPeerError(
-                f"ringseq: the backward did not end on rank(s) {failed} (they raise their own "
-                f"errors), so the gradients reduced on this rank are invalid. Skip the step: "
-                f"optimizer.zero_grad() and booster.reset() on every rank", ranks=failed)
+            raise peers_failed_error(failed)
 
-    @staticmethod
-    def _pre_backward(group) -> None:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-        if group._training_state != TrainingState.POST_BACKWARD:
-            group.pre_backward(True)  # no-op where it ran; gathers and prefetches like FSDP
+    def _sent(self, group) -> bool:
+        return group._reduce_scatter_comm.sent > self._sent_before.get(id(group), 0)
 
-    @staticmethod
-    def _post_backward(group) -> None:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-        if group._training_state == TrainingState.POST_BACKWARD:
-            return  # reduced before this rank raised
+    def _untouched(self, unit: _Unit) -> bool:
+        """No group of ``unit`` began its backward in this one."""
+        return all(group._training_state not in (TrainingState.PRE_BACKWARD,
+                                                 TrainingState.POST_BACKWARD)
+                   and not self._sent(group) for group in unit.groups)
+
+    def _pre_backward(self, group) -> None:
+        if (group._training_state not in (TrainingState.PRE_BACKWARD,
+                                          TrainingState.POST_BACKWARD)
+                and not self._sent(group)):
+            group.pre_backward(True)  # gathers and prefetches as FSDP does
+
+    def _post_backward(self, group) -> None:
+        if self._sent(group):
+            return
+        if not group.reduce_grads and group._training_state == TrainingState.POST_BACKWARD:
+            return  # (no_sync: nothing to send, the gradients are kept)
         for fsdp_param in group.fsdp_params:
             if not hasattr(fsdp_param, "_unsharded_param"):
                 continue
             param = fsdp_param.unsharded_param
             if (param.requires_grad and param.grad is None
                     and fsdp_param.unsharded_accumulated_grad is None):
-                param.grad = torch.zeros_like(param)
+                param.grad = torch.zeros_like(param)  # the same sizes as the other ranks'
         group.post_backward()
 
     def _status(self, failed: bool) -> List[int]:
+        """All-reduces the status vector over FSDP's group; returns the global ranks marked."""
         ranks = dist.get_process_group_ranks(self.group)
-        vec = torch.zeros(len(ranks), dtype=torch.int64,
-                          device=self.units[0]._get_fsdp_state()._device)  # (group size,)
+        device = self.units[0].module._get_fsdp_state()._device
+        vec = torch.zeros(len(ranks), dtype=torch.int64, device=device)  # (group size,)
         if failed:
             vec[dist.get_rank(self.group)] = 1
         dist.all_reduce(vec, group=self.group)
         return [ranks[i] for i, s in enumerate(vec.tolist()) if s]
 
     def _bounded(self, replay, timeout: float, what: str) -> Optional[str]:
-        # A peer that died never answers: on gloo the replay waits at most `timeout` (FSDP's
-        # collectives take the group's own timeout, minutes), then the rank raises its error.
+        # A peer that died never answers: on gloo each collective of the replay waits at most
+        # `timeout` seconds (or the group's own timeout, if shorter). (NCCL's collectives are
+        # asynchronous: there the other ranks' watchdog bounds the wait.)
         backend = _gloo_backend(self.group)
         old = getattr(getattr(backend, "options", None), "_timeout", None)
-        if backend is not None and old is not None:
-            backend._set_default_timeout(datetime.timedelta(seconds=timeout))
+        if old is not None:
+            backend._set_default_timeout(min(old, datetime.timedelta(seconds=timeout)))
         try:
             with torch.no_grad():
                 replay()
         except Exception as exc:  # noqa: BLE001 - a peer gone, or too slow to answer
-            return (f"ringseq: completing FSDP's {what} for the other ranks failed "
-                    f"({type(exc).__name__}: {exc}); the process group may be unusable: "
-                    f"restart from a checkpoint")
+            return completion_failed_note(what, exc)
         finally:
-            if backend is not None and old is not None:
+            if old is not None:
                 backend._set_default_timeout(old)
         return None
+
+    def reset(self) -> None:
+        """FSDP forgets the failed forward or backward (its units resharded, their
+        per-iteration state cleared) and the gradients accumulated under ``no_sync``, which
+        FSDP's reset keeps (a step after it would add them to the next ones)."""
+        root_state = self.units[0].module._get_fsdp_state()
+        if root_state._is_root is not None:  # (FSDP initializes at the first forward)
+            self.units[0].module.reset_iter_state()
+        for unit in self.units:
+            for group in unit.groups:
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.unsharded_accumulated_grad = None
+                    if hasattr(fsdp_param, "_unsharded_param"):
+                        fsdp_param._unsharded_param.grad = None
+        self.expecting, self._grad_forwards = False, 0
 
 
 def _gloo_backend(group):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 
 import torch
@@ -184,6 +185,20 @@ class ReducedGrads:
                 f"boosted optimizer or model: they reset this count) before the next step")
 
 
+def _join(thread: threading.Thread) -> None:
+    """Waits for ``thread`` (a ring report, which gives up after the ring timeout) even through
+    Ctrl-C, which is raised afterwards: left running, the report would still hold the ring
+    while the ring is reset."""
+    interrupted = None
+    while thread.is_alive():
+        try:
+            thread.join()
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
+
+
 def _add_note(exc: BaseException, note: str) -> None:
     """``exc.add_note(note)`` where Python has it (3.11+); on 3.10 the note is dropped, so that
     the rank's own error is still the one raised."""
@@ -241,19 +256,28 @@ class FailureReporter:
         # attention, a reduce-scatter after it): the report runs in a thread meanwhile. For
         # a forward, the loss every rank reaches next hears of it last.
         report_errors = []
+        # A forward under no_grad between a forward and its backward (an evaluation): the
+        # other ranks go on to that backward, so this rank completes it too, and its ring
+        # peers hear of the failure there if not before.
+        pending = (phase == "forward" and reduction is not None and reduction.expecting
+                   and not torch.is_grad_enabled())
 
         def report():
             try:
-                self._report_to_ring(phase, exc, calls)
+                self._report_to_ring(phase, exc, calls, always=pending)
             except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
                 report_errors.append(report_exc)
-        thread = threading.Thread(target=report, name="ringseq failure report", daemon=True)
+        # (in this thread's context: the report carries the step's call tag)
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(report,),
+                                  name="ringseq failure report", daemon=True)
         thread.start()
-        to_loss = phase == "forward"
+        to_loss = phase == "forward" and not pending
         try:
             note = None
             if phase == "forward" and reduction is not None:
                 note = reduction.after_forward_failure(2 * ring_timeout())
+                if pending and not note:
+                    note = reduction.after_failure(2 * ring_timeout())
             elif phase == "backward":
                 # Only the one model a backward waits on; with several boosted models waiting
                 # the ranks' next collectives cannot be told, and none is sent.
@@ -264,7 +288,7 @@ class FailureReporter:
                 # their next micro-batch, whose loss hears of it instead of waiting there.
                 to_loss = not waiting and bool(self.reductions)
         finally:
-            thread.join()  # (the report gives up after the ring timeout)
+            _join(thread)
         for report_exc in report_errors:
             _add_note(exc, f"ringseq: reporting it to the ring peers failed too: "
                            f"{type(report_exc).__name__}: {report_exc}")
@@ -277,9 +301,11 @@ class FailureReporter:
                 _add_note(exc, f"ringseq: reporting it to the loss failed too: "
                                f"{type(report_exc).__name__}: {report_exc}")
 
-    def _report_to_ring(self, phase: str, exc: BaseException, calls: int) -> None:
-        full = self._calls.get(phase)
-        if full is None and phase == "backward" and "forward" in self._calls:
+    def _report_to_ring(self, phase: str, exc: BaseException, calls: int,
+                        always: bool = False) -> None:
+        """``always``: the peers have ring calls ahead whatever this rank's count says."""
+        full = None if always else self._calls.get(phase)
+        if full is None and not always and phase == "backward" and "forward" in self._calls:
             # the first backward: as many ring calls as its forward made (twice that when
             # every layer is recomputed): the peers, past them, would never meet a report
             full = self._calls["forward"] * self.backward_calls_per_forward

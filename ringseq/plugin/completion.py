@@ -1,0 +1,58 @@
+"""What a boosted model's data-parallel reduction does when a step raises on some ranks: the
+interface :class:`~ringseq.plugin.wrappers.FailureReporter` drives (implemented by
+``ddp_sum.DdpSum`` and ``fsdp_replay.FsdpReplay``), and the error and note they share."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from .._dist import RingPeerError
+
+__all__ = ["Completion", "completion_failed_note", "peers_failed_error"]
+
+
+class Completion:
+    """One boosted model's reduction, seen by the FailureReporter. ``expecting``: the model's
+    last forward with gradients enabled waits for a backward that has not ended (its
+    collectives are the ones a rank whose backward raised must complete). Timeouts are in
+    seconds. The defaults do nothing."""
+
+    expecting = False
+
+    def forward_started(self) -> None:
+        """Before the boosted model's forward."""
+
+    def forward_ran(self) -> None:
+        """After the boosted model's forward ended."""
+
+    def after_forward_failure(self, timeout: float) -> Optional[str]:
+        """This rank's forward raised: completes the collectives of the forward it did not
+        reach. Returns a note for this rank's error when they could not be completed; never
+        raises (the rank's own error is what it raises)."""
+        return None
+
+    def after_failure(self, timeout: float) -> Optional[str]:
+        """This rank's backward raised: completes the backward's collectives and tells the
+        other ranks. Returns a note as :meth:`after_forward_failure`; never raises."""
+        return None
+
+    def after_success(self) -> None:
+        """This rank's backward ended: raises RingPeerError when another rank's did not."""
+
+    def reset(self) -> None:
+        """On every rank (the plugin's reset): forgets the failed step."""
+
+
+def peers_failed_error(failed: List[int]) -> RingPeerError:
+    """The error of a rank whose backward ended while those of ``failed`` (global ranks)
+    raised."""
+    return RingPeerError(
+        f"ringseq: the backward did not end on rank(s) {failed} (they raise their own errors), "
+        f"so the gradients reduced on this rank are invalid. Skip the step: "
+        f"optimizer.zero_grad() and booster.reset() on every rank", ranks=failed)
+
+
+def completion_failed_note(what: str, exc: BaseException) -> str:
+    """The note on a rank's own error when completing ``what`` for the other ranks raised
+    ``exc`` (a peer gone, or too slow to answer)."""
+    return (f"ringseq: completing {what} for the other ranks failed ({type(exc).__name__}: "
+            f"{exc}); the process group may be unusable: restart from a checkpoint")

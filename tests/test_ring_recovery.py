@@ -381,12 +381,11 @@ def _worker_backward_failures(plugin_kwargs, hf_checkpointing, first):
     """W=4 as dp 2 x sp 2 (DDP): rank 1's backward raises, in the embedding's backward (after
     its last ring call) at the very first step, and in the last layer's MLP (before its ring
     calls) after a good step, with a forward under no_grad between that step's forward and
-    backward, and in that MLP's backward of a micro-batch inside no_sync. Every rank must
-    raise within seconds: rank 1 its own error, its ring peer RingBrokenError or RingPeerError,
-    the other ring's ranks RingPeerError naming the ranks whose backward did not end (before:
-    they waited in DDP's all-reduce until the process group's timeout), inside no_sync at
-    their next micro-batch's loss (before: a timeout there). After booster.reset() and
-    zero_grad on every rank training goes on and equals two good steps on one process."""
+    backward. Every rank must raise within seconds: rank 1 its own error, its ring peer
+    RingBrokenError or RingPeerError, the other ring's ranks RingPeerError naming the ranks
+    whose backward did not end (before: they waited in DDP's all-reduce until the process
+    group's timeout). After booster.reset() and zero_grad on every rank training goes on and
+    equals two good steps on one process."""
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
     inner = _tiny_llama().double()
@@ -413,15 +412,10 @@ def _worker_backward_failures(plugin_kwargs, hf_checkpointing, first):
         opt.zero_grad()
         return float(loss)
 
-    def accumulating_step():  # two micro-batches, the first inside no_sync
-        with booster.no_sync(model):
-            booster.backward(crit(model(**batch), batch), opt)
-        return step()
-
-    def failing_step(module, peek=False, run=None):
+    def failing_step(module, peek=False):
         failing["at"] = module
         try:
-            return _capture(run or (lambda: step(peek)))
+            return _capture(lambda: step(peek))
         finally:
             failing["at"] = None
             opt.zero_grad()
@@ -430,7 +424,6 @@ def _worker_backward_failures(plugin_kwargs, hf_checkpointing, first):
     out = {"at first": failing_step(modules[first])}  # the very first step
     out["first"] = _capture(step)
     out["later"] = failing_step(modules["layer 1"], peek=True)
-    out["no_sync"] = failing_step(modules["layer 1"], run=accumulating_step)
     out["after"] = _capture(step)
     out["params"] = [p.detach().clone() for p in inner.parameters()]
     return out
@@ -448,7 +441,7 @@ def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(plugin_kwargs,
                     timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     for rank, r in enumerate(res):
         assert r["first"][0] == "ok" and r["after"][0] == "ok", r
-        for case in ("at first", "later", "no_sync"):
+        for case in ("at first", "later"):
             # (in seconds, not after a ring timeout: the first backward knows when its ring
             # peers are past their ring calls, also with checkpointing)
             assert r[case][-1] < TIMEOUT, (case, r[case])
@@ -456,8 +449,6 @@ def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(plugin_kwargs,
                 _is_error(r[case], ("MemoryError",), "injected")
             elif rank == 0 and (case != "at first" or first != "embedding"):  # in a ring call
                 _is_error(r[case], ("RingBrokenError",), "rank 1 failed")
-            elif case == "no_sync":  # at the next micro-batch's loss
-                _is_error(r[case], ("RingPeerError",), "rank(s) [0, 1]", "MemoryError")
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
                           "booster.reset()")
@@ -468,8 +459,9 @@ def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(plugin_kwargs,
             assert max_err(got, ref) < 1e-10
 
 
+_NO_GRAD_CASES = ("evaluation forward", "reference forward")  # in a forward under no_grad
 _FSDP_CASES = ("layer 1 forward", "layer 1 backward", "layer 1 reduce-scatter",
-               "no_sync backward", "evaluation forward")
+               "no_sync backward", "evaluation forward", "reference forward")
 
 
 def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding):
@@ -479,7 +471,8 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding):
     layer, which this rank has not reached, while the ring report waits for their next ring
     call); inside FSDP's post-backward of layer 1 before it sends the reduce-scatter (out of
     memory allocating it); in the backward of a micro-batch under no_sync; in a forward under
-    no_grad between a step's forward and its backward (the others go on to the backward).
+    no_grad between a step's loss and its backward (the others go on to the backward), and
+    between its forward and its loss (a reference model's, say: they go on to the loss).
     Every rank must raise within seconds: rank 1 its own error, the others RingBrokenError
     (in a ring call) or RingPeerError naming the ranks that did not finish. Before, the other
     ranks waited in FSDP's all-gather or reduce-scatter until the process group's timeout.
@@ -496,11 +489,12 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding):
     points = {"embedding backward": (inner.model.embed_tokens, "backward"),
               "layer 1 forward": (layer1, "forward"), "layer 1 backward": (layer1, "backward"),
               "no_sync backward": (layer1, "backward"),
-              "evaluation forward": (layer1, "forward")}
+              "evaluation forward": (layer1, "forward"),
+              "reference forward": (layer1, "forward")}
     for name, (module, phase) in points.items():
         def fail_on_rank_1(*_, name=name):
             if rank == 1 and failing["at"] == name and (
-                    name != "evaluation forward" or not torch.is_grad_enabled()):
+                    name not in _NO_GRAD_CASES or not torch.is_grad_enabled()):
                 raise MemoryError("injected: out of memory")
         if phase == "forward":
             module.register_forward_hook(fail_on_rank_1)
@@ -516,8 +510,12 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding):
         return real_reduce(fsdp_params, *args, **kwargs)
     fsdp_group.foreach_reduce = reduce_failing_once
 
-    def step(evaluate=False):
-        loss = crit(model(**batch), batch)
+    def step(evaluate=False, reference=False):
+        out = model(**batch)
+        if reference:
+            with torch.no_grad():
+                model(**batch)
+        loss = crit(out, batch)
         if evaluate:
             with torch.no_grad():
                 model(**batch)
@@ -534,7 +532,8 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding):
     def failing_step(name):
         failing["at"] = name
         run = {"no_sync backward": accumulating_step,
-               "evaluation forward": lambda: step(evaluate=True)}.get(name, step)
+               "evaluation forward": lambda: step(evaluate=True),
+               "reference forward": lambda: step(reference=True)}.get(name, step)
         try:
             return _capture(run)
         finally:
@@ -569,7 +568,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs, fi
                 _is_error(r[case], ("MemoryError",), "injected")
             elif rank == 0 and (case != "at first" or first != "embedding backward"):
                 _is_error(r[case], ("RingBrokenError",), "rank 1 failed")  # in a ring call
-            elif case == "layer 1 forward":  # at the loss
+            elif case in ("layer 1 forward", "reference forward"):  # at the loss
                 _is_error(r[case], ("RingPeerError",), "failed where this rank did not",
                           "MemoryError")
             else:

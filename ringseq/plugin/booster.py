@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..engine.integrity import call_tag
 from .base import Plugin
 
 __all__ = ["Booster"]
@@ -50,7 +51,9 @@ class Booster:
         ``optimizer.zero_grad()`` and ``booster.reset()`` on every rank."""
         reporter = getattr(self.plugin, "reporter", None)
         ctx = reporter.watch("backward") if reporter is not None else contextlib.nullcontext()
-        with ctx:
+        step = getattr(optimizer, "_step", None)
+        # (the failure report, sent when the backward raised, carries the step's tag too)
+        with call_tag(step.value if step is not None else 0), ctx:
             if hasattr(optimizer, "backward"):
                 optimizer.backward(loss)
             else:

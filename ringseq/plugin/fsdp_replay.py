@@ -13,8 +13,8 @@ FSDP's own per-unit methods in FSDP's order: each unit's pre-backward (its all-g
 prefetch of the next) for the units whose outputs need a gradient, its reduce-scatter right
 after where its inputs need one (FSDP's post-backward hook), and the remaining reduce-scatters
 in the order of FSDP's final callback. What is done is read from what happened, not from
-FSDP's per-unit state alone: each unit's reduce-scatters are counted as they are sent (an
-error inside FSDP's reduce-scatter, before it sends, leaves the unit marked done). After every
+FSDP's per-unit state alone: each unit's post-backward is counted when it returns (an error
+inside FSDP's reduce-scatter, before it sends, leaves the unit marked done by FSDP). After every
 backward the ranks all-reduce a status vector in which a rank whose backward raised marks
 itself: the others raise RingPeerError instead of stepping on invalid gradients
 (:meth:`FsdpReplay.after_success`). ``booster.reset()`` then resets FSDP's per-iteration state
@@ -27,7 +27,7 @@ explicit prefetching (``set_modules_to_backward_prefetch``), which the plugin do
 from __future__ import annotations
 
 import datetime
-from typing import Dict, List, Optional
+from typing import List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -39,22 +39,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from .completion import Completion, completion_failed_note, peers_failed_error
 
 __all__ = ["FsdpReplay"]
-
-
-class _CountedReduceScatter:
-    """A unit's reduce-scatter communication (FSDP's ``_reduce_scatter_comm``), counting the
-    collectives it sends; everything else (its buffer allocation) is the wrapped one's."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.sent = 0
-
-    def __call__(self, *args, **kwargs):
-        self.sent += 1
-        return self.inner(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 class _Unit:
@@ -84,11 +68,12 @@ class FsdpReplay(Completion):
         self.expecting = False
         self._forward = 0           # forwards started
         self._grad_forwards = 0     # forwards with gradients since the last backward
-        self._sent_before: Dict[int, int] = {}  # id(group) -> reduce-scatters before the forward
+        self._reduced: Set[int] = set()  # id of each group whose post-backward returned
         self._in_backward = False   # a backward reached the output of the last grad forward
         for unit in self.units:
             for group_ in unit.groups:
-                group_._reduce_scatter_comm = _CountedReduceScatter(group_._reduce_scatter_comm)
+                # (an instance attribute: FSDP's hook and final callback call it by name)
+                group_.post_backward = self._counted(group_, group_.post_backward)
             # after FSDP's own hooks (prepended to the pre-forward, appended before this one
             # to the post-forward): the all-gather happened, the backward hooks are set
             unit.module.register_forward_pre_hook(
@@ -96,6 +81,13 @@ class FsdpReplay(Completion):
                 with_kwargs=True)
             unit.module.register_forward_hook(
                 lambda _m, _args, out, unit=unit: self._post_forward(unit, out))
+
+    def _counted(self, group, post_backward):
+        def counted(*args):
+            out = post_backward(*args)
+            self._reduced.add(id(group))  # (sent, or nothing to send: no_sync)
+            return out
+        return counted
 
     # -- forward ---------------------------------------------------------------------------
     def _pre_forward(self, unit: _Unit, args, kwargs) -> None:
@@ -122,8 +114,7 @@ class FsdpReplay(Completion):
 
     def forward_started(self) -> None:
         self._forward += 1
-        self._sent_before = {id(g): g._reduce_scatter_comm.sent
-                             for unit in self.units for g in unit.groups}
+        self._reduced.clear()
 
     def forward_ran(self) -> None:
         """A forward with gradients enabled waits for its backward (one under no_grad leaves
@@ -173,8 +164,8 @@ class FsdpReplay(Completion):
         forwards, self._grad_forwards = self._grad_forwards, 0
         if forwards > 1:
             return (f"ringseq: FSDP's backward was not completed for the other ranks: it "
-                    f"follows {forwards} forwards (FSDP gathers each layer once per use); "
-                    f"they wait for the process group's timeout")
+                    f"follows {forwards} forwards (FSDP gathers each layer once per use), "
+                    f"and they wait in its collectives")
         root, layers = self.units[0], self.units[1:]
 
         def replay():
@@ -211,7 +202,9 @@ class FsdpReplay(Completion):
             raise peers_failed_error(failed)
 
     def _sent(self, group) -> bool:
-        return group._reduce_scatter_comm.sent > self._sent_before.get(id(group), 0)
+        """The group's post-backward returned in this backward (its reduce-scatter was sent,
+        or under no_sync it had none to send); one that raised before sending has not."""
+        return id(group) in self._reduced
 
     def _untouched(self, unit: _Unit) -> bool:
         """No group of ``unit`` began its backward in this one."""
@@ -228,8 +221,6 @@ class FsdpReplay(Completion):
     def _post_backward(self, group) -> None:
         if self._sent(group):
             return
-        if not group.reduce_grads and group._training_state == TrainingState.POST_BACKWARD:
-            return  # (no_sync: nothing to send, the gradients are kept)
         for fsdp_param in group.fsdp_params:
             if not hasattr(fsdp_param, "_unsharded_param"):
                 continue

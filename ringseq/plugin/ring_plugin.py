@@ -439,6 +439,8 @@ class RingSequenceParallelPlugin(Plugin):
                              f"or keep using the model the first boost returned")
         # everything that can refuse comes before the model is modified
         criterion = self._criterion(criterion)
+        if isinstance(criterion, SequenceParallelLoss):
+            criterion.reporter = self.reporter
         dataloader = self._dataloader(dataloader)
         dims = self.dims
         if is_transformers_model(model):
@@ -554,7 +556,14 @@ class RingSequenceParallelPlugin(Plugin):
         rank until then, see ringseq.engine.integrity): the sequence-parallel ring, the groups
         of its Ulysses / hybrid / double-ring modes and the default group's (where the loader
         and the loss agree); rebuilds what a timeout broke. Call it on every rank, with the
-        ranks back at the same batch."""
+        ranks back at the same batch. Raises RuntimeError when this rank could not complete
+        the data-parallel collectives of its failed step (the other ranks wait in them)."""
+        unusable = self._reporter.unusable if self._reporter is not None else None
+        if unusable:
+            raise RuntimeError(
+                f"booster.reset: {unusable}; this rank's next collectives would pair with "
+                f"them, so the process group cannot be used again: restart the processes "
+                f"(from the last checkpoint)")
         reset_ring(self.sp_group)
         reset_ring(None)  # the loader's and the loss's agreements
         if self.sp is not None:

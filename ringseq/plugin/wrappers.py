@@ -5,6 +5,8 @@ import contextlib
 import contextvars
 import threading
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -92,6 +94,8 @@ class ModelWrapper(nn.Module):
                 out = self.module(*args, **kwargs)
         if self._reduction is not None:
             self._reduction.forward_ran()
+        if self._reporter is not None and torch.is_grad_enabled():
+            self._reporter.loss_ran = False
         return out
 
 
@@ -185,18 +189,17 @@ class ReducedGrads:
                 f"boosted optimizer or model: they reset this count) before the next step")
 
 
-def _join(thread: threading.Thread) -> None:
+def _join(thread: threading.Thread) -> Optional[KeyboardInterrupt]:
     """Waits for ``thread`` (a ring report, which gives up after the ring timeout) even through
-    Ctrl-C, which is raised afterwards: left running, the report would still hold the ring
-    while the ring is reset."""
+    Ctrl-C, which it returns for the caller to raise once the other ranks are told: left
+    running, the report would still hold the ring while the ring is reset."""
     interrupted = None
     while thread.is_alive():
         try:
             thread.join()
         except KeyboardInterrupt as exc:
             interrupted = exc
-    if interrupted is not None:
-        raise interrupted
+    return interrupted
 
 
 def _add_note(exc: BaseException, note: str) -> None:
@@ -232,6 +235,11 @@ class FailureReporter:
         #: ``fsdp_replay.FsdpReplay``): a step that raised completes their collectives, a
         #: backward that ended checks the peers' status
         self.reductions = []
+        #: the plugin's loss ran since the last forward with gradients (set by
+        #: SequenceParallelLoss, cleared by ModelWrapper.forward)
+        self.loss_ran = False
+        #: why the other ranks wait in collectives this rank did not complete, or None
+        self.unusable = None
 
     @contextlib.contextmanager
     def watch(self, phase: str, reduction=None):
@@ -259,8 +267,9 @@ class FailureReporter:
         # A forward under no_grad between a forward and its backward (an evaluation): the
         # other ranks go on to that backward, so this rank completes it too, and its ring
         # peers hear of the failure there if not before.
+        # (Only once the plugin's loss ran: before it, the others wait at that loss.)
         pending = (phase == "forward" and reduction is not None and reduction.expecting
-                   and not torch.is_grad_enabled())
+                   and not torch.is_grad_enabled() and self.loss_ran)
 
         def report():
             try:
@@ -284,22 +293,25 @@ class FailureReporter:
                 waiting = [r for r in self.reductions if r.expecting]
                 if len(waiting) == 1:
                     note = waiting[0].after_failure(2 * ring_timeout())
-                # A backward nothing reduces (DDP inside no_sync): the other ranks go on to
-                # their next micro-batch, whose loss hears of it instead of waiting there.
-                to_loss = not waiting and bool(self.reductions)
         finally:
-            _join(thread)
+            interrupted = _join(thread)
         for report_exc in report_errors:
             _add_note(exc, f"ringseq: reporting it to the ring peers failed too: "
                            f"{type(report_exc).__name__}: {report_exc}")
         if note:
-            _add_note(exc, note)
+            # the others wait in collectives this rank did not complete: its next ones would
+            # pair with those (the plugin's reset refuses)
+            self.unusable = note
+            _add_note(exc, note + ". The process group cannot be used again: restart the "
+                                  "processes (booster.reset() refuses)")
         if to_loss:
             try:
                 report_step_failure(self.loss_group, exc)
             except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
                 _add_note(exc, f"ringseq: reporting it to the loss failed too: "
                                f"{type(report_exc).__name__}: {report_exc}")
+        if interrupted is not None:
+            raise interrupted
 
     def _report_to_ring(self, phase: str, exc: BaseException, calls: int,
                         always: bool = False) -> None:
@@ -381,14 +393,19 @@ class OptimizerWrapper:
         # from a model no single process ever computed.
         if not dist.is_initialized():
             return
-        message = (f"{type(exc).__name__}: {exc}" if exc is not None else "")
+        message = f"{type(exc).__name__}: {exc}" if exc is not None else ""
         try:
             get_ring(None).agree(exc is None, message + f" ({_STEP_FAILED})", raise_own=False)
-        except RingPeerError as peer_exc:
-            self.failed_step = f"the optimizer step raised on rank(s) {peer_exc.ranks}"
-            raise
+        except Exception as vote_exc:  # RingPeerError; a timeout or desync: unknown, as bad
+            ranks = getattr(vote_exc, "ranks", None)
+            self.failed_step = (f"the optimizer step raised on rank(s) {ranks}" if ranks else
+                                f"the vote after the optimizer step failed ({vote_exc})")
+            if exc is None:
+                raise
+            _add_note(exc, f"ringseq: the vote after it failed too: "
+                           f"{type(vote_exc).__name__}: {vote_exc}")
         if exc is not None:
-            self.failed_step = "the optimizer step raised on this rank"
+            self.failed_step = self.failed_step or "the optimizer step raised on this rank"
             _add_note(exc, f"ringseq: {_STEP_FAILED}")
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0,
@@ -464,6 +481,8 @@ class SequenceParallelLoss:
         self.group = group
         self.ignore_index = ignore_index
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        #: the plugin's FailureReporter, told when the loss ran (or None)
+        self.reporter = None
 
     def __call__(self, outputs, batch) -> torch.Tensor:
         try:
@@ -472,8 +491,11 @@ class SequenceParallelLoss:
             # The other ranks are about to wait for this one in the loss's agreement.
             report_step_failure(self.group, exc)
             raise
-        return sharded_cross_entropy(logits, targets, group=self.group,
+        loss = sharded_cross_entropy(logits, targets, group=self.group,
                                      ignore_index=self.ignore_index)
+        if self.reporter is not None:
+            self.reporter.loss_ran = True  # every rank passed this step's loss
+        return loss
 
     def _logits_and_targets(self, outputs, batch):
         logits = outputs

@@ -13,16 +13,18 @@ FSDP's own per-unit methods in FSDP's order: each unit's pre-backward (its all-g
 prefetch of the next) for the units whose outputs need a gradient, its reduce-scatter right
 after where its inputs need one (FSDP's post-backward hook), and the remaining reduce-scatters
 in the order of FSDP's final callback. What is done is read from what happened, not from
-FSDP's per-unit state alone: each unit's post-backward is counted when it returns (an error
-inside FSDP's reduce-scatter, before it sends, leaves the unit marked done by FSDP). After every
+FSDP's per-unit state alone: each unit's post-backward is counted when it returns (FSDP
+marks a unit done before its reduce-scatter, so an error there, before it sends, would
+otherwise look complete; its final callback sets units back to idle). After every
 backward the ranks all-reduce a status vector in which a rank whose backward raised marks
 itself: the others raise RingPeerError instead of stepping on invalid gradients
 (:meth:`FsdpReplay.after_success`). ``booster.reset()`` then resets FSDP's per-iteration state
 and drops gradients accumulated under ``no_sync`` (:meth:`FsdpReplay.reset`).
 
-Not replayed (the rank's error gets a note; the others wait for the process group's timeout):
-a backward of more than one forward (FSDP then gathers each unit once per use); FSDP's
-explicit prefetching (``set_modules_to_backward_prefetch``), which the plugin does not set.
+Not replayed (the rank's error gets a note, the others wait in FSDP's collectives, and the
+plugin's reset refuses on this rank): a backward of more than one forward (FSDP then gathers
+each unit once per use). Not reproduced: FSDP's explicit prefetching
+(``set_modules_to_backward_prefetch``), which the plugin does not set.
 """
 from __future__ import annotations
 

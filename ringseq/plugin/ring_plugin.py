@@ -18,7 +18,6 @@ from ..parallel.dims import ParallelDims
 from .base import Plugin
 from .dataloader import ShardedDataLoader, pack_documents
 from .ddp_sum import DdpSum, sum_allreduce_hook
-from .fsdp_replay import FsdpReplay
 from .mesh import _world_size, build_mesh, build_sp_mesh
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
@@ -489,6 +488,7 @@ class RingSequenceParallelPlugin(Plugin):
                        param_dtype=(self.precision.dtype if self.precision.name == "bf16"
                                     else None))
             if dims.tp_size == 1 and mesh.size() > 1:
+                from .fsdp_replay import FsdpReplay  # (FSDP2's internals: only where used)
                 # (with tp the tp peers wait in collectives of their own: not covered)
                 reduction = FsdpReplay([model] + list(layers), mesh.get_group())
         elif dims.tp_size > 1:

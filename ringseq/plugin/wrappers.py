@@ -4,14 +4,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._dist import RingError, RingMismatchError, RingPeerError, ring_timeout
+from .._dist import RingError, RingMismatchError, ring_timeout
 from ..engine.integrity import call_tag
 from ..engine.ring import get_ring
 from ..loss import report_step_failure, sharded_cross_entropy
@@ -255,8 +254,8 @@ class FailureReporter:
             raise
         self._calls[phase] = self.ring.calls - before
         if phase == "backward":
-            for each in self.reductions:
-                each.after_success()  # RingPeerError when another rank's backward raised
+            for reduction_ in self.reductions:
+                reduction_.after_success()  # RingPeerError when another rank's backward raised
 
     def _after_failure(self, phase: str, exc: BaseException, calls: int, reduction) -> None:
         # The ring report waits for the peers' next ring call, and FSDP's collectives this

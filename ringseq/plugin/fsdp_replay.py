@@ -13,9 +13,10 @@ FSDP's own per-unit methods in FSDP's order: each unit's pre-backward (its all-g
 prefetch of the next) for the units whose outputs need a gradient, its reduce-scatter right
 after where its inputs need one (FSDP's post-backward hook), and the remaining reduce-scatters
 in the order of FSDP's final callback. What is done is read from what happened, not from
-FSDP's per-unit state alone: each unit's post-backward is counted when it returns (FSDP
-marks a unit done before its reduce-scatter, so an error there, before it sends, would
-otherwise look complete; its final callback sets units back to idle). After every
+FSDP's per-unit state alone: each unit's post-backward is counted when it returns or, when
+it raised, if the process group's collective count moved during it (FSDP marks a unit done
+before its reduce-scatter, so an error there, before it sends, would otherwise look complete;
+its final callback sets units back to idle). After every
 backward the ranks all-reduce a status vector in which a rank whose backward raised marks
 itself: the others raise RingPeerError instead of stepping on invalid gradients
 (:meth:`FsdpReplay.after_success`). ``booster.reset()`` then resets FSDP's per-iteration state
@@ -85,8 +86,17 @@ class FsdpReplay(Completion):
                 lambda _m, _args, out, unit=unit: self._post_forward(unit, out))
 
     def _counted(self, group, post_backward):
+        # (the number of collectives made on FSDP's process group, where torch counts them)
+        collectives = getattr(self.group, "_get_sequence_number_for_group", lambda: None)
+
         def counted(*args):
-            out = post_backward(*args)
+            before = collectives()
+            try:
+                out = post_backward(*args)
+            except BaseException:
+                if before is not None and collectives() != before:
+                    self._reduced.add(id(group))  # it raised after sending its reduce-scatter
+                raise
             self._reduced.add(id(group))  # (sent, or nothing to send: no_sync)
             return out
         return counted

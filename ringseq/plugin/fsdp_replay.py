@@ -16,10 +16,9 @@ in the order of FSDP's final callback. What is done is read from what happened, 
 FSDP's per-unit state alone: each unit's post-backward is counted when it returns or, when
 it raised, if the process group's collective count moved during it (FSDP marks a unit done
 before its reduce-scatter, so an error there, before it sends, would otherwise look complete;
-its final callback sets units back to idle). After every
-backward the ranks all-reduce a status vector in which a rank whose backward raised marks
-itself: the others raise RingPeerError instead of stepping on invalid gradients
-(:meth:`FsdpReplay.after_success`). ``booster.reset()`` then resets FSDP's per-iteration state
+its final callback sets units back to idle). After every backward the ranks all-reduce a
+status vector in which a rank whose backward raised marks itself: the others raise
+RingPeerError instead of stepping on invalid gradients (:meth:`FsdpReplay.after_success`). ``booster.reset()`` then resets FSDP's per-iteration state
 and drops gradients accumulated under ``no_sync`` (:meth:`FsdpReplay.reset`).
 
 Not replayed (the rank's error gets a note, the others wait in FSDP's collectives, and the
@@ -142,14 +141,17 @@ class FsdpReplay(Completion):
         prefetches by), the root's last, as it wraps the others."""
         root, layers = self.units[0], self.units[1:]
 
+        def gather(group) -> None:
+            group.unshard()
+            group.wait_for_unshard()
+
         def finish(unit: _Unit) -> None:
             if unit.posted == self._forward:
                 return
             for group in unit.groups:
                 with group.use_training_state(TrainingState.FORWARD):
                     if unit.gathered != self._forward:
-                        group.unshard()
-                        group.wait_for_unshard()
+                        gather(group)
                     group.reshard()
                     group._record_post_forward()
                 group._training_state = TrainingState.IDLE
@@ -157,8 +159,7 @@ class FsdpReplay(Completion):
         def replay():
             if root.gathered != self._forward:
                 for group in root.groups:
-                    group.unshard()
-                    group.wait_for_unshard()
+                    gather(group)
                 root.gathered = self._forward
             for unit in layers:
                 finish(unit)
@@ -218,16 +219,18 @@ class FsdpReplay(Completion):
         or under no_sync it had none to send); one that raised before sending has not."""
         return id(group) in self._reduced
 
+    def _begun(self, group) -> bool:
+        """The group began its backward in this one (FSDP's state, or its post-backward
+        counted: FSDP's final callback sets finished groups back to idle)."""
+        return (group._training_state in (TrainingState.PRE_BACKWARD,
+                                          TrainingState.POST_BACKWARD)
+                or self._sent(group))
+
     def _untouched(self, unit: _Unit) -> bool:
-        """No group of ``unit`` began its backward in this one."""
-        return all(group._training_state not in (TrainingState.PRE_BACKWARD,
-                                                 TrainingState.POST_BACKWARD)
-                   and not self._sent(group) for group in unit.groups)
+        return not any(self._begun(group) for group in unit.groups)
 
     def _pre_backward(self, group) -> None:
-        if (group._training_state not in (TrainingState.PRE_BACKWARD,
-                                          TrainingState.POST_BACKWARD)
-                and not self._sent(group)):
+        if not self._begun(group):
             group.pre_backward(True)  # gathers and prefetches as FSDP does
 
     def _post_backward(self, group) -> None:

@@ -639,6 +639,124 @@ def test_optimizer_step_failure_on_one_rank_raises_everywhere(zero_stage, tmp_pa
             assert max_err(got, ref) < 1e-10
 
 
+_TP_CASES = ("layer 1 forward", "layer 1 backward", "embedding backward", "gradient sync",
+             "no_sync backward", "evaluation forward", "reference forward")
+
+
+def _worker_tp_failures(plugin_kwargs, cases):
+    """W=4 as sp 2 x tp 2 (zero stage 0: the plugin's own gradient sync). Rank 1 raises at
+    the very first step in layer 0's attention (before any tensor-parallel collective of the
+    step was made or seen), then, after a good step, at each of ``cases``: in layer 1's
+    forward; in layer 1's backward after its ring call's backward; in the embedding's
+    backward (after every block: the gradient sync remains); at the gradient sync (out of
+    memory before its first collective); in a micro-batch's backward under no_sync; in a
+    forward under no_grad between the loss and the backward (evaluation) or before the loss
+    (a reference model's). Its tp peer (rank 0) waits in a tp collective of the same block
+    meanwhile, and its ring peer (rank 3) raises in its next ring call, leaving rank 2 in a
+    tp collective too. Every rank must raise within seconds: rank 1 its own error, rank 3
+    RingBrokenError when the failure met it in a ring call, the others RingPeerError naming
+    the ranks that did not finish. Before, every rank waited until the process group's
+    timeout. After zero_grad and booster.reset() on every rank training goes on and equals
+    two good steps on one process."""
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    inner = _tiny_llama().double()
+    booster, model, opt, crit, batch = _boost_at_sp2(inner, dict(tp_size=2, **plugin_kwargs))
+    failing = {"at": None}
+    layer0, layer1 = inner.model.layers[0].self_attn.q_proj, inner.model.layers[1].self_attn.q_proj
+    points = {"layer 0 forward": (layer0, "forward"), "layer 1 forward": (layer1, "forward"),
+              "layer 1 backward": (layer1, "backward"),
+              "embedding backward": (inner.model.embed_tokens, "backward"),
+              "no_sync backward": (layer1, "backward"),
+              "evaluation forward": (layer1, "forward"),
+              "reference forward": (layer1, "forward")}
+    for name, (module, phase) in points.items():
+        def fail_on_rank_1(*_, name=name):
+            if rank == 1 and failing["at"] == name and (
+                    name not in _NO_GRAD_CASES or not torch.is_grad_enabled()):
+                raise MemoryError("injected: out of memory")
+        if phase == "forward":
+            module.register_forward_hook(fail_on_rank_1)
+        else:
+            module.register_full_backward_hook(fail_on_rank_1)
+    sync = model.grad_sync.sync
+
+    def sync_failing():  # (looked up by name when the backward queues it)
+        if rank == 1 and failing["at"] == "gradient sync":
+            raise MemoryError("injected: out of memory")
+        return sync()
+    model.grad_sync.sync = sync_failing
+
+    def step(evaluate=False, reference=False):
+        out = model(**batch)
+        if reference:
+            with torch.no_grad():
+                model(**batch)
+        loss = crit(out, batch)
+        if evaluate:
+            with torch.no_grad():
+                model(**batch)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    def accumulating_step():  # two micro-batches, the first inside no_sync
+        with booster.no_sync(model):
+            booster.backward(crit(model(**batch), batch), opt)
+        return step()
+
+    def failing_step(name):
+        failing["at"] = name
+        run = {"no_sync backward": accumulating_step,
+               "evaluation forward": lambda: step(evaluate=True),
+               "reference forward": lambda: step(reference=True)}.get(name, step)
+        try:
+            return _capture(run)
+        finally:
+            failing["at"] = None
+            opt.zero_grad()
+            booster.reset()
+
+    out = {"at first": failing_step("layer 0 forward")}
+    out["first"] = _capture(step)
+    for name in cases:
+        out[name] = failing_step(name)
+    out["after"] = _capture(step)
+    out["params"] = [p.full_tensor().detach().clone() for p in inner.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("plugin_kwargs", [{}, {"activation_checkpointing": True}],
+                         ids=["default", "checkpointing"])
+def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs):
+    # (checkpointing: each backward recomputes every layer's forward and its collectives
+    # within its own, in the order the first good step's backward showed)
+    cases = _TP_CASES
+    res = run_ranks(_worker_tp_failures, 4, plugin_kwargs, cases, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    in_ring_call = {"at first", "layer 1 forward", "layer 1 backward", "no_sync backward",
+                    "evaluation forward", "reference forward"}
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        for case in ("at first",) + tuple(cases):
+            assert r[case][-1] < TIMEOUT, (case, r[case])  # in seconds, not after a timeout
+            if rank == 1:
+                _is_error(r[case], ("MemoryError",), "injected")
+            elif rank == 3 and case in in_ring_call:
+                _is_error(r[case], ("RingBrokenError",), "global rank 1) failed")
+            elif case in ("at first", "layer 1 forward", "reference forward"):  # at the loss
+                _is_error(r[case], ("RingPeerError",), "failed where this rank did not",
+                          "MemoryError")
+            else:
+                _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
+                          "booster.reset()")
+    want = _single_process_params()
+    for r in res:
+        for got, ref in zip(r["params"], want):
+            assert max_err(got, ref) < 1e-10
+
+
 def _worker_subgroup_stall():
     """W=4 in two rings of 2 ({0, 1} and {2, 3}); global rank 3 stalls past the timeout: its
     ring peer, global rank 2 (rank 0 of its group), times out naming the peer by its global

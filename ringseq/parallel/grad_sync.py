@@ -37,6 +37,9 @@ class ReplicatedGradSync:
         # the task, not a flag, so that a backward that raised before its end (its callback
         # never ran) does not leave every later backward unreduced.
         self._queued_task = None
+        #: the all-reduces over ``group`` the current (or last) ``sync`` has sent: what a
+        #: rank whose backward raised inside it still owes the others
+        self.sent = 0
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -50,6 +53,7 @@ class ReplicatedGradSync:
     def sync(self) -> None:
         """Reduces the current gradients now (collective over ``group``)."""
         self._queued_task = None
+        self.sent = 0
         if self.reduced is not None:
             self.reduced.mark()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
@@ -67,6 +71,7 @@ class ReplicatedGradSync:
             for grads in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 dist.all_reduce(flat, group=self.group)
+                self.sent += 1
                 offset = 0
                 for g in grads:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))

@@ -46,7 +46,8 @@ class Booster:
         may still be inside a ring call of the backward (see ``ModelWrapper``); this rank then
         completes the data-parallel collectives it did not reach (DDP's gradient buckets,
         ``ringseq.plugin.ddp_sum``; FSDP's all-gathers and reduce-scatters,
-        ``ringseq.plugin.fsdp_replay``), and the ranks whose backward ended raise
+        ``ringseq.plugin.fsdp_replay``; the tp group's, ``ringseq.plugin.tp_replay``), and the
+        ranks whose backward ended raise
         ``RingPeerError`` naming the ranks whose backward raised. Recover with
         ``optimizer.zero_grad()`` and ``booster.reset()`` on every rank."""
         reporter = getattr(self.plugin, "reporter", None)

@@ -1,13 +1,17 @@
 """What a boosted model's data-parallel reduction does when a step raises on some ranks: the
 interface :class:`~ringseq.plugin.wrappers.FailureReporter` drives (implemented by
-``ddp_sum.DdpSum`` and ``fsdp_replay.FsdpReplay``), and the error and note they share."""
+``ddp_sum.DdpSum``, ``fsdp_replay.FsdpReplay`` and ``tp_replay.TpReplay``), and the error,
+note and bounded wait they share."""
 from __future__ import annotations
 
-from typing import List, Optional
+import datetime
+from typing import Callable, List, Optional
+
+import torch
 
 from .._dist import RingPeerError
 
-__all__ = ["Completion", "completion_failed_note", "peers_failed_error"]
+__all__ = ["Completion", "bounded", "completion_failed_note", "peers_failed_error"]
 
 
 class Completion:
@@ -56,3 +60,36 @@ def completion_failed_note(what: str, exc: BaseException) -> str:
     ``exc`` (a peer gone, or too slow to answer)."""
     return (f"ringseq: completing {what} for the other ranks failed ({type(exc).__name__}: "
             f"{exc}); the process group may be unusable: restart from a checkpoint")
+
+
+def bounded(replay: Callable[[], None], groups, timeout: float, what: str) -> Optional[str]:
+    """Runs ``replay`` (a completion's collectives over ``groups``) under no_grad; returns the
+    note of :func:`completion_failed_note` when it raised, else None. A peer that died never
+    answers: on gloo each collective of the replay waits at most ``timeout`` seconds (or the
+    group's own timeout, if shorter). (NCCL's collectives are asynchronous: there the other
+    ranks' watchdog bounds the wait.)"""
+    restore = []
+    for group in groups:
+        backend = _gloo_backend(group)
+        old = getattr(getattr(backend, "options", None), "_timeout", None)
+        if old is not None:
+            backend._set_default_timeout(min(old, datetime.timedelta(seconds=timeout)))
+            restore.append((backend, old))
+    try:
+        with torch.no_grad():
+            replay()
+    except Exception as exc:  # noqa: BLE001 - a peer gone, or too slow to answer
+        return completion_failed_note(what, exc)
+    finally:
+        for backend, old in restore:
+            backend._set_default_timeout(old)
+    return None
+
+
+def _gloo_backend(group):
+    try:
+        from torch.distributed import ProcessGroupGloo
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - no gloo, or no CPU backend in this group
+        return None
+    return backend if isinstance(backend, ProcessGroupGloo) else None

@@ -28,7 +28,6 @@ each unit once per use). Not reproduced: FSDP's explicit prefetching
 """
 from __future__ import annotations
 
-import datetime
 from typing import List, Optional, Set
 
 import torch
@@ -38,7 +37,7 @@ from torch.distributed.fsdp._common_utils import collect_grad_tensors
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-from .completion import Completion, completion_failed_note, peers_failed_error
+from .completion import Completion, bounded, peers_failed_error
 
 __all__ = ["FsdpReplay"]
 
@@ -164,7 +163,7 @@ class FsdpReplay(Completion):
             for unit in layers:
                 finish(unit)
             finish(root)
-        return self._bounded(replay, timeout, "FSDP's forward")
+        return bounded(replay, [self.group], timeout, "FSDP's forward")
 
     # -- backward --------------------------------------------------------------------------
     def after_failure(self, timeout: float) -> Optional[str]:
@@ -202,7 +201,7 @@ class FsdpReplay(Completion):
                 for group in reversed(state._fsdp_param_groups):
                     self._post_backward(group)
             self._status(failed=True)
-        return self._bounded(replay, timeout, "FSDP's backward")
+        return bounded(replay, [self.group], timeout, "FSDP's backward")
 
     def after_success(self) -> None:
         """Raises RingPeerError when another rank's backward did not end (its gradients are
@@ -255,24 +254,6 @@ class FsdpReplay(Completion):
         dist.all_reduce(vec, group=self.group)
         return [ranks[i] for i, s in enumerate(vec.tolist()) if s]
 
-    def _bounded(self, replay, timeout: float, what: str) -> Optional[str]:
-        # A peer that died never answers: on gloo each collective of the replay waits at most
-        # `timeout` seconds (or the group's own timeout, if shorter). (NCCL's collectives are
-        # asynchronous: there the other ranks' watchdog bounds the wait.)
-        backend = _gloo_backend(self.group)
-        old = getattr(getattr(backend, "options", None), "_timeout", None)
-        if old is not None:
-            backend._set_default_timeout(min(old, datetime.timedelta(seconds=timeout)))
-        try:
-            with torch.no_grad():
-                replay()
-        except Exception as exc:  # noqa: BLE001 - a peer gone, or too slow to answer
-            return completion_failed_note(what, exc)
-        finally:
-            if old is not None:
-                backend._set_default_timeout(old)
-        return None
-
     def reset(self) -> None:
         """FSDP forgets the failed forward or backward (its units resharded, their
         per-iteration state cleared) and the gradients accumulated under ``no_sync``, which
@@ -288,11 +269,3 @@ class FsdpReplay(Completion):
                         fsdp_param._unsharded_param.grad = None
         self.expecting, self._grad_forwards = False, 0
 
-
-def _gloo_backend(group):
-    try:
-        from torch.distributed import ProcessGroupGloo
-        backend = group._get_backend(torch.device("cpu"))
-    except Exception:  # noqa: BLE001 - no gloo, or no CPU backend in this group
-        return None
-    return backend if isinstance(backend, ProcessGroupGloo) else None

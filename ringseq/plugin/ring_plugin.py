@@ -496,6 +496,13 @@ class RingSequenceParallelPlugin(Plugin):
             # (tp alone sums nothing over ranks: accumulating without no_sync is exact there)
             grad_sync = ReplicatedGradSync(model, self.groups.dp_sp_mesh().get_group(),
                                            reduced if summed else None)
+            if plan.source != "tp_plan styles":  # (the user's own styles: collectives unknown)
+                from .tp_replay import TpReplay
+                user, own = model, self.activation_checkpointing
+                reduction = TpReplay(
+                    model, plan, self.groups.tp_mesh, grad_sync,
+                    self.precision.dtype if self.precision.name != "fp32" else None,
+                    lambda: own or bool(getattr(user, "is_gradient_checkpointing", False)))
         elif dist.get_world_size() > 1:
             kwargs = {_NO_BUFFER_SYNC: False}  # buffers (RoPE tables) are identical
             kwargs.update(self.ddp_kwargs)

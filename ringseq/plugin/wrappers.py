@@ -48,7 +48,8 @@ class ModelWrapper(nn.Module):
     When the forward raises on one rank (a bad token id, an out-of-memory error), the other
     ranks must not be left waiting: the failure is reported to the ring peers when they may be
     inside a ring call (``Ring.report_failure``; their ring call raises RingBrokenError),
-    FSDP's all-gathers this rank did not reach are run (``fsdp_replay.FsdpReplay``), then the
+    FSDP's all-gathers or the tp group's collectives this rank did not reach are run
+    (``fsdp_replay.FsdpReplay``, ``tp_replay.TpReplay``), then the
     failure is reported to the loss of every rank (:func:`ringseq.loss.report_step_failure`,
     on the control channel: their loss raises RingPeerError naming this rank). The exception
     is re-raised on this rank; the ring stays broken until ``booster.reset()`` (or
@@ -64,8 +65,8 @@ class ModelWrapper(nn.Module):
         self._step = StepTag() if step is None else step
         self._reduced = reduced  # the reductions' count (ReducedGrads), reset by zero_grad
         #: the reduction that completes the other ranks' collectives when this rank's step
-        #: raises (ddp_sum.DdpSum for the plugin's DDP, fsdp_replay.FsdpReplay for its FSDP),
-        #: else None
+        #: raises (ddp_sum.DdpSum for the plugin's DDP, fsdp_replay.FsdpReplay for its FSDP,
+        #: tp_replay.TpReplay for its tensor parallelism at zero stage 0), else None
         self._reduction = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -231,7 +232,8 @@ class FailureReporter:
         #: again (the plugin's keeps the attention outputs: 1); set by ModelWrapper.forward
         self.backward_calls_per_forward = 1
         #: the reductions of the boosted models (``ddp_sum.DdpSum``,
-        #: ``fsdp_replay.FsdpReplay``): a step that raised completes their collectives, a
+        #: ``fsdp_replay.FsdpReplay``, ``tp_replay.TpReplay``): a step that raised completes
+        #: their collectives, a
         #: backward that ended checks the peers' status
         self.reductions = []
         #: the plugin's loss ran since the last forward with gradients (set by

@@ -1,0 +1,322 @@
+"""The replicated tensor-parallel (zero stage 0, tp > 1) training step when a forward or
+backward raises on some ranks: what keeps the others from waiting in the tp group's
+collectives.
+
+In the plugin's tensor-parallel layout (``ringseq.parallel.tp``) every block (an attention or
+MLP block) makes two blocking collectives on the tp group in the forward: the all-gather of
+its input share (``GatherSequence``) and the reduce-scatter of its row-wise output; the
+backward makes the same two per block in reverse order (the all-gather of the output's
+gradient, then the reduce-scatter of the input's), and the gradient sync at its end
+(``ReplicatedGradSync``) one all-reduce over tp per replicated parameter, then one over the
+dp x sp ranks per dtype. A rank whose forward or backward raised stops making them, and its
+tp peers would wait in the next one until the process group's timeout; its ring peers raise
+in their ring call and stop too, leaving their own tp peers waiting.
+
+So every rank whose forward or backward raised makes the rest of them itself, on zeros
+(:meth:`TpReplay.after_forward_failure`, :meth:`TpReplay.after_failure`). What was done is
+read from the tp group's collective count (torch's per-group sequence number) since the
+forward began or the backward reached the model's outputs; what remains is the list of the
+phase's collectives from there, with this step's sizes: the batch and sequence from this
+forward's input embedding, each block's hidden sizes and dtypes as its last forward saw them
+(before any: the linear layers' sizes, the embedding's dtype for the gathered input and the
+autocast dtype, else the weights', for the row-wise output). The forward's list is the blocks
+in the last forward's order; the backward's is the order the last backward that ended made
+them in (hooks next to each collective record it), which includes the forwards of
+checkpointed layers recomputed within it; before any backward ended, the blocks in reverse.
+After every backward the ranks all-reduce a status vector (W int64, the default group) in
+which a rank whose backward raised marks itself; the others raise RingPeerError instead of
+stepping on invalid gradients.
+
+Not completed (the rank's error gets a note and the plugin's reset refuses on it): the first
+backward of a model with checkpointed layers (their recomputed forwards interleave with it in
+an order of torch's checkpoint that no backward has shown yet), a failure before the input
+embedding saw this forward's batch, a process group that does not count its collectives. Not
+set up: a plan of the user's own ParallelStyles (its collectives are not known here) and tp
+with FSDP (zero stage 2/3). Assumed, as for FSDP: every parameter that requires a gradient
+gets one.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from ..parallel.tp import GatherSequence, SliceSequence
+from .completion import Completion, bounded, peers_failed_error
+
+__all__ = ["TpReplay"]
+
+
+class _Block:
+    """One block of the plan (a ``GatherSequence`` module): its hidden sizes in (the gathered
+    input) and out (the row-wise output), and the dtypes its last forward gathered and
+    reduce-scattered (None before one did)."""
+
+    def __init__(self, module: nn.Module, h_in: int, h_out: int, rowwise: nn.Module):
+        self.module, self.h_in, self.h_out, self.rowwise = module, h_in, h_out, rowwise
+        self.gather_dtype: Optional[torch.dtype] = None
+        self.scatter_dtype: Optional[torch.dtype] = None
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1  # (a checkpointed layer recomputed)
+
+
+def _grad_tensors(obj) -> List[torch.Tensor]:
+    if torch.is_tensor(obj):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _grad_tensors(item)]
+    return []
+
+
+class TpReplay(Completion):
+    """The tp group's collectives for a rank whose forward or backward raised, and the status
+    check of the ranks whose backward ended, for one boosted model (see the module doc).
+
+    ``model``: the user's model after tensor parallelism; ``plan``: the resolved plan it was
+    built with (of plan names, not ParallelStyles); ``tp_mesh``: the 1-D tp mesh;
+    ``grad_sync``: the model's ``ReplicatedGradSync``; ``compute_dtype``: the plugin's
+    autocast dtype (None without autocast); ``checkpointed()``: whether the backward will
+    recompute layers."""
+
+    def __init__(self, model: nn.Module, plan, tp_mesh, grad_sync, compute_dtype,
+                 checkpointed: Callable[[], bool]):
+        self.mesh, self.group = tp_mesh, tp_mesh.get_group()
+        self.grad_sync, self.compute_dtype = grad_sync, compute_dtype
+        self.checkpointed = checkpointed
+        self.expecting = False
+        modules = dict(model.named_modules())
+        self.blocks: List[_Block] = []
+        embedding = None
+        for name, style in plan.styles.items():
+            if isinstance(style, SliceSequence):
+                embedding = modules[name]
+            if not isinstance(style, GatherSequence):
+                continue
+            children = {n: plan.styles[n] for n in plan.styles if n.startswith(name + ".")}
+            colwise = [modules[n] for n, s in children.items() if isinstance(s, ColwiseParallel)]
+            rowwise = [modules[n] for n, s in children.items() if isinstance(s, RowwiseParallel)]
+            self.blocks.append(_Block(modules[name], colwise[0].in_features,
+                                      rowwise[0].out_features, rowwise[0]))
+        self.embedding = embedding
+        self.device = next(embedding.parameters()).device
+        self._emb_dtype = next(embedding.parameters()).dtype
+        self._order: List[_Block] = []        # the blocks in the last complete forward's order
+        self._order_now: List[_Block] = []
+        #: the block collectives of the last backward that ended, in order: (block, kind)
+        self._backward_order: Optional[list] = None
+        self._backward_now: list = []
+        self._share = None                    # this forward's (b, s_local / t)
+        self._forward_base = self._backward_base = None  # the tp count then
+        self._in_backward = False
+        for block in self.blocks:
+            block.module.register_forward_pre_hook(
+                lambda _m, args, kwargs, block=block: self._gathered(block, args, kwargs),
+                with_kwargs=True)
+            block.rowwise.register_forward_hook(
+                lambda _m, _args, out, block=block: self._scattered(block, out))
+        # (after SliceSequence's own hooks: the ids are this rank's share)
+        embedding.register_forward_pre_hook(lambda _m, args: self._embedding_input(args))
+        embedding.register_forward_hook(lambda _m, _args, out: self._embedding_output(out))
+        model.register_forward_hook(lambda _m, _args, out: self._model_output(out))
+
+    def _count(self) -> Optional[int]:
+        count = getattr(self.group, "_get_sequence_number_for_group", None)
+        return count() if count is not None else None
+
+    # -- what the forward does -------------------------------------------------------------
+    # Each hook below runs right before or right after one tp collective, with no other in
+    # between, so the backward's record lists its collectives in their order.
+    def _gathered(self, block: _Block, args, kwargs) -> None:
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        if torch.is_tensor(x):
+            block.gather_dtype = x.dtype
+        if _in_backward():  # a checkpointed layer's forward again: its all-gather
+            self._backward_now.append((block, "gather"))
+            return
+        self._order_now.append(block)
+        if torch.is_tensor(x) and x.requires_grad:  # (before its backward's reduce-scatter)
+            x.register_hook(lambda g, block=block: self._backward_op(g, block, "gather grad"))
+
+    def _scattered(self, block: _Block, out) -> None:
+        if not torch.is_tensor(out):
+            return
+        block.scatter_dtype = out.dtype
+        if _in_backward():  # (recomputed: its reduce-scatter)
+            self._backward_now.append((block, "scatter"))
+        elif out.requires_grad:  # (before its backward's all-gather)
+            out.register_hook(lambda g, block=block: self._backward_op(g, block, "scatter grad"))
+
+    def _backward_op(self, grad, block: _Block, kind: str):
+        self._backward_now.append((block, kind))
+        return grad
+
+    def _embedding_input(self, args) -> None:
+        if args and torch.is_tensor(args[0]) and not _in_backward():
+            ids = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+            self._share = tuple(ids.shape[:2])  # (b, s_local / t)
+
+    def _embedding_output(self, out) -> None:
+        if torch.is_tensor(out):
+            self._emb_dtype = out.dtype
+
+    def _model_output(self, out) -> None:
+        if _in_backward() or not torch.is_grad_enabled():
+            return
+        for t in _grad_tensors(out):  # the backward reached this model (its tp collectives)
+            t.register_hook(self._backward_began)
+
+    def _backward_began(self, grad):
+        if not self._in_backward:
+            self._in_backward, self._backward_base = True, self._count()
+            self._backward_now = []
+        return grad
+
+    def forward_started(self) -> None:
+        self._forward_base, self._share, self._order_now = self._count(), None, []
+
+    def forward_ran(self) -> None:
+        if len(self._order_now) == len(self.blocks):
+            self._order = self._order_now
+        if torch.is_grad_enabled():
+            self.expecting, self._in_backward, self._backward_base = True, False, None
+            self.grad_sync.sent = 0  # (its sync of this forward's backward has not begun)
+
+    # -- the collectives, on zeros ---------------------------------------------------------
+    def _dtypes(self, block: _Block):
+        gather = block.gather_dtype or self._emb_dtype
+        weight = block.rowwise.weight.dtype  # (autocast lowers float32 only)
+        scatter = block.scatter_dtype or (self.compute_dtype if self.compute_dtype is not None
+                                          and weight == torch.float32 else weight)
+        return gather, scatter
+
+    def _redistribute(self, shape, dtype, src, dst) -> None:
+        x = torch.zeros(shape, dtype=dtype, device=self.device)
+        out = DTensor.from_local(x, self.mesh, [src], run_check=False).redistribute(
+            self.mesh, [dst]).to_local()
+        wait = getattr(out, "wait", None)  # (an asynchronous collective's result)
+        if wait is not None:
+            wait()
+
+    def _gather(self, h: int, dtype) -> Callable[[], None]:
+        b, share = self._share
+        return lambda: self._redistribute((b, share, h), dtype, Shard(1), Replicate())
+
+    def _scatter(self, h: int, dtype) -> Callable[[], None]:
+        b, share = self._share
+        t = self.mesh.size()
+        return lambda: self._redistribute((b, share * t, h), dtype, Partial(), Shard(1))
+
+    def _forward_ops(self) -> List[Callable[[], None]]:
+        ops = []
+        for block in self._order or self.blocks:
+            gather, scatter = self._dtypes(block)
+            ops += [self._gather(block.h_in, gather), self._scatter(block.h_out, scatter)]
+        return ops
+
+    def _backward_ops(self) -> List[Callable[[], None]]:
+        order = self._backward_order
+        if order is None:  # (no backward ended yet; one without recomputed layers)
+            order = [(block, kind) for block in reversed(self._order or self.blocks)
+                     for kind in ("scatter grad", "gather grad")]
+        ops = []
+        for block, kind in order:
+            gather, scatter = self._dtypes(block)
+            ops.append({"gather": lambda: self._gather(block.h_in, gather),
+                        "scatter": lambda: self._scatter(block.h_out, scatter),
+                        "scatter grad": lambda: self._gather(block.h_out, scatter),
+                        "gather grad": lambda: self._scatter(block.h_in, gather)}[kind]())
+        if self.grad_sync.enabled:
+            # the sync's sum over tp of each replicated parameter's (Partial) gradient
+            for p in self.grad_sync.params:
+                if all(pl.is_replicate() for pl in p.placements):
+                    local = p.to_local()
+                    ops.append(lambda local=local: self._redistribute(
+                        local.shape, local.dtype, Partial(), Replicate()))
+        return ops
+
+    def _missing(self, what: str) -> Optional[str]:
+        if self._count() is None:
+            return (f"ringseq: the tensor-parallel collectives of {what} were not completed "
+                    f"for the other ranks: this process group does not count its collectives")
+        if self._share is None:
+            return (f"ringseq: the tensor-parallel collectives of {what} were not completed "
+                    f"for the other ranks: this rank's forward raised before its input "
+                    f"embedding saw the batch")
+        return None
+
+    # -- Completion ------------------------------------------------------------------------
+    def after_forward_failure(self, timeout: float) -> Optional[str]:
+        """The rest of the forward's tp collectives (each block's all-gather and
+        reduce-scatter), from the first this rank did not make."""
+        note = self._missing("the forward")
+        if note:
+            return note
+        done = self._count() - self._forward_base
+
+        def replay():
+            for op in self._forward_ops()[done:]:
+                op()
+        return bounded(replay, [self.group], timeout,
+                       "the forward's tensor-parallel collectives")
+
+    def after_failure(self, timeout: float) -> Optional[str]:
+        """The rest of the backward's tp collectives and of the gradient sync, on zeros, then
+        this rank marked in the status vector."""
+        if not self.expecting:
+            return None
+        self.expecting = False
+        if self.checkpointed() and self._backward_order is None:
+            return ("ringseq: the tensor-parallel collectives of the backward were not "
+                    "completed for the other ranks: it recomputes checkpointed layers, whose "
+                    "collectives interleave with it in an order of torch's checkpoint, and no "
+                    "backward has shown that order yet (the first step's); they wait in them")
+        note = self._missing("the backward")
+        if note:
+            return note
+        done = self._count() - self._backward_base if self._backward_base is not None else 0
+        sync = self.grad_sync
+
+        def replay():
+            for op in self._backward_ops()[done:]:
+                op()
+            if sync.enabled and sync.group is not None and dist.get_world_size(sync.group) > 1:
+                sizes = {}  # dtype -> elements, in the sync's order
+                for p in sync.params:
+                    local = p.to_local()
+                    sizes[local.dtype] = sizes.get(local.dtype, 0) + local.numel()
+                for dtype, n in list(sizes.items())[sync.sent:]:
+                    flat = torch.zeros(n, dtype=dtype, device=self.device)  # (n,)
+                    dist.all_reduce(flat, group=sync.group)
+            self._status(failed=True)
+        groups = [self.group, sync.group or dist.group.WORLD, dist.group.WORLD]
+        return bounded(replay, groups, timeout, "the backward's tensor-parallel collectives")
+
+    def after_success(self) -> None:
+        """Raises RingPeerError when another rank's backward did not end (its gradients are
+        zeros in this rank's sums). One all-reduce of W int64 per backward."""
+        if not (self.expecting and self._in_backward):
+            return  # (a backward of another model only)
+        self.expecting, self._in_backward = False, False
+        self._backward_order = self._backward_now
+        failed = self._status(failed=False)
+        if failed:
+            raise peers_failed_error(failed)
+
+    def _status(self, failed: bool) -> List[int]:
+        """All-reduces the status vector over the default group; returns the ranks marked."""
+        vec = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=self.device)  # (W,)
+        if failed:
+            vec[dist.get_rank()] = 1
+        dist.all_reduce(vec)
+        return [r for r, s in enumerate(vec.tolist()) if s]
+
+    def reset(self) -> None:
+        self.expecting, self._in_backward = False, False

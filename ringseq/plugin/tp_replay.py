@@ -114,6 +114,7 @@ class TpReplay(Completion):
         self._backward_order: Optional[list] = None
         self._backward_now: list = []
         self._share = None                    # this forward's (b, s_local / t)
+        self._grad_share = None               # that of the last forward with gradients
         self._forward_base = self._backward_base = None  # the tp count then
         self._in_backward = False
         for block in self.blocks:
@@ -140,8 +141,9 @@ class TpReplay(Completion):
             block.gather_dtype = x.dtype
         if _in_backward():  # a checkpointed layer's forward again: its all-gather
             self._backward_now.append((block, "gather"))
-            return
-        self._order_now.append(block)
+        else:
+            self._order_now.append(block)
+        # (recomputed too: a reentrant checkpoint runs the backward of the recomputed graph)
         if torch.is_tensor(x) and x.requires_grad:  # (before its backward's reduce-scatter)
             x.register_hook(lambda g, block=block: self._backward_op(g, block, "gather grad"))
 
@@ -151,7 +153,7 @@ class TpReplay(Completion):
         block.scatter_dtype = out.dtype
         if _in_backward():  # (recomputed: its reduce-scatter)
             self._backward_now.append((block, "scatter"))
-        elif out.requires_grad:  # (before its backward's all-gather)
+        if out.requires_grad:  # (before its backward's all-gather)
             out.register_hook(lambda g, block=block: self._backward_op(g, block, "scatter grad"))
 
     def _backward_op(self, grad, block: _Block, kind: str):
@@ -187,6 +189,7 @@ class TpReplay(Completion):
             self._order = self._order_now
         if torch.is_grad_enabled():
             self.expecting, self._in_backward, self._backward_base = True, False, None
+            self._grad_share = self._share
             self.grad_sync.sent = 0  # (its sync of this forward's backward has not begun)
 
     # -- the collectives, on zeros ---------------------------------------------------------
@@ -205,20 +208,21 @@ class TpReplay(Completion):
         if wait is not None:
             wait()
 
-    def _gather(self, h: int, dtype) -> Callable[[], None]:
-        b, share = self._share
-        return lambda: self._redistribute((b, share, h), dtype, Shard(1), Replicate())
+    def _gather(self, share, h: int, dtype) -> Callable[[], None]:
+        b, s = share
+        return lambda: self._redistribute((b, s, h), dtype, Shard(1), Replicate())
 
-    def _scatter(self, h: int, dtype) -> Callable[[], None]:
-        b, share = self._share
+    def _scatter(self, share, h: int, dtype) -> Callable[[], None]:
+        b, s = share
         t = self.mesh.size()
-        return lambda: self._redistribute((b, share * t, h), dtype, Partial(), Shard(1))
+        return lambda: self._redistribute((b, s * t, h), dtype, Partial(), Shard(1))
 
     def _forward_ops(self) -> List[Callable[[], None]]:
         ops = []
         for block in self._order or self.blocks:
             gather, scatter = self._dtypes(block)
-            ops += [self._gather(block.h_in, gather), self._scatter(block.h_out, scatter)]
+            ops += [self._gather(self._share, block.h_in, gather),
+                    self._scatter(self._share, block.h_out, scatter)]
         return ops
 
     def _backward_ops(self) -> List[Callable[[], None]]:
@@ -226,13 +230,17 @@ class TpReplay(Completion):
         if order is None:  # (no backward ended yet; one without recomputed layers)
             order = [(block, kind) for block in reversed(self._order or self.blocks)
                      for kind in ("scatter grad", "gather grad")]
-        ops = []
+        ops, share = [], self._grad_share  # (the forward this backward is of)
         for block, kind in order:
             gather, scatter = self._dtypes(block)
-            ops.append({"gather": lambda: self._gather(block.h_in, gather),
-                        "scatter": lambda: self._scatter(block.h_out, scatter),
-                        "scatter grad": lambda: self._gather(block.h_out, scatter),
-                        "gather grad": lambda: self._scatter(block.h_in, gather)}[kind]())
+            if kind == "gather":  # (a recomputed forward's)
+                ops.append(self._gather(share, block.h_in, gather))
+            elif kind == "scatter":
+                ops.append(self._scatter(share, block.h_out, scatter))
+            elif kind == "scatter grad":  # (the output's gradient all-gathered)
+                ops.append(self._gather(share, block.h_out, scatter))
+            else:  # "gather grad": the input's gradient reduce-scattered
+                ops.append(self._scatter(share, block.h_in, gather))
         if self.grad_sync.enabled:
             # the sync's sum over tp of each replicated parameter's (Partial) gradient
             for p in self.grad_sync.params:
@@ -242,11 +250,11 @@ class TpReplay(Completion):
                         local.shape, local.dtype, Partial(), Replicate()))
         return ops
 
-    def _missing(self, what: str) -> Optional[str]:
+    def _missing(self, what: str, share) -> Optional[str]:
         if self._count() is None:
             return (f"ringseq: the tensor-parallel collectives of {what} were not completed "
                     f"for the other ranks: this process group does not count its collectives")
-        if self._share is None:
+        if share is None:
             return (f"ringseq: the tensor-parallel collectives of {what} were not completed "
                     f"for the other ranks: this rank's forward raised before its input "
                     f"embedding saw the batch")
@@ -256,7 +264,7 @@ class TpReplay(Completion):
     def after_forward_failure(self, timeout: float) -> Optional[str]:
         """The rest of the forward's tp collectives (each block's all-gather and
         reduce-scatter), from the first this rank did not make."""
-        note = self._missing("the forward")
+        note = self._missing("the forward", self._share)
         if note:
             return note
         done = self._count() - self._forward_base
@@ -278,7 +286,7 @@ class TpReplay(Completion):
                     "completed for the other ranks: it recomputes checkpointed layers, whose "
                     "collectives interleave with it in an order of torch's checkpoint, and no "
                     "backward has shown that order yet (the first step's); they wait in them")
-        note = self._missing("the backward")
+        note = self._missing("the backward", self._grad_share)
         if note:
             return note
         done = self._count() - self._backward_base if self._backward_base is not None else 0

@@ -234,12 +234,14 @@ def _plain_tp(ids, labels):
     return {"loss": float(loss.detach()), "weights": _full(model.unwrap())}
 
 
-def _ring_counts(ac):
+def _ring_counts(ac, evaluate=False):
     """One forward + backward of Llama as sp2 x tp2 (zero 0): ring calls and exchanges at
-    the transport, bytes saved for backward outside recomputed regions, loss and gradients."""
+    the transport, bytes saved for backward outside recomputed regions, loss and gradients.
+    ``evaluate``: a forward under no_grad of a batch twice as long between the loss and the
+    backward (the recompute must not check or agree on its inputs again)."""
     from torch.distributed.tensor import DTensor
 
-    from ringseq import get_comm
+    from ringseq import get_comm, shard_batch
     cfg = dict(sp_size=2, tp_size=2, activation_checkpointing=ac)
     plugin, booster, model, opt, criterion, loader = _boosted("llama", cfg)
     comm = get_comm(plugin.sp_group)
@@ -266,6 +268,12 @@ def _ring_counts(ac):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = criterion(model(**batch), batch)
     fwd_calls, fwd_exchanges = comm.calls - calls0, exchanges[0]
+    if evaluate:
+        g = torch.Generator().manual_seed(3)
+        longer = torch.randint(0, VOCAB, (2, 2 * SEQLEN), generator=g)
+        with torch.no_grad():
+            model(**shard_batch({"input_ids": longer}, group=plugin.sp_group,
+                                layout=plugin.data_layout))
     booster.backward(loss, opt)
     del comm.transport.exchange
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
@@ -381,6 +389,7 @@ def _worker(ckpt_dir, plain_ids, plain_labels):
                                        first=2)
     res["plain_tp"] = _plain_tp(plain_ids, plain_labels)
     res["ac_off"], res["ac_on"] = _ring_counts(False), _ring_counts(True)
+    res["ac_evaluated"] = _ring_counts(True, evaluate=True)
     res["accumulate"] = {name: _accumulate(cfg) for name, cfg in ACCUMULATE.items()}
     res["bf16"] = _bf16_step()
     res["errors"] = _errors(ckpt_dir)
@@ -561,6 +570,12 @@ def test_activation_checkpointing_repeats_no_ring_communication(run):
         kept = layers * (b * s_local * 2 * 16 * 4 + b * 2 * s_local * 4)
         assert on["saved_bytes"] + kept < off["saved_bytes"] / 2, (on["saved_bytes"], kept,
                                                                    off["saved_bytes"])
+        # an evaluation forward of a longer batch between the loss and the backward changes
+        # nothing (before: the recompute checked the layers' inputs again and raised)
+        evaluated = r["ac_evaluated"]
+        assert evaluated["loss"] == on["loss"]
+        for name, g in on["grads"].items():
+            assert torch.equal(evaluated["grads"][name], g), name
 
 
 @pytest.mark.parametrize("case", list(ACCUMULATE))

@@ -265,12 +265,13 @@ def _case_timeout_values():
     return out
 
 
-def _tiny_llama():
+def _tiny_llama(biases=False):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=64, attention_dropout=0.0)
+                      max_position_embeddings=64, attention_dropout=0.0,
+                      attention_bias=biases, mlp_bias=biases)
     return LlamaForCausalLM(cfg)
 
 
@@ -643,15 +644,19 @@ _TP_CASES = ("layer 1 forward", "layer 1 backward", "embedding backward", "gradi
              "no_sync backward", "evaluation forward", "reference forward")
 
 
-def _worker_tp_failures(plugin_kwargs, cases):
+def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
     """W=4 as sp 2 x tp 2 (zero stage 0: the plugin's own gradient sync). Rank 1 raises at
-    the very first step in layer 0's attention (before any tensor-parallel collective of the
-    step was made or seen), then, after a good step, at each of ``cases``: in layer 1's
+    the very first step in layer 0's attention (no earlier step showed the sizes, dtypes or
+    order of the tensor-parallel collectives), then, after a good step, at each of
+    ``cases``: in layer 1's
     forward; in layer 1's backward after its ring call's backward; in the embedding's
     backward (after every block: the gradient sync remains); at the gradient sync (out of
     memory before its first collective); in a micro-batch's backward under no_sync; in a
-    forward under no_grad between the loss and the backward (evaluation) or before the loss
-    (a reference model's). Its tp peer (rank 0) waits in a tp collective of the same block
+    forward under no_grad between the loss and the backward (an evaluation, of a longer batch:
+    the backward keeps its own forward's sizes) or before the loss (a reference model's).
+    With row-wise biases (replicated parameters whose gradients need no sum over tp) and
+    with transformers' reentrant checkpointing (its recomputed layers run a backward of
+    their own inside the backward) as well. Its tp peer (rank 0) waits in a tp collective of the same block
     meanwhile, and its ring peer (rank 3) raises in its next ring call, leaving rank 2 in a
     tp collective too. Every rank must raise within seconds: rank 1 its own error, rank 3
     RingBrokenError when the failure met it in a ring call, the others RingPeerError naming
@@ -660,9 +665,15 @@ def _worker_tp_failures(plugin_kwargs, cases):
     two good steps on one process."""
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
-    inner = _tiny_llama().double()
+    inner = _tiny_llama(biases).double()
+    if hf_checkpointing:
+        inner.gradient_checkpointing_enable({"use_reentrant": True})
     booster, model, opt, crit, batch = _boost_at_sp2(inner, dict(tp_size=2, **plugin_kwargs))
-    failing = {"at": None}
+    g = torch.Generator().manual_seed(5)
+    longer = torch.randint(0, 64, (1, 32), generator=g)
+    longer = ringseq.shard_batch({"input_ids": longer}, group=booster.plugin.sp_group,
+                                 layout="zigzag")
+    failing = {"at": None, "in no_grad forward": False}
     layer0, layer1 = inner.model.layers[0].self_attn.q_proj, inner.model.layers[1].self_attn.q_proj
     points = {"layer 0 forward": (layer0, "forward"), "layer 1 forward": (layer1, "forward"),
               "layer 1 backward": (layer1, "backward"),
@@ -672,8 +683,10 @@ def _worker_tp_failures(plugin_kwargs, cases):
               "reference forward": (layer1, "forward")}
     for name, (module, phase) in points.items():
         def fail_on_rank_1(*_, name=name):
+            # (the no_grad cases: in that forward, not in a layer checkpointed reentrantly,
+            # which runs its forward under no_grad too)
             if rank == 1 and failing["at"] == name and (
-                    name not in _NO_GRAD_CASES or not torch.is_grad_enabled()):
+                    name not in _NO_GRAD_CASES or failing["in no_grad forward"]):
                 raise MemoryError("injected: out of memory")
         if phase == "forward":
             module.register_forward_hook(fail_on_rank_1)
@@ -687,15 +700,21 @@ def _worker_tp_failures(plugin_kwargs, cases):
         return sync()
     model.grad_sync.sync = sync_failing
 
+    def no_grad_forward(inputs):
+        failing["in no_grad forward"] = True
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        finally:
+            failing["in no_grad forward"] = False
+
     def step(evaluate=False, reference=False):
         out = model(**batch)
         if reference:
-            with torch.no_grad():
-                model(**batch)
+            no_grad_forward(batch)
         loss = crit(out, batch)
         if evaluate:
-            with torch.no_grad():
-                model(**batch)
+            no_grad_forward(longer)
         booster.backward(loss, opt)
         opt.step()
         opt.zero_grad()
@@ -727,19 +746,20 @@ def _worker_tp_failures(plugin_kwargs, cases):
     return out
 
 
-@pytest.mark.parametrize("plugin_kwargs", [{}, {"activation_checkpointing": True}],
-                         ids=["default", "checkpointing"])
-def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs):
+@pytest.mark.parametrize("plugin_kwargs, biases, hf_checkpointing", [
+    ({}, True, False), ({"activation_checkpointing": True}, False, False),
+    ({}, False, True)], ids=["biases", "checkpointing", "transformers_reentrant_checkpointing"])
+def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, biases,
+                                                             hf_checkpointing):
     # (checkpointing: each backward recomputes every layer's forward and its collectives
     # within its own, in the order the first good step's backward showed)
-    cases = _TP_CASES
-    res = run_ranks(_worker_tp_failures, 4, plugin_kwargs, cases, timeout=300,
-                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    res = run_ranks(_worker_tp_failures, 4, plugin_kwargs, _TP_CASES, biases,
+                    hf_checkpointing, timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     in_ring_call = {"at first", "layer 1 forward", "layer 1 backward", "no_sync backward",
                     "evaluation forward", "reference forward"}
     for rank, r in enumerate(res):
         assert r["first"][0] == "ok" and r["after"][0] == "ok", r
-        for case in ("at first",) + tuple(cases):
+        for case in ("at first",) + _TP_CASES:
             assert r[case][-1] < TIMEOUT, (case, r[case])  # in seconds, not after a timeout
             if rank == 1:
                 _is_error(r[case], ("MemoryError",), "injected")
@@ -751,7 +771,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs):
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
                           "booster.reset()")
-    want = _single_process_params()
+    want = _single_process_params(biases=biases)
     for r in res:
         for got, ref in zip(r["params"], want):
             assert max_err(got, ref) < 1e-10
@@ -787,9 +807,9 @@ def test_timeout_names_a_subgroup_peer_by_its_global_rank():
         _exact_ok(r["after_reset"])
 
 
-def _single_process_params(freeze_embedding=False):
+def _single_process_params(freeze_embedding=False, biases=False):
     """The same two good steps on one process (the reference of the plugin case)."""
-    model = _tiny_llama().double()
+    model = _tiny_llama(biases).double()
     model.model.embed_tokens.weight.requires_grad_(not freeze_embedding)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)

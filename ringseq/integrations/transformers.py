@@ -222,8 +222,12 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         layout, docs, window = _checked_call(name, settings, query, key, value, dropout,
                                              sliding_window, kwargs)
     s_local = query.shape[2]
-    _check_inputs_once(settings, layout, docs, attention_mask, kwargs.get("position_ids"),
-                       s_local, query.device)
+    if torch._C._current_graph_task_id() == -1:
+        # (not in a checkpointed layer's recompute: its forward checked these very inputs,
+        # and another forward since, of other inputs, would make it check and agree again,
+        # a collective the recompute of a selective checkpoint may not add)
+        _check_inputs_once(settings, layout, docs, attention_mask, kwargs.get("position_ids"),
+                           s_local, query.device)
     if scaling is None:
         scaling = getattr(module, "scaling", None)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .modules import grad_tensors
+
 __all__ = ["ReplicatedGradSync"]
 
 
@@ -26,6 +28,12 @@ class ReplicatedGradSync:
     ``no_sync()`` skips the reduction for the backward passes inside it (their gradients
     accumulate locally; the next reduced backward sums the accumulation). Keep the object
     alive as long as the model trains (the plugin stores it on the model wrapper).
+
+    One sync per backward also when layers are checkpointed reentrantly (transformers'
+    ``use_reentrant=True``): each recomputed layer runs a backward of its own inside the
+    backward, and a sync at the end of each would sum the gradients again. A backward that
+    reaches the model's outputs queues the sync at its own end; backward passes nested in it
+    queue none.
     """
 
     def __init__(self, model: nn.Module, group, reduced=None):
@@ -37,14 +45,39 @@ class ReplicatedGradSync:
         # the task, not a flag, so that a backward that raised before its end (its callback
         # never ran) does not leave every later backward unreduced.
         self._queued_task = None
+        # A backward that began at the model's outputs and whose sync has not run yet (reset
+        # by the next forward, should that backward have raised before its end).
+        self._outer_pending = False
         #: the all-reduces over ``group`` the current (or last) ``sync`` has sent: what a
         #: rank whose backward raised inside it still owes the others
         self.sent = 0
+        #: the indices in ``params`` of the gradients the last complete sync summed over tp
+        #: (None before one), in its order: the collectives a rank that failed owes its peers
+        self.summed_over_tp = None
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
+        model.register_forward_pre_hook(self._on_forward)
+        model.register_forward_hook(self._on_output)
+
+    def _on_forward(self, _module, _args) -> None:
+        if torch._C._current_graph_task_id() == -1:  # (not a recompute inside a backward)
+            self._outer_pending = False
+
+    def _on_output(self, _module, _args, out) -> None:
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            for t in grad_tensors(out):
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad):
+        self._queue(torch._C._current_graph_task_id())
+        self._outer_pending = self._queued_task is not None
+        return grad
 
     def _on_grad(self, _param) -> None:
-        task = torch._C._current_graph_task_id()
+        if not self._outer_pending:  # (else a backward nested in one that syncs at its end)
+            self._queue(torch._C._current_graph_task_id())
+
+    def _queue(self, task) -> None:
         if self.enabled and task != self._queued_task:
             self._queued_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self.sync)
@@ -52,12 +85,13 @@ class ReplicatedGradSync:
     @torch.no_grad()
     def sync(self) -> None:
         """Reduces the current gradients now (collective over ``group``)."""
-        self._queued_task = None
+        self._queued_task, self._outer_pending = None, False
         self.sent = 0
         if self.reduced is not None:
             self.reduced.mark()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for p in self.params:
+        summed = []
+        for i, p in enumerate(self.params):
             g = p.grad
             if g is None:
                 continue
@@ -65,8 +99,10 @@ class ReplicatedGradSync:
                 if g.placements != p.placements:
                     g = g.redistribute(placements=p.placements)  # Partial -> summed over tp
                     p.grad = g
+                    summed.append(i)
                 g = g.to_local()
             by_dtype.setdefault(g.dtype, []).append(g)
+        self.summed_over_tp = summed
         if self.group is not None and dist.get_world_size(self.group) > 1:
             for grads in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for g in grads])

@@ -1,4 +1,5 @@
-"""Where a model's decoder layers and shared (tied) parameters are.
+"""Where a model's decoder layers and shared (tied) parameters are, and which of its outputs
+a backward starts from.
 
 FSDP wraps every decoder layer in its own unit (one all-gather / reduce-scatter per layer),
 activation checkpointing recomputes per decoder layer, and tensor parallelism must keep tied
@@ -10,9 +11,23 @@ from __future__ import annotations
 import sys
 from typing import Dict, List, Tuple
 
+import torch
 from torch import nn
 
-__all__ = ["decoder_layers", "retie", "tied_parameters"]
+__all__ = ["decoder_layers", "grad_tensors", "retie", "tied_parameters"]
+
+
+def grad_tensors(obj) -> List[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or dicts -- transformers' ModelOutput --,
+    lists and tuples of them) that require a gradient: where a backward through the module
+    begins."""
+    if torch.is_tensor(obj):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in grad_tensors(item)]
+    return []
 
 
 def _is_transformers_model(model: nn.Module) -> bool:

@@ -70,7 +70,9 @@ def bounded(replay: Callable[[], None], groups, timeout: float, what: str) -> Op
     ranks' watchdog bounds the wait.)"""
     restore = []
     for group in groups:
-        backend = _gloo_backend(group)
+        backend = _gloo_backend(group) if group is not None else None
+        if backend is None or any(backend is b for b, _ in restore):
+            continue  # (a group named twice: its own timeout is saved once)
         old = getattr(getattr(backend, "options", None), "_timeout", None)
         if old is not None:
             backend._set_default_timeout(min(old, datetime.timedelta(seconds=timeout)))

@@ -71,6 +71,7 @@ class FsdpReplay(Completion):
         self._grad_forwards = 0     # forwards with gradients since the last backward
         self._reduced: Set[int] = set()  # id of each group whose post-backward returned
         self._in_backward = False   # a backward reached the output of the last grad forward
+        self._output_hooked = False  # the current forward's output needs a gradient
         for unit in self.units:
             for group_ in unit.groups:
                 # (an instance attribute: FSDP's hook and final callback call it by name)
@@ -117,6 +118,7 @@ class FsdpReplay(Completion):
             if unit is self.units[0]:
                 for t in tensors:  # the backward reached this model, not another one only
                     t.register_hook(self._backward_began)
+                self._output_hooked = bool(tensors)
 
     def _backward_began(self, grad):
         self._in_backward = True
@@ -125,11 +127,12 @@ class FsdpReplay(Completion):
     def forward_started(self) -> None:
         self._forward += 1
         self._reduced.clear()
+        self._output_hooked = False
 
     def forward_ran(self) -> None:
-        """A forward with gradients enabled waits for its backward (one under no_grad leaves
-        the wait as it was)."""
-        if torch.is_grad_enabled():
+        """A forward whose output needs a gradient waits for its backward (one under no_grad,
+        or of a frozen model, leaves the wait as it was)."""
+        if self._output_hooked:
             self.expecting, self._in_backward = True, False
             self._grad_forwards += 1
 

@@ -23,7 +23,7 @@ from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
 from .sharded_checkpoint import DistributedCheckpointIO
 from .wrappers import (FailureReporter, ModelWrapper, OptimizerWrapper, ReducedGrads,
-                       SequenceParallelLoss, StepTag)
+                       SequenceParallelLoss, StepTag, hf_checkpointing)
 
 __all__ = ["RingSequenceParallelPlugin"]
 
@@ -502,7 +502,7 @@ class RingSequenceParallelPlugin(Plugin):
                 reduction = TpReplay(
                     model, plan, self.groups.tp_mesh, grad_sync,
                     self.precision.dtype if self.precision.name != "fp32" else None,
-                    lambda: own or bool(getattr(user, "is_gradient_checkpointing", False)))
+                    lambda: own or hf_checkpointing(user))
         elif dist.get_world_size() > 1:
             kwargs = {_NO_BUFFER_SYNC: False}  # buffers (RoPE tables) are identical
             kwargs.update(self.ddp_kwargs)
@@ -620,3 +620,4 @@ class RingSequenceParallelPlugin(Plugin):
                 f"layout={getattr(self.layout, 'name', self.layout)!r}, "
                 f"precision={self.precision.name!r}, "
                 f"device={self.device})")
+

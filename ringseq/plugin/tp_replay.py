@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from ..parallel.modules import grad_tensors
 from ..parallel.tp import GatherSequence, SliceSequence
 from .completion import Completion, bounded, peers_failed_error
 
@@ -64,16 +65,6 @@ class _Block:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1  # (a checkpointed layer recomputed)
-
-
-def _grad_tensors(obj) -> List[torch.Tensor]:
-    if torch.is_tensor(obj):
-        return [obj] if obj.requires_grad else []
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _grad_tensors(item)]
-    return []
 
 
 class TpReplay(Completion):
@@ -117,6 +108,10 @@ class TpReplay(Completion):
         self._grad_share = None               # that of the last forward with gradients
         self._forward_base = self._backward_base = None  # the tp count then
         self._in_backward = False
+        self._grad_forwards = 0               # forwards with gradients since the last backward
+        self._hooked_now: list = []           # (block, kind) of the backward collectives of
+        self._hooked: list = []               # this forward / the last one with gradients
+        self._output_hooked = False
         for block in self.blocks:
             block.module.register_forward_pre_hook(
                 lambda _m, args, kwargs, block=block: self._gathered(block, args, kwargs),
@@ -145,7 +140,7 @@ class TpReplay(Completion):
             self._order_now.append(block)
         # (recomputed too: a reentrant checkpoint runs the backward of the recomputed graph)
         if torch.is_tensor(x) and x.requires_grad:  # (before its backward's reduce-scatter)
-            x.register_hook(lambda g, block=block: self._backward_op(g, block, "gather grad"))
+            self._hook(x, block, "gather grad")
 
     def _scattered(self, block: _Block, out) -> None:
         if not torch.is_tensor(out):
@@ -154,11 +149,16 @@ class TpReplay(Completion):
         if _in_backward():  # (recomputed: its reduce-scatter)
             self._backward_now.append((block, "scatter"))
         if out.requires_grad:  # (before its backward's all-gather)
-            out.register_hook(lambda g, block=block: self._backward_op(g, block, "scatter grad"))
+            self._hook(out, block, "scatter grad")
 
-    def _backward_op(self, grad, block: _Block, kind: str):
-        self._backward_now.append((block, kind))
-        return grad
+    def _hook(self, t: torch.Tensor, block: _Block, kind: str) -> None:
+        if not _in_backward():
+            self._hooked_now.append((block, kind))  # (a collective this forward's backward makes)
+
+        def record(grad):
+            self._backward_now.append((block, kind))
+            return grad
+        t.register_hook(record)
 
     def _embedding_input(self, args) -> None:
         if args and torch.is_tensor(args[0]) and not _in_backward():
@@ -172,8 +172,9 @@ class TpReplay(Completion):
     def _model_output(self, out) -> None:
         if _in_backward() or not torch.is_grad_enabled():
             return
-        for t in _grad_tensors(out):  # the backward reached this model (its tp collectives)
+        for t in grad_tensors(out):  # the backward reached this model (its tp collectives)
             t.register_hook(self._backward_began)
+            self._output_hooked = True
 
     def _backward_began(self, grad):
         if not self._in_backward:
@@ -183,21 +184,25 @@ class TpReplay(Completion):
 
     def forward_started(self) -> None:
         self._forward_base, self._share, self._order_now = self._count(), None, []
+        self._hooked_now, self._output_hooked = [], False
 
     def forward_ran(self) -> None:
+        """A forward whose output needs a gradient waits for its backward (one under no_grad,
+        or of a frozen model, leaves the wait as it was)."""
         if len(self._order_now) == len(self.blocks):
             self._order = self._order_now
-        if torch.is_grad_enabled():
+        if self._output_hooked:
             self.expecting, self._in_backward, self._backward_base = True, False, None
-            self._grad_share = self._share
+            self._grad_forwards += 1
+            self._grad_share, self._hooked = self._share, self._hooked_now
             self.grad_sync.sent = 0  # (its sync of this forward's backward has not begun)
 
     # -- the collectives, on zeros ---------------------------------------------------------
     def _dtypes(self, block: _Block):
         gather = block.gather_dtype or self._emb_dtype
-        weight = block.rowwise.weight.dtype  # (autocast lowers float32 only)
+        weight = block.rowwise.weight.dtype  # (autocast leaves float64 as it is)
         scatter = block.scatter_dtype or (self.compute_dtype if self.compute_dtype is not None
-                                          and weight == torch.float32 else weight)
+                                          and weight != torch.float64 else weight)
         return gather, scatter
 
     def _redistribute(self, shape, dtype, src, dst) -> None:
@@ -228,8 +233,7 @@ class TpReplay(Completion):
     def _backward_ops(self) -> List[Callable[[], None]]:
         order = self._backward_order
         if order is None:  # (no backward ended yet; one without recomputed layers)
-            order = [(block, kind) for block in reversed(self._order or self.blocks)
-                     for kind in ("scatter grad", "gather grad")]
+            order = self._hooked[::-1]
         ops, share = [], self._grad_share  # (the forward this backward is of)
         for block, kind in order:
             gather, scatter = self._dtypes(block)
@@ -243,11 +247,17 @@ class TpReplay(Completion):
                 ops.append(self._scatter(share, block.h_in, gather))
         if self.grad_sync.enabled:
             # the sync's sum over tp of each replicated parameter's (Partial) gradient
-            for p in self.grad_sync.params:
-                if all(pl.is_replicate() for pl in p.placements):
-                    local = p.to_local()
-                    ops.append(lambda local=local: self._redistribute(
-                        local.shape, local.dtype, Partial(), Replicate()))
+            # (as the last sync did; before one: the replicated parameters but the row-wise
+            # biases, whose gradients come out replicated)
+            params, summed = self.grad_sync.params, self.grad_sync.summed_over_tp
+            if summed is None:
+                biases = {id(block.rowwise.bias) for block in self.blocks}
+                summed = [i for i, p in enumerate(params) if id(p) not in biases
+                          and all(pl.is_replicate() for pl in p.placements)]
+            for i in summed:
+                local = params[i].to_local()
+                ops.append(lambda local=local: self._redistribute(
+                    local.shape, local.dtype, Partial(), Replicate()))
         return ops
 
     def _missing(self, what: str, share) -> Optional[str]:
@@ -281,6 +291,11 @@ class TpReplay(Completion):
         if not self.expecting:
             return None
         self.expecting = False
+        forwards, self._grad_forwards = self._grad_forwards, 0
+        if forwards > 1:
+            return (f"ringseq: the tensor-parallel collectives of the backward were not "
+                    f"completed for the other ranks: it follows {forwards} forwards (each "
+                    f"block's collectives once per use), and they wait in them")
         if self.checkpointed() and self._backward_order is None:
             return ("ringseq: the tensor-parallel collectives of the backward were not "
                     "completed for the other ranks: it recomputes checkpointed layers, whose "
@@ -304,7 +319,7 @@ class TpReplay(Completion):
                     flat = torch.zeros(n, dtype=dtype, device=self.device)  # (n,)
                     dist.all_reduce(flat, group=sync.group)
             self._status(failed=True)
-        groups = [self.group, sync.group or dist.group.WORLD, dist.group.WORLD]
+        groups = [self.group, sync.group, dist.group.WORLD]
         return bounded(replay, groups, timeout, "the backward's tensor-parallel collectives")
 
     def after_success(self) -> None:
@@ -312,7 +327,7 @@ class TpReplay(Completion):
         zeros in this rank's sums). One all-reduce of W int64 per backward."""
         if not (self.expecting and self._in_backward):
             return  # (a backward of another model only)
-        self.expecting, self._in_backward = False, False
+        self.expecting, self._in_backward, self._grad_forwards = False, False, 0
         self._backward_order = self._backward_now
         failed = self._status(failed=False)
         if failed:
@@ -327,4 +342,4 @@ class TpReplay(Completion):
         return [r for r, s in enumerate(vec.tolist()) if s]
 
     def reset(self) -> None:
-        self.expecting, self._in_backward = False, False
+        self.expecting, self._in_backward, self._grad_forwards = False, False, 0

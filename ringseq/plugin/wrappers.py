@@ -87,7 +87,7 @@ class ModelWrapper(nn.Module):
                     return self.module(*args, **kwargs)
             user = self.unwrap()
             self._reporter.backward_calls_per_forward = (
-                2 if user.training and getattr(user, "is_gradient_checkpointing", False) else 1)
+                2 if user.training and hf_checkpointing(user) else 1)
             if self._reduction is not None:
                 self._reduction.forward_started()
             with self._reporter.watch("forward", self._reduction), self._precision.autocast():
@@ -187,6 +187,15 @@ class ReducedGrads:
                 f"accumulation run every micro-batch but the last inside booster.no_sync(model); "
                 f"clear the gradients with optimizer.zero_grad() or model.zero_grad() (of the "
                 f"boosted optimizer or model: they reset this count) before the next step")
+
+
+def hf_checkpointing(model: nn.Module) -> bool:
+    """Whether transformers' own activation checkpointing is on in ``model`` (its newer name
+    first: the older one warns that it is deprecated)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def _join(thread: threading.Thread) -> Optional[KeyboardInterrupt]:

@@ -7,8 +7,9 @@ MLP block) makes two blocking collectives on the tp group in the forward: the al
 its input share (``GatherSequence``) and the reduce-scatter of its row-wise output; the
 backward makes the same two per block in reverse order (the all-gather of the output's
 gradient, then the reduce-scatter of the input's), and the gradient sync at its end
-(``ReplicatedGradSync``) one all-reduce over tp per replicated parameter, then one over the
-dp x sp ranks per dtype. A rank whose forward or backward raised stops making them, and its
+(``ReplicatedGradSync``) one all-reduce over tp per gradient that is a partial sum (those of
+the replicated parameters but the row-wise biases; the list the last sync made is replayed),
+then one over the dp x sp ranks per dtype. A rank whose forward or backward raised stops making them, and its
 tp peers would wait in the next one until the process group's timeout; its ring peers raise
 in their ring call and stop too, leaving their own tp peers waiting.
 
@@ -22,15 +23,17 @@ forward's input embedding, each block's hidden sizes and dtypes as its last forw
 autocast dtype, else the weights', for the row-wise output). The forward's list is the blocks
 in the last forward's order; the backward's is the order the last backward that ended made
 them in (hooks next to each collective record it), which includes the forwards of
-checkpointed layers recomputed within it; before any backward ended, the blocks in reverse.
+checkpointed layers recomputed within it; before any backward ended, the backward
+collectives whose hooks the forward set, in reverse.
 After every backward the ranks all-reduce a status vector (W int64, the default group) in
 which a rank whose backward raised marks itself; the others raise RingPeerError instead of
 stepping on invalid gradients.
 
 Not completed (the rank's error gets a note and the plugin's reset refuses on it): the first
 backward of a model with checkpointed layers (their recomputed forwards interleave with it in
-an order of torch's checkpoint that no backward has shown yet), a failure before the input
-embedding saw this forward's batch, a process group that does not count its collectives. Not
+an order of torch's checkpoint that no backward has shown yet), a backward of two forwards,
+a failure before the input embedding saw this forward's batch, a process group that does not
+count its collectives. Not
 set up: a plan of the user's own ParallelStyles (its collectives are not known here) and tp
 with FSDP (zero stage 2/3). Assumed, as for FSDP: every parameter that requires a gradient
 gets one.

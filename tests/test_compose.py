@@ -326,6 +326,31 @@ def test_tensor_parallelism_alone_accumulates_without_no_sync():
             assert _rel(r["grads"][name], g) <= REL, name
 
 
+def _frozen_under_tp():
+    """W=2 as tp 2: a model frozen whole (a teacher) and one with a frozen embedding and
+    final norm, boosted; which of their parameters require a gradient afterwards."""
+    out = {}
+    for name, frozen in (("teacher", None), ("student", ("model.embed_tokens.weight",
+                                                         "model.norm.weight"))):
+        from ringseq.plugin import Booster, RingSequenceParallelPlugin
+        model = _model("llama")
+        for n, p in model.named_parameters():
+            p.requires_grad_(frozen is not None and n not in frozen)
+        Booster(plugin=RingSequenceParallelPlugin(sp_size=1, tp_size=2)).boost(model)
+        out[name] = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
+    out["all"] = sorted(n for n, _ in model.named_parameters())
+    return out
+
+
+def test_tensor_parallelism_keeps_frozen_parameters_frozen():
+    """torch's replicating styles replace each parameter with one that requires a gradient:
+    before, a frozen teacher came back training its norms, embedding and LM head (and its
+    forward then waited for a backward that never came)."""
+    for r in run_ranks(_frozen_under_tp, 2, timeout=300):
+        assert r["teacher"] == r["all"], r["teacher"]
+        assert r["student"] == ["model.embed_tokens.weight", "model.norm.weight"], r
+
+
 def _bf16_step():
     """One bf16 step of sp2 x tp2 x zero3 (FSDP's MixedPrecisionPolicy, float32 reduction)."""
     from torch.distributed.tensor import DTensor

@@ -641,7 +641,7 @@ def test_optimizer_step_failure_on_one_rank_raises_everywhere(zero_stage, tmp_pa
 
 
 _TP_CASES = ("layer 1 forward", "layer 1 backward", "embedding backward", "gradient sync",
-             "no_sync backward", "evaluation forward", "reference forward")
+             "no_sync backward", "evaluation forward", "reference forward", "gradient probe")
 
 
 def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
@@ -653,10 +653,12 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
     backward (after every block: the gradient sync remains); at the gradient sync (out of
     memory before its first collective); in a micro-batch's backward under no_sync; in a
     forward under no_grad between the loss and the backward (an evaluation, of a longer batch:
-    the backward keeps its own forward's sizes) or before the loss (a reference model's).
-    With row-wise biases (replicated parameters whose gradients need no sum over tp) and
-    with transformers' reentrant checkpointing (its recomputed layers run a backward of
-    their own inside the backward) as well. Its tp peer (rank 0) waits in a tp collective of the same block
+    the backward keeps its own forward's sizes) or before the loss (a reference model's); in
+    the embedding's backward after a ``torch.autograd.grad`` probe through the outputs
+    (which is no backward of the step: it neither syncs nor counts). With row-wise biases
+    (replicated parameters whose gradients need no sum over tp) and with transformers'
+    reentrant checkpointing (its recomputed layers run a backward of their own inside the
+    backward) as well. Its tp peer (rank 0) waits in a tp collective of the same block
     meanwhile, and its ring peer (rank 3) raises in its next ring call, leaving rank 2 in a
     tp collective too. Every rank must raise within seconds: rank 1 its own error, rank 3
     RingBrokenError when the failure met it in a ring call, the others RingPeerError naming
@@ -678,6 +680,7 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
     points = {"layer 0 forward": (layer0, "forward"), "layer 1 forward": (layer1, "forward"),
               "layer 1 backward": (layer1, "backward"),
               "embedding backward": (inner.model.embed_tokens, "backward"),
+              "gradient probe": (inner.model.embed_tokens, "backward"),
               "no_sync backward": (layer1, "backward"),
               "evaluation forward": (layer1, "forward"),
               "reference forward": (layer1, "forward")}
@@ -708,8 +711,10 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
         finally:
             failing["in no_grad forward"] = False
 
-    def step(evaluate=False, reference=False):
+    def step(evaluate=False, reference=False, probe=False):
         out = model(**batch)
+        if probe:
+            torch.autograd.grad(out.logits.sum(), [inner.lm_head.weight], retain_graph=True)
         if reference:
             no_grad_forward(batch)
         loss = crit(out, batch)
@@ -729,7 +734,8 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
         failing["at"] = name
         run = {"no_sync backward": accumulating_step,
                "evaluation forward": lambda: step(evaluate=True),
-               "reference forward": lambda: step(reference=True)}.get(name, step)
+               "reference forward": lambda: step(reference=True),
+               "gradient probe": lambda: step(probe=True)}.get(name, step)
         try:
             return _capture(run)
         finally:

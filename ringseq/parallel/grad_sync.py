@@ -32,7 +32,8 @@ class ReplicatedGradSync:
     One sync per backward also when layers are checkpointed reentrantly (transformers'
     ``use_reentrant=True``): each recomputed layer runs a backward of its own inside the
     backward, and a sync at the end of each would sum the gradients again. A backward that
-    reaches the model's outputs queues the sync at its own end; backward passes nested in it
+    reaches the model's outputs queues the sync at its own end (run if a gradient was
+    accumulated: ``torch.autograd.grad`` accumulates none); backward passes nested in it
     queue none.
     """
 
@@ -48,12 +49,13 @@ class ReplicatedGradSync:
         # A backward that began at the model's outputs and whose sync has not run yet (reset
         # by the next forward, should that backward have raised before its end).
         self._outer_pending = False
+        self._accumulated = False  # a gradient was accumulated since that backward began
         #: the all-reduces over ``group`` the current (or last) ``sync`` has sent: what a
         #: rank whose backward raised inside it still owes the others
         self.sent = 0
-        #: the indices in ``params`` of the gradients the last complete sync summed over tp
-        #: (None before one), in its order: the collectives a rank that failed owes its peers
-        self.summed_over_tp = None
+        #: the indices in ``params`` of the gradients a sync found already in their
+        #: parameter's placement (row-wise biases: no sum over tp), for a rank that failed
+        self.unsummed = set()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         model.register_forward_pre_hook(self._on_forward)
@@ -69,28 +71,37 @@ class ReplicatedGradSync:
                 t.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, grad):
-        self._queue(torch._C._current_graph_task_id())
+        task = torch._C._current_graph_task_id()
+        if self.enabled and task != self._queued_task:
+            self._accumulated = False
+            self._queue(task, self._outer_end)
         self._outer_pending = self._queued_task is not None
         return grad
 
-    def _on_grad(self, _param) -> None:
-        if not self._outer_pending:  # (else a backward nested in one that syncs at its end)
-            self._queue(torch._C._current_graph_task_id())
+    def _outer_end(self) -> None:
+        if self._accumulated:
+            self.sync()
+        else:
+            self._queued_task, self._outer_pending = None, False
 
-    def _queue(self, task) -> None:
+    def _on_grad(self, _param) -> None:
+        self._accumulated = True
+        if not self._outer_pending:  # (else a backward nested in one that syncs at its end)
+            self._queue(torch._C._current_graph_task_id(), self.sync)
+
+    def _queue(self, task, callback) -> None:
         if self.enabled and task != self._queued_task:
             self._queued_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.sync)
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
 
     @torch.no_grad()
     def sync(self) -> None:
         """Reduces the current gradients now (collective over ``group``)."""
-        self._queued_task, self._outer_pending = None, False
+        self._queued_task, self._outer_pending, self._accumulated = None, False, False
         self.sent = 0
         if self.reduced is not None:
             self.reduced.mark()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        summed = []
         for i, p in enumerate(self.params):
             g = p.grad
             if g is None:
@@ -99,10 +110,10 @@ class ReplicatedGradSync:
                 if g.placements != p.placements:
                     g = g.redistribute(placements=p.placements)  # Partial -> summed over tp
                     p.grad = g
-                    summed.append(i)
+                else:
+                    self.unsummed.add(i)
                 g = g.to_local()
             by_dtype.setdefault(g.dtype, []).append(g)
-        self.summed_over_tp = summed
         if self.group is not None and dist.get_world_size(self.group) > 1:
             for grads in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for g in grads])

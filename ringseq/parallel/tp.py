@@ -315,10 +315,15 @@ def resolve_tp_plan(model: nn.Module, tp_size: int, tp_plan=None) -> TensorParal
 
 def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, tp_mesh) -> nn.Module:
     """Applies ``plan`` on the 1-D ``tp_mesh`` (in place; collective over the tp group) and
-    restores tied parameters. Returns ``model``. Raises RuntimeError when a parameter was left
-    a plain tensor (its gradient would not be reduced over tp)."""
+    restores tied parameters and frozen ones (torch's replicating styles make every parameter
+    they replace require a gradient). Returns ``model``. Raises RuntimeError when a parameter
+    was left a plain tensor (its gradient would not be reduced over tp)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, dict(plan.styles))
     retie(model, [list(g) for g in plan.tied])
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if plain:
         raise RuntimeError(f"tensor parallelism left parameters outside the plan as plain "

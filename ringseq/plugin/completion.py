@@ -28,6 +28,10 @@ class Completion:
     def forward_ran(self) -> None:
         """After the boosted model's forward ended."""
 
+    def backward_started(self) -> None:
+        """``booster.backward`` begins (a backward that reaches the model's outputs from
+        elsewhere, ``torch.autograd.grad`` say, is not one the ranks complete)."""
+
     def after_forward_failure(self, timeout: float) -> Optional[str]:
         """This rank's forward raised: completes the collectives of the forward it did not
         reach. Returns a note for this rank's error when they could not be completed; never

@@ -40,6 +40,7 @@ gets one.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, List, Optional
 
 import torch
@@ -87,6 +88,8 @@ class TpReplay(Completion):
         self.checkpointed = checkpointed
         self.expecting = False
         modules = dict(model.named_modules())
+        #: why the tp collectives of this model cannot be listed here, or None
+        self.irregular: Optional[str] = None
         self.blocks: List[_Block] = []
         embedding = None
         for name, style in plan.styles.items():
@@ -97,6 +100,9 @@ class TpReplay(Completion):
             children = {n: plan.styles[n] for n in plan.styles if n.startswith(name + ".")}
             colwise = [modules[n] for n, s in children.items() if isinstance(s, ColwiseParallel)]
             rowwise = [modules[n] for n, s in children.items() if isinstance(s, RowwiseParallel)]
+            if len(rowwise) != 1 and self.irregular is None:
+                self.irregular = (f"the block {name!r} has {len(rowwise)} row-wise layers (one "
+                                  f"reduce-scatter each, where one per block is known here)")
             self.blocks.append(_Block(modules[name], colwise[0].in_features,
                                       rowwise[0].out_features, rowwise[0]))
         self.embedding = embedding
@@ -106,7 +112,9 @@ class TpReplay(Completion):
         self._order_now: List[_Block] = []
         #: the block collectives of the last backward that ended, in order: (block, kind)
         self._backward_order: Optional[list] = None
+        self._backward_order_checkpointed = False
         self._backward_now: list = []
+        self._watching = False  # inside booster.backward (not torch.autograd.grad, say)
         self._share = None                    # this forward's (b, s_local / t)
         self._grad_share = None               # that of the last forward with gradients
         self._forward_base = self._backward_base = None  # the tp count then
@@ -180,7 +188,7 @@ class TpReplay(Completion):
             self._output_hooked = True
 
     def _backward_began(self, grad):
-        if not self._in_backward:
+        if self._watching and not self._in_backward:
             self._in_backward, self._backward_base = True, self._count()
             self._backward_now = []
         return grad
@@ -189,11 +197,17 @@ class TpReplay(Completion):
         self._forward_base, self._share, self._order_now = self._count(), None, []
         self._hooked_now, self._output_hooked = [], False
 
+    def backward_started(self) -> None:
+        self._watching = True
+
     def forward_ran(self) -> None:
         """A forward whose output needs a gradient waits for its backward (one under no_grad,
         or of a frozen model, leaves the wait as it was)."""
-        if len(self._order_now) == len(self.blocks):
+        if len(self._order_now) == len(self.blocks) == len(set(map(id, self._order_now))):
             self._order = self._order_now
+        elif self.irregular is None:
+            self.irregular = (f"a forward ran {len(self._order_now)} blocks, not each of the "
+                              f"{len(self.blocks)} once")
         if self._output_hooked:
             self.expecting, self._in_backward, self._backward_base = True, False, None
             self._grad_forwards += 1
@@ -235,8 +249,8 @@ class TpReplay(Completion):
 
     def _backward_ops(self) -> List[Callable[[], None]]:
         order = self._backward_order
-        if order is None:  # (no backward ended yet; one without recomputed layers)
-            order = self._hooked[::-1]
+        if order is None or not self._order_holds():
+            order = self._hooked[::-1]  # (without recomputed layers: after_failure checks)
         ops, share = [], self._grad_share  # (the forward this backward is of)
         for block, kind in order:
             gather, scatter = self._dtypes(block)
@@ -250,20 +264,36 @@ class TpReplay(Completion):
                 ops.append(self._scatter(share, block.h_in, gather))
         if self.grad_sync.enabled:
             # the sync's sum over tp of each replicated parameter's (Partial) gradient
-            # (as the last sync did; before one: the replicated parameters but the row-wise
-            # biases, whose gradients come out replicated)
-            params, summed = self.grad_sync.params, self.grad_sync.summed_over_tp
-            if summed is None:
-                biases = {id(block.rowwise.bias) for block in self.blocks}
-                summed = [i for i, p in enumerate(params) if id(p) not in biases
-                          and all(pl.is_replicate() for pl in p.placements)]
-            for i in summed:
-                local = params[i].to_local()
+            # (those of the replicated parameters that require one, but the row-wise biases
+            # and any whose gradient a sync found replicated already)
+            params, unsummed = self.grad_sync.params, self.grad_sync.unsummed
+            biases = {id(block.rowwise.bias) for block in self.blocks}
+            for i, p in enumerate(params):
+                if (not p.requires_grad or i in unsummed or id(p) in biases
+                        or not all(pl.is_replicate() for pl in p.placements)):
+                    continue
+                local = p.to_local()
                 ops.append(lambda local=local: self._redistribute(
                     local.shape, local.dtype, Partial(), Replicate()))
         return ops
 
+    def _order_holds(self) -> bool:
+        """The last good backward's order fits this one: the same checkpointing and, where
+        this forward set its hooks (not under a reentrant checkpoint's no_grad forward), the
+        same gradient collectives (a layer frozen or unfrozen since changes them)."""
+        if self._backward_order_checkpointed != bool(self.checkpointed()):
+            return False
+        if not self._hooked:
+            return True
+
+        def grads(entries):
+            return Counter((id(b), k) for b, k in entries if k.endswith("grad"))
+        return grads(self._backward_order) == grads(self._hooked)
+
     def _missing(self, what: str, share) -> Optional[str]:
+        if self.irregular is not None:
+            return (f"ringseq: the tensor-parallel collectives of {what} were not completed "
+                    f"for the other ranks: {self.irregular}")
         if self._count() is None:
             return (f"ringseq: the tensor-parallel collectives of {what} were not completed "
                     f"for the other ranks: this process group does not count its collectives")
@@ -291,7 +321,12 @@ class TpReplay(Completion):
     def after_failure(self, timeout: float) -> Optional[str]:
         """The rest of the backward's tp collectives and of the gradient sync, on zeros, then
         this rank marked in the status vector."""
+        watched, self._watching = self._watching, False
         if not self.expecting:
+            if watched and self._in_backward:  # (a second backward of a retained graph)
+                self._in_backward = False
+                return ("ringseq: the tensor-parallel collectives of the backward were not "
+                        "completed for the other ranks: a second backward of one forward")
             return None
         self.expecting = False
         forwards, self._grad_forwards = self._grad_forwards, 0
@@ -299,11 +334,12 @@ class TpReplay(Completion):
             return (f"ringseq: the tensor-parallel collectives of the backward were not "
                     f"completed for the other ranks: it follows {forwards} forwards (each "
                     f"block's collectives once per use), and they wait in them")
-        if self.checkpointed() and self._backward_order is None:
+        if self.checkpointed() and (self._backward_order is None or not self._order_holds()):
             return ("ringseq: the tensor-parallel collectives of the backward were not "
                     "completed for the other ranks: it recomputes checkpointed layers, whose "
                     "collectives interleave with it in an order of torch's checkpoint, and no "
-                    "backward has shown that order yet (the first step's); they wait in them")
+                    "backward has shown that order yet (the first step's, or the first since "
+                    "layers were frozen or checkpointing changed); they wait in them")
         note = self._missing("the backward", self._grad_share)
         if note:
             return note
@@ -314,8 +350,10 @@ class TpReplay(Completion):
             for op in self._backward_ops()[done:]:
                 op()
             if sync.enabled and sync.group is not None and dist.get_world_size(sync.group) > 1:
-                sizes = {}  # dtype -> elements, in the sync's order
+                sizes = {}  # dtype -> elements, in the sync's order (it skips frozen ones)
                 for p in sync.params:
+                    if not p.requires_grad:
+                        continue
                     local = p.to_local()
                     sizes[local.dtype] = sizes.get(local.dtype, 0) + local.numel()
                 for dtype, n in list(sizes.items())[sync.sent:]:
@@ -331,7 +369,9 @@ class TpReplay(Completion):
         if not (self.expecting and self._in_backward):
             return  # (a backward of another model only)
         self.expecting, self._in_backward, self._grad_forwards = False, False, 0
+        self._watching = False
         self._backward_order = self._backward_now
+        self._backward_order_checkpointed = bool(self.checkpointed())
         failed = self._status(failed=False)
         if failed:
             raise peers_failed_error(failed)
@@ -346,3 +386,4 @@ class TpReplay(Completion):
 
     def reset(self) -> None:
         self.expecting, self._in_backward, self._grad_forwards = False, False, 0
+        self._watching = False

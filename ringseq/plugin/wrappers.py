@@ -193,7 +193,7 @@ def hf_checkpointing(model: nn.Module) -> bool:
     """Whether transformers' own activation checkpointing is on in ``model`` (its newer name
     first: the older one warns that it is deprecated)."""
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
+        if hasattr(type(model), name) or name in vars(model):
             return bool(getattr(model, name))
     return False
 
@@ -257,6 +257,9 @@ class FailureReporter:
         not reach are completed while the ring report runs); a backward completes those of
         the one reduction that waits for it."""
         before = self.ring.calls
+        if phase == "backward":
+            for reduction_ in self.reductions:
+                reduction_.backward_started()
         try:
             yield
         except (Exception, KeyboardInterrupt) as exc:
@@ -303,6 +306,11 @@ class FailureReporter:
                 waiting = [r for r in self.reductions if r.expecting]
                 if len(waiting) == 1:
                     note = waiting[0].after_failure(2 * ring_timeout())
+                elif len(waiting) > 1:
+                    note = (f"ringseq: the data-parallel collectives of the backward were not "
+                            f"completed for the other ranks: {len(waiting)} boosted models "
+                            f"wait for a backward, and which one's the others wait in cannot "
+                            f"be told")
         finally:
             interrupted = _join(thread)
         for report_exc in report_errors:

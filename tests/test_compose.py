@@ -328,27 +328,39 @@ def test_tensor_parallelism_alone_accumulates_without_no_sync():
 
 def _frozen_under_tp():
     """W=2 as tp 2: a model frozen whole (a teacher) and one with a frozen embedding and
-    final norm, boosted; which of their parameters require a gradient afterwards."""
+    final norm, boosted; which of their parameters require a gradient afterwards; then the
+    student's final norm unfrozen and one backward: its gradient's placement (summed over
+    tp by the gradient sync: Replicate)."""
+    from ringseq import shard_batch
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
     out = {}
     for name, frozen in (("teacher", None), ("student", ("model.embed_tokens.weight",
                                                          "model.norm.weight"))):
-        from ringseq.plugin import Booster, RingSequenceParallelPlugin
         model = _model("llama")
         for n, p in model.named_parameters():
             p.requires_grad_(frozen is not None and n not in frozen)
-        Booster(plugin=RingSequenceParallelPlugin(sp_size=1, tp_size=2)).boost(model)
+        plugin = RingSequenceParallelPlugin(sp_size=1, tp_size=2)
+        boosted, _, criterion, _, _ = Booster(plugin=plugin).boost(model)
         out[name] = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
     out["all"] = sorted(n for n, _ in model.named_parameters())
+    model.model.norm.weight.requires_grad_(True)
+    ids = torch.randint(0, VOCAB, (1, SEQLEN), generator=torch.Generator().manual_seed(4))
+    batch = shard_batch({"input_ids": ids, "labels": ids}, group=plugin.sp_group)
+    criterion(boosted(**batch), batch).backward()
+    out["unfrozen_grad"] = str(model.model.norm.weight.grad.placements)
     return out
 
 
 def test_tensor_parallelism_keeps_frozen_parameters_frozen():
     """torch's replicating styles replace each parameter with one that requires a gradient:
     before, a frozen teacher came back training its norms, embedding and LM head (and its
-    forward then waited for a backward that never came)."""
+    forward then waited for a backward that never came). A parameter frozen at boost and
+    unfrozen later is reduced like the others."""
     for r in run_ranks(_frozen_under_tp, 2, timeout=300):
         assert r["teacher"] == r["all"], r["teacher"]
         assert r["student"] == ["model.embed_tokens.weight", "model.norm.weight"], r
+        # (frozen at boost, unfrozen later: still summed over tp by the gradient sync)
+        assert r["unfrozen_grad"] == "(Replicate(),)", r["unfrozen_grad"]
 
 
 def _bf16_step():

@@ -38,7 +38,8 @@ class ReplicatedGradSync:
     """
 
     def __init__(self, model: nn.Module, group, reduced=None):
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # (all of them: one frozen now may be unfrozen later; sync skips the frozen ones)
+        self.params = list(model.parameters())
         self.group = group
         self.reduced = reduced  # marked at each reduction (see plugin.wrappers.ReducedGrads)
         self.enabled = True
@@ -53,11 +54,14 @@ class ReplicatedGradSync:
         #: the all-reduces over ``group`` the current (or last) ``sync`` has sent: what a
         #: rank whose backward raised inside it still owes the others
         self.sent = 0
-        #: the indices in ``params`` of the gradients a sync found already in their
+        #: the indices in ``params`` of the gradients the last sync found already in their
         #: parameter's placement (row-wise biases: no sum over tp), for a rank that failed
         self.unsummed = set()
         for p in self.params:
+            frozen = not p.requires_grad
+            p.requires_grad_(True)  # (torch registers the hook only then; it stays)
             p.register_post_accumulate_grad_hook(self._on_grad)
+            p.requires_grad_(not frozen)
         model.register_forward_pre_hook(self._on_forward)
         model.register_forward_hook(self._on_output)
 
@@ -102,18 +106,20 @@ class ReplicatedGradSync:
         if self.reduced is not None:
             self.reduced.mark()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        unsummed = set()
         for i, p in enumerate(self.params):
             g = p.grad
-            if g is None:
+            if g is None or not p.requires_grad:  # (a frozen one's leftover gradient too)
                 continue
             if isinstance(g, DTensor):
                 if g.placements != p.placements:
                     g = g.redistribute(placements=p.placements)  # Partial -> summed over tp
                     p.grad = g
                 else:
-                    self.unsummed.add(i)
+                    unsummed.add(i)
                 g = g.to_local()
             by_dtype.setdefault(g.dtype, []).append(g)
+        self.unsummed = unsummed
         if self.group is not None and dist.get_world_size(self.group) > 1:
             for grads in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for g in grads])

@@ -32,6 +32,15 @@ class Completion:
         """``booster.backward`` begins (a backward that reaches the model's outputs from
         elsewhere, ``torch.autograd.grad`` say, is not one the ranks complete)."""
 
+    def backward_ended(self) -> None:
+        """``booster.backward`` ended, raised or not (after :meth:`after_success` or
+        :meth:`after_failure`)."""
+
+    def reached(self) -> bool:
+        """The running ``booster.backward`` reached this model although it expects none (a
+        second backward of one forward): a failure there is noted, not completed."""
+        return False
+
     def after_forward_failure(self, timeout: float) -> Optional[str]:
         """This rank's forward raised: completes the collectives of the forward it did not
         reach. Returns a note for this rank's error when they could not be completed; never

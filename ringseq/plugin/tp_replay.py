@@ -200,6 +200,14 @@ class TpReplay(Completion):
     def backward_started(self) -> None:
         self._watching = True
 
+    def backward_ended(self) -> None:
+        self._watching = False
+        if not self.expecting:
+            self._in_backward = False
+
+    def reached(self) -> bool:
+        return self._watching and self._in_backward and not self.expecting
+
     def forward_ran(self) -> None:
         """A forward whose output needs a gradient waits for its backward (one under no_grad,
         or of a frozen model, leaves the wait as it was)."""
@@ -321,10 +329,8 @@ class TpReplay(Completion):
     def after_failure(self, timeout: float) -> Optional[str]:
         """The rest of the backward's tp collectives and of the gradient sync, on zeros, then
         this rank marked in the status vector."""
-        watched, self._watching = self._watching, False
         if not self.expecting:
-            if watched and self._in_backward:  # (a second backward of a retained graph)
-                self._in_backward = False
+            if self.reached():  # (a second backward of a retained graph)
                 return ("ringseq: the tensor-parallel collectives of the backward were not "
                         "completed for the other ranks: a second backward of one forward")
             return None
@@ -369,7 +375,6 @@ class TpReplay(Completion):
         if not (self.expecting and self._in_backward):
             return  # (a backward of another model only)
         self.expecting, self._in_backward, self._grad_forwards = False, False, 0
-        self._watching = False
         self._backward_order = self._backward_now
         self._backward_order_checkpointed = bool(self.checkpointed())
         failed = self._status(failed=False)

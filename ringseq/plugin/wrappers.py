@@ -261,15 +261,20 @@ class FailureReporter:
             for reduction_ in self.reductions:
                 reduction_.backward_started()
         try:
-            yield
-        except (Exception, KeyboardInterrupt) as exc:
-            if dist.is_initialized():
-                self._after_failure(phase, exc, self.ring.calls - before, reduction)
-            raise
-        self._calls[phase] = self.ring.calls - before
-        if phase == "backward":
-            for reduction_ in self.reductions:
-                reduction_.after_success()  # RingPeerError when another rank's backward raised
+            try:
+                yield
+            except (Exception, KeyboardInterrupt) as exc:
+                if dist.is_initialized():
+                    self._after_failure(phase, exc, self.ring.calls - before, reduction)
+                raise
+            self._calls[phase] = self.ring.calls - before
+            if phase == "backward":
+                for reduction_ in self.reductions:
+                    reduction_.after_success()  # RingPeerError: another rank's backward raised
+        finally:
+            if phase == "backward":
+                for reduction_ in self.reductions:
+                    reduction_.backward_ended()
 
     def _after_failure(self, phase: str, exc: BaseException, calls: int, reduction) -> None:
         # The ring report waits for the peers' next ring call, and FSDP's collectives this
@@ -303,7 +308,7 @@ class FailureReporter:
             elif phase == "backward":
                 # Only the one model a backward waits on; with several boosted models waiting
                 # the ranks' next collectives cannot be told, and none is sent.
-                waiting = [r for r in self.reductions if r.expecting]
+                waiting = [r for r in self.reductions if r.expecting or r.reached()]
                 if len(waiting) == 1:
                     note = waiting[0].after_failure(2 * ring_timeout())
                 elif len(waiting) > 1:

@@ -54,9 +54,6 @@ class ReplicatedGradSync:
         #: the all-reduces over ``group`` the current (or last) ``sync`` has sent: what a
         #: rank whose backward raised inside it still owes the others
         self.sent = 0
-        #: the indices in ``params`` of the gradients the last sync found already in their
-        #: parameter's placement (row-wise biases: no sum over tp), for a rank that failed
-        self.unsummed = set()
         for p in self.params:
             frozen = not p.requires_grad
             p.requires_grad_(True)  # (torch registers the hook only then; it stays)
@@ -106,8 +103,7 @@ class ReplicatedGradSync:
         if self.reduced is not None:
             self.reduced.mark()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        unsummed = set()
-        for i, p in enumerate(self.params):
+        for p in self.params:
             g = p.grad
             if g is None or not p.requires_grad:  # (a frozen one's leftover gradient too)
                 continue
@@ -115,11 +111,8 @@ class ReplicatedGradSync:
                 if g.placements != p.placements:
                     g = g.redistribute(placements=p.placements)  # Partial -> summed over tp
                     p.grad = g
-                else:
-                    unsummed.add(i)
                 g = g.to_local()
             by_dtype.setdefault(g.dtype, []).append(g)
-        self.unsummed = unsummed
         if self.group is not None and dist.get_world_size(self.group) > 1:
             for grads in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for g in grads])

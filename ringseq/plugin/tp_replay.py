@@ -8,9 +8,9 @@ its input share (``GatherSequence``) and the reduce-scatter of its row-wise outp
 backward makes the same two per block in reverse order (the all-gather of the output's
 gradient, then the reduce-scatter of the input's), and the gradient sync at its end
 (``ReplicatedGradSync``) one all-reduce over tp per gradient that is a partial sum (those of
-the replicated parameters but the row-wise biases; the list the last sync made is replayed),
-then one over the dp x sp ranks per dtype. A rank whose forward or backward raised stops making them, and its
-tp peers would wait in the next one until the process group's timeout; its ring peers raise
+the replicated parameters but the row-wise biases), then one over the dp x sp ranks per
+dtype. A rank whose forward or backward raised stops making them, and its tp peers would
+wait in the next one until the process group's timeout; its ring peers raise
 in their ring call and stop too, leaving their own tp peers waiting.
 
 So every rank whose forward or backward raised makes the rest of them itself, on zeros
@@ -272,12 +272,12 @@ class TpReplay(Completion):
                 ops.append(self._scatter(share, block.h_in, gather))
         if self.grad_sync.enabled:
             # the sync's sum over tp of each replicated parameter's (Partial) gradient
-            # (those of the replicated parameters that require one, but the row-wise biases
-            # and any whose gradient a sync found replicated already)
-            params, unsummed = self.grad_sync.params, self.grad_sync.unsummed
+            # (those of the replicated parameters that require one but the row-wise biases,
+            # whose gradients come out replicated: in the plan's layout every other one is
+            # used on a disjoint share per tp rank)
             biases = {id(block.rowwise.bias) for block in self.blocks}
-            for i, p in enumerate(params):
-                if (not p.requires_grad or i in unsummed or id(p) in biases
+            for p in self.grad_sync.params:
+                if (not p.requires_grad or id(p) in biases
                         or not all(pl.is_replicate() for pl in p.placements)):
                     continue
                 local = p.to_local()
@@ -375,7 +375,8 @@ class TpReplay(Completion):
         if not (self.expecting and self._in_backward):
             return  # (a backward of another model only)
         self.expecting, self._in_backward, self._grad_forwards = False, False, 0
-        self._backward_order = self._backward_now
+        # (a new list for the hooks of later backward passes, watched or not)
+        self._backward_order, self._backward_now = self._backward_now, []
         self._backward_order_checkpointed = bool(self.checkpointed())
         failed = self._status(failed=False)
         if failed:

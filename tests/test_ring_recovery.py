@@ -378,6 +378,59 @@ def _boost_at_sp2(inner, plugin_kwargs):
     return booster, model, opt, crit, batch
 
 
+def _failure_steps(booster, model, opt, crit, batch, failing, evaluation_batch=None,
+                   more_cases=None):
+    """The training step of the failure workers and ``failing_step(name)``, which arms
+    ``failing["at"] = name``, runs that case's step (under ``_capture``) and then clears the
+    gradients and resets the plugin, as every rank does to skip a failed step. Cases: "no_sync
+    backward" (two micro-batches, the first inside no_sync), "evaluation forward" (a forward
+    under no_grad of ``evaluation_batch``, default ``batch``, between the loss and the
+    backward), "reference forward" (one under no_grad before the loss), and those
+    ``more_cases(step)`` returns; any other name runs the plain step.
+    ``failing["in no_grad forward"]`` is True during those no_grad forwards."""
+    def no_grad_forward(inputs):
+        failing["in no_grad forward"] = True
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        finally:
+            failing["in no_grad forward"] = False
+
+    def step(evaluate=False, reference=False, probe=None):
+        out = model(**batch)
+        if probe is not None:  # (a gradient probe through the outputs: no backward of the step)
+            torch.autograd.grad(out.logits.sum(), [probe], retain_graph=True)
+        if reference:
+            no_grad_forward(batch)
+        loss = crit(out, batch)
+        if evaluate:
+            no_grad_forward(batch if evaluation_batch is None else evaluation_batch)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    def accumulating_step():
+        with booster.no_sync(model):
+            booster.backward(crit(model(**batch), batch), opt)
+        return step()
+
+    cases = {"no_sync backward": accumulating_step,
+             "evaluation forward": lambda: step(evaluate=True),
+             "reference forward": lambda: step(reference=True),
+             **(more_cases(step) if more_cases is not None else {})}
+
+    def failing_step(name):
+        failing["at"] = name
+        try:
+            return _capture(cases.get(name, step))
+        finally:
+            failing["at"] = None
+            opt.zero_grad()
+            booster.reset()
+    return step, failing_step
+
+
 def _worker_backward_failures(plugin_kwargs, hf_checkpointing, first):
     """W=4 as dp 2 x sp 2 (DDP): rank 1's backward raises, in the embedding's backward (after
     its last ring call) at the very first step, and in the last layer's MLP (before its ring
@@ -510,37 +563,7 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding):
             raise MemoryError("injected: out of memory")
         return real_reduce(fsdp_params, *args, **kwargs)
     fsdp_group.foreach_reduce = reduce_failing_once
-
-    def step(evaluate=False, reference=False):
-        out = model(**batch)
-        if reference:
-            with torch.no_grad():
-                model(**batch)
-        loss = crit(out, batch)
-        if evaluate:
-            with torch.no_grad():
-                model(**batch)
-        booster.backward(loss, opt)
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
-
-    def accumulating_step():  # two micro-batches, the first inside no_sync
-        with booster.no_sync(model):
-            booster.backward(crit(model(**batch), batch), opt)
-        return step()
-
-    def failing_step(name):
-        failing["at"] = name
-        run = {"no_sync backward": accumulating_step,
-               "evaluation forward": lambda: step(evaluate=True),
-               "reference forward": lambda: step(reference=True)}.get(name, step)
-        try:
-            return _capture(run)
-        finally:
-            failing["at"] = None
-            opt.zero_grad()
-            booster.reset()
+    step, failing_step = _failure_steps(booster, model, opt, crit, batch, failing)
 
     out = {"at first": failing_step(first)}  # the very first step
     out["first"] = _capture(step)
@@ -707,57 +730,21 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
         return sync()
     model.grad_sync.sync = sync_failing
 
-    def no_grad_forward(inputs):
-        failing["in no_grad forward"] = True
-        try:
-            with torch.no_grad():
-                model(**inputs)
-        finally:
-            failing["in no_grad forward"] = False
-
-    def step(evaluate=False, reference=False, probe=False):
-        out = model(**batch)
-        if probe:
-            torch.autograd.grad(out.logits.sum(), [inner.lm_head.weight], retain_graph=True)
-        if reference:
-            no_grad_forward(batch)
-        loss = crit(out, batch)
-        if evaluate:
-            no_grad_forward(longer)
-        booster.backward(loss, opt)
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
-
-    def accumulating_step():  # two micro-batches, the first inside no_sync
-        with booster.no_sync(model):
-            booster.backward(crit(model(**batch), batch), opt)
-        return step()
-
-    def after_double_backward():
-        failing["at"] = None
-        loss = crit(model(**batch), batch)
-        opt.backward(loss, retain_graph=True)
-        booster.backward(loss, opt)
-        refused = _capture(opt.step)  # (the gradients were summed twice)
-        assert refused[0] == "ValueError" and "2 backward passes" in refused[1], refused
-        opt.zero_grad()
-        failing["at"] = "after a double backward"
-        return step()
-
-    def failing_step(name):
-        failing["at"] = name
-        run = {"no_sync backward": accumulating_step,
-               "evaluation forward": lambda: step(evaluate=True),
-               "reference forward": lambda: step(reference=True),
-               "gradient probe": lambda: step(probe=True),
-               "after a double backward": after_double_backward}.get(name, step)
-        try:
-            return _capture(run)
-        finally:
+    def more_cases(step):
+        def after_double_backward():
             failing["at"] = None
+            loss = crit(model(**batch), batch)
+            opt.backward(loss, retain_graph=True)
+            booster.backward(loss, opt)
+            refused = _capture(opt.step)  # (the gradients were summed twice)
+            assert refused[0] == "ValueError" and "2 backward passes" in refused[1], refused
             opt.zero_grad()
-            booster.reset()
+            failing["at"] = "after a double backward"
+            return step()
+        return {"gradient probe": lambda: step(probe=inner.lm_head.weight),
+                "after a double backward": after_double_backward}
+    step, failing_step = _failure_steps(booster, model, opt, crit, batch, failing,
+                                        evaluation_batch=longer, more_cases=more_cases)
 
     out = {"at first": failing_step("layer 0 forward")}
     out["first"] = _capture(step)

@@ -67,6 +67,12 @@ class _Block:
         self.scatter_dtype: Optional[torch.dtype] = None
 
 
+def _not_completed(what: str, why: str) -> str:
+    """The note on a rank's own error when the tp collectives of ``what`` were not made."""
+    return (f"ringseq: the tensor-parallel collectives of {what} were not completed for the "
+            f"other ranks: {why}")
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1  # (a checkpointed layer recomputed)
 
@@ -300,15 +306,12 @@ class TpReplay(Completion):
 
     def _missing(self, what: str, share) -> Optional[str]:
         if self.irregular is not None:
-            return (f"ringseq: the tensor-parallel collectives of {what} were not completed "
-                    f"for the other ranks: {self.irregular}")
+            return _not_completed(what, self.irregular)
         if self._count() is None:
-            return (f"ringseq: the tensor-parallel collectives of {what} were not completed "
-                    f"for the other ranks: this process group does not count its collectives")
+            return _not_completed(what, "this process group does not count its collectives")
         if share is None:
-            return (f"ringseq: the tensor-parallel collectives of {what} were not completed "
-                    f"for the other ranks: this rank's forward raised before its input "
-                    f"embedding saw the batch")
+            return _not_completed(what, "this rank's forward raised before its input embedding "
+                                        "saw the batch")
         return None
 
     # -- Completion ------------------------------------------------------------------------
@@ -331,21 +334,19 @@ class TpReplay(Completion):
         this rank marked in the status vector."""
         if not self.expecting:
             if self.reached():  # (a second backward of a retained graph)
-                return ("ringseq: the tensor-parallel collectives of the backward were not "
-                        "completed for the other ranks: a second backward of one forward")
+                return _not_completed("the backward", "a second backward of one forward")
             return None
         self.expecting = False
         forwards, self._grad_forwards = self._grad_forwards, 0
         if forwards > 1:
-            return (f"ringseq: the tensor-parallel collectives of the backward were not "
-                    f"completed for the other ranks: it follows {forwards} forwards (each "
-                    f"block's collectives once per use), and they wait in them")
+            return _not_completed("the backward", f"it follows {forwards} forwards (each "
+                                  f"block's collectives once per use), and they wait in them")
         if self.checkpointed() and (self._backward_order is None or not self._order_holds()):
-            return ("ringseq: the tensor-parallel collectives of the backward were not "
-                    "completed for the other ranks: it recomputes checkpointed layers, whose "
-                    "collectives interleave with it in an order of torch's checkpoint, and no "
-                    "backward has shown that order yet (the first step's, or the first since "
-                    "layers were frozen or checkpointing changed); they wait in them")
+            return _not_completed(
+                "the backward", "it recomputes checkpointed layers, whose collectives "
+                "interleave with it in an order of torch's checkpoint, and no backward has shown "
+                "that order yet (the first step's, or the first since layers were frozen or "
+                "checkpointing changed); they wait in them")
         note = self._missing("the backward", self._grad_share)
         if note:
             return note

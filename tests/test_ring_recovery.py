@@ -665,17 +665,21 @@ def test_optimizer_step_failure_on_one_rank_raises_everywhere(zero_stage, tmp_pa
 
 _TP_CASES = ("layer 1 forward", "layer 1 backward", "embedding backward", "gradient sync",
              "no_sync backward", "evaluation forward", "reference forward", "gradient probe",
-             "after a double backward")
+             "after a double backward", "layer 1 reduce-scatter")
 
 
 def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
-    """W=4 as sp 2 x tp 2 (zero stage 0: the plugin's own gradient sync). Rank 1 raises at
+    """W=4 as sp 2 x tp 2 (zero stage 0: the plugin's own gradient sync; zero stage 2/3:
+    FSDP's collectives over dp x sp interleaved with the tp ones, its post-backward summing
+    the partial-sum gradients over tp before its reduce-scatter). Rank 1 raises at
     the very first step in layer 0's attention (no earlier step showed the sizes, dtypes or
     order of the tensor-parallel collectives), then, after a good step, at each of
     ``cases``: in layer 1's
     forward; in layer 1's backward after its ring call's backward; in the embedding's
-    backward (after every block: the gradient sync remains); at the gradient sync (out of
-    memory before its first collective); in a micro-batch's backward under no_sync; in a
+    backward (after every block: the gradient sync remains, or FSDP's root unit); at the
+    gradient sync (zero stage 0: out of memory before its first collective); in FSDP's
+    post-backward of layer 1 after its sums over tp, before its reduce-scatter (zero stage
+    2/3: out of memory allocating it); in a micro-batch's backward under no_sync; in a
     forward under no_grad between the loss and the backward (an evaluation, of a longer batch:
     the backward keeps its own forward's sizes) or before the loss (a reference model's); in
     the embedding's backward after a ``torch.autograd.grad`` probe through the outputs
@@ -722,13 +726,25 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
             module.register_forward_hook(fail_on_rank_1)
         else:
             module.register_full_backward_hook(fail_on_rank_1)
-    sync = model.grad_sync.sync
+    if plugin_kwargs.get("zero_stage", 0) > 0:  # (as in _worker_fsdp_failures)
+        import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+        real_reduce = fsdp_group.foreach_reduce
 
-    def sync_failing():  # (looked up by name when the backward queues it)
-        if rank == 1 and failing["at"] == "gradient sync":
-            raise MemoryError("injected: out of memory")
-        return sync()
-    model.grad_sync.sync = sync_failing
+        def reduce_failing_once(fsdp_params, *args, **kwargs):
+            if (rank == 1 and failing["at"] == "layer 1 reduce-scatter"
+                    and ".layers.1." in fsdp_params[0]._param_fqn):
+                failing["at"] = None  # (the completion's own reduce-scatter is sent)
+                raise MemoryError("injected: out of memory")
+            return real_reduce(fsdp_params, *args, **kwargs)
+        fsdp_group.foreach_reduce = reduce_failing_once
+    else:
+        sync = model.grad_sync.sync
+
+        def sync_failing():  # (looked up by name when the backward queues it)
+            if rank == 1 and failing["at"] == "gradient sync":
+                raise MemoryError("injected: out of memory")
+            return sync()
+        model.grad_sync.sync = sync_failing
 
     def more_cases(step):
         def after_double_backward():
@@ -757,18 +773,29 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
 
 @pytest.mark.parametrize("plugin_kwargs, biases, hf_checkpointing", [
     ({}, True, False), ({"activation_checkpointing": True}, False, False),
-    ({}, False, True)], ids=["biases", "checkpointing", "transformers_reentrant_checkpointing"])
+    ({}, False, True), ({"zero_stage": 3}, False, False),
+    ({"zero_stage": 2, "activation_checkpointing": True}, True, False),
+    ({"zero_stage": 3}, False, True)],
+    ids=["biases", "checkpointing", "transformers_reentrant_checkpointing", "zero3",
+         "zero2_checkpointing_biases", "zero3_transformers_reentrant_checkpointing"])
 def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, biases,
                                                              hf_checkpointing):
     # (checkpointing: each backward recomputes every layer's forward and its collectives
     # within its own, in the order the first good step's backward showed)
-    # (torch refuses a second backward through the plugin's selective checkpointing)
-    cases = tuple(c for c in _TP_CASES if c != "after a double backward"
-                  or not plugin_kwargs.get("activation_checkpointing"))
+    # (torch refuses a second backward through the plugin's selective checkpointing; the
+    # gradient sync and the optimizer's count of summed backward passes are zero stage 0's;
+    # FSDP's sharded lm_head weight is no tensor of the graph to probe)
+    fsdp = plugin_kwargs.get("zero_stage", 0) > 0
+    cases = tuple(c for c in _TP_CASES if not (
+        c == "after a double backward" and (plugin_kwargs.get("activation_checkpointing")
+                                            or fsdp)
+        or c in ("gradient sync", "gradient probe") and fsdp
+        or c == "layer 1 reduce-scatter" and not fsdp))
     res = run_ranks(_worker_tp_failures, 4, plugin_kwargs, cases, biases, hf_checkpointing,
                     timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     in_ring_call = {"at first", "layer 1 forward", "layer 1 backward", "no_sync backward",
-                    "evaluation forward", "reference forward", "after a double backward"}
+                    "evaluation forward", "reference forward", "after a double backward",
+                    "layer 1 reduce-scatter"}
     for rank, r in enumerate(res):
         assert r["first"][0] == "ok" and r["after"][0] == "ok", r
         for case in ("at first",) + cases:

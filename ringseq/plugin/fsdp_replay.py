@@ -1,5 +1,6 @@
-"""The sharded (zero stage 2/3, tp 1) training step when a forward or backward raises on some
-ranks: what keeps the others from waiting in FSDP's collectives.
+"""The sharded (zero stage 2/3) training step when a forward or backward raises on some ranks:
+what keeps the others from waiting in FSDP's collectives (and, with tensor parallelism, in
+the tp group's).
 
 FSDP2 all-gathers each unit's parameters in the forward (and, at zero stage 3, again in the
 backward) and reduce-scatters each unit's gradients after its backward, every rank making the
@@ -18,8 +19,21 @@ it raised, if the process group's collective count moved during it (FSDP marks a
 before its reduce-scatter, so an error there, before it sends, would otherwise look complete;
 its final callback sets units back to idle). After every backward the ranks all-reduce a
 status vector in which a rank whose backward raised marks itself: the others raise
-RingPeerError instead of stepping on invalid gradients (:meth:`FsdpReplay.after_success`). ``booster.reset()`` then resets FSDP's per-iteration state
-and drops gradients accumulated under ``no_sync`` (:meth:`FsdpReplay.reset`).
+RingPeerError instead of stepping on invalid gradients (:meth:`FsdpReplay.after_success`).
+``booster.reset()`` then resets FSDP's per-iteration state and drops gradients accumulated
+under ``no_sync`` (:meth:`FsdpReplay.reset`).
+
+With tensor parallelism (tp > 1) each decoder layer's blocks also make blocking collectives
+on the tp group (``tp_replay.TpReplay`` lists them), and FSDP's post-backward sums the
+partial-sum gradients over tp (``_get_grad_inner_tensor``) before its reduce-scatter. A rank
+whose forward or backward raised makes both kinds in the one order every rank makes them
+(two ranks that made them in different orders would each wait for the other): per unit its
+all-gather, the tp collectives of its blocks this rank did not make (from the tp group's
+collective count), then its post-backward, on zeros that are partial sums over tp where the
+other ranks' gradients are (so FSDP sums them over tp as theirs). A post-backward that raised
+after some of its sums over tp cleared the gradients it summed: the replay gives those
+replicated zeros, so only the sums it did not make are made. The status vector goes over all
+ranks: a failed rank's tp peers are in other FSDP groups.
 
 Not replayed (the rank's error gets a note, the others wait in FSDP's collectives, and the
 plugin's reset refuses on this rank): a backward of more than one forward (FSDP then gathers
@@ -36,6 +50,7 @@ from torch import nn
 from torch.distributed.fsdp._common_utils import collect_grad_tensors
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.distributed.tensor import DTensor, Partial
 
 from .completion import Completion, bounded, peers_failed_error
 
@@ -61,11 +76,29 @@ class FsdpReplay(Completion):
     the ranks whose backward ended, for one boosted model (see the module doc).
 
     ``units``: the FSDP modules in forward order, the root first. ``group``: FSDP's process
-    group (the dp x sp ranks)."""
+    group (the dp x sp ranks). ``tp``: with tensor parallelism (tp > 1), the model's
+    ``TpReplay``, whose collectives on the tp group this one interleaves with FSDP's (its own
+    completion is not registered), else None."""
 
-    def __init__(self, units: List[nn.Module], group):
+    def __init__(self, units: List[nn.Module], group, tp=None):
         self.units = [_Unit(u) for u in units]
         self.group = group
+        self.tp = tp
+        # (with tp the tp peers of a failed rank are in other FSDP groups: they hear over W)
+        self._status_group = dist.group.WORLD if tp is not None else group
+        #: the unit that runs each tp block (the innermost), by the block's id
+        self._unit_of = {}
+        #: why the tp collectives cannot be placed among FSDP's, or None
+        self._tp_irregular: Optional[str] = None
+        for block in (tp.blocks if tp is not None else []):
+            inner = [u for u in self.units[1:]
+                     if any(m is block.module for m in u.module.modules())]
+            if not inner:
+                self._tp_irregular = ("a tensor-parallel block runs outside the decoder layers "
+                                      "(FSDP's units)")
+            self._unit_of[id(block)] = inner[0] if inner else self.units[0]
+        self._tp_made = {}            # id of a group -> the tp collectives its post-backward made
+        self._raised: Set[int] = set()  # id of each group whose post-backward raised unsent
         self.expecting = False
         self._forward = 0           # forwards started
         self._grad_forwards = 0     # forwards with gradients since the last backward
@@ -89,16 +122,28 @@ class FsdpReplay(Completion):
         collectives = getattr(self.group, "_get_sequence_number_for_group", lambda: None)
 
         def counted(*args):
-            before = collectives()
+            before, tp_before = collectives(), self._tp_count()
             try:
                 out = post_backward(*args)
             except BaseException:
                 if before is not None and collectives() != before:
                     self._reduced.add(id(group))  # it raised after sending its reduce-scatter
+                else:
+                    self._raised.add(id(group))
+                self._tp_made_by(group, tp_before)
                 raise
             self._reduced.add(id(group))  # (sent, or nothing to send: no_sync)
+            self._tp_made_by(group, tp_before)
             return out
         return counted
+
+    def _tp_count(self) -> Optional[int]:
+        """The tp group's collective count (None without tp)."""
+        return self.tp._count() if self.tp is not None else None
+
+    def _tp_made_by(self, group, before: Optional[int]) -> None:
+        if before is not None:  # (FSDP sums the partial-sum gradients over tp first)
+            self._tp_made[id(group)] = self._tp_made.get(id(group), 0) + self._tp_count() - before
 
     # -- forward ---------------------------------------------------------------------------
     def _pre_forward(self, unit: _Unit, args, kwargs) -> None:
@@ -127,11 +172,28 @@ class FsdpReplay(Completion):
     def forward_started(self) -> None:
         self._forward += 1
         self._reduced.clear()
+        self._tp_made.clear()
+        self._raised.clear()
         self._output_hooked = False
+        if self.tp is not None:
+            self.tp.forward_started()
+
+    def backward_started(self) -> None:
+        if self.tp is not None:
+            self.tp.backward_started()
+
+    def backward_ended(self) -> None:
+        if self.tp is not None:
+            self.tp.backward_ended()
+
+    def reached(self) -> bool:
+        return self.tp is not None and self.tp.reached()
 
     def forward_ran(self) -> None:
         """A forward whose output needs a gradient waits for its backward (one under no_grad,
         or of a frozen model, leaves the wait as it was)."""
+        if self.tp is not None:
+            self.tp.forward_ran()
         if self._output_hooked:
             self.expecting, self._in_backward = True, False
             self._grad_forwards += 1
@@ -140,8 +202,15 @@ class FsdpReplay(Completion):
         """The rest of FSDP's forward: the all-gathers of the units this rank's forward did
         not reach and the post-forward of those it did not finish (resharded or kept as FSDP
         keeps them, and recorded in FSDP's forward order, which a backward that follows
-        prefetches by), the root's last, as it wraps the others."""
+        prefetches by), the root's last, as it wraps the others; with tp, each unit's tp
+        collectives not made yet between its all-gather and its post-forward."""
         root, layers = self.units[0], self.units[1:]
+        remaining = []  # (block, collective): the forward's tp collectives this rank did not make
+        if self.tp is not None:
+            note = self._tp_irregular or self.tp.forward_note()
+            if note:
+                return note
+            remaining = self.tp.forward_ops()[self.tp.forward_done():]
 
         def gather(group) -> None:
             group.unshard()
@@ -150,10 +219,15 @@ class FsdpReplay(Completion):
         def finish(unit: _Unit) -> None:
             if unit.posted == self._forward:
                 return
+            if unit.gathered != self._forward:
+                for group in unit.groups:
+                    with group.use_training_state(TrainingState.FORWARD):
+                        gather(group)
+            for block, op in remaining:
+                if self._unit_of[id(block)] is unit:
+                    op()
             for group in unit.groups:
                 with group.use_training_state(TrainingState.FORWARD):
-                    if unit.gathered != self._forward:
-                        gather(group)
                     group.reshard()
                     group._record_post_forward()
                 group._training_state = TrainingState.IDLE
@@ -166,7 +240,7 @@ class FsdpReplay(Completion):
             for unit in layers:
                 finish(unit)
             finish(root)
-        return bounded(replay, [self.group], timeout, "FSDP's forward")
+        return bounded(replay, self._groups(), timeout, "FSDP's forward")
 
     # -- backward --------------------------------------------------------------------------
     def after_failure(self, timeout: float) -> Optional[str]:
@@ -174,14 +248,42 @@ class FsdpReplay(Completion):
         other ranks make, on zeros where this rank has no gradient), then this rank marked in
         the status vector."""
         if not self.expecting:
-            return None
+            return self.tp.second_backward_note() if self.tp is not None else None
         self.expecting = False
         forwards, self._grad_forwards = self._grad_forwards, 0
+        tp_note = self.tp.backward_note() if self.tp is not None else None
         if forwards > 1:
             return (f"ringseq: FSDP's backward was not completed for the other ranks: it "
                     f"follows {forwards} forwards (FSDP gathers each layer once per use), "
                     f"and they wait in its collectives")
+        if self.tp is not None and (tp_note or self._tp_irregular):
+            return tp_note or self._tp_irregular
         root, layers = self.units[0], self.units[1:]
+        ops = self.tp.backward_ops() if self.tp is not None else []  # (block, collective)
+        done = self.tp.backward_done() if self.tp is not None else 0  # (tp ones made)
+        made = 0  # the tp collectives of the backward up to where the replay is
+
+        def tp_collectives(unit: _Unit) -> None:  # the unit's blocks', in the backward's order
+            nonlocal made
+            for block, op in ops:
+                if self._unit_of[id(block)] is unit:
+                    if made >= done:
+                        op()
+                    made += 1
+
+        def post_backward(group) -> None:  # (its sums over tp, then its reduce-scatter)
+            nonlocal made
+            if self._sent(group) or id(group) in self._raised:
+                made += self._tp_made.get(id(group), 0)  # (those it made before it raised)
+            if self._sent(group):
+                return
+            if made < done:
+                raise RuntimeError(f"the tp collectives made ({done}) do not fit FSDP's "
+                                   f"backward ({made} before an unsent reduce-scatter)")
+            before = self._tp_count()
+            self._post_backward(group)
+            if before is not None:
+                made += self._tp_count() - before
 
         def replay():
             if root.outputs_need_grad:
@@ -197,18 +299,28 @@ class FsdpReplay(Completion):
                         # FSDP's pre-backward prefetches the layer before it; an error there
                         # (its all-gather out of memory) leaves it unsent (else: a no-op)
                         FSDPParamGroup._prefetch_unshard(layers[i - 1].groups[-1], "backward")
-                    if unit.inputs_need_grad:
-                        self._post_backward(group)
+                tp_collectives(unit)
+                if unit.inputs_need_grad:
+                    for group in reversed(unit.groups):
+                        post_backward(group)
             # FSDP's final callback: the reduce-scatters not sent yet, in its order
             for state in root.module._get_fsdp_state()._state_ctx.all_states:
                 for group in reversed(state._fsdp_param_groups):
-                    self._post_backward(group)
+                    post_backward(group)
             self._status(failed=True)
-        return bounded(replay, [self.group], timeout, "FSDP's backward")
+        return bounded(replay, self._groups(), timeout, "FSDP's backward")
+
+    def _groups(self) -> list:
+        """The process groups a replay makes collectives on."""
+        if self.tp is None:
+            return [self.group]
+        return [self.group, self.tp.group, self._status_group]
 
     def after_success(self) -> None:
         """Raises RingPeerError when another rank's backward did not end (its gradients are
         zeros in this rank's sums). One all-reduce of W int64 per backward."""
+        if self.tp is not None:
+            self.tp.ended()  # (the order of its collectives, for a later failure)
         if not (self.expecting and self._in_backward):
             return  # (a backward of another model only)
         self.expecting, self._grad_forwards, self._in_backward = False, 0, False
@@ -245,16 +357,25 @@ class FsdpReplay(Completion):
             if (param.requires_grad and param.grad is None
                     and fsdp_param.unsharded_accumulated_grad is None):
                 param.grad = torch.zeros_like(param)  # the same sizes as the other ranks'
+                info = fsdp_param._module_info
+                if (self.tp is not None and id(group) not in self._raised
+                        and self.tp.partial_sum(param, info.module, info.param_name)):
+                    # (a partial sum over tp, as the other ranks': FSDP sums it over tp; a
+                    # post-backward that raised made the sums of the gradients it cleared)
+                    param.grad = DTensor.from_local(
+                        param.grad.to_local(), param.device_mesh,
+                        [Partial()] * param.device_mesh.ndim, run_check=False)
         group.post_backward()
 
     def _status(self, failed: bool) -> List[int]:
-        """All-reduces the status vector over FSDP's group; returns the global ranks marked."""
-        ranks = dist.get_process_group_ranks(self.group)
+        """All-reduces the status vector over FSDP's group (with tp: over all ranks); returns
+        the global ranks marked."""
+        ranks = dist.get_process_group_ranks(self._status_group)
         device = self.units[0].module._get_fsdp_state()._device
         vec = torch.zeros(len(ranks), dtype=torch.int64, device=device)  # (group size,)
         if failed:
-            vec[dist.get_rank(self.group)] = 1
-        dist.all_reduce(vec, group=self.group)
+            vec[dist.get_rank(self._status_group)] = 1
+        dist.all_reduce(vec, group=self._status_group)
         return [ranks[i] for i, s in enumerate(vec.tolist()) if s]
 
     def reset(self) -> None:
@@ -271,4 +392,6 @@ class FsdpReplay(Completion):
                     if hasattr(fsdp_param, "_unsharded_param"):
                         fsdp_param._unsharded_param.grad = None
         self.expecting, self._grad_forwards = False, 0
+        if self.tp is not None:
+            self.tp.reset()
 

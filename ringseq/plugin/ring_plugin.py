@@ -487,22 +487,16 @@ class RingSequenceParallelPlugin(Plugin):
             apply_fsdp(model, mesh, dims.zero_stage, layers,
                        param_dtype=(self.precision.dtype if self.precision.name == "bf16"
                                     else None))
-            if dims.tp_size == 1 and mesh.size() > 1:
+            tp = self._tp_replay(model, plan, None) if dims.tp_size > 1 else None
+            if tp is not None or (dims.tp_size == 1 and mesh.size() > 1):
                 from .fsdp_replay import FsdpReplay  # (FSDP2's internals: only where used)
-                # (with tp the tp peers wait in collectives of their own: not covered)
-                reduction = FsdpReplay([model] + list(layers), mesh.get_group())
+                reduction = FsdpReplay([model] + list(layers), mesh.get_group(), tp=tp)
         elif dims.tp_size > 1:
             from ..parallel.grad_sync import ReplicatedGradSync
             # (tp alone sums nothing over ranks: accumulating without no_sync is exact there)
             grad_sync = ReplicatedGradSync(model, self.groups.dp_sp_mesh().get_group(),
                                            reduced if summed else None)
-            if plan.source != "tp_plan styles":  # (the user's own styles: collectives unknown)
-                from .tp_replay import TpReplay
-                user, own = model, self.activation_checkpointing
-                reduction = TpReplay(
-                    model, plan, self.groups.tp_mesh, grad_sync,
-                    self.precision.dtype if self.precision.name != "fp32" else None,
-                    lambda: own or hf_checkpointing(user))
+            reduction = self._tp_replay(model, plan, grad_sync)
         elif dist.get_world_size() > 1:
             kwargs = {_NO_BUFFER_SYNC: False}  # buffers (RoPE tables) are identical
             kwargs.update(self.ddp_kwargs)
@@ -532,6 +526,19 @@ class RingSequenceParallelPlugin(Plugin):
         elif optimizer is not None:
             optimizer.model, optimizer._step, optimizer.reduced = user_model, step, reduced
         return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def _tp_replay(self, model: nn.Module, plan, grad_sync):
+        """The tp collectives' completion after a failure (``tp_replay.TpReplay``) of
+        ``model`` after tensor parallelism; None for a plan of the user's own styles (their
+        collectives are not known here). ``grad_sync``: the model's ``ReplicatedGradSync``
+        (zero stage 0), else None."""
+        if plan.source == "tp_plan styles":
+            return None
+        from .tp_replay import TpReplay
+        own = self.activation_checkpointing
+        return TpReplay(model, plan, self.groups.tp_mesh, grad_sync,
+                        self.precision.dtype if self.precision.name != "fp32" else None,
+                        lambda: own or hf_checkpointing(model))
 
     def no_sync(self, model: nn.Module, optimizer=None):
         if not isinstance(model, ModelWrapper):

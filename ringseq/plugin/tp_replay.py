@@ -1,4 +1,4 @@
-"""The replicated tensor-parallel (zero stage 0, tp > 1) training step when a forward or
+"""The tensor-parallel (tp > 1) training step, replicated (zero stage 0), when a forward or
 backward raises on some ranks: what keeps the others from waiting in the tp group's
 collectives.
 
@@ -33,15 +33,16 @@ Not completed (the rank's error gets a note and the plugin's reset refuses on it
 backward of a model with checkpointed layers (their recomputed forwards interleave with it in
 an order of torch's checkpoint that no backward has shown yet), a backward of two forwards,
 a failure before the input embedding saw this forward's batch, a process group that does not
-count its collectives. Not
-set up: a plan of the user's own ParallelStyles (its collectives are not known here) and tp
-with FSDP (zero stage 2/3). Assumed, as for FSDP: every parameter that requires a gradient
-gets one.
+count its collectives. Not set up: a plan of the user's own ParallelStyles (its collectives
+are not known here). With FSDP (zero stage 2/3) there is no gradient sync (FSDP sums over
+tp in its post-backward) and ``fsdp_replay.FsdpReplay`` makes these collectives among its
+own, through :meth:`TpReplay.forward_ops`, :meth:`TpReplay.backward_ops` and the notes.
+Assumed, as for FSDP: every parameter that requires a gradient gets one.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,8 @@ class TpReplay(Completion):
 
     ``model``: the user's model after tensor parallelism; ``plan``: the resolved plan it was
     built with (of plan names, not ParallelStyles); ``tp_mesh``: the 1-D tp mesh;
-    ``grad_sync``: the model's ``ReplicatedGradSync``; ``compute_dtype``: the plugin's
+    ``grad_sync``: the model's ``ReplicatedGradSync`` (None under FSDP, whose replay drives
+    this one); ``compute_dtype``: the plugin's
     autocast dtype (None without autocast); ``checkpointed()``: whether the backward will
     recompute layers."""
 
@@ -226,7 +228,8 @@ class TpReplay(Completion):
             self.expecting, self._in_backward, self._backward_base = True, False, None
             self._grad_forwards += 1
             self._grad_share, self._hooked = self._share, self._hooked_now
-            self.grad_sync.sent = 0  # (its sync of this forward's backward has not begun)
+            if self.grad_sync is not None:  # (its sync of this backward has not begun)
+                self.grad_sync.sent = 0
 
     # -- the collectives, on zeros ---------------------------------------------------------
     def _dtypes(self, block: _Block):
@@ -253,15 +256,22 @@ class TpReplay(Completion):
         t = self.mesh.size()
         return lambda: self._redistribute((b, s * t, h), dtype, Partial(), Shard(1))
 
-    def _forward_ops(self) -> List[Callable[[], None]]:
+    def forward_ops(self) -> List[Tuple[_Block, Callable[[], None]]]:
+        """The forward's tp collectives, in order, each with its block."""
         ops = []
         for block in self._order or self.blocks:
             gather, scatter = self._dtypes(block)
-            ops += [self._gather(self._share, block.h_in, gather),
-                    self._scatter(self._share, block.h_out, scatter)]
+            ops += [(block, self._gather(self._share, block.h_in, gather)),
+                    (block, self._scatter(self._share, block.h_out, scatter))]
         return ops
 
-    def _backward_ops(self) -> List[Callable[[], None]]:
+    def forward_done(self) -> int:
+        """The tp collectives this rank made since its forward began."""
+        return self._count() - self._forward_base
+
+    def backward_ops(self) -> List[Tuple[Optional[_Block], Callable[[], None]]]:
+        """The backward's tp collectives, in order, each with its block (None: the gradient
+        sync's sums over tp, last)."""
         order = self._backward_order
         if order is None or not self._order_holds():
             order = self._hooked[::-1]  # (without recomputed layers: after_failure checks)
@@ -269,27 +279,42 @@ class TpReplay(Completion):
         for block, kind in order:
             gather, scatter = self._dtypes(block)
             if kind == "gather":  # (a recomputed forward's)
-                ops.append(self._gather(share, block.h_in, gather))
+                op = self._gather(share, block.h_in, gather)
             elif kind == "scatter":
-                ops.append(self._scatter(share, block.h_out, scatter))
+                op = self._scatter(share, block.h_out, scatter)
             elif kind == "scatter grad":  # (the output's gradient all-gathered)
-                ops.append(self._gather(share, block.h_out, scatter))
+                op = self._gather(share, block.h_out, scatter)
             else:  # "gather grad": the input's gradient reduce-scattered
-                ops.append(self._scatter(share, block.h_in, gather))
-        if self.grad_sync.enabled:
-            # the sync's sum over tp of each replicated parameter's (Partial) gradient
-            # (those of the replicated parameters that require one but the row-wise biases,
-            # whose gradients come out replicated: in the plan's layout every other one is
-            # used on a disjoint share per tp rank)
-            biases = {id(block.rowwise.bias) for block in self.blocks}
+                op = self._scatter(share, block.h_in, gather)
+            ops.append((block, op))
+        if self.grad_sync is not None and self.grad_sync.enabled:
+            # the sync's sum over tp of each partial-sum gradient
             for p in self.grad_sync.params:
-                if (not p.requires_grad or id(p) in biases
-                        or not all(pl.is_replicate() for pl in p.placements)):
+                if not (p.requires_grad and self.partial_sum(p)):
                     continue
                 local = p.to_local()
-                ops.append(lambda local=local: self._redistribute(
-                    local.shape, local.dtype, Partial(), Replicate()))
+                ops.append((None, lambda local=local: self._redistribute(
+                    local.shape, local.dtype, Partial(), Replicate())))
         return ops
+
+    def backward_done(self) -> int:
+        """The tp collectives this rank made since its backward reached the model's outputs
+        (0 before)."""
+        return self._count() - self._backward_base if self._backward_base is not None else 0
+
+    def partial_sum(self, param: nn.Parameter, owner: Optional[nn.Module] = None,
+                    name: Optional[str] = None) -> bool:
+        """``param``'s gradient comes out of the backward a partial sum over tp: it is
+        replicated but not a row-wise layer's bias (in the plan's layout every other
+        replicated parameter is used on a disjoint share per tp rank). ``owner`` and ``name``:
+        the module and attribute name of ``param`` where it is not the module's parameter
+        object itself (FSDP's unsharded parameter)."""
+        if not (isinstance(param, DTensor)
+                and all(pl.is_replicate() for pl in param.placements)):
+            return False
+        if owner is not None:
+            return not (name == "bias" and any(owner is b.rowwise for b in self.blocks))
+        return not any(param is block.rowwise.bias for block in self.blocks)
 
     def _order_holds(self) -> bool:
         """The last good backward's order fits this one: the same checkpointing and, where
@@ -314,28 +339,35 @@ class TpReplay(Completion):
                                         "saw the batch")
         return None
 
+    def forward_note(self) -> Optional[str]:
+        """Why the forward's tp collectives cannot be listed here, or None."""
+        return self._missing("the forward", self._share)
+
     # -- Completion ------------------------------------------------------------------------
     def after_forward_failure(self, timeout: float) -> Optional[str]:
         """The rest of the forward's tp collectives (each block's all-gather and
         reduce-scatter), from the first this rank did not make."""
-        note = self._missing("the forward", self._share)
+        note = self.forward_note()
         if note:
             return note
-        done = self._count() - self._forward_base
+        done = self.forward_done()
 
         def replay():
-            for op in self._forward_ops()[done:]:
+            for _, op in self.forward_ops()[done:]:
                 op()
         return bounded(replay, [self.group], timeout,
                        "the forward's tensor-parallel collectives")
 
-    def after_failure(self, timeout: float) -> Optional[str]:
-        """The rest of the backward's tp collectives and of the gradient sync, on zeros, then
-        this rank marked in the status vector."""
-        if not self.expecting:
-            if self.reached():  # (a second backward of a retained graph)
-                return _not_completed("the backward", "a second backward of one forward")
-            return None
+    def second_backward_note(self) -> Optional[str]:
+        """The note of a backward that failed though no forward waits for one: a second
+        backward of one forward reached this model; else None (not this model's backward)."""
+        if self.reached():  # (a second backward of a retained graph)
+            return _not_completed("the backward", "a second backward of one forward")
+        return None
+
+    def backward_note(self) -> Optional[str]:
+        """Ends the wait for the backward that raised; returns why its tp collectives cannot
+        be listed here, or None."""
         self.expecting = False
         forwards, self._grad_forwards = self._grad_forwards, 0
         if forwards > 1:
@@ -347,14 +379,21 @@ class TpReplay(Completion):
                 "interleave with it in an order of torch's checkpoint, and no backward has shown "
                 "that order yet (the first step's, or the first since layers were frozen or "
                 "checkpointing changed); they wait in them")
-        note = self._missing("the backward", self._grad_share)
+        return self._missing("the backward", self._grad_share)
+
+    def after_failure(self, timeout: float) -> Optional[str]:
+        """The rest of the backward's tp collectives and of the gradient sync, on zeros, then
+        this rank marked in the status vector."""
+        if not self.expecting:
+            return self.second_backward_note()
+        note = self.backward_note()
         if note:
             return note
-        done = self._count() - self._backward_base if self._backward_base is not None else 0
+        done = self.backward_done()
         sync = self.grad_sync
 
         def replay():
-            for op in self._backward_ops()[done:]:
+            for _, op in self.backward_ops()[done:]:
                 op()
             if sync.enabled and sync.group is not None and dist.get_world_size(sync.group) > 1:
                 sizes = {}  # dtype -> elements, in the sync's order (it skips frozen ones)
@@ -373,15 +412,22 @@ class TpReplay(Completion):
     def after_success(self) -> None:
         """Raises RingPeerError when another rank's backward did not end (its gradients are
         zeros in this rank's sums). One all-reduce of W int64 per backward."""
-        if not (self.expecting and self._in_backward):
+        if not self.ended():
             return  # (a backward of another model only)
+        failed = self._status(failed=False)
+        if failed:
+            raise peers_failed_error(failed)
+
+    def ended(self) -> bool:
+        """After a backward that ended on this rank: keeps the order it made its collectives
+        in and ends the wait; False (nothing done) when it was not this model's backward."""
+        if not (self.expecting and self._in_backward):
+            return False
         self.expecting, self._in_backward, self._grad_forwards = False, False, 0
         # (a new list for the hooks of later backward passes, watched or not)
         self._backward_order, self._backward_now = self._backward_now, []
         self._backward_order_checkpointed = bool(self.checkpointed())
-        failed = self._status(failed=False)
-        if failed:
-            raise peers_failed_error(failed)
+        return True
 
     def _status(self, failed: bool) -> List[int]:
         """All-reduces the status vector over the default group; returns the ranks marked."""

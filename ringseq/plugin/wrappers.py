@@ -66,7 +66,8 @@ class ModelWrapper(nn.Module):
         self._reduced = reduced  # the reductions' count (ReducedGrads), reset by zero_grad
         #: the reduction that completes the other ranks' collectives when this rank's step
         #: raises (ddp_sum.DdpSum for the plugin's DDP, fsdp_replay.FsdpReplay for its FSDP,
-        #: tp_replay.TpReplay for its tensor parallelism at zero stage 0), else None
+        #: with or without tensor parallelism, tp_replay.TpReplay for its tensor parallelism
+        #: at zero stage 0), else None
         self._reduction = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

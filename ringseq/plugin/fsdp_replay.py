@@ -37,7 +37,10 @@ ranks: a failed rank's tp peers are in other FSDP groups.
 
 Not replayed (the rank's error gets a note, the others wait in FSDP's collectives, and the
 plugin's reset refuses on this rank): a backward of more than one forward (FSDP then gathers
-each unit once per use). Not reproduced: FSDP's explicit prefetching
+each unit once per use); with tp, whatever ``TpReplay`` notes it cannot list (the first
+backward with checkpointed layers, a second backward of one forward, a failure before the
+input embedding saw the batch, blocks that do not each run once per forward or run outside
+the decoder layers). Not reproduced: FSDP's explicit prefetching
 (``set_modules_to_backward_prefetch``), which the plugin does not set.
 """
 from __future__ import annotations
@@ -88,14 +91,12 @@ class FsdpReplay(Completion):
         self._status_group = dist.group.WORLD if tp is not None else group
         #: the unit that runs each tp block (the innermost), by the block's id
         self._unit_of = {}
-        #: why the tp collectives cannot be placed among FSDP's, or None
-        self._tp_irregular: Optional[str] = None
         for block in (tp.blocks if tp is not None else []):
             inner = [u for u in self.units[1:]
                      if any(m is block.module for m in u.module.modules())]
-            if not inner:
-                self._tp_irregular = ("a tensor-parallel block runs outside the decoder layers "
-                                      "(FSDP's units)")
+            if not inner and tp.irregular is None:  # (its place among FSDP's is not known)
+                tp.irregular = ("the tensor-parallel block of " + type(block.module).__name__
+                                + " runs outside the decoder layers (FSDP's units)")
             self._unit_of[id(block)] = inner[0] if inner else self.units[0]
         self._tp_made = {}            # id of a group -> the tp collectives its post-backward made
         self._raised: Set[int] = set()  # id of each group whose post-backward raised unsent
@@ -207,7 +208,7 @@ class FsdpReplay(Completion):
         root, layers = self.units[0], self.units[1:]
         remaining = []  # (block, collective): the forward's tp collectives this rank did not make
         if self.tp is not None:
-            note = self._tp_irregular or self.tp.forward_note()
+            note = self.tp.forward_note()
             if note:
                 return note
             remaining = self.tp.forward_ops()[self.tp.forward_done():]
@@ -256,12 +257,13 @@ class FsdpReplay(Completion):
             return (f"ringseq: FSDP's backward was not completed for the other ranks: it "
                     f"follows {forwards} forwards (FSDP gathers each layer once per use), "
                     f"and they wait in its collectives")
-        if self.tp is not None and (tp_note or self._tp_irregular):
-            return tp_note or self._tp_irregular
+        if tp_note:
+            return tp_note
         root, layers = self.units[0], self.units[1:]
         ops = self.tp.backward_ops() if self.tp is not None else []  # (block, collective)
         done = self.tp.backward_done() if self.tp is not None else 0  # (tp ones made)
         made = 0  # the tp collectives of the backward up to where the replay is
+        visited = set()  # id of each group whose post-backward the replay went past
 
         def tp_collectives(unit: _Unit) -> None:  # the unit's blocks', in the backward's order
             nonlocal made
@@ -273,6 +275,9 @@ class FsdpReplay(Completion):
 
         def post_backward(group) -> None:  # (its sums over tp, then its reduce-scatter)
             nonlocal made
+            if id(group) in visited:  # (FSDP's final callback visits every group)
+                return
+            visited.add(id(group))
             if self._sent(group) or id(group) in self._raised:
                 made += self._tp_made.get(id(group), 0)  # (those it made before it raised)
             if self._sent(group):

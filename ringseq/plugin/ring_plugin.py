@@ -487,7 +487,8 @@ class RingSequenceParallelPlugin(Plugin):
             apply_fsdp(model, mesh, dims.zero_stage, layers,
                        param_dtype=(self.precision.dtype if self.precision.name == "bf16"
                                     else None))
-            tp = self._tp_replay(model, plan, None) if dims.tp_size > 1 else None
+            tp = (self._tp_replay(model, plan, None, params_cast=self.precision.name == "bf16")
+                  if dims.tp_size > 1 else None)
             if tp is not None or (dims.tp_size == 1 and mesh.size() > 1):
                 from .fsdp_replay import FsdpReplay  # (FSDP2's internals: only where used)
                 reduction = FsdpReplay([model] + list(layers), mesh.get_group(), tp=tp)
@@ -527,18 +528,19 @@ class RingSequenceParallelPlugin(Plugin):
             optimizer.model, optimizer._step, optimizer.reduced = user_model, step, reduced
         return model, optimizer, criterion, dataloader, lr_scheduler
 
-    def _tp_replay(self, model: nn.Module, plan, grad_sync):
+    def _tp_replay(self, model: nn.Module, plan, grad_sync, params_cast: bool = False):
         """The tp collectives' completion after a failure (``tp_replay.TpReplay``) of
         ``model`` after tensor parallelism; None for a plan of the user's own styles (their
         collectives are not known here). ``grad_sync``: the model's ``ReplicatedGradSync``
-        (zero stage 0), else None."""
+        (zero stage 0), else None; ``params_cast``: FSDP casts the parameters to the
+        precision's dtype (its ``param_dtype``)."""
         if plan.source == "tp_plan styles":
             return None
         from .tp_replay import TpReplay
         own = self.activation_checkpointing
         return TpReplay(model, plan, self.groups.tp_mesh, grad_sync,
                         self.precision.dtype if self.precision.name != "fp32" else None,
-                        lambda: own or hf_checkpointing(model))
+                        lambda: own or hf_checkpointing(model), params_cast=params_cast)
 
     def no_sync(self, model: nn.Module, optimizer=None):
         if not isinstance(model, ModelWrapper):

@@ -85,14 +85,16 @@ class TpReplay(Completion):
     ``model``: the user's model after tensor parallelism; ``plan``: the resolved plan it was
     built with (of plan names, not ParallelStyles); ``tp_mesh``: the 1-D tp mesh;
     ``grad_sync``: the model's ``ReplicatedGradSync`` (None under FSDP, whose replay drives
-    this one); ``compute_dtype``: the plugin's
-    autocast dtype (None without autocast); ``checkpointed()``: whether the backward will
-    recompute layers."""
+    this one); ``compute_dtype``: the plugin's autocast dtype, or FSDP's ``param_dtype``
+    (None without either); ``params_cast``: ``compute_dtype`` is FSDP's, which every
+    parameter is cast to in the forward (float64 ones too, which autocast leaves as they
+    are); ``checkpointed()``: whether the backward will recompute layers."""
 
     def __init__(self, model: nn.Module, plan, tp_mesh, grad_sync, compute_dtype,
-                 checkpointed: Callable[[], bool]):
+                 checkpointed: Callable[[], bool], params_cast: bool = False):
         self.mesh, self.group = tp_mesh, tp_mesh.get_group()
         self.grad_sync, self.compute_dtype = grad_sync, compute_dtype
+        self.params_cast = params_cast and compute_dtype is not None
         self.checkpointed = checkpointed
         self.expecting = False
         modules = dict(model.named_modules())
@@ -115,7 +117,8 @@ class TpReplay(Completion):
                                       rowwise[0].out_features, rowwise[0]))
         self.embedding = embedding
         self.device = next(embedding.parameters()).device
-        self._emb_dtype = next(embedding.parameters()).dtype
+        # (the gathered input's dtype before a forward showed it: the embedding's output)
+        self._emb_dtype = compute_dtype if self.params_cast else next(embedding.parameters()).dtype
         self._order: List[_Block] = []        # the blocks in the last complete forward's order
         self._order_now: List[_Block] = []
         #: the block collectives of the last backward that ended, in order: (block, kind)
@@ -235,8 +238,9 @@ class TpReplay(Completion):
     def _dtypes(self, block: _Block):
         gather = block.gather_dtype or self._emb_dtype
         weight = block.rowwise.weight.dtype  # (autocast leaves float64 as it is)
-        scatter = block.scatter_dtype or (self.compute_dtype if self.compute_dtype is not None
-                                          and weight != torch.float64 else weight)
+        scatter = block.scatter_dtype or (
+            self.compute_dtype if self.params_cast or (self.compute_dtype is not None
+                                                       and weight != torch.float64) else weight)
         return gather, scatter
 
     def _redistribute(self, shape, dtype, src, dst) -> None:

@@ -775,9 +775,10 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
     ({}, True, False), ({"activation_checkpointing": True}, False, False),
     ({}, False, True), ({"zero_stage": 3}, False, False),
     ({"zero_stage": 2, "activation_checkpointing": True}, True, False),
-    ({"zero_stage": 3}, False, True)],
+    ({"zero_stage": 3}, False, True), ({"zero_stage": 3, "precision": "bf16"}, False, False)],
     ids=["biases", "checkpointing", "transformers_reentrant_checkpointing", "zero3",
-         "zero2_checkpointing_biases", "zero3_transformers_reentrant_checkpointing"])
+         "zero2_checkpointing_biases", "zero3_transformers_reentrant_checkpointing",
+         "zero3_bf16"])
 def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, biases,
                                                              hf_checkpointing):
     # (checkpointing: each backward recomputes every layer's forward and its collectives
@@ -785,6 +786,8 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, bias
     # (torch refuses a second backward through the plugin's selective checkpointing; the
     # gradient sync and the optimizer's count of summed backward passes are zero stage 0's;
     # FSDP's sharded lm_head weight is no tensor of the graph to probe)
+    # (bf16 under FSDP: its param_dtype casts the float64 weights too, so the tp collectives
+    # of blocks no forward has run yet, those replayed at the first step, are bf16)
     fsdp = plugin_kwargs.get("zero_stage", 0) > 0
     cases = tuple(c for c in _TP_CASES if not (
         c == "after a double backward" and (plugin_kwargs.get("activation_checkpointing")
@@ -810,6 +813,11 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, bias
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
                           "booster.reset()")
+    if plugin_kwargs.get("precision") == "bf16":
+        # (bf16 steps: not float64 training; every rank holds the same model after recovery)
+        for r in res:
+            assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
+        return
     want = _single_process_params(biases=biases)
     for r in res:
         for got, ref in zip(r["params"], want):

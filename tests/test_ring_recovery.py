@@ -265,14 +265,19 @@ def _case_timeout_values():
     return out
 
 
-def _tiny_llama(biases=False):
+def _tiny_llama(biases=False, unused=False):
+    """A 2-layer Llama; ``unused``: layer 1 also holds a linear layer its forward never uses
+    (its parameters require a gradient and get none)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=64, attention_dropout=0.0,
                       attention_bias=biases, mlp_bias=biases)
-    return LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg)
+    if unused:
+        model.model.layers[1].unused = torch.nn.Linear(4, 4)
+    return model
 
 
 def _case_plugin_failures(tmp):
@@ -518,7 +523,7 @@ _FSDP_CASES = ("layer 1 forward", "layer 1 backward", "layer 1 reduce-scatter",
                "no_sync backward", "evaluation forward", "reference forward")
 
 
-def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding):
+def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding, unused):
     """W=4 as dp 2 x sp 2 under FSDP: rank 1 raises at the very first step (``first``), then,
     after a good step: in layer 1's forward (before its ring call); in layer 1's backward
     after its ring call's backward (the other ranks are then in FSDP's reduce-scatter of that
@@ -531,11 +536,13 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding):
     (in a ring call) or RingPeerError naming the ranks that did not finish. Before, the other
     ranks waited in FSDP's all-gather or reduce-scatter until the process group's timeout.
     After zero_grad and booster.reset() on every rank training goes on and equals two good
-    steps on one process (no gradient of a failed step or micro-batch is left)."""
+    steps on one process (no gradient of a failed step or micro-batch is left). ``unused``:
+    layer 1 holds a parameter that gets no gradient, which FSDP leaves out of its
+    reduce-scatter (so must the completion)."""
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
-    inner = _tiny_llama().double()
+    inner = _tiny_llama(unused=unused).double()
     inner.model.embed_tokens.weight.requires_grad_(not freeze_embedding)
     booster, model, opt, crit, batch = _boost_at_sp2(inner, plugin_kwargs)
     failing = {"at": None}
@@ -574,15 +581,15 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding):
     return out
 
 
-@pytest.mark.parametrize("plugin_kwargs, first, freeze_embedding", [
-    ({"zero_stage": 3}, "embedding backward", False),
-    ({"zero_stage": 2, "activation_checkpointing": True}, "embedding backward", False),
-    ({"zero_stage": 3}, "layer 1 backward", True)],
-    ids=["zero3", "zero2_checkpointing", "zero3_frozen_embedding"])
+@pytest.mark.parametrize("plugin_kwargs, first, freeze_embedding, unused", [
+    ({"zero_stage": 3}, "embedding backward", False, True),
+    ({"zero_stage": 2, "activation_checkpointing": True}, "embedding backward", False, False),
+    ({"zero_stage": 3}, "layer 1 backward", True, False)],
+    ids=["zero3_unused_parameter", "zero2_checkpointing", "zero3_frozen_embedding"])
 def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs, first,
-                                                               freeze_embedding):
+                                                               freeze_embedding, unused):
     # (a frozen embedding: FSDP reduces layer 0 in its final callback, after the root)
-    res = run_ranks(_worker_fsdp_failures, 4, plugin_kwargs, first, freeze_embedding,
+    res = run_ranks(_worker_fsdp_failures, 4, plugin_kwargs, first, freeze_embedding, unused,
                     timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     for rank, r in enumerate(res):
         assert r["first"][0] == "ok" and r["after"][0] == "ok", r
@@ -598,7 +605,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs, fi
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
                           "booster.reset()")
-    want = _single_process_params(freeze_embedding)
+    want = _single_process_params(freeze_embedding, unused=unused)
     for r in res:
         for got, ref in zip(r["params"], want):
             assert max_err(got, ref) < 1e-10
@@ -668,7 +675,7 @@ _TP_CASES = ("layer 1 forward", "layer 1 backward", "embedding backward", "gradi
              "after a double backward", "layer 1 reduce-scatter")
 
 
-def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
+def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing, unused):
     """W=4 as sp 2 x tp 2 (zero stage 0: the plugin's own gradient sync; zero stage 2/3:
     FSDP's collectives over dp x sp interleaved with the tp ones, its post-backward summing
     the partial-sum gradients over tp before its reduce-scatter). Rank 1 raises at
@@ -694,10 +701,11 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
     RingBrokenError when the failure met it in a ring call, the others RingPeerError naming
     the ranks that did not finish. Before, every rank waited until the process group's
     timeout. After zero_grad and booster.reset() on every rank training goes on and equals
-    two good steps on one process."""
+    two good steps on one process. ``unused``: layer 1 holds a parameter that gets no
+    gradient, which the gradient sync and FSDP leave out (so must the completion)."""
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
-    inner = _tiny_llama(biases).double()
+    inner = _tiny_llama(biases, unused).double()
     if hf_checkpointing:
         inner.gradient_checkpointing_enable({"use_reentrant": True})
     booster, model, opt, crit, batch = _boost_at_sp2(inner, dict(tp_size=2, **plugin_kwargs))
@@ -771,16 +779,17 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing):
     return out
 
 
-@pytest.mark.parametrize("plugin_kwargs, biases, hf_checkpointing", [
-    ({}, True, False), ({"activation_checkpointing": True}, False, False),
-    ({}, False, True), ({"zero_stage": 3}, False, False),
-    ({"zero_stage": 2, "activation_checkpointing": True}, True, False),
-    ({"zero_stage": 3}, False, True), ({"zero_stage": 3, "precision": "bf16"}, False, False)],
-    ids=["biases", "checkpointing", "transformers_reentrant_checkpointing", "zero3",
-         "zero2_checkpointing_biases", "zero3_transformers_reentrant_checkpointing",
-         "zero3_bf16"])
+@pytest.mark.parametrize("plugin_kwargs, biases, hf_checkpointing, unused", [
+    ({}, True, False, True), ({"activation_checkpointing": True}, False, False, False),
+    ({}, False, True, False), ({"zero_stage": 3}, False, False, True),
+    ({"zero_stage": 2, "activation_checkpointing": True}, True, False, False),
+    ({"zero_stage": 3}, False, True, False),
+    ({"zero_stage": 3, "precision": "bf16"}, False, False, False)],
+    ids=["biases_unused_parameter", "checkpointing", "transformers_reentrant_checkpointing",
+         "zero3_unused_parameter", "zero2_checkpointing_biases",
+         "zero3_transformers_reentrant_checkpointing", "zero3_bf16"])
 def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, biases,
-                                                             hf_checkpointing):
+                                                             hf_checkpointing, unused):
     # (checkpointing: each backward recomputes every layer's forward and its collectives
     # within its own, in the order the first good step's backward showed)
     # (torch refuses a second backward through the plugin's selective checkpointing; the
@@ -795,7 +804,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, bias
         or c in ("gradient sync", "gradient probe") and fsdp
         or c == "layer 1 reduce-scatter" and not fsdp))
     res = run_ranks(_worker_tp_failures, 4, plugin_kwargs, cases, biases, hf_checkpointing,
-                    timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+                    unused, timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     in_ring_call = {"at first", "layer 1 forward", "layer 1 backward", "no_sync backward",
                     "evaluation forward", "reference forward", "after a double backward",
                     "layer 1 reduce-scatter"}
@@ -818,7 +827,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, bias
         for r in res:
             assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
         return
-    want = _single_process_params(biases=biases)
+    want = _single_process_params(biases=biases, unused=unused)
     for r in res:
         for got, ref in zip(r["params"], want):
             assert max_err(got, ref) < 1e-10
@@ -854,9 +863,9 @@ def test_timeout_names_a_subgroup_peer_by_its_global_rank():
         _exact_ok(r["after_reset"])
 
 
-def _single_process_params(freeze_embedding=False, biases=False):
+def _single_process_params(freeze_embedding=False, biases=False, unused=False):
     """The same two good steps on one process (the reference of the plugin case)."""
-    model = _tiny_llama(biases).double()
+    model = _tiny_llama(biases, unused).double()
     model.model.embed_tokens.weight.requires_grad_(not freeze_embedding)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)

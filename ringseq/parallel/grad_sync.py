@@ -9,7 +9,7 @@ tensors of all gradients are summed over the dp x sp ranks in one all-reduce per
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List
+from typing import Dict, List, Set
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ class ReplicatedGradSync:
         #: the all-reduces over ``group`` the current (or last) ``sync`` has sent: what a
         #: rank whose backward raised inside it still owes the others
         self.sent = 0
+        #: the ids of the parameters that required a gradient and got none (unused in the
+        #: forward) at the last sync, which left them out
+        self.unused: Set[int] = set()
         for p in self.params:
             frozen = not p.requires_grad
             p.requires_grad_(True)  # (torch registers the hook only then; it stays)
@@ -103,6 +106,7 @@ class ReplicatedGradSync:
         if self.reduced is not None:
             self.reduced.mark()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        self.unused = {id(p) for p in self.params if p.grad is None and p.requires_grad}
         for p in self.params:
             g = p.grad
             if g is None or not p.requires_grad:  # (a frozen one's leftover gradient too)

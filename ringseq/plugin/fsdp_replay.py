@@ -13,7 +13,9 @@ with zeros for the gradients it did not compute (:meth:`FsdpReplay.after_failure
 FSDP's own per-unit methods in FSDP's order: each unit's pre-backward (its all-gather and the
 prefetch of the next) for the units whose outputs need a gradient, its reduce-scatter right
 after where its inputs need one (FSDP's post-backward hook), and the remaining reduce-scatters
-in the order of FSDP's final callback. What is done is read from what happened, not from
+in the order of FSDP's final callback (a parameter that got no gradient at its layer's last
+post-backward, unused in the forward, gets no zeros: FSDP leaves it out of the
+reduce-scatter). What is done is read from what happened, not from
 FSDP's per-unit state alone: each unit's post-backward is counted when it returns or, when
 it raised, if the process group's collective count moved during it (FSDP marks a unit done
 before its reduce-scatter, so an error there, before it sends, would otherwise look complete;
@@ -100,6 +102,12 @@ class FsdpReplay(Completion):
             self._unit_of[id(block)] = inner[0] if inner else self.units[0]
         self._tp_made = {}            # id of a group -> the tp collectives its post-backward made
         self._raised: Set[int] = set()  # id of each group whose post-backward raised unsent
+        #: the ids of the FSDPParams that required a gradient and had none when their group's
+        #: last post-backward outside a replay returned (unused in the forward: FSDP leaves
+        #: them out of its reduce-scatter)
+        self._unused: Set[int] = set()
+        self._any_grad = False
+        self._replaying = False
         self.expecting = False
         self._forward = 0           # forwards started
         self._grad_forwards = 0     # forwards with gradients since the last backward
@@ -124,6 +132,7 @@ class FsdpReplay(Completion):
 
         def counted(*args):
             before, tp_before = collectives(), self._tp_count()
+            unused = None if self._replaying else self._params_unused(group)
             try:
                 out = post_backward(*args)
             except BaseException:
@@ -135,8 +144,26 @@ class FsdpReplay(Completion):
                 raise
             self._reduced.add(id(group))  # (sent, or nothing to send: no_sync)
             self._tp_made_by(group, tp_before)
+            if unused is not None and self._any_grad:
+                # (not a call without any gradient: a no-op)
+                self._unused = (self._unused - {id(p) for p in group.fsdp_params}) | unused
             return out
         return counted
+
+    def _params_unused(self, group) -> Set[int]:
+        """The ids of the group's FSDPParams that require a gradient and have none now; sets
+        ``_any_grad``: one has a gradient."""
+        unused, self._any_grad = set(), False
+        for fsdp_param in group.fsdp_params:
+            if not (hasattr(fsdp_param, "_unsharded_param")
+                    and fsdp_param.unsharded_param.requires_grad):
+                continue
+            if (fsdp_param.unsharded_accumulated_grad is None
+                    and fsdp_param.unsharded_param.grad is None):
+                unused.add(id(fsdp_param))
+            else:
+                self._any_grad = True
+        return unused
 
     def _tp_count(self) -> Optional[int]:
         """The tp group's collective count (None without tp)."""
@@ -313,7 +340,11 @@ class FsdpReplay(Completion):
                 for group in reversed(state._fsdp_param_groups):
                     post_backward(group)
             self._status(failed=True)
-        return bounded(replay, self._groups(), timeout, "FSDP's backward")
+        self._replaying = True
+        try:
+            return bounded(replay, self._groups(), timeout, "FSDP's backward")
+        finally:
+            self._replaying = False
 
     def _groups(self) -> list:
         """The process groups a replay makes collectives on."""
@@ -360,7 +391,9 @@ class FsdpReplay(Completion):
                 continue
             param = fsdp_param.unsharded_param
             if (param.requires_grad and param.grad is None
-                    and fsdp_param.unsharded_accumulated_grad is None):
+                    and fsdp_param.unsharded_accumulated_grad is None
+                    and id(fsdp_param) not in self._unused):
+                # (one unused in the last backward gets none: FSDP leaves it out)
                 param.grad = torch.zeros_like(param)  # the same sizes as the other ranks'
                 info = fsdp_param._module_info
                 if (self.tp is not None and id(group) not in self._raised

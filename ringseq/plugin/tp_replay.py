@@ -37,7 +37,9 @@ count its collectives. Not set up: a plan of the user's own ParallelStyles (its 
 are not known here). With FSDP (zero stage 2/3) there is no gradient sync (FSDP sums over
 tp in its post-backward) and ``fsdp_replay.FsdpReplay`` makes these collectives among its
 own, through :meth:`TpReplay.forward_ops`, :meth:`TpReplay.backward_ops` and the notes.
-Assumed, as for FSDP: every parameter that requires a gradient gets one.
+A parameter that requires a gradient and gets none (unused in the forward) is left out of
+the sync's sums as the last sync left it out; one unused for the first time in the failed
+step is not (the completion's sums would be larger than the others').
 """
 from __future__ import annotations
 
@@ -294,12 +296,17 @@ class TpReplay(Completion):
         if self.grad_sync is not None and self.grad_sync.enabled:
             # the sync's sum over tp of each partial-sum gradient
             for p in self.grad_sync.params:
-                if not (p.requires_grad and self.partial_sum(p)):
+                if not (self._synced(p) and self.partial_sum(p)):
                     continue
                 local = p.to_local()
                 ops.append((None, lambda local=local: self._redistribute(
                     local.shape, local.dtype, Partial(), Replicate())))
         return ops
+
+    def _synced(self, param: nn.Parameter) -> bool:
+        """The gradient sync sums ``param``'s gradient: it requires one and did not go without
+        one at the last sync (unused in the forward; before a sync ran, none is known)."""
+        return param.requires_grad and id(param) not in self.grad_sync.unused
 
     def backward_done(self) -> int:
         """The tp collectives this rank made since its backward reached the model's outputs
@@ -402,7 +409,7 @@ class TpReplay(Completion):
             if sync.enabled and sync.group is not None and dist.get_world_size(sync.group) > 1:
                 sizes = {}  # dtype -> elements, in the sync's order (it skips frozen ones)
                 for p in sync.params:
-                    if not p.requires_grad:
+                    if not self._synced(p):
                         continue
                     local = p.to_local()
                     sizes[local.dtype] = sizes.get(local.dtype, 0) + local.numel()

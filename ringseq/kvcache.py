@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist

@@ -83,7 +83,7 @@ class Ring:
             return self.transport.control(words)
         except RuntimeError as exc:
             what = (f"waited more than {ring_timeout():.0f} s for"
-                    if _timeout_exc(exc) else f"lost the connection to")
+                    if _timeout_exc(exc) else "lost the connection to")
             mismatch = getattr(self.transport, "reset_mismatch", lambda: None)()
             me = dist.get_rank() if is_initialized() else self.rank
             who = f"rank {self.rank}" + (f" (global rank {me})" if me != self.rank else "")

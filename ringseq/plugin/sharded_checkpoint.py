@@ -330,7 +330,6 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         if model is None or (not os.path.isdir(checkpoint) and not _is_sharded(model)):
             return super().load_optimizer(optimizer, checkpoint)
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_optimizer_state_dict,
                                                              set_optimizer_state_dict)
         opt = _unwrap(optimizer)
         if os.path.isdir(checkpoint):

@@ -611,6 +611,56 @@ def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs, fi
             assert max_err(got, ref) < 1e-10
 
 
+def _detach_layer_0(model):
+    """Layer 0's output detached from the graph: layer 0 and the embedding (parameters that
+    require a gradient) get none, and FSDP reduce-scatters nothing for layer 0's unit."""
+    def detach(_module, _args, out):
+        return (out[0].detach(),) + tuple(out[1:]) if isinstance(out, tuple) else out.detach()
+    model.model.layers[0].register_forward_hook(detach)
+    return model
+
+
+def _worker_fsdp_unit_without_gradients(tp_size):
+    """W=4 as sp 2 x tp ``tp_size``, zero stage 3, layer 0's output detached: after a good
+    step rank 1 raises in layer 1's backward. Every rank must raise within seconds and,
+    after zero_grad and booster.reset(), training must go on and equal single-process
+    training with the same detached layer (before: the completion sent a reduce-scatter of
+    zeros for layer 0's unit, which the other ranks' FSDP leaves out, and gloo failed)."""
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    inner = _detach_layer_0(_tiny_llama().double())
+    booster, model, opt, crit, batch = _boost_at_sp2(inner, {"zero_stage": 3,
+                                                             "tp_size": tp_size})
+    failing = {"at": None}
+
+    def fail_on_rank_1(*_):
+        if rank == 1 and failing["at"] == "layer 1 backward":
+            raise MemoryError("injected: out of memory")
+    inner.model.layers[1].mlp.register_full_backward_hook(fail_on_rank_1)
+    step, failing_step = _failure_steps(booster, model, opt, crit, batch, failing)
+    out = {"first": _capture(step)}
+    out["layer 1 backward"] = failing_step("layer 1 backward")
+    out["after"] = _capture(step)
+    out["params"] = [p.full_tensor().detach().clone() for p in inner.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_fsdp_completion_leaves_out_a_unit_without_gradients(tp_size):
+    res = run_ranks(_worker_fsdp_unit_without_gradients, 4, tp_size, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    errors = {"MemoryError", "RingBrokenError", "RingPeerError"}
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        assert r["layer 1 backward"][0] in errors, r["layer 1 backward"]
+        assert r["layer 1 backward"][-1] < TIMEOUT, r["layer 1 backward"]
+        assert (r["layer 1 backward"][0] == "MemoryError") == (rank == 1), r["layer 1 backward"]
+    want = _single_process_params(prepare=_detach_layer_0)
+    for r in res:
+        for got, ref in zip(r["params"], want):
+            assert max_err(got, ref) < 1e-10
+
+
 def _worker_step_failure(zero_stage, tmp):
     """W=4 as dp 2 x sp 2: after a good step and a checkpoint, rank 1's optimizer step raises
     (out of memory laying out its state, say). Every rank must raise at once: rank 1 its own
@@ -863,9 +913,11 @@ def test_timeout_names_a_subgroup_peer_by_its_global_rank():
         _exact_ok(r["after_reset"])
 
 
-def _single_process_params(freeze_embedding=False, biases=False, unused=False):
-    """The same two good steps on one process (the reference of the plugin case)."""
-    model = _tiny_llama(biases, unused).double()
+def _single_process_params(freeze_embedding=False, biases=False, unused=False,
+                           prepare=lambda model: model):
+    """The same two good steps on one process (the reference of the plugin case);
+    ``prepare(model)`` as the workers do."""
+    model = prepare(_tiny_llama(biases, unused).double())
     model.model.embed_tokens.weight.requires_grad_(not freeze_embedding)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)

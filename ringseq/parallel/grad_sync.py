@@ -54,8 +54,8 @@ class ReplicatedGradSync:
         #: the all-reduces over ``group`` the current (or last) ``sync`` has sent: what a
         #: rank whose backward raised inside it still owes the others
         self.sent = 0
-        #: the ids of the parameters that required a gradient and got none (unused in the
-        #: forward) at the last sync, which left them out
+        #: the ids of the parameters that got no gradient (unused in the forward) at the last
+        #: sync in which they required one; the sync leaves them out
         self.unused: Set[int] = set()
         for p in self.params:
             frozen = not p.requires_grad
@@ -106,7 +106,9 @@ class ReplicatedGradSync:
         if self.reduced is not None:
             self.reduced.mark()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        self.unused = {id(p) for p in self.params if p.grad is None and p.requires_grad}
+        # (one frozen now keeps its record: it may be unfrozen and still unused)
+        self.unused = ((self.unused - {id(p) for p in self.params if p.requires_grad})
+                       | {id(p) for p in self.params if p.grad is None and p.requires_grad})
         for p in self.params:
             g = p.grad
             if g is None or not p.requires_grad:  # (a frozen one's leftover gradient too)

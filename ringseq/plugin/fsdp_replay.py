@@ -14,8 +14,7 @@ FSDP's own per-unit methods in FSDP's order: each unit's pre-backward (its all-g
 prefetch of the next) for the units whose outputs need a gradient, its reduce-scatter right
 after where its inputs need one (FSDP's post-backward hook), and the remaining reduce-scatters
 in the order of FSDP's final callback (a parameter that got no gradient at its layer's last
-post-backward, unused in the forward, gets no zeros: FSDP leaves it out of the
-reduce-scatter). What is done is read from what happened, not from
+reduce-scatter, unused in the forward, gets no zeros: FSDP leaves it out). What is done is read from what happened, not from
 FSDP's per-unit state alone: each unit's post-backward is counted when it returns or, when
 it raised, if the process group's collective count moved during it (FSDP marks a unit done
 before its reduce-scatter, so an error there, before it sends, would otherwise look complete;
@@ -102,11 +101,10 @@ class FsdpReplay(Completion):
             self._unit_of[id(block)] = inner[0] if inner else self.units[0]
         self._tp_made = {}            # id of a group -> the tp collectives its post-backward made
         self._raised: Set[int] = set()  # id of each group whose post-backward raised unsent
-        #: the ids of the FSDPParams that required a gradient and had none when their group's
-        #: last post-backward outside a replay returned (unused in the forward: FSDP leaves
-        #: them out of its reduce-scatter)
+        #: the ids of the FSDPParams that had no gradient (unused in the forward: FSDP leaves
+        #: them out of its reduce-scatter) at the last post-backward of their group that
+        #: reduced, outside a replay, while they required one
         self._unused: Set[int] = set()
-        self._any_grad = False
         self._replaying = False
         self.expecting = False
         self._forward = 0           # forwards started
@@ -132,7 +130,10 @@ class FsdpReplay(Completion):
 
         def counted(*args):
             before, tp_before = collectives(), self._tp_count()
-            unused = None if self._replaying else self._params_unused(group)
+            # (what FSDP's reduce-scatter leaves out, seen where it reduces: a call under
+            # no_sync, or one of a group that already returned in this backward, does not)
+            record = not self._replaying and group.reduce_grads and id(group) not in self._reduced
+            seen, unused = self._params_unused(group) if record else (None, None)
             try:
                 out = post_backward(*args)
             except BaseException:
@@ -144,26 +145,25 @@ class FsdpReplay(Completion):
                 raise
             self._reduced.add(id(group))  # (sent, or nothing to send: no_sync)
             self._tp_made_by(group, tp_before)
-            if unused is not None and self._any_grad:
-                # (not a call without any gradient: a no-op)
-                self._unused = (self._unused - {id(p) for p in group.fsdp_params}) | unused
+            if record:  # (one frozen now keeps its record: it may be unfrozen unused)
+                self._unused = (self._unused - seen) | unused
             return out
         return counted
 
-    def _params_unused(self, group) -> Set[int]:
-        """The ids of the group's FSDPParams that require a gradient and have none now; sets
-        ``_any_grad``: one has a gradient."""
-        unused, self._any_grad = set(), False
+    @staticmethod
+    def _params_unused(group):
+        """``(seen, unused)``: the ids of the group's gathered FSDPParams that require a
+        gradient, and of those among them that have none now."""
+        seen, unused = set(), set()
         for fsdp_param in group.fsdp_params:
             if not (hasattr(fsdp_param, "_unsharded_param")
                     and fsdp_param.unsharded_param.requires_grad):
                 continue
+            seen.add(id(fsdp_param))
             if (fsdp_param.unsharded_accumulated_grad is None
                     and fsdp_param.unsharded_param.grad is None):
                 unused.add(id(fsdp_param))
-            else:
-                self._any_grad = True
-        return unused
+        return seen, unused
 
     def _tp_count(self) -> Optional[int]:
         """The tp group's collective count (None without tp)."""

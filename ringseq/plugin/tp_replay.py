@@ -38,8 +38,9 @@ are not known here). With FSDP (zero stage 2/3) there is no gradient sync (FSDP 
 tp in its post-backward) and ``fsdp_replay.FsdpReplay`` makes these collectives among its
 own, through :meth:`TpReplay.forward_ops`, :meth:`TpReplay.backward_ops` and the notes.
 A parameter that requires a gradient and gets none (unused in the forward) is left out of
-the sync's sums as the last sync left it out; one unused for the first time in the failed
-step is not (the completion's sums would be larger than the others').
+the sync's sums as the last sync left it out; one whose use changed in the failed step
+(unused or used for the first time) is not (the completion's sums would differ in size from
+the others').
 """
 from __future__ import annotations
 

@@ -14,13 +14,14 @@ FSDP's own per-unit methods in FSDP's order: each unit's pre-backward (its all-g
 prefetch of the next) for the units whose outputs need a gradient, its reduce-scatter right
 after where its inputs need one (FSDP's post-backward hook), and the remaining reduce-scatters
 in the order of FSDP's final callback (a parameter that got no gradient at its layer's last
-reduce-scatter, unused in the forward, gets no zeros: FSDP leaves it out). What is done is read from what happened, not from
-FSDP's per-unit state alone: each unit's post-backward is counted when it returns or, when
-it raised, if the process group's collective count moved during it (FSDP marks a unit done
-before its reduce-scatter, so an error there, before it sends, would otherwise look complete;
-its final callback sets units back to idle). After every backward the ranks all-reduce a
-status vector in which a rank whose backward raised marks itself: the others raise
-RingPeerError instead of stepping on invalid gradients (:meth:`FsdpReplay.after_success`).
+reduce-scatter, unused in the forward, gets no zeros: FSDP leaves it out). What is done is
+read from what happened, not from FSDP's per-unit state alone: each unit's post-backward is
+counted when it returns or, when it raised, if the process group's collective count moved
+during it (FSDP marks a unit done before its reduce-scatter, so an error there, before it
+sends, would otherwise look complete; its final callback sets units back to idle). After
+every backward the ranks all-reduce a status vector in which a rank whose backward raised
+marks itself: the others raise RingPeerError instead of stepping on invalid gradients
+(:meth:`FsdpReplay.after_success`).
 ``booster.reset()`` then resets FSDP's per-iteration state and drops gradients accumulated
 under ``no_sync`` (:meth:`FsdpReplay.reset`).
 
@@ -167,7 +168,7 @@ class FsdpReplay(Completion):
 
     def _tp_count(self) -> Optional[int]:
         """The tp group's collective count (None without tp)."""
-        return self.tp._count() if self.tp is not None else None
+        return self.tp.collectives() if self.tp is not None else None
 
     def _tp_made_by(self, group, before: Optional[int]) -> None:
         if before is not None:  # (FSDP sums the partial-sum gradients over tp first)

@@ -148,7 +148,9 @@ class TpReplay(Completion):
         embedding.register_forward_hook(lambda _m, _args, out: self._embedding_output(out))
         model.register_forward_hook(lambda _m, _args, out: self._model_output(out))
 
-    def _count(self) -> Optional[int]:
+    def collectives(self) -> Optional[int]:
+        """The tp group's collective count (torch's per-group sequence number), or None where
+        the process group does not count."""
         count = getattr(self.group, "_get_sequence_number_for_group", None)
         return count() if count is not None else None
 
@@ -203,12 +205,12 @@ class TpReplay(Completion):
 
     def _backward_began(self, grad):
         if self._watching and not self._in_backward:
-            self._in_backward, self._backward_base = True, self._count()
+            self._in_backward, self._backward_base = True, self.collectives()
             self._backward_now = []
         return grad
 
     def forward_started(self) -> None:
-        self._forward_base, self._share, self._order_now = self._count(), None, []
+        self._forward_base, self._share, self._order_now = self.collectives(), None, []
         self._hooked_now, self._output_hooked = [], False
 
     def backward_started(self) -> None:
@@ -274,7 +276,7 @@ class TpReplay(Completion):
 
     def forward_done(self) -> int:
         """The tp collectives this rank made since its forward began."""
-        return self._count() - self._forward_base
+        return self.collectives() - self._forward_base
 
     def backward_ops(self) -> List[Tuple[Optional[_Block], Callable[[], None]]]:
         """The backward's tp collectives, in order, each with its block (None: the gradient
@@ -312,7 +314,7 @@ class TpReplay(Completion):
     def backward_done(self) -> int:
         """The tp collectives this rank made since its backward reached the model's outputs
         (0 before)."""
-        return self._count() - self._backward_base if self._backward_base is not None else 0
+        return self.collectives() - self._backward_base if self._backward_base is not None else 0
 
     def partial_sum(self, param: nn.Parameter, owner: Optional[nn.Module] = None,
                     name: Optional[str] = None) -> bool:
@@ -344,7 +346,7 @@ class TpReplay(Completion):
     def _missing(self, what: str, share) -> Optional[str]:
         if self.irregular is not None:
             return _not_completed(what, self.irregular)
-        if self._count() is None:
+        if self.collectives() is None:
             return _not_completed(what, "this process group does not count its collectives")
         if share is None:
             return _not_completed(what, "this rank's forward raised before its input embedding "

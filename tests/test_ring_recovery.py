@@ -523,6 +523,22 @@ _FSDP_CASES = ("layer 1 forward", "layer 1 backward", "layer 1 reduce-scatter",
                "no_sync backward", "evaluation forward", "reference forward")
 
 
+def _fail_layer_1_reduce_scatter_once(rank, failing):
+    """On rank 1, while ``failing["at"] == "layer 1 reduce-scatter"``: FSDP's reduce of layer
+    1's gradients raises once inside its post-backward (out of memory allocating it, before
+    it sends; with tp after its sums over tp)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+    real_reduce = fsdp_group.foreach_reduce
+
+    def reduce_failing_once(fsdp_params, *args, **kwargs):
+        if (rank == 1 and failing["at"] == "layer 1 reduce-scatter"
+                and ".layers.1." in fsdp_params[0]._param_fqn):
+            failing["at"] = None  # (the completion's own reduce-scatter is sent)
+            raise MemoryError("injected: out of memory")
+        return real_reduce(fsdp_params, *args, **kwargs)
+    fsdp_group.foreach_reduce = reduce_failing_once
+
+
 def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding, unused):
     """W=4 as dp 2 x sp 2 under FSDP: rank 1 raises at the very first step (``first``), then,
     after a good step: in layer 1's forward (before its ring call); in layer 1's backward
@@ -539,7 +555,6 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding, unused):
     steps on one process (no gradient of a failed step or micro-batch is left). ``unused``:
     layer 1 holds a parameter that gets no gradient, which FSDP leaves out of its
     reduce-scatter (so must the completion)."""
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
     inner = _tiny_llama(unused=unused).double()
@@ -561,15 +576,7 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding, unused):
             module.register_forward_hook(fail_on_rank_1)
         else:
             module.register_full_backward_hook(fail_on_rank_1)
-    real_reduce = fsdp_group.foreach_reduce
-
-    def reduce_failing_once(fsdp_params, *args, **kwargs):
-        if (rank == 1 and failing["at"] == "layer 1 reduce-scatter"
-                and ".layers.1." in fsdp_params[0]._param_fqn):
-            failing["at"] = None  # (the completion's own reduce-scatter is sent)
-            raise MemoryError("injected: out of memory")
-        return real_reduce(fsdp_params, *args, **kwargs)
-    fsdp_group.foreach_reduce = reduce_failing_once
+    _fail_layer_1_reduce_scatter_once(rank, failing)
     step, failing_step = _failure_steps(booster, model, opt, crit, batch, failing)
 
     out = {"at first": failing_step(first)}  # the very first step
@@ -784,17 +791,8 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing, unused):
             module.register_forward_hook(fail_on_rank_1)
         else:
             module.register_full_backward_hook(fail_on_rank_1)
-    if plugin_kwargs.get("zero_stage", 0) > 0:  # (as in _worker_fsdp_failures)
-        import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
-        real_reduce = fsdp_group.foreach_reduce
-
-        def reduce_failing_once(fsdp_params, *args, **kwargs):
-            if (rank == 1 and failing["at"] == "layer 1 reduce-scatter"
-                    and ".layers.1." in fsdp_params[0]._param_fqn):
-                failing["at"] = None  # (the completion's own reduce-scatter is sent)
-                raise MemoryError("injected: out of memory")
-            return real_reduce(fsdp_params, *args, **kwargs)
-        fsdp_group.foreach_reduce = reduce_failing_once
+    if plugin_kwargs.get("zero_stage", 0) > 0:
+        _fail_layer_1_reduce_scatter_once(rank, failing)
     else:
         sync = model.grad_sync.sync
 

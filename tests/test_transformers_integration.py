@@ -430,16 +430,18 @@ def test_a_call_without_a_mask_after_one_with_an_all_ones_mask(state_dicts):
         assert_close_per_design(got, ref64, plain, name, 2.0, scaled_floor(torch.float32, ref64))
 
 
-def test_single_process_generate_takes_any_length_under_any_layout(state_dicts):
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "stripe", "documents"])
+def test_single_process_generate_takes_any_length_under_any_layout(state_dicts, layout):
     """generate(use_cache=False) on one process adds a token per step: a model switched with
     layout="zigzag" takes odd lengths there (a ring of one holds the sequence in order under
-    every layout; before: refused at the second token with "pad it to 12"), and greedy
-    decoding gives the eager model's tokens."""
+    every layout; before: refused at the second token with "pad it to 12"; "documents"
+    without boundaries is one document per row there, before: refused for want of
+    cu_seqlens), and greedy decoding gives the eager model's tokens."""
     from ringseq.integrations.transformers import apply
     ids = _batch(14)[0][:1, :9]
     eager = _model("llama", state_dicts["llama"]).eval()
     want = eager.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
-    model = apply(_model("llama", state_dicts["llama"]).eval(), layout="zigzag")
+    model = apply(_model("llama", state_dicts["llama"]).eval(), layout=layout)
     got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
     assert torch.equal(got, want), (got, want)
 

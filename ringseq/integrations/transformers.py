@@ -33,11 +33,16 @@ the ring's control channel, where the condition is only visible on some ranks): 
 earlier tokens, position ids that are not the global positions of the local tokens
 (forgetting ``position_ids`` makes every rank's RoPE start at 0), attention sinks, chunked
 attention layers and bidirectional blocks of image tokens (transformers' blockwise overlay,
-which :func:`ringseq_mask` hands to the input check). Sub-models whose attention modules
+which :func:`ringseq_mask` hands to the input check). Position ids are checked from the
+model's own call where the attention function gets none (GPT-BigCode). :func:`apply` refuses
+models whose tokens also meet outside softmax attention (hybrids' Mamba, short-convolution
+and linear-attention layers) and ALiBi position biases. Sub-models whose attention modules
 ringseq does not switch (a multimodal model's vision tower) keep their implementation.
 """
 from __future__ import annotations
 
+import inspect
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -88,6 +93,10 @@ class RingSettings:
     # versions), document boundaries, local length: every layer of one forward gets the same,
     # so they are checked (and agreed on across ranks) once per forward.
     _checked: tuple = field(default=(None, None, None, None), repr=False, compare=False)
+    # The position ids the model itself was called with, for models whose attention function
+    # gets none (GPT-BigCode adds learned position embeddings before its layers): set by a
+    # hook around the base model's forward (:func:`_capture_positions`), None outside it.
+    _model_positions: Any = field(default=None, repr=False, compare=False)
 
     def __deepcopy__(self, memo):
         # A process group cannot be copied, and a copied model runs on the same ring.
@@ -226,8 +235,11 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         # (not in a checkpointed layer's recompute: its forward checked these very inputs,
         # and another forward since, of other inputs, would make it check and agree again,
         # a collective the recompute of a selective checkpoint may not add)
-        _check_inputs_once(settings, layout, docs, attention_mask, kwargs.get("position_ids"),
-                           s_local, query.device)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = _model_positions(settings, s_local, query.device)
+        _check_inputs_once(settings, layout, docs, attention_mask, positions, s_local,
+                           query.device)
     if scaling is None:
         scaling = getattr(module, "scaling", None)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -284,15 +296,18 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
                          f"{key.shape[2]}; ringseq attention needs the keys of exactly the "
                          f"current tokens (no KV cache: pass use_cache=False, and no generation)")
     docs = _documents(name, kwargs)
-    try:
-        layout = settings.layout.bind(docs)  # "documents": this batch's own layout
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
     if docs is None and group_info(settings.group)[0] == 1:
         # A ring of one holds the whole sequence in order under every layout (shard is the
         # identity there), so no layout's length rule applies: e.g. generate's one more token
-        # per step on a model switched with layout="zigzag".
+        # per step on a model switched with layout="zigzag"; "documents" without boundaries
+        # is one document per row there (packed rows without them are refused by the
+        # position-id check: their positions restart).
         layout = get_layout("contiguous")
+    else:
+        try:
+            layout = settings.layout.bind(docs)  # "documents": this batch's own layout
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
     window = (-1, -1)
     if sliding_window is not None:
         sw = int(sliding_window)
@@ -315,6 +330,131 @@ def _documents(name: str, kwargs) -> Optional[tuple]:
         raise ValueError(f"{name}: cu_seq_lens_k differs from cu_seq_lens_q (ring attention "
                          f"packs queries and keys alike)")
     return docs
+
+
+# Marks a model call without position ids: the model numbers its tokens 0..s_local-1 itself.
+_MODEL_DEFAULT_POSITIONS = "model default"
+
+
+def _model_positions(settings: RingSettings, q_local: int, device):
+    """The position ids the running model was called with (for attention functions that get
+    none), a (q_local,) arange when it was called without any, or None outside a model call
+    (a layer called on its own: nothing to check)."""
+    pos = settings._model_positions
+    if isinstance(pos, str):  # _MODEL_DEFAULT_POSITIONS
+        # made once per model call: every layer then hands the input check the same tensor,
+        # which it checks (and agrees on across ranks) once
+        pos = settings._model_positions = torch.arange(q_local, device=device)  # (s_local,)
+    return pos
+
+
+def _capture_positions(module, args, kwargs):
+    """Forward pre-hook on the base model (:func:`apply`): records its position ids."""
+    settings = getattr(module, "ringseq_settings", None)
+    if settings is None:
+        return
+    pos = kwargs.get("position_ids")
+    if pos is None and args:
+        try:
+            pos = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get(
+                "position_ids")
+        except TypeError:  # the call itself is wrong: the model's forward will say so
+            pos = None
+    settings._model_positions = pos if pos is not None else _MODEL_DEFAULT_POSITIONS
+
+
+def _forget_positions(module, args, kwargs, output):
+    settings = getattr(module, "ringseq_settings", None)
+    if settings is not None:
+        settings._model_positions = None
+
+
+def _watch_model_positions(model, settings: RingSettings) -> None:
+    """Hooks the base model's forward (once per model) so that attention functions called
+    without ``position_ids`` check the ones the model was called with."""
+    base = getattr(model, "base_model", model)
+    try:
+        takes_positions = "position_ids" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        takes_positions = False
+    if not takes_positions:
+        return
+    base.ringseq_settings = settings  # read by the hooks: a re-applied model's hooks see it
+    if not getattr(base, "_ringseq_watches_positions", False):
+        base.register_forward_pre_hook(_capture_positions, with_kwargs=True)
+        base.register_forward_hook(_forget_positions, with_kwargs=True, always_call=True)
+        base._ringseq_watches_positions = True
+
+
+# Per-layer kinds (a config's layer_types, layers_block_type or block_types) that mix tokens
+# only through the softmax attention the ring runs: attention (full or windowed; chunked
+# layers are refused at the call, which knows the layer) and per-token layers (MLP, MoE).
+_RING_EXACT_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention",
+                                     "attention", "mlp", "moe", "dense"})
+# Token mixers other than softmax attention (state-space models, short convolutions, linear
+# attention, recurrences), as runs of the words of a CamelCase class name, lower case.
+_OTHER_MIXER_WORDS = (("mamba",), ("ssm",), ("short", "conv"), ("delta", "net"),
+                      ("linear", "attention"), ("lightning",), ("rglru",), ("recurrent",),
+                      ("rwkv",), ("lstm",), ("mlstm",), ("slstm",), ("retention",), ("hyena",))
+
+
+def _is_other_mixer(module) -> bool:
+    """Whether ``module`` mixes tokens by other means than softmax attention: a 1-d
+    convolution over the sequence, or a class whose name says so (e.g. JambaMambaMixer,
+    Lfm2ShortConv, Qwen3NextGatedDeltaNet; whole words, so GptOssMLP is no "ssm")."""
+    if isinstance(module, torch.nn.Conv1d):
+        return True
+    words = [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+",
+                                           type(module).__name__)]
+    return any(tuple(words[i:i + len(run)]) == run
+               for run in _OTHER_MIXER_WORDS for i in range(len(words)))
+
+
+def _check_ring_exact(model, modules) -> None:
+    """ValueError (raised by :func:`apply`, before any communication) for models whose tokens
+    meet other than through the attention modules ringseq switches: each rank would run the
+    other mixers on its own shard of the sequence only, silently giving other outputs
+    (Mamba / short-convolution / linear-attention layers of hybrid models such as Jamba,
+    LFM2, Qwen3-Next), and for ALiBi position biases, which the ring's softmax has no term
+    for."""
+    model_name = type(model).__name__
+    configs = {id(c): c for c in [getattr(model, "config", None)]
+               + [getattr(m, "config", None) for m in modules] if c is not None}
+    for cfg in configs.values():
+        attn_cfg = getattr(cfg, "attn_config", None)
+        if (getattr(cfg, "alibi", False) is True
+                or getattr(cfg, "position_embedding_type", None) == "alibi"
+                or (isinstance(attn_cfg, dict) and attn_cfg.get("alibi") is True)
+                or getattr(attn_cfg, "alibi", False) is True):
+            raise ValueError(f"apply: {model_name} adds ALiBi position biases to its attention "
+                             f"scores (config alibi=True), which ringseq attention has no term "
+                             f"for: it would compute attention without them")
+        for attr in ("layer_types", "layers_block_type", "block_types"):
+            kinds = getattr(cfg, attr, None)
+            if not isinstance(kinds, (list, tuple)):
+                continue
+            for idx, kind in enumerate(kinds):
+                if isinstance(kind, str) and kind not in _RING_EXACT_LAYER_KINDS:
+                    raise ValueError(
+                        f"apply: {model_name} has a {kind!r} layer (config.{attr}[{idx}]); "
+                        f"ringseq switches softmax attention only (layer kinds "
+                        f"{sorted(_RING_EXACT_LAYER_KINDS)}), and on a sharded sequence any "
+                        f"other token mixer would run on each rank's own tokens only")
+    switched = {id(m) for m in modules}
+    names = {id(m): n for n, m in model.named_modules()}
+    for layers in model.modules():
+        # the decoder's layer lists: those holding a switched attention module
+        if not isinstance(layers, torch.nn.ModuleList) or not any(
+                id(sub) in switched for sub in layers.modules()):
+            continue
+        for sub in layers.modules():
+            if _is_other_mixer(sub):
+                cls = type(sub).__name__
+                raise ValueError(
+                    f"apply: {model_name} mixes tokens outside softmax attention in "
+                    f"{names.get(id(sub), cls)} ({cls}); ringseq switches attention modules "
+                    f"only, and on a sharded sequence that mixer would run on each rank's own "
+                    f"tokens only, giving other outputs")
 
 
 def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = None,
@@ -452,7 +592,11 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     shared :class:`RingSettings` as ``ringseq_settings`` on every attention module.
 
     Raises ValueError for an unknown layout or sp_mode, a process group this rank is not in, a
-    model without AttentionInterface-style attention modules, sizes that do not divide the
+    model without AttentionInterface-style attention modules, a model whose tokens also meet
+    outside softmax attention (a layer kind in ``layer_types`` / ``layers_block_type`` /
+    ``block_types`` other than attention, MLP or MoE; a 1-d convolution, Mamba, short
+    convolution, linear attention or recurrence module in its decoder layers) or that adds
+    ALiBi biases, sizes that do not divide the
     group, or ``num_attention_heads`` not divisible by the Ulysses degree (naming the degrees
     that work) -- all before any communication.
     """
@@ -464,6 +608,7 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
         raise ValueError(f"{type(model).__name__} has no attention modules that dispatch through "
                          f"transformers' AttentionInterface (modules named *Attention* with a "
                          f"`scaling` attribute); ringseq cannot switch it")
+    _check_ring_exact(model, modules)
     sp = _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inner)
     if sp is None:
         settings = RingSettings(group=group, layout=lay, backend=backend)
@@ -472,6 +617,7 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
                                 sp=sp, ring_layout=lay)
     for m in modules:
         m.ringseq_settings = settings
+    _watch_model_positions(model, settings)
     if hasattr(model, "set_attn_implementation"):
         # Sub-models none of whose attention ringseq switches (the vision tower of a multimodal
         # model: each rank runs whole images, not a shard of the sequence) keep their own.

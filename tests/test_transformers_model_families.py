@@ -1,0 +1,157 @@
+"""Which transformers models ``ringseq.integrations.transformers.apply`` switches, and how it
+checks the ones whose structure reaches the ring in unusual ways.
+
+- Hybrid models whose tokens also meet outside softmax attention (Mamba, short-convolution and
+  linear-attention layers) and ALiBi models are refused by ``apply``, before any
+  communication: the ring would run the other mixers on each rank's shard alone, or leave the
+  position biases out, and give other outputs without a word.
+- A model whose attention function gets no position ids (GPT-BigCode adds learned position
+  embeddings before its layers) has them checked from the model's own call: exact with
+  ``shard_batch``'s positions, refused on every rank without them.
+
+Tiny configs with random weights (no downloads); the ring numerics follow docs/design.md's
+rule against float64 (tests/test_transformers_integration.py's module doc).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from dist_utils import run_ranks  # noqa: E402
+from utils import assert_close_per_design, error_text, scaled_floor  # noqa: E402
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128)
+
+
+def _hybrid(family):
+    """A tiny hybrid model: layer 0 mixes tokens outside attention, layer 1 is attention."""
+    if family == "lfm2":  # a short convolution
+        return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+            **SMALL, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False))
+    if family == "jamba":  # a Mamba layer
+        return transformers.JambaForCausalLM(transformers.JambaConfig(
+            **SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            num_experts=2, mamba_d_state=4, mamba_dt_rank=8, mamba_expand=1))
+    if family == "qwen3_next":  # a gated delta net (linear attention)
+        return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+            **SMALL, head_dim=16, layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32))
+    raise ValueError(family)
+
+
+@pytest.mark.parametrize("family,needle", [
+    ("lfm2", r"a 'conv' layer \(config\.layer_types\[0\]\)"),
+    ("jamba", r"a '(mamba|linear_attention)' layer \(config\.\w+\[0\]\)"),
+    ("qwen3_next", r"a 'linear_attention' layer \(config\.layer_types\[0\]\)"),
+])
+def test_hybrid_models_are_refused_by_apply(family, needle):
+    """Before: apply switched the attention layers only and the ring ran each rank's shard
+    through the other layers alone (W=2 logits off by 1e-3 to 4e-2, no error)."""
+    from ringseq.integrations.transformers import apply
+    cls = {"lfm2": "Lfm2Config", "jamba": "JambaConfig", "qwen3_next": "Qwen3NextConfig"}
+    if not hasattr(transformers, cls[family]):
+        pytest.skip(f"this transformers has no {family}")
+    torch.manual_seed(0)
+    model = _hybrid(family)
+    with pytest.raises(ValueError, match=rf"^apply: \w+ has {needle}.*each rank's own tokens"):
+        apply(model)
+    assert model.config._attn_implementation != "ringseq"  # left as it was
+
+
+def _llama(**over):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**SMALL, "attention_dropout": 0.0, **over}))
+
+
+def test_a_token_mixer_the_config_does_not_name_is_refused():
+    """A 1-d convolution over the sequence added to a decoder layer (what Mamba and
+    short-convolution blocks hold) is found by the module scan, named by its path."""
+    from ringseq.integrations.transformers import apply
+    model = _llama()
+    model.model.layers[1].mlp.token_conv = torch.nn.Conv1d(64, 64, 3, groups=64)
+    with pytest.raises(ValueError, match=r"^apply: LlamaForCausalLM mixes tokens outside softmax "
+                                         r"attention in model\.layers\.1\.mlp\.token_conv "
+                                         r"\(Conv1d\)"):
+        apply(model)
+
+
+def test_alibi_is_refused_by_apply():
+    from ringseq.integrations.transformers import apply
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(transformers.FalconConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, alibi=True,
+        new_decoder_architecture=False, multi_query=True, attention_dropout=0.0))
+    # before: an AttributeError from inside Falcon's model ('NoneType' ... 'dtype')
+    with pytest.raises(ValueError, match=r"^apply: FalconForCausalLM adds ALiBi position "
+                                         r"biases .* \(config alibi=True\)"):
+        apply(model)
+
+
+def test_plain_models_are_not_taken_for_hybrids():
+    """Class names are matched by whole words (GptOssMLP holds no "ssm"), and per-token layer
+    kinds (Nemotron-H style "mlp" / "moe") are no token mixers."""
+    from ringseq.integrations.transformers import _is_other_mixer, apply
+    assert not _is_other_mixer(type("GptOssMLP", (torch.nn.Module,), {})())
+    assert _is_other_mixer(type("JambaMambaMixer", (torch.nn.Module,), {})())
+    assert _is_other_mixer(type("Lfm2ShortConv", (torch.nn.Module,), {})())
+    model = _llama(num_hidden_layers=4, layer_types=["full_attention", "sliding_attention"] * 2,
+                   sliding_window=8)
+    model.config.layers_block_type = ["full_attention", "mlp", "moe", "full_attention"]
+    assert apply(model).config._attn_implementation == "ringseq"
+
+
+# ------------------------------------------------------------------ GPT-BigCode
+SEQ = 48
+
+
+def _bigcode(dtype=torch.float32):
+    torch.manual_seed(3)
+    model = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=256, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0))
+    return model.to(dtype).eval()
+
+
+def _ids():
+    return torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(4))
+
+
+def _bigcode_ranks():
+    import ringseq
+    from ringseq.integrations.transformers import apply
+    model = apply(_bigcode(), layout="zigzag")
+    batch = ringseq.shard_batch({"input_ids": _ids()}, layout="zigzag")
+    with torch.no_grad():
+        logits = ringseq.unshard(model(**batch, use_cache=False).logits, "zigzag")
+        forgot = error_text(lambda: model(input_ids=batch["input_ids"], use_cache=False))
+    return logits, forgot
+
+
+def test_bigcode_positions_are_checked_from_the_model_call():
+    """GPT-BigCode hands its attention no position ids. W=2: with shard_batch's positions the
+    logits match one process; without them (before: every rank embedded positions from 0,
+    logits off by 0.7, no error) every rank raises."""
+    want64 = _bigcode(torch.float64)(input_ids=_ids(), use_cache=False).logits.detach()
+    plain = _bigcode()(input_ids=_ids(), use_cache=False).logits.detach()
+    for rank, (logits, forgot) in enumerate(run_ranks(_bigcode_ranks, 2, timeout=120)):
+        assert_close_per_design(logits, want64, plain, f"rank {rank} logits", 2.0,
+                                scaled_floor(torch.float32, want64))
+        assert forgot.startswith("ValueError: ringseq attention cannot compute this exactly: "
+                                 "position_ids that are not the global positions"), forgot
+
+
+def test_bigcode_packed_documents_without_boundaries_are_refused_on_one_process():
+    """Restarting positions without cu_seq_lens_q would attend across documents (before: no
+    error, the second document's logits off by 0.27)."""
+    from ringseq.integrations.transformers import apply
+    model = apply(_bigcode())
+    restart = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)])[None]
+    with pytest.raises(ValueError, match="position_ids that are not the global positions"):
+        model(input_ids=_ids()[:1], position_ids=restart, use_cache=False)
+    model(input_ids=_ids()[:1], use_cache=False)  # the model's own positions are the global ones

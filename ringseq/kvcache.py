@@ -485,7 +485,8 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     # its message) instead of waiting in the all-gather, and ranks whose calls differ
     # (shapes, options, cache_seqlens) raise RingMismatchError on every rank.
     get_ring(group).agree(problem is None, str(problem), error=problem,
-                          fields=() if plan is None else plan["signature"])
+                          fields=() if plan is None else plan["signature"],
+                          about="kv-cache call")
     with torch.no_grad():
         return _ring_decode(plan, group, world)
 

@@ -41,7 +41,7 @@ def report_step_failure(group=None, error: BaseException = None) -> None:
     its own error). Collective, on the group's control channel."""
     if group_info(group)[0] > 1:
         message = f"{type(error).__name__}: {error}" if error is not None else "failed"
-        get_ring(group).agree(False, f"{message} ({_LOSS})", raise_own=False)
+        get_ring(group).agree(False, f"{message} ({_LOSS})", raise_own=False, about="loss")
 
 
 def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None,
@@ -101,7 +101,7 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
         # Every rank agrees that it has its numbers first (the control channel, where a rank
         # that failed earlier in the step reports), then one collective for both numbers;
         # the count carries no gradient.
-        get_ring(group).agree(True, "")
+        get_ring(group).agree(True, "", about="loss")
         packed = torch.stack([local_sum, local_count.detach()])
         total = _SumAcrossRanks.apply(packed, group)
         global_sum, global_count = total[0], total[1].detach()

@@ -44,7 +44,8 @@ from .._dist import RingBrokenError, RingDesyncError, RingMismatchError, RingPee
 from .._hash import stable_hash_ints
 
 __all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BYTES", "HEADER_WORDS", "KIND_NAMES",
-           "RingCall", "call_tag", "current_tag", "describe_field", "judge", "operation_field"]
+           "RingCall", "agreement_code", "call_tag", "current_tag", "describe_field", "judge",
+           "operation_field"]
 
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8  # travels with every exchange (a multiple of 64: no padding)
@@ -62,10 +63,26 @@ ANY = "any"
 OPERATION = "operation"
 _OPERATIONS = ("ring attention", "double-ring attention", "Ulysses attention")
 
+# What an agreement outside ring calls is about: a word of every control vector (0 for the
+# calls' own begin and end collectives and failure reports, whose kind says what they are).
+# Ranks at different agreements (one skipped its optimizer step and meets the others' step vote
+# with its next batch's) raise RingDesyncError together: by the fields alone each rank would
+# judge by the fields it passed itself, and the ranks could reach different verdicts.
+AGREEMENTS = ("argument check", "optimizer step", "optimizer step refusal", "batch", "loss",
+              "attention inputs", "kv-cache call", "plugin options", "boosted model",
+              "checkpoint load")
+
+
+def agreement_code(about: str) -> int:
+    """The control-vector word of agreement ``about`` (one of ``AGREEMENTS``)."""
+    return 1 + AGREEMENTS.index(about)
+
+
 # Status words of a control vector.
 OK, FAILED, BROKEN, DESYNC, INVALID = 0, 1, 2, 3, 4
 _N_FIELDS = 24
-CONTROL_WORDS = 5 + _N_FIELDS
+FIELD0 = 6  # the first field's word: [magic, status, kind, seq, tag, agreement, fields...]
+CONTROL_WORDS = FIELD0 + _N_FIELDS
 _MESSAGE_BYTES = 1024
 
 
@@ -108,13 +125,14 @@ def current_tag() -> int:
 
 
 # -------------------------------------------------------------------------- control vectors
-def control_vector(kind: int, status: int, seq: int, fields: Sequence[int] = ()) -> torch.Tensor:
-    """[magic, status, kind, seq, tag, fields (zero-padded to 24)] as int64: the same length for
-    every control operation, so ranks at different operations still meet in one collective and
-    can tell each other apart."""
+def control_vector(kind: int, status: int, seq: int, fields: Sequence[int] = (),
+                   about: int = 0) -> torch.Tensor:
+    """[magic, status, kind, seq, tag, agreement (``about``), fields (zero-padded to 24)] as
+    int64: the same length for every control operation, so ranks at different operations still
+    meet in one collective and can tell each other apart."""
     if len(fields) > _N_FIELDS:
         raise ValueError(f"ringseq: at most {_N_FIELDS} control fields, got {len(fields)}")
-    words = [_MAGIC, status, kind, seq, current_tag(), *[int(f) for f in fields]]
+    words = [_MAGIC, status, kind, seq, current_tag(), about, *[int(f) for f in fields]]
     return torch.tensor(words + [0] * (CONTROL_WORDS - len(words)), dtype=torch.int64)
 
 
@@ -148,6 +166,8 @@ def describe_field(kind: str, code: int) -> str:
     from ..spec import _DTYPES
     if kind == OPERATION:
         return _OPERATIONS[code] if 0 <= code < len(_OPERATIONS) else f"operation #{code}"
+    if isinstance(kind, tuple):  # the field is an index into these choices
+        return repr(kind[code]) if 0 <= code < len(kind) else f"choice #{code}"
     if kind == "dtype":
         return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"dtype #{code}"
     if kind == "bool":
@@ -158,13 +178,16 @@ def describe_field(kind: str, code: int) -> str:
     return str(code)
 
 
-def _call_name(kind: int, seq: int, tag: int = 0) -> str:
-    name = f"{KIND_NAMES.get(int(kind), f'operation {int(kind)}')} #{int(seq)}"
+def _call_name(kind: int, seq: int, tag: int = 0, about: int = 0) -> str:
+    if 0 < about <= len(AGREEMENTS):
+        name = f"{AGREEMENTS[about - 1]} agreement #{int(seq)}"
+    else:
+        name = f"{KIND_NAMES.get(int(kind), f'operation {int(kind)}')} #{int(seq)}"
     return name + (f" (tag {int(tag)})" if tag else "")
 
 
 def gather(ring, kind: int, status: int, fields: Sequence[int] = (),
-           message: Optional[str] = None) -> Optional[List[List[int]]]:
+           message: Optional[str] = None, about: int = 0) -> Optional[List[List[int]]]:
     """One control collective on ``ring``: every rank's control vector as rows of ints (and,
     when any rank's status is FAILED or INVALID, a second collective with their messages,
     kept as ``ring.peer_messages``), or None where no control collective runs."""
@@ -172,7 +195,7 @@ def gather(ring, kind: int, status: int, fields: Sequence[int] = (),
     ring._seq += 1
     if not ring.checks_on:
         return None
-    rows = ring.control(control_vector(kind, status, seq, fields), kind, seq)
+    rows = ring.control(control_vector(kind, status, seq, fields, about), kind, seq)
     if rows is None:
         return None
     rows = rows.tolist()
@@ -212,7 +235,7 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
     if failed:
         what = {FAILED: "failed", BROKEN: "was already broken", DESYNC: "saw a desynchronized ring"}
         detail = "; ".join(f"{name(r)} {what.get(rows[r][1], 'failed')} in its "
-                           f"{_call_name(rows[r][2], rows[r][3], rows[r][4])}"
+                           f"{_call_name(*rows[r][2:FIELD0])}"
                            + (f": {messages[r]}" if messages.get(r) else "") for r in failed)
         own = ring.broken
         err = RingBrokenError(
@@ -228,19 +251,19 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
                 f"refused the call's arguments" if kind in (FWD, BWD) else
                 f"rank(s) {invalid}{names(invalid)} of the group failed where this rank did not")
         raise RingPeerError(f"ringseq: {what} ({detail}). The ring stays usable.", ranks=invalid)
-    views = {(row[2], row[3], row[4]) for row in rows}
+    views = {tuple(row[2:FIELD0]) for row in rows}  # kind, seq, tag, agreement
     if len(views) > 1:
-        detail = ", ".join(f"{name(r)}: {_call_name(row[2], row[3], row[4])}"
+        detail = ", ".join(f"{name(r)}: {_call_name(*row[2:FIELD0])}"
                            for r, row in enumerate(rows))
         err = RingDesyncError(
             f"ringseq: the ranks of the ring are at different ring calls ({detail}): a rank "
-            f"skipped or repeated a call (e.g. its backward), or raised outside ring attention "
-            f"without reporting it and went on. Bring the ranks back in step (the same call "
-            f"tag), then call ringseq.reset_ring(group) on every rank")
+            f"skipped or repeated a call (e.g. its backward or its optimizer step), or raised "
+            f"outside ring attention without reporting it and went on. Bring the ranks back in "
+            f"step (the same call tag), then call ringseq.reset_ring(group) on every rank")
         ring.mark_broken(err)
         raise err
     for j, f in enumerate(signature):
-        column = [row[5 + j] for row in rows]
+        column = [row[FIELD0 + j] for row in rows]
         if f[2:3] == (OPERATION,) and len(set(column)) > 1:
             per_rank = ", ".join(f"{name(r)}: {describe_field(OPERATION, c)}"
                                  for r, c in enumerate(column))
@@ -250,7 +273,7 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
                 f"same sequence-parallel mode).")
     diffs = []
     for j, f in enumerate(signature):
-        column = [row[5 + j] for row in rows]
+        column = [row[FIELD0 + j] for row in rows]
         fkind = f[2] if len(f) > 2 else "int"
         if len(set(column)) > 1 and fkind != ANY:
             per_rank = ", ".join(f"{name(r)}: {describe_field(fkind, c)}"
@@ -366,7 +389,7 @@ class RingCall:
         j = next(i for i, f in enumerate(self.signature) if f[0] == name)
         if self.rows is None:
             return True if self.ring.world_size > 1 else bool(self.values[j])
-        return any(row[5 + j] for row in self.rows)
+        return any(row[FIELD0 + j] for row in self.rows)
 
     @property
     def gathered(self) -> bool:
@@ -432,5 +455,5 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-__all__ += ["CONTROL_WORDS", "INVALID", "OK", "FAILED", "BROKEN", "DESYNC", "control_vector",
+__all__ += ["CONTROL_WORDS", "FIELD0", "INVALID", "OK", "FAILED", "BROKEN", "DESYNC", "control_vector",
             "gather", "signature_hash"]

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from .._hash import stable_code
 from .._dist import (RingTimeoutError, consistency_check_mode, group_info,
                      is_initialized, ring_timeout)
-from .integrity import (BROKEN, CHECK, FAIL, FAILED, INVALID, KIND_NAMES, OK, RingCall,
-                        _describe, gather, judge)
+from .integrity import (BROKEN, CHECK, FAIL, FAILED, FIELD0, INVALID, KIND_NAMES, OK,
+                        RingCall, _describe, agreement_code, gather, judge)
 from .transport import RingComm, Transport, _timeout_exc
 
 __all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "meet_as_failed", "refuse_on_error",
@@ -159,35 +159,41 @@ class Ring:
 
     def agree(self, ok: bool, message: str, kind: int = CHECK,
               error: Optional[BaseException] = None, fields: Sequence[tuple] = (),
-              raise_own: bool = True) -> None:
+              raise_own: bool = True,
+              about: str = "argument check") -> Optional[List[List[int]]]:
         """Collective over the ring: returns on every rank when every rank is ``ok`` (and
-        agrees on ``fields``, ``(name, int[, kind])``), else raises on every rank --
+        agrees on ``fields``, ``(name, int[, kind])``, and on ``about``, what the agreement
+        is: one of ``integrity.AGREEMENTS``), else raises on every rank --
         ``error`` (or a ValueError with ``message``) on the ranks that were not ok (unless
         ``raise_own`` is False: then they return, to re-raise their own error),
         :class:`ringseq.RingPeerError` naming them and their messages on the others,
         :class:`ringseq.RingMismatchError` when ``fields`` differ. Runs on the ring's control
         channel, so it meets a peer's failure report or call instead of waiting for it, and
-        a missing peer raises RingTimeoutError after the ring timeout. The ring stays usable."""
+        a missing peer raises RingTimeoutError after the ring timeout. The ring stays usable.
+        Returns every rank's ``fields`` values (a list per rank; ``ANY`` fields, which are not
+        compared, for the caller to judge), or None where no control collective ran (a ring of
+        one, checks off)."""
         if not self.checks_on:
             if not ok and raise_own:
                 raise error if error is not None else ValueError(message)
-            return
+            return None
         with self._hold():
             rows = gather(self, kind, OK if ok else INVALID, [int(f[1]) for f in fields],
-                          None if ok else message)
+                          None if ok else message, agreement_code(about))
         if not ok:
             if raise_own:
                 raise error if error is not None else ValueError(message)
-            return
+            return None
         judge(self, rows, kind, fields)  # RingPeerError when another rank was not ok, or worse
+        return None if rows is None else [row[FIELD0:FIELD0 + len(fields)] for row in rows]
 
-    def check(self, fields: Sequence[tuple]) -> None:
+    def check(self, fields: Sequence[tuple], about: str = "argument check") -> None:
         """One argument check outside a ring call: ``fields`` are ``(name, int[, kind])``;
         raises ``RingMismatchError`` on every rank when ranks disagree (and RingBrokenError /
         RingDesyncError as a call's begin would)."""
         with self._hold():
             rows = gather(self, CHECK, BROKEN if self._broken is not None else OK,
-                          [int(f[1]) for f in fields])
+                          [int(f[1]) for f in fields], None, agreement_code(about))
             if rows is not None:
                 judge(self, rows, CHECK, fields)
 

@@ -186,7 +186,8 @@ def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, pos
     # On the ring's control channel: a peer's failure report (raised in its embedding, say)
     # meets this check instead of waiting for it.
     get_ring(settings.group).agree(
-        not problems, "ringseq attention cannot compute this exactly: " + "; ".join(problems))
+        not problems, "ringseq attention cannot compute this exactly: " + "; ".join(problems),
+        about="attention inputs")
     settings._checked = (_input_mark(attention_mask), _input_mark(position_ids), docs, q_local)
 
 

@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 
 from .._dist import agree_or_raise
+from ..engine.integrity import ANY
+from ..engine.ring import get_ring
+from .digest import state_digest
 
 __all__ = ["ReplicatedCheckpointIO"]
 
@@ -77,14 +80,17 @@ def read_file(path: str):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _load(path: str, check, apply, read=read_file):
+def _load(path: str, check, apply, read=read_file, replicated: bool = False):
     """Collective load of ``path``: every rank ``read``s it (default: ``read_file``) into new
     objects and ``check``s it against its own state WITHOUT changing anything; the ranks vote;
     then every rank ``apply``s it, or -- when any rank could not read or check it -- none does
     and every rank raises (the failing rank its own error type with the rank and path in the
     message, the original chained; the others a ValueError naming the path and the failed
     ranks). Every rank's state is unchanged on failure. A collective ``read`` must raise on
-    every rank when it fails on one (torch.distributed.checkpoint's loader does)."""
+    every rank when it fails on one (torch.distributed.checkpoint's loader does).
+    ``replicated``: every rank read the whole state, so the ranks also compare its digest
+    (:func:`ringseq.plugin.digest.state_digest`) and raise ValueError on every rank, nothing
+    applied, when they read different contents (one rank given another step's file)."""
     error, state = None, None
     try:
         state = read(path)
@@ -105,7 +111,19 @@ def _load(path: str, check, apply, read=read_file):
                                     f"unchanged")
     elif error is not None:
         raise error
+    if replicated:
+        _check_same_state(path, state)
     return apply(state)
+
+
+def _check_same_state(path: str, state) -> None:
+    rows = get_ring(None).agree(True, "", about="checkpoint load",
+                                fields=(("checkpoint digest", state_digest(state), ANY),))
+    if rows is not None and len({digest for (digest,) in rows}) > 1:
+        per_rank = ", ".join(f"rank {r}: {d:#010x}" for r, (d,) in enumerate(rows))
+        raise ValueError(f"loading the checkpoint {path!r}: the ranks read different contents "
+                         f"(digests {per_rank}); every rank must load the same checkpoint. "
+                         f"Nothing was loaded on any rank")
 
 
 def _check_model_state(model, state, strict: bool) -> None:
@@ -261,7 +279,8 @@ class ReplicatedCheckpointIO:
     def load_model(self, model, checkpoint: str, strict: bool = True, **_):
         model = _unwrap(model)
         return _load(checkpoint, lambda state: _check_model_state(model, state, strict),
-                     lambda state: model.load_state_dict(state, strict=strict))
+                     lambda state: model.load_state_dict(state, strict=strict),
+                     replicated=True)
 
     def save_optimizer(self, optimizer, checkpoint: str, **_) -> None:
         _save(_unwrap(optimizer).state_dict(), checkpoint)
@@ -277,11 +296,12 @@ class ReplicatedCheckpointIO:
             optim.load_state_dict(states[0])
             apply_scaler(states[1])
 
-        _load(checkpoint, lambda states: _check_optimizer_state(optim, states[0]), apply, read)
+        _load(checkpoint, lambda states: _check_optimizer_state(optim, states[0]), apply, read,
+              replicated=True)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         _save(lr_scheduler.state_dict(), checkpoint)
 
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         _load(checkpoint, lambda state: _check_scheduler_state(lr_scheduler, state),
-              lr_scheduler.load_state_dict)
+              lr_scheduler.load_state_dict, replicated=True)

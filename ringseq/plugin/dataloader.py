@@ -7,8 +7,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ..engine.ring import get_ring
+from .._dist import RingMismatchError
 from ..data import shard_batch
+from ..engine.integrity import ANY
+from ..engine.ring import get_ring
+from .digest import batch_digest
 
 __all__ = ["ShardedDataLoader", "pack_documents"]
 
@@ -41,7 +44,9 @@ class ShardedDataLoader:
     alone would leave the others waiting in the next collective. The failing rank raises its
     own error (a ValueError naming its dp rank for sharding problems, the loader's exception
     otherwise); the others ``ringseq.RingPeerError`` naming the failed ranks and their errors.
-    Ranks fetching different batches (one skipped a step) raise ``RingMismatchError``.
+    Ranks fetching different batches (one skipped a step), or ranks of one data-parallel group
+    whose batches differ (:func:`batch_digest`: another seed or sampler on one of them), raise
+    ``RingMismatchError``.
     """
 
     def __init__(self, loader: DataLoader, sp_group, layout, dp_rank: int,
@@ -131,13 +136,38 @@ class ShardedDataLoader:
         # waiting in their next collective, so every batch is agreed on, errors of the loader
         # itself (dataset, collate_fn) included -- on the control channel, with the batch's
         # number: ranks at different batches raise instead of pairing their steps.
+        # The batch's digest and the rank's dp rank travel along, not compared there (the dp
+        # groups load different samples): the ranks of one dp group must hold the same samples,
+        # or each ring would pair shards of different sequences without a word.
         if dist.is_initialized():
-            get_ring(self.check_group).agree(error is None, str(error), error=error,
-                                             fields=(("batch number", self.step + 1),
-                                                     ("end of the data", int(ended))))
+            rows = get_ring(self.check_group).agree(
+                error is None, str(error), error=error, about="batch",
+                fields=(("batch number", self.step + 1), ("end of the data", int(ended)),
+                        ("data-parallel rank", self.dp_rank, ANY),
+                        ("batch digest", batch_digest(batch) if out is not None else 0, ANY)))
+            if rows is not None:
+                self._check_same_samples(rows)
         elif error is not None:
             raise error
         return None if ended else self._to_device(out)
+
+    def _check_same_samples(self, rows) -> None:
+        """RingMismatchError (on every rank: every rank judges the same gathered rows) when
+        ranks of one data-parallel group loaded different batches."""
+        digests = {}
+        for rank, (_, _, dp_rank, digest) in enumerate(rows):
+            digests.setdefault(dp_rank, {})[rank] = digest
+        split = {dp: ranks for dp, ranks in digests.items() if len(set(ranks.values())) > 1}
+        if split:
+            detail = "; ".join(f"data-parallel rank {dp}: "
+                               + ", ".join(f"rank {r}: {d:#010x}" for r, d in ranks.items())
+                               for dp, ranks in sorted(split.items()))
+            raise RingMismatchError(
+                f"ShardedDataLoader: batch {self.step + 1} differs between the ranks of one "
+                f"data-parallel group (digests of input_ids / labels / position_ids: {detail}); "
+                f"its sequence- and tensor-parallel ranks must load the same samples (the same "
+                f"dataset order, sampler and seed: prepare_dataloader's sampler does), or each "
+                f"ring pairs shards of different sequences")
 
     def __iter__(self) -> Iterator[dict]:
         it = iter(self.loader)

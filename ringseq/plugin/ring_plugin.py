@@ -15,6 +15,7 @@ from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, R
 from ..engine.ring import get_ring, reset_ring
 from ..layouts import PerBatchDocuments, get_layout
 from ..parallel.dims import ParallelDims
+from ..parallel.groups import SP_MODES
 from .base import Plugin
 from .dataloader import ShardedDataLoader, pack_documents
 from .ddp_sum import DdpSum, sum_allreduce_hook
@@ -39,6 +40,46 @@ _NO_BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
 _LOADER_SETTINGS = ("collate_fn", "worker_init_fn", "timeout", "multiprocessing_context",
                     "generator", "prefetch_factor", "persistent_workers", "pin_memory_device",
                     "in_order")
+
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _option_fields(dims: ParallelDims, layout, precision: str, ignore_index: int,
+                   ulysses_inner, activation_checkpointing, tp_plan, device) -> tuple:
+    """The plugin options every rank must share, as control fields ``(name, int[, kind])``."""
+    return (("sp_size", dims.sp_size), ("tp_size", dims.tp_size),
+            ("zero_stage", dims.zero_stage), ("sp_mode", SP_MODES.index(dims.sp_mode), SP_MODES),
+            ("ulysses_size", dims.ulysses_size or 0),
+            ("inner_ring_size", dims.inner_ring_size or 0),
+            ("ulysses_inner", -1 if ulysses_inner is None else int(bool(ulysses_inner))),
+            ("layout", layout.code, "layout"),
+            ("precision", tuple(PRECISIONS).index(precision), tuple(PRECISIONS)),
+            ("ignore_index", int(ignore_index)),
+            ("activation_checkpointing", int(bool(activation_checkpointing)), "bool"),
+            ("tp_plan", 0 if tp_plan is None else
+             1 + len(tp_plan) if isinstance(tp_plan, dict) else 1),
+            ("device", _DEVICE_TYPES.index(torch.device(device).type) if device is not None
+             else len(_DEVICE_TYPES), (*_DEVICE_TYPES, "default")))
+
+
+def _model_fields(model: nn.Module) -> tuple:
+    """What every rank's model must share before it is boosted, as control fields: parameter
+    count and elements per dtype, and the elements that train."""
+    params = list(model.parameters())
+    per_dtype = {dtype: 0 for dtype in (torch.float32, torch.bfloat16, torch.float16,
+                                        torch.float64)}
+    other = 0
+    for p in params:
+        if p.dtype in per_dtype:
+            per_dtype[p.dtype] += p.numel()
+        else:
+            other += p.numel()
+    return (("parameters", len(params)),
+            *((f"{str(dtype).replace('torch.', '')} parameter elements", n)
+              for dtype, n in per_dtype.items()),
+            ("parameter elements of other dtypes", other),
+            ("trainable parameter elements", sum(p.numel() for p in params if p.requires_grad)))
 
 
 class RingSequenceParallelPlugin(Plugin):
@@ -132,12 +173,14 @@ class RingSequenceParallelPlugin(Plugin):
     submodules raise (they run the plain ring only). The gradient argument below is unchanged:
     every use of a parameter still happens on exactly one rank.
 
-    Raises (at construction, on every rank, before any communication): ValueError for an
+    Raises (at construction, on every rank, before any process group is made: the options are
+    agreed on first, on the default group's control channel): ValueError for an
     sp_size x tp_size that does not divide the world size (listing the sizes that do), an
     unknown layout, precision or sp_mode, a ulysses_size / inner_ring_size that does not
     divide sp_size / the ring size (listing the ones that do), a zero_stage not in (0, 2, 3),
     fp16 with sharded parameters (use bf16), packed documents with tp_size > 1, a mesh of the
-    wrong shape or dim names; RuntimeError without a process group. ``configure`` raises on
+    wrong shape or dim names; RingMismatchError naming each rank's value when ranks pass
+    different options; RuntimeError without a process group. ``configure`` raises on
     every rank, before communicating or modifying the model, for a transformers model whose
     heads tp_size x the Ulysses degree cannot split (naming the sizes that can), tp_size > 1
     without a plan (neither a declared transformers plan nor ``tp_plan``), a plan that does
@@ -152,35 +195,60 @@ class RingSequenceParallelPlugin(Plugin):
                  inner_ring_size: Optional[int] = None, ulysses_inner: Optional[bool] = None,
                  tp_size: int = 1, zero_stage: int = 0, activation_checkpointing: bool = False,
                  tp_plan: Optional[dict] = None):
-        self.layout = get_layout(layout)
-        check_precision_name(precision)  # before the mesh: a typo raises without communicating
-        # every size checked at once, on every rank alike, before any process group exists
-        # (a user's hybrid mesh carries the Ulysses degree in its "sp_u" dim)
-        u = ulysses_size
-        if u is None and mesh is not None and sp_mode == "hybrid" and \
-                "sp_u" in (mesh.mesh_dim_names or ()):
-            u = mesh["sp_u"].size()
-        self.dims = ParallelDims(world_size=_world_size(), sp_size=sp_size, tp_size=tp_size,
-                                 zero_stage=zero_stage, sp_mode=sp_mode, ulysses_size=u,
-                                 inner_ring_size=inner_ring_size)
-        if self.dims.sharded and precision == "fp16":
-            raise ValueError(f"precision='fp16' needs one GradScaler decision over gradients "
-                             f"that are sharded with tp_size={tp_size} / zero_stage="
-                             f"{zero_stage}; use precision='bf16' (no loss scaling needed)")
-        if ddp_kwargs is not None and not isinstance(ddp_kwargs, dict):
-            raise ValueError(f"ddp_kwargs must be a dict of DistributedDataParallel arguments, "
-                             f"got {type(ddp_kwargs).__name__}")
-        if ddp_kwargs and self.dims.sharded:
-            raise ValueError(f"ddp_kwargs {sorted(ddp_kwargs)} apply to DistributedDataParallel, "
-                             f"which the plugin uses only at zero_stage=0 with tp_size=1; got "
-                             f"zero_stage={zero_stage}, tp_size={tp_size}")
-        taken = sorted({"module", "process_group"} & set(ddp_kwargs or {}))
-        if taken:
-            raise ValueError(f"ddp_kwargs: {taken} are set by the plugin (the model, the "
-                             f"default process group over dp x sp); drop them")
-        if tp_size > 1 and isinstance(self.layout, PerBatchDocuments):
-            raise ValueError("layout='documents' (packed batches) is not supported with "
-                             "tp_size > 1 yet; use tp_size=1 or unpacked batches")
+        # Every option checked on this rank, then agreed on by every rank (one control
+        # all-gather on the default group) before the first process group is made: options
+        # that differ between ranks (or that one rank alone refuses) raise on every rank
+        # instead of leaving some of them inside init_device_mesh.
+        refusal = None
+        try:
+            self.layout = get_layout(layout)
+            check_precision_name(precision)
+            # every size checked at once, on every rank alike, before any process group exists
+            # (a user's hybrid mesh carries the Ulysses degree in its "sp_u" dim)
+            u = ulysses_size
+            if u is None and mesh is not None and sp_mode == "hybrid" and \
+                    "sp_u" in (mesh.mesh_dim_names or ()):
+                u = mesh["sp_u"].size()
+            self.dims = ParallelDims(world_size=_world_size(), sp_size=sp_size, tp_size=tp_size,
+                                     zero_stage=zero_stage, sp_mode=sp_mode, ulysses_size=u,
+                                     inner_ring_size=inner_ring_size)
+            if self.dims.sharded and precision == "fp16":
+                raise ValueError(f"precision='fp16' needs one GradScaler decision over "
+                                 f"gradients that are sharded with tp_size={tp_size} / "
+                                 f"zero_stage={zero_stage}; use precision='bf16' (no loss "
+                                 f"scaling needed)")
+            if ddp_kwargs is not None and not isinstance(ddp_kwargs, dict):
+                raise ValueError(f"ddp_kwargs must be a dict of DistributedDataParallel "
+                                 f"arguments, got {type(ddp_kwargs).__name__}")
+            if ddp_kwargs and self.dims.sharded:
+                raise ValueError(f"ddp_kwargs {sorted(ddp_kwargs)} apply to "
+                                 f"DistributedDataParallel, which the plugin uses only at "
+                                 f"zero_stage=0 with tp_size=1; got zero_stage={zero_stage}, "
+                                 f"tp_size={tp_size}")
+            taken = sorted({"module", "process_group"} & set(ddp_kwargs or {}))
+            if taken:
+                raise ValueError(f"ddp_kwargs: {taken} are set by the plugin (the model, the "
+                                 f"default process group over dp x sp); drop them")
+            if tp_size > 1 and isinstance(self.layout, PerBatchDocuments):
+                raise ValueError("layout='documents' (packed batches) is not supported with "
+                                 "tp_size > 1 yet; use tp_size=1 or unpacked batches")
+            if device is not None:
+                wanted = torch.device(device)
+                if wanted.type not in self.supported_devices():
+                    raise ValueError(f"device {wanted} is not supported; expected one of "
+                                     f"{self.supported_devices()}")
+                if wanted.type == "cuda" and not torch.cuda.is_available():
+                    raise ValueError(f"device={device!r}, but this torch sees no CUDA device "
+                                     f"(torch.cuda.is_available() is False); use 'cpu'")
+            if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+                raise ValueError(f"ignore_index must be an int (the label of no target), got "
+                                 f"{ignore_index!r}")
+            fields = _option_fields(self.dims, self.layout, precision, ignore_index,
+                                    ulysses_inner, activation_checkpointing, tp_plan, device)
+        except ValueError as exc:
+            refusal, fields = exc, ()
+        get_ring(None).agree(refusal is None, str(refusal), error=refusal, fields=fields,
+                             about="plugin options")
         plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)
                       and inner_ring_size is None and ulysses_inner is None)
         if plain_ring:
@@ -197,9 +265,6 @@ class RingSequenceParallelPlugin(Plugin):
             device = (torch.device("cuda", torch.cuda.current_device())
                       if self.groups.mesh.device_type == "cuda" else torch.device("cpu"))
         self.device = torch.device(device)
-        if self.device.type not in self.supported_devices():
-            raise ValueError(f"device {self.device} is not supported; expected one of "
-                             f"{self.supported_devices()}")
         self.precision = Precision(precision, self.device.type)
         self.policy = policy
         self.backend = backend
@@ -274,7 +339,7 @@ class RingSequenceParallelPlugin(Plugin):
 
     # -- Plugin surface --------------------------------------------------------------------
     def supported_devices(self) -> List[str]:
-        return ["cpu", "cuda"]
+        return list(_DEVICE_TYPES)
 
     def supported_precisions(self) -> List[str]:
         return sorted(PRECISIONS)
@@ -421,45 +486,58 @@ class RingSequenceParallelPlugin(Plugin):
         parameters (tp_size > 1 or zero_stage >= 2) the same optimizer object is pointed at
         the sharded parameters, group by group (an lr scheduler built on it keeps working).
         A plain ``DataLoader`` is rebuilt over the same dataset with the dp sampler and the
-        sequence sharding. Raises ValueError (every rank, before communicating or modifying
-        the model) for a model whose attention cannot be switched, heads the tp / Ulysses
-        sizes cannot split, a missing or unfitting tensor-parallel plan, an already boosted
-        model, an optimizer with state, or an unsupported criterion (see :meth:`_criterion`).
+        sequence sharding. Raises ValueError (every rank, before modifying the model: the
+        ranks agree on every refusal with one control all-gather) for a model whose attention
+        cannot be switched, heads the tp / Ulysses sizes cannot split, a missing or unfitting
+        tensor-parallel plan, an already boosted model, an optimizer with state, or an
+        unsupported criterion (see :meth:`_criterion`); RingPeerError on the ranks that did not
+        refuse; RingMismatchError (every rank) for models whose parameters differ between
+        ranks in count, elements per dtype or trainable elements.
         """
         from ..parallel.modules import decoder_layers
         from ..parallel.optim import check_rebindable, parameter_names, rebind_optimizer
         from torch.distributed.tensor import DTensor
-        if isinstance(model, ModelWrapper) or any(isinstance(p, DTensor)
-                                                  for p in model.parameters()):
-            # (the module a sharded boost returned the wrapper of holds DTensors: fully_shard
-            # and tensor parallelism cannot be applied to it again)
-            raise ValueError(f"boost: this {type(model).__name__} was already boosted (or its "
-                             f"parameters are already sharded DTensors); boost a fresh model, "
-                             f"or keep using the model the first boost returned")
-        # everything that can refuse comes before the model is modified
-        criterion = self._criterion(criterion)
-        if isinstance(criterion, SequenceParallelLoss):
-            criterion.reporter = self.reporter
-        dataloader = self._dataloader(dataloader)
-        dims = self.dims
-        if is_transformers_model(model):
-            cfg = model.config
-            dims = dims.with_model(getattr(cfg, "num_attention_heads", None),
-                                   getattr(cfg, "num_key_value_heads", None))
-        plan = None
-        if dims.tp_size > 1:
-            from ..parallel.tp import resolve_tp_plan
-            plan = resolve_tp_plan(model, dims.tp_size, self.tp_plan)
-        names = parameter_names(model)
-        if optimizer is not None and dims.sharded:
-            check_rebindable(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper)
-                             else optimizer, names)
-        layers = decoder_layers(model)
-        if self.activation_checkpointing and not layers:
-            raise ValueError(f"activation_checkpointing=True: {type(model).__name__} has no "
-                             f"decoder layers to checkpoint (transformers: the classes in "
-                             f"_no_split_modules; other models: the children of an "
-                             f"nn.ModuleList)")
+        # Everything that can refuse comes before the model is modified, and is agreed on by
+        # every rank with the model's signature (one control all-gather): a refusal on some
+        # ranks only, or models that differ between ranks (a dtype, a frozen layer), raise on
+        # every rank here rather than inside DDP's or FSDP's first collective.
+        refusal = None
+        try:
+            if isinstance(model, ModelWrapper) or any(isinstance(p, DTensor)
+                                                      for p in model.parameters()):
+                # (the module a sharded boost returned the wrapper of holds DTensors: fully_shard
+                # and tensor parallelism cannot be applied to it again)
+                raise ValueError(f"boost: this {type(model).__name__} was already boosted (or its "
+                                 f"parameters are already sharded DTensors); boost a fresh model, "
+                                 f"or keep using the model the first boost returned")
+            criterion = self._criterion(criterion)
+            if isinstance(criterion, SequenceParallelLoss):
+                criterion.reporter = self.reporter
+            dataloader = self._dataloader(dataloader)
+            dims = self.dims
+            if is_transformers_model(model):
+                cfg = model.config
+                dims = dims.with_model(getattr(cfg, "num_attention_heads", None),
+                                       getattr(cfg, "num_key_value_heads", None))
+            plan = None
+            if dims.tp_size > 1:
+                from ..parallel.tp import resolve_tp_plan
+                plan = resolve_tp_plan(model, dims.tp_size, self.tp_plan)
+            names = parameter_names(model)
+            if optimizer is not None and dims.sharded:
+                check_rebindable(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper)
+                                 else optimizer, names)
+            layers = decoder_layers(model)
+            if self.activation_checkpointing and not layers:
+                raise ValueError(f"activation_checkpointing=True: {type(model).__name__} has no "
+                                 f"decoder layers to checkpoint (transformers: the classes in "
+                                 f"_no_split_modules; other models: the children of an "
+                                 f"nn.ModuleList)")
+        except ValueError as exc:
+            refusal = exc
+        get_ring(None).agree(refusal is None, str(refusal), error=refusal,
+                             fields=_model_fields(model) if refusal is None else (),
+                             about="boosted model")
         # (apply() refuses head counts the Ulysses degree cannot split before switching)
         switch_attention(model, self.sp_group, self.layout, self.backend, self.policy,
                          sp=self.sp)

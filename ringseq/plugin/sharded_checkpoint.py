@@ -280,7 +280,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             def apply(state):
                 return inner.load_state_dict(state, strict=strict)
         return _load(checkpoint, lambda state: _check_model_state(inner, state, strict), apply,
-                     read_full_state_dict)
+                     read_full_state_dict, replicated=True)
 
     def save_optimizer(self, optimizer, checkpoint: str, sharded=None, **_) -> None:
         """Sharded models (or ``sharded=True``): a ``torch.distributed.checkpoint`` directory,

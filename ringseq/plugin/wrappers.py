@@ -108,8 +108,8 @@ class ReducedGrads:
     and a sum is not idempotent: a second reduced backward onto gradients that were already
     summed sums them again, W times too large, without any error (DDP's usual average would
     keep them). The reduction calls :meth:`mark` once per backward; the boosted optimizer's
-    ``step`` calls :meth:`check_once` first, which raises ValueError (on every rank: the ranks
-    run the same steps) when more than one backward was reduced since the last step or clear,
+    ``step`` calls :meth:`check_once` first, which raises ValueError (on every rank: ``step``
+    agrees on its verdict before any rank steps) when more than one backward was reduced since the last step or clear,
     or when a backward accumulated onto gradients the last step used (:meth:`watch`); the
     boosted optimizer's and model's ``zero_grad`` call :meth:`clear`."""
 
@@ -387,14 +387,27 @@ class OptimizerWrapper:
         (an out-of-memory error laying out the optimizer's state, say) raises on every rank:
         the others raise RingPeerError naming them (one vote of the ranks after every step,
         on the default group's control channel), since their parameters were updated and
-        those of the failed ranks were not."""
+        those of the failed ranks were not. A refusal on some ranks only (one rank skipped
+        ``zero_grad``, or loaded a checkpoint alone) is agreed before any rank steps: those
+        ranks raise their ValueError, the others RingPeerError naming them, and no parameter
+        moves."""
+        refusal = None
         if self.reduced is not None:
-            self.reduced.check_once()  # ValueError: gradients summed twice
-        if self.failed_step is not None:
-            raise ValueError(
+            try:
+                self.reduced.check_once()  # ValueError: gradients summed twice
+            except ValueError as exc:
+                refusal = exc
+        if refusal is None and self.failed_step is not None:
+            refusal = ValueError(
                 f"OptimizerWrapper.step: {self.failed_step}; not stepping. Load the last "
                 f"checkpoint on every rank first (booster.load_model and "
                 f"booster.load_optimizer)")
+        if dist.is_initialized():
+            # (without it the others would step and then wait in the vote after the step)
+            get_ring(None).agree(refusal is None, str(refusal), error=refusal,
+                                 about="optimizer step refusal")
+        elif refusal is not None:
+            raise refusal
         try:
             if self.scaler is None:
                 out = self.optim.step(*args, **kwargs)
@@ -419,7 +432,8 @@ class OptimizerWrapper:
             return
         message = f"{type(exc).__name__}: {exc}" if exc is not None else ""
         try:
-            get_ring(None).agree(exc is None, message + f" ({_STEP_FAILED})", raise_own=False)
+            get_ring(None).agree(exc is None, message + f" ({_STEP_FAILED})", raise_own=False,
+                                 about="optimizer step")
         except Exception as vote_exc:  # RingPeerError; a timeout or desync: unknown, as bad
             ranks = getattr(vote_exc, "ranks", None)
             self.failed_step = (f"the optimizer step raised on rank(s) {ranks}" if ranks else

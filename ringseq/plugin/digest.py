@@ -1,0 +1,85 @@
+"""Digests that tell ranks whether they hold the same data: a batch the ranks of one
+data-parallel group must share, a replicated checkpoint every rank reads.
+
+A digest is 31 bits (``ringseq._hash``) over each tensor's shape, the sum of its elements' bits
+and their position-weighted sum (int64, wrapping): another value or another order anywhere
+changes it. Not a cryptographic hash: it tells a different batch or file from the expected
+one, for two reductions per tensor, in chunks (no copy of a whole large tensor).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from .._hash import stable_hash_ints
+
+__all__ = ["batch_digest", "state_digest"]
+
+_CHUNK = 1 << 22  # elements per reduction: bounds the int64 temporaries at 32 MiB
+# the same-width integer type whose bits a float element is read as
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _wrap64(v: int) -> int:
+    """A Python int as the int64 it wraps to."""
+    return (v + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def _tensor_words(t: torch.Tensor) -> List[int]:
+    flat = t.detach()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    flat = flat.reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.view(_BITS[flat.element_size()])
+    elif flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    total = weighted = 0
+    for start in range(0, flat.numel(), _CHUNK):
+        part = flat[start:start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start + 1, start + part.numel() + 1, dtype=torch.int64,
+                               device=part.device)
+        total += int(part.sum())
+        weighted += int((part * weights).sum())
+    return [len(t.shape), *t.shape, _wrap64(total), _wrap64(weighted)]
+
+
+def batch_digest(batch) -> int:
+    """The digest of a batch's token-level tensors (``input_ids``, ``inputs_embeds``,
+    ``labels``, ``position_ids``; others are left out)."""
+    words: List[int] = []
+    for key in ("input_ids", "inputs_embeds", "labels", "position_ids"):
+        t = batch.get(key) if hasattr(batch, "get") else None
+        if torch.is_tensor(t):
+            words += [len(key), *key.encode(), *_tensor_words(t)]
+    return stable_hash_ints(words)
+
+
+def state_digest(state) -> int:
+    """The digest of a (nested) state: dicts (by sorted key), lists and tuples, tensors and
+    Python scalars and strings (other objects by their type name)."""
+    words: List[int] = []
+
+    def walk(obj) -> None:
+        if torch.is_tensor(obj):
+            words.extend([1, *_tensor_words(obj)])
+        elif isinstance(obj, dict):
+            words.extend([2, len(obj)])
+            for key in sorted(obj, key=repr):
+                walk(key)
+                walk(obj[key])
+        elif isinstance(obj, (list, tuple)):
+            words.extend([3, len(obj)])
+            for item in obj:
+                walk(item)
+        elif isinstance(obj, int):  # (bool included)
+            words.extend([4, _wrap64(int(obj))])
+        elif isinstance(obj, float):
+            words.extend([5, *torch.tensor([obj], dtype=torch.float64).view(torch.int64).tolist()])
+        else:
+            text = obj if isinstance(obj, str) else type(obj).__name__
+            words.extend([6, len(text), *text.encode()])
+
+    walk(state)
+    return stable_hash_ints(words)

@@ -106,6 +106,30 @@ def test_plain_models_are_not_taken_for_hybrids():
     assert apply(model).config._attn_implementation == "ringseq"
 
 
+def test_a_tower_outside_the_language_model_may_hold_convolutions():
+    """An audio or vision tower's layers (their attention has another config than the language
+    model's) run whole inputs on every rank: their convolutions are no reason to refuse (before
+    this rule: Phi-4-multimodal, whose audio encoder holds Conv1d layers, was refused)."""
+    from ringseq.integrations.transformers import apply
+
+    class AudioAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scaling, self.config = 0.125, transformers.PretrainedConfig()
+
+    class AudioLayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.conv = AudioAttention(), torch.nn.Conv1d(8, 8, 3)
+
+    model = _llama()
+    model.audio_tower = torch.nn.ModuleList([AudioLayer()])
+    assert apply(model).config._attn_implementation == "ringseq"
+    model.model.layers[0].mlp.conv = torch.nn.Conv1d(8, 8, 3)  # in the language model: refused
+    with pytest.raises(ValueError, match=r"in model\.layers\.0\.mlp\.conv \(Conv1d\)"):
+        apply(model)
+
+
 # ------------------------------------------------------------------ GPT-BigCode
 SEQ = 48
 

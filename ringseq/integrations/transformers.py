@@ -419,8 +419,13 @@ def _check_ring_exact(model, modules) -> None:
     LFM2, Qwen3-Next), and for ALiBi position biases, which the ring's softmax has no term
     for."""
     model_name = type(model).__name__
-    configs = {id(c): c for c in [getattr(model, "config", None)]
-               + [getattr(m, "config", None) for m in modules] if c is not None}
+    # the language model's attention modules: the sequence the ring shards is theirs (an
+    # audio or vision tower's layers, which may hold convolutions, run whole inputs per rank)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    modules = [m for m in modules if getattr(m, "config", None) is text] or modules
+    configs = {id(c): c for c in [config] + [getattr(m, "config", None) for m in modules]
+               if c is not None}
     for cfg in configs.values():
         attn_cfg = getattr(cfg, "attn_config", None)
         if (getattr(cfg, "alibi", False) is True

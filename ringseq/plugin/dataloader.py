@@ -51,7 +51,7 @@ class ShardedDataLoader:
 
     def __init__(self, loader: DataLoader, sp_group, layout, dp_rank: int,
                  ignore_index: int = -100, check_group=None, device=None,
-                 seq_multiple: int = 1):
+                 seq_multiple: int = 1, shared: bool = True):
         self.loader = loader
         #: what every sequence length must be a multiple of beyond the layout's own rule
         #: (sp x tp with tensor parallelism: ParallelDims.seq_multiple)
@@ -62,6 +62,9 @@ class ShardedDataLoader:
         self.dp_rank = dp_rank
         self.ignore_index = ignore_index
         self.check_group = check_group
+        #: whether other ranks load this rank's samples too (sequence / tensor parallelism):
+        #: then each batch's digest is compared among them
+        self.shared = shared
         self.step = 0  # batches yielded so far, over all epochs (the same on every rank)
         #: set by ``Booster.boost``: the boosted model's StepTag, which tags its ring calls
         #: with the number of the batch this loader handed out last
@@ -140,11 +143,13 @@ class ShardedDataLoader:
         # groups load different samples): the ranks of one dp group must hold the same samples,
         # or each ring would pair shards of different sequences without a word.
         if dist.is_initialized():
-            rows = get_ring(self.check_group).agree(
+            ring = get_ring(self.check_group)
+            compare = self.shared and ring.checks_on and out is not None
+            rows = ring.agree(
                 error is None, str(error), error=error, about="batch",
                 fields=(("batch number", self.step + 1), ("end of the data", int(ended)),
                         ("data-parallel rank", self.dp_rank, ANY),
-                        ("batch digest", batch_digest(batch) if out is not None else 0, ANY)))
+                        ("batch digest", batch_digest(batch) if compare else 0, ANY)))
             if rows is not None:
                 self._check_same_samples(rows)
         elif error is not None:

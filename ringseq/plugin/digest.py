@@ -2,9 +2,11 @@
 data-parallel group must share, a replicated checkpoint every rank reads.
 
 A digest is 31 bits (``ringseq._hash``) over each tensor's shape, the sum of its elements' bits
-and their position-weighted sum (int64, wrapping): another value or another order anywhere
-changes it. Not a cryptographic hash: it tells a different batch or file from the expected
-one, for two reductions per tensor, in chunks (no copy of a whole large tensor).
+and their position-weighted sum (int64, wrapping), over at most ``_SAMPLE`` elements per
+tensor (larger tensors by an evenly strided sample): another batch, or another step's
+weights, changes it. Not a cryptographic hash, and a change confined to elements outside the
+sample of a large tensor goes unseen: it tells a different batch or file from the expected one,
+for about 10 ms per large tensor (a 131072 x 4096 ``inputs_embeds`` in full took 6.6 s).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from .._hash import stable_hash_ints
 
 __all__ = ["batch_digest", "state_digest"]
 
-_CHUNK = 1 << 22  # elements per reduction: bounds the int64 temporaries at 32 MiB
+_SAMPLE = 1 << 20  # elements read per tensor at most
 # the same-width integer type whose bits a float element is read as
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -35,13 +37,10 @@ def _tensor_words(t: torch.Tensor) -> List[int]:
         flat = flat.view(_BITS[flat.element_size()])
     elif flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    total = weighted = 0
-    for start in range(0, flat.numel(), _CHUNK):
-        part = flat[start:start + _CHUNK].to(torch.int64)
-        weights = torch.arange(start + 1, start + part.numel() + 1, dtype=torch.int64,
-                               device=part.device)
-        total += int(part.sum())
-        weighted += int((part * weights).sum())
+    stride = -(-flat.numel() // _SAMPLE)  # ceil: at most _SAMPLE elements
+    part = flat[::max(1, stride)].to(torch.int64)  # (<= _SAMPLE,)
+    weights = torch.arange(1, part.numel() + 1, dtype=torch.int64, device=part.device)
+    total, weighted = int(part.sum()), int((part * weights).sum())
     return [len(t.shape), *t.shape, _wrap64(total), _wrap64(weighted)]
 
 

@@ -245,7 +245,9 @@ class RingSequenceParallelPlugin(Plugin):
                                  f"{ignore_index!r}")
             fields = _option_fields(self.dims, self.layout, precision, ignore_index,
                                     ulysses_inner, activation_checkpointing, tp_plan, device)
-        except ValueError as exc:
+        except (ValueError, TypeError, RuntimeError) as exc:
+            # (RuntimeError: no process group, on every rank; or a device string torch
+            # rejects, perhaps on one rank only)
             refusal, fields = exc, ()
         get_ring(None).agree(refusal is None, str(refusal), error=refusal, fields=fields,
                              about="plugin options")
@@ -409,7 +411,7 @@ class RingSequenceParallelPlugin(Plugin):
                             num_workers=num_workers, **kwargs)
         return ShardedDataLoader(loader, self.sp_group, self.data_layout, self.dp_rank,
                                  ignore_index=self.ignore_index, check_group=None,
-                                 device=self.device,
+                                 device=self.device, shared=self.dp_size < _world_size(),
                                  seq_multiple=(self.dims.seq_multiple(self.layout)
                                                if self.tp_size > 1 else 1))
 

@@ -535,7 +535,7 @@ class RingSequenceParallelPlugin(Plugin):
                                  f"decoder layers to checkpoint (transformers: the classes in "
                                  f"_no_split_modules; other models: the children of an "
                                  f"nn.ModuleList)")
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             refusal = exc
         get_ring(None).agree(refusal is None, str(refusal), error=refusal,
                              fields=_model_fields(model) if refusal is None else (),

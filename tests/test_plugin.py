@@ -620,3 +620,36 @@ def test_reference_backend_ignores_callers_autocast():
     assert torch.equal(out_ac, out)
     for a, b in zip(grads_ac, grads):
         assert torch.equal(a, b)
+
+
+def _frozen_teacher_worker():
+    import torch.distributed as dist
+
+    import ringseq
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, layout="zigzag"))
+    teacher = _model().requires_grad_(False)
+    teacher, *_ = booster.boost(teacher)
+    ids = torch.randint(0, VOCAB, (1, SEQLEN), generator=torch.Generator().manual_seed(5))
+    batch = ringseq.shard_batch({"input_ids": ids}, layout="zigzag")
+    with torch.no_grad():
+        logits = ringseq.unshard(teacher(**batch).logits, "zigzag")
+    teacher.unwrap().lm_head.weight.requires_grad_(True)
+    unfrozen = error_text(lambda: teacher(**batch))
+    return {"rank": dist.get_rank(), "logits": logits, "unfrozen": unfrozen}
+
+
+def test_a_frozen_teacher_boosts_without_ddp():
+    """A model with every parameter frozen (a distillation teacher) boosts at zero stage 0 and
+    gives the single-process logits (before: DDP's RuntimeError "DistributedDataParallel is
+    not needed when a module doesn't have any parameter that requires a gradient"); a
+    forward that could train it after unfreezing is refused (no gradient sum was set up)."""
+    ids = torch.randint(0, VOCAB, (1, SEQLEN), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want64 = _model().double()(input_ids=ids).logits
+        plain = _model()(input_ids=ids).logits
+    for res in run_ranks(_frozen_teacher_worker, 2, timeout=120):
+        assert_close_per_design(res["logits"], want64, plain, f"rank {res['rank']} logits", 2.0,
+                                scaled_floor(torch.float32, want64))
+        assert res["unfrozen"].startswith("ValueError: LlamaForCausalLM: boosted with every "
+                                          "parameter frozen"), res["unfrozen"]

@@ -561,6 +561,10 @@ class RingSequenceParallelPlugin(Plugin):
         if summed:
             reduced.watch(model.parameters())
         reduction = None  # completes the other ranks' collectives after a failure
+        # DDP refuses a model without trainable parameters (a distillation teacher): it runs
+        # without DDP, and the wrapper refuses forwards that could train it
+        frozen = (dims.zero_stage == 0 and dims.tp_size == 1
+                  and not any(p.requires_grad for p in model.parameters()))
         if dims.zero_stage >= 2:
             from ..parallel.fsdp import apply_fsdp
             mesh = self.groups.dp_sp_mesh()
@@ -578,7 +582,7 @@ class RingSequenceParallelPlugin(Plugin):
             grad_sync = ReplicatedGradSync(model, self.groups.dp_sp_mesh().get_group(),
                                            reduced if summed else None)
             reduction = self._tp_replay(model, plan, grad_sync)
-        elif dist.get_world_size() > 1:
+        elif dist.get_world_size() > 1 and not frozen:
             kwargs = {_NO_BUFFER_SYNC: False}  # buffers (RoPE tables) are identical
             kwargs.update(self.ddp_kwargs)
             if self.device.type == "cuda":
@@ -599,6 +603,7 @@ class RingSequenceParallelPlugin(Plugin):
             dataloader.tag = step
         model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
         model._reduction = reduction
+        model.frozen_at_boost = frozen
         if dims.zero_stage == 0 and dims.tp_size > 1:
             model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):

@@ -69,6 +69,9 @@ class ModelWrapper(nn.Module):
         #: with or without tensor parallelism, tp_replay.TpReplay for its tensor parallelism
         #: at zero stage 0), else None
         self._reduction = None
+        #: boosted with every parameter frozen (a distillation teacher, say): no gradient sum
+        #: was set up, so a forward that could train it is refused
+        self.frozen_at_boost = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -92,6 +95,13 @@ class ModelWrapper(nn.Module):
             if self._reduction is not None:
                 self._reduction.forward_started()
             with self._reporter.watch("forward", self._reduction), self._precision.autocast():
+                if self.frozen_at_boost and torch.is_grad_enabled() and any(
+                        p.requires_grad for p in user.parameters()):
+                    raise ValueError(
+                        f"{type(user).__name__}: boosted with every parameter frozen, so no "
+                        f"gradient sum over the ranks was set up, but parameters require "
+                        f"gradients now; unfreeze them before booster.boost (boost a fresh "
+                        f"model)")
                 out = self.module(*args, **kwargs)
         if self._reduction is not None:
             self._reduction.forward_ran()

@@ -653,3 +653,29 @@ def test_a_frozen_teacher_boosts_without_ddp():
                                 scaled_floor(torch.float32, want64))
         assert res["unfrozen"].startswith("ValueError: LlamaForCausalLM: boosted with every "
                                           "parameter frozen"), res["unfrozen"]
+
+
+def _inputs_embeds_under_tp_worker():
+    import ringseq
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    plugin = RingSequenceParallelPlugin(sp_size=1, tp_size=2)
+    model, _, criterion, _, _ = Booster(plugin=plugin).boost(_model())
+    ids = torch.randint(0, VOCAB, (1, SEQLEN), generator=torch.Generator().manual_seed(6))
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, group=plugin.sp_group,
+                                layout=plugin.data_layout)
+    embeds = model.unwrap().model.embed_tokens.weight.full_tensor()[batch["input_ids"]]
+    refused = error_text(lambda: model(inputs_embeds=embeds.detach(),
+                                       position_ids=batch["position_ids"]))
+    loss = criterion(model(**batch), batch)  # the next step runs: nothing needs repair
+    loss.backward()
+    return refused, float(loss)
+
+
+def test_inputs_embeds_under_tensor_parallelism_is_refused_on_every_rank():
+    """The tp plan splits the sequence over the tp ranks at the input embedding's output, which
+    inputs_embeds bypasses (before: a shape error inside RoPE on every rank, and the tp
+    completion then asked for a restart): a ValueError naming it, before any collective."""
+    for refused, loss in run_ranks(_inputs_embeds_under_tp_worker, 2, timeout=120):
+        assert refused.startswith("ValueError: LlamaForCausalLM: inputs_embeds is not "
+                                  "supported with tp_size > 1"), refused
+        assert loss == loss  # finite: the step after the refusal ran

@@ -604,6 +604,7 @@ class RingSequenceParallelPlugin(Plugin):
         model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
         model._reduction = reduction
         model.frozen_at_boost = frozen
+        model.needs_input_ids = plan is not None
         if dims.zero_stage == 0 and dims.tp_size > 1:
             model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):

@@ -72,6 +72,9 @@ class ModelWrapper(nn.Module):
         #: boosted with every parameter frozen (a distillation teacher, say): no gradient sum
         #: was set up, so a forward that could train it is refused
         self.frozen_at_boost = False
+        #: the tensor-parallel plan splits the sequence at the input embedding's output, which
+        #: ``inputs_embeds`` would bypass: refused then
+        self.needs_input_ids = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -90,18 +93,26 @@ class ModelWrapper(nn.Module):
                 with self._precision.autocast():
                     return self.module(*args, **kwargs)
             user = self.unwrap()
+            # Refusals of what the model was boosted for, raised before any collective and
+            # outside the failure reporting: every rank gets the same kind of batch and holds
+            # the same parameters, so every rank raises here alike and nothing needs repair.
+            if self.needs_input_ids and kwargs.get("inputs_embeds") is not None:
+                raise ValueError(
+                    f"{type(user).__name__}: inputs_embeds is not supported with tp_size > 1 "
+                    f"(the tensor-parallel plan splits the sequence over the tp ranks at the "
+                    f"input embedding's output, which inputs_embeds bypasses); pass input_ids, "
+                    f"or use tp_size=1")
+            if self.frozen_at_boost and torch.is_grad_enabled() and any(
+                    p.requires_grad for p in user.parameters()):
+                raise ValueError(
+                    f"{type(user).__name__}: boosted with every parameter frozen, so no "
+                    f"gradient sum over the ranks was set up, but parameters require gradients "
+                    f"now; unfreeze them before booster.boost (boost a fresh model)")
             self._reporter.backward_calls_per_forward = (
                 2 if user.training and hf_checkpointing(user) else 1)
             if self._reduction is not None:
                 self._reduction.forward_started()
             with self._reporter.watch("forward", self._reduction), self._precision.autocast():
-                if self.frozen_at_boost and torch.is_grad_enabled() and any(
-                        p.requires_grad for p in user.parameters()):
-                    raise ValueError(
-                        f"{type(user).__name__}: boosted with every parameter frozen, so no "
-                        f"gradient sum over the ranks was set up, but parameters require "
-                        f"gradients now; unfreeze them before booster.boost (boost a fresh "
-                        f"model)")
                 out = self.module(*args, **kwargs)
         if self._reduction is not None:
             self._reduction.forward_ran()

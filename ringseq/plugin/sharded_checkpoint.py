@@ -24,6 +24,7 @@ on every rank, the ranks vote, and only then is anything applied.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -163,7 +164,10 @@ def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
     rank) against this optimizer's own state dict ``own`` (parameter names): the number of
     parameter groups and the settings each needs, and state for exactly this optimizer's
     parameters (``dcp.load`` reads only the entries it is asked for: a checkpoint of a larger
-    model, or with more groups, loaded without a word). ValueError naming what differs."""
+    model, or with more groups, loaded without a word). ValueError naming what differs.
+    A parameter with no state at all in the checkpoint had none when it was saved (it never
+    got a gradient: an embedding under ``inputs_embeds``): it is taken out of ``own``, so it
+    is neither read nor given state; part of a parameter's state missing is an error."""
     import torch.distributed.checkpoint as dcp
     keys = list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     group_prefix, state_prefix = "optimizer.param_groups.", "optimizer.state."
@@ -193,12 +197,16 @@ def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
     def params(entries):  # "<parameter name>.<state entry>" -> the parameter names
         return sorted({e.rpartition(".")[0] for e in entries})
     extra, lacking = params(saved - wanted), params(wanted - saved)
+    stateless = set(lacking) - set(params(saved))
+    lacking = [name for name in lacking if name not in stateless]
+    for name in stateless:
+        del own["state"][name]
     if extra:
         raise ValueError(f"the checkpoint holds optimizer state for {len(extra)} parameter(s) "
                          f"this optimizer does not ({extra[:4]}{' ...' if len(extra) > 4 else ''}"
                          f"): a checkpoint of another model or of more parameters")
     if lacking:
-        raise ValueError(f"the checkpoint holds no optimizer state (or not all of it) for "
+        raise ValueError(f"the checkpoint holds only part of the optimizer state for "
                          f"{len(lacking)} parameter(s) of this optimizer ({lacking[:4]}"
                          f"{' ...' if len(lacking) > 4 else ''})")
 
@@ -331,6 +339,10 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             return super().load_optimizer(optimizer, checkpoint)
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
+        # strict=False: a parameter without state in the checkpoint had none when it was saved
+        # (it never got a gradient: an embedding under inputs_embeds, say) and keeps none; the
+        # checks above already matched the checkpoint's groups and members to this optimizer
+        load_options = functools.partial(StateDictOptions, strict=False)
         opt = _unwrap(optimizer)
         if os.path.isdir(checkpoint):
             own_groups = []  # this optimizer's groups by parameter name (dcp.load overwrites
@@ -356,7 +368,8 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                 _check_group_members(states[0], own_groups)
 
             def apply_optimizer(state):
-                set_optimizer_state_dict(model, opt, state)
+                set_optimizer_state_dict(model, opt, state, options=load_options(
+                    full_state_dict=False))
             scaler_file = os.path.join(checkpoint, _SCALER_FILE)
         else:
             def read_optimizer(path):
@@ -367,7 +380,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
 
             def apply_optimizer(plain):
                 set_optimizer_state_dict(model, opt, _fqn_optimizer_state(optimizer, plain),
-                                         options=StateDictOptions(full_state_dict=True))
+                                         options=load_options(full_state_dict=True))
             scaler_file = checkpoint + ".grad_scaler"
         read, apply_scaler = _with_scaler_state(optimizer, scaler_file, read_optimizer)
 

@@ -181,11 +181,12 @@ class RingSequenceParallelPlugin(Plugin):
     fp16 with sharded parameters (use bf16), packed documents with tp_size > 1, a mesh of the
     wrong shape or dim names; RingMismatchError naming each rank's value when ranks pass
     different options; RuntimeError without a process group. ``configure`` raises on
-    every rank, before communicating or modifying the model, for a transformers model whose
-    heads tp_size x the Ulysses degree cannot split (naming the sizes that can), tp_size > 1
-    without a plan (neither a declared transformers plan nor ``tp_plan``), a plan that does
-    not fit the model, and an optimizer that already took a step (when parameters are
-    sharded).
+    every rank, before modifying the model (refusals are agreed on in one control all-gather,
+    with a signature of the model: models that differ raise RingMismatchError), for a
+    transformers model whose heads tp_size x the Ulysses degree cannot split (naming the sizes
+    that can), tp_size > 1 without a plan (neither a declared transformers plan nor
+    ``tp_plan``), a plan that does not fit the model, and an optimizer that already took a
+    step (when parameters are sharded).
     """
 
     def __init__(self, sp_size: int, layout="zigzag", precision: str = "fp32", mesh=None,

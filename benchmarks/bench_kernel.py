@@ -231,21 +231,26 @@ KEY = ("dtype", "threads", "seqlen", "headdim", "causal", "mode", "window", "sof
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda (default: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--backends", default=None,
                    help="comma list; default: every available one plus torch_sdpa (CPU) or "
                         "sdpa_flash,sdpa_cudnn (CUDA); reference only with --reference; on CPU "
                         "with --isa: ringseq and torch_sdpa")
     p.add_argument("--reference", action="store_true", help="include the (slow) reference backend")
-    p.add_argument("--batch", type=positive_int, default=1)
-    p.add_argument("--heads", type=positive_int, default=8)
-    p.add_argument("--heads-kv", type=positive_int, default=None)
-    p.add_argument("--seqlens", default="4096")
-    p.add_argument("--headdims", default="64,128")
-    p.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    p.add_argument("--heads", type=positive_int, default=8, help="query heads (default 8)")
+    p.add_argument("--heads-kv", type=positive_int, default=None,
+                   help="key/value heads, dividing --heads (default: --heads)")
+    p.add_argument("--seqlens", default="4096",
+                   help="comma list of sequence lengths (default 4096)")
+    p.add_argument("--headdims", default="64,128", help="comma list of head dims (default 64,128)")
+    p.add_argument("--causal", choices=["both", "true", "false"], default="both",
+                   help="causal, full or both (default both)")
     p.add_argument("--dtype", default=None,
                    help=f"comma list of {', '.join(sorted(DTYPES))}; default fp32 on CPU, bf16 on CUDA")
-    p.add_argument("--modes", default="fwd,fwd_bwd")
+    p.add_argument("--modes", default="fwd,fwd_bwd",
+                   help="comma list of fwd, fwd_bwd (default: both)")
     p.add_argument("--tile-configs", default="0", help="CUDA tile configurations of ringseq to time")
     p.add_argument("--window", type=int, default=-1,
                    help="sliding window of W keys (flash-attn window_size=(W, 0) when causal); -1: none")
@@ -256,8 +261,10 @@ def parse_args(argv=None):
     p.add_argument("--ratio-to", default=None,
                    help="comma list of peers for ratio columns (default torch_sdpa on CPU, "
                         "sdpa_flash,sdpa_cudnn on CUDA)")
-    p.add_argument("--warmup", type=non_negative_int, default=1)
-    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--warmup", type=non_negative_int, default=1,
+                   help="untimed calls per cell (default 1)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed rounds per cell, backends interleaved (default 3)")
     p.add_argument("--threads", default=None, help="comma list of torch CPU thread counts")
     p.add_argument("--isa", default=None,
                    help="CPU: comma list of ringseq ISA levels (default: every level this CPU runs; "

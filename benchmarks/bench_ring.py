@@ -36,6 +36,7 @@ Exit status: 0, 1 when a spot check failed, 2 for bad arguments (before any rank
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -148,6 +149,8 @@ def check_args(args, launched, device):
 
     p = args.parser
     args.world_size = int(os.environ["WORLD_SIZE"]) if launched else args.world_size
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error(f"--plot {args.plot}: needs matplotlib (pip install matplotlib)")
     if args.heads_kv is not None and args.heads % args.heads_kv:
         p.error(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
     if args.window is not None and args.docs:

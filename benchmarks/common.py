@@ -210,11 +210,23 @@ def busy_cores(start, end):
                                                              else range(os.cpu_count() or 1))
 
 
-def own_cpu_seconds():
-    """CPU seconds of this process and its finished (waited-for) children, all threads."""
+def _cpu_seconds(who) -> float:
     import resource
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+# CPU seconds of the local ranks this process ran and that finished: they are started by a
+# fork server (tests/dist_utils.py), not as children of this process, so each reports its own
+_RANKS_CPU_SECONDS = [0.0]
+
+
+def own_cpu_seconds():
+    """CPU seconds of this process, its finished (waited-for) children and the local ranks it
+    ran (spawn_cpu_ranks), all threads."""
+    import resource
+    return (_cpu_seconds(resource.RUSAGE_SELF) + _cpu_seconds(resource.RUSAGE_CHILDREN)
+            + _RANKS_CPU_SECONDS[0])
 
 
 class MachineLoad:
@@ -469,16 +481,22 @@ def mib(nbytes):
 
 # ---------------------------------------------------------------- local CPU ranks
 def _bench_rank(fn, args, t0):
+    """(fn's result, this rank process's CPU seconds so far, all threads)."""
+    import resource
     set_progress_start(t0)  # progress lines of every rank count from the parent's start
-    return fn(args, torch.device("cpu"))
+    out = fn(args, torch.device("cpu"))
+    return out, _cpu_seconds(resource.RUSAGE_SELF)
 
 
 def spawn_cpu_ranks(world, fn, args, timeout, threads):
     """Runs fn(args, device) on `world` local gloo ranks with `threads` torch threads each and
     returns rank 0's result; fn must be a module-level function. A rank that fails or dies
     raises RankError, ranks that outlive `timeout` seconds are killed with RankTimeout
-    (tests/dist_utils.py): no hang."""
-    return run_ranks(_bench_rank, world, fn, args, _T0, timeout=timeout, threads=threads)[0]
+    (tests/dist_utils.py): no hang. The ranks' CPU seconds count as this process's own
+    (own_cpu_seconds), not as other processes' load."""
+    results = run_ranks(_bench_rank, world, fn, args, _T0, timeout=timeout, threads=threads)
+    _RANKS_CPU_SECONDS[0] += sum(cpu for _, cpu in results)
+    return results[0][0]
 
 
 def launcher_device():

@@ -71,3 +71,30 @@ def test_small_run_writes_rows_with_their_checks(tmp_path):
         assert b["ok"] or "warning" in b, b
     assert set(data["machine_load"]) >= {"other_cores_during", "load_average_before"}
     assert isinstance(data["warnings"], list)
+
+
+def test_plot_without_matplotlib_stops_before_any_rank_starts():
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed here: --plot is valid")
+    proc = _bench("--plot", "out.png")
+    assert proc.returncode == 2, proc.stderr
+    assert "--plot out.png: needs matplotlib" in proc.stderr, proc.stderr
+    assert "local CPU ranks" not in proc.stdout, proc.stdout
+
+
+def _burn_one_cpu_second(args, device):
+    import time
+    start = time.process_time()
+    while time.process_time() - start < 1.0:
+        pass
+
+
+def test_the_ranks_cpu_time_is_not_counted_as_other_processes_load():
+    """The local ranks are started by a fork server, not as this process's children: their CPU
+    time reaches own_cpu_seconds through spawn_cpu_ranks (before: the run-wide load line
+    counted them as other processes and reported a busy machine on an idle one)."""
+    import common
+    before = common.own_cpu_seconds()
+    common.spawn_cpu_ranks(2, _burn_one_cpu_second, None, 60, 1)
+    assert common.own_cpu_seconds() - before >= 2.0

@@ -15,6 +15,8 @@ what is expected (``"{function}: {parameter} must be ..., got ..."``):
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 from typing import Optional, Tuple
@@ -76,8 +78,22 @@ def check_softmax_scale(fn: str, softmax_scale, name: str = "softmax_scale"):
 # the scale into dropout_p, which always fails; say why.
 # Where a misplaced positional argument lands in dropout_p: flash-attn's order (q, k, v,
 # dropout_p, softmax_scale, ...) and SDPA's (query, key, value, attn_mask, dropout_p, ...).
-_ORDER_HINT = (". Note: the 4th positional argument is dropout_p, as in flash-attn; pass the "
-               "scale as softmax_scale=")
+_ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
+
+
+@functools.lru_cache(maxsize=None)
+def _order_hint(fn: str) -> str:
+    """Where dropout_p sits among ``fn``'s positional arguments (a scale passed there by
+    position is the usual mistake), from the public function's own signature."""
+    import ringseq  # (the public functions: imported at call time, not at module import)
+    try:
+        names = list(inspect.signature(getattr(ringseq, fn)).parameters)
+        place = names.index("dropout_p") + 1
+    except (AttributeError, TypeError, ValueError):
+        return (". Note: dropout_p comes before softmax_scale among flash-attn's positional "
+                "arguments; pass the scale as softmax_scale=")
+    return (f". Note: the {_ORDINALS.get(place, f'{place}th')} positional argument of {fn} is "
+            f"dropout_p, as in flash-attn; pass the scale as softmax_scale=")
 _SDPA_ORDER_HINT = (". Note: the 5th positional argument is dropout_p, as in "
                     "F.scaled_dot_product_attention; pass the scale as scale=")
 
@@ -90,7 +106,7 @@ def check_dropout(fn: str, dropout_p, sdpa_order: bool = False) -> None:
     ``dropout_p > 0`` raises NotImplementedError, in training and in evaluation alike, rather
     than silently computing attention without dropout. ``sdpa_order``: the message's hint
     names SDPA's argument order instead of flash-attn's."""
-    hint = _SDPA_ORDER_HINT if sdpa_order else _ORDER_HINT
+    hint = _SDPA_ORDER_HINT if sdpa_order else _order_hint(fn)
     if not _is_number(dropout_p):
         raise TypeError(f"{fn}: dropout_p must be a float in [0, 1), got {given(dropout_p)}"
                         f"{hint}")

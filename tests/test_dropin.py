@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 
 import pytest
 import torch
@@ -333,7 +334,19 @@ def test_old_ringseq_positional_calls_fail_loudly(call, exc, frag):
     with pytest.raises(exc, match=frag) as info:
         call(*_tensors_for("flash_attn_func"))
     if frag == "dropout_p":  # the message says why a scale landed in dropout_p
-        assert "4th positional argument is dropout_p" in str(info.value)
+        assert re.search(r"the 4th positional argument of (ring_)?flash_attn_func is dropout_p",
+                         str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("name, place", [("flash_attn_qkvpacked_func", "2nd"),
+                                         ("flash_attn_kvpacked_func", "3rd"),
+                                         ("flash_attn_varlen_func", "8th")])
+def test_the_dropout_hint_names_its_place_in_each_function(name, place):
+    """(before: every function's message said "the 4th positional argument is dropout_p")"""
+    from ringseq._args import check_dropout
+    with pytest.raises(NotImplementedError,
+                       match=rf"the {place} positional argument of {name} is dropout_p"):
+        check_dropout(name, 0.125)
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if "packed" in n])
@@ -439,3 +452,13 @@ def test_rows_that_see_no_key_follow_flash_attn_lse_convention():
     _, lse4, _ = ringseq.ring_flash_attn_func(q[:, :3], k, k, causal=False,
                                               window_size=(0, 0), return_attn_probs=True)
     assert torch.isfinite(lse4).all()  # (every row sees its own key)
+
+
+def test_a_strided_head_dim_is_named_by_its_own_stride():
+    """(before: flash_attn_varlen_func showed the strides of its internal 4-dim view of the
+    3-dim input, (512, 64, 32, 2) for a tensor whose strides are (64, 32, 2))"""
+    q = torch.randn(8, 2, 32)[..., ::2]
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: q must be contiguous in its "
+                                         r"last \(head\) dimension, got a stride of 2 there"):
+        ringseq.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)

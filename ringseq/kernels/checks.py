@@ -82,8 +82,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "a
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:  # (empty: nothing to read)
             raise ValueError(f"{fn}: {name} must be contiguous in its last (head) dimension, got "
-                             f"strides {tuple(t.stride())}; call .contiguous() on it (only the "
-                             f"last dimension needs to be contiguous)")
+                             f"a stride of {t.stride(-1)} there; call .contiguous() on it (only "
+                             f"the last dimension needs to be contiguous)")
 
 
 def no_key_rows(seqlen_q: int, seqlen_k: int, causal: bool) -> int:

@@ -34,7 +34,9 @@ from .kvcache import flash_attn_with_kvcache, ring_flash_attn_with_kvcache
 from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
 from .loss import sharded_cross_entropy
 from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_func,
-                 ring_flash_attn_qkvpacked_func, ring_flash_attn_varlen_func, ring_sdpa)
+                 ring_flash_attn_qkvpacked_func, ring_flash_attn_varlen_func,
+                 ring_flash_attn_varlen_kvpacked_func, ring_flash_attn_varlen_qkvpacked_func,
+                 ring_sdpa)
 from .ops import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                   flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                   flash_attn_varlen_qkvpacked_func, get_backend)
@@ -51,7 +53,8 @@ _COMPAT_NAMES = ["flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
                  "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
                  "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
                  "zigzag_ring_flash_attn_qkvpacked_func", "stripe_flash_attn_func",
-                 "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func"]
+                 "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
+                 "ring_flash_attn_varlen_kvpacked_func", "ring_flash_attn_varlen_qkvpacked_func"]
 
 __all__ = ["__version__", "available_backends", "flash_attn_func", "get_backend",
            "RingAttention", "RingComm", "RingMismatchError", "Layout", "Transport",

@@ -19,6 +19,7 @@ import functools
 import inspect
 import math
 import numbers
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -85,9 +86,11 @@ _ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
 def _order_hint(fn: str) -> str:
     """Where dropout_p sits among ``fn``'s positional arguments (a scale passed there by
     position is the usual mistake), from the public function's own signature."""
-    import ringseq  # (the public functions: imported at call time, not at module import)
+    # (the package is loaded by the time its functions are called; this layer below it does
+    # not import it)
+    package = sys.modules.get(__name__.rpartition(".")[0])
     try:
-        names = list(inspect.signature(getattr(ringseq, fn)).parameters)
+        names = list(inspect.signature(getattr(package, fn)).parameters)
         place = names.index("dropout_p") + 1
     except (AttributeError, TypeError, ValueError):
         return (". Note: dropout_p comes before softmax_scale among flash-attn's positional "
@@ -237,6 +240,18 @@ def split_kv(fn: str, kv):
     for another shape. Gradients come back packed."""
     _check_packed(fn, "kv", kv, 2, "(batch, seqlen, 2, nheads_kv, headdim)")
     return kv[:, :, 0], kv[:, :, 1]
+
+
+def split_packed_varlen(fn: str, name: str, t, n: int, heads: str):
+    """The ``n`` tensors packed in ``t`` (total, n, nheads, headdim), as views (gradients come
+    back packed); TypeError / ValueError naming ``fn`` and ``name`` otherwise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a tensor (total, {n}, {heads}, headdim), got "
+                        f"{type(t).__name__}")
+    if t.dim() != 4 or t.shape[1] != n:
+        raise ValueError(f"{fn}: {name} must be (total, {n}, {heads}, headdim), got "
+                         f"{tuple(t.shape)}")
+    return t.unbind(1)
 
 
 def split_qkv(fn: str, qkv):

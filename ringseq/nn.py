@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ._args import (autocast_inputs, check_bool, check_returns, check_softmax_scale, sdpa_inputs,
-                    split_kv, split_qkv)
+                    split_kv, split_packed_varlen, split_qkv)
 from .engine.integrity import FWD
 from .engine.op import run_attention
 from .engine.placement import RingPlacement
@@ -28,8 +28,9 @@ from .ops import returns
 from .spec import attn_spec, bound_layout, check_layout, check_self_attention, named_layout
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
-           "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func", "ring_sdpa",
-           "RingAttention", "ring_attention", "unpack"]
+           "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func",
+           "ring_flash_attn_varlen_kvpacked_func", "ring_flash_attn_varlen_qkvpacked_func",
+           "ring_sdpa", "RingAttention", "ring_attention", "unpack"]
 
 
 def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -215,7 +216,48 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, dropout_p=
     Raises what :func:`ring_flash_attn_func` raises, and ValueError for ``cu_seqlens`` that do
     not start at 0, decrease, or do not end at the global length, and for 3-dim shape errors.
     """
-    fn = "ring_flash_attn_varlen_func"
+    return _ring_varlen("ring_flash_attn_varlen_func", q, k, v, cu_seqlens, dropout_p,
+                        softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                        return_attn_probs, group, layout, return_lse, backend, grad_comm_dtype,
+                        softcap)
+
+
+def ring_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen=None, dropout_p=0.0,
+                                         softmax_scale=None, causal=False, window_size=(-1, -1),
+                                         alibi_slopes=None, deterministic=False,
+                                         return_attn_probs=False, group=None, *, layout=None,
+                                         return_lse=False, backend=None, grad_comm_dtype=None,
+                                         softcap=0.0):
+    """:func:`ring_flash_attn_varlen_func` with ``kv`` packed as (total_local, 2, nheads_kv,
+    headdim) (ring-flash-attention's ``ring_flash_attn_varlen_kvpacked_func`` signature). K
+    and V are strided views of ``kv`` (no copy); the gradient comes back packed."""
+    fn = "ring_flash_attn_varlen_kvpacked_func"
+    k, v = unpack(fn, group, lambda f, t: split_packed_varlen(f, "kv", t, 2, "nheads_kv"), kv)
+    return _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size,
+                        alibi_slopes, deterministic, return_attn_probs, group, layout,
+                        return_lse, backend, grad_comm_dtype, softcap)
+
+
+def ring_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen=None, dropout_p=0.0,
+                                          softmax_scale=None, causal=False,
+                                          window_size=(-1, -1), alibi_slopes=None,
+                                          deterministic=False, return_attn_probs=False,
+                                          group=None, *, layout=None, return_lse=False,
+                                          backend=None, grad_comm_dtype=None, softcap=0.0):
+    """:func:`ring_flash_attn_varlen_func` with ``qkv`` packed as (total_local, 3, nheads,
+    headdim) (ring-flash-attention's ``ring_flash_attn_varlen_qkvpacked_func`` signature)."""
+    fn = "ring_flash_attn_varlen_qkvpacked_func"
+    q, k, v = unpack(fn, group, lambda f, t: split_packed_varlen(f, "qkv", t, 3, "nheads"), qkv)
+    return _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size,
+                        alibi_slopes, deterministic, return_attn_probs, group, layout,
+                        return_lse, backend, grad_comm_dtype, softcap)
+
+
+def _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size,
+                 alibi_slopes, deterministic, return_attn_probs, group, layout, return_lse,
+                 backend, grad_comm_dtype, softcap):
+    """The varlen ring functions' one body: 3-dim (total_local, nheads, headdim) inputs as a
+    batch of one."""
     with refuse_on_error(group, FWD):
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:

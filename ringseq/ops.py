@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._args import check_cu_seqlens, check_returns, split_kv, split_qkv
+from ._args import check_cu_seqlens, check_returns, split_kv, split_packed_varlen, split_qkv
 from .engine.op import run_attention
 from .engine.placement import LOCAL
 from .kernels import AttentionBackend, available_backends, get_backend
@@ -205,16 +205,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                    backend)
 
 
-def _split_packed_varlen(fn: str, name: str, t, n: int, heads: str):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a tensor (total, {n}, {heads}, headdim), got "
-                        f"{type(t).__name__}")
-    if t.dim() != 4 or t.shape[1] != n:
-        raise ValueError(f"{fn}: {name} must be (total, {n}, {heads}, headdim), got "
-                         f"{tuple(t.shape)}")
-    return t.unbind(1)
-
-
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, dropout_p=0.0, softmax_scale=None,
                                     causal=False, window_size=(-1, -1), softcap=0.0,
@@ -224,7 +214,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     flash-attn 2's ``flash_attn_varlen_kvpacked_func`` signature and returns. K and V are
     strided views of ``kv`` (no copy); its gradient comes back packed."""
     fn = "flash_attn_varlen_kvpacked_func"
-    k, v = _split_packed_varlen(fn, "kv", kv, 2, "nheads_kv")
+    k, v = split_packed_varlen(fn, "kv", kv, 2, "nheads_kv")
     return _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    deterministic, return_attn_probs, None, return_lse, backend)
@@ -239,7 +229,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     one ``cu_seqlens`` / ``max_seqlen`` for queries and keys, flash-attn 2's
     ``flash_attn_varlen_qkvpacked_func`` signature and returns."""
     fn = "flash_attn_varlen_qkvpacked_func"
-    q, k, v = _split_packed_varlen(fn, "qkv", qkv, 3, "nheads")
+    q, k, v = split_packed_varlen(fn, "qkv", qkv, 3, "nheads")
     return _varlen(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, None, return_lse, backend)

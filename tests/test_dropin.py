@@ -462,3 +462,53 @@ def test_a_strided_head_dim_is_named_by_its_own_stride():
     with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: q must be contiguous in its "
                                          r"last \(head\) dimension, got a stride of 2 there"):
         ringseq.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
+
+
+# ring-flash-attention's varlen ring signatures (ringseq defaults max_seqlen to None: unused)
+_RFA_VARLEN = {
+    "ring_flash_attn_varlen_func": ["q", "k", "v"],
+    "ring_flash_attn_varlen_kvpacked_func": ["q", "kv"],
+    "ring_flash_attn_varlen_qkvpacked_func": ["qkv"],
+}
+
+
+@pytest.mark.parametrize("name", list(_RFA_VARLEN))
+def test_ring_varlen_signatures_follow_ring_flash_attention(name):
+    """(before: the kv- and qkv-packed varlen ring functions did not exist)"""
+    want = _parse(", ".join(_RFA_VARLEN[name]) + ", cu_seqlens, max_seqlen=None, " + _RFA_TAIL)
+    params = list(inspect.signature(getattr(ringseq, name)).parameters.values())
+    positional = [(p.name, p.default) for p in params
+                  if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == want, name
+    assert {p.name for p in params[len(positional):]} == {
+        "layout", "return_lse", "backend", "grad_comm_dtype", "softcap"}
+    assert name in ringseq.__all__
+
+
+def _ring_varlen_packed_forms():
+    g = torch.Generator().manual_seed(4)
+    cu = [0, 5, 5, 17, 32]
+    layout = ringseq.layouts.Documents(cu)  # the varlen functions' default layout
+    q, k, v = (ringseq.shard(torch.randn(32, n, 16, generator=g), layout, dim=0).requires_grad_()
+               for n in (4, 2, 2))  # (16, h, 16) on each of 2 ranks
+    kv = torch.stack([k.detach(), v.detach()], 1).requires_grad_()
+    qkv = torch.stack([q.detach(), k.detach().repeat_interleave(2, 1)[:, :4],
+                       v.detach().repeat_interleave(2, 1)[:, :4]], 1).requires_grad_()
+    kw = dict(causal=True, window_size=(6, 0), softcap=2.0)
+    want = ringseq.ring_flash_attn_varlen_func(q, k, v, cu, **kw)
+    got_kv = ringseq.ring_flash_attn_varlen_kvpacked_func(q, kv, cu, **kw)
+    want.square().sum().backward()
+    got_kv.square().sum().backward()
+    want_qkv = ringseq.ring_flash_attn_varlen_func(*qkv.detach().unbind(1), cu, **kw)
+    got_qkv = ringseq.ring_flash_attn_varlen_qkvpacked_func(qkv, cu, **kw)
+    got_qkv.sum().backward()
+    return {"kv": (got_kv - want).abs().max().item(),
+            "dkv": (kv.grad - torch.stack([k.grad, v.grad], 1)).abs().max().item(),
+            "qkv": (got_qkv - want_qkv).abs().max().item(),
+            "dqkv_shape": tuple(qkv.grad.shape)}
+
+
+def test_ring_varlen_packed_forms_equal_the_unpacked_one():
+    for res in run_ranks(_ring_varlen_packed_forms, 2, timeout=120):
+        assert res["kv"] == 0 and res["dkv"] == 0 and res["qkv"] == 0, res
+        assert res["dqkv_shape"] == (16, 3, 4, 16), res

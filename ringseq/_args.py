@@ -109,17 +109,19 @@ def check_dropout(fn: str, dropout_p, sdpa_order: bool = False) -> None:
     ``dropout_p > 0`` raises NotImplementedError, in training and in evaluation alike, rather
     than silently computing attention without dropout. ``sdpa_order``: the message's hint
     names SDPA's argument order instead of flash-attn's."""
-    hint = _SDPA_ORDER_HINT if sdpa_order else _order_hint(fn)
+    # (the hint is looked up only on the way to an error: compiled code never traces it)
+    def hint():
+        return _SDPA_ORDER_HINT if sdpa_order else _order_hint(fn)
     if not _is_number(dropout_p):
         raise TypeError(f"{fn}: dropout_p must be a float in [0, 1), got {given(dropout_p)}"
-                        f"{hint}")
+                        f"{hint()}")
     if not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}{hint}")
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}{hint()}")
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"{fn}: dropout_p={dropout_p!r} is not supported: ringseq has no attention dropout "
             f"(pass 0.0, in training too: `p if self.training else 0.0` becomes 0.0)"
-            f"{hint}")
+            f"{hint()}")
 
 
 def check_alibi_slopes(fn: str, alibi_slopes) -> None:

@@ -217,11 +217,12 @@ def _global_names(ring):
             (lambda rs: f" (global rank(s) {[members[r] for r in rs]})"))
 
 
-def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = ()) -> None:
+def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (),
+          called: str = "") -> None:
     """Raises on this rank what the gathered control vectors say is wrong (the same verdict on
     every rank, since every rank sees the same rows); marks the ring broken where needed.
     Ranks are named by their place in the ring's group (and their global rank where the group
-    is a subgroup)."""
+    is a subgroup); ``called``: the public function called, named by a mismatch."""
     name, names = _global_names(ring)
     bad_magic = [r for r, row in enumerate(rows) if row[0] != _MAGIC]
     if bad_magic:
@@ -281,7 +282,8 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
             diffs.append(f"{f[0]} ({per_rank})")
     if diffs:
         raise RingMismatchError(
-            "ringseq: the ranks of the ring were called with different arguments: "
+            f"ringseq: {called + ': ' if called else ''}the ranks of the ring were called with "
+            f"different arguments: "
             + "; ".join(diffs) + ". Every rank of the group must pass shards of the same "
             "shape, dtype, layout and options.")
 
@@ -301,9 +303,10 @@ class RingCall:
             call.end()                        # control collective; raises on any failure
     """
 
-    def __init__(self, ring, kind: int, signature: Sequence[tuple], device):
+    def __init__(self, ring, kind: int, signature: Sequence[tuple], device, name: str = ""):
         self.ring = ring
         self.kind = kind
+        self.name = name  # the public function called (a mismatch names it)
         self.signature = tuple(signature)
         self.values = tuple(int(f[1]) for f in self.signature)
         # the exchanges' headers carry the fields every rank must agree on
@@ -367,7 +370,7 @@ class RingCall:
             raise self.failure
         self.rows = rows
         if rows is not None:
-            judge(ring, rows, self.kind, self.signature)
+            judge(ring, rows, self.kind, self.signature, self.name)
         elif ring.broken is not None:
             raise RingBrokenError(f"ringseq: the ring is broken by an earlier failure "
                                   f"({type(ring.broken).__name__}: {ring.broken}); call "
@@ -455,5 +458,5 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-__all__ += ["CONTROL_WORDS", "FIELD0", "INVALID", "OK", "FAILED", "BROKEN", "DESYNC", "control_vector",
-            "gather", "signature_hash"]
+__all__ += ["CONTROL_WORDS", "FIELD0", "INVALID", "OK", "FAILED", "BROKEN", "DESYNC",
+            "control_vector", "gather", "signature_hash"]

@@ -142,7 +142,7 @@ def ring_forward(q, k, v, plan: RingPlan, ring: Ring):
     be, scale = plan.backend, plan.softmax_scale
     acc = be.accum_dtype(q.dtype)
     hops = plan.hops
-    with ring.open_call(FWD, plan.signature, q.device) as call:
+    with ring.open_call(FWD, plan.signature, q.device, name=plan.spec.fn) as call:
         bufs = out = lse = None
         first = plan.schedule[0][0] if plan.schedule[0] else None
         # (only in the accumulation dtype: a bf16/fp16 first block would be rounded to the
@@ -210,7 +210,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
         # block starts it instead, so exchange 1 carries no accumulator.
         names, rev = payloads[1]
         payloads[1] = (tuple(n for n in names if n != "acc"), rev)
-    with ring.open_call(BWD, plan.signature, q.device, bind=False) as call:
+    with ring.open_call(BWD, plan.signature, q.device, bind=False,
+                        name=plan.spec.fn) as call:
         bufs = delta = dq = scratch = own = None
         with call.guard():
             if grad_lse is not None:

@@ -101,7 +101,7 @@ class Ring:
 
     # -- calls -----------------------------------------------------------------------------
     def open_call(self, kind: int, signature: Sequence[tuple], device,
-                  bind: bool = True) -> RingCall:
+                  bind: bool = True, name: str = "") -> RingCall:
         """The bookkeeping of one call. Raises RuntimeError at once when another thread uses
         this ring: a ring is bound to the first thread that calls it (``bind``: forwards and
         checks made by user code; backwards, and forwards recomputed during a backward, may run
@@ -124,7 +124,7 @@ class Ring:
             # rank's other thread: the calling thread's name is part of the signature.
             signature = tuple(signature) + (("calling thread (hash of its name)",
                                              stable_code(_thread_name())),)
-        call = RingCall(self, kind, signature, device)
+        call = RingCall(self, kind, signature, device, name)
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(
                 "ringseq: a call on this ring is already running in another thread; concurrent "

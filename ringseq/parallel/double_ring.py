@@ -181,7 +181,7 @@ class DoubleRingPlacement(Placement):
         # (a failure before the call opens is this rank's refusal: RingPlacement.forward)
         with refuse_on_error(self.ring_group, FWD):
             plan, outer, whole = self._plan(q, k, spec)
-        with whole.open_call(FWD, plan.signature, q.device) as call:
+        with whole.open_call(FWD, plan.signature, q.device, name=plan.spec.fn) as call:
             call.begin()
             out = lse = None
             with call.guard():
@@ -193,7 +193,8 @@ class DoubleRingPlacement(Placement):
         with refuse_on_error(self.ring_group, BWD):
             plan, outer, whole = self._plan(q, k, spec)
             dout = ring_dout(dout, dlse, out, spec)
-        with whole.open_call(BWD, plan.signature, q.device, bind=False) as call:
+        with whole.open_call(BWD, plan.signature, q.device, bind=False,
+                             name=plan.spec.fn) as call:
             call.begin()
             grads = None
             with call.guard():

@@ -189,7 +189,7 @@ class UlyssesPlacement(Placement):
             if rep > 1:  # (b, s, h_kv * rep, d): each K/V head once per rank that reads it
                 k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
             ring = get_ring(self.control_group)
-        with ring.open_call(FWD, sig, q.device) as call:
+        with ring.open_call(FWD, sig, q.device, name=spec.fn) as call:
             call.begin()
             # (b, s, heads, d) sequence shards -> (b, U * s, heads / U, d) head shards
             q_h, k_h, v_h = all_to_all(comm, [(q, 2, 1), (k, 2, 1), (v, 2, 1)], call)
@@ -220,7 +220,7 @@ class UlyssesPlacement(Placement):
         # A gradient into lse moves with dout when any rank has one (zeros from the others:
         # exact, the lse term of the backward is then 0 for their rows); ranks may differ.
         sig = sig + (("gradient into lse", dlse is not None, ANY),)
-        with ring.open_call(BWD, sig, q.device, bind=False) as call:
+        with ring.open_call(BWD, sig, q.device, bind=False, name=spec.fn) as call:
             call.begin()
             with_dlse = call.any_rank("gradient into lse")
             if with_dlse and dlse is None:

@@ -494,8 +494,13 @@ def spawn_cpu_ranks(world, fn, args, timeout, threads):
     raises RankError, ranks that outlive `timeout` seconds are killed with RankTimeout
     (tests/dist_utils.py): no hang. The ranks' CPU seconds count as this process's own
     (own_cpu_seconds), not as other processes' load."""
+    import resource
+    children = _cpu_seconds(resource.RUSAGE_CHILDREN)
     results = run_ranks(_bench_rank, world, fn, args, _T0, timeout=timeout, threads=threads)
-    _RANKS_CPU_SECONDS[0] += sum(cpu for _, cpu in results)
+    # (ranks started as this process's own children, when run_ranks falls back from its fork
+    # server, are counted by RUSAGE_CHILDREN already)
+    counted = _cpu_seconds(resource.RUSAGE_CHILDREN) - children
+    _RANKS_CPU_SECONDS[0] += max(0.0, sum(cpu for _, cpu in results) - counted)
     return results[0][0]
 
 

@@ -659,7 +659,12 @@ def _inputs_embeds_under_tp_worker():
     import ringseq
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     plugin = RingSequenceParallelPlugin(sp_size=1, tp_size=2)
-    model, _, criterion, _, _ = Booster(plugin=plugin).boost(_model())
+    g = torch.Generator().manual_seed(7)
+    embeds = [{"inputs_embeds": torch.randn(SEQLEN, 64, generator=g),
+               "labels": torch.randint(0, VOCAB, (SEQLEN,), generator=g)} for _ in range(2)]
+    model, _, criterion, loader, _ = Booster(plugin=plugin).boost(
+        _model(), dataloader=plugin.prepare_dataloader(embeds, batch_size=1))
+    from_loader = error_text(lambda: next(iter(loader)))
     ids = torch.randint(0, VOCAB, (1, SEQLEN), generator=torch.Generator().manual_seed(6))
     batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, group=plugin.sp_group,
                                 layout=plugin.data_layout)
@@ -668,14 +673,55 @@ def _inputs_embeds_under_tp_worker():
                                        position_ids=batch["position_ids"]))
     loss = criterion(model(**batch), batch)  # the next step runs: nothing needs repair
     loss.backward()
-    return refused, float(loss)
+    return refused, from_loader, float(loss)
 
 
 def test_inputs_embeds_under_tensor_parallelism_is_refused_on_every_rank():
     """The tp plan splits the sequence over the tp ranks at the input embedding's output, which
     inputs_embeds bypasses (before: a shape error inside RoPE on every rank, and the tp
-    completion then asked for a restart): a ValueError naming it, before any collective."""
-    for refused, loss in run_ranks(_inputs_embeds_under_tp_worker, 2, timeout=120):
+    completion then asked for a restart): a ValueError naming it, from the boosted loader
+    (agreed by every rank) or from the forward, before any collective."""
+    for refused, from_loader, loss in run_ranks(_inputs_embeds_under_tp_worker, 2,
+                                                timeout=120):
         assert refused.startswith("ValueError: LlamaForCausalLM: inputs_embeds is not "
                                   "supported with tp_size > 1"), refused
+        # the boosted loader refuses such batches on every rank, agreed like any bad batch
+        assert from_loader.startswith("ValueError: data-parallel rank 0: inputs_embeds is not "
+                                      "supported with tp_size > 1"), from_loader
         assert loss == loss  # finite: the step after the refusal ran
+
+
+def _stateless_file_into_fsdp_worker(tmp):
+    import torch.distributed as dist
+
+    import ringseq
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    path = os.path.join(tmp, "optim.pt")
+    model = _model()
+    model.model.layers[0].unused = torch.nn.Linear(4, 4)  # never gets a gradient: no state
+    booster = Booster(plugin=RingSequenceParallelPlugin(
+        sp_size=2, ddp_kwargs={"find_unused_parameters": True}))
+    boosted, opt, criterion, _, _ = booster.boost(model, _optimizer(model))
+    ids = torch.randint(0, VOCAB, (1, SEQLEN), generator=torch.Generator().manual_seed(8))
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, layout="zigzag")
+    booster.backward(criterion(boosted(**batch), batch), opt)
+    opt.step()
+    booster.save_optimizer(opt, path)  # the plain file of a replicated run
+    dist.barrier()
+    sharded = _model()
+    sharded.model.layers[0].unused = torch.nn.Linear(4, 4)
+    booster3 = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, zero_stage=3))
+    _, opt3, *_ = booster3.boost(sharded, _optimizer(sharded))
+    return error_text(lambda: booster3.load_optimizer(opt3, path)), len(opt3.unwrap().state)
+
+
+def test_a_stateless_parameter_in_an_optimizer_file_is_refused_for_sharded_parameters(tmp_path):
+    """Loading the plain optimizer file of a replicated run into sharded parameters keeps the
+    state torch holds (or makes) for a parameter the file has none for, so it would not come
+    back stateless: refused on every rank before anything is applied, naming the directory
+    format, which restores it (tests/test_plugin_checkpoint.py)."""
+    for text, states in run_ranks(_stateless_file_into_fsdp_worker, 2, str(tmp_path),
+                                  timeout=120):
+        assert text.startswith("ValueError: rank ") and "the optimizer file holds no state " \
+            "for 2 parameter(s)" in text and "sharded=True" in text, text
+        assert states == 0, states  # nothing applied

@@ -15,6 +15,13 @@ from .digest import batch_digest
 
 __all__ = ["ShardedDataLoader", "pack_documents"]
 
+# The tensor-parallel plans of transformers models (and ringseq's own) split the sequence over
+# the tp ranks at the input embedding's output, which inputs_embeds bypasses.
+INPUTS_EMBEDS_UNDER_TP = ("inputs_embeds is not supported with tp_size > 1 (the "
+                          "tensor-parallel plan splits the sequence over the tp ranks at the "
+                          "input embedding's output, which inputs_embeds bypasses); pass "
+                          "input_ids, or use tp_size=1")
+
 
 class ShardedDataLoader:
     """Iterates over this rank's sequence shards of its data-parallel group's batches.
@@ -65,6 +72,9 @@ class ShardedDataLoader:
         #: whether other ranks load this rank's samples too (sequence / tensor parallelism):
         #: then each batch's digest is compared among them
         self.shared = shared
+        #: set by ``Booster.boost`` when the model's tensor-parallel plan needs input_ids:
+        #: batches with inputs_embeds are then refused here, agreed on by every rank
+        self.needs_input_ids = False
         self.step = 0  # batches yielded so far, over all epochs (the same on every rank)
         #: set by ``Booster.boost``: the boosted model's StepTag, which tags its ring calls
         #: with the number of the batch this loader handed out last
@@ -122,6 +132,8 @@ class ShardedDataLoader:
                                          f"with 'input_ids' (b, s) (and optionally 'labels'), "
                                          f"got a {type(batch).__name__}")
                     batch = dict(batch)
+                if self.needs_input_ids and batch.get("inputs_embeds") is not None:
+                    raise ValueError(INPUTS_EMBEDS_UNDER_TP)
                 out = shard_batch(batch, group=self.sp_group, layout=self.layout,
                                   ignore_index=self.ignore_index)
                 ids = batch.get("input_ids")

@@ -564,7 +564,7 @@ class RingSequenceParallelPlugin(Plugin):
         reduction = None  # completes the other ranks' collectives after a failure
         # DDP refuses a model without trainable parameters (a distillation teacher): it runs
         # without DDP, and the wrapper refuses forwards that could train it
-        frozen = (dims.zero_stage == 0 and dims.tp_size == 1
+        frozen = (dims.zero_stage == 0 and dims.tp_size == 1 and dims.world_size > 1
                   and not any(p.requires_grad for p in model.parameters()))
         if dims.zero_stage >= 2:
             from ..parallel.fsdp import apply_fsdp
@@ -605,7 +605,10 @@ class RingSequenceParallelPlugin(Plugin):
         model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
         model._reduction = reduction
         model.frozen_at_boost = frozen
-        model.needs_input_ids = plan is not None
+        # (a plan of the user's own ParallelStyles need not split at the embedding)
+        model.needs_input_ids = plan is not None and plan.source != "tp_plan styles"
+        if dataloader is not None:
+            dataloader.needs_input_ids = model.needs_input_ids
         if dims.zero_stage == 0 and dims.tp_size > 1:
             model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):

@@ -24,7 +24,6 @@ on every rank, the ranks vote, and only then is anything applied.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -339,10 +338,6 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             return super().load_optimizer(optimizer, checkpoint)
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
-        # strict=False: a parameter without state in the checkpoint had none when it was saved
-        # (it never got a gradient: an embedding under inputs_embeds, say) and keeps none; the
-        # checks above already matched the checkpoint's groups and members to this optimizer
-        load_options = functools.partial(StateDictOptions, strict=False)
         opt = _unwrap(optimizer)
         if os.path.isdir(checkpoint):
             own_groups = []  # this optimizer's groups by parameter name (dcp.load overwrites
@@ -368,8 +363,12 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                 _check_group_members(states[0], own_groups)
 
             def apply_optimizer(state):
-                set_optimizer_state_dict(model, opt, state, options=load_options(
-                    full_state_dict=False))
+                # strict=False: a parameter without state in the checkpoint had none when it was
+                # saved (it never got a gradient: an embedding under inputs_embeds, say); the
+                # layout check took it out of what is read, and the loaded state dict replaces
+                # this optimizer's, so it keeps none. The checks matched groups and members.
+                set_optimizer_state_dict(model, opt, state,
+                                         options=StateDictOptions(strict=False))
             scaler_file = os.path.join(checkpoint, _SCALER_FILE)
         else:
             def read_optimizer(path):
@@ -377,10 +376,22 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
 
             def check(states):
                 _check_optimizer_state(opt, states[0])
+                # torch's full-state load keeps this optimizer's state (or the zero state it
+                # makes for a fresh one) where the file has none, so such a parameter would not
+                # come back stateless: refused here, before any rank applies anything
+                stateless = sorted({i for g in states[0]["param_groups"] for i in g["params"]}
+                                   - set(states[0]["state"]))
+                if stateless:
+                    raise ValueError(
+                        f"the optimizer file holds no state for {len(stateless)} parameter(s) "
+                        f"(numbers {stateless[:4]}{' ...' if len(stateless) > 4 else ''}: they "
+                        f"had none when it was saved), which loading a file into sharded "
+                        f"parameters cannot restore; save and load the directory format "
+                        f"(save_optimizer(..., sharded=True))")
 
             def apply_optimizer(plain):
                 set_optimizer_state_dict(model, opt, _fqn_optimizer_state(optimizer, plain),
-                                         options=load_options(full_state_dict=True))
+                                         options=StateDictOptions(full_state_dict=True))
             scaler_file = checkpoint + ".grad_scaler"
         read, apply_scaler = _with_scaler_state(optimizer, scaler_file, read_optimizer)
 

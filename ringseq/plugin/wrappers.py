@@ -14,6 +14,7 @@ from .._dist import RingError, RingMismatchError, ring_timeout
 from ..engine.integrity import call_tag
 from ..engine.ring import get_ring
 from ..loss import report_step_failure, sharded_cross_entropy
+from .dataloader import INPUTS_EMBEDS_UNDER_TP
 
 __all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads",
            "SequenceParallelLoss", "StepTag"]
@@ -94,14 +95,12 @@ class ModelWrapper(nn.Module):
                     return self.module(*args, **kwargs)
             user = self.unwrap()
             # Refusals of what the model was boosted for, raised before any collective and
-            # outside the failure reporting: every rank gets the same kind of batch and holds
-            # the same parameters, so every rank raises here alike and nothing needs repair.
+            # outside the failure reporting, so that nothing needs repair: every rank holds the
+            # same parameters, and the boosted loader refuses inputs_embeds under tp on every
+            # rank at once (batches of the user's own that differ in kind between data-parallel
+            # groups leave the other groups waiting for the ring timeout).
             if self.needs_input_ids and kwargs.get("inputs_embeds") is not None:
-                raise ValueError(
-                    f"{type(user).__name__}: inputs_embeds is not supported with tp_size > 1 "
-                    f"(the tensor-parallel plan splits the sequence over the tp ranks at the "
-                    f"input embedding's output, which inputs_embeds bypasses); pass input_ids, "
-                    f"or use tp_size=1")
+                raise ValueError(f"{type(user).__name__}: {INPUTS_EMBEDS_UNDER_TP}")
             if self.frozen_at_boost and torch.is_grad_enabled() and any(
                     p.requires_grad for p in user.parameters()):
                 raise ValueError(

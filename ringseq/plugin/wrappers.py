@@ -129,9 +129,10 @@ class ReducedGrads:
     summed sums them again, W times too large, without any error (DDP's usual average would
     keep them). The reduction calls :meth:`mark` once per backward; the boosted optimizer's
     ``step`` calls :meth:`check_once` first, which raises ValueError (on every rank: ``step``
-    agrees on its verdict before any rank steps) when more than one backward was reduced since the last step or clear,
-    or when a backward accumulated onto gradients the last step used (:meth:`watch`); the
-    boosted optimizer's and model's ``zero_grad`` call :meth:`clear`."""
+    agrees on its verdict before any rank steps) when more than one backward was reduced
+    since the last step or clear, or when a backward accumulated onto gradients the last step
+    used (:meth:`watch`); the boosted optimizer's and model's ``zero_grad`` call
+    :meth:`clear`."""
 
     def __init__(self):
         self.count = 0          # reduced backward passes since the gradients were cleared

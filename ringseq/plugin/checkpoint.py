@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .._dist import agree_or_raise
 from ..engine.integrity import ANY
 from ..engine.ring import get_ring
-from .digest import state_digest
+from .digest import differing_digests, state_digest
 
 __all__ = ["ReplicatedCheckpointIO"]
 
@@ -124,10 +124,10 @@ def _check_same_state(path: str, state) -> None:
         return
     rows = ring.agree(True, "", about="checkpoint load",
                       fields=(("checkpoint digest", state_digest(state), ANY),))
-    if rows is not None and len({digest for (digest,) in rows}) > 1:
-        per_rank = ", ".join(f"rank {r}: {d:#010x}" for r, (d,) in enumerate(rows))
+    split = differing_digests([(0, digest) for (digest,) in rows or ()])
+    if split:
         raise ValueError(f"loading the checkpoint {path!r}: the ranks read different contents "
-                         f"(digests {per_rank}); every rank must load the same checkpoint. "
+                         f"(digests {split[0]}); every rank must load the same checkpoint. "
                          f"Nothing was loaded on any rank")
 
 

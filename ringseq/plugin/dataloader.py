@@ -11,7 +11,7 @@ from .._dist import RingMismatchError
 from ..data import shard_batch
 from ..engine.integrity import ANY
 from ..engine.ring import get_ring
-from .digest import batch_digest
+from .digest import batch_digest, differing_digests
 
 __all__ = ["ShardedDataLoader", "pack_documents"]
 
@@ -171,14 +171,9 @@ class ShardedDataLoader:
     def _check_same_samples(self, rows) -> None:
         """RingMismatchError (on every rank: every rank judges the same gathered rows) when
         ranks of one data-parallel group loaded different batches."""
-        digests = {}
-        for rank, (_, _, dp_rank, digest) in enumerate(rows):
-            digests.setdefault(dp_rank, {})[rank] = digest
-        split = {dp: ranks for dp, ranks in digests.items() if len(set(ranks.values())) > 1}
+        split = differing_digests([(dp_rank, digest) for _, _, dp_rank, digest in rows])
         if split:
-            detail = "; ".join(f"data-parallel rank {dp}: "
-                               + ", ".join(f"rank {r}: {d:#010x}" for r, d in ranks.items())
-                               for dp, ranks in sorted(split.items()))
+            detail = "; ".join(f"data-parallel rank {dp}: {ranks}" for dp, ranks in split.items())
             raise RingMismatchError(
                 f"ShardedDataLoader: batch {self.step + 1} differs between the ranks of one "
                 f"data-parallel group (digests of input_ids / labels / position_ids: {detail}); "

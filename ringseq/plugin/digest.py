@@ -16,7 +16,7 @@ import torch
 
 from .._hash import stable_hash_ints
 
-__all__ = ["batch_digest", "state_digest"]
+__all__ = ["batch_digest", "differing_digests", "state_digest"]
 
 _SAMPLE = 1 << 20  # elements read per tensor at most
 # the same-width integer type whose bits a float element is read as
@@ -42,6 +42,17 @@ def _tensor_words(t: torch.Tensor) -> List[int]:
     weights = torch.arange(1, part.numel() + 1, dtype=torch.int64, device=part.device)
     total, weighted = int(part.sum()), int((part * weights).sum())
     return [len(t.shape), *t.shape, _wrap64(total), _wrap64(weighted)]
+
+
+def differing_digests(rows) -> dict:
+    """``rows``: one ``(group, digest)`` per rank, in rank order (a control agreement's ANY
+    fields). Returns ``{group: "rank r: 0x..., ..."}`` for each group whose ranks hold different
+    digests (empty when every group agrees)."""
+    groups: dict = {}
+    for rank, (group, digest) in enumerate(rows):
+        groups.setdefault(group, {})[rank] = digest
+    return {group: ", ".join(f"rank {r}: {d:#010x}" for r, d in ranks.items())
+            for group, ranks in sorted(groups.items()) if len(set(ranks.values())) > 1}
 
 
 def batch_digest(batch) -> int:

@@ -192,3 +192,61 @@ def test_a_parameter_that_never_had_state_round_trips_in_the_directory_format(tm
                                          r"parameter\(s\) of this optimizer \(\['used.weight'\]"):
         io.load_optimizer(fresh, partial)
     assert torch.equal(state[fresh_model["used"].weight]["exp_avg_sq"], saved["exp_avg_sq"])
+
+
+def test_a_plain_optimizer_file_with_part_of_a_parameters_state_is_refused(tmp_path):
+    """A plain (replicated) optimizer file in which one parameter lacks part of its state
+    (``exp_avg_sq`` deleted) is refused before anything loads, into a fresh optimizer and into
+    the one that saved it (before: it loaded, and the next step raised torch's KeyError). A
+    parameter without any state loads stateless; Adafactor's entries, which differ between
+    matrices and vectors in name and shape, load as saved (before: refused, "state 'row_var'
+    of parameter 0 has shape (2, 1), the parameter (2, 3)"); state of another shape is
+    refused."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
+    opt = OptimizerWrapper(torch.optim.AdamW(model.parameters()), None, model=model)
+    opt.backward(model["used"](torch.ones(4, 3)).sum())
+    opt.step()
+    io = DistributedCheckpointIO()
+    whole = str(tmp_path / "whole.pt")
+    io.save_optimizer(opt, whole, sharded=False)
+    fresh_model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
+    fresh = OptimizerWrapper(torch.optim.AdamW(fresh_model.parameters()), None,
+                             model=fresh_model)
+    io.load_optimizer(fresh, whole)
+    assert fresh_model["unused"].weight not in fresh.unwrap().state
+    fresh.backward(fresh_model["used"](torch.ones(4, 3)).sum())
+    fresh.step()  # the loaded state is complete
+
+    kept = opt.unwrap().state[model["used"].weight]["exp_avg_sq"].clone()
+    state = opt.unwrap().state_dict()
+    state["state"][0] = {k: v for k, v in state["state"][0].items()  # (the optimizer's own
+                         if k != "exp_avg_sq"}  # dict): part of used.weight's state only
+    partial = str(tmp_path / "partial.pt")
+    torch.save(state, partial)
+    for target in (OptimizerWrapper(torch.optim.AdamW(fresh_model.parameters()), None,
+                                    model=fresh_model), opt):
+        with pytest.raises(ValueError, match=r"holds only part of the optimizer state of "
+                                             r"parameter 0 \(group 0\): it lacks "
+                                             r"\['exp_avg_sq'\], which AdamW's step needs"):
+            io.load_optimizer(target, partial)
+    assert torch.equal(opt.unwrap().state[model["used"].weight]["exp_avg_sq"], kept)
+    wider = nn.ModuleDict({"used": nn.Linear(4, 2), "unused": nn.Linear(4, 2)})
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter 0 has shape \(2, 3\), "
+                                         r"AdamW gives it \(2, 4\) for a parameter of shape"):
+        io.load_optimizer(torch.optim.AdamW(wider.parameters()), whole)
+
+    ada_model = nn.Linear(3, 2)  # a matrix (row_var, col_var) and a vector (variance)
+    ada = OptimizerWrapper(torch.optim.Adafactor(ada_model.parameters()), None, model=ada_model)
+    ada.backward(ada_model(torch.ones(4, 3)).sum())
+    ada.step()
+    assert set(ada.unwrap().state[ada_model.weight]) != set(ada.unwrap().state[ada_model.bias])
+    path = str(tmp_path / "adafactor.pt")
+    io.save_optimizer(ada, path, sharded=False)
+    io.load_optimizer(OptimizerWrapper(torch.optim.Adafactor(ada_model.parameters()), None,
+                                       model=ada_model), path)
+    state = ada.unwrap().state_dict()
+    state["state"][0] = {k: v for k, v in state["state"][0].items() if k != "row_var"}
+    torch.save(state, path)  # Adafactor cannot step on the meta device: compared with the
+    with pytest.raises(ValueError, match=r"parameter 0 \(group 0\): it lacks \['row_var'\]"):
+        io.load_optimizer(ada, path)  # state the optimizer holds

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -159,7 +160,9 @@ def _check_model_state(model, state, strict: bool) -> None:
 
 def _check_optimizer_state(optimizer, state) -> None:
     """What the optimizer would refuse (or, worse, accept and fail on at its next step):
-    another number of groups or of parameters per group, state tensors of another shape."""
+    another number of groups or of parameters per group, settings of another class, state
+    for no parameter, a parameter with only part of its state or state tensors of another
+    shape (:func:`_check_state_layout`)."""
     if not isinstance(state, dict) or "param_groups" not in state or "state" not in state:
         raise ValueError("an optimizer checkpoint is a state dict with 'state' and "
                          "'param_groups'")
@@ -171,14 +174,82 @@ def _check_optimizer_state(optimizer, state) -> None:
                          f"per group, the optimizer {[len(g['params']) for g in groups]}")
     _check_group_settings(optimizer, saved)
     params = {i: p for a, b in zip(saved, groups) for i, p in zip(a["params"], b["params"])}
-    for i, entries in state["state"].items():
-        p = params.get(i)
-        if p is None:
+    for i in state["state"]:
+        if i not in params:
             raise ValueError(f"the checkpoint has state for parameter {i}, which no group holds")
-        for name, value in entries.items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
-                raise ValueError(f"state {name!r} of parameter {i} has shape "
-                                 f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
+    _check_state_layout(optimizer, saved, params, state["state"])
+
+
+def _check_state_layout(optimizer, saved_groups, params, saved_state) -> None:
+    """Each saved parameter's state against the entries and tensor shapes one step of this
+    optimizer's class gives it (:func:`_stepped_layout`); for a class that cannot step on the
+    meta device, against the state this optimizer holds for it now and the entries of its
+    group's other parameters with as many dimensions (Adafactor keeps other entries, of other
+    shapes, for matrices than for vectors). A parameter saved with part of its state
+    (``exp_avg`` without ``exp_avg_sq``) would load and fail at the next step with a KeyError;
+    one with no state at all had none when saved (it never got a gradient) and loads
+    stateless."""
+    stepped = _stepped_layout(optimizer)
+    for g, group in enumerate(saved_groups):
+        alike: dict = {}  # parameter dims -> the entries its stated parameters carry
+        for i in group["params"]:
+            if saved_state.get(i):
+                alike.setdefault(params[i].dim(), set()).update(saved_state[i])
+        for i in group["params"]:
+            entries = saved_state.get(i)
+            if not entries:
+                continue
+            p = params[i]
+            if stepped is not None:
+                expected = stepped[p]
+            else:
+                expected = dict.fromkeys(alike[p.dim()])
+                expected.update(_shapes(optimizer.state.get(p, {})))
+            lacking = sorted(set(expected) - set(entries), key=str)
+            if lacking:
+                raise ValueError(f"the checkpoint holds only part of the optimizer state of "
+                                 f"parameter {i} (group {g}): it lacks {lacking}, which "
+                                 f"{type(optimizer).__name__}'s step needs")
+            for name, shape in _shapes(entries).items():
+                if expected.get(name) is not None and shape != expected[name]:
+                    raise ValueError(f"state {name!r} of parameter {i} has shape {shape}, "
+                                     f"{type(optimizer).__name__} gives it {expected[name]} "
+                                     f"for a parameter of shape {tuple(p.shape)}")
+
+
+def _shapes(entries) -> dict:
+    """The shapes of the tensors among one parameter's state entries (name -> tuple)."""
+    return {name: tuple(value.shape) for name, value in entries.items() if torch.is_tensor(value)}
+
+
+def _stepped_layout(optimizer):
+    """The state one step of ``optimizer``'s class gives each of its parameters (parameter ->
+    {entry name: tensor shape, or None for a non-tensor}): a new optimizer of the class with
+    the same groups over meta-device stand-ins with meta gradients steps once (no memory, no
+    values). None where that fails (Adafactor and ASGD read values with ``.item()``; a class
+    whose constructor takes other arguments)."""
+    groups, stand_ins = [], []
+    for group in optimizer.param_groups:
+        metas = []
+        for p in group["params"]:
+            meta = torch.empty_like(p, device="meta")  # (p's shape), no storage
+            meta.grad = torch.empty_like(p, device="meta")
+            metas.append(meta)
+            stand_ins.append((p, meta))
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": metas})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe = type(optimizer)(groups)
+            probe.step()
+    except Exception:  # noqa: BLE001 - not laid out this way: the caller's other comparison
+        return None
+    layout = {}
+    for p, meta in stand_ins:
+        entries = probe.state.get(meta, {})
+        layout[p] = dict.fromkeys(entries)
+        layout[p].update(_shapes(entries))
+    return layout
 
 
 def _check_group_settings(optimizer, saved_groups) -> None:

@@ -47,10 +47,18 @@ def _check_tensor(fn: str, name: str, t, dims: int, layout: str) -> None:
         raise ValueError(f"{fn}: {name} must be {layout}, got shape {tuple(t.shape)}")
 
 
+_INT32_RANGE = (-2 ** 31, 2 ** 31 - 1)
+
+
 def _row_ints(fn: str, name: str, x, batch: int, device, allow_int: bool = False):
     """A (batch,) int32 tensor on ``device`` from an int32/int64 tensor (or an int when
-    ``allow_int``), else TypeError / ValueError naming ``name``."""
+    ``allow_int``), else TypeError / ValueError naming ``name``; values outside int32 (read
+    where that costs no device synchronization: ints, CPU tensors) are a ValueError rather than
+    wrapped around by the cast."""
+    lo, hi = _INT32_RANGE
     if allow_int and isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        if not lo <= int(x) <= hi:
+            raise ValueError(f"{fn}: {name} must fit in int32 ([{lo}, {hi}]), got {int(x)}")
         return torch.full((batch,), int(x), dtype=torch.int32, device=device)
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
         what = "an int or " if allow_int else ""
@@ -59,6 +67,10 @@ def _row_ints(fn: str, name: str, x, batch: int, device, allow_int: bool = False
     if x.dim() != 1 or x.shape[0] != batch:
         raise ValueError(f"{fn}: {name} must have shape ({batch},) (one entry per batch row of "
                          f"q), got {tuple(x.shape)}")
+    if x.dtype == torch.int64 and x.device.type == "cpu" and x.numel() \
+            and not (lo <= int(x.min()) and int(x.max()) <= hi):
+        raise ValueError(f"{fn}: {name} values must fit in int32 ([{lo}, {hi}]), got "
+                         f"{x.tolist()}")
     return x.to(device=device, dtype=torch.int32).contiguous()
 
 
@@ -70,10 +82,25 @@ def _given_values(x, batch: int):
     return x.tolist() if x.device.type == "cpu" else None
 
 
-def _host_values(t: torch.Tensor):
-    """The values of a small index tensor when reading them costs no device synchronization
-    (CPU tensors), else None: checks that need them run on CPU inputs only."""
-    return t.tolist() if t.device.type == "cpu" else None
+def _check_dtype(fn: str, q: torch.Tensor) -> None:
+    """TypeError unless q's dtype is one the functions compute, before anything is written
+    into the caches."""
+    if q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise TypeError(f"{fn}: q, the caches and k, v must be float32, float64, bfloat16 or "
+                        f"float16, got {q.dtype}")
+
+
+def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError for caches made under ``torch.inference_mode()`` written outside it (torch
+    refuses the in-place update), before anything is written."""
+    if torch.is_inference_mode_enabled():
+        return
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.is_inference():
+            raise ValueError(f"{fn}: {name} was created under torch.inference_mode(), and the new "
+                             f"keys are written into it in place, which torch allows only inside "
+                             f"inference mode: call this inside torch.inference_mode() too, or "
+                             f"pass a cache made outside it (e.g. {name}.clone() outside it)")
 
 
 def _check_leftpad(fn: str, pads, lengths, s_new: int) -> None:
@@ -185,7 +212,8 @@ def _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale,
     j = torch.arange(s_c, device=q.device)[None, None, :] - start[:, None, None]  # (b, 1, s_c)
     i = torch.arange(s_q, device=q.device)[None, :, None]  # (1, s_q, 1)
     off = (k_len - s_q)[:, None, None]
-    lo, hi = window
+    # a window at least as wide as the cache is no window (flash-attn's rule, the kernel's too)
+    lo, hi = (-1 if w >= s_c else w for w in window)
     # Not in place: the first term is (b, 1, s_c), the masks below broadcast it to (b, s_q, s_c).
     vis = (j >= 0) & (j < k_len[:, None, None])
     if lo >= 0:
@@ -266,9 +294,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Raises:
         TypeError / ValueError: malformed arguments (shapes, dtypes, devices, index tensors
             that are not int32/int64 (batch,), new keys that do not fit the cache, rotary
-            tables of the wrong size), naming the argument. Index values are checked on CPU
-            tensors; on CUDA they are not read back (no synchronization): a row whose lengths
-            or index are out of range gets NaN instead of reading outside the cache.
+            tables of the wrong size, values outside int32), naming the argument; a dtype
+            other than float32/float64/bfloat16/float16 (TypeError) and caches made under
+            ``torch.inference_mode()`` written outside it (ValueError) before anything is
+            written. Index values given as ints or CPU tensors are checked; values in CUDA
+            tensors are not read back (no synchronization): a row whose lengths or index are
+            out of range gets NaN instead of reading outside the cache.
         NotImplementedError: ``block_table`` or ``alibi_slopes`` given.
     """
     fn = _FN
@@ -279,6 +310,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise NotImplementedError(f"{fn}: block_table (a paged KV cache) is not supported; pass "
                                   f"the caches as (batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_dtype(fn, q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(fn, name, t, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
         if t.stride(-1) != 1:
@@ -313,18 +345,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if bidx is None and b_c < b:
         raise ValueError(f"{fn}: without cache_batch_idx the caches need a row per batch row of q "
                          f"({b}), got batch_cache = {b_c}")
-    host = _host_values(seqlens)
+    # Values are checked as given where reading them costs no device synchronization (ints,
+    # CPU tensors): an int on CUDA is checked too.
+    host = [s_c] * b if cache_seqlens is None else _given_values(cache_seqlens, b)
     if host is not None and any(n < 0 or n + s_new > s_c for n in host):
         raise ValueError(f"{fn}: cache_seqlens + seqlen_new must lie in [0, seqlen_cache = {s_c}] "
                          f"(the new keys must fit the cache), got cache_seqlens = {host} and "
                          f"seqlen_new = {s_new}")
-    host_idx = None if bidx is None else _host_values(bidx)
+    host_idx = None if bidx is None else _given_values(cache_batch_idx, b)
     if host_idx is not None and any(i < 0 or i >= b_c for i in host_idx):
         raise ValueError(f"{fn}: cache_batch_idx entries must lie in [0, batch_cache = {b_c}), got "
                          f"{host_idx}")
-    if host is not None and leftpad is not None:
-        _check_leftpad(fn, _host_values(leftpad), host, s_new)
+    pads = None if leftpad is None else _given_values(cache_leftpad, b)
+    if host is not None and pads is not None:
+        _check_leftpad(fn, pads, host, s_new)
     _check_rotary(fn, rotary_cos, rotary_sin, q, k is not None, s_c)
+    if rotary_cos is not None and host is not None:
+        # the last position rotated: a new key's, or a query's when causal or windowed
+        # (queries at cache_seqlens + i); flash-attn reads past its table there
+        last = max(host) + max(s_new, s_q if causal or window != (-1, -1) else 1)
+        if rotary_cos.shape[0] < last:
+            raise ValueError(f"{fn}: rotary_cos / rotary_sin need at least {last} rows (the "
+                             f"positions of the new keys and queries: cache_seqlens = {host}, "
+                             f"seqlen_new = {s_new}, seqlen_q = {s_q}), got "
+                             f"{rotary_cos.shape[0]}")
+    if k is not None:
+        _check_writable(fn, k_cache, v_cache)
     scale = resolve_scale(softmax_scale, d)
     with torch.no_grad():
         q, k, v = _head_contiguous(q, k, v)
@@ -535,13 +581,18 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     softmax_scale, window, softcap = _check_options(
         fn, softmax_scale, causal, rotary_interleaved, return_softmax_lse, window_size, softcap,
         alibi_slopes, num_splits)
-    lay = get_layout(layout)
+    try:
+        lay = get_layout(layout)
+        multiple = lay.multiple(world)
+    except ValueError as exc:
+        raise ValueError(f"{fn}: layout: {exc}") from None
     if not isinstance(prefill_len, numbers.Integral) or isinstance(prefill_len, bool) \
-            or prefill_len < 0 or (prefill_len and prefill_len % lay.multiple(world)):
+            or prefill_len < 0 or (prefill_len and prefill_len % multiple):
         raise ValueError(f"{fn}: prefill_len must be 0 or a positive multiple of "
-                         f"{lay.multiple(world)} (layout {lay.name!r} over {world} ranks), got "
+                         f"{multiple} (layout {lay.name!r} over {world} ranks), got "
                          f"{prefill_len!r}")
     _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_dtype(fn, q)
     (q,) = _head_contiguous(q)
     for name, t in (("k_cache_shard", k_cache_shard), ("v_cache_shard", v_cache_shard)):
         _check_tensor(fn, name, t, 4, "(batch, capacity, nheads_k, headdim)")
@@ -550,8 +601,11 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
                              f"{q.device}) and a contiguous last dimension, got {t.dtype} on "
                              f"{t.device}, strides {t.stride()}")
     b, s_q, h, d = q.shape
+    if d == 0:
+        raise ValueError(f"{fn}: headdim must be positive, got q {tuple(q.shape)}")
     if k_cache_shard.shape != v_cache_shard.shape or k_cache_shard.shape[0] != b \
-            or k_cache_shard.shape[3] != d or h % max(k_cache_shard.shape[2], 1):
+            or k_cache_shard.shape[3] != d or k_cache_shard.shape[2] == 0 \
+            or h % k_cache_shard.shape[2]:
         raise ValueError(f"{fn}: k_cache_shard and v_cache_shard must both be (batch, capacity, "
                          f"nheads_k, headdim) with batch {b}, headdim {d} and nheads_k dividing "
                          f"{h}, got {tuple(k_cache_shard.shape)} and {tuple(v_cache_shard.shape)}")
@@ -572,12 +626,18 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     starts = (torch.zeros(b, dtype=torch.int32, device=q.device) if cache_leftpad is None else
               _row_ints(fn, "cache_leftpad", cache_leftpad, b, q.device))
     _check_rotary(fn, rotary_cos, rotary_sin, q, k is not None, 0)
-    homes = _Homes(lay, int(prefill_len), world, rank, q.device)
-    host = _host_values(lengths)
+    try:
+        homes = _Homes(lay, int(prefill_len), world, rank, q.device)
+    except ValueError as exc:  # a layout whose positions this cache cannot use
+        raise ValueError(f"{fn}: layout: {exc}") from None
+    if k is not None:
+        _check_writable(fn, k_cache_shard, v_cache_shard)
+    # values as given, where reading them costs no device synchronization (ints included)
+    host = _given_values(cache_seqlens, b)
     if host is not None:
         if any(n < 0 for n in host):
             raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {host}")
-        pads = _host_values(starts)
+        pads = [0] * b if cache_leftpad is None else _given_values(cache_leftpad, b)
         if pads is not None:
             _check_leftpad(fn, pads, host, s_new)
         last = max(host) + s_new

@@ -350,6 +350,55 @@ def test_errors_name_the_argument():
         assert "flash_attn_with_kvcache" in str(info.value)
 
 
+def test_bad_values_are_refused_before_the_cache_changes():
+    """Refused with the function's ValueError / TypeError, the caches unchanged: an int8 call
+    (before: the kernel's refusal after the new keys were written), index values outside
+    int32 (before: wrapped by the cast, 2**32 + 3 written at slot 3), rotary tables too short
+    for the queries' positions (before: IndexError), caches made under inference mode written
+    outside it (before: torch's bare RuntimeError)."""
+    q, kc, vc = _decode_inputs(b=1, cap=16)
+    k = torch.randn(1, 1, 2, 64)
+    before = kc.clone()
+    as_int8 = [torch.ones_like(t, dtype=torch.int8) for t in (q, kc, vc, k)]
+    with pytest.raises(TypeError, match="flash_attn_with_kvcache: q, the caches and k, v must be "
+                                        "float32, float64, bfloat16 or float16, got torch.int8"):
+        flash_attn_with_kvcache(*as_int8, as_int8[3] * 2, cache_seqlens=3)
+    assert (as_int8[1] == 1).all()  # nothing written
+    for name, kwargs in (("cache_seqlens", dict(cache_seqlens=2 ** 31)),
+                         ("cache_seqlens", dict(cache_seqlens=torch.tensor([2 ** 32 + 3]))),
+                         ("cache_batch_idx", dict(cache_seqlens=3,
+                                                  cache_batch_idx=torch.tensor([2 ** 32])))):
+        with pytest.raises(ValueError, match=rf"flash_attn_with_kvcache: {name} (values )?must "
+                                             rf"fit in int32"):
+            flash_attn_with_kvcache(q, kc, vc, k, k.clone(), **kwargs)
+    with pytest.raises(ValueError, match=r"rotary_cos / rotary_sin need at least 19 rows"):
+        flash_attn_with_kvcache(torch.randn(1, 4, 8, 64), kc, vc, k, k.clone(), cache_seqlens=15,
+                                causal=True, rotary_cos=torch.ones(16, 8),
+                                rotary_sin=torch.zeros(16, 8))
+    assert torch.equal(kc, before)
+    with torch.inference_mode():
+        made_there = kc.clone()
+    with pytest.raises(ValueError, match=r"k_cache was created under torch.inference_mode\(\)"):
+        flash_attn_with_kvcache(q, made_there, vc, k, k.clone(), cache_seqlens=3)
+    with torch.inference_mode():  # inside it, as in flash-attn
+        flash_attn_with_kvcache(q, made_there, vc.clone(), k, k.clone(), cache_seqlens=3)
+    assert torch.equal(made_there[:, 3], k[:, 0])
+
+
+def test_a_window_as_wide_as_the_cache_is_no_window_on_the_torch_path(monkeypatch):
+    """flash-attn's rule, which the kernel follows: window_size entries >= seqlen_cache mean
+    no window. More queries than cache slots, not causal, right window 4 over a 4-slot cache:
+    the plain-torch path (CUDA float32, other head dims) gave a different output (off by 2.16)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 2, 16, generator=g, dtype=f64)
+    kc, vc = (torch.randn(1, 4, 2, 16, generator=g, dtype=f64) for _ in range(2))
+    want = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4)
+    monkeypatch.setattr(ringseq.kvcache, "_kernel_runs", lambda *args: False)
+    for window in ((-1, 4), (4, -1), (7, 9)):
+        got = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, window_size=window)
+        assert torch.allclose(got, want, atol=1e-12, rtol=0), window
+
+
 # ------------------------------------------------------------------------- context parallel
 class _count_collectives:
     """Records (op, elements sent) of torch.distributed's all_gather / all_reduce calls."""
@@ -468,13 +517,15 @@ def test_ring_decoding_is_exact_and_moves_no_kv(world):
         for rank, (_, caught) in enumerate(results):
             # a shard too small on rank 1 only: raised there, and on rank 0 as a RingPeerError
             # naming rank 1 and its message
-            assert len(caught) == 6, caught
+            assert len(caught) == 7, caught
             assert "holds 3 slots" in caught[0] and (rank == 1 or "rank(s) [1]" in caught[0])
             assert "prefill_len" in caught[1]  # bad on every rank: raised on every rank
             assert "window_size" in caught[2] and "NotImplementedError" in caught[2]
             assert "num_splits must be an int >= 0" in caught[3]
             assert "different arguments" in caught[4] and "cache_seqlens (hash)" in caught[4]
             assert "different arguments" in caught[5] and "softcap (x1e6) (rank 0: 0, rank 1: 5000000)" in caught[5]
+            assert "created under torch.inference_mode()" in caught[6]
+            assert rank == 1 or ("RingPeerError" in caught[6] and "rank(s) [1]" in caught[6])
 
 
 def _ring_errors():
@@ -499,6 +550,16 @@ def _ring_errors():
     # valid on each rank, but not the same call: every rank raises, naming what differs
     call(torch.randn(1, 1, 4, 16), 8, new_kv, prefill_len=8, seqlens=8 if rank == 0 else 6)
     call(torch.randn(1, 1, 4, 16), 8, new_kv, prefill_len=8, softcap=0.0 if rank == 0 else 5.0)
+    # rank 1's caches made under inference mode and written outside it: refused before the
+    # agreement, so rank 0 does not wait in the all-gather
+    with torch.inference_mode():
+        made_there = torch.zeros(1, 8, 2, 16)
+    kc = made_there if rank == 1 else torch.zeros(1, 8, 2, 16)
+    try:
+        ring_flash_attn_with_kvcache(torch.randn(1, 1, 4, 16), kc, kc.clone(), 8, new_kv,
+                                     new_kv.clone(), prefill_len=8)
+    except ValueError as exc:
+        caught.append(f"{type(exc).__name__}: {exc}")
     return caught
 
 

@@ -326,6 +326,57 @@ def test_tensor_parallelism_alone_accumulates_without_no_sync():
             assert _rel(r["grads"][name], g) <= REL, name
 
 
+def _checkpoints_around_the_steps(ckpt_dir):
+    """W=2 as sp 2 x zero 2: an optimizer checkpoint before the first step, then one step, an
+    evaluation forward under no_grad (FSDP2 at zero 2 keeps the gathered parameters until a
+    backward), and every checkpoint call after it."""
+    plugin, booster, model, opt, criterion, loader = _boosted("llama", dict(sp_size=2,
+                                                                          zero_stage=2))
+    out = {}
+    initial = os.path.join(ckpt_dir, "initial_optim")
+    booster.save_optimizer(opt, initial)
+    out["state after saving a fresh optimizer"] = len(opt.unwrap().state)
+    batch = next(iter(loader))
+    booster.backward(criterion(model(**batch), batch), opt)
+    opt.step()
+    opt.zero_grad()
+    out["step counts after one step"] = sorted({float(s["step"])
+                                                for s in opt.unwrap().state.values()})
+    before, after = (os.path.join(ckpt_dir, f"{name}.pt") for name in ("before", "after"))
+    booster.save_model(model, before)
+    with torch.no_grad():
+        model(**batch)  # a validation forward
+    booster.save_model(model, after)
+    booster.save_optimizer(opt, os.path.join(ckpt_dir, "optim"))
+    booster.load_model(model, before)
+    booster.load_optimizer(opt, os.path.join(ckpt_dir, "optim"))
+    out["step counts after the round trip"] = sorted({float(s["step"])
+                                                      for s in opt.unwrap().state.values()})
+    booster.load_optimizer(opt, initial)  # back to no state at all
+    out["state after loading the initial checkpoint"] = len(opt.unwrap().state)
+    return out
+
+
+def test_checkpoints_after_an_evaluation_forward_and_before_the_first_step(tmp_path):
+    """An optimizer saved before its first step (an initial checkpoint) stays without state
+    (before: torch's lr-0 step stayed in it: step counts of 2 after one step, a different
+    second loss) and loads back as none; after an evaluation forward at zero 2 the model saves
+    as full tensors that load into the plain model (before: DTensor shards in the "full"
+    file, save_optimizer's KeyError: 0, load_model's mixed Tensor and DTensor error)."""
+    results = run_ranks(_checkpoints_around_the_steps, 2, str(tmp_path), timeout=300)
+    for r in results:
+        assert r == {"state after saving a fresh optimizer": 0,
+                     "step counts after one step": [1.0],
+                     "step counts after the round trip": [1.0],
+                     "state after loading the initial checkpoint": 0}, r
+    before = torch.load(tmp_path / "before.pt", weights_only=True)
+    after = torch.load(tmp_path / "after.pt", weights_only=True)
+    assert before.keys() == after.keys()
+    for key, value in after.items():
+        assert type(value) is torch.Tensor and torch.equal(value, before[key]), key
+    _model("llama").load_state_dict(after)
+
+
 def _frozen_under_tp():
     """W=2 as tp 2: a model frozen whole (a teacher) and one with a frozen embedding and
     final norm, boosted; which of their parameters require a gradient afterwards; then the

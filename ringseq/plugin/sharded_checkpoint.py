@@ -50,6 +50,18 @@ def _is_sharded(model) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def _reshard(model) -> None:
+    """FSDP2 at zero stage 2 (``reshard_after_forward=False``) keeps the parameters a forward
+    gathered until a backward reshards them; after a forward without one (an evaluation under
+    ``no_grad``) the model's parameters are plain full tensors, and a checkpoint would read
+    them as unsharded (a "full" state dict of DTensor shards, torch's KeyError naming the
+    optimizer's parameters). Every FSDP module is resharded first (a no-op where it is)."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _holds_dtensors(optimizer) -> bool:
     """Whether an optimizer (boosted or the user's own object) holds sharded parameters."""
     from torch.distributed.tensor import DTensor
@@ -71,6 +83,7 @@ def _shard_bytes(size) -> int:
 def full_model_state_dict(model) -> dict:
     """The full state dict of ``model`` (any sharding) on rank 0, as CPU tensors; ``{}`` on
     the other ranks of a sharded model. Collective when the model is sharded."""
+    _reshard(model)
     if not _is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -274,6 +287,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         ``model`` on any mesh, all or nothing: every rank reads the whole checkpoint and checks
         its keys and (global) shapes against the model before any rank changes a parameter."""
         inner = _unwrap(model)
+        _reshard(inner)
         if not _is_sharded(inner) and not os.path.isdir(checkpoint):
             return super().load_model(model, checkpoint, strict=strict)
         if _is_sharded(inner):
@@ -294,6 +308,8 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         with the fp16 grad scaler's state in it as ``grad_scaler.pt``; otherwise the plain
         ``torch.optim`` state dict file (and ``<path>.grad_scaler``)."""
         model = getattr(optimizer, "model", None)
+        if model is not None:
+            _reshard(model)
         # (the user's own optimizer object after boost holds the sharded parameters too)
         params_sharded = _holds_dtensors(optimizer) or (model is not None and _is_sharded(model))
         if sharded is None:
@@ -313,7 +329,17 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        state = get_optimizer_state_dict(model, _unwrap(optimizer))
+        opt = _unwrap(optimizer)
+        # torch lays out the state of an optimizer that has none (and no gradients) with a
+        # real step at lr 0: step counts of 1, Adam's weight decay in exp_avg. Saved that way,
+        # and kept, it changes the training that follows; an optimizer without state is saved
+        # and left without state (a load restores every parameter stateless).
+        fresh = not opt.state and not any(p.grad is not None for g in opt.param_groups
+                                          for p in g["params"])
+        state = get_optimizer_state_dict(model, opt)
+        if fresh:
+            opt.state.clear()
+            state["state"] = {}
         try:  # collective: raises on every rank when one fails
             dcp.save({"optimizer": state}, checkpoint_id=checkpoint)
         except CheckpointException as exc:  # a BaseException: `except Exception` misses it
@@ -329,6 +355,8 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         ``dcp.load`` into uninitialized tensors laid out as this rank's optimizer state, so the
         load holds a second copy of this rank's optimizer state until it is applied."""
         model = getattr(optimizer, "model", None)
+        if model is not None:
+            _reshard(model)
         if model is None and (os.path.isdir(checkpoint) or _holds_dtensors(optimizer)):
             raise ValueError(f"load_optimizer: {checkpoint!r} is a sharded optimizer checkpoint "
                              f"or the parameters are sharded: pass the boosted optimizer "

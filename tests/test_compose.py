@@ -377,6 +377,38 @@ def test_checkpoints_after_an_evaluation_forward_and_before_the_first_step(tmp_p
     _model("llama").load_state_dict(after)
 
 
+def _boosted_from_different_weights():
+    """W=2: rank 1 builds other initial weights (no common seed); each rank's view of every
+    parameter after boost (DTensors made full: a replicated one shows this rank's copy)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    views = {}
+    for name, cfg in (("sp2_zero3", dict(sp_size=2, zero_stage=3)),
+                      ("tp2", dict(sp_size=1, tp_size=2))):
+        model = _model("llama")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * dist.get_rank())
+        model, *_ = Booster(plugin=RingSequenceParallelPlugin(**cfg)).boost(model)
+        views[name] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                       for n, p in model.unwrap().named_parameters()}
+    return views
+
+
+def test_every_mesh_starts_from_rank_0s_weights():
+    """Ranks that built different initial weights train rank 0's model on every mesh, as DDP
+    makes them (before: FSDP trained a mix of each rank's shards, 0.12 from rank 0's model,
+    and tp ranks kept their own replicated norms and embedding while the checkpoint showed
+    rank 0's)."""
+    want = dict(_model("llama").named_parameters())
+    for rank, views in enumerate(run_ranks(_boosted_from_different_weights, 2, timeout=300)):
+        for mesh, params in views.items():
+            assert params.keys() == want.keys(), (rank, mesh)
+            for n, p in params.items():
+                assert torch.equal(p, want[n].detach()), (rank, mesh, n)
+
+
 def _frozen_under_tp():
     """W=2 as tp 2: a model frozen whole (a teacher) and one with a frozen embedding and
     final norm, boosted; which of their parameters require a gradient afterwards; then the

@@ -82,6 +82,16 @@ def _model_fields(model: nn.Module) -> tuple:
             ("trainable parameter elements", sum(p.numel() for p in params if p.requires_grad)))
 
 
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, in place, as DDP starts. Where the plugin
+    does not use DDP (FSDP, tensor parallelism, a frozen model), ranks that built different
+    initial weights (no common seed) would otherwise train a mix of each rank's shards, or
+    tp ranks keep different replicated norms, and no rank would hold the model it saves."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.detach(), src=0)
+
+
 class RingSequenceParallelPlugin(Plugin):
     """Sequence parallelism with ring attention on ``sp`` ranks, data parallelism over the rest,
     optionally with tensor parallelism (``tp_size``) and FSDP (``zero_stage``).
@@ -548,6 +558,12 @@ class RingSequenceParallelPlugin(Plugin):
             # A KV cache of a sharded sequence is meaningless and ring attention refuses one.
             model.config.use_cache = False
         model = model.to(self.device)
+        # DDP refuses a model without trainable parameters (a distillation teacher): it runs
+        # without DDP, and the wrapper refuses forwards that could train it
+        frozen = (dims.zero_stage == 0 and dims.tp_size == 1 and dims.world_size > 1
+                  and not any(p.requires_grad for p in model.parameters()))
+        if dist.get_world_size() > 1 and (dims.zero_stage >= 2 or dims.tp_size > 1 or frozen):
+            _broadcast_from_rank0(model)  # what DDP does where DDP runs
         if plan is not None:
             from ..parallel.tp import apply_tensor_parallel
             apply_tensor_parallel(model, plan, self.groups.tp_mesh)
@@ -562,10 +578,6 @@ class RingSequenceParallelPlugin(Plugin):
         if summed:
             reduced.watch(model.parameters())
         reduction = None  # completes the other ranks' collectives after a failure
-        # DDP refuses a model without trainable parameters (a distillation teacher): it runs
-        # without DDP, and the wrapper refuses forwards that could train it
-        frozen = (dims.zero_stage == 0 and dims.tp_size == 1 and dims.world_size > 1
-                  and not any(p.requires_grad for p in model.parameters()))
         if dims.zero_stage >= 2:
             from ..parallel.fsdp import apply_fsdp
             mesh = self.groups.dp_sp_mesh()

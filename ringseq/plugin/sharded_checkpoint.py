@@ -30,6 +30,7 @@ import re
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.module import _IncompatibleKeys
 
 from .._dist import agree_or_raise
 from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
@@ -295,8 +296,12 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                                                                  set_model_state_dict)
 
             def apply(state):  # every rank holds the whole state dict: each places its shards
-                return set_model_state_dict(inner, state, options=StateDictOptions(
+                # torch's result lists no keys under strict=False (it fills the missing ones
+                # into ``state`` from the model's own): the keys as load_state_dict reports them
+                own, given = set(inner.state_dict()), set(state)
+                set_model_state_dict(inner, state, options=StateDictOptions(
                     full_state_dict=True, strict=strict))
+                return _IncompatibleKeys(sorted(own - given), sorted(given - own))
         else:
             def apply(state):
                 return inner.load_state_dict(state, strict=strict)

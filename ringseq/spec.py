@@ -241,14 +241,7 @@ def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
     ``world_size`` ranks placed by ``layout`` (bound to the call's documents): the documents
     must be the GLOBAL boundaries, the layout must take the local length, and the backend must
     compute a block's gradients from a ring's merged out/lse. ValueError naming ``spec.fn``."""
-    total = s_local * world_size
-    if spec.documents is not None and spec.documents[-1] != total:
-        raise ValueError(
-            f"{spec.fn}: cu_seqlens must be the GLOBAL document boundaries of the whole packed "
-            f"sequence (the same on every rank, ending at the global length {total} = local "
-            f"length {s_local} x world size {world_size}), got boundaries ending at "
-            f"{spec.documents[-1]}" + (" (per-rank boundaries, as ring-flash-attention passes "
-                                       "them?)" if spec.documents[-1] == s_local else ""))
+    check_global_documents(spec, world_size, s_local)
     try:
         layout.check_local_seqlen(s_local, world_size)
     except ValueError as exc:
@@ -257,6 +250,20 @@ def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
         raise ValueError(f"{spec.fn}: backend {spec.backend.name!r} cannot compute a block's "
                          f"gradients from the merged output of a ring; use backend='ringseq' "
                          f"or 'reference'")
+
+
+def check_global_documents(spec: AttnSpec, world_size: int, s_local: int) -> None:
+    """The call's documents end at the global length, ``s_local`` tokens on each of
+    ``world_size`` ranks; ValueError naming ``spec.fn`` (and the per-rank boundaries
+    ring-flash-attention passes, when they look like them)."""
+    total = s_local * world_size
+    if spec.documents is not None and spec.documents[-1] != total:
+        raise ValueError(
+            f"{spec.fn}: cu_seqlens must be the GLOBAL document boundaries of the whole packed "
+            f"sequence (the same on every rank, ending at the global length {total} = local "
+            f"length {s_local} x world size {world_size}), got boundaries ending at "
+            f"{spec.documents[-1]}" + (" (per-rank boundaries, as ring-flash-attention passes "
+                                       "them?)" if spec.documents[-1] == s_local else ""))
 
 
 def named_layout(fn: str, layout, takes_documents: bool = True):

@@ -150,6 +150,7 @@ def _errors(sps, pairs):
     x8 = torch.randn(1, 6, 8, 8, generator=g)
     x2 = torch.randn(1, 6, 2, 8, generator=g)
     hybrid = sps[(2, None, True)]
+    first_pair = dist.new_group([0, 1])  # (collective: every rank makes it)
     out = {
         "rank": rank,
         # 5 heads cannot be split over 2 ranks: named numbers and working degrees
@@ -163,6 +164,16 @@ def _errors(sps, pairs):
         "bad_ulysses": _expected_error(lambda: ringseq.make_sp_groups(3)),
         # ranks that ask for different groups (before: every rank waited in group creation)
         "groups_differ": _expected_error(lambda: ringseq.make_sp_groups(2 if rank == 0 else 4)),
+        # rank 3 passes the whole group, the others their pair (before: every rank hung in
+        # group creation, the ring timeout not reaching it)
+        "group_sizes_differ": _expected_error(lambda: ringseq.make_sp_groups(
+            2, group=None if rank == 3 else pairs)),
+        # every rank passes ranks 0 and 1's group (before: ranks 0 and 1 went on with working
+        # groups, ranks 2 and 3 raised a message naming neither the function nor the fix)
+        "foreign_group": _expected_error(lambda: ringseq.make_sp_groups(2, group=first_pair)),
+        # per-rank boundaries on a 2 x 2 hybrid (before: "local length 12 x world size 2")
+        "hybrid_cu_seqlens": _expected_error(lambda: ringseq.usp_attn_func(
+            x8, x8, x8, sp=hybrid, cu_seqlens=[0, 3, 6])),
         # one rank passes another local length: every rank raises instead of hanging
         "mismatch": _expected_error(lambda: ringseq.ulysses_attn_func(
             *(torch.randn(1, 8 if rank == 1 else 6, 8, 8),) * 3, group=None)),
@@ -495,6 +506,24 @@ def test_ranks_that_disagree_all_raise():
             assert e[key].startswith("RingMismatchError") and "local seqlen" in e[key], e[key]
 
 
+def test_groups_a_rank_is_not_in_or_of_other_sizes_raise_on_every_rank():
+    for e in _errors_of():
+        assert e["group_sizes_differ"].startswith("RingMismatchError") and \
+            "group size (rank 0: 2, rank 1: 2, rank 2: 2, rank 3: 4)" in e["group_sizes_differ"], \
+            e["group_sizes_differ"]
+        text = e["foreign_group"]
+        if e["rank"] in (2, 3):
+            assert text.startswith("ValueError: make_sp_groups: group holds ranks [0, 1], not this "
+                                   f"rank {e['rank']}: every rank passes the sequence-parallel "
+                                   "group it belongs to"), text
+        else:
+            assert text.startswith("RingPeerError") and "rank(s) [2, 3]" in text, text
+        assert "usp_attn_func: cu_seqlens must be the GLOBAL document boundaries" in \
+            e["hybrid_cu_seqlens"] and "global length 24 = local length 6 x world size 4), got " \
+            "boundaries ending at 6 (per-rank boundaries" in e["hybrid_cu_seqlens"], \
+            e["hybrid_cu_seqlens"]
+
+
 def test_ranks_in_different_operations_name_them_alike():
     texts = {e["ring_vs_ulysses"] for e in _errors_of()}
     assert len(texts) == 1, texts  # the same verdict on every rank
@@ -615,6 +644,21 @@ def test_groups_object_and_layout_names_are_checked_where_they_are_given():
 def test_usp_needs_its_groups():
     import ringseq
     q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(TypeError, match=r"usp_sdpa: sp must be the SequenceParallelGroups "
+                                        r"of ringseq.make_sp_groups .*got NoneType"):
+        ringseq.usp_sdpa(q, q, q, sp=None)  # (before: AttributeError, 'NoneType' ... 'group')
     with pytest.raises(TypeError, match=r"usp_attn_func: sp must be the SequenceParallelGroups "
                                         r"of ringseq.make_sp_groups .*got NoneType"):
         ringseq.usp_attn_func(q, q, q, sp=None)
+
+
+def test_sdpa_forms_refuse_grouped_heads_without_enable_gqa():
+    """As F.scaled_dot_product_attention: 4 query heads over 2 key heads need enable_gqa=True
+    (before: ring_sdpa and usp_sdpa ran grouped-query attention with enable_gqa=False)."""
+    import ringseq
+    q, k = torch.zeros(1, 4, 8, 8), torch.zeros(1, 2, 8, 8)
+    with pytest.raises(ValueError, match=r"ring_sdpa: query has 4 heads and key 2: grouped-query "
+                                         r"attention needs enable_gqa=True, got enable_gqa=False"):
+        ringseq.ring_sdpa(q, k, k, enable_gqa=False)
+    out = ringseq.ring_sdpa(q, k, k, enable_gqa=True)
+    assert out.shape == q.shape

@@ -178,11 +178,14 @@ def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, pos
         elif not bool((pos == expected).all()):
             what = ("positions within their documents" if docs is not None else
                     "global positions")
+            sharder = ("sp.shard_batch(batch, layout) of the SequenceParallelGroups this model "
+                       "was switched with (the plugin's loader does it)"
+                       if settings.sp is not None else "ringseq.shard_batch")
             problems.append(
                 f"position_ids that are not the {what} of this rank's tokens under layout "
-                f"{layout.name!r} (pass the batch of ringseq.shard_batch; without its "
-                "position_ids the model numbers every shard from 0, and packed documents need "
-                "their boundaries, cu_seq_lens_q, which shard_batch returns)")
+                f"{layout.name!r} (pass the batch of {sharder}; without its position_ids the "
+                "model numbers every shard from 0, and packed documents need their "
+                "boundaries, cu_seq_lens_q, which it returns)")
     # On the ring's control channel: a peer's failure report (raised in its embedding, say)
     # meets this check instead of waiting for it.
     get_ring(settings.group).agree(

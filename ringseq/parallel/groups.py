@@ -92,7 +92,9 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
         if ulysses_size is None:
             raise ValueError(f"sp_mode='hybrid' needs ulysses_size (one of "
                              f"{_divisors(sp_size)}, dividing sp_size={sp_size})")
-        if not isinstance(ulysses_size, int) or ulysses_size < 1 or sp_size % ulysses_size:
+        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
+            raise ValueError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
+        if sp_size % ulysses_size:
             raise ValueError(f"ulysses_size={ulysses_size!r} does not divide sp_size={sp_size}; "
                              f"the sequence-parallel group is ulysses_size x ring size, so "
                              f"ulysses_size must be one of {_divisors(sp_size)}")
@@ -101,7 +103,11 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
     if inner_ring_size is None:
         I = R
     else:
-        if not isinstance(inner_ring_size, int) or inner_ring_size < 1 or R % inner_ring_size:
+        if isinstance(inner_ring_size, bool) or not isinstance(inner_ring_size, int) \
+                or inner_ring_size < 1:
+            raise ValueError(f"inner_ring_size must be a positive integer or None, got "
+                             f"{inner_ring_size!r}")
+        if R % inner_ring_size:
             raise ValueError(f"inner_ring_size={inner_ring_size!r} does not divide the ring "
                              f"size {R} (sp_size {sp_size} / ulysses_size {U}); the ring is "
                              f"outer x inner rings, so inner_ring_size must be one of "
@@ -352,21 +358,42 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
             raise ValueError(f"make_sp_groups: group={group!r} was passed but "
                              f"torch.distributed is not initialized")
         if ulysses_size != 1 or inner_ring_size not in (None, 1):
-            raise ValueError(f"ulysses_size={ulysses_size} / inner_ring_size={inner_ring_size} "
-                             f"need torch.distributed (a group of one cannot be split)")
+            raise ValueError(f"make_sp_groups: ulysses_size={ulysses_size} / inner_ring_size="
+                             f"{inner_ring_size} need torch.distributed (without it the group is "
+                             f"this process alone, which cannot be split): initialize it, or "
+                             f"pass 1 / None")
         return _local_groups(1, 1, 1)
-    ranks = (list(range(dist.get_world_size())) if group is None
-             else dist.get_process_group_ranks(group))
-    n = len(ranks)
     problem = None
     try:
+        ranks = (list(range(dist.get_world_size())) if group is None
+                 else dist.get_process_group_ranks(group))
+    except (ValueError, RuntimeError, KeyError) as exc:  # not a group of the default one
+        problem = ValueError(f"make_sp_groups: group={group!r} is not a process group of this "
+                             f"rank's default group ({type(exc).__name__}: {exc})")
+        ranks = []
+    n = len(ranks)
+    try:
+        if problem is not None:
+            raise problem
         for name, v in (("ulysses_size", ulysses_size), ("inner_ring_size", inner_ring_size)):
             if not (v is None and name == "inner_ring_size") and (
                     isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"make_sp_groups: {name} must be a positive integer"
                                  f"{' or None' if name == 'inner_ring_size' else ''}, got {v!r}")
+        if dist.get_rank() not in ranks:
+            raise ValueError(f"make_sp_groups: group holds ranks {sorted(ranks)[:8]}"
+                             f"{' ...' if n > 8 else ''}, not this rank {dist.get_rank()}: every "
+                             f"rank passes the sequence-parallel group it belongs to")
+        if n % ulysses_size:
+            raise ValueError(f"make_sp_groups: ulysses_size={ulysses_size} does not divide the "
+                             f"group's {n} ranks; one of {_divisors(n)}")
+        ring = n // ulysses_size
+        if inner_ring_size is not None and ring % inner_ring_size:
+            raise ValueError(f"make_sp_groups: inner_ring_size={inner_ring_size} does not divide "
+                             f"the ring size {ring} ({n} ranks / ulysses_size {ulysses_size}); "
+                             f"one of {_divisors(ring)}, or None for a plain ring")
         mode = "ring" if ulysses_size == 1 else ("ulysses" if ulysses_size == n else "hybrid")
-        resolve_sp_sizes(mode, n, ulysses_size, inner_ring_size)
+        resolve_sp_sizes(mode, n, ulysses_size, None if ring == 1 else inner_ring_size)
     except ValueError as exc:
         problem = exc
         ulysses_size, inner_ring_size = -1, -1  # (the fields below; this rank raises)
@@ -375,7 +402,10 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
     agree_on_fields(problem is None, str(problem),
                     (("ulysses_size", int(ulysses_size), None),
                      ("inner_ring_size", int(inner_ring_size or 0), None),
-                     ("ulysses_inner", int(bool(ulysses_inner)), None)),
+                     ("ulysses_inner", int(bool(ulysses_inner)), None),
+                     # ranks passing groups of other sizes (one the default group, the others
+                     # subgroups) would go different ways below and wait in each other's
+                     ("group size", n, None)),
                     error=problem, what="make_sp_groups")
     if group is None or n == dist.get_world_size():
         all_groups = [sorted(ranks)]

@@ -16,8 +16,8 @@ from ..engine.placement import LOCAL, Placement, RingPlacement
 from ..engine.ring import refuse_on_error
 from ..layouts import Layout, get_layout
 from ..ops import returns
-from ..spec import (attn_spec, bound_layout, check_layout, check_self_attention, local_spans,
-                    named_layout)
+from ..spec import (attn_spec, bound_layout, check_global_documents, check_layout,
+                    check_self_attention, local_spans, named_layout)
 from .double_ring import DoubleRingPlacement
 from .groups import SequenceParallelGroups
 from .ulysses import UlyssesPlacement, gathered, ulysses_heads
@@ -77,11 +77,15 @@ def usp_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causal: b
                 return_lse, backend, grad_comm_dtype, window_size, softcap, cu_seqlens)
 
 
-def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, backend,
-         grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None):
+def _check_sp(fn: str, sp) -> None:
     if not isinstance(sp, SequenceParallelGroups):  # (its group is where a refusal goes)
         raise TypeError(f"{fn}: sp must be the SequenceParallelGroups of ringseq.make_sp_groups "
                         f"(or the plugin's plugin.sp), got {type(sp).__name__}")
+
+
+def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, backend,
+         grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None):
+    _check_sp(fn, sp)
     with refuse_on_error(sp.group, FWD):
         check_returns(fn, False, return_lse)
         q, k, v = autocast_inputs(q, k, v)
@@ -94,6 +98,8 @@ def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, 
         check_self_attention(spec, q, k)
         ulysses_heads(q.shape[2], k.shape[2], U, fn=fn)
         part = q.shape[1] * U  # tokens of a ring part (after the all-to-all)
+        # (in the caller's terms: q.shape[1] tokens on each of the U x R ranks)
+        check_global_documents(spec, U * R, q.shape[1])
         bound = bound_layout(fn, given, spec.documents)
         if R > 1:
             lay = given
@@ -113,6 +119,7 @@ def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
     ``attn_mask`` must be None (ValueError otherwise) and ``dropout_p`` 0 (NotImplementedError
     above 0)."""
     fn = "usp_sdpa"
+    _check_sp(fn, sp)
     with refuse_on_error(sp.group, FWD):
         q, k, v = sdpa_inputs(fn, query, key, value, attn_mask, dropout_p, is_causal, scale,
                               enable_gqa)

@@ -92,6 +92,19 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
             dist.broadcast(t.detach(), src=0)
 
 
+def _named(exc: Exception, name: str) -> Exception:
+    """``exc`` with its message prefixed by ``name`` (the original chained), where it lacks it
+    and its type takes a message alone; else ``exc``."""
+    if str(exc).startswith(name):
+        return exc
+    try:
+        named = type(exc)(f"{name}: {exc}")
+    except Exception:  # noqa: BLE001 - an exception type with other arguments: kept as is
+        return exc
+    named.__cause__ = exc
+    return named
+
+
 class RingSequenceParallelPlugin(Plugin):
     """Sequence parallelism with ring attention on ``sp`` ranks, data parallelism over the rest,
     optionally with tensor parallelism (``tp_size``) and FSDP (``zero_stage``).
@@ -258,8 +271,9 @@ class RingSequenceParallelPlugin(Plugin):
                                     ulysses_inner, activation_checkpointing, tp_plan, device)
         except (ValueError, TypeError, RuntimeError) as exc:
             # (RuntimeError: no process group, on every rank; or a device string torch
-            # rejects, perhaps on one rank only)
-            refusal, fields = exc, ()
+            # rejects, perhaps on one rank only). Named for the user, who called the plugin
+            # (the checks below it speak of their own arguments).
+            refusal, fields = _named(exc, type(self).__name__), ()
         get_ring(None).agree(refusal is None, str(refusal), error=refusal, fields=fields,
                              about="plugin options")
         plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)

@@ -593,3 +593,26 @@ def test_attention_it_cannot_compute_exactly_is_refused(family):
                                 layout="contiguous")
     with pytest.raises(ValueError, match=needle), torch.no_grad():
         model(**batch, use_cache=False)
+
+
+def _hybrid_fed_the_ring_sharding():
+    import ringseq
+    from ringseq.integrations.transformers import apply
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=64))
+    apply(model, sp_mode="hybrid", ulysses_size=2, layout="zigzag")
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    return error_text(lambda: model(**ringseq.shard_batch({"input_ids": ids}, layout="zigzag"),
+                                    use_cache=False))
+
+
+def test_a_hybrid_model_fed_the_plain_ring_sharding_is_told_its_own_sharder():
+    """A model switched to Ulysses x ring and fed ringseq.shard_batch (the plain ring's
+    sharding) is refused, with the advice to shard with sp.shard_batch (before: "pass the batch
+    of ringseq.shard_batch", what the user had done)."""
+    for text in run_ranks(_hybrid_fed_the_ring_sharding, 4, timeout=150):
+        assert "position_ids that are not the global positions" in text, text
+        assert "pass the batch of sp.shard_batch(batch, layout)" in text, text

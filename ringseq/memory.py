@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .layouts import get_layout
+from .layouts import PerBatchDocuments, get_layout
 from .parallel.dims import ZERO_STAGES, ParallelDims  # the plugin's own mesh rules
 
 __all__ = ["MemoryEstimate", "ModelShape", "estimate_memory", "fitting_meshes", "format_bytes",
@@ -57,6 +57,12 @@ _HEADER = 64  # ringseq.engine.integrity.HEADER_BYTES: the header that travels w
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+# The transformers model types whose tensors the estimate counts (measured against MemTracker:
+# docs/memory.md); "" is a dict of sizes without a type, estimated as a Llama of those sizes.
+MODELED_TYPES = ("", "llama", "mistral", "qwen2")
+# Config keys of a mixture of experts (Mixtral, Qwen2-MoE, DeepSeek, ...): the estimate counts
+# one dense MLP per layer, so its parameters would be a fraction of the model's.
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 # ------------------------------------------------------------------------------ the model
@@ -90,8 +96,29 @@ class ModelShape:
         together (heads not a multiple of kv heads, non-positive sizes)."""
         if isinstance(config, ModelShape):
             return config
+        if config is None or isinstance(config, (str, bytes, numbers.Number)) or (
+                not isinstance(config, dict) and not hasattr(config, "hidden_size")):
+            hint = (" (a model: pass model.config, or plugin.estimate_memory(model, seqlen))"
+                    if hasattr(config, "config") else "")
+            raise TypeError(f"estimate_memory: config must be a transformers config or a dict of "
+                            f"its sizes, got {type(config).__name__}{hint}")
         get = (config.get if isinstance(config, dict)
                else lambda k, d=None: getattr(config, k, d))
+        model_type = str(get("model_type", "") or "")
+        experts = {k: get(k, None) for k in _EXPERT_KEYS if (get(k, None) or 0) > 1}
+        if experts:
+            raise ValueError(f"estimate_memory: config {model_type!r} is a mixture of experts "
+                             f"({', '.join(f'{k}={v}' for k, v in experts.items())}); the "
+                             f"estimate models dense decoders with one MLP per layer (types "
+                             f"{list(MODELED_TYPES[1:])}), so it would count a fraction of "
+                             f"the parameters")
+        if model_type not in MODELED_TYPES:
+            raise ValueError(f"estimate_memory: config model_type {model_type!r} is not one the "
+                             f"estimate models ({list(MODELED_TYPES[1:])}): its other tensors "
+                             f"(extra norms, q/k norms, scaled embeddings, ...) are not counted "
+                             f"(Gemma 2 measured 15-22 % above the estimate). For the estimate "
+                             f"of a Llama of the same sizes, pass a dict of the sizes without "
+                             f"model_type")
         missing = object()
         vals = {}
         for key in _REQUIRED:
@@ -112,8 +139,7 @@ class ModelShape:
         elif not _is_whole(head_dim):
             raise ValueError(f"estimate_memory: config head_dim must be an integer, got "
                              f"{head_dim!r}")
-        model_type = str(get("model_type", "") or "")
-        qwen2 = model_type.startswith("qwen2")
+        qwen2 = model_type == "qwen2"
         attention_bias = bool(get("attention_bias", False))
         shape = cls(hidden=int(vals["hidden_size"]), intermediate=int(vals["intermediate_size"]),
                     layers=int(vals["num_hidden_layers"]),
@@ -805,10 +831,11 @@ def _megatron(p: _Plan, flash: bool = False) -> int:
 
 
 # ------------------------------------------------------------------------------ checks
-def _check_int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"estimate_memory: {name} must be an integer >= {minimum}, got "
-                         f"{value!r}")
+def _check_int(name, value, minimum=1, fn="estimate_memory") -> int:
+    """``value`` as an int (NumPy's integers too); ValueError unless it is one >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{fn}: {name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def _divisors(n: int) -> List[int]:
@@ -818,9 +845,13 @@ def _divisors(n: int) -> List[int]:
 def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_stage, precision,
           optimizer, activation_checkpointing, sp_mode, ulysses_size, layout) -> _Plan:
     shape = ModelShape.from_config(config)
-    for name, v in (("seqlen", seqlen), ("micro_batch", micro_batch),
-                    ("world_size", world_size), ("sp_size", sp_size), ("tp_size", tp_size)):
-        _check_int(name, v)
+    seqlen, micro_batch, world_size, sp_size, tp_size = (
+        _check_int(name, v) for name, v in (
+            ("seqlen", seqlen), ("micro_batch", micro_batch), ("world_size", world_size),
+            ("sp_size", sp_size), ("tp_size", tp_size)))
+    if not isinstance(activation_checkpointing, bool):
+        raise ValueError(f"estimate_memory: activation_checkpointing must be True or False, got "
+                         f"{activation_checkpointing!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"estimate_memory: precision must be one of {list(PRECISIONS)}, got "
                          f"{precision!r}")
@@ -847,10 +878,13 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
     # layout changes no size: every layout gives each rank s / sp tokens); the name is checked
     # on every mesh, also those without a ring (fitting_meshes' first check is one)
     try:
-        get_layout(layout)
+        lay = get_layout(layout)
         multiple = dims.seq_multiple(layout)
     except ValueError as exc:
         raise ValueError(f"estimate_memory: {exc}") from None
+    if tp_size > 1 and isinstance(lay, PerBatchDocuments):  # as the plugin refuses it
+        raise ValueError(f"estimate_memory: layout {lay.name!r} (packed batches) is not "
+                         f"supported with tp_size > 1 by the plugin, got tp_size={tp_size}")
     if seqlen % multiple:
         name = getattr(layout, "name", layout)
         raise ValueError(f"estimate_memory: seqlen={seqlen} must be a multiple of {multiple} "
@@ -887,9 +921,12 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
         layout: the plugin's data layout (a name or a ``ringseq.layouts.Layout``): it decides
             only what ``seqlen`` must be a multiple of.
 
-    Returns a :class:`MemoryEstimate` (frozen). Raises KeyError for a config without a
-    needed key (naming it), ValueError for sizes that do not fit together (naming the
-    argument and what would work).
+    Returns a :class:`MemoryEstimate` (frozen). Raises TypeError for a config that is neither
+    a config nor a dict (a model, None), KeyError for a config without a needed key (naming
+    it), ValueError for a mixture of experts or a model type the estimate does not model
+    (``MODELED_TYPES``; a dict without ``model_type`` is a Llama of its sizes), for sizes that
+    do not fit together or a mesh the plugin refuses (naming the argument and what would
+    work).
     """
     p = _plan(config, seqlen=seqlen, micro_batch=micro_batch, world_size=world_size,
               sp_size=sp_size, tp_size=tp_size, zero_stage=zero_stage, precision=precision,
@@ -989,6 +1026,14 @@ def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
     Raises TypeError for another keyword and ValueError for a bad option value (a misspelled
     precision or optimizer, micro_batch < 1, seqlen < 1), checked once on the plain
     data-parallel mesh before the search, rather than leaving every mesh out."""
+    fit, _, _ = _search(config, world_size=world_size, seqlen=seqlen,
+                        device_memory=device_memory, **kwargs)
+    return fit
+
+
+def _search(config, *, world_size, seqlen, device_memory, **kwargs):
+    """(the meshes that fit, best first; every mesh estimated; {reason: meshes left out})
+    for :func:`fitting_meshes` and the CLI, which reports what was left out and why."""
     extra = set(kwargs) - {"micro_batch", "precision", "optimizer", "layout"}
     if extra:
         raise TypeError(f"fitting_meshes: unexpected keyword argument(s) {sorted(extra)}; it "
@@ -996,15 +1041,14 @@ def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
     _check_budget("fitting_meshes", device_memory)
     # the options' own errors (dp = world_size, nothing split: every seqlen >= 1 divides)
     estimate_memory(config, seqlen=seqlen, world_size=world_size, sp_size=1, **kwargs)
-    fit = []
+    estimated, left_out = [], {}
     for mesh in meshes(config, world_size, kwargs.get("precision", "bf16")):
         try:
-            est = estimate_memory(config, seqlen=seqlen, **mesh, **kwargs)
-        except ValueError:
-            continue
-        if est.total <= device_memory:
-            fit.append(est)
-    return sorted(fit, key=_cost_key)
+            estimated.append(estimate_memory(config, seqlen=seqlen, **mesh, **kwargs))
+        except ValueError as exc:
+            left_out.setdefault(str(exc).replace("estimate_memory: ", ""), []).append(mesh)
+    fit = sorted((e for e in estimated if e.total <= device_memory), key=_cost_key)
+    return fit, estimated, left_out
 
 
 def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
@@ -1023,11 +1067,14 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
                         f"world_size, sp_size and optionally the other arguments of "
                         f"estimate_memory)")
     _check_budget("max_seqlen", device_memory)
-    step = ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
-                        tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
-                        sp_mode=mesh.get("sp_mode", "ring"),
-                        ulysses_size=mesh.get("ulysses_size")
-                        ).seq_multiple(mesh.get("layout", "zigzag"))
+    try:
+        step = ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
+                            tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
+                            sp_mode=mesh.get("sp_mode", "ring"),
+                            ulysses_size=mesh.get("ulysses_size")
+                            ).seq_multiple(mesh.get("layout", "zigzag"))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"max_seqlen: {str(exc).replace('ParallelDims: ', '')}") from None
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < step:
         raise ValueError(f"max_seqlen: limit must be an integer >= {step} (the shortest length "
                          f"this mesh and layout can split), got {limit!r}")
@@ -1098,6 +1145,8 @@ def main(argv=None) -> int:
         memory = parse_bytes(args.device_memory)
     except ValueError as exc:
         p.error(f"--device-memory: {exc}")
+    if memory <= 0:
+        p.error(f"--device-memory must be more than 0 bytes, got {args.device_memory}")
     if args.seqlen is None and not args.max_seqlen:
         p.error("give --seqlen N, --max-seqlen, or both")
     for name in ("seqlen", "world_size", "micro_batch"):
@@ -1107,7 +1156,7 @@ def main(argv=None) -> int:
     try:
         config = _load_config(args.config)
         shape = ModelShape.from_config(config)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         p.error(f"--config {args.config}: {exc}")
     common = dict(micro_batch=args.micro_batch, precision=args.precision,
                   optimizer=args.optimizer)
@@ -1126,24 +1175,21 @@ def main(argv=None) -> int:
                 "yes" if e.activation_checkpointing else "no")
 
     if args.seqlen is not None:
-        fit = fitting_meshes(config, world_size=args.world_size, seqlen=args.seqlen,
-                             device_memory=memory, **common)
+        fit, estimated, left_out = _search(config, world_size=args.world_size,
+                                           seqlen=args.seqlen, device_memory=memory, **common)
         print(f"\n## meshes that fit seqlen {args.seqlen}, best first ({len(fit)})")
         if fit:
             print(_table([mesh_cells(e) + (_gib(e.total), _gib(memory - e.total), e.peak_phase)
                           for e in fit], header + ("peak GiB", "headroom GiB", "peak at")))
         else:
-            best = None
-            for mesh in meshes(config, args.world_size, args.precision):
-                try:
-                    e = estimate_memory(config, seqlen=args.seqlen, **mesh, **common)
-                except ValueError:
-                    continue
-                if best is None or e.total < best.total:
-                    best = e
-            print("no mesh fits" + ("" if best is None else
-                                    f"; the smallest peak is {_gib(best.total)} GiB "
-                                    f"({best.mesh()})"))
+            best = min(estimated, key=lambda e: e.total, default=None)
+            print(f"no mesh of the {len(estimated)} estimated fits" +
+                  ("" if best is None else f"; the smallest peak is {_gib(best.total)} GiB "
+                                           f"({best.mesh()})"))
+        for reason, left in sorted(left_out.items(), key=lambda kv: -len(kv[1])):
+            # (a length that does not divide, most often: another seqlen brings them back)
+            print(f"left out, {len(left)} mesh(es) (e.g. sp {left[0]['sp_size']}, tp "
+                  f"{left[0]['tp_size']}, {left[0]['sp_mode']}): {reason}")
     if args.max_seqlen:
         rows = []
         for mesh in meshes(config, args.world_size, args.precision):

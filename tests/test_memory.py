@@ -375,6 +375,7 @@ def test_cli_max_seqlen(llama8b_json, capsys):
     (["--device-memory", "lots"], "--device-memory"),
     ([], "give --seqlen N, --max-seqlen, or both"),
     (["--seqlen", "0"], "--seqlen must be >= 1"),
+    (["--device-memory", "0GiB"], "--device-memory must be more than 0 bytes"),  # (traceback)
 ])
 def test_cli_argument_errors(llama8b_json, capsys, argv, match):
     base = ["--config", llama8b_json, "--world-size", "8"]
@@ -393,6 +394,56 @@ def test_cli_config_without_a_key(tmp_path, capsys):
         mem.main(["--config", str(path), "--seqlen", "8192", "--world-size", "8",
                   "--device-memory", "80GiB"])
     assert "vocab_size" in capsys.readouterr().err
+
+
+def test_cli_says_which_meshes_a_length_left_out(llama8b_json, capsys):
+    """6 ranks at a power-of-two length: the meshes with a factor 3 in their ring cannot split
+    it; the CLI says so and why (before: "no mesh fits" as if every mesh had been estimated)."""
+    assert mem.main(["--config", llama8b_json, "--seqlen", "131072", "--world-size", "6",
+                     "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "no mesh of the" in out and "estimated fits" in out, out
+    assert re.search(r"left out, \d+ mesh\(es\) \(e\.g\. sp 6, tp 1, ring\): seqlen=131072 must "
+                     r"be a multiple of 12", out), out
+
+
+def test_what_the_estimate_does_not_model_is_refused():
+    """A mixture of experts (counted as one dense MLP per layer: Mixtral-8x7B as 7.2 B
+    parameters instead of 46.7 B) and other model types (Gemma 2 measured 15-22 % above the
+    estimate) are refused instead of estimated as Llama; a dict without model_type is a Llama
+    of its sizes. What the plugin refuses (packed documents under tp) is refused too."""
+    with pytest.raises(ValueError, match=r"config 'mixtral' is a mixture of experts "
+                                         r"\(num_local_experts=8"):
+        est(dict(TINY, model_type="mixtral", num_local_experts=8))
+    with pytest.raises(ValueError, match=r"config model_type 'gemma2' is not one the estimate "
+                                         r"models \(\['llama', 'mistral', 'qwen2'\]\)"):
+        est(dict(TINY, model_type="gemma2"))
+    assert est(dict(TINY, model_type="mistral")).total == est(TINY).total
+    with pytest.raises(ValueError, match=r"layout 'documents' \(packed batches\) is not "
+                                         r"supported with tp_size > 1 by the plugin"):
+        est(tp_size=2, layout="documents")
+    fit = mem.fitting_meshes(TINY, world_size=2, seqlen=4096, device_memory=80 * GiB,
+                             layout="documents")
+    assert fit and all(e.tp_size == 1 for e in fit)
+
+
+def test_arguments_of_another_kind_are_named():
+    """A model where its config goes, a checkpointing flag that is a string, NumPy integers."""
+    np = pytest.importorskip("numpy")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    with pytest.raises(TypeError, match=r"config must be a transformers config or a dict of its "
+                                        r"sizes, got LlamaForCausalLM \(a model: pass "
+                                        r"model.config"):
+        est(model)
+    with pytest.raises(TypeError, match="got NoneType"):
+        est(None)
+    with pytest.raises(ValueError, match=r"activation_checkpointing must be True or False, got "
+                                         r"'no'"):  # (before: checkpointing on)
+        est(activation_checkpointing="no")
+    assert est(seqlen=np.int64(4096)).total == est().total == est(model.config).total
+    with pytest.raises(ValueError, match=r"^max_seqlen: sp_size=3 x tp_size=1 does not divide"):
+        mem.max_seqlen(TINY, device_memory=80 * GiB, world_size=4, sp_size=3)
 
 
 # ---------------------------------------------------------------- against measurement

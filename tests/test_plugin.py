@@ -549,9 +549,10 @@ def test_misconfigurations_fail_on_every_rank(run):
             e["no_attention"], e["no_attention"]
         assert e["criterion"].startswith("ValueError") and "MSELoss" in e["criterion"]
         assert e["mesh_names"].startswith("ValueError") and "('dp', 'sp')" in e["mesh_names"]
-        assert e["ddp_kwargs_fsdp"].startswith("ValueError: ddp_kwargs ['bucket_cap_mb']") and \
+        plugin = "ValueError: RingSequenceParallelPlugin: "  # (the refusals name the plugin)
+        assert e["ddp_kwargs_fsdp"].startswith(plugin + "ddp_kwargs ['bucket_cap_mb']") and \
             "zero_stage=2, tp_size=1" in e["ddp_kwargs_fsdp"], e["ddp_kwargs_fsdp"]
-        assert e["ddp_kwargs_taken"].startswith("ValueError: ddp_kwargs: ['process_group']"), \
+        assert e["ddp_kwargs_taken"].startswith(plugin + "ddp_kwargs: ['process_group']"), \
             e["ddp_kwargs_taken"]
         assert e["bad_len_all"].startswith("ValueError") and "multiple of 4" in \
             e["bad_len_all"], e["bad_len_all"]

@@ -227,8 +227,8 @@ def sdpa_inputs(fn: str, query, key, value, attn_mask, dropout_p, is_causal, sca
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{fn}: {name} must be (batch, nheads, seqlen, headdim), got "
                              f"{given(t)}")
-    if not enable_gqa and query.shape[1] != key.shape[1]:
-        # (as F.scaled_dot_product_attention refuses it)
+    if not enable_gqa and query.shape[1] != key.shape[1] and key.shape[1] != 1:
+        # (as F.scaled_dot_product_attention refuses it; one K/V head it broadcasts)
         raise ValueError(f"{fn}: query has {query.shape[1]} heads and key {key.shape[1]}: "
                          f"grouped-query attention needs enable_gqa=True, got enable_gqa=False")
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

@@ -77,6 +77,23 @@ def _collective_device(group, device=None) -> torch.device:
 
 
 # ---------------------------------------------------------------------------- agreement
+def with_message(exc: BaseException, message: str, fallback=ValueError) -> BaseException:
+    """An exception of ``exc``'s type carrying ``message``, ``exc`` chained as its cause (the
+    message a rank raises with after an agreement names where it failed); where that type's
+    constructor takes more than a message, ``fallback(message)`` chained the same way, or
+    ``exc`` itself when ``fallback`` is None."""
+    try:
+        wrapped = type(exc)(message)
+        if not isinstance(wrapped, type(exc)):
+            raise TypeError(type(exc).__name__)
+    except Exception:  # noqa: BLE001 - exotic constructors
+        if fallback is None:
+            return exc
+        wrapped = fallback(message)
+    wrapped.__cause__ = exc
+    return wrapped
+
+
 def agree_or_raise(ok: bool, message: str, group=None, device=None, *,
                    peer_message=None,
                    error: Optional[BaseException] = None) -> None:

@@ -171,6 +171,14 @@ def _check_rotary(fn, rotary_cos, rotary_sin, q, has_new, seqlen_needed):
                          f"positions they rotate), got {rotary_cos.shape[0]}")
 
 
+def _check_rotary_rows(fn, rotary_cos, last: int) -> None:
+    """ValueError unless the rotary tables (if any) have a row for every position up to
+    ``last`` (exclusive) that the call rotates."""
+    if rotary_cos is not None and rotary_cos.shape[0] < last:
+        raise ValueError(f"{fn}: rotary_cos / rotary_sin need at least {last} rows (the last "
+                         f"position the call rotates is {last - 1}), got {rotary_cos.shape[0]}")
+
+
 def _rotary_q_positions(cache_seqlens, s_q, causal_or_local):
     """flash-attn's rule: with causal or a window, query i stands at cache_seqlens + i; else
     every query stands at cache_seqlens. (b, s_q) int64."""
@@ -360,15 +368,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if host is not None and pads is not None:
         _check_leftpad(fn, pads, host, s_new)
     _check_rotary(fn, rotary_cos, rotary_sin, q, k is not None, s_c)
-    if rotary_cos is not None and host is not None:
+    # a window at least as wide as the cache is none (flash-attn's rule, the kernels' too):
+    # the queries are then rotated as unwindowed ones
+    windowed = any(0 <= w < s_c for w in window)
+    if host is not None:
         # the last position rotated: a new key's, or a query's when causal or windowed
         # (queries at cache_seqlens + i); flash-attn reads past its table there
-        last = max(host) + max(s_new, s_q if causal or window != (-1, -1) else 1)
-        if rotary_cos.shape[0] < last:
-            raise ValueError(f"{fn}: rotary_cos / rotary_sin need at least {last} rows (the "
-                             f"positions of the new keys and queries: cache_seqlens = {host}, "
-                             f"seqlen_new = {s_new}, seqlen_q = {s_q}), got "
-                             f"{rotary_cos.shape[0]}")
+        _check_rotary_rows(fn, rotary_cos,
+                           max(host) + max(s_new, s_q if causal or windowed else 1))
     if k is not None:
         _check_writable(fn, k_cache, v_cache)
     scale = resolve_scale(softmax_scale, d)
@@ -376,7 +383,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k, v = _head_contiguous(q, k, v)
         if rotary_cos is not None:
             q = _rotate(q, rotary_cos, rotary_sin,
-                        _rotary_q_positions(seqlens, s_q, causal or window != (-1, -1)),
+                        _rotary_q_positions(seqlens, s_q, causal or windowed),
                         rotary_interleaved)
             k = _rotate(k, rotary_cos, rotary_sin, _rotary_q_positions(seqlens, s_new, True),
                         rotary_interleaved)
@@ -632,18 +639,17 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         raise ValueError(f"{fn}: layout: {exc}") from None
     if k is not None:
         _check_writable(fn, k_cache_shard, v_cache_shard)
-    # values as given, where reading them costs no device synchronization (ints included)
+    # values as given, where reading them costs no device synchronization (ints, CPU tensors;
+    # before _row_ints moved them to q's device): checked here, compared across ranks below
     host = _given_values(cache_seqlens, b)
+    pads = [0] * b if cache_leftpad is None else _given_values(cache_leftpad, b)
     if host is not None:
         if any(n < 0 for n in host):
             raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {host}")
-        pads = [0] * b if cache_leftpad is None else _given_values(cache_leftpad, b)
         if pads is not None:
             _check_leftpad(fn, pads, host, s_new)
         last = max(host) + s_new
-        if rotary_cos is not None and rotary_cos.shape[0] < last:
-            raise ValueError(f"{fn}: rotary_cos / rotary_sin need at least {last} rows (the "
-                             f"positions they rotate), got {rotary_cos.shape[0]}")
+        _check_rotary_rows(fn, rotary_cos, last)
         need = int(homes.count(torch.tensor(last, device=q.device)))
         if need > cap:
             raise ValueError(f"{fn}: rank {rank}'s cache shard holds {cap} slots but "
@@ -652,10 +658,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     scale = resolve_scale(softmax_scale, d)
     # What every rank must pass alike (the docstring's "the same on every rank"; the cache
     # shards' capacity may differ). cache_seqlens and cache_leftpad are compared by a hash of
-    # their values as given, where reading them costs no device synchronization (ints, CPU
-    # tensors; before _row_ints moved them to q's device).
-    lengths_given = _given_values(cache_seqlens, b)
-    starts_given = [0] * b if cache_leftpad is None else _given_values(cache_leftpad, b)
+    # their values as given (host, pads above).
     signature = (
         ("batch", b), ("seqlen_q", s_q), ("nheads", h), ("headdim", d), ("nheads_k", h_kv),
         ("dtype", dtype_code(q.dtype), "dtype"), ("seqlen_new", s_new),
@@ -665,8 +668,8 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         ("rotary_dim", 0 if rotary_cos is None else 2 * rotary_cos.shape[1]),
         ("rotary_interleaved", rotary_interleaved, "bool"),
         ("return_softmax_lse", return_softmax_lse, "bool"), ("num_splits", int(num_splits)),
-        ("cache_seqlens (hash)", 0 if lengths_given is None else stable_hash_ints(lengths_given)),
-        ("cache_leftpad (hash)", 0 if starts_given is None else stable_hash_ints(starts_given)),
+        ("cache_seqlens (hash)", 0 if host is None else stable_hash_ints(host)),
+        ("cache_leftpad (hash)", 0 if pads is None else stable_hash_ints(pads)),
     )
     return dict(q=q, kc=k_cache_shard, vc=v_cache_shard, k=k, v=v, lengths=lengths,
                 starts=starts, homes=homes, rank=rank, causal=causal, window=window,

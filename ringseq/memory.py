@@ -96,8 +96,8 @@ class ModelShape:
         together (heads not a multiple of kv heads, non-positive sizes)."""
         if isinstance(config, ModelShape):
             return config
-        if config is None or isinstance(config, (str, bytes, numbers.Number)) or (
-                not isinstance(config, dict) and not hasattr(config, "hidden_size")):
+        if config is None or isinstance(config, (str, bytes, numbers.Number)) or \
+                callable(getattr(config, "parameters", None)):
             hint = (" (a model: pass model.config, or plugin.estimate_memory(model, seqlen))"
                     if hasattr(config, "config") else "")
             raise TypeError(f"estimate_memory: config must be a transformers config or a dict of "
@@ -117,8 +117,9 @@ class ModelShape:
                              f"estimate models ({list(MODELED_TYPES[1:])}): its other tensors "
                              f"(extra norms, q/k norms, scaled embeddings, ...) are not counted "
                              f"(Gemma 2 measured 15-22 % above the estimate). For the estimate "
-                             f"of a Llama of the same sizes, pass a dict of the sizes without "
-                             f"model_type")
+                             f"of a Llama of the same sizes, pass ringseq.memory.estimate_memory "
+                             f"a dict of the sizes without model_type ({{k: v for k, v in "
+                             f"config.to_dict().items() if k != 'model_type'}})")
         missing = object()
         vals = {}
         for key in _REQUIRED:
@@ -849,6 +850,10 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
         _check_int(name, v) for name, v in (
             ("seqlen", seqlen), ("micro_batch", micro_batch), ("world_size", world_size),
             ("sp_size", sp_size), ("tp_size", tp_size)))
+    # (NumPy's integers as ints; what is no integer ParallelDims names)
+    zero_stage, ulysses_size = (int(v) if isinstance(v, numbers.Integral) and
+                                not isinstance(v, bool) else v
+                                for v in (zero_stage, ulysses_size))
     if not isinstance(activation_checkpointing, bool):
         raise ValueError(f"estimate_memory: activation_checkpointing must be True or False, got "
                          f"{activation_checkpointing!r}")
@@ -980,7 +985,7 @@ def meshes(config, world_size: int, precision: str = "bf16") -> List[dict]:
     refuses), checkpointing off/on. Hybrid lists Ulysses degrees strictly between 1 and sp
     (the others are the ring and Ulysses)."""
     shape = ModelShape.from_config(config)
-    _check_int("world_size", world_size)
+    world_size = _check_int("world_size", world_size, fn="meshes")
     if precision not in PRECISIONS:
         raise ValueError(f"meshes: precision must be one of {list(PRECISIONS)}, got "
                          f"{precision!r}")
@@ -1075,7 +1080,7 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
                             ).seq_multiple(mesh.get("layout", "zigzag"))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"max_seqlen: {str(exc).replace('ParallelDims: ', '')}") from None
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < step:
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < step:
         raise ValueError(f"max_seqlen: limit must be an integer >= {step} (the shortest length "
                          f"this mesh and layout can split), got {limit!r}")
 

@@ -228,19 +228,29 @@ def test_a_plain_optimizer_file_with_part_of_a_parameters_state_is_refused(tmp_p
                                     model=fresh_model), opt):
         with pytest.raises(ValueError, match=r"holds only part of the optimizer state of "
                                              r"parameter 0 \(group 0\): it lacks "
-                                             r"\['exp_avg_sq'\], which AdamW's step needs"):
+                                             r"\['exp_avg_sq'\], which AdamW's step with "
+                                             r"the saved settings needs"):
             io.load_optimizer(target, partial)
     assert torch.equal(opt.unwrap().state[model["used"].weight]["exp_avg_sq"], kept)
+    # the saved groups' settings decide the entries (they replace the optimizer's on load):
+    # a file of AdamW without amsgrad loads into one built with it, and steps
+    other = torch.optim.AdamW(fresh_model.parameters(), amsgrad=True)
+    io.load_optimizer(other, whole)
+    assert other.param_groups[0]["amsgrad"] is False
+    fresh_model["used"](torch.ones(4, 3)).sum().backward()
+    other.step()
     wider = nn.ModuleDict({"used": nn.Linear(4, 2), "unused": nn.Linear(4, 2)})
     with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter 0 has shape \(2, 3\), "
                                          r"AdamW gives it \(2, 4\) for a parameter of shape"):
         io.load_optimizer(torch.optim.AdamW(wider.parameters()), whole)
 
-    ada_model = nn.Linear(3, 2)  # a matrix (row_var, col_var) and a vector (variance)
+    # matrices (row_var, col_var) and vectors (variance), two of each shape
+    ada_model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     ada = OptimizerWrapper(torch.optim.Adafactor(ada_model.parameters()), None, model=ada_model)
     ada.backward(ada_model(torch.ones(4, 3)).sum())
     ada.step()
-    assert set(ada.unwrap().state[ada_model.weight]) != set(ada.unwrap().state[ada_model.bias])
+    state = ada.unwrap().state
+    assert set(state[ada_model[0].weight]) != set(state[ada_model[0].bias])
     path = str(tmp_path / "adafactor.pt")
     io.save_optimizer(ada, path, sharded=False)
     io.load_optimizer(OptimizerWrapper(torch.optim.Adafactor(ada_model.parameters()), None,
@@ -248,5 +258,6 @@ def test_a_plain_optimizer_file_with_part_of_a_parameters_state_is_refused(tmp_p
     state = ada.unwrap().state_dict()
     state["state"][0] = {k: v for k, v in state["state"][0].items() if k != "row_var"}
     torch.save(state, path)  # Adafactor cannot step on the meta device: compared with the
-    with pytest.raises(ValueError, match=r"parameter 0 \(group 0\): it lacks \['row_var'\]"):
-        io.load_optimizer(ada, path)  # state the optimizer holds
+    with pytest.raises(ValueError, match=r"parameter 0 \(group 0\): it lacks \['row_var'\], "
+                                         r"which other parameters of shape \(3, 3\)"):
+        io.load_optimizer(ada, path)  # other matrix's entries

@@ -77,6 +77,12 @@ def _worker(tmp):
     booster = Booster(plugin=plugin())
     model = _llama(torch.float64 if rank == 0 else torch.float32)
     out["dtype"] = _timed(lambda: booster.boost(model, torch.optim.SGD(model.parameters(), 0.1)))
+    # the same counts, other shapes: a (4, 6) and a (6, 4) matrix (rank 0's weights are
+    # broadcast where DDP is not used: tensors that did not pair would hang or mix there)
+    shaped = torch.nn.Linear(4, 6) if rank == 2 else torch.nn.Linear(6, 4, bias=False)
+    if rank != 2:
+        shaped.register_parameter("bias", torch.nn.Parameter(torch.zeros(6)))
+    out["shapes"] = _timed(lambda: Booster(plugin=plugin()).boost(shaped))
 
     def first_batch(seed):
         loader = booster.plugin.prepare_dataloader(_data(), batch_size=2, shuffle=True, seed=seed)
@@ -148,6 +154,8 @@ def test_ranks_that_disagree_raise_together(tmp_path):
                            needle="device='cuda', but this torch sees no CUDA device", own_rank=3)
     _assert_everywhere(results, "dtype", "RingMismatchError",
                        needle="float64 parameter elements (rank 0: ")
+    _assert_everywhere(results, "shapes", "RingMismatchError",
+                       needle="parameter and buffer names, shapes and dtypes (hash)")
     _assert_everywhere(results, "loader_seed", "RingMismatchError",
                        needle="batch 1 differs between the ranks of one data-parallel group")
     _assert_everywhere(results, "zero_grad_one_rank", "ValueError", "RingPeerError",

@@ -351,7 +351,8 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
     calling): on the ranks whose sizes are wrong (U not dividing the group size, I not
     dividing R, not positive integers) a ValueError naming the sizes that work; on the other
     ranks ``RingPeerError`` naming the ranks that failed; when the ranks pass different sizes,
-    ``RingMismatchError`` naming each rank's.
+    or groups of different sizes, ``RingMismatchError`` naming each rank's. A ``group`` that
+    does not hold this rank is such a ValueError on that rank (every rank passes its own).
     """
     if not is_initialized():
         if group is not None:

@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .._dist import agree_or_raise
+from .._dist import agree_or_raise, with_message
 from ..engine.integrity import ANY
 from ..engine.ring import get_ring
 from .digest import differing_digests, state_digest
@@ -102,9 +102,7 @@ def _load(path: str, check, apply, read=read_file, replicated: bool = False):
     if error is not None:
         message = (f"rank {rank}: loading the checkpoint {path!r} failed (nothing was loaded on "
                    f"any rank): {type(error).__name__}: {error}")
-        wrapped = type(error)(message) if _reconstructible(error) else ValueError(message)
-        wrapped.__cause__ = error
-        error = wrapped
+        error = with_message(error, message)
     if dist.is_initialized():
         agree_or_raise(error is None, str(error), error=error,
                        peer_message=f"loading the checkpoint {path!r} failed on another rank "
@@ -182,34 +180,34 @@ def _check_optimizer_state(optimizer, state) -> None:
 
 def _check_state_layout(optimizer, saved_groups, params, saved_state) -> None:
     """Each saved parameter's state against the entries and tensor shapes one step of this
-    optimizer's class gives it (:func:`_stepped_layout`); for a class that cannot step on the
-    meta device, against the state this optimizer holds for it now and the entries of its
-    group's other parameters with as many dimensions (Adafactor keeps other entries, of other
-    shapes, for matrices than for vectors). A parameter saved with part of its state
-    (``exp_avg`` without ``exp_avg_sq``) would load and fail at the next step with a KeyError;
-    one with no state at all had none when saved (it never got a gradient) and loads
-    stateless."""
-    stepped = _stepped_layout(optimizer)
+    optimizer's class, with the saved groups' settings, gives it (:func:`_stepped_layout`);
+    for a class that is not torch's or cannot step on the meta device, against the entries of
+    the saved parameters of its group with the same shape (Adafactor keeps other entries for
+    matrices than for vectors; a Muon hybrid for an embedding than for hidden matrices). A
+    parameter saved with part of its state (``exp_avg`` without ``exp_avg_sq``) would load and
+    fail at the next step with a KeyError: ValueError naming it and what it lacks, and so for
+    a state tensor of another shape. A parameter with no state at all had none when saved (it
+    never got a gradient) and loads stateless."""
+    stepped = _stepped_layout(optimizer, saved_groups)
     for g, group in enumerate(saved_groups):
-        alike: dict = {}  # parameter dims -> the entries its stated parameters carry
+        alike: dict = {}  # parameter shape -> the entries its stated parameters carry
         for i in group["params"]:
             if saved_state.get(i):
-                alike.setdefault(params[i].dim(), set()).update(saved_state[i])
+                alike.setdefault(tuple(params[i].shape), set()).update(saved_state[i])
         for i in group["params"]:
             entries = saved_state.get(i)
             if not entries:
                 continue
             p = params[i]
-            if stepped is not None:
-                expected = stepped[p]
-            else:
-                expected = dict.fromkeys(alike[p.dim()])
-                expected.update(_shapes(optimizer.state.get(p, {})))
+            expected = (stepped[p] if stepped is not None else
+                        dict.fromkeys(alike[tuple(p.shape)]))
             lacking = sorted(set(expected) - set(entries), key=str)
             if lacking:
+                whose = (f"{type(optimizer).__name__}'s step with the saved settings needs"
+                         if stepped is not None else
+                         f"other parameters of shape {tuple(p.shape)} in its group have")
                 raise ValueError(f"the checkpoint holds only part of the optimizer state of "
-                                 f"parameter {i} (group {g}): it lacks {lacking}, which "
-                                 f"{type(optimizer).__name__}'s step needs")
+                                 f"parameter {i} (group {g}): it lacks {lacking}, which {whose}")
             for name, shape in _shapes(entries).items():
                 if expected.get(name) is not None and shape != expected[name]:
                     raise ValueError(f"state {name!r} of parameter {i} has shape {shape}, "
@@ -222,21 +220,26 @@ def _shapes(entries) -> dict:
     return {name: tuple(value.shape) for name, value in entries.items() if torch.is_tensor(value)}
 
 
-def _stepped_layout(optimizer):
+def _stepped_layout(optimizer, saved_groups):
     """The state one step of ``optimizer``'s class gives each of its parameters (parameter ->
-    {entry name: tensor shape, or None for a non-tensor}): a new optimizer of the class with
-    the same groups over meta-device stand-ins with meta gradients steps once (no memory, no
-    values). None where that fails (Adafactor and ASGD read values with ``.item()``; a class
-    whose constructor takes other arguments)."""
+    {entry name: tensor shape, or None for a non-tensor}) under the settings of
+    ``saved_groups`` (those the load installs: amsgrad, centered, momentum decide the
+    entries): a new optimizer of the class over meta-device stand-ins with meta gradients
+    steps once (no memory, no values). Only torch's own classes (another class may keep
+    settings outside its groups, or communicate in its step, before the ranks' vote); None
+    for the others and where the step fails (Adafactor and ASGD read values with
+    ``.item()``)."""
+    if not type(optimizer).__module__.startswith("torch.optim"):
+        return None
     groups, stand_ins = [], []
-    for group in optimizer.param_groups:
+    for group, saved in zip(optimizer.param_groups, saved_groups):
         metas = []
         for p in group["params"]:
-            meta = torch.empty_like(p, device="meta")  # (p's shape), no storage
-            meta.grad = torch.empty_like(p, device="meta")
+            meta = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+            meta.grad = torch.empty_like(p, device="meta")  # (p's shape), no storage
             metas.append(meta)
             stand_ins.append((p, meta))
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": metas})
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": metas})
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -320,14 +323,6 @@ def _with_scaler_state(optimizer, scaler_file: str, read_optimizer):
             scaler.load_state_dict(scaler_state)
 
     return read, apply_scaler
-
-
-def _reconstructible(exc: BaseException) -> bool:
-    """Whether ``type(exc)(message)`` builds an exception of the same type."""
-    try:
-        return isinstance(type(exc)("x"), type(exc))
-    except Exception:  # noqa: BLE001 - exotic constructors
-        return False
 
 
 class ReplicatedCheckpointIO:

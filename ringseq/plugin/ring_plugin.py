@@ -12,6 +12,8 @@ from torch import nn
 from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler)
 
+from .._dist import with_message
+from .._hash import stable_code
 from ..engine.ring import get_ring, reset_ring
 from ..layouts import PerBatchDocuments, get_layout
 from ..parallel.dims import ParallelDims
@@ -65,7 +67,8 @@ def _option_fields(dims: ParallelDims, layout, precision: str, ignore_index: int
 
 def _model_fields(model: nn.Module) -> tuple:
     """What every rank's model must share before it is boosted, as control fields: parameter
-    count and elements per dtype, and the elements that train."""
+    count and elements per dtype, the elements that train, and a hash of every parameter's
+    and buffer's name, shape and dtype."""
     params = list(model.parameters())
     per_dtype = {dtype: 0 for dtype in (torch.float32, torch.bfloat16, torch.float16,
                                         torch.float64)}
@@ -75,34 +78,33 @@ def _model_fields(model: nn.Module) -> tuple:
             per_dtype[p.dtype] += p.numel()
         else:
             other += p.numel()
+    # names, shapes and dtypes of every tensor, in order: what rank 0's broadcast pairs
+    layout = "|".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in
+                      list(model.named_parameters()) + list(model.named_buffers()))
     return (("parameters", len(params)),
             *((f"{str(dtype).replace('torch.', '')} parameter elements", n)
               for dtype, n in per_dtype.items()),
             ("parameter elements of other dtypes", other),
-            ("trainable parameter elements", sum(p.numel() for p in params if p.requires_grad)))
+            ("trainable parameter elements", sum(p.numel() for p in params if p.requires_grad)),
+            ("parameter and buffer names, shapes and dtypes (hash)", stable_code(layout)))
 
 
 def _broadcast_from_rank0(model: nn.Module) -> None:
     """Rank 0's parameters and buffers on every rank, in place, as DDP starts. Where the plugin
     does not use DDP (FSDP, tensor parallelism, a frozen model), ranks that built different
     initial weights (no common seed) would otherwise train a mix of each rank's shards, or
-    tp ranks keep different replicated norms, and no rank would hold the model it saves."""
+    tp ranks keep different replicated norms, and no rank would hold the model it saves.
+    Collective over the default group, one broadcast per tensor; the ranks agreed on the
+    tensors' names, shapes and dtypes first (``_model_fields``), so the broadcasts pair."""
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(t.detach(), src=0)
-
-
-def _named(exc: Exception, name: str) -> Exception:
-    """``exc`` with its message prefixed by ``name`` (the original chained), where it lacks it
-    and its type takes a message alone; else ``exc``."""
-    if str(exc).startswith(name):
-        return exc
-    try:
-        named = type(exc)(f"{name}: {exc}")
-    except Exception:  # noqa: BLE001 - an exception type with other arguments: kept as is
-        return exc
-    named.__cause__ = exc
-    return named
+            t = t.detach()
+            if t.is_contiguous():
+                dist.broadcast(t, src=0)
+            else:  # (NCCL broadcasts contiguous memory only)
+                whole = t.contiguous()
+                dist.broadcast(whole, src=0)
+                t.copy_(whole)
 
 
 class RingSequenceParallelPlugin(Plugin):
@@ -273,7 +275,10 @@ class RingSequenceParallelPlugin(Plugin):
             # (RuntimeError: no process group, on every rank; or a device string torch
             # rejects, perhaps on one rank only). Named for the user, who called the plugin
             # (the checks below it speak of their own arguments).
-            refusal, fields = _named(exc, type(self).__name__), ()
+            name = type(self).__name__
+            refusal = exc if str(exc).startswith(name) else \
+                with_message(exc, f"{name}: {exc}", fallback=None)
+            fields = ()
         get_ring(None).agree(refusal is None, str(refusal), error=refusal, fields=fields,
                              about="plugin options")
         plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)
@@ -519,7 +524,10 @@ class RingSequenceParallelPlugin(Plugin):
         tensor-parallel plan, an already boosted model, an optimizer with state, or an
         unsupported criterion (see :meth:`_criterion`); RingPeerError on the ranks that did not
         refuse; RingMismatchError (every rank) for models whose parameters differ between
-        ranks in count, elements per dtype or trainable elements.
+        ranks in count, elements per dtype or trainable elements, or whose parameters and
+        buffers differ in name, shape or dtype. Every mesh starts from rank 0's weights: DDP
+        broadcasts them; where DDP is not used (FSDP, tensor parallelism, a frozen model) the
+        parameters and buffers are broadcast from rank 0 before sharding (collective).
         """
         from ..parallel.modules import decoder_layers
         from ..parallel.optim import check_rebindable, parameter_names, rebind_optimizer

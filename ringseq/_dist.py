@@ -260,7 +260,7 @@ def set_consistency_check(mode=True) -> None:
     global _CHECK_MODE
     if mode is True or mode == "first":
         _CHECK_MODE = "first"
-    elif mode is False or mode in ("off", None):
+    elif mode is False or mode == "off":
         _CHECK_MODE = "off"
     elif mode == "always":
         _CHECK_MODE = "always"

@@ -105,6 +105,9 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             without boundaries is one document). Raised on every rank alike,
             before any communication, since every rank holds the same full batch.
     """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"shard_batch: batch must be a mapping of the full sequences (a dict "
+                        f"with input_ids and/or inputs_embeds, ...), got {type(batch).__name__}")
     world_size, rank = group_info(group)
     key = next((k for k in ("input_ids", "inputs_embeds") if batch.get(k) is not None), None)
     if key is None:

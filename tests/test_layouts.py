@@ -118,6 +118,25 @@ def test_local_length_check_and_unknown_layout():
         shard_local(torch.zeros(1, 6), "contiguous", 3, 3)
 
 
+def test_sharding_errors_name_the_function():
+    """The layout's own errors come with the public function's name (before: "unknown layout
+    'bogus' ..." from shard, unshard and positions alike, and an AttributeError from
+    shard_batch for a batch that is not a mapping)."""
+    import ringseq
+    x = torch.zeros(1, 8, 2, 4)
+    for fn, call in (("shard", lambda: ringseq.shard(x, "bogus")),
+                     ("unshard", lambda: ringseq.unshard(x, "bogus")),
+                     ("positions", lambda: ringseq.positions(8, "bogus"))):
+        with pytest.raises(ValueError, match=rf"^{fn}: unknown layout 'bogus'"):
+            call()
+    with pytest.raises(ValueError, match=r"^shard: layout 'zigzag' .* got 7"):
+        ringseq.shard(x[:, :7], "zigzag")
+    with pytest.raises(TypeError, match=r"^positions: layout 'contiguous': seqlen must be an int"):
+        ringseq.positions(8.0)
+    with pytest.raises(TypeError, match=r"^shard_batch: batch must be a mapping .* got list"):
+        ringseq.shard_batch([torch.zeros(1, 8, dtype=torch.long)])
+
+
 def test_without_process_group_world_size_is_one():
     x = torch.randn(2, 10, 3)
     assert torch.equal(ringseq.shard(x, "zigzag"), x)

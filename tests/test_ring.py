@@ -508,6 +508,8 @@ def test_consistency_switch_from_environment(monkeypatch):
         assert _dist.consistency_check_mode() == mode
     with pytest.raises(ValueError, match="consistency check mode"):
         ringseq.set_consistency_check("sometimes")
+    with pytest.raises(ValueError, match="consistency check mode .* got None"):
+        ringseq.set_consistency_check(None)  # (before: every check silently off)
 
 
 _HALF_DOCS = (0, 1, 1, 14, 15, 15, 24, 32)  # documents of 1, 0, 13, 1, 0, 9 and 8 tokens

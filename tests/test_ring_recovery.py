@@ -162,6 +162,14 @@ def _case_one_rank_bad_argument():
         out[name] = _capture(lambda: ringseq.ring_flash_attn_func(q, kk, v, causal=True,
                                                                   layout="zigzag", **kw))
     out["after"] = _capture(_exact)
+
+    def f(x):
+        return ringseq.ring_flash_attn_func(x, k, v, causal=True, layout="zigzag")
+    # torch.func on rank 1 only (before: rank 0 waited for the ring timeout)
+    out["jvp"] = _capture(lambda: torch.func.jvp(f, (q,), (torch.ones_like(q),))
+                          if rank == 1 else f(q))
+    out["vmap"] = _capture(lambda: torch.func.vmap(f)(q[None]) if rank == 1 else f(q))
+    out["after_transforms"] = _capture(_exact)
     out["ulysses"] = _capture(lambda: ringseq.ulysses_attn_func(
         q, k, v, causal=True, window_size=(-3, 0) if rank == 0 else (1, 0)))
     out["after_ulysses"] = _capture(_exact)
@@ -998,6 +1006,15 @@ def test_one_rank_bad_argument_raises_everywhere(w2, name, needle):
     _is_error(w2[0]["bad_argument"][name], ("RingPeerError",), "rank(s) [1]", needle)
     for r in w2:
         _exact_ok(r["bad_argument"]["after"])
+
+
+@pytest.mark.parametrize("name, needle", [("jvp", "forward-mode AD"),
+                                          ("vmap", "torch.func transforms")])
+def test_a_torch_func_transform_on_one_rank_raises_everywhere(w2, name, needle):
+    _is_error(w2[1]["bad_argument"][name], ("RuntimeError",), needle)
+    _is_error(w2[0]["bad_argument"][name], ("RingPeerError",), "rank(s) [1]", needle)
+    for r in w2:
+        _exact_ok(r["bad_argument"]["after_transforms"])
 
 
 def test_one_rank_bad_argument_in_ulysses(w2):

@@ -19,8 +19,9 @@ from torch import Tensor
 
 from ..kernels.checks import accum_dtype
 from ..spec import AttnSpec, spec_from_key
-from .integrity import call_tag, current_tag
-from .placement import LOCAL, Placement, placement_from_key
+from .integrity import FWD, call_tag, current_tag
+from .placement import LOCAL, NO_RING, Placement, placement_from_key
+from .ring import refuse_on_error
 
 __all__ = ["run_attention"]
 
@@ -132,6 +133,16 @@ def _refuse_transforms(fn: str, *tensors: Tensor) -> None:
                            f"torch.autograd.grad) and batch along the batch dimension")
 
 
+def _outside_transforms():
+    """A context with torch.func's interpreter stack cleared (torch's private helper; a no-op
+    where this torch lacks it)."""
+    try:
+        from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    except ImportError:
+        return contextlib.nullcontext()
+    return temporarily_clear_interpreter_stack()
+
+
 def run_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec,
                   placement: Placement) -> Tuple[Tensor, Tensor]:
     """``(out, lse)`` of attention with ``spec`` (validated by the caller) placed by
@@ -139,7 +150,17 @@ def run_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec,
     lse (out in q's dtype, lse (b, h, s_q) float32, float64 for float64 inputs). Raises
     RuntimeError under forward-mode AD and torch.func's transforms (see _refuse_transforms)."""
     if not torch.compiler.is_compiling():  # (dynamo's trace holds fake tensors, no duals)
-        _refuse_transforms(spec.fn, q, k, v)
+        group = placement.refusal_group()
+        if group is NO_RING:
+            _refuse_transforms(spec.fn, q, k, v)
+        else:  # the peers raise RingPeerError at the call's begin instead of waiting there
+            try:
+                _refuse_transforms(spec.fn, q, k, v)
+            except RuntimeError as exc:
+                # told outside the transform's interpreters, whose wrappers the control
+                # collective's own tensors would otherwise pass through
+                with _outside_transforms(), refuse_on_error(group, FWD):
+                    raise exc from None
     out, lse, _ = _attention_op(q, k, v, spec.key(), placement.key(), spec.documents_tensor(),
                                 spec.spans)
     return out, lse

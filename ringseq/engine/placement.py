@@ -111,6 +111,11 @@ class Placement:
     #: the layout of the ring dimension (ring placements), else None
     layout = None
 
+    def refusal_group(self):
+        """The process group whose ring hears this rank's refusal of a call (None: the default
+        group), or :data:`NO_RING` for a placement without one (local attention)."""
+        return NO_RING
+
     def signature_fields(self) -> tuple:
         """``(name, value[, kind])`` fields that a placement wrapping this one (Ulysses around
         a ring) adds to its own call's signature, so that the ranks of the whole group agree
@@ -140,6 +145,10 @@ class LocalPlacement(Placement):
 LOCAL = LocalPlacement()
 
 
+#: what :meth:`Placement.refusal_group` returns for a placement without a ring
+NO_RING = object()
+
+
 class RingPlacement(Placement):
     """The ring engine over ``group`` (None: the default group; a process group, a
     :class:`ringseq.engine.transport.Transport` or a Ring) with ``layout`` (bound to the
@@ -147,6 +156,9 @@ class RingPlacement(Placement):
 
     def __init__(self, layout: Layout, group=None, comm_kind: str = "ring"):
         self.layout, self.group, self.comm_kind = layout, group, comm_kind
+
+    def refusal_group(self):
+        return self.group
 
     def key(self) -> str:
         return f"ring|{layout_key(self.layout)}|{group_key(self.group)}|{self.comm_kind}"

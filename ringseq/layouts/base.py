@@ -100,7 +100,10 @@ class Layout:
 
     @property
     def code(self) -> int:
-        """A small integer naming this layout in cross-rank checks (stable across ranks)."""
+        """A small integer naming this layout in cross-rank checks (stable across ranks). The
+        ranks compare only this: a layout with parameters (a shift, a permutation) overrides
+        it to include them, as :class:`ringseq.layouts.Documents` does with its boundaries,
+        else ranks given different parameters pair silently."""
         return stable_code(self.name)
 
     def multiple(self, world_size: int) -> int:

@@ -34,18 +34,29 @@ def _seq_dim(fn: str, x, dim) -> int:
     return dim % x.dim()
 
 
+def _named(fn: str, exc: Exception) -> Exception:
+    """The layout's own ValueError / TypeError with the public function's name in front."""
+    return type(exc)(str(exc) if str(exc).startswith(fn) else f"{fn}: {exc}")
+
+
 def positions_local(seqlen: int, layout, world_size: int, rank: int,
-                    device=None) -> torch.Tensor:
+                    device=None, fn: str = "positions") -> torch.Tensor:
     """Like :func:`positions` for an explicit ``(world_size, rank)`` (no process group)."""
-    return get_layout(layout).positions(seqlen, world_size, rank).to(device)
+    try:
+        return get_layout(layout).positions(seqlen, world_size, rank).to(device)
+    except (TypeError, ValueError) as exc:
+        raise _named(fn, exc) from None
 
 
 def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 1) -> torch.Tensor:
     """Like :func:`shard` for an explicit ``(world_size, rank)`` (no process group)."""
-    lay = get_layout(layout)
     dim = _seq_dim("shard", x, dim)
-    lay.check_seqlen(x.shape[dim], world_size)
-    check_rank(rank, world_size)
+    try:
+        lay = get_layout(layout)
+        lay.check_seqlen(x.shape[dim], world_size)
+        check_rank(rank, world_size)
+    except ValueError as exc:
+        raise _named("shard", exc) from None
     if world_size == 1:
         return x.clone(memory_format=torch.contiguous_format)
     return lay.shard(x, world_size, rank, dim)
@@ -143,7 +154,10 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     """
     world_size, rank = group_info(group)
     if world_size == 1:
-        get_layout(layout)
+        try:
+            get_layout(layout)
+        except ValueError as exc:
+            raise _named("unshard", exc) from None
         _seq_dim("unshard", x_local, dim)
         return x_local
     # Whatever this rank refuses is agreed on before the all-gather, which the other ranks
@@ -154,8 +168,10 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
         code = lay.code
         dim = _seq_dim("unshard", x_local, dim)
         lay.check_local_seqlen(x_local.shape[dim], world_size)
-    except (TypeError, ValueError) as exc:
+    except TypeError as exc:
         problem, dim = exc, -1
+    except ValueError as exc:
+        problem, dim = _named("unshard", exc), -1
     shape = tuple(x_local.shape) if torch.is_tensor(x_local) else ()
     fields = ((("ndim", len(shape), None),)
               + tuple((f"shape[{i}]", n, None) for i, n in enumerate(shape[:16]))

@@ -164,6 +164,9 @@ class DoubleRingPlacement(Placement):
         self.layout, self.inner_group, self.outer_group = layout, inner_group, outer_group
         self.ring_group = ring_group
 
+    def refusal_group(self):
+        return self.ring_group
+
     def key(self) -> str:
         return (f"double|{layout_key(self.layout)}|{group_key(self.inner_group)}|"
                 f"{group_key(self.outer_group)}|{group_key(self.ring_group)}")

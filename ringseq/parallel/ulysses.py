@@ -168,6 +168,9 @@ class UlyssesPlacement(Placement):
         self.group, self.inner = group, inner
         self.control_group = group if control_group is None else control_group
 
+    def refusal_group(self):
+        return self.control_group
+
     def key(self) -> str:
         return f"ulysses|{group_key(self.group)}|{group_key(self.control_group)}|{self.inner.key()}"
 

@@ -265,8 +265,8 @@ def set_consistency_check(mode=True) -> None:
     elif mode == "always":
         _CHECK_MODE = "always"
     else:
-        raise ValueError(f"consistency check mode must be True, False, 'first', 'always' or "
-                         f"'off', got {mode!r}")
+        raise ValueError(f"set_consistency_check: consistency check mode must be True, False, "
+                         f"'first', 'always' or 'off', got {mode!r}")
 
 
 def consistency_check_mode() -> str:

@@ -104,6 +104,7 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             ``"documents"`` for a batch of several rows that is not packed (a one-row batch
             without boundaries is one document). Raised on every rank alike,
             before any communication, since every rank holds the same full batch.
+        TypeError: ``batch`` is not a mapping.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_batch: batch must be a mapping of the full sequences (a dict "

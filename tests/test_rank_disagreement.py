@@ -155,7 +155,7 @@ def test_ranks_that_disagree_raise_together(tmp_path):
     _assert_everywhere(results, "dtype", "RingMismatchError",
                        needle="float64 parameter elements (rank 0: ")
     _assert_everywhere(results, "shapes", "RingMismatchError",
-                       needle="parameter and buffer names, shapes and dtypes (hash)")
+                       needle="parameter names, shapes and dtypes (hash)")
     _assert_everywhere(results, "loader_seed", "RingMismatchError",
                        needle="batch 1 differs between the ranks of one data-parallel group")
     _assert_everywhere(results, "zero_grad_one_rank", "ValueError", "RingPeerError",

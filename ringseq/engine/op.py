@@ -138,9 +138,9 @@ def _outside_transforms():
     where this torch lacks it)."""
     try:
         from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-    except ImportError:
+        return temporarily_clear_interpreter_stack()
+    except Exception:  # noqa: BLE001 - another torch's internals: tell the peers as we are
         return contextlib.nullcontext()
-    return temporarily_clear_interpreter_stack()
 
 
 def run_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec,
@@ -150,7 +150,8 @@ def run_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec,
     lse (out in q's dtype, lse (b, h, s_q) float32, float64 for float64 inputs). Raises
     RuntimeError under forward-mode AD and torch.func's transforms (see _refuse_transforms)."""
     if not torch.compiler.is_compiling():  # (dynamo's trace holds fake tensors, no duals)
-        group = placement.refusal_group()
+        # (a placement of the user's own without refusal_group: refused here alone, as before)
+        group = getattr(placement, "refusal_group", lambda: NO_RING)()
         if group is NO_RING:
             _refuse_transforms(spec.fn, q, k, v)
         else:  # the peers raise RingPeerError at the call's begin instead of waiting there

@@ -112,8 +112,11 @@ class Placement:
     layout = None
 
     def refusal_group(self):
-        """The process group whose ring hears this rank's refusal of a call (None: the default
-        group), or :data:`NO_RING` for a placement without one (local attention)."""
+        """What :func:`ringseq.engine.ring.get_ring` takes for the ring that hears this rank's
+        refusal of a call before its begin collective (a process group, None for the default
+        group), or :data:`NO_RING` for a placement without one (local attention). A placement
+        that opens ring calls overrides it, else a refusal on one rank leaves its peers
+        waiting for the ring timeout."""
         return NO_RING
 
     def signature_fields(self) -> tuple:

@@ -80,9 +80,9 @@ class AttentionBackend:
         if not self.supports_delta:
             raise RuntimeError(f"backend {self.name!r} cannot backpropagate through lse (the lse "
                                f"a call returned with return_lse=True or return_attn_probs="
-                               f"True reached the loss; torch's op computes its delta from "
-                               f"dout and out itself): use backend='ringseq' or 'reference', "
-                               f"or lse.detach()")
+                               f"True reached the loss; this backend's kernel computes its "
+                               f"delta from dout and out itself): use backend='ringseq' or "
+                               f"'reference', or lse.detach()")
 
     def features_reason(self, *, spans: bool, softcap: float) -> Optional[str]:
         """Why this backend cannot compute a call that needs spans (bands, windows, documents)

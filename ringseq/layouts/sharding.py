@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .._args import given
-from .._dist import agree_on_fields, group_info
+from .._dist import agree_on_fields, group_info, with_message
 from .._hash import stable_code
 from .base import check_rank, get_layout, layout_name_of_code
 
@@ -35,28 +35,32 @@ def _seq_dim(fn: str, x, dim) -> int:
 
 
 def _named(fn: str, exc: Exception) -> Exception:
-    """The layout's own ValueError / TypeError with the public function's name in front."""
-    return type(exc)(str(exc) if str(exc).startswith(fn) else f"{fn}: {exc}")
+    """The layout's own error with the public function's name in front (the original
+    chained; kept as is where its type takes more than a message)."""
+    return exc if str(exc).startswith(fn) else with_message(exc, f"{fn}: {exc}", fallback=None)
 
 
 def positions_local(seqlen: int, layout, world_size: int, rank: int,
                     device=None, fn: str = "positions") -> torch.Tensor:
-    """Like :func:`positions` for an explicit ``(world_size, rank)`` (no process group)."""
+    """Like :func:`positions` for an explicit ``(world_size, rank)`` (no process group);
+    ``fn`` names the caller in errors."""
     try:
         return get_layout(layout).positions(seqlen, world_size, rank).to(device)
     except (TypeError, ValueError) as exc:
-        raise _named(fn, exc) from None
+        raise _named(fn, exc) from exc
 
 
-def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 1) -> torch.Tensor:
-    """Like :func:`shard` for an explicit ``(world_size, rank)`` (no process group)."""
-    dim = _seq_dim("shard", x, dim)
+def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 1,
+                fn: str = "shard") -> torch.Tensor:
+    """Like :func:`shard` for an explicit ``(world_size, rank)`` (no process group); ``fn``
+    names the caller in errors."""
+    dim = _seq_dim(fn, x, dim)
     try:
         lay = get_layout(layout)
         lay.check_seqlen(x.shape[dim], world_size)
         check_rank(rank, world_size)
-    except ValueError as exc:
-        raise _named("shard", exc) from None
+    except (TypeError, ValueError) as exc:
+        raise _named(fn, exc) from exc
     if world_size == 1:
         return x.clone(memory_format=torch.contiguous_format)
     return lay.shard(x, world_size, rank, dim)
@@ -77,7 +81,7 @@ def shard(x: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> tor
     multiple of what the layout needs (``W``; ``2W`` for zigzag).
     """
     world_size, rank = group_info(group)
-    return shard_local(x, layout, world_size, rank, dim)
+    return shard_local(x, layout, world_size, rank, dim, fn="shard")
 
 
 def positions(seqlen: int, layout="contiguous", group=None, device=None) -> torch.Tensor:
@@ -87,7 +91,7 @@ def positions(seqlen: int, layout="contiguous", group=None, device=None) -> torc
     the true positions. Raises ValueError when ``seqlen`` cannot be split.
     """
     world_size, rank = group_info(group)
-    return positions_local(seqlen, layout, world_size, rank, device)
+    return positions_local(seqlen, layout, world_size, rank, device, fn="positions")
 
 
 class _Unshard(torch.autograd.Function):
@@ -157,7 +161,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
         try:
             get_layout(layout)
         except ValueError as exc:
-            raise _named("unshard", exc) from None
+            raise _named("unshard", exc) from exc
         _seq_dim("unshard", x_local, dim)
         return x_local
     # Whatever this rank refuses is agreed on before the all-gather, which the other ranks

@@ -185,9 +185,9 @@ def _check_state_layout(optimizer, saved_groups, params, saved_state) -> None:
     the saved parameters of its group with the same shape (Adafactor keeps other entries for
     matrices than for vectors; a Muon hybrid for an embedding than for hidden matrices). A
     parameter saved with part of its state (``exp_avg`` without ``exp_avg_sq``) would load and
-    fail at the next step with a KeyError: ValueError naming it and what it lacks, and so for
-    a state tensor of another shape. A parameter with no state at all had none when saved (it
-    never got a gradient) and loads stateless."""
+    fail at the next step with a KeyError: ValueError naming it and what it lacks, and, where
+    the class stepped, for a state tensor of another shape. A parameter with no state at all
+    had none when saved (it never got a gradient) and loads stateless."""
     stepped = _stepped_layout(optimizer, saved_groups)
     for g, group in enumerate(saved_groups):
         alike: dict = {}  # parameter shape -> the entries its stated parameters carry

@@ -79,25 +79,37 @@ def _model_fields(model: nn.Module) -> tuple:
         else:
             other += p.numel()
     # names, shapes and dtypes of every tensor, in order: what rank 0's broadcast pairs
-    layout = "|".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in
-                      list(model.named_parameters()) + list(model.named_buffers()))
+    def layout(named) -> int:
+        return stable_code("|".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in named))
     return (("parameters", len(params)),
             *((f"{str(dtype).replace('torch.', '')} parameter elements", n)
               for dtype, n in per_dtype.items()),
             ("parameter elements of other dtypes", other),
             ("trainable parameter elements", sum(p.numel() for p in params if p.requires_grad)),
-            ("parameter and buffer names, shapes and dtypes (hash)", stable_code(layout)))
+            ("parameter names, shapes and dtypes (hash)", layout(model.named_parameters())),
+            ("buffer names, shapes and dtypes (hash)", layout(_persistent_buffers(model))))
+
+
+def _persistent_buffers(model: nn.Module) -> list:
+    """(name, buffer) of the model's buffers that its state dict holds. Non-persistent ones
+    (RoPE tables, caches some models grow on a long forward) are recomputed from the config:
+    neither compared between ranks nor broadcast."""
+    skip = {f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules()
+            for name in getattr(module, "_non_persistent_buffers_set", ())}
+    return [(name, b) for name, b in model.named_buffers() if name not in skip]
 
 
 def _broadcast_from_rank0(model: nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank, in place, as DDP starts. Where the plugin
-    does not use DDP (FSDP, tensor parallelism, a frozen model), ranks that built different
-    initial weights (no common seed) would otherwise train a mix of each rank's shards, or
-    tp ranks keep different replicated norms, and no rank would hold the model it saves.
+    """Rank 0's parameters and persistent buffers on every rank, in place, as DDP starts.
+    Where the plugin does not use DDP (FSDP, tensor parallelism, a frozen model), ranks that
+    built different initial weights (no common seed) would otherwise train a mix of each
+    rank's shards, or tp ranks keep different replicated norms, and no rank would hold the
+    model it saves.
     Collective over the default group, one broadcast per tensor; the ranks agreed on the
     tensors' names, shapes and dtypes first (``_model_fields``), so the broadcasts pair."""
     with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
+        for t in list(model.parameters()) + [b for _, b in _persistent_buffers(model)]:
             t = t.detach()
             if t.is_contiguous():
                 dist.broadcast(t, src=0)

@@ -169,6 +169,12 @@ def _case_one_rank_bad_argument():
     out["jvp"] = _capture(lambda: torch.func.jvp(f, (q,), (torch.ones_like(q),))
                           if rank == 1 else f(q))
     out["vmap"] = _capture(lambda: torch.func.vmap(f)(q[None]) if rank == 1 else f(q))
+
+    def g(x):  # a bad window on rank 1, refused at the entry while inside jvp
+        return ringseq.ring_flash_attn_func(x, k, v, causal=True, layout="zigzag",
+                                            window_size=(-3, 0) if rank == 1 else (2, 0))
+    out["window_in_jvp"] = _capture(lambda: torch.func.jvp(g, (q,), (torch.ones_like(q),))
+                                    if rank == 1 else g(q))
     out["after_transforms"] = _capture(_exact)
     out["ulysses"] = _capture(lambda: ringseq.ulysses_attn_func(
         q, k, v, causal=True, window_size=(-3, 0) if rank == 0 else (1, 0)))
@@ -1008,10 +1014,11 @@ def test_one_rank_bad_argument_raises_everywhere(w2, name, needle):
         _exact_ok(r["bad_argument"]["after"])
 
 
-@pytest.mark.parametrize("name, needle", [("jvp", "forward-mode AD"),
-                                          ("vmap", "torch.func transforms")])
-def test_a_torch_func_transform_on_one_rank_raises_everywhere(w2, name, needle):
-    _is_error(w2[1]["bad_argument"][name], ("RuntimeError",), needle)
+@pytest.mark.parametrize("name, kind, needle", [
+    ("jvp", "RuntimeError", "forward-mode AD"), ("vmap", "RuntimeError", "torch.func transforms"),
+    ("window_in_jvp", "ValueError", "window_size entries must be >= 0")])
+def test_a_torch_func_transform_on_one_rank_raises_everywhere(w2, name, kind, needle):
+    _is_error(w2[1]["bad_argument"][name], (kind,), needle)
     _is_error(w2[0]["bad_argument"][name], ("RingPeerError",), "rank(s) [1]", needle)
     for r in w2:
         _exact_ok(r["bad_argument"]["after_transforms"])

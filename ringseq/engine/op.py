@@ -133,16 +133,6 @@ def _refuse_transforms(fn: str, *tensors: Tensor) -> None:
                            f"torch.autograd.grad) and batch along the batch dimension")
 
 
-def _outside_transforms():
-    """A context with torch.func's interpreter stack cleared (torch's private helper; a no-op
-    where this torch lacks it)."""
-    try:
-        from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-        return temporarily_clear_interpreter_stack()
-    except Exception:  # noqa: BLE001 - another torch's internals: tell the peers as we are
-        return contextlib.nullcontext()
-
-
 def run_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec,
                   placement: Placement) -> Tuple[Tensor, Tensor]:
     """``(out, lse)`` of attention with ``spec`` (validated by the caller) placed by
@@ -155,13 +145,8 @@ def run_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec,
         if group is NO_RING:
             _refuse_transforms(spec.fn, q, k, v)
         else:  # the peers raise RingPeerError at the call's begin instead of waiting there
-            try:
+            with refuse_on_error(group, FWD):
                 _refuse_transforms(spec.fn, q, k, v)
-            except RuntimeError as exc:
-                # told outside the transform's interpreters, whose wrappers the control
-                # collective's own tensors would otherwise pass through
-                with _outside_transforms(), refuse_on_error(group, FWD):
-                    raise exc from None
     out, lse, _ = _attention_op(q, k, v, spec.key(), placement.key(), spec.documents_tensor(),
                                 spec.spans)
     return out, lse

@@ -148,7 +148,9 @@ class Ring:
             status = BROKEN if self._broken is not None else (FAILED if failed else INVALID)
             if failed:
                 self.mark_broken(exc)
-            with self._hold():
+            # (outside torch.func's interpreters: a refusal made inside jvp or vmap would pass
+            # the control collective's own tensors through their wrappers)
+            with self._hold(), _outside_transforms():
                 rows = gather(self, kind, status, (), _describe(exc))
                 if rows is not None:
                     others = [r for r, row in enumerate(rows) if r != self.rank and row[1] not in
@@ -320,6 +322,16 @@ def meet_as_failed(group, kind: int) -> None:
                                                   "call"), failed=True)
     except RuntimeError:
         pass
+
+
+def _outside_transforms():
+    """A context with torch.func's interpreter stack cleared (torch's private helper; a no-op
+    where this torch lacks it or it fails)."""
+    try:
+        from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+        return temporarily_clear_interpreter_stack()
+    except Exception:  # noqa: BLE001 - another torch's internals: tell the peers as we are
+        return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

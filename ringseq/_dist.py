@@ -94,6 +94,13 @@ def with_message(exc: BaseException, message: str, fallback=ValueError) -> BaseE
     return wrapped
 
 
+def named_for(fn: str, exc: BaseException) -> BaseException:
+    """``exc`` with ``fn``, the public function the user called, in front of its message
+    (:func:`with_message`; ``exc`` itself where it already names it or its type takes more
+    than a message)."""
+    return exc if str(exc).startswith(fn) else with_message(exc, f"{fn}: {exc}", fallback=None)
+
+
 def agree_or_raise(ok: bool, message: str, group=None, device=None, *,
                    peer_message=None,
                    error: Optional[BaseException] = None) -> None:

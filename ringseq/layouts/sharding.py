@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .._args import given
-from .._dist import agree_on_fields, group_info, with_message
+from .._dist import agree_on_fields, group_info, named_for
 from .._hash import stable_code
 from .base import check_rank, get_layout, layout_name_of_code
 
@@ -34,12 +34,6 @@ def _seq_dim(fn: str, x, dim) -> int:
     return dim % x.dim()
 
 
-def _named(fn: str, exc: Exception) -> Exception:
-    """The layout's own error with the public function's name in front (the original
-    chained; kept as is where its type takes more than a message)."""
-    return exc if str(exc).startswith(fn) else with_message(exc, f"{fn}: {exc}", fallback=None)
-
-
 def positions_local(seqlen: int, layout, world_size: int, rank: int,
                     device=None, fn: str = "positions") -> torch.Tensor:
     """Like :func:`positions` for an explicit ``(world_size, rank)`` (no process group);
@@ -47,7 +41,7 @@ def positions_local(seqlen: int, layout, world_size: int, rank: int,
     try:
         return get_layout(layout).positions(seqlen, world_size, rank).to(device)
     except (TypeError, ValueError) as exc:
-        raise _named(fn, exc) from exc
+        raise named_for(fn, exc) from exc
 
 
 def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 1,
@@ -60,7 +54,7 @@ def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 
         lay.check_seqlen(x.shape[dim], world_size)
         check_rank(rank, world_size)
     except (TypeError, ValueError) as exc:
-        raise _named(fn, exc) from exc
+        raise named_for(fn, exc) from exc
     if world_size == 1:
         return x.clone(memory_format=torch.contiguous_format)
     return lay.shard(x, world_size, rank, dim)
@@ -161,7 +155,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
         try:
             get_layout(layout)
         except ValueError as exc:
-            raise _named("unshard", exc) from exc
+            raise named_for("unshard", exc) from exc
         _seq_dim("unshard", x_local, dim)
         return x_local
     # Whatever this rank refuses is agreed on before the all-gather, which the other ranks
@@ -175,7 +169,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     except TypeError as exc:
         problem, dim = exc, -1
     except ValueError as exc:
-        problem, dim = _named("unshard", exc), -1
+        problem, dim = named_for("unshard", exc), -1
     shape = tuple(x_local.shape) if torch.is_tensor(x_local) else ()
     fields = ((("ndim", len(shape), None),)
               + tuple((f"shape[{i}]", n, None) for i, n in enumerate(shape[:16]))

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, RandomSampler,
                               SequentialSampler)
 
-from .._dist import with_message
+from .._dist import named_for
 from .._hash import stable_code
 from ..engine.ring import get_ring, reset_ring
 from ..layouts import PerBatchDocuments, get_layout
@@ -287,10 +287,7 @@ class RingSequenceParallelPlugin(Plugin):
             # (RuntimeError: no process group, on every rank; or a device string torch
             # rejects, perhaps on one rank only). Named for the user, who called the plugin
             # (the checks below it speak of their own arguments).
-            name = type(self).__name__
-            refusal = exc if str(exc).startswith(name) else \
-                with_message(exc, f"{name}: {exc}", fallback=None)
-            fields = ()
+            refusal, fields = named_for(type(self).__name__, exc), ()
         get_ring(None).agree(refusal is None, str(refusal), error=refusal, fields=fields,
                              about="plugin options")
         plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)

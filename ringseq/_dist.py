@@ -260,20 +260,19 @@ def set_consistency_check(mode=True) -> None:
     gradient-into-lse slot on every rank, since no rank knows whether another has one, and
     with a kernel that takes none, torch's or flash-attn's, reads on the host whether it is
     all zeros: one device synchronization per backward.)
-    The environment variable ``RINGSEQ_CHECK_CONSISTENCY`` (``1``/``first``/``always``,
-    ``0``/``off``; anything else raises) sets the initial mode. Every rank must use the same
-    mode.
+    The environment variable ``RINGSEQ_CHECK_CONSISTENCY`` (``1``/``true``/``on``/``yes``/
+    ``first``/``always``, ``0``/``false``/``off``/``no``; anything else raises ValueError at
+    the first ring call, before it opens) sets the initial mode; ``mode`` takes the same words.
+    Every rank must use the same mode.
     """
     global _CHECK_MODE
-    if mode is True or mode == "first":
-        _CHECK_MODE = "first"
-    elif mode is False or mode == "off":
-        _CHECK_MODE = "off"
-    elif mode == "always":
-        _CHECK_MODE = "always"
+    if mode is True or mode is False:
+        _CHECK_MODE = "first" if mode else "off"
+    elif isinstance(mode, str) and mode.strip().lower() in _MODES:
+        _CHECK_MODE = _MODES[mode.strip().lower()]  # the environment variable's words too
     else:
-        raise ValueError(f"set_consistency_check: consistency check mode must be True, False, "
-                         f"'first', 'always' or 'off', got {mode!r}")
+        raise ValueError(f"set_consistency_check: consistency check mode must be True, False "
+                         f"or one of {sorted(_MODES)}, got {mode!r}")
 
 
 def consistency_check_mode() -> str:

@@ -279,6 +279,112 @@ def _case_timeout_values():
     return out
 
 
+def _case_timeout_changed_after_first_call():
+    """set_ring_timeout after the channels exist applies to the next call: raised, a peer 6 s
+    late is waited for; lowered, a stalled peer is given up on at the new limit (the control
+    channel was made with the old one)."""
+    rank = dist.get_rank()
+    out = {"warm": _capture(_exact)}  # channels made with the 4 s limit
+    ringseq.set_ring_timeout(TIMEOUT + 8)
+    if rank == 1:
+        time.sleep(TIMEOUT + 2)
+    out["raised"] = _capture(_exact)
+    ringseq.set_ring_timeout(2)
+    if rank == 1:
+        time.sleep(5)
+    out["lowered"] = _capture(_exact)
+    ringseq.set_ring_timeout(TIMEOUT)
+    _both_reset()
+    out["after_reset"] = _capture(_exact)
+    return out
+
+
+def _case_ctrl_c_while_waiting():
+    """A Ctrl-C on rank 0 while it waits for a stalled rank 1 interrupts the wait at once (not
+    at the ring timeout); after reset_ring on both the next call is exact."""
+    import signal
+    import threading
+    rank = dist.get_rank()
+    ringseq.set_ring_timeout(30)
+    out = {}
+    if rank == 0:
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        t0 = time.monotonic()
+        try:
+            _exact()
+            out["call"] = ("ok", None, time.monotonic() - t0)
+        except KeyboardInterrupt:
+            out["call"] = ("KeyboardInterrupt", "", time.monotonic() - t0)
+        timer.join()
+    else:
+        time.sleep(8)
+        out["call"] = _capture(_exact)
+    ringseq.set_ring_timeout(TIMEOUT)
+    _both_reset()
+    out["after_reset"] = _capture(_exact)
+    return out
+
+
+def _case_thread_refusal_meets_the_peers():
+    """Rank 1 calls from a thread other than the one its ring is bound to (the bound one is
+    idle): it raises RuntimeError naming the function, and rank 0 RingPeerError at once, not
+    after the ring timeout; the ring stays usable."""
+    import threading
+    rank = dist.get_rank()
+    g = dist.new_group([0, 1])
+    out = {"warm": _capture(lambda: _exact(group=g))}  # binds g to this (main) thread
+    if rank == 1:
+        worker = threading.Thread(target=lambda: out.__setitem__(
+            "call", _capture(lambda: _exact(group=g))))
+        worker.start()
+        worker.join()
+    else:
+        out["call"] = _capture(lambda: _exact(group=g))
+    out["after"] = _capture(lambda: _exact(group=g))  # the main threads again: no reset needed
+    return out
+
+
+def _case_checks_off_fresh_ring():
+    """Checks off, a fresh ring, rank 1 refuses its arguments locally: rank 0, waiting for the
+    data channel its peer never opens, gets RingTimeoutError naming ringseq (not the store's
+    own DistStoreError)."""
+    rank = dist.get_rank()
+    g = dist.new_group([0, 1])
+    ringseq.set_consistency_check(False)
+    try:
+        window = (-5, 0) if rank == 1 else (-1, -1)
+        out = {"call": _capture(lambda: _exact(group=g, window_size=window))}
+    finally:
+        ringseq.set_consistency_check(True)
+    dist.barrier()
+    ringseq.reset_ring(g)
+    out["after_reset"] = _capture(lambda: _exact(group=g))
+    return out
+
+
+def _case_check_mode_words():
+    """A bad RINGSEQ_CHECK_CONSISTENCY raises ValueError naming the function on every rank
+    before the call opens (the ring is not broken by it); set_consistency_check takes the
+    variable's words ("on", "no", ...)."""
+    from ringseq import _dist as ringseq_dist
+    old = os.environ.get("RINGSEQ_CHECK_CONSISTENCY")
+    os.environ["RINGSEQ_CHECK_CONSISTENCY"] = "maybe"
+    ringseq_dist._CHECK_MODE = None  # read the variable again at the next call
+    try:
+        out = {"bad_env": _capture(_exact)}
+    finally:
+        if old is None:
+            del os.environ["RINGSEQ_CHECK_CONSISTENCY"]
+        else:
+            os.environ["RINGSEQ_CHECK_CONSISTENCY"] = old
+    out["words"] = _capture(lambda: [(ringseq.set_consistency_check(w),
+                                      ringseq_dist.consistency_check_mode())[1]
+                                     for w in ("on", "NO", "yes", "0", True)])
+    out["next_call"] = _capture(_exact)  # no reset_ring in between
+    return out
+
+
 def _tiny_llama(biases=False, unused=False):
     """A 2-layer Llama; ``unused``: layer 1 also holds a linear layer its forward never uses
     (its parameters require a gradient and get none)."""
@@ -952,6 +1058,11 @@ def _worker_w2(tmp):
                      ("bad_argument", _case_one_rank_bad_argument), ("tags", _case_tags),
                      ("threads", _case_threads), ("ulysses", _case_ulysses_and_usp_faults),
                      ("timeouts", _case_timeout_values),
+                     ("timeout_changed", _case_timeout_changed_after_first_call),
+                     ("ctrl_c", _case_ctrl_c_while_waiting),
+                     ("thread_refusal", _case_thread_refusal_meets_the_peers),
+                     ("checks_off_fresh", _case_checks_off_fresh_ring),
+                     ("mode_words", _case_check_mode_words),
                      ("plugin", lambda: _case_plugin_failures(tmp)),
                      ("skipped_step", _case_plugin_skipped_step)):
         cases[name] = fn()
@@ -1063,6 +1174,53 @@ def test_timeout_values_are_validated(w2):
         assert res[value][0] == "ValueError" and "finite number of seconds >= 1" in res[value][1]
     for value in ("True", "'3'"):
         assert res[value][0] == "TypeError", res[value]
+
+
+def test_a_changed_ring_timeout_applies_to_the_next_call(w2):
+    for r in w2:
+        _exact_ok(r["timeout_changed"]["warm"])
+        _exact_ok(r["timeout_changed"]["raised"])  # rank 1 came 6 s late under a 12 s limit
+        _exact_ok(r["timeout_changed"]["after_reset"])
+    lowered = w2[0]["timeout_changed"]["lowered"]
+    _is_error(lowered, ("RingTimeoutError",), "waited more than 2 s")
+    assert lowered[2] < 4.5, lowered  # the new 2 s limit, not the channel's 4 s; rank 1 is 5 s
+    assert w2[1]["timeout_changed"]["lowered"][0] != "ok"
+
+
+def test_ctrl_c_interrupts_a_wait_for_a_stalled_peer(w2):
+    call = w2[0]["ctrl_c"]["call"]
+    # at 1 s plus a slice; not when rank 1 comes back (8 s) nor at the 30 s timeout
+    assert call[0] == "KeyboardInterrupt" and call[2] < 4, call
+    assert w2[1]["ctrl_c"]["call"][0] in ("RingTimeoutError", "RingBrokenError"), w2[1]
+    for r in w2:
+        _exact_ok(r["ctrl_c"]["after_reset"])
+
+
+def test_a_call_from_an_unbound_thread_is_refused_on_every_rank_at_once(w2):
+    refused = w2[1]["thread_refusal"]["call"]
+    _is_error(refused, ("RuntimeError",), "ring_flash_attn_func: this ring", "bound to thread")
+    peer = w2[0]["thread_refusal"]["call"]
+    _is_error(peer, ("RingPeerError",), "rank 1", "bound to thread")
+    assert peer[2] < TIMEOUT - 1, peer  # met the refusal; did not wait for the 4 s timeout
+    for r in w2:
+        _exact_ok(r["thread_refusal"]["warm"])
+        _exact_ok(r["thread_refusal"]["after"])
+
+
+def test_checks_off_first_exchange_times_out_with_a_ringseq_error(w2):
+    _is_error(w2[1]["checks_off_fresh"]["call"], ("ValueError",), "window_size")
+    _is_error(w2[0]["checks_off_fresh"]["call"], ("RingTimeoutError",), "ringseq: rank 0",
+              "data channel", "reset_ring")
+    for r in w2:
+        _exact_ok(r["checks_off_fresh"]["after_reset"])
+
+
+def test_check_mode_words_and_a_bad_variable(w2):
+    for r in w2:
+        _is_error(r["mode_words"]["bad_env"], ("ValueError",),
+                  "ring_flash_attn_func: RINGSEQ_CHECK_CONSISTENCY='maybe'")
+        assert r["mode_words"]["words"] == ("ok", ["first", "off", "first", "off", "first"])
+        _exact_ok(r["mode_words"]["next_call"])
 
 
 def test_plugin_failures_raise_everywhere_and_training_goes_on(w2):

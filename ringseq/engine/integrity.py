@@ -351,7 +351,8 @@ class RingCall:
         exchanges the peers wait for still happen. KeyboardInterrupt too: a Ctrl-C that the
         user's loop catches (a notebook) would otherwise leave the peers waiting for this
         rank's exchanges until the ring timeout; it is re-raised once the call has ended
-        (a second Ctrl-C while the call waits on a peer interrupts that wait)."""
+        (a second Ctrl-C while the call waits on a peer at a control collective interrupts
+        that wait and breaks the ring; a payload exchange is waited for, or times out)."""
         try:
             yield
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - re-raised by end()/begin()

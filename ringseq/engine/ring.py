@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .._hash import stable_code
-from .._dist import (RingTimeoutError, consistency_check_mode, group_info,
+from .._dist import (RingTimeoutError, consistency_check_mode, group_info, named_for,
                      is_initialized, ring_timeout)
 from .integrity import (BROKEN, CHECK, FAIL, FAILED, FIELD0, INVALID, KIND_NAMES, OK,
                         RingCall, _describe, agreement_code, gather, judge)
@@ -81,8 +81,13 @@ class Ring:
             return None
         try:
             return self.transport.control(words)
+        except KeyboardInterrupt as exc:
+            # a Ctrl-C while this rank waited: the all-gather stays pending on the channel
+            self.mark_broken(exc)
+            raise
         except RuntimeError as exc:
-            what = (f"waited more than {ring_timeout():.0f} s for"
+            limit = getattr(self.transport, "control_timeout_s", None) or ring_timeout()
+            what = (f"waited more than {limit:.0f} s for"
                     if _timeout_exc(exc) else "lost the connection to")
             mismatch = getattr(self.transport, "reset_mismatch", lambda: None)()
             me = dist.get_rank() if is_initialized() else self.rank
@@ -107,6 +112,13 @@ class Ring:
         checks made by user code; backwards, and forwards recomputed during a backward, may run
         on an autograd worker thread), and concurrent calls would interleave their
         exchanges."""
+        # The mode is read (from RINGSEQ_CHECK_CONSISTENCY at the first call) before the call
+        # opens: a bad value raises on every rank (they share the environment) and leaves the
+        # ring usable once it is fixed.
+        try:
+            consistency_check_mode()
+        except ValueError as exc:
+            raise (named_for(name, exc) if name else exc) from None
         # inside a backward (autograd's device threads; recomputed checkpointed forwards)
         bind = (bind and self.world_size > 1 and not self.transport.ranks_are_threads
                 and torch._C._current_graph_task_id() == -1)
@@ -115,11 +127,19 @@ class Ring:
             if self._thread is None or not _alive(self._thread):
                 self._thread = me
             elif self._thread != me:
-                raise RuntimeError(
-                    f"ringseq: this ring (process group of {self.world_size} ranks) is bound to "
-                    f"thread {self._thread}, which called it first; calls from other threads "
-                    f"(this is {me}) are refused, since their exchanges would pair with the "
-                    f"other thread's calls on the peers. Give each thread its own process group")
+                err = RuntimeError(
+                    f"{name or 'ringseq'}: this ring (process group of {self.world_size} ranks) "
+                    f"is bound to thread {self._thread}, which called it first; calls from "
+                    f"other threads (this is {me}) are refused, since their exchanges would "
+                    f"pair with the other thread's calls on the peers. Give each thread its "
+                    f"own process group")
+                if self._lock.acquire(blocking=False):
+                    # The bound thread is not in a call: the peers wait at this call's begin,
+                    # so meet them with the refusal (they raise RingPeerError at once, not after
+                    # the ring timeout). Mid-call, a refusal would pair with that call's steps.
+                    self._lock.release()
+                    self.refuse(kind, err)
+                raise err
             # Two threads per rank on one group would pair one rank's thread with another
             # rank's other thread: the calling thread's name is part of the signature.
             signature = tuple(signature) + (("calling thread (hash of its name)",

@@ -90,6 +90,26 @@ def _timeout_exc(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+# A wait on a collective returns to Python this often: Python runs its signal handlers only
+# between bytecodes, so a Ctrl-C while this rank waits for a stalled peer would otherwise wait
+# for the ring timeout (1800 s by default).
+_WAIT_SLICE = datetime.timedelta(milliseconds=250)
+
+
+def _wait_interruptibly(work) -> None:
+    """``work.wait()`` in slices of ``_WAIT_SLICE`` (the collective's own timeout still ends
+    it). Only for collectives run by gloo's worker threads (an all-gather): a slice that ends
+    leaves them running, whereas a gloo send/recv whose wait times out closes its pair."""
+    while True:
+        try:
+            work.wait(_WAIT_SLICE)
+            return
+        except RuntimeError as exc:
+            # c10d's Work.wait(timeout) says this when the slice ended, not the collective
+            if "Operation timed out!" not in str(exc):
+                raise
+
+
 class _Pending:
     """The in-flight exchange of one ring step."""
 
@@ -244,16 +264,31 @@ class RingComm(Transport):
         self._control_pg = self._data_pg = None
 
     # -- the exchange --------------------------------------------------------------------------
+    def _data_channel(self):
+        """The gloo group the payloads move on, made at its first use: its members meet in the
+        store there, so a peer that never comes (checks off: nothing met it before) ends in
+        RingTimeoutError as a stalled exchange does, not in the store's own error."""
+        if self._data_pg is None:
+            try:
+                self._data_pg = self._own_gloo("data")
+            except RuntimeError as exc:
+                raise RingTimeoutError(
+                    f"ringseq: rank {self.rank} waited more than {ring_timeout():.0f} s for its "
+                    f"ring peers ({self.describe_peers()}) to open the ring's data channel "
+                    f"({type(exc).__name__}: {exc}): a peer stalled, died or left the ring "
+                    f"call (ringseq.set_ring_timeout changes the limit; "
+                    f"ringseq.reset_ring(group) on every rank makes the ring usable "
+                    f"again)") from exc
+        return self._data_pg
+
     def exchange(self, send: torch.Tensor, recv: torch.Tensor,
                  reverse: bool = False) -> Optional[_Pending]:
         if self.world_size == 1:
             return None
         if self.backend == "gloo" and send.device.type == "cpu":
-            if self._data_pg is None:
-                self._data_pg = self._own_gloo("data")
+            pg = self._data_channel()
             to, frm = ((self.rank - 1, self.rank + 1) if reverse else
                        (self.rank + 1, self.rank - 1))
-            pg = self._data_pg
             works = [pg.send([send], to % self.world_size, 0),
                      pg.recv([recv], frm % self.world_size, 0)]
             return _Pending(works, self, datetime.timedelta(seconds=ring_timeout()))
@@ -270,9 +305,7 @@ class RingComm(Transport):
             return
         try:
             if self.backend == "gloo" and send.device.type == "cpu":
-                if self._data_pg is None:
-                    self._data_pg = self._own_gloo("data")
-                self._data_pg.alltoall_base(recv, send, [], []).wait(
+                self._data_channel().alltoall_base(recv, send, [], []).wait(
                     datetime.timedelta(seconds=ring_timeout()))
             else:
                 dist.all_to_all_single(recv, send, group=self.group)
@@ -288,6 +321,11 @@ class RingComm(Transport):
             return None
         if self._control_pg is None:
             self._control_pg = self._own_gloo("control")
-        out = torch.empty((self.world_size, words.numel()), dtype=words.dtype)
-        self._control_pg.allgather([list(out.unbind(0))], [words]).wait()
+        out = torch.empty((self.world_size, words.numel()), dtype=words.dtype)  # (W, n) int64
+        # The limit in force now, not the one the channel was made with (set_ring_timeout may
+        # have changed it since): gloo takes a per-operation timeout.
+        self.control_timeout_s = ring_timeout()
+        opts = dist.distributed_c10d.AllgatherOptions()
+        opts.timeout = datetime.timedelta(seconds=self.control_timeout_s)
+        _wait_interruptibly(self._control_pg.allgather([list(out.unbind(0))], [words], opts))
         return out

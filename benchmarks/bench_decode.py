@@ -43,7 +43,7 @@ from common import (PeakMemory, environment, format_table, load_average, mib, pr
                     spawn_cpu_ranks, time_ms, write_json)
 
 import ringseq  # noqa: E402
-from cli_types import positive_int, positive_ints, positive_seconds  # noqa: E402
+from cli_types import json_path, positive_int, positive_ints, positive_seconds  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -57,15 +57,18 @@ def parse_args(argv=None):
     p.add_argument("--heads-kv", type=positive_int, default=8)
     p.add_argument("--headdim", type=positive_int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default fp32 (CPU), bf16 (CUDA)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (part 1 only on cuda; --threads ignored)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu or cuda (part 1 only on cuda; --threads ignored)")
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--no-cp", action="store_true", help="skip part 2 (context parallel)")
     p.add_argument("--world-size", type=positive_int, default=2)
     p.add_argument("--cp-cache", type=positive_ints, default="16384,32768", help="global cache lengths of part 2")
     p.add_argument("--cp-batch", type=positive_int, default=1)
     p.add_argument("--timeout", type=positive_seconds, default=900)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=json_path, default=None)
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this torch sees no CUDA device (a CPU build, or no GPU)")
     if args.heads % args.heads_kv:
         p.error(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
     for length in args.cp_cache:  # part 2's zigzag split, checked before part 1 runs
@@ -120,6 +123,7 @@ def single_device(args):
                 clock = "cpu" if threads == 1 else "wall"
                 row = dict(batch=b, cache=length, threads=threads, clock=clock, load=load_average())
                 for name, fn in (("ringseq", ours), ("sdpa", sdpa)):
+                    fn()  # untimed: one-time setup (dispatch, pools) is not a step's memory
                     with PeakMemory(dev) as mem:
                         out = fn()
                     row[f"{name}_ms"] = time_ms(fn, dev, warmup=1, repeats=args.repeats, clock=clock)

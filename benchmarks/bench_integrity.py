@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_types import json_path, positive_int  # noqa: E402
 from common import progress, spawn_cpu_ranks, write_json  # noqa: E402
 
 
@@ -67,14 +68,17 @@ def _rank(args, device):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--headdim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", default=None)
+    p.add_argument("--world-size", type=positive_int, default=2)
+    p.add_argument("--seqlen", type=positive_int, default=8192)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--headdim", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--json", type=json_path, default=None)
     args = p.parse_args(argv)
     W = args.world_size
+    if args.seqlen % (2 * W):  # the zigzag split, as a usage error before any rank starts
+        p.error(f"--seqlen {args.seqlen}: zigzag over --world-size {W} needs a multiple of "
+                f"{2 * W}")
     progress(f"spawning {W} local CPU ranks, 1 thread each; s={args.seqlen}")
     r = spawn_cpu_ranks(W, _rank, args, 3600, 1)  # rank 0 (the ranks run in lockstep)
     cost_ms = (4 * r["control_us"] + 2 * W * r["header_us"]) / 1e3

@@ -53,7 +53,7 @@ from common import (PeakMemory, attention_flops, core_probe_gflops, cpu_descript
 
 import ringseq  # noqa: E402
 from ringseq.kernels import BACKEND_NAMES, available_backends  # noqa: E402
-from cli_types import non_negative_int, positive_int, positive_ints  # noqa: E402
+from cli_types import json_path, non_negative_int, positive_int, positive_ints  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 SDPA_PEERS = {"torch_sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
@@ -274,7 +274,7 @@ def parse_args(argv=None):
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="CPU: wall time, or the benchmark thread's CPU time (1 thread only: not "
                         "inflated by other jobs on a shared machine)")
-    p.add_argument("--json", default=None, help="write results to this path")
+    p.add_argument("--json", type=json_path, default=None, help="write results to this path")
     args = p.parse_args(argv)
     # comma lists stay strings (they are passed on to the per-level child processes): checked
     for name in ("seqlens", "headdims", "threads", "tile_configs"):

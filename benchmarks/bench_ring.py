@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # (run from any directory, or imported by the tests)
     sys.path.insert(0, HERE)
 from cli_types import (comma_list, non_negative_int, positive_int,  # noqa: E402
-                       positive_ints, positive_seconds)
+                       positive_ints, positive_seconds, json_path)
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp64")
 MODES = ("fwd", "fwd_bwd")
@@ -79,9 +79,9 @@ def build_parser():
                         "contiguous and zigzag)")
     p.add_argument("--causal", choices=["true", "false", "both"], default="true",
                    help="causal attention: true, false (full) or both (default true)")
-    p.add_argument("--modes", type=comma_list(MODES), default="fwd,fwd_bwd",
+    p.add_argument("--modes", type=comma_list(MODES), default=None,
                    help="comma list of fwd (forward) and fwd_bwd (forward+backward) "
-                        "(default both)")
+                        "(default both; --sp-mode measures fwd_bwd only)")
     p.add_argument("--backend", default=None,
                    help="block kernel: ringseq (ours), sdpa (torch's fused attention), "
                         "reference (plain math) or flash_attn (the flash-attn package, CUDA) "
@@ -105,7 +105,7 @@ def build_parser():
                         "each W; default 32768)")
     p.add_argument("--timeout", type=positive_seconds, default=1800,
                    help="seconds before spawned ranks are killed (default 1800)")
-    p.add_argument("--json", default=None, metavar="PATH",
+    p.add_argument("--json", type=json_path, default=None, metavar="PATH",
                    help="write the arguments, environment, rows, load balance and warnings here")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG bar chart of ring and compute-only times (needs matplotlib)")
@@ -163,6 +163,16 @@ def check_args(args, launched, device):
             p.error(f"--docs {args.docs!r} (seeded, longtail or a comma list of lengths): {exc}")
         if min(lengths) < 0:
             p.error(f"--docs {args.docs!r}: lengths must be >= 0")
+    if args.sp_mode:
+        # options of the layout rows that the mode comparison has no use for: refused, not
+        # silently dropped
+        for given, what in ((args.memory_scaling, "--memory-scaling"),
+                            (args.modes, "--modes"),
+                            (args.causal == "both" or None, "--causal both")):
+            if given:
+                p.error(f"--sp-mode compares the modes at one shape, forward+backward, causal "
+                        f"or not: {what} does not apply to it")
+    args.modes = args.modes or ["fwd", "fwd_bwd"]
     if args.sp_mode:  # the same checks as sp_modes.main_sp, here as usage errors
         from sp_modes import mode_sizes, parse_sp_modes
         try:

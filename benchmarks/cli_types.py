@@ -4,6 +4,8 @@ bad value is a usage error (exit status 2) naming the option, never a traceback.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 
 
 def positive_int(text):
@@ -34,6 +36,36 @@ def positive_seconds(text):
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+def positive_float(text):
+    """A finite number > 0 (e.g. a peak TFLOP/s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite positive number, got {text}")
+    return value
+
+
+def json_path(text):
+    """A path the results can be written to, tried before any work starts (a run should not
+    end, minutes later, in a traceback about its output file): its directory is created and
+    the file opened for appending; a file this made is removed again."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file path")
+    existed = os.path.exists(path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror or exc}") from None
+    if not existed:
+        os.remove(path)
+    return text
 
 
 def positive_ints(text):

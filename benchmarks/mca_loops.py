@@ -29,6 +29,8 @@ import subprocess
 import sys
 from collections import defaultdict
 
+from cli_types import json_path  # (the script's folder is on sys.path, as for the tests)
+
 HEADER = re.compile(r"^([0-9a-f]+) <(.+)>:$")
 INSN = re.compile(r"^\s*([0-9a-f]+):\s+([a-z0-9._]+)\s*(.*?)\s*$")
 BLOCK = {"baseline": 6, "avx2": 6, "avx512": 8, "avx512bf16": 8, "amx": 8}  # vec.h kMR (kNR = 2)
@@ -123,7 +125,7 @@ def main(argv=None):
     p.add_argument("--so", default=None, help="the extension to read (default: ringseq._C)")
     p.add_argument("--mca", default=None, help="llvm-mca binary (default: llvm-mca-19, llvm-mca)")
     p.add_argument("--iterations", type=int, default=300)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=json_path, default=None)
     args = p.parse_args(argv)
     mca_bin = args.mca or shutil.which("llvm-mca-19") or shutil.which("llvm-mca")
     if not mca_bin or not shutil.which("objdump"):

@@ -215,8 +215,10 @@ def measure(configs, steps_before=2):
     cuda = str(dist.get_backend()) == "nccl" and torch.cuda.is_available()
     tracker_cls = None if cuda else _tracker_class()
     out = []
-    for c in configs:
+    for i, c in enumerate(configs):
         t0, c0 = time.perf_counter(), time.process_time()
+        if dist.get_rank() == 0:  # progress: a 4-rank spawn measures dozens in turn
+            print(f"  [{i + 1}/{len(configs)}] {c['name']} ...", flush=True)
         _release_ring_buffers()
         gc.collect()
         plugin = RingSequenceParallelPlugin(precision=c["precision"], **c["plugin"])
@@ -309,13 +311,14 @@ def _rows(configs, per_rank):
 def main(argv=None):
     # (imported here: benchmarks/common.py tunes malloc on import, which tests that import
     # this module for run() should not inherit)
+    from cli_types import json_path, positive_seconds
     from common import environment, format_table, progress, write_json
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None, help="configurations whose name contains this")
     p.add_argument("--quick", action="store_true", help="only those tests/test_memory.py runs")
-    p.add_argument("--json", default=None, help="write the rows to this path")
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--json", type=json_path, default=None, help="write the rows to this path")
+    p.add_argument("--timeout", type=positive_seconds, default=900)
     args = p.parse_args(argv)
     configs = [c for c in CONFIGS if (args.only is None or args.only in c["name"])
                and (c["quick"] or not args.quick)]

@@ -213,7 +213,10 @@ def measure_row(args, device, dtype, group, be, layout, causal, mode, main):
     err, plain_err = _spot_check(args, layout, causal, full, out.detach(), group)
     peak = torch.tensor([float(mem.peak or 0)], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    errs = torch.tensor([err, plain_err], dtype=torch.float64, device=device)
+    # Each rank's error against its own plain error (a rank whose rows see few keys has a
+    # larger one, which must not become the bound of another rank's rows): the worst excess.
+    errs = torch.tensor([err, plain_err, err - 2 * plain_err], dtype=torch.float64,
+                        device=device)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     flops = attention_flops(args.batch, args.heads, args.seqlen, args.seqlen, args.headdim, causal, mode)
     row = {
@@ -222,7 +225,7 @@ def measure_row(args, device, dtype, group, be, layout, causal, mode, main):
         "peak_mib_per_rank": mib(peak.item()) if mem.peak is not None else None,
         "compute_only_ms": base_ms, "compute_clock": clock, "ring_overhead": ms / base_ms,
         "max_err": float(errs[0]), "plain_err": float(errs[1]),
-        "check_ok": bool(errs[0] <= 2 * errs[1] + CHECK_FLOOR[dtype]),
+        "check_ok": bool(errs[2] <= CHECK_FLOOR[dtype]),
         "other_load_cores": load.others, "warnings": [],
     }
     del full, q, k, v, out

@@ -65,7 +65,8 @@ from common import (PeakMemory, attention_flops, environment, format_table, mib,
                     synchronize, threads_per_rank, write_json)
 
 import ringseq  # noqa: E402
-from cli_types import non_negative_int, positive_int, positive_seconds  # noqa: E402
+from cli_types import (json_path, non_negative_int, positive_float, positive_int,  # noqa: E402
+                       positive_seconds)
 from ringseq.layouts import get_layout  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,14 +97,14 @@ def parse_args(argv=None):
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every decoder layer")
     p.add_argument("--backend", default=None, help="block kernel backend (default: best)")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=positive_float, default=None,
                    help="per-GPU peak for MFU (default: known A100/H100/H200 bf16 peak)")
     p.add_argument("--threads-per-rank", type=positive_int, default=None,
                    help="torch threads per CPU rank (default: cores // world size, at least 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=positive_seconds, default=1800,
                    help="seconds before spawned ranks are killed")
-    p.add_argument("--json", default=None, help="write results to this path")
+    p.add_argument("--json", type=json_path, default=None, help="write results to this path")
     p.add_argument("--plugin", action="store_true",
                    help="train through ringseq.plugin.Booster + RingSequenceParallelPlugin")
     p.add_argument("--sp-size", "--sp", dest="sp_size", type=positive_int, default=None,
@@ -130,6 +131,12 @@ def parse_args(argv=None):
         p.error(f"--layout: {exc}")
     if args.heads % args.kv_heads or args.hidden % args.heads:
         p.error("--heads must divide --hidden and be a multiple of --kv-heads")
+    if args.backend is not None:  # a name the ranks would refuse, refused before they start
+        from ringseq.kernels import get_backend
+        try:
+            get_backend(args.backend)
+        except ValueError as exc:
+            p.error(f"--backend {args.backend}: {exc}")
     # the world: the launcher's (torchrun) or --world-size spawned ranks
     world = int(os.environ.get("WORLD_SIZE", args.world_size))
     if world % args.tp:

@@ -23,6 +23,15 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("train_long_context.py", ["--layout", "foo"], "--layout: unknown layout 'foo'"),
     ("train_long_context.py", ["--seqlen", "1001"], "--seqlen 1001 over 2"),
     ("train_long_context.py", ["--steps", "0"], "--steps: must be a positive integer"),
+    # (before: tracebacks, failures after the ranks started, or silently accepted)
+    ("train_long_context.py", ["--backend", "foo"], "--backend foo: get_backend: backend must"),
+    ("train_long_context.py", ["--peak-tflops", "-5"], "--peak-tflops: must be a finite"),
+    ("bench_decode.py", ["--device", "foo"], "--device: invalid choice: 'foo'"),
+    ("bench_integrity.py", ["--world-size", "0"], "--world-size: must be a positive integer"),
+    ("bench_integrity.py", ["--repeats", "0"], "--repeats: must be a positive integer"),
+    ("bench_integrity.py", ["--seqlen", "1001"], "--seqlen 1001: zigzag over --world-size 2"),
+    ("memory_check.py", ["--timeout", "nan"], "--timeout: must be a positive number"),
+    ("bench_kernel.py", ["--json", "/"], "--json: '/' is a directory"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path, script, args, message):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args],

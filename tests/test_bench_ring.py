@@ -41,6 +41,15 @@ def test_help_describes_every_option():
     (["--docs", "foo"], "comma list of ints: 'foo'"),
     (["--docs", "5000,5000", "--seqlen", "1024"], "sum to 10000 > --seqlen 1024"),
     (["--window", "100", "--docs", "seeded"], "--window and --docs are two jobs"),
+    # (before: ran as documents [100, 924], labelled "docs 100,-50")
+    (["--docs", "100,-50", "--seqlen", "1024"], "lengths must be >= 0, got -50"),
+    # (before: silently ignored by the mode comparison)
+    (["--sp-mode", "ring", "--memory-scaling", "2"], "--memory-scaling does not apply"),
+    (["--sp-mode", "ring", "--modes", "fwd"], "--modes does not apply"),
+    (["--sp-mode", "ring", "--causal", "both"], "--causal both does not apply"),
+    # (before: the whole run, then a traceback writing the file)
+    (["--json", "/"], "is a directory, not a file path"),
+    (["--json", "/proc/no-such-dir/out.json"], "cannot write"),
 ])
 def test_bad_arguments_stop_before_any_rank_starts(args, message):
     proc = _bench(*args)
@@ -98,3 +107,31 @@ def test_the_ranks_cpu_time_is_not_counted_as_other_processes_load():
     before = common.own_cpu_seconds()
     common.spawn_cpu_ranks(2, _burn_one_cpu_second, None, 60, 1)
     assert common.own_cpu_seconds() - before >= 2.0
+
+
+_FAULT = """import os
+if os.environ.get("RINGSEQ_TEST_FAULT_RANK"):
+    import ringseq, torch.distributed as dist
+    _ring = ringseq.ring_flash_attn_func
+    def _faulty(*a, **k):
+        out = _ring(*a, **k)
+        if dist.is_initialized() and dist.get_rank() == int(os.environ["RINGSEQ_TEST_FAULT_RANK"]):
+            out = out + 1.5e-2
+        return out
+    ringseq.ring_flash_attn_func = _faulty
+"""
+
+
+def test_a_wrong_result_on_one_rank_fails_the_spot_check(tmp_path):
+    """Each rank's error is bounded by its own rows' plain error: 1.5e-2 added to rank 1's
+    bf16 output (its rows' plain error ~3e-3, bound ~7e-3) fails the row, exit status 1
+    (before: compared with rank 0's larger plain error, 1.1e-2, and passed)."""
+    (tmp_path / "sitecustomize.py").write_text(_FAULT)
+    env = dict(os.environ, RINGSEQ_TEST_FAULT_RANK="1",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, BENCH, "--world-size", "2", "--seqlen", "1024",
+                           "--heads", "2", "--dtype", "bf16", "--layouts", "contiguous",
+                           "--modes", "fwd", "--repeats", "1"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "spot check failed" in proc.stdout, proc.stdout[-3000:]

@@ -616,3 +616,91 @@ def test_a_hybrid_model_fed_the_plain_ring_sharding_is_told_its_own_sharder():
     for text in run_ranks(_hybrid_fed_the_ring_sharding, 4, timeout=150):
         assert "position_ids that are not the global positions" in text, text
         assert "pass the batch of sp.shard_batch(batch, layout)" in text, text
+
+
+def _position_case(case):
+    """A tiny model whose position encoding the ring cannot feed, and the refusal's words."""
+    import transformers as T
+    common = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16)
+    if case == "bart":  # numbers its decoder's tokens from 0, takes no position_ids
+        cfg = T.BartConfig(d_model=64, decoder_layers=1, encoder_layers=1,
+                           decoder_attention_heads=4, encoder_attention_heads=4,
+                           decoder_ffn_dim=64, encoder_ffn_dim=64, max_position_embeddings=256,
+                           vocab_size=128)
+        return T.BartForCausalLM(cfg), "takes no position_ids"
+    if case == "dynamic":
+        cfg = T.LlamaConfig(**common, max_position_embeddings=32,
+                            rope_parameters={"rope_type": "dynamic", "factor": 4.0,
+                                             "rope_theta": 10000.0})
+        return T.LlamaForCausalLM(cfg), "rope_type='dynamic'"
+    if case == "longrope":
+        cfg = T.Phi3Config(**common, max_position_embeddings=256, pad_token_id=0,
+                           original_max_position_embeddings=40,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                            "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                                            "original_max_position_embeddings": 40})
+        return T.Phi3ForCausalLM(cfg), "rope_type='longrope'"
+    cfg = T.Llama4TextConfig(**common, intermediate_size_mlp=64, num_local_experts=2,
+                             num_experts_per_tok=1, attention_chunk_size=None,
+                             no_rope_layers=[0], floor_scale=4)
+    return T.Llama4ForCausalLM(cfg), "attn_temperature_tuning=True"
+
+
+@pytest.mark.parametrize("case", ["bart", "dynamic", "longrope", "llama4_temperature"])
+def test_position_encodings_the_shards_cannot_see_are_refused_at_apply(case):
+    """Position encodings computed from each rank's own shard rather than the global positions
+    (before: accepted, logits 6.3e-1 (BART), 1.3e-3 (dynamic NTK), 6.6e-3 (Phi-3 longrope) and
+    3.4e-3 (Llama 4 NoPE temperature) from float64 at W=2, against ~2e-7 for plain float32):
+    apply refuses them, naming the cause, before any communication."""
+    pytest.importorskip("transformers")
+    from ringseq.integrations.transformers import apply
+    torch.manual_seed(0)
+    model, needle = _position_case(case)
+    with pytest.raises(ValueError, match=r"^apply: .*" + needle.replace("(", r"\(")):
+        apply(model)
+
+
+def test_padding_outside_the_local_keys_is_refused_with_a_cache(state_dicts):
+    """A full-length left-padded mask next to fewer input ids, with use_cache=True: transformers
+    asks the mask function for the last kv_length columns only (before: the padding was cut
+    away and the call ran, ignoring it); the whole mask is checked."""
+    from ringseq.integrations.transformers import apply
+    model = apply(_model("llama", state_dicts["llama"]))
+    ids, _ = _batch(14)
+    mask = torch.ones(ids.shape[0], 2 * ids.shape[1], dtype=torch.long)  # (b, 2 s)
+    mask[-1, :6] = 0
+    with torch.no_grad():
+        for use_cache in (False, True):
+            with pytest.raises(ValueError, match="attention_mask with padding"):
+                model(input_ids=ids, attention_mask=mask, use_cache=use_cache)
+
+
+def _reused_batch_on_one_rank():
+    import torch.distributed as dist
+    import ringseq
+    import transformers as T
+    from ringseq.integrations.transformers import apply
+    torch.manual_seed(0)
+    model = apply(T.LlamaForCausalLM(T.LlamaConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128)).eval())
+    ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1))
+    batch = ringseq.shard_batch({"input_ids": ids})
+    with torch.no_grad():
+        first = model(**batch, use_cache=False).logits
+        # identical content: rank 0 passes its dict again, rank 1 shards afresh
+        again = batch if dist.get_rank() == 0 else ringseq.shard_batch({"input_ids": ids})
+        second = error_text(lambda: model(**again, use_cache=False))
+        third = model(**again, use_cache=False).logits
+    return second, float((first - third).abs().max())
+
+
+def test_a_batch_reused_on_one_rank_only_keeps_the_ranks_in_step():
+    """The input check runs on every rank at each model call's first layer, whatever tensors a
+    rank reuses (before: rank 0 skipped the agreement for the tensors it had checked, rank 1
+    did not, and both raised RingDesyncError on valid input, the ring broken until reset)."""
+    pytest.importorskip("transformers")
+    for second, diff in run_ranks(_reused_batch_on_one_rank, 2, timeout=150):
+        assert second == "no error", second
+        assert diff == 0.0

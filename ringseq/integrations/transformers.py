@@ -92,7 +92,11 @@ class RingSettings:
     # The last inputs found valid -- mask and position-id tensors (weakly, with their in-place
     # versions), document boundaries, local length: every layer of one forward gets the same,
     # so they are checked (and agreed on across ranks) once per forward.
-    _checked: tuple = field(default=(None, None, None, None), repr=False, compare=False)
+    _checked: tuple = field(default=(None, None, None, None, None), repr=False, compare=False)
+    # Model calls begun (the base model's forward pre-hook counts them on every rank alike):
+    # the first layer of each call checks its inputs on every rank, so whether the collective
+    # runs never depends on a rank's own tensor identities (a batch reused on one rank only).
+    _calls: int = field(default=0, repr=False, compare=False)
     # The position ids the model itself was called with, for models whose attention function
     # gets none (GPT-BigCode adds learned position embeddings before its layers): set by a
     # hook around the base model's forward (:func:`_capture_positions`), None outside it.
@@ -138,9 +142,10 @@ def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, pos
     """Refuses padding masks and wrong position ids; agrees across ranks before raising."""
     if attention_mask is None and position_ids is None:
         return
-    mask_mark, pos_mark, checked_docs, checked_len = settings._checked
-    if (_marked(mask_mark, attention_mask) and _marked(pos_mark, position_ids)
-            and checked_docs == docs and checked_len == q_local):
+    mask_mark, pos_mark, checked_docs, checked_len, checked_call = settings._checked
+    if (checked_call == settings._calls and _marked(mask_mark, attention_mask)
+            and _marked(pos_mark, position_ids) and checked_docs == docs
+            and checked_len == q_local):
         return
     problems = []
     refusal = getattr(attention_mask, "ringseq_refusal", None)  # set by ringseq_mask
@@ -191,7 +196,8 @@ def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, pos
     get_ring(settings.group).agree(
         not problems, "ringseq attention cannot compute this exactly: " + "; ".join(problems),
         about="attention inputs")
-    settings._checked = (_input_mark(attention_mask), _input_mark(position_ids), docs, q_local)
+    settings._checked = (_input_mark(attention_mask), _input_mark(position_ids), docs, q_local,
+                         settings._calls)
 
 
 def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -353,10 +359,14 @@ def _model_positions(settings: RingSettings, q_local: int, device):
 
 
 def _capture_positions(module, args, kwargs):
-    """Forward pre-hook on the base model (:func:`apply`): records its position ids."""
+    """Forward pre-hook on the base model (:func:`apply`): counts the model's calls and records
+    its position ids."""
     settings = getattr(module, "ringseq_settings", None)
     if settings is None:
         return
+    settings._calls += 1
+    if not _takes_positions(module):
+        return  # (apply refused such a model that encodes positions)
     pos = kwargs.get("position_ids")
     if pos is None and args:
         try:
@@ -373,16 +383,19 @@ def _forget_positions(module, args, kwargs, output):
         settings._model_positions = None
 
 
+def _takes_positions(base) -> bool:
+    """Whether ``base.forward`` has a ``position_ids`` parameter."""
+    try:
+        return "position_ids" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _watch_model_positions(model, settings: RingSettings) -> None:
     """Hooks the base model's forward (once per model) so that attention functions called
-    without ``position_ids`` check the ones the model was called with."""
+    without ``position_ids`` check the ones the model was called with, and so that each model
+    call checks its inputs once on every rank."""
     base = getattr(model, "base_model", model)
-    try:
-        takes_positions = "position_ids" in inspect.signature(base.forward).parameters
-    except (TypeError, ValueError):
-        takes_positions = False
-    if not takes_positions:
-        return
     base.ringseq_settings = settings  # read by the hooks: a re-applied model's hooks see it
     if not getattr(base, "_ringseq_watches_positions", False):
         base.register_forward_pre_hook(_capture_positions, with_kwargs=True)
@@ -412,6 +425,71 @@ def _is_other_mixer(module) -> bool:
                                            type(module).__name__)]
     return any(tuple(words[i:i + len(run)]) == run
                for run in _OTHER_MIXER_WORDS for i in range(len(words)))
+
+
+# rope_type values whose frequencies depend on the sequence length: transformers takes it as
+# max(position_ids) + 1 of the ids it is given, on each rank its own shard's
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def _rope_parameter_sets(cfg):
+    """The RoPE parameter dicts of a config (``rope_parameters`` / ``rope_scaling``, one dict
+    or one per layer type)."""
+    for attr in ("rope_parameters", "rope_scaling"):
+        value = getattr(cfg, attr, None)
+        if not isinstance(value, dict):
+            continue
+        subs = [v for v in value.values() if isinstance(v, dict)]
+        yield from ((attr, v) for v in subs) if subs else ((attr, value),)
+
+
+def _position_encoders(model) -> list:
+    """Names of ``model``'s modules that encode positions (learned or sinusoidal position
+    embeddings, rotary modules), by class or attribute name."""
+    found = []
+    for name, sub in model.named_modules():
+        cls = type(sub).__name__.lower()
+        last = name.rsplit(".", 1)[-1].lower()
+        if ("position" in cls or "rotary" in cls or "rope" in cls or "position" in last
+                or last in ("wpe", "rotary_emb")):
+            found.append(f"{name} ({type(sub).__name__})")
+    return found
+
+
+def _check_positions_exact(model, modules) -> None:
+    """ValueError (raised by :func:`apply`) for models whose position encoding cannot see the
+    global positions of a rank's tokens: a base model whose forward takes no ``position_ids``
+    but that encodes positions (BART-style decoders number their tokens from 0, so each rank
+    would number its own shard from 0), RoPE whose frequencies depend on the sequence length
+    (dynamic NTK, longrope: each rank's own shard's length), and Llama 4's query temperature
+    of NoPE layers (computed from the local token count)."""
+    model_name = type(model).__name__
+    base = getattr(model, "base_model", model)
+    encoders = _position_encoders(model)
+    if encoders and not _takes_positions(base):
+        raise ValueError(
+            f"apply: {model_name} encodes positions ({', '.join(encoders[:3])}) but its base "
+            f"model's forward ({type(base).__name__}.forward) takes no position_ids: each rank "
+            f"would number its own shard of the sequence from 0, not with the global positions "
+            f"of its tokens")
+    configs = {id(c): c for c in [getattr(model, "config", None)]
+               + [getattr(m, "config", None) for m in modules] if c is not None}
+    for cfg in configs.values():
+        for attr, params in _rope_parameter_sets(cfg):
+            kind = params.get("rope_type", params.get("type"))
+            if kind in _LENGTH_DEPENDENT_ROPE:
+                raise ValueError(
+                    f"apply: {model_name} uses rope_type={kind!r} (config.{attr}), whose "
+                    f"frequencies depend on the sequence length, which transformers takes from "
+                    f"the position ids it is given: each rank would rotate with its own "
+                    f"shard's frequencies, not the whole sequence's")
+    for m in modules:
+        if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True):
+            raise ValueError(
+                f"apply: {model_name} scales the queries of its NoPE layers by a temperature "
+                f"that transformers computes from the local token count "
+                f"(attn_temperature_tuning=True in {type(m).__name__}), not from the position "
+                f"ids: each rank would use its own shard's positions 0..s_local-1")
 
 
 def _check_ring_exact(model, modules) -> None:
@@ -484,7 +562,10 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
         return marker
     if attention_mask is None:
         return None
-    if attention_mask.dim() == 2 and kv_length is not None:
+    # (only an all-ones mask is sliced to the keys: padding anywhere in the one given, e.g. a
+    # full-length left-padded mask beside sharded input ids, is refused by the input check)
+    if (attention_mask.dim() == 2 and kv_length is not None
+            and bool(attention_mask.bool().all())):
         attention_mask = attention_mask[:, -kv_length:]
     return attention_mask
 
@@ -614,10 +695,12 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
         group_info(group)  # raises for a group this process is not in
     modules = _attention_modules(model)
     if not modules:
-        raise ValueError(f"{type(model).__name__} has no attention modules that dispatch through "
-                         f"transformers' AttentionInterface (modules named *Attention* with a "
-                         f"`scaling` attribute); ringseq cannot switch it")
+        raise ValueError(f"apply: {type(model).__name__} has no attention modules that ringseq "
+                         f"can switch: it switches modules named *Attention* that hold their "
+                         f"softmax scale as a `scaling` attribute and dispatch through "
+                         f"transformers' AttentionInterface")
     _check_ring_exact(model, modules)
+    _check_positions_exact(model, modules)
     sp = _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inner)
     if sp is None:
         settings = RingSettings(group=group, layout=lay, backend=backend)

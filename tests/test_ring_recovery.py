@@ -363,6 +363,24 @@ def _case_checks_off_fresh_ring():
     return out
 
 
+def _case_lse_gradient_refused_by_the_backend():
+    """backend="sdpa" cannot take a gradient into lse: refused at the backward before the call
+    opens, meeting the peers (before: raised inside the call, and the ring was broken for every
+    later call until reset_ring). Both ranks, then rank 1 only; the next call is exact without
+    a reset."""
+    rank = dist.get_rank()
+    loc = [ringseq.shard(t, "zigzag").requires_grad_() for t in _full(9)]
+    out = {}
+    for name, uses_lse in (("both", True), ("rank_1", rank == 1)):
+        def step():
+            o, lse = ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag",
+                                                  backend="sdpa", return_lse=True)
+            (o.sum() + (lse.sum() if uses_lse else 0)).backward()
+        out[name] = _capture(step)
+        out[name + "_next"] = _capture(_exact)
+    return out
+
+
 def _case_check_mode_words():
     """A bad RINGSEQ_CHECK_CONSISTENCY raises ValueError naming the function on every rank
     before the call opens (the ring is not broken by it); set_consistency_check takes the
@@ -1063,6 +1081,7 @@ def _worker_w2(tmp):
                      ("thread_refusal", _case_thread_refusal_meets_the_peers),
                      ("checks_off_fresh", _case_checks_off_fresh_ring),
                      ("mode_words", _case_check_mode_words),
+                     ("lse_refusal", _case_lse_gradient_refused_by_the_backend),
                      ("plugin", lambda: _case_plugin_failures(tmp)),
                      ("skipped_step", _case_plugin_skipped_step)):
         cases[name] = fn()
@@ -1221,6 +1240,17 @@ def test_check_mode_words_and_a_bad_variable(w2):
                   "ring_flash_attn_func: RINGSEQ_CHECK_CONSISTENCY='maybe'")
         assert r["mode_words"]["words"] == ("ok", ["first", "off", "first", "off", "first"])
         _exact_ok(r["mode_words"]["next_call"])
+
+
+def test_a_backend_refusing_the_lse_gradient_leaves_the_ring_usable(w2):
+    for r in w2:
+        _is_error(r["lse_refusal"]["both"], ("RuntimeError",),
+                  "ring_flash_attn_func: backend 'sdpa' cannot backpropagate through lse")
+        _exact_ok(r["lse_refusal"]["both_next"])
+        _exact_ok(r["lse_refusal"]["rank_1_next"])
+    _is_error(w2[1]["lse_refusal"]["rank_1"], ("RuntimeError",), "cannot backpropagate")
+    _is_error(w2[0]["lse_refusal"]["rank_1"], ("RingPeerError",), "rank 1",
+              "cannot backpropagate")
 
 
 def test_plugin_failures_raise_everywhere_and_training_goes_on(w2):

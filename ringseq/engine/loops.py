@@ -40,6 +40,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from .._dist import named_for
 from .counting import record
 from .integrity import BWD, FWD, HEADER_WORDS, RingCall
 from .plan import RingPlan
@@ -210,12 +211,17 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
         # block starts it instead, so exchange 1 carries no accumulator.
         names, rev = payloads[1]
         payloads[1] = (tuple(n for n in names if n != "acc"), rev)
+    if grad_lse is not None and not be.supports_delta:
+        # Refused before the call opens, meeting the peers' begin (they raise RingPeerError):
+        # the ring stays usable, as for a refused forward.
+        try:
+            be.require_lse_grad()
+        except RuntimeError as exc:
+            ring.refuse(BWD, named_for(plan.spec.fn, exc))
     with ring.open_call(BWD, plan.signature, q.device, bind=False,
                         name=plan.spec.fn) as call:
         bufs = delta = dq = scratch = own = None
         with call.guard():
-            if grad_lse is not None:
-                be.require_lse_grad()
             delta = be.delta(dout, out, grad_lse)  # (b, h, s), once for every block
             dq = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
             # [dK/dV accumulator | header | K/V]: any payload plus the header is one range.

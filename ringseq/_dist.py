@@ -32,7 +32,8 @@ def is_initialized() -> bool:
 def group_info(group=None) -> Tuple[int, int]:
     """(world_size, rank in ``group``); (1, 0) without an initialized process group.
 
-    Raises TypeError for a ``SequenceParallelGroups`` (its own methods split for its mode);
+    Raises TypeError for a ``SequenceParallelGroups`` (its own methods split for its mode) and
+    anything else that is not a process group (a name, a list of ranks);
     ValueError when a group is passed but torch.distributed is not initialized, or
     when this process is not a member of ``group`` (torch reports rank -1 there, which would
     otherwise surface as nonsense sizes much later)."""
@@ -42,6 +43,10 @@ def group_info(group=None) -> Tuple[int, int]:
                         "SequenceParallelGroups (make_sp_groups): use its own methods "
                         "sp.shard(x, layout), sp.shard_batch(batch, layout), "
                         "sp.positions(seqlen, layout), or usp_attn_func(..., sp=sp)")
+    if group is not None and not isinstance(group, (dist.ProcessGroup, int)):
+        # (an int: what torch.distributed.new_group returns to ranks outside the group)
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the default "
+                        f"group), got {group!r} ({type(group).__name__})")
     if not is_initialized():
         if group is not None:
             raise ValueError(f"group={group!r} was passed but torch.distributed is not "

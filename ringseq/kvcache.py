@@ -374,8 +374,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if host is not None:
         # the last position rotated: a new key's, or a query's when causal or windowed
         # (queries at cache_seqlens + i); flash-attn reads past its table there
-        _check_rotary_rows(fn, rotary_cos,
-                           max(host) + max(s_new, s_q if causal or windowed else 1))
+        last = max(host, default=0)  # (batch 0: no rows)
+        _check_rotary_rows(fn, rotary_cos, last + max(s_new, s_q if causal or windowed else 1))
     if k is not None:
         _check_writable(fn, k_cache, v_cache)
     scale = resolve_scale(softmax_scale, d)
@@ -648,7 +648,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
             raise ValueError(f"{fn}: cache_seqlens must be >= 0, got {host}")
         if pads is not None:
             _check_leftpad(fn, pads, host, s_new)
-        last = max(host) + s_new
+        last = max(host, default=0) + s_new  # (batch 0: no rows)
         _check_rotary_rows(fn, rotary_cos, last)
         need = int(homes.count(torch.tensor(last, device=q.device)))
         if need > cap:

@@ -13,6 +13,8 @@ functions compute plain local attention (world size 1).
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Optional
 
 import torch
@@ -329,6 +331,15 @@ class RingAttention(nn.Module):
                               causal=self.causal, group=self.group, layout=self.layout,
                               return_lse=return_lse, backend=self.backend,
                               grad_comm_dtype=self.grad_comm_dtype)
+
+    def __deepcopy__(self, memo):
+        # A process group cannot be copied, and a copied model (EMA, teacher) runs on the same
+        # ring: the copy shares the group and copies everything else.
+        memo[id(self.group)] = self.group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def extra_repr(self) -> str:
         return f"layout={self.layout.name!r}, causal={self.causal}, backend={self.backend!r}"

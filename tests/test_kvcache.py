@@ -589,3 +589,18 @@ def test_ring_decoding_single_rank_matches_the_single_device_call_at_its_edges()
         ring_flash_attn_with_kvcache(q, *[c.clone() for c in caches], lengths, k, v,
                                      cache_leftpad=torch.tensor([5, 0], dtype=torch.int32),
                                      causal=True, prefill_len=0)
+
+
+def test_batch_zero_returns_empty_results():
+    """A batch of no rows decodes nothing, as flash_attn_func does for batch 0 (before:
+    "max() arg is an empty sequence" from the range checks), appending or not, with and
+    without cache_seqlens, on one device and as a ring of one."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(0, 1, 4, 8, generator=g)                     # (b=0, s_q, h, d)
+    kc, vc = torch.zeros(0, 16, 2, 8), torch.zeros(0, 16, 2, 8)   # (b=0, cap, h_kv, d)
+    k, v = torch.randn(0, 1, 2, 8), torch.randn(0, 1, 2, 8)
+    for kw in (dict(cache_seqlens=4), dict(), dict(k=k, v=v, cache_seqlens=4)):
+        out = flash_attn_with_kvcache(q, kc, vc, causal=True, **kw)
+        assert out.shape == (0, 1, 4, 8), kw
+    out = ring_flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, prefill_len=0)
+    assert out.shape == (0, 1, 4, 8)

@@ -409,3 +409,57 @@ def test_forward_mode_ad_and_torch_func_transforms_are_refused():
     assert torch.isfinite(dq).all() and dq.abs().max() > 0
     # functionalize computes no derivative: it runs
     assert torch.equal(torch.func.functionalize(f)(q), f(q))
+
+
+@pytest.mark.parametrize("backend", ["ringseq", "sdpa", "reference"])
+def test_backend_calls_refuse_row_tensors_of_other_shapes(backend):
+    """A backend's validating calls check dout, out, lse, delta and the accumulators against q
+    and v (before: sdpa's bwd read past a shorter dout or lse and returned garbage, NaN in one
+    run, |dk| 43 against 1.8 in another)."""
+    from ringseq.kernels import get_backend
+    be = get_backend(backend)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 7, 4, 8, generator=g)   # (b, s_q, h, d)
+    k, v = (torch.randn(2, 5, 2, 8, generator=g) for _ in range(2))  # (b, s_k, h_kv, d)
+    out, lse = be.fwd(q, k, v, 0.3, False)
+    dout = torch.randn_like(out)
+    for name, args in (("dout", (dout[:, :3], q, k, v, out, lse)),
+                       ("out", (dout, q, k, v, out[:, :, :2], lse)),
+                       ("lse", (dout, q, k, v, out, lse[..., :3]))):
+        with pytest.raises(ValueError, match=rf"^{backend}\.bwd: {name} must have shape"):
+            be.bwd(*args, 0.3, False)
+    acc = [torch.zeros(t.shape) for t in (q, k, v)]
+    with pytest.raises(ValueError, match=rf"^{backend}\.bwd_accum: dk_accum must have shape"):
+        be.bwd_accum(dout, q, k, v, out, lse, 0.3, False, None, acc[0], acc[0], acc[2])
+    with pytest.raises(ValueError, match=rf"^{backend}\.fwd_accum: lse_acc must have shape"):
+        be.fwd_accum(q, k, v, 0.3, False, torch.zeros(out.shape), lse[:, :1].clone())
+    dq, dk, dv = be.bwd(dout, q, k, v, out, lse, 0.3, False)  # the right shapes still run
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_scale_and_softcap_beyond_float32_are_refused():
+    """The kernels scale and cap in float32 for 16- and 32-bit inputs: values beyond its range
+    gave all-NaN outputs (softcap or scale 1e39) or no capping at all (softcap 1e-50, 2.42 off
+    float64); refused, naming the argument."""
+    q = torch.randn(1, 8, 2, 16)
+    for kw, needle in ((dict(softcap=1e39), "softcap must be 0.0 .off. or within float32"),
+                       (dict(softcap=1e-50), "softcap must be 0.0 .off. or within float32"),
+                       (dict(softmax_scale=1e39), "softmax_scale must be within float32"),
+                       (dict(softmax_scale=-1e300), "softmax_scale must be within float32")):
+        with pytest.raises(ValueError, match="^flash_attn_func: " + needle):
+            ringseq.flash_attn_func(q, q, q, **kw)
+    out = ringseq.flash_attn_func(q, q, q, softcap=3e38, softmax_scale=1e-30)  # in range: runs
+    assert torch.isfinite(out).all()
+
+
+def test_zero_heads_and_a_group_that_is_not_one_are_named():
+    """nheads 0 is said to need a head (before: "must be divisible", 0 by 0); a group that is
+    not a process group is a TypeError (before: a message about not being a member of it)."""
+    q = torch.randn(2, 4, 0, 8)
+    with pytest.raises(ValueError, match="need at least one head"):
+        ringseq.flash_attn_func(q, q, q)
+    q = torch.randn(1, 8, 2, 16)
+    for group in ("world", [0, 1]):
+        with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup "
+                                            r"or None .* got " + repr(group).replace("[", r"\[")):
+            ringseq.ring_flash_attn_func(q, q, q, group=group)

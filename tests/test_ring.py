@@ -546,3 +546,21 @@ def test_half_precision_output_is_rounded_once(dtype):
                 run_ranks(_half_precision_documents, 4, seed, dtype, timeout=120)):
             assert_close_per_design(out, ref64, plain, f"seed {seed} rank {rank}", 2.0,
                                     default_floor(dtype))
+
+
+def _deepcopy_ring_attention():
+    import copy
+    g = dist.new_group([0, 1])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), ringseq.RingAttention(group=g))
+    twin = copy.deepcopy(model)
+    q = ringseq.shard(torch.randn(1, 16, 2, 8, generator=torch.Generator().manual_seed(0)),
+                      "contiguous", g)
+    same = torch.equal(model[1](q, q, q), twin[1](q, q, q))
+    return (twin[1].group is g, twin[0].weight is not model[0].weight, same)
+
+
+def test_deepcopy_of_a_model_holding_ring_attention_shares_its_group():
+    """EMA / teacher copies: a RingAttention with a process group deep-copies (before:
+    TypeError, a ProcessGroup cannot be pickled); the copy runs on the same ring."""
+    for res in run_ranks(_deepcopy_ring_attention, 2, timeout=120):
+        assert res == (True, True, True), res

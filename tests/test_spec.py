@@ -97,6 +97,8 @@ def test_tensor_errors_name_the_function():
         ringseq.flash_attn_with_kvcache(q[..., :0], k[..., :0], v[..., :0])
     with pytest.raises(ValueError, match=r"^group=.* was passed but torch.distributed is not "
                                          r"initialized"):
+        ringseq.ring_flash_attn_func(q, k, v, group=-100)  # what new_group gives non-members
+    with pytest.raises(TypeError, match=r"^group must be a torch.distributed ProcessGroup"):
         ringseq.ring_flash_attn_func(q, k, v, group=object())
     with pytest.raises(ValueError, match=r"^g: q, k and v must be tensors with data"):
         attn_spec("g", q, k.to("meta"), v.to("meta"))

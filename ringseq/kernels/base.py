@@ -127,6 +127,20 @@ class AttentionBackend:
         return q.numel() == 0 or k.shape[1] == 0 or (spans is not None and spans.shape[0] == 0)
 
     # -- validating calls ------------------------------------------------------------------
+    @staticmethod
+    def _check_shapes(fn: str, q, v, rows=(), stats=(), others=()) -> None:
+        """ValueError naming ``fn`` and the argument unless each of ``rows`` (name, tensor) has
+        q's rows with v's head dim (b, s_q, h, d_v), each of ``stats`` (b, h, s_q) and each of
+        ``others`` (name, tensor, shape) its shape: a kernel would read past a shorter one."""
+        b, s_q, h, _ = q.shape
+        want = ([(n, t, (b, s_q, h, v.shape[-1])) for n, t in rows]
+                + [(n, t, (b, h, s_q)) for n, t in stats] + list(others))
+        for name, t, shape in want:
+            if not torch.is_tensor(t) or tuple(t.shape) != tuple(shape):
+                got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+                raise ValueError(f"{fn}: {name} must have shape {tuple(shape)} (from q "
+                                 f"{tuple(q.shape)} and v {tuple(v.shape)}), got {got}")
+
     def fwd(self, q, k, v, softmax_scale: float, causal: bool, *, spans=None, softcap: float = 0.0):
         """``(out, lse)``; ``softmax_scale`` is a resolved float (the callers apply the
         default); ``spans`` and ``softcap`` as in the class docstring."""
@@ -140,6 +154,8 @@ class AttentionBackend:
         with lse_acc = -inf hold nothing yet."""
         spans, softcap = self.check_call(q, k, v, causal, spans, softcap,
                                          fn=f"{self.name}.fwd_accum")
+        self._check_shapes(f"{self.name}.fwd_accum", q, v, rows=[("out_acc", out_acc)],
+                           stats=[("lse_acc", lse_acc)])
         self.run_fwd_accum(q, k, v, softmax_scale, causal, out_acc, lse_acc, spans=spans,
                            softcap=softcap)
 
@@ -147,6 +163,9 @@ class AttentionBackend:
             spans=None, softcap: float = 0.0):
         """``(dq, dk, dv)`` in the input dtype."""
         spans, softcap = self.check_call(q, k, v, causal, spans, softcap, fn=f"{self.name}.bwd")
+        self._check_shapes(f"{self.name}.bwd", q, v, rows=[("dout", dout), ("out", out)],
+                           stats=[("lse", lse)] + ([("delta", delta)] if delta is not None
+                                                   else []))
         if delta is not None:
             self.require_lse_grad()
         return self.run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, delta, spans=spans,
@@ -158,6 +177,11 @@ class AttentionBackend:
         outside every span get zero added."""
         spans, softcap = self.check_call(q, k, v, causal, spans, softcap,
                                          fn=f"{self.name}.bwd_accum")
+        self._check_shapes(f"{self.name}.bwd_accum", q, v, rows=[("dout", dout), ("out", out)],
+                           stats=[("lse", lse)] + ([("delta", delta)] if delta is not None
+                                                   else []),
+                           others=[("dq_accum", dq_accum, q.shape), ("dk_accum", dk_accum, k.shape),
+                                   ("dv_accum", dv_accum, v.shape)])
         self.run_bwd_accum(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum,
                            dk_accum, dv_accum, spans=spans, softcap=softcap)
 

@@ -92,7 +92,16 @@ def check_softcap(softcap, fn: str = "attention") -> float:
     # symbolic float, which math.isfinite cannot take; NaN fails both comparisons)
     if not 0.0 <= softcap < math.inf:
         raise ValueError(f"{fn}: softcap must be a finite float >= 0 (0.0: off), got {softcap!r}")
+    # The kernels cap in float32 for 16- and 32-bit inputs: a cap beyond its range became inf
+    # (NaN outputs) or 0 (no capping at all) there.
+    if softcap != 0.0 and not _FLOAT32_TINY <= softcap <= _FLOAT32_MAX:
+        raise ValueError(f"{fn}: softcap must be 0.0 (off) or within float32's range "
+                         f"[{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}], got {softcap!r}")
     return softcap
+
+
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def spans_given(spans: Optional[torch.Tensor], softcap: float) -> bool:

@@ -58,8 +58,9 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
 
     Returns a float32 (float64 for float64 logits) scalar: (sum over all ranks of the
     per-token losses) / (number of non-ignored targets over all ranks), from one all-reduce of a (sum, count) pair -- the
-    logits are never gathered. A batch without any target gives 0 (not NaN), so a step on it
-    is a no-op. Differentiable: the gradient reaching this rank's logits is
+    logits are never gathered. A batch without any target gives 0 (not NaN) and a zero
+    gradient; a stateful optimizer (weight decay, momentum, Adam's moments) still moves the
+    parameters on a step after it, so skip the step where that matters. Differentiable: the gradient reaching this rank's logits is
     d(global mean)/d(local logits). The model's parameters are replicated and each rank
     back-propagates through its own tokens only, so their gradients must be SUMMED over the
     group (``all_reduce(SUM)``; not averaged) to equal the single-process gradient -- divide

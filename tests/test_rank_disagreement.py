@@ -88,6 +88,10 @@ def _worker(tmp):
         loader = booster.plugin.prepare_dataloader(_data(), batch_size=2, shuffle=True, seed=seed)
         return next(iter(loader))
     out["loader_seed"] = _timed(lambda: first_batch(7 if rank == 1 else 0))
+    # the same sampler over other samples on rank 1: only the batches' digests tell
+    other = _data()[::-1] if rank == 1 else _data()
+    out["loader_samples"] = _timed(lambda: next(iter(booster.plugin.prepare_dataloader(
+        other, batch_size=2))))
 
     model = _llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -157,6 +161,8 @@ def test_ranks_that_disagree_raise_together(tmp_path):
     _assert_everywhere(results, "shapes", "RingMismatchError",
                        needle="parameter names, shapes and dtypes (hash)")
     _assert_everywhere(results, "loader_seed", "RingMismatchError",
+                       needle="sampler seed (rank 0: 0, rank 1: 7, rank 2: 0, rank 3: 0)")
+    _assert_everywhere(results, "loader_samples", "RingMismatchError",
                        needle="batch 1 differs between the ranks of one data-parallel group")
     _assert_everywhere(results, "zero_grad_one_rank", "ValueError", "RingPeerError",
                        needle="a backward added its gradients to gradients", own_rank=0)

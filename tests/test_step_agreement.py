@@ -60,6 +60,17 @@ def _worker():
 
     out["loader"] = _timed(two_epochs)
     out["seen"] = seen
+    # a loader without a DistributedSampler (nothing to compare up front): the rank whose data
+    # ends first meets the other's next batch at "end of the data"
+    from torch.utils.data import DataLoader
+    from ringseq.layouts import get_layout
+    from ringseq.plugin.dataloader import ShardedDataLoader
+    own = ShardedDataLoader(DataLoader(data[:n - 1], batch_size=1), None,
+                            get_layout("contiguous"), dp_rank=rank, shared=False)
+    plain_seen = []
+    out["plain_loader"] = _timed(lambda: plain_seen.extend(
+        int(b["input_ids"][0, 0]) for b in own))
+    out["plain_seen"] = plain_seen
     out["uncleared"] = _uncleared_gradients_with_a_sharded_parameter(rank)
     return out
 
@@ -100,9 +111,15 @@ def test_a_rank_without_its_step_inputs_raises_on_every_rank():
 
     for rank, got in enumerate(ranks):
         error, elapsed = got["loader"]
+        # the samplers' dataset lengths differ: refused at the first batch, before any batch
+        # pairs (a sampler of the user's that ends early still raises at "end of the data")
+        assert error.startswith("RingMismatchError: ") and "dataset length" in error, error
+        assert elapsed < FAST, elapsed
+        assert got["seen"] == [], got["seen"]
+        error, elapsed = got["plain_loader"]
         assert error.startswith("RingMismatchError: ") and "end of the data" in error, error
         assert elapsed < FAST, elapsed
-        assert len(got["seen"]) == 1, got["seen"]  # the first epoch's common batch only
+        assert got["plain_seen"] == [0], got["plain_seen"]  # the common batch only
         # every rank refuses (before: the probe was the shard, and rank 1 stepped)
         assert got["uncleared"].startswith("ValueError: OptimizerWrapper.step: a backward "
                                            "added its gradients"), (rank, got["uncleared"])

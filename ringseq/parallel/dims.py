@@ -89,6 +89,11 @@ class ParallelDims:
         if not _positive_int(world):
             raise ValueError(f"ParallelDims: world_size must be a positive integer, got "
                              f"{world!r}")
+        for name, value in (("tp_size", tp), ("sp_size", sp)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                # (before the divisibility: 2.0 "did not divide" a world of 2)
+                raise ValueError(f"ParallelDims: {name}={value!r} must be a positive int, not "
+                                 f"a {type(value).__name__}")
         if not _positive_int(tp) or world % tp:
             raise ValueError(f"ParallelDims: tp_size={tp!r} does not divide the world size "
                              f"{world}; tp_size must be one of {_divisors(world)}")

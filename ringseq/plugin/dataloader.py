@@ -161,17 +161,32 @@ class ShardedDataLoader:
                 error is None, str(error), error=error, about="batch",
                 fields=(("batch number", self.step + 1), ("end of the data", int(ended)),
                         ("data-parallel rank", self.dp_rank, ANY),
-                        ("batch digest", batch_digest(batch) if compare else 0, ANY)))
+                        ("batch digest", batch_digest(batch) if compare else 0, ANY))
+                + self._sampler_fields())
             if rows is not None:
                 self._check_same_samples(rows)
         elif error is not None:
             raise error
         return None if ended else self._to_device(out)
 
+    def _sampler_fields(self) -> tuple:
+        """The DistributedSampler's settings, compared over every rank with each batch: dp
+        groups whose samplers differ in seed, epoch (set_epoch on some ranks only), shuffle,
+        drop_last or dataset length would split the data inconsistently, some samples seen
+        twice and others never, which no batch digest can tell (they hold other samples by
+        design)."""
+        s = getattr(self.loader, "sampler", None)
+        if not isinstance(s, DistributedSampler):
+            return ()
+        return (("sampler seed", int(s.seed) % (1 << 62)), ("sampler epoch", int(s.epoch)),
+                ("sampler shuffle", int(bool(s.shuffle))),
+                ("sampler drop_last", int(bool(s.drop_last))),
+                ("dataset length", len(s.dataset)))
+
     def _check_same_samples(self, rows) -> None:
         """RingMismatchError (on every rank: every rank judges the same gathered rows) when
         ranks of one data-parallel group loaded different batches."""
-        split = differing_digests([(dp_rank, digest) for _, _, dp_rank, digest in rows])
+        split = differing_digests([(row[2], row[3]) for row in rows])  # (dp rank, digest)
         if split:
             detail = "; ".join(f"data-parallel rank {dp}: {ranks}" for dp, ranks in split.items())
             raise RingMismatchError(

@@ -278,6 +278,13 @@ class RingSequenceParallelPlugin(Plugin):
                 if wanted.type == "cuda" and not torch.cuda.is_available():
                     raise ValueError(f"device={device!r}, but this torch sees no CUDA device "
                                      f"(torch.cuda.is_available() is False); use 'cpu'")
+            if not isinstance(activation_checkpointing, bool):
+                # ("no" is truthy: it would have turned checkpointing on)
+                raise TypeError(f"activation_checkpointing must be a bool, got "
+                                f"{activation_checkpointing!r}")
+            if ulysses_inner is not None and sp_mode != "hybrid":
+                raise ValueError(f"ulysses_inner={ulysses_inner!r} orders the Ulysses and ring "
+                                 f"dims of sp_mode='hybrid' only; got sp_mode={sp_mode!r}")
             if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
                 raise ValueError(f"ignore_index must be an int (the label of no target), got "
                                  f"{ignore_index!r}")
@@ -292,11 +299,14 @@ class RingSequenceParallelPlugin(Plugin):
                              about="plugin options")
         plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)
                       and inner_ring_size is None and ulysses_inner is None)
-        if plain_ring:
-            self.groups = build_mesh(sp_size, mesh, tp_size=tp_size)
-        else:
-            self.groups = build_sp_mesh(sp_size, sp_mode, ulysses_size, inner_ring_size,
-                                        ulysses_inner, mesh, tp_size=tp_size)
+        try:  # (a passed mesh is checked there: the same object on every rank)
+            if plain_ring:
+                self.groups = build_mesh(sp_size, mesh, tp_size=tp_size)
+            else:
+                self.groups = build_sp_mesh(sp_size, sp_mode, ulysses_size, inner_ring_size,
+                                            ulysses_inner, mesh, tp_size=tp_size)
+        except ValueError as exc:
+            raise named_for(type(self).__name__, exc) from exc.__cause__
         if self.dims.sharded:
             self.groups.dp_sp_mesh()  # its process group, now, on every rank alike
         self.sp_mode = sp_mode
@@ -463,9 +473,12 @@ class RingSequenceParallelPlugin(Plugin):
         if isinstance(criterion, nn.CrossEntropyLoss):
             if (criterion.reduction != "mean" or criterion.weight is not None
                     or criterion.label_smoothing):
-                raise ValueError("only a plain nn.CrossEntropyLoss (reduction='mean', no class "
-                                 "weights, no label smoothing) can be turned into the global "
-                                 "token-mean loss of the ring plugin")
+                raise ValueError(f"boost: criterion: only a plain nn.CrossEntropyLoss "
+                                 f"(reduction='mean', no class weights, no label smoothing) can "
+                                 f"be turned into the global token-mean loss of the ring plugin; "
+                                 f"got reduction={criterion.reduction!r}, weight "
+                                 f"{'set' if criterion.weight is not None else 'None'}, "
+                                 f"label_smoothing={criterion.label_smoothing}")
             if criterion.ignore_index != self.ignore_index:
                 # The loader fills shift_labels with the plugin's ignore_index past each
                 # sequence's end; a loss ignoring another value would index the vocabulary
@@ -507,13 +520,17 @@ class RingSequenceParallelPlugin(Plugin):
                 f"DataLoader with batch_size and shuffle=True/False only (a subset: "
                 f"torch.utils.data.Subset), or build it with plugin.prepare_dataloader")
         # Every other DataLoader setting carries over (those this torch has); the shuffled
-        # order is the DistributedSampler's (seed 1024 on every rank), the loader's generator
-        # seeds its workers.
+        # order is the DistributedSampler's, seeded with the seed of the loader's shuffling
+        # generator where it has one (1024 otherwise; every rank must use the same: the
+        # loader compares it), and the loader's generator seeds its workers.
         kept = {name: getattr(dataloader, name) for name in _LOADER_SETTINGS
                 if hasattr(dataloader, name)}
+        generator = getattr(sampler, "generator", None) or getattr(dataloader, "generator", None)
         return self.prepare_dataloader(
             dataloader.dataset, dataloader.batch_size,
-            shuffle=isinstance(sampler, RandomSampler), drop_last=dataloader.drop_last,
+            shuffle=isinstance(sampler, RandomSampler),
+            seed=generator.initial_seed() if generator is not None else 1024,
+            drop_last=dataloader.drop_last,
             pin_memory=dataloader.pin_memory, num_workers=dataloader.num_workers, **kept)
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,

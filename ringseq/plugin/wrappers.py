@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
+import numbers
 import threading
 from typing import Optional
 
@@ -476,7 +478,17 @@ class OptimizerWrapper:
         still makes ``step`` skip. After DDP every rank holds the same summed gradients, so
         every rank computes the same norm and clips alike; with sharded gradients (FSDP,
         tensor parallelism) the norm is computed over all shards (DTensor), the same on every
-        rank."""
+        rank.
+
+        Raises ValueError (the same on every rank: the arguments are the caller's) for a
+        ``max_norm`` that is not a finite number >= 0 (a negative one reversed the gradients,
+        NaN made every parameter NaN) or a ``norm_type`` that is not > 0 (inf included)."""
+        for name, value, ok, want in (
+                ("max_norm", max_norm, lambda x: 0.0 <= x < math.inf, "a finite number >= 0"),
+                ("norm_type", norm_type, lambda x: x > 0.0, "a number > 0 (inf: max norm)")):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(
+                    float(value)):
+                raise ValueError(f"clip_grad_by_norm: {name} must be {want}, got {value!r}")
         if self.scaler is not None:
             self.scaler.unscale_(self.optim)
         params = [p for group in self.optim.param_groups for p in group["params"]

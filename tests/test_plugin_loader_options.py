@@ -1,0 +1,126 @@
+"""The plugin's loader and options, as a user gets them wrong: data-parallel groups whose
+samplers differ (seed, epoch) are refused on every rank instead of duplicating and dropping
+samples; a DataLoader's shuffling generator seeds the order; ``clip_grad_by_norm`` refuses a
+max_norm that would reverse or poison the gradients; options that do not apply and
+refusals name the plugin, ``boost`` or the function."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from utils import error_text
+
+
+class _Net(torch.nn.Module):
+    """A linear layer next to a RingAttention (what boost switches); forward uses the layer."""
+
+    def __init__(self):
+        import ringseq
+        super().__init__()
+        self.lin, self.attn = torch.nn.Linear(4, 4), ringseq.RingAttention()
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _data(n=16):
+    return [{"input_ids": torch.full((8,), i), "labels": torch.full((8,), i), "idx": i}
+            for i in range(n)]
+
+
+def _seen(loader):
+    return [i for batch in loader for i in batch["idx"].tolist()]
+
+
+def _worker():
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    out = {}
+    plugin = RingSequenceParallelPlugin(sp_size=2)  # W=4: dp 2 x sp 2
+    dp = plugin.dp_rank
+    loader = plugin.prepare_dataloader(_data(), batch_size=2, shuffle=True, seed=100 + dp)
+    out["seed"] = error_text(lambda: _seen(loader))
+    loader = plugin.prepare_dataloader(_data(), batch_size=2, shuffle=True, seed=100)
+    loader.set_epoch(dp)  # one dp group an epoch ahead
+    out["epoch"] = error_text(lambda: _seen(loader))
+    loader.set_epoch(3)
+    out["same_epoch"] = sorted(_seen(loader))  # this dp group's half, no error
+    # a plain DataLoader's generator seeds the shuffled order (before: seed 1024 whatever it was)
+    orders = {}
+    for seed in (1, 2):
+        model = _Net()
+        user = DataLoader(_data(), batch_size=2, shuffle=True,
+                          generator=torch.Generator().manual_seed(seed))
+        boosted = Booster(plugin).boost(model, dataloader=user)[3]
+        orders[seed] = _seen(boosted)
+        own = plugin.prepare_dataloader(_data(), batch_size=2, shuffle=True, seed=seed)
+        out[f"generator_{seed}_is_sampler_seed"] = orders[seed] == _seen(own)
+    out["generator_orders_differ"] = orders[1] != orders[2]
+    # clip_grad_by_norm: a negative max_norm reversed the gradients, NaN poisoned the weights
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, *_ = Booster(plugin).boost(model, opt)
+    model(torch.randn(2, 4)).sum().backward()
+    for value in (-1.0, float("nan"), float("inf")):
+        out[f"clip_{value}"] = error_text(lambda: opt.clip_grad_by_norm(value))
+    out["clip_norm_type_0"] = error_text(lambda: opt.clip_grad_by_norm(1.0, norm_type=0))
+    out["clip_ok"] = float(opt.clip_grad_by_norm(1.0)) > 0
+    # options that do not apply, and their names
+    out["ac_string"] = error_text(lambda: RingSequenceParallelPlugin(
+        sp_size=2, activation_checkpointing="no"))
+    out["ulysses_inner_ring"] = error_text(lambda: RingSequenceParallelPlugin(
+        sp_size=2, ulysses_inner=False))
+    out["sp_size_float"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=2.0))
+    smoothing = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    out["criterion"] = error_text(lambda: Booster(plugin).boost(_Net(), criterion=smoothing))
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "sp", "tp"))
+    out["mesh_sp"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=4, mesh=mesh))
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def w4():
+    return run_ranks(_worker, 4, timeout=240)
+
+
+@pytest.mark.parametrize("key, field", [("seed", "sampler seed"), ("epoch", "sampler epoch")])
+def test_samplers_that_differ_between_dp_groups_are_refused(w4, key, field):
+    """Before: 16 samples seen with 3 never and 3 twice, no error."""
+    for r in w4:
+        assert r[key].startswith("RingMismatchError") and field in r[key], r[key]
+    halves = [r["same_epoch"] for r in w4]
+    assert sorted(halves[0] + halves[2]) == list(range(16))  # dp ranks 0 and 1: one epoch
+
+
+def test_a_dataloaders_shuffling_generator_seeds_the_order(w4):
+    for r in w4:
+        assert r["generator_1_is_sampler_seed"] and r["generator_2_is_sampler_seed"], r
+        assert r["generator_orders_differ"], r
+
+
+def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):
+    for r in w4:
+        for value in ("-1.0", "nan", "inf"):
+            assert r[f"clip_{value}"].startswith(
+                "ValueError: clip_grad_by_norm: max_norm must be a finite number >= 0"), r
+        assert "clip_grad_by_norm: norm_type must be a number > 0" in r["clip_norm_type_0"]
+        assert r["clip_ok"]
+
+
+@pytest.mark.parametrize("key, needle", [
+    ("ac_string", "TypeError: RingSequenceParallelPlugin: activation_checkpointing must be a "
+                  "bool, got 'no'"),
+    ("ulysses_inner_ring", "RingSequenceParallelPlugin: ulysses_inner=False orders the Ulysses "
+                           "and ring dims of sp_mode='hybrid' only"),
+    ("sp_size_float", "RingSequenceParallelPlugin: ParallelDims: sp_size=2.0 must be a "
+                      "positive int, not a float"),
+    ("criterion", "ValueError: boost: criterion: only a plain nn.CrossEntropyLoss"),
+    ("mesh_sp", "ValueError: RingSequenceParallelPlugin: sp_size=4 but the mesh's 'sp' dim"),
+])
+def test_options_that_do_not_apply_are_refused_by_name(w4, key, needle):
+    for r in w4:
+        assert needle in r[key], r[key]

@@ -119,3 +119,43 @@ def test_ring_keeps_the_rule_and_the_exact_zero(isa, softcap):
              for j, name, got in ((0, "out", out), (1, "lse", lse), (2, "dq", dq), (3, "dk", dk),
                                   (4, "dv", dv))}
     _check(isa, worst, f"ring zigzag W=4 s=1024 d=64 causal softcap={softcap}")
+
+
+@pytest.mark.parametrize("d", [32, 64, 65, 128, 129])
+def test_a_row_that_sees_one_key_gives_exact_gradients_at_large_scores(isa, d):
+    # window_size=(0, 0): every query sees its own key alone, so P = 1 and out = v exactly;
+    # dV = dO, dQ = dK = 0 in exact arithmetic and in plain float32 attention. The backward
+    # recomputes S as the forward summed it (fl(scale·q)·k in the forward's order), so P =
+    # exp(S - lse) is exactly 1. Before, S = q·fl(scale·k) rounded otherwise wherever the scale
+    # is not a power of two (d = 32, 65, 128, 129): dV - dO reached 9.8e-6 at scores of ~30.
+    gen = torch.Generator().manual_seed(d)
+    q, k = (3 * torch.randn(1, 64, 2, d, generator=gen) for _ in range(2))
+    v, dout = (torch.randn(1, 64, 2, d, generator=gen) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ringseq.flash_attn_func(q, k, v, window_size=(0, 0), backend="ringseq")
+    out.backward(dout)
+    assert torch.equal(out, v.detach()), f"{isa} d={d}: out is not v"
+    assert torch.equal(v.grad, dout), f"{isa} d={d}: max |dv - dout| {(v.grad - dout).abs().max():.3g}"
+    for name, g in (("dq", q.grad), ("dk", k.grad)):
+        assert torch.equal(g, torch.zeros_like(g)), f"{isa} d={d}: max |{name}| {g.abs().max():.3g}"
+
+
+@pytest.mark.parametrize("d, causal", [(3, False), (32, False), (128, True)])
+def test_fp32_error_within_design_rule_at_large_scores(isa, d, causal):
+    # Inputs x3 (scores up to ~30 at d = 128): P recomputed in the backward meets the
+    # forward's S, so the gradients keep the rule there too.
+    worst = dict.fromkeys(BOUND, 0.0)
+    for seed in (0, 1):
+        gen = torch.Generator().manual_seed(seed)
+        q, k = (3 * torch.randn(2, 160, 4, d, generator=gen) for _ in range(2))
+        v, dout = (torch.randn(2, 160, 4, d, generator=gen) for _ in range(2))
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = ringseq.flash_attn_func(qs, ks, vs, causal=causal, return_lse=True,
+                                           backend="ringseq")
+        out.backward(dout)
+        ref = reference_grads(q, k, v, dout, causal=causal)  # float64
+        plain = reference_grads(q, k, v, dout, causal=causal, dtype=torch.float32)
+        for j, (name, got) in enumerate((("out", out), ("lse", lse), ("dq", qs.grad),
+                                         ("dk", ks.grad), ("dv", vs.grad))):
+            worst[name] = max(worst[name], max_err(got, ref[j]) / max_err(plain[j], ref[j]))
+    _check(isa, worst, f"inputs x3, d={d}, causal={causal}")

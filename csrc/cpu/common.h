@@ -84,6 +84,13 @@ inline const T* rows_as(const in_t* src, int64_t src_ld, int64_t rows, int64_t d
   return buf;
 }
 
+// dst[0, n) = scale · src[0, n): each element rounded as pack_transposed's scaled copy rounds
+// it (one multiply), so a product over either copy sums the same terms.
+template <typename T>
+RS_INLINE void scale_row(const T* src, int64_t n, T scale, T* dst) {
+  for (int64_t c = 0; c < n; ++c) dst[c] = src[c] * scale;
+}
+
 // dst (d x cols_pad, row stride ldd) = scale · srcᵀ for a `rows` x `d` source; columns
 // [rows, cols_pad) are zero.
 template <typename T, typename in_t>

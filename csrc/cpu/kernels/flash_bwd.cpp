@@ -217,6 +217,8 @@ void bwd_impl(const BwdParams& p) {
     Scratch<bf16_t> qcols, docols, dsrows;
     Scratch<uint32_t> ppairs, dspairs, kvnni;
     Scratch<T> dvt, dkt, dqb;
+    // float path: one block's scale·Q rows for S (kt holds Kᵀ unscaled)
+    Scratch<T> qsbuf;
   };
   auto make_state = [&] {
     return State{Scratch<T>(pairs ? 0 : d * ldt),
@@ -244,7 +246,8 @@ void bwd_impl(const BwdParams& p) {
                  Scratch<uint32_t>(amx ? bn32 / 2 * d : 0),
                  Scratch<T>(amx ? d * ldt : 0),
                  Scratch<T>(amx ? d * ldt : 0),
-                 Scratch<T>(amx ? round_up(bm, 16) * dpad : 0)};
+                 Scratch<T>(amx ? round_up(bm, 16) * dpad : 0),
+                 Scratch<T>(pairs ? 0 : bm * ldp)};
   };
 
   auto work = [&](State& st, int64_t item) {
@@ -272,7 +275,8 @@ void bwd_impl(const BwdParams& p) {
         pack_pairs_transposed(bf16_input(row_ptr(v, p.v_strides, b, k0 + c0, hk)), p.v_strides.row, n, d, vp, ldt,
                               npad);
       } else {
-        pack_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, scale, kt, ldt,
+        // (unscaled: the scale goes on Q's side of S, as in the forward; below)
+        pack_transposed(row_ptr(k, p.k_strides, b, k0 + c0, hk), p.k_strides.row, n, d, T(1), kt, ldt,
                         npad);
         pack_transposed(row_ptr(v, p.v_strides, b, k0 + c0, hk), p.v_strides.row, n, d, T(1), vt, ldt,
                         npad);
@@ -377,7 +381,14 @@ void bwd_impl(const BwdParams& p) {
               amx_pair_rows_gemm(m, npad, d, dopi, vp, ldt, dp, ldt, dop, nullptr, s_band);  // dP
             }
           } else {
-            gemm<T, Epi::kStore>(m, npad, d, qi, ldqi, 1, kt, ldt, s, ldt, nullptr, kHeadChunk, T(1), s_band);  // S
+            // S = (scale·Q)·Kᵀ: the forward's terms fl(scale·q)·k summed in its order (the same
+            // GEMM, kHeadChunk), so that P = exp(S - lse) meets the forward's S bit for bit (a
+            // row with one visible key gets P = 1 exactly; with Q·(scale·Kᵀ) the products
+            // rounded otherwise wherever the scale is not a power of two, and P missed by
+            // ~|S|·2^-24, 6-7x plain float32's dV error at large scores).
+            T* qs = st.qsbuf.get();
+            for (int64_t i = 0; i < m; ++i) scale_row(qi + i * ldqi, d, scale, qs + i * ldp);
+            gemm<T, Epi::kStore>(m, npad, d, qs, ldp, 1, kt, ldt, s, ldt, nullptr, kHeadChunk, T(1), s_band);  // S
             gemm<T, Epi::kStore>(m, npad, d, doi, ldo, 1, vt, ldt, dp, ldt, nullptr, kHeadChunk, T(1), s_band);  // dP
           }
           // amx: P and dS as pairs of query rows (zero past m, to a whole 32-query step), dS as

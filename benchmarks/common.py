@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 # The rank spawner is shared with the tests (tests/dist_utils.py), not part of the library.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from dist_utils import run_ranks  # noqa: E402
+from dist_utils import RankError, RankTimeout, run_ranks  # noqa: E402
 
 
 def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode="fwd"):
@@ -488,6 +488,9 @@ def _bench_rank(fn, args, t0):
     return out, _cpu_seconds(resource.RUSAGE_SELF)
 
 
+RANKS_FAILED = 3  # exit status of a run whose local ranks raised, died or timed out
+
+
 def spawn_cpu_ranks(world, fn, args, timeout, threads):
     """Runs fn(args, device) on `world` local gloo ranks with `threads` torch threads each and
     returns rank 0's result; fn must be a module-level function. A rank that fails or dies
@@ -496,7 +499,14 @@ def spawn_cpu_ranks(world, fn, args, timeout, threads):
     (own_cpu_seconds), not as other processes' load."""
     import resource
     children = _cpu_seconds(resource.RUSAGE_CHILDREN)
-    results = run_ranks(_bench_rank, world, fn, args, _T0, timeout=timeout, threads=threads)
+    try:
+        results = run_ranks(_bench_rank, world, fn, args, _T0, timeout=timeout, threads=threads)
+    except (RankError, RankTimeout) as exc:
+        # Exit status 3, not a traceback's 1 (which a script would read as a failed spot
+        # check): the ranks' own report (their tracebacks) goes to stderr.
+        print(f"{os.path.basename(sys.argv[0])}: the local ranks did not finish "
+              f"({type(exc).__name__}):\n{exc}", file=sys.stderr, flush=True)
+        raise SystemExit(RANKS_FAILED) from None
     # (ranks started as this process's own children, when run_ranks falls back from its fork
     # server, are counted by RUSAGE_CHILDREN already)
     counted = _cpu_seconds(resource.RUSAGE_CHILDREN) - children

@@ -135,3 +135,14 @@ def test_a_wrong_result_on_one_rank_fails_the_spot_check(tmp_path):
                           cwd=ROOT, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "spot check failed" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_ranks_past_their_timeout_exit_with_status_3():
+    """A run whose ranks time out ends with exit status 3 and a line saying so (before: a
+    RankTimeout traceback, exit status 1, which reads as a failed spot check)."""
+    proc = _bench("--world-size", "2", "--seqlen", "16384", "--layouts", "contiguous",
+                  "--modes", "fwd_bwd", "--timeout", "1")
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "bench_ring.py: the local ranks did not finish (RankTimeout)" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr.split("(RankTimeout)")[0]

@@ -64,7 +64,10 @@ def json_path(text):
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror or exc}") from None
     if not existed:
-        os.remove(path)
+        try:
+            os.remove(path)
+        except FileNotFoundError:  # (another rank of a launcher removed it first)
+            pass
     return text
 
 

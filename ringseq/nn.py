@@ -128,7 +128,8 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
         out (batch, s_local, nheads, headdim) in q's dtype (under ``torch.autocast``: the
         autocast dtype, float64 inputs excepted); with ``return_lse`` ``(out, lse)``, with
         ``return_attn_probs`` ``(out, lse, None)``, lse (batch, nheads, s_local) float32
-        (float64 for float64 inputs), natural log, -inf for rows that see no key. Gradients
+        (float64 for float64 inputs), natural log; for rows that see no key -inf with
+        ``return_lse``, +inf with ``return_attn_probs`` (flash-attn's convention). Gradients
         flow to q, k, v (in their dtype) and through lse.
 
     Raises:

@@ -263,7 +263,11 @@ def check_global_documents(spec: AttnSpec, world_size: int, s_local: int) -> Non
             f"sequence (the same on every rank, ending at the global length {total} = local "
             f"length {s_local} x world size {world_size}), got boundaries ending at "
             f"{spec.documents[-1]}" + (" (per-rank boundaries, as ring-flash-attention passes "
-                                       "them?)" if spec.documents[-1] == s_local else ""))
+                                       "them? Its shards, each document cut into W pieces, "
+                                       "are layout='documents_contiguous' (zigzag_ring_...: "
+                                       "'documents_zigzag'); the default 'documents' places "
+                                       "other tokens on each rank)"
+                                       if spec.documents[-1] == s_local else ""))
 
 
 def named_layout(fn: str, layout, takes_documents: bool = True):

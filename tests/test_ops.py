@@ -453,13 +453,24 @@ def test_scale_and_softcap_beyond_float32_are_refused():
 
 
 def test_zero_heads_and_a_group_that_is_not_one_are_named():
-    """nheads 0 is said to need a head (before: "must be divisible", 0 by 0); a group that is
-    not a process group is a TypeError (before: a message about not being a member of it)."""
+    """K/V without heads are said to need one (before: "must be divisible", 0 by 0); queries
+    without heads next to K/V heads are an empty call, like batch 0; a group that is not a
+    process group is a TypeError (before: a message about not being a member of it)."""
     q = torch.randn(2, 4, 0, 8)
-    with pytest.raises(ValueError, match="need at least one head"):
+    with pytest.raises(ValueError, match="k and v need at least one head"):
         ringseq.flash_attn_func(q, q, q)
+    kv = torch.randn(2, 4, 2, 8)
+    assert ringseq.flash_attn_func(q, kv, kv).shape == (2, 4, 0, 8)
     q = torch.randn(1, 8, 2, 16)
     for group in ("world", [0, 1]):
         with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup "
                                             r"or None .* got " + repr(group).replace("[", r"\[")):
             ringseq.ring_flash_attn_func(q, q, q, group=group)
+
+
+def test_a_backend_refusing_the_lse_gradient_names_the_function():
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    out, lse = ringseq.flash_attn_func(q, q, q, return_lse=True, backend="sdpa")
+    with pytest.raises(RuntimeError, match=r"^flash_attn_func: backend 'sdpa' cannot "
+                                           r"backpropagate through lse"):
+        (out.sum() + lse.sum()).backward()

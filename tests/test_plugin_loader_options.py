@@ -58,6 +58,16 @@ def _worker():
         own = plugin.prepare_dataloader(_data(), batch_size=2, shuffle=True, seed=seed)
         out[f"generator_{seed}_is_sampler_seed"] = orders[seed] == _seen(own)
     out["generator_orders_differ"] = orders[1] != orders[2]
+    # a generator seeded per rank (for the workers' augmentations) is valid: every rank
+    # shuffles with rank 0's seed; without shuffling no seed matters
+    for shuffle in (True, False):
+        user = DataLoader(_data(), batch_size=2, shuffle=shuffle,
+                          generator=torch.Generator().manual_seed(50 + dist.get_rank()))
+        boosted = Booster(plugin).boost(_Net(), dataloader=user)[3]
+        seen = []
+        out[f"per_rank_generator_{shuffle}"] = error_text(lambda: seen.extend(_seen(boosted)))
+        own = plugin.prepare_dataloader(_data(), batch_size=2, shuffle=shuffle, seed=50)
+        out[f"per_rank_generator_{shuffle}_as_rank_0"] = seen == _seen(own)
     # clip_grad_by_norm: a negative max_norm reversed the gradients, NaN poisoned the weights
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -100,6 +110,9 @@ def test_a_dataloaders_shuffling_generator_seeds_the_order(w4):
     for r in w4:
         assert r["generator_1_is_sampler_seed"] and r["generator_2_is_sampler_seed"], r
         assert r["generator_orders_differ"], r
+        for shuffle in (True, False):
+            assert r[f"per_rank_generator_{shuffle}"] == "no error", r
+            assert r[f"per_rank_generator_{shuffle}_as_rank_0"], r
 
 
 def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):

@@ -704,3 +704,43 @@ def test_a_batch_reused_on_one_rank_only_keeps_the_ranks_in_step():
     for second, diff in run_ranks(_reused_batch_on_one_rank, 2, timeout=150):
         assert second == "no error", second
         assert diff == 0.0
+
+
+def test_wrapped_models_and_look_alike_names_are_judged_by_the_model_inside():
+    """A wrapper whose forward passes *args, **kwargs on (PEFT's get_base_model(), DDP's
+    .module) is looked through to the transformers model (before: its Llama was refused as a
+    model whose base takes no position_ids), and only whole words of a class name mark a
+    position encoder (PositionwiseFeedForward is none)."""
+    import transformers as T
+    from ringseq.integrations.transformers import _position_encoders, apply
+
+    class PeftLike(torch.nn.Module):  # PEFT's PeftModel: forward(*args, **kwargs)
+        def __init__(self, model):
+            super().__init__()
+            self.base_model = model
+
+        def get_base_model(self):
+            return self.base_model
+
+        def __getattr__(self, name):  # as PEFT forwards what it lacks (config, ...)
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.base_model, name)
+
+        def forward(self, *args, **kwargs):
+            return self.base_model(*args, **kwargs)
+
+    class PositionwiseFeedForward(torch.nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    llama = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=1, vocab_size=64))
+    wrapped = apply(PeftLike(llama))
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert wrapped(input_ids=ids, use_cache=False).logits.shape == (1, 16, 64)
+    assert _position_encoders(torch.nn.Sequential(PositionwiseFeedForward(2, 2))) == []
+    assert _position_encoders(llama) == ["model.rotary_emb (LlamaRotaryEmbedding)"]

@@ -22,6 +22,7 @@ from typing import Dict, List
 
 import torch
 
+from .._dist import named_for
 from ..kernels.grad import attention_backward
 from ..layouts import LAYOUTS, Layout
 from ..spec import AttnSpec
@@ -140,6 +141,11 @@ class LocalPlacement(Placement):
         return out, lse, []
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
+        if dlse is not None and not spec.backend.supports_delta:
+            try:
+                spec.backend.require_lse_grad()
+            except RuntimeError as exc:  # named for the function called, as the ring names it
+                raise named_for(spec.fn, exc) from None
         return attention_backward(spec.backend, q, k, v, out, lse, spec.softmax_scale,
                                   spec.causal and spec.spans is None, dout, dlse,
                                   spans=spec.spans, softcap=spec.softcap)
@@ -194,7 +200,8 @@ class RingPlacement(Placement):
 def ring_dout(dout, dlse, out, spec: AttnSpec) -> torch.Tensor:
     """The upstream gradient as the ring's backward takes it: zeros when none reached ``out``,
     its last dimension contiguous (the ring's backward refuses a gradient into lse its backend
-    cannot take, inside the call, so that every rank raises)."""
+    cannot take, so that every rank raises: before the call where the checks meet the peers,
+    else inside it)."""
     if dout is None:
         return torch.zeros_like(out)
     # (an empty dout of an expanded gradient keeps stride 0 through .contiguous())

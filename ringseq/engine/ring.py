@@ -127,19 +127,15 @@ class Ring:
             if self._thread is None or not _alive(self._thread):
                 self._thread = me
             elif self._thread != me:
-                err = RuntimeError(
+                # (Raised here only: meeting the peers from this thread could pair with the
+                # bound thread's next call, or with nothing when this thread exists on this
+                # rank alone; the peers of a call that never comes wait for the ring timeout.)
+                raise RuntimeError(
                     f"{name or 'ringseq'}: this ring (process group of {self.world_size} ranks) "
                     f"is bound to thread {self._thread}, which called it first; calls from "
                     f"other threads (this is {me}) are refused, since their exchanges would "
                     f"pair with the other thread's calls on the peers. Give each thread its "
                     f"own process group")
-                if self._lock.acquire(blocking=False):
-                    # The bound thread is not in a call: the peers wait at this call's begin,
-                    # so meet them with the refusal (they raise RingPeerError at once, not after
-                    # the ring timeout). Mid-call, a refusal would pair with that call's steps.
-                    self._lock.release()
-                    self.refuse(kind, err)
-                raise err
             # Two threads per rank on one group would pair one rank's thread with another
             # rank's other thread: the calling thread's name is part of the signature.
             signature = tuple(signature) + (("calling thread (hash of its name)",

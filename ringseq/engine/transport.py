@@ -271,13 +271,16 @@ class RingComm(Transport):
         if self._data_pg is None:
             try:
                 self._data_pg = self._own_gloo("data")
+            except RingTimeoutError:  # (channels closed at exit: says so itself)
+                raise
             except RuntimeError as exc:
+                what = (f"waited more than {ring_timeout():.0f} s for" if _timeout_exc(exc)
+                        else "could not reach")
                 raise RingTimeoutError(
-                    f"ringseq: rank {self.rank} waited more than {ring_timeout():.0f} s for its "
-                    f"ring peers ({self.describe_peers()}) to open the ring's data channel "
-                    f"({type(exc).__name__}: {exc}): a peer stalled, died or left the ring "
-                    f"call (ringseq.set_ring_timeout changes the limit; "
-                    f"ringseq.reset_ring(group) on every rank makes the ring usable "
+                    f"ringseq: rank {self.rank} {what} its ring peers ({self.describe_peers()}) "
+                    f"opening the ring's data channel ({type(exc).__name__}: {exc}): a peer "
+                    f"stalled, died or left the ring call (ringseq.set_ring_timeout changes "
+                    f"the limit; ringseq.reset_ring(group) on every rank makes the ring usable "
                     f"again)") from exc
         return self._data_pg
 
@@ -303,9 +306,11 @@ class RingComm(Transport):
         if self.world_size == 1:
             recv.copy_(send)
             return
+        gloo = self.backend == "gloo" and send.device.type == "cpu"
+        channel = self._data_channel() if gloo else None  # (raises its own RingTimeoutError)
         try:
-            if self.backend == "gloo" and send.device.type == "cpu":
-                self._data_channel().alltoall_base(recv, send, [], []).wait(
+            if gloo:
+                channel.alltoall_base(recv, send, [], []).wait(
                     datetime.timedelta(seconds=ring_timeout()))
             else:
                 dist.all_to_all_single(recv, send, group=self.group)

@@ -142,6 +142,8 @@ def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, pos
     """Refuses padding masks and wrong position ids; agrees across ranks before raising."""
     if attention_mask is None and position_ids is None:
         return
+    # the mask as given to the model (ringseq_mask hands the layers its last kv_length columns)
+    attention_mask = getattr(attention_mask, "ringseq_whole_mask", attention_mask)
     mask_mark, pos_mark, checked_docs, checked_len, checked_call = settings._checked
     if (checked_call == settings._calls and _marked(mask_mark, attention_mask)
             and _marked(pos_mark, position_ids) and checked_docs == docs
@@ -365,7 +367,7 @@ def _capture_positions(module, args, kwargs):
     if settings is None:
         return
     settings._calls += 1
-    if not _takes_positions(module):
+    if not getattr(module, "_ringseq_takes_positions", False):
         return  # (apply refused such a model that encodes positions)
     pos = kwargs.get("position_ids")
     if pos is None and args:
@@ -391,11 +393,36 @@ def _takes_positions(base) -> bool:
         return False
 
 
+def _unwrapped(model):
+    """The transformers model inside wrappers whose forward passes ``*args, **kwargs`` on (a
+    PEFT model's ``get_base_model()``, DDP's and FSDP1's ``module``)."""
+    for _ in range(8):  # (wrappers of wrappers; a cycle would be a bug elsewhere)
+        if callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel) or \
+                type(model).__name__ == "FullyShardedDataParallel":
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
+    return model
+
+
+def _base_model(model):
+    """The module whose forward takes the model's ``position_ids`` (transformers' base model
+    of the unwrapped model)."""
+    inner = _unwrapped(model)
+    return getattr(inner, "base_model", inner)
+
+
 def _watch_model_positions(model, settings: RingSettings) -> None:
     """Hooks the base model's forward (once per model) so that attention functions called
     without ``position_ids`` check the ones the model was called with, and so that each model
     call checks its inputs once on every rank."""
-    base = getattr(model, "base_model", model)
+    base = _base_model(model)
+    base._ringseq_takes_positions = _takes_positions(base)  # (read at every call: cached)
     base.ringseq_settings = settings  # read by the hooks: a re-applied model's hooks see it
     if not getattr(base, "_ringseq_watches_positions", False):
         base.register_forward_pre_hook(_capture_positions, with_kwargs=True)
@@ -415,16 +442,24 @@ _OTHER_MIXER_WORDS = (("mamba",), ("ssm",), ("short", "conv"), ("delta", "net"),
                       ("rwkv",), ("lstm",), ("mlstm",), ("slstm",), ("retention",), ("hyena",))
 
 
+def _class_words(module) -> list:
+    """The lower-case words of ``module``'s CamelCase class name."""
+    return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+",
+                                          type(module).__name__)]
+
+
+def _has_run(words, run) -> bool:
+    return any(tuple(words[i:i + len(run)]) == run for i in range(len(words)))
+
+
 def _is_other_mixer(module) -> bool:
     """Whether ``module`` mixes tokens by other means than softmax attention: a 1-d
     convolution over the sequence, or a class whose name says so (e.g. JambaMambaMixer,
     Lfm2ShortConv, Qwen3NextGatedDeltaNet; whole words, so GptOssMLP is no "ssm")."""
     if isinstance(module, torch.nn.Conv1d):
         return True
-    words = [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+",
-                                           type(module).__name__)]
-    return any(tuple(words[i:i + len(run)]) == run
-               for run in _OTHER_MIXER_WORDS for i in range(len(words)))
+    words = _class_words(module)
+    return any(_has_run(words, run) for run in _OTHER_MIXER_WORDS)
 
 
 # rope_type values whose frequencies depend on the sequence length: transformers takes it as
@@ -448,12 +483,21 @@ def _position_encoders(model) -> list:
     embeddings, rotary modules), by class or attribute name."""
     found = []
     for name, sub in model.named_modules():
-        cls = type(sub).__name__.lower()
+        words = _class_words(sub)
         last = name.rsplit(".", 1)[-1].lower()
-        if ("position" in cls or "rotary" in cls or "rope" in cls or "position" in last
-                or last in ("wpe", "rotary_emb")):
+        if (any(_has_run(words, run) for run in _POSITION_WORDS)
+                or last in _POSITION_ATTRIBUTES):
             found.append(f"{name} ({type(sub).__name__})")
     return found
+
+
+# Whole words of a class name that say it encodes positions (LlamaRotaryEmbedding,
+# BartLearnedPositionalEmbedding, GPT2's wpe is an nn.Embedding: by attribute name), not
+# PositionwiseFeedForward or a ...Property.
+_POSITION_WORDS = (("rotary",), ("rope",), ("positional",), ("position", "embedding"),
+                   ("position", "embeddings"))
+_POSITION_ATTRIBUTES = frozenset({"wpe", "embed_positions", "position_embeddings",
+                                  "rotary_emb", "pos_emb", "positional_embedding"})
 
 
 def _check_positions_exact(model, modules) -> None:
@@ -464,7 +508,7 @@ def _check_positions_exact(model, modules) -> None:
     (dynamic NTK, longrope: each rank's own shard's length), and Llama 4's query temperature
     of NoPE layers (computed from the local token count)."""
     model_name = type(model).__name__
-    base = getattr(model, "base_model", model)
+    base = _base_model(model)
     encoders = _position_encoders(model)
     if encoders and not _takes_positions(base):
         raise ValueError(
@@ -562,11 +606,12 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
         return marker
     if attention_mask is None:
         return None
-    # (only an all-ones mask is sliced to the keys: padding anywhere in the one given, e.g. a
-    # full-length left-padded mask beside sharded input ids, is refused by the input check)
-    if (attention_mask.dim() == 2 and kv_length is not None
-            and bool(attention_mask.bool().all())):
+    if attention_mask.dim() == 2 and kv_length is not None:
+        whole = attention_mask
         attention_mask = attention_mask[:, -kv_length:]
+        # (the input check reads the whole mask: padding in the columns cut away here, e.g. a
+        # full-length left-padded mask beside sharded input ids, is refused too)
+        attention_mask.ringseq_whole_mask = whole
     return attention_mask
 
 

@@ -74,10 +74,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "a
     if k.shape != v.shape:
         raise ValueError(f"{fn}: k and v must have the same shape, got k {tuple(k.shape)} and "
                          f"v {tuple(v.shape)}")
-    if k.shape[2] == 0 or q.shape[2] == 0:
-        raise ValueError(f"{fn}: q, k and v need at least one head (flash-attn's layout: "
-                         f"(batch, seqlen, nheads, headdim)), got q {tuple(q.shape)}, k "
-                         f"{tuple(k.shape)}")
+    if k.shape[2] == 0:
+        raise ValueError(f"{fn}: k and v need at least one head (flash-attn's layout: "
+                         f"(batch, seqlen, nheads_kv, headdim)), got k {tuple(k.shape)}")
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"{fn}: nheads of q must be divisible by nheads_kv of k and v, got "
                          f"nheads={q.shape[2]} and nheads_kv={k.shape[2]}")

@@ -45,13 +45,17 @@ def _to_cpu(obj):
 def _write(obj, path: str) -> None:
     """torch.save to an exclusively created temporary file next to ``path``, then an atomic
     rename: a crash mid-write never leaves a truncated checkpoint, and a planted
-    ``<path>.tmp`` (say, a symlink) is never written through."""
+    ``<path>.tmp`` (say, a symlink) is never written through. A ``str`` is written as text
+    (a shard index)."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(_to_cpu(obj), f)
+        with os.fdopen(fd, "w" if isinstance(obj, str) else "wb") as f:
+            if isinstance(obj, str):
+                f.write(obj)
+            else:
+                torch.save(_to_cpu(obj), f)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -68,12 +72,21 @@ def _save(obj, path: str) -> None:
             error = exc
     # Doubles as the barrier (nobody reads the file before it exists) and makes a failed
     # write raise on every rank, not only on rank 0 while the others train on.
+    if error is not None:  # (rank 0's own error names the checkpoint too, as a load's does)
+        error = saving_failed(error, path)
     if dist.is_initialized():
         agree_or_raise(error is None, f"saving {path!r} failed: {error!r}", error=error,
                        peer_message=f"rank 0 failed to write the checkpoint {path!r} (see its "
                                     f"error)")
     elif error is not None:
         raise error
+
+
+def saving_failed(error: BaseException, path: str) -> BaseException:
+    """``error`` (its type where it takes a message) saying which checkpoint failed to save,
+    the original chained."""
+    return with_message(error, f"rank 0: saving the checkpoint {path!r} failed: "
+                               f"{type(error).__name__}: {error}")
 
 
 def read_file(path: str):

@@ -176,9 +176,12 @@ class ShardedDataLoader:
         twice and others never, which no batch digest can tell (they hold other samples by
         design)."""
         s = getattr(self.loader, "sampler", None)
-        if not isinstance(s, DistributedSampler):
-            return ()
-        return (("sampler seed", int(s.seed) % (1 << 62)), ("sampler epoch", int(s.epoch)),
+        if not isinstance(s, DistributedSampler):  # (the same words on every rank: zeros)
+            return (("sampler seed", 0), ("sampler epoch", 0), ("sampler shuffle", 0),
+                    ("sampler drop_last", 0), ("dataset length", 0))
+        # seed and epoch order the samples only when shuffling
+        return (("sampler seed", int(s.seed) % (1 << 62) if s.shuffle else 0),
+                ("sampler epoch", int(s.epoch) if s.shuffle else 0),
                 ("sampler shuffle", int(bool(s.shuffle))),
                 ("sampler drop_last", int(bool(s.drop_last))),
                 ("dataset length", len(s.dataset)))

@@ -24,6 +24,7 @@ on every rank, the ranks vote, and only then is anything applied.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,7 +35,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from .._dist import agree_or_raise
 from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
-                         _is_writer, _load, _save, _unwrap, _with_scaler_state, _write, read_file)
+                         _is_writer, _load, _save, _unwrap, _with_scaler_state, _write, read_file,
+                         saving_failed)
 
 # The fp16 grad scaler's state inside a sharded optimizer checkpoint's directory.
 _SCALER_FILE = "grad_scaler.pt"
@@ -103,6 +105,10 @@ def _write_shards(state: dict, directory: str, max_bytes: int) -> None:
         size += n
     shards.append(current)
     os.makedirs(directory, exist_ok=True)
+    # The old index goes first: a save that fails part way leaves a directory without an
+    # index (refused at load), never an index over a mix of old and new shards.
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(directory, INDEX_NAME))
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         name = f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
@@ -111,10 +117,7 @@ def _write_shards(state: dict, directory: str, max_bytes: int) -> None:
             weight_map[key] = name
             total += t.numel() * t.element_size() if torch.is_tensor(t) else 0
     index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
-    tmp = os.path.join(directory, f".{INDEX_NAME}.tmp")
-    with open(tmp, "w") as f:
-        f.write(index)
-    os.replace(tmp, os.path.join(directory, INDEX_NAME))
+    _write(index, os.path.join(directory, INDEX_NAME))  # (last, atomically)
 
 
 def read_full_state_dict(path: str) -> dict:
@@ -275,7 +278,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             try:
                 _write_shards(state, checkpoint, limit)
             except Exception as exc:  # noqa: BLE001 - re-raised after agreeing
-                error = exc
+                error = saving_failed(exc, checkpoint)
         if dist.is_initialized():
             agree_or_raise(error is None, f"saving {checkpoint!r} failed: {error!r}",
                            error=error, peer_message=f"rank 0 failed to write the checkpoint "
@@ -436,7 +439,9 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         # zero gradients at lr 0); a failed load takes it back, so that nothing has changed
         fresh = not opt.state
         try:
-            _load(checkpoint, check, apply, read)
+            # (unsharded: every rank read the whole state, so the ranks compare its digest,
+            # as for a plain file: one rank given another step's directory is refused)
+            _load(checkpoint, check, apply, read, replicated=not _is_sharded(model))
         except BaseException:
             if fresh:
                 opt.state.clear()

@@ -564,3 +564,49 @@ def test_deepcopy_of_a_model_holding_ring_attention_shares_its_group():
     TypeError, a ProcessGroup cannot be pickled); the copy runs on the same ring."""
     for res in run_ranks(_deepcopy_ring_attention, 2, timeout=120):
         assert res == (True, True, True), res
+
+
+def _two_threads_two_groups():
+    import threading
+    rank = dist.get_rank()
+    ringseq.set_ring_timeout(10)
+    pairs = [dist.new_group(m) for m in ([0, 2], [0, 2], [1, 3], [1, 3])]  # collective
+    mine = pairs[:2] if rank in (0, 2) else pairs[2:]
+    results = {}
+
+    def run(name, group, layout):
+        def steps():
+            worst = 0.0
+            for step in range(4):
+                gen = torch.Generator().manual_seed(step)
+                full = [torch.randn(2, 16, n, 8, dtype=torch.float64, generator=gen)
+                        for n in (4, 2, 2)]  # (b, s, h / h_kv, d)
+                ref = ringseq.flash_attn_func(*full, causal=True, backend="reference")
+                loc = [ringseq.shard(t, layout, group).requires_grad_() for t in full]
+                with ringseq.call_tag(step):
+                    out = ringseq.ring_flash_attn_func(*loc, causal=True, layout=layout,
+                                                       group=group)
+                    out.sum().backward()
+                worst = max(worst, max_err(out, ringseq.shard(ref, layout, group)))
+            return worst
+        try:
+            results[name] = steps()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            results[name] = f"{type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=run, args=("a", mine[0], "zigzag"), name="ring-a"),
+               threading.Thread(target=run, args=("b", mine[1], "stripe"), name="ring-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_two_threads_per_rank_each_on_its_own_group():
+    """The README's advice for threads: one process group each. Their rings set up their
+    channels at once (before: through one store client, one thread's wait for a peer blocked
+    the other's; every rank timed out or lost its peers)."""
+    for res in run_ranks(_two_threads_two_groups, 4, timeout=150):
+        assert isinstance(res["a"], float) and res["a"] < 1e-12, res
+        assert isinstance(res["b"], float) and res["b"] < 1e-12, res

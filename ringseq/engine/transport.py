@@ -110,6 +110,19 @@ def _wait_interruptibly(work) -> None:
                 raise
 
 
+def _own_store_client():
+    """A client of the default store of its own (a new connection) for one channel's
+    rendezvous: two threads of a process setting up their rings at once (one process group per
+    thread) would otherwise share one client, and one thread's wait for a peer's key would hold
+    it while the other thread's peer waits for a key this one cannot set. The default store
+    itself where it cannot be cloned."""
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        return store.clone()
+    except Exception:  # noqa: BLE001 - a store type without clone(): share it, as before
+        return store
+
+
 class _Pending:
     """The in-flight exchange of one ring step."""
 
@@ -212,7 +225,7 @@ class RingComm(Transport):
                 f"interpreter exit (an atexit handler or thread that outlived ringseq's)")
         self._publish_epoch()
         store = dist.PrefixStore(f"ringseq/{purpose}/{self.name}/{self._epoch}",
-                                 dist.distributed_c10d._get_default_store())
+                                 _own_store_client())
         _WITH_CHANNELS.add(self)
         return dist.ProcessGroupGloo(store, self.rank, self.world_size,
                                      datetime.timedelta(seconds=ring_timeout()))

@@ -151,6 +151,7 @@ def _errors(sps, pairs):
     x2 = torch.randn(1, 6, 2, 8, generator=g)
     hybrid = sps[(2, None, True)]
     first_pair = dist.new_group([0, 1])  # (collective: every rank makes it)
+    dist.new_group([0, 1, 2])  # rank 3's latest non-member group (torch's placeholder's ranks)
     out = {
         "rank": rank,
         # 5 heads cannot be split over 2 ranks: named numbers and working degrees
@@ -513,9 +514,10 @@ def test_groups_a_rank_is_not_in_or_of_other_sizes_raise_on_every_rank():
             e["group_sizes_differ"]
         text = e["foreign_group"]
         if e["rank"] in (2, 3):
-            assert text.startswith("ValueError: make_sp_groups: group holds ranks [0, 1], not this "
-                                   f"rank {e['rank']}: every rank passes the sequence-parallel "
-                                   "group it belongs to"), text
+            # (before: the ranks of another group, [0, 1, 2] on rank 3)
+            assert text.startswith("ValueError: make_sp_groups: group=-100 is not a process "
+                                   "group of this rank's default group (ValueError: this "
+                                   f"process (global rank {e['rank']}) is not a member"), text
         else:
             assert text.startswith("RingPeerError") and "rank(s) [2, 3]" in text, text
         assert "usp_attn_func: cu_seqlens must be the GLOBAL document boundaries" in \

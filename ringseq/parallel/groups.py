@@ -44,7 +44,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .._dist import agree_on_fields, is_initialized
+from .._dist import agree_on_fields, group_info, is_initialized
 from ..data import shard_batch
 from ..layouts import Layout, get_layout, positions_local, shard_local
 from .sp_layout import SequenceParallelLayout, ring_layout
@@ -366,9 +366,13 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
         return _local_groups(1, 1, 1)
     problem = None
     try:
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            # torch's placeholder for ranks outside a new_group (an int): get_process_group_ranks
+            # would answer with another group's ranks
+            group_info(group)  # raises, naming it
         ranks = (list(range(dist.get_world_size())) if group is None
                  else dist.get_process_group_ranks(group))
-    except (ValueError, RuntimeError, KeyError) as exc:  # not a group of the default one
+    except (ValueError, RuntimeError, KeyError, TypeError) as exc:  # not a group of the default one
         problem = ValueError(f"make_sp_groups: group={group!r} is not a process group of this "
                              f"rank's default group ({type(exc).__name__}: {exc})")
         ranks = []

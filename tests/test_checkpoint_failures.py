@@ -44,6 +44,24 @@ def _worker(tmp):
     out["replicas_equal"] = all(torch.equal(a, b) for a, b in zip(*gathered))
     out["moved"] = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
+    # a sharded optimizer save that fails (torch's writer rewrites the files in place: before,
+    # the old .metadata stayed over them)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    real_save = dcp.save
+
+    def failing_save(*args, **kwargs):
+        raise CheckpointException("injected", {0: RuntimeError("disk full")})
+
+    dcp.save = failing_save
+    try:
+        out["failed_optim_save"] = error_text(lambda: booster.save_optimizer(
+            opt, f"{tmp}/optim2", sharded=True))
+    finally:
+        dcp.save = real_save
+    out["load_after_failed_optim_save"] = error_text(lambda: booster.load_optimizer(
+        opt, f"{tmp}/optim2"))
+
     # a sharded model save that fails part way over an existing one (before: the old index
     # stayed and loaded 7 old and 5 new tensors)
     booster.save_model(model, f"{tmp}/model", max_shard_size=64)
@@ -105,8 +123,8 @@ def test_a_failed_sharded_save_leaves_no_index_to_load(w2):
 
 
 def test_rank_0s_save_error_names_the_checkpoint(w2):
-    assert w2[0]["save_error"].startswith("FileExistsError: rank 0: saving the checkpoint"), \
-        w2[0]["save_error"]
+    assert w2[0]["save_error"].startswith("FileExistsError: [Errno 17] rank 0: saving the "
+                                          "checkpoint"), w2[0]["save_error"]
     assert "rank 0 failed to write the checkpoint" in w2[1]["save_error"], w2[1]["save_error"]
 
 
@@ -114,3 +132,9 @@ def test_a_planted_temporary_index_is_not_written_through(w2):
     assert w2[0]["victim"] == "precious"
     for r in w2:
         assert not r["index_is_link"] and r["reload"] == "no error", r
+
+
+def test_a_failed_sharded_optimizer_save_leaves_no_metadata_to_load(w2):
+    for r in w2:
+        assert r["failed_optim_save"] != "no error", r
+        assert r["load_after_failed_optim_save"] != "no error", r

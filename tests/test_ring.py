@@ -569,7 +569,7 @@ def test_deepcopy_of_a_model_holding_ring_attention_shares_its_group():
 def _two_threads_two_groups():
     import threading
     rank = dist.get_rank()
-    ringseq.set_ring_timeout(10)
+    ringseq.set_ring_timeout(60)  # (the failure was a lost connection, not a slow peer)
     pairs = [dist.new_group(m) for m in ([0, 2], [0, 2], [1, 3], [1, 3])]  # collective
     mine = pairs[:2] if rank in (0, 2) else pairs[2:]
     results = {}

@@ -375,13 +375,23 @@ def _case_lse_gradient_refused_by_the_backend():
     loc = [ringseq.shard(t, "zigzag").requires_grad_() for t in _full(9)]
     out = {}
     for name, uses_lse in (("both", True), ("rank_1", rank == 1)):
-        def step():
-            o, lse = ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag",
-                                                  backend="sdpa", return_lse=True)
-            (o.sum() + (lse.sum() if uses_lse else 0)).backward()
-        out[name] = _capture(step)
+        out[name] = _capture(lambda: _lse_step(loc, uses_lse))
         out[name + "_next"] = _capture(_exact)
+    # checks off, every rank refusing: nothing meets, nothing breaks (before the review fix:
+    # the refusal inside the call marked the ring broken)
+    ringseq.set_consistency_check(False)
+    try:
+        out["checks_off"] = _capture(lambda: _lse_step(loc, True))
+    finally:
+        ringseq.set_consistency_check(True)
+    out["checks_off_next"] = _capture(_exact)
     return out
+
+
+def _lse_step(loc, uses_lse):
+    o, lse = ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag", backend="sdpa",
+                                          return_lse=True)
+    (o.sum() + (lse.sum() if uses_lse else 0)).backward()
 
 
 def _case_check_mode_words():
@@ -1221,7 +1231,7 @@ def test_ctrl_c_interrupts_a_wait_for_a_stalled_peer(w2):
 def test_a_call_from_an_unbound_thread_is_refused_naming_the_function(w2):
     refused = w2[1]["thread_refusal"]["call"]
     _is_error(refused, ("RuntimeError",), "ring_flash_attn_func: this ring", "bound to thread")
-    assert refused[2] < 1.0, refused
+    assert refused[2] < 3.0, refused  # at once, locally (the ring timeout is 4 s)
     _is_error(w2[0]["thread_refusal"]["call"], ("RingTimeoutError",), "waited more than")
     for r in w2:
         _exact_ok(r["thread_refusal"]["warm"])
@@ -1253,6 +1263,10 @@ def test_a_backend_refusing_the_lse_gradient_leaves_the_ring_usable(w2):
     _is_error(w2[1]["lse_refusal"]["rank_1"], ("RuntimeError",), "cannot backpropagate")
     _is_error(w2[0]["lse_refusal"]["rank_1"], ("RingPeerError",), "rank 1",
               "cannot backpropagate")
+    for r in w2:
+        _is_error(r["lse_refusal"]["checks_off"], ("RuntimeError",),
+                  "ring_flash_attn_func: backend 'sdpa' cannot backpropagate through lse")
+        _exact_ok(r["lse_refusal"]["checks_off_next"])
 
 
 def test_plugin_failures_raise_everywhere_and_training_goes_on(w2):

@@ -744,3 +744,11 @@ def test_wrapped_models_and_look_alike_names_are_judged_by_the_model_inside():
         assert wrapped(input_ids=ids, use_cache=False).logits.shape == (1, 16, 64)
     assert _position_encoders(torch.nn.Sequential(PositionwiseFeedForward(2, 2))) == []
     assert _position_encoders(llama) == ["model.rotary_emb (LlamaRotaryEmbedding)"]
+    gpt2 = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    assert _position_encoders(gpt2) == ["transformer.wpe (Embedding)"]
+    bart = T.BartForCausalLM(T.BartConfig(d_model=32, decoder_layers=1, encoder_layers=1,
+                                          decoder_attention_heads=2, encoder_attention_heads=2,
+                                          decoder_ffn_dim=32, encoder_ffn_dim=32,
+                                          vocab_size=64))
+    assert "model.decoder.embed_positions (BartLearnedPositionalEmbedding)" in \
+        _position_encoders(bart)

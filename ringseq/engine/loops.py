@@ -211,11 +211,10 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
         # block starts it instead, so exchange 1 carries no accumulator.
         names, rev = payloads[1]
         payloads[1] = (tuple(n for n in names if n != "acc"), rev)
-    if grad_lse is not None and not be.supports_delta and ring.checks_on:
-        # Refused before the call opens, meeting the peers' begin (they raise RingPeerError):
-        # the ring stays usable, as for a refused forward. (With the checks off nothing meets
-        # the peers: the refusal then fails the call inside it, below, whose exchanges this
-        # rank still completes.)
+    if grad_lse is not None and not be.supports_delta:
+        # Refused before the call opens, meeting the peers' begin (they raise RingPeerError;
+        # with the checks off nothing meets them, as for any refusal): the ring stays usable,
+        # as for a refused forward.
         try:
             be.require_lse_grad()
         except RuntimeError as exc:
@@ -224,8 +223,6 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
                         name=plan.spec.fn) as call:
         bufs = delta = dq = scratch = own = None
         with call.guard():
-            if grad_lse is not None:
-                be.require_lse_grad()
             delta = be.delta(dout, out, grad_lse)  # (b, h, s), once for every block
             dq = torch.zeros((b, s, h, d), dtype=acc, device=q.device)
             # [dK/dV accumulator | header | K/V]: any payload plus the header is one range.

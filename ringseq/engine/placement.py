@@ -200,8 +200,7 @@ class RingPlacement(Placement):
 def ring_dout(dout, dlse, out, spec: AttnSpec) -> torch.Tensor:
     """The upstream gradient as the ring's backward takes it: zeros when none reached ``out``,
     its last dimension contiguous (the ring's backward refuses a gradient into lse its backend
-    cannot take, so that every rank raises: before the call where the checks meet the peers,
-    else inside it)."""
+    cannot take before the call opens, meeting the peers' begin, so that every rank raises)."""
     if dout is None:
         return torch.zeros_like(out)
     # (an empty dout of an expanded gradient keeps stride 0 through .contiguous())

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import threading
 import weakref
 from typing import Dict, Optional
 
@@ -110,17 +111,26 @@ def _wait_interruptibly(work) -> None:
                 raise
 
 
+_STORE_CLIENTS = threading.local()  # {id(default store): (store, this thread's clone)}
+
+
 def _own_store_client():
-    """A client of the default store of its own (a new connection) for one channel's
-    rendezvous: two threads of a process setting up their rings at once (one process group per
-    thread) would otherwise share one client, and one thread's wait for a peer's key would hold
-    it while the other thread's peer waits for a key this one cannot set. The default store
-    itself where it cannot be cloned."""
+    """This thread's own client of the default store (a clone: one more connection per thread)
+    for the channels' rendezvous: two threads of a process setting up their rings at once (one
+    process group per thread) would otherwise share one client, and one thread's wait for a
+    peer's key would hold it while the other thread's peer waits for a key this one cannot
+    set. The default store itself where its type cannot be cloned."""
     store = dist.distributed_c10d._get_default_store()
-    try:
-        return store.clone()
-    except Exception:  # noqa: BLE001 - a store type without clone(): share it, as before
-        return store
+    clients = getattr(_STORE_CLIENTS, "by_store", None)
+    if clients is None:
+        clients = _STORE_CLIENTS.by_store = {}
+    held = clients.get(id(store))
+    if held is None or held[0] is not store:
+        try:
+            held = clients[id(store)] = (store, store.clone())
+        except (AttributeError, NotImplementedError):  # a store type without clone()
+            return store
+    return held[1]
 
 
 class _Pending:

@@ -442,10 +442,9 @@ _OTHER_MIXER_WORDS = (("mamba",), ("ssm",), ("short", "conv"), ("delta", "net"),
                       ("rwkv",), ("lstm",), ("mlstm",), ("slstm",), ("retention",), ("hyena",))
 
 
-def _class_words(module) -> list:
-    """The lower-case words of ``module``'s CamelCase class name."""
-    return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+",
-                                          type(module).__name__)]
+def _camel_words(name: str) -> list:
+    """The lower-case words of a CamelCase name."""
+    return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", name)]
 
 
 def _has_run(words, run) -> bool:
@@ -458,7 +457,7 @@ def _is_other_mixer(module) -> bool:
     Lfm2ShortConv, Qwen3NextGatedDeltaNet; whole words, so GptOssMLP is no "ssm")."""
     if isinstance(module, torch.nn.Conv1d):
         return True
-    words = _class_words(module)
+    words = _camel_words(type(module).__name__)
     return any(_has_run(words, run) for run in _OTHER_MIXER_WORDS)
 
 
@@ -483,21 +482,30 @@ def _position_encoders(model) -> list:
     embeddings, rotary modules), by class or attribute name."""
     found = []
     for name, sub in model.named_modules():
-        words = _class_words(sub)
-        last = name.rsplit(".", 1)[-1].lower()
-        if (any(_has_run(words, run) for run in _POSITION_WORDS)
-                or last in _POSITION_ATTRIBUTES):
+        if _names_a_position_encoder(type(sub).__name__, name.rsplit(".", 1)[-1]):
             found.append(f"{name} ({type(sub).__name__})")
     return found
 
 
-# Whole words of a class name that say it encodes positions (LlamaRotaryEmbedding,
-# BartLearnedPositionalEmbedding, GPT2's wpe is an nn.Embedding: by attribute name), not
-# PositionwiseFeedForward or a ...Property.
-_POSITION_WORDS = (("rotary",), ("rope",), ("positional",), ("position", "embedding"),
-                   ("position", "embeddings"))
-_POSITION_ATTRIBUTES = frozenset({"wpe", "embed_positions", "position_embeddings",
-                                  "rotary_emb", "pos_emb", "positional_embedding"})
+# Words that say a module encodes positions, in its class name (LlamaRotaryEmbedding,
+# BartLearnedPositionalEmbedding, PerceiverTrainablePositionEncoding, ...RelativePositionBias,
+# Sam2VideoRoPEAttention) or its attribute name (GPT-2's wpe, embed_positions,
+# position_embedding, positions_embed): whole words, so PositionwiseFeedForward or a
+# ...Property is none.
+_POSITION_NOUNS = frozenset({"pos", "position", "positions"})
+_POSITION_KINDS = frozenset({"emb", "embed", "embeds", "embedding", "embeddings", "encoding",
+                             "encodings", "bias"})
+
+
+def _names_a_position_encoder(cls_name: str, attr: str) -> bool:
+    if re.search(r"RoPE|ROPE|(?<![a-z])Rope(?![a-z])", cls_name) or attr.lower() == "wpe":
+        return True
+    for words in (_camel_words(cls_name), [w for w in attr.lower().split("_") if w]):
+        if "rotary" in words or "positional" in words or "rope" in words:
+            return True
+        if _POSITION_NOUNS & set(words) and _POSITION_KINDS & set(words):
+            return True
+    return False
 
 
 def _check_positions_exact(model, modules) -> None:
@@ -607,7 +615,7 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
     if attention_mask is None:
         return None
     if attention_mask.dim() == 2 and kv_length is not None:
-        whole = attention_mask
+        whole = getattr(attention_mask, "ringseq_whole_mask", attention_mask)
         attention_mask = attention_mask[:, -kv_length:]
         # (the input check reads the whole mask: padding in the columns cut away here, e.g. a
         # full-length left-padded mask beside sharded input ids, is refused too)

@@ -64,16 +64,20 @@ def _write(obj, path: str) -> None:
 
 
 def _save(obj, path: str) -> None:
+    on_writer(path, lambda: _write(obj, path))
+
+
+def on_writer(path: str, write) -> None:
+    """Runs ``write()`` on the writing rank (rank 0) for the checkpoint ``path``, then agrees:
+    doubles as the barrier (nobody reads the file before it exists) and makes a failed write
+    raise on every rank, not only on rank 0 while the others train on (rank 0's own error
+    names the checkpoint, as a load's does)."""
     error = None
     if _is_writer():
         try:
-            _write(obj, path)
+            write()
         except Exception as exc:  # noqa: BLE001 - re-raised on this rank after agreeing
-            error = exc
-    # Doubles as the barrier (nobody reads the file before it exists) and makes a failed
-    # write raise on every rank, not only on rank 0 while the others train on.
-    if error is not None:  # (rank 0's own error names the checkpoint too, as a load's does)
-        error = saving_failed(error, path)
+            error = saving_failed(exc, path)
     if dist.is_initialized():
         agree_or_raise(error is None, f"saving {path!r} failed: {error!r}", error=error,
                        peer_message=f"rank 0 failed to write the checkpoint {path!r} (see its "
@@ -83,10 +87,14 @@ def _save(obj, path: str) -> None:
 
 
 def saving_failed(error: BaseException, path: str) -> BaseException:
-    """``error`` (its type where it takes a message) saying which checkpoint failed to save,
-    the original chained."""
-    return with_message(error, f"rank 0: saving the checkpoint {path!r} failed: "
-                               f"{type(error).__name__}: {error}")
+    """``error`` (its type where it takes a message; an OSError keeps its errno and filename)
+    saying which checkpoint failed to save, the original chained."""
+    text = f"rank 0: saving the checkpoint {path!r} failed"
+    if isinstance(error, OSError) and error.errno is not None:
+        wrapped = type(error)(error.errno, f"{text}: {error.strerror}", error.filename)
+        wrapped.__cause__ = error
+        return wrapped
+    return with_message(error, f"{text}: {type(error).__name__}: {error}")
 
 
 def read_file(path: str):

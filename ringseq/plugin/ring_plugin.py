@@ -14,7 +14,6 @@ from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, R
 
 from .._dist import named_for
 from .._hash import stable_code
-from ..engine.integrity import ANY
 from ..engine.ring import get_ring, reset_ring
 from ..layouts import PerBatchDocuments, get_layout
 from ..parallel.dims import ParallelDims
@@ -521,27 +520,16 @@ class RingSequenceParallelPlugin(Plugin):
                 f"DataLoader with batch_size and shuffle=True/False only (a subset: "
                 f"torch.utils.data.Subset), or build it with plugin.prepare_dataloader")
         # Every other DataLoader setting carries over (those this torch has); the shuffled
-        # order is the DistributedSampler's, and the loader's generator seeds its workers.
+        # order is the DistributedSampler's with seed 1024 on every rank (the dp groups must
+        # shuffle alike, and a generator seeded per rank for the workers' augmentations is a
+        # valid setup), and the loader's generator seeds its workers only. Another order:
+        # prepare_dataloader(seed=...).
         kept = {name: getattr(dataloader, name) for name in _LOADER_SETTINGS
                 if hasattr(dataloader, name)}
-        shuffle = isinstance(sampler, RandomSampler)
         return self.prepare_dataloader(
-            dataloader.dataset, dataloader.batch_size, shuffle=shuffle,
-            seed=self._shuffle_seed(sampler) if shuffle else 1024,
-            drop_last=dataloader.drop_last,
+            dataloader.dataset, dataloader.batch_size,
+            shuffle=isinstance(sampler, RandomSampler), drop_last=dataloader.drop_last,
             pin_memory=dataloader.pin_memory, num_workers=dataloader.num_workers, **kept)
-
-    @staticmethod
-    def _shuffle_seed(sampler) -> int:
-        """The DistributedSampler seed of a rebuilt shuffling loader: rank 0's RandomSampler
-        generator's seed (1024 without one). Every rank takes rank 0's, since the dp groups
-        must shuffle alike to split the samples, whereas a generator seeded per rank (for the
-        workers' augmentations) is a common, valid setup (one control all-gather)."""
-        generator = getattr(sampler, "generator", None)
-        seed = generator.initial_seed() % (1 << 62) if generator is not None else 1024
-        rows = get_ring(None).agree(True, "", fields=(("loader seed", seed, ANY),),
-                                    about="loader seed")
-        return rows[0][0] if rows is not None else seed
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
                   lr_scheduler=None):

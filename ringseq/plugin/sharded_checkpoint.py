@@ -30,13 +30,12 @@ import os
 import re
 
 import torch
-import torch.distributed as dist
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .._dist import agree_or_raise
 from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
-                         _is_writer, _load, _save, _unwrap, _with_scaler_state, _write, read_file,
-                         saving_failed)
+                         _load, _save, _unwrap, _with_scaler_state, _write, on_writer,
+                         read_file)
 
 # The fp16 grad scaler's state inside a sharded optimizer checkpoint's directory.
 _SCALER_FILE = "grad_scaler.pt"
@@ -107,8 +106,7 @@ def _write_shards(state: dict, directory: str, max_bytes: int) -> None:
     os.makedirs(directory, exist_ok=True)
     # The old index goes first: a save that fails part way leaves a directory without an
     # index (refused at load), never an index over a mix of old and new shards.
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(directory, INDEX_NAME))
+    _remove_if_there(os.path.join(directory, INDEX_NAME))
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         name = f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
@@ -118,6 +116,11 @@ def _write_shards(state: dict, directory: str, max_bytes: int) -> None:
             total += t.numel() * t.element_size() if torch.is_tensor(t) else 0
     index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     _write(index, os.path.join(directory, INDEX_NAME))  # (last, atomically)
+
+
+def _remove_if_there(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        os.remove(path)
 
 
 def read_full_state_dict(path: str) -> dict:
@@ -273,18 +276,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         if limit is None:
             _save(state, checkpoint)
             return
-        error = None
-        if _is_writer():
-            try:
-                _write_shards(state, checkpoint, limit)
-            except Exception as exc:  # noqa: BLE001 - re-raised after agreeing
-                error = saving_failed(exc, checkpoint)
-        if dist.is_initialized():
-            agree_or_raise(error is None, f"saving {checkpoint!r} failed: {error!r}",
-                           error=error, peer_message=f"rank 0 failed to write the checkpoint "
-                                                     f"{checkpoint!r} (see its error)")
-        elif error is not None:
-            raise error
+        on_writer(checkpoint, lambda: _write_shards(state, checkpoint, limit))
 
     def load_model(self, model, checkpoint: str, strict: bool = True, **_):
         """Loads a full state dict (a file, or a directory of shards from ``save_model``) into
@@ -348,6 +340,11 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         if fresh:
             opt.state.clear()
             state["state"] = {}
+        # torch.distributed.checkpoint rewrites the ranks' files in place and the metadata
+        # last: the old metadata goes first (every rank past it before any writes), so a save
+        # that fails part way leaves a directory that is refused at load, never an old index
+        # over a mix of two steps' files.
+        on_writer(checkpoint, lambda: _remove_if_there(os.path.join(checkpoint, ".metadata")))
         try:  # collective: raises on every rank when one fails
             dcp.save({"optimizer": state}, checkpoint_id=checkpoint)
         except CheckpointException as exc:  # a BaseException: `except Exception` misses it

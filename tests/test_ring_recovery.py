@@ -279,6 +279,15 @@ def _case_timeout_values():
     return out
 
 
+def _back_in_step(out):
+    """The ring timeout back at TIMEOUT, reset_ring on both ranks, and the next call checked
+    (``out["after_reset"]``); returns ``out``."""
+    ringseq.set_ring_timeout(TIMEOUT)
+    _both_reset()
+    out["after_reset"] = _capture(_exact)
+    return out
+
+
 def _case_timeout_changed_after_first_call():
     """set_ring_timeout after the channels exist applies to the next call: raised, a peer 6 s
     late is waited for; lowered, a stalled peer is given up on at the new limit (the control
@@ -293,10 +302,7 @@ def _case_timeout_changed_after_first_call():
     if rank == 1:
         time.sleep(5)
     out["lowered"] = _capture(_exact)
-    ringseq.set_ring_timeout(TIMEOUT)
-    _both_reset()
-    out["after_reset"] = _capture(_exact)
-    return out
+    return _back_in_step(out)
 
 
 def _case_ctrl_c_while_waiting():
@@ -320,10 +326,7 @@ def _case_ctrl_c_while_waiting():
     else:
         time.sleep(8)
         out["call"] = _capture(_exact)
-    ringseq.set_ring_timeout(TIMEOUT)
-    _both_reset()
-    out["after_reset"] = _capture(_exact)
-    return out
+    return _back_in_step(out)
 
 
 def _case_thread_refusal_names_the_function():

@@ -29,8 +29,9 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def group_info(group=None) -> Tuple[int, int]:
-    """(world_size, rank in ``group``); (1, 0) without an initialized process group.
+def group_info(group=None, fn: Optional[str] = None) -> Tuple[int, int]:
+    """(world_size, rank in ``group``); (1, 0) without an initialized process group. ``fn``:
+    the public function that was called, named first in the errors.
 
     Raises TypeError for a ``SequenceParallelGroups`` (its own methods split for its mode) and
     anything else that is not a process group (a name, a list of ranks);
@@ -39,32 +40,40 @@ def group_info(group=None) -> Tuple[int, int]:
     otherwise surface as nonsense sizes much later)."""
     if hasattr(group, "shard_batch") and hasattr(group, "ulysses_size"):
         # a SequenceParallelGroups: its own methods split for its mode (group_info is plain)
-        raise TypeError("group= takes a torch.distributed process group, got a "
+        raise TypeError(f"{_named(fn)}group= takes a torch.distributed process group, got a "
                         "SequenceParallelGroups (make_sp_groups): use its own methods "
                         "sp.shard(x, layout), sp.shard_batch(batch, layout), "
                         "sp.positions(seqlen, layout), or usp_attn_func(..., sp=sp)")
     if group is not None and not isinstance(group, (dist.ProcessGroup, int)):
         # (an int: what torch.distributed.new_group returns to ranks outside the group)
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the default "
+        raise TypeError(f"{_named(fn)}group must be a torch.distributed ProcessGroup or None "
+                        f"(the default "
                         f"group), got {group!r} ({type(group).__name__})")
     if not is_initialized():
         if group is not None:
-            raise ValueError(f"group={group!r} was passed but torch.distributed is not "
+            raise ValueError(f"{_named(fn)}group={group!r} was passed but torch.distributed "
+                             f"is not "
                              f"initialized: call torch.distributed.init_process_group first, "
                              f"or pass group=None for one process")
         return 1, 0
     if group is not None and not isinstance(group, dist.ProcessGroup):
         # dist.new_group returns GroupMember.NON_GROUP_MEMBER (an int) on the ranks it leaves out
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the "
+        raise ValueError(f"{_named(fn)}this process (global rank {dist.get_rank()}) is not a "
+                         f"member of the "
                          f"process group passed as `group` (got {group!r}, what "
                          f"torch.distributed.new_group returns to ranks outside the group); call "
                          f"ringseq functions only on the ranks of that group")
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the "
+        raise ValueError(f"{_named(fn)}this process (global rank {dist.get_rank()}) is not a "
+                         f"member of the "
                          f"process group passed as `group`; call ringseq functions only on "
                          f"the ranks of that group")
     return dist.get_world_size(group), rank
+
+
+def _named(fn: Optional[str]) -> str:
+    return f"{fn}: " if fn else ""
 
 
 def global_rank(group, rank: int) -> int:

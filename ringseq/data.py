@@ -109,7 +109,7 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_batch: batch must be a mapping of the full sequences (a dict "
                         f"with input_ids and/or inputs_embeds, ...), got {type(batch).__name__}")
-    world_size, rank = group_info(group)
+    world_size, rank = group_info(group, "shard_batch")
     key = next((k for k in ("input_ids", "inputs_embeds") if batch.get(k) is not None), None)
     if key is None:
         raise ValueError("shard_batch needs `input_ids` (b, s) or `inputs_embeds` (b, s, hidden) "

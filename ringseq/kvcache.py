@@ -525,7 +525,7 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     checks off, only the all-gather (ranks that disagree then compute wrong outputs).
     """
     fn = _RING_FN
-    world, rank = group_info(group)
+    world, rank = group_info(group, "ring_flash_attn_with_kvcache")
     problem = None
     try:
         plan = _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, rank,

@@ -39,7 +39,7 @@ def report_step_failure(group=None, error: BaseException = None) -> None:
     raises): every other rank of the group then raises ``RingPeerError`` at its loss, naming
     this rank and ``error``, instead of waiting for it. Returns on this rank (which re-raises
     its own error). Collective, on the group's control channel."""
-    if group_info(group)[0] > 1:
+    if group_info(group, "report_step_failure")[0] > 1:
         message = f"{type(error).__name__}: {error}" if error is not None else "failed"
         get_ring(group).agree(False, f"{message} ({_LOSS})", raise_own=False, about="loss")
 
@@ -71,7 +71,7 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     other rank of ``group`` raises ``RingPeerError`` naming this rank and the error (the ranks
     agree on the control channel before the reduction).
     """
-    world_size, _ = group_info(group)
+    world_size, _ = group_info(group, "sharded_cross_entropy")
     # float32 at least: bf16 log-softmax over a large vocabulary loses the loss's digits
     acc = torch.promote_types(logits.dtype, torch.float32)
     try:

@@ -55,7 +55,7 @@ def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causa
                          backend=backend, grad_comm_dtype=grad_comm_dtype,
                          documents=unbound.documents if cu_seqlens is None else cu_seqlens)
         check_self_attention(spec, q, k)
-        check_layout(spec, bound_layout(fn, unbound, spec.documents), ring_size(group),
+        check_layout(spec, bound_layout(fn, unbound, spec.documents), ring_size(group, fn),
                      q.shape[1])
     out, lse = run_attention(q, k, v, spec, RingPlacement(unbound, group, comm_kind))
     return returns(out, lse, return_attn_probs, return_lse)

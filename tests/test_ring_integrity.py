@@ -532,9 +532,21 @@ def _worker_w4():
     # a rank outside a group calls shard / positions / unshard
     g = dist.new_group([0, 1])
     if rank >= 2:
-        res["non_member"] = [_capture(lambda: ringseq.shard(torch.zeros(1, 8), "zigzag", g)),
-                             _capture(lambda: ringseq.positions(8, "zigzag", g)),
-                             _capture(lambda: ringseq.unshard(torch.zeros(1, 4), "zigzag", g))]
+        q = torch.randn(1, 8, 2, 16)  # (b, s_local, h, d)
+        labels = torch.zeros(1, 4, dtype=torch.long)
+        res["non_member"] = {
+            "shard": _capture(lambda: ringseq.shard(torch.zeros(1, 8), "zigzag", g)),
+            "positions": _capture(lambda: ringseq.positions(8, "zigzag", g)),
+            "unshard": _capture(lambda: ringseq.unshard(torch.zeros(1, 4), "zigzag", g)),
+            "ring_flash_attn_func": _capture(lambda: ringseq.ring_flash_attn_func(q, q, q, group=g)),
+            "ring_flash_attn_qkvpacked_func": _capture(
+                lambda: ringseq.ring_flash_attn_qkvpacked_func(torch.stack([q] * 3, 2), group=g)),
+            "RingAttention": _capture(lambda: ringseq.RingAttention(group=g)(q, q, q)),
+            "ulysses_attn_func": _capture(lambda: ringseq.ulysses_attn_func(q, q, q, group=g)),
+            "sharded_cross_entropy": _capture(
+                lambda: ringseq.sharded_cross_entropy(torch.randn(1, 4, 5), labels, group=g)),
+            "shard_batch": _capture(lambda: ringseq.shard_batch({"input_ids": labels}, group=g)),
+        }
     # a Ulysses x ring data layout wrapping packed documents whose boundaries differ on rank 0
     from ringseq.layouts import Documents
     from ringseq.parallel.sp_layout import SequenceParallelLayout
@@ -810,10 +822,12 @@ def test_unshard_compares_a_wrapped_layouts_documents(w4):
         _is_fast_error(res["sp_documents"], "RingMismatchError", "layout (rank 0: ")
 
 
-def test_non_member_ranks_get_a_clear_error(w4):
-    for res in w4[2:]:
-        for got in res["non_member"]:
-            assert got[0] == "ValueError" and "not a member" in got[1], got
+def test_non_member_ranks_get_an_error_naming_the_function_called(w4):
+    for r, res in enumerate(w4[2:], start=2):
+        for fn, got in res["non_member"].items():
+            assert got[0] == "ValueError", (fn, got)
+            assert got[1].startswith(f"{fn}: this process (global rank {r}) is not a member"), \
+                (fn, got)
 
 
 def test_unknown_consistency_mode_in_the_environment(monkeypatch):

@@ -95,10 +95,11 @@ def test_tensor_errors_name_the_function():
         ringseq.flash_attn_varlen_kvpacked_func(flat, None, cu, cu, q.shape[1], q.shape[1])
     with pytest.raises(ValueError, match=r"^flash_attn_with_kvcache: headdim must be positive"):
         ringseq.flash_attn_with_kvcache(q[..., :0], k[..., :0], v[..., :0])
-    with pytest.raises(ValueError, match=r"^group=.* was passed but torch.distributed is not "
-                                         r"initialized"):
+    with pytest.raises(ValueError, match=r"^ring_flash_attn_func: group=.* was passed but "
+                                         r"torch.distributed is not initialized"):
         ringseq.ring_flash_attn_func(q, k, v, group=-100)  # what new_group gives non-members
-    with pytest.raises(TypeError, match=r"^group must be a torch.distributed ProcessGroup"):
+    with pytest.raises(TypeError, match=r"^ring_flash_attn_func: group must be a "
+                                        r"torch.distributed ProcessGroup"):
         ringseq.ring_flash_attn_func(q, k, v, group=object())
     with pytest.raises(ValueError, match=r"^g: q, k and v must be tensors with data"):
         attn_spec("g", q, k.to("meta"), v.to("meta"))

@@ -282,10 +282,11 @@ _RINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCAL: Dict[str, Ring] = {}
 
 
-def get_ring(group=None) -> Ring:
+def get_ring(group=None, fn: Optional[str] = None) -> Ring:
     """The cached :class:`Ring` of ``group``: a process group (None: the default group), or a
     :class:`Transport`. Process groups are held weakly, so destroyed groups do not keep their
-    rings (and buffers) alive. Raises ValueError for a group this process is not in."""
+    rings (and buffers) alive. Raises ValueError for a group this process is not in, naming
+    ``fn`` (the public function called) when given."""
     if isinstance(group, Ring):
         return group
     if isinstance(group, Transport):
@@ -294,7 +295,7 @@ def get_ring(group=None) -> Ring:
         if ring is None:
             ring = _RINGS[key] = Ring(group)
         return ring
-    group_info(group)  # raises for a group this process is not in
+    group_info(group, fn)  # raises for a group this process is not in
     if not is_initialized():
         ring = _LOCAL.get("local")
         if ring is None:
@@ -308,9 +309,10 @@ def get_ring(group=None) -> Ring:
 
 
 @torch.compiler.assume_constant_result
-def ring_size(group=None) -> int:
-    """The world size of ``group``'s ring (under torch.compile: read once at trace time)."""
-    return get_ring(group).world_size
+def ring_size(group=None, fn: Optional[str] = None) -> int:
+    """The world size of ``group``'s ring (under torch.compile: read once at trace time);
+    ``fn`` as in :func:`get_ring`."""
+    return get_ring(group, fn).world_size
 
 
 #: ``ringseq.get_comm(group)``: the name the README documents for :func:`get_ring`

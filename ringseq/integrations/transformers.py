@@ -688,7 +688,7 @@ def _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inn
                                  f"as group has {name}={have!r}")
     else:
         mode = sp_mode or "ring"
-        world, _ = group_info(group)  # raises for a group this process is not in
+        world, _ = group_info(group, "apply")  # raises for a group this process is not in
         U, R, I = resolve_sp_sizes(mode, world, ulysses_size, inner_ring_size)
         if U == 1 and I == R:
             return None
@@ -745,7 +745,7 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     """
     lay = get_layout(layout)
     if not isinstance(group, SequenceParallelGroups):
-        group_info(group)  # raises for a group this process is not in
+        group_info(group, "apply")  # raises for a group this process is not in
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"apply: {type(model).__name__} has no attention modules that ringseq "

@@ -74,7 +74,7 @@ def shard(x: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> tor
     flows back into ``x``). Raises ValueError, without communicating, when the length is not a
     multiple of what the layout needs (``W``; ``2W`` for zigzag).
     """
-    world_size, rank = group_info(group)
+    world_size, rank = group_info(group, "shard")
     return shard_local(x, layout, world_size, rank, dim, fn="shard")
 
 
@@ -84,7 +84,7 @@ def positions(seqlen: int, layout="contiguous", group=None, device=None) -> torc
     Shard position ids with this (or ``shard(position_ids, layout)``) so rotary embeddings see
     the true positions. Raises ValueError when ``seqlen`` cannot be split.
     """
-    world_size, rank = group_info(group)
+    world_size, rank = group_info(group, "positions")
     return positions_local(seqlen, layout, world_size, rank, device, fn="positions")
 
 
@@ -150,7 +150,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     small all-gather before the tensors' own, which would otherwise pair mismatched shards or
     wait forever.
     """
-    world_size, rank = group_info(group)
+    world_size, rank = group_info(group, "unshard")
     if world_size == 1:
         try:
             get_layout(layout)

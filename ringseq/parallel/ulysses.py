@@ -315,7 +315,7 @@ def ulysses_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causa
                          causal=causal, window_size=window_size, softcap=softcap,
                          backend=backend, documents=cu_seqlens)
         check_self_attention(spec, q, k)
-        degree = ring_size(group)
+        degree = ring_size(group, fn)
         ulysses_heads(q.shape[2], k.shape[2], degree, fn=fn)
         spec = local_spans(gathered(spec, q.shape[1] * degree), *(q.shape[1] * degree,) * 2)
     placement = LOCAL if degree == 1 else UlyssesPlacement(group, LOCAL)

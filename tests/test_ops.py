@@ -346,6 +346,51 @@ def plain_reference_split(q, k, v):
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vd), lse
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_accumulate_into_strided_views_as_into_contiguous_buffers(backend):
+    """The validating calls take views of any strides ("views allowed"): a (b, h, s_q)
+    statistic that is a permuted view of a (b, s_q, h) buffer and rows whose last dimension
+    has stride 2 give the bits of contiguous buffers (before: the ringseq backend refused
+    them with an error naming neither the function nor the view)."""
+    if backend == "ringseq" and not extension_available():
+        pytest.skip("ringseq._C is not built")
+    be = get_backend(backend, "cpu", torch.float32, 16)
+    q, k, v = qkv(b=2, s_q=20, s_k=24, h=4, h_kv=2, d=16, seed=5)
+
+    def strided(t):  # t's values in a view whose last dimension is not unit-stride
+        if t.dim() == 3:  # (b, h, s_q) as a view of (b, s_q, h)
+            return t.transpose(1, 2).contiguous().transpose(1, 2)
+        wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), float("nan"))
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    out = torch.zeros(2, 20, 4, 16)  # (b, s_q, h, d) accumulators, empty: lse = -inf
+    lse = torch.full((2, 4, 20), float("-inf"))  # (b, h, s_q)
+    views = [strided(out), strided(lse)]
+    for part in (slice(0, 10), slice(10, 24)):
+        be.fwd_accum(q, k[:, part], v[:, part], 0.25, False, out, lse)
+        be.fwd_accum(q, k[:, part], v[:, part], 0.25, False, *views)
+    assert views[1].stride(-1) != 1 and views[0].stride(-1) == 2
+
+    def same(got, want):  # ringseq's kernel: the same bits; torch's ops on strided views
+        # may round elementwise steps differently (a few float32 ulps)
+        if backend == "ringseq":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=4 * 2 ** -23, atol=4 * 2 ** -23)
+
+    same(views[0], out)
+    same(views[1], lse)
+    dout = torch.randn_like(q)  # (b, s_q, h, d)
+    want = be.bwd(dout, q, k, v, out, lse, 0.25, False)
+    got = be.bwd(dout, q, k, v, out, strided(lse), 0.25, False)
+    accs = [strided(torch.zeros_like(t)) for t in (q, k, v)]
+    be.bwd_accum(dout, q, k, v, out, strided(lse), 0.25, False, None, *accs)
+    for w, g, a in zip(want, got, accs):
+        same(g, w)
+        same(a, w)
+
+
 @needs_ext
 def test_fwd_accum_keeps_rows_whose_block_sees_nothing():
     """A causal block with s_q > s_k leaves its first rows untouched (they see no key)."""

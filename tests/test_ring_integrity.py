@@ -623,15 +623,33 @@ def test_later_argument_changes_raise_instead_of_hanging(w2, name, needle):
 
 def test_double_backward_raises(w2):
     for res in w2:
-        _is_fast_error(res["double_backward"]["create_graph"], "RuntimeError", "create_graph")
+        _is_fast_error(res["double_backward"]["create_graph"], "RuntimeError",
+                       "ring_flash_attn_func: differentiating attention twice (create_graph")
 
 
 def test_double_backward_raises_single_device():
     q, k, v = (t.requires_grad_() for t in _full(12, 20))
     out = ringseq.flash_attn_func(q, k, v, causal=True)
     (gk,) = torch.autograd.grad(out.square().sum(), k, create_graph=True)
-    with pytest.raises(RuntimeError, match="create_graph"):
+    with pytest.raises(RuntimeError, match=r"^flash_attn_func: differentiating attention twice "
+                                           r"\(create_graph"):
         (out.sum() + gk.square().sum()).backward()
+
+
+@pytest.mark.parametrize("lse_term", [False, True], ids=["out", "out_and_lse"])
+def test_double_backward_through_the_raw_kernel_operator_raises(lse_term):
+    """torch.ops.ringseq.fwd's gradient is not differentiable: a gradient penalty through it
+    raises (before: the second-order term was dropped with only torch's warning, dq off by
+    ~5 in float64)."""
+    q, k, v = (t.double().requires_grad_() for t in _full(12, 20))
+    out, lse = torch.ops.ringseq.fwd(q, k, v, q.shape[-1] ** -0.5, True)
+    first = out.square().sum() + (lse.sum() if lse_term else 0)
+    (gk,) = torch.autograd.grad(first, k, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"^torch.ops.ringseq.(bwd|delta) has no derivative"):
+        (out.sum() + gk.square().sum()).backward()
+    # its first derivative stays right
+    (gk_once,) = torch.autograd.grad(first, k)
+    assert torch.equal(gk_once, gk.detach())
 
 
 def test_concurrent_threads_get_a_clear_error(w2):

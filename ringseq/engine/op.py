@@ -75,12 +75,16 @@ def _(dout, dlse, q, k, v, out, lse, saved, spec, placement, documents, spans):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
+def _name_the_call(ctx, inputs, output):
+    ctx.fn = spec_from_key(inputs[8]).fn  # inputs[8]: the spec key
+
+
 def _no_double_backward(ctx, *grads):
-    raise RuntimeError("ringseq: differentiating attention twice (create_graph=True, e.g. a "
-                       "gradient penalty) is not supported: its backward is not differentiable")
+    raise RuntimeError(f"{ctx.fn}: differentiating attention twice (create_graph=True, e.g. a "
+                       f"gradient penalty) is not supported: its backward is not differentiable")
 
 
-_attention_backward_op.register_autograd(_no_double_backward)
+_attention_backward_op.register_autograd(_no_double_backward, setup_context=_name_the_call)
 
 
 def _setup_context(ctx, inputs, output):

@@ -15,6 +15,8 @@ Operators (csrc/ops.cpp); spans / softcap: docs/kernels.md, "Spans, bands and so
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .grad import attention_backward, fake_attention_outputs, fake_checks
@@ -62,6 +64,14 @@ def _spansfake_checks(spans, softcap, causal):
                      lambda: f"spans must be (n, 6), got shape {tuple(spans.shape)}")
         torch._check(spans.dtype == torch.int64, lambda: f"spans must be int64, got {spans.dtype}")
         torch._check(spans.device.type == "cpu", lambda: f"spans must be a CPU tensor, got {spans.device}")
+
+
+def _not_differentiable(name: str, why: str):
+    """An autograd rule that refuses: torch runs an op without one with only a warning,
+    treating its gradient as zero."""
+    def refuse(ctx, *grads):
+        raise RuntimeError(f"torch.ops.ringseq.{name} has no derivative: {why}")
+    return refuse
 
 
 if _C is not None:
@@ -137,6 +147,14 @@ if _C is not None:
 
     torch.library.register_autograd("ringseq::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
+    # The kernels' backward parts are not differentiable: a gradient penalty through the raw
+    # operator (create_graph=True) must raise, not drop its second-order term.
+    for name in ("bwd", "delta"):
+        torch.library.register_autograd(f"ringseq::{name}", _not_differentiable(
+            name, "differentiating the gradient of torch.ops.ringseq.fwd (create_graph=True, "
+                  "e.g. a gradient penalty) is not supported"))
+
+
 
 class ExtensionBackend(AttentionBackend):
     """The C++/CUDA kernels of this package (CPU: every float dtype; CUDA: see README)."""
@@ -185,8 +203,9 @@ class ExtensionBackend(AttentionBackend):
         if q.device.type != "cpu":  # the CUDA kernel has no merge mode yet
             return super()._fwd_accum(q, k, v, scale, causal, out_acc, lse_acc,
                                       **self._extra(spans, softcap))
-        torch.ops.ringseq.fwd_accum(q, k, v, scale, causal, out_acc, lse_acc, self.tile_config,
-                                    *self._span_args(spans, softcap))
+        with _unit_stride_rows(out_acc, lse_acc) as (o, lse):
+            torch.ops.ringseq.fwd_accum(q, k, v, scale, causal, o, lse, self.tile_config,
+                                        *self._span_args(spans, softcap))
 
     def delta(self, dout, out, grad_lse=None):
         # On CPU summed by the kernel in its dP GEMM's order (a row that sees one key then gets
@@ -196,11 +215,31 @@ class ExtensionBackend(AttentionBackend):
         return d if grad_lse is None else (d - grad_lse.to(d.dtype)).contiguous()
 
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta, spans=None, softcap=0.0):
+        lse, delta = _unit_stride_copy(lse), _unit_stride_copy(delta)
         return torch.ops.ringseq.bwd(dout, q, k, v, out, lse, scale, causal, delta,
                                      self.tile_config, *self._span_args(spans, softcap))
 
     def _bwd_accum(self, dout, q, k, v, out, lse, scale, causal, delta, dq_accum, dk_accum,
                    dv_accum, spans=None, softcap=0.0) -> None:
-        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, causal, delta, dq_accum,
-                                    dk_accum, dv_accum, self.tile_config,
-                                    *self._span_args(spans, softcap))
+        lse, delta = _unit_stride_copy(lse), _unit_stride_copy(delta)
+        with _unit_stride_rows(dq_accum, dk_accum, dv_accum) as (dq, dk, dv):
+            torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, causal, delta, dq, dk,
+                                        dv, self.tile_config, *self._span_args(spans, softcap))
+
+
+# The kernels walk the last dimension of a statistic (b, h, s_q) or a row (.., d) with unit
+# stride; the validating calls promise views of any strides (base.AttentionBackend), so a view
+# strided there goes through a contiguous copy (written back for the buffers written into).
+def _unit_stride_copy(t):
+    if t is None or t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+@contextlib.contextmanager
+def _unit_stride_rows(*buffers):
+    work = [_unit_stride_copy(t) for t in buffers]
+    yield work
+    for t, w in zip(buffers, work):
+        if w is not t:
+            t.copy_(w)

@@ -83,6 +83,107 @@ def test_a_custom_layout_whose_positions_have_the_wrong_shape_is_refused():
         shard_local(torch.zeros(1, 8), Short(), 2, 0)
 
 
+class _ReversedWithinRank(__import__("ringseq").layouts.Layout):
+    """Contiguous chunks, each rank's held in reverse order (one rank too)."""
+    name = "test_reversed_within_rank"
+
+    def _positions(self, seqlen, world_size, rank):
+        n = seqlen // world_size
+        return torch.arange((rank + 1) * n - 1, rank * n - 1, -1)
+
+    def _tasks(self, rank, src, world_size, s_local):  # unused: the masked path schedules
+        raise AssertionError("not used by these tests")
+
+
+def test_a_custom_layout_keeps_its_own_order_on_one_rank():
+    """shard / unshard follow positions() at world size 1 too (before: a copy and a no-op,
+    so a layout that reorders one rank's tokens gave attention 2.5 off and position ids
+    that did not belong to their tokens)."""
+    lay = _ReversedWithinRank()
+    x = torch.arange(6.0).view(1, 6)  # (b, s)
+    want = x[:, [5, 4, 3, 2, 1, 0]]
+    assert torch.equal(positions_local(6, lay, 1, 0), torch.tensor([5, 4, 3, 2, 1, 0]))
+    assert torch.equal(shard_local(x, lay, 1, 0), want)
+    assert torch.equal(ringseq.shard(x, lay), want)  # no process group: world size 1
+    assert torch.equal(ringseq.unshard(want, lay), x)
+    assert torch.equal(unshard_local([want], lay), x)
+    batch = ringseq.shard_batch({"input_ids": x.long()}, layout=lay)
+    assert torch.equal(batch["input_ids"], want.long())
+    assert torch.equal(batch["position_ids"], torch.tensor([[5, 4, 3, 2, 1, 0]]))
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64) for _ in range(3))
+    ref = ringseq.flash_attn_func(q, k, v, causal=True, window_size=(2, 0), backend="reference")
+    out = ringseq.ring_flash_attn_func(*(ringseq.shard(t, lay) for t in (q, k, v)), causal=True,
+                                       window_size=(2, 0), layout=lay, backend="reference")
+    assert torch.allclose(ringseq.unshard(out, lay), ref, atol=1e-12, rtol=0)
+    # the built-in layouts are one rank's tokens in order: copies, and unshard returns its input
+    y = torch.randn(1, 4, 3)
+    for name in NAMES:
+        assert torch.equal(shard_local(y, name, 1, 0), y) and ringseq.unshard(y, name) is y
+
+
+def test_a_custom_layouts_positions_must_be_a_permutation():
+    """Positions listed twice or out of range are refused, naming the layout (before: shard
+    dropped tokens silently and unshard returned uninitialized memory)."""
+    from ringseq.layouts import Layout
+
+    class Twice(Layout):
+        name = "test_twice"
+
+        def _positions(self, seqlen, world_size, rank):
+            return torch.arange(seqlen // world_size)  # every rank claims the first tokens
+
+    class Outside(Twice):
+        name = "test_outside"
+
+        def _positions(self, seqlen, world_size, rank):
+            return torch.arange(seqlen // world_size) + 100
+
+    with pytest.raises(ValueError, match=r"^shard: layout 'test_twice': _positions\(8, 2, rank\) "
+                                         r"over the ranks must list every position of \[0, 8\) "
+                                         r"exactly once \(a permutation\), but position 0 is "
+                                         r"listed 2 times"):
+        shard_local(torch.zeros(1, 8), Twice(), 2, 1)
+    with pytest.raises(ValueError, match=r"^unshard_local: layout 'test_twice'"):
+        unshard_local([torch.zeros(1, 4)] * 2, Twice())
+    with pytest.raises(ValueError, match=r"^positions: layout 'test_outside': "
+                                         r"_positions\(8, 2, rank\) must give positions in "
+                                         r"\[0, 8\), got 100"):
+        positions_local(8, Outside(), 2, 0)
+
+
+def test_layouts_that_share_a_name_are_told_apart_and_built_in_names_are_kept():
+    """The ranks compare layouts by code: two classes that kept one name get different codes
+    (before: equal codes, and ranks holding different layouts paired silently); a built-in
+    name cannot be registered over, nor the base class's placeholder name."""
+    from ringseq.layouts import Layout, register_layout
+
+    class A(Layout):
+        def _positions(self, seqlen, world_size, rank):
+            n = seqlen // world_size
+            return torch.arange(rank * n, (rank + 1) * n)
+
+    class B(A):
+        pass
+
+    assert A().name == B().name and A().code != B().code
+    assert get_layout("zigzag").code == get_layout("zigzag").code
+    zig = type("zigzag_again", (A,), {"name": "zigzag"})()
+    with pytest.raises(ValueError, match=r"^register_layout: 'zigzag' is a built-in layout"):
+        register_layout(zig)
+    assert LAYOUTS["zigzag"] is get_layout("zigzag") and type(LAYOUTS["zigzag"]).__name__ == "Zigzag"
+    with pytest.raises(ValueError, match=r"^register_layout: a layout's name must be .* got '\?'"):
+        register_layout(A())
+
+
+def test_local_helpers_refuse_a_world_size_below_one():
+    for call, fn in ((lambda: shard_local(torch.zeros(1, 4), "contiguous", 0, 0), "shard"),
+                     (lambda: positions_local(4, "contiguous", 0, 0), "positions")):
+        with pytest.raises(ValueError, match=rf"^{fn}: world_size must be a positive int, got 0"):
+            call()
+    with pytest.raises(ValueError, match=r"^unshard_local: unknown layout 'zigzg'"):
+        unshard_local([torch.zeros(1, 4)] * 2, "zigzg")
+
+
 def test_shard_is_differentiable_and_copies():
     x = torch.randn(1, 12, 2, requires_grad=True)
     part = shard_local(x, "zigzag", 3, 1)

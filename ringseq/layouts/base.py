@@ -100,11 +100,16 @@ class Layout:
 
     @property
     def code(self) -> int:
-        """A small integer naming this layout in cross-rank checks (stable across ranks). The
-        ranks compare only this: a layout with parameters (a shift, a permutation) overrides
-        it to include them, as :class:`ringseq.layouts.Documents` does with its boundaries,
-        else ranks given different parameters pair silently."""
-        return stable_code(self.name)
+        """A small integer naming this layout in cross-rank checks (stable across ranks): of
+        its name and, for a layout defined outside ringseq, its class (two classes that kept
+        one name are told apart). The ranks compare only this: a layout with parameters (a
+        shift, a permutation) overrides it to include them, as
+        :class:`ringseq.layouts.Documents` does with its boundaries, else ranks given
+        different parameters pair silently."""
+        cls = type(self)
+        if cls.__module__.startswith("ringseq."):
+            return stable_code(self.name)
+        return stable_code(f"{self.name}@{cls.__module__}.{cls.__qualname__}")
 
     def multiple(self, world_size: int) -> int:
         """The global sequence length must be a multiple of this."""
@@ -142,8 +147,18 @@ class Layout:
         except TypeError:
             raise TypeError(f"layout {self.name!r}: seqlen must be an int, got {seqlen!r} "
                             f"({type(seqlen).__name__})") from None
-        self.check_seqlen(seqlen, world_size)
         check_rank(rank, world_size)
+        self.check_seqlen(seqlen, world_size)
+        pos = self._checked_positions(seqlen, world_size, rank)
+        if not type(self)._positions.__module__.startswith("ringseq."):
+            # a layout of the user's: its ranks' positions together must be a permutation,
+            # else shard drops tokens and unshard returns uninitialized memory (checked once
+            # per length and world size)
+            layout_cached(self, ("permutation", seqlen, world_size),
+                          lambda: self._check_permutation(seqlen, world_size))
+        return pos
+
+    def _checked_positions(self, seqlen: int, world_size: int, rank: int) -> torch.Tensor:
         pos = self._positions(seqlen, world_size, rank)
         want = (seqlen // world_size,)
         if not torch.is_tensor(pos) or tuple(pos.shape) != want or pos.dtype != torch.int64:
@@ -152,6 +167,30 @@ class Layout:
             raise ValueError(f"layout {self.name!r}: _positions({seqlen}, {world_size}, {rank}) "
                              f"must return an int64 tensor of shape {want}, got {got}")
         return pos
+
+    def _check_permutation(self, seqlen: int, world_size: int) -> bool:
+        every = torch.cat([self._checked_positions(seqlen, world_size, r).cpu()
+                           for r in range(world_size)])  # (seqlen,)
+        outside = every[(every < 0) | (every >= seqlen)]
+        if outside.numel():
+            raise ValueError(f"layout {self.name!r}: _positions({seqlen}, {world_size}, rank) "
+                             f"must give positions in [0, {seqlen}), got {outside[0].item()}")
+        counts = torch.bincount(every, minlength=seqlen)
+        if (counts != 1).any():
+            p = int((counts != 1).nonzero()[0])
+            raise ValueError(f"layout {self.name!r}: _positions({seqlen}, {world_size}, rank) "
+                             f"over the ranks must list every position of [0, {seqlen}) exactly "
+                             f"once (a permutation), but position {p} is listed "
+                             f"{int(counts[p])} times")
+        return True
+
+    def identity_on_one_rank(self, seqlen: int) -> bool:
+        """Whether one rank holds the ``seqlen`` tokens in their own order (every built-in
+        layout does: ``shard`` / ``unshard`` are then copies / no-ops at world size 1)."""
+        if type(self)._positions.__module__.startswith("ringseq."):
+            return True
+        return layout_cached(self, ("identity", seqlen), lambda: bool(torch.equal(
+            self.positions(seqlen, 1, 0), torch.arange(seqlen))))
 
     def tasks(self, rank: int, src: int, world_size: int, s_local: int,
               causal: bool) -> List[BlockTask]:
@@ -318,9 +357,13 @@ def register_layout(layout: Layout) -> Layout:
     a name that cannot travel as one (empty, or with ``|`` / ``#``, which separate the fields
     of the custom operator's keys)."""
     name = getattr(layout, "name", None)
-    if not isinstance(name, str) or not name or "|" in name or "#" in name:
+    if not isinstance(name, str) or not name or "|" in name or "#" in name or name == "?":
         raise ValueError(f"register_layout: a layout's name must be a non-empty string without "
-                         f"'|' or '#', got {name!r}")
+                         f"'|' or '#' (set the class's `name`), got {name!r}")
+    old = LAYOUTS.get(name)
+    if old is not None and old is not layout and type(old).__module__.startswith("ringseq."):
+        raise ValueError(f"register_layout: {name!r} is a built-in layout of ringseq; register "
+                         f"yours under another name (got {layout!r})")
     LAYOUTS[name] = layout
     return layout
 
@@ -344,5 +387,7 @@ def layout_name_of_code(code: int) -> str:
 
 
 def check_rank(rank, world_size):
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")

@@ -51,13 +51,13 @@ def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 
     dim = _seq_dim(fn, x, dim)
     try:
         lay = get_layout(layout)
-        lay.check_seqlen(x.shape[dim], world_size)
         check_rank(rank, world_size)
+        lay.check_seqlen(x.shape[dim], world_size)
+        if world_size == 1 and lay.identity_on_one_rank(x.shape[dim]):
+            return x.clone(memory_format=torch.contiguous_format)
+        return lay.shard(x, world_size, rank, dim)
     except (TypeError, ValueError) as exc:
         raise named_for(fn, exc) from exc
-    if world_size == 1:
-        return x.clone(memory_format=torch.contiguous_format)
-    return lay.shard(x, world_size, rank, dim)
 
 
 def shard(x: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> torch.Tensor:
@@ -116,7 +116,10 @@ def unshard_local(parts, layout, dim: int = 1) -> torch.Tensor:
     """Reassembles the full tensor from every rank's shard (list in rank order), no comm.
     ValueError unless the parts are tensors of one shape and dtype whose length along ``dim``
     the layout can have as a shard."""
-    lay = get_layout(layout)
+    try:
+        lay = get_layout(layout)
+    except ValueError as exc:
+        raise named_for("unshard_local", exc) from exc
     parts = list(parts)
     world_size = len(parts)
     if world_size == 0 or not all(torch.is_tensor(p) for p in parts):
@@ -126,12 +129,20 @@ def unshard_local(parts, layout, dim: int = 1) -> torch.Tensor:
     if any(p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts):
         raise ValueError(f"unshard_local: every part must have one shape and dtype, got "
                          f"{[(tuple(p.shape), str(p.dtype)) for p in parts]}")
-    lay.check_local_seqlen(parts[0].shape[dim], world_size)
+    try:
+        lay.check_local_seqlen(parts[0].shape[dim], world_size)
+        return _scattered(lay, parts, dim)
+    except (TypeError, ValueError) as exc:
+        raise named_for("unshard_local", exc) from exc
+
+
+def _scattered(lay, parts, dim: int) -> torch.Tensor:
+    """The full tensor of every rank's shard ``parts`` (rank order) under layout ``lay``."""
     shape = list(parts[0].shape)
-    shape[dim] *= world_size
+    shape[dim] *= len(parts)
     full = parts[0].new_empty(shape)
     for r, part in enumerate(parts):
-        lay.scatter(full, part, world_size, r, dim)
+        lay.scatter(full, part, len(parts), r, dim)
     return full
 
 
@@ -142,7 +153,8 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     ``dim``. Differentiable: the gradient of the local shard is the sum over ranks of each
     rank's gradient for that shard (so when every rank computes the same loss on the result,
     scale it by 1/W). Without an initialized process group (world size 1) it returns
-    ``x_local`` unchanged.
+    ``x_local`` unchanged (reordered, for a layout of your own that holds one rank's tokens
+    in another order).
 
     Raises ValueError when this rank's shard length cannot be the layout's (the other ranks
     raise ``ringseq.RingPeerError`` naming this one), and ``ringseq.RingMismatchError`` (a
@@ -153,10 +165,15 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     world_size, rank = group_info(group, "unshard")
     if world_size == 1:
         try:
-            get_layout(layout)
+            lay = get_layout(layout)
         except ValueError as exc:
             raise named_for("unshard", exc) from exc
-        _seq_dim("unshard", x_local, dim)
+        dim = _seq_dim("unshard", x_local, dim)
+        try:
+            if not lay.identity_on_one_rank(x_local.shape[dim]):  # a layout of the user's
+                return _scattered(lay, [x_local], dim)
+        except (TypeError, ValueError) as exc:
+            raise named_for("unshard", exc) from exc
         return x_local
     # Whatever this rank refuses is agreed on before the all-gather, which the other ranks
     # would otherwise wait in.

@@ -5,8 +5,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ._args import given
 from ._dist import group_info
 from .engine.ring import get_ring
+from .spec import dtype_code
 
 __all__ = ["report_step_failure", "sharded_cross_entropy"]
 
@@ -66,15 +68,23 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     group (``all_reduce(SUM)``; not averaged) to equal the single-process gradient -- divide
     by the data-parallel size only, as usual.
 
-    Raises ValueError when the leading shapes of ``logits`` and ``labels`` differ, ``labels``
-    is not an integer tensor (float, bool) or a label is outside the vocabulary; then every
-    other rank of ``group`` raises ``RingPeerError`` naming this rank and the error (the ranks
-    agree on the control channel before the reduction).
+    Raises ValueError when the leading shapes of ``logits`` and ``labels`` differ, ``logits``
+    is not a floating tensor, ``labels`` is not an integer tensor (float, bool) or a label is
+    outside the vocabulary, TypeError when ``ignore_index`` is not an int; then every other
+    rank of ``group`` raises ``RingPeerError`` naming this rank and the error (the ranks
+    agree on the control channel before the reduction). ``RingMismatchError`` (a ValueError)
+    on every rank when the ranks' ``ignore_index``, vocabulary sizes or logits dtypes differ.
     """
     world_size, _ = group_info(group, "sharded_cross_entropy")
-    # float32 at least: bf16 log-softmax over a large vocabulary loses the loss's digits
-    acc = torch.promote_types(logits.dtype, torch.float32)
     try:
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"sharded_cross_entropy: ignore_index must be an int, got "
+                            f"{ignore_index!r}")
+        if not torch.is_tensor(logits) or not logits.is_floating_point() or logits.dim() < 1:
+            raise ValueError(f"sharded_cross_entropy: logits must be a floating tensor "
+                             f"(..., vocab), got {given(logits)}")
+        # float32 at least: bf16 log-softmax over a large vocabulary loses the loss's digits
+        acc = torch.promote_types(logits.dtype, torch.float32)
         if logits.shape[:-1] != labels.shape:
             raise ValueError(f"sharded_cross_entropy: logits (..., vocab) and labels (...) must "
                              f"agree on the leading dims, got logits {tuple(logits.shape)} and "
@@ -102,7 +112,14 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
         # Every rank agrees that it has its numbers first (the control channel, where a rank
         # that failed earlier in the step reports), then one collective for both numbers;
         # the count carries no gradient.
-        get_ring(group).agree(True, "", about="loss")
+        # The ranks compare what makes their numbers one loss: the same ignored label, the
+        # same vocabulary and one accumulation dtype (else a loss that differs by rank).
+        get_ring(group).agree(
+            True, "", about="loss", called="sharded_cross_entropy",
+            fields=(("ignore_index", ignore_index), ("vocabulary size", logits.shape[-1]),
+                    ("logits dtype", dtype_code(logits.dtype), "dtype")),
+            hint="Every rank of the group must pass logits of one dtype and vocabulary size, "
+                 "and one ignore_index.")
         packed = torch.stack([local_sum, local_count.detach()])
         total = _SumAcrossRanks.apply(packed, group)
         global_sum, global_count = total[0], total[1].detach()

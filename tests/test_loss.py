@@ -1,5 +1,5 @@
-"""ringseq.sharded_cross_entropy on one process (no group: the local token mean); the
-multi-rank agreement and its errors are in tests/test_ring_recovery.py."""
+"""ringseq.sharded_cross_entropy on one process (no group: the local token mean) and what
+ranks that disagree get; the multi-rank failure agreement is in tests/test_ring_recovery.py."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import ringseq
+from dist_utils import run_ranks
+from utils import capture
 
 
 def test_one_process_equals_torch_cross_entropy_with_ignored_targets():
@@ -37,3 +39,49 @@ def test_labels_outside_the_vocabulary_and_shape_mismatch_are_named():
         ringseq.sharded_cross_entropy(logits, torch.tensor([0, 5, -100]))
     with pytest.raises(ValueError, match="must agree on the leading dims"):
         ringseq.sharded_cross_entropy(logits, torch.tensor([0, 1]))
+
+
+def test_ignore_index_and_logits_are_checked_by_name():
+    logits = torch.randn(3, 5)
+    with pytest.raises(TypeError, match=r"^sharded_cross_entropy: ignore_index must be an int, "
+                                        r"got None"):
+        ringseq.sharded_cross_entropy(logits, torch.tensor([0, 1, 2]), ignore_index=None)
+    with pytest.raises(ValueError, match=r"^sharded_cross_entropy: logits must be a floating "
+                                         r"tensor"):
+        ringseq.sharded_cross_entropy(torch.ones(3, 5, dtype=torch.long), torch.tensor([0, 1, 2]))
+
+
+def _worker_disagreeing_ranks():
+    rank = torch.distributed.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    labels = torch.randint(0, 11, (1, 6), generator=g)  # (b, s_local)
+    logits = torch.randn(1, 6, 11, generator=g, dtype=torch.float64)  # (b, s_local, vocab)
+    res = {
+        "ignore_index": capture(lambda: ringseq.sharded_cross_entropy(
+            logits, labels, ignore_index=5 if rank == 1 else -100)),
+        "dtype": capture(lambda: ringseq.sharded_cross_entropy(
+            logits.float() if rank == 1 else logits, labels)),
+        "vocab": capture(lambda: ringseq.sharded_cross_entropy(
+            torch.cat([logits, logits[..., :2]], -1) if rank == 1 else logits, labels)),
+    }
+    res["after"] = float(ringseq.sharded_cross_entropy(logits, labels))
+    return res
+
+
+def test_ranks_that_disagree_on_the_loss_arguments_raise_on_every_rank():
+    """A different ignore_index, logits dtype or vocabulary on one rank is a RingMismatchError
+    on every rank naming the field and each rank's value (before: a loss computed with rank
+    1's ignore_index on every rank, 3.0344 against 3.0292, or a loss that differed by rank),
+    and the next call is right."""
+    ranks = run_ranks(_worker_disagreeing_ranks, 2, timeout=120)
+    for res in ranks:
+        for key, field in (("ignore_index", "ignore_index (rank 0: -100, rank 1: 5)"),
+                           ("dtype", "logits dtype (rank 0: torch.float64, rank 1: "
+                                     "torch.float32)"),
+                           ("vocab", "vocabulary size (rank 0: 11, rank 1: 13)")):
+            kind, message = res[key][:2]
+            assert kind == "RingMismatchError", res[key]
+            assert message.startswith("ringseq: sharded_cross_entropy: the ranks of the ring "
+                                      "were called with different arguments: ") and \
+                field in message and "one ignore_index" in message, message
+    assert ranks[0]["after"] == ranks[1]["after"]

@@ -47,6 +47,8 @@ def _worker():
     out["epoch"] = error_text(lambda: _seen(loader))
     loader.set_epoch(3)
     out["same_epoch"] = sorted(_seen(loader))  # this dp group's half, no error
+    uneven = plugin.prepare_dataloader(_data(4 if dp == 0 else 6), batch_size=2)
+    out["uneven"] = error_text(lambda: _seen(uneven))
     # a plain DataLoader rebuilt by boost shuffles with seed 1024 on every rank, whatever its
     # generator (which seeds its workers): a generator seeded per rank (for the workers'
     # augmentations) is valid and splits the samples consistently
@@ -94,6 +96,32 @@ def test_samplers_that_differ_between_dp_groups_are_refused(w4, key, field):
         assert r[key].startswith("RingMismatchError") and field in r[key], r[key]
     halves = [r["same_epoch"] for r in w4]
     assert sorted(halves[0] + halves[2]) == list(range(16))  # dp ranks 0 and 1: one epoch
+
+
+def test_loaders_of_different_lengths_are_named_with_their_batch(w4):
+    """Before: "the ranks of the ring were called with different arguments ... must pass
+    shards of the same shape", advice about attention, naming neither loader nor batch."""
+    for r in w4:
+        text = r["uneven"]
+        assert text.startswith("RingMismatchError: ringseq: ShardedDataLoader (batch 1): the "
+                               "ranks of the ring were called with different arguments: "), text
+        assert "the same number of batches per epoch" in text, text
+
+
+def test_pack_documents_keeps_token_ids_integer():
+    """An empty sample packed beside others (before: the whole row turned float32) and what
+    cannot be token ids (before: torch's unnamed errors, or floats passed on)."""
+    from ringseq.plugin.dataloader import pack_documents
+    batch = pack_documents([{"input_ids": [5, 6, 7]}, {"input_ids": []}], multiple=2)
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.int64
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0]]
+    assert batch["labels"].tolist() == [[5, 6, 7, -100]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 3, 4]
+    with pytest.raises(ValueError, match=r"^pack_documents: samples is empty"):
+        pack_documents([])
+    with pytest.raises(ValueError, match=r"^pack_documents: samples\[1\]\['labels'\] must "
+                                         r"hold integer token ids, got torch.float32"):
+        pack_documents([{"input_ids": [1]}, {"input_ids": [2], "labels": [2.7]}])
 
 
 def test_a_rebuilt_loader_shuffles_alike_on_every_rank(w4):

@@ -218,11 +218,12 @@ def _global_names(ring):
 
 
 def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (),
-          called: str = "") -> None:
+          called: str = "", hint: Optional[str] = None) -> None:
     """Raises on this rank what the gathered control vectors say is wrong (the same verdict on
     every rank, since every rank sees the same rows); marks the ring broken where needed.
     Ranks are named by their place in the ring's group (and their global rank where the group
-    is a subgroup); ``called``: the public function called, named by a mismatch."""
+    is a subgroup); ``called``: the public function called, named by a mismatch, and ``hint``
+    the rule its message gives (default: the attention calls')."""
     name, names = _global_names(ring)
     bad_magic = [r for r, row in enumerate(rows) if row[0] != _MAGIC]
     if bad_magic:
@@ -284,8 +285,11 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
         raise RingMismatchError(
             f"ringseq: {called + ': ' if called else ''}the ranks of the ring were called with "
             f"different arguments: "
-            + "; ".join(diffs) + ". Every rank of the group must pass shards of the same "
-            "shape, dtype, layout and options.")
+            + "; ".join(diffs) + ". " + (hint or _SAME_SHARDS))
+
+
+_SAME_SHARDS = ("Every rank of the group must pass shards of the same shape, dtype, layout and "
+                "options.")
 
 
 class RingCall:

@@ -177,8 +177,8 @@ class Ring:
 
     def agree(self, ok: bool, message: str, kind: int = CHECK,
               error: Optional[BaseException] = None, fields: Sequence[tuple] = (),
-              raise_own: bool = True,
-              about: str = "argument check") -> Optional[List[List[int]]]:
+              raise_own: bool = True, about: str = "argument check", called: str = "",
+              hint: Optional[str] = None) -> Optional[List[List[int]]]:
         """Collective over the ring: returns on every rank when every rank is ``ok`` (and
         agrees on ``fields``, ``(name, int[, kind])``, and on ``about``, what the agreement
         is: one of ``integrity.AGREEMENTS``), else raises on every rank --
@@ -188,6 +188,8 @@ class Ring:
         :class:`ringseq.RingMismatchError` when ``fields`` differ. Runs on the ring's control
         channel, so it meets a peer's failure report or call instead of waiting for it, and
         a missing peer raises RingTimeoutError after the ring timeout. The ring stays usable.
+        ``called`` / ``hint``: the public function named by a mismatch, and what its message
+        advises (default: the attention calls' rule).
         Returns every rank's ``fields`` values (a list per rank; ``ANY`` fields, which are not
         compared, for the caller to judge), or None where no control collective ran (a ring of
         one, checks off)."""
@@ -202,7 +204,8 @@ class Ring:
             if raise_own:
                 raise error if error is not None else ValueError(message)
             return None
-        judge(self, rows, kind, fields)  # RingPeerError when another rank was not ok, or worse
+        # RingPeerError when another rank was not ok, or worse
+        judge(self, rows, kind, fields, called, hint)
         return None if rows is None else [row[FIELD0:FIELD0 + len(fields)] for row in rows]
 
     def check(self, fields: Sequence[tuple], about: str = "argument check") -> None:

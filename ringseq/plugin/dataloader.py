@@ -23,6 +23,13 @@ INPUTS_EMBEDS_UNDER_TP = ("inputs_embeds is not supported with tp_size > 1 (the 
                           "input_ids, or use tp_size=1")
 
 
+_SAME_BATCHES = (
+    "Every rank must iterate its loader in step with the others: the same number of batches "
+    "per epoch (data-parallel groups' dataset shards of one size: a DistributedSampler pads "
+    "them, or set drop_last=True), the same sampler settings (seed, shuffle, drop_last, "
+    "set_epoch on every rank) and one dataset length.")
+
+
 class ShardedDataLoader:
     """Iterates over this rank's sequence shards of its data-parallel group's batches.
 
@@ -159,6 +166,7 @@ class ShardedDataLoader:
             compare = self.shared and ring.checks_on and out is not None
             rows = ring.agree(
                 error is None, str(error), error=error, about="batch",
+                called=f"ShardedDataLoader (batch {self.step + 1})", hint=_SAME_BATCHES,
                 fields=(("batch number", self.step + 1), ("end of the data", int(ended)),
                         ("data-parallel rank", self.dp_rank, ANY),
                         ("batch digest", batch_digest(batch) if compare else 0, ANY))
@@ -223,10 +231,13 @@ def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict
     appended: token id 0, labels ``ignore_index``; as its own document it is seen by no real
     token, so the real documents' attention and loss are unchanged.
     """
+    samples = list(samples)
+    if not samples:
+        raise ValueError("pack_documents: samples is empty; a batch needs at least one sample")
     ids, labels, cu = [], [], [0]
-    for sample in samples:
-        x = torch.as_tensor(sample["input_ids"]).reshape(-1)
-        y = torch.as_tensor(sample.get("labels", x)).reshape(-1)
+    for i, sample in enumerate(samples):
+        x = _token_ids(sample["input_ids"], f"samples[{i}]['input_ids']")
+        y = _token_ids(sample.get("labels", x), f"samples[{i}]['labels']")
         if y.shape != x.shape:
             raise ValueError(f"pack_documents: labels of shape {tuple(y.shape)} for input_ids of "
                              f"shape {tuple(x.shape)}")
@@ -240,6 +251,18 @@ def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict
                                  else torch.long))
         cu.append(cu[-1] + pad)
     cu_t = torch.tensor(cu, dtype=torch.int32)
-    position_ids = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])
+    position_ids = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])  # (total,)
     return {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
             "position_ids": position_ids[None], "cu_seq_lens_q": cu_t, "cu_seq_lens_k": cu_t}
+
+
+def _token_ids(value, name: str) -> torch.Tensor:
+    """``value`` (a list, array or tensor of token ids or labels) as a flat integer tensor:
+    an empty list is int64, not torch's default float32, which would turn the whole packed row
+    into floats; float or bool ids are refused (truncating 2.7 would pick another token)."""
+    t = torch.as_tensor(value)
+    if t.numel() == 0:
+        return t.reshape(-1).to(torch.long)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"pack_documents: {name} must hold integer token ids, got {t.dtype}")
+    return t.reshape(-1)

@@ -144,6 +144,7 @@ def _expected_error(fn):
 
 def _errors(sps, pairs):
     import ringseq
+    from ringseq.parallel.groups import sp_groups_from_tables
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(0)
     x5 = torch.randn(1, 6, 5, 8, generator=g)
@@ -172,6 +173,16 @@ def _errors(sps, pairs):
         # every rank passes ranks 0 and 1's group (before: ranks 0 and 1 went on with working
         # groups, ranks 2 and 3 raised a message naming neither the function nor the fix)
         "foreign_group": _expected_error(lambda: ringseq.make_sp_groups(2, group=first_pair)),
+        # tables that leave ranks 2 and 3 out (before: those two raised, ranks 0 and 1 went
+        # on into group creation, and the next group anyone made hung)
+        "partial_tables": error_text(lambda: sp_groups_from_tables(
+            [torch.tensor([[0], [1]])])),
+        "tables_inner_0": error_text(lambda: sp_groups_from_tables(
+            [torch.tensor([[0], [1]]), torch.tensor([[2], [3]])], inner_ring_size=0)),
+        # (before: "no" read as true, a Ulysses-inner placement)
+        "ulysses_inner_word": error_text(lambda: ringseq.make_sp_groups(2, ulysses_inner="no")),
+        "after_tables": len(sp_groups_from_tables(
+            [torch.tensor([[0], [1]]), torch.tensor([[2], [3]])]).coords),
         # per-rank boundaries on a 2 x 2 hybrid (before: "local length 12 x world size 2")
         "hybrid_cu_seqlens": _expected_error(lambda: ringseq.usp_attn_func(
             x8, x8, x8, sp=hybrid, cu_seqlens=[0, 3, 6])),
@@ -466,6 +477,26 @@ def test_double_ring_skips_laps_without_work(case):
 def _errors_of(w=4):
     cases, per_rank = _results_for(w)
     return [res[len(cases)] for res in per_rank]
+
+
+def test_group_tables_that_cannot_make_groups_raise_on_every_rank():
+    for e in _errors_of():
+        assert e["partial_tables"] == (
+            "ValueError: sp_groups_from_tables: the tables together must hold every rank of the "
+            "default group (0 to 3) exactly once; missing [2, 3], more than once [], outside "
+            "the group []"), e["partial_tables"]
+        assert e["tables_inner_0"] == ("ValueError: sp_groups_from_tables: inner_ring_size must "
+                                       "be a positive integer or None, got 0"), e
+        assert e["ulysses_inner_word"] == ("TypeError: make_sp_groups: ulysses_inner must be a "
+                                           "bool, got 'no'"), e
+        assert e["after_tables"] == 2  # group creation still in step on every rank
+
+
+def test_model_heads_are_named_by_their_config_keys():
+    from ringseq.parallel.groups import check_model_heads
+    with pytest.raises(ValueError, match=r"^check_model_heads: num_attention_heads=8 must be a "
+                                         r"multiple of num_key_value_heads=3"):
+        check_model_heads(8, 3, 2)
 
 
 def test_heads_that_cannot_be_split_raise():

@@ -142,7 +142,8 @@ class ParallelDims:
                 f"ParallelDims: ulysses_size={U} cannot split {heads}: each rank of the "
                 f"all-to-all takes whole query heads; ulysses_size values that divide them "
                 f"and sp_size={self.sp_size}: {ok}")
-        ulysses_heads(h // tp, hk // tp, U, what="query heads per tensor-parallel rank")
+        ulysses_heads(h // tp, hk // tp, U, what="query heads per tensor-parallel rank",
+                      fn="ParallelDims", what_kv="K/V heads per tensor-parallel rank")
 
     def with_model(self, num_heads: Optional[int], num_kv_heads: Optional[int] = None
                    ) -> "ParallelDims":

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .._dist import agree_on_fields, group_info, is_initialized
+from .._hash import stable_hash_ints
 from ..data import shard_batch
 from ..layouts import Layout, get_layout, positions_local, shard_local
 from .sp_layout import SequenceParallelLayout, ring_layout
@@ -128,7 +129,8 @@ def check_model_heads(nheads: int, nheads_kv: int, ulysses_size: int,
             f"ulysses_size values that divide num_attention_heads={nheads}"
             + (f" and the sequence-parallel size {sp_size}" if sp_size is not None else "")
             + f": {valid_ulysses_degrees(nheads, sp_size)}")
-    ulysses_heads(nheads, nheads_kv, ulysses_size, what="num_attention_heads")
+    ulysses_heads(nheads, nheads_kv, ulysses_size, what="num_attention_heads",
+                  fn="check_model_heads", what_kv="num_key_value_heads")
 
 
 @dataclass(eq=False)
@@ -261,24 +263,26 @@ def sp_groups_from_tables(tables: Sequence[torch.Tensor], inner_ring_size: Optio
         inner_ring_size: ``I`` dividing R (None: R, a plain ring).
         ulysses_inner: recorded (the tables already encode the placement).
 
-    Raises ValueError (before creating any group) for a bad table or ``inner_ring_size``.
+    Raises ValueError (TypeError for ``ulysses_inner`` that is not a bool) on every rank,
+    before creating any group, for a bad table or ``inner_ring_size``, or tables that do not
+    hold every rank of the default group exactly once; RingMismatchError on every rank when
+    the ranks pass different tables or options.
     """
     me = dist.get_rank()
-    tables = [torch.as_tensor(t, dtype=torch.long) for t in tables]
-    R, U = tables[0].shape
-    I = R if inner_ring_size is None else inner_ring_size
-    if R % I:
-        raise ValueError(f"inner_ring_size={inner_ring_size} does not divide the ring size {R}; "
-                         f"use one of {_divisors(R)}")
-    for t in tables:
-        if tuple(t.shape) != (R, U):
-            raise ValueError(f"all sequence-parallel tables must be {R} x {U}, got "
-                             f"{tuple(t.shape)}")
-        _check_table(t)
+    problem, digest = None, 0
+    try:
+        tables, R, U, I = _checked_tables(tables, inner_ring_size, ulysses_inner,
+                                          dist.get_world_size())
+        digest = stable_hash_ints([R, U, I, int(ulysses_inner)]
+                                  + [int(x) for t in tables for x in t.flatten()])
+    except (TypeError, ValueError) as exc:
+        problem = exc
+    # Every rank must create the same groups (new_group is collective over the default
+    # group): a rank refusing alone, or ranks given other tables, would leave the rest
+    # waiting in new_group.
+    agree_on_fields(problem is None, str(problem), (("tables and options", digest, None),),
+                    error=problem, what="sp_groups_from_tables")
     mine = [i for i, t in enumerate(tables) if bool((t == me).any())]
-    if len(mine) != 1:
-        raise ValueError(f"rank {me} must be in exactly one sequence-parallel group, found in "
-                         f"{len(mine)}")
     double = 1 < I < R
     out = {}
     for ti, t in enumerate(tables):  # same order on every rank
@@ -319,6 +323,47 @@ def sp_groups_from_tables(tables: Sequence[torch.Tensor], inner_ring_size: Optio
         ulysses_group=ulysses_group, ring_size=R, ring_rank=g, ring_group=ring_group,
         inner_ring_size=I, inner_group=inner, outer_group=outer, ulysses_inner=ulysses_inner,
         coords=tuple(coords))
+
+
+def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
+    """``(tables as int64 tensors, R, U, I)``; TypeError / ValueError naming
+    sp_groups_from_tables for what cannot make one set of groups over ``world_size`` ranks."""
+    fn = "sp_groups_from_tables"
+    if not isinstance(ulysses_inner, bool):
+        raise TypeError(f"{fn}: ulysses_inner must be a bool, got {ulysses_inner!r}")
+    try:
+        tables = [torch.as_tensor(t, dtype=torch.long) for t in tables]
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{fn}: tables must be a list of (R, U) int tensors of global ranks "
+                         f"({type(exc).__name__}: {exc})") from None
+    if not tables or tables[0].dim() != 2 or tables[0].numel() == 0:
+        raise ValueError(f"{fn}: tables must be a non-empty list of (R, U) int tensors of global "
+                         f"ranks, got {[tuple(t.shape) for t in tables]}")
+    R, U = tables[0].shape
+    if inner_ring_size is not None and (isinstance(inner_ring_size, bool)
+                                        or not isinstance(inner_ring_size, int)
+                                        or inner_ring_size < 1):
+        raise ValueError(f"{fn}: inner_ring_size must be a positive integer or None, got "
+                         f"{inner_ring_size!r}")
+    I = R if inner_ring_size is None else inner_ring_size
+    if R % I:
+        raise ValueError(f"{fn}: inner_ring_size={inner_ring_size} does not divide the ring size "
+                         f"{R}; use one of {_divisors(R)}")
+    for t in tables:
+        if tuple(t.shape) != (R, U):
+            raise ValueError(f"{fn}: all sequence-parallel tables must be {R} x {U}, got "
+                             f"{tuple(t.shape)}")
+        _check_table(t)
+    every = torch.cat([t.flatten() for t in tables])
+    if sorted(every.tolist()) != list(range(world_size)):
+        counts = torch.bincount(every.clamp(0, world_size), minlength=world_size + 1)
+        missing = [r for r in range(world_size) if counts[r] == 0]
+        twice = [r for r in range(world_size) if counts[r] > 1]
+        outside = sorted({int(x) for x in every if not 0 <= int(x) < world_size})
+        raise ValueError(f"{fn}: the tables together must hold every rank of the default group "
+                         f"(0 to {world_size - 1}) exactly once; missing {missing}, more than "
+                         f"once {twice}, outside the group {outside}")
+    return tables, R, U, I
 
 
 def _table(ranks: Sequence[int], U: int, ulysses_inner: bool) -> torch.Tensor:
@@ -380,6 +425,9 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
     try:
         if problem is not None:
             raise problem
+        if not isinstance(ulysses_inner, bool):
+            raise TypeError(f"make_sp_groups: ulysses_inner must be a bool, got "
+                            f"{ulysses_inner!r}")
         for name, v in (("ulysses_size", ulysses_size), ("inner_ring_size", inner_ring_size)):
             if not (v is None and name == "inner_ring_size") and (
                     isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -399,7 +447,7 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
                              f"one of {_divisors(ring)}, or None for a plain ring")
         mode = "ring" if ulysses_size == 1 else ("ulysses" if ulysses_size == n else "hybrid")
         resolve_sp_sizes(mode, n, ulysses_size, None if ring == 1 else inner_ring_size)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         problem = exc
         ulysses_size, inner_ring_size = -1, -1  # (the fields below; this rank raises)
     # Group creation is collective over the default group: ranks that pass other sizes (or
@@ -419,7 +467,7 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
         dist.all_gather_object(gathered, sorted(ranks))
         all_groups = sorted({tuple(g) for g in gathered})
         if len({r for g in all_groups for r in g}) != sum(len(g) for g in all_groups):
-            raise ValueError(f"the sequence-parallel groups passed by the ranks overlap: "
-                             f"{all_groups}")
+            raise ValueError(f"make_sp_groups: the sequence-parallel groups passed by the "
+                             f"ranks overlap: {all_groups}")
     tables = [_table(g, ulysses_size, ulysses_inner) for g in all_groups]
     return sp_groups_from_tables(tables, inner_ring_size, ulysses_inner)

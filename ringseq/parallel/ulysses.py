@@ -76,7 +76,7 @@ def kv_replication(nheads_kv: int, degree: int) -> int:
 
 
 def ulysses_heads(nheads: int, nheads_kv: int, degree: int, what: str = "nheads",
-                  fn: str = "ulysses") -> Tuple[int, int, int]:
+                  fn: str = "ulysses", what_kv: str = "nheads_kv") -> Tuple[int, int, int]:
     """``(query heads per rank, K/V replication, K/V heads per rank)`` for a Ulysses degree.
 
     Raises ValueError (naming ``fn``) when ``degree`` does not divide ``nheads`` (naming both
@@ -84,7 +84,7 @@ def ulysses_heads(nheads: int, nheads_kv: int, degree: int, what: str = "nheads"
     if degree < 1:
         raise ValueError(f"{fn}: the Ulysses degree must be a positive integer, got {degree}")
     if nheads_kv < 1 or nheads % nheads_kv:
-        raise ValueError(f"{fn}: nheads={nheads} must be a multiple of nheads_kv={nheads_kv}")
+        raise ValueError(f"{fn}: {what}={nheads} must be a multiple of {what_kv}={nheads_kv}")
     if nheads % degree:
         raise ValueError(
             f"{fn}: {what}={nheads} query heads cannot be split over a Ulysses degree of "

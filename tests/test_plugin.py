@@ -637,14 +637,25 @@ def _frozen_teacher_worker():
         logits = ringseq.unshard(teacher(**batch).logits, "zigzag")
     teacher.unwrap().lm_head.weight.requires_grad_(True)
     unfrozen = error_text(lambda: teacher(**batch))
-    return {"rank": dist.get_rank(), "logits": logits, "unfrozen": unfrozen}
+    # a student whose embedding was frozen at boost: DDP left it out of its sum
+    student = _model()
+    student.model.embed_tokens.weight.requires_grad_(False)
+    student, *_ = booster.boost(student)
+    student(**batch).logits.sum().backward()  # trains with the embedding frozen
+    student.unwrap().model.embed_tokens.weight.requires_grad_(True)
+    unfrozen_part = error_text(lambda: student(**batch))
+    with torch.no_grad():
+        student(**batch)  # cannot train it: runs
+    return {"rank": dist.get_rank(), "logits": logits, "unfrozen": unfrozen,
+            "unfrozen_part": unfrozen_part}
 
 
 def test_a_frozen_teacher_boosts_without_ddp():
     """A model with every parameter frozen (a distillation teacher) boosts at zero stage 0 and
     gives the single-process logits (before: DDP's RuntimeError "DistributedDataParallel is
     not needed when a module doesn't have any parameter that requires a gradient"); a
-    forward that could train it after unfreezing is refused (no gradient sum was set up)."""
+    forward that could train it after unfreezing is refused (no gradient sum was set up), as
+    is one that could train a parameter frozen when DDP was built (DDP does not sum it)."""
     ids = torch.randint(0, VOCAB, (1, SEQLEN), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         want64 = _model().double()(input_ids=ids).logits
@@ -654,6 +665,12 @@ def test_a_frozen_teacher_boosts_without_ddp():
                                 scaled_floor(torch.float32, want64))
         assert res["unfrozen"].startswith("ValueError: LlamaForCausalLM: boosted with every "
                                           "parameter frozen"), res["unfrozen"]
+        assert "['lm_head.weight'] require gradients now" in res["unfrozen"], res["unfrozen"]
+        # before: its gradient was never summed over the ranks, 85 % off, and the ranks'
+        # copies drifted apart without a word
+        assert res["unfrozen_part"].startswith(
+            "ValueError: LlamaForCausalLM: parameter(s) ['model.embed_tokens.weight'] were "
+            "frozen when boost built DistributedDataParallel"), res["unfrozen_part"]
 
 
 def _inputs_embeds_under_tp_worker():

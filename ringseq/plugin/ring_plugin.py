@@ -662,7 +662,11 @@ class RingSequenceParallelPlugin(Plugin):
             dataloader.tag = step
         model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
         model._reduction = reduction
-        model.frozen_at_boost = frozen
+        if frozen or isinstance(model.module, nn.parallel.DistributedDataParallel):
+            # DDP sums only the parameters that required gradients when it was built (and a
+            # frozen model has no sum at all): unfreezing one later must be refused
+            model.frozen_at_boost = tuple((n, p) for n, p in user_model.named_parameters()
+                                          if not p.requires_grad)
         # (a plan of the user's own ParallelStyles need not split at the embedding)
         model.needs_input_ids = plan is not None and plan.source != "tp_plan styles"
         if dataloader is not None:

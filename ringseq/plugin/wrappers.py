@@ -72,9 +72,10 @@ class ModelWrapper(nn.Module):
         #: with or without tensor parallelism, tp_replay.TpReplay for its tensor parallelism
         #: at zero stage 0), else None
         self._reduction = None
-        #: boosted with every parameter frozen (a distillation teacher, say): no gradient sum
-        #: was set up, so a forward that could train it is refused
-        self.frozen_at_boost = False
+        #: (name, parameter) frozen when boost set up the gradient sum (DDP, which leaves them
+        #: out of it; every parameter for a model boosted frozen, a distillation teacher say,
+        #: where no sum was set up): a forward that could train one of them is refused
+        self.frozen_at_boost = ()
         #: the tensor-parallel plan splits the sequence at the input embedding's output, which
         #: ``inputs_embeds`` would bypass: refused then
         self.needs_input_ids = False
@@ -83,6 +84,21 @@ class ModelWrapper(nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         if self._reduced is not None:
             self._reduced.clear()
+
+    def _refuse_unfrozen(self, user: nn.Module) -> None:
+        unfrozen = [n for n, p in self.frozen_at_boost if p.requires_grad]
+        if not unfrozen:
+            return
+        names = f"{unfrozen[:4]}{' ...' if len(unfrozen) > 4 else ''}"
+        if len(self.frozen_at_boost) == sum(1 for _ in user.parameters()):
+            what = (f"boosted with every parameter frozen, so no gradient sum over the ranks was "
+                    f"set up, but parameter(s) {names} require gradients now")
+        else:
+            what = (f"parameter(s) {names} were frozen when boost built DistributedDataParallel, "
+                    f"which leaves them out of the gradient sum over the ranks (each rank would "
+                    f"train its own copy), but require gradients now")
+        raise ValueError(f"{type(user).__name__}: {what}; unfreeze them before booster.boost "
+                         f"(boost a fresh model), or freeze them again")
 
     def unwrap(self) -> nn.Module:
         m = self.module
@@ -103,12 +119,8 @@ class ModelWrapper(nn.Module):
             # groups leave the other groups waiting for the ring timeout).
             if self.needs_input_ids and kwargs.get("inputs_embeds") is not None:
                 raise ValueError(f"{type(user).__name__}: {INPUTS_EMBEDS_UNDER_TP}")
-            if self.frozen_at_boost and torch.is_grad_enabled() and any(
-                    p.requires_grad for p in user.parameters()):
-                raise ValueError(
-                    f"{type(user).__name__}: boosted with every parameter frozen, so no "
-                    f"gradient sum over the ranks was set up, but parameters require gradients "
-                    f"now; unfreeze them before booster.boost (boost a fresh model)")
+            if self.frozen_at_boost and torch.is_grad_enabled():
+                self._refuse_unfrozen(user)
             self._reporter.backward_calls_per_forward = (
                 2 if user.training and hf_checkpointing(user) else 1)
             if self._reduction is not None:

@@ -35,6 +35,7 @@ the estimate refuses (and the planner does not list).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import numbers
 import re
@@ -105,6 +106,10 @@ class ModelShape:
         get = (config.get if isinstance(config, dict)
                else lambda k, d=None: getattr(config, k, d))
         model_type = str(get("model_type", "") or "")
+        for k in _EXPERT_KEYS:
+            if get(k, None) is not None and not _is_whole(get(k, None)):
+                raise ValueError(f"estimate_memory: config {k} must be an integer, got "
+                                 f"{get(k, None)!r}")
         experts = {k: get(k, None) for k in _EXPERT_KEYS if (get(k, None) or 0) > 1}
         if experts:
             raise ValueError(f"estimate_memory: config {model_type!r} is a mixture of experts "
@@ -131,6 +136,13 @@ class ModelShape:
             if key != "tie_word_embeddings" and not _is_whole(v):
                 raise ValueError(f"estimate_memory: config {key} must be an integer, got {v!r}")
             vals[key] = v
+        flags = {k: get(k, False) or False for k in ("attention_bias", "mlp_bias")}
+        flags["tie_word_embeddings"] = vals["tie_word_embeddings"]
+        for k, v in flags.items():
+            # bool("false") is True: a JSON config that spells a flag as a string would
+            # count the other way
+            if not isinstance(v, bool) and type(v).__name__ != "bool_":
+                raise ValueError(f"estimate_memory: config {k} must be a bool, got {v!r}")
         if int(vals["num_attention_heads"]) < 1:
             raise ValueError(f"estimate_memory: config num_attention_heads must be >= 1, got "
                              f"{vals['num_attention_heads']!r}")
@@ -141,14 +153,14 @@ class ModelShape:
             raise ValueError(f"estimate_memory: config head_dim must be an integer, got "
                              f"{head_dim!r}")
         qwen2 = model_type == "qwen2"
-        attention_bias = bool(get("attention_bias", False))
+        attention_bias = bool(flags["attention_bias"])
         shape = cls(hidden=int(vals["hidden_size"]), intermediate=int(vals["intermediate_size"]),
                     layers=int(vals["num_hidden_layers"]),
                     heads=int(vals["num_attention_heads"]),
                     kv_heads=int(vals["num_key_value_heads"]), head_dim=int(head_dim),
-                    vocab=int(vals["vocab_size"]), tied=bool(vals["tie_word_embeddings"]),
+                    vocab=int(vals["vocab_size"]), tied=bool(flags["tie_word_embeddings"]),
                     qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
-                    mlp_bias=bool(get("mlp_bias", False)))
+                    mlp_bias=bool(flags["mlp_bias"]))
         for f in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab"):
             if getattr(shape, f) < 1:
                 raise ValueError(f"estimate_memory: config {f} must be >= 1, got "
@@ -624,7 +636,8 @@ class _Terms:
         self.head_grads = gb * (s.vocab * h + h)
         # ---- the ring's cached exchange buffers (ringseq.engine.ring.Ring.buffers: two slots
         # of a packed buffer per direction, kept between calls; ringseq.engine.loops) -------------
-        ring_used = p.mode in ("ring", "hybrid")
+        # (a hybrid whose ring has one rank runs Ulysses alone: no ring buffers)
+        ring_used = p.mode == "ring" or (p.mode == "hybrid" and p.R > 1)
         hops = p.R - 1
         kv_block = 2 * T * k * (p.rep if p.U > 1 else 1) * d  # K and V elements of one block
         fwd = 2 * (_HEADER + _align(kv_block * e)) if (ring_used and hops > 0) else 0
@@ -1045,7 +1058,8 @@ def _search(config, *, world_size, seqlen, device_memory, **kwargs):
                         f"takes micro_batch, precision, optimizer and layout")
     _check_budget("fitting_meshes", device_memory)
     # the options' own errors (dp = world_size, nothing split: every seqlen >= 1 divides)
-    estimate_memory(config, seqlen=seqlen, world_size=world_size, sp_size=1, **kwargs)
+    with _named_as("fitting_meshes"):
+        estimate_memory(config, seqlen=seqlen, world_size=world_size, sp_size=1, **kwargs)
     estimated, left_out = [], {}
     for mesh in meshes(config, world_size, kwargs.get("precision", "bf16")):
         try:
@@ -1054,6 +1068,19 @@ def _search(config, *, world_size, seqlen, device_memory, **kwargs):
             left_out.setdefault(str(exc).replace("estimate_memory: ", ""), []).append(mesh)
     fit = sorted((e for e in estimated if e.total <= device_memory), key=_cost_key)
     return fit, estimated, left_out
+
+
+@contextlib.contextmanager
+def _named_as(fn: str):
+    """estimate_memory's errors, raised while ``fn`` (the function the user called) runs it,
+    name ``fn``."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError) as exc:
+        text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+        if text.startswith("estimate_memory: "):
+            raise type(exc)(f"{fn}: {text[len('estimate_memory: '):]}") from exc
+        raise
 
 
 def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
@@ -1085,7 +1112,8 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
                          f"this mesh and layout can split), got {limit!r}")
 
     def at(n):
-        return estimate_memory(config, seqlen=n * step, **mesh)
+        with _named_as("max_seqlen"):
+            return estimate_memory(config, seqlen=n * step, **mesh)
 
     if at(1).total > device_memory:
         return None

@@ -250,9 +250,16 @@ def test_planner_budget_and_limit_errors(fn, kwargs, error, match):
     ({"hidden_size": "128"}, "hidden_size must be an integer, got '128'"),
     ({"hidden_size": 128.7}, "hidden_size must be an integer, got 128.7"),
     ({"head_dim": 0}, "head_dim must be >= 1"),
+    # bool("false") is True: before, a tied model of 2,001,408 parameter bytes instead of
+    # 2,525,696, and both biases counted
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be a bool, got 'false'"),
+    ({"attention_bias": "false"}, "attention_bias must be a bool, got 'false'"),
+    ({"mlp_bias": "no"}, "mlp_bias must be a bool, got 'no'"),
+    # before: TypeError "'>' not supported between instances of 'str' and 'int'"
+    ({"num_local_experts": "8"}, "num_local_experts must be an integer, got '8'"),
 ])
 def test_config_sizes_are_whole_positive_numbers(over, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match="^estimate_memory: config " + match):
         ModelShape.from_config(dict(TINY, **over))
     assert ModelShape.from_config(dict(TINY, hidden_size=128.0)).hidden == 128  # JSON floats
 
@@ -354,6 +361,25 @@ def test_fitting_meshes_names_a_bad_option(option, needle):
         mem.fitting_meshes(LLAMA8B, world_size=8, seqlen=4096, device_memory=80 * GiB,
                            optimiser="adamw")
     assert mem.fitting_meshes(LLAMA8B, world_size=8, seqlen=4096, device_memory=80 * GiB)
+
+
+def test_planner_errors_name_the_function_called():
+    """(before: "estimate_memory: ..." from fitting_meshes and max_seqlen)"""
+    with pytest.raises(ValueError, match=r"^fitting_meshes: micro_batch"):
+        mem.fitting_meshes(LLAMA8B, world_size=8, seqlen=4096, device_memory=80 * GiB,
+                           micro_batch=0)
+    with pytest.raises(ValueError, match=r"^max_seqlen: "):
+        mem.max_seqlen(dict(TINY, num_attention_heads=6, num_key_value_heads=3),
+                       device_memory=80 * GiB, world_size=2, sp_size=1, tp_size=2)
+
+
+def test_a_hybrid_whose_ring_has_one_rank_keeps_no_ring_buffers():
+    """A hybrid of Ulysses 2 x ring 1 runs Ulysses alone (before: the ring's exchange
+    buffers counted, 512 KiB over the measured peak in the audit's case)."""
+    kw = dict(seqlen=8192, world_size=2, sp_size=2)
+    hybrid = est(sp_mode="hybrid", ulysses_size=2, **kw)
+    assert hybrid.attention_buffers == est(sp_mode="ulysses", **kw).attention_buffers == 0
+    assert hybrid.total == est(sp_mode="ulysses", **kw).total
 
 
 def test_cli_max_seqlen(llama8b_json, capsys):

@@ -119,6 +119,7 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
                          f"{'(b, s)' if key == 'input_ids' else '(b, s, hidden)'} (a batch "
                          f"dimension first), got {given(batch[key])}")
     b, s = batch[key].shape[:2]
+    lead = key  # the tensor whose (b, s) the others must have
     try:
         lay = get_layout(layout)  # (a hybrid mode's layout wraps the documents layout)
         inner = getattr(lay, "base", lay)
@@ -144,11 +145,17 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     except ValueError as exc:
         raise ValueError(f"shard_batch: {exc}") from None
 
-    def check_len(name, t):
-        if t.dim() < 2 or t.shape[1] != s:
-            raise ValueError(f"shard_batch: batch[{name!r}] must have the sequence length {s} "
-                             f"in dim 1 "
-                             f"(like input_ids), got shape {tuple(t.shape)}")
+    def check_len(name, t, rows=(b,)):
+        # (b, s), (b, s, hidden) for inputs_embeds, and (1, s) too for position_ids: a tensor
+        # of another batch size or rank would be sharded without a word and fail (or pair
+        # the wrong rows) later
+        dims = 3 if name == "inputs_embeds" else 2
+        if not torch.is_tensor(t) or t.dim() != dims or t.shape[1] != s or \
+                t.shape[0] not in rows:
+            want = " or ".join(f"({r}, {s}{', hidden' if dims == 3 else ''})" for r in rows)
+            raise ValueError(f"shard_batch: batch[{name!r}] must have shape {want} (batch "
+                             f"{b} and sequence length {s} from batch[{lead!r}]), got "
+                             f"{given(t)}")
 
     out = {}
     packed_keys = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -176,7 +183,7 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
 
     pos = batch.get("position_ids")
     if pos is not None:
-        check_len("position_ids", pos)
+        check_len("position_ids", pos, rows=(b, 1) if b != 1 else (1,))
         out["position_ids"] = shard_local(pos, lay, world_size, rank, dim=1)
     else:
         device = (batch.get("input_ids") if batch.get("input_ids") is not None

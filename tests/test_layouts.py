@@ -3,6 +3,8 @@
 Everything here simulates the ranks in one process (no spawning)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -236,6 +238,28 @@ def test_sharding_errors_name_the_function():
         ringseq.positions(8.0)
     with pytest.raises(TypeError, match=r"^shard_batch: batch must be a mapping .* got list"):
         ringseq.shard_batch([torch.zeros(1, 8, dtype=torch.long)])
+
+
+@pytest.mark.parametrize("key, value", [
+    ("labels", torch.zeros(3, 8, dtype=torch.long)),  # another batch size
+    ("labels", torch.zeros(2, 8, 5, dtype=torch.long)),  # another rank
+    ("attention_mask", torch.ones(3, 8)),
+    ("token_type_ids", torch.zeros(2, 8, 1, dtype=torch.long)),
+    ("position_ids", torch.arange(8).repeat(3, 1)),  # neither (b, s) nor (1, s)
+])
+def test_shard_batch_refuses_tensors_of_another_batch_or_rank(key, value):
+    """(before: only the sequence dim was checked, so a (3, 8) labels beside (2, 8) input_ids
+    came back as (3, 4) shift_labels and failed in the loss, naming the logits)"""
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"^shard_batch: batch\['{key}'\] must have shape "
+                                         rf"\(2, 8\)(?: or \(1, 8\))? \(batch 2 and sequence "
+                                         rf"length 8 from batch\['input_ids'\]\), got a "
+                                         rf"torch.Tensor of shape {re.escape(str(tuple(value.shape)))}"):
+        ringseq.shard_batch({"input_ids": ids, key: value}, layout="contiguous")
+    # what is right passes: (1, s) position ids broadcast over the batch
+    out = ringseq.shard_batch({"input_ids": ids, "position_ids": torch.arange(8)[None],
+                               "labels": ids, "attention_mask": torch.ones(2, 8)})
+    assert out["shift_labels"].shape == (2, 8) and out["position_ids"].shape == (1, 8)
 
 
 def test_without_process_group_world_size_is_one():

@@ -24,6 +24,11 @@ class _Net(torch.nn.Module):
         return self.lin(x)
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(_data(4))
+
+
 def _data(n=16):
     return [{"input_ids": torch.full((8,), i), "labels": torch.full((8,), i), "idx": i}
             for i in range(n)]
@@ -75,6 +80,8 @@ def _worker():
     out["ulysses_inner_ring"] = error_text(lambda: RingSequenceParallelPlugin(
         sp_size=2, ulysses_inner=False))
     out["sp_size_float"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=2.0))
+    out["iterable"] = error_text(lambda: Booster(plugin).boost(
+        _Net(), dataloader=DataLoader(_Stream(), batch_size=2)))
     smoothing = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     out["criterion"] = error_text(lambda: Booster(plugin).boost(_Net(), criterion=smoothing))
     from torch.distributed.device_mesh import init_device_mesh
@@ -148,6 +155,11 @@ def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):
     ("sp_size_float", "RingSequenceParallelPlugin: ParallelDims: sp_size=2.0 must be a "
                       "positive int, not a float"),
     ("criterion", "ValueError: boost: criterion: only a plain nn.CrossEntropyLoss"),
+    # (before: "would drop this loader's sampler _InfiniteConstantSampler; pass a DataLoader
+    # with batch_size and shuffle=True/False only", which it was)
+    ("iterable", "ValueError: dataloader: the plugin rebuilds the loader with its own "
+                 "DistributedSampler over the data-parallel groups, which needs a map-style "
+                 "dataset (len and indexing); got an IterableDataset (_Stream)"),
     ("mesh_sp", "ValueError: RingSequenceParallelPlugin: sp_size=4 but the mesh's 'sp' dim"),
 ])
 def test_options_that_do_not_apply_are_refused_by_name(w4, key, needle):

@@ -145,6 +145,7 @@ def _expected_error(fn):
 def _errors(sps, pairs):
     import ringseq
     from ringseq.parallel.groups import sp_groups_from_tables
+    from ringseq.plugin.dataloader import pack_documents
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(0)
     x5 = torch.randn(1, 6, 5, 8, generator=g)
@@ -181,6 +182,11 @@ def _errors(sps, pairs):
             [torch.tensor([[0], [1]]), torch.tensor([[2], [3]])], inner_ring_size=0)),
         # (before: "no" read as true, a Ulysses-inner placement)
         "ulysses_inner_word": error_text(lambda: ringseq.make_sp_groups(2, ulysses_inner="no")),
+        # documents the hybrid's ring cannot cut into equal chunks (before: raised from deep
+        # inside shard without naming shard_batch)
+        "hybrid_docs": error_text(lambda: hybrid.shard_batch(pack_documents(
+            [{"input_ids": torch.arange(n) + 1} for n in (1, 8, 1, 13, 13)], multiple=4),
+            "documents_contiguous")),
         "after_tables": len(sp_groups_from_tables(
             [torch.tensor([[0], [1]]), torch.tensor([[2], [3]])]).coords),
         # per-rank boundaries on a 2 x 2 hybrid (before: "local length 12 x world size 2")
@@ -490,6 +496,9 @@ def test_group_tables_that_cannot_make_groups_raise_on_every_rank():
         assert e["ulysses_inner_word"] == ("TypeError: make_sp_groups: ulysses_inner must be a "
                                            "bool, got 'no'"), e
         assert e["after_tables"] == 2  # group creation still in step on every rank
+        assert e["hybrid_docs"].startswith(
+            "ValueError: shard_batch: layout 'documents_contiguous' cuts every document into 2 "
+            "equal chunks"), e["hybrid_docs"]
 
 
 def test_model_heads_are_named_by_their_config_keys():

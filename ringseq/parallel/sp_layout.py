@@ -48,6 +48,13 @@ class SequenceParallelLayout(Layout):
         mb = self.base.multiple(self.ring_size) // self.ring_size
         return self.ring_size * (mb * self.ulysses_size // math.gcd(mb, self.ulysses_size))
 
+    def check_seqlen(self, seqlen: int, world_size: int) -> int:
+        n = super().check_seqlen(seqlen, world_size)
+        # the wrapped layout's own rules over the ring (packed documents cut into equal
+        # chunks), before any token moves
+        self.base.check_seqlen(seqlen, self.ring_size)
+        return n
+
     def _check_world(self, world_size):
         if world_size != self.ring_size * self.ulysses_size:
             raise ValueError(f"layout {self.name!r} is for a group of {self.ring_size} x "

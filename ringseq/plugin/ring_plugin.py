@@ -502,6 +502,13 @@ class RingSequenceParallelPlugin(Plugin):
         if not isinstance(dataloader, DataLoader):
             raise ValueError(f"dataloader must be a torch DataLoader or the result of "
                              f"plugin.prepare_dataloader, got {type(dataloader).__name__}")
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise ValueError(f"dataloader: the plugin rebuilds the loader with its own "
+                             f"DistributedSampler over the data-parallel groups, which needs a "
+                             f"map-style dataset (len and indexing); got an IterableDataset "
+                             f"({type(dataloader.dataset).__name__}): split it over the "
+                             f"data-parallel groups yourself and shard each batch with "
+                             f"ringseq.shard_batch")
         # The loader is rebuilt over the dp groups with a DistributedSampler: only a plain
         # sequential or shuffling order over the whole dataset carries over; any other
         # sampler (a subset, weights, a batch sampler) would be lost without a word.

@@ -80,6 +80,12 @@ def _worker():
     out["ulysses_inner_ring"] = error_text(lambda: RingSequenceParallelPlugin(
         sp_size=2, ulysses_inner=False))
     out["sp_size_float"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=2.0))
+    mixed = _Net()
+    mixed.head = torch.nn.Linear(4, 4).double()
+    out["fsdp_mixed_dtypes"] = error_text(lambda: Booster(RingSequenceParallelPlugin(
+        sp_size=2, zero_stage=3)).boost(mixed))
+    out["tp_plan_without_tp"] = error_text(lambda: RingSequenceParallelPlugin(
+        sp_size=2, tp_plan={"lin": "colwise"}))
     out["iterable"] = error_text(lambda: Booster(plugin).boost(
         _Net(), dataloader=DataLoader(_Stream(), batch_size=2)))
     smoothing = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
@@ -157,6 +163,15 @@ def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):
     ("criterion", "ValueError: boost: criterion: only a plain nn.CrossEntropyLoss"),
     # (before: "would drop this loader's sampler _InfiniteConstantSampler; pass a DataLoader
     # with batch_size and shuffle=True/False only", which it was)
+    # (before: boost passed, the first forward raised FSDP's bare AssertionError "FSDP expects
+    # uniform original parameter dtype")
+    ("fsdp_mixed_dtypes", "ValueError: zero_stage=3: FSDP2 shards each decoder layer and the "
+                          "rest of the model as one unit whose parameters must share one dtype; "
+                          "the rest of the model (the root unit) holds torch.float32: "
+                          "['lin.weight', 'lin.bias']; torch.float64: ['head.weight', "
+                          "'head.bias']"),
+    ("tp_plan_without_tp", "ValueError: RingSequenceParallelPlugin: tp_plan is a "
+                           "tensor-parallel plan, applied only with tp_size > 1; got tp_size=1"),
     ("iterable", "ValueError: dataloader: the plugin rebuilds the loader with its own "
                  "DistributedSampler over the data-parallel groups, which needs a map-style "
                  "dataset (len and indexing); got an IterableDataset (_Stream)"),

@@ -267,6 +267,11 @@ class RingSequenceParallelPlugin(Plugin):
             if taken:
                 raise ValueError(f"ddp_kwargs: {taken} are set by the plugin (the model, the "
                                  f"default process group over dp x sp); drop them")
+            if tp_plan is not None and self.dims.tp_size == 1:
+                # (it would be ignored: no tensor parallelism without a word)
+                raise ValueError(f"tp_plan is a tensor-parallel plan, applied only with "
+                                 f"tp_size > 1; got tp_size={self.dims.tp_size} (pass tp_size, "
+                                 f"or drop tp_plan)")
             if tp_size > 1 and isinstance(self.layout, PerBatchDocuments):
                 raise ValueError("layout='documents' (packed batches) is not supported with "
                                  "tp_size > 1 yet; use tp_size=1 or unpacked batches")
@@ -594,6 +599,9 @@ class RingSequenceParallelPlugin(Plugin):
                 check_rebindable(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper)
                                  else optimizer, names)
             layers = decoder_layers(model)
+            if dims.zero_stage >= 2:
+                from ..parallel.fsdp import check_unit_dtypes
+                check_unit_dtypes(model, layers, dims.zero_stage)
             if self.activation_checkpointing and not layers:
                 raise ValueError(f"activation_checkpointing=True: {type(model).__name__} has no "
                                  f"decoder layers to checkpoint (transformers: the classes in "

@@ -689,9 +689,12 @@ def _inputs_embeds_under_tp_worker():
     embeds = model.unwrap().model.embed_tokens.weight.full_tensor()[batch["input_ids"]]
     refused = error_text(lambda: model(inputs_embeds=embeds.detach(),
                                        position_ids=batch["position_ids"]))
+    # (before: torch's "The size of tensor a (16) must match the size of tensor b (8)" from
+    # the rotary tables)
+    no_positions = error_text(lambda: model(input_ids=batch["input_ids"]))
     loss = criterion(model(**batch), batch)  # the next step runs: nothing needs repair
     loss.backward()
-    return refused, from_loader, float(loss)
+    return refused, from_loader, float(loss), no_positions
 
 
 def test_inputs_embeds_under_tensor_parallelism_is_refused_on_every_rank():
@@ -699,8 +702,10 @@ def test_inputs_embeds_under_tensor_parallelism_is_refused_on_every_rank():
     inputs_embeds bypasses (before: a shape error inside RoPE on every rank, and the tp
     completion then asked for a restart): a ValueError naming it, from the boosted loader
     (agreed by every rank) or from the forward, before any collective."""
-    for refused, from_loader, loss in run_ranks(_inputs_embeds_under_tp_worker, 2,
-                                                timeout=120):
+    for refused, from_loader, loss, no_positions in run_ranks(_inputs_embeds_under_tp_worker,
+                                                              2, timeout=120):
+        assert no_positions.startswith("ValueError: LlamaForCausalLM: position_ids are needed "
+                                       "with tp_size > 1"), no_positions
         assert refused.startswith("ValueError: LlamaForCausalLM: inputs_embeds is not "
                                   "supported with tp_size > 1"), refused
         # the boosted loader refuses such batches on every rank, agreed like any bad batch

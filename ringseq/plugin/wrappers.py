@@ -79,6 +79,9 @@ class ModelWrapper(nn.Module):
         #: the tensor-parallel plan splits the sequence at the input embedding's output, which
         #: ``inputs_embeds`` would bypass: refused then
         self.needs_input_ids = False
+        #: ... and a transformers model there numbers its tokens from the shortened sequence:
+        #: a forward without position_ids is refused
+        self.needs_position_ids = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -119,6 +122,15 @@ class ModelWrapper(nn.Module):
             # groups leave the other groups waiting for the ring timeout).
             if self.needs_input_ids and kwargs.get("inputs_embeds") is not None:
                 raise ValueError(f"{type(user).__name__}: {INPUTS_EMBEDS_UNDER_TP}")
+            if self.needs_position_ids and kwargs.get("position_ids") is None and len(args) < 3:
+                # the plan shortens the sequence at the embedding: the model would make
+                # positions for a tp rank's part of its shard and fail in its rotary tables
+                # with a bare shape error (before ringseq's own check of the positions)
+                raise ValueError(f"{type(user).__name__}: position_ids are needed with "
+                                 f"tp_size > 1 (the tensor-parallel plan splits the sequence "
+                                 f"at the input embedding, so the model cannot number the "
+                                 f"tokens itself); pass the batch's position_ids "
+                                 f"(ringseq.shard_batch and the boosted loader make them)")
             if self.frozen_at_boost and torch.is_grad_enabled():
                 self._refuse_unfrozen(user)
             self._reporter.backward_calls_per_forward = (

@@ -286,11 +286,12 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
     Args:
         query: (batch, nheads, s_local, headdim); key, value: (batch, nheads_kv, s_local,
-            headdim), ``nheads % nheads_kv == 0`` (GQA is always allowed).
+            headdim), ``nheads % nheads_kv == 0``.
         attn_mask, dropout_p: as in SDPA's signature; only None / 0.0 are supported
             (ValueError for a mask, NotImplementedError for ``dropout_p > 0``).
         is_causal, scale: as in SDPA (causal over global positions of ``layout``).
-        enable_gqa: accepted for SDPA compatibility (GQA is always on).
+        enable_gqa: as in SDPA: fewer K/V heads than query heads (grouped-query attention)
+            need ``enable_gqa=True`` (ValueError otherwise; one K/V head is taken either way).
         group, layout, backend, grad_comm_dtype (keyword-only): as in
             :func:`ring_flash_attn_func`.
 

@@ -156,7 +156,7 @@ def _resolve_grad_comm_dtype(fn: str, grad_comm_dtype, dtype: torch.dtype,
         return dtype
     if isinstance(grad_comm_dtype, torch.dtype) and grad_comm_dtype.is_floating_point:
         return grad_comm_dtype
-    raise ValueError(f"{fn}: grad_comm_dtype must be None, 'input' or a floating torch.dtype, "
+    raise (ValueError if isinstance(grad_comm_dtype, (str, torch.dtype)) else TypeError)(f"{fn}: grad_comm_dtype must be None, 'input' or a floating torch.dtype, "
                      f"got {grad_comm_dtype!r}")
 
 
@@ -275,8 +275,11 @@ def named_layout(fn: str, layout, takes_documents: bool = True):
     ``takes_documents=False``: ``fn`` has no ``cu_seqlens`` argument, so a per-batch documents
     layout (``"documents"``, ...), which needs each batch's boundaries, is refused here rather
     than at every call with advice ``fn`` cannot follow."""
-    from .layouts import get_layout
+    from .layouts import Layout, get_layout
     from .layouts.documents import PerBatchDocuments
+    if not isinstance(layout, (str, Layout)):  # the wrong kind (docs/design.md)
+        raise TypeError(f"{fn}: layout must be a layout name or a ringseq.layouts.Layout, got "
+                        f"{layout!r} ({type(layout).__name__})")
     try:
         lay = get_layout(layout)
     except ValueError as exc:

@@ -79,6 +79,17 @@ def test_unknown_backend_is_named():
         ringseq.flash_attn_func(q, k, v, backend="xformers")
 
 
+@pytest.mark.parametrize("option", [dict(layout=3), dict(layout=None), dict(backend=3),
+                                    dict(grad_comm_dtype=3)])
+def test_options_of_the_wrong_kind_are_type_errors(option):
+    """docs/design.md: a value of the wrong kind is a TypeError, an unknown value of the
+    right kind a ValueError (before: ValueError "unknown layout 3")."""
+    q = torch.randn(1, 8, 2, 16)
+    name = next(iter(option))
+    with pytest.raises(TypeError, match=rf"^ring_flash_attn_func: {name} must be "):
+        ringseq.ring_flash_attn_func(q, q, q, **option)
+
+
 def test_flash_attn_backend_refuses_cpu_tensors():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="flash_attn"):

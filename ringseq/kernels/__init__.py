@@ -42,7 +42,8 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
 
     ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim) and
     the features, else "sdpa" on CUDA (where it can: no soft-cap, no float64), else
-    "reference". Raises ValueError (naming ``fn``) for an unknown name and for a named backend
+    "reference". Raises ValueError (naming ``fn``) for an unknown name (TypeError for a value
+    that is not a name) and for a named backend
     that cannot run such inputs, NotImplementedError naming the backends that can when a named
     backend cannot compute the features.
     """
@@ -63,8 +64,9 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
             return _instance("sdpa")
         return _instance("reference")
     if backend not in BACKEND_NAMES:
-        raise ValueError(f"{fn}: backend must be one of {', '.join(BACKEND_NAMES)}, None or an "
-                         f"AttentionBackend instance, got {backend!r}")
+        kind = ValueError if isinstance(backend, str) else TypeError  # a name, or not one
+        raise kind(f"{fn}: backend must be one of {', '.join(BACKEND_NAMES)}, None or an "
+                   f"AttentionBackend instance, got {backend!r}")
     chosen = _instance(backend)
     if dtype is not None:
         reason = chosen.unsupported_reason(device, dtype, headdim_)

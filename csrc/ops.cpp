@@ -67,6 +67,28 @@ StatStrides stat_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1)
 
 void check_kernel_support(const at::Tensor& q);
 
+// The kernels scale and cap in float32 for every input dtype but float64: a scale beyond
+// float32's range became inf there (NaN outputs), a cap inf (NaN) or 0 (no capping at all);
+// the Python layer's rule (ringseq/kernels/spans.py, ringseq/_args.py) for direct calls too.
+void check_float32_range(at::ScalarType st, double softmax_scale, double softcap) {
+  if (st == at::kDouble) return;
+  constexpr double kMax = std::numeric_limits<float>::max();
+  constexpr double kTiny = std::numeric_limits<float>::min();  // smallest normal
+  TORCH_CHECK_VALUE(std::abs(softmax_scale) <= kMax, "softmax_scale must be within float32's "
+                    "range (|scale| <= ", kMax, ") for ", st, " inputs, got ", softmax_scale);
+  TORCH_CHECK_VALUE(softcap == 0.0 || (softcap >= kTiny && softcap <= kMax), "softcap must be "
+                    "0.0 (off) or within float32's range [", kTiny, ", ", kMax, "] for ", st,
+                    " inputs, got ", softcap);
+}
+
+// tile_config selects the CUDA forward's tiles (km::kNumFwdConfigs of them); the CPU kernels
+// take their tiles from the ISA level, but refuse what CUDA refuses, before narrowing to int.
+void check_tile_config(int64_t tile_config) {
+  TORCH_CHECK_VALUE(tile_config >= 0 && tile_config < km::kNumFwdConfigs,
+                    "tile_config must be 0 (fast), 1 (conservative) or 2 (128x64 tiles), got ",
+                    tile_config);
+}
+
 // Checks q, k, v against each other and against what the device's kernel supports.
 AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     double softmax_scale, bool causal, double softcap) {
@@ -95,6 +117,7 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     softmax_scale);
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
                     "softcap must be a finite float >= 0 (0.0: off), got ", softcap);
+  check_float32_range(q.scalar_type(), softmax_scale, softcap);
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");
@@ -348,6 +371,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
                                        int64_t tile_config, const std::optional<at::Tensor>& spans_opt,
                                        double softcap) {
   const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal, softcap);
+  check_tile_config(tile_config);
   const Spans spans = prepare_spans(spans_opt, shape, q);
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);  // (b, s_q, h, d)
   auto lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
@@ -368,6 +392,7 @@ void fwd_accum(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                const at::Tensor& lse_acc, int64_t tile_config,
                const std::optional<at::Tensor>& spans_opt, double softcap) {
   const AttnShape shape = check_qkv(q, k, v, softmax_scale, causal, softcap);
+  check_tile_config(tile_config);
   const Spans spans = prepare_spans(spans_opt, shape, q);
   check_like(out_acc, "out_acc", q, "q", accum_type(q.scalar_type()));
   check_stat(lse_acc, "lse_acc", q);
@@ -406,6 +431,13 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                               {&lse, "lse"}, {&dv, dv_name}});
   check_written(dv, dv_name, {{&dout, "dout"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"},
                               {&lse, "lse"}});
+  check_tile_config(tile_config);
+  if (delta_opt.has_value()) {  // checked before the empty-input return, like every input
+    check_stat(*delta_opt, "delta", q);
+    check_written(dq, dq_name, {{&*delta_opt, "delta"}});
+    check_written(dk, dk_name, {{&*delta_opt, "delta"}});
+    check_written(dv, dv_name, {{&*delta_opt, "delta"}});
+  }
   if (q.numel() == 0 || k.numel() == 0 || spans.empty()) {
     if (!accumulate) {
       dq.zero_();
@@ -425,10 +457,6 @@ void bwd_into(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
   at::Tensor delta;
   if (delta_opt.has_value()) {
     delta = *delta_opt;
-    check_stat(delta, "delta", q);
-    check_written(dq, dq_name, {{&delta, "delta"}});
-    check_written(dk, dk_name, {{&delta, "delta"}});
-    check_written(dv, dv_name, {{&delta, "delta"}});
   } else if (!q.is_cpu()) {
     delta = torch_delta(dout, out);  // the CPU kernel sums its own, in its dP GEMM's order
   }
@@ -592,6 +620,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
 at::Tensor delta_op(const at::Tensor& dout, const at::Tensor& out) {
   check_4d(out, "out", "(batch, seqlen_q, nheads, headdim)");
   const auto st = out.scalar_type();
+  TORCH_CHECK_VALUE(st == at::kFloat || st == at::kDouble || st == at::kBFloat16 || st == at::kHalf,
+                    "out must be float32, float64, bfloat16 or float16, got ", st);
   const DType dtype = to_dtype(st);
   check_like(dout, "dout", out, "out", st);
   check_last_dim_contiguous(out, "out");
@@ -666,24 +696,48 @@ TORCH_LIBRARY(ringseq, m) {
       " -> (Tensor out, Tensor lse)");
 }
 
+// Every operator's ValueErrors name it ("ringseq::bwd: lse must be ..."): the checks above
+// speak of their arguments only, and a direct call reaches them without a Python layer.
+template <auto Fn, const char* Op>
+struct Named;
+
+template <class R, class... Args, R (*Fn)(Args...), const char* Op>
+struct Named<Fn, Op> {
+  static R call(Args... args) {
+    try {
+      return Fn(args...);
+    } catch (const c10::ValueError& e) {
+      throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                            std::string(Op) + ": " + e.msg());
+    }
+  }
+};
+
+constexpr char kFwd[] = "ringseq::fwd";
+constexpr char kFwdAccum[] = "ringseq::fwd_accum";
+constexpr char kBwd[] = "ringseq::bwd";
+constexpr char kBwdAccum[] = "ringseq::bwd_accum";
+constexpr char kDelta[] = "ringseq::delta";
+constexpr char kFwdKvcache[] = "ringseq::fwd_kvcache";
+
 TORCH_LIBRARY_IMPL(ringseq, CPU, m) {
-  m.impl("fwd", &fwd);
-  m.impl("fwd_accum", &fwd_accum);
-  m.impl("bwd", &bwd);
-  m.impl("bwd_accum", &bwd_accum);
-  m.impl("delta", &delta_op);
-  m.impl("fwd_kvcache", &fwd_kvcache);
-  m.impl("_softmax_exp", &softmax_exp_op);
+  m.impl("fwd", &Named<&fwd, kFwd>::call);
+  m.impl("fwd_accum", &Named<&fwd_accum, kFwdAccum>::call);
+  m.impl("bwd", &Named<&bwd, kBwd>::call);
+  m.impl("bwd_accum", &Named<&bwd_accum, kBwdAccum>::call);
+  m.impl("delta", &Named<&delta_op, kDelta>::call);
+  m.impl("fwd_kvcache", &Named<&fwd_kvcache, kFwdKvcache>::call);
+  m.impl("_softmax_exp", &softmax_exp_op);  // (names itself)
 }
 
 #ifdef RINGSEQ_WITH_CUDA
 TORCH_LIBRARY_IMPL(ringseq, CUDA, m) {
-  m.impl("fwd", &fwd);
-  m.impl("fwd_accum", &fwd_accum);
-  m.impl("bwd", &bwd);
-  m.impl("bwd_accum", &bwd_accum);
-  m.impl("delta", &delta_op);
-  m.impl("fwd_kvcache", &fwd_kvcache);
+  m.impl("fwd", &Named<&fwd, kFwd>::call);
+  m.impl("fwd_accum", &Named<&fwd_accum, kFwdAccum>::call);
+  m.impl("bwd", &Named<&bwd, kBwd>::call);
+  m.impl("bwd_accum", &Named<&bwd_accum, kBwdAccum>::call);
+  m.impl("delta", &Named<&delta_op, kDelta>::call);
+  m.impl("fwd_kvcache", &Named<&fwd_kvcache, kFwdKvcache>::call);
 }
 #endif
 

@@ -403,6 +403,41 @@ def test_accumulate_into_strided_views_as_into_contiguous_buffers(backend):
 
 
 @needs_ext
+def test_the_raw_operators_name_themselves_and_refuse_what_float32_cannot_hold():
+    """Direct calls of torch.ops.ringseq.*: errors name the operator (before: "unsupported
+    dtype Int" from delta, "lse must be Float ..." from bwd); a scale or cap beyond float32's
+    range is refused for 16/32-bit inputs as the Python layer refuses it (before: NaN outputs,
+    or capping silently off); tile_config outside 0..2 (before: accepted on CPU, truncated to
+    int on CUDA); a bad delta with empty inputs (before: accepted)."""
+    q, k, v = qkv(b=1, s_q=3, s_k=3, h=2, h_kv=2, d=8)
+    ops = torch.ops.ringseq
+    with pytest.raises(ValueError, match=r"^ringseq::delta: out must be float32, float64, "
+                                         r"bfloat16 or float16, got Int"):
+        ops.delta(torch.zeros(1, 3, 2, 8, dtype=torch.int32), torch.zeros(1, 3, 2, 8,
+                                                                           dtype=torch.int32))
+    out, lse = ops.fwd(q, k, v, 0.5, False)
+    with pytest.raises(ValueError, match=r"^ringseq::bwd: lse must be Float for Float inputs"):
+        ops.bwd(out, q, k, v, out, lse.double(), 0.5, False)
+    for bad in (dict(softcap=1e39), dict(softcap=1e-46), dict(softmax_scale=-1e39)):
+        scale = bad.get("softmax_scale", 0.5)
+        with pytest.raises(ValueError, match=r"^ringseq::fwd: .* within float32's range"):
+            ops.fwd(q, k, v, scale, False, 0, None, bad.get("softcap", 0.0))
+    # float64 inputs scale and cap in float64: no float32 limit there
+    o64, _ = ops.fwd(q.double(), k.double(), v.double(), 0.5, False, 0, None, 1e39)
+    assert torch.isfinite(o64).all()
+    for tile_config in (-1, 3, 2 ** 32 + 1):
+        with pytest.raises(ValueError, match=r"^ringseq::fwd: tile_config must be 0 "):
+            ops.fwd(q, k, v, 0.5, False, tile_config)
+    with pytest.raises(ValueError, match=r"^ExtensionBackend: tile_config must be"):
+        ringseq.kernels.extension.ExtensionBackend(99)
+    empty = q[:, :0]  # (1, 0, 2, 8)
+    e_out, e_lse = ops.fwd(empty, k, v, 0.5, False)
+    with pytest.raises(ValueError, match=r"^ringseq::bwd: delta must have shape"):
+        ops.bwd(e_out, empty, k, v, e_out, e_lse, 0.5, False, torch.zeros(7, 7,
+                                                                         dtype=torch.int64))
+
+
+@needs_ext
 def test_fwd_accum_keeps_rows_whose_block_sees_nothing():
     """A causal block with s_q > s_k leaves its first rows untouched (they see no key)."""
     q, k, v = qkv(b=1, s_q=30, s_k=10, h=2, h_kv=2, d=8)

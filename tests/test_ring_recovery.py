@@ -1065,6 +1065,28 @@ def test_timeout_names_a_subgroup_peer_by_its_global_rank():
         _exact_ok(r["after_reset"])
 
 
+def _worker_store_host_gone():
+    """Global rank 0 (the default store's host) leaves before the ring's first call; rank 1
+    then calls."""
+    if dist.get_rank() == 0:
+        return None
+    time.sleep(3)  # rank 0's process, and with it the store, is gone
+    x = torch.randn(1, 8, 2, 8)  # (b, s_local, h, d)
+    t0 = time.monotonic()
+    got = _capture(lambda: ringseq.ring_flash_attn_func(x, x, x, causal=True))
+    return got, time.monotonic() - t0
+
+
+def test_a_first_call_after_the_store_host_died_times_out():
+    """The ring's channels meet in the default store with the ring timeout (before: the
+    first call blocked in the store client's clone for the store's own timeout, 30 minutes
+    under torchrun; past the test's 100 s here)."""
+    got, took = run_ranks(_worker_store_host_gone, 2, timeout=100, grace=100,
+                          env={"RINGSEQ_TIMEOUT": "2"})[1]
+    assert got[0] == "RingTimeoutError", got
+    assert took < 30, took
+
+
 def _single_process_params(freeze_embedding=False, biases=False, unused=False,
                            prepare=lambda model: model):
     """The same two good steps on one process (the reference of the plugin case);

@@ -119,17 +119,31 @@ def _own_store_client():
     for the channels' rendezvous: two threads of a process setting up their rings at once (one
     process group per thread) would otherwise share one client, and one thread's wait for a
     peer's key would hold it while the other thread's peer waits for a key this one cannot
-    set. The default store itself where its type cannot be cloned."""
+    set. The default store itself where its type cannot be cloned.
+
+    The clone waits at most the ring timeout (in force now) for the store and for a peer's
+    key: the default store's own timeout (30 minutes under torchrun) would otherwise bound a
+    channel's rendezvous with a peer that died, or a connection to a store host that is gone.
+    """
     store = dist.distributed_c10d._get_default_store()
     clients = getattr(_STORE_CLIENTS, "by_store", None)
     if clients is None:
         clients = _STORE_CLIENTS.by_store = {}
+    limit = datetime.timedelta(seconds=ring_timeout())
     held = clients.get(id(store))
     if held is None or held[0] is not store:
         try:
-            held = clients[id(store)] = (store, store.clone())
+            # the clone connects with the timeout of the store it clones: the ring's, briefly
+            # (no other thread of ringseq's uses the default store's timeout)
+            before = store.timeout
+            store.set_timeout(limit)
+            try:
+                held = clients[id(store)] = (store, store.clone())
+            finally:
+                store.set_timeout(before)
         except (AttributeError, NotImplementedError):  # a store type without clone()
             return store
+    held[1].set_timeout(limit)
     return held[1]
 
 
@@ -292,20 +306,26 @@ class RingComm(Transport):
         store there, so a peer that never comes (checks off: nothing met it before) ends in
         RingTimeoutError as a stalled exchange does, not in the store's own error."""
         if self._data_pg is None:
-            try:
-                self._data_pg = self._own_gloo("data")
-            except RingTimeoutError:  # (channels closed at exit: says so itself)
-                raise
-            except RuntimeError as exc:
-                what = (f"waited more than {ring_timeout():.0f} s for" if _timeout_exc(exc)
-                        else "could not reach")
-                raise RingTimeoutError(
-                    f"ringseq: rank {self.rank} {what} its ring peers ({self.describe_peers()}) "
-                    f"opening the ring's data channel ({type(exc).__name__}: {exc}): a peer "
-                    f"stalled, died or left the ring call (ringseq.set_ring_timeout changes "
-                    f"the limit; ringseq.reset_ring(group) on every rank makes the ring usable "
-                    f"again)") from exc
+            self._data_pg = self._opened("data")
         return self._data_pg
+
+    def _opened(self, purpose: str):
+        """A new channel (:meth:`_own_gloo`); RingTimeoutError when its members do not meet
+        in the store within the ring timeout (a peer stalled or died, or the store's host is
+        gone), as a stalled exchange ends."""
+        try:
+            return self._own_gloo(purpose)
+        except RingTimeoutError:  # (channels closed at exit: says so itself)
+            raise
+        except RuntimeError as exc:  # (DistStoreError / DistNetworkError included)
+            what = (f"waited more than {ring_timeout():.0f} s for" if _timeout_exc(exc)
+                    else "could not reach")
+            raise RingTimeoutError(
+                f"ringseq: rank {self.rank} {what} its ring peers ({self.describe_peers()}) "
+                f"opening the ring's {purpose} channel ({type(exc).__name__}: {exc}): a peer "
+                f"stalled, died or left the ring call, or the store's host is gone "
+                f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on "
+                f"every rank makes the ring usable again)") from exc
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor,
                  reverse: bool = False) -> Optional[_Pending]:
@@ -348,7 +368,7 @@ class RingComm(Transport):
         if self.world_size == 1:
             return None
         if self._control_pg is None:
-            self._control_pg = self._own_gloo("control")
+            self._control_pg = self._opened("control")
         out = torch.empty((self.world_size, words.numel()), dtype=words.dtype)  # (W, n) int64
         # The limit in force now, not the one the channel was made with (set_ring_timeout may
         # have changed it since): gloo takes a per-operation timeout.

@@ -165,7 +165,11 @@ class ExtensionBackend(AttentionBackend):
     _INSTANCES: dict = {}
 
     def __init__(self, tile_config: int = 0):
-        self.tile_config = int(tile_config)
+        if isinstance(tile_config, bool) or not isinstance(tile_config, int) or \
+                not 0 <= tile_config <= 2:
+            raise ValueError(f"ExtensionBackend: tile_config must be 0 (fast), 1 (conservative) "
+                             f"or 2 (128x64 tiles), got {tile_config!r}")
+        self.tile_config = tile_config
 
     @classmethod
     def instance(cls, tile_config: int = 0) -> "ExtensionBackend":

@@ -98,7 +98,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     Raises:
         ValueError: an ``attention_mask`` with any zero (padding cannot be expressed by a
             causal ring; pack sequences instead), no ``input_ids`` / ``inputs_embeds``,
-            tensors whose sequence lengths differ, a length the layout cannot split (``W``;
+            tensors whose sequence lengths, batch sizes or ranks differ from theirs ((b, s);
+            (b, s, hidden) for ``inputs_embeds``; ``position_ids`` also (1, s)), a length the layout cannot split (``W``;
             ``2W`` for zigzag; the total for ``"documents"``), malformed document boundaries
             or position ids of a packed batch, a packed batch of more than one row, or
             ``"documents"`` for a batch of several rows that is not packed (a one-row batch

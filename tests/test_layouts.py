@@ -168,7 +168,9 @@ def test_layouts_that_share_a_name_are_told_apart_and_built_in_names_are_kept():
         pass
 
     assert A().name == B().name and A().code != B().code
-    assert get_layout("zigzag").code == get_layout("zigzag").code
+    from ringseq._hash import stable_code
+    for name in NAMES:  # the built-in layouts' codes are their names' as before
+        assert get_layout(name).code == stable_code(name)
     zig = type("zigzag_again", (A,), {"name": "zigzag"})()
     with pytest.raises(ValueError, match=r"^register_layout: 'zigzag' is a built-in layout"):
         register_layout(zig)

@@ -49,6 +49,11 @@ def test_ignore_index_and_logits_are_checked_by_name():
     with pytest.raises(ValueError, match=r"^sharded_cross_entropy: logits must be a floating "
                                          r"tensor"):
         ringseq.sharded_cross_entropy(torch.ones(3, 5, dtype=torch.long), torch.tensor([0, 1, 2]))
+    labels = torch.tensor([0, -7, 2])
+    want = ringseq.sharded_cross_entropy(logits, labels, ignore_index=-7)
+    for index in (torch.tensor(-7), __import__("numpy").int64(-7)):  # ints of other kinds
+        assert torch.equal(ringseq.sharded_cross_entropy(logits, labels, ignore_index=index),
+                           want)
 
 
 def _worker_disagreeing_ranks():

@@ -84,6 +84,10 @@ def _worker():
     mixed.head = torch.nn.Linear(4, 4).double()
     out["fsdp_mixed_dtypes"] = error_text(lambda: Booster(RingSequenceParallelPlugin(
         sp_size=2, zero_stage=3)).boost(mixed))
+    adapted = _Net()  # a frozen bf16 base beside float32 trainable weights: FSDP2 takes it
+    adapted.base = torch.nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False)
+    out["fsdp_frozen_other_dtype"] = error_text(lambda: Booster(RingSequenceParallelPlugin(
+        sp_size=2, zero_stage=3)).boost(adapted))
     out["tp_plan_without_tp"] = error_text(lambda: RingSequenceParallelPlugin(
         sp_size=2, tp_plan={"lin": "colwise"}))
     out["iterable"] = error_text(lambda: Booster(plugin).boost(
@@ -109,6 +113,11 @@ def test_samplers_that_differ_between_dp_groups_are_refused(w4, key, field):
         assert r[key].startswith("RingMismatchError") and field in r[key], r[key]
     halves = [r["same_epoch"] for r in w4]
     assert sorted(halves[0] + halves[2]) == list(range(16))  # dp ranks 0 and 1: one epoch
+
+
+def test_frozen_parameters_of_another_dtype_boost_under_fsdp(w4):
+    for r in w4:
+        assert r["fsdp_frozen_other_dtype"] == "no error", r["fsdp_frozen_other_dtype"]
 
 
 def test_loaders_of_different_lengths_are_named_with_their_batch(w4):
@@ -166,8 +175,8 @@ def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):
     # (before: boost passed, the first forward raised FSDP's bare AssertionError "FSDP expects
     # uniform original parameter dtype")
     ("fsdp_mixed_dtypes", "ValueError: zero_stage=3: FSDP2 shards each decoder layer and the "
-                          "rest of the model as one unit whose parameters must share one dtype; "
-                          "the rest of the model (the root unit) holds torch.float32: "
+                          "rest of the model as one unit whose trainable parameters must share "
+                          "one dtype; the rest of the model (the root unit) holds torch.float32: "
                           "['lin.weight', 'lin.bias']; torch.float64: ['head.weight', "
                           "'head.bias']"),
     ("tp_plan_without_tp", "ValueError: RingSequenceParallelPlugin: tp_plan is a "

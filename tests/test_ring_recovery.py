@@ -1087,6 +1087,40 @@ def test_a_first_call_after_the_store_host_died_times_out():
     assert took < 30, took
 
 
+def test_store_clients_of_two_threads_leave_the_default_stores_timeout_as_it_was(monkeypatch):
+    """Each thread's store client is cloned with the ring timeout; two threads doing so at
+    once put the shared default store's own timeout back (before the lock: the second thread
+    "restored" the first one's ring timeout, for every process group)."""
+    import datetime
+    import threading
+    from ringseq.engine import transport
+
+    class SlowCloneStore:  # a TCP connect takes a while
+        def __init__(self, timeout):
+            self.timeout = timeout
+
+        def set_timeout(self, timeout):
+            self.timeout = timeout
+
+        def clone(self):
+            time.sleep(0.3)
+            return SlowCloneStore(self.timeout)
+
+    store = SlowCloneStore(datetime.timedelta(minutes=30))
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(ringseq._dist, "_TIMEOUT_S", 5.0)
+    clients = []
+    threads = [threading.Thread(target=lambda: clients.append(transport._own_store_client()))
+               for _ in range(2)]
+    threads[0].start()
+    time.sleep(0.1)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert store.timeout == datetime.timedelta(minutes=30)
+    assert [c.timeout for c in clients] == [datetime.timedelta(seconds=5)] * 2
+
+
 def _single_process_params(freeze_embedding=False, biases=False, unused=False,
                            prepare=lambda model: model):
     """The same two good steps on one process (the reference of the plugin case);

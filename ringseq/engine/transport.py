@@ -112,6 +112,7 @@ def _wait_interruptibly(work) -> None:
 
 
 _STORE_CLIENTS = threading.local()  # {id(default store): (store, this thread's clone)}
+_STORE_TIMEOUT_LOCK = threading.Lock()  # one thread at a time lowers the default store's
 
 
 def _own_store_client():
@@ -133,14 +134,17 @@ def _own_store_client():
     held = clients.get(id(store))
     if held is None or held[0] is not store:
         try:
-            # the clone connects with the timeout of the store it clones: the ring's, briefly
-            # (no other thread of ringseq's uses the default store's timeout)
-            before = store.timeout
-            store.set_timeout(limit)
-            try:
-                held = clients[id(store)] = (store, store.clone())
-            finally:
-                store.set_timeout(before)
+            # The clone connects with the timeout of the store it clones: the ring's, for the
+            # clone only. The default store is shared (its timeout is every process group's,
+            # a PrefixStore's writes through): one thread at a time lowers it, and puts back
+            # what it found.
+            with _STORE_TIMEOUT_LOCK:
+                before = store.timeout
+                store.set_timeout(limit)
+                try:
+                    held = clients[id(store)] = (store, store.clone())
+                finally:
+                    store.set_timeout(before)
         except (AttributeError, NotImplementedError):  # a store type without clone()
             return store
     held[1].set_timeout(limit)

@@ -141,7 +141,9 @@ class Layout:
     def positions(self, seqlen: int, world_size: int, rank: int) -> torch.Tensor:
         """Global position ids (int64, shape ``(seqlen // world_size,)``) of rank's tokens.
         TypeError for a ``seqlen`` that is not an integer; ValueError for one the layout
-        cannot split, and when a layout's ``_positions`` returns another shape or dtype."""
+        cannot split, when a layout's ``_positions`` returns another shape or dtype, and when
+        a layout of your own gives positions that over the ranks are not a permutation of
+        ``range(seqlen)`` (checked once per length and world size)."""
         try:
             seqlen = operator.index(seqlen)
         except TypeError:
@@ -355,7 +357,8 @@ LAYOUTS: Dict[str, Layout] = {}
 def register_layout(layout: Layout) -> Layout:
     """Makes a layout available by name to every function taking ``layout=``. ValueError for
     a name that cannot travel as one (empty, or with ``|`` / ``#``, which separate the fields
-    of the custom operator's keys)."""
+    of the custom operator's keys), the base class's placeholder ``"?"`` (a subclass that set
+    no name), and a built-in layout's name (re-registering your own under its name is fine)."""
     name = getattr(layout, "name", None)
     if not isinstance(name, str) or not name or "|" in name or "#" in name or name == "?":
         raise ValueError(f"register_layout: a layout's name must be a non-empty string without "

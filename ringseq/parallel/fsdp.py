@@ -68,18 +68,21 @@ def apply_fsdp(model: nn.Module, mesh, zero_stage: int, layers: Iterable[nn.Modu
 
 def check_unit_dtypes(model: nn.Module, layers: Iterable[nn.Module], zero_stage: int) -> None:
     """ValueError naming the unit and its parameters when one FSDP2 unit of
-    :func:`apply_fsdp` (a decoder layer, or the rest of the model) holds parameters of more
-    than one dtype: FSDP2 flattens a unit's parameters into one buffer and would fail at the
-    first forward with a bare assertion."""
+    :func:`apply_fsdp` (a decoder layer, or the rest of the model) holds trainable parameters
+    of more than one dtype: FSDP2 reduces a unit's gradients in one buffer and would fail at
+    the first forward with a bare assertion (frozen ones of another dtype it takes: a frozen
+    bf16 base beside float32 adapters)."""
     names = {id(m): n for n, m in model.named_modules()}
     in_layers = set()
     units = []
     for layer in layers:
         params = list(layer.named_parameters())
         in_layers.update(id(p) for _, p in params)
-        units.append((names.get(id(layer), type(layer).__name__), params))
+        units.append((names.get(id(layer), type(layer).__name__),
+                      [(n, p) for n, p in params if p.requires_grad]))
     units.append(("the rest of the model (the root unit)",
-                  [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]))
+                  [(n, p) for n, p in model.named_parameters()
+                   if id(p) not in in_layers and p.requires_grad]))
     for unit, params in units:
         by_dtype: dict = {}
         for n, p in params:
@@ -88,9 +91,10 @@ def check_unit_dtypes(model: nn.Module, layers: Iterable[nn.Module], zero_stage:
             detail = "; ".join(f"{d}: {ns[:3]}{' ...' if len(ns) > 3 else ''}"
                                for d, ns in sorted(by_dtype.items()))
             raise ValueError(f"zero_stage={zero_stage}: FSDP2 shards each decoder layer and the "
-                             f"rest of the model as one unit whose parameters must share one "
-                             f"dtype; {unit} holds {detail} (cast the model to one dtype, e.g. "
-                             f"model.float(), and use precision= for low-precision compute)")
+                             f"rest of the model as one unit whose trainable parameters must "
+                             f"share one dtype; {unit} holds {detail} (cast the model to one "
+                             f"dtype, e.g. model.float(), and use precision= for low-precision "
+                             f"compute)")
 
 
 @contextlib.contextmanager

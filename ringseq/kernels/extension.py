@@ -15,8 +15,6 @@ Operators (csrc/ops.cpp); spans / softcap: docs/kernels.md, "Spans, bands and so
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .grad import attention_backward, fake_attention_outputs, fake_checks
@@ -207,9 +205,10 @@ class ExtensionBackend(AttentionBackend):
         if q.device.type != "cpu":  # the CUDA kernel has no merge mode yet
             return super()._fwd_accum(q, k, v, scale, causal, out_acc, lse_acc,
                                       **self._extra(spans, softcap))
-        with _unit_stride_rows(out_acc, lse_acc) as (o, lse):
-            torch.ops.ringseq.fwd_accum(q, k, v, scale, causal, o, lse, self.tile_config,
-                                        *self._span_args(spans, softcap))
+        o, lse = _unit_stride_copy(out_acc), _unit_stride_copy(lse_acc)
+        torch.ops.ringseq.fwd_accum(q, k, v, scale, causal, o, lse, self.tile_config,
+                                    *self._span_args(spans, softcap))
+        _write_back((out_acc, lse_acc), (o, lse))
 
     def delta(self, dout, out, grad_lse=None):
         # On CPU summed by the kernel in its dP GEMM's order (a row that sees one key then gets
@@ -226,24 +225,23 @@ class ExtensionBackend(AttentionBackend):
     def _bwd_accum(self, dout, q, k, v, out, lse, scale, causal, delta, dq_accum, dk_accum,
                    dv_accum, spans=None, softcap=0.0) -> None:
         lse, delta = _unit_stride_copy(lse), _unit_stride_copy(delta)
-        with _unit_stride_rows(dq_accum, dk_accum, dv_accum) as (dq, dk, dv):
-            torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, causal, delta, dq, dk,
-                                        dv, self.tile_config, *self._span_args(spans, softcap))
+        accs = (dq_accum, dk_accum, dv_accum)
+        work = tuple(_unit_stride_copy(t) for t in accs)
+        torch.ops.ringseq.bwd_accum(dout, q, k, v, out, lse, scale, causal, delta, *work,
+                                    self.tile_config, *self._span_args(spans, softcap))
+        _write_back(accs, work)
 
 
 # The kernels walk the last dimension of a statistic (b, h, s_q) or a row (.., d) with unit
 # stride; the validating calls promise views of any strides (base.AttentionBackend), so a view
 # strided there goes through a contiguous copy (written back for the buffers written into).
 def _unit_stride_copy(t):
-    if t is None or t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1:
+    if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
         return t
     return t.contiguous()
 
 
-@contextlib.contextmanager
-def _unit_stride_rows(*buffers):
-    work = [_unit_stride_copy(t) for t in buffers]
-    yield work
+def _write_back(buffers, work) -> None:
     for t, w in zip(buffers, work):
         if w is not t:
             t.copy_(w)

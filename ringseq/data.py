@@ -99,8 +99,9 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         ValueError: an ``attention_mask`` with any zero (padding cannot be expressed by a
             causal ring; pack sequences instead), no ``input_ids`` / ``inputs_embeds``,
             tensors whose sequence lengths, batch sizes or ranks differ from theirs ((b, s);
-            (b, s, hidden) for ``inputs_embeds``; ``position_ids`` also (1, s)), a length the layout cannot split (``W``;
-            ``2W`` for zigzag; the total for ``"documents"``), malformed document boundaries
+            (b, s, hidden) for ``inputs_embeds``; ``position_ids`` also (1, s)), a length the
+            layout cannot split (``W``; ``2W`` for zigzag; the total for ``"documents"``),
+            malformed document boundaries
             or position ids of a packed batch, a packed batch of more than one row, or
             ``"documents"`` for a batch of several rows that is not packed (a one-row batch
             without boundaries is one document). Raised on every rank alike,
@@ -166,7 +167,7 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             continue
         if key in _SEQ_KEYS:
             check_len(key, value)
-            out[key] = shard_local(value, lay, world_size, rank, dim=1)
+            out[key] = shard_local(value, lay, world_size, rank, dim=1, fn="shard_batch")
         else:
             out[key] = value
 
@@ -180,16 +181,17 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
                              "computes a causal mask over the whole sharded sequence and cannot "
                              "skip padding. Pack sequences without padding (and drop the mask), "
                              "or mark padding positions in `labels` with ignore_index.")
-        out["attention_mask"] = shard_local(mask, lay, world_size, rank, dim=1)
+        out["attention_mask"] = shard_local(mask, lay, world_size, rank, dim=1, fn="shard_batch")
 
     pos = batch.get("position_ids")
     if pos is not None:
         check_len("position_ids", pos, rows=(b, 1) if b != 1 else (1,))
-        out["position_ids"] = shard_local(pos, lay, world_size, rank, dim=1)
+        out["position_ids"] = shard_local(pos, lay, world_size, rank, dim=1, fn="shard_batch")
     else:
         device = (batch.get("input_ids") if batch.get("input_ids") is not None
                   else batch["inputs_embeds"]).device
-        local = positions_local(s, lay, world_size, rank, device=device)  # (s // W,)
+        local = positions_local(s, lay, world_size, rank, device=device,
+                                fn="shard_batch")  # (s // W,)
         if docs is not None:
             local = document_positions(docs, local)
         out["position_ids"] = local.unsqueeze(0).expand(b, -1).contiguous()
@@ -197,7 +199,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     if batch.get("shift_labels") is not None and batch.get("labels") is None:
         # already targets (shifted by the caller): only shard them
         check_len("shift_labels", batch["shift_labels"])
-        out["shift_labels"] = shard_local(batch["shift_labels"], lay, world_size, rank, dim=1)
+        out["shift_labels"] = shard_local(batch["shift_labels"], lay, world_size, rank, dim=1,
+                                          fn="shard_batch")
     labels = batch.get("labels")
     if labels is not None:
         check_len("labels", labels)
@@ -208,7 +211,7 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         if docs is not None:  # the last token of a document has no target in the next one
             ends = torch.tensor([e - 1 for e in docs[1:] if e > 0], dtype=torch.long)
             shifted[:, ends] = ignore_index
-        out["shift_labels"] = shard_local(shifted, lay, world_size, rank, dim=1)
+        out["shift_labels"] = shard_local(shifted, lay, world_size, rank, dim=1, fn="shard_batch")
     if docs is not None:
         device = next(t.device for t in batch.values() if torch.is_tensor(t))
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = torch.tensor(docs, dtype=torch.int32,

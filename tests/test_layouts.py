@@ -51,10 +51,10 @@ def test_bad_dims_parts_and_lengths_are_refused():
     dropped tokens); a float length would give float positions."""
     x = torch.randn(2, 8, 3)
     for dim in (3, -4):
-        with pytest.raises(ValueError, match=rf"^shard: dim={dim} is out of range for a tensor "
-                                             rf"of shape \(2, 8, 3\)"):
+        with pytest.raises(ValueError, match=rf"^shard_local: dim={dim} is out of range for a "
+                                             rf"tensor of shape \(2, 8, 3\)"):
             shard_local(x, "zigzag", 2, 0, dim=dim)
-    with pytest.raises(ValueError, match="^shard: the tensor must have a sequence dimension"):
+    with pytest.raises(ValueError, match="^shard_local: the tensor must have a sequence dimension"):
         shard_local(torch.tensor(1.0), "contiguous", 2, 0, dim=0)
     with pytest.raises(ValueError, match="layout 'zigzag' needs local shards"):
         unshard_local([torch.zeros(1, 3), torch.zeros(1, 3)], "zigzag")
@@ -140,14 +140,14 @@ def test_a_custom_layouts_positions_must_be_a_permutation():
         def _positions(self, seqlen, world_size, rank):
             return torch.arange(seqlen // world_size) + 100
 
-    with pytest.raises(ValueError, match=r"^shard: layout 'test_twice': _positions\(8, 2, rank\) "
-                                         r"over the ranks must list every position of \[0, 8\) "
-                                         r"exactly once \(a permutation\), but position 0 is "
-                                         r"listed 2 times"):
+    with pytest.raises(ValueError, match=r"^shard_local: layout 'test_twice': "
+                                         r"_positions\(8, 2, rank\) over the ranks must list "
+                                         r"every position of \[0, 8\) exactly once \(a "
+                                         r"permutation\), but position 0 is listed 2 times"):
         shard_local(torch.zeros(1, 8), Twice(), 2, 1)
     with pytest.raises(ValueError, match=r"^unshard_local: layout 'test_twice'"):
         unshard_local([torch.zeros(1, 4)] * 2, Twice())
-    with pytest.raises(ValueError, match=r"^positions: layout 'test_outside': "
+    with pytest.raises(ValueError, match=r"^positions_local: layout 'test_outside': "
                                          r"_positions\(8, 2, rank\) must give positions in "
                                          r"\[0, 8\), got 100"):
         positions_local(8, Outside(), 2, 0)
@@ -174,14 +174,42 @@ def test_layouts_that_share_a_name_are_told_apart_and_built_in_names_are_kept():
     zig = type("zigzag_again", (A,), {"name": "zigzag"})()
     with pytest.raises(ValueError, match=r"^register_layout: 'zigzag' is a built-in layout"):
         register_layout(zig)
-    assert LAYOUTS["zigzag"] is get_layout("zigzag") and type(LAYOUTS["zigzag"]).__name__ == "Zigzag"
+    assert LAYOUTS["zigzag"] is get_layout("zigzag")
+    assert type(LAYOUTS["zigzag"]).__name__ == "Zigzag"
     with pytest.raises(ValueError, match=r"^register_layout: a layout's name must be .* got '\?'"):
         register_layout(A())
 
 
+def test_what_the_new_layout_checks_still_take():
+    """Valid uses the session's checks first refused (a regression hunt found them): a
+    script's layout class on the launching process (module __main__) and on spawned ranks
+    (__mp_main__) has one code; a NumPy world size; unshard on one process returns a length
+    the user's layout cannot hold as it is, as the built-ins do; a built-in layout registered
+    again as a fresh instance of its own class."""
+    from ringseq.layouts import Layout, register_layout
+
+    def script_class(module):
+        return type("Rev", (Layout,), {"name": "rev", "__module__": module,
+                                       "_positions": _ReversedWithinRank._positions,
+                                       "multiple": lambda self, w: 2 * w})
+
+    assert script_class("__main__")().code == script_class("__mp_main__")().code
+    assert script_class("__main__")().code != script_class("my_module")().code
+    np = pytest.importorskip("numpy")
+    assert shard_local(torch.arange(8.0)[None], "zigzag", np.int64(2), 1).tolist() == [[2, 3, 4, 5]]
+    odd = torch.arange(3.0)[None]  # (1, 3): no shard of a layout whose lengths are even
+    assert ringseq.unshard(odd, script_class("my_module")()) is odd
+    original = LAYOUTS["zigzag"]
+    try:
+        again = type(original)()
+        assert register_layout(again) is again and LAYOUTS["zigzag"] is again
+    finally:
+        LAYOUTS["zigzag"] = original
+
+
 def test_local_helpers_refuse_a_world_size_below_one():
-    for call, fn in ((lambda: shard_local(torch.zeros(1, 4), "contiguous", 0, 0), "shard"),
-                     (lambda: positions_local(4, "contiguous", 0, 0), "positions")):
+    for call, fn in ((lambda: shard_local(torch.zeros(1, 4), "contiguous", 0, 0), "shard_local"),
+                     (lambda: positions_local(4, "contiguous", 0, 0), "positions_local")):
         with pytest.raises(ValueError, match=rf"^{fn}: world_size must be a positive int, got 0"):
             call()
     with pytest.raises(ValueError, match=r"^unshard_local: unknown layout 'zigzg'"):
@@ -256,7 +284,8 @@ def test_shard_batch_refuses_tensors_of_another_batch_or_rank(key, value):
     with pytest.raises(ValueError, match=rf"^shard_batch: batch\['{key}'\] must have shape "
                                          rf"\(2, 8\)(?: or \(1, 8\))? \(batch 2 and sequence "
                                          rf"length 8 from batch\['input_ids'\]\), got a "
-                                         rf"torch.Tensor of shape {re.escape(str(tuple(value.shape)))}"):
+                                         rf"torch.Tensor of shape "
+                                         rf"{re.escape(str(tuple(value.shape)))}"):
         ringseq.shard_batch({"input_ids": ids, key: value}, layout="contiguous")
     # what is right passes: (1, s) position ids broadcast over the batch
     out = ringseq.shard_batch({"input_ids": ids, "position_ids": torch.arange(8)[None],

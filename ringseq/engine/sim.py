@@ -128,7 +128,7 @@ def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: boo
 
     def rank_fn(r, transport):
         ring = Ring(transport)
-        ql, kl, vl = (shard_local(t, lay, world_size, r) for t in (q, k, v))
+        ql, kl, vl = (shard_local(t, lay, world_size, r, fn="simulate_ring") for t in (q, k, v))
         plan = make_plan(spec, lay, world_size, r, ql.shape, kl.shape[2], ql.dtype)
         out_acc, lse = ring_forward(ql, kl, vl, plan, ring)
         counts = [ring.last_exchanges]
@@ -136,7 +136,7 @@ def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: boo
         if dout is None:
             res = (out, lse)
         else:
-            dl = shard_local(dout, lay, world_size, r)
+            dl = shard_local(dout, lay, world_size, r, fn="simulate_ring")
             res = (out, lse) + ring_backward(dl, ql, kl, vl, out, lse, plan, ring)
             counts.append(ring.last_exchanges)
         return res, tuple(counts)

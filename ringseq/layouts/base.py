@@ -109,7 +109,10 @@ class Layout:
         cls = type(self)
         if cls.__module__.startswith("ringseq."):
             return stable_code(self.name)
-        return stable_code(f"{self.name}@{cls.__module__}.{cls.__qualname__}")
+        # (a script's classes live in __main__ on the launching process and in __mp_main__
+        # on the ranks multiprocessing spawns from it: one module)
+        module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
+        return stable_code(f"{self.name}@{module}.{cls.__qualname__}")
 
     def multiple(self, world_size: int) -> int:
         """The global sequence length must be a multiple of this."""
@@ -364,7 +367,8 @@ def register_layout(layout: Layout) -> Layout:
         raise ValueError(f"register_layout: a layout's name must be a non-empty string without "
                          f"'|' or '#' (set the class's `name`), got {name!r}")
     old = LAYOUTS.get(name)
-    if old is not None and old is not layout and type(old).__module__.startswith("ringseq."):
+    if old is not None and type(old) is not type(layout) and \
+            type(old).__module__.startswith("ringseq."):
         raise ValueError(f"register_layout: {name!r} is a built-in layout of ringseq; register "
                          f"yours under another name (got {layout!r})")
     LAYOUTS[name] = layout
@@ -390,7 +394,8 @@ def layout_name_of_code(code: int) -> str:
 
 
 def check_rank(rank, world_size):
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not hasattr(world_size, "__index__") or \
+            operator.index(world_size) < 1:  # (a NumPy int too)
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")

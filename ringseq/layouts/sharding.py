@@ -35,7 +35,7 @@ def _seq_dim(fn: str, x, dim) -> int:
 
 
 def positions_local(seqlen: int, layout, world_size: int, rank: int,
-                    device=None, fn: str = "positions") -> torch.Tensor:
+                    device=None, fn: str = "positions_local") -> torch.Tensor:
     """Like :func:`positions` for an explicit ``(world_size, rank)`` (no process group);
     ``fn`` names the caller in errors."""
     try:
@@ -45,7 +45,7 @@ def positions_local(seqlen: int, layout, world_size: int, rank: int,
 
 
 def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 1,
-                fn: str = "shard") -> torch.Tensor:
+                fn: str = "shard_local") -> torch.Tensor:
     """Like :func:`shard` for an explicit ``(world_size, rank)`` (no process group); ``fn``
     names the caller in errors."""
     dim = _seq_dim(fn, x, dim)
@@ -170,11 +170,10 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
             raise named_for("unshard", exc) from exc
         dim = _seq_dim("unshard", x_local, dim)
         try:
-            if not lay.identity_on_one_rank(x_local.shape[dim]):  # a layout of the user's
-                return _scattered(lay, [x_local], dim)
-        except (TypeError, ValueError) as exc:
-            raise named_for("unshard", exc) from exc
-        return x_local
+            reorder = not lay.identity_on_one_rank(x_local.shape[dim])  # a layout of the user's
+        except ValueError:  # a length it cannot hold: returned as it is, as by the built-ins
+            reorder = False
+        return _scattered(lay, [x_local], dim) if reorder else x_local
     # Whatever this rank refuses is agreed on before the all-gather, which the other ranks
     # would otherwise wait in.
     problem, lay, code = None, None, -1

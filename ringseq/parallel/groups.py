@@ -195,11 +195,12 @@ class SequenceParallelGroups:
     def shard(self, x: torch.Tensor, layout="zigzag", dim: int = 1) -> torch.Tensor:
         """This rank's tokens of the full ``x`` along ``dim`` (ValueError for a length the
         split cannot take, before any communication)."""
-        return shard_local(x, self.data_layout(layout), self.size, self.rank, dim)
+        return shard_local(x, self.data_layout(layout), self.size, self.rank, dim, fn="shard")
 
     def positions(self, seqlen: int, layout="zigzag", device=None) -> torch.Tensor:
         """Global position ids (int64, ``(seqlen // size,)``) of this rank's tokens."""
-        return positions_local(seqlen, self.data_layout(layout), self.size, self.rank, device)
+        return positions_local(seqlen, self.data_layout(layout), self.size, self.rank, device,
+                               fn="positions")
 
     def shard_batch(self, batch, layout="zigzag", ignore_index: int = -100) -> dict:
         """:func:`ringseq.shard_batch` over :attr:`group` with :meth:`data_layout`."""

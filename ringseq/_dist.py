@@ -300,14 +300,19 @@ def consistency_check_mode() -> str:
 _TIMEOUT_S: Optional[float] = None
 
 
+_MAX_TIMEOUT_S = 1e9
+
+
 def _check_timeout(value, what: str) -> float:
-    """A timeout in seconds: a finite real number >= 1 (bools refused)."""
+    """A timeout in seconds: a real number in [1, 1e9] (bools refused; gloo's per-operation
+    timeout in nanoseconds overflows above about 1e10 s)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number of seconds (>= 1, finite), got {value!r} "
                         f"({type(value).__name__})")
     value = float(value)
-    if not (1.0 <= value < float("inf")):
-        raise ValueError(f"{what} must be a finite number of seconds >= 1, got {value!r}")
+    if not (1.0 <= value <= _MAX_TIMEOUT_S):
+        raise ValueError(f"{what} must be a number of seconds from 1 to {_MAX_TIMEOUT_S:.0e} "
+                         f"(about 31 years), got {value!r}")
     return value
 
 

@@ -141,7 +141,8 @@ class ModelShape:
         for k, v in flags.items():
             # bool("false") is True: a JSON config that spells a flag as a string would
             # count the other way
-            if not isinstance(v, bool) and type(v).__name__ != "bool_":
+            if not isinstance(v, bool) and not (type(v).__module__ == "numpy"
+                                                and type(v).__name__ in ("bool", "bool_")):
                 raise ValueError(f"estimate_memory: config {k} must be a bool, got {v!r}")
         if int(vals["num_attention_heads"]) < 1:
             raise ValueError(f"estimate_memory: config num_attention_heads must be >= 1, got "

@@ -262,6 +262,8 @@ def test_config_sizes_are_whole_positive_numbers(over, match):
     with pytest.raises(ValueError, match="^estimate_memory: config " + match):
         ModelShape.from_config(dict(TINY, **over))
     assert ModelShape.from_config(dict(TINY, hidden_size=128.0)).hidden == 128  # JSON floats
+    np = pytest.importorskip("numpy")  # NumPy's bools are bools
+    assert ModelShape.from_config(dict(TINY, tie_word_embeddings=np.bool_(True))).tied
 
 
 def test_meshes_and_zero_stage_refuse_what_is_no_option():

@@ -430,6 +430,11 @@ def test_the_raw_operators_name_themselves_and_refuse_what_float32_cannot_hold()
             ops.fwd(q, k, v, 0.5, False, tile_config)
     with pytest.raises(ValueError, match=r"^ExtensionBackend: tile_config must be"):
         ringseq.kernels.extension.ExtensionBackend(99)
+    # the operator's own delta of an empty batch is taken (its empty transposed strides)
+    none = q[:0]  # (0, 3, 2, 8)
+    n_out, n_lse = ops.fwd(none, none, none, 0.5, True)
+    grads = ops.bwd(n_out, none, none, none, n_out, n_lse, 0.5, True, ops.delta(n_out, n_out))
+    assert [tuple(g.shape) for g in grads] == [(0, 3, 2, 8)] * 3
     empty = q[:, :0]  # (1, 0, 2, 8)
     e_out, e_lse = ops.fwd(empty, k, v, 0.5, False)
     with pytest.raises(ValueError, match=r"^ringseq::bwd: delta must have shape"):

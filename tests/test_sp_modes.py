@@ -189,6 +189,10 @@ def _errors(sps, pairs):
             "documents_contiguous")),
         "after_tables": len(sp_groups_from_tables(
             [torch.tensor([[0], [1]]), torch.tensor([[2], [3]])]).coords),
+        # NumPy's ints and bools are ints and bools
+        "numpy_options": sp_groups_from_tables(
+            [torch.tensor([[0], [1]]), torch.tensor([[2], [3]])], __import__("numpy").int64(2),
+            ulysses_inner=__import__("numpy").bool_(False)).ulysses_inner,
         # per-rank boundaries on a 2 x 2 hybrid (before: "local length 12 x world size 2")
         "hybrid_cu_seqlens": _expected_error(lambda: ringseq.usp_attn_func(
             x8, x8, x8, sp=hybrid, cu_seqlens=[0, 3, 6])),
@@ -496,6 +500,7 @@ def test_group_tables_that_cannot_make_groups_raise_on_every_rank():
         assert e["ulysses_inner_word"] == ("TypeError: make_sp_groups: ulysses_inner must be a "
                                            "bool, got 'no'"), e
         assert e["after_tables"] == 2  # group creation still in step on every rank
+        assert e["numpy_options"] is False
         assert e["hybrid_docs"].startswith(
             "ValueError: shard_batch: layout 'documents_contiguous' cuts every document into 2 "
             "equal chunks"), e["hybrid_docs"]

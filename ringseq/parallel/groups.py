@@ -38,6 +38,7 @@ This module: the sizes (:func:`resolve_sp_sizes`, :func:`check_model_heads`) and
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -322,15 +323,22 @@ def sp_groups_from_tables(tables: Sequence[torch.Tensor], inner_ring_size: Optio
     return SequenceParallelGroups(
         group=whole, size=R * U, rank=flat.index(me), ulysses_size=U, ulysses_rank=u,
         ulysses_group=ulysses_group, ring_size=R, ring_rank=g, ring_group=ring_group,
-        inner_ring_size=I, inner_group=inner, outer_group=outer, ulysses_inner=ulysses_inner,
+        inner_ring_size=I, inner_group=inner, outer_group=outer, ulysses_inner=bool(ulysses_inner),
         coords=tuple(coords))
+
+
+def _is_bool(value) -> bool:
+    """A bool, NumPy's included ("no" or None would be read by their truth)."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy"
+                                       and kind.__name__ in ("bool", "bool_"))
 
 
 def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
     """``(tables as int64 tensors, R, U, I)``; TypeError / ValueError naming
     sp_groups_from_tables for what cannot make one set of groups over ``world_size`` ranks."""
     fn = "sp_groups_from_tables"
-    if not isinstance(ulysses_inner, bool):
+    if not _is_bool(ulysses_inner):
         raise TypeError(f"{fn}: ulysses_inner must be a bool, got {ulysses_inner!r}")
     try:
         tables = [torch.as_tensor(t, dtype=torch.long) for t in tables]
@@ -342,11 +350,11 @@ def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
                          f"ranks, got {[tuple(t.shape) for t in tables]}")
     R, U = tables[0].shape
     if inner_ring_size is not None and (isinstance(inner_ring_size, bool)
-                                        or not isinstance(inner_ring_size, int)
-                                        or inner_ring_size < 1):
+                                        or not hasattr(inner_ring_size, "__index__")
+                                        or operator.index(inner_ring_size) < 1):
         raise ValueError(f"{fn}: inner_ring_size must be a positive integer or None, got "
                          f"{inner_ring_size!r}")
-    I = R if inner_ring_size is None else inner_ring_size
+    I = R if inner_ring_size is None else operator.index(inner_ring_size)
     if R % I:
         raise ValueError(f"{fn}: inner_ring_size={inner_ring_size} does not divide the ring size "
                          f"{R}; use one of {_divisors(R)}")
@@ -426,7 +434,7 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
     try:
         if problem is not None:
             raise problem
-        if not isinstance(ulysses_inner, bool):
+        if not _is_bool(ulysses_inner):
             raise TypeError(f"make_sp_groups: ulysses_inner must be a bool, got "
                             f"{ulysses_inner!r}")
         for name, v in (("ulysses_size", ulysses_size), ("inner_ring_size", inner_ring_size)):

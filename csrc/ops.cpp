@@ -722,24 +722,24 @@ constexpr char kBwdAccum[] = "ringseq::bwd_accum";
 constexpr char kDelta[] = "ringseq::delta";
 constexpr char kFwdKvcache[] = "ringseq::fwd_kvcache";
 
-TORCH_LIBRARY_IMPL(ringseq, CPU, m) {
+// The operators both devices run (one list: a device cannot miss one).
+void register_ops(torch::Library& m) {
   m.impl("fwd", &Named<&fwd, kFwd>::call);
   m.impl("fwd_accum", &Named<&fwd_accum, kFwdAccum>::call);
   m.impl("bwd", &Named<&bwd, kBwd>::call);
   m.impl("bwd_accum", &Named<&bwd_accum, kBwdAccum>::call);
   m.impl("delta", &Named<&delta_op, kDelta>::call);
   m.impl("fwd_kvcache", &Named<&fwd_kvcache, kFwdKvcache>::call);
+}
+
+TORCH_LIBRARY_IMPL(ringseq, CPU, m) {
+  register_ops(m);
   m.impl("_softmax_exp", &softmax_exp_op);  // (names itself)
 }
 
 #ifdef RINGSEQ_WITH_CUDA
 TORCH_LIBRARY_IMPL(ringseq, CUDA, m) {
-  m.impl("fwd", &Named<&fwd, kFwd>::call);
-  m.impl("fwd_accum", &Named<&fwd_accum, kFwdAccum>::call);
-  m.impl("bwd", &Named<&bwd, kBwd>::call);
-  m.impl("bwd_accum", &Named<&bwd_accum, kBwdAccum>::call);
-  m.impl("delta", &Named<&delta_op, kDelta>::call);
-  m.impl("fwd_kvcache", &Named<&fwd_kvcache, kFwdKvcache>::call);
+  register_ops(m);
 }
 #endif
 

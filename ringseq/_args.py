@@ -19,6 +19,7 @@ import functools
 import inspect
 import math
 import numbers
+import operator
 import sys
 from typing import Optional, Tuple
 
@@ -52,6 +53,24 @@ def given(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"a torch.Tensor of shape {tuple(x.shape)}"
     return f"{x!r} ({type(x).__name__})"
+
+
+def as_int(value) -> Optional[int]:
+    """``value`` as a Python int when it is an integer of any kind (NumPy's, a 0-d integer
+    tensor), else None (a bool, a float, a string: never read as a count)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # (a float tensor, NumPy's bool)
+        return None
+
+
+def is_bool(value) -> bool:
+    """A bool, NumPy's included (NumPy 2 names its type ``bool``, NumPy 1 ``bool_``)."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy"
+                                       and kind.__name__ in ("bool", "bool_"))
 
 
 def check_bool(fn: str, name: str, value) -> bool:

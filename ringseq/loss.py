@@ -1,13 +1,11 @@
 """Cross-entropy over a sequence sharded across ranks, without gathering the logits."""
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ._args import given
+from ._args import as_int, given
 from ._dist import group_info
 from .engine.ring import get_ring
 from .spec import dtype_code
@@ -79,10 +77,10 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     """
     world_size, _ = group_info(group, "sharded_cross_entropy")
     try:
-        if isinstance(ignore_index, bool) or not hasattr(ignore_index, "__index__"):
+        if as_int(ignore_index) is None:
             raise TypeError(f"sharded_cross_entropy: ignore_index must be an int, got "
                             f"{ignore_index!r}")
-        ignore_index = operator.index(ignore_index)  # (a NumPy or 0-d tensor int too)
+        ignore_index = as_int(ignore_index)  # (a NumPy or 0-d tensor int too)
         if not torch.is_tensor(logits) or not logits.is_floating_point() or logits.dim() < 1:
             raise ValueError(f"sharded_cross_entropy: logits must be a floating tensor "
                              f"(..., vocab), got {given(logits)}")

@@ -43,6 +43,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ._args import is_bool
 from .layouts import PerBatchDocuments, get_layout
 from .parallel.dims import ZERO_STAGES, ParallelDims  # the plugin's own mesh rules
 
@@ -141,8 +142,7 @@ class ModelShape:
         for k, v in flags.items():
             # bool("false") is True: a JSON config that spells a flag as a string would
             # count the other way
-            if not isinstance(v, bool) and not (type(v).__module__ == "numpy"
-                                                and type(v).__name__ in ("bool", "bool_")):
+            if not is_bool(v):
                 raise ValueError(f"estimate_memory: config {k} must be a bool, got {v!r}")
         if int(vals["num_attention_heads"]) < 1:
             raise ValueError(f"estimate_memory: config num_attention_heads must be >= 1, got "

@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
+from .._args import as_int
 from .._hash import stable_code
 from ..masks import AttnMask, Run, span_tasks
 
@@ -88,6 +89,12 @@ def layout_cached(obj, key, compute):
     return value
 
 
+def _built_in(obj) -> bool:
+    """Whether a class or function is ringseq's own, not a user's (a user's layout gets the
+    checks and the code a built-in one needs none of)."""
+    return obj.__module__.startswith("ringseq.")
+
+
 class Layout:
     """Base class. Subclasses define ``name``, ``_positions`` and ``_tasks`` (and ``multiple``
     when the length must be a multiple of more than ``W``). Everything else -- checks,
@@ -107,7 +114,7 @@ class Layout:
         :class:`ringseq.layouts.Documents` does with its boundaries, else ranks given
         different parameters pair silently."""
         cls = type(self)
-        if cls.__module__.startswith("ringseq."):
+        if _built_in(cls):
             return stable_code(self.name)
         # (a script's classes live in __main__ on the launching process and in __mp_main__
         # on the ranks multiprocessing spawns from it: one module)
@@ -155,7 +162,7 @@ class Layout:
         check_rank(rank, world_size)
         self.check_seqlen(seqlen, world_size)
         pos = self._checked_positions(seqlen, world_size, rank)
-        if not type(self)._positions.__module__.startswith("ringseq."):
+        if not _built_in(type(self)._positions):
             # a layout of the user's: its ranks' positions together must be a permutation,
             # else shard drops tokens and unshard returns uninitialized memory (checked once
             # per length and world size)
@@ -192,7 +199,7 @@ class Layout:
     def identity_on_one_rank(self, seqlen: int) -> bool:
         """Whether one rank holds the ``seqlen`` tokens in their own order (every built-in
         layout does: ``shard`` / ``unshard`` are then copies / no-ops at world size 1)."""
-        if type(self)._positions.__module__.startswith("ringseq."):
+        if _built_in(type(self)._positions):
             return True
         return layout_cached(self, ("identity", seqlen), lambda: bool(torch.equal(
             self.positions(seqlen, 1, 0), torch.arange(seqlen))))
@@ -367,8 +374,7 @@ def register_layout(layout: Layout) -> Layout:
         raise ValueError(f"register_layout: a layout's name must be a non-empty string without "
                          f"'|' or '#' (set the class's `name`), got {name!r}")
     old = LAYOUTS.get(name)
-    if old is not None and type(old) is not type(layout) and \
-            type(old).__module__.startswith("ringseq."):
+    if old is not None and type(old) is not type(layout) and _built_in(type(old)):
         raise ValueError(f"register_layout: {name!r} is a built-in layout of ringseq; register "
                          f"yours under another name (got {layout!r})")
     LAYOUTS[name] = layout
@@ -394,8 +400,7 @@ def layout_name_of_code(code: int) -> str:
 
 
 def check_rank(rank, world_size):
-    if isinstance(world_size, bool) or not hasattr(world_size, "__index__") or \
-            operator.index(world_size) < 1:  # (a NumPy int too)
+    if (as_int(world_size) or 0) < 1:  # (a NumPy int too)
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")

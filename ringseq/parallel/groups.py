@@ -38,13 +38,13 @@ This module: the sizes (:func:`resolve_sp_sizes`, :func:`check_model_heads`) and
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .._args import as_int, is_bool
 from .._dist import agree_on_fields, group_info, is_initialized
 from .._hash import stable_hash_ints
 from ..data import shard_batch
@@ -327,18 +327,11 @@ def sp_groups_from_tables(tables: Sequence[torch.Tensor], inner_ring_size: Optio
         coords=tuple(coords))
 
 
-def _is_bool(value) -> bool:
-    """A bool, NumPy's included ("no" or None would be read by their truth)."""
-    kind = type(value)
-    return isinstance(value, bool) or (kind.__module__ == "numpy"
-                                       and kind.__name__ in ("bool", "bool_"))
-
-
 def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
     """``(tables as int64 tensors, R, U, I)``; TypeError / ValueError naming
     sp_groups_from_tables for what cannot make one set of groups over ``world_size`` ranks."""
     fn = "sp_groups_from_tables"
-    if not _is_bool(ulysses_inner):
+    if not is_bool(ulysses_inner):
         raise TypeError(f"{fn}: ulysses_inner must be a bool, got {ulysses_inner!r}")
     try:
         tables = [torch.as_tensor(t, dtype=torch.long) for t in tables]
@@ -349,12 +342,10 @@ def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
         raise ValueError(f"{fn}: tables must be a non-empty list of (R, U) int tensors of global "
                          f"ranks, got {[tuple(t.shape) for t in tables]}")
     R, U = tables[0].shape
-    if inner_ring_size is not None and (isinstance(inner_ring_size, bool)
-                                        or not hasattr(inner_ring_size, "__index__")
-                                        or operator.index(inner_ring_size) < 1):
+    if inner_ring_size is not None and (as_int(inner_ring_size) or 0) < 1:
         raise ValueError(f"{fn}: inner_ring_size must be a positive integer or None, got "
                          f"{inner_ring_size!r}")
-    I = R if inner_ring_size is None else operator.index(inner_ring_size)
+    I = R if inner_ring_size is None else as_int(inner_ring_size)
     if R % I:
         raise ValueError(f"{fn}: inner_ring_size={inner_ring_size} does not divide the ring size "
                          f"{R}; use one of {_divisors(R)}")
@@ -434,7 +425,7 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
     try:
         if problem is not None:
             raise problem
-        if not _is_bool(ulysses_inner):
+        if not is_bool(ulysses_inner):
             raise TypeError(f"make_sp_groups: ulysses_inner must be a bool, got "
                             f"{ulysses_inner!r}")
         for name, v in (("ulysses_size", ulysses_size), ("inner_ring_size", inner_ring_size)):

@@ -12,6 +12,8 @@ from ..data import shard_batch
 from ..engine.integrity import ANY
 from ..engine.ring import get_ring
 from .digest import batch_digest, differing_digests
+from .loader_state import (LoaderPosition, ResumableDistributedSampler, loader_settings,
+                           read_loader_state, state_of)
 
 __all__ = ["ShardedDataLoader", "pack_documents"]
 
@@ -61,6 +63,9 @@ class ShardedDataLoader:
     Ranks fetching different batches (one skipped a step), or ranks of one data-parallel group
     whose batches differ (:func:`batch_digest`: another seed or sampler on one of them), raise
     ``RingMismatchError``.
+
+    :meth:`state_dict` / :meth:`load_state_dict` save and restore where the loader stands, so
+    a resumed run continues its epoch after the batches already handed out (see there).
     """
 
     def __init__(self, loader: DataLoader, sp_group, layout, dp_rank: int,
@@ -83,6 +88,11 @@ class ShardedDataLoader:
         #: batches with inputs_embeds are then refused here, agreed on by every rank
         self.needs_input_ids = False
         self.step = 0  # batches yielded so far, over all epochs (the same on every rank)
+        self._epoch = 0  # the epoch set last (set_epoch), which the next iteration runs
+        #: the epoch of the latest iteration and the batches it handed out (None: none yet)
+        self._iterated: Optional[LoaderPosition] = None
+        #: a position inside an epoch that load_state_dict restored, for the next iteration
+        self._resume: Optional[LoaderPosition] = None
         #: set by ``Booster.boost``: the boosted model's StepTag, which tags its ring calls
         #: with the number of the batch this loader handed out last
         self.tag = None
@@ -102,8 +112,65 @@ class ShardedDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffles (with ``shuffle=True``) consistently on all ranks; call once per epoch."""
+        self._epoch = epoch
         if isinstance(self.loader.sampler, DistributedSampler):
             self.loader.sampler.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch set last (:meth:`set_epoch`, or restored by :meth:`load_state_dict`)."""
+        return self._epoch
+
+    def state_dict(self) -> dict:
+        """Where this loader stands: the epoch of its latest iteration (or the epoch set, before
+        any), the batches of it handed out, the batches handed out in all, and the settings
+        that decide which samples a batch holds (batch size, data-parallel groups, shuffle,
+        seed, drop_last, dataset length). A batch handed out counts as trained on: save after
+        its optimizer step. The same on every rank (save it from any one); plain ints and
+        bools, for ``torch.save``, json or ``torch.distributed.checkpoint`` (the loader is a
+        ``Stateful``)."""
+        position = self._iterated or LoaderPosition(self.step, self._epoch, 0)
+        return state_of(LoaderPosition(self.step, position.epoch, position.batches),
+                        len(self.loader), loader_settings(self.loader))
+
+    def load_state_dict(self, state) -> None:
+        """Restores :meth:`state_dict`'s position; collective (every rank, before iterating).
+
+        The batch count continues from the saved one, and :attr:`epoch` becomes the saved
+        epoch (the next one when the saved epoch had ended). A state saved inside an epoch
+        makes the next iteration hand out that epoch's remaining batches, the same samples
+        the uninterrupted run would have trained on, without loading the others; it needs the
+        plugin's sampler (a loader from ``prepare_dataloader`` or ``boost``) and the saved
+        settings, and that iteration raises ValueError on every rank if another epoch was set
+        since (``set_epoch(loader.epoch)`` is fine). A state at an epoch boundary loads under
+        any settings (another mesh, batch size or dataset).
+
+        Raises on every rank: TypeError / ValueError for a state this loader cannot resume
+        (see :func:`ringseq.plugin.loader_state.read_loader_state`) on the ranks given it,
+        ``RingPeerError`` on the others; ``RingMismatchError`` when ranks load different
+        positions."""
+        sampler = self.loader.sampler
+        try:
+            position, error = read_loader_state(
+                state, loader_settings(self.loader),
+                resumable=isinstance(sampler, ResumableDistributedSampler)
+                and self.loader.batch_size is not None), None
+        except (TypeError, ValueError) as exc:
+            position, error = LoaderPosition(0, 0, 0), exc
+        if dist.is_initialized():
+            get_ring(self.check_group).agree(
+                error is None, str(error), error=error, about="loader state",
+                called="ShardedDataLoader.load_state_dict",
+                hint="Every rank loads the same loader state (state_dict() is the same on "
+                     "every rank: save it from one).",
+                fields=(("batches handed out", position.step), ("epoch", position.epoch),
+                        ("batches of the epoch", position.batches)))
+        elif error is not None:
+            raise error
+        self.step = position.step
+        self.set_epoch(position.epoch)
+        self._iterated = None
+        self._resume = position if position.batches else None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -117,11 +184,14 @@ class ShardedDataLoader:
         return {k: v.to(self.device, non_blocking=non_blocking) if torch.is_tensor(v) else v
                 for k, v in batch.items()}
 
-    def _next_shard(self, it):
+    def _next_shard(self, it, error: Optional[BaseException] = None):
         """This rank's next sharded batch, or None at the end; raises on every rank when any
-        rank's batch fails to load, collate or shard."""
-        error, out, ended = None, None, False
+        rank's batch fails to load, collate or shard (or ``error`` is given: a failure before
+        the batch, agreed on like one of the batch)."""
+        out, ended = None, False
         try:
+            if error is not None:
+                raise error
             batch = next(it)
         except StopIteration:
             # DistributedSampler gives every dp group the same number of batches, but a
@@ -208,12 +278,25 @@ class ShardedDataLoader:
                 f"ring pairs shards of different sequences")
 
     def __iter__(self) -> Iterator[dict]:
+        resume, skipped, error = self._resume, 0, None
+        if resume is not None and resume.epoch != self._epoch:  # (kept for a retry)
+            error = ValueError(
+                f"ShardedDataLoader: load_state_dict restored epoch {resume.epoch} after batch "
+                f"{resume.batches}, then set_epoch({self._epoch}) was called: resume epoch "
+                f"{resume.epoch} (loader.epoch) first, or load the state after set_epoch")
+        elif resume is not None:
+            # the sampler starts this epoch's order after the batches handed out: they are not
+            # fetched (nor their samples read) again
+            skipped, self._resume = resume.batches, None
+            self.loader.sampler.skip = skipped * self.loader.batch_size
+        self._iterated = LoaderPosition(self.step, self._epoch, skipped)
         it = iter(self.loader)
         while True:
-            out = self._next_shard(it)
+            out = self._next_shard(it, error)
             if out is None:
                 return
             self.step += 1
+            self._iterated = LoaderPosition(self.step, self._epoch, self._iterated.batches + 1)
             if self.tag is not None:
                 self.tag.value = self.step
             yield out

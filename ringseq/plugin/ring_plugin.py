@@ -9,7 +9,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+from torch.utils.data import (DataLoader, IterableDataset, RandomSampler,
                               SequentialSampler)
 
 from .._dist import named_for
@@ -20,6 +20,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.groups import SP_MODES
 from .base import Plugin
 from .dataloader import ShardedDataLoader, pack_documents
+from .loader_state import ResumableDistributedSampler
 from .ddp_sum import DdpSum, sum_allreduce_hook
 from .mesh import _world_size, build_mesh, build_sp_mesh
 from .policy import is_transformers_model, switch_attention
@@ -458,8 +459,11 @@ class RingSequenceParallelPlugin(Plugin):
             multiple = self.dims.seq_multiple(self.layout)
             kwargs["collate_fn"] = functools.partial(pack_documents, multiple=multiple,
                                                      ignore_index=self.ignore_index)
-        sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank,
-                                     shuffle=shuffle, seed=seed, drop_last=drop_last)
+        # (a DistributedSampler that can start an epoch after its first batches: a loader
+        # restored by ShardedDataLoader.load_state_dict resumes its epoch)
+        sampler = ResumableDistributedSampler(dataset, num_replicas=self.dp_size,
+                                              rank=self.dp_rank, shuffle=shuffle, seed=seed,
+                                              drop_last=drop_last)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                             drop_last=drop_last, pin_memory=pin_memory,
                             num_workers=num_workers, **kwargs)

@@ -1,0 +1,196 @@
+"""A resumed run continues its loader's epoch: ``ShardedDataLoader.state_dict`` saved after some
+batches and ``load_state_dict`` in a new loader give the batches the uninterrupted run would
+have handed out next (same samples, same shards, same batch numbers), without fetching the
+ones already trained on; a state the new loader cannot resume is refused on every rank.
+
+Before: the loader had no state; a resumed run started its epoch again, training twice on the
+batches before the checkpoint."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from utils import error_text
+
+
+class _Samples(torch.utils.data.Dataset):
+    """20 samples of 8 tokens, sample i all i; records the indices it is asked for."""
+
+    def __init__(self, n=20):
+        self.n, self.fetched = n, []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.fetched.append(i)
+        return {"input_ids": torch.arange(8) + 100 * i, "idx": i}
+
+
+def _batches(loader, n=None):
+    """(sample ids, this rank's token shard) of the next n batches (all with n None)."""
+    out = []
+    for batch in loader:
+        out.append((batch["idx"].tolist(), batch["input_ids"].tolist()))
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def _worker(tmp):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from ringseq.plugin import RingSequenceParallelPlugin
+    from ringseq.plugin.dataloader import ShardedDataLoader
+    rank, out = dist.get_rank(), {}
+    plugin = RingSequenceParallelPlugin(sp_size=2)  # W=4: dp 2 x sp 2
+
+    def loader(batch_size=2, data=None):
+        return plugin.prepare_dataloader(data or _Samples(), batch_size=batch_size,
+                                         shuffle=True, seed=7)
+
+    full = loader()  # the uninterrupted run: epochs 0 and 1
+    out["full"] = {}
+    for epoch in (0, 1):
+        full.set_epoch(epoch)
+        out["full"][epoch] = _batches(full)
+    out["full_step"] = full.step
+
+    run = loader()  # the interrupted run: epoch 0, then 2 batches of epoch 1
+    run.set_epoch(0)
+    _batches(run)
+    out["end_of_epoch_0"] = run.state_dict()
+    run.set_epoch(1)
+    out["before_checkpoint"] = _batches(run, 2)
+    inside = run.state_dict()
+    out["inside"] = inside
+    path = os.path.join(tmp, "loader.pt")
+    if rank == 0:
+        torch.save(inside, path)
+    dist.barrier()
+
+    data = _Samples()
+    resumed = loader(data=data)
+    resumed.load_state_dict(torch.load(path))
+    out["resumed_epoch"] = resumed.epoch
+    resumed.set_epoch(resumed.epoch)  # a loop's set_epoch(loader.epoch) is fine
+    out["resumed"] = _batches(resumed)
+    out["resumed_step"] = resumed.step
+    out["fetched"] = sorted(data.fetched)
+    resumed.set_epoch(2)  # the next epoch is whole again
+    out["next_epoch_length"] = len(_batches(resumed))
+
+    stateful = loader()  # torch.distributed.checkpoint takes the loader as a Stateful
+    dcp.save({"loader": run}, checkpoint_id=os.path.join(tmp, "dcp"))
+    dcp.load({"loader": stateful}, checkpoint_id=os.path.join(tmp, "dcp"))
+    out["resumed_through_dcp"] = _batches(stateful)
+
+    boundary = loader(batch_size=4)  # an epoch's end loads under other settings
+    boundary.load_state_dict(out["end_of_epoch_0"])
+    out["boundary"] = (boundary.epoch, boundary.step, len(_batches(boundary)))
+
+    out["other_batch_size"] = error_text(lambda: loader(batch_size=4).load_state_dict(inside))
+    retry = loader()
+    retry.load_state_dict(inside)
+    retry.set_epoch(0)
+    out["other_epoch"] = error_text(lambda: _batches(retry))
+    retry.set_epoch(1)
+    out["after_other_epoch"] = _batches(retry)
+    out["different_states"] = error_text(lambda: loader().load_state_dict(
+        inside if rank else out["end_of_epoch_0"]))
+    out["one_rank_bad"] = error_text(lambda: loader().load_state_dict(
+        {k: v for k, v in inside.items() if k != "seed"} if rank == 1 else inside))
+    out["not_a_state"] = error_text(lambda: loader().load_state_dict(5))
+    out["negative_step"] = error_text(lambda: loader().load_state_dict({**inside, "step": -1}))
+    plain = ShardedDataLoader(torch.utils.data.DataLoader(_Samples(), batch_size=2),
+                              plugin.sp_group, plugin.data_layout, plugin.dp_rank)
+    out["plain_sampler"] = error_text(lambda: plain.load_state_dict(inside))
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def w4(tmp_path_factory):
+    return run_ranks(_worker, 4, str(tmp_path_factory.mktemp("loader")), timeout=240)
+
+
+def test_a_resumed_epoch_hands_out_the_uninterrupted_runs_remaining_batches(w4):
+    for r in w4:
+        assert r["before_checkpoint"] == r["full"][1][:2]
+        assert r["resumed_epoch"] == 1
+        assert r["resumed"] == r["full"][1][2:]
+        assert r["resumed_through_dcp"] == r["full"][1][2:]
+        assert r["after_other_epoch"] == r["full"][1][2:]
+        assert r["resumed_step"] == r["full_step"]  # the ring calls' tags continue
+        assert r["next_epoch_length"] == len(r["full"][0])
+    # the two dp groups together still see every sample once in the resumed epoch
+    ids = sorted(i for r in w4[::2] for b in r["before_checkpoint"] + r["resumed"] for i in b[0])
+    assert ids == list(range(20))
+
+
+def test_the_batches_before_the_checkpoint_are_not_fetched_again(w4):
+    for r in w4:
+        assert r["fetched"] == sorted(i for b in r["full"][1][2:] for i in b[0])
+
+
+def test_the_state_is_the_same_on_every_rank_and_plain(w4):
+    assert all(r["inside"] == w4[0]["inside"] for r in w4)
+    state = w4[0]["inside"]
+    assert (state["step"], state["epoch"], state["batches_in_epoch"],
+            state["batches_per_epoch"]) == (7, 1, 2, 5)
+    assert {type(v) for v in state.values()} <= {int, bool, str}
+
+
+def test_a_state_at_an_epochs_end_starts_the_next_epoch_under_any_settings(w4):
+    for r in w4:
+        assert r["boundary"] == (1, 5, 3)  # epoch 1, 5 batches so far, 10 samples / 4 a batch
+
+
+@pytest.mark.parametrize("key, own, peers", [
+    ("other_batch_size", "ValueError: ShardedDataLoader.load_state_dict: the state stopped "
+                         "after batch 2 of 5 in epoch 1, and this loader would not draw the "
+                         "same samples", None),
+    ("other_epoch", "ValueError: ShardedDataLoader: load_state_dict restored epoch 1 after "
+                    "batch 2, then set_epoch(0) was called", None),
+    ("different_states", "RingMismatchError", None),
+    ("not_a_state", "TypeError: ShardedDataLoader.load_state_dict: state must be the mapping",
+     None),
+    ("negative_step", "TypeError: ShardedDataLoader.load_state_dict: state['step'] must be an "
+                      "int >= 0, got -1", None),
+    ("plain_sampler", "ValueError: ShardedDataLoader.load_state_dict: the state stopped after "
+                      "batch 2 of 5 in epoch 1; resuming inside an epoch needs the plugin's "
+                      "sampler", None),
+    ("one_rank_bad", "ValueError: ShardedDataLoader.load_state_dict: state lacks 'seed'",
+     "RingPeerError"),
+])
+def test_a_state_the_loader_cannot_resume_is_refused_on_every_rank(w4, key, own, peers):
+    for rank, r in enumerate(w4):
+        expected = own if peers is None or rank == 1 else peers
+        assert r[key].startswith(expected), (rank, r[key])
+    if key == "other_batch_size":
+        assert "batch_size: saved 2, this loader 4" in w4[0][key], w4[0][key]
+    if key == "different_states":
+        assert "ShardedDataLoader.load_state_dict" in w4[0][key], w4[0][key]
+
+
+def test_the_samplers_skip_holds_with_worker_processes():
+    """The indices are drawn in the loader's process and the samples fetched in its workers:
+    a skip of 4 samples starts the epoch at its third batch of 2 (the test ranks are daemons,
+    which cannot start workers: checked here, in pytest's process)."""
+    from ringseq.plugin.loader_state import ResumableDistributedSampler
+    sampler = ResumableDistributedSampler(_Samples(), num_replicas=2, rank=1, shuffle=True,
+                                          seed=7)
+    sampler.set_epoch(3)
+
+    def epoch():
+        loader = torch.utils.data.DataLoader(_Samples(), batch_size=2, sampler=sampler,
+                                             num_workers=1)
+        return [b["idx"].tolist() for b in loader]
+
+    whole = epoch()
+    sampler.skip = 4
+    assert epoch() == whole[2:]
+    assert epoch() == whole  # the skip applies to one iteration

@@ -6,10 +6,12 @@ Every configuration trains a tiny transformers model (random init, no download) 
 ``Booster`` on spawned gloo ranks (one spawn per world size, all its configurations in it):
 two warm-up steps (AdamW states, DDP's rebuilt buckets and the ring's cached exchange buffers
 then exist, as in any later step), then one tracked step (forward, loss, backward,
-``optimizer.step()``); the measured peak is the largest per-rank peak of that step, the
+``optimizer.step()``; with ``micro_batches`` > 1 that many forwards and backwards before the
+step, all but the last under ``booster.no_sync``); the measured peak is the largest per-rank peak of that step, the
 estimate ``plugin.estimate_memory(model, seqlen)`` (the plugin's own tp_size, zero_stage,
 sp_mode and activation_checkpointing). Also reported, not checked: the forward's own peak
-(right after the model's forward returns) against the estimate's forward moments.
+(right after the model's forward returns) against the estimate's forward moments (one
+micro-batch per step only: with more, the tracked peak spans the earlier micro-batches).
 
 How the peak is measured. ``torch.distributed._tools.mem_tracker.MemTracker`` (a
 TorchDispatchMode; runs on CPU) follows every tensor storage created under it. It cannot see
@@ -68,9 +70,9 @@ MODELS = {
 }
 
 
-def _cfg(name, model, precision, seqlen, quick=False, world=4, **plugin):
+def _cfg(name, model, precision, seqlen, quick=False, world=4, micro_batches=1, **plugin):
     return dict(name=name, model=model, plugin=plugin, precision=precision, seqlen=seqlen,
-                quick=quick, world=world)
+                quick=quick, world=world, micro_batches=micro_batches)
 
 
 # One configuration per line: the plugin's keyword arguments (sp_size, sp_mode, tp_size,
@@ -80,7 +82,7 @@ def _cfg(name, model, precision, seqlen, quick=False, world=4, **plugin):
 # moment at least once, ~80 s on 2 cores (all 16 that were once quick took ~130 s). Together
 # they cover sp 1/2/4/8, tp 1/2, zero 0/2/3, checkpointing off/on, fp32/bf16, ring / Ulysses /
 # hybrid and two sequence lengths per model; names start with the model and the mesh (dp is
-# W / (sp x tp)).
+# W / (sp x tp)). micro_batches > 1: gradient accumulation (booster.no_sync).
 CONFIGS = [
     # -- DDP (zero 0), no tensor parallelism
     _cfg("A sp1 fp32 s1024", "A", "fp32", 1024, quick=True, sp_size=1),
@@ -129,6 +131,18 @@ CONFIGS = [
     _cfg("B sp2 tp2 zero3 bf16 s2048 ckpt", "B", "bf16", 2048, quick=True, sp_size=2,
          tp_size=2, zero_stage=3, activation_checkpointing=True),
     _cfg("A sp2 tp2 zero2 fp32 s4096", "A", "fp32", 4096, sp_size=2, tp_size=2, zero_stage=2),
+    # -- gradient accumulation: micro-batches per optimizer step, all but the last no_sync
+    _cfg("A sp2 ring bf16 s2048 accum2", "A", "bf16", 2048, quick=True, sp_size=2,
+         micro_batches=2),
+    _cfg("A sp2 ring fp32 s2048 accum3", "A", "fp32", 2048, sp_size=2, micro_batches=3),
+    _cfg("A sp2 tp2 bf16 s2048 accum2", "A", "bf16", 2048, sp_size=2, tp_size=2,
+         micro_batches=2),
+    _cfg("A dp2 sp2 zero2 bf16 s2048 accum2", "A", "bf16", 2048, quick=True, sp_size=2,
+         zero_stage=2, micro_batches=2),
+    _cfg("A dp2 sp2 zero3 fp32 s2048 accum2", "A", "fp32", 2048, sp_size=2, zero_stage=3,
+         micro_batches=2),
+    _cfg("B sp4 zero3 bf16 s2048 ckpt accum2", "B", "bf16", 2048, sp_size=4, zero_stage=3,
+         activation_checkpointing=True, micro_batches=2),
     # -- 8 ranks (the full table only)
     _cfg("A W8 dp2 sp2 tp2 zero3 bf16 s2048", "A", "bf16", 2048, world=8, sp_size=2,
          tp_size=2, zero_stage=3),
@@ -227,7 +241,8 @@ def measure(configs, steps_before=2):
         # foreach: torch's default AdamW on CUDA (on CPU the default is the for-loop one)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         g = torch.Generator().manual_seed(1)
-        n = (steps_before + 1) * plugin.dp_size
+        m = c.get("micro_batches", 1)  # per optimizer step, the first m - 1 under no_sync
+        n = (steps_before + 1) * plugin.dp_size * m
         ids = torch.randint(0, model.config.vocab_size, (n, c["seqlen"]), generator=g)
         loader = plugin.prepare_dataloader([{"input_ids": i, "labels": i} for i in ids],
                                            batch_size=1)
@@ -243,12 +258,17 @@ def measure(configs, steps_before=2):
             forward_peak = []
 
             def step():
-                batch = next(batches)
-                out = model(**batch)
-                forward_peak.append(_peak(tracker, cuda))  # the model's forward, logits made
-                loss = criterion(out, batch)
-                del out
-                booster.backward(loss, opt)
+                for j in range(m):
+                    batch = next(batches)
+                    with (booster.no_sync(model, opt) if j < m - 1
+                          else contextlib.nullcontext()):
+                        out = model(**batch)
+                        forward_peak.append(_peak(tracker, cuda))  # the forward, logits made
+                        loss = criterion(out, batch)
+                        del out
+                        booster.backward(loss, opt)
+                    if j < m - 1:
+                        tracker.reset_mod_stats()  # (one module pass per record)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 tracker.reset_mod_stats()  # MemTracker tracks one iteration per record
@@ -266,9 +286,11 @@ def measure(configs, steps_before=2):
             peak = tracker.get_tracker_snapshot("peak")
             measured = _peak(tracker, cuda)
         # the plugin's own sizes: tp_size, zero_stage, activation_checkpointing, sp_mode
-        est = plugin.estimate_memory(model, c["seqlen"], optimizer="adamw")
+        est = plugin.estimate_memory(model, c["seqlen"], optimizer="adamw",
+                                     gradient_accumulation_steps=m)
         out.append({"name": c["name"], "measured": measured, "estimate": est.total,
-                    "forward_measured": forward_peak[-1],
+                    # (with accumulation the tracked peak spans the earlier micro-batches)
+                    "forward_measured": forward_peak[-1] if m == 1 else None,
                     "forward_estimate": max(v for n, v in est.moments if n.startswith("forward")),
                     "peak_phase": est.peak_phase, "seconds": time.perf_counter() - t0,
                     "cpu_seconds": time.process_time() - c0,
@@ -295,12 +317,14 @@ def _rows(configs, per_rank):
         ranks = [r[i] for r in per_rank]
         measured = max(r["measured"] for r in ranks)
         est = ranks[0]["estimate"]
-        fwd = max(r["forward_measured"] for r in ranks)
+        fwd = (None if ranks[0]["forward_measured"] is None
+               else max(r["forward_measured"] for r in ranks))
         rows.append({"name": c["name"], "estimate": est, "measured": measured,
                      "error": est / measured - 1, "peak_phase": ranks[0]["peak_phase"],
                      "forward_estimate": ranks[0]["forward_estimate"],
                      "forward_measured": fwd,
-                     "forward_error": ranks[0]["forward_estimate"] / fwd - 1,
+                     "forward_error": (None if fwd is None
+                                       else ranks[0]["forward_estimate"] / fwd - 1),
                      "seconds": max(r["seconds"] for r in ranks),
                      "cpu_seconds": sum(r["cpu_seconds"] for r in ranks),
                      "rank_spread": max(r["measured"] for r in ranks)

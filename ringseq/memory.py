@@ -229,6 +229,7 @@ class MemoryEstimate:
     activation_checkpointing: bool
     sp_mode: str
     ulysses_size: int
+    gradient_accumulation_steps: int
     # bytes per rank
     params: int
     grads: int
@@ -266,7 +267,9 @@ class MemoryEstimate:
                 f"{s.vocab}{' (tied)' if s.tied else ''}\n"
                 f"seqlen {self.seqlen} x micro-batch {self.micro_batch} on {self.world_size} "
                 f"ranks: {self.mesh()}, {self.precision}, {self.optimizer_name}; "
-                f"{self.micro_batch * self.seqlen // self.sp_size} tokens per rank\n")
+                f"{self.micro_batch * self.seqlen // self.sp_size} tokens per rank"
+                + (f"; {self.gradient_accumulation_steps} micro-batches per optimizer step"
+                   if self.gradient_accumulation_steps > 1 else "") + "\n")
         rows = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
                 ("comm_buffers", self.comm_buffers), ("weight_copies", self.weight_copies),
                 ("activations_per_layer", self.activations_per_layer),
@@ -345,6 +348,7 @@ class _Plan:
     mode: str
     U: int  # Ulysses degree
     R: int  # ring degree
+    accum: int = 1  # micro-batches per optimizer step (gradient accumulation)
 
     # -- dtypes and regime -------------------------------------------------------------
     @property
@@ -591,6 +595,13 @@ class _Terms:
         self.params = f32 * P // N
         self.grads = f32 * P // N
         self.optimizer = 2 * f32 * P // N  # AdamW exp_avg + exp_avg_sq
+        # Gradient accumulation (micro-batches after the first, booster.no_sync): the sum of
+        # the earlier micro-batches' gradients, float32 and unsharded on every mesh -- the
+        # parameters' .grad, which autograd adds to in place (DDP, tensor parallelism), or
+        # FSDP2's unsharded accumulated gradients (reduce_dtype float32 under bf16; no_sync
+        # skips the reduce-scatter), each unit's until its reduce in the last micro-batch.
+        self.accumulated_layer = f32 * p.layer_params() if p.accum > 1 else 0
+        self.accumulated_root = f32 * p.root_params() if p.accum > 1 else 0
         # DDP: the reducer's gradient buckets, float32, the size of all gradients (grads are
         # copied in and out: gradient_as_bucket_view=False); the plugin uses no DDP on 1 rank.
         # With tp > 1 there is no DDP (it cannot take DTensor parameters):
@@ -748,10 +759,22 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
 
     out: List[Tuple[str, Dict[str, int]]] = []
 
-    def add(name, **live):
+    def add(name, unreduced: int = L, accumulating: bool = True, **live):
+        """A moment; ``unreduced``: the decoder layers whose accumulated gradients FSDP2 has
+        not reduced yet at it (gradient accumulation; the root's count until the end);
+        ``accumulating``: whether it is part of a micro-batch's forward or backward."""
         d = dict(persistent)
         for key, v in live.items():
             d[key] = d.get(key, 0) + v
+        if not accumulating:
+            pass
+        elif t.accumulated_root and p.zero == 0:
+            # a micro-batch after the first: every gradient exists, and each new one is added
+            # to it in place (freed at once: no new gradient is held)
+            d["grads"] = t.grads
+        elif t.accumulated_root:
+            d["grads"] = (d.get("grads", 0) + t.accumulated_root
+                          + unreduced * t.accumulated_layer)
         out.append((name, d))
 
     wcopies_fwd = t.wcopy  # the autocast cache holds every copy until the forward returns
@@ -809,30 +832,30 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         acts = below + t.rope + t.batch
         # MLP backward (at the product's gradients): all of this layer saved except the
         # product; down_proj's gradient made, its weight copy released
-        add(f"backward, {label} layer's MLP", temporaries=t.g + t.mlp_bwd + rs_above,
+        add(f"backward, {label} layer's MLP", unreduced=l + 1, temporaries=t.g + t.mlp_bwd + rs_above,
             grads=grads + t.grad_down, comm_buffers=gathered("layer", l),
             weight_copies=wc - t.wcopy_down, activations=acts + layer - t.prod)
         # attention backward: the MLP's and o_proj's gradients made, their copies released
-        add(f"backward, {label} layer's attention",
+        add(f"backward, {label} layer's attention", unreduced=l + 1,
             temporaries=t.g + t.attn_bwd + rs_above, grads=grads + t.grad_mlp_o,
             comm_buffers=gathered("layer", l), weight_copies=wc - t.wcopy_mlp_o,
             activations=acts + t.layer_attn_part + extra)
         if p.zero >= 2:
             # FSDP2's post_backward of this layer, at the copy into the reduce-scatter input:
             # the layer's unsharded gradients next to it (the input of the layer above freed)
-            add(f"backward, {label} layer's reduce-scatter", activations=acts,
+            add(f"backward, {label} layer's reduce-scatter", unreduced=l + 1, activations=acts,
                 grads=grads, temporaries=t.g + t.layer_ugrads + t.rs_layer,
                 comm_buffers=gathered("reduce", l))
     if p.zero >= 2:
         # the root's post_backward at the end of the backward: its unsharded gradients
         # (embedding, LM head, final norm) and their reduce-scatter input, every layer's
         # reduced gradients; only the batch is left of the forward
-        add("backward end, root reduce-scatter", activations=t.batch,
+        add("backward end, root reduce-scatter", unreduced=0, activations=t.batch,
             grads=L * t.layer_grads + t.root_ugrads, temporaries=t.rs_root)
     if t.grad_sync:
         # the end of the backward under tp at zero 0: every gradient and their flat copy
         add("backward end, gradient sum", grads=t.grads, temporaries=t.grad_sync)
-    add("optimizer step", grads=t.grads, temporaries=t.opt_tmp)
+    add("optimizer step", accumulating=False, grads=t.grads, temporaries=t.opt_tmp)
     return out
 
 
@@ -858,12 +881,14 @@ def _divisors(n: int) -> List[int]:
 
 
 def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_stage, precision,
-          optimizer, activation_checkpointing, sp_mode, ulysses_size, layout) -> _Plan:
+          optimizer, activation_checkpointing, sp_mode, ulysses_size, layout,
+          gradient_accumulation_steps=1) -> _Plan:
     shape = ModelShape.from_config(config)
-    seqlen, micro_batch, world_size, sp_size, tp_size = (
+    seqlen, micro_batch, world_size, sp_size, tp_size, accum = (
         _check_int(name, v) for name, v in (
             ("seqlen", seqlen), ("micro_batch", micro_batch), ("world_size", world_size),
-            ("sp_size", sp_size), ("tp_size", tp_size)))
+            ("sp_size", sp_size), ("tp_size", tp_size),
+            ("gradient_accumulation_steps", gradient_accumulation_steps)))
     # (NumPy's integers as ints; what is no integer ParallelDims names)
     zero_stage, ulysses_size = (int(v) if isinstance(v, numbers.Integral) and
                                 not isinstance(v, bool) else v
@@ -911,7 +936,7 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
     U, R = dims.ulysses_size, dims.ring_size
     return _Plan(shape=shape, b=micro_batch, seqlen=seqlen, world=world_size, sp=sp_size,
                  tp=tp_size, zero=zero_stage, precision=precision, optimizer=optimizer,
-                 ckpt=bool(activation_checkpointing), mode=sp_mode, U=U, R=R)
+                 ckpt=bool(activation_checkpointing), mode=sp_mode, U=U, R=R, accum=accum)
 
 
 # ------------------------------------------------------------------------------ API
@@ -919,7 +944,8 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
                     sp_size: int, tp_size: int = 1, zero_stage: int = 0,
                     precision: str = "bf16", optimizer: str = "adamw",
                     activation_checkpointing: bool = False, sp_mode: str = "ring",
-                    ulysses_size: Optional[int] = None, layout="zigzag") -> MemoryEstimate:
+                    ulysses_size: Optional[int] = None, layout="zigzag",
+                    gradient_accumulation_steps: int = 1) -> MemoryEstimate:
     """Per-rank memory of one training step (forward, backward, AdamW step), in bytes.
 
     Args:
@@ -939,6 +965,10 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
         sp_mode, ulysses_size: as ``RingSequenceParallelPlugin``.
         layout: the plugin's data layout (a name or a ``ringseq.layouts.Layout``): it decides
             only what ``seqlen`` must be a multiple of.
+        gradient_accumulation_steps: micro-batches per optimizer step (all but the last
+            under ``booster.no_sync``); from the second on, the float32 sum of the earlier
+            gradients is live through the forward and backward, unsharded on every mesh
+            (FSDP2 keeps each unit's until its reduce-scatter in the last micro-batch).
 
     Returns a :class:`MemoryEstimate` (frozen). Raises TypeError for a config that is neither
     a config nor a dict (a model, None), KeyError for a config without a needed key (naming
@@ -950,7 +980,8 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
     p = _plan(config, seqlen=seqlen, micro_batch=micro_batch, world_size=world_size,
               sp_size=sp_size, tp_size=tp_size, zero_stage=zero_stage, precision=precision,
               optimizer=optimizer, activation_checkpointing=activation_checkpointing,
-              sp_mode=sp_mode, ulysses_size=ulysses_size, layout=layout)
+              sp_mode=sp_mode, ulysses_size=ulysses_size, layout=layout,
+              gradient_accumulation_steps=gradient_accumulation_steps)
     t = _Terms(p)
     moments = _moments(p, t)
     name, live = max(moments, key=lambda m: sum(m[1].values()))
@@ -966,7 +997,7 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
         shape=p.shape, seqlen=seqlen, micro_batch=micro_batch, world_size=world_size,
         sp_size=sp_size, tp_size=tp_size, zero_stage=zero_stage, precision=precision,
         optimizer_name=optimizer, activation_checkpointing=bool(activation_checkpointing),
-        sp_mode=sp_mode, ulysses_size=p.U,
+        sp_mode=sp_mode, ulysses_size=p.U, gradient_accumulation_steps=p.accum,
         params=t.params, grads=t.grads, optimizer=t.optimizer, comm_buffers=comm,
         weight_copies=t.wcopy, activations_per_layer=t.layer_ckpt if p.ckpt else t.layer,
         activations=activations, attention_buffers=t.ring_buffers,
@@ -1040,7 +1071,7 @@ def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
                    **kwargs) -> List[MemoryEstimate]:
     """The estimates of every mesh (:func:`meshes`) whose peak fits in ``device_memory``
     bytes at ``seqlen``, best first (see ``_cost_key``). ``kwargs``: micro_batch, precision,
-    optimizer, layout. Meshes whose sizes do not divide ``seqlen`` are left out.
+    optimizer, layout, gradient_accumulation_steps. Meshes whose sizes do not divide ``seqlen`` are left out.
 
     Raises TypeError for another keyword and ValueError for a bad option value (a misspelled
     precision or optimizer, micro_batch < 1, seqlen < 1), checked once on the plain
@@ -1053,10 +1084,12 @@ def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
 def _search(config, *, world_size, seqlen, device_memory, **kwargs):
     """(the meshes that fit, best first; every mesh estimated; {reason: meshes left out})
     for :func:`fitting_meshes` and the CLI, which reports what was left out and why."""
-    extra = set(kwargs) - {"micro_batch", "precision", "optimizer", "layout"}
+    extra = set(kwargs) - {"micro_batch", "precision", "optimizer", "layout",
+                           "gradient_accumulation_steps"}
     if extra:
         raise TypeError(f"fitting_meshes: unexpected keyword argument(s) {sorted(extra)}; it "
-                        f"takes micro_batch, precision, optimizer and layout")
+                        f"takes micro_batch, precision, optimizer, layout and "
+                        f"gradient_accumulation_steps")
     _check_budget("fitting_meshes", device_memory)
     # the options' own errors (dp = world_size, nothing split: every seqlen >= 1 divides)
     with _named_as("fitting_meshes"):
@@ -1172,6 +1205,8 @@ def main(argv=None) -> int:
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--micro-batch", type=int, default=1, help="samples per dp group")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                   help="micro-batches per optimizer step (booster.no_sync)")
     p.add_argument("--max-seqlen", action="store_true",
                    help="also (or, without --seqlen, only) the longest sequence each mesh fits")
     args = p.parse_args(argv)
@@ -1183,7 +1218,7 @@ def main(argv=None) -> int:
         p.error(f"--device-memory must be more than 0 bytes, got {args.device_memory}")
     if args.seqlen is None and not args.max_seqlen:
         p.error("give --seqlen N, --max-seqlen, or both")
-    for name in ("seqlen", "world_size", "micro_batch"):
+    for name in ("seqlen", "world_size", "micro_batch", "gradient_accumulation_steps"):
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -1193,13 +1228,16 @@ def main(argv=None) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         p.error(f"--config {args.config}: {exc}")
     common = dict(micro_batch=args.micro_batch, precision=args.precision,
-                  optimizer=args.optimizer)
+                  optimizer=args.optimizer,
+                  gradient_accumulation_steps=args.gradient_accumulation_steps)
     n_params = _Plan(shape=shape, b=1, seqlen=1, world=1, sp=1, tp=1, zero=0, precision="fp32",
                      optimizer="adamw", ckpt=False, mode="ring", U=1, R=1).params()
     print(f"# {shape.layers} layers, hidden {shape.hidden}, MLP {shape.intermediate}, heads "
           f"{shape.heads}/{shape.kv_heads}, vocab {shape.vocab}: {n_params / 1e9:.2f} B "
           f"parameters; {args.world_size} ranks of {_gib(memory)} GiB, {args.precision}, "
-          f"{args.optimizer}, micro-batch {args.micro_batch}")
+          f"{args.optimizer}, micro-batch {args.micro_batch}"
+          + (f", {args.gradient_accumulation_steps} micro-batches per optimizer step"
+             if args.gradient_accumulation_steps > 1 else ""))
     header = ("dp", "sp", "mode", "tp", "zero", "ckpt")
 
     def mesh_cells(e: MemoryEstimate):

@@ -165,6 +165,27 @@ def test_zero_shards_state_over_dp_and_sp():
     assert z3.total < 80 * GiB
 
 
+def test_gradient_accumulation_keeps_the_float32_gradient_sum_through_the_next_forward():
+    """From the second micro-batch on, the earlier micro-batches' gradients are live through
+    the forward: float32 and unsharded on every mesh (the .grad autograd adds to under DDP and
+    tensor parallelism, FSDP2's unsharded sum until its reduce-scatter). Before: not
+    modeled, 5.7-7.8 % below the peak MemTracker measured with two micro-batches."""
+    for kw in (dict(zero_stage=0), dict(zero_stage=3), dict(zero_stage=2, tp_size=2),
+               dict(zero_stage=0, tp_size=2)):
+        one, two = est(**kw), est(gradient_accumulation_steps=2, **kw)
+        unsharded = one.grads * (one.world_size // one.tp_size if kw["zero_stage"] else 1)
+        at_loss = {name: v for name, v in two.moments}["loss backward"]
+        assert at_loss - {name: v for name, v in one.moments}["loss backward"] == unsharded
+        assert two.total >= one.total + unsharded - one.grads  # (the step's own grads overlap)
+        assert est(gradient_accumulation_steps=3, **kw).total == two.total
+        # the optimizer step comes after the last reduction: no sum is left
+        assert dict(two.moments)["optimizer step"] == dict(one.moments)["optimizer step"]
+    assert "2 micro-batches per optimizer step" in str(est(gradient_accumulation_steps=2))
+    with pytest.raises(ValueError, match=r"^estimate_memory: gradient_accumulation_steps must "
+                                         r"be an integer >= 1, got 0"):
+        est(gradient_accumulation_steps=0)
+
+
 def test_checkpointing_keeps_layer_input_and_attention_outputs():
     off = est(precision="bf16")
     on = est(precision="bf16", activation_checkpointing=True)

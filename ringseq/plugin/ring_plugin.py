@@ -763,14 +763,16 @@ class RingSequenceParallelPlugin(Plugin):
         return DistributedCheckpointIO()
 
     def estimate_memory(self, model: nn.Module, seqlen: int, micro_batch: int = 1,
-                        optimizer: str = "adamw", activation_checkpointing: bool = None):
+                        optimizer: str = "adamw", activation_checkpointing: bool = None,
+                        gradient_accumulation_steps: int = 1):
         """Per-rank memory of one training step of ``model`` (a transformers model, boosted or
         not) at global sequence length ``seqlen`` on this plugin's mesh and precision:
         :func:`ringseq.memory.estimate_memory` (see there for ``optimizer``, the result and
-        what is raised). ``activation_checkpointing``: whether the decoder layers are
-        checkpointed (None: the plugin's own ``activation_checkpointing``). A double ring
-        (``inner_ring_size``) is estimated as one ring. Local: no communication. Raises
-        ValueError for a model without a ``config``."""
+        what is raised; ``gradient_accumulation_steps``: micro-batches per optimizer step,
+        all but the last under ``booster.no_sync``). ``activation_checkpointing``: whether
+        the decoder layers are checkpointed (None: the plugin's own
+        ``activation_checkpointing``). A double ring (``inner_ring_size``) is estimated as one
+        ring. Local: no communication. Raises ValueError for a model without a ``config``."""
         from ..memory import estimate_memory
         inner = model.unwrap() if isinstance(model, ModelWrapper) else model
         config = getattr(inner, "config", None)
@@ -788,7 +790,7 @@ class RingSequenceParallelPlugin(Plugin):
                                       else activation_checkpointing),
             sp_mode=self.sp_mode,
             ulysses_size=self.ulysses_size if self.sp_mode == "hybrid" else None,
-            layout=self.layout)
+            layout=self.layout, gradient_accumulation_steps=gradient_accumulation_steps)
 
     def __repr__(self):
         modes = ("" if self.sp is None else

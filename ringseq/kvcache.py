@@ -525,7 +525,15 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     checks off, only the all-gather (ranks that disagree then compute wrong outputs).
     """
     fn = _RING_FN
-    world, rank = group_info(group, "ring_flash_attn_with_kvcache")
+    try:
+        world, rank = group_info(group, "ring_flash_attn_with_kvcache")
+    except TypeError as exc:
+        # not a group at all: the peers, waiting in the agreement below on a group this rank
+        # cannot know, would pair their call with this rank's next one; the default group's
+        # ring is where a group=None peer waits (a peer of another group times out instead)
+        if dist.is_initialized():
+            get_ring(None).agree(False, str(exc), error=exc, about="kv-cache call")
+        raise
     problem = None
     try:
         plan = _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, rank,

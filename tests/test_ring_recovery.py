@@ -156,6 +156,9 @@ def _case_one_rank_bad_argument():
         "cu_seqlens": dict(cu_seqlens=[0, 5, 15] if rank == 1 else [0, 5, 16]),
         "meta": dict(),
         "window": dict(window_size=(-3, 0) if rank == 1 else (2, 0)),
+        # not a group at all (before: rank 0 was never told; its call paired with rank 1's
+        # next one, both returning numbers 1.9 off float64, then it timed out)
+        "group": dict(group="world" if rank == 1 else None),
     }
     for name, kw in bad.items():
         kk = k.to("meta") if (name == "meta" and rank == 1) else k
@@ -1207,11 +1210,14 @@ def test_different_group_objects_are_named(w2):
         _exact_ok(r["groups"]["after_reset"])
 
 
-@pytest.mark.parametrize("name, needle", [("cu_seqlens", "GLOBAL document boundaries"),
-                                          ("meta", "meta device"),
-                                          ("window", "window_size entries must be >= 0")])
-def test_one_rank_bad_argument_raises_everywhere(w2, name, needle):
-    _is_error(w2[1]["bad_argument"][name], ("ValueError",), needle)
+@pytest.mark.parametrize("name, kind, needle", [
+    ("cu_seqlens", "ValueError", "GLOBAL document boundaries"),
+    ("meta", "ValueError", "meta device"),
+    ("window", "ValueError", "window_size entries must be >= 0"),
+    ("group", "TypeError", "ring_flash_attn_func: group must be a torch.distributed "
+                           "ProcessGroup or None")])
+def test_one_rank_bad_argument_raises_everywhere(w2, name, kind, needle):
+    _is_error(w2[1]["bad_argument"][name], (kind,), needle)
     _is_error(w2[0]["bad_argument"][name], ("RingPeerError",), "rank(s) [1]", needle)
     for r in w2:
         _exact_ok(r["bad_argument"]["after"])

@@ -371,6 +371,14 @@ def refuse_on_error(group, kind: int, failed: bool = False):
     except (Exception, KeyboardInterrupt) as exc:  # Ctrl-C too: the peers would wait
         try:
             ring = get_ring(group)
-        except Exception:  # noqa: BLE001 - a group this rank cannot use: nobody to tell
+        except ValueError:  # a group this rank is not in: its members are not waiting on it
             raise exc from None
+        except TypeError:
+            # Not a group at all (a typo, a name): the peers passed one this rank cannot know.
+            # Left untold, they would pair this call with this rank's next one (wrong numbers
+            # on both); the default group's ring is where a group=None peer waits, and where a
+            # peer of another group times out rather than pairing.
+            if not is_initialized():
+                raise exc from None
+            ring = get_ring(None)
         ring.refuse(kind, exc, failed)

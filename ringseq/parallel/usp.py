@@ -77,6 +77,13 @@ def usp_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causal: b
                 return_lse, backend, grad_comm_dtype, window_size, softcap, cu_seqlens)
 
 
+def _refusal_group(sp):
+    """Where a refusal of ``sp`` goes: its sequence-parallel group, or for what is no
+    SequenceParallelGroups the value itself (a process group passed instead: its ring; anything
+    else: the default group's, see ``refuse_on_error``)."""
+    return sp.group if isinstance(sp, SequenceParallelGroups) else sp
+
+
 def _check_sp(fn: str, sp) -> None:
     if not isinstance(sp, SequenceParallelGroups):  # (its group is where a refusal goes)
         raise TypeError(f"{fn}: sp must be the SequenceParallelGroups of ringseq.make_sp_groups "
@@ -85,8 +92,8 @@ def _check_sp(fn: str, sp) -> None:
 
 def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, backend,
          grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None):
-    _check_sp(fn, sp)
-    with refuse_on_error(sp.group, FWD):
+    with refuse_on_error(_refusal_group(sp), FWD):
+        _check_sp(fn, sp)
         check_returns(fn, False, return_lse)
         q, k, v = autocast_inputs(q, k, v)
         U, R = sp.ulysses_size, sp.ring_size
@@ -119,8 +126,8 @@ def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
     ``attn_mask`` must be None (ValueError otherwise) and ``dropout_p`` 0 (NotImplementedError
     above 0)."""
     fn = "usp_sdpa"
-    _check_sp(fn, sp)
-    with refuse_on_error(sp.group, FWD):
+    with refuse_on_error(_refusal_group(sp), FWD):
+        _check_sp(fn, sp)
         q, k, v = sdpa_inputs(fn, query, key, value, attn_mask, dropout_p, is_causal, scale,
                               enable_gqa)
         named_layout(fn, layout, takes_documents=False)

@@ -38,6 +38,16 @@ def _worker(tmp):
     # each rank given another step's directory (before: loaded; the replicas then diverged)
     out["optim_dirs"] = error_text(lambda: booster.load_optimizer(
         opt, f"{tmp}/optim1" if rank == 0 else f"{tmp}/optim2"))
+    # ... or one path, which rank 1's node holds at the other step (a node-local copy): the
+    # contents read are compared
+    import torch.distributed.checkpoint as dcp
+    real_load = dcp.load
+    if rank == 1:
+        dcp.load = lambda state, checkpoint_id: real_load(state, checkpoint_id=f"{tmp}/optim1")
+    try:
+        out["optim_copies"] = error_text(lambda: booster.load_optimizer(opt, f"{tmp}/optim2"))
+    finally:
+        dcp.load = real_load
     step()
     gathered = [None, None]
     dist.all_gather_object(gathered, [p.detach() for p in model.parameters()])
@@ -109,8 +119,13 @@ def w2(tmp_path_factory):
 
 def test_an_unsharded_optimizer_directory_read_at_different_steps_is_refused(w2):
     for r in w2:
-        assert r["optim_dirs"].startswith("ValueError") and \
-            "the ranks read different contents" in r["optim_dirs"], r["optim_dirs"]
+        assert r["optim_dirs"].startswith(
+            "RingMismatchError: load_optimizer: the ranks made different checkpoint calls "
+            "(rank 0: load_optimizer("), r["optim_dirs"]
+        assert "optim1')" in r["optim_dirs"] and "optim2'))" in r["optim_dirs"], r["optim_dirs"]
+        assert r["optim_copies"].startswith("ValueError: load_optimizer: loading the "
+                                            "checkpoint") and \
+            "the ranks read different contents" in r["optim_copies"], r["optim_copies"]
         assert r["replicas_equal"] and r["moved"], r
 
 
@@ -123,8 +138,8 @@ def test_a_failed_sharded_save_leaves_no_index_to_load(w2):
 
 
 def test_rank_0s_save_error_names_the_checkpoint(w2):
-    assert w2[0]["save_error"].startswith("FileExistsError: [Errno 17] rank 0: saving the "
-                                          "checkpoint"), w2[0]["save_error"]
+    assert w2[0]["save_error"].startswith("FileExistsError: [Errno 17] save_lr_scheduler: rank "
+                                          "0: saving the checkpoint"), w2[0]["save_error"]
     assert "rank 0 failed to write the checkpoint" in w2[1]["save_error"], w2[1]["save_error"]
 
 
@@ -138,3 +153,123 @@ def test_a_failed_sharded_optimizer_save_leaves_no_metadata_to_load(w2):
     for r in w2:
         assert r["failed_optim_save"] != "no error", r
         assert r["load_after_failed_optim_save"] != "no error", r
+
+
+def _worker_calls(tmp):
+    """Checkpoint calls the ranks make differently, or with arguments they do not take."""
+    import torch.distributed as dist
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    rank, out = dist.get_rank(), {}
+
+    def boosted(**plugin):
+        booster = Booster(RingSequenceParallelPlugin(sp_size=1, **plugin))
+        torch.manual_seed(0)
+        net = _Net()
+        model, opt, *_ = booster.boost(net, torch.optim.Adam(net.parameters(), lr=0.1))
+        return booster, model, opt
+
+    def step(booster, model, opt):
+        booster.backward(model(torch.randn(2, 4)).sum(), opt)  # (fp16: scaled)
+        opt.step()
+        opt.zero_grad()
+
+    # a plain optimizer file at two steps, from replicated training (dp 2)
+    booster, model, opt = boosted()
+    for n in (1, 2):
+        step(booster, model, opt)
+        booster.save_optimizer(opt, f"{tmp}/optim{n}.pt")
+    # ... loaded into sharded parameters (zero 3) from one path that rank 1's node holds at
+    # step 1 (before: no error, step 1.0 on rank 0 and 2.0 on rank 1)
+    booster, model, opt = boosted(zero_stage=3)
+    path, real_load = f"{tmp}/optim2.pt", torch.load
+    if rank == 1:
+        torch.load = lambda f, *a, **k: real_load(f"{tmp}/optim1.pt" if f == path else f,
+                                                  *a, **k)
+    try:
+        out["file_copies_into_sharded"] = error_text(lambda: booster.load_optimizer(opt, path))
+    finally:
+        torch.load = real_load
+    out["fresh_after_refusal"] = not opt.optim.state
+    step(booster, model, opt)
+    # each rank its own path (before: no error; rank 1's shards and files were lost)
+    out["save_paths"] = error_text(lambda: booster.save_model(model, f"{tmp}/model_r{rank}.pt"))
+    out["optim_paths"] = error_text(lambda: booster.save_optimizer(opt, f"{tmp}/optim_r{rank}"))
+    dist.barrier()
+    out["written"] = sorted(n for n in os.listdir(tmp) if "_r" in n)
+    # arguments the calls do not take (before: ignored, a single file written)
+    target = f"{tmp}/model_sharded"
+    out["colossalai_shard"] = error_text(lambda: booster.save_model(
+        model, target, shard=True, size_per_shard=1))
+    out["typo"] = error_text(lambda: booster.save_model(model, target, max_shard=1000))
+    out["one_rank_typo"] = error_text(lambda: booster.save_model(
+        model, target, **({"max_shard": 1000} if rank == 1 else {})))
+    for size in (0, True, "0.1B"):
+        out[f"size_{size}"] = error_text(lambda: booster.save_model(model, target,
+                                                                      max_shard_size=size))
+    out["sharded_no"] = error_text(lambda: booster.save_optimizer(opt, target, sharded="no"))
+    out["strict_no"] = error_text(lambda: booster.load_model(model, target, strict="no"))
+    out["not_a_path"] = error_text(lambda: booster.save_model(model, 3))
+    dist.barrier()
+    out["target_written"] = os.path.exists(target)
+    # a grad scaler file an fp16 run left beside a path: the next save without one removes it
+    # (before: an fp16 run resuming the fp32 run's file took the old run's loss scale)
+    booster, model, opt = boosted(precision="fp16")
+    step(booster, model, opt)
+    booster.save_optimizer(opt, f"{tmp}/mixed.pt")
+    out["scaler_saved"] = os.path.exists(f"{tmp}/mixed.pt.grad_scaler")
+    booster, model, opt = boosted()
+    step(booster, model, opt)
+    booster.save_optimizer(opt, f"{tmp}/mixed.pt")
+    out["scaler_left"] = os.path.exists(f"{tmp}/mixed.pt.grad_scaler")
+    return out
+
+
+@pytest.fixture(scope="module")
+def w2_calls(tmp_path_factory):
+    return run_ranks(_worker_calls, 2, str(tmp_path_factory.mktemp("calls")), timeout=240)
+
+
+def test_a_plain_file_read_into_sharded_parameters_is_compared_across_ranks(w2_calls):
+    for r in w2_calls:
+        assert r["file_copies_into_sharded"].startswith(
+            "ValueError: load_optimizer: loading the checkpoint"), r["file_copies_into_sharded"]
+        assert "the ranks read different contents" in r["file_copies_into_sharded"]
+        assert r["fresh_after_refusal"]
+
+
+@pytest.mark.parametrize("key, fn, path", [("save_paths", "save_model", "model_r"),
+                                           ("optim_paths", "save_optimizer", "optim_r")])
+def test_ranks_given_different_paths_write_nothing(w2_calls, key, fn, path):
+    for r in w2_calls:
+        text = r[key]
+        assert text.startswith(f"RingMismatchError: {fn}: the ranks made different checkpoint "
+                               f"calls (rank 0: {fn}("), text
+        assert f"{path}0" in text and f"{path}1" in text, text
+        assert r["written"] == [], r["written"]
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("colossalai_shard", "TypeError: save_model: unexpected keyword argument(s) ['shard', "
+                         "'size_per_shard']; it takes ['max_shard_size']"),
+    ("typo", "TypeError: save_model: unexpected keyword argument(s) ['max_shard']"),
+    ("size_0", "ValueError: save_model: max_shard_size must be a positive number of bytes"),
+    ("size_True", "ValueError: save_model: max_shard_size must be a positive number of bytes"),
+    ("size_0.1B", "ValueError: save_model: max_shard_size must be a positive number of bytes"),
+    ("sharded_no", "TypeError: save_optimizer: sharded must be a bool or None, got 'no'"),
+    ("strict_no", "TypeError: load_model: strict must be a bool, got 'no'"),
+    ("not_a_path", "TypeError: save_model: checkpoint must be a path (str or os.PathLike), "
+                   "got int"),
+])
+def test_arguments_a_checkpoint_call_does_not_take_are_refused_on_every_rank(w2_calls, key,
+                                                                            expected):
+    for r in w2_calls:
+        assert r[key].startswith(expected), r[key]
+        assert not r["target_written"]
+    assert w2_calls[1]["one_rank_typo"].startswith(
+        "TypeError: save_model: unexpected keyword argument(s) ['max_shard']")
+    assert w2_calls[0]["one_rank_typo"].startswith("RingPeerError"), w2_calls[0]
+
+
+def test_a_save_without_a_grad_scaler_removes_an_earlier_ones_file(w2_calls):
+    for r in w2_calls:
+        assert r["scaler_saved"] and not r["scaler_left"], r

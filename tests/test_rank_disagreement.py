@@ -11,8 +11,9 @@ ranks, CPU, dp 2 x sp 2 where the plugin runs):
   seed) raise at the first batch (before: each ring paired shards of different sequences);
 * a rank that skipped ``zero_grad`` refuses the step and the others refuse with it, before any
   parameter moves (before: the others stepped, then waited in the vote after the step);
-* a rank given another checkpoint file than the others: every rank raises, none loads
-  (before: the ranks trained on from different weights);
+* a rank given another checkpoint file than the others (another path, or the same path holding
+  other contents on its node): every rank raises, none loads (before: the ranks trained on
+  from different weights);
 * a rank that skipped an optimizer step meets the others' step agreement with its next batch's:
   every rank raises RingDesyncError (before: that rank raised, the others judged by their own
   empty fields, went on and waited until the ring timeout).
@@ -119,6 +120,15 @@ def _worker(tmp):
     before = _params_digest(model.unwrap())
     name = "step1.pt" if rank == 1 else "step2.pt"
     out["checkpoint"] = _timed(lambda: booster.load_model(model, os.path.join(tmp, name)))
+    # one path, which rank 1's node holds at step 1 (a node-local copy): contents compared
+    step2, real_load = os.path.join(tmp, "step2.pt"), torch.load
+    if rank == 1:
+        torch.load = lambda f, *a, **k: real_load(os.path.join(tmp, "step1.pt") if f == step2
+                                                  else f, *a, **k)
+    try:
+        out["checkpoint_copies"] = _timed(lambda: booster.load_model(model, step2))
+    finally:
+        torch.load = real_load
     out["loaded"] = _params_digest(model.unwrap()) != before
     booster.load_model(model, os.path.join(tmp, "step2.pt"))  # the same file: loads
     out["params"] = _params_digest(model.unwrap())
@@ -167,7 +177,9 @@ def test_ranks_that_disagree_raise_together(tmp_path):
     _assert_everywhere(results, "zero_grad_one_rank", "ValueError", "RingPeerError",
                        needle="a backward added its gradients to gradients", own_rank=0)
     assert not any(res["moved"] for res in results)
-    _assert_everywhere(results, "checkpoint", "ValueError",
+    _assert_everywhere(results, "checkpoint", "RingMismatchError",
+                       needle="load_model: the ranks made different checkpoint calls")
+    _assert_everywhere(results, "checkpoint_copies", "ValueError",
                        needle="the ranks read different contents")
     assert not any(res["loaded"] for res in results)
     assert len({res["params"] for res in results}) == 1, [res["params"] for res in results]

@@ -342,11 +342,21 @@ def _case_checkpoints(tmp):
     model = torch.nn.Linear(3, 3)
     good = os.path.join(tmp, "good.pt")
     torch.save(model.state_dict(), good)
-    bad = os.path.join(tmp, f"garbage{rank}.pt")
-    with open(bad, "wb") as f:
-        f.write(b"\x00not a checkpoint" if rank == 1 else open(good, "rb").read())
+    # (one path for every rank, which rank 1's node holds as garbage: its reads go there)
+    bad, garbage = os.path.join(tmp, "node_copy.pt"), os.path.join(tmp, f"garbage{rank}.pt")
+    with open(garbage, "wb") as f:
+        f.write(b"\x00not a checkpoint")
+    if rank == 0:
+        torch.save(model.state_dict(), bad)
+    dist.barrier()
     before = [p.detach().clone() for p in model.parameters()]
-    out["load"] = _capture(lambda: booster.load_model(model, bad))
+    real_load = torch.load
+    if rank == 1:
+        torch.load = lambda f, *a, **k: real_load(garbage if f == bad else f, *a, **k)
+    try:
+        out["load"] = _capture(lambda: booster.load_model(model, bad))
+    finally:
+        torch.load = real_load
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     # a symlink planted at <path>.tmp is never written through
     target = os.path.join(tmp, "victim.txt")
@@ -730,7 +740,7 @@ def test_checkpoints_are_safe_and_collective(w2):
         assert not c["marker"], "a crafted checkpoint ran code"
         if r == 1:  # its own error type, with rank and path
             assert c["load"][0] == "UnpicklingError" and "rank 1" in c["load"][1] \
-                and "garbage1.pt" in c["load"][1], c["load"]
+                and "node_copy.pt" in c["load"][1], c["load"]
         else:
             assert c["load"][0] == "ValueError" and "another rank" in c["load"][1] \
                 and "failed rank(s): [1]" in c["load"][1], c["load"]

@@ -476,18 +476,30 @@ def _case_plugin_failures(tmp):
     booster.reset()
     out["after_bad_label"] = _capture(lambda: step(good))
     out["params"] = [p.detach().clone() for p in model.unwrap().parameters()]
-    # checkpoints: a truncated file on one rank, a wrong-shape file on all: all or none
+    # checkpoints: a file rank 1's node sees truncated (a copy of its own, read in place of
+    # the one path every rank is given), a wrong-shape file on all: all or none
     before = [p.detach().clone() for p in model.unwrap().parameters()]
-    path = os.path.join(tmp, f"ckpt_{rank}.pt")
+    path, truncated = os.path.join(tmp, "ckpt.pt"), os.path.join(tmp, "ckpt_truncated.pt")
     sd = model.unwrap().state_dict()
-    torch.save(sd, path)
-    if rank == 1:
-        with open(path, "r+b") as f:
+    if rank == 0:
+        torch.save(sd, path)
+        torch.save(sd, truncated)
+        with open(truncated, "r+b") as f:
             f.truncate(100)
-    out["truncated"] = _capture(lambda: booster.load_model(model, path))
+    dist.barrier()
+    real_load = torch.load
+    if rank == 1:
+        torch.load = lambda f, *a, **k: real_load(truncated if f == path else f, *a, **k)
+    try:
+        out["truncated"] = _capture(lambda: booster.load_model(model, path))
+    finally:
+        torch.load = real_load
+    dist.barrier()
     wrong = dict(sd)
     wrong["lm_head.weight"] = torch.zeros(3, 3, dtype=torch.float64)
-    torch.save(wrong, path)
+    if rank == 0:
+        torch.save(wrong, path)
+    dist.barrier()
     out["wrong_shape"] = _capture(lambda: booster.load_model(model, path))
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before,
                                                               model.unwrap().parameters()))

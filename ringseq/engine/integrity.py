@@ -70,7 +70,7 @@ _OPERATIONS = ("ring attention", "double-ring attention", "Ulysses attention")
 # judge by the fields it passed itself, and the ranks could reach different verdicts.
 AGREEMENTS = ("argument check", "optimizer step", "optimizer step refusal", "batch", "loss",
               "attention inputs", "kv-cache call", "plugin options", "boosted model",
-              "checkpoint load", "loader state")
+              "checkpoint load", "loader state", "checkpoint call")
 
 
 def agreement_code(about: str) -> int:

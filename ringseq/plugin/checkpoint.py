@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .._dist import agree_or_raise, with_message
 from ..engine.integrity import ANY
 from ..engine.ring import get_ring
+from .checkpoint_call import checkpoint_call, current_call
 from .digest import differing_digests, state_digest
 
 __all__ = ["ReplicatedCheckpointIO"]
@@ -80,8 +81,8 @@ def on_writer(path: str, write) -> None:
             error = saving_failed(exc, path)
     if dist.is_initialized():
         agree_or_raise(error is None, f"saving {path!r} failed: {error!r}", error=error,
-                       peer_message=f"rank 0 failed to write the checkpoint {path!r} (see its "
-                                    f"error)")
+                       peer_message=f"{current_call()}: rank 0 failed to write the checkpoint "
+                                    f"{path!r} (see its error)")
     elif error is not None:
         raise error
 
@@ -89,7 +90,7 @@ def on_writer(path: str, write) -> None:
 def saving_failed(error: BaseException, path: str) -> BaseException:
     """``error`` (its type where it takes a message; an OSError keeps its errno and filename)
     saying which checkpoint failed to save, the original chained."""
-    text = f"rank 0: saving the checkpoint {path!r} failed"
+    text = f"{current_call()}: rank 0: saving the checkpoint {path!r} failed"
     if isinstance(error, OSError) and error.errno is not None:
         wrapped = type(error)(error.errno, f"{text}: {error.strerror}", error.filename)
         wrapped.__cause__ = error
@@ -121,14 +122,14 @@ def _load(path: str, check, apply, read=read_file, replicated: bool = False):
         error = exc
     rank = dist.get_rank() if dist.is_initialized() else 0
     if error is not None:
-        message = (f"rank {rank}: loading the checkpoint {path!r} failed (nothing was loaded on "
-                   f"any rank): {type(error).__name__}: {error}")
+        message = (f"{current_call()}: rank {rank}: loading the checkpoint {path!r} failed "
+                   f"(nothing was loaded on any rank): {type(error).__name__}: {error}")
         error = with_message(error, message)
     if dist.is_initialized():
         agree_or_raise(error is None, str(error), error=error,
-                       peer_message=f"loading the checkpoint {path!r} failed on another rank "
-                                    f"(see its error); no rank loaded it, this rank's state is "
-                                    f"unchanged")
+                       peer_message=f"{current_call()}: loading the checkpoint {path!r} "
+                                    f"failed on another rank (see its error); no rank loaded "
+                                    f"it, this rank's state is unchanged")
     elif error is not None:
         raise error
     if replicated:
@@ -146,7 +147,8 @@ def _check_same_state(path: str, state) -> None:
                       fields=(("checkpoint digest", state_digest(state), ANY),))
     split = differing_digests([(0, digest) for (digest,) in rows or ()])
     if split:
-        raise ValueError(f"loading the checkpoint {path!r}: the ranks read different contents "
+        raise ValueError(f"{current_call()}: loading the checkpoint {path!r}: the ranks read "
+                         f"different contents "
                          f"(digests {split[0]}); every rank must load the same checkpoint. "
                          f"Nothing was loaded on any rank")
 
@@ -322,6 +324,22 @@ def _check_scheduler_state(lr_scheduler, state) -> None:
                          f"group(s), this one {len(own['base_lrs'])}")
 
 
+def save_scaler(optimizer, scaler_file: str) -> None:
+    """Writes the fp16 grad scaler's state of ``optimizer`` to ``scaler_file``; without a scaler
+    removes one an earlier save left there, which a load would otherwise restore beside this
+    optimizer state (another run's loss scale)."""
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is not None:
+        _save(scaler.state_dict(), scaler_file)
+    else:
+        on_writer(scaler_file, lambda: _remove_stale(scaler_file))
+
+
+def _remove_stale(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
 def _with_scaler_state(optimizer, scaler_file: str, read_optimizer):
     """``(read, apply_scaler)`` for loading an optimizer together with the fp16 grad scaler's
     state saved beside it (when the optimizer has a scaler and ``scaler_file`` exists): ``read``
@@ -365,22 +383,24 @@ class ReplicatedCheckpointIO:
     exclusively created temporary file in the target directory, then ``os.replace``.
     """
 
-    def save_model(self, model, checkpoint: str, **_) -> None:
+    @checkpoint_call
+    def save_model(self, model, checkpoint: str) -> None:
         _save(_unwrap(model).state_dict(), checkpoint)
 
-    def load_model(self, model, checkpoint: str, strict: bool = True, **_):
+    @checkpoint_call
+    def load_model(self, model, checkpoint: str, strict: bool = True):
         model = _unwrap(model)
         return _load(checkpoint, lambda state: _check_model_state(model, state, strict),
                      lambda state: model.load_state_dict(state, strict=strict),
                      replicated=True)
 
-    def save_optimizer(self, optimizer, checkpoint: str, **_) -> None:
+    @checkpoint_call
+    def save_optimizer(self, optimizer, checkpoint: str) -> None:
         _save(_unwrap(optimizer).state_dict(), checkpoint)
-        scaler = getattr(optimizer, "scaler", None)
-        if scaler is not None:
-            _save(scaler.state_dict(), checkpoint + ".grad_scaler")
+        save_scaler(optimizer, checkpoint + ".grad_scaler")
 
-    def load_optimizer(self, optimizer, checkpoint: str, **_) -> None:
+    @checkpoint_call
+    def load_optimizer(self, optimizer, checkpoint: str) -> None:
         optim = _unwrap(optimizer)
         read, apply_scaler = _with_scaler_state(optimizer, checkpoint + ".grad_scaler", read_file)
 
@@ -391,9 +411,11 @@ class ReplicatedCheckpointIO:
         _load(checkpoint, lambda states: _check_optimizer_state(optim, states[0]), apply, read,
               replicated=True)
 
+    @checkpoint_call
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         _save(lr_scheduler.state_dict(), checkpoint)
 
+    @checkpoint_call
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         _load(checkpoint, lambda state: _check_scheduler_state(lr_scheduler, state),
               lr_scheduler.load_state_dict, replicated=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
@@ -35,7 +34,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .._dist import agree_or_raise
 from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
                          _load, _save, _unwrap, _with_scaler_state, _write, on_writer,
-                         read_file)
+                         read_file, save_scaler)
+from .checkpoint_call import checkpoint_call, shard_bytes
 
 # The fp16 grad scaler's state inside a sharded optimizer checkpoint's directory.
 _SCALER_FILE = "grad_scaler.pt"
@@ -43,8 +43,6 @@ _SCALER_FILE = "grad_scaler.pt"
 __all__ = ["DistributedCheckpointIO", "INDEX_NAME"]
 
 INDEX_NAME = "pytorch_model.bin.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10,
-          "MIB": 2 ** 20, "GIB": 2 ** 30}
 
 
 def _is_sharded(model) -> bool:
@@ -70,16 +68,6 @@ def _holds_dtensors(optimizer) -> bool:
     inner = _unwrap(optimizer)
     return any(isinstance(p, DTensor) for g in getattr(inner, "param_groups", ())
                for p in g["params"])
-
-
-def _shard_bytes(size) -> int:
-    if isinstance(size, int) and size > 0:
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
-    if not m:
-        raise ValueError(f"max_shard_size must be a positive number of bytes or a string like "
-                         f"'500MB' / '2GiB', got {size!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
 def full_model_state_dict(model) -> dict:
@@ -173,8 +161,9 @@ def _fqn_optimizer_state(optimizer, plain: dict) -> dict:
 
 
 def _checkpoint_exception_text(exc, path: str, what: str) -> str:
-    causes = "; ".join(f"rank {r}: {type(f[0]).__name__}: {f[0]}"
-                       for r, f in sorted(exc.failures.items()))
+    # (torch gives each failed rank's (exception, traceback))
+    failures = {r: f[0] if isinstance(f, tuple) else f for r, f in exc.failures.items()}
+    causes = "; ".join(f"rank {r}: {type(f).__name__}: {f}" for r, f in sorted(failures.items()))
     return f"torch.distributed.checkpoint could not {what} {path!r}: {causes}"
 
 
@@ -267,18 +256,20 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
     """The plugin's checkpoint I/O for every mesh (see the module doc). Saving and loading
     are collective; a failed write or read raises on every rank (as ReplicatedCheckpointIO)."""
 
-    def save_model(self, model, checkpoint: str, max_shard_size=None, **_) -> None:
+    @checkpoint_call
+    def save_model(self, model, checkpoint: str, max_shard_size=None) -> None:
         """Writes the full state dict to the file ``checkpoint``, or with ``max_shard_size``
         (bytes, or e.g. ``"2GB"``) as transformers-style shards into the directory
         ``checkpoint``."""
-        limit = None if max_shard_size is None else _shard_bytes(max_shard_size)
+        limit = None if max_shard_size is None else shard_bytes(max_shard_size)
         state = full_model_state_dict(_unwrap(model))
         if limit is None:
             _save(state, checkpoint)
             return
         on_writer(checkpoint, lambda: _write_shards(state, checkpoint, limit))
 
-    def load_model(self, model, checkpoint: str, strict: bool = True, **_):
+    @checkpoint_call
+    def load_model(self, model, checkpoint: str, strict: bool = True):
         """Loads a full state dict (a file, or a directory of shards from ``save_model``) into
         ``model`` on any mesh, all or nothing: every rank reads the whole checkpoint and checks
         its keys and (global) shapes against the model before any rank changes a parameter."""
@@ -303,7 +294,8 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         return _load(checkpoint, lambda state: _check_model_state(inner, state, strict), apply,
                      read_full_state_dict, replicated=True)
 
-    def save_optimizer(self, optimizer, checkpoint: str, sharded=None, **_) -> None:
+    @checkpoint_call
+    def save_optimizer(self, optimizer, checkpoint: str, sharded=None) -> None:
         """Sharded models (or ``sharded=True``): a ``torch.distributed.checkpoint`` directory,
         with the fp16 grad scaler's state in it as ``grad_scaler.pt``; otherwise the plain
         ``torch.optim`` state dict file (and ``<path>.grad_scaler``)."""
@@ -349,11 +341,11 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             dcp.save({"optimizer": state}, checkpoint_id=checkpoint)
         except CheckpointException as exc:  # a BaseException: `except Exception` misses it
             raise ValueError(_checkpoint_exception_text(exc, checkpoint, "save to")) from None
-        scaler = getattr(optimizer, "scaler", None)
-        if scaler is not None:  # (dcp reads only the files its metadata lists)
-            _save(scaler.state_dict(), os.path.join(checkpoint, _SCALER_FILE))
+        # (dcp reads only the files its metadata lists)
+        save_scaler(optimizer, os.path.join(checkpoint, _SCALER_FILE))
 
-    def load_optimizer(self, optimizer, checkpoint: str, **_) -> None:
+    @checkpoint_call
+    def load_optimizer(self, optimizer, checkpoint: str) -> None:
         """Loads either format into this mesh's optimizer (resharding as needed), all or
         nothing: the checkpoint (and the grad scaler's state) is read into new tensors and
         checked on every rank before any rank's optimizer changes. A directory is read by
@@ -436,9 +428,10 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         # zero gradients at lr 0); a failed load takes it back, so that nothing has changed
         fresh = not opt.state
         try:
-            # (unsharded: every rank read the whole state, so the ranks compare its digest,
-            # as for a plain file: one rank given another step's directory is refused)
-            _load(checkpoint, check, apply, read, replicated=not _is_sharded(model))
+            # (a file, or a directory into unsharded parameters: every rank read the whole
+            # state, so the ranks compare its digest: one rank given another step's is refused)
+            _load(checkpoint, check, apply, read,
+                  replicated=not _is_sharded(model) or not os.path.isdir(checkpoint))
         except BaseException:
             if fresh:
                 opt.state.clear()

@@ -507,6 +507,30 @@ def test_forward_mode_ad_and_torch_func_transforms_are_refused():
     assert torch.equal(torch.func.functionalize(f)(q), f(q))
 
 
+def test_torch_func_transforms_are_refused_inside_torch_compile():
+    """A compiled torch.func.jvp (before: a zero tangent where the float64 finite difference
+    is 2.5, with no error) and a compiled torch.func.grad raise naming the function; the
+    compiled forward and backward are unchanged."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 9, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+
+    def f(x):
+        return ringseq.flash_attn_func(x, k, v, causal=True)
+    for transform in (lambda x: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+                      lambda x: torch.func.grad(lambda y: f(y).sum())(x)):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"flash_attn_func: torch.func transforms \((jvp|grad) "
+                                            r"here"):
+            torch.compile(transform, fullgraph=True)(q)
+    torch._dynamo.reset()
+    x = q.clone().requires_grad_()
+    out = torch.compile(f, fullgraph=True)(x)
+    out.sum().backward()
+    x2 = q.clone().requires_grad_()
+    f(x2).sum().backward()
+    assert torch.equal(out, f(q)) and torch.equal(x.grad, x2.grad)
+
+
 @pytest.mark.parametrize("backend", ["ringseq", "sdpa", "reference"])
 def test_backend_calls_refuse_row_tensors_of_other_shapes(backend):
     """A backend's validating calls check dout, out, lse, delta and the accumulators against q

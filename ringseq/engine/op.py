@@ -137,6 +137,39 @@ def _refuse_transforms(fn: str, *tensors: Tensor) -> None:
                            f"torch.autograd.grad) and batch along the batch dimension")
 
 
+_FUNCTORCH_KERNELS: list = []  # (the libraries holding them stay alive with the module)
+
+
+def _refuse_at_functorch_layer(op, name: str) -> None:
+    """The operator ``op`` (``ringseq::<name>``, its spec key 4th) refuses torch.func transforms
+    at functorch's own dispatch key, where they reach it also inside ``torch.compile`` (whose
+    trace skips :func:`_refuse_transforms`: a compiled ``torch.func.jvp`` gave a zero tangent
+    without a word). ``functionalize`` computes no derivative: the operator runs below it."""
+    def at_functorch_layer(*args, **kwargs):
+        from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+        interpreter = retrieve_current_functorch_interpreter()
+        kind = interpreter.key().name
+        if kind == "Functionalize":
+            from torch._subclasses.functional_tensor import FunctorchFunctionalizeAPI
+            api = FunctorchFunctionalizeAPI(interpreter)
+            inner, inner_kwargs = api.unwrap_tensors((args, kwargs))
+            with api.redispatch_to_next():
+                result = op(*inner, **inner_kwargs)
+            return api.wrap_tensors(result)
+        fn = spec_from_key(args[3]).fn if len(args) > 3 and isinstance(args[3], str) else name
+        raise RuntimeError(f"{fn}: torch.func transforms ({kind.lower()} here; jvp, grad, vmap, "
+                           f"jacrev, ...) and forward-mode AD are not supported by ringseq "
+                           f"attention, compiled or not: its derivative is defined by its "
+                           f"backward only. Use torch.autograd (loss.backward(), "
+                           f"torch.autograd.grad) and batch along the batch dimension")
+    lib = torch.library.Library("ringseq", "IMPL")
+    lib.impl(name, at_functorch_layer, "FuncTorchDynamicLayerFrontMode")
+    _FUNCTORCH_KERNELS.append(lib)
+
+
+_refuse_at_functorch_layer(torch.ops.ringseq.attention.default, "attention")
+
+
 def run_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec,
                   placement: Placement) -> Tuple[Tensor, Tensor]:
     """``(out, lse)`` of attention with ``spec`` (validated by the caller) placed by

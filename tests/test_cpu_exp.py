@@ -95,3 +95,28 @@ def test_softmax_exp_gives_the_same_bits_at_every_fma_level():
         own = ~(x > 0)
         assert same_bits(results[level][1][own], results[first][1][own]), (
             f"the non-positive exp at {level} differs from {first} where x <= 0")
+
+
+@pytest.mark.parametrize("isa", cpu_isa_levels())
+def test_the_soft_caps_tanh_is_as_close_for_negative_scores_as_for_positive(isa):
+    """cap * tanh(s / cap) through the forward's lse (window (0, 0): each query sees one key,
+    so lse is its capped score), against float64, in units of float32's spacing there. Before:
+    1.4 for s > 0 but 3.0 for s < 0 (1 - 2 / (exp(2s) + 1) near -1: the rounding of a quotient
+    just below 2), 3.4 on the capped score with cap 20."""
+    import numpy as np
+    import ringseq
+    cap = 20.0
+    s = torch.linspace(-120.0, 120.0, 20000)
+    exact = cap * torch.tanh(s.double() / cap)
+    spacing = torch.from_numpy(np.spacing(np.abs(exact.float().numpy())).astype(np.float64))
+    ones = torch.ones(1, s.numel(), 1, 1)
+    ringseq._C._set_cpu_isa(isa)
+    try:
+        _, lse = ringseq.flash_attn_func(s.reshape(1, -1, 1, 1), ones, ones, softmax_scale=1.0,
+                                         window_size=(0, 0), softcap=cap, return_lse=True,
+                                         backend="ringseq")
+    finally:
+        ringseq._C._set_cpu_isa(None)
+    ulps = (lse.reshape(-1).double() - exact).abs() / spacing
+    negative, positive = ulps[s < 0].max().item(), ulps[s > 0].max().item()
+    assert negative <= 2.5 and positive <= 2.5, (isa, negative, positive)

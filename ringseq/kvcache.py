@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ._args import check_alibi_slopes, check_bool, check_softmax_scale, parse_window
-from ._dist import group_info
+from ._dist import RingPeerError, group_info
 from ._hash import stable_hash_ints
 from .engine.ring import get_ring
 from .kernels.checks import accum_dtype, resolve_scale
@@ -687,6 +687,50 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
 
 
 def _ring_decode(plan, group, world):
+    q = plan["q"]
+    b, s_q, h, d = q.shape
+    acc = accum_dtype(q.dtype)
+    failure = None
+    try:
+        payload, new_part = _local_decode(plan)  # (b, s_q, h, d + 1) in acc
+    except (Exception, KeyboardInterrupt) as exc:  # re-raised below, after the gather
+        failure, new_part = exc, None
+        payload = torch.zeros((b, s_q, h, d + 1), dtype=acc, device=q.device)
+    if world > 1:
+        # One all-gather of (out, lse) per rank, and of whether this rank's part failed: a
+        # rank that failed still meets the others in it (they would wait there until the
+        # process group's timeout), and every rank learns who failed.
+        status = payload.new_tensor([0.0 if failure is None else 1.0])
+        flat = torch.cat((payload.reshape(-1), status))
+        parts = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(parts, flat, group=group)
+        failed = [r for r, part in enumerate(parts) if part[-1].item() != 0]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RingPeerError(f"ringseq: ring_flash_attn_with_kvcache: rank(s) {failed} of the "
+                                f"group failed computing their part of the call where this rank "
+                                f"did not (see their errors); no output on any rank. Repeat the "
+                                f"call with the same cache_seqlens on every rank", ranks=failed)
+        gathered = torch.stack([part[:-1].view(b, s_q, h, d + 1) for part in parts])
+    elif failure is not None:
+        raise failure
+    else:
+        gathered = payload.unsqueeze(0)  # (W, b, s_q, h, d + 1)
+    outs, lses = gathered[..., :d], gathered[..., d].transpose(2, 3)  # (W, b, h, s_q)
+    if new_part is not None:
+        out_n, lse_n = new_part
+        outs = torch.cat((outs, out_n.to(acc).unsqueeze(0)))
+        lses = torch.cat((lses, lse_n.to(acc).unsqueeze(0)))
+    out, lse = _merge_partials(outs, lses)
+    out = out.to(q.dtype)
+    return (out, _flash_lse(lse)) if plan["return_lse"] else out
+
+
+def _local_decode(plan):
+    """This rank's part of a ring decode: ``((out, lse) of its cache shard as one payload
+    (b, s_q, h, d + 1) in the accumulation dtype, (out, lse) of the new tokens or None)``; the
+    new tokens are written to the slots this rank holds."""
     q, kc, vc, k, v = plan["q"], plan["kc"], plan["vc"], plan["k"], plan["v"]
     lengths, starts, homes, rank = plan["lengths"], plan["starts"], plan["homes"], plan["rank"]
     causal, window, softcap, scale = plan["causal"], plan["window"], plan["softcap"], plan["scale"]
@@ -707,6 +751,7 @@ def _ring_decode(plan, group, world):
     local_start = torch.minimum(homes.count(first), local_end.long()).to(torch.int32)
     out_r, lse_r = _attend_cache(q, kc, vc, local_end, local_start, None, scale, False, (-1, -1),
                                  softcap, plan["num_splits"])
+    new_part = None
     if k is not None:
         # The new tokens go to their homes; the block of queries x new keys is computed on
         # every rank from the replicated k, v (bottom-right causal / window within it).
@@ -720,24 +765,11 @@ def _ring_decode(plan, group, world):
         # left padding that reaches into the new tokens (a left-padded prompt appended to an
         # empty cache) hides those keys here too
         new_start = (starts.long() - end_old).clamp(0, s_new).to(torch.int32)
-        out_n, lse_n = _attend_cache(q, k, v, new_len, new_start, None, scale, causal, window,
-                                     softcap, 0)
+        new_part = _attend_cache(q, k, v, new_len, new_start, None, scale, causal, window,
+                                 softcap, 0)
     acc = accum_dtype(q.dtype)
-    # One all-gather of (out, lse): (b, s_q, h, d + 1) per rank in the accumulation dtype.
     payload = torch.cat((out_r.to(acc), lse_r.to(acc).transpose(1, 2).unsqueeze(-1)), dim=-1)
-    if world > 1:
-        parts = [torch.empty_like(payload) for _ in range(world)]
-        dist.all_gather(parts, payload.contiguous(), group=group)
-        gathered = torch.stack(parts)  # (W, b, s_q, h, d + 1)
-    else:
-        gathered = payload.unsqueeze(0)
-    outs, lses = gathered[..., :d], gathered[..., d].transpose(2, 3)  # (W, b, h, s_q)
-    if k is not None:
-        outs = torch.cat((outs, out_n.to(acc).unsqueeze(0)))
-        lses = torch.cat((lses, lse_n.to(acc).unsqueeze(0)))
-    out, lse = _merge_partials(outs, lses)
-    out = out.to(q.dtype)
-    return (out, _flash_lse(lse)) if plan["return_lse"] else out
+    return payload, new_part
 
 
 # torch.compile / meta support of the operator (shapes only; the binding checks the values).

@@ -185,6 +185,38 @@ def _case_one_rank_bad_argument():
     return out
 
 
+def _case_kvcache_local_failure():
+    """A ring decode whose local part fails on rank 1 (after the arguments were agreed on: an
+    out-of-memory error in its attention, say): rank 1 raises its error, rank 0 RingPeerError
+    at once (before: rank 0 waited in the payload's all-gather until rank 1 left, then got
+    gloo's "Connection closed by peer"); the next decode is exact."""
+    import ringseq.kvcache as kvcache
+    rank = dist.get_rank()
+    full = _full(7)
+    k_shard, v_shard = (ringseq.shard(t, "contiguous") for t in full[1:])
+    q = full[0][:, -1:]
+    ref = ringseq.flash_attn_func(q, full[1], full[2], causal=True, backend="reference")
+
+    def decode():
+        kc = torch.cat([k_shard, torch.zeros_like(k_shard)], 1)
+        vc = torch.cat([v_shard, torch.zeros_like(v_shard)], 1)
+        out = ringseq.ring_flash_attn_with_kvcache(q, kc, vc, 16, layout="contiguous",
+                                                   prefill_len=16)
+        return max_err(out, ref)
+
+    real = kvcache._attend_cache
+    if rank == 1:
+        def failing(*args, **kwargs):
+            raise RuntimeError("injected fault in the local decode")
+        kvcache._attend_cache = failing
+    try:
+        out = {"call": _capture(decode)}
+    finally:
+        kvcache._attend_cache = real
+    out["after"] = _capture(decode)
+    return out
+
+
 def _case_tags():
     """A rank that skips a step (raising in its own code and going on) calls with the next
     step's tag: RingDesyncError on every rank; after reset_ring, ranks still a step apart raise
@@ -1162,6 +1194,7 @@ def _worker_w2(tmp):
                      ("modes", _case_check_modes_differ),
                      ("groups", _case_different_group_objects),
                      ("bad_argument", _case_one_rank_bad_argument), ("tags", _case_tags),
+                     ("kvcache_failure", _case_kvcache_local_failure),
                      ("threads", _case_threads), ("ulysses", _case_ulysses_and_usp_faults),
                      ("timeouts", _case_timeout_values),
                      ("timeout_changed", _case_timeout_changed_after_first_call),
@@ -1296,6 +1329,15 @@ def test_a_changed_ring_timeout_applies_to_the_next_call(w2):
     _is_error(lowered, ("RingTimeoutError",), "waited more than 2 s")
     assert lowered[2] < 4.5, lowered  # the new 2 s limit, not the channel's 4 s; rank 1 is 5 s
     assert w2[1]["timeout_changed"]["lowered"][0] != "ok"
+
+
+def test_a_ring_decode_failing_on_one_rank_raises_everywhere(w2):
+    _is_error(w2[1]["kvcache_failure"]["call"], ("RuntimeError",), "injected fault")
+    _is_error(w2[0]["kvcache_failure"]["call"], ("RingPeerError",), "rank(s) [1]",
+              "ring_flash_attn_with_kvcache")
+    assert w2[0]["kvcache_failure"]["call"][2] < 2, w2[0]["kvcache_failure"]
+    for r in w2:
+        _exact_ok(r["kvcache_failure"]["after"])
 
 
 def test_ctrl_c_interrupts_a_wait_for_a_stalled_peer(w2):

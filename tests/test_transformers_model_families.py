@@ -93,6 +93,41 @@ def test_alibi_is_refused_by_apply():
         apply(model)
 
 
+@pytest.mark.parametrize("build, needle", [
+    # before: accepted; each rank attended to its own shard (logits 2e-2 off at W=2)
+    (lambda: transformers.XGLMForCausalLM(transformers.XGLMConfig(
+        vocab_size=64, d_model=32, num_layers=1, attention_heads=4, ffn_dim=64)),
+     r"^apply: transformers cannot switch XGLMForCausalLM to ringseq attention \(its "
+     r"attention does not dispatch through AttentionInterface"),
+    # before: accepted; T5's relative position bias dropped (hidden states 0.11 off float64)
+    (lambda: transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)),
+     r"^apply: T5EncoderModel adds a learned relative position bias to its attention scores "
+     r"\(T5Attention.relative_attention_bias\)"),
+    # before: accepted; positions numbered from padding_idx + 1 (logits 0.61 off)
+    (lambda: transformers.RobertaForCausalLM(transformers.RobertaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, is_decoder=True)),
+     r"^apply: RobertaForCausalLM numbers its positions from padding_idx \+ 1 "
+     r"\(RobertaEmbeddings\)"),
+])
+def test_models_whose_attention_ringseq_would_not_compute_exactly_are_refused(build, needle):
+    from ringseq.integrations.transformers import apply
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=needle):
+        apply(build())
+
+
+def test_an_additive_position_bias_reaching_the_attention_function_is_refused():
+    from ringseq.integrations.transformers import apply, ringseq_attention_forward
+    model = apply(_llama())
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 8, 8)
+    with pytest.raises(ValueError, match=r"an additive position bias \(position_bias"):
+        ringseq_attention_forward(attn, q, q[:, :2], q[:, :2], None, dropout=0.0,
+                                  scaling=attn.scaling, position_bias=torch.zeros(1, 4, 8, 8))
+
+
 def test_plain_models_are_not_taken_for_hybrids():
     """Class names are matched by whole words (GptOssMLP holds no "ssm"), and per-token layer
     kinds (Nemotron-H style "mlp" / "moe") are no token mixers."""

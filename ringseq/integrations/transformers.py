@@ -279,6 +279,10 @@ def _check_layer_kind(name, module, kwargs) -> None:
         raise ValueError(f"{name}: attention sinks (s_aux, e.g. gpt-oss) are not supported by "
                          f"ringseq attention: the ring's softmax has no sink term, and "
                          f"ignoring it would change every output")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"{name}: an additive position bias (position_bias, e.g. T5's relative "
+                         f"attention bias) is not supported by ringseq attention: ignoring it "
+                         f"would change every output")
     config = getattr(module, "config", None)
     layer_types = getattr(config, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
@@ -738,8 +742,10 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     model without AttentionInterface-style attention modules, a model whose tokens also meet
     outside softmax attention (a layer kind in ``layer_types`` / ``layers_block_type`` /
     ``block_types`` other than attention, MLP or MoE; a 1-d convolution, Mamba, short
-    convolution, linear attention or recurrence module in its decoder layers) or that adds
-    ALiBi biases, sizes that do not divide the
+    convolution, linear attention or recurrence module in its decoder layers), that adds
+    ALiBi biases or a learned relative position bias (T5), whose embeddings number positions
+    from ``padding_idx + 1`` (RoBERTa), whose attention transformers cannot switch (it does
+    not dispatch through AttentionInterface: XGLM), sizes that do not divide the
     group, or ``num_attention_heads`` not divisible by the Ulysses degree (naming the degrees
     that work) -- all before any communication.
     """
@@ -754,15 +760,13 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
                          f"transformers' AttentionInterface")
     _check_ring_exact(model, modules)
     _check_positions_exact(model, modules)
+    _check_position_terms(model, modules)
     sp = _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inner)
     if sp is None:
         settings = RingSettings(group=group, layout=lay, backend=backend)
     else:
         settings = RingSettings(group=sp.group, layout=sp.data_layout(lay), backend=backend,
                                 sp=sp, ring_layout=lay)
-    for m in modules:
-        m.ringseq_settings = settings
-    _watch_model_positions(model, settings)
     if hasattr(model, "set_attn_implementation"):
         # Sub-models none of whose attention ringseq switches (the vision tower of a multimodal
         # model: each rank runs whole images, not a shard of the sequence) keep their own.
@@ -774,7 +778,43 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
             if kept else ATTN_IMPLEMENTATION)
     else:  # pragma: no cover - older transformers
         model.config._attn_implementation = ATTN_IMPLEMENTATION
+    if getattr(model.config, "_attn_implementation", ATTN_IMPLEMENTATION) != ATTN_IMPLEMENTATION:
+        # (a model whose attention does not dispatch through AttentionInterface: XGLM, T5;
+        # transformers only logs that it cannot switch. Before: accepted, each rank attending
+        # to its own shard alone, XGLM's logits 2e-2 off with no error.)
+        raise ValueError(f"apply: transformers cannot switch {type(model).__name__} to ringseq "
+                         f"attention (its attention does not dispatch through "
+                         f"AttentionInterface: the implementation stays "
+                         f"{model.config._attn_implementation!r}), so each rank would attend to "
+                         f"its own shard only")
+    for m in modules:
+        m.ringseq_settings = settings
+    _watch_model_positions(model, settings)
     return model
+
+
+def _check_position_terms(model, modules) -> None:
+    """ValueError (raised by :func:`apply`) for position information ring attention would
+    drop or misnumber: a learned relative position bias added to the scores (T5's
+    ``relative_attention_bias``) and embeddings that number positions from ``padding_idx + 1``
+    (RoBERTa's: ringseq hands out and checks global positions from 0; before: logits 0.61
+    off with no error)."""
+    name = type(model).__name__
+    biased = [type(m).__name__ for m in modules
+              if hasattr(m, "has_relative_attention_bias")
+              or hasattr(m, "relative_attention_bias")]
+    if biased:
+        raise ValueError(f"apply: {name} adds a learned relative position bias to its attention "
+                         f"scores ({biased[0]}.relative_attention_bias), which ringseq attention "
+                         f"has no term for")
+    relative = [type(m).__name__ for m in model.modules()
+                if hasattr(m, "padding_idx") and hasattr(m, "position_embeddings")
+                and "Embedding" in type(m).__name__]
+    if relative:
+        raise ValueError(f"apply: {name} numbers its positions from padding_idx + 1 "
+                         f"({relative[0]}), not from 0 as the global position ids ringseq hands "
+                         f"out and checks (ringseq.shard_batch, the plugin's loader): every "
+                         f"position embedding would be off by padding_idx + 1")
 
 
 def _unswitched_sub_configs(model, switched) -> dict:

@@ -261,3 +261,23 @@ def test_a_plain_optimizer_file_with_part_of_a_parameters_state_is_refused(tmp_p
     with pytest.raises(ValueError, match=r"parameter 0 \(group 0\): it lacks \['row_var'\], "
                                          r"which other parameters of shape \(3, 3\)"):
         io.load_optimizer(ada, path)  # other matrix's entries
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoint_files_get_the_mode_torch_save_gives(tmp_path, umask):
+    """0666 less the umask, as torch.save's own files, also over an existing file (before:
+    always 0600, mkstemp's, which also made an existing world-readable checkpoint private)."""
+    import stat
+    model = torch.nn.Linear(3, 3)
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)  # the existing file, as torch.save leaves it
+    old = os.umask(umask)
+    try:
+        DistributedCheckpointIO().save_model(model, str(path))
+        DistributedCheckpointIO().save_model(model, str(tmp_path / "shards"), max_shard_size=64)
+    finally:
+        os.umask(old)
+    expected = 0o666 & ~umask
+    assert stat.S_IMODE(os.stat(path).st_mode) == expected
+    for name in os.listdir(tmp_path / "shards"):
+        assert stat.S_IMODE(os.stat(tmp_path / "shards" / name).st_mode) == expected, name

@@ -52,6 +52,9 @@ def _write(obj, path: str) -> None:
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
+        # mkstemp creates the file 0600, which os.replace would keep: give it the mode
+        # torch.save's open() gives (0666 less the umask), as other jobs expect to read it
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w" if isinstance(obj, str) else "wb") as f:
             if isinstance(obj, str):
                 f.write(obj)
@@ -62,6 +65,21 @@ def _write(obj, path: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    """The process's umask: from /proc on Linux (reading it through os.umask means setting it,
+    for a moment, for every thread), else set and set straight back."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _save(obj, path: str) -> None:

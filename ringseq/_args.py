@@ -164,7 +164,10 @@ def _window_entry(w):
             and w.dtype != torch.bool:
         return int(w.item())
     if isinstance(w, numbers.Integral) and not isinstance(w, bool):
-        return int(w)
+        # (operator.index, not int: under torch.compile an int argument that took other values
+        # becomes symbolic, and index() is what dynamo specializes to a plain int -- the
+        # operator's spec string cannot hold a symbol)
+        return operator.index(w)
     return None
 
 

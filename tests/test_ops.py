@@ -594,3 +594,20 @@ def test_a_backend_refusing_the_lse_gradient_names_the_function():
     with pytest.raises(RuntimeError, match=r"^flash_attn_func: backend 'sdpa' cannot "
                                            r"backpropagate through lse"):
         (out.sum() + lse.sum()).backward()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_window_that_changes_between_compiled_calls(dynamic):
+    """An int argument that takes a second value becomes symbolic under torch.compile (at once
+    with dynamic=True): the window is specialized per value (before: fullgraph raised
+    "Failed to trace builtin operator 'str'" from the second value on, or at the first call
+    with dynamic=True)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 10, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+
+    def attn(left):
+        return ringseq.flash_attn_func(q, k, v, causal=True, window_size=(left, 0))
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, fullgraph=True, dynamic=dynamic)
+    for left in (3, 5, 7):
+        assert torch.equal(compiled(left), attn(left)), left

@@ -311,7 +311,18 @@ def _case_timeout_values():
     # (1e10: gloo's per-operation timeout overflowed: every later call timed out at once)
     for value in (float("inf"), 1e-9, True, 0.5, "3", 1e10):
         out[repr(value)] = _capture(lambda: ringseq.set_ring_timeout(value))
-    ringseq.set_ring_timeout(TIMEOUT)
+    # a malformed RINGSEQ_TIMEOUT on every rank: refused naming the function before the call
+    # opens (before: read inside the call's control collective, it broke the ring and named
+    # nothing); the ring is usable once it is fixed, without a reset
+    import ringseq._dist as ringseq_dist
+    ringseq_dist._TIMEOUT_S, saved = None, os.environ.get("RINGSEQ_TIMEOUT")
+    os.environ["RINGSEQ_TIMEOUT"] = "4s"
+    try:
+        out["env"] = _capture(_exact)
+    finally:
+        os.environ["RINGSEQ_TIMEOUT"] = saved
+        ringseq.set_ring_timeout(TIMEOUT)
+    out["after_env"] = _capture(_exact)
     return out
 
 
@@ -1318,6 +1329,10 @@ def test_timeout_values_are_validated(w2):
             "must be a number of seconds from 1 to 1e+09" in res[value][1], res[value]
     for value in ("True", "'3'"):
         assert res[value][0] == "TypeError", res[value]
+    for r in w2:
+        _is_error(r["timeouts"]["env"], ("ValueError",), "ring_flash_attn_func: "
+                  "RINGSEQ_TIMEOUT='4s' must be a number of seconds")
+        _exact_ok(r["timeouts"]["after_env"])
 
 
 def test_a_changed_ring_timeout_applies_to_the_next_call(w2):

@@ -112,11 +112,13 @@ class Ring:
         checks made by user code; backwards, and forwards recomputed during a backward, may run
         on an autograd worker thread), and concurrent calls would interleave their
         exchanges."""
-        # The mode is read (from RINGSEQ_CHECK_CONSISTENCY at the first call) before the call
-        # opens: a bad value raises on every rank (they share the environment) and leaves the
-        # ring usable once it is fixed.
+        # The mode and the timeout are read (from RINGSEQ_CHECK_CONSISTENCY / RINGSEQ_TIMEOUT)
+        # before the call opens: a bad value raises on every rank (they share the environment)
+        # and leaves the ring usable once it is fixed (before, for the timeout: read inside the
+        # first control collective, it broke the ring, and named no function).
         try:
             consistency_check_mode()
+            ring_timeout()
         except ValueError as exc:
             raise (named_for(name, exc) if name else exc) from None
         # inside a backward (autograd's device threads; recomputed checkpointed forwards)

@@ -376,6 +376,42 @@ def _case_ctrl_c_while_waiting():
     return _back_in_step(out)
 
 
+def _case_ctrl_c_in_an_exchange():
+    """A Ctrl-C reaching rank 1 while it waits in a payload exchange of a backward (rank 0 is
+    slow in its first kernel): rank 1 raises KeyboardInterrupt once the exchange completes and
+    rank 0 RingBrokenError naming it (before: the interrupt aborted rank 1's transfer, and both
+    ranks raised RingTimeoutError at the ring timeout); after reset_ring, exact."""
+    import signal
+    import threading
+    rank = dist.get_rank()
+
+    class Slow(Faulty):
+        def _tick(self):
+            self.count += 1
+            if self.count == self.fail_at:
+                time.sleep(3)
+    be = Slow()
+    loc = [ringseq.shard(t, "zigzag").requires_grad_() for t in _full(9)]
+    o = ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag", backend=be)
+    timer = None
+    if rank == 0:
+        be.fail_at = be.count + 1
+    else:
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+    t0 = time.monotonic()
+    try:
+        o.backward(torch.ones_like(o))
+        out = {"call": ("ok", None, time.monotonic() - t0)}
+    except KeyboardInterrupt:
+        out = {"call": ("KeyboardInterrupt", "", time.monotonic() - t0)}
+    except Exception as exc:  # noqa: BLE001 - reported
+        out = {"call": (type(exc).__name__, str(exc), time.monotonic() - t0)}
+    if timer is not None:
+        timer.join()
+    return _back_in_step(out)
+
+
 def _case_thread_refusal_names_the_function():
     """Rank 1 calls from a thread other than the one its ring is bound to: it raises
     RuntimeError naming the function at once (locally: meeting the peers from that thread could
@@ -1210,6 +1246,7 @@ def _worker_w2(tmp):
                      ("timeouts", _case_timeout_values),
                      ("timeout_changed", _case_timeout_changed_after_first_call),
                      ("ctrl_c", _case_ctrl_c_while_waiting),
+                     ("ctrl_c_exchange", _case_ctrl_c_in_an_exchange),
                      ("thread_refusal", _case_thread_refusal_names_the_function),
                      ("checks_off_fresh", _case_checks_off_fresh_ring),
                      ("mode_words", _case_check_mode_words),
@@ -1344,6 +1381,15 @@ def test_a_changed_ring_timeout_applies_to_the_next_call(w2):
     _is_error(lowered, ("RingTimeoutError",), "waited more than 2 s")
     assert lowered[2] < 4.5, lowered  # the new 2 s limit, not the channel's 4 s; rank 1 is 5 s
     assert w2[1]["timeout_changed"]["lowered"][0] != "ok"
+
+
+def test_ctrl_c_in_a_payload_exchange_reaches_the_peers_at_once(w2):
+    own, peer = w2[1]["ctrl_c_exchange"]["call"], w2[0]["ctrl_c_exchange"]["call"]
+    assert own[0] == "KeyboardInterrupt" and own[2] < TIMEOUT, own
+    assert peer[0] == "RingBrokenError" and "KeyboardInterrupt" in peer[1], peer
+    assert peer[2] < TIMEOUT, peer  # at the exchange's end (3 s), not past the ring timeout
+    for r in w2:
+        _exact_ok(r["ctrl_c_exchange"]["after_reset"])
 
 
 def test_a_ring_decode_failing_on_one_rank_raises_everywhere(w2):

@@ -45,6 +45,7 @@ from .counting import record
 from .integrity import BWD, FWD, HEADER_WORDS, RingCall
 from .plan import RingPlan
 from .ring import Ring
+from .transport import deferred_interrupts
 
 __all__ = ["PackedBuffers", "backward_payloads", "ring_backward", "ring_forward"]
 
@@ -107,7 +108,15 @@ class _Checked:
 
     def wait(self) -> None:
         if self.pending is not None:
-            self.pending.wait()
+            try:
+                with deferred_interrupts():
+                    self.pending.wait()
+            except KeyboardInterrupt as exc:
+                # A Ctrl-C during the wait, taken once the transfers completed: recorded as
+                # this rank's failure, as a guarded compute's, so the peers meet this rank at
+                # its next exchanges and the call's end (where they raise RingBrokenError at
+                # once, not at the ring timeout); end() re-raises it.
+                self.call.fail(exc)
         self.call.check(self.header, self.step)
 
 

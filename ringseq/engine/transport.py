@@ -31,7 +31,10 @@ it (gloo closes a pair that timed out).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import signal
+import sys
 import threading
 import weakref
 from typing import Dict, Optional
@@ -151,6 +154,41 @@ def _own_store_client():
     return held[1]
 
 
+@contextlib.contextmanager
+def deferred_interrupts():
+    """A SIGINT (Ctrl-C) that arrives inside the block is held until the block ends, then
+    handed to the handler in force before it (Python's raises KeyboardInterrupt there). For
+    waits on a gloo send or receive: c10d's wait runs Python's signal handlers, and a
+    KeyboardInterrupt raised inside it aborts the transfer, so the peers would wait for it
+    until the ring timeout. A second SIGINT goes to that handler at once (out of a wait on a
+    stalled peer). Only on the main thread (the only one signals reach)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # SIG_IGN / SIG_DFL: nothing raises inside the wait
+        yield
+        return
+    arrived = []
+
+    def hold(signum, frame):
+        if arrived:  # a second Ctrl-C: interrupt the wait now (the transfer is aborted)
+            previous(signum, frame)
+            return
+        arrived.append(frame)
+        sys.stderr.write("ringseq: Ctrl-C during a ring exchange: it raises once the exchange "
+                         "completes (its peers then raise too); press Ctrl-C again to abort "
+                         "the exchange now (the peers then wait for the ring timeout)\n")
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if arrived:
+        previous(signal.SIGINT, arrived[-1])
+
+
 class _Pending:
     """The in-flight exchange of one ring step."""
 
@@ -160,12 +198,17 @@ class _Pending:
         self.works, self.comm, self.timeout = works, comm, timeout
 
     def wait(self) -> None:
+        """Waits for the step's transfers; each one is dropped as soon as it completed (in the
+        same straight-line code, before Python runs a signal handler again), so that a wait
+        interrupted by a Ctrl-C can be resumed: waiting on a completed gloo receive again would
+        wait for another message."""
         try:
-            for w in self.works:
+            while self.works:
                 if self.timeout is None:
-                    w.wait()
+                    self.works[0].wait()
                 else:
-                    w.wait(self.timeout)
+                    self.works[0].wait(self.timeout)
+                self.works = self.works[1:]
         except RuntimeError as exc:
             what = ("waited more than {:.0f} s for".format(self.timeout.total_seconds())
                     if self.timeout is not None and _timeout_exc(exc) else
@@ -176,7 +219,6 @@ class _Pending:
                 f"{self.comm.next_rank}): a peer stalled, died or left the ring call "
                 f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on every "
                 f"rank makes the ring usable again)") from exc
-        self.works = ()
 
 
 _EPOCHS: Dict[str, int] = {}  # ring channels made so far per process group name (this process)

@@ -752,3 +752,21 @@ def test_wrapped_models_and_look_alike_names_are_judged_by_the_model_inside():
                                           vocab_size=64))
     assert "model.decoder.embed_positions (BartLearnedPositionalEmbedding)" in \
         _position_encoders(bart)
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    (dict(layout="zigzg"), ValueError, r"^apply: unknown layout 'zigzg'"),
+    (dict(sp_mode="ulyses"), ValueError, r"^apply: sp_mode must be one of"),
+    # before: accepted, the error came at the first forward
+    (dict(backend="bogus"), ValueError, r"^apply: backend must be one of .* got 'bogus'"),
+    (dict(backend=3), TypeError, r"^apply: backend must be one of .* got 3"),
+])
+def test_apply_names_itself_for_options_it_cannot_take(kwargs, error, needle):
+    T = pytest.importorskip("transformers")
+    from ringseq.integrations.transformers import apply
+    model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=1))
+    with pytest.raises(error, match=needle):
+        apply(model, **kwargs)
+    assert model.config._attn_implementation != "ringseq"  # left as it was

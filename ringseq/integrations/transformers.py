@@ -63,13 +63,14 @@ except ImportError:  # pragma: no cover - transformers < 4.53 builds masks insid
     AttentionMaskInterface = None
 
 from .._args import check_cu_seqlens
-from .._dist import group_info
+from .._dist import group_info, named_for
 from ..engine.integrity import FWD
 from ..engine.ring import get_ring, refuse_on_error
+from ..kernels import get_backend
 from ..layouts import Layout, document_positions, get_layout, positions_local
 from ..nn import ring_attention
-from ..parallel.groups import (SequenceParallelGroups, check_model_heads, make_sp_groups,
-                               resolve_sp_sizes)
+from ..parallel.groups import (SP_MODES, SequenceParallelGroups, check_model_heads,
+                               make_sp_groups, resolve_sp_sizes)
 from ..parallel.usp import usp_attn_func
 
 __all__ = ["ATTN_IMPLEMENTATION", "RingSettings", "apply", "ringseq_attention_forward",
@@ -341,10 +342,12 @@ def _documents(name: str, kwargs) -> Optional[tuple]:
     # boundaries from 0, never decreasing (named as this argument, not as bad position_ids)
     docs = check_cu_seqlens(name, "cu_seq_lens_q", cu)
     cu_k = kwargs.get("cu_seq_lens_k")
-    if cu_k is not None and tuple(int(c) for c in (cu_k.tolist() if torch.is_tensor(cu_k)
-                                                   else cu_k)) != docs:
-        raise ValueError(f"{name}: cu_seq_lens_k differs from cu_seq_lens_q (ring attention "
-                         f"packs queries and keys alike)")
+    keys = None if cu_k is None else tuple(int(c) for c in (cu_k.tolist() if torch.is_tensor(cu_k)
+                                                            else cu_k))
+    if keys is not None and keys != docs:
+        raise ValueError(f"{name}: cu_seq_lens_k {list(keys)} differs from cu_seq_lens_q "
+                         f"{list(docs)} (ring attention packs queries and keys alike: pass the "
+                         f"same boundaries)")
     return docs
 
 
@@ -749,7 +752,14 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     group, or ``num_attention_heads`` not divisible by the Ulysses degree (naming the degrees
     that work) -- all before any communication.
     """
-    lay = get_layout(layout)
+    try:  # (checked here, not at the first forward; the errors name apply)
+        lay = get_layout(layout)
+        if backend is not None:
+            get_backend(backend, fn="apply")
+        if sp_mode is not None and sp_mode not in SP_MODES:
+            raise ValueError(f"sp_mode must be one of {list(SP_MODES)}, got {sp_mode!r}")
+    except (TypeError, ValueError) as exc:
+        raise named_for("apply", exc) from None
     if not isinstance(group, SequenceParallelGroups):
         group_info(group, "apply")  # raises for a group this process is not in
     modules = _attention_modules(model)

@@ -229,6 +229,15 @@ TORCH_ISA_ENV = {
 KEY = ("dtype", "threads", "seqlen", "headdim", "causal", "mode", "window", "softcap")
 
 
+def tile_config(text):
+    """One of the kernels' tile configurations, 0, 1 or 2."""
+    value = non_negative_int(text)
+    if value > 2:
+        raise argparse.ArgumentTypeError(f"must be 0, 1 or 2 (the kernels' tile "
+                                         f"configurations), got {value}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -251,7 +260,8 @@ def parse_args(argv=None):
                    help=f"comma list of {', '.join(sorted(DTYPES))}; default fp32 on CPU, bf16 on CUDA")
     p.add_argument("--modes", default="fwd,fwd_bwd",
                    help="comma list of fwd, fwd_bwd (default: both)")
-    p.add_argument("--tile-configs", default="0", help="CUDA tile configurations of ringseq to time")
+    p.add_argument("--tile-configs", default="0",
+                   help="CUDA tile configurations of ringseq to time (comma list of 0, 1, 2)")
     p.add_argument("--window", type=int, default=-1,
                    help="sliding window of W keys (flash-attn window_size=(W, 0) when causal); -1: none")
     p.add_argument("--softcap", type=float, default=0.0, help="logit soft-cap (0: off)")
@@ -282,7 +292,7 @@ def parse_args(argv=None):
         if text is not None:
             try:
                 positive_ints(text) if name != "tile_configs" else [
-                    non_negative_int(x) for x in text.split(",")]
+                    tile_config(x) for x in text.split(",")]
             except argparse.ArgumentTypeError as exc:
                 p.error(f"--{name.replace('_', '-')}: {exc}")
     if args.heads_kv is not None and args.heads % args.heads_kv:

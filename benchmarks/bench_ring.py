@@ -26,7 +26,8 @@ passed, and 1 <= load balance <= its ideal (3 % allowed for timing noise). A row
 a timing invariant is measured once more; if it still breaks it, it is printed with a warning
 naming the likely cause (other processes' CPU use during the row, ranks sharing cores, times
 too short for the timer). A machine busy with other processes is announced before the numbers.
-Exit status: 0, 1 when a spot check failed, 2 for bad arguments (before any rank starts).
+Exit status: 0, 1 when a spot check failed, 2 for bad arguments (before any rank starts), 3
+when local ranks raised, died or timed out.
 
     python benchmarks/bench_ring.py                                   # the main job
     python benchmarks/bench_ring.py --world-size 2 --seqlen 16384 --json out.json
@@ -46,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # (run from any directory, or imported by the tests)
     sys.path.insert(0, HERE)
 from cli_types import (comma_list, non_negative_int, positive_int,  # noqa: E402
-                       positive_ints, positive_seconds, json_path)
+                       png_path, positive_ints, positive_seconds, json_path)
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp64")
 MODES = ("fwd", "fwd_bwd")
@@ -107,7 +108,7 @@ def build_parser():
                    help="seconds before spawned ranks are killed (default 1800)")
     p.add_argument("--json", type=json_path, default=None, metavar="PATH",
                    help="write the arguments, environment, rows, load balance and warnings here")
-    p.add_argument("--plot", default=None, metavar="PATH",
+    p.add_argument("--plot", type=png_path, default=None, metavar="PATH.png",
                    help="write a PNG bar chart of ring and compute-only times (needs matplotlib)")
     # sequence-parallel modes (benchmarks/sp_modes.py): instead of the layout jobs, compare
     # ring / Ulysses / hybrid / double ring at this shape (measured bytes per rank per call)
@@ -127,7 +128,8 @@ def build_parser():
                         "--batch, --causal and --modes do not apply)")
     p.add_argument("--docs", default=None, metavar="MIX",
                    help="instead of the layout rows: packed documents, 'seeded', 'longtail' or "
-                        "a comma list of lengths (Documents layout; benchmarks/masked_ring.py; "
+                        "a comma list of lengths, the last one stretched to end at --seqlen "
+                        "(Documents layout; benchmarks/masked_ring.py; "
                         "batch 1, causal, fwd+bwd: --batch, --causal and --modes do not apply)")
     return p
 
@@ -145,7 +147,7 @@ def check_args(args, launched, device):
     backend), before any rank starts: argparse errors (exit status 2), never a traceback."""
     from ring_job import DTYPES
     from ringseq.kernels import get_backend
-    from ringseq.layouts import get_layout
+    from ringseq.layouts import PerBatchDocuments, get_layout
 
     p = args.parser
     args.world_size = int(os.environ["WORLD_SIZE"]) if launched else args.world_size
@@ -163,6 +165,14 @@ def check_args(args, launched, device):
             p.error(f"--docs {args.docs!r} (seeded, longtail or a comma list of lengths): {exc}")
         if min(lengths) < 0:
             p.error(f"--docs {args.docs!r}: lengths must be >= 0")
+    if args.window is not None or args.docs:
+        # the masked jobs run on spawned CPU ranks and print their own table: refused, not
+        # silently dropped
+        for given, what in ((args.memory_scaling, "--memory-scaling"), (args.plot, "--plot"),
+                            (args.sp_mode, "--sp-mode"), (launched or None, "torchrun")):
+            if given:
+                p.error(f"--window / --docs compare masked and full attention on spawned CPU "
+                        f"ranks: {what} does not apply to them")
     if args.sp_mode:
         # options of the layout rows that the mode comparison has no use for: refused, not
         # silently dropped
@@ -174,23 +184,21 @@ def check_args(args, launched, device):
                         f"or not: {what} does not apply to it")
     args.modes = args.modes or ["fwd", "fwd_bwd"]
     if args.sp_mode:  # the same checks as sp_modes.main_sp, here as usage errors
-        from sp_modes import mode_sizes, parse_sp_modes
+        from sp_modes import fitting_sp_modes, parse_sp_modes
         try:
-            modes = parse_sp_modes(args.sp_mode)
+            fitting_sp_modes(parse_sp_modes(args.sp_mode), args.sp_mode == "all",
+                             args.world_size, args.heads, args.ulysses_size,
+                             args.inner_ring_size)
         except SystemExit as exc:
             p.error(str(exc))
-        for mode in modes if args.sp_mode != "all" else ():
-            U, I = mode_sizes(mode, args.world_size, args.ulysses_size, args.inner_ring_size)
-            R = args.world_size // U
-            if args.world_size % U or (I and R % I) or args.heads % U:
-                p.error(f"--sp-mode {mode}: ulysses {U} x ring {R} (inner {I}) does not fit "
-                        f"W={args.world_size} and {args.heads} heads; adjust --ulysses-size / "
-                        f"--inner-ring-size")
     for name in args.layouts:
         try:
             layout = get_layout(name)
         except ValueError as exc:
             p.error(f"--layouts: {exc}")
+        if isinstance(layout, PerBatchDocuments):
+            p.error(f"--layouts {name}: a layout of packed documents needs each batch's "
+                    f"boundaries; time it with --docs (seeded, longtail or lengths) instead")
         if args.docs:
             continue
         try:

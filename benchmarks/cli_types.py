@@ -71,6 +71,14 @@ def json_path(text):
     return text
 
 
+def png_path(text):
+    """A writable path ending in ``.png`` (matplotlib writes PNG and adds the suffix to a name
+    without one), tried before any work starts as :func:`json_path` does."""
+    if not str(text).lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"{text!r} must end in .png (a PNG file path)")
+    return json_path(text)
+
+
 def positive_ints(text):
     """A comma list of positive integers, e.g. ``4096,8192``."""
     items = [x.strip() for x in str(text).split(",") if x.strip()]

@@ -209,21 +209,31 @@ def report_sp(args, rows, device):
     return failed
 
 
+def fitting_sp_modes(modes, all_modes: bool, world: int, heads: int, ulysses_size: int,
+                     inner_ring_size: int):
+    """The modes to run: with ``all_modes`` only the double rings that have more than one inner
+    ring; SystemExit (a usage error's text) for a mode whose sizes do not fit the world size
+    and the heads."""
+    if all_modes:
+        modes = [m for m in modes if "double" not in m
+                 or world // mode_sizes(m, world, ulysses_size, inner_ring_size)[0]
+                 > inner_ring_size]
+    for mode in modes:
+        U, I = mode_sizes(mode, world, ulysses_size, inner_ring_size)
+        R = world // U
+        if world % U or (I and R % I) or heads % U:
+            raise SystemExit(f"--sp-mode {mode}: ulysses {U} x ring {R} (inner {I}) does not "
+                             f"fit W={world} and {heads} heads; adjust --ulysses-size / "
+                             f"--inner-ring-size")
+    return modes
+
+
 def main_sp(args, launched, device):
     """The --sp-mode job: spawn (or use the launcher's) ranks, run every mode, print, JSON."""
     args.sp_modes = parse_sp_modes(args.sp_mode)
     world = int(os.environ["WORLD_SIZE"]) if launched else args.world_size
-    if args.sp_mode == "all":  # only the double rings that have more than one inner ring
-        args.sp_modes = [m for m in args.sp_modes if "double" not in m
-                         or world // mode_sizes(m, world, args.ulysses_size,
-                                                args.inner_ring_size)[0] > args.inner_ring_size]
-    for mode in args.sp_modes:
-        U, I = mode_sizes(mode, world, args.ulysses_size, args.inner_ring_size)
-        R = world // U
-        if world % U or (I and R % I) or args.heads % U:
-            raise SystemExit(f"--sp-mode {mode}: ulysses {U} x ring {R} (inner {I}) does not "
-                             f"fit W={world} and {args.heads} heads; adjust --ulysses-size / "
-                             f"--inner-ring-size")
+    args.sp_modes = fitting_sp_modes(args.sp_modes, args.sp_mode == "all", world, args.heads,
+                                     args.ulysses_size, args.inner_ring_size)
     if launched:
         init_launched_group(device, args.timeout)
         rows = run_rank_sp(args, device)

@@ -32,6 +32,8 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("bench_integrity.py", ["--seqlen", "1001"], "--seqlen 1001: zigzag over --world-size 2"),
     ("memory_check.py", ["--timeout", "nan"], "--timeout: must be a positive number"),
     ("bench_kernel.py", ["--json", "/"], "--json: '/' is a directory"),
+    # (before: accepted; the kernels take 0..2)
+    ("bench_kernel.py", ["--tile-configs", "0,5"], "--tile-configs: must be 0, 1 or 2"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path, script, args, message):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args],

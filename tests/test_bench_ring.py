@@ -50,6 +50,16 @@ def test_help_describes_every_option():
     # (before: the whole run, then a traceback writing the file)
     (["--json", "/"], "is a directory, not a file path"),
     (["--json", "/proc/no-such-dir/out.json"], "cannot write"),
+    # (before: the whole run, then a traceback and exit status 1; or 'chart' written as
+    # chart.png while 'wrote chart' was printed)
+    (["--plot", "/proc/no-such-dir/plot.png"], "cannot write"),
+    (["--plot", "chart"], "'chart' must end in .png"),
+    # (before: ignored by the masked jobs; a bare message and exit status 1 for 'all')
+    (["--window", "64", "--memory-scaling", "1,2"], "--memory-scaling does not apply"),
+    (["--docs", "seeded", "--sp-mode", "ring"], "--sp-mode does not apply"),
+    (["--sp-mode", "all", "--heads", "6", "--world-size", "4"], "does not fit W=4 and 6 heads"),
+    # (before: blamed --seqlen and advised a library call)
+    (["--layouts", "documents"], "--layouts documents: a layout of packed documents"),
 ])
 def test_bad_arguments_stop_before_any_rank_starts(args, message):
     proc = _bench(*args)

@@ -1387,6 +1387,9 @@ def test_ctrl_c_in_a_payload_exchange_reaches_the_peers_at_once(w2):
     own, peer = w2[1]["ctrl_c_exchange"]["call"], w2[0]["ctrl_c_exchange"]["call"]
     assert own[0] == "KeyboardInterrupt" and own[2] < TIMEOUT, own
     assert peer[0] == "RingBrokenError" and "KeyboardInterrupt" in peer[1], peer
+    # named by the function and the call it failed in (before: "failed in its end of call #3")
+    assert peer[1].startswith("ringseq: ring_flash_attn_func: the ring is broken: rank 1 "
+                              "failed in its backward (call #"), peer
     assert peer[2] < TIMEOUT, peer  # at the exchange's end (3 s), not past the ring timeout
     for r in w2:
         _exact_ok(r["ctrl_c_exchange"]["after_reset"])

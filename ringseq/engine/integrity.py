@@ -186,6 +186,16 @@ def _call_name(kind: int, seq: int, tag: int = 0, about: int = 0) -> str:
     return name + (f" (tag {int(tag)})" if tag else "")
 
 
+def _failed_call_name(row) -> str:
+    """The call a control row's rank failed in: an END row carries its call's kind (a failure
+    inside a forward is reported at the forward's end), named so, not as the end."""
+    kind, seq = int(row[2]), int(row[3])
+    if kind == END and int(row[FIELD0]) in (FWD, BWD):
+        return (f"{KIND_NAMES[int(row[FIELD0])]} (call #{seq})"
+                + (f" (tag {int(row[4])})" if row[4] else ""))
+    return _call_name(*row[2:FIELD0])
+
+
 def gather(ring, kind: int, status: int, fields: Sequence[int] = (),
            message: Optional[str] = None, about: int = 0) -> Optional[List[List[int]]]:
     """One control collective on ``ring``: every rank's control vector as rows of ints (and,
@@ -237,11 +247,11 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
     if failed:
         what = {FAILED: "failed", BROKEN: "was already broken", DESYNC: "saw a desynchronized ring"}
         detail = "; ".join(f"{name(r)} {what.get(rows[r][1], 'failed')} in its "
-                           f"{_call_name(*rows[r][2:FIELD0])}"
+                           f"{_failed_call_name(rows[r])}"
                            + (f": {messages[r]}" if messages.get(r) else "") for r in failed)
         own = ring.broken
         err = RingBrokenError(
-            f"ringseq: the ring is broken: {detail}. The results of this call are invalid; "
+            f"ringseq: {called + ': ' if called else ''}the ring is broken: {detail}. The results of this call are invalid; "
             f"every rank raises until ringseq.reset_ring(group) is called on all of them "
             f"(sp.reset() for the groups of ringseq.make_sp_groups: it resets each)"
             + (f" (this rank's original error: {type(own).__name__}: {own})" if own else ""))
@@ -410,7 +420,8 @@ class RingCall:
         ring = self.ring
         desync = self._desync_message()
         status = FAILED if self.failure else (DESYNC if desync else OK)
-        rows = gather(ring, END, status, (),
+        # (the call's kind travels along: a peer's failure is named by the call it failed in)
+        rows = gather(ring, END, status, (self.kind,),
                       None if self.failure is None else _describe(self.failure))
         if status == FAILED:
             ring.mark_broken(self.failure)
@@ -420,7 +431,7 @@ class RingCall:
             ring.mark_broken(err)
             raise err
         if rows is not None:
-            judge(ring, rows, END)
+            judge(ring, rows, END, called=self.name)
 
     # -- headers ---------------------------------------------------------------------------
     def stamp(self, header: torch.Tensor) -> int:

@@ -111,8 +111,9 @@ RS_INLINE vec_t<float> tanh_vec(vec_t<float> x) {
   if (!vany_le(edge, ax)) return small;
   // on |x|, the sign put back: for x < 0 the formula itself lands near -1 as 1 minus a
   // quotient just below 2, whose rounding (of exp + 1 and of the division) cost ~3 ulp there
-  const V mag = vsplat(1.0f) - vsplat(2.0f) / (exp_vec(ax + ax) + vsplat(1.0f));
-  const V big = x < vsplat(0.0f) ? -mag : mag;
+  using VI = Vec<float>::itype;
+  const V mag = vsplat(1.0f) - vsplat(2.0f) / (exp_vec(ax + ax) + vsplat(1.0f));  // >= 0
+  const V big = (V)((VI)mag | ((VI)x & (VI)vsplat(-0.0f)));  // x's sign bit on mag
   return ax < edge ? small : big;
 }
 // float64 inputs are for accuracy, not speed: libm tanh per lane.

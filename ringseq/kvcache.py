@@ -704,7 +704,7 @@ def _ring_decode(plan, group, world):
         flat = torch.cat((payload.reshape(-1), status))
         parts = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(parts, flat, group=group)
-        failed = [r for r, part in enumerate(parts) if part[-1].item() != 0]
+        failed = torch.stack([part[-1] for part in parts]).nonzero().flatten().tolist()
         if failure is not None:
             raise failure
         if failed:

@@ -209,6 +209,17 @@ def _worker_calls(tmp):
     out["sharded_no"] = error_text(lambda: booster.save_optimizer(opt, target, sharded="no"))
     out["strict_no"] = error_text(lambda: booster.load_model(model, target, strict="no"))
     out["not_a_path"] = error_text(lambda: booster.save_model(model, 3))
+    # options that change which collectives run, different on one rank (before: rank 0 raised
+    # alone while rank 1 waited in the save's vote)
+    out["sharded_differs"] = error_text(lambda: booster.save_optimizer(
+        opt, f"{tmp}/optim_dir", sharded=True if rank == 0 else None))
+    # keywords: by name, and ColossalAI's at the values that ask for what the plugin does
+    io = booster.checkpoint_io
+    out["by_keyword"] = error_text(lambda: io.save_model(model=model,
+                                                        checkpoint=f"{tmp}/kw.pt"))
+    out["colossalai_defaults"] = error_text(lambda: booster.save_model(
+        model, f"{tmp}/kw.pt", shard=False, use_safetensors=False, prefix=None,
+        gather_dtensor=True, size_per_shard=1024))
     dist.barrier()
     out["target_written"] = os.path.exists(target)
     # a grad scaler file an fp16 run left beside a path: the next save without one removes it
@@ -268,6 +279,15 @@ def test_arguments_a_checkpoint_call_does_not_take_are_refused_on_every_rank(w2_
     assert w2_calls[1]["one_rank_typo"].startswith(
         "TypeError: save_model: unexpected keyword argument(s) ['max_shard']")
     assert w2_calls[0]["one_rank_typo"].startswith("RingPeerError"), w2_calls[0]
+
+
+def test_options_that_differ_between_ranks_are_refused_and_keywords_are_taken(w2_calls):
+    for r in w2_calls:
+        assert r["sharded_differs"].startswith("RingMismatchError: save_optimizer: the ranks "
+                                               "made different checkpoint calls"), r
+        assert "sharded=True)" in r["sharded_differs"] and "sharded=None)" in \
+            r["sharded_differs"], r["sharded_differs"]
+        assert r["by_keyword"] == "no error" and r["colossalai_defaults"] == "no error", r
 
 
 def test_a_save_without_a_grad_scaler_removes_an_earlier_ones_file(w2_calls):

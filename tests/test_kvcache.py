@@ -457,8 +457,9 @@ def _ring_decode_worker(cases, check_errors):
             v_new = torch.randn(b, s_q, h_kv, d, generator=gen).to(dtype)
             window = case["window"] if s_q == 1 else (-1, -1)
             # Every other step without the consistency check: then the call's only
-            # communication is one all-gather of (out, lse), b * s_q * h * (d + 1) values
-            # (with it, also one control collective that agrees on the arguments).
+            # communication is one all-gather of (out, lse), b * s_q * h * (d + 1) values, and
+            # of whether the rank's part failed (one more) (with it, also one control
+            # collective that agrees on the arguments).
             ringseq.set_consistency_check(step % 2 == 0)
             controls = ringseq.get_ring()._seq
             with _count_collectives() as sent:
@@ -467,7 +468,7 @@ def _ring_decode_worker(cases, check_errors):
                     window_size=window, softcap=case["softcap"], cache_leftpad=leftpad,
                     return_softmax_lse=True, prefill_len=P)
             gathers = [n for op, n in sent if op == "all_gather"]
-            assert gathers == [b * s_q * h * (d + 1)], sent
+            assert gathers == [b * s_q * h * (d + 1) + 1], sent
             assert len(sent) == 1, sent
             # + the argument agreement on the ring's control channel, when the check is on
             assert ringseq.get_ring()._seq - controls == (1 if step % 2 == 0 else 0)

@@ -611,3 +611,20 @@ def test_a_window_that_changes_between_compiled_calls(dynamic):
     compiled = torch.compile(attn, fullgraph=True, dynamic=dynamic)
     for left in (3, 5, 7):
         assert torch.equal(compiled(left), attn(left)), left
+
+
+def test_a_transform_over_something_else_runs_attention_as_a_constant():
+    """torch.func.grad / vmap / jvp over a scalar that scales attention's output, its inputs
+    constants to the transform: attention runs below it (before the operator's refusal at
+    functorch's dispatch key looked at the inputs, these raised)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    w = torch.tensor(2.0, dtype=torch.float64)
+    total = ringseq.flash_attn_func(q, k, v, causal=True).sum()
+
+    def f(w):
+        return (w * ringseq.flash_attn_func(q, k, v, causal=True)).sum()
+    assert torch.equal(torch.func.grad(f)(w), total)
+    assert torch.equal(torch.func.vmap(f)(torch.stack([w, 3 * w])), torch.stack([2 * total,
+                                                                                 6 * total]))
+    assert torch.equal(torch.func.jvp(f, (w,), (torch.ones_like(w),))[1], total)

@@ -265,19 +265,24 @@ def test_a_plain_optimizer_file_with_part_of_a_parameters_state_is_refused(tmp_p
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_checkpoint_files_get_the_mode_torch_save_gives(tmp_path, umask):
-    """0666 less the umask, as torch.save's own files, also over an existing file (before:
-    always 0600, mkstemp's, which also made an existing world-readable checkpoint private)."""
+    """New files 0666 less the umask, an existing file its own mode, as torch.save leaves them
+    (before: always 0600, mkstemp's, which also made an existing world-readable checkpoint
+    private)."""
     import stat
     model = torch.nn.Linear(3, 3)
-    path = tmp_path / "model.pt"
-    torch.save(model.state_dict(), path)  # the existing file, as torch.save leaves it
+    path, private = tmp_path / "model.pt", tmp_path / "private.pt"
+    torch.save(model.state_dict(), private)
+    os.chmod(private, 0o600)
     old = os.umask(umask)
     try:
         DistributedCheckpointIO().save_model(model, str(path))
+        DistributedCheckpointIO().save_model(model, str(path))  # over it: its mode kept
+        DistributedCheckpointIO().save_model(model, str(private))
         DistributedCheckpointIO().save_model(model, str(tmp_path / "shards"), max_shard_size=64)
     finally:
         os.umask(old)
     expected = 0o666 & ~umask
     assert stat.S_IMODE(os.stat(path).st_mode) == expected
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o600
     for name in os.listdir(tmp_path / "shards"):
         assert stat.S_IMODE(os.stat(tmp_path / "shards" / name).st_mode) == expected, name

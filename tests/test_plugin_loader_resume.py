@@ -76,6 +76,7 @@ def _worker(tmp):
     resumed = loader(data=data)
     resumed.load_state_dict(torch.load(path))
     out["resumed_epoch"] = resumed.epoch
+    out["saved_again_before_iterating"] = resumed.state_dict()  # (before: batch 0 of the epoch)
     resumed.set_epoch(resumed.epoch)  # a loop's set_epoch(loader.epoch) is fine
     out["resumed"] = _batches(resumed)
     out["resumed_step"] = resumed.step
@@ -121,6 +122,7 @@ def test_a_resumed_epoch_hands_out_the_uninterrupted_runs_remaining_batches(w4):
     for r in w4:
         assert r["before_checkpoint"] == r["full"][1][:2]
         assert r["resumed_epoch"] == 1
+        assert r["saved_again_before_iterating"] == r["inside"]
         assert r["resumed"] == r["full"][1][2:]
         assert r["resumed_through_dcp"] == r["full"][1][2:]
         assert r["after_other_epoch"] == r["full"][1][2:]
@@ -158,8 +160,8 @@ def test_a_state_at_an_epochs_end_starts_the_next_epoch_under_any_settings(w4):
     ("different_states", "RingMismatchError", None),
     ("not_a_state", "TypeError: ShardedDataLoader.load_state_dict: state must be the mapping",
      None),
-    ("negative_step", "TypeError: ShardedDataLoader.load_state_dict: state['step'] must be an "
-                      "int >= 0, got -1", None),
+    ("negative_step", "ValueError: ShardedDataLoader.load_state_dict: state['step'] must be "
+                      "an int >= 0, got -1", None),
     ("plain_sampler", "ValueError: ShardedDataLoader.load_state_dict: the state stopped after "
                       "batch 2 of 5 in epoch 1; resuming inside an epoch needs the plugin's "
                       "sampler", None),

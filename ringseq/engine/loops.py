@@ -45,7 +45,7 @@ from .counting import record
 from .integrity import BWD, FWD, HEADER_WORDS, RingCall
 from .plan import RingPlan
 from .ring import Ring
-from .transport import deferred_interrupts
+from .transport import InterruptedWait, deferred_interrupts
 
 __all__ = ["PackedBuffers", "backward_payloads", "ring_backward", "ring_forward"]
 
@@ -111,6 +111,9 @@ class _Checked:
             try:
                 with deferred_interrupts():
                     self.pending.wait()
+            except InterruptedWait as exc:  # a Ctrl-C, and the wait failed: out, ring broken
+                self.call.ring.mark_broken(exc)
+                raise
             except KeyboardInterrupt as exc:
                 # A Ctrl-C during the wait, taken once the transfers completed: recorded as
                 # this rank's failure, as a guarded compute's, so the peers meet this rank at

@@ -15,6 +15,7 @@ import contextlib
 from typing import List, Optional, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from ..kernels.checks import accum_dtype
@@ -149,6 +150,13 @@ def _refuse_at_functorch_layer(op, name: str) -> None:
         from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
         interpreter = retrieve_current_functorch_interpreter()
         kind = interpreter.key().name
+        level = interpreter.level()
+        if not any(torch.is_tensor(t) and torch._C._functorch.maybe_get_level(t) == level
+                   for t in pytree.tree_leaves((args, kwargs))):
+            # the transform is over something else (attention's inputs are constants to it):
+            # the operator runs below it, as plain attention
+            with interpreter.lower():
+                return op(*args, **kwargs)
         if kind == "Functionalize":
             from torch._subclasses.functional_tensor import FunctorchFunctionalizeAPI
             api = FunctorchFunctionalizeAPI(interpreter)

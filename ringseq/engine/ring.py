@@ -118,7 +118,8 @@ class Ring:
         # first control collective, it broke the ring, and named no function).
         try:
             consistency_check_mode()
-            ring_timeout()
+            if self.world_size > 1:  # (a ring of one never waits for a peer)
+                ring_timeout()
         except ValueError as exc:
             raise (named_for(name, exc) if name else exc) from None
         # inside a backward (autograd's device threads; recomputed checkpointed forwards)
@@ -382,5 +383,9 @@ def refuse_on_error(group, kind: int, failed: bool = False):
             # peer of another group times out rather than pairing.
             if not is_initialized():
                 raise exc from None
-            ring = get_ring(None)
+            try:  # (where the peers wait on another group, this times out: its own error then)
+                get_ring(None).refuse(kind, exc, failed)
+            except RingTimeoutError as timeout:
+                raise exc from timeout
+            raise exc from None
         ring.refuse(kind, exc, failed)

@@ -154,14 +154,20 @@ def _own_store_client():
     return held[1]
 
 
+class InterruptedWait(KeyboardInterrupt):
+    """A Ctrl-C held during a ring exchange whose wait then failed (timed out): raised with
+    that failure as its cause, so the interrupt is not lost to it."""
+
+
 @contextlib.contextmanager
 def deferred_interrupts():
     """A SIGINT (Ctrl-C) that arrives inside the block is held until the block ends, then
     handed to the handler in force before it (Python's raises KeyboardInterrupt there). For
     waits on a gloo send or receive: c10d's wait runs Python's signal handlers, and a
     KeyboardInterrupt raised inside it aborts the transfer, so the peers would wait for it
-    until the ring timeout. A second SIGINT goes to that handler at once (out of a wait on a
-    stalled peer). Only on the main thread (the only one signals reach)."""
+    until the ring timeout (the wait itself is not interruptible: it ends when the transfer
+    completes or times out). A held SIGINT is handed over also when the wait raises
+    (:class:`InterruptedWait`). Only on the main thread (the only one signals reach)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -172,19 +178,23 @@ def deferred_interrupts():
     arrived = []
 
     def hold(signum, frame):
-        if arrived:  # a second Ctrl-C: interrupt the wait now (the transfer is aborted)
-            previous(signum, frame)
-            return
+        if not arrived:
+            sys.stderr.write("ringseq: Ctrl-C during a ring exchange: raised once the exchange "
+                             "completes (its peers then raise too) or times out\n")
         arrived.append(frame)
-        sys.stderr.write("ringseq: Ctrl-C during a ring exchange: it raises once the exchange "
-                         "completes (its peers then raise too); press Ctrl-C again to abort "
-                         "the exchange now (the peers then wait for the ring timeout)\n")
 
     signal.signal(signal.SIGINT, hold)
     try:
         yield
-    finally:
+    except BaseException as exc:
         signal.signal(signal.SIGINT, previous)
+        if arrived:
+            # the wait failed (a timeout) after a Ctrl-C: the Ctrl-C, with that as its cause
+            if previous is signal.default_int_handler:
+                raise InterruptedWait() from exc
+            previous(signal.SIGINT, arrived[-1])
+        raise
+    signal.signal(signal.SIGINT, previous)
     if arrived:
         previous(signal.SIGINT, arrived[-1])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 import warnings
 
@@ -53,8 +54,11 @@ def _write(obj, path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         # mkstemp creates the file 0600, which os.replace would keep: give it the mode
-        # torch.save's open() gives (0666 less the umask), as other jobs expect to read it
-        os.fchmod(fd, 0o666 & ~_umask())
+        # torch.save's open() leaves, an existing file's own or 0666 less the umask (other
+        # jobs read checkpoints); a file system that refuses chmod keeps mkstemp's
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode) if os.path.isfile(path)
+                      else 0o666 & ~_umask())
         with os.fdopen(fd, "w" if isinstance(obj, str) else "wb") as f:
             if isinstance(obj, str):
                 f.write(obj)

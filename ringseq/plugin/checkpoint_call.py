@@ -23,6 +23,10 @@ __all__ = ["checkpoint_call", "current_call", "shard_bytes"]
 
 _CALL = threading.local()  # the checkpoint call this thread is inside (nested calls agree once)
 
+# ColossalAI's keywords that ask for what the plugin's calls do anyway, at these values: taken
+# (code ported from its Booster passes them), any other value refused
+_COLOSSALAI_DEFAULTS = {"shard": False, "gather_dtensor": True, "prefix": None,
+                        "use_safetensors": False, "size_per_shard": 1024}
 # ColossalAI's names for what the plugin's calls take otherwise
 _COLOSSALAI = {"shard": "max_shard_size", "size_per_shard": "max_shard_size (ColossalAI's "
                "size_per_shard=N MB is max_shard_size=f'{N}MiB')"}
@@ -38,8 +42,9 @@ _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 *
 
 
 def shard_bytes(size, fn: str = "save_model") -> int:
-    """``max_shard_size`` in bytes: a positive int, or a string like ``"500MB"`` / ``"2GiB"``
-    of at least one byte. Raises ValueError naming ``fn`` otherwise (a bool, 0, ``"0.1B"``)."""
+    """``max_shard_size`` in bytes: a number (a float is truncated to whole bytes) or a string
+    like ``"500MB"`` / ``"2GiB"``, of at least one byte. Raises ValueError naming ``fn``
+    otherwise (a bool, 0, ``"0.1B"``)."""
     m = None if isinstance(size, bool) else re.fullmatch(
         r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
     n = 0 if m is None else int(float(m.group(1)) * _UNITS[m.group(2) or ""])
@@ -59,30 +64,48 @@ def _check_path(fn: str, checkpoint) -> str:
     return path
 
 
-def _check_options(fn: str, method, obj, checkpoint, args, kwargs) -> None:
-    """TypeError for an argument ``method`` does not take, or a flag that is no bool (and
-    ``sharded`` not None either); ValueError for a shard size (via ``shard_bytes``)."""
-    params = inspect.signature(method).parameters
-    unknown = sorted(set(kwargs) - set(params))
+def _bind(fn: str, method, self, args, kwargs) -> inspect.BoundArguments:
+    """``method``'s arguments bound, ColossalAI's no-op keywords at their defaults dropped and
+    the path checked (``str``). TypeError for an argument it does not take (with the plugin's
+    name for ColossalAI's), a flag that is no bool (``sharded`` may be None); ValueError for a
+    shard size (via :func:`shard_bytes`)."""
+    signature = inspect.signature(method)
+    kwargs = {k: v for k, v in kwargs.items()
+              if not (k in _COLOSSALAI_DEFAULTS and k not in signature.parameters
+                      and _same(v, _COLOSSALAI_DEFAULTS[k]))}
+    unknown = sorted(set(kwargs) - set(signature.parameters))
     if unknown:
-        takes = [p for p in params if p not in ("self", "model", "optimizer", "lr_scheduler",
-                                                 "checkpoint")]
+        takes = [p for p in list(signature.parameters)[3:]]
         hints = [f"{k}: see {_COLOSSALAI[k]}" for k in unknown if k in _COLOSSALAI]
         raise TypeError(f"{fn}: unexpected keyword argument(s) {unknown}; it takes "
                         f"{takes or 'no other arguments'}" + (f" ({'; '.join(hints)})"
                                                               if hints else ""))
-    bound = inspect.signature(method).bind(None, obj, checkpoint, *args, **kwargs).arguments
+    bound = signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()  # (an option passed at its default is the option left out)
+    bound.arguments["checkpoint"] = _check_path(fn, bound.arguments["checkpoint"])
     for name in ("strict", "sharded"):
-        value = bound.get(name)
-        if name in bound and not isinstance(value, bool) and not (name == "sharded"
-                                                                  and value is None):
+        value = bound.arguments.get(name)
+        if name in bound.arguments and not isinstance(value, bool) and not (
+                name == "sharded" and value is None):
             raise TypeError(f"{fn}: {name} must be a bool{' or None' if name == 'sharded' else ''}"
                             f", got {value!r} ({type(value).__name__})")
-    if bound.get("max_shard_size") is not None:
-        shard_bytes(bound["max_shard_size"], fn)
+    if bound.arguments.get("max_shard_size") is not None:
+        shard_bytes(bound.arguments["max_shard_size"], fn)
+    return bound
 
 
-def _agree(fn: str, path: Optional[str], problem: Optional[BaseException]) -> None:
+def _same(value, default) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def _options(bound: inspect.BoundArguments) -> str:
+    """The options of a call besides its object and path (``sharded``, ``strict``,
+    ``max_shard_size``), as text: ranks passing others would run other collectives."""
+    return ", ".join(f"{k}={v!r}" for k, v in list(bound.arguments.items())[3:])
+
+
+def _agree(fn: str, path: Optional[str], options: str,
+           problem: Optional[BaseException]) -> None:
     """Every rank calls ``fn`` with the same path and arguments it accepts: the ranks agree
     on the default group's control channel (a rank in another call, or another function,
     meets it there instead of a collective of the save); ``problem`` raises on every rank.
@@ -102,12 +125,14 @@ def _agree(fn: str, path: Optional[str], problem: Optional[BaseException]) -> No
         ring.agree(problem is None, str(problem), error=problem, about="checkpoint call",
                    called=fn, hint="Every rank makes the same checkpoint call.",
                    fields=(("checkpoint function", stable_code(fn)),
-                           ("checkpoint path", stable_code(where))))
+                           ("checkpoint path", stable_code(where)),
+                           ("checkpoint options", stable_code(options))))
     except RingMismatchError:
         # (every rank judged the same rows: all of them are here, so they can show the paths)
         calls = [None] * dist.get_world_size()
-        dist.all_gather_object(calls, (fn, where))
-        detail = "; ".join(f"rank {r}: {f}({p!r})" for r, (f, p) in enumerate(calls))
+        dist.all_gather_object(calls, (fn, where, options))
+        detail = "; ".join(f"rank {r}: {f}({p!r}{', ' + o if o else ''})"
+                           for r, (f, p, o) in enumerate(calls))
         raise RingMismatchError(
             f"{fn}: the ranks made different checkpoint calls ({detail}); every rank calls the "
             f"same function with the same path, on a file system every rank reads (a save "
@@ -122,19 +147,19 @@ def checkpoint_call(method):
     fn = method.__name__
 
     @functools.wraps(method)
-    def call(self, obj, checkpoint, *args, **kwargs):
+    def call(self, *args, **kwargs):
         if getattr(_CALL, "name", None):
-            return method(self, obj, checkpoint, *args, **kwargs)
-        problem, path = None, None
+            return method(self, *args, **kwargs)
+        problem, bound = None, None
         try:
-            path = _check_path(fn, checkpoint)
-            _check_options(fn, method, obj, path, args, kwargs)
+            bound = _bind(fn, method, self, args, kwargs)
         except (TypeError, ValueError) as exc:
             problem = named_for(fn, exc)
-        _agree(fn, path, problem)
+        _agree(fn, None if bound is None else bound.arguments["checkpoint"],
+               "" if bound is None else _options(bound), problem)
         _CALL.name = fn
         try:
-            return method(self, obj, path, *args, **kwargs)
+            return method(*bound.args, **bound.kwargs)
         finally:
             _CALL.name = None
 

@@ -129,7 +129,8 @@ class ShardedDataLoader:
         its optimizer step. The same on every rank (save it from any one); plain ints and
         bools, for ``torch.save``, json or ``torch.distributed.checkpoint`` (the loader is a
         ``Stateful``)."""
-        position = self._iterated or LoaderPosition(self.step, self._epoch, 0)
+        # (a restored position not iterated yet is still where the loader stands)
+        position = self._resume or self._iterated or LoaderPosition(self.step, self._epoch, 0)
         return state_of(LoaderPosition(self.step, position.epoch, position.batches),
                         len(self.loader), loader_settings(self.loader))
 
@@ -289,7 +290,8 @@ class ShardedDataLoader:
             # fetched (nor their samples read) again
             skipped, self._resume = resume.batches, None
             self.loader.sampler.skip = skipped * self.loader.batch_size
-        self._iterated = LoaderPosition(self.step, self._epoch, skipped)
+        if error is None:
+            self._iterated = LoaderPosition(self.step, self._epoch, skipped)
         it = iter(self.loader)
         while True:
             out = self._next_shard(it, error)

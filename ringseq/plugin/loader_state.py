@@ -68,8 +68,10 @@ def state_of(position: LoaderPosition, batches_per_epoch: int, settings: dict) -
 
 def _int_entry(state: Mapping, key: str) -> int:
     value = as_int(state[key])
-    if value is None or value < 0:
+    if value is None:
         raise TypeError(f"{_LOAD}: state[{key!r}] must be an int >= 0, got {given(state[key])}")
+    if value < 0:
+        raise ValueError(f"{_LOAD}: state[{key!r}] must be an int >= 0, got {value}")
     return value
 
 
@@ -83,7 +85,8 @@ def read_loader_state(state, settings: dict, resumable: bool) -> LoaderPosition:
     at an epoch's start restores that epoch and the batch count under any settings; one at an
     epoch's end, the next epoch.
 
-    Raises TypeError for a state that is not a mapping or an entry of another type, ValueError
+    Raises TypeError for a state that is not a mapping or an entry that is no int, ValueError
+    for a negative entry,
     for another format or version, a missing entry, more batches than the epoch has, or a
     position inside an epoch that this loader cannot resume (naming each setting that
     differs)."""

@@ -7,11 +7,12 @@ Every configuration trains a tiny transformers model (random init, no download) 
 two warm-up steps (AdamW states, DDP's rebuilt buckets and the ring's cached exchange buffers
 then exist, as in any later step), then one tracked step (forward, loss, backward,
 ``optimizer.step()``; with ``micro_batches`` > 1 that many forwards and backwards before the
-step, all but the last under ``booster.no_sync``); the measured peak is the largest per-rank peak of that step, the
-estimate ``plugin.estimate_memory(model, seqlen)`` (the plugin's own tp_size, zero_stage,
-sp_mode and activation_checkpointing). Also reported, not checked: the forward's own peak
-(right after the model's forward returns) against the estimate's forward moments (one
-micro-batch per step only: with more, the tracked peak spans the earlier micro-batches).
+step, all but the last under ``booster.no_sync``); the measured peak is the largest per-rank
+peak of that step, the estimate ``plugin.estimate_memory(model, seqlen)`` (the plugin's own
+tp_size, zero_stage, sp_mode and activation_checkpointing). Also reported, not checked: the
+forward's own peak (right after the model's forward returns) against the estimate's forward
+moments (one micro-batch per step only: with more, the tracked peak spans the earlier
+micro-batches).
 
 How the peak is measured. ``torch.distributed._tools.mem_tracker.MemTracker`` (a
 TorchDispatchMode; runs on CPU) follows every tensor storage created under it. It cannot see

@@ -832,8 +832,9 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         acts = below + t.rope + t.batch
         # MLP backward (at the product's gradients): all of this layer saved except the
         # product; down_proj's gradient made, its weight copy released
-        add(f"backward, {label} layer's MLP", unreduced=l + 1, temporaries=t.g + t.mlp_bwd + rs_above,
-            grads=grads + t.grad_down, comm_buffers=gathered("layer", l),
+        add(f"backward, {label} layer's MLP", unreduced=l + 1,
+            temporaries=t.g + t.mlp_bwd + rs_above, grads=grads + t.grad_down,
+            comm_buffers=gathered("layer", l),
             weight_copies=wc - t.wcopy_down, activations=acts + layer - t.prod)
         # attention backward: the MLP's and o_proj's gradients made, their copies released
         add(f"backward, {label} layer's attention", unreduced=l + 1,
@@ -1071,7 +1072,8 @@ def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
                    **kwargs) -> List[MemoryEstimate]:
     """The estimates of every mesh (:func:`meshes`) whose peak fits in ``device_memory``
     bytes at ``seqlen``, best first (see ``_cost_key``). ``kwargs``: micro_batch, precision,
-    optimizer, layout, gradient_accumulation_steps. Meshes whose sizes do not divide ``seqlen`` are left out.
+    optimizer, layout, gradient_accumulation_steps. Meshes whose sizes do not divide
+    ``seqlen`` are left out.
 
     Raises TypeError for another keyword and ValueError for a bad option value (a misspelled
     precision or optimizer, micro_batch < 1, seqlen < 1), checked once on the plain

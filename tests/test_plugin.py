@@ -745,6 +745,7 @@ def test_a_stateless_parameter_in_an_optimizer_file_is_refused_for_sharded_param
     format, which restores it (tests/test_plugin_checkpoint.py)."""
     for text, states in run_ranks(_stateless_file_into_fsdp_worker, 2, str(tmp_path),
                                   timeout=120):
-        assert text.startswith("ValueError: load_optimizer: rank ") and "the optimizer file holds no state " \
-            "for 2 parameter(s)" in text and "sharded=True" in text, text
+        assert text.startswith("ValueError: load_optimizer: rank ") and \
+            "the optimizer file holds no state for 2 parameter(s)" in text and \
+            "sharded=True" in text, text
         assert states == 0, states  # nothing applied

@@ -91,9 +91,10 @@ inline Band block_band(const AttnSpan& sp, int64_t r0, int64_t c0, bool keys_as_
 }
 
 // tanh(x) within ~2 ulp relative error. For |x| >= atanh(1/2), sign(x) (1 - 2 / (exp(2|x|) + 1))
-// with the kernels' vector exp (saturating to exactly +-1: exp_vec saturates at exp(88)). Below that the formula cancels: its absolute error stays ~1 ulp of 1, so a soft-cap
-// of C left C·eps in every small score (cap 30: ~30x plain attention's error on scores of
-// size 1, and 3-6x on out and dq). There an odd polynomial x + x³·q(x²) fitted for relative
+// with the kernels' vector exp (saturating to exactly +-1: exp_vec saturates at exp(88)).
+// Below that the formula cancels: its absolute error stays ~1 ulp of 1, so a soft-cap of C
+// left C·eps in every small score (cap 30: ~30x plain attention's error on scores of size 1,
+// and 3-6x on out and dq). There an odd polynomial x + x³·q(x²) fitted for relative
 // error on [0, atanh(1/2)] (1.1e-9 in exact arithmetic, ~1 ulp evaluated in float) is used.
 // The formula (an exp and a division) is only evaluated for vectors with a lane past the
 // polynomial's range: soft-caps sit well above typical scores (Gemma 2: 50 on scores of a few

@@ -251,8 +251,9 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
                            + (f": {messages[r]}" if messages.get(r) else "") for r in failed)
         own = ring.broken
         err = RingBrokenError(
-            f"ringseq: {called + ': ' if called else ''}the ring is broken: {detail}. The results of this call are invalid; "
-            f"every rank raises until ringseq.reset_ring(group) is called on all of them "
+            f"ringseq: {called + ': ' if called else ''}the ring is broken: {detail}. The "
+            f"results of this call are invalid; every rank raises until "
+            f"ringseq.reset_ring(group) is called on all of them "
             f"(sp.reset() for the groups of ringseq.make_sp_groups: it resets each)"
             + (f" (this rank's original error: {type(own).__name__}: {own})" if own else ""))
         ring.mark_broken(err)

@@ -628,3 +628,25 @@ def test_a_transform_over_something_else_runs_attention_as_a_constant():
     assert torch.equal(torch.func.vmap(f)(torch.stack([w, 3 * w])), torch.stack([2 * total,
                                                                                  6 * total]))
     assert torch.equal(torch.func.jvp(f, (w,), (torch.ones_like(w),))[1], total)
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda q, k: torch.ops.ringseq.fwd(q.int(), k.int(), k.int(), 0.3, True),
+     r"^ringseq::fwd: q, k, v must be float16, bfloat16, float32 or float64, got torch.int32"),
+    (lambda q, k: torch.ops.ringseq.fwd(q, k, k, 0.3, True, 5),
+     r"^ringseq::fwd: tile_config must be 0, 1 or 2, got 5"),
+    (lambda q, k: torch.ops.ringseq.fwd_accum(q, k, k, 0.3, True, q.double(),
+                                              torch.empty(1, 2, 4, dtype=torch.float64)),
+     r"^ringseq::fwd_accum: out_acc and lse_acc must be torch.float32 for torch.float32"),
+    (lambda q, k: torch.ops.ringseq.fwd(q, q[:, :, :1].expand(1, 4, 3, 8),
+                                        q[:, :, :1].expand(1, 4, 3, 8), 0.3, True),
+     r"^ringseq::fwd: nheads must be divisible by nheads_kv, got 2 and 3"),
+])
+def test_fake_implementations_refuse_what_the_kernels_refuse(call, needle):
+    """Under FakeTensorMode (what torch.compile traces with): before, int inputs, tile_config 5
+    and float64 accumulators for float32 inputs were accepted, and errors named no operator."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k = torch.empty(1, 4, 2, 8), torch.empty(1, 4, 1, 8)
+        with pytest.raises(RuntimeError, match=needle):
+            call(q, k)

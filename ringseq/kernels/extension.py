@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import accum_dtype
 from .grad import attention_backward, fake_attention_outputs, fake_checks
 from .registry import backend_key
 from .base import AttentionBackend
@@ -76,38 +77,49 @@ if _C is not None:
 
     @torch.library.register_fake("ringseq::fwd")
     def _fwd_fake(q, k, v, softmax_scale, causal, tile_config=0, spans=None, softcap=0.0):
-        fake_checks(q, k, v)
+        fake_checks("fwd", q, k, v, tile_config)
         _spansfake_checks(spans, softcap, causal)
         return fake_attention_outputs(q)
 
     @torch.library.register_fake("ringseq::fwd_accum")
     def _fwd_accum_fake(q, k, v, softmax_scale, causal, out_acc, lse_acc, tile_config=0, spans=None,
                         softcap=0.0):
-        fake_checks(q, k, v)
+        fake_checks("fwd_accum", q, k, v, tile_config)
         _spansfake_checks(spans, softcap, causal)
         b, s_q, h, _ = q.shape
-        torch._check(out_acc.shape == q.shape, lambda: "out_acc must have the shape of q")
-        torch._check(lse_acc.shape == (b, h, s_q), lambda: "lse_acc must be (b, h, s_q)")
+        torch._check(out_acc.shape == q.shape,
+                     lambda: f"ringseq::fwd_accum: out_acc must have the shape of q "
+                             f"{tuple(q.shape)}, got {tuple(out_acc.shape)}")
+        torch._check(lse_acc.shape == (b, h, s_q),
+                     lambda: f"ringseq::fwd_accum: lse_acc must be (b, h, s_q) = "
+                             f"{(b, h, s_q)}, got {tuple(lse_acc.shape)}")
+        acc = accum_dtype(q.dtype)
+        torch._check(out_acc.dtype == acc and lse_acc.dtype == acc,
+                     lambda: f"ringseq::fwd_accum: out_acc and lse_acc must be {acc} for "
+                             f"{q.dtype} inputs, got {out_acc.dtype} and {lse_acc.dtype}")
         return None
 
-    def _check_grad_inputs(dout, q, k, v, out, lse):
-        fake_checks(q, k, v)
+    def _check_grad_inputs(op, dout, q, k, v, out, lse, tile_config):
+        fake_checks(op, q, k, v, tile_config)
         b, s_q, h, _ = q.shape
         torch._check(dout.shape == q.shape and out.shape == q.shape,
-                     lambda: "dout and out must have the shape of q")
-        torch._check(lse.shape == (b, h, s_q), lambda: "lse must be (b, h, s_q)")
+                     lambda: f"ringseq::{op}: dout and out must have the shape of q "
+                             f"{tuple(q.shape)}, got {tuple(dout.shape)} and {tuple(out.shape)}")
+        torch._check(lse.shape == (b, h, s_q),
+                     lambda: f"ringseq::{op}: lse must be (b, h, s_q) = {(b, h, s_q)}, got "
+                             f"{tuple(lse.shape)}")
 
     @torch.library.register_fake("ringseq::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta=None, tile_config=0, spans=None,
                   softcap=0.0):
-        _check_grad_inputs(dout, q, k, v, out, lse)
+        _check_grad_inputs("bwd", dout, q, k, v, out, lse, tile_config)
         _spansfake_checks(spans, softcap, causal)
         return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
     @torch.library.register_fake("ringseq::bwd_accum")
     def _bwd_accum_fake(dout, q, k, v, out, lse, softmax_scale, causal, delta, dq_accum,
                         dk_accum, dv_accum, tile_config=0, spans=None, softcap=0.0):
-        _check_grad_inputs(dout, q, k, v, out, lse)
+        _check_grad_inputs("bwd_accum", dout, q, k, v, out, lse, tile_config)
         _spansfake_checks(spans, softcap, causal)
         torch._check(dq_accum.shape == q.shape and dk_accum.shape == k.shape
                      and dv_accum.shape == v.shape,

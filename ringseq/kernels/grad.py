@@ -17,17 +17,37 @@ from .checks import accum_dtype
 __all__ = ["attention_backward", "fake_attention_outputs", "fake_checks"]
 
 
-def fake_checks(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Shape relations every op's fake (meta) implementation insists on, so a traced graph
-    fails at trace time on inputs the kernel would refuse (same rules as checks.check_qkv)."""
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def fake_checks(op: str, q: Tensor, k: Tensor, v: Tensor, tile_config=0) -> None:
+    """What every op's fake (meta) implementation insists on, so a traced graph fails at trace
+    time on inputs the kernel would refuse (the binding's rules): shapes, a float dtype shared
+    by q, k and v, a tile configuration 0..2. Errors name the operator (``ringseq::<op>``) and
+    what was given."""
+    name = f"ringseq::{op}"
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-                 lambda: "q, k, v must be 4-dim (batch, seqlen, nheads, headdim)")
-    torch._check(k.shape == v.shape, lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    torch._check(q.shape[0] == k.shape[0], lambda: "q and k/v must have the same batch size")
-    torch._check(q.shape[3] == k.shape[3], lambda: "q and k/v must have the same head dim")
+                 lambda: f"{name}: q, k, v must be 4-dim (batch, seqlen, nheads, headdim), got "
+                         f"{q.dim()}, {k.dim()} and {v.dim()} dims")
+    torch._check(k.shape == v.shape,
+                 lambda: f"{name}: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    torch._check(q.shape[0] == k.shape[0],
+                 lambda: f"{name}: q and k/v must have the same batch size, got {q.shape[0]} "
+                         f"and {k.shape[0]}")
+    torch._check(q.shape[3] == k.shape[3],
+                 lambda: f"{name}: q and k/v must have the same head dim, got {q.shape[3]} and "
+                         f"{k.shape[3]}")
     torch._check(k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0,
-                 lambda: "nheads must be divisible by nheads_kv")
-    torch._check(q.dtype == k.dtype == v.dtype, lambda: "q, k and v must have the same dtype")
+                 lambda: f"{name}: nheads must be divisible by nheads_kv, got {q.shape[2]} and "
+                         f"{k.shape[2]}")
+    torch._check(q.dtype == k.dtype == v.dtype,
+                 lambda: f"{name}: q, k and v must have the same dtype, got {q.dtype}, "
+                         f"{k.dtype} and {v.dtype}")
+    torch._check(q.dtype in _FLOATS,
+                 lambda: f"{name}: q, k, v must be float16, bfloat16, float32 or float64, got "
+                         f"{q.dtype}")
+    torch._check(not isinstance(tile_config, bool) and tile_config in (0, 1, 2),
+                 lambda: f"{name}: tile_config must be 0, 1 or 2, got {tile_config!r}")
 
 
 def fake_attention_outputs(q: Tensor) -> Tuple[Tensor, Tensor]:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ._args import check_alibi_slopes, check_bool, check_softmax_scale, parse_window
-from ._dist import RingPeerError, group_info
+from ._dist import RingPeerError, RingTimeoutError, group_info
 from ._hash import stable_hash_ints
 from .engine.ring import get_ring
 from .kernels.checks import accum_dtype, resolve_scale
@@ -532,7 +532,10 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
         # cannot know, would pair their call with this rank's next one; the default group's
         # ring is where a group=None peer waits (a peer of another group times out instead)
         if dist.is_initialized():
-            get_ring(None).agree(False, str(exc), error=exc, about="kv-cache call")
+            try:
+                get_ring(None).agree(False, str(exc), error=exc, about="kv-cache call")
+            except RingTimeoutError as timeout:  # (peers of another group: its own error)
+                raise exc from timeout
         raise
     problem = None
     try:

@@ -163,10 +163,10 @@ class InterruptedWait(KeyboardInterrupt):
 def deferred_interrupts():
     """A SIGINT (Ctrl-C) that arrives inside the block is held until the block ends, then
     handed to the handler in force before it (Python's raises KeyboardInterrupt there). For
-    waits on a gloo send or receive: c10d's wait runs Python's signal handlers, and a
-    KeyboardInterrupt raised inside it aborts the transfer, so the peers would wait for it
-    until the ring timeout (the wait itself is not interruptible: it ends when the transfer
-    completes or times out). A held SIGINT is handed over also when the wait raises
+    the waits of a ring step's gloo send and receive, which do not return to Python before
+    their transfer completes or times out: a KeyboardInterrupt raised as the first returned
+    left the call with the other transfer never waited for, and the peers waited for this
+    rank until the ring timeout. A held SIGINT is handed over also when the wait raises
     (:class:`InterruptedWait`). Only on the main thread (the only one signals reach)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -208,17 +208,12 @@ class _Pending:
         self.works, self.comm, self.timeout = works, comm, timeout
 
     def wait(self) -> None:
-        """Waits for the step's transfers; each one is dropped as soon as it completed (in the
-        same straight-line code, before Python runs a signal handler again), so that a wait
-        interrupted by a Ctrl-C can be resumed: waiting on a completed gloo receive again would
-        wait for another message."""
         try:
-            while self.works:
+            for w in self.works:
                 if self.timeout is None:
-                    self.works[0].wait()
+                    w.wait()
                 else:
-                    self.works[0].wait(self.timeout)
-                self.works = self.works[1:]
+                    w.wait(self.timeout)
         except RuntimeError as exc:
             what = ("waited more than {:.0f} s for".format(self.timeout.total_seconds())
                     if self.timeout is not None and _timeout_exc(exc) else
@@ -229,6 +224,7 @@ class _Pending:
                 f"{self.comm.next_rank}): a peer stalled, died or left the ring call "
                 f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on every "
                 f"rank makes the ring usable again)") from exc
+        self.works = ()
 
 
 _EPOCHS: Dict[str, int] = {}  # ring channels made so far per process group name (this process)

@@ -75,7 +75,7 @@ def _bind(fn: str, method, self, args, kwargs) -> inspect.BoundArguments:
                       and _same(v, _COLOSSALAI_DEFAULTS[k]))}
     unknown = sorted(set(kwargs) - set(signature.parameters))
     if unknown:
-        takes = [p for p in list(signature.parameters)[3:]]
+        takes = list(signature.parameters)[3:]  # (after self, the object and the path)
         hints = [f"{k}: see {_COLOSSALAI[k]}" for k in unknown if k in _COLOSSALAI]
         raise TypeError(f"{fn}: unexpected keyword argument(s) {unknown}; it takes "
                         f"{takes or 'no other arguments'}" + (f" ({'; '.join(hints)})"

@@ -292,7 +292,7 @@ class ShardedDataLoader:
             self.loader.sampler.skip = skipped * self.loader.batch_size
         if error is None:
             self._iterated = LoaderPosition(self.step, self._epoch, skipped)
-        it = iter(self.loader)
+        it = iter(self.loader) if error is None else None  # (no workers started to refuse)
         while True:
             out = self._next_shard(it, error)
             if out is None:

@@ -85,11 +85,10 @@ def read_loader_state(state, settings: dict, resumable: bool) -> LoaderPosition:
     at an epoch's start restores that epoch and the batch count under any settings; one at an
     epoch's end, the next epoch.
 
-    Raises TypeError for a state that is not a mapping or an entry that is no int, ValueError
-    for a negative entry,
-    for another format or version, a missing entry, more batches than the epoch has, or a
-    position inside an epoch that this loader cannot resume (naming each setting that
-    differs)."""
+    Raises TypeError for a state that is not a mapping or an entry that is no int; ValueError
+    for a negative entry, another format or version, a missing entry, more batches than its
+    epoch has, or a position inside an epoch that this loader cannot resume (naming each
+    setting that differs)."""
     if not isinstance(state, Mapping):
         raise TypeError(f"{_LOAD}: state must be the mapping ShardedDataLoader.state_dict() "
                         f"returned, got {given(state)}")

@@ -693,18 +693,18 @@ def _ring_decode(plan, group, world):
     q = plan["q"]
     b, s_q, h, d = q.shape
     acc = accum_dtype(q.dtype)
+    # (out, lse) of this rank's part and, last, whether it failed: one all-gather of it
+    flat = torch.zeros(b * s_q * h * (d + 1) + 1, dtype=acc, device=q.device)
+    payload = flat[:-1].view(b, s_q, h, d + 1)
     failure = None
     try:
-        payload, new_part = _local_decode(plan)  # (b, s_q, h, d + 1) in acc
+        new_part = _local_decode(plan, payload)
     except (Exception, KeyboardInterrupt) as exc:  # re-raised below, after the gather
         failure, new_part = exc, None
-        payload = torch.zeros((b, s_q, h, d + 1), dtype=acc, device=q.device)
+        flat[-1] = 1.0
     if world > 1:
-        # One all-gather of (out, lse) per rank, and of whether this rank's part failed: a
-        # rank that failed still meets the others in it (they would wait there until the
-        # process group's timeout), and every rank learns who failed.
-        status = payload.new_tensor([0.0 if failure is None else 1.0])
-        flat = torch.cat((payload.reshape(-1), status))
+        # A rank that failed still meets the others in the gather (they would wait there
+        # until the process group's timeout), and every rank learns who failed.
         parts = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(parts, flat, group=group)
         failed = torch.stack([part[-1] for part in parts]).nonzero().flatten().tolist()
@@ -730,10 +730,10 @@ def _ring_decode(plan, group, world):
     return (out, _flash_lse(lse)) if plan["return_lse"] else out
 
 
-def _local_decode(plan):
-    """This rank's part of a ring decode: ``((out, lse) of its cache shard as one payload
-    (b, s_q, h, d + 1) in the accumulation dtype, (out, lse) of the new tokens or None)``; the
-    new tokens are written to the slots this rank holds."""
+def _local_decode(plan, payload):
+    """This rank's part of a ring decode: (out, lse) of its cache shard written to ``payload``
+    (b, s_q, h, d + 1) in the accumulation dtype; returns (out, lse) of the new tokens or None.
+    The new tokens are written to the slots this rank holds."""
     q, kc, vc, k, v = plan["q"], plan["kc"], plan["vc"], plan["k"], plan["v"]
     lengths, starts, homes, rank = plan["lengths"], plan["starts"], plan["homes"], plan["rank"]
     causal, window, softcap, scale = plan["causal"], plan["window"], plan["softcap"], plan["scale"]
@@ -770,9 +770,9 @@ def _local_decode(plan):
         new_start = (starts.long() - end_old).clamp(0, s_new).to(torch.int32)
         new_part = _attend_cache(q, k, v, new_len, new_start, None, scale, causal, window,
                                  softcap, 0)
-    acc = accum_dtype(q.dtype)
-    payload = torch.cat((out_r.to(acc), lse_r.to(acc).transpose(1, 2).unsqueeze(-1)), dim=-1)
-    return payload, new_part
+    payload[..., :d] = out_r
+    payload[..., d] = lse_r.transpose(1, 2)
+    return new_part
 
 
 # torch.compile / meta support of the operator (shapes only; the binding checks the values).

@@ -11,7 +11,7 @@ import torch
 
 from dist_utils import run_ranks
 from test_plugin_loader_options import _Net
-from utils import error_text
+from utils import error_text, node_copy
 
 
 def _worker(tmp):
@@ -181,14 +181,9 @@ def _worker_calls(tmp):
     # ... loaded into sharded parameters (zero 3) from one path that rank 1's node holds at
     # step 1 (before: no error, step 1.0 on rank 0 and 2.0 on rank 1)
     booster, model, opt = boosted(zero_stage=3)
-    path, real_load = f"{tmp}/optim2.pt", torch.load
-    if rank == 1:
-        torch.load = lambda f, *a, **k: real_load(f"{tmp}/optim1.pt" if f == path else f,
-                                                  *a, **k)
-    try:
+    path = f"{tmp}/optim2.pt"
+    with node_copy(path, f"{tmp}/optim1.pt", active=rank == 1):
         out["file_copies_into_sharded"] = error_text(lambda: booster.load_optimizer(opt, path))
-    finally:
-        torch.load = real_load
     out["fresh_after_refusal"] = not opt.optim.state
     step(booster, model, opt)
     # each rank its own path (before: no error; rank 1's shards and files were lost)

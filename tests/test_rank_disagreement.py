@@ -26,7 +26,7 @@ import time
 import torch
 
 from dist_utils import run_ranks
-from utils import error_text
+from utils import error_text, node_copy
 
 TIMEOUT = 20  # the ranks' ring timeout: an error that waits for it fails the FAST bound
 FAST = 10     # seconds within which every rank must raise
@@ -121,14 +121,9 @@ def _worker(tmp):
     name = "step1.pt" if rank == 1 else "step2.pt"
     out["checkpoint"] = _timed(lambda: booster.load_model(model, os.path.join(tmp, name)))
     # one path, which rank 1's node holds at step 1 (a node-local copy): contents compared
-    step2, real_load = os.path.join(tmp, "step2.pt"), torch.load
-    if rank == 1:
-        torch.load = lambda f, *a, **k: real_load(os.path.join(tmp, "step1.pt") if f == step2
-                                                  else f, *a, **k)
-    try:
+    step2 = os.path.join(tmp, "step2.pt")
+    with node_copy(step2, os.path.join(tmp, "step1.pt"), active=rank == 1):
         out["checkpoint_copies"] = _timed(lambda: booster.load_model(model, step2))
-    finally:
-        torch.load = real_load
     out["loaded"] = _params_digest(model.unwrap()) != before
     booster.load_model(model, os.path.join(tmp, "step2.pt"))  # the same file: loads
     out["params"] = _params_digest(model.unwrap())

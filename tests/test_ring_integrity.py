@@ -23,7 +23,7 @@ from ringseq.kernels import get_backend
 from ringseq.kernels.base import AttentionBackend
 
 from dist_utils import run_ranks
-from utils import capture as _capture, max_err
+from utils import capture as _capture, max_err, node_copy
 
 ENV = {"RINGSEQ_TIMEOUT": "20"}
 FAST = 15.0  # seconds every error must arrive within (generous for a loaded 2-core CI box)
@@ -350,13 +350,8 @@ def _case_checkpoints(tmp):
         torch.save(model.state_dict(), bad)
     dist.barrier()
     before = [p.detach().clone() for p in model.parameters()]
-    real_load = torch.load
-    if rank == 1:
-        torch.load = lambda f, *a, **k: real_load(garbage if f == bad else f, *a, **k)
-    try:
+    with node_copy(bad, garbage, active=rank == 1):
         out["load"] = _capture(lambda: booster.load_model(model, bad))
-    finally:
-        torch.load = real_load
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     # a symlink planted at <path>.tmp is never written through
     target = os.path.join(tmp, "victim.txt")

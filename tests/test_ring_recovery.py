@@ -21,7 +21,7 @@ from ringseq.kernels import get_backend
 from ringseq.kernels.base import AttentionBackend
 
 from dist_utils import run_ranks
-from utils import capture as _capture, max_err
+from utils import capture as _capture, max_err, node_copy
 
 TIMEOUT = 4  # seconds: the ring timeout of these ranks
 FAST = 3 * TIMEOUT + 10  # every error must arrive within this (a loaded 2-core CI box)
@@ -566,13 +566,8 @@ def _case_plugin_failures(tmp):
         with open(truncated, "r+b") as f:
             f.truncate(100)
     dist.barrier()
-    real_load = torch.load
-    if rank == 1:
-        torch.load = lambda f, *a, **k: real_load(truncated if f == path else f, *a, **k)
-    try:
+    with node_copy(path, truncated, active=rank == 1):
         out["truncated"] = _capture(lambda: booster.load_model(model, path))
-    finally:
-        torch.load = real_load
     dist.barrier()
     wrong = dict(sd)
     wrong["lm_head.weight"] = torch.zeros(3, 3, dtype=torch.float64)

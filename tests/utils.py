@@ -1,6 +1,7 @@
 """Shared test helpers: float64 reference attention and the tolerance rule of docs/design.md."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -14,6 +15,20 @@ def capture(fn):
         return ("ok", fn())
     except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
         return (type(exc).__name__, str(exc), time.monotonic() - t0)
+
+
+@contextlib.contextmanager
+def node_copy(path, copy, active=True):
+    """While the block runs (where ``active``: on the rank whose node is simulated), reads of
+    the checkpoint file ``path`` through ``torch.load`` get the file ``copy``: one path that
+    this rank's node holds with other contents (another step, truncated, garbage)."""
+    real_load = torch.load
+    if active:
+        torch.load = lambda f, *a, **k: real_load(copy if f == path else f, *a, **k)
+    try:
+        yield
+    finally:
+        torch.load = real_load
 
 
 def error_text(fn, catch=(Exception,)):

@@ -69,7 +69,7 @@ from ..engine.ring import get_ring, refuse_on_error
 from ..kernels import get_backend
 from ..layouts import Layout, document_positions, get_layout, positions_local
 from ..nn import ring_attention
-from ..parallel.groups import (SP_MODES, SequenceParallelGroups, check_model_heads,
+from ..parallel.groups import (SequenceParallelGroups, check_model_heads, check_sp_mode,
                                make_sp_groups, resolve_sp_sizes)
 from ..parallel.usp import usp_attn_func
 
@@ -756,8 +756,8 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
         lay = get_layout(layout)
         if backend is not None:
             get_backend(backend, fn="apply")
-        if sp_mode is not None and sp_mode not in SP_MODES:
-            raise ValueError(f"sp_mode must be one of {list(SP_MODES)}, got {sp_mode!r}")
+        if sp_mode is not None:
+            check_sp_mode(sp_mode)
     except (TypeError, ValueError) as exc:
         raise named_for("apply", exc) from None
     if not isinstance(group, SequenceParallelGroups):

@@ -52,8 +52,8 @@ from ..layouts import Layout, get_layout, positions_local, shard_local
 from .sp_layout import SequenceParallelLayout, ring_layout
 from .ulysses import ulysses_heads, valid_ulysses_degrees
 
-__all__ = ["SP_MODES", "SequenceParallelGroups", "check_model_heads", "make_sp_groups",
-           "resolve_sp_sizes", "sp_groups_from_tables"]
+__all__ = ["SP_MODES", "SequenceParallelGroups", "check_model_heads", "check_sp_mode",
+           "make_sp_groups", "resolve_sp_sizes", "sp_groups_from_tables"]
 
 
 SP_MODES = ("ring", "ulysses", "hybrid")
@@ -61,6 +61,12 @@ SP_MODES = ("ring", "ulysses", "hybrid")
 
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_sp_mode(sp_mode) -> None:
+    """ValueError unless ``sp_mode`` is one of :data:`SP_MODES`."""
+    if sp_mode not in SP_MODES:
+        raise ValueError(f"sp_mode must be one of {list(SP_MODES)}, got {sp_mode!r}")
 
 
 def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = None,
@@ -72,8 +78,7 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
     ``inner_ring_size`` (ring and hybrid): must divide R. Raises ValueError naming the argument,
     the value and the values that would work; nothing communicates.
     """
-    if sp_mode not in SP_MODES:
-        raise ValueError(f"sp_mode must be one of {list(SP_MODES)}, got {sp_mode!r}")
+    check_sp_mode(sp_mode)
     if not isinstance(sp_size, int) or sp_size < 1:
         raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}")
     if sp_mode == "ring":

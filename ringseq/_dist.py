@@ -13,6 +13,7 @@ Private: the public names are re-exported by :mod:`ringseq`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import List, Optional, Tuple
 
@@ -276,7 +277,8 @@ def set_consistency_check(mode=True) -> None:
     all zeros: one device synchronization per backward.)
     The environment variable ``RINGSEQ_CHECK_CONSISTENCY`` (``1``/``true``/``on``/``yes``/
     ``first``/``always``, ``0``/``false``/``off``/``no``; anything else raises ValueError at
-    the first ring call, before it opens) sets the initial mode; ``mode`` takes the same words.
+    the next ring call, before it opens, and the ranks where the variable is well formed raise
+    :class:`RingPeerError`) sets the initial mode; ``mode`` takes the same words.
     Every rank must use the same mode.
     """
     global _CHECK_MODE
@@ -325,6 +327,28 @@ def set_ring_timeout(seconds: Optional[float]) -> None:
     ``reset_ring`` rebuilds them)."""
     global _TIMEOUT_S
     _TIMEOUT_S = None if seconds is None else _check_timeout(seconds, "set_ring_timeout: seconds")
+
+
+@contextlib.contextmanager
+def defaults_for_malformed_settings():
+    """While a rank refuses a call over a malformed ``RINGSEQ_CHECK_CONSISTENCY`` or
+    ``RINGSEQ_TIMEOUT`` of its own, the default mode ("first") and timeout (1800 s) stand in
+    for the malformed ones, so that its refusal meets the peers' call; the settings are read
+    from the environment again afterwards."""
+    global _CHECK_MODE, _TIMEOUT_S
+    saved = (_CHECK_MODE, _TIMEOUT_S)
+    try:
+        consistency_check_mode()
+    except ValueError:
+        _CHECK_MODE = "first"
+    try:
+        ring_timeout()
+    except ValueError:
+        _TIMEOUT_S = 1800.0
+    try:
+        yield
+    finally:
+        _CHECK_MODE, _TIMEOUT_S = saved
 
 
 def ring_timeout() -> float:

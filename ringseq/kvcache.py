@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ._args import check_alibi_slopes, check_bool, check_softmax_scale, parse_window
 from ._dist import RingPeerError, RingTimeoutError, group_info
 from ._hash import stable_hash_ints
+from .engine.integrity import FWD, operation_field
 from .engine.ring import get_ring
 from .kernels.checks import accum_dtype, resolve_scale
 from .kernels.spans import check_softcap
@@ -62,7 +63,7 @@ def _row_ints(fn: str, name: str, x, batch: int, device, allow_int: bool = False
         return torch.full((batch,), int(x), dtype=torch.int32, device=device)
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
         what = "an int or " if allow_int else ""
-        raise TypeError(f"{fn}: {name} must be {what}an int32 tensor (batch,), got "
+        raise TypeError(f"{fn}: {name} must be {what}an int32 or int64 tensor (batch,), got "
                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
     if x.dim() != 1 or x.shape[0] != batch:
         raise ValueError(f"{fn}: {name} must have shape ({batch},) (one entry per batch row of "
@@ -533,7 +534,8 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
         # ring is where a group=None peer waits (a peer of another group times out instead)
         if dist.is_initialized():
             try:
-                get_ring(None).agree(False, str(exc), error=exc, about="kv-cache call")
+                get_ring(None).agree(False, str(exc), kind=FWD, error=exc, about=None,
+                                     called=fn)
             except RingTimeoutError as timeout:  # (peers of another group: its own error)
                 raise exc from timeout
         raise
@@ -548,9 +550,13 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     # On the ring's control channel: the other ranks raise RingPeerError naming this one (and
     # its message) instead of waiting in the all-gather, and ranks whose calls differ
     # (shapes, options, cache_seqlens) raise RingMismatchError on every rank.
-    get_ring(group).agree(problem is None, str(problem), error=problem,
+    # Met like an attention call's begin (kind FWD, no agreement word; a broken ring raises
+    # RingBrokenError), its signature opening with the operation as theirs do: a peer in ring
+    # or Ulysses attention raises RingMismatchError naming both operations (before: a desync,
+    # which broke the ring), and the ring stays usable.
+    get_ring(group).agree(problem is None, str(problem), kind=FWD, error=problem,
                           fields=() if plan is None else plan["signature"],
-                          about="kv-cache call")
+                          about=None, called=fn)
     with torch.no_grad():
         return _ring_decode(plan, group, world)
 
@@ -671,6 +677,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     # shards' capacity may differ). cache_seqlens and cache_leftpad are compared by a hash of
     # their values as given (host, pads above).
     signature = (
+        operation_field("ring kv-cache decoding"),
         ("batch", b), ("seqlen_q", s_q), ("nheads", h), ("headdim", d), ("nheads_k", h_kv),
         ("dtype", dtype_code(q.dtype), "dtype"), ("seqlen_new", s_new),
         ("prefill_len", int(prefill_len)), ("layout", lay.code, "layout"),

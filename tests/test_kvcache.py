@@ -518,15 +518,19 @@ def test_ring_decoding_is_exact_and_moves_no_kv(world):
         for rank, (_, caught) in enumerate(results):
             # a shard too small on rank 1 only: raised there, and on rank 0 as a RingPeerError
             # naming rank 1 and its message
-            assert len(caught) == 7, caught
+            assert len(caught) == 9, caught
             assert "holds 3 slots" in caught[0] and (rank == 1 or "rank(s) [1]" in caught[0])
             assert "prefill_len" in caught[1]  # bad on every rank: raised on every rank
             assert "window_size" in caught[2] and "NotImplementedError" in caught[2]
             assert "num_splits must be an int >= 0" in caught[3]
             assert "different arguments" in caught[4] and "cache_seqlens (hash)" in caught[4]
+            assert "ring_flash_attn_with_kvcache" in caught[4]
             assert "different arguments" in caught[5] and "softcap (x1e6) (rank 0: 0, rank 1: 5000000)" in caught[5]
             assert "created under torch.inference_mode()" in caught[6]
             assert rank == 1 or ("RingPeerError" in caught[6] and "rank(s) [1]" in caught[6])
+            assert caught[7].startswith("RingMismatchError") and "different operations (rank 0: " \
+                "ring attention, rank 1: ring kv-cache decoding)" in caught[7], caught[7]
+            assert caught[8].startswith("RingBrokenError") and "reset_ring" in caught[8], caught[8]
 
 
 def _ring_errors():
@@ -561,6 +565,30 @@ def _ring_errors():
                                      new_kv.clone(), prefill_len=8)
     except ValueError as exc:
         caught.append(f"{type(exc).__name__}: {exc}")
+    # rank 0 in ring attention, rank 1 decoding: both name the two operations, and the ring
+    # stays usable (before: a desync, which broke the ring until reset_ring)
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    try:
+        if rank == 0:
+            ringseq.ring_flash_attn_func(q, k, v, causal=True)
+        else:
+            ring_flash_attn_with_kvcache(torch.randn(1, 1, 2, 16), torch.zeros(1, 8, 2, 16),
+                                         torch.zeros(1, 8, 2, 16), 8, prefill_len=8)
+    except ValueError as exc:
+        caught.append(f"{type(exc).__name__}: {exc}")
+    ringseq.ring_flash_attn_func(q, k, v, causal=True)
+    # on a broken ring (here: broken on rank 0), the decode raises RingBrokenError on every
+    # rank, as any ring call does, until reset_ring (before: it ran)
+    if rank == 0:
+        ringseq.get_ring().mark_broken(RuntimeError("an earlier failure"))
+    try:
+        ring_flash_attn_with_kvcache(torch.randn(1, 1, 4, 16), torch.zeros(1, 8, 2, 16),
+                                     torch.zeros(1, 8, 2, 16), 8, prefill_len=8)
+    except ringseq.RingBrokenError as exc:
+        caught.append(f"{type(exc).__name__}: {exc}")
+    ringseq.reset_ring()
+    ring_flash_attn_with_kvcache(torch.randn(1, 1, 4, 16), torch.zeros(1, 8, 2, 16),
+                                 torch.zeros(1, 8, 2, 16), 8, prefill_len=8)
     return caught
 
 

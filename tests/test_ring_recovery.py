@@ -323,6 +323,17 @@ def _case_timeout_values():
         os.environ["RINGSEQ_TIMEOUT"] = saved
         ringseq.set_ring_timeout(TIMEOUT)
     out["after_env"] = _capture(_exact)
+    # ... on rank 1 only: rank 0 raises RingPeerError with rank 1's message at once (before:
+    # it waited, and its call paired with rank 1's next one)
+    if dist.get_rank() == 1:
+        ringseq_dist._TIMEOUT_S = None
+        os.environ["RINGSEQ_TIMEOUT"] = "4s"
+    try:
+        out["env_on_one_rank"] = _capture(_exact)
+    finally:
+        os.environ["RINGSEQ_TIMEOUT"] = saved
+        ringseq.set_ring_timeout(TIMEOUT)
+    out["after_env_on_one_rank"] = _capture(_exact)
     return out
 
 
@@ -499,6 +510,20 @@ def _case_check_mode_words():
                                       ringseq_dist.consistency_check_mode())[1]
                                      for w in ("on", "NO", "yes", "0", True)])
     out["next_call"] = _capture(_exact)  # no reset_ring in between
+    # ... on rank 1 only: rank 0 raises RingPeerError with rank 1's message (before: it waited,
+    # and its call paired with rank 1's next one)
+    if dist.get_rank() == 1:
+        os.environ["RINGSEQ_CHECK_CONSISTENCY"] = "maybe"
+        ringseq_dist._CHECK_MODE = None
+    try:
+        out["bad_env_on_one_rank"] = _capture(_exact)
+    finally:
+        if old is None:
+            os.environ.pop("RINGSEQ_CHECK_CONSISTENCY", None)
+        else:
+            os.environ["RINGSEQ_CHECK_CONSISTENCY"] = old
+        ringseq.set_consistency_check(True)
+    out["after_bad_env_on_one_rank"] = _capture(_exact)
     return out
 
 
@@ -1365,6 +1390,11 @@ def test_timeout_values_are_validated(w2):
         _is_error(r["timeouts"]["env"], ("ValueError",), "ring_flash_attn_func: "
                   "RINGSEQ_TIMEOUT='4s' must be a number of seconds")
         _exact_ok(r["timeouts"]["after_env"])
+        _exact_ok(r["timeouts"]["after_env_on_one_rank"])
+    _is_error(w2[1]["timeouts"]["env_on_one_rank"], ("ValueError",),
+              "ring_flash_attn_func: RINGSEQ_TIMEOUT='4s'")
+    _is_error(w2[0]["timeouts"]["env_on_one_rank"], ("RingPeerError",), "rank 1",
+              "RINGSEQ_TIMEOUT='4s'")
 
 
 def test_a_changed_ring_timeout_applies_to_the_next_call(w2):
@@ -1432,6 +1462,11 @@ def test_check_mode_words_and_a_bad_variable(w2):
                   "ring_flash_attn_func: RINGSEQ_CHECK_CONSISTENCY='maybe'")
         assert r["mode_words"]["words"] == ("ok", ["first", "off", "first", "off", "first"])
         _exact_ok(r["mode_words"]["next_call"])
+        _exact_ok(r["mode_words"]["after_bad_env_on_one_rank"])
+    _is_error(w2[1]["mode_words"]["bad_env_on_one_rank"], ("ValueError",),
+              "ring_flash_attn_func: RINGSEQ_CHECK_CONSISTENCY='maybe'")
+    _is_error(w2[0]["mode_words"]["bad_env_on_one_rank"], ("RingPeerError",), "rank 1",
+              "RINGSEQ_CHECK_CONSISTENCY='maybe'")
 
 
 def test_a_backend_refusing_the_lse_gradient_leaves_the_ring_usable(w2):

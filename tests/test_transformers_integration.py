@@ -19,6 +19,7 @@ both switched first and then run interleaved) carry everything; each check is a 
 """
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -593,6 +594,35 @@ def test_attention_it_cannot_compute_exactly_is_refused(family):
                                 layout="contiguous")
     with pytest.raises(ValueError, match=needle), torch.no_grad():
         model(**batch, use_cache=False)
+
+
+def test_cross_attention_between_different_lengths_is_refused_naming_both():
+    """An encoder-decoder model's cross-attention runs between inputs of the same length (the
+    ring shards queries and keys alike); other lengths are refused naming cross-attention and
+    both lengths (before: a message about KV caches, though no cache was used)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "T5GemmaConfig"):
+        pytest.skip("this transformers has no T5Gemma")
+    from ringseq.integrations.transformers import apply
+    side = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16,
+                attention_dropout=0.0, dropout_rate=0.0)
+    cfg = transformers.T5GemmaConfig(encoder=transformers.T5GemmaModuleConfig(**side),
+                                     decoder=transformers.T5GemmaModuleConfig(**side),
+                                     vocab_size=128, dropout_rate=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    plain = transformers.T5GemmaForConditionalGeneration(cfg).eval()
+    model = apply(copy.deepcopy(plain))
+    gen = torch.Generator().manual_seed(1)
+    enc, dec = (torch.randint(1, 128, (2, n), generator=gen) for n in (24, 8))  # (0: pad)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"CrossAttention: cross-attention of 8 decoder "
+                                             r"tokens to 24 encoder tokens on this rank"):
+            model(input_ids=enc, decoder_input_ids=dec, use_cache=False)
+        same = torch.randint(1, 128, (2, 24), generator=gen)
+        got = model(input_ids=enc, decoder_input_ids=same, use_cache=False).logits
+        want = plain(input_ids=enc, decoder_input_ids=same, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def _hybrid_fed_the_ring_sharding():

@@ -57,11 +57,12 @@ KIND_NAMES = {FWD: "forward", BWD: "backward", FAIL: "failure report", CHECK: "a
 # A signature field of this kind may differ between ranks: it is gathered at the call's begin
 # (RingCall.any_rank), not compared and not part of the headers' signature hash.
 ANY = "any"
-# The operation a call runs, a field of its signature at the same place for every operation that
-# opens calls on a ring: ranks in different operations meet in one control collective, and
-# their other fields, named and ordered per operation, cannot be compared.
+# The operation a call runs, the first field of the signature of every operation that opens
+# calls on a ring: ranks in different operations meet in one control collective, and their
+# other fields, named and ordered per operation, cannot be compared.
 OPERATION = "operation"
-_OPERATIONS = ("ring attention", "double-ring attention", "Ulysses attention")
+_OPERATIONS = ("ring attention", "double-ring attention", "Ulysses attention",
+               "ring kv-cache decoding")
 
 # What an agreement outside ring calls is about: a word of every control vector (0 for the
 # calls' own begin and end collectives and failure reports, whose kind says what they are).
@@ -69,8 +70,8 @@ _OPERATIONS = ("ring attention", "double-ring attention", "Ulysses attention")
 # with its next batch's) raise RingDesyncError together: by the fields alone each rank would
 # judge by the fields it passed itself, and the ranks could reach different verdicts.
 AGREEMENTS = ("argument check", "optimizer step", "optimizer step refusal", "batch", "loss",
-              "attention inputs", "kv-cache call", "plugin options", "boosted model",
-              "checkpoint load", "loader state", "checkpoint call")
+              "attention inputs", "plugin options", "boosted model", "checkpoint load",
+              "loader state", "checkpoint call")
 
 
 def agreement_code(about: str) -> int:

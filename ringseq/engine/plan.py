@@ -163,10 +163,9 @@ def _make_plan(spec, layout, world_size, rank, q_shape, nheads_kv, dtype, comm_k
         sched = compact_schedule(sched, rank, world_size, kv_rows, kv_len)
     schedule = tuple(tuple(PlannedTask(t.q, t.kv, t.causal, as_spans_tensor(t.spans))
                            for t in step) for step in sched)
-    signature = spec.signature(q_shape, nheads_kv, dtype,
-                               extra=(operation_field("ring attention"),
-                                      ("layout", layout.code, "layout"),
-                                      ("world size", world_size)))
+    signature = (operation_field("ring attention"),) + spec.signature(
+        q_shape, nheads_kv, dtype, extra=(("layout", layout.code, "layout"),
+                                          ("world size", world_size)))
     return RingPlan(spec=spec, layout=layout, world_size=world_size, rank=rank,
                     schedule=schedule, hops=hops, signature=signature, kv_rows=kv_rows,
                     kv_len=kv_len, comm_kind=comm_kind)

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .._hash import stable_code
-from .._dist import (RingTimeoutError, consistency_check_mode, group_info, named_for,
-                     is_initialized, ring_timeout)
+from .._dist import (RingTimeoutError, consistency_check_mode, defaults_for_malformed_settings,
+                     group_info, is_initialized, named_for, ring_timeout)
 from .integrity import (BROKEN, CHECK, FAIL, FAILED, FIELD0, INVALID, KIND_NAMES, OK,
                         RingCall, _describe, agreement_code, gather, judge)
 from .transport import RingComm, Transport, _timeout_exc
@@ -113,15 +113,22 @@ class Ring:
         on an autograd worker thread), and concurrent calls would interleave their
         exchanges."""
         # The mode and the timeout are read (from RINGSEQ_CHECK_CONSISTENCY / RINGSEQ_TIMEOUT)
-        # before the call opens: a bad value raises on every rank (they share the environment)
-        # and leaves the ring usable once it is fixed (before, for the timeout: read inside the
-        # first control collective, it broke the ring, and named no function).
+        # before the call opens: a bad value raises naming the function and leaves the ring
+        # usable once it is fixed (before, for the timeout: read inside the first control
+        # collective, it broke the ring, and named no function). The refusal meets the peers'
+        # call under the default settings, so that a value malformed on some ranks only makes
+        # the others raise RingPeerError (before, they waited, and their call paired with this
+        # rank's next one).
         try:
             consistency_check_mode()
             if self.world_size > 1:  # (a ring of one never waits for a peer)
                 ring_timeout()
         except ValueError as exc:
-            raise (named_for(name, exc) if name else exc) from None
+            err = named_for(name, exc) if name else exc
+            if self.world_size > 1:
+                with defaults_for_malformed_settings():
+                    self.refuse(kind, err)
+            raise err from None
         # inside a backward (autograd's device threads; recomputed checkpointed forwards)
         bind = (bind and self.world_size > 1 and not self.transport.ranks_are_threads
                 and torch._C._current_graph_task_id() == -1)
@@ -180,11 +187,13 @@ class Ring:
 
     def agree(self, ok: bool, message: str, kind: int = CHECK,
               error: Optional[BaseException] = None, fields: Sequence[tuple] = (),
-              raise_own: bool = True, about: str = "argument check", called: str = "",
-              hint: Optional[str] = None) -> Optional[List[List[int]]]:
+              raise_own: bool = True, about: Optional[str] = "argument check",
+              called: str = "", hint: Optional[str] = None) -> Optional[List[List[int]]]:
         """Collective over the ring: returns on every rank when every rank is ``ok`` (and
         agrees on ``fields``, ``(name, int[, kind])``, and on ``about``, what the agreement
-        is: one of ``integrity.AGREEMENTS``), else raises on every rank --
+        is: one of ``integrity.AGREEMENTS``, or None for a call's begin, ``kind`` FWD: then a
+        broken ring raises RingBrokenError on every rank, as an attention call's begin does),
+        else raises on every rank --
         ``error`` (or a ValueError with ``message``) on the ranks that were not ok (unless
         ``raise_own`` is False: then they return, to re-raise their own error),
         :class:`ringseq.RingPeerError` naming them and their messages on the others,
@@ -200,9 +209,11 @@ class Ring:
             if not ok and raise_own:
                 raise error if error is not None else ValueError(message)
             return None
+        status = INVALID if not ok else (
+            BROKEN if about is None and self._broken is not None else OK)
         with self._hold():
-            rows = gather(self, kind, OK if ok else INVALID, [int(f[1]) for f in fields],
-                          None if ok else message, agreement_code(about))
+            rows = gather(self, kind, status, [int(f[1]) for f in fields],
+                          None if ok else message, 0 if about is None else agreement_code(about))
         if not ok:
             if raise_own:
                 raise error if error is not None else ValueError(message)

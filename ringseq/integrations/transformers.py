@@ -241,6 +241,7 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     # RingPeerError naming this rank) instead of leaving them waiting.
     with refuse_on_error(settings.group, FWD):
         _check_layer_kind(name, module, kwargs)
+        _check_cross_attention(name, module, query, key, is_causal)
         layout, docs, window = _checked_call(name, settings, query, key, value, dropout,
                                              sliding_window, kwargs)
     s_local = query.shape[2]
@@ -269,6 +270,21 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                          backend=settings.backend, softcap=float(softcap or 0.0),
                          cu_seqlens=docs)
     return out, None
+
+
+def _check_cross_attention(name, module, query, key, is_causal) -> None:
+    """ValueError for cross-attention (a non-causal module whose keys are another sequence's:
+    an encoder-decoder model's decoder attending to the encoder) between sequences of
+    different lengths: the ring shards queries and keys alike."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q_len, k_len = query.shape[2], key.shape[2]
+    if q_len == k_len or (causal and "CrossAttention" not in name):
+        return  # (a causal layer with more keys than queries holds a KV cache: refused below)
+    raise ValueError(f"{name}: cross-attention of {q_len} decoder tokens to {k_len} encoder "
+                     f"tokens on this rank: ringseq attention shards queries and keys "
+                     f"alike, so it runs cross-attention only between a decoder and an encoder "
+                     f"input of the same length, sharded with the same layout (pad or truncate "
+                     f"them to one length)")
 
 
 def _check_layer_kind(name, module, kwargs) -> None:

@@ -146,10 +146,9 @@ def _outer_plan(spec: AttnSpec, layout: Layout, outer: Ring, inner: Ring, q_shap
         empty = lap.nothing_to_do(s, spec.mask)
         schedule.append(() if empty else
                         (PlannedTask(rows, rows, False, None, InnerLap(spec, inner, lap)),))
-    signature = spec.signature(q_shape, nheads_kv, dtype,
-                               extra=(operation_field("double-ring attention"),
-                                      ("layout", layout.code, "layout"), ("world size", R),
-                                      ("inner ring", I)))
+    signature = (operation_field("double-ring attention"),) + spec.signature(
+        q_shape, nheads_kv, dtype, extra=(("layout", layout.code, "layout"), ("world size", R),
+                                          ("inner ring", I)))
     return RingPlan(spec=spec, layout=layout, world_size=O, rank=outer.rank,
                     schedule=tuple(schedule), hops=O - 1, signature=signature, kv_len=s,
                     comm_kind="ring_outer")

@@ -178,9 +178,9 @@ class UlyssesPlacement(Placement):
         comm = get_ring(self.group).transport
         U = comm.world_size
         _, rep, _ = ulysses_heads(q.shape[2], k.shape[2], U, fn=spec.fn)
-        sig = spec.signature(q.shape, k.shape[2], q.dtype,
-                             extra=(operation_field("Ulysses attention"), ("Ulysses degree", U))
-                             + self.inner.signature_fields())
+        sig = (operation_field("Ulysses attention"),) + spec.signature(
+            q.shape, k.shape[2], q.dtype, extra=(("Ulysses degree", U),)
+            + self.inner.signature_fields())
         return comm, U, rep, sig
 
     def forward(self, q, k, v, spec):

@@ -327,8 +327,20 @@ def main(argv=None):
     load = MachineLoad()
     if launched:
         init_launched_group(device, args.timeout)
+        # Every rank samples at once (the other ranks idle meanwhile); after the run, rank 0
+        # subtracts every rank's CPU time from the machine's, as for spawned ranks (before,
+        # under torchrun nothing was reported). On one node only: /proc/stat is this node's.
+        one_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)) == args.world_size
+        busy = load.before(args.world_size * args.threads)
+        if busy and dist.get_rank() == 0:
+            progress(f"NOTE: {busy}")
         out = ring_job.run_rank(args, device)
         is_main = dist.get_rank() == 0
+        import torch
+        cpu_s = torch.tensor([load.own_cpu_since_before()], dtype=torch.float64, device=device)
+        dist.all_reduce(cpu_s)  # (1,) the CPU seconds of every rank since `before`
+        if one_node:
+            load.after(float(cpu_s) - load.own_cpu_since_before())
     else:
         progress(f"bench_ring: {args.world_size} local CPU ranks (gloo), {args.threads} "
                  f"thread(s) each, on {usable_cores()} physical cores ({cpu_model()}); ringseq "

@@ -232,7 +232,9 @@ def own_cpu_seconds():
 class MachineLoad:
     """How busy the machine is with other processes: sampled for a moment before the ranks
     start (``before``), and over the whole run (``after``: the machine's busy time minus this
-    process's and its finished ranks' CPU time). Linux only; elsewhere every figure is None."""
+    process's and its finished ranks' CPU time, and the CPU time of the run's processes that
+    are not its children: torchrun's other local ranks). Linux only; elsewhere every figure is
+    None."""
 
     SAMPLE_S = 0.5
     BUSY = 0.25  # cores used by others above which the machine counts as busy
@@ -263,10 +265,15 @@ class MachineLoad:
                     f"be inflated; overhead and load balance may break their invariants")
         return None
 
-    def after(self):
+    def own_cpu_since_before(self):
+        """CPU seconds this process (with its children) used since ``before``."""
+        return own_cpu_seconds() - self.cpu0
+
+    def after(self, peers_cpu_s=0.0):
+        """``peers_cpu_s``: CPU seconds the run's other processes used since ``before``."""
         total = busy_cores(self.stat0, proc_stat())
         if total is not None:
-            ours = (own_cpu_seconds() - self.cpu0) / max(1e-9, time.time() - self.t0)
+            ours = (own_cpu_seconds() - self.cpu0 + peers_cpu_s) / max(1e-9, time.time() - self.t0)
             self.others_during = max(0.0, total - ours)
 
     def summary_lines(self, cores_used, load_now):

@@ -132,6 +132,22 @@ if os.environ.get("RINGSEQ_TEST_FAULT_RANK"):
 """
 
 
+def test_under_torchrun_the_report_says_how_busy_the_machine_was(tmp_path):
+    """Under torchrun rank 0 subtracts every rank's CPU time from the machine's, as for
+    spawned ranks (before: no line about other processes, and null in the JSON)."""
+    out = tmp_path / "ring.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", BENCH, "--seqlen", "512", "--layouts",
+                           "contiguous", "--modes", "fwd", "--repeats", "1", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "other processes used" in proc.stdout and "this run's ranks use 2" in proc.stdout, \
+        proc.stdout[-3000:]
+    load = json.loads(out.read_text())["machine_load"]
+    assert 0.0 <= load["other_cores_during"] <= os.cpu_count(), load
+
+
 def test_a_wrong_result_on_one_rank_fails_the_spot_check(tmp_path):
     """Each rank's error is bounded by its own rows' plain error: 1.5e-2 added to rank 1's
     bf16 output (its rows' plain error ~3e-3, bound ~7e-3) fails the row, exit status 1

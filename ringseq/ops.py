@@ -43,8 +43,7 @@ def _flash(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                      causal=causal, window_size=window_size, softcap=softcap,
                      alibi_slopes=alibi_slopes, deterministic=deterministic, backend=backend)
-    out, lse = run_attention(q, k, v, local_spans(spec, q.shape[1], k.shape[1],
-                                                  window_clamp=k.shape[1]), LOCAL)
+    out, lse = run_attention(q, k, v, spec, LOCAL)  # (its window's span: LOCAL builds it)
     return returns(out, lse, return_attn_probs, return_lse)
 
 

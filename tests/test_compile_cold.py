@@ -1,4 +1,5 @@
-"""``torch.compile(fullgraph=True)`` of every public attention function works from a cold start.
+"""``torch.compile(fullgraph=True)`` of every public attention function works from a cold start;
+``torch.export`` with a symbolic length, strict or not.
 
 Each of 2 freshly spawned gloo ranks compiles the ring function as its very first ringseq call
 (default Inductor backend: nothing the traced path touches may be created lazily), then every
@@ -8,6 +9,7 @@ with the eager call.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dist_utils import run_ranks
@@ -133,3 +135,26 @@ def test_compiled_calls_keep_their_graph_and_compose_with_dynamic_shapes_and_che
     for name, got, want in cases:
         for a, b in zip(got, want):
             assert a.shape == b.shape and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("kwargs", [{}, {"window_size": (3, 0)}, {"softcap": 2.0}])
+def test_export_with_a_dynamic_length_runs_every_length(strict, kwargs):
+    """torch.export of a module calling flash_attn_func, with a symbolic sequence length: the
+    exported program equals the eager call at lengths it was not traced at. Non-strict tracing
+    (export's default) with a window failed before ("specialized to a constant"): the window's
+    span was built at the call from the length as a Python int; now at run time."""
+    import ringseq
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return ringseq.flash_attn_func(q, k, v, causal=True, **kwargs)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 10, h, D, generator=gen) for h in (H, HKV, HKV))
+    seq = torch.export.Dim("seq", min=4, max=64)
+    program = torch.export.export(Attention(), (q, k, v), dynamic_shapes=({1: seq},) * 3,
+                                  strict=strict)
+    for s in (5, 17, 40):
+        q, k, v = (torch.randn(1, s, h, D, generator=gen) for h in (H, HKV, HKV))
+        assert torch.equal(program.module()(q, k, v), Attention()(q, k, v)), s

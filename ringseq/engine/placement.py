@@ -25,7 +25,7 @@ import torch
 from .._dist import named_for
 from ..kernels.grad import attention_backward
 from ..layouts import LAYOUTS, Layout
-from ..spec import AttnSpec
+from ..spec import AttnSpec, local_spans
 from .loops import ring_backward, ring_forward
 from .plan import make_plan
 from .integrity import BWD, FWD
@@ -129,18 +129,30 @@ class Placement:
 
 class LocalPlacement(Placement):
     """The block kernel on this rank's tensors: the spec's spans (windows, documents) or its
-    causal flag, and its soft-cap."""
+    causal flag, and its soft-cap. A spec with a window and neither spans nor documents
+    (``flash_attn_func``'s) gets its window's span here, from the tensors' lengths at run
+    time: built at the call, from the lengths as Python ints, it fixed the length of a call
+    traced with a symbolic one (``torch.export``'s default, non-strict tracing)."""
 
     def key(self) -> str:
         return "local"
 
+    @staticmethod
+    def _with_spans(spec, q, k):
+        if spec.spans is not None or spec.documents is not None:
+            return spec
+        # (flash-attn's kernels clamp a window side at seqlen_k: one at least that wide is none)
+        return local_spans(spec, q.shape[1], k.shape[1], window_clamp=k.shape[1])
+
     def forward(self, q, k, v, spec):
+        spec = self._with_spans(spec, q, k)
         out, lse = spec.backend.run_fwd(q, k, v, spec.softmax_scale,
                                         spec.causal and spec.spans is None, spans=spec.spans,
                                         softcap=spec.softcap)
         return out, lse, []
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
+        spec = self._with_spans(spec, q, k)
         if dlse is not None and not spec.backend.supports_delta:
             try:
                 spec.backend.require_lse_grad()

@@ -625,6 +625,52 @@ def test_cross_attention_between_different_lengths_is_refused_naming_both():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def _compiled_model_calls():
+    """A model switched with apply and compiled without fullgraph: valid, valid, a call without
+    position_ids (wrong on rank 1 only: rank 0's default positions are its global ones),
+    valid; then a compiled loss twice. Returns (ring object per call, outcomes, the ring's
+    control counter)."""
+    import ringseq
+    from ringseq.integrations.transformers import apply
+    from transformers import LlamaConfig, LlamaForCausalLM
+    ringseq.set_ring_timeout(60)
+    torch.manual_seed(0)
+    model = torch.compile(apply(LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, attention_dropout=0.0)), layout="contiguous"))
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    batch = ringseq.shard_batch({"input_ids": ids}, layout="contiguous")
+    rings, outcome = [], []
+    for kwargs in (batch, batch, {"input_ids": batch["input_ids"]}, batch):
+        try:
+            model(**kwargs, use_cache=False).logits.sum().backward()
+            outcome.append("ok")
+        except ValueError as exc:
+            outcome.append(f"{type(exc).__name__}: {exc}")
+        rings.append(id(ringseq.get_comm()))
+    loss = torch.compile(ringseq.sharded_cross_entropy)
+    for _ in range(2):
+        loss(torch.randn(2, 16, 128), torch.randint(0, 128, (2, 16)))
+        rings.append(id(ringseq.get_comm()))
+    return rings, outcome, ringseq.get_comm()._seq
+
+
+def test_a_compiled_model_keeps_its_ring_and_refuses_as_eager_does():
+    # Compiled, the ring lookup was traced with a guard on its dictionary's type alone: every
+    # later compiled call made a new ring (control counter 0, channels opened again under the
+    # old names), so a refusal on one rank met a peer on another ring: RingTimeoutError or a
+    # stall (and valid calls could stall opening channels).
+    results = run_ranks(_compiled_model_calls, 2, timeout=240)
+    for rank, (rings, outcome, _) in enumerate(results):
+        assert len(set(rings)) == 1, f"rank {rank}: a new ring per compiled call: {rings}"
+        assert outcome[:2] == ["ok", "ok"] and outcome[3] == "ok", outcome
+        if rank == 1:
+            assert outcome[2].startswith("ValueError") and "position_ids" in outcome[2], outcome
+        else:
+            assert outcome[2].startswith("RingPeerError") and "rank 1" in outcome[2], outcome
+    assert results[0][2] == results[1][2]  # the control counters agree
+
+
 def _hybrid_fed_the_ring_sharding():
     import ringseq
     from ringseq.integrations.transformers import apply

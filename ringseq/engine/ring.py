@@ -299,11 +299,17 @@ _RINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCAL: Dict[str, Ring] = {}
 
 
+@torch.compiler.disable  # see below: never traced, always the cached Ring
 def get_ring(group=None, fn: Optional[str] = None) -> Ring:
     """The cached :class:`Ring` of ``group``: a process group (None: the default group), or a
     :class:`Transport`. Process groups are held weakly, so destroyed groups do not keep their
     rings (and buffers) alive. Raises ValueError for a group this process is not in, naming
-    ``fn`` (the public function called) when given."""
+    ``fn`` (the public function called) when given.
+
+    Never traced by dynamo: traced, the lookup in ``_RINGS`` (a WeakKeyDictionary keyed by
+    the process group) is guarded on the dictionary's type only, so the frame compiled at the
+    first call (no ring yet) made a new Ring -- control counter 0, new channels under the
+    old names -- at every later compiled call."""
     if isinstance(group, Ring):
         return group
     if isinstance(group, Transport):

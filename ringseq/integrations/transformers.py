@@ -138,6 +138,7 @@ def _marked(mark, t) -> bool:
     return version is not None and t is not None and ref() is t and t._version == version
 
 
+@torch.compiler.disable  # host reads and a collective: run between graphs, on real tensors
 def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, position_ids,
                        q_local: int, device) -> None:
     """Refuses padding masks and wrong position ids; agrees across ranks before raising."""

@@ -39,7 +39,9 @@ def group_info(group=None, fn: Optional[str] = None) -> Tuple[int, int]:
     ValueError when a group is passed but torch.distributed is not initialized, or
     when this process is not a member of ``group`` (torch reports rank -1 there, which would
     otherwise surface as nonsense sizes much later)."""
-    if hasattr(group, "shard_batch") and hasattr(group, "ulysses_size"):
+    # (a process group first: dynamo, tracing a caller, fails on hasattr of one)
+    if not isinstance(group, dist.ProcessGroup) and hasattr(group, "shard_batch") \
+            and hasattr(group, "ulysses_size"):
         # a SequenceParallelGroups: its own methods split for its mode (group_info is plain)
         raise TypeError(f"{_named(fn)}group= takes a torch.distributed process group, got a "
                         "SequenceParallelGroups (make_sp_groups): use its own methods "

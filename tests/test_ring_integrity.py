@@ -862,3 +862,17 @@ def test_unknown_consistency_mode_in_the_environment(monkeypatch):
     monkeypatch.setenv("RINGSEQ_CHECK_CONSISTENCY", "none")
     with pytest.raises(ValueError, match="'none'"):
         _dist.consistency_check_mode()
+
+
+def test_a_control_timeout_names_the_agreement_it_waited_in():
+    # (before: "at the argument check step of control operation #7" for every agreement: a
+    # stalled loss or optimizer-step agreement read as an attention argument check)
+    from ringseq.engine.integrity import (CHECK, FWD, _message_words, agreement_code,
+                                          call_tag, control_name, control_vector)
+    with call_tag(3):
+        words = control_vector(CHECK, 0, 7, about=agreement_code("loss"))
+    assert control_name(words, CHECK, 7) == "loss agreement #7 (tag 3)"
+    assert control_name(control_vector(FWD, 0, 8), FWD, 8) == "forward #8"
+    # a message's bytes are no control vector: named by the kind alone
+    assert control_name(_message_words("rank 1 failed"), FWD, 9) == \
+        "the forward step of control operation #9"

@@ -185,11 +185,27 @@ def _case_one_rank_bad_argument():
     return out
 
 
-def _case_kvcache_local_failure():
+@torch.library.custom_op("ringseq_tests::fail_if", mutates_args=())
+def _fail_if(x: torch.Tensor, armed: bool) -> torch.Tensor:
+    """``x`` (a copy), or a RuntimeError when ``armed``: a failure when a compiled graph runs,
+    not while it is traced."""
+    if armed:
+        raise RuntimeError("injected fault in the local decode")
+    return x.clone()
+
+
+@_fail_if.register_fake
+def _(x, armed):
+    return torch.empty_like(x)
+
+
+def _case_kvcache_local_failure(compiled=False):
     """A ring decode whose local part fails on rank 1 (after the arguments were agreed on: an
     out-of-memory error in its attention, say): rank 1 raises its error, rank 0 RingPeerError
     at once (before: rank 0 waited in the payload's all-gather until rank 1 left, then got
-    gloo's "Connection closed by peer"); the next decode is exact."""
+    gloo's "Connection closed by peer"); the next decode is exact. ``compiled``: the decode
+    inside torch.compile (no fullgraph), its failure raised as the graph runs (before: the
+    traced failure handling was skipped and rank 0 waited in the all-gather as above)."""
     import ringseq.kvcache as kvcache
     rank = dist.get_rank()
     full = _full(7)
@@ -197,23 +213,21 @@ def _case_kvcache_local_failure():
     q = full[0][:, -1:]
     ref = ringseq.flash_attn_func(q, full[1], full[2], causal=True, backend="reference")
 
-    def decode():
-        kc = torch.cat([k_shard, torch.zeros_like(k_shard)], 1)
-        vc = torch.cat([v_shard, torch.zeros_like(v_shard)], 1)
-        out = ringseq.ring_flash_attn_with_kvcache(q, kc, vc, 16, layout="contiguous",
+    def attend(q, k, v):
+        kc = torch.cat([k, torch.zeros_like(k)], 1)
+        vc = torch.cat([v, torch.zeros_like(v)], 1)
+        return ringseq.ring_flash_attn_with_kvcache(q, kc, vc, 16, layout="contiguous",
                                                    prefill_len=16)
-        return max_err(out, ref)
 
-    real = kvcache._attend_cache
-    if rank == 1:
-        def failing(*args, **kwargs):
-            raise RuntimeError("injected fault in the local decode")
-        kvcache._attend_cache = failing
+    run = torch.compile(attend, backend="aot_eager") if compiled else attend
+    real, armed = kvcache._attend_cache, [rank == 1]
+    kvcache._attend_cache = lambda q, *a, **kw: real(_fail_if(q, armed[0]), *a, **kw)
     try:
-        out = {"call": _capture(decode)}
+        out = {"call": _capture(lambda: run(q, k_shard, v_shard))}
+        armed[0] = False
+        out["after"] = _capture(lambda: max_err(run(q, k_shard, v_shard), ref))
     finally:
         kvcache._attend_cache = real
-    out["after"] = _capture(decode)
     return out
 
 
@@ -1262,6 +1276,7 @@ def _worker_w2(tmp):
                      ("groups", _case_different_group_objects),
                      ("bad_argument", _case_one_rank_bad_argument), ("tags", _case_tags),
                      ("kvcache_failure", _case_kvcache_local_failure),
+                     ("kvcache_failure_compiled", lambda: _case_kvcache_local_failure(True)),
                      ("threads", _case_threads), ("ulysses", _case_ulysses_and_usp_faults),
                      ("timeouts", _case_timeout_values),
                      ("timeout_changed", _case_timeout_changed_after_first_call),
@@ -1420,13 +1435,14 @@ def test_ctrl_c_in_a_payload_exchange_reaches_the_peers_at_once(w2):
         _exact_ok(r["ctrl_c_exchange"]["after_reset"])
 
 
-def test_a_ring_decode_failing_on_one_rank_raises_everywhere(w2):
-    _is_error(w2[1]["kvcache_failure"]["call"], ("RuntimeError",), "injected fault")
-    _is_error(w2[0]["kvcache_failure"]["call"], ("RingPeerError",), "rank(s) [1]",
+@pytest.mark.parametrize("case", ["kvcache_failure", "kvcache_failure_compiled"])
+def test_a_ring_decode_failing_on_one_rank_raises_everywhere(w2, case):
+    _is_error(w2[1][case]["call"], ("RuntimeError",), "injected fault")
+    _is_error(w2[0][case]["call"], ("RingPeerError",), "rank(s) [1]",
               "ring_flash_attn_with_kvcache")
-    assert w2[0]["kvcache_failure"]["call"][2] < 2, w2[0]["kvcache_failure"]
+    assert w2[0][case]["call"][2] < 2, w2[0][case]
     for r in w2:
-        _exact_ok(r["kvcache_failure"]["after"])
+        _exact_ok(r[case]["after"])
 
 
 def test_ctrl_c_interrupts_a_wait_for_a_stalled_peer(w2):

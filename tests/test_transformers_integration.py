@@ -652,6 +652,18 @@ def _compiled_model_calls():
     for _ in range(2):
         loss(torch.randn(2, 16, 128), torch.randint(0, 128, (2, 16)))
         rings.append(id(ringseq.get_comm()))
+    # host code given a process group object, compiled (before: InternalTorchDynamoError on
+    # every call, from hasattr on the group)
+    import torch.distributed as dist
+    pg = dist.new_group([0, 1])
+    x, labels = torch.randn(2, 16, 128), torch.randint(0, 128, (2, 16))
+    with_pg = [(torch.compile(lambda t: ringseq.shard(t, "zigzag", pg), backend="aot_eager"),
+                lambda t: ringseq.shard(t, "zigzag", pg), (x,)),
+               (torch.compile(lambda t, y: ringseq.sharded_cross_entropy(t, y, group=pg),
+                              backend="aot_eager"),
+                lambda t, y: ringseq.sharded_cross_entropy(t, y, group=pg), (x, labels))]
+    outcome.append([torch.equal(compiled(*args), eager(*args))
+                    for compiled, eager, args in with_pg])
     return rings, outcome, ringseq.get_comm()._seq
 
 
@@ -664,6 +676,7 @@ def test_a_compiled_model_keeps_its_ring_and_refuses_as_eager_does():
     for rank, (rings, outcome, _) in enumerate(results):
         assert len(set(rings)) == 1, f"rank {rank}: a new ring per compiled call: {rings}"
         assert outcome[:2] == ["ok", "ok"] and outcome[3] == "ok", outcome
+        assert outcome[4] == [True, True], outcome  # compiled with a process group object
         if rank == 1:
             assert outcome[2].startswith("ValueError") and "position_ids" in outcome[2], outcome
         else:

@@ -137,6 +137,14 @@ def control_vector(kind: int, status: int, seq: int, fields: Sequence[int] = (),
     return torch.tensor(words + [0] * (CONTROL_WORDS - len(words)), dtype=torch.int64)
 
 
+def control_name(words: torch.Tensor, kind: int, seq: int) -> str:
+    """What a control collective of ``words`` is, for its errors: the call or agreement a
+    control vector names ("loss agreement #7 (tag 3)"), else (a message's bytes) its kind."""
+    if words.numel() == CONTROL_WORDS and int(words[0]) == _MAGIC:
+        return _call_name(kind, seq, int(words[4]), int(words[5]))
+    return f"the {KIND_NAMES.get(kind, kind)} step of control operation #{seq}"
+
+
 def _message_words(message: str) -> torch.Tensor:
     raw = message.encode("utf-8", "replace")[:_MESSAGE_BYTES]
     buf = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)

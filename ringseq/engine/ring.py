@@ -23,8 +23,8 @@ import torch.distributed as dist
 from .._hash import stable_code
 from .._dist import (RingTimeoutError, consistency_check_mode, defaults_for_malformed_settings,
                      group_info, is_initialized, named_for, ring_timeout)
-from .integrity import (BROKEN, CHECK, FAIL, FAILED, FIELD0, INVALID, KIND_NAMES, OK,
-                        RingCall, _describe, agreement_code, gather, judge)
+from .integrity import (BROKEN, CHECK, FAIL, FAILED, FIELD0, INVALID, OK,
+                        RingCall, _describe, agreement_code, control_name, gather, judge)
 from .transport import RingComm, Transport, _timeout_exc
 
 __all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "meet_as_failed", "refuse_on_error",
@@ -92,10 +92,11 @@ class Ring:
             mismatch = getattr(self.transport, "reset_mismatch", lambda: None)()
             me = dist.get_rank() if is_initialized() else self.rank
             who = f"rank {self.rank}" + (f" (global rank {me})" if me != self.rank else "")
+            at = control_name(words, kind, seq)
             err = RingTimeoutError(
                 f"ringseq: {who} {what} its ring peers "
-                f"({self.transport.describe_peers()}) at the {KIND_NAMES.get(kind, kind)} "
-                f"step of control operation #{seq}: a peer stopped calling (stalled, died, or "
+                f"({self.transport.describe_peers()}) at {at} on the control channel: "
+                f"a peer stopped calling (stalled, died, or "
                 f"raised outside ringseq without reporting it), gave up waiting for this rank, "
                 f"or passes another process group object with the same members "
                 f"({type(exc).__name__}: {exc}). Call ringseq.reset_ring(group) on every rank "

@@ -42,7 +42,10 @@ class Booster:
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         """``optimizer.backward(loss)`` for a boosted optimizer (grad scaling for fp16), else
-        ``loss.backward()``. An exception on one rank is reported to its ring peers when they
+        ``loss.backward()``. First, one agreement of the ranks (``plugin.grad_agreement``):
+        RingMismatchError on every rank when they disagree on ``no_sync``, and zero gradients
+        for the parameters other ranks use and this one does not (FSDP, tensor
+        parallelism). An exception on one rank is reported to its ring peers when they
         may still be inside a ring call of the backward (see ``ModelWrapper``); this rank then
         completes the data-parallel collectives it did not reach (DDP's gradient buckets,
         ``ringseq.plugin.ddp_sum``; FSDP's all-gathers and reduce-scatters,
@@ -54,7 +57,14 @@ class Booster:
         ctx = reporter.watch("backward") if reporter is not None else contextlib.nullcontext()
         step = getattr(optimizer, "_step", None)
         # (the failure report, sent when the backward raised, carries the step's tag too)
-        with call_tag(step.value if step is not None else 0), ctx:
+        tag = step.value if step is not None else 0
+        before = getattr(self.plugin, "before_backward", None)
+        if before is not None:
+            # before any collective of the backward, outside the failure reporting (it raises
+            # on every rank or on none)
+            with call_tag(tag):
+                before(loss)
+        with call_tag(tag), ctx:
             if hasattr(optimizer, "backward"):
                 optimizer.backward(loss)
             else:

@@ -328,6 +328,7 @@ class RingSequenceParallelPlugin(Plugin):
         self.ignore_index = ignore_index
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self._reporter = None
+        self._grad_uses = []  # per boosted model: what booster.backward agrees on first
 
     # -- mesh ------------------------------------------------------------------------------
     @property
@@ -671,6 +672,14 @@ class RingSequenceParallelPlugin(Plugin):
             model = ddp
         if reduction is not None:
             self.reporter.reductions.append(reduction)
+        # what the agreement before each booster.backward compares (grad_agreement)
+        from .grad_agreement import GradUse
+        if dims.zero_stage >= 2 and self.groups.dp_sp_mesh().size() * dims.tp_size > 1:
+            self._grad_uses.append(GradUse.for_fsdp(model, reduction))
+        elif dims.zero_stage == 0 and dims.tp_size > 1:
+            self._grad_uses.append(GradUse.for_grad_sync(grad_sync, model))
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            self._grad_uses.append(GradUse.for_ddp(model))
         user_model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
             else model
         if optimizer is not None and dims.sharded:
@@ -731,12 +740,23 @@ class RingSequenceParallelPlugin(Plugin):
             return grad_sync.no_sync()
         return contextlib.nullcontext()
 
+    def before_backward(self, loss) -> None:
+        """The agreement before every ``booster.backward`` (``grad_agreement``): raises
+        RingMismatchError on every rank when the ranks disagree on ``booster.no_sync``, and
+        gives zero gradients to the parameters other ranks use and this one does not."""
+        uses = getattr(self, "_grad_uses", None)
+        if uses and dist.is_initialized() and dist.get_world_size() > 1:
+            from .grad_agreement import agree_before_backward
+            agree_before_backward(get_ring(None), uses, loss, completing=loss is None)
+
     @property
     def reporter(self) -> FailureReporter:
         """Reports this rank's failures in the model to the other ranks (see ModelWrapper)."""
         if self._reporter is None:
             self._reporter = FailureReporter(get_ring(self.sp_group), loss_group=None,
                                              device=self.device)
+            # a rank completing a backward it did not run meets the others' agreement first
+            self._reporter.before_completion = lambda: self.before_backward(None)
         return self._reporter
 
     def reset(self) -> None:

@@ -298,6 +298,9 @@ class FailureReporter:
         self.loss_ran = False
         #: why the other ranks wait in collectives this rank did not complete, or None
         self.unusable = None
+        #: the agreement the others make before the backward this rank completes without
+        #: running it (``grad_agreement``; set by the plugin), or None
+        self.before_completion = None
 
     @contextlib.contextmanager
     def watch(self, phase: str, reduction=None):
@@ -351,7 +354,16 @@ class FailureReporter:
             note = None
             if phase == "forward" and reduction is not None:
                 note = reduction.after_forward_failure(2 * ring_timeout())
-                if pending and not note:
+                replay = pending
+                if replay and not note and self.before_completion is not None:
+                    try:  # (the others agree before their backward's first collective)
+                        self.before_completion()
+                    except Exception as agree_exc:  # noqa: BLE001 - raised on every rank
+                        # (no rank runs the backward: nothing to complete)
+                        _add_note(exc, f"ringseq: the agreement before the backward raised "
+                                       f"too: {type(agree_exc).__name__}: {agree_exc}")
+                        replay = False
+                if replay and not note:
                     note = reduction.after_failure(2 * ring_timeout())
             elif phase == "backward":
                 # Only the one model a backward waits on; with several boosted models waiting

@@ -1,0 +1,230 @@
+"""The agreement at the start of every ``booster.backward``: what keeps the ranks' gradient
+reductions the same size (FSDP's reduce-scatters, the tensor-parallel sums over tp, the
+zero-stage-0 tensor-parallel sync, DDP's buckets).
+
+Two things decide which gradient collectives a backward makes, and both can differ between
+ranks without any error of their own:
+
+* whether the backward reduces at all (``booster.no_sync``): ranks that disagree would pair
+  one rank's reduce-scatter or all-reduce with the others' next collective (gloo aborts a
+  process on the size mismatch, or every rank waits for the process group's timeout);
+* which parameters get a gradient: a parameter used on some ranks only (a branch that depends
+  on the tokens, a mixture of experts' routing) is in the reduction of the ranks that used it
+  only (FSDP and the tp sync leave out a parameter without a gradient).
+
+Before the backward starts (no collective of it has run yet), every rank sends, for each
+boosted model, whether its gradients are reduced in this backward and a hash of which of its
+parameters will have a gradient at the reduction (reached from the loss through the autograd
+graph, or holding a gradient accumulated under ``no_sync``), in one control all-gather on the
+default group (``Ring.agree``, ``about="backward"``). Ranks that disagree on ``no_sync``
+raise ``RingMismatchError`` on every rank, naming each rank's state, before any collective of
+the backward. Ranks that disagree on the parameters exchange their sets (a second control
+all-gather, only then) and every rank gives the parameters some other rank uses, and it does
+not, a zero gradient (a partial sum over tp where the parameter is replicated over tp, as the
+others' gradients are): the reductions then match and the result is exact, as DDP's
+``find_unused_parameters=True`` (a parameter no rank uses keeps no gradient).
+
+Not seen: a parameter used only inside a reentrant ``torch.utils.checkpoint`` region (its use
+is hidden from the graph until the region is recomputed; every rank then reports it unused).
+Only ``booster.backward`` runs the agreement (a bare ``loss.backward()`` does not).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial
+
+from .._hash import stable_hash_ints
+from ..engine.integrity import ANY, CHECK
+
+__all__ = ["GradUse", "agree_before_backward", "graph_leaves"]
+
+_HINT = ("Every rank must run the same micro-batches inside booster.no_sync(model) (the "
+         "backward of each rank reduces its gradients, or none does); nothing was reduced, "
+         "the gradients of this backward were not accumulated. Clear them "
+         "(optimizer.zero_grad()) and redo the accumulation on every rank.")
+
+
+def graph_leaves(loss: torch.Tensor) -> set:
+    """The ids of the leaf tensors (parameters) a backward of ``loss`` accumulates into: the
+    variables of the autograd graph's AccumulateGrad nodes."""
+    root = getattr(loss, "grad_fn", None)
+    leaves, seen, stack = set(), set(), [root] if root is not None else []
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            leaves.add(id(var))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return leaves
+
+
+def _zero_like(t: torch.Tensor) -> torch.Tensor:
+    """A zero gradient for ``t``: for a DTensor, a partial sum (zeros) over each mesh dim
+    ``t`` is replicated on, as the gradient of a parameter used on a share of the work of
+    each rank (tensor parallelism: other tokens or heads) is."""
+    if isinstance(t, DTensor):
+        local = torch.zeros_like(t.to_local())
+        placements = [Partial() if p.is_replicate() else p for p in t.placements]
+        return DTensor.from_local(local, t.device_mesh, placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return torch.zeros_like(t)
+
+
+class ReducedParam(NamedTuple):
+    """One parameter a reduction may carry, as the agreement sees it."""
+    name: str
+    leaf: Optional[torch.Tensor]  # what the autograd graph accumulates into (None: frozen)
+    has_grad: Callable[[], bool]  # holds a gradient already (accumulated under no_sync)
+    give_zero: Callable[[], None]  # makes it hold a zero gradient
+    # whether the completion of a rank that did not run the backward (its forward under
+    # no_grad raised between the loss and the backward) reduces it
+    replayed: Callable[[], bool]
+    # (owner, attribute, key): the completion's set of the parameters it leaves out, and this
+    # parameter's key there
+    unused: tuple
+
+
+class GradUse:
+    """One boosted model's reduction, as the agreement sees it.
+
+    ``sync_on()``: whether this backward reduces the gradients (not inside ``no_sync``).
+    ``entries()``: a :class:`ReducedParam` per parameter the reduction may carry, in the same
+    order on every rank (empty: parameters are not checked, e.g. DDP, whose
+    ``find_unused_parameters`` does it)."""
+
+    def __init__(self, name: str, sync_on: Callable[[], bool],
+                 entries: Callable[[], list] = lambda: []):
+        self.name, self.sync_on, self.entries = name, sync_on, entries
+
+    @classmethod
+    def for_ddp(cls, ddp: nn.parallel.DistributedDataParallel) -> "GradUse":
+        return cls("DDP", lambda: bool(ddp.require_backward_grad_sync))
+
+    @classmethod
+    def for_grad_sync(cls, grad_sync, model: nn.Module) -> "GradUse":
+        names = {id(p): n for n, p in model.named_parameters()}
+
+        def entries():
+            out = []
+            for p in grad_sync.params:
+                def give_zero(p=p):
+                    p.grad = _zero_like(p)
+                out.append(ReducedParam(
+                    names.get(id(p), "?"), p if p.requires_grad else None,
+                    lambda p=p: p.grad is not None and p.requires_grad, give_zero,
+                    lambda p=p: p.requires_grad and (p.grad is not None
+                                                     or id(p) not in grad_sync.unused),
+                    (grad_sync, "unused", id(p))))
+            return out
+        return cls("the tensor-parallel gradient sync", lambda: bool(grad_sync.enabled), entries)
+
+    @classmethod
+    def for_fsdp(cls, model: nn.Module, replay=None) -> "GradUse":
+        from torch.distributed.fsdp import FSDPModule
+        groups = [g for m in model.modules() if isinstance(m, FSDPModule)
+                  for g in m._get_fsdp_state()._fsdp_param_groups]
+
+        def sync_on():
+            return all(g.reduce_grads for g in groups)
+
+        def entries():
+            out = []
+            for g in groups:
+                for fp in g.fsdp_params:
+                    leaf = getattr(fp, "_unsharded_param", None)  # (set at the first forward)
+
+                    def has_grad(fp=fp, leaf=leaf):
+                        return (fp.unsharded_accumulated_grad is not None
+                                or (leaf is not None and leaf.grad is not None))
+
+                    def give_zero(leaf=leaf):
+                        leaf.grad = _zero_like(leaf)
+                    usable = leaf is not None and leaf.requires_grad
+
+                    def replayed(fp=fp, leaf=leaf, has_grad=has_grad):
+                        return (leaf is not None and leaf.requires_grad and
+                                (has_grad() or replay is None or id(fp) not in replay._unused))
+                    out.append(ReducedParam(fp._param_fqn or "?", leaf if usable else None,
+                                            has_grad, give_zero, replayed,
+                                            (replay, "_unused", id(fp))))
+            return out
+        return cls("FSDP", sync_on, entries)
+
+
+def agree_before_backward(ring, uses: Sequence[GradUse], loss,
+                          completing: bool = False) -> Optional[List[str]]:
+    """The agreement of the module doc on ``ring`` (the default group's), before the backward
+    of ``loss``. Raises RingMismatchError on every rank when the ranks disagree on no_sync;
+    returns the names of the parameters given zero gradients on this rank (None: none).
+    ``completing``: this rank does not run the backward but completes its collectives for
+    the others (``FailureReporter``; ``loss`` None): it offers the parameters its completion
+    reduces, and the completion then reduces those any rank has (zeros)."""
+    if not uses or not ring.checks_on:
+        return None
+    leaves = None
+    fields, bits_of = [], []
+    many = len(uses) > 1
+    for i, use in enumerate(uses):
+        model = f" of boosted model {i}" if many else ""
+        sync = use.sync_on()
+        fields.append((f"booster.no_sync{model} ({use.name})", int(not sync), "bool"))
+        entries = use.entries() if sync else []
+        bits = None
+        if entries:
+            if leaves is None and not completing:
+                leaves = graph_leaves(loss)
+            if completing:
+                bits = [int(e.replayed()) for e in entries]
+            else:
+                bits = [int(e.leaf is not None and (id(e.leaf) in leaves or e.has_grad()))
+                        for e in entries]
+        bits_of.append((entries, bits))
+        fields.append((f"parameters with a gradient{model} (hash)",
+                       0 if bits is None else stable_hash_ints(_packed(bits)), ANY))
+    rows = ring.agree(True, "", fields=fields, about="backward", called="booster.backward",
+                      hint=_HINT)
+    if rows is None:
+        return None
+    zeroed = []
+    for i, (entries, bits) in enumerate(bits_of):
+        if bits is None or len({row[2 * i + 1] for row in rows}) == 1:
+            continue
+        # the sets differ (every rank sees it): one more control all-gather of the sets
+        seq = ring._seq
+        ring._seq += 1
+        every = ring.control(torch.tensor(bits, dtype=torch.int64), CHECK, seq)
+        union = every.amax(0).tolist()
+        for entry, mine, anyone in zip(entries, bits, union):
+            name, leaf, give_zero, (owner, attr, key) = (entry.name, entry.leaf,
+                                                         entry.give_zero, entry.unused)
+            if completing:
+                # the completion reduces (zeros for) exactly the parameters any rank has
+                if owner is not None:
+                    unused = getattr(owner, attr)
+                    if anyone:
+                        unused.discard(key)
+                    else:
+                        unused.add(key)
+                if anyone and not mine:
+                    zeroed.append(name)
+            elif anyone and not mine and leaf is not None:
+                give_zero()
+                zeroed.append(name)
+    return zeroed or None
+
+
+def _packed(bits: List[int]) -> List[int]:
+    """The bits as 62-bit words (the hash input), with their count first."""
+    words = [len(bits)]
+    for start in range(0, len(bits), 62):
+        word = 0
+        for j, b in enumerate(bits[start:start + 62]):
+            word |= b << j
+        words.append(word)
+    return words

@@ -1,0 +1,172 @@
+"""The agreement before every ``booster.backward`` (ringseq/plugin/grad_agreement.py), on 2
+spawned gloo ranks:
+
+* a parameter used on one rank only (a token-dependent branch, as a mixture of experts'
+  routing) under FSDP (zero 3) and tensor parallelism (tp 2, zero 0): every gradient equals
+  single-process float64 training's within 1e-5 relative (before: the ranks' reductions
+  differed in size and gloo aborted a process: "Received data size doesn't match");
+  a parameter no rank uses keeps no gradient;
+* ranks that disagree on ``booster.no_sync`` under FSDP (zero 2) and DDP: RingMismatchError
+  on every rank at once, naming no_sync and each rank's state (before: gloo aborted a process
+  under FSDP; DDP waited for the ring timeout); after zero_grad and reset, a step is exact.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_utils import run_ranks
+
+V, H, B, S = 64, 16, 2, 16
+TP_PLAN = {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
+           "layers.*.attn.v": "colwise", "layers.*.attn.o": "rowwise"}
+
+
+class _Attn(nn.Module):
+    sdpa = staticmethod(F.scaled_dot_product_attention)
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(H, H) for _ in range(4))
+
+    def ringseq_switch(self, group, layout, backend=None):
+        from ringseq.plugin import sdpa_on_ring
+        self.sdpa = sdpa_on_ring(group, layout, backend)
+
+    def forward(self, x):
+        b, s = x.shape[:2]
+        q, k, v = (f(x).view(b, s, -1, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
+        return self.o(self.sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(H), _Attn()
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class _BranchLM(nn.Module):
+    """``extra`` runs on the tokens the ranks in ``used_on`` hold (a token-dependent branch);
+    ``never`` on no rank. At W=2 rank r holds tokens [r S/2, (r + 1) S/2) of the activations
+    (the contiguous layout; tensor parallelism's sequence shards between its layers): the
+    single-process reference runs the branch there."""
+
+    def __init__(self, used_on=(0,)):
+        super().__init__()
+        torch.manual_seed(5)
+        self.emb = nn.Embedding(V, H)
+        self.layers = nn.ModuleList([_Layer()])
+        self.extra, self.never = nn.Linear(H, H), nn.Linear(H, H)
+        self.norm, self.head = nn.LayerNorm(H), nn.Linear(H, V)
+        self.used_on = used_on
+
+    def forward(self, input_ids, position_ids=None):
+        import torch.distributed as dist
+        x = self.layers[0](self.emb(input_ids))
+        if dist.is_initialized():
+            if dist.get_rank() in self.used_on:
+                x = x + self.extra(x)
+        else:
+            for r in self.used_on:
+                a, b = r * S // 2, (r + 1) * S // 2
+                x = torch.cat([x[:, :a], x[:, a:b] + self.extra(x[:, a:b]), x[:, b:]], 1)
+        return self.head(self.norm(x))
+
+
+def _batch():
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
+    return ids, ids.clone()
+
+
+def _reference_grads(used_on=(0,)):
+    """Single-process float64 gradients of the mean next-token loss."""
+    model = _BranchLM(used_on).double()
+    ids, labels = _batch()
+    logits = model(ids)
+    F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1)).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _full_grads(model):
+    from torch.distributed.tensor import DTensor
+    return {n: None if p.grad is None else
+            (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).double()
+            for n, p in model.named_parameters()}
+
+
+def _steps(cfg, disagree_on_no_sync, used_on=(0,)):
+    """One backward of the branch model boosted with ``cfg``; with ``disagree_on_no_sync``
+    rank 0 runs it inside booster.no_sync, then every rank clears, resets and runs it again.
+    Returns (the error the first backward raised or None, the gradients of the last one)."""
+    import torch.distributed as dist
+
+    import ringseq
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    ringseq.set_ring_timeout(30)
+    plugin = RingSequenceParallelPlugin(layout="contiguous", **cfg)
+    booster = Booster(plugin=plugin)
+    model = _BranchLM(used_on)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, crit, *_ = booster.boost(model, opt, nn.CrossEntropyLoss())
+    ids, labels = _batch()
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": labels}, group=plugin.sp_group,
+                                layout=plugin.data_layout)
+
+    def backward():
+        booster.backward(crit(model(batch["input_ids"], batch["position_ids"]), batch), opt)
+
+    error = None
+    if disagree_on_no_sync:
+        try:
+            if dist.get_rank() == 0:
+                with booster.no_sync(model, opt):
+                    backward()
+            else:
+                backward()
+        except ValueError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        opt.zero_grad()
+        booster.reset()
+    backward()
+    return error, _full_grads(model.unwrap())
+
+
+CASES = {"sp2 zero3": dict(sp_size=2, zero_stage=3),
+         "tp2 zero0": dict(sp_size=1, tp_size=2, tp_plan=TP_PLAN)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_parameter_used_on_one_rank_only_gets_the_exact_gradient(case):
+    ref = _reference_grads()
+    for rank, (error, grads) in enumerate(run_ranks(_steps, 2, CASES[case], False,
+                                                    timeout=240)):
+        assert error is None
+        assert grads["never.weight"] is None and grads["never.bias"] is None, rank
+        assert grads["extra.weight"] is not None, rank
+        for name, want in ref.items():
+            if want is None:
+                continue
+            rel = float((grads[name] - want).abs().max() / want.abs().max().clamp_min(1e-3))
+            assert rel < 1e-5, f"{case} rank {rank} {name}: {rel:.2e}"
+
+
+# (DDP: `never` needs find_unused_parameters, and the branch is taken on every rank here)
+@pytest.mark.parametrize("cfg, what", [
+    (dict(sp_size=2, zero_stage=2), "FSDP"),
+    (dict(sp_size=2, ddp_kwargs={"find_unused_parameters": True}), "DDP")])
+def test_ranks_that_disagree_on_no_sync_raise_before_any_reduction(cfg, what):
+    ref = _reference_grads((0, 1))
+    for rank, (error, grads) in enumerate(run_ranks(_steps, 2, cfg, True, (0, 1),
+                                                    timeout=240)):
+        assert error is not None and error.startswith("RingMismatchError"), (rank, error)
+        assert f"booster.no_sync ({what}) (rank 0: True, rank 1: False)" in error, error
+        for name, want in ref.items():  # the step after zero_grad and reset
+            if want is None:
+                continue
+            rel = float((grads[name] - want).abs().max() / want.abs().max().clamp_min(1e-3))
+            assert rel < 1e-5, f"{what} rank {rank} {name}: {rel:.2e}"

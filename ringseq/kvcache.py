@@ -696,8 +696,11 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
                 return_lse=return_softmax_lse, signature=signature)
 
 
-@torch.compiler.disable  # never traced: compiled, a failure raised inside the graph
-def _ring_decode(plan, group, world):  # skipped the except below, and the peers waited
+@torch.compiler.disable
+def _ring_decode(plan, group, world):
+    """This rank's part of the call, gathered with the others' and merged. Never traced by
+    dynamo: compiled, a failure raised as the graph ran skipped the ``except`` below, and the
+    peers waited in the all-gather for a rank that had left."""
     q = plan["q"]
     b, s_q, h, d = q.shape
     acc = accum_dtype(q.dtype)

@@ -744,10 +744,10 @@ class RingSequenceParallelPlugin(Plugin):
         """The agreement before every ``booster.backward`` (``grad_agreement``): raises
         RingMismatchError on every rank when the ranks disagree on ``booster.no_sync``, and
         gives zero gradients to the parameters other ranks use and this one does not."""
-        uses = getattr(self, "_grad_uses", None)
-        if uses and dist.is_initialized() and dist.get_world_size() > 1:
+        if self._grad_uses and dist.is_initialized() and dist.get_world_size() > 1:
             from .grad_agreement import agree_before_backward
-            agree_before_backward(get_ring(None), uses, loss, completing=loss is None)
+            agree_before_backward(get_ring(None), self._grad_uses, loss,
+                                  completing=loss is None)
 
     @property
     def reporter(self) -> FailureReporter:

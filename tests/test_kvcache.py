@@ -518,7 +518,7 @@ def test_ring_decoding_is_exact_and_moves_no_kv(world):
         for rank, (_, caught) in enumerate(results):
             # a shard too small on rank 1 only: raised there, and on rank 0 as a RingPeerError
             # naming rank 1 and its message
-            assert len(caught) == 9, caught
+            assert len(caught) == 10, caught
             assert "holds 3 slots" in caught[0] and (rank == 1 or "rank(s) [1]" in caught[0])
             assert "prefill_len" in caught[1]  # bad on every rank: raised on every rank
             assert "window_size" in caught[2] and "NotImplementedError" in caught[2]
@@ -531,6 +531,7 @@ def test_ring_decoding_is_exact_and_moves_no_kv(world):
             assert caught[7].startswith("RingMismatchError") and "different operations (rank 0: " \
                 "ring attention, rank 1: ring kv-cache decoding)" in caught[7], caught[7]
             assert caught[8].startswith("RingBrokenError") and "reset_ring" in caught[8], caught[8]
+            assert caught[9].startswith("RingBrokenError") and "reset_ring" in caught[9], caught[9]
 
 
 def _ring_errors():
@@ -586,6 +587,17 @@ def _ring_errors():
                                      torch.zeros(1, 8, 2, 16), 8, prefill_len=8)
     except ringseq.RingBrokenError as exc:
         caught.append(f"{type(exc).__name__}: {exc}")
+    ringseq.reset_ring()
+    # ... with the checks off too (every rank knows its ring is broken: no collective says it)
+    ringseq.set_consistency_check(False)
+    ringseq.get_ring().mark_broken(RuntimeError("an earlier failure"))
+    try:
+        ring_flash_attn_with_kvcache(torch.randn(1, 1, 4, 16), torch.zeros(1, 8, 2, 16),
+                                     torch.zeros(1, 8, 2, 16), 8, prefill_len=8)
+    except ringseq.RingBrokenError as exc:
+        caught.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        ringseq.set_consistency_check(True)
     ringseq.reset_ring()
     ring_flash_attn_with_kvcache(torch.randn(1, 1, 4, 16), torch.zeros(1, 8, 2, 16),
                                  torch.zeros(1, 8, 2, 16), 8, prefill_len=8)

@@ -529,8 +529,13 @@ def _case_check_mode_words():
     if dist.get_rank() == 1:
         os.environ["RINGSEQ_CHECK_CONSISTENCY"] = "maybe"
         ringseq_dist._CHECK_MODE = None
+    logits = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(1))
     try:
         out["bad_env_on_one_rank"] = _capture(_exact)
+        # ... in an agreement (the loss's): the same (before: rank 0 waited for the timeout)
+        out["bad_env_in_an_agreement"] = _capture(
+            lambda: ringseq.sharded_cross_entropy(logits, labels))
     finally:
         if old is None:
             os.environ.pop("RINGSEQ_CHECK_CONSISTENCY", None)
@@ -1482,6 +1487,10 @@ def test_check_mode_words_and_a_bad_variable(w2):
     _is_error(w2[1]["mode_words"]["bad_env_on_one_rank"], ("ValueError",),
               "ring_flash_attn_func: RINGSEQ_CHECK_CONSISTENCY='maybe'")
     _is_error(w2[0]["mode_words"]["bad_env_on_one_rank"], ("RingPeerError",), "rank 1",
+              "RINGSEQ_CHECK_CONSISTENCY='maybe'")
+    _is_error(w2[1]["mode_words"]["bad_env_in_an_agreement"], ("ValueError",),
+              "sharded_cross_entropy: RINGSEQ_CHECK_CONSISTENCY='maybe'")
+    _is_error(w2[0]["mode_words"]["bad_env_in_an_agreement"], ("RingPeerError",), "rank 1",
               "RINGSEQ_CHECK_CONSISTENCY='maybe'")
 
 

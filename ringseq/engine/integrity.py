@@ -137,10 +137,21 @@ def control_vector(kind: int, status: int, seq: int, fields: Sequence[int] = (),
     return torch.tensor(words + [0] * (CONTROL_WORDS - len(words)), dtype=torch.int64)
 
 
+def broken_ring_error(cause: BaseException) -> RingBrokenError:
+    """What a call on a ring broken by ``cause`` raises where no control collective ran (the
+    checks off): with them on, the peers' rows say it."""
+    err = RingBrokenError(f"ringseq: the ring is broken by an earlier failure "
+                          f"({type(cause).__name__}: {cause}); call ringseq.reset_ring(group) "
+                          f"on every rank (sp.reset() for the groups of ringseq.make_sp_groups)")
+    err.__cause__ = cause
+    return err
+
+
 def control_name(words: torch.Tensor, kind: int, seq: int) -> str:
     """What a control collective of ``words`` is, for its errors: the call or agreement a
-    control vector names ("loss agreement #7 (tag 3)"), else (a message's bytes) its kind."""
-    if words.numel() == CONTROL_WORDS and int(words[0]) == _MAGIC:
+    control vector names or heads ("loss agreement #7 (tag 3)"), else (a message's bytes) its
+    kind."""
+    if words.numel() >= CONTROL_WORDS and int(words[0]) == _MAGIC:
         return _call_name(kind, seq, int(words[4]), int(words[5]))
     return f"the {KIND_NAMES.get(kind, kind)} step of control operation #{seq}"
 
@@ -397,10 +408,7 @@ class RingCall:
         if rows is not None:
             judge(ring, rows, self.kind, self.signature, self.name)
         elif ring.broken is not None:
-            raise RingBrokenError(f"ringseq: the ring is broken by an earlier failure "
-                                  f"({type(ring.broken).__name__}: {ring.broken}); call "
-                                  f"ringseq.reset_ring(group) on every rank (sp.reset() for "
-                                  f"the groups of ringseq.make_sp_groups)") from ring.broken
+            raise broken_ring_error(ring.broken)
         if ring.world_size == 1:
             return  # no exchange: no header
         # Filled element by element with Python scalars: on CUDA these are small kernels,

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from .._hash import stable_code
 from .._dist import (RingTimeoutError, consistency_check_mode, defaults_for_malformed_settings,
                      group_info, is_initialized, named_for, ring_timeout)
-from .integrity import (BROKEN, CHECK, FAIL, FAILED, FIELD0, INVALID, OK,
-                        RingCall, _describe, agreement_code, control_name, gather, judge)
+from .integrity import (BROKEN, CHECK, CONTROL_WORDS, FAIL, FAILED, FIELD0, INVALID, OK,
+                        RingCall, _describe, agreement_code, broken_ring_error, control_name,
+                        control_vector, gather, judge)
 from .transport import RingComm, Transport, _timeout_exc
 
 __all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "meet_as_failed", "refuse_on_error",
@@ -113,23 +114,7 @@ class Ring:
         checks made by user code; backwards, and forwards recomputed during a backward, may run
         on an autograd worker thread), and concurrent calls would interleave their
         exchanges."""
-        # The mode and the timeout are read (from RINGSEQ_CHECK_CONSISTENCY / RINGSEQ_TIMEOUT)
-        # before the call opens: a bad value raises naming the function and leaves the ring
-        # usable once it is fixed (before, for the timeout: read inside the first control
-        # collective, it broke the ring, and named no function). The refusal meets the peers'
-        # call under the default settings, so that a value malformed on some ranks only makes
-        # the others raise RingPeerError (before, they waited, and their call paired with this
-        # rank's next one).
-        try:
-            consistency_check_mode()
-            if self.world_size > 1:  # (a ring of one never waits for a peer)
-                ring_timeout()
-        except ValueError as exc:
-            err = named_for(name, exc) if name else exc
-            if self.world_size > 1:
-                with defaults_for_malformed_settings():
-                    self.refuse(kind, err)
-            raise err from None
+        self._read_settings(kind, name)
         # inside a backward (autograd's device threads; recomputed checkpointed forwards)
         bind = (bind and self.world_size > 1 and not self.transport.ranks_are_threads
                 and torch._C._current_graph_task_id() == -1)
@@ -163,13 +148,36 @@ class Ring:
     def _release(self) -> None:
         self._lock.release()
 
-    def refuse(self, kind: int, exc: BaseException, failed: bool = False) -> None:
+    def _read_settings(self, kind: int, name: str = "", about: int = 0) -> None:
+        """Reads the check mode and the timeout (RINGSEQ_CHECK_CONSISTENCY / RINGSEQ_TIMEOUT)
+        before a call opens or an agreement runs: a malformed value raises ValueError naming
+        ``name`` and leaves the ring usable once it is fixed (before, for the timeout: read
+        inside the first control collective, it broke the ring, and named no function). The
+        refusal meets the peers' call or agreement under the default settings, so that a value
+        malformed on some ranks only makes the others raise RingPeerError (before, they
+        waited, and their call paired with this rank's next one). Where the peers run with
+        the checks off, this rank waits for the ring timeout (1800 s where RINGSEQ_TIMEOUT is
+        the malformed one) before it raises."""
+        try:
+            consistency_check_mode()
+            if self.world_size > 1:  # (a ring of one never waits for a peer)
+                ring_timeout()
+        except ValueError as exc:
+            err = named_for(name, exc) if name else exc
+            if self.world_size == 1:
+                raise err from None
+            with defaults_for_malformed_settings():
+                self.refuse(kind, err, about=about)  # (raises err)
+
+    def refuse(self, kind: int, exc: BaseException, failed: bool = False,
+               about: int = 0) -> None:
         """This rank found a call's arguments invalid before the call began: meets the peers'
         begin collective with the refusal, so that they raise :class:`ringseq.RingPeerError`
         naming this rank and ``exc`` (the ring stays usable), then re-raises ``exc`` here.
         ``failed``: the call is part of an enclosing call whose data already moved (a Ulysses
         or double-ring call): the peers raise :class:`ringseq.RingBrokenError` instead and the
-        ring is broken on every rank, as the enclosing call is."""
+        ring is broken on every rank, as the enclosing call is. ``about``: the agreement word
+        of the peers' control operation, when it is an agreement (``agreement_code``)."""
         if self.checks_on:
             # (a broken ring still meets its peers' begin: they raise RingBrokenError then)
             status = BROKEN if self._broken is not None else (FAILED if failed else INVALID)
@@ -178,7 +186,7 @@ class Ring:
             # (outside torch.func's interpreters: a refusal made inside jvp or vmap would pass
             # the control collective's own tensors through their wrappers)
             with self._hold(), _outside_transforms():
-                rows = gather(self, kind, status, (), _describe(exc))
+                rows = gather(self, kind, status, (), _describe(exc), about)
                 if rows is not None:
                     others = [r for r, row in enumerate(rows) if r != self.rank and row[1] not in
                               (OK, INVALID)]
@@ -206,15 +214,19 @@ class Ring:
         Returns every rank's ``fields`` values (a list per rank; ``ANY`` fields, which are not
         compared, for the caller to judge), or None where no control collective ran (a ring of
         one, checks off)."""
+        code = 0 if about is None else agreement_code(about)
+        self._read_settings(kind, called, code)
         if not self.checks_on:
             if not ok and raise_own:
                 raise error if error is not None else ValueError(message)
+            if about is None and self._broken is not None:  # (as a call's begin raises)
+                raise broken_ring_error(self._broken)
             return None
         status = INVALID if not ok else (
             BROKEN if about is None and self._broken is not None else OK)
         with self._hold():
             rows = gather(self, kind, status, [int(f[1]) for f in fields],
-                          None if ok else message, 0 if about is None else agreement_code(about))
+                          None if ok else message, code)
         if not ok:
             if raise_own:
                 raise error if error is not None else ValueError(message)
@@ -223,10 +235,27 @@ class Ring:
         judge(self, rows, kind, fields, called, hint)
         return None if rows is None else [row[FIELD0:FIELD0 + len(fields)] for row in rows]
 
+    def gather_ints(self, values: Sequence[int], about: str) -> Optional[List[List[int]]]:
+        """Every rank's ``values`` (as many on every rank) for the agreement ``about`` that
+        needs more than a control vector's fields: one control all-gather of a control
+        vector's header and the values, under the ring's lock; RingDesyncError on every rank
+        when a rank is at another control operation. None where no control collective runs."""
+        if not self.checks_on:
+            return None
+        with self._hold():
+            seq = self._seq
+            self._seq += 1
+            words = torch.cat([control_vector(CHECK, OK, seq, (), agreement_code(about)),
+                               torch.tensor(list(values), dtype=torch.int64)])
+            rows = self.control(words, CHECK, seq).tolist()
+        judge(self, [row[:CONTROL_WORDS] for row in rows], CHECK, ())
+        return [row[CONTROL_WORDS:] for row in rows]
+
     def check(self, fields: Sequence[tuple], about: str = "argument check") -> None:
         """One argument check outside a ring call: ``fields`` are ``(name, int[, kind])``;
         raises ``RingMismatchError`` on every rank when ranks disagree (and RingBrokenError /
         RingDesyncError as a call's begin would)."""
+        self._read_settings(CHECK, about=agreement_code(about))
         with self._hold():
             rows = gather(self, CHECK, BROKEN if self._broken is not None else OK,
                           [int(f[1]) for f in fields], None, agreement_code(about))

@@ -21,12 +21,15 @@ raise ``RingMismatchError`` on every rank, naming each rank's state, before any 
 the backward. Ranks that disagree on the parameters exchange their sets (a second control
 all-gather, only then) and every rank gives the parameters some other rank uses, and it does
 not, a zero gradient (a partial sum over tp where the parameter is replicated over tp, as the
-others' gradients are): the reductions then match and the result is exact, as DDP's
-``find_unused_parameters=True`` (a parameter no rank uses keeps no gradient).
+others' gradients are, by the failure replay's rule): the reductions then match and the
+result is exact, as DDP's ``find_unused_parameters=True`` (a parameter no rank uses keeps no
+gradient).
 
 Not seen: a parameter used only inside a reentrant ``torch.utils.checkpoint`` region (its use
 is hidden from the graph until the region is recomputed; every rank then reports it unused).
-Only ``booster.backward`` runs the agreement (a bare ``loss.backward()`` does not).
+Only ``booster.backward`` runs the agreement (a bare ``loss.backward()`` does not), and only
+with the consistency checks on (``set_consistency_check``): with them off, nothing is agreed
+and a parameter used on some ranks only makes the reductions differ in size again.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from .._hash import stable_hash_ints
-from ..engine.integrity import ANY, CHECK
+from ..engine.integrity import ANY
 
 __all__ = ["GradUse", "agree_before_backward", "graph_leaves"]
 
@@ -64,11 +67,12 @@ def graph_leaves(loss: torch.Tensor) -> set:
     return leaves
 
 
-def _zero_like(t: torch.Tensor) -> torch.Tensor:
-    """A zero gradient for ``t``: for a DTensor, a partial sum (zeros) over each mesh dim
-    ``t`` is replicated on, as the gradient of a parameter used on a share of the work of
-    each rank (tensor parallelism: other tokens or heads) is."""
-    if isinstance(t, DTensor):
+def _zero_like(t: torch.Tensor, partial: bool) -> torch.Tensor:
+    """A zero gradient for ``t``; ``partial``: for a DTensor, a partial sum (zeros) over each
+    mesh dim ``t`` is replicated on, as the gradient of a parameter used on a share of the
+    work of each rank (tensor parallelism: other tokens or heads) is (``TpReplay.partial_sum``
+    decides, as for the failure replay's zeros)."""
+    if partial and isinstance(t, DTensor):
         local = torch.zeros_like(t.to_local())
         placements = [Partial() if p.is_replicate() else p for p in t.placements]
         return DTensor.from_local(local, t.device_mesh, placements, run_check=False,
@@ -96,25 +100,29 @@ class GradUse:
     ``sync_on()``: whether this backward reduces the gradients (not inside ``no_sync``).
     ``entries()``: a :class:`ReducedParam` per parameter the reduction may carry, in the same
     order on every rank (empty: parameters are not checked, e.g. DDP, whose
-    ``find_unused_parameters`` does it)."""
+    ``find_unused_parameters`` does it). ``reduction``: what completes this model's
+    collectives on a rank that failed (``DdpSum``, ``TpReplay``, ``FsdpReplay``), or None."""
 
     def __init__(self, name: str, sync_on: Callable[[], bool],
-                 entries: Callable[[], list] = lambda: []):
+                 entries: Callable[[], list] = lambda: [], reduction=None):
         self.name, self.sync_on, self.entries = name, sync_on, entries
+        self.reduction = reduction
 
     @classmethod
-    def for_ddp(cls, ddp: nn.parallel.DistributedDataParallel) -> "GradUse":
-        return cls("DDP", lambda: bool(ddp.require_backward_grad_sync))
+    def for_ddp(cls, ddp: nn.parallel.DistributedDataParallel, reduction) -> "GradUse":
+        return cls("DDP", lambda: bool(ddp.require_backward_grad_sync), reduction=reduction)
 
     @classmethod
-    def for_grad_sync(cls, grad_sync, model: nn.Module) -> "GradUse":
+    def for_grad_sync(cls, grad_sync, model: nn.Module, tp=None) -> "GradUse":
+        """``tp``: the model's ``TpReplay`` (None: a plan of ParallelStyle objects; every
+        replicated parameter's zero is then a partial sum)."""
         names = {id(p): n for n, p in model.named_parameters()}
 
         def entries():
             out = []
             for p in grad_sync.params:
                 def give_zero(p=p):
-                    p.grad = _zero_like(p)
+                    p.grad = _zero_like(p, tp is None or tp.partial_sum(p))
                 out.append(ReducedParam(
                     names.get(id(p), "?"), p if p.requires_grad else None,
                     lambda p=p: p.grad is not None and p.requires_grad, give_zero,
@@ -122,7 +130,8 @@ class GradUse:
                                                      or id(p) not in grad_sync.unused),
                     (grad_sync, "unused", id(p))))
             return out
-        return cls("the tensor-parallel gradient sync", lambda: bool(grad_sync.enabled), entries)
+        return cls("the tensor-parallel gradient sync", lambda: bool(grad_sync.enabled),
+                   entries, reduction=tp)
 
     @classmethod
     def for_fsdp(cls, model: nn.Module, replay=None) -> "GradUse":
@@ -143,8 +152,10 @@ class GradUse:
                         return (fp.unsharded_accumulated_grad is not None
                                 or (leaf is not None and leaf.grad is not None))
 
-                    def give_zero(leaf=leaf):
-                        leaf.grad = _zero_like(leaf)
+                    def give_zero(leaf=leaf, info=fp._module_info):
+                        tp = None if replay is None else replay.tp
+                        leaf.grad = _zero_like(leaf, tp is None or tp.partial_sum(
+                            leaf, info.module, info.param_name))
                     usable = leaf is not None and leaf.requires_grad
 
                     def replayed(fp=fp, leaf=leaf, has_grad=has_grad):
@@ -154,37 +165,39 @@ class GradUse:
                                             has_grad, give_zero, replayed,
                                             (replay, "_unused", id(fp))))
             return out
-        return cls("FSDP", sync_on, entries)
+        return cls("FSDP", sync_on, entries, reduction=replay)
 
 
 def agree_before_backward(ring, uses: Sequence[GradUse], loss,
-                          completing: bool = False) -> Optional[List[str]]:
+                          completing=None) -> Optional[List[str]]:
     """The agreement of the module doc on ``ring`` (the default group's), before the backward
     of ``loss``. Raises RingMismatchError on every rank when the ranks disagree on no_sync;
     returns the names of the parameters given zero gradients on this rank (None: none).
-    ``completing``: this rank does not run the backward but completes its collectives for
-    the others (``FailureReporter``; ``loss`` None): it offers the parameters its completion
-    reduces, and the completion then reduces those any rank has (zeros)."""
+    ``completing``: the reduction (``GradUse.reduction`` of one of ``uses``) this rank completes
+    for the others without running the backward (``FailureReporter``; ``loss`` None). For its
+    model this rank offers the parameters its completion reduces, and the completion then
+    reduces those any rank has (zeros); for the other models, the gradients they hold, as a
+    rank whose loss does not reach them would."""
     if not uses or not ring.checks_on:
         return None
     leaves = None
-    fields, bits_of = [], []
+    fields, sets = [], []
     many = len(uses) > 1
     for i, use in enumerate(uses):
         model = f" of boosted model {i}" if many else ""
         sync = use.sync_on()
         fields.append((f"booster.no_sync{model} ({use.name})", int(not sync), "bool"))
         entries = use.entries() if sync else []
+        replaying = completing is not None and use.reduction is completing
         bits = None
-        if entries:
-            if leaves is None and not completing:
-                leaves = graph_leaves(loss)
-            if completing:
-                bits = [int(e.replayed()) for e in entries]
-            else:
-                bits = [int(e.leaf is not None and (id(e.leaf) in leaves or e.has_grad()))
-                        for e in entries]
-        bits_of.append((entries, bits))
+        if entries and replaying:
+            bits = [int(e.replayed()) for e in entries]
+        elif entries:
+            if leaves is None:
+                leaves = set() if loss is None else graph_leaves(loss)
+            bits = [int(e.leaf is not None and (id(e.leaf) in leaves or e.has_grad()))
+                    for e in entries]
+        sets.append((entries, bits, replaying))
         fields.append((f"parameters with a gradient{model} (hash)",
                        0 if bits is None else stable_hash_ints(_packed(bits)), ANY))
     rows = ring.agree(True, "", fields=fields, about="backward", called="booster.backward",
@@ -192,19 +205,15 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
     if rows is None:
         return None
     zeroed = []
-    for i, (entries, bits) in enumerate(bits_of):
+    for i, (entries, bits, replaying) in enumerate(sets):
         if bits is None or len({row[2 * i + 1] for row in rows}) == 1:
             continue
-        # the sets differ (every rank sees it): one more control all-gather of the sets
-        seq = ring._seq
-        ring._seq += 1
-        every = ring.control(torch.tensor(bits, dtype=torch.int64), CHECK, seq)
-        union = every.amax(0).tolist()
+        # the sets differ (every rank sees it): one more control all-gather, of the sets
+        union = [max(column) for column in zip(*ring.gather_ints(bits, "backward"))]
         for entry, mine, anyone in zip(entries, bits, union):
-            name, leaf, give_zero, (owner, attr, key) = (entry.name, entry.leaf,
-                                                         entry.give_zero, entry.unused)
-            if completing:
+            if replaying:
                 # the completion reduces (zeros for) exactly the parameters any rank has
+                owner, attr, key = entry.unused
                 if owner is not None:
                     unused = getattr(owner, attr)
                     if anyone:
@@ -212,10 +221,10 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
                     else:
                         unused.add(key)
                 if anyone and not mine:
-                    zeroed.append(name)
-            elif anyone and not mine and leaf is not None:
-                give_zero()
-                zeroed.append(name)
+                    zeroed.append(entry.name)
+            elif completing is None and anyone and not mine and entry.leaf is not None:
+                entry.give_zero()
+                zeroed.append(entry.name)
     return zeroed or None
 
 

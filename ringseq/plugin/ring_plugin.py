@@ -677,9 +677,9 @@ class RingSequenceParallelPlugin(Plugin):
         if dims.zero_stage >= 2 and self.groups.dp_sp_mesh().size() * dims.tp_size > 1:
             self._grad_uses.append(GradUse.for_fsdp(model, reduction))
         elif dims.zero_stage == 0 and dims.tp_size > 1:
-            self._grad_uses.append(GradUse.for_grad_sync(grad_sync, model))
+            self._grad_uses.append(GradUse.for_grad_sync(grad_sync, model, reduction))
         elif isinstance(model, nn.parallel.DistributedDataParallel):
-            self._grad_uses.append(GradUse.for_ddp(model))
+            self._grad_uses.append(GradUse.for_ddp(model, reduction))
         user_model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
             else model
         if optimizer is not None and dims.sharded:
@@ -740,14 +740,15 @@ class RingSequenceParallelPlugin(Plugin):
             return grad_sync.no_sync()
         return contextlib.nullcontext()
 
-    def before_backward(self, loss) -> None:
+    def before_backward(self, loss, completing=None) -> None:
         """The agreement before every ``booster.backward`` (``grad_agreement``): raises
         RingMismatchError on every rank when the ranks disagree on ``booster.no_sync``, and
-        gives zero gradients to the parameters other ranks use and this one does not."""
+        gives zero gradients to the parameters other ranks use and this one does not.
+        ``completing``: the reduction a rank whose forward failed completes instead of a
+        backward (``loss`` None)."""
         if self._grad_uses and dist.is_initialized() and dist.get_world_size() > 1:
             from .grad_agreement import agree_before_backward
-            agree_before_backward(get_ring(None), self._grad_uses, loss,
-                                  completing=loss is None)
+            agree_before_backward(get_ring(None), self._grad_uses, loss, completing)
 
     @property
     def reporter(self) -> FailureReporter:
@@ -756,7 +757,8 @@ class RingSequenceParallelPlugin(Plugin):
             self._reporter = FailureReporter(get_ring(self.sp_group), loss_group=None,
                                              device=self.device)
             # a rank completing a backward it did not run meets the others' agreement first
-            self._reporter.before_completion = lambda: self.before_backward(None)
+            self._reporter.before_completion = lambda reduction: self.before_backward(
+                None, reduction)
         return self._reporter
 
     def reset(self) -> None:

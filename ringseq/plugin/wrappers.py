@@ -299,7 +299,8 @@ class FailureReporter:
         #: why the other ranks wait in collectives this rank did not complete, or None
         self.unusable = None
         #: the agreement the others make before the backward this rank completes without
-        #: running it (``grad_agreement``; set by the plugin), or None
+        #: running it (``grad_agreement``; set by the plugin; takes the reduction it
+        #: completes), or None
         self.before_completion = None
 
     @contextlib.contextmanager
@@ -357,7 +358,7 @@ class FailureReporter:
                 replay = pending
                 if replay and not note and self.before_completion is not None:
                     try:  # (the others agree before their backward's first collective)
-                        self.before_completion()
+                        self.before_completion(reduction)
                     except Exception as agree_exc:  # noqa: BLE001 - raised on every rank
                         # (no rank runs the backward: nothing to complete)
                         _add_note(exc, f"ringseq: the agreement before the backward raised "

@@ -535,7 +535,8 @@ def test_ring_decoding_is_exact_and_moves_no_kv(world):
 
 
 def _ring_errors():
-    """Four calls that must fail; returns what each rank raised."""
+    """Calls that must fail, each followed by one that must not; returns what each rank
+    raised."""
     import torch.distributed as dist
     rank = dist.get_rank()
     caught = []

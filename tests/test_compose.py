@@ -38,7 +38,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from dist_utils import run_ranks  # noqa: E402
-from utils import error_text, token_dataset  # noqa: E402
+from utils import SwitchableAttention, error_text, token_dataset  # noqa: E402
 
 WORLD, SEQLEN, GLOBAL_BATCH, STEPS, VOCAB = 4, 32, 4, 3, 128
 REL = 1e-5
@@ -158,24 +158,6 @@ def _train(name, family, cfg, ckpt_dir, steps=STEPS, save_at=None, resume=None, 
     return out
 
 
-class _Attn(nn.Module):
-    """Self-attention on the ringseq_switch convention (q, k, v, o separate: tp_plan names)."""
-    sdpa = staticmethod(F.scaled_dot_product_attention)
-
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
-
-    def ringseq_switch(self, group, layout, backend=None):
-        from ringseq.plugin import sdpa_on_ring
-        self.sdpa = sdpa_on_ring(group, layout, backend)
-
-    def forward(self, x):
-        b, s = x.shape[:2]
-        q, k, v = (f(x).view(b, s, -1, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
-        return self.o(self.sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
-
-
 class _Mlp(nn.Module):
     def __init__(self):
         super().__init__()
@@ -188,7 +170,7 @@ class _Mlp(nn.Module):
 class _Layer(nn.Module):
     def __init__(self):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(32), _Attn()
+        self.norm1, self.attn = nn.LayerNorm(32), SwitchableAttention(32)
         self.norm2, self.mlp = nn.LayerNorm(32), _Mlp()
 
     def forward(self, x):

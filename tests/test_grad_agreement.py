@@ -18,33 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_utils import run_ranks
+from utils import SwitchableAttention
 
 V, H, B, S = 64, 16, 2, 16
 TP_PLAN = {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
            "layers.*.attn.v": "colwise", "layers.*.attn.o": "rowwise"}
 
 
-class _Attn(nn.Module):
-    sdpa = staticmethod(F.scaled_dot_product_attention)
-
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(H, H) for _ in range(4))
-
-    def ringseq_switch(self, group, layout, backend=None):
-        from ringseq.plugin import sdpa_on_ring
-        self.sdpa = sdpa_on_ring(group, layout, backend)
-
-    def forward(self, x):
-        b, s = x.shape[:2]
-        q, k, v = (f(x).view(b, s, -1, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
-        return self.o(self.sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
-
-
 class _Layer(nn.Module):
     def __init__(self):
         super().__init__()
-        self.norm, self.attn = nn.LayerNorm(H), _Attn()
+        self.norm, self.attn = nn.LayerNorm(H), SwitchableAttention(H)
 
     def forward(self, x):
         return x + self.attn(self.norm(x))

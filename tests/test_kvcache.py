@@ -581,25 +581,19 @@ def _ring_errors():
     ringseq.ring_flash_attn_func(q, k, v, causal=True)
     # on a broken ring (here: broken on rank 0), the decode raises RingBrokenError on every
     # rank, as any ring call does, until reset_ring (before: it ran)
-    if rank == 0:
-        ringseq.get_ring().mark_broken(RuntimeError("an earlier failure"))
-    try:
-        ring_flash_attn_with_kvcache(torch.randn(1, 1, 4, 16), torch.zeros(1, 8, 2, 16),
-                                     torch.zeros(1, 8, 2, 16), 8, prefill_len=8)
-    except ringseq.RingBrokenError as exc:
-        caught.append(f"{type(exc).__name__}: {exc}")
-    ringseq.reset_ring()
-    # ... with the checks off too (every rank knows its ring is broken: no collective says it)
-    ringseq.set_consistency_check(False)
-    ringseq.get_ring().mark_broken(RuntimeError("an earlier failure"))
-    try:
-        ring_flash_attn_with_kvcache(torch.randn(1, 1, 4, 16), torch.zeros(1, 8, 2, 16),
-                                     torch.zeros(1, 8, 2, 16), 8, prefill_len=8)
-    except ringseq.RingBrokenError as exc:
-        caught.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        ringseq.set_consistency_check(True)
-    ringseq.reset_ring()
+    # ... and with the checks off, broken on every rank (no collective says it)
+    for checks, broken_here in ((True, rank == 0), (False, True)):
+        ringseq.set_consistency_check(checks)
+        if broken_here:
+            ringseq.get_ring().mark_broken(RuntimeError("an earlier failure"))
+        try:
+            ring_flash_attn_with_kvcache(torch.randn(1, 1, 4, 16), torch.zeros(1, 8, 2, 16),
+                                         torch.zeros(1, 8, 2, 16), 8, prefill_len=8)
+        except ringseq.RingBrokenError as exc:
+            caught.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            ringseq.set_consistency_check(True)
+        ringseq.reset_ring()
     ring_flash_attn_with_kvcache(torch.randn(1, 1, 4, 16), torch.zeros(1, 8, 2, 16),
                                  torch.zeros(1, 8, 2, 16), 8, prefill_len=8)
     return caught

@@ -328,26 +328,20 @@ def _case_timeout_values():
     # a malformed RINGSEQ_TIMEOUT on every rank: refused naming the function before the call
     # opens (before: read inside the call's control collective, it broke the ring and named
     # nothing); the ring is usable once it is fixed, without a reset
+    # ... and on rank 1 only: rank 0 raises RingPeerError with rank 1's message at once
+    # (before: it waited, and its call paired with rank 1's next one)
     import ringseq._dist as ringseq_dist
-    ringseq_dist._TIMEOUT_S, saved = None, os.environ.get("RINGSEQ_TIMEOUT")
-    os.environ["RINGSEQ_TIMEOUT"] = "4s"
-    try:
-        out["env"] = _capture(_exact)
-    finally:
-        os.environ["RINGSEQ_TIMEOUT"] = saved
-        ringseq.set_ring_timeout(TIMEOUT)
-    out["after_env"] = _capture(_exact)
-    # ... on rank 1 only: rank 0 raises RingPeerError with rank 1's message at once (before:
-    # it waited, and its call paired with rank 1's next one)
-    if dist.get_rank() == 1:
-        ringseq_dist._TIMEOUT_S = None
-        os.environ["RINGSEQ_TIMEOUT"] = "4s"
-    try:
-        out["env_on_one_rank"] = _capture(_exact)
-    finally:
-        os.environ["RINGSEQ_TIMEOUT"] = saved
-        ringseq.set_ring_timeout(TIMEOUT)
-    out["after_env_on_one_rank"] = _capture(_exact)
+    saved = os.environ.get("RINGSEQ_TIMEOUT")
+    for case, malformed_here in (("env", True), ("env_on_one_rank", dist.get_rank() == 1)):
+        if malformed_here:
+            ringseq_dist._TIMEOUT_S = None
+            os.environ["RINGSEQ_TIMEOUT"] = "4s"
+        try:
+            out[case] = _capture(_exact)
+        finally:
+            os.environ["RINGSEQ_TIMEOUT"] = saved
+            ringseq.set_ring_timeout(TIMEOUT)
+        out["after_" + case] = _capture(_exact)
     return out
 
 

@@ -161,3 +161,22 @@ def token_dataset(n, seqlen, vocab, ignored=(7, 29), seed=3):
         labels[: (a * i) % m] = -100
         data.append({"input_ids": ids, "labels": labels})
     return data
+
+
+class SwitchableAttention(torch.nn.Module):
+    """Causal self-attention of ``width`` features in heads of 8 on the plugin's
+    ``ringseq_switch`` convention (q, k, v, o separate Linear layers: ``tp_plan`` names)."""
+    sdpa = staticmethod(torch.nn.functional.scaled_dot_product_attention)
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(width, width) for _ in range(4))
+
+    def ringseq_switch(self, group, layout, backend=None):
+        from ringseq.plugin import sdpa_on_ring
+        self.sdpa = sdpa_on_ring(group, layout, backend)
+
+    def forward(self, x):
+        b, s = x.shape[:2]
+        q, k, v = (f(x).view(b, s, -1, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
+        return self.o(self.sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))

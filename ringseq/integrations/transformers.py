@@ -238,11 +238,12 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     """
     settings = _settings(module)
     name = type(module).__name__
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # A refusal here reaches the other ranks (their input check or ring call raises
     # RingPeerError naming this rank) instead of leaving them waiting.
     with refuse_on_error(settings.group, FWD):
         _check_layer_kind(name, module, kwargs)
-        _check_cross_attention(name, module, query, key, is_causal)
+        _check_cross_attention(name, query, key, causal)
         layout, docs, window = _checked_call(name, settings, query, key, value, dropout,
                                              sliding_window, kwargs)
     s_local = query.shape[2]
@@ -257,7 +258,6 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                            query.device)
     if scaling is None:
         scaling = getattr(module, "scaling", None)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # (b, h, s, d) -> (b, s, h, d) as views: the ring reads strided inputs without a copy.
     if settings.sp is not None:
         out = usp_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
@@ -273,11 +273,10 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     return out, None
 
 
-def _check_cross_attention(name, module, query, key, is_causal) -> None:
+def _check_cross_attention(name, query, key, causal) -> None:
     """ValueError for cross-attention (a non-causal module whose keys are another sequence's:
     an encoder-decoder model's decoder attending to the encoder) between sequences of
     different lengths: the ring shards queries and keys alike."""
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_len, k_len = query.shape[2], key.shape[2]
     if q_len == k_len or (causal and "CrossAttention" not in name):
         return  # (a causal layer with more keys than queries holds a KV cache: refused below)

@@ -152,6 +152,30 @@ class FsdpReplay(Completion):
         return counted
 
     @staticmethod
+    def has_grad(fsdp_param) -> bool:
+        """``fsdp_param``'s unsharded parameter holds a gradient (of this backward, or one
+        accumulated under no_sync)."""
+        leaf = getattr(fsdp_param, "_unsharded_param", None)
+        return (fsdp_param.unsharded_accumulated_grad is not None
+                or (leaf is not None and leaf.grad is not None))
+
+    def reduces(self, fsdp_param) -> bool:
+        """A completion of the backward (after a failure) reduces ``fsdp_param``'s gradient
+        (zeros where it holds none): it requires one, and holds one or did not go without one
+        at its group's last reduction (FSDP leaves out one unused in the forward)."""
+        leaf = getattr(fsdp_param, "_unsharded_param", None)  # (set at the first forward)
+        return (leaf is not None and leaf.requires_grad
+                and (self.has_grad(fsdp_param) or id(fsdp_param) not in self._unused))
+
+    def set_reduces(self, fsdp_param, reduced: bool) -> None:
+        """Makes the completion reduce ``fsdp_param``'s gradient, or leave it out (what the
+        ranks agreed before the backward, ``grad_agreement``)."""
+        if reduced:
+            self._unused.discard(id(fsdp_param))
+        else:
+            self._unused.add(id(fsdp_param))
+
+    @staticmethod
     def _params_unused(group):
         """``(seen, unused)``: the ids of the group's gathered FSDPParams that require a
         gradient, and of those among them that have none now."""
@@ -161,8 +185,7 @@ class FsdpReplay(Completion):
                     and fsdp_param.unsharded_param.requires_grad):
                 continue
             seen.add(id(fsdp_param))
-            if (fsdp_param.unsharded_accumulated_grad is None
-                    and fsdp_param.unsharded_param.grad is None):
+            if not FsdpReplay.has_grad(fsdp_param):
                 unused.add(id(fsdp_param))
         return seen, unused
 
@@ -391,9 +414,7 @@ class FsdpReplay(Completion):
             if not hasattr(fsdp_param, "_unsharded_param"):
                 continue
             param = fsdp_param.unsharded_param
-            if (param.requires_grad and param.grad is None
-                    and fsdp_param.unsharded_accumulated_grad is None
-                    and id(fsdp_param) not in self._unused):
+            if self.reduces(fsdp_param) and not self.has_grad(fsdp_param):
                 # (one unused in the last backward gets none: FSDP leaves it out)
                 param.grad = torch.zeros_like(param)  # the same sizes as the other ranks'
                 info = fsdp_param._module_info

@@ -87,11 +87,10 @@ class ReducedParam(NamedTuple):
     has_grad: Callable[[], bool]  # holds a gradient already (accumulated under no_sync)
     give_zero: Callable[[], None]  # makes it hold a zero gradient
     # whether the completion of a rank that did not run the backward (its forward under
-    # no_grad raised between the loss and the backward) reduces it
-    replayed: Callable[[], bool]
-    # (owner, attribute, key): the completion's set of the parameters it leaves out, and this
-    # parameter's key there
-    unused: tuple
+    # no_grad raised between the loss and the backward) reduces it, and what makes it reduce
+    # it or not (the reduction's ``reduces`` / ``set_reduces``; None without a completion)
+    replayed: Optional[Callable[[], bool]]
+    set_replayed: Optional[Callable[[bool], None]]
 
 
 class GradUse:
@@ -107,6 +106,7 @@ class GradUse:
                  entries: Callable[[], list] = lambda: [], reduction=None):
         self.name, self.sync_on, self.entries = name, sync_on, entries
         self.reduction = reduction
+        self.index = 0  # which of the plugin's boosted models (in boost order) this is
 
     @classmethod
     def for_ddp(cls, ddp: nn.parallel.DistributedDataParallel, reduction) -> "GradUse":
@@ -126,9 +126,8 @@ class GradUse:
                 out.append(ReducedParam(
                     names.get(id(p), "?"), p if p.requires_grad else None,
                     lambda p=p: p.grad is not None and p.requires_grad, give_zero,
-                    lambda p=p: p.requires_grad and (p.grad is not None
-                                                     or id(p) not in grad_sync.unused),
-                    (grad_sync, "unused", id(p))))
+                    None if tp is None else lambda p=p: tp.reduces(p),
+                    None if tp is None else lambda yes, p=p: tp.set_reduces(p, yes)))
             return out
         return cls("the tensor-parallel gradient sync", lambda: bool(grad_sync.enabled),
                    entries, reduction=tp)
@@ -144,26 +143,22 @@ class GradUse:
 
         def entries():
             out = []
+            from .fsdp_replay import FsdpReplay
+            out = []
             for g in groups:
                 for fp in g.fsdp_params:
                     leaf = getattr(fp, "_unsharded_param", None)  # (set at the first forward)
-
-                    def has_grad(fp=fp, leaf=leaf):
-                        return (fp.unsharded_accumulated_grad is not None
-                                or (leaf is not None and leaf.grad is not None))
 
                     def give_zero(leaf=leaf, info=fp._module_info):
                         tp = None if replay is None else replay.tp
                         leaf.grad = _zero_like(leaf, tp is None or tp.partial_sum(
                             leaf, info.module, info.param_name))
                     usable = leaf is not None and leaf.requires_grad
-
-                    def replayed(fp=fp, leaf=leaf, has_grad=has_grad):
-                        return (leaf is not None and leaf.requires_grad and
-                                (has_grad() or replay is None or id(fp) not in replay._unused))
-                    out.append(ReducedParam(fp._param_fqn or "?", leaf if usable else None,
-                                            has_grad, give_zero, replayed,
-                                            (replay, "_unused", id(fp))))
+                    out.append(ReducedParam(
+                        fp._param_fqn or "?", leaf if usable else None,
+                        lambda fp=fp: FsdpReplay.has_grad(fp), give_zero,
+                        None if replay is None else lambda fp=fp: replay.reduces(fp),
+                        None if replay is None else lambda yes, fp=fp: replay.set_reduces(fp, yes)))
             return out
         return cls("FSDP", sync_on, entries, reduction=replay)
 
@@ -182,9 +177,9 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
         return None
     leaves = None
     fields, sets = [], []
-    many = len(uses) > 1
-    for i, use in enumerate(uses):
-        model = f" of boosted model {i}" if many else ""
+    many = len(uses) > 1 or uses[0].index > 0
+    for use in uses:
+        model = f" of boosted model {use.index}" if many else ""
         sync = use.sync_on()
         fields.append((f"booster.no_sync{model} ({use.name})", int(not sync), "bool"))
         entries = use.entries() if sync else []
@@ -206,24 +201,24 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
         return None
     zeroed = []
     for i, (entries, bits, replaying) in enumerate(sets):
-        if bits is None or len({row[2 * i + 1] for row in rows}) == 1:
+        if bits is None:
             continue
-        # the sets differ (every rank sees it): one more control all-gather, of the sets
-        union = [max(column) for column in zip(*ring.gather_ints(bits, "backward"))]
+        union = bits
+        if len({row[2 * i + 1] for row in rows}) > 1:
+            # the sets differ (every rank sees it): one more control all-gather, of the sets
+            union = [max(column) for column in zip(*ring.gather_ints(bits, "backward"))]
         for entry, mine, anyone in zip(entries, bits, union):
-            if replaying:
-                # the completion reduces (zeros for) exactly the parameters any rank has
-                owner, attr, key = entry.unused
-                if owner is not None:
-                    unused = getattr(owner, attr)
-                    if anyone:
-                        unused.discard(key)
-                    else:
-                        unused.add(key)
-                if anyone and not mine:
-                    zeroed.append(entry.name)
-            elif completing is None and anyone and not mine and entry.leaf is not None:
-                entry.give_zero()
+            if entry.set_replayed is not None and (replaying or anyone):
+                # a completion of this backward (this rank's, or after a failure in it)
+                # reduces (zeros for) the parameters any rank has, not only those of the last
+                # reduction (one used for the first time). Only this rank's completion leaves
+                # out what no rank has: a backward's graph does not show the parameters a
+                # reentrant checkpoint uses, which its reduction still carries.
+                entry.set_replayed(bool(anyone))
+            if anyone and not mine and (replaying or (completing is None
+                                                      and entry.leaf is not None)):
+                if not replaying:
+                    entry.give_zero()
                 zeroed.append(entry.name)
     return zeroed or None
 

@@ -329,6 +329,7 @@ class RingSequenceParallelPlugin(Plugin):
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self._reporter = None
         self._grad_uses = []  # per boosted model: what booster.backward agrees on first
+        self._boosted = 0  # models boosted (numbers them in the agreement's messages)
 
     # -- mesh ------------------------------------------------------------------------------
     @property
@@ -674,12 +675,17 @@ class RingSequenceParallelPlugin(Plugin):
             self.reporter.reductions.append(reduction)
         # what the agreement before each booster.backward compares (grad_agreement)
         from .grad_agreement import GradUse
+        use = None
         if dims.zero_stage >= 2 and self.groups.dp_sp_mesh().size() * dims.tp_size > 1:
-            self._grad_uses.append(GradUse.for_fsdp(model, reduction))
+            use = GradUse.for_fsdp(model, reduction)
         elif dims.zero_stage == 0 and dims.tp_size > 1:
-            self._grad_uses.append(GradUse.for_grad_sync(grad_sync, model, reduction))
+            use = GradUse.for_grad_sync(grad_sync, model, reduction)
         elif isinstance(model, nn.parallel.DistributedDataParallel):
-            self._grad_uses.append(GradUse.for_ddp(model, reduction))
+            use = GradUse.for_ddp(model, reduction)
+        if use is not None:
+            use.index = self._boosted
+            self._grad_uses.append(use)
+        self._boosted += 1
         user_model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
             else model
         if optimizer is not None and dims.sharded:

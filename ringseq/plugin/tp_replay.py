@@ -299,17 +299,28 @@ class TpReplay(Completion):
         if self.grad_sync is not None and self.grad_sync.enabled:
             # the sync's sum over tp of each partial-sum gradient
             for p in self.grad_sync.params:
-                if not (self._synced(p) and self.partial_sum(p)):
+                if not (self.reduces(p) and self.partial_sum(p)):
                     continue
                 local = p.to_local()
                 ops.append((None, lambda local=local: self._redistribute(
                     local.shape, local.dtype, Partial(), Replicate())))
         return ops
 
-    def _synced(self, param: nn.Parameter) -> bool:
-        """The gradient sync sums ``param``'s gradient: it requires one and did not go without
-        one at the last sync (unused in the forward; before a sync ran, none is known)."""
-        return param.requires_grad and id(param) not in self.grad_sync.unused
+    def reduces(self, param: nn.Parameter) -> bool:
+        """The gradient sync sums ``param``'s gradient (a completion after a failure, zeros
+        where it holds none): it requires one, and holds one (accumulated under no_sync) or
+        did not go without one at the last sync (unused in the forward; before a sync ran,
+        none is known)."""
+        return param.requires_grad and (param.grad is not None
+                                        or id(param) not in self.grad_sync.unused)
+
+    def set_reduces(self, param: nn.Parameter, reduced: bool) -> None:
+        """Makes the completion sum ``param``'s gradient, or leave it out (what the ranks
+        agreed before the backward, ``grad_agreement``)."""
+        if reduced:
+            self.grad_sync.unused.discard(id(param))
+        else:
+            self.grad_sync.unused.add(id(param))
 
     def backward_done(self) -> int:
         """The tp collectives this rank made since its backward reached the model's outputs
@@ -412,7 +423,7 @@ class TpReplay(Completion):
             if sync.enabled and sync.group is not None and dist.get_world_size(sync.group) > 1:
                 sizes = {}  # dtype -> elements, in the sync's order (it skips frozen ones)
                 for p in sync.params:
-                    if not self._synced(p):
+                    if not self.reduces(p):
                         continue
                     local = p.to_local()
                     sizes[local.dtype] = sizes.get(local.dtype, 0) + local.numel()

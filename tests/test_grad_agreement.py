@@ -72,12 +72,15 @@ def _batch():
     return ids, ids.clone()
 
 
-def _boosted(cfg, used_on):
+def _boosted(cfg, used_on, frozen_first=False):
+    """``frozen_first``: a frozen model (which has no reduction) is boosted first."""
     import ringseq
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     ringseq.set_ring_timeout(30)
     plugin = RingSequenceParallelPlugin(layout="contiguous", **cfg)
     booster = Booster(plugin=plugin)
+    if frozen_first:
+        booster.boost(_BranchLM(used_on).requires_grad_(False))
     model = _BranchLM(used_on)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, crit, *_ = booster.boost(model, opt, nn.CrossEntropyLoss())
@@ -106,12 +109,12 @@ def _full_grads(model):
             for n, p in model.named_parameters()}
 
 
-def _steps(cfg, disagree_on_no_sync, used_on=(0,)):
+def _steps(cfg, disagree_on_no_sync, used_on=(0,), frozen_first=False):
     """One backward of the branch model boosted with ``cfg``; with ``disagree_on_no_sync``
     rank 0 runs it inside booster.no_sync, then every rank clears, resets and runs it again.
     Returns (the error the first backward raised or None, the gradients of the last one)."""
     import torch.distributed as dist
-    booster, model, opt, backward = _boosted(cfg, used_on)
+    booster, model, opt, backward = _boosted(cfg, used_on, frozen_first)
     error = None
     if disagree_on_no_sync:
         try:
@@ -199,16 +202,20 @@ def test_a_backward_failing_where_a_parameter_is_first_used_completes_and_recove
             assert rel < 1e-5, f"{case} rank {rank} {name}: {rel:.2e}"
 
 
-# (DDP: `never` needs find_unused_parameters, and the branch is taken on every rank here)
-@pytest.mark.parametrize("cfg, what", [
-    (dict(sp_size=2, zero_stage=2), "FSDP"),
-    (dict(sp_size=2, ddp_kwargs={"find_unused_parameters": True}), "DDP")])
-def test_ranks_that_disagree_on_no_sync_raise_before_any_reduction(cfg, what):
+# (DDP: `never` needs find_unused_parameters, and the branch is taken on every rank here;
+# a frozen model boosted first: the message numbers the models in boost order)
+@pytest.mark.parametrize("cfg, frozen_first, what", [
+    (dict(sp_size=2, zero_stage=2), False, "booster.no_sync (FSDP)"),
+    (dict(sp_size=2, ddp_kwargs={"find_unused_parameters": True}), False,
+     "booster.no_sync (DDP)"),
+    (dict(sp_size=2, ddp_kwargs={"find_unused_parameters": True}), True,
+     "booster.no_sync of boosted model 1 (DDP)")])
+def test_ranks_that_disagree_on_no_sync_raise_before_any_reduction(cfg, frozen_first, what):
     ref = _reference_grads((0, 1))
-    for rank, (error, grads) in enumerate(run_ranks(_steps, 2, cfg, True, (0, 1),
+    for rank, (error, grads) in enumerate(run_ranks(_steps, 2, cfg, True, (0, 1), frozen_first,
                                                     timeout=240)):
         assert error is not None and error.startswith("RingMismatchError"), (rank, error)
-        assert f"booster.no_sync ({what}) (rank 0: True, rank 1: False)" in error, error
+        assert f"{what} (rank 0: True, rank 1: False)" in error, error
         for name, want in ref.items():  # the step after zero_grad and reset
             if want is None:
                 continue

@@ -5,7 +5,9 @@ spawned gloo ranks:
   routing) under FSDP (zero 3) and tensor parallelism (tp 2, zero 0): every gradient equals
   single-process float64 training's within 1e-5 relative (before: the ranks' reductions
   differed in size and gloo aborted a process: "Received data size doesn't match");
-  a parameter no rank uses keeps no gradient;
+  a parameter no rank uses keeps no gradient; at W = 4 (sp 2 x tp 2) a tensor-parallel
+  branch (column-wise then row-wise, whose bias is replicated but no partial sum) used by
+  one tp group only;
 * ranks that disagree on ``booster.no_sync`` under FSDP (zero 2) and DDP: RingMismatchError
   on every rank at once, naming no_sync and each rank's state (before: gloo aborted a process
   under FSDP; DDP waited for the ring timeout); after zero_grad and reset, a step is exact;
@@ -67,12 +69,21 @@ class _BranchLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class _MlpBranchLM(_BranchLM):
+    """``extra`` as a column-wise then row-wise pair under tensor parallelism."""
+
+    def __init__(self, used_on=(0,)):
+        super().__init__(used_on)
+        torch.manual_seed(7)
+        self.extra = nn.Sequential(nn.Linear(H, 2 * H), nn.Linear(2 * H, H))
+
+
 def _batch():
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
     return ids, ids.clone()
 
 
-def _boosted(cfg, used_on, frozen_first=False):
+def _boosted(cfg, used_on, frozen_first=False, model_type=_BranchLM):
     """``frozen_first``: a frozen model (which has no reduction) is boosted first."""
     import ringseq
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
@@ -81,7 +92,7 @@ def _boosted(cfg, used_on, frozen_first=False):
     booster = Booster(plugin=plugin)
     if frozen_first:
         booster.boost(_BranchLM(used_on).requires_grad_(False))
-    model = _BranchLM(used_on)
+    model = model_type(used_on)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, crit, *_ = booster.boost(model, opt, nn.CrossEntropyLoss())
     ids, labels = _batch()
@@ -93,9 +104,9 @@ def _boosted(cfg, used_on, frozen_first=False):
     return booster, model, opt, backward
 
 
-def _reference_grads(used_on=(0,)):
+def _reference_grads(used_on=(0,), model_type=_BranchLM):
     """Single-process float64 gradients of the mean next-token loss."""
-    model = _BranchLM(used_on).double()
+    model = model_type(used_on).double()
     ids, labels = _batch()
     logits = model(ids)
     F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1)).backward()
@@ -109,12 +120,12 @@ def _full_grads(model):
             for n, p in model.named_parameters()}
 
 
-def _steps(cfg, disagree_on_no_sync, used_on=(0,), frozen_first=False):
+def _steps(cfg, disagree_on_no_sync, used_on=(0,), frozen_first=False, model_type=_BranchLM):
     """One backward of the branch model boosted with ``cfg``; with ``disagree_on_no_sync``
     rank 0 runs it inside booster.no_sync, then every rank clears, resets and runs it again.
     Returns (the error the first backward raised or None, the gradients of the last one)."""
     import torch.distributed as dist
-    booster, model, opt, backward = _boosted(cfg, used_on, frozen_first)
+    booster, model, opt, backward = _boosted(cfg, used_on, frozen_first, model_type)
     error = None
     if disagree_on_no_sync:
         try:
@@ -133,16 +144,22 @@ def _steps(cfg, disagree_on_no_sync, used_on=(0,), frozen_first=False):
 
 CASES = {"sp2 zero3": dict(sp_size=2, zero_stage=3),
          "tp2 zero0": dict(sp_size=1, tp_size=2, tp_plan=TP_PLAN)}
+# (W = 4: global ranks 0 and 1, the tp group of sp rank 0, hold the first half of the tokens)
+MLP_CASE = dict(sp_size=2, tp_size=2,
+                tp_plan=dict(TP_PLAN, **{"extra.0": "colwise", "extra.1": "rowwise"}))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + ["sp2 tp2 tensor-parallel branch"])
 def test_a_parameter_used_on_one_rank_only_gets_the_exact_gradient(case):
-    ref = _reference_grads()
-    for rank, (error, grads) in enumerate(run_ranks(_steps, 2, CASES[case], False,
-                                                    timeout=240)):
+    world, used_on, model_type, cfg = 2, (0,), _BranchLM, CASES.get(case)
+    if cfg is None:
+        world, used_on, model_type, cfg = 4, (0, 1), _MlpBranchLM, MLP_CASE
+    ref = _reference_grads((0,), model_type)
+    for rank, (error, grads) in enumerate(run_ranks(_steps, world, cfg, False, used_on, False,
+                                                    model_type, timeout=240)):
         assert error is None
         assert grads["never.weight"] is None and grads["never.bias"] is None, rank
-        assert grads["extra.weight"] is not None, rank
+        assert all(grads[n] is not None for n in ref if n.startswith("extra.")), rank
         for name, want in ref.items():
             if want is None:
                 continue

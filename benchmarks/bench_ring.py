@@ -301,8 +301,8 @@ def main(argv=None):
     import torch.distributed as dist
 
     import common
-    from common import (MachineLoad, Stage, cpu_isa, cpu_model, environment,
-                        init_launched_group, launcher_device, progress, spawn_cpu_ranks,
+    from common import (Stage, cpu_isa, cpu_model, environment, init_launched_group,
+                        launcher_device, progress, run_with_load, spawn_cpu_ranks,
                         threads_per_rank, usable_cores, write_json)
     common.set_progress_start(_START)
 
@@ -324,39 +324,26 @@ def main(argv=None):
     import ring_job
 
     memory = {}
-    load = MachineLoad()
+    cores = args.world_size * args.threads
     if launched:
         init_launched_group(device, args.timeout)
-        # Every rank samples at once (the other ranks idle meanwhile); after the run, rank 0
-        # subtracts every rank's CPU time from the machine's, as for spawned ranks (before,
-        # under torchrun nothing was reported). On one node only: /proc/stat is this node's.
-        one_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)) == args.world_size
-        busy = load.before(args.world_size * args.threads)
-        if busy and dist.get_rank() == 0:
-            progress(f"NOTE: {busy}")
-        out = ring_job.run_rank(args, device)
+        out, load = run_with_load(True, device, cores, lambda: ring_job.run_rank(args, device))
         is_main = dist.get_rank() == 0
-        import torch
-        cpu_s = torch.tensor([load.own_cpu_since_before()], dtype=torch.float64, device=device)
-        dist.all_reduce(cpu_s)  # (1,) the CPU seconds of every rank since `before`
-        if one_node:
-            load.after(float(cpu_s) - load.own_cpu_since_before())
     else:
         progress(f"bench_ring: {args.world_size} local CPU ranks (gloo), {args.threads} "
                  f"thread(s) each, on {usable_cores()} physical cores ({cpu_model()}); ringseq "
                  f"CPU kernel ISA {cpu_isa()}")
-        busy = load.before(args.world_size * args.threads)
-        if busy:
-            progress(f"NOTE: {busy}")
-        with Stage(f"all measurements on {args.world_size} spawned ranks"):
-            out = spawn_cpu_ranks(args.world_size, ring_job.run_rank, args, args.timeout,
-                                  args.threads)
-        if args.memory_scaling:
-            for w in args.memory_scaling:
+
+        def spawned():
+            with Stage(f"all measurements on {args.world_size} spawned ranks"):
+                result = spawn_cpu_ranks(args.world_size, ring_job.run_rank, args,
+                                         args.timeout, args.threads)
+            for w in args.memory_scaling or ():
                 with Stage(f"memory: forward at W={w}, s={args.memory_seqlen}"):
                     memory[w] = spawn_cpu_ranks(w, ring_job.memory_task, args, args.timeout,
                                                 threads_per_rank(args.threads_per_rank, w))
-        load.after()
+            return result
+        out, load = run_with_load(False, device, cores, spawned)
         is_main = True
     failed = False
     if is_main:

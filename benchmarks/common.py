@@ -296,6 +296,31 @@ class MachineLoad:
                 "load_average_before": self.load_before, "cores_used": self.cores_used}
 
 
+def run_with_load(launched, device, cores_used, run):
+    """``run()`` (the job: spawned ranks, or this rank's share under a launcher) with the
+    machine's load sampled before it and measured over it: returns ``(run's result, the
+    MachineLoad)``. Under a launcher every rank samples at once (the others idle meanwhile)
+    and every rank's CPU time is subtracted from the machine's, as for spawned ranks; on one
+    node only (``/proc/stat`` is this node's; across nodes the figures stay None). Collective
+    under a launcher. A busy machine is announced (by rank 0) before the job starts."""
+    load = MachineLoad()
+    busy = load.before(cores_used)
+    if busy and (not launched or dist.get_rank() == 0):
+        progress(f"NOTE: {busy}")
+    out = run()
+    if not launched:
+        load.after()
+        return out, load
+    world = dist.get_world_size()
+    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+    own = load.own_cpu_since_before()
+    cpu_s = torch.tensor([own], dtype=torch.float64, device=device)  # (1,)
+    dist.all_reduce(cpu_s)  # every rank's CPU seconds since `before`
+    if one_node:
+        load.after(float(cpu_s) - own)
+    return out, load
+
+
 def load_average():
     """The 1-minute load average (None where unavailable): how busy the machine was."""
     try:

@@ -26,8 +26,8 @@ import random
 import torch
 import torch.distributed as dist
 
-from common import (PeakMemory, environment, format_table, mib, progress, spawn_cpu_ranks,
-                    threads_per_rank, time_ms, write_json)
+from common import (PeakMemory, environment, format_table, load_average, mib, progress,
+                    run_with_load, spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq import commstats  # noqa: E402
@@ -232,8 +232,9 @@ def main_masked(args, launched, device):
         raise SystemExit("--window / --docs run on spawned local CPU ranks (no launcher)")
     threads = threads_per_rank(args.threads_per_rank, args.world_size)
     progress(f"spawning {args.world_size} local CPU ranks (gloo), {threads} thread(s) each")
-    rows = spawn_cpu_ranks(args.world_size, _run_all, args, args.timeout, threads)
     W = args.world_size
+    rows, load = run_with_load(False, device, W * threads, lambda: spawn_cpu_ranks(
+        W, _run_all, args, args.timeout, threads))
     for r in rows:
         fwd, bwd = r["exchanges"]
         r["exchanges"] = f"{fwd} / {bwd}"
@@ -261,7 +262,10 @@ def main_masked(args, launched, device):
     print(f"# masked ring: s={args.seqlen} h={args.heads} d={args.headdim} {args.dtype} W={W}, "
           f"{threads} thread(s) per rank; overhead = ring time / the same block tasks without "
           f"communication", flush=True)
+    for line in load.summary_lines(W * threads, load_average()):
+        print(line)
     print(format_table(rows, columns), flush=True)
     write_json(args.json, {"benchmark": "bench_ring masked", "environment": environment(device),
-                           "args": {k: str(v) for k, v in vars(args).items()}, "results": rows})
+                           "args": {k: str(v) for k, v in vars(args).items()}, "results": rows,
+                           "machine_load": load.as_dict()})
     return 0

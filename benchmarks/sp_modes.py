@@ -22,8 +22,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from common import (attention_flops, environment, format_table, init_launched_group,  # noqa: E402
-                    progress, spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
+from common import (PeakMemory, attention_flops, environment, format_table,  # noqa: E402
+                    init_launched_group, load_average, mib, progress, run_with_load,
+                    spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq import commstats  # noqa: E402
@@ -139,10 +140,11 @@ def run_rank_sp(args, device):
         jobs.append((mode, U, R, I, sp, call, step, dout))
     # all modes warmed up before any is timed (the first calls of a process are slower)
     for mode, U, R, I, sp, call, step, dout in jobs:
-        with commstats.count_bytes() as c_fwd:
-            out = call()
-        with commstats.count_bytes() as c_bwd:
-            out.backward(dout)
+        with PeakMemory(device) as mem:  # (above the inputs: the call's own memory)
+            with commstats.count_bytes() as c_fwd:
+                out = call()
+            with commstats.count_bytes() as c_bwd:
+                out.backward(dout)
         gc.collect()
         dist.barrier()
         ms = _max(time_ms(step, device, args.warmup, args.repeats), device)
@@ -153,8 +155,9 @@ def run_rank_sp(args, device):
         err, plain_err = _max(err, device), _max(plain_err, device)
         exp = expected_bytes(args.batch, args.seqlen, args.heads, h_kv, args.headdim,
                              dtype.itemsize, U, R, I, 8 if dtype == torch.float64 else 4)
-        flops_rank = attention_flops(args.batch, args.heads, args.seqlen, args.seqlen,
-                                     args.headdim, causal, "fwd_bwd") / world
+        flops = attention_flops(args.batch, args.heads, args.seqlen, args.seqlen,
+                                args.headdim, causal, "fwd_bwd")  # (the whole call's)
+        flops_rank = flops / world
         sent = _max(c_fwd.total + c_bwd.total, device)
         rows.append({
             "mode": mode, "split": f"{U}x{R}" + (f" ({R // I}x{I})" if I and I < R else ""),
@@ -167,6 +170,9 @@ def run_rank_sp(args, device):
             "outer_bytes": _max(c_fwd.bytes.get("ring_outer", 0)
                                 + c_bwd.bytes.get("ring_outer", 0), device),
             "bytes_per_flop": sent / flops_rank, "ms": ms,
+            "tflops": flops / ms / 1e9,  # (all ranks together, over the busiest rank's time)
+            "peak_mib_per_rank": (mib(_max(float(mem.peak), device))
+                                  if mem.peak is not None else None),
             "max_err": err, "plain_err": plain_err,
             "check_ok": bool(excess <= CHECK_FLOOR[dtype]),
         })
@@ -179,11 +185,15 @@ def run_rank_sp(args, device):
     return rows
 
 
-def report_sp(args, rows, device):
+def report_sp(args, rows, device, load):
     world = args.world_size if not dist.is_initialized() else dist.get_world_size()
+    threads = threads_per_rank(args.threads_per_rank, world)
     print(f"# bench_ring --sp-mode: total s={args.seqlen} b={args.batch} h={args.heads} "
           f"h_kv={args.heads_kv or args.heads} d={args.headdim} {args.dtype} on {device}, "
           f"W={world}, causal={args.causal != 'false'}")
+    if device.type == "cpu":
+        for line in load.summary_lines(world * threads, load_average()):
+            print(line)
     print("# bytes = sent per rank per fwd+bwd call, measured at the ring transport and the "
           "all-to-all (max over ranks); expected = docs/sp_modes.md formulas; ms = fwd+bwd on "
           "the busiest rank; ratios against the plain ring at the same shape")
@@ -193,13 +203,14 @@ def report_sp(args, rows, device):
                ("bytes_as_formula", "= formula", "{}"),
                ("a2a_bytes", "all-to-all MiB", "{:.2f}"), ("outer_bytes", "outer ring MiB", "{:.2f}"),
                ("bytes_vs_ring", "bytes / ring", "{:.3f}"), ("bytes_per_flop", "bytes/FLOP", "{:.2e}"),
-               ("ms", "ms", "{:.1f}"), ("time_vs_ring", "time / ring", "{:.2f}"),
+               ("ms", "ms", "{:.1f}"), ("tflops", "TFLOP/s (all ranks)", "{:.4f}"),
+               ("peak_mib_per_rank", "peak MiB/rank", "{:.1f}"),
+               ("time_vs_ring", "time / ring", "{:.2f}"),
                ("max_err", "err", "{:.2e}"), ("check_ok", "check", "{}")]
     shown = [dict(r, **{key: r[key] / 2**20 for key in ("fwd_bytes", "bwd_bytes", "bytes",
                                                         "expected_bytes", "a2a_bytes",
                                                         "outer_bytes")}) for r in rows]
     print(format_table(shown, columns))
-    threads = threads_per_rank(args.threads_per_rank, world)
     if device.type == "cpu" and world * threads > (os.cpu_count() or 1):
         print(f"note: {world} ranks x {threads} thread(s) exceed this machine's cores, so ranks "
               f"time-share: the times mix compute and waiting; the byte counts are exact")
@@ -234,22 +245,23 @@ def main_sp(args, launched, device):
     world = int(os.environ["WORLD_SIZE"]) if launched else args.world_size
     args.sp_modes = fitting_sp_modes(args.sp_modes, args.sp_mode == "all", world, args.heads,
                                      args.ulysses_size, args.inner_ring_size)
+    threads = threads_per_rank(args.threads_per_rank, world)
     if launched:
         init_launched_group(device, args.timeout)
-        rows = run_rank_sp(args, device)
+        rows, load = run_with_load(True, device, world * threads,
+                                   lambda: run_rank_sp(args, device))
         is_main = dist.get_rank() == 0
     else:
-        progress(f"spawning {args.world_size} local CPU ranks (gloo); "
-                 f"{threads_per_rank(args.threads_per_rank, args.world_size)} thread(s) each")
-        rows = spawn_cpu_ranks(args.world_size, run_rank_sp, args, args.timeout,
-                               threads_per_rank(args.threads_per_rank, args.world_size))
+        progress(f"spawning {args.world_size} local CPU ranks (gloo); {threads} thread(s) each")
+        rows, load = run_with_load(False, device, world * threads, lambda: spawn_cpu_ranks(
+            args.world_size, run_rank_sp, args, args.timeout, threads))
         is_main = True
     failed = []
     if is_main:
-        failed = report_sp(args, rows, device)
+        failed = report_sp(args, rows, device, load)
         write_json(args.json, {"benchmark": "bench_ring --sp-mode",
                                "environment": environment(device), "args": vars(args),
-                               "results": rows})
+                               "results": rows, "machine_load": load.as_dict()})
     if launched:
         dist.destroy_process_group()
     return 1 if failed else 0

@@ -1,6 +1,7 @@
 """The main job's command line (benchmarks/bench_ring.py): bad arguments stop with an argparse
 error before any rank starts, --help describes every option, and a small run writes its JSON
-with every row's invariants evaluated."""
+with every row's invariants evaluated; so do its --sp-mode, --window and --docs jobs, and
+every job reports how busy the machine was (spawned ranks and torchrun)."""
 from __future__ import annotations
 
 import json
@@ -92,6 +93,46 @@ def test_small_run_writes_rows_with_their_checks(tmp_path):
     assert isinstance(data["warnings"], list)
 
 
+def _load_reported(stdout, data):
+    """The run printed and wrote the machine's load over it (other processes' cores)."""
+    assert "other processes used" in stdout, stdout[-3000:]
+    load = data["machine_load"]
+    assert 0.0 <= load["other_cores_during"] <= os.cpu_count(), load
+
+
+def test_sp_mode_run_checks_bytes_and_numbers_and_reports_the_load(tmp_path):
+    """--sp-mode: every mode's bytes equal docs/sp_modes.md's formulas and its output passes
+    the float64 spot check; TFLOP/s, peak memory and the machine's load are reported
+    (before: no load, TFLOP/s or peak memory)."""
+    out = tmp_path / "sp.json"
+    proc = _bench("--sp-mode", "ring,ulysses", "--world-size", "2", "--seqlen", "256",
+                  "--repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["mode"] for r in data["results"]] == ["ring", "ulysses"]
+    for r in data["results"]:
+        assert r["check_ok"] and r["bytes_as_formula"], r
+        assert r["tflops"] == pytest.approx(3.5 * 4 * 256 * 256 / 2 * 8 * 64 / r["ms"] / 1e9,
+                                            rel=0.01), r  # (causal fwd+bwd, h 8, d 64)
+        assert r["peak_mib_per_rank"] is None or r["peak_mib_per_rank"] >= 0, r
+    _load_reported(proc.stdout, data)
+
+
+@pytest.mark.parametrize("job", [["--window", "64"], ["--docs", "seeded"]])
+def test_masked_jobs_run_and_report_the_load(tmp_path, job):
+    """--window / --docs: every case's row is written, and the machine's load is reported
+    (before: not reported)."""
+    out = tmp_path / "masked.json"
+    proc = _bench(*job, "--world-size", "2", "--seqlen", "1024", "--repeats", "1",
+                  "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["results"], data
+    for r in data["results"]:
+        assert r["ms"] > 0 and r["overhead"] == pytest.approx(r["ms"] / r["compute_ms"]), r
+    _load_reported(proc.stdout, data)
+
+
 def test_plot_without_matplotlib_stops_before_any_rank_starts():
     import importlib.util
     if importlib.util.find_spec("matplotlib") is not None:
@@ -132,20 +173,20 @@ if os.environ.get("RINGSEQ_TEST_FAULT_RANK"):
 """
 
 
-def test_under_torchrun_the_report_says_how_busy_the_machine_was(tmp_path):
+@pytest.mark.parametrize("job", [["--layouts", "contiguous", "--modes", "fwd"],
+                                 ["--sp-mode", "ulysses"]], ids=["ring", "sp-mode"])
+def test_under_torchrun_the_report_says_how_busy_the_machine_was(tmp_path, job):
     """Under torchrun rank 0 subtracts every rank's CPU time from the machine's, as for
     spawned ranks (before: no line about other processes, and null in the JSON)."""
     out = tmp_path / "ring.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", BENCH, "--seqlen", "512", "--layouts",
-                           "contiguous", "--modes", "fwd", "--repeats", "1", "--json", str(out)],
+                           "--nproc-per-node", "2", BENCH, "--seqlen", "512", *job,
+                           "--repeats", "1", "--json", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "other processes used" in proc.stdout and "this run's ranks use 2" in proc.stdout, \
-        proc.stdout[-3000:]
-    load = json.loads(out.read_text())["machine_load"]
-    assert 0.0 <= load["other_cores_during"] <= os.cpu_count(), load
+    assert "this run's ranks use 2" in proc.stdout, proc.stdout[-3000:]
+    _load_reported(proc.stdout, json.loads(out.read_text()))
 
 
 def test_a_wrong_result_on_one_rank_fails_the_spot_check(tmp_path):

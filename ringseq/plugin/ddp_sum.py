@@ -15,6 +15,7 @@ are invalid, and they raise instead of stepping.
 from __future__ import annotations
 
 import datetime
+import weakref
 from typing import Optional
 
 import torch
@@ -36,11 +37,18 @@ class DdpSum(Completion):
     backward; None before."""
 
     def __init__(self, ddp, reduced):
-        self.ddp, self.reduced = ddp, reduced
+        # (weakly: DDP's reducer holds this hook state from C++, where the garbage collector
+        # cannot see the cycle, so a strong reference kept the model alive for good)
+        self._ddp, self.reduced = weakref.ref(ddp), reduced
         self.expecting = False
         self.launched = 0
         self.status: Optional[torch.Tensor] = None
         self.completed = 0  # reduced backward passes that ended
+
+    @property
+    def ddp(self):
+        """The DistributedDataParallel module (alive while its reducer calls this hook)."""
+        return self._ddp()
 
     def forward_ran(self) -> None:
         """After the boosted model's forward ended: whether DDP now waits for a reduced

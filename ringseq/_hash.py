@@ -3,9 +3,11 @@ no ``hash()`` randomization, no zlib), so they can name layouts, masks and call 
 cross-rank checks and be computed anywhere, traced code included."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional, Sequence
 
-__all__ = ["stable_code", "stable_hash_ints"]
+__all__ = ["INTS", "ints_field", "stable_code", "stable_hash_ints"]
+
+INTS = "ints"  # the kind of a cross-rank signature field that compares a list of ints
 
 _OFFSET, _PRIME, _MASK = 0x811C9DC5, 0x01000193, 0xFFFFFFFF
 
@@ -25,3 +27,10 @@ def stable_code(name: str) -> int:
 def stable_hash_ints(values: Iterable[int]) -> int:
     """A 31-bit hash of a sequence of (signed 64-bit) ints."""
     return _fnv(b for v in values for b in int(v).to_bytes(8, "little", signed=True))
+
+
+def ints_field(name: str, values: Optional[Sequence[int]]) -> tuple:
+    """A cross-rank signature field comparing a list of ints (``None``: no list, e.g. no
+    documents): ``(name, hash, INTS, values)``; a mismatch shows the values themselves."""
+    listed = () if values is None else tuple(int(v) for v in values)
+    return (name, 0 if values is None else stable_hash_ints(listed), INTS, listed)

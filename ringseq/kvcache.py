@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ._args import check_alibi_slopes, check_bool, check_softmax_scale, parse_window
 from ._dist import RingPeerError, RingTimeoutError, group_info
-from ._hash import stable_hash_ints
+from ._hash import ints_field
 from .engine.integrity import FWD, operation_field
 from .engine.ring import get_ring
 from .kernels.checks import accum_dtype, resolve_scale
@@ -675,7 +675,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     scale = resolve_scale(softmax_scale, d)
     # What every rank must pass alike (the docstring's "the same on every rank"; the cache
     # shards' capacity may differ). cache_seqlens and cache_leftpad are compared by a hash of
-    # their values as given (host, pads above).
+    # their values as given (host, pads above), and shown by their values where ranks differ.
     signature = (
         operation_field("ring kv-cache decoding"),
         ("batch", b), ("seqlen_q", s_q), ("nheads", h), ("headdim", d), ("nheads_k", h_kv),
@@ -686,8 +686,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         ("rotary_dim", 0 if rotary_cos is None else 2 * rotary_cos.shape[1]),
         ("rotary_interleaved", rotary_interleaved, "bool"),
         ("return_softmax_lse", return_softmax_lse, "bool"), ("num_splits", int(num_splits)),
-        ("cache_seqlens (hash)", 0 if host is None else stable_hash_ints(host)),
-        ("cache_leftpad (hash)", 0 if pads is None else stable_hash_ints(pads)),
+        ints_field("cache_seqlens", host), ints_field("cache_leftpad", pads),
     )
     return dict(q=q, kc=k_cache_shard, vc=v_cache_shard, k=k, v=v, lengths=lengths,
                 starts=starts, homes=homes, rank=rank, causal=causal, window=window,

@@ -25,7 +25,7 @@ import torch
 
 from ._args import (check_alibi_slopes, check_bool, check_cu_seqlens, check_dropout,
                     check_softmax_scale, parse_window)
-from ._hash import stable_code, stable_hash_ints
+from ._hash import ints_field, stable_code
 from .kernels import AttentionBackend, backend_by_key, backend_key, check_qkv, get_backend
 from .kernels.checks import count_check, resolve_scale
 from .kernels.spans import as_spans_tensor, check_softcap, document_spans
@@ -107,7 +107,6 @@ class AttnSpec:
         on: the local shapes (q (b, s_local, h, d), ``nheads_kv``) and dtype, every option of
         the spec, and ``extra`` (the placement's own: layout, world size, degrees)."""
         b, s, h, d = q_shape
-        docs = 0 if self.documents is None else stable_hash_ints(self.documents)
         return (
             ("batch", b), ("local seqlen", s), ("nheads", h), ("nheads_kv", nheads_kv),
             ("headdim", d), ("dtype", dtype_code(dtype), "dtype"),
@@ -116,7 +115,7 @@ class AttnSpec:
             ("softmax_scale (x1e6)", float_field(self.softmax_scale)),
             ("window left", self.window[0]), ("window right", self.window[1]),
             ("softcap (x1e6)", float_field(self.softcap)),
-            ("documents (hash of cu_seqlens)", docs),
+            ints_field("documents (cu_seqlens)", self.documents),
         ) + tuple(extra)
 
 

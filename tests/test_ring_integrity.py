@@ -174,6 +174,13 @@ def _case_later_argument_change():
     lay = "stripe" if rank == 1 else "zigzag"
     out["switch"] = _capture(lambda: ringseq.ring_flash_attn_func(
         *[ringseq.shard(t, lay) for t in full], causal=True, layout=lay))
+    # other document boundaries on rank 1: the message shows them (before: their hashes)
+    packed = [ringseq.shard(t[0], "zigzag", dim=0) for t in _full(6, 6 * w)]
+    cu = [0, 4 + (rank == 1), 6 * w]
+    out["documents"] = _capture(lambda: ringseq.ring_flash_attn_varlen_func(
+        *packed, cu, causal=True, layout="zigzag"))
+    out["documents_after"] = _capture(lambda: ringseq.ring_flash_attn_varlen_func(
+        *packed, [0, 4, 6 * w], causal=True, layout="zigzag"))
     return out
 
 
@@ -626,6 +633,15 @@ def test_later_argument_changes_raise_instead_of_hanging(w2, name, needle):
             assert res["later_change"][name + "_after"] < 1e-10
 
 
+def test_different_document_boundaries_are_shown_by_their_values(w2):
+    for res in w2:
+        _is_fast_error(res["later_change"]["documents"], "RingMismatchError",
+                       "ring_flash_attn_varlen_func: the ranks of the ring were called with "
+                       "different arguments: documents (cu_seqlens) (rank 0: [0, 4, 12] "
+                       "(3 values), rank 1: [0, 5, 12] (3 values); first difference at index 1)")
+        assert res["later_change"]["documents_after"][0] == "ok", res  # the ring is usable
+
+
 def test_double_backward_raises(w2):
     for res in w2:
         _is_fast_error(res["double_backward"]["create_graph"], "RuntimeError",
@@ -876,3 +892,36 @@ def test_a_control_timeout_names_the_agreement_it_waited_in():
     # a message's bytes are no control vector: named by the kind alone
     assert control_name(_message_words("rank 1 failed"), FWD, 9) == \
         "the forward step of control operation #9"
+
+
+class _TwoRankControl:
+    """A ring of two for ``_listed_values``: its control exchange returns this rank's words
+    and the words the peer would send for ``peer_values``."""
+
+    def __init__(self, peer_values):
+        self._seq, self.peer_values = 0, peer_values
+
+    def control(self, words, kind, seq):
+        import torch
+
+        from ringseq.engine.integrity import CONTROL_WORDS, _LISTED
+        peer = list(self.peer_values)[:_LISTED]
+        tail = [len(self.peer_values)] + peer + [0] * (_LISTED - len(peer))
+        return torch.stack([words, torch.cat([words[:CONTROL_WORDS],
+                                              torch.tensor(tail, dtype=torch.int64)])])
+
+
+@pytest.mark.parametrize("mine, peers, shown", [
+    ([0, 4, 12], [0, 5, 12],
+     "rank 0: [0, 4, 12] (3 values), rank 1: [0, 5, 12] (3 values); first difference at index 1"),
+    ([8], [], "rank 0: [8] (1 value), rank 1: [] (0 values); first difference at index 0"),
+    (list(range(0, 400, 4)), list(range(0, 200, 4)) + [201] + list(range(204, 400, 4)),
+     "rank 0: [..., 192, 196, 200, 204, 208, ...] (100 values), rank 1: [..., 192, 196, 201, "
+     "204, 208, ...] (100 values); first difference at index 50"),
+    (list(range(100)), list(range(99)) + [7],
+     "rank 0: [..., 62, 63, ...] (100 values), rank 1: [..., 62, 63, ...] (100 values); the "
+     "first 64 agree")])
+def test_a_mismatched_list_is_shown_around_its_first_difference(mine, peers, shown):
+    # (document boundaries and kv-cache lengths: before, their hashes were shown)
+    from ringseq.engine.integrity import _listed_values
+    assert _listed_values(_TwoRankControl(peers), mine, lambda r: f"rank {r}") == shown

@@ -41,7 +41,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .._dist import RingBrokenError, RingDesyncError, RingMismatchError, RingPeerError
-from .._hash import stable_hash_ints
+from .._hash import INTS, stable_hash_ints
 
 __all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BYTES", "HEADER_WORDS", "KIND_NAMES",
            "RingCall", "agreement_code", "call_tag", "current_tag", "describe_field", "judge",
@@ -181,6 +181,11 @@ def operation_field(name: str) -> tuple:
     return ("operation", _OPERATIONS.index(name), OPERATION)
 
 
+# A field of kind INTS (``_hash.ints_field``) is compared by its hash and shown, when ranks
+# differ, by its values, which then travel in one more control exchange (_listed_values).
+_LISTED = 64  # the values of an INTS field a mismatch shows at most (per rank)
+
+
 def describe_field(kind: str, code: int) -> str:
     """How a signature field value is shown in a mismatch message."""
     from ..spec import _DTYPES
@@ -235,6 +240,36 @@ def gather(ring, kind: int, status: int, fields: Sequence[int] = (),
         ring.peer_messages = {r: _message_text(texts[r]) for r, row in enumerate(rows)
                               if row[1] in (FAILED, INVALID)}
     return rows
+
+
+def _listed_values(ring, values: Sequence[int], name) -> str:
+    """Every rank's ``values`` (an INTS field's; the first 64 and their count) in one more
+    control exchange, shown per rank around the first index where ranks differ."""
+    own = list(values)[:_LISTED]
+    seq = ring._seq
+    ring._seq += 1
+    words = torch.cat([control_vector(CHECK, OK, seq, (), 0),
+                       torch.tensor([len(values)] + own + [0] * (_LISTED - len(own)),
+                                    dtype=torch.int64)])  # (CONTROL_WORDS + 1 + 64,)
+    got = ring.control(words, CHECK, seq)
+    if got is None:
+        return "differ"
+    counts = [int(row[CONTROL_WORDS]) for row in got.tolist()]
+    lists = [row[CONTROL_WORDS + 1:CONTROL_WORDS + 1 + min(n, _LISTED)]
+             for row, n in zip(got.tolist(), counts)]
+    longest = max(len(v) for v in lists)
+    first = next((i for i in range(longest) if len({tuple(v[i:i + 1]) for v in lists}) > 1),
+                 longest)
+    lo, hi = max(0, first - 2), first + 3
+
+    def shown(v, n):
+        middle = ", ".join(str(x) for x in v[lo:hi])
+        return (f"[{'..., ' if lo else ''}{middle}{', ...' if hi < n else ''}] "
+                f"({n} value{'s' if n != 1 else ''})")
+    where = (f"first difference at index {first}" if first < _LISTED or len(set(counts)) > 1
+             else f"the first {_LISTED} agree")
+    return ", ".join(f"{name(r)}: {shown(v, n)}"
+                     for r, (v, n) in enumerate(zip(lists, counts))) + f"; {where}"
 
 
 def _global_names(ring):
@@ -308,7 +343,10 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
     for j, f in enumerate(signature):
         column = [row[FIELD0 + j] for row in rows]
         fkind = f[2] if len(f) > 2 else "int"
-        if len(set(column)) > 1 and fkind != ANY:
+        if len(set(column)) > 1 and fkind == INTS:
+            # (every rank sees the same rows, so every rank makes this exchange)
+            diffs.append(f"{f[0]} ({_listed_values(ring, f[3], name)})")
+        elif len(set(column)) > 1 and fkind != ANY:
             per_rank = ", ".join(f"{name(r)}: {describe_field(fkind, c)}"
                                  for r, c in enumerate(column))
             diffs.append(f"{f[0]} ({per_rank})")

@@ -920,6 +920,9 @@ class _TwoRankControl:
      "204, 208, ...] (100 values); first difference at index 50"),
     (list(range(100)), list(range(99)) + [7],
      "rank 0: [..., 62, 63, ...] (100 values), rank 1: [..., 62, 63, ...] (100 values); the "
+     "first 64 agree"),
+    (list(range(100)), list(range(101)),
+     "rank 0: [..., 62, 63, ...] (100 values), rank 1: [..., 62, 63, ...] (101 values); the "
      "first 64 agree")])
 def test_a_mismatched_list_is_shown_around_its_first_difference(mine, peers, shown):
     # (document boundaries and kv-cache lengths: before, their hashes were shown)

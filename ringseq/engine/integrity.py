@@ -266,7 +266,8 @@ def _listed_values(ring, values: Sequence[int], name) -> str:
         middle = ", ".join(str(x) for x in v[lo:hi])
         return (f"[{'..., ' if lo else ''}{middle}{', ...' if hi < n else ''}] "
                 f"({n} value{'s' if n != 1 else ''})")
-    where = (f"first difference at index {first}" if first < _LISTED or len(set(counts)) > 1
+    # (past the first 64 only the counts are known: each rank's is shown)
+    where = (f"first difference at index {first}" if first < _LISTED
              else f"the first {_LISTED} agree")
     return ", ".join(f"{name(r)}: {shown(v, n)}"
                      for r, (v, n) in enumerate(zip(lists, counts))) + f"; {where}"

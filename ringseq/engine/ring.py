@@ -227,12 +227,14 @@ class Ring:
         with self._hold():
             rows = gather(self, kind, status, [int(f[1]) for f in fields],
                           None if ok else message, code)
+            if ok:
+                # RingPeerError when another rank was not ok, or worse (under the lock: a
+                # mismatch of listed values makes one more control exchange)
+                judge(self, rows, kind, fields, called, hint)
         if not ok:
             if raise_own:
                 raise error if error is not None else ValueError(message)
             return None
-        # RingPeerError when another rank was not ok, or worse
-        judge(self, rows, kind, fields, called, hint)
         return None if rows is None else [row[FIELD0:FIELD0 + len(fields)] for row in rows]
 
     def gather_ints(self, values: Sequence[int], about: str) -> Optional[List[List[int]]]:

@@ -13,8 +13,9 @@ with zeros for the gradients it did not compute (:meth:`FsdpReplay.after_failure
 FSDP's own per-unit methods in FSDP's order: each unit's pre-backward (its all-gather and the
 prefetch of the next) for the units whose outputs need a gradient, its reduce-scatter right
 after where its inputs need one (FSDP's post-backward hook), and the remaining reduce-scatters
-in the order of FSDP's final callback (a parameter that got no gradient at its layer's last
-reduce-scatter, unused in the forward, gets no zeros: FSDP leaves it out). What is done is
+in the order of FSDP's final callback (a parameter that holds no gradient gets zeros where
+:meth:`FsdpReplay.reduces` says the others reduce it: as the agreement before the backward
+found, ``grad_agreement``, else as its layer's last reduce-scatter had it). What is done is
 read from what happened, not from FSDP's per-unit state alone: each unit's post-backward is
 counted when it returns or, when it raised, if the process group's collective count moved
 during it (FSDP marks a unit done before its reduce-scatter, so an error there, before it
@@ -170,10 +171,7 @@ class FsdpReplay(Completion):
     def set_reduces(self, fsdp_param, reduced: bool) -> None:
         """Makes the completion reduce ``fsdp_param``'s gradient, or leave it out (what the
         ranks agreed before the backward, ``grad_agreement``)."""
-        if reduced:
-            self._unused.discard(id(fsdp_param))
-        else:
-            self._unused.add(id(fsdp_param))
+        (self._unused.discard if reduced else self._unused.add)(id(fsdp_param))
 
     @staticmethod
     def _params_unused(group):

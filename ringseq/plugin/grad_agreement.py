@@ -33,7 +33,7 @@ and a parameter used on some ranks only makes the reductions differ in size agai
 """
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -50,21 +50,25 @@ _HINT = ("Every rank must run the same micro-batches inside booster.no_sync(mode
          "(optimizer.zero_grad()) and redo the accumulation on every rank.")
 
 
-def graph_leaves(loss: torch.Tensor) -> set:
-    """The ids of the leaf tensors (parameters) a backward of ``loss`` accumulates into: the
-    variables of the autograd graph's AccumulateGrad nodes."""
+def graph_leaves(loss: torch.Tensor) -> Tuple[set, bool]:
+    """``(ids, hidden)``: the ids of the leaf tensors (parameters) a backward of ``loss``
+    accumulates into (the variables of the autograd graph's AccumulateGrad nodes), and whether
+    the graph holds a reentrant ``torch.utils.checkpoint`` region, whose parameters it does
+    not show (they appear when the backward recomputes the region)."""
     root = getattr(loss, "grad_fn", None)
     leaves, seen, stack = set(), set(), [root] if root is not None else []
+    hidden = False
     while stack:
         fn = stack.pop()
         if fn in seen:
             continue
         seen.add(fn)
+        hidden = hidden or type(fn).__name__ == "CheckpointFunctionBackward"
         var = getattr(fn, "variable", None)
         if var is not None:
             leaves.add(id(var))
         stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
-    return leaves
+    return leaves, hidden
 
 
 def _zero_like(t: torch.Tensor, partial: bool) -> torch.Tensor:
@@ -135,6 +139,8 @@ class GradUse:
     @classmethod
     def for_fsdp(cls, model: nn.Module, replay=None) -> "GradUse":
         from torch.distributed.fsdp import FSDPModule
+
+        from .fsdp_replay import FsdpReplay
         groups = [g for m in model.modules() if isinstance(m, FSDPModule)
                   for g in m._get_fsdp_state()._fsdp_param_groups]
 
@@ -142,8 +148,6 @@ class GradUse:
             return all(g.reduce_grads for g in groups)
 
         def entries():
-            out = []
-            from .fsdp_replay import FsdpReplay
             out = []
             for g in groups:
                 for fp in g.fsdp_params:
@@ -175,7 +179,7 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
     rank whose loss does not reach them would."""
     if not uses or not ring.checks_on:
         return None
-    leaves = None
+    leaves, hidden = None, False
     fields, sets = [], []
     many = len(uses) > 1 or uses[0].index > 0
     for use in uses:
@@ -189,16 +193,19 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
             bits = [int(e.replayed()) for e in entries]
         elif entries:
             if leaves is None:
-                leaves = set() if loss is None else graph_leaves(loss)
+                leaves, hidden = (set(), False) if loss is None else graph_leaves(loss)
             bits = [int(e.leaf is not None and (id(e.leaf) in leaves or e.has_grad()))
                     for e in entries]
         sets.append((entries, bits, replaying))
         fields.append((f"parameters with a gradient{model} (hash)",
                        0 if bits is None else stable_hash_ints(_packed(bits)), ANY))
+    fields.append(("a reentrant checkpoint in the graph", int(hidden), ANY))
     rows = ring.agree(True, "", fields=fields, about="backward", called="booster.backward",
                       hint=_HINT)
     if rows is None:
         return None
+    # (where a rank's graph hides parameters, "no rank has it" is not known)
+    hidden = any(row[-1] for row in rows)
     zeroed = []
     for i, (entries, bits, replaying) in enumerate(sets):
         if bits is None:
@@ -208,12 +215,10 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
             # the sets differ (every rank sees it): one more control all-gather, of the sets
             union = [max(column) for column in zip(*ring.gather_ints(bits, "backward"))]
         for entry, mine, anyone in zip(entries, bits, union):
-            if entry.set_replayed is not None and (replaying or anyone):
+            if entry.set_replayed is not None and (replaying or anyone or not hidden):
                 # a completion of this backward (this rank's, or after a failure in it)
-                # reduces (zeros for) the parameters any rank has, not only those of the last
-                # reduction (one used for the first time). Only this rank's completion leaves
-                # out what no rank has: a backward's graph does not show the parameters a
-                # reentrant checkpoint uses, which its reduction still carries.
+                # reduces (zeros for) exactly the parameters any rank has, not those of the
+                # last reduction (one used for the first time, or no longer used)
                 entry.set_replayed(bool(anyone))
             if anyone and not mine and (replaying or (completing is None
                                                       and entry.leaf is not None)):

@@ -37,10 +37,11 @@ count its collectives. Not set up: a plan of the user's own ParallelStyles (its 
 are not known here). With FSDP (zero stage 2/3) there is no gradient sync (FSDP sums over
 tp in its post-backward) and ``fsdp_replay.FsdpReplay`` makes these collectives among its
 own, through :meth:`TpReplay.forward_ops`, :meth:`TpReplay.backward_ops` and the notes.
-A parameter that requires a gradient and gets none (unused in the forward) is left out of
-the sync's sums as the last sync left it out; one whose use changed in the failed step
-(unused or used for the first time) is not (the completion's sums would differ in size from
-the others').
+A parameter that requires a gradient and holds none is summed (as zeros) where
+:meth:`TpReplay.reduces` says the others sum it: as the agreement before the backward found
+(``grad_agreement``: any rank uses it), else as the last sync had it (without the agreement,
+a parameter whose use changed in the failed step makes the completion's sums differ in size
+from the others').
 """
 from __future__ import annotations
 
@@ -317,10 +318,8 @@ class TpReplay(Completion):
     def set_reduces(self, param: nn.Parameter, reduced: bool) -> None:
         """Makes the completion sum ``param``'s gradient, or leave it out (what the ranks
         agreed before the backward, ``grad_agreement``)."""
-        if reduced:
-            self.grad_sync.unused.discard(id(param))
-        else:
-            self.grad_sync.unused.add(id(param))
+        unused = self.grad_sync.unused
+        (unused.discard if reduced else unused.add)(id(param))
 
     def backward_done(self) -> int:
         """The tp collectives this rank made since its backward reached the model's outputs

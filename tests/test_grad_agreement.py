@@ -87,15 +87,16 @@ def _batch():
     return ids, ids.clone()
 
 
-def _boosted(cfg, used_on, frozen_first=False, model_type=_BranchLM):
-    """``frozen_first``: a frozen model (which has no reduction) is boosted first."""
+def _boosted(cfg, used_on, earlier=(), model_type=_BranchLM):
+    """``earlier``: models boosted first by the same plugin, each frozen (which has no
+    reduction: True) or not (False), and dropped."""
     import ringseq
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     ringseq.set_ring_timeout(30)
     plugin = RingSequenceParallelPlugin(layout="contiguous", **cfg)
     booster = Booster(plugin=plugin)
-    if frozen_first:
-        booster.boost(_BranchLM(used_on).requires_grad_(False))
+    for frozen in earlier:
+        booster.boost(_BranchLM(used_on).requires_grad_(not frozen))
     model = model_type(used_on)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, crit, *_ = booster.boost(model, opt, nn.CrossEntropyLoss())
@@ -124,12 +125,12 @@ def _full_grads(model):
             for n, p in model.named_parameters()}
 
 
-def _steps(cfg, disagree_on_no_sync, used_on=(0,), frozen_first=False, model_type=_BranchLM):
+def _steps(cfg, disagree_on_no_sync, used_on=(0,), earlier=(), model_type=_BranchLM):
     """One backward of the branch model boosted with ``cfg``; with ``disagree_on_no_sync``
     rank 0 runs it inside booster.no_sync, then every rank clears, resets and runs it again.
     Returns (the error the first backward raised or None, the gradients of the last one)."""
     import torch.distributed as dist
-    booster, model, opt, backward = _boosted(cfg, used_on, frozen_first, model_type)
+    booster, model, opt, backward = _boosted(cfg, used_on, earlier, model_type)
     error = None
     if disagree_on_no_sync:
         try:
@@ -159,7 +160,7 @@ def test_a_parameter_used_on_one_rank_only_gets_the_exact_gradient(case):
     if cfg is None:
         world, used_on, model_type, cfg = 4, (0, 1), _MlpBranchLM, MLP_CASE
     ref = _reference_grads((0,), model_type)
-    for rank, (error, grads) in enumerate(run_ranks(_steps, world, cfg, False, used_on, False,
+    for rank, (error, grads) in enumerate(run_ranks(_steps, world, cfg, False, used_on, (),
                                                     model_type, timeout=240)):
         assert error is None
         assert grads["never.weight"] is None and grads["never.bias"] is None, rank
@@ -259,16 +260,20 @@ def test_a_dropped_plugin_lets_its_models_go(case):
 
 
 # (DDP: `never` needs find_unused_parameters, and the branch is taken on every rank here;
-# a frozen model boosted first: the message numbers the models in boost order)
-@pytest.mark.parametrize("cfg, frozen_first, what", [
-    (dict(sp_size=2, zero_stage=2), False, "booster.no_sync (FSDP)"),
-    (dict(sp_size=2, ddp_kwargs={"find_unused_parameters": True}), False,
-     "booster.no_sync (DDP)"),
-    (dict(sp_size=2, ddp_kwargs={"find_unused_parameters": True}), True,
-     "booster.no_sync of boosted model 1 (DDP)")])
-def test_ranks_that_disagree_on_no_sync_raise_before_any_reduction(cfg, frozen_first, what):
+# models boosted first: the message numbers the models in boost order; 12 of them, with the
+# agreement's per-model fields, overflowed a control vector: "at most 24 control fields")
+_DDP = dict(sp_size=2, ddp_kwargs={"find_unused_parameters": True})
+
+
+@pytest.mark.parametrize("cfg, earlier, what", [
+    (dict(sp_size=2, zero_stage=2), (), "booster.no_sync (FSDP)"),
+    (_DDP, (), "booster.no_sync (DDP)"),
+    (_DDP, (True,), "booster.no_sync of boosted model 1 (DDP)"),
+    (_DDP, (False,) * 12, "booster.no_sync of boosted model 12 (DDP)")],
+    ids=["fsdp", "ddp", "after a frozen model", "after 12 models"])
+def test_ranks_that_disagree_on_no_sync_raise_before_any_reduction(cfg, earlier, what):
     ref = _reference_grads((0, 1))
-    for rank, (error, grads) in enumerate(run_ranks(_steps, 2, cfg, True, (0, 1), frozen_first,
+    for rank, (error, grads) in enumerate(run_ranks(_steps, 2, cfg, True, (0, 1), earlier,
                                                     timeout=240)):
         assert error is not None and error.startswith("RingMismatchError"), (rank, error)
         assert f"{what} (rank 0: True, rank 1: False)" in error, error

@@ -45,7 +45,7 @@ from .._hash import INTS, stable_hash_ints
 
 __all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BYTES", "HEADER_WORDS", "KIND_NAMES",
            "RingCall", "agreement_code", "call_tag", "current_tag", "describe_field", "judge",
-           "operation_field"]
+           "mismatch_error", "operation_field"]
 
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8  # travels with every exchange (a multiple of 64: no padding)
@@ -340,9 +340,22 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
                 f"ringseq: the ranks of the ring are in different operations ({per_rank}). "
                 f"Every rank of the group must make the same call (the same function, the "
                 f"same sequence-parallel mode).")
+    err = mismatch_error(ring, [row[FIELD0:FIELD0 + len(signature)] for row in rows],
+                         signature, called, hint)
+    if err is not None:
+        raise err
+
+
+def mismatch_error(ring, values: List[List[int]], signature: Sequence[tuple], called: str = "",
+                   hint: Optional[str] = None) -> Optional[RingMismatchError]:
+    """The RingMismatchError naming each field of ``signature`` on which the ranks' ``values``
+    (a list per rank, one value per field, as every rank sees them) differ, with each rank's
+    value; None where they agree. Collective where an INTS field differs (its values travel
+    then), on every rank alike."""
+    name, _ = _global_names(ring)
     diffs = []
     for j, f in enumerate(signature):
-        column = [row[FIELD0 + j] for row in rows]
+        column = [row[j] for row in values]
         fkind = f[2] if len(f) > 2 else "int"
         if len(set(column)) > 1 and fkind == INTS:
             # (every rank sees the same rows, so every rank makes this exchange)
@@ -351,11 +364,11 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
             per_rank = ", ".join(f"{name(r)}: {describe_field(fkind, c)}"
                                  for r, c in enumerate(column))
             diffs.append(f"{f[0]} ({per_rank})")
-    if diffs:
-        raise RingMismatchError(
-            f"ringseq: {called + ': ' if called else ''}the ranks of the ring were called with "
-            f"different arguments: "
-            + "; ".join(diffs) + ". " + (hint or _SAME_SHARDS))
+    if not diffs:
+        return None
+    return RingMismatchError(
+        f"ringseq: {called + ': ' if called else ''}the ranks of the ring were called with "
+        f"different arguments: " + "; ".join(diffs) + ". " + (hint or _SAME_SHARDS))
 
 
 _SAME_SHARDS = ("Every rank of the group must pass shards of the same shape, dtype, layout and "

@@ -12,13 +12,15 @@ ranks without any error of their own:
   on the tokens, a mixture of experts' routing) is in the reduction of the ranks that used it
   only (FSDP and the tp sync leave out a parameter without a gradient).
 
-Before the backward starts (no collective of it has run yet), every rank sends, for each
-boosted model, whether its gradients are reduced in this backward and a hash of which of its
+Before the backward starts (no collective of it has run yet), every rank sends a hash of
+whether each boosted model's gradients are reduced in this backward, a hash of which of their
 parameters will have a gradient at the reduction (reached from the loss through the autograd
-graph, or holding a gradient accumulated under ``no_sync``), in one control all-gather on the
-default group (``Ring.agree``, ``about="backward"``). Ranks that disagree on ``no_sync``
-raise ``RingMismatchError`` on every rank, naming each rank's state, before any collective of
-the backward. Ranks that disagree on the parameters exchange their sets (a second control
+graph, or holding a gradient accumulated under ``no_sync``) and whether its graph holds a
+reentrant checkpoint, in one control all-gather on the default group (``Ring.agree``,
+``about="backward"``; three fields for any number of models). Ranks that disagree on
+``no_sync`` exchange each model's state (a second control all-gather, only then) and raise
+``RingMismatchError`` on every rank, naming each rank's state, before any collective of the
+backward. Ranks that disagree on the parameters exchange their sets (a second control
 all-gather, only then) and every rank gives the parameters some other rank uses, and it does
 not, a zero gradient (a partial sum over tp where the parameter is replicated over tp, as the
 others' gradients are, by the failure replay's rule): the reductions then match and the
@@ -40,7 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
 from .._hash import stable_hash_ints
-from ..engine.integrity import ANY
+from ..engine.integrity import ANY, mismatch_error
 
 __all__ = ["GradUse", "agree_before_backward", "graph_leaves"]
 
@@ -180,12 +182,10 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
     if not uses or not ring.checks_on:
         return None
     leaves, hidden = None, False
-    fields, sets = [], []
-    many = len(uses) > 1 or uses[0].index > 0
+    skipped, sets = [], []  # per model: no_sync on; (entries, bits, replaying)
     for use in uses:
-        model = f" of boosted model {use.index}" if many else ""
         sync = use.sync_on()
-        fields.append((f"booster.no_sync{model} ({use.name})", int(not sync), "bool"))
+        skipped.append(int(not sync))
         entries = use.entries() if sync else []
         replaying = completing is not None and use.reduction is completing
         bits = None
@@ -197,24 +197,34 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
             bits = [int(e.leaf is not None and (id(e.leaf) in leaves or e.has_grad()))
                     for e in entries]
         sets.append((entries, bits, replaying))
-        fields.append((f"parameters with a gradient{model} (hash)",
-                       0 if bits is None else stable_hash_ints(_packed(bits)), ANY))
-    fields.append(("a reentrant checkpoint in the graph", int(hidden), ANY))
+    # Three fields for any number of models (a control vector holds 24): what differs is
+    # exchanged afterwards, only where it does.
+    flat = [b for _, bits, _ in sets for b in bits or ()]
+    fields = [("booster.no_sync of each boosted model (hash)", stable_hash_ints(skipped), ANY),
+              ("parameters with a gradient (hash)", stable_hash_ints(_packed(flat)), ANY),
+              ("a reentrant checkpoint in the graph", int(hidden), ANY)]
     rows = ring.agree(True, "", fields=fields, about="backward", called="booster.backward",
                       hint=_HINT)
     if rows is None:
         return None
+    if len({row[0] for row in rows}) > 1:  # (every rank sees it)
+        many = len(uses) > 1 or uses[0].index > 0
+        named = [(f"booster.no_sync{f' of boosted model {use.index}' if many else ''} "
+                  f"({use.name})", s, "bool") for use, s in zip(uses, skipped)]
+        raise mismatch_error(ring, ring.gather_ints(skipped, "backward"), named,
+                             "booster.backward", _HINT)
     # (where a rank's graph hides parameters, "no rank has it" is not known)
-    hidden = any(row[-1] for row in rows)
-    zeroed = []
-    for i, (entries, bits, replaying) in enumerate(sets):
+    hidden = any(row[2] for row in rows)
+    union = flat
+    if len({row[1] for row in rows}) > 1:
+        # the sets differ (every rank sees it): one more control all-gather, of the sets
+        union = [max(column) for column in zip(*ring.gather_ints(flat, "backward"))]
+    zeroed, start = [], 0
+    for entries, bits, replaying in sets:
         if bits is None:
             continue
-        union = bits
-        if len({row[2 * i + 1] for row in rows}) > 1:
-            # the sets differ (every rank sees it): one more control all-gather, of the sets
-            union = [max(column) for column in zip(*ring.gather_ints(bits, "backward"))]
-        for entry, mine, anyone in zip(entries, bits, union):
+        anyones, start = union[start:start + len(bits)], start + len(bits)
+        for entry, mine, anyone in zip(entries, bits, anyones):
             if entry.set_replayed is not None and (replaying or anyone or not hidden):
                 # a completion of this backward (this rank's, or after a failure in it)
                 # reduces (zeros for) exactly the parameters any rank has, not those of the

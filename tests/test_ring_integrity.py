@@ -920,11 +920,30 @@ class _TwoRankControl:
      "204, 208, ...] (100 values); first difference at index 50"),
     (list(range(100)), list(range(99)) + [7],
      "rank 0: [..., 62, 63, ...] (100 values), rank 1: [..., 62, 63, ...] (100 values); the "
-     "first 64 agree"),
+     "first 64 agree; alike after them: rank(s) [0] / rank(s) [1]"),
     (list(range(100)), list(range(101)),
      "rank 0: [..., 62, 63, ...] (100 values), rank 1: [..., 62, 63, ...] (101 values); the "
-     "first 64 agree")])
+     "first 64 agree; alike after them: rank(s) [0] / rank(s) [1]")])
 def test_a_mismatched_list_is_shown_around_its_first_difference(mine, peers, shown):
     # (document boundaries and kv-cache lengths: before, their hashes were shown)
+    from ringseq._hash import stable_hash_ints
     from ringseq.engine.integrity import _listed_values
-    assert _listed_values(_TwoRankControl(peers), mine, lambda r: f"rank {r}") == shown
+    hashes = [stable_hash_ints(mine), stable_hash_ints(peers)]
+    assert _listed_values(_TwoRankControl(peers), mine, lambda r: f"rank {r}", hashes) == shown
+
+
+def test_lists_differing_past_the_64th_value_name_the_rank_that_differs():
+    # (W = 4, rank 2's list differs at value 80: before, all four ranks' shown values and
+    # counts were alike and no rank was named; helper-123)
+    from ringseq.engine.integrity import _listed_values
+
+    class FourRanks:
+        _seq = 0
+
+        def control(self, words, kind, seq):
+            import torch
+            return torch.stack([words] * 4)
+    hashes = [11, 11, 22, 11]
+    shown = _listed_values(FourRanks(), list(range(101)), lambda r: f"rank {r}", hashes)
+    assert shown.endswith("the first 64 agree; alike after them: rank(s) [0, 1, 3] / "
+                          "rank(s) [2]"), shown

@@ -242,9 +242,11 @@ def gather(ring, kind: int, status: int, fields: Sequence[int] = (),
     return rows
 
 
-def _listed_values(ring, values: Sequence[int], name) -> str:
+def _listed_values(ring, values: Sequence[int], name, hashes: Sequence[int]) -> str:
     """Every rank's ``values`` (an INTS field's; the first 64 and their count) in one more
-    control exchange, shown per rank around the first index where ranks differ."""
+    control exchange, shown per rank around the first index where ranks differ; where they
+    differ only past the 64th, the ranks are grouped by their lists' ``hashes`` (the field's
+    column)."""
     own = list(values)[:_LISTED]
     seq = ring._seq
     ring._seq += 1
@@ -266,9 +268,14 @@ def _listed_values(ring, values: Sequence[int], name) -> str:
         middle = ", ".join(str(x) for x in v[lo:hi])
         return (f"[{'..., ' if lo else ''}{middle}{', ...' if hi < n else ''}] "
                 f"({n} value{'s' if n != 1 else ''})")
-    # (past the first 64 only the counts are known: each rank's is shown)
-    where = (f"first difference at index {first}" if first < _LISTED
-             else f"the first {_LISTED} agree")
+    if first < _LISTED:
+        where = f"first difference at index {first}"
+    else:  # (past the first 64 only the counts and the hashes are known)
+        groups = {}
+        for r, h in enumerate(hashes):
+            groups.setdefault(h, []).append(r)
+        where = (f"the first {_LISTED} agree; alike after them: "
+                 + " / ".join(f"rank(s) {rs}" for rs in groups.values()))
     return ", ".join(f"{name(r)}: {shown(v, n)}"
                      for r, (v, n) in enumerate(zip(lists, counts))) + f"; {where}"
 
@@ -359,7 +366,7 @@ def mismatch_error(ring, values: List[List[int]], signature: Sequence[tuple], ca
         fkind = f[2] if len(f) > 2 else "int"
         if len(set(column)) > 1 and fkind == INTS:
             # (every rank sees the same rows, so every rank makes this exchange)
-            diffs.append(f"{f[0]} ({_listed_values(ring, f[3], name)})")
+            diffs.append(f"{f[0]} ({_listed_values(ring, f[3], name, column)})")
         elif len(set(column)) > 1 and fkind != ANY:
             per_rank = ", ".join(f"{name(r)}: {describe_field(fkind, c)}"
                                  for r, c in enumerate(column))

@@ -249,10 +249,16 @@ def report(args, rows, balance, memory, device, load):
               f"{b['value']:.2f} (ideal {b['ideal']:.2f}: busiest ranks' visible pairs){mark}")
     if memory:
         print("forward peak memory per rank above baseline, zigzag causal, total s="
-              f"{args.memory_seqlen}: " + ", ".join(f"W={w}: {m:.1f} MiB" for w, m in memory.items()))
+              f"{args.memory_seqlen}: " + ", ".join(
+                  f"W={w}: {'-' if m is None else f'{m:.1f}'} MiB" for w, m in memory.items()))
         ws = sorted(memory)
         for w in ws[1:]:
-            print(f"  W={w} / W={ws[0]}: {memory[w] / memory[ws[0]]:.3f}")
+            base = memory[ws[0]]
+            # (a peak too small for the resident set's page counts reads 0: no ratio then)
+            print(f"  W={w} / W={ws[0]}: " + (f"{memory[w] / base:.3f}" if base and memory[w]
+                                              is not None else
+                                              f"- (W={ws[0]}'s peak is {base} MiB: use a "
+                                              f"larger --memory-seqlen)"))
     if device.type == "cpu" and world * args.threads > usable_cores():
         smt = logical_cpus() > usable_cores()
         print(f"note: {world} ranks x {args.threads} thread(s) exceed this machine's "

@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the rank spawner shared with the tests (not part of the library)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))
-from dist_utils import run_ranks  # noqa: E402
+from dist_utils import RankError, RankTimeout, run_ranks  # noqa: E402
 
 # Tiny models whose peaks fall on different moments of the step: A's vocabulary is large
 # against its layers (the loss's backward holds the peak), B's MLP is wide (the final norm's
@@ -348,9 +348,13 @@ def main(argv=None):
     configs = [c for c in CONFIGS if (args.only is None or args.only in c["name"])
                and (c["quick"] or not args.quick)]
     if not configs:
-        p.error(f"no configuration name contains {args.only!r}")
+        p.error(f"--only {args.only!r}" + (" with --quick: no quick configuration" if args.quick
+                                           else ": no configuration") + " name contains it")
     t0 = time.time()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched and not torch.cuda.is_available():
+        p.error("under a launcher (torchrun) memory_check measures on GPUs (NCCL, "
+                "max_memory_allocated); on CPUs run it without one: it spawns gloo ranks")
     if launched:  # torchrun on GPUs: NCCL, one GPU per local rank, max_memory_allocated
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -372,7 +376,14 @@ def main(argv=None):
                  f"{'/'.join(str(w) for w in sorted({c['world'] for c in configs}))} gloo "
                  f"ranks (load {os.getloadavg()[0]:.1f})")
         device = torch.device("cpu")
-        rows = run(configs, args.timeout)
+        try:
+            rows = run(configs, args.timeout)
+        except (RankError, RankTimeout) as exc:
+            # exit status 3, as the other scripts' (1 is an estimate outside the tolerance);
+            # the ranks' own report (their tracebacks) goes to stderr
+            print(f"memory_check.py: the local ranks did not finish ({type(exc).__name__}):\n"
+                  f"{exc}", file=sys.stderr, flush=True)
+            return 3
     for r in rows:
         r["estimate_mib"], r["measured_mib"] = r["estimate"] / 2**20, r["measured"] / 2**20
     print(format_table(rows, [("name", "configuration", "{}"),

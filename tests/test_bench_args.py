@@ -26,6 +26,18 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # (before: tracebacks, failures after the ranks started, or silently accepted)
     ("train_long_context.py", ["--backend", "foo"], "--backend foo: get_backend: backend must"),
     ("train_long_context.py", ["--peak-tflops", "-5"], "--peak-tflops: must be a finite"),
+    # (before: spawned the ranks, then failed there naming library arguments, or trained fp16
+    # weights into nan and exited 0)
+    ("train_long_context.py", ["--dtype", "fp16"], "--dtype fp16 needs --plugin"),
+    ("train_long_context.py", ["--zero", "2", "--dtype", "fp16"], "--dtype fp16 with --zero 2"),
+    ("train_long_context.py", ["--tp", "2", "--kv-heads", "1"], "--tp 2 with --heads 4 "
+                                                                "--kv-heads 1: ParallelDims"),
+    ("train_long_context.py", ["--tp", "2", "--intermediate", "101"], "--tp 2 must divide the "
+                                                                      "MLP width"),
+    ("train_long_context.py", ["--lr", "nan"], "--lr: must be a finite positive number"),
+    ("train_long_context.py", ["--seed", str(10 ** 20)], "--seed must be below 2**63"),
+    ("train_long_context.py", ["--layout", "documents"], "--layout documents: the tokens here"),
+    ("memory_check.py", ["--only", "W8", "--quick"], "--only 'W8' with --quick: no quick"),
     ("bench_decode.py", ["--device", "foo"], "--device: invalid choice: 'foo'"),
     ("bench_integrity.py", ["--world-size", "0"], "--world-size: must be a positive integer"),
     ("bench_integrity.py", ["--repeats", "0"], "--repeats: must be a positive integer"),

@@ -220,7 +220,7 @@ def check_args(args, launched, device):
 
 # ---------------------------------------------------------------- report
 def report(args, rows, balance, memory, device, load):
-    from common import cpu_isa, cpu_model, format_table, load_average, logical_cpus, usable_cores
+    from common import cpu_isa, cpu_model, format_table, logical_cpus, usable_cores
 
     world = rows[0]["world_size"] if rows else 1
     print(f"# bench_ring: total s={args.seqlen} b={args.batch} h={args.heads} "
@@ -228,8 +228,7 @@ def report(args, rows, balance, memory, device, load):
     if device.type == "cpu":
         print(f"# CPU: {cpu_model()}, {usable_cores()} physical cores; ringseq CPU kernel ISA: "
               f"{cpu_isa()}; {args.threads} thread(s) per rank")
-        for line in load.summary_lines(world * args.threads, load_average()):
-            print(line)
+        load.print_summary(world * args.threads)
     clock = rows[0]["compute_clock"] if rows else "wall"
     print("# overhead = ring time / the same kernel calls without communication on the busiest "
           f"rank (compute-only timed by {'thread CPU time' if clock == 'cpu' else 'wall time'}); "

@@ -291,6 +291,11 @@ class MachineLoad:
                          f"{cores_used})")
         return lines
 
+    def print_summary(self, cores_used):
+        """Prints :meth:`summary_lines` with the load average now (a report's lines)."""
+        for line in self.summary_lines(cores_used, load_average()):
+            print(line)
+
     def as_dict(self):
         return {"other_cores_before": self.others_before, "other_cores_during": self.others_during,
                 "load_average_before": self.load_before, "cores_used": self.cores_used}

@@ -26,8 +26,8 @@ import random
 import torch
 import torch.distributed as dist
 
-from common import (PeakMemory, environment, format_table, load_average, mib, progress,
-                    run_with_load, spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
+from common import (PeakMemory, environment, format_table, mib, progress, run_with_load,
+                    spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq import commstats  # noqa: E402
@@ -262,8 +262,7 @@ def main_masked(args, launched, device):
     print(f"# masked ring: s={args.seqlen} h={args.heads} d={args.headdim} {args.dtype} W={W}, "
           f"{threads} thread(s) per rank; overhead = ring time / the same block tasks without "
           f"communication", flush=True)
-    for line in load.summary_lines(W * threads, load_average()):
-        print(line)
+    load.print_summary(W * threads)
     print(format_table(rows, columns), flush=True)
     write_json(args.json, {"benchmark": "bench_ring masked", "environment": environment(device),
                            "args": {k: str(v) for k, v in vars(args).items()}, "results": rows,

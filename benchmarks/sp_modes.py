@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from common import (PeakMemory, attention_flops, environment, format_table,  # noqa: E402
-                    init_launched_group, load_average, mib, progress, run_with_load,
+                    init_launched_group, mib, progress, run_with_load,
                     spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
@@ -143,8 +143,7 @@ def run_rank_sp(args, device):
         # The rings' exchange buffers, cached since the warm-up, are the call's memory too
         # (Ulysses' all-to-all buffers are made per call): count them in the peak, as the
         # main job does.
-        for g in {id(g): g for g in (sp.group, sp.ulysses_group, sp.ring_group,
-                                     sp.inner_group, sp.outer_group) if g is not None}.values():
+        for g in sp.process_groups():
             ringseq.get_comm(g).release_buffers()
         gc.collect()
         dist.barrier()
@@ -200,8 +199,7 @@ def report_sp(args, rows, device, load):
           f"h_kv={args.heads_kv or args.heads} d={args.headdim} {args.dtype} on {device}, "
           f"W={world}, causal={args.causal != 'false'}")
     if device.type == "cpu":
-        for line in load.summary_lines(world * threads, load_average()):
-            print(line)
+        load.print_summary(world * threads)
     print("# bytes = sent per rank per fwd+bwd call, measured at the ring transport and the "
           "all-to-all (max over ranks); expected = docs/sp_modes.md formulas; ms = fwd+bwd on "
           "the busiest rank; ratios against the plain ring at the same shape")

@@ -428,7 +428,8 @@ def _estimate_line(res, device) -> str:
 
 def report_composition(args, res, device):
     runs = [res] + ([res["peer"]] if "peer" in res else [])
-    ac = "the plugin's (--ac; not in the DDP x SP run)" if args.ac else "off"
+    ac = ("the plugin's (--ac; not in the DDP x SP run)" if args.ac else
+          "transformers' recompute (--checkpointing)" if args.checkpointing else "off")
     print(f"# train_long_context: Llama {args.layers} layers, hidden {args.hidden}, heads "
           f"{args.heads}/{args.kv_heads}, MLP {args.intermediate}, vocab {args.vocab} "
           f"({res['params'] / 1e6:.2f} M params), {args.dtype} on {device}, W="

@@ -32,5 +32,7 @@ def stable_hash_ints(values: Iterable[int]) -> int:
 def ints_field(name: str, values: Optional[Sequence[int]]) -> tuple:
     """A cross-rank signature field comparing a list of ints (``None``: no list, e.g. no
     documents): ``(name, hash, INTS, values)``; a mismatch shows the values themselves."""
-    listed = () if values is None else tuple(int(v) for v in values)
+    # (a spec's documents are a tuple of ints already: no copy on every call's signature)
+    listed = (() if values is None else values if type(values) is tuple
+              else tuple(int(v) for v in values))
     return (name, 0 if values is None else stable_hash_ints(listed), INTS, listed)

@@ -894,21 +894,23 @@ def test_a_control_timeout_names_the_agreement_it_waited_in():
         "the forward step of control operation #9"
 
 
-class _TwoRankControl:
-    """A ring of two for ``_listed_values``: its control exchange returns this rank's words
-    and the words the peer would send for ``peer_values``."""
+class _ListedControl:
+    """A ring for ``_listed_values``: its control exchange returns this rank's words (rank 0)
+    and the words each peer would send for its list in ``peers``."""
 
-    def __init__(self, peer_values):
-        self._seq, self.peer_values = 0, peer_values
+    def __init__(self, *peers):
+        self._seq, self.peers = 0, peers
 
     def control(self, words, kind, seq):
         import torch
 
         from ringseq.engine.integrity import CONTROL_WORDS, _LISTED
-        peer = list(self.peer_values)[:_LISTED]
-        tail = [len(self.peer_values)] + peer + [0] * (_LISTED - len(peer))
-        return torch.stack([words, torch.cat([words[:CONTROL_WORDS],
-                                              torch.tensor(tail, dtype=torch.int64)])])
+        rows = [words]
+        for values in self.peers:
+            shown = list(values)[:_LISTED]
+            tail = [len(values)] + shown + [0] * (_LISTED - len(shown))
+            rows.append(torch.cat([words[:CONTROL_WORDS], torch.tensor(tail, dtype=torch.int64)]))
+        return torch.stack(rows)
 
 
 @pytest.mark.parametrize("mine, peers, shown", [
@@ -929,21 +931,16 @@ def test_a_mismatched_list_is_shown_around_its_first_difference(mine, peers, sho
     from ringseq._hash import stable_hash_ints
     from ringseq.engine.integrity import _listed_values
     hashes = [stable_hash_ints(mine), stable_hash_ints(peers)]
-    assert _listed_values(_TwoRankControl(peers), mine, lambda r: f"rank {r}", hashes) == shown
+    assert _listed_values(_ListedControl(peers), mine, lambda r: f"rank {r}", hashes) == shown
 
 
 def test_lists_differing_past_the_64th_value_name_the_rank_that_differs():
     # (W = 4, rank 2's list differs at value 80: before, all four ranks' shown values and
     # counts were alike and no rank was named; helper-123)
     from ringseq.engine.integrity import _listed_values
-
-    class FourRanks:
-        _seq = 0
-
-        def control(self, words, kind, seq):
-            import torch
-            return torch.stack([words] * 4)
+    alike = list(range(101))
     hashes = [11, 11, 22, 11]
-    shown = _listed_values(FourRanks(), list(range(101)), lambda r: f"rank {r}", hashes)
+    shown = _listed_values(_ListedControl(alike, alike, alike), alike, lambda r: f"rank {r}",
+                           hashes)
     assert shown.endswith("the first 64 agree; alike after them: rank(s) [0, 1, 3] / "
                           "rank(s) [2]"), shown

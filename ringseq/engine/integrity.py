@@ -359,11 +359,12 @@ def mismatch_error(ring, values: List[List[int]], signature: Sequence[tuple], ca
     (a list per rank, one value per field, as every rank sees them) differ, with each rank's
     value; None where they agree. Collective where an INTS field differs (its values travel
     then), on every rank alike."""
-    name, _ = _global_names(ring)
-    diffs = []
+    name, diffs = None, []
     for j, f in enumerate(signature):
         column = [row[j] for row in values]
         fkind = f[2] if len(f) > 2 else "int"
+        if len(set(column)) > 1 and fkind != ANY and name is None:
+            name, _ = _global_names(ring)  # (only for a message: every call passes here)
         if len(set(column)) > 1 and fkind == INTS:
             # (every rank sees the same rows, so every rank makes this exchange)
             diffs.append(f"{f[0]} ({_listed_values(ring, f[3], name, column)})")

@@ -219,17 +219,23 @@ class SequenceParallelGroups:
         return shard_batch(batch, group=self.group, layout=self.data_layout(layout),
                            ignore_index=ignore_index)
 
-    def reset(self) -> None:
-        """``ringseq.reset_ring`` of every group of this sequence-parallel group (the whole
-        group, its Ulysses, ring, inner and outer rings): what a failure or a timeout broke in
-        any mode. Call it on every rank."""
-        from ..engine.ring import reset_ring
-        seen = set()
+    def process_groups(self) -> list:
+        """The distinct process groups of this sequence-parallel group: the whole group, its
+        Ulysses, ring, inner and outer rings (those the mode has)."""
+        distinct = {}
         for g in (self.group, self.ulysses_group, self.ring_group, self.inner_group,
                   self.outer_group):
-            if g is not None and id(g) not in seen:
-                seen.add(id(g))
-                reset_ring(g)
+            if g is not None:
+                distinct.setdefault(id(g), g)
+        return list(distinct.values())
+
+    def reset(self) -> None:
+        """``ringseq.reset_ring`` of every group of this sequence-parallel group
+        (:meth:`process_groups`): what a failure or a timeout broke in any mode. Call it on
+        every rank."""
+        from ..engine.ring import reset_ring
+        for g in self.process_groups():
+            reset_ring(g)
 
     def __deepcopy__(self, memo):  # process groups cannot be copied; a copy runs on them too
         return self

@@ -413,7 +413,7 @@ class FsdpReplay(Completion):
                 continue
             param = fsdp_param.unsharded_param
             if self.reduces(fsdp_param) and not self.has_grad(fsdp_param):
-                # (one unused in the last backward gets none: FSDP leaves it out)
+                # (one the others leave out gets none, as FSDP does: see reduces)
                 param.grad = torch.zeros_like(param)  # the same sizes as the other ranks'
                 info = fsdp_param._module_info
                 if (self.tp is not None and id(group) not in self._raised

@@ -211,8 +211,10 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
         many = len(uses) > 1 or uses[0].index > 0
         named = [(f"booster.no_sync{f' of boosted model {use.index}' if many else ''} "
                   f"({use.name})", s, "bool") for use, s in zip(uses, skipped)]
-        raise mismatch_error(ring, ring.gather_ints(skipped, "backward"), named,
+        err = mismatch_error(ring, ring.gather_ints(skipped, "backward"), named,
                              "booster.backward", _HINT)
+        if err is not None:  # (the states differ where their hashes do)
+            raise err
     # (where a rank's graph hides parameters, "no rank has it" is not known)
     hidden = any(row[2] for row in rows)
     union = flat

@@ -47,6 +47,31 @@ except ImportError:
          "`pip install torch==2.13.0` for a CPU build), then `pip install --no-build-isolation -e .`")
 
 
+def require_bdist_wheel():
+    """pip builds this project (its metadata, an editable install, a wheel) through setuptools'
+    bdist_wheel, which setuptools >= 70.1 carries and older ones take from the wheel package.
+    Python 3.11's venv ships setuptools 65.5 without wheel, and torch 2.13 pulls a newer
+    setuptools but torch <= 2.12 does not: without this check the build stops with setuptools'
+    bare "invalid command 'bdist_wheel'"."""
+    if not {"dist_info", "bdist_wheel", "editable_wheel"} & set(sys.argv[1:]):
+        return  # e.g. `python setup.py build_ext --inplace` needs no wheel
+    try:
+        import setuptools.command.bdist_wheel  # noqa: F401  (setuptools >= 70.1)
+    except ImportError:
+        try:
+            import wheel.bdist_wheel  # noqa: F401
+        except ImportError:
+            import setuptools
+
+            fail(f"setuptools {setuptools.__version__} in this environment cannot build wheels "
+                 f"(it needs setuptools >= 70.1 or the wheel package, and "
+                 f"--no-build-isolation builds with this environment's own): "
+                 f"`pip install -U setuptools`, then `pip install --no-build-isolation -e .` again")
+
+
+require_bdist_wheel()
+
+
 def package_version():
     """ringseq.__version__, read from ringseq/__init__.py (the one place it is written; the
     package cannot be imported before its extension is built)."""

@@ -202,19 +202,24 @@ def check_cu_seqlens(fn: str, name: str, cu_seqlens, total: Optional[int] = None
     decreasing and, when ``total`` is given, ending at it (``what`` names that length)."""
     count_check("check_cu_seqlens")
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{fn}: {name} must be a 1-D int32 or int64 tensor "
-                             f"(number of documents + 1,), got {cu_seqlens.dtype} of shape "
-                             f"{tuple(cu_seqlens.shape)}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{fn}: {name} must be an int32 or int64 tensor (number of "
+                            f"documents + 1,), got {cu_seqlens.dtype}")
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"{fn}: {name} must be a 1-D tensor (number of documents + 1,), "
+                             f"got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.is_meta:
+            raise ValueError(f"{fn}: {name} must hold its values (they are read on the host), "
+                             f"got a tensor on the meta device")
         cu = cu_seqlens.tolist()  # host copy: spans and layouts are planned on the host
     else:
-        try:
-            cu = list(cu_seqlens)
-        except TypeError:
-            raise TypeError(f"{fn}: {name} must be a 1-D int tensor or a sequence of ints, got "
-                            f"{given(cu_seqlens)}") from None
-        if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu):
-            raise TypeError(f"{fn}: {name} must hold ints, got {cu!r}")
+        # A string is a sequence too: its characters are no boundaries.
+        items = None if isinstance(cu_seqlens, (str, bytes)) else _as_list(cu_seqlens)
+        if items is None or not all(isinstance(c, numbers.Integral) and not isinstance(c, bool)
+                                    for c in items):
+            raise TypeError(f"{fn}: {name} must be a 1-D int32 / int64 tensor or a sequence of "
+                            f"ints, got {given(cu_seqlens)}")
+        cu = items
     cu = tuple(int(c) for c in cu)
     if len(cu) < 2:
         raise ValueError(f"{fn}: {name} needs at least one sequence: (0, n_0, ...), the number "
@@ -225,6 +230,14 @@ def check_cu_seqlens(fn: str, name: str, cu_seqlens, total: Optional[int] = None
     if total is not None and cu[-1] != total:
         raise ValueError(f"{fn}: {name} must end at {what} ({total}), got {cu[-1]}")
     return cu
+
+
+def _as_list(value) -> Optional[list]:
+    """``list(value)``, or None when ``value`` is not iterable."""
+    try:
+        return list(value)
+    except TypeError:
+        return None
 
 
 def check_returns(fn: str, return_attn_probs, return_lse) -> None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ._args import check_cu_seqlens, check_returns, split_kv, split_packed_varlen, split_qkv
+from ._args import (as_int, check_cu_seqlens, check_returns, given, split_kv, split_packed_varlen,
+                    split_qkv)
 from .engine.op import run_attention
 from .engine.placement import LOCAL
 from .kernels import AttentionBackend, available_backends, get_backend
@@ -153,11 +154,15 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     for name, cu, mx in (("max_seqlen_q", cu_q, max_seqlen_q), ("max_seqlen_k", cu_k, max_seqlen_k)):
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         if isinstance(mx, torch.Tensor) and mx.numel() == 1 and not mx.is_floating_point():
-            mx = int(mx.item())
-        if not isinstance(mx, int) or isinstance(mx, bool) or mx < longest:
-            raise ValueError(f"{fn}: {name} must be an int >= the longest sequence ({longest}), "
-                             f"got {mx!r}")
-        limits[name] = mx
+            mx = mx.item()
+        as_int_mx = as_int(mx)  # NumPy's integers too (np.diff(cu).max())
+        if as_int_mx is None:
+            raise TypeError(f"{fn}: {name} must be an int (the longest sequence, {longest}, or "
+                            f"more), got {given(mx)}")
+        if as_int_mx < longest:
+            raise ValueError(f"{fn}: {name} must be >= the longest sequence ({longest}), got "
+                             f"{as_int_mx}")
+        limits[name] = as_int_mx
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, h, d) views
     spec = attn_spec(fn, q4, k4, v4, dropout_p=dropout_p, softmax_scale=softmax_scale,
                      causal=causal, window_size=window_size, softcap=softcap,

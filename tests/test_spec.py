@@ -77,12 +77,40 @@ def test_windows_wider_than_any_sequence_are_none(window, s_q, s_k):
     ({"grad_comm_dtype": "float32"}, ValueError, "grad_comm_dtype must be None"),
     ({"documents": [0, 9, 4, 16]}, ValueError, "cu_seqlens must start at 0 and never decrease"),
     ({"documents": [0]}, ValueError, "cu_seqlens needs at least one sequence"),
+    # (before: a string's characters were listed, a float tensor was a ValueError and a meta
+    # tensor raised torch's "Cannot copy out of meta tensor", naming neither)
+    ({"documents": "0,9,16"}, TypeError, r"cu_seqlens must be a 1-D int32 / int64 tensor or a "
+                                         r"sequence of ints, got '0,9,16' \(str\)"),
+    ({"documents": torch.tensor([0.0, 9.0, 16.0])}, TypeError,
+     "cu_seqlens must be an int32 or int64 tensor .*got torch.float32"),
+    ({"documents": torch.tensor([0, 9, 16], device="meta")}, ValueError,
+     "cu_seqlens must hold its values .*on the meta device"),
     ({"alibi_slopes": torch.ones(4)}, NotImplementedError, "alibi_slopes is not supported"),
 ])
 def test_errors_name_the_function_and_the_argument(kw, exc, text):
     q, k, v = _qkv()
     with pytest.raises(exc, match=rf"^my_fn: .*{text}"):
         attn_spec("my_fn", q, k, v, **kw)
+
+
+def test_varlen_max_seqlen_is_any_integer_at_least_the_longest_sequence():
+    """flash-attn takes max_seqlen as any integer (before: NumPy's np.diff(cu).max() was refused
+    with "must be an int >= the longest sequence (9), got np.int64(9)", and True passed the
+    kind check as a ValueError)."""
+    np = pytest.importorskip("numpy")
+    q = torch.randn(16, 2, 8)
+    cu = torch.tensor([0, 9, 16], dtype=torch.int32)
+    want = ringseq.flash_attn_varlen_func(q, q, q, cu, cu, 9, 9)
+    longest = np.diff(np.array([0, 9, 16])).max()  # np.int64(9)
+    for mx in (longest, torch.tensor(9), 12):
+        assert torch.equal(ringseq.flash_attn_varlen_func(q, q, q, cu, cu, mx, mx), want)
+    for bad in (True, 9.0, "9"):
+        with pytest.raises(TypeError, match=r"^flash_attn_varlen_func: max_seqlen_q must be an "
+                                            r"int \(the longest sequence, 9, or more\), got "):
+            ringseq.flash_attn_varlen_func(q, q, q, cu, cu, bad, 9)
+    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: max_seqlen_k must be >= "
+                                         r"the longest sequence \(9\), got 8$"):
+        ringseq.flash_attn_varlen_func(q, q, q, cu, cu, 9, np.int32(8))
 
 
 def test_tensor_errors_name_the_function():

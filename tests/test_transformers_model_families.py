@@ -201,16 +201,22 @@ def test_bigcode_positions_are_checked_from_the_model_call():
     for rank, (logits, forgot) in enumerate(run_ranks(_bigcode_ranks, 2, timeout=120)):
         assert_close_per_design(logits, want64, plain, f"rank {rank} logits", 2.0,
                                 scaled_floor(torch.float32, want64))
-        assert forgot.startswith("ValueError: ringseq attention cannot compute this exactly: "
-                                 "position_ids that are not the global positions"), forgot
+        assert forgot.startswith("ValueError: GPTBigCodeAttention: ringseq attention cannot "
+                                 "compute this exactly: position_ids that are not the global "
+                                 "positions of this rank's tokens under layout 'zigzag'"), forgot
 
 
 def test_bigcode_packed_documents_without_boundaries_are_refused_on_one_process():
     """Restarting positions without cu_seq_lens_q would attend across documents (before: no
-    error, the second document's logits off by 0.27)."""
+    error, the second document's logits off by 0.27). The refusal names the module and says
+    what is missing (before: "not the global positions ... under layout 'contiguous'", a
+    layout this model was not switched with)."""
     from ringseq.integrations.transformers import apply
-    model = apply(_bigcode())
+    model = apply(_bigcode(), layout="documents")
     restart = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)])[None]
-    with pytest.raises(ValueError, match="position_ids that are not the global positions"):
+    with pytest.raises(ValueError, match=r"^GPTBigCodeAttention: ringseq attention cannot compute "
+                                         r"this exactly: position_ids that restart within a row, "
+                                         r"as packed documents' do, without the documents' "
+                                         r"boundaries: pass cu_seq_lens_q"):
         model(input_ids=_ids()[:1], position_ids=restart, use_cache=False)
     model(input_ids=_ids()[:1], use_cache=False)  # the model's own positions are the global ones

@@ -139,9 +139,10 @@ def _marked(mark, t) -> bool:
 
 
 @torch.compiler.disable  # host reads and a collective: run between graphs, on real tensors
-def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, position_ids,
-                       q_local: int, device) -> None:
-    """Refuses padding masks and wrong position ids; agrees across ranks before raising."""
+def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attention_mask,
+                       position_ids, q_local: int, device) -> None:
+    """Refuses padding masks and wrong position ids; agrees across ranks before raising (the
+    message starts with ``name``, the attention module's class)."""
     if attention_mask is None and position_ids is None:
         return
     # the mask as given to the model (ringseq_mask hands the layers its last kv_length columns)
@@ -185,20 +186,33 @@ def _check_inputs_once(settings: RingSettings, layout, docs, attention_mask, pos
         elif pos.shape[-1] != q_local:
             problems.append(f"position_ids of length {pos.shape[-1]} for {q_local} local tokens")
         elif not bool((pos == expected).all()):
-            what = ("positions within their documents" if docs is not None else
-                    "global positions")
             sharder = ("sp.shard_batch(batch, layout) of the SequenceParallelGroups this model "
                        "was switched with (the plugin's loader does it)"
                        if settings.sp is not None else "ringseq.shard_batch")
-            problems.append(
-                f"position_ids that are not the {what} of this rank's tokens under layout "
-                f"{layout.name!r} (pass the batch of {sharder}; without its position_ids the "
-                "model numbers every shard from 0, and packed documents need their "
-                "boundaries, cu_seq_lens_q, which it returns)")
+            if docs is None and bool((pos[:, 1:] < pos[:, :-1]).any()):
+                # (no layout numbers a row's tokens backwards: packed documents without
+                # their boundaries, e.g. DataCollatorWithFlattening(return_flash_attn_kwargs=
+                # False); named as such, not as a layout's positions)
+                problems.append(
+                    "position_ids that restart within a row, as packed documents' do, without "
+                    "the documents' boundaries: pass cu_seq_lens_q and cu_seq_lens_k "
+                    "(DataCollatorWithFlattening(return_flash_attn_kwargs=True) returns them; "
+                    f"so does {sharder} for packed batches)")
+            else:
+                what = ("positions within their documents" if docs is not None else
+                        "global positions")
+                # (the layout this model was switched with: a ring of one places tokens as
+                # 'contiguous' under every layout, which the user never named)
+                problems.append(
+                    f"position_ids that are not the {what} of this rank's tokens under layout "
+                    f"{settings.layout.name!r} (pass the batch of {sharder}; without its "
+                    "position_ids the model numbers every shard from 0, and packed documents "
+                    "need their boundaries, cu_seq_lens_q, which it returns)")
     # On the ring's control channel: a peer's failure report (raised in its embedding, say)
     # meets this check instead of waiting for it.
     get_ring(settings.group).agree(
-        not problems, "ringseq attention cannot compute this exactly: " + "; ".join(problems),
+        not problems, f"{name}: ringseq attention cannot compute this exactly: "
+        + "; ".join(problems),
         about="attention inputs")
     settings._checked = (_input_mark(attention_mask), _input_mark(position_ids), docs, q_local,
                          settings._calls)
@@ -254,7 +268,7 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = _model_positions(settings, s_local, query.device)
-        _check_inputs_once(settings, layout, docs, attention_mask, positions, s_local,
+        _check_inputs_once(name, settings, layout, docs, attention_mask, positions, s_local,
                            query.device)
     if scaling is None:
         scaling = getattr(module, "scaling", None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -25,7 +26,7 @@ import torch
 
 from ._args import (check_alibi_slopes, check_bool, check_cu_seqlens, check_dropout,
                     check_softmax_scale, parse_window)
-from ._hash import ints_field, stable_code
+from ._hash import ints_field
 from .kernels import AttentionBackend, backend_by_key, backend_key, check_qkv, get_backend
 from .kernels.checks import count_check, resolve_scale
 from .kernels.spans import as_spans_tensor, check_softcap, document_spans
@@ -112,18 +113,26 @@ class AttnSpec:
             ("headdim", d), ("dtype", dtype_code(dtype), "dtype"),
             ("causal", self.causal, "bool"), ("requires_grad", self.needs_grad, "bool"),
             ("grad_comm_dtype", dtype_code(self.grad_comm_dtype), "dtype"),
-            ("softmax_scale (x1e6)", float_field(self.softmax_scale)),
+            float_field("softmax_scale", self.softmax_scale),
             ("window left", self.window[0]), ("window right", self.window[1]),
-            ("softcap (x1e6)", float_field(self.softcap)),
+            float_field("softcap", self.softcap),
             ints_field("documents (cu_seqlens)", self.documents),
         ) + tuple(extra)
 
 
-def float_field(x: float) -> int:
-    """A float as a signature field (an int64): micro-units, readable in a mismatch message;
-    a hash beyond the int64 range (a scale of 1e13 is valid)."""
-    v = x * 1e6
-    return round(v) if abs(v) < 2 ** 60 else 2 ** 61 + stable_code(float(x).hex())
+FLOAT = "float"  # the kind of a signature field holding a float64's bits (float_field)
+
+
+def float_field(name: str, x: float) -> tuple:
+    """A cross-rank signature field comparing a float exactly: ``(name, bits, FLOAT)``, the
+    float64's bits as an int64 (before: micro-units, so a softcap of 4e-7 on one rank met 0,
+    "off", on another and the call ran both). -0.0 is 0.0; a mismatch shows the floats."""
+    return (name, struct.unpack("<q", struct.pack("<d", float(x) + 0.0))[0], FLOAT)
+
+
+def float_of_field(bits: int) -> float:
+    """The float a :func:`float_field` value holds."""
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
 @functools.lru_cache(maxsize=256)

@@ -148,7 +148,9 @@ def _case_later_argument_change():
     out = {}
     base = dict(causal=True, layout="zigzag", softmax_scale=None)
     changes = {"seqlen": None, "dtype": None, "causal": dict(causal=False),
-               "layout": dict(layout="stripe"), "scale": dict(softmax_scale=0.3)}
+               "layout": dict(layout="stripe"), "scale": dict(softmax_scale=0.3),
+               # (compared in micro-units before: 4e-7 met rank 0's 0, "off", and both ran)
+               "softcap": dict(softcap=4e-7)}
     for name, change in changes.items():
         full = _full(3, 6 * w)
         kw = dict(base)
@@ -624,7 +626,8 @@ def test_skipped_backward_is_a_desync_error_on_every_rank(w2, w4, world):
 
 @pytest.mark.parametrize("name,needle", [("seqlen", "local seqlen"), ("dtype", "dtype"),
                                          ("causal", "causal"), ("layout", "layout"),
-                                         ("scale", "softmax_scale"), ("switch", "layout")])
+                                         ("scale", "softmax_scale"), ("switch", "layout"),
+                                         ("softcap", "softcap (rank 0: 0.0, rank 1: 4e-07)")])
 def test_later_argument_changes_raise_instead_of_hanging(w2, name, needle):
     for res in w2:
         _is_fast_error(res["later_change"][name], "RingMismatchError", needle, "rank 1",

@@ -66,6 +66,13 @@ def as_int(value) -> Optional[int]:
         return None
 
 
+def int_if_integer(value):
+    """``value`` as a Python int when it is an integer of any kind (:func:`as_int`: NumPy's
+    sizes pass as ints), else ``value`` itself, for the caller's check to refuse and name."""
+    number = as_int(value)
+    return value if number is None else number
+
+
 def is_bool(value) -> bool:
     """A bool, NumPy's included (NumPy 2 names its type ``bool``, NumPy 1 ``bool_``)."""
     kind = type(value)

@@ -142,6 +142,17 @@ def _expected_error(fn):
     return error_text(fn, catch=(ValueError, NotImplementedError))
 
 
+def _numpy_sizes():
+    import numpy as np
+    import ringseq
+    from ringseq.plugin import RingSequenceParallelPlugin
+    plugin = RingSequenceParallelPlugin(sp_size=np.int64(4), sp_mode="hybrid",
+                                        ulysses_size=np.int64(2))
+    return (ringseq.make_sp_groups(np.int64(2)).ulysses_size,
+            ringseq.make_sp_groups(1, np.int32(2)).inner_ring_size,
+            plugin.ulysses_size, plugin.sp_size)
+
+
 def _errors(sps, pairs):
     import ringseq
     from ringseq.parallel.groups import sp_groups_from_tables
@@ -193,6 +204,9 @@ def _errors(sps, pairs):
         "numpy_options": sp_groups_from_tables(
             [torch.tensor([[0], [1]]), torch.tensor([[2], [3]])], __import__("numpy").int64(2),
             ulysses_inner=__import__("numpy").bool_(False)).ulysses_inner,
+        # ... in make_sp_groups and the plugin too (before: "ulysses_size must be a positive
+        # integer, got np.int64(2)"; collective: every rank makes the same groups)
+        "numpy_sizes": _numpy_sizes(),
         # per-rank boundaries on a 2 x 2 hybrid (before: "local length 12 x world size 2")
         "hybrid_cu_seqlens": _expected_error(lambda: ringseq.usp_attn_func(
             x8, x8, x8, sp=hybrid, cu_seqlens=[0, 3, 6])),
@@ -501,6 +515,7 @@ def test_group_tables_that_cannot_make_groups_raise_on_every_rank():
                                            "bool, got 'no'"), e
         assert e["after_tables"] == 2  # group creation still in step on every rank
         assert e["numpy_options"] is False
+        assert e["numpy_sizes"] == (2, 2, 2, 4), e["numpy_sizes"]
         assert e["hybrid_docs"].startswith(
             "ValueError: shard_batch: layout 'documents_contiguous' cuts every document into 2 "
             "equal chunks"), e["hybrid_docs"]

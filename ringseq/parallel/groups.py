@@ -44,7 +44,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .._args import as_int, is_bool
+from .._args import as_int, int_if_integer, is_bool
 from .._dist import agree_on_fields, group_info, is_initialized
 from .._hash import stable_hash_ints
 from ..data import shard_batch
@@ -410,6 +410,7 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
     or groups of different sizes, ``RingMismatchError`` naming each rank's. A ``group`` that
     does not hold this rank is such a ValueError on that rank (every rank passes its own).
     """
+    ulysses_size, inner_ring_size = int_if_integer(ulysses_size), int_if_integer(inner_ring_size)
     if not is_initialized():
         if group is not None:
             raise ValueError(f"make_sp_groups: group={group!r} was passed but "

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import (DataLoader, IterableDataset, RandomSampler,
                               SequentialSampler)
 
+from .._args import int_if_integer
 from .._dist import named_for
 from .._hash import stable_code
 from ..engine.ring import get_ring, reset_ring
@@ -239,6 +240,9 @@ class RingSequenceParallelPlugin(Plugin):
         # that differ between ranks (or that one rank alone refuses) raise on every rank
         # instead of leaving some of them inside init_device_mesh.
         refusal = None
+        # (NumPy's integers are sizes too: as ints from here on, every check and group below)
+        sp_size, tp_size, zero_stage, ulysses_size, inner_ring_size = map(
+            int_if_integer, (sp_size, tp_size, zero_stage, ulysses_size, inner_ring_size))
         try:
             self.layout = get_layout(layout)
             check_precision_name(precision)

@@ -53,6 +53,7 @@ from common import (PeakMemory, attention_flops, core_probe_gflops, cpu_descript
 
 import ringseq  # noqa: E402
 from ringseq.kernels import BACKEND_NAMES, available_backends  # noqa: E402
+from ringseq.kernels.spans import check_softcap  # noqa: E402
 from cli_types import json_path, non_negative_int, positive_int, positive_ints  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -299,16 +300,27 @@ def parse_args(argv=None):
         p.error(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
     if args.window < -1:
         p.error(f"--window must be >= 0, or -1 for none, got {args.window}")
-    if not args.softcap >= 0:
-        p.error(f"--softcap must be >= 0, got {args.softcap}")
+    try:  # the kernels' own rule (finite, 0 or within float32's range), before any work
+        check_softcap(args.softcap, "--softcap")
+    except ValueError as exc:
+        p.error(str(exc))
     if args.masks is not None:
         window, _, caps = args.masks.partition(":")
         try:
-            if int(window) < 0 or not caps or any(float(c) < 0 for c in caps.split(",")):
+            if int(window) < 0 or not caps:
                 raise ValueError
-        except ValueError:
-            p.error(f"--masks takes W:C1,C2 (a window >= 0 and soft-caps >= 0), got "
-                    f"{args.masks!r}")
+            for cap in caps.split(","):
+                check_softcap(float(cap), "--masks")
+        except ValueError as exc:
+            p.error(f"--masks takes W:C1,C2 (a window >= 0 and soft-caps that are 0 or within "
+                    f"float32's range), got {args.masks!r}"
+                    + (f" ({exc})" if str(exc).startswith("--masks") else ""))
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        p.error(f"--device takes cpu, cuda or cuda:N, got {args.device!r}")
     known = set(SDPA_PEERS) | set(BACKEND_NAMES)
     for option in ("backends", "ratio_to"):
         bad = [n for n in (getattr(args, option) or "").split(",") if n and n not in known]
@@ -409,8 +421,13 @@ def peer_row(rows, peer, r, same_level=False):
                  and (not same_level or x.get("level") == r.get("level"))), None)
 
 
+class ChildFailed(Exception):
+    """A level's child process exited with a failure (its own output says why)."""
+
+
 def run_child(args, level, env_extra, backends):
-    """This script in a child process (RINGSEQ_CPU_ISA=level or none, extra env); its rows."""
+    """This script in a child process (RINGSEQ_CPU_ISA=level or none, extra env); its rows.
+    Raises ChildFailed naming the exit status when the child fails."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--device", "cpu", "--isa", "current",
@@ -432,7 +449,10 @@ def run_child(args, level, env_extra, backends):
         env["RINGSEQ_CPU_ISA"] = level
     env.update(env_extra)
     try:
-        subprocess.run(cmd, env=env, check=True)
+        status = subprocess.run(cmd, env=env).returncode
+        if status != 0:
+            raise ChildFailed(f"exit status {status}" + (f" (killed by signal {-status})"
+                                                         if status < 0 else ""))
         with open(path) as f:
             data = json.load(f)
         # Each row keeps its own child's core probe: the children run minutes apart (and with
@@ -446,15 +466,22 @@ def run_child(args, level, env_extra, backends):
 
 def run_cpu_levels(args, levels):
     """One child per ISA level (ringseq, and SDPA capped at that level for "match"), plus one
-    uncapped SDPA child for "native"; ratios per level against both."""
-    rows = []
+    uncapped SDPA child for "native"; ratios per level against both. Returns (rows, peers,
+    failed): a child that fails is named in ``failed`` ({level or "native": why}) and the
+    other levels still run and report."""
+    rows, failed = [], {}
     match = args.sdpa_isa in ("match", "both")
     for level in levels:
         progress(f"== ISA level {level}: ringseq with RINGSEQ_CPU_ISA={level}"
                  + (f", torch SDPA with {' '.join(f'{k}={v}' for k, v in TORCH_ISA_ENV[level].items())}"
                     if match else ""))
-        got = run_child(args, level, TORCH_ISA_ENV[level] if match else {},
-                        "ringseq,torch_sdpa" if match else "ringseq")
+        try:
+            got = run_child(args, level, TORCH_ISA_ENV[level] if match else {},
+                            "ringseq,torch_sdpa" if match else "ringseq")
+        except ChildFailed as exc:
+            failed[level] = str(exc)
+            progress(f"== ISA level {level}: FAILED ({exc}); going on with the other levels")
+            continue
         for r in got:
             r["level"] = level
             if r["backend"] == "torch_sdpa":
@@ -462,7 +489,13 @@ def run_cpu_levels(args, levels):
         rows += got
     if args.sdpa_isa in ("native", "both"):
         progress("== torch SDPA with this CPU's full ISA (no caps)")
-        for r in run_child(args, None, {}, "torch_sdpa"):
+        try:
+            native = run_child(args, None, {}, "torch_sdpa")
+        except ChildFailed as exc:
+            failed["native"] = str(exc)
+            progress(f"== torch SDPA (native): FAILED ({exc})")
+            native = []
+        for r in native:
             r["level"] = "native"
             r["backend"] = "torch_sdpa_native"
             rows.append(r)
@@ -476,7 +509,7 @@ def run_cpu_levels(args, levels):
             r[f"{peer}_ms"] = base["ms"] if base else None
             # rounds pair up only within one child (the native SDPA runs in its own)
             r[f"px_{peer}"] = paired_ratio(base, r) if peer != "torch_sdpa_native" else None
-    return rows, peers
+    return rows, peers, failed
 
 
 def main(argv=None):
@@ -493,7 +526,7 @@ def main(argv=None):
         for level in levels:
             if level not in supported:
                 p.error(f"--isa {level}: this CPU/build runs {', '.join(supported) or 'no level'}")
-        rows, peers = run_cpu_levels(args, levels)
+        rows, peers, failed = run_cpu_levels(args, levels)
         shown = [r for r in rows if r["backend"] == "ringseq" and not r["skipped"]]
         columns = [("level", "ISA", "{}"), ("dtype", "dtype", "{}"), ("threads", "thr", "{}"),
                    ("mode", "mode", "{}"), ("seqlen", "s", "{}"), ("headdim", "d", "{}"),
@@ -508,6 +541,7 @@ def main(argv=None):
         if args.thread_counts == [None] and device.type == "cpu":
             args.thread_counts = [torch.get_num_threads()]
         rows, peers = run_here(args, device)
+        failed = {}
         shown = [r for r in rows if not r["skipped"]]
         columns = [("backend", "backend", "{}"), ("dtype", "dtype", "{}"), ("threads", "thr", "{}"),
                    ("mode", "mode", "{}"), ("seqlen", "s", "{}"),
@@ -545,7 +579,13 @@ def main(argv=None):
     probe = {"before": probe_start, "after": probe_end} if device.type == "cpu" else None
     write_json(args.json, {"benchmark": "bench_kernel", "environment": environment(device),
                            "core_probe_gflops": probe,
-                           "args": {k: v for k, v in vars(args).items()}, "results": rows})
+                           "args": {k: v for k, v in vars(args).items()}, "results": rows,
+                           "failed_children": failed})
+    if failed:
+        print("FAILED: " + "; ".join(f"{'torch SDPA native' if lv == 'native' else 'ISA level ' + lv}"
+                                     f": {why}" for lv, why in failed.items())
+              + " (the rows above are the children that finished)", flush=True)
+        raise SystemExit(1)
     return rows
 
 

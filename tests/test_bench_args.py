@@ -1,6 +1,7 @@
 """The other benchmark scripts stop on a bad argument with a usage error (exit status 2, the
 option named, no traceback) before any work starts: bench_kernel.py, bench_decode.py,
-train_long_context.py (bench_ring.py's own: tests/test_bench_ring.py)."""
+train_long_context.py, memory_check.py, bench_integrity.py, bench_ring_vs_rfa.py (bench_ring.py's
+own: tests/test_bench_ring.py)."""
 from __future__ import annotations
 
 import os
@@ -46,6 +47,17 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("bench_kernel.py", ["--json", "/"], "--json: '/' is a directory"),
     # (before: accepted; the kernels take 0..2)
     ("bench_kernel.py", ["--tile-configs", "0,5"], "--tile-configs: must be 0, 1 or 2"),
+    # (before: tracebacks from the kernels, some after rows had been timed)
+    ("bench_kernel.py", ["--softcap", "inf"], "--softcap: softcap must be a finite float"),
+    ("bench_kernel.py", ["--softcap", "1e39"], "--softcap: softcap must be 0.0 (off) or within"),
+    ("bench_kernel.py", ["--masks", "8:1e-40"], "--masks: softcap must be 0.0 (off) or within"),
+    ("bench_kernel.py", ["--device", "foo"], "--device takes cpu, cuda or cuda:N, got 'foo'"),
+    # (before: plain int / float options: exceptions inside the ranks, exit 1 or 3)
+    ("bench_ring_vs_rfa.py", ["--repeats", "0"], "--repeats: must be a positive integer"),
+    ("bench_ring_vs_rfa.py", ["--world-size", "0"], "--world-size: must be a positive integer"),
+    ("bench_ring_vs_rfa.py", ["--seqlen", "102"], "--seqlen 102 must be a multiple of 2 x "
+                                                  "--world-size = 4"),
+    ("bench_ring_vs_rfa.py", ["--timeout", "-1"], "--timeout: must be a positive number"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path, script, args, message):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args],

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -79,7 +81,7 @@ def test_levels_run_in_children_whose_rows_keep_their_level_probe_and_ratio(monk
 
     commands = []
 
-    def fake_child(cmd, env, check):
+    def fake_child(cmd, env):
         # A child writes its rows and its own core probe to the --json path it is given.
         commands.append((cmd, env))
         level = env["RINGSEQ_CPU_ISA"]
@@ -89,11 +91,12 @@ def test_levels_run_in_children_whose_rows_keep_their_level_probe_and_ratio(monk
                 for b, ms in (("ringseq", 10.0 / speed), ("torch_sdpa", 10.0))]
         with open(cmd[cmd.index("--json") + 1], "w") as f:
             json.dump({"results": rows, "core_probe_gflops": {"before": speed, "after": speed}}, f)
+        return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(bench_kernel.subprocess, "run", fake_child)
     _, args = bench_kernel.parse_args(["--device", "cpu", "--seqlens", "64", "--headdims", "16"])
-    rows, peers = bench_kernel.run_cpu_levels(args, ["avx2", "avx512"])
-    assert peers == ["torch_sdpa_match"]
+    rows, peers, failed = bench_kernel.run_cpu_levels(args, ["avx2", "avx512"])
+    assert peers == ["torch_sdpa_match"] and failed == {}
     # one child per level, with ringseq's level and torch's ISA capped to match
     assert [env["RINGSEQ_CPU_ISA"] for _, env in commands] == ["avx2", "avx512"]
     assert commands[0][1]["ATEN_CPU_CAPABILITY"] == "avx2"
@@ -101,3 +104,36 @@ def test_levels_run_in_children_whose_rows_keep_their_level_probe_and_ratio(monk
     assert ours["avx2"]["x_torch_sdpa_match"] == 2.0 and ours["avx512"]["x_torch_sdpa_match"] == 4.0
     assert ours["avx2"]["core_probe_gflops"] == {"before": 2.0, "after": 2.0}
     assert ours["avx512"]["core_probe_gflops"] == {"before": 4.0, "after": 4.0}
+
+
+def test_a_level_whose_child_fails_is_named_and_the_others_are_kept(monkeypatch, tmp_path,
+                                                                     capsys):
+    """An ISA level's child killed (exit 137, as the OOM killer does) fails the run (exit 1),
+    but the levels that finished are printed and written (before: a CalledProcessError
+    traceback, and the finished levels' rows were lost)."""
+    import bench_kernel
+
+    def child(cmd, env):
+        if env["RINGSEQ_CPU_ISA"] == "avx512":
+            return subprocess.CompletedProcess(cmd, 137)
+        rows = [{"backend": b, "dtype": "fp32", "threads": 1, "mode": "fwd", "seqlen": 64,
+                 "headdim": 16, "causal": True, "ms": ms, "rounds_ms": [ms], "skipped": None}
+                for b, ms in (("ringseq", 5.0), ("torch_sdpa", 10.0))]
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"results": rows, "core_probe_gflops": None}, f)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench_kernel.subprocess, "run", child)
+    monkeypatch.setattr(bench_kernel.ringseq.kernels.extension, "cpu_isa_levels",
+                        lambda: ["baseline", "avx2", "avx512"])
+    out = tmp_path / "levels.json"
+    with pytest.raises(SystemExit) as stop:
+        bench_kernel.main(["--device", "cpu", "--isa", "avx2,avx512", "--seqlens", "64",
+                           "--headdims", "16", "--json", str(out)])
+    assert stop.value.code == 1
+    printed = capsys.readouterr().out
+    assert "FAILED: ISA level avx512: exit status 137" in printed, printed
+    data = json.loads(out.read_text())
+    assert data["failed_children"] == {"avx512": "exit status 137"}
+    kept = [r for r in data["results"] if r["backend"] == "ringseq"]
+    assert [r["level"] for r in kept] == ["avx2"] and kept[0]["x_torch_sdpa_match"] == 2.0

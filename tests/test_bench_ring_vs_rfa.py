@@ -1,0 +1,39 @@
+"""benchmarks/bench_ring_vs_rfa.py checks both engines against float64 before it times them:
+ringseq failing the check fails the run, a peer failing it is marked WRONG (ring-flash-attn
+0.1.8's float32 backward doubles dq: its buffer is reused as the result). ring-flash-attn
+itself is not installed here; the check is run on ringseq and on a ring whose dq is doubled."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from dist_utils import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def _checks(layout):
+    import bench_ring_vs_rfa as bench
+    import ringseq
+
+    def doubled_dq(q, k, v):
+        # the value of q, twice its gradient: what the peer's aliased dq buffer returns
+        return ringseq.ring_flash_attn_func(q + (q - q.detach()), k, v, causal=True,
+                                            layout=layout, backend="sdpa")
+
+    return (bench._check(bench._attention_fn("ringseq", layout), layout, 2, 16),
+            bench._check(doubled_dq, layout, 2, 16))
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_check_passes_ringseq_and_catches_a_doubled_gradient(layout):
+    import bench_ring_vs_rfa as bench
+    for right, doubled in run_ranks(_checks, 2, layout, timeout=120):
+        assert bench._check_text(right) == "ok", right
+        assert all(excess <= 0 for _, _, excess in right.values()), right
+        assert bench._check_text(doubled) == "WRONG (dq)", doubled
+        err, plain_err, _ = doubled["dq"]
+        assert err > 1000 * plain_err, doubled  # a wrong result, not a rounding

@@ -326,6 +326,12 @@ def parse_args(argv=None):
         bad = [n for n in (getattr(args, option) or "").split(",") if n and n not in known]
         if bad:
             p.error(f"--{option.replace('_', '-')}: unknown {bad}; known: {sorted(known)}")
+    if args.backends and args.ratio_to:
+        # (a peer that is not timed has no row: its ratio columns were all "-")
+        missing = [n for n in args.ratio_to.split(",") if n and n not in args.backends.split(",")]
+        if missing:
+            p.error(f"--ratio-to {','.join(missing)}: not among --backends {args.backends} "
+                    f"(a peer is timed only when it is one of them)")
     if args.clock == "cpu" and (not args.threads or any(int(t) != 1 for t in args.threads.split(","))):
         p.error("--clock cpu measures one thread: pass --threads 1")
     args.dtypes = [x for x in (args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")).split(",") if x]

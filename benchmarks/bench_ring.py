@@ -220,14 +220,13 @@ def check_args(args, launched, device):
 
 # ---------------------------------------------------------------- report
 def report(args, rows, balance, memory, device, load):
-    from common import cpu_isa, cpu_model, format_table, logical_cpus, usable_cores
+    from common import cpu_header, format_table, logical_cpus, usable_cores
 
     world = rows[0]["world_size"] if rows else 1
     print(f"# bench_ring: total s={args.seqlen} b={args.batch} h={args.heads} "
           f"h_kv={args.heads_kv or args.heads} d={args.headdim} {args.dtype} on {device}, W={world}")
     if device.type == "cpu":
-        print(f"# CPU: {cpu_model()}, {usable_cores()} physical cores; ringseq CPU kernel ISA: "
-              f"{cpu_isa()}; {args.threads} thread(s) per rank")
+        print(cpu_header(args.threads))
         load.print_summary(world * args.threads)
     clock = rows[0]["compute_clock"] if rows else "wall"
     print("# overhead = ring time / the same kernel calls without communication on the busiest "

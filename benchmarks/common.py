@@ -461,6 +461,17 @@ def isa_forced_note(level, requested=None):
     return f"{level} (this CPU's best level)"
 
 
+def cpu_header(threads_per_rank=None):
+    """The report line naming the CPU (model and cpuid family / model / stepping), its usable
+    cores and the ISA level ringseq's CPU kernel runs (auto's or forced), e.g. "# CPU: AMD EPYC
+    (AuthenticAMD family 25 model 1 stepping 1 = Zen 3), 2 physical cores; ringseq CPU kernel
+    ISA avx2 (this CPU's best level); 1 thread(s) per rank"."""
+    isa = cpu_isa()
+    text = (f"# CPU: {cpu_description()}, {usable_cores()} physical cores; ringseq CPU kernel "
+            f"ISA {isa_forced_note(isa) if isa else 'none (ringseq._C not built)'}")
+    return text + (f"; {threads_per_rank} thread(s) per rank" if threads_per_rank else "")
+
+
 def cpu_isa():
     """The ISA level ringseq's CPU kernel runs (None without the extension)."""
     try:

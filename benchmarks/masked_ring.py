@@ -1,6 +1,6 @@
 """``bench_ring.py --window L`` and ``bench_ring.py --docs MIX``: masked ring attention.
 
-``--window L`` (causal sliding window of L tokens, ``--layouts``, default contiguous): for the
+``--window L`` (causal sliding window of L tokens, each of ``--layouts``): for the
 window and for full causal attention at the same shape, forward+backward time on the busiest
 rank, exchanges per call (forward / backward, as the transport counted them), bytes each rank
 sent (:mod:`ringseq.commstats`), and the ring overhead = ring time / the same banded block
@@ -26,8 +26,8 @@ import random
 import torch
 import torch.distributed as dist
 
-from common import (PeakMemory, environment, format_table, mib, progress, run_with_load,
-                    spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
+from common import (PeakMemory, cpu_header, environment, format_table, mib, progress,
+                    run_with_load, spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq import commstats  # noqa: E402
@@ -262,6 +262,7 @@ def main_masked(args, launched, device):
     print(f"# masked ring: s={args.seqlen} h={args.heads} d={args.headdim} {args.dtype} W={W}, "
           f"{threads} thread(s) per rank; overhead = ring time / the same block tasks without "
           f"communication", flush=True)
+    print(cpu_header(threads))
     load.print_summary(W * threads)
     print(format_table(rows, columns), flush=True)
     write_json(args.json, {"benchmark": "bench_ring masked", "environment": environment(device),

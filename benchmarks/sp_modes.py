@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from common import (PeakMemory, attention_flops, environment, format_table,  # noqa: E402
+from common import (PeakMemory, attention_flops, cpu_header, environment, format_table,  # noqa: E402
                     init_launched_group, mib, progress, run_with_load,
                     spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
 
@@ -195,10 +195,12 @@ def run_rank_sp(args, device):
 def report_sp(args, rows, device, load):
     world = args.world_size if not dist.is_initialized() else dist.get_world_size()
     threads = threads_per_rank(args.threads_per_rank, world)
+    layout = "zigzag" if "zigzag" in args.layouts else args.layouts[0]  # (as run_sp_modes)
     print(f"# bench_ring --sp-mode: total s={args.seqlen} b={args.batch} h={args.heads} "
           f"h_kv={args.heads_kv or args.heads} d={args.headdim} {args.dtype} on {device}, "
-          f"W={world}, causal={args.causal != 'false'}")
+          f"W={world}, causal={args.causal != 'false'}, layout {layout}")
     if device.type == "cpu":
+        print(cpu_header(threads))
         load.print_summary(world * threads)
     print("# bytes = sent per rank per fwd+bwd call, measured at the ring transport and the "
           "all-to-all (max over ranks); expected = docs/sp_modes.md formulas; ms = fwd+bwd on "

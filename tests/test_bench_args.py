@@ -52,6 +52,8 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("bench_kernel.py", ["--softcap", "1e39"], "--softcap: softcap must be 0.0 (off) or within"),
     ("bench_kernel.py", ["--masks", "8:1e-40"], "--masks: softcap must be 0.0 (off) or within"),
     ("bench_kernel.py", ["--device", "foo"], "--device takes cpu, cuda or cuda:N, got 'foo'"),
+    ("bench_kernel.py", ["--backends", "ringseq", "--ratio-to", "torch_sdpa"],
+     "--ratio-to torch_sdpa: not among --backends ringseq"),
     # (before: plain int / float options: exceptions inside the ranks, exit 1 or 3)
     ("bench_ring_vs_rfa.py", ["--repeats", "0"], "--repeats: must be a positive integer"),
     ("bench_ring_vs_rfa.py", ["--world-size", "0"], "--world-size: must be a positive integer"),

@@ -91,11 +91,17 @@ def test_small_run_writes_rows_with_their_checks(tmp_path):
         assert b["ok"] or "warning" in b, b
     assert set(data["machine_load"]) >= {"other_cores_during", "load_average_before"}
     assert isinstance(data["warnings"], list)
+    _load_reported(proc.stdout, data)
 
 
 def _load_reported(stdout, data):
-    """The run printed and wrote the machine's load over it (other processes' cores)."""
+    """The run printed and wrote the machine's load over it (other processes' cores), and
+    named the CPU (cpuid family / model / stepping where Linux shows them) and the kernel's
+    ISA level (before: the --sp-mode, --window and --docs reports named neither)."""
+    from common import cpu_description
     assert "other processes used" in stdout, stdout[-3000:]
+    assert f"# CPU: {cpu_description()}, " in stdout, stdout[-3000:]
+    assert "ringseq CPU kernel ISA " in stdout, stdout[-3000:]
     load = data["machine_load"]
     assert 0.0 <= load["other_cores_during"] <= os.cpu_count(), load
 

@@ -145,13 +145,20 @@ class ParallelDims:
         ulysses_heads(h // tp, hk // tp, U, what="query heads per tensor-parallel rank",
                       fn="ParallelDims", what_kv="K/V heads per tensor-parallel rank")
 
-    def with_model(self, num_heads: Optional[int], num_kv_heads: Optional[int] = None
-                   ) -> "ParallelDims":
-        """A copy that also checks a model's head counts (None: nothing to check)."""
+    def with_model(self, num_heads: Optional[int], num_kv_heads: Optional[int] = None, *,
+                   fn: str = "ParallelDims") -> "ParallelDims":
+        """A copy that also checks a model's head counts (None: nothing to check). Raises
+        ValueError when the mesh cannot split the heads, named for ``fn`` (the public call that
+        checks them, e.g. ``boost``)."""
         if num_heads is None:
             return self
-        return replace(self, num_heads=int(num_heads),
-                       num_kv_heads=None if num_kv_heads is None else int(num_kv_heads))
+        try:
+            return replace(self, num_heads=int(num_heads),
+                           num_kv_heads=None if num_kv_heads is None else int(num_kv_heads))
+        except ValueError as exc:
+            if fn == "ParallelDims":
+                raise
+            raise ValueError(f"{fn}: {str(exc).removeprefix('ParallelDims: ')}") from None
 
     @property
     def dp_sp_size(self) -> int:

@@ -599,7 +599,7 @@ class RingSequenceParallelPlugin(Plugin):
             if is_transformers_model(model):
                 cfg = model.config
                 dims = dims.with_model(getattr(cfg, "num_attention_heads", None),
-                                       getattr(cfg, "num_key_value_heads", None))
+                                       getattr(cfg, "num_key_value_heads", None), fn="boost")
             plan = None
             if dims.tp_size > 1:
                 from ..parallel.tp import resolve_tp_plan

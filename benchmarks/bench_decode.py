@@ -29,6 +29,7 @@ wait for the other rank). The 1-minute load average is printed and stored with t
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -216,13 +217,16 @@ def _cp_rank(args, device):
         row["gather_ms"] = (time.perf_counter() - t0) * 1e3
         row["gather_peak_mib"] = mib(gmem.peak)
         # every rank's figures (before: rank 0's alone were reported); the table shows the
-        # largest: a token is decoded when the slowest rank is done
-        mine = torch.tensor([row[k] or 0.0 for k in _PER_RANK], dtype=torch.float64)
+        # largest: a token is decoded when the slowest rank is done. A peak that could not be
+        # measured (None: no /proc clear_refs) travels as NaN and stays None.
+        mine = torch.tensor([math.nan if row[k] is None else row[k] for k in _PER_RANK],
+                            dtype=torch.float64)
         ranks = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(ranks, mine)
         per_rank = torch.stack(ranks)  # (world, len(_PER_RANK))
-        row["per_rank"] = {k: per_rank[:, j].tolist() for j, k in enumerate(_PER_RANK)}
-        row.update({k: float(per_rank[:, j].max()) for j, k in enumerate(_PER_RANK)})
+        row["per_rank"] = {k: [None if math.isnan(x) else x for x in per_rank[:, j].tolist()]
+                           for j, k in enumerate(_PER_RANK)}
+        row.update({k: None if None in v else max(v) for k, v in row["per_rank"].items()})
         # attention over the gathered slots (order does not matter without a mask): every
         # rank's prefill slots and decoded slots, length + steps tokens of world * cap slots
         valid = torch.zeros(world * cap, dtype=torch.bool)

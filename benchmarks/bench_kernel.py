@@ -327,8 +327,11 @@ def parse_args(argv=None):
         if bad:
             p.error(f"--{option.replace('_', '-')}: unknown {bad}; known: {sorted(known)}")
     if args.backends and args.ratio_to:
-        # (a peer that is not timed has no row: its ratio columns were all "-")
-        missing = [n for n in args.ratio_to.split(",") if n and n not in args.backends.split(",")]
+        # (a peer that is not timed has no row: its ratio columns were all "-"; --masks times
+        # its own peer, SDPA with a mask, whatever --backends says)
+        timed = set(args.backends.split(",")) | (
+            {"sdpa_efficient" if device.type == "cuda" else "torch_sdpa"} if args.masks else set())
+        missing = [n for n in args.ratio_to.split(",") if n and n not in timed]
         if missing:
             p.error(f"--ratio-to {','.join(missing)}: not among --backends {args.backends} "
                     f"(a peer is timed only when it is one of them)")
@@ -588,8 +591,8 @@ def main(argv=None):
                            "args": {k: v for k, v in vars(args).items()}, "results": rows,
                            "failed_children": failed})
     if failed:
-        print("FAILED: " + "; ".join(f"{'torch SDPA native' if lv == 'native' else 'ISA level ' + lv}"
-                                     f": {why}" for lv, why in failed.items())
+        names = {lv: "torch SDPA native" if lv == "native" else f"ISA level {lv}" for lv in failed}
+        print("FAILED: " + "; ".join(f"{names[lv]}: {why}" for lv, why in failed.items())
               + " (the rows above are the children that finished)", flush=True)
         raise SystemExit(1)
     return rows

@@ -7,12 +7,13 @@ spawned gloo ranks with one thread each, one after the other; every iteration st
 barrier, each rank takes the median of ``--repeats`` iterations and the slowest rank is reported.
 
 Before timing, each engine's output and q/k/v gradients are checked against float64 attention
-at a small length (``CHECK_TOKENS_PER_RANK`` tokens per rank, the same layout, heads and head
-dim; flash-attn's rule: error at most 2x (out) / 3x (gradients) plain float32 attention's, plus a
-floor of 1e-6 x the largest value). ringseq failing it is a failed run (exit 1); a peer failing
-it is reported as WRONG beside its times (ring-flash-attn 0.1.8's float32 backward is: its
+at a small length (``CHECK_TOKENS_PER_RANK`` tokens per rank, the same layout, heads, head dim
+and dtype; flash-attn's rule: error at most 2x (out) / 3x (gradients) plain attention's in the
+same dtype, plus the main job's floor, ``ring_job.CHECK_FLOOR``). ringseq failing it is a failed
+run (exit 1); a peer failing it is reported as WRONG beside its times, whose ratio then compares
+the same work, not a result. ring-flash-attn 0.1.8's float32 backward fails it: its
 ``dq_buffer.to(torch.float32)`` is the buffer itself in float32, which the next block's backward
-overwrites and then adds to itself), whose ratio then compares the same work, not a result.
+overwrites and then adds to itself (``--dtype bf16`` makes a copy there, and passes).
 
     pip install --no-deps ring-flash-attn
     python benchmarks/bench_ring_vs_rfa.py [--json out.json]
@@ -35,6 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 from common import (PeakMemory, attention_flops, cpu_description, environment,  # noqa: E402
                     format_table, load_average, mib, progress, spawn_cpu_ranks, write_json)
+from ring_job import CHECK_FLOOR, DTYPES  # noqa: E402  (the main job's dtypes and floors)
 
 ENGINES = ("ring-flash-attn", "ringseq")
 LAYOUTS = ("zigzag", "contiguous")
@@ -75,37 +77,41 @@ def _plain(q, k, v, dout, dtype):
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout.to(dtype)))
 
 
-def _check(attn, layout, heads, headdim):
-    """{name: [error, plain float32's error, bound]} of this rank's out / dq / dk / dv against
-    float64 attention, CHECK_TOKENS_PER_RANK tokens per rank; max over ranks."""
+def _check(attn, layout, heads, headdim, dtype):
+    """{name: {"error", "plain_error", "excess"}} for out / dq / dk / dv against float64
+    attention, CHECK_TOKENS_PER_RANK tokens per rank, each the largest over the ranks; excess =
+    error - the rule's bound (BOUND x plain attention's error + CHECK_FLOOR): above
+    0 the engine fails the check. Inputs in ``dtype``; plain attention in ``dtype`` too."""
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(2)
-    full = [torch.randn(1, CHECK_TOKENS_PER_RANK * world, heads, headdim, generator=g)
+    full = [torch.randn(1, CHECK_TOKENS_PER_RANK * world, heads, headdim, generator=g).to(dtype)
             for _ in range(4)]  # q, k, v, dout: (1, s, h, d)
     q, k, v, dout = (_shard(x, layout, rank, world).contiguous().requires_grad_(i < 3)
                      for i, x in enumerate(full))
     out = attn(q, k, v)
     got = (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
-    ref, plain = _plain(*full, torch.float64), _plain(*full, torch.float32)
+    ref, plain = _plain(*full, torch.float64), _plain(*full, dtype)
     rows = []
     for name, a, r, p in zip(BOUND, got, ref, plain):
         r_local, p_local = _shard(r, layout, rank, world), _shard(p, layout, rank, world)
         err = float((a.double() - r_local).abs().max())
         plain_err = float((p_local.double() - r_local).abs().max())
-        floor = 1e-6 * float(r.abs().max())
+        floor = CHECK_FLOOR[dtype]
         rows.append([err, plain_err, err - BOUND[name] * plain_err - floor])
     t = torch.tensor(rows, dtype=torch.float64)  # (4, 3)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {name: row for name, row in zip(BOUND, t.tolist())}
+    return {name: dict(zip(("error", "plain_error", "excess"), row))
+            for name, row in zip(BOUND, t.tolist())}
 
 
 def _rank(args, device):
     engine, layout, a = args
     rank, world = dist.get_rank(), dist.get_world_size()
     attn = _attention_fn(engine, layout)
-    check = _check(attn, layout, a.heads, a.headdim)
+    dtype = DTYPES[a.dtype]
+    check = _check(attn, layout, a.heads, a.headdim, dtype)
     g = torch.Generator().manual_seed(1)
-    full = [torch.randn(1, a.seqlen, a.heads, a.headdim, generator=g) for _ in range(4)]
+    full = [torch.randn(1, a.seqlen, a.heads, a.headdim, generator=g).to(dtype) for _ in range(4)]
     q, k, v, dout = (_shard(x, layout, rank, world).contiguous().requires_grad_(i < 3)
                      for i, x in enumerate(full))  # (1, s / W, h, d)
     del full
@@ -127,11 +133,14 @@ def _rank(args, device):
                 step()
                 samples.append(time.perf_counter() - t0)
         times.append(statistics.median(samples) * 1e3)
-        peaks.append(float(mem.peak or 0))
+        # (a peak not measured, None where /proc has no clear_refs: -1, which a MAX keeps
+        # only where no rank measured one)
+        peaks.append(-1.0 if mem.peak is None else float(mem.peak))
     t = torch.tensor(times + peaks, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank, the largest peak
-    return {"fwd_ms": t[0].item(), "fwd_bwd_ms": t[1].item(), "fwd_peak_mib": mib(t[2].item()),
-            "fwd_bwd_peak_mib": mib(t[3].item()), "check": check}
+    fwd_peak, fwd_bwd_peak = (None if x < 0 else mib(x) for x in t[2:].tolist())
+    return {"fwd_ms": t[0].item(), "fwd_bwd_ms": t[1].item(), "fwd_peak_mib": fwd_peak,
+            "fwd_bwd_peak_mib": fwd_bwd_peak, "check": check}
 
 
 def _fmt(x):
@@ -146,6 +155,7 @@ def parse_args(argv=None):
                    help="total tokens, a multiple of 2 x --world-size (zigzag's chunks)")
     p.add_argument("--heads", type=positive_int, default=8)
     p.add_argument("--headdim", type=positive_int, default=64)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--repeats", type=positive_int, default=7)
     p.add_argument("--timeout", type=positive_seconds, default=900,
                    help="seconds the ranks of one engine and layout may take")
@@ -162,9 +172,9 @@ def parse_args(argv=None):
 
 def _check_text(check, detail=False):
     """'ok' or 'WRONG (dq, dk)' for one engine's check; with detail each error beside plain
-    float32's, e.g. 'dq 1.5e+00 vs plain fp32 6.9e-07'."""
-    over = [f"{n} {e:.1e} vs plain fp32 {p:.1e}" if detail else n
-            for n, (e, p, excess) in check.items() if excess > 0]
+    attention's, e.g. 'dq 1.5e+00 vs plain 6.9e-07'."""
+    over = [f"{n} {c['error']:.1e} vs plain {c['plain_error']:.1e}" if detail else n
+            for n, c in check.items() if c["excess"] > 0]
     return "ok" if not over else "WRONG (" + ", ".join(over) + ")"
 
 
@@ -193,8 +203,8 @@ def main(argv=None):
                 res[f"{mode}_x_peer"] = peer[f"{mode}_ms"] / res[f"{mode}_ms"]
     print(f"# {cpu_description()}; torch {torch.__version__}; block kernel of both engines: "
           f"torch's CPU flash op (ringseq backend='sdpa', not its own kernel)")
-    print(f"# W={a.world_size} s={a.seqlen} h={a.heads} d={a.headdim} fp32 causal, 1 thread per "
-          f"rank; median of {a.repeats} per rank, slowest rank; peak = resident-set high-water "
+    print(f"# W={a.world_size} s={a.seqlen} h={a.heads} d={a.headdim} {a.dtype} causal, 1 thread "
+          f"per rank; median of {a.repeats} per rank, slowest rank; peak = resident-set high-water "
           f"mark above the timed loop's start, largest rank; x ring-flash-attn = its time / "
           f"ringseq's; 1-minute load average {_fmt(start)} before, {_fmt(load_average())} after")
     for res in rows:

@@ -102,12 +102,17 @@ def _max(x, device):
     return float(t.item())
 
 
+def sp_layout_of(args) -> str:
+    """The one layout --sp-mode runs: zigzag when --layouts lists it, else the first listed."""
+    return "zigzag" if "zigzag" in args.layouts else args.layouts[0]
+
+
 def run_rank_sp(args, device):
     """Every mode of ``args.sp_modes`` on this rank; returns the rows (same on all ranks)."""
     from ring_job import CHECK_FLOOR, DTYPES  # the main job's dtypes and check floors
     world = dist.get_world_size()
     dtype = DTYPES[args.dtype]
-    layout = "zigzag" if "zigzag" in args.layouts else args.layouts[0]
+    layout = sp_layout_of(args)
     causal = args.causal != "false"
     h_kv = args.heads_kv or args.heads
     gen = torch.Generator().manual_seed(1234)
@@ -195,7 +200,7 @@ def run_rank_sp(args, device):
 def report_sp(args, rows, device, load):
     world = args.world_size if not dist.is_initialized() else dist.get_world_size()
     threads = threads_per_rank(args.threads_per_rank, world)
-    layout = "zigzag" if "zigzag" in args.layouts else args.layouts[0]  # (as run_sp_modes)
+    layout = sp_layout_of(args)
     print(f"# bench_ring --sp-mode: total s={args.seqlen} b={args.batch} h={args.heads} "
           f"h_kv={args.heads_kv or args.heads} d={args.headdim} {args.dtype} on {device}, "
           f"W={world}, causal={args.causal != 'false'}, layout {layout}")

@@ -57,9 +57,13 @@ def given(x) -> str:
 
 def as_int(value) -> Optional[int]:
     """``value`` as a Python int when it is an integer of any kind (NumPy's, a 0-d integer
-    tensor), else None (a bool, a float, a string: never read as a count)."""
+    tensor), else None (a bool, a float, a string, a tensor of bools, of several elements or
+    on the meta device: never read as a count)."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         return None
+    if isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool
+                                            or value.is_meta):
+        return None  # (torch reads a 1-element tensor and True as indices too)
     try:
         return operator.index(value)
     except TypeError:  # (a float tensor, NumPy's bool)
@@ -221,7 +225,7 @@ def check_cu_seqlens(fn: str, name: str, cu_seqlens, total: Optional[int] = None
         cu = cu_seqlens.tolist()  # host copy: spans and layouts are planned on the host
     else:
         # A string is a sequence too: its characters are no boundaries.
-        items = None if isinstance(cu_seqlens, (str, bytes)) else _as_list(cu_seqlens)
+        items = None if isinstance(cu_seqlens, str) else _as_list(cu_seqlens)
         if items is None or not all(isinstance(c, numbers.Integral) and not isinstance(c, bool)
                                     for c in items):
             raise TypeError(f"{fn}: {name} must be a 1-D int32 / int64 tensor or a sequence of "

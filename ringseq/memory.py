@@ -43,9 +43,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ._args import is_bool
+from ._args import int_if_integer, is_bool
 from .layouts import PerBatchDocuments, get_layout
-from .parallel.dims import ZERO_STAGES, ParallelDims  # the plugin's own mesh rules
+from .parallel.dims import ZERO_STAGES, ParallelDims, renamed_dims_error  # the plugin's rules
 
 __all__ = ["MemoryEstimate", "ModelShape", "estimate_memory", "fitting_meshes", "format_bytes",
            "max_seqlen", "meshes", "parse_bytes"]
@@ -891,9 +891,7 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
             ("sp_size", sp_size), ("tp_size", tp_size),
             ("gradient_accumulation_steps", gradient_accumulation_steps)))
     # (NumPy's integers as ints; what is no integer ParallelDims names)
-    zero_stage, ulysses_size = (int(v) if isinstance(v, numbers.Integral) and
-                                not isinstance(v, bool) else v
-                                for v in (zero_stage, ulysses_size))
+    zero_stage, ulysses_size = int_if_integer(zero_stage), int_if_integer(ulysses_size)
     if not isinstance(activation_checkpointing, bool):
         raise ValueError(f"estimate_memory: activation_checkpointing must be True or False, got "
                          f"{activation_checkpointing!r}")
@@ -911,7 +909,7 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
                             zero_stage=zero_stage, sp_mode=sp_mode,
                             ulysses_size=ulysses_size).with_model(shape.heads, shape.kv_heads)
     except ValueError as exc:
-        raise ValueError(f"estimate_memory: {str(exc).replace('ParallelDims: ', '')}") from None
+        raise renamed_dims_error("estimate_memory", exc) from None
     if precision == "fp16" and dims.sharded:
         raise ValueError(f"estimate_memory: precision='fp16' with tp_size={tp_size} / "
                          f"zero_stage={zero_stage} is refused by the plugin (one GradScaler "

@@ -155,7 +155,9 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         if isinstance(mx, torch.Tensor) and mx.numel() == 1 and not mx.is_floating_point():
             mx = mx.item()
-        as_int_mx = as_int(mx)  # NumPy's integers too (np.diff(cu).max())
+        # NumPy's integers too (np.diff(cu).max()); a SymInt (torch.compile) as it is
+        as_int_mx = (mx if isinstance(mx, (int, torch.SymInt)) and not isinstance(mx, bool)
+                     else as_int(mx))
         if as_int_mx is None:
             raise TypeError(f"{fn}: {name} must be an int (the longest sequence, {longest}, or "
                             f"more), got {given(mx)}")
@@ -187,7 +189,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             a batch packed back to back (no padding).
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 (int64 accepted): sequence i is rows
             ``[cu[i], cu[i+1])``. Read on the host (a device copy synchronizes once).
-        max_seqlen_q, max_seqlen_k: ints >= the longest sequence (checked).
+        max_seqlen_q, max_seqlen_k: integers (Python's, NumPy's or a 0-d integer tensor) >=
+            the longest sequence: TypeError for a bool, float or other kind, ValueError for
+            a smaller value.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs: as in :func:`flash_attn_func`; causal masks and windows are
             bottom-right aligned within each sequence.

@@ -113,21 +113,28 @@ class AttnSpec:
             ("headdim", d), ("dtype", dtype_code(dtype), "dtype"),
             ("causal", self.causal, "bool"), ("requires_grad", self.needs_grad, "bool"),
             ("grad_comm_dtype", dtype_code(self.grad_comm_dtype), "dtype"),
-            float_field("softmax_scale", self.softmax_scale),
+            float_field("softmax_scale", self.softmax_scale, dtype),
             ("window left", self.window[0]), ("window right", self.window[1]),
-            float_field("softcap", self.softcap),
+            float_field("softcap", self.softcap, dtype),
             ints_field("documents (cu_seqlens)", self.documents),
         ) + tuple(extra)
 
 
 FLOAT = "float"  # the kind of a signature field holding a float64's bits (float_field)
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def float_field(name: str, x: float) -> tuple:
-    """A cross-rank signature field comparing a float exactly: ``(name, bits, FLOAT)``, the
-    float64's bits as an int64 (before: micro-units, so a softcap of 4e-7 on one rank met 0,
-    "off", on another and the call ran both). -0.0 is 0.0; a mismatch shows the floats."""
-    return (name, struct.unpack("<q", struct.pack("<d", float(x) + 0.0))[0], FLOAT)
+def float_field(name: str, x: float, dtype: torch.dtype) -> tuple:
+    """A cross-rank signature field comparing a float as the kernels use it on inputs of
+    ``dtype``: ``(name, bits, FLOAT)``, the bits (as an int64 float64) of ``x`` rounded to float32
+    for 16- and 32-bit inputs (the kernels scale and cap in float32 there: ``None`` and
+    ``1 / math.sqrt(d)`` are one scale), exactly for float64 (before: micro-units, so a softcap
+    of 4e-7 on one rank met 0, "off", on another and the call ran both). -0.0 is 0.0; a
+    mismatch shows the floats."""
+    x = float(x) + 0.0
+    if dtype != torch.float64 and abs(x) <= _FLOAT32_MAX:  # (beyond: refused by the checks)
+        x = struct.unpack("<f", struct.pack("<f", x))[0]
+    return (name, struct.unpack("<q", struct.pack("<d", x))[0], FLOAT)
 
 
 def float_of_field(bits: int) -> float:

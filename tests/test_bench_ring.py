@@ -116,6 +116,7 @@ def test_sp_mode_run_checks_bytes_and_numbers_and_reports_the_load(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [r["mode"] for r in data["results"]] == ["ring", "ulysses"]
+    assert "causal=True, layout zigzag\n" in proc.stdout, proc.stdout[-3000:]  # (the one run)
     for r in data["results"]:
         assert r["check_ok"] and r["bytes_as_formula"], r
         assert r["tflops"] == pytest.approx(3.5 * 4 * 256 * 256 / 2 * 8 * 64 / r["ms"] / 1e9,

@@ -137,6 +137,24 @@ def test_compiled_calls_keep_their_graph_and_compose_with_dynamic_shapes_and_che
             assert a.shape == b.shape and torch.equal(a, b), name
 
 
+def test_varlen_max_seqlen_may_be_symbolic_under_fullgraph():
+    """flash_attn_varlen_func's max_seqlen traced as a SymInt (dynamic=True, or the second call
+    of another length) compiles with fullgraph (a NumPy-integer check that read it as any
+    other integer failed the trace: "Unsupported hasattr call"); equal to eager."""
+    import ringseq
+
+    def attn(q, k, v, cu, mx):
+        return ringseq.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=True)
+
+    for dynamic in (True, None):
+        torch._dynamo.reset()
+        compiled = torch.compile(attn, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+        for cu, mx in (([0, 5, 16], 11), ([0, 7, 20], 13)):
+            g = torch.Generator().manual_seed(mx)
+            q, k, v = (torch.randn(cu[-1], H, D, generator=g) for _ in range(3))
+            assert torch.equal(compiled(q, k, v, cu, mx), attn(q, k, v, cu, mx)), (dynamic, mx)
+
+
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("kwargs", [{}, {"window_size": (3, 0)}, {"softcap": 2.0}])
 def test_export_with_a_dynamic_length_runs_every_length(strict, kwargs):

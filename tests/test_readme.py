@@ -127,6 +127,24 @@ def test_one_version_number():
     assert proc.stdout.strip().splitlines()[-1] == ringseq.__version__, proc.stdout
 
 
+def test_a_setuptools_that_cannot_build_wheels_stops_with_what_to_do():
+    """pip builds through setuptools' bdist_wheel: setuptools < 70.1 without the wheel package
+    (Python 3.11's venv with torch <= 2.12) stopped with a bare "invalid command
+    'bdist_wheel'"; now setup.py says to upgrade setuptools. The missing modules are hidden by
+    None entries in sys.modules, which make every import of them fail."""
+    probe = ("import runpy, sys\n"
+             "for name in ('setuptools.command.bdist_wheel', 'wheel', 'wheel.bdist_wheel'):\n"
+             "    sys.modules[name] = None\n"
+             "sys.argv = ['setup.py', 'dist_info', '--output-dir', 'unused']\n"
+             "runpy.run_path('setup.py', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, RINGSEQ_CUDA="0"), timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ringseq build error: setuptools " in proc.stderr, proc.stderr
+    assert "cannot build wheels (it needs setuptools >= 70.1 or the wheel package" in proc.stderr
+    assert "`pip install -U setuptools`" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_import_without_numpy_is_quiet():
     """Without NumPy, `import torch` warns "Failed to initialize NumPy"; `import ringseq`
     must not (the main job's install has no NumPy). NumPy is hidden by a None entry in

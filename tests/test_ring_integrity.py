@@ -9,6 +9,7 @@ case relies on; the cases run in a fixed order.
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import threading
@@ -183,6 +184,11 @@ def _case_later_argument_change():
         *packed, cu, causal=True, layout="zigzag"))
     out["documents_after"] = _capture(lambda: ringseq.ring_flash_attn_varlen_func(
         *packed, [0, 4, 6 * w], causal=True, layout="zigzag"))
+    # one scale written two ways: apart in float64, one float32, which the kernels use on
+    # float32 inputs (d = 8: 8 ** -0.5 and 1 / math.sqrt(8) differ in their last float64 bit)
+    f32 = [ringseq.shard(t.float()[..., :8], "zigzag") for t in _full(7, 6 * w)]
+    out["scale_float32_alike"] = _capture(lambda: float(ringseq.ring_flash_attn_func(
+        *f32, causal=True, softmax_scale=1 / math.sqrt(8) if rank == 1 else None).sum()))
     return out
 
 
@@ -643,6 +649,11 @@ def test_different_document_boundaries_are_shown_by_their_values(w2):
                        "different arguments: documents (cu_seqlens) (rank 0: [0, 4, 12] "
                        "(3 values), rank 1: [0, 5, 12] (3 values); first difference at index 1)")
         assert res["later_change"]["documents_after"][0] == "ok", res  # the ring is usable
+
+
+def test_a_scale_the_kernels_see_alike_is_no_mismatch(w2):
+    for res in w2:
+        assert res["later_change"]["scale_float32_alike"][0] == "ok", res["later_change"]
 
 
 def test_double_backward_raises(w2):

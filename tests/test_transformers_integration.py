@@ -403,11 +403,12 @@ def test_position_ids_are_checked_again_when_the_call_changes(state_dicts):
     cu = torch.tensor([0, half, SEQLEN], dtype=torch.int32)
     model(input_ids=ids[:1], position_ids=restart, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
           max_length_q=half, max_length_k=half, use_cache=False)
-    with pytest.raises(ValueError, match="position_ids that are not the global positions"):
+    with pytest.raises(ValueError, match="position_ids that restart within a row, as packed "
+                                         "documents' do, without the documents' boundaries"):
         model(input_ids=ids[:1], position_ids=restart, use_cache=False)
     positions = torch.arange(SEQLEN)[None]
     model(input_ids=ids[:1], position_ids=positions, use_cache=False)
-    positions[0, 3:] = 0  # the same buffer refilled in place
+    positions[0, 3:] += 5  # the same buffer refilled in place
     with pytest.raises(ValueError, match="position_ids that are not the global positions"):
         model(input_ids=ids[:1], position_ids=positions, use_cache=False)
 

@@ -189,10 +189,14 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
             sharder = ("sp.shard_batch(batch, layout) of the SequenceParallelGroups this model "
                        "was switched with (the plugin's loader does it)"
                        if settings.sp is not None else "ringseq.shard_batch")
-            if docs is None and bool((pos[:, 1:] < pos[:, :-1]).any()):
-                # (no layout numbers a row's tokens backwards: packed documents without
-                # their boundaries, e.g. DataCollatorWithFlattening(return_flash_attn_kwargs=
-                # False); named as such, not as a layout's positions)
+            steps_up = pos[:, 1:] == pos[:, :-1] + 1
+            restarts = (pos[:, 1:] == 0) & ~steps_up
+            if (docs is None and bool(restarts.any()) and bool((steps_up | restarts).all())
+                    and bool((expected[1:] >= expected[:-1]).all())):
+                # (rows that count up from 0 and start again at 0 where the layout's positions
+                # do not: packed documents without their boundaries, e.g.
+                # DataCollatorWithFlattening(return_flash_attn_kwargs=False); named as such,
+                # not as wrong positions under a layout)
                 problems.append(
                     "position_ids that restart within a row, as packed documents' do, without "
                     "the documents' boundaries: pass cu_seq_lens_q and cu_seq_lens_k "

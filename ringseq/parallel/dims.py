@@ -42,6 +42,12 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def renamed_dims_error(fn: str, exc: ValueError) -> ValueError:
+    """A ParallelDims refusal named for ``fn``, the public call that made the mesh (the user
+    never calls ParallelDims)."""
+    return ValueError(f"{fn}: {str(exc).removeprefix('ParallelDims: ')}")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Validated sizes of the dp x sp x tp mesh (see the module doc).
@@ -158,7 +164,7 @@ class ParallelDims:
         except ValueError as exc:
             if fn == "ParallelDims":
                 raise
-            raise ValueError(f"{fn}: {str(exc).removeprefix('ParallelDims: ')}") from None
+            raise renamed_dims_error(fn, exc) from None
 
     @property
     def dp_sp_size(self) -> int:

@@ -367,7 +367,7 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["ringseq", "ringseq.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "einops"],
+    install_requires=["torch>=2.11", "einops"],  # the oldest torch the suite ran on (README)
     extras_require={
         "test": ["pytest", "hypothesis", "numpy"],  # numpy: the lane-level CUDA emulation tests
         "flash": ["flash-attn"],

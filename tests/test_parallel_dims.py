@@ -78,3 +78,49 @@ def test_ulysses_splits_the_heads_left_per_tp_rank():
 ])
 def test_sequence_multiple_per_layout(kwargs, layout, multiple):
     assert ParallelDims(world_size=8, **kwargs).seq_multiple(layout) == multiple
+
+
+def test_fsdp2_and_tensor_parallelism_refuse_a_torch_older_than_2_12(monkeypatch):
+    """Measured: on torch 2.11 tensor parallelism fails inside DTensor and the plugin's FSDP2
+    completions meet internals of another shape (before: an AttributeError or a DTensor
+    RuntimeError in the first step); DDP (zero_stage 0, tp_size 1) runs there. The plugin and
+    the memory planner build their meshes through ParallelDims, and name themselves."""
+    import ringseq.parallel.dims as dims
+    from ringseq.memory import estimate_memory
+
+    monkeypatch.setattr(dims, "torch_version", lambda: (2, 11))
+    for kwargs in (dict(zero_stage=2), dict(zero_stage=3), dict(tp_size=2)):
+        with pytest.raises(ValueError, match=r"^ParallelDims: zero_stage=\d / tp_size=\d "
+                                             r"\(FSDP2 / tensor parallelism\) need torch >= "
+                                             r"2\.12, found torch "):
+            ParallelDims(world_size=4, sp_size=2, **kwargs)
+    assert ParallelDims(world_size=4, sp_size=2).dp_size == 2  # DDP x SP
+    config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256,
+              "tie_word_embeddings": False}
+    with pytest.raises(ValueError, match=r"^estimate_memory: zero_stage=3 / tp_size=1 "
+                                         r"\(FSDP2 / tensor parallelism\) need torch >= 2\.12"):
+        estimate_memory(config, seqlen=64, world_size=2, sp_size=2, zero_stage=3)
+    monkeypatch.setattr(dims, "torch_version", lambda: (2, 12))
+    assert ParallelDims(world_size=4, sp_size=2, tp_size=2, zero_stage=3).sharded
+
+
+def test_fsdp2_recovery_without_reset_iter_state_says_to_restart(monkeypatch):
+    """FSDP2 forgets a failed step through FSDPModule.reset_iter_state, which torch 2.13 added:
+    without it the reset says what to do (before: AttributeError 'FSDPLlamaForCausalLM' object
+    has no attribute 'reset_iter_state', measured on torch 2.12)."""
+    from types import SimpleNamespace
+
+    from ringseq.plugin.fsdp_replay import FsdpReplay
+
+    class OldFsdpModule:  # FSDP2's root module as torch 2.12 has it: no reset_iter_state
+        def _get_fsdp_state(self):
+            return SimpleNamespace(_is_root=True)
+
+    replay = object.__new__(FsdpReplay)
+    replay.units, replay.tp = [SimpleNamespace(module=OldFsdpModule(), groups=[])], None
+    with pytest.raises(RuntimeError, match=r"^booster.reset: FSDP2 forgets a failed forward or "
+                                           r"backward through FSDPModule.reset_iter_state, which "
+                                           r"torch 2.13 added; with torch .* restart the "
+                                           r"processes from the last checkpoint"):
+        replay.reset()

@@ -25,13 +25,27 @@ chunks, ...) and each sp shard contiguously over tp, so s must be a multiple of
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
-from typing import List, Optional
+from typing import List, Optional, Tuple
+
+import torch
 
 __all__ = ["ParallelDims", "ZERO_STAGES"]
 
 #: zero_stage values the plugin implements (see ParallelDims.zero_stage)
 ZERO_STAGES = (0, 2, 3)
+# FSDP2 and tensor parallelism through the plugin, measured: on torch 2.11 tensor parallelism
+# fails in DTensor (the LM head's reshape of a sequence-sharded activation) and the failure
+# completions meet FSDP2 internals of another shape; torch 2.12 trains exactly (the full
+# suite); recovering FSDP2 after a failed step needs 2.13 (fsdp_replay.FsdpReplay.reset).
+SHARDED_MIN_TORCH = (2, 12)
+
+
+def torch_version() -> Tuple[int, int]:
+    """(major, minor) of the torch in use, e.g. (2, 13) for "2.13.0+cpu"."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return int(major), int(minor)
 
 
 def _divisors(n: int) -> List[int]:
@@ -117,6 +131,11 @@ class ParallelDims:
                 f"to backward; 3: FSDP2 resharding after forward too). ZeRO-1 alone is not "
                 f"implemented: zero_stage=2 saves its memory and more at the same gradient "
                 f"traffic")
+        if (self.zero_stage >= 2 or tp > 1) and torch_version() < SHARDED_MIN_TORCH:
+            raise ValueError(
+                f"ParallelDims: zero_stage={self.zero_stage} / tp_size={tp} (FSDP2 / tensor "
+                f"parallelism) need torch >= {'.'.join(map(str, SHARDED_MIN_TORCH))}, found "
+                f"torch {torch.__version__}; zero_stage=0 with tp_size=1 (DDP) runs on it")
         U, R, I = resolve_sp_sizes(self.sp_mode, sp, self.ulysses_size, self.inner_ring_size)
         object.__setattr__(self, "ulysses_size", U)
         object.__setattr__(self, "inner_ring_size", I)

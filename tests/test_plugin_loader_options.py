@@ -167,7 +167,7 @@ def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):
                   "bool, got 'no'"),
     ("ulysses_inner_ring", "RingSequenceParallelPlugin: ulysses_inner=False orders the Ulysses "
                            "and ring dims of sp_mode='hybrid' only"),
-    ("sp_size_float", "RingSequenceParallelPlugin: ParallelDims: sp_size=2.0 must be a "
+    ("sp_size_float", "RingSequenceParallelPlugin: sp_size=2.0 must be a "
                       "positive int, not a float"),
     ("criterion", "ValueError: boost: criterion: only a plain nn.CrossEntropyLoss"),
     # (before: "would drop this loader's sampler _InfiniteConstantSampler; pass a DataLoader

@@ -17,7 +17,7 @@ from .._dist import named_for
 from .._hash import stable_code
 from ..engine.ring import get_ring, reset_ring
 from ..layouts import PerBatchDocuments, get_layout
-from ..parallel.dims import ParallelDims
+from ..parallel.dims import ParallelDims, renamed_dims_error
 from ..parallel.groups import SP_MODES
 from .base import Plugin
 from .dataloader import ShardedDataLoader, pack_documents
@@ -303,7 +303,9 @@ class RingSequenceParallelPlugin(Plugin):
         except (ValueError, TypeError, RuntimeError) as exc:
             # (RuntimeError: no process group, on every rank; or a device string torch
             # rejects, perhaps on one rank only). Named for the user, who called the plugin
-            # (the checks below it speak of their own arguments).
+            # (the checks below it speak of their own arguments; ParallelDims is internal).
+            if isinstance(exc, ValueError) and str(exc).startswith("ParallelDims: "):
+                exc = renamed_dims_error(type(self).__name__, exc)
             refusal, fields = named_for(type(self).__name__, exc), ()
         get_ring(None).agree(refusal is None, str(refusal), error=refusal, fields=fields,
                              about="plugin options")

@@ -252,10 +252,12 @@ def _cp_rank(args, device):
             row["cp_vs_gathered_max_diff"] = diff
             row["speedup"] = row["gathered_ms"] / row["cp_ms"]
             row["cpu_speedup"] = row["gathered_cpu_ms"] / row["cp_cpu_ms"]
+            peak = row["gather_peak_mib"]
             progress(f"CP W={world} cache={length}: {row['cp_ms']:.2f} ms/token sharded vs "
                      f"{row['gathered_ms']:.2f} ms gathered (x{row['speedup']:.2f}; thread CPU time "
                      f"{row['cp_cpu_ms']:.2f} vs {row['gathered_cpu_ms']:.2f} ms); one-time gather "
-                     f"{row['gather_ms']:.0f} ms, +{row['gather_peak_mib'] or 0:.0f} MiB")
+                     f"{row['gather_ms']:.0f} ms, "
+                     + ("peak not measured" if peak is None else f"+{peak:.0f} MiB"))
         dist.barrier()
         out_rows.append(row)
         del kc, vc, full_k, full_v

@@ -329,8 +329,7 @@ def parse_args(argv=None):
     if args.backends and args.ratio_to:
         # (a peer that is not timed has no row: its ratio columns were all "-"; --masks times
         # its own peer, SDPA with a mask, whatever --backends says)
-        timed = set(args.backends.split(",")) | (
-            {"sdpa_efficient" if device.type == "cuda" else "torch_sdpa"} if args.masks else set())
+        timed = set(args.backends.split(",")) | ({masks_peer(device)} if args.masks else set())
         missing = [n for n in args.ratio_to.split(",") if n and n not in timed]
         if missing:
             p.error(f"--ratio-to {','.join(missing)}: not among --backends {args.backends} "
@@ -349,11 +348,16 @@ def parse_args(argv=None):
     return p, args
 
 
+def masks_peer(device) -> str:
+    """The SDPA backend the --masks rows are timed against: one that takes a mask."""
+    return "sdpa_efficient" if device.type == "cuda" else "torch_sdpa"
+
+
 def run_here(args, device):
     """Every job in this process (ringseq at this process's ISA level). Returns the rows."""
     peers = (args.ratio_to or ("sdpa_flash,sdpa_cudnn" if device.type == "cuda" else "torch_sdpa")).split(",")
-    if args.masks and device.type == "cuda" and "sdpa_efficient" not in peers:
-        peers.append("sdpa_efficient")  # the peer of the --masks rows
+    if args.masks and device.type == "cuda" and masks_peer(device) not in peers:
+        peers.append(masks_peer(device))  # the peer of the --masks rows (on CPU the default)
     if args.backends:
         names = args.backends.split(",")
     else:
@@ -378,7 +382,7 @@ def run_here(args, device):
         window, caps = args.masks.split(":")
         s = max(int(x) for x in args.seqlens.split(","))
         d = max(int(x) for x in args.headdims.split(","))
-        peer = "sdpa_efficient" if device.type == "cuda" else "torch_sdpa"
+        peer = masks_peer(device)
         for threads in args.thread_counts:
             for dt in args.dtypes:
                 for cap in (float(c) for c in caps.split(",")):

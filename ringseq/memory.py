@@ -1140,7 +1140,7 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
                             ulysses_size=mesh.get("ulysses_size")
                             ).seq_multiple(mesh.get("layout", "zigzag"))
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"max_seqlen: {str(exc).replace('ParallelDims: ', '')}") from None
+        raise renamed_dims_error("max_seqlen", exc) from None
     if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < step:
         raise ValueError(f"max_seqlen: limit must be an integer >= {step} (the shortest length "
                          f"this mesh and layout can split), got {limit!r}")

@@ -153,9 +153,8 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     limits = {}
     for name, cu, mx in (("max_seqlen_q", cu_q, max_seqlen_q), ("max_seqlen_k", cu_k, max_seqlen_k)):
         longest = max(b - a for a, b in zip(cu, cu[1:]))
-        if isinstance(mx, torch.Tensor) and mx.numel() == 1 and not mx.is_floating_point():
-            mx = mx.item()
-        # NumPy's integers too (np.diff(cu).max()); a SymInt (torch.compile) as it is
+        # NumPy's integers and 0-d integer tensors too (np.diff(cu).max()); a SymInt
+        # (torch.compile) as it is
         as_int_mx = (mx if isinstance(mx, (int, torch.SymInt)) and not isinstance(mx, bool)
                      else as_int(mx))
         if as_int_mx is None:

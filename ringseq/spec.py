@@ -142,6 +142,18 @@ def float_of_field(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
+def float_field_text(bits: int) -> str:
+    """A :func:`float_field` value as a mismatch message shows it: the shortest decimal that
+    rounds to it in float32 when it is a float32 (0.1, not 0.10000000149011612), else repr."""
+    x = float_of_field(bits)
+    if abs(x) < _FLOAT32_MAX:  # (9 digits tell any float32 apart)
+        for digits in range(1, 10):
+            text = f"{x:.{digits}g}"
+            if struct.unpack("<f", struct.pack("<f", float(text)))[0] == x:
+                return repr(float(text))  # (100.0, not 1e+02)
+    return repr(x)
+
+
 @functools.lru_cache(maxsize=256)
 def _scalars_from_key(key: str) -> AttnSpec:
     fn, scale, causal, left, right, softcap, be, gdt, grad = key.split("|")

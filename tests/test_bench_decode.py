@@ -25,6 +25,7 @@ def test_small_run_reports_every_ranks_context_parallel_figures(tmp_path):
     assert cp["cp_vs_gathered_max_diff"] <= 1e-4, cp  # the script's own invariant held
     for key, values in cp["per_rank"].items():
         assert len(values) == 2, (key, values)
-        assert cp[key] == max(values), (key, cp[key], values)  # the table shows the largest
+        # the table shows the largest; a peak not measured (no /proc clear_refs) stays None
+        assert cp[key] == (None if None in values else max(values)), (key, cp[key], values)
     assert cp["speedup"] == cp["gathered_ms"] / cp["cp_ms"]
     assert "CP ms/token (max rank)" in proc.stdout, proc.stdout[-3000:]

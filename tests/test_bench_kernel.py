@@ -137,3 +137,16 @@ def test_a_level_whose_child_fails_is_named_and_the_others_are_kept(monkeypatch,
     assert data["failed_children"] == {"avx512": "exit status -9 (killed by signal 9)"}
     kept = [r for r in data["results"] if r["backend"] == "ringseq"]
     assert [r["level"] for r in kept] == ["avx2"] and kept[0]["x_torch_sdpa_match"] == 2.0
+
+
+def test_ratio_to_must_name_a_timed_peer():
+    """--ratio-to a peer --backends does not time is a usage error (its columns were all "-");
+    --masks times its own peer (SDPA with a mask), which --ratio-to may then name."""
+    import bench_kernel
+    _, args = bench_kernel.parse_args(["--device", "cpu", "--backends", "ringseq", "--ratio-to",
+                                       "torch_sdpa", "--masks", "16:0"])
+    assert args.ratio_to == "torch_sdpa"
+    with pytest.raises(SystemExit) as stop:
+        bench_kernel.parse_args(["--device", "cpu", "--backends", "ringseq", "--ratio-to",
+                                 "torch_sdpa"])
+    assert stop.value.code == 2

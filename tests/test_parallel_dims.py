@@ -80,37 +80,47 @@ def test_sequence_multiple_per_layout(kwargs, layout, multiple):
     assert ParallelDims(world_size=8, **kwargs).seq_multiple(layout) == multiple
 
 
-def test_fsdp2_and_tensor_parallelism_refuse_a_torch_older_than_2_12(monkeypatch):
+def test_fsdp2_and_tensor_parallelism_need_torch_2_12():
     """Measured: on torch 2.11 tensor parallelism fails inside DTensor and the plugin's FSDP2
-    completions meet internals of another shape (before: an AttributeError or a DTensor
-    RuntimeError in the first step); DDP (zero_stage 0, tp_size 1) runs there. The plugin and
-    the memory planner build their meshes through ParallelDims, and name themselves."""
+    completions meet internals of another shape (an AttributeError or a DTensor RuntimeError
+    in the first step); DDP (zero_stage 0, tp_size 1) runs there. The plugin refuses with this
+    reason (tests/test_plugin_loader_options.py); the memory planner plans for any torch."""
+    import torch
     import ringseq.parallel.dims as dims
     from ringseq.memory import estimate_memory
 
-    monkeypatch.setattr(dims, "torch_version", lambda: (2, 11))
-    for kwargs in (dict(zero_stage=2), dict(zero_stage=3), dict(tp_size=2)):
-        with pytest.raises(ValueError, match=r"^ParallelDims: zero_stage=\d / tp_size=\d "
-                                             r"\(FSDP2 / tensor parallelism\) need torch >= "
-                                             r"2\.12, found torch "):
-            ParallelDims(world_size=4, sp_size=2, **kwargs)
-    assert ParallelDims(world_size=4, sp_size=2).dp_size == 2  # DDP x SP
-    config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-              "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256,
-              "tie_word_embeddings": False}
-    with pytest.raises(ValueError, match=r"^estimate_memory: zero_stage=3 / tp_size=1 "
-                                         r"\(FSDP2 / tensor parallelism\) need torch >= 2\.12"):
-        estimate_memory(config, seqlen=64, world_size=2, sp_size=2, zero_stage=3)
-    monkeypatch.setattr(dims, "torch_version", lambda: (2, 12))
-    assert ParallelDims(world_size=4, sp_size=2, tp_size=2, zero_stage=3).sharded
+    old, new = (torch.torch_version.TorchVersion(v) for v in ("2.11.0+cu130", "2.12.1"))
+    for zero, tp in ((2, 1), (3, 1), (0, 2)):
+        assert dims.sharding_refusal(zero, tp) is None  # (this torch)
+    for version, refused in ((old, True), (new, False)):
+        dims_torch = dims.torch_version
+        dims.torch_version = lambda: version
+        try:
+            for zero, tp in ((2, 1), (3, 1), (0, 2)):
+                reason = dims.sharding_refusal(zero, tp)
+                assert (reason == f"zero_stage={zero} / tp_size={tp} (FSDP2 / tensor "
+                                  f"parallelism) need torch >= 2.12, found torch "
+                                  f"{version}; zero_stage=0 with tp_size=1 (DDP) "
+                                  f"runs on it") if refused else reason is None, reason
+            assert dims.sharding_refusal(0, 1) is None
+            config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+                      "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256,
+                      "tie_word_embeddings": False}
+            assert estimate_memory(config, seqlen=64, world_size=2, sp_size=2,
+                                   zero_stage=3).total > 0
+        finally:
+            dims.torch_version = dims_torch
 
 
-def test_fsdp2_recovery_without_reset_iter_state_says_to_restart(monkeypatch):
+def test_fsdp2_recovery_without_reset_iter_state_says_to_restart_before_resetting_anything():
     """FSDP2 forgets a failed step through FSDPModule.reset_iter_state, which torch 2.13 added:
-    without it the reset says what to do (before: AttributeError 'FSDPLlamaForCausalLM' object
-    has no attribute 'reset_iter_state', measured on torch 2.12)."""
+    without it the plugin's reset says what to do, before it resets any ring (before: an
+    AttributeError 'FSDPLlamaForCausalLM' object has no attribute 'reset_iter_state',
+    measured on torch 2.12, after the rings had been marked usable)."""
     from types import SimpleNamespace
 
+    import torch
+    from ringseq.plugin import RingSequenceParallelPlugin
     from ringseq.plugin.fsdp_replay import FsdpReplay
 
     class OldFsdpModule:  # FSDP2's root module as torch 2.12 has it: no reset_iter_state
@@ -119,8 +129,13 @@ def test_fsdp2_recovery_without_reset_iter_state_says_to_restart(monkeypatch):
 
     replay = object.__new__(FsdpReplay)
     replay.units, replay.tp = [SimpleNamespace(module=OldFsdpModule(), groups=[])], None
-    with pytest.raises(RuntimeError, match=r"^booster.reset: FSDP2 forgets a failed forward or "
-                                           r"backward through FSDPModule.reset_iter_state, which "
-                                           r"torch 2.13 added; with torch .* restart the "
-                                           r"processes from the last checkpoint"):
-        replay.reset()
+    message = (f"FSDP2 forgets a failed forward or backward through "
+               f"FSDPModule.reset_iter_state, which torch 2.13 added; with torch "
+               f"{torch.__version__} restart the processes from the last checkpoint")
+    assert replay.reset_refusal() == message
+    # a plugin whose rings would fail to reset (no process group): the refusal comes first
+    plugin = SimpleNamespace(_reporter=None, reporter=SimpleNamespace(reductions=[replay]),
+                             sp_group=object(), sp=None)
+    with pytest.raises(RuntimeError) as refused:
+        RingSequenceParallelPlugin.reset(plugin)
+    assert str(refused.value) == f"booster.reset: {message}"

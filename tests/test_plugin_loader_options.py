@@ -80,6 +80,15 @@ def _worker():
     out["ulysses_inner_ring"] = error_text(lambda: RingSequenceParallelPlugin(
         sp_size=2, ulysses_inner=False))
     out["sp_size_float"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=2.0))
+    import ringseq.parallel.dims as dims
+    real_version = dims.torch_version
+    dims.torch_version = lambda: torch.torch_version.TorchVersion("2.11.0")
+    try:  # (measured on torch 2.11: FSDP2 and tensor parallelism fail in the first step)
+        out["old_torch_fsdp"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=2,
+                                                                              zero_stage=2))
+        out["old_torch_ddp"] = type(RingSequenceParallelPlugin(sp_size=2)).__name__
+    finally:
+        dims.torch_version = real_version
     mixed = _Net()
     mixed.head = torch.nn.Linear(4, 4).double()
     out["fsdp_mixed_dtypes"] = error_text(lambda: Booster(RingSequenceParallelPlugin(
@@ -169,6 +178,9 @@ def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):
                            "and ring dims of sp_mode='hybrid' only"),
     ("sp_size_float", "RingSequenceParallelPlugin: sp_size=2.0 must be a "
                       "positive int, not a float"),
+    ("old_torch_fsdp", "ValueError: RingSequenceParallelPlugin: zero_stage=2 / tp_size=1 "
+                       "(FSDP2 / tensor parallelism) need torch >= 2.12, found torch 2.11.0"),
+    ("old_torch_ddp", "RingSequenceParallelPlugin"),
     ("criterion", "ValueError: boost: criterion: only a plain nn.CrossEntropyLoss"),
     # (before: "would drop this loader's sampler _InfiniteConstantSampler; pass a DataLoader
     # with batch_size and shuffle=True/False only", which it was)

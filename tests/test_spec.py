@@ -102,15 +102,28 @@ def test_varlen_max_seqlen_is_any_integer_at_least_the_longest_sequence():
     cu = torch.tensor([0, 9, 16], dtype=torch.int32)
     want = ringseq.flash_attn_varlen_func(q, q, q, cu, cu, 9, 9)
     longest = np.diff(np.array([0, 9, 16])).max()  # np.int64(9)
-    for mx in (longest, torch.tensor(9), 12):
+    for mx in (longest, torch.tensor(9), 12, np.int32(9)):
         assert torch.equal(ringseq.flash_attn_varlen_func(q, q, q, cu, cu, mx, mx), want)
-    for bad in (True, 9.0, "9"):
+    for bad in (True, 9.0, "9", torch.tensor([9]), torch.tensor(True),
+                torch.tensor(9, device="meta")):
         with pytest.raises(TypeError, match=r"^flash_attn_varlen_func: max_seqlen_q must be an "
                                             r"int \(the longest sequence, 9, or more\), got "):
             ringseq.flash_attn_varlen_func(q, q, q, cu, cu, bad, 9)
     with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: max_seqlen_k must be >= "
                                          r"the longest sequence \(9\), got 8$"):
         ringseq.flash_attn_varlen_func(q, q, q, cu, cu, 9, np.int32(8))
+
+
+def test_document_boundaries_in_any_sequence_of_ints():
+    """cu_seqlens as a list, tuple, range, bytes, NumPy array or int32 / int64 tensor give the
+    same result; a string is refused (its characters are no boundaries)."""
+    np = pytest.importorskip("numpy")
+    q = torch.randn(1, 16, 2, 8)
+    want = ringseq.ring_flash_attn_func(q, q, q, causal=True, cu_seqlens=[0, 9, 16])
+    for cu in ((0, 9, 16), bytes([0, 9, 16]), np.array([0, 9, 16]),
+               torch.tensor([0, 9, 16], dtype=torch.int32), [np.int64(0), 9, 16]):
+        got = ringseq.ring_flash_attn_func(q, q, q, causal=True, cu_seqlens=cu)
+        assert torch.equal(got, want), type(cu)
 
 
 def test_tensor_errors_name_the_function():

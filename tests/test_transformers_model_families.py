@@ -219,12 +219,14 @@ def test_bigcode_packed_documents_without_boundaries_are_refused_on_one_process(
                                          r"as packed documents' do, without the documents' "
                                          r"boundaries: pass cu_seq_lens_q"):
         model(input_ids=_ids()[:1], position_ids=restart, use_cache=False)
-    # other wrong positions name the layout the model was switched with (before, on one
-    # process: 'contiguous', whatever the model's layout)
-    shifted = torch.arange(1, SEQ + 1)[None]
-    with pytest.raises(ValueError, match=r"^GPTBigCodeAttention: .*position_ids that are not the "
-                                         r"global positions of this rank's tokens under layout "
-                                         r"'zigzag'"):
-        apply(_bigcode(), layout="zigzag")(input_ids=_ids()[:1], position_ids=shifted,
-                                           use_cache=False)
+    # other wrong positions, those that go back without restarting at 0 included, name the
+    # layout the model was switched with (before, on one process: 'contiguous', whatever the
+    # model's layout)
+    zigzag = apply(_bigcode(), layout="zigzag")
+    for wrong in (torch.arange(1, SEQ + 1), torch.arange(SEQ).flip(0),
+                  torch.cat([torch.arange(SEQ // 2), torch.arange(2, SEQ - SEQ // 2 + 2)])):
+        with pytest.raises(ValueError, match=r"^GPTBigCodeAttention: .*position_ids that are "
+                                             r"not the global positions of this rank's tokens "
+                                             r"under layout 'zigzag'"):
+            zigzag(input_ids=_ids()[:1], position_ids=wrong[None], use_cache=False)
     model(input_ids=_ids()[:1], use_cache=False)  # the model's own positions are the global ones

@@ -188,7 +188,7 @@ _LISTED = 64  # the values of an INTS field a mismatch shows at most (per rank)
 
 def describe_field(kind: str, code: int) -> str:
     """How a signature field value is shown in a mismatch message."""
-    from ..spec import _DTYPES, FLOAT, float_of_field
+    from ..spec import _DTYPES, FLOAT, float_field_text
     if kind == OPERATION:
         return _OPERATIONS[code] if 0 <= code < len(_OPERATIONS) else f"operation #{code}"
     if isinstance(kind, tuple):  # the field is an index into these choices
@@ -198,7 +198,7 @@ def describe_field(kind: str, code: int) -> str:
     if kind == "bool":
         return str(bool(code))
     if kind == FLOAT:
-        return repr(float_of_field(code))
+        return float_field_text(code)
     if kind == "layout":
         from ..layouts import layout_name_of_code
         return layout_name_of_code(code)

@@ -25,9 +25,8 @@ chunks, ...) and each sp shard contiguously over tp, so s must be a multiple of
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field, replace
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -39,13 +38,24 @@ ZERO_STAGES = (0, 2, 3)
 # fails in DTensor (the LM head's reshape of a sequence-sharded activation) and the failure
 # completions meet FSDP2 internals of another shape; torch 2.12 trains exactly (the full
 # suite); recovering FSDP2 after a failed step needs 2.13 (fsdp_replay.FsdpReplay.reset).
-SHARDED_MIN_TORCH = (2, 12)
+SHARDED_MIN_TORCH = "2.12"
 
 
-def torch_version() -> Tuple[int, int]:
-    """(major, minor) of the torch in use, e.g. (2, 13) for "2.13.0+cpu"."""
-    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
-    return int(major), int(minor)
+def torch_version():
+    """The torch in use (a TorchVersion: compares with strings such as "2.12")."""
+    return torch.__version__
+
+
+def sharding_refusal(zero_stage: int, tp_size: int) -> Optional[str]:
+    """Why this torch cannot run FSDP2 (zero_stage 2 / 3) or tensor parallelism through the
+    plugin, or None. The plugin refuses with it; the memory planner, which plans a mesh for
+    any machine, does not."""
+    version = torch_version()
+    if (zero_stage >= 2 or tp_size > 1) and version < SHARDED_MIN_TORCH:
+        return (f"zero_stage={zero_stage} / tp_size={tp_size} (FSDP2 / tensor parallelism) "
+                f"need torch >= {SHARDED_MIN_TORCH}, found torch {version}; "
+                f"zero_stage=0 with tp_size=1 (DDP) runs on it")
+    return None
 
 
 def _divisors(n: int) -> List[int]:
@@ -131,11 +141,6 @@ class ParallelDims:
                 f"to backward; 3: FSDP2 resharding after forward too). ZeRO-1 alone is not "
                 f"implemented: zero_stage=2 saves its memory and more at the same gradient "
                 f"traffic")
-        if (self.zero_stage >= 2 or tp > 1) and torch_version() < SHARDED_MIN_TORCH:
-            raise ValueError(
-                f"ParallelDims: zero_stage={self.zero_stage} / tp_size={tp} (FSDP2 / tensor "
-                f"parallelism) need torch >= {'.'.join(map(str, SHARDED_MIN_TORCH))}, found "
-                f"torch {torch.__version__}; zero_stage=0 with tp_size=1 (DDP) runs on it")
         U, R, I = resolve_sp_sizes(self.sp_mode, sp, self.ulysses_size, self.inner_ring_size)
         object.__setattr__(self, "ulysses_size", U)
         object.__setattr__(self, "inner_ring_size", I)

@@ -72,7 +72,9 @@ class Booster:
 
     def reset(self) -> None:
         """After a step that raised (on every rank): makes the plugin's ring usable again.
-        Call it on every rank, e.g. in the ``except`` block that skips the failed step."""
+        Call it on every rank, e.g. in the ``except`` block that skips the failed step.
+        RingSequenceParallelPlugin raises RuntimeError when the processes must be restarted
+        instead (see its ``reset``)."""
         if hasattr(self.plugin, "reset"):
             self.plugin.reset()
 

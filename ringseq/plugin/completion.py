@@ -55,6 +55,11 @@ class Completion:
     def after_success(self) -> None:
         """This rank's backward ended: raises RingPeerError when another rank's did not."""
 
+    def reset_refusal(self) -> Optional[str]:
+        """Why :meth:`reset` cannot forget a failed step with this torch, or None; the
+        plugin asks every reduction before it resets anything."""
+        return None
+
     def reset(self) -> None:
         """On every rank (the plugin's reset): forgets the failed step."""
 

@@ -436,17 +436,20 @@ class FsdpReplay(Completion):
         dist.all_reduce(vec, group=self._status_group)
         return [ranks[i] for i, s in enumerate(vec.tolist()) if s]
 
+    def reset_refusal(self) -> Optional[str]:
+        root = self.units[0].module
+        if hasattr(root, "reset_iter_state"):
+            return None
+        return (f"FSDP2 forgets a failed forward or backward through "
+                f"FSDPModule.reset_iter_state, which torch 2.13 added; with torch "
+                f"{torch.__version__} restart the processes from the last checkpoint")
+
     def reset(self) -> None:
         """FSDP forgets the failed forward or backward (its units resharded, their
         per-iteration state cleared) and the gradients accumulated under ``no_sync``, which
         FSDP's reset keeps (a step after it would add them to the next ones)."""
         root = self.units[0].module
         if root._get_fsdp_state()._is_root is not None:  # (FSDP initializes at the first forward)
-            if not hasattr(root, "reset_iter_state"):
-                raise RuntimeError(
-                    f"booster.reset: FSDP2 forgets a failed forward or backward through "
-                    f"FSDPModule.reset_iter_state, which torch 2.13 added; with torch "
-                    f"{torch.__version__} restart the processes from the last checkpoint")
             root.reset_iter_state()
         for unit in self.units:
             for group in unit.groups:

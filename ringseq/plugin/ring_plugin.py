@@ -17,7 +17,7 @@ from .._dist import named_for
 from .._hash import stable_code
 from ..engine.ring import get_ring, reset_ring
 from ..layouts import PerBatchDocuments, get_layout
-from ..parallel.dims import ParallelDims, renamed_dims_error
+from ..parallel.dims import ParallelDims, renamed_dims_error, sharding_refusal
 from ..parallel.groups import SP_MODES
 from .base import Plugin
 from .dataloader import ShardedDataLoader, pack_documents
@@ -255,6 +255,9 @@ class RingSequenceParallelPlugin(Plugin):
             self.dims = ParallelDims(world_size=_world_size(), sp_size=sp_size, tp_size=tp_size,
                                      zero_stage=zero_stage, sp_mode=sp_mode, ulysses_size=u,
                                      inner_ring_size=inner_ring_size)
+            too_old = sharding_refusal(self.dims.zero_stage, self.dims.tp_size)
+            if too_old:
+                raise ValueError(too_old)
             if self.dims.sharded and precision == "fp16":
                 raise ValueError(f"precision='fp16' needs one GradScaler decision over "
                                  f"gradients that are sharded with tp_size={tp_size} / "
@@ -779,8 +782,14 @@ class RingSequenceParallelPlugin(Plugin):
         of its Ulysses / hybrid / double-ring modes and the default group's (where the loader
         and the loss agree); rebuilds what a timeout broke. Call it on every rank, with the
         ranks back at the same batch. Raises RuntimeError when this rank could not complete
-        the data-parallel collectives of its failed step (the other ranks wait in them)."""
+        the data-parallel collectives of its failed step (the other ranks wait in them), or
+        when FSDP2 cannot forget a failed step with this torch (< 2.13: every rank alike);
+        then nothing is reset."""
         unusable = self._reporter.unusable if self._reporter is not None else None
+        for reduction in self.reporter.reductions:
+            refusal = reduction.reset_refusal()
+            if refusal:
+                raise RuntimeError(f"booster.reset: {refusal}")
         if unusable:
             raise RuntimeError(
                 f"booster.reset: {unusable}; this rank's next collectives would pair with "

@@ -34,8 +34,9 @@ from cli_types import json_path, positive_int, positive_seconds  # noqa: E402  (
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import (PeakMemory, attention_flops, cpu_description, environment,  # noqa: E402
-                    format_table, load_average, mib, progress, spawn_cpu_ranks, write_json)
+from common import (PeakMemory, attention_flops, cpu_header, environment,  # noqa: E402
+                    format_table, load_average, mib, plain_attention, progress,
+                    spawn_cpu_ranks, write_json)
 from ring_job import CHECK_FLOOR, DTYPES  # noqa: E402  (the main job's dtypes and floors)
 
 ENGINES = ("ring-flash-attn", "ringseq")
@@ -70,10 +71,7 @@ def _attention_fn(engine, layout):
 def _plain(q, k, v, dout, dtype):
     """(out, dq, dk, dv) of plain causal attention in dtype, on the whole sequence."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    s, d = q.shape[1], q.shape[-1]
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d ** -0.5
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    out = plain_attention(q, k, v, dtype, causal=True)
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout.to(dtype)))
 
 
@@ -201,8 +199,8 @@ def main(argv=None):
         if res["engine"] == "ringseq":
             for mode in ("fwd", "fwd_bwd"):
                 res[f"{mode}_x_peer"] = peer[f"{mode}_ms"] / res[f"{mode}_ms"]
-    print(f"# {cpu_description()}; torch {torch.__version__}; block kernel of both engines: "
-          f"torch's CPU flash op (ringseq backend='sdpa', not its own kernel)")
+    print(f"{cpu_header(1)}; torch {torch.__version__}; block kernel of both engines: torch's "
+          f"CPU flash op (ringseq backend='sdpa', not its own kernel)")
     print(f"# W={a.world_size} s={a.seqlen} h={a.heads} d={a.headdim} {a.dtype} causal, 1 thread "
           f"per rank; median of {a.repeats} per rank, slowest rank; peak = resident-set high-water "
           f"mark above the timed loop's start, largest rank; x ring-flash-attn = its time / "

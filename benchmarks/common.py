@@ -24,6 +24,35 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode="fw
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
 
 
+def plain_attention(q, k, v, dtype, causal, rows=None):
+    """Plain softmax attention computed in ``dtype``: the float64 reference, or the same-dtype
+    attention whose error flash-attn's rule scales. q (b, s_q, h, d), or only its query rows
+    at the global positions ``rows`` (an int tensor); k, v (b, s_k, h_kv, d), their heads
+    repeated for GQA; causal: a query sees the keys up to its position. Returns (b, rows, h,
+    d) in ``dtype``, differentiable in q, k, v."""
+    pos = torch.arange(q.shape[1]) if rows is None else rows
+    g = q.shape[2] // k.shape[2]
+    qs = q[:, pos].to(dtype)
+    ks, vs = (t.to(dtype).repeat_interleave(g, 2) for t in (k, v))  # (b, s_k, h, d)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qs, ks) * q.shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > pos[:, None],
+                                    float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vs)
+
+
+def spot_check(full, out_local, positions, causal, rows):
+    """Max |out - float64| on this rank's first ``rows`` queries (``positions``: their global
+    positions), and plain same-dtype attention's error there (docs/design.md's tolerance
+    base). full = (q, k, v) of the whole sequence."""
+    q, k, v = full
+    pos = positions[:rows]
+    ref = plain_attention(q, k, v, torch.float64, causal, pos)
+    plain = plain_attention(q, k, v, q.dtype, causal, pos) if q.dtype != torch.float64 else ref
+    return (float((out_local[:, :rows].double().cpu() - ref).abs().max()),
+            float((plain.double() - ref).abs().max()))
+
+
 def synchronize(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from common import (PeakMemory, Stage, attention_flops, busy_cores, mib, proc_stat, progress,
-                    time_ms)
+                    spot_check, time_ms)
 from masked_ring import visible_pairs
 
 import ringseq
@@ -143,27 +143,10 @@ def compute_clock(args, device):
 
 
 def _spot_check(args, layout, causal, full, out_local, group):
-    """Max error of this rank's first query rows against float64 attention, and the error of
-    plain same-dtype attention at the same rows (docs/design.md's tolerance base)."""
-    q, k, v = full
+    """common.spot_check on this rank's first ``--check-rows`` query rows of ``layout``."""
     n = min(args.check_rows, out_local.shape[1])
-    pos = ringseq.positions(q.shape[1], layout, group)[:n]
-    h, h_kv = q.shape[2], k.shape[2]
-
-    def attend(dtype):
-        qs = q[:, pos].to(dtype)
-        ks = k.to(dtype).repeat_interleave(h // h_kv, 2)
-        vs = v.to(dtype).repeat_interleave(h // h_kv, 2)
-        s = torch.einsum("bqhd,bkhd->bhqk", qs, ks) * args.headdim ** -0.5
-        if causal:
-            s = s.masked_fill(torch.arange(k.shape[1])[None, :] > pos[:, None], float("-inf"))
-        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vs)
-
-    ref = attend(torch.float64)
-    plain = attend(q.dtype) if q.dtype != torch.float64 else ref
-    err = float((out_local[:, :n].double().cpu() - ref).abs().max())
-    base = float((plain.double() - ref).abs().max())
-    return err, base
+    pos = ringseq.positions(full[0].shape[1], layout, group)[:n]
+    return spot_check(full, out_local, pos, causal, n)
 
 
 def busiest_pairs(layout, world, seqlen, causal):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from common import (PeakMemory, attention_flops, cpu_header, environment, format_table,  # noqa: E402
-                    init_launched_group, mib, progress, run_with_load,
+                    init_launched_group, mib, progress, run_with_load, spot_check,
                     spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
@@ -72,28 +72,6 @@ def expected_bytes(b, s, h, h_kv, d, itemsize, U, R, I=None, acc_itemsize=4):
         fwd_ring += sum((w - 1) * n for w, n in laps if w > 1) * HEADER_BYTES
         bwd_ring += sum((w + 1) * n for w, n in laps if w > 1) * HEADER_BYTES
     return {"fwd": a2a + a2a_lse + fwd_ring, "bwd": a2a + bwd_ring}
-
-
-def _spot_check(full, out_local, positions, causal, rows):
-    """Max |out - float64| on this rank's first ``rows`` queries, and plain same-dtype
-    attention's error there."""
-    q, k, v = full
-    pos = positions[:rows]
-    g = q.shape[2] // k.shape[2]
-
-    def attend(dtype):
-        qs = q[:, pos].to(dtype)
-        ks = k.to(dtype).repeat_interleave(g, 2)
-        vs = v.to(dtype).repeat_interleave(g, 2)
-        sc = torch.einsum("bqhd,bkhd->bhqk", qs, ks) * q.shape[-1] ** -0.5
-        if causal:
-            sc = sc.masked_fill(torch.arange(k.shape[1])[None, :] > pos[:, None], float("-inf"))
-        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(sc, -1), vs)
-
-    ref = attend(torch.float64)
-    plain = attend(q.dtype) if q.dtype != torch.float64 else ref
-    return (float((out_local[:, :rows].double().cpu() - ref).abs().max()),
-            float((plain.double() - ref).abs().max()))
 
 
 def _max(x, device):
@@ -161,7 +139,7 @@ def run_rank_sp(args, device):
         dist.barrier()
         ms = _max(time_ms(step, device, args.warmup, args.repeats), device)
         pos = sp.positions(args.seqlen, layout)
-        err, plain_err = _spot_check(full, out.detach(), pos, causal, args.check_rows)
+        err, plain_err = spot_check(full, out.detach(), pos, causal, args.check_rows)
         # ok per rank (its rows' own plain error bounds them), then over ranks
         excess = _max(err - 2 * plain_err, device)
         err, plain_err = _max(err, device), _max(plain_err, device)

@@ -155,6 +155,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         # NumPy's integers and 0-d integer tensors too (np.diff(cu).max()); a SymInt
         # (torch.compile) as it is
+        # (dynamo sees a traced int as an int, not as a SymInt: both kept as they are)
         as_int_mx = (mx if isinstance(mx, (int, torch.SymInt)) and not isinstance(mx, bool)
                      else as_int(mx))
         if as_int_mx is None:

@@ -53,6 +53,8 @@ def json_path(text):
     """A path the results can be written to, tried before any work starts (a run should not
     end, minutes later, in a traceback about its output file): its directory is created and
     the file opened for appending; a file this made is removed again."""
+    if str(text).endswith(("/", os.sep)):  # (abspath drops the slash; open would not)
+        raise argparse.ArgumentTypeError(f"{text!r} ends in '/': a directory, not a file path")
     path = os.path.abspath(text)
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file path")

@@ -31,7 +31,8 @@ from .compat import (stripe_flash_attn_func, stripe_flash_attn_kvpacked_func,
 from .data import shard_batch
 from .kernels import available_backends
 from .kvcache import flash_attn_with_kvcache, ring_flash_attn_with_kvcache
-from .layouts import Layout, get_layout, positions, register_layout, shard, unshard
+from .gathering import unshard
+from .layouts import Layout, get_layout, positions, register_layout, shard
 from .loss import sharded_cross_entropy
 from .nn import (RingAttention, ring_flash_attn_func, ring_flash_attn_kvpacked_func,
                  ring_flash_attn_qkvpacked_func, ring_flash_attn_varlen_func,

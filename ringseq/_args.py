@@ -278,8 +278,9 @@ def sdpa_inputs(fn: str, query, key, value, attn_mask, dropout_p, is_causal, sca
     check_dropout(fn, dropout_p, sdpa_order=True)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{fn}: {name} must be (batch, nheads, seqlen, headdim), got "
-                             f"{given(t)}")
+            kind = ValueError if isinstance(t, torch.Tensor) else TypeError
+            raise kind(f"{fn}: {name} must be a tensor (batch, nheads, seqlen, headdim), got "
+                       f"{given(t)}")
     if not enable_gqa and query.shape[1] != key.shape[1] and key.shape[1] != 1:
         # (as F.scaled_dot_product_attention refuses it; one K/V head it broadcasts)
         raise ValueError(f"{fn}: query has {query.shape[1]} heads and key {key.shape[1]}: "

@@ -10,7 +10,7 @@ from typing import Mapping, Optional, Tuple
 
 import torch
 
-from ._args import check_cu_seqlens, given
+from ._args import as_int, check_cu_seqlens, given
 from ._dist import group_info
 from .layouts import (PerBatchDocuments, document_positions, get_layout, positions_local,
                       shard_local)
@@ -106,21 +106,27 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             ``"documents"`` for a batch of several rows that is not packed (a one-row batch
             without boundaries is one document). Raised on every rank alike,
             before any communication, since every rank holds the same full batch.
-        TypeError: ``batch`` is not a mapping.
+        TypeError: ``batch`` is not a mapping, or ``ignore_index`` is not an int.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_batch: batch must be a mapping of the full sequences (a dict "
                         f"with input_ids and/or inputs_embeds, ...), got {type(batch).__name__}")
+    if as_int(ignore_index) is None:  # (True or 0.5 would become a real target)
+        raise TypeError(f"shard_batch: ignore_index must be an int, got {given(ignore_index)}")
+    ignore_index = as_int(ignore_index)
     world_size, rank = group_info(group, "shard_batch")
     key = next((k for k in ("input_ids", "inputs_embeds") if batch.get(k) is not None), None)
     if key is None:
         raise ValueError("shard_batch needs `input_ids` (b, s) or `inputs_embeds` (b, s, hidden) "
                          f"in the batch, got keys {sorted(batch)}")
-    if not torch.is_tensor(batch[key]) or batch[key].dim() < 2:
+    if not torch.is_tensor(batch[key]) or batch[key].dim() != (2 if key == "input_ids" else 3):
         raise ValueError(f"shard_batch: batch[{key!r}] must be a tensor of shape "
                          f"{'(b, s)' if key == 'input_ids' else '(b, s, hidden)'} (a batch "
                          f"dimension first), got {given(batch[key])}")
     b, s = batch[key].shape[:2]
+    if s == 0:
+        raise ValueError(f"shard_batch: batch[{key!r}] holds no tokens (shape "
+                         f"{tuple(batch[key].shape)}); a sequence needs at least one")
     lead = key  # the tensor whose (b, s) the others must have
     try:
         lay = get_layout(layout)  # (a hybrid mode's layout wraps the documents layout)

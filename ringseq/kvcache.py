@@ -92,8 +92,21 @@ def _check_dtype(fn: str, q: torch.Tensor) -> None:
 
 
 def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """ValueError for caches made under ``torch.inference_mode()`` written outside it (torch
-    refuses the in-place update), before anything is written."""
+    """ValueError, before anything is written, for caches the new keys and values cannot be
+    written into apart: one tensor passed as both caches, or a cache whose rows share memory
+    (an expanded / broadcast tensor: a stride of 0), where one write lands on another's place
+    and the cache read next holds the wrong keys; and for caches made under
+    ``torch.inference_mode()`` written outside it (torch refuses the in-place update)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            raise ValueError(f"{fn}: {name} has rows that share memory (strides {t.stride()} "
+                             f"for shape {tuple(t.shape)}: an expanded or broadcast tensor), so "
+                             f"the new keys and values of one row would overwrite another's; "
+                             f"pass a cache of its own memory ({name}.contiguous())")
+    if k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride() \
+            and k_cache.numel():
+        raise ValueError(f"{fn}: k_cache and v_cache are the same memory, so the new values "
+                         f"would overwrite the new keys; pass two caches")
     if torch.is_inference_mode_enabled():
         return
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -379,6 +392,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_rotary_rows(fn, rotary_cos, last + max(s_new, s_q if causal or windowed else 1))
     if k is not None:
         _check_writable(fn, k_cache, v_cache)
+        if host_idx is not None and len(set(host_idx)) < len(host_idx):
+            raise ValueError(f"{fn}: cache_batch_idx names a cache row twice ({host_idx}) while "
+                             f"k and v are appended: both rows' new keys would be written into "
+                             f"the same cache row")
     scale = resolve_scale(softmax_scale, d)
     with torch.no_grad():
         q, k, v = _head_contiguous(q, k, v)

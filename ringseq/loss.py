@@ -40,7 +40,11 @@ def report_step_failure(group=None, error: BaseException = None) -> None:
     loss, from a rank whose step failed before its loss (the plugin calls it when the model
     raises): every other rank of the group then raises ``RingPeerError`` at its loss, naming
     this rank and ``error``, instead of waiting for it. Returns on this rank (which re-raises
-    its own error). Collective, on the group's control channel."""
+    its own error). Collective, on the group's control channel. An exception passed first,
+    ``report_step_failure(exc)``, is the error on the default group (a bad argument here
+    would leave the peers waiting: this function is what unblocks them)."""
+    if isinstance(group, BaseException) and error is None:
+        group, error = None, group
     if group_info(group, "report_step_failure")[0] > 1:
         message = f"{type(error).__name__}: {error}" if error is not None else "failed"
         get_ring(group).agree(False, f"{message} ({_LOSS})", raise_own=False, about="loss")
@@ -69,8 +73,9 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     by the data-parallel size only, as usual.
 
     Raises ValueError when the leading shapes of ``logits`` and ``labels`` differ, ``logits``
-    is not a floating tensor, ``labels`` is not an integer tensor (float, bool) or a label is
-    outside the vocabulary, TypeError when ``ignore_index`` is not an int; then every other
+    is not a floating tensor or has no class, ``labels`` is not an integer tensor (float,
+    bool) or a label is outside the vocabulary, TypeError when ``ignore_index`` is not an int
+    or ``labels`` not a tensor; then every other
     rank of ``group`` raises ``RingPeerError`` naming this rank and the error (the ranks
     agree on the control channel before the reduction). ``RingMismatchError`` (a ValueError)
     on every rank when the ranks' ``ignore_index``, vocabulary sizes or logits dtypes differ.
@@ -84,6 +89,12 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
         if not torch.is_tensor(logits) or not logits.is_floating_point() or logits.dim() < 1:
             raise ValueError(f"sharded_cross_entropy: logits must be a floating tensor "
                              f"(..., vocab), got {given(logits)}")
+        if logits.shape[-1] == 0:
+            raise ValueError(f"sharded_cross_entropy: logits must have a vocabulary of at "
+                             f"least one class, got shape {tuple(logits.shape)}")
+        if not torch.is_tensor(labels):
+            raise TypeError(f"sharded_cross_entropy: labels must be an integer tensor (...) "
+                             f"of class indices, got {given(labels)}")
         # float32 at least: bf16 log-softmax over a large vocabulary loses the loss's digits
         acc = torch.promote_types(logits.dtype, torch.float32)
         if logits.shape[:-1] != labels.shape:

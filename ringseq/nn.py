@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._args import (autocast_inputs, check_bool, check_returns, check_softmax_scale, sdpa_inputs,
-                    split_kv, split_packed_varlen, split_qkv)
+from ._args import (autocast_inputs, check_bool, check_returns, check_softmax_scale, given,
+                    sdpa_inputs, split_kv, split_packed_varlen, split_qkv)
 from .engine.integrity import FWD
 from .engine.op import run_attention
 from .engine.placement import RingPlacement
@@ -264,8 +264,9 @@ def _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, wind
     with refuse_on_error(group, FWD):
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                raise ValueError(f"{fn}: {name} must be a 3-dim tensor (total_local, nheads, "
-                                 f"headdim), got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+                kind = ValueError if isinstance(t, torch.Tensor) else TypeError
+                raise kind(f"{fn}: {name} must be a 3-dim tensor (total_local, nheads, "
+                           f"headdim), got {given(t)}")
     res = ring_attention(fn, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p=dropout_p,
                          softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                          alibi_slopes=alibi_slopes, deterministic=deterministic,
@@ -342,6 +343,15 @@ class RingAttention(nn.Module):
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
+
+    def __getstate__(self):
+        # (pickling, torch.save of the whole model): a process group belongs to its process
+        # and cannot be pickled; torch's own error would name neither this module nor `group`
+        if self.group is not None:
+            raise TypeError("RingAttention: cannot pickle a module bound to a process group "
+                            "(group=...): save the model's state_dict() (this module has no "
+                            "tensors) and build the module again in the loading process")
+        return super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
 
     def extra_repr(self) -> str:
         return f"layout={self.layout.name!r}, causal={self.causal}, backend={self.backend!r}"

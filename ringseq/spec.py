@@ -165,8 +165,13 @@ def _scalars_from_key(key: str) -> AttnSpec:
 
 def spec_from_key(key: str, documents: Optional[torch.Tensor] = None,
                   spans: Optional[torch.Tensor] = None) -> AttnSpec:
-    """The spec :meth:`AttnSpec.key` encoded, with the documents and spans given beside it."""
-    spec = _scalars_from_key(key)
+    """The spec :meth:`AttnSpec.key` encoded, with the documents and spans given beside it.
+    ValueError for a string no :meth:`AttnSpec.key` made (the operator called by hand)."""
+    try:
+        spec = _scalars_from_key(key)
+    except (ValueError, TypeError, AttributeError):
+        raise ValueError(f"ringseq::attention: spec must be a key made by AttnSpec.key() (9 "
+                         f"fields separated by '|'), got {key!r}") from None
     if documents is None and spans is None:
         return spec
     mask = spec.mask if documents is None else dataclasses.replace(
@@ -174,17 +179,22 @@ def spec_from_key(key: str, documents: Optional[torch.Tensor] = None,
     return dataclasses.replace(spec, mask=mask, spans=spans)
 
 
+GRAD_COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _resolve_grad_comm_dtype(fn: str, grad_comm_dtype, dtype: torch.dtype,
                              acc: torch.dtype) -> torch.dtype:
-    """None -> the accumulation dtype; "input" -> ``dtype``; a floating torch.dtype as is."""
+    """None -> the accumulation dtype; "input" -> ``dtype``; one of :data:`GRAD_COMM_DTYPES`
+    as is (float8 cannot be added to: the travelling partial gradients are sums)."""
     if grad_comm_dtype is None:
         return acc
     if isinstance(grad_comm_dtype, str) and grad_comm_dtype == "input":
         return dtype
-    if isinstance(grad_comm_dtype, torch.dtype) and grad_comm_dtype.is_floating_point:
+    if grad_comm_dtype in GRAD_COMM_DTYPES:
         return grad_comm_dtype
-    raise (ValueError if isinstance(grad_comm_dtype, (str, torch.dtype)) else TypeError)(f"{fn}: grad_comm_dtype must be None, 'input' or a floating torch.dtype, "
-                     f"got {grad_comm_dtype!r}")
+    kind = ValueError if isinstance(grad_comm_dtype, (str, torch.dtype)) else TypeError
+    raise kind(f"{fn}: grad_comm_dtype must be None, 'input', torch.float16, torch.bfloat16, "
+               f"torch.float32 or torch.float64, got {grad_comm_dtype!r}")
 
 
 def attn_spec(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -311,6 +321,10 @@ def named_layout(fn: str, layout, takes_documents: bool = True):
         lay = get_layout(layout)
     except ValueError as exc:
         raise ValueError(f"{fn}: {exc}") from None
+    if type(lay).__hash__ is None:  # (the plans of a layout are cached by it)
+        raise TypeError(f"{fn}: layout {type(lay).__name__} must be hashable, and its "
+                        f"__hash__ is None (a @dataclass with eq=True sets that): declare it "
+                        f"@dataclass(frozen=True) or @dataclass(eq=False)")
     if not takes_documents and isinstance(lay, PerBatchDocuments):
         raise ValueError(
             f"{fn}: layout {lay.name!r} is per batch: it needs each batch's GLOBAL document "

@@ -49,7 +49,9 @@ def test_help_describes_every_option():
     (["--sp-mode", "ring", "--modes", "fwd"], "--modes does not apply"),
     (["--sp-mode", "ring", "--causal", "both"], "--causal both does not apply"),
     # (before: the whole run, then a traceback writing the file)
-    (["--json", "/"], "is a directory, not a file path"),
+    (["--json", "/"], "ends in '/': a directory, not a file path"),
+    (["--json", "no-such-dir/out/"], "ends in '/': a directory, not a file path"),
+    (["--json", "/tmp"], "is a directory, not a file path"),
     (["--json", "/proc/no-such-dir/out.json"], "cannot write"),
     # (before: the whole run, then a traceback and exit status 1; or 'chart' written as
     # chart.png while 'wrote chart' was printed)

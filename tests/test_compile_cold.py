@@ -31,8 +31,6 @@ def _worker():
     def cases():
         nonlocal sp
         cu = [0, 5, 16]
-        qkv = torch.randn(1, S, 3, H, D)
-        kv = torch.stack([k, k], dim=2)
         yield "ring_flash_attn_func", lambda q, k, v: ringseq.ring_flash_attn_func(
             q, k, v, causal=True, layout="zigzag")
         yield "flash_attn_func", lambda q, k, v: ringseq.flash_attn_func(

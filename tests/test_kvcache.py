@@ -11,6 +11,7 @@ ringseq's code.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -298,15 +299,20 @@ def test_appending_in_steps_equals_one_call_over_the_filled_cache():
     gen = torch.Generator().manual_seed(5)
     lengths = torch.tensor([10, 20], dtype=torch.int32)
     kc0, vc0 = kc.clone(), vc.clone()
+    ks, vs = [], []
     for step in range(5):
-        k = torch.randn(2, 1, 2, 64, generator=gen)
-        v = torch.randn(2, 1, 2, 64, generator=gen)
-        out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths + step, causal=True)
+        ks.append(torch.randn(2, 1, 2, 64, generator=gen))  # (b, 1, h_kv, d)
+        vs.append(torch.randn(2, 1, 2, 64, generator=gen))
+        out = flash_attn_with_kvcache(q, kc, vc, ks[-1], vs[-1], cache_seqlens=lengths + step,
+                                      causal=True)
     direct = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths + 5, causal=True)
     torch.testing.assert_close(out, direct, rtol=0, atol=0)
     for b, n in enumerate(lengths.tolist()):
-        assert torch.equal(kc[b, :n], kc0[b, :n]) and torch.equal(kc[b, n + 5:], kc0[b, n + 5:])
-        assert not torch.equal(kc[b, n:n + 5], kc0[b, n:n + 5])
+        for cache, before in ((kc, kc0), (vc, vc0)):
+            assert torch.equal(cache[b, :n], before[b, :n])
+            assert torch.equal(cache[b, n + 5:], before[b, n + 5:])
+        assert torch.equal(kc[b, n:n + 5], torch.cat(ks, 1)[b])
+        assert torch.equal(vc[b, n:n + 5], torch.cat(vs, 1)[b])
 
 
 def test_rows_that_see_no_key_give_zero_and_lse_plus_inf():
@@ -383,6 +389,37 @@ def test_bad_values_are_refused_before_the_cache_changes():
     with torch.inference_mode():  # inside it, as in flash-attn
         flash_attn_with_kvcache(q, made_there, vc.clone(), k, k.clone(), cache_seqlens=3)
     assert torch.equal(made_there[:, 3], k[:, 0])
+
+
+@pytest.mark.parametrize("fn", [
+    flash_attn_with_kvcache, functools.partial(ring_flash_attn_with_kvcache, prefill_len=0)],
+    ids=["flash_attn_with_kvcache", "ring_flash_attn_with_kvcache"])
+def test_caches_whose_writes_would_land_on_each_other_are_refused(fn):
+    """Before: accepted. A broadcast cache (rows of one memory) took row 1's new value in row
+    0's slot (output 0.77 off, and the cache read next corrupted); one tensor as both caches
+    returned values for keys (1.6 off); two query rows naming one cache row wrote it twice."""
+    q, kc, vc = _decode_inputs(b=2, cap=16)
+    k, v = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64)
+    shared_rows = vc[:1].expand(2, -1, -1, -1)  # (2, 16, 2, 64), batch stride 0
+    name = getattr(fn, "func", fn).__name__
+    with pytest.raises(ValueError, match=rf"^{name}: v_cache has rows that share memory "
+                                         r"\(strides \(0, "):
+        fn(q, kc, shared_rows, k=k, v=v, cache_seqlens=3)
+    with pytest.raises(ValueError, match=rf"^{name}: k_cache and v_cache are the same memory"):
+        fn(q, kc, kc, k=k, v=v, cache_seqlens=3)
+    assert torch.equal(shared_rows, vc[:1].expand(2, -1, -1, -1))  # nothing written
+    if fn is flash_attn_with_kvcache:
+        before = kc.clone()
+        with pytest.raises(ValueError, match=r"cache_batch_idx names a cache row twice \(\[1, "
+                                             r"1\]\) while k and v are appended"):
+            fn(q, kc, vc, k=k, v=v, cache_seqlens=3, cache_batch_idx=torch.tensor([1, 1]))
+        assert torch.equal(kc, before)
+    # reading a broadcast cache, and two halves of one interleaved (b, cap, 2, h_kv, d) buffer,
+    # stay fine
+    fn(q, kc, shared_rows, cache_seqlens=3)
+    kv = torch.randn(2, 16, 2, 2, 64)
+    fn(q, kv[:, :, 0], kv[:, :, 1], k=k, v=v, cache_seqlens=3)
+    assert torch.equal(kv[:, 3, 0], k[:, 0]) and torch.equal(kv[:, 3, 1], v[:, 0])
 
 
 def test_a_window_as_wide_as_the_cache_is_no_window_on_the_torch_path(monkeypatch):

@@ -180,6 +180,52 @@ def test_layouts_that_share_a_name_are_told_apart_and_built_in_names_are_kept():
         register_layout(A())
 
 
+def test_what_is_not_a_hashable_layout_instance_is_refused_where_it_is_given():
+    """(before: a class registered fine and failed at shard with a missing argument; a plain
+    @dataclass layout sharded fine and failed in the ring call with weakref's 'unhashable
+    type', naming no function; a multiple that is no multiple of W sharded fine and made
+    unshard(shard(x)) fail)"""
+    import dataclasses
+
+    from ringseq.layouts import Layout, register_layout
+
+    class Rev(Layout):
+        name = "rev_demo"
+        _positions = _ReversedWithinRank._positions
+
+    with pytest.raises(TypeError, match=r"^register_layout: layout must be a "
+                                        r"ringseq.layouts.Layout instance, got .*Rev'> \(type\) "
+                                        r"\(a class: register an instance of it"):
+        register_layout(Rev)
+
+    @dataclasses.dataclass
+    class Shifted(Rev):
+        shift: int = 0
+
+    for call in (lambda: register_layout(Shifted()),
+                 lambda: ringseq.RingAttention(layout=Shifted())):
+        with pytest.raises(TypeError, match=r"layout Shifted must be hashable, and its __hash__ "
+                                            r"is None .*@dataclass\(frozen=True\)"):
+            call()
+    frozen = dataclasses.dataclass(frozen=True)(type("Frozen", (Rev,), {}))
+    assert ringseq.RingAttention(layout=frozen()).layout == frozen()
+
+    class Thirds(Rev):
+        def multiple(self, world_size):
+            return 3
+
+    with pytest.raises(ValueError, match=r"^shard: layout 'rev_demo': multiple\(2\) must be a "
+                                         r"multiple of the world size, got 3"):
+        shard_local(torch.zeros(1, 6), Thirds(), 2, 0, fn="shard")
+
+
+def test_a_zigzag_shard_is_contiguous_whatever_the_inputs_strides():
+    """(before: a (b, s, h, d) input whose sequence dim has stride 1 gave a strided shard)"""
+    x = torch.randn(2, 4, 3, 8).permute(0, 3, 2, 1)  # (2, 8, 3, 4), strides (96, 1, 4, 12)
+    part = shard_local(x, "zigzag", 2, 1)
+    assert part.is_contiguous() and torch.equal(part, x[:, [2, 3, 4, 5]])
+
+
 def test_what_the_new_layout_checks_still_take():
     """Valid uses the session's checks first refused (a regression hunt found them): a
     script's layout class on the launching process (module __main__) and on spawned ranks
@@ -291,6 +337,26 @@ def test_shard_batch_refuses_tensors_of_another_batch_or_rank(key, value):
     out = ringseq.shard_batch({"input_ids": ids, "position_ids": torch.arange(8)[None],
                                "labels": ids, "attention_mask": torch.ones(2, 8)})
     assert out["shift_labels"].shape == (2, 8) and out["position_ids"].shape == (1, 8)
+
+
+@pytest.mark.parametrize("batch, kwargs, kind, message", [
+    # (before: True / 0.5 became class 1 / 0 at every sequence's end, a real target)
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)},
+     {"ignore_index": True}, TypeError, "shard_batch: ignore_index must be an int, got True (bool)"),
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.long)},
+     {"ignore_index": -100.7}, TypeError, "shard_batch: ignore_index must be an int, got -100.7"),
+    # (before: a tokenizer's (1, s) rows collated to (2, 1, 8) were blamed on the length, 1)
+    ({"input_ids": torch.zeros(2, 1, 8, dtype=torch.long)}, {}, ValueError,
+     "shard_batch: batch['input_ids'] must be a tensor of shape (b, s) (a batch dimension "
+     "first), got a torch.Tensor of shape (2, 1, 8)"),
+    # (before: torch's "cannot reshape tensor of 0 elements")
+    ({"input_ids": torch.zeros(1, 0, dtype=torch.long), "position_ids": torch.zeros(1, 0)}, {},
+     ValueError, "shard_batch: batch['input_ids'] holds no tokens (shape (1, 0))"),
+])
+def test_shard_batch_refuses_an_ignore_index_or_ids_it_would_misread(batch, kwargs, kind,
+                                                                      message):
+    with pytest.raises(kind, match="^" + re.escape(message)):
+        ringseq.shard_batch(batch, **kwargs)
 
 
 def test_without_process_group_world_size_is_one():

@@ -49,6 +49,13 @@ def test_ignore_index_and_logits_are_checked_by_name():
     with pytest.raises(ValueError, match=r"^sharded_cross_entropy: logits must be a floating "
                                          r"tensor"):
         ringseq.sharded_cross_entropy(torch.ones(3, 5, dtype=torch.long), torch.tensor([0, 1, 2]))
+    # (before: AttributeError 'list' object has no attribute 'shape', and torch's reshape error)
+    with pytest.raises(TypeError, match=r"^sharded_cross_entropy: labels must be an integer "
+                                        r"tensor \(...\) of class indices, got \[0, 1, 2\] \(list\)"):
+        ringseq.sharded_cross_entropy(logits, [0, 1, 2])
+    with pytest.raises(ValueError, match=r"^sharded_cross_entropy: logits must have a "
+                                         r"vocabulary of at least one class, got shape \(3, 0\)"):
+        ringseq.sharded_cross_entropy(torch.randn(3, 0), torch.tensor([0, 1, 2]))
     labels = torch.tensor([0, -7, 2])
     want = ringseq.sharded_cross_entropy(logits, labels, ignore_index=-7)
     for index in (torch.tensor(-7), __import__("numpy").int64(-7)):  # ints of other kinds
@@ -69,6 +76,12 @@ def _worker_disagreeing_ranks():
         "vocab": capture(lambda: ringseq.sharded_cross_entropy(
             torch.cat([logits, logits[..., :2]], -1) if rank == 1 else logits, labels)),
     }
+    # the error passed first, as report_step_failure(exc) (before: a TypeError about `group`
+    # on rank 1 alone, rank 0 waiting at its loss for the ring timeout)
+    if rank == 1:
+        ringseq.loss.report_step_failure(RuntimeError("the model failed"))
+    else:
+        res["positional_report"] = capture(lambda: ringseq.sharded_cross_entropy(logits, labels))
     res["after"] = float(ringseq.sharded_cross_entropy(logits, labels))
     return res
 
@@ -90,3 +103,6 @@ def test_ranks_that_disagree_on_the_loss_arguments_raise_on_every_rank():
                                       "were called with different arguments: ") and \
                 field in message and "one ignore_index" in message, message
     assert ranks[0]["after"] == ranks[1]["after"]
+    kind, message = ranks[0]["positional_report"][:2]
+    assert kind == "RingPeerError" and "(rank 1: RuntimeError: the model failed" in message, \
+        message

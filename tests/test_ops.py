@@ -1,6 +1,8 @@
 """The ops layer: flash_attn_func, backends, input validation, torch.library integration."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -259,6 +261,25 @@ def test_opcheck(causal, dtype):
     acc = [torch.randn(t.shape, dtype=lse.dtype) for t in (q, k, v)]
     torch.library.opcheck(torch.ops.ringseq.bwd_accum.default, (*plain, 0.3, causal, None, *acc))
     torch.library.opcheck(torch.ops.ringseq.delta.default, (plain[0], plain[4]))
+
+
+def test_the_attention_operator_names_a_key_it_cannot_read():
+    """torch.ops.ringseq.attention called by hand with strings no key() made (before: "not
+    enough values to unpack" and KeyError 'nonsense', naming neither operator nor argument)."""
+    from ringseq.spec import attn_spec
+    q, k, v = qkv(b=1, s_q=8, s_k=8, h=4, h_kv=2, d=16)
+    spec = attn_spec("flash_attn_func", q, k, v, causal=True).key()
+    op = torch.ops.ringseq.attention
+    with pytest.raises(ValueError, match=r"^ringseq::attention: spec must be a key made by "
+                                         r"AttnSpec.key\(\) .*got 'garbage'"):
+        op(q, k, v, "garbage", "local", None, None)
+    for placement in ("nonsense", "ring|zigzag"):
+        with pytest.raises(ValueError, match=rf"^ringseq::attention: placement must be a key "
+                                             rf"made by a placement's key\(\) .*got "
+                                             rf"'{re.escape(placement)}'"):
+            op(q, k, v, spec, placement, None, None)
+    out = op(q, k, v, spec, "local", None, None)[0]
+    torch.testing.assert_close(out, ringseq.flash_attn_func(q, k, v, causal=True))
 
 
 @needs_ext

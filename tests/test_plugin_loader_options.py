@@ -5,6 +5,7 @@ max_norm that would reverse or poison the gradients; options that do not apply a
 refusals name the plugin, ``boost`` or the function."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,6 +55,13 @@ def _worker():
     out["same_epoch"] = sorted(_seen(loader))  # this dp group's half, no error
     uneven = plugin.prepare_dataloader(_data(4 if dp == 0 else 6), batch_size=2)
     out["uneven"] = error_text(lambda: _seen(uneven))
+    prepare = plugin.prepare_dataloader
+    out["prepare_shuffle_no"] = error_text(lambda: prepare(_data(), batch_size=2, shuffle="no"))
+    out["prepare_seed_text"] = error_text(lambda: prepare(_data(), batch_size=2, seed="7"))
+    out["prepare_batch_0"] = error_text(lambda: prepare(_data(), batch_size=0))
+    out["prepare_no_samples"] = error_text(lambda: prepare([], batch_size=2))
+    out["prepare_too_few"] = error_text(lambda: prepare(_data(1), batch_size=2, drop_last=True))
+    out["prepare_numpy_ok"] = len(prepare(_data(), batch_size=np.int64(2), seed=np.int32(3)))
     # a plain DataLoader rebuilt by boost shuffles with seed 1024 on every rank, whatever its
     # generator (which seeds its workers): a generator seeded per rank (for the workers'
     # augmentations) is valid and splits the samples consistently
@@ -137,6 +145,64 @@ def test_loaders_of_different_lengths_are_named_with_their_batch(w4):
         assert text.startswith("RingMismatchError: ringseq: ShardedDataLoader (batch 1): the "
                                "ranks of the ring were called with different arguments: "), text
         assert "the same number of batches per epoch" in text, text
+
+
+@pytest.mark.parametrize("key, expected", [
+    # before: "no" is true (shuffled), "7" a TypeError about str + int at the first batch,
+    # and an empty loader ran a training loop of no step
+    ("prepare_shuffle_no", "TypeError: prepare_dataloader: shuffle must be True or False, got "
+                           "'no' (str)"),
+    ("prepare_seed_text", "TypeError: prepare_dataloader: seed must be an int, got '7' (str)"),
+    ("prepare_batch_0", "ValueError: prepare_dataloader: batch_size must be an int >= 1, got 0"),
+    ("prepare_no_samples", "ValueError: prepare_dataloader: the dataset's 0 samples give no "
+                           "batch per epoch (2 data-parallel group(s), batch_size 2, "
+                           "drop_last=False)"),
+    ("prepare_too_few", "ValueError: prepare_dataloader: the dataset's 1 samples give no batch "
+                        "per epoch (2 data-parallel group(s), batch_size 2, drop_last=True)"),
+])
+def test_prepare_dataloader_refuses_settings_it_would_misread_on_every_rank(w4, key, expected):
+    for r in w4:
+        assert r[key].startswith(expected), r[key]
+        assert r["prepare_numpy_ok"] == 4  # 16 samples / 2 dp groups / 2 a batch
+
+
+@pytest.mark.parametrize("samples, kwargs, expected", [
+    ([{"ids": [1]}], {}, "ValueError: pack_documents: samples[0] must be a mapping with "
+                         "'input_ids' (s,), got keys ['ids']"),
+    ([[1, 2]], {}, "ValueError: pack_documents: samples[0] must be a mapping with 'input_ids' "
+                   "(s,), got [1, 2] (list)"),
+    ([{"input_ids": [[1, 2], [3, 4]]}], {}, "ValueError: pack_documents: "
+                                            "samples[0]['input_ids'] must have shape (s,) or "
+                                            "(1, s), got (2, 2)"),
+    ([{"input_ids": [1, 2], "labels": [1, 2, 3]}], {},
+     "ValueError: pack_documents: samples[0]['labels'] has 3 tokens, its input_ids 2"),
+    ([{"input_ids": ["a"]}], {}, "ValueError: pack_documents: samples[0]['input_ids'] must be a "
+                                 "list, array or tensor of token ids (s,), got ['a'] (list)"),
+    ([{"input_ids": []}, {"input_ids": []}], {},
+     "ValueError: pack_documents: the 2 samples hold no token; a batch needs at least one"),
+    ([{"input_ids": [1]}], {"multiple": 0},
+     "ValueError: pack_documents: multiple must be an int >= 1"),
+    ([{"input_ids": [1]}], {"multiple": 2.5},
+     "TypeError: pack_documents: multiple must be an int, got 2.5 (float)"),
+])
+def test_pack_documents_names_the_sample_it_cannot_pack(samples, kwargs, expected):
+    """Before: a bare KeyError 'input_ids', torch's indexing errors, a (2, s) sample packed as
+    one document, multiple=0 or -4 taken as 1, and a row of no token that failed in
+    shard_batch with torch's reshape error."""
+    from ringseq.plugin.dataloader import pack_documents
+    assert error_text(lambda: pack_documents(samples, **kwargs)).startswith(expected)
+
+
+def test_pack_documents_takes_tokenizer_rows_and_keeps_the_padding_label():
+    """(1, s) tensors (a tokenizer's return_tensors="pt"), labels=None and uint8 ids: the
+    result is int64, and the padding's ignore_index stays -100 (before: uint8 wrapped it to
+    156, a real target)."""
+    from ringseq.plugin.dataloader import pack_documents
+    batch = pack_documents([{"input_ids": torch.tensor([[3, 4]]), "labels": None},
+                            {"input_ids": np.array([5], dtype=np.uint8)}], multiple=4)
+    assert batch["input_ids"].tolist() == [[3, 4, 5, 0]]
+    assert batch["labels"].tolist() == [[3, 4, 5, -100]]
+    assert batch["labels"].dtype == batch["input_ids"].dtype == torch.int64
 
 
 def test_pack_documents_keeps_token_ids_integer():

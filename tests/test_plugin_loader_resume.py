@@ -84,6 +84,16 @@ def _worker(tmp):
     resumed.set_epoch(2)  # the next epoch is whole again
     out["next_epoch_length"] = len(_batches(resumed))
 
+    left = loader()  # an epoch left with `break`, then the next epoch set and saved
+    left.set_epoch(0)
+    _batches(left, 2)
+    left.set_epoch(1)
+    out["after_break"] = left.state_dict()  # (before: epoch 0 after batch 2)
+    again = loader()
+    again.load_state_dict(out["after_break"])
+    again.set_epoch(again.epoch)
+    out["after_break_resumed"] = _batches(again)
+
     stateful = loader()  # torch.distributed.checkpoint takes the loader as a Stateful
     dcp.save({"loader": run}, checkpoint_id=os.path.join(tmp, "dcp"))
     dcp.load({"loader": stateful}, checkpoint_id=os.path.join(tmp, "dcp"))
@@ -144,6 +154,25 @@ def test_the_state_is_the_same_on_every_rank_and_plain(w4):
     assert (state["step"], state["epoch"], state["batches_in_epoch"],
             state["batches_per_epoch"]) == (7, 1, 2, 5)
     assert {type(v) for v in state.values()} <= {int, bool, str}
+
+
+def test_an_epoch_left_with_break_is_not_resumed_after_the_next_epoch_is_set(w4):
+    """Before: the state kept the left epoch's position, and the resumed run trained on its
+    three remaining batches, which the uninterrupted run never saw."""
+    for r in w4:
+        state = r["after_break"]
+        assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (2, 1, 0)
+        assert r["after_break_resumed"] == r["full"][1]
+
+
+def test_a_state_of_an_epoch_with_no_batches_keeps_its_epoch():
+    """Before: 0 batches handed out of 0 read as an ended epoch, and every save / load round
+    trip of such a loader moved it one epoch on."""
+    from ringseq.plugin.loader_state import LoaderPosition, read_loader_state, state_of
+    settings = {"batch_size": 2, "dp_size": 1, "shuffle": False, "seed": 0, "drop_last": True,
+                "dataset_length": 1}
+    state = state_of(LoaderPosition(0, 3, 0), 0, settings)
+    assert read_loader_state(state, settings, resumable=True) == LoaderPosition(0, 3, 0)
 
 
 def test_a_state_at_an_epochs_end_starts_the_next_epoch_under_any_settings(w4):

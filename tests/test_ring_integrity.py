@@ -412,6 +412,14 @@ def _case_stalled_peer():
         res["stalled"] = _capture(lambda: ringseq.ring_flash_attn_func(*loc, group=g))
     else:
         time.sleep(5)
+    # only rank 0 back-propagates through unshard (before: its backward's all_reduce paired
+    # with the next collective of rank 1, both silently wrong, or waited for torch's timeout)
+    g2 = dist.new_group(list(range(dist.get_world_size())))
+    full = ringseq.unshard(torch.zeros(1, 4, 2, requires_grad=True), "zigzag", g2)
+    if rank == 0:
+        res["unshard_backward"] = _capture(lambda: full.sum().backward())
+    else:
+        time.sleep(5)
     ringseq.set_ring_timeout(None)
     dist.barrier()
     return res
@@ -456,6 +464,14 @@ def _booster_case():
     return out
 
 
+class _EveryRankFirst(ringseq.layouts.Layout):
+    """Not a permutation: every rank claims the first s / W positions."""
+    name = "every_rank_first"
+
+    def _positions(self, seqlen, world_size, rank):
+        return torch.arange(seqlen // world_size)
+
+
 def _case_unshard_mismatch():
     """ringseq.unshard with shards that differ between ranks, or a length the layout cannot
     have on one rank: every rank raises (no all-gather of mismatched shards, no wait)."""
@@ -471,7 +487,10 @@ def _case_unshard_mismatch():
            # arguments rank 1 alone refuses (before: it raised at once, rank 0 waited in the
            # all-gather until the timeout)
            "typo": _capture(lambda: ringseq.unshard(x, "zigzag" if rank == 0 else "zigzg")),
-           "bad_dim": _capture(lambda: ringseq.unshard(x, "zigzag", dim=1 if rank == 0 else 3))}
+           "bad_dim": _capture(lambda: ringseq.unshard(x, "zigzag", dim=1 if rank == 0 else 3)),
+           # a layout of the user's whose ranks list position 0 twice: refused before the
+           # all-gather, named (before: raised inside the gather, naming no function)
+           "duplicates": _capture(lambda: ringseq.unshard(x, _EveryRankFirst()))}
     res["after"] = ringseq.unshard(x, "zigzag")  # the ring is usable afterwards
     return res
 
@@ -782,6 +801,9 @@ def test_stalled_peer_times_out_with_a_ringseq_message(w2):
     res = w2[0]["stalled"]["stalled"]
     assert res[0] == "RingTimeoutError" and "ringseq" in res[1] and "peers" in res[1], res
     assert res[2] < 10, res
+    res = w2[0]["stalled"]["unshard_backward"]
+    assert res[0] == "RingTimeoutError" and "at unshard backward agreement #" in res[1], res
+    assert res[2] < 10, res
 
 
 def test_booster_step_failing_on_one_rank(w2):
@@ -861,8 +883,13 @@ def test_unshard_of_shards_that_differ_raises_on_every_rank(w2):
         for key, own in (("odd_zigzag", ""), ("typo", "zigzg"), ("bad_dim", "dim=3")):
             if rank == 1:
                 _is_fast_error(got[key], "ValueError", own)
-            else:
-                _is_fast_error(got[key], "RingPeerError", "rank(s) [1]")
+            else:  # (with rank 1's message: before, "see their errors")
+                _is_fast_error(got[key], "RingPeerError", f"rank(s) [1] of the group failed "
+                                                          f"where this rank did not (rank 1: ")
+                assert own in got[key][1], got[key]
+        _is_fast_error(got["duplicates"], "ValueError",
+                       "unshard: layout 'every_rank_first': _positions(12, 2, rank) over the "
+                       "ranks must list every position of [0, 12) exactly once")
         want = ringseq.layouts.unshard_local([torch.arange(12.0).reshape(1, 6, 2) + 100 * r for r in range(2)],
                                      "zigzag")
         assert torch.equal(got["after"], want)

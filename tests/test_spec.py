@@ -75,6 +75,11 @@ def test_windows_wider_than_any_sequence_are_none(window, s_q, s_k):
     ({"window_size": (-2, 0)}, ValueError, "window_size entries must be >= 0"),
     ({"backend": "nope"}, ValueError, "backend must be one of"),
     ({"grad_comm_dtype": "float32"}, ValueError, "grad_comm_dtype must be None"),
+    # (before: accepted; the backward then failed in torch's promotion on one rank and broke
+    # the ring)
+    ({"grad_comm_dtype": torch.float8_e4m3fn}, ValueError,
+     r"grad_comm_dtype must be None, 'input', torch.float16, torch.bfloat16, torch.float32 or "
+     r"torch.float64, got torch.float8_e4m3fn"),
     ({"documents": [0, 9, 4, 16]}, ValueError, "cu_seqlens must start at 0 and never decrease"),
     ({"documents": [0]}, ValueError, "cu_seqlens needs at least one sequence"),
     # (before: a string's characters were listed, a float tensor was a ValueError and a meta

@@ -37,7 +37,9 @@ __all__ = ["LocalPlacement", "Placement", "RingPlacement", "object_by_key", "obj
 
 # ------------------------------------------------------------------------------ object keys
 _OBJECTS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # key -> object
-_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # object -> key
+# id(object) -> key, the entry dropped when the object dies: by identity, since a user's
+# layout need not be hashable (a plain @dataclass is not) nor compare by identity
+_KEYS: Dict[int, str] = {}
 _IDS = itertools.count()
 
 
@@ -46,11 +48,12 @@ def object_key(obj, prefix: str) -> str:
     """A string naming ``obj`` in this process for as long as it lives (the same string for
     the same object). Under torch.compile it runs once at trace time (the compiled code
     guards on the object): registry lookups and inserts cannot be traced."""
-    key = _KEYS.get(obj)
+    key = _KEYS.get(id(obj))
     if key is None:
         key = f"{prefix}#{next(_IDS)}"
         _OBJECTS[key] = obj
-        _KEYS[obj] = key
+        _KEYS[id(obj)] = key
+        weakref.finalize(obj, _KEYS.pop, id(obj), None)
     return key
 
 
@@ -232,10 +235,18 @@ def register_placement(kind: str, parse) -> None:
 
 
 def placement_from_key(key: str) -> Placement:
+    """The placement :meth:`Placement.key` encoded. ValueError for a string no placement made
+    (the operator called by hand); RuntimeError for an object of it that no longer exists."""
     kind, _, rest = key.partition("|")
     if kind == "local":
         return LOCAL
-    if kind == "ring":
-        lay, grp, comm_kind = rest.split("|")
-        return RingPlacement(layout_from_key(lay), group_from_key(grp), comm_kind)
-    return _PARSERS[kind](rest)
+    try:
+        if kind == "ring":
+            lay, grp, comm_kind = rest.split("|")
+            return RingPlacement(layout_from_key(lay), group_from_key(grp), comm_kind)
+        parse = _PARSERS[kind]
+    except (KeyError, ValueError):
+        raise ValueError(f"ringseq::attention: placement must be a key made by a placement's "
+                         f"key() ('local', 'ring|layout|group|kind', or one of "
+                         f"{sorted(_PARSERS)} followed by its fields), got {key!r}") from None
+    return parse(rest)

@@ -125,9 +125,18 @@ class Layout:
         """The global sequence length must be a multiple of this."""
         return world_size
 
+    def _checked_multiple(self, world_size: int) -> int:
+        """:meth:`multiple`, a multiple of the world size (every rank holds as many tokens);
+        ValueError naming the layout otherwise (one of the user's)."""
+        multiple = self.multiple(world_size)
+        if multiple % world_size:
+            raise ValueError(f"layout {self.name!r}: multiple({world_size}) must be a multiple of "
+                             f"the world size, got {multiple}")
+        return multiple
+
     def check_seqlen(self, seqlen: int, world_size: int) -> int:
         """Returns the local length; raises ValueError if ``seqlen`` cannot be split."""
-        m = self.multiple(world_size)
+        m = self._checked_multiple(world_size)
         if seqlen <= 0 or seqlen % m != 0:
             raise ValueError(
                 f"layout {self.name!r} with world size {world_size} needs a sequence length that "
@@ -137,11 +146,7 @@ class Layout:
 
     def check_local_seqlen(self, s_local: int, world_size: int) -> None:
         """Checks a local shard length (what one rank can see before any communication)."""
-        multiple = self.multiple(world_size)
-        if multiple % world_size:
-            raise ValueError(f"layout {self.name!r}: multiple({world_size}) must be a multiple of "
-                             f"the world size, got {multiple}")
-        m = multiple // world_size
+        m = self._checked_multiple(world_size) // world_size
         if s_local <= 0 or s_local % m != 0:
             raise ValueError(
                 f"layout {self.name!r} needs local shards whose length is a positive multiple of "
@@ -368,11 +373,22 @@ def register_layout(layout: Layout) -> Layout:
     """Makes a layout available by name to every function taking ``layout=``. ValueError for
     a name that cannot travel as one (empty, or with ``|`` / ``#``, which separate the fields
     of the custom operator's keys), the base class's placeholder ``"?"`` (a subclass that set
-    no name), and a built-in layout's name (re-registering your own under its name is fine)."""
+    no name), and a built-in layout's name (re-registering your own under its name is fine);
+    TypeError for what is not a Layout instance (a class, say) and for a layout that cannot be
+    hashed (its plans are cached by it)."""
+    if not isinstance(layout, Layout):
+        hint = " (a class: register an instance of it, e.g. MyLayout())" \
+            if isinstance(layout, type) else ""
+        raise TypeError(f"register_layout: layout must be a ringseq.layouts.Layout instance, "
+                        f"got {layout!r} ({type(layout).__name__}){hint}")
     name = getattr(layout, "name", None)
     if not isinstance(name, str) or not name or "|" in name or "#" in name or name == "?":
         raise ValueError(f"register_layout: a layout's name must be a non-empty string without "
                          f"'|' or '#' (set the class's `name`), got {name!r}")
+    if type(layout).__hash__ is None:  # (the plans of a layout are cached by it)
+        raise TypeError(f"register_layout: layout {type(layout).__name__} must be hashable, and "
+                        f"its __hash__ is None (a @dataclass with eq=True sets that): declare it "
+                        f"@dataclass(frozen=True) or @dataclass(eq=False)")
     old = LAYOUTS.get(name)
     if old is not None and type(old) is not type(layout) and _built_in(type(old)):
         raise ValueError(f"register_layout: {name!r} is a built-in layout of ringseq; register "

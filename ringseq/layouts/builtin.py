@@ -56,8 +56,11 @@ class Zigzag(Layout):
     def shard(self, x, world_size, rank, dim):
         c = self.check_seqlen(x.shape[dim], world_size) // 2
         check_rank(rank, world_size)
+        # (contiguous as documented: torch.cat keeps the input's memory format, so a tensor
+        # whose sequence dim has stride 1 would give a strided shard)
         return torch.cat([x.narrow(dim, rank * c, c),
-                          x.narrow(dim, (2 * world_size - 1 - rank) * c, c)], dim=dim)
+                          x.narrow(dim, (2 * world_size - 1 - rank) * c, c)],
+                         dim=dim).contiguous()
 
     def scatter(self, full, part, world_size, rank, dim):
         c = full.shape[dim] // (2 * world_size)

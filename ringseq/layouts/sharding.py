@@ -1,26 +1,22 @@
 """Moving tokens between a full sequence and the ranks' shards, for any layout.
 
-``shard`` / ``unshard`` / ``positions`` work over a process group; the ``*_local`` forms take
-an explicit ``(world_size, rank)`` and communicate nothing.
+``shard`` / ``positions`` work over a process group (they only read its size and rank); the
+``*_local`` forms take an explicit ``(world_size, rank)``. Nothing here communicates:
+``ringseq.unshard`` (:mod:`ringseq.gathering`) gathers the shards back over the ring.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .._args import given
-from .._dist import agree_on_fields, group_info, named_for
-from .._hash import stable_code
-from .base import check_rank, get_layout, layout_name_of_code
+from .._dist import group_info, named_for
+from .base import check_rank, get_layout
 
-# Every dtype by its stable code, for the cross-rank check of unshard's arguments.
-_DTYPE_OF_CODE = {stable_code(str(d)): str(d) for d in vars(torch).values()
-                  if isinstance(d, torch.dtype)}
-
-__all__ = ["positions", "positions_local", "shard", "shard_local", "unshard", "unshard_local"]
+__all__ = ["positions", "positions_local", "scattered", "seq_dim", "shard", "shard_local",
+           "unshard_local"]
 
 
-def _seq_dim(fn: str, x, dim) -> int:
+def seq_dim(fn: str, x, dim) -> int:
     """``dim`` of tensor ``x`` as a non-negative index; TypeError / ValueError naming ``fn``
     (torch's own wrap-around would silently pick another dimension)."""
     if not torch.is_tensor(x) or x.dim() == 0:
@@ -48,7 +44,7 @@ def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 
                 fn: str = "shard_local") -> torch.Tensor:
     """Like :func:`shard` for an explicit ``(world_size, rank)`` (no process group); ``fn``
     names the caller in errors."""
-    dim = _seq_dim(fn, x, dim)
+    dim = seq_dim(fn, x, dim)
     try:
         lay = get_layout(layout)
         check_rank(rank, world_size)
@@ -88,30 +84,6 @@ def positions(seqlen: int, layout="contiguous", group=None, device=None) -> torc
     return positions_local(seqlen, layout, world_size, rank, device, fn="positions")
 
 
-class _Unshard(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, lay, group, world_size, rank, dim):
-        ctx.lay, ctx.group, ctx.world_size, ctx.rank, ctx.dim = lay, group, world_size, rank, dim
-        xc = x.contiguous()
-        parts = [torch.empty_like(xc) for _ in range(world_size)]
-        dist.all_gather(parts, xc, group=group)
-        seqlen = x.shape[dim] * world_size
-        shape = list(x.shape)
-        shape[dim] = seqlen
-        full = x.new_empty(shape)
-        for r, part in enumerate(parts):
-            lay.scatter(full, part, world_size, r, dim)
-        return full
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Each rank's output depends on every rank's input: the gradient of a shard is the
-        # sum over ranks of their gradient for it (gloo has no reduce_scatter, so all_reduce).
-        g = grad.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return shard_local(g, ctx.lay, ctx.world_size, ctx.rank, ctx.dim), None, None, None, None, None
-
-
 def unshard_local(parts, layout, dim: int = 1) -> torch.Tensor:
     """Reassembles the full tensor from every rank's shard (list in rank order), no comm.
     ValueError unless the parts are tensors of one shape and dtype whose length along ``dim``
@@ -125,18 +97,18 @@ def unshard_local(parts, layout, dim: int = 1) -> torch.Tensor:
     if world_size == 0 or not all(torch.is_tensor(p) for p in parts):
         raise ValueError(f"unshard_local: parts must be a non-empty list of tensors (one per "
                          f"rank), got {[given(p) for p in parts]}")
-    dim = _seq_dim("unshard_local", parts[0], dim)
+    dim = seq_dim("unshard_local", parts[0], dim)
     if any(p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts):
         raise ValueError(f"unshard_local: every part must have one shape and dtype, got "
                          f"{[(tuple(p.shape), str(p.dtype)) for p in parts]}")
     try:
         lay.check_local_seqlen(parts[0].shape[dim], world_size)
-        return _scattered(lay, parts, dim)
+        return scattered(lay, parts, dim)
     except (TypeError, ValueError) as exc:
         raise named_for("unshard_local", exc) from exc
 
 
-def _scattered(lay, parts, dim: int) -> torch.Tensor:
+def scattered(lay, parts, dim: int) -> torch.Tensor:
     """The full tensor of every rank's shard ``parts`` (rank order) under layout ``lay``."""
     shape = list(parts[0].shape)
     shape[dim] *= len(parts)
@@ -144,53 +116,3 @@ def _scattered(lay, parts, dim: int) -> torch.Tensor:
     for r, part in enumerate(parts):
         lay.scatter(full, part, len(parts), r, dim)
     return full
-
-
-def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> torch.Tensor:
-    """Inverse of :func:`shard`: all-gathers the shards of ``group`` into the full tensor.
-
-    Every rank must pass a shard of the same shape and dtype, with the same ``layout`` and
-    ``dim``. Differentiable: the gradient of the local shard is the sum over ranks of each
-    rank's gradient for that shard (so when every rank computes the same loss on the result,
-    scale it by 1/W). Without an initialized process group (world size 1) it returns
-    ``x_local`` unchanged (reordered, for a layout of your own that holds one rank's tokens
-    in another order).
-
-    Raises ValueError when this rank's shard length cannot be the layout's (the other ranks
-    raise ``ringseq.RingPeerError`` naming this one), and ``ringseq.RingMismatchError`` (a
-    ValueError) on every rank when the ranks' shapes, dtypes, layouts or ``dim`` differ: one
-    small all-gather before the tensors' own, which would otherwise pair mismatched shards or
-    wait forever.
-    """
-    world_size, rank = group_info(group, "unshard")
-    if world_size == 1:
-        try:
-            lay = get_layout(layout)
-        except ValueError as exc:
-            raise named_for("unshard", exc) from exc
-        dim = _seq_dim("unshard", x_local, dim)
-        try:
-            reorder = not lay.identity_on_one_rank(x_local.shape[dim])  # a layout of the user's
-        except ValueError:  # a length it cannot hold: returned as it is, as by the built-ins
-            reorder = False
-        return _scattered(lay, [x_local], dim) if reorder else x_local
-    # Whatever this rank refuses is agreed on before the all-gather, which the other ranks
-    # would otherwise wait in.
-    problem, lay, code = None, None, -1
-    try:
-        lay = get_layout(layout)
-        code = lay.code
-        dim = _seq_dim("unshard", x_local, dim)
-        lay.check_local_seqlen(x_local.shape[dim], world_size)
-    except TypeError as exc:
-        problem, dim = exc, -1
-    except ValueError as exc:
-        problem, dim = named_for("unshard", exc), -1
-    shape = tuple(x_local.shape) if torch.is_tensor(x_local) else ()
-    fields = ((("ndim", len(shape), None),)
-              + tuple((f"shape[{i}]", n, None) for i, n in enumerate(shape[:16]))
-              + (("dtype", stable_code(str(getattr(x_local, "dtype", None))),
-                  lambda c: _DTYPE_OF_CODE.get(c, f"dtype #{c}")),
-                 ("layout", code, layout_name_of_code), ("dim", dim, None)))
-    agree_on_fields(problem is None, str(problem), fields, group, error=problem, what="unshard")
-    return _Unshard.apply(x_local, lay, group, world_size, rank, dim)

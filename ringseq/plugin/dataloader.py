@@ -1,12 +1,14 @@
 """Data loading for (dp, sp) training: samples split over dp, sequences split over sp."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from .._args import as_int, given
 from .._dist import RingMismatchError
 from ..data import shard_batch
 from ..engine.integrity import ANY
@@ -111,7 +113,13 @@ class ShardedDataLoader:
         return self.loader.batch_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffles (with ``shuffle=True``) consistently on all ranks; call once per epoch."""
+        """Reshuffles (with ``shuffle=True``) consistently on all ranks; call once per epoch.
+
+        After an iteration of another epoch (a whole one, or one left with ``break``), the
+        loader stands at the start of ``epoch``: :meth:`state_dict` saves that, not the
+        batches of the iteration left behind."""
+        if self._iterated is not None and self._iterated.epoch != epoch:
+            self._iterated = None  # the next iteration starts the set epoch from its start
         self._epoch = epoch
         if isinstance(self.loader.sampler, DistributedSampler):
             self.loader.sampler.set_epoch(epoch)
@@ -290,15 +298,19 @@ class ShardedDataLoader:
             # fetched (nor their samples read) again
             skipped, self._resume = resume.batches, None
             self.loader.sampler.skip = skipped * self.loader.batch_size
+        # (the position counts this iteration's epoch and batches: a set_epoch while it runs
+        # changes the next iteration, not this one)
+        epoch, batches = self._epoch, skipped
         if error is None:
-            self._iterated = LoaderPosition(self.step, self._epoch, skipped)
+            self._iterated = LoaderPosition(self.step, epoch, batches)
         it = iter(self.loader) if error is None else None  # (no workers started to refuse)
         while True:
             out = self._next_shard(it, error)
             if out is None:
                 return
             self.step += 1
-            self._iterated = LoaderPosition(self.step, self._epoch, self._iterated.batches + 1)
+            batches += 1
+            self._iterated = LoaderPosition(self.step, epoch, batches)
             if self.tag is not None:
                 self.tag.value = self.step
             yield out
@@ -307,33 +319,54 @@ class ShardedDataLoader:
 def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict:
     """Collate function packing samples of any lengths into ONE row of documents.
 
-    ``samples``: mappings with ``input_ids`` (s_i,) and optionally ``labels`` (s_i,). Returns
-    ``input_ids`` / ``labels`` (1, total), ``position_ids`` (1, total) restarting at 0 in every
+    ``samples``: mappings with ``input_ids`` (s_i,) or (1, s_i) (a list, array or integer
+    tensor; a tokenizer's ``return_tensors="pt"`` gives (1, s_i)) and optionally ``labels`` of
+    the same shape (None: the input ids). Returns int64 ``input_ids`` / ``labels`` (1, total),
+    ``position_ids`` (1, total) restarting at 0 in every
     document, and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 boundaries) -- the format of
     transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``, which
     ``ringseq.shard_batch`` shards. ``labels`` default to the input ids. When ``total`` is not
     a multiple of ``multiple`` (the ring's size), a padding document of the missing tokens is
     appended: token id 0, labels ``ignore_index``; as its own document it is seen by no real
     token, so the real documents' attention and loss are unchanged.
+
+    Raises ValueError for no samples, samples without a token in all, a sample that is not a
+    mapping with ``input_ids``, ids or labels of another shape or of floats / bools, and
+    ``multiple`` < 1; TypeError for a ``multiple`` or ``ignore_index`` that is not an int.
     """
+    step, ignore = as_int(multiple), as_int(ignore_index)
+    if step is None or ignore is None:
+        name, value = ("multiple", multiple) if step is None else ("ignore_index", ignore_index)
+        raise TypeError(f"pack_documents: {name} must be an int, got {given(value)}")
+    if step < 1:
+        raise ValueError(f"pack_documents: multiple must be an int >= 1 (what the packed "
+                         f"length is rounded up to), got {step}")
     samples = list(samples)
     if not samples:
         raise ValueError("pack_documents: samples is empty; a batch needs at least one sample")
     ids, labels, cu = [], [], [0]
     for i, sample in enumerate(samples):
+        if not isinstance(sample, Mapping) or sample.get("input_ids") is None:
+            got = (f"keys {sorted(map(str, sample))}" if isinstance(sample, Mapping)
+                   else given(sample))
+            raise ValueError(f"pack_documents: samples[{i}] must be a mapping with "
+                             f"'input_ids' (s,), got {got}")
         x = _token_ids(sample["input_ids"], f"samples[{i}]['input_ids']")
-        y = _token_ids(sample.get("labels", x), f"samples[{i}]['labels']")
+        given_labels = sample.get("labels")
+        y = x if given_labels is None else _token_ids(given_labels, f"samples[{i}]['labels']")
         if y.shape != x.shape:
-            raise ValueError(f"pack_documents: labels of shape {tuple(y.shape)} for input_ids of "
-                             f"shape {tuple(x.shape)}")
+            raise ValueError(f"pack_documents: samples[{i}]['labels'] has {y.numel()} tokens, "
+                             f"its input_ids {x.numel()}")
         ids.append(x)
         labels.append(y)
         cu.append(cu[-1] + x.numel())
-    pad = (-cu[-1]) % max(1, int(multiple))
+    if cu[-1] == 0:
+        raise ValueError(f"pack_documents: the {len(samples)} samples hold no token; a batch "
+                         f"needs at least one")
+    pad = (-cu[-1]) % step
     if pad:
-        ids.append(torch.zeros(pad, dtype=ids[0].dtype if ids else torch.long))
-        labels.append(torch.full((pad,), ignore_index, dtype=labels[0].dtype if labels
-                                 else torch.long))
+        ids.append(torch.zeros(pad, dtype=torch.long))
+        labels.append(torch.full((pad,), ignore, dtype=torch.long))
         cu.append(cu[-1] + pad)
     cu_t = torch.tensor(cu, dtype=torch.int32)
     position_ids = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])  # (total,)
@@ -342,12 +375,21 @@ def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict
 
 
 def _token_ids(value, name: str) -> torch.Tensor:
-    """``value`` (a list, array or tensor of token ids or labels) as a flat integer tensor:
-    an empty list is int64, not torch's default float32, which would turn the whole packed row
-    into floats; float or bool ids are refused (truncating 2.7 would pick another token)."""
-    t = torch.as_tensor(value)
-    if t.numel() == 0:
-        return t.reshape(-1).to(torch.long)
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+    """``value`` (a list, array or tensor of token ids or labels, (s,) or (1, s)) as an int64
+    (s,) tensor: an empty list is not torch's default float32, which would turn the whole
+    packed row into floats; a narrow type (uint8) would wrap the padding's ignore_index into
+    a real target; float or bool ids are refused (truncating 2.7 would pick another token), and
+    so are other shapes (a (2, s) sample flattened would run two sequences as one document)."""
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"pack_documents: {name} must be a list, array or tensor of token ids "
+                         f"(s,), got {given(value)}: {exc}") from None
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise ValueError(f"pack_documents: {name} must have shape (s,) or (1, s), got "
+                         f"{tuple(t.shape)}")
+    if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
         raise ValueError(f"pack_documents: {name} must hold integer token ids, got {t.dtype}")
-    return t.reshape(-1)
+    return t.to(torch.long)

@@ -107,10 +107,10 @@ def read_loader_state(state, settings: dict, resumable: bool) -> LoaderPosition:
         raise ValueError(f"{_LOAD}: state has {position.batches} batches handed out in its "
                          f"epoch, more than its epoch's {saved_per_epoch} or its "
                          f"{position.step} in all")
+    if position.batches == 0:  # (first: an epoch of no batches has not ended before one)
+        return position
     if position.batches == saved_per_epoch:  # the epoch ended: the next one starts afresh
         return LoaderPosition(position.step, position.epoch + 1, 0)
-    if position.batches == 0:
-        return position
     if not resumable:
         raise ValueError(f"{_LOAD}: the state stopped after batch {position.batches} of "
                          f"{saved_per_epoch} in epoch {position.epoch}; resuming inside an "

@@ -1,0 +1,113 @@
+"""The full sequence gathered back from every rank's shard (``ringseq.unshard``).
+
+Both directions are collectives of the whole group: the forward all-gathers the shards, the
+backward all-reduces the gradient. Each is agreed on first over the ring's control channel
+(its own process group), so ranks that disagree, or a rank that does not take part, raise
+named errors instead of pairing these collectives with other ones of the user's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._dist import group_info, named_for
+from .engine.ring import get_ring
+from .layouts import get_layout
+from .layouts.sharding import scattered, seq_dim, shard_local
+
+__all__ = ["unshard"]
+
+# Every dtype, in one order on every rank: a dtype travels as its index here (and a mismatch
+# shows it as torch.float32, ...).
+_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)},
+                       key=str))
+
+_SAME_SHARDS = ("Every rank of the group calls unshard with a shard of the same shape and "
+                "dtype, the same layout and dim, and back-propagates through it.")
+
+
+def _shape_fields(shape) -> tuple:
+    return (("ndim", len(shape)),) + tuple((f"shape[{i}]", n) for i, n in
+                                          enumerate(shape[:16]))
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, lay, group, world_size, rank, dim):
+        ctx.lay, ctx.group, ctx.world_size, ctx.rank, ctx.dim = lay, group, world_size, rank, dim
+        xc = x.contiguous()
+        parts = [torch.empty_like(xc) for _ in range(world_size)]  # W x (.., s_local, ..)
+        dist.all_gather(parts, xc, group=group)
+        return scattered(lay, parts, dim)  # (.., s_local * W, ..)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Each rank's output depends on every rank's input: the gradient of a shard is the
+        # sum over ranks of their gradient for it (gloo has no reduce_scatter, so all_reduce).
+        # Agreed on first: a rank that does not back-propagate through unshard leaves the
+        # others a RingTimeoutError naming the step, not an all_reduce paired with another
+        # collective of its own (before: both got wrong numbers).
+        get_ring(ctx.group).agree(True, "", about="unshard backward",
+                                  called="unshard (backward)", hint=_SAME_SHARDS,
+                                  fields=_shape_fields(tuple(grad.shape)))
+        g = grad.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return (shard_local(g, ctx.lay, ctx.world_size, ctx.rank, ctx.dim), None, None, None,
+                None, None)
+
+
+def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`ringseq.shard`: all-gathers the shards of ``group`` into the full
+    tensor.
+
+    Every rank must pass a shard of the same shape and dtype, with the same ``layout`` and
+    ``dim``. Differentiable: the gradient of the local shard is the sum over ranks of each
+    rank's gradient for that shard (so when every rank computes the same loss on the result,
+    scale it by 1/W); the backward is a collective too, so every rank back-propagates through
+    it. Without an initialized process group (world size 1) it returns ``x_local`` unchanged
+    (reordered, for a layout of your own that holds one rank's tokens in another order).
+
+    Raises ValueError when this rank's shard length cannot be the layout's, or a layout of
+    your own gives positions that are not a permutation (the other ranks raise
+    ``ringseq.RingPeerError`` naming this one and its message), and
+    ``ringseq.RingMismatchError`` (a ValueError) on every rank when the ranks' shapes, dtypes,
+    layouts or ``dim`` differ: one control all-gather before the tensors' own, which would
+    otherwise pair mismatched shards or wait forever. A rank missing from the forward or the
+    backward leaves the others ``ringseq.RingTimeoutError`` after the ring timeout.
+    """
+    world_size, rank = group_info(group, "unshard")
+    if world_size == 1:
+        try:
+            lay = get_layout(layout)
+        except ValueError as exc:
+            raise named_for("unshard", exc) from exc
+        dim = seq_dim("unshard", x_local, dim)
+        try:
+            reorder = not lay.identity_on_one_rank(x_local.shape[dim])  # a layout of the user's
+        except ValueError:  # a length it cannot hold: returned as it is, as by the built-ins
+            reorder = False
+        return scattered(lay, [x_local], dim) if reorder else x_local
+    # Whatever this rank refuses is agreed on before the all-gather, which the other ranks
+    # would otherwise wait in.
+    problem, lay, code = None, None, -1
+    try:
+        lay = get_layout(layout)
+        code = lay.code
+        dim = seq_dim("unshard", x_local, dim)
+        lay.check_local_seqlen(x_local.shape[dim], world_size)
+        # (a layout of the user's: its positions over the ranks are checked here, once per
+        # length, rather than after the all-gather)
+        lay.positions(x_local.shape[dim] * world_size, world_size, rank)
+    except TypeError as exc:
+        problem, dim = exc, -1
+    except ValueError as exc:
+        problem, dim = named_for("unshard", exc), -1
+    shape = tuple(x_local.shape) if torch.is_tensor(x_local) else ()
+    dtype = getattr(x_local, "dtype", None)
+    fields = _shape_fields(shape) + (
+        ("dtype", _DTYPES.index(dtype) if dtype in _DTYPES else -1, _DTYPES),
+        ("layout", code, "layout"), ("dim", dim))
+    get_ring(group, "unshard").agree(problem is None, str(problem), error=problem,
+                                     about="unshard", called="unshard", hint=_SAME_SHARDS,
+                                     fields=fields)
+    return _Unshard.apply(x_local, lay, group, world_size, rank, dim)

@@ -27,7 +27,9 @@ from .engine.op import run_attention
 from .engine.placement import RingPlacement
 from .engine.ring import refuse_on_error, ring_size
 from .ops import returns
-from .spec import attn_spec, bound_layout, check_layout, check_self_attention, named_layout
+from .kernels import check_backend_name
+from .spec import (attn_spec, bound_layout, check_grad_comm_dtype, check_layout,
+                   check_self_attention, named_layout)
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
            "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func",
@@ -320,8 +322,11 @@ class RingAttention(nn.Module):
                  backend: Optional[str] = None, softmax_scale: Optional[float] = None,
                  grad_comm_dtype=None):
         super().__init__()
+        # (checked here, where the module is built, not at its first forward)
         check_bool("RingAttention", "causal", causal)
         check_softmax_scale("RingAttention", softmax_scale)
+        check_backend_name("RingAttention", backend)
+        check_grad_comm_dtype("RingAttention", grad_comm_dtype)
         self.group = group
         self.layout = named_layout("RingAttention", layout, takes_documents=False)
         self.causal = bool(causal)

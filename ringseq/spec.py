@@ -32,8 +32,8 @@ from .kernels.checks import count_check, resolve_scale
 from .kernels.spans import as_spans_tensor, check_softcap, document_spans
 from .masks import AttnMask
 
-__all__ = ["AttnSpec", "attn_spec", "bound_layout", "check_layout", "check_self_attention",
-           "dtype_code", "local_spans", "named_layout", "spec_from_key"]
+__all__ = ["AttnSpec", "attn_spec", "bound_layout", "check_grad_comm_dtype", "check_layout",
+           "check_self_attention", "dtype_code", "local_spans", "named_layout", "spec_from_key"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -180,6 +180,11 @@ def spec_from_key(key: str, documents: Optional[torch.Tensor] = None,
 
 
 GRAD_COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_grad_comm_dtype(fn: str, grad_comm_dtype) -> None:
+    """ValueError / TypeError naming ``fn`` unless ``grad_comm_dtype`` is one the ring takes."""
+    _resolve_grad_comm_dtype(fn, grad_comm_dtype, torch.float32, torch.float32)
 
 
 def _resolve_grad_comm_dtype(fn: str, grad_comm_dtype, dtype: torch.dtype,

@@ -377,6 +377,12 @@ def test_ring_sdpa_and_module_check_their_arguments():
         ringseq.RingAttention(causal="yes")
     with pytest.raises(TypeError, match="RingAttention: softmax_scale must be a float"):
         ringseq.RingAttention(softmax_scale=True)
+    # at construction (before: accepted, refused at the first forward)
+    with pytest.raises(ValueError, match="^RingAttention: backend must be one of .*got 'nope'"):
+        ringseq.RingAttention(backend="nope")
+    with pytest.raises(ValueError, match="^RingAttention: grad_comm_dtype must be None, 'input', "
+                                         ".*got torch.int8"):
+        ringseq.RingAttention(grad_comm_dtype=torch.int8)
     # SDPA's order: the 5th positional argument is dropout_p; ringseq has no dropout
     with pytest.raises(NotImplementedError, match="ring_sdpa: dropout_p=0.1 is not supported.*"
                        "5th positional argument is dropout_p.*pass the scale as scale="):

@@ -62,6 +62,9 @@ def _worker():
     out["prepare_no_samples"] = error_text(lambda: prepare([], batch_size=2))
     out["prepare_too_few"] = error_text(lambda: prepare(_data(1), batch_size=2, drop_last=True))
     out["prepare_numpy_ok"] = len(prepare(_data(), batch_size=np.int64(2), seed=np.int32(3)))
+    # lengths 4, 4, 8, 8, 4, ...: each dp group's batch of 2 holds a 4 and an 8
+    ragged = [{"input_ids": torch.arange(4 + 4 * (i % 4 >= 2))} for i in range(8)]
+    out["ragged"] = error_text(lambda: _seen(prepare(ragged, batch_size=2)))
     # a plain DataLoader rebuilt by boost shuffles with seed 1024 on every rank, whatever its
     # generator (which seeds its workers): a generator seeded per rank (for the workers'
     # augmentations) is valid and splits the samples consistently
@@ -164,6 +167,15 @@ def test_prepare_dataloader_refuses_settings_it_would_misread_on_every_rank(w4, 
     for r in w4:
         assert r[key].startswith(expected), r[key]
         assert r["prepare_numpy_ok"] == 4  # 16 samples / 2 dp groups / 2 a batch
+
+
+def test_samples_of_other_lengths_without_packing_are_named(w4):
+    """(before: torch's "stack expects each tensor to be equal size", no word of packing)"""
+    for r in w4:
+        assert r["ragged"].startswith(
+            "ValueError: ShardedDataLoader (batch 1): the batch's samples have different "
+            "lengths, which the default collate cannot stack"), r["ragged"]
+        assert "pack=True" in r["ragged"], r["ragged"]
 
 
 @pytest.mark.parametrize("samples, kwargs, expected", [

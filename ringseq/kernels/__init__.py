@@ -35,6 +35,16 @@ for _name, _cls in (("sdpa", SdpaBackend), ("reference", ReferenceBackend),
 ExtensionBackend.instance(0)
 
 
+def check_backend_name(fn: str, backend) -> None:
+    """ValueError naming ``fn`` for an unknown backend name, TypeError for a value that is
+    neither a name, None nor an :class:`AttentionBackend`."""
+    if backend is None or isinstance(backend, AttentionBackend) or backend in BACKEND_NAMES:
+        return
+    kind = ValueError if isinstance(backend, str) else TypeError  # a name, or not one
+    raise kind(f"{fn}: backend must be one of {', '.join(BACKEND_NAMES)}, None or an "
+               f"AttentionBackend instance, got {backend!r}")
+
+
 def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: bool = False,
                 softcap: float = 0.0, fn: str = "get_backend") -> AttentionBackend:
     """Resolves a backend name (or an AttentionBackend instance) for inputs on ``device``
@@ -63,10 +73,7 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
         if device.type == "cuda" and can("sdpa"):
             return _instance("sdpa")
         return _instance("reference")
-    if backend not in BACKEND_NAMES:
-        kind = ValueError if isinstance(backend, str) else TypeError  # a name, or not one
-        raise kind(f"{fn}: backend must be one of {', '.join(BACKEND_NAMES)}, None or an "
-                   f"AttentionBackend instance, got {backend!r}")
+    check_backend_name(fn, backend)
     chosen = _instance(backend)
     if dtype is not None:
         reason = chosen.unsupported_reason(device, dtype, headdim_)
@@ -86,7 +93,8 @@ def available_backends(device="cpu", dtype=torch.float32, headdim=64) -> list[st
 
 __all__ = [
     "AttentionBackend", "BACKEND_NAMES", "ExtensionBackend", "FlashAttnBackend",
-    "ReferenceBackend", "SdpaBackend", "accum_dtype", "compute_delta", "available_backends", "check_qkv",
+    "ReferenceBackend", "SdpaBackend", "accum_dtype", "compute_delta", "available_backends",
+    "check_backend_name", "check_qkv",
     "resolve_scale", "backend_by_key", "backend_key", "extension_available", "extension_has_cuda", "flash_attn_module",
     "get_backend", "UNBOUNDED", "Span", "as_spans_tensor", "document_spans", "window_band",
 ]

@@ -210,6 +210,14 @@ class ShardedDataLoader:
             ended = True
         except Exception as exc:  # noqa: BLE001 - re-raised on this rank after agreeing
             error = exc
+            if isinstance(exc, RuntimeError) and "stack expects each tensor to be equal size" \
+                    in str(exc):  # (torch's default collate, given samples of other lengths)
+                error = ValueError(f"ShardedDataLoader (batch {self.step + 1}): the batch's "
+                                   f"samples have different lengths, which the default collate "
+                                   f"cannot stack ({exc}); prepare_dataloader(..., pack=True) "
+                                   f"packs them into one row of documents, or pad them to one "
+                                   f"length")
+                error.__cause__ = exc
         if error is None and not ended:
             try:
                 if not isinstance(batch, dict):

@@ -33,8 +33,9 @@ def _shape_fields(shape) -> tuple:
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, lay, group, world_size, rank, dim):
+    def forward(ctx, x, lay, group, world_size, rank, dim, call):
         ctx.lay, ctx.group, ctx.world_size, ctx.rank, ctx.dim = lay, group, world_size, rank, dim
+        ctx.call = call
         xc = x.contiguous()
         parts = [torch.empty_like(xc) for _ in range(world_size)]  # W x (.., s_local, ..)
         dist.all_gather(parts, xc, group=group)
@@ -44,16 +45,19 @@ class _Unshard(torch.autograd.Function):
     def backward(ctx, grad):
         # Each rank's output depends on every rank's input: the gradient of a shard is the
         # sum over ranks of their gradient for it (gloo has no reduce_scatter, so all_reduce).
-        # Agreed on first: a rank that does not back-propagate through unshard leaves the
-        # others a RingTimeoutError naming the step, not an all_reduce paired with another
-        # collective of its own (before: both got wrong numbers).
+        # Agreed on first, naming the forward it belongs to: a rank that does not
+        # back-propagate through unshard leaves the others a RingTimeoutError naming the
+        # step, and ranks back-propagating different unshard calls (of one shape) raise,
+        # instead of an all_reduce paired with another collective (before: both got wrong
+        # numbers).
         get_ring(ctx.group).agree(True, "", about="unshard backward",
                                   called="unshard (backward)", hint=_SAME_SHARDS,
-                                  fields=_shape_fields(tuple(grad.shape)))
+                                  fields=(("unshard call (its forward's agreement)", ctx.call),)
+                                  + _shape_fields(tuple(grad.shape)))
         g = grad.contiguous().clone()
         dist.all_reduce(g, group=ctx.group)
         return (shard_local(g, ctx.lay, ctx.world_size, ctx.rank, ctx.dim), None, None, None,
-                None, None)
+                None, None, None)
 
 
 def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1) -> torch.Tensor:
@@ -73,7 +77,8 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     ``ringseq.RingMismatchError`` (a ValueError) on every rank when the ranks' shapes, dtypes,
     layouts or ``dim`` differ: one control all-gather before the tensors' own, which would
     otherwise pair mismatched shards or wait forever. A rank missing from the forward or the
-    backward leaves the others ``ringseq.RingTimeoutError`` after the ring timeout.
+    backward leaves the others ``ringseq.RingTimeoutError`` after the ring timeout; ranks
+    that back-propagate different unshard calls raise ``ringseq.RingMismatchError``.
     """
     world_size, rank = group_info(group, "unshard")
     if world_size == 1:
@@ -107,7 +112,8 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     fields = _shape_fields(shape) + (
         ("dtype", _DTYPES.index(dtype) if dtype in _DTYPES else -1, _DTYPES),
         ("layout", code, "layout"), ("dim", dim))
-    get_ring(group, "unshard").agree(problem is None, str(problem), error=problem,
-                                     about="unshard", called="unshard", hint=_SAME_SHARDS,
-                                     fields=fields)
-    return _Unshard.apply(x_local, lay, group, world_size, rank, dim)
+    ring = get_ring(group, "unshard")
+    call = ring.control_count  # (the number this forward's agreement runs under)
+    ring.agree(problem is None, str(problem), error=problem, about="unshard", called="unshard",
+               hint=_SAME_SHARDS, fields=fields)
+    return _Unshard.apply(x_local, lay, group, world_size, rank, dim, call)

@@ -93,7 +93,8 @@ def _check_dtype(fn: str, q: torch.Tensor) -> None:
 
 def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """ValueError, before anything is written, for caches the new keys and values cannot be
-    written into apart: one tensor passed as both caches, or a cache whose rows share memory
+    written into apart: caches that share memory (one tensor passed as both, or overlapping
+    views of one buffer), or a cache whose rows share memory
     (an expanded / broadcast tensor: a stride of 0), where one write lands on another's place
     and the cache read next holds the wrong keys; and for caches made under
     ``torch.inference_mode()`` written outside it (torch refuses the in-place update)."""
@@ -103,10 +104,11 @@ def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> No
                              f"for shape {tuple(t.shape)}: an expanded or broadcast tensor), so "
                              f"the new keys and values of one row would overwrite another's; "
                              f"pass a cache of its own memory ({name}.contiguous())")
-    if k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride() \
-            and k_cache.numel():
-        raise ValueError(f"{fn}: k_cache and v_cache are the same memory, so the new values "
-                         f"would overwrite the new keys; pass two caches")
+    if _share_elements(k_cache, v_cache):
+        raise ValueError(f"{fn}: k_cache and v_cache share memory (views of one buffer that "
+                         f"overlap: data pointers {k_cache.data_ptr()} and {v_cache.data_ptr()}, "
+                         f"strides {k_cache.stride()}), so new values would overwrite keys; "
+                         f"pass two caches, or two halves of one buffer that do not overlap")
     if torch.is_inference_mode_enabled():
         return
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -115,6 +117,30 @@ def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> No
                              f"keys are written into it in place, which torch allows only inside "
                              f"inference mode: call this inside torch.inference_mode() too, or "
                              f"pass a cache made outside it (e.g. {name}.clone() outside it)")
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two caches of one shape and strides on one storage hold a common element: their
+    offsets differ by ``delta`` = sum of m_i * stride_i with |m_i| < size_i. Caches of other
+    strides, or no common storage, count as apart (two halves of an interleaved
+    (b, cap, 2, h, d) buffer are apart; ``buf[:, :16]`` and ``buf[:, 1:17]`` are not)."""
+    if a.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
+            or a.shape != b.shape or a.stride() != b.stride():
+        return False
+    dims = sorted(((st, n) for st, n in zip(a.stride(), a.shape) if n > 1), reverse=True)
+
+    def reach(rest: int, i: int) -> bool:
+        # (the largest strides first; only the two multiples around rest/stride can leave a
+        # remainder the smaller dims reach, for the nested strides of a tensor without
+        # internal overlap)
+        if rest == 0:
+            return True
+        if i == len(dims):
+            return False
+        st, n = dims[i]
+        return any(reach(rest - m * st, i + 1)
+                   for m in {max(-(n - 1), min(n - 1, rest // st + c)) for c in (0, 1)})
+    return reach(b.storage_offset() - a.storage_offset(), 0)
 
 
 def _check_leftpad(fn: str, pads, lengths, s_new: int) -> None:
@@ -317,9 +343,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         TypeError / ValueError: malformed arguments (shapes, dtypes, devices, index tensors
             that are not int32/int64 (batch,), new keys that do not fit the cache, rotary
             tables of the wrong size, values outside int32), naming the argument; a dtype
-            other than float32/float64/bfloat16/float16 (TypeError) and caches made under
-            ``torch.inference_mode()`` written outside it (ValueError) before anything is
-            written. Index values given as ints or CPU tensors are checked; values in CUDA
+            other than float32/float64/bfloat16/float16 (TypeError); before anything is written,
+            ValueError for caches made under ``torch.inference_mode()`` written outside it,
+            and, when k and v are appended, for caches that share memory (one tensor as both,
+            overlapping views of one buffer), a cache whose rows share memory (expanded /
+            broadcast: a stride of 0) and a ``cache_batch_idx`` that names a row twice. Index values given as ints or CPU tensors are checked; values in CUDA
             tensors are not read back (no synchronization): a row whose lengths or index are
             out of range gets NaN instead of reading outside the cache.
         NotImplementedError: ``block_table`` or ``alibi_slopes`` given.

@@ -349,6 +349,13 @@ class RingAttention(nn.Module):
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
 
+    def __copy__(self):
+        # (copy.copy goes through __getstate__ otherwise, which refuses a group: a shallow
+        # copy shares it, as it shares everything)
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
     def __getstate__(self):
         # (pickling, torch.save of the whole model): a process group belongs to its process
         # and cannot be pickled; torch's own error would name neither this module nor `group`

@@ -217,7 +217,8 @@ def attn_spec(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=Fal
             ringseq's kernels are deterministic; the "sdpa" and "flash_attn" backends are as
             their library is).
         backend: a backend name, instance or None (:func:`ringseq.kernels.get_backend`).
-        grad_comm_dtype: None, ``"input"`` or a floating dtype (ring calls).
+        grad_comm_dtype: None, ``"input"``, torch.float16, torch.bfloat16, torch.float32 or
+            torch.float64 (ring calls).
         documents: GLOBAL document boundaries of a packed sequence (sequence-parallel calls),
             or None.
         varlen: the call packs sequences (its kernel spans come from :func:`local_spans`).
@@ -318,6 +319,7 @@ def named_layout(fn: str, layout, takes_documents: bool = True):
     layout (``"documents"``, ...), which needs each batch's boundaries, is refused here rather
     than at every call with advice ``fn`` cannot follow."""
     from .layouts import Layout, get_layout
+    from .layouts.base import check_hashable
     from .layouts.documents import PerBatchDocuments
     if not isinstance(layout, (str, Layout)):  # the wrong kind (docs/design.md)
         raise TypeError(f"{fn}: layout must be a layout name or a ringseq.layouts.Layout, got "
@@ -326,10 +328,7 @@ def named_layout(fn: str, layout, takes_documents: bool = True):
         lay = get_layout(layout)
     except ValueError as exc:
         raise ValueError(f"{fn}: {exc}") from None
-    if type(lay).__hash__ is None:  # (the plans of a layout are cached by it)
-        raise TypeError(f"{fn}: layout {type(lay).__name__} must be hashable, and its "
-                        f"__hash__ is None (a @dataclass with eq=True sets that): declare it "
-                        f"@dataclass(frozen=True) or @dataclass(eq=False)")
+    check_hashable(fn, lay)
     if not takes_documents and isinstance(lay, PerBatchDocuments):
         raise ValueError(
             f"{fn}: layout {lay.name!r} is per batch: it needs each batch's GLOBAL document "

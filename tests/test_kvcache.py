@@ -401,13 +401,16 @@ def test_caches_whose_writes_would_land_on_each_other_are_refused(fn):
     q, kc, vc = _decode_inputs(b=2, cap=16)
     k, v = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64)
     shared_rows = vc[:1].expand(2, -1, -1, -1)  # (2, 16, 2, 64), batch stride 0
+    before = vc.clone()
     name = getattr(fn, "func", fn).__name__
     with pytest.raises(ValueError, match=rf"^{name}: v_cache has rows that share memory "
                                          r"\(strides \(0, "):
         fn(q, kc, shared_rows, k=k, v=v, cache_seqlens=3)
-    with pytest.raises(ValueError, match=rf"^{name}: k_cache and v_cache are the same memory"):
-        fn(q, kc, kc, k=k, v=v, cache_seqlens=3)
-    assert torch.equal(shared_rows, vc[:1].expand(2, -1, -1, -1))  # nothing written
+    buf = torch.randn(2, 17, 2, 64)  # (b, cap + 1, h_kv, d): two views one slot apart
+    for k_cache, v_cache in ((kc, kc), (buf[:, :16], buf[:, 1:17])):
+        with pytest.raises(ValueError, match=rf"^{name}: k_cache and v_cache share memory"):
+            fn(q, k_cache, v_cache, k=k, v=v, cache_seqlens=3)
+    assert torch.equal(vc, before)  # nothing written
     if fn is flash_attn_with_kvcache:
         before = kc.clone()
         with pytest.raises(ValueError, match=r"cache_batch_idx names a cache row twice \(\[1, "

@@ -59,8 +59,12 @@ def _worker():
     out["prepare_shuffle_no"] = error_text(lambda: prepare(_data(), batch_size=2, shuffle="no"))
     out["prepare_seed_text"] = error_text(lambda: prepare(_data(), batch_size=2, seed="7"))
     out["prepare_batch_0"] = error_text(lambda: prepare(_data(), batch_size=0))
-    out["prepare_no_samples"] = error_text(lambda: prepare([], batch_size=2))
-    out["prepare_too_few"] = error_text(lambda: prepare(_data(1), batch_size=2, drop_last=True))
+    out["prepare_no_samples"] = error_text(lambda: _seen(prepare([], batch_size=2)))
+    out["prepare_too_few"] = error_text(lambda: _seen(prepare(_data(1), batch_size=2,
+                                                              drop_last=True)))
+    # one data-parallel group's loader empty: its ranks raise, the others hear why
+    out["one_group_empty"] = error_text(lambda: _seen(prepare(_data(0 if dp == 0 else 4),
+                                                              batch_size=2)))
     out["prepare_numpy_ok"] = len(prepare(_data(), batch_size=np.int64(2), seed=np.int32(3)))
     # lengths 4, 4, 8, 8, 4, ...: each dp group's batch of 2 holds a 4 and an 8
     ragged = [{"input_ids": torch.arange(4 + 4 * (i % 4 >= 2))} for i in range(8)]
@@ -153,20 +157,33 @@ def test_loaders_of_different_lengths_are_named_with_their_batch(w4):
 @pytest.mark.parametrize("key, expected", [
     # before: "no" is true (shuffled), "7" a TypeError about str + int at the first batch,
     # and an empty loader ran a training loop of no step
-    ("prepare_shuffle_no", "TypeError: prepare_dataloader: shuffle must be True or False, got "
-                           "'no' (str)"),
+    ("prepare_shuffle_no", "TypeError: prepare_dataloader: shuffle must be a bool (True or "
+                           "False), got 'no' (str)"),
     ("prepare_seed_text", "TypeError: prepare_dataloader: seed must be an int, got '7' (str)"),
     ("prepare_batch_0", "ValueError: prepare_dataloader: batch_size must be an int >= 1, got 0"),
-    ("prepare_no_samples", "ValueError: prepare_dataloader: the dataset's 0 samples give no "
-                           "batch per epoch (2 data-parallel group(s), batch_size 2, "
-                           "drop_last=False)"),
-    ("prepare_too_few", "ValueError: prepare_dataloader: the dataset's 1 samples give no batch "
-                        "per epoch (2 data-parallel group(s), batch_size 2, drop_last=True)"),
 ])
-def test_prepare_dataloader_refuses_settings_it_would_misread_on_every_rank(w4, key, expected):
+def test_prepare_dataloader_refuses_settings_it_would_misread(w4, key, expected):
     for r in w4:
         assert r[key].startswith(expected), r[key]
         assert r["prepare_numpy_ok"] == 4  # 16 samples / 2 dp groups / 2 a batch
+
+
+def test_a_loader_of_no_batch_raises_when_iterated_on_every_rank(w4):
+    """(before: the training loop ran no step, without a word)"""
+    for rank, r in enumerate(w4):
+        dp = rank // 2
+        for key, n, drop_last in (("prepare_no_samples", 0, False), ("prepare_too_few", 1, True)):
+            assert r[key].startswith(
+                f"ValueError: ShardedDataLoader: data-parallel rank {dp}'s loader gives no batch "
+                f"per epoch ({n} samples, batch_size 2, drop_last={drop_last})"), r[key]
+        if dp == 0:
+            assert r["one_group_empty"].startswith("ValueError: ShardedDataLoader: "
+                                                   "data-parallel rank 0's loader gives no "
+                                                   "batch"), r["one_group_empty"]
+        else:  # (before this check: RingMismatchError "end of the data (rank 0: 1, ...)")
+            assert r["one_group_empty"].startswith("RingPeerError") and \
+                "data-parallel rank 0's loader gives no batch" in r["one_group_empty"], \
+                r["one_group_empty"]
 
 
 def test_samples_of_other_lengths_without_packing_are_named(w4):

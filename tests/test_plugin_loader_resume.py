@@ -93,6 +93,10 @@ def _worker(tmp):
     again.load_state_dict(out["after_break"])
     again.set_epoch(again.epoch)
     out["after_break_resumed"] = _batches(again)
+    left.set_epoch(1)  # the same epoch set again: its next iteration runs it from its start
+    _batches(left, 1)
+    left.set_epoch(1)
+    out["same_epoch_again"] = left.state_dict()
 
     stateful = loader()  # torch.distributed.checkpoint takes the loader as a Stateful
     dcp.save({"loader": run}, checkpoint_id=os.path.join(tmp, "dcp"))
@@ -163,6 +167,8 @@ def test_an_epoch_left_with_break_is_not_resumed_after_the_next_epoch_is_set(w4)
         state = r["after_break"]
         assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (2, 1, 0)
         assert r["after_break_resumed"] == r["full"][1]
+        state = r["same_epoch_again"]
+        assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (3, 1, 0)
 
 
 def test_a_state_of_an_epoch_with_no_batches_keeps_its_epoch():

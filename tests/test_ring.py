@@ -564,7 +564,8 @@ def _deepcopy_ring_attention():
         pickled = "no error"
     except TypeError as exc:
         pickled = str(exc)
-    return (twin[1].group is g, twin[0].weight is not model[0].weight, same,
+    return (twin[1].group is g and copy.copy(model[1]).group is g,
+            twin[0].weight is not model[0].weight, same,
             pickled.startswith("RingAttention: cannot pickle a module bound to a process group"),
             type(pickle.loads(pickle.dumps(ringseq.RingAttention()))).__name__)
 

@@ -491,6 +491,11 @@ def _case_unshard_mismatch():
            # a layout of the user's whose ranks list position 0 twice: refused before the
            # all-gather, named (before: raised inside the gather, naming no function)
            "duplicates": _capture(lambda: ringseq.unshard(x, _EveryRankFirst()))}
+    # two unshard calls of one shape, back-propagated in another order on each rank (before:
+    # each rank's gradient summed with the other call's, silently)
+    a, b = (torch.ones(1, 6, 2, requires_grad=True) for _ in range(2))
+    full_a, full_b = ringseq.unshard(a, "zigzag"), ringseq.unshard(2 * b, "zigzag")
+    res["backward_order"] = _capture(lambda: (full_a if rank == 0 else full_b).sum().backward())
     res["after"] = ringseq.unshard(x, "zigzag")  # the ring is usable afterwards
     return res
 
@@ -887,6 +892,9 @@ def test_unshard_of_shards_that_differ_raises_on_every_rank(w2):
                 _is_fast_error(got[key], "RingPeerError", f"rank(s) [1] of the group failed "
                                                           f"where this rank did not (rank 1: ")
                 assert own in got[key][1], got[key]
+        _is_fast_error(got["backward_order"], "RingMismatchError",
+                       "unshard (backward): the ranks of the ring were called with different "
+                       "arguments: unshard call (its forward's agreement) (rank 0: ")
         _is_fast_error(got["duplicates"], "ValueError",
                        "unshard: layout 'every_rank_first': _positions(12, 2, rank) over the "
                        "ranks must list every position of [0, 12) exactly once")

@@ -194,6 +194,13 @@ class Ring:
                         self.mark_broken(exc)
         raise exc
 
+    @property
+    def control_count(self) -> int:
+        """Control operations so far (the same on every rank of a healthy ring): the number
+        the next agreement runs under, which a later agreement can name to say which call it
+        continues (``unshard``'s backward names its forward)."""
+        return self._seq
+
     def agree(self, ok: bool, message: str, kind: int = CHECK,
               error: Optional[BaseException] = None, fields: Sequence[tuple] = (),
               raise_own: bool = True, about: Optional[str] = "argument check",

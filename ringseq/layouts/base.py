@@ -369,6 +369,18 @@ def masked_tasks(q_runs, k_runs, mask: AttnMask, s_local: int) -> List[BlockTask
 LAYOUTS: Dict[str, Layout] = {}
 
 
+def check_hashable(fn: str, layout: Layout) -> None:
+    """TypeError naming ``fn`` for a layout that cannot be hashed: its plans and schedules are
+    cached by it (a plain @dataclass has no __hash__; a frozen one with a list field fails)."""
+    try:
+        hash(layout)
+    except TypeError as exc:
+        raise TypeError(f"{fn}: layout {type(layout).__name__} must be hashable (its plans are "
+                        f"cached by it), and hash() raised: {exc}; a @dataclass layout needs "
+                        f"frozen=True with hashable fields (a tuple, not a list), or eq=False"
+                        ) from None
+
+
 def register_layout(layout: Layout) -> Layout:
     """Makes a layout available by name to every function taking ``layout=``. ValueError for
     a name that cannot travel as one (empty, or with ``|`` / ``#``, which separate the fields
@@ -385,10 +397,7 @@ def register_layout(layout: Layout) -> Layout:
     if not isinstance(name, str) or not name or "|" in name or "#" in name or name == "?":
         raise ValueError(f"register_layout: a layout's name must be a non-empty string without "
                          f"'|' or '#' (set the class's `name`), got {name!r}")
-    if type(layout).__hash__ is None:  # (the plans of a layout are cached by it)
-        raise TypeError(f"register_layout: layout {type(layout).__name__} must be hashable, and "
-                        f"its __hash__ is None (a @dataclass with eq=True sets that): declare it "
-                        f"@dataclass(frozen=True) or @dataclass(eq=False)")
+    check_hashable("register_layout", layout)
     old = LAYOUTS.get(name)
     if old is not None and type(old) is not type(layout) and _built_in(type(old)):
         raise ValueError(f"register_layout: {name!r} is a built-in layout of ringseq; register "

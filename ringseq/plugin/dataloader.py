@@ -55,6 +55,9 @@ class ShardedDataLoader:
     With ``device``, each sharded batch is moved there (``non_blocking`` when the loader pins
     memory).
 
+    Iterating a loader of no batch per epoch (no samples, or fewer per data-parallel group
+    than ``batch_size`` with ``drop_last``) raises ValueError, agreed on like a batch.
+
     Raises on EVERY rank when any rank's batch cannot be loaded, collated or sharded (a length
     the layout cannot split, padding, a missing ``input_ids``, an exception of the dataset or
     ``collate_fn``): the ranks agree once per batch on the control channel of ``check_group``
@@ -115,11 +118,12 @@ class ShardedDataLoader:
     def set_epoch(self, epoch: int) -> None:
         """Reshuffles (with ``shuffle=True``) consistently on all ranks; call once per epoch.
 
-        After an iteration of another epoch (a whole one, or one left with ``break``), the
-        loader stands at the start of ``epoch``: :meth:`state_dict` saves that, not the
-        batches of the iteration left behind."""
-        if self._iterated is not None and self._iterated.epoch != epoch:
-            self._iterated = None  # the next iteration starts the set epoch from its start
+        After an iteration (a whole one, or one left with ``break``), the loader stands at the
+        start of ``epoch``, which its next iteration runs from its first batch:
+        :meth:`state_dict` saves that, not the batches of the iteration left behind. (A
+        position restored by :meth:`load_state_dict` is kept: ``set_epoch(loader.epoch)``
+        resumes it.)"""
+        self._iterated = None  # (the next iteration starts the set epoch from its start)
         self._epoch = epoch
         if isinstance(self.loader.sampler, DistributedSampler):
             self.loader.sampler.set_epoch(epoch)
@@ -264,6 +268,13 @@ class ShardedDataLoader:
             raise error
         return None if ended else self._to_device(out)
 
+    def _no_batches(self) -> bool:
+        """Whether the wrapped loader has a length, and it is 0 batches."""
+        try:
+            return len(self.loader) == 0
+        except TypeError:  # (an iterable-style dataset without a length)
+            return False
+
     def _sampler_fields(self) -> tuple:
         """The DistributedSampler's settings, compared over every rank with each batch: dp
         groups whose samplers differ in seed, epoch (set_epoch on some ranks only), shuffle,
@@ -296,7 +307,14 @@ class ShardedDataLoader:
 
     def __iter__(self) -> Iterator[dict]:
         resume, skipped, error = self._resume, 0, None
-        if resume is not None and resume.epoch != self._epoch:  # (kept for a retry)
+        if self._no_batches():
+            # (agreed on like a failed batch: another dp group's loader may have batches)
+            error = ValueError(
+                f"ShardedDataLoader: data-parallel rank {self.dp_rank}'s loader gives no batch "
+                f"per epoch ({len(self.dataset)} samples, batch_size {self.batch_size}, "
+                f"drop_last={bool(self.loader.drop_last)}): a training loop over it would do "
+                f"nothing")
+        elif resume is not None and resume.epoch != self._epoch:  # (kept for a retry)
             error = ValueError(
                 f"ShardedDataLoader: load_state_dict restored epoch {resume.epoch} after batch "
                 f"{resume.batches}, then set_epoch({self._epoch}) was called: resume epoch "

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import (DataLoader, IterableDataset, RandomSampler,
                               SequentialSampler)
 
-from .._args import as_int, given, int_if_integer
+from .._args import as_int, check_bool, given, int_if_integer
 from .._dist import named_for
 from .._hash import stable_code
 from ..engine.ring import get_ring, reset_ring
@@ -450,11 +450,10 @@ class RingSequenceParallelPlugin(Plugin):
         Raises ValueError for an iterable-style dataset (it cannot be split by index over dp),
         for ``sampler=`` / ``batch_sampler=`` (the plugin's DistributedSampler would replace
         them; a subset is a ``torch.utils.data.Subset``), for ``pack=True`` with a
-        ``collate_fn`` (packing is the collate function), for a ``batch_size`` < 1 and for a
-        dataset that gives no batch per epoch (no samples, or fewer per data-parallel group
-        than ``batch_size`` with ``drop_last``: a training loop over it would do nothing);
+        ``collate_fn`` (packing is the collate function) and for a ``batch_size`` < 1;
         TypeError for a ``batch_size`` or ``seed`` that is not an int, and for ``shuffle``,
-        ``drop_last``, ``pin_memory`` or ``pack`` that is not a bool.
+        ``drop_last``, ``pin_memory`` or ``pack`` that is not a bool. A loader that gives no
+        batch per epoch raises when iterated (see :class:`ShardedDataLoader`).
         """
         fn = "prepare_dataloader"
         size, seed_int = as_int(batch_size), as_int(seed)
@@ -465,8 +464,7 @@ class RingSequenceParallelPlugin(Plugin):
             raise ValueError(f"{fn}: batch_size must be an int >= 1, got {size}")
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last),
                             ("pin_memory", pin_memory), ("pack", pack)):
-            if not isinstance(value, bool):  # (a string "no" would be true)
-                raise TypeError(f"{fn}: {name} must be True or False, got {given(value)}")
+            check_bool(fn, name, value)  # (a string "no" would be true)
         batch_size, seed = size, seed_int
         if isinstance(dataset, IterableDataset):
             raise ValueError("prepare_dataloader needs a map-style dataset (len and indexing) to "
@@ -494,11 +492,6 @@ class RingSequenceParallelPlugin(Plugin):
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                             drop_last=drop_last, pin_memory=pin_memory,
                             num_workers=num_workers, **kwargs)
-        if len(loader) == 0:
-            raise ValueError(f"{fn}: the dataset's {len(dataset)} samples give no batch per "
-                             f"epoch ({self.dp_size} data-parallel group(s), batch_size "
-                             f"{batch_size}, drop_last={drop_last}); a training loop over "
-                             f"this loader would do nothing")
         return ShardedDataLoader(loader, self.sp_group, self.data_layout, self.dp_rank,
                                  ignore_index=self.ignore_index, check_group=None,
                                  device=self.device, shared=self.dp_size < _world_size(),

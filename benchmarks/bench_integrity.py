@@ -76,6 +76,8 @@ def main(argv=None):
     p.add_argument("--json", type=json_path, default=None)
     args = p.parse_args(argv)
     W = args.world_size
+    if W < 2:  # (a ring of one has no control collective and no header: nothing to time)
+        p.error(f"--world-size {W}: integrity costs nothing on a ring of one; use 2 or more")
     if args.seqlen % (2 * W):  # the zigzag split, as a usage error before any rank starts
         p.error(f"--seqlen {args.seqlen}: zigzag over --world-size {W} needs a multiple of "
                 f"{2 * W}")

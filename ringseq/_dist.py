@@ -66,7 +66,11 @@ def group_info(group=None, fn: Optional[str] = None) -> Tuple[int, int]:
                          f"process group passed as `group` (got {group!r}, what "
                          f"torch.distributed.new_group returns to ranks outside the group); call "
                          f"ringseq functions only on the ranks of that group")
-    rank = dist.get_rank(group)
+    try:
+        rank = dist.get_rank(group)
+    except (ValueError, RuntimeError) as exc:  # (torch: "Group ... is not registered")
+        raise ValueError(f"{_named(fn)}the process group passed as `group` is not usable (was "
+                         f"it destroyed?): {exc}") from None
     if rank < 0:
         raise ValueError(f"{_named(fn)}this process (global rank {dist.get_rank()}) is not a "
                          f"member of the "
@@ -290,7 +294,8 @@ def set_consistency_check(mode=True) -> None:
         _CHECK_MODE = _MODES[mode.strip().lower()]  # the environment variable's words too
     else:
         raise ValueError(f"set_consistency_check: consistency check mode must be True, False "
-                         f"or one of {sorted(_MODES)}, got {mode!r}")
+                         f"or one of the strings {sorted(_MODES)}, got {mode!r} "
+                         f"({type(mode).__name__})")
 
 
 def consistency_check_mode() -> str:

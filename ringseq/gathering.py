@@ -102,7 +102,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
         lay.check_local_seqlen(x_local.shape[dim], world_size)
         # (a layout of the user's: its positions over the ranks are checked here, once per
         # length, rather than after the all-gather)
-        lay.positions(x_local.shape[dim] * world_size, world_size, rank)
+        lay.check_positions(x_local.shape[dim] * world_size, world_size)
     except TypeError as exc:
         problem, dim = exc, -1
     except ValueError as exc:

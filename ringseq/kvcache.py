@@ -91,10 +91,12 @@ def _check_dtype(fn: str, q: torch.Tensor) -> None:
                         f"float16, got {q.dtype}")
 
 
-def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
     """ValueError, before anything is written, for caches the new keys and values cannot be
-    written into apart: caches that share memory (one tensor passed as both, or overlapping
-    views of one buffer), or a cache whose rows share memory
+    written into apart: caches that share memory (overlapping views of one buffer, or one
+    tensor passed as both with new keys and values that differ: one tensor as both caches
+    and as both ``k`` and ``v``, tied K = V, is fine), or a cache whose rows share memory
     (an expanded / broadcast tensor: a stride of 0), where one write lands on another's place
     and the cache read next holds the wrong keys; and for caches made under
     ``torch.inference_mode()`` written outside it (torch refuses the in-place update)."""
@@ -104,7 +106,9 @@ def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> No
                              f"for shape {tuple(t.shape)}: an expanded or broadcast tensor), so "
                              f"the new keys and values of one row would overwrite another's; "
                              f"pass a cache of its own memory ({name}.contiguous())")
-    if _share_elements(k_cache, v_cache):
+    tied = (k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride()
+            and k.data_ptr() == v.data_ptr() and k.stride() == v.stride())
+    if not tied and _share_elements(k_cache, v_cache):  # (one cache for K = V is fine)
         raise ValueError(f"{fn}: k_cache and v_cache share memory (views of one buffer that "
                          f"overlap: data pointers {k_cache.data_ptr()} and {v_cache.data_ptr()}, "
                          f"strides {k_cache.stride()}), so new values would overwrite keys; "
@@ -316,7 +320,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens: int, or (batch,) int32 tensor: each row's cache length before the new
             keys (None: the whole cache, ``seqlen_cache``; required with k and v).
         cache_batch_idx: None (rows 0..batch-1) or (batch,) int32 indices into the cache rows.
-            With k and v and repeated indices, which row's keys end up stored is unspecified
+            With k and v, repeated indices given as ints or a CPU tensor are refused
+            (ValueError: two rows' keys would be written into one cache row); in a CUDA
+            tensor they are not read back, and which row's keys end up stored is unspecified
             (as in flash-attn).
         cache_leftpad: None or (batch,) int32: the first valid key of each row (left padding).
         block_table: must be None: paged caches are not supported (NotImplementedError).
@@ -419,7 +425,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         last = max(host, default=0)  # (batch 0: no rows)
         _check_rotary_rows(fn, rotary_cos, last + max(s_new, s_q if causal or windowed else 1))
     if k is not None:
-        _check_writable(fn, k_cache, v_cache)
+        _check_writable(fn, k_cache, v_cache, k, v)
         if host_idx is not None and len(set(host_idx)) < len(host_idx):
             raise ValueError(f"{fn}: cache_batch_idx names a cache row twice ({host_idx}) while "
                              f"k and v are appended: both rows' new keys would be written into "
@@ -700,7 +706,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     except ValueError as exc:  # a layout whose positions this cache cannot use
         raise ValueError(f"{fn}: layout: {exc}") from None
     if k is not None:
-        _check_writable(fn, k_cache_shard, v_cache_shard)
+        _check_writable(fn, k_cache_shard, v_cache_shard, k, v)
     # values as given, where reading them costs no device synchronization (ints, CPU tensors;
     # before _row_ints moved them to q's device): checked here, compared across ranks below
     host = _given_values(cache_seqlens, b)

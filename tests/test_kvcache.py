@@ -411,6 +411,9 @@ def test_caches_whose_writes_would_land_on_each_other_are_refused(fn):
         with pytest.raises(ValueError, match=rf"^{name}: k_cache and v_cache share memory"):
             fn(q, k_cache, v_cache, k=k, v=v, cache_seqlens=3)
     assert torch.equal(vc, before)  # nothing written
+    tied = kc.clone()  # one cache for K = V, appended one tensor: fine, as before
+    fn(q, tied, tied, k=k, v=k, cache_seqlens=3)
+    assert torch.equal(tied[:, 3], k[:, 0])
     if fn is flash_attn_with_kvcache:
         before = kc.clone()
         with pytest.raises(ValueError, match=r"cache_batch_idx names a cache row twice \(\[1, "

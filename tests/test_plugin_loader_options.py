@@ -65,7 +65,8 @@ def _worker():
     # one data-parallel group's loader empty: its ranks raise, the others hear why
     out["one_group_empty"] = error_text(lambda: _seen(prepare(_data(0 if dp == 0 else 4),
                                                               batch_size=2)))
-    out["prepare_numpy_ok"] = len(prepare(_data(), batch_size=np.int64(2), seed=np.int32(3)))
+    out["prepare_numpy_ok"] = len(prepare(_data(), batch_size=np.int64(2), seed=np.int32(3),
+                                          shuffle=np.True_, drop_last=np.False_))
     # lengths 4, 4, 8, 8, 4, ...: each dp group's batch of 2 holds a 4 and an 8
     ragged = [{"input_ids": torch.arange(4 + 4 * (i % 4 >= 2))} for i in range(8)]
     out["ragged"] = error_text(lambda: _seen(prepare(ragged, batch_size=2)))
@@ -160,7 +161,8 @@ def test_loaders_of_different_lengths_are_named_with_their_batch(w4):
     ("prepare_shuffle_no", "TypeError: prepare_dataloader: shuffle must be a bool (True or "
                            "False), got 'no' (str)"),
     ("prepare_seed_text", "TypeError: prepare_dataloader: seed must be an int, got '7' (str)"),
-    ("prepare_batch_0", "ValueError: prepare_dataloader: batch_size must be an int >= 1, got 0"),
+    ("prepare_batch_0", "ValueError: prepare_dataloader: batch_size must be an int >= 1 or None, "
+                        "got 0"),
 ])
 def test_prepare_dataloader_refuses_settings_it_would_misread(w4, key, expected):
     for r in w4:

@@ -97,6 +97,17 @@ def _worker(tmp):
     _batches(left, 1)
     left.set_epoch(1)
     out["same_epoch_again"] = left.state_dict()
+    # set_epoch inside the loop (a callback near the epoch's end): the running epoch is saved
+    # as it stands while it runs, and the set epoch's start once the loop is left
+    looped = loader()
+    looped.set_epoch(0)
+    for i, _ in enumerate(looped):
+        if i == 1:
+            looped.set_epoch(1)
+            out["set_inside_running"] = looped.state_dict()
+        if i == 2:
+            break
+    out["set_inside_left"] = looped.state_dict()
 
     stateful = loader()  # torch.distributed.checkpoint takes the loader as a Stateful
     dcp.save({"loader": run}, checkpoint_id=os.path.join(tmp, "dcp"))
@@ -168,6 +179,11 @@ def test_an_epoch_left_with_break_is_not_resumed_after_the_next_epoch_is_set(w4)
         assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (2, 1, 0)
         assert r["after_break_resumed"] == r["full"][1]
         state = r["same_epoch_again"]
+        assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (3, 1, 0)
+        # (before: epoch 1 while epoch 0 still ran, so its other batches were lost on resume)
+        state = r["set_inside_running"]
+        assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (2, 0, 2)
+        state = r["set_inside_left"]
         assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (3, 1, 0)
 
 

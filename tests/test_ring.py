@@ -11,6 +11,7 @@ attention against the same reference, plus a small floor.
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -508,6 +509,38 @@ def test_consistency_switch_from_environment(monkeypatch):
         assert _dist.consistency_check_mode() == mode
     with pytest.raises(ValueError, match="consistency check mode"):
         ringseq.set_consistency_check("sometimes")
+    # (before: "one of ['0', '1', ...], got 1": the int read as one of the listed words)
+    with pytest.raises(ValueError, match=r"one of the strings \['0', '1', .*got 1 \(int\)"):
+        ringseq.set_consistency_check(1)
+
+
+def test_ring_settings_functions_name_themselves_for_a_bad_group():
+    for fn in (ringseq.reset_ring, ringseq.get_comm):
+        with pytest.raises(TypeError, match=rf"^{fn.__name__}: group must be a "
+                                            r"torch.distributed ProcessGroup or None"):
+            fn("x")
+
+
+@pytest.mark.parametrize("kwargs, kind, message", [
+    # (before: ZeroDivisionError, "can't multiply sequence by non-int", ...)
+    ({"world_size": 0}, ValueError, "simulate_ring: world_size must be an int >= 1, got 0"),
+    ({"world_size": 2.0}, TypeError, "simulate_ring: world_size must be an int, got 2.0 (float)"),
+    ({"exchanges": ()}, TypeError, "simulate_ring: exchanges must be None or a list"),
+    # (before: a meta dout gave all-zero gradients without a word; a short one was blamed on
+    # an internal op's shard shapes)
+    ({"dout": torch.zeros(1, 8, 2, 16, device="meta")}, ValueError,
+     "simulate_ring: dout must be the full output's gradient, q's shape, dtype and device "
+     "((1, 8, 2, 16) torch.float32 on cpu), got (1, 8, 2, 16) torch.float32 on meta"),
+    ({"dout": torch.zeros(1, 4, 2, 16)}, ValueError, "got (1, 4, 2, 16) torch.float32 on cpu"),
+    # (before: an unnamed size mismatch at W=2, a result at W=1)
+    ({"k": torch.zeros(1, 16, 2, 16)}, ValueError,
+     "simulate_ring: q and k/v must be shards of one sequence"),
+])
+def test_simulated_ring_refuses_what_the_ring_functions_refuse(kwargs, kind, message):
+    q = torch.randn(1, 8, 2, 16)
+    k = kwargs.pop("k", q)
+    with pytest.raises(kind, match=re.escape(message)):
+        ringseq.simulate_ring(q, k, k, **kwargs)
     with pytest.raises(ValueError, match="consistency check mode .* got None"):
         ringseq.set_consistency_check(None)  # (before: every check silently off)
 

@@ -153,6 +153,29 @@ def _numpy_sizes():
             plugin.ulysses_size, plugin.sp_size)
 
 
+def _one_rank_without_groups(hybrid, x8):
+    """Rank 1 passes sp=None: it raises its own TypeError at once (before: it waited for the
+    ring timeout too, then raised the timeout); the others time out on the hybrid's ring,
+    which sp.reset() makes usable again. Also: inner_ring_size=None on one rank and the ring
+    size on the others is one plain ring, built alike (before: two construction paths, and
+    the next collective paired wrongly)."""
+    import time
+
+    import ringseq
+    from ringseq.plugin import RingSequenceParallelPlugin
+    rank = dist.get_rank()
+    ringseq.set_ring_timeout(3)
+    t0 = time.monotonic()
+    got = error_text(lambda: ringseq.usp_attn_func(x8, x8, x8, sp=None if rank == 1
+                                                   else hybrid))
+    took = time.monotonic() - t0
+    ringseq.set_ring_timeout(None)
+    hybrid.reset()
+    plugin = RingSequenceParallelPlugin(sp_size=4, inner_ring_size=None if rank == 1 else 4)
+    after = ringseq.make_sp_groups(1, 2).inner_ring_size  # the next collective is in step
+    return got, took, plugin.dims.inner_ring_size, after
+
+
 def _errors(sps, pairs):
     import ringseq
     from ringseq.parallel.groups import sp_groups_from_tables
@@ -207,6 +230,7 @@ def _errors(sps, pairs):
         # ... in make_sp_groups and the plugin too (before: "ulysses_size must be a positive
         # integer, got np.int64(2)"; collective: every rank makes the same groups)
         "numpy_sizes": _numpy_sizes(),
+        "one_rank_without_groups": _one_rank_without_groups(hybrid, x8),
         # per-rank boundaries on a 2 x 2 hybrid (before: "local length 12 x world size 2")
         "hybrid_cu_seqlens": _expected_error(lambda: ringseq.usp_attn_func(
             x8, x8, x8, sp=hybrid, cu_seqlens=[0, 3, 6])),
@@ -557,6 +581,18 @@ def test_sizes_that_do_not_divide_raise():
             e["bad_inner"]
         assert "ulysses_size=3" in e["bad_ulysses"] and "[1, 2, 4]" in e["bad_ulysses"], \
             e["bad_ulysses"]
+
+
+def test_a_rank_without_groups_raises_its_own_error_at_once():
+    for rank, e in enumerate(_errors_of()):
+        got, took, inner, after = e["one_rank_without_groups"]
+        if rank == 1:
+            assert got.startswith("TypeError: usp_attn_func: sp must be the "
+                                  "SequenceParallelGroups"), got
+            assert took < 2, took
+        else:
+            assert got.startswith("RingTimeoutError"), got
+        assert (inner, after) == (4, 2)
 
 
 def test_ranks_that_disagree_all_raise():

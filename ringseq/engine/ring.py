@@ -377,8 +377,9 @@ def ring_size(group=None, fn: Optional[str] = None) -> int:
     return get_ring(group, fn).world_size
 
 
-#: ``ringseq.get_comm(group)``: the name the README documents for :func:`get_ring`
-get_comm = get_ring
+def get_comm(group=None) -> Ring:
+    """``ringseq.get_comm(group)``: the name the README documents for :func:`get_ring`."""
+    return get_ring(group, "get_comm")
 
 
 def check_consistent(fields, group=None) -> None:
@@ -389,7 +390,7 @@ def check_consistent(fields, group=None) -> None:
 def reset_ring(group=None) -> None:
     """Makes the ring of ``group`` usable again after a failure broke it (see
     :mod:`ringseq.engine.integrity`); call it on every rank of the group before the next call."""
-    get_ring(group).reset()
+    get_ring(group, "reset_ring").reset()
 
 
 def meet_as_failed(group, kind: int) -> None:
@@ -444,4 +445,11 @@ def refuse_on_error(group, kind: int, failed: bool = False):
             except RingTimeoutError as timeout:
                 raise exc from timeout
             raise exc from None
-        ring.refuse(kind, exc, failed)
+        try:
+            ring.refuse(kind, exc, failed)
+        except RingTimeoutError as timeout:
+            # (the peers were not on this ring: this rank's own error comes first, the timeout
+            # as its cause)
+            if timeout is exc:
+                raise
+            raise exc from timeout

@@ -12,8 +12,9 @@ from typing import Optional
 
 import torch
 
+from .._args import as_int, given
 from ..layouts import shard_local, unshard_local
-from ..spec import attn_spec, bound_layout, check_layout, named_layout
+from ..spec import attn_spec, bound_layout, check_layout, check_self_attention, named_layout
 from .loops import ring_backward, ring_forward
 from .plan import make_plan
 from .ring import Ring
@@ -111,14 +112,33 @@ def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: boo
         to global order.
 
     Raises what the ring functions raise for their arguments (ValueError for a length the
-    layout cannot split, ...).
+    layout cannot split, q and k/v of other lengths, ...); TypeError / ValueError for a
+    ``world_size`` that is not an int >= 1, an ``exchanges`` that is not a list, and a
+    ``dout`` of another shape, dtype or device than q.
     """
-    unbound = named_layout("simulate_ring", layout)
+    fn = "simulate_ring"
+    world = as_int(world_size)
+    if world is None:
+        raise TypeError(f"{fn}: world_size must be an int, got {given(world_size)}")
+    if world < 1:
+        raise ValueError(f"{fn}: world_size must be an int >= 1, got {world}")
+    world_size = world
+    if exchanges is not None and not isinstance(exchanges, list):
+        raise TypeError(f"{fn}: exchanges must be None or a list (it receives each rank's "
+                        f"exchange counts), got {given(exchanges)}")
+    unbound = named_layout(fn, layout)
     spec = attn_spec("simulate_ring", q, k, v, softmax_scale=softmax_scale, causal=causal,
                      window_size=window_size, softcap=softcap, backend=backend,
                      grad_comm_dtype=grad_comm_dtype,
                      documents=unbound.documents if cu_seqlens is None else cu_seqlens,
                      needs_grad=dout is not None)
+    check_self_attention(spec, q, k)
+    if dout is not None and (not isinstance(dout, torch.Tensor) or dout.shape != q.shape
+                             or dout.dtype != q.dtype or dout.device != q.device):
+        got = (f"{given(dout)}" if not isinstance(dout, torch.Tensor) else
+               f"{tuple(dout.shape)} {dout.dtype} on {dout.device}")
+        raise ValueError(f"{fn}: dout must be the full output's gradient, q's shape, dtype and "
+                         f"device ({tuple(q.shape)} {q.dtype} on {q.device}), got {got}")
     lay = bound_layout("simulate_ring", unbound, spec.documents)
     try:
         lay.check_seqlen(q.shape[1], world_size)

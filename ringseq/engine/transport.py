@@ -215,16 +215,22 @@ class _Pending:
                 else:
                     w.wait(self.timeout)
         except RuntimeError as exc:
-            what = ("waited more than {:.0f} s for".format(self.timeout.total_seconds())
-                    if self.timeout is not None and _timeout_exc(exc) else
-                    f"lost the connection ({type(exc).__name__}: {exc}) in")
-            raise RingTimeoutError(
-                f"ringseq: rank {self.comm.rank} {what} a ring exchange with its peers "
-                f"(receiving from global rank {self.comm.prev_rank}, sending to global rank "
-                f"{self.comm.next_rank}): a peer stalled, died or left the ring call "
-                f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on every "
-                f"rank makes the ring usable again)") from exc
+            raise exchange_error(self.comm, exc, self.timeout) from exc
         self.works = ()
+
+
+def exchange_error(comm: "RingComm", exc: RuntimeError,
+                   timeout: Optional[datetime.timedelta]) -> RingTimeoutError:
+    """The ringseq error for a ring exchange that failed while posted or waited for."""
+    what = ("waited more than {:.0f} s for".format(timeout.total_seconds())
+            if timeout is not None and _timeout_exc(exc) else
+            f"lost the connection ({type(exc).__name__}: {exc}) in")
+    return RingTimeoutError(
+        f"ringseq: rank {comm.rank} {what} a ring exchange with its peers "
+        f"(receiving from global rank {comm.prev_rank}, sending to global rank "
+        f"{comm.next_rank}): a peer stalled, died or left the ring call "
+        f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on every "
+        f"rank makes the ring usable again)")
 
 
 _EPOCHS: Dict[str, int] = {}  # ring channels made so far per process group name (this process)
@@ -387,8 +393,11 @@ class RingComm(Transport):
             pg = self._data_channel()
             to, frm = ((self.rank - 1, self.rank + 1) if reverse else
                        (self.rank + 1, self.rank - 1))
-            works = [pg.send([send], to % self.world_size, 0),
-                     pg.recv([recv], frm % self.world_size, 0)]
+            try:  # (posting fails too when a peer is gone, e.g. with the checks off)
+                works = [pg.send([send], to % self.world_size, 0),
+                         pg.recv([recv], frm % self.world_size, 0)]
+            except RuntimeError as exc:
+                raise exchange_error(self, exc, None) from exc
             return _Pending(works, self, datetime.timedelta(seconds=ring_timeout()))
         group = self.group
         to, frm = (self.prev_rank, self.next_rank) if reverse else (self.next_rank, self.prev_rank)

@@ -175,6 +175,12 @@ class Layout:
                           lambda: self._check_permutation(seqlen, world_size))
         return pos
 
+    def check_positions(self, seqlen: int, world_size: int) -> None:
+        """ValueError unless the ranks' positions at ``seqlen`` are a permutation (a layout of
+        the user's, checked once per length and world size; a built-in one needs nothing)."""
+        if not _built_in(type(self)._positions):
+            self.positions(seqlen, world_size, 0)
+
     def _checked_positions(self, seqlen: int, world_size: int, rank: int) -> torch.Tensor:
         pos = self._positions(seqlen, world_size, rank)
         want = (seqlen // world_size,)

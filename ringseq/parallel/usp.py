@@ -8,6 +8,7 @@ plain ring.
 """
 from __future__ import annotations
 
+import torch.distributed as dist
 
 from .._args import autocast_inputs, check_returns, sdpa_inputs
 from ..engine.integrity import FWD
@@ -92,6 +93,12 @@ def _check_sp(fn: str, sp) -> None:
 
 def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, backend,
          grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None):
+    if not isinstance(sp, (SequenceParallelGroups, dist.ProcessGroup)):
+        # No group to tell the peers on (None, a typo): they wait on sp.group's ring, a group
+        # of its own and never the default one, and time out there; this rank raises now
+        # (before: it waited for that timeout too, then raised the timeout, its own error
+        # hidden as a cause).
+        _check_sp(fn, sp)
     with refuse_on_error(_refusal_group(sp), FWD):
         _check_sp(fn, sp)
         check_returns(fn, False, return_lse)

@@ -93,6 +93,9 @@ class ShardedDataLoader:
         #: batches with inputs_embeds are then refused here, agreed on by every rank
         self.needs_input_ids = False
         self.step = 0  # batches yielded so far, over all epochs (the same on every rank)
+        #: whether an iteration is running (set_epoch then takes effect when it ends), and
+        #: whether set_epoch was called while it ran
+        self._live = self._epoch_set_while_live = False
         self._epoch = 0  # the epoch set last (set_epoch), which the next iteration runs
         #: the epoch of the latest iteration and the batches it handed out (None: none yet)
         self._iterated: Optional[LoaderPosition] = None
@@ -120,10 +123,14 @@ class ShardedDataLoader:
 
         After an iteration (a whole one, or one left with ``break``), the loader stands at the
         start of ``epoch``, which its next iteration runs from its first batch:
-        :meth:`state_dict` saves that, not the batches of the iteration left behind. (A
-        position restored by :meth:`load_state_dict` is kept: ``set_epoch(loader.epoch)``
-        resumes it.)"""
-        self._iterated = None  # (the next iteration starts the set epoch from its start)
+        :meth:`state_dict` saves that, not the batches of the iteration left behind. Called
+        while an iteration runs, it takes effect when that iteration ends (until then the
+        state is the running iteration's). A position restored by :meth:`load_state_dict` is
+        kept: ``set_epoch(loader.epoch)`` resumes it."""
+        if self._live:  # (the running iteration goes on with its epoch: saved as it stands)
+            self._epoch_set_while_live = True
+        else:
+            self._iterated = None  # (the next iteration starts the set epoch from its start)
         self._epoch = epoch
         if isinstance(self.loader.sampler, DistributedSampler):
             self.loader.sampler.set_epoch(epoch)
@@ -330,16 +337,23 @@ class ShardedDataLoader:
         if error is None:
             self._iterated = LoaderPosition(self.step, epoch, batches)
         it = iter(self.loader) if error is None else None  # (no workers started to refuse)
-        while True:
-            out = self._next_shard(it, error)
-            if out is None:
-                return
-            self.step += 1
-            batches += 1
-            self._iterated = LoaderPosition(self.step, epoch, batches)
-            if self.tag is not None:
-                self.tag.value = self.step
-            yield out
+        self._live, self._epoch_set_while_live = True, False
+        try:
+            while True:
+                out = self._next_shard(it, error)
+                if out is None:
+                    return
+                self.step += 1
+                batches += 1
+                self._iterated = LoaderPosition(self.step, epoch, batches)
+                if self.tag is not None:
+                    self.tag.value = self.step
+                yield out
+        finally:
+            # (also on `break`: the loop drops the generator, which closes it here)
+            self._live = False
+            if self._epoch_set_while_live:  # the next iteration starts the set epoch
+                self._iterated = None
 
 
 def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict:

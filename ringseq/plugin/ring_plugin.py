@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import (DataLoader, IterableDataset, RandomSampler,
                               SequentialSampler)
 
-from .._args import as_int, check_bool, given, int_if_integer
+from .._args import as_int, given, int_if_integer, is_bool
 from .._dist import named_for
 from .._hash import stable_code
 from ..engine.ring import get_ring, reset_ring
@@ -312,8 +312,11 @@ class RingSequenceParallelPlugin(Plugin):
             refusal, fields = named_for(type(self).__name__, exc), ()
         get_ring(None).agree(refusal is None, str(refusal), error=refusal, fields=fields,
                              about="plugin options")
-        plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)
-                      and inner_ring_size is None and ulysses_inner is None)
+        # (from the resolved sizes the ranks just agreed on: inner_ring_size=None on one rank
+        # and the ring size on another are one plain ring, built alike)
+        plain_ring = (sp_mode == "ring" and self.dims.ulysses_size == 1
+                      and self.dims.inner_ring_size == self.dims.ring_size
+                      and ulysses_inner is None)
         try:  # (a passed mesh is checked there: the same object on every rank)
             if plain_ring:
                 self.groups = build_mesh(sp_size, mesh, tp_size=tp_size)
@@ -432,7 +435,8 @@ class RingSequenceParallelPlugin(Plugin):
             dataset: a map-style dataset of mappings with ``input_ids`` (s,) int64 and
                 optionally ``labels`` (s,) (same s within a batch; s a multiple of what the
                 layout needs: sp, 2*sp for zigzag).
-            batch_size: samples per data-parallel group per step (global batch: x dp).
+            batch_size: samples per data-parallel group per step (global batch: x dp); None
+                for a dataset whose items are whole batches (DataLoader's own meaning).
             shuffle, seed, drop_last: as ``DistributedSampler`` over the dp groups (without
                 drop_last the sampler repeats samples to even out the groups); drop_last also
                 drops each dp group's last batch when it has fewer than ``batch_size``
@@ -456,16 +460,21 @@ class RingSequenceParallelPlugin(Plugin):
         batch per epoch raises when iterated (see :class:`ShardedDataLoader`).
         """
         fn = "prepare_dataloader"
-        size, seed_int = as_int(batch_size), as_int(seed)
-        if size is None or seed_int is None:
-            name, value = ("batch_size", batch_size) if size is None else ("seed", seed)
+        # (batch_size None: the dataset yields whole batches, DataLoader's automatic batching
+        # off)
+        size, seed_int = None if batch_size is None else as_int(batch_size), as_int(seed)
+        if (size is None and batch_size is not None) or seed_int is None:
+            name, value = ("seed", seed) if seed_int is None else ("batch_size", batch_size)
             raise TypeError(f"{fn}: {name} must be an int, got {given(value)}")
-        if size < 1:
-            raise ValueError(f"{fn}: batch_size must be an int >= 1, got {size}")
+        if size is not None and size < 1:
+            raise ValueError(f"{fn}: batch_size must be an int >= 1 or None, got {size}")
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last),
                             ("pin_memory", pin_memory), ("pack", pack)):
-            check_bool(fn, name, value)  # (a string "no" would be true)
+            if not is_bool(value):  # (a string "no" would be true; NumPy's bools are bools)
+                raise TypeError(f"{fn}: {name} must be a bool (True or False), got "
+                                f"{given(value)}")
         batch_size, seed = size, seed_int
+        shuffle, drop_last, pin_memory, pack = map(bool, (shuffle, drop_last, pin_memory, pack))
         if isinstance(dataset, IterableDataset):
             raise ValueError("prepare_dataloader needs a map-style dataset (len and indexing) to "
                              "split samples over the data-parallel groups")
@@ -569,8 +578,8 @@ class RingSequenceParallelPlugin(Plugin):
                 if hasattr(dataloader, name)}
         return self.prepare_dataloader(
             dataloader.dataset, dataloader.batch_size,
-            shuffle=isinstance(sampler, RandomSampler), drop_last=dataloader.drop_last,
-            pin_memory=dataloader.pin_memory, num_workers=dataloader.num_workers, **kept)
+            shuffle=isinstance(sampler, RandomSampler), drop_last=bool(dataloader.drop_last),
+            pin_memory=bool(dataloader.pin_memory), num_workers=dataloader.num_workers, **kept)
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
                   lr_scheduler=None):

@@ -3,7 +3,9 @@
 Both directions are collectives of the whole group: the forward all-gathers the shards, the
 backward all-reduces the gradient. Each is agreed on first over the ring's control channel
 (its own process group), so ranks that disagree, or a rank that does not take part, raise
-named errors instead of pairing these collectives with other ones of the user's.
+named errors instead of pairing these collectives with other ones of the user's. With the
+consistency checks off (``ringseq.set_consistency_check(False)``) no agreement runs: then
+they are plain collectives, as every ring call is.
 """
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     layouts or ``dim`` differ: one control all-gather before the tensors' own, which would
     otherwise pair mismatched shards or wait forever. A rank missing from the forward or the
     backward leaves the others ``ringseq.RingTimeoutError`` after the ring timeout; ranks
-    that back-propagate different unshard calls raise ``ringseq.RingMismatchError``.
+    that back-propagate different unshard calls raise ``ringseq.RingMismatchError``. (All of
+    this with the consistency checks on, the default; see the module doc.)
     """
     world_size, rank = group_info(group, "unshard")
     if world_size == 1:

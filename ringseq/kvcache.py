@@ -92,11 +92,12 @@ def _check_dtype(fn: str, q: torch.Tensor) -> None:
 
 
 def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor) -> None:
+                    v: torch.Tensor, rotary: bool) -> None:
     """ValueError, before anything is written, for caches the new keys and values cannot be
     written into apart: caches that share memory (overlapping views of one buffer, or one
     tensor passed as both with new keys and values that differ: one tensor as both caches
-    and as both ``k`` and ``v``, tied K = V, is fine), or a cache whose rows share memory
+    and as both ``k`` and ``v``, tied K = V, is fine without rotary), or a cache whose rows
+    share memory
     (an expanded / broadcast tensor: a stride of 0), where one write lands on another's place
     and the cache read next holds the wrong keys; and for caches made under
     ``torch.inference_mode()`` written outside it (torch refuses the in-place update)."""
@@ -106,9 +107,12 @@ def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k: to
                              f"for shape {tuple(t.shape)}: an expanded or broadcast tensor), so "
                              f"the new keys and values of one row would overwrite another's; "
                              f"pass a cache of its own memory ({name}.contiguous())")
-    tied = (k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride()
-            and k.data_ptr() == v.data_ptr() and k.stride() == v.stride())
-    if not tied and _share_elements(k_cache, v_cache):  # (one cache for K = V is fine)
+    # one cache for K = V, appended one tensor, is fine: the same values land twice (not with
+    # rotary: the keys are rotated, the values not)
+    tied = (not rotary and k_cache.data_ptr() == v_cache.data_ptr()
+            and k_cache.stride() == v_cache.stride() and k.data_ptr() == v.data_ptr()
+            and k.stride() == v.stride())
+    if not tied and _share_elements(k_cache, v_cache):
         raise ValueError(f"{fn}: k_cache and v_cache share memory (views of one buffer that "
                          f"overlap: data pointers {k_cache.data_ptr()} and {v_cache.data_ptr()}, "
                          f"strides {k_cache.stride()}), so new values would overwrite keys; "
@@ -124,13 +128,19 @@ def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k: to
 
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two caches of one shape and strides on one storage hold a common element: their
-    offsets differ by ``delta`` = sum of m_i * stride_i with |m_i| < size_i. Caches of other
-    strides, or no common storage, count as apart (two halves of an interleaved
-    (b, cap, 2, h, d) buffer are apart; ``buf[:, :16]`` and ``buf[:, 1:17]`` are not)."""
-    if a.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
-            or a.shape != b.shape or a.stride() != b.stride():
+    """Whether two caches on one storage may hold a common element. Of one shape and strides:
+    exactly, when their offsets differ by ``delta`` = sum of m_i * stride_i with |m_i| <
+    size_i (two halves of an interleaved (b, cap, 2, h, d) buffer are apart; ``buf[:, :16]``
+    and ``buf[:, 1:17]`` are not). Of other strides: when their spans of memory meet."""
+    if a.numel() == 0 or b.numel() == 0 or \
+            a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
+    if a.shape != b.shape or a.stride() != b.stride():
+        def span(t):
+            last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+            return t.storage_offset(), t.storage_offset() + last
+        (a0, a1), (b0, b1) = span(a), span(b)
+        return a0 <= b1 and b0 <= a1
     dims = sorted(((st, n) for st, n in zip(a.stride(), a.shape) if n > 1), reverse=True)
 
     def reach(rest: int, i: int) -> bool:
@@ -425,7 +435,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         last = max(host, default=0)  # (batch 0: no rows)
         _check_rotary_rows(fn, rotary_cos, last + max(s_new, s_q if causal or windowed else 1))
     if k is not None:
-        _check_writable(fn, k_cache, v_cache, k, v)
+        _check_writable(fn, k_cache, v_cache, k, v, rotary_cos is not None)
         if host_idx is not None and len(set(host_idx)) < len(host_idx):
             raise ValueError(f"{fn}: cache_batch_idx names a cache row twice ({host_idx}) while "
                              f"k and v are appended: both rows' new keys would be written into "
@@ -706,7 +716,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     except ValueError as exc:  # a layout whose positions this cache cannot use
         raise ValueError(f"{fn}: layout: {exc}") from None
     if k is not None:
-        _check_writable(fn, k_cache_shard, v_cache_shard, k, v)
+        _check_writable(fn, k_cache_shard, v_cache_shard, k, v, rotary_cos is not None)
     # values as given, where reading them costs no device synchronization (ints, CPU tensors;
     # before _row_ints moved them to q's device): checked here, compared across ranks below
     host = _given_values(cache_seqlens, b)

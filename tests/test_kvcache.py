@@ -414,6 +414,14 @@ def test_caches_whose_writes_would_land_on_each_other_are_refused(fn):
     tied = kc.clone()  # one cache for K = V, appended one tensor: fine, as before
     fn(q, tied, tied, k=k, v=k, cache_seqlens=3)
     assert torch.equal(tied[:, 3], k[:, 0])
+    # ... but not with rotary (the keys are rotated, the values not), nor views of one buffer
+    # in other orders
+    cos, sin = torch.ones(16, 16), torch.zeros(16, 16)
+    with pytest.raises(ValueError, match=rf"^{name}: k_cache and v_cache share memory"):
+        fn(q, tied, tied, k=k, v=k, cache_seqlens=3, rotary_cos=cos, rotary_sin=sin)
+    base = torch.randn(2, 2, 16, 64)  # (b, h_kv, cap, d)
+    with pytest.raises(ValueError, match=rf"^{name}: k_cache and v_cache share memory"):
+        fn(q, base.permute(0, 2, 1, 3), base.view(2, 16, 2, 64), k=k, v=v, cache_seqlens=3)
     if fn is flash_attn_with_kvcache:
         before = kc.clone()
         with pytest.raises(ValueError, match=r"cache_batch_idx names a cache row twice \(\[1, "

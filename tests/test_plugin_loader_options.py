@@ -59,6 +59,8 @@ def _worker():
     out["prepare_shuffle_no"] = error_text(lambda: prepare(_data(), batch_size=2, shuffle="no"))
     out["prepare_seed_text"] = error_text(lambda: prepare(_data(), batch_size=2, seed="7"))
     out["prepare_batch_0"] = error_text(lambda: prepare(_data(), batch_size=0))
+    out["prepare_unbatched_drop_last"] = error_text(lambda: prepare(_data(), batch_size=None,
+                                                                    drop_last=True))
     out["prepare_no_samples"] = error_text(lambda: _seen(prepare([], batch_size=2)))
     out["prepare_too_few"] = error_text(lambda: _seen(prepare(_data(1), batch_size=2,
                                                               drop_last=True)))
@@ -163,10 +165,17 @@ def test_loaders_of_different_lengths_are_named_with_their_batch(w4):
     ("prepare_seed_text", "TypeError: prepare_dataloader: seed must be an int, got '7' (str)"),
     ("prepare_batch_0", "ValueError: prepare_dataloader: batch_size must be an int >= 1 or None, "
                         "got 0"),
+    ("prepare_unbatched_drop_last", "ValueError: prepare_dataloader: batch_size=None (the "
+                                    "dataset's items are whole batches) takes neither "
+                                    "drop_last=True nor pack=True"),
 ])
 def test_prepare_dataloader_refuses_settings_it_would_misread(w4, key, expected):
     for r in w4:
         assert r[key].startswith(expected), r[key]
+
+
+def test_prepare_dataloader_takes_numpy_ints_and_bools(w4):
+    for r in w4:
         assert r["prepare_numpy_ok"] == 4  # 16 samples / 2 dp groups / 2 a batch
 
 
@@ -200,7 +209,7 @@ def test_samples_of_other_lengths_without_packing_are_named(w4):
 @pytest.mark.parametrize("samples, kwargs, expected", [
     ([{"ids": [1]}], {}, "ValueError: pack_documents: samples[0] must be a mapping with "
                          "'input_ids' (s,), got keys ['ids']"),
-    ([[1, 2]], {}, "ValueError: pack_documents: samples[0] must be a mapping with 'input_ids' "
+    ([[1, 2]], {}, "TypeError: pack_documents: samples[0] must be a mapping with 'input_ids' "
                    "(s,), got [1, 2] (list)"),
     ([{"input_ids": [[1, 2], [3, 4]]}], {}, "ValueError: pack_documents: "
                                             "samples[0]['input_ids'] must have shape (s,) or "

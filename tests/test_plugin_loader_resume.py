@@ -108,6 +108,16 @@ def _worker(tmp):
         if i == 2:
             break
     out["set_inside_left"] = looped.state_dict()
+    # a step loop's kept iterator: its position while it can yield, the set epoch's start
+    # once it is dropped
+    kept = loader()
+    kept.set_epoch(0)
+    it = iter(kept)
+    next(it), next(it)
+    kept.set_epoch(1)
+    out["kept_iterator"] = kept.state_dict()
+    del it
+    out["kept_iterator_dropped"] = kept.state_dict()
 
     stateful = loader()  # torch.distributed.checkpoint takes the loader as a Stateful
     dcp.save({"loader": run}, checkpoint_id=os.path.join(tmp, "dcp"))
@@ -185,6 +195,10 @@ def test_an_epoch_left_with_break_is_not_resumed_after_the_next_epoch_is_set(w4)
         assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (2, 0, 2)
         state = r["set_inside_left"]
         assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (3, 1, 0)
+        state = r["kept_iterator"]
+        assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (2, 0, 2)
+        state = r["kept_iterator_dropped"]
+        assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (2, 1, 0)
 
 
 def test_a_state_of_an_epoch_with_no_batches_keeps_its_epoch():

@@ -165,15 +165,27 @@ def _one_rank_without_groups(hybrid, x8):
     from ringseq.plugin import RingSequenceParallelPlugin
     rank = dist.get_rank()
     ringseq.set_ring_timeout(3)
-    t0 = time.monotonic()
-    got = error_text(lambda: ringseq.usp_attn_func(x8, x8, x8, sp=None if rank == 1
-                                                   else hybrid))
-    took = time.monotonic() - t0
+    res = {}
+    for name, call in (("usp_attn_func", lambda sp: ringseq.usp_attn_func(x8, x8, x8, sp=sp)),
+                       ("usp_sdpa", lambda sp: ringseq.usp_sdpa(*(x8.transpose(1, 2),) * 3,
+                                                                sp=sp)),
+                       # a process group of others: the refusal times out there, and this
+                       # rank raises its own error (the timeout as its cause)
+                       ("world_group", lambda sp: ringseq.usp_attn_func(
+                           x8, x8, x8, sp=dist.group.WORLD if sp is None else sp))):
+        t0 = time.monotonic()
+        got = error_text(lambda: call(None if rank == 1 else hybrid))
+        res[name] = (got, time.monotonic() - t0)
+        hybrid.reset()
+    ringseq.reset_ring()  # (rank 1's refusal timed out on the default group's ring)
     ringseq.set_ring_timeout(None)
-    hybrid.reset()
-    plugin = RingSequenceParallelPlugin(sp_size=4, inner_ring_size=None if rank == 1 else 4)
-    after = ringseq.make_sp_groups(1, 2).inner_ring_size  # the next collective is in step
-    return got, took, plugin.dims.inner_ring_size, after
+    res["plugin"] = error_text(lambda: RingSequenceParallelPlugin(
+        sp_size=4, inner_ring_size=None if rank == 1 else 4))
+    res["after"] = ringseq.make_sp_groups(1, 2).inner_ring_size  # the next collective: in step
+    gone = dist.new_group([0, 1, 2, 3])
+    dist.destroy_process_group(gone)
+    res["destroyed"] = error_text(lambda: ringseq.reset_ring(gone))
+    return res
 
 
 def _errors(sps, pairs):
@@ -585,14 +597,25 @@ def test_sizes_that_do_not_divide_raise():
 
 def test_a_rank_without_groups_raises_its_own_error_at_once():
     for rank, e in enumerate(_errors_of()):
-        got, took, inner, after = e["one_rank_without_groups"]
-        if rank == 1:
-            assert got.startswith("TypeError: usp_attn_func: sp must be the "
-                                  "SequenceParallelGroups"), got
-            assert took < 2, took
-        else:
-            assert got.startswith("RingTimeoutError"), got
-        assert (inner, after) == (4, 2)
+        res = e["one_rank_without_groups"]
+        for name in ("usp_attn_func", "usp_sdpa", "world_group"):
+            got, took = res[name]
+            if rank == 1:
+                fn = "usp_sdpa" if name == "usp_sdpa" else "usp_attn_func"
+                assert got.startswith(f"TypeError: {fn}: sp must be the "
+                                      f"SequenceParallelGroups"), (name, got)
+                # at once where no group can reach the peers (before: after the timeout)
+                assert name == "world_group" or took < 2, (name, took)
+            else:
+                assert got.startswith("RingTimeoutError"), (name, got)
+        # inner_ring_size None on one rank, the ring size on the others (before: accepted,
+        # two construction paths, and the next collective paired wrongly)
+        assert res["plugin"].startswith("RingMismatchError") and \
+            "inner_ring_size given (rank 0: True, rank 1: False" in res["plugin"], res["plugin"]
+        assert res["after"] == 2
+        assert res["destroyed"].startswith("ValueError: reset_ring: the process group passed "
+                                           "as `group` is not usable (was it destroyed?)"), \
+            res["destroyed"]
 
 
 def test_ranks_that_disagree_all_raise():

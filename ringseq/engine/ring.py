@@ -440,16 +440,17 @@ def refuse_on_error(group, kind: int, failed: bool = False):
             # peer of another group times out rather than pairing.
             if not is_initialized():
                 raise exc from None
-            try:  # (where the peers wait on another group, this times out: its own error then)
-                get_ring(None).refuse(kind, exc, failed)
-            except RingTimeoutError as timeout:
-                raise exc from timeout
-            raise exc from None
-        try:
-            ring.refuse(kind, exc, failed)
-        except RingTimeoutError as timeout:
-            # (the peers were not on this ring: this rank's own error comes first, the timeout
-            # as its cause)
-            if timeout is exc:
-                raise
-            raise exc from timeout
+            _refuse(get_ring(None), kind, exc, failed)
+        _refuse(ring, kind, exc, failed)
+
+
+def _refuse(ring: Ring, kind: int, exc: BaseException, failed: bool) -> None:
+    """:meth:`Ring.refuse`: raises ``exc`` once the peers met the refusal; where they wait on
+    another ring and this one times out, ``exc`` still, the timeout as its cause (this rank's
+    own error is what its user must see)."""
+    try:
+        ring.refuse(kind, exc, failed)
+    except RingTimeoutError as timeout:
+        if timeout is exc:
+            raise
+        raise exc from timeout

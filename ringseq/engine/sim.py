@@ -133,12 +133,14 @@ def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: boo
                      documents=unbound.documents if cu_seqlens is None else cu_seqlens,
                      needs_grad=dout is not None)
     check_self_attention(spec, q, k)
-    if dout is not None and (not isinstance(dout, torch.Tensor) or dout.shape != q.shape
-                             or dout.dtype != q.dtype or dout.device != q.device):
-        got = (f"{given(dout)}" if not isinstance(dout, torch.Tensor) else
-               f"{tuple(dout.shape)} {dout.dtype} on {dout.device}")
+    if dout is not None and not isinstance(dout, torch.Tensor):
+        raise TypeError(f"{fn}: dout must be None or a tensor (the full output's gradient), "
+                        f"got {given(dout)}")
+    if dout is not None and (dout.shape != q.shape or dout.dtype != q.dtype
+                             or dout.device != q.device):
         raise ValueError(f"{fn}: dout must be the full output's gradient, q's shape, dtype and "
-                         f"device ({tuple(q.shape)} {q.dtype} on {q.device}), got {got}")
+                         f"device ({tuple(q.shape)} {q.dtype} on {q.device}), got "
+                         f"{tuple(dout.shape)} {dout.dtype} on {dout.device}")
     lay = bound_layout("simulate_ring", unbound, spec.documents)
     try:
         lay.check_seqlen(q.shape[1], world_size)

@@ -73,16 +73,24 @@ def usp_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causal: b
             dtypes, ``dropout_p > 0``, ``cu_seqlens`` that are not the global boundaries; the
             other ranks raise :class:`ringseq.RingPeerError` naming this one.
         RingMismatchError (a ValueError): ranks called with different arguments (every rank).
+        TypeError: ``sp`` is not a SequenceParallelGroups, at once (the other ranks, waiting
+            on their groups' ring, raise ``ringseq.RingTimeoutError`` after the ring timeout).
     """
     return _usp("usp_attn_func", q, k, v, dropout_p, softmax_scale, causal, sp, layout,
                 return_lse, backend, grad_comm_dtype, window_size, softcap, cu_seqlens)
 
 
-def _refusal_group(sp):
-    """Where a refusal of ``sp`` goes: its sequence-parallel group, or for what is no
-    SequenceParallelGroups the value itself (a process group passed instead: its ring; anything
-    else: the default group's, see ``refuse_on_error``)."""
-    return sp.group if isinstance(sp, SequenceParallelGroups) else sp
+def _refusal_group(fn: str, sp):
+    """Where a refusal of ``sp`` goes: its sequence-parallel group, or a process group passed
+    instead: its ring. Anything else (None, a typo) raises ``fn``'s TypeError at once: the
+    peers wait on sp.group's ring, a group of its own and never the default one, so no ring
+    reaches them (they time out there; before, this rank waited for that timeout too, then
+    raised it, its own error hidden as a cause)."""
+    if isinstance(sp, SequenceParallelGroups):
+        return sp.group
+    if not isinstance(sp, dist.ProcessGroup):
+        _check_sp(fn, sp)
+    return sp
 
 
 def _check_sp(fn: str, sp) -> None:
@@ -93,13 +101,7 @@ def _check_sp(fn: str, sp) -> None:
 
 def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, backend,
          grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None):
-    if not isinstance(sp, (SequenceParallelGroups, dist.ProcessGroup)):
-        # No group to tell the peers on (None, a typo): they wait on sp.group's ring, a group
-        # of its own and never the default one, and time out there; this rank raises now
-        # (before: it waited for that timeout too, then raised the timeout, its own error
-        # hidden as a cause).
-        _check_sp(fn, sp)
-    with refuse_on_error(_refusal_group(sp), FWD):
+    with refuse_on_error(_refusal_group(fn, sp), FWD):
         _check_sp(fn, sp)
         check_returns(fn, False, return_lse)
         q, k, v = autocast_inputs(q, k, v)
@@ -133,7 +135,7 @@ def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
     ``attn_mask`` must be None (ValueError otherwise) and ``dropout_p`` 0 (NotImplementedError
     above 0)."""
     fn = "usp_sdpa"
-    with refuse_on_error(_refusal_group(sp), FWD):
+    with refuse_on_error(_refusal_group(fn, sp), FWD):
         _check_sp(fn, sp)
         q, k, v = sdpa_inputs(fn, query, key, value, attn_mask, dropout_p, is_causal, scale,
                               enable_gqa)

@@ -6,7 +6,7 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from .._args import as_int, given
 from .._dist import RingMismatchError
@@ -93,9 +93,11 @@ class ShardedDataLoader:
         #: batches with inputs_embeds are then refused here, agreed on by every rank
         self.needs_input_ids = False
         self.step = 0  # batches yielded so far, over all epochs (the same on every rank)
-        #: whether an iteration is running (set_epoch then takes effect when it ends), and
-        #: whether set_epoch was called while it ran
-        self._live = self._epoch_set_while_live = False
+        #: the iteration whose position the state holds while it can still yield (a token of
+        #: the latest one started; None when it ended), and whether set_epoch was called
+        #: while it ran (its position then gives way to the set epoch's start when it ends)
+        self._current: Optional[object] = None
+        self._epoch_set_while_live = False
         self._epoch = 0  # the epoch set last (set_epoch), which the next iteration runs
         #: the epoch of the latest iteration and the batches it handed out (None: none yet)
         self._iterated: Optional[LoaderPosition] = None
@@ -124,10 +126,12 @@ class ShardedDataLoader:
         After an iteration (a whole one, or one left with ``break``), the loader stands at the
         start of ``epoch``, which its next iteration runs from its first batch:
         :meth:`state_dict` saves that, not the batches of the iteration left behind. Called
-        while an iteration runs, it takes effect when that iteration ends (until then the
-        state is the running iteration's). A position restored by :meth:`load_state_dict` is
-        kept: ``set_epoch(loader.epoch)`` resumes it."""
-        if self._live:  # (the running iteration goes on with its epoch: saved as it stands)
+        while an iteration can still yield (a loop running, or an iterator kept), the sampler's
+        epoch and :attr:`epoch` change at once, but the running iteration goes on with its
+        own samples and :meth:`state_dict` saves its position until it ends (CPython ends a
+        loop's iteration at ``break``; elsewhere at garbage collection). A position restored
+        by :meth:`load_state_dict` is kept: ``set_epoch(loader.epoch)`` resumes it."""
+        if self._current is not None:  # (the running iteration goes on: saved as it stands)
             self._epoch_set_while_live = True
         else:
             self._iterated = None  # (the next iteration starts the set epoch from its start)
@@ -188,6 +192,7 @@ class ShardedDataLoader:
         elif error is not None:
             raise error
         self.step = position.step
+        self._current = None  # (an iterator from before the load no longer saves its place)
         self.set_epoch(position.epoch)
         self._iterated = None
         self._resume = position if position.batches else None
@@ -221,8 +226,9 @@ class ShardedDataLoader:
             ended = True
         except Exception as exc:  # noqa: BLE001 - re-raised on this rank after agreeing
             error = exc
-            if isinstance(exc, RuntimeError) and "stack expects each tensor to be equal size" \
-                    in str(exc):  # (torch's default collate, given samples of other lengths)
+            if isinstance(exc, RuntimeError) and self.loader.collate_fn is default_collate \
+                    and "stack expects each tensor to be equal size" in str(exc):
+                # (torch's default collate, given samples of other lengths)
                 error = ValueError(f"ShardedDataLoader (batch {self.step + 1}): the batch's "
                                    f"samples have different lengths, which the default collate "
                                    f"cannot stack ({exc}); prepare_dataloader(..., pack=True) "
@@ -337,7 +343,10 @@ class ShardedDataLoader:
         if error is None:
             self._iterated = LoaderPosition(self.step, epoch, batches)
         it = iter(self.loader) if error is None else None  # (no workers started to refuse)
-        self._live, self._epoch_set_while_live = True, False
+        # (the latest iteration started owns the position: an older one still running, e.g.
+        # an outer loop around an inner one, no longer writes it)
+        token = self._current = object()
+        self._epoch_set_while_live = False
         try:
             while True:
                 out = self._next_shard(it, error)
@@ -345,15 +354,17 @@ class ShardedDataLoader:
                     return
                 self.step += 1
                 batches += 1
-                self._iterated = LoaderPosition(self.step, epoch, batches)
+                if self._current is token:
+                    self._iterated = LoaderPosition(self.step, epoch, batches)
                 if self.tag is not None:
                     self.tag.value = self.step
                 yield out
         finally:
             # (also on `break`: the loop drops the generator, which closes it here)
-            self._live = False
-            if self._epoch_set_while_live:  # the next iteration starts the set epoch
-                self._iterated = None
+            if self._current is token:
+                self._current = None
+                if self._epoch_set_while_live:  # the next iteration starts the set epoch
+                    self._iterated = None
 
 
 def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict:
@@ -370,9 +381,10 @@ def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict
     appended: token id 0, labels ``ignore_index``; as its own document it is seen by no real
     token, so the real documents' attention and loss are unchanged.
 
-    Raises ValueError for no samples, samples without a token in all, a sample that is not a
-    mapping with ``input_ids``, ids or labels of another shape or of floats / bools, and
-    ``multiple`` < 1; TypeError for a ``multiple`` or ``ignore_index`` that is not an int.
+    Raises ValueError for no samples, samples without a token in all, a sample without
+    ``input_ids``, ids or labels of another shape or of floats / bools, and ``multiple`` < 1;
+    TypeError for a sample that is not a mapping and a ``multiple`` or ``ignore_index`` that
+    is not an int.
     """
     step, ignore = as_int(multiple), as_int(ignore_index)
     if step is None or ignore is None:
@@ -387,10 +399,11 @@ def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict
     ids, labels, cu = [], [], [0]
     for i, sample in enumerate(samples):
         if not isinstance(sample, Mapping) or sample.get("input_ids") is None:
+            kind = ValueError if isinstance(sample, Mapping) else TypeError
             got = (f"keys {sorted(map(str, sample))}" if isinstance(sample, Mapping)
                    else given(sample))
-            raise ValueError(f"pack_documents: samples[{i}] must be a mapping with "
-                             f"'input_ids' (s,), got {got}")
+            raise kind(f"pack_documents: samples[{i}] must be a mapping with 'input_ids' (s,), "
+                       f"got {got}")
         x = _token_ids(sample["input_ids"], f"samples[{i}]['input_ids']")
         given_labels = sample.get("labels")
         y = x if given_labels is None else _token_ids(given_labels, f"samples[{i}]['labels']")

@@ -50,12 +50,16 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 
 def _option_fields(dims: ParallelDims, layout, precision: str, ignore_index: int,
-                   ulysses_inner, activation_checkpointing, tp_plan, device) -> tuple:
+                   ulysses_inner, activation_checkpointing, tp_plan, device,
+                   inner_ring_given: bool) -> tuple:
     """The plugin options every rank must share, as control fields ``(name, int[, kind])``."""
     return (("sp_size", dims.sp_size), ("tp_size", dims.tp_size),
             ("zero_stage", dims.zero_stage), ("sp_mode", SP_MODES.index(dims.sp_mode), SP_MODES),
             ("ulysses_size", dims.ulysses_size or 0),
             ("inner_ring_size", dims.inner_ring_size or 0),
+            # (as given too: None builds a plain ring's mesh, the ring size a double ring's
+            # groups of one ring; ranks must build alike)
+            ("inner_ring_size given", int(inner_ring_given), "bool"),
             ("ulysses_inner", -1 if ulysses_inner is None else int(bool(ulysses_inner))),
             ("layout", layout.code, "layout"),
             ("precision", tuple(PRECISIONS).index(precision), tuple(PRECISIONS)),
@@ -302,7 +306,8 @@ class RingSequenceParallelPlugin(Plugin):
                 raise ValueError(f"ignore_index must be an int (the label of no target), got "
                                  f"{ignore_index!r}")
             fields = _option_fields(self.dims, self.layout, precision, ignore_index,
-                                    ulysses_inner, activation_checkpointing, tp_plan, device)
+                                    ulysses_inner, activation_checkpointing, tp_plan, device,
+                                    inner_ring_size is not None)
         except (ValueError, TypeError, RuntimeError) as exc:
             # (RuntimeError: no process group, on every rank; or a device string torch
             # rejects, perhaps on one rank only). Named for the user, who called the plugin
@@ -312,11 +317,8 @@ class RingSequenceParallelPlugin(Plugin):
             refusal, fields = named_for(type(self).__name__, exc), ()
         get_ring(None).agree(refusal is None, str(refusal), error=refusal, fields=fields,
                              about="plugin options")
-        # (from the resolved sizes the ranks just agreed on: inner_ring_size=None on one rank
-        # and the ring size on another are one plain ring, built alike)
-        plain_ring = (sp_mode == "ring" and self.dims.ulysses_size == 1
-                      and self.dims.inner_ring_size == self.dims.ring_size
-                      and ulysses_inner is None)
+        plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)
+                      and inner_ring_size is None and ulysses_inner is None)
         try:  # (a passed mesh is checked there: the same object on every rank)
             if plain_ring:
                 self.groups = build_mesh(sp_size, mesh, tp_size=tp_size)
@@ -468,6 +470,11 @@ class RingSequenceParallelPlugin(Plugin):
             raise TypeError(f"{fn}: {name} must be an int, got {given(value)}")
         if size is not None and size < 1:
             raise ValueError(f"{fn}: batch_size must be an int >= 1 or None, got {size}")
+        if size is None and (drop_last or pack):
+            # (no batch to drop or to pack: the dataset's items are the batches)
+            raise ValueError(f"{fn}: batch_size=None (the dataset's items are whole batches) "
+                             f"takes neither drop_last=True nor pack=True, got drop_last="
+                             f"{drop_last}, pack={pack}")
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last),
                             ("pin_memory", pin_memory), ("pack", pack)):
             if not is_bool(value):  # (a string "no" would be true; NumPy's bools are bools)

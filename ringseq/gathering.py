@@ -21,7 +21,7 @@ __all__ = ["unshard"]
 
 # Every dtype, in one order on every rank: a dtype travels as its index here (and a mismatch
 # shows it as torch.float32, ...).
-_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)},
+_ALL_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)},
                        key=str))
 
 _SAME_SHARDS = ("Every rank of the group calls unshard with a shard of the same shape and "
@@ -113,7 +113,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     shape = tuple(x_local.shape) if torch.is_tensor(x_local) else ()
     dtype = getattr(x_local, "dtype", None)
     fields = _shape_fields(shape) + (
-        ("dtype", _DTYPES.index(dtype) if dtype in _DTYPES else -1, _DTYPES),
+        ("dtype", _ALL_DTYPES.index(dtype) if dtype in _ALL_DTYPES else -1, _ALL_DTYPES),
         ("layout", code, "layout"), ("dim", dim))
     ring = get_ring(group, "unshard")
     call = ring.control_count  # (the number this forward's agreement runs under)

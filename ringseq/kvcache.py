@@ -97,9 +97,8 @@ def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k: to
     written into apart: caches that share memory (overlapping views of one buffer, or one
     tensor passed as both with new keys and values that differ: one tensor as both caches
     and as both ``k`` and ``v``, tied K = V, is fine without rotary), or a cache whose rows
-    share memory
-    (an expanded / broadcast tensor: a stride of 0), where one write lands on another's place
-    and the cache read next holds the wrong keys; and for caches made under
+    share memory (an expanded / broadcast tensor: a stride of 0), where one write lands on
+    another's place and the cache read next holds the wrong keys; and for caches made under
     ``torch.inference_mode()`` written outside it (torch refuses the in-place update)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
@@ -363,7 +362,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             ValueError for caches made under ``torch.inference_mode()`` written outside it,
             and, when k and v are appended, for caches that share memory (one tensor as both,
             overlapping views of one buffer), a cache whose rows share memory (expanded /
-            broadcast: a stride of 0) and a ``cache_batch_idx`` that names a row twice. Index values given as ints or CPU tensors are checked; values in CUDA
+            broadcast: a stride of 0) and a ``cache_batch_idx`` that names a row twice.
+            Index values given as ints or CPU tensors are checked; values in CUDA
             tensors are not read back (no synchronization): a row whose lengths or index are
             out of range gets NaN instead of reading outside the cache.
         NotImplementedError: ``block_table`` or ``alibi_slopes`` given.

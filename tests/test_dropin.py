@@ -368,7 +368,8 @@ def test_ring_sdpa_and_module_check_their_arguments():
                                         r"seqlen, headdim\), got None \(NoneType\)"):
         ringseq.ring_sdpa(None, k, v)
     with pytest.raises(TypeError, match=r"^ring_flash_attn_varlen_func: q must be a 3-dim "
-                                        r"tensor \(total_local, nheads, headdim\), got 'x' \(str\)"):
+                                        r"tensor \(total_local, nheads, headdim\), got 'x' "
+                                        r"\(str\)"):
         ringseq.ring_flash_attn_varlen_func("x", k[0], v[0], [0, k.shape[2]])
     with pytest.raises(ValueError, match=r"^ring_sdpa: query must be a tensor \(batch, nheads, "
                                          r"seqlen, headdim\), got a torch.Tensor of shape"):

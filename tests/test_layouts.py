@@ -349,8 +349,10 @@ def test_shard_batch_refuses_tensors_of_another_batch_or_rank(key, value):
 
 @pytest.mark.parametrize("batch, kwargs, kind, message", [
     # (before: True / 0.5 became class 1 / 0 at every sequence's end, a real target)
-    ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)},
-     {"ignore_index": True}, TypeError, "shard_batch: ignore_index must be an int, got True (bool)"),
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.long),
+      "labels": torch.zeros(2, 8, dtype=torch.long)},
+     {"ignore_index": True}, TypeError,
+     "shard_batch: ignore_index must be an int, got True (bool)"),
     ({"input_ids": torch.zeros(2, 8, dtype=torch.long)},
      {"ignore_index": -100.7}, TypeError, "shard_batch: ignore_index must be an int, got -100.7"),
     # (before: a tokenizer's (1, s) rows collated to (2, 1, 8) were blamed on the length, 1)

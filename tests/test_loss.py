@@ -51,7 +51,8 @@ def test_ignore_index_and_logits_are_checked_by_name():
         ringseq.sharded_cross_entropy(torch.ones(3, 5, dtype=torch.long), torch.tensor([0, 1, 2]))
     # (before: AttributeError 'list' object has no attribute 'shape', and torch's reshape error)
     with pytest.raises(TypeError, match=r"^sharded_cross_entropy: labels must be an integer "
-                                        r"tensor \(...\) of class indices, got \[0, 1, 2\] \(list\)"):
+                                        r"tensor \(...\) of class indices, got \[0, 1, 2\] "
+                                        r"\(list\)"):
         ringseq.sharded_cross_entropy(logits, [0, 1, 2])
     with pytest.raises(ValueError, match=r"^sharded_cross_entropy: logits must have a "
                                          r"vocabulary of at least one class, got shape \(3, 0\)"):

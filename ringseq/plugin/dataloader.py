@@ -386,13 +386,14 @@ def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict
     TypeError for a sample that is not a mapping and a ``multiple`` or ``ignore_index`` that
     is not an int.
     """
-    step, ignore = as_int(multiple), as_int(ignore_index)
-    if step is None or ignore is None:
-        name, value = ("multiple", multiple) if step is None else ("ignore_index", ignore_index)
+    round_to, ignore = as_int(multiple), as_int(ignore_index)
+    if round_to is None or ignore is None:
+        name, value = (("multiple", multiple) if round_to is None
+                       else ("ignore_index", ignore_index))
         raise TypeError(f"pack_documents: {name} must be an int, got {given(value)}")
-    if step < 1:
+    if round_to < 1:
         raise ValueError(f"pack_documents: multiple must be an int >= 1 (what the packed "
-                         f"length is rounded up to), got {step}")
+                         f"length is rounded up to), got {round_to}")
     samples = list(samples)
     if not samples:
         raise ValueError("pack_documents: samples is empty; a batch needs at least one sample")
@@ -416,7 +417,7 @@ def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict
     if cu[-1] == 0:
         raise ValueError(f"pack_documents: the {len(samples)} samples hold no token; a batch "
                          f"needs at least one")
-    pad = (-cu[-1]) % step
+    pad = (-cu[-1]) % round_to
     if pad:
         ids.append(torch.zeros(pad, dtype=torch.long))
         labels.append(torch.full((pad,), ignore, dtype=torch.long))

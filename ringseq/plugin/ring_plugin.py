@@ -462,6 +462,12 @@ class RingSequenceParallelPlugin(Plugin):
         batch per epoch raises when iterated (see :class:`ShardedDataLoader`).
         """
         fn = "prepare_dataloader"
+        for name, value in (("shuffle", shuffle), ("drop_last", drop_last),
+                            ("pin_memory", pin_memory), ("pack", pack)):
+            if not is_bool(value):  # (a string "no" would be true; NumPy's bools are bools)
+                raise TypeError(f"{fn}: {name} must be a bool (True or False), got "
+                                f"{given(value)}")
+        shuffle, drop_last, pin_memory, pack = map(bool, (shuffle, drop_last, pin_memory, pack))
         # (batch_size None: the dataset yields whole batches, DataLoader's automatic batching
         # off)
         size, seed_int = None if batch_size is None else as_int(batch_size), as_int(seed)
@@ -475,13 +481,7 @@ class RingSequenceParallelPlugin(Plugin):
             raise ValueError(f"{fn}: batch_size=None (the dataset's items are whole batches) "
                              f"takes neither drop_last=True nor pack=True, got drop_last="
                              f"{drop_last}, pack={pack}")
-        for name, value in (("shuffle", shuffle), ("drop_last", drop_last),
-                            ("pin_memory", pin_memory), ("pack", pack)):
-            if not is_bool(value):  # (a string "no" would be true; NumPy's bools are bools)
-                raise TypeError(f"{fn}: {name} must be a bool (True or False), got "
-                                f"{given(value)}")
         batch_size, seed = size, seed_int
-        shuffle, drop_last, pin_memory, pack = map(bool, (shuffle, drop_last, pin_memory, pack))
         if isinstance(dataset, IterableDataset):
             raise ValueError("prepare_dataloader needs a map-style dataset (len and indexing) to "
                              "split samples over the data-parallel groups")

@@ -253,13 +253,63 @@ def _precision_case(precision, state_dict):
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 
 
-def _error_cases(state_dict, ckpt_dir):
+def _fp16_step_after_refusal(state_dict):
+    """fp16: a step refused after clip_grad_by_norm (gradients summed twice), zero_grad, one
+    backward, clip, step. SGD, so the update shows the gradients' scale (Adam's first step
+    would not)."""
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, precision="fp16"))
+    model = _model(state_dict)
+    loader = booster.plugin.prepare_dataloader(_dataset(4), batch_size=2)
+    model, opt, criterion, loader, _ = booster.boost(
+        model, torch.optim.SGD(model.parameters(), lr=LR), dataloader=loader)
+    batch = next(iter(loader))
+    for _ in range(2):
+        booster.backward(criterion(model(**batch), batch), opt)
+    opt.clip_grad_by_norm(1.0)
+    out = {"refused": error_text(opt.step)}
+    opt.zero_grad()
+    booster.backward(criterion(model(**batch), batch), opt)
+    params = [p for p in model.unwrap().parameters() if p.grad is not None]
+    scale = float(opt.scaler.get_scale())
+    # the SGD step of the true (unscaled) gradients; the clip below leaves them (norm << 1e9)
+    expected = [p.detach() - LR * (p.grad / scale) for p in params]
+    out["step_size"] = max(float(LR * (p.grad / scale).abs().max()) for p in params)
+    out["second_clip"] = error_text(lambda: opt.clip_grad_by_norm(1e9))
+    opt.step()
+    out["step_err"] = max(float((p.detach() - e).abs().max()) for p, e in zip(params, expected))
+    return out
+
+
+class _CrossEntropyWithZLoss(torch.nn.CrossEntropyLoss):
+    """A subclass with its own forward: not the plain loss the plugin may replace."""
+
+    def forward(self, logits, target):
+        return super().forward(logits, target) + 1e-4 * logits.logsumexp(-1).pow(2).mean()
+
+
+def _error_cases(state_dict, ckpt_dir):
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin, SequenceParallelLoss
     out = {"sp3": error_text(lambda: RingSequenceParallelPlugin(sp_size=3)),
-           "precision": error_text(lambda: RingSequenceParallelPlugin(sp_size=2, precision="fp8"))}
+           "precision": error_text(lambda: RingSequenceParallelPlugin(sp_size=2, precision="fp8")),
+           "precision_list": error_text(
+               lambda: RingSequenceParallelPlugin(sp_size=2, precision=["bf16"]))}
     booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, layout="zigzag"))
     plain = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
     out["no_attention"] = error_text(lambda: booster.boost(plain))
+    # an optimizer over a tensor that is not the model's: nothing sums its gradient over the
+    # ranks (before, zero stage 0: each rank stepped it with its own part, silently)
+    extra = torch.nn.Parameter(torch.ones(()))
+    model = _model(state_dict)
+    out["foreign_param"] = error_text(lambda: booster.boost(
+        model, torch.optim.SGD(list(model.parameters()) + [extra], lr=LR)))
+    out["ce_subclass"] = error_text(lambda: booster.boost(
+        _model(state_dict), criterion=_CrossEntropyWithZLoss()))
+    out["loss_ignore_index"] = error_text(lambda: booster.boost(
+        _model(state_dict), criterion=SequenceParallelLoss(ignore_index=-1)))
+    twice = _model(state_dict)
+    booster.boost(twice)
+    out["boost_twice"] = error_text(lambda: booster.boost(twice))
     out["criterion"] = error_text(lambda: booster.boost(_model(state_dict),
                                                       criterion=torch.nn.MSELoss()))
     out["ignore_index"] = error_text(lambda: booster.boost(
@@ -325,6 +375,8 @@ def _worker(state_dict, ckpt_dir, sdpa_ids, sdpa_labels):
            "summed_twice": _summed_twice_case(state_dict),
            "bf16": _precision_case("bf16", state_dict),
            "fp16": _precision_case("fp16", state_dict),
+           "fp32": _precision_case("fp32", state_dict),
+           "fp16_after_refusal": _fp16_step_after_refusal(state_dict),
            "errors": _error_cases(state_dict, ckpt_dir)}
     dist.barrier()  # every rank is still alive and in step after all the errors
     return res
@@ -534,9 +586,21 @@ def test_mixed_precision_step(run, precision):
                                        else "torch.float16")
         # first global batch of the parity run; bf16/fp16 forward error only
         assert abs(res["loss"] - fp32_first) < 0.05, res["loss"]
-        # the norm of the true gradients (fp16: unscaled first, not x 65536), then clipped
-        assert 0.5 < res["norm"] / r["bf16"]["norm"] < 2.0, (res["norm"], r["bf16"]["norm"])
+        # the norm of the true gradients (fp16: unscaled first, not x 65536), then clipped;
+        # the same gradients as in float32 up to the forward's rounding
+        fp32_norm = r["fp32"]["norm"]
+        assert abs(res["norm"] - fp32_norm) <= 0.05 * fp32_norm, (res["norm"], fp32_norm)
         assert res["norm"] > 0.5 and res["clipped"] <= 0.5 * (1 + 1e-3), res
+
+
+def test_fp16_step_after_a_refused_step_unscales_its_own_gradients(run):
+    for r in run["ranks"]:
+        res = r["fp16_after_refusal"]
+        assert res["refused"].startswith("ValueError: OptimizerWrapper.step: 2 backward"), res
+        assert res["second_clip"] == "no error", res  # (before: unscale_() has already been called)
+        # the parameters moved by lr x the true gradient, up to their float32 rounding
+        # (before: by 65536 x it, an error of 65535 x step_size)
+        assert res["step_err"] <= 1e-2 * res["step_size"], res
 
 
 def test_misconfigurations_fail_on_every_rank(run):
@@ -548,6 +612,16 @@ def test_misconfigurations_fail_on_every_rank(run):
         assert e["no_attention"].startswith("ValueError") and "ringseq_switch" in \
             e["no_attention"], e["no_attention"]
         assert e["criterion"].startswith("ValueError") and "MSELoss" in e["criterion"]
+        assert e["precision_list"].startswith("ValueError") and "precision=['bf16']" in \
+            e["precision_list"], e["precision_list"]
+        assert e["foreign_param"].startswith("ValueError: boost: param group 0 of SGD") and \
+            "not a parameter of the boosted model" in e["foreign_param"], e["foreign_param"]
+        assert e["ce_subclass"].startswith("ValueError") and "_CrossEntropyWithZLoss" in \
+            e["ce_subclass"] and "cannot be used as is" in e["ce_subclass"], e["ce_subclass"]
+        assert e["loss_ignore_index"].startswith("ValueError: boost: criterion") and \
+            "'ignore_index': -1" in e["loss_ignore_index"], e["loss_ignore_index"]
+        assert e["boost_twice"].startswith("ValueError: boost: this LlamaForCausalLM was "
+                                           "already boosted"), e["boost_twice"]
         assert e["mesh_names"].startswith("ValueError") and "('dp', 'sp')" in e["mesh_names"]
         plugin = "ValueError: RingSequenceParallelPlugin: "  # (the refusals name the plugin)
         assert e["ddp_kwargs_fsdp"].startswith(plugin + "ddp_kwargs ['bucket_cap_mb']") and \

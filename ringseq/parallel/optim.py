@@ -20,20 +20,26 @@ def parameter_names(model: nn.Module) -> Dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def check_rebindable(optimizer: torch.optim.Optimizer, names: Dict[int, str]) -> None:
-    """Raises ValueError when ``optimizer`` cannot be moved: it has state already (a step was
-    taken: the state would be of the unsharded parameters) or holds a parameter that is not
-    ``model``'s. Checked before anything is modified."""
-    if any(len(s) for s in optimizer.state.values()):
+def check_rebindable(optimizer: torch.optim.Optimizer, names: Dict[int, str],
+                     moved: bool) -> None:
+    """Raises ValueError when ``optimizer`` holds a tensor that is not a parameter of the model
+    (``names``: :func:`parameter_names`): nothing would sum its gradient over the ranks, so
+    each rank would step it with its own part and the replicas would drift apart (and under
+    sharding it could not be moved). With ``moved`` (the parameters will be replaced by
+    shards) also when it has state already (a step was taken: the state would be of the
+    unsharded parameters). Checked before anything is modified."""
+    if moved and any(len(s) for s in optimizer.state.values()):
         raise ValueError(f"{type(optimizer).__name__} already has state (a step was taken "
                          f"before boost); boost the model and optimizer first, then load a "
                          f"checkpoint with booster.load_optimizer")
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in names:
-                raise ValueError(f"param group {gi} of {type(optimizer).__name__} holds a "
-                                 f"tensor of shape {tuple(p.shape)} that is not a parameter of "
-                                 f"the boosted model")
+                raise ValueError(f"boost: param group {gi} of {type(optimizer).__name__} holds "
+                                 f"a tensor of shape {tuple(p.shape)} that is not a parameter "
+                                 f"of the boosted model (nothing would sum its gradient over "
+                                 f"the ranks); make it a parameter of the model, or give it an "
+                                 f"optimizer of its own")
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, names: Dict[int, str],

@@ -17,7 +17,7 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 
 def check_precision_name(name) -> None:
     """Raises ValueError for a name that is not one of :data:`PRECISIONS`."""
-    if name not in PRECISIONS:
+    if not isinstance(name, str) or name not in PRECISIONS:  # (a list: unhashable)
         raise ValueError(f"precision={name!r} is not supported; expected one of "
                          f"{sorted(PRECISIONS)}")
 

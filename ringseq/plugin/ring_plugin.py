@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from typing import Callable, List, Optional
 
 import torch
@@ -47,6 +48,9 @@ _LOADER_SETTINGS = ("collate_fn", "worker_init_fn", "timeout", "multiprocessing_
 
 
 _DEVICE_TYPES = ("cpu", "cuda")
+# The user modules a boost has modified (any plugin's): boosting one again would switch its
+# attention again and wrap it in a second DDP (zero stage 0 leaves no other trace on it).
+_BOOSTED_MODULES = weakref.WeakSet()
 
 
 def _option_fields(dims: ParallelDims, layout, precision: str, ignore_index: int,
@@ -518,9 +522,20 @@ class RingSequenceParallelPlugin(Plugin):
         tp = dict(tp_size=self.tp_size, tp_rank=self.tp_rank)
         if criterion is None:
             return SequenceParallelLoss(group=None, ignore_index=self.ignore_index, **tp)
+        if isinstance(criterion, SequenceParallelLoss):
+            # (a loss of another ignore_index failed only at the first step, on the ranks
+            # holding sequence ends; another tp share counted tokens twice or not at all)
+            mine = dict(ignore_index=self.ignore_index, **tp)
+            theirs = {k: getattr(criterion, k) for k in mine}
+            if theirs != mine:
+                raise ValueError(f"boost: criterion {criterion!r} has {theirs}, the plugin "
+                                 f"{mine}; pass criterion=None (the plugin builds its "
+                                 f"SequenceParallelLoss) or make them equal")
         if getattr(criterion, "sequence_parallel_aware", False):
             return criterion
-        if isinstance(criterion, nn.CrossEntropyLoss):
+        # (a subclass with its own forward computes something else: refused below)
+        if (isinstance(criterion, nn.CrossEntropyLoss)
+                and type(criterion).forward is nn.CrossEntropyLoss.forward):
             if (criterion.reduction != "mean" or criterion.weight is not None
                     or criterion.label_smoothing):
                 raise ValueError(f"boost: criterion: only a plain nn.CrossEntropyLoss "
@@ -619,8 +634,8 @@ class RingSequenceParallelPlugin(Plugin):
         # every rank here rather than inside DDP's or FSDP's first collective.
         refusal = None
         try:
-            if isinstance(model, ModelWrapper) or any(isinstance(p, DTensor)
-                                                      for p in model.parameters()):
+            if (isinstance(model, ModelWrapper) or model in _BOOSTED_MODULES
+                    or any(isinstance(p, DTensor) for p in model.parameters())):
                 # (the module a sharded boost returned the wrapper of holds DTensors: fully_shard
                 # and tensor parallelism cannot be applied to it again)
                 raise ValueError(f"boost: this {type(model).__name__} was already boosted (or its "
@@ -640,9 +655,9 @@ class RingSequenceParallelPlugin(Plugin):
                 from ..parallel.tp import resolve_tp_plan
                 plan = resolve_tp_plan(model, dims.tp_size, self.tp_plan)
             names = parameter_names(model)
-            if optimizer is not None and dims.sharded:
+            if optimizer is not None:
                 check_rebindable(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper)
-                                 else optimizer, names)
+                                 else optimizer, names, moved=dims.sharded)
             layers = decoder_layers(model)
             if dims.zero_stage >= 2:
                 from ..parallel.fsdp import check_unit_dtypes
@@ -657,6 +672,7 @@ class RingSequenceParallelPlugin(Plugin):
         get_ring(None).agree(refusal is None, str(refusal), error=refusal,
                              fields=_model_fields(model) if refusal is None else (),
                              about="boosted model")
+        _BOOSTED_MODULES.add(model)
         # (apply() refuses head counts the Ulysses degree cannot split before switching)
         switch_attention(model, self.sp_group, self.layout, self.backend, self.policy,
                          sp=self.sp)

@@ -45,8 +45,9 @@ class ModelWrapper(nn.Module):
 
     ``forward(*args, **kwargs)`` drops the target keys of a sharded batch (``shift_labels``),
     so ``model(**batch)`` works with a batch of the plugin's data loader, and runs the wrapped
-    module under the plugin's autocast. ``unwrap()`` returns the user's model (the one whose
-    ``state_dict`` is the full, unsharded checkpoint).
+    module under the plugin's autocast. ``unwrap()`` returns the user's model (its parameters
+    are this rank's shards, DTensors, under tensor parallelism or zero stage 2/3;
+    ``booster.save_model`` writes the full, unsharded state dict).
 
     When the forward raises on one rank (a bad token id, an out-of-memory error), the other
     ranks must not be left waiting: the failure is reported to the ring peers when they may be
@@ -540,6 +541,17 @@ class OptimizerWrapper:
         self.optim.zero_grad(set_to_none=set_to_none)
         if self.reduced is not None:
             self.reduced.clear()
+        self._forget_unscale()
+
+    def _forget_unscale(self) -> None:
+        # GradScaler marks an optimizer "unscaled" in unscale_ (clip_grad_by_norm) and clears
+        # the mark only in update(), after a step. A step refused or raised after a clip left
+        # the mark: the next step then skipped unscaling and applied the gradients times the
+        # scale (65536), and the next clip raised torch's "unscale_() has already been
+        # called". New gradients are scaled ones: the mark goes with the old gradients.
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        if states is not None:
+            states.pop(id(self.optim), None)
 
     def state_dict(self):
         return self.optim.state_dict()
@@ -547,6 +559,7 @@ class OptimizerWrapper:
     def load_state_dict(self, state_dict) -> None:
         self.optim.load_state_dict(state_dict)
         self.failed_step = None  # (the model is loaded alongside)
+        self._forget_unscale()
 
     def __getattr__(self, name):
         # not yet set (unpickling): no recursion

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from ringseq.parallel.dims import ParallelDims
 
@@ -24,6 +25,7 @@ def test_sizes_multiply_to_the_world():
     (dict(world_size=8, sp_size=8, tp_size=2), ["sp_size=8 x tp_size=2", "[1, 2, 4]"]),
     (dict(world_size=8, sp_size=0), ["sp_size=0"]),
     (dict(world_size=8, sp_size=2, tp_size=True), ["tp_size=True"]),
+    (dict(world_size=8, sp_size=None), ["sp_size=None must be a positive int"]),
     (dict(world_size=8, sp_size=2, zero_stage=1), ["zero_stage=1", "[0, 2, 3]"]),
     (dict(world_size=8, sp_size=2, zero_stage=4), ["zero_stage=4", "[0, 2, 3]"]),
     (dict(world_size=8, sp_size=4, sp_mode="hybrid", ulysses_size=3), ["ulysses_size=3",
@@ -41,9 +43,11 @@ def test_bad_sizes_name_the_sizes_that_would_work(kwargs, words):
     (8, 4, 8, 2, ["tp_size=4", "num_key_value_heads=2", "[1, 2]"]),   # K/V heads not split
     (8, 2, 6, 3, ["tp_size=2", "num_attention_heads=6", ": [1]"]),    # 3 does not divide 8
     (12, 3, 4, 4, ["tp_size=3", "[1, 2, 4]"]),
+    # only the sizes that fit the mesh with this sp size (before: 3 and 6, which do not)
+    (12, 4, 6, 6, ["tp_size=4", "sp_size=3): [1, 2]"]),
 ])
 def test_heads_tensor_parallelism_cannot_split_raise(world, tp, heads, kv, words):
-    d = ParallelDims(world_size=world, sp_size=1, tp_size=tp)
+    d = ParallelDims(world_size=world, sp_size=3 if (world, tp) == (12, 4) else 1, tp_size=tp)
     with pytest.raises(ValueError) as e:
         d.with_model(heads, kv)
     assert all(w in str(e.value) for w in words), str(e.value)
@@ -139,3 +143,29 @@ def test_fsdp2_recovery_without_reset_iter_state_says_to_restart_before_resettin
     with pytest.raises(RuntimeError) as refused:
         RingSequenceParallelPlugin.reset(plugin)
     assert str(refused.value) == f"booster.reset: {message}"
+
+
+@pytest.mark.parametrize("args, words", [
+    (("ring", True), "sp_size must be a positive integer, got True"),
+    (("ring", 4, True), "ulysses_size must be a positive integer, got True"),
+    (("ulysses", 4, 4.0), "ulysses_size must be a positive integer, got 4.0"),
+    (("ring", 4, None, 2.0), "inner_ring_size must be a positive integer, got 2.0"),
+])
+def test_sp_sizes_are_integers_not_bools_or_floats(args, words):
+    # (before: True == 1 and 4.0 == 4 passed, returning sizes of another mode)
+    from ringseq.parallel.groups import resolve_sp_sizes
+    with pytest.raises(ValueError, match=words):
+        resolve_sp_sizes(*args)
+
+
+def test_group_sizes_and_layouts_without_a_process_group_name_the_problem():
+    from ringseq import make_sp_groups
+    with pytest.raises(ValueError, match="make_sp_groups: ulysses_size must be a positive "
+                                         "integer, got 0"):
+        make_sp_groups(0)  # (before: "need torch.distributed", as if 0 were valid with it)
+    sp = make_sp_groups(1)
+    for fn, call in (("shard", lambda: sp.shard(torch.zeros(1, 4), "zigzagg")),
+                     ("positions", lambda: sp.positions(4, "zigzagg")),
+                     ("data_layout", lambda: sp.data_layout("zigzagg"))):
+        with pytest.raises(ValueError, match=f"^{fn}: unknown layout 'zigzagg'"):
+            call()

@@ -116,6 +116,18 @@ def _errors(state_dict):
     wrong = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "seq", "heads"))
     out["mesh_names"] = error_text(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=2,
                                            mesh=wrong))
+    # meshes that differ between ranks (before: rings of other ranks, a timeout on some
+    # ranks; or the ranks passing None waited inside init_device_mesh)
+    from torch.distributed.device_mesh import DeviceMesh
+    rows = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "sp"))
+    cols = DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("dp", "sp"))
+    rank = torch.distributed.get_rank()
+    out["mesh_differs"] = error_text(lambda: P(sp_size=2, mesh=rows if rank < 2 else cols))
+    out["mesh_on_one_rank"] = error_text(lambda: P(sp_size=2, mesh=rows if rank == 0 else None))
+    out["ulysses_inner"] = error_text(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=2,
+                                              ulysses_inner="no"))
+    from ringseq.parallel.groups import sp_groups_from_tables
+    out["tables"] = error_text(lambda: sp_groups_from_tables([torch.tensor([[-1, 1], [2, 3]])]))
     # 4 query heads cannot be split over Ulysses 4 if the model has 2 (and 1 K/V head)
     two_heads = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -123,6 +135,10 @@ def _errors(state_dict):
     booster = Booster(plugin=P(sp_size=4, sp_mode="ulysses"))
     out["heads"] = error_text(lambda: booster.boost(two_heads))
     out["heads_untouched"] = two_heads.config._attn_implementation != "ringseq"
+    from ringseq.integrations.transformers import apply
+    out["apply_heads"] = error_text(lambda: apply(two_heads, sp_mode="ulysses"))
+    out["apply_ulysses_inner"] = error_text(
+        lambda: apply(two_heads, sp_mode="hybrid", ulysses_size=2, ulysses_inner="no"))
 
     class WithRingAttention(torch.nn.Module):
         def __init__(self):
@@ -230,6 +246,27 @@ def test_mesh_with_other_dim_names_raises(run):
         assert e.startswith("ValueError") and "('dp', 'sp_r', 'sp_u')" in e, e
 
 
+def test_meshes_that_differ_between_ranks_raise_on_every_rank(run):
+    for e in _raised(run, "mesh_differs"):
+        assert e.startswith("RingMismatchError") and "mesh shape and ranks" in e and \
+            "[..., 2, 0, 1, 2, 3]" in e and "[..., 2, 0, 2, 1, 3]" in e, e
+    for e in _raised(run, "mesh_on_one_rank"):
+        assert e.startswith("RingMismatchError") and "mesh shape and ranks" in e and \
+            "rank 1: [] (0 values)" in e, e
+
+
+def test_ulysses_inner_must_be_a_bool(run):
+    for e in _raised(run, "ulysses_inner"):  # (before: "no" was truthy, silently)
+        assert e == ("TypeError: RingSequenceParallelPlugin: ulysses_inner must be a bool or "
+                     "None, got 'no'"), e
+
+
+def test_tables_with_a_rank_outside_the_group_name_the_missing_rank(run):
+    for e in _raised(run, "tables"):  # (before: -1 counted as rank 0, "missing []")
+        assert e.startswith("ValueError: sp_groups_from_tables") and "missing [0]" in e and \
+            "outside the group [-1]" in e, e
+
+
 def test_heads_the_ulysses_degree_cannot_split_raise_before_switching(run):
     for r in run["ranks"]:
         e = r["errors"]["heads"]
@@ -237,6 +274,12 @@ def test_heads_the_ulysses_degree_cannot_split_raise_before_switching(run):
         assert e.startswith("ValueError: boost: ulysses_size=4 cannot split "
                             "num_attention_heads=2") and "[1, 2]" in e, e
         assert r["errors"]["heads_untouched"]
+        # apply's own refusals are named for it (before: no function named)
+        e = r["errors"]["apply_heads"]
+        assert e.startswith("ValueError: apply: num_attention_heads=2 cannot be split over "
+                            "ulysses_size=4"), e
+        e = r["errors"]["apply_ulysses_inner"]
+        assert e == "TypeError: apply: ulysses_inner must be a bool or None, got 'no'", e
 
 
 def test_ring_attention_module_in_other_modes_raises(run):

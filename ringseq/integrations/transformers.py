@@ -62,7 +62,7 @@ try:
 except ImportError:  # pragma: no cover - transformers < 4.53 builds masks inside each model
     AttentionMaskInterface = None
 
-from .._args import check_cu_seqlens
+from .._args import check_cu_seqlens, is_bool
 from .._dist import group_info, named_for
 from ..engine.integrity import FWD
 from ..engine.ring import get_ring, refuse_on_error
@@ -730,15 +730,23 @@ def _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inn
     else:
         mode = sp_mode or "ring"
         world, _ = group_info(group, "apply")  # raises for a group this process is not in
-        U, R, I = resolve_sp_sizes(mode, world, ulysses_size, inner_ring_size)
+        try:  # (the arguments' own checks, before any communication: named for apply)
+            U, R, I = resolve_sp_sizes(mode, world, ulysses_size, inner_ring_size)
+            if ulysses_inner is not None and not is_bool(ulysses_inner):
+                raise TypeError(f"ulysses_inner must be a bool or None, got {ulysses_inner!r}")
+            if h is not None and not (U == 1 and I == R):
+                check_model_heads(h, h_kv, U, world)
+        except (TypeError, ValueError) as exc:
+            raise named_for("apply", exc) from None
         if U == 1 and I == R:
             return None
-        if h is not None:
-            check_model_heads(h, h_kv, U, world)
         return make_sp_groups(U, None if I == R else I, group=group,
                               ulysses_inner=True if ulysses_inner is None else ulysses_inner)
     if h is not None:
-        check_model_heads(h, h_kv, sp.ulysses_size, sp.size)
+        try:
+            check_model_heads(h, h_kv, sp.ulysses_size, sp.size)
+        except ValueError as exc:
+            raise named_for("apply", exc) from None
     return sp
 
 

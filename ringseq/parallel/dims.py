@@ -120,7 +120,7 @@ class ParallelDims:
             raise ValueError(f"ParallelDims: world_size must be a positive integer, got "
                              f"{world!r}")
         for name, value in (("tp_size", tp), ("sp_size", sp)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if isinstance(value, bool) or not isinstance(value, int):
                 # (before the divisibility: 2.0 "did not divide" a world of 2)
                 raise ValueError(f"ParallelDims: {name}={value!r} must be a positive int, not "
                                  f"a {type(value).__name__}")
@@ -157,12 +157,14 @@ class ParallelDims:
             raise ValueError(f"ParallelDims: num_heads={h!r} must be a positive multiple of "
                              f"num_kv_heads={hk!r}")
         if h % tp or hk % tp:
-            ok = [t for t in _divisors(math.gcd(h, hk)) if self.world_size % t == 0]
+            # (sizes that also fit the mesh with this sp size: dp x sp x tp = world)
+            ok = [t for t in _divisors(math.gcd(h, hk))
+                  if (self.world_size // self.sp_size) % t == 0]
             raise ValueError(
                 f"ParallelDims: tp_size={tp} cannot split num_attention_heads={h} and "
                 f"num_key_value_heads={hk}: tensor parallelism gives every rank whole query "
                 f"and K/V heads, so tp_size must divide both; tp_size values that do (and "
-                f"divide the world size {self.world_size}): {ok}")
+                f"divide the world size {self.world_size} / sp_size={self.sp_size}): {ok}")
         if (h // tp) % U:
             ok = [u for u in _divisors(self.sp_size) if (h // tp) % u == 0]
             heads = (f"num_attention_heads={h}" if tp == 1 else

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .._args import as_int, int_if_integer, is_bool
-from .._dist import agree_on_fields, group_info, is_initialized
+from .._dist import agree_on_fields, group_info, is_initialized, named_for
 from .._hash import stable_hash_ints
 from ..data import shard_batch
 from ..layouts import Layout, get_layout, positions_local, shard_local
@@ -79,8 +79,12 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
     the value and the values that would work; nothing communicates.
     """
     check_sp_mode(sp_mode)
-    if not isinstance(sp_size, int) or sp_size < 1:
-        raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}")
+    for name, value in (("sp_size", sp_size), ("ulysses_size", ulysses_size),
+                        ("inner_ring_size", inner_ring_size)):
+        # (True == 1 and 4.0 == 4 passed the comparisons below)
+        if not (value is None and name != "sp_size") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if sp_mode == "ring":
         if ulysses_size not in (None, 1):
             raise ValueError(f"sp_mode='ring' has no Ulysses dimension, got ulysses_size="
@@ -99,8 +103,6 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
         if ulysses_size is None:
             raise ValueError(f"sp_mode='hybrid' needs ulysses_size (one of "
                              f"{_divisors(sp_size)}, dividing sp_size={sp_size})")
-        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
-            raise ValueError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
         if sp_size % ulysses_size:
             raise ValueError(f"ulysses_size={ulysses_size!r} does not divide sp_size={sp_size}; "
                              f"the sequence-parallel group is ulysses_size x ring size, so "
@@ -183,11 +185,15 @@ class SequenceParallelGroups:
     def double_ring(self) -> bool:
         return 1 < self.inner_ring_size < self.ring_size
 
-    def data_layout(self, layout="zigzag") -> Layout:
+    def data_layout(self, layout="zigzag", fn: str = "data_layout") -> Layout:
         """The layout of the tokens over :attr:`group` for ring layout ``layout`` (the layout
         itself when U = 1, else a :class:`SequenceParallelLayout`; with R = 1 the ring layout
-        does not apply and the split is contiguous)."""
-        lay = ring_layout(layout, self.ring_size)
+        does not apply and the split is contiguous). ValueError (named for ``fn``) for an
+        unknown layout."""
+        try:
+            lay = ring_layout(layout, self.ring_size)
+        except (TypeError, ValueError) as exc:
+            raise named_for(fn, exc) from None
         if self.ulysses_size == 1:
             return lay
         key = (id(lay), lay.name)
@@ -201,23 +207,24 @@ class SequenceParallelGroups:
     def shard(self, x: torch.Tensor, layout="zigzag", dim: int = 1) -> torch.Tensor:
         """This rank's tokens of the full ``x`` along ``dim`` (ValueError for a length the
         split cannot take, before any communication)."""
-        return shard_local(x, self.data_layout(layout), self.size, self.rank, dim, fn="shard")
+        return shard_local(x, self.data_layout(layout, "shard"), self.size, self.rank, dim,
+                           fn="shard")
 
     def positions(self, seqlen: int, layout="zigzag", device=None) -> torch.Tensor:
         """Global position ids (int64, ``(seqlen // size,)``) of this rank's tokens."""
-        return positions_local(seqlen, self.data_layout(layout), self.size, self.rank, device,
-                               fn="positions")
+        return positions_local(seqlen, self.data_layout(layout, "positions"), self.size,
+                               self.rank, device, fn="positions")
 
     def shard_batch(self, batch, layout="zigzag", ignore_index: int = -100) -> dict:
         """:func:`ringseq.shard_batch` over :attr:`group` with :meth:`data_layout`."""
+        lay = self.data_layout(layout, "shard_batch")
         docs = getattr(get_layout(layout), "documents", None)
         if docs is not None and self.ring_size == 1 and batch.get("cu_seq_lens_q") is None \
                 and batch.get("cu_seq_lens_k") is None:
             # A ring of one splits contiguously, but a layout built for documents still says
             # where they end (positions, targets, the attention's boundaries).
             batch = {**batch, "cu_seq_lens_q": torch.tensor(docs, dtype=torch.int32)}
-        return shard_batch(batch, group=self.group, layout=self.data_layout(layout),
-                           ignore_index=ignore_index)
+        return shard_batch(batch, group=self.group, layout=lay, ignore_index=ignore_index)
 
     def process_groups(self) -> list:
         """The distinct process groups of this sequence-parallel group: the whole group, its
@@ -367,7 +374,9 @@ def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
         _check_table(t)
     every = torch.cat([t.flatten() for t in tables])
     if sorted(every.tolist()) != list(range(world_size)):
-        counts = torch.bincount(every.clamp(0, world_size), minlength=world_size + 1)
+        # (clamping counted -1 as rank 0: rank 0 was then not "missing")
+        inside = every[(every >= 0) & (every < world_size)]
+        counts = torch.bincount(inside, minlength=world_size)
         missing = [r for r in range(world_size) if counts[r] == 0]
         twice = [r for r in range(world_size) if counts[r] > 1]
         outside = sorted({int(x) for x in every if not 0 <= int(x) < world_size})
@@ -375,6 +384,15 @@ def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
                          f"(0 to {world_size - 1}) exactly once; missing {missing}, more than "
                          f"once {twice}, outside the group {outside}")
     return tables, R, U, I
+
+
+def _check_sizes(ulysses_size, inner_ring_size) -> None:
+    """ValueError (named for make_sp_groups) for sizes that are not positive integers."""
+    for name, v in (("ulysses_size", ulysses_size), ("inner_ring_size", inner_ring_size)):
+        if not (v is None and name == "inner_ring_size") and (
+                isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"make_sp_groups: {name} must be a positive integer"
+                             f"{' or None' if name == 'inner_ring_size' else ''}, got {v!r}")
 
 
 def _table(ranks: Sequence[int], U: int, ulysses_inner: bool) -> torch.Tensor:
@@ -415,6 +433,7 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
         if group is not None:
             raise ValueError(f"make_sp_groups: group={group!r} was passed but "
                              f"torch.distributed is not initialized")
+        _check_sizes(ulysses_size, inner_ring_size)  # (0 is wrong with or without a group)
         if ulysses_size != 1 or inner_ring_size not in (None, 1):
             raise ValueError(f"make_sp_groups: ulysses_size={ulysses_size} / inner_ring_size="
                              f"{inner_ring_size} need torch.distributed (without it the group is "
@@ -440,11 +459,7 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
         if not is_bool(ulysses_inner):
             raise TypeError(f"make_sp_groups: ulysses_inner must be a bool, got "
                             f"{ulysses_inner!r}")
-        for name, v in (("ulysses_size", ulysses_size), ("inner_ring_size", inner_ring_size)):
-            if not (v is None and name == "inner_ring_size") and (
-                    isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"make_sp_groups: {name} must be a positive integer"
-                                 f"{' or None' if name == 'inner_ring_size' else ''}, got {v!r}")
+        _check_sizes(ulysses_size, inner_ring_size)
         if dist.get_rank() not in ranks:
             raise ValueError(f"make_sp_groups: group holds ranks {sorted(ranks)[:8]}"
                              f"{' ...' if n > 8 else ''}, not this rank {dist.get_rank()}: every "

@@ -15,7 +15,7 @@ from torch.utils.data import (DataLoader, IterableDataset, RandomSampler,
 
 from .._args import as_int, given, int_if_integer, is_bool
 from .._dist import named_for
-from .._hash import stable_code
+from .._hash import ints_field, stable_code
 from ..engine.ring import get_ring, reset_ring
 from ..layouts import PerBatchDocuments, get_layout
 from ..parallel.dims import ParallelDims, renamed_dims_error, sharding_refusal
@@ -53,11 +53,24 @@ _DEVICE_TYPES = ("cpu", "cuda")
 _BOOSTED_MODULES = weakref.WeakSet()
 
 
+def _mesh_fields(mesh) -> tuple:
+    """A passed DeviceMesh as control fields: its shape then its ranks (a mismatch lists
+    them), and its dim names and device type."""
+    if mesh is None:
+        return ints_field("mesh shape and ranks", None), ("mesh dim names", 0)
+    table = mesh.mesh
+    names = "|".join([mesh.device_type, *(mesh.mesh_dim_names or ())])
+    return (ints_field("mesh shape and ranks", [*table.shape, *table.flatten().tolist()]),
+            ("mesh dim names", 1 + stable_code(names)))
+
+
 def _option_fields(dims: ParallelDims, layout, precision: str, ignore_index: int,
                    ulysses_inner, activation_checkpointing, tp_plan, device,
-                   inner_ring_given: bool) -> tuple:
+                   inner_ring_given: bool, mesh) -> tuple:
     """The plugin options every rank must share, as control fields ``(name, int[, kind])``."""
     return (("sp_size", dims.sp_size), ("tp_size", dims.tp_size),
+            # (meshes that differ build different groups: rings of other ranks, a hang)
+            *_mesh_fields(mesh),
             ("zero_stage", dims.zero_stage), ("sp_mode", SP_MODES.index(dims.sp_mode), SP_MODES),
             ("ulysses_size", dims.ulysses_size or 0),
             ("inner_ring_size", dims.inner_ring_size or 0),
@@ -144,8 +157,11 @@ class RingSequenceParallelPlugin(Plugin):
         layout: ``"zigzag"`` (default), ``"contiguous"``, ``"stripe"`` or a Layout.
         precision: ``"fp32"`` (default), ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a
             GradScaler); see :class:`ringseq.plugin.precision.Precision` for devices.
-        mesh: a ``DeviceMesh`` with dims ``("dp", "sp")`` covering every rank, instead of
-            creating one.
+        mesh: a ``DeviceMesh`` covering every rank, instead of creating one (the same on
+            every rank: RingMismatchError otherwise), with dims ``("dp", "sp")`` for
+            ``sp_mode="ring"`` (plain or double ring) and ``("dp", "sp_r", "sp_u")`` or
+            ``("dp", "sp_u", "sp_r")`` (the last is the inner one) for ``"ulysses"`` and
+            ``"hybrid"``; each followed by ``"tp"`` with tensor parallelism.
         policy: ``policy(model, group, layout, backend) -> int`` switching the model's
             attention to ring attention (default: see :mod:`ringseq.plugin.policy`).
         backend: ring block kernel backend (None: the best available).
@@ -252,6 +268,13 @@ class RingSequenceParallelPlugin(Plugin):
         sp_size, tp_size, zero_stage, ulysses_size, inner_ring_size = map(
             int_if_integer, (sp_size, tp_size, zero_stage, ulysses_size, inner_ring_size))
         try:
+            from torch.distributed.device_mesh import DeviceMesh
+            if mesh is not None and not isinstance(mesh, DeviceMesh):
+                raise TypeError(f"mesh must be a torch DeviceMesh or None, got "
+                                f"{type(mesh).__name__}")
+            if ulysses_inner is not None and not is_bool(ulysses_inner):
+                # ("no" is truthy: it would have put the Ulysses groups inside)
+                raise TypeError(f"ulysses_inner must be a bool or None, got {ulysses_inner!r}")
             self.layout = get_layout(layout)
             check_precision_name(precision)
             # every size checked at once, on every rank alike, before any process group exists
@@ -311,7 +334,7 @@ class RingSequenceParallelPlugin(Plugin):
                                  f"{ignore_index!r}")
             fields = _option_fields(self.dims, self.layout, precision, ignore_index,
                                     ulysses_inner, activation_checkpointing, tp_plan, device,
-                                    inner_ring_size is not None)
+                                    inner_ring_size is not None, mesh)
         except (ValueError, TypeError, RuntimeError) as exc:
             # (RuntimeError: no process group, on every rank; or a device string torch
             # rejects, perhaps on one rank only). Named for the user, who called the plugin

@@ -468,6 +468,24 @@ def _errors(ckpt_dir):
     out["no_plan"] = error_text(lambda: Booster(plugin=P(sp_size=2, tp_size=2)).boost(plain))
     out["bad_plan"] = error_text(lambda: Booster(plugin=P(
         sp_size=2, tp_size=2, tp_plan={"layers.*.attn.q": "colwise_sideways"})).boost(_PlainLM()))
+    # a plan of the MLPs only: the attention would run replicated on a tp rank's share of
+    # the tokens (before: a wrong loss, silently)
+    mlp_only = {"layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise"}
+    out["attention_outside_blocks"] = error_text(lambda: Booster(plugin=P(
+        sp_size=2, tp_size=2, tp_plan=mlp_only)).boost(_PlainLM()))
+    # ParallelStyles for the linear layers only: refused before the model is modified
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    styles = {k: ColwiseParallel() if v == "colwise" else RowwiseParallel()
+              for k, v in PLAIN_PLAN.items()}
+    half = _PlainLM()
+    out["styles_uncovered"] = error_text(lambda: Booster(plugin=P(
+        sp_size=2, tp_size=2, tp_plan=styles)).boost(half))
+    out["styles_untouched"] = not any(isinstance(p, DTensor) for p in half.parameters())
+    # plans of one length that differ between ranks (before: a wait for the ring timeout)
+    rank_plan = dict(PLAIN_PLAN) if torch.distributed.get_rank() % 2 else {
+        k.replace("*", "0") if "mlp" in k else k: v for k, v in PLAIN_PLAN.items()}
+    out["plan_differs"] = error_text(lambda: P(sp_size=2, tp_size=2, tp_plan=rank_plan))
     stepped = _model("llama")
     opt = _optimizer(stepped)
     stepped(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(
@@ -722,6 +740,10 @@ def _raised(run, key):
     ("heads_tp", ["ValueError", "tp_size=4", "num_key_value_heads=2", "[1, 2]"]),
     ("no_plan", ["ValueError", "tp_size=2", "base_model_tp_plan", "tp_plan"]),
     ("bad_plan", ["ValueError", "colwise_sideways", "supported"]),
+    ("attention_outside_blocks", ["ValueError", "the attention 'layers.0.attn'",
+                                  "no tensor-parallel block", "'colwise'"]),
+    ("styles_uncovered", ["ValueError", "without a style", "'emb'", "'layers.0.norm1'"]),
+    ("plan_differs", ["RingMismatchError", "tp_plan (rank 0: "]),
     ("stepped_optimizer", ["ValueError", "already has state"]),
     ("boosted_twice", ["ValueError: boost: this FSDPLlamaForCausalLM was already boosted",
                        "boost a fresh model"]),
@@ -732,6 +754,8 @@ def test_bad_sizes_raise_on_every_rank(run, key, words):
         assert all(w in e for w in words), e
     if key == "heads_tp":
         assert all(r["errors"]["heads_untouched"] for r in run["ranks"])
+    if key == "styles_uncovered":
+        assert all(r["errors"]["styles_untouched"] for r in run["ranks"])
 
 
 # ---------------------------------------------------------------- W = 8

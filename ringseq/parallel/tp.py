@@ -25,8 +25,10 @@ and computes on this rank's share (norms, the final norm, the LM head; Qwen3's p
 ``q_norm`` / ``k_norm``, declared ``"replicated_with_grad_allreduce"``, compute on this rank's
 heads), the input embedding is sliced, and the plan's own entries for the embedding
 (``"embedding_rowwise"``) and LM head (``"colwise_gather_output"``, which would gather full
-logits) are replaced by that. Other models pass such a dict of names (module name patterns,
-``*`` for one name component) or a dict of torch ``ParallelStyle`` objects applied as given
+logits) are replaced by that; an attention module outside every block (it would attend over
+a tp rank's share of the tokens) is refused. Other models pass such a dict of names (module
+name patterns, ``*`` for one name component) or a dict of torch ``ParallelStyle`` objects
+applied as given (every module with parameters needs a style on itself or an ancestor)
 (then the model itself must keep the sequence split over tp up to its logits, e.g. with
 :class:`SliceSequence`, :class:`GatherSequence` and ``SequenceParallel``).
 
@@ -225,6 +227,7 @@ def _names_to_styles(model: nn.Module, named: Dict[str, str], tp: int, source: s
                          f"(get_input_embeddings() or an nn.Embedding) to split the sequence "
                          f"over the tp ranks")
     emb_name = next(n for n, m in modules.items() if m is emb)
+    _check_attention_in_blocks(modules, blocks, source)
     for name, module in modules.items():  # module order: parents before children
         if name in blocks:
             if any(True for _ in module.parameters(recurse=False)):
@@ -256,6 +259,36 @@ def _names_to_styles(model: nn.Module, named: Dict[str, str], tp: int, source: s
     return TensorParallelPlan(styles=styles, tied=tuple(tuple(g) for g in tied), source=source)
 
 
+def _mixes_tokens(module: nn.Module) -> bool:
+    """Whether ``module`` is an attention (a function of all the sequence's tokens) that the
+    plugin switches to the ring: a module on the ``ringseq_switch`` convention, a
+    ``RingAttention`` or a transformers attention module (the AttentionInterface style)."""
+    from ..nn import RingAttention
+    return (hasattr(module, "ringseq_switch") or isinstance(module, RingAttention)
+            or ("Attention" in type(module).__name__ and hasattr(module, "scaling")))
+
+
+def _check_attention_in_blocks(modules: Dict[str, nn.Module], blocks, source: str) -> None:
+    # Outside the planned blocks a module computes on this tp rank's share of the sequence
+    # (s_local / t tokens): an attention there attends over that share only, silently wrong.
+    for name, module in modules.items():
+        if _mixes_tokens(module) and not any(name == b or name.startswith(b + ".")
+                                             for b in blocks):
+            raise ValueError(
+                f"tensor parallelism: the attention {name!r} ({type(module).__name__}) lies in "
+                f"no tensor-parallel block of the plan ({source}); outside one it would attend "
+                f"over this tp rank's share of the tokens only. Add its query / key / value "
+                f"projections ('colwise') and its output projection ('rowwise') to the plan")
+
+
+def _uncovered(model: nn.Module, named: Dict[str, object]) -> list:
+    """Names of the modules holding parameters of their own that no plan entry covers (none
+    on the module itself or an ancestor)."""
+    return [n for n, m in model.named_modules()
+            if any(True for _ in m.parameters(recurse=False))
+            and not any(k == "" or n == k or n.startswith(k + ".") for k in named)]
+
+
 def _check_tied_styles(tied, styles) -> None:
     for group in tied:
         if any(isinstance(styles.get(m), (ColwiseParallel, RowwiseParallel)) for m, _ in group):
@@ -278,7 +311,9 @@ def resolve_tp_plan(model: nn.Module, tp_size: int, tp_plan=None) -> TensorParal
     Raises ValueError naming what is missing or wrong: no plan (neither ``tp_plan`` nor a
     declared ``config.base_model_tp_plan``), entries that match no module, unsupported names,
     linear sizes tp_size does not divide, blocks without both colwise and rowwise layers,
-    parameters inside a block the plan does not cover, tied parameters the plan would split.
+    parameters inside a block the plan does not cover, an attention module outside every
+    planned block (names), modules with parameters no style covers (styles), tied parameters
+    the plan would split.
     """
     tied = tied_parameters(model)
     if tp_plan is None:
@@ -308,6 +343,16 @@ def resolve_tp_plan(model: nn.Module, tp_size: int, tp_plan=None) -> TensorParal
     named = _expand(model, tp_plan)
     if as_styles:
         _check_tied_styles(tied, named)
+        missing = _uncovered(model, named)
+        if missing:
+            # (found here, before anything is modified: after parallelize_module the model
+            # would be left half sharded)
+            raise ValueError(f"tensor parallelism: the tp_plan of ParallelStyles leaves "
+                             f"modules with parameters without a style (themselves or an "
+                             f"ancestor): {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+                             f"their parameters would stay plain tensors whose gradients "
+                             f"nothing reduces over tp. Give them a style (e.g. "
+                             f"SequenceParallel for norms and the LM head)")
         return TensorParallelPlan(styles=named, tied=tuple(tuple(g) for g in tied),
                                   source="tp_plan styles")
     return _names_to_styles(model, named, tp_size, "tp_plan names", tied)

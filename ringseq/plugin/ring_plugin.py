@@ -64,6 +64,17 @@ def _mesh_fields(mesh) -> tuple:
             ("mesh dim names", 1 + stable_code(names)))
 
 
+def _plan_code(tp_plan) -> int:
+    """A hash of a tp_plan's patterns and their plan names (a ParallelStyle by its type)."""
+    if tp_plan is None:
+        return 0
+    if not isinstance(tp_plan, dict):
+        return 1  # (refused at boost, on every rank alike)
+    entries = sorted((str(k), v if isinstance(v, str) else type(v).__name__)
+                     for k, v in tp_plan.items())
+    return 2 + stable_code(repr(entries))
+
+
 def _option_fields(dims: ParallelDims, layout, precision: str, ignore_index: int,
                    ulysses_inner, activation_checkpointing, tp_plan, device,
                    inner_ring_given: bool, mesh) -> tuple:
@@ -82,8 +93,8 @@ def _option_fields(dims: ParallelDims, layout, precision: str, ignore_index: int
             ("precision", tuple(PRECISIONS).index(precision), tuple(PRECISIONS)),
             ("ignore_index", int(ignore_index)),
             ("activation_checkpointing", int(bool(activation_checkpointing)), "bool"),
-            ("tp_plan", 0 if tp_plan is None else
-             1 + len(tp_plan) if isinstance(tp_plan, dict) else 1),
+            # (its entries: plans of one length that differ built other shards, a hang)
+            ("tp_plan", _plan_code(tp_plan)),
             ("device", _DEVICE_TYPES.index(torch.device(device).type) if device is not None
              else len(_DEVICE_TYPES), (*_DEVICE_TYPES, "default")))
 

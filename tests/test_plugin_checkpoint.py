@@ -1,7 +1,8 @@
 """The plugin's checkpoints on one process: the fp16 grad scaler's state is saved and restored
-with the optimizer in both formats, and a checkpoint that cannot be read or does not fit
-changes nothing (the multi-rank checkpoints, their votes and errors are in tests/test_plugin.py,
-tests/test_compose.py and tests/test_checkpoint_all_or_nothing.py)."""
+with the optimizer in both formats, the state of a parameter frozen after it trained is kept,
+and a checkpoint that cannot be read or does not fit changes nothing (the multi-rank
+checkpoints, their votes and errors are in tests/test_plugin.py, tests/test_compose.py and
+tests/test_checkpoint_all_or_nothing.py; here only a plain file read into FSDP shards)."""
 from __future__ import annotations
 
 import os
@@ -192,6 +193,89 @@ def test_a_parameter_that_never_had_state_round_trips_in_the_directory_format(tm
                                          r"parameter\(s\) of this optimizer \(\['used.weight'\]"):
         io.load_optimizer(fresh, partial)
     assert torch.equal(state[fresh_model["used"].weight]["exp_avg_sq"], saved["exp_avg_sq"])
+
+
+class _TwoLayers(nn.Module):
+    """Two linear layers and a RingAttention (what boost switches); ``a`` is frozen later."""
+
+    def __init__(self):
+        import ringseq
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.attn = nn.Linear(4, 4), nn.Linear(4, 4), ringseq.RingAttention()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _trained_then_frozen(opt, model):
+    """Two steps of every parameter, then ``a`` frozen and one more step (``a`` keeps the
+    optimizer state of its two steps)."""
+    torch.manual_seed(1)
+    for i in range(3):
+        if i == 2:
+            model.a.requires_grad_(False)
+        opt.backward(model(torch.randn(3, 4)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    return {(name, k): v.clone() for name, p in model.named_parameters()
+            for k, v in opt.unwrap().state[p].items()}
+
+
+def _state_by_name(opt, model) -> dict:
+    from torch.distributed.tensor import DTensor
+    return {(name, k): (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+            for name, p in model.named_parameters()
+            for k, v in opt.unwrap().state.get(p, {}).items()}
+
+
+def test_the_state_of_a_parameter_frozen_after_it_trained_round_trips_in_the_directory_format(
+        tmp_path):
+    """(before: the load into an optimizer with the same parameter frozen was refused as "a
+    checkpoint of another model or of more parameters": torch lays out optimizer state for
+    parameters that require a gradient only)"""
+    model = _TwoLayers()
+    opt = OptimizerWrapper(torch.optim.AdamW(model.parameters(), lr=0.05), None, model=model)
+    saved = _trained_then_frozen(opt, model)
+    path = str(tmp_path / "optim")
+    io = DistributedCheckpointIO()
+    io.save_optimizer(opt, path, sharded=True)
+    fresh_model = _TwoLayers()
+    fresh_model.a.requires_grad_(False)
+    fresh = OptimizerWrapper(torch.optim.AdamW(fresh_model.parameters(), lr=0.05), None,
+                             model=fresh_model)
+    io.load_optimizer(fresh, path)
+    got = _state_by_name(fresh, fresh_model)
+    assert sorted(got) == sorted(saved)
+    for key, value in saved.items():
+        assert torch.equal(got[key], value), key
+    assert not fresh_model.a.weight.requires_grad  # (counted as trainable only meanwhile)
+
+
+def _file_into_fsdp_worker(path):
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    booster = Booster(RingSequenceParallelPlugin(sp_size=1))
+    net = _TwoLayers()
+    model, opt, *_ = booster.boost(net, torch.optim.AdamW(net.parameters(), lr=0.05))
+    saved = _trained_then_frozen(opt, model.unwrap())
+    booster.save_optimizer(opt, path)  # a plain torch.optim file (replicated training)
+    booster = Booster(RingSequenceParallelPlugin(sp_size=1, zero_stage=3))
+    net = _TwoLayers()
+    net.a.requires_grad_(False)
+    model, opt, *_ = booster.boost(net, torch.optim.AdamW(net.parameters(), lr=0.05))
+    booster.load_optimizer(opt, path)
+    return saved, _state_by_name(opt, model.unwrap())
+
+
+def test_a_plain_file_keeps_the_state_of_frozen_parameters_loaded_into_fsdp_shards(tmp_path):
+    """(before: the state of the frozen ``a`` was dropped without a word: torch's full-state
+    load keeps the state of parameters that require a gradient only)"""
+    from dist_utils import run_ranks
+    for saved, got in run_ranks(_file_into_fsdp_worker, 2, str(tmp_path / "optim.pt"),
+                                timeout=120):
+        assert sorted(got) == sorted(saved) and any(name.startswith("a.") for name, _ in saved)
+        for key, value in saved.items():
+            assert torch.equal(got[key], value), key
 
 
 def test_a_plain_optimizer_file_with_part_of_a_parameters_state_is_refused(tmp_path):

@@ -219,6 +219,23 @@ def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
                          f"{' ...' if len(lacking) > 4 else ''})")
 
 
+@contextlib.contextmanager
+def _frozen_counted(opt):
+    """torch.distributed.checkpoint's optimizer state dicts keep the state of parameters that
+    require a gradient only: the state of a parameter frozen after it trained (Adam's moments,
+    its step count) was dropped without a word loading a plain file into sharded parameters,
+    and a directory holding it was refused as "another model". The optimizer's frozen
+    parameters count as trainable meanwhile (a flag only: nothing computes under it)."""
+    frozen = [p for g in opt.param_groups for p in g["params"] if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
 def _own_optimizer_state(model, opt) -> dict:
     """``get_optimizer_state_dict(model, opt)``: this optimizer's state by parameter name, laid
     out for every parameter. torch lays out the state of an optimizer that has none yet (a
@@ -232,7 +249,8 @@ def _own_optimizer_state(model, opt) -> dict:
                 if p.grad is not None:
                     held[p], p.grad = p.grad, None
     try:
-        return get_optimizer_state_dict(model, opt)
+        with _frozen_counted(opt):
+            return get_optimizer_state_dict(model, opt)
     finally:
         for p, grad in held.items():
             p.grad = grad
@@ -328,7 +346,8 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         # and left without state (a load restores every parameter stateless).
         fresh = not opt.state and not any(p.grad is not None for g in opt.param_groups
                                           for p in g["params"])
-        state = get_optimizer_state_dict(model, opt)
+        with _frozen_counted(opt):
+            state = get_optimizer_state_dict(model, opt)
         if fresh:
             opt.state.clear()
             state["state"] = {}
@@ -392,8 +411,9 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                 # saved (it never got a gradient: an embedding under inputs_embeds, say); the
                 # layout check took it out of what is read, and the loaded state dict replaces
                 # this optimizer's, so it keeps none. The checks matched groups and members.
-                set_optimizer_state_dict(model, opt, state,
-                                         options=StateDictOptions(strict=False))
+                with _frozen_counted(opt):
+                    set_optimizer_state_dict(model, opt, state,
+                                             options=StateDictOptions(strict=False))
             scaler_file = os.path.join(checkpoint, _SCALER_FILE)
         else:
             def read_optimizer(path):
@@ -415,8 +435,9 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                         f"(save_optimizer(..., sharded=True))")
 
             def apply_optimizer(plain):
-                set_optimizer_state_dict(model, opt, _fqn_optimizer_state(optimizer, plain),
-                                         options=StateDictOptions(full_state_dict=True))
+                with _frozen_counted(opt):
+                    set_optimizer_state_dict(model, opt, _fqn_optimizer_state(optimizer, plain),
+                                             options=StateDictOptions(full_state_dict=True))
             scaler_file = checkpoint + ".grad_scaler"
         read, apply_scaler = _with_scaler_state(optimizer, scaler_file, read_optimizer)
 

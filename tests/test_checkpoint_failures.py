@@ -288,3 +288,66 @@ def test_options_that_differ_between_ranks_are_refused_and_keywords_are_taken(w2
 def test_a_save_without_a_grad_scaler_removes_an_earlier_ones_file(w2_calls):
     for r in w2_calls:
         assert r["scaler_saved"] and not r["scaler_left"], r
+
+
+def _worker_fails_inside(tmp):
+    """Zero stage 3: rank 1 runs out of memory (simulated) where a checkpoint call works on
+    this rank alone, before or between the collectives: laying out its optimizer state for a
+    save, cutting its shards from a loaded model."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.state_dict as dsd
+    import torch.distributed.tensor as dtensor
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    rank, out = dist.get_rank(), {}
+    booster = Booster(RingSequenceParallelPlugin(sp_size=1, zero_stage=3))
+    torch.manual_seed(0)
+    net = _Net()
+    model, opt, *_ = booster.boost(net, torch.optim.Adam(net.parameters(), lr=0.1))
+
+    def step():
+        booster.backward(model(torch.randn(2, 4)).sum(), opt)
+        opt.step()
+        opt.zero_grad()
+
+    def params():
+        return [p.full_tensor().clone() for p in model.unwrap().parameters()]
+
+    def fails_on_rank_1(module, name):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            if rank == 1:
+                raise MemoryError(f"simulated: out of memory in {name}")
+            return real(*args, **kwargs)
+        return call, real
+
+    booster.save_model(model, f"{tmp}/model.pt")
+    step()
+    for key, module, name, call in (
+            ("save_optimizer", dsd, "get_optimizer_state_dict",
+             lambda: booster.save_optimizer(opt, f"{tmp}/optim")),
+            ("load_model", dtensor, "distribute_tensor",
+             lambda: booster.load_model(model, f"{tmp}/model.pt"))):
+        before = params()
+        failing, real = fails_on_rank_1(module, name)
+        setattr(module, name, failing)
+        try:
+            out[key] = error_text(call)
+        finally:
+            setattr(module, name, real)
+        out[key + " unchanged"] = all(torch.equal(a, b) for a, b in zip(before, params()))
+        out[key + " then a step"] = error_text(step)  # the ranks are still in step
+    return out
+
+
+def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_rank(tmp_path):
+    """(before: the other rank waited in torch.distributed.checkpoint's save, or in the scatter
+    of torch's full-state load, until the process group's timeout)"""
+    results = run_ranks(_worker_fails_inside, 2, str(tmp_path), timeout=120)
+    for rank, r in enumerate(results):
+        for key in ("save_optimizer", "load_model"):
+            if rank == 1:
+                assert r[key].startswith("MemoryError") and "simulated" in r[key], r[key]
+            else:
+                assert r[key].startswith("ValueError") and "another rank" in r[key], r[key]
+            assert r[key + " unchanged"] and r[key + " then a step"] == "no error", r

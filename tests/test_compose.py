@@ -482,6 +482,13 @@ def _errors(ckpt_dir):
     out["styles_uncovered"] = error_text(lambda: Booster(plugin=P(
         sp_size=2, tp_size=2, tp_plan=styles)).boost(half))
     out["styles_untouched"] = not any(isinstance(p, DTensor) for p in half.parameters())
+    # a 0-dim parameter under FSDP2: refused before any unit is sharded (before: torch's
+    # error after the decoder layers were sharded in place)
+    scalar = _PlainLM()
+    scalar.temperature = nn.Parameter(torch.tensor(1.0))
+    out["scalar_fsdp"] = error_text(lambda: Booster(plugin=P(sp_size=2, zero_stage=2)).boost(
+        scalar))
+    out["scalar_untouched"] = not any(isinstance(p, DTensor) for p in scalar.parameters())
     # plans of one length that differ between ranks (before: a wait for the ring timeout)
     rank_plan = dict(PLAIN_PLAN) if torch.distributed.get_rank() % 2 else {
         k.replace("*", "0") if "mlp" in k else k: v for k, v in PLAIN_PLAN.items()}
@@ -744,6 +751,7 @@ def _raised(run, key):
                                   "no tensor-parallel block", "'colwise'"]),
     ("styles_uncovered", ["ValueError", "without a style", "'emb'", "'layers.0.norm1'"]),
     ("plan_differs", ["RingMismatchError", "tp_plan (rank 0: "]),
+    ("scalar_fsdp", ["ValueError", "zero_stage=2", "0-dim", "['temperature']"]),
     ("stepped_optimizer", ["ValueError", "already has state"]),
     ("boosted_twice", ["ValueError: boost: this FSDPLlamaForCausalLM was already boosted",
                        "boost a fresh model"]),
@@ -754,8 +762,9 @@ def test_bad_sizes_raise_on_every_rank(run, key, words):
         assert all(w in e for w in words), e
     if key == "heads_tp":
         assert all(r["errors"]["heads_untouched"] for r in run["ranks"])
-    if key == "styles_uncovered":
-        assert all(r["errors"]["styles_untouched"] for r in run["ranks"])
+    if key in ("styles_uncovered", "scalar_fsdp"):
+        untouched = key.partition("_")[0] + "_untouched"
+        assert all(r["errors"][untouched] for r in run["ranks"])
 
 
 # ---------------------------------------------------------------- W = 8

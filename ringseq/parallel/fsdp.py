@@ -66,12 +66,20 @@ def apply_fsdp(model: nn.Module, mesh, zero_stage: int, layers: Iterable[nn.Modu
     return model
 
 
-def check_unit_dtypes(model: nn.Module, layers: Iterable[nn.Module], zero_stage: int) -> None:
+def check_fsdp_units(model: nn.Module, layers: Iterable[nn.Module],
+                     zero_stage: int) -> None:
     """ValueError naming the unit and its parameters when one FSDP2 unit of
     :func:`apply_fsdp` (a decoder layer, or the rest of the model) holds trainable parameters
     of more than one dtype: FSDP2 reduces a unit's gradients in one buffer and would fail at
     the first forward with a bare assertion (frozen ones of another dtype it takes: a frozen
-    bf16 base beside float32 adapters)."""
+    bf16 base beside float32 adapters), or when a parameter is a 0-dim tensor (FSDP2 shards
+    dim 0 and refuses scalars: found here, before any unit is sharded)."""
+    scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise ValueError(f"zero_stage={zero_stage}: FSDP2 shards every parameter along its "
+                         f"first dim and cannot shard 0-dim ones: {scalars[:4]}"
+                         f"{' ...' if len(scalars) > 4 else ''}; make them 1-dim tensors of one "
+                         f"element (nn.Parameter(torch.tensor([x]))), or use zero_stage=0")
     names = {id(m): n for n, m in model.named_modules()}
     in_layers = set()
     units = []

@@ -694,8 +694,8 @@ class RingSequenceParallelPlugin(Plugin):
                                  else optimizer, names, moved=dims.sharded)
             layers = decoder_layers(model)
             if dims.zero_stage >= 2:
-                from ..parallel.fsdp import check_unit_dtypes
-                check_unit_dtypes(model, layers, dims.zero_stage)
+                from ..parallel.fsdp import check_fsdp_units
+                check_fsdp_units(model, layers, dims.zero_stage)
             if self.activation_checkpointing and not layers:
                 raise ValueError(f"activation_checkpointing=True: {type(model).__name__} has no "
                                  f"decoder layers to checkpoint (transformers: the classes in "

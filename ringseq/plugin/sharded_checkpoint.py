@@ -6,8 +6,9 @@ ringseq, from any mesh. Sharded parameters are gathered with
 cpu_offload=True)`` (collective; only rank 0 keeps the result) and written by rank 0, either as
 one ``torch.save`` file or, with ``max_shard_size``, as transformers-style shards in a
 directory (``pytorch_model-00001-of-0000N.bin`` + ``pytorch_model.bin.index.json``: a
-``weight_map`` from key to file), which ``transformers.modeling_utils.load_sharded_checkpoint``
-or plain ``torch.load`` of each shard reads. Loading reads the full state dict on every rank
+``weight_map`` from key to file), which transformers' ``load_sharded_checkpoint``
+(``transformers.trainer_utils`` in transformers 5, ``modeling_utils`` in 4.x) or plain ``torch.load`` of each
+shard reads. Loading reads the full state dict on every rank
 and places this rank's shards (``set_model_state_dict(full_state_dict=True)``), so a checkpoint
 of any mesh loads into any other.
 
@@ -121,6 +122,23 @@ def read_full_state_dict(path: str) -> dict:
             state.update(read_file(os.path.join(path, name)))
         return state
     return read_file(path)
+
+
+def _local_shards(model, state: dict) -> dict:
+    """``state`` (a full state dict) with every entry that is a DTensor in ``model``'s own
+    state dict cut to this rank's shard with the same mesh and placements, locally
+    (``distribute_tensor(src_data_rank=None)``: no communication, every rank holds the whole
+    tensor); other entries as they are."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    own = model.state_dict()
+    local = {}
+    for key, value in state.items():
+        mine = own.get(key)
+        if isinstance(mine, DTensor) and torch.is_tensor(value):
+            value = distribute_tensor(value.detach().to(mine.device, mine.dtype),
+                                      mine.device_mesh, mine.placements, src_data_rank=None)
+        local[key] = value
+    return local
 
 
 def _empty_like_state(state):
@@ -295,22 +313,31 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         _reshard(inner)
         if not _is_sharded(inner) and not os.path.isdir(checkpoint):
             return super().load_model(model, checkpoint, strict=strict)
+        placed = {}
         if _is_sharded(inner):
             from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                                  set_model_state_dict)
 
-            def apply(state):  # every rank holds the whole state dict: each places its shards
+            def check(state):
+                _check_model_state(inner, state, strict)
+                # Every rank holds the whole state dict: each cuts its own shards from it
+                # before the vote (torch's full-state load scatters them from rank 0 after
+                # it: a rank failing there, out of memory, left the others in the scatter)
+                placed.update(_local_shards(inner, state))
+
+            def apply(state):  # (local copies only)
                 # torch's result lists no keys under strict=False (it fills the missing ones
-                # into ``state`` from the model's own): the keys as load_state_dict reports them
+                # into the dict from the model's own): the keys as load_state_dict reports them
                 own, given = set(inner.state_dict()), set(state)
-                set_model_state_dict(inner, state, options=StateDictOptions(
-                    full_state_dict=True, strict=strict))
+                set_model_state_dict(inner, placed, options=StateDictOptions(strict=strict))
                 return _IncompatibleKeys(sorted(own - given), sorted(given - own))
         else:
+            def check(state):
+                _check_model_state(inner, state, strict)
+
             def apply(state):
                 return inner.load_state_dict(state, strict=strict)
-        return _load(checkpoint, lambda state: _check_model_state(inner, state, strict), apply,
-                     read_full_state_dict, replicated=True)
+        return _load(checkpoint, check, apply, read_full_state_dict, replicated=True)
 
     @checkpoint_call
     def save_optimizer(self, optimizer, checkpoint: str, sharded=None) -> None:
@@ -346,10 +373,21 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         # and left without state (a load restores every parameter stateless).
         fresh = not opt.state and not any(p.grad is not None for g in opt.param_groups
                                           for p in g["params"])
-        with _frozen_counted(opt):
-            state = get_optimizer_state_dict(model, opt)
+        state, error = None, None
+        try:  # (local: this rank's shards; out of memory, say, on one rank)
+            with _frozen_counted(opt):
+                state = get_optimizer_state_dict(model, opt)
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            error = exc
+        finally:
+            if fresh:  # (torch's layout step gave it state)
+                opt.state.clear()
+        # dcp.save is collective: a rank that could not lay out its state must not leave the
+        # others waiting in it
+        agree_or_raise(error is None, f"laying out the optimizer state failed: {error!r}",
+                       error=error, peer_message="laying out the optimizer state failed on "
+                                                 "another rank")
         if fresh:
-            opt.state.clear()
             state["state"] = {}
         # torch.distributed.checkpoint rewrites the ranks' files in place and the metadata
         # last: the old metadata goes first (every rank past it before any writes), so a save

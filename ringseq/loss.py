@@ -35,19 +35,28 @@ class _SumAcrossRanks(torch.autograd.Function):
 _LOSS = "the loss of this step is not computed on any rank"
 
 
-def report_step_failure(group=None, error: BaseException = None) -> None:
+#: in a step failure's report to the loss: the rank's failure report also waits on its
+#: attention ring (the plugin's ring peers that meet it at their loss take it there)
+RING_REPORT_WAITS = "[its failure report waits on its attention ring]"
+
+
+def report_step_failure(group=None, error: BaseException = None, *,
+                        ring_report_waits: bool = False) -> None:
     """Meets the loss's agreement of :func:`sharded_cross_entropy` on ``group`` in place of a
     loss, from a rank whose step failed before its loss (the plugin calls it when the model
     raises): every other rank of the group then raises ``RingPeerError`` at its loss, naming
     this rank and ``error``, instead of waiting for it. Returns on this rank (which re-raises
     its own error). Collective, on the group's control channel. An exception passed first,
     ``report_step_failure(exc)``, is the error on the default group (a bad argument here
-    would leave the peers waiting: this function is what unblocks them)."""
+    would leave the peers waiting: this function is what unblocks them).
+    ``ring_report_waits``: the plugin's, see :data:`RING_REPORT_WAITS`."""
     if isinstance(group, BaseException) and error is None:
         group, error = None, group
     if group_info(group, "report_step_failure")[0] > 1:
         message = f"{type(error).__name__}: {error}" if error is not None else "failed"
-        get_ring(group).agree(False, f"{message} ({_LOSS})", raise_own=False, about="loss")
+        waits = f" {RING_REPORT_WAITS}" if ring_report_waits else ""
+        get_ring(group).agree(False, f"{message} ({_LOSS}){waits}", raise_own=False,
+                              about="loss")
 
 
 def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None,

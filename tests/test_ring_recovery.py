@@ -805,6 +805,50 @@ _FSDP_CASES = ("layer 1 forward", "layer 1 backward", "layer 1 reduce-scatter",
                "no_sync backward", "evaluation forward", "reference forward")
 
 
+def _worker_forward_failure_after_the_last_ring_call(plugin_kwargs):
+    """W=4 as dp 2 x sp 2: rank 1's forward raises in the LM head, after its last ring call,
+    at the very first step (the ring calls of a forward are not counted yet, so rank 1 reports
+    to its ring peer, who is past its ring calls and waits at the loss, on another group)."""
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    inner = _tiny_llama().double()
+    booster, model, opt, crit, batch = _boost_at_sp2(inner, plugin_kwargs)
+    failing = {"armed": True}
+
+    def fail_on_rank_1(module, args, output):
+        if rank == 1 and failing["armed"]:
+            raise MemoryError("injected: out of memory in the LM head")
+    inner.lm_head.register_forward_hook(fail_on_rank_1)
+
+    def step():
+        loss = crit(model(**batch), batch)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+    out = {"at first": _capture(step)}
+    failing["armed"] = False
+    opt.zero_grad()
+    booster.reset()
+    out["after"] = _capture(step)
+    return out
+
+
+@pytest.mark.parametrize("plugin_kwargs", [{}, {"zero_stage": 2}], ids=["ddp", "fsdp"])
+def test_first_step_forward_failure_after_the_last_ring_call_raises_at_once(plugin_kwargs):
+    res = run_ranks(_worker_forward_failure_after_the_last_ring_call, 4, plugin_kwargs,
+                    timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    for rank, r in enumerate(res):
+        # (before: every rank waited for the ring timeout: rank 1's ring report waited for a
+        # ring call its peer had no more of, and its loss report came after it)
+        assert r["at first"][-1] < TIMEOUT, r["at first"]
+        if rank == 1:
+            _is_error(r["at first"], ("MemoryError",), "injected")
+        else:
+            _is_error(r["at first"], ("RingPeerError",), "rank(s) [1]", "injected")
+        assert r["after"][0] == "ok", r  # the peers took the ring report: in step again
+
+
 def _fail_layer_1_reduce_scatter_once(rank, failing):
     """On rank 1, while ``failing["at"] == "layer 1 reduce-scatter"``: FSDP's reduce of layer
     1's gradients raises once inside its post-backward (out of memory allocating it, before

@@ -302,6 +302,18 @@ class Ring:
         with self._hold():
             gather(self, FAIL, 1, (), _describe(exc))
 
+    def take_failure_report(self, cause: BaseException) -> None:
+        """Meets a peer's :meth:`report_failure` that waits on this ring's control channel:
+        the peer reported while this rank had no ring call left, and this rank learnt of the
+        failure elsewhere (the plugin's loss). Without it the peer would wait for the ring
+        timeout and the report would pair with this rank's next call. Marks the ring broken
+        (``cause``). Collective over the ring: only where the peer's report is known to wait."""
+        if self.world_size == 1 or self._broken is not None:
+            return
+        with self._hold():
+            gather(self, CHECK, OK, (), "")
+        self._broken = cause
+
     def reset(self) -> None:
         """Makes the ring usable again after a failure: clears the broken state and the
         sequence numbers and rebuilds the transport's channels (a timeout closes them). Call

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._dist import RingError, RingMismatchError, ring_timeout
+from .._dist import RingError, RingMismatchError, RingPeerError, global_rank, ring_timeout
 from ..engine.integrity import call_tag
 from ..engine.ring import get_ring
-from ..loss import report_step_failure, sharded_cross_entropy
+from ..loss import RING_REPORT_WAITS, report_step_failure, sharded_cross_entropy
 from .dataloader import INPUTS_EMBEDS_UNDER_TP
 
 __all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads",
@@ -342,9 +342,12 @@ class FailureReporter:
         pending = (phase == "forward" and reduction is not None and reduction.expecting
                    and not torch.is_grad_enabled() and self.loss_ran)
 
+        to_ring = self._ring_report_due(phase, exc, calls, always=pending)
+
         def report():
             try:
-                self._report_to_ring(phase, exc, calls, always=pending)
+                if to_ring:
+                    self.ring.report_failure(exc)
             except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
                 report_errors.append(report_exc)
         # (in this thread's context: the report carries the step's call tag)
@@ -352,6 +355,13 @@ class FailureReporter:
                                   name="ringseq failure report", daemon=True)
         thread.start()
         to_loss = phase == "forward" and not pending
+        # The ring report waits until the ring peers meet it: in a ring call still ahead of
+        # them, or -- when they are past their last one (a failure after the forward's last
+        # attention in the first step, whose count is not known yet) -- at the loss, when
+        # that is on another group (dp x sp, tp): there the loss report goes first, saying
+        # that a ring report waits, and the peers that meet it take the ring report
+        # (SequenceParallelLoss). After it, they would wait for the ring timeout.
+        loss_first = to_loss and to_ring and get_ring(self.loss_group) is not self.ring
         try:
             note = None
             if phase == "forward" and reduction is not None:
@@ -378,6 +388,8 @@ class FailureReporter:
                             f"completed for the other ranks: {len(waiting)} boosted models "
                             f"wait for a backward, and which one's the others wait in cannot "
                             f"be told")
+            if loss_first:
+                self._report_to_loss(exc, ring_report_waits=True)
         finally:
             interrupted = _join(thread)
         for report_exc in report_errors:
@@ -389,26 +401,44 @@ class FailureReporter:
             self.unusable = note
             _add_note(exc, note + ". The process group cannot be used again: restart the "
                                   "processes (booster.reset() refuses)")
-        if to_loss:
-            try:
-                report_step_failure(self.loss_group, exc)
-            except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
-                _add_note(exc, f"ringseq: reporting it to the loss failed too: "
-                               f"{type(report_exc).__name__}: {report_exc}")
+        if to_loss and not loss_first:
+            self._report_to_loss(exc)
         if interrupted is not None:
             raise interrupted
 
-    def _report_to_ring(self, phase: str, exc: BaseException, calls: int,
-                        always: bool = False) -> None:
-        """``always``: the peers have ring calls ahead whatever this rank's count says."""
+    def _report_to_loss(self, exc: BaseException, ring_report_waits: bool = False) -> None:
+        try:
+            report_step_failure(self.loss_group, exc, ring_report_waits=ring_report_waits)
+        except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
+            _add_note(exc, f"ringseq: reporting it to the loss failed too: "
+                           f"{type(report_exc).__name__}: {report_exc}")
+
+    def _ring_report_due(self, phase: str, exc: BaseException, calls: int,
+                         always: bool = False) -> bool:
+        """Whether the ring peers may still be inside a ring call this rank will not make
+        (and the ring can carry a report). ``always``: the peers have ring calls ahead
+        whatever this rank's count says."""
         full = None if always else self._calls.get(phase)
         if full is None and not always and phase == "backward" and "forward" in self._calls:
             # the first backward: as many ring calls as its forward made (twice that when
             # every layer is recomputed): the peers, past them, would never meet a report
             full = self._calls["forward"] * self.backward_calls_per_forward
         local = not isinstance(exc, (RingError, RingMismatchError))  # peers don't know
-        if local and (full is None or calls < full):
-            self.ring.report_failure(exc)
+        return (local and (full is None or calls < full) and self.ring.world_size > 1
+                and self.ring.broken is None and self.ring.checks_on)
+
+    def take_ring_reports(self, error: BaseException) -> None:
+        """After this rank's loss raised ``error`` (RingPeerError): takes the failure reports
+        that ring peers named there left waiting on this rank's attention ring (see
+        ``_after_failure``)."""
+        loss_ring = get_ring(self.loss_group)
+        if loss_ring is self.ring or self.ring.broken is not None:
+            return
+        members = set(getattr(self.ring.transport, "members", ()))
+        waiting = [r for r, text in loss_ring.peer_messages.items()
+                   if RING_REPORT_WAITS in text and global_rank(self.loss_group, r) in members]
+        if waiting:
+            self.ring.take_failure_report(error)
 
 
 class OptimizerWrapper:
@@ -612,8 +642,13 @@ class SequenceParallelLoss:
             # The other ranks are about to wait for this one in the loss's agreement.
             report_step_failure(self.group, exc)
             raise
-        loss = sharded_cross_entropy(logits, targets, group=self.group,
-                                     ignore_index=self.ignore_index)
+        try:
+            loss = sharded_cross_entropy(logits, targets, group=self.group,
+                                         ignore_index=self.ignore_index)
+        except RingPeerError as exc:  # a peer's forward raised
+            if self.reporter is not None:
+                self.reporter.take_ring_reports(exc)
+            raise
         if self.reporter is not None:
             self.reporter.loss_ran = True  # every rank passed this step's loss
         return loss

@@ -28,8 +28,8 @@ heads), the input embedding is sliced, and the plan's own entries for the embedd
 logits) are replaced by that; an attention module outside every block (it would attend over
 a tp rank's share of the tokens) is refused. Other models pass such a dict of names (module
 name patterns, ``*`` for one name component) or a dict of torch ``ParallelStyle`` objects
-applied as given (every module with parameters needs a style on itself or an ancestor)
-(then the model itself must keep the sequence split over tp up to its logits, e.g. with
+applied as given (every module with parameters needs a style on itself or an ancestor, and
+the model itself must keep the sequence split over tp up to its logits, e.g. with
 :class:`SliceSequence`, :class:`GatherSequence` and ``SequenceParallel``).
 
 Gradients: a replicated parameter is used on a disjoint share of the work on each tp rank

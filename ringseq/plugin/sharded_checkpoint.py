@@ -7,10 +7,10 @@ cpu_offload=True)`` (collective; only rank 0 keeps the result) and written by ra
 one ``torch.save`` file or, with ``max_shard_size``, as transformers-style shards in a
 directory (``pytorch_model-00001-of-0000N.bin`` + ``pytorch_model.bin.index.json``: a
 ``weight_map`` from key to file), which transformers' ``load_sharded_checkpoint``
-(``transformers.trainer_utils`` in transformers 5, ``modeling_utils`` in 4.x) or plain ``torch.load`` of each
-shard reads. Loading reads the full state dict on every rank
-and places this rank's shards (``set_model_state_dict(full_state_dict=True)``), so a checkpoint
-of any mesh loads into any other.
+(``transformers.trainer_utils`` in transformers 5, ``modeling_utils`` in 4.x) or plain
+``torch.load`` of each shard reads. Loading reads the full state dict on every rank and cuts
+this rank's shards from it locally (``distribute_tensor(src_data_rank=None)``), so a
+checkpoint of any mesh loads into any other.
 
 Optimizer: sharded training writes its state with ``torch.distributed.checkpoint`` (a
 directory; every rank writes its own shards, keyed by parameter name through

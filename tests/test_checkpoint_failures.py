@@ -293,12 +293,18 @@ def test_a_save_without_a_grad_scaler_removes_an_earlier_ones_file(w2_calls):
 def _worker_fails_inside(tmp):
     """Zero stage 3: rank 1 runs out of memory (simulated) where a checkpoint call works on
     this rank alone, before or between the collectives: laying out its optimizer state for a
-    save, cutting its shards from a loaded model."""
+    save, cutting its shards from a loaded model or a plain optimizer file."""
     import torch.distributed as dist
     import torch.distributed.checkpoint.state_dict as dsd
     import torch.distributed.tensor as dtensor
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     rank, out = dist.get_rank(), {}
+    booster = Booster(RingSequenceParallelPlugin(sp_size=1))  # a plain optimizer file
+    net = _Net()
+    model, opt, *_ = booster.boost(net, torch.optim.Adam(net.parameters(), lr=0.1))
+    booster.backward(model(torch.randn(2, 4)).sum(), opt)
+    opt.step()
+    booster.save_optimizer(opt, f"{tmp}/optim.pt")
     booster = Booster(RingSequenceParallelPlugin(sp_size=1, zero_stage=3))
     torch.manual_seed(0)
     net = _Net()
@@ -309,8 +315,10 @@ def _worker_fails_inside(tmp):
         opt.step()
         opt.zero_grad()
 
-    def params():
-        return [p.full_tensor().clone() for p in model.unwrap().parameters()]
+    def params():  # (and the optimizer's state)
+        return [p.full_tensor().clone() for p in model.unwrap().parameters()] + [
+            v.full_tensor().clone() for s in opt.unwrap().state.values() for v in s.values()
+            if isinstance(v, dtensor.DTensor)]
 
     def fails_on_rank_1(module, name):
         real = getattr(module, name)
@@ -327,7 +335,9 @@ def _worker_fails_inside(tmp):
             ("save_optimizer", dsd, "get_optimizer_state_dict",
              lambda: booster.save_optimizer(opt, f"{tmp}/optim")),
             ("load_model", dtensor, "distribute_tensor",
-             lambda: booster.load_model(model, f"{tmp}/model.pt"))):
+             lambda: booster.load_model(model, f"{tmp}/model.pt")),
+            ("load_optimizer", dtensor, "distribute_tensor",
+             lambda: booster.load_optimizer(opt, f"{tmp}/optim.pt"))):
         before = params()
         failing, real = fails_on_rank_1(module, name)
         setattr(module, name, failing)
@@ -342,10 +352,11 @@ def _worker_fails_inside(tmp):
 
 def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_rank(tmp_path):
     """(before: the other rank waited in torch.distributed.checkpoint's save, or in the scatter
-    of torch's full-state load, until the process group's timeout)"""
+    of torch's full-state loads of a model or a plain optimizer file, until the process
+    group's timeout)"""
     results = run_ranks(_worker_fails_inside, 2, str(tmp_path), timeout=120)
     for rank, r in enumerate(results):
-        for key in ("save_optimizer", "load_model"):
+        for key in ("save_optimizer", "load_model", "load_optimizer"):
             if rank == 1:
                 assert r[key].startswith("MemoryError") and "simulated" in r[key], r[key]
             else:

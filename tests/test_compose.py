@@ -178,6 +178,13 @@ class _Layer(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class _SwitchingLayer(_Layer):
+    """A decoder layer that switches the attention it holds (ringseq_switch on the layer)."""
+
+    def ringseq_switch(self, group, layout, backend=None):
+        self.attn.ringseq_switch(group, layout, backend)
+
+
 class _PlainLM(nn.Module):
     def __init__(self):
         super().__init__()
@@ -473,6 +480,12 @@ def _errors(ckpt_dir):
     mlp_only = {"layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise"}
     out["attention_outside_blocks"] = error_text(lambda: Booster(plugin=P(
         sp_size=2, tp_size=2, tp_plan=mlp_only)).boost(_PlainLM()))
+    # ... but a decoder layer whose ringseq_switch switches the attention it holds is fine
+    switching = _PlainLM()
+    for layer in switching.layers:
+        layer.__class__ = _SwitchingLayer
+    out["switch_on_layer"] = error_text(lambda: Booster(plugin=P(
+        sp_size=2, tp_size=2, tp_plan=PLAIN_PLAN)).boost(switching))
     # ParallelStyles for the linear layers only: refused before the model is modified
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -739,6 +752,11 @@ def _raised(run, key):
     return [r["errors"][key] for r in run["ranks"]]
 
 
+def test_a_layer_switching_its_attention_fits_a_plan_of_names(run):
+    for r in run["ranks"]:
+        assert r["errors"]["switch_on_layer"] == "no error", r["errors"]["switch_on_layer"]
+
+
 @pytest.mark.parametrize("key, words", [
     ("tp3", ["ValueError", "tp_size=3", "[1, 2, 4]"]),
     ("sp_x_tp", ["ValueError", "sp_size=4 x tp_size=2", "[1, 2]"]),
@@ -751,7 +769,7 @@ def _raised(run, key):
                                   "no tensor-parallel block", "'colwise'"]),
     ("styles_uncovered", ["ValueError", "without a style", "'emb'", "'layers.0.norm1'"]),
     ("plan_differs", ["RingMismatchError", "tp_plan (rank 0: "]),
-    ("scalar_fsdp", ["ValueError", "zero_stage=2", "0-dim", "['temperature']"]),
+    ("scalar_fsdp", ["ValueError: boost: zero_stage=2", "0-dim", "['temperature']"]),
     ("stepped_optimizer", ["ValueError", "already has state"]),
     ("boosted_twice", ["ValueError: boost: this FSDPLlamaForCausalLM was already boosted",
                        "boost a fresh model"]),

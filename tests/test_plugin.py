@@ -297,6 +297,8 @@ def _error_cases(state_dict, ckpt_dir):
     booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, layout="zigzag"))
     plain = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
     out["no_attention"] = error_text(lambda: booster.boost(plain))
+    # a refused boost leaves the model as it was: not "already boosted" (refused again alike)
+    out["no_attention_again"] = error_text(lambda: booster.boost(plain))
     # an optimizer over a tensor that is not the model's: nothing sums its gradient over the
     # ranks (before, zero stage 0: each rank stepped it with its own part, silently)
     extra = torch.nn.Parameter(torch.ones(()))
@@ -612,6 +614,7 @@ def test_misconfigurations_fail_on_every_rank(run):
         assert e["no_attention"].startswith("ValueError") and "ringseq_switch" in \
             e["no_attention"], e["no_attention"]
         assert e["criterion"].startswith("ValueError") and "MSELoss" in e["criterion"]
+        assert e["no_attention_again"] == e["no_attention"], e["no_attention_again"]
         assert e["precision_list"].startswith("ValueError") and "precision=['bf16']" in \
             e["precision_list"], e["precision_list"]
         assert e["foreign_param"].startswith("ValueError: boost: param group 0 of SGD") and \

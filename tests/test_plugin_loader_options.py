@@ -292,9 +292,10 @@ def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):
     # with batch_size and shuffle=True/False only", which it was)
     # (before: boost passed, the first forward raised FSDP's bare AssertionError "FSDP expects
     # uniform original parameter dtype")
-    ("fsdp_mixed_dtypes", "ValueError: zero_stage=3: FSDP2 shards each decoder layer and the "
-                          "rest of the model as one unit whose trainable parameters must share "
-                          "one dtype; the rest of the model (the root unit) holds torch.float32: "
+    ("fsdp_mixed_dtypes", "ValueError: boost: zero_stage=3: FSDP2 shards each decoder layer "
+                          "and the rest of the model as one unit whose trainable parameters "
+                          "must share one dtype; the rest of the model (the root unit) holds "
+                          "torch.float32: "
                           "['lin.weight', 'lin.bias']; torch.float64: ['head.weight', "
                           "'head.bias']"),
     ("tp_plan_without_tp", "ValueError: RingSequenceParallelPlugin: tp_plan is a "

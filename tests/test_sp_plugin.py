@@ -253,6 +253,7 @@ def test_meshes_that_differ_between_ranks_raise_on_every_rank(run):
     for e in _raised(run, "mesh_on_one_rank"):
         assert e.startswith("RingMismatchError") and "mesh shape and ranks" in e and \
             "rank 1: [] (0 values)" in e, e
+        assert "mesh dim names (rank 0: 'dp,sp', rank 1: 'none passed'" in e, e
 
 
 def test_ulysses_inner_must_be_a_bool(run):

@@ -141,7 +141,11 @@ class ParallelDims:
                 f"to backward; 3: FSDP2 resharding after forward too). ZeRO-1 alone is not "
                 f"implemented: zero_stage=2 saves its memory and more at the same gradient "
                 f"traffic")
-        U, R, I = resolve_sp_sizes(self.sp_mode, sp, self.ulysses_size, self.inner_ring_size)
+        try:
+            U, R, I = resolve_sp_sizes(self.sp_mode, sp, self.ulysses_size,
+                                       self.inner_ring_size)
+        except ValueError as exc:  # (the plugin and apply rename "ParallelDims")
+            raise ValueError(f"ParallelDims: {exc}") from None
         object.__setattr__(self, "ulysses_size", U)
         object.__setattr__(self, "inner_ring_size", I)
         object.__setattr__(self, "ring_size", R)

@@ -76,7 +76,7 @@ def check_fsdp_units(model: nn.Module, layers: Iterable[nn.Module],
     dim 0 and refuses scalars: found here, before any unit is sharded)."""
     scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
     if scalars:
-        raise ValueError(f"zero_stage={zero_stage}: FSDP2 shards every parameter along its "
+        raise ValueError(f"boost: zero_stage={zero_stage}: FSDP2 shards every parameter along its "
                          f"first dim and cannot shard 0-dim ones: {scalars[:4]}"
                          f"{' ...' if len(scalars) > 4 else ''}; make them 1-dim tensors of one "
                          f"element (nn.Parameter(torch.tensor([x]))), or use zero_stage=0")
@@ -98,7 +98,7 @@ def check_fsdp_units(model: nn.Module, layers: Iterable[nn.Module],
         if len(by_dtype) > 1:
             detail = "; ".join(f"{d}: {ns[:3]}{' ...' if len(ns) > 3 else ''}"
                                for d, ns in sorted(by_dtype.items()))
-            raise ValueError(f"zero_stage={zero_stage}: FSDP2 shards each decoder layer and the "
+            raise ValueError(f"boost: zero_stage={zero_stage}: FSDP2 shards each decoder layer and the "
                              f"rest of the model as one unit whose trainable parameters must "
                              f"share one dtype; {unit} holds {detail} (cast the model to one "
                              f"dtype, e.g. model.float(), and use precision= for low-precision "

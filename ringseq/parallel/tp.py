@@ -272,8 +272,11 @@ def _check_attention_in_blocks(modules: Dict[str, nn.Module], blocks, source: st
     # Outside the planned blocks a module computes on this tp rank's share of the sequence
     # (s_local / t tokens): an attention there attends over that share only, silently wrong.
     for name, module in modules.items():
-        if _mixes_tokens(module) and not any(name == b or name.startswith(b + ".")
-                                             for b in blocks):
+        # (a decoder layer whose ringseq_switch switches the attention it holds: the
+        # planned block below it is that attention)
+        holds_block = any(not name or b.startswith(name + ".") for b in blocks)
+        if _mixes_tokens(module) and not holds_block and not any(
+                name == b or name.startswith(b + ".") for b in blocks):
             raise ValueError(
                 f"tensor parallelism: the attention {name!r} ({type(module).__name__}) lies in "
                 f"no tensor-parallel block of the plan ({source}); outside one it would attend "

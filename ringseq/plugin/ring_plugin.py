@@ -53,15 +53,27 @@ _DEVICE_TYPES = ("cpu", "cuda")
 _BOOSTED_MODULES = weakref.WeakSet()
 
 
+# The dim names a mesh passed to the plugin may have (build_mesh / build_sp_mesh), each
+# optionally followed by "tp": a mismatch between ranks names them.
+_MESH_NAMES = ("none passed", "dp,sp", "dp,sp_r,sp_u", "dp,sp_u,sp_r", "other names")
+
+
 def _mesh_fields(mesh) -> tuple:
     """A passed DeviceMesh as control fields: its shape then its ranks (a mismatch lists
-    them), and its dim names and device type."""
+    them), its dim names and its device type (the same fields on every rank)."""
+    kinds = ("none passed",) + _DEVICE_TYPES + ("other",)
     if mesh is None:
-        return ints_field("mesh shape and ranks", None), ("mesh dim names", 0)
+        return (ints_field("mesh shape and ranks", None), ("mesh dim names", 0, _MESH_NAMES),
+                ("mesh tp dim", 0, "bool"), ("mesh device type", 0, kinds))
     table = mesh.mesh
-    names = "|".join([mesh.device_type, *(mesh.mesh_dim_names or ())])
+    names = tuple(mesh.mesh_dim_names or ())
+    names = ",".join(names[:-1] if names[-1:] == ("tp",) else names)
     return (ints_field("mesh shape and ranks", [*table.shape, *table.flatten().tolist()]),
-            ("mesh dim names", 1 + stable_code(names)))
+            ("mesh dim names", _MESH_NAMES.index(names) if names in _MESH_NAMES[1:-1]
+             else len(_MESH_NAMES) - 1, _MESH_NAMES),
+            ("mesh tp dim", int(tuple(mesh.mesh_dim_names or ())[-1:] == ("tp",)), "bool"),
+            ("mesh device type", kinds.index(mesh.device_type) if mesh.device_type in kinds
+             else len(kinds) - 1, kinds))
 
 
 def _plan_code(tp_plan) -> int:
@@ -651,8 +663,10 @@ class RingSequenceParallelPlugin(Plugin):
         sequence sharding. Raises ValueError (every rank, before modifying the model: the
         ranks agree on every refusal with one control all-gather) for a model whose attention
         cannot be switched, heads the tp / Ulysses sizes cannot split, a missing or unfitting
-        tensor-parallel plan, an already boosted model, an optimizer with state, or an
-        unsupported criterion (see :meth:`_criterion`); RingPeerError on the ranks that did not
+        tensor-parallel plan, an already boosted model, an optimizer holding a tensor that is
+        not a parameter of the model, an optimizer with state where sharding replaces the
+        parameters, 0-dim parameters under zero_stage 2/3, or an unsupported criterion (see
+        :meth:`_criterion`); RingPeerError on the ranks that did not
         refuse; RingMismatchError (every rank) for models whose parameters differ between
         ranks in count, elements per dtype or trainable elements, or whose parameters and
         buffers differ in name, shape or dtype. Every mesh starts from rank 0's weights: DDP
@@ -706,10 +720,11 @@ class RingSequenceParallelPlugin(Plugin):
         get_ring(None).agree(refusal is None, str(refusal), error=refusal,
                              fields=_model_fields(model) if refusal is None else (),
                              about="boosted model")
-        _BOOSTED_MODULES.add(model)
-        # (apply() refuses head counts the Ulysses degree cannot split before switching)
+        # (apply() refuses head counts the Ulysses degree cannot split before switching;
+        # its refusals, on every rank alike, leave the model as it was)
         switch_attention(model, self.sp_group, self.layout, self.backend, self.policy,
                          sp=self.sp)
+        _BOOSTED_MODULES.add(model)
         if is_transformers_model(model) and getattr(model.config, "use_cache", False):
             # A KV cache of a sharded sequence is meaningless and ring attention refuses one.
             model.config.use_cache = False

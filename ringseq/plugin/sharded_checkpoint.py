@@ -141,6 +141,22 @@ def _local_shards(model, state: dict) -> dict:
     return local
 
 
+def _local_optimizer_shards(own: dict, full: dict) -> dict:
+    """``full`` (an optimizer state dict by parameter name, every tensor whole) with each
+    entry that is a DTensor in ``own`` (this optimizer's layout) cut to this rank's shard
+    locally, as :func:`_local_shards` does for a model."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    state = {}
+    for name, entries in full["state"].items():
+        mine = own["state"].get(name, {})
+        state[name] = {
+            key: (distribute_tensor(value.detach().to(mine[key].device), mine[key].device_mesh,
+                                    mine[key].placements, src_data_rank=None)
+                  if isinstance(mine.get(key), DTensor) and torch.is_tensor(value) else value)
+            for key, value in entries.items()}
+    return {"state": state, "param_groups": full["param_groups"]}
+
+
 def _empty_like_state(state):
     """The same nested state dict with every tensor replaced by an uninitialized one of the
     same shape, dtype, device and (for a DTensor) placement: where torch.distributed.checkpoint
@@ -454,6 +470,8 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                                              options=StateDictOptions(strict=False))
             scaler_file = os.path.join(checkpoint, _SCALER_FILE)
         else:
+            placed = {}  # this rank's shards of the file's state, cut before the vote
+
             def read_optimizer(path):
                 return read_file(path)
 
@@ -471,11 +489,14 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                         f"had none when it was saved), which loading a file into sharded "
                         f"parameters cannot restore; save and load the directory format "
                         f"(save_optimizer(..., sharded=True))")
+                # (torch's full-state load scatters them from rank 0 after the vote: a rank
+                # failing there, out of memory, left the others in the scatter)
+                placed.update(_local_optimizer_shards(
+                    _own_optimizer_state(model, opt), _fqn_optimizer_state(optimizer, states[0])))
 
-            def apply_optimizer(plain):
+            def apply_optimizer(plain):  # (local copies only)
                 with _frozen_counted(opt):
-                    set_optimizer_state_dict(model, opt, _fqn_optimizer_state(optimizer, plain),
-                                             options=StateDictOptions(full_state_dict=True))
+                    set_optimizer_state_dict(model, opt, placed)
             scaler_file = checkpoint + ".grad_scaler"
         read, apply_scaler = _with_scaler_state(optimizer, scaler_file, read_optimizer)
 

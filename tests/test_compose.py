@@ -506,6 +506,7 @@ def _errors(ckpt_dir):
     rank_plan = dict(PLAIN_PLAN) if torch.distributed.get_rank() % 2 else {
         k.replace("*", "0") if "mlp" in k else k: v for k, v in PLAIN_PLAN.items()}
     out["plan_differs"] = error_text(lambda: P(sp_size=2, tp_size=2, tp_plan=rank_plan))
+    out["plan_key"] = error_text(lambda: P(sp_size=2, tp_size=2, tp_plan={1: "colwise"}))
     stepped = _model("llama")
     opt = _optimizer(stepped)
     stepped(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(
@@ -769,6 +770,8 @@ def test_a_layer_switching_its_attention_fits_a_plan_of_names(run):
                                   "no tensor-parallel block", "'colwise'"]),
     ("styles_uncovered", ["ValueError", "without a style", "'emb'", "'layers.0.norm1'"]),
     ("plan_differs", ["RingMismatchError", "tp_plan (rank 0: "]),
+    ("plan_key", ["TypeError: RingSequenceParallelPlugin: tp_plan keys must be module name "
+                  "patterns (str), got [1]"]),
     ("scalar_fsdp", ["ValueError: boost: zero_stage=2", "0-dim", "['temperature']"]),
     ("stepped_optimizer", ["ValueError", "already has state"]),
     ("boosted_twice", ["ValueError: boost: this FSDPLlamaForCausalLM was already boosted",

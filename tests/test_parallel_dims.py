@@ -147,15 +147,22 @@ def test_fsdp2_recovery_without_reset_iter_state_says_to_restart_before_resettin
 
 @pytest.mark.parametrize("args, words", [
     (("ring", True), "sp_size must be a positive integer, got True"),
-    (("ring", 4, True), "ulysses_size must be a positive integer, got True"),
-    (("ulysses", 4, 4.0), "ulysses_size must be a positive integer, got 4.0"),
-    (("ring", 4, None, 2.0), "inner_ring_size must be a positive integer, got 2.0"),
+    (("ring", 4, True), "ulysses_size must be a positive integer or None, got True"),
+    (("ulysses", 4, 4.0), "ulysses_size must be a positive integer or None, got 4.0"),
+    (("ring", 4, None, 2.0), "inner_ring_size must be a positive integer or None, got 2.0"),
 ])
 def test_sp_sizes_are_integers_not_bools_or_floats(args, words):
     # (before: True == 1 and 4.0 == 4 passed, returning sizes of another mode)
     from ringseq.parallel.groups import resolve_sp_sizes
     with pytest.raises(ValueError, match=words):
         resolve_sp_sizes(*args)
+
+
+def test_numpy_integer_sizes_are_sizes():
+    np = pytest.importorskip("numpy")
+    from ringseq.parallel.groups import resolve_sp_sizes
+    assert resolve_sp_sizes("ulysses", np.int64(4), np.int64(4)) == (4, 1, 1)
+    assert resolve_sp_sizes("ring", 4, None, np.int32(2)) == (1, 4, 2)
 
 
 def test_group_sizes_and_layouts_without_a_process_group_name_the_problem():

@@ -312,6 +312,9 @@ def _error_cases(state_dict, ckpt_dir):
     twice = _model(state_dict)
     booster.boost(twice)
     out["boost_twice"] = error_text(lambda: booster.boost(twice))
+    # (another plugin may: what one plugin registered for the module is its own)
+    out["boost_by_another_plugin"] = error_text(
+        lambda: Booster(plugin=RingSequenceParallelPlugin(sp_size=2)).boost(twice))
     out["criterion"] = error_text(lambda: booster.boost(_model(state_dict),
                                                       criterion=torch.nn.MSELoss()))
     out["ignore_index"] = error_text(lambda: booster.boost(
@@ -624,7 +627,8 @@ def test_misconfigurations_fail_on_every_rank(run):
         assert e["loss_ignore_index"].startswith("ValueError: boost: criterion") and \
             "'ignore_index': -1" in e["loss_ignore_index"], e["loss_ignore_index"]
         assert e["boost_twice"].startswith("ValueError: boost: this LlamaForCausalLM was "
-                                           "already boosted"), e["boost_twice"]
+                                           "already boosted (by this plugin"), e["boost_twice"]
+        assert e["boost_by_another_plugin"] == "no error", e["boost_by_another_plugin"]
         assert e["mesh_names"].startswith("ValueError") and "('dp', 'sp')" in e["mesh_names"]
         plugin = "ValueError: RingSequenceParallelPlugin: "  # (the refusals name the plugin)
         assert e["ddp_kwargs_fsdp"].startswith(plugin + "ddp_kwargs ['bucket_cap_mb']") and \

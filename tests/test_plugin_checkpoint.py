@@ -252,6 +252,34 @@ def test_the_state_of_a_parameter_frozen_after_it_trained_round_trips_in_the_dir
     assert not fresh_model.a.weight.requires_grad  # (counted as trainable only meanwhile)
 
 
+def test_frozen_parameters_without_state_stay_untouched_through_a_directory_round_trip(
+        tmp_path):
+    """A base frozen from the start (in the optimizer, never stepped) and a frozen integer
+    parameter (quantized codes): saved and loaded without state, gradient or error (before:
+    the load gave the frozen base a zero gradient and Adam's moments for a step at lr 0; the
+    integer parameter failed with torch's "only Tensors of floating point dtype can require
+    gradients")."""
+    model = _TwoLayers()
+    model.a.requires_grad_(False)
+    model.codes = nn.Parameter(torch.arange(4, dtype=torch.int8), requires_grad=False)
+    opt = OptimizerWrapper(torch.optim.AdamW(model.parameters(), lr=0.05), None, model=model)
+    opt.backward(model(torch.randn(3, 4)).pow(2).mean())
+    opt.step()
+    path = str(tmp_path / "optim")
+    io = DistributedCheckpointIO()
+    io.save_optimizer(opt, path, sharded=True)
+    fresh_model = _TwoLayers()
+    fresh_model.a.requires_grad_(False)
+    fresh_model.codes = nn.Parameter(torch.arange(4, dtype=torch.int8), requires_grad=False)
+    fresh = OptimizerWrapper(torch.optim.AdamW(fresh_model.parameters(), lr=0.05), None,
+                             model=fresh_model)
+    io.load_optimizer(fresh, path)
+    assert sorted(k[0] for k in _state_by_name(fresh, fresh_model)) == sorted(
+        k[0] for k in _state_by_name(opt, model))
+    for p in (fresh_model.a.weight, fresh_model.a.bias, fresh_model.codes):
+        assert p not in fresh.unwrap().state and p.grad is None and not p.requires_grad
+
+
 def _file_into_fsdp_worker(path):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     booster = Booster(RingSequenceParallelPlugin(sp_size=1))

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .._args import as_int, int_if_integer, is_bool
-from .._dist import agree_on_fields, group_info, is_initialized, named_for
+from .._dist import agree_on_fields, group_info, is_initialized, named_for, with_message
 from .._hash import stable_hash_ints
 from ..data import shard_batch
 from ..layouts import Layout, get_layout, positions_local, shard_local
@@ -79,12 +79,16 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
     the value and the values that would work; nothing communicates.
     """
     check_sp_mode(sp_mode)
+    # (NumPy's integers are sizes too)
+    sp_size, ulysses_size, inner_ring_size = map(int_if_integer,
+                                                 (sp_size, ulysses_size, inner_ring_size))
     for name, value in (("sp_size", sp_size), ("ulysses_size", ulysses_size),
                         ("inner_ring_size", inner_ring_size)):
         # (True == 1 and 4.0 == 4 passed the comparisons below)
         if not (value is None and name != "sp_size") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ValueError(f"{name} must be a positive integer"
+                             f"{'' if name == 'sp_size' else ' or None'}, got {value!r}")
     if sp_mode == "ring":
         if ulysses_size not in (None, 1):
             raise ValueError(f"sp_mode='ring' has no Ulysses dimension, got ulysses_size="
@@ -185,15 +189,14 @@ class SequenceParallelGroups:
     def double_ring(self) -> bool:
         return 1 < self.inner_ring_size < self.ring_size
 
-    def data_layout(self, layout="zigzag", fn: str = "data_layout") -> Layout:
+    def data_layout(self, layout="zigzag") -> Layout:
         """The layout of the tokens over :attr:`group` for ring layout ``layout`` (the layout
         itself when U = 1, else a :class:`SequenceParallelLayout`; with R = 1 the ring layout
-        does not apply and the split is contiguous). ValueError (named for ``fn``) for an
-        unknown layout."""
+        does not apply and the split is contiguous). ValueError for an unknown layout."""
         try:
             lay = ring_layout(layout, self.ring_size)
         except (TypeError, ValueError) as exc:
-            raise named_for(fn, exc) from None
+            raise named_for("data_layout", exc) from None
         if self.ulysses_size == 1:
             return lay
         key = (id(lay), lay.name)
@@ -204,20 +207,29 @@ class SequenceParallelGroups:
             cache[key] = hit
         return hit
 
+    def _data_layout_for(self, fn: str, layout) -> Layout:
+        """:meth:`data_layout`, its refusal named for ``fn``, the method the user called."""
+        try:
+            return self.data_layout(layout)
+        except (TypeError, ValueError) as exc:
+            text = str(exc)
+            text = text[len("data_layout: "):] if text.startswith("data_layout: ") else text
+            raise with_message(exc, f"{fn}: {text}") from None
+
     def shard(self, x: torch.Tensor, layout="zigzag", dim: int = 1) -> torch.Tensor:
         """This rank's tokens of the full ``x`` along ``dim`` (ValueError for a length the
         split cannot take, before any communication)."""
-        return shard_local(x, self.data_layout(layout, "shard"), self.size, self.rank, dim,
+        return shard_local(x, self._data_layout_for("shard", layout), self.size, self.rank, dim,
                            fn="shard")
 
     def positions(self, seqlen: int, layout="zigzag", device=None) -> torch.Tensor:
         """Global position ids (int64, ``(seqlen // size,)``) of this rank's tokens."""
-        return positions_local(seqlen, self.data_layout(layout, "positions"), self.size,
+        return positions_local(seqlen, self._data_layout_for("positions", layout), self.size,
                                self.rank, device, fn="positions")
 
     def shard_batch(self, batch, layout="zigzag", ignore_index: int = -100) -> dict:
         """:func:`ringseq.shard_batch` over :attr:`group` with :meth:`data_layout`."""
-        lay = self.data_layout(layout, "shard_batch")
+        lay = self._data_layout_for("shard_batch", layout)
         docs = getattr(get_layout(layout), "documents", None)
         if docs is not None and self.ring_size == 1 and batch.get("cu_seq_lens_q") is None \
                 and batch.get("cu_seq_lens_k") is None:

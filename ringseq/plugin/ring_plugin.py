@@ -48,11 +48,6 @@ _LOADER_SETTINGS = ("collate_fn", "worker_init_fn", "timeout", "multiprocessing_
 
 
 _DEVICE_TYPES = ("cpu", "cuda")
-# The user modules a boost has modified (any plugin's): boosting one again would switch its
-# attention again and wrap it in a second DDP (zero stage 0 leaves no other trace on it).
-_BOOSTED_MODULES = weakref.WeakSet()
-
-
 # The dim names a mesh passed to the plugin may have (build_mesh / build_sp_mesh), each
 # optionally followed by "tp": a mismatch between ranks names them.
 _MESH_NAMES = ("none passed", "dp,sp", "dp,sp_r,sp_u", "dp,sp_u,sp_r", "other names")
@@ -329,6 +324,9 @@ class RingSequenceParallelPlugin(Plugin):
             if taken:
                 raise ValueError(f"ddp_kwargs: {taken} are set by the plugin (the model, the "
                                  f"default process group over dp x sp); drop them")
+            if isinstance(tp_plan, dict) and any(not isinstance(k, str) for k in tp_plan):
+                raise TypeError(f"tp_plan keys must be module name patterns (str), got "
+                                f"{[k for k in tp_plan if not isinstance(k, str)][:3]}")
             if tp_plan is not None and self.dims.tp_size == 1:
                 # (it would be ignored: no tensor parallelism without a word)
                 raise ValueError(f"tp_plan is a tensor-parallel plan, applied only with "
@@ -394,6 +392,10 @@ class RingSequenceParallelPlugin(Plugin):
         self._reporter = None
         self._grad_uses = []  # per boosted model: what booster.backward agrees on first
         self._boosted = 0  # models boosted (numbers them in the agreement's messages)
+        # The user modules this plugin boosted: boosting one again would switch its attention
+        # again, wrap it in a second DDP and register it twice for the gradient agreement and
+        # the failure reports (zero stage 0 leaves no other trace on the module).
+        self._boosted_modules = weakref.WeakSet()
 
     # -- mesh ------------------------------------------------------------------------------
     @property
@@ -663,11 +665,12 @@ class RingSequenceParallelPlugin(Plugin):
         sequence sharding. Raises ValueError (every rank, before modifying the model: the
         ranks agree on every refusal with one control all-gather) for a model whose attention
         cannot be switched, heads the tp / Ulysses sizes cannot split, a missing or unfitting
-        tensor-parallel plan, an already boosted model, an optimizer holding a tensor that is
-        not a parameter of the model, an optimizer with state where sharding replaces the
-        parameters, 0-dim parameters under zero_stage 2/3, or an unsupported criterion (see
-        :meth:`_criterion`); RingPeerError on the ranks that did not
-        refuse; RingMismatchError (every rank) for models whose parameters differ between
+        tensor-parallel plan, a model this plugin boosted already (or whose parameters are
+        sharded already), an optimizer holding a tensor that is not a parameter of the model,
+        an optimizer with state where sharding replaces the parameters, 0-dim parameters under
+        zero_stage 2/3, or an unsupported criterion (see :meth:`_criterion`); RingPeerError on
+        the ranks that did not refuse; RingMismatchError (every rank) for models whose
+        parameters differ between
         ranks in count, elements per dtype or trainable elements, or whose parameters and
         buffers differ in name, shape or dtype. Every mesh starts from rank 0's weights: DDP
         broadcasts them; where DDP is not used (FSDP, tensor parallelism, a frozen model) the
@@ -682,13 +685,14 @@ class RingSequenceParallelPlugin(Plugin):
         # every rank here rather than inside DDP's or FSDP's first collective.
         refusal = None
         try:
-            if (isinstance(model, ModelWrapper) or model in _BOOSTED_MODULES
+            if (isinstance(model, ModelWrapper) or model in self._boosted_modules
                     or any(isinstance(p, DTensor) for p in model.parameters())):
                 # (the module a sharded boost returned the wrapper of holds DTensors: fully_shard
                 # and tensor parallelism cannot be applied to it again)
-                raise ValueError(f"boost: this {type(model).__name__} was already boosted (or its "
-                                 f"parameters are already sharded DTensors); boost a fresh model, "
-                                 f"or keep using the model the first boost returned")
+                raise ValueError(f"boost: this {type(model).__name__} was already boosted (by this "
+                                 f"plugin, or its parameters are already sharded DTensors); "
+                                 f"boost a fresh model, or keep using the model the first boost "
+                                 f"returned")
             criterion = self._criterion(criterion)
             if isinstance(criterion, SequenceParallelLoss):
                 criterion.reporter = self.reporter
@@ -724,7 +728,7 @@ class RingSequenceParallelPlugin(Plugin):
         # its refusals, on every rank alike, leave the model as it was)
         switch_attention(model, self.sp_group, self.layout, self.backend, self.policy,
                          sp=self.sp)
-        _BOOSTED_MODULES.add(model)
+        self._boosted_modules.add(model)
         if is_transformers_model(model) and getattr(model.config, "use_cache", False):
             # A KV cache of a sharded sequence is meaningless and ring attention refuses one.
             model.config.use_cache = False

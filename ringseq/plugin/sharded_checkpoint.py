@@ -201,6 +201,15 @@ def _checkpoint_exception_text(exc, path: str, what: str) -> str:
     return f"torch.distributed.checkpoint could not {what} {path!r}: {causes}"
 
 
+def _dcp_state_names(path: str) -> set:
+    """The parameter names a ``torch.distributed.checkpoint`` optimizer directory holds state
+    for (from its metadata: keys ``optimizer.state.<parameter name>.<entry>``)."""
+    import torch.distributed.checkpoint as dcp
+    prefix = "optimizer.state."
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k[len(prefix):].rpartition(".")[0] for k in keys if k.startswith(prefix)}
+
+
 def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
     """What ``dcp.load`` does not check, from the directory's metadata (the same on every
     rank) against this optimizer's own state dict ``own`` (parameter names): the number of
@@ -254,13 +263,19 @@ def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
 
 
 @contextlib.contextmanager
-def _frozen_counted(opt):
+def _frozen_counted(model, opt, names=()):
     """torch.distributed.checkpoint's optimizer state dicts keep the state of parameters that
     require a gradient only: the state of a parameter frozen after it trained (Adam's moments,
     its step count) was dropped without a word loading a plain file into sharded parameters,
     and a directory holding it was refused as "another model". The optimizer's frozen
-    parameters count as trainable meanwhile (a flag only: nothing computes under it)."""
-    frozen = [p for g in opt.param_groups for p in g["params"] if not p.requires_grad]
+    floating-point parameters that hold state, or that ``names`` (the parameter names a
+    checkpoint holds state for) name, count as trainable meanwhile: only those, since torch
+    lays out a fresh optimizer's state with a zero gradient and a step at lr 0 for every
+    parameter that requires one (a frozen base would get both)."""
+    named = {id(p): n for n, p in model.named_parameters()}
+    frozen = [p for g in opt.param_groups for p in g["params"]
+              if not p.requires_grad and (p.is_floating_point() or p.is_complex())
+              and (opt.state.get(p) or named.get(id(p)) in names)]
     for p in frozen:
         p.requires_grad_(True)
     try:
@@ -270,9 +285,10 @@ def _frozen_counted(opt):
             p.requires_grad_(False)
 
 
-def _own_optimizer_state(model, opt) -> dict:
+def _own_optimizer_state(model, opt, names=()) -> dict:
     """``get_optimizer_state_dict(model, opt)``: this optimizer's state by parameter name, laid
-    out for every parameter. torch lays out the state of an optimizer that has none yet (a
+    out for every parameter that trains (and the frozen ones ``names`` names: those a
+    checkpoint holds state for). torch lays out the state of an optimizer that has none yet (a
     step at lr 0) only while no parameter holds a gradient, so the gradients are set aside
     meanwhile (a resume after a backward would otherwise load no state at all)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -283,7 +299,7 @@ def _own_optimizer_state(model, opt) -> dict:
                 if p.grad is not None:
                     held[p], p.grad = p.grad, None
     try:
-        with _frozen_counted(opt):
+        with _frozen_counted(model, opt, names):
             return get_optimizer_state_dict(model, opt)
     finally:
         for p, grad in held.items():
@@ -391,7 +407,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                                           for p in g["params"])
         state, error = None, None
         try:  # (local: this rank's shards; out of memory, say, on one rank)
-            with _frozen_counted(opt):
+            with _frozen_counted(model, opt):
                 state = get_optimizer_state_dict(model, opt)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             error = exc
@@ -444,7 +460,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             def read_optimizer(path):  # this mesh's layout, filled in from the checkpoint
                 staged, error = None, None
                 try:
-                    own = _own_optimizer_state(model, opt)
+                    own = _own_optimizer_state(model, opt, _dcp_state_names(path))
                     _check_dcp_optimizer_layout(path, own)
                     own_groups[:] = [list(g["params"]) for g in own["param_groups"]]
                     staged = _empty_like_state(own)
@@ -465,7 +481,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                 # saved (it never got a gradient: an embedding under inputs_embeds, say); the
                 # layout check took it out of what is read, and the loaded state dict replaces
                 # this optimizer's, so it keeps none. The checks matched groups and members.
-                with _frozen_counted(opt):
+                with _frozen_counted(model, opt, set(state["state"])):
                     set_optimizer_state_dict(model, opt, state,
                                              options=StateDictOptions(strict=False))
             scaler_file = os.path.join(checkpoint, _SCALER_FILE)
@@ -491,11 +507,12 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                         f"(save_optimizer(..., sharded=True))")
                 # (torch's full-state load scatters them from rank 0 after the vote: a rank
                 # failing there, out of memory, left the others in the scatter)
+                full = _fqn_optimizer_state(optimizer, states[0])
                 placed.update(_local_optimizer_shards(
-                    _own_optimizer_state(model, opt), _fqn_optimizer_state(optimizer, states[0])))
+                    _own_optimizer_state(model, opt, set(full["state"])), full))
 
             def apply_optimizer(plain):  # (local copies only)
-                with _frozen_counted(opt):
+                with _frozen_counted(model, opt, set(placed["state"])):
                     set_optimizer_state_dict(model, opt, placed)
             scaler_file = checkpoint + ".grad_scaler"
         read, apply_scaler = _with_scaler_state(optimizer, scaler_file, read_optimizer)

@@ -98,11 +98,11 @@ def check_fsdp_units(model: nn.Module, layers: Iterable[nn.Module],
         if len(by_dtype) > 1:
             detail = "; ".join(f"{d}: {ns[:3]}{' ...' if len(ns) > 3 else ''}"
                                for d, ns in sorted(by_dtype.items()))
-            raise ValueError(f"boost: zero_stage={zero_stage}: FSDP2 shards each decoder layer and the "
-                             f"rest of the model as one unit whose trainable parameters must "
-                             f"share one dtype; {unit} holds {detail} (cast the model to one "
-                             f"dtype, e.g. model.float(), and use precision= for low-precision "
-                             f"compute)")
+            raise ValueError(f"boost: zero_stage={zero_stage}: FSDP2 shards each decoder layer "
+                             f"and the rest of the model as one unit whose trainable parameters "
+                             f"must share one dtype; {unit} holds {detail} (cast the model to "
+                             f"one dtype, e.g. model.float(), and use precision= for "
+                             f"low-precision compute)")
 
 
 @contextlib.contextmanager

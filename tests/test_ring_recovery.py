@@ -805,10 +805,11 @@ _FSDP_CASES = ("layer 1 forward", "layer 1 backward", "layer 1 reduce-scatter",
                "no_sync backward", "evaluation forward", "reference forward")
 
 
-def _worker_forward_failure_after_the_last_ring_call(plugin_kwargs):
+def _worker_forward_failure_after_the_last_ring_call(plugin_kwargs, peer_loss_fails):
     """W=4 as dp 2 x sp 2: rank 1's forward raises in the LM head, after its last ring call,
     at the very first step (the ring calls of a forward are not counted yet, so rank 1 reports
-    to its ring peer, who is past its ring calls and waits at the loss, on another group)."""
+    to its ring peer, who is past its ring calls and waits at the loss, on another group);
+    ``peer_loss_fails``: that ring peer's own loss raises too (a batch without targets)."""
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
     inner = _tiny_llama().double()
@@ -821,12 +822,23 @@ def _worker_forward_failure_after_the_last_ring_call(plugin_kwargs):
     inner.lm_head.register_forward_hook(fail_on_rank_1)
 
     def step():
-        loss = crit(model(**batch), batch)
+        targets = batch
+        if failing["armed"] and peer_loss_fails and rank == 0:
+            targets = {"input_ids": batch["input_ids"]}  # (no shift_labels)
+        loss = crit(model(**batch), targets)
         booster.backward(loss, opt)
         opt.step()
         opt.zero_grad()
         return float(loss)
-    out = {"at first": _capture(step)}
+    notes = []
+
+    def noted_step():
+        try:
+            return step()
+        except Exception as exc:
+            notes.extend(getattr(exc, "__notes__", []))
+            raise
+    out = {"at first": _capture(noted_step), "notes": notes}
     failing["armed"] = False
     opt.zero_grad()
     booster.reset()
@@ -834,18 +846,28 @@ def _worker_forward_failure_after_the_last_ring_call(plugin_kwargs):
     return out
 
 
-@pytest.mark.parametrize("plugin_kwargs", [{}, {"zero_stage": 2}], ids=["ddp", "fsdp"])
-def test_first_step_forward_failure_after_the_last_ring_call_raises_at_once(plugin_kwargs):
+@pytest.mark.parametrize("plugin_kwargs, peer_loss_fails", [
+    ({}, False), ({"zero_stage": 2}, False), ({}, True)],
+    ids=["ddp", "fsdp", "ddp_peer_loss_fails_too"])
+def test_first_step_forward_failure_after_the_last_ring_call_raises_at_once(plugin_kwargs,
+                                                                            peer_loss_fails):
     res = run_ranks(_worker_forward_failure_after_the_last_ring_call, 4, plugin_kwargs,
-                    timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+                    peer_loss_fails, timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    failed = "[0, 1]" if peer_loss_fails else "[1]"
     for rank, r in enumerate(res):
         # (before: every rank waited for the ring timeout: rank 1's ring report waited for a
         # ring call its peer had no more of, and its loss report came after it)
         assert r["at first"][-1] < TIMEOUT, r["at first"]
         if rank == 1:
             _is_error(r["at first"], ("MemoryError",), "injected")
+            # its ring peer took the ring report (before, where that peer's loss raised too:
+            # the report failed when the peer reset its ring; with more ring peers they
+            # waited in it for the ring timeout)
+            assert not any("failed too" in n for n in r["notes"]), r["notes"]
+        elif rank == 0 and peer_loss_fails:
+            _is_error(r["at first"], ("ValueError",), "shift_labels")
         else:
-            _is_error(r["at first"], ("RingPeerError",), "rank(s) [1]", "injected")
+            _is_error(r["at first"], ("RingPeerError",), f"rank(s) {failed}", "injected")
         assert r["after"][0] == "ok", r  # the peers took the ring report: in step again
 
 

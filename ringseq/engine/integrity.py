@@ -71,7 +71,8 @@ _OPERATIONS = ("ring attention", "double-ring attention", "Ulysses attention",
 # judge by the fields it passed itself, and the ranks could reach different verdicts.
 AGREEMENTS = ("argument check", "optimizer step", "optimizer step refusal", "batch", "loss",
               "attention inputs", "plugin options", "boosted model", "checkpoint load",
-              "loader state", "checkpoint call", "backward", "unshard", "unshard backward")
+              "loader state", "checkpoint call", "backward", "unshard", "unshard backward",
+              "failure report taken")
 
 
 def agreement_code(about: str) -> int:

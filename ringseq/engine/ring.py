@@ -311,7 +311,7 @@ class Ring:
         if self.world_size == 1 or self._broken is not None:
             return
         with self._hold():
-            gather(self, CHECK, OK, (), "")
+            gather(self, CHECK, OK, (), "", about=agreement_code("failure report taken"))
         self._broken = cause
 
     def reset(self) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._dist import RingError, RingMismatchError, RingPeerError, global_rank, ring_timeout
+from .._dist import RingError, RingMismatchError, global_rank, ring_timeout
 from ..engine.integrity import call_tag
 from ..engine.ring import get_ring
 from ..loss import RING_REPORT_WAITS, report_step_failure, sharded_cross_entropy
@@ -55,7 +55,11 @@ class ModelWrapper(nn.Module):
     FSDP's all-gathers or the tp group's collectives this rank did not reach are run
     (``fsdp_replay.FsdpReplay``, ``tp_replay.TpReplay``), then the
     failure is reported to the loss of every rank (:func:`ringseq.loss.report_step_failure`,
-    on the control channel: their loss raises RingPeerError naming this rank). The exception
+    on the control channel: their loss raises RingPeerError naming this rank). Where the loss
+    is on another group than the ring and the ring peers may be past their ring calls (the
+    first step, whose ring calls are not counted yet), the loss report goes first and says
+    that a ring report waits; the ring peers take it at their loss
+    (``FailureReporter.take_ring_reports``). The exception
     is re-raised on this rank; the ring stays broken until ``booster.reset()`` (or
     ``ringseq.reset_ring``) on every rank.
     """
@@ -278,8 +282,10 @@ class FailureReporter:
     rank made fewer ring calls than the last complete pass of the phase did --, completes the
     data-parallel collectives this rank did not reach (a forward's: ``reduction``'s; a
     backward's: those of the one boosted model waiting for it) and, for the forward, reports
-    to the loss reduction that every rank of ``loss_group`` reaches next. The exception
-    propagates; a backward that ended checks the other ranks' status (``reductions``).
+    to the loss reduction that every rank of ``loss_group`` reaches next (first, marked, where
+    a ring report may wait for ring peers already at their loss; they take it there:
+    :meth:`take_ring_reports`). The exception propagates; a backward that ended checks the
+    other ranks' status (``reductions``).
     """
 
     def __init__(self, ring, loss_group=None, device=None):
@@ -428,9 +434,9 @@ class FailureReporter:
                 and self.ring.broken is None and self.ring.checks_on)
 
     def take_ring_reports(self, error: BaseException) -> None:
-        """After this rank's loss raised ``error`` (RingPeerError): takes the failure reports
-        that ring peers named there left waiting on this rank's attention ring (see
-        ``_after_failure``)."""
+        """After this rank's loss raised ``error`` (RingPeerError, or its own): takes the
+        failure reports that ring peers named there left waiting on this rank's attention
+        ring (see ``_after_failure``); a failure of that is a note on ``error``."""
         loss_ring = get_ring(self.loss_group)
         if loss_ring is self.ring or self.ring.broken is not None:
             return
@@ -438,7 +444,12 @@ class FailureReporter:
         waiting = [r for r, text in loss_ring.peer_messages.items()
                    if RING_REPORT_WAITS in text and global_rank(self.loss_group, r) in members]
         if waiting:
-            self.ring.take_failure_report(error)
+            try:
+                self.ring.take_failure_report(error)
+            except Exception as take_exc:  # noqa: BLE001 - the loss's error is the one raised
+                _add_note(error, f"ringseq: taking the failure report its ring peer(s) left "
+                                 f"waiting failed too: {type(take_exc).__name__}: {take_exc}")
+        loss_ring.peer_messages = {}  # (taken: a later error cannot take them again)
 
 
 class OptimizerWrapper:
@@ -641,11 +652,13 @@ class SequenceParallelLoss:
         except Exception as exc:
             # The other ranks are about to wait for this one in the loss's agreement.
             report_step_failure(self.group, exc)
+            if self.reporter is not None:  # (a ring peer's forward may have raised too)
+                self.reporter.take_ring_reports(exc)
             raise
         try:
             loss = sharded_cross_entropy(logits, targets, group=self.group,
                                          ignore_index=self.ignore_index)
-        except RingPeerError as exc:  # a peer's forward raised
+        except Exception as exc:  # a peer's forward raised (RingPeerError), or this loss
             if self.reporter is not None:
                 self.reporter.take_ring_reports(exc)
             raise

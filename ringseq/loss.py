@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ._args import as_int, given
 from ._dist import group_info
+from .engine.integrity import fit_message
 from .engine.ring import get_ring
 from .spec import dtype_code
 
@@ -54,9 +55,10 @@ def report_step_failure(group=None, error: BaseException = None, *,
         group, error = None, group
     if group_info(group, "report_step_failure")[0] > 1:
         message = f"{type(error).__name__}: {error}" if error is not None else "failed"
-        waits = f" {RING_REPORT_WAITS}" if ring_report_waits else ""
-        get_ring(group).agree(False, f"{message} ({_LOSS}){waits}", raise_own=False,
-                              about="loss")
+        text = f"{message} ({_LOSS})"
+        if ring_report_waits:  # (the marker must survive the message's cut to its bytes)
+            text = fit_message(text, f" {RING_REPORT_WAITS}")
+        get_ring(group).agree(False, text, raise_own=False, about="loss")
 
 
 def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None,

@@ -178,11 +178,26 @@ class _Layer(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class _Mixer(nn.Module):
+    """SwitchableAttention's computation without its ringseq_switch (nothing marks it as an
+    attention: its layer switches it)."""
+    sdpa = staticmethod(F.scaled_dot_product_attention)
+    forward = SwitchableAttention.forward
+
+
 class _SwitchingLayer(_Layer):
     """A decoder layer that switches the attention it holds (ringseq_switch on the layer)."""
 
     def ringseq_switch(self, group, layout, backend=None):
-        self.attn.ringseq_switch(group, layout, backend)
+        from ringseq.plugin import sdpa_on_ring
+        self.attn.sdpa = sdpa_on_ring(group, layout, backend)
+
+
+def _switching_lm():
+    model = _PlainLM()
+    for layer in model.layers:
+        layer.__class__, layer.attn.__class__ = _SwitchingLayer, _Mixer
+    return model
 
 
 class _PlainLM(nn.Module):
@@ -481,11 +496,12 @@ def _errors(ckpt_dir):
     out["attention_outside_blocks"] = error_text(lambda: Booster(plugin=P(
         sp_size=2, tp_size=2, tp_plan=mlp_only)).boost(_PlainLM()))
     # ... but a decoder layer whose ringseq_switch switches the attention it holds is fine
-    switching = _PlainLM()
-    for layer in switching.layers:
-        layer.__class__ = _SwitchingLayer
     out["switch_on_layer"] = error_text(lambda: Booster(plugin=P(
-        sp_size=2, tp_size=2, tp_plan=PLAIN_PLAN)).boost(switching))
+        sp_size=2, tp_size=2, tp_plan=PLAIN_PLAN)).boost(_switching_lm()))
+    # ... unless a linear layer under it lies in no block (its attention's, here: before, the
+    # layer holding the planned MLP passed, and the attention ran on a tp rank's tokens)
+    out["switch_on_layer_mlp_only"] = error_text(lambda: Booster(plugin=P(
+        sp_size=2, tp_size=2, tp_plan=mlp_only)).boost(_switching_lm()))
     # ParallelStyles for the linear layers only: refused before the model is modified
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -756,6 +772,8 @@ def _raised(run, key):
 def test_a_layer_switching_its_attention_fits_a_plan_of_names(run):
     for r in run["ranks"]:
         assert r["errors"]["switch_on_layer"] == "no error", r["errors"]["switch_on_layer"]
+        e = r["errors"]["switch_on_layer_mlp_only"]
+        assert e.startswith("ValueError") and "the attention 'layers.0' (_SwitchingLayer)" in e, e
 
 
 @pytest.mark.parametrize("key, words", [

@@ -805,11 +805,13 @@ _FSDP_CASES = ("layer 1 forward", "layer 1 backward", "layer 1 reduce-scatter",
                "no_sync backward", "evaluation forward", "reference forward")
 
 
-def _worker_forward_failure_after_the_last_ring_call(plugin_kwargs, peer_loss_fails):
+def _worker_forward_failure_after_the_last_ring_call(plugin_kwargs, peer_loss_fails,
+                                                     message_chars):
     """W=4 as dp 2 x sp 2: rank 1's forward raises in the LM head, after its last ring call,
     at the very first step (the ring calls of a forward are not counted yet, so rank 1 reports
     to its ring peer, who is past its ring calls and waits at the loss, on another group);
-    ``peer_loss_fails``: that ring peer's own loss raises too (a batch without targets)."""
+    ``peer_loss_fails``: that ring peer's own loss raises too (a batch without targets);
+    ``message_chars``: the error's message is that long (longer than a control message)."""
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
     inner = _tiny_llama().double()
@@ -818,7 +820,7 @@ def _worker_forward_failure_after_the_last_ring_call(plugin_kwargs, peer_loss_fa
 
     def fail_on_rank_1(module, args, output):
         if rank == 1 and failing["armed"]:
-            raise MemoryError("injected: out of memory in the LM head")
+            raise MemoryError("injected: out of memory in the LM head".ljust(message_chars, "."))
     inner.lm_head.register_forward_hook(fail_on_rank_1)
 
     def step():
@@ -846,13 +848,14 @@ def _worker_forward_failure_after_the_last_ring_call(plugin_kwargs, peer_loss_fa
     return out
 
 
-@pytest.mark.parametrize("plugin_kwargs, peer_loss_fails", [
-    ({}, False), ({"zero_stage": 2}, False), ({}, True)],
-    ids=["ddp", "fsdp", "ddp_peer_loss_fails_too"])
-def test_first_step_forward_failure_after_the_last_ring_call_raises_at_once(plugin_kwargs,
-                                                                            peer_loss_fails):
+@pytest.mark.parametrize("plugin_kwargs, peer_loss_fails, message_chars", [
+    ({}, False, 0), ({"zero_stage": 2}, False, 0), ({}, True, 0), ({}, False, 3000)],
+    ids=["ddp", "fsdp", "ddp_peer_loss_fails_too", "ddp_long_message"])
+def test_first_step_forward_failure_after_the_last_ring_call_raises_at_once(
+        plugin_kwargs, peer_loss_fails, message_chars):
     res = run_ranks(_worker_forward_failure_after_the_last_ring_call, 4, plugin_kwargs,
-                    peer_loss_fails, timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+                    peer_loss_fails, message_chars, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     failed = "[0, 1]" if peer_loss_fails else "[1]"
     for rank, r in enumerate(res):
         # (before: every rank waited for the ring timeout: rank 1's ring report waited for a
@@ -860,9 +863,9 @@ def test_first_step_forward_failure_after_the_last_ring_call_raises_at_once(plug
         assert r["at first"][-1] < TIMEOUT, r["at first"]
         if rank == 1:
             _is_error(r["at first"], ("MemoryError",), "injected")
-            # its ring peer took the ring report (before, where that peer's loss raised too:
-            # the report failed when the peer reset its ring; with more ring peers they
-            # waited in it for the ring timeout)
+            # its ring peer took the ring report (before, where that peer's loss raised too,
+            # or where a long message cut the marker off: the report failed when the peer
+            # reset its ring; with more ring peers they waited in it for the ring timeout)
             assert not any("failed too" in n for n in r["notes"]), r["notes"]
         elif rank == 0 and peer_loss_fails:
             _is_error(r["at first"], ("ValueError",), "shift_labels")

@@ -157,6 +157,16 @@ def control_name(words: torch.Tensor, kind: int, seq: int) -> str:
     return f"the {KIND_NAMES.get(kind, kind)} step of control operation #{seq}"
 
 
+def fit_message(text: str, suffix: str) -> str:
+    """``text`` cut (marked " ...") so that ``text + suffix`` fits the bytes a control message
+    carries, then ``suffix``: a marker the peers look for survives a long error message."""
+    room = _MESSAGE_BYTES - len(suffix.encode("utf-8", "replace")) - len(" ...")
+    raw = text.encode("utf-8", "replace")
+    if len(raw) > room:
+        text = raw[:room].decode("utf-8", "ignore") + " ..."
+    return text + suffix
+
+
 def _message_words(message: str) -> torch.Tensor:
     raw = message.encode("utf-8", "replace")[:_MESSAGE_BYTES]
     buf = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
@@ -556,4 +566,4 @@ def _describe(exc: BaseException) -> str:
 
 
 __all__ += ["CONTROL_WORDS", "FIELD0", "INVALID", "OK", "FAILED", "BROKEN", "DESYNC",
-            "control_vector", "gather", "signature_hash"]
+            "control_vector", "fit_message", "gather", "signature_hash"]

@@ -271,17 +271,23 @@ def _mixes_tokens(module: nn.Module) -> bool:
 def _check_attention_in_blocks(modules: Dict[str, nn.Module], blocks, source: str) -> None:
     # Outside the planned blocks a module computes on this tp rank's share of the sequence
     # (s_local / t tokens): an attention there attends over that share only, silently wrong.
+    def in_block(n):
+        return any(n == b or n.startswith(b + ".") for b in blocks)
     for name, module in modules.items():
-        # (a decoder layer whose ringseq_switch switches the attention it holds: the
-        # planned block below it is that attention)
-        holds_block = any(not name or b.startswith(name + ".") for b in blocks)
-        if _mixes_tokens(module) and not holds_block and not any(
-                name == b or name.startswith(b + ".") for b in blocks):
-            raise ValueError(
-                f"tensor parallelism: the attention {name!r} ({type(module).__name__}) lies in "
-                f"no tensor-parallel block of the plan ({source}); outside one it would attend "
-                f"over this tp rank's share of the tokens only. Add its query / key / value "
-                f"projections ('colwise') and its output projection ('rowwise') to the plan")
+        if not _mixes_tokens(module) or in_block(name):
+            continue
+        # A decoder layer whose ringseq_switch switches the attention it holds passes where
+        # every linear layer under it lies in a planned block (its attention's projections
+        # among them); a linear layer left out would compute on the tp rank's tokens only.
+        below = [n for n in modules if name and n.startswith(name + ".")]
+        if any(in_block(n) for n in below) and all(
+                in_block(n) for n in below if isinstance(modules[n], nn.Linear)):
+            continue
+        raise ValueError(
+            f"tensor parallelism: the attention {name!r} ({type(module).__name__}) lies in "
+            f"no tensor-parallel block of the plan ({source}); outside one it would attend "
+            f"over this tp rank's share of the tokens only. Add its query / key / value "
+            f"projections ('colwise') and its output projection ('rowwise') to the plan")
 
 
 def _uncovered(model: nn.Module, named: Dict[str, object]) -> list:

@@ -141,19 +141,30 @@ def _local_shards(model, state: dict) -> dict:
     return local
 
 
-def _local_optimizer_shards(own: dict, full: dict) -> dict:
+def _local_optimizer_shards(own: dict, full: dict, params: dict) -> dict:
     """``full`` (an optimizer state dict by parameter name, every tensor whole) with each
     entry that is a DTensor in ``own`` (this optimizer's layout) cut to this rank's shard
-    locally, as :func:`_local_shards` does for a model."""
+    locally, as :func:`_local_shards` does for a model. A parameter ``own`` has no state for
+    (it got no gradient in the steps taken here) is laid out as its parameter in ``params``
+    (name -> parameter): its entries of the parameter's shape are cut alike."""
     from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def layout(name, key, value):
+        mine = own["state"].get(name, {}).get(key)
+        if isinstance(mine, DTensor):
+            return mine
+        p = params.get(name)
+        if mine is None and isinstance(p, DTensor) and tuple(value.shape) == tuple(p.shape):
+            return p
+        return None
     state = {}
     for name, entries in full["state"].items():
-        mine = own["state"].get(name, {})
-        state[name] = {
-            key: (distribute_tensor(value.detach().to(mine[key].device), mine[key].device_mesh,
-                                    mine[key].placements, src_data_rank=None)
-                  if isinstance(mine.get(key), DTensor) and torch.is_tensor(value) else value)
-            for key, value in entries.items()}
+        state[name] = {}
+        for key, value in entries.items():
+            like = layout(name, key, value) if torch.is_tensor(value) else None
+            state[name][key] = value if like is None else distribute_tensor(
+                value.detach().to(like.device), like.device_mesh, like.placements,
+                src_data_rank=None)
     return {"state": state, "param_groups": full["param_groups"]}
 
 
@@ -180,7 +191,7 @@ def _dcp_read(state: dict, path: str) -> dict:
 
 def _fqn_optimizer_state(optimizer, plain: dict) -> dict:
     """A plain ``torch.optim`` state dict (parameters numbered in param-group order) keyed by
-    parameter name instead, for ``set_optimizer_state_dict(full_state_dict=True)``."""
+    parameter name instead (every tensor whole: :func:`_local_optimizer_shards` cuts them)."""
     names = {id(p): n for n, p in optimizer.model.named_parameters()}
     order = [names[id(p)] for g in _unwrap(optimizer).param_groups for p in g["params"]]
     groups = plain["param_groups"]
@@ -493,9 +504,9 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
 
             def check(states):
                 _check_optimizer_state(opt, states[0])
-                # torch's full-state load keeps this optimizer's state (or the zero state it
-                # makes for a fresh one) where the file has none, so such a parameter would not
-                # come back stateless: refused here, before any rank applies anything
+                # torch's state dict load fills a parameter the file has no state for from this
+                # optimizer's state (or the zero state it lays out for a fresh one), so it would
+                # not come back stateless: refused here, before any rank applies anything
                 stateless = sorted({i for g in states[0]["param_groups"] for i in g["params"]}
                                    - set(states[0]["state"]))
                 if stateless:
@@ -509,7 +520,8 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                 # failing there, out of memory, left the others in the scatter)
                 full = _fqn_optimizer_state(optimizer, states[0])
                 placed.update(_local_optimizer_shards(
-                    _own_optimizer_state(model, opt, set(full["state"])), full))
+                    _own_optimizer_state(model, opt, set(full["state"])), full,
+                    dict(model.named_parameters())))
 
             def apply_optimizer(plain):  # (local copies only)
                 with _frozen_counted(model, opt, set(placed["state"])):

@@ -56,10 +56,10 @@ class ModelWrapper(nn.Module):
     (``fsdp_replay.FsdpReplay``, ``tp_replay.TpReplay``), then the
     failure is reported to the loss of every rank (:func:`ringseq.loss.report_step_failure`,
     on the control channel: their loss raises RingPeerError naming this rank). Where the loss
-    is on another group than the ring and the ring peers may be past their ring calls (the
-    first step, whose ring calls are not counted yet), the loss report goes first and says
-    that a ring report waits; the ring peers take it at their loss
-    (``FailureReporter.take_ring_reports``). The exception
+    is on another group than the ring and a ring report was sent (the ring peers may be past
+    their ring calls, as in the first step, whose ring calls are not counted yet), the loss
+    report goes first and says that a ring report waits; the ring peers take it at their
+    loss (``FailureReporter.take_ring_reports``). The exception
     is re-raised on this rank; the ring stays broken until ``booster.reset()`` (or
     ``ringseq.reset_ring``) on every rank.
     """
@@ -366,7 +366,8 @@ class FailureReporter:
         # attention in the first step, whose count is not known yet) -- at the loss, when
         # that is on another group (dp x sp, tp): there the loss report goes first, saying
         # that a ring report waits, and the peers that meet it take the ring report
-        # (SequenceParallelLoss). After it, they would wait for the ring timeout.
+        # (SequenceParallelLoss). Sent after the ring report, as before, it came only once
+        # that had waited out the ring timeout, and every rank waited as long.
         loss_first = to_loss and to_ring and get_ring(self.loss_group) is not self.ring
         try:
             note = None

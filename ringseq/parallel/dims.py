@@ -30,6 +30,8 @@ from typing import List, Optional
 
 import torch
 
+from .._dist import named_for
+
 __all__ = ["ParallelDims", "ZERO_STAGES"]
 
 #: zero_stage values the plugin implements (see ParallelDims.zero_stage)
@@ -145,7 +147,7 @@ class ParallelDims:
             U, R, I = resolve_sp_sizes(self.sp_mode, sp, self.ulysses_size,
                                        self.inner_ring_size)
         except ValueError as exc:  # (the plugin and apply rename "ParallelDims")
-            raise ValueError(f"ParallelDims: {exc}") from None
+            raise named_for("ParallelDims", exc) from None
         object.__setattr__(self, "ulysses_size", U)
         object.__setattr__(self, "inner_ring_size", I)
         object.__setattr__(self, "ring_size", R)

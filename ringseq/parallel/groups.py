@@ -82,13 +82,9 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
     # (NumPy's integers are sizes too)
     sp_size, ulysses_size, inner_ring_size = map(int_if_integer,
                                                  (sp_size, ulysses_size, inner_ring_size))
-    for name, value in (("sp_size", sp_size), ("ulysses_size", ulysses_size),
-                        ("inner_ring_size", inner_ring_size)):
-        # (True == 1 and 4.0 == 4 passed the comparisons below)
-        if not (value is None and name != "sp_size") and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer"
-                             f"{'' if name == 'sp_size' else ' or None'}, got {value!r}")
+    # (True == 1 and 4.0 == 4 passed the comparisons below)
+    _check_sizes("", sp_size=sp_size, ulysses_size=(ulysses_size, None),
+                 inner_ring_size=(inner_ring_size, None))
     if sp_mode == "ring":
         if ulysses_size not in (None, 1):
             raise ValueError(f"sp_mode='ring' has no Ulysses dimension, got ulysses_size="
@@ -398,13 +394,16 @@ def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
     return tables, R, U, I
 
 
-def _check_sizes(ulysses_size, inner_ring_size) -> None:
-    """ValueError (named for make_sp_groups) for sizes that are not positive integers."""
-    for name, v in (("ulysses_size", ulysses_size), ("inner_ring_size", inner_ring_size)):
-        if not (v is None and name == "inner_ring_size") and (
+def _check_sizes(prefix: str, **sizes) -> None:
+    """ValueError (``prefix`` in front: the function's name) for a size that is not a
+    positive integer; ``name=(value, None)`` marks a size that may also be None."""
+    for name, given in sizes.items():
+        optional = isinstance(given, tuple)
+        v = given[0] if optional else given
+        if not (v is None and optional) and (
                 isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"make_sp_groups: {name} must be a positive integer"
-                             f"{' or None' if name == 'inner_ring_size' else ''}, got {v!r}")
+            raise ValueError(f"{prefix}{name} must be a positive integer"
+                             f"{' or None' if optional else ''}, got {v!r}")
 
 
 def _table(ranks: Sequence[int], U: int, ulysses_inner: bool) -> torch.Tensor:
@@ -445,7 +444,9 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
         if group is not None:
             raise ValueError(f"make_sp_groups: group={group!r} was passed but "
                              f"torch.distributed is not initialized")
-        _check_sizes(ulysses_size, inner_ring_size)  # (0 is wrong with or without a group)
+        # (0 is wrong with or without a group)
+        _check_sizes("make_sp_groups: ", ulysses_size=ulysses_size,
+                     inner_ring_size=(inner_ring_size, None))
         if ulysses_size != 1 or inner_ring_size not in (None, 1):
             raise ValueError(f"make_sp_groups: ulysses_size={ulysses_size} / inner_ring_size="
                              f"{inner_ring_size} need torch.distributed (without it the group is "
@@ -471,7 +472,8 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
         if not is_bool(ulysses_inner):
             raise TypeError(f"make_sp_groups: ulysses_inner must be a bool, got "
                             f"{ulysses_inner!r}")
-        _check_sizes(ulysses_size, inner_ring_size)
+        _check_sizes("make_sp_groups: ", ulysses_size=ulysses_size,
+                     inner_ring_size=(inner_ring_size, None))
         if dist.get_rank() not in ranks:
             raise ValueError(f"make_sp_groups: group holds ranks {sorted(ranks)[:8]}"
                              f"{' ...' if n > 8 else ''}, not this rank {dist.get_rank()}: every "

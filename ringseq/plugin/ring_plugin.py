@@ -61,12 +61,13 @@ def _mesh_fields(mesh) -> tuple:
         return (ints_field("mesh shape and ranks", None), ("mesh dim names", 0, _MESH_NAMES),
                 ("mesh tp dim", 0, "bool"), ("mesh device type", 0, kinds))
     table = mesh.mesh
-    names = tuple(mesh.mesh_dim_names or ())
-    names = ",".join(names[:-1] if names[-1:] == ("tp",) else names)
+    dims = tuple(mesh.mesh_dim_names or ())
+    tp = dims[-1:] == ("tp",)
+    names = ",".join(dims[:-1] if tp else dims)
     return (ints_field("mesh shape and ranks", [*table.shape, *table.flatten().tolist()]),
             ("mesh dim names", _MESH_NAMES.index(names) if names in _MESH_NAMES[1:-1]
              else len(_MESH_NAMES) - 1, _MESH_NAMES),
-            ("mesh tp dim", int(tuple(mesh.mesh_dim_names or ())[-1:] == ("tp",)), "bool"),
+            ("mesh tp dim", int(tp), "bool"),
             ("mesh device type", kinds.index(mesh.device_type) if mesh.device_type in kinds
              else len(kinds) - 1, kinds))
 

@@ -124,30 +124,32 @@ def read_full_state_dict(path: str) -> dict:
     return read_file(path)
 
 
+def _cut_like(value: torch.Tensor, like, dtype=None):
+    """This rank's shard of the whole tensor ``value`` laid out as the DTensor ``like`` (its
+    mesh and placements), cut locally (``distribute_tensor(src_data_rank=None)``: no
+    communication, every rank holds the whole tensor)."""
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value.detach().to(like.device, dtype or value.dtype),
+                             like.device_mesh, like.placements, src_data_rank=None)
+
+
 def _local_shards(model, state: dict) -> dict:
     """``state`` (a full state dict) with every entry that is a DTensor in ``model``'s own
-    state dict cut to this rank's shard with the same mesh and placements, locally
-    (``distribute_tensor(src_data_rank=None)``: no communication, every rank holds the whole
-    tensor); other entries as they are."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    state dict cut to this rank's shard (:func:`_cut_like`); other entries as they are."""
+    from torch.distributed.tensor import DTensor
     own = model.state_dict()
-    local = {}
-    for key, value in state.items():
-        mine = own.get(key)
-        if isinstance(mine, DTensor) and torch.is_tensor(value):
-            value = distribute_tensor(value.detach().to(mine.device, mine.dtype),
-                                      mine.device_mesh, mine.placements, src_data_rank=None)
-        local[key] = value
-    return local
+    return {key: _cut_like(value, own[key], own[key].dtype)
+            if isinstance(own.get(key), DTensor) and torch.is_tensor(value) else value
+            for key, value in state.items()}
 
 
 def _local_optimizer_shards(own: dict, full: dict, params: dict) -> dict:
     """``full`` (an optimizer state dict by parameter name, every tensor whole) with each
     entry that is a DTensor in ``own`` (this optimizer's layout) cut to this rank's shard
-    locally, as :func:`_local_shards` does for a model. A parameter ``own`` has no state for
-    (it got no gradient in the steps taken here) is laid out as its parameter in ``params``
-    (name -> parameter): its entries of the parameter's shape are cut alike."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    (:func:`_cut_like`), as :func:`_local_shards` does for a model. A parameter ``own`` has no
+    state for (it got no gradient in the steps taken here) is laid out as its parameter in
+    ``params`` (name -> parameter): its entries of the parameter's shape are cut alike."""
+    from torch.distributed.tensor import DTensor
 
     def layout(name, key, value):
         mine = own["state"].get(name, {}).get(key)
@@ -162,9 +164,7 @@ def _local_optimizer_shards(own: dict, full: dict, params: dict) -> dict:
         state[name] = {}
         for key, value in entries.items():
             like = layout(name, key, value) if torch.is_tensor(value) else None
-            state[name][key] = value if like is None else distribute_tensor(
-                value.detach().to(like.device), like.device_mesh, like.placements,
-                src_data_rank=None)
+            state[name][key] = value if like is None else _cut_like(value, like)
     return {"state": state, "param_groups": full["param_groups"]}
 
 

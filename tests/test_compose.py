@@ -523,6 +523,10 @@ def _errors(ckpt_dir):
         k.replace("*", "0") if "mlp" in k else k: v for k, v in PLAIN_PLAN.items()}
     out["plan_differs"] = error_text(lambda: P(sp_size=2, tp_size=2, tp_plan=rank_plan))
     out["plan_key"] = error_text(lambda: P(sp_size=2, tp_size=2, tp_plan={1: "colwise"}))
+    # styles of one type whose options differ between ranks (before: agreed on by type alone)
+    out["style_options_differ"] = error_text(lambda: P(sp_size=2, tp_size=2, tp_plan={
+        "layers.*.mlp.up": ColwiseParallel(
+            use_local_output=bool(torch.distributed.get_rank() % 2))}))
     stepped = _model("llama")
     opt = _optimizer(stepped)
     stepped(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(
@@ -788,6 +792,7 @@ def test_a_layer_switching_its_attention_fits_a_plan_of_names(run):
                                   "no tensor-parallel block", "'colwise'"]),
     ("styles_uncovered", ["ValueError", "without a style", "'emb'", "'layers.0.norm1'"]),
     ("plan_differs", ["RingMismatchError", "tp_plan (rank 0: "]),
+    ("style_options_differ", ["RingMismatchError", "tp_plan (rank 0: "]),
     ("plan_key", ["TypeError: RingSequenceParallelPlugin: tp_plan keys must be module name "
                   "patterns (str), got [1]"]),
     ("scalar_fsdp", ["ValueError: boost: zero_stage=2", "0-dim", "['temperature']"]),

@@ -72,14 +72,26 @@ def _mesh_fields(mesh) -> tuple:
              else len(kinds) - 1, kinds))
 
 
+def _style_text(style) -> str:
+    """A plan entry as text alike on every rank that gave it alike: a plan name itself, a
+    ParallelStyle by its type and its options (layouts, use_local_output: styles of one type
+    with other options shard other ways). An option whose repr holds an address (a callable,
+    say) counts by its type, since addresses differ between processes."""
+    if isinstance(style, str):
+        return style
+    options = sorted((name, text if " at 0x" not in (text := repr(value))
+                      else type(value).__qualname__)
+                     for name, value in vars(style).items() if not name.startswith("_"))
+    return f"{type(style).__qualname__}{options}"
+
+
 def _plan_code(tp_plan) -> int:
-    """A hash of a tp_plan's patterns and their plan names (a ParallelStyle by its type)."""
+    """A hash of a tp_plan's patterns and their entries (``_style_text``)."""
     if tp_plan is None:
         return 0
     if not isinstance(tp_plan, dict):
         return 1  # (refused at boost, on every rank alike)
-    entries = sorted((str(k), v if isinstance(v, str) else type(v).__name__)
-                     for k, v in tp_plan.items())
+    entries = sorted((str(k), _style_text(v)) for k, v in tp_plan.items())
     return 2 + stable_code(repr(entries))
 
 

@@ -85,11 +85,12 @@ def is_bool(value) -> bool:
 
 
 def check_bool(fn: str, name: str, value) -> bool:
-    """``value`` itself when it is a bool; TypeError naming ``name`` otherwise (0/1, None and
-    tensors are refused: a flag is never inferred from a number)."""
-    if not isinstance(value, bool):
+    """``value`` as a Python bool when it is a bool (NumPy's included, as :func:`is_bool`);
+    TypeError naming ``name`` otherwise (0/1, None and tensors are refused: a flag is never
+    inferred from a number)."""
+    if not is_bool(value):
         raise TypeError(f"{fn}: {name} must be a bool (True or False), got {given(value)}")
-    return value
+    return bool(value)
 
 
 def check_softmax_scale(fn: str, softmax_scale, name: str = "softmax_scale"):

@@ -363,6 +363,10 @@ def test_ring_sdpa_and_module_check_their_arguments():
         ringseq.ring_sdpa(q, k, v, scale="0.5")
     with pytest.raises(TypeError, match="ring_sdpa: is_causal must be a bool"):
         ringseq.ring_sdpa(q, k, v, is_causal=1)
+    # NumPy's bools are bools, as for every other flag (before: refused here)
+    import numpy as np
+    torch.testing.assert_close(ringseq.ring_sdpa(q, k, v, is_causal=np.bool_(True)),
+                               ringseq.ring_sdpa(q, k, v, is_causal=True), rtol=0, atol=0)
     # a non-tensor is the wrong kind, as everywhere else (before: ValueError in these two)
     with pytest.raises(TypeError, match=r"^ring_sdpa: query must be a tensor \(batch, nheads, "
                                         r"seqlen, headdim\), got None \(NoneType\)"):

@@ -193,9 +193,9 @@ def check_args(args, launched, device):
             p.error(str(exc))
     for name in args.layouts:
         try:
-            layout = get_layout(name)
+            layout = get_layout(name, "--layouts")
         except ValueError as exc:
-            p.error(f"--layouts: {exc}")
+            p.error(str(exc))
         if isinstance(layout, PerBatchDocuments):
             p.error(f"--layouts {name}: a layout of packed documents needs each batch's "
                     f"boundaries; time it with --docs (seeded, longtail or lengths) instead")

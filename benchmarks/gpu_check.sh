@@ -21,15 +21,18 @@
 #   bash benchmarks/gpu_check.sh --dry-run        # plan and stage budgets; exit 1 if they do not fit
 #   bash benchmarks/gpu_check.sh --stages build,tests
 #
-# Needs: python with a CUDA build of torch, nvcc of the same CUDA major, pytest, no network.
+# Needs: python with a CUDA build of torch, einops (ringseq imports it) and pytest; nvcc of the
+# same CUDA major; no network. Without einops or pytest the check stops after env (and --dry-run
+# fails), before the build spends its minutes.
 # Optional: ninja (else a serial build), compute-sanitizer, pytest-xdist and pytest-timeout
 # (used when present), flash_attn (then also benchmarked).
 # Environment: OUT (default gpu_check_out), PYTHON (default: python3 or python, whichever
 # imports torch), MAX_JOBS (default 16), GPU_CHECK_BUDGET_S (overall deadline, default 470,
 # at most 480), GPU_CHECK_<STAGE>_S (a stage's limit, e.g. GPU_CHECK_BUILD_S), KEEP_RAW=1
 # (leave OUT/raw/ unpacked as well).
-# Exit: 0 every stage that ran passed, 1 a stage failed or timed out (dry run: the limits do
-# not fit the budget), 2 no CUDA device (nothing run that needs one), 64 bad usage.
+# Exit: 0 every stage that ran passed, 1 a stage failed or timed out or a required module is
+# missing (dry run: that, or the limits do not fit the budget), 2 no CUDA device (nothing run
+# that needs one), 64 bad usage.
 set -u -o pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -167,10 +170,14 @@ for mod in ("flash_attn", "triton", "einops", "pytest", "xdist", "pytest_timeout
     except Exception:
         info[mod] = None
 info["cpus"] = os.cpu_count()
+# import ringseq needs einops, the tests pytest: without them every stage after env fails
+info["missing"] = ",".join(m for m in ("einops", "pytest") if info[m] is None)
 json.dump(info, open(sys.argv[1], "w"), indent=1)
 for k, v in info.items():
     print(f"{k:18} {v}")
-sys.exit(0 if "torch_cuda" in info else 3)
+if info["missing"]:
+    print(f"MISSING: {info['missing']} (pip install {info['missing'].replace(',', ' ')})")
+sys.exit(4 if info["missing"] else 0 if "torch_cuda" in info else 3)
 EOF
 }
 # PYTHON, else python3, else python: the first one that imports torch
@@ -184,19 +191,22 @@ for cand in "${CANDS[@]}"; do
   PY=$cand
   probe_env "$left" "$PY"
   ENV_RC=$?
-  [ $ENV_RC -eq 0 ] && break
+  { [ $ENV_RC -eq 0 ] || [ $ENV_RC -eq 4 ]; } && break  # (4: torch imports, a module is missing)
 done
 echo "== [env] python=$PY out=$OUT budget=${BUDGET}s"
 sed 's/^/   /' "$RAW/env.log"
 jget() { "$PY" -c "import json,sys; v=json.load(open('$ENV_JSON')).get('$1'); print('' if v is None else v)" 2>/dev/null; }
 HAS_GPU=0
-[ $ENV_RC -eq 0 ] && [ "$(jget cuda_available)" = "True" ] && HAS_GPU=1
+# (4: a required module is missing; the GPU is still reported as it is)
+{ [ $ENV_RC -eq 0 ] || [ $ENV_RC -eq 4 ]; } && [ "$(jget cuda_available)" = "True" ] && HAS_GPU=1
+MISSING=$( [ $ENV_RC -eq 4 ] && jget missing )
 GPU_COUNT=$(jget gpu_count); GPU_COUNT=${GPU_COUNT:-0}
 SANITIZER=$(jget compute_sanitizer)
 BACKENDS="ringseq,sdpa_flash,sdpa_cudnn"
 [ -n "$(jget flash_attn)" ] && BACKENDS="$BACKENDS,flash_attn"
 record env "$([ $ENV_RC -eq 0 ] && echo ok || echo "FAIL($ENV_RC)")" "$(( $(date +%s) - ENV_T0 ))" \
-  "$(jget gpu) torch $(jget torch), nvcc $(jget nvcc)"
+  "$(jget gpu) torch $(jget torch), nvcc $(jget nvcc)${MISSING:+; MISSING: $MISSING}"
+[ -n "$MISSING" ] && FAILED=1
 
 # torch's CUDA headers (ATen/cuda/CUDAContext.h) include cusparse.h/cublas.h. A minimal CUDA
 # toolkit lacks them, while the pip wheels torch depends on ship them (nvidia/*/include):
@@ -278,6 +288,10 @@ if [ $DRY -eq 1 ]; then
   done
   [ -n "$SANITIZER" ] || echo "   note: compute-sanitizer not found here: memcheck/racecheck would be skipped"
   [ $HAS_GPU -eq 1 ] || echo "   note: no CUDA device visible here: a real run would stop after env"
+  if [ -n "$MISSING" ]; then
+    echo "gpu_check: FAIL: $PY cannot import $MISSING: every stage after env would fail (pip install ${MISSING//,/ })"
+    exit 1
+  fi
   echo "PLAN total_limits=$total reserve=$RESERVE budget=$BUDGET cap=$HARD_CAP"
   if [ $(( total + RESERVE )) -gt "$BUDGET" ] || [ "$BUDGET" -gt $HARD_CAP ]; then
     echo "gpu_check: FAIL: stage limits ($total s) + reserve ($RESERVE s) must fit the budget ($BUDGET s) and the budget the ${HARD_CAP}s cap"
@@ -292,6 +306,7 @@ fi
 
 # ---------------------------------------------------------------- stages
 SAN_UNSUPPORTED=0
+BUILD_FAILED=0
 for s in "${STAGE_NAMES[@]}"; do
   [ "$s" = env ] && continue
   wanted "$s" || continue
@@ -299,10 +314,18 @@ for s in "${STAGE_NAMES[@]}"; do
     record "$s" skipped 0 "no CUDA device visible"
     continue
   fi
+  if [ -n "$MISSING" ]; then
+    record "$s" skipped 0 "$PY cannot import $MISSING"
+    continue
+  fi
+  if [ $BUILD_FAILED -eq 1 ]; then  # nothing after a failed build can run: listed as such
+    record "$s" skipped 0 "the build failed"
+    continue
+  fi
   case $s in
     build)
       run_stage build "extension built with CUDA kernels" "${BUILD_CMD[@]}"
-      if [ "$STAGE_RC" -ne 0 ]; then STAGES="env build"; fi ;;  # nothing after this can run
+      [ "$STAGE_RC" -ne 0 ] && BUILD_FAILED=1 ;;
     tests) run_stage tests "" "${TEST_CMD[@]}" ;;
     memcheck|racecheck)
       if [ -z "$SANITIZER" ]; then

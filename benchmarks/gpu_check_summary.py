@@ -134,8 +134,9 @@ def ring_table(rows):
     return lines
 
 
-def results_md(env, tests, san, bench, ring, ring_args, masks=()):
-    """A benchmarks/RESULTS.md section with what this run measured."""
+def results_md(env, tests, san, bench, ring, ring_args, masks=(), stages=()):
+    """A benchmarks/RESULTS.md section with what this run measured (``stages``: read_stages'
+    rows, which say why a stage that wrote nothing did not run)."""
     gpu = env.get("gpu", "no GPU")
     md = [f"## {datetime.date.today().isoformat()} — CUDA kernels on {gpu} (`benchmarks/gpu_check.sh`)", "",
           f"{gpu} ({env.get('sms', '?')} SMs), torch {env.get('torch')}, nvcc {env.get('nvcc')}, "
@@ -144,7 +145,10 @@ def results_md(env, tests, san, bench, ring, ring_args, masks=()):
         md.append(f"GPU tests: {tests['passed']} passed, {tests['failures']} failed, {tests['errors']} errors, "
                   f"{tests['skipped']} skipped.")
     else:
-        md.append("GPU tests: no junit report (the stage did not finish).")
+        row = next((s for s in stages if s["stage"] == "tests"), None)
+        why = ("the stage did not run" if row is None else
+               f"tests stage: {row['status']}, {row['note']}")
+        md.append(f"GPU tests: no junit report ({why}).")
     for tool in ("memcheck", "racecheck"):
         md.append(f"compute-sanitizer {tool} (benchmarks/sanitize_shape.py --quick): {san.get(tool) or 'no summary line'}.")
     if bench:
@@ -221,7 +225,7 @@ def main(argv=None):
                    "tests": tests, "sanitizers": san, "bench": bench, "bench_masks": masks, "ring": ring},
                   f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(results_md(env, tests, san, bench, ring, args.ring_args, masks))
+        f.write(results_md(env, tests, san, bench, ring, args.ring_args, masks, stages))
     print(text, end="")
     return 0
 

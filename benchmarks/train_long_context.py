@@ -130,9 +130,9 @@ def parse_args(argv=None):
     if args.compose and args.checkpointing:
         p.error("--checkpointing is transformers' recompute without the plugin; use --ac")
     try:
-        layout = get_layout(args.layout)
+        layout = get_layout(args.layout, "--layout")
     except ValueError as exc:
-        p.error(f"--layout: {exc}")
+        p.error(str(exc))
     if layout.name.startswith("documents"):  # (its boundaries come from packed data)
         p.error(f"--layout {args.layout}: the tokens here are one unpacked sequence; use "
                 f"zigzag, contiguous or stripe")

@@ -11,7 +11,7 @@ from typing import Mapping, Optional, Tuple
 import torch
 
 from ._args import as_int, check_cu_seqlens, given
-from ._dist import group_info
+from ._dist import group_info, named_for
 from .layouts import (PerBatchDocuments, document_positions, get_layout, positions_local,
                       shard_local)
 
@@ -128,12 +128,9 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         raise ValueError(f"shard_batch: batch[{key!r}] holds no tokens (shape "
                          f"{tuple(batch[key].shape)}); a sequence needs at least one")
     lead = key  # the tensor whose (b, s) the others must have
-    try:
-        lay = get_layout(layout)  # (a hybrid mode's layout wraps the documents layout)
-        inner = getattr(lay, "base", lay)
-        per_batch = isinstance(inner, PerBatchDocuments)
-    except ValueError as exc:
-        raise ValueError(f"shard_batch: {exc}") from None
+    lay = get_layout(layout, "shard_batch")
+    inner = getattr(lay, "base", lay)  # (a hybrid mode's layout wraps the documents layout)
+    per_batch = isinstance(inner, PerBatchDocuments)
     layout_docs = getattr(inner, "documents", None)
     if layout_docs is None:
         docs = _packed_documents(batch, b, s, per_batch)
@@ -148,10 +145,10 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
                 raise ValueError(f"shard_batch: {key} differs from the document boundaries "
                                  f"the layout {lay!r} was built with")
     try:
-        lay = get_layout(layout).bind(docs)  # "documents": this batch's Documents layout
+        lay = lay.bind(docs)  # "documents": this batch's Documents layout
         lay.check_seqlen(s, world_size)
     except ValueError as exc:
-        raise ValueError(f"shard_batch: {exc}") from None
+        raise named_for("shard_batch", exc) from None
 
     def check_len(name, t, rows=(b,)):
         # (b, s), (b, s, hidden) for inputs_embeds, and (1, s) too for position_ids: a tensor

@@ -85,10 +85,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     """
     world_size, rank = group_info(group, "unshard")
     if world_size == 1:
-        try:
-            lay = get_layout(layout)
-        except ValueError as exc:
-            raise named_for("unshard", exc) from exc
+        lay = get_layout(layout, "unshard")
         dim = seq_dim("unshard", x_local, dim)
         try:
             reorder = not lay.identity_on_one_rank(x_local.shape[dim])  # a layout of the user's
@@ -99,7 +96,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     # would otherwise wait in.
     problem, lay, code = None, None, -1
     try:
-        lay = get_layout(layout)
+        lay = get_layout(layout, "unshard")
         code = lay.code
         dim = seq_dim("unshard", x_local, dim)
         lay.check_local_seqlen(x_local.shape[dim], world_size)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ._args import check_alibi_slopes, check_bool, check_softmax_scale, parse_window
-from ._dist import RingPeerError, RingTimeoutError, group_info
+from ._dist import RingPeerError, RingTimeoutError, group_info, named_for
 from ._hash import ints_field
 from .engine.integrity import FWD, operation_field
 from .engine.ring import get_ring
@@ -666,11 +666,11 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     softmax_scale, window, softcap = _check_options(
         fn, softmax_scale, causal, rotary_interleaved, return_softmax_lse, window_size, softcap,
         alibi_slopes, num_splits)
+    lay = get_layout(layout, fn)
     try:
-        lay = get_layout(layout)
         multiple = lay.multiple(world)
     except ValueError as exc:
-        raise ValueError(f"{fn}: layout: {exc}") from None
+        raise named_for(fn, exc) from None
     if not isinstance(prefill_len, numbers.Integral) or isinstance(prefill_len, bool) \
             or prefill_len < 0 or (prefill_len and prefill_len % multiple):
         raise ValueError(f"{fn}: prefill_len must be 0 or a positive multiple of "

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ._args import int_if_integer, is_bool
+from ._dist import named_for
 from .layouts import PerBatchDocuments, get_layout
 from .parallel.dims import ZERO_STAGES, ParallelDims, renamed_dims_error  # the plugin's rules
 
@@ -920,11 +921,11 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
     # the data layout's multiple on the ring dim and the split of a shard over tp (the
     # layout changes no size: every layout gives each rank s / sp tokens); the name is checked
     # on every mesh, also those without a ring (fitting_meshes' first check is one)
+    lay = get_layout(layout, "estimate_memory")
     try:
-        lay = get_layout(layout)
         multiple = dims.seq_multiple(layout)
     except ValueError as exc:
-        raise ValueError(f"estimate_memory: {exc}") from None
+        raise named_for("estimate_memory", exc) from None
     if tp_size > 1 and isinstance(lay, PerBatchDocuments):  # as the plugin refuses it
         raise ValueError(f"estimate_memory: layout {lay.name!r} (packed batches) is not "
                          f"supported with tp_size > 1 by the plugin, got tp_size={tp_size}")

@@ -318,16 +318,10 @@ def named_layout(fn: str, layout, takes_documents: bool = True):
     ``takes_documents=False``: ``fn`` has no ``cu_seqlens`` argument, so a per-batch documents
     layout (``"documents"``, ...), which needs each batch's boundaries, is refused here rather
     than at every call with advice ``fn`` cannot follow."""
-    from .layouts import Layout, get_layout
+    from .layouts import get_layout
     from .layouts.base import check_hashable
     from .layouts.documents import PerBatchDocuments
-    if not isinstance(layout, (str, Layout)):  # the wrong kind (docs/design.md)
-        raise TypeError(f"{fn}: layout must be a layout name or a ringseq.layouts.Layout, got "
-                        f"{layout!r} ({type(layout).__name__})")
-    try:
-        lay = get_layout(layout)
-    except ValueError as exc:
-        raise ValueError(f"{fn}: {exc}") from None
+    lay = get_layout(layout, fn)
     check_hashable(fn, lay)
     if not takes_documents and isinstance(lay, PerBatchDocuments):
         raise ValueError(

@@ -9,8 +9,10 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -23,6 +25,8 @@ needs_bash = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
 
 
 def dry_run(tmp_path, **env):
+    # (this interpreter, which has what the check needs, unless the test names another)
+    env = {"PYTHON": sys.executable, **env}
     proc = subprocess.run(["bash", SCRIPT, "--dry-run"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OUT": str(tmp_path / "out"), **env})
     plan = {}
@@ -124,4 +128,33 @@ def test_summary_reads_every_stage_output(tmp_path, capsys):
 def test_summary_copes_with_nothing(tmp_path):
     (tmp_path / "raw").mkdir()
     assert load_summary().main([str(tmp_path), "--has-gpu", "0"]) == 0
-    assert "no junit report" in (tmp_path / "results.md").read_text()
+    assert "no junit report (the stage did not run)" in (tmp_path / "results.md").read_text()
+
+
+def test_summary_says_why_the_tests_did_not_run(tmp_path):
+    # a failed build lists every later stage as skipped (before: they were left out)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "stages.txt").write_text("env|ok|2|25|H200\nbuild|FAIL(1)|80.2|115|see raw/build.log\n"
+                                    "tests|skipped|0|95|the build failed\n")
+    assert load_summary().main([str(tmp_path), "--total", "90"]) == 0
+    assert ("GPU tests: no junit report (tests stage: skipped, the build failed)."
+            in (tmp_path / "results.md").read_text())
+    assert re.search(r"^tests\s+skipped\s+0\.0\s+95  the build failed$",
+                     (tmp_path / "summary.txt").read_text(), re.M)
+
+
+@needs_bash
+def test_a_python_without_einops_stops_the_check_after_env(tmp_path):
+    # import ringseq needs einops: without it the build's import check failed after minutes
+    # of compiling, and every later stage was lost; now env fails and names it
+    (tmp_path / "blocker").mkdir()
+    (tmp_path / "blocker" / "einops.py").write_text("raise ImportError('blocked for the test')\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/bash\nPYTHONPATH={tmp_path / 'blocker'}:$PYTHONPATH "
+                      f"exec {shlex.quote(sys.executable)} \"$@\"\n")
+    python.chmod(0o755)
+    proc, _, _ = dry_run(tmp_path, PYTHON=str(python))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "MISSING: einops (pip install einops)" in proc.stdout
+    assert "cannot import einops: every stage after env would fail" in proc.stdout

@@ -795,7 +795,7 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     that work) -- all before any communication.
     """
     try:  # (checked here, not at the first forward; the errors name apply)
-        lay = get_layout(layout)
+        lay = get_layout(layout, "apply")
         if backend is not None:
             get_backend(backend, fn="apply")
         if sp_mode is not None:

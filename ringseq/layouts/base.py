@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .._args import as_int
+from .._args import as_int, given
 from .._hash import stable_code
 from ..masks import AttnMask, Run, span_tasks
 
@@ -412,14 +412,21 @@ def register_layout(layout: Layout) -> Layout:
     return layout
 
 
-def get_layout(layout: Union[str, Layout]) -> Layout:
-    """Returns a :class:`Layout` for a name or passes a Layout through; ValueError otherwise."""
+def get_layout(layout: Union[str, Layout], fn: str = "get_layout") -> Layout:
+    """Returns the registered :class:`Layout` of a name, or passes a Layout through.
+
+    Raises TypeError for anything else than a str or a Layout (a value of the wrong kind),
+    ValueError for a name no layout is registered under; both name ``fn`` (the public function
+    the user called: callers pass theirs)."""
     if isinstance(layout, Layout):
         return layout
-    if isinstance(layout, str) and layout in LAYOUTS:
-        return LAYOUTS[layout]
-    raise ValueError(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)} or a "
-                     f"ringseq.layouts.Layout instance")
+    if not isinstance(layout, str):
+        raise TypeError(f"{fn}: layout must be a layout name or a ringseq.layouts.Layout, got "
+                        f"{given(layout)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {sorted(LAYOUTS)} "
+                         f"or a ringseq.layouts.Layout instance")
+    return LAYOUTS[layout]
 
 
 def layout_name_of_code(code: int) -> str:

@@ -35,7 +35,7 @@ def positions_local(seqlen: int, layout, world_size: int, rank: int,
     """Like :func:`positions` for an explicit ``(world_size, rank)`` (no process group);
     ``fn`` names the caller in errors."""
     try:
-        return get_layout(layout).positions(seqlen, world_size, rank).to(device)
+        return get_layout(layout, fn).positions(seqlen, world_size, rank).to(device)
     except (TypeError, ValueError) as exc:
         raise named_for(fn, exc) from exc
 
@@ -46,7 +46,7 @@ def shard_local(x: torch.Tensor, layout, world_size: int, rank: int, dim: int = 
     names the caller in errors."""
     dim = seq_dim(fn, x, dim)
     try:
-        lay = get_layout(layout)
+        lay = get_layout(layout, fn)
         check_rank(rank, world_size)
         lay.check_seqlen(x.shape[dim], world_size)
         if world_size == 1 and lay.identity_on_one_rank(x.shape[dim]):
@@ -88,10 +88,7 @@ def unshard_local(parts, layout, dim: int = 1) -> torch.Tensor:
     """Reassembles the full tensor from every rank's shard (list in rank order), no comm.
     ValueError unless the parts are tensors of one shape and dtype whose length along ``dim``
     the layout can have as a shard."""
-    try:
-        lay = get_layout(layout)
-    except ValueError as exc:
-        raise named_for("unshard_local", exc) from exc
+    lay = get_layout(layout, "unshard_local")
     parts = list(parts)
     world_size = len(parts)
     if world_size == 0 or not all(torch.is_tensor(p) for p in parts):

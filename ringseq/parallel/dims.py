@@ -213,7 +213,7 @@ class ParallelDims:
         over sp (``"documents"``: sp, packing pads to it), and sp x tp for the split of every
         sp shard over tp. ``layout``: a name or a ``ringseq.layouts.Layout``."""
         from .sp_layout import SequenceParallelLayout, ring_layout
-        lay = ring_layout(layout, self.ring_size)
+        lay = ring_layout(layout, self.ring_size, "seq_multiple")
         if self.ulysses_size == 1:
             m = lay.multiple(self.sp_size)
         else:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .._args import as_int, int_if_integer, is_bool
-from .._dist import agree_on_fields, group_info, is_initialized, named_for, with_message
+from .._dist import agree_on_fields, group_info, is_initialized, with_message
 from .._hash import stable_hash_ints
 from ..data import shard_batch
 from ..layouts import Layout, get_layout, positions_local, shard_local
@@ -189,10 +189,7 @@ class SequenceParallelGroups:
         """The layout of the tokens over :attr:`group` for ring layout ``layout`` (the layout
         itself when U = 1, else a :class:`SequenceParallelLayout`; with R = 1 the ring layout
         does not apply and the split is contiguous). ValueError for an unknown layout."""
-        try:
-            lay = ring_layout(layout, self.ring_size)
-        except (TypeError, ValueError) as exc:
-            raise named_for("data_layout", exc) from None
+        lay = ring_layout(layout, self.ring_size, "data_layout")
         if self.ulysses_size == 1:
             return lay
         key = (id(lay), lay.name)

@@ -13,10 +13,11 @@ from ..layouts import Layout, get_layout
 __all__ = ["SequenceParallelLayout", "ring_layout"]
 
 
-def ring_layout(layout, ring_size: int) -> Layout:
+def ring_layout(layout, ring_size: int, fn: str = "ring_layout") -> Layout:
     """The layout of a ring of ``ring_size`` ranks for ``layout`` (a name or a Layout, checked
-    even where it does not apply): contiguous for a ring of one."""
-    lay = get_layout(layout)
+    even where it does not apply, by :func:`get_layout` named for ``fn``): contiguous for a
+    ring of one."""
+    lay = get_layout(layout, fn)
     return get_layout("contiguous") if ring_size == 1 else lay
 
 

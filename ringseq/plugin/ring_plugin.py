@@ -306,7 +306,7 @@ class RingSequenceParallelPlugin(Plugin):
             if ulysses_inner is not None and not is_bool(ulysses_inner):
                 # ("no" is truthy: it would have put the Ulysses groups inside)
                 raise TypeError(f"ulysses_inner must be a bool or None, got {ulysses_inner!r}")
-            self.layout = get_layout(layout)
+            self.layout = get_layout(layout, "RingSequenceParallelPlugin")
             check_precision_name(precision)
             # every size checked at once, on every rank alike, before any process group exists
             # (a user's hybrid mesh carries the Ulysses degree in its "sp_u" dim)

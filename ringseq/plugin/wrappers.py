@@ -17,6 +17,7 @@ from ..engine.integrity import call_tag
 from ..engine.ring import get_ring
 from ..loss import RING_REPORT_WAITS, report_step_failure, sharded_cross_entropy
 from .dataloader import INPUTS_EMBEDS_UNDER_TP
+from .grad_norm import local_norm_share, total_norm
 
 __all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads",
            "SequenceParallelLoss", "StepTag"]
@@ -555,29 +556,53 @@ class OptimizerWrapper:
         ``max_norm`` and returns the norm before clipping. Call it between ``backward`` and
         ``step``. Under fp16 the gradients are unscaled first (``step`` then does not unscale
         again), so ``max_norm`` is in the units of the true gradients; an inf/NaN norm there
-        still makes ``step`` skip. After DDP every rank holds the same summed gradients, so
-        every rank computes the same norm and clips alike; with sharded gradients (FSDP,
-        tensor parallelism) the norm is computed over all shards (DTensor), the same on every
-        rank.
+        still makes ``step`` skip. The norm is over every gradient of the model, sharded ones
+        (FSDP, tensor parallelism) over all their shards: the same float on every rank, which
+        clips alike (``ringseq.plugin.grad_norm``: each rank's share computed locally, then
+        one all-reduce). Returns it as a scalar tensor of the first gradient's dtype.
 
         Raises ValueError (the same on every rank: the arguments are the caller's) for a
         ``max_norm`` that is not a finite number >= 0 (a negative one reversed the gradients,
-        NaN made every parameter NaN) or a ``norm_type`` that is not > 0 (inf included)."""
+        NaN made every parameter NaN) or a ``norm_type`` that is not > 0 (inf included).
+        A rank that fails computing its share (out of memory, say) raises its error, and the
+        others :class:`ringseq.RingPeerError` naming it, before any gradient is clipped (the
+        ranks agree on the control channel before the all-reduce, which they would otherwise
+        wait in). ``error_if_nonfinite``: RuntimeError on every rank for an inf / NaN norm."""
         for name, value, ok, want in (
                 ("max_norm", max_norm, lambda x: 0.0 <= x < math.inf, "a finite number >= 0"),
                 ("norm_type", norm_type, lambda x: x > 0.0, "a number > 0 (inf: max norm)")):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(
                     float(value)):
                 raise ValueError(f"clip_grad_by_norm: {name} must be {want}, got {value!r}")
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optim)
-        params = [p for group in self.optim.param_groups for p in group["params"]
-                  if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
-                                              error_if_nonfinite=error_if_nonfinite)
-        # sharded (FSDP / tensor-parallel) gradients: the norm is a replicated DTensor over
-        # all of them; hand back the plain total
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm_type, grads, failure = float(norm_type), [], None
+        try:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optim)
+            grads = [p.grad for group in self.optim.param_groups for p in group["params"]
+                     if p.grad is not None]
+            share = local_norm_share(grads, norm_type)
+        except (Exception, KeyboardInterrupt) as exc:  # re-raised by the agreement
+            failure = exc
+        if dist.is_initialized():
+            get_ring(None).agree(failure is None, f"{type(failure).__name__}: {failure}",
+                                 error=failure, about="clip_grad_by_norm")
+        elif failure is not None:
+            raise failure
+        total = total_norm(share, norm_type)
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"clip_grad_by_norm: the total norm of order {norm_type} of the "
+                               f"gradients is {total}, so they cannot be clipped (pass "
+                               f"error_if_nonfinite=False to clip anyway)")
+        # (torch's rule: the factor max_norm / (norm + 1e-6), at most 1)
+        factor = min(max_norm / (total + 1e-6), 1.0)
+        if factor < 1.0:
+            with torch.no_grad():
+                for grad in grads:
+                    grad.mul_(factor)  # (a DTensor scales its local shard)
+        first = grads[0].to_local() if grads and hasattr(grads[0], "to_local") else (
+            grads[0] if grads else None)
+        return torch.tensor(total, dtype=torch.float32 if first is None else first.dtype,
+                            device=None if first is None else first.device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)

@@ -1,0 +1,72 @@
+"""The total norm of gradients spread over the ranks, for ``OptimizerWrapper.clip_grad_by_norm``.
+
+Computed in two parts so that a rank failing on its own part cannot leave the others waiting:
+each rank first computes its share of the norm locally (no communication), the ranks agree
+that every one of them got there, and only then one all-reduce of a single float64 adds the
+shares up.
+
+A gradient is replicated (DDP: every rank holds it whole) or a DTensor whose mesh splits it
+into ``n`` distinct shards (the product of the sizes of the mesh dims it is sharded on); ranks
+holding the same shard hold the same values (FSDP over the other dims of the plugin's mesh,
+the tp-replica sync of the plugin). Summed over all ``W`` ranks of the default group, each
+shard is counted ``W / n`` times, so each rank contributes ``n / W`` of its local
+``sum |g|^p``; for ``p = inf`` the shares are maxima, and copies do not matter.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .._dist import _collective_device
+
+__all__ = ["local_norm_share", "total_norm"]
+
+
+def _local_values(grad: torch.Tensor):
+    """``(local tensor, number of distinct shards of the whole gradient)``."""
+    from torch.distributed.tensor import DTensor, Replicate
+    if not isinstance(grad, DTensor):
+        return grad, 1
+    if any(p.is_partial() for p in grad.placements):
+        # (partial sums cannot be normed locally; not seen in the plugin's layouts, where
+        # every gradient has its parameter's placements: reduced here, on every rank alike)
+        grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p
+                                             for p in grad.placements])
+    # (every placement left splits the tensor: Shard, and FSDP2's _StridedShard under tensor
+    # parallelism, which is not a Shard)
+    shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements)
+                       if not p.is_replicate())
+    return grad.to_local(), shards
+
+
+def local_norm_share(grads, norm_type: float) -> torch.Tensor:
+    """This rank's share of the total ``norm_type`` norm of ``grads`` (see the module doc): a
+    float64 scalar, ``sum |g|^p`` scaled by ``n / W`` (or the local maximum for inf). No
+    communication (but for partial DTensor gradients)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    inf = math.isinf(norm_type)
+    share = None
+    for grad in grads:
+        local, shards = _local_values(grad)
+        if local.numel() == 0:
+            continue
+        # (bf16 / fp16 gradients normed in float32: their own precision loses digits)
+        norm = torch.linalg.vector_norm(local, norm_type, dtype=None if local.dtype in (
+            torch.float32, torch.float64) else torch.float32).to(torch.float64)
+        part = norm if inf else norm ** norm_type * (shards / world)
+        share = part if share is None else (torch.maximum(share, part.to(share.device)) if inf
+                                            else share + part.to(share.device))
+    return torch.zeros((), dtype=torch.float64) if share is None else share
+
+
+def total_norm(share: torch.Tensor, norm_type: float) -> float:
+    """The total norm from every rank's ``share`` (one all-reduce on the default group, when
+    there is one): the same value on every rank."""
+    inf = math.isinf(norm_type)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        share = share.to(_collective_device(None))
+        dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    value = float(share)
+    return value if inf else value ** (1.0 / norm_type)

@@ -1,0 +1,133 @@
+"""``OptimizerWrapper.clip_grad_by_norm`` on 4 spawned gloo ranks (CPU), for gradients that are
+replicated (DDP), sharded by FSDP2, split by tensor parallelism and both (a 2-D mesh):
+
+* the norm it returns is the norm of the whole model's gradients, for the orders 1, 2 and inf,
+  against the gathered gradients in float64, the same on every rank; the gradients it leaves
+  have the norm ``max_norm``;
+* a rank that fails computing its part (out of memory, say) raises its own error and the others
+  RingPeerError naming it, within seconds, with no gradient clipped anywhere; the next step
+  clips on every rank (before: under FSDP or tensor parallelism the others waited in the
+  norm's all-reduce, and their next collectives paired with the failed rank's).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from utils import error_text
+
+TIMEOUT = 20  # the ring timeout of these ranks: an agreement that waits for it fails the test
+FAST = 10     # seconds: every error must arrive within this
+MESHES = {"ddp_sp2": dict(sp_size=2), "zero2_sp2": dict(sp_size=2, zero_stage=2),
+          "tp2": dict(sp_size=1, tp_size=2), "zero3_sp2_tp2": dict(sp_size=2, tp_size=2,
+                                                                   zero_stage=3)}
+
+
+def _whole(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(torch.float64)
+
+
+def _worker():
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import ringseq
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    rank, out = dist.get_rank(), {}
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for name, options in MESHES.items():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+        plugin = RingSequenceParallelPlugin(**options)
+        booster = Booster(plugin=plugin)
+        model, opt, criterion, _, _ = booster.boost(model, torch.optim.SGD(model.parameters(),
+                                                                           lr=0.1))
+        loader = plugin.prepare_dataloader([{"input_ids": i, "labels": i} for i in ids],
+                                           batch_size=1)
+        batch = next(iter(loader))
+
+        def backward():
+            booster.backward(criterion(model(**batch), batch), opt)
+
+        def grads():
+            return [_whole(p.grad) for g in opt.param_groups for p in g["params"]]
+
+        res = out[name] = {}
+        backward()
+        before = grads()
+        for order in (1.0, 2.0, math.inf):
+            want = float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g, order) for g in before]), order))
+            got = float(opt.clip_grad_by_norm(1e9, norm_type=order))  # (no clipping)
+            res[f"norm {order}"] = (got, want)
+        res["unchanged by a norm below max_norm"] = all(torch.equal(a, b)
+                                                      for a, b in zip(before, grads()))
+        norm = float(opt.clip_grad_by_norm(0.5))
+        after = grads()
+        res["clipped"] = (norm, float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in after]))))
+        opt.zero_grad()
+
+        # one rank fails computing its part of the norm
+        backward()
+        before = grads()
+        vector_norm = torch.linalg.vector_norm
+
+        def oom(*args, **kwargs):
+            raise MemoryError("injected: out of memory computing a gradient's norm")
+        if rank == 1:
+            torch.linalg.vector_norm = oom
+        start = time.monotonic()
+        try:
+            res["failure"] = error_text(lambda: opt.clip_grad_by_norm(0.5),
+                                        catch=(Exception, MemoryError))
+        finally:
+            torch.linalg.vector_norm = vector_norm
+        res["seconds"] = time.monotonic() - start
+        res["nothing clipped"] = all(torch.equal(a, b) for a, b in zip(before, grads()))
+        opt.zero_grad()
+        booster.reset()
+        backward()
+        res["next step"] = error_text(lambda: (opt.clip_grad_by_norm(0.5), opt.step()))
+        opt.zero_grad()
+    ringseq.reset_ring()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_worker, 4, timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_the_norm_is_the_whole_models_on_every_rank(ranks, mesh):
+    for r in ranks:
+        res = r[mesh]
+        for order in ("1.0", "2.0", "inf"):
+            got, want = res[f"norm {order}"]
+            # float32 gradients summed in another order: a few float32 ulps of the total
+            assert got == pytest.approx(want, rel=1e-5), (mesh, order, got, want)
+            assert got == ranks[0][mesh][f"norm {order}"][0]  # the same float everywhere
+        assert res["unchanged by a norm below max_norm"]
+        norm, left = res["clipped"]
+        assert norm > 0.5 and left == pytest.approx(0.5, rel=1e-5), (mesh, norm, left)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_a_rank_failing_its_part_raises_on_every_rank(ranks, mesh):
+    for rank, r in enumerate(ranks):
+        res = r[mesh]
+        if rank == 1:
+            assert res["failure"].startswith("MemoryError: injected"), res["failure"]
+        else:
+            assert res["failure"].startswith("RingPeerError"), res["failure"]
+            assert "[1]" in res["failure"] and "MemoryError: injected" in res["failure"], \
+                res["failure"]
+        assert res["seconds"] < FAST, (mesh, rank, res["seconds"])
+        assert res["nothing clipped"]
+        assert res["next step"] == "no error", res["next step"]

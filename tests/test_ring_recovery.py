@@ -672,14 +672,15 @@ def _failure_steps(booster, model, opt, crit, batch, failing, evaluation_batch=N
     gradients and resets the plugin, as every rank does to skip a failed step. Cases: "no_sync
     backward" (two micro-batches, the first inside no_sync), "evaluation forward" (a forward
     under no_grad of ``evaluation_batch``, default ``batch``, between the loss and the
-    backward), "reference forward" (one under no_grad before the loss), and those
+    backward), "reference forward" (one under no_grad before the loss), "evaluation only" (a
+    forward under no_grad whose logits are read, no loss: an evaluation loop), and those
     ``more_cases(step)`` returns; any other name runs the plain step.
     ``failing["in no_grad forward"]`` is True during those no_grad forwards."""
     def no_grad_forward(inputs):
         failing["in no_grad forward"] = True
         try:
             with torch.no_grad():
-                model(**inputs)
+                return model(**inputs)
         finally:
             failing["in no_grad forward"] = False
 
@@ -705,6 +706,7 @@ def _failure_steps(booster, model, opt, crit, batch, failing, evaluation_batch=N
     cases = {"no_sync backward": accumulating_step,
              "evaluation forward": lambda: step(evaluate=True),
              "reference forward": lambda: step(reference=True),
+             "evaluation only": lambda: float(no_grad_forward(batch).logits.sum()),
              **(more_cases(step) if more_cases is not None else {})}
 
     def failing_step(name):
@@ -800,9 +802,15 @@ def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(plugin_kwargs,
             assert max_err(got, ref) < 1e-10
 
 
-_NO_GRAD_CASES = ("evaluation forward", "reference forward")  # in a forward under no_grad
+# in a forward under no_grad
+_NO_GRAD_CASES = ("evaluation forward", "reference forward", "evaluation only")
 _FSDP_CASES = ("layer 1 forward", "layer 1 backward", "layer 1 reduce-scatter",
-               "no_sync backward", "evaluation forward", "reference forward")
+               "no_sync backward", "evaluation forward", "reference forward", "evaluation only")
+# where the other ranks meet the failure report: their loss, or the end of their forward under
+# no_grad (a sharded model's, which ends with an agreement; before, an evaluation's tp peers
+# returned logits computed from the failed rank's replayed zeros)
+_AT_LOSS_OR_FORWARD_END = ("layer 1 forward", "reference forward", "evaluation forward",
+                           "evaluation only")
 
 
 def _worker_forward_failure_after_the_last_ring_call(plugin_kwargs, peer_loss_fails,
@@ -897,8 +905,9 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding, unused):
     layer, which this rank has not reached, while the ring report waits for their next ring
     call); inside FSDP's post-backward of layer 1 before it sends the reduce-scatter (out of
     memory allocating it); in the backward of a micro-batch under no_sync; in a forward under
-    no_grad between a step's loss and its backward (the others go on to the backward), and
-    between its forward and its loss (a reference model's, say: they go on to the loss).
+    no_grad between a step's loss and its backward, between its forward and its loss (a
+    reference model's, say), and alone (an evaluation loop reading the logits): a sharded
+    model's forward under no_grad ends with an agreement, where the others raise.
     Every rank must raise within seconds: rank 1 its own error, the others RingBrokenError
     (in a ring call) or RingPeerError naming the ranks that did not finish. Before, the other
     ranks waited in FSDP's all-gather or reduce-scatter until the process group's timeout.
@@ -917,7 +926,7 @@ def _worker_fsdp_failures(plugin_kwargs, first, freeze_embedding, unused):
               "layer 1 forward": (layer1, "forward"), "layer 1 backward": (layer1, "backward"),
               "no_sync backward": (layer1, "backward"),
               "evaluation forward": (layer1, "forward"),
-              "reference forward": (layer1, "forward")}
+              "reference forward": (layer1, "forward"), "evaluation only": (layer1, "forward")}
     for name, (module, phase) in points.items():
         def fail_on_rank_1(*_, name=name):
             if rank == 1 and failing["at"] == name and (
@@ -957,7 +966,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs, fi
                 _is_error(r[case], ("MemoryError",), "injected")
             elif rank == 0 and (case != "at first" or first != "embedding backward"):
                 _is_error(r[case], ("RingBrokenError",), "rank 1 failed")  # in a ring call
-            elif case in ("layer 1 forward", "reference forward"):  # at the loss
+            elif case in _AT_LOSS_OR_FORWARD_END:
                 _is_error(r[case], ("RingPeerError",), "failed where this rank did not",
                           "MemoryError")
             else:
@@ -1079,8 +1088,8 @@ def test_optimizer_step_failure_on_one_rank_raises_everywhere(zero_stage, tmp_pa
 
 
 _TP_CASES = ("layer 1 forward", "layer 1 backward", "embedding backward", "gradient sync",
-             "no_sync backward", "evaluation forward", "reference forward", "gradient probe",
-             "after a double backward", "layer 1 reduce-scatter")
+             "no_sync backward", "evaluation forward", "reference forward", "evaluation only",
+             "gradient probe", "after a double backward", "layer 1 reduce-scatter")
 
 
 def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing, unused):
@@ -1130,7 +1139,7 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing, unused):
               "after a double backward": (layer1, "backward"),
               "no_sync backward": (layer1, "backward"),
               "evaluation forward": (layer1, "forward"),
-              "reference forward": (layer1, "forward")}
+              "reference forward": (layer1, "forward"), "evaluation only": (layer1, "forward")}
     for name, (module, phase) in points.items():
         def fail_on_rank_1(*_, name=name):
             # (the no_grad cases: in that forward, not in a layer checkpointed reentrantly,
@@ -1205,8 +1214,8 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, bias
     res = run_ranks(_worker_tp_failures, 4, plugin_kwargs, cases, biases, hf_checkpointing,
                     unused, timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     in_ring_call = {"at first", "layer 1 forward", "layer 1 backward", "no_sync backward",
-                    "evaluation forward", "reference forward", "after a double backward",
-                    "layer 1 reduce-scatter"}
+                    "evaluation forward", "reference forward", "evaluation only",
+                    "after a double backward", "layer 1 reduce-scatter"}
     for rank, r in enumerate(res):
         assert r["first"][0] == "ok" and r["after"][0] == "ok", r
         for case in ("at first",) + cases:
@@ -1215,7 +1224,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, bias
                 _is_error(r[case], ("MemoryError",), "injected")
             elif rank == 3 and case in in_ring_call:
                 _is_error(r[case], ("RingBrokenError",), "global rank 1) failed")
-            elif case in ("at first", "layer 1 forward", "reference forward"):  # at the loss
+            elif case == "at first" or case in _AT_LOSS_OR_FORWARD_END:
                 _is_error(r[case], ("RingPeerError",), "failed where this rank did not",
                           "MemoryError")
             else:

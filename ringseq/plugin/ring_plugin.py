@@ -817,6 +817,7 @@ class RingSequenceParallelPlugin(Plugin):
             dataloader.tag = step
         model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
         model._reduction = reduction
+        model.agrees_after_no_grad_forward = dims.sharded
         if frozen or isinstance(model.module, nn.parallel.DistributedDataParallel):
             # DDP sums only the parameters that required gradients when it was built (and a
             # frozen model has no sum at all): unfreezing one later must be refused

@@ -60,7 +60,9 @@ class ModelWrapper(nn.Module):
     is on another group than the ring and a ring report was sent (the ring peers may be past
     their ring calls, as in the first step, whose ring calls are not counted yet), the loss
     report goes first and says that a ring report waits; the ring peers take it at their
-    loss (``FailureReporter.take_ring_reports``). The exception
+    loss (``FailureReporter.take_ring_reports``). A sharded model's forward under no_grad
+    ends with the loss's agreement itself (``FailureReporter.forward_ended``): an evaluation
+    without the plugin's loss raises on every rank too. The exception
     is re-raised on this rank; the ring stays broken until ``booster.reset()`` (or
     ``ringseq.reset_ring``) on every rank.
     """
@@ -88,6 +90,10 @@ class ModelWrapper(nn.Module):
         #: ... and a transformers model there numbers its tokens from the shortened sequence:
         #: a forward without position_ids is refused
         self.needs_position_ids = False
+        #: a forward under no_grad ends with the ranks' agreement on whether it ran
+        #: (``FailureReporter.forward_ended``): set for sharded models (FSDP, tensor
+        #: parallelism), whose forward on one rank uses the others' shards
+        self.agrees_after_no_grad_forward = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -143,12 +149,16 @@ class ModelWrapper(nn.Module):
                 2 if user.training and hf_checkpointing(user) else 1)
             if self._reduction is not None:
                 self._reduction.forward_started()
-            with self._reporter.watch("forward", self._reduction), self._precision.autocast():
+            agrees = self.agrees_after_no_grad_forward and not torch.is_grad_enabled()
+            with self._reporter.watch("forward", self._reduction, agrees), \
+                    self._precision.autocast():
                 out = self.module(*args, **kwargs)
         if self._reduction is not None:
             self._reduction.forward_ran()
         if self._reporter is not None and torch.is_grad_enabled():
             self._reporter.loss_ran = False
+        if self._reporter is not None and agrees:
+            self._reporter.forward_ended()
         return out
 
 
@@ -312,10 +322,11 @@ class FailureReporter:
         self.before_completion = None
 
     @contextlib.contextmanager
-    def watch(self, phase: str, reduction=None):
+    def watch(self, phase: str, reduction=None, agreed_at_end: bool = False):
         """``reduction``: for a forward, the boosted model's (the collectives this rank did
         not reach are completed while the ring report runs); a backward completes those of
-        the one reduction that waits for it."""
+        the one reduction that waits for it. ``agreed_at_end``: a forward under no_grad that
+        every rank ends with :meth:`forward_ended`, where the loss report meets them."""
         before = self.ring.calls
         if phase == "backward":
             for reduction_ in self.reductions:
@@ -325,7 +336,8 @@ class FailureReporter:
                 yield
             except (Exception, KeyboardInterrupt) as exc:
                 if dist.is_initialized():
-                    self._after_failure(phase, exc, self.ring.calls - before, reduction)
+                    self._after_failure(phase, exc, self.ring.calls - before, reduction,
+                                        agreed_at_end)
                 raise
             self._calls[phase] = self.ring.calls - before
             if phase == "backward":
@@ -336,7 +348,22 @@ class FailureReporter:
                 for reduction_ in self.reductions:
                     reduction_.backward_ended()
 
-    def _after_failure(self, phase: str, exc: BaseException, calls: int, reduction) -> None:
+    def forward_ended(self) -> None:
+        """After a forward under no_grad of a sharded model that ran on this rank: meets the
+        ranks of ``loss_group`` where a rank whose forward raised sends its loss report
+        (``_after_failure``). A forward with gradients meets it at the plugin's loss; an
+        evaluation that reads the outputs itself has none, and the others returned outputs
+        computed from the failed rank's stand-ins (the zeros its replay of the tp
+        collectives sends) without a word. Raises RingPeerError naming the failed ranks,
+        after taking the ring reports they left waiting. One control collective."""
+        try:
+            get_ring(self.loss_group).agree(True, "", about="loss")
+        except Exception as exc:
+            self.take_ring_reports(exc)
+            raise
+
+    def _after_failure(self, phase: str, exc: BaseException, calls: int, reduction,
+                       agreed_at_end: bool = False) -> None:
         # The ring report waits for the peers' next ring call, and FSDP's collectives this
         # rank did not reach may come first on the peers (an all-gather before a layer's
         # attention, a reduce-scatter after it): the report runs in a thread meanwhile. For
@@ -345,9 +372,10 @@ class FailureReporter:
         # A forward under no_grad between a forward and its backward (an evaluation): the
         # other ranks go on to that backward, so this rank completes it too, and its ring
         # peers hear of the failure there if not before.
-        # (Only once the plugin's loss ran: before it, the others wait at that loss.)
+        # (Only once the plugin's loss ran: before it, the others wait at that loss; and not
+        # where the forward ends with an agreement: the others meet the loss report there.)
         pending = (phase == "forward" and reduction is not None and reduction.expecting
-                   and not torch.is_grad_enabled() and self.loss_ran)
+                   and not torch.is_grad_enabled() and self.loss_ran and not agreed_at_end)
 
         to_ring = self._ring_report_due(phase, exc, calls, always=pending)
 

@@ -203,7 +203,7 @@ def _summed_twice_case(state_dict):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2))
     model = _model(state_dict)
-    loader = booster.plugin.prepare_dataloader(_dataset(GLOBAL_BATCH * 5),
+    loader = booster.plugin.prepare_dataloader(_dataset(GLOBAL_BATCH * 10),
                                                batch_size=GLOBAL_BATCH // 2)
     model, opt, criterion, loader, _ = booster.boost(model, _optimizer(model), dataloader=loader)
     batches = iter(loader)
@@ -228,6 +228,25 @@ def _summed_twice_case(state_dict):
     batch = next(batches)
     booster.backward(criterion(model(**batch), batch), opt)
     out["after_own_zero_grad"] = error_text(opt.step)
+    # a micro-batch inside no_sync AFTER the reduced one: its gradients are never summed, and
+    # each rank would step with its own (before: stepped silently, the replicas drifted)
+    opt.zero_grad()
+    batch = next(batches)
+    booster.backward(criterion(model(**batch), batch), opt)
+    batch = next(batches)
+    with booster.no_sync(model):
+        booster.backward(criterion(model(**batch), batch), opt)
+    before = [p.detach().clone() for p in model.unwrap().parameters()]
+    out["no_sync_last"] = error_text(opt.step)
+    out["no_sync_last_unchanged"] = all(torch.equal(a, p) for a, p in
+                                        zip(before, model.unwrap().parameters()))
+    opt.zero_grad()
+    with booster.no_sync(model):  # the right order still steps
+        batch = next(batches)
+        booster.backward(criterion(model(**batch), batch), opt)
+    batch = next(batches)
+    booster.backward(criterion(model(**batch), batch), opt)
+    out["no_sync_first"] = error_text(opt.step)
     out["no_sync_without_model"] = error_text(lambda: booster.no_sync())
     out["no_sync_user_module"] = error_text(lambda: booster.no_sync(model.unwrap()))
     return out
@@ -568,6 +587,10 @@ def test_gradients_summed_twice_are_refused_at_the_step(run):
                                               "added its gradients to gradients that the "
                                               "previous step already used"), got
         assert got["after_own_zero_grad"] == "no error", got
+        assert got["no_sync_last"].startswith("ValueError: OptimizerWrapper.step: a backward "
+                                              "inside booster.no_sync(model) followed the "
+                                              "backward that summed"), got["no_sync_last"]
+        assert got["no_sync_last_unchanged"] and got["no_sync_first"] == "no error", got
         for key in ("no_sync_without_model", "no_sync_user_module"):
             assert got[key].startswith("ValueError: no_sync: model must be the model "
                                        "booster.boost returned"), got[key]

@@ -172,9 +172,10 @@ class ReducedGrads:
     keep them). The reduction calls :meth:`mark` once per backward; the boosted optimizer's
     ``step`` calls :meth:`check_once` first, which raises ValueError (on every rank: ``step``
     agrees on its verdict before any rank steps) when more than one backward was reduced
-    since the last step or clear, or when a backward accumulated onto gradients the last step
-    used (:meth:`watch`); the boosted optimizer's and model's ``zero_grad`` call
-    :meth:`clear`."""
+    since the last step or clear, when a backward accumulated onto gradients the last step
+    used (:meth:`watch`), or when a backward that was not reduced (inside ``no_sync``)
+    followed the reduced one (its gradients were never summed: each rank would step with its
+    own); the boosted optimizer's and model's ``zero_grad`` call :meth:`clear`."""
 
     def __init__(self):
         self.count = 0          # reduced backward passes since the gradients were cleared
@@ -182,6 +183,9 @@ class ReducedGrads:
         self.uncleared = False  # a backward accumulated onto gradients a step already used
         self._fresh = {}        # graph task -> its backward found the gradients cleared
         self._marked_task = None
+        # a backward after the reduced one that has not been reduced itself (yet: its
+        # reduction may come after the probe), or None
+        self._unreduced_task = None
 
     def watch(self, params) -> None:
         """Sees how the gradients were left before each backward: a hook on the smallest
@@ -214,6 +218,10 @@ class ReducedGrads:
                     self._fresh[task] = True
             elif self.stepped:
                 self.uncleared = True
+            else:
+                task = torch._C._current_graph_task_id()
+                if self.count and task != self._marked_task:
+                    self._unreduced_task = task  # (mark clears it if this one is reduced)
             self.stepped = False
             return grad
 
@@ -226,14 +234,18 @@ class ReducedGrads:
         self._fresh.clear()  # (entries of no_sync backward passes, which are not reduced)
         self.count += 1
         self._marked_task = task
+        if self._unreduced_task == task:
+            self._unreduced_task = None  # (reduced after all: counted, refused as twice)
 
     def clear(self) -> None:
         self.count = 0
         self.stepped = self.uncleared = False
+        self._unreduced_task = None
 
     def after_step(self) -> None:
         self.count = 0
         self.stepped = True
+        self._unreduced_task = None
 
     def check_once(self) -> None:
         # The count stays: the gradients stay wrong until they are cleared (zero_grad).
@@ -243,6 +255,14 @@ class ReducedGrads:
                 "previous step already used, which the sum over the ranks had summed (W times "
                 "too large once summed again); not stepping. Clear the gradients after every "
                 "step (optimizer.zero_grad() or model.zero_grad())")
+        if self._unreduced_task is not None:
+            raise ValueError(
+                "OptimizerWrapper.step: a backward inside booster.no_sync(model) followed the "
+                "backward that summed the gradients over the ranks, so its gradients were "
+                "never summed and each rank would step with its own (the replicas would drift "
+                "apart); not stepping. Run every micro-batch but the LAST inside no_sync; "
+                "clear the gradients with optimizer.zero_grad() or model.zero_grad() before "
+                "the next step")
         if self.count > 1:
             raise ValueError(
                 f"OptimizerWrapper.step: {self.count} backward passes summed the gradients over "

@@ -41,16 +41,25 @@ def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causa
                    window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                    return_attn_probs=False, group=None, layout="contiguous", return_lse=False,
                    backend=None, grad_comm_dtype=None, softcap=0.0, cu_seqlens=None,
-                   comm_kind: str = "ring", takes_documents: bool = True):
+                   comm_kind: str = "ring", takes_documents: bool = True,
+                   needs_documents: bool = False):
     """The one implementation of every public ring function (``fn`` names the one called):
     validate once into an AttnSpec (a refusal reaches the peers), then the ring placement
     through the custom operator. Arguments and returns as :func:`ring_flash_attn_func`;
     ``takes_documents=False`` for a function without ``cu_seqlens`` (a per-batch documents
-    layout is then refused with advice it can follow)."""
+    layout is then refused with advice it can follow); ``needs_documents=True`` for the
+    varlen forms, whose ``cu_seqlens`` is the call's documents: None only with a layout
+    built with its own (TypeError otherwise)."""
     with refuse_on_error(group, FWD):
         check_returns(fn, return_attn_probs, return_lse)
         q, k, v = autocast_inputs(q, k, v)
         unbound = named_layout(fn, layout, takes_documents)
+        if needs_documents and cu_seqlens is None and unbound.documents is None:
+            # (before: a layout without documents ran attention across the documents)
+            raise TypeError(f"{fn}: cu_seqlens must be the GLOBAL document boundaries "
+                            f"(0, ..., total) as a list of ints or an int tensor, got None "
+                            f"(None only with a layout built with them: "
+                            f"ringseq.layouts.Documents(cu_seqlens))")
         spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                          causal=causal, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, deterministic=deterministic,
@@ -275,7 +284,8 @@ def _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, wind
                          return_attn_probs=return_attn_probs, group=group,
                          layout="documents" if layout is None else layout,
                          return_lse=return_lse, backend=backend,
-                         grad_comm_dtype=grad_comm_dtype, softcap=softcap, cu_seqlens=cu_seqlens)
+                         grad_comm_dtype=grad_comm_dtype, softcap=softcap, cu_seqlens=cu_seqlens,
+                         needs_documents=True)
     if isinstance(res, tuple):
         return (res[0][0], res[1][0]) + tuple(res[2:])  # out (s, h, d), lse (h, s)
     return res[0]

@@ -85,3 +85,31 @@ def test_per_rank_boundaries_say_they_must_be_global():
         for layout, msg in res.items():
             assert "must be the GLOBAL document boundaries" in msg, (layout, msg)
             assert "per-rank boundaries" in msg, (layout, msg)
+
+
+def _no_boundaries():
+    q = torch.randn(16, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cu = [0, 6, 32]  # (documents_contiguous cuts each document in W chunks)
+    out = {}
+    for layout in ("contiguous", "zigzag", None):
+        try:
+            ringseq.ring_flash_attn_varlen_func(q, q, q, None, layout=layout, causal=True)
+            out[str(layout)] = "no error"
+        except (TypeError, ValueError) as exc:
+            out[str(layout)] = f"{type(exc).__name__}: {exc}"
+    # a layout built with its documents carries them: None is the same call as passing them
+    built = ringseq.ring_flash_attn_varlen_func(q, q, q, None, layout=DocumentsContiguous(cu),
+                                                causal=True)
+    given = ringseq.ring_flash_attn_varlen_func(q, q, q, cu, layout="documents_contiguous",
+                                                causal=True)
+    out["built"] = bool(torch.equal(built, given))
+    return out
+
+
+def test_varlen_without_boundaries_is_refused_unless_the_layout_has_them():
+    # (before: a layout without documents attended across them, without a word)
+    for res in run_ranks(_no_boundaries, 2, timeout=120):
+        for layout in ("contiguous", "zigzag", "None"):
+            assert res[layout].startswith("TypeError: ring_flash_attn_varlen_func: cu_seqlens "
+                                          "must be the GLOBAL document boundaries"), res[layout]
+        assert res["built"]

@@ -72,7 +72,12 @@ def valid_ulysses_degrees(nheads: int, sp_size: Optional[int] = None) -> List[in
 def kv_replication(nheads_kv: int, degree: int) -> int:
     """How many copies of each K/V head the all-to-all sends: ``degree / gcd(degree,
     nheads_kv)`` (1 when ``degree`` divides ``nheads_kv``; see the module doc)."""
-    return degree // math.gcd(degree, nheads_kv)
+    # Euclid's loop rather than math.gcd, which dynamo cannot trace on the symbolic head
+    # counts of torch.compile(dynamic=True)
+    a, b = degree, nheads_kv
+    while b:
+        a, b = b, a % b
+    return degree // a
 
 
 def ulysses_heads(nheads: int, nheads_kv: int, degree: int, what: str = "nheads",

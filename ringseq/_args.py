@@ -223,6 +223,13 @@ def check_cu_seqlens(fn: str, name: str, cu_seqlens, total: Optional[int] = None
         if cu_seqlens.is_meta:
             raise ValueError(f"{fn}: {name} must hold its values (they are read on the host), "
                              f"got a tensor on the meta device")
+        if torch.compiler.is_compiling():
+            # (its values cannot be read while dynamo traces: under fullgraph=True torch's own
+            # error named neither the function nor a way out; without fullgraph dynamo runs
+            # the call eagerly instead of raising this)
+            raise TypeError(f"{fn}: {name} as a tensor cannot be read under torch.compile "
+                            f"(its values plan the call on the host); pass a list of ints "
+                            f"(cu_seqlens.tolist() outside the compiled region)")
         cu = cu_seqlens.tolist()  # host copy: spans and layouts are planned on the host
     else:
         # A string is a sequence too: its characters are no boundaries.

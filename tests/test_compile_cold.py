@@ -181,3 +181,23 @@ def test_export_with_a_dynamic_length_runs_every_length(strict, kwargs):
     for s in (5, 17, 40):
         q, k, v = (torch.randn(1, s, h, D, generator=gen) for h in (H, HKV, HKV))
         assert torch.equal(program.module()(q, k, v), Attention()(q, k, v)), s
+
+
+def test_a_tensor_of_boundaries_under_fullgraph_is_named():
+    """cu_seqlens as a tensor cannot be read while dynamo traces: under fullgraph=True the
+    error names the function, the argument and the way out (before: dynamo's "Could not
+    guard on data-dependent expression" only); without fullgraph the call runs, as eager."""
+    import ringseq
+    q = torch.randn(16, H, D, generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+
+    def attn(q):
+        return ringseq.flash_attn_varlen_func(q, q, q, cu, cu, 11, 11, causal=True)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"flash_attn_varlen_func: cu_seqlens_k as a tensor "
+                                        r"cannot be read under torch.compile .* pass a list of "
+                                        r"ints"):
+        torch.compile(attn, fullgraph=True, backend="aot_eager")(q)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(attn, backend="aot_eager")(q), attn(q))

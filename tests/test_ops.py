@@ -673,3 +673,25 @@ def test_fake_implementations_refuse_what_the_kernels_refuse(call, needle):
         q, k = torch.empty(1, 4, 2, 8), torch.empty(1, 4, 1, 8)
         with pytest.raises(RuntimeError, match=needle):
             call(q, k)
+
+
+def test_available_backends_lists_what_runs_and_names_bad_arguments():
+    from ringseq.kernels import BACKEND_NAMES, available_backends
+    q = torch.randn(1, 8, 2, 16)
+    names = available_backends("cpu", torch.float32, 16)
+    assert names and set(names) <= set(BACKEND_NAMES) and "reference" in names
+    for name in names:  # each one listed runs such inputs
+        ringseq.flash_attn_func(q, q, q, causal=True, backend=name)
+    assert available_backends(torch.device("cpu"), torch.float64, 16) == \
+        available_backends("cpu", torch.float64, 16)
+    # (before: ints and a head dim of 0 were listed as runnable by every backend, and a bad
+    # device name raised torch's bare error)
+    for args, kind, words in (
+            (("cpu", torch.int64, 64), ValueError, "dtype must be one of"),
+            (("cpu", torch.float32, 0), ValueError, "headdim must be >= 1, got 0"),
+            (("cpu", "float32", 64), TypeError, "dtype must be a torch.dtype, got 'float32'"),
+            (("cpu", torch.float32, 64.0), TypeError, "headdim must be an int"),
+            (("gpu0",), ValueError, "device 'gpu0' is not a device torch knows"),
+            ((3,), TypeError, "device must be a torch.device or its name")):
+        with pytest.raises(kind, match="^available_backends: " + words):
+            available_backends(*args)

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .registry import backend_by_key, backend_key
@@ -85,9 +87,39 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
     return chosen
 
 
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def available_backends(device="cpu", dtype=torch.float32, headdim=64) -> list[str]:
-    """Names of the backends that can run such inputs here."""
-    device = torch.device(device)
+    """Names of the backends (of ``BACKEND_NAMES``, in its order) that can run attention on
+    inputs of ``dtype`` (float32, float64, bfloat16 or float16) with head dim ``headdim`` (an
+    int >= 1) on ``device`` (a torch.device or its name) in this process.
+
+    Raises TypeError for a device, dtype or head dim of the wrong kind, ValueError for a
+    device name torch does not know, a dtype attention does not take or a head dim < 1."""
+    fn = "available_backends"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{fn}: device must be a torch.device or its name, got {device!r} "
+                        f"({type(device).__name__})")
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{fn}: device {device!r} is not a device torch knows ({exc})") from None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{fn}: dtype must be a torch.dtype, got {dtype!r} "
+                        f"({type(dtype).__name__})")
+    if dtype not in _FLOATS:
+        raise ValueError(f"{fn}: dtype must be one of {', '.join(map(str, _FLOATS))} (what "
+                         f"attention takes), got {dtype}")
+    try:  # (NumPy's integers too; not a bool, a float or a tensor)
+        if isinstance(headdim, (bool, torch.Tensor)):
+            raise TypeError
+        headdim = operator.index(headdim)
+    except TypeError:
+        raise TypeError(f"{fn}: headdim must be an int, got {headdim!r} "
+                        f"({type(headdim).__name__})") from None
+    if headdim < 1:
+        raise ValueError(f"{fn}: headdim must be >= 1, got {headdim}")
     return [n for n in BACKEND_NAMES if _instance(n).unsupported_reason(device, dtype, headdim) is None]
 
 

@@ -307,9 +307,10 @@ def ulysses_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causa
 
     Raises:
         ValueError: ``nheads`` not divisible by the group size (the message lists the
-            degrees that work), bad shapes/dtypes, ``dropout_p > 0``, q and k/v of different
-            local lengths, ``cu_seqlens`` that are not the global boundaries -- before any
-            communication; on the other ranks :class:`ringseq.RingPeerError` naming this one.
+            degrees that work), bad shapes/dtypes, q and k/v of different local lengths,
+            ``cu_seqlens`` that are not the global boundaries -- before any communication;
+            on the other ranks :class:`ringseq.RingPeerError` naming this one.
+        NotImplementedError: ``dropout_p > 0`` (likewise before any communication).
         RingMismatchError (a ValueError): ranks called with different arguments (every rank).
     """
     fn = "ulysses_attn_func"

@@ -70,8 +70,9 @@ def usp_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causal: b
     Raises:
         ValueError (before any communication): ``nheads`` not divisible by U (naming the
             degrees that work), a local length the ring layout cannot use, bad shapes or
-            dtypes, ``dropout_p > 0``, ``cu_seqlens`` that are not the global boundaries; the
-            other ranks raise :class:`ringseq.RingPeerError` naming this one.
+            dtypes, ``cu_seqlens`` that are not the global boundaries; the other ranks raise
+            :class:`ringseq.RingPeerError` naming this one.
+        NotImplementedError: ``dropout_p > 0`` (likewise before any communication).
         RingMismatchError (a ValueError): ranks called with different arguments (every rank).
         TypeError: ``sp`` is not a SequenceParallelGroups, at once (the other ranks, waiting
             on their groups' ring, raise ``ringseq.RingTimeoutError`` after the ring timeout).

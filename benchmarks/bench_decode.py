@@ -42,13 +42,12 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (PeakMemory, environment, format_table, load_average, mib, progress,  # noqa: E402
+from common import (DTYPES, PeakMemory, environment, format_table, load_average, mib, progress,  # noqa: E402
                     spawn_cpu_ranks, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from cli_types import json_path, positive_int, positive_ints, positive_seconds  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 def parse_args(argv=None):

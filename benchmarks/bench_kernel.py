@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (PeakMemory, attention_flops, core_probe_gflops, cpu_description, cpu_isa,  # noqa: E402
+from common import (DTYPES, PeakMemory, attention_flops, core_probe_gflops, cpu_description, cpu_isa,  # noqa: E402
                     environment, format_table, isa_forced_note, load_average, mib, probe_note,
                     progress, time_ms, write_json)
 
@@ -56,7 +56,6 @@ from ringseq.kernels import BACKEND_NAMES, available_backends  # noqa: E402
 from ringseq.kernels.spans import check_softcap  # noqa: E402
 from cli_types import json_path, non_negative_int, positive_int, positive_ints  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 SDPA_PEERS = {"torch_sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
               "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
 

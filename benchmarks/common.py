@@ -24,31 +24,54 @@ def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode="fw
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
 
 
-def plain_attention(q, k, v, dtype, causal, rows=None):
+# the benchmarks' --dtype names
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
+# absolute floor of the spot check (docs/design.md tolerance: 2x plain same-dtype error + floor;
+# the tests' default floors: a float32 floor of 1e-5 let an error 27x plain pass)
+CHECK_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
+
+
+def plain_attention(q, k, v, dtype, causal, rows=None, window=(-1, -1), cu_seqlens=None):
     """Plain softmax attention computed in ``dtype``: the float64 reference, or the same-dtype
     attention whose error flash-attn's rule scales. q (b, s_q, h, d), or only its query rows
     at the global positions ``rows`` (an int tensor); k, v (b, s_k, h_kv, d), their heads
-    repeated for GQA; causal: a query sees the keys up to its position. Returns (b, rows, h,
-    d) in ``dtype``, differentiable in q, k, v."""
+    repeated for GQA; causal: a query sees the keys up to its position; ``window`` (left,
+    right): and only those within it (-1: unbounded); ``cu_seqlens``: and only those of its
+    own document. Returns (b, rows, h, d) in ``dtype``, differentiable in q, k, v (every
+    query row must see a key: causal attention always does)."""
     pos = torch.arange(q.shape[1]) if rows is None else rows
     g = q.shape[2] // k.shape[2]
     qs = q[:, pos].to(dtype)
     ks, vs = (t.to(dtype).repeat_interleave(g, 2) for t in (k, v))  # (b, s_k, h, d)
     scores = torch.einsum("bqhd,bkhd->bhqk", qs, ks) * q.shape[-1] ** -0.5
+    keys = torch.arange(k.shape[1])[None, :]
+    hidden = torch.zeros(len(pos), k.shape[1], dtype=torch.bool)  # (rows, s_k)
     if causal:
-        scores = scores.masked_fill(torch.arange(k.shape[1])[None, :] > pos[:, None],
-                                    float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vs)
+        hidden |= keys > pos[:, None]
+    left, right = window
+    if left >= 0:
+        hidden |= keys < pos[:, None] - left
+    if right >= 0:
+        hidden |= keys > pos[:, None] + right
+    if cu_seqlens is not None:
+        doc = torch.bucketize(torch.arange(k.shape[1]), torch.tensor(cu_seqlens[1:]),
+                              right=True)  # (s_k,) each token's document
+        hidden |= doc[None, :] != doc[pos][:, None]
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(
+        scores.masked_fill(hidden, float("-inf")), -1), vs)
 
 
-def spot_check(full, out_local, positions, causal, rows):
+def spot_check(full, out_local, positions, causal, rows, window=(-1, -1), cu_seqlens=None):
     """Max |out - float64| on this rank's first ``rows`` queries (``positions``: their global
     positions), and plain same-dtype attention's error there (docs/design.md's tolerance
-    base). full = (q, k, v) of the whole sequence."""
+    base). full = (q, k, v) of the whole sequence; ``window`` and ``cu_seqlens`` as
+    :func:`plain_attention`."""
     q, k, v = full
     pos = positions[:rows]
-    ref = plain_attention(q, k, v, torch.float64, causal, pos)
-    plain = plain_attention(q, k, v, q.dtype, causal, pos) if q.dtype != torch.float64 else ref
+    mask = dict(window=window, cu_seqlens=cu_seqlens)
+    ref = plain_attention(q, k, v, torch.float64, causal, pos, **mask)
+    plain = (plain_attention(q, k, v, q.dtype, causal, pos, **mask) if q.dtype != torch.float64
+             else ref)
     return (float((out_local[:, :rows].double().cpu() - ref).abs().max()),
             float((plain.double() - ref).abs().max()))
 

@@ -26,8 +26,9 @@ import random
 import torch
 import torch.distributed as dist
 
-from common import (PeakMemory, cpu_header, environment, format_table, mib, progress,
-                    run_with_load, spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
+from common import (CHECK_FLOOR, DTYPES, PeakMemory, cpu_header, environment, format_table,
+                    mib, progress, run_with_load, spawn_cpu_ranks, spot_check,
+                    threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq import commstats  # noqa: E402
@@ -35,9 +36,6 @@ from ringseq.engine.plan import make_plan  # noqa: E402
 from ringseq.spec import attn_spec  # noqa: E402
 from ringseq.layouts import Documents, get_layout  # noqa: E402
 from ringseq.masks import AttnMask  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16,
-          "fp16": torch.float16}
 
 
 def document_lengths(mix: str, total: int, seed: int = 0):
@@ -138,6 +136,14 @@ def _rank(args, case):
     # The backward's kernels get the ring's own merged out / lse: their cost depends on the
     # values (exp of far-negative scores is cheap), so stand-ins would time another workload.
     out0, lse0 = ringseq.ring_flash_attn_func(qd, kd, vd, return_lse=True, **kw)
+    # The ring's output against float64 attention with the same mask on this rank's first
+    # --check-rows queries (each rank's error against its own plain error: the worst excess)
+    rows = min(args.check_rows, q.shape[1])
+    pos = ringseq.layouts.positions_local(s, get_layout(lay).bind(spec.documents), world, rank)
+    err, plain_err = spot_check(full, out0, pos, True, rows, window=case["window"],
+                                cu_seqlens=case["cu"])
+    errs = torch.tensor([err, plain_err, err - 2 * plain_err], dtype=torch.float64)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     delta = ringseq.kernels.compute_delta(dd, out0)
     acc = [torch.zeros(t.shape, dtype=lse0.dtype) for t in (qd, kd, vd)]
     # the real K/V of each step's source rank (every rank holds the full tensors here), as the
@@ -187,6 +193,8 @@ def _rank(args, case):
             "compute_ms": max(float(x[1]) for x in gathered),
             "bytes_per_rank": max(float(x[2]) for x in gathered),
             "exchanges": exchanges,
+            "max_err": float(errs[0]), "plain_err": float(errs[1]),
+            "check_ok": bool(errs[2] <= CHECK_FLOOR[dtype]),
             "alone_ms": max(float(x[3]) for x in gathered) if alone_ms is not None else None,
             "peak_mib_per_rank": mib(max(float(x[4]) for x in gathered))
             if mem.peak is not None else None}
@@ -253,7 +261,9 @@ def main_masked(args, launched, device):
                ("tflops", "TFLOP/s (visible, all ranks)", "{:.4f}"), ("peak_mib_per_rank", "peak MiB/rank", "{:.1f}"),
                ("compute_ms", "tasks alone ms", "{:.1f}"), ("overhead", "overhead", "{:.3f}"),
                ("exchanges", "exchanges fwd / bwd", "{}"), ("mib_per_rank", "MiB sent/rank", "{:.2f}"),
-               ("work_max_over_mean", "visible work max/mean", "{:.3f}")]
+               ("work_max_over_mean", "visible work max/mean", "{:.3f}"),
+               ("max_err", "err", "{:.2e}"), ("plain_err", "plain err", "{:.2e}"),
+               ("check_ok", "check", "{}")]
     if any("full_over_window" in r for r in rows):
         columns.append(("full_over_window", "full causal / window", "{:.2f}"))
     if any(r.get("alone_ms") for r in rows):
@@ -268,4 +278,10 @@ def main_masked(args, launched, device):
     write_json(args.json, {"benchmark": "bench_ring masked", "environment": environment(device),
                            "args": {k: str(v) for k, v in vars(args).items()}, "results": rows,
                            "machine_load": load.as_dict()})
-    return 0
+    failed = [r for r in rows if not r["check_ok"]]
+    for r in failed:
+        floor = CHECK_FLOOR[DTYPES[args.dtype]]
+        print(f"WARNING: {r['name']}: spot check failed: error {r['max_err']:.3e} > 2 x plain "
+              f"{r['plain_err']:.3e} + {floor:.0e}: a wrong result, not a timing problem",
+              flush=True)
+    return 1 if failed else 0

@@ -27,8 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (PeakMemory, Stage, attention_flops, busy_cores, mib, proc_stat, progress,
-                    spot_check, time_ms)
+from common import (CHECK_FLOOR, DTYPES, PeakMemory, Stage, attention_flops, busy_cores,  # noqa: F401
+                    mib, proc_stat, progress, spot_check, time_ms)
 from masked_ring import visible_pairs
 
 import ringseq
@@ -38,10 +38,6 @@ from ringseq.layouts import get_layout
 from ringseq.masks import AttnMask
 from ringseq.ops import get_backend
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
-# absolute floor of the spot check (docs/design.md tolerance: 2x plain same-dtype error + floor;
-# the tests' default floors: a float32 floor of 1e-5 let an error 27x plain pass)
-CHECK_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
 MIN_OVERHEAD = 0.95   # ring time / compute-only time below this is a measurement error
 SHORT_MS = 2.0        # below this, timer resolution and per-call costs dominate a time
 BALANCE_SLACK = 0.03  # medians of a few timed calls: the load balance's allowance for noise

@@ -143,6 +143,8 @@ def test_masked_jobs_run_and_report_the_load(tmp_path, job):
     assert data["results"], data
     for r in data["results"]:
         assert r["ms"] > 0 and r["overhead"] == pytest.approx(r["ms"] / r["compute_ms"]), r
+        # the ring's output against float64 attention with the case's mask
+        assert r["check_ok"] and r["max_err"] <= 2 * r["plain_err"] + 1e-6, r
     _load_reported(proc.stdout, data)
 
 
@@ -180,7 +182,7 @@ if os.environ.get("RINGSEQ_TEST_FAULT_RANK"):
     def _faulty(*a, **k):
         out = _ring(*a, **k)
         if dist.is_initialized() and dist.get_rank() == int(os.environ["RINGSEQ_TEST_FAULT_RANK"]):
-            out = out + 1.5e-2
+            out = (out[0] + 1.5e-2,) + out[1:] if isinstance(out, tuple) else out + 1.5e-2
         return out
     ringseq.ring_flash_attn_func = _faulty
 """
@@ -212,6 +214,21 @@ def test_a_wrong_result_on_one_rank_fails_the_spot_check(tmp_path):
     proc = subprocess.run([sys.executable, BENCH, "--world-size", "2", "--seqlen", "1024",
                            "--heads", "2", "--dtype", "bf16", "--layouts", "contiguous",
                            "--modes", "fwd", "--repeats", "1"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "spot check failed" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("job", [["--window", "64", "--layouts", "contiguous"],
+                                 ["--docs", "seeded"]], ids=["window", "docs"])
+def test_a_wrong_result_fails_the_masked_jobs_too(tmp_path, job):
+    """The masked jobs check the ring's output against float64 attention with their mask
+    (before: they checked nothing, and a wrong result exited 0)."""
+    (tmp_path / "sitecustomize.py").write_text(_FAULT)
+    env = dict(os.environ, RINGSEQ_TEST_FAULT_RANK="1",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, BENCH, "--world-size", "2", "--seqlen", "512", *job,
+                           "--repeats", "1", "--warmup", "0"], capture_output=True, text=True,
                           cwd=ROOT, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "spot check failed" in proc.stdout, proc.stdout[-3000:]

@@ -165,25 +165,34 @@ def check_args(args, launched, device):
             p.error(f"--docs {args.docs!r} (seeded, longtail or a comma list of lengths): {exc}")
         if min(lengths) < 0:
             p.error(f"--docs {args.docs!r}: lengths must be >= 0")
+        from masked_ring import _cu
+        from ringseq.layouts import Documents
+        try:  # (before: the ranks cut the length to a multiple of W and failed on it)
+            Documents(_cu(lengths)).check_seqlen(args.seqlen, args.world_size)
+        except ValueError as exc:
+            p.error(f"--seqlen {args.seqlen} with --docs at world size {args.world_size}: {exc}")
     if args.window is not None or args.docs:
         # the masked jobs run on spawned CPU ranks and print their own table: refused, not
         # silently dropped
         for given, what in ((args.memory_scaling, "--memory-scaling"), (args.plot, "--plot"),
-                            (args.sp_mode, "--sp-mode"), (launched or None, "torchrun")):
+                            (args.sp_mode is not None or None, "--sp-mode"),
+                            (launched or None, "torchrun"), (args.batch != 1 or None, "--batch"),
+                            (args.causal != "true" or None, "--causal"),
+                            (args.modes, "--modes")):
             if given:
                 p.error(f"--window / --docs compare masked and full attention on spawned CPU "
                         f"ranks: {what} does not apply to them")
-    if args.sp_mode:
+    if args.sp_mode is not None:
         # options of the layout rows that the mode comparison has no use for: refused, not
         # silently dropped
-        for given, what in ((args.memory_scaling, "--memory-scaling"),
+        for given, what in ((args.memory_scaling, "--memory-scaling"), (args.plot, "--plot"),
                             (args.modes, "--modes"),
                             (args.causal == "both" or None, "--causal both")):
             if given:
                 p.error(f"--sp-mode compares the modes at one shape, forward+backward, causal "
                         f"or not: {what} does not apply to it")
     args.modes = args.modes or ["fwd", "fwd_bwd"]
-    if args.sp_mode:  # the same checks as sp_modes.main_sp, here as usage errors
+    if args.sp_mode is not None:  # the same checks as sp_modes.main_sp, as usage errors
         from sp_modes import fitting_sp_modes, parse_sp_modes
         try:
             fitting_sp_modes(parse_sp_modes(args.sp_mode), args.sp_mode == "all",
@@ -319,7 +328,7 @@ def main(argv=None):
     args.threads_per_rank = args.threads_per_rank or 1
     args.threads = threads_per_rank(args.threads_per_rank, args.world_size)
     del args.parser  # not picklable into the ranks
-    if args.sp_mode:
+    if args.sp_mode is not None:
         from sp_modes import main_sp
         return main_sp(args, launched, device)
     if args.window is not None or args.docs:

@@ -37,6 +37,9 @@ SP_MODE_NAMES = ("ring", "ulysses", "hybrid", "double_ring", "hybrid_double_ring
 def parse_sp_modes(text):
     """The comma list of --sp-mode (``all``: every mode), validated."""
     modes = list(SP_MODE_NAMES) if text == "all" else [m for m in text.split(",") if m]
+    if not modes:  # (before: "," ran no mode and exited 0, "" the layout job)
+        raise SystemExit(f"--sp-mode needs at least one mode ({', '.join(SP_MODE_NAMES)} or "
+                         f"all), got {text!r}")
     for m in modes:
         if m not in SP_MODE_NAMES:
             raise SystemExit(f"--sp-mode takes {', '.join(SP_MODE_NAMES)} or all, got {m!r}")
@@ -219,10 +222,16 @@ def fitting_sp_modes(modes, all_modes: bool, world: int, heads: int, ulysses_siz
     if all_modes:
         modes = [m for m in modes if "double" not in m
                  or world // mode_sizes(m, world, ulysses_size, inner_ring_size)[0]
-                 > inner_ring_size]
+                 > inner_ring_size > 1]
     for mode in modes:
         U, I = mode_sizes(mode, world, ulysses_size, inner_ring_size)
         R = world // U
+        if I is not None and I < 2:
+            # (a double ring is one of inner rings of more than one rank: with rings of one
+            # the library runs the plain ring, which the row would have named a double ring
+            # and held to the double ring's byte formula)
+            raise SystemExit(f"--sp-mode {mode}: --inner-ring-size {I} must be at least 2 (an "
+                             f"inner ring of one rank is the plain ring: --sp-mode ring)")
         if world % U or (I and R % I) or heads % U:
             raise SystemExit(f"--sp-mode {mode}: ulysses {U} x ring {R} (inner {I}) does not "
                              f"fit W={world} and {heads} heads; adjust --ulysses-size / "

@@ -138,8 +138,10 @@ def parse_args(argv=None):
                 f"zigzag, contiguous or stripe")
     if args.seed >= 2 ** 63:
         p.error(f"--seed must be below 2**63, got {args.seed}")
-    if args.heads % args.kv_heads or args.hidden % args.heads:
-        p.error("--heads must divide --hidden and be a multiple of --kv-heads")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.hidden % args.heads:
+        p.error(f"--heads {args.heads} must divide --hidden {args.hidden}")
     if args.dtype == "fp16" and not args.plugin:
         p.error("--dtype fp16 needs --plugin (its fp16 precision keeps float32 weights and "
                 "scales the loss): AdamW on float16 weights turns the loss into nan; use fp32 "

@@ -38,6 +38,11 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("train_long_context.py", ["--lr", "nan"], "--lr: must be a finite positive number"),
     ("train_long_context.py", ["--seed", str(10 ** 20)], "--seed must be below 2**63"),
     ("train_long_context.py", ["--layout", "documents"], "--layout documents: the tokens here"),
+    # (before: one message for both rules, naming no value)
+    ("train_long_context.py", ["--heads", "4", "--kv-heads", "3"],
+     "--heads 4 must be a multiple of --kv-heads 3"),
+    ("train_long_context.py", ["--hidden", "256", "--heads", "3", "--kv-heads", "1"],
+     "--heads 3 must divide --hidden 256"),
     ("memory_check.py", ["--only", "W8", "--quick"], "--only 'W8' with --quick: no quick"),
     ("bench_decode.py", ["--device", "foo"], "--device: invalid choice: 'foo'"),
     ("bench_integrity.py", ["--world-size", "0"], "--world-size: must be a positive integer"),

@@ -63,6 +63,18 @@ def test_help_describes_every_option():
     (["--sp-mode", "all", "--heads", "6", "--world-size", "4"], "does not fit W=4 and 6 heads"),
     # (before: blamed --seqlen and advised a library call)
     (["--layouts", "documents"], "--layouts documents: a layout of packed documents"),
+    # (before: the ranks failed on a length they had cut to a multiple of W, exit status 3)
+    (["--docs", "seeded", "--seqlen", "1001", "--world-size", "2"],
+     "--seqlen 1001 with --docs at world size 2"),
+    # (before: silently ignored by the masked jobs)
+    (["--window", "64", "--batch", "2"], "--batch does not apply"),
+    (["--docs", "seeded", "--causal", "false"], "--causal does not apply"),
+    (["--window", "64", "--modes", "fwd"], "--modes does not apply"),
+    # (before: no mode ran and the run exited 0)
+    (["--sp-mode", ","], "--sp-mode needs at least one mode"),
+    # (before: a plain ring labelled a double ring, held to the double ring's byte formula)
+    (["--sp-mode", "double_ring", "--inner-ring-size", "1", "--world-size", "4"],
+     "--inner-ring-size 1 must be at least 2"),
 ])
 def test_bad_arguments_stop_before_any_rank_starts(args, message):
     proc = _bench(*args)

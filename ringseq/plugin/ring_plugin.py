@@ -805,6 +805,7 @@ class RingSequenceParallelPlugin(Plugin):
             use = GradUse.for_ddp(model, reduction)
         if use is not None:
             use.index = self._boosted
+            use.reduced = reduced if summed else None
             self._grad_uses.append(use)
         self._boosted += 1
         user_model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
@@ -877,6 +878,12 @@ class RingSequenceParallelPlugin(Plugin):
         if self._grad_uses and dist.is_initialized() and dist.get_world_size() > 1:
             from .grad_agreement import agree_before_backward
             agree_before_backward(get_ring(None), self._grad_uses, loss, completing)
+        if loss is not None:
+            # (after the agreement: every rank is inside no_sync alike) a micro-batch under
+            # no_sync after the reduced one is never summed: its step is refused
+            for use in self._grad_uses:
+                if use.reduced is not None and not use.sync_on():
+                    use.reduced.unreduced_backward()
 
     @property
     def reporter(self) -> FailureReporter:

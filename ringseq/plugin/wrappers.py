@@ -173,9 +173,10 @@ class ReducedGrads:
     ``step`` calls :meth:`check_once` first, which raises ValueError (on every rank: ``step``
     agrees on its verdict before any rank steps) when more than one backward was reduced
     since the last step or clear, when a backward accumulated onto gradients the last step
-    used (:meth:`watch`), or when a backward that was not reduced (inside ``no_sync``)
-    followed the reduced one (its gradients were never summed: each rank would step with its
-    own); the boosted optimizer's and model's ``zero_grad`` call :meth:`clear`."""
+    used (:meth:`watch`), or when a ``booster.backward`` inside ``no_sync`` followed the
+    reduced one (:meth:`unreduced_backward`: its gradients were never summed, and each rank
+    would step with its own); the boosted optimizer's and model's ``zero_grad`` call
+    :meth:`clear`."""
 
     def __init__(self):
         self.count = 0          # reduced backward passes since the gradients were cleared
@@ -183,9 +184,7 @@ class ReducedGrads:
         self.uncleared = False  # a backward accumulated onto gradients a step already used
         self._fresh = {}        # graph task -> its backward found the gradients cleared
         self._marked_task = None
-        # a backward after the reduced one that has not been reduced itself (yet: its
-        # reduction may come after the probe), or None
-        self._unreduced_task = None
+        self.unreduced_after = False  # a backward inside no_sync followed the reduced one
 
     def watch(self, params) -> None:
         """Sees how the gradients were left before each backward: a hook on the smallest
@@ -218,10 +217,6 @@ class ReducedGrads:
                     self._fresh[task] = True
             elif self.stepped:
                 self.uncleared = True
-            else:
-                task = torch._C._current_graph_task_id()
-                if self.count and task != self._marked_task:
-                    self._unreduced_task = task  # (mark clears it if this one is reduced)
             self.stepped = False
             return grad
 
@@ -234,18 +229,21 @@ class ReducedGrads:
         self._fresh.clear()  # (entries of no_sync backward passes, which are not reduced)
         self.count += 1
         self._marked_task = task
-        if self._unreduced_task == task:
-            self._unreduced_task = None  # (reduced after all: counted, refused as twice)
+
+    def unreduced_backward(self) -> None:
+        """Before a ``booster.backward`` inside ``no_sync`` (the plugin's agreement knows,
+        the same on every rank): after a reduced one, its gradients will never be summed."""
+        if self.count:
+            self.unreduced_after = True
 
     def clear(self) -> None:
         self.count = 0
-        self.stepped = self.uncleared = False
-        self._unreduced_task = None
+        self.stepped = self.uncleared = self.unreduced_after = False
 
     def after_step(self) -> None:
         self.count = 0
         self.stepped = True
-        self._unreduced_task = None
+        self.unreduced_after = False
 
     def check_once(self) -> None:
         # The count stays: the gradients stay wrong until they are cleared (zero_grad).
@@ -255,7 +253,7 @@ class ReducedGrads:
                 "previous step already used, which the sum over the ranks had summed (W times "
                 "too large once summed again); not stepping. Clear the gradients after every "
                 "step (optimizer.zero_grad() or model.zero_grad())")
-        if self._unreduced_task is not None:
+        if self.unreduced_after:
             raise ValueError(
                 "OptimizerWrapper.step: a backward inside booster.no_sync(model) followed the "
                 "backward that summed the gradients over the ranks, so its gradients were "

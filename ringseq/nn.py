@@ -106,8 +106,9 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
             combined with ``causal``. K/V travel only as far as the window reaches (e.g. one
             hop on contiguous shards for a window reaching left only, causal or
             ``(left, 0)``, shorter than a shard; K/V travel one way round the ring, so a
-            window reaching right makes the full lap) and dK/dV come back the short way; pick ``layout="contiguous"`` for short windows (zigzag and stripe
-            spread every window over all ranks, so they need the full lap).
+            window reaching right makes the full lap) and dK/dV come back the short way;
+            pick ``layout="contiguous"`` for short windows (zigzag and stripe spread every
+            window over all ranks, so they need the full lap).
         alibi_slopes: must be None (NotImplementedError otherwise).
         deterministic: accepted and without effect: ringseq's kernels (the default backend)
             are always deterministic (fixed accumulation order, no atomics) and the ring

@@ -81,8 +81,9 @@ class Documents(_DocumentLayout):
     causal work (visible pairs) of the busiest rank is within ``BALANCE`` of the mean
     (documents shorter than 2W tokens are never split). ``k`` is found by doubling, then
     bisection, a few placements however many documents there are; since splitting one more
-    document does not always improve the balance, it is not always the fewest that would do. Whole documents run as long spans with no partial tiles
-    from cutting; short ones are split only when few documents must fill many ranks.
+    document does not always improve the balance, it is not always the fewest that would do.
+    Whole documents run as long spans with no partial tiles from cutting; short ones are split
+    only when few documents must fill many ranks.
     Needs only ``total % W == 0`` (any document lengths, 1 included). Local order is
     increasing in global position.
 

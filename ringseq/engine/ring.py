@@ -390,7 +390,10 @@ def ring_size(group=None, fn: Optional[str] = None) -> int:
 
 
 def get_comm(group=None) -> Ring:
-    """``ringseq.get_comm(group)``: the name the README documents for :func:`get_ring`."""
+    """``ringseq.get_comm(group)``: the name the README documents for :func:`get_ring`: the
+    :class:`Ring` of ``group`` (None: the default group). Raises (naming ``get_comm``)
+    TypeError for a ``group`` that is not a process group, ValueError for one this process
+    is not in or for any group but None while torch.distributed is not initialized."""
     return get_ring(group, "get_comm")
 
 
@@ -400,8 +403,11 @@ def check_consistent(fields, group=None) -> None:
 
 
 def reset_ring(group=None) -> None:
-    """Makes the ring of ``group`` usable again after a failure broke it (see
-    :mod:`ringseq.engine.integrity`); call it on every rank of the group before the next call."""
+    """Makes the ring of ``group`` (None: the default group) usable again after a failure
+    broke it (see :mod:`ringseq.engine.integrity`); call it on every rank of the group before
+    the next call. Raises (naming ``reset_ring``) TypeError for a ``group`` that is not a
+    process group, ValueError for one this process is not in or for any group but None
+    while torch.distributed is not initialized."""
     get_ring(group, "reset_ring").reset()
 
 

@@ -177,7 +177,8 @@ for k, v in info.items():
     print(f"{k:18} {v}")
 if info["missing"]:
     print(f"MISSING: {info['missing']} (pip install {info['missing'].replace(',', ' ')})")
-sys.exit(4 if info["missing"] else 0 if "torch_cuda" in info else 3)
+# (3: no torch here, try the next python; 4: torch imports, a module it needs is missing)
+sys.exit(3 if "torch_cuda" not in info else 4 if info["missing"] else 0)
 EOF
 }
 # PYTHON, else python3, else python: the first one that imports torch

@@ -95,6 +95,18 @@ def _worker():
         backward()
         res["next step"] = error_text(lambda: (opt.clip_grad_by_norm(0.5), opt.step()))
         opt.zero_grad()
+
+        # a NaN in one gradient: the norm is NaN and every gradient becomes NaN, as torch's
+        # clip makes them (before: left unclipped), or RuntimeError on every rank
+        backward()
+        first = opt.param_groups[0]["params"][0].grad
+        with torch.no_grad():
+            (first.to_local() if hasattr(first, "to_local") else first).view(-1)[0] = math.nan
+        res["nonfinite raises"] = error_text(
+            lambda: opt.clip_grad_by_norm(0.5, error_if_nonfinite=True))
+        res["nan norm"] = float(opt.clip_grad_by_norm(0.5))
+        res["every gradient nan"] = all(bool(torch.isnan(g).all()) for g in grads())
+        opt.zero_grad()
     ringseq.reset_ring()
     return out
 
@@ -131,3 +143,13 @@ def test_a_rank_failing_its_part_raises_on_every_rank(ranks, mesh):
         assert res["seconds"] < FAST, (mesh, rank, res["seconds"])
         assert res["nothing clipped"]
         assert res["next step"] == "no error", res["next step"]
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_a_nan_gradient_makes_every_gradient_nan_or_raises(ranks, mesh):
+    for r in ranks:
+        res = r[mesh]
+        assert res["nonfinite raises"].startswith("RuntimeError: clip_grad_by_norm: the total "
+                                                  "norm of order 2.0 of the gradients is nan"), \
+            res["nonfinite raises"]
+        assert math.isnan(res["nan norm"]) and res["every gradient nan"], res

@@ -158,3 +158,23 @@ def test_a_python_without_einops_stops_the_check_after_env(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "MISSING: einops (pip install einops)" in proc.stdout
     assert "cannot import einops: every stage after env would fail" in proc.stdout
+
+
+@needs_bash
+def test_without_python_the_check_takes_the_first_interpreter_that_imports_torch(tmp_path):
+    # python3 without torch (nor einops), python with both: the check runs with python (a
+    # python3 that lacks torch must not stop the check as "missing einops")
+    (tmp_path / "no_torch").mkdir()
+    for module in ("torch", "einops"):
+        (tmp_path / "no_torch" / f"{module}.py").write_text("raise ImportError('not here')\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, path in (("python3", f"{tmp_path / 'no_torch'}:$PYTHONPATH"),
+                       ("python", "$PYTHONPATH")):
+        exe = bin_dir / name
+        exe.write_text(f"#!/bin/bash\nPYTHONPATH={path} exec {shlex.quote(sys.executable)} "
+                       f"\"$@\"\n")
+        exe.chmod(0o755)
+    proc, plan, _ = dry_run(tmp_path, PYTHON="", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "python=python " in proc.stdout and list(plan) == ORDER, proc.stdout

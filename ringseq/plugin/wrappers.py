@@ -602,9 +602,9 @@ class OptimizerWrapper:
         ``max_norm`` and returns the norm before clipping. Call it between ``backward`` and
         ``step``. Under fp16 the gradients are unscaled first (``step`` then does not unscale
         again), so ``max_norm`` is in the units of the true gradients; an inf/NaN norm there
-        still makes ``step`` skip. The norm is over every gradient of the model, sharded ones
-        (FSDP, tensor parallelism) over all their shards: the same float on every rank, which
-        clips alike (``ringseq.plugin.grad_norm``: each rank's share computed locally, then
+        still makes ``step`` skip. The norm is over every gradient of the optimizer's
+        parameter groups, sharded ones (FSDP, tensor parallelism) over all their shards: the
+        same float on every rank, which clips alike (``ringseq.plugin.grad_norm``: each rank's share computed locally, then
         one all-reduce). Returns it as a scalar tensor of the first gradient's dtype.
 
         Raises ValueError (the same on every rank: the arguments are the caller's) for a
@@ -639,9 +639,10 @@ class OptimizerWrapper:
             raise RuntimeError(f"clip_grad_by_norm: the total norm of order {norm_type} of the "
                                f"gradients is {total}, so they cannot be clipped (pass "
                                f"error_if_nonfinite=False to clip anyway)")
-        # (torch's rule: the factor max_norm / (norm + 1e-6), at most 1)
+        # (torch's rule: the factor max_norm / (norm + 1e-6), at most 1; a NaN norm makes every
+        # gradient NaN, as torch's does, so that nothing steps on half-clipped gradients)
         factor = min(max_norm / (total + 1e-6), 1.0)
-        if factor < 1.0:
+        if not factor >= 1.0:
             with torch.no_grad():
                 for grad in grads:
                     grad.mul_(factor)  # (a DTensor scales its local shard)

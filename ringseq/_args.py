@@ -207,6 +207,17 @@ def parse_window(fn: str, window_size) -> Tuple[int, int]:
     return tuple(-1 if e >= UNBOUNDED else e for e in (left, right))
 
 
+@torch.compiler.disable(reason="ringseq reads document boundaries (cu_seqlens) given as a "
+                        "tensor on the host, which a graph cannot: under "
+                        "torch.compile(fullgraph=True) pass them as a list of ints")
+def _boundaries_on_host(cu_seqlens: torch.Tensor) -> list:
+    """The values of a boundaries tensor on the host. Under torch.compile, a graph break
+    (without fullgraph, the code around it stays compiled) or, with fullgraph=True, dynamo's
+    error carrying the reason above (a data-dependent read failed the trace with a message
+    that named neither the argument nor the way out)."""
+    return cu_seqlens.tolist()
+
+
 def check_cu_seqlens(fn: str, name: str, cu_seqlens, total: Optional[int] = None,
                      what: str = "the packed length") -> Tuple[int, ...]:
     """Document boundaries ``(0, n_0, n_0 + n_1, ..., total)`` as a tuple of ints: a 1-D
@@ -223,14 +234,7 @@ def check_cu_seqlens(fn: str, name: str, cu_seqlens, total: Optional[int] = None
         if cu_seqlens.is_meta:
             raise ValueError(f"{fn}: {name} must hold its values (they are read on the host), "
                              f"got a tensor on the meta device")
-        if torch.compiler.is_compiling():
-            # (its values cannot be read while dynamo traces: under fullgraph=True torch's own
-            # error named neither the function nor a way out; without fullgraph dynamo runs
-            # the call eagerly instead of raising this)
-            raise TypeError(f"{fn}: {name} as a tensor cannot be read under torch.compile "
-                            f"(its values plan the call on the host); pass a list of ints "
-                            f"(cu_seqlens.tolist() outside the compiled region)")
-        cu = cu_seqlens.tolist()  # host copy: spans and layouts are planned on the host
+        cu = _boundaries_on_host(cu_seqlens)  # host copy: spans and layouts are planned on the host
     else:
         # A string is a sequence too: its characters are no boundaries.
         items = None if isinstance(cu_seqlens, str) else _as_list(cu_seqlens)

@@ -185,8 +185,9 @@ def test_export_with_a_dynamic_length_runs_every_length(strict, kwargs):
 
 def test_a_tensor_of_boundaries_under_fullgraph_is_named():
     """cu_seqlens as a tensor cannot be read while dynamo traces: under fullgraph=True the
-    error names the function, the argument and the way out (before: dynamo's "Could not
-    guard on data-dependent expression" only); without fullgraph the call runs, as eager."""
+    error names the argument and the way out (before: dynamo's "Could not guard on
+    data-dependent expression" only); without fullgraph the call runs, as eager, and the
+    code around it stays compiled (a graph break, not a skipped frame)."""
     import ringseq
     q = torch.randn(16, H, D, generator=torch.Generator().manual_seed(0))
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
@@ -195,9 +196,21 @@ def test_a_tensor_of_boundaries_under_fullgraph_is_named():
         return ringseq.flash_attn_varlen_func(q, q, q, cu, cu, 11, 11, causal=True)
 
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"flash_attn_varlen_func: cu_seqlens_k as a tensor "
-                                        r"cannot be read under torch.compile .* pass a list of "
-                                        r"ints"):
+    with pytest.raises(Exception, match=r"ringseq reads document boundaries \(cu_seqlens\) "
+                                        r"given as a tensor on the host, .* pass them as a "
+                                        r"list of ints"):
         torch.compile(attn, fullgraph=True, backend="aot_eager")(q)
+
+    def around(q):  # the code around the call: compiled
+        return torch.sigmoid(attn(torch.relu(q))) * 2
+
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
     torch._dynamo.reset()
-    assert torch.equal(torch.compile(attn, backend="aot_eager")(q), attn(q))
+    assert torch.equal(torch.compile(around, backend=count)(q), around(q))
+    captured = {getattr(t, "__name__", str(t)) for g in graphs for t in g}
+    assert {"relu", "sigmoid"} <= captured, graphs

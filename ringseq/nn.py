@@ -230,7 +230,9 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, dropout_p=
     ``(out, lse, None)``. Ring steps whose blocks see no pair of one document do no work.
 
     Raises what :func:`ring_flash_attn_func` raises, and ValueError for ``cu_seqlens`` that do
-    not start at 0, decrease, or do not end at the global length, and for 3-dim shape errors.
+    not start at 0, decrease, or do not end at the global length, and for 3-dim shape errors;
+    TypeError for ``cu_seqlens=None`` unless ``layout`` was built with its documents
+    (``ringseq.layouts.Documents(cu_seqlens)``).
     """
     return _ring_varlen("ring_flash_attn_varlen_func", q, k, v, cu_seqlens, dropout_p,
                         softmax_scale, causal, window_size, alibi_slopes, deterministic,

@@ -203,7 +203,7 @@ def _summed_twice_case(state_dict):
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2))
     model = _model(state_dict)
-    loader = booster.plugin.prepare_dataloader(_dataset(GLOBAL_BATCH * 10),
+    loader = booster.plugin.prepare_dataloader(_dataset(GLOBAL_BATCH * 12),
                                                batch_size=GLOBAL_BATCH // 2)
     model, opt, criterion, loader, _ = booster.boost(model, _optimizer(model), dataloader=loader)
     batches = iter(loader)
@@ -247,6 +247,18 @@ def _summed_twice_case(state_dict):
     batch = next(batches)
     booster.backward(criterion(model(**batch), batch), opt)
     out["no_sync_first"] = error_text(opt.step)
+    opt.zero_grad()
+    # a second boosted model B accumulating while A also sits in no_sync, after A's reduced
+    # backward: B's loss does not reach A, whose summed gradients step as they are
+    other = _model(state_dict)
+    other, other_opt, _, _, _ = booster.boost(other, _optimizer(other))
+    batch = next(batches)
+    booster.backward(criterion(model(**batch), batch), opt)
+    with booster.no_sync(model), booster.no_sync(other):
+        booster.backward(criterion(other(**batch), batch), other_opt)
+    batch = next(batches)
+    booster.backward(criterion(other(**batch), batch), other_opt)
+    out["two_models"] = [error_text(opt.step), error_text(other_opt.step)]
     out["no_sync_without_model"] = error_text(lambda: booster.no_sync())
     out["no_sync_user_module"] = error_text(lambda: booster.no_sync(model.unwrap()))
     return out
@@ -591,6 +603,7 @@ def test_gradients_summed_twice_are_refused_at_the_step(run):
                                               "inside booster.no_sync(model) followed the "
                                               "backward that summed"), got["no_sync_last"]
         assert got["no_sync_last_unchanged"] and got["no_sync_first"] == "no error", got
+        assert got["two_models"] == ["no error", "no error"], got["two_models"]
         for key in ("no_sync_without_model", "no_sync_user_module"):
             assert got[key].startswith("ValueError: no_sync: model must be the model "
                                        "booster.boost returned"), got[key]

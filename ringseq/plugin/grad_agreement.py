@@ -113,8 +113,9 @@ class GradUse:
         self.name, self.sync_on, self.entries = name, sync_on, entries
         self.reduction = reduction
         self.index = 0  # which of the plugin's boosted models (in boost order) this is
-        #: the SUM reduction's count (``wrappers.ReducedGrads``, zero stage 0), or None
-        self.reduced = None
+        #: the SUM reduction's count (``wrappers.ReducedGrads``, zero stage 0), or None, and
+        #: the model's parameters (a callable), which tell whether a loss reaches the model
+        self.reduced, self.parameters = None, lambda: ()
 
     @classmethod
     def for_ddp(cls, ddp: nn.parallel.DistributedDataParallel, reduction) -> "GradUse":

@@ -805,7 +805,7 @@ class RingSequenceParallelPlugin(Plugin):
             use = GradUse.for_ddp(model, reduction)
         if use is not None:
             use.index = self._boosted
-            use.reduced = reduced if summed else None
+            use.reduced, use.parameters = (reduced if summed else None), model.parameters
             self._grad_uses.append(use)
         self._boosted += 1
         user_model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
@@ -880,9 +880,16 @@ class RingSequenceParallelPlugin(Plugin):
             agree_before_backward(get_ring(None), self._grad_uses, loss, completing)
         if loss is not None:
             # (after the agreement: every rank is inside no_sync alike) a micro-batch under
-            # no_sync after the reduced one is never summed: its step is refused
+            # no_sync after the reduced one is never summed: its step is refused, for each
+            # model the loss reaches (a reentrant checkpoint hides its parameters: counted)
+            leaves = hidden = None
             for use in self._grad_uses:
-                if use.reduced is not None and not use.sync_on():
+                if use.reduced is None or not use.reduced.count or use.sync_on():
+                    continue
+                if leaves is None:
+                    from .grad_agreement import graph_leaves
+                    leaves, hidden = graph_leaves(loss)
+                if hidden or any(id(p) in leaves for p in use.parameters()):
                     use.reduced.unreduced_backward()
 
     @property

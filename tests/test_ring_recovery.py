@@ -1241,6 +1241,44 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, bias
             assert max_err(got, ref) < 1e-10
 
 
+def _worker_evaluation_on_one_dp_group():
+    """W=4 as dp 2 x tp 2 (sp 1) at zero stage 0: after a good step only the ranks of global
+    rank 0's tp group evaluate (a forward under no_grad), then every rank steps."""
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    inner = _tiny_llama().double()
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    plugin = RingSequenceParallelPlugin(sp_size=1, tp_size=2)
+    booster = Booster(plugin=plugin)
+    model, opt, crit, _, _ = booster.boost(inner, torch.optim.SGD(inner.parameters(), lr=0.1))
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, group=plugin.sp_group)
+
+    def step():
+        booster.backward(crit(model(**batch), batch), opt)
+        opt.step()
+        opt.zero_grad()
+    step()
+    out = {}
+    if rank in dist.get_process_group_ranks(plugin.groups.tp_group) and 0 in \
+            dist.get_process_group_ranks(plugin.groups.tp_group):
+        with torch.no_grad():
+            out["evaluation"] = _capture(lambda: float(model(**batch).logits.sum()))
+    out["next step"] = _capture(step)
+    return out
+
+
+def test_evaluating_on_one_data_parallel_group_leaves_the_others_in_step():
+    # (the agreement at the end of a forward under no_grad spans every rank only where every
+    # rank takes part in every forward: at zero stage 0 with dp 2 it would have paired group
+    # 0's evaluation with group 1's next loss)
+    res = run_ranks(_worker_evaluation_on_one_dp_group, 4, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    assert sum("evaluation" in r for r in res) == 2, res
+    for r in res:
+        assert r.get("evaluation", ("ok",))[0] == "ok" and r["next step"][0] == "ok", r
+
+
 def _worker_subgroup_stall():
     """W=4 in two rings of 2 ({0, 1} and {2, 3}); global rank 3 stalls past the timeout: its
     ring peer, global rank 2 (rank 0 of its group), times out naming the peer by its global

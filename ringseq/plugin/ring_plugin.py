@@ -818,7 +818,11 @@ class RingSequenceParallelPlugin(Plugin):
             dataloader.tag = step
         model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
         model._reduction = reduction
-        model.agrees_after_no_grad_forward = dims.sharded
+        # (over every rank: at zero stage 2/3 every forward has collectives on all of them;
+        # at zero stage 0 only those of its data-parallel group, which evaluating on one
+        # group uses alone: agreed there only where that group is every rank)
+        model.agrees_after_no_grad_forward = dims.zero_stage >= 2 or (
+            dims.tp_size > 1 and dims.dp_size == 1)
         if frozen or isinstance(model.module, nn.parallel.DistributedDataParallel):
             # DDP sums only the parameters that required gradients when it was built (and a
             # frozen model has no sum at all): unfreezing one later must be refused

@@ -60,7 +60,8 @@ class ModelWrapper(nn.Module):
     is on another group than the ring and a ring report was sent (the ring peers may be past
     their ring calls, as in the first step, whose ring calls are not counted yet), the loss
     report goes first and says that a ring report waits; the ring peers take it at their
-    loss (``FailureReporter.take_ring_reports``). A sharded model's forward under no_grad
+    loss (``FailureReporter.take_ring_reports``). Where every rank takes part in every forward
+    (zero stage 2/3; tensor parallelism without data parallelism), a forward under no_grad
     ends with the loss's agreement itself (``FailureReporter.forward_ended``): an evaluation
     without the plugin's loss raises on every rank too. The exception
     is re-raised on this rank; the ring stays broken until ``booster.reset()`` (or
@@ -91,8 +92,9 @@ class ModelWrapper(nn.Module):
         #: a forward without position_ids is refused
         self.needs_position_ids = False
         #: a forward under no_grad ends with the ranks' agreement on whether it ran
-        #: (``FailureReporter.forward_ended``): set for sharded models (FSDP, tensor
-        #: parallelism), whose forward on one rank uses the others' shards
+        #: (``FailureReporter.forward_ended``): set where every rank takes part in every
+        #: forward (FSDP; tensor parallelism without data parallelism), whose forward on one
+        #: rank uses the others' shards
         self.agrees_after_no_grad_forward = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .._dist import _collective_device
 
-__all__ = ["local_norm_share", "total_norm"]
+__all__ = ["local_norm_share", "scale_", "total_norm"]
 
 
 def _local_values(grad: torch.Tensor):
@@ -41,6 +41,19 @@ def _local_values(grad: torch.Tensor):
     return grad.to_local(), shards
 
 
+def _grouped(grads, with_shards: bool) -> dict:
+    """The non-empty local tensors of ``grads`` by (device, dtype[, shards]): one foreach
+    kernel per group instead of a few per gradient."""
+    groups = {}
+    for grad in grads:
+        local, shards = _local_values(grad) if with_shards else (
+            grad.to_local() if hasattr(grad, "to_local") else grad, 1)
+        if local.numel():
+            key = (local.device, local.dtype) + ((shards,) if with_shards else ())
+            groups.setdefault(key, []).append(local)
+    return groups
+
+
 def local_norm_share(grads, norm_type: float) -> torch.Tensor:
     """This rank's share of the total ``norm_type`` norm of ``grads`` (see the module doc): a
     float64 scalar, ``sum |g|^p`` scaled by ``n / W`` (or the local maximum for inf). No
@@ -48,17 +61,22 @@ def local_norm_share(grads, norm_type: float) -> torch.Tensor:
     world = dist.get_world_size() if dist.is_initialized() else 1
     inf = math.isinf(norm_type)
     share = None
-    for grad in grads:
-        local, shards = _local_values(grad)
-        if local.numel() == 0:
-            continue
+    for (device, dtype, shards), tensors in _grouped(grads, with_shards=True).items():
         # (bf16 / fp16 gradients normed in float32: their own precision loses digits)
-        norm = torch.linalg.vector_norm(local, norm_type, dtype=None if local.dtype in (
-            torch.float32, torch.float64) else torch.float32).to(torch.float64)
-        part = norm if inf else norm ** norm_type * (shards / world)
+        norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=None if dtype in (
+            torch.float32, torch.float64) else torch.float32)).to(torch.float64)
+        part = norms.max() if inf else (norms ** norm_type).sum() * (shards / world)
         share = part if share is None else (torch.maximum(share, part.to(share.device)) if inf
                                             else share + part.to(share.device))
     return torch.zeros((), dtype=torch.float64) if share is None else share
+
+
+def scale_(grads, factor: torch.Tensor) -> None:
+    """Multiplies every gradient's local values by ``factor`` (a scalar tensor), in place,
+    one foreach kernel per device and dtype."""
+    with torch.no_grad():
+        for (device, _), tensors in _grouped(grads, with_shards=False).items():
+            torch._foreach_mul_(tensors, factor.to(device))
 
 
 def total_norm(share: torch.Tensor, norm_type: float) -> float:

@@ -48,6 +48,7 @@ class MeshGroups:
     #: the names of the mesh dims that make up sp
     sp_dims: tuple = ("sp",)
     _dp_sp_mesh: Any = None
+    _replica_group: Any = False  # (False: not made yet; None: the default group)
 
     def dp_sp_mesh(self):
         """The 1-D mesh of the dp x sp ranks of this tp index (the ranks holding identical
@@ -56,6 +57,22 @@ class MeshGroups:
         if self._dp_sp_mesh is None:
             self._dp_sp_mesh = self.mesh[("dp",) + tuple(self.sp_dims)]._flatten("dp_sp")
         return self._dp_sp_mesh
+
+    def replica_group(self):
+        """The ranks of this rank's model replica, sp x tp at its dp index: every rank a
+        forward's collectives reach at zero stage 0 (the ring and the Ulysses all-to-alls
+        over sp, the tensor-parallel ones over tp). The sp group itself without tp, None (the
+        default group) without dp; else created on first use: collective over the default
+        group, so call it on every rank."""
+        if self._replica_group is False:
+            if self.tp_size == 1:
+                self._replica_group = self.sp_group
+            elif self.dp_size == 1:
+                self._replica_group = None
+            else:
+                self._replica_group = self.mesh[tuple(self.sp_dims) + ("tp",)]._flatten(
+                    "sp_tp").get_group()
+        return self._replica_group
 
 
 def _default_device_type() -> str:

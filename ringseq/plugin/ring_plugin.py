@@ -818,11 +818,14 @@ class RingSequenceParallelPlugin(Plugin):
             dataloader.tag = step
         model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
         model._reduction = reduction
-        # (over every rank: at zero stage 2/3 every forward has collectives on all of them;
-        # at zero stage 0 only those of its data-parallel group, which evaluating on one
-        # group uses alone: agreed there only where that group is every rank)
-        model.agrees_after_no_grad_forward = dims.zero_stage >= 2 or (
-            dims.tp_size > 1 and dims.dp_size == 1)
+        # The ranks a forward's collectives reach agree at the end of a forward under no_grad:
+        # at zero stage 2/3 every rank (FSDP's all-gathers); at zero stage 0 those of its
+        # model replica (the ring, tp), so that evaluating on one data-parallel group alone
+        # stays possible. (Made on every rank alike: boost runs on every rank.)
+        group = None if dims.zero_stage >= 2 else self.groups.replica_group()
+        model.agrees_after_no_grad_forward = (dist.is_initialized()
+                                              and dist.get_world_size(group) > 1)
+        self.reporter.no_grad_group = group
         if frozen or isinstance(model.module, nn.parallel.DistributedDataParallel):
             # DDP sums only the parameters that required gradients when it was built (and a
             # frozen model has no sum at all): unfreezing one later must be refused

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import contextvars
 import math
 import numbers
@@ -17,7 +18,7 @@ from ..engine.integrity import call_tag
 from ..engine.ring import get_ring
 from ..loss import RING_REPORT_WAITS, report_step_failure, sharded_cross_entropy
 from .dataloader import INPUTS_EMBEDS_UNDER_TP
-from .grad_norm import local_norm_share, total_norm
+from .grad_norm import local_norm_share, scale_, total_norm
 
 __all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads",
            "SequenceParallelLoss", "StepTag"]
@@ -60,10 +61,10 @@ class ModelWrapper(nn.Module):
     is on another group than the ring and a ring report was sent (the ring peers may be past
     their ring calls, as in the first step, whose ring calls are not counted yet), the loss
     report goes first and says that a ring report waits; the ring peers take it at their
-    loss (``FailureReporter.take_ring_reports``). Where every rank takes part in every forward
-    (zero stage 2/3; tensor parallelism without data parallelism), a forward under no_grad
-    ends with the loss's agreement itself (``FailureReporter.forward_ended``): an evaluation
-    without the plugin's loss raises on every rank too. The exception
+    loss (``FailureReporter.take_ring_reports``). A forward under no_grad ends with that
+    agreement itself, over the ranks its collectives reach (``FailureReporter.forward_ended``:
+    every rank at zero stage 2/3, the model replica's sp x tp ranks at zero stage 0): an
+    evaluation without the plugin's loss raises on all of them too. The exception
     is re-raised on this rank; the ring stays broken until ``booster.reset()`` (or
     ``ringseq.reset_ring``) on every rank.
     """
@@ -91,10 +92,8 @@ class ModelWrapper(nn.Module):
         #: ... and a transformers model there numbers its tokens from the shortened sequence:
         #: a forward without position_ids is refused
         self.needs_position_ids = False
-        #: a forward under no_grad ends with the ranks' agreement on whether it ran
-        #: (``FailureReporter.forward_ended``): set where every rank takes part in every
-        #: forward (FSDP; tensor parallelism without data parallelism), whose forward on one
-        #: rank uses the others' shards
+        #: a forward under no_grad ends with the agreement of the ranks its collectives reach
+        #: (``FailureReporter.forward_ended``, over ``no_grad_group``)
         self.agrees_after_no_grad_forward = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -303,6 +302,9 @@ def _add_note(exc: BaseException, note: str) -> None:
         add(note)
 
 
+_LOSS_GROUP = object()  # take_ring_reports' default: the reporter's loss_group
+
+
 class FailureReporter:
     """Tells the other ranks that this rank's forward or backward raised, so none of them
     waits for it (see :class:`ModelWrapper`).
@@ -340,6 +342,9 @@ class FailureReporter:
         #: running it (``grad_agreement``; set by the plugin; takes the reduction it
         #: completes), or None
         self.before_completion = None
+        #: the ranks a forward reaches, which agree at the end of a forward under no_grad
+        #: (``forward_ended``; set by the plugin; None: the default group)
+        self.no_grad_group = None
 
     @contextlib.contextmanager
     def watch(self, phase: str, reduction=None, agreed_at_end: bool = False):
@@ -369,17 +374,17 @@ class FailureReporter:
                     reduction_.backward_ended()
 
     def forward_ended(self) -> None:
-        """After a forward under no_grad of a sharded model that ran on this rank: meets the
-        ranks of ``loss_group`` where a rank whose forward raised sends its loss report
+        """After a forward under no_grad that ran on this rank: meets the ranks of
+        ``no_grad_group`` where a rank whose forward raised sends its loss report
         (``_after_failure``). A forward with gradients meets it at the plugin's loss; an
         evaluation that reads the outputs itself has none, and the others returned outputs
         computed from the failed rank's stand-ins (the zeros its replay of the tp
         collectives sends) without a word. Raises RingPeerError naming the failed ranks,
         after taking the ring reports they left waiting. One control collective."""
         try:
-            get_ring(self.loss_group).agree(True, "", about="loss")
+            get_ring(self.no_grad_group).agree(True, "", about="loss")
         except Exception as exc:
-            self.take_ring_reports(exc)
+            self.take_ring_reports(exc, self.no_grad_group)
             raise
 
     def _after_failure(self, phase: str, exc: BaseException, calls: int, reduction,
@@ -417,7 +422,9 @@ class FailureReporter:
         # that a ring report waits, and the peers that meet it take the ring report
         # (SequenceParallelLoss). Sent after the ring report, as before, it came only once
         # that had waited out the ring timeout, and every rank waited as long.
-        loss_first = to_loss and to_ring and get_ring(self.loss_group) is not self.ring
+        # (after a forward under no_grad the others meet it at its end, over no_grad_group)
+        report_group = self.no_grad_group if agreed_at_end else self.loss_group
+        loss_first = to_loss and to_ring and get_ring(report_group) is not self.ring
         try:
             note = None
             if phase == "forward" and reduction is not None:
@@ -445,7 +452,7 @@ class FailureReporter:
                             f"wait for a backward, and which one's the others wait in cannot "
                             f"be told")
             if loss_first:
-                self._report_to_loss(exc, ring_report_waits=True)
+                self._report_to_loss(exc, report_group, ring_report_waits=True)
         finally:
             interrupted = _join(thread)
         for report_exc in report_errors:
@@ -458,13 +465,13 @@ class FailureReporter:
             _add_note(exc, note + ". The process group cannot be used again: restart the "
                                   "processes (booster.reset() refuses)")
         if to_loss and not loss_first:
-            self._report_to_loss(exc)
+            self._report_to_loss(exc, report_group)
         if interrupted is not None:
             raise interrupted
 
-    def _report_to_loss(self, exc: BaseException, ring_report_waits: bool = False) -> None:
+    def _report_to_loss(self, exc: BaseException, group, ring_report_waits: bool = False) -> None:
         try:
-            report_step_failure(self.loss_group, exc, ring_report_waits=ring_report_waits)
+            report_step_failure(group, exc, ring_report_waits=ring_report_waits)
         except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
             _add_note(exc, f"ringseq: reporting it to the loss failed too: "
                            f"{type(report_exc).__name__}: {report_exc}")
@@ -483,16 +490,19 @@ class FailureReporter:
         return (local and (full is None or calls < full) and self.ring.world_size > 1
                 and self.ring.broken is None and self.ring.checks_on)
 
-    def take_ring_reports(self, error: BaseException) -> None:
+    def take_ring_reports(self, error: BaseException, group=_LOSS_GROUP) -> None:
         """After this rank's loss raised ``error`` (RingPeerError, or its own): takes the
         failure reports that ring peers named there left waiting on this rank's attention
-        ring (see ``_after_failure``); a failure of that is a note on ``error``."""
-        loss_ring = get_ring(self.loss_group)
+        ring (see ``_after_failure``); a failure of that is a note on ``error``. ``group``:
+        where the loss agreement ran (default ``loss_group``; ``forward_ended``'s is
+        ``no_grad_group``)."""
+        group = self.loss_group if group is _LOSS_GROUP else group
+        loss_ring = get_ring(group)
         if loss_ring is self.ring or self.ring.broken is not None:
             return
         members = set(getattr(self.ring.transport, "members", ()))
         waiting = [r for r, text in loss_ring.peer_messages.items()
-                   if RING_REPORT_WAITS in text and global_rank(self.loss_group, r) in members]
+                   if RING_REPORT_WAITS in text and global_rank(group, r) in members]
         if waiting:
             try:
                 self.ring.take_failure_report(error)
@@ -641,17 +651,18 @@ class OptimizerWrapper:
             raise RuntimeError(f"clip_grad_by_norm: the total norm of order {norm_type} of the "
                                f"gradients is {total}, so they cannot be clipped (pass "
                                f"error_if_nonfinite=False to clip anyway)")
-        # (torch's rule: the factor max_norm / (norm + 1e-6), at most 1; a NaN norm makes every
-        # gradient NaN, as torch's does, so that nothing steps on half-clipped gradients)
-        factor = min(max_norm / (total + 1e-6), 1.0)
-        if not factor >= 1.0:
-            with torch.no_grad():
-                for grad in grads:
-                    grad.mul_(factor)  # (a DTensor scales its local shard)
+        # As torch's clip: the norm in the gradients' promoted dtype, the factor
+        # max_norm / (norm + 1e-6) at most 1 in it (a NaN norm makes every gradient NaN, so
+        # that nothing steps on half-clipped gradients)
+        dtype = (functools.reduce(torch.promote_types, [g.dtype for g in grads]) if grads
+                 else torch.float32)
         first = grads[0].to_local() if grads and hasattr(grads[0], "to_local") else (
             grads[0] if grads else None)
-        return torch.tensor(total, dtype=torch.float32 if first is None else first.dtype,
-                            device=None if first is None else first.device)
+        norm = torch.tensor(total, dtype=dtype, device=None if first is None else first.device)
+        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if not math.isfinite(total) or total + 1e-6 > max_norm:  # (else a factor of 1)
+            scale_(grads, factor)
+        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)

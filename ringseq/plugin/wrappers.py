@@ -616,8 +616,10 @@ class OptimizerWrapper:
         again), so ``max_norm`` is in the units of the true gradients; an inf/NaN norm there
         still makes ``step`` skip. The norm is over every gradient of the optimizer's
         parameter groups, sharded ones (FSDP, tensor parallelism) over all their shards: the
-        same float on every rank, which clips alike (``ringseq.plugin.grad_norm``: each rank's share computed locally, then
-        one all-reduce). Returns it as a scalar tensor of the first gradient's dtype.
+        same float on every rank, which clips alike (``ringseq.plugin.grad_norm``: each
+        rank's share computed locally, then one all-reduce). Returns it as a scalar tensor of
+        the gradients' promoted dtype, as torch's clip does (equal to it within float
+        rounding: the shares are summed in another order).
 
         Raises ValueError (the same on every rank: the arguments are the caller's) for a
         ``max_norm`` that is not a finite number >= 0 (a negative one reversed the gradients,

@@ -129,8 +129,8 @@ def _rank(args, case):
     # the same block tasks without communication (this rank's own K/V stand in)
     spec = attn_spec("masked_ring", q, k, v, causal=True, window_size=case["window"],
                      documents=case["cu"], backend=args.backend, needs_grad=False)
-    plan = make_plan(spec, ringseq.get_layout(lay).bind(spec.documents), world, rank, q.shape,
-                     k.shape[2], q.dtype)
+    bound = get_layout(lay).bind(spec.documents)  # (the documents layout: this call's)
+    plan = make_plan(spec, bound, world, rank, q.shape, k.shape[2], q.dtype)
     be, scale = plan.backend, plan.softmax_scale
     qd, kd, vd, dd = (t.detach() for t in (q, k, v, dout))
     # The backward's kernels get the ring's own merged out / lse: their cost depends on the
@@ -139,7 +139,7 @@ def _rank(args, case):
     # The ring's output against float64 attention with the same mask on this rank's first
     # --check-rows queries (each rank's error against its own plain error: the worst excess)
     rows = min(args.check_rows, q.shape[1])
-    pos = ringseq.layouts.positions_local(s, get_layout(lay).bind(spec.documents), world, rank)
+    pos = ringseq.layouts.positions_local(s, bound, world, rank)
     err, plain_err = spot_check(full, out0, pos, True, rows, window=case["window"],
                                 cu_seqlens=case["cu"])
     errs = torch.tensor([err, plain_err, err - 2 * plain_err], dtype=torch.float64)

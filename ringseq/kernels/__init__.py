@@ -14,7 +14,7 @@ import torch
 
 from .registry import backend_by_key, backend_key
 from .base import AttentionBackend, compute_delta
-from .checks import accum_dtype, check_qkv, resolve_scale
+from .checks import FLOAT_DTYPES, accum_dtype, check_qkv, resolve_scale
 from .extension import ExtensionBackend, extension_available, extension_has_cuda
 from .flash_attn import FlashAttnBackend, flash_attn_module
 from .reference import ReferenceBackend
@@ -87,9 +87,6 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
     return chosen
 
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
 def available_backends(device="cpu", dtype=torch.float32, headdim=64) -> list[str]:
     """Names of the backends (of ``BACKEND_NAMES``, in its order) that can run attention on
     inputs of ``dtype`` (float32, float64, bfloat16 or float16) with head dim ``headdim`` (an
@@ -108,8 +105,8 @@ def available_backends(device="cpu", dtype=torch.float32, headdim=64) -> list[st
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{fn}: dtype must be a torch.dtype, got {dtype!r} "
                         f"({type(dtype).__name__})")
-    if dtype not in _FLOATS:
-        raise ValueError(f"{fn}: dtype must be one of {', '.join(map(str, _FLOATS))} (what "
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{fn}: dtype must be one of {', '.join(map(str, FLOAT_DTYPES))} (what "
                          f"attention takes), got {dtype}")
     try:  # (NumPy's integers too; not a bool, a float or a tensor)
         if isinstance(headdim, (bool, torch.Tensor)):

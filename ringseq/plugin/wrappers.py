@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import contextvars
+import functools
 import math
 import numbers
 import threading

@@ -794,7 +794,7 @@ def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(plugin_kwargs,
                 _is_error(r[case], ("RingBrokenError",), "rank 1 failed")
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
-                          "booster.reset()")
+                          "rank 1: MemoryError: injected", "booster.reset()")
         assert "[1]" in r["at first"][1] or rank == 1 or first != "embedding", r["at first"]
     want = _single_process_params()
     for r in res:
@@ -971,7 +971,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs, fi
                           "MemoryError")
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
-                          "booster.reset()")
+                          "rank 1: MemoryError: injected", "booster.reset()")
     want = _single_process_params(freeze_embedding, unused=unused)
     for r in res:
         for got, ref in zip(r["params"], want):
@@ -1229,7 +1229,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, bias
                           "MemoryError")
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
-                          "booster.reset()")
+                          "rank 1: MemoryError: injected", "booster.reset()")
     if plugin_kwargs.get("precision") == "bf16":
         # (bf16 steps: not float64 training; every rank holds the same model after recovery)
         for r in res:

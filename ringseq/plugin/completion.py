@@ -1,17 +1,18 @@
 """What a boosted model's data-parallel reduction does when a step raises on some ranks: the
 interface :class:`~ringseq.plugin.wrappers.FailureReporter` drives (implemented by
 ``ddp_sum.DdpSum``, ``fsdp_replay.FsdpReplay`` and ``tp_replay.TpReplay``), and the error,
-note and bounded wait they share."""
+note, bounded wait and status rows they share."""
 from __future__ import annotations
 
 import datetime
-from typing import Callable, List, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
 from .._dist import RingPeerError
 
-__all__ = ["Completion", "bounded", "completion_failed_note", "peers_failed_error"]
+__all__ = ["Completion", "STATUS_MESSAGE_BYTES", "bounded", "completion_failed_note",
+           "failed_in", "peers_failed_error", "status_rows"]
 
 
 class Completion:
@@ -47,9 +48,10 @@ class Completion:
         raises (the rank's own error is what it raises)."""
         return None
 
-    def after_failure(self, timeout: float) -> Optional[str]:
-        """This rank's backward raised: completes the backward's collectives and tells the
-        other ranks. Returns a note as :meth:`after_forward_failure`; never raises."""
+    def after_failure(self, timeout: float, error: BaseException) -> Optional[str]:
+        """This rank's backward raised ``error``: completes the backward's collectives and
+        tells the other ranks (the start of ``error`` included: :func:`status_rows`). Returns
+        a note as :meth:`after_forward_failure`; never raises."""
         return None
 
     def after_success(self) -> None:
@@ -64,13 +66,58 @@ class Completion:
         """On every rank (the plugin's reset): forgets the failed step."""
 
 
-def peers_failed_error(failed: List[int]) -> RingPeerError:
-    """The error of a rank whose backward ended while those of ``failed`` (global ranks)
-    raised."""
+#: how much of a failed rank's error the status rows carry (UTF-8 bytes; a row is one more)
+STATUS_MESSAGE_BYTES = 191
+_ERRORS_SHOWN = 4  # the errors a peer's RingPeerError quotes (the first ranks')
+
+
+def status_rows(world: int, rank: int, device, error: Optional[BaseException]) -> torch.Tensor:
+    """What one rank adds to the status all-reduce that ends every backward: (world,
+    1 + STATUS_MESSAGE_BYTES) uint8, zeros but this rank's row when its backward raised
+    ``error``: 1, then the start of ``"{type}: {message}"`` in UTF-8. Each rank writes only
+    its own row, so the sum over the ranks holds every rank's row as it wrote it, and the
+    ranks whose backward ended can quote why the others' did not (without a second
+    collective on the error path)."""
+    rows = torch.zeros(world, 1 + STATUS_MESSAGE_BYTES, dtype=torch.uint8,
+                       device=device)  # (world, 1 + STATUS_MESSAGE_BYTES)
+    if error is not None:
+        text = _describe(error).encode("utf-8", "replace")[:STATUS_MESSAGE_BYTES]
+        row = torch.tensor([1, *text], dtype=torch.uint8)  # (1 + len(text),)
+        rows[rank, :row.numel()] = row.to(device)
+    return rows
+
+
+def failed_in(rows: torch.Tensor, ranks: Sequence[int]) -> Dict[int, str]:
+    """The ranks marked in summed :func:`status_rows` (``ranks[i]``: the global rank of row
+    ``i``), each with the start of its error; one copy to the host."""
+    host = rows.cpu()
+    failed = {}
+    for i, flag in enumerate(host[:, 0].tolist()):
+        if flag:
+            text = bytes(host[i, 1:].tolist()).rstrip(b"\0")
+            cut = "..." if len(text) == STATUS_MESSAGE_BYTES else ""
+            failed[ranks[i]] = text.decode("utf-8", "ignore") + cut
+    return failed
+
+
+def _describe(error: BaseException) -> str:
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:  # noqa: BLE001 - an error whose str() raises still names its type
+        return type(error).__name__
+
+
+def peers_failed_error(failed: Dict[int, str]) -> RingPeerError:
+    """The error of a rank whose backward ended while those of ``failed`` (global rank ->
+    the start of its error, :func:`failed_in`) raised."""
+    ranks = list(failed)
+    quoted = "; ".join(f"rank {r}: {failed[r]}" for r in ranks[:_ERRORS_SHOWN])
+    if len(ranks) > _ERRORS_SHOWN:
+        quoted += f"; and {len(ranks) - _ERRORS_SHOWN} more"
     return RingPeerError(
-        f"ringseq: the backward did not end on rank(s) {failed} (they raise their own errors), "
-        f"so the gradients reduced on this rank are invalid. Skip the step: "
-        f"optimizer.zero_grad() and booster.reset() on every rank", ranks=failed)
+        f"ringseq: the backward did not end on rank(s) {ranks} (they raise their own errors: "
+        f"{quoted}), so the gradients reduced on this rank are invalid. Skip the step: "
+        f"optimizer.zero_grad() and booster.reset() on every rank", ranks=ranks)
 
 
 def completion_failed_note(what: str, exc: BaseException) -> str:

@@ -7,8 +7,8 @@ the model after its last ring call, or a ring call that raised because a peer re
 never reaches its remaining buckets, so every other rank would wait in DDP's all-reduce until
 the process group's timeout. Here every bucket's all-reduce is counted as it starts; a rank
 whose backward raised runs the all-reduces it did not reach itself, on zeros
-(:func:`complete_after_failure`), and the last bucket carries a status vector in which such a
-rank marks itself. Every rank thus makes the same collectives, and the ranks whose backward
+(:func:`complete_after_failure`), and the last bucket carries the status rows in which such a
+rank marks itself, with the start of its error. Every rank thus makes the same collectives, and the ranks whose backward
 ended see who did not finish (:meth:`DdpSum.after_success`): their summed gradients
 are invalid, and they raise instead of stepping.
 """
@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .completion import Completion, completion_failed_note, peers_failed_error
+from .completion import (Completion, completion_failed_note, failed_in, peers_failed_error,
+                         status_rows)
 
 __all__ = ["DdpSum", "complete_after_failure", "sum_allreduce_hook"]
 
@@ -33,8 +34,8 @@ class DdpSum(Completion):
     backward passes (``ReducedGrads``), marked at each backward's first bucket. ``expecting``:
     the model's last forward prepared DDP for a reduced backward that has not ended.
     ``launched``: the buckets this backward has sent so far. ``status``: the last bucket's
-    status vector once it completed, (world,) int64, 1 where a rank did not finish its
-    backward; None before."""
+    status rows once they completed (``completion.status_rows``: a row per rank, marked
+    where a rank did not finish its backward); None before."""
 
     def __init__(self, ddp, reduced):
         # (weakly: DDP's reducer holds this hook state from C++, where the garbage collector
@@ -65,13 +66,10 @@ class DdpSum(Completion):
         self.ddp.reducer._reset_state()
         self.expecting, self.launched, self.status = False, 0, None
 
-    def status_vector(self, device, failed: bool) -> torch.Tensor:
-        vec = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)  # (world,)
-        if failed:
-            vec[dist.get_rank()] = 1
-        return vec
+    def status_rows(self, device, error: Optional[BaseException]) -> torch.Tensor:
+        return status_rows(dist.get_world_size(), dist.get_rank(), device, error)
 
-    def after_failure(self, timeout: float) -> Optional[str]:
+    def after_failure(self, timeout: float, error: BaseException) -> Optional[str]:
         """This rank's backward raised: completes DDP's collectives (see the module doc).
         Returns a note for this rank's error when they could not be completed (never raises:
         the rank's own error is what it raises)."""
@@ -84,7 +82,7 @@ class DdpSum(Completion):
                     "(static_graph's first iteration): they wait for the process group's "
                     "timeout")
         try:
-            complete_after_failure(self.ddp, self, timeout)
+            complete_after_failure(self.ddp, self, timeout, error)
         except Exception as exc:  # noqa: BLE001 - a peer gone, or too slow to answer
             return completion_failed_note("DDP's gradient reduction", exc)
         return None
@@ -95,7 +93,7 @@ class DdpSum(Completion):
         synchronization on a GPU)."""
         if self.status is None:  # not reduced in this backward (no_sync, another model's)
             return
-        failed = [r for r, s in enumerate(self.status.tolist()) if s]
+        failed = failed_in(self.status, range(dist.get_world_size()))
         self.status = None
         if failed:
             raise peers_failed_error(failed)
@@ -113,7 +111,7 @@ def sum_allreduce_hook(state: DdpSum, bucket):
     fut = dist.all_reduce(buffer, async_op=True).get_future()
     if not bucket.is_last():
         return fut.then(lambda f: f.value()[0])
-    status = state.status_vector(buffer.device, failed=False)
+    status = state.status_rows(buffer.device, None)  # (world, 1 + message bytes)
     status_fut = dist.all_reduce(status, async_op=True).get_future()
 
     def done(futures):
@@ -123,10 +121,10 @@ def sum_allreduce_hook(state: DdpSum, bucket):
     return torch.futures.collect_all([fut, status_fut]).then(done)
 
 
-def complete_after_failure(ddp, state: DdpSum, timeout: float) -> None:
-    """On a rank whose backward raised: the all-reduces of the buckets DDP did not send, on
-    zeros, the last with this rank marked in the status vector, so that the other ranks'
-    backward ends (and raises RingPeerError there). Waits at most ``timeout``
+def complete_after_failure(ddp, state: DdpSum, timeout: float, error: BaseException) -> None:
+    """On a rank whose backward raised ``error``: the all-reduces of the buckets DDP did not
+    send, on zeros, the last with this rank marked in the status rows, so that the other
+    ranks' backward ends (and raises RingPeerError there, quoting ``error``). Waits at most ``timeout``
     seconds (a peer that died does not answer); the caller re-raises its own error either
     way. Uses DDP's own (private) list of its buckets, the one its join mode replays."""
     buckets = ddp.reducer._get_zeros_like_grad_buckets()  # in the order DDP sends them
@@ -138,7 +136,7 @@ def complete_after_failure(ddp, state: DdpSum, timeout: float) -> None:
             buffer = bucket.buffer()
             works.append(dist.all_reduce(buffer, async_op=True))
             if bucket.is_last():
-                works.append(dist.all_reduce(state.status_vector(buffer.device, failed=True),
+                works.append(dist.all_reduce(state.status_rows(buffer.device, error),
                                              async_op=True))
         # DDP's all-reduce of the used-parameter map follows its last bucket (sent by DDP
         # itself when every bucket was)

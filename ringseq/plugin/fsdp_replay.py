@@ -48,7 +48,7 @@ the decoder layers). Not reproduced: FSDP's explicit prefetching
 """
 from __future__ import annotations
 
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor, Partial
 
-from .completion import Completion, bounded, peers_failed_error
+from .completion import Completion, bounded, failed_in, peers_failed_error, status_rows
 
 __all__ = ["FsdpReplay"]
 
@@ -293,10 +293,10 @@ class FsdpReplay(Completion):
         return bounded(replay, self._groups(), timeout, "FSDP's forward")
 
     # -- backward --------------------------------------------------------------------------
-    def after_failure(self, timeout: float) -> Optional[str]:
+    def after_failure(self, timeout: float, error: BaseException) -> Optional[str]:
         """The rest of FSDP's backward (the all-gathers, prefetches and reduce-scatters the
         other ranks make, on zeros where this rank has no gradient), then this rank marked in
-        the status vector."""
+        the status rows with ``error``."""
         if not self.expecting:
             return self.tp.second_backward_note() if self.tp is not None else None
         self.expecting = False
@@ -361,7 +361,7 @@ class FsdpReplay(Completion):
             for state in root.module._get_fsdp_state()._state_ctx.all_states:
                 for group in reversed(state._fsdp_param_groups):
                     post_backward(group)
-            self._status(failed=True)
+            self._status(error)
         self._replaying = True
         try:
             return bounded(replay, self._groups(), timeout, "FSDP's backward")
@@ -382,7 +382,7 @@ class FsdpReplay(Completion):
         if not (self.expecting and self._in_backward):
             return  # (a backward of another model only)
         self.expecting, self._grad_forwards, self._in_backward = False, 0, False
-        failed = self._status(failed=False)
+        failed = self._status(None)
         if failed:
             raise peers_failed_error(failed)
 
@@ -425,16 +425,15 @@ class FsdpReplay(Completion):
                         [Partial()] * param.device_mesh.ndim, run_check=False)
         group.post_backward()
 
-    def _status(self, failed: bool) -> List[int]:
-        """All-reduces the status vector over FSDP's group (with tp: over all ranks); returns
-        the global ranks marked."""
+    def _status(self, error: Optional[BaseException]) -> Dict[int, str]:
+        """All-reduces the status rows over FSDP's group (with tp: over all ranks), this
+        rank's marked with ``error`` when given; returns the global ranks marked, with the
+        start of their errors."""
         ranks = dist.get_process_group_ranks(self._status_group)
         device = self.units[0].module._get_fsdp_state()._device
-        vec = torch.zeros(len(ranks), dtype=torch.int64, device=device)  # (group size,)
-        if failed:
-            vec[dist.get_rank(self._status_group)] = 1
-        dist.all_reduce(vec, group=self._status_group)
-        return [ranks[i] for i, s in enumerate(vec.tolist()) if s]
+        rows = status_rows(len(ranks), dist.get_rank(self._status_group), device, error)
+        dist.all_reduce(rows, group=self._status_group)
+        return failed_in(rows, ranks)
 
     def reset_refusal(self) -> Optional[str]:
         root = self.units[0].module

@@ -46,7 +46,7 @@ from the others').
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ..parallel.modules import grad_tensors
 from ..parallel.tp import GatherSequence, SliceSequence
-from .completion import Completion, bounded, peers_failed_error
+from .completion import Completion, bounded, failed_in, peers_failed_error, status_rows
 
 __all__ = ["TpReplay"]
 
@@ -405,9 +405,9 @@ class TpReplay(Completion):
                 "checkpointing changed); they wait in them")
         return self._missing("the backward", self._grad_share)
 
-    def after_failure(self, timeout: float) -> Optional[str]:
+    def after_failure(self, timeout: float, error: BaseException) -> Optional[str]:
         """The rest of the backward's tp collectives and of the gradient sync, on zeros, then
-        this rank marked in the status vector."""
+        this rank marked in the status rows with ``error``."""
         if not self.expecting:
             return self.second_backward_note()
         note = self.backward_note()
@@ -429,7 +429,7 @@ class TpReplay(Completion):
                 for dtype, n in list(sizes.items())[sync.sent:]:
                     flat = torch.zeros(n, dtype=dtype, device=self.device)  # (n,)
                     dist.all_reduce(flat, group=sync.group)
-            self._status(failed=True)
+            self._status(error)
         groups = [self.group, sync.group, dist.group.WORLD]
         return bounded(replay, groups, timeout, "the backward's tensor-parallel collectives")
 
@@ -438,7 +438,7 @@ class TpReplay(Completion):
         zeros in this rank's sums). One all-reduce of W int64 per backward."""
         if not self.ended():
             return  # (a backward of another model only)
-        failed = self._status(failed=False)
+        failed = self._status(None)
         if failed:
             raise peers_failed_error(failed)
 
@@ -453,13 +453,13 @@ class TpReplay(Completion):
         self._backward_order_checkpointed = bool(self.checkpointed())
         return True
 
-    def _status(self, failed: bool) -> List[int]:
-        """All-reduces the status vector over the default group; returns the ranks marked."""
-        vec = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=self.device)  # (W,)
-        if failed:
-            vec[dist.get_rank()] = 1
-        dist.all_reduce(vec)
-        return [r for r, s in enumerate(vec.tolist()) if s]
+    def _status(self, error: Optional[BaseException]) -> Dict[int, str]:
+        """All-reduces the status rows over the default group, this rank's marked with
+        ``error`` when given; returns the ranks marked, with the start of their errors."""
+        world = dist.get_world_size()
+        rows = status_rows(world, dist.get_rank(), self.device, error)  # (W, 1 + bytes)
+        dist.all_reduce(rows)
+        return failed_in(rows, range(world))
 
     def reset(self) -> None:
         self.expecting, self._in_backward, self._grad_forwards = False, False, 0

@@ -439,13 +439,13 @@ class FailureReporter:
                                        f"too: {type(agree_exc).__name__}: {agree_exc}")
                         replay = False
                 if replay and not note:
-                    note = reduction.after_failure(2 * ring_timeout())
+                    note = reduction.after_failure(2 * ring_timeout(), exc)
             elif phase == "backward":
                 # Only the one model a backward waits on; with several boosted models waiting
                 # the ranks' next collectives cannot be told, and none is sent.
                 waiting = [r for r in self.reductions if r.expecting or r.reached()]
                 if len(waiting) == 1:
-                    note = waiting[0].after_failure(2 * ring_timeout())
+                    note = waiting[0].after_failure(2 * ring_timeout(), exc)
                 elif len(waiting) > 1:
                     note = (f"ringseq: the data-parallel collectives of the backward were not "
                             f"completed for the other ranks: {len(waiting)} boosted models "

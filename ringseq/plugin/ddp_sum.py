@@ -89,8 +89,8 @@ class DdpSum(Completion):
 
     def after_success(self) -> None:
         """This rank's backward ended: raises RingPeerError when another rank's did not (its
-        gradients are zeros in this rank's sums). Reads the status vector once (one host
-        synchronization on a GPU)."""
+        gradients are zeros in this rank's sums). Reads the status rows once (one host
+        synchronization on a GPU); the error quotes the failed ranks' errors."""
         if self.status is None:  # not reduced in this backward (no_sync, another model's)
             return
         failed = failed_in(self.status, range(dist.get_world_size()))

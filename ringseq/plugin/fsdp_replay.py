@@ -20,9 +20,9 @@ read from what happened, not from FSDP's per-unit state alone: each unit's post-
 counted when it returns or, when it raised, if the process group's collective count moved
 during it (FSDP marks a unit done before its reduce-scatter, so an error there, before it
 sends, would otherwise look complete; its final callback sets units back to idle). After
-every backward the ranks all-reduce a status vector in which a rank whose backward raised
-marks itself: the others raise RingPeerError instead of stepping on invalid gradients
-(:meth:`FsdpReplay.after_success`).
+every backward the ranks all-reduce the status rows in which a rank whose backward raised
+marks itself with the start of its error: the others raise RingPeerError instead of stepping
+on invalid gradients (:meth:`FsdpReplay.after_success`).
 ``booster.reset()`` then resets FSDP's per-iteration state and drops gradients accumulated
 under ``no_sync`` (:meth:`FsdpReplay.reset`).
 
@@ -35,7 +35,7 @@ all-gather, the tp collectives of its blocks this rank did not make (from the tp
 collective count), then its post-backward, on zeros that are partial sums over tp where the
 other ranks' gradients are (so FSDP sums them over tp as theirs). A post-backward that raised
 after some of its sums over tp cleared the gradients it summed: the replay gives those
-replicated zeros, so only the sums it did not make are made. The status vector goes over all
+replicated zeros, so only the sums it did not make are made. The status rows go over all
 ranks: a failed rank's tp peers are in other FSDP groups.
 
 Not replayed (the rank's error gets a note, the others wait in FSDP's collectives, and the
@@ -376,7 +376,8 @@ class FsdpReplay(Completion):
 
     def after_success(self) -> None:
         """Raises RingPeerError when another rank's backward did not end (its gradients are
-        zeros in this rank's sums). One all-reduce of W int64 per backward."""
+        zeros in this rank's sums). One all-reduce of W x 192 bytes per backward
+        (``completion.status_rows``)."""
         if self.tp is not None:
             self.tp.ended()  # (the order of its collectives, for a later failure)
         if not (self.expecting and self._in_backward):

@@ -25,9 +25,9 @@ in the last forward's order; the backward's is the order the last backward that 
 them in (hooks next to each collective record it), which includes the forwards of
 checkpointed layers recomputed within it; before any backward ended, the backward
 collectives whose hooks the forward set, in reverse.
-After every backward the ranks all-reduce a status vector (W int64, the default group) in
-which a rank whose backward raised marks itself; the others raise RingPeerError instead of
-stepping on invalid gradients.
+After every backward the ranks all-reduce the status rows (W x 192 bytes, the default group)
+in which a rank whose backward raised marks itself with the start of its error; the others
+raise RingPeerError instead of stepping on invalid gradients.
 
 Not completed (the rank's error gets a note and the plugin's reset refuses on it): the first
 backward of a model with checkpointed layers (their recomputed forwards interleave with it in
@@ -435,7 +435,8 @@ class TpReplay(Completion):
 
     def after_success(self) -> None:
         """Raises RingPeerError when another rank's backward did not end (its gradients are
-        zeros in this rank's sums). One all-reduce of W int64 per backward."""
+        zeros in this rank's sums). One all-reduce of W x 192 bytes per backward
+        (``completion.status_rows``)."""
         if not self.ended():
             return  # (a backward of another model only)
         failed = self._status(None)

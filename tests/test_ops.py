@@ -246,6 +246,26 @@ def test_a_named_backend_without_a_feature_names_those_that_can():
         str(err.value).endswith(f"use backend={can}"), err.value
 
 
+def test_a_backend_given_as_an_instance_is_checked_as_its_name():
+    # (an instance skipped every check: sdpa then dropped the soft-cap without a word)
+    from ringseq.kernels import AttentionBackend, FlashAttnBackend, SdpaBackend
+    q, k, v = (torch.randn(1, 16, 2, 32) * 3 for _ in range(3))  # (b, s, h, d)
+    for be in (get_backend("sdpa"), SdpaBackend()):
+        with pytest.raises(NotImplementedError, match=r"^flash_attn_func: backend 'sdpa' cannot "
+                                                      r"do logit soft-capping \(softcap=2.0\)"):
+            ringseq.flash_attn_func(q, k, v, softcap=2.0, backend=be)
+
+    class Plain(AttentionBackend):  # a user's backend with neither spans nor a soft-cap
+        name = "plain"
+    with pytest.raises(NotImplementedError, match=r"^flash_attn_func: backend 'plain' does not "
+                                                  r"support spans .*; use backend="):
+        ringseq.flash_attn_func(q, k, v, window_size=(2, 0), backend=Plain())
+    if FlashAttnBackend().unsupported_reason(q.device, q.dtype, 32) is not None:
+        with pytest.raises(ValueError, match=r"^flash_attn_func: backend 'flash_attn' cannot "
+                                             r"run torch.float32 inputs with head dim 32 on cpu"):
+            ringseq.flash_attn_func(q, k, v, backend=FlashAttnBackend())
+
+
 # ---------------------------------------------------------------- torch.library integration
 @needs_ext
 @pytest.mark.parametrize("causal", [False, True])

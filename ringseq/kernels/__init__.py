@@ -55,12 +55,10 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
     ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim) and
     the features, else "sdpa" on CUDA (where it can: no soft-cap, no float64), else
     "reference". Raises ValueError (naming ``fn``) for an unknown name (TypeError for a value
-    that is not a name) and for a named backend
-    that cannot run such inputs, NotImplementedError naming the backends that can when a named
+    that is not a name) and for a given backend (a name or an instance: the same checks)
+    that cannot run such inputs, NotImplementedError naming the backends that can when a given
     backend cannot compute the features.
     """
-    if isinstance(backend, AttentionBackend):
-        return backend
     device = torch.device("cpu") if device is None else torch.device(device)
     dtype_, headdim_ = dtype or torch.float32, headdim or 64
 
@@ -75,15 +73,20 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
         if device.type == "cuda" and can("sdpa"):
             return _instance("sdpa")
         return _instance("reference")
-    check_backend_name(fn, backend)
-    chosen = _instance(backend)
+    if isinstance(backend, AttentionBackend):
+        # (an instance, a user's own included, is checked as its name would be: the engine's
+        # block calls trust the spec and do not check again)
+        chosen, label = backend, backend.name
+    else:
+        check_backend_name(fn, backend)
+        chosen, label = _instance(backend), backend
     if dtype is not None:
         reason = chosen.unsupported_reason(device, dtype, headdim_)
         if reason is not None:
-            raise ValueError(f"{fn}: backend {backend!r} cannot run {dtype} inputs with head "
+            raise ValueError(f"{fn}: backend {label!r} cannot run {dtype} inputs with head "
                              f"dim {headdim} on {device}: {reason}")
     chosen.check_features(fn, spans=spans, softcap=softcap,
-                          alternatives=[n for n in BACKEND_NAMES if n != backend and can(n)])
+                          alternatives=[n for n in BACKEND_NAMES if n != label and can(n)])
     return chosen
 
 

@@ -282,13 +282,18 @@ def check_self_attention(spec: AttnSpec, q, k) -> None:
 def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
     """A sequence-parallel call of ``spec`` on local shards of ``s_local`` tokens over
     ``world_size`` ranks placed by ``layout`` (bound to the call's documents): the documents
-    must be the GLOBAL boundaries, the layout must take the local length, and the backend must
-    compute a block's gradients from a ring's merged out/lse. ValueError naming ``spec.fn``."""
+    must be the GLOBAL boundaries, the layout must take the local length (and, one of the
+    user's, give a permutation and causal tasks inside the shard), and the backend must
+    compute a block's gradients from a ring's merged out/lse. ValueError (NotImplementedError
+    for a layout missing a method) naming ``spec.fn``."""
     check_global_documents(spec, world_size, s_local)
     try:
         layout.check_local_seqlen(s_local, world_size)
-    except ValueError as exc:
-        raise ValueError(f"{spec.fn}: {exc}") from None
+        layout.check_positions(s_local * world_size, world_size)
+        if spec.mask.plain and spec.mask.causal:  # (the one schedule _tasks makes)
+            layout.check_tasks(world_size, s_local)
+    except (ValueError, NotImplementedError) as exc:
+        raise type(exc)(f"{spec.fn}: {exc}") from None
     if world_size > 1 and not spec.backend.supports_global_backward:
         raise ValueError(f"{spec.fn}: backend {spec.backend.name!r} cannot compute a block's "
                          f"gradients from the merged output of a ring; use backend='ringseq' "

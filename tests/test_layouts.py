@@ -153,6 +153,65 @@ def test_a_custom_layouts_positions_must_be_a_permutation():
         positions_local(8, Outside(), 2, 0)
 
 
+def test_a_custom_layout_is_checked_where_a_ring_call_takes_it():
+    """Tasks past the shard (before: cut short by slicing, keys dropped without a word), tasks
+    that are not BlockTasks, a missing method, a multiple of 0 and positions that are not a
+    permutation (before: accepted by a plain ring) are refused, naming the call and the
+    layout."""
+    from ringseq.layouts import BlockTask, Contiguous, Layout
+
+    class TooLong(Contiguous):
+        name = "test_too_long"
+
+        def _tasks(self, rank, src, world_size, s):
+            if src == rank:
+                return [BlockTask(slice(0, s), slice(0, s), True)]
+            return [BlockTask(slice(0, s), slice(s // 2, s + s // 2), False)] if src < rank else []
+
+    class Tuples(Contiguous):
+        name = "test_tuples"
+
+        def _tasks(self, rank, src, world_size, s):
+            return [(slice(0, s), slice(0, s), True)] if src == rank else []
+
+    class NoTasks(Layout):
+        name = "test_no_tasks"
+
+        def _positions(self, seqlen, world_size, rank):
+            n = seqlen // world_size
+            return torch.arange(rank * n, (rank + 1) * n)
+
+    class NoMultiple(Contiguous):
+        name = "test_no_multiple"
+
+        def multiple(self, world_size):
+            return 0
+
+    class Twice(Contiguous):
+        name = "test_twice"
+
+        def _positions(self, seqlen, world_size, rank):
+            return torch.arange(seqlen // world_size)
+
+    q = torch.randn(1, 16, 2, 8, dtype=torch.float64)  # (b, s, h, d)
+    cases = [
+        (TooLong(), True, ValueError, r"layout 'test_too_long': _tasks\(1, 0, 2, 8\) must return "
+                                      r"tasks whose q and kv rows are slices of ints inside the "
+                                      r"shard, \[0, 8\), got slice\(4, 12, None\)"),
+        (Tuples(), True, ValueError, r"layout 'test_tuples': _tasks\(0, 0, 2, 8\) must return a "
+                                     r"list of BlockTask, got a tuple"),
+        (NoTasks(), True, NotImplementedError, r"layout 'test_no_tasks' \(.*NoTasks\) must "
+                                               r"define _tasks\(rank, src, world_size, s_local\)"),
+        (NoMultiple(), False, ValueError, r"layout 'test_no_multiple': multiple\(2\) must be a "
+                                          r"positive int multiple of the world size, got 0"),
+        (Twice(), True, ValueError, r"layout 'test_twice': _positions\(16, 2, rank\) over the "
+                                    r"ranks must list every position"),
+    ]
+    for layout, causal, kind, message in cases:
+        with pytest.raises(kind, match="^simulate_ring: " + message):
+            ringseq.simulate_ring(q, q, q, layout, 2, causal=causal, backend="reference")
+
+
 def test_layouts_that_share_a_name_are_told_apart_and_built_in_names_are_kept():
     """The ranks compare layouts by code: two classes that kept one name get different codes
     (before: equal codes, and ranks holding different layouts paired silently); a built-in
@@ -223,7 +282,7 @@ def test_what_is_not_a_hashable_layout_instance_is_refused_where_it_is_given():
             return 3
 
     with pytest.raises(ValueError, match=r"^shard: layout 'rev_demo': multiple\(2\) must be a "
-                                         r"multiple of the world size, got 3"):
+                                         r"positive int multiple of the world size, got 3"):
         shard_local(torch.zeros(1, 6), Thirds(), 2, 0, fn="shard")
 
 

@@ -200,6 +200,11 @@ def test_sdpa_backend_refuses_gradient_through_lse():
     _, lse = ringseq.flash_attn_func(qg, k, v, return_lse=True, backend="sdpa")
     with pytest.raises(RuntimeError, match="cannot backpropagate through lse"):
         lse.sum().backward()
+    # called directly, the backend names its own function
+    be = get_backend("sdpa")
+    out, lse = be.fwd(q, k, v, 0.25, False)
+    with pytest.raises(RuntimeError, match=r"^sdpa\.bwd: backend 'sdpa' cannot backpropagate "):
+        be.bwd(out, q, k, v, out, lse, 0.25, False, delta=torch.zeros_like(lse))
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

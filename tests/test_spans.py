@@ -328,8 +328,9 @@ def test_bad_spans_are_named(backend, case):
     q, k, v = qkv(1, 10, 12, 2, 1, 8)
     be = get_backend(backend)
     causal = kw.pop("causal", False)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as err:
         be.fwd(q, k, v, 0.3, causal, **kw)
+    assert str(err.value).startswith(f"{backend}.fwd: "), err.value  # (the function called)
 
 
 @needs_ext

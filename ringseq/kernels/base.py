@@ -74,15 +74,16 @@ class AttentionBackend:
         that order, so that dP - delta cancels exactly where plain attention's does."""
         return compute_delta(dout, out, grad_lse)
 
-    def require_lse_grad(self) -> None:
-        """Raises RuntimeError when this backend cannot take a caller's ``delta``, i.e.
-        cannot backpropagate a gradient that flows into ``lse``."""
+    def require_lse_grad(self, fn: Optional[str] = None) -> None:
+        """Raises RuntimeError (naming ``fn`` when given) when this backend cannot take a
+        caller's ``delta``, i.e. cannot backpropagate a gradient that flows into ``lse``."""
         if not self.supports_delta:
-            raise RuntimeError(f"backend {self.name!r} cannot backpropagate through lse (the lse "
-                               f"a call returned with return_lse=True or return_attn_probs="
-                               f"True reached the loss; this backend's kernel computes its "
-                               f"delta from dout and out itself): use backend='ringseq' or "
-                               f"'reference', or lse.detach()")
+            where = f"{fn}: " if fn else ""
+            raise RuntimeError(f"{where}backend {self.name!r} cannot backpropagate through lse "
+                               f"(the lse a call returned with return_lse=True or "
+                               f"return_attn_probs=True reached the loss; this backend's kernel "
+                               f"computes its delta from dout and out itself): use "
+                               f"backend='ringseq' or 'reference', or lse.detach()")
 
     def features_reason(self, *, spans: bool, softcap: float) -> Optional[str]:
         """Why this backend cannot compute a call that needs spans (bands, windows, documents)
@@ -111,9 +112,12 @@ class AttentionBackend:
         reason = self.unsupported_reason(q.device, q.dtype, q.shape[-1])
         if reason is not None:
             raise ValueError(f"{fn}: backend {self.name!r} cannot run these inputs: {reason}")
-        spans = as_spans_tensor(spans)
         softcap = check_softcap(softcap, fn)
-        check_spans(spans, q.shape[1], k.shape[1], bool(causal))
+        try:
+            spans = as_spans_tensor(spans)
+            check_spans(spans, q.shape[1], k.shape[1], bool(causal))
+        except (TypeError, ValueError) as exc:  # (the span rules' messages name no function)
+            raise type(exc)(f"{fn}: {exc}") from None
         self.check_features(fn, spans=spans is not None, softcap=softcap)
         return spans, softcap
 
@@ -167,7 +171,7 @@ class AttentionBackend:
                            stats=[("lse", lse)] + ([("delta", delta)] if delta is not None
                                                    else []))
         if delta is not None:
-            self.require_lse_grad()
+            self.require_lse_grad(f"{self.name}.bwd")
         return self.run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, delta, spans=spans,
                             softcap=softcap)
 

@@ -126,12 +126,16 @@ class Layout:
         return world_size
 
     def _checked_multiple(self, world_size: int) -> int:
-        """:meth:`multiple`, a multiple of the world size (every rank holds as many tokens);
-        ValueError naming the layout otherwise (one of the user's)."""
-        multiple = self.multiple(world_size)
-        if multiple % world_size:
-            raise ValueError(f"layout {self.name!r}: multiple({world_size}) must be a multiple of "
-                             f"the world size, got {multiple}")
+        """:meth:`multiple`, a positive int multiple of the world size (every rank holds as
+        many tokens); ValueError naming the layout otherwise (one of the user's)."""
+        multiple = given = self.multiple(world_size)
+        try:
+            multiple = operator.index(multiple) if not isinstance(multiple, bool) else None
+        except TypeError:
+            multiple = None
+        if multiple is None or multiple < 1 or multiple % world_size:
+            raise ValueError(f"layout {self.name!r}: multiple({world_size}) must be a positive "
+                             f"int multiple of the world size, got {given!r}")
         return multiple
 
     def check_seqlen(self, seqlen: int, world_size: int) -> int:
@@ -205,6 +209,39 @@ class Layout:
                              f"over the ranks must list every position of [0, {seqlen}) exactly "
                              f"once (a permutation), but position {p} is listed "
                              f"{int(counts[p])} times")
+        return True
+
+    def check_tasks(self, world_size: int, s_local: int) -> None:
+        """ValueError unless the causal block tasks of a layout of the user's (``_tasks``)
+        are, for every rank and source, BlockTasks whose rows lie inside the shard (checked
+        once per world size and local length, the same on every rank; a built-in layout
+        needs nothing). Before, a task naming rows past the shard was cut short by slicing:
+        keys were dropped without a word."""
+        tasks = type(self)._tasks
+        if not _built_in(tasks) or tasks is Layout._tasks:  # (the base's: one left undefined)
+            layout_cached(self, ("tasks", world_size, s_local),
+                          lambda: self._check_tasks(world_size, s_local))
+
+    def _check_tasks(self, world_size: int, s_local: int) -> bool:
+        def refuse(rank, src, what, got):
+            raise ValueError(f"layout {self.name!r}: _tasks({rank}, {src}, {world_size}, "
+                             f"{s_local}) must return {what}, got {got}")
+        for rank in range(world_size):
+            for src in range(world_size):
+                tasks = self._tasks(rank, src, world_size, s_local)
+                if not isinstance(tasks, (list, tuple)):
+                    refuse(rank, src, "a list of BlockTask", type(tasks).__name__)
+                for task in tasks:
+                    if not isinstance(task, BlockTask):
+                        refuse(rank, src, "a list of BlockTask", f"a {type(task).__name__}")
+                    for rows in (task.q, task.kv):
+                        if not (isinstance(rows, slice) and rows.step in (None, 1)
+                                and all(isinstance(x, int) for x in (rows.start, rows.stop))
+                                and 0 <= rows.start <= rows.stop <= s_local):
+                            refuse(rank, src, f"tasks whose q and kv rows are slices of ints "
+                                   f"inside the shard, [0, {s_local})", repr(rows))
+                    if not isinstance(task.causal, bool):
+                        refuse(rank, src, "tasks whose causal is a bool", repr(task.causal))
         return True
 
     def identity_on_one_rank(self, seqlen: int) -> bool:
@@ -321,11 +358,15 @@ class Layout:
         kind of layout it holds."""
         return self
 
-    def _positions(self, seqlen, world_size, rank):  # pragma: no cover - abstract
-        raise NotImplementedError
+    def _positions(self, seqlen, world_size, rank):
+        raise NotImplementedError(f"layout {self.name!r} ({type(self).__qualname__}) must "
+                                  f"define _positions(seqlen, world_size, rank): the int64 "
+                                  f"global positions of rank's tokens")
 
-    def _tasks(self, rank, src, world_size, s_local):  # pragma: no cover - abstract
-        raise NotImplementedError
+    def _tasks(self, rank, src, world_size, s_local):
+        raise NotImplementedError(f"layout {self.name!r} ({type(self).__qualname__}) must "
+                                  f"define _tasks(rank, src, world_size, s_local): the causal "
+                                  f"block tasks of rank's queries against the K/V of src")
 
     def __repr__(self):
         return f"Layout({self.name!r})"

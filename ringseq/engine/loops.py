@@ -274,7 +274,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
                     (t.kernel or be).join_failed(BWD)
             if pending is not None:
                 pending.wait()
-            if call.ok and target is scratch:
+            if call.ok and target is scratch and hops > 0:
                 with call.guard():
                     if i == 0:
                         bufs[nxt]["acc"].copy_(scratch)
@@ -293,7 +293,9 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
             bufs.exchange(slot, names, reverse).wait()
             slot = 1 - slot
         call.end()
-        home = bufs[slot]["acc"]
+        # (at 0 hops nothing travels: the gradients stay in the accumulation dtype, not
+        # rounded to grad_comm_dtype, which is for travelling accumulators)
+        home = scratch if hops == 0 and not direct else bufs[slot]["acc"]
         if compact:  # after call.end(): the call succeeded on every rank
             plan.add_home_rows(own[0], home[0])
             plan.add_home_rows(own[1], home[1])

@@ -212,6 +212,40 @@ def test_a_custom_layout_is_checked_where_a_ring_call_takes_it():
             ringseq.simulate_ring(q, q, q, layout, 2, causal=causal, backend="reference")
 
 
+def test_a_backward_runs_its_forwards_layout_after_the_name_is_registered_again():
+    """(before: the backward looked a registered layout up by name, and ran the plan of one
+    registered under that name after the forward: wrong gradients, no error)"""
+    from ringseq.layouts import BlockTask, Layout, register_layout
+
+    class Causal(Layout):
+        name = "test_registered_again"
+
+        def _positions(self, seqlen, world_size, rank):
+            n = seqlen // world_size
+            return torch.arange(rank * n, (rank + 1) * n)
+
+        def _tasks(self, rank, src, world_size, s):
+            every = [BlockTask(slice(0, s), slice(0, s), src == rank)]
+            return every if src <= rank else []
+
+    class Full(Causal):  # the same name, another schedule
+        def _tasks(self, rank, src, world_size, s):
+            return [BlockTask(slice(0, s), slice(0, s), False)]
+
+    q, k, v = (torch.randn(1, 8, 2, 8, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))  # (b, s, h, d)
+    try:
+        register_layout(Causal())
+        out = ringseq.ring_flash_attn_func(q, k, v, causal=True, layout=Causal.name)
+        register_layout(Full())
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+    finally:
+        LAYOUTS.pop(Causal.name, None)
+    ref = ringseq.flash_attn_func(q, k, v, causal=True, backend="reference")
+    want = torch.autograd.grad(ref.sum(), (q, k, v))
+    assert all(float((g - w).abs().max()) < 1e-12 for g, w in zip(got, want))
+
+
 def test_layouts_that_share_a_name_are_told_apart_and_built_in_names_are_kept():
     """The ranks compare layouts by code: two classes that kept one name get different codes
     (before: equal codes, and ranks holding different layouts paired silently); a built-in

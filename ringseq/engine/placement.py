@@ -25,6 +25,7 @@ import torch
 from .._dist import named_for
 from ..kernels.grad import attention_backward
 from ..layouts import LAYOUTS, Layout
+from ..layouts.base import _built_in
 from ..spec import AttnSpec, local_spans
 from .loops import ring_backward, ring_forward
 from .plan import make_plan
@@ -66,7 +67,12 @@ def object_by_key(key: str, what: str):
 
 
 def layout_key(layout: Layout) -> str:
-    return layout.name if LAYOUTS.get(layout.name) is layout else object_key(layout, "layout")
+    # A built-in layout by its name (a key stable across processes); a user's by the object,
+    # registered or not: registering another under its name between a forward and its
+    # backward made the backward run the other one's plan.
+    if LAYOUTS.get(layout.name) is layout and _built_in(type(layout)):
+        return layout.name
+    return object_key(layout, "layout")
 
 
 def layout_from_key(key: str) -> Layout:

@@ -204,6 +204,13 @@ def _worker_calls(tmp):
     out["sharded_no"] = error_text(lambda: booster.save_optimizer(opt, target, sharded="no"))
     out["strict_no"] = error_text(lambda: booster.load_model(model, target, strict="no"))
     out["not_a_path"] = error_text(lambda: booster.save_model(model, 3))
+    # objects of another kind (before: the model's weights written over an optimizer
+    # checkpoint; None on one rank raised there alone, the others waited)
+    out["model_as_optimizer"] = error_text(lambda: booster.save_optimizer(model, target))
+    out["optimizer_as_model"] = error_text(lambda: booster.save_model(opt, target))
+    out["none_on_one_rank"] = error_text(lambda: booster.load_model(
+        None if rank == 1 else model, target))
+    out["too_many"] = error_text(lambda: booster.save_model(model, target, 1000, 5))
     # options that change which collectives run, different on one rank (before: rank 0 raised
     # alone while rank 1 waited in the save's vote)
     out["sharded_differs"] = error_text(lambda: booster.save_optimizer(
@@ -265,12 +272,23 @@ def test_ranks_given_different_paths_write_nothing(w2_calls, key, fn, path):
     ("strict_no", "TypeError: load_model: strict must be a bool, got 'no'"),
     ("not_a_path", "TypeError: save_model: checkpoint must be a path (str or os.PathLike), "
                    "got int"),
+    ("model_as_optimizer", "TypeError: save_optimizer: optimizer must be a "
+                           "torch.optim.Optimizer (the boosted optimizer), got ModelWrapper "
+                           "(without param_groups)"),
+    ("optimizer_as_model", "TypeError: save_model: model must be a torch.nn.Module (the "
+                           "boosted model), got OptimizerWrapper (without "),
+    ("too_many", "TypeError: save_model: too many positional arguments; it takes (model, "
+                 "checkpoint, max_shard_size)"),
 ])
 def test_arguments_a_checkpoint_call_does_not_take_are_refused_on_every_rank(w2_calls, key,
                                                                             expected):
     for r in w2_calls:
         assert r[key].startswith(expected), r[key]
         assert not r["target_written"]
+    assert w2_calls[1]["none_on_one_rank"].startswith(
+        "TypeError: load_model: model must be a torch.nn.Module (the boosted model), got "
+        "NoneType"), w2_calls[1]
+    assert w2_calls[0]["none_on_one_rank"].startswith("RingPeerError"), w2_calls[0]
     assert w2_calls[1]["one_rank_typo"].startswith(
         "TypeError: save_model: unexpected keyword argument(s) ['max_shard']")
     assert w2_calls[0]["one_rank_typo"].startswith("RingPeerError"), w2_calls[0]
@@ -362,3 +380,53 @@ def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_r
             else:
                 assert r[key].startswith("ValueError") and "another rank" in r[key], r[key]
             assert r[key + " unchanged"] and r[key + " then a step"] == "no error", r
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "directory"])
+def test_a_save_failing_at_the_grad_scaler_loads_no_mix_of_two_saves(tmp_path, monkeypatch,
+                                                                     sharded):
+    """The grad scaler's state is written with the optimizer's: a disk full at the scaler's
+    file leaves the plain file pair as it was, and a directory without metadata (refused at
+    load). Before, the new optimizer state loaded beside the old loss scale, without an
+    error."""
+    import errno
+
+    from ringseq.plugin import checkpoint as ck
+    from ringseq.plugin.sharded_checkpoint import DistributedCheckpointIO
+    from ringseq.plugin.wrappers import OptimizerWrapper
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    scaler = torch.amp.GradScaler("cpu")
+    opt = OptimizerWrapper(torch.optim.AdamW(model.parameters()), scaler, model=model)
+    io, path = DistributedCheckpointIO(), str(tmp_path / ("optim_dir" if sharded else "optim.pt"))
+
+    def step(scale):
+        opt.backward(model(torch.ones(4, 3)).sum())
+        opt.step()
+        scaler.update(new_scale=scale)
+
+    step(8.0)
+    io.save_optimizer(opt, path, sharded=sharded)  # a good save: step 1, loss scale 8
+    step(1024.0)
+    write = ck._temporary_file
+
+    def disk_full_at_the_scaler(obj, file):
+        if "grad_scaler" in os.path.basename(file):
+            raise OSError(errno.ENOSPC, "No space left on device", file)
+        return write(obj, file)
+
+    monkeypatch.setattr(ck, "_temporary_file", disk_full_at_the_scaler)
+    with pytest.raises(OSError, match="save_optimizer: rank 0: saving the checkpoint .* "
+                                      "failed: No space left on device: .*grad_scaler"):
+        io.save_optimizer(opt, path, sharded=sharded)
+    monkeypatch.setattr(ck, "_temporary_file", write)
+    step(1.0)
+    if sharded:
+        with pytest.raises(FileNotFoundError, match=r"^load_optimizer: .*\.metadata"):
+            io.load_optimizer(opt, path)
+        assert int(opt.unwrap().state[model.weight]["step"]) == 3  # (unchanged)
+        return
+    io.load_optimizer(opt, path)
+    assert int(opt.unwrap().state[model.weight]["step"]) == 1 and scaler.get_scale() == 8.0
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]

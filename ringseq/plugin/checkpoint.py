@@ -49,6 +49,35 @@ def _write(obj, path: str) -> None:
     rename: a crash mid-write never leaves a truncated checkpoint, and a planted
     ``<path>.tmp`` (say, a symlink) is never written through. A ``str`` is written as text
     (a shard index)."""
+    _write_all([(obj, path)])
+
+
+def _write_all(files) -> None:
+    """Writes each ``(obj, path)`` of ``files`` as :func:`_write` does (``obj`` None: removes
+    ``path``), every temporary file before any rename, so that a write failing (a full disk)
+    leaves all of them as they were: before, an optimizer state written beside the grad
+    scaler's old one loaded together with it."""
+    temporary = []  # (temporary file, path), not renamed yet
+    try:
+        for obj, path in files:
+            if obj is not None:
+                temporary.append((_temporary_file(obj, path), path))
+        for obj, path in files:
+            if obj is None:
+                _remove_stale(path)
+        while temporary:
+            os.replace(*temporary[0])
+            temporary.pop(0)
+    except BaseException:
+        for tmp, _ in temporary:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
+
+
+def _temporary_file(obj, path: str) -> str:
+    """``obj`` written to an exclusively created temporary file next to ``path`` (see
+    :func:`_write`); returns its name. Removes it when the write fails."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
@@ -64,11 +93,11 @@ def _write(obj, path: str) -> None:
                 f.write(obj)
             else:
                 torch.save(_to_cpu(obj), f)
-        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return tmp
 
 
 def _umask() -> int:
@@ -346,15 +375,18 @@ def _check_scheduler_state(lr_scheduler, state) -> None:
                          f"group(s), this one {len(own['base_lrs'])}")
 
 
-def save_scaler(optimizer, scaler_file: str) -> None:
-    """Writes the fp16 grad scaler's state of ``optimizer`` to ``scaler_file``; without a scaler
-    removes one an earlier save left there, which a load would otherwise restore beside this
-    optimizer state (another run's loss scale)."""
+def scaler_state(optimizer):
+    """The fp16 grad scaler's state of ``optimizer``, or None without a scaler (a save then
+    removes the file an earlier save left, which a load would otherwise restore beside this
+    optimizer state: another run's loss scale)."""
     scaler = getattr(optimizer, "scaler", None)
-    if scaler is not None:
-        _save(scaler.state_dict(), scaler_file)
-    else:
-        on_writer(scaler_file, lambda: _remove_stale(scaler_file))
+    return None if scaler is None else scaler.state_dict()
+
+
+def save_scaler(optimizer, scaler_file: str) -> None:
+    """Writes :func:`scaler_state` to ``scaler_file`` (removes the file without a scaler)."""
+    state = scaler_state(optimizer)
+    on_writer(scaler_file, lambda: _write_all([(state, scaler_file)]))
 
 
 def _remove_stale(path: str) -> None:
@@ -418,8 +450,10 @@ class ReplicatedCheckpointIO:
 
     @checkpoint_call
     def save_optimizer(self, optimizer, checkpoint: str) -> None:
-        _save(_unwrap(optimizer).state_dict(), checkpoint)
-        save_scaler(optimizer, checkpoint + ".grad_scaler")
+        # (the two files written together: a failed write leaves both as they were)
+        state, scaler = _unwrap(optimizer).state_dict(), scaler_state(optimizer)
+        on_writer(checkpoint, lambda: _write_all([(state, checkpoint),
+                                                  (scaler, checkpoint + ".grad_scaler")]))
 
     @checkpoint_call
     def load_optimizer(self, optimizer, checkpoint: str) -> None:

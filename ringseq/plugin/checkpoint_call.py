@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .._args import is_bool
 from .._dist import RingMismatchError, named_for
 from .._hash import stable_code
 from ..engine.ring import get_ring
@@ -64,10 +65,32 @@ def _check_path(fn: str, checkpoint) -> str:
     return path
 
 
+# What each kind of object a checkpoint call takes must have (its parameter's name -> the
+# attributes that tell it, what to call it): checked before any file is touched (before, an
+# optimizer call given the model wrote the model's weights over the optimizer checkpoint)
+_OBJECTS = {"model": (("state_dict", "load_state_dict", "parameters", "modules"),
+                      "a torch.nn.Module (the boosted model)"),
+            "optimizer": (("state_dict", "load_state_dict", "param_groups"),
+                          "a torch.optim.Optimizer (the boosted optimizer)"),
+            "lr_scheduler": (("state_dict", "load_state_dict"),
+                             "an lr scheduler (an object with state_dict and load_state_dict)")}
+
+
+def _check_object(fn: str, name: str, obj) -> None:
+    needs, what = _OBJECTS[name]
+    if name == "lr_scheduler" and hasattr(obj, "param_groups"):
+        needs = ("optimizer",)  # (torch's schedulers hold it: an optimizer itself is no scheduler)
+    missing = [a for a in needs if not hasattr(obj, a)]
+    if missing:
+        raise TypeError(f"{fn}: {name} must be {what}, got {type(obj).__name__} (without "
+                        f"{', '.join(missing)})")
+
+
 def _bind(fn: str, method, self, args, kwargs) -> inspect.BoundArguments:
     """``method``'s arguments bound, ColossalAI's no-op keywords at their defaults dropped and
-    the path checked (``str``). TypeError for an argument it does not take (with the plugin's
-    name for ColossalAI's), a flag that is no bool (``sharded`` may be None); ValueError for a
+    the object and path checked (``str``). TypeError for an argument it does not take (with
+    the plugin's name for ColossalAI's), an object of another kind (a model for an optimizer,
+    None), a flag that is no bool (NumPy's count; ``sharded`` may be None); ValueError for a
     shard size (via :func:`shard_bytes`)."""
     signature = inspect.signature(method)
     kwargs = {k: v for k, v in kwargs.items()
@@ -80,15 +103,23 @@ def _bind(fn: str, method, self, args, kwargs) -> inspect.BoundArguments:
         raise TypeError(f"{fn}: unexpected keyword argument(s) {unknown}; it takes "
                         f"{takes or 'no other arguments'}" + (f" ({'; '.join(hints)})"
                                                               if hints else ""))
-    bound = signature.bind(self, *args, **kwargs)
+    try:
+        bound = signature.bind(self, *args, **kwargs)
+    except TypeError as exc:
+        takes = ", ".join(list(signature.parameters)[1:])
+        raise TypeError(f"{fn}: {exc}; it takes ({takes})") from None
     bound.apply_defaults()  # (an option passed at its default is the option left out)
+    obj_name = list(signature.parameters)[1]
+    _check_object(fn, obj_name, bound.arguments[obj_name])
     bound.arguments["checkpoint"] = _check_path(fn, bound.arguments["checkpoint"])
     for name in ("strict", "sharded"):
         value = bound.arguments.get(name)
-        if name in bound.arguments and not isinstance(value, bool) and not (
-                name == "sharded" and value is None):
+        if name not in bound.arguments or (name == "sharded" and value is None):
+            continue
+        if not is_bool(value):
             raise TypeError(f"{fn}: {name} must be a bool{' or None' if name == 'sharded' else ''}"
                             f", got {value!r} ({type(value).__name__})")
+        bound.arguments[name] = bool(value)
     if bound.arguments.get("max_shard_size") is not None:
         shard_bytes(bound.arguments["max_shard_size"], fn)
     return bound

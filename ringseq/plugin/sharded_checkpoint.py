@@ -437,12 +437,14 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         # that fails part way leaves a directory that is refused at load, never an old index
         # over a mix of two steps' files.
         on_writer(checkpoint, lambda: _remove_if_there(os.path.join(checkpoint, ".metadata")))
+        # The grad scaler's state goes in before the metadata, which dcp writes last: a save
+        # failing at either leaves no metadata, refused at load (before, a scaler write that
+        # failed after dcp's left the new optimizer state beside the old loss scale).
+        save_scaler(optimizer, os.path.join(checkpoint, _SCALER_FILE))
         try:  # collective: raises on every rank when one fails
             dcp.save({"optimizer": state}, checkpoint_id=checkpoint)
         except CheckpointException as exc:  # a BaseException: `except Exception` misses it
             raise ValueError(_checkpoint_exception_text(exc, checkpoint, "save to")) from None
-        # (dcp reads only the files its metadata lists)
-        save_scaler(optimizer, os.path.join(checkpoint, _SCALER_FILE))
 
     @checkpoint_call
     def load_optimizer(self, optimizer, checkpoint: str) -> None:

@@ -30,6 +30,20 @@ class _Samples(torch.utils.data.Dataset):
         return {"input_ids": torch.arange(8) + 100 * i, "idx": i}
 
 
+class _WholeBatches(_Samples):
+    """Items that are whole batches (``prepare_dataloader(batch_size=None)``): item i is one
+    sample of 8 tokens, all i."""
+
+    def __getitem__(self, i):
+        self.fetched.append(i)
+        return {"input_ids": (torch.arange(8) + 100 * i).view(1, 8), "idx": torch.tensor([i])}
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter({"input_ids": torch.arange(8) + 100 * i} for i in range(6))
+
+
 def _batches(loader, n=None):
     """(sample ids, this rank's token shard) of the next n batches (all with n None)."""
     out = []
@@ -144,6 +158,24 @@ def _worker(tmp):
     plain = ShardedDataLoader(torch.utils.data.DataLoader(_Samples(), batch_size=2),
                               plugin.sp_group, plugin.data_layout, plugin.dp_rank)
     out["plain_sampler"] = error_text(lambda: plain.load_state_dict(inside))
+    # items that are whole batches resume inside an epoch too (before: refused, telling to
+    # use prepare_dataloader, which made the loader)
+    whole = loader(batch_size=None, data=_WholeBatches())
+    whole.set_epoch(1)
+    out["whole_full"] = _batches(whole)
+    whole.set_epoch(1)
+    _batches(whole, 3)
+    whole_resumed = loader(batch_size=None, data=_WholeBatches())
+    whole_resumed.load_state_dict(whole.state_dict())
+    whole_resumed.set_epoch(whole_resumed.epoch)
+    out["whole_resumed"] = _batches(whole_resumed)
+    # (before: torch's or the sampler's errors, later; a negative epoch saved, then refused)
+    out["epoch_str"] = error_text(lambda: loader().set_epoch("1"))
+    out["epoch_negative"] = error_text(lambda: loader().set_epoch(-1))
+    stream = ShardedDataLoader(torch.utils.data.DataLoader(_Stream(), batch_size=2),
+                               plugin.sp_group, plugin.data_layout, plugin.dp_rank)
+    out["stream_batches"] = len(_batches(stream))
+    out["stream_state"] = error_text(stream.state_dict)  # (before: len()'s bare TypeError)
     dist.barrier()
     return out
 
@@ -166,6 +198,22 @@ def test_a_resumed_epoch_hands_out_the_uninterrupted_runs_remaining_batches(w4):
     # the two dp groups together still see every sample once in the resumed epoch
     ids = sorted(i for r in w4[::2] for b in r["before_checkpoint"] + r["resumed"] for i in b[0])
     assert ids == list(range(20))
+
+
+def test_items_that_are_whole_batches_resume_inside_an_epoch(w4):
+    for r in w4:
+        assert len(r["whole_full"]) == 10 and r["whole_resumed"] == r["whole_full"][3:], r
+
+
+def test_bad_epochs_and_a_loader_without_a_length_are_named(w4):
+    for r in w4:
+        assert r["epoch_str"] == ("TypeError: ShardedDataLoader.set_epoch: epoch must be an "
+                                  "int >= 0, got '1' (str)"), r["epoch_str"]
+        assert r["epoch_negative"] == ("ValueError: ShardedDataLoader.set_epoch: epoch must be "
+                                       "an int >= 0, got -1"), r["epoch_negative"]
+        assert r["stream_batches"] == 3
+        assert r["stream_state"].startswith("TypeError: ShardedDataLoader.state_dict: the "
+                                            "loader's dataset (_Stream) has no length"), r
 
 
 def test_the_batches_before_the_checkpoint_are_not_fetched_again(w4):

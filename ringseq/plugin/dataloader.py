@@ -130,7 +130,18 @@ class ShardedDataLoader:
         epoch and :attr:`epoch` change at once, but the running iteration goes on with its
         own samples and :meth:`state_dict` saves its position until it ends (CPython ends a
         loop's iteration at ``break``; elsewhere at garbage collection). A position restored
-        by :meth:`load_state_dict` is kept: ``set_epoch(loader.epoch)`` resumes it."""
+        by :meth:`load_state_dict` is kept: ``set_epoch(loader.epoch)`` resumes it.
+
+        Raises TypeError for an ``epoch`` that is not an int, ValueError for one below 0
+        (neither the sampler's seed nor a saved state takes it)."""
+        value = as_int(epoch)
+        if value is None:
+            raise TypeError(f"ShardedDataLoader.set_epoch: epoch must be an int >= 0, got "
+                            f"{given(epoch)}")
+        if value < 0:
+            raise ValueError(f"ShardedDataLoader.set_epoch: epoch must be an int >= 0, got "
+                             f"{value}")
+        epoch = value
         if self._current is not None:  # (the running iteration goes on: saved as it stands)
             self._epoch_set_while_live = True
         else:
@@ -151,11 +162,19 @@ class ShardedDataLoader:
         seed, drop_last, dataset length). A batch handed out counts as trained on: save after
         its optimizer step. The same on every rank (save it from any one); plain ints and
         bools, for ``torch.save``, json or ``torch.distributed.checkpoint`` (the loader is a
-        ``Stateful``)."""
+        ``Stateful``). TypeError for a loader whose dataset has no length (an
+        ``IterableDataset``): where its epochs end cannot be saved."""
         # (a restored position not iterated yet is still where the loader stands)
         position = self._resume or self._iterated or LoaderPosition(self.step, self._epoch, 0)
+        try:
+            batches_per_epoch = len(self.loader)
+        except TypeError:
+            raise TypeError(f"ShardedDataLoader.state_dict: the loader's dataset "
+                            f"({type(self.loader.dataset).__name__}) has no length, so where "
+                            f"its epochs end (and this loader's position) cannot be saved; "
+                            f"save the position of the dataset's own stream instead") from None
         return state_of(LoaderPosition(self.step, position.epoch, position.batches),
-                        len(self.loader), loader_settings(self.loader))
+                        batches_per_epoch, loader_settings(self.loader))
 
     def load_state_dict(self, state) -> None:
         """Restores :meth:`state_dict`'s position; collective (every rank, before iterating).
@@ -177,8 +196,7 @@ class ShardedDataLoader:
         try:
             position, error = read_loader_state(
                 state, loader_settings(self.loader),
-                resumable=isinstance(sampler, ResumableDistributedSampler)
-                and self.loader.batch_size is not None), None
+                resumable=isinstance(sampler, ResumableDistributedSampler)), None
         except (TypeError, ValueError) as exc:
             position, error = LoaderPosition(0, 0, 0), exc
         if dist.is_initialized():
@@ -336,7 +354,8 @@ class ShardedDataLoader:
             # the sampler starts this epoch's order after the batches handed out: they are not
             # fetched (nor their samples read) again
             skipped, self._resume = resume.batches, None
-            self.loader.sampler.skip = skipped * self.loader.batch_size
+            # (batch_size=None: each index the sampler gives is one batch)
+            self.loader.sampler.skip = skipped * (self.loader.batch_size or 1)
         # (the position counts this iteration's epoch and batches: a set_epoch while it runs
         # changes the next iteration, not this one)
         epoch, batches = self._epoch, skipped

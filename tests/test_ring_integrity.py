@@ -304,6 +304,23 @@ def _case_empty_batch():
     return res
 
 
+def _case_check_consistent():
+    """ringseq.comm.check_consistent with fields that differ in count or name, or are
+    malformed on one rank: every rank raises at once (before: a rank passing fewer fields
+    returned; a malformed one raised alone and its peer waited for the ring timeout)."""
+    from ringseq.comm import check_consistent
+    rank = dist.get_rank()
+    same = [("seqlen", 128), ("nheads", 8)]
+    return {"same": _capture(lambda: check_consistent(same)),
+            "values": _capture(lambda: check_consistent([("seqlen", 128 + rank)])),
+            "count": _capture(lambda: check_consistent(same[:1 + rank])),
+            "names": _capture(lambda: check_consistent([("seqlen" if rank else "s", 128)])),
+            "malformed": _capture(lambda: check_consistent(
+                [("seqlen", "one" if rank else 1)])),
+            "too_many": _capture(lambda: check_consistent([("f", 0)] * (23 + 2 * rank))),
+            "after": _capture(lambda: check_consistent(same))}
+
+
 class _Attn(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -513,6 +530,7 @@ def _worker_w2(tmp):
            "before_call": _case_failure_before_the_call(),
            "backward_tag": _case_backward_tag(),
            "empty_batch": _case_empty_batch(),
+           "check_consistent": _case_check_consistent(),
            "compile": _case_compile(),
            "checkpoints": _case_checkpoints(tmp),
            "many_groups": _case_many_groups(),
@@ -748,6 +766,44 @@ def test_backward_carries_its_forward_call_tag(w2):
         kind, err = res["backward_tag"]["backward"][:2]
         assert kind == "ok", res["backward_tag"]
         assert err < 1e-10
+
+
+def test_check_consistent_raises_on_every_rank(w2):
+    for rank, res in enumerate(w2):
+        r = res["check_consistent"]
+        assert r["same"] == ("ok", None) and r["after"] == ("ok", None), r
+        assert r["values"][0] == "RingMismatchError" and "seqlen (" in r["values"][1], r
+        for case in ("count", "names"):
+            assert r[case][0] == "RingMismatchError", r[case]
+            assert r[case][1].startswith("check_consistent: the ranks passed other fields "
+                                         "(names, order or count)"), r[case]
+        if rank == 1:
+            assert r["malformed"][:2] == ("TypeError", "check_consistent: fields[0] must be a "
+                                          "(name: str, value: int) tuple, got ('seqlen', 'one')")
+            assert r["too_many"][:2] == ("ValueError", "check_consistent: at most 23 fields, "
+                                         "got 25")
+        else:
+            for case in ("malformed", "too_many"):
+                assert r[case][0] == "RingPeerError" and "rank(s) [1]" in r[case][1], r[case]
+        for case in ("values", "count", "names", "malformed", "too_many"):
+            assert r[case][2] < FAST, r[case]  # (at once, not after the ring timeout)
+
+
+def test_a_transport_of_the_users_is_checked_where_it_is_given():
+    from ringseq import Transport
+
+    class Loopback(Transport):
+        def __init__(self, world_size, rank):
+            self.world_size, self.rank = world_size, rank
+
+    q = torch.randn(1, 8, 2, 8)  # (b, s_local, h, d)
+    for world, rank, kind in ((0, 0, ValueError), (2, 7, ValueError), (-1, 0, ValueError),
+                              (2.0, 0, TypeError)):
+        with pytest.raises(kind, match=r"^ring_flash_attn_func: the transport's world_size "):
+            ringseq.ring_flash_attn_func(q, q, q, causal=True, group=Loopback(world, rank))
+    with pytest.raises(TypeError, match=r"^Ring: transport must be a ringseq.comm.Transport, "
+                                        r"got 'x' \(str\)"):
+        ringseq.Ring("x")
 
 
 def test_empty_batch_runs_and_leaves_the_ring_usable(w2):

@@ -12,8 +12,9 @@ active on this thread of this process::
 
 Counted is what leaves the rank: every byte of a ring exchange's send buffer, and the
 ``(U - 1) / U`` of an all-to-all's send buffer that goes to the other ``U - 1`` ranks (the chunk a
-rank keeps for itself is not sent). Cross-rank consistency checks (a few int64s on the first
-call) are not counted. Counting costs a few Python operations per exchange.
+rank keeps for itself is not sent). Not counted: the cross-rank consistency checks, two
+control all-gathers of 30 int64 per rank at the begin and end of every forward and every
+backward (none with the checks off). Counting costs a few Python operations per exchange.
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def _active() -> List["CommCounter"]:
 
 
 class CommCounter:
-    """Bytes sent and number of calls per kind (``"ring"``, ``"ring_inner"``, ``"ring_outer"``,
-    ``"all_to_all"``), on this rank."""
+    """Bytes sent (``bytes``) and the number of exchanges or all-to-alls that sent them
+    (``calls``: one per ring exchange, several per attention call) per kind (``"ring"``,
+    ``"ring_inner"``, ``"ring_outer"``, ``"all_to_all"``), on this rank."""
 
     def __init__(self) -> None:
         self.bytes: Dict[str, int] = defaultdict(int)

@@ -20,12 +20,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .._args import as_int, given
 from .._hash import stable_code
-from .._dist import (RingTimeoutError, consistency_check_mode, defaults_for_malformed_settings,
+from .._dist import (RingMismatchError, RingTimeoutError, consistency_check_mode,
+                     defaults_for_malformed_settings,
                      group_info, is_initialized, named_for, ring_timeout)
-from .integrity import (BROKEN, CHECK, CONTROL_WORDS, FAIL, FAILED, FIELD0, INVALID, OK,
-                        RingCall, _describe, agreement_code, broken_ring_error, control_name,
-                        control_vector, gather, judge)
+from .integrity import (_N_FIELDS, BROKEN, CHECK, CONTROL_WORDS, FAIL, FAILED, FIELD0,
+                        INVALID, OK, RingCall, _describe, agreement_code, broken_ring_error,
+                        control_name, control_vector, gather, judge, mismatch_error)
 from .transport import RingComm, Transport, _timeout_exc
 
 __all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "meet_as_failed", "refuse_on_error",
@@ -41,6 +43,7 @@ class Ring:
     benchmarks), ``broken`` (the failure that broke the ring, or None)."""
 
     def __init__(self, transport: Transport):
+        check_transport("Ring", transport)
         self.transport = transport
         self.world_size, self.rank = transport.world_size, transport.rank
         self._lock = threading.Lock()
@@ -260,16 +263,38 @@ class Ring:
         judge(self, [row[:CONTROL_WORDS] for row in rows], CHECK, ())
         return [row[CONTROL_WORDS:] for row in rows]
 
-    def check(self, fields: Sequence[tuple], about: str = "argument check") -> None:
-        """One argument check outside a ring call: ``fields`` are ``(name, int[, kind])``;
-        raises ``RingMismatchError`` on every rank when ranks disagree (and RingBrokenError /
-        RingDesyncError as a call's begin would)."""
-        self._read_settings(CHECK, about=agreement_code(about))
+    def check(self, fields: Sequence[tuple], about: str = "argument check",
+              fn: str = "Ring.check") -> None:
+        """One argument check outside a ring call: ``fields`` are at most 23 ``(name, int[,
+        kind])``, the same names in the same order on every rank. Raises on every rank:
+        ``RingMismatchError`` when ranks pass other values, or other names or another number
+        of fields; TypeError / ValueError (naming ``fn``) for malformed fields on the ranks
+        given them, RingPeerError on the others (and RingBrokenError / RingDesyncError as a
+        call's begin would)."""
+        code = agreement_code(about)
+        self._read_settings(CHECK, about=code)
+        try:
+            fields = _checked_fields(fn, fields)
+        except (TypeError, ValueError) as exc:
+            self.refuse(CHECK, exc, about=code)  # (raises exc; the peers RingPeerError)
+        names = [f[0] for f in fields]
         with self._hold():
+            # (the names' code goes first: ranks comparing fields by position alone passed
+            # lists of other lengths or names on some ranks)
             rows = gather(self, CHECK, BROKEN if self._broken is not None else OK,
-                          [int(f[1]) for f in fields], None, agreement_code(about))
-            if rows is not None:
-                judge(self, rows, CHECK, fields)
+                          [stable_code(repr(names))] + [f[1] for f in fields], None, code)
+            if rows is None:
+                return
+            judge(self, rows, CHECK, ())
+            others = [r for r, row in enumerate(rows) if row[FIELD0] != rows[self.rank][FIELD0]]
+            if others:
+                raise RingMismatchError(
+                    f"{fn}: the ranks passed other fields (names, order or count): this rank "
+                    f"(rank {self.rank} of the group) {names}, rank(s) {others} others")
+            err = mismatch_error(self, [row[FIELD0 + 1:FIELD0 + 1 + len(fields)]
+                                        for row in rows], fields)
+            if err is not None:
+                raise err
 
     @contextlib.contextmanager
     def _hold(self):
@@ -364,6 +389,7 @@ def get_ring(group=None, fn: Optional[str] = None) -> Ring:
     if isinstance(group, Ring):
         return group
     if isinstance(group, Transport):
+        check_transport(fn or "get_ring", group)
         key = group.ring_key
         ring = _RINGS.get(key)
         if ring is None:
@@ -399,7 +425,41 @@ def get_comm(group=None) -> Ring:
 
 def check_consistent(fields, group=None) -> None:
     """:meth:`Ring.check` on the ring of ``group``."""
-    get_ring(group).check(fields)
+    get_ring(group, "check_consistent").check(fields, fn="check_consistent")
+
+
+def _checked_fields(fn: str, fields) -> Tuple[tuple, ...]:
+    """``fields`` as ``(name, int[, kind])`` tuples with Python ints; TypeError / ValueError
+    naming ``fn`` and the field otherwise."""
+    if not isinstance(fields, (list, tuple)):
+        raise TypeError(f"{fn}: fields must be a list of (name, int) tuples, got {given(fields)}")
+    if len(fields) > _N_FIELDS - 1:
+        raise ValueError(f"{fn}: at most {_N_FIELDS - 1} fields, got {len(fields)}")
+    out = []
+    for i, f in enumerate(fields):
+        value = as_int(f[1]) if isinstance(f, (list, tuple)) and len(f) in (2, 3) else None
+        if value is None or not isinstance(f[0], str):
+            raise TypeError(f"{fn}: fields[{i}] must be a (name: str, value: int) tuple, "
+                            f"got {f!r}")
+        if not -2 ** 63 <= value < 2 ** 63:
+            raise ValueError(f"{fn}: fields[{i}] ({f[0]!r}) must fit in int64, got {value}")
+        out.append((f[0], value, *f[2:]))
+    return tuple(out)
+
+
+def check_transport(fn: str, transport) -> None:
+    """TypeError / ValueError naming ``fn`` unless ``transport`` is a :class:`Transport` whose
+    ``world_size`` is an int >= 1 and ``rank`` an int in ``[0, world_size)``."""
+    if not isinstance(transport, Transport):
+        raise TypeError(f"{fn}: transport must be a ringseq.comm.Transport, got "
+                        f"{given(transport)}")
+    world, rank = as_int(transport.world_size), as_int(transport.rank)
+    if world is None or rank is None:
+        raise TypeError(f"{fn}: the transport's world_size and rank must be ints, got "
+                        f"world_size={transport.world_size!r}, rank={transport.rank!r}")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"{fn}: the transport's world_size must be >= 1 and its rank in "
+                         f"[0, world_size), got world_size={world}, rank={rank}")
 
 
 def reset_ring(group=None) -> None:

@@ -210,7 +210,7 @@ def _worker_calls(tmp):
     out["optimizer_as_model"] = error_text(lambda: booster.save_model(opt, target))
     out["none_on_one_rank"] = error_text(lambda: booster.load_model(
         None if rank == 1 else model, target))
-    out["too_many"] = error_text(lambda: booster.save_model(model, target, 1000, 5))
+    out["too_many"] = error_text(lambda: booster.checkpoint_io.save_model(model, target, 1000, 5))
     # options that change which collectives run, different on one rank (before: rank 0 raised
     # alone while rank 1 waited in the save's vote)
     out["sharded_differs"] = error_text(lambda: booster.save_optimizer(

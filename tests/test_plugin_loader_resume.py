@@ -41,7 +41,7 @@ class _WholeBatches(_Samples):
 
 class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
-        return iter({"input_ids": torch.arange(8) + 100 * i} for i in range(6))
+        return iter({"input_ids": torch.arange(8) + 100 * i, "idx": i} for i in range(6))
 
 
 def _batches(loader, n=None):

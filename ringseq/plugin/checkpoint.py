@@ -390,7 +390,8 @@ def save_scaler(optimizer, scaler_file: str) -> None:
 
 
 def _remove_stale(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    # (a path inside a file holds nothing to remove: the caller's own write says what is wrong)
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         os.remove(path)
 
 

@@ -47,9 +47,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (DTYPES, PeakMemory, attention_flops, core_probe_gflops, cpu_description, cpu_isa,  # noqa: E402
-                    environment, format_table, isa_forced_note, load_average, mib, probe_note,
-                    progress, time_ms, write_json)
+from common import (  # noqa: E402
+                    CHECK_FLOOR, DTYPES, PeakMemory, attention_flops, core_probe_gflops,
+                    cpu_description, cpu_isa, environment, format_table, isa_forced_note,
+                    load_average, mib, plain_attention, probe_note, progress, time_ms,
+                    write_json)
 
 import ringseq  # noqa: E402
 from ringseq.kernels import BACKEND_NAMES, available_backends  # noqa: E402
@@ -145,6 +147,31 @@ def supported(name, device, dtype, headdim, causal, q, k, window=-1, softcap=0.0
     return None
 
 
+CHECK_ROWS = 32  # queries checked at each end of the sequence
+
+
+def accuracy(name, run, q, k, v, causal, window, softcap):
+    """(max |out - float64|, plain same-dtype attention's error) on the first and last
+    CHECK_ROWS queries of one forward of ``run``: a backend passes within 2x the plain error
+    plus CHECK_FLOOR (flash-attn's rule, as the ring benchmarks check theirs)."""
+    with torch.no_grad():
+        out = run()
+    if name in SDPA_PEERS:
+        out = out.transpose(1, 2)  # (b, h, s, d) -> (b, s, h, d)
+    s = q.shape[1]
+    rows = torch.unique(torch.cat([torch.arange(min(CHECK_ROWS, s)),
+                                   torch.arange(max(0, s - CHECK_ROWS), s)]))
+    # (the window as window_spans makes it: (W, 0) causal, (W, W) full)
+    mask = dict(window=(window, 0 if causal else window) if window >= 0 else (-1, -1),
+                softcap=softcap)
+    cpu = [t.detach().cpu() for t in (q, k, v)]
+    ref = plain_attention(*cpu, torch.float64, causal, rows, **mask)
+    plain = plain_attention(*cpu, q.dtype, causal, rows, **mask) if q.dtype != torch.float64 \
+        else ref
+    return (float((out[:, rows].double().cpu() - ref).abs().max()),
+            float((plain.double() - ref).abs().max()))
+
+
 def make_step(run, leaves, dout):
     """One timed call: a forward, or (dout given) a forward and backward that frees the grads."""
     def step():
@@ -185,6 +212,11 @@ def measure(entries, args, device, dtype_name, s, d, causal, window=None, softca
         rows[i] = [dict(row, mode=m) for m in args.modes] if reason else []
         if not reason:
             live.append((i, name, tile_config, row))
+    for i, name, tile_config, row in live:  # each backend checked once per shape, untimed
+        run, _ = make_runner(name, q, k, v, causal, tile_config, window, softcap)
+        err, plain_err = accuracy(name, run, q, k, v, causal, window, softcap)
+        row.update(max_err=err, plain_err=plain_err,
+                   check="ok" if err <= 2 * plain_err + CHECK_FLOOR[dtype] else "FAIL")
     for mode in args.modes:
         grad = mode == "fwd_bwd"
         for t in (q, k, v):
@@ -286,15 +318,19 @@ def parse_args(argv=None):
                         "inflated by other jobs on a shared machine)")
     p.add_argument("--json", type=json_path, default=None, help="write results to this path")
     args = p.parse_args(argv)
-    # comma lists stay strings (they are passed on to the per-level child processes): checked
+    # comma lists stay strings (they are passed on to the per-level child processes): checked,
+    # and written back without empty items ("256," was accepted here, then failed in int(""))
     for name in ("seqlens", "headdims", "threads", "tile_configs"):
         text = getattr(args, name)
         if text is not None:
             try:
-                positive_ints(text) if name != "tile_configs" else [
-                    tile_config(x) for x in text.split(",")]
+                values = positive_ints(text) if name != "tile_configs" else [
+                    tile_config(x) for x in text.split(",") if x.strip()]
+                if not values:
+                    raise argparse.ArgumentTypeError(f"no value given in {text!r}")
             except argparse.ArgumentTypeError as exc:
                 p.error(f"--{name.replace('_', '-')}: {exc}")
+            setattr(args, name, ",".join(map(str, values)))
     if args.heads_kv is not None and args.heads % args.heads_kv:
         p.error(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
     if args.window < -1:
@@ -359,6 +395,8 @@ def run_here(args, device):
         peers.append(masks_peer(device))  # the peer of the --masks rows (on CPU the default)
     if args.backends:
         names = args.backends.split(",")
+        if not args.ratio_to:  # (the default peers that are timed: an untimed one has no row)
+            peers = [peer for peer in peers if peer in names]
     else:
         names = [n for n in ("ringseq", "sdpa", "flash_attn")
                  if n in available_backends(device, DTYPES[args.dtypes[0]], 64)]
@@ -519,6 +557,7 @@ def run_cpu_levels(args, levels):
             base = peer_row(rows, peer, r, same_level=peer != "torch_sdpa_native")
             r[f"x_{peer}"] = (base["ms"] / r["ms"]) if base and r.get("ms") else None
             r[f"{peer}_ms"] = base["ms"] if base else None
+            r[f"{peer}_peak_mib"] = base.get("peak_mib") if base else None
             # rounds pair up only within one child (the native SDPA runs in its own)
             r[f"px_{peer}"] = paired_ratio(base, r) if peer != "torch_sdpa_native" else None
     return rows, peers, failed
@@ -535,20 +574,32 @@ def main(argv=None):
     if split:
         supported = ringseq.kernels.extension.cpu_isa_levels()
         levels = [x for x in (args.isa or ",".join(supported)).split(",") if x]
+        if not levels:
+            p.error(f"--isa: no level given in {args.isa!r}")
+        if len(set(levels)) < len(levels):
+            # (rows of one level from two children: a ratio took the other child's SDPA)
+            p.error(f"--isa: each level once, got {args.isa!r}")
         for level in levels:
             if level not in supported:
                 p.error(f"--isa {level}: this CPU/build runs {', '.join(supported) or 'no level'}")
+        if args.ratio_to or args.reference:
+            p.error(f"--{'ratio-to' if args.ratio_to else 'reference'} applies to one process "
+                    f"(--isa current): the per-level run compares ringseq with torch SDPA at "
+                    f"each level (--sdpa-isa)")
         rows, peers, failed = run_cpu_levels(args, levels)
         shown = [r for r in rows if r["backend"] == "ringseq" and not r["skipped"]]
         columns = [("level", "ISA", "{}"), ("dtype", "dtype", "{}"), ("threads", "thr", "{}"),
                    ("mode", "mode", "{}"), ("seqlen", "s", "{}"), ("headdim", "d", "{}"),
                    ("causal", "causal", "{}"), ("ms", "ringseq ms", "{:.1f}"),
-                   ("tflops", "TFLOP/s", "{:.3f}")]
+                   ("tflops", "TFLOP/s", "{:.3f}"), ("peak_mib", "peak MiB", "{:.1f}")]
         for peer in peers:
             columns += [(f"{peer}_ms", peer.replace("torch_", "") + " ms", "{:.1f}"),
+                        (f"{peer}_peak_mib", "peak MiB", "{:.1f}"),
                         (f"x_{peer}", "x " + peer.replace("torch_", ""), "{:.2f}")]
             if peer != "torch_sdpa_native":
                 columns += [(f"px_{peer}", "paired", "{:.2f}")]
+        columns += [("max_err", "err", "{:.1e}"), ("plain_err", "plain err", "{:.1e}"),
+                    ("check", "check", "{}")]
     else:
         if args.thread_counts == [None] and device.type == "cpu":
             args.thread_counts = [torch.get_num_threads()]
@@ -561,6 +612,8 @@ def main(argv=None):
                    ("tflops", "TFLOP/s", "{:.3f}"), ("peak_mib", "peak MiB", "{:.1f}")]
         columns += [c for peer in peers for c in ((f"x_{peer}", f"x {peer}", "{:.2f}"),
                                                   (f"px_{peer}", "paired", "{:.2f}"))]
+        columns += [("max_err", "err", "{:.1e}"), ("plain_err", "plain err", "{:.1e}"),
+                    ("check", "check", "{}")]
     if any("window" in r for r in rows):  # --window / --softcap / --masks rows
         columns[7:7] = [("window", "window", "{}"), ("softcap", "softcap", "{}")]
     print(f"# bench_kernel: b={args.batch} h={args.heads} h_kv={args.heads_kv or args.heads} "
@@ -593,11 +646,19 @@ def main(argv=None):
                            "core_probe_gflops": probe,
                            "args": {k: v for k, v in vars(args).items()}, "results": rows,
                            "failed_children": failed})
+    wrong = [r for r in rows if r.get("check") == "FAIL"]
+    for r in wrong:
+        print(f"WARNING: {r['backend']} {r['dtype']} s={r['seqlen']} d={r['headdim']} "
+              f"{'causal' if r['causal'] else 'full'} {r['mode']}: max error {r['max_err']:.2e} "
+              f"against float64, more than 2 x plain {r['dtype']} attention's "
+              f"{r['plain_err']:.2e} + {CHECK_FLOOR[DTYPES[r['dtype']]]:.0e}", flush=True)
     if failed:
         names = {lv: "torch SDPA native" if lv == "native" else f"ISA level {lv}" for lv in failed}
         print("FAILED: " + "; ".join(f"{names[lv]}: {why}" for lv, why in failed.items())
               + " (the rows above are the children that finished)", flush=True)
         raise SystemExit(1)
+    if any(r["backend"].split(":")[0] not in SDPA_PEERS for r in wrong):
+        raise SystemExit(1)  # (torch's own SDPA failing is warned about, not ours to fail on)
     return rows
 
 

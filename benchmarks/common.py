@@ -31,19 +31,23 @@ DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, 
 CHECK_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
 
 
-def plain_attention(q, k, v, dtype, causal, rows=None, window=(-1, -1), cu_seqlens=None):
+def plain_attention(q, k, v, dtype, causal, rows=None, window=(-1, -1), cu_seqlens=None,
+                    softcap=0.0):
     """Plain softmax attention computed in ``dtype``: the float64 reference, or the same-dtype
     attention whose error flash-attn's rule scales. q (b, s_q, h, d), or only its query rows
     at the global positions ``rows`` (an int tensor); k, v (b, s_k, h_kv, d), their heads
     repeated for GQA; causal: a query sees the keys up to its position; ``window`` (left,
     right): and only those within it (-1: unbounded); ``cu_seqlens``: and only those of its
-    own document. Returns (b, rows, h, d) in ``dtype``, differentiable in q, k, v (every
-    query row must see a key: causal attention always does)."""
+    own document; ``softcap``: scores soft-capped, ``softcap * tanh(score / softcap)``.
+    Returns (b, rows, h, d) in ``dtype``, differentiable in q, k, v (every query row must see
+    a key: causal attention always does)."""
     pos = torch.arange(q.shape[1]) if rows is None else rows
     g = q.shape[2] // k.shape[2]
     qs = q[:, pos].to(dtype)
     ks, vs = (t.to(dtype).repeat_interleave(g, 2) for t in (k, v))  # (b, s_k, h, d)
     scores = torch.einsum("bqhd,bkhd->bhqk", qs, ks) * q.shape[-1] ** -0.5
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     keys = torch.arange(k.shape[1])[None, :]
     hidden = torch.zeros(len(pos), k.shape[1], dtype=torch.bool)  # (rows, s_k)
     if causal:

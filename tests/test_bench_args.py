@@ -61,6 +61,13 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("bench_kernel.py", ["--device", "foo"], "--device takes cpu, cuda or cuda:N, got 'foo'"),
     ("bench_kernel.py", ["--backends", "ringseq", "--ratio-to", "torch_sdpa"],
      "--ratio-to torch_sdpa: not among --backends ringseq"),
+    # (before: an empty table and exit 0; a repeated level's ratio took the other child's SDPA;
+    # --ratio-to was ignored by the per-level run; "," passed the check, then int("") failed)
+    ("bench_kernel.py", ["--isa", ","], "--isa: no level given in ','"),
+    ("bench_kernel.py", ["--isa", "baseline,baseline"], "--isa: each level once"),
+    ("bench_kernel.py", ["--isa", "baseline", "--ratio-to", "torch_sdpa"],
+     "--ratio-to applies to one process (--isa current)"),
+    ("bench_kernel.py", ["--seqlens", ","], "--seqlens: "),
     # (before: plain int / float options: exceptions inside the ranks, exit 1 or 3)
     ("bench_ring_vs_rfa.py", ["--repeats", "0"], "--repeats: must be a positive integer"),
     ("bench_ring_vs_rfa.py", ["--world-size", "0"], "--world-size: must be a positive integer"),

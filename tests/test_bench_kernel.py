@@ -27,6 +27,7 @@ def test_timed_calls_alternate_between_backends(monkeypatch):
 
     monkeypatch.setattr(bench_kernel, "make_runner", fake_runner)
     monkeypatch.setattr(bench_kernel, "supported", lambda *a, **kw: None)
+    monkeypatch.setattr(bench_kernel, "accuracy", lambda *a: (0.0, 0.0))  # (checked below)
     _, args = bench_kernel.parse_args(["--device", "cpu", "--modes", "fwd", "--warmup", "1",
                                        "--repeats", "4", "--heads", "1"])
     rows = bench_kernel.measure([("ringseq", 0), ("torch_sdpa", 0)], args, bench_kernel.torch.device("cpu"),
@@ -54,6 +55,7 @@ def test_small_cpu_run_writes_ratio_rows(tmp_path):
         (b, m) for b in ("ringseq", "torch_sdpa") for m in ("fwd", "fwd_bwd")}
     for r in rows:
         assert r["ms"] > 0 and r["tflops"] > 0
+        assert r["check"] == "ok" and r["max_err"] <= 2 * r["plain_err"] + 1e-6, r
         ratio = r["x_torch_sdpa"]
         peer = next(x for x in rows if x["backend"] == "torch_sdpa" and x["mode"] == r["mode"])
         assert abs(ratio - peer["ms"] / r["ms"]) < 1e-9
@@ -61,6 +63,27 @@ def test_small_cpu_run_writes_ratio_rows(tmp_path):
         assert len(r["rounds_ms"]) == len(peer["rounds_ms"]) == 2
         per_round = sorted(p / m for p, m in zip(peer["rounds_ms"], r["rounds_ms"]))
         assert abs(r["px_torch_sdpa"] - sum(per_round) / 2) < 1e-9
+
+
+def test_a_backend_computing_something_else_fails_the_run(monkeypatch, tmp_path, capsys):
+    """Each backend's output is checked against float64 at every shape before it is timed
+    (before: a kernel returning q itself was timed and reported 90x faster than SDPA)."""
+    import bench_kernel
+
+    monkeypatch.setattr(bench_kernel.ringseq, "flash_attn_func", lambda q, k, v, **kw: q * 1.0)
+    out = tmp_path / "k.json"
+    with pytest.raises(SystemExit) as exit_:
+        bench_kernel.main(["--device", "cpu", "--isa", "current", "--backends",
+                           "ringseq,torch_sdpa", "--seqlens", "64", "--heads", "2",
+                           "--headdims", "16", "--causal", "true", "--repeats", "1",
+                           "--json", str(out)])
+    assert exit_.value.code == 1
+    text = capsys.readouterr().out
+    assert "WARNING: ringseq fp32 s=64 d=16 causal fwd: max error" in text, text[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {r["backend"]: r["check"] for r in rows} == {"ringseq": "FAIL", "torch_sdpa": "ok"}
+    for r in rows:
+        assert r["plain_err"] < 1e-5 and (r["max_err"] > 0.1) == (r["backend"] == "ringseq")
 
 
 def test_core_probe_note_says_whether_the_two_ends_differ():

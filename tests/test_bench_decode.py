@@ -29,3 +29,28 @@ def test_small_run_reports_every_ranks_context_parallel_figures(tmp_path):
         assert cp[key] == (None if None in values else max(values)), (key, cp[key], values)
     assert cp["speedup"] == cp["gathered_ms"] / cp["cp_ms"]
     assert "CP ms/token (max rank)" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_a_wrong_sequence_of_the_batch_fails_the_check(monkeypatch):
+    """The invariant covers every sequence of the batch (before: the first one only, with a
+    float32 floor 75x its error: sequences 1.. zeroed and sequence 0 off by 5e-6 passed)."""
+    import pytest
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_decode
+
+    decode = bench_decode.ringseq.flash_attn_with_kvcache
+    args = bench_decode.parse_args(["--cache", "256", "--batch", "3", "--threads", "1",
+                                    "--repeats", "1", "--no-cp"])
+    args.dtype = "fp32"
+    for wrong in (1, 2):  # each sequence but the first, alone
+        def corrupted(*a, wrong=wrong, **kw):
+            out = decode(*a, **kw).clone()
+            out[wrong] += 1e-3
+            return out
+
+        monkeypatch.setattr(bench_decode.ringseq, "flash_attn_with_kvcache", corrupted)
+        with pytest.raises(AssertionError, match="ringseq disagrees with float64"):
+            bench_decode.single_device(args)
+    monkeypatch.setattr(bench_decode.ringseq, "flash_attn_with_kvcache", decode)
+    assert bench_decode.single_device(args)[0]["max_err"] < 1e-5

@@ -11,9 +11,9 @@ at a small length (``CHECK_TOKENS_PER_RANK`` tokens per rank, the same layout, h
 and dtype; flash-attn's rule: error at most 2x (out) / 3x (gradients) plain attention's in the
 same dtype, plus the main job's floor, ``ring_job.CHECK_FLOOR``). ringseq failing it is a failed
 run (exit 1); a peer failing it is reported as WRONG beside its times, whose ratio then compares
-the same work, not a result. ring-flash-attn 0.1.8's float32 backward fails it: its
-``dq_buffer.to(torch.float32)`` is the buffer itself in float32, which the next block's backward
-overwrites and then adds to itself (``--dtype bf16`` makes a copy there, and passes).
+the same work, not a result. The dtype is bf16 or fp16: ring-flash-attn runs on flash-attn 2,
+which takes no float32, and the stand-in refuses it as flash-attn does (a float32 run of the
+stand-in showed ring-flash-attn's backward wrong, in a setup no real installation can make).
 
     pip install --no-deps ring-flash-attn
     python benchmarks/bench_ring_vs_rfa.py [--json out.json]
@@ -153,12 +153,16 @@ def parse_args(argv=None):
                    help="total tokens, a multiple of 2 x --world-size (zigzag's chunks)")
     p.add_argument("--heads", type=positive_int, default=8)
     p.add_argument("--headdim", type=positive_int, default=64)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
+                   help="bf16 (default) or fp16: flash-attn 2, ring-flash-attn's kernel, takes "
+                        "no float32")
     p.add_argument("--repeats", type=positive_int, default=7)
     p.add_argument("--timeout", type=positive_seconds, default=900,
                    help="seconds the ranks of one engine and layout may take")
     p.add_argument("--json", type=json_path, default=None, help="write the results here")
     a = p.parse_args(argv)
+    if a.world_size < 2:  # (before: gloo's "Pair is not connected" inside ring-flash-attn)
+        p.error(f"--world-size {a.world_size}: a ring needs 2 ranks or more")
     if a.seqlen % (2 * a.world_size):
         p.error(f"--seqlen {a.seqlen} must be a multiple of 2 x --world-size = "
                 f"{2 * a.world_size} (zigzag cuts the sequence into that many chunks)")

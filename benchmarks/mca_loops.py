@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from collections import defaultdict
 
-from cli_types import json_path  # (the script's folder is on sys.path, as for the tests)
+from cli_types import json_path, positive_int  # (the script's folder is on sys.path, as for the tests)
 
 HEADER = re.compile(r"^([0-9a-f]+) <(.+)>:$")
 INSN = re.compile(r"^\s*([0-9a-f]+):\s+([a-z0-9._]+)\s*(.*?)\s*$")
@@ -124,12 +125,20 @@ def main(argv=None):
     p.add_argument("--mcpu", default="znver3", help="comma list of llvm-mca CPU names")
     p.add_argument("--so", default=None, help="the extension to read (default: ringseq._C)")
     p.add_argument("--mca", default=None, help="llvm-mca binary (default: llvm-mca-19, llvm-mca)")
-    p.add_argument("--iterations", type=int, default=300)
+    p.add_argument("--iterations", type=positive_int, default=300)
     p.add_argument("--json", type=json_path, default=None)
     args = p.parse_args(argv)
+    if args.mca is not None and not shutil.which(args.mca):
+        p.error(f"--mca {args.mca!r}: no such executable")
+    if args.so is not None and not (os.path.isfile(args.so) and os.access(args.so, os.R_OK)):
+        p.error(f"--so {args.so!r}: not a readable file (the extension, ringseq/_C*.so)")
     mca_bin = args.mca or shutil.which("llvm-mca-19") or shutil.which("llvm-mca")
     if not mca_bin or not shutil.which("objdump"):
         p.error("needs objdump and llvm-mca on PATH (e.g. apt-get install binutils llvm-19)")
+    # (models differ by version: LLVM 14's znver3 issues one FMA per cycle, 19's two)
+    version = subprocess.run([mca_bin, "--version"], capture_output=True, text=True).stdout
+    version = next((line.strip() for line in version.splitlines() if "version" in line.lower()),
+                   "version unknown")
     so = args.so
     if so is None:
         from ringseq.kernels.extension import _C
@@ -140,7 +149,9 @@ def main(argv=None):
     if not loops:
         p.error(f"no {args.level} loops found in {so} (level not built?)")
     rows = []
-    print(f"# llvm-mca ({mca_bin}) on the {args.level} loops of {so}, {args.iterations} iterations")
+    print(f"# llvm-mca ({mca_bin}, {version}) on the {args.level} loops of {so}, "
+          f"{args.iterations} iterations; FMA/cycle: multiply-adds per cycle (a mulps with its "
+          f"addps where the level has no FMA)")
     print(f"{'loop':<19} {'cpu':<8} {'insns':>5} {'cycles/iter':>11} {'IPC':>5} {'RThroughput':>11} {'FMA/cycle':>9}")
     for name, body in loops.items():
         for cpu in args.mcpu.split(","):
@@ -149,18 +160,22 @@ def main(argv=None):
             except RuntimeError as exc:  # e.g. AVX-512 on a CPU model without it
                 print(f"{name:<19} {cpu:<8} skipped: {exc}")
                 continue
-            # FMA-class instructions per cycle (a vdpbf16ps counts once: two multiply-adds per lane)
-            fmas = (count(body, "fmadd|dpbf16ps") / r["cycles_per_iter"]
-                    if name.startswith("micro-kernel") else None)
+            # FMA-class instructions per cycle (a vdpbf16ps counts once: two multiply-adds per
+            # lane); the baseline level multiplies and adds apart: its mulps count
+            fmas = ((count(body, "fmadd|dpbf16ps") or count(body, "mulps"))
+                    / r["cycles_per_iter"] if name.startswith("micro-kernel") else None)
             rows.append(dict(r, loop=name, cpu=cpu, level=args.level, instructions=len(body),
                              fma_per_cycle=fmas))
             print(f"{name:<19} {cpu:<8} {len(body):>5} {r['cycles_per_iter']:>11.2f} {r['ipc']:>5.2f} "
                   f"{r['block_rthroughput']:>11.2f} {'-' if fmas is None else f'{fmas:.2f}':>9}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"so": so, "mca": mca_bin, "rows": rows}, f, indent=2)
+            json.dump({"so": so, "mca": mca_bin, "mca_version": version, "rows": rows}, f,
+                      indent=2)
+    if not rows:
+        print(f"FAILED: no loop could be modelled on {args.mcpu} (see the skipped lines)")
     return rows
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    sys.exit(0 if main() else 1)

@@ -68,9 +68,16 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("bench_kernel.py", ["--isa", "baseline", "--ratio-to", "torch_sdpa"],
      "--ratio-to applies to one process (--isa current)"),
     ("bench_kernel.py", ["--seqlens", ","], "--seqlens: "),
+    # (before: ZeroDivisionError, objdump's CalledProcessError, FileNotFoundError)
+    ("mca_loops.py", ["--iterations", "0"], "--iterations: must be a positive integer"),
+    ("mca_loops.py", ["--so", "/nonexistent.so"], "--so '/nonexistent.so': not a readable file"),
+    ("mca_loops.py", ["--mca", "/nonexistent/llvm-mca"],
+     "--mca '/nonexistent/llvm-mca': no such executable"),
     # (before: plain int / float options: exceptions inside the ranks, exit 1 or 3)
     ("bench_ring_vs_rfa.py", ["--repeats", "0"], "--repeats: must be a positive integer"),
     ("bench_ring_vs_rfa.py", ["--world-size", "0"], "--world-size: must be a positive integer"),
+    ("bench_ring_vs_rfa.py", ["--world-size", "1"], "--world-size 1: a ring needs 2 ranks"),
+    ("bench_ring_vs_rfa.py", ["--dtype", "fp32"], "--dtype: invalid choice: 'fp32'"),
     ("bench_ring_vs_rfa.py", ["--seqlen", "102"], "--seqlen 102 must be a multiple of 2 x "
                                                   "--world-size = 4"),
     ("bench_ring_vs_rfa.py", ["--timeout", "-1"], "--timeout: must be a positive number"),

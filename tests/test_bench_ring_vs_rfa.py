@@ -38,3 +38,20 @@ def test_the_check_passes_ringseq_and_catches_a_doubled_gradient(layout):
         assert bench._check_text(doubled) == "WRONG (dq)", doubled
         dq = doubled["dq"]
         assert dq["error"] > 1000 * dq["plain_error"], dq  # a wrong result, not a rounding
+
+
+def test_the_flash_attn_stand_in_takes_what_flash_attn_takes():
+    """fp16 / bf16 only, as flash-attn 2 (before: float32 ran, and ring-flash-attn's float32
+    backward was reported wrong in a setup no real installation can make)."""
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "peer_shim"))
+    from flash_attn.flash_attn_interface import _flash_attn_forward
+
+    q = torch.randn(1, 16, 2, 8)  # (b, s, h, d)
+    with pytest.raises(RuntimeError, match="flash-attn 2 takes fp16 and bf16 inputs only, got "
+                                           "torch.float32"):
+        _flash_attn_forward(q, q, q, causal=True)
+    out, lse, _, _ = _flash_attn_forward(*(q.bfloat16(),) * 3, causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(q.transpose(1, 2).double(),) * 3, is_causal=True).transpose(1, 2)
+    assert out.dtype == torch.bfloat16 and float((out.double() - ref).abs().max()) < 2e-2

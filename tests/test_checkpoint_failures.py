@@ -211,6 +211,17 @@ def _worker_calls(tmp):
     out["none_on_one_rank"] = error_text(lambda: booster.load_model(
         None if rank == 1 else model, target))
     out["too_many"] = error_text(lambda: booster.checkpoint_io.save_model(model, target, 1000, 5))
+
+    class Schedule:  # (its state fails on the writing rank: before, the other rank waited)
+        def state_dict(self):
+            if rank == 0:
+                raise RuntimeError("injected")
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    out["state_fails"] = error_text(lambda: booster.save_lr_scheduler(Schedule(), target))
     # options that change which collectives run, different on one rank (before: rank 0 raised
     # alone while rank 1 waited in the save's vote)
     out["sharded_differs"] = error_text(lambda: booster.save_optimizer(
@@ -289,6 +300,10 @@ def test_arguments_a_checkpoint_call_does_not_take_are_refused_on_every_rank(w2_
         "TypeError: load_model: model must be a torch.nn.Module (the boosted model), got "
         "NoneType"), w2_calls[1]
     assert w2_calls[0]["none_on_one_rank"].startswith("RingPeerError"), w2_calls[0]
+    assert w2_calls[0]["state_fails"].startswith(
+        "RuntimeError: save_lr_scheduler: rank 0: saving the checkpoint"), w2_calls[0]
+    assert "injected" in w2_calls[0]["state_fails"]
+    assert "rank 0 failed to write the checkpoint" in w2_calls[1]["state_fails"], w2_calls[1]
     assert w2_calls[1]["one_rank_typo"].startswith(
         "TypeError: save_model: unexpected keyword argument(s) ['max_shard']")
     assert w2_calls[0]["one_rank_typo"].startswith("RingPeerError"), w2_calls[0]
@@ -430,3 +445,15 @@ def test_a_save_failing_at_the_grad_scaler_loads_no_mix_of_two_saves(tmp_path, m
     io.load_optimizer(opt, path)
     assert int(opt.unwrap().state[model.weight]["step"]) == 1 and scaler.get_scale() == 8.0
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_a_shard_size_is_taken_as_a_number_or_a_size_string():
+    """(before: 1e30 was refused, its text '1e+30' missing the size pattern, while 2**70 was
+    taken)"""
+    from ringseq.plugin.checkpoint_call import shard_bytes
+    assert shard_bytes(1e30) == int(1e30) and shard_bytes(2 ** 70) == 2 ** 70
+    assert shard_bytes("500MB") == 500 * 10 ** 6 and shard_bytes("2GiB") == 2 * 2 ** 30
+    assert shard_bytes(1.5) == 1
+    for size in (0, -5, 0.5, True, float("inf"), float("nan"), "0.1B", "lots"):
+        with pytest.raises(ValueError, match=r"^save_model: max_shard_size must be a positive "):
+            shard_bytes(size)

@@ -438,9 +438,11 @@ class ReplicatedCheckpointIO:
     exclusively created temporary file in the target directory, then ``os.replace``.
     """
 
+    # The state is taken inside the writing rank's write (the others need none): an error
+    # there is agreed on, where one raised before the agreement left the other ranks waiting.
     @checkpoint_call
     def save_model(self, model, checkpoint: str) -> None:
-        _save(_unwrap(model).state_dict(), checkpoint)
+        on_writer(checkpoint, lambda: _write(_unwrap(model).state_dict(), checkpoint))
 
     @checkpoint_call
     def load_model(self, model, checkpoint: str, strict: bool = True):
@@ -452,9 +454,9 @@ class ReplicatedCheckpointIO:
     @checkpoint_call
     def save_optimizer(self, optimizer, checkpoint: str) -> None:
         # (the two files written together: a failed write leaves both as they were)
-        state, scaler = _unwrap(optimizer).state_dict(), scaler_state(optimizer)
-        on_writer(checkpoint, lambda: _write_all([(state, checkpoint),
-                                                  (scaler, checkpoint + ".grad_scaler")]))
+        on_writer(checkpoint, lambda: _write_all([
+            (_unwrap(optimizer).state_dict(), checkpoint),
+            (scaler_state(optimizer), checkpoint + ".grad_scaler")]))
 
     @checkpoint_call
     def load_optimizer(self, optimizer, checkpoint: str) -> None:
@@ -470,7 +472,7 @@ class ReplicatedCheckpointIO:
 
     @checkpoint_call
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        _save(lr_scheduler.state_dict(), checkpoint)
+        on_writer(checkpoint, lambda: _write(lr_scheduler.state_dict(), checkpoint))
 
     @checkpoint_call
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import re
 import threading
@@ -46,9 +47,13 @@ def shard_bytes(size, fn: str = "save_model") -> int:
     """``max_shard_size`` in bytes: a number (a float is truncated to whole bytes) or a string
     like ``"500MB"`` / ``"2GiB"``, of at least one byte. Raises ValueError naming ``fn``
     otherwise (a bool, 0, ``"0.1B"``)."""
-    m = None if isinstance(size, bool) else re.fullmatch(
-        r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
-    n = 0 if m is None else int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if isinstance(size, (int, float)) and not isinstance(size, bool):
+        # (a number as it is: its text, "1e+30", missed the pattern below)
+        n = int(size) if math.isfinite(size) else 0
+    else:
+        m = None if isinstance(size, bool) else re.fullmatch(
+            r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
+        n = 0 if m is None else int(float(m.group(1)) * _UNITS[m.group(2) or ""])
     if n < 1:
         raise ValueError(f"{fn}: max_shard_size must be a positive number of bytes or "
                          f"a string like '500MB' / '2GiB', got {size!r}")

@@ -6,7 +6,8 @@ the cache in place, GQA heads as rows, keys split over the threads) against
 view, ``enable_gqa=True``), per (batch, cache length, threads): ms per step, tokens/s
 (batch / step time), GB/s of the cache read (K and V once per step), the ratio SDPA / ringseq,
 the peak memory of a step above the inputs, and a check that both agree with the float64
-result on the first sequence (ringseq's error at most 2x SDPA's).
+result on every sequence of the batch (ringseq's error at most 2x SDPA's, plus the shared
+float floor).
 
 Part 2, context parallel (``--world-size`` local gloo ranks, one thread each): the cache of
 ``--cp-cache`` tokens stays sharded (zigzag prefill, ``ringseq.ring_flash_attn_with_kvcache``):

@@ -26,6 +26,7 @@ import torch
 
 from ._args import (check_alibi_slopes, check_bool, check_cu_seqlens, check_dropout,
                     check_softmax_scale, parse_window)
+from ._dist import with_message
 from ._hash import ints_field
 from .kernels import AttentionBackend, backend_by_key, backend_key, check_qkv, get_backend
 from .kernels.checks import count_check, resolve_scale
@@ -292,8 +293,9 @@ def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
         layout.check_positions(s_local * world_size, world_size)
         if spec.mask.plain and spec.mask.causal:  # (the one schedule _tasks makes)
             layout.check_tasks(world_size, s_local)
-    except (ValueError, NotImplementedError) as exc:
-        raise type(exc)(f"{spec.fn}: {exc}") from None
+    except (ValueError, NotImplementedError) as exc:  # (a user's layout may raise its own)
+        kind = NotImplementedError if isinstance(exc, NotImplementedError) else ValueError
+        raise with_message(exc, f"{spec.fn}: {exc}", fallback=kind) from None
     if world_size > 1 and not spec.backend.supports_global_backward:
         raise ValueError(f"{spec.fn}: backend {spec.backend.name!r} cannot compute a block's "
                          f"gradients from the merged output of a ring; use backend='ringseq' "

@@ -77,13 +77,45 @@ def test_a_backend_computing_something_else_fails_the_run(monkeypatch, tmp_path,
                            "ringseq,torch_sdpa", "--seqlens", "64", "--heads", "2",
                            "--headdims", "16", "--causal", "true", "--repeats", "1",
                            "--json", str(out)])
-    assert exit_.value.code == 1
+    assert exit_.value.code == bench_kernel.CHECK_FAILED
     text = capsys.readouterr().out
     assert "WARNING: ringseq fp32 s=64 d=16 causal fwd: max error" in text, text[-2000:]
     rows = json.loads(out.read_text())["results"]
     assert {r["backend"]: r["check"] for r in rows} == {"ringseq": "FAIL", "torch_sdpa": "ok"}
     for r in rows:
         assert r["plain_err"] < 1e-5 and (r["max_err"] > 0.1) == (r["backend"] == "ringseq")
+
+
+def test_a_level_failing_the_check_keeps_its_rows_and_says_so(monkeypatch, tmp_path, capsys):
+    """A level's child whose ringseq rows fail the accuracy check exits CHECK_FAILED: its rows
+    are kept with check FAIL, and the run exits CHECK_FAILED (before: read as a crashed
+    child, its rows dropped, "exit status 1")."""
+    import bench_kernel
+
+    def child(cmd, env):
+        bad = env["RINGSEQ_CPU_ISA"] == "avx512"
+        rows = [{"backend": b, "dtype": "fp32", "threads": 1, "mode": "fwd", "seqlen": 64,
+                 "headdim": 16, "causal": True, "ms": 1.0, "rounds_ms": [1.0], "skipped": None,
+                 "max_err": 5.0 if bad and b == "ringseq" else 1e-7, "plain_err": 1e-7,
+                 "check": "FAIL" if bad and b == "ringseq" else "ok"}
+                for b in ("ringseq", "torch_sdpa")]
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"results": rows, "core_probe_gflops": None}, f)
+        return subprocess.CompletedProcess(cmd, bench_kernel.CHECK_FAILED if bad else 0)
+
+    monkeypatch.setattr(bench_kernel.subprocess, "run", child)
+    monkeypatch.setattr(bench_kernel.ringseq.kernels.extension, "cpu_isa_levels",
+                        lambda: ["avx2", "avx512"])
+    out = tmp_path / "k.json"
+    with pytest.raises(SystemExit) as exit_:
+        bench_kernel.main(["--device", "cpu", "--isa", "avx2,avx512", "--seqlens", "64",
+                           "--headdims", "16", "--json", str(out)])
+    assert exit_.value.code == bench_kernel.CHECK_FAILED
+    text = capsys.readouterr().out
+    assert "WARNING: ringseq fp32 s=64 d=16 causal fwd: max error 5.00e+00" in text, text
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["level"], r["check"]) for r in rows if r["backend"] == "ringseq"} == {
+        ("avx2", "ok"), ("avx512", "FAIL")}
 
 
 def test_core_probe_note_says_whether_the_two_ends_differ():

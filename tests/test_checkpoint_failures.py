@@ -208,6 +208,8 @@ def _worker_calls(tmp):
     # checkpoint; None on one rank raised there alone, the others waited)
     out["model_as_optimizer"] = error_text(lambda: booster.save_optimizer(model, target))
     out["optimizer_as_model"] = error_text(lambda: booster.save_model(opt, target))
+    out["model_as_scheduler"] = error_text(lambda: booster.save_lr_scheduler(model, target))
+    out["optimizer_as_scheduler"] = error_text(lambda: booster.save_lr_scheduler(opt, target))
     out["none_on_one_rank"] = error_text(lambda: booster.load_model(
         None if rank == 1 else model, target))
     out["too_many"] = error_text(lambda: booster.checkpoint_io.save_model(model, target, 1000, 5))
@@ -288,6 +290,12 @@ def test_ranks_given_different_paths_write_nothing(w2_calls, key, fn, path):
                            "(without param_groups)"),
     ("optimizer_as_model", "TypeError: save_model: model must be a torch.nn.Module (the "
                            "boosted model), got OptimizerWrapper (without "),
+    ("model_as_scheduler", "TypeError: save_lr_scheduler: lr_scheduler must be an lr scheduler "
+                           "(an object with state_dict and load_state_dict), got ModelWrapper "
+                           "(a model's parameters: a scheduler has none)"),
+    ("optimizer_as_scheduler", "TypeError: save_lr_scheduler: lr_scheduler must be an lr "
+                               "scheduler (an object with state_dict and load_state_dict), got "
+                               "OptimizerWrapper (without optimizer)"),
     ("too_many", "TypeError: save_model: too many positional arguments; it takes (model, "
                  "checkpoint, max_shard_size)"),
 ])
@@ -397,13 +405,18 @@ def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_r
             assert r[key + " unchanged"] and r[key + " then a step"] == "no error", r
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["file", "directory"])
-def test_a_save_failing_at_the_grad_scaler_loads_no_mix_of_two_saves(tmp_path, monkeypatch,
-                                                                     sharded):
-    """The grad scaler's state is written with the optimizer's: a disk full at the scaler's
-    file leaves the plain file pair as it was, and a directory without metadata (refused at
-    load). Before, the new optimizer state loaded beside the old loss scale, without an
-    error."""
+@pytest.mark.parametrize("sharded, fail", [(False, "scaler write"), (False, "scaler rename"),
+                                            (False, "no scaler, optimizer rename"),
+                                            (True, "scaler write")],
+                         ids=["file", "file_renamed_in_part", "file_without_scaler",
+                              "directory"])
+def test_a_save_failing_part_way_loads_no_mix_of_two_saves(tmp_path, monkeypatch, sharded,
+                                                            fail):
+    """The optimizer and grad scaler files are one save: a disk full at the scaler's file
+    leaves the plain pair as it was and a directory without metadata (refused at load); a
+    rename failing between the two files, or after the stale scaler file of a save without
+    one was removed, leaves files whose save ids disagree: refused at load. Before, the new
+    optimizer state loaded beside the old loss scale, without an error."""
     import errno
 
     from ringseq.plugin import checkpoint as ck
@@ -424,26 +437,39 @@ def test_a_save_failing_at_the_grad_scaler_loads_no_mix_of_two_saves(tmp_path, m
     step(8.0)
     io.save_optimizer(opt, path, sharded=sharded)  # a good save: step 1, loss scale 8
     step(1024.0)
-    write = ck._temporary_file
+    write, rename = ck._temporary_file, os.replace
 
     def disk_full_at_the_scaler(obj, file):
         if "grad_scaler" in os.path.basename(file):
             raise OSError(errno.ENOSPC, "No space left on device", file)
         return write(obj, file)
 
-    monkeypatch.setattr(ck, "_temporary_file", disk_full_at_the_scaler)
-    with pytest.raises(OSError, match="save_optimizer: rank 0: saving the checkpoint .* "
-                                      "failed: No space left on device: .*grad_scaler"):
+    def rename_fails(src, dst):
+        if os.path.basename(dst) == ("optim.pt" if "optimizer" in fail else "optim.pt.grad_scaler"):
+            raise OSError(errno.EIO, "Input/output error", dst)
+        return rename(src, dst)
+
+    if fail == "scaler write":
+        monkeypatch.setattr(ck, "_temporary_file", disk_full_at_the_scaler)
+    else:
+        monkeypatch.setattr(ck.os, "replace", rename_fails)
+    if fail.startswith("no scaler"):
+        opt.scaler = None  # (this save has none: the old one's file goes)
+    with pytest.raises(OSError, match="save_optimizer: rank 0: saving the checkpoint .* failed: "):
         io.save_optimizer(opt, path, sharded=sharded)
-    monkeypatch.setattr(ck, "_temporary_file", write)
+    monkeypatch.undo()
+    opt.scaler = scaler
     step(1.0)
-    if sharded:
-        with pytest.raises(FileNotFoundError, match=r"^load_optimizer: .*\.metadata"):
+    if fail == "scaler write" and not sharded:  # the old pair, whole
+        io.load_optimizer(opt, path)
+        assert int(opt.unwrap().state[model.weight]["step"]) == 1 and scaler.get_scale() == 8.0
+    else:
+        want = {"scaler rename": "holds the grad scaler's state of another save",
+                "no scaler, optimizer rename": "is missing, but the optimizer state",
+                "scaler write": r"\.metadata"}[fail]
+        with pytest.raises((ValueError, FileNotFoundError), match=f"^load_optimizer: .*{want}"):
             io.load_optimizer(opt, path)
         assert int(opt.unwrap().state[model.weight]["step"]) == 3  # (unchanged)
-        return
-    io.load_optimizer(opt, path)
-    assert int(opt.unwrap().state[model.weight]["step"]) == 1 and scaler.get_scale() == 8.0
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
@@ -454,6 +480,8 @@ def test_a_shard_size_is_taken_as_a_number_or_a_size_string():
     assert shard_bytes(1e30) == int(1e30) and shard_bytes(2 ** 70) == 2 ** 70
     assert shard_bytes("500MB") == 500 * 10 ** 6 and shard_bytes("2GiB") == 2 * 2 ** 30
     assert shard_bytes(1.5) == 1
+    np = pytest.importorskip("numpy")
+    assert shard_bytes(np.float32(2e9)) == int(np.float32(2e9)) and shard_bytes(np.int64(7)) == 7
     for size in (0, -5, 0.5, True, float("inf"), float("nan"), "0.1B", "lots"):
         with pytest.raises(ValueError, match=r"^save_model: max_shard_size must be a positive "):
             shard_bytes(size)

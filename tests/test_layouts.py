@@ -193,7 +193,20 @@ def test_a_custom_layout_is_checked_where_a_ring_call_takes_it():
         def _positions(self, seqlen, world_size, rank):
             return torch.arange(seqlen // world_size)
 
+    np = pytest.importorskip("numpy")
+
+    class Loose(Contiguous):  # open slices, NumPy's ints and bools (taken before the checks)
+        name = "test_loose"
+
+        def _tasks(self, rank, src, world_size, s):
+            if src == rank:
+                return [BlockTask(slice(None, None), slice(np.int64(0), s), np.True_)]
+            return [BlockTask(slice(0, s), slice(None), False)] if src < rank else []
+
     q = torch.randn(1, 16, 2, 8, dtype=torch.float64)  # (b, s, h, d)
+    out = ringseq.simulate_ring(q, q, q, Loose(), 2, causal=True, backend="reference")[0]
+    ref = ringseq.flash_attn_func(q, q, q, causal=True, backend="reference")
+    assert float((out - ref).abs().max()) < 1e-12
     cases = [
         (TooLong(), True, ValueError, r"layout 'test_too_long': _tasks\(1, 0, 2, 8\) must return "
                                       r"tasks whose q and kv rows are slices of ints inside the "

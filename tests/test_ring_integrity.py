@@ -315,10 +315,31 @@ def _case_check_consistent():
             "values": _capture(lambda: check_consistent([("seqlen", 128 + rank)])),
             "count": _capture(lambda: check_consistent(same[:1 + rank])),
             "names": _capture(lambda: check_consistent([("seqlen" if rank else "s", 128)])),
+            "flag": _capture(lambda: check_consistent([("causal", True)])),  # (0 / 1)
+            "kinds": _capture(lambda: check_consistent([("x", 1, "any" if rank else "int")])),
+            "bad_kind": _capture(lambda: check_consistent([("x", 1, "ints")])),
+            "flag_differs": _capture(lambda: check_consistent([("causal", rank == 0)])),
             "malformed": _capture(lambda: check_consistent(
                 [("seqlen", "one" if rank else 1)])),
             "too_many": _capture(lambda: check_consistent([("f", 0)] * (23 + 2 * rank))),
-            "after": _capture(lambda: check_consistent(same))}
+            "after": _capture(lambda: check_consistent(same)), **_checks_off_refusal()}
+
+
+def _checks_off_refusal():
+    """With the checks off a malformed check raises on its rank alone, and the ranks' next
+    call still pairs (before: the refusing rank's control count fell behind, and the next
+    ring call raised RingDesyncError on every rank)."""
+    from ringseq.comm import check_consistent
+    rank = dist.get_rank()
+    q = torch.randn(1, 8, 2, 8, dtype=torch.float64)  # (b, s_local, h, d)
+    ringseq.set_consistency_check(False)
+    try:
+        return {"off_malformed": _capture(lambda: check_consistent(
+                    [("a",)] if rank else [("a", 1)])),
+                "off_next_call": _capture(lambda: tuple(ringseq.ring_flash_attn_func(
+                    q, q, q, causal=True).shape))}
+    finally:
+        ringseq.set_consistency_check(True)
 
 
 class _Attn(torch.nn.Module):
@@ -772,14 +793,24 @@ def test_check_consistent_raises_on_every_rank(w2):
     for rank, res in enumerate(w2):
         r = res["check_consistent"]
         assert r["same"] == ("ok", None) and r["after"] == ("ok", None), r
+        assert r["flag"] == ("ok", None) and r["flag_differs"][0] == "RingMismatchError", r
+        assert r["kinds"][0] == "RingMismatchError" and "kinds" in r["kinds"][1], r["kinds"]
+        assert r["bad_kind"][:2] == ("ValueError", "check_consistent: fields[0] ('x'): a kind "
+                                     "must be one of ['any', 'bool', 'dtype', 'float', 'int', "
+                                     "'layout', 'operation'] or a tuple of choices, got 'ints'")
+        assert r["values"][1].startswith("ringseq: check_consistent: ") and \
+            r["values"][1].endswith("Every rank passes the same values."), r["values"]
+        assert r["off_malformed"][0] == ("TypeError" if rank else "ok"), r["off_malformed"]
+        assert r["off_next_call"] == ("ok", (1, 8, 2, 8)), r["off_next_call"]
         assert r["values"][0] == "RingMismatchError" and "seqlen (" in r["values"][1], r
         for case in ("count", "names"):
             assert r[case][0] == "RingMismatchError", r[case]
             assert r[case][1].startswith("check_consistent: the ranks passed other fields "
-                                         "(names, order or count)"), r[case]
+                                         "(names, kinds, order or count)"), r[case]
         if rank == 1:
             assert r["malformed"][:2] == ("TypeError", "check_consistent: fields[0] must be a "
-                                          "(name: str, value: int) tuple, got ('seqlen', 'one')")
+                                          "(name: str, value: int or bool) tuple, got ('seqlen', "
+                                          "'one')")
             assert r["too_many"][:2] == ("ValueError", "check_consistent: at most 23 fields, "
                                          "got 25")
         else:

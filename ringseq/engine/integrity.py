@@ -473,7 +473,7 @@ class RingCall:
         status = BROKEN if ring.broken is not None else (FAILED if self.failure else OK)
         self._seq = ring._seq
         rows = gather(ring, self.kind, status, self.values,
-                      None if self.failure is None else _describe(self.failure))
+                      None if self.failure is None else describe_error(self.failure))
         if status == FAILED:  # the peers learn it from the rows and raise RingBrokenError
             ring.mark_broken(self.failure)
             raise self.failure
@@ -513,7 +513,7 @@ class RingCall:
         status = FAILED if self.failure else (DESYNC if desync else OK)
         # (the call's kind travels along: a peer's failure is named by the call it failed in)
         rows = gather(ring, END, status, (self.kind,),
-                      None if self.failure is None else _describe(self.failure))
+                      None if self.failure is None else describe_error(self.failure))
         if status == FAILED:
             ring.mark_broken(self.failure)
             raise self.failure
@@ -561,8 +561,13 @@ class RingCall:
         return "ringseq: ring desynchronized (a received exchange header did not match)"
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def describe_error(exc: BaseException) -> str:
+    """``"{type}: {message}"`` of ``exc``; its type alone where its ``str()`` raises (the
+    report of such an error still reaches the peers)."""
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001
+        return type(exc).__name__
 
 
 __all__ += ["CONTROL_WORDS", "FIELD0", "INVALID", "OK", "FAILED", "BROKEN", "DESYNC",

@@ -20,14 +20,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .._args import as_int, given
+from .._args import as_int, given, is_bool
 from .._hash import stable_code
 from .._dist import (RingMismatchError, RingTimeoutError, consistency_check_mode,
                      defaults_for_malformed_settings,
                      group_info, is_initialized, named_for, ring_timeout)
 from .integrity import (_N_FIELDS, BROKEN, CHECK, CONTROL_WORDS, FAIL, FAILED, FIELD0,
-                        INVALID, OK, RingCall, _describe, agreement_code, broken_ring_error,
-                        control_name, control_vector, gather, judge, mismatch_error)
+                        INVALID, OK, RingCall, agreement_code, broken_ring_error,
+                        control_name, control_vector, describe_error, gather, judge,
+                        mismatch_error)
 from .transport import RingComm, Transport, _timeout_exc
 
 __all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "meet_as_failed", "refuse_on_error",
@@ -189,12 +190,14 @@ class Ring:
             # (outside torch.func's interpreters: a refusal made inside jvp or vmap would pass
             # the control collective's own tensors through their wrappers)
             with self._hold(), _outside_transforms():
-                rows = gather(self, kind, status, (), _describe(exc), about)
+                rows = gather(self, kind, status, (), describe_error(exc), about)
                 if rows is not None:
                     others = [r for r, row in enumerate(rows) if r != self.rank and row[1] not in
                               (OK, INVALID)]
                     if others:  # a peer was broken or failed too: say so, keep ours
                         self.mark_broken(exc)
+        else:  # (the peers' gather counts its control operation without running it)
+            self._seq += 1
         raise exc
 
     @property
@@ -281,18 +284,20 @@ class Ring:
         with self._hold():
             # (the names' code goes first: ranks comparing fields by position alone passed
             # lists of other lengths or names on some ranks)
+            layout = repr([(f[0], f[2:]) for f in fields])  # names and kinds
             rows = gather(self, CHECK, BROKEN if self._broken is not None else OK,
-                          [stable_code(repr(names))] + [f[1] for f in fields], None, code)
+                          [stable_code(layout)] + [f[1] for f in fields], None, code)
             if rows is None:
                 return
             judge(self, rows, CHECK, ())
             others = [r for r, row in enumerate(rows) if row[FIELD0] != rows[self.rank][FIELD0]]
             if others:
                 raise RingMismatchError(
-                    f"{fn}: the ranks passed other fields (names, order or count): this rank "
-                    f"(rank {self.rank} of the group) {names}, rank(s) {others} others")
+                    f"{fn}: the ranks passed other fields (names, kinds, order or count): this "
+                    f"rank (rank {self.rank} of the group) {names}, rank(s) {others} others")
             err = mismatch_error(self, [row[FIELD0 + 1:FIELD0 + 1 + len(fields)]
-                                        for row in rows], fields)
+                                        for row in rows], fields, called=fn,
+                                 hint="Every rank passes the same values.")
             if err is not None:
                 raise err
 
@@ -325,7 +330,7 @@ class Ring:
             return
         self._broken = exc
         with self._hold():
-            gather(self, FAIL, 1, (), _describe(exc))
+            gather(self, FAIL, 1, (), describe_error(exc))
 
     def take_failure_report(self, cause: BaseException) -> None:
         """Meets a peer's :meth:`report_failure` that waits on this ring's control channel:
@@ -428,21 +433,31 @@ def check_consistent(fields, group=None) -> None:
     get_ring(group, "check_consistent").check(fields, fn="check_consistent")
 
 
+# the kinds a field of check_consistent may name (how a value is shown; "any": not compared)
+_FIELD_KINDS = {"int", "bool", "dtype", "float", "layout", "operation", "any"}
+
+
 def _checked_fields(fn: str, fields) -> Tuple[tuple, ...]:
     """``fields`` as ``(name, int[, kind])`` tuples with Python ints; TypeError / ValueError
     naming ``fn`` and the field otherwise."""
     if not isinstance(fields, (list, tuple)):
-        raise TypeError(f"{fn}: fields must be a list of (name, int) tuples, got {given(fields)}")
+        raise TypeError(f"{fn}: fields must be a list of (name, int or bool) tuples, got "
+                        f"{given(fields)}")
     if len(fields) > _N_FIELDS - 1:
         raise ValueError(f"{fn}: at most {_N_FIELDS - 1} fields, got {len(fields)}")
     out = []
     for i, f in enumerate(fields):
-        value = as_int(f[1]) if isinstance(f, (list, tuple)) and len(f) in (2, 3) else None
+        value = None
+        if isinstance(f, (list, tuple)) and len(f) in (2, 3):
+            value = int(f[1]) if is_bool(f[1]) else as_int(f[1])  # (a flag: 0 or 1)
         if value is None or not isinstance(f[0], str):
-            raise TypeError(f"{fn}: fields[{i}] must be a (name: str, value: int) tuple, "
-                            f"got {f!r}")
+            raise TypeError(f"{fn}: fields[{i}] must be a (name: str, value: int or bool) "
+                            f"tuple, got {f!r}")
         if not -2 ** 63 <= value < 2 ** 63:
             raise ValueError(f"{fn}: fields[{i}] ({f[0]!r}) must fit in int64, got {value}")
+        if len(f) == 3 and not (f[2] in _FIELD_KINDS or isinstance(f[2], tuple)):
+            raise ValueError(f"{fn}: fields[{i}] ({f[0]!r}): a kind must be one of "
+                             f"{sorted(_FIELD_KINDS)} or a tuple of choices, got {f[2]!r}")
         out.append((f[0], value, *f[2:]))
     return tuple(out)
 

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .._args import as_int, given
+from .._args import as_int, given, is_bool
 from .._hash import stable_code
 from ..masks import AttnMask, Run, span_tasks
 
@@ -235,12 +235,10 @@ class Layout:
                     if not isinstance(task, BlockTask):
                         refuse(rank, src, "a list of BlockTask", f"a {type(task).__name__}")
                     for rows in (task.q, task.kv):
-                        if not (isinstance(rows, slice) and rows.step in (None, 1)
-                                and all(isinstance(x, int) for x in (rows.start, rows.stop))
-                                and 0 <= rows.start <= rows.stop <= s_local):
+                        if not _rows_inside(rows, s_local):
                             refuse(rank, src, f"tasks whose q and kv rows are slices of ints "
                                    f"inside the shard, [0, {s_local})", repr(rows))
-                    if not isinstance(task.causal, bool):
+                    if not is_bool(task.causal):
                         refuse(rank, src, "tasks whose causal is a bool", repr(task.causal))
         return True
 
@@ -370,6 +368,16 @@ class Layout:
 
     def __repr__(self):
         return f"Layout({self.name!r})"
+
+
+def _rows_inside(rows, s_local: int) -> bool:
+    """``rows`` is a slice of rows ``[start, stop)`` inside ``[0, s_local]`` with step 1 (None
+    for a side: its end of the shard; NumPy's ints count)."""
+    if not isinstance(rows, slice) or rows.step not in (None, 1):
+        return False
+    start = 0 if rows.start is None else as_int(rows.start)
+    stop = s_local if rows.stop is None else as_int(rows.stop)
+    return start is not None and stop is not None and 0 <= start <= stop <= s_local
 
 
 def span_keys(span) -> Tuple[int, int]:

@@ -395,21 +395,48 @@ def _remove_stale(path: str) -> None:
         os.remove(path)
 
 
+# A plain optimizer file and its grad scaler's file name one save (an id; the optimizer's also
+# whether a scaler was saved with it): two renames cannot be one atomic step, and a save that
+# failed between them, or left an older run's scaler file, must not load as one checkpoint.
+_SAVE_KEY = "ringseq_save"
+
+
+def marked_pair(optimizer_state: dict, scaler_state):
+    """``(optimizer state, scaler state or None)`` of one save, each marked with its id."""
+    save = {"id": os.urandom(8).hex(), "scaler": scaler_state is not None}
+    if scaler_state is not None:
+        scaler_state = {**scaler_state, _SAVE_KEY: save["id"]}
+    return {**optimizer_state, _SAVE_KEY: save}, scaler_state
+
+
 def _with_scaler_state(optimizer, scaler_file: str, read_optimizer):
     """``(read, apply_scaler)`` for loading an optimizer together with the fp16 grad scaler's
     state saved beside it (when the optimizer has a scaler and ``scaler_file`` exists): ``read``
     returns ``(optimizer state, scaler state or None)``, both read before either is applied, so
-    a scaler file that cannot be read leaves the optimizer unchanged too."""
+    a scaler file that cannot be read leaves the optimizer unchanged too. A pair written by
+    :func:`marked_pair` must match: a scaler file of another save is refused (ValueError), one
+    the save did not write is ignored, and one it wrote must be there."""
     scaler = getattr(optimizer, "scaler", None)
-    with_scaler = scaler is not None and os.path.exists(scaler_file)
 
     def read(path):
         state = read_optimizer(path)
-        if not with_scaler:
+        save = state.pop(_SAVE_KEY, None) if isinstance(state, dict) else None
+        if scaler is None or (save is not None and not save.get("scaler")):
+            return state, None  # (no scaler here, or none saved with this state)
+        if not os.path.exists(scaler_file):
+            if save is not None:
+                raise ValueError(f"{scaler_file!r} is missing, but the optimizer state in "
+                                 f"{path!r} was saved with the grad scaler's (a save that "
+                                 f"failed part way?): load a complete checkpoint")
             return state, None
         scaler_state = read_file(scaler_file)
         if not isinstance(scaler_state, dict) or not scaler_state:
             raise ValueError(f"{scaler_file!r} holds no grad scaler state")
+        scaler_save = scaler_state.pop(_SAVE_KEY, None)
+        if save is not None and scaler_save != save.get("id"):
+            raise ValueError(f"{scaler_file!r} holds the grad scaler's state of another save "
+                             f"than the optimizer state in {path!r} (a save that failed part "
+                             f"way?): load a complete checkpoint")
         return state, scaler_state
 
     def apply_scaler(scaler_state) -> None:
@@ -453,10 +480,15 @@ class ReplicatedCheckpointIO:
 
     @checkpoint_call
     def save_optimizer(self, optimizer, checkpoint: str) -> None:
-        # (the two files written together: a failed write leaves both as they were)
-        on_writer(checkpoint, lambda: _write_all([
-            (_unwrap(optimizer).state_dict(), checkpoint),
-            (scaler_state(optimizer), checkpoint + ".grad_scaler")]))
+        # The two files written together: a failed write leaves both as they were; a failed
+        # rename between them leaves files of two saves, which their ids tell apart at load.
+        # (The stale scaler file of a save without one goes first: failing after that, the
+        # old optimizer state is refused, its scaler's file gone, never loaded beside
+        # another save's.)
+        def write():
+            state, scaler = marked_pair(_unwrap(optimizer).state_dict(), scaler_state(optimizer))
+            _write_all([(state, checkpoint), (scaler, checkpoint + ".grad_scaler")])
+        on_writer(checkpoint, write)
 
     @checkpoint_call
     def load_optimizer(self, optimizer, checkpoint: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import os
 import re
 import threading
@@ -47,7 +48,7 @@ def shard_bytes(size, fn: str = "save_model") -> int:
     """``max_shard_size`` in bytes: a number (a float is truncated to whole bytes) or a string
     like ``"500MB"`` / ``"2GiB"``, of at least one byte. Raises ValueError naming ``fn``
     otherwise (a bool, 0, ``"0.1B"``)."""
-    if isinstance(size, (int, float)) and not isinstance(size, bool):
+    if isinstance(size, numbers.Real) and not isinstance(size, bool):
         # (a number as it is: its text, "1e+30", missed the pattern below)
         n = int(size) if math.isfinite(size) else 0
     else:
@@ -83,12 +84,17 @@ _OBJECTS = {"model": (("state_dict", "load_state_dict", "parameters", "modules")
 
 def _check_object(fn: str, name: str, obj) -> None:
     needs, what = _OBJECTS[name]
-    if name == "lr_scheduler" and hasattr(obj, "param_groups"):
-        needs = ("optimizer",)  # (torch's schedulers hold it: an optimizer itself is no scheduler)
     missing = [a for a in needs if not hasattr(obj, a)]
+    if name == "lr_scheduler" and not missing:
+        # (a model or an optimizer has a state dict too; torch's schedulers hold the optimizer)
+        if hasattr(obj, "parameters"):
+            missing = ["a model's parameters: a scheduler has none"]
+        elif hasattr(obj, "param_groups") and not hasattr(obj, "optimizer"):
+            missing = ["optimizer"]
     if missing:
-        raise TypeError(f"{fn}: {name} must be {what}, got {type(obj).__name__} (without "
-                        f"{', '.join(missing)})")
+        text = (missing[0] if missing[0].startswith("a model") else
+                f"without {', '.join(missing)}")
+        raise TypeError(f"{fn}: {name} must be {what}, got {type(obj).__name__} ({text})")
 
 
 def _bind(fn: str, method, self, args, kwargs) -> inspect.BoundArguments:

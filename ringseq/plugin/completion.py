@@ -10,6 +10,7 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 
 from .._dist import RingPeerError
+from ..engine.integrity import describe_error
 
 __all__ = ["Completion", "STATUS_MESSAGE_BYTES", "bounded", "completion_failed_note",
            "failed_in", "peers_failed_error", "status_rows"]
@@ -74,15 +75,18 @@ _ERRORS_SHOWN = 4  # the errors a peer's RingPeerError quotes (the first ranks')
 def status_rows(world: int, rank: int, device, error: Optional[BaseException]) -> torch.Tensor:
     """What one rank adds to the status all-reduce that ends every backward: (world,
     1 + STATUS_MESSAGE_BYTES) uint8, zeros but this rank's row when its backward raised
-    ``error``: 1, then the start of ``"{type}: {message}"`` in UTF-8. Each rank writes only
+    ``error``: 1 (2 where the text was cut), then the start of ``"{type}: {message}"`` in
+    UTF-8. Each rank writes only
     its own row, so the sum over the ranks holds every rank's row as it wrote it, and the
     ranks whose backward ended can quote why the others' did not (without a second
     collective on the error path)."""
     rows = torch.zeros(world, 1 + STATUS_MESSAGE_BYTES, dtype=torch.uint8,
                        device=device)  # (world, 1 + STATUS_MESSAGE_BYTES)
     if error is not None:
-        text = _describe(error).encode("utf-8", "replace")[:STATUS_MESSAGE_BYTES]
-        row = torch.tensor([1, *text], dtype=torch.uint8)  # (1 + len(text),)
+        text = describe_error(error).encode("utf-8", "replace")
+        cut = len(text) > STATUS_MESSAGE_BYTES
+        row = torch.tensor([1 + cut, *text[:STATUS_MESSAGE_BYTES]],
+                           dtype=torch.uint8)  # (1 + len(text),)
         rows[rank, :row.numel()] = row.to(device)
     return rows
 
@@ -95,16 +99,8 @@ def failed_in(rows: torch.Tensor, ranks: Sequence[int]) -> Dict[int, str]:
     for i, flag in enumerate(host[:, 0].tolist()):
         if flag:
             text = bytes(host[i, 1:].tolist()).rstrip(b"\0")
-            cut = "..." if len(text) == STATUS_MESSAGE_BYTES else ""
-            failed[ranks[i]] = text.decode("utf-8", "ignore") + cut
+            failed[ranks[i]] = text.decode("utf-8", "ignore") + ("..." if flag == 2 else "")
     return failed
-
-
-def _describe(error: BaseException) -> str:
-    try:
-        return f"{type(error).__name__}: {error}"
-    except Exception:  # noqa: BLE001 - an error whose str() raises still names its type
-        return type(error).__name__
 
 
 def peers_failed_error(failed: Dict[int, str]) -> RingPeerError:

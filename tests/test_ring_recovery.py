@@ -978,6 +978,66 @@ def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs, fi
             assert max_err(got, ref) < 1e-10
 
 
+def _worker_ddp_no_grad_failures():
+    """W=4 as dp 2 x sp 2 under DDP (zero 0): rank 1 raises in a forward under no_grad, in
+    layer 1 before its ring call: between a step's loss and its backward (an evaluation), before
+    the loss (a reference model's) and alone (an evaluation loop). Such a forward ends with an
+    agreement of its model replica (ranks 0 and 1) only; the other replica goes on. Before, in
+    the first case ranks 2 and 3 went on to the backward and waited for ranks 0 and 1 in its
+    agreement and DDP's all-reduce until the ring timeout."""
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    inner = _tiny_llama().double()
+    booster, model, opt, crit, batch = _boost_at_sp2(inner, {})
+    failing = {"at": None}
+
+    def fail_on_rank_1(module, *_):
+        at_head = failing["at"] == "evaluation forward at the head"
+        if (rank == 1 and (failing["at"] in _NO_GRAD_CASES or at_head)
+                and (module is inner.lm_head) == at_head and not torch.is_grad_enabled()):
+            raise MemoryError("injected: out of memory")
+    inner.model.layers[1].self_attn.q_proj.register_forward_hook(fail_on_rank_1)
+    inner.lm_head.register_forward_hook(fail_on_rank_1)  # (after the last ring call)
+    step, failing_step = _failure_steps(
+        booster, model, opt, crit, batch, failing,
+        more_cases=lambda step: {"evaluation forward at the head": lambda: step(evaluate=True)})
+    out = {"first": _capture(step)}
+    for name in _DDP_NO_GRAD_CASES:
+        out[name] = failing_step(name)
+    out["after"] = _capture(step)
+    out["params"] = [p.detach().clone() for p in inner.parameters()]
+    return out
+
+
+_DDP_NO_GRAD_CASES = _NO_GRAD_CASES + ("evaluation forward at the head",)
+
+
+def test_a_no_grad_forward_failing_on_one_rank_under_ddp_with_sequence_parallelism():
+    res = run_ranks(_worker_ddp_no_grad_failures, 4, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        for case in _DDP_NO_GRAD_CASES:
+            assert r[case][-1] < TIMEOUT, (case, r[case])  # in seconds, not after a timeout
+            if rank == 1:
+                _is_error(r[case], ("MemoryError",), "injected")
+            elif rank == 0 and case.endswith("at the head"):  # (at the forward's end)
+                _is_error(r[case], ("RingPeerError",), "failed where this rank did not")
+            elif rank == 0:
+                _is_error(r[case], ("RingBrokenError",), "rank 1 failed")  # in a ring call
+            elif case.startswith("evaluation forward"):  # (at the end of their backward)
+                _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [0, 1]",
+                          "rank 1: MemoryError: injected", "booster.reset()")
+            elif case == "reference forward":  # (at the loss)
+                _is_error(r[case], ("RingPeerError",), "failed where this rank did not")
+            else:  # (an evaluation of the other replica reaches none of its collectives)
+                assert r[case][0] == "ok", (case, r[case])
+    want = _single_process_params()
+    for r in res:
+        for got, ref in zip(r["params"], want):
+            assert max_err(got, ref) < 1e-10
+
+
 def _detach_layer_0(model):
     """Layer 0's output detached from the graph: layer 0 and the embedding (parameters that
     require a gradient) get none, and FSDP reduce-scatters nothing for layer 0's unit."""

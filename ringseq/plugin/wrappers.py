@@ -159,7 +159,7 @@ class ModelWrapper(nn.Module):
         if self._reporter is not None and torch.is_grad_enabled():
             self._reporter.loss_ran = False
         if self._reporter is not None and agrees:
-            self._reporter.forward_ended()
+            self._reporter.forward_ended(self._reduction)
         return out
 
 
@@ -373,19 +373,51 @@ class FailureReporter:
                 for reduction_ in self.reductions:
                     reduction_.backward_ended()
 
-    def forward_ended(self) -> None:
+    def forward_ended(self, reduction=None) -> None:
         """After a forward under no_grad that ran on this rank: meets the ranks of
         ``no_grad_group`` where a rank whose forward raised sends its loss report
         (``_after_failure``). A forward with gradients meets it at the plugin's loss; an
         evaluation that reads the outputs itself has none, and the others returned outputs
         computed from the failed rank's stand-ins (the zeros its replay of the tp
         collectives sends) without a word. Raises RingPeerError naming the failed ranks,
-        after taking the ring reports they left waiting. One control collective."""
+        after taking the ring reports they left waiting, and after telling the other model
+        replicas (:meth:`_tell_other_replicas`; ``reduction``: the boosted model's). One
+        control collective."""
         try:
             get_ring(self.no_grad_group).agree(True, "", about="loss")
         except Exception as exc:
             self.take_ring_reports(exc, self.no_grad_group)
+            self._tell_other_replicas(exc, reduction)
             raise
+
+    def _tell_other_replicas(self, exc: BaseException, reduction) -> None:
+        """A forward under no_grad that raised on this model replica (whose ranks raise at
+        its end, ``forward_ended``) between a forward with gradients and its backward: where
+        ``no_grad_group`` is one replica of several (zero 0 with data parallelism) the other
+        replicas go on, and this rank meets them, as failed, where they go next: at the
+        plugin's loss when it had not run (a reference model's forward), else at the
+        backward (its agreement, then the data-parallel collectives on zeros and the status
+        rows). Before, they waited there until the ring timeout. Never raises (notes on
+        ``exc``)."""
+        if (reduction is None or not reduction.expecting or not dist.is_initialized()
+                or self.no_grad_group is None
+                or dist.get_world_size(self.no_grad_group) == dist.get_world_size()):
+            return  # (one replica, or no backward waits: an evaluation alone)
+        if not self.loss_ran:
+            self._report_to_loss(exc, self.loss_group)
+            return
+        if self.before_completion is not None:
+            try:
+                self.before_completion(reduction)
+            except Exception as agree_exc:  # noqa: BLE001 - raised on every rank
+                _add_note(exc, f"ringseq: the agreement before the backward raised too: "
+                               f"{type(agree_exc).__name__}: {agree_exc}")
+                return
+        note = reduction.after_failure(2 * ring_timeout(), exc)
+        if note:
+            self.unusable = note
+            _add_note(exc, note + ". The process group cannot be used again: restart the "
+                                  "processes (booster.reset() refuses)")
 
     def _after_failure(self, phase: str, exc: BaseException, calls: int, reduction,
                        agreed_at_end: bool = False) -> None:
@@ -466,6 +498,8 @@ class FailureReporter:
                                   "processes (booster.reset() refuses)")
         if to_loss and not loss_first:
             self._report_to_loss(exc, report_group)
+        if agreed_at_end:
+            self._tell_other_replicas(exc, reduction)
         if interrupted is not None:
             raise interrupted
 

@@ -290,9 +290,12 @@ def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
     check_global_documents(spec, world_size, s_local)
     try:
         layout.check_local_seqlen(s_local, world_size)
-        layout.check_positions(s_local * world_size, world_size)
-        if spec.mask.plain and spec.mask.causal:  # (the one schedule _tasks makes)
-            layout.check_tasks(world_size, s_local)
+        if not torch.compiler.is_compiling():
+            # (a user's layout, checked eagerly once per length: traced, the permutation's
+            # bincount and nonzero broke the graph; shard and positions check it too)
+            layout.check_positions(s_local * world_size, world_size)
+            if spec.mask.plain and spec.mask.causal:  # (the one schedule _tasks makes)
+                layout.check_tasks(world_size, s_local)
     except (ValueError, NotImplementedError) as exc:  # (a user's layout may raise its own)
         kind = NotImplementedError if isinstance(exc, NotImplementedError) else ValueError
         raise with_message(exc, f"{spec.fn}: {exc}", fallback=kind) from None

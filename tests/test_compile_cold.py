@@ -214,3 +214,24 @@ def test_a_tensor_of_boundaries_under_fullgraph_is_named():
     assert torch.equal(torch.compile(around, backend=count)(q), around(q))
     captured = {getattr(t, "__name__", str(t)) for g in graphs for t in g}
     assert {"relu", "sigmoid"} <= captured, graphs
+
+
+def _worker_user_layout():
+    import ringseq
+    from custom_layout import ReversedContiguous
+
+    lay = ReversedContiguous()  # (fresh: none of its checks cached by an eager call)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, S, H, D) for _ in range(3))
+
+    def attention(q, k, v):
+        return ringseq.ring_flash_attn_func(q, k, v, causal=True, layout=lay)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")(q, k, v)
+    return float((compiled - attention(q, k, v)).abs().max())
+
+
+def test_a_user_layout_compiles_with_fullgraph_as_the_first_call():
+    """(before: the permutation check of a user's layout, traced, failed on data-dependent
+    bincount / nonzero)"""
+    assert all(err == 0.0 for err in run_ranks(_worker_user_layout, 2, timeout=240))

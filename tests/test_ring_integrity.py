@@ -308,6 +308,7 @@ def _case_check_consistent():
     """ringseq.comm.check_consistent with fields that differ in count or name, or are
     malformed on one rank: every rank raises at once (before: a rank passing fewer fields
     returned; a malformed one raised alone and its peer waited for the ring timeout)."""
+    from ringseq._hash import ints_field
     from ringseq.comm import check_consistent
     rank = dist.get_rank()
     same = [("seqlen", 128), ("nheads", 8)]
@@ -321,7 +322,8 @@ def _case_check_consistent():
             "flag_differs": _capture(lambda: check_consistent([("causal", rank == 0)])),
             "malformed": _capture(lambda: check_consistent(
                 [("seqlen", "one" if rank else 1)])),
-            "too_many": _capture(lambda: check_consistent([("f", 0)] * (23 + 2 * rank))),
+            "too_many": _capture(lambda: check_consistent([("f", 0)] * (24 + rank))),
+            "ints": _capture(lambda: check_consistent([ints_field("docs", (0, 5 + rank, 9))])),
             "after": _capture(lambda: check_consistent(same)), **_checks_off_refusal()}
 
 
@@ -794,6 +796,8 @@ def test_check_consistent_raises_on_every_rank(w2):
         r = res["check_consistent"]
         assert r["same"] == ("ok", None) and r["after"] == ("ok", None), r
         assert r["flag"] == ("ok", None) and r["flag_differs"][0] == "RingMismatchError", r
+        assert r["ints"][0] == "RingMismatchError" and "first difference at index 1" in \
+            r["ints"][1], r["ints"]
         assert r["kinds"][0] == "RingMismatchError" and "kinds" in r["kinds"][1], r["kinds"]
         assert r["bad_kind"][:2] == ("ValueError", "check_consistent: fields[0] ('x'): a kind "
                                      "must be one of ['any', 'bool', 'dtype', 'float', 'int', "
@@ -811,7 +815,7 @@ def test_check_consistent_raises_on_every_rank(w2):
             assert r["malformed"][:2] == ("TypeError", "check_consistent: fields[0] must be a "
                                           "(name: str, value: int or bool) tuple, got ('seqlen', "
                                           "'one')")
-            assert r["too_many"][:2] == ("ValueError", "check_consistent: at most 23 fields, "
+            assert r["too_many"][:2] == ("ValueError", "check_consistent: at most 24 fields, "
                                          "got 25")
         else:
             for case in ("malformed", "too_many"):

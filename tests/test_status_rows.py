@@ -1,6 +1,6 @@
-"""The status rows a backward's reduction ends with: each failed rank's row carries the start
-of its error, so the ranks whose backward ended can quote it (tests/test_ring_recovery.py
-checks them end to end)."""
+"""The rows a backward's reduction exchanges after a status vector that marked a rank: each
+failed rank's row carries the start of its error, so the ranks whose backward ended can quote
+it (tests/test_ring_recovery.py checks them end to end)."""
 from __future__ import annotations
 
 import torch
@@ -40,6 +40,9 @@ def test_the_peers_error_names_the_first_ranks_errors():
                            "(they raise their own errors: rank 0: MemoryError: rank 0; ")
     assert "rank 3: MemoryError: rank 3; and 2 more)" in text and "rank 4:" not in text
     assert text.endswith("booster.reset() on every rank")
+    # (the exchange failed, a peer gone: the ranks named, nothing quoted)
+    assert "rank(s) [2, 3] (they raise their own errors), so" in str(
+        peers_failed_error({2: "", 3: ""}))
 
 
 def test_the_rows_are_bytes_a_sum_keeps():

@@ -13,7 +13,7 @@ active on this thread of this process::
 Counted is what leaves the rank: every byte of a ring exchange's send buffer, and the
 ``(U - 1) / U`` of an all-to-all's send buffer that goes to the other ``U - 1`` ranks (the chunk a
 rank keeps for itself is not sent). Not counted: the cross-rank consistency checks, two
-control all-gathers of 30 int64 per rank at the begin and end of every forward and every
+control all-gathers of 31 int64 per rank at the begin and end of every forward and every
 backward (none with the checks off). Counting costs a few Python operations per exchange.
 """
 from __future__ import annotations

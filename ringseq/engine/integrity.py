@@ -82,7 +82,7 @@ def agreement_code(about: str) -> int:
 
 # Status words of a control vector.
 OK, FAILED, BROKEN, DESYNC, INVALID = 0, 1, 2, 3, 4
-_N_FIELDS = 24
+_N_FIELDS = 25  # (24 for a signature, and Ring.check's names beside 24 fields of a user's)
 FIELD0 = 6  # the first field's word: [magic, status, kind, seq, tag, agreement, fields...]
 CONTROL_WORDS = FIELD0 + _N_FIELDS
 _MESSAGE_BYTES = 1024
@@ -129,7 +129,7 @@ def current_tag() -> int:
 # -------------------------------------------------------------------------- control vectors
 def control_vector(kind: int, status: int, seq: int, fields: Sequence[int] = (),
                    about: int = 0) -> torch.Tensor:
-    """[magic, status, kind, seq, tag, agreement (``about``), fields (zero-padded to 24)] as
+    """[magic, status, kind, seq, tag, agreement (``about``), fields (zero-padded to 25)] as
     int64: the same length for every control operation, so ranks at different operations still
     meet in one collective and can tell each other apart."""
     if len(fields) > _N_FIELDS:

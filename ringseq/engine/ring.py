@@ -268,8 +268,9 @@ class Ring:
 
     def check(self, fields: Sequence[tuple], about: str = "argument check",
               fn: str = "Ring.check") -> None:
-        """One argument check outside a ring call: ``fields`` are at most 23 ``(name, int[,
-        kind])``, the same names in the same order on every rank. Raises on every rank:
+        """One argument check outside a ring call: ``fields`` are at most 24 ``(name, int or
+        bool[, kind])`` (or ``(name, code, "ints", values)``: ``ringseq._hash.ints_field``), the
+        same names and kinds in the same order on every rank. Raises on every rank:
         ``RingMismatchError`` when ranks pass other values, or other names or another number
         of fields; TypeError / ValueError (naming ``fn``) for malformed fields on the ranks
         given them, RingPeerError on the others (and RingBrokenError / RingDesyncError as a
@@ -284,7 +285,7 @@ class Ring:
         with self._hold():
             # (the names' code goes first: ranks comparing fields by position alone passed
             # lists of other lengths or names on some ranks)
-            layout = repr([(f[0], f[2:]) for f in fields])  # names and kinds
+            layout = repr([(f[0], f[2:3]) for f in fields])  # names and kinds
             rows = gather(self, CHECK, BROKEN if self._broken is not None else OK,
                           [stable_code(layout)] + [f[1] for f in fields], None, code)
             if rows is None:
@@ -448,14 +449,14 @@ def _checked_fields(fn: str, fields) -> Tuple[tuple, ...]:
     out = []
     for i, f in enumerate(fields):
         value = None
-        if isinstance(f, (list, tuple)) and len(f) in (2, 3):
+        if isinstance(f, (list, tuple)) and (len(f) in (2, 3) or len(f) == 4 and f[2] == "ints"):
             value = int(f[1]) if is_bool(f[1]) else as_int(f[1])  # (a flag: 0 or 1)
         if value is None or not isinstance(f[0], str):
             raise TypeError(f"{fn}: fields[{i}] must be a (name: str, value: int or bool) "
                             f"tuple, got {f!r}")
         if not -2 ** 63 <= value < 2 ** 63:
             raise ValueError(f"{fn}: fields[{i}] ({f[0]!r}) must fit in int64, got {value}")
-        if len(f) == 3 and not (f[2] in _FIELD_KINDS or isinstance(f[2], tuple)):
+        if len(f) == 3 and not (f[2] in _FIELD_KINDS or isinstance(f[2], tuple)):  # ("ints": 4)
             raise ValueError(f"{fn}: fields[{i}] ({f[0]!r}): a kind must be one of "
                              f"{sorted(_FIELD_KINDS)} or a tuple of choices, got {f[2]!r}")
         out.append((f[0], value, *f[2:]))

@@ -1,19 +1,21 @@
 """What a boosted model's data-parallel reduction does when a step raises on some ranks: the
 interface :class:`~ringseq.plugin.wrappers.FailureReporter` drives (implemented by
 ``ddp_sum.DdpSum``, ``fsdp_replay.FsdpReplay`` and ``tp_replay.TpReplay``), and the error,
-note, bounded wait and status rows they share."""
+note, bounded wait and status exchange they share."""
 from __future__ import annotations
 
 import datetime
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .._dist import RingPeerError
 from ..engine.integrity import describe_error
 
-__all__ = ["Completion", "STATUS_MESSAGE_BYTES", "bounded", "completion_failed_note",
-           "failed_in", "peers_failed_error", "status_rows"]
+__all__ = ["Completion", "STATUS_MESSAGE_BYTES", "agree_on_status", "bounded",
+           "completion_failed_note", "exchange_errors", "failed_in", "peers_failed_error",
+           "status_rows", "status_vector"]
 
 
 class Completion:
@@ -67,19 +69,28 @@ class Completion:
         """On every rank (the plugin's reset): forgets the failed step."""
 
 
-#: how much of a failed rank's error the status rows carry (UTF-8 bytes; a row is one more)
+#: how much of a failed rank's error its status row carries (UTF-8 bytes; a row is one more)
 STATUS_MESSAGE_BYTES = 191
 _ERRORS_SHOWN = 4  # the errors a peer's RingPeerError quotes (the first ranks')
 
 
+def status_vector(world: int, rank: int, device, failed: bool) -> torch.Tensor:
+    """What one rank adds to the status all-reduce that ends every backward: (world,) int64,
+    1 at this rank where its backward raised. Where any rank is marked, every rank of the
+    group then runs :func:`exchange_errors` (the failed ranks know it from their own mark)."""
+    vec = torch.zeros(world, dtype=torch.int64, device=device)  # (world,)
+    if failed:
+        vec[rank] = 1
+    return vec
+
+
 def status_rows(world: int, rank: int, device, error: Optional[BaseException]) -> torch.Tensor:
-    """What one rank adds to the status all-reduce that ends every backward: (world,
-    1 + STATUS_MESSAGE_BYTES) uint8, zeros but this rank's row when its backward raised
-    ``error``: 1 (2 where the text was cut), then the start of ``"{type}: {message}"`` in
-    UTF-8. Each rank writes only
-    its own row, so the sum over the ranks holds every rank's row as it wrote it, and the
-    ranks whose backward ended can quote why the others' did not (without a second
-    collective on the error path)."""
+    """What one rank adds to the error exchange after a backward that raised somewhere:
+    (world, 1 + STATUS_MESSAGE_BYTES) uint8, zeros but this rank's row when its backward
+    raised ``error``: 1 (2 where the text was cut), then the start of ``"{type}: {message}"``
+    in UTF-8. Each rank writes only its own row, so the sum over the ranks holds every rank's
+    row as it wrote it, and the ranks whose backward ended can quote why the others' did
+    not."""
     rows = torch.zeros(world, 1 + STATUS_MESSAGE_BYTES, dtype=torch.uint8,
                        device=device)  # (world, 1 + STATUS_MESSAGE_BYTES)
     if error is not None:
@@ -103,17 +114,48 @@ def failed_in(rows: torch.Tensor, ranks: Sequence[int]) -> Dict[int, str]:
     return failed
 
 
+def exchange_errors(group, ranks: Sequence[int], index: int, device,
+                    error: Optional[BaseException], timeout: float) -> Dict[int, str]:
+    """The second collective, only after a status vector that marked a rank: every rank of
+    ``group`` (``ranks``: its global ranks; this one ``ranks[index]``) all-reduces the
+    :func:`status_rows`, the failed ones with their ``error``; returns :func:`failed_in`'s
+    quotes. Waits at most ``timeout`` seconds; where the exchange fails, the marked ranks are
+    not known here: the caller quotes nothing (an empty dict)."""
+    rows = status_rows(len(ranks), index, device, error)  # (W, 1 + STATUS_MESSAGE_BYTES)
+    try:
+        dist.all_reduce(rows, group=group, async_op=True).wait(
+            datetime.timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - a peer gone: the caller's error still names the ranks
+        return {}
+    return failed_in(rows, ranks)
+
+
+def agree_on_status(group, ranks: Sequence[int], index: int, device,
+                    error: Optional[BaseException], timeout: float) -> Dict[int, str]:
+    """The status all-reduce that ends a backward over ``group`` (one of W int64), then, where
+    it marked a rank, :func:`exchange_errors`. Returns the failed global ranks, each with the
+    start of its error ("" where the exchange failed); empty when every backward ended."""
+    vec = status_vector(len(ranks), index, device, error is not None)
+    dist.all_reduce(vec, group=group)
+    marked = [ranks[i] for i, s in enumerate(vec.tolist()) if s]
+    if not marked:
+        return {}
+    quotes = exchange_errors(group, ranks, index, device, error, timeout)
+    return {r: quotes.get(r, "") for r in marked}
+
+
 def peers_failed_error(failed: Dict[int, str]) -> RingPeerError:
     """The error of a rank whose backward ended while those of ``failed`` (global rank ->
     the start of its error, :func:`failed_in`) raised."""
     ranks = list(failed)
-    quoted = "; ".join(f"rank {r}: {failed[r]}" for r in ranks[:_ERRORS_SHOWN])
-    if len(ranks) > _ERRORS_SHOWN:
+    quoted = "; ".join(f"rank {r}: {failed[r]}" for r in ranks[:_ERRORS_SHOWN] if failed[r])
+    if len(ranks) > _ERRORS_SHOWN and quoted:
         quoted += f"; and {len(ranks) - _ERRORS_SHOWN} more"
     return RingPeerError(
-        f"ringseq: the backward did not end on rank(s) {ranks} (they raise their own errors: "
-        f"{quoted}), so the gradients reduced on this rank are invalid. Skip the step: "
-        f"optimizer.zero_grad() and booster.reset() on every rank", ranks=ranks)
+        f"ringseq: the backward did not end on rank(s) {ranks} (they raise their own errors"
+        f"{': ' + quoted if quoted else ''}), so the gradients reduced on this rank are "
+        f"invalid. Skip the step: optimizer.zero_grad() and booster.reset() on every rank",
+        ranks=ranks)
 
 
 def completion_failed_note(what: str, exc: BaseException) -> str:

@@ -7,10 +7,11 @@ the model after its last ring call, or a ring call that raised because a peer re
 never reaches its remaining buckets, so every other rank would wait in DDP's all-reduce until
 the process group's timeout. Here every bucket's all-reduce is counted as it starts; a rank
 whose backward raised runs the all-reduces it did not reach itself, on zeros
-(:func:`complete_after_failure`), and the last bucket carries the status rows in which such a
-rank marks itself, with the start of its error. Every rank thus makes the same collectives, and the ranks whose backward
-ended see who did not finish (:meth:`DdpSum.after_success`): their summed gradients
-are invalid, and they raise instead of stepping.
+(:func:`complete_after_failure`), and the last bucket carries a status vector in which such a
+rank marks itself; where one did, the ranks then exchange the start of its error. Every rank
+thus makes the same collectives, and the ranks whose backward ended see who did not finish
+(:meth:`DdpSum.after_success`): their summed gradients are invalid, and they raise instead of
+stepping.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .completion import (Completion, completion_failed_note, failed_in, peers_failed_error,
-                         status_rows)
+from .._dist import ring_timeout
+from .completion import (Completion, completion_failed_note, exchange_errors, peers_failed_error,
+                         status_vector)
 
 __all__ = ["DdpSum", "complete_after_failure", "sum_allreduce_hook"]
 
@@ -34,8 +36,8 @@ class DdpSum(Completion):
     backward passes (``ReducedGrads``), marked at each backward's first bucket. ``expecting``:
     the model's last forward prepared DDP for a reduced backward that has not ended.
     ``launched``: the buckets this backward has sent so far. ``status``: the last bucket's
-    status rows once they completed (``completion.status_rows``: a row per rank, marked
-    where a rank did not finish its backward); None before."""
+    status vector once it completed, (world,) int64, 1 where a rank did not finish its
+    backward; None before."""
 
     def __init__(self, ddp, reduced):
         # (weakly: DDP's reducer holds this hook state from C++, where the garbage collector
@@ -66,8 +68,8 @@ class DdpSum(Completion):
         self.ddp.reducer._reset_state()
         self.expecting, self.launched, self.status = False, 0, None
 
-    def status_rows(self, device, error: Optional[BaseException]) -> torch.Tensor:
-        return status_rows(dist.get_world_size(), dist.get_rank(), device, error)
+    def status_vector(self, device, failed: bool) -> torch.Tensor:
+        return status_vector(dist.get_world_size(), dist.get_rank(), device, failed)
 
     def after_failure(self, timeout: float, error: BaseException) -> Optional[str]:
         """This rank's backward raised: completes DDP's collectives (see the module doc).
@@ -89,14 +91,18 @@ class DdpSum(Completion):
 
     def after_success(self) -> None:
         """This rank's backward ended: raises RingPeerError when another rank's did not (its
-        gradients are zeros in this rank's sums). Reads the status rows once (one host
-        synchronization on a GPU); the error quotes the failed ranks' errors."""
+        gradients are zeros in this rank's sums). Reads the status vector once (one host
+        synchronization on a GPU); where a rank is marked, the ranks exchange the start of
+        its error (``completion.exchange_errors``), which the RingPeerError quotes."""
         if self.status is None:  # not reduced in this backward (no_sync, another model's)
             return
-        failed = failed_in(self.status, range(dist.get_world_size()))
-        self.status = None
-        if failed:
-            raise peers_failed_error(failed)
+        marked = [r for r, s in enumerate(self.status.tolist()) if s]
+        device, self.status = self.status.device, None
+        if marked:
+            world = dist.get_world_size()
+            quotes = exchange_errors(None, range(world), dist.get_rank(), device, None,
+                                     ring_timeout())
+            raise peers_failed_error({r: quotes.get(r, "") for r in marked})
 
 
 def sum_allreduce_hook(state: DdpSum, bucket):
@@ -111,7 +117,7 @@ def sum_allreduce_hook(state: DdpSum, bucket):
     fut = dist.all_reduce(buffer, async_op=True).get_future()
     if not bucket.is_last():
         return fut.then(lambda f: f.value()[0])
-    status = state.status_rows(buffer.device, None)  # (world, 1 + message bytes)
+    status = state.status_vector(buffer.device, failed=False)  # (world,)
     status_fut = dist.all_reduce(status, async_op=True).get_future()
 
     def done(futures):
@@ -123,11 +129,13 @@ def sum_allreduce_hook(state: DdpSum, bucket):
 
 def complete_after_failure(ddp, state: DdpSum, timeout: float, error: BaseException) -> None:
     """On a rank whose backward raised ``error``: the all-reduces of the buckets DDP did not
-    send, on zeros, the last with this rank marked in the status rows, so that the other
-    ranks' backward ends (and raises RingPeerError there, quoting ``error``). Waits at most ``timeout``
+    send, on zeros, the last with this rank marked in the status vector, so that the other
+    ranks' backward ends (and raises RingPeerError there), then the exchange of the errors
+    (quoting ``error``). Waits at most ``timeout``
     seconds (a peer that died does not answer); the caller re-raises its own error either
     way. Uses DDP's own (private) list of its buckets, the one its join mode replays."""
     buckets = ddp.reducer._get_zeros_like_grad_buckets()  # in the order DDP sends them
+    launched = state.launched
     works = []
     with torch.no_grad():
         for bucket in buckets:
@@ -136,7 +144,7 @@ def complete_after_failure(ddp, state: DdpSum, timeout: float, error: BaseExcept
             buffer = bucket.buffer()
             works.append(dist.all_reduce(buffer, async_op=True))
             if bucket.is_last():
-                works.append(dist.all_reduce(state.status_rows(buffer.device, error),
+                works.append(dist.all_reduce(state.status_vector(buffer.device, failed=True),
                                              async_op=True))
         # DDP's all-reduce of the used-parameter map follows its last bucket (sent by DDP
         # itself when every bucket was)
@@ -146,3 +154,6 @@ def complete_after_failure(ddp, state: DdpSum, timeout: float, error: BaseExcept
     state.launched = len(buckets)
     for work in works:
         work.wait(datetime.timedelta(seconds=timeout))
+    if any(b.is_last() for b in buckets if b.index() >= launched):  # (the status was sent)
+        exchange_errors(None, range(dist.get_world_size()), dist.get_rank(),
+                        buckets[-1].buffer().device, error, timeout)

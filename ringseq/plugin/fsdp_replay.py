@@ -20,9 +20,9 @@ read from what happened, not from FSDP's per-unit state alone: each unit's post-
 counted when it returns or, when it raised, if the process group's collective count moved
 during it (FSDP marks a unit done before its reduce-scatter, so an error there, before it
 sends, would otherwise look complete; its final callback sets units back to idle). After
-every backward the ranks all-reduce the status rows in which a rank whose backward raised
-marks itself with the start of its error: the others raise RingPeerError instead of stepping
-on invalid gradients (:meth:`FsdpReplay.after_success`).
+every backward the ranks all-reduce a status vector in which a rank whose backward raised
+marks itself (then, where one did, the start of its error): the others raise RingPeerError
+instead of stepping on invalid gradients (:meth:`FsdpReplay.after_success`).
 ``booster.reset()`` then resets FSDP's per-iteration state and drops gradients accumulated
 under ``no_sync`` (:meth:`FsdpReplay.reset`).
 
@@ -35,7 +35,7 @@ all-gather, the tp collectives of its blocks this rank did not make (from the tp
 collective count), then its post-backward, on zeros that are partial sums over tp where the
 other ranks' gradients are (so FSDP sums them over tp as theirs). A post-backward that raised
 after some of its sums over tp cleared the gradients it summed: the replay gives those
-replicated zeros, so only the sums it did not make are made. The status rows go over all
+replicated zeros, so only the sums it did not make are made. The status vector goes over all
 ranks: a failed rank's tp peers are in other FSDP groups.
 
 Not replayed (the rank's error gets a note, the others wait in FSDP's collectives, and the
@@ -58,7 +58,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor, Partial
 
-from .completion import Completion, bounded, failed_in, peers_failed_error, status_rows
+from .._dist import ring_timeout
+from .completion import Completion, agree_on_status, bounded, peers_failed_error
 
 __all__ = ["FsdpReplay"]
 
@@ -296,7 +297,7 @@ class FsdpReplay(Completion):
     def after_failure(self, timeout: float, error: BaseException) -> Optional[str]:
         """The rest of FSDP's backward (the all-gathers, prefetches and reduce-scatters the
         other ranks make, on zeros where this rank has no gradient), then this rank marked in
-        the status rows with ``error``."""
+        the status vector (then the exchange of ``error``)."""
         if not self.expecting:
             return self.tp.second_backward_note() if self.tp is not None else None
         self.expecting = False
@@ -376,8 +377,8 @@ class FsdpReplay(Completion):
 
     def after_success(self) -> None:
         """Raises RingPeerError when another rank's backward did not end (its gradients are
-        zeros in this rank's sums). One all-reduce of W x 192 bytes per backward
-        (``completion.status_rows``)."""
+        zeros in this rank's sums). One all-reduce of W int64 per backward
+        (``completion.agree_on_status``; one more after a failure)."""
         if self.tp is not None:
             self.tp.ended()  # (the order of its collectives, for a later failure)
         if not (self.expecting and self._in_backward):
@@ -427,14 +428,14 @@ class FsdpReplay(Completion):
         group.post_backward()
 
     def _status(self, error: Optional[BaseException]) -> Dict[int, str]:
-        """All-reduces the status rows over FSDP's group (with tp: over all ranks), this
-        rank's marked with ``error`` when given; returns the global ranks marked, with the
-        start of their errors."""
+        """The status all-reduce over FSDP's group (with tp: over all ranks), this rank marked
+        when ``error`` is given, then the errors' exchange where a rank is
+        (``completion.agree_on_status``); returns the global ranks marked, with the start of
+        their errors."""
         ranks = dist.get_process_group_ranks(self._status_group)
         device = self.units[0].module._get_fsdp_state()._device
-        rows = status_rows(len(ranks), dist.get_rank(self._status_group), device, error)
-        dist.all_reduce(rows, group=self._status_group)
-        return failed_in(rows, ranks)
+        return agree_on_status(self._status_group, ranks, dist.get_rank(self._status_group),
+                               device, error, ring_timeout())
 
     def reset_refusal(self) -> Optional[str]:
         root = self.units[0].module

@@ -25,9 +25,9 @@ in the last forward's order; the backward's is the order the last backward that 
 them in (hooks next to each collective record it), which includes the forwards of
 checkpointed layers recomputed within it; before any backward ended, the backward
 collectives whose hooks the forward set, in reverse.
-After every backward the ranks all-reduce the status rows (W x 192 bytes, the default group)
-in which a rank whose backward raised marks itself with the start of its error; the others
-raise RingPeerError instead of stepping on invalid gradients.
+After every backward the ranks all-reduce a status vector (W int64, the default group) in
+which a rank whose backward raised marks itself (then, where one did, the start of its
+error); the others raise RingPeerError instead of stepping on invalid gradients.
 
 Not completed (the rank's error gets a note and the plugin's reset refuses on it): the first
 backward of a model with checkpointed layers (their recomputed forwards interleave with it in
@@ -56,7 +56,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ..parallel.modules import grad_tensors
 from ..parallel.tp import GatherSequence, SliceSequence
-from .completion import Completion, bounded, failed_in, peers_failed_error, status_rows
+from .._dist import ring_timeout
+from .completion import Completion, agree_on_status, bounded, peers_failed_error
 
 __all__ = ["TpReplay"]
 
@@ -407,7 +408,7 @@ class TpReplay(Completion):
 
     def after_failure(self, timeout: float, error: BaseException) -> Optional[str]:
         """The rest of the backward's tp collectives and of the gradient sync, on zeros, then
-        this rank marked in the status rows with ``error``."""
+        this rank marked in the status vector (then the exchange of ``error``)."""
         if not self.expecting:
             return self.second_backward_note()
         note = self.backward_note()
@@ -435,8 +436,8 @@ class TpReplay(Completion):
 
     def after_success(self) -> None:
         """Raises RingPeerError when another rank's backward did not end (its gradients are
-        zeros in this rank's sums). One all-reduce of W x 192 bytes per backward
-        (``completion.status_rows``)."""
+        zeros in this rank's sums). One all-reduce of W int64 per backward
+        (``completion.agree_on_status``; one more after a failure)."""
         if not self.ended():
             return  # (a backward of another model only)
         failed = self._status(None)
@@ -455,12 +456,11 @@ class TpReplay(Completion):
         return True
 
     def _status(self, error: Optional[BaseException]) -> Dict[int, str]:
-        """All-reduces the status rows over the default group, this rank's marked with
-        ``error`` when given; returns the ranks marked, with the start of their errors."""
-        world = dist.get_world_size()
-        rows = status_rows(world, dist.get_rank(), self.device, error)  # (W, 1 + bytes)
-        dist.all_reduce(rows)
-        return failed_in(rows, range(world))
+        """The status all-reduce over the default group, this rank marked when ``error`` is
+        given, then the errors' exchange where a rank is (``completion.agree_on_status``);
+        returns the ranks marked, with the start of their errors."""
+        return agree_on_status(None, range(dist.get_world_size()), dist.get_rank(),
+                               self.device, error, ring_timeout())
 
     def reset(self) -> None:
         self.expecting, self._in_backward, self._grad_forwards = False, False, 0

@@ -150,6 +150,12 @@ def supported(name, device, dtype, headdim, causal, q, k, window=-1, softcap=0.0
         return None
     if name not in available_backends(device, dtype, headdim):
         return "unavailable"
+    if window >= 0 or softcap:  # (the spans path: sdpa takes no soft-cap, say)
+        from ringseq.kernels import get_backend
+        try:
+            get_backend(name, device, dtype, headdim, spans=window >= 0, softcap=softcap)
+        except (NotImplementedError, ValueError) as exc:
+            return str(exc).split(f"backend {name!r} ", 1)[-1][:80]
     return None
 
 

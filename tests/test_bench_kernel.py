@@ -118,6 +118,22 @@ def test_a_level_failing_the_check_keeps_its_rows_and_says_so(monkeypatch, tmp_p
         ("avx2", "ok"), ("avx512", "FAIL")}
 
 
+def test_a_backend_without_the_soft_cap_is_skipped_with_its_reason(tmp_path):
+    """(before: --softcap with --isa current ended in sdpa's NotImplementedError traceback)"""
+    out = tmp_path / "k.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernel.py"),
+                           "--device", "cpu", "--isa", "current", "--backends",
+                           "ringseq,sdpa", "--window", "8", "--softcap", "10", "--seqlens",
+                           "64", "--heads", "2", "--headdims", "16", "--causal", "true",
+                           "--repeats", "1", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["skipped"] for r in rows if r["backend"] == "sdpa"] == [
+        "cannot do logit soft-capping (softcap=10.0): torch's SDPA ops would have to appl"] * 2
+    assert all(r["check"] == "ok" for r in rows if r["backend"] == "ringseq")
+
+
 def test_core_probe_note_says_whether_the_two_ends_differ():
     from common import probe_note
 

@@ -319,6 +319,10 @@ def _case_check_consistent():
             "flag": _capture(lambda: check_consistent([("causal", True)])),  # (0 / 1)
             "kinds": _capture(lambda: check_consistent([("x", 1, "any" if rank else "int")])),
             "bad_kind": _capture(lambda: check_consistent([("x", 1, "ints")])),
+            "kind_left_out": _capture(lambda: check_consistent([("x", 1, "int")] if rank
+                                                               else [("x", 1)])),
+            "bad_ints": _capture(lambda: check_consistent(
+                [("docs", 5, "ints", (0, 5, 2 ** 64) if rank else (0, 5, 9))])),
             "flag_differs": _capture(lambda: check_consistent([("causal", rank == 0)])),
             "malformed": _capture(lambda: check_consistent(
                 [("seqlen", "one" if rank else 1)])),
@@ -796,6 +800,13 @@ def test_check_consistent_raises_on_every_rank(w2):
         r = res["check_consistent"]
         assert r["same"] == ("ok", None) and r["after"] == ("ok", None), r
         assert r["flag"] == ("ok", None) and r["flag_differs"][0] == "RingMismatchError", r
+        assert r["kind_left_out"] == ("ok", None), r["kind_left_out"]  # ("int" by default)
+        if rank == 1:
+            assert r["bad_ints"][:2] == ("TypeError", "check_consistent: fields[0] ('docs'): an "
+                                         "\"ints\" field's values must be a list of int64 "
+                                         "ints, got (0, 5, 18446744073709551616)"), r["bad_ints"]
+        else:
+            assert r["bad_ints"][0] == "RingPeerError" and r["bad_ints"][2] < FAST, r
         assert r["ints"][0] == "RingMismatchError" and "first difference at index 1" in \
             r["ints"][1], r["ints"]
         assert r["kinds"][0] == "RingMismatchError" and "kinds" in r["kinds"][1], r["kinds"]

@@ -285,7 +285,7 @@ class Ring:
         with self._hold():
             # (the names' code goes first: ranks comparing fields by position alone passed
             # lists of other lengths or names on some ranks)
-            layout = repr([(f[0], f[2:3]) for f in fields])  # names and kinds
+            layout = repr([(f[0], f[2] if len(f) > 2 else "int") for f in fields])  # names, kinds
             rows = gather(self, CHECK, BROKEN if self._broken is not None else OK,
                           [stable_code(layout)] + [f[1] for f in fields], None, code)
             if rows is None:
@@ -456,9 +456,16 @@ def _checked_fields(fn: str, fields) -> Tuple[tuple, ...]:
                             f"tuple, got {f!r}")
         if not -2 ** 63 <= value < 2 ** 63:
             raise ValueError(f"{fn}: fields[{i}] ({f[0]!r}) must fit in int64, got {value}")
-        if len(f) == 3 and not (f[2] in _FIELD_KINDS or isinstance(f[2], tuple)):  # ("ints": 4)
+        if len(f) == 3 and not (isinstance(f[2], str) and f[2] in _FIELD_KINDS
+                                or isinstance(f[2], tuple)):  # (and "ints", as 4)
             raise ValueError(f"{fn}: fields[{i}] ({f[0]!r}): a kind must be one of "
                              f"{sorted(_FIELD_KINDS)} or a tuple of choices, got {f[2]!r}")
+        if len(f) == 4:  # ("ints": its values travel on a mismatch: checked here, not there)
+            values = [as_int(x) for x in f[3]] if isinstance(f[3], (list, tuple)) else [None]
+            if any(x is None or not -2 ** 63 <= x < 2 ** 63 for x in values):
+                raise TypeError(f"{fn}: fields[{i}] ({f[0]!r}): an \"ints\" field's values "
+                                f"must be a list of int64 ints, got {f[3]!r}")
+            f = (f[0], value, "ints", tuple(values))
         out.append((f[0], value, *f[2:]))
     return tuple(out)
 

@@ -200,7 +200,7 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
             bits = [int(e.leaf is not None and (id(e.leaf) in leaves or e.has_grad()))
                     for e in entries]
         sets.append((entries, bits, replaying))
-    # Three fields for any number of models (a control vector holds 24): what differs is
+    # Three fields for any number of models (a control vector holds 25): what differs is
     # exchanged afterwards, only where it does.
     flat = [b for _, bits, _ in sets for b in bits or ()]
     fields = [("booster.no_sync of each boosted model (hash)", stable_hash_ints(skipped), ANY),

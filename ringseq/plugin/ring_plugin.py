@@ -935,6 +935,7 @@ class RingSequenceParallelPlugin(Plugin):
             self.sp.reset()
         for reduction in self.reporter.reductions:
             reduction.reset()  # DDP's reducer, FSDP's iteration state after a failed step
+        self.reporter.backward_pending = False  # (the failed step's backward never comes)
 
     def get_checkpoint_io(self) -> DistributedCheckpointIO:
         return DistributedCheckpointIO()

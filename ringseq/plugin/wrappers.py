@@ -158,8 +158,9 @@ class ModelWrapper(nn.Module):
             self._reduction.forward_ran()
         if self._reporter is not None and torch.is_grad_enabled():
             self._reporter.loss_ran = False
+            self._reporter.backward_pending = True
         if self._reporter is not None and agrees:
-            self._reporter.forward_ended(self._reduction)
+            self._reporter.forward_ended()
         return out
 
 
@@ -336,6 +337,9 @@ class FailureReporter:
         #: the plugin's loss ran since the last forward with gradients (set by
         #: SequenceParallelLoss, cleared by ModelWrapper.forward)
         self.loss_ran = False
+        #: a forward with gradients ran since the last booster.backward (or the plugin's
+        #: reset): the ranks go on to its loss and backward
+        self.backward_pending = False
         #: why the other ranks wait in collectives this rank did not complete, or None
         self.unusable = None
         #: the agreement the others make before the backward this rank completes without
@@ -370,10 +374,11 @@ class FailureReporter:
                     reduction_.after_success()  # RingPeerError: another rank's backward raised
         finally:
             if phase == "backward":
+                self.backward_pending = False
                 for reduction_ in self.reductions:
                     reduction_.backward_ended()
 
-    def forward_ended(self, reduction=None) -> None:
+    def forward_ended(self) -> None:
         """After a forward under no_grad that ran on this rank: meets the ranks of
         ``no_grad_group`` where a rank whose forward raised sends its loss report
         (``_after_failure``). A forward with gradients meets it at the plugin's loss; an
@@ -381,31 +386,36 @@ class FailureReporter:
         computed from the failed rank's stand-ins (the zeros its replay of the tp
         collectives sends) without a word. Raises RingPeerError naming the failed ranks,
         after taking the ring reports they left waiting, and after telling the other model
-        replicas (:meth:`_tell_other_replicas`; ``reduction``: the boosted model's). One
-        control collective."""
+        replicas (:meth:`_tell_other_replicas`). One control collective."""
         try:
             get_ring(self.no_grad_group).agree(True, "", about="loss")
         except Exception as exc:
             self.take_ring_reports(exc, self.no_grad_group)
-            self._tell_other_replicas(exc, reduction)
+            self._tell_other_replicas(exc)
             raise
 
-    def _tell_other_replicas(self, exc: BaseException, reduction) -> None:
+    def _tell_other_replicas(self, exc: BaseException) -> None:
         """A forward under no_grad that raised on this model replica (whose ranks raise at
         its end, ``forward_ended``) between a forward with gradients and its backward: where
         ``no_grad_group`` is one replica of several (zero 0 with data parallelism) the other
         replicas go on, and this rank meets them, as failed, where they go next: at the
         plugin's loss when it had not run (a reference model's forward), else at the
         backward (its agreement, then the data-parallel collectives on zeros and the status
-        rows). Before, they waited there until the ring timeout. Never raises (notes on
-        ``exc``)."""
-        if (reduction is None or not reduction.expecting or not dist.is_initialized()
+        rows). Before, they waited there until the ring timeout. The model evaluated may be
+        another than the one whose backward waits (a teacher's). Not covered: a backward
+        under ``no_sync`` (DDP exchanges no status there), and several models waiting. Never
+        raises (notes on ``exc``)."""
+        if (not self.backward_pending or not dist.is_initialized()
                 or self.no_grad_group is None
                 or dist.get_world_size(self.no_grad_group) == dist.get_world_size()):
             return  # (one replica, or no backward waits: an evaluation alone)
         if not self.loss_ran:
             self._report_to_loss(exc, self.loss_group)
             return
+        waiting = [r for r in self.reductions if r.expecting]
+        if len(waiting) != 1:
+            return
+        reduction = waiting[0]
         if self.before_completion is not None:
             try:
                 self.before_completion(reduction)
@@ -499,7 +509,7 @@ class FailureReporter:
         if to_loss and not loss_first:
             self._report_to_loss(exc, report_group)
         if agreed_at_end:
-            self._tell_other_replicas(exc, reduction)
+            self._tell_other_replicas(exc)
         if interrupted is not None:
             raise interrupted
 

@@ -1012,6 +1012,61 @@ def _worker_ddp_no_grad_failures():
 _DDP_NO_GRAD_CASES = _NO_GRAD_CASES + ("evaluation forward at the head",)
 
 
+def _worker_teacher_failure():
+    """As _worker_ddp_no_grad_failures, the model evaluated under no_grad between the loss
+    and the backward another boosted one (a frozen teacher's): the model whose backward the
+    other replica waits for is the trained one (before: they waited for the ring timeout)."""
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    inner = _tiny_llama().double()
+    booster, model, opt, crit, batch = _boost_at_sp2(inner, {})
+    teacher_inner = _tiny_llama().double()
+    teacher = booster.boost(teacher_inner)[0]
+    armed = {"on": False}
+
+    def fail_on_rank_1(*_):
+        if rank == 1 and armed["on"]:
+            raise MemoryError("injected: out of memory in the teacher")
+    teacher_inner.model.layers[1].self_attn.q_proj.register_forward_hook(fail_on_rank_1)
+
+    def step():
+        loss = crit(model(**batch), batch)
+        with torch.no_grad():
+            teacher(**batch)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+    out = {"first": _capture(step)}
+    armed["on"] = True
+    out["failed"] = _capture(step)
+    armed["on"] = False
+    opt.zero_grad()
+    booster.reset()
+    out["after"] = _capture(step)
+    out["params"] = [p.detach().clone() for p in inner.parameters()]
+    return out
+
+
+def test_a_teachers_no_grad_forward_failing_on_one_rank_under_ddp():
+    res = run_ranks(_worker_teacher_failure, 4, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        assert r["failed"][-1] < TIMEOUT, r["failed"]  # in seconds, not after a timeout
+        if rank == 1:
+            _is_error(r["failed"], ("MemoryError",), "injected")
+        elif rank == 0:
+            _is_error(r["failed"], ("RingBrokenError",), "rank 1 failed")
+        else:
+            _is_error(r["failed"], ("RingPeerError",), "did not end on rank(s) [0, 1]",
+                      "rank 1: MemoryError: injected")
+    want = _single_process_params()
+    for r in res:
+        for got, ref in zip(r["params"], want):
+            assert max_err(got, ref) < 1e-10
+
+
 def test_a_no_grad_forward_failing_on_one_rank_under_ddp_with_sequence_parallelism():
     res = run_ranks(_worker_ddp_no_grad_failures, 4, timeout=300,
                     env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})

@@ -288,45 +288,39 @@ def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
     compute a block's gradients from a ring's merged out/lse. ValueError (NotImplementedError
     for a layout missing a method) naming ``spec.fn``."""
     check_global_documents(spec, world_size, s_local)
-    causal_tasks = spec.mask.plain and spec.mask.causal  # (the one schedule _tasks makes)
     try:
         layout.check_local_seqlen(s_local, world_size)
-        if not torch.compiler.is_compiling():
-            _check_user_layout(layout, world_size, s_local, causal_tasks)
     except (ValueError, NotImplementedError) as exc:  # (a user's layout may raise its own)
-        kind = NotImplementedError if isinstance(exc, NotImplementedError) else ValueError
-        raise with_message(exc, f"{spec.fn}: {exc}", fallback=kind) from None
-    if torch.compiler.is_compiling() and isinstance(s_local, int):
-        # (traced, the permutation's bincount and nonzero broke the graph: the checks run
-        # once, eagerly, at trace time; a symbolic length is checked by the first eager call
-        # or by shard)
-        kind, problem = _user_layout_problem(layout, world_size, s_local, causal_tasks)
-        if problem:
-            raise (NotImplementedError if kind else ValueError)(f"{spec.fn}: {problem}")
+        raise named_layout_error(spec, exc) from None
+    if not torch.compiler.is_compiling():  # (compiled: where the ring plans the call)
+        check_user_layout(spec, layout, world_size, s_local)
     if world_size > 1 and not spec.backend.supports_global_backward:
         raise ValueError(f"{spec.fn}: backend {spec.backend.name!r} cannot compute a block's "
                          f"gradients from the merged output of a ring; use backend='ringseq' "
                          f"or 'reference'")
 
 
-def _check_user_layout(layout, world_size: int, s_local: int, causal_tasks: bool) -> None:
+def check_user_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
     """A user's layout: its positions a permutation, its causal tasks inside the shard (each
-    checked once per length; nothing for a built-in layout)."""
+    checked once per length; nothing for a built-in layout). Called by :func:`check_layout`
+    eagerly, and where the ring plans a call (at run time, also under torch.compile, whose
+    trace of the permutation's bincount broke the graph). ValueError (NotImplementedError
+    for a missing method) naming ``spec.fn``."""
+    try:
+        _check_user_layout(layout, world_size, s_local, spec.mask.plain and spec.mask.causal)
+    except (ValueError, NotImplementedError) as exc:  # (a user's layout may raise its own)
+        raise named_layout_error(spec, exc) from None
+
+
+def _check_user_layout(layout, world_size: int, s_local: int, causal_tasks: bool) -> None:
     layout.check_positions(s_local * world_size, world_size)
-    if causal_tasks:
+    if causal_tasks:  # (the one schedule _tasks makes)
         layout.check_tasks(world_size, s_local)
 
 
-@torch.compiler.assume_constant_result
-def _user_layout_problem(layout, world_size: int, s_local: int,
-                         causal_tasks: bool) -> Tuple[bool, str]:
-    """:func:`_check_user_layout` run at trace time: ``(missing a method, message)``, or
-    ``(False, "")``."""
-    try:
-        _check_user_layout(layout, world_size, s_local, causal_tasks)
-    except (ValueError, NotImplementedError) as exc:
-        return isinstance(exc, NotImplementedError), str(exc)
-    return False, ""
+def named_layout_error(spec: AttnSpec, exc: BaseException) -> BaseException:
+    kind = NotImplementedError if isinstance(exc, NotImplementedError) else ValueError
+    return with_message(exc, f"{spec.fn}: {exc}", fallback=kind)
 
 
 def check_global_documents(spec: AttnSpec, world_size: int, s_local: int) -> None:

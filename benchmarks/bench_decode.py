@@ -150,7 +150,8 @@ def single_device(args):
                                        kc.cpu(), vc.cpu(), length, scale)
                 row["max_err"], row["sdpa_max_err"] = err, err_sdpa
                 # an invariant of the benchmark: no worse than 2x SDPA's error (plus a floor)
-                assert err <= 2 * err_sdpa + CHECK_FLOOR[dtype], f"ringseq disagrees with float64: {err} vs SDPA {err_sdpa}"
+                assert err <= 2 * err_sdpa + CHECK_FLOOR[dtype], \
+                    f"ringseq disagrees with float64: {err} vs SDPA {err_sdpa}"
                 rows.append(row)
                 progress(f"b={b} cache={length} threads={threads or '-'}: ringseq {row['ringseq_ms']:.2f} ms "
                          f"({row['ringseq_tok_s']:.0f} tok/s), sdpa {row['sdpa_ms']:.2f} ms, "

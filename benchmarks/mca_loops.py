@@ -30,7 +30,8 @@ import subprocess
 import sys
 from collections import defaultdict
 
-from cli_types import json_path, positive_int  # (the script's folder is on sys.path, as for the tests)
+# (the script's folder is on sys.path, as for the tests)
+from cli_types import json_path, positive_int
 
 HEADER = re.compile(r"^([0-9a-f]+) <(.+)>:$")
 INSN = re.compile(r"^\s*([0-9a-f]+):\s+([a-z0-9._]+)\s*(.*?)\s*$")

@@ -256,6 +256,7 @@ def test_a_malformed_user_layout_is_refused_compiled_as_eagerly():
         torch._dynamo.reset()
         attention = torch.compile(lambda q: ringseq.ring_flash_attn_func(
             q, q, q, causal=True, layout=lay), fullgraph=fullgraph, backend="aot_eager")
-        with pytest.raises(ValueError, match=r"^ring_flash_attn_func: layout 'test_too_long_compiled'"
-                                       r": _tasks\(0, 0, 1, 16\) must return tasks whose q "):
+        with pytest.raises(ValueError, match=r"^ring_flash_attn_func: layout "
+                                             r"'test_too_long_compiled': _tasks\(0, 0, 1, 16\) "
+                                             r"must return tasks whose q "):
             attention(q)

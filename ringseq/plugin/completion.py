@@ -53,8 +53,9 @@ class Completion:
 
     def after_failure(self, timeout: float, error: BaseException) -> Optional[str]:
         """This rank's backward raised ``error``: completes the backward's collectives and
-        tells the other ranks (the start of ``error`` included: :func:`status_rows`). Returns
-        a note as :meth:`after_forward_failure`; never raises."""
+        tells the other ranks (the status, then the start of ``error``:
+        :func:`agree_on_status`). Returns a note as :meth:`after_forward_failure`; never
+        raises."""
         return None
 
     def after_success(self) -> None:

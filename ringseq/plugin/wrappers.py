@@ -401,7 +401,7 @@ class FailureReporter:
         replicas go on, and this rank meets them, as failed, where they go next: at the
         plugin's loss when it had not run (a reference model's forward), else at the
         backward (its agreement, then the data-parallel collectives on zeros and the status
-        rows). Before, they waited there until the ring timeout. The model evaluated may be
+        vector). Before, they waited there until the ring timeout. The model evaluated may be
         another than the one whose backward waits (a teacher's). Not covered: a backward
         under ``no_sync`` (DDP exchanges no status there), and several models waiting. Never
         raises (notes on ``exc``)."""

@@ -283,17 +283,15 @@ def check_self_attention(spec: AttnSpec, q, k) -> None:
 def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
     """A sequence-parallel call of ``spec`` on local shards of ``s_local`` tokens over
     ``world_size`` ranks placed by ``layout`` (bound to the call's documents): the documents
-    must be the GLOBAL boundaries, the layout must take the local length (and, one of the
-    user's, give a permutation and causal tasks inside the shard), and the backend must
-    compute a block's gradients from a ring's merged out/lse. ValueError (NotImplementedError
-    for a layout missing a method) naming ``spec.fn``."""
+    must be the GLOBAL boundaries, the layout must take the local length, and the backend must
+    compute a block's gradients from a ring's merged out/lse. ValueError naming ``spec.fn``.
+    (A user's layout is checked further where the ring plans the call:
+    :func:`check_user_layout`.)"""
     check_global_documents(spec, world_size, s_local)
     try:
         layout.check_local_seqlen(s_local, world_size)
     except (ValueError, NotImplementedError) as exc:  # (a user's layout may raise its own)
         raise named_layout_error(spec, exc) from None
-    if not torch.compiler.is_compiling():  # (compiled: where the ring plans the call)
-        check_user_layout(spec, layout, world_size, s_local)
     if world_size > 1 and not spec.backend.supports_global_backward:
         raise ValueError(f"{spec.fn}: backend {spec.backend.name!r} cannot compute a block's "
                          f"gradients from the merged output of a ring; use backend='ringseq' "
@@ -302,20 +300,15 @@ def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
 
 def check_user_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
     """A user's layout: its positions a permutation, its causal tasks inside the shard (each
-    checked once per length; nothing for a built-in layout). Called by :func:`check_layout`
-    eagerly, and where the ring plans a call (at run time, also under torch.compile, whose
-    trace of the permutation's bincount broke the graph). ValueError (NotImplementedError
-    for a missing method) naming ``spec.fn``."""
+    checked once per length; nothing for a built-in layout), where the ring plans a call
+    (``engine.plan.make_plan``). ValueError (NotImplementedError for a missing method)
+    naming ``spec.fn``."""
     try:
-        _check_user_layout(layout, world_size, s_local, spec.mask.plain and spec.mask.causal)
+        layout.check_positions(s_local * world_size, world_size)
+        if spec.mask.plain and spec.mask.causal:  # (the one schedule _tasks makes)
+            layout.check_tasks(world_size, s_local)
     except (ValueError, NotImplementedError) as exc:  # (a user's layout may raise its own)
         raise named_layout_error(spec, exc) from None
-
-
-def _check_user_layout(layout, world_size: int, s_local: int, causal_tasks: bool) -> None:
-    layout.check_positions(s_local * world_size, world_size)
-    if causal_tasks:  # (the one schedule _tasks makes)
-        layout.check_tasks(world_size, s_local)
 
 
 def named_layout_error(spec: AttnSpec, exc: BaseException) -> BaseException:

@@ -796,10 +796,7 @@ def test_backward_failure_on_one_rank_raises_everywhere_under_ddp(plugin_kwargs,
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
                           "rank 1: MemoryError: injected", "booster.reset()")
         assert "[1]" in r["at first"][1] or rank == 1 or first != "embedding", r["at first"]
-    want = _single_process_params()
-    for r in res:
-        for got, ref in zip(r["params"], want):
-            assert max_err(got, ref) < 1e-10
+    _assert_trains_as_one_process(res)
 
 
 # in a forward under no_grad
@@ -972,10 +969,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_fsdp(plugin_kwargs, fi
             else:
                 _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
                           "rank 1: MemoryError: injected", "booster.reset()")
-    want = _single_process_params(freeze_embedding, unused=unused)
-    for r in res:
-        for got, ref in zip(r["params"], want):
-            assert max_err(got, ref) < 1e-10
+    _assert_trains_as_one_process(res, freeze_embedding, unused=unused)
 
 
 def _worker_ddp_no_grad_failures():
@@ -1061,10 +1055,7 @@ def test_a_teachers_no_grad_forward_failing_on_one_rank_under_ddp():
         else:
             _is_error(r["failed"], ("RingPeerError",), "did not end on rank(s) [0, 1]",
                       "rank 1: MemoryError: injected")
-    want = _single_process_params()
-    for r in res:
-        for got, ref in zip(r["params"], want):
-            assert max_err(got, ref) < 1e-10
+    _assert_trains_as_one_process(res)
 
 
 def test_a_no_grad_forward_failing_on_one_rank_under_ddp_with_sequence_parallelism():
@@ -1087,10 +1078,7 @@ def test_a_no_grad_forward_failing_on_one_rank_under_ddp_with_sequence_paralleli
                 _is_error(r[case], ("RingPeerError",), "failed where this rank did not")
             else:  # (an evaluation of the other replica reaches none of its collectives)
                 assert r[case][0] == "ok", (case, r[case])
-    want = _single_process_params()
-    for r in res:
-        for got, ref in zip(r["params"], want):
-            assert max_err(got, ref) < 1e-10
+    _assert_trains_as_one_process(res)
 
 
 def _detach_layer_0(model):
@@ -1137,10 +1125,7 @@ def test_fsdp_completion_leaves_out_a_unit_without_gradients(tp_size):
         assert r["layer 1 backward"][0] in errors, r["layer 1 backward"]
         assert r["layer 1 backward"][-1] < TIMEOUT, r["layer 1 backward"]
         assert (r["layer 1 backward"][0] == "MemoryError") == (rank == 1), r["layer 1 backward"]
-    want = _single_process_params(prepare=_detach_layer_0)
-    for r in res:
-        for got, ref in zip(r["params"], want):
-            assert max_err(got, ref) < 1e-10
+    _assert_trains_as_one_process(res, prepare=_detach_layer_0)
 
 
 def _worker_step_failure(zero_stage, tmp):
@@ -1196,10 +1181,7 @@ def test_optimizer_step_failure_on_one_rank_raises_everywhere(zero_stage, tmp_pa
                       "in optimizer.step", "load the last checkpoint")
         _is_error(r["refused"], ("ValueError",), "OptimizerWrapper.step",
                   "not stepping. Load the last checkpoint")
-    want = _single_process_params()
-    for r in res:
-        for got, ref in zip(r["params"], want):
-            assert max_err(got, ref) < 1e-10
+    _assert_trains_as_one_process(res)
 
 
 _TP_CASES = ("layer 1 forward", "layer 1 backward", "embedding backward", "gradient sync",
@@ -1350,10 +1332,7 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, bias
         for r in res:
             assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
         return
-    want = _single_process_params(biases=biases, unused=unused)
-    for r in res:
-        for got, ref in zip(r["params"], want):
-            assert max_err(got, ref) < 1e-10
+    _assert_trains_as_one_process(res, biases=biases, unused=unused)
 
 
 def _worker_evaluation_on_one_dp_group():
@@ -1478,6 +1457,15 @@ def test_store_clients_of_two_threads_leave_the_default_stores_timeout_as_it_was
         t.join()
     assert store.timeout == datetime.timedelta(minutes=30)
     assert [c.timeout for c in clients] == [datetime.timedelta(seconds=5)] * 2
+
+
+def _assert_trains_as_one_process(res, *args, **kwargs):
+    """Every rank's parameters after its steps equal the same steps on one process (to 1e-10,
+    float64; ``args`` / ``kwargs`` as :func:`_single_process_params`)."""
+    want = _single_process_params(*args, **kwargs)
+    for r in res:
+        for got, ref in zip(r["params"], want):
+            assert max_err(got, ref) < 1e-10
 
 
 def _single_process_params(freeze_embedding=False, biases=False, unused=False,
@@ -1744,10 +1732,7 @@ def test_plugin_failures_raise_everywhere_and_training_goes_on(w2):
     for r in w2:
         assert r["plugin"]["after_bad_token"][0] == "ok", r["plugin"]
         assert r["plugin"]["after_bad_label"][0] == "ok", r["plugin"]
-    want = _single_process_params()
-    for r in w2:
-        for got, ref in zip(r["plugin"]["params"], want):
-            assert max_err(got, ref) < 1e-10
+    _assert_trains_as_one_process([r["plugin"] for r in w2])
 
 
 def test_plugin_ranks_a_step_apart_raise_then_go_on(w2):

@@ -26,7 +26,7 @@ from .._dist import named_for
 from ..kernels.grad import attention_backward
 from ..layouts import LAYOUTS, Layout
 from ..layouts.base import _built_in
-from ..spec import AttnSpec, check_user_layout, local_spans
+from ..spec import AttnSpec, local_spans
 from .loops import ring_backward, ring_forward
 from .plan import make_plan
 from .integrity import BWD, FWD
@@ -196,9 +196,6 @@ class RingPlacement(Placement):
     def _plan(self, q, k, spec):
         ring = get_ring(self.group)
         layout = self.layout.bind(spec.documents)
-        # (a user's layout, checked at run time: the entry's check is skipped while tracing;
-        # cached per length, so a few dictionary lookups per call)
-        check_user_layout(spec, layout, ring.world_size, q.shape[1])
         plan = make_plan(spec, layout, ring.world_size, ring.rank, q.shape, k.shape[2],
                          q.dtype, self.comm_kind)
         return plan, ring

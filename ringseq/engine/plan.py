@@ -17,7 +17,7 @@ import torch
 from ..kernels.spans import as_spans_tensor
 from .integrity import operation_field
 from ..layouts import BlockTask, Layout, span_keys
-from ..spec import AttnSpec
+from ..spec import AttnSpec, check_user_layout
 
 __all__ = ["PlannedTask", "RingPlan", "make_plan"]
 
@@ -144,7 +144,10 @@ def make_plan(spec: AttnSpec, layout: Layout, world_size: int, rank: int,
               comm_kind: str = "ring") -> RingPlan:
     """The (cached) plan of a ring call with ``spec`` on shards of shape ``q_shape`` (b,
     s_local, h, d) with ``nheads_kv`` K/V heads of ``dtype``, placed by ``layout`` (already
-    bound to the call's documents) on rank ``rank`` of ``world_size``. Checks nothing."""
+    bound to the call's documents) on rank ``rank`` of ``world_size``. Checks only a user's
+    layout, whose schedule it takes (:func:`ringseq.spec.check_user_layout`: ValueError or
+    NotImplementedError naming ``spec.fn``): here, where every ring call plans at run time,
+    also under torch.compile, whose trace of the checks broke the graph."""
     return _make_plan(spec, layout, world_size, rank, tuple(q_shape), nheads_kv, dtype,
                       comm_kind)
 
@@ -152,6 +155,7 @@ def make_plan(spec: AttnSpec, layout: Layout, world_size: int, rank: int,
 @functools.lru_cache(maxsize=128)
 def _make_plan(spec, layout, world_size, rank, q_shape, nheads_kv, dtype, comm_kind):
     b, s, h, d = q_shape
+    check_user_layout(spec, layout, world_size, s)  # (cached with the plan)
     mask = spec.mask
     layout_mask = mask if not mask.plain else mask.causal
     sched = layout.schedule(rank, world_size, s, layout_mask)

@@ -283,11 +283,11 @@ class Ring:
             self.refuse(CHECK, exc, about=code)  # (raises exc; the peers RingPeerError)
         names = [f[0] for f in fields]
         with self._hold():
-            # (the names' code goes first: ranks comparing fields by position alone passed
-            # lists of other lengths or names on some ranks)
-            layout = repr([(f[0], f[2] if len(f) > 2 else "int") for f in fields])  # names, kinds
+            # (a code of the names and kinds goes first: ranks comparing fields by position
+            # alone passed lists of other lengths or names on some ranks)
+            kinds = repr([(f[0], f[2] if len(f) > 2 else "int") for f in fields])
             rows = gather(self, CHECK, BROKEN if self._broken is not None else OK,
-                          [stable_code(layout)] + [f[1] for f in fields], None, code)
+                          [stable_code(kinds)] + [f[1] for f in fields], None, code)
             if rows is None:
                 return
             judge(self, rows, CHECK, ())

@@ -128,11 +128,8 @@ class Layout:
     def _checked_multiple(self, world_size: int) -> int:
         """:meth:`multiple`, a positive int multiple of the world size (every rank holds as
         many tokens); ValueError naming the layout otherwise (one of the user's)."""
-        multiple = given = self.multiple(world_size)
-        try:
-            multiple = operator.index(multiple) if not isinstance(multiple, bool) else None
-        except TypeError:
-            multiple = None
+        given = self.multiple(world_size)
+        multiple = as_int(given)
         if multiple is None or multiple < 1 or multiple % world_size:
             raise ValueError(f"layout {self.name!r}: multiple({world_size}) must be a positive "
                              f"int multiple of the world size, got {given!r}")

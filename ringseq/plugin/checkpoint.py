@@ -119,6 +119,12 @@ def _save(obj, path: str) -> None:
     on_writer(path, lambda: _write(obj, path))
 
 
+def _save_state_of(owner, path: str) -> None:
+    """``owner.state_dict()`` taken inside the writing rank's write (the others need none): an
+    error there is agreed on, where one raised before the agreement left the others waiting."""
+    on_writer(path, lambda: _write(owner.state_dict(), path))
+
+
 def on_writer(path: str, write) -> None:
     """Runs ``write()`` on the writing rank (rank 0) for the checkpoint ``path``, then agrees:
     doubles as the barrier (nobody reads the file before it exists) and makes a failed write
@@ -465,11 +471,9 @@ class ReplicatedCheckpointIO:
     exclusively created temporary file in the target directory, then ``os.replace``.
     """
 
-    # The state is taken inside the writing rank's write (the others need none): an error
-    # there is agreed on, where one raised before the agreement left the other ranks waiting.
     @checkpoint_call
     def save_model(self, model, checkpoint: str) -> None:
-        on_writer(checkpoint, lambda: _write(_unwrap(model).state_dict(), checkpoint))
+        _save_state_of(_unwrap(model), checkpoint)
 
     @checkpoint_call
     def load_model(self, model, checkpoint: str, strict: bool = True):
@@ -504,7 +508,7 @@ class ReplicatedCheckpointIO:
 
     @checkpoint_call
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        on_writer(checkpoint, lambda: _write(lr_scheduler.state_dict(), checkpoint))
+        _save_state_of(lr_scheduler, checkpoint)
 
     @checkpoint_call
     def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:

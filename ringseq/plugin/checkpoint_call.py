@@ -85,16 +85,15 @@ _OBJECTS = {"model": (("state_dict", "load_state_dict", "parameters", "modules")
 def _check_object(fn: str, name: str, obj) -> None:
     needs, what = _OBJECTS[name]
     missing = [a for a in needs if not hasattr(obj, a)]
+    reason = f"without {', '.join(missing)}" if missing else None
     if name == "lr_scheduler" and not missing:
         # (a model or an optimizer has a state dict too; torch's schedulers hold the optimizer)
         if hasattr(obj, "parameters"):
-            missing = ["a model's parameters: a scheduler has none"]
+            reason = "a model's parameters: a scheduler has none"
         elif hasattr(obj, "param_groups") and not hasattr(obj, "optimizer"):
-            missing = ["optimizer"]
-    if missing:
-        text = (missing[0] if missing[0].startswith("a model") else
-                f"without {', '.join(missing)}")
-        raise TypeError(f"{fn}: {name} must be {what}, got {type(obj).__name__} ({text})")
+            reason = "without optimizer"
+    if reason:
+        raise TypeError(f"{fn}: {name} must be {what}, got {type(obj).__name__} ({reason})")
 
 
 def _bind(fn: str, method, self, args, kwargs) -> inspect.BoundArguments:

@@ -15,7 +15,7 @@ from ..engine.integrity import describe_error
 
 __all__ = ["Completion", "STATUS_MESSAGE_BYTES", "agree_on_status", "bounded",
            "completion_failed_note", "exchange_errors", "failed_in", "peers_failed_error",
-           "status_rows", "status_vector"]
+           "quote_marked", "status_rows", "status_vector"]
 
 
 class Completion:
@@ -138,10 +138,17 @@ def agree_on_status(group, ranks: Sequence[int], index: int, device,
     start of its error ("" where the exchange failed); empty when every backward ended."""
     vec = status_vector(len(ranks), index, device, error is not None)
     dist.all_reduce(vec, group=group)
+    return quote_marked(vec, group, ranks, index, error, timeout)
+
+
+def quote_marked(vec: torch.Tensor, group, ranks: Sequence[int], index: int,
+                 error: Optional[BaseException], timeout: float) -> Dict[int, str]:
+    """The ranks a summed :func:`status_vector` ``vec`` marks, each with the start of its
+    error (:func:`exchange_errors`, run only where one is marked; "" where it failed)."""
     marked = [ranks[i] for i, s in enumerate(vec.tolist()) if s]
     if not marked:
         return {}
-    quotes = exchange_errors(group, ranks, index, device, error, timeout)
+    quotes = exchange_errors(group, ranks, index, vec.device, error, timeout)
     return {r: quotes.get(r, "") for r in marked}
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .._dist import ring_timeout
 from .completion import (Completion, completion_failed_note, exchange_errors, peers_failed_error,
-                         status_vector)
+                         quote_marked, status_vector)
 
 __all__ = ["DdpSum", "complete_after_failure", "sum_allreduce_hook"]
 
@@ -96,13 +96,11 @@ class DdpSum(Completion):
         its error (``completion.exchange_errors``), which the RingPeerError quotes."""
         if self.status is None:  # not reduced in this backward (no_sync, another model's)
             return
-        marked = [r for r, s in enumerate(self.status.tolist()) if s]
-        device, self.status = self.status.device, None
-        if marked:
-            world = dist.get_world_size()
-            quotes = exchange_errors(None, range(world), dist.get_rank(), device, None,
-                                     ring_timeout())
-            raise peers_failed_error({r: quotes.get(r, "") for r in marked})
+        status, self.status = self.status, None
+        failed = quote_marked(status, None, range(dist.get_world_size()), dist.get_rank(),
+                              None, ring_timeout())
+        if failed:
+            raise peers_failed_error(failed)
 
 
 def sum_allreduce_hook(state: DdpSum, bucket):

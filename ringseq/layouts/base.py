@@ -215,7 +215,9 @@ class Layout:
         needs nothing). Before, a task naming rows past the shard was cut short by slicing:
         keys were dropped without a word."""
         tasks = type(self)._tasks
-        if not _built_in(tasks) or tasks is Layout._tasks:  # (the base's: one left undefined)
+        # (a user's class with the base's: one left undefined; ringseq's own layouts without
+        # _tasks make their schedules themselves)
+        if not _built_in(tasks) or tasks is Layout._tasks and not _built_in(type(self)):
             layout_cached(self, ("tasks", world_size, s_local),
                           lambda: self._check_tasks(world_size, s_local))
 

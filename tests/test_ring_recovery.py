@@ -1081,6 +1081,76 @@ def test_a_no_grad_forward_failing_on_one_rank_under_ddp_with_sequence_paralleli
     _assert_trains_as_one_process(res)
 
 
+def _worker_ddp_failures_without_buckets():
+    """W=4 as dp 2 x sp 2 under DDP (zero 0): rank 1 raises where DDP sends no gradient bucket
+    after the failure: in a micro-batch's backward inside ``booster.no_sync`` (before layer 1's
+    ring call), in a forward under no_grad inside ``no_sync`` between the loss and the
+    backward, and in an autograd callback after DDP sent its last bucket. Every
+    ``booster.backward`` ends with a status all-reduce, so every rank raises within seconds.
+    Before, ranks 2 and 3 went on to their next step and raised RingTimeoutError after the
+    ring timeout (the first two cases), and in the last every rank but rank 1 did."""
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    inner = _tiny_llama().double()
+    booster, model, opt, crit, batch = _boost_at_sp2(inner, {})
+    failing = {"at": None}
+
+    def raise_late():
+        raise MemoryError("injected: out of memory at the end of the backward")
+
+    def in_backward(module, *_):
+        if rank == 1 and failing["at"] == "no_sync backward":
+            raise MemoryError("injected: out of memory in a no_sync backward")
+        if rank == 1 and failing["at"] == "after the last bucket":
+            torch.autograd.Variable._execution_engine.queue_callback(raise_late)
+    inner.model.layers[1].mlp.register_full_backward_hook(in_backward)
+
+    def in_no_grad_forward(*_):
+        if rank == 1 and failing["at"] == "no_sync evaluation" and not torch.is_grad_enabled():
+            raise MemoryError("injected: out of memory in an evaluation")
+    inner.model.layers[1].self_attn.q_proj.register_forward_hook(in_no_grad_forward)
+
+    def evaluating_inside_no_sync(step):
+        def run():
+            with booster.no_sync(model):
+                loss = crit(model(**batch), batch)
+                with torch.no_grad():
+                    model(**batch)
+                booster.backward(loss, opt)
+            return step()
+        return {"no_sync evaluation": run}
+    step, failing_step = _failure_steps(booster, model, opt, crit, batch, failing,
+                                        more_cases=evaluating_inside_no_sync)
+    out = {"first": _capture(step)}
+    for name in _DDP_CASES_WITHOUT_BUCKETS:
+        out[name] = failing_step(name)
+    out["after"] = _capture(step)
+    out["params"] = [p.detach().clone() for p in inner.parameters()]
+    return out
+
+
+_DDP_CASES_WITHOUT_BUCKETS = ("no_sync backward", "no_sync evaluation", "after the last bucket")
+
+
+def test_a_failure_where_ddp_sends_no_bucket_raises_everywhere():
+    res = run_ranks(_worker_ddp_failures_without_buckets, 4, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        for case in _DDP_CASES_WITHOUT_BUCKETS:
+            assert r[case][-1] < TIMEOUT, (case, r[case])  # in seconds, not after a timeout
+            late = case == "after the last bucket"
+            if rank == 1:
+                _is_error(r[case], ("MemoryError",), "injected")
+            elif rank == 0 and not late:  # in its ring call
+                _is_error(r[case], ("RingBrokenError",), "rank 1 failed")
+            else:  # (at the end of their backward)
+                _is_error(r[case], ("RingPeerError",),
+                          "did not end on rank(s) [1]" if late else "did not end on rank(s) [0, 1]",
+                          "rank 1: MemoryError: injected", "booster.reset()")
+    _assert_trains_as_one_process(res)
+
+
 def _detach_layer_0(model):
     """Layer 0's output detached from the graph: layer 0 and the embedding (parameters that
     require a gradient) get none, and FSDP reduce-scatters nothing for layer 0's unit."""

@@ -7,11 +7,13 @@ the model after its last ring call, or a ring call that raised because a peer re
 never reaches its remaining buckets, so every other rank would wait in DDP's all-reduce until
 the process group's timeout. Here every bucket's all-reduce is counted as it starts; a rank
 whose backward raised runs the all-reduces it did not reach itself, on zeros
-(:func:`complete_after_failure`), and the last bucket carries a status vector in which such a
-rank marks itself; where one did, the ranks then exchange the start of its error. Every rank
-thus makes the same collectives, and the ranks whose backward ended see who did not finish
-(:meth:`DdpSum.after_success`): their summed gradients are invalid, and they raise instead of
-stepping.
+(:func:`complete_after_failure`). Every ``booster.backward`` of the model then ends with a
+status all-reduce (``completion.agree_on_status``) in which a rank whose backward raised marks
+itself, also inside ``no_sync`` (no bucket is sent there, and without it the others went on
+to their next step) and after DDP sent its last bucket (a failure in an autograd callback).
+Every rank thus makes the same collectives, and the ranks whose backward ended see who did not
+finish (:meth:`DdpSum.after_success`): their summed gradients are invalid, and they raise
+instead of stepping.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from .._dist import ring_timeout
-from .completion import (Completion, completion_failed_note, exchange_errors, peers_failed_error,
-                         quote_marked, status_vector)
+from torch.distributed.fsdp._common_utils import collect_grad_tensors
+
+from .completion import Completion, agree_on_status, bounded, peers_failed_error
 
 __all__ = ["DdpSum", "complete_after_failure", "sum_allreduce_hook"]
 
@@ -34,73 +37,105 @@ class DdpSum(Completion):
 
     ``ddp``: the DistributedDataParallel module. ``reduced``: the plugin's count of reduced
     backward passes (``ReducedGrads``), marked at each backward's first bucket. ``expecting``:
-    the model's last forward prepared DDP for a reduced backward that has not ended.
-    ``launched``: the buckets this backward has sent so far. ``status``: the last bucket's
-    status vector once it completed, (world,) int64, 1 where a rank did not finish its
-    backward; None before."""
+    the model's last forward with gradients waits for a backward that has not ended (inside
+    ``no_sync`` too); ``synced``: that backward reduces (DDP prepared for it: not inside
+    ``no_sync``). ``launched``: the buckets this backward has sent so far. A backward that
+    does not run through ``booster.backward`` (a plain ``loss.backward()``) ends the wait when
+    DDP's last bucket completes; inside ``no_sync`` nothing tells its end, and a later failure
+    on this rank would complete it again."""
 
     def __init__(self, ddp, reduced):
         # (weakly: DDP's reducer holds this hook state from C++, where the garbage collector
         # cannot see the cycle, so a strong reference kept the model alive for good)
         self._ddp, self.reduced = weakref.ref(ddp), reduced
-        self.expecting = False
+        self.expecting = self.synced = False
         self.launched = 0
-        self.status: Optional[torch.Tensor] = None
         self.completed = 0  # reduced backward passes that ended
+        self._hooked = False  # the running forward's outputs carry _backward_began
+        self._in_backward = False  # the backward since the last forward reached the outputs
+        self._watching = False  # inside booster.backward
+        ddp.register_forward_hook(self._hook_outputs)
 
     @property
     def ddp(self):
         """The DistributedDataParallel module (alive while its reducer calls this hook)."""
         return self._ddp()
 
-    def forward_ran(self) -> None:
-        """After the boosted model's forward ended: whether DDP now waits for a reduced
-        backward (not inside ``no_sync``). A forward under no_grad leaves DDP as it was."""
+    def forward_started(self) -> None:
+        self._hooked = False
+
+    def _hook_outputs(self, module, args, out) -> None:
         if torch.is_grad_enabled():
-            self.expecting = self.ddp.require_backward_grad_sync
-            self.launched = 0
-            self.status = None
+            tensors = collect_grad_tensors(out)
+            for t in tensors:  # the backward reached this model, not another one only
+                t.register_hook(self._backward_began)
+            self._hooked = bool(tensors)
+
+    def _backward_began(self, grad):
+        self._in_backward = True
+        return grad
+
+    def forward_ran(self) -> None:
+        """After the boosted model's forward ended: whether a backward is now due (one DDP
+        reduces unless inside ``no_sync``). A forward under no_grad leaves the wait as it
+        was."""
+        if torch.is_grad_enabled():
+            self.synced = bool(self.ddp.require_backward_grad_sync)
+            self.expecting = self._hooked or self.synced
+            self.launched, self._in_backward = 0, False
+
+    def backward_started(self) -> None:
+        self._watching = True
+
+    def backward_ended(self) -> None:
+        self._watching = False
 
     def reset(self) -> None:
         """On every rank (the plugin's reset): DDP's reducer forgets the backward that raised
         (it would refuse the next forward: "Expected to have finished reduction") and, on
         every rank alike, rebuilds its buckets after the next backward."""
         self.ddp.reducer._reset_state()
-        self.expecting, self.launched, self.status = False, 0, None
-
-    def status_vector(self, device, failed: bool) -> torch.Tensor:
-        return status_vector(dist.get_world_size(), dist.get_rank(), device, failed)
+        self.expecting = self.synced = self._in_backward = False
+        self.launched = 0
 
     def after_failure(self, timeout: float, error: BaseException) -> Optional[str]:
-        """This rank's backward raised: completes DDP's collectives (see the module doc).
+        """This rank's backward raised ``error``: completes DDP's collectives (see the module
+        doc), then the status all-reduce with this rank marked and the exchange of the errors.
         Returns a note for this rank's error when they could not be completed (never raises:
         the rank's own error is what it raises)."""
         if not self.expecting:
             return None
-        self.expecting = False
-        if getattr(self.ddp, "static_graph", False) and not self.completed:
+        self.expecting, self._in_backward = False, False
+        if self.synced and getattr(self.ddp, "static_graph", False) and not self.completed:
             # DDP's first static-graph iteration reduces at its end in an order of its own
             return ("ringseq: DDP's gradient reduction was not completed for the other ranks "
                     "(static_graph's first iteration): they wait for the process group's "
                     "timeout")
-        try:
-            complete_after_failure(self.ddp, self, timeout, error)
-        except Exception as exc:  # noqa: BLE001 - a peer gone, or too slow to answer
-            return completion_failed_note("DDP's gradient reduction", exc)
-        return None
+
+        def replay():
+            if self.synced:
+                complete_after_failure(self.ddp, self, timeout)
+            self._status(error, timeout)
+        return bounded(replay, [dist.group.WORLD], timeout, "DDP's gradient reduction")
 
     def after_success(self) -> None:
-        """This rank's backward ended: raises RingPeerError when another rank's did not (its
-        gradients are zeros in this rank's sums). Reads the status vector once (one host
-        synchronization on a GPU); where a rank is marked, the ranks exchange the start of
-        its error (``completion.exchange_errors``), which the RingPeerError quotes."""
-        if self.status is None:  # not reduced in this backward (no_sync, another model's)
-            return
-        status, self.status = self.status, None
-        failed = quote_marked(status, None, range(dist.get_world_size()), dist.get_rank(),
-                              None, ring_timeout())
+        """This rank's backward of this model ended: raises RingPeerError when another rank's
+        did not (its gradients are zeros in this rank's sums). One all-reduce of W int64 per
+        backward, read once on the host (``completion.agree_on_status``; one more after a
+        failure, which the RingPeerError quotes)."""
+        if not (self.expecting and self._in_backward):
+            return  # (a backward of another model only)
+        self.expecting, self._in_backward = False, False
+        failed = self._status(None, ring_timeout())
         if failed:
             raise peers_failed_error(failed)
+
+    def _status(self, error: Optional[BaseException], timeout: float):
+        """The status all-reduce over every rank, this rank marked when ``error`` is given,
+        then the errors' exchange where a rank is; returns the ranks marked, with the start
+        of their errors."""
+        return agree_on_status(None, range(dist.get_world_size()), dist.get_rank(),
+                               self.ddp.device, error, timeout)
 
 
 def sum_allreduce_hook(state: DdpSum, bucket):
@@ -111,39 +146,30 @@ def sum_allreduce_hook(state: DdpSum, bucket):
     if bucket.index() == 0:
         state.reduced.mark()
     state.launched = bucket.index() + 1
-    buffer = bucket.buffer()
-    fut = dist.all_reduce(buffer, async_op=True).get_future()
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
     if not bucket.is_last():
         return fut.then(lambda f: f.value()[0])
-    status = state.status_vector(buffer.device, failed=False)  # (world,)
-    status_fut = dist.all_reduce(status, async_op=True).get_future()
 
-    def done(futures):
-        state.status, state.expecting = status, False
+    def done(f):
         state.completed += 1
-        return futures.value()[0].value()[0]
-    return torch.futures.collect_all([fut, status_fut]).then(done)
+        if not state._watching:  # (a plain loss.backward(): no status follows it)
+            state.expecting = False
+        return f.value()[0]
+    return fut.then(done)
 
 
-def complete_after_failure(ddp, state: DdpSum, timeout: float, error: BaseException) -> None:
-    """On a rank whose backward raised ``error``: the all-reduces of the buckets DDP did not
-    send, on zeros, the last with this rank marked in the status vector, so that the other
-    ranks' backward ends (and raises RingPeerError there), then the exchange of the errors
-    (quoting ``error``). Waits at most ``timeout``
-    seconds (a peer that died does not answer); the caller re-raises its own error either
-    way. Uses DDP's own (private) list of its buckets, the one its join mode replays."""
+def complete_after_failure(ddp, state: DdpSum, timeout: float) -> None:
+    """On a rank whose backward raised: the all-reduces of the buckets DDP did not send, on
+    zeros, so that the other ranks' backward ends (the status all-reduce that follows tells
+    them it raised here). Waits at most ``timeout`` seconds for each (a peer that died does
+    not answer); the caller re-raises its own error either way. Uses DDP's own (private) list
+    of its buckets, the one its join mode replays."""
     buckets = ddp.reducer._get_zeros_like_grad_buckets()  # in the order DDP sends them
-    launched = state.launched
     works = []
     with torch.no_grad():
         for bucket in buckets:
-            if bucket.index() < state.launched:
-                continue
-            buffer = bucket.buffer()
-            works.append(dist.all_reduce(buffer, async_op=True))
-            if bucket.is_last():
-                works.append(dist.all_reduce(state.status_vector(buffer.device, failed=True),
-                                             async_op=True))
+            if bucket.index() >= state.launched:
+                works.append(dist.all_reduce(bucket.buffer(), async_op=True))
         # DDP's all-reduce of the used-parameter map follows its last bucket (sent by DDP
         # itself when every bucket was)
         if ddp.find_unused_parameters and state.launched < len(buckets):
@@ -152,6 +178,3 @@ def complete_after_failure(ddp, state: DdpSum, timeout: float, error: BaseExcept
     state.launched = len(buckets)
     for work in works:
         work.wait(datetime.timedelta(seconds=timeout))
-    if any(b.is_last() for b in buckets if b.index() >= launched):  # (the status was sent)
-        exchange_errors(None, range(dist.get_world_size()), dist.get_rank(),
-                        buckets[-1].buffer().device, error, timeout)

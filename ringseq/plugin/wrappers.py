@@ -402,9 +402,8 @@ class FailureReporter:
         plugin's loss when it had not run (a reference model's forward), else at the
         backward (its agreement, then the data-parallel collectives on zeros and the status
         vector). Before, they waited there until the ring timeout. The model evaluated may be
-        another than the one whose backward waits (a teacher's). Not covered: a backward
-        under ``no_sync`` (DDP exchanges no status there), and several models waiting. Never
-        raises (notes on ``exc``)."""
+        another than the one whose backward waits (a teacher's), also inside ``no_sync``.
+        Not covered: several models waiting. Never raises (notes on ``exc``)."""
         if (not self.backward_pending or not dist.is_initialized()
                 or self.no_grad_group is None
                 or dist.get_world_size(self.no_grad_group) == dist.get_world_size()):

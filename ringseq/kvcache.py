@@ -92,15 +92,16 @@ def _check_dtype(fn: str, q: torch.Tensor) -> None:
 
 
 def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, rotary: bool) -> None:
+                    v: torch.Tensor, rotary: bool, names=("k_cache", "v_cache")) -> None:
     """ValueError, before anything is written, for caches the new keys and values cannot be
     written into apart: caches that share memory (overlapping views of one buffer, or one
     tensor passed as both with new keys and values that differ: one tensor as both caches
     and as both ``k`` and ``v``, tied K = V, is fine without rotary), or a cache whose rows
     share memory (an expanded / broadcast tensor: a stride of 0), where one write lands on
     another's place and the cache read next holds the wrong keys; and for caches made under
-    ``torch.inference_mode()`` written outside it (torch refuses the in-place update)."""
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+    ``torch.inference_mode()`` written outside it (torch refuses the in-place update).
+    ``names``: the caller's names of the two caches (the ring's are its shards)."""
+    for name, t in zip(names, (k_cache, v_cache)):
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
             raise ValueError(f"{fn}: {name} has rows that share memory (strides {t.stride()} "
                              f"for shape {tuple(t.shape)}: an expanded or broadcast tensor), so "
@@ -112,13 +113,13 @@ def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k: to
             and k_cache.stride() == v_cache.stride() and k.data_ptr() == v.data_ptr()
             and k.stride() == v.stride())
     if not tied and _share_elements(k_cache, v_cache):
-        raise ValueError(f"{fn}: k_cache and v_cache share memory (views of one buffer that "
+        raise ValueError(f"{fn}: {names[0]} and {names[1]} share memory (views of one buffer that "
                          f"overlap: data pointers {k_cache.data_ptr()} and {v_cache.data_ptr()}, "
                          f"strides {k_cache.stride()}), so new values would overwrite keys; "
                          f"pass two caches, or two halves of one buffer that do not overlap")
     if torch.is_inference_mode_enabled():
         return
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in zip(names, (k_cache, v_cache)):
         if t.is_inference():
             raise ValueError(f"{fn}: {name} was created under torch.inference_mode(), and the new "
                              f"keys are written into it in place, which torch allows only inside "
@@ -696,8 +697,9 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
                          f"{h}, got {tuple(k_cache_shard.shape)} and {tuple(v_cache_shard.shape)}")
     cap, h_kv = k_cache_shard.shape[1], k_cache_shard.shape[2]
     if prefill_len // world > cap:
-        raise ValueError(f"{fn}: the cache shard holds {cap} slots, fewer than this rank's "
-                         f"{prefill_len // world} prefill tokens")
+        raise ValueError(f"{fn}: k_cache_shard / v_cache_shard on rank {rank} have capacity "
+                         f"(dim 1) {cap}, fewer than the {prefill_len // world} slots of this "
+                         f"rank's share of prefill_len = {prefill_len} ({world} ranks)")
     s_new = _check_new_kv(fn, q, k, v, h_kv)
     k, v = _head_contiguous(k, v)
     if causal and s_q > 1 and s_new < s_q:
@@ -705,8 +707,9 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
                                   f"keys: pass k and v with seqlen_new >= seqlen_q, got "
                                   f"seqlen_new = {s_new}")
     if window != (-1, -1) and s_q > 1:
-        raise NotImplementedError(f"{fn}: window_size with seqlen_q = {s_q} > 1 is not "
-                                  f"supported (one query per call)")
+        raise NotImplementedError(f"{fn}: window_size {window} with seqlen_q = {s_q} > 1 is "
+                                  f"not supported: pass one query per call, or "
+                                  f"window_size=(-1, -1)")
     lengths = _row_ints(fn, "cache_seqlens", cache_seqlens, b, q.device, allow_int=True)
     starts = (torch.zeros(b, dtype=torch.int32, device=q.device) if cache_leftpad is None else
               _row_ints(fn, "cache_leftpad", cache_leftpad, b, q.device))
@@ -716,7 +719,8 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     except ValueError as exc:  # a layout whose positions this cache cannot use
         raise ValueError(f"{fn}: layout: {exc}") from None
     if k is not None:
-        _check_writable(fn, k_cache_shard, v_cache_shard, k, v, rotary_cos is not None)
+        _check_writable(fn, k_cache_shard, v_cache_shard, k, v, rotary_cos is not None,
+                        ("k_cache_shard", "v_cache_shard"))
     # values as given, where reading them costs no device synchronization (ints, CPU tensors;
     # before _row_ints moved them to q's device): checked here, compared across ranks below
     host = _given_values(cache_seqlens, b)
@@ -730,9 +734,10 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         _check_rotary_rows(fn, rotary_cos, last)
         need = int(homes.count(torch.tensor(last, device=q.device)))
         if need > cap:
-            raise ValueError(f"{fn}: rank {rank}'s cache shard holds {cap} slots but "
-                             f"{need} are needed for {last} tokens (prefill_len = {prefill_len}, "
-                             f"{world} ranks)")
+            raise ValueError(f"{fn}: k_cache_shard / v_cache_shard on rank {rank} have "
+                             f"capacity (dim 1) {cap}, but {need} slots are needed on it for "
+                             f"{last} tokens (max(cache_seqlens) + seqlen_new, prefill_len = "
+                             f"{prefill_len}, {world} ranks)")
     scale = resolve_scale(softmax_scale, d)
     # What every rank must pass alike (the docstring's "the same on every rank"; the cache
     # shards' capacity may differ). cache_seqlens and cache_leftpad are compared by a hash of

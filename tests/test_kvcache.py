@@ -569,22 +569,31 @@ def test_ring_decoding_is_exact_and_moves_no_kv(world):
         for rank, (_, caught) in enumerate(results):
             # a shard too small on rank 1 only: raised there, and on rank 0 as a RingPeerError
             # naming rank 1 and its message
-            assert len(caught) == 10, caught
-            assert "holds 3 slots" in caught[0] and (rank == 1 or "rank(s) [1]" in caught[0])
+            assert len(caught) == 11, caught
+            # (the prompt's share, prefill_len 8 over 2 ranks, does not fit rank 1's shard)
+            assert ("k_cache_shard / v_cache_shard on rank 1 have capacity (dim 1) 3, fewer "
+                    "than the 4 slots of this rank's share of prefill_len = 8" in caught[0])
+            assert rank == 1 or "rank(s) [1]" in caught[0]
             assert "prefill_len" in caught[1]  # bad on every rank: raised on every rank
-            assert "window_size" in caught[2] and "NotImplementedError" in caught[2]
+            assert "window_size (2, 0) with seqlen_q = 2" in caught[2]
+            assert "NotImplementedError" in caught[2]
             assert "num_splits must be an int >= 0" in caught[3]
             assert "different arguments" in caught[4]  # (their values shown, not hashes)
             assert "cache_seqlens (rank 0: [8] (1 value), rank 1: [6] (1 value)" in caught[4]
             assert "ring_flash_attn_with_kvcache" in caught[4]
             assert "different arguments" in caught[5]
             assert "softcap (rank 0: 0.0, rank 1: 5.0)" in caught[5]
-            assert "created under torch.inference_mode()" in caught[6]
+            assert "k_cache_shard was created under torch.inference_mode()" in caught[6]
             assert rank == 1 or ("RingPeerError" in caught[6] and "rank(s) [1]" in caught[6])
             assert caught[7].startswith("RingMismatchError") and "different operations (rank 0: " \
                 "ring attention, rank 1: ring kv-cache decoding)" in caught[7], caught[7]
             assert caught[8].startswith("RingBrokenError") and "reset_ring" in caught[8], caught[8]
             assert caught[9].startswith("RingBrokenError") and "reset_ring" in caught[9], caught[9]
+            # the prompt fits, but not the token appended after 8 cached ones
+            # (token 8, the first after the prompt, lives on rank 0)
+            assert ("k_cache_shard / v_cache_shard on rank 0 have capacity (dim 1) 4, but 5 "
+                    "slots are needed on it for 9 tokens" in caught[10])
+            assert rank == 0 or "rank(s) [0]" in caught[10]
 
 
 def _ring_errors():
@@ -649,6 +658,7 @@ def _ring_errors():
         ringseq.reset_ring()
     ring_flash_attn_with_kvcache(torch.randn(1, 1, 4, 16), torch.zeros(1, 8, 2, 16),
                                  torch.zeros(1, 8, 2, 16), 8, prefill_len=8)
+    call(torch.randn(1, 1, 4, 16), 4 if rank == 0 else 8, new_kv, prefill_len=8)  # rank 0 only
     return caught
 
 

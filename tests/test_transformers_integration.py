@@ -446,6 +446,10 @@ def test_single_process_generate_takes_any_length_under_any_layout(state_dicts, 
     model = apply(_model("llama", state_dicts["llama"]).eval(), layout=layout)
     got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
     assert torch.equal(got, want), (got, want)
+    if layout == "zigzag":  # with the cache generate() uses by default: told what works
+        with pytest.raises(ValueError, match=r"a KV cache is not supported: pass use_cache=False; "
+                                             r"generate\(\) works so on one process only"):
+            model.generate(ids, max_new_tokens=2, do_sample=False)
 
 
 def _gemma3_multimodal():

@@ -345,7 +345,8 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
     if key.shape[2] != query.shape[2]:
         raise ValueError(f"{name}: query has {query.shape[2]} local tokens but key has "
                          f"{key.shape[2]}; ringseq attention needs the keys of exactly the "
-                         f"current tokens (no KV cache: pass use_cache=False, and no generation)")
+                         f"current tokens (a KV cache is not supported: pass "
+                         f"use_cache=False; generate() works so on one process only)")
     docs = _documents(name, kwargs)
     if docs is None and group_info(settings.group)[0] == 1:
         # A ring of one holds the whole sequence in order under every layout (shard is the

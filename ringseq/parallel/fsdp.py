@@ -105,6 +105,37 @@ def check_fsdp_units(model: nn.Module, layers: Iterable[nn.Module],
                              f"low-precision compute)")
 
 
+class HeldGrads:
+    """The unsharded gradients FSDP2 holds between backward passes inside ``no_sync`` (the
+    first backward outside it reduce-scatters them), for one sharded model. The optimizer
+    sees none of them: a step after ``no_sync`` micro-batches only is refused while any is
+    held (:meth:`any`), and clearing the gradients drops them (:meth:`drop`); FSDP's own
+    ``zero_grad`` reaches only the sharded gradients, so they went into the next step's
+    sums."""
+
+    def __init__(self, model: nn.Module):
+        self.groups = [g for m in model.modules() if isinstance(m, FSDPModule)
+                       for g in m._get_fsdp_state()._fsdp_param_groups]
+
+    @staticmethod
+    def holds(fsdp_param) -> bool:
+        """``fsdp_param``'s unsharded parameter holds a gradient (of this backward, or one
+        accumulated under no_sync)."""
+        leaf = getattr(fsdp_param, "_unsharded_param", None)  # (set at the first forward)
+        return (fsdp_param.unsharded_accumulated_grad is not None
+                or (leaf is not None and leaf.grad is not None))
+
+    def any(self) -> bool:
+        return any(self.holds(fp) for g in self.groups for fp in g.fsdp_params)
+
+    def drop(self) -> None:
+        for group in self.groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param._unsharded_param.grad = None
+
+
 @contextlib.contextmanager
 def fsdp_no_sync(model: nn.Module):
     """Backward passes inside accumulate unsharded gradients without reducing them; the

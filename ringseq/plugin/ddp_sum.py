@@ -50,6 +50,7 @@ class DdpSum(Completion):
         self._ddp, self.reduced = weakref.ref(ddp), reduced
         self.expecting = self.synced = False
         self.launched = 0
+        self.last_sent = False  # this backward sent DDP's last bucket
         self.completed = 0  # reduced backward passes that ended
         self._hooked = False  # the running forward's outputs carry _backward_began
         self._in_backward = False  # the backward since the last forward reached the outputs
@@ -82,7 +83,7 @@ class DdpSum(Completion):
         if torch.is_grad_enabled():
             self.synced = bool(self.ddp.require_backward_grad_sync)
             self.expecting = self._hooked or self.synced
-            self.launched, self._in_backward = 0, False
+            self.launched, self._in_backward, self.last_sent = 0, False, False
 
     def backward_started(self) -> None:
         self._watching = True
@@ -95,7 +96,7 @@ class DdpSum(Completion):
         (it would refuse the next forward: "Expected to have finished reduction") and, on
         every rank alike, rebuilds its buckets after the next backward."""
         self.ddp.reducer._reset_state()
-        self.expecting = self.synced = self._in_backward = False
+        self.expecting = self.synced = self._in_backward = self.last_sent = False
         self.launched = 0
 
     def after_failure(self, timeout: float, error: BaseException) -> Optional[str]:
@@ -126,7 +127,22 @@ class DdpSum(Completion):
         if not (self.expecting and self._in_backward):
             return  # (a backward of another model only)
         self.expecting, self._in_backward = False, False
-        failed = self._status(None, ring_timeout())
+        error = None
+        if self.synced and not self.last_sent:
+            # DDP waits for every parameter's gradient before it sends a bucket: one that
+            # got none left its bucket (and those after it) unsent, and the backward ended
+            # without an error, the gradients partly unsummed
+            error = ValueError(
+                "booster.backward: DDP did not sum every gradient of this backward over the "
+                "ranks: a parameter that requires a gradient got none (unused in the "
+                "forward), so its bucket was never sent and the gradients are partly this "
+                "rank's own. Skip the step (optimizer.zero_grad() and booster.reset() on "
+                "every rank) and pass ddp_kwargs={'find_unused_parameters': True} to "
+                "RingSequenceParallelPlugin, or freeze the parameter (requires_grad=False) "
+                "before boosting")
+        failed = self._status(error, ring_timeout())
+        if error is not None:
+            raise error
         if failed:
             raise peers_failed_error(failed)
 
@@ -149,6 +165,7 @@ def sum_allreduce_hook(state: DdpSum, bucket):
     fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
     if not bucket.is_last():
         return fut.then(lambda f: f.value()[0])
+    state.last_sent = True
 
     def done(f):
         state.completed += 1

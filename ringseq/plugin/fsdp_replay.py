@@ -59,6 +59,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor, Partial
 
 from .._dist import ring_timeout
+from ..parallel.fsdp import HeldGrads
 from .completion import Completion, agree_on_status, bounded, peers_failed_error
 
 __all__ = ["FsdpReplay"]
@@ -153,13 +154,7 @@ class FsdpReplay(Completion):
             return out
         return counted
 
-    @staticmethod
-    def has_grad(fsdp_param) -> bool:
-        """``fsdp_param``'s unsharded parameter holds a gradient (of this backward, or one
-        accumulated under no_sync)."""
-        leaf = getattr(fsdp_param, "_unsharded_param", None)
-        return (fsdp_param.unsharded_accumulated_grad is not None
-                or (leaf is not None and leaf.grad is not None))
+    has_grad = staticmethod(HeldGrads.holds)
 
     def reduces(self, fsdp_param) -> bool:
         """A completion of the backward (after a failure) reduces ``fsdp_param``'s gradient
@@ -452,12 +447,7 @@ class FsdpReplay(Completion):
         root = self.units[0].module
         if root._get_fsdp_state()._is_root is not None:  # (FSDP initializes at the first forward)
             root.reset_iter_state()
-        for unit in self.units:
-            for group in unit.groups:
-                for fsdp_param in group.fsdp_params:
-                    fsdp_param.unsharded_accumulated_grad = None
-                    if hasattr(fsdp_param, "_unsharded_param"):
-                        fsdp_param._unsharded_param.grad = None
+        HeldGrads(root).drop()
         self.expecting, self._grad_forwards = False, 0
         if self.tp is not None:
             self.tp.reset()

@@ -23,7 +23,8 @@ def check_precision_name(name) -> None:
 
 
 class Precision:
-    """``autocast()`` context for the forward and, for fp16, ``scaler`` (a GradScaler).
+    """``autocast()`` context for the forward and, for fp16, :meth:`new_scaler` (a GradScaler
+    per boosted optimizer).
 
     Supported: fp32 everywhere; bf16 through autocast on CPU and CUDA; fp16 through autocast
     and ``torch.amp.GradScaler`` on CUDA, and on CPU where this torch has CPU fp16 autocast
@@ -36,7 +37,6 @@ class Precision:
     def __init__(self, name: str, device_type: str):
         check_precision_name(name)
         self.name, self.device_type, self.dtype = name, device_type, PRECISIONS[name]
-        self.scaler = None
         if name == "fp32":
             return
         try:
@@ -48,11 +48,18 @@ class Precision:
                              f"{exc}") from exc
         if name == "fp16":
             try:
-                self.scaler = torch.amp.GradScaler(device_type)
+                self.new_scaler()
             except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
                 raise ValueError(f"precision='fp16' needs a GradScaler for {device_type!r} "
                                  f"(torch >= 2.3 on CPU); use 'bf16' or 'fp32' instead: "
                                  f"{exc}") from exc
+
+    def new_scaler(self):
+        """A GradScaler of its own for one boosted optimizer (fp16), else None. One scaler
+        shared by two optimizers was updated at each one's step: the first halved the scale
+        after an overflow, and the second then unscaled its gradients (scaled by the old
+        scale) by the new one, stepping with twice its gradients."""
+        return torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
 
     def autocast(self):
         if self.name == "fp32":

@@ -767,11 +767,12 @@ class RingSequenceParallelPlugin(Plugin):
             reduced.watch(model.parameters())
         reduction = None  # completes the other ranks' collectives after a failure
         if dims.zero_stage >= 2:
-            from ..parallel.fsdp import apply_fsdp
+            from ..parallel.fsdp import HeldGrads, apply_fsdp
             mesh = self.groups.dp_sp_mesh()
             apply_fsdp(model, mesh, dims.zero_stage, layers,
                        param_dtype=(self.precision.dtype if self.precision.name == "bf16"
                                     else None))
+            reduced.held = HeldGrads(model)  # (FSDP's no_sync micro-batches: see ReducedGrads)
             tp = (self._tp_replay(model, plan, None, params_cast=self.precision.name == "bf16")
                   if dims.tp_size > 1 else None)
             if tp is not None or (dims.tp_size == 1 and mesh.size() > 1):
@@ -839,7 +840,7 @@ class RingSequenceParallelPlugin(Plugin):
         if dims.zero_stage == 0 and dims.tp_size > 1:
             model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
-            optimizer = OptimizerWrapper(optimizer, self.precision.scaler, model=user_model,
+            optimizer = OptimizerWrapper(optimizer, self.precision.new_scaler(), model=user_model,
                                          step=step, reduced=reduced)
         elif optimizer is not None:
             optimizer.model, optimizer._step, optimizer.reduced = user_model, step, reduced
@@ -891,7 +892,7 @@ class RingSequenceParallelPlugin(Plugin):
             # model the loss reaches (a reentrant checkpoint hides its parameters: counted)
             leaves = hidden = None
             for use in self._grad_uses:
-                if use.reduced is None or not use.reduced.count or use.sync_on():
+                if use.reduced is None or use.sync_on():
                     continue
                 if leaves is None:
                     from .grad_agreement import graph_leaves

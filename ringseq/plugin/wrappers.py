@@ -7,6 +7,7 @@ import functools
 import math
 import numbers
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -175,10 +176,12 @@ class ReducedGrads:
     ``step`` calls :meth:`check_once` first, which raises ValueError (on every rank: ``step``
     agrees on its verdict before any rank steps) when more than one backward was reduced
     since the last step or clear, when a backward accumulated onto gradients the last step
-    used (:meth:`watch`), or when a ``booster.backward`` inside ``no_sync`` followed the
+    used (:meth:`watch`), when a ``booster.backward`` inside ``no_sync`` followed the
     reduced one (:meth:`unreduced_backward`: its gradients were never summed, and each rank
-    would step with its own); the boosted optimizer's and model's ``zero_grad`` call
-    :meth:`clear`."""
+    would step with its own), or when every backward since the last step or clear ran inside
+    ``no_sync`` (none summed; under FSDP, ``held``: FSDP still holds their gradients, which
+    the optimizer does not see); the boosted optimizer's and model's ``zero_grad`` call
+    :meth:`clear`, which also drops what FSDP holds."""
 
     def __init__(self):
         self.count = 0          # reduced backward passes since the gradients were cleared
@@ -187,6 +190,11 @@ class ReducedGrads:
         self._fresh = {}        # graph task -> its backward found the gradients cleared
         self._marked_task = None
         self.unreduced_after = False  # a backward inside no_sync followed the reduced one
+        self.unreduced_only = False  # backward passes inside no_sync, none reduced after them
+        self._probe = None  # the parameter watch() reads
+        #: under FSDP (``ringseq.parallel.fsdp.HeldGrads``): the gradients it holds between
+        #: backward passes inside no_sync, else None
+        self.held = None
 
     def watch(self, params) -> None:
         """Sees how the gradients were left before each backward: a hook on the smallest
@@ -204,7 +212,7 @@ class ReducedGrads:
             return
         whole = [p for p in params
                  if all(pl.is_replicate() for pl in getattr(p, "placements", ()))]
-        probe = min(whole or params, key=lambda p: p.numel())
+        probe = self._probe = min(whole or params, key=lambda p: p.numel())
 
         def before_accumulate(grad, probe=probe):
             old = probe.grad
@@ -231,21 +239,37 @@ class ReducedGrads:
         self._fresh.clear()  # (entries of no_sync backward passes, which are not reduced)
         self.count += 1
         self._marked_task = task
+        self.unreduced_only = False  # (this reduction sums them too)
 
     def unreduced_backward(self) -> None:
         """Before a ``booster.backward`` inside ``no_sync`` (the plugin's agreement knows,
-        the same on every rank): after a reduced one, its gradients will never be summed."""
-        if self.count:
+        the same on every rank): after a reduced one, its gradients will never be summed;
+        before any, a reduced backward must still follow. Gradients cleared since the
+        reduced one (the user's own module's ``zero_grad``, say: the probe holds none) do
+        not count it (one host synchronization, here only)."""
+        if self.count and not self._probe_cleared():
             self.unreduced_after = True
+        else:
+            self.count = 0
+            self.unreduced_only = True
+
+    def _probe_cleared(self) -> bool:
+        grad = None if self._probe is None else self._probe.grad
+        if grad is None:
+            return True
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        return not bool(local.any())
 
     def clear(self) -> None:
         self.count = 0
-        self.stepped = self.uncleared = self.unreduced_after = False
+        self.stepped = self.uncleared = self.unreduced_after = self.unreduced_only = False
+        if self.held is not None:
+            self.held.drop()
 
     def after_step(self) -> None:
         self.count = 0
         self.stepped = True
-        self.unreduced_after = False
+        self.unreduced_after = self.unreduced_only = False
 
     def check_once(self) -> None:
         # The count stays: the gradients stay wrong until they are cleared (zero_grad).
@@ -263,6 +287,13 @@ class ReducedGrads:
                 "apart); not stepping. Run every micro-batch but the LAST inside no_sync; "
                 "clear the gradients with optimizer.zero_grad() or model.zero_grad() before "
                 "the next step")
+        if self.unreduced_only or (self.held is not None and self.held.any()):
+            raise ValueError(
+                "OptimizerWrapper.step: every backward since the last step or zero_grad ran "
+                "inside booster.no_sync(model), so no gradient was summed over the ranks "
+                "(each rank would step with its own, and the replicas would drift apart; "
+                "under FSDP the optimizer would not see them); not stepping. Run the LAST "
+                "micro-batch outside no_sync: its backward sums them all")
         if self.count > 1:
             raise ValueError(
                 f"OptimizerWrapper.step: {self.count} backward passes summed the gradients over "
@@ -304,6 +335,12 @@ def _add_note(exc: BaseException, note: str) -> None:
 
 
 _LOSS_GROUP = object()  # take_ring_reports' default: the reporter's loss_group
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    # a DTensor's local shard: the same tensor object on every call (to_local() with
+    # gradients enabled makes a new view each time)
+    return getattr(grad, "_local_tensor", grad)
 
 
 class FailureReporter:
@@ -575,6 +612,9 @@ class OptimizerWrapper:
         #: why the parameters are no longer consistent over the ranks (a step that raised on
         #: some of them), or None; cleared by loading a checkpoint into this optimizer
         self.failed_step = None
+        #: fp16: the gradients clip_grad_by_norm unscaled, as (weak reference, version)
+        #: pairs, or None (see _unscaled)
+        self._unscaled_grads = None
 
     def unwrap(self) -> torch.optim.Optimizer:
         return self.optim
@@ -607,6 +647,13 @@ class OptimizerWrapper:
                 f"OptimizerWrapper.step: {self.failed_step}; not stepping. Load the last "
                 f"checkpoint on every rank first (booster.load_model and "
                 f"booster.load_optimizer)")
+        grads = self._grads()
+        if refusal is None and self.scaler is not None and grads and self.scaler._scale is None:
+            refusal = ValueError(
+                "OptimizerWrapper.step: precision='fp16', but no loss was scaled through "
+                "this optimizer (booster.backward(loss, optimizer) scales it), so the "
+                "gradients are not scaled ones and the grad scaler cannot unscale them; "
+                "not stepping. Run the backward through booster.backward")
         if dist.is_initialized():
             # (without it the others would step and then wait in the vote after the step)
             get_ring(None).agree(refusal is None, str(refusal), error=refusal,
@@ -614,13 +661,17 @@ class OptimizerWrapper:
         elif refusal is not None:
             raise refusal
         try:
-            if self.scaler is None:
+            if self.scaler is None or not grads:
+                # (no gradient: nothing to unscale, and GradScaler would assert; a step of
+                # nothing, as without fp16)
                 out = self.optim.step(*args, **kwargs)
             else:
                 # Every rank holds the same all-reduced gradients, so every rank makes the
                 # same skip decision and the replicas stay identical.
+                self._unscaled()  # (forgets the mark of gradients no longer there)
                 out = self.scaler.step(self.optim, *args, **kwargs)
                 self.scaler.update()
+                self._unscaled_grads = None
         except (Exception, KeyboardInterrupt) as exc:
             self._vote(exc)
             raise
@@ -679,10 +730,9 @@ class OptimizerWrapper:
                 raise ValueError(f"clip_grad_by_norm: {name} must be {want}, got {value!r}")
         norm_type, grads, failure = float(norm_type), [], None
         try:
-            if self.scaler is not None:
+            if self.scaler is not None and not self._unscaled():
                 self.scaler.unscale_(self.optim)
-            grads = [p.grad for group in self.optim.param_groups for p in group["params"]
-                     if p.grad is not None]
+            grads = self._grads()
             share = local_norm_share(grads, norm_type)
         except (Exception, KeyboardInterrupt) as exc:  # re-raised by the agreement
             failure = exc
@@ -707,7 +757,31 @@ class OptimizerWrapper:
         factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if not math.isfinite(total) or total + 1e-6 > max_norm:  # (else a factor of 1)
             scale_(grads, factor)
+        if self.scaler is not None:
+            self._unscaled_grads = [(weakref.ref(t), t._version) for t in map(_local, grads)]
         return norm
+
+    def _grads(self) -> list:
+        """The gradients of the optimizer's parameters (those that have one)."""
+        return [p.grad for group in self.optim.param_groups for p in group["params"]
+                if p.grad is not None]
+
+    def _unscaled(self) -> bool:
+        """fp16: whether the gradients now are the ones clip_grad_by_norm unscaled, unchanged
+        since (then neither another clip nor the step unscales them again). Where they are
+        not -- a backward after ``model.zero_grad()`` or after loading a checkpoint, which
+        clear no mark of the optimizer's -- the scaler's mark is forgotten (GradScaler clears
+        it only in update(), after a step): new gradients are scaled ones, and were applied
+        times the scale (65536) without being unscaled."""
+        seen = self._unscaled_grads
+        if seen is None:
+            return False
+        now = [_local(g) for g in self._grads()]
+        if len(now) == len(seen) and all(ref() is t and version == t._version
+                                         for (ref, version), t in zip(seen, now)):
+            return True
+        self._forget_unscale()
+        return False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
@@ -724,6 +798,7 @@ class OptimizerWrapper:
         states = getattr(self.scaler, "_per_optimizer_states", None)
         if states is not None:
             states.pop(id(self.optim), None)
+        self._unscaled_grads = None
 
     def state_dict(self):
         return self.optim.state_dict()
@@ -735,7 +810,8 @@ class OptimizerWrapper:
 
     def __getattr__(self, name):
         # not yet set (unpickling): no recursion
-        if name in ("optim", "scaler", "model", "_step", "reduced", "failed_step"):
+        if name in ("optim", "scaler", "model", "_step", "reduced", "failed_step",
+                    "_unscaled_grads"):
             raise AttributeError(name)
         return getattr(self.optim, name)
 

@@ -1,0 +1,202 @@
+"""The boosted optimizer's step after gradient accumulation, clipping and fp16 loss scaling:
+what it refuses (on every rank, before any parameter moves) and what it applies.
+
+- A step after micro-batches that all ran inside ``booster.no_sync`` is refused under DDP,
+  tensor parallelism at zero 0 and FSDP: nothing was summed over the ranks (before, DDP and tp
+  replicas drifted apart; FSDP stepped on nothing and its held gradients went into the next
+  step). Clearing drops what FSDP holds.
+- A ``no_sync`` micro-batch after gradients the user's own module cleared is no refusal.
+- fp16: each boosted optimizer has a grad scaler of its own (one shared by two optimizers
+  halved the scale at the first one's overflow, and the second stepped with twice its
+  gradient); gradients cleared through the model after a clip are unscaled at the next step
+  (before: applied times 65536); a second clip before the step works as in fp32; a step
+  without gradients steps nothing, as in fp32 (before: torch's assertion, then every later
+  step refused).
+- DDP without ``find_unused_parameters`` and a parameter no rank uses: the backward raises
+  ValueError on every rank naming the option (before: partly unsummed gradients, silently).
+Updates are compared with SGD on the same gradients (float32, the bounds are float32
+rounding of one update).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+
+LR = 1e-3
+_TIMEOUT = {"RINGSEQ_TIMEOUT": "20"}
+
+
+def _tiny_llama(seed=0, unused=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    if unused:  # a parameter no forward uses
+        model.model.never = torch.nn.Linear(4, 4)
+    return model
+
+
+def _boosted(plugin_kwargs, seed=0, unused=False):
+    """(booster, model, optimizer, criterion, batches): SGD at LR, 4 batches of one sample."""
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    plugin = RingSequenceParallelPlugin(**plugin_kwargs)
+    booster = Booster(plugin=plugin)
+    inner = _tiny_llama(seed, unused)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    loader = plugin.prepare_dataloader([{"input_ids": i, "labels": i} for i in ids],
+                                       batch_size=1)
+    model, opt, crit, loader, _ = booster.boost(inner, torch.optim.SGD(inner.parameters(),
+                                                                       lr=LR),
+                                                dataloader=loader)
+    return booster, model, opt, crit, list(loader)
+
+
+def _whole(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _worker_no_sync_only(plugin_kwargs):
+    import ringseq
+    booster, model, opt, crit, batches = _boosted(plugin_kwargs)
+    before = [_whole(p) for p in model.unwrap().parameters()]
+
+    def micro_batches(synced_last):
+        for i, b in enumerate(batches[:2]):
+            if i == 1 and synced_last:
+                booster.backward(crit(model(**b), b), opt)
+                continue
+            with booster.no_sync(model, opt):
+                booster.backward(crit(model(**b), b), opt)
+        opt.step()
+    refused = _error(lambda: micro_batches(synced_last=False))
+    moved = max(float((_whole(p) - b).abs().max())
+                for p, b in zip(model.unwrap().parameters(), before))
+    opt.zero_grad()
+    # the same micro-batches the documented way, from cleared gradients: they step, and equal
+    # a run that never accumulated in vain (nothing of the refused step is left over)
+    micro_batches(synced_last=True)
+    after = [_whole(p) for p in model.unwrap().parameters()]
+    ringseq.reset_ring()
+    return {"refused": refused, "moved": moved, "after": after}
+
+
+@pytest.mark.parametrize("plugin_kwargs", [
+    {"sp_size": 2}, {"sp_size": 1, "tp_size": 2}, {"sp_size": 2, "zero_stage": 2}],
+    ids=["ddp", "tp", "fsdp"])
+def test_a_step_after_no_sync_micro_batches_only_is_refused(plugin_kwargs):
+    res = run_ranks(_worker_no_sync_only, 4, plugin_kwargs, timeout=200, env=_TIMEOUT)
+    for r in res:
+        assert r["refused"] is not None and r["refused"].startswith(
+            "ValueError: OptimizerWrapper.step: every backward since the last step or "
+            "zero_grad ran inside booster.no_sync(model)"), r["refused"]
+        assert "Run the LAST micro-batch outside no_sync" in r["refused"]
+        assert r["moved"] == 0.0
+    fresh = run_ranks(_worker_accumulation_only, 4, plugin_kwargs, timeout=200, env=_TIMEOUT)
+    for r, f in zip(res, fresh):
+        for got, want in zip(r["after"], f):
+            assert torch.equal(got, want)
+
+
+def _worker_accumulation_only(plugin_kwargs):
+    import ringseq
+    booster, model, opt, crit, batches = _boosted(plugin_kwargs)
+    with booster.no_sync(model, opt):
+        booster.backward(crit(model(**batches[0]), batches[0]), opt)
+    booster.backward(crit(model(**batches[1]), batches[1]), opt)
+    opt.step()
+    ringseq.reset_ring()
+    return [_whole(p) for p in model.unwrap().parameters()]
+
+
+def _worker_steps_w2():
+    import ringseq
+    out = {}
+    # a no_sync micro-batch after the user's own module cleared the reduced gradients
+    booster, model, opt, crit, batches = _boosted({"sp_size": 2})
+    booster.backward(crit(model(**batches[0]), batches[0]), opt)
+    model.unwrap().zero_grad()  # the loop skips that step
+    with booster.no_sync(model, opt):
+        booster.backward(crit(model(**batches[1]), batches[1]), opt)
+    booster.backward(crit(model(**batches[2]), batches[2]), opt)
+    out["after a manual clear"] = _error(opt.step)
+
+    # fp16: two optimizers; model A's gradients overflow, B's are finite
+    booster, a, opt_a, crit, batches = _boosted({"sp_size": 2, "precision": "fp16"})
+    inner_b = _tiny_llama(1)
+    b, opt_b, *_ = booster.boost(inner_b, torch.optim.SGD(inner_b.parameters(), lr=LR))
+    hook = a.unwrap().model.layers[0].mlp.up_proj.weight.register_hook(lambda g: g * math.inf)
+    booster.backward(crit(a(**batches[0]), batches[0]), opt_a)
+    hook.remove()
+    booster.backward(crit(b(**batches[0]), batches[0]), opt_b)
+    out["own scalers"] = opt_a.scaler is not opt_b.scaler
+    out["two optimizers"] = _sgd_error(opt_b, b, lambda: (opt_a.step(), opt_b.step()))
+
+    # fp16: clip, a refused step, gradients cleared through the model, a new backward, a
+    # second clip (as fp32 allows), the step
+    booster, model, opt, crit, batches = _boosted({"sp_size": 2, "precision": "fp16"})
+    for _ in range(2):
+        booster.backward(crit(model(**batches[0]), batches[0]), opt)
+    opt.clip_grad_by_norm(1.0)
+    out["summed twice"] = _error(opt.step)
+    model.zero_grad()
+    booster.backward(crit(model(**batches[1]), batches[1]), opt)
+    norms = [float(opt.clip_grad_by_norm(1e9)), float(opt.clip_grad_by_norm(1e9))]
+    out["two clips"] = norms
+    out["after model.zero_grad"] = _sgd_error(opt, model, opt.step, clipped=True)
+
+    # fp16: a step without gradients steps nothing, and the next one steps
+    opt.zero_grad()
+    out["empty step"] = _error(opt.step)
+    booster.backward(crit(model(**batches[2]), batches[2]), opt)
+    out["after an empty step"] = _sgd_error(opt, model, opt.step)
+
+    # DDP without find_unused_parameters, a parameter no rank uses
+    booster, model, opt, crit, batches = _boosted({"sp_size": 2}, unused=True)
+    out["unused"] = _error(lambda: booster.backward(crit(model(**batches[0]), batches[0]), opt))
+    opt.zero_grad()
+    booster.reset()
+    ringseq.reset_ring()
+    return out
+
+
+def _sgd_error(opt, model, step, clipped=False):
+    """max |weight after step() - (weight - LR x true gradient)| over the parameters with a
+    gradient, and the largest update; the gradients are read before the step (unscaled
+    already after a clip, else scaled by the optimizer's scale)."""
+    scale = 1.0 if clipped else float(opt.scaler.get_scale())
+    params = [p for p in model.unwrap().parameters() if p.grad is not None]
+    want = [p.detach() - LR * p.grad / scale for p in params]
+    largest = max(float((LR * p.grad / scale).abs().max()) for p in params)
+    step()
+    return max(float((p.detach() - w).abs().max()) for p, w in zip(params, want)), largest
+
+
+def test_steps_after_clears_clips_and_fp16_scaling():
+    res = run_ranks(_worker_steps_w2, 2, timeout=300, env=_TIMEOUT)
+    for r in res:
+        assert r["after a manual clear"] is None, r
+        assert r["own scalers"], r
+        assert r["summed twice"].startswith("ValueError: OptimizerWrapper.step: 2 backward")
+        assert r["empty step"] is None, r
+        for case in ("two optimizers", "after model.zero_grad", "after an empty step"):
+            err, largest = r[case]
+            # (one float32 rounding of the weight; before: 2x, and 65536x, the update)
+            assert largest > 0 and err <= 1e-2 * largest, (case, err, largest)
+        first, second = r["two clips"]
+        assert math.isfinite(first) and first == pytest.approx(second, rel=1e-5), r
+        assert r["unused"] is not None and r["unused"].startswith(
+            "ValueError: booster.backward: DDP did not sum every gradient"), r["unused"]
+        assert "find_unused_parameters" in r["unused"]

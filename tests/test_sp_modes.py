@@ -410,7 +410,79 @@ def _errors(sps, pairs):
                                    hybrid.shard(torch.arange(24), "zigzag", dim=0))
     batch = hybrid.shard_batch({"input_ids": torch.arange(24).view(1, 24)}, "zigzag")
     out["batch_positions"] = torch.equal(batch["position_ids"][0], batch["input_ids"][0])
+    out.update(_refusals_before_data_moves(sps, q, fq))
     return out
+
+
+class _GlobalRows:
+    """A user's layout (contiguous positions) whose causal tasks name GLOBAL rows, outside
+    the shard, and one without tasks (made on the ranks: ringseq.layouts imported there)."""
+
+    @staticmethod
+    def make(which):
+        from ringseq.layouts import BlockTask, Layout
+
+        class Contiguous(Layout):
+            name = f"user_{which}"
+
+            def _positions(self, seqlen, world_size, rank):
+                n = seqlen // world_size
+                return torch.arange(rank * n, (rank + 1) * n)
+
+        class GlobalRows(Contiguous):
+            def _tasks(self, rank, src, world_size, s_local):
+                rows = slice(rank * s_local, (rank + 1) * s_local)
+                cols = slice(src * s_local, (src + 1) * s_local)
+                return ([BlockTask(rows, cols, True)] if src == rank else
+                        [BlockTask(rows, cols, False)] if src < rank else [])
+        return GlobalRows() if which == "global rows" else Contiguous()
+
+
+def _refusals_before_data_moves(sps, q, fq):
+    """A user's malformed layout in the double ring and the hybrid, and sdpa with a gradient
+    into lse under Ulysses and the hybrid: refused on every rank before any byte moves, the
+    group usable after (before: the double ring computed with the layout, wrong by 1.9; the
+    others refused inside their all-to-all call, which broke the group until sp.reset()).
+    And the double ring's backward with sdpa (before: refused always, for the zero lse
+    gradient the laps passed on, and the group broken)."""
+    import ringseq
+    out = {}
+    x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+
+    def then_a_good_call(sp, bad):
+        out_bad = error_text(bad, catch=(ValueError, NotImplementedError, RuntimeError))
+        good = _expected_error(lambda: ringseq.usp_attn_func(x, x, x, causal=True, sp=sp))
+        return out_bad, good
+    for name, key, which in (("double", (1, 2, True), "global rows"),
+                             ("hybrid", (2, None, True), "global rows"),
+                             ("hybrid_no_tasks", (2, None, True), "no tasks")):
+        sp, lay = sps[key], _GlobalRows.make(which)
+        out[f"user_layout_{name}"] = then_a_good_call(sp, lambda: ringseq.usp_attn_func(
+            x, x, x, causal=True, sp=sp, layout=lay))
+    for name, key in (("ulysses", (4, None, True)), ("hybrid", (2, None, True))):
+        sp = sps[key]
+
+        def through_lse():
+            lx = x.clone().requires_grad_()
+            o, lse = ringseq.usp_attn_func(lx, lx, lx, causal=True, sp=sp, backend="sdpa",
+                                           return_lse=True)
+            (o.sum() + lse.sum()).backward()
+        out[f"sdpa_lse_{name}"] = then_a_good_call(sp, through_lse)
+    dr = sps[(1, 2, True)]
+    lq = dr.shard(q, "stripe").float().requires_grad_()
+    ringseq.usp_attn_func(lq, lq, lq, causal=True, sp=dr, layout="stripe",
+                          backend="sdpa").sum().backward()
+    want = dr.shard(_full_grad_of_sum(fq), "stripe")
+    out["sdpa_double_grad_err"] = max_err(lq.grad, want.float())
+    return out
+
+
+def _full_grad_of_sum(fq):
+    """d/dq of flash_attn_func(q, q, q, causal=True).sum() on the whole sequence (float64)."""
+    import ringseq
+    full = fq.detach().double().requires_grad_()
+    ringseq.flash_attn_func(full, full, full, causal=True).sum().backward()
+    return full.grad
 
 
 # ---------------------------------------------------------------- parent side
@@ -562,6 +634,18 @@ def test_model_heads_are_named_by_their_config_keys():
     with pytest.raises(ValueError, match=r"^check_model_heads: num_attention_heads=8 must be a "
                                          r"multiple of num_key_value_heads=3"):
         check_model_heads(8, 3, 2)
+    # the split itself and the size, named alike (before: no function, and 2.0 passed)
+    with pytest.raises(ValueError, match=r"^check_model_heads: num_attention_heads=8 cannot be "
+                                         r"split over ulysses_size=3: .* \[1, 2, 4, 8\]"):
+        check_model_heads(8, 2, 3)
+    for size in (2.0, 0, True):
+        with pytest.raises(ValueError, match=r"^check_model_heads: ulysses_size must be a "
+                                             r"positive integer, got "):
+            check_model_heads(8, 2, size)
+    from ringseq.parallel.groups import _check_table  # (sp_groups_from_tables' table check)
+    with pytest.raises(ValueError, match=r"^sp_groups_from_tables: tables: the global ranks .* "
+                                         r"\[\[1, 0\], \[3, 2\]\]"):
+        _check_table(torch.tensor([[1, 0], [3, 2]]))
 
 
 def test_heads_that_cannot_be_split_raise():
@@ -689,6 +773,23 @@ def test_exact_after_errors_and_through_lse():
         assert e["lse_grad_err"] < 1e-12, e["lse_grad_err"]
         assert e["lse_grad_err_double"] < 1e-12, e["lse_grad_err_double"]
         assert e["positions"] and e["batch_positions"]
+
+
+def test_refusals_of_layouts_and_lse_gradients_come_before_data_moves():
+    for e in _errors_of():
+        for name in ("double", "hybrid"):
+            bad, good = e[f"user_layout_{name}"]
+            assert bad.startswith("ValueError: usp_attn_func: layout 'user_global rows': "
+                                  "_tasks("), (name, bad)
+            assert "inside the shard" in bad and good == "no error", (name, bad, good)
+        bad, good = e["user_layout_hybrid_no_tasks"]
+        assert bad.startswith("NotImplementedError: usp_attn_func: layout 'user_no tasks'"), bad
+        assert good == "no error", good
+        for name in ("ulysses", "hybrid"):
+            bad, good = e[f"sdpa_lse_{name}"]
+            assert "backend 'sdpa' cannot backpropagate through lse" in bad, (name, bad)
+            assert good == "no error", (name, good)
+        assert e["sdpa_double_grad_err"] < 1e-4, e["sdpa_double_grad_err"]
 
 
 def test_head_rule_and_layout_without_process_group():

@@ -26,7 +26,7 @@ from .._dist import named_for
 from ..kernels.grad import attention_backward
 from ..layouts import LAYOUTS, Layout
 from ..layouts.base import _built_in
-from ..spec import AttnSpec, local_spans
+from ..spec import AttnSpec, check_user_layout, local_spans
 from .loops import ring_backward, ring_forward
 from .plan import make_plan
 from .integrity import BWD, FWD
@@ -112,6 +112,13 @@ class Placement:
 
     def saved_like(self, q, k, v, spec: AttnSpec) -> List[torch.Tensor]:
         return []
+
+    def check_before_call(self, spec: AttnSpec, s_local: int) -> None:
+        """What this placement refuses of a call with ``s_local`` tokens per rank here, run
+        by a placement wrapping it (Ulysses around a ring) before its own call opens: a
+        user's layout (:func:`ringseq.spec.check_user_layout`). Checked only inside, after
+        the all-to-all, a refusal failed the whole call and broke the group. Default:
+        nothing."""
 
     def join_failed(self, kind: int) -> None:
         """Called by a placement wrapping this one (Ulysses around a ring) instead of
@@ -202,6 +209,10 @@ class RingPlacement(Placement):
 
     def join_failed(self, kind: int) -> None:
         meet_as_failed(self.group, kind)
+
+    def check_before_call(self, spec: AttnSpec, s_local: int) -> None:
+        check_user_layout(spec, self.layout.bind(spec.documents),
+                          get_ring(self.group).world_size, s_local)
 
     def forward(self, q, k, v, spec):
         # What runs before the call opens fails (an out-of-memory error, say) as this rank's

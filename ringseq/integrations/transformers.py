@@ -736,7 +736,7 @@ def _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inn
             if ulysses_inner is not None and not is_bool(ulysses_inner):
                 raise TypeError(f"ulysses_inner must be a bool or None, got {ulysses_inner!r}")
             if h is not None and not (U == 1 and I == R):
-                check_model_heads(h, h_kv, U, world)
+                check_model_heads(h, h_kv, U, world, fn="apply")
         except (TypeError, ValueError) as exc:
             raise named_for("apply", exc) from None
         if U == 1 and I == R:
@@ -745,7 +745,7 @@ def _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inn
                               ulysses_inner=True if ulysses_inner is None else ulysses_inner)
     if h is not None:
         try:
-            check_model_heads(h, h_kv, sp.ulysses_size, sp.size)
+            check_model_heads(h, h_kv, sp.ulysses_size, sp.size, fn="apply")
         except ValueError as exc:
             raise named_for("apply", exc) from None
     return sp

@@ -46,7 +46,7 @@ from ..kernels import AttentionBackend, compute_delta
 from ..kernels.merge import merge_into
 from ..layouts import AttnMask, Layout, masked_tasks
 from ..layouts.base import layout_cached
-from ..spec import AttnSpec
+from ..spec import AttnSpec, check_user_layout
 
 __all__ = ["DoubleRingPlacement", "InnerLap"]
 
@@ -124,9 +124,13 @@ class InnerLap(AttentionBackend):
     def _bwd_accum(self, dout, q, k, v, out, lse, scale, causal, delta, dq_accum, dk_accum,
                    dv_accum, **_) -> None:
         # The inner engine derives delta from (dout, out, grad_lse); hand it the lse gradient
-        # folded into the outer delta (exactly 0 when there is none).
-        with refuse_on_error(self.inner, BWD, failed=True):
-            grad_lse = compute_delta(dout, out) - delta
+        # folded into the outer delta (exactly 0 when there is none; and none at all for a
+        # kernel without lse gradients, which would refuse even zeros: the placement refused
+        # a caller's lse gradient for it before the call)
+        grad_lse = None
+        if self.spec.backend.supports_delta:
+            with refuse_on_error(self.inner, BWD, failed=True):
+                grad_lse = compute_delta(dout, out) - delta
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, self._plan(q, k, BWD), self.inner,
                                    grad_lse)
         dq_accum.add_(dq)
@@ -170,7 +174,13 @@ class DoubleRingPlacement(Placement):
         return (f"double|{layout_key(self.layout)}|{group_key(self.inner_group)}|"
                 f"{group_key(self.outer_group)}|{group_key(self.ring_group)}")
 
+    def check_before_call(self, spec: AttnSpec, s_local: int) -> None:
+        # (the laps plan on an inner layout of ringseq's, which has nothing to check)
+        check_user_layout(spec, self.layout.bind(spec.documents),
+                          get_ring(self.ring_group).world_size, s_local)
+
     def _plan(self, q, k, spec):
+        self.check_before_call(spec, q.shape[1])
         outer, inner = get_ring(self.outer_group), get_ring(self.inner_group)
         plan = _outer_plan(spec, self.layout.bind(spec.documents), outer, inner,
                            tuple(q.shape), k.shape[2], q.dtype)
@@ -193,6 +203,8 @@ class DoubleRingPlacement(Placement):
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         with refuse_on_error(self.ring_group, BWD):
+            if dlse is not None:  # (RuntimeError for a kernel without lse gradients)
+                spec.backend.require_lse_grad(spec.fn)
             plan, outer, whole = self._plan(q, k, spec)
             dout = ring_dout(dout, dlse, out, spec)
         with whole.open_call(BWD, plan.signature, q.device, bind=False,

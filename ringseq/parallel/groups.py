@@ -126,19 +126,23 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
 
 
 def check_model_heads(nheads: int, nheads_kv: int, ulysses_size: int,
-                      sp_size: Optional[int] = None) -> None:
+                      sp_size: Optional[int] = None, fn: str = "check_model_heads") -> None:
     """Raises ValueError when a model's ``nheads`` query heads (``nheads_kv`` K/V heads) cannot
-    be split over ``ulysses_size`` ranks, naming the Ulysses sizes that would work (those that
-    also divide ``sp_size`` when given). Nothing communicates."""
-    if ulysses_size < 1 or nheads % ulysses_size:
+    be split over ``ulysses_size`` ranks (a positive int), naming the Ulysses sizes that would
+    work (those that also divide ``sp_size`` when given); messages start with ``fn``, the
+    caller's name. Nothing communicates."""
+    ulysses_size = int_if_integer(ulysses_size)  # (NumPy's integers are sizes too)
+    _check_sizes(f"{fn}: ", ulysses_size=ulysses_size)
+    if nheads % ulysses_size:
         raise ValueError(
-            f"num_attention_heads={nheads} cannot be split over ulysses_size={ulysses_size}: each "
+            f"{fn}: num_attention_heads={nheads} cannot be split over "
+            f"ulysses_size={ulysses_size}: each "
             f"rank of the all-to-all takes num_attention_heads / ulysses_size query heads; "
             f"ulysses_size values that divide num_attention_heads={nheads}"
             + (f" and the sequence-parallel size {sp_size}" if sp_size is not None else "")
             + f": {valid_ulysses_degrees(nheads, sp_size)}")
     ulysses_heads(nheads, nheads_kv, ulysses_size, what="num_attention_heads",
-                  fn="check_model_heads", what_kv="num_key_value_heads")
+                  fn=fn, what_kv="num_key_value_heads")
 
 
 @dataclass(eq=False)
@@ -269,9 +273,10 @@ def _check_table(t: torch.Tensor) -> None:
     rows_ok = bool((t[:, 1:] > t[:, :-1]).all()) if t.shape[1] > 1 else True
     cols_ok = bool((t[1:, :] > t[:-1, :]).all()) if t.shape[0] > 1 else True
     if not (rows_ok and cols_ok):
-        raise ValueError(f"the global ranks of a sequence-parallel group must increase along its "
-                         f"ring and Ulysses dims (process groups order their ranks by global "
-                         f"rank), got the (ring, ulysses) table {t.tolist()}")
+        raise ValueError(f"sp_groups_from_tables: tables: the global ranks of a "
+                         f"sequence-parallel group must increase along its ring and Ulysses "
+                         f"dims (process groups order their ranks by global rank), got the "
+                         f"(ring, ulysses) table {t.tolist()}")
 
 
 def sp_groups_from_tables(tables: Sequence[torch.Tensor], inner_ring_size: Optional[int] = None,

@@ -194,6 +194,7 @@ class UlyssesPlacement(Placement):
         with refuse_on_error(self.control_group, FWD):
             comm, U, rep, sig = self._setup(q, k, spec)
             b, s, h, d = q.shape
+            self.inner.check_before_call(spec, s * U)
             if rep > 1:  # (b, s, h_kv * rep, d): each K/V head once per rank that reads it
                 k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
             ring = get_ring(self.control_group)
@@ -220,6 +221,8 @@ class UlyssesPlacement(Placement):
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         with refuse_on_error(self.control_group, BWD):
             comm, U, rep, sig = self._setup(q, k, spec)
+            if dlse is not None:  # (RuntimeError for a kernel without lse gradients)
+                spec.backend.require_lse_grad(spec.fn)
             q_h, k_h, v_h, out_h, lse_h, *inner_saved = saved
             h_kv = k.shape[2]
             if dout is None:

@@ -230,3 +230,65 @@ def test_bigcode_packed_documents_without_boundaries_are_refused_on_one_process(
                                              r"under layout 'zigzag'"):
             zigzag(input_ids=_ids()[:1], position_ids=wrong[None], use_cache=False)
     model(input_ids=_ids()[:1], use_cache=False)  # the model's own positions are the global ones
+
+
+def _moe_with_window(family, dtype=torch.float32, window=24):
+    """A tiny MoE model whose layers build a sliding-window mask but call the attention
+    without ``sliding_window=`` (PhiMoE, Qwen2-MoE)."""
+    torch.manual_seed(0)
+    if family == "phimoe":
+        model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+            **SMALL, sliding_window=window, num_local_experts=2, num_experts_per_tok=2,
+            input_jitter_noise=0.0, router_jitter_noise=0.0,
+            experts_implementation="eager"))  # (the grouped one takes no float64)
+    else:
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **SMALL, use_sliding_window=window is not None, sliding_window=window,
+            max_window_layers=2,
+            num_experts=2, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, experts_implementation="eager"))
+    return model.to(dtype).eval()
+
+
+def _moe_window_ranks(family):
+    import ringseq
+    from ringseq.integrations.transformers import apply
+    model = apply(_moe_with_window(family), layout="zigzag")
+    batch = ringseq.shard_batch({"input_ids": _ids()}, layout="zigzag")
+    with torch.no_grad():
+        return ringseq.unshard(model(**batch, use_cache=False).logits, "zigzag")
+
+
+@pytest.mark.parametrize("family", ["phimoe", "qwen2_moe"])
+def test_a_window_only_the_mask_carries_is_kept(family):
+    """The window of a model that passes it in its mask only (before: dropped, full causal
+    attention, logits off by 0.2-0.3 at W=1 and 2 without an error). W=2 logits match one
+    process with eager attention, which is windowed (float64 reference, the design rule);
+    the same model without a window is far from it."""
+    want64 = _moe_with_window(family, torch.float64)
+    want64.set_attn_implementation("eager")
+    want64 = want64(input_ids=_ids(), use_cache=False).logits.detach()
+    plain = _moe_with_window(family)
+    plain.set_attn_implementation("eager")
+    plain = plain(input_ids=_ids(), use_cache=False).logits.detach()
+    unwindowed = _moe_with_window(family, torch.float64, window=None)
+    unwindowed.set_attn_implementation("eager")
+    unwindowed = unwindowed(input_ids=_ids(), use_cache=False).logits.detach()
+    assert (unwindowed - want64).abs().max() > 1e-2  # (SEQ tokens are more than the window)
+    for rank, logits in enumerate(run_ranks(_moe_window_ranks, 2, family, timeout=120)):
+        assert_close_per_design(logits, want64, plain, f"rank {rank} logits", 2.0,
+                                scaled_floor(torch.float32, want64))
+
+
+def test_a_mask_window_the_layer_contradicts_is_refused():
+    """A layer that passes another window than its mask was built with: refused, naming
+    both (ringseq cannot tell which one the model means)."""
+    from ringseq.integrations.transformers import _window_of_mask
+    marked = torch.ones(1, 1, 4, 4).bool()
+    marked.ringseq_window = 24
+    assert _window_of_mask("L", marked, None) == 24 and _window_of_mask("L", marked, 24) == 24
+    assert _window_of_mask("L", None, 16) == 16
+    with pytest.raises(ValueError, match=r"^L: the layer passes sliding_window=16, but its "
+                                         r"attention mask was built with a sliding window of "
+                                         r"24 tokens"):
+        _window_of_mask("L", marked, 16)

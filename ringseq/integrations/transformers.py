@@ -262,6 +262,9 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     with refuse_on_error(settings.group, FWD):
         _check_layer_kind(name, module, kwargs)
         _check_cross_attention(name, query, key, causal)
+        sliding_window = _window_of_mask(name, attention_mask, sliding_window)
+        if getattr(attention_mask, "ringseq_no_mask", False):  # (ringseq_mask's marker)
+            attention_mask = None
         layout, docs, window = _checked_call(name, settings, query, key, value, dropout,
                                              sliding_window, kwargs)
     s_local = query.shape[2]
@@ -289,6 +292,21 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                          backend=settings.backend, softcap=float(softcap or 0.0),
                          cu_seqlens=docs)
     return out, None
+
+
+def _window_of_mask(name: str, attention_mask, sliding_window):
+    """The layer's sliding window: the ``sliding_window`` it passes, else the one its mask was
+    built with (``ringseq_mask`` marks it). Some models (PhiMoE, Qwen2-MoE) build a
+    sliding-window mask and call the attention without the argument: the window was dropped,
+    and the layer ran full causal attention. ValueError where the two differ."""
+    built = getattr(attention_mask, "ringseq_window", None)
+    if built is None:
+        return sliding_window
+    if sliding_window is not None and int(sliding_window) != built:
+        raise ValueError(f"{name}: the layer passes sliding_window={sliding_window}, but its "
+                         f"attention mask was built with a sliding window of {built} tokens; "
+                         f"ringseq attention cannot tell which one the model means")
+    return built
 
 
 def _check_cross_attention(name, query, key, causal) -> None:
@@ -643,7 +661,11 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
                  attention_mask: Optional[torch.Tensor] = None, **kwargs):
     """transformers mask function for ``"ringseq"``: the 2D (b, kv_length) padding mask as
     given (boolean), or None. The causal structure is the ring's, so no 4D mask is built;
-    :func:`ringseq_attention_forward` refuses a mask with zeros."""
+    :func:`ringseq_attention_forward` refuses a mask with zeros. A sliding window the mask
+    function carries is marked on what is returned (``ringseq_window``; where there is no
+    mask, on an all-ones stand-in marked ``ringseq_no_mask``), for the layers that do not
+    pass it to the attention themselves."""
+    window = _causal_window(mask_function)
     if _has_blockwise_overlay(mask_function):
         # Returned as the mask, so that the attention's input check raises it on every rank
         # (agreed over the ring) rather than here, on the ranks that build this mask.
@@ -655,40 +677,65 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
             "attention would run as causal attention")
         return marker
     if attention_mask is None:
-        return None
+        if window is None:
+            return None
+        marker = torch.ones((), dtype=torch.bool, device=kwargs.get("device")).expand(
+            batch_size, 1, q_length, kv_length)  # (b, 1, q, kv), no memory
+        marker.ringseq_no_mask, marker.ringseq_window = True, window
+        return marker
     if attention_mask.dim() == 2 and kv_length is not None:
         whole = getattr(attention_mask, "ringseq_whole_mask", attention_mask)
         attention_mask = attention_mask[:, -kv_length:]
         # (the input check reads the whole mask: padding in the columns cut away here, e.g. a
         # full-length left-padded mask beside sharded input ids, is refused too)
         attention_mask.ringseq_whole_mask = whole
+        if window is not None:
+            attention_mask.ringseq_window = window
     return attention_mask
 
 
-def _has_blockwise_overlay(mask_function) -> bool:
-    """Whether a transformers mask function is composed with ``blockwise_overlay`` (through
-    ``or_masks`` / ``and_masks`` / the packed-sequence remap, which keep their parts in their
-    closures) over at least one block: its block ids are -1 for tokens outside every block, so
-    a text-only input (Gemma 3's all-zero ``token_type_ids``) adds nothing to the mask. Other
-    compositions are the ring's own structure: causal or not (the module's ``is_causal``),
-    sliding windows, packed documents (checked through position ids)."""
+def _mask_parts(mask_function):
+    """The functions a transformers mask function is composed of (``or_masks`` /
+    ``and_masks`` / the packed-sequence remap keep their parts in their closures), itself
+    included, each once."""
     stack, seen = [mask_function], set()
     while stack:
         fn = stack.pop()
         if not callable(fn) or id(fn) in seen:
             continue
         seen.add(id(fn))
-        if getattr(fn, "__qualname__", "").startswith("blockwise_overlay."):
-            if any(bool((c.cell_contents >= 0).any()) for c in fn.__closure__ or ()
-                   if torch.is_tensor(getattr(c, "cell_contents", None))):
-                return True
-            continue
+        yield fn
         for cell in getattr(fn, "__closure__", None) or ():
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
             stack.extend(value if isinstance(value, (tuple, list)) else [value])
+
+
+def _causal_window(mask_function) -> Optional[int]:
+    """The sliding window (tokens a query sees, itself included) of transformers'
+    ``sliding_window_overlay`` in a mask function, or None."""
+    for fn in _mask_parts(mask_function):
+        if getattr(fn, "__qualname__", "").startswith("sliding_window_overlay."):
+            for cell in fn.__closure__ or ():
+                if isinstance(cell.cell_contents, int):
+                    return int(cell.cell_contents)
+    return None
+
+
+def _has_blockwise_overlay(mask_function) -> bool:
+    """Whether a transformers mask function is composed with ``blockwise_overlay`` over at
+    least one block: its block ids are -1 for tokens outside every block, so a text-only
+    input (Gemma 3's all-zero ``token_type_ids``) adds nothing to the mask. Other
+    compositions are the ring's own structure: causal or not (the module's ``is_causal``),
+    sliding windows (:func:`_causal_window`), packed documents (checked through position
+    ids)."""
+    for fn in _mask_parts(mask_function):
+        if getattr(fn, "__qualname__", "").startswith("blockwise_overlay."):
+            if any(bool((c.cell_contents >= 0).any()) for c in fn.__closure__ or ()
+                   if torch.is_tensor(getattr(c, "cell_contents", None))):
+                return True
     return False
 
 

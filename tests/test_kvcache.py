@@ -403,12 +403,15 @@ def test_caches_whose_writes_would_land_on_each_other_are_refused(fn):
     shared_rows = vc[:1].expand(2, -1, -1, -1)  # (2, 16, 2, 64), batch stride 0
     before = vc.clone()
     name = getattr(fn, "func", fn).__name__
-    with pytest.raises(ValueError, match=rf"^{name}: v_cache has rows that share memory "
+    # (each function's own names for its caches)
+    kn, vn = ("k_cache", "v_cache") if fn is flash_attn_with_kvcache else ("k_cache_shard",
+                                                                           "v_cache_shard")
+    with pytest.raises(ValueError, match=rf"^{name}: {vn} has rows that share memory "
                                          r"\(strides \(0, "):
         fn(q, kc, shared_rows, k=k, v=v, cache_seqlens=3)
     buf = torch.randn(2, 17, 2, 64)  # (b, cap + 1, h_kv, d): two views one slot apart
     for k_cache, v_cache in ((kc, kc), (buf[:, :16], buf[:, 1:17])):
-        with pytest.raises(ValueError, match=rf"^{name}: k_cache and v_cache share memory"):
+        with pytest.raises(ValueError, match=rf"^{name}: {kn} and {vn} share memory"):
             fn(q, k_cache, v_cache, k=k, v=v, cache_seqlens=3)
     assert torch.equal(vc, before)  # nothing written
     tied = kc.clone()  # one cache for K = V, appended one tensor: fine, as before
@@ -417,10 +420,10 @@ def test_caches_whose_writes_would_land_on_each_other_are_refused(fn):
     # ... but not with rotary (the keys are rotated, the values not), nor views of one buffer
     # in other orders
     cos, sin = torch.ones(16, 16), torch.zeros(16, 16)
-    with pytest.raises(ValueError, match=rf"^{name}: k_cache and v_cache share memory"):
+    with pytest.raises(ValueError, match=rf"^{name}: {kn} and {vn} share memory"):
         fn(q, tied, tied, k=k, v=k, cache_seqlens=3, rotary_cos=cos, rotary_sin=sin)
     base = torch.randn(2, 2, 16, 64)  # (b, h_kv, cap, d)
-    with pytest.raises(ValueError, match=rf"^{name}: k_cache and v_cache share memory"):
+    with pytest.raises(ValueError, match=rf"^{name}: {kn} and {vn} share memory"):
         fn(q, base.permute(0, 2, 1, 3), base.view(2, 16, 2, 64), k=k, v=v, cache_seqlens=3)
     if fn is flash_attn_with_kvcache:
         before = kc.clone()

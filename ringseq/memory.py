@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import math
 import numbers
 import re
@@ -151,6 +152,11 @@ class ModelShape:
         head_dim = get("head_dim", None)
         if head_dim is None:  # transformers' default
             head_dim = int(vals["hidden_size"]) // int(vals["num_attention_heads"])
+            if head_dim < 1:
+                raise ValueError(f"estimate_memory: config has no head_dim, and hidden_size "
+                                 f"{vals['hidden_size']} // num_attention_heads "
+                                 f"{vals['num_attention_heads']} = {head_dim}: give head_dim "
+                                 f"or a hidden_size of at least num_attention_heads")
         elif not _is_whole(head_dim):
             raise ValueError(f"estimate_memory: config head_dim must be an integer, got "
                              f"{head_dim!r}")
@@ -1118,7 +1124,26 @@ def _named_as(fn: str):
         raise
 
 
-def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
+#: the longest sequence :func:`max_seqlen` searches by default (and the CLI: its rows at the
+#: limit say so)
+SEARCH_LIMIT = 1 << 26
+
+
+#: the mesh keywords of max_seqlen: estimate_memory's but the config and the length
+_MESH_KEYS = frozenset(inspect.signature(estimate_memory).parameters) - {"config", "seqlen"}
+
+
+def _seq_step(mesh: dict) -> int:
+    """The shortest length ``mesh`` (the keyword arguments of :func:`estimate_memory`) and
+    its layout can split: the lengths it takes are its multiples."""
+    return ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
+                        tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
+                        sp_mode=mesh.get("sp_mode", "ring"),
+                        ulysses_size=mesh.get("ulysses_size")
+                        ).seq_multiple(mesh.get("layout", "zigzag"))
+
+
+def max_seqlen(config, *, device_memory: int, limit: int = SEARCH_LIMIT,
                **mesh) -> Optional[MemoryEstimate]:
     """The estimate at the longest sequence length (a multiple of what the mesh needs, at
     most ``limit``) whose peak fits in ``device_memory`` bytes on one mesh (``mesh``: the
@@ -1128,6 +1153,13 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
     Raises TypeError without ``world_size`` or ``sp_size``, ValueError for a ``device_memory``
     that is not a positive number, a ``limit`` below the mesh's length multiple, and what
     :func:`estimate_memory` raises for the mesh."""
+    if "seqlen" in mesh:
+        raise TypeError("max_seqlen: seqlen is what it searches; pass device_memory, limit and "
+                        "the mesh (the other arguments of estimate_memory) only")
+    unknown = sorted(set(mesh) - _MESH_KEYS)
+    if unknown:
+        raise TypeError(f"max_seqlen: unexpected keyword argument(s) {unknown}; it takes "
+                        f"device_memory, limit and the mesh: {sorted(_MESH_KEYS)}")
     missing = [k for k in ("world_size", "sp_size") if k not in mesh]
     if missing:
         raise TypeError(f"max_seqlen: missing keyword argument(s) {missing} (the mesh: "
@@ -1135,11 +1167,7 @@ def max_seqlen(config, *, device_memory: int, limit: int = 1 << 26,
                         f"estimate_memory)")
     _check_budget("max_seqlen", device_memory)
     try:
-        step = ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
-                            tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
-                            sp_mode=mesh.get("sp_mode", "ring"),
-                            ulysses_size=mesh.get("ulysses_size")
-                            ).seq_multiple(mesh.get("layout", "zigzag"))
+        step = _seq_step(mesh)
     except (ValueError, TypeError) as exc:
         raise renamed_dims_error("max_seqlen", exc) from None
     if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < step:
@@ -1209,14 +1237,17 @@ def main(argv=None) -> int:
     p.add_argument("--gradient-accumulation-steps", type=int, default=1,
                    help="micro-batches per optimizer step (booster.no_sync)")
     p.add_argument("--max-seqlen", action="store_true",
-                   help="also (or, without --seqlen, only) the longest sequence each mesh fits")
+                   help=f"also (or, without --seqlen, only) the longest sequence each mesh "
+                        f"fits, searched up to {SEARCH_LIMIT} tokens (a mesh that fits that "
+                        f"shows '>= N (search limit)')")
     args = p.parse_args(argv)
     try:
         memory = parse_bytes(args.device_memory)
     except ValueError as exc:
         p.error(f"--device-memory: {exc}")
     if memory <= 0:
-        p.error(f"--device-memory must be more than 0 bytes, got {args.device_memory}")
+        p.error(f"--device-memory must be at least one byte, got {args.device_memory} "
+                f"({memory} bytes)")
     if args.seqlen is None and not args.max_seqlen:
         p.error("give --seqlen N, --max-seqlen, or both")
     for name in ("seqlen", "world_size", "micro_batch", "gradient_accumulation_steps"):
@@ -1227,7 +1258,10 @@ def main(argv=None) -> int:
         config = _load_config(args.config)
         shape = ModelShape.from_config(config)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        p.error(f"--config {args.config}: {exc}")
+        # (a KeyError's str() is its repr, in quotes; the message's "estimate_memory: "
+        # names a function this command does not show)
+        text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+        p.error(f"--config {args.config}: {text.removeprefix('estimate_memory: ')}")
     common = dict(micro_batch=args.micro_batch, precision=args.precision,
                   optimizer=args.optimizer,
                   gradient_accumulation_steps=args.gradient_accumulation_steps)
@@ -1265,14 +1299,18 @@ def main(argv=None) -> int:
                   f"{left[0]['tp_size']}, {left[0]['sp_mode']}): {reason}")
     if args.max_seqlen:
         rows = []
+        capped = set()  # (meshes whose next length would pass the search limit: they fit more)
         for mesh in meshes(config, args.world_size, args.precision):
             e = max_seqlen(config, device_memory=memory, **mesh, **common)
             if e is not None:
                 rows.append(e)
+                if e.seqlen + _seq_step(mesh) > SEARCH_LIMIT:
+                    capped.add(id(e))
         rows.sort(key=lambda e: (-e.seqlen,) + _cost_key(e))
         print(f"\n## the longest sequence each mesh fits ({len(rows)} meshes)")
-        print(_table([mesh_cells(e) + (str(e.seqlen), _gib(e.total), _gib(memory - e.total),
-                                       e.peak_phase) for e in rows],
+        print(_table([mesh_cells(e) + (
+            f">= {e.seqlen} (search limit)" if id(e) in capped else str(e.seqlen),
+            _gib(e.total), _gib(memory - e.total), e.peak_phase) for e in rows],
                      header + ("max seqlen", "peak GiB", "headroom GiB", "peak at"))
               if rows else "no mesh fits any sequence length")
     return 0

@@ -424,7 +424,9 @@ def test_cli_max_seqlen(llama8b_json, capsys):
     (["--device-memory", "lots"], "--device-memory"),
     ([], "give --seqlen N, --max-seqlen, or both"),
     (["--seqlen", "0"], "--seqlen must be >= 1"),
-    (["--device-memory", "0GiB"], "--device-memory must be more than 0 bytes"),  # (traceback)
+    (["--device-memory", "0GiB"], "--device-memory must be at least one byte, got 0GiB "
+                                  "(0 bytes)"),  # (a traceback before)
+    (["--device-memory", "0.5"], "--device-memory must be at least one byte, got 0.5 (0 bytes)"),
 ])
 def test_cli_argument_errors(llama8b_json, capsys, argv, match):
     base = ["--config", llama8b_json, "--world-size", "8"]
@@ -442,7 +444,46 @@ def test_cli_config_without_a_key(tmp_path, capsys):
     with pytest.raises(SystemExit):
         mem.main(["--config", str(path), "--seqlen", "8192", "--world-size", "8",
                   "--device-memory", "80GiB"])
-    assert "vocab_size" in capsys.readouterr().err
+    # (the message itself: before, a KeyError's repr in quotes, naming estimate_memory)
+    assert f"--config {path}: config is missing 'vocab_size'" in capsys.readouterr().err
+    # a head_dim the config does not give, derived as 0: named by what it comes from
+    path.write_text(json.dumps({**{k: v for k, v in LLAMA8B.items() if k != "head_dim"},
+                                "hidden_size": 2}))
+    with pytest.raises(SystemExit):
+        mem.main(["--config", str(path), "--seqlen", "8192", "--world-size", "8",
+                  "--device-memory", "80GiB"])
+    assert ("config has no head_dim, and hidden_size 2 // num_attention_heads 32 = 0"
+            in capsys.readouterr().err)
+
+
+def test_max_seqlen_names_what_it_takes():
+    """(before: Python's own TypeErrors of estimate_memory's call, naming that function)"""
+    with pytest.raises(TypeError, match=r"^max_seqlen: seqlen is what it searches"):
+        mem.max_seqlen(LLAMA8B, device_memory=80 * GiB, world_size=8, sp_size=8, seqlen=4096)
+    with pytest.raises(TypeError, match=r"^max_seqlen: unexpected keyword argument\(s\) "
+                                        r"\['bogus'\]; it takes device_memory, limit and the "
+                                        r"mesh: \['activation_checkpointing', "):
+        mem.max_seqlen(LLAMA8B, device_memory=80 * GiB, world_size=8, sp_size=8, bogus=1)
+
+
+def test_cli_max_seqlen_marks_meshes_at_the_search_limit(tmp_path, capsys):
+    """A mesh that fits the longest length searched says so (before: the limit was printed
+    as the longest sequence it fits, with hundreds of GiB to spare)."""
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({**{k: v for k, v in LLAMA8B.items() if k != "head_dim"},
+                                "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "vocab_size": 128}))
+    assert mem.main(["--config", str(path), "--world-size", "2", "--device-memory", "1TiB",
+                     "--max-seqlen"]) == 0
+    out = capsys.readouterr().out
+    assert f">= {mem.SEARCH_LIMIT} (search limit)" in out
+    fits_more = est(json.loads(path.read_text()), seqlen=2 * mem.SEARCH_LIMIT, world_size=2,
+                    sp_size=2, zero_stage=2, activation_checkpointing=True)
+    assert fits_more.total < 1024 * GiB
+    assert mem.main(["--config", str(path), "--world-size", "2", "--device-memory", "8GiB",
+                     "--max-seqlen"]) == 0
+    assert "(search limit)" not in capsys.readouterr().out
 
 
 def test_cli_says_which_meshes_a_length_left_out(llama8b_json, capsys):

@@ -232,10 +232,19 @@ def fitting_sp_modes(modes, all_modes: bool, world: int, heads: int, ulysses_siz
             # and held to the double ring's byte formula)
             raise SystemExit(f"--sp-mode {mode}: --inner-ring-size {I} must be at least 2 (an "
                              f"inner ring of one rank is the plain ring: --sp-mode ring)")
-        if world % U or (I and R % I) or heads % U:
-            raise SystemExit(f"--sp-mode {mode}: ulysses {U} x ring {R} (inner {I}) does not "
-                             f"fit W={world} and {heads} heads; adjust --ulysses-size / "
-                             f"--inner-ring-size")
+        # (each condition named by the option that sets it: the Ulysses degree is
+        # --ulysses-size in the hybrid, the world size itself in the Ulysses mode)
+        degree = "--ulysses-size" if mode.startswith("hybrid") else "the world size"
+        if world % U:
+            raise SystemExit(f"--sp-mode {mode}: the Ulysses degree {U} ({degree}) must "
+                             f"divide --world-size {world}")
+        if heads % U:
+            raise SystemExit(f"--sp-mode {mode}: --heads {heads} must be a multiple of the "
+                             f"Ulysses degree {U} ({degree}): each rank of the all-to-all "
+                             f"takes whole heads")
+        if I and R % I:
+            raise SystemExit(f"--sp-mode {mode}: --inner-ring-size {I} must divide the ring "
+                             f"size {R} (--world-size {world} / Ulysses degree {U})")
     return modes
 
 

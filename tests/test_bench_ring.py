@@ -60,7 +60,12 @@ def test_help_describes_every_option():
     # (before: ignored by the masked jobs; a bare message and exit status 1 for 'all')
     (["--window", "64", "--memory-scaling", "1,2"], "--memory-scaling does not apply"),
     (["--docs", "seeded", "--sp-mode", "ring"], "--sp-mode does not apply"),
-    (["--sp-mode", "all", "--heads", "6", "--world-size", "4"], "does not fit W=4 and 6 heads"),
+    # (each condition named by its own option; before: "adjust --ulysses-size", which the
+    # Ulysses mode does not take, and "ring 0" for a degree past the world size)
+    (["--sp-mode", "all", "--heads", "6", "--world-size", "4"],
+     "--sp-mode ulysses: --heads 6 must be a multiple of the Ulysses degree 4 (the world size)"),
+    (["--sp-mode", "hybrid", "--ulysses-size", "3", "--world-size", "2"],
+     "--sp-mode hybrid: the Ulysses degree 3 (--ulysses-size) must divide --world-size 2"),
     # (before: blamed --seqlen and advised a library call)
     (["--layouts", "documents"], "--layouts documents: a layout of packed documents"),
     # (before: the ranks failed on a length they had cut to a multiple of W, exit status 3)

@@ -325,7 +325,8 @@ def test_table_and_breakdown():
     (dict(sp_size=1, tp_size=8, world_size=8), "tp_size=8 cannot split num_attention_heads=4"),
     # K/V heads are never replicated over tp (2 K/V heads, tp 4)
     (dict(sp_size=2, tp_size=4), "tp_size must divide both"),
-    (dict(sp_mode="ulysses", sp_size=8), "ulysses_size=8 cannot split num_attention_heads=4"),
+    (dict(sp_mode="ulysses", sp_size=8),
+     "sp_mode='ulysses' splits num_attention_heads=4 over all sp_size=8 ranks"),
     (dict(sp_mode="hybrid", sp_size=4), "needs ulysses_size"),
     (dict(sp_mode="ring", ulysses_size=2), "has no Ulysses dimension"),
     (dict(seqlen=4100), "seqlen=4100 must be a multiple of 8"),

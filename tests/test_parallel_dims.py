@@ -59,7 +59,12 @@ def test_ulysses_splits_the_heads_left_per_tp_rank():
     with pytest.raises(ValueError) as e:
         d.with_model(4, 2)  # 4 / tp 2 = 2 heads cannot go over Ulysses 4
     msg = str(e.value)
-    assert "ulysses_size=4" in msg and "tp_size=2" in msg and "[1, 2]" in msg, msg
+    # (in the Ulysses mode the degree is sp_size: the advice is the hybrid's degrees)
+    assert "over all sp_size=4 ranks" in msg and "tp_size=2" in msg, msg
+    assert "sp_mode='hybrid' with a ulysses_size that divides them and sp_size=4 ([2])" in msg
+    with pytest.raises(ValueError, match=r"ulysses_size=4 cannot split .* \[1, 2\]"):
+        ParallelDims(world_size=8, sp_size=4, tp_size=2, sp_mode="hybrid",
+                     ulysses_size=4).with_model(4, 2)
     # K/V heads replicated inside the all-to-all (ringseq.ulysses' rule): 8:2 on tp 2 x U 4
     assert ParallelDims(world_size=8, sp_size=4, tp_size=2, sp_mode="hybrid",
                         ulysses_size=2).with_model(8, 2).ulysses_size == 2

@@ -272,8 +272,11 @@ def test_heads_the_ulysses_degree_cannot_split_raise_before_switching(run):
     for r in run["ranks"]:
         e = r["errors"]["heads"]
         # named for the call made (before: "ParallelDims: ...", a class the user never calls)
-        assert e.startswith("ValueError: boost: ulysses_size=4 cannot split "
-                            "num_attention_heads=2") and "[1, 2]" in e, e
+        # (sp_mode='ulysses': the degree is sp_size, so the advice is the hybrid's degrees;
+        # before: "ulysses_size values ... [1, 2]", which that mode does not take)
+        assert e.startswith("ValueError: boost: sp_mode='ulysses' splits num_attention_heads=2 "
+                            "over all sp_size=4 ranks") and "sp_mode='hybrid'" in e, e
+        assert "ulysses_size that divides them and sp_size=4 ([2])" in e, e
         assert r["errors"]["heads_untouched"]
         # apply's own refusals are named for it (before: no function named)
         e = r["errors"]["apply_heads"]

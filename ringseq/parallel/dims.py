@@ -176,6 +176,13 @@ class ParallelDims:
             heads = (f"num_attention_heads={h}" if tp == 1 else
                      f"the num_attention_heads={h} / tp_size={tp} = {h // tp} query heads of a "
                      f"tensor-parallel rank")
+            if self.sp_mode == "ulysses":  # (the degree is sp_size itself there)
+                raise ValueError(
+                    f"ParallelDims: sp_mode='ulysses' splits {heads} over all sp_size={U} "
+                    f"ranks, which cannot be: each rank of the all-to-all takes whole query "
+                    f"heads; use sp_mode='hybrid' with a ulysses_size that divides them and "
+                    f"sp_size={self.sp_size} ({[u for u in ok if u > 1] or 'none above 1'}), "
+                    f"or sp_mode='ring'")
             raise ValueError(
                 f"ParallelDims: ulysses_size={U} cannot split {heads}: each rank of the "
                 f"all-to-all takes whole query heads; ulysses_size values that divide them "

@@ -6,9 +6,10 @@ what it refuses (on every rank, before any parameter moves) and what it applies.
   replicas drifted apart; FSDP stepped on nothing and its held gradients went into the next
   step). Clearing drops what FSDP holds.
 - A ``no_sync`` micro-batch after gradients the user's own module cleared is no refusal.
-- fp16: each boosted optimizer has a grad scaler of its own (one shared by two optimizers
-  halved the scale at the first one's overflow, and the second stepped with twice its
-  gradient); gradients cleared through the model after a clip are unscaled at the next step
+- fp16: the boosted optimizers share one grad scaler, updated once per iteration (before:
+  at each step, so the first one's overflow halved the scale and the second stepped with
+  twice its gradient), also for one loss over two models; gradients cleared through the
+  model after a clip are unscaled at the next step
   (before: applied times 65536); a second clip before the step works as in fp32; a step
   without gradients steps nothing, as in fp32 (before: torch's assertion, then every later
   step refused).
@@ -23,6 +24,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_utils import run_ranks
 
@@ -41,12 +43,14 @@ def _tiny_llama(seed=0, unused=False):
     return model
 
 
-def _boosted(plugin_kwargs, seed=0, unused=False):
-    """(booster, model, optimizer, criterion, batches): SGD at LR, 4 batches of one sample."""
+def _boosted(plugin_kwargs, seed=0, unused=False, prepare=lambda inner: None):
+    """(booster, model, optimizer, criterion, batches): SGD at LR, 4 batches of one sample;
+    ``prepare(inner)`` before boosting."""
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     plugin = RingSequenceParallelPlugin(**plugin_kwargs)
     booster = Booster(plugin=plugin)
     inner = _tiny_llama(seed, unused)
+    prepare(inner)
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     loader = plugin.prepare_dataloader([{"input_ids": i, "labels": i} for i in ids],
                                        batch_size=1)
@@ -141,8 +145,16 @@ def _worker_steps_w2():
     booster.backward(crit(a(**batches[0]), batches[0]), opt_a)
     hook.remove()
     booster.backward(crit(b(**batches[0]), batches[0]), opt_b)
-    out["own scalers"] = opt_a.scaler is not opt_b.scaler
+    out["one scaler"] = opt_a.scaler is opt_b.scaler
     out["two optimizers"] = _sgd_error(opt_b, b, lambda: (opt_a.step(), opt_b.step()))
+    # ... and one loss over both models, through one optimizer's backward: the next
+    # iteration's scale is halved once (A overflowed), and B steps with its true gradient
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    booster.backward(crit(a(**batches[1]), batches[1]) + crit(b(**batches[1]), batches[1]),
+                     opt_a)
+    out["halved once"] = float(opt_a.scaler.get_scale())
+    out["one loss"] = _sgd_error(opt_b, b, lambda: (opt_a.step(), opt_b.step()))
 
     # fp16: clip, a refused step, gradients cleared through the model, a new backward, a
     # second clip (as fp32 allows), the step
@@ -168,6 +180,39 @@ def _worker_steps_w2():
     out["unused"] = _error(lambda: booster.backward(crit(model(**batches[0]), batches[0]), opt))
     opt.zero_grad()
     booster.reset()
+
+    # ... and one rank 0 alone uses (an expert no token of rank 1 routes to): rank 1 raises,
+    # rank 0 hears it (before: gloo aborted a process, or every rank waited for the timeout)
+    def rank_0_only(inner):
+        inner.model.extra = torch.nn.Linear(32, 32)
+        inner.model.norm.register_forward_hook(
+            lambda m, a, y: y + inner.model.extra(y) if dist.get_rank() == 0 else y)
+    booster, model, opt, crit, batches = _boosted({"sp_size": 2}, prepare=rank_0_only)
+    out["used on rank 0"] = _error(lambda: booster.backward(crit(model(**batches[0]),
+                                                                 batches[0]), opt))
+    opt.zero_grad()
+    booster.reset()
+
+    # DDP with find_unused_parameters and that unused parameter the smallest (the probe of
+    # the gradients' state): a no_sync backward between two summed ones is refused (before,
+    # with the first fix: taken for gradients the user cleared, and summed twice)
+    booster, model, opt, crit, batches = _boosted(
+        {"sp_size": 2, "ddp_kwargs": {"find_unused_parameters": True}}, unused=True)
+    booster.backward(crit(model(**batches[0]), batches[0]), opt)
+    with booster.no_sync(model, opt):
+        booster.backward(crit(model(**batches[1]), batches[1]), opt)
+    booster.backward(crit(model(**batches[2]), batches[2]), opt)
+    out["no_sync between summed"] = _error(opt.step)
+    opt.zero_grad()
+
+    # a torch.autograd.grad probe through one boosted model, then another's backward
+    booster, a, opt_a, crit, batches = _boosted({"sp_size": 2})
+    inner_b = _tiny_llama(1)
+    b, opt_b, *_ = booster.boost(inner_b, torch.optim.SGD(inner_b.parameters(), lr=LR))
+    probe = torch.autograd.grad(crit(a(**batches[0]), batches[0]),
+                                a.unwrap().lm_head.weight)[0]
+    out["after a probe"] = (bool(probe.abs().sum() > 0), _error(
+        lambda: booster.backward(crit(b(**batches[0]), batches[0]), opt_b)))
     ringseq.reset_ring()
     return out
 
@@ -188,10 +233,11 @@ def test_steps_after_clears_clips_and_fp16_scaling():
     res = run_ranks(_worker_steps_w2, 2, timeout=300, env=_TIMEOUT)
     for r in res:
         assert r["after a manual clear"] is None, r
-        assert r["own scalers"], r
+        assert r["one scaler"] and r["halved once"] == 32768.0, r
         assert r["summed twice"].startswith("ValueError: OptimizerWrapper.step: 2 backward")
         assert r["empty step"] is None, r
-        for case in ("two optimizers", "after model.zero_grad", "after an empty step"):
+        for case in ("two optimizers", "one loss", "after model.zero_grad",
+                     "after an empty step"):
             err, largest = r[case]
             # (one float32 rounding of the weight; before: 2x, and 65536x, the update)
             assert largest > 0 and err <= 1e-2 * largest, (case, err, largest)
@@ -200,3 +246,11 @@ def test_steps_after_clears_clips_and_fp16_scaling():
         assert r["unused"] is not None and r["unused"].startswith(
             "ValueError: booster.backward: DDP did not sum every gradient"), r["unused"]
         assert "find_unused_parameters" in r["unused"]
+        assert r["no_sync between summed"].startswith(
+            "ValueError: OptimizerWrapper.step: a backward inside booster.no_sync(model) "
+            "followed the backward that summed"), r["no_sync between summed"]
+        assert r["after a probe"] == (True, None), r["after a probe"]
+    own, peer = res[1]["used on rank 0"], res[0]["used on rank 0"]
+    assert own.startswith("ValueError: booster.backward: DDP did not sum every gradient"), own
+    assert peer.startswith("RingPeerError: ringseq: the backward did not end on rank(s) [1]")
+    assert "rank 1: ValueError: booster.backward: DDP did not sum" in peer, peer

@@ -22,6 +22,7 @@ from ..engine.integrity import ANY
 from ..engine.ring import get_ring
 from .checkpoint_call import checkpoint_call, current_call
 from .digest import differing_digests, state_digest
+from .precision import settle_scaler
 
 __all__ = ["ReplicatedCheckpointIO"]
 
@@ -386,6 +387,7 @@ def scaler_state(optimizer):
     removes the file an earlier save left, which a load would otherwise restore beside this
     optimizer state: another run's loss scale)."""
     scaler = getattr(optimizer, "scaler", None)
+    settle_scaler(scaler)  # (the scale after the last step's update)
     return None if scaler is None else scaler.state_dict()
 
 
@@ -448,6 +450,8 @@ def _with_scaler_state(optimizer, scaler_file: str, read_optimizer):
     def apply_scaler(scaler_state) -> None:
         if scaler_state is not None:
             scaler.load_state_dict(scaler_state)
+            # (the loaded scale is settled: no update of the steps before the load is due)
+            scaler._ringseq_update_due = False
 
     return read, apply_scaler
 

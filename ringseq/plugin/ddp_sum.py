@@ -73,7 +73,10 @@ class DdpSum(Completion):
             self._hooked = bool(tensors)
 
     def _backward_began(self, grad):
-        self._in_backward = True
+        # (only inside booster.backward: a torch.autograd.grad probe through the outputs is
+        # no backward the ranks reduce)
+        if self._watching:
+            self._in_backward = True
         return grad
 
     def forward_ran(self) -> None:
@@ -112,7 +115,11 @@ class DdpSum(Completion):
             return ("ringseq: DDP's gradient reduction was not completed for the other ranks "
                     "(static_graph's first iteration): they wait for the process group's "
                     "timeout")
+        return self._complete(timeout, error)
 
+    def _complete(self, timeout: float, error: BaseException) -> Optional[str]:
+        """The buckets DDP did not send (when this backward reduces), on zeros, then the
+        status all-reduce with this rank marked; a note when they could not be completed."""
         def replay():
             if self.synced:
                 complete_after_failure(self.ddp, self, timeout)
@@ -131,7 +138,8 @@ class DdpSum(Completion):
         if self.synced and not self.last_sent:
             # DDP waits for every parameter's gradient before it sends a bucket: one that
             # got none left its bucket (and those after it) unsent, and the backward ended
-            # without an error, the gradients partly unsummed
+            # without an error, the gradients partly unsummed. The unsent buckets go as
+            # zeros first: ranks that used the parameter wait in their all-reduce.
             error = ValueError(
                 "booster.backward: DDP did not sum every gradient of this backward over the "
                 "ranks: a parameter that requires a gradient got none (unused in the "
@@ -140,9 +148,11 @@ class DdpSum(Completion):
                 "every rank) and pass ddp_kwargs={'find_unused_parameters': True} to "
                 "RingSequenceParallelPlugin, or freeze the parameter (requires_grad=False) "
                 "before boosting")
-        failed = self._status(error, ring_timeout())
-        if error is not None:
+            note = self._complete(ring_timeout(), error)
+            if note:
+                error.add_note(note)
             raise error
+        failed = self._status(None, ring_timeout())
         if failed:
             raise peers_failed_error(failed)
 

@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-__all__ = ["PRECISIONS", "Precision", "check_precision_name"]
+__all__ = ["PRECISIONS", "Precision", "check_precision_name", "settle_scaler", "update_due"]
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -23,8 +23,13 @@ def check_precision_name(name) -> None:
 
 
 class Precision:
-    """``autocast()`` context for the forward and, for fp16, :meth:`new_scaler` (a GradScaler
-    per boosted optimizer).
+    """``autocast()`` context for the forward and, for fp16, ``scaler``: one GradScaler for
+    every optimizer the plugin boosts. As in torch's recipe for several optimizers, each
+    steps through it and it is updated once per iteration: :func:`update_due` after each
+    step, :func:`settle_scaler` before the next loss is scaled (or the scaler saved). An
+    update at each optimizer's step halved the scale after the first one's overflow, and the
+    next one then unscaled its gradients (scaled by the old scale) by the new one, stepping
+    with twice its gradient; a scaler per optimizer mis-scaled a loss over two models.
 
     Supported: fp32 everywhere; bf16 through autocast on CPU and CUDA; fp16 through autocast
     and ``torch.amp.GradScaler`` on CUDA, and on CPU where this torch has CPU fp16 autocast
@@ -37,6 +42,7 @@ class Precision:
     def __init__(self, name: str, device_type: str):
         check_precision_name(name)
         self.name, self.device_type, self.dtype = name, device_type, PRECISIONS[name]
+        self.scaler = None
         if name == "fp32":
             return
         try:
@@ -48,20 +54,31 @@ class Precision:
                              f"{exc}") from exc
         if name == "fp16":
             try:
-                self.new_scaler()
+                self.scaler = torch.amp.GradScaler(device_type)
             except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
                 raise ValueError(f"precision='fp16' needs a GradScaler for {device_type!r} "
                                  f"(torch >= 2.3 on CPU); use 'bf16' or 'fp32' instead: "
                                  f"{exc}") from exc
 
-    def new_scaler(self):
-        """A GradScaler of its own for one boosted optimizer (fp16), else None. One scaler
-        shared by two optimizers was updated at each one's step: the first halved the scale
-        after an overflow, and the second then unscaled its gradients (scaled by the old
-        scale) by the new one, stepping with twice its gradients."""
-        return torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
-
     def autocast(self):
         if self.name == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+def update_due(scaler) -> None:
+    """After an optimizer stepped through ``scaler``: its update is due before the next loss
+    is scaled (:func:`settle_scaler`)."""
+    scaler._ringseq_update_due = True
+
+
+def settle_scaler(scaler) -> None:
+    """Runs the update the steps since the last one left due (once, however many optimizers
+    stepped): the scale for the next loss, or for a checkpoint, reflects every overflow of
+    the iteration. Nothing where no step recorded its inf checks since (GradScaler asserts
+    on an update without them)."""
+    if scaler is None or not getattr(scaler, "_ringseq_update_due", False):
+        return
+    scaler._ringseq_update_due = False
+    if any(state.get("found_inf_per_device") for state in scaler._per_optimizer_states.values()):
+        scaler.update()

@@ -840,7 +840,7 @@ class RingSequenceParallelPlugin(Plugin):
         if dims.zero_stage == 0 and dims.tp_size > 1:
             model.grad_sync = grad_sync  # lives as long as the model; no_sync finds it there
         if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
-            optimizer = OptimizerWrapper(optimizer, self.precision.new_scaler(), model=user_model,
+            optimizer = OptimizerWrapper(optimizer, self.precision.scaler, model=user_model,
                                          step=step, reduced=reduced)
         elif optimizer is not None:
             optimizer.model, optimizer._step, optimizer.reduced = user_model, step, reduced

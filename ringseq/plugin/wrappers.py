@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.amp.grad_scaler import OptState
 
 from .._dist import RingError, RingMismatchError, global_rank, ring_timeout
 from ..engine.integrity import call_tag
@@ -20,6 +21,7 @@ from ..engine.ring import get_ring
 from ..loss import RING_REPORT_WAITS, report_step_failure, sharded_cross_entropy
 from .dataloader import INPUTS_EMBEDS_UNDER_TP
 from .grad_norm import local_norm_share, scale_, total_norm
+from .precision import settle_scaler, update_due
 
 __all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads",
            "SequenceParallelLoss", "StepTag"]
@@ -191,7 +193,7 @@ class ReducedGrads:
         self._marked_task = None
         self.unreduced_after = False  # a backward inside no_sync followed the reduced one
         self.unreduced_only = False  # backward passes inside no_sync, none reduced after them
-        self._probe = None  # the parameter watch() reads
+        self._unreduced_next = False  # the running backward (if any) runs inside no_sync
         #: under FSDP (``ringseq.parallel.fsdp.HeldGrads``): the gradients it holds between
         #: backward passes inside no_sync, else None
         self.held = None
@@ -212,7 +214,7 @@ class ReducedGrads:
             return
         whole = [p for p in params
                  if all(pl.is_replicate() for pl in getattr(p, "placements", ()))]
-        probe = self._probe = min(whole or params, key=lambda p: p.numel())
+        probe = min(whole or params, key=lambda p: p.numel())
 
         def before_accumulate(grad, probe=probe):
             old = probe.grad
@@ -220,6 +222,10 @@ class ReducedGrads:
             cleared = old is None or not bool(local.any())
             if cleared:
                 self.uncleared = False
+                if self._unreduced_next:
+                    # a backward inside no_sync onto cleared gradients (the user's own
+                    # module cleared them): the summed backward before it no longer counts
+                    self.count, self.unreduced_after, self.unreduced_only = 0, False, True
                 task = torch._C._current_graph_task_id()
                 if self._marked_task == task:  # this backward's reduction came first
                     self.count = 1
@@ -239,37 +245,32 @@ class ReducedGrads:
         self._fresh.clear()  # (entries of no_sync backward passes, which are not reduced)
         self.count += 1
         self._marked_task = task
-        self.unreduced_only = False  # (this reduction sums them too)
+        self.unreduced_only = self._unreduced_next = False  # (this reduction sums them too)
 
     def unreduced_backward(self) -> None:
         """Before a ``booster.backward`` inside ``no_sync`` (the plugin's agreement knows,
         the same on every rank): after a reduced one, its gradients will never be summed;
-        before any, a reduced backward must still follow. Gradients cleared since the
-        reduced one (the user's own module's ``zero_grad``, say: the probe holds none) do
-        not count it (one host synchronization, here only)."""
-        if self.count and not self._probe_cleared():
+        before any, a reduced backward must still follow. Where the probe then finds the
+        gradients cleared (the user's own module's ``zero_grad`` since the reduced one),
+        the reduced one no longer counts (:meth:`watch`); a probe this backward does not
+        reach (a parameter unused in it) leaves the refusal."""
+        if self.count:
             self.unreduced_after = True
         else:
-            self.count = 0
             self.unreduced_only = True
-
-    def _probe_cleared(self) -> bool:
-        grad = None if self._probe is None else self._probe.grad
-        if grad is None:
-            return True
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        return not bool(local.any())
+        self._unreduced_next = True
 
     def clear(self) -> None:
         self.count = 0
         self.stepped = self.uncleared = self.unreduced_after = self.unreduced_only = False
+        self._unreduced_next = False
         if self.held is not None:
             self.held.drop()
 
     def after_step(self) -> None:
         self.count = 0
         self.stepped = True
-        self.unreduced_after = self.unreduced_only = False
+        self.unreduced_after = self.unreduced_only = self._unreduced_next = False
 
     def check_once(self) -> None:
         # The count stays: the gradients stay wrong until they are cleared (zero_grad).
@@ -621,6 +622,7 @@ class OptimizerWrapper:
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         if self.scaler is not None:
+            settle_scaler(self.scaler)  # (the update the last iteration's steps left due)
             loss = self.scaler.scale(loss)
         with call_tag(self._step.value):  # the backward's ring calls belong to this step
             loss.backward(*args, **kwargs)
@@ -670,7 +672,7 @@ class OptimizerWrapper:
                 # same skip decision and the replicas stay identical.
                 self._unscaled()  # (forgets the mark of gradients no longer there)
                 out = self.scaler.step(self.optim, *args, **kwargs)
-                self.scaler.update()
+                update_due(self.scaler)  # (once per iteration: the plugin's optimizers share it)
                 self._unscaled_grads = None
         except (Exception, KeyboardInterrupt) as exc:
             self._vote(exc)
@@ -795,9 +797,10 @@ class OptimizerWrapper:
         # the mark: the next step then skipped unscaling and applied the gradients times the
         # scale (65536), and the next clip raised torch's "unscale_() has already been
         # called". New gradients are scaled ones: the mark goes with the old gradients.
-        states = getattr(self.scaler, "_per_optimizer_states", None)
-        if states is not None:
-            states.pop(id(self.optim), None)
+        # (a stepped optimizer's inf checks stay for the update that is due)
+        state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(self.optim))
+        if state is not None and state["stage"] is OptState.UNSCALED:
+            del self.scaler._per_optimizer_states[id(self.optim)]
         self._unscaled_grads = None
 
     def state_dict(self):

@@ -169,6 +169,33 @@ def _worker_steps_w2():
     out["two clips"] = norms
     out["after model.zero_grad"] = _sgd_error(opt, model, opt.step, clipped=True)
 
+    # fp16: gradients changed in place after the clip (torch's own clip, say) are still the
+    # unscaled ones (before, with the first fix: unscaled again, the update 65536x too small)
+    opt.zero_grad()
+    booster.backward(crit(model(**batches[1]), batches[1]), opt)
+    opt.clip_grad_by_norm(1e9)
+    for p in model.unwrap().parameters():
+        if p.grad is not None:
+            p.grad.mul_(1.0)
+    out["in place after a clip"] = _sgd_error(opt, model, opt.step, clipped=True)
+
+    # fp16: a clip, a step refused (every backward inside no_sync), then the last
+    # micro-batch: the step equals the same micro-batches without the clip and refusal
+    # (before: the first micro-batch's gradients were unscaled twice)
+    def accumulated(clip_and_refuse):
+        booster, model, opt, crit, batches = _boosted({"sp_size": 2, "precision": "fp16"})
+        with booster.no_sync(model, opt):
+            booster.backward(crit(model(**batches[0]), batches[0]), opt)
+        if clip_and_refuse:
+            opt.clip_grad_by_norm(1e9)
+            refused = _error(opt.step)
+            assert refused.startswith("ValueError: OptimizerWrapper.step: every backward")
+        booster.backward(crit(model(**batches[1]), batches[1]), opt)
+        opt.step()
+        return [p.detach().clone() for p in model.unwrap().parameters()]
+    out["clip, refused, more"] = max(float((a - b).abs().max()) for a, b in zip(
+        accumulated(True), accumulated(False)))
+
     # fp16: a step without gradients steps nothing, and the next one steps
     opt.zero_grad()
     out["empty step"] = _error(opt.step)
@@ -192,6 +219,19 @@ def _worker_steps_w2():
                                                                  batches[0]), opt))
     opt.zero_grad()
     booster.reset()
+
+    # DDP's static graph is recorded in its first backward, which may not be inside no_sync
+    # (torch's DDP asserts there; a failure there aborted a process)
+    booster, model, opt, crit, batches = _boosted({"sp_size": 2,
+                                                   "ddp_kwargs": {"static_graph": True}})
+    out["static graph"] = _error(lambda: booster.no_sync(model, opt))
+    booster.backward(crit(model(**batches[0]), batches[0]), opt)
+    opt.step()
+    opt.zero_grad()
+    with booster.no_sync(model, opt):  # (after the first reduced backward: fine)
+        booster.backward(crit(model(**batches[1]), batches[1]), opt)
+    booster.backward(crit(model(**batches[2]), batches[2]), opt)
+    out["static graph later"] = _error(opt.step)
 
     # DDP with find_unused_parameters and that unused parameter the smallest (the probe of
     # the gradients' state): a no_sync backward between two summed ones is refused (before,
@@ -237,7 +277,7 @@ def test_steps_after_clears_clips_and_fp16_scaling():
         assert r["summed twice"].startswith("ValueError: OptimizerWrapper.step: 2 backward")
         assert r["empty step"] is None, r
         for case in ("two optimizers", "one loss", "after model.zero_grad",
-                     "after an empty step"):
+                     "in place after a clip", "after an empty step"):
             err, largest = r[case]
             # (one float32 rounding of the weight; before: 2x, and 65536x, the update)
             assert largest > 0 and err <= 1e-2 * largest, (case, err, largest)
@@ -250,6 +290,10 @@ def test_steps_after_clears_clips_and_fp16_scaling():
             "ValueError: OptimizerWrapper.step: a backward inside booster.no_sync(model) "
             "followed the backward that summed"), r["no_sync between summed"]
         assert r["after a probe"] == (True, None), r["after a probe"]
+        assert r["clip, refused, more"] == 0.0, r["clip, refused, more"]
+        assert r["static graph"].startswith("ValueError: no_sync: DDP with static_graph=True "
+                                            "needs one reduced backward"), r["static graph"]
+        assert r["static graph later"] is None, r["static graph later"]
     own, peer = res[1]["used on rank 0"], res[0]["used on rank 0"]
     assert own.startswith("ValueError: booster.backward: DDP did not sum every gradient"), own
     assert peer.startswith("RingPeerError: ringseq: the backward did not end on rank(s) [1]")

@@ -868,6 +868,15 @@ class RingSequenceParallelPlugin(Plugin):
                              f"ModelWrapper), got {type(model).__name__}")
         inner = model.module
         if isinstance(inner, nn.parallel.DistributedDataParallel):
+            reduction = getattr(model, "_reduction", None)
+            if getattr(inner, "static_graph", False) and reduction is not None \
+                    and not reduction.completed:
+                # (torch's DDP asserts inside the first static-graph backward under no_sync,
+                # and a failure there made the completion pair with other collectives)
+                raise ValueError("no_sync: DDP with static_graph=True needs one reduced "
+                                 "backward before the first one inside no_sync (it records "
+                                 "the graph there); run the first micro-batch outside no_sync, "
+                                 "or pass static_graph=False")
             return inner.no_sync()
         if self.dims.zero_stage >= 2:
             from ..parallel.fsdp import fsdp_no_sync

@@ -613,8 +613,8 @@ class OptimizerWrapper:
         #: why the parameters are no longer consistent over the ranks (a step that raised on
         #: some of them), or None; cleared by loading a checkpoint into this optimizer
         self.failed_step = None
-        #: fp16: the gradients clip_grad_by_norm unscaled, as (weak reference, version)
-        #: pairs, or None (see _unscaled)
+        #: fp16: the gradients clip_grad_by_norm unscaled, as weak references, or None (see
+        #: _unscaled)
         self._unscaled_grads = None
 
     def unwrap(self) -> torch.optim.Optimizer:
@@ -622,6 +622,12 @@ class OptimizerWrapper:
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         if self.scaler is not None:
+            if self._unscaled():
+                # gradients a clip unscaled and no step used (a refused step, say): scaled
+                # again, so that this backward's scaled ones add to their like and the step
+                # unscales all of them once (before: the first part was divided twice)
+                scale_(self._grads(), torch.tensor(float(self.scaler.get_scale())))
+                self._forget_unscale()
             settle_scaler(self.scaler)  # (the update the last iteration's steps left due)
             loss = self.scaler.scale(loss)
         with call_tag(self._step.value):  # the backward's ring calls belong to this step
@@ -760,7 +766,7 @@ class OptimizerWrapper:
         if not math.isfinite(total) or total + 1e-6 > max_norm:  # (else a factor of 1)
             scale_(grads, factor)
         if self.scaler is not None:
-            self._unscaled_grads = [(weakref.ref(t), t._version) for t in map(_local, grads)]
+            self._unscaled_grads = [weakref.ref(t) for t in map(_local, grads)]
         return norm
 
     def _grads(self) -> list:
@@ -769,18 +775,19 @@ class OptimizerWrapper:
                 if p.grad is not None]
 
     def _unscaled(self) -> bool:
-        """fp16: whether the gradients now are the ones clip_grad_by_norm unscaled, unchanged
-        since (then neither another clip nor the step unscales them again). Where they are
-        not -- a backward after ``model.zero_grad()`` or after loading a checkpoint, which
-        clear no mark of the optimizer's -- the scaler's mark is forgotten (GradScaler clears
-        it only in update(), after a step): new gradients are scaled ones, and were applied
-        times the scale (65536) without being unscaled."""
+        """fp16: whether the gradients now are the tensors clip_grad_by_norm unscaled (then
+        neither another clip nor the step unscales them again; changed in place since, by
+        torch's own clip say, they still are). Where they are other tensors -- a backward
+        after ``model.zero_grad()`` or after loading a checkpoint, which clear no mark of the
+        optimizer's -- the scaler's mark is forgotten (GradScaler clears it only in update(),
+        after a step): new gradients are scaled ones, and were applied times the scale
+        (65536) without being unscaled. (A backward through :meth:`backward` onto the
+        unscaled tensors scales them again first.)"""
         seen = self._unscaled_grads
         if seen is None:
             return False
         now = [_local(g) for g in self._grads()]
-        if len(now) == len(seen) and all(ref() is t and version == t._version
-                                         for (ref, version), t in zip(seen, now)):
+        if len(now) == len(seen) and all(ref() is t for ref, t in zip(seen, now)):
             return True
         self._forget_unscale()
         return False

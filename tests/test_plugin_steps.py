@@ -125,7 +125,7 @@ def _worker_accumulation_only(plugin_kwargs):
     return [_whole(p) for p in model.unwrap().parameters()]
 
 
-def _worker_steps_w2():
+def _worker_steps_w2(tmp):
     import ringseq
     out = {}
     # a no_sync micro-batch after the user's own module cleared the reduced gradients
@@ -196,6 +196,23 @@ def _worker_steps_w2():
     out["clip, refused, more"] = max(float((a - b).abs().max()) for a, b in zip(
         accumulated(True), accumulated(False)))
 
+    # fp16: a rollback (the optimizer loaded after its next step) goes on stepping (before,
+    # with the first fix: torch's "step() has already been called", on every later step)
+    booster.save_optimizer(opt, f"{tmp}/rollback.pt")
+    opt.zero_grad()
+    booster.backward(crit(model(**batches[2]), batches[2]), opt)
+    opt.step()
+    booster.load_optimizer(opt, f"{tmp}/rollback.pt")
+    opt.zero_grad()
+    booster.backward(crit(model(**batches[2]), batches[2]), opt)
+    out["after a rollback"] = _error(opt.step)
+
+    # fp16: gradients no booster.backward scaled (a plain loss.backward()) are refused
+    opt.zero_grad()
+    crit(model(**batches[3]), batches[3]).backward()
+    out["plain backward"] = _error(opt.step)
+    opt.zero_grad()
+
     # fp16: a step without gradients steps nothing, and the next one steps
     opt.zero_grad()
     out["empty step"] = _error(opt.step)
@@ -219,6 +236,40 @@ def _worker_steps_w2():
                                                                  batches[0]), opt))
     opt.zero_grad()
     booster.reset()
+
+    # fp16, two optimizers, one loss: saving an optimizer between the two steps leaves the
+    # scale's trajectory as it was, the same on every rank (before, with the first fix: the
+    # save updated the scale on the writing rank only)
+    def scales(save):
+        booster, a, opt_a, crit, batches = _boosted({"sp_size": 2, "precision": "fp16"})
+        inner_b = _tiny_llama(1)
+        b, opt_b, *_ = booster.boost(inner_b, torch.optim.SGD(inner_b.parameters(), lr=LR))
+        opt_a.scaler.set_growth_interval(2)
+        seen = []
+        for batch in batches:
+            booster.backward(crit(a(**batch), batch) + crit(b(**batch), batch), opt_a)
+            seen.append(float(opt_a.scaler.get_scale()))
+            for name, opt in (("a", opt_a), ("b", opt_b)):
+                opt.step()
+                opt.zero_grad()
+                if save:
+                    booster.save_optimizer(opt, f"{tmp}/{name}.pt")
+        return seen
+    out["scales"] = (scales(save=False), scales(save=True))
+
+    # a probe parameter whose gradient is zero itself is no sign of cleared gradients: a
+    # no_sync backward between two summed ones is refused (before, with the first fix: not)
+    def zero_gradient_probe(inner):
+        inner.model.alpha = torch.nn.Parameter(torch.ones(1))  # (the smallest: the probe)
+        inner.model.norm.register_forward_hook(lambda m, a, y: y + inner.model.alpha * 0.0)
+    booster, model, opt, crit, batches = _boosted({"sp_size": 2},
+                                                  prepare=zero_gradient_probe)
+    booster.backward(crit(model(**batches[0]), batches[0]), opt)
+    with booster.no_sync(model, opt):
+        booster.backward(crit(model(**batches[1]), batches[1]), opt)
+    booster.backward(crit(model(**batches[2]), batches[2]), opt)
+    out["zero probe"] = _error(opt.step)
+    opt.zero_grad()
 
     # DDP's static graph is recorded in its first backward, which may not be inside no_sync
     # (torch's DDP asserts there; a failure there aborted a process)
@@ -269,8 +320,8 @@ def _sgd_error(opt, model, step, clipped=False):
     return max(float((p.detach() - w).abs().max()) for p, w in zip(params, want)), largest
 
 
-def test_steps_after_clears_clips_and_fp16_scaling():
-    res = run_ranks(_worker_steps_w2, 2, timeout=300, env=_TIMEOUT)
+def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
+    res = run_ranks(_worker_steps_w2, 2, str(tmp_path), timeout=300, env=_TIMEOUT)
     for r in res:
         assert r["after a manual clear"] is None, r
         assert r["one scaler"] and r["halved once"] == 32768.0, r
@@ -291,6 +342,13 @@ def test_steps_after_clears_clips_and_fp16_scaling():
             "followed the backward that summed"), r["no_sync between summed"]
         assert r["after a probe"] == (True, None), r["after a probe"]
         assert r["clip, refused, more"] == 0.0, r["clip, refused, more"]
+        assert r["after a rollback"] is None, r["after a rollback"]
+        assert r["plain backward"].startswith("ValueError: OptimizerWrapper.step: "
+                                              "precision='fp16', but no loss was scaled"), r
+        unsaved, saved = r["scales"]
+        assert saved == unsaved == [65536.0, 65536.0, 131072.0, 131072.0], r["scales"]
+        assert r["zero probe"].startswith("ValueError: OptimizerWrapper.step: a backward "
+                                          "inside booster.no_sync(model) followed"), r
         assert r["static graph"].startswith("ValueError: no_sync: DDP with static_graph=True "
                                             "needs one reduced backward"), r["static graph"]
         assert r["static graph later"] is None, r["static graph later"]

@@ -387,8 +387,20 @@ def scaler_state(optimizer):
     removes the file an earlier save left, which a load would otherwise restore beside this
     optimizer state: another run's loss scale)."""
     scaler = getattr(optimizer, "scaler", None)
-    settle_scaler(scaler)  # (the scale after the last step's update)
-    return None if scaler is None else scaler.state_dict()
+    if scaler is None:
+        return None
+    # the scale after the update the steps so far left due, on a copy: the live scaler is
+    # updated once per iteration, before the next loss, on every rank alike (a save between
+    # two optimizers' steps, or on the writing rank alone, would update it again)
+    if not getattr(scaler, "_ringseq_update_due", False):
+        return scaler.state_dict()
+    copy = torch.amp.GradScaler(scaler._device)
+    copy.load_state_dict(scaler.state_dict())
+    copy._lazy_init_scale_growth_tracker(scaler._scale.device)  # (a step ran: it has one)
+    copy._per_optimizer_states = scaler._per_optimizer_states  # (read by the update only)
+    copy._ringseq_update_due = True
+    settle_scaler(copy)
+    return copy.state_dict()
 
 
 def save_scaler(optimizer, scaler_file: str) -> None:
@@ -450,8 +462,10 @@ def _with_scaler_state(optimizer, scaler_file: str, read_optimizer):
     def apply_scaler(scaler_state) -> None:
         if scaler_state is not None:
             scaler.load_state_dict(scaler_state)
-            # (the loaded scale is settled: no update of the steps before the load is due)
+            # (the loaded scale is settled: no update of the steps before the load is due,
+            # and no optimizer's step or unscale of them is recorded)
             scaler._ringseq_update_due = False
+            scaler._per_optimizer_states.clear()
 
     return read, apply_scaler
 

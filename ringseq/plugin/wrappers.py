@@ -194,6 +194,7 @@ class ReducedGrads:
         self.unreduced_after = False  # a backward inside no_sync followed the reduced one
         self.unreduced_only = False  # backward passes inside no_sync, none reduced after them
         self._unreduced_next = False  # the running backward (if any) runs inside no_sync
+        self._probe_summed = False  # a summed backward reached the probe since the clear
         #: under FSDP (``ringseq.parallel.fsdp.HeldGrads``): the gradients it holds between
         #: backward passes inside no_sync, else None
         self.held = None
@@ -220,12 +221,15 @@ class ReducedGrads:
             old = probe.grad
             local = old.to_local() if hasattr(old, "to_local") else old
             cleared = old is None or not bool(local.any())
+            if not self._unreduced_next:
+                self._probe_summed = True  # (it holds a gradient after this backward)
+            elif old is None and self._probe_summed:
+                # a backward inside no_sync onto gradients set to None since a summed one
+                # reached the probe (the user's own module's zero_grad): that one no longer
+                # counts. (Zeros are no such sign: a gradient may be zero itself.)
+                self.count, self.unreduced_after, self.unreduced_only = 0, False, True
             if cleared:
                 self.uncleared = False
-                if self._unreduced_next:
-                    # a backward inside no_sync onto cleared gradients (the user's own
-                    # module cleared them): the summed backward before it no longer counts
-                    self.count, self.unreduced_after, self.unreduced_only = 0, False, True
                 task = torch._C._current_graph_task_id()
                 if self._marked_task == task:  # this backward's reduction came first
                     self.count = 1
@@ -263,7 +267,7 @@ class ReducedGrads:
     def clear(self) -> None:
         self.count = 0
         self.stepped = self.uncleared = self.unreduced_after = self.unreduced_only = False
-        self._unreduced_next = False
+        self._unreduced_next = self._probe_summed = False
         if self.held is not None:
             self.held.drop()
 
@@ -616,22 +620,33 @@ class OptimizerWrapper:
         #: fp16: the gradients clip_grad_by_norm unscaled, as weak references, or None (see
         #: _unscaled)
         self._unscaled_grads = None
+        #: fp16: a loss scaled through the plugin's scaler reached this optimizer's
+        #: parameters since its last step (any of the optimizers sharing it scaled it)
+        self._scaled = False
+        if scaler is not None:
+            users = getattr(scaler, "_ringseq_users", None)
+            if users is None:
+                users = scaler._ringseq_users = weakref.WeakSet()
+            users.add(self)
 
     def unwrap(self) -> torch.optim.Optimizer:
         return self.optim
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         if self.scaler is not None:
+            settle_scaler(self.scaler)  # (the update the last iteration's steps left due)
             if self._unscaled():
                 # gradients a clip unscaled and no step used (a refused step, say): scaled
                 # again, so that this backward's scaled ones add to their like and the step
                 # unscales all of them once (before: the first part was divided twice)
                 scale_(self._grads(), torch.tensor(float(self.scaler.get_scale())))
                 self._forget_unscale()
-            settle_scaler(self.scaler)  # (the update the last iteration's steps left due)
             loss = self.scaler.scale(loss)
         with call_tag(self._step.value):  # the backward's ring calls belong to this step
             loss.backward(*args, **kwargs)
+        if self.scaler is not None:  # (one loss over two models: scaled for both)
+            for user in self.scaler._ringseq_users:
+                user._scaled = user._scaled or bool(user._grads())
 
     def step(self, *args, **kwargs):
         """The wrapped optimizer's step (through the grad scaler for fp16). Raises ValueError
@@ -656,7 +671,7 @@ class OptimizerWrapper:
                 f"checkpoint on every rank first (booster.load_model and "
                 f"booster.load_optimizer)")
         grads = self._grads()
-        if refusal is None and self.scaler is not None and grads and self.scaler._scale is None:
+        if refusal is None and self.scaler is not None and grads and not self._scaled:
             refusal = ValueError(
                 "OptimizerWrapper.step: precision='fp16', but no loss was scaled through "
                 "this optimizer (booster.backward(loss, optimizer) scales it), so the "
@@ -679,7 +694,7 @@ class OptimizerWrapper:
                 self._unscaled()  # (forgets the mark of gradients no longer there)
                 out = self.scaler.step(self.optim, *args, **kwargs)
                 update_due(self.scaler)  # (once per iteration: the plugin's optimizers share it)
-                self._unscaled_grads = None
+                self._unscaled_grads, self._scaled = None, False
         except (Exception, KeyboardInterrupt) as exc:
             self._vote(exc)
             raise
@@ -821,7 +836,7 @@ class OptimizerWrapper:
     def __getattr__(self, name):
         # not yet set (unpickling): no recursion
         if name in ("optim", "scaler", "model", "_step", "reduced", "failed_step",
-                    "_unscaled_grads"):
+                    "_unscaled_grads", "_scaled"):
             raise AttributeError(name)
         return getattr(self.optim, name)
 

@@ -262,14 +262,8 @@ def _worker_steps_w2(tmp):
     def zero_gradient_probe(inner):
         inner.model.alpha = torch.nn.Parameter(torch.ones(1))  # (the smallest: the probe)
         inner.model.norm.register_forward_hook(lambda m, a, y: y + inner.model.alpha * 0.0)
-    booster, model, opt, crit, batches = _boosted({"sp_size": 2},
-                                                  prepare=zero_gradient_probe)
-    booster.backward(crit(model(**batches[0]), batches[0]), opt)
-    with booster.no_sync(model, opt):
-        booster.backward(crit(model(**batches[1]), batches[1]), opt)
-    booster.backward(crit(model(**batches[2]), batches[2]), opt)
-    out["zero probe"] = _error(opt.step)
-    opt.zero_grad()
+    out["zero probe"] = _summed_no_sync_summed(*_boosted({"sp_size": 2},
+                                                         prepare=zero_gradient_probe))
 
     # DDP's static graph is recorded in its first backward, which may not be inside no_sync
     # (torch's DDP asserts there; a failure there aborted a process)
@@ -287,14 +281,8 @@ def _worker_steps_w2(tmp):
     # DDP with find_unused_parameters and that unused parameter the smallest (the probe of
     # the gradients' state): a no_sync backward between two summed ones is refused (before,
     # with the first fix: taken for gradients the user cleared, and summed twice)
-    booster, model, opt, crit, batches = _boosted(
-        {"sp_size": 2, "ddp_kwargs": {"find_unused_parameters": True}}, unused=True)
-    booster.backward(crit(model(**batches[0]), batches[0]), opt)
-    with booster.no_sync(model, opt):
-        booster.backward(crit(model(**batches[1]), batches[1]), opt)
-    booster.backward(crit(model(**batches[2]), batches[2]), opt)
-    out["no_sync between summed"] = _error(opt.step)
-    opt.zero_grad()
+    out["no_sync between summed"] = _summed_no_sync_summed(*_boosted(
+        {"sp_size": 2, "ddp_kwargs": {"find_unused_parameters": True}}, unused=True))
 
     # a torch.autograd.grad probe through one boosted model, then another's backward
     booster, a, opt_a, crit, batches = _boosted({"sp_size": 2})
@@ -306,6 +294,18 @@ def _worker_steps_w2(tmp):
         lambda: booster.backward(crit(b(**batches[0]), batches[0]), opt_b)))
     ringseq.reset_ring()
     return out
+
+
+def _summed_no_sync_summed(booster, model, opt, crit, batches):
+    """What the step after a summed micro-batch, one inside no_sync and a summed one raised
+    (``_error``); the gradients cleared after it."""
+    booster.backward(crit(model(**batches[0]), batches[0]), opt)
+    with booster.no_sync(model, opt):
+        booster.backward(crit(model(**batches[1]), batches[1]), opt)
+    booster.backward(crit(model(**batches[2]), batches[2]), opt)
+    refused = _error(opt.step)
+    opt.zero_grad()
+    return refused
 
 
 def _sgd_error(opt, model, step, clipped=False):

@@ -1042,43 +1042,54 @@ def _worker_teacher_failure():
     return out
 
 
+def _assert_cases_raised_in_seconds(res, cases, expected):
+    """Each rank's good steps before and after the failing ones ran; each case of ``cases``
+    ended within seconds (not after a ring timeout) as ``expected(rank, case)`` says:
+    ``(kinds, *needles)`` for an error (``_is_error``), None for no error; and the parameters
+    equal the same good steps on one process."""
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        for case in cases:
+            assert r[case][-1] < TIMEOUT, (case, r[case])
+            want = expected(rank, case)
+            if want is None:
+                assert r[case][0] == "ok", (case, r[case])
+            else:
+                _is_error(r[case], *want)
+    _assert_trains_as_one_process(res)
+
+
 def test_a_teachers_no_grad_forward_failing_on_one_rank_under_ddp():
     res = run_ranks(_worker_teacher_failure, 4, timeout=300,
                     env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
-    for rank, r in enumerate(res):
-        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
-        assert r["failed"][-1] < TIMEOUT, r["failed"]  # in seconds, not after a timeout
+
+    def expected(rank, _):
         if rank == 1:
-            _is_error(r["failed"], ("MemoryError",), "injected")
-        elif rank == 0:
-            _is_error(r["failed"], ("RingBrokenError",), "rank 1 failed")
-        else:
-            _is_error(r["failed"], ("RingPeerError",), "did not end on rank(s) [0, 1]",
-                      "rank 1: MemoryError: injected")
-    _assert_trains_as_one_process(res)
+            return ("MemoryError",), "injected"
+        if rank == 0:
+            return ("RingBrokenError",), "rank 1 failed"
+        return ("RingPeerError",), "did not end on rank(s) [0, 1]", "rank 1: MemoryError: injected"
+    _assert_cases_raised_in_seconds(res, ("failed",), expected)
 
 
 def test_a_no_grad_forward_failing_on_one_rank_under_ddp_with_sequence_parallelism():
     res = run_ranks(_worker_ddp_no_grad_failures, 4, timeout=300,
                     env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
-    for rank, r in enumerate(res):
-        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
-        for case in _DDP_NO_GRAD_CASES:
-            assert r[case][-1] < TIMEOUT, (case, r[case])  # in seconds, not after a timeout
-            if rank == 1:
-                _is_error(r[case], ("MemoryError",), "injected")
-            elif rank == 0 and case.endswith("at the head"):  # (at the forward's end)
-                _is_error(r[case], ("RingPeerError",), "failed where this rank did not")
-            elif rank == 0:
-                _is_error(r[case], ("RingBrokenError",), "rank 1 failed")  # in a ring call
-            elif case.startswith("evaluation forward"):  # (at the end of their backward)
-                _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [0, 1]",
-                          "rank 1: MemoryError: injected", "booster.reset()")
-            elif case == "reference forward":  # (at the loss)
-                _is_error(r[case], ("RingPeerError",), "failed where this rank did not")
-            else:  # (an evaluation of the other replica reaches none of its collectives)
-                assert r[case][0] == "ok", (case, r[case])
-    _assert_trains_as_one_process(res)
+
+    def expected(rank, case):
+        if rank == 1:
+            return ("MemoryError",), "injected"
+        if rank == 0 and case.endswith("at the head"):  # (at the forward's end)
+            return ("RingPeerError",), "failed where this rank did not"
+        if rank == 0:
+            return ("RingBrokenError",), "rank 1 failed"  # in a ring call
+        if case.startswith("evaluation forward"):  # (at the end of their backward)
+            return (("RingPeerError",), "did not end on rank(s) [0, 1]",
+                    "rank 1: MemoryError: injected", "booster.reset()")
+        if case == "reference forward":  # (at the loss)
+            return ("RingPeerError",), "failed where this rank did not"
+        return None  # (an evaluation of the other replica reaches none of its collectives)
+    _assert_cases_raised_in_seconds(res, _DDP_NO_GRAD_CASES, expected)
 
 
 def _worker_ddp_failures_without_buckets():
@@ -1135,20 +1146,17 @@ _DDP_CASES_WITHOUT_BUCKETS = ("no_sync backward", "no_sync evaluation", "after t
 def test_a_failure_where_ddp_sends_no_bucket_raises_everywhere():
     res = run_ranks(_worker_ddp_failures_without_buckets, 4, timeout=300,
                     env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
-    for rank, r in enumerate(res):
-        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
-        for case in _DDP_CASES_WITHOUT_BUCKETS:
-            assert r[case][-1] < TIMEOUT, (case, r[case])  # in seconds, not after a timeout
-            late = case == "after the last bucket"
-            if rank == 1:
-                _is_error(r[case], ("MemoryError",), "injected")
-            elif rank == 0 and not late:  # in its ring call
-                _is_error(r[case], ("RingBrokenError",), "rank 1 failed")
-            else:  # (at the end of their backward)
-                _is_error(r[case], ("RingPeerError",),
-                          "did not end on rank(s) [1]" if late else "did not end on rank(s) [0, 1]",
-                          "rank 1: MemoryError: injected", "booster.reset()")
-    _assert_trains_as_one_process(res)
+
+    def expected(rank, case):
+        late = case == "after the last bucket"
+        if rank == 1:
+            return ("MemoryError",), "injected"
+        if rank == 0 and not late:  # in its ring call
+            return ("RingBrokenError",), "rank 1 failed"
+        return (("RingPeerError",),  # (at the end of their backward)
+                "did not end on rank(s) [1]" if late else "did not end on rank(s) [0, 1]",
+                "rank 1: MemoryError: injected", "booster.reset()")
+    _assert_cases_raised_in_seconds(res, _DDP_CASES_WITHOUT_BUCKETS, expected)
 
 
 def _detach_layer_0(model):

@@ -23,10 +23,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-
-from .._dist import ring_timeout
 from torch.distributed.fsdp._common_utils import collect_grad_tensors
 
+from .._dist import ring_timeout
 from .completion import Completion, agree_on_status, bounded, peers_failed_error
 
 __all__ = ["DdpSum", "complete_after_failure", "sum_allreduce_hook"]

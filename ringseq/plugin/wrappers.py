@@ -646,7 +646,9 @@ class OptimizerWrapper:
             loss.backward(*args, **kwargs)
         if self.scaler is not None:  # (one loss over two models: scaled for both)
             for user in self.scaler._ringseq_users:
-                user._scaled = user._scaled or bool(user._grads())
+                user._scaled = user._scaled or any(
+                    p.grad is not None for group in user.optim.param_groups
+                    for p in group["params"])
 
     def step(self, *args, **kwargs):
         """The wrapped optimizer's step (through the grad scaler for fp16). Raises ValueError

@@ -1206,6 +1206,72 @@ def test_fsdp_completion_leaves_out_a_unit_without_gradients(tp_size):
     _assert_trains_as_one_process(res, prepare=_detach_layer_0)
 
 
+def _worker_two_models_one_backward(plugin_kwargs):
+    """W=4 as dp 2 x sp 2 (plus ``plugin_kwargs``), a GAN's step: two boosted models, the
+    generator's forward first, then the discriminator's loss (which does not reach the
+    generator) through ``booster.backward``, then the generator's. After a good step rank 1
+    raises in the discriminator's backward; every rank skips the step (zero_grad,
+    ``booster.reset()``) and runs one more. Before, the failing rank saw two models waiting and
+    completed neither: the other replica waited in the discriminator's collectives for the
+    process group's timeout."""
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, layout="zigzag",
+                                                        **plugin_kwargs))
+    inners = {"generator": _tiny_llama().double(), "discriminator": _tiny_llama().double()}
+    boosted = {name: booster.boost(m, torch.optim.SGD(m.parameters(), lr=0.1))[:3]
+               for name, m in inners.items()}
+    (gen, opt_g, crit), (disc, opt_d, _) = boosted["generator"], boosted["discriminator"]
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    batch = ringseq.shard_batch({"input_ids": ids, "labels": ids},
+                                group=booster.plugin.sp_group, layout="zigzag")
+    failing = {"at": False}
+
+    def fail_on_rank_1(*_):
+        if rank == 1 and failing["at"]:
+            raise MemoryError("injected: out of memory in the discriminator's backward")
+    inners["discriminator"].model.layers[1].mlp.register_full_backward_hook(fail_on_rank_1)
+
+    def step():
+        out_g = gen(**batch)  # (its backward is due)
+        booster.backward(crit(disc(**batch), batch), opt_d)
+        opt_d.step()
+        opt_d.zero_grad()
+        booster.backward(crit(out_g, batch), opt_g)
+        opt_g.step()
+        opt_g.zero_grad()
+
+    out = {"first": _capture(step)}
+    failing["at"] = True
+    out["failed step"] = _capture(step)
+    failing["at"] = False
+    opt_g.zero_grad()
+    opt_d.zero_grad()
+    booster.reset()
+    out["after"] = _capture(step)
+    out["params"] = {name: [getattr(p, "full_tensor", p.detach)().detach().clone()
+                            for p in m.parameters()]
+                     for name, m in inners.items()}
+    return out
+
+
+@pytest.mark.parametrize("plugin_kwargs", [{}, {"zero_stage": 3}], ids=["ddp", "fsdp"])
+def test_a_failure_in_the_backward_of_one_of_two_waiting_models(plugin_kwargs):
+    res = run_ranks(_worker_two_models_one_backward, 4, plugin_kwargs, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    want = _single_process_params()  # (both models: the same two good steps)
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        got = r["failed step"]
+        if rank == 1:
+            _is_error(got, ("MemoryError",), "injected")
+        else:  # (rank 0 in a ring call of the backward, the other replica at its end)
+            _is_error(got, ("RingBrokenError", "RingPeerError"), "rank 1")
+        for name, params in r["params"].items():
+            assert max(max_err(a, b) for a, b in zip(params, want)) < 1e-10, name
+
+
 def _worker_step_failure(zero_stage, tmp):
     """W=4 as dp 2 x sp 2: after a good step and a checkpoint, rank 1's optimizer step raises
     (out of memory laying out its state, say). Every rank must raise at once: rank 1 its own

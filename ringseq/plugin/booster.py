@@ -54,7 +54,8 @@ class Booster:
         ``RingPeerError`` naming the ranks whose backward raised. Recover with
         ``optimizer.zero_grad()`` and ``booster.reset()`` on every rank."""
         reporter = getattr(self.plugin, "reporter", None)
-        ctx = reporter.watch("backward") if reporter is not None else contextlib.nullcontext()
+        ctx = (reporter.watch("backward", loss=loss) if reporter is not None
+               else contextlib.nullcontext())
         step = getattr(optimizer, "_step", None)
         # (the failure report, sent when the backward raised, carries the step's tag too)
         tag = step.value if step is not None else 0

@@ -25,6 +25,18 @@ class Completion:
     seconds. The defaults do nothing."""
 
     expecting = False
+    #: the boosted model whose collectives these are, weakly (set by the plugin), or None
+    model_ref = None
+
+    def reached_by(self, leaves: set, hidden: bool) -> bool:
+        """Whether a backward whose autograd graph accumulates into the leaf tensors
+        ``leaves`` (their ids; ``hidden``: the graph holds a reentrant checkpoint, whose
+        parameters it does not show: ``grad_agreement.graph_leaves``) runs this model's
+        collectives on the ranks; True where it cannot be told."""
+        model = self.model_ref() if self.model_ref is not None else None
+        if model is None or hidden:
+            return True
+        return any(id(p) in leaves for p in model.parameters())
 
     def forward_started(self) -> None:
         """Before the boosted model's forward."""

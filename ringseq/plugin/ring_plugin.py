@@ -794,6 +794,7 @@ class RingSequenceParallelPlugin(Plugin):
             ddp.register_comm_hook(reduction, sum_allreduce_hook)
             model = ddp
         if reduction is not None:
+            reduction.model_ref = weakref.ref(model)
             self.reporter.reductions.append(reduction)
         # what the agreement before each booster.backward compares (grad_agreement)
         from .grad_agreement import GradUse

@@ -393,11 +393,12 @@ class FailureReporter:
         self.no_grad_group = None
 
     @contextlib.contextmanager
-    def watch(self, phase: str, reduction=None, agreed_at_end: bool = False):
+    def watch(self, phase: str, reduction=None, agreed_at_end: bool = False, loss=None):
         """``reduction``: for a forward, the boosted model's (the collectives this rank did
         not reach are completed while the ring report runs); a backward completes those of
-        the one reduction that waits for it. ``agreed_at_end``: a forward under no_grad that
-        every rank ends with :meth:`forward_ended`, where the loss report meets them."""
+        the one reduction that waits for it and that its ``loss`` reaches. ``agreed_at_end``:
+        a forward under no_grad that every rank ends with :meth:`forward_ended`, where the
+        loss report meets them."""
         before = self.ring.calls
         if phase == "backward":
             for reduction_ in self.reductions:
@@ -408,7 +409,7 @@ class FailureReporter:
             except (Exception, KeyboardInterrupt) as exc:
                 if dist.is_initialized():
                     self._after_failure(phase, exc, self.ring.calls - before, reduction,
-                                        agreed_at_end)
+                                        agreed_at_end, loss)
                 raise
             self._calls[phase] = self.ring.calls - before
             if phase == "backward":
@@ -471,7 +472,7 @@ class FailureReporter:
                                   "processes (booster.reset() refuses)")
 
     def _after_failure(self, phase: str, exc: BaseException, calls: int, reduction,
-                       agreed_at_end: bool = False) -> None:
+                       agreed_at_end: bool = False, loss=None) -> None:
         # The ring report waits for the peers' next ring call, and FSDP's collectives this
         # rank did not reach may come first on the peers (an all-gather before a layer's
         # attention, a reduce-scatter after it): the report runs in a thread meanwhile. For
@@ -527,6 +528,14 @@ class FailureReporter:
                 # Only the one model a backward waits on; with several boosted models waiting
                 # the ranks' next collectives cannot be told, and none is sent.
                 waiting = [r for r in self.reductions if r.expecting or r.reached()]
+                if waiting and loss is not None:
+                    # a model whose forward waits but which this loss does not reach: no
+                    # rank runs its collectives in this backward (the loss's graph is the
+                    # same program on every rank), so none are completed (before, this
+                    # rank waited in them for twice the ring timeout)
+                    from .grad_agreement import graph_leaves
+                    leaves, hidden = graph_leaves(loss)
+                    waiting = [r for r in waiting if r.reached() or r.reached_by(leaves, hidden)]
                 if len(waiting) == 1:
                     note = waiting[0].after_failure(2 * ring_timeout(), exc)
                 elif len(waiting) > 1:

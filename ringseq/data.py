@@ -57,6 +57,15 @@ def _packed_documents(batch: Mapping, b: int, s: int,
     return docs
 
 
+def _targets(name: str, labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` as int64 (byte-sized labels would wrap ignore_index, -100, to a real class,
+    156); ValueError for floating-point or bool labels."""
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"shard_batch: batch[{name!r}] must hold integer class ids (int64), "
+                         f"got dtype {labels.dtype}")
+    return labels.to(torch.int64)
+
+
 def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int = -100) -> dict:
     """This rank's part of a causal-LM batch, split along the sequence with ``layout``.
 
@@ -71,7 +80,9 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             boundaries; one of them alone is taken for both) and/or position ids that restart
             at 0 in every document -- what transformers' ``DataCollatorWithFlattening``
             returns -- or any batch when ``layout`` was built for its documents
-            (``Documents(cu_seqlens)``: every row packed alike; given position ids are kept).
+            (``Documents(cu_seqlens)``: every row packed alike; given position ids are kept:
+            a transformers model's ringseq attention takes only positions within each
+            document).
         group: process group of the ring (None: default group; world size 1 without one).
         layout: ``"zigzag"``, ``"contiguous"``, ``"stripe"``, ``"documents"`` (packed batches:
             :class:`ringseq.layouts.Documents` of the batch's boundaries, balanced for any
@@ -102,7 +113,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             (b, s, hidden) for ``inputs_embeds``; ``position_ids`` also (1, s)), a length the
             layout cannot split (``W``; ``2W`` for zigzag; the total for ``"documents"``),
             malformed document boundaries
-            or position ids of a packed batch, a packed batch of more than one row, or
+            or position ids of a packed batch, labels of a floating-point or bool dtype, a
+            packed batch of more than one row, or
             ``"documents"`` for a batch of several rows that is not packed (a one-row batch
             without boundaries is one document). Raised on every rank alike,
             before any communication, since every rank holds the same full batch.
@@ -131,9 +143,16 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     lay = get_layout(layout, "shard_batch")
     inner = getattr(lay, "base", lay)  # (a hybrid mode's layout wraps the documents layout)
     per_batch = isinstance(inner, PerBatchDocuments)
-    layout_docs = getattr(inner, "documents", None)
+    # (Ulysses alone: the wrapper carries the boundaries its contiguous split does not)
+    layout_docs = getattr(lay, "documents", None) or getattr(inner, "documents", None)
     if layout_docs is None:
         docs = _packed_documents(batch, b, s, per_batch)
+        if per_batch and docs is None:  # (several rows, not packed)
+            raise ValueError(f"shard_batch: layout 'documents' balances the documents of a "
+                             f"packed batch: one row with cu_seq_lens_q or position ids that "
+                             f"restart at 0 per document (DataCollatorWithFlattening's), got "
+                             f"{b} rows without document boundaries; use a layout such as "
+                             f"'zigzag', or Documents(cu_seqlens) for rows packed alike")
     else:
         # A layout built for documents (Documents(cu_seqlens)) is every row's packing: its
         # positions (unless given: kept as they are) and targets stop at the documents' ends.
@@ -189,7 +208,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     pos = batch.get("position_ids")
     if pos is not None:
         check_len("position_ids", pos, rows=(b, 1) if b != 1 else (1,))
-        out["position_ids"] = shard_local(pos, lay, world_size, rank, dim=1, fn="shard_batch")
+        out["position_ids"] = shard_local(pos.to(torch.int64).expand(b, -1), lay, world_size,
+                                          rank, dim=1, fn="shard_batch")
     else:
         device = (batch.get("input_ids") if batch.get("input_ids") is not None
                   else batch["inputs_embeds"]).device
@@ -202,14 +222,15 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     if batch.get("shift_labels") is not None and batch.get("labels") is None:
         # already targets (shifted by the caller): only shard them
         check_len("shift_labels", batch["shift_labels"])
-        out["shift_labels"] = shard_local(batch["shift_labels"], lay, world_size, rank, dim=1,
-                                          fn="shard_batch")
+        out["shift_labels"] = shard_local(_targets("shift_labels", batch["shift_labels"]), lay,
+                                          world_size, rank, dim=1, fn="shard_batch")
     labels = batch.get("labels")
     if labels is not None:
         check_len("labels", labels)
+        labels = _targets("labels", labels)
         # Shift over the full sequence first: the target of a shard's last token is the first
         # token of another rank's shard, which a per-shard shift would drop.
-        shifted = torch.full_like(labels, ignore_index)
+        shifted = torch.full_like(labels, ignore_index)  # (b, s) int64
         shifted[:, :-1] = labels[:, 1:]
         if docs is not None:  # the last token of a document has no target in the next one
             ends = torch.tensor([e - 1 for e in docs[1:] if e > 0], dtype=torch.long)

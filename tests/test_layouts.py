@@ -450,7 +450,29 @@ def test_shard_batch_refuses_tensors_of_another_batch_or_rank(key, value):
     # what is right passes: (1, s) position ids broadcast over the batch
     out = ringseq.shard_batch({"input_ids": ids, "position_ids": torch.arange(8)[None],
                                "labels": ids, "attention_mask": torch.ones(2, 8)})
-    assert out["shift_labels"].shape == (2, 8) and out["position_ids"].shape == (1, 8)
+    assert out["shift_labels"].shape == (2, 8) and out["position_ids"].shape == (2, 8)
+
+
+def test_shard_batch_gives_int64_targets_and_positions_whatever_their_dtype():
+    """As documented: ``shift_labels`` and ``position_ids`` (b, s // W) int64 (before: the
+    given dtype, and uint8 labels turned the "no target" -100 into class 156 at every
+    document's end)."""
+    ids = torch.tensor([[10, 20, 30, 40, 50, 60, 70, 80]])
+    out = ringseq.shard_batch({"input_ids": ids, "labels": ids.to(torch.uint8),
+                               "cu_seq_lens_q": torch.tensor([0, 4, 8], dtype=torch.int32)},
+                              layout="contiguous")
+    assert out["shift_labels"].dtype == torch.int64
+    assert out["shift_labels"].tolist() == [[20, 30, 40, -100, 60, 70, 80, -100]]
+    two = ids.repeat(2, 1)
+    out = ringseq.shard_batch({"input_ids": two, "shift_labels": two.to(torch.int32),
+                               "position_ids": torch.arange(8, dtype=torch.int32)[None]})
+    assert out["shift_labels"].dtype == out["position_ids"].dtype == torch.int64
+    assert out["position_ids"].tolist() == [list(range(8))] * 2
+    for dtype in (torch.float32, torch.bool):
+        with pytest.raises(ValueError, match=rf"^shard_batch: batch\['labels'\] must hold "
+                                             rf"integer class ids \(int64\), got dtype "
+                                             rf"{dtype}"):
+            ringseq.shard_batch({"input_ids": ids, "labels": ids.to(dtype)})
 
 
 @pytest.mark.parametrize("batch, kwargs, kind, message", [

@@ -884,3 +884,54 @@ def test_sdpa_forms_refuse_grouped_heads_without_enable_gqa():
         ringseq.ring_sdpa(q, k, k, enable_gqa=False)
     out = ringseq.ring_sdpa(q, k, k, enable_gqa=True)
     assert out.shape == q.shape
+
+
+def _documents_layout_batches():
+    """W=4: a ``Documents(cu)`` batch through each path that shards data for an sp mode:
+    ``sp.shard_batch`` (2 rows), ``ringseq.shard_batch`` with ``sp.data_layout`` and the
+    plugin's loader, for Ulysses 4 and hybrid 2 x 2."""
+    import ringseq
+    from torch.utils.data import DataLoader
+    from ringseq.layouts import Documents
+    from ringseq.plugin.dataloader import ShardedDataLoader
+    out = {}
+    for ulysses in (4, 2):
+        sp = ringseq.make_sp_groups(ulysses_size=ulysses)
+        lay = Documents(_DOC_CU)
+        ids = torch.arange(2 * 48).view(2, 48)
+        one = {"input_ids": ids[:1], "labels": ids[:1]}
+        loader = ShardedDataLoader(DataLoader([{"input_ids": ids[0], "labels": ids[0]}],
+                                              batch_size=1), sp.group, sp.data_layout(lay), 0)
+        got = {"sp.shard_batch, 2 rows": sp.shard_batch({"input_ids": ids, "labels": ids}, lay),
+               "data_layout": ringseq.shard_batch(one, sp.group, sp.data_layout(lay)),
+               "loader": next(iter(loader))}
+        shard = {k: (sp.shard(torch.arange(48)[None], lay).flatten().tolist(),
+                     {n: b[n].tolist() if torch.is_tensor(b[n]) else b[n] for n in b})
+                 for k, b in got.items()}
+        out[ulysses] = shard
+    return out
+
+
+_DOC_CU = (0, 1, 18, 21, 22, 48)  # a document of one token first
+
+
+def test_a_documents_layout_keeps_its_documents_in_every_sp_mode():
+    """Ulysses alone splits contiguously, but a ``Documents(cu)`` layout's boundaries still
+    stop positions and targets and reach the attention (before: plain positions, targets
+    across documents and no boundaries through ``data_layout`` and the plugin's loader --
+    the loss off by 5e-3, gradients by 0.08 -- and ``sp.shard_batch`` refused two rows)."""
+    res = run_ranks(_documents_layout_batches, 4, timeout=120)
+    starts = set(_DOC_CU[:-1])
+    ends = {e - 1 for e in _DOC_CU[1:]}
+    for rank, by_mode in enumerate(res):
+        for ulysses, cases in by_mode.items():
+            for case, (tokens, batch) in cases.items():
+                where = (rank, ulysses, case)
+                assert batch["cu_seq_lens_q"] == list(_DOC_CU), where
+                rows = len(batch["shift_labels"])
+                doc_start = [max(s for s in starts if s <= t) for t in tokens]
+                for r in range(rows):  # (row r holds tokens 48 r + t)
+                    assert batch["position_ids"][r] == [
+                        t - s for t, s in zip(tokens, doc_start)], where
+                    assert batch["shift_labels"][r] == [
+                        -100 if t in ends else 48 * r + t + 1 for t in tokens], where

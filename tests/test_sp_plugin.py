@@ -124,6 +124,11 @@ def _errors(state_dict):
     rank = torch.distributed.get_rank()
     out["mesh_differs"] = error_text(lambda: P(sp_size=2, mesh=rows if rank < 2 else cols))
     out["mesh_on_one_rank"] = error_text(lambda: P(sp_size=2, mesh=rows if rank == 0 else None))
+    # a dp dim that does not count up (before: a replica's ranks loaded different samples)
+    out["dp_down"] = error_text(lambda: P(sp_size=2, mesh=DeviceMesh(
+        "cpu", [[2, 3], [0, 1]], mesh_dim_names=("dp", "sp"))))
+    out["dp_down_ulysses"] = error_text(lambda: P(sp_size=2, sp_mode="ulysses", mesh=DeviceMesh(
+        "cpu", [[[0, 3]], [[1, 2]]], mesh_dim_names=("dp", "sp_r", "sp_u"))))
     out["ulysses_inner"] = error_text(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=2,
                                               ulysses_inner="no"))
     from ringseq.parallel.groups import sp_groups_from_tables
@@ -254,6 +259,19 @@ def test_meshes_that_differ_between_ranks_raise_on_every_rank(run):
         assert e.startswith("RingMismatchError") and "mesh shape and ranks" in e and \
             "rank 1: [] (0 values)" in e, e
         assert "mesh dim names (rank 0: 'dp,sp', rank 1: 'none passed'" in e, e
+
+
+def test_a_mesh_whose_dp_dim_does_not_count_up_raises_on_every_rank(run):
+    """torch numbers a dp group's ranks in sorted order, not by mesh coordinate: before, the
+    sp or tp peers of one replica took different data-parallel indices, loaded different
+    samples, and FSDP's shards gathered out of order -- silently."""
+    for key, dp_slice, table in (("dp_down", "[2, 0]", "[[2, 3], [0, 1]]"),
+                                 ("dp_down_ulysses", "[3, 2]", "[[[0, 3]], [[1, 2]]]")):
+        for e in _raised(run, key):
+            assert e == (f"ValueError: RingSequenceParallelPlugin: the mesh must list the ranks "
+                         f"along its 'dp' dim in increasing order (torch numbers the "
+                         f"data-parallel groups by sorted rank), got the dp slice {dp_slice} "
+                         f"in {table}; permute the other dims instead"), e
 
 
 def test_ulysses_inner_must_be_a_bool(run):

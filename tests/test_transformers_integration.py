@@ -523,8 +523,11 @@ def test_documents_layout_takes_a_one_document_row():
     with pytest.raises(ValueError, match="position_ids of a packed batch"):
         ringseq.shard_batch({"input_ids": ids, "position_ids": torch.arange(5, 21)[None]},
                             layout="documents")
-    # several rows without boundaries are no packed batch
-    with pytest.raises(ValueError, match="GLOBAL document boundaries"):
+    # several rows without boundaries are no packed batch (before: advice to pass
+    # cu_seqlens, which shard_batch does not take)
+    with pytest.raises(ValueError, match=r"^shard_batch: layout 'documents' balances the "
+                                         r"documents of a packed batch: .* got 2 rows without "
+                                         r"document boundaries; use a layout such as 'zigzag'"):
         ringseq.shard_batch({"input_ids": ids.expand(2, -1)}, layout="documents")
 
 

@@ -205,13 +205,17 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
             else:
                 what = ("positions within their documents" if docs is not None else
                         "global positions")
+                # (a batch sharded with position ids given to it keeps them: say so)
+                advice = (f"leave position_ids out of the batch you give {sharder}: it numbers "
+                          "every document from 0" if docs is not None else
+                          f"pass the batch of {sharder}; without its position_ids the model "
+                          "numbers every shard from 0, and packed documents need their "
+                          "boundaries, cu_seq_lens_q, which it returns")
                 # (the layout this model was switched with: a ring of one places tokens as
                 # 'contiguous' under every layout, which the user never named)
                 problems.append(
                     f"position_ids that are not the {what} of this rank's tokens under layout "
-                    f"{settings.layout.name!r} (pass the batch of {sharder}; without its "
-                    "position_ids the model numbers every shard from 0, and packed documents "
-                    "need their boundaries, cu_seq_lens_q, which it returns)")
+                    f"{settings.layout.name!r} ({advice})")
     # On the ring's control channel: a peer's failure report (raised in its embedding, say)
     # meets this check instead of waiting for it.
     get_ring(settings.group).agree(

@@ -192,15 +192,22 @@ class SequenceParallelGroups:
     def data_layout(self, layout="zigzag") -> Layout:
         """The layout of the tokens over :attr:`group` for ring layout ``layout`` (the layout
         itself when U = 1, else a :class:`SequenceParallelLayout`; with R = 1 the ring layout
-        does not apply and the split is contiguous). ValueError for an unknown layout."""
+        does not apply and the split is contiguous, but a ``Documents(cu_seqlens)`` layout's
+        boundaries still stop the positions and targets of ``shard_batch``). ValueError for an
+        unknown layout."""
         lay = ring_layout(layout, self.ring_size, "data_layout")
+        # (a ring of one splits contiguously; a Documents layout's boundaries still stop the
+        # positions and targets: shard_batch reads them from the layout)
+        docs = getattr(get_layout(layout), "documents", None)
         if self.ulysses_size == 1:
-            return lay
-        key = (id(lay), lay.name)
+            # (a group of one: the Documents layout itself, which keeps every token in place)
+            return lay if docs is None else get_layout(layout)
+        key = (id(lay), lay.name, docs)
         cache = self.__dict__.setdefault("_layouts", {})
         hit = cache.get(key)
         if hit is None or hit.base is not lay:
-            hit = SequenceParallelLayout(lay, self.ring_size, self.ulysses_size, self.coords)
+            hit = SequenceParallelLayout(lay, self.ring_size, self.ulysses_size, self.coords,
+                                         docs)
             cache[key] = hit
         return hit
 
@@ -227,12 +234,6 @@ class SequenceParallelGroups:
     def shard_batch(self, batch, layout="zigzag", ignore_index: int = -100) -> dict:
         """:func:`ringseq.shard_batch` over :attr:`group` with :meth:`data_layout`."""
         lay = self._data_layout_for("shard_batch", layout)
-        docs = getattr(get_layout(layout), "documents", None)
-        if docs is not None and self.ring_size == 1 and batch.get("cu_seq_lens_q") is None \
-                and batch.get("cu_seq_lens_k") is None:
-            # A ring of one splits contiguously, but a layout built for documents still says
-            # where they end (positions, targets, the attention's boundaries).
-            batch = {**batch, "cu_seq_lens_q": torch.tensor(docs, dtype=torch.int32)}
         return shard_batch(batch, group=self.group, layout=lay, ignore_index=ignore_index)
 
     def process_groups(self) -> list:

@@ -29,12 +29,16 @@ class SequenceParallelLayout(Layout):
 
     ``coords[f] = (ring rank, Ulysses rank)`` of rank ``f`` of the whole group. It places
     tokens only; attention on it is :func:`usp_attn_func` (its block schedule raises).
+    ``documents``: the global document boundaries of the user's layout (a
+    ``Documents(cu_seqlens)``) where ``base`` does not carry them (a ring of one splits
+    contiguously), else None: ``shard_batch`` still stops positions and targets at them.
     """
 
     def __init__(self, base: Layout, ring_size: int, ulysses_size: int,
-                 coords: Sequence[Tuple[int, int]]):
+                 coords: Sequence[Tuple[int, int]], documents=None):
         self.base, self.ring_size, self.ulysses_size = base, ring_size, ulysses_size
         self.coords = tuple(tuple(c) for c in coords)
+        self.documents = documents if getattr(base, "documents", None) is None else None
         order = "u" if all(c == (f // ulysses_size, f % ulysses_size)
                            for f, c in enumerate(self.coords)) else "r"
         self.name = f"{base.name}|sp[R={ring_size},U={ulysses_size},{order}-inner]"
@@ -42,7 +46,7 @@ class SequenceParallelLayout(Layout):
     @property
     def code(self) -> int:
         # the wrapped layout's code too: a Documents layout's boundaries are not in its name
-        return stable_code(f"{self.name}#{self.base.code}")
+        return stable_code(f"{self.name}#{self.base.code}#{self.documents}")
 
     def multiple(self, world_size):
         self._check_world(world_size)
@@ -85,7 +89,8 @@ class SequenceParallelLayout(Layout):
             if len(cache) > 16:
                 cache.clear()
             hit = cache[id(base)] = SequenceParallelLayout(base, self.ring_size,
-                                                           self.ulysses_size, self.coords)
+                                                           self.ulysses_size, self.coords,
+                                                           self.documents)
         return hit
 
     def _tasks(self, rank, src, world_size, s_local):

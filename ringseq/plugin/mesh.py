@@ -111,6 +111,23 @@ def _with_tp(groups: MeshGroups) -> MeshGroups:
     return groups
 
 
+def _check_dp_counts_up(mesh) -> None:
+    """ValueError (on every rank: the mesh is the same table everywhere) unless the ranks
+    along the mesh's 'dp' dim increase in every slice. torch numbers a dp process group's
+    ranks in sorted order, not by mesh coordinate: with a dp dim that does not count up, the
+    ranks of one replica (its sp or tp peers) took different data-parallel indices and loaded
+    different samples, and FSDP's shards gathered out of order (silently wrong training and
+    checkpoints)."""
+    table = mesh.mesh.movedim(mesh.mesh_dim_names.index("dp"), -1)  # (..., dp)
+    rows = table.reshape(-1, table.shape[-1])
+    bad = [r for r in rows.tolist() if r != sorted(r)]
+    if bad:
+        raise ValueError(f"the mesh must list the ranks along its 'dp' dim in increasing "
+                         f"order (torch numbers the data-parallel groups by sorted rank), got "
+                         f"the dp slice {bad[0]} in {mesh.mesh.tolist()}; permute the other "
+                         f"dims instead")
+
+
 def build_mesh(sp_size: int, mesh=None, device_type: str = None, tp_size: int = 1
                ) -> MeshGroups:
     """Builds (or checks) the mesh with dims ``("dp", "sp", "tp")`` over the default group.
@@ -149,6 +166,7 @@ def build_mesh(sp_size: int, mesh=None, device_type: str = None, tp_size: int = 
             raise ValueError(f"the mesh covers {mesh.size()} ranks but the world has {world}; "
                              f"dp * sp * tp must equal the world size (sp one of "
                              f"{valid_sp_sizes(world)})")
+        _check_dp_counts_up(mesh)
         if sp_size is not None and mesh["sp"].size() != sp_size:
             raise ValueError(f"sp_size={sp_size} but the mesh's 'sp' dim has size "
                              f"{mesh['sp'].size()}")
@@ -208,6 +226,7 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
                              f"'tp'), got {names or 'unnamed dims'}")
         if mesh.size() != world:
             raise ValueError(f"the mesh covers {mesh.size()} ranks but the world has {world}")
+        _check_dp_counts_up(mesh)
         dims = dict(zip(names, mesh.mesh.shape))
         mesh_tp = _mesh_tp(mesh, names, tp_size)
         mesh_sp = mesh.size() // (dims["dp"] * mesh_tp)

@@ -80,6 +80,16 @@ def spot_check(full, out_local, positions, causal, rows, window=(-1, -1), cu_seq
             float((plain.double() - ref).abs().max()))
 
 
+def max_over_ranks(values, device=None) -> torch.Tensor:
+    """(len(values),) float64: each value's maximum over the ranks of the default group, a
+    NaN on any rank as inf. (gloo's MAX drops a NaN or keeps it by the order of its operands:
+    a rank whose output was all NaN passed the spot check.)"""
+    t = torch.tensor([float(x) for x in values], dtype=torch.float64, device=device)
+    t = torch.nan_to_num(t, nan=float("inf"))  # (len(values),)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def synchronize(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from common import (CHECK_FLOOR, DTYPES, PeakMemory, cpu_header, environment, format_table,
-                    mib, progress, run_with_load, spawn_cpu_ranks, spot_check,
+                    max_over_ranks, mib, progress, run_with_load, spawn_cpu_ranks, spot_check,
                     threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
@@ -142,8 +142,7 @@ def _rank(args, case):
     pos = ringseq.layouts.positions_local(s, bound, world, rank)
     err, plain_err = spot_check(full, out0, pos, True, rows, window=case["window"],
                                 cu_seqlens=case["cu"])
-    errs = torch.tensor([err, plain_err, err - 2 * plain_err], dtype=torch.float64)
-    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    errs = max_over_ranks([err, plain_err, err - 2 * plain_err])
     delta = ringseq.kernels.compute_delta(dd, out0)
     acc = [torch.zeros(t.shape, dtype=lse0.dtype) for t in (qd, kd, vd)]
     # the real K/V of each step's source rank (every rank holds the full tensors here), as the

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from common import (CHECK_FLOOR, DTYPES, PeakMemory, Stage, attention_flops, busy_cores,  # noqa: F401
-                    mib, proc_stat, progress, spot_check, time_ms)
+                    max_over_ranks, mib, proc_stat, progress, spot_check, time_ms)
 from masked_ring import visible_pairs
 
 import ringseq
@@ -194,9 +194,7 @@ def measure_row(args, device, dtype, group, be, layout, causal, mode, main):
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     # Each rank's error against its own plain error (a rank whose rows see few keys has a
     # larger one, which must not become the bound of another rank's rows): the worst excess.
-    errs = torch.tensor([err, plain_err, err - 2 * plain_err], dtype=torch.float64,
-                        device=device)
-    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    errs = max_over_ranks([err, plain_err, err - 2 * plain_err], device)
     flops = attention_flops(args.batch, args.heads, args.seqlen, args.seqlen, args.headdim, causal, mode)
     row = {
         "layout": layout, "causal": causal, "mode": mode, "world_size": world,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from common import (PeakMemory, attention_flops, cpu_header, environment, format_table,  # noqa: E402
-                    init_launched_group, mib, progress, run_with_load, spot_check,
+                    init_launched_group, max_over_ranks, mib, progress, run_with_load, spot_check,
                     spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
@@ -78,9 +78,7 @@ def expected_bytes(b, s, h, h_kv, d, itemsize, U, R, I=None, acc_itemsize=4):
 
 
 def _max(x, device):
-    t = torch.tensor([float(x)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return float(max_over_ranks([x], device)[0])
 
 
 def sp_layout_of(args) -> str:

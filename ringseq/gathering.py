@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._dist import group_info, named_for
-from .engine.ring import get_ring
+from ._dist import named_for
+from .engine.ring import get_ring, group_info_or_refuse
 from .layouts import get_layout
 from .layouts.sharding import scattered, seq_dim, shard_local
 
@@ -83,7 +83,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     that back-propagate different unshard calls raise ``ringseq.RingMismatchError``. (All of
     this with the consistency checks on, the default; see the module doc.)
     """
-    world_size, rank = group_info(group, "unshard")
+    world_size, rank = group_info_or_refuse(group, "unshard", "unshard")
     if world_size == 1:
         lay = get_layout(layout, "unshard")
         dim = seq_dim("unshard", x_local, dim)
@@ -99,6 +99,9 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
         lay = get_layout(layout, "unshard")
         code = lay.code
         dim = seq_dim("unshard", x_local, dim)
+        if x_local.is_meta:  # (no data: the all-gather would return at once on this rank only)
+            raise ValueError("unshard: x_local must be a tensor with data (CPU or CUDA), got "
+                             "one on the meta device")
         lay.check_local_seqlen(x_local.shape[dim], world_size)
         # (a layout of the user's: its positions over the ranks are checked here, once per
         # length, rather than after the all-gather)
@@ -107,6 +110,8 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
         problem, dim = exc, -1
     except ValueError as exc:
         problem, dim = named_for("unshard", exc), -1
+    except Exception as exc:  # noqa: BLE001 - a user layout's own error meets the peers too
+        problem, dim = exc, -1
     shape = tuple(x_local.shape) if torch.is_tensor(x_local) else ()
     dtype = getattr(x_local, "dtype", None)
     fields = _shape_fields(shape) + (

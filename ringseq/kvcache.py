@@ -46,6 +46,9 @@ def _check_tensor(fn: str, name: str, t, dims: int, layout: str) -> None:
         raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}, got {type(t).__name__}")
     if t.dim() != dims:
         raise ValueError(f"{fn}: {name} must be {layout}, got shape {tuple(t.shape)}")
+    if t.is_meta:  # (no data: its values are read, as counts too)
+        raise ValueError(f"{fn}: {name} must be a tensor with data (CPU or CUDA), got one on "
+                         f"the meta device")
 
 
 _INT32_RANGE = (-2 ** 31, 2 ** 31 - 1)
@@ -607,7 +610,7 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
                           layout, softmax_scale, causal, window_size, softcap, rotary_cos,
                           rotary_sin, rotary_interleaved, cache_leftpad, alibi_slopes,
                           num_splits, return_softmax_lse, prefill_len)
-    except (TypeError, ValueError, NotImplementedError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any refusal (a user layout's too) meets the peers
         problem, plan = exc, None
     # On the ring's control channel: the other ranks raise RingPeerError naming this one (and
     # its message) instead of waiting in the all-gather, and ranks whose calls differ

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ._args import as_int, given
 from ._dist import group_info
 from .engine.integrity import fit_message
-from .engine.ring import get_ring
+from .engine.ring import get_ring, group_info_or_refuse
 from .spec import dtype_code
 
 __all__ = ["report_step_failure", "sharded_cross_entropy"]
@@ -91,7 +91,7 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     agree on the control channel before the reduction). ``RingMismatchError`` (a ValueError)
     on every rank when the ranks' ``ignore_index``, vocabulary sizes or logits dtypes differ.
     """
-    world_size, _ = group_info(group, "sharded_cross_entropy")
+    world_size, _ = group_info_or_refuse(group, "sharded_cross_entropy", "loss")
     try:
         if as_int(ignore_index) is None:
             raise TypeError(f"sharded_cross_entropy: ignore_index must be an int, got "
@@ -106,6 +106,11 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
         if not torch.is_tensor(labels):
             raise TypeError(f"sharded_cross_entropy: labels must be an integer tensor (...) "
                              f"of class indices, got {given(labels)}")
+        on_meta = [n for n, t in (("logits", logits), ("labels", labels)) if t.is_meta]
+        if on_meta:
+            raise ValueError(f"sharded_cross_entropy: logits and labels must be tensors with "
+                             f"data (CPU or CUDA), got {' and '.join(on_meta)} on the meta "
+                             f"device")
         # float32 at least: bf16 log-softmax over a large vocabulary loses the loss's digits
         acc = torch.promote_types(logits.dtype, torch.float32)
         if logits.shape[:-1] != labels.shape:

@@ -195,13 +195,17 @@ def test_the_ranks_cpu_time_is_not_counted_as_other_processes_load():
 _FAULT = """import os
 if os.environ.get("RINGSEQ_TEST_FAULT_RANK"):
     import ringseq, torch.distributed as dist
-    _ring = ringseq.ring_flash_attn_func
-    def _faulty(*a, **k):
-        out = _ring(*a, **k)
-        if dist.is_initialized() and dist.get_rank() == int(os.environ["RINGSEQ_TEST_FAULT_RANK"]):
-            out = (out[0] + 1.5e-2,) + out[1:] if isinstance(out, tuple) else out + 1.5e-2
-        return out
-    ringseq.ring_flash_attn_func = _faulty
+    def _faulty(call):
+        def faulty(*a, **k):
+            out = call(*a, **k)
+            if dist.is_initialized() and \
+                    dist.get_rank() == int(os.environ["RINGSEQ_TEST_FAULT_RANK"]):
+                fault = float(os.environ.get("RINGSEQ_TEST_FAULT", "1.5e-2"))
+                out = (out[0] + fault,) + out[1:] if isinstance(out, tuple) else out + fault
+            return out
+        return faulty
+    ringseq.ring_flash_attn_func = _faulty(ringseq.ring_flash_attn_func)
+    ringseq.usp_attn_func = _faulty(ringseq.usp_attn_func)
 """
 
 
@@ -234,6 +238,26 @@ def test_a_wrong_result_on_one_rank_fails_the_spot_check(tmp_path):
                           cwd=ROOT, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "spot check failed" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("job, rank", [(["--layouts", "contiguous", "--modes", "fwd"], "0"),
+                                       (["--sp-mode", "ring"], "1")], ids=["layout", "sp-mode"])
+def test_an_all_nan_result_on_one_rank_fails_the_spot_check(tmp_path, job, rank):
+    """A NaN error on one rank counts as infinite over the ranks (before: gloo's MAX dropped
+    it, the row passed and the run exited 0)."""
+    (tmp_path / "sitecustomize.py").write_text(_FAULT)
+    env = dict(os.environ, RINGSEQ_TEST_FAULT_RANK=rank, RINGSEQ_TEST_FAULT="nan",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "ring.json"
+    proc = subprocess.run([sys.executable, BENCH, "--world-size", "2", "--seqlen", "512", *job,
+                           "--repeats", "1", "--warmup", "0", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "spot check failed" in proc.stdout.lower() and " inf " in proc.stdout, \
+        proc.stdout[-3000:]
+    data = json.loads(out.read_text())
+    rows = data.get("results") or data["sp_modes"]
+    assert rows and not any(r["check_ok"] for r in rows), rows
 
 
 @pytest.mark.parametrize("job", [["--window", "64", "--layouts", "contiguous"],

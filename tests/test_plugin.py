@@ -343,6 +343,8 @@ def _error_cases(state_dict, ckpt_dir):
     twice = _model(state_dict)
     booster.boost(twice)
     out["boost_twice"] = error_text(lambda: booster.boost(twice))
+    # (before: "has no attention that ringseq can switch", naming OptimizedModule)
+    out["boost_compiled"] = error_text(lambda: booster.boost(torch.compile(_model(state_dict))))
     # (another plugin may: what one plugin registered for the module is its own)
     out["boost_by_another_plugin"] = error_text(
         lambda: Booster(plugin=RingSequenceParallelPlugin(sp_size=2)).boost(twice))
@@ -664,6 +666,9 @@ def test_misconfigurations_fail_on_every_rank(run):
             "'ignore_index': -1" in e["loss_ignore_index"], e["loss_ignore_index"]
         assert e["boost_twice"].startswith("ValueError: boost: this LlamaForCausalLM was "
                                            "already boosted (by this plugin"), e["boost_twice"]
+        assert e["boost_compiled"] == (
+            "ValueError: boost: model is a torch.compile'd LlamaForCausalLM (OptimizedModule); "
+            "boost the model itself, then compile the model boost returns"), e["boost_compiled"]
         assert e["boost_by_another_plugin"] == "no error", e["boost_by_another_plugin"]
         assert e["mesh_names"].startswith("ValueError") and "('dp', 'sp')" in e["mesh_names"]
         plugin = "ValueError: RingSequenceParallelPlugin: "  # (the refusals name the plugin)

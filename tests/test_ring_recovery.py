@@ -164,6 +164,23 @@ def _case_one_rank_bad_argument():
         kk = k.to("meta") if (name == "meta" and rank == 1) else k
         out[name] = _capture(lambda: ringseq.ring_flash_attn_func(q, kk, v, causal=True,
                                                                   layout="zigzag", **kw))
+    # the other collectives' arguments (before: rank 0 waited for the ring timeout; a meta
+    # shard was even returned by unshard on rank 1)
+    logits, labels = torch.randn(1, 8, 5), torch.zeros(1, 8, dtype=torch.long)
+    cache = torch.zeros(1, 8, 2, 8, dtype=q.dtype)
+
+    def meta_on_1(t):
+        return t.to("meta") if rank == 1 else t
+    group = "world" if rank == 1 else None
+    for name, call in {
+            "unshard meta": lambda: ringseq.unshard(meta_on_1(q), "zigzag"),
+            "unshard group": lambda: ringseq.unshard(q, "zigzag", group=group),
+            "loss meta": lambda: ringseq.sharded_cross_entropy(meta_on_1(logits), labels),
+            "loss group": lambda: ringseq.sharded_cross_entropy(logits, labels, group=group),
+            "decode meta": lambda: ringseq.ring_flash_attn_with_kvcache(
+                meta_on_1(q[:, :1]), meta_on_1(cache), meta_on_1(cache), 6, prefill_len=8),
+    }.items():
+        out[name] = _capture(call)
     out["after"] = _capture(_exact)
 
     def f(x):
@@ -1705,7 +1722,16 @@ def test_different_group_objects_are_named(w2):
     ("meta", "ValueError", "meta device"),
     ("window", "ValueError", "window_size entries must be >= 0"),
     ("group", "TypeError", "ring_flash_attn_func: group must be a torch.distributed "
-                           "ProcessGroup or None")])
+                           "ProcessGroup or None"),
+    ("unshard meta", "ValueError", "unshard: x_local must be a tensor with data (CPU or CUDA), "
+                                   "got one on the meta device"),
+    ("unshard group", "TypeError", "unshard: group must be a torch.distributed ProcessGroup"),
+    ("loss meta", "ValueError", "sharded_cross_entropy: logits and labels must be tensors with "
+                                "data"),
+    ("loss group", "TypeError", "sharded_cross_entropy: group must be a torch.distributed "
+                                "ProcessGroup"),
+    ("decode meta", "ValueError", "ring_flash_attn_with_kvcache: q must be a tensor with data "
+                                  "(CPU or CUDA), got one on the meta device")])
 def test_one_rank_bad_argument_raises_everywhere(w2, name, kind, needle):
     _is_error(w2[1]["bad_argument"][name], (kind,), needle)
     _is_error(w2[0]["bad_argument"][name], ("RingPeerError",), "rank(s) [1]", needle)

@@ -557,7 +557,7 @@ def test_packed_batch_boundaries_from_any_source():
     batch = ringseq.shard_batch({"input_ids": two, "labels": two,
                                  "position_ids": torch.arange(16)[None]},
                                 layout=Documents([0, 5, 16]))
-    assert batch["position_ids"].tolist() == [list(range(16))]  # (1, s) as given
+    assert batch["position_ids"].tolist() == [list(range(16))] * 2  # (1, s) given, (b, s) out
     assert batch["shift_labels"].tolist() == [want_labels,
                                               [x + 100 if x >= 0 else x for x in want_labels]]
     restarting = torch.tensor([want_pos] * 2)  # (2, s), per document

@@ -31,9 +31,8 @@ from .integrity import (_N_FIELDS, BROKEN, CHECK, CONTROL_WORDS, FAIL, FAILED, F
                         mismatch_error)
 from .transport import RingComm, Transport, _timeout_exc
 
-__all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "meet_as_failed", "refuse_on_error",
-           "reset_ring",
-           "ring_size"]
+__all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "group_info_or_refuse",
+           "meet_as_failed", "refuse_on_error", "reset_ring", "ring_size"]
 
 
 class Ring:
@@ -543,6 +542,26 @@ def refuse_on_error(group, kind: int, failed: bool = False):
                 raise exc from None
             _refuse(get_ring(None), kind, exc, failed)
         _refuse(ring, kind, exc, failed)
+
+
+def group_info_or_refuse(group, fn: str, about: str):
+    """``group_info(group, fn)`` for a collective whose ranks meet first in the agreement
+    ``about``: a ``group`` that is no process group at all (a typo, a name) raises TypeError
+    after meeting that agreement on the default group's ring as a refusal, where a group=None
+    peer waits (RingPeerError there; a peer of another group times out rather than pairing),
+    as :func:`refuse_on_error` does for the attention calls."""
+    try:
+        return group_info(group, fn)
+    except TypeError as exc:
+        if not is_initialized():
+            raise
+        try:
+            get_ring(None).refuse(CHECK, exc, about=agreement_code(about))
+        except RingTimeoutError as timeout:
+            if timeout is exc:
+                raise
+            raise exc from timeout
+        raise
 
 
 def _refuse(ring: Ring, kind: int, exc: BaseException, failed: bool) -> None:

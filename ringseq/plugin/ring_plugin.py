@@ -706,6 +706,12 @@ class RingSequenceParallelPlugin(Plugin):
                                  f"plugin, or its parameters are already sharded DTensors); "
                                  f"boost a fresh model, or keep using the model the first boost "
                                  f"returned")
+            if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+                # (torch.compile's wrapper: its attention was traced before the switch)
+                raise ValueError(f"boost: model is a torch.compile'd "
+                                 f"{type(model._orig_mod).__name__} ({type(model).__name__}); "
+                                 f"boost the model itself, then compile the model boost "
+                                 f"returns")
             criterion = self._criterion(criterion)
             if isinstance(criterion, SequenceParallelLoss):
                 criterion.reporter = self.reporter

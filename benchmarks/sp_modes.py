@@ -214,36 +214,52 @@ def report_sp(args, rows, device, load):
 
 def fitting_sp_modes(modes, all_modes: bool, world: int, heads: int, ulysses_size: int,
                      inner_ring_size: int):
-    """The modes to run: with ``all_modes`` only the double rings that have more than one inner
-    ring; SystemExit (a usage error's text) for a mode whose sizes do not fit the world size
-    and the heads."""
+    """The modes to run: SystemExit (a usage error's text) for a mode whose sizes do not fit
+    the world size and the heads; with ``all_modes`` those modes are left out instead, and so
+    are the modes that would repeat another here (a hybrid whose ring is one rank is the
+    Ulysses mode, a double ring of one inner ring the plain ring)."""
     if all_modes:
-        modes = [m for m in modes if "double" not in m
-                 or world // mode_sizes(m, world, ulysses_size, inner_ring_size)[0]
-                 > inner_ring_size > 1]
+        return [m for m in modes
+                if _misfit(m, world, heads, ulysses_size, inner_ring_size) is None
+                and _distinct(m, world, ulysses_size, inner_ring_size)]
     for mode in modes:
-        U, I = mode_sizes(mode, world, ulysses_size, inner_ring_size)
-        R = world // U
-        if I is not None and I < 2:
-            # (a double ring is one of inner rings of more than one rank: with rings of one
-            # the library runs the plain ring, which the row would have named a double ring
-            # and held to the double ring's byte formula)
-            raise SystemExit(f"--sp-mode {mode}: --inner-ring-size {I} must be at least 2 (an "
-                             f"inner ring of one rank is the plain ring: --sp-mode ring)")
-        # (each condition named by the option that sets it: the Ulysses degree is
-        # --ulysses-size in the hybrid, the world size itself in the Ulysses mode)
-        degree = "--ulysses-size" if mode.startswith("hybrid") else "the world size"
-        if world % U:
-            raise SystemExit(f"--sp-mode {mode}: the Ulysses degree {U} ({degree}) must "
-                             f"divide --world-size {world}")
-        if heads % U:
-            raise SystemExit(f"--sp-mode {mode}: --heads {heads} must be a multiple of the "
-                             f"Ulysses degree {U} ({degree}): each rank of the all-to-all "
-                             f"takes whole heads")
-        if I and R % I:
-            raise SystemExit(f"--sp-mode {mode}: --inner-ring-size {I} must divide the ring "
-                             f"size {R} (--world-size {world} / Ulysses degree {U})")
+        problem = _misfit(mode, world, heads, ulysses_size, inner_ring_size)
+        if problem is not None:
+            raise SystemExit(f"--sp-mode {mode}: {problem}")
     return modes
+
+
+def _misfit(mode, world, heads, ulysses_size, inner_ring_size):
+    """Why ``mode``'s sizes do not fit the world size and the heads, or None."""
+    U, I = mode_sizes(mode, world, ulysses_size, inner_ring_size)
+    R = world // U
+    if I is not None and I < 2:
+        # (a double ring is one of inner rings of more than one rank: with rings of one
+        # the library runs the plain ring, which the row would have named a double ring
+        # and held to the double ring's byte formula)
+        return (f"--inner-ring-size {I} must be at least 2 (an inner ring of one rank is the "
+                f"plain ring: --sp-mode ring)")
+    # (each condition named by the option that sets it: the Ulysses degree is
+    # --ulysses-size in the hybrid, the world size itself in the Ulysses mode)
+    degree = "--ulysses-size" if mode.startswith("hybrid") else "the world size"
+    if world % U:
+        return f"the Ulysses degree {U} ({degree}) must divide --world-size {world}"
+    if heads % U:
+        return (f"--heads {heads} must be a multiple of the Ulysses degree {U} ({degree}): "
+                f"each rank of the all-to-all takes whole heads")
+    if I and R % I:
+        return (f"--inner-ring-size {I} must divide the ring size {R} (--world-size {world} "
+                f"/ Ulysses degree {U})")
+    return None
+
+
+def _distinct(mode, world, ulysses_size, inner_ring_size) -> bool:
+    """Whether ``mode`` runs something the other modes of ``all`` do not (sizes that fit)."""
+    U, I = mode_sizes(mode, world, ulysses_size, inner_ring_size)
+    R = world // U
+    if (mode.startswith("hybrid") and R == 1) or (mode == "ulysses" and U == 1):
+        return False  # (the Ulysses mode; a Ulysses group of one is the plain ring)
+    return I is None or R > I  # (one inner ring: the plain ring or the hybrid)
 
 
 def main_sp(args, launched, device):

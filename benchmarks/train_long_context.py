@@ -149,10 +149,13 @@ def parse_args(argv=None):
     if args.dtype == "fp16" and args.zero:
         p.error(f"--dtype fp16 with --zero {args.zero}: the plugin's fp16 loss scaling needs "
                 f"unsharded gradients (--zero 0); use bf16")
-    if args.backend is not None:  # a name the ranks would refuse, refused before they start
+    if args.backend is not None:  # a backend the ranks would refuse, refused before they start
+        from common import launcher_device
         from ringseq.kernels import get_backend
+        device = launcher_device()[1]  # (and the dtype main() picks for it)
+        dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
         try:
-            get_backend(args.backend)
+            get_backend(args.backend, device, dtype, args.hidden // args.heads)
         except ValueError as exc:
             p.error(f"--backend {args.backend}: {exc}")
     # the world: the launcher's (torchrun) or --world-size spawned ranks
@@ -329,8 +332,11 @@ def run_rank(args, device):
             tol = 1e-4 if args.dtype == "fp32" else 2e-3
             for i, (a, b) in enumerate(zip(res["losses"], runs[1]["losses"])):
                 if not abs(a - b) <= tol * abs(b):
+                    # (numbered as the progress lines: warmup steps, then step 1, 2, ...)
+                    step = (f"warmup step {i + 1}" if i < args.warmup else
+                            f"step {i + 1 - args.warmup}")
                     res["failed"].append(
-                        f"step {i + 1}'s losses differ: {res['config']} {a:.6f} vs "
+                        f"{step}'s losses differ: {res['config']} {a:.6f} vs "
                         f"{runs[1]['config']} {b:.6f} (tolerance {tol:g} relative)")
                     break
         return res
@@ -409,7 +415,8 @@ def _run_steps(args, device, step_fn, model, dp, estimate=None, ac=False, peak=N
         "peak_abs_mib_per_rank": [r["peak_abs_mib"] for r in everyone],
         "estimate_mib": None if estimate is None else mib(estimate.total),
         "estimate_peak_at": None if estimate is None else estimate.peak_phase,
-        "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
+        # (the first timed step's: "step 1" of the progress lines; losses: warmup included)
+        "first_loss": losses[args.warmup], "last_loss": losses[-1], "losses": losses,
         # the run's invariants that failed (main reports them and exits 1)
         "failed": [] if all(math.isfinite(x) for x in losses) else [
             f"a loss is not finite: {losses}"],

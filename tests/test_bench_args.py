@@ -26,6 +26,10 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("train_long_context.py", ["--steps", "0"], "--steps: must be a positive integer"),
     # (before: tracebacks, failures after the ranks started, or silently accepted)
     ("train_long_context.py", ["--backend", "foo"], "--backend foo: get_backend: backend must"),
+    # (before: refused by every rank after it built the model, exit status 3)
+    ("train_long_context.py", ["--backend", "flash_attn"],
+     "--backend flash_attn: get_backend: backend 'flash_attn' cannot run torch.float32 inputs "
+     "with head dim 16 on cpu"),
     ("train_long_context.py", ["--peak-tflops", "-5"], "--peak-tflops: must be a finite"),
     # (before: spawned the ranks, then failed there naming library arguments, or trained fp16
     # weights into nan and exited 0)

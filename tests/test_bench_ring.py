@@ -30,6 +30,25 @@ def test_help_describes_every_option():
     assert proc.returncode == 0 and "--layouts" in proc.stdout and "zigzag" in proc.stdout
 
 
+def test_sp_mode_all_runs_the_modes_that_fit_and_differ():
+    """``--sp-mode all`` leaves out the modes whose sizes do not fit, and those that would
+    repeat another (a hybrid with a ring of one is the Ulysses mode; a double ring of one inner
+    ring the plain ring or the hybrid). Before, it refused modes it had picked itself (W = 3,
+    W = 1) or ran a hybrid 2 x 1 row at W = 2."""
+    from sp_modes import SP_MODE_NAMES, fitting_sp_modes
+    every = list(SP_MODE_NAMES)
+    for (world, heads, ulysses, inner), want in [
+            ((1, 8, 2, 2), ["ring"]), ((2, 8, 2, 2), ["ring", "ulysses"]),
+            ((3, 6, 3, 2), ["ring", "ulysses"]), ((4, 6, 2, 2), ["ring", "hybrid", "double_ring"]),
+            ((6, 6, 3, 2), ["ring", "ulysses", "hybrid", "double_ring"]),
+            ((8, 8, 2, 2), every)]:
+        assert fitting_sp_modes(every, True, world, heads, ulysses, inner) == want, world
+    # named modes are refused as before
+    with pytest.raises(SystemExit, match=r"^--sp-mode double_ring: --inner-ring-size 2 must "
+                                         r"divide the ring size 3"):
+        fitting_sp_modes(["double_ring"], False, 3, 6, 3, 2)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--layouts", "foo"], "--layouts: unknown layout 'foo'"),
     (["--seqlen", "1000", "--world-size", "3", "--layouts", "zigzag"], "multiple of 6"),
@@ -62,7 +81,7 @@ def test_help_describes_every_option():
     (["--docs", "seeded", "--sp-mode", "ring"], "--sp-mode does not apply"),
     # (each condition named by its own option; before: "adjust --ulysses-size", which the
     # Ulysses mode does not take, and "ring 0" for a degree past the world size)
-    (["--sp-mode", "all", "--heads", "6", "--world-size", "4"],
+    (["--sp-mode", "ulysses", "--heads", "6", "--world-size", "4"],
      "--sp-mode ulysses: --heads 6 must be a multiple of the Ulysses degree 4 (the world size)"),
     (["--sp-mode", "hybrid", "--ulysses-size", "3", "--world-size", "2"],
      "--sp-mode hybrid: the Ulysses degree 3 (--ulysses-size) must divide --world-size 2"),

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 
@@ -29,19 +31,22 @@ _b.Booster.backward = _drifting
 """
 
 
-def test_a_composition_drifting_after_its_first_step_fails_its_invariant(tmp_path):
-    # (before: only the first step's losses were compared, and the run passed)
+@pytest.mark.parametrize("warmup, step", [("0", "step 2"), ("1", "step 1")])
+def test_a_composition_drifting_after_its_first_step_fails_its_invariant(tmp_path, warmup,
+                                                                           step):
+    # (before: only the first step's losses were compared, and the run passed; and the
+    # failure counted the warmup step as step 1, against the progress lines' numbering)
     (tmp_path / "sitecustomize.py").write_text(_DRIFT)
     out = tmp_path / "train.json"
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "train_long_context.py"),
                            "--world-size", "2", "--tp", "2", "--seqlen", "64", "--layers", "1",
-                           "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--warmup", "0",
-                           "--steps", "2", "--json", str(out)],
+                           "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--warmup",
+                           warmup, "--steps", "2", "--json", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "FAILED: step 2's losses differ: sp1 x tp2" in proc.stdout, proc.stdout[-3000:]
+    assert f"FAILED: {step}'s losses differ: sp1 x tp2" in proc.stdout, proc.stdout[-3000:]
     assert "tokens/s" in proc.stdout  # the table is still printed
     result = json.loads(out.read_text())["result"]
     first, peer = result["losses"][0], result["peer"]["losses"][0]

@@ -15,6 +15,8 @@ what it refuses (on every rank, before any parameter moves) and what it applies.
   step refused).
 - DDP without ``find_unused_parameters`` and a parameter no rank uses: the backward raises
   ValueError on every rank naming the option (before: partly unsummed gradients, silently).
+- Under tensor parallelism a shard the plan cannot split is refused before any collective,
+  and the group stays usable (before: booster.reset() refused).
 Updates are compared with SGD on the same gradients (float32, the bounds are float32
 rounding of one update).
 """
@@ -77,9 +79,9 @@ def _worker_no_sync_only(plugin_kwargs):
     booster, model, opt, crit, batches = _boosted(plugin_kwargs)
     before = [_whole(p) for p in model.unwrap().parameters()]
 
-    def micro_batches(synced_last):
+    def micro_batches(synced_last, synced_first=False):
         for i, b in enumerate(batches[:2]):
-            if i == 1 and synced_last:
+            if (i == 1 and synced_last) or (i == 0 and synced_first):
                 booster.backward(crit(model(**b), b), opt)
                 continue
             with booster.no_sync(model, opt):
@@ -93,8 +95,12 @@ def _worker_no_sync_only(plugin_kwargs):
     # a run that never accumulated in vain (nothing of the refused step is left over)
     micro_batches(synced_last=True)
     after = [_whole(p) for p in model.unwrap().parameters()]
+    opt.zero_grad()
+    # the last micro-batch inside no_sync after a summed one: refused too, named as such
+    refused_after_summed = _error(lambda: micro_batches(synced_last=False, synced_first=True))
     ringseq.reset_ring()
-    return {"refused": refused, "moved": moved, "after": after}
+    return {"refused": refused, "moved": moved, "after": after,
+            "refused_after_summed": refused_after_summed}
 
 
 @pytest.mark.parametrize("plugin_kwargs", [
@@ -102,11 +108,21 @@ def _worker_no_sync_only(plugin_kwargs):
     ids=["ddp", "tp", "fsdp"])
 def test_a_step_after_no_sync_micro_batches_only_is_refused(plugin_kwargs):
     res = run_ranks(_worker_no_sync_only, 4, plugin_kwargs, timeout=200, env=_TIMEOUT)
+    fsdp = plugin_kwargs.get("zero_stage", 0) >= 2
     for r in res:
-        assert r["refused"] is not None and r["refused"].startswith(
-            "ValueError: OptimizerWrapper.step: every backward since the last step or "
-            "zero_grad ran inside booster.no_sync(model)"), r["refused"]
-        assert "Run the LAST micro-batch outside no_sync" in r["refused"]
+        # (under FSDP one message for both: before, a no_sync backward after a reduced one
+        # was said to be "every backward since the last step")
+        only = ("ValueError: OptimizerWrapper.step: FSDP holds the gradients of backward "
+                "passes that ran inside booster.no_sync(model) and were never reduced" if fsdp
+                else "ValueError: OptimizerWrapper.step: every backward since the last step "
+                     "or zero_grad ran inside booster.no_sync(model)")
+        after_summed = only if fsdp else (
+            "ValueError: OptimizerWrapper.step: a backward inside booster.no_sync(model) "
+            "followed the backward that summed the gradients over the ranks")
+        assert r["refused"] is not None and r["refused"].startswith(only), r["refused"]
+        assert "Run the LAST micro-batch" in r["refused"]
+        assert r["refused_after_summed"] is not None and \
+            r["refused_after_summed"].startswith(after_summed), r["refused_after_summed"]
         assert r["moved"] == 0.0
     fresh = run_ranks(_worker_accumulation_only, 4, plugin_kwargs, timeout=200, env=_TIMEOUT)
     for r, f in zip(res, fresh):
@@ -356,3 +372,30 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
     assert own.startswith("ValueError: booster.backward: DDP did not sum every gradient"), own
     assert peer.startswith("RingPeerError: ringseq: the backward did not end on rank(s) [1]")
     assert "rank 1: ValueError: booster.backward: DDP did not sum" in peer, peer
+
+
+def _worker_odd_shard_under_tp():
+    """sp 2 x tp 2: the boosted model called with a shard of 7 tokens (every rank alike),
+    then booster.reset() and a good step."""
+    import ringseq
+    booster, model, opt, crit, batches = _boosted({"sp_size": 2, "tp_size": 2})
+    b = batches[0]
+    n = b["input_ids"].shape[1] - 1
+    out = {"odd": _error(lambda: model(input_ids=b["input_ids"][:, :n],
+                                       position_ids=b["position_ids"][:, :n]))}
+    out["reset"] = _error(booster.reset)
+    out["after"] = _error(lambda: (booster.backward(crit(model(**b), b), opt), opt.step()))
+    ringseq.reset_ring()
+    return out
+
+
+def test_a_shard_that_tp_cannot_split_is_refused_before_any_collective():
+    """(before: refused inside the plan's split, after the forward's collectives began: every
+    rank raised RingBrokenError with a note to restart the processes, and booster.reset()
+    refused)"""
+    for r in run_ranks(_worker_odd_shard_under_tp, 4, timeout=200, env=_TIMEOUT):
+        assert r["odd"] == ("ValueError: LlamaForCausalLM: a sequence shard of 7 tokens cannot "
+                            "be split over tp_size=2 ranks (the tensor-parallel plan splits it "
+                            "at the input embedding); its length must be a multiple of 2 (the "
+                            "boosted loader's batches are)"), r["odd"]
+        assert r["reset"] is None and r["after"] is None, r

@@ -842,6 +842,7 @@ class RingSequenceParallelPlugin(Plugin):
         # (a plan of the user's own ParallelStyles need not split at the embedding)
         model.needs_input_ids = plan is not None and plan.source != "tp_plan styles"
         model.needs_position_ids = model.needs_input_ids and is_transformers_model(user_model)
+        model.tp_split = dims.tp_size if model.needs_input_ids else 1
         if dataloader is not None:
             dataloader.needs_input_ids = model.needs_input_ids
         if dims.zero_stage == 0 and dims.tp_size > 1:

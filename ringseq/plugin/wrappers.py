@@ -95,6 +95,9 @@ class ModelWrapper(nn.Module):
         #: ... and a transformers model there numbers its tokens from the shortened sequence:
         #: a forward without position_ids is refused
         self.needs_position_ids = False
+        #: ... into this many parts (tp_size; 1: no split): a shard of another length is
+        #: refused before any collective
+        self.tp_split = 1
         #: a forward under no_grad ends with the agreement of the ranks its collectives reach
         #: (``FailureReporter.forward_ended``, over ``no_grad_group``)
         self.agrees_after_no_grad_forward = False
@@ -147,6 +150,16 @@ class ModelWrapper(nn.Module):
                                  f"at the input embedding, so the model cannot number the "
                                  f"tokens itself); pass the batch's position_ids "
                                  f"(ringseq.shard_batch and the boosted loader make them)")
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if self.tp_split > 1 and torch.is_tensor(ids) and ids.dim() == 2 and \
+                    ids.shape[1] % self.tp_split:
+                # (before: refused inside the plan's split, after a forward's collectives
+                # began, so that booster.reset() refused and the processes had to restart)
+                raise ValueError(f"{type(user).__name__}: a sequence shard of {ids.shape[1]} "
+                                 f"tokens cannot be split over tp_size={self.tp_split} ranks "
+                                 f"(the tensor-parallel plan splits it at the input "
+                                 f"embedding); its length must be a multiple of "
+                                 f"{self.tp_split} (the boosted loader's batches are)")
             if self.frozen_at_boost and torch.is_grad_enabled():
                 self._refuse_unfrozen(user)
             self._reporter.backward_calls_per_forward = (
@@ -292,13 +305,21 @@ class ReducedGrads:
                 "apart); not stepping. Run every micro-batch but the LAST inside no_sync; "
                 "clear the gradients with optimizer.zero_grad() or model.zero_grad() before "
                 "the next step")
-        if self.unreduced_only or (self.held is not None and self.held.any()):
+        if self.unreduced_only:
             raise ValueError(
                 "OptimizerWrapper.step: every backward since the last step or zero_grad ran "
                 "inside booster.no_sync(model), so no gradient was summed over the ranks "
-                "(each rank would step with its own, and the replicas would drift apart; "
-                "under FSDP the optimizer would not see them); not stepping. Run the LAST "
-                "micro-batch outside no_sync: its backward sums them all")
+                "(each rank would step with its own, and the replicas would drift apart); not "
+                "stepping. Run the LAST micro-batch outside no_sync: its backward sums them all")
+        if self.held is not None and self.held.any():
+            # (whether a reduced backward came first or not: FSDP does not count them)
+            raise ValueError(
+                "OptimizerWrapper.step: FSDP holds the gradients of backward passes that ran "
+                "inside booster.no_sync(model) and were never reduced over the ranks (the "
+                "optimizer would not see them, and they would go into the next step); not "
+                "stepping. Run the LAST micro-batch of a step outside no_sync: its backward "
+                "reduces them all; clear the gradients with optimizer.zero_grad() or "
+                "model.zero_grad() before the next step")
         if self.count > 1:
             raise ValueError(
                 f"OptimizerWrapper.step: {self.count} backward passes summed the gradients over "

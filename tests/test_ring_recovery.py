@@ -1289,6 +1289,92 @@ def test_a_failure_in_the_backward_of_one_of_two_waiting_models(plugin_kwargs):
             assert max(max_err(a, b) for a, b in zip(params, want)) < 1e-10, name
 
 
+class _FailOnRank1(torch.autograd.Function):
+    """The identity, whose backward raises on rank 1 (in the loss's own backward, before the
+    backward reaches the model)."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if dist.get_rank() == 1:
+            raise MemoryError("injected: out of memory in the loss's backward")
+        return grad
+
+
+class _Block(torch.nn.Module):
+    """Layer norm, attention (``SwitchableAttention``) and a linear layer, with residuals."""
+    def __init__(self):
+        super().__init__()
+        from utils import SwitchableAttention
+        self.norm, self.attn = torch.nn.LayerNorm(32), SwitchableAttention(32)
+        self.mlp = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+class _Trunk(torch.nn.Module):
+    """Two blocks fed hidden states: no parameter of its own outside them (FSDP's units)."""
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def _worker_failure_the_loss_graph_decides(case):
+    """W=4 as dp 2 x sp 2: after a good step rank 1's backward raises where the failure
+    replay must find the waiting model from the loss's graph: "rootless zero 3", a model
+    whose parameters all live in FSDP's layer units, which the graph shows unsharded;
+    "detached on rank 1" (DDP), a loss that reaches no parameter there only."""
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    zero = 3 if case == "rootless zero 3" else 0
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, layout="contiguous",
+                                                        zero_stage=zero))
+    inner = _Trunk().double()
+    model, opt = booster.boost(inner, torch.optim.SGD(inner.parameters(), lr=0.1))[:2]
+    x = torch.randn(1, 8, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+
+    def step(failing=False):
+        loss = model(x).pow(2).mean()
+        if failing:
+            loss = _FailOnRank1.apply(loss) if zero else (
+                loss.detach() if rank == 1 else loss)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+    out = {"first": _capture(step), "failed": _capture(lambda: step(failing=True))}
+    opt.zero_grad()
+    booster.reset()
+    out["after"] = _capture(step)
+    return out
+
+
+@pytest.mark.parametrize("case", ["rootless zero 3", "detached on rank 1"])
+def test_the_failure_replay_finds_the_waiting_model_from_the_loss_graph(case):
+    """(before this session's fix of these: the waiting model was taken for one the loss does
+    not reach, nothing was completed, and the other replica waited in the model's
+    collectives until the processes ended)"""
+    res = run_ranks(_worker_failure_the_loss_graph_decides, 4, case, timeout=300,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        if rank == 1:
+            _is_error(r["failed"], ("MemoryError", "RuntimeError"), "")
+        else:
+            _is_error(r["failed"], ("RingBrokenError", "RingPeerError"), "rank 1")
+        assert r["failed"][-1] < TIMEOUT, r["failed"]
+
+
 def _worker_step_failure(zero_stage, tmp):
     """W=4 as dp 2 x sp 2: after a good step and a checkpoint, rank 1's optimizer step raises
     (out of memory laying out its state, say). Every rank must raise at once: rank 1 its own

@@ -235,6 +235,13 @@ class FsdpReplay(Completion):
     def reached(self) -> bool:
         return self.tp is not None and self.tp.reached()
 
+    def reached_by(self, leaves: set, hidden: bool) -> bool:
+        # (after a zero-3 forward the graph accumulates into FSDP's unsharded parameters,
+        # not the sharded ones model.parameters() lists)
+        return super().reached_by(leaves, hidden) or any(
+            id(getattr(fp, "_unsharded_param", None)) in leaves
+            for u in self.units for g in u.groups for fp in g.fsdp_params)
+
     def forward_ran(self) -> None:
         """A forward whose output needs a gradient waits for its backward (one under no_grad,
         or of a frozen model, leaves the wait as it was)."""

@@ -150,23 +150,25 @@ class ModelWrapper(nn.Module):
                                  f"at the input embedding, so the model cannot number the "
                                  f"tokens itself); pass the batch's position_ids "
                                  f"(ringseq.shard_batch and the boosted loader make them)")
+            agrees = self.agrees_after_no_grad_forward and not torch.is_grad_enabled()
             ids = kwargs.get("input_ids", args[0] if args else None)
             if self.tp_split > 1 and torch.is_tensor(ids) and ids.dim() == 2 and \
                     ids.shape[1] % self.tp_split:
                 # (before: refused inside the plan's split, after a forward's collectives
                 # began, so that booster.reset() refused and the processes had to restart)
-                raise ValueError(f"{type(user).__name__}: a sequence shard of {ids.shape[1]} "
+                exc = ValueError(f"{type(user).__name__}: a sequence shard of {ids.shape[1]} "
                                  f"tokens cannot be split over tp_size={self.tp_split} ranks "
                                  f"(the tensor-parallel plan splits it at the input "
                                  f"embedding); its length must be a multiple of "
                                  f"{self.tp_split} (the boosted loader's batches are)")
+                self._reporter.report_refusal(exc, agrees)
+                raise exc
             if self.frozen_at_boost and torch.is_grad_enabled():
                 self._refuse_unfrozen(user)
             self._reporter.backward_calls_per_forward = (
                 2 if user.training and hf_checkpointing(user) else 1)
             if self._reduction is not None:
                 self._reduction.forward_started()
-            agrees = self.agrees_after_no_grad_forward and not torch.is_grad_enabled()
             with self._reporter.watch("forward", self._reduction, agrees), \
                     self._precision.autocast():
                 out = self.module(*args, **kwargs)
@@ -549,11 +551,12 @@ class FailureReporter:
                 # Only the one model a backward waits on; with several boosted models waiting
                 # the ranks' next collectives cannot be told, and none is sent.
                 waiting = [r for r in self.reductions if r.expecting or r.reached()]
-                if waiting and loss is not None:
+                if waiting and getattr(loss, "grad_fn", None) is not None:
                     # a model whose forward waits but which this loss does not reach: no
                     # rank runs its collectives in this backward (the loss's graph is the
                     # same program on every rank), so none are completed (before, this
-                    # rank waited in them for twice the ring timeout)
+                    # rank waited in them for twice the ring timeout). (A loss without a
+                    # graph here only, detached by mistake: the others' reaches the model.)
                     from .grad_agreement import graph_leaves
                     leaves, hidden = graph_leaves(loss)
                     waiting = [r for r in waiting if r.reached() or r.reached_by(leaves, hidden)]
@@ -583,6 +586,15 @@ class FailureReporter:
             self._tell_other_replicas(exc)
         if interrupted is not None:
             raise interrupted
+
+    def report_refusal(self, exc: BaseException, agreed_at_end: bool) -> None:
+        """A forward this rank refused before any collective (the ranks of its model
+        replica alike, given the same batch): the other replicas, given other batches, meet
+        it where they go next, as a failed forward's report (``_after_failure``): at the loss,
+        or at the agreement that ends a forward under no_grad (``agreed_at_end``,
+        :meth:`forward_ended`). Never raises (notes on ``exc``)."""
+        if dist.is_initialized():
+            self._report_to_loss(exc, self.no_grad_group if agreed_at_end else self.loss_group)
 
     def _report_to_loss(self, exc: BaseException, group, ring_report_waits: bool = False) -> None:
         try:

@@ -257,8 +257,8 @@ def _distinct(mode, world, ulysses_size, inner_ring_size) -> bool:
     """Whether ``mode`` runs something the other modes of ``all`` do not (sizes that fit)."""
     U, I = mode_sizes(mode, world, ulysses_size, inner_ring_size)
     R = world // U
-    if (mode.startswith("hybrid") and R == 1) or (mode == "ulysses" and U == 1):
-        return False  # (the Ulysses mode; a Ulysses group of one is the plain ring)
+    if (mode.startswith("hybrid") and (R == 1 or U == 1)) or (mode == "ulysses" and U == 1):
+        return False  # (the Ulysses mode; a Ulysses degree of one: the plain or double ring)
     return I is None or R > I  # (one inner ring: the plain ring or the hybrid)
 
 

@@ -147,6 +147,10 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     layout_docs = getattr(lay, "documents", None) or getattr(inner, "documents", None)
     if layout_docs is None:
         docs = _packed_documents(batch, b, s, per_batch)
+        if per_batch and docs is None and b == 1:  # (position ids of another length)
+            raise ValueError(f"shard_batch: batch['position_ids'] must have shape (1, {s}) "
+                             f"(sequence length {s} from batch[{key!r}]), got "
+                             f"{given(batch.get('position_ids'))}")
         if per_batch and docs is None:  # (several rows, not packed)
             raise ValueError(f"shard_batch: layout 'documents' balances the documents of a "
                              f"packed batch: one row with cu_seq_lens_q or position ids that "
@@ -208,8 +212,10 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     pos = batch.get("position_ids")
     if pos is not None:
         check_len("position_ids", pos, rows=(b, 1) if b != 1 else (1,))
-        out["position_ids"] = shard_local(pos.to(torch.int64).expand(b, -1), lay, world_size,
-                                          rank, dim=1, fn="shard_batch")
+        if not pos.dtype.is_floating_point:  # (int64 as documented; fractions stay as given)
+            pos = pos.to(torch.int64)
+        out["position_ids"] = shard_local(pos.expand(b, -1), lay, world_size, rank, dim=1,
+                                          fn="shard_batch")
     else:
         device = (batch.get("input_ids") if batch.get("input_ids") is not None
                   else batch["inputs_embeds"]).device

@@ -41,7 +41,7 @@ def test_sp_mode_all_runs_the_modes_that_fit_and_differ():
             ((1, 8, 2, 2), ["ring"]), ((2, 8, 2, 2), ["ring", "ulysses"]),
             ((3, 6, 3, 2), ["ring", "ulysses"]), ((4, 6, 2, 2), ["ring", "hybrid", "double_ring"]),
             ((6, 6, 3, 2), ["ring", "ulysses", "hybrid", "double_ring"]),
-            ((8, 8, 2, 2), every)]:
+            ((8, 8, 2, 2), every), ((4, 4, 1, 2), ["ring", "ulysses", "double_ring"])]:
         assert fitting_sp_modes(every, True, world, heads, ulysses, inner) == want, world
     # named modes are refused as before
     with pytest.raises(SystemExit, match=r"^--sp-mode double_ring: --inner-ring-size 2 must "

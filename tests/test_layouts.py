@@ -468,6 +468,9 @@ def test_shard_batch_gives_int64_targets_and_positions_whatever_their_dtype():
                                "position_ids": torch.arange(8, dtype=torch.int32)[None]})
     assert out["shift_labels"].dtype == out["position_ids"].dtype == torch.int64
     assert out["position_ids"].tolist() == [list(range(8))] * 2
+    halves = torch.arange(8) / 2  # (fractional positions are kept as given)
+    out = ringseq.shard_batch({"input_ids": ids, "position_ids": halves[None]})
+    assert torch.equal(out["position_ids"], halves[None])
     for dtype in (torch.float32, torch.bool):
         with pytest.raises(ValueError, match=rf"^shard_batch: batch\['labels'\] must hold "
                                              rf"integer class ids \(int64\), got dtype "

@@ -374,28 +374,42 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
     assert "rank 1: ValueError: booster.backward: DDP did not sum" in peer, peer
 
 
-def _worker_odd_shard_under_tp():
-    """sp 2 x tp 2: the boosted model called with a shard of 7 tokens (every rank alike),
-    then booster.reset() and a good step."""
+def _worker_odd_shard_under_tp(sp_size, one_replica):
+    """sp ``sp_size`` x tp 2: the boosted model called with a shard one token short (every
+    rank alike, or only on the ranks of dp index 0, whose peers step as usual), then
+    booster.reset() and a good step."""
     import ringseq
-    booster, model, opt, crit, batches = _boosted({"sp_size": 2, "tp_size": 2})
+    booster, model, opt, crit, batches = _boosted({"sp_size": sp_size, "tp_size": 2})
     b = batches[0]
     n = b["input_ids"].shape[1] - 1
-    out = {"odd": _error(lambda: model(input_ids=b["input_ids"][:, :n],
-                                       position_ids=b["position_ids"][:, :n]))}
+    if not one_replica or booster.plugin.dp_rank == 0:
+        out = {"odd": _error(lambda: model(input_ids=b["input_ids"][:, :n],
+                                           position_ids=b["position_ids"][:, :n]))}
+    else:
+        out = {"odd": _error(lambda: booster.backward(crit(model(**b), b), opt))}
     out["reset"] = _error(booster.reset)
     out["after"] = _error(lambda: (booster.backward(crit(model(**b), b), opt), opt.step()))
     ringseq.reset_ring()
     return out
 
 
-def test_a_shard_that_tp_cannot_split_is_refused_before_any_collective():
+@pytest.mark.parametrize("sp_size, one_replica", [(2, False), (1, True)],
+                         ids=["every rank", "one replica"])
+def test_a_shard_that_tp_cannot_split_is_refused_before_any_collective(sp_size, one_replica):
     """(before: refused inside the plan's split, after the forward's collectives began: every
     rank raised RingBrokenError with a note to restart the processes, and booster.reset()
-    refused)"""
-    for r in run_ranks(_worker_odd_shard_under_tp, 4, timeout=200, env=_TIMEOUT):
-        assert r["odd"] == ("ValueError: LlamaForCausalLM: a sequence shard of 7 tokens cannot "
-                            "be split over tp_size=2 ranks (the tensor-parallel plan splits it "
-                            "at the input embedding); its length must be a multiple of 2 (the "
-                            "boosted loader's batches are)"), r["odd"]
+    refused.) The other replica, stepping as usual, hears of it at its loss."""
+    res = run_ranks(_worker_odd_shard_under_tp, 4, sp_size, one_replica, timeout=200,
+                    env=_TIMEOUT)
+    n = 16 // sp_size - 1
+    for rank, r in enumerate(res):
+        if one_replica and rank >= 2:
+            assert r["odd"].startswith("RingPeerError: ringseq: rank(s) [0, 1] of the group "
+                                       "failed where this rank did not"), r["odd"]
+        else:
+            assert r["odd"] == (
+                f"ValueError: LlamaForCausalLM: a sequence shard of {n} tokens cannot be split "
+                f"over tp_size=2 ranks (the tensor-parallel plan splits it at the input "
+                f"embedding); its length must be a multiple of 2 (the boosted loader's "
+                f"batches are)"), r["odd"]
         assert r["reset"] is None and r["after"] is None, r

@@ -909,6 +909,9 @@ def _documents_layout_batches():
                      {n: b[n].tolist() if torch.is_tensor(b[n]) else b[n] for n in b})
                  for k, b in got.items()}
         out[ulysses] = shard
+        for end in range(1, 41):  # a Documents layout per batch: the cache stays bounded
+            sp.data_layout(Documents((0, end, 48)))
+        out[f"{ulysses}: cached layouts"] = len(sp.__dict__["_layouts"])
     return out
 
 
@@ -924,6 +927,8 @@ def test_a_documents_layout_keeps_its_documents_in_every_sp_mode():
     starts = set(_DOC_CU[:-1])
     ends = {e - 1 for e in _DOC_CU[1:]}
     for rank, by_mode in enumerate(res):
+        for ulysses in (4, 2):
+            assert by_mode.pop(f"{ulysses}: cached layouts") <= 17, by_mode
         for ulysses, cases in by_mode.items():
             for case, (tokens, batch) in cases.items():
                 where = (rank, ulysses, case)

@@ -129,6 +129,10 @@ def _errors(state_dict):
         "cpu", [[2, 3], [0, 1]], mesh_dim_names=("dp", "sp"))))
     out["dp_down_ulysses"] = error_text(lambda: P(sp_size=2, sp_mode="ulysses", mesh=DeviceMesh(
         "cpu", [[[0, 3]], [[1, 2]]], mesh_dim_names=("dp", "sp_r", "sp_u"))))
+    # sp permuted: fine at zero 0; under FSDP the shards were saved at each other's offsets
+    sp_down = DeviceMesh("cpu", [[1, 0], [3, 2]], mesh_dim_names=("dp", "sp"))
+    out["sp_down_zero0"] = error_text(lambda: P(sp_size=2, mesh=sp_down))
+    out["sp_down_zero3"] = error_text(lambda: P(sp_size=2, zero_stage=3, mesh=sp_down))
     out["ulysses_inner"] = error_text(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=2,
                                               ulysses_inner="no"))
     from ringseq.parallel.groups import sp_groups_from_tables
@@ -272,6 +276,17 @@ def test_a_mesh_whose_dp_dim_does_not_count_up_raises_on_every_rank(run):
                          f"along its 'dp' dim in increasing order (torch numbers the "
                          f"data-parallel groups by sorted rank), got the dp slice {dp_slice} "
                          f"in {table}; permute the other dims instead"), e
+
+
+def test_fsdp_refuses_a_mesh_whose_dp_x_sp_ranks_do_not_count_up(run):
+    for e in _raised(run, "sp_down_zero0"):
+        assert e == "no error", e
+    for e in _raised(run, "sp_down_zero3"):
+        assert e == ("ValueError: RingSequenceParallelPlugin: zero_stage 2 and 3 need a mesh "
+                     "whose dp x sp ranks (flattened in that order) count up for each tp "
+                     "index, and whose tp ranks count up (FSDP numbers them by sorted rank, "
+                     "DTensor by mesh coordinate), got [1, 0, 3, 2] in [[1, 0], [3, 2]]; "
+                     "order the ranks so, or use zero_stage=0"), e
 
 
 def test_ulysses_inner_must_be_a_bool(run):

@@ -523,6 +523,13 @@ def test_documents_layout_takes_a_one_document_row():
     with pytest.raises(ValueError, match="position_ids of a packed batch"):
         ringseq.shard_batch({"input_ids": ids, "position_ids": torch.arange(5, 21)[None]},
                             layout="documents")
+    # position ids of another length are named (before: advice to pass cu_seqlens)
+    with pytest.raises(ValueError, match=r"^shard_batch: batch\['position_ids'\] must have "
+                                         r"shape \(1, 16\) \(sequence length 16 from "
+                                         r"batch\['input_ids'\]\), got a torch.Tensor of shape "
+                                         r"\(1, 8\)"):
+        ringseq.shard_batch({"input_ids": ids, "position_ids": torch.arange(8)[None]},
+                            layout="documents")
     # several rows without boundaries are no packed batch (before: advice to pass
     # cu_seqlens, which shard_batch does not take)
     with pytest.raises(ValueError, match=r"^shard_batch: layout 'documents' balances the "

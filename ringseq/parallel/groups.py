@@ -206,6 +206,8 @@ class SequenceParallelGroups:
         cache = self.__dict__.setdefault("_layouts", {})
         hit = cache.get(key)
         if hit is None or hit.base is not lay:
+            if len(cache) > 16:  # (a Documents layout per batch would grow it without end)
+                cache.clear()
             hit = SequenceParallelLayout(lay, self.ring_size, self.ulysses_size, self.coords,
                                          docs)
             cache[key] = hit

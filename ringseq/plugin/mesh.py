@@ -128,6 +128,28 @@ def _check_dp_counts_up(mesh) -> None:
                          f"dims instead")
 
 
+def check_sharded_order(groups: MeshGroups) -> None:
+    """For FSDP (zero stage 2 or 3) over a user's mesh: ValueError (on every rank alike)
+    unless the dp x sp ranks of each tp index, flattened in the mesh's order, count up, and so
+    do the tp ranks of each. FSDP shards over the flattened group, whose ranks torch numbers
+    in sorted order, while DTensor and torch.distributed.checkpoint place each shard by mesh
+    coordinate: with ``[[1, 0], [3, 2]]`` as ("dp", "sp") the shards were gathered and saved
+    at each other's offsets, silently."""
+    mesh = groups.mesh
+    names = list(mesh.mesh_dim_names)
+    flat = ("dp", *groups.sp_dims)
+    order = [names.index(n) for n in flat] + ([names.index("tp")] if "tp" in names else [])
+    table = mesh.mesh.permute(order).reshape(-1, groups.tp_size)  # (dp x sp, tp)
+    rows = table.T.tolist() + table.tolist()  # dp x sp per tp index, tp per dp x sp index
+    bad = [r for r in rows if r != sorted(r)]
+    if bad:
+        raise ValueError(f"zero_stage 2 and 3 need a mesh whose {' x '.join(flat)} ranks "
+                         f"(flattened in that order) count up for each tp index, and whose tp "
+                         f"ranks count up (FSDP numbers them by sorted rank, DTensor by mesh "
+                         f"coordinate), got {bad[0]} in {mesh.mesh.tolist()}; order the ranks "
+                         f"so, or use zero_stage=0")
+
+
 def build_mesh(sp_size: int, mesh=None, device_type: str = None, tp_size: int = 1
                ) -> MeshGroups:
     """Builds (or checks) the mesh with dims ``("dp", "sp", "tp")`` over the default group.

@@ -24,7 +24,7 @@ from .base import Plugin
 from .dataloader import ShardedDataLoader, pack_documents
 from .loader_state import ResumableDistributedSampler
 from .ddp_sum import DdpSum, sum_allreduce_hook
-from .mesh import _world_size, build_mesh, build_sp_mesh
+from .mesh import _world_size, build_mesh, build_sp_mesh, check_sharded_order
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
 from .sharded_checkpoint import DistributedCheckpointIO
@@ -386,6 +386,8 @@ class RingSequenceParallelPlugin(Plugin):
             else:
                 self.groups = build_sp_mesh(sp_size, sp_mode, ulysses_size, inner_ring_size,
                                             ulysses_inner, mesh, tp_size=tp_size)
+            if self.dims.sharded and mesh is not None:
+                check_sharded_order(self.groups)
         except ValueError as exc:
             raise named_for(type(self).__name__, exc) from exc.__cause__
         if self.dims.sharded:

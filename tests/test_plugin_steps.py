@@ -413,3 +413,26 @@ def test_a_shard_that_tp_cannot_split_is_refused_before_any_collective(sp_size, 
                 f"embedding); its length must be a multiple of 2 (the boosted loader's "
                 f"batches are)"), r["odd"]
         assert r["reset"] is None and r["after"] is None, r
+
+
+def _worker_inference_mode_under_tp():
+    """sp 1 x tp 2: the boosted model's logits of two rows under no_grad and under
+    inference_mode."""
+    import ringseq
+    booster, model, opt, crit, batches = _boosted({"sp_size": 1, "tp_size": 2})
+    b = {k: torch.cat([batches[0][k], batches[1][k]]) for k in ("input_ids", "position_ids")}
+    with torch.no_grad():
+        plain = model(**b).logits
+    with torch.inference_mode():
+        inference = model(**b).logits
+    ringseq.reset_ring()
+    return plain.clone(), inference.clone()
+
+
+def test_inference_mode_under_tp_gives_the_logits_of_no_grad():
+    """(before: inference_mode laid the tensor-parallel plan's outputs out otherwise: the
+    logits came back split over the batch, the plugin's criterion refused them naming the
+    model's plan)"""
+    for plain, inference in run_ranks(_worker_inference_mode_under_tp, 2, timeout=200,
+                                      env=_TIMEOUT):
+        assert inference.shape == plain.shape and torch.equal(inference, plain)

@@ -904,6 +904,9 @@ def _documents_layout_batches():
                                               batch_size=1), sp.group, sp.data_layout(lay), 0)
         got = {"sp.shard_batch, 2 rows": sp.shard_batch({"input_ids": ids, "labels": ids}, lay),
                "data_layout": ringseq.shard_batch(one, sp.group, sp.data_layout(lay)),
+               # (the group's data layout given again: as is; before, wrapped twice and
+               # refused as a layout "for 2 x 2 ranks, got world size 2")
+               "sp.shard_batch, data_layout": sp.shard_batch(one, sp.data_layout(lay)),
                "loader": next(iter(loader))}
         shard = {k: (sp.shard(torch.arange(48)[None], lay).flatten().tolist(),
                      {n: b[n].tolist() if torch.is_tensor(b[n]) else b[n] for n in b})

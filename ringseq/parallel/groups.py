@@ -195,6 +195,9 @@ class SequenceParallelGroups:
         does not apply and the split is contiguous, but a ``Documents(cu_seqlens)`` layout's
         boundaries still stop the positions and targets of ``shard_batch``). ValueError for an
         unknown layout."""
+        if isinstance(layout, SequenceParallelLayout) and layout.coords == self.coords and \
+                (layout.ring_size, layout.ulysses_size) == (self.ring_size, self.ulysses_size):
+            return layout  # (this group's data layout already: plugin.data_layout, say)
         lay = ring_layout(layout, self.ring_size, "data_layout")
         # (a ring of one splits contiguously; a Documents layout's boundaries still stop the
         # positions and targets: shard_batch reads them from the layout)

@@ -122,6 +122,17 @@ class ModelWrapper(nn.Module):
         raise ValueError(f"{type(user).__name__}: {what}; unfreeze them before booster.boost "
                          f"(boost a fresh model), or freeze them again")
 
+    def _outside_inference_mode(self):
+        """Under tensor parallelism a forward inside ``torch.inference_mode`` runs under
+        no_grad instead: the plan's DTensor redistributions lay the outputs out otherwise
+        there (the logits split over the batch or the vocabulary, not the sequence)."""
+        if self.tp_split > 1 and torch.is_inference_mode_enabled():
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.no_grad())
+            return stack
+        return contextlib.nullcontext()
+
     def unwrap(self) -> nn.Module:
         m = self.module
         return m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
@@ -170,7 +181,7 @@ class ModelWrapper(nn.Module):
             if self._reduction is not None:
                 self._reduction.forward_started()
             with self._reporter.watch("forward", self._reduction, agrees), \
-                    self._precision.autocast():
+                    self._precision.autocast(), self._outside_inference_mode():
                 out = self.module(*args, **kwargs)
         if self._reduction is not None:
             self._reduction.forward_ran()

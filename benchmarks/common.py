@@ -85,7 +85,7 @@ def max_over_ranks(values, device=None) -> torch.Tensor:
     NaN on any rank as inf. (gloo's MAX drops a NaN or keeps it by the order of its operands:
     a rank whose output was all NaN passed the spot check.)"""
     t = torch.tensor([float(x) for x in values], dtype=torch.float64, device=device)
-    t = torch.nan_to_num(t, nan=float("inf"))  # (len(values),)
+    t = torch.nan_to_num(t, nan=float("inf"), posinf=float("inf"))  # (len(values),)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 

@@ -266,8 +266,14 @@ def main_sp(args, launched, device):
     """The --sp-mode job: spawn (or use the launcher's) ranks, run every mode, print, JSON."""
     args.sp_modes = parse_sp_modes(args.sp_mode)
     world = int(os.environ["WORLD_SIZE"]) if launched else args.world_size
+    asked = args.sp_modes
     args.sp_modes = fitting_sp_modes(args.sp_modes, args.sp_mode == "all", world, args.heads,
                                      args.ulysses_size, args.inner_ring_size)
+    left_out = [m for m in asked if m not in args.sp_modes]
+    if left_out and (not launched or int(os.environ.get("RANK", 0)) == 0):
+        progress(f"--sp-mode all: leaving out {', '.join(left_out)} (sizes that do not fit "
+                 f"--world-size {world} and --heads {args.heads}, or the same as another mode "
+                 f"here)")
     threads = threads_per_rank(args.threads_per_rank, world)
     if launched:
         init_launched_group(device, args.timeout)

@@ -147,11 +147,14 @@ def _load_reported(stdout, data):
 def test_sp_mode_run_checks_bytes_and_numbers_and_reports_the_load(tmp_path):
     """--sp-mode: every mode's bytes equal docs/sp_modes.md's formulas and its output passes
     the float64 spot check; TFLOP/s, peak memory (the ring's exchange buffers included) and
-    the machine's load are reported (before: no load, TFLOP/s or peak memory)."""
+    the machine's load are reported (before: no load, TFLOP/s or peak memory). ``all`` at
+    W = 2 runs the two modes that differ there and says which it left out."""
     out = tmp_path / "sp.json"
-    proc = _bench("--sp-mode", "ring,ulysses", "--world-size", "2", "--seqlen", "256",
+    proc = _bench("--sp-mode", "all", "--world-size", "2", "--seqlen", "256",
                   "--repeats", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--sp-mode all: leaving out hybrid, double_ring, hybrid_double_ring" in \
+        proc.stdout, proc.stdout[-3000:]
     data = json.loads(out.read_text())
     assert [r["mode"] for r in data["results"]] == ["ring", "ulysses"]
     assert "causal=True, layout zigzag\n" in proc.stdout, proc.stdout[-3000:]  # (the one run)

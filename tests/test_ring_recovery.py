@@ -1023,6 +1023,21 @@ def _worker_ddp_no_grad_failures():
 _DDP_NO_GRAD_CASES = _NO_GRAD_CASES + ("evaluation forward at the head",)
 
 
+def _good_failing_good(step, armed, booster, optimizers):
+    """``{"first", "failed", "after"}``: a good step, the step with ``armed["on"]`` set (the
+    injected failure), then -- as every rank does to skip a failed step -- the optimizers'
+    zero_grad and ``booster.reset()``, and a good step again (each under ``_capture``)."""
+    out = {"first": _capture(step)}
+    armed["on"] = True
+    out["failed"] = _capture(step)
+    armed["on"] = False
+    for opt in optimizers:
+        opt.zero_grad()
+    booster.reset()
+    out["after"] = _capture(step)
+    return out
+
+
 def _worker_teacher_failure():
     """As _worker_ddp_no_grad_failures, the model evaluated under no_grad between the loss
     and the backward another boosted one (a frozen teacher's): the model whose backward the
@@ -1048,13 +1063,7 @@ def _worker_teacher_failure():
         opt.step()
         opt.zero_grad()
         return float(loss)
-    out = {"first": _capture(step)}
-    armed["on"] = True
-    out["failed"] = _capture(step)
-    armed["on"] = False
-    opt.zero_grad()
-    booster.reset()
-    out["after"] = _capture(step)
+    out = _good_failing_good(step, armed, booster, [opt])
     out["params"] = [p.detach().clone() for p in inner.parameters()]
     return out
 
@@ -1243,10 +1252,10 @@ def _worker_two_models_one_backward(plugin_kwargs):
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
     batch = ringseq.shard_batch({"input_ids": ids, "labels": ids},
                                 group=booster.plugin.sp_group, layout="zigzag")
-    failing = {"at": False}
+    armed = {"on": False}
 
     def fail_on_rank_1(*_):
-        if rank == 1 and failing["at"]:
+        if rank == 1 and armed["on"]:
             raise MemoryError("injected: out of memory in the discriminator's backward")
     inners["discriminator"].model.layers[1].mlp.register_full_backward_hook(fail_on_rank_1)
 
@@ -1259,14 +1268,7 @@ def _worker_two_models_one_backward(plugin_kwargs):
         opt_g.step()
         opt_g.zero_grad()
 
-    out = {"first": _capture(step)}
-    failing["at"] = True
-    out["failed step"] = _capture(step)
-    failing["at"] = False
-    opt_g.zero_grad()
-    opt_d.zero_grad()
-    booster.reset()
-    out["after"] = _capture(step)
+    out = _good_failing_good(step, armed, booster, [opt_g, opt_d])
     out["params"] = {name: [getattr(p, "full_tensor", p.detach)().detach().clone()
                             for p in m.parameters()]
                      for name, m in inners.items()}
@@ -1280,7 +1282,7 @@ def test_a_failure_in_the_backward_of_one_of_two_waiting_models(plugin_kwargs):
     want = _single_process_params()  # (both models: the same two good steps)
     for rank, r in enumerate(res):
         assert r["first"][0] == "ok" and r["after"][0] == "ok", r
-        got = r["failed step"]
+        got = r["failed"]
         if rank == 1:
             _is_error(got, ("MemoryError",), "injected")
         else:  # (rank 0 in a ring call of the backward, the other replica at its end)
@@ -1344,19 +1346,17 @@ def _worker_failure_the_loss_graph_decides(case):
     model, opt = booster.boost(inner, torch.optim.SGD(inner.parameters(), lr=0.1))[:2]
     x = torch.randn(1, 8, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
 
-    def step(failing=False):
+    armed = {"on": False}
+
+    def step():
         loss = model(x).pow(2).mean()
-        if failing:
+        if armed["on"]:
             loss = _FailOnRank1.apply(loss) if zero else (
                 loss.detach() if rank == 1 else loss)
         booster.backward(loss, opt)
         opt.step()
         opt.zero_grad()
-    out = {"first": _capture(step), "failed": _capture(lambda: step(failing=True))}
-    opt.zero_grad()
-    booster.reset()
-    out["after"] = _capture(step)
-    return out
+    return _good_failing_good(step, armed, booster, [opt])
 
 
 @pytest.mark.parametrize("case", ["rootless zero 3", "detached on rank 1"])

@@ -163,6 +163,20 @@ def test_sp_sizes_are_integers_not_bools_or_floats(args, words):
         resolve_sp_sizes(*args)
 
 
+@pytest.mark.parametrize("args", [("tree", 4), ("ring", True), ("ring", 4, 2), ("ulysses", 4, 2),
+                                  ("ulysses", 4, None, 2), ("hybrid", 4), ("hybrid", 4, 3),
+                                  ("ring", 4, None, 3)])
+def test_sp_size_errors_name_the_function_called(args):
+    # (before: the messages started with the argument, naming no function)
+    from ringseq.parallel.groups import resolve_sp_sizes
+    with pytest.raises(ValueError) as refused:
+        resolve_sp_sizes(*args)
+    assert str(refused.value).startswith("resolve_sp_sizes: ")
+    with pytest.raises(ValueError) as renamed:
+        resolve_sp_sizes(*args, fn="ParallelDims")
+    assert str(renamed.value) == "ParallelDims: " + str(refused.value)[len("resolve_sp_sizes: "):]
+
+
 def test_numpy_integer_sizes_are_sizes():
     np = pytest.importorskip("numpy")
     from ringseq.parallel.groups import resolve_sp_sizes

@@ -851,7 +851,7 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
         if backend is not None:
             get_backend(backend, fn="apply")
         if sp_mode is not None:
-            check_sp_mode(sp_mode)
+            check_sp_mode(sp_mode, "apply")
     except (TypeError, ValueError) as exc:
         raise named_for("apply", exc) from None
     if not isinstance(group, SequenceParallelGroups):

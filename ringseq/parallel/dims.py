@@ -145,7 +145,7 @@ class ParallelDims:
                 f"traffic")
         try:
             U, R, I = resolve_sp_sizes(self.sp_mode, sp, self.ulysses_size,
-                                       self.inner_ring_size)
+                                       self.inner_ring_size, fn="ParallelDims")
         except ValueError as exc:  # (the plugin and apply rename "ParallelDims")
             raise named_for("ParallelDims", exc) from None
         object.__setattr__(self, "ulysses_size", U)

@@ -63,48 +63,53 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_sp_mode(sp_mode) -> None:
-    """ValueError unless ``sp_mode`` is one of :data:`SP_MODES`."""
+def check_sp_mode(sp_mode, fn: str = "check_sp_mode") -> None:
+    """ValueError unless ``sp_mode`` is one of :data:`SP_MODES`; the message starts with ``fn``
+    (empty: the caller puts its own name in front)."""
     if sp_mode not in SP_MODES:
-        raise ValueError(f"sp_mode must be one of {list(SP_MODES)}, got {sp_mode!r}")
+        raise ValueError(f"{fn + ': ' if fn else ''}sp_mode must be one of {list(SP_MODES)}, "
+                         f"got {sp_mode!r}")
 
 
 def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = None,
-                     inner_ring_size: Optional[int] = None) -> Tuple[int, int, int]:
+                     inner_ring_size: Optional[int] = None, fn: str = "resolve_sp_sizes"
+                     ) -> Tuple[int, int, int]:
     """``(U, R, I)`` for a mode on ``sp_size`` ranks (``I = R``: no double ring).
 
     ``"ring"``: U = 1; ``"ulysses"``: U = sp_size (``ulysses_size`` None or equal), R = 1;
     ``"hybrid"``: ``ulysses_size`` required, dividing ``sp_size``, R = sp_size / U.
     ``inner_ring_size`` (ring and hybrid): must divide R. Raises ValueError naming the argument,
-    the value and the values that would work; nothing communicates.
+    the value and the values that would work, after ``fn``: the function the user called (empty:
+    the caller puts its own name in front); nothing communicates.
     """
-    check_sp_mode(sp_mode)
+    pre = f"{fn}: " if fn else ""
+    check_sp_mode(sp_mode, fn)
     # (NumPy's integers are sizes too)
     sp_size, ulysses_size, inner_ring_size = map(int_if_integer,
                                                  (sp_size, ulysses_size, inner_ring_size))
     # (True == 1 and 4.0 == 4 passed the comparisons below)
-    _check_sizes("", sp_size=sp_size, ulysses_size=(ulysses_size, None),
+    _check_sizes(pre, sp_size=sp_size, ulysses_size=(ulysses_size, None),
                  inner_ring_size=(inner_ring_size, None))
     if sp_mode == "ring":
         if ulysses_size not in (None, 1):
-            raise ValueError(f"sp_mode='ring' has no Ulysses dimension, got ulysses_size="
+            raise ValueError(f"{pre}sp_mode='ring' has no Ulysses dimension, got ulysses_size="
                              f"{ulysses_size!r}; use sp_mode='hybrid' (or 'ulysses')")
         U = 1
     elif sp_mode == "ulysses":
         if ulysses_size not in (None, sp_size):
-            raise ValueError(f"sp_mode='ulysses' uses all {sp_size} sequence-parallel ranks for "
+            raise ValueError(f"{pre}sp_mode='ulysses' uses all {sp_size} sequence-parallel ranks for "
                              f"the all-to-all, got ulysses_size={ulysses_size!r}; use "
                              f"sp_mode='hybrid' for a Ulysses x ring split")
         if inner_ring_size not in (None, 1):
-            raise ValueError(f"sp_mode='ulysses' has no ring, got inner_ring_size="
+            raise ValueError(f"{pre}sp_mode='ulysses' has no ring, got inner_ring_size="
                              f"{inner_ring_size!r}")
         U = sp_size
     else:
         if ulysses_size is None:
-            raise ValueError(f"sp_mode='hybrid' needs ulysses_size (one of "
+            raise ValueError(f"{pre}sp_mode='hybrid' needs ulysses_size (one of "
                              f"{_divisors(sp_size)}, dividing sp_size={sp_size})")
         if sp_size % ulysses_size:
-            raise ValueError(f"ulysses_size={ulysses_size!r} does not divide sp_size={sp_size}; "
+            raise ValueError(f"{pre}ulysses_size={ulysses_size!r} does not divide sp_size={sp_size}; "
                              f"the sequence-parallel group is ulysses_size x ring size, so "
                              f"ulysses_size must be one of {_divisors(sp_size)}")
         U = ulysses_size
@@ -114,10 +119,10 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
     else:
         if isinstance(inner_ring_size, bool) or not isinstance(inner_ring_size, int) \
                 or inner_ring_size < 1:
-            raise ValueError(f"inner_ring_size must be a positive integer or None, got "
+            raise ValueError(f"{pre}inner_ring_size must be a positive integer or None, got "
                              f"{inner_ring_size!r}")
         if R % inner_ring_size:
-            raise ValueError(f"inner_ring_size={inner_ring_size!r} does not divide the ring "
+            raise ValueError(f"{pre}inner_ring_size={inner_ring_size!r} does not divide the ring "
                              f"size {R} (sp_size {sp_size} / ulysses_size {U}); the ring is "
                              f"outer x inner rings, so inner_ring_size must be one of "
                              f"{_divisors(R)}")
@@ -495,7 +500,8 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
                              f"the ring size {ring} ({n} ranks / ulysses_size {ulysses_size}); "
                              f"one of {_divisors(ring)}, or None for a plain ring")
         mode = "ring" if ulysses_size == 1 else ("ulysses" if ulysses_size == n else "hybrid")
-        resolve_sp_sizes(mode, n, ulysses_size, None if ring == 1 else inner_ring_size)
+        resolve_sp_sizes(mode, n, ulysses_size, None if ring == 1 else inner_ring_size,
+                         fn="make_sp_groups")
     except (TypeError, ValueError) as exc:
         problem = exc
         ulysses_size, inner_ring_size = -1, -1  # (the fields below; this rank raises)

@@ -230,7 +230,7 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
     world = _world_size()
     if mesh is None:
         _check_sp_size(sp_size, world, tp_size)
-        U, R, I = resolve_sp_sizes(sp_mode, sp_size, ulysses_size, inner_ring_size)
+        U, R, I = resolve_sp_sizes(sp_mode, sp_size, ulysses_size, inner_ring_size, fn="")
         ui = True if ulysses_inner is None else bool(ulysses_inner)
         names = SP_MESH_DIMS[ui] + ("tp",)
         dp = world // (sp_size * tp_size)
@@ -260,7 +260,7 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
             raise ValueError(f"ulysses_size={ulysses_size} but the mesh's 'sp_u' dim has size "
                              f"{mesh_u}")
         U, R, I = resolve_sp_sizes(sp_mode, mesh_sp, mesh_u if sp_mode == "hybrid" else
-                                   ulysses_size, inner_ring_size)
+                                   ulysses_size, inner_ring_size, fn="")
         if U != mesh_u:
             raise ValueError(f"sp_mode={sp_mode!r} needs a Ulysses dim of size {U}, the mesh's "
                              f"'sp_u' dim has size {mesh_u}")

@@ -144,12 +144,21 @@ CONFIGS = [
          micro_batches=2),
     _cfg("B sp4 zero3 bf16 s2048 ckpt accum2", "B", "bf16", 2048, sp_size=4, zero_stage=3,
          activation_checkpointing=True, micro_batches=2),
+    # -- the double ring: the inner rings keep exchange buffers of their own
+    _cfg("C sp4 double ring (inner 2) fp32 s2048", "C", "fp32", 2048, quick=True, sp_size=4,
+         inner_ring_size=2),
+    _cfg("A sp4 double ring (inner 2) bf16 s8192 ckpt", "A", "bf16", 8192, sp_size=4,
+         inner_ring_size=2, activation_checkpointing=True),
     # -- 8 ranks (the full table only)
     _cfg("A W8 dp2 sp2 tp2 zero3 bf16 s2048", "A", "bf16", 2048, world=8, sp_size=2,
          tp_size=2, zero_stage=3),
     _cfg("B W8 sp8 zero3 bf16 s4096 ckpt", "B", "bf16", 4096, world=8, sp_size=8,
          zero_stage=3, activation_checkpointing=True),
     _cfg("A W8 sp8 ring bf16 s4096", "A", "bf16", 4096, world=8, sp_size=8),
+    _cfg("C W8 sp8 double ring (inner 2) bf16 s4096", "C", "bf16", 4096, world=8, sp_size=8,
+         inner_ring_size=2),
+    _cfg("C W8 sp8 hybrid(u2) double ring (inner 2) bf16 s4096", "C", "bf16", 4096, world=8,
+         sp_size=8, sp_mode="hybrid", ulysses_size=2, inner_ring_size=2),
 ]
 
 

@@ -60,7 +60,11 @@ _ALIGN = 64  # ringseq.engine.loops.PackedBuffers aligns every segment of the ex
 _HEADER = 64  # ringseq.engine.integrity.HEADER_BYTES: the header that travels with every exchange
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+             "vocab_size", "tie_word_embeddings")
+# ModelShape's fields by the config keys they come from (what its messages name)
+_CONFIG_KEYS = {"hidden": "hidden_size", "intermediate": "intermediate_size",
+                "layers": "num_hidden_layers", "heads": "num_attention_heads",
+                "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab": "vocab_size"}
 # The transformers model types whose tensors the estimate counts (measured against MemTracker:
 # docs/memory.md); "" is a dict of sizes without a type, estimated as a Llama of those sizes.
 MODELED_TYPES = ("", "llama", "mistral", "qwen2")
@@ -76,10 +80,11 @@ class ModelShape:
 
     Built by :meth:`from_config` from a transformers config or a dict with the keys
     ``hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-    num_key_value_heads, head_dim, vocab_size, tie_word_embeddings``. ``head_dim`` may be
-    missing (or None): it then defaults to ``hidden_size // num_attention_heads``, as
-    transformers' Llama and Qwen2 do. Optional: ``attention_bias`` (q/k/v/o biases; Qwen2 has
-    q/k/v biases always, detected from ``model_type == "qwen2"``) and ``mlp_bias``.
+    num_key_value_heads, head_dim, vocab_size, tie_word_embeddings``. ``num_key_value_heads``
+    and ``head_dim`` may be missing (or None): they then default to ``num_attention_heads``
+    and ``hidden_size // num_attention_heads``, as transformers' Llama and Qwen2 do.
+    Optional: ``attention_bias`` (q/k/v/o biases; Qwen2 has q/k/v biases always, detected from
+    ``model_type == "qwen2"``) and ``mlp_bias``.
     """
 
     hidden: int
@@ -115,7 +120,8 @@ class ModelShape:
                                  f"{get(k, None)!r}")
         experts = {k: get(k, None) for k in _EXPERT_KEYS if (get(k, None) or 0) > 1}
         if experts:
-            raise ValueError(f"estimate_memory: config {model_type!r} is a mixture of experts "
+            raise ValueError(f"estimate_memory: config{f' {model_type!r}' if model_type else ''} "
+                             f"is a mixture of experts "
                              f"({', '.join(f'{k}={v}' for k, v in experts.items())}); the "
                              f"estimate models dense decoders with one MLP per layer (types "
                              f"{list(MODELED_TYPES[1:])}), so it would count a fraction of "
@@ -134,8 +140,9 @@ class ModelShape:
             v = get(key, missing)
             if v is missing or v is None:
                 raise KeyError(f"estimate_memory: config is missing {key!r} (needed: "
-                               f"{', '.join(_REQUIRED)}, and head_dim, which defaults to "
-                               f"hidden_size // num_attention_heads)")
+                               f"{', '.join(_REQUIRED)}; num_key_value_heads defaults to "
+                               f"num_attention_heads and head_dim to hidden_size // "
+                               f"num_attention_heads, as in transformers)")
             if key != "tie_word_embeddings" and not _is_whole(v):
                 raise ValueError(f"estimate_memory: config {key} must be an integer, got {v!r}")
             vals[key] = v
@@ -149,6 +156,12 @@ class ModelShape:
         if int(vals["num_attention_heads"]) < 1:
             raise ValueError(f"estimate_memory: config num_attention_heads must be >= 1, got "
                              f"{vals['num_attention_heads']!r}")
+        kv_heads = get("num_key_value_heads", None)
+        if kv_heads is None:  # transformers' default (Llama 1 configs have no such key)
+            kv_heads = vals["num_attention_heads"]
+        elif not _is_whole(kv_heads):
+            raise ValueError(f"estimate_memory: config num_key_value_heads must be an integer, "
+                             f"got {kv_heads!r}")
         head_dim = get("head_dim", None)
         if head_dim is None:  # transformers' default
             head_dim = int(vals["hidden_size"]) // int(vals["num_attention_heads"])
@@ -165,13 +178,13 @@ class ModelShape:
         shape = cls(hidden=int(vals["hidden_size"]), intermediate=int(vals["intermediate_size"]),
                     layers=int(vals["num_hidden_layers"]),
                     heads=int(vals["num_attention_heads"]),
-                    kv_heads=int(vals["num_key_value_heads"]), head_dim=int(head_dim),
+                    kv_heads=int(kv_heads), head_dim=int(head_dim),
                     vocab=int(vals["vocab_size"]), tied=bool(flags["tie_word_embeddings"]),
                     qkv_bias=qwen2 or attention_bias, o_bias=attention_bias and not qwen2,
                     mlp_bias=bool(flags["mlp_bias"]))
-        for f in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab"):
+        for f, key in _CONFIG_KEYS.items():
             if getattr(shape, f) < 1:
-                raise ValueError(f"estimate_memory: config {f} must be >= 1, got "
+                raise ValueError(f"estimate_memory: config {key} must be >= 1, got "
                                  f"{getattr(shape, f)}")
         if shape.heads % shape.kv_heads:
             raise ValueError(f"estimate_memory: num_attention_heads={shape.heads} must be a "
@@ -254,6 +267,8 @@ class MemoryEstimate:
     megatron_flash: int
     breakdown: Tuple[Tuple[str, int], ...] = field(default=(), repr=False)
     moments: Tuple[Tuple[str, int], ...] = field(default=(), repr=False)
+    #: a double ring's inner ring size (None: the plain ring)
+    inner_ring_size: Optional[int] = None
 
     @property
     def dp_size(self) -> int:
@@ -264,6 +279,8 @@ class MemoryEstimate:
         mode = self.sp_mode if self.sp_size > 1 else "-"
         if self.sp_mode == "hybrid":
             mode = f"hybrid(u{self.ulysses_size})"
+        if self.inner_ring_size is not None:
+            mode += f" inner{self.inner_ring_size}"
         return (f"dp{self.dp_size} sp{self.sp_size} {mode} tp{self.tp_size} "
                 f"zero{self.zero_stage}{' ckpt' if self.activation_checkpointing else ''}")
 
@@ -314,11 +331,11 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2,
 
 def parse_bytes(text: str) -> int:
     """``'80GiB'`` -> 85899345920; ``'80GB'`` -> 80e9; a plain number is bytes. Raises
-    ValueError for anything else."""
+    ValueError for anything else (a negative size too)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"a memory size must be a number with an optional unit (B, KB, MB, GB, "
-                         f"TB, KiB, MiB, GiB, TiB), got {text!r}")
+        raise ValueError(f"parse_bytes: a memory size must be a non-negative number with an "
+                         f"optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {text!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -356,6 +373,13 @@ class _Plan:
     U: int  # Ulysses degree
     R: int  # ring degree
     accum: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    I: Optional[int] = None  # inner ring size of a double ring (None: R, a plain ring)
+
+    @property
+    def double_ring(self) -> bool:
+        """Whether the ring runs as outer rings of inner rings (an inner ring of one rank, or
+        of all R, is the plain ring)."""
+        return self.I is not None and 1 < self.I < self.R
 
     # -- dtypes and regime -------------------------------------------------------------
     @property
@@ -659,10 +683,20 @@ class _Terms:
         ring_used = p.mode == "ring" or (p.mode == "hybrid" and p.R > 1)
         hops = p.R - 1
         kv_block = 2 * T * k * (p.rep if p.U > 1 else 1) * d  # K and V elements of one block
-        fwd = 2 * (_HEADER + _align(kv_block * e)) if (ring_used and hops > 0) else 0
-        bwd = (2 * (_align(kv_block * f32) + _HEADER + (_align(kv_block * e) if hops > 0 else 0))
-               if ring_used else 0)
-        self.ring_buffers = fwd + bwd
+
+        def exchange(hops: int) -> int:  # one ring's buffers
+            fwd = 2 * (_HEADER + _align(kv_block * e)) if hops > 0 else 0
+            return fwd + 2 * (_align(kv_block * f32) + _HEADER
+                              + (_align(kv_block * e) if hops > 0 else 0))
+        # A double ring (ringseq.parallel.double_ring) runs the outer ring and the inner rings
+        # as two rings, each with its own cached buffers (measured: +4 MiB, the inner ring's
+        # exchange() at I = 2, O = 2, bf16, b s k d = 1 2048 2 32).
+        if not ring_used:
+            self.ring_buffers = 0
+        elif p.double_ring:
+            self.ring_buffers = exchange(p.R // p.I - 1) + exchange(p.I - 1)
+        else:
+            self.ring_buffers = exchange(hops)
         # ---- transients of the backward ------------------------------------------------
         g = res * Tr  # the gradient of the residual stream flowing down the layers
         self.g = g
@@ -682,6 +716,11 @@ class _Terms:
             scratch = f32 * kv_block if hops > 0 else 0
             acc_end = (f32 * a * T + f32 * a * d * T + scratch + e * kv_block
                        + (e * a * d * T if e != f32 else 0))
+            if p.double_ring:
+                # an inner lap's backward (InnerLap._bwd_accum) next to the outer accumulators:
+                # its own float32 dK/dV scratch and the dq / dK / dV it returns in the input
+                # dtype (dq: its float32 accumulator itself for float32 inputs)
+                acc_end += (f32 + e) * kv_block + (e * a * d * T if e != f32 else 0)
         else:
             # ringseq::attention's C++ bwd (ops.cpp bwd_into) allocates dq, dk, dv before it
             # computes delta in one C++ expression, whose temporaries (the float32 copies, the
@@ -890,7 +929,7 @@ def _divisors(n: int) -> List[int]:
 
 def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_stage, precision,
           optimizer, activation_checkpointing, sp_mode, ulysses_size, layout,
-          gradient_accumulation_steps=1) -> _Plan:
+          gradient_accumulation_steps=1, inner_ring_size=None) -> _Plan:
     shape = ModelShape.from_config(config)
     seqlen, micro_batch, world_size, sp_size, tp_size, accum = (
         _check_int(name, v) for name, v in (
@@ -913,8 +952,9 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
     # never lists a mesh the plugin cannot run.
     try:
         dims = ParallelDims(world_size=world_size, sp_size=sp_size, tp_size=tp_size,
-                            zero_stage=zero_stage, sp_mode=sp_mode,
-                            ulysses_size=ulysses_size).with_model(shape.heads, shape.kv_heads)
+                            zero_stage=zero_stage, sp_mode=sp_mode, ulysses_size=ulysses_size,
+                            inner_ring_size=inner_ring_size
+                            ).with_model(shape.heads, shape.kv_heads)
     except ValueError as exc:
         raise renamed_dims_error("estimate_memory", exc) from None
     if precision == "fp16" and dims.sharded:
@@ -942,7 +982,8 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
     U, R = dims.ulysses_size, dims.ring_size
     return _Plan(shape=shape, b=micro_batch, seqlen=seqlen, world=world_size, sp=sp_size,
                  tp=tp_size, zero=zero_stage, precision=precision, optimizer=optimizer,
-                 ckpt=bool(activation_checkpointing), mode=sp_mode, U=U, R=R, accum=accum)
+                 ckpt=bool(activation_checkpointing), mode=sp_mode, U=U, R=R, accum=accum,
+                 I=dims.inner_ring_size)
 
 
 # ------------------------------------------------------------------------------ API
@@ -951,7 +992,8 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
                     precision: str = "bf16", optimizer: str = "adamw",
                     activation_checkpointing: bool = False, sp_mode: str = "ring",
                     ulysses_size: Optional[int] = None, layout="zigzag",
-                    gradient_accumulation_steps: int = 1) -> MemoryEstimate:
+                    gradient_accumulation_steps: int = 1,
+                    inner_ring_size: Optional[int] = None) -> MemoryEstimate:
     """Per-rank memory of one training step (forward, backward, AdamW step), in bytes.
 
     Args:
@@ -975,6 +1017,9 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
             under ``booster.no_sync``); from the second on, the float32 sum of the earlier
             gradients is live through the forward and backward, unsharded on every mesh
             (FSDP2 keeps each unit's until its reduce-scatter in the last micro-batch).
+        inner_ring_size: a double ring's inner ring size (as ``RingSequenceParallelPlugin``:
+            ring and hybrid modes, dividing the ring size); its inner rings keep exchange
+            buffers of their own next to the outer ring's.
 
     Returns a :class:`MemoryEstimate` (frozen). Raises TypeError for a config that is neither
     a config nor a dict (a model, None), KeyError for a config without a needed key (naming
@@ -987,7 +1032,8 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
               sp_size=sp_size, tp_size=tp_size, zero_stage=zero_stage, precision=precision,
               optimizer=optimizer, activation_checkpointing=activation_checkpointing,
               sp_mode=sp_mode, ulysses_size=ulysses_size, layout=layout,
-              gradient_accumulation_steps=gradient_accumulation_steps)
+              gradient_accumulation_steps=gradient_accumulation_steps,
+              inner_ring_size=inner_ring_size)
     t = _Terms(p)
     moments = _moments(p, t)
     name, live = max(moments, key=lambda m: sum(m[1].values()))
@@ -1010,7 +1056,8 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
         logits_loss=t.loss_bwd, temporaries=live.get("temporaries", 0), total=total,
         peak_phase=name, megatron=_megatron(p), megatron_flash=_megatron(p, flash=True),
         breakdown=breakdown,
-        moments=tuple((n, sum(d.values())) for n, d in moments))
+        moments=tuple((n, sum(d.values())) for n, d in moments),
+        inner_ring_size=p.I if p.double_ring else None)
 
 
 # ------------------------------------------------------------------------------ planning
@@ -1035,7 +1082,8 @@ def meshes(config, world_size: int, precision: str = "bf16") -> List[dict]:
     dividing the MLP width, zero 0/2/3 (not sharded ones with fp16, which the plugin
     refuses), checkpointing off/on. Hybrid lists Ulysses degrees strictly between 1 and sp
     (the others are the ring and Ulysses)."""
-    shape = ModelShape.from_config(config)
+    with _named_as("meshes"):
+        shape = ModelShape.from_config(config)
     world_size = _check_int("world_size", world_size, fn="meshes")
     if precision not in PRECISIONS:
         raise ValueError(f"meshes: precision must be one of {list(PRECISIONS)}, got "
@@ -1139,7 +1187,8 @@ def _seq_step(mesh: dict) -> int:
     return ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
                         tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
                         sp_mode=mesh.get("sp_mode", "ring"),
-                        ulysses_size=mesh.get("ulysses_size")
+                        ulysses_size=mesh.get("ulysses_size"),
+                        inner_ring_size=mesh.get("inner_ring_size")
                         ).seq_multiple(mesh.get("layout", "zigzag"))
 
 
@@ -1166,6 +1215,7 @@ def max_seqlen(config, *, device_memory: int, limit: int = SEARCH_LIMIT,
                         f"world_size, sp_size and optionally the other arguments of "
                         f"estimate_memory)")
     _check_budget("max_seqlen", device_memory)
+    get_layout(mesh.get("layout", "zigzag"), "max_seqlen")  # (named for the user's call)
     try:
         step = _seq_step(mesh)
     except (ValueError, TypeError) as exc:

@@ -62,6 +62,15 @@ def test_head_dim_defaults_to_hidden_over_heads():
     assert est(dict(TINY, head_dim=64)).activations > est(TINY).activations
 
 
+def test_kv_heads_default_to_the_query_heads():
+    """As transformers' Llama does for a config.json without num_key_value_heads (Llama 1's;
+    before: KeyError, so the CLI refused a file transformers loads)."""
+    mha = {k: v for k, v in TINY.items() if k != "num_key_value_heads"}
+    assert ModelShape.from_config(mha).kv_heads == TINY["num_attention_heads"]
+    assert est(mha) == est(dict(TINY, num_key_value_heads=TINY["num_attention_heads"]))
+    assert est(dict(mha, num_key_value_heads=None)) == est(mha)
+
+
 @pytest.mark.parametrize("key", mem._REQUIRED)
 def test_missing_key_is_named(key):
     cfg = {k: v for k, v in TINY.items() if k != key}
@@ -278,6 +287,12 @@ def test_planner_budget_and_limit_errors(fn, kwargs, error, match):
     ({"mlp_bias": "no"}, "mlp_bias must be a bool, got 'no'"),
     # before: TypeError "'>' not supported between instances of 'str' and 'int'"
     ({"num_local_experts": "8"}, "num_local_experts must be an integer, got '8'"),
+    # the config's own keys (before: the estimate's field names, "kv_heads", "vocab", ...)
+    ({"num_key_value_heads": 0}, r"num_key_value_heads must be >= 1, got 0"),
+    ({"vocab_size": 0}, r"vocab_size must be >= 1, got 0"),
+    ({"num_hidden_layers": 0}, r"num_hidden_layers must be >= 1, got 0"),
+    ({"intermediate_size": 0}, r"intermediate_size must be >= 1, got 0"),
+    ({"num_key_value_heads": 2.5}, r"num_key_value_heads must be an integer, got 2.5"),
 ])
 def test_config_sizes_are_whole_positive_numbers(over, match):
     with pytest.raises(ValueError, match="^estimate_memory: config " + match):
@@ -395,6 +410,52 @@ def test_planner_errors_name_the_function_called():
     with pytest.raises(ValueError, match=r"^max_seqlen: "):
         mem.max_seqlen(dict(TINY, num_attention_heads=6, num_key_value_heads=3),
                        device_memory=80 * GiB, world_size=2, sp_size=1, tp_size=2)
+
+
+def test_meshes_and_parse_bytes_errors_name_themselves():
+    """(before: meshes' config errors named estimate_memory; parse_bytes' no function, and
+    max_seqlen's unknown layout an internal one)"""
+    with pytest.raises(TypeError, match=r"^meshes: config must be"):
+        mem.meshes(None, 2)
+    with pytest.raises(KeyError, match=r"^.meshes: config is missing 'vocab_size'"):
+        mem.meshes({k: v for k, v in TINY.items() if k != "vocab_size"}, 2)
+    with pytest.raises(ValueError, match=r"^meshes: config model_type 'gemma'"):
+        mem.meshes(dict(TINY, model_type="gemma"), 2)
+    with pytest.raises(ValueError, match=r"^parse_bytes: a memory size must be a non-negative "
+                                         r"number .* got '-5GiB'$"):
+        mem.parse_bytes("-5GiB")
+    with pytest.raises(ValueError, match=r"^max_seqlen: unknown layout 'zigzig'"):
+        mem.max_seqlen(TINY, device_memory=80 * GiB, world_size=2, sp_size=2, layout="zigzig")
+    with pytest.raises(ValueError, match=r"^estimate_memory: config is a mixture of experts "
+                                         r"\(num_local_experts=8\)"):
+        est(dict(TINY, num_local_experts=8))
+
+
+def test_double_ring_counts_the_inner_rings_buffers():
+    """A double ring (inner_ring_size) runs its outer ring and its inner rings as two rings,
+    each keeping its exchange buffers, and an inner lap's backward holds its own float32 dK/dV
+    scratch and the gradients it returns (before: estimated as the plain ring, 19 % below the
+    measured peak; the measured cases are benchmarks/memory_check.py's)."""
+    plain = est(precision="fp32")
+    inner1, inner4 = est(precision="fp32", inner_ring_size=1), est(precision="fp32",
+                                                                      inner_ring_size=4)
+    assert inner1 == plain and inner4 == plain  # an inner ring of one rank or of all: no double
+    double = est(precision="fp32", inner_ring_size=2)
+    assert double.inner_ring_size == 2 and plain.inner_ring_size is None
+    assert "sp4 ring inner2" in double.mesh() and "inner" not in plain.mesh()
+    # (b, s_local, h_kv, d) = (1, 1024, 2, 32): one K/V block is 2 x 1024 x 2 x 32 float32
+    kv = 2 * 1024 * 2 * 32 * 4
+    ring = plain.attention_buffers  # the outer ring of 2 (one hop) keeps the plain ring's
+    assert ring > 3 * kv
+    assert double.attention_buffers == 2 * ring  # the inner ring of 2: one hop too
+    assert double.total >= plain.total + ring  # (persistent: at every moment)
+    assert dict(double.moments)["backward, first layer's attention"] >= (
+        dict(plain.moments)["backward, first layer's attention"] + ring + 2 * kv)
+    with pytest.raises(ValueError, match=r"^estimate_memory: inner_ring_size=3 does not divide "
+                                         r"the ring size 4"):
+        est(inner_ring_size=3)
+    with pytest.raises(ValueError, match=r"^estimate_memory: sp_mode='ulysses' has no ring"):
+        est(sp_mode="ulysses", inner_ring_size=2)
 
 
 def test_a_hybrid_whose_ring_has_one_rank_keeps_no_ring_buffers():

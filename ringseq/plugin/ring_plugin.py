@@ -969,8 +969,9 @@ class RingSequenceParallelPlugin(Plugin):
         what is raised; ``gradient_accumulation_steps``: micro-batches per optimizer step,
         all but the last under ``booster.no_sync``). ``activation_checkpointing``: whether
         the decoder layers are checkpointed (None: the plugin's own
-        ``activation_checkpointing``). A double ring (``inner_ring_size``) is estimated as one
-        ring. Local: no communication. Raises ValueError for a model without a ``config``."""
+        ``activation_checkpointing``), a double ring (``inner_ring_size``) with its inner
+        rings' buffers. Local: no communication. Raises ValueError for a model without a
+        ``config``."""
         from ..memory import estimate_memory
         inner = model.unwrap() if isinstance(model, ModelWrapper) else model
         config = getattr(inner, "config", None)
@@ -988,7 +989,8 @@ class RingSequenceParallelPlugin(Plugin):
                                       else activation_checkpointing),
             sp_mode=self.sp_mode,
             ulysses_size=self.ulysses_size if self.sp_mode == "hybrid" else None,
-            layout=self.layout, gradient_accumulation_steps=gradient_accumulation_steps)
+            layout=self.layout, gradient_accumulation_steps=gradient_accumulation_steps,
+            inner_ring_size=self.dims.inner_ring_size)
 
     def __repr__(self):
         modes = ("" if self.sp is None else

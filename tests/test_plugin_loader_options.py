@@ -30,6 +30,11 @@ class _Stream(torch.utils.data.IterableDataset):
         return iter(_data(4))
 
 
+class _EmptyStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([])
+
+
 def _data(n=16):
     return [{"input_ids": torch.full((8,), i), "labels": torch.full((8,), i), "idx": i}
             for i in range(n)]
@@ -67,6 +72,32 @@ def _worker():
     # one data-parallel group's loader empty: its ranks raise, the others hear why
     out["one_group_empty"] = error_text(lambda: _seen(prepare(_data(0 if dp == 0 else 4),
                                                               batch_size=2)))
+    # (before: torch's "Overflow when unpacking long long" at the first batch; a bare
+    # TypeError of len(); messages naming no function)
+    out["prepare_seed_big"] = error_text(lambda: prepare(_data(), batch_size=2, seed=2 ** 64))
+    out["prepare_iterable"] = error_text(lambda: prepare(_Stream(), batch_size=2))
+    out["prepare_int"] = error_text(lambda: prepare(5, batch_size=2))
+    out["boost_list"] = error_text(lambda: Booster(plugin).boost(_Net(), dataloader=[1]))
+    # a sampler over a part of the dataset (before: boost trained on all 16 samples)
+    from torch.utils.data import RandomSampler, SequentialSampler
+    for name, sampler in (("sequential", SequentialSampler(range(4))),
+                          ("random", RandomSampler(range(4)))):
+        part = DataLoader(_data(), batch_size=2, sampler=sampler)
+        out[f"subset_{name}"] = error_text(lambda: Booster(plugin).boost(_Net(), dataloader=part))
+    # an iterable dataset that yields nothing (before: a loop of no step, without a word)
+    from ringseq.plugin.dataloader import ShardedDataLoader
+    empty = ShardedDataLoader(DataLoader(_EmptyStream(), batch_size=2), plugin.sp_group,
+                              plugin.data_layout, plugin.dp_rank)
+    out["empty_stream"] = error_text(lambda: _seen(empty))
+    # pack=True at sp 1 (dp 4), zigzag: each dp group's batch holds 5 + 4 tokens, padded to
+    # what zigzag shards (before: padded to 1, and every batch refused for its odd length)
+    docs = [{"input_ids": torch.arange(n)} for n in (5, 5, 5, 5, 4, 4, 4, 4)]
+    packed = RingSequenceParallelPlugin(sp_size=1).prepare_dataloader(docs, batch_size=2,
+                                                                        pack=True)
+    shapes = []
+    out["pack_sp1"] = error_text(lambda: shapes.extend(tuple(b["input_ids"].shape)
+                                                       for b in packed))
+    out["pack_sp1_shapes"] = shapes
     out["prepare_numpy_ok"] = len(prepare(_data(), batch_size=np.int64(2), seed=np.int32(3),
                                           shuffle=np.True_, drop_last=np.False_))
     # lengths 4, 4, 8, 8, 4, ...: each dp group's batch of 2 holds a 4 and an 8
@@ -172,6 +203,41 @@ def test_loaders_of_different_lengths_are_named_with_their_batch(w4):
 def test_prepare_dataloader_refuses_settings_it_would_misread(w4, key, expected):
     for r in w4:
         assert r[key].startswith(expected), r[key]
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("prepare_seed_big", "ValueError: prepare_dataloader: seed must be an int within [-2**63, "
+                         "2**63), got 18446744073709551616"),
+    ("prepare_iterable", "ValueError: prepare_dataloader: dataset must be a map-style dataset "
+                         "(len and indexing) to split its samples over the data-parallel "
+                         "groups, got an IterableDataset (_Stream)"),
+    ("prepare_int", "TypeError: prepare_dataloader: dataset must be a map-style dataset (len "
+                    "and indexing), got 5 (int)"),
+    ("boost_list", "ValueError: boost: dataloader must be a torch DataLoader or the result of "
+                   "plugin.prepare_dataloader, got list"),
+    ("subset_sequential", "ValueError: dataloader: the plugin rebuilds the loader with its own "
+                          "DistributedSampler over the data-parallel groups, which would drop "
+                          "this loader's sampler SequentialSampler"),
+    ("subset_random", "ValueError: dataloader: the plugin rebuilds the loader with its own "
+                      "DistributedSampler over the data-parallel groups, which would drop this "
+                      "loader's sampler RandomSampler"),
+])
+def test_datasets_and_samplers_the_plugin_would_misread_are_refused(w4, key, expected):
+    for r in w4:
+        assert r[key].startswith(expected), r[key]
+
+
+def test_an_iterable_dataset_that_yields_nothing_raises_on_every_rank(w4):
+    """As the docstring says of a loader of no batch per epoch."""
+    for rank, r in enumerate(w4):
+        assert r["empty_stream"].startswith(
+            f"ValueError: ShardedDataLoader: data-parallel rank {rank // 2}'s loader gave no "
+            f"batch this epoch (its dataset, _EmptyStream, yielded nothing)"), r["empty_stream"]
+
+
+def test_packing_without_sequence_parallelism_pads_to_what_the_layout_shards(w4):
+    for r in w4:
+        assert r["pack_sp1"] == "no error" and r["pack_sp1_shapes"] == [(1, 10)], r
 
 
 def test_prepare_dataloader_takes_numpy_ints_and_bools(w4):

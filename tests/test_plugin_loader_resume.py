@@ -172,6 +172,11 @@ def _worker(tmp):
     # (before: torch's or the sampler's errors, later; a negative epoch saved, then refused)
     out["epoch_str"] = error_text(lambda: loader().set_epoch("1"))
     out["epoch_negative"] = error_text(lambda: loader().set_epoch(-1))
+    # (before: accepted, then torch's "Overflow when unpacking long long" at the first batch)
+    out["epoch_big"] = error_text(lambda: loader().set_epoch(2 ** 64))
+    state = loader().state_dict()
+    state["epoch"] = 2 ** 64
+    out["state_epoch_big"] = error_text(lambda: loader().load_state_dict(state))
     stream = ShardedDataLoader(torch.utils.data.DataLoader(_Stream(), batch_size=2),
                                plugin.sp_group, plugin.data_layout, plugin.dp_rank)
     out["stream_batches"] = len(_batches(stream))
@@ -208,9 +213,14 @@ def test_items_that_are_whole_batches_resume_inside_an_epoch(w4):
 def test_bad_epochs_and_a_loader_without_a_length_are_named(w4):
     for r in w4:
         assert r["epoch_str"] == ("TypeError: ShardedDataLoader.set_epoch: epoch must be an "
-                                  "int >= 0, got '1' (str)"), r["epoch_str"]
+                                  "int within [0, 2**63), got '1' (str)"), r["epoch_str"]
         assert r["epoch_negative"] == ("ValueError: ShardedDataLoader.set_epoch: epoch must be "
-                                       "an int >= 0, got -1"), r["epoch_negative"]
+                                       "an int within [0, 2**63), got -1"), r["epoch_negative"]
+        assert r["epoch_big"] == ("ValueError: ShardedDataLoader.set_epoch: epoch must be an "
+                                  "int within [0, 2**63), got 18446744073709551616"), r
+        assert r["state_epoch_big"] == ("ValueError: ShardedDataLoader.load_state_dict: "
+                                        "state['epoch'] must be an int within [0, 2**63), got "
+                                        "18446744073709551616"), r["state_epoch_big"]
         assert r["stream_batches"] == 3
         assert r["stream_state"].startswith("TypeError: ShardedDataLoader.state_dict: the "
                                             "loader's dataset (_Stream) has no length"), r
@@ -274,7 +284,7 @@ def test_a_state_at_an_epochs_end_starts_the_next_epoch_under_any_settings(w4):
     ("not_a_state", "TypeError: ShardedDataLoader.load_state_dict: state must be the mapping",
      None),
     ("negative_step", "ValueError: ShardedDataLoader.load_state_dict: state['step'] must be "
-                      "an int >= 0, got -1", None),
+                      "an int within [0, 2**63), got -1", None),
     ("plain_sampler", "ValueError: ShardedDataLoader.load_state_dict: the state stopped after "
                       "batch 2 of 5 in epoch 1; resuming inside an epoch needs the plugin's "
                       "sampler", None),

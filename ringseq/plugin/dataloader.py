@@ -14,8 +14,8 @@ from ..data import shard_batch
 from ..engine.integrity import ANY
 from ..engine.ring import get_ring
 from .digest import batch_digest, differing_digests
-from .loader_state import (LoaderPosition, ResumableDistributedSampler, loader_settings,
-                           read_loader_state, state_of)
+from .loader_state import (INT64_LIMIT, LoaderPosition, ResumableDistributedSampler,
+                           loader_settings, read_loader_state, state_of)
 
 __all__ = ["ShardedDataLoader", "pack_documents"]
 
@@ -132,15 +132,15 @@ class ShardedDataLoader:
         loop's iteration at ``break``; elsewhere at garbage collection). A position restored
         by :meth:`load_state_dict` is kept: ``set_epoch(loader.epoch)`` resumes it.
 
-        Raises TypeError for an ``epoch`` that is not an int, ValueError for one below 0
-        (neither the sampler's seed nor a saved state takes it)."""
+        Raises TypeError for an ``epoch`` that is not an int, ValueError for one below 0 or
+        from 2**63 on (neither the sampler's seed nor a saved state takes it)."""
         value = as_int(epoch)
         if value is None:
-            raise TypeError(f"ShardedDataLoader.set_epoch: epoch must be an int >= 0, got "
-                            f"{given(epoch)}")
-        if value < 0:
-            raise ValueError(f"ShardedDataLoader.set_epoch: epoch must be an int >= 0, got "
-                             f"{value}")
+            raise TypeError(f"ShardedDataLoader.set_epoch: epoch must be an int within "
+                            f"[0, 2**63), got {given(epoch)}")
+        if not 0 <= value < INT64_LIMIT:  # (the sampler seeds a generator with seed + epoch)
+            raise ValueError(f"ShardedDataLoader.set_epoch: epoch must be an int within "
+                             f"[0, 2**63), got {value}")
         epoch = value
         if self._current is not None:  # (the running iteration goes on: saved as it stands)
             self._epoch_set_while_live = True
@@ -369,6 +369,13 @@ class ShardedDataLoader:
         try:
             while True:
                 out = self._next_shard(it, error)
+                if out is None and batches == 0:
+                    # (a loader without a length, an iterable dataset, that yielded nothing: the
+                    # end was agreed on at batch 1 by every rank, which all raise here)
+                    raise ValueError(
+                        f"ShardedDataLoader: data-parallel rank {self.dp_rank}'s loader gave no "
+                        f"batch this epoch (its dataset, {type(self.dataset).__name__}, yielded "
+                        f"nothing): a training loop over it would do nothing")
                 if out is None:
                     return
                 self.step += 1

@@ -17,6 +17,9 @@ __all__ = ["ResumableDistributedSampler", "LoaderPosition", "loader_settings", "
 _FORMAT = "ringseq.ShardedDataLoader"
 _VERSION = 1
 _LOAD = "ShardedDataLoader.load_state_dict"
+#: seeds and epochs stay below this: the sampler seeds a torch.Generator with seed + epoch,
+#: which takes [-2**63, 2**64)
+INT64_LIMIT = 1 << 63
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -69,9 +72,11 @@ def state_of(position: LoaderPosition, batches_per_epoch: int, settings: dict) -
 def _int_entry(state: Mapping, key: str) -> int:
     value = as_int(state[key])
     if value is None:
-        raise TypeError(f"{_LOAD}: state[{key!r}] must be an int >= 0, got {given(state[key])}")
-    if value < 0:
-        raise ValueError(f"{_LOAD}: state[{key!r}] must be an int >= 0, got {value}")
+        raise TypeError(f"{_LOAD}: state[{key!r}] must be an int within [0, 2**63), got "
+                        f"{given(state[key])}")
+    if not 0 <= value < INT64_LIMIT:
+        raise ValueError(f"{_LOAD}: state[{key!r}] must be an int within [0, 2**63), got "
+                         f"{value}")
     return value
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import weakref
 from typing import Callable, List, Optional
 
@@ -22,7 +23,7 @@ from ..parallel.dims import ParallelDims, renamed_dims_error, sharding_refusal
 from ..parallel.groups import SP_MODES
 from .base import Plugin
 from .dataloader import ShardedDataLoader, pack_documents
-from .loader_state import ResumableDistributedSampler
+from .loader_state import INT64_LIMIT as _INT64, ResumableDistributedSampler
 from .ddp_sum import DdpSum, sum_allreduce_hook
 from .mesh import _world_size, build_mesh, build_sp_mesh, check_sharded_order
 from .policy import is_transformers_model, switch_attention
@@ -548,10 +549,18 @@ class RingSequenceParallelPlugin(Plugin):
             raise ValueError(f"{fn}: batch_size=None (the dataset's items are whole batches) "
                              f"takes neither drop_last=True nor pack=True, got drop_last="
                              f"{drop_last}, pack={pack}")
+        if not -_INT64 <= seed_int < _INT64:  # (the sampler seeds torch.Generator with it)
+            raise ValueError(f"{fn}: seed must be an int within [-2**63, 2**63), got {seed_int}")
         batch_size, seed = size, seed_int
         if isinstance(dataset, IterableDataset):
-            raise ValueError("prepare_dataloader needs a map-style dataset (len and indexing) to "
-                             "split samples over the data-parallel groups")
+            raise ValueError(f"{fn}: dataset must be a map-style dataset (len and indexing) to "
+                             f"split its samples over the data-parallel groups, got an "
+                             f"IterableDataset ({type(dataset).__name__}): split it over the "
+                             f"data-parallel groups yourself and shard each batch with "
+                             f"ringseq.shard_batch")
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise TypeError(f"{fn}: dataset must be a map-style dataset (len and indexing), got "
+                            f"{given(dataset)}")
         for key in ("sampler", "batch_sampler"):
             if kwargs.get(key) is not None:
                 raise ValueError(
@@ -564,7 +573,10 @@ class RingSequenceParallelPlugin(Plugin):
             if "collate_fn" in kwargs:
                 raise ValueError("prepare_dataloader(pack=True) packs the batch itself; drop the "
                                  "collate_fn (or pack in your own collate_fn with pack=False)")
-            multiple = self.dims.seq_multiple(self.layout)
+            # (what the mesh splits, and what the loader's layout shards: zigzag over a ring of
+            # one needs an even length, which the mesh alone, contiguous there, does not)
+            multiple = math.lcm(self.dims.seq_multiple(self.layout),
+                                get_layout(self.data_layout).multiple(self.sp_size))
             kwargs["collate_fn"] = functools.partial(pack_documents, multiple=multiple,
                                                      ignore_index=self.ignore_index)
         # (a DistributedSampler that can start an epoch after its first batches: a loader
@@ -628,7 +640,7 @@ class RingSequenceParallelPlugin(Plugin):
         if dataloader is None or isinstance(dataloader, ShardedDataLoader):
             return dataloader
         if not isinstance(dataloader, DataLoader):
-            raise ValueError(f"dataloader must be a torch DataLoader or the result of "
+            raise ValueError(f"boost: dataloader must be a torch DataLoader or the result of "
                              f"plugin.prepare_dataloader, got {type(dataloader).__name__}")
         if isinstance(dataloader.dataset, IterableDataset):
             raise ValueError(f"dataloader: the plugin rebuilds the loader with its own "
@@ -642,9 +654,11 @@ class RingSequenceParallelPlugin(Plugin):
         # sampler (a subset, weights, a batch sampler) would be lost without a word.
         sampler = dataloader.sampler
         # (RandomSampler keeps an explicit num_samples privately; len(dataset) is the default)
-        plain = isinstance(sampler, SequentialSampler) or (
-            isinstance(sampler, RandomSampler) and not sampler.replacement
-            and getattr(sampler, "_num_samples", None) in (None, len(dataloader.dataset)))
+        # (a sampler over another dataset, e.g. range(4) of a dataset of 10: a subset)
+        plain = getattr(sampler, "data_source", None) is dataloader.dataset and (
+            isinstance(sampler, SequentialSampler) or (
+                isinstance(sampler, RandomSampler) and not sampler.replacement
+                and getattr(sampler, "_num_samples", None) in (None, len(dataloader.dataset))))
         custom_batches = dataloader.batch_size is None and dataloader.batch_sampler is not None
         if custom_batches or not plain:
             what = (f"batch_sampler {type(dataloader.batch_sampler).__name__}"

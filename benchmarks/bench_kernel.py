@@ -35,7 +35,9 @@ sdpa_efficient, sdpa_math (one SDPA backend forced).
 
 Before timing a shape, each backend's forward is checked against float64 attention on the
 first and last 32 queries (flash-attn's rule: at most 2x plain attention's error in the same
-dtype, plus the shared floor); the err / plain err / check columns show it. Exit status: 0; 1
+dtype, plus the shared floor), and with fwd_bwd in --modes its dq, dk, dv too, for an output
+gradient on those queries (3x); the err / plain err / grad err / plain grad err / check columns
+show it (a fwd_bwd row's check covers both). Exit status: 0; 1
 when a level's child failed; 2 for a usage error; 4 when a ringseq backend failed the check
 (its rows are still printed and written; torch's own SDPA failing it is only warned about).
 """
@@ -162,26 +164,45 @@ def supported(name, device, dtype, headdim, causal, q, k, window=-1, softcap=0.0
 CHECK_ROWS = 32  # queries checked at each end of the sequence
 
 
-def accuracy(name, run, q, k, v, causal, window, softcap):
+def accuracy(name, q, k, v, causal, tile_config, window, softcap, grads=False):
     """(max |out - float64|, plain same-dtype attention's error) on the first and last
-    CHECK_ROWS queries of one forward of ``run``: a backend passes within 2x the plain error
-    plus CHECK_FLOOR (flash-attn's rule, as the ring benchmarks check theirs)."""
-    with torch.no_grad():
-        out = run()
-    if name in SDPA_PEERS:
-        out = out.transpose(1, 2)  # (b, h, s, d) -> (b, s, h, d)
+    CHECK_ROWS queries of one forward of backend ``name``: a backend passes within 2x the
+    plain error plus CHECK_FLOOR (flash-attn's rule, as the ring benchmarks check theirs).
+    With ``grads``, then the same for dq, dk, dv of a backward whose output gradient is
+    random on those rows (zero elsewhere): the largest error of the three and plain
+    attention's (the rule: 3x); else (None, None)."""
     s = q.shape[1]
     rows = torch.unique(torch.cat([torch.arange(min(CHECK_ROWS, s)),
                                    torch.arange(max(0, s - CHECK_ROWS), s)]))
     # (the window as window_spans makes it: (W, 0) causal, (W, W) full)
     mask = dict(window=(window, 0 if causal else window) if window >= 0 else (-1, -1),
                 softcap=softcap)
-    cpu = [t.detach().cpu() for t in (q, k, v)]
-    ref = plain_attention(*cpu, torch.float64, causal, rows, **mask)
-    plain = plain_attention(*cpu, q.dtype, causal, rows, **mask) if q.dtype != torch.float64 \
-        else ref
-    return (float((out[:, rows].double().cpu() - ref).abs().max()),
-            float((plain.double() - ref).abs().max()))
+    leaves = [t.detach().clone().requires_grad_(grads) for t in (q, k, v)]  # (b, s, h*, d)
+    run, inputs = make_runner(name, *leaves, causal, tile_config, window, softcap)
+    with torch.set_grad_enabled(grads):
+        out = run()
+    if name in SDPA_PEERS:
+        out = out.transpose(1, 2)  # (b, h, s, d) -> (b, s, h, d)
+    cpu = [t.detach().cpu().requires_grad_(grads) for t in (q, k, v)]
+    with torch.set_grad_enabled(grads):
+        ref = plain_attention(*cpu, torch.float64, causal, rows, **mask)
+        plain = (plain_attention(*cpu, q.dtype, causal, rows, **mask)
+                 if q.dtype != torch.float64 else ref)
+    errors = (float((out[:, rows].detach().double().cpu() - ref.detach()).abs().max()),
+              float((plain.detach().double() - ref.detach()).abs().max()))
+    if not grads:
+        return errors + (None, None)
+    dout = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(out[:, rows], inputs, dout.to(out.dtype).to(out.device),
+                              allow_unused=True)
+    # (an input the output does not depend on: its gradient is zero, which the check judges)
+    got = [torch.zeros_like(x) if g is None else g for g, x in zip(got, inputs)]
+    if name in SDPA_PEERS:
+        got = [g.transpose(1, 2) for g in got]  # (b, h, s, d) -> (b, s, h, d)
+    want = torch.autograd.grad(ref, cpu, dout, retain_graph=True)
+    same = torch.autograd.grad(plain, cpu, dout.to(plain.dtype)) if plain is not ref else want
+    return errors + (max(float((g.double().cpu() - w).abs().max()) for g, w in zip(got, want)),
+                     max(float((p.double() - w).abs().max()) for p, w in zip(same, want)))
 
 
 def make_step(run, leaves, dout):
@@ -224,11 +245,15 @@ def measure(entries, args, device, dtype_name, s, d, causal, window=None, softca
         rows[i] = [dict(row, mode=m) for m in args.modes] if reason else []
         if not reason:
             live.append((i, name, tile_config, row))
+    floor = CHECK_FLOOR[dtype]
     for i, name, tile_config, row in live:  # each backend checked once per shape, untimed
-        run, _ = make_runner(name, q, k, v, causal, tile_config, window, softcap)
-        err, plain_err = accuracy(name, run, q, k, v, causal, window, softcap)
-        row.update(max_err=err, plain_err=plain_err,
-                   check="ok" if err <= 2 * plain_err + CHECK_FLOOR[dtype] else "FAIL")
+        err, plain_err, grad_err, grad_plain_err = accuracy(
+            name, q, k, v, causal, tile_config, window, softcap, grads="fwd_bwd" in args.modes)
+        row.update(max_err=err, plain_err=plain_err, grad_err=grad_err,
+                   grad_plain_err=grad_plain_err,
+                   fwd_check="ok" if err <= 2 * plain_err + floor else "FAIL",
+                   bwd_check=(None if grad_err is None else
+                              "ok" if grad_err <= 3 * grad_plain_err + floor else "FAIL"))
     for mode in args.modes:
         grad = mode == "fwd_bwd"
         for t in (q, k, v):
@@ -249,8 +274,11 @@ def measure(entries, args, device, dtype_name, s, d, causal, window=None, softca
         flops = attention_flops(b, h, s, s, d, False, mode) * visible_pairs(s, s, window, causal) / (s * s)
         for (i, row, _, peak), t in zip(steps, times):
             ms = statistics.median(t)
+            # (a fwd_bwd row passes when its forward and its gradients do)
+            check = ("FAIL" if "FAIL" in (row["fwd_check"], row["bwd_check"] if grad else None)
+                     else "ok")
             rows[i].append(dict(row, mode=mode, ms=ms, tflops=flops / ms / 1e9, peak_mib=mib(peak),
-                                rounds_ms=t))
+                                rounds_ms=t, check=check))
     return [r for i in range(len(entries)) for r in rows[i]]
 
 
@@ -414,6 +442,8 @@ def run_here(args, device):
                  if n in available_backends(device, DTYPES[args.dtypes[0]], 64)]
         names += ["reference"] if args.reference else []
         names += [peer for peer in peers if peer not in names]
+    if args.masks and masks_peer(device) not in peers:
+        peers.append(masks_peer(device))  # (--backends left it out: the --masks rows time it)
     tile_configs = [int(c) for c in args.tile_configs.split(",")]
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     jobs = []  # (threads, dtype, [(backend, tile config)], s, d, causal, window, softcap)
@@ -436,7 +466,9 @@ def run_here(args, device):
             for dt in args.dtypes:
                 for cap in (float(c) for c in caps.split(",")):
                     entries = []
-                    for name in ("ringseq", peer):
+                    # (ringseq where --backends runs it; the peer whatever --backends says)
+                    for name in [n for n in ("ringseq", peer)
+                                 if n == peer or not args.backends or n in names]:
                         tcs = [c for c in tile_configs if not (c == 2 and d == 128)] if name == "ringseq" and device.type == "cuda" else [0]
                         entries += [(name, tc) for tc in tcs]
                     jobs.append((threads, dt, entries, s, d, True, int(window), cap))
@@ -483,6 +515,10 @@ def peer_row(rows, peer, r, same_level=False):
                  and (not same_level or x.get("level") == r.get("level"))), None)
 
 
+# the accuracy check's columns (grad: the largest of dq, dk, dv; checked with fwd_bwd in --modes)
+CHECK_COLUMNS = [("max_err", "err", "{:.1e}"), ("plain_err", "plain err", "{:.1e}"),
+                 ("grad_err", "grad err", "{:.1e}"), ("grad_plain_err", "plain grad err", "{:.1e}"),
+                 ("check", "check", "{}")]
 CHECK_FAILED = 4  # the exit status of a run whose ringseq rows failed the accuracy check
 
 
@@ -560,7 +596,7 @@ def run_cpu_levels(args, levels):
             failed["native"] = str(exc)
             progress(f"== torch SDPA (native): FAILED ({exc})")
             native = []
-        for r in native:
+        for r in (r for r in native if r["backend"] == "torch_sdpa"):
             r["level"] = "native"
             r["backend"] = "torch_sdpa_native"
             rows.append(r)
@@ -588,7 +624,8 @@ def main(argv=None):
     split = device.type == "cpu" and args.isa != "current"
     if split:
         supported = ringseq.kernels.extension.cpu_isa_levels()
-        levels = [x for x in (args.isa or ",".join(supported)).split(",") if x]
+        levels = [x for x in (args.isa if args.isa is not None else ",".join(supported)
+                              ).split(",") if x]
         if not levels:
             p.error(f"--isa: no level given in {args.isa!r}")
         if len(set(levels)) < len(levels):
@@ -613,8 +650,7 @@ def main(argv=None):
                         (f"x_{peer}", "x " + peer.replace("torch_", ""), "{:.2f}")]
             if peer != "torch_sdpa_native":
                 columns += [(f"px_{peer}", "paired", "{:.2f}")]
-        columns += [("max_err", "err", "{:.1e}"), ("plain_err", "plain err", "{:.1e}"),
-                    ("check", "check", "{}")]
+        columns += CHECK_COLUMNS
     else:
         if args.thread_counts == [None] and device.type == "cpu":
             args.thread_counts = [torch.get_num_threads()]
@@ -627,8 +663,7 @@ def main(argv=None):
                    ("tflops", "TFLOP/s", "{:.3f}"), ("peak_mib", "peak MiB", "{:.1f}")]
         columns += [c for peer in peers for c in ((f"x_{peer}", f"x {peer}", "{:.2f}"),
                                                   (f"px_{peer}", "paired", "{:.2f}"))]
-        columns += [("max_err", "err", "{:.1e}"), ("plain_err", "plain err", "{:.1e}"),
-                    ("check", "check", "{}")]
+        columns += CHECK_COLUMNS
     if any("window" in r for r in rows):  # --window / --softcap / --masks rows
         columns[7:7] = [("window", "window", "{}"), ("softcap", "softcap", "{}")]
     print(f"# bench_kernel: b={args.batch} h={args.heads} h_kv={args.heads_kv or args.heads} "
@@ -663,10 +698,14 @@ def main(argv=None):
                            "failed_children": failed})
     wrong = [r for r in rows if r.get("check") == "FAIL"]
     for r in wrong:
+        # (the forward's error where it failed, else the gradients')
+        grads = r.get("fwd_check") == "ok" and r.get("grad_err") is not None
+        what, err, plain, times = (("gradient error", r["grad_err"], r["grad_plain_err"], 3)
+                                   if grads else ("error", r["max_err"], r["plain_err"], 2))
         print(f"WARNING: {r['backend']} {r['dtype']} s={r['seqlen']} d={r['headdim']} "
-              f"{'causal' if r['causal'] else 'full'} {r['mode']}: max error {r['max_err']:.2e} "
-              f"against float64, more than 2 x plain {r['dtype']} attention's "
-              f"{r['plain_err']:.2e} + {CHECK_FLOOR[DTYPES[r['dtype']]]:.0e}", flush=True)
+              f"{'causal' if r['causal'] else 'full'} {r['mode']}: max {what} {err:.2e} "
+              f"against float64, more than {times} x plain {r['dtype']} attention's "
+              f"{plain:.2e} + {CHECK_FLOOR[DTYPES[r['dtype']]]:.0e}", flush=True)
     if failed:
         names = {lv: "torch SDPA native" if lv == "native" else f"ISA level {lv}" for lv in failed}
         print("FAILED: " + "; ".join(f"{names[lv]}: {why}" for lv, why in failed.items())

@@ -68,6 +68,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # (before: an empty table and exit 0; a repeated level's ratio took the other child's SDPA;
     # --ratio-to was ignored by the per-level run; "," passed the check, then int("") failed)
     ("bench_kernel.py", ["--isa", ","], "--isa: no level given in ','"),
+    ("bench_kernel.py", ["--isa", ""], "--isa: no level given in ''"),  # (before: every level)
     ("bench_kernel.py", ["--isa", "baseline,baseline"], "--isa: each level once"),
     ("bench_kernel.py", ["--isa", "baseline", "--ratio-to", "torch_sdpa"],
      "--ratio-to applies to one process (--isa current)"),

@@ -27,7 +27,8 @@ def test_timed_calls_alternate_between_backends(monkeypatch):
 
     monkeypatch.setattr(bench_kernel, "make_runner", fake_runner)
     monkeypatch.setattr(bench_kernel, "supported", lambda *a, **kw: None)
-    monkeypatch.setattr(bench_kernel, "accuracy", lambda *a: (0.0, 0.0))  # (checked below)
+    monkeypatch.setattr(bench_kernel, "accuracy",
+                        lambda *a, **kw: (0.0, 0.0, None, None))  # (checked below)
     _, args = bench_kernel.parse_args(["--device", "cpu", "--modes", "fwd", "--warmup", "1",
                                        "--repeats", "4", "--heads", "1"])
     rows = bench_kernel.measure([("ringseq", 0), ("torch_sdpa", 0)], args, bench_kernel.torch.device("cpu"),
@@ -84,6 +85,92 @@ def test_a_backend_computing_something_else_fails_the_run(monkeypatch, tmp_path,
     assert {r["backend"]: r["check"] for r in rows} == {"ringseq": "FAIL", "torch_sdpa": "ok"}
     for r in rows:
         assert r["plain_err"] < 1e-5 and (r["max_err"] > 0.1) == (r["backend"] == "ringseq")
+
+
+def test_a_wrong_backward_fails_the_run(monkeypatch, tmp_path, capsys):
+    """The gradients are checked against float64 too (before: a backward 100x off was timed,
+    its fwd_bwd rows said "ok" and the run exited 0)."""
+    import bench_kernel
+    torch = bench_kernel.torch
+
+    class Times100(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 100.0
+
+    real = bench_kernel.ringseq.flash_attn_func
+    monkeypatch.setattr(bench_kernel.ringseq, "flash_attn_func",
+                        lambda *a, **kw: Times100.apply(real(*a, **kw)))
+    out = tmp_path / "k.json"
+    with pytest.raises(SystemExit) as exit_:
+        bench_kernel.main(["--device", "cpu", "--isa", "current", "--backends",
+                           "ringseq,torch_sdpa", "--seqlens", "64", "--heads", "2",
+                           "--headdims", "16", "--causal", "true", "--repeats", "1",
+                           "--json", str(out)])
+    assert exit_.value.code == bench_kernel.CHECK_FAILED
+    text = capsys.readouterr().out
+    assert "WARNING: ringseq fp32 s=64 d=16 causal fwd_bwd: max gradient error" in text, text
+    rows = json.loads(out.read_text())["results"]
+    # the forward alone is right: its row passes; the peer's gradients pass the same bound
+    assert {(r["backend"], r["mode"]): r["check"] for r in rows} == {
+        ("ringseq", "fwd"): "ok", ("ringseq", "fwd_bwd"): "FAIL",
+        ("torch_sdpa", "fwd"): "ok", ("torch_sdpa", "fwd_bwd"): "ok"}
+    for r in rows:
+        assert r["grad_plain_err"] < 1e-5
+        assert (r["grad_err"] > 1.0) == (r["backend"] == "ringseq"), r
+
+
+def test_mask_rows_are_compared_with_the_masked_peer_whatever_backends_says(tmp_path):
+    """(before: --backends ringseq --masks timed SDPA's masked rows but showed no ratio)"""
+    out = tmp_path / "k.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernel.py"),
+                           "--device", "cpu", "--isa", "current", "--backends", "ringseq",
+                           "--masks", "16:0", "--seqlens", "64", "--heads", "2", "--headdims",
+                           "16", "--causal", "true", "--modes", "fwd", "--repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "x torch_sdpa" in proc.stdout, proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    masked = [r for r in rows if r.get("window") == 16]
+    assert {r["backend"] for r in masked} == {"ringseq", "torch_sdpa"}
+    ours = next(r for r in masked if r["backend"] == "ringseq")
+    peer = next(r for r in masked if r["backend"] == "torch_sdpa")
+    assert abs(ours["x_torch_sdpa"] - peer["ms"] / ours["ms"]) < 1e-9
+
+
+def test_the_native_sdpa_child_gives_only_sdpa_rows(monkeypatch):
+    """--sdpa-isa native with --masks: the native child timed ringseq's masked rows too, which
+    became "torch_sdpa_native" rows (the ratio of ringseq with itself) -- now it times SDPA
+    alone, and the parent keeps SDPA's rows only."""
+    import bench_kernel
+    commands = []
+
+    def child(cmd, env):
+        commands.append(cmd)
+        rows = [{"backend": b, "dtype": "fp32", "threads": 1, "mode": "fwd", "seqlen": 64,
+                 "headdim": 16, "causal": True, "window": 16, "softcap": 0.0, "ms": ms,
+                 "rounds_ms": [ms], "skipped": None}
+                for b, ms in (("ringseq", 1.0), ("torch_sdpa", 4.0))]
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"results": rows, "core_probe_gflops": None}, f)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench_kernel.subprocess, "run", child)
+    _, args = bench_kernel.parse_args(["--device", "cpu", "--seqlens", "64", "--headdims", "16",
+                                       "--sdpa-isa", "native", "--masks", "16:0"])
+    rows, peers, _ = bench_kernel.run_cpu_levels(args, ["avx2"])
+    native = [r for r in rows if r["level"] == "native"]
+    assert [r["backend"] for r in native] == ["torch_sdpa_native"] and native[0]["ms"] == 4.0
+    ours = next(r for r in rows if r["backend"] == "ringseq")
+    assert ours["x_torch_sdpa_native"] == 4.0
+    # and the native child itself runs no ringseq row: its masks jobs keep the peer only
+    _, child_args = bench_kernel.parse_args(commands[-1][2:])
+    assert child_args.backends == "torch_sdpa"
 
 
 def test_a_level_failing_the_check_keeps_its_rows_and_says_so(monkeypatch, tmp_path, capsys):

@@ -23,6 +23,7 @@ Exit status: 0, 1 (ringseq's check failed), 2 (usage), 3 (the local ranks did no
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -34,7 +35,7 @@ from cli_types import json_path, positive_int, positive_seconds  # noqa: E402  (
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import (PeakMemory, attention_flops, cpu_header, environment,  # noqa: E402
+from common import (PeakMemory, attention_flops, cpu_header, environment, max_over_ranks,  # noqa: E402
                     format_table, load_average, mib, plain_attention, progress,
                     spawn_cpu_ranks, write_json)
 from ring_job import CHECK_FLOOR, DTYPES  # noqa: E402  (the main job's dtypes and floors)
@@ -92,12 +93,12 @@ def _check(attn, layout, heads, headdim, dtype):
     rows = []
     for name, a, r, p in zip(BOUND, got, ref, plain):
         r_local, p_local = _shard(r, layout, rank, world), _shard(p, layout, rank, world)
-        err = float((a.double() - r_local).abs().max())
+        # (a NaN anywhere is an infinite error: max() and gloo's MAX can drop a NaN)
+        err = float(torch.nan_to_num((a.double() - r_local).abs(), nan=math.inf).max())
         plain_err = float((p_local.double() - r_local).abs().max())
         floor = CHECK_FLOOR[dtype]
         rows.append([err, plain_err, err - BOUND[name] * plain_err - floor])
-    t = torch.tensor(rows, dtype=torch.float64)  # (4, 3)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = max_over_ranks([x for row in rows for x in row]).view(4, 3)  # (4, 3)
     return {name: dict(zip(("error", "plain_error", "excess"), row))
             for name, row in zip(BOUND, t.tolist())}
 
@@ -176,7 +177,7 @@ def _check_text(check, detail=False):
     """'ok' or 'WRONG (dq, dk)' for one engine's check; with detail each error beside plain
     attention's, e.g. 'dq 1.5e+00 vs plain 6.9e-07'."""
     over = [f"{n} {c['error']:.1e} vs plain {c['plain_error']:.1e}" if detail else n
-            for n, c in check.items() if c["excess"] > 0]
+            for n, c in check.items() if not c["excess"] <= 0]  # (NaN: wrong)
     return "ok" if not over else "WRONG (" + ", ".join(over) + ")"
 
 

@@ -25,14 +25,24 @@ def _checks(layout):
                                             layout=layout, backend="sdpa")
 
     import torch
+    import torch.distributed as dist
+
+    def nan_on_rank_1(q, k, v):  # (gloo's MAX kept or dropped a NaN by the operands' order)
+        out = ringseq.ring_flash_attn_func(q, k, v, causal=True, layout=layout, backend="sdpa")
+        return out * float("nan") if dist.get_rank() == 1 else out
+
     return (bench._check(bench._attention_fn("ringseq", layout), layout, 2, 16, torch.float32),
-            bench._check(doubled_dq, layout, 2, 16, torch.float32))
+            bench._check(doubled_dq, layout, 2, 16, torch.float32),
+            bench._check(nan_on_rank_1, layout, 2, 16, torch.float32))
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_the_check_passes_ringseq_and_catches_a_doubled_gradient(layout):
     import bench_ring_vs_rfa as bench
-    for right, doubled in run_ranks(_checks, 2, layout, timeout=120):
+    for right, doubled, nan in run_ranks(_checks, 2, layout, timeout=120):
+        # (before: a NaN error compared False with the bound: "ok", and the run exited 0)
+        assert bench._check_text(nan) == "WRONG (out, dq, dk, dv)", nan
+        assert all(c["error"] == float("inf") for c in nan.values()), nan
         assert bench._check_text(right) == "ok", right
         assert all(c["excess"] <= 0 for c in right.values()), right
         assert bench._check_text(doubled) == "WRONG (dq)", doubled

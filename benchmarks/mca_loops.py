@@ -31,7 +31,7 @@ import sys
 from collections import defaultdict
 
 # (the script's folder is on sys.path, as for the tests)
-from cli_types import json_path, positive_int
+from cli_types import comma_list, json_path, positive_int
 
 HEADER = re.compile(r"^([0-9a-f]+) <(.+)>:$")
 INSN = re.compile(r"^\s*([0-9a-f]+):\s+([a-z0-9._]+)\s*(.*?)\s*$")
@@ -114,7 +114,8 @@ def mca(mca_bin, body, cpu, iterations):
     proc = subprocess.run([mca_bin, f"-mcpu={cpu}", "-mtriple=x86_64-unknown-linux-gnu",
                            f"-iterations={iterations}"], input=as_asm(body), capture_output=True, text=True)
     if proc.returncode:
-        raise RuntimeError(f"llvm-mca -mcpu={cpu}: {proc.stderr.strip().splitlines()[0]}")
+        why = (proc.stderr.strip() or f"exit status {proc.returncode}").splitlines()[0]
+        raise RuntimeError(f"llvm-mca -mcpu={cpu}: {why}")
     get = lambda key: float(re.search(rf"{key}:\s+([0-9.]+)", proc.stdout).group(1))  # noqa: E731
     return {"cycles_per_iter": get("Total Cycles") / iterations, "ipc": get("IPC"),
             "block_rthroughput": get("Block RThroughput")}
@@ -123,7 +124,8 @@ def mca(mca_bin, body, cpu, iterations):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--level", default="avx2", choices=sorted(BLOCK))
-    p.add_argument("--mcpu", default="znver3", help="comma list of llvm-mca CPU names")
+    p.add_argument("--mcpu", type=comma_list(None), default=["znver3"],
+                   help="comma list of llvm-mca CPU names (llvm-mca -mcpu=help lists them)")
     p.add_argument("--so", default=None, help="the extension to read (default: ringseq._C)")
     p.add_argument("--mca", default=None, help="llvm-mca binary (default: llvm-mca-19, llvm-mca)")
     p.add_argument("--iterations", type=positive_int, default=300)
@@ -140,13 +142,23 @@ def main(argv=None):
     version = subprocess.run([mca_bin, "--version"], capture_output=True, text=True).stdout
     version = next((line.strip() for line in version.splitlines() if "version" in line.lower()),
                    "version unknown")
+    for cpu in args.mcpu:  # (before any work: an unknown name was "skipped" in every row)
+        probe = subprocess.run([mca_bin, f"-mcpu={cpu}", "-mtriple=x86_64-unknown-linux-gnu"],
+                               input="  nop\n", capture_output=True, text=True)
+        if probe.returncode or "not a recognized processor" in probe.stderr:
+            p.error(f"--mcpu {cpu!r}: not a CPU this llvm-mca models ({version}; "
+                    f"{mca_bin} -mcpu=help lists them)")
     so = args.so
     if so is None:
         from ringseq.kernels.extension import _C
         if _C is None:
             p.error("ringseq._C is not built; pass --so")
         so = _C.__file__
-    loops = find_loops(disassemble(so), args.level)
+    try:
+        funcs = disassemble(so)
+    except subprocess.CalledProcessError as exc:
+        p.error(f"--so {so!r}: objdump cannot read it ({(exc.stderr or '').strip()[:200]})")
+    loops = find_loops(funcs, args.level)
     if not loops:
         p.error(f"no {args.level} loops found in {so} (level not built?)")
     rows = []
@@ -155,7 +167,7 @@ def main(argv=None):
           f"addps where the level has no FMA)")
     print(f"{'loop':<19} {'cpu':<8} {'insns':>5} {'cycles/iter':>11} {'IPC':>5} {'RThroughput':>11} {'FMA/cycle':>9}")
     for name, body in loops.items():
-        for cpu in args.mcpu.split(","):
+        for cpu in args.mcpu:
             try:
                 r = mca(mca_bin, body, cpu, args.iterations)
             except RuntimeError as exc:  # e.g. AVX-512 on a CPU model without it
@@ -174,7 +186,8 @@ def main(argv=None):
             json.dump({"so": so, "mca": mca_bin, "mca_version": version, "rows": rows}, f,
                       indent=2)
     if not rows:
-        print(f"FAILED: no loop could be modelled on {args.mcpu} (see the skipped lines)")
+        print(f"FAILED: no loop could be modelled on {','.join(args.mcpu)} (see the skipped "
+              f"lines)")
     return rows
 
 

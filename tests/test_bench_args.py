@@ -5,6 +5,7 @@ own: tests/test_bench_ring.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -78,6 +79,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("mca_loops.py", ["--so", "/nonexistent.so"], "--so '/nonexistent.so': not a readable file"),
     ("mca_loops.py", ["--mca", "/nonexistent/llvm-mca"],
      "--mca '/nonexistent/llvm-mca': no such executable"),
+    ("mca_loops.py", ["--mcpu", ","], "argument --mcpu: needs at least one value"),  # (IndexError)
     # (before: plain int / float options: exceptions inside the ranks, exit 1 or 3)
     ("bench_ring_vs_rfa.py", ["--repeats", "0"], "--repeats: must be a positive integer"),
     ("bench_ring_vs_rfa.py", ["--world-size", "0"], "--world-size: must be a positive integer"),
@@ -88,6 +90,21 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("bench_ring_vs_rfa.py", ["--timeout", "-1"], "--timeout: must be a positive number"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path, script, args, message):
+    _assert_usage_error(tmp_path, script, args, message)
+
+
+@pytest.mark.skipif(not (shutil.which("llvm-mca") and shutil.which("objdump")),
+                    reason="needs llvm-mca and objdump")
+@pytest.mark.parametrize("args, message", [
+    # (before: every loop "skipped", then FAILED with status 1; objdump's traceback)
+    (["--mcpu", "bogus"], "--mcpu 'bogus': not a CPU this llvm-mca models"),
+    (["--so", os.path.join(BENCH, "mca_loops.py")], "objdump cannot read it"),
+])
+def test_mca_loops_refuses_what_llvm_mca_or_objdump_cannot_take(tmp_path, args, message):
+    _assert_usage_error(tmp_path, "mca_loops.py", args, message)
+
+
+def _assert_usage_error(tmp_path, script, args, message):
     proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -606,6 +606,41 @@ def test_double_ring_skips_laps_without_work(case):
     assert len({g["ring_outer"] for g in got}) == 1, got
 
 
+def _double_ring_short_reach(mask):
+    """The double ring (2 inner rings of 2) against the plain ring of the same 4 ranks, float64:
+    (max difference of out, dq, dk, dv; the bytes each sent by kind)."""
+    import ringseq
+    import ringseq.commstats as cs
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, 256, 4, 16, generator=g, dtype=torch.float64) for _ in range(4)]
+    q, k, v, dout = (ringseq.shard(t, "contiguous") for t in full)  # (1, 64, 4, 16)
+    got, sent = [], []
+    for sp in (ringseq.make_sp_groups(1), ringseq.make_sp_groups(1, 2)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with cs.count_bytes() as c:
+            out = ringseq.usp_attn_func(*leaves, causal=True, sp=sp, layout="contiguous", **mask)
+            grads = torch.autograd.grad(out, leaves, dout)
+        got.append((out,) + grads)
+        sent.append(dict(c.bytes))
+    return max(max_err(a, b) for a, b in zip(*got)), sent
+
+
+@pytest.mark.parametrize("mask, outer", [
+    (dict(window_size=(0, 0)), 0),  # every query sees only itself
+    (dict(window_size=(8, 0)), 1),  # reaches 8 tokens into the previous rank
+    # one document per inner ring: the outer ring has nothing to carry
+    (dict(cu_seqlens=torch.tensor([0, 128, 256], dtype=torch.int32)), 0),
+])
+def test_double_ring_carries_k_v_only_as_far_as_a_lap_needs(mask, outer):
+    """(before: the outer ring made its full lap with whole blocks on every call, 131 kB a
+    rank where the plain ring sent nothing)"""
+    for diff, (ring, double) in run_ranks(_double_ring_short_reach, 4, mask, timeout=120):
+        assert diff < 1e-12, diff
+        assert (double.get("ring_outer", 0) > 0) == (outer > 0), double
+        if not outer:
+            assert sum(double.values()) == sum(ring.values()), (ring, double)
+
+
 def _errors_of(w=4):
     cases, per_rank = _results_for(w)
     return [res[len(cases)] for res in per_rank]

@@ -16,7 +16,8 @@ ring engine used twice, with no loop of its own:
   (global rank ``o * I + j``, global source ``(o - p) * I + j'``), under the call's mask
   (causal, windows, documents), so every layout and mask is exact. A lap in which no rank of
   the inner ring has anything to compute (contiguous causal: later inner rings) is left out of
-  the outer schedule.
+  the outer schedule, and the outer ring's K/V go only as far as the last lap some inner
+ring runs (no hop at all when every lap but the own one is idle).
 
 Backward: the outer engine's backward calls the inner lap's backward with the GLOBAL out/lse
 (and delta, lse gradients included); the inner lap brings its dK/dV home to the rank holding
@@ -150,11 +151,17 @@ def _outer_plan(spec: AttnSpec, layout: Layout, outer: Ring, inner: Ring, q_shap
         empty = lap.nothing_to_do(s, spec.mask)
         schedule.append(() if empty else
                         (PlannedTask(rows, rows, False, None, InnerLap(spec, inner, lap)),))
+    # K/V travel the outer ring only as far as some inner ring still has a lap to run (a
+    # window or documents leave the later laps idle everywhere; before, every call made the
+    # full outer lap with whole blocks, even when no rank needed another's K/V)
+    hops = max((p for p in range(O) if any(
+        not _InnerLayout(layout, R, I, o, p).nothing_to_do(s, spec.mask) for o in range(O))),
+        default=0)
     signature = (operation_field("double-ring attention"),) + spec.signature(
         q_shape, nheads_kv, dtype, extra=(("layout", layout.code, "layout"), ("world size", R),
                                           ("inner ring", I)))
     return RingPlan(spec=spec, layout=layout, world_size=O, rank=outer.rank,
-                    schedule=tuple(schedule), hops=O - 1, signature=signature, kv_len=s,
+                    schedule=tuple(schedule), hops=hops, signature=signature, kv_len=s,
                     comm_kind="ring_outer")
 
 

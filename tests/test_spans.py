@@ -6,6 +6,8 @@ Every result is compared with float64 plain attention under the docs' tolerance 
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -137,6 +139,23 @@ def test_packed_documents(dtype):
         cu.append(cu[-1] + n)
     q, k, v = qkv(1, cu[-1], cu[-1], 8, 2, 16, dtype=dtype)
     check(q, k, v, spans=document_spans(cu, cu, causal=True))
+
+
+@pytest.mark.parametrize("cu_q, cu_k, error, words", [
+    # (before: a span of length -2, refused later by the kernel as "spans[1]")
+    ((0, 5, 3), (0, 5, 3), ValueError, "cu_seqlens_q must start at 0 and never decrease, got "
+                                       "(0, 5, 3)"),
+    ((0, 4), (2, 4), ValueError, "cu_seqlens_k must start at 0 and never decrease, got (2, 4)"),
+    ((0, 2.7, 6.2), (0, 2, 6), TypeError, "cu_seqlens_q must hold ints, got 2.7"),  # (was 2)
+    ((0, 4), (0, 2, 4), ValueError, "cu_seqlens_q and cu_seqlens_k must have the same length"),
+    ((), (), ValueError, "cu_seqlens_q must start at 0 and never decrease, got ()"),
+])
+def test_document_spans_refuses_boundaries_that_are_no_documents(cu_q, cu_k, error, words):
+    with pytest.raises(error, match=r"^document_spans: " + re.escape(words)):
+        document_spans(cu_q, cu_k)
+    # integer tensors and their elements are boundaries too
+    assert document_spans(torch.tensor([0, 3, 5]), [0, 3, 5]) == document_spans([0, 3, 5],
+                                                                                 [0, 3, 5])
 
 
 @needs_ext

@@ -5,7 +5,9 @@ one under its plan's label: ``"ring"``, or ``"ring_inner"`` / ``"ring_outer"`` i
 and all-to-alls (:mod:`ringseq.parallel.ulysses`). Both report to the counters that are
 active on this thread of this process::
 
-    with ringseq.commstats.count_bytes() as c:
+    from ringseq import commstats
+
+    with commstats.count_bytes() as c:
         out = ringseq.usp_attn_func(q, k, v, causal=True, sp=sp)
         out.backward(dout)
     c.bytes  # {"ring": ..., "all_to_all": ...}: bytes this rank sent to other ranks

@@ -103,8 +103,8 @@ def simulate_ring(q, k, v, layout="contiguous", world_size: int = 2, causal: boo
             softcap, cu_seqlens: as in :func:`ringseq.ring_flash_attn_func`.
         dout: optional (b, s, h, d) upstream gradient of the full output; when given the
             backward runs too.
-        exchanges: an optional list; receives, per rank, ``(forward exchanges, backward
-            exchanges)`` of the call.
+        exchanges: an optional list; receives, per rank, ``(forward exchanges,)`` of the
+            call, ``(forward exchanges, backward exchanges)`` when ``dout`` is given.
 
     Returns:
         ``(out, lse)`` on the full sequence (out in q's dtype, lse (b, h, s) float32, float64

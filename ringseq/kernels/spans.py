@@ -203,15 +203,34 @@ def window_band(seqlen_q: int, seqlen_k: int, window_size: Tuple[int, int] = (-1
     return lo, hi
 
 
+def _boundaries(name: str, cu) -> list:
+    """document_spans' ``name`` as a list of ints, checked (before: 2.7 became 2, and a
+    decreasing boundary a span of negative length, refused later as ``spans[1]``)."""
+    out = []
+    for x in cu:
+        whole = (torch.is_tensor(x) and not x.is_floating_point() and x.dtype != torch.bool
+                 and x.numel() == 1) or (isinstance(x, numbers.Integral)
+                                         and not isinstance(x, bool))
+        if not whole:
+            raise TypeError(f"document_spans: {name} must hold ints, got {x!r}")
+        out.append(int(x))
+    if not out or out[0] != 0 or any(b < a for a, b in zip(out, out[1:])):
+        raise ValueError(f"document_spans: {name} must start at 0 and never decrease, got "
+                         f"{tuple(out)}")
+    return out
+
+
 def document_spans(cu_seqlens_q: Sequence[int], cu_seqlens_k: Sequence[int], causal: bool = False,
                    window_size: Tuple[int, int] = (-1, -1)) -> list:
     """One span per document of a packed batch (flash-attn varlen semantics: each document is
     its own bottom-right aligned problem). ``cu_seqlens_*`` are the cumulative boundaries
-    ``[0, n_0, n_0 + n_1, ...]`` of the documents' q and kv rows."""
-    cq, ck = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
-    if len(cq) != len(ck) or len(cq) < 1:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length >= 1, got "
-                         f"{len(cq)} and {len(ck)}")
+    ``[0, n_0, n_0 + n_1, ...]`` of the documents' q and kv rows: ints (or integer tensors),
+    starting at 0, never decreasing; raises TypeError / ValueError naming the argument."""
+    cq, ck = (_boundaries(n, cu) for n, cu in (("cu_seqlens_q", cu_seqlens_q),
+                                                ("cu_seqlens_k", cu_seqlens_k)))
+    if len(cq) != len(ck):
+        raise ValueError(f"document_spans: cu_seqlens_q and cu_seqlens_k must have the same "
+                         f"length (documents + 1), got {len(cq)} and {len(ck)}")
     out = []
     for d in range(len(cq) - 1):
         ql, kl = cq[d + 1] - cq[d], ck[d + 1] - ck[d]

@@ -98,6 +98,9 @@ def _worker():
     out["pack_sp1"] = error_text(lambda: shapes.extend(tuple(b["input_ids"].shape)
                                                        for b in packed))
     out["pack_sp1_shapes"] = shapes
+    # collate_fn=None is DataLoader's default, not a collate of the user's (before: refused)
+    out["pack_collate_none"] = len(plugin.prepare_dataloader(docs, batch_size=2, pack=True,
+                                                             collate_fn=None))
     out["prepare_numpy_ok"] = len(prepare(_data(), batch_size=np.int64(2), seed=np.int32(3),
                                           shuffle=np.True_, drop_last=np.False_))
     # lengths 4, 4, 8, 8, 4, ...: each dp group's batch of 2 holds a 4 and an 8
@@ -238,6 +241,7 @@ def test_an_iterable_dataset_that_yields_nothing_raises_on_every_rank(w4):
 def test_packing_without_sequence_parallelism_pads_to_what_the_layout_shards(w4):
     for r in w4:
         assert r["pack_sp1"] == "no error" and r["pack_sp1_shapes"] == [(1, 10)], r
+        assert r["pack_collate_none"] == 2  # 8 documents / 2 dp groups / 2 a batch
 
 
 def test_prepare_dataloader_takes_numpy_ints_and_bools(w4):

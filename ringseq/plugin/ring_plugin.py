@@ -570,7 +570,7 @@ class RingSequenceParallelPlugin(Plugin):
                     f"train split) pass torch.utils.data.Subset(dataset, indices)")
             kwargs.pop(key, None)
         if pack:
-            if "collate_fn" in kwargs:
+            if kwargs.get("collate_fn") is not None:  # (None: DataLoader's default)
                 raise ValueError("prepare_dataloader(pack=True) packs the batch itself; drop the "
                                  "collate_fn (or pack in your own collate_fn with pack=False)")
             # (what the mesh splits, and what the loader's layout shards: zigzag over a ring of

@@ -681,9 +681,9 @@ def test_misconfigurations_fail_on_every_rank(run):
         assert e["ignore_index"].startswith("ValueError") and "ignore_index=-1" in \
             e["ignore_index"] and "ignore_index=-100" in e["ignore_index"], e["ignore_index"]
         assert e["supported"] == (["cpu", "cuda"], ["bf16", "fp16", "fp32"]), e["supported"]
-        assert e["loader_sampler"].startswith("ValueError: dataloader:") and \
+        assert e["loader_sampler"].startswith("ValueError: boost: dataloader:") and \
             "sampler SubsetRandomSampler" in e["loader_sampler"], e["loader_sampler"]
-        assert e["loader_batch_sampler"].startswith("ValueError: dataloader:") and \
+        assert e["loader_batch_sampler"].startswith("ValueError: boost: dataloader:") and \
             "batch_sampler BatchSampler" in e["loader_batch_sampler"], e["loader_batch_sampler"]
         assert e["prepare_sampler"].startswith("ValueError: prepare_dataloader: sampler=") and \
             "Subset" in e["prepare_sampler"], e["prepare_sampler"]

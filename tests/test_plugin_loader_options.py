@@ -30,6 +30,21 @@ class _Stream(torch.utils.data.IterableDataset):
         return iter(_data(4))
 
 
+class _GetItems:
+    """A map-style dataset read by batches only (torch's fetcher calls __getitems__)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitems__(self, indices):
+        return [_data()[i] for i in indices]
+
+
+class _NoLen(torch.utils.data.Dataset):
+    def __getitem__(self, i):
+        return _data()[i]
+
+
 class _EmptyStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter([])
@@ -84,6 +99,15 @@ def _worker():
                           ("random", RandomSampler(range(4)))):
         part = DataLoader(_data(), batch_size=2, sampler=sampler)
         out[f"subset_{name}"] = error_text(lambda: Booster(plugin).boost(_Net(), dataloader=part))
+    # a range over the whole dataset draws what the dataset does (accepted, as before)
+    for name, sampler in (("sequential", SequentialSampler(range(16))),
+                          ("random", RandomSampler(range(16)))):
+        whole = DataLoader(_data(), batch_size=2, sampler=sampler)
+        out[f"whole_range_{name}"] = len(Booster(plugin).boost(_Net(), dataloader=whole)[3])
+    # torch reads a dataset with __getitems__ (no __getitem__) by batches
+    out["getitems"] = len(prepare(_GetItems(), batch_size=2))
+    out["boost_no_len"] = error_text(lambda: Booster(plugin).boost(
+        _Net(), dataloader=DataLoader(_NoLen(), batch_size=2)))
     # an iterable dataset that yields nothing (before: a loop of no step, without a word)
     from ringseq.plugin.dataloader import ShardedDataLoader
     empty = ShardedDataLoader(DataLoader(_EmptyStream(), batch_size=2), plugin.sp_group,
@@ -218,16 +242,24 @@ def test_prepare_dataloader_refuses_settings_it_would_misread(w4, key, expected)
                     "and indexing), got 5 (int)"),
     ("boost_list", "ValueError: boost: dataloader must be a torch DataLoader or the result of "
                    "plugin.prepare_dataloader, got list"),
-    ("subset_sequential", "ValueError: dataloader: the plugin rebuilds the loader with its own "
-                          "DistributedSampler over the data-parallel groups, which would drop "
-                          "this loader's sampler SequentialSampler"),
-    ("subset_random", "ValueError: dataloader: the plugin rebuilds the loader with its own "
-                      "DistributedSampler over the data-parallel groups, which would drop this "
-                      "loader's sampler RandomSampler"),
+    ("subset_sequential", "ValueError: boost: dataloader: the plugin rebuilds the loader with "
+                          "its own DistributedSampler over the data-parallel groups, which "
+                          "would drop this loader's sampler SequentialSampler (it draws from "
+                          "range of 4 items, not from the loader's dataset of 16)"),
+    ("subset_random", "ValueError: boost: dataloader: the plugin rebuilds the loader with its "
+                      "own DistributedSampler over the data-parallel groups, which would drop "
+                      "this loader's sampler RandomSampler (it draws from range of 4 items"),
+    ("boost_no_len", "TypeError: boost: dataloader's dataset must be a map-style dataset (len "
+                     "and indexing), got"),
 ])
 def test_datasets_and_samplers_the_plugin_would_misread_are_refused(w4, key, expected):
     for r in w4:
         assert r[key].startswith(expected), r[key]
+
+
+def test_samplers_over_the_whole_dataset_and_batch_read_datasets_are_taken(w4):
+    for r in w4:  # 16 samples / 2 dp groups / 2 a batch
+        assert r["whole_range_sequential"] == r["whole_range_random"] == r["getitems"] == 4, r
 
 
 def test_an_iterable_dataset_that_yields_nothing_raises_on_every_rank(w4):
@@ -370,7 +402,7 @@ def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):
                           "'head.bias']"),
     ("tp_plan_without_tp", "ValueError: RingSequenceParallelPlugin: tp_plan is a "
                            "tensor-parallel plan, applied only with tp_size > 1; got tp_size=1"),
-    ("iterable", "ValueError: dataloader: the plugin rebuilds the loader with its own "
+    ("iterable", "ValueError: boost: dataloader: the plugin rebuilds the loader with its own "
                  "DistributedSampler over the data-parallel groups, which needs a map-style "
                  "dataset (len and indexing); got an IterableDataset (_Stream)"),
     ("mesh_sp", "ValueError: RingSequenceParallelPlugin: sp_size=4 but the mesh's 'sp' dim"),

@@ -148,7 +148,9 @@ def test_packed_documents(dtype):
     ((0, 4), (2, 4), ValueError, "cu_seqlens_k must start at 0 and never decrease, got (2, 4)"),
     ((0, 2.7, 6.2), (0, 2, 6), TypeError, "cu_seqlens_q must hold ints, got 2.7"),  # (was 2)
     ((0, 4), (0, 2, 4), ValueError, "cu_seqlens_q and cu_seqlens_k must have the same length"),
-    ((), (), ValueError, "cu_seqlens_q must start at 0 and never decrease, got ()"),
+    ((), (), ValueError, "cu_seqlens_q needs at least one boundary (0), got none"),
+    (5, (0, 5), TypeError, "cu_seqlens_q must be a sequence of ints or a 1-D integer tensor, "
+                           "got int"),
 ])
 def test_document_spans_refuses_boundaries_that_are_no_documents(cu_q, cu_k, error, words):
     with pytest.raises(error, match=r"^document_spans: " + re.escape(words)):

@@ -5,6 +5,7 @@ one under its plan's label: ``"ring"``, or ``"ring_inner"`` / ``"ring_outer"`` i
 and all-to-alls (:mod:`ringseq.parallel.ulysses`). Both report to the counters that are
 active on this thread of this process::
 
+    import ringseq
     from ringseq import commstats
 
     with commstats.count_bytes() as c:

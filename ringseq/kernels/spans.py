@@ -206,15 +206,22 @@ def window_band(seqlen_q: int, seqlen_k: int, window_size: Tuple[int, int] = (-1
 def _boundaries(name: str, cu) -> list:
     """document_spans' ``name`` as a list of ints, checked (before: 2.7 became 2, and a
     decreasing boundary a span of negative length, refused later as ``spans[1]``)."""
+    try:
+        items = list(cu)
+    except TypeError:
+        raise TypeError(f"document_spans: {name} must be a sequence of ints or a 1-D integer "
+                        f"tensor, got {type(cu).__name__}") from None
+    if not items:
+        raise ValueError(f"document_spans: {name} needs at least one boundary (0), got none")
     out = []
-    for x in cu:
+    for x in items:
         whole = (torch.is_tensor(x) and not x.is_floating_point() and x.dtype != torch.bool
                  and x.numel() == 1) or (isinstance(x, numbers.Integral)
                                          and not isinstance(x, bool))
         if not whole:
             raise TypeError(f"document_spans: {name} must hold ints, got {x!r}")
         out.append(int(x))
-    if not out or out[0] != 0 or any(b < a for a, b in zip(out, out[1:])):
+    if out[0] != 0 or any(b < a for a, b in zip(out, out[1:])):
         raise ValueError(f"document_spans: {name} must start at 0 and never decrease, got "
                          f"{tuple(out)}")
     return out

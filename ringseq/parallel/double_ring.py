@@ -17,7 +17,8 @@ ring engine used twice, with no loop of its own:
   (causal, windows, documents), so every layout and mask is exact. A lap in which no rank of
   the inner ring has anything to compute (contiguous causal: later inner rings) is left out of
   the outer schedule, and the outer ring's K/V go only as far as the last lap some inner
-ring runs (no hop at all when every lap but the own one is idle).
+ring runs (no hop at all when every lap but the own one is idle: documents within inner
+rings, a window of width 0).
 
 Backward: the outer engine's backward calls the inner lap's backward with the GLOBAL out/lse
 (and delta, lse gradients included); the inner lap brings its dK/dV home to the rank holding
@@ -152,8 +153,8 @@ def _outer_plan(spec: AttnSpec, layout: Layout, outer: Ring, inner: Ring, q_shap
         schedule.append(() if empty else
                         (PlannedTask(rows, rows, False, None, InnerLap(spec, inner, lap)),))
     # K/V travel the outer ring only as far as some inner ring still has a lap to run (a
-    # window or documents leave the later laps idle everywhere; before, every call made the
-    # full outer lap with whole blocks, even when no rank needed another's K/V)
+    # window or documents can leave the later laps idle everywhere; before, every call made
+    # the full outer lap with whole blocks, even when no rank needed another's K/V)
     hops = max((p for p in range(O) if any(
         not _InnerLayout(layout, R, I, o, p).nothing_to_do(s, spec.mask) for o in range(O))),
         default=0)

@@ -49,6 +49,13 @@ _LOADER_SETTINGS = ("collate_fn", "worker_init_fn", "timeout", "multiprocessing_
 
 
 _DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _length(x) -> str:
+    try:
+        return str(len(x))
+    except TypeError:
+        return "unknown"
 # The dim names a mesh passed to the plugin may have (build_mesh / build_sp_mesh), each
 # optionally followed by "tp": a mismatch between ranks names them.
 _MESH_NAMES = ("none passed", "dp,sp", "dp,sp_r,sp_u", "dp,sp_u,sp_r", "other names")
@@ -516,17 +523,22 @@ class RingSequenceParallelPlugin(Plugin):
                 documents (:func:`ringseq.plugin.dataloader.pack_documents`, like
                 transformers' ``DataCollatorWithFlattening``); every document attends only to
                 itself and no target crosses a document. A batch whose total is not a multiple
-                of what the mesh needs (``plugin.dims.seq_multiple(layout)``: ``sp``, ``2 * sp``
-                for zigzag, times ``tp``) gets one padding document (ignored by the loss, seen
-                by no real token) to round it up. Use ``layout="documents"`` for balanced
-                causal work.
+                of what the mesh splits and the loader's layout shards (the least common
+                multiple of ``plugin.dims.seq_multiple(layout)`` and
+                ``plugin.data_layout``'s multiple over ``sp_size``: e.g. ``2 * sp`` for a
+                zigzag ring, times ``tp``; 2 for zigzag at sp 1) gets one padding document
+                (ignored by the loss, seen by no real token) to round it up. Use
+                ``layout="documents"`` for balanced causal work.
 
         Raises ValueError for an iterable-style dataset (it cannot be split by index over dp),
         for ``sampler=`` / ``batch_sampler=`` (the plugin's DistributedSampler would replace
         them; a subset is a ``torch.utils.data.Subset``), for ``pack=True`` with a
-        ``collate_fn`` (packing is the collate function) and for a ``batch_size`` < 1;
-        TypeError for a ``batch_size`` or ``seed`` that is not an int, and for ``shuffle``,
-        ``drop_last``, ``pin_memory`` or ``pack`` that is not a bool. A loader that gives no
+        ``collate_fn`` (packing is the collate function), for a ``batch_size`` < 1 and for a
+        ``seed`` outside [-2**63, 2**63) (the sampler seeds a ``torch.Generator`` with seed +
+        epoch, which must stay below 2**64); TypeError for a dataset without a length or
+        indexing (``__getitem__``, or ``__getitems__`` with a ``batch_size``), for a
+        ``batch_size`` or ``seed`` that is not an int, and for ``shuffle``, ``drop_last``,
+        ``pin_memory`` or ``pack`` that is not a bool. A loader that gives no
         batch per epoch raises when iterated (see :class:`ShardedDataLoader`).
         """
         fn = "prepare_dataloader"
@@ -558,7 +570,10 @@ class RingSequenceParallelPlugin(Plugin):
                              f"IterableDataset ({type(dataset).__name__}): split it over the "
                              f"data-parallel groups yourself and shard each batch with "
                              f"ringseq.shard_batch")
-        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        # (torch's fetcher reads a batch through __getitems__ where a dataset has it)
+        indexed = hasattr(dataset, "__getitem__") or (batch_size is not None
+                                                      and hasattr(dataset, "__getitems__"))
+        if not (hasattr(dataset, "__len__") and indexed):
             raise TypeError(f"{fn}: dataset must be a map-style dataset (len and indexing), got "
                             f"{given(dataset)}")
         for key in ("sampler", "batch_sampler"):
@@ -643,7 +658,7 @@ class RingSequenceParallelPlugin(Plugin):
             raise ValueError(f"boost: dataloader must be a torch DataLoader or the result of "
                              f"plugin.prepare_dataloader, got {type(dataloader).__name__}")
         if isinstance(dataloader.dataset, IterableDataset):
-            raise ValueError(f"dataloader: the plugin rebuilds the loader with its own "
+            raise ValueError(f"boost: dataloader: the plugin rebuilds the loader with its own "
                              f"DistributedSampler over the data-parallel groups, which needs a "
                              f"map-style dataset (len and indexing); got an IterableDataset "
                              f"({type(dataloader.dataset).__name__}): split it over the "
@@ -654,8 +669,12 @@ class RingSequenceParallelPlugin(Plugin):
         # sampler (a subset, weights, a batch sampler) would be lost without a word.
         sampler = dataloader.sampler
         # (RandomSampler keeps an explicit num_samples privately; len(dataset) is the default)
-        # (a sampler over another dataset, e.g. range(4) of a dataset of 10: a subset)
-        plain = getattr(sampler, "data_source", None) is dataloader.dataset and (
+        # (a sampler over another dataset, e.g. range(4) of a dataset of 10: a subset; a
+        # range over the whole dataset draws the same indices as the dataset itself)
+        source = getattr(sampler, "data_source", None)
+        whole = source is dataloader.dataset or (isinstance(source, range)
+                                                 and source == range(len(dataloader.dataset)))
+        plain = whole and (
             isinstance(sampler, SequentialSampler) or (
                 isinstance(sampler, RandomSampler) and not sampler.replacement
                 and getattr(sampler, "_num_samples", None) in (None, len(dataloader.dataset))))
@@ -663,9 +682,13 @@ class RingSequenceParallelPlugin(Plugin):
         if custom_batches or not plain:
             what = (f"batch_sampler {type(dataloader.batch_sampler).__name__}"
                     if custom_batches else f"sampler {type(sampler).__name__}")
+            if not custom_batches and not whole and source is not None:
+                what += (f" (it draws from {type(source).__name__} of {_length(source)} "
+                         f"items, not from the loader's dataset of "
+                         f"{len(dataloader.dataset)})")
             raise ValueError(
-                f"dataloader: the plugin rebuilds the loader with its own DistributedSampler "
-                f"over the data-parallel groups, which would drop this loader's {what}; pass a "
+                f"boost: dataloader: the plugin rebuilds the loader with its own "
+                f"DistributedSampler over the data-parallel groups, which would drop this loader's {what}; pass a "
                 f"DataLoader with batch_size and shuffle=True/False only (a subset: "
                 f"torch.utils.data.Subset), or build it with plugin.prepare_dataloader")
         # Every other DataLoader setting carries over (those this torch has); the shuffled
@@ -675,10 +698,15 @@ class RingSequenceParallelPlugin(Plugin):
         # prepare_dataloader(seed=...).
         kept = {name: getattr(dataloader, name) for name in _LOADER_SETTINGS
                 if hasattr(dataloader, name)}
-        return self.prepare_dataloader(
-            dataloader.dataset, dataloader.batch_size,
-            shuffle=isinstance(sampler, RandomSampler), drop_last=bool(dataloader.drop_last),
-            pin_memory=bool(dataloader.pin_memory), num_workers=dataloader.num_workers, **kept)
+        try:
+            return self.prepare_dataloader(
+                dataloader.dataset, dataloader.batch_size,
+                shuffle=isinstance(sampler, RandomSampler), drop_last=bool(dataloader.drop_last),
+                pin_memory=bool(dataloader.pin_memory), num_workers=dataloader.num_workers,
+                **kept)
+        except (TypeError, ValueError) as exc:  # (named for the call the user made)
+            text = str(exc).removeprefix("prepare_dataloader: ")
+            raise type(exc)(f"boost: dataloader's {text}") from exc
 
     def configure(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None,
                   lr_scheduler=None):

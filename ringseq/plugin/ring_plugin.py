@@ -689,8 +689,9 @@ class RingSequenceParallelPlugin(Plugin):
             raise ValueError(
                 f"boost: dataloader: the plugin rebuilds the loader with its own "
                 f"DistributedSampler over the data-parallel groups, which would drop this "
-                f"loader's {what}; pass a DataLoader with batch_size and shuffle=True/False only (a subset: "
-                f"torch.utils.data.Subset), or build it with plugin.prepare_dataloader")
+                f"loader's {what}; pass a DataLoader with batch_size and shuffle=True/False "
+                f"only (a subset: torch.utils.data.Subset), or build it with "
+                f"plugin.prepare_dataloader")
         # Every other DataLoader setting carries over (those this torch has); the shuffled
         # order is the DistributedSampler's with seed 1024 on every rank (the dp groups must
         # shuffle alike, and a generator seeded per rank for the workers' augmentations is a

@@ -67,7 +67,9 @@ def _rank(args, device):
     with PeakMemory("cpu") as mem:
         step()  # (checks "off": the cheaper call's peak is the same tensors)
     ringseq.set_consistency_check(True)
-    same = all(torch.equal(a, b) for a, b in zip(got["first"], got["off"]))
+    # (bitwise: a NaN equals itself here, which torch.equal would not say)
+    same = all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+               for a, b in zip(got["first"], got["off"]))
     pos = ringseq.positions(args.seqlen, "zigzag")
     err, plain_err = spot_check(full[:3], got["first"][0], pos, True, CHECK_ROWS)
     # (each rank's error against its own plain error; a NaN anywhere is infinite)

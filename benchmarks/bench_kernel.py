@@ -33,11 +33,12 @@ LSE-returning ops), reference, flash_attn (if installed), and torch's public
 F.scaled_dot_product_attention as torch_sdpa (default dispatch), sdpa_flash, sdpa_cudnn,
 sdpa_efficient, sdpa_math (one SDPA backend forced).
 
-Before timing a shape, each backend's forward is checked against float64 attention on the
-first and last 32 queries (flash-attn's rule: at most 2x plain attention's error in the same
-dtype, plus the shared floor), and with fwd_bwd in --modes its dq, dk, dv too, for an output
-gradient on those queries (3x); the err / plain err / grad err / plain grad err / check columns
-show it (a fwd_bwd row's check covers both). Exit status: 0; 1
+Before timing a shape, each backend is checked against float64 attention on the first and
+last 32 queries, once per mode as that mode runs it: the fwd rows' forward under no_grad, the
+fwd_bwd rows' forward with gradients and its dq, dk, dv for an output gradient on those queries
+(flash-attn's rule: at most 2x plain attention's error in the same dtype, 3x for the
+gradients, plus the shared floor; a NaN is an infinite error); the err / plain err / grad err /
+plain grad err / check columns show it. Exit status: 0; 1
 when a level's child failed; 2 for a usage error; 4 when a ringseq backend failed the check
 (its rows are still printed and written; torch's own SDPA failing it is only warned about).
 """
@@ -58,7 +59,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
                     CHECK_FLOOR, DTYPES, PeakMemory, attention_flops, core_probe_gflops,
                     cpu_description, cpu_isa, environment, format_table, isa_forced_note,
-                    load_average, mib, plain_attention, probe_note, progress, time_ms,
+                    load_average, max_error, mib, plain_attention,
+                    plain_attention_grads, probe_note, progress, time_ms,
                     write_json)
 
 import ringseq  # noqa: E402
@@ -165,18 +167,20 @@ CHECK_ROWS = 32  # queries checked at each end of the sequence
 
 
 def accuracy(name, q, k, v, causal, tile_config, window, softcap, grads=False):
-    """(max |out - float64|, plain same-dtype attention's error) on the first and last
-    CHECK_ROWS queries of one forward of backend ``name``: a backend passes within 2x the
-    plain error plus CHECK_FLOOR (flash-attn's rule, as the ring benchmarks check theirs).
-    With ``grads``, then the same for dq, dk, dv of a backward whose output gradient is
-    random on those rows (zero elsewhere): the largest error of the three and plain
-    attention's (the rule: 3x); else (None, None)."""
+    """(max |out - float64|, plain same-dtype attention's error, then the same two for the
+    gradients or (None, None)) on the first and last CHECK_ROWS queries of one call of
+    backend ``name``: its forward under no_grad as the fwd rows time it, or with ``grads``
+    the forward and the dq, dk, dv of a backward whose output gradient is random on those
+    rows (zero elsewhere), as the fwd_bwd rows time them. A backend passes within 2x the
+    plain error plus CHECK_FLOOR (flash-attn's rule, as the ring benchmarks check theirs),
+    3x for the gradients (the largest error of the three). A NaN counts as infinite. Plain
+    attention's gradient error is the larger of autograd's and the flash formula's
+    (common.plain_attention_grads: autograd is exact where a row sees one key)."""
     s = q.shape[1]
     rows = torch.unique(torch.cat([torch.arange(min(CHECK_ROWS, s)),
                                    torch.arange(max(0, s - CHECK_ROWS), s)]))
     # (the window as window_spans makes it: (W, 0) causal, (W, W) full)
-    mask = dict(window=(window, 0 if causal else window) if window >= 0 else (-1, -1),
-                softcap=softcap)
+    wnd = (window, 0 if causal else window) if window >= 0 else (-1, -1)
     leaves = [t.detach().clone().requires_grad_(grads) for t in (q, k, v)]  # (b, s, h*, d)
     run, inputs = make_runner(name, *leaves, causal, tile_config, window, softcap)
     with torch.set_grad_enabled(grads):
@@ -185,11 +189,11 @@ def accuracy(name, q, k, v, causal, tile_config, window, softcap, grads=False):
         out = out.transpose(1, 2)  # (b, h, s, d) -> (b, s, h, d)
     cpu = [t.detach().cpu().requires_grad_(grads) for t in (q, k, v)]
     with torch.set_grad_enabled(grads):
-        ref = plain_attention(*cpu, torch.float64, causal, rows, **mask)
-        plain = (plain_attention(*cpu, q.dtype, causal, rows, **mask)
+        ref = plain_attention(*cpu, torch.float64, causal, rows, window=wnd, softcap=softcap)
+        plain = (plain_attention(*cpu, q.dtype, causal, rows, window=wnd, softcap=softcap)
                  if q.dtype != torch.float64 else ref)
-    errors = (float((out[:, rows].detach().double().cpu() - ref.detach()).abs().max()),
-              float((plain.detach().double() - ref.detach()).abs().max()))
+    errors = (max_error(out[:, rows].detach(), ref.detach()),
+              max_error(plain.detach(), ref.detach()))
     if not grads:
         return errors + (None, None)
     dout = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -201,8 +205,11 @@ def accuracy(name, q, k, v, causal, tile_config, window, softcap, grads=False):
         got = [g.transpose(1, 2) for g in got]  # (b, h, s, d) -> (b, s, h, d)
     want = torch.autograd.grad(ref, cpu, dout, retain_graph=True)
     same = torch.autograd.grad(plain, cpu, dout.to(plain.dtype)) if plain is not ref else want
-    return errors + (max(float((g.double().cpu() - w).abs().max()) for g, w in zip(got, want)),
-                     max(float((p.double() - w).abs().max()) for p, w in zip(same, want)))
+    flash = plain_attention_grads(*(t.detach() for t in cpu), dout, q.dtype, causal, rows,
+                                  window=wnd, softcap=softcap)
+    return errors + (max(max_error(g, w) for g, w in zip(got, want)),
+                     max(max_error(p, w) for grads_ in (same, flash)
+                         for p, w in zip(grads_, want)))
 
 
 def make_step(run, leaves, dout):
@@ -246,14 +253,17 @@ def measure(entries, args, device, dtype_name, s, d, causal, window=None, softca
         if not reason:
             live.append((i, name, tile_config, row))
     floor = CHECK_FLOOR[dtype]
-    for i, name, tile_config, row in live:  # each backend checked once per shape, untimed
-        err, plain_err, grad_err, grad_plain_err = accuracy(
-            name, q, k, v, causal, tile_config, window, softcap, grads="fwd_bwd" in args.modes)
-        row.update(max_err=err, plain_err=plain_err, grad_err=grad_err,
-                   grad_plain_err=grad_plain_err,
-                   fwd_check="ok" if err <= 2 * plain_err + floor else "FAIL",
-                   bwd_check=(None if grad_err is None else
-                              "ok" if grad_err <= 3 * grad_plain_err + floor else "FAIL"))
+    checks = {}  # (entry index, mode) -> the check's fields
+    for i, name, tile_config, row in live:  # each backend checked per mode and shape, untimed
+        for mode in args.modes:  # (fwd: under no_grad, as timed; fwd_bwd: with gradients)
+            err, plain_err, grad_err, grad_plain_err = accuracy(
+                name, q, k, v, causal, tile_config, window, softcap, grads=mode == "fwd_bwd")
+            fwd_ok = err <= 2 * plain_err + floor
+            bwd_ok = grad_err is None or grad_err <= 3 * grad_plain_err + floor
+            checks[i, mode] = dict(max_err=err, plain_err=plain_err, grad_err=grad_err,
+                                   grad_plain_err=grad_plain_err,
+                                   fwd_check="ok" if fwd_ok else "FAIL",
+                                   check="ok" if fwd_ok and bwd_ok else "FAIL")
     for mode in args.modes:
         grad = mode == "fwd_bwd"
         for t in (q, k, v):
@@ -275,10 +285,8 @@ def measure(entries, args, device, dtype_name, s, d, causal, window=None, softca
         for (i, row, _, peak), t in zip(steps, times):
             ms = statistics.median(t)
             # (a fwd_bwd row passes when its forward and its gradients do)
-            check = ("FAIL" if "FAIL" in (row["fwd_check"], row["bwd_check"] if grad else None)
-                     else "ok")
             rows[i].append(dict(row, mode=mode, ms=ms, tflops=flops / ms / 1e9, peak_mib=mib(peak),
-                                rounds_ms=t, check=check))
+                                rounds_ms=t, **checks[i, mode]))
     return [r for i in range(len(entries)) for r in rows[i]]
 
 

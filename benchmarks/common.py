@@ -48,8 +48,52 @@ def plain_attention(q, k, v, dtype, causal, rows=None, window=(-1, -1), cu_seqle
     scores = torch.einsum("bqhd,bkhd->bhqk", qs, ks) * q.shape[-1] ** -0.5
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    keys = torch.arange(k.shape[1])[None, :]
-    hidden = torch.zeros(len(pos), k.shape[1], dtype=torch.bool)  # (rows, s_k)
+    hidden = _hidden(pos, k.shape[1], causal, window, cu_seqlens)
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(
+        scores.masked_fill(hidden, float("-inf")), -1), vs)
+
+
+def plain_attention_grads(q, k, v, dout, dtype, causal, rows, window=(-1, -1), softcap=0.0):
+    """(dq, dk, dv) of :func:`plain_attention` in ``dtype`` for the output gradient ``dout``
+    (b, rows, h, d) on the query rows ``rows``, by the flash backward's formula (D =
+    rowsum(dO * O), dS = P (dP - D)) rather than autograd's softmax backward (sum(dP * P)):
+    where a row sees one key, autograd's is exact (0) and would make the rule's bound 0,
+    while every flash-style backward leaves a rounding there. Shapes as q, k, v."""
+    g = q.shape[2] // k.shape[2]
+    qs = q[:, rows].to(dtype)                                         # (b, rows, h, d)
+    ks, vs = (t.to(dtype).repeat_interleave(g, 2) for t in (k, v))    # (b, s_k, h, d)
+    scale = q.shape[-1] ** -0.5
+    raw = torch.einsum("bqhd,bkhd->bhqk", qs, ks) * scale             # (b, h, rows, s_k)
+    capped = torch.tanh(raw / softcap) if softcap else None
+    scores = softcap * capped if softcap else raw
+    p = torch.softmax(scores.masked_fill(_hidden(rows, k.shape[1], causal, window, None),
+                                         float("-inf")), -1)
+    do = dout.to(dtype)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, vs)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vs)
+    delta = (do * o).sum(-1).transpose(1, 2).unsqueeze(-1)           # (b, h, rows, 1)
+    ds = p * (dp - delta)
+    if softcap:
+        ds = ds * (1 - capped * capped)
+    dq = torch.zeros(q.shape, dtype=dtype)
+    dq[:, rows] = torch.einsum("bhqk,bkhd->bqhd", ds, ks) * scale
+    b, s_k, h_kv, d = k.shape
+    dk = (torch.einsum("bhqk,bqhd->bkhd", ds, qs) * scale).view(b, s_k, h_kv, g, d).sum(3)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, do).view(b, s_k, h_kv, g, d).sum(3)
+    return dq, dk, dv
+
+
+def max_error(x, ref) -> float:
+    """max |x - ref| as a float, infinite where x has a NaN (Python's max() and gloo's MAX can
+    drop a NaN: a NaN result passed checks)."""
+    return float(torch.nan_to_num((x.double().cpu() - ref.double().cpu()).abs(),
+                                  nan=float("inf")).max())
+
+
+def _hidden(pos, s_k, causal, window, cu_seqlens) -> torch.Tensor:
+    """(rows, s_k) bool: the keys each query row at global position ``pos`` does not see."""
+    keys = torch.arange(s_k)[None, :]
+    hidden = torch.zeros(len(pos), s_k, dtype=torch.bool)  # (rows, s_k)
     if causal:
         hidden |= keys > pos[:, None]
     left, right = window
@@ -58,11 +102,10 @@ def plain_attention(q, k, v, dtype, causal, rows=None, window=(-1, -1), cu_seqle
     if right >= 0:
         hidden |= keys > pos[:, None] + right
     if cu_seqlens is not None:
-        doc = torch.bucketize(torch.arange(k.shape[1]), torch.tensor(cu_seqlens[1:]),
+        doc = torch.bucketize(torch.arange(s_k), torch.tensor(cu_seqlens[1:]),
                               right=True)  # (s_k,) each token's document
         hidden |= doc[None, :] != doc[pos][:, None]
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(
-        scores.masked_fill(hidden, float("-inf")), -1), vs)
+    return hidden
 
 
 def spot_check(full, out_local, positions, causal, rows, window=(-1, -1), cu_seqlens=None):

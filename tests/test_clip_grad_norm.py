@@ -107,6 +107,29 @@ def _worker():
         res["nan norm"] = float(opt.clip_grad_by_norm(0.5))
         res["every gradient nan"] = all(bool(torch.isnan(g).all()) for g in grads())
         opt.zero_grad()
+
+        # arguments that differ between the ranks (before: rank 0 raised alone and the others
+        # waited for the ring timeout; valid values that differ clipped each rank by its own
+        # factor, the replicas drifting apart without a word)
+        backward()
+        start = time.monotonic()
+        res["bad on rank 0"] = error_text(
+            lambda: opt.clip_grad_by_norm(-1.0 if rank == 0 else 1.0))
+        res["bad on rank 0 seconds"] = time.monotonic() - start
+        res["different"] = error_text(lambda: opt.clip_grad_by_norm(0.01 if rank == 0 else 100.0))
+        opt.zero_grad()
+        booster.reset()
+        # inside gradient accumulation the gradients are not summed yet: their norm is not
+        # the step's (before: each rank's own norm, or 0 where FSDP held them)
+        with booster.no_sync(model):
+            backward()
+        res["inside accumulation"] = error_text(lambda: opt.clip_grad_by_norm(1.0))
+        opt.zero_grad()
+        booster.reset()
+        backward()
+        res["after accumulation refused"] = error_text(
+            lambda: (opt.clip_grad_by_norm(0.5), opt.step()))
+        opt.zero_grad()
     ringseq.reset_ring()
     return out
 
@@ -143,6 +166,25 @@ def test_a_rank_failing_its_part_raises_on_every_rank(ranks, mesh):
         assert res["seconds"] < FAST, (mesh, rank, res["seconds"])
         assert res["nothing clipped"]
         assert res["next step"] == "no error", res["next step"]
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_ranks_must_clip_alike_and_after_the_accumulation(ranks, mesh):
+    for rank, r in enumerate(ranks):
+        res = r[mesh]
+        bad = res["bad on rank 0"]
+        if rank == 0:
+            assert bad == ("ValueError: clip_grad_by_norm: max_norm must be a finite number >= "
+                           "0, got -1.0"), bad
+        else:
+            assert bad.startswith("RingPeerError") and "max_norm must be" in bad, bad
+        assert res["bad on rank 0 seconds"] < FAST, (mesh, rank, res["bad on rank 0 seconds"])
+        assert res["different"].startswith("RingMismatchError") and "max_norm" in \
+            res["different"], res["different"]
+        assert res["inside accumulation"].startswith("ValueError: clip_grad_by_norm: ") and \
+            "not summed over the ranks yet" in res["inside accumulation"], \
+            (mesh, res["inside accumulation"])
+        assert res["after accumulation refused"] == "no error", res["after accumulation refused"]
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

@@ -195,15 +195,16 @@ def _worker_steps_w2(tmp):
             p.grad.mul_(1.0)
     out["in place after a clip"] = _sgd_error(opt, model, opt.step, clipped=True)
 
-    # fp16: a clip, a step refused (every backward inside no_sync), then the last
-    # micro-batch: the step equals the same micro-batches without the clip and refusal
-    # (before: the first micro-batch's gradients were unscaled twice)
+    # fp16: a clip and a step, both refused (every backward inside no_sync), then the last
+    # micro-batch: the step equals the same micro-batches without the refusals (before: the
+    # clip ran, and the first micro-batch's gradients were unscaled twice)
     def accumulated(clip_and_refuse):
         booster, model, opt, crit, batches = _boosted({"sp_size": 2, "precision": "fp16"})
         with booster.no_sync(model, opt):
             booster.backward(crit(model(**batches[0]), batches[0]), opt)
         if clip_and_refuse:
-            opt.clip_grad_by_norm(1e9)
+            refused = _error(lambda: opt.clip_grad_by_norm(1e9))
+            assert refused.startswith("ValueError: clip_grad_by_norm: every backward"), refused
             refused = _error(opt.step)
             assert refused.startswith("ValueError: OptimizerWrapper.step: every backward")
         booster.backward(crit(model(**batches[1]), batches[1]), opt)

@@ -81,7 +81,10 @@ class Booster:
 
     def no_sync(self, model: nn.Module = None, optimizer=None):
         """Context for gradient accumulation: backward passes inside it do not communicate;
-        the first backward outside it reduces the accumulated gradients. ``model``: the
+        the first backward outside it reduces the accumulated gradients. Run each accumulated
+        micro-batch's forward and backward inside it: under DDP torch decides at the forward
+        whether the backward reduces (RingSequenceParallelPlugin at zero_stage 0 without
+        tensor parallelism); FSDP and tensor parallelism decide at the backward. ``model``: the
         boosted model (RingSequenceParallelPlugin raises ValueError for anything else, None
         included: there would be no reduction to skip)."""
         if not self.plugin.support_no_sync():

@@ -6,6 +6,7 @@ import contextvars
 import functools
 import math
 import numbers
+import struct
 import threading
 import weakref
 from typing import Optional
@@ -193,6 +194,11 @@ class ModelWrapper(nn.Module):
         return out
 
 
+def _float_bits(x) -> int:
+    """The float64 bits of ``x`` as an int (ranks compare it exactly; NaN included)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
 class ReducedGrads:
     """How many backward passes summed the gradients over the ranks since the optimizer last
     stepped or cleared them.
@@ -301,6 +307,17 @@ class ReducedGrads:
         self.count = 0
         self.stepped = True
         self.unreduced_after = self.unreduced_only = self._unreduced_next = False
+
+    def unsummed(self) -> Optional[str]:
+        """Why the gradients are not (all) summed over the ranks yet -- backward passes inside
+        ``no_sync`` and no summing one after them -- or None."""
+        if self.unreduced_after:
+            return "a backward inside booster.no_sync(model) followed the one that summed them"
+        if self.unreduced_only:
+            return "every backward since the last step or zero_grad ran inside no_sync"
+        if self.held is not None and self.held.any():
+            return "FSDP holds the gradients of backward passes inside no_sync, never reduced"
+        return None
 
     def check_once(self) -> None:
         # The count stays: the gradients stay wrong until they are cleared (zero_grad).
@@ -793,21 +810,38 @@ class OptimizerWrapper:
         the gradients' promoted dtype, as torch's clip does (equal to it within float
         rounding: the shares are summed in another order).
 
-        Raises ValueError (the same on every rank: the arguments are the caller's) for a
-        ``max_norm`` that is not a finite number >= 0 (a negative one reversed the gradients,
-        NaN made every parameter NaN) or a ``norm_type`` that is not > 0 (inf included).
+        Raises ValueError on every rank for a ``max_norm`` that is not a finite number >= 0 (a
+        negative one reversed the gradients, NaN made every parameter NaN) or a
+        ``norm_type`` that is not > 0 (inf included) on any rank, for gradients not summed
+        over the ranks yet (inside gradient accumulation: backward passes inside
+        ``booster.no_sync`` and none after them; their norm is not the step's), and
+        :class:`ringseq.RingMismatchError` for ranks that pass other ``max_norm``,
+        ``norm_type`` or ``error_if_nonfinite`` values (each would clip by its own factor).
         A rank that fails computing its share (out of memory, say) raises its error, and the
         others :class:`ringseq.RingPeerError` naming it, before any gradient is clipped (the
         ranks agree on the control channel before the all-reduce, which they would otherwise
         wait in). ``error_if_nonfinite``: RuntimeError on every rank for an inf / NaN norm."""
+        grads, failure, fields = [], None, []
         for name, value, ok, want in (
                 ("max_norm", max_norm, lambda x: 0.0 <= x < math.inf, "a finite number >= 0"),
                 ("norm_type", norm_type, lambda x: x > 0.0, "a number > 0 (inf: max norm)")):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(
-                    float(value)):
-                raise ValueError(f"clip_grad_by_norm: {name} must be {want}, got {value!r}")
-        norm_type, grads, failure = float(norm_type), [], None
+            number = not isinstance(value, bool) and isinstance(value, numbers.Real)
+            # (compared over the ranks by their bits: a rank clipping by another factor)
+            fields.append((name, _float_bits(value) if number else 0))
+            if failure is None and not (number and ok(float(value))):
+                # (raised through the agreement below: the others raise with it, not wait)
+                failure = ValueError(f"clip_grad_by_norm: {name} must be {want}, got {value!r}")
+        fields.append(("error_if_nonfinite", int(bool(error_if_nonfinite)), "bool"))
+        unsummed = None if self.reduced is None else self.reduced.unsummed()
+        if failure is None and unsummed is not None:
+            failure = ValueError(
+                f"clip_grad_by_norm: {unsummed}, so the gradients are not summed over the "
+                f"ranks yet and their norm is not the step's; clip after the backward of the "
+                f"LAST micro-batch (outside no_sync), right before step")
         try:
+            if failure is not None:
+                raise failure
+            norm_type = float(norm_type)
             if self.scaler is not None and not self._unscaled():
                 self.scaler.unscale_(self.optim)
             grads = self._grads()
@@ -816,7 +850,8 @@ class OptimizerWrapper:
             failure = exc
         if dist.is_initialized():
             get_ring(None).agree(failure is None, f"{type(failure).__name__}: {failure}",
-                                 error=failure, about="clip_grad_by_norm")
+                                 error=failure, about="clip_grad_by_norm",
+                                 fields=tuple(fields))
         elif failure is not None:
             raise failure
         total = total_norm(share, norm_type)

@@ -108,6 +108,17 @@ def _worker():
         res["every gradient nan"] = all(bool(torch.isnan(g).all()) for g in grads())
         opt.zero_grad()
 
+        # the max norm with a NaN in rank 1's gradients only (before: gloo's MAX dropped it,
+        # the norm finite and rank 1's NaN left in place)
+        backward()
+        first = opt.param_groups[0]["params"][0].grad
+        if rank == 1:
+            with torch.no_grad():
+                (first.to_local() if hasattr(first, "to_local") else first).view(-1)[0] = math.nan
+        res["inf norm, nan on rank 1"] = error_text(
+            lambda: opt.clip_grad_by_norm(0.5, norm_type=math.inf, error_if_nonfinite=True))
+        opt.zero_grad()
+
         # arguments that differ between the ranks (before: rank 0 raised alone and the others
         # waited for the ring timeout; valid values that differ clipped each rank by its own
         # factor, the replicas drifting apart without a word)
@@ -130,6 +141,16 @@ def _worker():
         res["after accumulation refused"] = error_text(
             lambda: (opt.clip_grad_by_norm(0.5), opt.step()))
         opt.zero_grad()
+    # fp16 before any backward: no gradient, nothing to unscale (before: GradScaler's
+    # "Attempted unscale_ but _scale is None")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    booster = Booster(plugin=RingSequenceParallelPlugin(sp_size=2, precision="fp16"))
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out["fp16 without gradients"] = error_text(
+        lambda: out.__setitem__("fp16 norm", float(opt.clip_grad_by_norm(1.0))))
     ringseq.reset_ring()
     return out
 
@@ -179,12 +200,21 @@ def test_ranks_must_clip_alike_and_after_the_accumulation(ranks, mesh):
         else:
             assert bad.startswith("RingPeerError") and "max_norm must be" in bad, bad
         assert res["bad on rank 0 seconds"] < FAST, (mesh, rank, res["bad on rank 0 seconds"])
-        assert res["different"].startswith("RingMismatchError") and "max_norm" in \
-            res["different"], res["different"]
+        different = res["different"]
+        assert different.startswith("RingMismatchError") and "clip_grad_by_norm" in different \
+            and "max_norm (rank 0: 0.01, rank 1: 100.0" in different, different
+        assert res["inf norm, nan on rank 1"].startswith(
+            "RuntimeError: clip_grad_by_norm: the total norm of order inf of the gradients is "
+            "nan"), (mesh, rank, res["inf norm, nan on rank 1"])
         assert res["inside accumulation"].startswith("ValueError: clip_grad_by_norm: ") and \
             "not summed over the ranks yet" in res["inside accumulation"], \
             (mesh, res["inside accumulation"])
         assert res["after accumulation refused"] == "no error", res["after accumulation refused"]
+
+
+def test_fp16_clip_without_gradients_clips_nothing(ranks):
+    for r in ranks:
+        assert r["fp16 without gradients"] == "no error" and r["fp16 norm"] == 0.0, r
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

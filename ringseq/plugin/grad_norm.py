@@ -85,6 +85,13 @@ def total_norm(share: torch.Tensor, norm_type: float) -> float:
     inf = math.isinf(norm_type)
     if dist.is_initialized() and dist.get_world_size() > 1:
         share = share.to(_collective_device(None))
-        dist.all_reduce(share, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        if inf:
+            # (gloo's MAX keeps or drops a NaN by the order of its operands: a NaN in one
+            # rank's shard was lost; its flag travels beside the share)
+            both = torch.stack([torch.nan_to_num(share.double(), nan=0.0),
+                                torch.isnan(share).double()])  # (2,)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            return math.nan if both[1] > 0 else float(both[0])
+        dist.all_reduce(share, op=dist.ReduceOp.SUM)
     value = float(share)
     return value if inf else value ** (1.0 / norm_type)

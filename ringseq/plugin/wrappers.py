@@ -6,7 +6,6 @@ import contextvars
 import functools
 import math
 import numbers
-import struct
 import threading
 import weakref
 from typing import Optional
@@ -20,6 +19,7 @@ from .._dist import RingError, RingMismatchError, global_rank, ring_timeout
 from ..engine.integrity import call_tag
 from ..engine.ring import get_ring
 from ..loss import RING_REPORT_WAITS, report_step_failure, sharded_cross_entropy
+from ..spec import float_field
 from .dataloader import INPUTS_EMBEDS_UNDER_TP
 from .grad_norm import local_norm_share, scale_, total_norm
 from .precision import settle_scaler, update_due
@@ -192,11 +192,6 @@ class ModelWrapper(nn.Module):
         if self._reporter is not None and agrees:
             self._reporter.forward_ended()
         return out
-
-
-def _float_bits(x) -> int:
-    """The float64 bits of ``x`` as an int (ranks compare it exactly; NaN included)."""
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 class ReducedGrads:
@@ -816,7 +811,10 @@ class OptimizerWrapper:
         over the ranks yet (inside gradient accumulation: backward passes inside
         ``booster.no_sync`` and none after them; their norm is not the step's), and
         :class:`ringseq.RingMismatchError` for ranks that pass other ``max_norm``,
-        ``norm_type`` or ``error_if_nonfinite`` values (each would clip by its own factor).
+        ``norm_type`` or ``error_if_nonfinite`` values (each would clip by its own factor);
+        with ``ringseq.set_consistency_check(False)`` no agreement runs (a rank refusing alone
+        then leaves the others in the norm's all-reduce, as every check that setting turns
+        off).
         A rank that fails computing its share (out of memory, say) raises its error, and the
         others :class:`ringseq.RingPeerError` naming it, before any gradient is clipped (the
         ranks agree on the control channel before the all-reduce, which they would otherwise
@@ -826,9 +824,13 @@ class OptimizerWrapper:
                 ("max_norm", max_norm, lambda x: 0.0 <= x < math.inf, "a finite number >= 0"),
                 ("norm_type", norm_type, lambda x: x > 0.0, "a number > 0 (inf: max norm)")):
             number = not isinstance(value, bool) and isinstance(value, numbers.Real)
-            # (compared over the ranks by their bits: a rank clipping by another factor)
-            fields.append((name, _float_bits(value) if number else 0))
-            if failure is None and not (number and ok(float(value))):
+            try:  # (an int beyond float64's range is inf, which the rules refuse)
+                x = float(value) if number else math.nan
+            except OverflowError:
+                x = math.inf
+            # (compared over the ranks exactly: a rank clipping by another factor)
+            fields.append(float_field(name, x, torch.float64))
+            if failure is None and not (number and ok(x)):
                 # (raised through the agreement below: the others raise with it, not wait)
                 failure = ValueError(f"clip_grad_by_norm: {name} must be {want}, got {value!r}")
         fields.append(("error_if_nonfinite", int(bool(error_if_nonfinite)), "bool"))
@@ -842,16 +844,19 @@ class OptimizerWrapper:
             if failure is not None:
                 raise failure
             norm_type = float(norm_type)
-            if self.scaler is not None and not self._unscaled():
-                self.scaler.unscale_(self.optim)
             grads = self._grads()
+            # (no gradient: nothing to unscale, and GradScaler would assert, as in step)
+            if self.scaler is not None and grads and not self._unscaled():
+                self.scaler.unscale_(self.optim)
             share = local_norm_share(grads, norm_type)
         except (Exception, KeyboardInterrupt) as exc:  # re-raised by the agreement
             failure = exc
         if dist.is_initialized():
             get_ring(None).agree(failure is None, f"{type(failure).__name__}: {failure}",
                                  error=failure, about="clip_grad_by_norm",
-                                 fields=tuple(fields))
+                                 fields=tuple(fields), called="OptimizerWrapper.clip_grad_by_norm",
+                                 hint="every rank must pass the same max_norm, norm_type and "
+                                      "error_if_nonfinite (each would clip by its own factor)")
         elif failure is not None:
             raise failure
         total = total_norm(share, norm_type)

@@ -388,6 +388,21 @@ def _worker_fails_inside(tmp):
             setattr(module, name, real)
         out[key + " unchanged"] = all(torch.equal(a, b) for a, b in zip(before, params()))
         out[key + " then a step"] = error_text(step)  # the ranks are still in step
+    # a directory checkpoint rank 1 does not see as one (a lagging file system): before, it
+    # read a file while the other waited in torch.distributed.checkpoint's collectives
+    booster.save_optimizer(opt, f"{tmp}/optim_dir")
+    before = params()
+    real = os.path.isdir
+    if rank == 1:
+        os.path.isdir = lambda p: False if str(p).startswith(f"{tmp}/optim_dir") else real(p)
+    try:
+        out["not a directory on rank 1"] = error_text(
+            lambda: booster.load_optimizer(opt, f"{tmp}/optim_dir"))
+    finally:
+        os.path.isdir = real
+    out["not a directory on rank 1 unchanged"] = all(
+        torch.equal(a, b) for a, b in zip(before, params()))
+    out["not a directory on rank 1 then a step"] = error_text(step)
     return out
 
 
@@ -403,6 +418,11 @@ def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_r
             else:
                 assert r[key].startswith("ValueError") and "another rank" in r[key], r[key]
             assert r[key + " unchanged"] and r[key + " then a step"] == "no error", r
+        text = r["not a directory on rank 1"]
+        assert text.startswith("RingMismatchError") and "is a directory (rank 0: a directory, " \
+            "rank 1: not a directory)" in text, text
+        assert r["not a directory on rank 1 unchanged"], r
+        assert r["not a directory on rank 1 then a step"] == "no error", r
 
 
 @pytest.mark.parametrize("sharded, fail", [(False, "scaler write"), (False, "scaler rename"),

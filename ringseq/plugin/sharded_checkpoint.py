@@ -30,9 +30,10 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .._dist import agree_or_raise
+from .._dist import agree_on_fields, agree_or_raise
 from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
                          _load, _save, _unwrap, _with_scaler_state, _write, on_writer,
                          read_file, save_scaler)
@@ -454,19 +455,27 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         ``dcp.load`` into uninitialized tensors laid out as this rank's optimizer state, so the
         load holds a second copy of this rank's optimizer state until it is applied."""
         model = getattr(optimizer, "model", None)
+        # Which format is read is decided from what this rank sees: a rank whose file system
+        # does not show the directory (yet) took the other branch and its collectives, and
+        # the others waited in theirs until its process ended. Agreed first, on every rank.
+        is_dir = os.path.isdir(checkpoint)
+        if dist.is_initialized():
+            agree_on_fields(True, "", ((f"load_optimizer: whether {checkpoint!r} is a "
+                                        f"directory", int(is_dir),
+                                        lambda v: "a directory" if v else "not a directory"),))
         if model is not None:
             _reshard(model)
-        if model is None and (os.path.isdir(checkpoint) or _holds_dtensors(optimizer)):
+        if model is None and (is_dir or _holds_dtensors(optimizer)):
             raise ValueError(f"load_optimizer: {checkpoint!r} is a sharded optimizer checkpoint "
                              f"or the parameters are sharded: pass the boosted optimizer "
                              f"booster.boost returned (it maps the state to the model's "
                              f"parameter names), got the optimizer itself")
-        if model is None or (not os.path.isdir(checkpoint) and not _is_sharded(model)):
+        if model is None or (not is_dir and not _is_sharded(model)):
             return super().load_optimizer(optimizer, checkpoint)
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
         opt = _unwrap(optimizer)
-        if os.path.isdir(checkpoint):
+        if is_dir:
             own_groups = []  # this optimizer's groups by parameter name (dcp.load overwrites
                              # the staged copy's with the checkpoint's)
 

@@ -141,6 +141,15 @@ def _worker():
         res["after accumulation refused"] = error_text(
             lambda: (opt.clip_grad_by_norm(0.5), opt.step()))
         opt.zero_grad()
+        # a forward inside no_sync, its backward outside: torch's DDP decided at the forward
+        # not to sum (before: taken as summed, and every rank stepped with its own
+        # gradients); FSDP and tensor parallelism decide at the backward, which sums
+        with booster.no_sync(model):
+            loss = criterion(model(**batch), batch)
+        booster.backward(loss, opt)
+        res["forward inside no_sync"] = error_text(opt.step)
+        opt.zero_grad()
+        booster.reset()
     # fp16 before any backward: no gradient, nothing to unscale (before: GradScaler's
     # "Attempted unscale_ but _scale is None")
     torch.manual_seed(0)
@@ -210,6 +219,13 @@ def test_ranks_must_clip_alike_and_after_the_accumulation(ranks, mesh):
             "not summed over the ranks yet" in res["inside accumulation"], \
             (mesh, res["inside accumulation"])
         assert res["after accumulation refused"] == "no error", res["after accumulation refused"]
+        inside = res["forward inside no_sync"]
+        if mesh == "ddp_sp2":
+            assert inside.startswith("ValueError: OptimizerWrapper.step: every backward since "
+                                     "the last step or zero_grad ran inside "
+                                     "booster.no_sync(model) (under DDP: its forward did"), inside
+        else:
+            assert inside == "no error", (mesh, inside)
 
 
 def test_fp16_clip_without_gradients_clips_nothing(ranks):

@@ -119,7 +119,17 @@ class GradUse:
 
     @classmethod
     def for_ddp(cls, ddp: nn.parallel.DistributedDataParallel, reduction) -> "GradUse":
-        return cls("DDP", lambda: bool(ddp.require_backward_grad_sync), reduction=reduction)
+        # torch's DDP decides at the forward whether the backward reduces (it prepares the
+        # reducer there): what counts is no_sync at the last forward with gradients, not at
+        # the backward (before: a forward inside no_sync with its backward outside was taken
+        # as summed, and every rank stepped with its own gradients)
+        at_forward = [True]
+
+        def record(module, args):
+            if torch.is_grad_enabled():
+                at_forward[0] = bool(ddp.require_backward_grad_sync)
+        ddp.register_forward_pre_hook(record)
+        return cls("DDP", lambda: at_forward[0], reduction=reduction)
 
     @classmethod
     def for_grad_sync(cls, grad_sync, model: nn.Module, tp=None) -> "GradUse":

@@ -333,9 +333,11 @@ class ReducedGrads:
         if self.unreduced_only:
             raise ValueError(
                 "OptimizerWrapper.step: every backward since the last step or zero_grad ran "
-                "inside booster.no_sync(model), so no gradient was summed over the ranks "
+                "inside booster.no_sync(model) (under DDP: its forward did, which decides), so "
+                "no gradient was summed over the ranks "
                 "(each rank would step with its own, and the replicas would drift apart); not "
-                "stepping. Run the LAST micro-batch outside no_sync: its backward sums them all")
+                "stepping. Run the LAST micro-batch (its forward and backward) outside no_sync: "
+                "its backward sums them all")
         if self.held is not None and self.held.any():
             # (whether a reduced backward came first or not: FSDP does not count them)
             raise ValueError(

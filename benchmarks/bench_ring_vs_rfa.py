@@ -35,9 +35,9 @@ from cli_types import json_path, positive_int, positive_seconds  # noqa: E402  (
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common import (PeakMemory, attention_flops, cpu_header, environment, max_over_ranks,  # noqa: E402
-                    format_table, load_average, mib, plain_attention, progress,
-                    spawn_cpu_ranks, write_json)
+from common import (PeakMemory, attention_flops, cpu_header, environment,  # noqa: E402
+                    format_table, load_average, max_over_ranks, mib, plain_attention,
+                    progress, spawn_cpu_ranks, write_json)
 from ring_job import CHECK_FLOOR, DTYPES  # noqa: E402  (the main job's dtypes and floors)
 
 ENGINES = ("ring-flash-attn", "ringseq")

@@ -66,12 +66,8 @@ def test_small_cpu_run_writes_ratio_rows(tmp_path):
         assert abs(r["px_torch_sdpa"] - sum(per_round) / 2) < 1e-9
 
 
-def test_a_backend_computing_something_else_fails_the_run(monkeypatch, tmp_path, capsys):
-    """Each backend's output is checked against float64 at every shape before it is timed
-    (before: a kernel returning q itself was timed and reported 90x faster than SDPA)."""
-    import bench_kernel
-
-    monkeypatch.setattr(bench_kernel.ringseq, "flash_attn_func", lambda q, k, v, **kw: q * 1.0)
+def _failing_run(bench_kernel, tmp_path, capsys):
+    """A small ringseq + torch_sdpa run that must exit CHECK_FAILED: (its output, its JSON)."""
     out = tmp_path / "k.json"
     with pytest.raises(SystemExit) as exit_:
         bench_kernel.main(["--device", "cpu", "--isa", "current", "--backends",
@@ -79,7 +75,16 @@ def test_a_backend_computing_something_else_fails_the_run(monkeypatch, tmp_path,
                            "--headdims", "16", "--causal", "true", "--repeats", "1",
                            "--json", str(out)])
     assert exit_.value.code == bench_kernel.CHECK_FAILED
-    text = capsys.readouterr().out
+    return capsys.readouterr().out, out
+
+
+def test_a_backend_computing_something_else_fails_the_run(monkeypatch, tmp_path, capsys):
+    """Each backend's output is checked against float64 at every shape before it is timed
+    (before: a kernel returning q itself was timed and reported 90x faster than SDPA)."""
+    import bench_kernel
+
+    monkeypatch.setattr(bench_kernel.ringseq, "flash_attn_func", lambda q, k, v, **kw: q * 1.0)
+    text, out = _failing_run(bench_kernel, tmp_path, capsys)
     assert "WARNING: ringseq fp32 s=64 d=16 causal fwd: max error" in text, text[-2000:]
     rows = json.loads(out.read_text())["results"]
     assert {r["backend"]: r["check"] for r in rows} == {"ringseq": "FAIL", "torch_sdpa": "ok"}
@@ -105,14 +110,7 @@ def test_a_wrong_backward_fails_the_run(monkeypatch, tmp_path, capsys):
     real = bench_kernel.ringseq.flash_attn_func
     monkeypatch.setattr(bench_kernel.ringseq, "flash_attn_func",
                         lambda *a, **kw: Times100.apply(real(*a, **kw)))
-    out = tmp_path / "k.json"
-    with pytest.raises(SystemExit) as exit_:
-        bench_kernel.main(["--device", "cpu", "--isa", "current", "--backends",
-                           "ringseq,torch_sdpa", "--seqlens", "64", "--heads", "2",
-                           "--headdims", "16", "--causal", "true", "--repeats", "1",
-                           "--json", str(out)])
-    assert exit_.value.code == bench_kernel.CHECK_FAILED
-    text = capsys.readouterr().out
+    text, out = _failing_run(bench_kernel, tmp_path, capsys)
     assert "WARNING: ringseq fp32 s=64 d=16 causal fwd_bwd: max gradient error" in text, text
     rows = json.loads(out.read_text())["results"]
     # the forward alone is right: its row passes; the peer's gradients pass the same bound

@@ -97,8 +97,8 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
         U = 1
     elif sp_mode == "ulysses":
         if ulysses_size not in (None, sp_size):
-            raise ValueError(f"{pre}sp_mode='ulysses' uses all {sp_size} sequence-parallel ranks for "
-                             f"the all-to-all, got ulysses_size={ulysses_size!r}; use "
+            raise ValueError(f"{pre}sp_mode='ulysses' uses all {sp_size} sequence-parallel "
+                             f"ranks for the all-to-all, got ulysses_size={ulysses_size!r}; use "
                              f"sp_mode='hybrid' for a Ulysses x ring split")
         if inner_ring_size not in (None, 1):
             raise ValueError(f"{pre}sp_mode='ulysses' has no ring, got inner_ring_size="
@@ -109,9 +109,9 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
             raise ValueError(f"{pre}sp_mode='hybrid' needs ulysses_size (one of "
                              f"{_divisors(sp_size)}, dividing sp_size={sp_size})")
         if sp_size % ulysses_size:
-            raise ValueError(f"{pre}ulysses_size={ulysses_size!r} does not divide sp_size={sp_size}; "
-                             f"the sequence-parallel group is ulysses_size x ring size, so "
-                             f"ulysses_size must be one of {_divisors(sp_size)}")
+            raise ValueError(f"{pre}ulysses_size={ulysses_size!r} does not divide "
+                             f"sp_size={sp_size}; the sequence-parallel group is ulysses_size x "
+                             f"ring size, so ulysses_size must be one of {_divisors(sp_size)}")
         U = ulysses_size
     R = sp_size // U
     if inner_ring_size is None:

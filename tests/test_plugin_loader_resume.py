@@ -181,6 +181,19 @@ def _worker(tmp):
                                plugin.sp_group, plugin.data_layout, plugin.dp_rank)
     out["stream_batches"] = len(_batches(stream))
     out["stream_state"] = error_text(stream.state_dict)  # (before: len()'s bare TypeError)
+    # DistributedSampler's idiom, loader.sampler.set_epoch, sets the loader's epoch (before:
+    # the state saved epoch 0, and the resumed run followed epoch 0's order)
+    idiom = loader()
+    idiom.sampler.set_epoch(1)
+    out["sampler_idiom_epoch"] = idiom.epoch
+    out["sampler_idiom_before"] = _batches(idiom, 2)
+    idiom_resumed = loader()
+    idiom_resumed.load_state_dict(idiom.state_dict())
+    idiom_resumed.sampler.set_epoch(idiom_resumed.epoch)
+    out["sampler_idiom_resumed"] = _batches(idiom_resumed)
+    bad = loader()
+    bad.sampler.set_epoch(-1 if rank == 1 else 0)
+    out["sampler_epoch_bad"] = error_text(lambda: _batches(bad))
     dist.barrier()
     return out
 
@@ -224,6 +237,17 @@ def test_bad_epochs_and_a_loader_without_a_length_are_named(w4):
         assert r["stream_batches"] == 3
         assert r["stream_state"].startswith("TypeError: ShardedDataLoader.state_dict: the "
                                             "loader's dataset (_Stream) has no length"), r
+
+
+def test_an_epoch_set_on_the_sampler_is_the_loaders_epoch(w4):
+    """``loader.sampler.set_epoch(e)`` (DistributedSampler's idiom) counts as
+    ``loader.set_epoch(e)``: the loader's epoch, the state it saves and the resumed run."""
+    for rank, r in enumerate(w4):
+        assert r["sampler_idiom_epoch"] == 1
+        assert r["sampler_idiom_before"] + r["sampler_idiom_resumed"] == r["full"][1]
+        expected = ("ValueError: ShardedDataLoader: loader.sampler's epoch: epoch must be an "
+                    "int within [0, 2**63), got -1") if rank == 1 else "RingPeerError"
+        assert r["sampler_epoch_bad"].startswith(expected), (rank, r["sampler_epoch_bad"])
 
 
 def test_the_batches_before_the_checkpoint_are_not_fetched_again(w4):

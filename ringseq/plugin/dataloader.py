@@ -34,6 +34,17 @@ _SAME_BATCHES = (
     "set_epoch on every rank) and one dataset length.")
 
 
+
+def _valid_epoch(epoch, called: str) -> int:
+    """``epoch`` as an int within [0, 2**63) (the sampler seeds a generator with seed + epoch,
+    and a saved state holds it as int64); TypeError / ValueError naming ``called``."""
+    value = as_int(epoch)
+    if value is None:
+        raise TypeError(f"{called}: epoch must be an int within [0, 2**63), got {given(epoch)}")
+    if not 0 <= value < INT64_LIMIT:
+        raise ValueError(f"{called}: epoch must be an int within [0, 2**63), got {value}")
+    return value
+
 class ShardedDataLoader:
     """Iterates over this rank's sequence shards of its data-parallel group's batches.
 
@@ -132,16 +143,13 @@ class ShardedDataLoader:
         loop's iteration at ``break``; elsewhere at garbage collection). A position restored
         by :meth:`load_state_dict` is kept: ``set_epoch(loader.epoch)`` resumes it.
 
+        ``loader.sampler.set_epoch(epoch)`` (DistributedSampler's idiom) counts as this call:
+        the loader takes the sampler's epoch when iterated or asked for its :attr:`epoch` or
+        :meth:`state_dict`.
+
         Raises TypeError for an ``epoch`` that is not an int, ValueError for one below 0 or
         from 2**63 on (neither the sampler's seed nor a saved state takes it)."""
-        value = as_int(epoch)
-        if value is None:
-            raise TypeError(f"ShardedDataLoader.set_epoch: epoch must be an int within "
-                            f"[0, 2**63), got {given(epoch)}")
-        if not 0 <= value < INT64_LIMIT:  # (the sampler seeds a generator with seed + epoch)
-            raise ValueError(f"ShardedDataLoader.set_epoch: epoch must be an int within "
-                             f"[0, 2**63), got {value}")
-        epoch = value
+        epoch = _valid_epoch(epoch, "ShardedDataLoader.set_epoch")
         if self._current is not None:  # (the running iteration goes on: saved as it stands)
             self._epoch_set_while_live = True
         else:
@@ -150,9 +158,21 @@ class ShardedDataLoader:
         if isinstance(self.loader.sampler, DistributedSampler):
             self.loader.sampler.set_epoch(epoch)
 
+    def _take_sampler_epoch(self, called: str) -> None:
+        """Takes an epoch set on the DistributedSampler itself (``loader.sampler.set_epoch``,
+        which orders the samples) as :meth:`set_epoch`: without it the loader kept saving
+        the epoch it set last, and a resumed run followed another epoch's order, training
+        twice on some samples and never on others. TypeError / ValueError, naming
+        ``called``, for an epoch :meth:`set_epoch` refuses."""
+        sampler = self.loader.sampler
+        if isinstance(sampler, DistributedSampler) and sampler.epoch != self._epoch:
+            self.set_epoch(_valid_epoch(sampler.epoch, f"{called}: loader.sampler's epoch"))
+
     @property
     def epoch(self) -> int:
-        """The epoch set last (:meth:`set_epoch`, or restored by :meth:`load_state_dict`)."""
+        """The epoch set last (:meth:`set_epoch`, on the sampler too, or restored by
+        :meth:`load_state_dict`)."""
+        self._take_sampler_epoch("ShardedDataLoader.epoch")
         return self._epoch
 
     def state_dict(self) -> dict:
@@ -164,6 +184,7 @@ class ShardedDataLoader:
         bools, for ``torch.save``, json or ``torch.distributed.checkpoint`` (the loader is a
         ``Stateful``). TypeError for a loader whose dataset has no length (an
         ``IterableDataset``): where its epochs end cannot be saved."""
+        self._take_sampler_epoch("ShardedDataLoader.state_dict")
         # (a restored position not iterated yet is still where the loader stands)
         position = self._resume or self._iterated or LoaderPosition(self.step, self._epoch, 0)
         try:
@@ -316,9 +337,10 @@ class ShardedDataLoader:
         if not isinstance(s, DistributedSampler):  # (the same words on every rank: zeros)
             return (("sampler seed", 0), ("sampler epoch", 0), ("sampler shuffle", 0),
                     ("sampler drop_last", 0), ("dataset length", 0))
-        # seed and epoch order the samples only when shuffling
+        # seed and epoch order the samples only when shuffling (the loader's epoch: the
+        # sampler's once taken, and an int where the sampler was given something else)
         return (("sampler seed", int(s.seed) % (1 << 62) if s.shuffle else 0),
-                ("sampler epoch", int(s.epoch) if s.shuffle else 0),
+                ("sampler epoch", self._epoch if s.shuffle else 0),
                 ("sampler shuffle", int(bool(s.shuffle))),
                 ("sampler drop_last", int(bool(s.drop_last))),
                 ("dataset length", len(s.dataset)))
@@ -338,7 +360,13 @@ class ShardedDataLoader:
 
     def __iter__(self) -> Iterator[dict]:
         resume, skipped, error = self._resume, 0, None
-        if self._no_batches():
+        try:
+            self._take_sampler_epoch("ShardedDataLoader")
+        except (TypeError, ValueError) as exc:  # (agreed on like a failed batch)
+            error = exc
+        if error is not None:
+            pass
+        elif self._no_batches():
             # (agreed on like a failed batch: another dp group's loader may have batches)
             error = ValueError(
                 f"ShardedDataLoader: data-parallel rank {self.dp_rank}'s loader gives no batch "

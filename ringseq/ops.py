@@ -69,10 +69,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         window_size: flash-attn's ``(left, right)`` sliding window (ints, a 2-element integer
             tensor or 0-d integer tensors; -1: unbounded), bottom-right aligned: key j is
             visible to query i iff ``i + s_k - s_q - left <= j <= i + s_k - s_q + right``,
-            combined with ``causal``. As in flash-attn's kernels, a side of at least
+            combined with ``causal``. As in flash-attn 2's kernels, a side of at least
             ``seqlen_k`` is unbounded (-1): with ``seqlen_q > seqlen_k`` the first rows then
-            see keys the formula alone would not give them. The kernels skip the tiles
-            outside the band.
+            see keys the formula alone would not give them; and with ``left >= 0`` an
+            unbounded right side is ``seqlen_k`` wide, which the formula then applies to
+            (the first ``seqlen_q - seqlen_k - 1`` rows see fewer keys). The kernels skip
+            the tiles outside the band.
         softcap: logit soft-capping ``softcap * tanh(s / softcap)`` of the scaled scores
             (Gemma 2; 0.0: off).
         alibi_slopes: must be None (NotImplementedError otherwise).

@@ -256,17 +256,22 @@ def local_spans(spec: AttnSpec, seqlen_q: int, seqlen_k: int, cu_seqlens_q=None,
     ``seqlen_k`` keys: one span per document (``cu_seqlens_q`` / ``cu_seqlens_k``, validated by
     the caller, else the spec's own documents, which then cover both), each with the spec's
     window as a bottom-right aligned band; unchanged for plain (causal) attention.
-    ``window_clamp``: a window side at least this wide is unbounded (flash-attn's kernels
-    clamp at ``seqlen_k``, varlen at ``max_seqlen_k``; the band formula alone differs only on
-    the right side of a document with more queries than keys)."""
+    ``window_clamp``: flash-attn 2's rule for a window side given as wide as this or
+    unbounded (its kernels clamp at ``seqlen_k``, varlen at ``max_seqlen_k``): a side at least
+    this wide is unbounded, and with the left side bounded an unbounded right side is this
+    wide, which cuts the keys of the first ``seqlen_q - seqlen_k - 1`` rows of a document with
+    more queries than keys (the left side never binds at this width)."""
     if cu_seqlens_q is None:
         if spec.window == (-1, -1) and spec.documents is None:
             return spec
         cu_seqlens_q = cu_seqlens_k = spec.documents or (0, seqlen_q)
         if spec.documents is None:
             cu_seqlens_k = (0, seqlen_k)
-    window = spec.window if window_clamp is None else tuple(
-        -1 if w >= window_clamp else w for w in spec.window)
+    window = spec.window
+    if window_clamp is not None:
+        window = tuple(-1 if w >= window_clamp else w for w in window)
+        if window[0] >= 0 and window[1] < 0:  # (flash-attn's set_params_fprop)
+            window = (window[0], window_clamp)
     rows = [sp for sp in document_spans(cu_seqlens_q, cu_seqlens_k, spec.causal, window)
             if sp[1] > 0 and sp[3] > 0]  # empty documents give nothing: out 0, lse -inf
     spans = as_spans_tensor(rows) if rows else torch.zeros((0, 6), dtype=torch.int64)

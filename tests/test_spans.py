@@ -94,6 +94,36 @@ def test_window_side_as_wide_as_the_keys_is_unbounded():
     assert (got[:4] - want).abs().max() < 1e-12
 
 
+def test_a_left_window_leaves_the_right_side_as_wide_as_the_keys():
+    """flash-attn 2 (set_params_fprop): with the left side bounded, an unbounded right side
+    (-1, or one clamped at seqlen_k) is seqlen_k wide, so with more queries than keys the
+    first rows see fewer keys: row i of 8 queries over 4 keys sees keys
+    i - 6 <= j <= i (before: every key from i - 6 on, as with no right side at all).
+    Varlen: seqlen_k is max_seqlen_k."""
+    import ringseq
+
+    def plain(q, k, v, seen):  # float64 softmax attention over the keys ``seen`` (s_q, s_k)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        return torch.einsum("hqk,khd->qhd", probs, v)
+
+    q, k, v = (t.double() for t in qkv(1, 8, 4, 2, 2, 16, seed=5))
+    i, j = torch.arange(8)[:, None], torch.arange(4)[None, :]
+    want = plain(q[0], k[0], v[0], (j >= i - 6) & (j <= i))
+    for window in ((2, -1), (2, 4), (2, 9)):
+        got = ringseq.flash_attn_func(q, k, v, window_size=window)[0]
+        assert (got - want).abs().max() < 1e-12, window
+    # varlen: a document of 6 queries over 2 keys, max_seqlen_k 3: right side 3, row i
+    # seeing keys i + 2 - 6 - 1 <= j <= i + 2 - 6 + 3
+    cu_q, cu_k = torch.tensor([0, 6, 8]), torch.tensor([0, 2, 5])
+    qv, kv_, vv_ = q[0], torch.cat([k[0], k[0, :1]]), torch.cat([v[0], v[0, :1]])
+    got = ringseq.flash_attn_varlen_func(qv, kv_, vv_, cu_q, cu_k, 6, 3, window_size=(1, -1))
+    i, j = torch.arange(6)[:, None], torch.arange(2)[None, :]
+    want = plain(qv[:6], kv_[:2], vv_[:2], (j >= i - 5) & (j <= i - 1))
+    assert (got[1:6] - want[1:]).abs().max() < 1e-12
+    assert (got[0] == 0).all()  # (row 0 sees no key: j <= -1)
+
+
 # Inside a masked tile the CPU GEMMs skip the register blocks and the key (row) steps the band
 # does not reach (csrc/cpu/gemm.h: Band). Band edges at many offsets across several tiles at
 # every level (forward tiles of 240 query rows x 72 keys at AVX2, 128 x 256 at AVX-512 and

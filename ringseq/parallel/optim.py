@@ -20,17 +20,18 @@ def parameter_names(model: nn.Module) -> Dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def check_rebindable(optimizer: torch.optim.Optimizer, names: Dict[int, str],
-                     moved: bool) -> None:
+def check_rebindable(optimizer: torch.optim.Optimizer, names: Dict[int, str]) -> None:
     """Raises ValueError when ``optimizer`` holds a tensor that is not a parameter of the model
     (``names``: :func:`parameter_names`): nothing would sum its gradient over the ranks, so
     each rank would step it with its own part and the replicas would drift apart (and under
-    sharding it could not be moved). With ``moved`` (the parameters will be replaced by
-    shards) also when it has state already (a step was taken: the state would be of the
-    unsharded parameters). Checked before anything is modified."""
-    if moved and any(len(s) for s in optimizer.state.values()):
-        raise ValueError(f"{type(optimizer).__name__} already has state (a step was taken "
-                         f"before boost); boost the model and optimizer first, then load a "
+    sharding it could not be moved); also when it has state already (a step was taken: under
+    sharding the state is of the unsharded parameters, and under DDP each rank's state is
+    its own while every rank starts from rank 0's weights). Checked before anything is
+    modified."""
+    if any(len(s) for s in optimizer.state.values()):
+        raise ValueError(f"boost: {type(optimizer).__name__} already has state (a step was "
+                         f"taken before boost: each rank's own, or of the unsharded "
+                         f"parameters); boost the model and optimizer first, then load a "
                          f"checkpoint with booster.load_optimizer")
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:

@@ -152,6 +152,20 @@ def _model_fields(model: nn.Module) -> tuple:
             ("buffer names, shapes and dtypes (hash)", layout(_persistent_buffers(model))))
 
 
+def _stepped_params(model: nn.Module, optimizer, names) -> tuple:
+    """(the parameters of ``model`` the boosted ``optimizer`` steps, the others): every
+    parameter is stepped without an optimizer. ``names``: ``parameter_names`` taken before
+    ``model`` was sharded (``optimizer`` still holds the parameters from then)."""
+    params = list(model.named_parameters())
+    if optimizer is None:
+        return [p for _, p in params], []
+    optim = optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper) else optimizer
+    held = {names[id(p)] for group in optim.param_groups for p in group["params"]}
+    stepped = [p for n, p in params if n in held]
+    return (stepped, [p for n, p in params if n not in held]) if stepped else (
+        [p for _, p in params], [])
+
+
 def _persistent_buffers(model: nn.Module) -> list:
     """(name, buffer) of the model's buffers that its state dict holds. Non-persistent ones
     (RoPE tables, caches some models grow on a long forward) are recomputed from the config:
@@ -288,7 +302,7 @@ class RingSequenceParallelPlugin(Plugin):
     transformers model whose heads tp_size x the Ulysses degree cannot split (naming the sizes
     that can), tp_size > 1 without a plan (neither a declared transformers plan nor
     ``tp_plan``), a plan that does not fit the model, and an optimizer that already took a
-    step (when parameters are sharded).
+    step.
     """
 
     def __init__(self, sp_size: int, layout="zigzag", precision: str = "fp32", mesh=None,
@@ -773,7 +787,7 @@ class RingSequenceParallelPlugin(Plugin):
             names = parameter_names(model)
             if optimizer is not None:
                 check_rebindable(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper)
-                                 else optimizer, names, moved=dims.sharded)
+                                 else optimizer, names)
             layers = decoder_layers(model)
             if dims.zero_stage >= 2:
                 from ..parallel.fsdp import check_fsdp_units
@@ -815,7 +829,11 @@ class RingSequenceParallelPlugin(Plugin):
         summed = dims.zero_stage == 0 and dims.world_size > dims.tp_size  # over dp x sp
         reduced = ReducedGrads()
         if summed:
-            reduced.watch(model.parameters())
+            # (the probe among the parameters the boosted optimizer steps: another optimizer
+            # clearing its own every backward would restart the count of this one's)
+            stepped, outside = _stepped_params(model, optimizer, names)
+            reduced.watch(stepped)
+            reduced.watch_outside(outside)
         reduction = None  # completes the other ranks' collectives after a failure
         if dims.zero_stage >= 2:
             from ..parallel.fsdp import HeldGrads, apply_fsdp
@@ -884,6 +902,11 @@ class RingSequenceParallelPlugin(Plugin):
             # frozen model has no sum at all): unfreezing one later must be refused
             model.frozen_at_boost = tuple((n, p) for n, p in user_model.named_parameters()
                                           if not p.requires_grad)
+            if not frozen and not model.module.find_unused_parameters:
+                # ... and waits for a gradient of every parameter it sums: freezing one
+                # later leaves its bucket unsent (refused before the forward's collectives)
+                model.trained_at_boost = tuple((n, p) for n, p in user_model.named_parameters()
+                                               if p.requires_grad)
         # (a plan of the user's own ParallelStyles need not split at the embedding)
         model.needs_input_ids = plan is not None and plan.source != "tp_plan styles"
         model.needs_position_ids = model.needs_input_ids and is_transformers_model(user_model)

@@ -230,7 +230,10 @@ def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
     model, or with more groups, loaded without a word). ValueError naming what differs.
     A parameter with no state at all in the checkpoint had none when it was saved (it never
     got a gradient: an embedding under ``inputs_embeds``): it is taken out of ``own``, so it
-    is neither read nor given state; part of a parameter's state missing is an error."""
+    is neither read nor given state; part of a parameter's state missing is an error.
+    ``initial_lr``, which a learning-rate scheduler attached here adds to each group, is not
+    asked of a checkpoint saved without one (taken out of ``own``'s groups; the load keeps
+    the live value), as the single-file format loads it."""
     import torch.distributed.checkpoint as dcp
     keys = list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     group_prefix, state_prefix = "optimizer.param_groups.", "optimizer.state."
@@ -245,15 +248,13 @@ def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
                          f"{len(groups)}: build the optimizer with the parameter groups of the "
                          f"run that saved it")
     for i, group in enumerate(groups):
-        lacking = sorted(set(group) - settings.get(i, set()))
+        lacking = sorted(set(group) - settings.get(i, set()) - {"initial_lr"})
         if lacking:
-            why = ("a learning-rate scheduler was attached here and not in the run that saved "
-                   "it: load the optimizer before building the scheduler"
-                   if lacking == ["initial_lr"] else
-                   "a checkpoint of another optimizer class, or written by another torch "
-                   "version?")
             raise ValueError(f"group {i} of the checkpoint lacks the settings {lacking} of this "
-                             f"optimizer ({why})")
+                             f"optimizer (a checkpoint of another optimizer class, or written "
+                             f"by another torch version?)")
+        if "initial_lr" not in settings.get(i, set()):
+            group.pop("initial_lr", None)
     saved = {k[len(state_prefix):] for k in keys if k.startswith(state_prefix)}
     wanted = {f"{name}.{entry}" for name, entries in own["state"].items() for entry in entries}
 
@@ -503,9 +504,13 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                 # saved (it never got a gradient: an embedding under inputs_embeds, say); the
                 # layout check took it out of what is read, and the loaded state dict replaces
                 # this optimizer's, so it keeps none. The checks matched groups and members.
+                scheduled = [g.get("initial_lr") for g in opt.param_groups]
                 with _frozen_counted(model, opt, set(state["state"])):
                     set_optimizer_state_dict(model, opt, state,
                                              options=StateDictOptions(strict=False))
+                for group, initial_lr in zip(opt.param_groups, scheduled):
+                    if initial_lr is not None:  # (a scheduler's, saved without it)
+                        group.setdefault("initial_lr", initial_lr)
             scaler_file = os.path.join(checkpoint, _SCALER_FILE)
         else:
             placed = {}  # this rank's shards of the file's state, cut before the vote

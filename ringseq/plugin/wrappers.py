@@ -90,6 +90,9 @@ class ModelWrapper(nn.Module):
         #: out of it; every parameter for a model boosted frozen, a distillation teacher say,
         #: where no sum was set up): a forward that could train one of them is refused
         self.frozen_at_boost = ()
+        #: (name, parameter) trainable when boost built DDP without find_unused_parameters,
+        #: which waits for each one's gradient: a forward with one of them frozen is refused
+        self.trained_at_boost = ()
         #: the tensor-parallel plan splits the sequence at the input embedding's output, which
         #: ``inputs_embeds`` would bypass: refused then
         self.needs_input_ids = False
@@ -109,6 +112,15 @@ class ModelWrapper(nn.Module):
             self._reduced.clear()
 
     def _refuse_unfrozen(self, user: nn.Module) -> None:
+        frozen = [n for n, p in self.trained_at_boost if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"{type(user).__name__}: parameter(s) {frozen[:4]}"
+                f"{' ...' if len(frozen) > 4 else ''} required gradients when boost built "
+                f"DistributedDataParallel, which waits for each one's gradient before it sums "
+                f"its bucket over the ranks, but are frozen now; freeze them before "
+                f"booster.boost (boost a fresh model), unfreeze them, or pass "
+                f"ddp_kwargs={{'find_unused_parameters': True}} to RingSequenceParallelPlugin")
         unfrozen = [n for n, p in self.frozen_at_boost if p.requires_grad]
         if not unfrozen:
             return
@@ -175,7 +187,7 @@ class ModelWrapper(nn.Module):
                                  f"{self.tp_split} (the boosted loader's batches are)")
                 self._reporter.report_refusal(exc, agrees)
                 raise exc
-            if self.frozen_at_boost and torch.is_grad_enabled():
+            if (self.frozen_at_boost or self.trained_at_boost) and torch.is_grad_enabled():
                 self._refuse_unfrozen(user)
             self._reporter.backward_calls_per_forward = (
                 2 if user.training and hf_checkpointing(user) else 1)
@@ -225,6 +237,9 @@ class ReducedGrads:
         #: under FSDP (``ringseq.parallel.fsdp.HeldGrads``): the gradients it holds between
         #: backward passes inside no_sync, else None
         self.held = None
+        #: ids of the parameters outside the boosted optimizer (:meth:`watch_outside`) whose
+        #: gradient holds a summed backward's, and of those a summed backward summed again
+        self._holding_summed, self.resummed = set(), set()
 
     def watch(self, params) -> None:
         """Sees how the gradients were left before each backward: a hook on the smallest
@@ -268,6 +283,32 @@ class ReducedGrads:
             return grad
 
         probe.register_hook(before_accumulate)
+
+    def watch_outside(self, params) -> None:
+        """Watches the parameters the boosted optimizer does not step: its ``zero_grad``
+        leaves their gradients, so a summed backward sums what they hold again (n·g0 + g1
+        after two). Nothing steps on them until ``add_param_group`` adds one; the step then
+        refuses one in :attr:`resummed` (:meth:`OptimizerWrapper.step`). A hook per such
+        parameter reads, before the backward accumulates into it, whether its gradient holds
+        values (one host synchronization where it is a tensor; none where it is None).
+        (A summed backward right after backward passes inside no_sync may count as one
+        of them for parameters it reaches before its reduction starts: not refused then.)"""
+        for p in params:
+
+            def before_accumulate(grad, key=id(p), p=p):
+                old = p.grad
+                local = old.to_local() if hasattr(old, "to_local") else old
+                if old is None or not bool(local.any()):  # (cleared, whichever way)
+                    self._holding_summed.discard(key)
+                    self.resummed.discard(key)
+                if not self._unreduced_next:  # (this backward sums what the gradient holds)
+                    if key in self._holding_summed:
+                        self.resummed.add(key)
+                    self._holding_summed.add(key)
+                return grad
+
+            if p.requires_grad:
+                p.register_hook(before_accumulate)
 
     def mark(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -690,6 +731,8 @@ class OptimizerWrapper:
         #: fp16: a loss scaled through the plugin's scaler reached this optimizer's
         #: parameters since its last step (any of the optimizers sharing it scaled it)
         self._scaled = False
+        #: fp16: the last step used the scaled gradients, and no loss was scaled since
+        self._stepped_scaled = False
         if scaler is not None:
             users = getattr(scaler, "_ringseq_users", None)
             if users is None:
@@ -716,6 +759,7 @@ class OptimizerWrapper:
                 user._scaled = user._scaled or any(
                     p.grad is not None for group in user.optim.param_groups
                     for p in group["params"])
+                user._stepped_scaled = user._stepped_scaled and not user._scaled
 
     def step(self, *args, **kwargs):
         """The wrapped optimizer's step (through the grad scaler for fp16). Raises ValueError
@@ -734,13 +778,30 @@ class OptimizerWrapper:
                 self.reduced.check_once()  # ValueError: gradients summed twice
             except ValueError as exc:
                 refusal = exc
+        if refusal is None and self.reduced is not None and self.reduced.resummed:
+            again = [n for n, p in self._named_params() if id(p) in self.reduced.resummed
+                     and p.grad is not None]
+            if again:
+                refusal = ValueError(
+                    f"OptimizerWrapper.step: the gradient(s) of {again[:4]}"
+                    f"{' ...' if len(again) > 4 else ''} were kept outside this optimizer "
+                    f"(its zero_grad leaves them) and summed over the ranks again by a later "
+                    f"backward (n·g0 + g1: W times too large); not stepping. Set their .grad "
+                    f"to None (or call model.zero_grad()) before the backward of a step")
         if refusal is None and self.failed_step is not None:
             refusal = ValueError(
                 f"OptimizerWrapper.step: {self.failed_step}; not stepping. Load the last "
                 f"checkpoint on every rank first (booster.load_model and "
                 f"booster.load_optimizer)")
         grads = self._grads()
-        if refusal is None and self.scaler is not None and grads and not self._scaled:
+        if refusal is None and self.scaler is not None and grads and not self._scaled \
+                and self._stepped_scaled:
+            refusal = ValueError(
+                "OptimizerWrapper.step: precision='fp16', and the last step already used "
+                "these gradients (no loss was scaled through booster.backward since: the grad "
+                "scaler takes one step per scaled backward); not stepping again. Clear the "
+                "gradients (optimizer.zero_grad()) and run the next backward first")
+        elif refusal is None and self.scaler is not None and grads and not self._scaled:
             refusal = ValueError(
                 "OptimizerWrapper.step: precision='fp16', but no loss was scaled through "
                 "this optimizer (booster.backward(loss, optimizer) scales it), so the "
@@ -764,6 +825,7 @@ class OptimizerWrapper:
                 out = self.scaler.step(self.optim, *args, **kwargs)
                 update_due(self.scaler)  # (once per iteration: the plugin's optimizers share it)
                 self._unscaled_grads, self._scaled = None, False
+                self._stepped_scaled = True
         except (Exception, KeyboardInterrupt) as exc:
             self._vote(exc)
             raise
@@ -881,6 +943,14 @@ class OptimizerWrapper:
             self._unscaled_grads = [weakref.ref(t) for t in map(_local, grads)]
         return norm
 
+    def _named_params(self) -> list:
+        """(name, parameter) of the optimizer's parameters (a shape where the model is not
+        known)."""
+        names = {} if self.model is None else {
+            id(p): n for n, p in self.model.named_parameters()}
+        return [(names.get(id(p), f"tensor of shape {tuple(p.shape)}"), p)
+                for group in self.optim.param_groups for p in group["params"]]
+
     def _grads(self) -> list:
         """The gradients of the optimizer's parameters (those that have one)."""
         return [p.grad for group in self.optim.param_groups for p in group["params"]
@@ -909,6 +979,46 @@ class OptimizerWrapper:
         if self.reduced is not None:
             self.reduced.clear()
         self._forget_unscale()
+        self._stepped_scaled = False
+
+    def add_param_group(self, param_group: dict) -> None:
+        """The wrapped optimizer's ``add_param_group``, for parameters of the boosted model;
+        collective (every rank adds the same group, as torch's optimizers need anyway).
+
+        Raises ValueError on every rank (agreed on before any rank adds it) for a tensor
+        that is not a parameter of the model as boost left it: a parameter taken before a
+        sharded boost (zero stage 2/3, tensor parallelism replaced it; take it from
+        ``model.unwrap()``), which would never move, or a tensor of no boosted model, whose
+        gradient nothing sums over the ranks (the replicas would drift apart). Other
+        refusals are torch's, raised on every rank alike. At zero stage 0 the step refuses
+        an added parameter whose gradient, kept outside the optimizer (its ``zero_grad``
+        leaves it), was summed over the ranks again by a later backward."""
+        if not isinstance(param_group, dict) or self.model is None:
+            return self.optim.add_param_group(param_group)  # (torch's TypeError, or unchecked)
+        params = param_group.get("params")
+        params = [params] if torch.is_tensor(params) else (
+            list(params) if isinstance(params, (list, tuple)) or hasattr(params, "__next__")
+            else params)  # (a generator is read once; a set stays for torch to refuse)
+        param_group = dict(param_group, params=params)
+        refusal = None
+        if isinstance(params, list):
+            boosted = {id(p): n for n, p in self.model.named_parameters()}
+            foreign = [tuple(p.shape) for p in params
+                       if torch.is_tensor(p) and id(p) not in boosted]
+            if foreign:
+                refusal = ValueError(
+                    f"OptimizerWrapper.add_param_group: the group holds tensor(s) of shape(s) "
+                    f"{foreign[:4]}{' ...' if len(foreign) > 4 else ''} that are not "
+                    f"parameters of the boosted model (a parameter taken before boost, which "
+                    f"sharding replaced, would never move; a foreign tensor's gradient is "
+                    f"summed over no ranks); take the parameters from model.unwrap()")
+        if dist.is_initialized():
+            get_ring(None).agree(refusal is None, str(refusal), error=refusal,
+                                 about="optimizer param group",
+                                 called="OptimizerWrapper.add_param_group")
+        elif refusal is not None:
+            raise refusal
+        self.optim.add_param_group(param_group)
 
     def _forget_unscale(self) -> None:
         # GradScaler marks an optimizer "unscaled" in unscale_ (clip_grad_by_norm) and clears
@@ -933,7 +1043,7 @@ class OptimizerWrapper:
     def __getattr__(self, name):
         # not yet set (unpickling): no recursion
         if name in ("optim", "scaler", "model", "_step", "reduced", "failed_step",
-                    "_unscaled_grads", "_scaled"):
+                    "_unscaled_grads", "_scaled", "_stepped_scaled"):
             raise AttributeError(name)
         return getattr(self.optim, name)
 

@@ -14,6 +14,8 @@ Private: the public names are re-exported by :mod:`ringseq`.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
 from typing import List, Optional, Tuple
 
@@ -313,12 +315,17 @@ _MAX_TIMEOUT_S = 1e9
 
 
 def _check_timeout(value, what: str) -> float:
-    """A timeout in seconds: a real number in [1, 1e9] (bools refused; gloo's per-operation
-    timeout in nanoseconds overflows above about 1e10 s)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A timeout in seconds: a real number in [1, 1e9] (NumPy's and 0-d tensors' too; bools
+    refused; gloo's per-operation timeout in nanoseconds overflows above about 1e10 s)."""
+    real = isinstance(value, numbers.Real) or (
+        torch.is_tensor(value) and value.dim() == 0 and not value.is_complex())
+    if not real or isinstance(value, bool) or (torch.is_tensor(value) and value.dtype == torch.bool):
         raise TypeError(f"{what} must be a number of seconds (>= 1, finite), got {value!r} "
                         f"({type(value).__name__})")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # (an int beyond float64's range)
+        value = math.inf
     if not (1.0 <= value <= _MAX_TIMEOUT_S):
         raise ValueError(f"{what} must be a number of seconds from 1 to {_MAX_TIMEOUT_S:.0e} "
                          f"(about 31 years), got {value!r}")

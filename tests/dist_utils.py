@@ -4,8 +4,9 @@ hang. Benchmarks import it from here (benchmarks/common.py puts tests/ on the pa
 
     results = run_ranks(fn, world_size, *args, timeout=120, threads=1, **kwargs)
 
-``fn(*args, **kwargs)`` runs on every rank after ``init_process_group("gloo")`` (rank and world
-size come from ``torch.distributed``); its return value (anything ``torch.save`` can store)
+``fn(*args, **kwargs)`` runs on every rank after ``init_process_group("gloo")`` (``pg_backend``
+names another backend string, None none: torchrun scripts' ``init_process_group()``; rank and
+world size come from ``torch.distributed``); its return value (anything ``torch.save`` can store)
 comes back in a list indexed by rank. If a rank raises, ``RankError`` is raised here with that
 rank's formatted traceback; ranks that are then stuck waiting for it are killed after a short
 grace period. On ``timeout`` every rank is killed and ``RankTimeout`` raised.
@@ -93,14 +94,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, out_path, fn, args, kwargs, env, pg_timeout_s, threads):
+def _worker(rank, world_size, port, out_path, fn, args, kwargs, env, pg_timeout_s, threads,
+            pg_backend):
     # the parent's environment at the call (plus ``env``), not the fork server's
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(threads)
     result = {"rank": rank}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         try:
@@ -119,7 +121,8 @@ def _worker(rank, world_size, port, out_path, fn, args, kwargs, env, pg_timeout_
     os.replace(tmp, out_path)
 
 
-def run_ranks(fn, world_size, *args, timeout=120.0, env=None, grace=10.0, threads=1, **kwargs):
+def run_ranks(fn, world_size, *args, timeout=120.0, env=None, grace=10.0, threads=1,
+              pg_backend="gloo", **kwargs):
     """Runs ``fn(*args, **kwargs)`` on ``world_size`` spawned gloo ranks with ``threads`` torch
     threads each and ``env`` added to their environment; returns the list of per-rank return
     values. Raises RankError (a rank raised or died) or RankTimeout (see the module docstring).
@@ -131,7 +134,7 @@ def run_ranks(fn, world_size, *args, timeout=120.0, env=None, grace=10.0, thread
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
         procs = [ctx.Process(target=_worker,
                              args=(r, world_size, port, paths[r], fn, args, kwargs, env,
-                                   max(5.0, timeout), threads),
+                                   max(5.0, timeout), threads, pg_backend),
                              daemon=True)
                  for r in range(world_size)]
         for p in procs:

@@ -10,6 +10,7 @@ compared with float64 attention.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -58,13 +59,16 @@ class Faulty(AttentionBackend):
     name = "faulty"
     supports_spans = supports_softcap = True
 
-    def __init__(self):
+    def __init__(self, action=None):
         self.inner = get_backend("reference")
         self.count, self.fail_at = 0, -1
+        self.action = action  # what the fault does instead of raising RuntimeError
 
     def _tick(self):
         self.count += 1
         if self.count == self.fail_at:
+            if self.action is not None:
+                return self.action()
             raise RuntimeError(f"injected fault at kernel call {self.count}")
 
     def _fwd(self, *a, **kw):
@@ -92,6 +96,52 @@ def _case_stalled_rank():
     _both_reset()
     out["after_reset"] = _capture(_exact)
     return out
+
+
+def _worker_stall_and_exit_inside_a_call():
+    """Rank 1 stalls in its first backward kernel past the ring timeout: rank 0 raises
+    RingTimeoutError at the ring timeout, waiting in a payload exchange; reset_ring: exact.
+    Then rank 1's kernel calls sys.exit() (a SIGTERM handler): rank 0 raises RingBrokenError at
+    once; rank 1 SystemExit."""
+    rank = dist.get_rank()
+    out = {}
+    stall = Faulty(lambda: time.sleep(TIMEOUT + 3))
+    stall.fail_at = 3 if rank == 1 else -1  # (kernel calls 1, 2: the forward's blocks)
+    out["stalled"] = _capture(lambda: _exact(backend=stall, seed=1))
+    _both_reset()
+    out["after_stall"] = _capture(_exact)
+    leave = Faulty(lambda: sys.exit("terminated"))
+    leave.fail_at = 1 if rank == 1 else -1
+    t0 = time.monotonic()
+    try:
+        out["exit"] = _capture(lambda: _exact(backend=leave))
+    except SystemExit as exc:
+        out["exit"] = ("SystemExit", str(exc), time.monotonic() - t0)
+    _both_reset()
+    out["after_exit"] = _capture(_exact)
+    return out
+
+
+@pytest.mark.parametrize("pg_backend", [None, "cpu:gloo"])
+def test_a_process_group_without_the_name_gloo_keeps_the_ring_timeout(pg_backend):
+    """init_process_group() without a backend (torchrun scripts) or "cpu:gloo": CPU exchanges go
+    through ringseq's own gloo channels, which the ring timeout bounds and reset_ring rebuilds
+    (before: only for the name "gloo"; a stalled peer was waited for 12 s past a 3 s timeout,
+    and after a process-group timeout reset_ring could not make the ring usable again).
+    sys.exit() inside a call (before: the peer waited for the ring timeout)."""
+    res = run_ranks(_worker_stall_and_exit_inside_a_call, 2, timeout=120, pg_backend=pg_backend,
+                    env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    assert res[0]["stalled"][0] == "RingTimeoutError", res[0]["stalled"]
+    _, message, seconds = res[0]["stalled"]
+    assert f"waited more than {TIMEOUT} s" in message, message
+    assert seconds < TIMEOUT + 2.5, seconds  # (the stall lasts TIMEOUT + 3 s)
+    assert res[1]["exit"][0] == "SystemExit", res[1]["exit"]
+    assert res[0]["exit"][0] == "RingBrokenError", res[0]["exit"]
+    _, message, seconds = res[0]["exit"]
+    assert "SystemExit: terminated" in message and seconds < TIMEOUT, (message, seconds)
+    for r in res:
+        _exact_ok(r["after_stall"])
+        _exact_ok(r["after_exit"])
 
 
 def _case_transport_raises():
@@ -1782,6 +1832,9 @@ def test_stalled_rank_recovers_after_reset(w2):
         assert r["stalled"]["again"][0] in ("RingBrokenError", "RingTimeoutError"), r
         assert "reset_ring" in r["stalled"]["again"][1]
         _exact_ok(r["stalled"]["after_reset"])
+    # (rank 0's own timeout closed its channels: the ring is broken, no new timeout; before:
+    # "waited more than 4 s" at once)
+    assert w2[0]["stalled"]["again"][0] == "RingBrokenError", w2[0]["stalled"]["again"]
 
 
 def test_transport_failure_recovers_after_reset(w2):
@@ -1866,6 +1919,25 @@ def test_ulysses_faults_and_stalls_recover(w2):
         assert r["ulysses"]["after"][0] == "ok" and r["ulysses"]["after"][1] < 1e-12, r
         assert r["ulysses"]["stall"][0] in ("RingTimeoutError", "RingBrokenError"), r
         assert r["ulysses"]["after_stall"][0] == "ok" and r["ulysses"]["after_stall"][1] < 1e-12
+
+
+def test_timeout_seconds_of_any_real_type_and_an_int_beyond_float():
+    """0-d tensors and fractions are seconds (before: TypeError); an int beyond float64 gets
+    the range message (before: a bare OverflowError naming nothing)."""
+    from fractions import Fraction
+    from ringseq._dist import ring_timeout
+    try:
+        for value in (torch.tensor(30.0), Fraction(61, 2)):
+            ringseq.set_ring_timeout(value)
+            assert ring_timeout() == float(value), value
+        with pytest.raises(ValueError, match=r"^set_ring_timeout: seconds must be a number of "
+                                             r"seconds from 1 to 1e\+09"):
+            ringseq.set_ring_timeout(10 ** 400)
+        for value in (torch.tensor(True), torch.tensor([30.0])):
+            with pytest.raises(TypeError, match="^set_ring_timeout: seconds must be a number"):
+                ringseq.set_ring_timeout(value)
+    finally:
+        ringseq.set_ring_timeout(None)
 
 
 def test_timeout_values_are_validated(w2):

@@ -40,7 +40,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .._dist import RingBrokenError, RingDesyncError, RingMismatchError, RingPeerError
+from .._dist import (RingBrokenError, RingDesyncError, RingMismatchError, RingPeerError,
+                     RingTimeoutError)
 from .._hash import INTS, stable_hash_ints
 
 __all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BYTES", "HEADER_WORDS", "KIND_NAMES",
@@ -460,16 +461,23 @@ class RingCall:
         user's loop catches (a notebook) would otherwise leave the peers waiting for this
         rank's exchanges until the ring timeout; it is re-raised once the call has ended
         (a second Ctrl-C while the call waits on a peer at a control collective interrupts
-        that wait and breaks the ring; a payload exchange is waited for, or times out)."""
+        that wait and breaks the ring; a payload exchange is waited for, or times out).
+        SystemExit (a SIGTERM handler's ``sys.exit()``) and every other BaseException alike
+        (before: the peers waited for the ring timeout)."""
         try:
             yield
-        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - re-raised by end()/begin()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by end()/begin()
             self.fail(exc)
 
     def begin(self) -> None:
         """The begin control collective (see module doc). Raises this rank's own failure if
         preparing the call failed (the peers raise RingBrokenError)."""
         ring = self.ring
+        if isinstance(ring.broken, RingTimeoutError) and ring.checks_on:
+            # a timeout closed the channels (gloo closes the pairs it gave up on): no peer can
+            # be met on them, and their error would read as a new timeout (before:
+            # "waited more than N s" at once); the ring is broken until reset_ring
+            raise broken_ring_error(ring.broken)
         status = BROKEN if ring.broken is not None else (FAILED if self.failure else OK)
         self._seq = ring._seq
         rows = gather(ring, self.kind, status, self.values,

@@ -528,7 +528,7 @@ def refuse_on_error(group, kind: int, failed: bool = False):
         return
     try:
         yield
-    except (Exception, KeyboardInterrupt) as exc:  # Ctrl-C too: the peers would wait
+    except BaseException as exc:  # Ctrl-C, sys.exit() too: the peers would wait
         try:
             ring = get_ring(group)
         except ValueError:  # a group this rank is not in: its members are not waiting on it

@@ -250,6 +250,16 @@ def _close_channels() -> None:
         comm._control_pg = comm._data_pg = None
 
 
+
+def _runs_cpu_on_gloo(pg, backend: str) -> bool:
+    """Whether process group ``pg`` (of backend name ``backend``) runs CPU tensors on gloo."""
+    if backend == "gloo":
+        return True
+    try:  # (torch's per-device backends: "undefined" without a name, "cpu:gloo,cuda:nccl")
+        return isinstance(pg._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+    except Exception:  # noqa: BLE001 - no CPU backend, or another torch: the name decides
+        return any(part.strip() in ("gloo", "cpu:gloo") for part in backend.split(","))
+
 class RingComm(Transport):
     """Ring neighbours of ``group`` (None: the default group), its step exchange and its
     control collective.
@@ -266,13 +276,18 @@ class RingComm(Transport):
         self._control_pg = self._data_pg = None
         self._pg_ref = None
         self.next_rank = self.prev_rank = 0
-        self.backend = None
+        self.backend, self.cpu_gloo = None, False
         if is_initialized():
             pg = group if group is not None else dist.group.WORLD
             self._pg_ref = weakref.ref(pg)
             self.next_rank = global_rank(group, (self.rank + 1) % self.world_size)
             self.prev_rank = global_rank(group, (self.rank - 1) % self.world_size)
             self.backend = str(dist.get_backend(group))
+            #: whether the group runs CPU tensors on gloo ("gloo", "cpu:gloo,cuda:nccl", or
+            #: init_process_group() without a backend, "undefined"): their exchanges then go
+            #: through ringseq's own gloo channels, which the ring timeout bounds and
+            #: reset_ring rebuilds (before: only for the exact name "gloo")
+            self.cpu_gloo = _runs_cpu_on_gloo(pg, self.backend)
             self.members = dist.get_process_group_ranks(pg)
             self.name = getattr(pg, "group_name", None) or "?"
             self._epoch = _EPOCHS.get(self.name, 0)
@@ -389,7 +404,7 @@ class RingComm(Transport):
                  reverse: bool = False) -> Optional[_Pending]:
         if self.world_size == 1:
             return None
-        if self.backend == "gloo" and send.device.type == "cpu":
+        if self.cpu_gloo and send.device.type == "cpu":
             pg = self._data_channel()
             to, frm = ((self.rank - 1, self.rank + 1) if reverse else
                        (self.rank + 1, self.rank - 1))
@@ -410,7 +425,7 @@ class RingComm(Transport):
         if self.world_size == 1:
             recv.copy_(send)
             return
-        gloo = self.backend == "gloo" and send.device.type == "cpu"
+        gloo = self.cpu_gloo and send.device.type == "cpu"
         channel = self._data_channel() if gloo else None  # (raises its own RingTimeoutError)
         try:
             if gloo:

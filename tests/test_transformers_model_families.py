@@ -81,6 +81,101 @@ def test_a_token_mixer_the_config_does_not_name_is_refused():
         apply(model)
 
 
+def _whole_sequence_case(case):
+    """A tiny model that reads the whole sequence outside attention, and the refusal's words."""
+    T = transformers
+    bert = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, vocab_size=128, max_position_embeddings=256)
+    if case == "bert_classifier":  # pools the [CLS] token
+        return (T.BertForSequenceClassification(T.BertConfig(**bert, num_labels=3)),
+                r"BertForSequenceClassification's head pools the sequence .* switch the base "
+                r"model \(BertModel\)")
+    if case == "qwen3_classifier":  # pools the last non-pad token
+        return (T.Qwen3ForSequenceClassification(T.Qwen3Config(**SMALL, pad_token_id=0)),
+                r"Qwen3ForSequenceClassification's head pools the sequence")
+    if case == "bert_pretraining":  # the next-sentence head reads the pooler
+        return (T.BertForPreTraining(T.BertConfig(**bert)),
+                r"BertForPreTraining's head pools the sequence")
+    if case == "esm_token_dropout":
+        return (T.EsmForMaskedLM(T.EsmConfig(**bert, position_embedding_type="rotary",
+                                             token_dropout=True, mask_token_id=32,
+                                             pad_token_id=1)),
+                r"EsmForMaskedLM rescales each row's embeddings by the fraction of <mask> "
+                r"tokens in it \(config.token_dropout=True\)")
+    return (T.MobileBertForMaskedLM(T.MobileBertConfig(
+        **bert, embedding_size=32, intra_bottleneck_size=32, true_hidden_size=32,
+        num_feedforward_networks=1, trigram_input=True)),
+        r"MobileBertForMaskedLM joins each token's embedding with its neighbours' "
+        r"\(config.trigram_input=True\)")
+
+
+@pytest.mark.parametrize("case", ["bert_classifier", "qwen3_classifier", "bert_pretraining",
+                                  "esm_token_dropout", "mobilebert_trigram"])
+def test_what_reads_the_whole_sequence_outside_attention_is_refused_by_apply(case):
+    """Before: accepted, and at W=2 zigzag a classifier's logits were 6e-2 (BERT) and 2e-1
+    (Qwen3) off on rank 1, ESM-2's with <mask> tokens 7e-2 and MobileBERT's 9e-2 at the shard
+    borders. The base model, and the masked-LM heads without these options, stay accepted."""
+    from ringseq.integrations.transformers import apply
+    torch.manual_seed(0)
+    model, needle = _whole_sequence_case(case)
+    with pytest.raises(ValueError, match=r"^apply: " + needle):
+        apply(model)
+    apply(transformers.BertModel(transformers.BertConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        vocab_size=128)))
+
+
+def _paligemma():
+    T = transformers
+    torch.manual_seed(0)
+    return T.PaliGemmaForConditionalGeneration(T.PaliGemmaConfig(
+        text_config=dict(model_type="gemma", **SMALL, head_dim=16, max_position_embeddings=256,
+                         pad_token_id=0),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                           patch_size=8),
+        image_token_id=127, projection_dim=64, hidden_size=64, vocab_size=128,
+        pad_token_id=0)).eval()
+
+
+def test_a_language_model_whose_layers_are_bidirectional_but_its_mask_causal_stays_causal():
+    """PaliGemma's Gemma layers have is_causal False (use_bidirectional_attention), its mask is
+    causal (create_causal_mask): the mask decides, as in transformers. Before: ring attention
+    ran bidirectional, each token seeing the ones after it (logits 1e-1 off at W=2; on one
+    process too)."""
+    from ringseq.integrations.transformers import apply
+    model = _paligemma()
+    ids = torch.randint(1, 120, (2, 48), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=ids, token_type_ids=torch.ones_like(ids), use_cache=False,
+                  position_ids=torch.arange(48).expand(2, 48))  # (PaliGemma's own: from 1)
+    with torch.no_grad():
+        want = model(**kwargs).logits
+        apply(model)
+        got = model(**kwargs).logits
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+
+
+def test_a_multimodal_models_vision_tower_keeps_its_attention():
+    """Qwen2-VL's vision attention modules carry ``scaling`` too; their config is the vision
+    sub-config, so apply leaves them (before: switched, and every image refused)."""
+    from ringseq.integrations.transformers import _attention_modules, apply
+    T = transformers
+    torch.manual_seed(0)
+    model = T.Qwen2VLForConditionalGeneration(T.Qwen2VLConfig(
+        text_config=dict(**SMALL, head_dim=16, max_position_embeddings=256,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, in_chans=3,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=100, vision_start_token_id=101, vision_end_token_id=102,
+        video_token_id=103))
+    vision = model.config.vision_config._attn_implementation
+    apply(model)
+    assert model.config.vision_config._attn_implementation == vision != "ringseq"
+    assert model.config.get_text_config()._attn_implementation == "ringseq"
+    switched = {type(m).__name__ for m in _attention_modules(model)}
+    assert switched and not any("Vision" in n for n in switched), switched
+
+
 def test_alibi_is_refused_by_apply():
     from ringseq.integrations.transformers import apply
     torch.manual_seed(0)

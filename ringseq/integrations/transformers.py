@@ -260,7 +260,8 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     """
     settings = _settings(module)
     name = type(module).__name__
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = is_causal if is_causal is not None else getattr(
+        attention_mask, "ringseq_causal", getattr(module, "is_causal", True))
     # A refusal here reaches the other ranks (their input check or ring call raises
     # RingPeerError naming this rank) instead of leaving them waiting.
     with refuse_on_error(settings.group, FWD):
@@ -670,6 +671,12 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
     mask, on an all-ones stand-in marked ``ringseq_no_mask``), for the layers that do not
     pass it to the attention themselves."""
     window = _causal_window(mask_function)
+    # PaliGemma's language model: its attention modules are not causal
+    # (use_bidirectional_attention), but the model's mask is (create_causal_mask): the
+    # mask's structure decides, as it does in transformers' own attention functions (before:
+    # ring attention ran bidirectional, each token seeing the ones after it)
+    causal = (True if getattr(kwargs.get("config"), "use_bidirectional_attention", False)
+              and _is_causal_mask(mask_function) else None)
     if _has_blockwise_overlay(mask_function):
         # Returned as the mask, so that the attention's input check raises it on every rank
         # (agreed over the ring) rather than here, on the ranks that build this mask.
@@ -681,11 +688,13 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
             "attention would run as causal attention")
         return marker
     if attention_mask is None:
-        if window is None:
+        if window is None and causal is None:
             return None
         marker = torch.ones((), dtype=torch.bool, device=kwargs.get("device")).expand(
             batch_size, 1, q_length, kv_length)  # (b, 1, q, kv), no memory
         marker.ringseq_no_mask, marker.ringseq_window = True, window
+        if causal is not None:
+            marker.ringseq_causal = causal
         return marker
     if attention_mask.dim() == 2 and kv_length is not None:
         whole = getattr(attention_mask, "ringseq_whole_mask", attention_mask)
@@ -695,6 +704,8 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
         attention_mask.ringseq_whole_mask = whole
         if window is not None:
             attention_mask.ringseq_window = window
+        if causal is not None:
+            attention_mask.ringseq_causal = causal
     return attention_mask
 
 
@@ -728,6 +739,12 @@ def _causal_window(mask_function) -> Optional[int]:
     return None
 
 
+def _is_causal_mask(mask_function) -> bool:
+    """Whether a transformers mask function is built on ``causal_mask_function``."""
+    return any(getattr(fn, "__qualname__", "") == "causal_mask_function"
+               for fn in _mask_parts(mask_function))
+
+
 def _has_blockwise_overlay(mask_function) -> bool:
     """Whether a transformers mask function is composed with ``blockwise_overlay`` over at
     least one block: its block ids are -1 for tokens outside every block, so a text-only
@@ -752,11 +769,25 @@ def _register() -> None:
 _register()
 
 
+# words of a multimodal config's sub-config names for its encoders of other inputs
+_TOWER_WORDS = ("vision", "visual", "image", "audio", "speech", "video")
+
+
 def _attention_modules(model: torch.nn.Module):
-    # Attention modules of the AttentionInterface style carry `scaling` and pass themselves
-    # as `module` to the attention function.
+    """The attention modules ``apply`` switches: of the AttentionInterface style (they carry
+    ``scaling`` and pass themselves as ``module`` to the attention function), not those of a
+    multimodal model's vision or audio tower (their ``config`` is a sub-config named so:
+    each rank runs whole images there, and a ring would shard their patches; before:
+    Qwen2-VL's vision attention was switched, and refused every image)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    towers = {id(sub) for name in (getattr(config, "sub_configs", None) or {})
+              for sub in [getattr(config, name, None)]
+              if sub is not None and sub is not text
+              and any(word in name.lower() for word in _TOWER_WORDS)}
     return [m for m in model.modules()
-            if "Attention" in type(m).__name__ and hasattr(m, "scaling")]
+            if "Attention" in type(m).__name__ and hasattr(m, "scaling")
+            and id(getattr(m, "config", None)) not in towers]
 
 
 def _model_heads(model) -> tuple:
@@ -863,6 +894,7 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
                          f"softmax scale as a `scaling` attribute and dispatch through "
                          f"transformers' AttentionInterface")
     _check_ring_exact(model, modules)
+    _check_whole_sequence_terms(model)
     _check_positions_exact(model, modules)
     _check_position_terms(model, modules)
     sp = _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inner)
@@ -895,6 +927,36 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
         m.ringseq_settings = settings
     _watch_model_positions(model, settings)
     return model
+
+
+# heads that pool one position of the sequence ([CLS], the last token) or all of it
+_POOLING_HEADS = ("ForSequenceClassification", "ForMultipleChoice", "ForNextSentencePrediction")
+
+
+def _check_whole_sequence_terms(model) -> None:
+    """ValueError (raised by :func:`apply`) for what reads the whole sequence outside
+    attention, which each rank would compute from its own shard: a head that pools one
+    position (``*ForSequenceClassification``, ``*ForMultipleChoice``, BERT's next-sentence
+    head: before, every rank but one gave other logits), ESM-2's ``token_dropout`` (each row
+    rescaled by its fraction of <mask> tokens) and MobileBERT's ``trigram_input`` (each
+    embedding joined with its neighbours': wrong at every shard border)."""
+    name = type(model).__name__
+    pools = name.endswith(_POOLING_HEADS) or ("PreTraining" in name and any(
+        n.rsplit(".", 1)[-1] == "pooler" for n, _ in model.named_modules()))
+    if pools:
+        raise ValueError(f"apply: {name}'s head pools the sequence (its first token, its last "
+                         f"one, or all of it): each rank would pool its own shard's; switch the "
+                         f"base model ({type(_base_model(model)).__name__}) and pool the "
+                         f"gathered hidden states (ringseq.unshard)")
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr, what in (("token_dropout", "rescales each row's embeddings by the fraction of "
+                                         "<mask> tokens in it"),
+                       ("trigram_input", "joins each token's embedding with its neighbours'")):
+        if getattr(text, attr, False) is True:
+            raise ValueError(f"apply: {name} {what} (config.{attr}=True): each rank would "
+                             f"compute it from its own shard of the sequence, giving other "
+                             f"outputs")
 
 
 def _check_position_terms(model, modules) -> None:

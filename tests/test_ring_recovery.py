@@ -144,6 +144,34 @@ def test_a_process_group_without_the_name_gloo_keeps_the_ring_timeout(pg_backend
         _exact_ok(r["after_exit"])
 
 
+def _worker_reverse_exchange_stalled():
+    """Rank 0's reverse exchange (a backward's returning dK/dV) sends to rank 2, which takes
+    it, and receives from rank 1, which never sends: the error names rank 1 as the one it
+    waited for."""
+    from ringseq.engine.transport import RingComm
+    rank = dist.get_rank()
+    ringseq.set_ring_timeout(2)
+    comm = RingComm(None)
+    send = torch.zeros(64, dtype=torch.uint8)
+    recv = torch.empty_like(send)
+    if rank == 0:
+        return _capture(comm.exchange(send, recv, reverse=True).wait)
+    if rank == 2:
+        comm._data_channel().recv([recv], 0, 0).wait()
+        return None
+    comm._data_channel()  # (rank 1 meets the channel's rendezvous, then sends nothing)
+    time.sleep(4)
+    return None
+
+
+def test_a_stalled_reverse_exchange_names_the_peer_it_waited_for():
+    """Before: "receiving from global rank 2, sending to global rank 1", the forward
+    direction's peers, pointing at the rank that had done its part."""
+    kind, message, _ = run_ranks(_worker_reverse_exchange_stalled, 3, timeout=60)[0]
+    assert kind == "RingTimeoutError", message
+    assert "(receiving from global rank 1, sending to global rank 2)" in message, message
+
+
 def _case_transport_raises():
     """The transport raises on rank 1 during an exchange: every rank gets an error within the
     timeout; after reset_ring the ring is exact."""

@@ -202,10 +202,11 @@ def deferred_interrupts():
 class _Pending:
     """The in-flight exchange of one ring step."""
 
-    __slots__ = ("works", "comm", "timeout")
+    __slots__ = ("works", "comm", "timeout", "reverse")
 
-    def __init__(self, works, comm: "RingComm", timeout: Optional[datetime.timedelta]):
-        self.works, self.comm, self.timeout = works, comm, timeout
+    def __init__(self, works, comm: "RingComm", timeout: Optional[datetime.timedelta],
+                 reverse: bool = False):
+        self.works, self.comm, self.timeout, self.reverse = works, comm, timeout, reverse
 
     def wait(self) -> None:
         try:
@@ -215,20 +216,24 @@ class _Pending:
                 else:
                     w.wait(self.timeout)
         except RuntimeError as exc:
-            raise exchange_error(self.comm, exc, self.timeout) from exc
+            raise exchange_error(self.comm, exc, self.timeout, self.reverse) from exc
         self.works = ()
 
 
-def exchange_error(comm: "RingComm", exc: RuntimeError,
-                   timeout: Optional[datetime.timedelta]) -> RingTimeoutError:
-    """The ringseq error for a ring exchange that failed while posted or waited for."""
+def exchange_error(comm: "RingComm", exc: RuntimeError, timeout: Optional[datetime.timedelta],
+                   reverse: bool = False) -> RingTimeoutError:
+    """The ringseq error for a ring exchange (``reverse``: against the ring's direction, as a
+    backward's returning dK/dV) that failed while posted or waited for."""
     what = ("waited more than {:.0f} s for".format(timeout.total_seconds())
             if timeout is not None and _timeout_exc(exc) else
             f"lost the connection ({type(exc).__name__}: {exc}) in")
+    frm, to = (comm.next_rank, comm.prev_rank) if reverse else (comm.prev_rank, comm.next_rank)
+    me = dist.get_rank() if is_initialized() else comm.rank
+    who = f"rank {comm.rank}" + (f" (global rank {me})" if me != comm.rank else "")
     return RingTimeoutError(
-        f"ringseq: rank {comm.rank} {what} a ring exchange with its peers "
-        f"(receiving from global rank {comm.prev_rank}, sending to global rank "
-        f"{comm.next_rank}): a peer stalled, died or left the ring call "
+        f"ringseq: {who} {what} a ring exchange with its peers "
+        f"(receiving from global rank {frm}, sending to global rank "
+        f"{to}): a peer stalled, died or left the ring call "
         f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on every "
         f"rank makes the ring usable again)")
 
@@ -412,8 +417,8 @@ class RingComm(Transport):
                 works = [pg.send([send], to % self.world_size, 0),
                          pg.recv([recv], frm % self.world_size, 0)]
             except RuntimeError as exc:
-                raise exchange_error(self, exc, None) from exc
-            return _Pending(works, self, datetime.timedelta(seconds=ring_timeout()))
+                raise exchange_error(self, exc, None, reverse) from exc
+            return _Pending(works, self, datetime.timedelta(seconds=ring_timeout()), reverse)
         group = self.group
         to, frm = (self.prev_rank, self.next_rank) if reverse else (self.next_rank, self.prev_rank)
         ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, frm, group)]

@@ -28,6 +28,7 @@ from .engine.placement import RingPlacement
 from .engine.ring import refuse_on_error, ring_size
 from .ops import returns
 from .kernels import check_backend_name
+from .kernels.checks import FLASH_FORM, SDPA_FORM, VARLEN_FORM, InputForm
 from .spec import (attn_spec, bound_layout, check_grad_comm_dtype, check_layout,
                    check_self_attention, named_layout)
 
@@ -42,7 +43,7 @@ def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causa
                    return_attn_probs=False, group=None, layout="contiguous", return_lse=False,
                    backend=None, grad_comm_dtype=None, softcap=0.0, cu_seqlens=None,
                    comm_kind: str = "ring", takes_documents: bool = True,
-                   needs_documents: bool = False):
+                   needs_documents: bool = False, form: InputForm = FLASH_FORM):
     """The one implementation of every public ring function (``fn`` names the one called):
     validate once into an AttnSpec (a refusal reaches the peers), then the ring placement
     through the custom operator. Arguments and returns as :func:`ring_flash_attn_func`;
@@ -64,10 +65,12 @@ def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causa
                          causal=causal, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, deterministic=deterministic,
                          backend=backend, grad_comm_dtype=grad_comm_dtype,
-                         documents=unbound.documents if cu_seqlens is None else cu_seqlens)
-        check_self_attention(spec, q, k)
+                         documents=unbound.documents if cu_seqlens is None else cu_seqlens,
+                         form=form)
+        check_self_attention(spec, q, k, form)
         check_layout(spec, bound_layout(fn, unbound, spec.documents), ring_size(group, fn),
-                     q.shape[1])
+                     q.shape[1], "cu_seqlens" if cu_seqlens is not None else
+                     "the boundaries of layout Documents(cu_seqlens)")
     out, lse = run_attention(q, k, v, spec, RingPlacement(unbound, group, comm_kind))
     return returns(out, lse, return_attn_probs, return_lse)
 
@@ -289,7 +292,7 @@ def _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, wind
                          layout="documents" if layout is None else layout,
                          return_lse=return_lse, backend=backend,
                          grad_comm_dtype=grad_comm_dtype, softcap=softcap, cu_seqlens=cu_seqlens,
-                         needs_documents=True)
+                         needs_documents=True, form=VARLEN_FORM)
     if isinstance(res, tuple):
         return (res[0][0], res[1][0]) + tuple(res[2:])  # out (s, h, d), lse (h, s)
     return res[0]
@@ -321,7 +324,7 @@ def ring_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                               enable_gqa)
     out = ring_attention(fn, q, k, v, softmax_scale=scale, causal=is_causal, group=group,
                          layout=layout, backend=backend, grad_comm_dtype=grad_comm_dtype,
-                         takes_documents=False)
+                         takes_documents=False, form=SDPA_FORM)
     return out.transpose(1, 2)
 
 

@@ -21,6 +21,7 @@ from ._args import (as_int, check_cu_seqlens, check_returns, given, split_kv, sp
 from .engine.op import run_attention
 from .engine.placement import LOCAL
 from .kernels import AttentionBackend, available_backends, get_backend
+from .kernels.checks import VARLEN_FORM
 from .spec import attn_spec, local_spans
 
 __all__ = ["AttentionBackend", "available_backends", "flash_attn_func", "flash_attn_kvpacked_func",
@@ -171,7 +172,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     spec = attn_spec(fn, q4, k4, v4, dropout_p=dropout_p, softmax_scale=softmax_scale,
                      causal=causal, window_size=window_size, softcap=softcap,
                      alibi_slopes=alibi_slopes, deterministic=deterministic, backend=backend,
-                     varlen=True)
+                     varlen=True, form=VARLEN_FORM)
     spec = local_spans(spec, q.shape[0], k.shape[0], cu_q, cu_k,
                        window_clamp=limits["max_seqlen_k"])
     out, lse = run_attention(q4, k4, v4, spec, LOCAL)

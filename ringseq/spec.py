@@ -29,6 +29,7 @@ from ._args import (check_alibi_slopes, check_bool, check_cu_seqlens, check_drop
 from ._dist import with_message
 from ._hash import ints_field
 from .kernels import AttentionBackend, backend_by_key, backend_key, check_qkv, get_backend
+from .kernels.checks import FLASH_FORM, InputForm
 from .kernels.checks import count_check, resolve_scale
 from .kernels.spans import as_spans_tensor, check_softcap, document_spans
 from .masks import AttnMask
@@ -206,7 +207,7 @@ def _resolve_grad_comm_dtype(fn: str, grad_comm_dtype, dtype: torch.dtype,
 def attn_spec(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
               backend=None, grad_comm_dtype=None, documents=None, varlen: bool = False,
-              needs_grad: Optional[bool] = None) -> AttnSpec:
+              needs_grad: Optional[bool] = None, form: InputForm = FLASH_FORM) -> AttnSpec:
     """Validates one attention call and resolves its defaults (see the module doc).
 
     Args:
@@ -224,6 +225,7 @@ def attn_spec(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=Fal
             or None.
         varlen: the call packs sequences (its kernel spans come from :func:`local_spans`).
         needs_grad: default: grad mode and any input requiring grad.
+        form: how the caller passed q, k, v (its names and shapes in the errors).
 
     Raises TypeError / ValueError / NotImplementedError naming ``fn`` and the argument.
     """
@@ -235,7 +237,7 @@ def attn_spec(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=Fal
     softcap = check_softcap(softcap, fn)
     check_alibi_slopes(fn, alibi_slopes)
     check_bool(fn, "deterministic", deterministic)
-    check_qkv(q, k, v, fn=fn)
+    check_qkv(q, k, v, fn=fn, form=form)
     if documents is not None:
         documents = check_cu_seqlens(fn, "cu_seqlens", documents)
     be = get_backend(backend, q.device, q.dtype, q.shape[-1], fn=fn, softcap=softcap,
@@ -278,21 +280,24 @@ def local_spans(spec: AttnSpec, seqlen_q: int, seqlen_k: int, cu_seqlens_q=None,
     return dataclasses.replace(spec, spans=spans)
 
 
-def check_self_attention(spec: AttnSpec, q, k) -> None:
-    """Sequence-parallel attention splits ONE sequence: q and k/v shards of the same length."""
+def check_self_attention(spec: AttnSpec, q, k, form: InputForm = FLASH_FORM) -> None:
+    """Sequence-parallel attention splits ONE sequence: q and k/v shards of the same length
+    (named as ``form`` says the caller passed them)."""
     if q.shape[1] != k.shape[1]:
-        raise ValueError(f"{spec.fn}: q and k/v must be shards of one sequence (the same local "
-                         f"length), got q {tuple(q.shape)} and k {tuple(k.shape)}")
+        a, b, c = form.names
+        raise ValueError(f"{spec.fn}: {a} and {b}/{c} must be shards of one sequence (the same "
+                         f"local length), got {a} {form.shape(q)} and {b} {form.shape(k)}")
 
 
-def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:
+def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int,
+                 documents_name: str = "cu_seqlens") -> None:
     """A sequence-parallel call of ``spec`` on local shards of ``s_local`` tokens over
     ``world_size`` ranks placed by ``layout`` (bound to the call's documents): the documents
     must be the GLOBAL boundaries, the layout must take the local length, and the backend must
     compute a block's gradients from a ring's merged out/lse. ValueError naming ``spec.fn``.
     (A user's layout is checked further where the ring plans the call:
     :func:`check_user_layout`.)"""
-    check_global_documents(spec, world_size, s_local)
+    check_global_documents(spec, world_size, s_local, documents_name)
     try:
         layout.check_local_seqlen(s_local, world_size)
     except (ValueError, NotImplementedError) as exc:  # (a user's layout may raise its own)
@@ -321,14 +326,16 @@ def named_layout_error(spec: AttnSpec, exc: BaseException) -> BaseException:
     return with_message(exc, f"{spec.fn}: {exc}", fallback=kind)
 
 
-def check_global_documents(spec: AttnSpec, world_size: int, s_local: int) -> None:
-    """The call's documents end at the global length, ``s_local`` tokens on each of
-    ``world_size`` ranks; ValueError naming ``spec.fn`` (and the per-rank boundaries
-    ring-flash-attention passes, when they look like them)."""
+def check_global_documents(spec: AttnSpec, world_size: int, s_local: int,
+                           documents_name: str = "cu_seqlens") -> None:
+    """The call's documents (``documents_name``: where the caller gave them) end at the
+    global length, ``s_local`` tokens on each of ``world_size`` ranks; ValueError naming
+    ``spec.fn`` (and the per-rank boundaries ring-flash-attention passes, when they look like
+    them)."""
     total = s_local * world_size
     if spec.documents is not None and spec.documents[-1] != total:
         raise ValueError(
-            f"{spec.fn}: cu_seqlens must be the GLOBAL document boundaries of the whole packed "
+            f"{spec.fn}: {documents_name} must be the GLOBAL document boundaries of the whole packed "
             f"sequence (the same on every rank, ending at the global length {total} = local "
             f"length {s_local} x world size {world_size}), got boundaries ending at "
             f"{spec.documents[-1]}" + (" (per-rank boundaries, as ring-flash-attention passes "

@@ -357,6 +357,40 @@ def test_packed_shape_is_checked(name):
         getattr(ringseq, name)(*bad)
 
 
+def test_shape_errors_name_the_tensors_and_shapes_the_caller_passed():
+    """ring_sdpa: query / key / value in SDPA's (b, h, s, d); the varlen forms: (total, h, d)
+    (before: q / k / v in flash-attn's (b, s, h, d), a batch dimension added)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 8, 16, generator=g) for h in (4, 2, 2))  # (b, h, s, d)
+    with pytest.raises(ValueError, match=r"^ring_sdpa: query and key/value must be shards of "
+                                         r"one sequence .* got query \(1, 4, 8, 16\) and key "
+                                         r"\(1, 2, 6, 16\)$"):
+        ringseq.ring_sdpa(q, k[:, :, :6], v[:, :, :6])
+    with pytest.raises(ValueError, match=r"^ring_sdpa: query, key and value must have the same "
+                                         r"head dim .* value \(1, 2, 8, 8\)$"):
+        ringseq.ring_sdpa(q, k, v[..., :8])
+    with pytest.raises(ValueError, match=r"^ring_sdpa: nheads of query must be divisible by "
+                                         r"nheads_kv of key and value, got nheads=4 and "
+                                         r"nheads_kv=3$"):
+        ringseq.ring_sdpa(q, *(torch.randn(1, 3, 8, 16) for _ in range(2)))
+    qv, kv_, vv = (t[0].transpose(0, 1) for t in (q, k, v))  # (total, h, d)
+    with pytest.raises(ValueError, match=r"^ring_flash_attn_varlen_func: q and k/v must be "
+                                         r"shards of one sequence .* got q \(8, 4, 16\) and k "
+                                         r"\(6, 2, 16\)$"):
+        ringseq.ring_flash_attn_varlen_func(qv, kv_[:6], vv[:6], [0, 8])
+    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: k and v must have the same "
+                                         r"shape, got k \(8, 2, 16\) and v \(8, 4, 16\)$"):
+        ringseq.flash_attn_varlen_func(qv, kv_, qv, [0, 8], [0, 8], 8, 8)
+    # a module's documents come from its layout (before: "cu_seqlens must be ...", an argument
+    # RingAttention does not have)
+    from ringseq.layouts import Documents
+    module = ringseq.RingAttention(layout=Documents([0, 4, 24]))
+    with pytest.raises(ValueError, match=r"^RingAttention: the boundaries of layout "
+                                         r"Documents\(cu_seqlens\) must be the GLOBAL document "
+                                         r"boundaries .* got boundaries ending at 24"):
+        module(*(t.transpose(1, 2) for t in (q, k, v)))
+
+
 def test_ring_sdpa_and_module_check_their_arguments():
     q, k, v = (t.transpose(1, 2) for t in _tensors_for("flash_attn_func"))
     with pytest.raises(TypeError, match="ring_sdpa: scale must be a float"):

@@ -5,8 +5,10 @@ these give the same errors for the Python backends and before any work starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
+from typing import Tuple
 
 import torch
 
@@ -39,10 +41,37 @@ def resolve_scale(softmax_scale, headdim: int) -> float:
     return headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "attention") -> None:
-    """Raises (naming ``fn``) when q (b, s_q, h, d), k, v (b, s_k, h_kv, d) do not fit
-    together: TypeError for a non-tensor, ValueError for shapes, dtypes, devices and strides."""
+@dataclasses.dataclass(frozen=True)
+class InputForm:
+    """How the caller passed q, k, v, for the errors about them: its names for them and the
+    shape it gave (``"flash"``: flash-attn's (b, s, h, d) as checked; ``"sdpa"``: SDPA's
+    (b, h, s, d), transposed before the check; ``"varlen"``: (total, h, d), checked as a batch
+    of one)."""
+
+    names: Tuple[str, str, str] = ("q", "k", "v")
+    kind: str = "flash"
+
+    def shape(self, t: torch.Tensor) -> tuple:
+        """``t``'s shape as the caller gave it."""
+        s = tuple(t.shape)
+        if self.kind == "sdpa":
+            return (s[0], s[2], s[1], s[3])
+        return s[1:] if self.kind == "varlen" else s
+
+
+FLASH_FORM = InputForm()
+SDPA_FORM = InputForm(("query", "key", "value"), "sdpa")
+VARLEN_FORM = InputForm(kind="varlen")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "attention",
+              form: InputForm = FLASH_FORM) -> None:
+    """Raises (naming ``fn``, and the tensors as ``form`` says the caller passed them) when
+    q (b, s_q, h, d), k, v (b, s_k, h_kv, d) do not fit together: TypeError for a non-tensor,
+    ValueError for shapes, dtypes, devices and strides."""
     count_check("check_qkv")
+    a, b, c = form.names
+    sh = form.shape
     for name, t, layout in (("q", q, "(batch, seqlen_q, nheads, headdim)"),
                             ("k", k, "(batch, seqlen_k, nheads_kv, headdim)"),
                             ("v", v, "(batch, seqlen_k, nheads_kv, headdim)")):
@@ -52,37 +81,36 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "a
         if t.dim() != 4:
             raise ValueError(f"{fn}: {name} must be a 4-dim tensor {layout}, got {t.dim()} dims "
                              f"with shape {tuple(t.shape)}")
-    on_meta = [n for n, t in (("q", q), ("k", k), ("v", v)) if t.device.type == "meta"]
+    on_meta = [n for n, t in ((a, q), (b, k), (c, v)) if t.device.type == "meta"]
     if on_meta:  # no data: a kernel would read garbage
-        raise ValueError(f"{fn}: q, k and v must be tensors with data (CPU or CUDA), got "
+        raise ValueError(f"{fn}: {a}, {b} and {c} must be tensors with data (CPU or CUDA), got "
                          f"{', '.join(on_meta)} on the meta device")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"{fn}: q, k and v must be on the same device, got q on {q.device}, "
-                         f"k on {k.device}, v on {v.device}")
+        raise ValueError(f"{fn}: {a}, {b} and {c} must be on the same device, got {a} on "
+                         f"{q.device}, {b} on {k.device}, {c} on {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{fn}: q, k and v must have the same dtype, got q {q.dtype}, "
-                         f"k {k.dtype}, v {v.dtype}")
+        raise ValueError(f"{fn}: {a}, {b} and {c} must have the same dtype, got {a} {q.dtype}, "
+                         f"{b} {k.dtype}, {c} {v.dtype}")
     if q.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{fn}: q, k and v must be float32, float64, bfloat16 or float16, got "
-                         f"{q.dtype}")
+        raise ValueError(f"{fn}: {a}, {b} and {c} must be float32, float64, bfloat16 or "
+                         f"float16, got {q.dtype}")
+    shapes = f"{a} {sh(q)}, {b} {sh(k)}, {c} {sh(v)}"
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"{fn}: q, k and v must have the same batch size, got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"{fn}: {a}, {b} and {c} must have the same batch size, got {shapes}")
     if not (q.shape[3] == k.shape[3] == v.shape[3]):
-        raise ValueError(f"{fn}: q, k and v must have the same head dim (last dimension), got "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"{fn}: {a}, {b} and {c} must have the same head dim (last "
+                         f"dimension), got {shapes}")
     if k.shape != v.shape:
-        raise ValueError(f"{fn}: k and v must have the same shape, got k {tuple(k.shape)} and "
-                         f"v {tuple(v.shape)}")
+        raise ValueError(f"{fn}: {b} and {c} must have the same shape, got {b} {sh(k)} and "
+                         f"{c} {sh(v)}")
     if k.shape[2] == 0:
-        raise ValueError(f"{fn}: k and v need at least one head (flash-attn's layout: "
-                         f"(batch, seqlen, nheads_kv, headdim)), got k {tuple(k.shape)}")
+        raise ValueError(f"{fn}: {b} and {c} need at least one head, got {b} {sh(k)}")
     if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"{fn}: nheads of q must be divisible by nheads_kv of k and v, got "
-                         f"nheads={q.shape[2]} and nheads_kv={k.shape[2]}")
+        raise ValueError(f"{fn}: nheads of {a} must be divisible by nheads_kv of {b} and {c}, "
+                         f"got nheads={q.shape[2]} and nheads_kv={k.shape[2]}")
     if q.shape[3] == 0:
-        raise ValueError(f"{fn}: headdim must be positive, got q {tuple(q.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+        raise ValueError(f"{fn}: headdim must be positive, got {a} {sh(q)}")
+    for name, t in ((a, q), (b, k), (c, v)):
         if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:  # (empty: nothing to read)
             raise ValueError(f"{fn}: {name} must be contiguous in its last (head) dimension, got "
                              f"a stride of {t.stride(-1)} there; call .contiguous() on it (only "

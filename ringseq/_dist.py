@@ -323,13 +323,15 @@ def _check_timeout(value, what: str) -> float:
         raise TypeError(f"{what} must be a number of seconds (>= 1, finite), got {value!r} "
                         f"({type(value).__name__})")
     try:
-        value = float(value)
+        seconds = float(value)
     except OverflowError:  # (an int beyond float64's range)
-        value = math.inf
-    if not (1.0 <= value <= _MAX_TIMEOUT_S):
+        seconds = math.inf
+    if not (1.0 <= seconds <= _MAX_TIMEOUT_S):
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... (an int of " \
+                                                          f"{len(str(abs(int(value))))} digits)"
         raise ValueError(f"{what} must be a number of seconds from 1 to {_MAX_TIMEOUT_S:.0e} "
-                         f"(about 31 years), got {value!r}")
-    return value
+                         f"(about 31 years), got {shown}")
+    return seconds
 
 
 def set_ring_timeout(seconds: Optional[float]) -> None:

@@ -116,6 +116,24 @@ def _worker_zero0():
         o.zero_grad()
         return o
     out["stepped"] = error_text(lambda: _boost({"sp_size": 2}, optimizer=stepped))
+    # Adagrad's constructor makes state (step 0): no step was taken, and at zero 0 it stays
+    booster, model, opt, crit, batches = _boost(
+        {"sp_size": 2}, optimizer=lambda m: torch.optim.Adagrad(m.parameters(), lr=LR))
+    _backward(booster, model, opt, crit, batches[0])
+    out["adagrad"] = error_text(opt.step)
+
+    # the whole model frozen after boost (a gradient to the inputs, saliency): no DDP bucket
+    # waits for a gradient, so it runs, and training goes on once unfrozen
+    booster, model, opt, crit, batches = _boost({"sp_size": 2})
+    user = model.unwrap()
+    batch = dict(batches[0])
+    embeds = user.model.embed_tokens(batch.pop("input_ids")).detach().requires_grad_()
+    user.requires_grad_(False)
+    loss = crit(model(inputs_embeds=embeds, **batch), batches[0])
+    out["input_grad"] = float(torch.autograd.grad(loss, embeds)[0].norm())
+    user.requires_grad_(True)
+    _backward(booster, model, opt, crit, batches[1])
+    out["after_input_grad"] = error_text(opt.step)
 
     # a parameter frozen after boost, under DDP
     booster, model, opt, crit, batches = _boost({"sp_size": 2})
@@ -169,7 +187,9 @@ def test_add_param_group_refuses_a_tensor_of_no_boosted_model_on_every_rank(zero
 
 def test_boost_refuses_an_optimizer_that_took_a_step_at_zero_stage_0(zero0):
     for r in zero0:
-        assert r["stepped"].startswith("ValueError: boost: AdamW already has state"), r
+        assert r["stepped"].startswith("ValueError: boost: AdamW already has state (a step "
+                                       "was taken before boost"), r["stepped"]
+        assert r["adagrad"] == "no error", r["adagrad"]  # (its constructor's state: step 0)
 
 
 def test_a_parameter_frozen_after_boost_is_named_before_the_forward(zero0):
@@ -179,6 +199,8 @@ def test_a_parameter_frozen_after_boost_is_named_before_the_forward(zero0):
             "gradients when boost built DistributedDataParallel"), r["frozen"]
         assert "find_unused_parameters" in r["frozen"]
         assert r["frozen_find_unused"] == (True, True)
+        # (the whole model frozen: no refusal, as DDP takes it)
+        assert r["input_grad"] > 0 and r["after_input_grad"] == "no error", r
 
 
 def test_fp16_names_a_second_step_on_one_scaled_backward():

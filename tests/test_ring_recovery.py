@@ -144,6 +144,28 @@ def test_a_process_group_without_the_name_gloo_keeps_the_ring_timeout(pg_backend
         _exact_ok(r["after_exit"])
 
 
+def _worker_late_at_the_first_call():
+    """Rank 1 comes TIMEOUT + 2 s late to the first call of a fresh ring, whose channels are
+    opened there."""
+    if dist.get_rank() == 1:
+        time.sleep(TIMEOUT + 2)
+    out = _capture(_exact)
+    dist.barrier()  # (rank 0's store stays up until rank 1 is done)
+    return out
+
+
+def test_a_rank_late_at_the_rendezvous_of_new_channels_raises_at_once():
+    """The members of a new channel meet in the store before gloo connects them: the rank that
+    waited raises at the ring timeout, the late one at once (before: gloo's connect retried
+    towards the peer that had given up for up to 5 x the ring timeout, 20 s here, and a
+    Ctrl-C waited for it)."""
+    early, late = run_ranks(_worker_late_at_the_first_call, 2, timeout=90,
+                            env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    assert early[0] == "RingTimeoutError" and early[2] < TIMEOUT + 1.5, early
+    assert late[0] == "RingTimeoutError" and late[2] < 2, late
+    assert "a peer gave up waiting for this rank" in late[1], late[1]
+
+
 def _worker_reverse_exchange_stalled():
     """Rank 0's reverse exchange (a backward's returning dK/dV) sends to rank 2, which takes
     it, and receives from rank 1, which never sends: the error names rank 1 as the one it
@@ -1959,7 +1981,8 @@ def test_timeout_seconds_of_any_real_type_and_an_int_beyond_float():
             ringseq.set_ring_timeout(value)
             assert ring_timeout() == float(value), value
         with pytest.raises(ValueError, match=r"^set_ring_timeout: seconds must be a number of "
-                                             r"seconds from 1 to 1e\+09"):
+                                             r"seconds from 1 to 1e\+09 .* got 1000.*\.\.\. "
+                                             r"\(an int of 401 digits\)$"):
             ringseq.set_ring_timeout(10 ** 400)
         for value in (torch.tensor(True), torch.tensor([30.0])):
             with pytest.raises(TypeError, match="^set_ring_timeout: seconds must be a number"):

@@ -155,6 +155,24 @@ def test_a_language_model_whose_layers_are_bidirectional_but_its_mask_causal_sta
     assert (got - want).abs().max() < 1e-5 * want.abs().max()
 
 
+def test_a_bidirectional_model_whose_mask_is_widened_stays_bidirectional():
+    """Gemma 3 with use_bidirectional_attention (EmbeddingGemma) builds its mask as
+    create_causal_mask(or_mask_function=lambda *a: True): not a causal mask, so its
+    non-causal layers stay non-causal (my first version of the PaliGemma rule ran them causal,
+    3.7 off)."""
+    from ringseq.integrations.transformers import apply
+    torch.manual_seed(0)
+    model = transformers.Gemma3TextModel(transformers.Gemma3TextConfig(
+        **SMALL, head_dim=16, max_position_embeddings=256, use_bidirectional_attention=True,
+        sliding_window=512, layer_types=["full_attention", "full_attention"])).eval()
+    ids = torch.randint(1, 120, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).last_hidden_state
+        apply(model)
+        got = model(input_ids=ids, use_cache=False).last_hidden_state
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+
+
 def test_a_multimodal_models_vision_tower_keeps_its_attention():
     """Qwen2-VL's vision attention modules carry ``scaling`` too; their config is the vision
     sub-config, so apply leaves them (before: switched, and every image refused)."""

@@ -36,6 +36,7 @@ import datetime
 import signal
 import sys
 import threading
+import time
 import weakref
 from typing import Dict, Optional
 
@@ -116,6 +117,36 @@ def _wait_interruptibly(work) -> None:
 
 _STORE_CLIENTS = threading.local()  # {id(default store): (store, this thread's clone)}
 _STORE_TIMEOUT_LOCK = threading.Lock()  # one thread at a time lowers the default store's
+
+
+def _meet_in_store(store, world_size: int, timeout_s: float) -> None:
+    """Waits until every member of a new channel arrived at its rendezvous, counted in
+    ``store``, before gloo connects them: gloo's own connect retried towards a peer that had
+    already given up for up to 5 times the ring timeout, and a Ctrl-C waited for it. Raises
+    RuntimeError ("timed out") after ``timeout_s``, leaving a mark that makes a member
+    arriving later raise at once; polled, so a Ctrl-C interrupts the wait."""
+    # One counter, changed atomically: a member giving up closes it (takes it below zero) and
+    # writes how many had arrived then; every member decides from that one number, so none
+    # goes on into gloo's connect while another gave up (a member arriving after the close
+    # finds it closed short of everyone).
+    gone = 1 << 40
+    arrived = store.add("ringseq_arrived", 1)
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while arrived < world_size:
+        if arrived < 0 or time.monotonic() > deadline:
+            if arrived >= 0:  # (this member gives up: it closes the counter)
+                store.set("ringseq_closed_at",
+                          str(store.add("ringseq_arrived", -gone) + gone))
+            store.wait(["ringseq_closed_at"])  # (written right after the close)
+            if int(store.get("ringseq_closed_at")) >= world_size:
+                return  # (everyone had come when it closed)
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s at the channel's rendezvous"
+                               if arrived >= 0 else "a peer gave up waiting for this rank at "
+                               "the channel's rendezvous (it stopped waiting first)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+        arrived = store.add("ringseq_arrived", 0)
 
 
 def _own_store_client():
@@ -328,6 +359,7 @@ class RingComm(Transport):
         self._publish_epoch()
         store = dist.PrefixStore(f"ringseq/{purpose}/{self.name}/{self._epoch}",
                                  _own_store_client())
+        _meet_in_store(store, self.world_size, ring_timeout())
         _WITH_CHANNELS.add(self)
         return dist.ProcessGroupGloo(store, self.rank, self.world_size,
                                      datetime.timedelta(seconds=ring_timeout()))

@@ -741,10 +741,21 @@ def _causal_window(mask_function) -> Optional[int]:
     return None
 
 
+# transformers' mask parts that keep a causal mask causal (a blockwise overlay with blocks is
+# refused on its own); anything else -- bidirectional_mask_function, a lambda that widens it
+# (Gemma 3's bidirectional models: or_mask_function=lambda *a: True) -- may not
+_CAUSAL_KEEPING = ("causal_mask_function", "and_masks.", "or_masks.", "sliding_window_overlay.",
+                   "chunked_overlay.", "blockwise_overlay.", "sliding_window_causal_mask_function",
+                   "chunked_causal_mask_function", "padding_mask_function.",
+                   "packed_sequence_mask_function.", "remap_positions_for_packed_sequence.",
+                   "add_offsets_to_mask_function.")
+
+
 def _is_causal_mask(mask_function) -> bool:
-    """Whether a transformers mask function is built on ``causal_mask_function``."""
-    return any(getattr(fn, "__qualname__", "") == "causal_mask_function"
-               for fn in _mask_parts(mask_function))
+    """Whether a transformers mask function is ``causal_mask_function`` composed only with
+    parts that keep it causal (windows, padding, packing, an overlay of no block)."""
+    names = [getattr(fn, "__qualname__", "") for fn in _mask_parts(mask_function)]
+    return "causal_mask_function" in names and all(n.startswith(_CAUSAL_KEEPING) for n in names)
 
 
 def _has_blockwise_overlay(mask_function) -> bool:

@@ -20,19 +20,32 @@ def parameter_names(model: nn.Module) -> Dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def check_rebindable(optimizer: torch.optim.Optimizer, names: Dict[int, str]) -> None:
+def _stepped(state: dict) -> bool:
+    """Whether a parameter's optimizer state comes from a step: a ``step`` count above 0, or
+    state without a count (SGD's momentum buffer, made by the first step). Adagrad's
+    constructor makes state of step 0."""
+    step = state.get("step")
+    return bool(state) if step is None else float(step) > 0
+
+
+def check_rebindable(optimizer: torch.optim.Optimizer, names: Dict[int, str],
+                     moved: bool) -> None:
     """Raises ValueError when ``optimizer`` holds a tensor that is not a parameter of the model
     (``names``: :func:`parameter_names`): nothing would sum its gradient over the ranks, so
     each rank would step it with its own part and the replicas would drift apart (and under
     sharding it could not be moved); also when it has state already (a step was taken: under
     sharding the state is of the unsharded parameters, and under DDP each rank's state is
-    its own while every rank starts from rank 0's weights). Checked before anything is
-    modified."""
-    if any(len(s) for s in optimizer.state.values()):
-        raise ValueError(f"boost: {type(optimizer).__name__} already has state (a step was "
-                         f"taken before boost: each rank's own, or of the unsharded "
-                         f"parameters); boost the model and optimizer first, then load a "
-                         f"checkpoint with booster.load_optimizer")
+    its own while every rank starts from rank 0's weights); with ``moved`` (the parameters
+    will be replaced by shards) any state, a constructor's too (Adagrad's). Checked before
+    anything is modified."""
+    stepped = any(_stepped(s) for s in optimizer.state.values())
+    if stepped or (moved and any(len(s) for s in optimizer.state.values())):
+        why = ("a step was taken before boost: each rank's own, or of the unsharded "
+               "parameters" if stepped else "its constructor's, of the unsharded parameters, "
+               "which sharding replaces")
+        raise ValueError(f"boost: {type(optimizer).__name__} already has state ({why}); boost "
+                         f"the model and optimizer first, then load a checkpoint with "
+                         f"booster.load_optimizer")
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in names:

@@ -787,7 +787,7 @@ class RingSequenceParallelPlugin(Plugin):
             names = parameter_names(model)
             if optimizer is not None:
                 check_rebindable(optimizer.unwrap() if isinstance(optimizer, OptimizerWrapper)
-                                 else optimizer, names)
+                                 else optimizer, names, moved=dims.sharded)
             layers = decoder_layers(model)
             if dims.zero_stage >= 2:
                 from ..parallel.fsdp import check_fsdp_units

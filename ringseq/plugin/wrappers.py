@@ -113,7 +113,9 @@ class ModelWrapper(nn.Module):
 
     def _refuse_unfrozen(self, user: nn.Module) -> None:
         frozen = [n for n, p in self.trained_at_boost if not p.requires_grad]
-        if frozen:
+        # (every one frozen: no bucket waits for a gradient, as in a backward to the inputs
+        # of a frozen model, which DDP takes)
+        if frozen and len(frozen) < len(self.trained_at_boost):
             raise ValueError(
                 f"{type(user).__name__}: parameter(s) {frozen[:4]}"
                 f"{' ...' if len(frozen) > 4 else ''} required gradients when boost built "

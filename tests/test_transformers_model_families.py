@@ -173,6 +173,27 @@ def test_a_bidirectional_model_whose_mask_is_widened_stays_bidirectional():
     assert (got - want).abs().max() < 1e-5 * want.abs().max()
 
 
+def test_a_layer_that_drops_the_documents_boundaries_is_named():
+    """StableLM's decoder layers call the attention without **kwargs, so a packed batch's
+    cu_seq_lens_q never reaches it. Before: refused with "pass cu_seq_lens_q and cu_seq_lens_k",
+    which the caller had passed."""
+    import ringseq
+    from ringseq.integrations.transformers import apply
+    torch.manual_seed(0)
+    model = apply(transformers.StableLmForCausalLM(transformers.StableLmConfig(**SMALL)))
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (13, 7, 20, 8)]
+    full = transformers.DataCollatorWithFlattening(
+        return_flash_attn_kwargs=True, return_position_ids=True)([{"input_ids": d} for d in docs])
+    batch = ringseq.shard_batch(dict(full), layout="zigzag")
+    batch.pop("shift_labels")
+    batch.pop("labels", None)
+    with pytest.raises(ValueError, match=r"^StableLmAttention: the model was called with packed "
+                                         r"documents' boundaries \(cu_seq_lens_q\), but its "
+                                         r"layer calls the attention without them"):
+        model(**batch, use_cache=False)
+
+
 def test_a_multimodal_models_vision_tower_keeps_its_attention():
     """Qwen2-VL's vision attention modules carry ``scaling`` too; their config is the vision
     sub-config, so apply leaves them (before: switched, and every image refused)."""

@@ -104,6 +104,10 @@ class RingSettings:
     # gets none (GPT-BigCode adds learned position embeddings before its layers): set by a
     # hook around the base model's forward (:func:`_capture_positions`), None outside it.
     _model_positions: Any = field(default=None, repr=False, compare=False)
+    # Whether the running model call was given packed documents' boundaries (cu_seq_lens_q):
+    # a layer that does not hand them to the attention function (Falcon, StableLM, Nemotron
+    # call it without **kwargs) is then named as such, not told to pass what was passed.
+    _model_documents: bool = field(default=False, repr=False, compare=False)
 
     def __deepcopy__(self, memo):
         # A process group cannot be copied, and a copied model runs on the same ring.
@@ -373,6 +377,12 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
                          f"current tokens (a KV cache is not supported: pass "
                          f"use_cache=False; generate() works so on one process only)")
     docs = _documents(name, kwargs)
+    if docs is None and settings._model_documents:
+        raise ValueError(f"{name}: the model was called with packed documents' boundaries "
+                         f"(cu_seq_lens_q), but its layer calls the attention without them "
+                         f"(it passes no **kwargs on), so each document would attend to the "
+                         f"others: packed batches are not supported for this model; give it "
+                         f"one sequence per row")
     if docs is None and group_info(settings.group)[0] == 1:
         # A ring of one holds the whole sequence in order under every layout (shard is the
         # identity there), so no layout's length rule applies: e.g. generate's one more token
@@ -434,6 +444,7 @@ def _capture_positions(module, args, kwargs):
     if settings is None:
         return
     settings._calls += 1
+    settings._model_documents = kwargs.get("cu_seq_lens_q") is not None
     if not getattr(module, "_ringseq_takes_positions", False):
         return  # (apply refused such a model that encodes positions)
     pos = kwargs.get("position_ids")
@@ -450,6 +461,7 @@ def _forget_positions(module, args, kwargs, output):
     settings = getattr(module, "ringseq_settings", None)
     if settings is not None:
         settings._model_positions = None
+        settings._model_documents = False
 
 
 def _takes_positions(base) -> bool:

@@ -311,6 +311,23 @@ def consistency_check_mode() -> str:
 _TIMEOUT_S: Optional[float] = None
 
 
+def collective_count(group) -> Optional[int]:
+    """torch's count of the collectives made on process group ``group`` (its sequence
+    number), or None where the group does not count. A group of per-device backends
+    (``"cpu:gloo"``, or no name) counts on its CPU backend: its own count raises
+    ("ProcessGroup undefined does not yet support sequence numbers")."""
+    count = getattr(group, "_get_sequence_number_for_group", None)
+    if count is None:
+        return None
+    try:
+        return count()
+    except RuntimeError:
+        try:
+            return group._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+        except Exception:  # noqa: BLE001 - no CPU backend that counts: not counted
+            return None
+
+
 _MAX_TIMEOUT_S = 1e9
 
 

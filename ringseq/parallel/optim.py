@@ -40,8 +40,8 @@ def check_rebindable(optimizer: torch.optim.Optimizer, names: Dict[int, str],
     anything is modified."""
     stepped = any(_stepped(s) for s in optimizer.state.values())
     if stepped or (moved and any(len(s) for s in optimizer.state.values())):
-        why = ("a step was taken before boost: each rank's own, or of the unsharded "
-               "parameters" if stepped else "its constructor's, of the unsharded parameters, "
+        why = ("a step was taken, or a state loaded, before boost: each rank's own, or of the "
+               "unsharded parameters" if stepped else "its constructor's, of the unsharded parameters, "
                "which sharding replaces")
         raise ValueError(f"boost: {type(optimizer).__name__} already has state ({why}); boost "
                          f"the model and optimizer first, then load a checkpoint with "

@@ -58,7 +58,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor, Partial
 
-from .._dist import ring_timeout
+from .._dist import collective_count, ring_timeout
 from ..parallel.fsdp import HeldGrads
 from .completion import Completion, agree_on_status, bounded, peers_failed_error
 
@@ -130,7 +130,8 @@ class FsdpReplay(Completion):
 
     def _counted(self, group, post_backward):
         # (the number of collectives made on FSDP's process group, where torch counts them)
-        collectives = getattr(self.group, "_get_sequence_number_for_group", lambda: None)
+        def collectives():
+            return collective_count(self.group)
 
         def counted(*args):
             before, tp_before = collectives(), self._tp_count()

@@ -56,7 +56,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ..parallel.modules import grad_tensors
 from ..parallel.tp import GatherSequence, SliceSequence
-from .._dist import ring_timeout
+from .._dist import collective_count, ring_timeout
 from .completion import Completion, agree_on_status, bounded, peers_failed_error
 
 __all__ = ["TpReplay"]
@@ -153,8 +153,7 @@ class TpReplay(Completion):
     def collectives(self) -> Optional[int]:
         """The tp group's collective count (torch's per-group sequence number), or None where
         the process group does not count."""
-        count = getattr(self.group, "_get_sequence_number_for_group", None)
-        return count() if count is not None else None
+        return collective_count(self.group)
 
     # -- what the forward does -------------------------------------------------------------
     # Each hook below runs right before or right after one tp collective, with no other in

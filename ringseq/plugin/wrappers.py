@@ -189,14 +189,16 @@ class ModelWrapper(nn.Module):
                                  f"{self.tp_split} (the boosted loader's batches are)")
                 self._reporter.report_refusal(exc, agrees)
                 raise exc
-            if (self.frozen_at_boost or self.trained_at_boost) and torch.is_grad_enabled():
-                self._refuse_unfrozen(user)
             self._reporter.backward_calls_per_forward = (
                 2 if user.training and hf_checkpointing(user) else 1)
             if self._reduction is not None:
                 self._reduction.forward_started()
             with self._reporter.watch("forward", self._reduction, agrees), \
                     self._precision.autocast(), self._outside_inference_mode():
+                if (self.frozen_at_boost or self.trained_at_boost) and torch.is_grad_enabled():
+                    # (inside the watch: a rank that froze or unfroze alone fails its forward,
+                    # and its ring peers and the loss hear of it, instead of waiting for it)
+                    self._refuse_unfrozen(user)
                 out = self.module(*args, **kwargs)
         if self._reduction is not None:
             self._reduction.forward_ran()

@@ -69,9 +69,12 @@ def test_tensors_without_data_are_named():
         ringseq.flash_attn_func(q, k.to("meta"), v.to("meta"))
     # q on the meta device too (before: autocast's "unknown device type" RuntimeError)
     meta = [t.to("meta") for t in (q, k, v)]
-    for fn, call in (("ring_sdpa", lambda: ringseq.ring_sdpa(*(t.transpose(1, 2) for t in meta))),
-                     ("ring_flash_attn_func", lambda: ringseq.ring_flash_attn_func(*meta))):
-        with pytest.raises(ValueError, match=rf"^{fn}: .*got q, k, v on the meta device"):
+    # (ring_sdpa names SDPA's query, key, value)
+    for fn, names, call in (
+            ("ring_sdpa", "query, key, value",
+             lambda: ringseq.ring_sdpa(*(t.transpose(1, 2) for t in meta))),
+            ("ring_flash_attn_func", "q, k, v", lambda: ringseq.ring_flash_attn_func(*meta))):
+        with pytest.raises(ValueError, match=rf"^{fn}: .*got {names} on the meta device"):
             call()
 
 

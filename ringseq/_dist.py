@@ -344,8 +344,9 @@ def _check_timeout(value, what: str) -> float:
     except OverflowError:  # (an int beyond float64's range)
         seconds = math.inf
     if not (1.0 <= seconds <= _MAX_TIMEOUT_S):
-        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... (an int of " \
-                                                          f"{len(str(abs(int(value))))} digits)"
+        shown = (f"{repr(value)[:20]}... (an int of {len(str(abs(value)))} digits)"
+                 if isinstance(value, numbers.Integral) and len(repr(value)) > 40
+                 else repr(seconds))
         raise ValueError(f"{what} must be a number of seconds from 1 to {_MAX_TIMEOUT_S:.0e} "
                          f"(about 31 years), got {shown}")
     return seconds

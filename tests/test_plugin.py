@@ -759,6 +759,7 @@ def _frozen_teacher_worker():
         logits = ringseq.unshard(teacher(**batch).logits, "zigzag")
     teacher.unwrap().lm_head.weight.requires_grad_(True)
     unfrozen = error_text(lambda: teacher(**batch))
+    booster.reset()  # (a refused forward fails like any other: its ring peers raise too)
     # a student whose embedding was frozen at boost: DDP left it out of its sum
     student = _model()
     student.model.embed_tokens.weight.requires_grad_(False)
@@ -766,6 +767,7 @@ def _frozen_teacher_worker():
     student(**batch).logits.sum().backward()  # trains with the embedding frozen
     student.unwrap().model.embed_tokens.weight.requires_grad_(True)
     unfrozen_part = error_text(lambda: student(**batch))
+    booster.reset()
     with torch.no_grad():
         student(**batch)  # cannot train it: runs
     return {"rank": dist.get_rank(), "logits": logits, "unfrozen": unfrozen,

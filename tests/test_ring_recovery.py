@@ -166,6 +166,29 @@ def test_a_rank_late_at_the_rendezvous_of_new_channels_raises_at_once():
     assert "a peer gave up waiting for this rank" in late[1], late[1]
 
 
+def test_the_first_member_to_give_up_decides_the_rendezvous():
+    """The rendezvous counter of a new channel: the first member to give up writes how many
+    had come (a second one closing at the same moment does not overwrite it: before, its
+    count below zero made the first one raise while the last one to arrive went on); a member
+    then decides from it at once, and a Ctrl-C's mark (-1) makes every waiting member raise."""
+    import datetime
+    from ringseq.engine.transport import _close_rendezvous, _meet_in_store
+    for arrived, closers, mark, goes_on in ((3, 2, None, True), (2, 2, None, False),
+                                            (3, 1, -1, False)):
+        store = dist.HashStore()
+        store.set_timeout(datetime.timedelta(seconds=5))
+        store.add("ringseq_arrived", arrived)  # (the members that came before the close)
+        for _ in range(closers):
+            _close_rendezvous(store, mark)
+        want = str(arrived if mark is None else mark).encode()
+        assert store.get("ringseq_closed_at") == want, (arrived, closers, mark)
+        t0 = time.monotonic()  # (a member still polling sees the counter closed)
+        result = _capture(lambda: _meet_in_store(store, 3, 4.0))
+        assert (result[0] == "ok") == goes_on and time.monotonic() - t0 < 1, result
+        if not goes_on:
+            assert "a peer gave up waiting for this rank" in result[1], result
+
+
 def _worker_reverse_exchange_stalled():
     """Rank 0's reverse exchange (a backward's returning dK/dV) sends to rank 2, which takes
     it, and receives from rank 1, which never sends: the error names rank 1 as the one it

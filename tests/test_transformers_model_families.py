@@ -173,14 +173,21 @@ def test_a_bidirectional_model_whose_mask_is_widened_stays_bidirectional():
     assert (got - want).abs().max() < 1e-5 * want.abs().max()
 
 
-def test_a_layer_that_drops_the_documents_boundaries_is_named():
-    """StableLM's decoder layers call the attention without **kwargs, so a packed batch's
-    cu_seq_lens_q never reaches it. Before: refused with "pass cu_seq_lens_q and cu_seq_lens_k",
-    which the caller had passed."""
+@pytest.mark.parametrize("family", ["stablelm", "falcon"])
+def test_a_layer_that_drops_the_documents_boundaries_is_named(family):
+    """StableLM's and Falcon's decoder layers call the attention without **kwargs, so a
+    packed batch's cu_seq_lens_q never reaches it (FalconForCausalLM does not even hand them
+    to its base model). Before: refused with "pass cu_seq_lens_q and cu_seq_lens_k", which
+    the caller had passed."""
     import ringseq
     from ringseq.integrations.transformers import apply
     torch.manual_seed(0)
-    model = apply(transformers.StableLmForCausalLM(transformers.StableLmConfig(**SMALL)))
+    T = transformers
+    model = apply(T.StableLmForCausalLM(T.StableLmConfig(**SMALL)) if family == "stablelm" else
+                  T.FalconForCausalLM(T.FalconConfig(
+                      hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                      new_decoder_architecture=True, num_kv_heads=2)))
+    name = "StableLmAttention" if family == "stablelm" else "FalconAttention"
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (13, 7, 20, 8)]
     full = transformers.DataCollatorWithFlattening(
@@ -188,7 +195,7 @@ def test_a_layer_that_drops_the_documents_boundaries_is_named():
     batch = ringseq.shard_batch(dict(full), layout="zigzag")
     batch.pop("shift_labels")
     batch.pop("labels", None)
-    with pytest.raises(ValueError, match=r"^StableLmAttention: the model was called with packed "
+    with pytest.raises(ValueError, match=rf"^{name}: the model was called with packed "
                                          r"documents' boundaries \(cu_seq_lens_q\), but its "
                                          r"layer calls the attention without them"):
         model(**batch, use_cache=False)

@@ -91,8 +91,11 @@ class Ring:
             raise
         except RuntimeError as exc:
             limit = getattr(self.transport, "control_timeout_s", None) or ring_timeout()
+            # (a channel that could not be opened says why itself: its cause decides)
+            source = exc.__cause__ if isinstance(exc, RingTimeoutError) and \
+                exc.__cause__ is not None else exc
             what = (f"waited more than {limit:.0f} s for"
-                    if _timeout_exc(exc) else "lost the connection to")
+                    if _timeout_exc(source) else "lost the connection to")
             mismatch = getattr(self.transport, "reset_mismatch", lambda: None)()
             me = dist.get_rank() if is_initialized() else self.rank
             who = f"rank {self.rank}" + (f" (global rank {me})" if me != self.rank else "")

@@ -124,29 +124,45 @@ def _meet_in_store(store, world_size: int, timeout_s: float) -> None:
     ``store``, before gloo connects them: gloo's own connect retried towards a peer that had
     already given up for up to 5 times the ring timeout, and a Ctrl-C waited for it. Raises
     RuntimeError ("timed out") after ``timeout_s``, leaving a mark that makes a member
-    arriving later raise at once; polled, so a Ctrl-C interrupts the wait."""
-    # One counter, changed atomically: a member giving up closes it (takes it below zero) and
-    # writes how many had arrived then; every member decides from that one number, so none
-    # goes on into gloo's connect while another gave up (a member arriving after the close
-    # finds it closed short of everyone).
-    gone = 1 << 40
-    arrived = store.add("ringseq_arrived", 1)
+    arriving later raise at once; polled, so a Ctrl-C interrupts the wait (and closes the
+    rendezvous: the members still waiting raise at once)."""
+    # One counter, changed atomically: the first member to give up closes it (takes it below
+    # zero) and writes how many had arrived then; every member decides from that one number,
+    # so none goes on into gloo's connect while another gave up (a member arriving after the
+    # close finds it closed short of everyone; a later closer finds it closed already).
+    arrived = store.add(_ARRIVED, 1)
     deadline = time.monotonic() + timeout_s
     pause = 0.001
-    while arrived < world_size:
-        if arrived < 0 or time.monotonic() > deadline:
-            if arrived >= 0:  # (this member gives up: it closes the counter)
-                store.set("ringseq_closed_at",
-                          str(store.add("ringseq_arrived", -gone) + gone))
-            store.wait(["ringseq_closed_at"])  # (written right after the close)
-            if int(store.get("ringseq_closed_at")) >= world_size:
-                return  # (everyone had come when it closed)
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s at the channel's rendezvous"
-                               if arrived >= 0 else "a peer gave up waiting for this rank at "
-                               "the channel's rendezvous (it stopped waiting first)")
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
-        arrived = store.add("ringseq_arrived", 0)
+    try:
+        while arrived < world_size:
+            if arrived < 0 or time.monotonic() > deadline:
+                if arrived >= 0:
+                    _close_rendezvous(store, None)
+                store.wait([_CLOSED_AT])  # (written right after the close)
+                if int(store.get(_CLOSED_AT)) >= world_size:
+                    return  # (everyone had come when it closed)
+                raise RuntimeError(
+                    f"timed out after {timeout_s:.0f} s at the channel's rendezvous"
+                    if arrived >= 0 else "a peer gave up waiting for this rank at the channel's "
+                    "rendezvous (it stopped waiting first, or was interrupted)")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+            arrived = store.add(_ARRIVED, 0)
+    except (KeyboardInterrupt, SystemExit):  # (a Ctrl-C: the others need not wait for it)
+        _close_rendezvous(store, -1)
+        raise
+
+
+_ARRIVED, _CLOSED_AT = "ringseq_arrived", "ringseq_closed_at"
+_GONE = 1 << 40  # (takes the counter below zero: closed)
+
+
+def _close_rendezvous(store, mark) -> None:
+    """Closes the rendezvous counter; the first closer writes how many had arrived (``mark``
+    instead, when given: -1 makes every member still waiting raise)."""
+    closed = store.add(_ARRIVED, -_GONE) + _GONE
+    if closed >= 0:  # (the first closer: a later one finds the counter below zero)
+        store.set(_CLOSED_AT, str(closed if mark is None else mark))
 
 
 def _own_store_client():
@@ -259,10 +275,8 @@ def exchange_error(comm: "RingComm", exc: RuntimeError, timeout: Optional[dateti
             if timeout is not None and _timeout_exc(exc) else
             f"lost the connection ({type(exc).__name__}: {exc}) in")
     frm, to = (comm.next_rank, comm.prev_rank) if reverse else (comm.prev_rank, comm.next_rank)
-    me = dist.get_rank() if is_initialized() else comm.rank
-    who = f"rank {comm.rank}" + (f" (global rank {me})" if me != comm.rank else "")
     return RingTimeoutError(
-        f"ringseq: {who} {what} a ring exchange with its peers "
+        f"ringseq: {comm.who()} {what} a ring exchange with its peers "
         f"(receiving from global rank {frm}, sending to global rank "
         f"{to}): a peer stalled, died or left the ring call "
         f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on every "
@@ -341,6 +355,11 @@ class RingComm(Transport):
     @property
     def ring_key(self):
         return self._pg_ref() if self._pg_ref is not None else self
+
+    def who(self) -> str:
+        """This rank in the ring's group, with its global rank where they differ."""
+        me = dist.get_rank() if is_initialized() else self.rank
+        return f"rank {self.rank}" + (f" (global rank {me})" if me != self.rank else "")
 
     def describe_peers(self) -> str:
         me = dist.get_rank() if is_initialized() else 0
@@ -431,7 +450,7 @@ class RingComm(Transport):
             what = (f"waited more than {ring_timeout():.0f} s for" if _timeout_exc(exc)
                     else "could not reach")
             raise RingTimeoutError(
-                f"ringseq: rank {self.rank} {what} its ring peers ({self.describe_peers()}) "
+                f"ringseq: {self.who()} {what} its ring peers ({self.describe_peers()}) "
                 f"opening the ring's {purpose} channel ({type(exc).__name__}: {exc}): a peer "
                 f"stalled, died or left the ring call, or the store's host is gone "
                 f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on "
@@ -472,7 +491,7 @@ class RingComm(Transport):
                 dist.all_to_all_single(recv, send, group=self.group)
         except RuntimeError as exc:
             raise RingTimeoutError(
-                f"ringseq: rank {self.rank} lost its all-to-all peers ({self.describe_peers()}; "
+                f"ringseq: {self.who()} lost its all-to-all peers ({self.describe_peers()}; "
                 f"{type(exc).__name__}: {exc}): a peer stalled, died or left the call "
                 f"(ringseq.reset_ring(group) on every rank makes the group usable again)") from exc
 

@@ -73,7 +73,8 @@ from ..layouts import Layout, document_positions, get_layout, positions_local
 from ..nn import ring_attention
 from ..parallel.groups import (SequenceParallelGroups, check_model_heads, check_sp_mode,
                                make_sp_groups, resolve_sp_sizes)
-from ..parallel.usp import usp_attn_func
+from ..kernels.checks import SDPA_FORM
+from ..parallel.usp import _usp
 
 __all__ = ["ATTN_IMPLEMENTATION", "RingSettings", "apply", "ringseq_attention_forward",
            "ringseq_mask"]
@@ -292,16 +293,17 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         scaling = getattr(module, "scaling", None)
     # (b, h, s, d) -> (b, s, h, d) as views: the ring reads strided inputs without a copy.
     if settings.sp is not None:
-        out = usp_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                            softmax_scale=scaling, causal=bool(causal), sp=settings.sp,
-                            layout=settings.ring_layout, backend=settings.backend,
-                            window_size=window, softcap=float(softcap or 0.0), cu_seqlens=docs)
+        # (the errors name transformers' query / key / value in its (b, h, s, d))
+        out = _usp("usp_attn_func", query.transpose(1, 2), key.transpose(1, 2),
+                   value.transpose(1, 2), 0.0, scaling, bool(causal), settings.sp,
+                   settings.ring_layout, False, settings.backend, None, window,
+                   float(softcap or 0.0), docs, form=SDPA_FORM)
         return out, None
     out = ring_attention(name, query.transpose(1, 2), key.transpose(1, 2),
                          value.transpose(1, 2), softmax_scale=scaling, causal=bool(causal),
                          window_size=window, group=settings.group, layout=layout,
                          backend=settings.backend, softcap=float(softcap or 0.0),
-                         cu_seqlens=docs)
+                         cu_seqlens=docs, form=SDPA_FORM)
     return out, None
 
 
@@ -444,7 +446,7 @@ def _capture_positions(module, args, kwargs):
     if settings is None:
         return
     settings._calls += 1
-    settings._model_documents = kwargs.get("cu_seq_lens_q") is not None
+    settings._model_documents = settings._model_documents or _given_documents(kwargs)
     if not getattr(module, "_ringseq_takes_positions", False):
         return  # (apply refused such a model that encodes positions)
     pos = kwargs.get("position_ids")
@@ -455,6 +457,24 @@ def _capture_positions(module, args, kwargs):
         except TypeError:  # the call itself is wrong: the model's forward will say so
             pos = None
     settings._model_positions = pos if pos is not None else _MODEL_DEFAULT_POSITIONS
+
+
+def _given_documents(kwargs) -> bool:
+    return kwargs.get("cu_seq_lens_q") is not None
+
+
+def _capture_documents(module, args, kwargs):
+    """Forward pre-hook on the model ``apply`` was given, where it is not the base model: it
+    may take the packed documents' boundaries and not hand them on (FalconForCausalLM)."""
+    settings = getattr(module, "ringseq_settings", None)
+    if settings is not None:
+        settings._model_documents = _given_documents(kwargs)
+
+
+def _forget_documents(module, args, kwargs, output):
+    settings = getattr(module, "ringseq_settings", None)
+    if settings is not None:
+        settings._model_documents = False
 
 
 def _forget_positions(module, args, kwargs, output):
@@ -507,6 +527,13 @@ def _watch_model_positions(model, settings: RingSettings) -> None:
         base.register_forward_pre_hook(_capture_positions, with_kwargs=True)
         base.register_forward_hook(_forget_positions, with_kwargs=True, always_call=True)
         base._ringseq_watches_positions = True
+    outer = _unwrapped(model)
+    if outer is not base:
+        outer.ringseq_settings = settings
+        if not getattr(outer, "_ringseq_watches_documents", False):
+            outer.register_forward_pre_hook(_capture_documents, with_kwargs=True)
+            outer.register_forward_hook(_forget_documents, with_kwargs=True, always_call=True)
+            outer._ringseq_watches_documents = True
 
 
 # Per-layer kinds (a config's layer_types, layers_block_type or block_types) that mix tokens

@@ -40,12 +40,17 @@ def check_rebindable(optimizer: torch.optim.Optimizer, names: Dict[int, str],
     anything is modified."""
     stepped = any(_stepped(s) for s in optimizer.state.values())
     if stepped or (moved and any(len(s) for s in optimizer.state.values())):
-        why = ("a step was taken, or a state loaded, before boost: each rank's own, or of the "
-               "unsharded parameters" if stepped else "its constructor's, of the unsharded parameters, "
-               "which sharding replaces")
-        raise ValueError(f"boost: {type(optimizer).__name__} already has state ({why}); boost "
-                         f"the model and optimizer first, then load a checkpoint with "
-                         f"booster.load_optimizer")
+        name = type(optimizer).__name__
+        if not stepped:
+            raise ValueError(f"boost: {name} makes state in its constructor, of the unsharded "
+                             f"parameters, which sharding (zero_stage >= 2 or tp_size > 1) "
+                             f"replaces without it; use an optimizer that makes its state at "
+                             f"its first step (SGD, Adam, AdamW), or zero_stage 0 without "
+                             f"tensor parallelism")
+        raise ValueError(f"boost: {name} already has state (a step was taken, or a state "
+                         f"loaded, before boost: each rank's own, or of the unsharded "
+                         f"parameters); boost the model and optimizer first, then load a "
+                         f"checkpoint with booster.load_optimizer")
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in names:

@@ -15,6 +15,7 @@ from ..engine.integrity import FWD
 from ..engine.op import run_attention
 from ..engine.placement import LOCAL, Placement, RingPlacement
 from ..engine.ring import refuse_on_error
+from ..kernels.checks import FLASH_FORM, SDPA_FORM, InputForm
 from ..layouts import Layout, get_layout
 from ..ops import returns
 from ..spec import (attn_spec, bound_layout, check_global_documents, check_layout,
@@ -101,7 +102,8 @@ def _check_sp(fn: str, sp) -> None:
 
 
 def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, backend,
-         grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None):
+         grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None,
+         form: InputForm = FLASH_FORM):
     with refuse_on_error(_refusal_group(fn, sp), FWD):
         _check_sp(fn, sp)
         check_returns(fn, False, return_lse)
@@ -111,16 +113,19 @@ def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, 
         spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                          causal=causal, window_size=window_size, softcap=softcap,
                          backend=backend, grad_comm_dtype=grad_comm_dtype,
-                         documents=given.documents if cu_seqlens is None else cu_seqlens)
-        check_self_attention(spec, q, k)
+                         documents=given.documents if cu_seqlens is None else cu_seqlens,
+                         form=form)
+        check_self_attention(spec, q, k, form)
         ulysses_heads(q.shape[2], k.shape[2], U, fn=fn)
         part = q.shape[1] * U  # tokens of a ring part (after the all-to-all)
         # (in the caller's terms: q.shape[1] tokens on each of the U x R ranks)
-        check_global_documents(spec, U * R, q.shape[1])
+        documents_name = ("cu_seqlens" if cu_seqlens is not None else
+                          "the boundaries of layout Documents(cu_seqlens)")
+        check_global_documents(spec, U * R, q.shape[1], documents_name)
         bound = bound_layout(fn, given, spec.documents)
         if R > 1:
             lay = given
-            check_layout(spec, bound, R, part)
+            check_layout(spec, bound, R, part, documents_name)
         else:
             lay = get_layout("contiguous")
             spec = local_spans(gathered(spec, part), part, part)
@@ -141,5 +146,6 @@ def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
         q, k, v = sdpa_inputs(fn, query, key, value, attn_mask, dropout_p, is_causal, scale,
                               enable_gqa)
         named_layout(fn, layout, takes_documents=False)
-    out = _usp(fn, q, k, v, 0.0, scale, is_causal, sp, layout, False, backend, grad_comm_dtype)
+    out = _usp(fn, q, k, v, 0.0, scale, is_causal, sp, layout, False, backend, grad_comm_dtype,
+               form=SDPA_FORM)
     return out.transpose(1, 2)

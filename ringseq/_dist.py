@@ -336,7 +336,8 @@ def _check_timeout(value, what: str) -> float:
     refused; gloo's per-operation timeout in nanoseconds overflows above about 1e10 s)."""
     real = isinstance(value, numbers.Real) or (
         torch.is_tensor(value) and value.dim() == 0 and not value.is_complex())
-    if not real or isinstance(value, bool) or (torch.is_tensor(value) and value.dtype == torch.bool):
+    if not real or isinstance(value, bool) or (
+            torch.is_tensor(value) and value.dtype == torch.bool):
         raise TypeError(f"{what} must be a number of seconds (>= 1, finite), got {value!r} "
                         f"({type(value).__name__})")
     try:

@@ -335,9 +335,9 @@ def check_global_documents(spec: AttnSpec, world_size: int, s_local: int,
     total = s_local * world_size
     if spec.documents is not None and spec.documents[-1] != total:
         raise ValueError(
-            f"{spec.fn}: {documents_name} must be the GLOBAL document boundaries of the whole packed "
-            f"sequence (the same on every rank, ending at the global length {total} = local "
-            f"length {s_local} x world size {world_size}), got boundaries ending at "
+            f"{spec.fn}: {documents_name} must be the GLOBAL document boundaries of the whole "
+            f"packed sequence (the same on every rank, ending at the global length {total} = "
+            f"local length {s_local} x world size {world_size}), got boundaries ending at "
             f"{spec.documents[-1]}" + (" (per-rank boundaries, as ring-flash-attention passes "
                                        "them? Its shards, each document cut into W pieces, "
                                        "are layout='documents_contiguous' (zigzag_ring_...: "

@@ -322,6 +322,11 @@ def collective_count(group) -> Optional[int]:
     try:
         return count()
     except RuntimeError:
+        try:  # (a CUDA backend beside it would run the collectives uncounted there: None)
+            group._get_backend(torch.device("cuda"))
+            return None
+        except Exception:  # noqa: BLE001 - no CUDA backend: the CPU one runs them
+            pass
         try:
             return group._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
         except Exception:  # noqa: BLE001 - no CPU backend that counts: not counted
@@ -345,9 +350,10 @@ def _check_timeout(value, what: str) -> float:
     except OverflowError:  # (an int beyond float64's range)
         seconds = math.inf
     if not (1.0 <= seconds <= _MAX_TIMEOUT_S):
-        shown = (f"{repr(value)[:20]}... (an int of {len(str(abs(value)))} digits)"
-                 if isinstance(value, numbers.Integral) and len(repr(value)) > 40
-                 else repr(seconds))
+        # (an int's digits from its bits: Python refuses to print one of over 4300 digits)
+        shown = (f"an int of about {int(int(value).bit_length() * 0.30103) + 1} digits"
+                 if isinstance(value, numbers.Integral) and abs(int(value)) >= 10 ** 40
+                 else repr(value) if isinstance(value, numbers.Integral) else repr(seconds))
         raise ValueError(f"{what} must be a number of seconds from 1 to {_MAX_TIMEOUT_S:.0e} "
                          f"(about 31 years), got {shown}")
     return seconds

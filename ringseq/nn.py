@@ -29,7 +29,7 @@ from .engine.ring import refuse_on_error, ring_size
 from .ops import returns
 from .kernels import check_backend_name
 from .kernels.checks import FLASH_FORM, SDPA_FORM, VARLEN_FORM, InputForm
-from .spec import (attn_spec, bound_layout, check_grad_comm_dtype, check_layout,
+from .spec import (attn_spec, bound_layout, check_grad_comm_dtype, check_layout, documents_name,
                    check_self_attention, named_layout)
 
 __all__ = ["ring_flash_attn_func", "ring_flash_attn_kvpacked_func",
@@ -69,8 +69,7 @@ def ring_attention(fn: str, q, k, v, *, dropout_p=0.0, softmax_scale=None, causa
                          form=form)
         check_self_attention(spec, q, k, form)
         check_layout(spec, bound_layout(fn, unbound, spec.documents), ring_size(group, fn),
-                     q.shape[1], "cu_seqlens" if cu_seqlens is not None else
-                     "the boundaries of layout Documents(cu_seqlens)")
+                     q.shape[1], documents_name(cu_seqlens))
     out, lse = run_attention(q, k, v, spec, RingPlacement(unbound, group, comm_kind))
     return returns(out, lse, return_attn_probs, return_lse)
 

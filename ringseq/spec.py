@@ -326,6 +326,13 @@ def named_layout_error(spec: AttnSpec, exc: BaseException) -> BaseException:
     return with_message(exc, f"{spec.fn}: {exc}", fallback=kind)
 
 
+def documents_name(cu_seqlens) -> str:
+    """Where a call's documents came from, for its errors: its ``cu_seqlens``, or (None) its
+    layout's own boundaries."""
+    return ("cu_seqlens" if cu_seqlens is not None else
+            "the boundaries of layout Documents(cu_seqlens)")
+
+
 def check_global_documents(spec: AttnSpec, world_size: int, s_local: int,
                            documents_name: str = "cu_seqlens") -> None:
     """The call's documents (``documents_name``: where the caller gave them) end at the

@@ -78,6 +78,11 @@ class Ring:
     def checks_on(self) -> bool:
         return self.world_size > 1 and consistency_check_mode() != "off"
 
+    def who(self) -> str:
+        """This rank in the ring's group, with its global rank where they differ."""
+        me = dist.get_rank() if is_initialized() else self.rank
+        return f"rank {self.rank}" + (f" (global rank {me})" if me != self.rank else "")
+
     def control(self, words: torch.Tensor, kind: int, seq: int) -> Optional[torch.Tensor]:
         """The transport's control collective, with every failure of it turned into a ringseq
         error naming the operation (and the ring marked broken)."""
@@ -97,11 +102,9 @@ class Ring:
             what = (f"waited more than {limit:.0f} s for"
                     if _timeout_exc(source) else "lost the connection to")
             mismatch = getattr(self.transport, "reset_mismatch", lambda: None)()
-            me = dist.get_rank() if is_initialized() else self.rank
-            who = f"rank {self.rank}" + (f" (global rank {me})" if me != self.rank else "")
             at = control_name(words, kind, seq)
             err = RingTimeoutError(
-                f"ringseq: {who} {what} its ring peers "
+                f"ringseq: {self.who()} {what} its ring peers "
                 f"({self.transport.describe_peers()}) at {at} on the control channel: "
                 f"a peer stopped calling (stalled, died, or "
                 f"raised outside ringseq without reporting it), gave up waiting for this rank, "

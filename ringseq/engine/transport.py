@@ -475,7 +475,7 @@ class RingComm(Transport):
         ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, frm, group)]
         # NCCL keeps its stream-ordered wait and its own watchdog (a timed host wait would
         # block the host).
-        return _Pending(dist.batch_isend_irecv(ops), self, None)
+        return _Pending(dist.batch_isend_irecv(ops), self, None, reverse)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         if self.world_size == 1:

@@ -650,6 +650,11 @@ def _check_positions_exact(model, modules) -> None:
                 f"ids: each rank would use its own shard's positions 0..s_local-1")
 
 
+
+def _text_config(config):
+    """A multimodal config's language model's sub-config (the config itself otherwise)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
 def _check_ring_exact(model, modules) -> None:
     """ValueError (raised by :func:`apply`, before any communication) for models whose tokens
     meet other than through the attention modules ringseq switches: each rank would run the
@@ -661,7 +666,7 @@ def _check_ring_exact(model, modules) -> None:
     # the language model's attention modules: the sequence the ring shards is theirs (an
     # audio or vision tower's layers, which may hold convolutions, run whole inputs per rank)
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     modules = [m for m in modules if getattr(m, "config", None) is text] or modules
     configs = {id(c): c for c in [config] + [getattr(m, "config", None) for m in modules]
                if c is not None}
@@ -832,7 +837,7 @@ def _attention_modules(model: torch.nn.Module):
     each rank runs whole images there, and a ring would shard their patches; before:
     Qwen2-VL's vision attention was switched, and refused every image)."""
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     towers = {id(sub) for name in (getattr(config, "sub_configs", None) or {})
               for sub in [getattr(config, name, None)]
               if sub is not None and sub is not text
@@ -1001,7 +1006,7 @@ def _check_whole_sequence_terms(model) -> None:
                          f"base model ({type(_base_model(model)).__name__}) and pool the "
                          f"gathered hidden states (ringseq.unshard)")
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     for attr, what in (("token_dropout", "rescales each row's embeddings by the fraction of "
                                          "<mask> tokens in it"),
                        ("trigram_input", "joins each token's embedding with its neighbours'")):

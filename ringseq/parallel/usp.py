@@ -18,7 +18,7 @@ from ..engine.ring import refuse_on_error
 from ..kernels.checks import FLASH_FORM, SDPA_FORM, InputForm
 from ..layouts import Layout, get_layout
 from ..ops import returns
-from ..spec import (attn_spec, bound_layout, check_global_documents, check_layout,
+from ..spec import (attn_spec, bound_layout, check_global_documents, check_layout, documents_name,
                     check_self_attention, local_spans, named_layout)
 from .double_ring import DoubleRingPlacement
 from .groups import SequenceParallelGroups
@@ -119,13 +119,11 @@ def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, 
         ulysses_heads(q.shape[2], k.shape[2], U, fn=fn)
         part = q.shape[1] * U  # tokens of a ring part (after the all-to-all)
         # (in the caller's terms: q.shape[1] tokens on each of the U x R ranks)
-        documents_name = ("cu_seqlens" if cu_seqlens is not None else
-                          "the boundaries of layout Documents(cu_seqlens)")
-        check_global_documents(spec, U * R, q.shape[1], documents_name)
+        check_global_documents(spec, U * R, q.shape[1], documents_name(cu_seqlens))
         bound = bound_layout(fn, given, spec.documents)
         if R > 1:
             lay = given
-            check_layout(spec, bound, R, part, documents_name)
+            check_layout(spec, bound, R, part, documents_name(cu_seqlens))
         else:
             lay = get_layout("contiguous")
             spec = local_spans(gathered(spec, part), part, part)

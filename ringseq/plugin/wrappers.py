@@ -161,10 +161,11 @@ class ModelWrapper(nn.Module):
                     return self.module(*args, **kwargs)
             user = self.unwrap()
             # Refusals of what the model was boosted for, raised before any collective and
-            # outside the failure reporting, so that nothing needs repair: every rank holds the
-            # same parameters, and the boosted loader refuses inputs_embeds under tp on every
-            # rank at once (batches of the user's own that differ in kind between data-parallel
-            # groups leave the other groups waiting for the ring timeout).
+            # outside the failure reporting, so that nothing needs repair (those of frozen or
+            # unfrozen parameters, which a rank may make alone, fail the forward below): every
+            # rank holds the same parameters, and the boosted loader refuses inputs_embeds under
+            # tp on every rank at once (batches of the user's own that differ in kind between
+            # data-parallel groups leave the other groups waiting for the ring timeout).
             if self.needs_input_ids and kwargs.get("inputs_embeds") is not None:
                 raise ValueError(f"{type(user).__name__}: {INPUTS_EMBEDS_UNDER_TP}")
             if self.needs_position_ids and kwargs.get("position_ids") is None and len(args) < 3:
@@ -1000,9 +1001,13 @@ class OptimizerWrapper:
         if not isinstance(param_group, dict) or self.model is None:
             return self.optim.add_param_group(param_group)  # (torch's TypeError, or unchecked)
         params = param_group.get("params")
-        params = [params] if torch.is_tensor(params) else (
-            list(params) if isinstance(params, (list, tuple)) or hasattr(params, "__next__")
-            else params)  # (a generator is read once; a set stays for torch to refuse)
+        if torch.is_tensor(params):
+            params = [params]
+        elif not isinstance(params, set):  # (a set stays for torch to refuse, unordered)
+            try:  # (any iterable, read once: a generator, dict values, a ParameterList)
+                params = list(params)
+            except TypeError:  # (not iterable: torch's own error)
+                pass
         param_group = dict(param_group, params=params)
         refusal = None
         if isinstance(params, list):

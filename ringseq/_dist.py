@@ -350,10 +350,12 @@ def _check_timeout(value, what: str) -> float:
     except OverflowError:  # (an int beyond float64's range)
         seconds = math.inf
     if not (1.0 <= seconds <= _MAX_TIMEOUT_S):
-        # (an int's digits from its bits: Python refuses to print one of over 4300 digits)
-        shown = (f"an int of about {int(int(value).bit_length() * 0.30103) + 1} digits"
-                 if isinstance(value, numbers.Integral) and abs(int(value)) >= 10 ** 40
-                 else repr(value) if isinstance(value, numbers.Integral) else repr(seconds))
+        shown = repr(seconds)
+        if isinstance(value, numbers.Integral):
+            # (an int's digits from its bits: Python refuses to print one of over 4300)
+            n = int(value)
+            shown = (repr(n) if abs(n) < 10 ** 40 else
+                     f"an int of about {int(n.bit_length() * 0.30103) + 1} digits")
         raise ValueError(f"{what} must be a number of seconds from 1 to {_MAX_TIMEOUT_S:.0e} "
                          f"(about 31 years), got {shown}")
     return seconds

@@ -242,7 +242,7 @@ def test_boost_refuses_an_optimizer_that_took_a_step_at_zero_stage_0(zero0):
         assert r["adagrad"] == "no error", r["adagrad"]  # (its constructor's state: step 0)
 
 
-def test_a_parameter_frozen_after_boost_is_named_before_the_forward(zero0):
+def test_a_parameter_frozen_after_boost_is_named_at_the_forward(zero0):
     for r in zero0:
         assert r["frozen"].startswith(
             "ValueError: LlamaForCausalLM: parameter(s) ['model.norm.weight'] required "

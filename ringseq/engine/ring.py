@@ -78,11 +78,6 @@ class Ring:
     def checks_on(self) -> bool:
         return self.world_size > 1 and consistency_check_mode() != "off"
 
-    def who(self) -> str:
-        """This rank in the ring's group, with its global rank where they differ."""
-        me = dist.get_rank() if is_initialized() else self.rank
-        return f"rank {self.rank}" + (f" (global rank {me})" if me != self.rank else "")
-
     def control(self, words: torch.Tensor, kind: int, seq: int) -> Optional[torch.Tensor]:
         """The transport's control collective, with every failure of it turned into a ringseq
         error naming the operation (and the ring marked broken)."""
@@ -104,7 +99,7 @@ class Ring:
             mismatch = getattr(self.transport, "reset_mismatch", lambda: None)()
             at = control_name(words, kind, seq)
             err = RingTimeoutError(
-                f"ringseq: {self.who()} {what} its ring peers "
+                f"ringseq: {self.transport.who()} {what} its ring peers "
                 f"({self.transport.describe_peers()}) at {at} on the control channel: "
                 f"a peer stopped calling (stalled, died, or "
                 f"raised outside ringseq without reporting it), gave up waiting for this rank, "

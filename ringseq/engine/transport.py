@@ -78,6 +78,10 @@ class Transport:
     def rebuild(self) -> None:
         """Replaces channels a failure broke (nothing to do for this default)."""
 
+    def who(self) -> str:
+        """This rank, for error messages."""
+        return f"rank {self.rank}"
+
     def describe_peers(self) -> str:
         """The peers, for error messages."""
         return f"ranks {[r for r in range(self.world_size) if r != self.rank]}"

@@ -42,6 +42,7 @@ import numbers
 import re
 import sys
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ._args import int_if_integer, is_bool
@@ -186,6 +187,9 @@ class ModelShape:
             if getattr(shape, f) < 1:
                 raise ValueError(f"estimate_memory: config {key} must be >= 1, got "
                                  f"{getattr(shape, f)}")
+            if getattr(shape, f) > MAX_SIZE:
+                raise ValueError(f"estimate_memory: config {key} must be at most 2**63 - 1 "
+                                 f"(int64), got {getattr(shape, f)}")
         if shape.heads % shape.kv_heads:
             raise ValueError(f"estimate_memory: num_attention_heads={shape.heads} must be a "
                              f"multiple of num_key_value_heads={shape.kv_heads}")
@@ -329,14 +333,24 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2,
           "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
 
 
+#: the largest size (a length, a count of bytes) the planner takes: int64's, what torch
+#: indexes; with every size below it the terms stay within a float's range
+MAX_SIZE = 2 ** 63 - 1
+
+
 def parse_bytes(text: str) -> int:
     """``'80GiB'`` -> 85899345920; ``'80GB'`` -> 80e9; a plain number is bytes. Raises
-    ValueError for anything else (a negative size too)."""
+    ValueError for anything else (a negative size, or one above 2**63 - 1 bytes, too)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"parse_bytes: a memory size must be a non-negative number with an "
                          f"optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    # (exact: a float would turn a long number into infinity)
+    n = int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n > MAX_SIZE:
+        raise ValueError(f"parse_bytes: a memory size must be at most 2**63 - 1 bytes, got "
+                         f"{text!r}")
+    return n
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -917,9 +931,12 @@ def _megatron(p: _Plan, flash: bool = False) -> int:
 
 # ------------------------------------------------------------------------------ checks
 def _check_int(name, value, minimum=1, fn="estimate_memory") -> int:
-    """``value`` as an int (NumPy's integers too); ValueError unless it is one >= minimum."""
+    """``value`` as an int (NumPy's integers too); ValueError unless it is one from
+    ``minimum`` to :data:`MAX_SIZE`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{fn}: {name} must be an integer >= {minimum}, got {value!r}")
+    if value > MAX_SIZE:
+        raise ValueError(f"{fn}: {name} must be at most 2**63 - 1 (int64), got {value!r}")
     return int(value)
 
 
@@ -937,7 +954,8 @@ def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_sta
             ("sp_size", sp_size), ("tp_size", tp_size),
             ("gradient_accumulation_steps", gradient_accumulation_steps)))
     # (NumPy's integers as ints; what is no integer ParallelDims names)
-    zero_stage, ulysses_size = int_if_integer(zero_stage), int_if_integer(ulysses_size)
+    zero_stage, ulysses_size, inner_ring_size = (
+        int_if_integer(zero_stage), int_if_integer(ulysses_size), int_if_integer(inner_ring_size))
     if not isinstance(activation_checkpointing, bool):
         raise ValueError(f"estimate_memory: activation_checkpointing must be True or False, got "
                          f"{activation_checkpointing!r}")
@@ -1115,10 +1133,13 @@ def meshes(config, world_size: int, precision: str = "bf16") -> List[dict]:
 
 
 def _check_budget(fn: str, device_memory) -> None:
+    # (an int past MAX_SIZE first: math.isfinite cannot take one past a float's range)
     if (isinstance(device_memory, bool) or not isinstance(device_memory, numbers.Real)
-            or not math.isfinite(device_memory) or device_memory <= 0):
-        raise ValueError(f"{fn}: device_memory must be a positive number of bytes (e.g. "
-                         f"ringseq.memory.parse_bytes('80GiB')), got {device_memory!r}")
+            or (isinstance(device_memory, numbers.Integral) and device_memory > MAX_SIZE)
+            or not math.isfinite(device_memory) or not 0 < device_memory <= MAX_SIZE):
+        raise ValueError(f"{fn}: device_memory must be a positive number of bytes, at most "
+                         f"2**63 - 1 (e.g. ringseq.memory.parse_bytes('80GiB')), got "
+                         f"{device_memory!r}")
 
 
 def fitting_meshes(config, *, world_size: int, seqlen: int, device_memory: int,
@@ -1146,9 +1167,11 @@ def _search(config, *, world_size, seqlen, device_memory, **kwargs):
                         f"takes micro_batch, precision, optimizer, layout and "
                         f"gradient_accumulation_steps")
     _check_budget("fitting_meshes", device_memory)
-    # the options' own errors (dp = world_size, nothing split: every seqlen >= 1 divides)
+    # the options' own errors (dp = world_size, nothing split: every seqlen >= 1 divides; in
+    # Ulysses' mode, as the ring's zigzag shards a sequence even over one rank)
     with _named_as("fitting_meshes"):
-        estimate_memory(config, seqlen=seqlen, world_size=world_size, sp_size=1, **kwargs)
+        estimate_memory(config, seqlen=seqlen, world_size=world_size, sp_size=1,
+                        sp_mode="ulysses", **kwargs)
     estimated, left_out = [], {}
     for mesh in meshes(config, world_size, kwargs.get("precision", "bf16")):
         try:
@@ -1183,12 +1206,12 @@ _MESH_KEYS = frozenset(inspect.signature(estimate_memory).parameters) - {"config
 
 def _seq_step(mesh: dict) -> int:
     """The shortest length ``mesh`` (the keyword arguments of :func:`estimate_memory`) and
-    its layout can split: the lengths it takes are its multiples."""
-    return ParallelDims(world_size=mesh["world_size"], sp_size=mesh["sp_size"],
-                        tp_size=mesh.get("tp_size", 1), zero_stage=mesh.get("zero_stage", 0),
-                        sp_mode=mesh.get("sp_mode", "ring"),
-                        ulysses_size=mesh.get("ulysses_size"),
-                        inner_ring_size=mesh.get("inner_ring_size")
+    its layout can split: the lengths it takes are its multiples. (NumPy's integers as ints,
+    as :func:`estimate_memory` takes them; what is no integer ParallelDims names.)"""
+    sizes = {k: int_if_integer(mesh.get(k, d)) for k, d in (
+        ("world_size", None), ("sp_size", None), ("tp_size", 1), ("zero_stage", 0),
+        ("ulysses_size", None), ("inner_ring_size", None))}
+    return ParallelDims(sp_mode=mesh.get("sp_mode", "ring"), **sizes
                         ).seq_multiple(mesh.get("layout", "zigzag"))
 
 

@@ -261,6 +261,8 @@ def test_parameter_sizes_in_model_order_sum_to_the_parameters(over):
     ("fitting_meshes", dict(device_memory=0), ValueError, "device_memory must be a positive"),
     ("fitting_meshes", dict(device_memory=float("nan")), ValueError, "device_memory"),
     ("fitting_meshes", dict(device_memory="80GiB"), ValueError, "parse_bytes"),
+    # (before: OverflowError from math.isfinite)
+    ("fitting_meshes", dict(device_memory=10 ** 400), ValueError, r"at most 2\*\*63 - 1"),
     ("max_seqlen", dict(device_memory=-1, sp_size=8), ValueError, "device_memory"),
     ("max_seqlen", dict(device_memory=GiB, sp_size=8, limit=7), ValueError,
      "limit must be an integer >= 16"),
@@ -293,6 +295,8 @@ def test_planner_budget_and_limit_errors(fn, kwargs, error, match):
     ({"num_hidden_layers": 0}, r"num_hidden_layers must be >= 1, got 0"),
     ({"intermediate_size": 0}, r"intermediate_size must be >= 1, got 0"),
     ({"num_key_value_heads": 2.5}, r"num_key_value_heads must be an integer, got 2.5"),
+    # (before: OverflowError "integer division result too large for a float" from str())
+    ({"vocab_size": 10 ** 320}, r"vocab_size must be at most 2\*\*63 - 1 \(int64\)"),
 ])
 def test_config_sizes_are_whole_positive_numbers(over, match):
     with pytest.raises(ValueError, match="^estimate_memory: config " + match):
@@ -351,6 +355,8 @@ def test_table_and_breakdown():
     (dict(zero_stage=1), "zero_stage=1 is not supported; supported: \\[0, 2, 3\\]"),
     (dict(sp_mode="tree"), "sp_mode must be one of"),
     (dict(micro_batch=0), "micro_batch must be an integer >= 1"),
+    # (before: OverflowError "cannot convert float infinity to integer")
+    (dict(seqlen=8 * 10 ** 300), r"seqlen must be at most 2\*\*63 - 1 \(int64\)"),
 ])
 def test_argument_errors_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -363,6 +369,12 @@ def test_parse_bytes():
     assert mem.parse_bytes("1024") == 1024
     with pytest.raises(ValueError, match="memory size"):
         mem.parse_bytes("eighty")
+    # exact, not through a float (before: OverflowError for 401 digits)
+    assert mem.parse_bytes("9223372036854775807") == 2 ** 63 - 1
+    assert mem.parse_bytes("0.5KiB") == 512
+    with pytest.raises(ValueError, match=r"^parse_bytes: a memory size must be at most "
+                                         r"2\*\*63 - 1 bytes"):
+        mem.parse_bytes("1" + "0" * 400)
 
 
 # ---------------------------------------------------------------- the planner
@@ -489,6 +501,7 @@ def test_cli_max_seqlen(llama8b_json, capsys):
     (["--device-memory", "0GiB"], "--device-memory must be at least one byte, got 0GiB "
                                   "(0 bytes)"),  # (a traceback before)
     (["--device-memory", "0.5"], "--device-memory must be at least one byte, got 0.5 (0 bytes)"),
+    (["--device-memory", "1" + "0" * 400], "at most 2**63 - 1 bytes"),  # (a traceback before)
 ])
 def test_cli_argument_errors(llama8b_json, capsys, argv, match):
     base = ["--config", llama8b_json, "--world-size", "8"]
@@ -594,6 +607,11 @@ def test_arguments_of_another_kind_are_named():
                                          r"'no'"):  # (before: checkpointing on)
         est(activation_checkpointing="no")
     assert est(seqlen=np.int64(4096)).total == est().total == est(model.config).total
+    # max_seqlen takes the mesh's NumPy sizes as estimate_memory does (before: "world_size
+    # must be a positive integer, got np.int64(8)")
+    mesh = dict(world_size=8, sp_size=4, zero_stage=3)
+    assert mem.max_seqlen(TINY, device_memory=GiB, **{k: np.int64(v) for k, v in mesh.items()}
+                          ) == mem.max_seqlen(TINY, device_memory=GiB, **mesh)
     with pytest.raises(ValueError, match=r"^max_seqlen: sp_size=3 x tp_size=1 does not divide"):
         mem.max_seqlen(TINY, device_memory=80 * GiB, world_size=4, sp_size=3)
 
@@ -621,6 +639,26 @@ def test_estimate_within_ten_percent_of_memtracker():
     phases = {r["peak_phase"].split(",")[0] if "layer" not in r["peak_phase"]
               else r["peak_phase"].split("'s ")[-1] for r in rows}
     assert {"loss backward", "optimizer step", "MLP", "attention"} <= phases, phases
+
+
+def test_a_ring_of_one_rank_keeps_its_layouts_multiple():
+    """At sp 1 in the ring's mode the plugin's loader still shards with the layout (zigzag:
+    two chunks, an even length). Before, the planner listed dp-only meshes at 1023 tokens and
+    max_seqlen answered odd lengths, which the loader refused at the first batch."""
+    from ringseq.layouts import get_layout
+    from ringseq.parallel.dims import ParallelDims
+    assert ParallelDims(world_size=2, sp_size=1).seq_multiple("zigzag") == \
+        get_layout("zigzag").multiple(1) == 2  # (what shard_batch refuses at sp 1)
+    assert ParallelDims(world_size=2, sp_size=1, sp_mode="ulysses").seq_multiple() == 1
+    with pytest.raises(ValueError, match=r"seqlen=1023 must be a multiple of 2 \(the zigzag"):
+        est(seqlen=1023, world_size=2, sp_size=1)
+    assert est(seqlen=1023, world_size=2, sp_size=1, layout="contiguous").seqlen == 1023
+    fits = mem.fitting_meshes(TINY, world_size=2, seqlen=1023, device_memory=1 << 40)
+    assert not [e.mesh() for e in fits if e.sp_size == 1 and e.sp_mode == "ring"]
+    for over in (dict(sp_size=1), dict(sp_size=1, zero_stage=2),
+                 dict(sp_size=2, sp_mode="ulysses")):
+        found = mem.max_seqlen(TINY, device_memory=64 * 2 ** 20, world_size=2, **over)
+        assert found.seqlen % 2 == 0, (over, found.seqlen)
 
 
 def test_layout_decides_only_the_length_multiple():

@@ -218,9 +218,13 @@ class ParallelDims:
     def seq_multiple(self, layout="zigzag") -> int:
         """What the global sequence length must be a multiple of: the data layout's multiple
         over sp (``"documents"``: sp, packing pads to it), and sp x tp for the split of every
-        sp shard over tp. ``layout``: a name or a ``ringseq.layouts.Layout``."""
+        sp shard over tp. ``layout``: a name or a ``ringseq.layouts.Layout``. In ``"ring"``
+        mode the plugin's loader shards with the layout itself, also over one rank (zigzag:
+        an even length at sp 1); the other modes split a ring of one contiguously."""
+        from ..layouts import get_layout
         from .sp_layout import SequenceParallelLayout, ring_layout
-        lay = ring_layout(layout, self.ring_size, "seq_multiple")
+        lay = (get_layout(layout, "seq_multiple") if self.sp_mode == "ring"
+               else ring_layout(layout, self.ring_size, "seq_multiple"))
         if self.ulysses_size == 1:
             m = lay.multiple(self.sp_size)
         else:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 import weakref
 from typing import Callable, List, Optional
 
@@ -537,10 +536,9 @@ class RingSequenceParallelPlugin(Plugin):
                 documents (:func:`ringseq.plugin.dataloader.pack_documents`, like
                 transformers' ``DataCollatorWithFlattening``); every document attends only to
                 itself and no target crosses a document. A batch whose total is not a multiple
-                of what the mesh splits and the loader's layout shards (the least common
-                multiple of ``plugin.dims.seq_multiple(layout)`` and
-                ``plugin.data_layout``'s multiple over ``sp_size``: e.g. ``2 * sp`` for a
-                zigzag ring, times ``tp``; 2 for zigzag at sp 1) gets one padding document
+                of what the mesh splits and the loader's layout shards
+                (``plugin.dims.seq_multiple(layout)``: e.g. ``2 * sp`` for a zigzag ring,
+                times ``tp``; 2 for zigzag at sp 1) gets one padding document
                 (ignored by the loss, seen by no real token) to round it up. Use
                 ``layout="documents"`` for balanced causal work.
 
@@ -602,10 +600,9 @@ class RingSequenceParallelPlugin(Plugin):
             if kwargs.get("collate_fn") is not None:  # (None: DataLoader's default)
                 raise ValueError("prepare_dataloader(pack=True) packs the batch itself; drop the "
                                  "collate_fn (or pack in your own collate_fn with pack=False)")
-            # (what the mesh splits, and what the loader's layout shards: zigzag over a ring of
-            # one needs an even length, which the mesh alone, contiguous there, does not)
-            multiple = math.lcm(self.dims.seq_multiple(self.layout),
-                                get_layout(self.data_layout).multiple(self.sp_size))
+            # (what the mesh splits and the loader's layout shards: zigzag over a ring of one
+            # needs an even length too)
+            multiple = self.dims.seq_multiple(self.layout)
             kwargs["collate_fn"] = functools.partial(pack_documents, multiple=multiple,
                                                      ignore_index=self.ignore_index)
         # (a DistributedSampler that can start an epoch after its first batches: a loader

@@ -79,7 +79,8 @@ def parse_args(argv=None):
         p.error("--device cuda: this torch sees no CUDA device (a CPU build, or no GPU)")
     if args.heads % args.heads_kv:
         p.error(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
-    for length in args.cp_cache:  # part 2's zigzag split, checked before part 1 runs
+    # part 2's zigzag split, checked before part 1 runs (and only where part 2 runs)
+    for length in (args.cp_cache if not args.no_cp and args.device == "cpu" else ()):
         if length % (2 * args.world_size):
             p.error(f"--cp-cache {length}: zigzag over --world-size {args.world_size} needs a "
                     f"multiple of {2 * args.world_size}")

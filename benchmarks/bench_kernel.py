@@ -420,10 +420,15 @@ def parse_args(argv=None):
     if args.clock == "cpu" and (not args.threads or any(int(t) != 1 for t in args.threads.split(","))):
         p.error("--clock cpu measures one thread: pass --threads 1")
     args.dtypes = [x for x in (args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")).split(",") if x]
+    if not args.dtypes:  # (before: fp32 in the per-level children, an IndexError here)
+        p.error(f"--dtype: no dtype given in {args.dtype!r}")
     for dt in args.dtypes:
         if dt not in DTYPES:
             p.error(f"--dtype takes {', '.join(sorted(DTYPES))}, got {dt!r}")
-    args.modes = [m for m in args.modes.split(",") if m]
+    modes = args.modes
+    args.modes = [m for m in modes.split(",") if m]
+    if not args.modes:  # (before: an empty table and exit 0)
+        p.error(f"--modes: no mode given in {modes!r} (fwd, fwd_bwd)")
     for m in args.modes:
         if m not in ("fwd", "fwd_bwd"):
             p.error(f"--modes takes fwd and fwd_bwd, got {m!r}")

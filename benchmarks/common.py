@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -612,12 +613,27 @@ def environment(device):
     return env
 
 
+def _strict_json(value):
+    """``value`` with every non-finite float as the string ``"inf"``, ``"-inf"`` or
+    ``"nan"``: JSON has no such numbers (Python's ``Infinity`` / ``NaN`` tokens are refused by
+    strict parsers), and a failed run's rows are where they appear."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if value != value else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
 def write_json(path, payload):
+    """``payload`` as strict JSON at ``path`` (nothing without one); non-finite floats are
+    written as strings (:func:`_strict_json`)."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+        json.dump(_strict_json(payload), f, indent=2, allow_nan=False)
     progress(f"wrote {path}")
 
 

@@ -142,6 +142,9 @@ def parse_args(argv=None):
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.hidden % args.heads:
         p.error(f"--heads {args.heads} must divide --hidden {args.hidden}")
+    if (args.hidden // args.heads) % 2:  # (transformers' rotary halves: a raw shape error)
+        p.error(f"--hidden {args.hidden} / --heads {args.heads} = head dim "
+                f"{args.hidden // args.heads}: Llama's rotary embedding needs an even head dim")
     if args.dtype == "fp16" and not args.plugin:
         p.error("--dtype fp16 needs --plugin (its fp16 precision keeps float32 weights and "
                 "scales the loss): AdamW on float16 weights turns the loss into nan; use fp32 "

@@ -544,7 +544,8 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     positions as ``layout`` split them (``ringseq.shard``), later positions round-robin. Each
     call's queries (the same on every rank) attend locally to every rank's shard; the partial
     (out, lse) merge exactly by their log-sum-exp after one all-gather of
-    ``batch * seqlen_q * nheads * (headdim + 1)`` floats per rank. No key or value moves.
+    ``batch * seqlen_q * nheads * (headdim + 1) + 1`` floats per rank (the last: whether the
+    rank failed). No key or value moves.
 
     Where tokens live (every rank computes every home from ``prefill_len``, ``W`` and
     ``layout``, nothing is exchanged): position ``t < prefill_len`` on the rank and at the

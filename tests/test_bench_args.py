@@ -74,6 +74,13 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("bench_kernel.py", ["--isa", "baseline", "--ratio-to", "torch_sdpa"],
      "--ratio-to applies to one process (--isa current)"),
     ("bench_kernel.py", ["--seqlens", ","], "--seqlens: "),
+    # (before: an empty table and exit 0; fp32 in the per-level children; an IndexError)
+    ("bench_kernel.py", ["--modes", ","], "--modes: no mode given in ','"),
+    ("bench_kernel.py", ["--dtype", ","], "--dtype: no dtype given in ','"),
+    ("bench_kernel.py", ["--dtype", ",", "--isa", "current"], "--dtype: no dtype given"),
+    # (before: the ranks started, then transformers' rotary failed on head dim 3, exit 3)
+    ("train_long_context.py", ["--hidden", "12", "--heads", "4", "--kv-heads", "2"],
+     "--hidden 12 / --heads 4 = head dim 3: Llama's rotary embedding needs an even head dim"),
     # (before: ZeroDivisionError, objdump's CalledProcessError, FileNotFoundError)
     ("mca_loops.py", ["--iterations", "0"], "--iterations: must be a positive integer"),
     ("mca_loops.py", ["--so", "/nonexistent.so"], "--so '/nonexistent.so': not a readable file"),
@@ -91,6 +98,18 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ])
 def test_bad_arguments_are_usage_errors(tmp_path, script, args, message):
     _assert_usage_error(tmp_path, script, args, message)
+
+
+def test_bench_decode_checks_part_twos_lengths_only_where_part_two_runs():
+    """(before: --no-cp, or --device cuda, still refused a --cp-cache its world size could
+    not split)"""
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import bench_decode
+    args = bench_decode.parse_args(["--no-cp", "--world-size", "3", "--cp-cache", "16384"])
+    assert args.no_cp and args.cp_cache == [16384]
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--world-size", "3", "--cp-cache", "16384"])
 
 
 @pytest.mark.skipif(not (shutil.which("llvm-mca") and shutil.which("objdump")),

@@ -60,9 +60,11 @@ def test_a_wrong_sequence_of_the_batch_fails_the_check(monkeypatch):
     assert row["max_err"] <= 2 * row["plain_err"] + 1e-6 and row["plain_err"] > 0
 
 
-def test_a_nan_output_or_a_context_parallel_mismatch_fails_the_run(monkeypatch, capsys):
+def test_a_nan_output_or_a_context_parallel_mismatch_fails_the_run(monkeypatch, capsys,
+                                                                   tmp_path):
     """(before: max() of Python floats dropped the NaN, "err 0.0e+00" and exit 0; the
-    context-parallel check raised on rank 0 alone, its peer failing in gloo, exit 3)"""
+    context-parallel check raised on rank 0 alone, its peer failing in gloo, exit 3; the
+    failed run's JSON held the tokens Infinity / NaN, which strict parsers refuse)"""
     import pytest
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -72,11 +74,18 @@ def test_a_nan_output_or_a_context_parallel_mismatch_fails_the_run(monkeypatch, 
     monkeypatch.setattr(bench_decode.ringseq, "flash_attn_with_kvcache",
                         lambda *a, **kw: decode(*a, **kw) * float("nan"))
     argv = ["--cache", "256", "--batch", "2", "--threads", "1", "--repeats", "1", "--no-cp"]
+    out = tmp_path / "failed.json"
     with pytest.raises(SystemExit) as stop:
-        bench_decode.main(argv)
+        bench_decode.main(argv + ["--json", str(out)])
     assert stop.value.code == 1
     text = capsys.readouterr().out
     assert "FAILED: b=2 cache=256 threads=1: ringseq's max error inf against float64" in text
+
+    def refuse(token):
+        raise AssertionError(f"not JSON: {token}")
+
+    (row,) = json.loads(out.read_text(), parse_constant=refuse)["single_device"]
+    assert row["max_err"] == "inf", row
     monkeypatch.setattr(bench_decode.ringseq, "flash_attn_with_kvcache", decode)
     cp = dict(cache=512, world=2, batch=1, load=0.0, cp_max_err=0.5, cp_plain_err=1e-7,
               cp_check="FAIL")

@@ -343,3 +343,24 @@ def test_the_samplers_skip_holds_with_worker_processes():
     sampler.skip = 4
     assert epoch() == whole[2:]
     assert epoch() == whole  # the skip applies to one iteration
+
+
+def test_the_samplers_skip_holds_with_worker_processes_and_whole_batch_items():
+    """With ``batch_size=None`` the sampler is the loader's index sampler, and a loader with
+    workers calls iter() on it twice, discarding the first iterator unread. The skip is taken
+    by the iteration that runs. (Before: the discarded iterator took it, and the resumed epoch
+    started again at its first batch, training twice on the batches before the checkpoint.)"""
+    from ringseq.plugin.loader_state import ResumableDistributedSampler
+    sampler = ResumableDistributedSampler(_WholeBatches(), num_replicas=2, rank=0, shuffle=True,
+                                          seed=3)
+
+    def epoch():
+        loader = torch.utils.data.DataLoader(_WholeBatches(), batch_size=None, sampler=sampler,
+                                             num_workers=2)
+        return [b["idx"].tolist() for b in loader]
+
+    whole = epoch()
+    assert len(whole) == 10
+    sampler.skip = 3
+    assert epoch() == whole[3:]
+    assert epoch() == whole

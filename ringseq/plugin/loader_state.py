@@ -32,8 +32,11 @@ class ResumableDistributedSampler(DistributedSampler):
     skip = 0
 
     def __iter__(self):
+        # (a generator: the skip is taken when the iteration starts. A DataLoader with worker
+        # processes and batch_size=None calls iter() on this sampler twice and discards the
+        # first iterator unread, which would have taken the skip: the epoch restarted)
         skip, self.skip = self.skip, 0
-        return itertools.islice(super().__iter__(), skip, None)
+        yield from itertools.islice(super().__iter__(), skip, None)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ these checks.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -725,6 +726,39 @@ def test_sharded_loader_moves_batches_to_its_device():
     broken = ShardedDataLoader(DataLoader(_Broken(_dataset(2)), batch_size=1), None, "zigzag", 0)
     with pytest.raises(OSError, match="unreadable"):
         list(broken)
+
+
+def test_sharded_loader_checks_its_arguments_when_built():
+    """(before: accepted, then Python's TypeError or a length message "a multiple of 2.5" at
+    the first batch)"""
+    from torch.utils.data import DataLoader
+
+    from ringseq.plugin.dataloader import ShardedDataLoader
+    loader = DataLoader(_dataset(4), batch_size=2)
+    for bad, error in ((dict(seq_multiple=0), ValueError), (dict(seq_multiple="2"), TypeError),
+                       (dict(seq_multiple=2.5), TypeError), (dict(ignore_index="-100"), TypeError)):
+        name, value = next(iter(bad.items()))
+        with pytest.raises(error, match=rf"^ShardedDataLoader: {name} must be an int.*, got "
+                                        rf"{re.escape(repr(value))}"):
+            ShardedDataLoader(loader, None, "zigzag", 0, **bad)
+
+
+def test_a_batch_digest_covers_what_decides_the_training():
+    """Ranks of one data-parallel group whose batches differ only in their targets
+    (shift_labels), document boundaries (cu_seq_lens_q / _k) or masks get other digests, so
+    the loader refuses them. (Before: only input_ids, inputs_embeds, labels and position_ids
+    were digested, and such ranks trained a ring on a mix of two batches.)"""
+    from ringseq.plugin.digest import batch_digest
+    ids = torch.arange(8).view(1, 8)
+    base = dict(input_ids=ids, shift_labels=ids + 1, cu_seq_lens_q=torch.tensor([0, 4, 8]),
+                cu_seq_lens_k=torch.tensor([0, 4, 8]), attention_mask=torch.ones(1, 8),
+                token_type_ids=torch.zeros(1, 8, dtype=torch.long))
+    other = dict(shift_labels=ids + 2, cu_seq_lens_q=torch.tensor([0, 3, 8]),
+                 cu_seq_lens_k=torch.tensor([0, 3, 8]), attention_mask=torch.zeros(1, 8),
+                 token_type_ids=torch.ones(1, 8, dtype=torch.long))
+    for key, value in other.items():
+        assert batch_digest(dict(base, **{key: value})) != batch_digest(base), key
+    assert batch_digest(dict(base, note="not digested")) == batch_digest(base)
 
 
 def test_reference_backend_ignores_callers_autocast():

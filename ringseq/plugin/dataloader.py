@@ -13,7 +13,7 @@ from .._dist import RingMismatchError
 from ..data import shard_batch
 from ..engine.integrity import ANY
 from ..engine.ring import get_ring
-from .digest import batch_digest, differing_digests
+from .digest import BATCH_KEYS, batch_digest, differing_digests
 from .loader_state import (INT64_LIMIT, LoaderPosition, ResumableDistributedSampler,
                            loader_settings, read_loader_state, state_of)
 
@@ -62,6 +62,8 @@ class ShardedDataLoader:
     calls with that number (``ringseq.call_tag``).
 
     ``seq_multiple``: every sequence length must be a multiple of it (checked with the rest).
+    Built with a ``seq_multiple`` that is no int >= 1 or an ``ignore_index`` that is no int, it
+    raises TypeError / ValueError at once.
 
     With ``device``, each sharded batch is moved there (``non_blocking`` when the loader pins
     memory).
@@ -88,14 +90,24 @@ class ShardedDataLoader:
                  ignore_index: int = -100, check_group=None, device=None,
                  seq_multiple: int = 1, shared: bool = True):
         self.loader = loader
+        # (checked here: unchecked, they failed at the first batch with Python's messages)
+        if as_int(seq_multiple) is None:
+            raise TypeError(f"ShardedDataLoader: seq_multiple must be an int >= 1, got "
+                            f"{given(seq_multiple)}")
+        if as_int(seq_multiple) < 1:
+            raise ValueError(f"ShardedDataLoader: seq_multiple must be an int >= 1, got "
+                             f"{seq_multiple!r}")
+        if as_int(ignore_index) is None:
+            raise TypeError(f"ShardedDataLoader: ignore_index must be an int (the label the "
+                            f"loss ignores), got {given(ignore_index)}")
         #: what every sequence length must be a multiple of beyond the layout's own rule
         #: (sp x tp with tensor parallelism: ParallelDims.seq_multiple)
-        self.seq_multiple = seq_multiple
+        self.seq_multiple = as_int(seq_multiple)
         self.device = None if device is None else torch.device(device)
         self.sp_group = sp_group
         self.layout = layout
         self.dp_rank = dp_rank
-        self.ignore_index = ignore_index
+        self.ignore_index = as_int(ignore_index)
         self.check_group = check_group
         #: whether other ranks load this rank's samples too (sequence / tensor parallelism):
         #: then each batch's digest is compared among them
@@ -353,7 +365,7 @@ class ShardedDataLoader:
             detail = "; ".join(f"data-parallel rank {dp}: {ranks}" for dp, ranks in split.items())
             raise RingMismatchError(
                 f"ShardedDataLoader: batch {self.step + 1} differs between the ranks of one "
-                f"data-parallel group (digests of input_ids / labels / position_ids: {detail}); "
+                f"data-parallel group (digests of its {' / '.join(BATCH_KEYS)}: {detail}); "
                 f"its sequence- and tensor-parallel ranks must load the same samples (the same "
                 f"dataset order, sampler and seed: prepare_dataloader's sampler does), or each "
                 f"ring pairs shards of different sequences")

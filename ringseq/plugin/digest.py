@@ -55,11 +55,16 @@ def differing_digests(rows) -> dict:
             for group, ranks in sorted(groups.items()) if len(set(ranks.values())) > 1}
 
 
+#: the batch's keys that decide what a rank trains on: tokens, targets, positions and the
+#: document boundaries and masks that stop them (shard_batch's inputs)
+BATCH_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids",
+              "cu_seq_lens_q", "cu_seq_lens_k", "attention_mask", "token_type_ids")
+
+
 def batch_digest(batch) -> int:
-    """The digest of a batch's token-level tensors (``input_ids``, ``inputs_embeds``,
-    ``labels``, ``position_ids``; others are left out)."""
+    """The digest of a batch's tensors under :data:`BATCH_KEYS` (others are left out)."""
     words: List[int] = []
-    for key in ("input_ids", "inputs_embeds", "labels", "position_ids"):
+    for key in BATCH_KEYS:
         t = batch.get(key) if hasattr(batch, "get") else None
         if torch.is_tensor(t):
             words += [len(key), *key.encode(), *_tensor_words(t)]

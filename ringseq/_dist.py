@@ -311,6 +311,9 @@ def consistency_check_mode() -> str:
 _TIMEOUT_S: Optional[float] = None
 
 
+# (host bookkeeping on a process group object, which dynamo cannot trace: a compiled boosted
+# model with tensor parallelism failed on every rank in its forward)
+@torch.compiler.disable
 def collective_count(group) -> Optional[int]:
     """torch's count of the collectives made on process group ``group`` (its sequence
     number), or None where the group does not count. A group of per-device backends

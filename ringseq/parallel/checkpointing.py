@@ -19,6 +19,7 @@ recompute does.
 from __future__ import annotations
 
 import functools
+import types
 from typing import List
 
 from torch import nn
@@ -43,6 +44,12 @@ def _contexts(kept):
     return create_selective_checkpoint_contexts(functools.partial(_policy, kept))
 
 
+def _checkpointed_forward(context_fn, layer, *args, **kwargs):
+    """``layer``'s forward as it was (:func:`apply_activation_checkpointing`), checkpointed."""
+    return checkpoint(layer._ringseq_forward_unchecked, *args, use_reentrant=False,
+                      context_fn=context_fn, **kwargs)
+
+
 def apply_activation_checkpointing(layers: List[nn.Module]) -> int:
     """Makes every module of ``layers`` run its forward under checkpointing (in place: the
     module's ``forward`` is wrapped on the instance, so its parameters, names and hooks --
@@ -54,11 +61,10 @@ def apply_activation_checkpointing(layers: List[nn.Module]) -> int:
                          "models: the children of an nn.ModuleList)")
     context_fn = functools.partial(_contexts, kept_ops())
     for layer in layers:
-        inner = layer.forward
-
-        def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, context_fn=context_fn,
-                              **kwargs)
-
-        layer.forward = forward
+        # Both forwards are methods bound to the layer, which copy.deepcopy binds to the copy.
+        # (A closure over the layer's forward made a copied model -- an EMA, a teacher -- run
+        # the original's layers, with the original's weights.)
+        layer._ringseq_forward_unchecked = layer.forward
+        layer.forward = types.MethodType(functools.partial(_checkpointed_forward, context_fn),
+                                         layer)
     return len(layers)

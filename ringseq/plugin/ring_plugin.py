@@ -33,6 +33,16 @@ from .wrappers import (FailureReporter, ModelWrapper, OptimizerWrapper, ReducedG
 
 __all__ = ["RingSequenceParallelPlugin"]
 
+#: the refusal of transformers' checkpointing on top of the plugin's (boost, and a forward
+#: after gradient_checkpointing_enable()): the outer recompute runs the inner one again, ring
+#: exchanges included, and recomputes every layer twice
+_BOTH_CHECKPOINTINGS = (
+    "transformers' gradient checkpointing is on in this {}, and the plugin's "
+    "activation_checkpointing=True checkpoints every decoder layer already, keeping the "
+    "attention's output so that the backward repeats no ring exchange; together every layer "
+    "is recomputed twice and the ring runs again. Turn one off: "
+    "model.gradient_checkpointing_disable(), or activation_checkpointing=False")
+
 
 # Buffers are identical on every rank (deterministic RoPE tables), so re-broadcasting them
 # before every forward is wasted communication; newer torch renamed the switch.
@@ -794,6 +804,8 @@ class RingSequenceParallelPlugin(Plugin):
                                  f"decoder layers to checkpoint (transformers: the classes in "
                                  f"_no_split_modules; other models: the children of an "
                                  f"nn.ModuleList)")
+            if self.activation_checkpointing and hf_checkpointing(model):
+                raise ValueError(f"boost: {_BOTH_CHECKPOINTINGS.format(type(model).__name__)}")
         except (ValueError, TypeError) as exc:
             refusal = exc
         get_ring(None).agree(refusal is None, str(refusal), error=refusal,
@@ -908,6 +920,7 @@ class RingSequenceParallelPlugin(Plugin):
         model.needs_input_ids = plan is not None and plan.source != "tp_plan styles"
         model.needs_position_ids = model.needs_input_ids and is_transformers_model(user_model)
         model.tp_split = dims.tp_size if model.needs_input_ids else 1
+        model.checkpointed = self.activation_checkpointing
         if dataloader is not None:
             dataloader.needs_input_ids = model.needs_input_ids
         if dims.zero_stage == 0 and dims.tp_size > 1:

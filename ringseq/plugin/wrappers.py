@@ -102,6 +102,8 @@ class ModelWrapper(nn.Module):
         #: ... into this many parts (tp_size; 1: no split): a shard of another length is
         #: refused before any collective
         self.tp_split = 1
+        #: the plugin's activation checkpointing is on (transformers' on top is refused)
+        self.checkpointed = False
         #: a forward under no_grad ends with the agreement of the ranks its collectives reach
         #: (``FailureReporter.forward_ended``, over ``no_grad_group``)
         self.agrees_after_no_grad_forward = False
@@ -177,6 +179,11 @@ class ModelWrapper(nn.Module):
                                  f"at the input embedding, so the model cannot number the "
                                  f"tokens itself); pass the batch's position_ids "
                                  f"(ringseq.shard_batch and the boosted loader make them)")
+            hf_checkpointed = user.training and hf_checkpointing(user)
+            if self.checkpointed and hf_checkpointed:  # (enabled after boost)
+                from .ring_plugin import _BOTH_CHECKPOINTINGS
+                raise ValueError(f"{type(user).__name__}: "
+                                 f"{_BOTH_CHECKPOINTINGS.format(type(user).__name__)}")
             agrees = self.agrees_after_no_grad_forward and not torch.is_grad_enabled()
             ids = kwargs.get("input_ids", args[0] if args else None)
             if self.tp_split > 1 and torch.is_tensor(ids) and ids.dim() == 2 and \
@@ -565,6 +572,7 @@ class FailureReporter:
             _add_note(exc, note + ". The process group cannot be used again: restart the "
                                   "processes (booster.reset() refuses)")
 
+    @torch.compiler.disable  # (host code on process groups: a compiled model's failure runs it)
     def _after_failure(self, phase: str, exc: BaseException, calls: int, reduction,
                        agreed_at_end: bool = False, loss=None) -> None:
         # The ring report waits for the peers' next ring call, and FSDP's collectives this

@@ -1,0 +1,113 @@
+"""The plugin's activation checkpointing beside transformers' own, in copies of the model, and
+torch.compile of the model boost returns.
+
+- A copy of a checkpointed model (an EMA, a teacher) computes with its own weights. (Before:
+  the checkpointed forward was a closure over the original layer's forward, and the copy ran
+  the original's layers.)
+- transformers' gradient checkpointing on top of the plugin's is refused on every rank, at
+  boost and at a training forward after ``gradient_checkpointing_enable()``. (Before: every
+  layer was recomputed twice and the backward ran the ring again, 4 backward ring calls for
+  2 layers instead of 2, against the docs' "no ring exchange is repeated".)
+- A compiled model boosted with tensor parallelism trains as the eager one. (Before: every rank
+  failed in dynamo, tracing ringseq's count of the tp group's collectives.)
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dist_utils import run_ranks
+from utils import error_text, token_dataset
+
+transformers = pytest.importorskip("transformers")
+
+SEQLEN, VOCAB = 32, 128
+
+
+def _llama():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256))
+
+
+def test_a_copy_of_a_checkpointed_model_runs_its_own_layers():
+    import ringseq  # noqa: F401 - registers the operator the policy keeps
+    from ringseq.parallel.checkpointing import apply_activation_checkpointing
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+    apply_activation_checkpointing(list(layers))
+    twin = copy.deepcopy(layers)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    x = torch.randn(3, 8, requires_grad=True)
+    for original, copied in zip(layers, twin):
+        assert torch.equal(copied(x), torch.tanh(torch.zeros(3, 8)))
+        assert not torch.equal(original(x), copied(x))
+        copied(x).sum().backward()
+        assert original[0].weight.grad is None  # (the copy's backward reaches its own weights)
+        assert copied[0].weight.grad is not None
+
+
+def _worker():
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    out = {}
+    # transformers' checkpointing on at boost, and enabled after it
+    plugin = RingSequenceParallelPlugin(sp_size=2, activation_checkpointing=True)
+    booster = Booster(plugin=plugin)
+    model = _llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    out["at_boost"] = error_text(lambda: booster.boost(model))
+    model = _llama()
+    loader = plugin.prepare_dataloader(token_dataset(2, SEQLEN, VOCAB), batch_size=1)
+    model, _, criterion, loader, _ = booster.boost(model, dataloader=loader)
+    batch = next(iter(loader))
+    model.unwrap().gradient_checkpointing_enable()
+    out["after_boost"] = error_text(lambda: model(**batch))
+    booster.reset()
+    model.unwrap().gradient_checkpointing_disable()
+    loss = criterion(model(**batch), batch)
+    loss.backward()
+    out["trains_again"] = bool(torch.isfinite(loss))
+
+    # tensor parallelism, eager and compiled, from the same weights and batch
+    grads = []
+    for compiled in (False, True):
+        plugin = RingSequenceParallelPlugin(sp_size=1, tp_size=2)
+        booster = Booster(plugin=plugin)
+        loader = plugin.prepare_dataloader(token_dataset(2, SEQLEN, VOCAB), batch_size=1)
+        model, _, criterion, loader, _ = booster.boost(_llama(), dataloader=loader)
+        batch = next(iter(loader))
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        criterion(run(**batch), batch).backward()
+        grads.append([p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                      for p in model.unwrap().parameters()])
+    out["compiled_tp_max_diff"] = max(float((a - b).abs().max()) for a, b in zip(*grads))
+    out["grad_scale"] = max(float(a.abs().max()) for a in grads[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def w2():
+    return run_ranks(_worker, 2, timeout=400, env={"RINGSEQ_TIMEOUT": "20"})
+
+
+def test_transformers_checkpointing_on_top_of_the_plugins_is_refused(w2):
+    for r in w2:
+        for key, where in (("at_boost", "ValueError: boost: "),
+                           ("after_boost", "ValueError: LlamaForCausalLM: ")):
+            assert r[key].startswith(where + "transformers' gradient checkpointing is on in "
+                                             "this LlamaForCausalLM"), (key, r[key])
+            assert "gradient_checkpointing_disable(), or activation_checkpointing=False" in \
+                r[key], r[key]
+        assert r["trains_again"]
+
+
+def test_a_compiled_model_with_tensor_parallelism_trains_as_the_eager_one(w2):
+    for r in w2:
+        # (the same operations, up to the compiled graph's reassociation)
+        assert r["compiled_tp_max_diff"] <= 1e-5 * r["grad_scale"], r

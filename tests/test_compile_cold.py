@@ -237,6 +237,32 @@ def test_a_user_layout_compiles_with_fullgraph_as_the_first_call():
     assert all(err == 0.0 for err in run_ranks(_worker_user_layout, 2, timeout=240))
 
 
+def _worker_sp_modes_dynamic():
+    import ringseq
+    out = {}
+    for name, sp in (("hybrid 2x2", ringseq.make_sp_groups(2)),
+                     ("double ring 2x2", ringseq.make_sp_groups(1, 2))):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 8, n, 8, requires_grad=True) for n in (4, 2, 2))
+
+        def attention(q, k, v):
+            return ringseq.usp_attn_func(q, k, v, causal=True, sp=sp, layout="zigzag")
+        torch._dynamo.reset()
+        compiled = torch.compile(attention, fullgraph=True, dynamic=True, backend="aot_eager")
+        got, want = compiled(q, k, v), attention(q, k, v)
+        grads = [torch.autograd.grad(o.sum(), (q, k, v)) for o in (got, want)]
+        out[name] = max([float((got - want).abs().max())] +
+                        [float((a - b).abs().max()) for a, b in zip(*grads)])
+    return out
+
+
+def test_hybrid_and_double_ring_compile_with_dynamic_shapes():
+    """(before: the groups' ring size was traced as a symbolic int, and the layout check's
+    integer test failed: "Unsupported hasattr call ... 2*s60" on every rank)"""
+    for res in run_ranks(_worker_sp_modes_dynamic, 4, timeout=300):
+        assert res == {"hybrid 2x2": 0.0, "double ring 2x2": 0.0}, res
+
+
 def test_a_malformed_user_layout_is_refused_compiled_as_eagerly():
     """Its checks run where the ring plans the call, at run time (before: skipped while
     compiling, a task past the shard dropped keys without a word; traced, they broke the

@@ -8,6 +8,9 @@ plain ring.
 """
 from __future__ import annotations
 
+from typing import Tuple
+
+import torch
 import torch.distributed as dist
 
 from .._args import autocast_inputs, check_returns, sdpa_inputs
@@ -101,6 +104,13 @@ def _check_sp(fn: str, sp) -> None:
                         f"(or the plugin's plugin.sp), got {type(sp).__name__}")
 
 
+@torch.compiler.assume_constant_result
+def _sizes(sp) -> Tuple[int, int]:
+    """(U, R) of ``sp``, read once at trace time: under torch.compile(dynamic=True) its int
+    attributes would be traced as symbolic sizes, which the layout checks cannot take."""
+    return sp.ulysses_size, sp.ring_size
+
+
 def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, backend,
          grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None,
          form: InputForm = FLASH_FORM):
@@ -108,7 +118,7 @@ def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, 
         _check_sp(fn, sp)
         check_returns(fn, False, return_lse)
         q, k, v = autocast_inputs(q, k, v)
-        U, R = sp.ulysses_size, sp.ring_size
+        U, R = _sizes(sp)
         given = named_layout(fn, layout)  # without a ring (R = 1) only its documents count
         spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                          causal=causal, window_size=window_size, softcap=softcap,

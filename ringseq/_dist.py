@@ -311,6 +311,16 @@ def consistency_check_mode() -> str:
 _TIMEOUT_S: Optional[float] = None
 
 
+def real_object(obj):
+    """``obj`` itself, or the object a ``FakeScriptObject`` of torch.compile's tracing wraps
+    (a process group passed through a traced call arrives so, a new wrapper per trace): the
+    rings and registries keyed by a wrapper gave each trace a ring of its own, whose channels
+    met the earlier ring's under the same names and timed out."""
+    if type(obj).__name__ == "FakeScriptObject":
+        return object.__getattribute__(obj, "real_obj")
+    return obj
+
+
 # (host bookkeeping on a process group object, which dynamo cannot trace: a compiled boosted
 # model with tensor parallelism failed on every rank in its forward)
 @torch.compiler.disable

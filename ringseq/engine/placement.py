@@ -22,7 +22,7 @@ from typing import Dict, List
 
 import torch
 
-from .._dist import named_for
+from .._dist import named_for, real_object
 from ..kernels.grad import attention_backward
 from ..layouts import LAYOUTS, Layout
 from ..layouts.base import _built_in
@@ -48,7 +48,9 @@ _IDS = itertools.count()
 def object_key(obj, prefix: str) -> str:
     """A string naming ``obj`` in this process for as long as it lives (the same string for
     the same object). Under torch.compile it runs once at trace time (the compiled code
-    guards on the object): registry lookups and inserts cannot be traced."""
+    guards on the object): registry lookups and inserts cannot be traced. (The real object
+    of a tracing wrapper: one key for the same group in every trace.)"""
+    obj = real_object(obj)
     key = _KEYS.get(id(obj))
     if key is None:
         key = f"{prefix}#{next(_IDS)}"

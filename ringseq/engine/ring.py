@@ -24,7 +24,7 @@ from .._args import as_int, given, is_bool
 from .._hash import stable_code
 from .._dist import (RingMismatchError, RingTimeoutError, consistency_check_mode,
                      defaults_for_malformed_settings,
-                     group_info, is_initialized, named_for, ring_timeout)
+                     group_info, is_initialized, named_for, real_object, ring_timeout)
 from .integrity import (_N_FIELDS, BROKEN, CHECK, CONTROL_WORDS, FAIL, FAILED, FIELD0,
                         INVALID, OK, RingCall, agreement_code, broken_ring_error,
                         control_name, control_vector, describe_error, gather, judge,
@@ -392,6 +392,7 @@ def get_ring(group=None, fn: Optional[str] = None) -> Ring:
     the process group) is guarded on the dictionary's type only, so the frame compiled at the
     first call (no ring yet) made a new Ring -- control counter 0, new channels under the
     old names -- at every later compiled call."""
+    group = real_object(group)
     if isinstance(group, Ring):
         return group
     if isinstance(group, Transport):

@@ -45,7 +45,6 @@ when a level's child failed; 2 for a usage error; 4 when a ringseq backend faile
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -56,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import json_io  # noqa: E402
 from common import (  # noqa: E402
                     CHECK_FLOOR, DTYPES, PeakMemory, attention_flops, core_probe_gflops,
                     cpu_description, cpu_isa, environment, format_table, isa_forced_note,
@@ -568,7 +568,7 @@ def run_child(args, level, env_extra, backends):
             raise ChildFailed(f"exit status {status}" + (f" (killed by signal {-status})"
                                                          if status < 0 else ""))
         with open(path) as f:
-            data = json.load(f)
+            data = json_io.load(f)  # (a failed row's "inf" error as a float again)
         # Each row keeps its own child's core probe: the children run minutes apart (and with
         # torch's ISA capped), so the parent's probe says little about a level's rows.
         for r in data["results"]:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import json
-import math
 import os
 import platform
 import statistics
@@ -16,6 +14,8 @@ import torch.distributed as dist
 # The rank spawner is shared with the tests (tests/dist_utils.py), not part of the library.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from dist_utils import RankError, RankTimeout, run_ranks  # noqa: E402
+
+import json_io  # noqa: E402 - (this folder: the scripts run from it, the tests add it)
 
 
 def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode="fwd"):
@@ -613,27 +613,14 @@ def environment(device):
     return env
 
 
-def _strict_json(value):
-    """``value`` with every non-finite float as the string ``"inf"``, ``"-inf"`` or
-    ``"nan"``: JSON has no such numbers (Python's ``Infinity`` / ``NaN`` tokens are refused by
-    strict parsers), and a failed run's rows are where they appear."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if value != value else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
-
-
 def write_json(path, payload):
     """``payload`` as strict JSON at ``path`` (nothing without one); non-finite floats are
-    written as strings (:func:`_strict_json`)."""
+    written as strings (``json_io``, which reads them back as floats)."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(_strict_json(payload), f, indent=2, allow_nan=False)
+        json_io.dump(payload, f)
     progress(f"wrote {path}")
 
 

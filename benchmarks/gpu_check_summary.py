@@ -18,6 +18,9 @@ import re
 import sys
 import xml.etree.ElementTree as ET
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import json_io  # noqa: E402 - bench_kernel's JSON (no torch import)
+
 CONFIGS = ("ringseq", "ringseq:1", "ringseq:2")  # bench_kernel.py's names of tile configs 0, 1, 2
 PEERS = ("sdpa_flash", "sdpa_cudnn", "flash_attn")
 
@@ -25,7 +28,7 @@ PEERS = ("sdpa_flash", "sdpa_cudnn", "flash_attn")
 def read_json(path):
     try:
         with open(path) as f:
-            return json.load(f)
+            return json_io.load(f)  # (a failed row's "inf" error as a float again)
     except (OSError, ValueError):
         return None
 

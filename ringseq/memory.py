@@ -345,11 +345,14 @@ def parse_bytes(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"parse_bytes: a memory size must be a non-negative number with an "
                          f"optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {text!r}")
-    # (exact: a float would turn a long number into infinity)
-    n = int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
+    # (exact: a float would turn a long number into infinity; past 64 characters the number
+    # is no size, and Python would refuse its digits with a message of its own)
+    n = (MAX_SIZE + 1 if len(m.group(1)) > 64
+         else int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()]))
     if n > MAX_SIZE:
-        raise ValueError(f"parse_bytes: a memory size must be at most 2**63 - 1 bytes, got "
-                         f"{text!r}")
+        shown = repr(text) if len(str(text)) <= 80 else f"{str(text)[:80]!r}... ({len(text)} chars)"
+        raise ValueError(f"parse_bytes: a memory size must be at most 2**63 - 1 bytes, written "
+                         f"in at most 64 characters, got {shown}")
     return n
 
 

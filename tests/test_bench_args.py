@@ -129,3 +129,31 @@ def _assert_usage_error(tmp_path, script, args, message):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "error:" in proc.stderr and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_benchmark_json_is_strict_and_failed_rows_read_back_as_floats(tmp_path):
+    """A failed row's non-finite error is written as a string (strict JSON: no Infinity / NaN
+    tokens) and read back as a float by the scripts that read these files: bench_kernel's
+    per-level parent and the GPU check's summary. (Before the strict writer: tokens strict
+    parsers refuse; with it alone: the readers failed formatting the string "inf".)"""
+    import json
+    import math
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import common
+    import gpu_check_summary
+    import json_io
+    row = dict(world_size=2, layout="zigzag", mode="fwd", ms=1.0, compute_only_ms=0.5,
+               ring_overhead=0.1, max_err=float("inf"), plain_err=float("nan"), check_ok=False)
+    path = tmp_path / "ring_w2.json"
+    common.write_json(str(path), {"results": [row]})
+
+    def refuse(token):
+        raise AssertionError(f"not JSON: {token}")
+
+    assert json.loads(path.read_text(), parse_constant=refuse)["results"][0]["max_err"] == "inf"
+    with open(path) as f:
+        back = json_io.load(f)["results"][0]
+    assert back["max_err"] == math.inf and math.isnan(back["plain_err"])
+    table = gpu_check_summary.ring_table(gpu_check_summary.ring_rows(str(tmp_path)))
+    assert any("inf" in line and "FAILED" in line for line in table), table

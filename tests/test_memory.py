@@ -375,6 +375,9 @@ def test_parse_bytes():
     with pytest.raises(ValueError, match=r"^parse_bytes: a memory size must be at most "
                                          r"2\*\*63 - 1 bytes"):
         mem.parse_bytes("1" + "0" * 400)
+    with pytest.raises(ValueError, match=r"^parse_bytes: .* in at most 64 characters, got "
+                                         r"'1000.*\(5001 chars\)"):
+        mem.parse_bytes("1" + "0" * 5000)  # (before: Python's 4300-digit limit message)
 
 
 # ---------------------------------------------------------------- the planner

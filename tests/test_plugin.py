@@ -759,6 +759,9 @@ def test_a_batch_digest_covers_what_decides_the_training():
     for key, value in other.items():
         assert batch_digest(dict(base, **{key: value})) != batch_digest(base), key
     assert batch_digest(dict(base, note="not digested")) == batch_digest(base)
+    # boundaries given as lists, which shard_batch takes too
+    listed = dict(base, cu_seq_lens_q=[0, 4, 8], cu_seq_lens_k=[0, 4, 8])
+    assert batch_digest(listed) != batch_digest(dict(listed, cu_seq_lens_q=[0, 3, 8]))
 
 
 def test_reference_backend_ignores_callers_autocast():

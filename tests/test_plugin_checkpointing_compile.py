@@ -14,6 +14,7 @@ torch.compile of the model boost returns.
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -44,6 +45,9 @@ def test_a_copy_of_a_checkpointed_model_runs_its_own_layers():
     with torch.no_grad():
         for p in twin.parameters():
             p.zero_()
+    # (the copy's layers are checkpointed already: a copy of a boosted model boosted again;
+    # before, wrapping them again made their forward call itself: RecursionError)
+    assert apply_activation_checkpointing(list(twin)) == 2
     x = torch.randn(3, 8, requires_grad=True)
     for original, copied in zip(layers, twin):
         assert torch.equal(copied(x), torch.tanh(torch.zeros(3, 8)))
@@ -54,6 +58,7 @@ def test_a_copy_of_a_checkpointed_model_runs_its_own_layers():
 
 
 def _worker():
+    import torch.distributed as dist
     from ringseq.plugin import Booster, RingSequenceParallelPlugin
     out = {}
     # transformers' checkpointing on at boost, and enabled after it
@@ -67,12 +72,28 @@ def _worker():
     model, _, criterion, loader, _ = booster.boost(model, dataloader=loader)
     batch = next(iter(loader))
     model.unwrap().gradient_checkpointing_enable()
+    with torch.no_grad():  # (transformers checkpoints nothing without gradients: taken)
+        out["no_grad"] = error_text(lambda: model(**batch))
     out["after_boost"] = error_text(lambda: model(**batch))
+    booster.reset()
+    model.unwrap().gradient_checkpointing_disable()
+    if dist.get_rank() == 0:  # enabled on one rank only: every rank raises, at once
+        model.unwrap().gradient_checkpointing_enable()
+    start = time.monotonic()
+    out["one_rank"] = error_text(lambda: model(**batch))
+    out["one_rank_s"] = time.monotonic() - start
     booster.reset()
     model.unwrap().gradient_checkpointing_disable()
     loss = criterion(model(**batch), batch)
     loss.backward()
     out["trains_again"] = bool(torch.isfinite(loss))
+    # a copy of the checkpointed model (a frozen teacher), boosted too, runs its own weights
+    teacher = copy.deepcopy(model.unwrap()).requires_grad_(False)
+    with torch.no_grad():
+        teacher.lm_head.weight.zero_()
+    teacher = booster.boost(teacher)[0]
+    with torch.no_grad():
+        out["teacher_logits"] = float(teacher(**batch).logits.abs().max())
 
     # tensor parallelism, eager and compiled, from the same weights and batch
     grads = []
@@ -104,7 +125,13 @@ def test_transformers_checkpointing_on_top_of_the_plugins_is_refused(w2):
                                              "this LlamaForCausalLM"), (key, r[key])
             assert "gradient_checkpointing_disable(), or activation_checkpointing=False" in \
                 r[key], r[key]
-        assert r["trains_again"]
+        assert r["trains_again"] and r["no_grad"] == "no error", r
+        assert r["teacher_logits"] == 0.0, r  # (its own zeroed head)
+    assert w2[0]["one_rank"].startswith("ValueError: LlamaForCausalLM: transformers' gradient "
+                                        "checkpointing is on"), w2[0]["one_rank"]
+    assert w2[1]["one_rank"].startswith(("RingBrokenError", "RingPeerError")), w2[1]["one_rank"]
+    assert "transformers' gradient checkpointing is on" in w2[1]["one_rank"], w2[1]["one_rank"]
+    assert all(r["one_rank_s"] < 10 for r in w2), [r["one_rank_s"] for r in w2]
 
 
 def test_a_compiled_model_with_tensor_parallelism_trains_as_the_eager_one(w2):

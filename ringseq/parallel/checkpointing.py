@@ -61,6 +61,8 @@ def apply_activation_checkpointing(layers: List[nn.Module]) -> int:
                          "models: the children of an nn.ModuleList)")
     context_fn = functools.partial(_contexts, kept_ops())
     for layer in layers:
+        if "_ringseq_forward_unchecked" in vars(layer):
+            continue  # (checkpointed already: a copy of a boosted model, boosted again)
         # Both forwards are methods bound to the layer, which copy.deepcopy binds to the copy.
         # (A closure over the layer's forward made a copied model -- an EMA, a teacher -- run
         # the original's layers, with the original's weights.)

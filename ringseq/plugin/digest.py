@@ -66,6 +66,11 @@ def batch_digest(batch) -> int:
     words: List[int] = []
     for key in BATCH_KEYS:
         t = batch.get(key) if hasattr(batch, "get") else None
+        if isinstance(t, (list, tuple)):  # (shard_batch takes boundaries as lists too)
+            try:
+                t = torch.as_tensor(t)
+            except (TypeError, ValueError, RuntimeError):
+                t = None  # (not numbers: shard_batch refuses it on every rank)
         if torch.is_tensor(t):
             words += [len(key), *key.encode(), *_tensor_words(t)]
     return stable_hash_ints(words)

@@ -179,11 +179,6 @@ class ModelWrapper(nn.Module):
                                  f"at the input embedding, so the model cannot number the "
                                  f"tokens itself); pass the batch's position_ids "
                                  f"(ringseq.shard_batch and the boosted loader make them)")
-            hf_checkpointed = user.training and hf_checkpointing(user)
-            if self.checkpointed and hf_checkpointed:  # (enabled after boost)
-                from .ring_plugin import _BOTH_CHECKPOINTINGS
-                raise ValueError(f"{type(user).__name__}: "
-                                 f"{_BOTH_CHECKPOINTINGS.format(type(user).__name__)}")
             agrees = self.agrees_after_no_grad_forward and not torch.is_grad_enabled()
             ids = kwargs.get("input_ids", args[0] if args else None)
             if self.tp_split > 1 and torch.is_tensor(ids) and ids.dim() == 2 and \
@@ -207,6 +202,12 @@ class ModelWrapper(nn.Module):
                     # (inside the watch: a rank that froze or unfroze alone fails its forward,
                     # and its ring peers and the loss hear of it, instead of waiting for it)
                     self._refuse_unfrozen(user)
+                if self.checkpointed and user.training and torch.is_grad_enabled() and \
+                        hf_checkpointing(user):  # (enabled after boost; as transformers, which
+                    # checkpoints only in training with gradients; inside the watch, as above)
+                    from .ring_plugin import _BOTH_CHECKPOINTINGS
+                    raise ValueError(f"{type(user).__name__}: "
+                                     f"{_BOTH_CHECKPOINTINGS.format(type(user).__name__)}")
                 out = self.module(*args, **kwargs)
         if self._reduction is not None:
             self._reduction.forward_ran()

@@ -149,6 +149,16 @@ def _error_cases(state_dict):
         lambda: model(**batch, **{_cache_kwarg(model): _prefilled_cache(model, batch)},
                       use_cache=True))
 
+    # generate() keeps the last position's logits: over a ring each rank's own shard's last
+    # (before: every rank but the one holding the sequence's end gave another next token)
+    with torch.no_grad():
+        out["generate"] = error_text(lambda: model.generate(
+            **batch, max_new_tokens=1, do_sample=False, use_cache=False))
+        out["logits_to_keep"] = error_text(
+            lambda: model(**batch, logits_to_keep=1, use_cache=False))
+        out["logits_to_keep_0"] = error_text(
+            lambda: model(**batch, logits_to_keep=0, use_cache=False))
+
     dropout_model = apply(_model("llama", attention_dropout=0.1)).train()
     out["dropout_train"] = error_text(lambda: dropout_model(**batch, use_cache=False))
     dropout_model.eval()
@@ -323,6 +333,8 @@ def test_sharded_cross_entropy_value_and_grad(w2):
     ("output_attentions", "output_attentions"),
     ("kv_cache", "use_cache=False"),
     ("dropout_train", "dropout"),
+    ("generate", "logits_to_keep=1 (model.generate() passes 1) over 2 ranks"),
+    ("logits_to_keep", "logits_to_keep=1 (model.generate() passes 1) over 2 ranks"),
 ])
 def test_unsupported_inputs_raise_clearly(w2, name, needle):
     for rank, res in enumerate(w2):
@@ -341,6 +353,11 @@ def test_local_length_the_layout_cannot_place_raises_on_every_rank(w2):
     assert "cannot place" in w2[1]["errors"]["length_one_rank"], w2[1]["errors"]
     assert w2[0]["errors"]["length_one_rank"].startswith("RingPeerError"), w2[0]["errors"]
     assert "rank(s) [1]" in w2[0]["errors"]["length_one_rank"], w2[0]["errors"]
+
+
+def test_every_positions_logits_are_fine(w2):
+    for res in w2:
+        assert res["errors"]["logits_to_keep_0"] == "no error", res["errors"]
 
 
 def test_dropout_in_eval_is_fine(w2):
@@ -450,6 +467,16 @@ def test_single_process_generate_takes_any_length_under_any_layout(state_dicts, 
         with pytest.raises(ValueError, match=r"a KV cache is not supported: pass use_cache=False; "
                                              r"generate\(\) works so on one process only"):
             model.generate(ids, max_new_tokens=2, do_sample=False)
+        # a left-padded prompt: the padding named alone (before: also told to pass packed
+        # documents' boundaries, for the position ids generate() makes for padded rows)
+        rows = torch.cat([ids, ids]).clone()  # (2, 9)
+        pad = torch.ones_like(rows)
+        pad[0, :3] = 0
+        with pytest.raises(ValueError) as refused:
+            model.generate(rows, attention_mask=pad, max_new_tokens=1, do_sample=False,
+                           use_cache=False)
+        assert "an attention_mask with padding (zeros)" in str(refused.value)
+        assert "cu_seq_lens_q" not in str(refused.value), str(refused.value)
 
 
 def _gemma3_multimodal():

@@ -109,6 +109,9 @@ class RingSettings:
     # a layer that does not hand them to the attention function (Falcon, StableLM, Nemotron
     # call it without **kwargs) is then named as such, not told to pass what was passed.
     _model_documents: bool = field(default=False, repr=False, compare=False)
+    # The running model call's logits_to_keep (generate() passes 1), None when it keeps all:
+    # over several ranks each would keep its own shard's last tokens, which is refused.
+    _logits_kept: Any = field(default=None, repr=False, compare=False)
 
     def __deepcopy__(self, memo):
         # A process group cannot be copied, and a copied model runs on the same ring.
@@ -150,7 +153,9 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
                        position_ids, q_local: int, device) -> None:
     """Refuses padding masks and wrong position ids; agrees across ranks before raising (the
     message starts with ``name``, the attention module's class)."""
-    if attention_mask is None and position_ids is None:
+    world_size, rank = group_info(settings.group)
+    kept = settings._logits_kept if world_size > 1 else None
+    if attention_mask is None and position_ids is None and kept is None:
         return
     # the mask as given to the model (ringseq_mask hands the layers its last kv_length columns)
     attention_mask = getattr(attention_mask, "ringseq_whole_mask", attention_mask)
@@ -160,6 +165,12 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
             and checked_len == q_local):
         return
     problems = []
+    if kept is not None:
+        shown = f"{kept!r}" if not torch.is_tensor(kept) else "a tensor of indices"
+        problems.append(f"logits_to_keep={shown} (model.generate() passes 1) over {world_size} "
+                        f"ranks: each rank would keep the logits of its own shard's last tokens, "
+                        f"not the sequence's; generate() runs on one process only; over a ring "
+                        f"compute every position's logits and gather them with ringseq.unshard")
     refusal = getattr(attention_mask, "ringseq_refusal", None)  # set by ringseq_mask
     if refusal is not None:
         problems.append(refusal)
@@ -172,10 +183,11 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
             problems.append("an attention_mask with padding (zeros); ring attention cannot skip "
                             "padded tokens: pack sequences without padding and mark positions "
                             "without a target with ignore_index in the labels")
-    world_size, rank = group_info(settings.group)
     # Also at world size 1: packed documents whose position ids restart but that come without
     # their boundaries (cu_seq_lens_q) would otherwise attend across documents without a word.
-    if position_ids is not None:
+    # (Not beside a padding refusal: padded rows' position ids, as generate() makes them, are
+    # no packed documents, and the advice would be wrong.)
+    if position_ids is not None and not problems:
         try:
             # (s_local,); raises for a local length this rank's layout cannot place: then a
             # problem like the others, which the agreement below reports to every rank
@@ -469,12 +481,16 @@ def _capture_documents(module, args, kwargs):
     settings = getattr(module, "ringseq_settings", None)
     if settings is not None:
         settings._model_documents = _given_documents(kwargs)
+        kept = kwargs.get("logits_to_keep", kwargs.get("num_logits_to_keep"))
+        settings._logits_kept = (None if kept is None or (isinstance(kept, int) and kept == 0)
+                                 else kept)
 
 
 def _forget_documents(module, args, kwargs, output):
     settings = getattr(module, "ringseq_settings", None)
     if settings is not None:
         settings._model_documents = False
+        settings._logits_kept = None
 
 
 def _forget_positions(module, args, kwargs, output):

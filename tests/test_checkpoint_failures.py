@@ -228,6 +228,14 @@ def _worker_calls(tmp):
     # alone while rank 1 waited in the save's vote)
     out["sharded_differs"] = error_text(lambda: booster.save_optimizer(
         opt, f"{tmp}/optim_dir", sharded=True if rank == 0 else None))
+    # a sharded optimizer checkpoint onto an existing file (before: FileExistsError from
+    # torch.distributed.checkpoint on every rank, naming no call)
+    if rank == 0:
+        with open(f"{tmp}/a_file", "w") as f:
+            f.write("not a directory")
+    dist.barrier()
+    out["sharded_onto_file"] = error_text(lambda: booster.save_optimizer(
+        opt, f"{tmp}/a_file", sharded=True))
     # keywords: by name, and ColossalAI's at the values that ask for what the plugin does
     io = booster.checkpoint_io
     out["by_keyword"] = error_text(lambda: io.save_model(model=model,
@@ -298,12 +306,15 @@ def test_ranks_given_different_paths_write_nothing(w2_calls, key, fn, path):
                                "OptimizerWrapper (without optimizer)"),
     ("too_many", "TypeError: save_model: too many positional arguments; it takes (model, "
                  "checkpoint, max_shard_size)"),
+    ("sharded_onto_file", "ValueError: save_optimizer: "),
 ])
 def test_arguments_a_checkpoint_call_does_not_take_are_refused_on_every_rank(w2_calls, key,
                                                                             expected):
     for r in w2_calls:
         assert r[key].startswith(expected), r[key]
         assert not r["target_written"]
+        if key == "sharded_onto_file":
+            assert "a_file' is a file; a sharded optimizer checkpoint" in r[key], r[key]
     assert w2_calls[1]["none_on_one_rank"].startswith(
         "TypeError: load_model: model must be a torch.nn.Module (the boosted model), got "
         "NoneType"), w2_calls[1]

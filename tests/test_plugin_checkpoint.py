@@ -5,6 +5,7 @@ checkpoints, their votes and errors are in tests/test_plugin.py, tests/test_comp
 tests/test_checkpoint_all_or_nothing.py; here only a plain file read into FSDP shards)."""
 from __future__ import annotations
 
+import copy
 import os
 import re
 
@@ -139,16 +140,39 @@ def test_files_of_another_optimizer_class_or_scheduler_are_refused(tmp_path):
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(torch.optim.SGD(model.parameters(),
                                                                         lr=0.1), T_max=3)
     two_groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    # chains of schedulers: a SequentialLR of other schedulers, or of another number of them
+    # (before: loaded into them silently, or a bare IndexError after its own state was set)
+    lr = torch.optim.lr_scheduler
+
+    def sequential(*make):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        subs = [m(opt) for m in make]
+        return lr.SequentialLR(opt, subs, milestones=[4 * (i + 1) for i in range(len(subs) - 1)])
+    saved = sequential(lambda o: lr.LinearLR(o, total_iters=4), lambda o: lr.ExponentialLR(o, 0.9))
+    saved.step()
+    paths["chain"] = str(tmp_path / "chain")
+    io.save_lr_scheduler(saved, paths["chain"])
     for sched, path, words in (
             (linear, paths["optim"], "not a state dict of this LinearLR"),
             (linear, paths["model"], "not a state dict of this LinearLR"),
             (cosine, paths["sched"], "not a state dict of this CosineAnnealingLR"),
             (torch.optim.lr_scheduler.LinearLR(two_groups, total_iters=4), paths["sched"],
-             "1 parameter group(s), this one 2")):
-        before = dict(vars(sched))
+             "1 parameter group(s), this one 2"),
+            (sequential(lambda o: lr.ConstantLR(o), lambda o: lr.StepLR(o, 2)), paths["chain"],
+             "its scheduler 0 (ConstantLR): the checkpoint is not a state dict of this "
+             "ConstantLR"),
+            (sequential(lambda o: lr.LinearLR(o), lambda o: lr.ExponentialLR(o, 0.9),
+                        lambda o: lr.ConstantLR(o)), paths["chain"],
+             "the checkpoint's SequentialLR chains 2 scheduler(s), this one 3"),
+            (sequential(lambda o: lr.LinearLR(o)), paths["chain"],
+             "the checkpoint's SequentialLR chains 2 scheduler(s), this one 1")):
+        before = copy.deepcopy(sched.state_dict())
         with pytest.raises(ValueError, match=re.escape(words)):
             io.load_lr_scheduler(sched, path)
-        assert vars(sched).keys() == before.keys()
+        assert sched.state_dict() == before  # (values too: nothing was set)
+    same = sequential(lambda o: lr.LinearLR(o, total_iters=4), lambda o: lr.ExponentialLR(o, 0.9))
+    io.load_lr_scheduler(same, paths["chain"])
+    assert same.state_dict() == saved.state_dict()
     fresh = torch.optim.lr_scheduler.LinearLR(torch.optim.AdamW(model.parameters(), lr=1e-3),
                                               total_iters=4)
     io.load_lr_scheduler(fresh, paths["sched"])

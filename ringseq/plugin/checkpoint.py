@@ -380,6 +380,21 @@ def _check_scheduler_state(lr_scheduler, state) -> None:
     if "base_lrs" in own and len(state["base_lrs"]) != len(own["base_lrs"]):
         raise ValueError(f"the checkpoint's scheduler has {len(state['base_lrs'])} parameter "
                          f"group(s), this one {len(own['base_lrs'])}")
+    # A chain (SequentialLR, ChainedScheduler) holds its schedulers' states in a private list,
+    # which its load_state_dict sets one by one after its own attributes: checked here, else
+    # other schedulers' states loaded silently into these, or failed half-way (IndexError).
+    subs = getattr(lr_scheduler, "_schedulers", None)
+    if isinstance(subs, (list, tuple)):
+        saved = state.get("_schedulers")
+        if not isinstance(saved, list) or len(saved) != len(subs):
+            count = len(saved) if isinstance(saved, list) else "no list of"
+            raise ValueError(f"the checkpoint's {type(lr_scheduler).__name__} chains {count} "
+                             f"scheduler(s), this one {len(subs)}")
+        for i, (sub, sub_state) in enumerate(zip(subs, saved)):
+            try:
+                _check_scheduler_state(sub, sub_state)
+            except ValueError as exc:
+                raise ValueError(f"its scheduler {i} ({type(sub).__name__}): {exc}") from None
 
 
 def scaler_state(optimizer):

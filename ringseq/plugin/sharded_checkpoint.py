@@ -37,7 +37,7 @@ from .._dist import agree_on_fields, agree_or_raise
 from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
                          _load, _save, _unwrap, _with_scaler_state, _write, on_writer,
                          read_file, save_scaler)
-from .checkpoint_call import checkpoint_call, shard_bytes
+from .checkpoint_call import checkpoint_call, current_call, shard_bytes
 
 # The fp16 grad scaler's state inside a sharded optimizer checkpoint's directory.
 _SCALER_FILE = "grad_scaler.pt"
@@ -210,7 +210,7 @@ def _checkpoint_exception_text(exc, path: str, what: str) -> str:
     # (torch gives each failed rank's (exception, traceback))
     failures = {r: f[0] if isinstance(f, tuple) else f for r, f in exc.failures.items()}
     causes = "; ".join(f"rank {r}: {type(f).__name__}: {f}" for r, f in sorted(failures.items()))
-    return f"torch.distributed.checkpoint could not {what} {path!r}: {causes}"
+    return f"{current_call()}: torch.distributed.checkpoint could not {what} {path!r}: {causes}"
 
 
 def _dcp_state_names(path: str) -> set:
@@ -408,6 +408,12 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             raise ValueError("save_optimizer: a sharded optimizer checkpoint needs the boosted "
                              "optimizer booster.boost returned (it names the state by the "
                              "model's parameter names), got the optimizer itself")
+        # (before dcp.save, which failed on every rank with FileExistsError, naming no call)
+        agree_or_raise(not os.path.isfile(checkpoint),
+                       f"save_optimizer: {checkpoint!r} is a file; a sharded optimizer "
+                       f"checkpoint (zero_stage 2 / 3, tp_size > 1) is a directory of "
+                       f"torch.distributed.checkpoint shards: pass a directory's path",
+                       peer_message=f"save_optimizer: {checkpoint!r} is a file on another rank")
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict

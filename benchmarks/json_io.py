@@ -33,9 +33,9 @@ def _floats(value):
     return value
 
 
-def dump(payload, f) -> None:
+def dump(payload, f, indent: int = 2) -> None:
     """``payload`` as strict JSON into the open file ``f`` (non-finite floats as strings)."""
-    json.dump(_strict(payload), f, indent=2, allow_nan=False)
+    json.dump(_strict(payload), f, indent=indent, allow_nan=False)
 
 
 def load(f):

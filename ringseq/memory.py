@@ -339,20 +339,26 @@ MAX_SIZE = 2 ** 63 - 1
 
 
 def parse_bytes(text: str) -> int:
-    """``'80GiB'`` -> 85899345920; ``'80GB'`` -> 80e9; a plain number is bytes. Raises
-    ValueError for anything else (a negative size, or one above 2**63 - 1 bytes, too)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    """``'80GiB'`` -> 85899345920; ``'80GB'`` -> 80e9; a plain number is bytes (the bytes a
+    fraction of a unit holds are rounded down). Raises ValueError for anything else (a
+    negative size, or one above 2**63 - 1 bytes, too)."""
+    s = str(text)
+    shown = repr(s) if len(s) <= 80 else f"{s[:80]!r}... ({len(s)} characters)"
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", s)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"parse_bytes: a memory size must be a non-negative number with an "
-                         f"optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {text!r}")
-    # (exact: a float would turn a long number into infinity; past 64 characters the number
-    # is no size, and Python would refuse its digits with a message of its own)
-    n = (MAX_SIZE + 1 if len(m.group(1)) > 64
-         else int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()]))
+                         f"optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {shown}")
+    # Exact, not through a float (which would turn a long number into infinity), and with the
+    # digits that can matter only: Python refuses ints of more than 4300 digits with a
+    # message of its own. A whole part of more than 19 digits is above 2**63 - 1 already;
+    # 64 digits of the fraction decide the bytes rounded down.
+    whole, _, fraction = m.group(1).partition(".")
+    whole = whole.lstrip("0")
+    n = (MAX_SIZE + 1 if len(whole) > 19 else
+         int(Fraction(f"{whole or 0}.{fraction[:64] or 0}") * _UNITS[m.group(2).lower()]))
     if n > MAX_SIZE:
-        shown = repr(text) if len(str(text)) <= 80 else f"{str(text)[:80]!r}... ({len(text)} chars)"
-        raise ValueError(f"parse_bytes: a memory size must be at most 2**63 - 1 bytes, written "
-                         f"in at most 64 characters, got {shown}")
+        raise ValueError(f"parse_bytes: a memory size must be at most 2**63 - 1 bytes, got "
+                         f"{shown}")
     return n
 
 

@@ -236,6 +236,12 @@ def _worker_calls(tmp):
     dist.barrier()
     out["sharded_onto_file"] = error_text(lambda: booster.save_optimizer(
         opt, f"{tmp}/a_file", sharded=True))
+    # a file checkpoint onto a directory, a directory of shards onto a file (before:
+    # IsADirectoryError naming a temporary file, FileExistsError naming no expectation)
+    os.makedirs(f"{tmp}/a_dir", exist_ok=True)
+    out["file_onto_directory"] = error_text(lambda: booster.save_model(model, f"{tmp}/a_dir"))
+    out["shards_onto_file"] = error_text(lambda: booster.save_model(
+        model, f"{tmp}/a_file", max_shard_size="1KB"))
     # keywords: by name, and ColossalAI's at the values that ask for what the plugin does
     io = booster.checkpoint_io
     out["by_keyword"] = error_text(lambda: io.save_model(model=model,
@@ -307,14 +313,20 @@ def test_ranks_given_different_paths_write_nothing(w2_calls, key, fn, path):
     ("too_many", "TypeError: save_model: too many positional arguments; it takes (model, "
                  "checkpoint, max_shard_size)"),
     ("sharded_onto_file", "ValueError: save_optimizer: "),
+    ("file_onto_directory", "ValueError: save_model: "),
+    ("shards_onto_file", "ValueError: save_model: "),
 ])
 def test_arguments_a_checkpoint_call_does_not_take_are_refused_on_every_rank(w2_calls, key,
                                                                             expected):
     for r in w2_calls:
         assert r[key].startswith(expected), r[key]
         assert not r["target_written"]
-        if key == "sharded_onto_file":
-            assert "a_file' is a file; a sharded optimizer checkpoint" in r[key], r[key]
+        if key in ("sharded_onto_file", "shards_onto_file"):
+            assert "a_file' is a file; this checkpoint is a directory" in r[key] or \
+                "rank 0 failed to write the checkpoint" in r[key], r[key]
+        if key == "file_onto_directory":
+            assert "a_dir' is a directory; this checkpoint is a file" in r[key] or \
+                "rank 0 failed to write the checkpoint" in r[key], r[key]
     assert w2_calls[1]["none_on_one_rank"].startswith(
         "TypeError: load_model: model must be a torch.nn.Module (the boosted model), got "
         "NoneType"), w2_calls[1]

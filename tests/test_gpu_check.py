@@ -105,6 +105,10 @@ def test_summary_reads_every_stage_output(tmp_path, capsys):
     (raw / "ring_w1.json").write_text(json.dumps({"results": [{
         "world_size": 1, "layout": "zigzag", "mode": "fwd", "ms": 10.0, "compute_only_ms": 9.0,
         "ring_overhead": 1.111, "max_err": 1e-3, "plain_err": 2e-3, "check_ok": True}]}))
+    # a failed ring row, as the strict writer leaves it: a non-finite error as a string
+    (raw / "ring_w2.json").write_text(json.dumps({"results": [{
+        "world_size": 2, "layout": "zigzag", "mode": "fwd", "ms": 12.0, "compute_only_ms": 9.0,
+        "ring_overhead": 1.333, "max_err": "inf", "plain_err": 2e-3, "check_ok": False}]}))
 
     assert load_summary().main([str(tmp_path), "--total", "300", "--ring-args", "--layouts zigzag"]) == 0
     text = (tmp_path / "summary.txt").read_text()
@@ -121,7 +125,11 @@ def test_summary_reads_every_stage_output(tmp_path, capsys):
     assert "NVIDIA H200" in md and "GPU tests: 7 passed, 1 failed" in md
     assert "| fwd | 4096 | 128 | causal | 25.0 | 20.0 | 50.0 | 33.3 | 100.0 | 1.50 | 0.50 |" in md
     assert "| 1 | zigzag | fwd | 10.00 | 9.00 | 1.111 |" in md
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert re.search(r"^ 2 zigzag\s+fwd\s+12\.00\s+9\.00\s+1\.333\s+inf\s.*FAILED", text, re.M)
+
+    def refuse(token):  # (strict: before, Infinity / NaN tokens, which strict parsers refuse)
+        raise AssertionError(f"not JSON: {token}")
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
     assert summary["tests"]["failures"] == 1 and len(summary["bench"]) == 5
 
 

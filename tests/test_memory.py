@@ -375,9 +375,14 @@ def test_parse_bytes():
     with pytest.raises(ValueError, match=r"^parse_bytes: a memory size must be at most "
                                          r"2\*\*63 - 1 bytes"):
         mem.parse_bytes("1" + "0" * 400)
-    with pytest.raises(ValueError, match=r"^parse_bytes: .* in at most 64 characters, got "
-                                         r"'1000.*\(5001 chars\)"):
+    with pytest.raises(ValueError, match=r"^parse_bytes: a memory size must be at most 2\*\*63 "
+                                         r"- 1 bytes, got '1000.*\(5001 characters\)"):
         mem.parse_bytes("1" + "0" * 5000)  # (before: Python's 4300-digit limit message)
+    # the digits that matter: leading zeros and a long fraction are a size like any other
+    assert mem.parse_bytes("0" * 70 + "1GiB") == mem.parse_bytes("1." + "0" * 70 + "GiB") == GiB
+    assert mem.parse_bytes("0." + "0" * 5000 + "1KB") == 0
+    with pytest.raises(ValueError, match=r"^parse_bytes: a memory size must be at most"):
+        mem.parse_bytes(10 ** 100)  # (an int: before, TypeError from len())
 
 
 # ---------------------------------------------------------------- the planner

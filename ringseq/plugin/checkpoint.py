@@ -126,15 +126,29 @@ def _save_state_of(owner, path: str) -> None:
     on_writer(path, lambda: _write(owner.state_dict(), path))
 
 
-def on_writer(path: str, write) -> None:
+def wrong_kind(path: str, directory: bool):
+    """A ValueError naming the call when ``path`` is an existing directory where the
+    checkpoint is a file (``directory`` False) or the other way round, else None. (Before:
+    FileExistsError / IsADirectoryError naming a temporary file the user never passed.)"""
+    if not (os.path.isfile(path) if directory else os.path.isdir(path)):
+        return None
+    kind, other = ("a directory", "a file") if directory else ("a file", "a directory")
+    return ValueError(f"{current_call()}: {path!r} is {other}; this checkpoint is {kind}: pass "
+                      f"the path of {kind}, or remove what is there")
+
+
+def on_writer(path: str, write, directory: bool = False) -> None:
     """Runs ``write()`` on the writing rank (rank 0) for the checkpoint ``path``, then agrees:
     doubles as the barrier (nobody reads the file before it exists) and makes a failed write
     raise on every rank, not only on rank 0 while the others train on (rank 0's own error
-    names the checkpoint, as a load's does)."""
+    names the checkpoint, as a load's does). ``directory``: the checkpoint is a directory
+    (else a file); a path of the other kind is refused (:func:`wrong_kind`), nothing written."""
     error = None
     if _is_writer():
+        error = wrong_kind(path, directory)
         try:
-            write()
+            if error is None:
+                write()
         except Exception as exc:  # noqa: BLE001 - re-raised on this rank after agreeing
             error = saving_failed(exc, path)
     if dist.is_initialized():

@@ -41,7 +41,8 @@ _BOTH_CHECKPOINTINGS = (
     "activation_checkpointing=True checkpoints every decoder layer already, keeping the "
     "attention's output so that the backward repeats no ring exchange; together every layer "
     "is recomputed twice and the ring runs again. Turn one off: "
-    "model.gradient_checkpointing_disable(), or activation_checkpointing=False")
+    "model.gradient_checkpointing_disable(), or activation_checkpointing=False (after a "
+    "refused forward, then booster.reset() on every rank)")
 
 
 # Buffers are identical on every rank (deterministic RoPE tables), so re-broadcasting them

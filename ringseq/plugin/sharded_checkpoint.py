@@ -36,7 +36,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .._dist import agree_on_fields, agree_or_raise
 from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
                          _load, _save, _unwrap, _with_scaler_state, _write, on_writer,
-                         read_file, save_scaler)
+                         read_file, save_scaler, wrong_kind)
 from .checkpoint_call import checkpoint_call, current_call, shard_bytes
 
 # The fp16 grad scaler's state inside a sharded optimizer checkpoint's directory.
@@ -347,7 +347,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         if limit is None:
             _save(state, checkpoint)
             return
-        on_writer(checkpoint, lambda: _write_shards(state, checkpoint, limit))
+        on_writer(checkpoint, lambda: _write_shards(state, checkpoint, limit), directory=True)
 
     @checkpoint_call
     def load_model(self, model, checkpoint: str, strict: bool = True):
@@ -408,11 +408,10 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
             raise ValueError("save_optimizer: a sharded optimizer checkpoint needs the boosted "
                              "optimizer booster.boost returned (it names the state by the "
                              "model's parameter names), got the optimizer itself")
-        # (before dcp.save, which failed on every rank with FileExistsError, naming no call)
-        agree_or_raise(not os.path.isfile(checkpoint),
-                       f"save_optimizer: {checkpoint!r} is a file; a sharded optimizer "
-                       f"checkpoint (zero_stage 2 / 3, tp_size > 1) is a directory of "
-                       f"torch.distributed.checkpoint shards: pass a directory's path",
+        # (every rank writes its shards there; before dcp.save, which failed on every rank
+        # with FileExistsError, naming no call)
+        refused = wrong_kind(checkpoint, directory=True)
+        agree_or_raise(refused is None, str(refused), error=refused,
                        peer_message=f"save_optimizer: {checkpoint!r} is a file on another rank")
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
@@ -444,7 +443,8 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         # last: the old metadata goes first (every rank past it before any writes), so a save
         # that fails part way leaves a directory that is refused at load, never an old index
         # over a mix of two steps' files.
-        on_writer(checkpoint, lambda: _remove_if_there(os.path.join(checkpoint, ".metadata")))
+        on_writer(checkpoint, lambda: _remove_if_there(os.path.join(checkpoint, ".metadata")),
+                  directory=True)
         # The grad scaler's state goes in before the metadata, which dcp writes last: a save
         # failing at either leaves no metadata, refused at load (before, a scaler write that
         # failed after dcp's left the new optimizer state beside the old loss scale).

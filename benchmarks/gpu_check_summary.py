@@ -223,9 +223,9 @@ def main(argv=None):
     with open(os.path.join(args.out, "summary.txt"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "summary.json"), "w") as f:  # (strict: a failed row's inf)
-        json_io.dump({"total_seconds": args.total, "has_gpu": bool(args.has_gpu), "env": env, "stages": stages,
-                      "tests": tests, "sanitizers": san, "bench": bench, "bench_masks": masks, "ring": ring},
-                     f, indent=1)
+        json_io.dump({"total_seconds": args.total, "has_gpu": bool(args.has_gpu), "env": env,
+                      "stages": stages, "tests": tests, "sanitizers": san, "bench": bench,
+                      "bench_masks": masks, "ring": ring}, f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(results_md(env, tests, san, bench, ring, args.ring_args, masks, stages))
     print(text, end="")

@@ -548,8 +548,9 @@ class RingSequenceParallelPlugin(Plugin):
                 transformers' ``DataCollatorWithFlattening``); every document attends only to
                 itself and no target crosses a document. A batch whose total is not a multiple
                 of what the mesh splits and the loader's layout shards
-                (``plugin.dims.seq_multiple(layout)``: e.g. ``2 * sp`` for a zigzag ring,
-                times ``tp``; 2 for zigzag at sp 1) gets one padding document
+                (``plugin.dims.seq_multiple(layout)``: the least common multiple of the
+                layout's multiple over sp, ``2 * sp`` for a zigzag ring, and ``sp * tp``; 2 for
+                zigzag at sp 1) gets one padding document
                 (ignored by the loss, seen by no real token) to round it up. Use
                 ``layout="documents"`` for balanced causal work.
 

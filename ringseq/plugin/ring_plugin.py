@@ -28,21 +28,10 @@ from .mesh import _world_size, build_mesh, build_sp_mesh, check_sharded_order
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
 from .sharded_checkpoint import DistributedCheckpointIO
-from .wrappers import (FailureReporter, ModelWrapper, OptimizerWrapper, ReducedGrads,
-                       SequenceParallelLoss, StepTag, hf_checkpointing)
+from .wrappers import (BOTH_CHECKPOINTINGS, FailureReporter, ModelWrapper, OptimizerWrapper,
+                       ReducedGrads, SequenceParallelLoss, StepTag, hf_checkpointing)
 
 __all__ = ["RingSequenceParallelPlugin"]
-
-#: the refusal of transformers' checkpointing on top of the plugin's (boost, and a forward
-#: after gradient_checkpointing_enable()): the outer recompute runs the inner one again, ring
-#: exchanges included, and recomputes every layer twice
-_BOTH_CHECKPOINTINGS = (
-    "transformers' gradient checkpointing is on in this {}, and the plugin's "
-    "activation_checkpointing=True checkpoints every decoder layer already, keeping the "
-    "attention's output so that the backward repeats no ring exchange; together every layer "
-    "is recomputed twice and the ring runs again. Turn one off: "
-    "model.gradient_checkpointing_disable(), or activation_checkpointing=False (after a "
-    "refused forward, then booster.reset() on every rank)")
 
 
 # Buffers are identical on every rank (deterministic RoPE tables), so re-broadcasting them
@@ -807,7 +796,7 @@ class RingSequenceParallelPlugin(Plugin):
                                  f"_no_split_modules; other models: the children of an "
                                  f"nn.ModuleList)")
             if self.activation_checkpointing and hf_checkpointing(model):
-                raise ValueError(f"boost: {_BOTH_CHECKPOINTINGS.format(type(model).__name__)}")
+                raise ValueError(f"boost: {BOTH_CHECKPOINTINGS.format(type(model).__name__)}")
         except (ValueError, TypeError) as exc:
             refusal = exc
         get_ring(None).agree(refusal is None, str(refusal), error=refusal,

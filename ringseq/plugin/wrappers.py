@@ -46,6 +46,18 @@ class StepTag:
         self.value = 0
 
 
+#: the refusal of transformers' checkpointing on top of the plugin's (boost, and a forward
+#: after gradient_checkpointing_enable()): the outer recompute runs the inner one again, ring
+#: exchanges included, and recomputes every layer twice
+BOTH_CHECKPOINTINGS = (
+    "transformers' gradient checkpointing is on in this {}, and the plugin's "
+    "activation_checkpointing=True checkpoints every decoder layer already, keeping the "
+    "attention's output so that the backward repeats no ring exchange; together every layer "
+    "is recomputed twice and the ring runs again. Turn one off: "
+    "model.gradient_checkpointing_disable(), or activation_checkpointing=False (after a "
+    "refused forward, then booster.reset() on every rank)")
+
+
 class ModelWrapper(nn.Module):
     """The boosted model: data-parallel wrapper + autocast around the user's model.
 
@@ -205,9 +217,8 @@ class ModelWrapper(nn.Module):
                 if self.checkpointed and user.training and torch.is_grad_enabled() and \
                         hf_checkpointing(user):  # (enabled after boost; as transformers, which
                     # checkpoints only in training with gradients; inside the watch, as above)
-                    from .ring_plugin import _BOTH_CHECKPOINTINGS
                     raise ValueError(f"{type(user).__name__}: "
-                                     f"{_BOTH_CHECKPOINTINGS.format(type(user).__name__)}")
+                                     f"{BOTH_CHECKPOINTINGS.format(type(user).__name__)}")
                 out = self.module(*args, **kwargs)
         if self._reduction is not None:
             self._reduction.forward_ran()

@@ -91,23 +91,24 @@ class ShardedDataLoader:
                  seq_multiple: int = 1, shared: bool = True):
         self.loader = loader
         # (checked here: unchecked, they failed at the first batch with Python's messages)
-        if as_int(seq_multiple) is None:
+        multiple, ignored = as_int(seq_multiple), as_int(ignore_index)
+        if multiple is None:
             raise TypeError(f"ShardedDataLoader: seq_multiple must be an int >= 1, got "
                             f"{given(seq_multiple)}")
-        if as_int(seq_multiple) < 1:
+        if multiple < 1:
             raise ValueError(f"ShardedDataLoader: seq_multiple must be an int >= 1, got "
                              f"{seq_multiple!r}")
-        if as_int(ignore_index) is None:
+        if ignored is None:
             raise TypeError(f"ShardedDataLoader: ignore_index must be an int (the label the "
                             f"loss ignores), got {given(ignore_index)}")
         #: what every sequence length must be a multiple of beyond the layout's own rule
         #: (sp x tp with tensor parallelism: ParallelDims.seq_multiple)
-        self.seq_multiple = as_int(seq_multiple)
+        self.seq_multiple = multiple
         self.device = None if device is None else torch.device(device)
         self.sp_group = sp_group
         self.layout = layout
         self.dp_rank = dp_rank
-        self.ignore_index = as_int(ignore_index)
+        self.ignore_index = ignored
         self.check_group = check_group
         #: whether other ranks load this rank's samples too (sequence / tensor parallelism):
         #: then each batch's digest is compared among them

@@ -204,8 +204,8 @@ class ModelWrapper(nn.Module):
                                  f"{self.tp_split} (the boosted loader's batches are)")
                 self._reporter.report_refusal(exc, agrees)
                 raise exc
-            self._reporter.backward_calls_per_forward = (
-                2 if user.training and hf_checkpointing(user) else 1)
+            hf_recomputes = user.training and hf_checkpointing(user)  # (read once per forward)
+            self._reporter.backward_calls_per_forward = 2 if hf_recomputes else 1
             if self._reduction is not None:
                 self._reduction.forward_started()
             with self._reporter.watch("forward", self._reduction, agrees), \
@@ -214,9 +214,9 @@ class ModelWrapper(nn.Module):
                     # (inside the watch: a rank that froze or unfroze alone fails its forward,
                     # and its ring peers and the loss hear of it, instead of waiting for it)
                     self._refuse_unfrozen(user)
-                if self.checkpointed and user.training and torch.is_grad_enabled() and \
-                        hf_checkpointing(user):  # (enabled after boost; as transformers, which
-                    # checkpoints only in training with gradients; inside the watch, as above)
+                if self.checkpointed and hf_recomputes and torch.is_grad_enabled():
+                    # (enabled after boost; as transformers, which checkpoints only in training
+                    # with gradients; inside the watch, as above)
                     raise ValueError(f"{type(user).__name__}: "
                                      f"{BOTH_CHECKPOINTINGS.format(type(user).__name__)}")
                 out = self.module(*args, **kwargs)

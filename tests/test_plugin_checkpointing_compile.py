@@ -10,6 +10,9 @@ torch.compile of the model boost returns.
   2 layers instead of 2, against the docs' "no ring exchange is repeated".)
 - A compiled model boosted with tensor parallelism trains as the eager one. (Before: every rank
   failed in dynamo, tracing ringseq's count of the tp group's collectives.)
+- A deep copy of a model boosted with tensor parallelism is refused by name, and the state-dict
+  route the message gives runs the same weights. (Before: a TypeError about pickling a
+  ProcessGroup.)
 """
 from __future__ import annotations
 
@@ -109,6 +112,14 @@ def _worker():
                       for p in model.unwrap().parameters()])
     out["compiled_tp_max_diff"] = max(float((a - b).abs().max()) for a, b in zip(*grads))
     out["grad_scale"] = max(float(a.abs().max()) for a in grads[0])
+    # a copy of the tp model is refused by name; the way the message gives runs the same weights
+    out["tp_copy"] = error_text(lambda: copy.deepcopy(model.unwrap()))
+    twin = booster.boost(_llama())[0]
+    with torch.no_grad():
+        for p in twin.unwrap().parameters():
+            p.zero_()
+        twin.unwrap().load_state_dict(model.unwrap().state_dict())
+        out["tp_twin_diff"] = float((twin(**batch).logits - model(**batch).logits).abs().max())
     return out
 
 
@@ -132,6 +143,16 @@ def test_transformers_checkpointing_on_top_of_the_plugins_is_refused(w2):
     assert w2[1]["one_rank"].startswith(("RingBrokenError", "RingPeerError")), w2[1]["one_rank"]
     assert "transformers' gradient checkpointing is on" in w2[1]["one_rank"], w2[1]["one_rank"]
     assert all(r["one_rank_s"] < 10 for r in w2), [r["one_rank_s"] for r in w2]
+
+
+def test_a_copy_of_a_tensor_parallel_model_is_refused_by_name(w2):
+    # (before: "TypeError: cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object")
+    for r in w2:
+        assert r["tp_copy"].startswith(
+            "TypeError: copy.deepcopy: a model with tensor parallelism (tp_size > 1) at "
+            "zero_stage 0 cannot be copied"), r["tp_copy"]
+        assert "boost a fresh model with the same plugin, then load_state_dict(" in r["tp_copy"]
+        assert r["tp_twin_diff"] == 0.0, r["tp_twin_diff"]
 
 
 def test_a_compiled_model_with_tensor_parallelism_trains_as_the_eager_one(w2):

@@ -65,6 +65,16 @@ class ReplicatedGradSync:
         model.register_forward_pre_hook(self._on_forward)
         model.register_forward_hook(self._on_output)
 
+    def __deepcopy__(self, memo):
+        # Reached through the model's hooks (bound methods of this object): a copy would share
+        # the original's step state and the tp hooks' (closures over the original's), so that
+        # a teacher's forward between the original's forward and backward would mix the two.
+        raise TypeError(
+            "copy.deepcopy: a model with tensor parallelism (tp_size > 1) at zero_stage 0 cannot "
+            "be copied: its gradient reduction and tensor-parallel hooks hold this model's "
+            "process groups and per-step state. Build the copy from a state dict instead: boost "
+            "a fresh model with the same plugin, then load_state_dict(model.unwrap().state_dict())")
+
     def _on_forward(self, _module, _args) -> None:
         if torch._C._current_graph_task_id() == -1:  # (not a recompute inside a backward)
             self._outer_pending = False

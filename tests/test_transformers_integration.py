@@ -901,3 +901,40 @@ def test_apply_names_itself_for_options_it_cannot_take(kwargs, error, needle):
     with pytest.raises(error, match=needle):
         apply(model, **kwargs)
     assert model.config._attn_implementation != "ringseq"  # left as it was
+
+
+def _layer_called_on_its_own():
+    import torch.distributed as dist
+    import ringseq
+    from ringseq.integrations.transformers import RingSettings, ringseq_attention_forward
+
+    class LlamaAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ringseq_settings = RingSettings(layout=ringseq.get_layout("contiguous"))
+            self.is_causal, self.scaling = True, None
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layer = LlamaAttention()
+    q, k, v = (torch.randn(1, 2, 4, 16) for _ in range(3))  # (b, h, s_local, d)
+    out = {}
+    # valid on each rank: no mask on rank 0, an all-ones padding mask on rank 1
+    out["mask_on_one_rank"] = error_text(lambda: ringseq_attention_forward(
+        layer, q, k, v, None if rank == 0 else torch.ones(1, 4, dtype=torch.bool)))
+    # the same all-ones mask, one tensor reused on rank 0, a new one per call on rank 1
+    kept = torch.ones(1, 4, dtype=torch.bool)
+    out["reused_on_one_rank"] = [error_text(lambda: ringseq_attention_forward(
+        layer, q, k, v, kept if rank == 0 else torch.ones(1, 4, dtype=torch.bool)))
+        for _ in range(2)]
+    out["ring_after"] = error_text(lambda: ringseq.ring_flash_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True))
+    return out
+
+
+def test_a_layer_called_on_its_own_agrees_on_its_inputs_whatever_each_rank_passes():
+    # Whether the input check's agreement runs depends on no rank's own tensors. (Before: a
+    # rank without mask or with a reused mask skipped it, and both raised RingDesyncError.)
+    for r in run_ranks(_layer_called_on_its_own, 2, timeout=120, env={"RINGSEQ_TIMEOUT": "20"}):
+        assert r == {"mask_on_one_rank": "no error", "reused_on_one_rank": ["no error"] * 2,
+                     "ring_after": "no error"}, r

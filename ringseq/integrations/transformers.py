@@ -101,6 +101,9 @@ class RingSettings:
     # the first layer of each call checks its inputs on every rank, so whether the collective
     # runs never depends on a rank's own tensor identities (a batch reused on one rank only).
     _calls: int = field(default=0, repr=False, compare=False)
+    # Whether a model call is running (between the base model's pre- and post-hook): a layer or
+    # attention function called on its own checks its inputs at every call.
+    _in_call: bool = field(default=False, repr=False, compare=False)
     # The position ids the model itself was called with, for models whose attention function
     # gets none (GPT-BigCode adds learned position embeddings before its layers): set by a
     # hook around the base model's forward (:func:`_capture_positions`), None outside it.
@@ -155,12 +158,18 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
     message starts with ``name``, the attention module's class)."""
     world_size, rank = group_info(settings.group)
     kept = settings._logits_kept if world_size > 1 else None
-    if attention_mask is None and position_ids is None and kept is None:
-        return
     # the mask as given to the model (ringseq_mask hands the layers its last kv_length columns)
     attention_mask = getattr(attention_mask, "ringseq_whole_mask", attention_mask)
     mask_mark, pos_mark, checked_docs, checked_len, checked_call = settings._checked
-    if (checked_call == settings._calls and _marked(mask_mark, attention_mask)
+    if world_size > 1:
+        # Whether the agreement below runs is the same on every rank, so it depends on no rank's
+        # own inputs (a mask on one rank only, a tensor reused on one rank only): once per model
+        # call (the base model's hook counts them on every rank alike, and every layer of a call
+        # gets the call's inputs), and at every call of a layer used on its own.
+        if settings._in_call and checked_call == settings._calls:
+            return
+    elif (attention_mask is None and position_ids is None) or (
+            checked_call == settings._calls and _marked(mask_mark, attention_mask)
             and _marked(pos_mark, position_ids) and checked_docs == docs
             and checked_len == q_local):
         return
@@ -458,6 +467,7 @@ def _capture_positions(module, args, kwargs):
     if settings is None:
         return
     settings._calls += 1
+    settings._in_call = True
     settings._model_documents = settings._model_documents or _given_documents(kwargs)
     if not getattr(module, "_ringseq_takes_positions", False):
         return  # (apply refused such a model that encodes positions)
@@ -498,6 +508,7 @@ def _forget_positions(module, args, kwargs, output):
     if settings is not None:
         settings._model_positions = None
         settings._model_documents = False
+        settings._in_call = False
 
 
 def _takes_positions(base) -> bool:

@@ -420,3 +420,11 @@ def ring_timeout() -> float:
         raise ValueError(f"RINGSEQ_TIMEOUT={raw!r} must be a number of seconds (>= 1, "
                          f"finite)") from None
     return _check_timeout(value, f"RINGSEQ_TIMEOUT={raw!r}")
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where Python has it (3.11+); on 3.10 the note is dropped, so that
+    the rank's own error is still the one raised."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)

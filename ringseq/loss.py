@@ -6,12 +6,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ._args import as_int, given
-from ._dist import group_info
+from ._dist import add_note
 from .engine.integrity import fit_message
 from .engine.ring import get_ring, group_info_or_refuse
 from .spec import dtype_code
 
-__all__ = ["report_step_failure", "sharded_cross_entropy"]
+__all__ = ["report_own_failure", "report_step_failure", "sharded_cross_entropy"]
 
 
 class _SumAcrossRanks(torch.autograd.Function):
@@ -53,12 +53,25 @@ def report_step_failure(group=None, error: BaseException = None, *,
     ``ring_report_waits``: the plugin's, see :data:`RING_REPORT_WAITS`."""
     if isinstance(group, BaseException) and error is None:
         group, error = None, group
-    if group_info(group, "report_step_failure")[0] > 1:
+    # (a group that is no process group is refused where the peers wait: the default ring's
+    # loss agreement)
+    if group_info_or_refuse(group, "report_step_failure", "loss")[0] > 1:
         message = f"{type(error).__name__}: {error}" if error is not None else "failed"
         text = f"{message} ({_LOSS})"
         if ring_report_waits:  # (the marker must survive the message's cut to its bytes)
             text = fit_message(text, f" {RING_REPORT_WAITS}")
         get_ring(group).agree(False, text, raise_own=False, about="loss")
+
+
+def report_own_failure(group, error: BaseException, *, ring_report_waits: bool = False) -> None:
+    """:func:`report_step_failure` from a rank about to re-raise its own ``error``: never
+    raises. Where the report fails too (the peers are not at their loss: a timeout), that is
+    noted on ``error``, which stays what this rank's user sees."""
+    try:
+        report_step_failure(group, error, ring_report_waits=ring_report_waits)
+    except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
+        add_note(error, f"ringseq: reporting it to the loss failed too: "
+                        f"{type(report_exc).__name__}: {report_exc}")
 
 
 def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None,
@@ -97,9 +110,13 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
             raise TypeError(f"sharded_cross_entropy: ignore_index must be an int, got "
                             f"{ignore_index!r}")
         ignore_index = as_int(ignore_index)  # (a NumPy or 0-d tensor int too)
+        if not -2**63 <= ignore_index < 2**63:  # (compared with int64 labels)
+            raise ValueError(f"sharded_cross_entropy: ignore_index must be an int64 (labels are "
+                             f"int64), got {ignore_index}")
         if not torch.is_tensor(logits) or not logits.is_floating_point() or logits.dim() < 1:
+            dtype = f" of dtype {logits.dtype}" if torch.is_tensor(logits) else ""
             raise ValueError(f"sharded_cross_entropy: logits must be a floating tensor "
-                             f"(..., vocab), got {given(logits)}")
+                             f"(..., vocab), got {given(logits)}{dtype}")
         if logits.shape[-1] == 0:
             raise ValueError(f"sharded_cross_entropy: logits must have a vocabulary of at "
                              f"least one class, got shape {tuple(logits.shape)}")
@@ -134,7 +151,7 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     except Exception as exc:
         # This rank cannot give its numbers: it meets the others' agreement as a failure, so
         # they raise there instead of waiting, and no later collective pairs wrongly.
-        report_step_failure(group, exc)
+        report_own_failure(group, exc)
         raise
     if world_size > 1:
         # Every rank agrees that it has its numbers first (the control channel, where a rank

@@ -107,3 +107,66 @@ def test_ranks_that_disagree_on_the_loss_arguments_raise_on_every_rank():
     kind, message = ranks[0]["positional_report"][:2]
     assert kind == "RingPeerError" and "(rank 1: RuntimeError: the model failed" in message, \
         message
+
+
+def test_an_ignore_index_beyond_int64_and_integer_logits_are_named():
+    logits, labels = torch.randn(3, 5), torch.tensor([0, 1, 2])
+    # (before: OverflowError "int too big to convert", naming neither)
+    with pytest.raises(ValueError, match=r"^sharded_cross_entropy: ignore_index must be an "
+                                         r"int64 \(labels are int64\), got 18446744073709551616"):
+        ringseq.sharded_cross_entropy(logits, labels, ignore_index=2**64)
+    # (before: the message gave the shape only, which was fine)
+    with pytest.raises(ValueError, match=r"got a torch.Tensor of shape \(3, 5\) of dtype "
+                                         r"torch.int64$"):
+        ringseq.sharded_cross_entropy(torch.ones(3, 5, dtype=torch.long), labels)
+
+
+def test_the_plugins_loss_names_outputs_without_logits_and_a_batch_without_targets():
+    from ringseq.plugin.wrappers import SequenceParallelLoss
+    criterion, logits = SequenceParallelLoss(), torch.randn(1, 4, 5)
+    # (before: a bare KeyError 'logits', and "argument of type 'NoneType' is not iterable")
+    with pytest.raises(ValueError, match=r"^the criterion needs logits .* got dict without "
+                                         r"'logits'$"):
+        criterion({"loss": torch.zeros(())}, {"shift_labels": torch.zeros(1, 4, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"^the criterion needs the batch's 'shift_labels' .* "
+                                         r"got None \(NoneType\)$"):
+        criterion(logits, None)
+
+
+def _worker_failing_report_and_loss():
+    import time
+    rank = torch.distributed.get_rank()
+    logits, labels = torch.randn(1, 4, 5), torch.zeros(1, 4, dtype=torch.long)
+    res = {}
+    # a report given a group that is no process group still unblocks the peer at its loss
+    if rank == 1:
+        res["bad_group"] = capture(lambda: ringseq.loss.report_step_failure(
+            "world", RuntimeError("the model failed")))
+    else:
+        res["bad_group"] = capture(lambda: ringseq.sharded_cross_entropy(logits, labels))
+    ringseq.sharded_cross_entropy(logits, labels)  # the ring is whole again
+    # rank 1 refuses its labels while rank 0 is not at its loss: rank 1 still raises its own
+    # error, the report's timeout noted on it
+    if rank == 0:
+        time.sleep(6)
+        return res
+    try:
+        ringseq.sharded_cross_entropy(logits, torch.full((1, 4), 7))
+    except ValueError as exc:
+        res["own"] = (str(exc), getattr(exc, "__notes__", []))
+    return res
+
+
+def test_a_rank_that_cannot_report_its_loss_failure_still_raises_its_own_error():
+    """(Before: rank 1's ValueError came two levels down the context of a RingTimeoutError;
+    and a report given a bad group raised TypeError on its rank alone, the peer timing out.)"""
+    ranks = run_ranks(_worker_failing_report_and_loss, 2, timeout=120,
+                      env={"RINGSEQ_TIMEOUT": "3"})
+    kind, message, seconds = ranks[0]["bad_group"]
+    assert kind == "RingPeerError" and "report_step_failure: group must be" in message, message
+    assert seconds < 2, seconds
+    assert ranks[1]["bad_group"][0] == "TypeError", ranks[1]["bad_group"]
+    message, notes = ranks[1]["own"]
+    assert message.startswith("sharded_cross_entropy: labels must be in [0, 5)"), message
+    assert any(n.startswith("ringseq: reporting it to the loss failed too: RingTimeoutError")
+               for n in notes), notes

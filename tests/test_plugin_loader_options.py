@@ -156,6 +156,11 @@ def _worker():
     out["ulysses_inner_ring"] = error_text(lambda: RingSequenceParallelPlugin(
         sp_size=2, ulysses_inner=False))
     out["sp_size_float"] = error_text(lambda: RingSequenceParallelPlugin(sp_size=2.0))
+    # (before: a NumPy int refused with a ValueError, which the loss itself takes)
+    out["ignore_index_numpy"] = RingSequenceParallelPlugin(
+        sp_size=2, ignore_index=np.int64(-1)).ignore_index
+    out["ignore_index_float"] = error_text(lambda: RingSequenceParallelPlugin(
+        sp_size=2, ignore_index=-1.5))
     import ringseq.parallel.dims as dims
     real_version = dims.torch_version
     dims.torch_version = lambda: torch.torch_version.TorchVersion("2.11.0")
@@ -379,6 +384,11 @@ def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):
         assert r["clip_ok"]
 
 
+def test_the_plugin_takes_an_ignore_index_of_any_int_kind_as_the_loss_does(w4):
+    for r in w4:
+        assert r["ignore_index_numpy"] == -1 and type(r["ignore_index_numpy"]) is int, r
+
+
 @pytest.mark.parametrize("key, needle", [
     ("ac_string", "TypeError: RingSequenceParallelPlugin: activation_checkpointing must be a "
                   "bool, got 'no'"),
@@ -386,6 +396,8 @@ def test_clip_grad_by_norm_refuses_what_would_reverse_or_poison_gradients(w4):
                            "and ring dims of sp_mode='hybrid' only"),
     ("sp_size_float", "RingSequenceParallelPlugin: sp_size=2.0 must be a "
                       "positive int, not a float"),
+    ("ignore_index_float", "TypeError: RingSequenceParallelPlugin: ignore_index must be an int "
+                           "(the label of no target), got -1.5"),
     ("old_torch_fsdp", "ValueError: RingSequenceParallelPlugin: zero_stage=2 / tp_size=1 "
                        "(FSDP2 / tensor parallelism) need torch >= 2.12, found torch 2.11.0"),
     ("old_torch_ddp", "RingSequenceParallelPlugin"),

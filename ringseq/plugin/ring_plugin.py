@@ -384,9 +384,10 @@ class RingSequenceParallelPlugin(Plugin):
             if ulysses_inner is not None and sp_mode != "hybrid":
                 raise ValueError(f"ulysses_inner={ulysses_inner!r} orders the Ulysses and ring "
                                  f"dims of sp_mode='hybrid' only; got sp_mode={sp_mode!r}")
-            if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-                raise ValueError(f"ignore_index must be an int (the label of no target), got "
-                                 f"{ignore_index!r}")
+            if as_int(ignore_index) is None:
+                raise TypeError(f"ignore_index must be an int (the label of no target), got "
+                                f"{ignore_index!r}")
+            ignore_index = as_int(ignore_index)  # (a NumPy int too, as the loss takes it)
             fields = _option_fields(self.dims, self.layout, precision, ignore_index,
                                     ulysses_inner, activation_checkpointing, tp_plan, device,
                                     inner_ring_size is not None, mesh)

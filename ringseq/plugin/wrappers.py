@@ -8,6 +8,7 @@ import math
 import numbers
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -15,10 +16,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.amp.grad_scaler import OptState
 
-from .._dist import RingError, RingMismatchError, global_rank, ring_timeout
+from .._args import given
+from .._dist import RingError, RingMismatchError, add_note, global_rank, ring_timeout
 from ..engine.integrity import call_tag
 from ..engine.ring import get_ring
-from ..loss import RING_REPORT_WAITS, report_step_failure, sharded_cross_entropy
+from ..loss import RING_REPORT_WAITS, report_own_failure, sharded_cross_entropy
 from ..spec import float_field
 from .dataloader import INPUTS_EMBEDS_UNDER_TP
 from .grad_norm import local_norm_share, scale_, total_norm
@@ -444,14 +446,6 @@ def _join(thread: threading.Thread) -> Optional[KeyboardInterrupt]:
     return interrupted
 
 
-def _add_note(exc: BaseException, note: str) -> None:
-    """``exc.add_note(note)`` where Python has it (3.11+); on 3.10 the note is dropped, so that
-    the rank's own error is still the one raised."""
-    add = getattr(exc, "add_note", None)
-    if add is not None:
-        add(note)
-
-
 _LOSS_GROUP = object()  # take_ring_reports' default: the reporter's loss_group
 
 
@@ -575,13 +569,13 @@ class FailureReporter:
             try:
                 self.before_completion(reduction)
             except Exception as agree_exc:  # noqa: BLE001 - raised on every rank
-                _add_note(exc, f"ringseq: the agreement before the backward raised too: "
+                add_note(exc, f"ringseq: the agreement before the backward raised too: "
                                f"{type(agree_exc).__name__}: {agree_exc}")
                 return
         note = reduction.after_failure(2 * ring_timeout(), exc)
         if note:
             self.unusable = note
-            _add_note(exc, note + ". The process group cannot be used again: restart the "
+            add_note(exc, note + ". The process group cannot be used again: restart the "
                                   "processes (booster.reset() refuses)")
 
     @torch.compiler.disable  # (host code on process groups: a compiled model's failure runs it)
@@ -633,7 +627,7 @@ class FailureReporter:
                         self.before_completion(reduction)
                     except Exception as agree_exc:  # noqa: BLE001 - raised on every rank
                         # (no rank runs the backward: nothing to complete)
-                        _add_note(exc, f"ringseq: the agreement before the backward raised "
+                        add_note(exc, f"ringseq: the agreement before the backward raised "
                                        f"too: {type(agree_exc).__name__}: {agree_exc}")
                         replay = False
                 if replay and not note:
@@ -663,13 +657,13 @@ class FailureReporter:
         finally:
             interrupted = _join(thread)
         for report_exc in report_errors:
-            _add_note(exc, f"ringseq: reporting it to the ring peers failed too: "
+            add_note(exc, f"ringseq: reporting it to the ring peers failed too: "
                            f"{type(report_exc).__name__}: {report_exc}")
         if note:
             # the others wait in collectives this rank did not complete: its next ones would
             # pair with those (the plugin's reset refuses)
             self.unusable = note
-            _add_note(exc, note + ". The process group cannot be used again: restart the "
+            add_note(exc, note + ". The process group cannot be used again: restart the "
                                   "processes (booster.reset() refuses)")
         if to_loss and not loss_first:
             self._report_to_loss(exc, report_group)
@@ -688,11 +682,7 @@ class FailureReporter:
             self._report_to_loss(exc, self.no_grad_group if agreed_at_end else self.loss_group)
 
     def _report_to_loss(self, exc: BaseException, group, ring_report_waits: bool = False) -> None:
-        try:
-            report_step_failure(group, exc, ring_report_waits=ring_report_waits)
-        except Exception as report_exc:  # noqa: BLE001 - this rank's own error wins
-            _add_note(exc, f"ringseq: reporting it to the loss failed too: "
-                           f"{type(report_exc).__name__}: {report_exc}")
+        report_own_failure(group, exc, ring_report_waits=ring_report_waits)
 
     def _ring_report_due(self, phase: str, exc: BaseException, calls: int,
                          always: bool = False) -> bool:
@@ -725,7 +715,7 @@ class FailureReporter:
             try:
                 self.ring.take_failure_report(error)
             except Exception as take_exc:  # noqa: BLE001 - the loss's error is the one raised
-                _add_note(error, f"ringseq: taking the failure report its ring peer(s) left "
+                add_note(error, f"ringseq: taking the failure report its ring peer(s) left "
                                  f"waiting failed too: {type(take_exc).__name__}: {take_exc}")
         loss_ring.peer_messages = {}  # (taken: a later error cannot take them again)
 
@@ -875,11 +865,11 @@ class OptimizerWrapper:
                                 f"the vote after the optimizer step failed ({vote_exc})")
             if exc is None:
                 raise
-            _add_note(exc, f"ringseq: the vote after it failed too: "
+            add_note(exc, f"ringseq: the vote after it failed too: "
                            f"{type(vote_exc).__name__}: {vote_exc}")
         if exc is not None:
             self.failed_step = self.failed_step or "the optimizer step raised on this rank"
-            _add_note(exc, f"ringseq: {_STEP_FAILED}")
+            add_note(exc, f"ringseq: {_STEP_FAILED}")
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0,
                           error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -1119,7 +1109,7 @@ class SequenceParallelLoss:
             logits, targets = self._logits_and_targets(outputs, batch)
         except Exception as exc:
             # The other ranks are about to wait for this one in the loss's agreement.
-            report_step_failure(self.group, exc)
+            report_own_failure(self.group, exc)
             if self.reporter is not None:  # (a ring peer's forward may have raised too)
                 self.reporter.take_ring_reports(exc)
             raise
@@ -1137,17 +1127,18 @@ class SequenceParallelLoss:
     def _logits_and_targets(self, outputs, batch):
         logits = outputs
         if not torch.is_tensor(logits):
-            logits = (outputs["logits"] if isinstance(outputs, dict) else
+            logits = (outputs.get("logits") if isinstance(outputs, dict) else
                       getattr(outputs, "logits", None))
         if not torch.is_tensor(logits):
             raise ValueError(f"the criterion needs logits (b, s_local, vocab) or a model output "
-                             f"with .logits, got {type(outputs).__name__}")
+                             f"with .logits, got {type(outputs).__name__}"
+                             + (" without 'logits'" if isinstance(outputs, dict) else ""))
         targets = batch
         if not torch.is_tensor(targets):
-            if "shift_labels" not in batch:
+            if not isinstance(batch, Mapping) or "shift_labels" not in batch:
                 raise ValueError("the criterion needs the batch's 'shift_labels' (from the "
                                  "plugin's data loader, i.e. a batch that had 'labels') or the "
-                                 "targets tensor (b, s_local)")
+                                 f"targets tensor (b, s_local), got {given(batch)}")
             targets = batch["shift_labels"]
         if self.tp_size > 1:
             targets = self._tp_share(logits, targets)

@@ -151,10 +151,11 @@ def check_dropout(fn: str, dropout_p, sdpa_order: bool = False) -> None:
     def hint():
         return _SDPA_ORDER_HINT if sdpa_order else _order_hint(fn)
     if not _is_number(dropout_p):
-        raise TypeError(f"{fn}: dropout_p must be a float in [0, 1), got {given(dropout_p)}"
+        raise TypeError(f"{fn}: dropout_p must be a float in [0, 1], got {given(dropout_p)}"
                         f"{hint()}")
-    if not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1), got {dropout_p!r}{hint()}")
+    # (a probability, 1.0 included as torch's dropout takes it: then unsupported as any > 0)
+    if not (0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p!r}{hint()}")
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"{fn}: dropout_p={dropout_p!r} is not supported: ringseq has no attention dropout "

@@ -100,7 +100,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             ``softmax_scale``, a ``causal`` that is not a bool, ...), naming it.
         NotImplementedError: ``dropout_p > 0``, ``alibi_slopes``, a backend without spans or
             soft-capping asked for them, naming the parameter.
-        ValueError: inputs that do not fit together or that the chosen backend cannot run (the
+        ValueError: a ``dropout_p`` outside [0, 1] (not a probability); inputs that do not fit together or that the chosen backend cannot run (the
             message names the argument, what was given and what is expected); also when
             backend "ringseq" is requested but the extension is not built.
     """

@@ -302,10 +302,12 @@ def check_layout(spec: AttnSpec, layout, world_size: int, s_local: int,
         layout.check_local_seqlen(s_local, world_size)
     except (ValueError, NotImplementedError) as exc:  # (a user's layout may raise its own)
         raise named_layout_error(spec, exc) from None
-    if world_size > 1 and not spec.backend.supports_global_backward:
+    # (a forward without a backward needs no such gradients: inference runs on any backend)
+    if world_size > 1 and spec.needs_grad and not spec.backend.supports_global_backward:
         raise ValueError(f"{spec.fn}: backend {spec.backend.name!r} cannot compute a block's "
                          f"gradients from the merged output of a ring; use backend='ringseq' "
-                         f"or 'reference'")
+                         f"or 'reference' for training (a forward without gradients runs on "
+                         f"it)")
 
 
 def check_user_layout(spec: AttnSpec, layout, world_size: int, s_local: int) -> None:

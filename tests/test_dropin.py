@@ -257,7 +257,10 @@ def _tensors_for(name):
 ALL = list(REFERENCE)
 BAD = [  # (id, kwargs, exception, message fragments, functions)
     ("dropout", dict(dropout_p=0.1), NotImplementedError, ["dropout_p", "0.1"], ALL),
-    ("dropout_range", dict(dropout_p=1.5), ValueError, ["dropout_p", "1.5"], ALL),
+    ("dropout_range", dict(dropout_p=1.5), ValueError, ["dropout_p", "1.5", "[0, 1]"], ALL),
+    # (a probability as torch's dropout takes it: before, a ValueError "[0, 1)" where the docs
+    # promise NotImplementedError for any dropout_p > 0)
+    ("dropout_one", dict(dropout_p=1.0), NotImplementedError, ["dropout_p", "1.0"], ALL),
     ("dropout_none", dict(dropout_p=None), TypeError, ["dropout_p", "None"], ALL),
     ("dropout_bool", dict(dropout_p=True), TypeError, ["dropout_p", "True"], ALL),
     ("scale_str", dict(softmax_scale="0.5"), TypeError, ["softmax_scale", "'0.5'"], ALL),

@@ -723,3 +723,62 @@ def test_available_backends_lists_what_runs_and_names_bad_arguments():
             ((3,), TypeError, "device must be a torch.device or its name")):
         with pytest.raises(kind, match="^available_backends: " + words):
             available_backends(*args)
+
+
+def _dtensor_inputs():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from utils import error_text
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    q, k, v = (torch.randn(1, 8, 4, 8) for _ in range(3))  # (b, s_local, h, d)
+    as_dt = [DTensor.from_local(t, mesh, [Replicate()]) for t in (q, k, v)]
+    return {"q_only": error_text(lambda: ringseq.ring_flash_attn_func(as_dt[0], k, v, causal=True)),
+            "sdpa_all": error_text(lambda: ringseq.ring_sdpa(*(t.transpose(1, 2) for t in as_dt))),
+            "plain_after": tuple(ringseq.ring_flash_attn_func(q, k, v, causal=True).shape)}
+
+
+def test_dtensor_inputs_are_refused_by_name_on_every_rank():
+    """(Before: DTensor's "Operator ringseq.attention.default does not have a sharding strategy
+    registered", or for q alone its advice to make every input a DTensor.)"""
+    from dist_utils import run_ranks
+    for r in run_ranks(_dtensor_inputs, 2, timeout=120, env={"RINGSEQ_TIMEOUT": "20"}):
+        assert r["q_only"] == (
+            "TypeError: ring_flash_attn_func: q, k and v must be this rank's local tensors, got "
+            "q as DTensor: pass .to_local() of each (a tensor-parallel projection with "
+            "use_local_output=True gives them)"), r
+        assert r["sdpa_all"].startswith("TypeError: ring_sdpa: query, key and value must be this "
+                                        "rank's local tensors, got query, key, value as DTensor"), r
+        assert r["plain_after"] == (1, 8, 4, 8)
+
+
+def _forward_only_backend():
+    from ringseq.kernels import ReferenceBackend
+
+    from utils import error_text
+
+    class ForwardOnly(ReferenceBackend):  # (as flash-attn's: no block gradients from merged out)
+        name = "forward_only_test"
+        supports_global_backward = False
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 2, 16) for _ in range(3))  # (b, s_local, h, d)
+    with torch.no_grad():
+        ours = ringseq.ring_flash_attn_func(q, k, v, causal=True, backend=ForwardOnly())
+        ref = ringseq.ring_flash_attn_func(q, k, v, causal=True, backend="reference")
+    q.requires_grad_(True)
+    return {"no_grad_equal": torch.equal(ours, ref),
+            "training": error_text(lambda: ringseq.ring_flash_attn_func(
+                q, k, v, causal=True, backend=ForwardOnly()))}
+
+
+def test_a_backend_without_block_gradients_runs_ring_inference_and_is_refused_for_training():
+    """(Before: refused under no_grad too, against kernels/flash_attn.py's "the ring refuses it
+    for training".)"""
+    from dist_utils import run_ranks
+    for r in run_ranks(_forward_only_backend, 2, timeout=120, env={"RINGSEQ_TIMEOUT": "20"}):
+        assert r["no_grad_equal"], r
+        assert r["training"].startswith(
+            "ValueError: ring_flash_attn_func: backend 'forward_only_test' cannot compute a "
+            "block's gradients from the merged output of a ring"), r

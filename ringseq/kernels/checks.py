@@ -12,6 +12,11 @@ from typing import Tuple
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # (a torch built without distributed: no tensor is one)
+    DTensor = ()
+
 #: ``RINGSEQ_DEBUG_CHECKS=1``: the engine's trusted kernel calls validate their inputs again
 #: (normally an entry point validates once, see ringseq.spec).
 DEBUG_CHECKS = os.environ.get("RINGSEQ_DEBUG_CHECKS", "0").strip() not in ("", "0")
@@ -81,6 +86,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "a
         if t.dim() != 4:
             raise ValueError(f"{fn}: {name} must be a 4-dim tensor {layout}, got {t.dim()} dims "
                              f"with shape {tuple(t.shape)}")
+    distributed = [n for n, t in ((a, q), (b, k), (c, v)) if isinstance(t, DTensor)]
+    if distributed:  # (before: DTensor's "no sharding strategy" for ringseq's operator)
+        raise TypeError(f"{fn}: {a}, {b} and {c} must be this rank's local tensors, got "
+                        f"{', '.join(distributed)} as DTensor: pass .to_local() of each (a "
+                        f"tensor-parallel projection with use_local_output=True gives them)")
     on_meta = [n for n, t in ((a, q), (b, k), (c, v)) if t.device.type == "meta"]
     if on_meta:  # no data: a kernel would read garbage
         raise ValueError(f"{fn}: {a}, {b} and {c} must be tensors with data (CPU or CUDA), got "

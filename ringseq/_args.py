@@ -173,8 +173,9 @@ def check_alibi_slopes(fn: str, alibi_slopes) -> None:
 def _window_entry(w):
     # flash-attn's own tests pass window sizes as ints, as a 2-element tensor, or as a tuple of
     # 0-d tensors; bools are never sizes
-    if isinstance(w, torch.Tensor) and w.numel() == 1 and not w.is_floating_point() \
-            and w.dtype != torch.bool:
+    # (integer dtypes with data only: a complex or meta tensor is no size)
+    if isinstance(w, torch.Tensor) and w.numel() == 1 and not w.is_meta \
+            and not w.is_floating_point() and not w.is_complex() and w.dtype != torch.bool:
         return int(w.item())
     if isinstance(w, numbers.Integral) and not isinstance(w, bool):
         # (operator.index, not int: under torch.compile an int argument that took other values
@@ -294,7 +295,10 @@ def sdpa_inputs(fn: str, query, key, value, attn_mask, dropout_p, is_causal, sca
             kind = ValueError if isinstance(t, torch.Tensor) else TypeError
             raise kind(f"{fn}: {name} must be a tensor (batch, nheads, seqlen, headdim), got "
                        f"{given(t)}")
-    if not enable_gqa and query.shape[1] != key.shape[1] and key.shape[1] != 1:
+    if not enable_gqa and query.shape[1] != key.shape[1] and key.shape[1] != 1 \
+            and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0:
+        # (heads that do not divide are refused by the common head check: enable_gqa would
+        # not help them)
         # (as F.scaled_dot_product_attention refuses it; one K/V head it broadcasts)
         raise ValueError(f"{fn}: query has {query.shape[1]} heads and key {key.shape[1]}: "
                          f"grouped-query attention needs enable_gqa=True, got enable_gqa=False")

@@ -31,8 +31,8 @@ from .engine.ring import get_ring
 from .kernels.checks import accum_dtype, resolve_scale
 from .kernels.spans import check_softcap
 from .kernels.extension import ExtensionBackend, extension_available
-from .layouts import Layout, get_layout
-from .spec import dtype_code, float_field
+from .layouts import Layout
+from .spec import dtype_code, float_field, named_layout
 
 __all__ = ["flash_attn_with_kvcache", "ring_flash_attn_with_kvcache"]
 
@@ -671,9 +671,11 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     softmax_scale, window, softcap = _check_options(
         fn, softmax_scale, causal, rotary_interleaved, return_softmax_lse, window_size, softcap,
         alibi_slopes, num_splits)
-    lay = get_layout(layout, fn)
+    # (resolved and checked as the other layout-taking entry points do: before, a user's
+    # unhashable layout, or one whose multiple is 0, gave a bare TypeError / ZeroDivisionError)
+    lay = named_layout(fn, layout)
     try:
-        multiple = lay.multiple(world)
+        multiple = lay._checked_multiple(world)
     except ValueError as exc:
         raise named_for(fn, exc) from None
     if not isinstance(prefill_len, numbers.Integral) or isinstance(prefill_len, bool) \

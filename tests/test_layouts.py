@@ -331,6 +331,21 @@ def test_what_is_not_a_hashable_layout_instance_is_refused_where_it_is_given():
     with pytest.raises(ValueError, match=r"^shard: layout 'rev_demo': multiple\(2\) must be a "
                                          r"positive int multiple of the world size, got 3"):
         shard_local(torch.zeros(1, 6), Thirds(), 2, 0, fn="shard")
+    # the kv-cache ring decode resolves layouts as the other entry points (before: a bare
+    # "unhashable type" TypeError, and ZeroDivisionError for a multiple of 0)
+    q, cache = torch.zeros(1, 1, 2, 8), torch.zeros(1, 8, 2, 8)
+
+    class Nothing(Rev):
+        def multiple(self, world_size):
+            return 0
+
+    with pytest.raises(TypeError, match=r"^ring_flash_attn_with_kvcache: layout Listed must be "
+                                        r"hashable"):
+        ringseq.ring_flash_attn_with_kvcache(q, cache, cache, 8, layout=Listed(), prefill_len=8)
+    with pytest.raises(ValueError, match=r"^ring_flash_attn_with_kvcache: layout 'rev_demo': "
+                                         r"multiple\(1\) must be a positive int multiple of the "
+                                         r"world size, got 0"):
+        ringseq.ring_flash_attn_with_kvcache(q, cache, cache, 8, layout=Nothing(), prefill_len=8)
 
 
 def test_a_zigzag_shard_is_contiguous_whatever_the_inputs_strides():

@@ -24,6 +24,9 @@ def test_sizes_multiply_to_the_world():
     (dict(world_size=8, sp_size=3, tp_size=2), ["sp_size=3 x tp_size=2", "[1, 2, 4]"]),
     (dict(world_size=8, sp_size=8, tp_size=2), ["sp_size=8 x tp_size=2", "[1, 2, 4]"]),
     (dict(world_size=8, sp_size=0), ["sp_size=0"]),
+    # (before: "-2 ... does not divide the world size 4", which it does)
+    (dict(world_size=4, sp_size=-2), ["sp_size=-2 must be a positive int (a number of ranks)"]),
+    (dict(world_size=4, sp_size=2, tp_size=-1), ["tp_size=-1 must be a positive int"]),
     (dict(world_size=8, sp_size=2, tp_size=True), ["tp_size=True"]),
     (dict(world_size=8, sp_size=None), ["sp_size=None must be a positive int"]),
     (dict(world_size=8, sp_size=2, zero_stage=1), ["zero_stage=1", "[0, 2, 3]"]),

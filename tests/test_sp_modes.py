@@ -919,6 +919,11 @@ def test_sdpa_forms_refuse_grouped_heads_without_enable_gqa():
         ringseq.ring_sdpa(q, k, k, enable_gqa=False)
     out = ringseq.ring_sdpa(q, k, k, enable_gqa=True)
     assert out.shape == q.shape
+    # heads that do not divide: the head check's message, not advice it would refuse next
+    with pytest.raises(ValueError, match=r"^ring_sdpa: nheads of query must be divisible by "
+                                         r"nheads_kv of key and value, got nheads=6"):
+        ringseq.ring_sdpa(torch.zeros(1, 6, 8, 8), torch.zeros(1, 4, 8, 8),
+                          torch.zeros(1, 4, 8, 8), enable_gqa=False)
 
 
 def _documents_layout_batches():

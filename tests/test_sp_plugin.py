@@ -133,6 +133,9 @@ def _errors(state_dict):
     sp_down = DeviceMesh("cpu", [[1, 0], [3, 2]], mesh_dim_names=("dp", "sp"))
     out["sp_down_zero0"] = error_text(lambda: P(sp_size=2, mesh=sp_down))
     out["sp_down_zero3"] = error_text(lambda: P(sp_size=2, zero_stage=3, mesh=sp_down))
+    # (before: told to "use zero_stage=0", which it was)
+    out["tp_down_zero0"] = error_text(lambda: P(sp_size=2, tp_size=2, mesh=DeviceMesh(
+        "cpu", [[[2, 3], [0, 1]]], mesh_dim_names=("dp", "sp", "tp"))))
     out["ulysses_inner"] = error_text(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=2,
                                               ulysses_inner="no"))
     from ringseq.parallel.groups import sp_groups_from_tables
@@ -287,6 +290,12 @@ def test_fsdp_refuses_a_mesh_whose_dp_x_sp_ranks_do_not_count_up(run):
                      "index, and whose tp ranks count up (FSDP numbers them by sorted rank, "
                      "DTensor by mesh coordinate), got [1, 0, 3, 2] in [[1, 0], [3, 2]]; "
                      "order the ranks so, or use zero_stage=0"), e
+    for e in _raised(run, "tp_down_zero0"):
+        assert e == ("ValueError: RingSequenceParallelPlugin: tensor parallelism (tp_size=2) "
+                     "needs a mesh whose dp x sp ranks (flattened in that order) count up for "
+                     "each tp index, and whose tp ranks count up (FSDP numbers them by sorted "
+                     "rank, DTensor by mesh coordinate), got [2, 0] in [[[2, 3], [0, 1]]]; "
+                     "order the ranks so, or use tp_size=1"), e
 
 
 def test_ulysses_inner_must_be_a_bool(run):

@@ -938,3 +938,37 @@ def test_a_layer_called_on_its_own_agrees_on_its_inputs_whatever_each_rank_passe
     for r in run_ranks(_layer_called_on_its_own, 2, timeout=120, env={"RINGSEQ_TIMEOUT": "20"}):
         assert r == {"mask_on_one_rank": "no error", "reused_on_one_rank": ["no error"] * 2,
                      "ring_after": "no error"}, r
+
+
+def test_the_attention_function_checks_its_options_as_the_flash_attn_forms_do():
+    """transformers' dropout, sliding_window and softcap go through the entry points' rules
+    (before: a negative or NaN dropout passed as none, a sliding_window of 2.9 ran as 2,
+    softcap=True as 1.0), and an sp-mode layer's errors name the layer (before: usp_attn_func,
+    which the user never called)."""
+    import ringseq
+    from ringseq.integrations.transformers import RingSettings, ringseq_attention_forward
+    from ringseq.parallel.groups import make_sp_groups
+
+    class LlamaAttention(torch.nn.Module):
+        def __init__(self, settings):
+            super().__init__()
+            self.ringseq_settings, self.is_causal, self.scaling = settings, True, None
+
+    layer = LlamaAttention(RingSettings(layout=ringseq.get_layout("contiguous")))
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))  # (b, h, s, d) as transformers
+    for dropout in (-0.5, float("nan"), True):
+        with pytest.raises(ValueError, match=r"^LlamaAttention: attention dropout .* is not "
+                                             r"supported"):
+            ringseq_attention_forward(layer, q, k, v, None, dropout=dropout)
+    with pytest.raises(ValueError, match=r"^LlamaAttention: sliding_window must be an int >= 1, "
+                                         r"got 2.9"):
+        ringseq_attention_forward(layer, q, k, v, None, sliding_window=2.9)
+    with pytest.raises(TypeError, match=r"^LlamaAttention: softcap must be a float"):
+        ringseq_attention_forward(layer, q, k, v, None, softcap=True)
+    assert ringseq_attention_forward(layer, q, k, v, None, dropout=0.0, softcap=None)[0].shape \
+        == (1, 8, 2, 16)
+    sp_layer = LlamaAttention(RingSettings(sp=make_sp_groups(),
+                                           ring_layout=ringseq.get_layout("zigzag")))
+    with pytest.raises(ValueError, match=r"^LlamaAttention: query, key and value must have the "
+                                         r"same dtype"):
+        ringseq_attention_forward(sp_layer, q, k.double(), v.double(), None)

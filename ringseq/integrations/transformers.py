@@ -64,7 +64,7 @@ try:
 except ImportError:  # pragma: no cover - transformers < 4.53 builds masks inside each model
     AttentionMaskInterface = None
 
-from .._args import check_cu_seqlens, is_bool
+from .._args import as_int, check_cu_seqlens, is_bool
 from .._dist import group_info, named_for
 from ..engine.integrity import FWD
 from ..engine.ring import get_ring, refuse_on_error
@@ -315,15 +315,15 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     # (b, h, s, d) -> (b, s, h, d) as views: the ring reads strided inputs without a copy.
     if settings.sp is not None:
         # (the errors name transformers' query / key / value in its (b, h, s, d))
-        out = _usp("usp_attn_func", query.transpose(1, 2), key.transpose(1, 2),
+        out = _usp(name, query.transpose(1, 2), key.transpose(1, 2),
                    value.transpose(1, 2), 0.0, scaling, bool(causal), settings.sp,
                    settings.ring_layout, False, settings.backend, None, window,
-                   float(softcap or 0.0), docs, form=SDPA_FORM)
+                   0.0 if softcap is None else softcap, docs, form=SDPA_FORM)
         return out, None
     out = ring_attention(name, query.transpose(1, 2), key.transpose(1, 2),
                          value.transpose(1, 2), softmax_scale=scaling, causal=bool(causal),
                          window_size=window, group=settings.group, layout=layout,
-                         backend=settings.backend, softcap=float(softcap or 0.0),
+                         backend=settings.backend, softcap=0.0 if softcap is None else softcap,
                          cu_seqlens=docs, form=SDPA_FORM)
     return out, None
 
@@ -388,7 +388,8 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
         raise ValueError(f"{name}: output_attentions=True is not supported by ringseq attention "
                          f"(attention probabilities are never materialized); use "
                          f"attn_implementation='eager' on one device to inspect them")
-    if dropout and float(dropout) > 0.0:
+    # (0 only: before, a negative or NaN dropout passed as none)
+    if dropout is not None and (is_bool(dropout) or not dropout == 0):
         raise ValueError(f"{name}: attention dropout {dropout} is not supported by ringseq "
                          f"attention; set config.attention_dropout=0.0 (or call model.eval())")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -420,9 +421,10 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
             raise ValueError(f"{name}: {exc}") from None
     window = (-1, -1)
     if sliding_window is not None:
-        sw = int(sliding_window)
-        if sw < 1:
-            raise ValueError(f"{name}: sliding_window must be >= 1, got {sliding_window}")
+        sw = as_int(sliding_window)  # (before: int(), which made 2.9 a window of 2)
+        if sw is None or sw < 1:
+            raise ValueError(f"{name}: sliding_window must be an int >= 1, got "
+                             f"{sliding_window!r}")
         window = (sw - 1, sw - 1)
     return layout, docs, window
 

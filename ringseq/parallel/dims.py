@@ -126,6 +126,9 @@ class ParallelDims:
                 # (before the divisibility: 2.0 "did not divide" a world of 2)
                 raise ValueError(f"ParallelDims: {name}={value!r} must be a positive int, not "
                                  f"a {type(value).__name__}")
+            if value < 1:  # (before: "-2 does not divide the world size 4", which it does)
+                raise ValueError(f"ParallelDims: {name}={value!r} must be a positive int (a "
+                                 f"number of ranks)")
         if not _positive_int(tp) or world % tp:
             raise ValueError(f"ParallelDims: tp_size={tp!r} does not divide the world size "
                              f"{world}; tp_size must be one of {_divisors(world)}")

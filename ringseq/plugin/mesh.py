@@ -128,8 +128,9 @@ def _check_dp_counts_up(mesh) -> None:
                          f"dims instead")
 
 
-def check_sharded_order(groups: MeshGroups) -> None:
-    """For FSDP (zero stage 2 or 3) over a user's mesh: ValueError (on every rank alike)
+def check_sharded_order(groups: MeshGroups, fsdp: bool = True) -> None:
+    """For FSDP (zero stage 2 or 3; ``fsdp``) or tensor parallelism (DTensor parameters)
+    over a user's mesh: ValueError (on every rank alike)
     unless the dp x sp ranks of each tp index, flattened in the mesh's order, count up, and so
     do the tp ranks of each. FSDP shards over the flattened group, whose ranks torch numbers
     in sorted order, while DTensor and torch.distributed.checkpoint place each shard by mesh
@@ -143,11 +144,16 @@ def check_sharded_order(groups: MeshGroups) -> None:
     rows = table.T.tolist() + table.tolist()  # dp x sp per tp index, tp per dp x sp index
     bad = [r for r in rows if r != sorted(r)]
     if bad:
-        raise ValueError(f"zero_stage 2 and 3 need a mesh whose {' x '.join(flat)} ranks "
-                         f"(flattened in that order) count up for each tp index, and whose tp "
-                         f"ranks count up (FSDP numbers them by sorted rank, DTensor by mesh "
-                         f"coordinate), got {bad[0]} in {mesh.mesh.tolist()}; order the ranks "
-                         f"so, or use zero_stage=0")
+        # (the remedy names what asked for the order: zero 0 helps only without tp)
+        who = ("zero_stage 2 and 3 need" if fsdp else
+               f"tensor parallelism (tp_size={groups.tp_size}) needs")
+        way = ("order the ranks so, or use zero_stage=0" + (" and tp_size=1" if groups.tp_size > 1
+                                                            else "")
+               if fsdp else "order the ranks so, or use tp_size=1")
+        raise ValueError(f"{who} a mesh whose {' x '.join(flat)} ranks (flattened in that order) "
+                         f"count up for each tp index, and whose tp ranks count up (FSDP numbers "
+                         f"them by sorted rank, DTensor by mesh coordinate), got {bad[0]} in "
+                         f"{mesh.mesh.tolist()}; {way}")
 
 
 def build_mesh(sp_size: int, mesh=None, device_type: str = None, tp_size: int = 1

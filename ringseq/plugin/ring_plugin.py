@@ -409,7 +409,7 @@ class RingSequenceParallelPlugin(Plugin):
                 self.groups = build_sp_mesh(sp_size, sp_mode, ulysses_size, inner_ring_size,
                                             ulysses_inner, mesh, tp_size=tp_size)
             if self.dims.sharded and mesh is not None:
-                check_sharded_order(self.groups)
+                check_sharded_order(self.groups, fsdp=self.dims.zero_stage >= 2)
         except ValueError as exc:
             raise named_for(type(self).__name__, exc) from exc.__cause__
         if self.dims.sharded:

@@ -61,7 +61,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim),
             ``nheads % nheads_kv == 0`` (GQA/MQA without expanding K/V). Only the last
             dimension must be contiguous. float32, float64, bfloat16 or float16 (CUDA kernel:
-            float16/bfloat16 with head dim 64 or 128; use backend="sdpa" otherwise).
+            float16/bfloat16 with head dim 64 or 128; use backend="sdpa" otherwise). Computed
+            in that dtype also under ``torch.autocast``, as flash-attn's function does (the
+            ring forms, ``ring_flash_attn_func`` and the rest, cast to the autocast dtype
+            first: model code switched to them under autocast gets what its projections
+            gave).
         dropout_p: must be 0.0: ringseq has no attention dropout (NotImplementedError for any
             ``dropout_p > 0``, in training and evaluation: flash-attn applies it in both).
         softmax_scale: a float, or None for ``headdim ** -0.5``.

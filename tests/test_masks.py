@@ -304,3 +304,31 @@ def test_bad_cu_seqlens_raise():
                               backend=DENSE)
     with pytest.raises(ValueError, match="window_size"):
         ringseq.ring_flash_attn_func(q, k, v, window_size=(-3, 0))
+
+
+def _documents_that_differ():
+    import torch.distributed as dist
+
+    from utils import error_text
+    r = dist.get_rank()
+    q = torch.randn(12, 2, 8, generator=torch.Generator().manual_seed(0))  # (s_local, h, d)
+    return {
+        # the default layout ("documents") on both ranks, other boundaries on rank 1
+        "boundaries": error_text(lambda: ringseq.ring_flash_attn_varlen_func(
+            q, q, q, [0, 10, 24] if r == 0 else [0, 11, 24], causal=True)),
+        # the same boundaries, another documents layout on rank 1
+        "layouts": error_text(lambda: ringseq.ring_flash_attn_varlen_func(
+            q, q, q, [0, 10, 24], causal=True, layout=None if r == 0 else "documents_contiguous")),
+    }
+
+
+def test_a_documents_mismatch_names_the_boundaries_and_the_layouts():
+    """(Before: both showed "layout #<hash>" per rank, and differing boundaries were also
+    reported as a layout difference that no rank made.)"""
+    from dist_utils import run_ranks
+    for res in run_ranks(_documents_that_differ, 2, timeout=120, env={"RINGSEQ_TIMEOUT": "20"}):
+        assert res["boundaries"].startswith("RingMismatchError"), res
+        assert "documents (cu_seqlens) (rank 0: [0, 10, 24]" in res["boundaries"], res
+        assert "layout" not in res["boundaries"].split("different arguments:")[1].split(".")[0], res
+        assert "layout (rank 0: 'documents', rank 1: 'documents_contiguous')" in res["layouts"], res
+        assert "#" not in res["layouts"], res

@@ -121,6 +121,13 @@ class Layout:
         module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
         return stable_code(f"{self.name}@{module}.{cls.__qualname__}")
 
+    @property
+    def signature_code(self) -> int:
+        """:attr:`code` as a ring call's signature compares it, beside the call's documents
+        (cu_seqlens): a layout whose parameters are those documents leaves them out there, so
+        that a mismatch names the layout and the documents each once."""
+        return self.code
+
     def multiple(self, world_size: int) -> int:
         """The global sequence length must be a multiple of this."""
         return world_size

@@ -29,6 +29,12 @@ class _DocumentLayout(Layout):
     def code(self) -> int:
         return stable_code(f"{self.name}{self.cu_seqlens}")
 
+    @property
+    def signature_code(self) -> int:
+        # (a ring call's spec carries these boundaries as its documents, compared there: before,
+        # a mismatch showed "layout #<code>" for every call whose boundaries differed)
+        return Layout.code.fget(self)
+
     def _positions(self, seqlen, world_size, rank):
         runs = self.runs(seqlen, world_size, rank)
         if not runs:

@@ -673,7 +673,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         alibi_slopes, num_splits)
     # (resolved and checked as the other layout-taking entry points do: before, a user's
     # unhashable layout, or one whose multiple is 0, gave a bare TypeError / ZeroDivisionError)
-    lay = named_layout(fn, layout)
+    lay = named_layout(fn, layout, takes_documents=False)  # (no cu_seqlens argument)
     try:
         multiple = lay._checked_multiple(world)
     except ValueError as exc:
@@ -752,7 +752,8 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         operation_field("ring kv-cache decoding"),
         ("batch", b), ("seqlen_q", s_q), ("nheads", h), ("headdim", d), ("nheads_k", h_kv),
         ("dtype", dtype_code(q.dtype), "dtype"), ("seqlen_new", s_new),
-        ("prefill_len", int(prefill_len)), ("layout", lay.code, "layout"),
+        ("prefill_len", int(prefill_len)), ("layout", lay.signature_code, "layout"),
+        ints_field("layout documents (cu_seqlens)", lay.documents),
         ("causal", causal, "bool"), ("window left", window[0]), ("window right", window[1]),
         float_field("softmax_scale", scale, q.dtype), float_field("softcap", softcap, q.dtype),
         ("rotary_dim", 0 if rotary_cos is None else 2 * rotary_cos.shape[1]),

@@ -706,3 +706,30 @@ def test_batch_zero_returns_empty_results():
         assert out.shape == (0, 1, 4, 8), kw
     out = ring_flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, prefill_len=0)
     assert out.shape == (0, 1, 4, 8)
+
+
+def _decode_layouts_that_differ():
+    import torch.distributed as dist
+
+    from ringseq.layouts import Documents
+    from utils import error_text
+    r = dist.get_rank()
+    q, kc = torch.randn(1, 1, 4, 16), torch.zeros(1, 30, 2, 16)  # (b, 1, h, d), (b, cap, h_k, d)
+    return [error_text(lambda: ring_flash_attn_with_kvcache(q, kc, kc.clone(), 48, layout=lay,
+                                                            prefill_len=48))
+            for lay in (Documents([0, 10, 48] if r == 0 else [0, 20, 48]), "documents")]
+
+
+def test_a_ring_decode_names_its_layouts_documents_and_a_per_batch_layout():
+    """(Before: a mismatch of Documents(cu) layouts showed "layout #<hash>" per rank, and
+    layout="documents" was told to pass cu_seqlens, which this function does not take.)"""
+    from dist_utils import run_ranks
+    for bound, per_batch in run_ranks(_decode_layouts_that_differ, 2, timeout=120,
+                                      env={"RINGSEQ_TIMEOUT": "20"}):
+        assert bound.startswith("RingMismatchError"), bound
+        assert ("layout documents (cu_seqlens) (rank 0: [0, 10, 48] (3 values), rank 1: "
+                "[0, 20, 48]") in bound and "#" not in bound, bound
+        assert per_batch.startswith("ValueError: ring_flash_attn_with_kvcache: layout "
+                                    "'documents' is per batch: it needs each batch's GLOBAL "
+                                    "document boundaries, which ring_flash_attn_with_kvcache "
+                                    "does not take; pass a layout bound to them"), per_batch

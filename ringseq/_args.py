@@ -196,8 +196,11 @@ def parse_window(fn: str, window_size) -> Tuple[int, int]:
     entries = ([_window_entry(w) for w in items]
                if isinstance(items, (tuple, list)) and len(items) == 2 else [None])
     if any(e is None for e in entries):
+        why = ("" if not isinstance(window_size, torch.Tensor) else
+               " on the meta device (no values)" if window_size.is_meta else
+               f" of dtype {window_size.dtype}")
         raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints or integer "
-                        f"tensors, (-1, -1) for no window, got {given(window_size)}")
+                        f"tensors, (-1, -1) for no window, got {given(window_size)}{why}")
     left, right = entries
     if left < -1 or right < -1:
         raise ValueError(f"{fn}: window_size entries must be >= 0, or -1 for unbounded, got "

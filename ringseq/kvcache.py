@@ -28,7 +28,7 @@ from ._dist import RingPeerError, RingTimeoutError, group_info, named_for
 from ._hash import ints_field
 from .engine.integrity import FWD, operation_field
 from .engine.ring import get_ring
-from .kernels.checks import accum_dtype, resolve_scale
+from .kernels.checks import accum_dtype, refuse_dtensors, resolve_scale
 from .kernels.spans import check_softcap
 from .kernels.extension import ExtensionBackend, extension_available
 from .layouts import Layout
@@ -379,6 +379,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if block_table is not None:
         raise NotImplementedError(f"{fn}: block_table (a paged KV cache) is not supported; pass "
                                   f"the caches as (batch_cache, seqlen_cache, nheads_k, headdim)")
+    refuse_dtensors(fn, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)))
     _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_dtype(fn, q)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -683,6 +684,8 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         raise ValueError(f"{fn}: prefill_len must be 0 or a positive multiple of "
                          f"{multiple} (layout {lay.name!r} over {world} ranks), got "
                          f"{prefill_len!r}")
+    refuse_dtensors(fn, (("q", q), ("k_cache_shard", k_cache_shard),
+                         ("v_cache_shard", v_cache_shard), ("k", k), ("v", v)))
     _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_dtype(fn, q)
     (q,) = _head_contiguous(q)

@@ -296,3 +296,19 @@ def test_a_malformed_user_layout_is_refused_compiled_as_eagerly():
                                              r"'test_too_long_compiled': _tasks\(0, 0, 1, 16\) "
                                              r"must return tasks whose q "):
             attention(q)
+
+
+@pytest.mark.parametrize("backend", ["ringseq", "reference"])
+def test_a_backend_given_by_name_compiles_with_fullgraph(backend):
+    """(Before: "Import failure | module_name: flash_attn" where flash-attn is not installed:
+    the names of the other backends were listed, importing flash_attn, on every call.)"""
+    import ringseq
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, S, H, D) for _ in range(3))
+
+    def fn(q, k, v):
+        return ringseq.flash_attn_func(q, k, v, causal=True, backend=backend)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(got, fn(q, k, v))

@@ -332,3 +332,71 @@ def test_a_documents_mismatch_names_the_boundaries_and_the_layouts():
         assert "layout" not in res["boundaries"].split("different arguments:")[1].split(".")[0], res
         assert "layout (rank 0: 'documents', rank 1: 'documents_contiguous')" in res["layouts"], res
         assert "#" not in res["layouts"], res
+
+
+class _ShiftedContiguous(ringseq.layouts.DocumentsContiguous):
+    """A user's documents layout with a parameter of its own in its code (as Layout.code asks):
+    rank r holds chunk (r + shift) % W of each document."""
+
+    def __init__(self, cu, shift):
+        super().__init__(cu)
+        self.shift = shift
+
+    def chunks(self, rank, world_size):
+        return ((rank + self.shift) % world_size,)
+
+    @property
+    def code(self):
+        from ringseq._hash import stable_code
+        return stable_code(f"{self.name}{self.cu_seqlens}shift={self.shift}")
+
+
+def _shifted_documents():
+    import torch.distributed as dist
+
+    from utils import error_text
+    r, w = dist.get_rank(), dist.get_world_size()
+    lay = _ShiftedContiguous([0, 16, 32], r)  # other shifts on the two ranks
+    q = torch.randn(1, 32, 2, 8, generator=torch.Generator().manual_seed(0))  # (b, s, h, d)
+    part = q[:, lay.positions(32, w, r)]
+    return error_text(lambda: ringseq.ring_flash_attn_func(part, part, part, layout=lay))
+
+
+def test_a_documents_layout_with_parameters_of_its_own_is_compared_whole():
+    """The signature names a documents layout by kind only where its code is the boundaries'
+    (a review's repro: a subclass whose code adds a shift paired silently, errors of 1.42)."""
+    from dist_utils import run_ranks
+    for res in run_ranks(_shifted_documents, 2, timeout=120, env={"RINGSEQ_TIMEOUT": "20"}):
+        assert res.startswith("RingMismatchError") and "layout (rank 0: layout #" in res, res
+
+
+def _hybrid_documents_forms():
+    import torch.distributed as dist
+
+    from ringseq.layouts import DocumentsContiguous, DocumentsZigzag
+    from utils import error_text
+    r = dist.get_rank()
+    sp = ringseq.make_sp_groups(2)  # Ulysses 2 x ring 2
+    cu = [0, 8, 24, 32]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 32, 4, 8, generator=g, dtype=torch.float64)  # (b, s, h, d)
+    pos = sp.positions(32, Documents(cu))
+    # the same documents, bound on ranks 0 and 1, by name with cu_seqlens on 2 and 3
+    out = ringseq.usp_attn_func(q[:, pos], q[:, pos], q[:, pos], causal=True, sp=sp,
+                                **(dict(layout=Documents(cu)) if r < 2 else
+                                   dict(layout="documents", cu_seqlens=cu)))
+    want, _ = masked_attention(q, q, q, global_mask(32, 32, causal=True, cu_seqlens=tuple(cu)))
+    kinds = DocumentsContiguous(cu) if r < 2 else DocumentsZigzag(cu)
+    return {"err": float((out - want[:, pos]).abs().max()),
+            "kinds": error_text(lambda: ringseq.usp_attn_func(
+                q[:, pos], q[:, pos], q[:, pos], causal=True, sp=sp, layout=kinds))}
+
+
+def test_hybrid_calls_compare_documents_layouts_by_kind_and_boundaries():
+    """(Before: the equivalent forms were refused as a "ring layout" mismatch of two hashes,
+    and other kinds were named by hashes.)"""
+    from dist_utils import run_ranks
+    for res in run_ranks(_hybrid_documents_forms, 4, timeout=180, env={"RINGSEQ_TIMEOUT": "20"}):
+        assert res["err"] < 1e-12, res
+        assert "ring layout (rank 0: 'documents_contiguous', rank 1: 'documents_contiguous', " \
+               "rank 2: 'documents_zigzag', rank 3: 'documents_zigzag')" in res["kinds"], res

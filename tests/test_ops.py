@@ -736,6 +736,9 @@ def _dtensor_inputs():
     as_dt = [DTensor.from_local(t, mesh, [Replicate()]) for t in (q, k, v)]
     return {"q_only": error_text(lambda: ringseq.ring_flash_attn_func(as_dt[0], k, v, causal=True)),
             "sdpa_all": error_text(lambda: ringseq.ring_sdpa(*(t.transpose(1, 2) for t in as_dt))),
+            "kvcache": error_text(lambda: ringseq.flash_attn_with_kvcache(as_dt[0], k, v)),
+            "ring_kvcache": error_text(lambda: ringseq.ring_flash_attn_with_kvcache(
+                q[:, :1], as_dt[1], v, 4, prefill_len=0)),
             "plain_after": tuple(ringseq.ring_flash_attn_func(q, k, v, causal=True).shape)}
 
 
@@ -750,6 +753,13 @@ def test_dtensor_inputs_are_refused_by_name_on_every_rank():
             "use_local_output=True gives them)"), r
         assert r["sdpa_all"].startswith("TypeError: ring_sdpa: query, key and value must be this "
                                         "rank's local tensors, got query, key, value as DTensor"), r
+        assert r["kvcache"] == (
+            "TypeError: flash_attn_with_kvcache: q, k_cache, v_cache, k and v must be this "
+            "rank's local tensors, got q as DTensor: pass .to_local() of each (a "
+            "tensor-parallel projection with use_local_output=True gives them)"), r
+        assert r["ring_kvcache"].startswith(
+            "TypeError: ring_flash_attn_with_kvcache: q, k_cache_shard, v_cache_shard, k and v "
+            "must be this rank's local tensors, got k_cache_shard as DTensor"), r
         assert r["plain_after"] == (1, 8, 4, 8)
 
 

@@ -967,6 +967,10 @@ def test_the_attention_function_checks_its_options_as_the_flash_attn_forms_do():
         ringseq_attention_forward(layer, q, k, v, None, softcap=True)
     assert ringseq_attention_forward(layer, q, k, v, None, dropout=0.0, softcap=None)[0].shape \
         == (1, 8, 2, 16)
+    # what ran before stays taken: no dropout as False, an integral float window
+    assert torch.equal(ringseq_attention_forward(layer, q, k, v, None, dropout=False,
+                                                 sliding_window=4.0)[0],
+                       ringseq_attention_forward(layer, q, k, v, None, sliding_window=4)[0])
     sp_layer = LlamaAttention(RingSettings(sp=make_sp_groups(),
                                            ring_layout=ringseq.get_layout("zigzag")))
     with pytest.raises(ValueError, match=r"^LlamaAttention: query, key and value must have the "

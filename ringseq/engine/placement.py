@@ -142,7 +142,8 @@ class Placement:
         """``(name, value[, kind])`` fields that a placement wrapping this one (Ulysses around
         a ring) adds to its own call's signature, so that the ranks of the whole group agree
         on them before any byte moves: this placement's ring layout, if it has one."""
-        return () if self.layout is None else (("ring layout", self.layout.code, "layout"),)
+        return (() if self.layout is None else
+                (("ring layout", self.layout.signature_code, "layout"),))
 
 
 class LocalPlacement(Placement):

@@ -389,7 +389,7 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
                          f"(attention probabilities are never materialized); use "
                          f"attn_implementation='eager' on one device to inspect them")
     # (0 only: before, a negative or NaN dropout passed as none)
-    if dropout is not None and (is_bool(dropout) or not dropout == 0):
+    if dropout is not None and not dropout == 0:  # (False is none too; True is refused)
         raise ValueError(f"{name}: attention dropout {dropout} is not supported by ringseq "
                          f"attention; set config.attention_dropout=0.0 (or call model.eval())")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -421,7 +421,10 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
             raise ValueError(f"{name}: {exc}") from None
     window = (-1, -1)
     if sliding_window is not None:
-        sw = as_int(sliding_window)  # (before: int(), which made 2.9 a window of 2)
+        # (an integral float as configs may hold it; before, int() made 2.9 a window of 2)
+        sw = as_int(sliding_window)
+        if sw is None and isinstance(sliding_window, float) and sliding_window.is_integer():
+            sw = int(sliding_window)
         if sw is None or sw < 1:
             raise ValueError(f"{name}: sliding_window must be an int >= 1, got "
                              f"{sliding_window!r}")

@@ -85,8 +85,10 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
         if reason is not None:
             raise ValueError(f"{fn}: backend {label!r} cannot run {dtype} inputs with head "
                              f"dim {headdim} on {device}: {reason}")
+    # (the alternatives only on the way to an error: can() of 'flash_attn' imports the package,
+    # which torch.compile(fullgraph=True) cannot trace where it is not installed)
     chosen.check_features(fn, spans=spans, softcap=softcap,
-                          alternatives=[n for n in BACKEND_NAMES if n != label and can(n)])
+                          alternatives=lambda: [n for n in BACKEND_NAMES if n != label and can(n)])
     return chosen
 
 

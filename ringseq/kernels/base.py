@@ -96,10 +96,13 @@ class AttentionBackend:
 
     def check_features(self, fn: str, *, spans: bool, softcap: float,
                        alternatives=("ringseq", "reference")) -> None:
-        """NotImplementedError (naming ``fn`` and the ``alternatives`` to use) when a call
-        needs spans or a soft-cap and this backend cannot compute them."""
+        """NotImplementedError (naming ``fn`` and the ``alternatives`` to use: names, or a
+        function giving them, called only for the error) when a call needs spans or a soft-cap
+        and this backend cannot compute them."""
         reason = self.features_reason(spans=spans, softcap=softcap)
         if reason is not None:
+            if callable(alternatives):
+                alternatives = alternatives()
             use = " or ".join(repr(a) for a in alternatives)
             raise NotImplementedError(f"{fn}: backend {self.name!r} {reason}; use backend={use}")
 

@@ -69,6 +69,18 @@ SDPA_FORM = InputForm(("query", "key", "value"), "sdpa")
 VARLEN_FORM = InputForm(kind="varlen")
 
 
+def refuse_dtensors(fn: str, named) -> None:
+    """TypeError naming ``fn`` when a tensor of ``named`` ((name, tensor) pairs) is a DTensor:
+    ringseq's operators take each rank's local tensors (before: DTensor's "no sharding strategy
+    registered" for ringseq's operator, or its advice to make every input a DTensor)."""
+    distributed = [n for n, t in named if isinstance(t, DTensor)]
+    if distributed:
+        names = ", ".join(n for n, _ in named[:-1]) + f" and {named[-1][0]}"
+        raise TypeError(f"{fn}: {names} must be this rank's local tensors, got "
+                        f"{', '.join(distributed)} as DTensor: pass .to_local() of each (a "
+                        f"tensor-parallel projection with use_local_output=True gives them)")
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "attention",
               form: InputForm = FLASH_FORM) -> None:
     """Raises (naming ``fn``, and the tensors as ``form`` says the caller passed them) when
@@ -86,11 +98,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "a
         if t.dim() != 4:
             raise ValueError(f"{fn}: {name} must be a 4-dim tensor {layout}, got {t.dim()} dims "
                              f"with shape {tuple(t.shape)}")
-    distributed = [n for n, t in ((a, q), (b, k), (c, v)) if isinstance(t, DTensor)]
-    if distributed:  # (before: DTensor's "no sharding strategy" for ringseq's operator)
-        raise TypeError(f"{fn}: {a}, {b} and {c} must be this rank's local tensors, got "
-                        f"{', '.join(distributed)} as DTensor: pass .to_local() of each (a "
-                        f"tensor-parallel projection with use_local_output=True gives them)")
+    refuse_dtensors(fn, ((a, q), (b, k), (c, v)))
     on_meta = [n for n, t in ((a, q), (b, k), (c, v)) if t.device.type == "meta"]
     if on_meta:  # no data: a kernel would read garbage
         raise ValueError(f"{fn}: {a}, {b} and {c} must be tensors with data (CPU or CUDA), got "

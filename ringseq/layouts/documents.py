@@ -32,7 +32,10 @@ class _DocumentLayout(Layout):
     @property
     def signature_code(self) -> int:
         # (a ring call's spec carries these boundaries as its documents, compared there: before,
-        # a mismatch showed "layout #<code>" for every call whose boundaries differed)
+        # a mismatch showed "layout #<code>" for every call whose boundaries differed). A
+        # subclass that puts parameters of its own into its code keeps that code whole.
+        if type(self).code is not _DocumentLayout.code:
+            return self.code
         return Layout.code.fget(self)
 
     def _positions(self, seqlen, world_size, rank):

@@ -70,6 +70,19 @@ def as_int(value) -> Optional[int]:
         return None
 
 
+def check_ignore_index(fn: str, ignore_index) -> int:
+    """``ignore_index`` (the label of no target) as a Python int, of any int kind (NumPy's, a
+    0-d tensor): the one rule of every function that takes it. TypeError for anything else (True
+    or 0.5 would become a real target), ValueError outside int64 (labels are int64), both
+    naming ``fn``."""
+    value = as_int(ignore_index)
+    if value is None:
+        raise TypeError(f"{fn}: ignore_index must be an int, got {given(ignore_index)}")
+    if not -2 ** 63 <= value < 2 ** 63:
+        raise ValueError(f"{fn}: ignore_index must be an int64 (labels are int64), got {value}")
+    return value
+
+
 def int_if_integer(value):
     """``value`` as a Python int when it is an integer of any kind (:func:`as_int`: NumPy's
     sizes pass as ints), else ``value`` itself, for the caller's check to refuse and name."""

@@ -10,7 +10,7 @@ from typing import Mapping, Optional, Tuple
 
 import torch
 
-from ._args import as_int, check_cu_seqlens, given
+from ._args import check_cu_seqlens, check_ignore_index, given
 from ._dist import group_info, named_for
 from .layouts import (PerBatchDocuments, document_positions, get_layout, positions_local,
                       shard_local)
@@ -123,9 +123,7 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_batch: batch must be a mapping of the full sequences (a dict "
                         f"with input_ids and/or inputs_embeds, ...), got {type(batch).__name__}")
-    if as_int(ignore_index) is None:  # (True or 0.5 would become a real target)
-        raise TypeError(f"shard_batch: ignore_index must be an int, got {given(ignore_index)}")
-    ignore_index = as_int(ignore_index)
+    ignore_index = check_ignore_index("shard_batch", ignore_index)
     world_size, rank = group_info(group, "shard_batch")
     key = next((k for k in ("input_ids", "inputs_embeds") if batch.get(k) is not None), None)
     if key is None:

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ._args import as_int, given
+from ._args import check_ignore_index, given
 from ._dist import add_note
 from .engine.integrity import fit_message
 from .engine.ring import get_ring, group_info_or_refuse
@@ -106,13 +106,7 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
     """
     world_size, _ = group_info_or_refuse(group, "sharded_cross_entropy", "loss")
     try:
-        if as_int(ignore_index) is None:
-            raise TypeError(f"sharded_cross_entropy: ignore_index must be an int, got "
-                            f"{ignore_index!r}")
-        ignore_index = as_int(ignore_index)  # (a NumPy or 0-d tensor int too)
-        if not -2**63 <= ignore_index < 2**63:  # (compared with int64 labels)
-            raise ValueError(f"sharded_cross_entropy: ignore_index must be an int64 (labels are "
-                             f"int64), got {ignore_index}")
+        ignore_index = check_ignore_index("sharded_cross_entropy", ignore_index)
         if not torch.is_tensor(logits) or not logits.is_floating_point() or logits.dim() < 1:
             dtype = f" of dtype {logits.dtype}" if torch.is_tensor(logits) else ""
             raise ValueError(f"sharded_cross_entropy: logits must be a floating tensor "

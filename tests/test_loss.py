@@ -131,6 +131,13 @@ def test_the_plugins_loss_names_outputs_without_logits_and_a_batch_without_targe
     with pytest.raises(ValueError, match=r"^the criterion needs the batch's 'shift_labels' .* "
                                          r"got None \(NoneType\)$"):
         criterion(logits, None)
+    # a batch is named by its keys, not its values; a Mapping's logits are found as a dict's
+    with pytest.raises(ValueError, match=r"got a batch with keys \['input_ids', 'labels'\]$"):
+        criterion(logits, {"input_ids": torch.zeros(1, 4), "labels": torch.zeros(1, 4)})
+    from types import MappingProxyType
+    targets = torch.zeros(1, 4, dtype=torch.long)
+    assert torch.equal(criterion(MappingProxyType({"logits": logits}), targets),
+                       criterion(logits, targets))
 
 
 def _worker_failing_report_and_loss():

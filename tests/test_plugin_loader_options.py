@@ -161,6 +161,8 @@ def _worker():
         sp_size=2, ignore_index=np.int64(-1)).ignore_index
     out["ignore_index_float"] = error_text(lambda: RingSequenceParallelPlugin(
         sp_size=2, ignore_index=-1.5))
+    out["ignore_index_huge"] = error_text(lambda: RingSequenceParallelPlugin(
+        sp_size=2, ignore_index=2**63))
     import ringseq.parallel.dims as dims
     real_version = dims.torch_version
     dims.torch_version = lambda: torch.torch_version.TorchVersion("2.11.0")
@@ -396,8 +398,11 @@ def test_the_plugin_takes_an_ignore_index_of_any_int_kind_as_the_loss_does(w4):
                            "and ring dims of sp_mode='hybrid' only"),
     ("sp_size_float", "RingSequenceParallelPlugin: sp_size=2.0 must be a "
                       "positive int, not a float"),
-    ("ignore_index_float", "TypeError: RingSequenceParallelPlugin: ignore_index must be an int "
-                           "(the label of no target), got -1.5"),
+    ("ignore_index_float", "TypeError: RingSequenceParallelPlugin: ignore_index must be an int, "
+                           "got -1.5 (float)"),
+    # (before: "Overflow when unpacking long long" in packing the options agreement)
+    ("ignore_index_huge", "ValueError: RingSequenceParallelPlugin: ignore_index must be an int64 "
+                          "(labels are int64), got 9223372036854775808"),
     ("old_torch_fsdp", "ValueError: RingSequenceParallelPlugin: zero_stage=2 / tp_size=1 "
                        "(FSDP2 / tensor parallelism) need torch >= 2.12, found torch 2.11.0"),
     ("old_torch_ddp", "RingSequenceParallelPlugin"),

@@ -976,3 +976,42 @@ def test_the_attention_function_checks_its_options_as_the_flash_attn_forms_do():
     with pytest.raises(ValueError, match=r"^LlamaAttention: query, key and value must have the "
                                          r"same dtype"):
         ringseq_attention_forward(sp_layer, q, k.double(), v.double(), None)
+
+
+def _nested_model_calls():
+    import ringseq
+    import ringseq.engine.ring as ring_module
+    from ringseq.integrations.transformers import apply
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    count = {"inputs": 0}
+    ring_cls, agree = ring_module.Ring, ring_module.Ring.agree
+
+    def counting(self, *args, about="argument check", **kwargs):
+        count["inputs"] += about == "attention inputs"
+        return agree(self, *args, about=about, **kwargs)
+
+    ring_cls.agree = counting  # (this rank's process only)
+    torch.manual_seed(0)
+    model = apply(LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64)), layout="contiguous")
+    teacher = copy.deepcopy(model)  # (shares the ring settings, as a copy runs on the same ring)
+    batch = ringseq.shard_batch({"input_ids": torch.arange(16)[None] % 64}, layout="contiguous")
+    counts = []
+    with torch.no_grad():
+        model(**batch, use_cache=False)
+        counts.append(count["inputs"])
+        hook = model.model.layers[1].register_forward_pre_hook(
+            lambda *_: teacher(**batch, use_cache=False) and None)
+        model(**batch, use_cache=False)
+        hook.remove()
+        counts.append(count["inputs"] - counts[0])
+    return counts
+
+
+def test_a_model_call_agrees_on_its_inputs_once_also_around_a_nested_call():
+    # one agreement per model call: the student's, and the teacher's inside it (before the
+    # depth count: the student's two remaining layers agreed again after the teacher's ended)
+    for counts in run_ranks(_nested_model_calls, 2, timeout=120, env={"RINGSEQ_TIMEOUT": "20"}):
+        assert counts == [1, 2], counts

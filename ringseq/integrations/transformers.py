@@ -101,9 +101,10 @@ class RingSettings:
     # the first layer of each call checks its inputs on every rank, so whether the collective
     # runs never depends on a rank's own tensor identities (a batch reused on one rank only).
     _calls: int = field(default=0, repr=False, compare=False)
-    # Whether a model call is running (between the base model's pre- and post-hook): a layer or
-    # attention function called on its own checks its inputs at every call.
-    _in_call: bool = field(default=False, repr=False, compare=False)
+    # Model calls running (between the base model's pre- and post-hook; a depth: a teacher
+    # copy called inside the student's forward shares these settings): a layer or attention
+    # function called on its own checks its inputs at every call.
+    _in_call: int = field(default=0, repr=False, compare=False)
     # The position ids the model itself was called with, for models whose attention function
     # gets none (GPT-BigCode adds learned position embeddings before its layers): set by a
     # hook around the base model's forward (:func:`_capture_positions`), None outside it.
@@ -166,7 +167,7 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
         # own inputs (a mask on one rank only, a tensor reused on one rank only): once per model
         # call (the base model's hook counts them on every rank alike, and every layer of a call
         # gets the call's inputs), and at every call of a layer used on its own.
-        if settings._in_call and checked_call == settings._calls:
+        if settings._in_call > 0 and checked_call == settings._calls:
             return
     elif (attention_mask is None and position_ids is None) or (
             checked_call == settings._calls and _marked(mask_mark, attention_mask)
@@ -472,7 +473,7 @@ def _capture_positions(module, args, kwargs):
     if settings is None:
         return
     settings._calls += 1
-    settings._in_call = True
+    settings._in_call += 1
     settings._model_documents = settings._model_documents or _given_documents(kwargs)
     if not getattr(module, "_ringseq_takes_positions", False):
         return  # (apply refused such a model that encodes positions)
@@ -513,7 +514,7 @@ def _forget_positions(module, args, kwargs, output):
     if settings is not None:
         settings._model_positions = None
         settings._model_documents = False
-        settings._in_call = False
+        settings._in_call = max(0, settings._in_call - 1)
 
 
 def _takes_positions(base) -> bool:

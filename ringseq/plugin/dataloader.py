@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
-from .._args import as_int, given
+from .._args import as_int, check_ignore_index, given
 from .._dist import RingMismatchError
 from ..data import shard_batch
 from ..engine.integrity import ANY
@@ -91,16 +91,14 @@ class ShardedDataLoader:
                  seq_multiple: int = 1, shared: bool = True):
         self.loader = loader
         # (checked here: unchecked, they failed at the first batch with Python's messages)
-        multiple, ignored = as_int(seq_multiple), as_int(ignore_index)
+        multiple = as_int(seq_multiple)
         if multiple is None:
             raise TypeError(f"ShardedDataLoader: seq_multiple must be an int >= 1, got "
                             f"{given(seq_multiple)}")
         if multiple < 1:
             raise ValueError(f"ShardedDataLoader: seq_multiple must be an int >= 1, got "
                              f"{seq_multiple!r}")
-        if ignored is None:
-            raise TypeError(f"ShardedDataLoader: ignore_index must be an int (the label the "
-                            f"loss ignores), got {given(ignore_index)}")
+        ignored = check_ignore_index("ShardedDataLoader", ignore_index)
         #: what every sequence length must be a multiple of beyond the layout's own rule
         #: (sp x tp with tensor parallelism: ParallelDims.seq_multiple)
         self.seq_multiple = multiple
@@ -453,11 +451,10 @@ def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict
     TypeError for a sample that is not a mapping and a ``multiple`` or ``ignore_index`` that
     is not an int.
     """
-    round_to, ignore = as_int(multiple), as_int(ignore_index)
-    if round_to is None or ignore is None:
-        name, value = (("multiple", multiple) if round_to is None
-                       else ("ignore_index", ignore_index))
-        raise TypeError(f"pack_documents: {name} must be an int, got {given(value)}")
+    round_to = as_int(multiple)
+    if round_to is None:
+        raise TypeError(f"pack_documents: multiple must be an int, got {given(multiple)}")
+    ignore = check_ignore_index("pack_documents", ignore_index)
     if round_to < 1:
         raise ValueError(f"pack_documents: multiple must be an int >= 1 (what the packed "
                          f"length is rounded up to), got {round_to}")

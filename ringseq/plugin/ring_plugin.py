@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import (DataLoader, IterableDataset, RandomSampler,
                               SequentialSampler)
 
-from .._args import as_int, given, int_if_integer, is_bool
+from .._args import as_int, check_ignore_index, given, int_if_integer, is_bool
 from .._dist import named_for
 from .._hash import ints_field, stable_code
 from ..engine.ring import get_ring, reset_ring
@@ -384,10 +384,9 @@ class RingSequenceParallelPlugin(Plugin):
             if ulysses_inner is not None and sp_mode != "hybrid":
                 raise ValueError(f"ulysses_inner={ulysses_inner!r} orders the Ulysses and ring "
                                  f"dims of sp_mode='hybrid' only; got sp_mode={sp_mode!r}")
-            if as_int(ignore_index) is None:
-                raise TypeError(f"ignore_index must be an int (the label of no target), got "
-                                f"{ignore_index!r}")
-            ignore_index = as_int(ignore_index)  # (a NumPy int too, as the loss takes it)
+            # (a NumPy int too, as the loss takes it; outside int64 refused here, where the peers
+            # learn of it, not in packing the options agreement)
+            ignore_index = check_ignore_index(type(self).__name__, ignore_index)
             fields = _option_fields(self.dims, self.layout, precision, ignore_index,
                                     ulysses_inner, activation_checkpointing, tp_plan, device,
                                     inner_ring_size is not None, mesh)

@@ -1127,18 +1127,20 @@ class SequenceParallelLoss:
     def _logits_and_targets(self, outputs, batch):
         logits = outputs
         if not torch.is_tensor(logits):
-            logits = (outputs.get("logits") if isinstance(outputs, dict) else
+            logits = (outputs.get("logits") if isinstance(outputs, Mapping) else
                       getattr(outputs, "logits", None))
         if not torch.is_tensor(logits):
             raise ValueError(f"the criterion needs logits (b, s_local, vocab) or a model output "
                              f"with .logits, got {type(outputs).__name__}"
-                             + (" without 'logits'" if isinstance(outputs, dict) else ""))
+                             + (" without 'logits'" if isinstance(outputs, Mapping) else ""))
         targets = batch
         if not torch.is_tensor(targets):
             if not isinstance(batch, Mapping) or "shift_labels" not in batch:
                 raise ValueError("the criterion needs the batch's 'shift_labels' (from the "
                                  "plugin's data loader, i.e. a batch that had 'labels') or the "
-                                 f"targets tensor (b, s_local), got {given(batch)}")
+                                 f"targets tensor (b, s_local), got "
+                                 + (f"a batch with keys {sorted(map(str, batch))}"
+                                    if isinstance(batch, Mapping) else given(batch)))
             targets = batch["shift_labels"]
         if self.tp_size > 1:
             targets = self._tp_share(logits, targets)

@@ -151,9 +151,9 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
         TypeError: an argument of the wrong kind (a bool or None for ``dropout_p`` or
             ``softmax_scale``, a ``causal`` that is not a bool, ...), naming it.
         NotImplementedError: ``dropout_p > 0``, ``alibi_slopes``.
-        ValueError: a ``dropout_p`` outside [0, 1], bad shapes/dtypes/devices, a local length the layout cannot use (zigzag
-            needs an even one), an unknown layout or backend, ``cu_seqlens`` that do not end
-            at the global length -- before any communication.
+        ValueError: a ``dropout_p`` outside [0, 1], bad shapes/dtypes/devices, a local length
+            the layout cannot use (zigzag needs an even one), an unknown layout or backend,
+            ``cu_seqlens`` that do not end at the global length -- before any communication.
         RingMismatchError (a ValueError): ranks called with different arguments (every rank).
     """
     return ring_attention("ring_flash_attn_func", q, k, v, dropout_p=dropout_p,

@@ -104,9 +104,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             ``softmax_scale``, a ``causal`` that is not a bool, ...), naming it.
         NotImplementedError: ``dropout_p > 0``, ``alibi_slopes``, a backend without spans or
             soft-capping asked for them, naming the parameter.
-        ValueError: a ``dropout_p`` outside [0, 1] (not a probability); inputs that do not fit together or that the chosen backend cannot run (the
-            message names the argument, what was given and what is expected); also when
-            backend "ringseq" is requested but the extension is not built.
+        ValueError: a ``dropout_p`` outside [0, 1] (not a probability); inputs that do not
+            fit together or that the chosen backend cannot run (the message names the
+            argument, what was given and what is expected); also when backend "ringseq" is
+            requested but the extension is not built.
     """
     return _flash("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   softcap, alibi_slopes, deterministic, return_attn_probs, return_lse, backend)

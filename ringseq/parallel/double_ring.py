@@ -159,8 +159,8 @@ def _outer_plan(spec: AttnSpec, layout: Layout, outer: Ring, inner: Ring, q_shap
         not _InnerLayout(layout, R, I, o, p).nothing_to_do(s, spec.mask) for o in range(O))),
         default=0)
     signature = (operation_field("double-ring attention"),) + spec.signature(
-        q_shape, nheads_kv, dtype, extra=(("layout", layout.signature_code, "layout"), ("world size", R),
-                                          ("inner ring", I)))
+        q_shape, nheads_kv, dtype, extra=(("layout", layout.signature_code, "layout"),
+                                          ("world size", R), ("inner ring", I)))
     return RingPlan(spec=spec, layout=layout, world_size=O, rank=outer.rank,
                     schedule=tuple(schedule), hops=hops, signature=signature, kv_len=s,
                     comm_kind="ring_outer")

@@ -145,15 +145,15 @@ def check_sharded_order(groups: MeshGroups, fsdp: bool = True) -> None:
     bad = [r for r in rows if r != sorted(r)]
     if bad:
         # (the remedy names what asked for the order: zero 0 helps only without tp)
-        who = ("zero_stage 2 and 3 need" if fsdp else
-               f"tensor parallelism (tp_size={groups.tp_size}) needs")
-        way = ("order the ranks so, or use zero_stage=0" + (" and tp_size=1" if groups.tp_size > 1
-                                                            else "")
-               if fsdp else "order the ranks so, or use tp_size=1")
+        if fsdp:
+            who, way = "zero_stage 2 and 3 need", "zero_stage=0"
+            way += " and tp_size=1" if groups.tp_size > 1 else ""
+        else:
+            who, way = f"tensor parallelism (tp_size={groups.tp_size}) needs", "tp_size=1"
         raise ValueError(f"{who} a mesh whose {' x '.join(flat)} ranks (flattened in that order) "
                          f"count up for each tp index, and whose tp ranks count up (FSDP numbers "
                          f"them by sorted rank, DTensor by mesh coordinate), got {bad[0]} in "
-                         f"{mesh.mesh.tolist()}; {way}")
+                         f"{mesh.mesh.tolist()}; order the ranks so, or use {way}")
 
 
 def build_mesh(sp_size: int, mesh=None, device_type: str = None, tp_size: int = 1

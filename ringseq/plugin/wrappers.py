@@ -570,13 +570,13 @@ class FailureReporter:
                 self.before_completion(reduction)
             except Exception as agree_exc:  # noqa: BLE001 - raised on every rank
                 add_note(exc, f"ringseq: the agreement before the backward raised too: "
-                               f"{type(agree_exc).__name__}: {agree_exc}")
+                              f"{type(agree_exc).__name__}: {agree_exc}")
                 return
         note = reduction.after_failure(2 * ring_timeout(), exc)
         if note:
             self.unusable = note
             add_note(exc, note + ". The process group cannot be used again: restart the "
-                                  "processes (booster.reset() refuses)")
+                                 "processes (booster.reset() refuses)")
 
     @torch.compiler.disable  # (host code on process groups: a compiled model's failure runs it)
     def _after_failure(self, phase: str, exc: BaseException, calls: int, reduction,
@@ -628,7 +628,7 @@ class FailureReporter:
                     except Exception as agree_exc:  # noqa: BLE001 - raised on every rank
                         # (no rank runs the backward: nothing to complete)
                         add_note(exc, f"ringseq: the agreement before the backward raised "
-                                       f"too: {type(agree_exc).__name__}: {agree_exc}")
+                                      f"too: {type(agree_exc).__name__}: {agree_exc}")
                         replay = False
                 if replay and not note:
                     note = reduction.after_failure(2 * ring_timeout(), exc)
@@ -658,13 +658,13 @@ class FailureReporter:
             interrupted = _join(thread)
         for report_exc in report_errors:
             add_note(exc, f"ringseq: reporting it to the ring peers failed too: "
-                           f"{type(report_exc).__name__}: {report_exc}")
+                          f"{type(report_exc).__name__}: {report_exc}")
         if note:
             # the others wait in collectives this rank did not complete: its next ones would
             # pair with those (the plugin's reset refuses)
             self.unusable = note
             add_note(exc, note + ". The process group cannot be used again: restart the "
-                                  "processes (booster.reset() refuses)")
+                                 "processes (booster.reset() refuses)")
         if to_loss and not loss_first:
             self._report_to_loss(exc, report_group)
         if agreed_at_end:
@@ -716,7 +716,7 @@ class FailureReporter:
                 self.ring.take_failure_report(error)
             except Exception as take_exc:  # noqa: BLE001 - the loss's error is the one raised
                 add_note(error, f"ringseq: taking the failure report its ring peer(s) left "
-                                 f"waiting failed too: {type(take_exc).__name__}: {take_exc}")
+                                f"waiting failed too: {type(take_exc).__name__}: {take_exc}")
         loss_ring.peer_messages = {}  # (taken: a later error cannot take them again)
 
 
@@ -866,7 +866,7 @@ class OptimizerWrapper:
             if exc is None:
                 raise
             add_note(exc, f"ringseq: the vote after it failed too: "
-                           f"{type(vote_exc).__name__}: {vote_exc}")
+                          f"{type(vote_exc).__name__}: {vote_exc}")
         if exc is not None:
             self.failed_step = self.failed_step or "the optimizer step raised on this rank"
             add_note(exc, f"ringseq: {_STEP_FAILED}")
@@ -1138,7 +1138,7 @@ class SequenceParallelLoss:
             if not isinstance(batch, Mapping) or "shift_labels" not in batch:
                 raise ValueError("the criterion needs the batch's 'shift_labels' (from the "
                                  "plugin's data loader, i.e. a batch that had 'labels') or the "
-                                 f"targets tensor (b, s_local), got "
+                                 "targets tensor (b, s_local), got "
                                  + (f"a batch with keys {sorted(map(str, batch))}"
                                     if isinstance(batch, Mapping) else given(batch)))
             targets = batch["shift_labels"]

@@ -2062,7 +2062,9 @@ def test_a_ring_decode_failing_on_one_rank_raises_everywhere(w2, case):
     _is_error(w2[1][case]["call"], ("RuntimeError",), "injected fault")
     _is_error(w2[0][case]["call"], ("RingPeerError",), "rank(s) [1]",
               "ring_flash_attn_with_kvcache")
-    assert w2[0][case]["call"][2] < 2, w2[0][case]
+    # before the ring timeout: the failure report, not the timeout, ends the peer's wait (a bound
+    # of 2 s failed once at 2.04 s, the compiled call's trace on a loaded 2-core VM)
+    assert w2[0][case]["call"][2] < TIMEOUT, w2[0][case]
     for r in w2:
         _exact_ok(r[case]["after"])
 

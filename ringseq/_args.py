@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .kernels.checks import count_check
+from .kernels.checks import SDPA_FORM, count_check, given
 from .kernels.spans import UNBOUNDED
 
 __all__ = ["autocast_inputs", "check_alibi_slopes", "check_bool", "check_cu_seqlens",
@@ -46,13 +46,6 @@ def _is_number(x) -> bool:
 def _finite(x) -> bool:
     # comparisons, not math.isfinite: they also work on symbolic floats under torch.compile
     return -math.inf < x < math.inf
-
-
-def given(x) -> str:
-    """How a value appears in an error message."""
-    if isinstance(x, torch.Tensor):
-        return f"a torch.Tensor of shape {tuple(x.shape)}"
-    return f"{x!r} ({type(x).__name__})"
 
 
 def as_int(value) -> Optional[int]:
@@ -306,19 +299,15 @@ def sdpa_inputs(fn: str, query, key, value, attn_mask, dropout_p, is_causal, sca
                          f"flash-attn-style forms, e.g. ring_flash_attn_func / usp_attn_func), "
                          f"got {given(attn_mask)}")
     check_dropout(fn, dropout_p, sdpa_order=True)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            kind = ValueError if isinstance(t, torch.Tensor) else TypeError
-            raise kind(f"{fn}: {name} must be a tensor (batch, nheads, seqlen, headdim), got "
-                       f"{given(t)}")
-    if not enable_gqa and query.shape[1] != key.shape[1] and key.shape[1] != 1 \
-            and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0:
+    q, k, v = SDPA_FORM.to_flash(fn, query, key, value)  # (b, s, h, d) views
+    h, h_kv = q.shape[2], k.shape[2]
+    if not enable_gqa and h != h_kv and h_kv != 1 and h_kv > 0 and h % h_kv == 0:
         # (heads that do not divide are refused by the common head check: enable_gqa would
         # not help them)
         # (as F.scaled_dot_product_attention refuses it; one K/V head it broadcasts)
-        raise ValueError(f"{fn}: query has {query.shape[1]} heads and key {key.shape[1]}: "
-                         f"grouped-query attention needs enable_gqa=True, got enable_gqa=False")
-    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        raise ValueError(f"{fn}: query has {h} heads and key {h_kv}: grouped-query attention "
+                         f"needs enable_gqa=True, got enable_gqa=False")
+    return q, k, v
 
 
 def _check_packed(fn: str, name: str, t, n: int, layout: str) -> None:

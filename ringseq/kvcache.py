@@ -28,7 +28,7 @@ from ._dist import RingPeerError, RingTimeoutError, group_info, named_for
 from ._hash import ints_field
 from .engine.integrity import FWD, operation_field
 from .engine.ring import get_ring
-from .kernels.checks import accum_dtype, refuse_dtensors, resolve_scale
+from .kernels.checks import FLOAT_DTYPES, accum_dtype, given, refuse_dtensors, resolve_scale
 from .kernels.spans import check_softcap
 from .kernels.extension import ExtensionBackend, extension_available
 from .layouts import Layout
@@ -42,10 +42,12 @@ _RING_FN = "ring_flash_attn_with_kvcache"
 
 # ------------------------------------------------------------------------------ arguments
 def _check_tensor(fn: str, name: str, t, dims: int, layout: str) -> None:
+    # (the attention entry points' words: InputForm.to_flash)
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+        raise TypeError(f"{fn}: {name} must be a {dims}-dim tensor {layout}, got {given(t)}")
     if t.dim() != dims:
-        raise ValueError(f"{fn}: {name} must be {layout}, got shape {tuple(t.shape)}")
+        raise ValueError(f"{fn}: {name} must be a {dims}-dim tensor {layout}, got {t.dim()} dims "
+                         f"with shape {tuple(t.shape)}")
     if t.is_meta:  # (no data: its values are read, as counts too)
         raise ValueError(f"{fn}: {name} must be a tensor with data (CPU or CUDA), got one on "
                          f"the meta device")
@@ -86,12 +88,34 @@ def _given_values(x, batch: int):
     return x.tolist() if x.device.type == "cpu" else None
 
 
-def _check_dtype(fn: str, q: torch.Tensor) -> None:
-    """TypeError unless q's dtype is one the functions compute, before anything is written
-    into the caches."""
-    if q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        raise TypeError(f"{fn}: q, the caches and k, v must be float32, float64, bfloat16 or "
-                        f"float16, got {q.dtype}")
+def _check_q_and_caches(fn: str, q, k_cache, v_cache, names: tuple, cache_layout: str,
+                        batch_of_q: bool) -> tuple:
+    """The two decoding functions' one check of q (b, s_q, h, d) and the caches
+    ``cache_layout`` (``batch_of_q``: a row per batch row of q), before anything is written into
+    them: TypeError for a non-tensor, ValueError for dims, dtypes (those the attention entry
+    points take), devices, a head dim that is not contiguous in a cache (written in place: not
+    copied) and shapes that do not fit. Returns (the caches' length, nheads_k)."""
+    _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{fn}: q, the caches and k, v must be float32, float64, bfloat16 or "
+                         f"float16, got {q.dtype}")
+    for name, t in zip(names, (k_cache, v_cache)):
+        _check_tensor(fn, name, t, 4, cache_layout)
+        if t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} must have q's dtype and device ({q.dtype} on "
+                             f"{q.device}) and a contiguous last dimension, got {t.dtype} on "
+                             f"{t.device}, strides {t.stride()}")
+    b, _, h, d = q.shape
+    if d == 0:
+        raise ValueError(f"{fn}: headdim must be positive, got q {tuple(q.shape)}")
+    shape = k_cache.shape
+    if shape != v_cache.shape or shape[3] != d or shape[2] == 0 or h % shape[2] \
+            or (batch_of_q and shape[0] != b):
+        batch = f"batch {b}, " if batch_of_q else ""
+        raise ValueError(f"{fn}: {names[0]} and {names[1]} must both be {cache_layout} with "
+                         f"{batch}q's headdim {d} and nheads_k dividing nheads = {h}, got "
+                         f"{tuple(shape)} and {tuple(v_cache.shape)}")
+    return shape[1], shape[2]
 
 
 def _check_writable(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
@@ -362,7 +386,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         TypeError / ValueError: malformed arguments (shapes, dtypes, devices, index tensors
             that are not int32/int64 (batch,), new keys that do not fit the cache, rotary
             tables of the wrong size, values outside int32), naming the argument; a dtype
-            other than float32/float64/bfloat16/float16 (TypeError); before anything is written,
+            other than float32/float64/bfloat16/float16 (ValueError, as every attention
+            function gives it); before anything is written,
             ValueError for caches made under ``torch.inference_mode()`` written outside it,
             and, when k and v are appended, for caches that share memory (one tensor as both,
             overlapping views of one buffer), a cache whose rows share memory (expanded /
@@ -380,27 +405,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise NotImplementedError(f"{fn}: block_table (a paged KV cache) is not supported; pass "
                                   f"the caches as (batch_cache, seqlen_cache, nheads_k, headdim)")
     refuse_dtensors(fn, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)))
-    _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    _check_dtype(fn, q)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(fn, name, t, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{fn}: {name} must be contiguous in its last dimension, got strides "
-                             f"{t.stride()}")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{fn}: {name} must have q's dtype and device ({q.dtype} on "
-                             f"{q.device}), got {t.dtype} on {t.device}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"{fn}: k_cache and v_cache must have the same shape, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    s_c, h_kv = _check_q_and_caches(fn, q, k_cache, v_cache, ("k_cache", "v_cache"),
+                                    "(batch_cache, seqlen_cache, nheads_k, headdim)", False)
     b, s_q, h, d = q.shape
-    if d == 0:
-        raise ValueError(f"{fn}: headdim must be positive, got q {tuple(q.shape)}")
-    b_c, s_c, h_kv, d_c = k_cache.shape
-    if d_c != d or h_kv == 0 or h % h_kv != 0:
-        raise ValueError(f"{fn}: k_cache (batch_cache, seqlen_cache, nheads_k, headdim) must have "
-                         f"q's headdim {d} and nheads_k dividing nheads = {h}, got "
-                         f"{tuple(k_cache.shape)}")
+    b_c = k_cache.shape[0]
     s_new = _check_new_kv(fn, q, k, v, h_kv)
     if k is not None and cache_seqlens is None:
         raise ValueError(f"{fn}: cache_seqlens is required with k and v: it says where the new "
@@ -686,25 +694,11 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
                          f"{prefill_len!r}")
     refuse_dtensors(fn, (("q", q), ("k_cache_shard", k_cache_shard),
                          ("v_cache_shard", v_cache_shard), ("k", k), ("v", v)))
-    _check_tensor(fn, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    _check_dtype(fn, q)
+    cap, h_kv = _check_q_and_caches(fn, q, k_cache_shard, v_cache_shard,
+                                    ("k_cache_shard", "v_cache_shard"),
+                                    "(batch, capacity, nheads_k, headdim)", True)
     (q,) = _head_contiguous(q)
-    for name, t in (("k_cache_shard", k_cache_shard), ("v_cache_shard", v_cache_shard)):
-        _check_tensor(fn, name, t, 4, "(batch, capacity, nheads_k, headdim)")
-        if t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1:
-            raise ValueError(f"{fn}: {name} must have q's dtype and device ({q.dtype} on "
-                             f"{q.device}) and a contiguous last dimension, got {t.dtype} on "
-                             f"{t.device}, strides {t.stride()}")
     b, s_q, h, d = q.shape
-    if d == 0:
-        raise ValueError(f"{fn}: headdim must be positive, got q {tuple(q.shape)}")
-    if k_cache_shard.shape != v_cache_shard.shape or k_cache_shard.shape[0] != b \
-            or k_cache_shard.shape[3] != d or k_cache_shard.shape[2] == 0 \
-            or h % k_cache_shard.shape[2]:
-        raise ValueError(f"{fn}: k_cache_shard and v_cache_shard must both be (batch, capacity, "
-                         f"nheads_k, headdim) with batch {b}, headdim {d} and nheads_k dividing "
-                         f"{h}, got {tuple(k_cache_shard.shape)} and {tuple(v_cache_shard.shape)}")
-    cap, h_kv = k_cache_shard.shape[1], k_cache_shard.shape[2]
     if prefill_len // world > cap:
         raise ValueError(f"{fn}: k_cache_shard / v_cache_shard on rank {rank} have capacity "
                          f"(dim 1) {cap}, fewer than the {prefill_len // world} slots of this "

@@ -17,18 +17,17 @@ import copy
 
 from typing import Optional
 
-import torch
 from torch import nn
 
-from ._args import (autocast_inputs, check_bool, check_returns, check_softmax_scale, given,
-                    sdpa_inputs, split_kv, split_packed_varlen, split_qkv)
+from ._args import (autocast_inputs, check_bool, check_returns, check_softmax_scale, sdpa_inputs,
+                    split_kv, split_packed_varlen, split_qkv)
 from .engine.integrity import FWD
 from .engine.op import run_attention
 from .engine.placement import RingPlacement
 from .engine.ring import refuse_on_error, ring_size
 from .ops import returns
 from .kernels import check_backend_name
-from .kernels.checks import FLASH_FORM, SDPA_FORM, VARLEN_FORM, InputForm
+from .kernels.checks import FLASH_FORM, RING_VARLEN_FORM, SDPA_FORM, InputForm
 from .spec import (attn_spec, bound_layout, check_grad_comm_dtype, check_layout, documents_name,
                    check_self_attention, named_layout)
 
@@ -279,19 +278,15 @@ def _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, wind
     """The varlen ring functions' one body: 3-dim (total_local, nheads, headdim) inputs as a
     batch of one."""
     with refuse_on_error(group, FWD):
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                kind = ValueError if isinstance(t, torch.Tensor) else TypeError
-                raise kind(f"{fn}: {name} must be a 3-dim tensor (total_local, nheads, "
-                           f"headdim), got {given(t)}")
-    res = ring_attention(fn, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p=dropout_p,
+        q, k, v = RING_VARLEN_FORM.to_flash(fn, q, k, v)  # (1, total_local, h, d) views
+    res = ring_attention(fn, q, k, v, dropout_p=dropout_p,
                          softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                          alibi_slopes=alibi_slopes, deterministic=deterministic,
                          return_attn_probs=return_attn_probs, group=group,
                          layout="documents" if layout is None else layout,
                          return_lse=return_lse, backend=backend,
                          grad_comm_dtype=grad_comm_dtype, softcap=softcap, cu_seqlens=cu_seqlens,
-                         needs_documents=True, form=VARLEN_FORM)
+                         needs_documents=True, form=RING_VARLEN_FORM)
     if isinstance(res, tuple):
         return (res[0][0], res[1][0]) + tuple(res[2:])  # out (s, h, d), lse (h, s)
     return res[0]

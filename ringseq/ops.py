@@ -146,13 +146,7 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     if block_table is not None:
         raise NotImplementedError(f"{fn}: block_table (a paged KV cache) is not supported; pass "
                                   f"block_table=None")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a tensor (total, nheads, headdim), got "
-                            f"{type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{fn}: {name} must be a 3-dim tensor (total, nheads, headdim), got "
-                             f"{tuple(t.shape)}")
+    q4, k4, v4 = VARLEN_FORM.to_flash(fn, q, k, v)  # (1, total, h, d) views
     cu_k = check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, k.shape[0], "the packed length")
     cu_q = check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], "the packed length")
     if len(cu_q) != len(cu_k):
@@ -173,7 +167,6 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             raise ValueError(f"{fn}: {name} must be >= the longest sequence ({longest}), got "
                              f"{as_int_mx}")
         limits[name] = as_int_mx
-    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, h, d) views
     spec = attn_spec(fn, q4, k4, v4, dropout_p=dropout_p, softmax_scale=softmax_scale,
                      causal=causal, window_size=window_size, softcap=softcap,
                      alibi_slopes=alibi_slopes, deterministic=deterministic, backend=backend,

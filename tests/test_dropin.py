@@ -410,15 +410,15 @@ def test_ring_sdpa_and_module_check_their_arguments():
     torch.testing.assert_close(ringseq.ring_sdpa(q, k, v, is_causal=np.bool_(True)),
                                ringseq.ring_sdpa(q, k, v, is_causal=True), rtol=0, atol=0)
     # a non-tensor is the wrong kind, as everywhere else (before: ValueError in these two)
-    with pytest.raises(TypeError, match=r"^ring_sdpa: query must be a tensor \(batch, nheads, "
-                                        r"seqlen, headdim\), got None \(NoneType\)"):
+    with pytest.raises(TypeError, match=r"^ring_sdpa: query must be a 4-dim tensor \(batch, "
+                                        r"nheads, seqlen, headdim\), got None \(NoneType\)"):
         ringseq.ring_sdpa(None, k, v)
     with pytest.raises(TypeError, match=r"^ring_flash_attn_varlen_func: q must be a 3-dim "
                                         r"tensor \(total_local, nheads, headdim\), got 'x' "
                                         r"\(str\)"):
         ringseq.ring_flash_attn_varlen_func("x", k[0], v[0], [0, k.shape[2]])
-    with pytest.raises(ValueError, match=r"^ring_sdpa: query must be a tensor \(batch, nheads, "
-                                         r"seqlen, headdim\), got a torch.Tensor of shape"):
+    with pytest.raises(ValueError, match=r"^ring_sdpa: query must be a 4-dim tensor \(batch, "
+                                         r"nheads, seqlen, headdim\), got 3 dims with shape"):
         ringseq.ring_sdpa(q[0], k, v)
     with pytest.raises(TypeError, match="RingAttention: causal must be a bool"):
         ringseq.RingAttention(causal="yes")

@@ -366,7 +366,7 @@ def test_bad_values_are_refused_before_the_cache_changes():
     k = torch.randn(1, 1, 2, 64)
     before = kc.clone()
     as_int8 = [torch.ones_like(t, dtype=torch.int8) for t in (q, kc, vc, k)]
-    with pytest.raises(TypeError, match="flash_attn_with_kvcache: q, the caches and k, v must be "
+    with pytest.raises(ValueError, match="flash_attn_with_kvcache: q, the caches and k, v must be "
                                         "float32, float64, bfloat16 or float16, got torch.int8"):
         flash_attn_with_kvcache(*as_int8, as_int8[3] * 2, cache_seqlens=3)
     assert (as_int8[1] == 1).all()  # nothing written

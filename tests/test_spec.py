@@ -135,7 +135,8 @@ def test_tensor_errors_name_the_function():
     q, k, v = _qkv()
     # a missing tensor is a TypeError in every form (before: ValueError in the varlen forms)
     flat, cu = q.reshape(-1, *q.shape[2:]), torch.tensor([0, q.shape[1]], dtype=torch.int32)
-    with pytest.raises(TypeError, match=r"^flash_attn_varlen_func: k must be a tensor"):
+    with pytest.raises(TypeError, match=r"^flash_attn_varlen_func: k must be a 3-dim tensor "
+                                        r"\(total, nheads_kv, headdim\), got None"):
         ringseq.flash_attn_varlen_func(flat, None, flat, cu, cu, q.shape[1], q.shape[1])
     with pytest.raises(TypeError, match=r"^flash_attn_varlen_kvpacked_func: kv must be a tensor"):
         ringseq.flash_attn_varlen_kvpacked_func(flat, None, cu, cu, q.shape[1], q.shape[1])
@@ -152,6 +153,77 @@ def test_tensor_errors_name_the_function():
     with pytest.raises(ValueError, match=r"^ring_flash_attn_func: q, k and v must have the same "
                                          r"dtype"):
         ringseq.ring_flash_attn_func(q, k.double(), v)
+
+
+def _wrong_tensor_cases():
+    """(id, call, error, message) for each form's q/k/v: one rule (InputForm.to_flash), each
+    form's own names and shapes."""
+    q, k, v = _qkv()  # (1, 16, 4, 8), (1, 16, 2, 8) x 2
+    flat = [t[0] for t in (q, k, v)]  # (16, h, 8)
+    cu = [0, 16]
+    int8 = [t.to(torch.int8) for t in (q, k, v)]
+    flash = r"\(batch, seqlen_q, nheads, headdim\)"
+    yield ("flash none", lambda: ringseq.flash_attn_func(None, k, v), TypeError,
+           rf"^flash_attn_func: q must be a 4-dim tensor {flash}, got None \(NoneType\)")
+    yield ("flash 3 dims", lambda: ringseq.flash_attn_func(q[0], k, v), ValueError,
+           rf"^flash_attn_func: q must be a 4-dim tensor {flash}, got 3 dims with shape "
+           rf"\(16, 4, 8\)")
+    yield ("ring k str", lambda: ringseq.ring_flash_attn_func(q, "k", v), TypeError,
+           r"^ring_flash_attn_func: k must be a 4-dim tensor \(batch, seqlen_k, nheads_kv, "
+           r"headdim\), got 'k' \(str\)")
+    yield ("sdpa key none", lambda: ringseq.ring_sdpa(q, None, v), TypeError,
+           r"^ring_sdpa: key must be a 4-dim tensor \(batch, nheads_kv, seqlen, headdim\), got "
+           r"None")
+    # transformers' attention function: its (b, h, s, d) names and shapes, under the layer's name
+    from ringseq.integrations.transformers import RingSettings, ringseq_attention_forward
+
+    class LlamaAttention(torch.nn.Module):
+        ringseq_settings = RingSettings()
+
+    yield ("transformers query",
+           lambda: ringseq_attention_forward(LlamaAttention(), q.transpose(1, 2)[0],
+                                             k.transpose(1, 2), v.transpose(1, 2), None),
+           ValueError, r"^LlamaAttention: query must be a 4-dim tensor \(batch, nheads, seqlen, "
+                       r"headdim\), got 3 dims with shape \(4, 16, 8\)")
+    yield ("varlen 4 dims",
+           lambda: ringseq.flash_attn_varlen_func(q, *flat[1:], cu, cu, 16, 16), ValueError,
+           r"^flash_attn_varlen_func: q must be a 3-dim tensor \(total, nheads, headdim\), got "
+           r"4 dims with shape \(1, 16, 4, 8\)")
+    yield ("ring varlen v",
+           lambda: ringseq.ring_flash_attn_varlen_func(flat[0], flat[1], v, cu), ValueError,
+           r"^ring_flash_attn_varlen_func: v must be a 3-dim tensor \(total_local, nheads_kv, "
+           r"headdim\), got 4 dims")
+    # the kv-cache functions: the same words for q, their own shapes for the caches
+    yield ("kvcache q none", lambda: ringseq.flash_attn_with_kvcache(None, k, v), TypeError,
+           rf"^flash_attn_with_kvcache: q must be a 4-dim tensor {flash}, got None \(NoneType\)")
+    yield ("kvcache cache dims", lambda: ringseq.flash_attn_with_kvcache(q, k[0], v), ValueError,
+           r"^flash_attn_with_kvcache: k_cache must be a 4-dim tensor \(batch_cache, "
+           r"seqlen_cache, nheads_k, headdim\), got 3 dims")
+    # a dtype the kernels do not compute is a ValueError everywhere (before: TypeError here)
+    yield ("kvcache int8", lambda: ringseq.flash_attn_with_kvcache(*int8), ValueError,
+           r"^flash_attn_with_kvcache: q, the caches and k, v must be float32, float64, "
+           r"bfloat16 or float16, got torch.int8")
+    yield ("flash int8", lambda: ringseq.flash_attn_func(*int8), ValueError,
+           r"^flash_attn_func: q, k and v must be float32, float64, bfloat16 or float16, got "
+           r"torch.int8")
+    # the two decoding functions' one cache rule: the ring's names and its batch condition
+    yield ("ring kvcache shapes",
+           lambda: ringseq.ring_flash_attn_with_kvcache(q, k[:, :, :1], v, 0, prefill_len=0),
+           ValueError,
+           r"^ring_flash_attn_with_kvcache: k_cache_shard and v_cache_shard must both be "
+           r"\(batch, capacity, nheads_k, headdim\) with batch 1, q's headdim 8 and nheads_k "
+           r"dividing nheads = 4, got \(1, 16, 1, 8\) and \(1, 16, 2, 8\)")
+    yield ("kvcache strides",
+           lambda: ringseq.flash_attn_with_kvcache(q, k.transpose(1, 3), v), ValueError,
+           r"^flash_attn_with_kvcache: k_cache must have q's dtype and device \(torch.float32 on "
+           r"cpu\) and a contiguous last dimension, got torch.float32 on cpu, strides")
+
+
+@pytest.mark.parametrize("call, error, message",
+                         [pytest.param(*c[1:], id=c[0]) for c in _wrong_tensor_cases()])
+def test_every_form_refuses_a_wrong_tensor_by_one_rule_in_its_own_words(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 def _count_one_call():

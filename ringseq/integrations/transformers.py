@@ -294,6 +294,9 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     # A refusal here reaches the other ranks (their input check or ring call raises
     # RingPeerError naming this rank) instead of leaving them waiting.
     with refuse_on_error(settings.group, FWD):
+        # (b, h, s, d) -> (b, s, h, d) as views: the ring reads strided inputs without a copy
+        # (the errors name transformers' query / key / value in its (b, h, s, d))
+        q, k, v = SDPA_FORM.to_flash(name, query, key, value)
         _check_layer_kind(name, module, kwargs)
         _check_cross_attention(name, query, key, causal)
         sliding_window = _window_of_mask(name, attention_mask, sliding_window)
@@ -313,16 +316,12 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                            query.device)
     if scaling is None:
         scaling = getattr(module, "scaling", None)
-    # (b, h, s, d) -> (b, s, h, d) as views: the ring reads strided inputs without a copy.
     if settings.sp is not None:
-        # (the errors name transformers' query / key / value in its (b, h, s, d))
-        out = _usp(name, query.transpose(1, 2), key.transpose(1, 2),
-                   value.transpose(1, 2), 0.0, scaling, bool(causal), settings.sp,
-                   settings.ring_layout, False, settings.backend, None, window,
-                   0.0 if softcap is None else softcap, docs, form=SDPA_FORM)
+        out = _usp(name, q, k, v, 0.0, scaling, bool(causal), settings.sp, settings.ring_layout,
+                   False, settings.backend, None, window, 0.0 if softcap is None else softcap,
+                   docs, form=SDPA_FORM)
         return out, None
-    out = ring_attention(name, query.transpose(1, 2), key.transpose(1, 2),
-                         value.transpose(1, 2), softmax_scale=scaling, causal=bool(causal),
+    out = ring_attention(name, q, k, v, softmax_scale=scaling, causal=bool(causal),
                          window_size=window, group=settings.group, layout=layout,
                          backend=settings.backend, softcap=0.0 if softcap is None else softcap,
                          cu_seqlens=docs, form=SDPA_FORM)
@@ -393,9 +392,6 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
     if dropout is not None and not dropout == 0:  # (False is none too; True is refused)
         raise ValueError(f"{name}: attention dropout {dropout} is not supported by ringseq "
                          f"attention; set config.attention_dropout=0.0 (or call model.eval())")
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(f"{name}: expected (batch, heads, seqlen, head_dim) query/key/value, got "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     if key.shape[2] != query.shape[2]:
         raise ValueError(f"{name}: query has {query.shape[2]} local tokens but key has "
                          f"{key.shape[2]}; ringseq attention needs the keys of exactly the "

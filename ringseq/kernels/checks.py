@@ -46,15 +46,24 @@ def resolve_scale(softmax_scale, headdim: int) -> float:
     return headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
+def given(x) -> str:
+    """How a value appears in an error message."""
+    if isinstance(x, torch.Tensor):
+        return f"a torch.Tensor of shape {tuple(x.shape)}"
+    return f"{x!r} ({type(x).__name__})"
+
+
 @dataclasses.dataclass(frozen=True)
 class InputForm:
-    """How the caller passed q, k, v, for the errors about them: its names for them and the
-    shape it gave (``"flash"``: flash-attn's (b, s, h, d) as checked; ``"sdpa"``: SDPA's
-    (b, h, s, d), transposed before the check; ``"varlen"``: (total, h, d), checked as a batch
-    of one)."""
+    """How the caller passed q, k, v: its names for them, the shapes it gives them
+    (``layouts``: q's, then k's and v's) and their kind (``"flash"``: flash-attn's (b, s, h, d);
+    ``"sdpa"``: SDPA's (b, h, s, d), transposed; ``"varlen"``: (total, h, d), a batch of one).
+    :meth:`to_flash` checks and converts them; the errors after it name them as given."""
 
     names: Tuple[str, str, str] = ("q", "k", "v")
     kind: str = "flash"
+    layouts: Tuple[str, str] = ("(batch, seqlen_q, nheads, headdim)",
+                                "(batch, seqlen_k, nheads_kv, headdim)")
 
     def shape(self, t: torch.Tensor) -> tuple:
         """``t``'s shape as the caller gave it."""
@@ -63,10 +72,33 @@ class InputForm:
             return (s[0], s[2], s[1], s[3])
         return s[1:] if self.kind == "varlen" else s
 
+    def to_flash(self, fn: str, q, k, v) -> tuple:
+        """(q, k, v) as flash-attn's (b, s, h, d) views of the tensors as given in this form;
+        TypeError (naming ``fn`` and the argument) for a non-tensor, ValueError for another
+        number of dimensions. The one check of the tensors' kind and rank for every form."""
+        dims = 3 if self.kind == "varlen" else 4
+        for name, t, layout in zip(self.names, (q, k, v), self.layouts + self.layouts[1:]):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{fn}: {name} must be a {dims}-dim tensor {layout}, got "
+                                f"{given(t)}")
+            if t.dim() != dims:
+                raise ValueError(f"{fn}: {name} must be a {dims}-dim tensor {layout}, got "
+                                 f"{t.dim()} dims with shape {tuple(t.shape)}")
+        if self.kind == "sdpa":
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.kind == "varlen":
+            return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, h, d) views
+        return q, k, v
+
 
 FLASH_FORM = InputForm()
-SDPA_FORM = InputForm(("query", "key", "value"), "sdpa")
-VARLEN_FORM = InputForm(kind="varlen")
+SDPA_FORM = InputForm(("query", "key", "value"), "sdpa",
+                      ("(batch, nheads, seqlen, headdim)", "(batch, nheads_kv, seqlen, headdim)"))
+VARLEN_FORM = InputForm(kind="varlen", layouts=("(total, nheads, headdim)",
+                                                "(total, nheads_kv, headdim)"))
+# (the ring's varlen functions take each rank's share of the packed tokens)
+RING_VARLEN_FORM = InputForm(kind="varlen", layouts=("(total_local, nheads, headdim)",
+                                                     "(total_local, nheads_kv, headdim)"))
 
 
 def refuse_dtensors(fn: str, named) -> None:
@@ -89,15 +121,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: str = "a
     count_check("check_qkv")
     a, b, c = form.names
     sh = form.shape
-    for name, t, layout in (("q", q, "(batch, seqlen_q, nheads, headdim)"),
-                            ("k", k, "(batch, seqlen_k, nheads_kv, headdim)"),
-                            ("v", v, "(batch, seqlen_k, nheads_kv, headdim)")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor {layout}, got "
-                            f"{type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{fn}: {name} must be a 4-dim tensor {layout}, got {t.dim()} dims "
-                             f"with shape {tuple(t.shape)}")
+    # (tensors of another form come converted by its to_flash, which checked them as given)
+    FLASH_FORM.to_flash(fn, q, k, v)
     refuse_dtensors(fn, ((a, q), (b, k), (c, v)))
     on_meta = [n for n, t in ((a, q), (b, k), (c, v)) if t.device.type == "meta"]
     if on_meta:  # no data: a kernel would read garbage

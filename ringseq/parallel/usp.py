@@ -113,13 +113,14 @@ def _sizes(sp) -> Tuple[int, int]:
 
 def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, backend,
          grad_comm_dtype, window_size=(-1, -1), softcap=0.0, cu_seqlens=None,
-         form: InputForm = FLASH_FORM):
+         form: InputForm = FLASH_FORM, takes_documents: bool = True):
     with refuse_on_error(_refusal_group(fn, sp), FWD):
         _check_sp(fn, sp)
         check_returns(fn, False, return_lse)
         q, k, v = autocast_inputs(q, k, v)
         U, R = _sizes(sp)
-        given = named_layout(fn, layout)  # without a ring (R = 1) only its documents count
+        # (without a ring, R = 1, only its documents count)
+        given = named_layout(fn, layout, takes_documents=takes_documents)
         spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                          causal=causal, window_size=window_size, softcap=softcap,
                          backend=backend, grad_comm_dtype=grad_comm_dtype,
@@ -153,7 +154,6 @@ def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causa
         _check_sp(fn, sp)
         q, k, v = sdpa_inputs(fn, query, key, value, attn_mask, dropout_p, is_causal, scale,
                               enable_gqa)
-        named_layout(fn, layout, takes_documents=False)
     out = _usp(fn, q, k, v, 0.0, scale, is_causal, sp, layout, False, backend, grad_comm_dtype,
-               form=SDPA_FORM)
+               form=SDPA_FORM, takes_documents=False)
     return out.transpose(1, 2)

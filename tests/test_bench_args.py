@@ -11,10 +11,13 @@ import sys
 
 import pytest
 
+from command_lines import run_command_lines
+
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
-@pytest.mark.parametrize("script, args, message", [
+# (script, command line, what its usage error says)
+_USAGE_CASES = [
     ("bench_kernel.py", ["--repeats", "0"], "--repeats: must be a positive integer"),
     ("bench_kernel.py", ["--seqlens", "abc"], "--seqlens: must be a comma list"),
     ("bench_kernel.py", ["--heads", "8", "--heads-kv", "3"], "--heads-kv 3 must divide"),
@@ -95,9 +98,28 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("bench_ring_vs_rfa.py", ["--seqlen", "102"], "--seqlen 102 must be a multiple of 2 x "
                                                   "--world-size = 4"),
     ("bench_ring_vs_rfa.py", ["--timeout", "-1"], "--timeout: must be a positive number"),
-])
-def test_bad_arguments_are_usage_errors(tmp_path, script, args, message):
-    _assert_usage_error(tmp_path, script, args, message)
+]
+
+
+@pytest.fixture(scope="module")
+def usage_runs(tmp_path_factory):
+    """What a script's command line gave: each script's cases run in one child process
+    (tests/command_lines.py: one torch import per script, not per case)."""
+    runs = {}
+
+    def run(script, args):
+        if script not in runs:
+            cases = [a for s, a, _ in _USAGE_CASES if s == script]
+            done = run_command_lines(os.path.join(BENCH, script), cases,
+                                     cwd=str(tmp_path_factory.mktemp(script.replace(".", "_"))))
+            runs[script] = {tuple(a): r for a, r in zip(cases, done)}
+        return runs[script][tuple(args)]
+    return run
+
+
+@pytest.mark.parametrize("script, args, message", _USAGE_CASES)
+def test_bad_arguments_are_usage_errors(usage_runs, script, args, message):
+    _check_usage_error(usage_runs(script, args), message)
 
 
 def test_bench_decode_checks_part_twos_lengths_only_where_part_two_runs():
@@ -124,8 +146,13 @@ def test_mca_loops_refuses_what_llvm_mca_or_objdump_cannot_take(tmp_path, args, 
 
 
 def _assert_usage_error(tmp_path, script, args, message):
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    _check_usage_error(subprocess.run([sys.executable, os.path.join(BENCH, script), *args],
+                                      capture_output=True, text=True, timeout=120, cwd=tmp_path),
+                       message)
+
+
+def _check_usage_error(proc, message):
+    """Exit status 2 (argparse's), the message after "error:", no traceback."""
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "error:" in proc.stderr and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from command_lines import run_command_lines
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "bench_ring.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -49,7 +51,8 @@ def test_sp_mode_all_runs_the_modes_that_fit_and_differ():
         fitting_sp_modes(["double_ring"], False, 3, 6, 3, 2)
 
 
-@pytest.mark.parametrize("args, message", [
+# (command line, what its usage error says)
+_USAGE_CASES = [
     (["--layouts", "foo"], "--layouts: unknown layout 'foo'"),
     (["--seqlen", "1000", "--world-size", "3", "--layouts", "zigzag"], "multiple of 6"),
     (["--modes", "fwd,bwd"], "'bwd' not among fwd, fwd_bwd"),
@@ -99,9 +102,21 @@ def test_sp_mode_all_runs_the_modes_that_fit_and_differ():
     # (before: a plain ring labelled a double ring, held to the double ring's byte formula)
     (["--sp-mode", "double_ring", "--inner-ring-size", "1", "--world-size", "4"],
      "--inner-ring-size 1 must be at least 2"),
-])
-def test_bad_arguments_stop_before_any_rank_starts(args, message):
-    proc = _bench(*args)
+]
+
+
+@pytest.fixture(scope="module")
+def usage_runs(tmp_path_factory):
+    """Every case's command line, run in one child process (tests/command_lines.py: one torch
+    import for all of them, not one per case)."""
+    cases = [a for a, _ in _USAGE_CASES]
+    runs = run_command_lines(BENCH, cases, cwd=str(tmp_path_factory.mktemp("bench_ring_usage")))
+    return {tuple(a): r for a, r in zip(cases, runs)}
+
+
+@pytest.mark.parametrize("args, message", _USAGE_CASES)
+def test_bad_arguments_stop_before_any_rank_starts(usage_runs, args, message):
+    proc = usage_runs[tuple(args)]
     assert proc.returncode == 2, proc.stderr
     assert "error:" in proc.stderr and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "local CPU ranks" not in proc.stdout, proc.stdout

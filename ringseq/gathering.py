@@ -28,9 +28,16 @@ _SAME_SHARDS = ("Every rank of the group calls unshard with a shard of the same 
                 "dtype, the same layout and dim, and back-propagates through it.")
 
 
+_SHAPE_FIELDS = 16  # the dims a signature compares (more are rare; ndim is compared too)
+
+
 def _shape_fields(shape) -> tuple:
-    return (("ndim", len(shape)),) + tuple((f"shape[{i}]", n) for i, n in
-                                          enumerate(shape[:16]))
+    """ndim and the first 16 sizes, -1 past the last dim: as many fields on every rank, so
+    ranks with different numbers of dims compare each field with its own (before: a 3-dim
+    shard's dtype field was compared with a 4-dim one's last size, and the message showed
+    values nobody passed)."""
+    sizes = tuple(shape[:_SHAPE_FIELDS]) + (-1,) * (_SHAPE_FIELDS - len(shape[:_SHAPE_FIELDS]))
+    return (("ndim", len(shape)),) + tuple((f"shape[{i}]", n) for i, n in enumerate(sizes))
 
 
 class _Unshard(torch.autograd.Function):
@@ -88,9 +95,16 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
         lay = get_layout(layout, "unshard")
         dim = seq_dim("unshard", x_local, dim)
         try:
-            reorder = not lay.identity_on_one_rank(x_local.shape[dim])  # a layout of the user's
+            lay.check_seqlen(x_local.shape[dim], 1)
         except ValueError:  # a length it cannot hold: returned as it is, as by the built-ins
-            reorder = False
+            return x_local
+        try:
+            # (a layout of the user's may hold one rank's tokens in another order; positions
+            # that are no permutation are refused as shard refuses them: before, returned as
+            # they were)
+            reorder = not lay.identity_on_one_rank(x_local.shape[dim])
+        except ValueError as exc:
+            raise named_for("unshard", exc) from exc
         return scattered(lay, [x_local], dim) if reorder else x_local
     # Whatever this rank refuses is agreed on before the all-gather, which the other ranks
     # would otherwise wait in.

@@ -22,3 +22,27 @@ class ReversedContiguous(Layout):
         if src > rank:  # a higher rank holds an earlier chunk
             return [BlockTask(slice(0, s_local), slice(0, s_local), False)]
         return []
+
+
+class Rotated(Layout):
+    """Contiguous chunks rotated by ``k`` ranks (rank r holds chunk (r + k) % W): a layout with
+    a parameter, set in ``__init__``, that does not override ``code``."""
+
+    name = "rotated_test"
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __hash__(self):
+        return hash((type(self), self.k))
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.k == self.k
+
+    def _positions(self, seqlen, world_size, rank):
+        n = seqlen // world_size
+        c = (rank + self.k) % world_size
+        return torch.arange(c * n, (c + 1) * n)
+
+    def _tasks(self, rank, src, world_size, s_local):
+        return [BlockTask(slice(0, s_local), slice(0, s_local), False)]  # (full attention only)

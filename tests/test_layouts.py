@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ringseq
+from dist_utils import run_ranks
 from ringseq.layouts import (LAYOUTS, BlockTask, get_layout, positions_local,
                              shard_local, unshard_local)
 
@@ -152,6 +153,38 @@ def test_a_custom_layouts_positions_must_be_a_permutation():
                                          r"\[0, 8\), got 100"):
         positions_local(8, Outside(), 2, 0)
 
+    class Duplicated(Twice):  # one rank's order reversed, one position twice
+        name = "test_duplicated"
+
+        def _positions(self, seqlen, world_size, rank):
+            p = torch.arange(seqlen).flip(0)
+            p[0] = p[1]
+            return p
+
+    # at world size 1 too, unshard as shard (before: unshard returned its input as it was)
+    for fn in (ringseq.shard, ringseq.unshard):
+        with pytest.raises(ValueError, match=rf"^{fn.__name__}: layout 'test_duplicated': "
+                                             r"_positions\(8, 1, rank\) over the ranks must list "
+                                             r"every position"):
+            fn(torch.zeros(1, 8), Duplicated())
+
+
+def _unshard_with_another_number_of_dims():
+    import torch.distributed as dist
+    from utils import error_text
+    x = torch.zeros(2, 4, 3) if dist.get_rank() == 0 else torch.zeros(2, 4, 3, 1)
+    return error_text(lambda: ringseq.unshard(x))
+
+
+def test_unshard_names_a_different_number_of_dims_and_nothing_else():
+    """(before: the fields after the shape were compared one place apart, and the message
+    showed a dtype torch.bits16 and a dim 201034069 nobody passed, differently per rank)"""
+    errors = run_ranks(_unshard_with_another_number_of_dims, 2)
+    assert errors[0] == errors[1], errors  # the same verdict on every rank
+    assert errors[0].startswith("RingMismatchError: ringseq: unshard: the ranks of the ring were "
+                                "called with different arguments: ndim (rank 0: 3, rank 1: 4); "
+                                "shape[3] (rank 0: -1, rank 1: 1). "), errors[0]
+
 
 def test_a_custom_layout_is_checked_where_a_ring_call_takes_it():
     """Tasks past the shard (before: cut short by slicing, keys dropped without a word), tasks
@@ -223,6 +256,35 @@ def test_a_custom_layout_is_checked_where_a_ring_call_takes_it():
     for layout, causal, kind, message in cases:
         with pytest.raises(kind, match="^simulate_ring: " + message):
             ringseq.simulate_ring(q, q, q, layout, 2, causal=causal, backend="reference")
+
+
+def _ranks_given_different_parameters():
+    import torch.distributed as dist
+    from custom_layout import Rotated
+    from utils import error_text
+    rank = dist.get_rank()
+    lay = Rotated(rank)  # rank 0: Rotated(0), rank 1: Rotated(1)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 2, 4, generator=g, dtype=torch.float64)  # (b, s, h, d)
+    same = Rotated(1)
+    ring = ringseq.ring_flash_attn_func(*(ringseq.shard(q, same),) * 3, layout=same)
+    want = ringseq.shard(ringseq.flash_attn_func(q, q, q, backend="reference"), same)
+    return {"ring": error_text(lambda: ringseq.ring_flash_attn_func(
+                *(ringseq.shard(q, lay),) * 3, layout=lay)),
+            "unshard": error_text(lambda: ringseq.unshard(ringseq.shard(q, lay), lay)),
+            "same parameters": float((ring - want).abs().max()),
+            "codes": (Rotated(0).code != Rotated(1).code, Rotated(1).code == same.code)}
+
+
+def test_ranks_given_one_layout_class_with_different_parameters_raise_everywhere():
+    """A user's layout compares its instance's parameters (``self.k``) across the ranks.
+    Before: name and class only, and ranks given Rotated(0) and Rotated(1) got an unshard
+    holding one chunk twice and ring outputs off by 1.19, without a word."""
+    for r in run_ranks(_ranks_given_different_parameters, 2):
+        assert r["codes"] == (True, True), r
+        for call in ("ring", "unshard"):
+            assert r[call].startswith("RingMismatchError") and "layout" in r[call], r[call]
+        assert r["same parameters"] < 1e-12, r
 
 
 def test_a_backward_runs_its_forwards_layout_after_the_name_is_registered_again():

@@ -89,6 +89,40 @@ def layout_cached(obj, key, compute):
     return value
 
 
+def _stable_text(value) -> Optional[str]:
+    """``value`` as text that is the same on every rank for equal values (numbers, strings,
+    tensors by their values, tuples / lists / dicts of them, layouts by their code); None for
+    anything else (an object's text may name its address, which differs between ranks)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.dtype}, {tuple(value.shape)}, {value.detach().cpu().tolist()})"
+    if isinstance(value, Layout):
+        return f"layout {value.code}"
+    if isinstance(value, (tuple, list)):
+        parts = [_stable_text(v) for v in value]
+        return None if None in parts else "(" + ", ".join(parts) + ")"
+    if isinstance(value, dict):
+        parts = sorted((_stable_text(k), _stable_text(v)) for k, v in value.items())
+        return None if any(None in p for p in parts) else repr(parts)
+    return None
+
+
+def _parameters_text(layout) -> str:
+    """The public attributes of a user's layout instance (``self.k = k`` in ``__init__``, a
+    dataclass's fields) as stable text; an attribute of another kind by its type's name only
+    (such a layout overrides :attr:`Layout.code` to compare it)."""
+    state = dict(vars(layout)) if hasattr(layout, "__dict__") else {}
+    for name in getattr(type(layout), "__slots__", ()):
+        if hasattr(layout, name):
+            state[name] = getattr(layout, name)
+    parts = []
+    for name in sorted(k for k in state if not k.startswith("_")):  # (not the caches)
+        text = _stable_text(state[name])
+        parts.append(f"{name}={type(state[name]).__qualname__ if text is None else text}")
+    return ", ".join(parts)
+
+
 def _built_in(obj) -> bool:
     """Whether a class or function is ringseq's own, not a user's (a user's layout gets the
     checks and the code a built-in one needs none of)."""
@@ -109,17 +143,25 @@ class Layout:
     def code(self) -> int:
         """A small integer naming this layout in cross-rank checks (stable across ranks): of
         its name and, for a layout defined outside ringseq, its class (two classes that kept
-        one name are told apart). The ranks compare only this: a layout with parameters (a
-        shift, a permutation) overrides it to include them, as
-        :class:`ringseq.layouts.Documents` does with its boundaries, else ranks given
-        different parameters pair silently."""
+        one name are told apart) and its parameters: the instance's public attributes (a
+        shift ``self.k``, a permutation tensor, a dataclass's fields) by value, so ranks
+        given different parameters raise ``RingMismatchError`` instead of pairing silently.
+        An attribute that is not a number, string, tensor, layout or a tuple / list / dict of
+        them counts by its type only: a layout holding one overrides this to include it, as
+        :class:`ringseq.layouts.Documents` does with its boundaries."""
         cls = type(self)
         if _built_in(cls):
             return stable_code(self.name)
         # (a script's classes live in __main__ on the launching process and in __mp_main__
         # on the ranks multiprocessing spawns from it: one module)
         module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
-        return stable_code(f"{self.name}@{module}.{cls.__qualname__}")
+        # (before: name and class only, and ranks given Rot(0) and Rot(1) computed wrong
+        # outputs without a word)
+        def compute():
+            return stable_code(f"{self.name}@{module}.{cls.__qualname__}"
+                               f"({_parameters_text(self)})")
+        # (cached as its schedules are: a layout is data, and a tensor parameter is read once)
+        return layout_cached(self, "code", compute) if hasattr(self, "__dict__") else compute()
 
     @property
     def signature_code(self) -> int:

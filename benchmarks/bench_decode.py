@@ -180,6 +180,19 @@ def single_device(args):
 _PER_RANK = ("cp_ms", "cp_cpu_ms", "cp_peak_mib", "gather_ms", "gather_peak_mib")
 
 
+def _decode_data(length, steps, b, h, h_kv, d, dtype):
+    """A --cp-cache length's global cache and decoded tokens, the same on every rank (one
+    seed) and again when called again: K, V (b, length, h_kv, d); per step q (b, 1, h, d) and
+    the new k, v (b, 1, h_kv, d)."""
+    gen = torch.Generator().manual_seed(length)
+    K = torch.randn(b, length, h_kv, d, generator=gen).to(dtype)
+    V = torch.randn(b, length, h_kv, d, generator=gen).to(dtype)
+    qs = [torch.randn(b, 1, h, d, generator=gen).to(dtype) for _ in range(steps)]
+    kn = [torch.randn(b, 1, h_kv, d, generator=gen).to(dtype) for _ in range(steps)]
+    vn = [torch.randn(b, 1, h_kv, d, generator=gen).to(dtype) for _ in range(steps)]
+    return K, V, qs, kn, vn
+
+
 def _cp_rank(args, device):
     """On every rank: a sharded cache of each --cp-cache length; CP decode vs gathered cache."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -187,13 +200,8 @@ def _cp_rank(args, device):
     h, h_kv, d, b = args.heads, args.heads_kv, args.headdim, args.cp_batch
     out_rows = []
     for length in _ints(args.cp_cache):
-        gen = torch.Generator().manual_seed(length)  # the same global cache on every rank
         steps = args.repeats + 1
-        K = torch.randn(b, length, h_kv, d, generator=gen).to(dtype)
-        V = torch.randn(b, length, h_kv, d, generator=gen).to(dtype)
-        qs = [torch.randn(b, 1, h, d, generator=gen).to(dtype) for _ in range(steps)]
-        kn = [torch.randn(b, 1, h_kv, d, generator=gen).to(dtype) for _ in range(steps)]
-        vn = [torch.randn(b, 1, h_kv, d, generator=gen).to(dtype) for _ in range(steps)]
+        K, V, qs, kn, vn = _decode_data(length, steps, b, h, h_kv, d, dtype)
         cap = length // world + steps
         kc = torch.zeros(b, cap, h_kv, d, dtype=dtype)
         vc = torch.zeros_like(kc)
@@ -259,15 +267,23 @@ def _cp_rank(args, device):
         seqlens = torch.full((b,), n_total, dtype=torch.int32)
         q_last = qs[-1]
         # Invariant, on every rank (each holds the whole output of the last CP step): that
-        # output against float64 attention over the gathered cache (its own new token
-        # included), within 2x plain same-dtype attention's error plus the floor, as part 1;
-        # the worst rank judged by the parent (a rank raising alone left the others waiting).
+        # output against float64 attention over the cache and tokens as generated (the
+        # prefill and every step's new token), within 2x plain same-dtype attention's error
+        # plus the floor, as part 1; the worst rank judged by the parent (a rank raising alone
+        # left the others waiting). Not over the caches the ranks wrote: an append that wrote
+        # wrong keys would be in such a reference too (before: K and V swapped at every
+        # append, 0.18 off, passed).
+        K, V = _decode_data(length, steps, b, h, h_kv, d, dtype)[:2]
+        want_k = torch.cat([K] + kn, dim=1)  # (b, length + steps, h_kv, d)
+        want_v = torch.cat([V] + vn, dim=1)
+        del K, V
         err = plain = 0.0
         for i in range(b):
-            ref = _attention(q_last[i, 0], full_k[i], full_v[i], d ** -0.5, torch.float64)
+            ref = _attention(q_last[i, 0], want_k[i], want_v[i], d ** -0.5, torch.float64)
             err = max(err, max_error(out_cp[i, 0], ref))
-            plain = max(plain, max_error(_attention(q_last[i, 0], full_k[i], full_v[i],
+            plain = max(plain, max_error(_attention(q_last[i, 0], want_k[i], want_v[i],
                                                     d ** -0.5, dtype), ref))
+        del want_k, want_v
         worst = max_over_ranks([err, plain, err - 2 * plain - CHECK_FLOOR[dtype]])
         row["cp_max_err"], row["cp_plain_err"] = worst[0].item(), worst[1].item()
         row["cp_check"] = "ok" if worst[2].item() <= 0 else "FAIL"

@@ -96,3 +96,35 @@ def test_a_nan_output_or_a_context_parallel_mismatch_fails_the_run(monkeypatch, 
     assert ("FAILED: context parallel W=2 cache=512: the last step's max error 5.00e-01 "
             "against float64 over the gathered cache (worst rank), more than 2 x plain fp32 "
             "attention's 1.00e-07 + 1e-06") in capsys.readouterr().out
+
+
+# Every process of the run (the script, its rank server, the ranks) imports this first: each
+# decode step's new key and value are swapped before the library writes and attends them.
+_SWAPPED_APPEND = '''
+import ringseq
+_decode = ringseq.ring_flash_attn_with_kvcache
+
+
+def _swapped(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *args, **kwargs):
+    return _decode(q, k_cache, v_cache, cache_seqlens, v, k, *args, **kwargs)
+
+
+ringseq.ring_flash_attn_with_kvcache = _swapped
+'''
+
+
+def test_a_wrong_append_fails_the_context_parallel_check(tmp_path):
+    """The check's float64 reference is the cache and tokens as generated, not the caches the
+    ranks wrote (before: built from those, so K and V swapped at every append, 0.18 off,
+    reported "check ok" and exit 0)."""
+    (tmp_path / "sitecustomize.py").write_text(_SWAPPED_APPEND)
+    path = [str(tmp_path), ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_decode.py"),
+                           "--cache", "64", "--batch", "1", "--threads", "1", "--heads", "4",
+                           "--heads-kv", "2", "--headdim", "16", "--cp-cache", "64",
+                           "--repeats", "2"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAILED: context parallel W=2 cache=64: the last step's max error" in proc.stdout, \
+        proc.stdout[-3000:]

@@ -41,11 +41,12 @@ import math
 import numbers
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ._args import int_if_integer, is_bool
+from ._args import divisors, int_if_integer, is_bool
 from ._dist import named_for
 from .layouts import PerBatchDocuments, get_layout
 from .parallel.dims import ZERO_STAGES, ParallelDims, renamed_dims_error  # the plugin's rules
@@ -112,8 +113,14 @@ class ModelShape:
                     if hasattr(config, "config") else "")
             raise TypeError(f"estimate_memory: config must be a transformers config or a dict of "
                             f"its sizes, got {type(config).__name__}{hint}")
-        get = (config.get if isinstance(config, dict)
+        get = (config.get if isinstance(config, Mapping)
                else lambda k, d=None: getattr(config, k, d))
+        if not isinstance(config, Mapping) and not any(hasattr(config, k) for k in _REQUIRED):
+            # (a list, a tuple, any object without a single size: before, KeyError naming
+            # hidden_size as if only that were missing)
+            raise TypeError(f"estimate_memory: config must be a transformers config or a dict of "
+                            f"its sizes, got {type(config).__name__} without any of "
+                            f"{', '.join(_REQUIRED)}")
         model_type = str(get("model_type", "") or "")
         for k in _EXPERT_KEYS:
             if get(k, None) is not None and not _is_whole(get(k, None)):
@@ -164,6 +171,9 @@ class ModelShape:
             raise ValueError(f"estimate_memory: config num_key_value_heads must be an integer, "
                              f"got {kv_heads!r}")
         head_dim = get("head_dim", None)
+        if int(vals["hidden_size"]) < 1:  # (before: blamed on a missing head_dim)
+            raise ValueError(f"estimate_memory: config hidden_size must be >= 1, got "
+                             f"{vals['hidden_size']!r}")
         if head_dim is None:  # transformers' default
             head_dim = int(vals["hidden_size"]) // int(vals["num_attention_heads"])
             if head_dim < 1:
@@ -949,10 +959,6 @@ def _check_int(name, value, minimum=1, fn="estimate_memory") -> int:
     return int(value)
 
 
-def _divisors(n: int) -> List[int]:
-    return [x for x in range(1, n + 1) if n % x == 0]
-
-
 def _plan(config, *, seqlen, micro_batch, world_size, sp_size, tp_size, zero_stage, precision,
           optimizer, activation_checkpointing, sp_mode, ulysses_size, layout,
           gradient_accumulation_steps=1, inner_ring_size=None) -> _Plan:
@@ -1101,6 +1107,11 @@ def _cost_key(est: MemoryEstimate):
             _MODE_RANK[est.sp_mode], est.total)
 
 
+#: The largest world whose meshes :func:`meshes` lists (2**24 ranks: every divisor pair of a
+#: world this size is listed in seconds; a huge highly divisible one would take hours).
+MESHES_WORLD_MAX = 1 << 24
+
+
 def meshes(config, world_size: int, precision: str = "bf16") -> List[dict]:
     """Every mesh of ``world_size`` ranks that ``RingSequenceParallelPlugin`` runs for the
     model, as keyword arguments of :func:`estimate_memory`: each (tp, sp, sp_mode /
@@ -1112,17 +1123,20 @@ def meshes(config, world_size: int, precision: str = "bf16") -> List[dict]:
     with _named_as("meshes"):
         shape = ModelShape.from_config(config)
     world_size = _check_int("world_size", world_size, fn="meshes")
+    if world_size > MESHES_WORLD_MAX:  # (before: the enumeration ran for hours)
+        raise ValueError(f"meshes: world_size must be at most {MESHES_WORLD_MAX} to list its "
+                         f"meshes, got {world_size}; estimate_memory takes any one mesh")
     if precision not in PRECISIONS:
         raise ValueError(f"meshes: precision must be one of {list(PRECISIONS)}, got "
                          f"{precision!r}")
     out = []
-    for tp in _divisors(world_size):
+    for tp in divisors(world_size):
         if shape.intermediate % tp:
             continue
-        for sp in _divisors(world_size // tp):
+        for sp in divisors(world_size // tp):
             modes = [("ring", None)]
             if sp > 1:
-                modes += [("hybrid", u) for u in _divisors(sp) if 1 < u < sp]
+                modes += [("hybrid", u) for u in divisors(sp) if 1 < u < sp]
                 modes.append(("ulysses", None))
             for mode, u in modes:
                 for zero in ZERO_STAGES:
@@ -1336,6 +1350,9 @@ def main(argv=None) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.world_size > MESHES_WORLD_MAX:  # (before: the header, then no end)
+        p.error(f"--world-size must be at most {MESHES_WORLD_MAX} (the meshes listed), got "
+                f"{args.world_size}")
     try:
         config = _load_config(args.config)
         shape = ModelShape.from_config(config)

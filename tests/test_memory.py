@@ -510,6 +510,9 @@ def test_cli_max_seqlen(llama8b_json, capsys):
                                   "(0 bytes)"),  # (a traceback before)
     (["--device-memory", "0.5"], "--device-memory must be at least one byte, got 0.5 (0 bytes)"),
     (["--device-memory", "1" + "0" * 400], "at most 2**63 - 1 bytes"),  # (a traceback before)
+    # (before: the header, then no end)
+    (["--seqlen", "1024", "--world-size", "1000000007"],
+     "--world-size must be at most 16777216 (the meshes listed), got 1000000007"),
 ])
 def test_cli_argument_errors(llama8b_json, capsys, argv, match):
     base = ["--config", llama8b_json, "--world-size", "8"]
@@ -647,6 +650,33 @@ def test_estimate_within_ten_percent_of_memtracker():
     phases = {r["peak_phase"].split(",")[0] if "layer" not in r["peak_phase"]
               else r["peak_phase"].split("'s ")[-1] for r in rows}
     assert {"loss backward", "optimizer step", "MLP", "attention"} <= phases, phases
+
+
+def test_huge_worlds_and_configs_of_another_kind_are_answered_at_once():
+    """Before: the error for sp_size=3 in a world of 2**40 never came (its list of the valid
+    sizes tried every integer up to the world size), meshes() of a prime world of 10**9 + 7 ran
+    without end, a list as the config was a KeyError naming hidden_size, and a negative
+    hidden_size was blamed on a missing head_dim."""
+    with pytest.raises(ValueError, match=r"sp_size must be one of \[1, 2, 4, 8, .*, "
+                                         r"1099511627776\]$"):
+        est(world_size=2 ** 40, sp_size=3)
+    with pytest.raises(ValueError, match=r"sp_size must be one of the divisors of "
+                                         r"4611686018427387904$"):
+        est(world_size=2 ** 62, sp_size=3)
+    for world in (10 ** 9 + 7, 2 ** 31 - 1):
+        with pytest.raises(ValueError, match=rf"^meshes: world_size must be at most 16777216 "
+                                             rf"to list its meshes, got {world}"):
+            mem.meshes(TINY, world)
+    assert [m["tp_size"] for m in mem.meshes(TINY, 2 ** 24)][:1] == [1]  # (the largest: listed)
+    for config in ([1, 2], (TINY,), object()):
+        with pytest.raises(TypeError, match=r"^estimate_memory: config must be a transformers "
+                                            r"config or a dict of its sizes, got "
+                                            rf"{type(config).__name__} without any of "
+                                            r"hidden_size, "):
+            est(config)
+    with pytest.raises(ValueError, match=r"^estimate_memory: config hidden_size must be >= 1, "
+                                         r"got -128$"):
+        est(dict(TINY, hidden_size=-128))
 
 
 def test_a_ring_of_one_rank_keeps_its_layouts_multiple():

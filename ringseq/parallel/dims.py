@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
+from .._args import divisors, shown_divisors
 from .._dist import named_for
 
 __all__ = ["ParallelDims", "ZERO_STAGES"]
@@ -58,10 +59,6 @@ def sharding_refusal(zero_stage: int, tp_size: int) -> Optional[str]:
                 f"need torch >= {SHARDED_MIN_TORCH}, found torch {version}; "
                 f"zero_stage=0 with tp_size=1 (DDP) runs on it")
     return None
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _positive_int(value) -> bool:
@@ -131,12 +128,12 @@ class ParallelDims:
                                  f"number of ranks)")
         if not _positive_int(tp) or world % tp:
             raise ValueError(f"ParallelDims: tp_size={tp!r} does not divide the world size "
-                             f"{world}; tp_size must be one of {_divisors(world)}")
+                             f"{world}; tp_size must be one of {shown_divisors(world)}")
         if not _positive_int(sp) or world % (sp * tp):
             raise ValueError(
                 f"ParallelDims: sp_size={sp!r} x tp_size={tp} does not divide the world size "
                 f"{world}; the mesh is dp x sp x tp, so with tp_size={tp} sp_size must be one "
-                f"of {_divisors(world // tp)}")
+                f"of {shown_divisors(world // tp)}")
         if (self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool)
                 or not isinstance(self.zero_stage, int)):  # 3.0 == 3, but it is no stage
             raise ValueError(
@@ -167,7 +164,7 @@ class ParallelDims:
                              f"num_kv_heads={hk!r}")
         if h % tp or hk % tp:
             # (sizes that also fit the mesh with this sp size: dp x sp x tp = world)
-            ok = [t for t in _divisors(math.gcd(h, hk))
+            ok = [t for t in divisors(math.gcd(h, hk))
                   if (self.world_size // self.sp_size) % t == 0]
             raise ValueError(
                 f"ParallelDims: tp_size={tp} cannot split num_attention_heads={h} and "
@@ -175,7 +172,8 @@ class ParallelDims:
                 f"and K/V heads, so tp_size must divide both; tp_size values that do (and "
                 f"divide the world size {self.world_size} / sp_size={self.sp_size}): {ok}")
         if (h // tp) % U:
-            ok = [u for u in _divisors(self.sp_size) if (h // tp) % u == 0]
+            # (the degrees dividing both sp_size and the heads: of their gcd, never a huge n)
+            ok = divisors(math.gcd(self.sp_size, h // tp))
             heads = (f"num_attention_heads={h}" if tp == 1 else
                      f"the num_attention_heads={h} / tp_size={tp} = {h // tp} query heads of a "
                      f"tensor-parallel rank")

@@ -39,12 +39,12 @@ This module: the sizes (:func:`resolve_sp_sizes`, :func:`check_model_heads`) and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .._args import as_int, int_if_integer, is_bool
+from .._args import as_int, int_if_integer, is_bool, shown_divisors
 from .._dist import agree_on_fields, group_info, is_initialized, with_message
 from .._hash import stable_hash_ints
 from ..data import shard_batch
@@ -57,10 +57,6 @@ __all__ = ["SP_MODES", "SequenceParallelGroups", "check_model_heads", "check_sp_
 
 
 SP_MODES = ("ring", "ulysses", "hybrid")
-
-
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_sp_mode(sp_mode, fn: str = "check_sp_mode") -> None:
@@ -107,11 +103,11 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
     else:
         if ulysses_size is None:
             raise ValueError(f"{pre}sp_mode='hybrid' needs ulysses_size (one of "
-                             f"{_divisors(sp_size)}, dividing sp_size={sp_size})")
+                             f"{shown_divisors(sp_size)}, dividing sp_size={sp_size})")
         if sp_size % ulysses_size:
             raise ValueError(f"{pre}ulysses_size={ulysses_size!r} does not divide "
                              f"sp_size={sp_size}; the sequence-parallel group is ulysses_size x "
-                             f"ring size, so ulysses_size must be one of {_divisors(sp_size)}")
+                             f"ring size, so ulysses_size must be one of {shown_divisors(sp_size)}")
         U = ulysses_size
     R = sp_size // U
     if inner_ring_size is None:
@@ -125,7 +121,7 @@ def resolve_sp_sizes(sp_mode: str, sp_size: int, ulysses_size: Optional[int] = N
             raise ValueError(f"{pre}inner_ring_size={inner_ring_size!r} does not divide the ring "
                              f"size {R} (sp_size {sp_size} / ulysses_size {U}); the ring is "
                              f"outer x inner rings, so inner_ring_size must be one of "
-                             f"{_divisors(R)}")
+                             f"{shown_divisors(R)}")
         I = inner_ring_size
     return U, R, I
 
@@ -387,7 +383,7 @@ def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
     I = R if inner_ring_size is None else as_int(inner_ring_size)
     if R % I:
         raise ValueError(f"{fn}: inner_ring_size={inner_ring_size} does not divide the ring size "
-                         f"{R}; use one of {_divisors(R)}")
+                         f"{R}; use one of {shown_divisors(R)}")
     for t in tables:
         if tuple(t.shape) != (R, U):
             raise ValueError(f"{fn}: all sequence-parallel tables must be {R} x {U}, got "
@@ -493,12 +489,12 @@ def make_sp_groups(ulysses_size: int = 1, inner_ring_size: Optional[int] = None,
                              f"rank passes the sequence-parallel group it belongs to")
         if n % ulysses_size:
             raise ValueError(f"make_sp_groups: ulysses_size={ulysses_size} does not divide the "
-                             f"group's {n} ranks; one of {_divisors(n)}")
+                             f"group's {n} ranks; one of {shown_divisors(n)}")
         ring = n // ulysses_size
         if inner_ring_size is not None and ring % inner_ring_size:
             raise ValueError(f"make_sp_groups: inner_ring_size={inner_ring_size} does not divide "
                              f"the ring size {ring} ({n} ranks / ulysses_size {ulysses_size}); "
-                             f"one of {_divisors(ring)}, or None for a plain ring")
+                             f"one of {shown_divisors(ring)}, or None for a plain ring")
         mode = "ring" if ulysses_size == 1 else ("ulysses" if ulysses_size == n else "hybrid")
         resolve_sp_sizes(mode, n, ulysses_size, None if ring == 1 else inner_ring_size,
                          fn="make_sp_groups")

@@ -65,6 +65,9 @@ def _worker():
                 [torch.linalg.vector_norm(g, order) for g in before]), order))
             got = float(opt.clip_grad_by_norm(1e9, norm_type=order))  # (no clipping)
             res[f"norm {order}"] = (got, want)
+        # the forms torch's clip takes too (before: refused as "not a finite number")
+        res["tensor and 'inf' forms"] = float(opt.clip_grad_by_norm(torch.tensor(1e9),
+                                                                    norm_type="inf"))
         res["unchanged by a norm below max_norm"] = all(torch.equal(a, b)
                                                       for a, b in zip(before, grads()))
         norm = float(opt.clip_grad_by_norm(0.5))
@@ -117,6 +120,18 @@ def _worker():
                 (first.to_local() if hasattr(first, "to_local") else first).view(-1)[0] = math.nan
         res["inf norm, nan on rank 1"] = error_text(
             lambda: opt.clip_grad_by_norm(0.5, norm_type=math.inf, error_if_nonfinite=True))
+        opt.zero_grad()
+
+        # the max norm with an infinite gradient on rank 1 only (before: the shared norm was
+        # float64's largest finite value, so error_if_nonfinite did not raise)
+        backward()
+        first = opt.param_groups[0]["params"][0].grad
+        if rank == 1:
+            with torch.no_grad():
+                (first.to_local() if hasattr(first, "to_local") else first).view(-1)[0] = -math.inf
+        res["inf norm, inf on rank 1"] = error_text(
+            lambda: opt.clip_grad_by_norm(0.5, norm_type=math.inf, error_if_nonfinite=True))
+        res["inf norm value"] = float(opt.clip_grad_by_norm(0.5, norm_type=math.inf))
         opt.zero_grad()
 
         # arguments that differ between the ranks (before: rank 0 raised alone and the others
@@ -178,6 +193,7 @@ def test_the_norm_is_the_whole_models_on_every_rank(ranks, mesh):
             # float32 gradients summed in another order: a few float32 ulps of the total
             assert got == pytest.approx(want, rel=1e-5), (mesh, order, got, want)
             assert got == ranks[0][mesh][f"norm {order}"][0]  # the same float everywhere
+        assert res["tensor and 'inf' forms"] == res["norm inf"][0], res
         assert res["unchanged by a norm below max_norm"]
         norm, left = res["clipped"]
         assert norm > 0.5 and left == pytest.approx(0.5, rel=1e-5), (mesh, norm, left)
@@ -215,6 +231,10 @@ def test_ranks_must_clip_alike_and_after_the_accumulation(ranks, mesh):
         assert res["inf norm, nan on rank 1"].startswith(
             "RuntimeError: clip_grad_by_norm: the total norm of order inf of the gradients is "
             "nan"), (mesh, rank, res["inf norm, nan on rank 1"])
+        assert res["inf norm, inf on rank 1"].startswith(
+            "RuntimeError: clip_grad_by_norm: the total norm of order inf of the gradients is "
+            "inf"), (mesh, rank, res["inf norm, inf on rank 1"])
+        assert res["inf norm value"] == math.inf, (mesh, rank, res["inf norm value"])
         assert res["inside accumulation"].startswith("ValueError: clip_grad_by_norm: ") and \
             "not summed over the ranks yet" in res["inside accumulation"], \
             (mesh, res["inside accumulation"])

@@ -229,6 +229,14 @@ def _worker_steps_w2(tmp):
     crit(model(**batches[3]), batches[3]).backward()
     out["plain backward"] = _error(opt.step)
     opt.zero_grad()
+    # ... also after a scaled backward cleared by zero_grad (before: its flag let the step
+    # apply 1/65536 of the plain gradients, and the clip return the norm 65536 times too small)
+    booster.backward(crit(model(**batches[3]), batches[3]), opt)
+    opt.zero_grad()
+    crit(model(**batches[3]), batches[3]).backward()
+    out["plain backward after a cleared one"] = (_error(lambda: opt.clip_grad_by_norm(1.0)),
+                                                 _error(opt.step))
+    opt.zero_grad()
 
     # fp16: a step without gradients steps nothing, and the next one steps
     opt.zero_grad()
@@ -362,6 +370,11 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
         assert r["after a rollback"] is None, r["after a rollback"]
         assert r["plain backward"].startswith("ValueError: OptimizerWrapper.step: "
                                               "precision='fp16', but no loss was scaled"), r
+        clip, step = r["plain backward after a cleared one"]
+        assert clip.startswith("ValueError: clip_grad_by_norm: precision='fp16', but no loss "
+                               "was scaled through this optimizer since its last step"), clip
+        assert step.startswith("ValueError: OptimizerWrapper.step: precision='fp16', but no "
+                               "loss was scaled"), step
         unsaved, saved = r["scales"]
         assert saved == unsaved == [65536.0, 65536.0, 131072.0, 131072.0], r["scales"]
         assert r["zero probe"].startswith("ValueError: OptimizerWrapper.step: a backward "

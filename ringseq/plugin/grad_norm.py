@@ -87,8 +87,10 @@ def total_norm(share: torch.Tensor, norm_type: float) -> float:
         share = share.to(_collective_device(None))
         if inf:
             # (gloo's MAX keeps or drops a NaN by the order of its operands: a NaN in one
-            # rank's shard was lost; its flag travels beside the share)
-            both = torch.stack([torch.nan_to_num(share.double(), nan=0.0),
+            # rank's shard was lost; its flag travels beside the share. An infinite share
+            # stays infinite: nan_to_num's default made it float64's largest finite value,
+            # and error_if_nonfinite passed an infinite gradient)
+            both = torch.stack([torch.nan_to_num(share.double(), nan=0.0, posinf=math.inf),
                                 torch.isnan(share).double()])  # (2,)
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
             return math.nan if both[1] > 0 else float(both[0])

@@ -884,9 +884,13 @@ class OptimizerWrapper:
         the gradients' promoted dtype, as torch's clip does (equal to it within float
         rounding: the shares are summed in another order).
 
+        ``max_norm`` and ``norm_type`` are numbers or 0-d tensors (``norm_type`` also
+        ``"inf"``), as torch's ``clip_grad_norm_`` takes them.
+
         Raises ValueError on every rank for a ``max_norm`` that is not a finite number >= 0 (a
         negative one reversed the gradients, NaN made every parameter NaN) or a
-        ``norm_type`` that is not > 0 (inf included) on any rank, for gradients not summed
+        ``norm_type`` that is not > 0 (inf included) on any rank, under fp16 for gradients no
+        loss scaled through ``booster.backward`` since the last step or ``zero_grad``, for gradients not summed
         over the ranks yet (inside gradient accumulation: backward passes inside
         ``booster.no_sync`` and none after them; their norm is not the step's), and
         :class:`ringseq.RingMismatchError` for ranks that pass other ``max_norm``,
@@ -902,7 +906,11 @@ class OptimizerWrapper:
         for name, value, ok, want in (
                 ("max_norm", max_norm, lambda x: 0.0 <= x < math.inf, "a finite number >= 0"),
                 ("norm_type", norm_type, lambda x: x > 0.0, "a number > 0 (inf: max norm)")):
-            number = not isinstance(value, bool) and isinstance(value, numbers.Real)
+            # (what torch's clip_grad_norm_ takes too: a 0-d tensor, norm_type 'inf')
+            number = (not isinstance(value, bool) and isinstance(value, numbers.Real)) or (
+                torch.is_tensor(value) and value.dim() == 0 and not value.is_meta
+                and not value.is_complex() and value.dtype != torch.bool) or (
+                name == "norm_type" and isinstance(value, str) and value.lower() == "inf")
             try:  # (an int beyond float64's range is inf, which the rules refuse)
                 x = float(value) if number else math.nan
             except OverflowError:
@@ -922,8 +930,16 @@ class OptimizerWrapper:
         try:
             if failure is not None:
                 raise failure
-            norm_type = float(norm_type)
+            max_norm, norm_type = float(max_norm), float(norm_type)
             grads = self._grads()
+            if self.scaler is not None and grads and not self._scaled:
+                # (before: unscaled all the same, the norm and the gradients 65536 times too
+                # small, as the step that followed)
+                raise ValueError(
+                    "clip_grad_by_norm: precision='fp16', but no loss was scaled through this "
+                    "optimizer since its last step or zero_grad (booster.backward(loss, "
+                    "optimizer) scales it), so the gradients are not scaled ones and the grad "
+                    "scaler cannot unscale them. Run the backward through booster.backward")
             # (no gradient: nothing to unscale, and GradScaler would assert, as in step)
             if self.scaler is not None and grads and not self._unscaled():
                 self.scaler.unscale_(self.optim)
@@ -994,7 +1010,9 @@ class OptimizerWrapper:
         if self.reduced is not None:
             self.reduced.clear()
         self._forget_unscale()
-        self._stepped_scaled = False
+        # (no loss scaled since: a plain backward next is refused by step and clip; before,
+        # the flag of the cleared backward let a step apply 1/65536 of such gradients)
+        self._scaled = self._stepped_scaled = False
 
     def add_param_group(self, param_group: dict) -> None:
         """The wrapped optimizer's ``add_param_group``, for parameters of the boosted model;

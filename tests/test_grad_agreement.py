@@ -284,3 +284,43 @@ def test_ranks_that_disagree_on_no_sync_raise_before_any_reduction(cfg, earlier,
                 continue
             rel = float((grads[name] - want).abs().max() / want.abs().max().clamp_min(1e-3))
             assert rel < 1e-5, f"{what} rank {rank} {name}: {rel:.2e}"
+
+
+def _frozen_on_rank_0(cfg):
+    """``extra.weight`` frozen on rank 0 alone after boost: the backward's error; then unfrozen,
+    cleared and reset, the gradients of the next backward."""
+    import torch.distributed as dist
+    booster, model, opt, backward = _boosted(cfg, (0, 1))
+    backward()  # (a first step: FSDP's lazy init, DDP's buckets)
+    opt.zero_grad()
+    extra = dict(model.unwrap().named_parameters())["extra.weight"]
+    if dist.get_rank() == 0:
+        extra.requires_grad_(False)
+    try:
+        backward()
+        error = None
+    except ValueError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    extra.requires_grad_(True)
+    opt.zero_grad()
+    booster.reset()
+    backward()
+    return error, _full_grads(model.unwrap())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_parameter_frozen_on_one_rank_only_is_named_on_every_rank(case):
+    """(before: the frozen rank left the parameter out of its reduce-scatter / all-reduce, and
+    gloo aborted a process on the size mismatch)"""
+    ref = _reference_grads((0, 1))
+    for rank, (error, grads) in enumerate(run_ranks(_frozen_on_rank_0, 2, CASES[case],
+                                                    timeout=240)):
+        assert error is not None and error.startswith(
+            "RingMismatchError: ringseq: booster.backward: parameter(s) ['extra.weight'] are "
+            "frozen (requires_grad=False) on some ranks only (extra.weight: frozen on rank(s) "
+            "[0], not on rank(s) [1])"), (rank, error)
+        for name, want in ref.items():  # the step after unfreezing, zero_grad and reset
+            if want is None:
+                continue
+            rel = float((grads[name] - want).abs().max() / want.abs().max().clamp_min(1e-3))
+            assert rel < 1e-5, f"{case} rank {rank} {name}: {rel:.2e}"

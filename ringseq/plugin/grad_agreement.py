@@ -16,9 +16,12 @@ Before the backward starts (no collective of it has run yet), every rank sends a
 whether each boosted model's gradients are reduced in this backward, a hash of which of their
 parameters will have a gradient at the reduction (reached from the loss through the autograd
 graph, or holding a gradient accumulated under ``no_sync``) and whether its graph holds a
-reentrant checkpoint, in one control all-gather on the default group (``Ring.agree``,
-``about="backward"``; three fields for any number of models). Ranks that disagree on
-``no_sync`` exchange each model's state (a second control all-gather, only then) and raise
+reentrant checkpoint, and a hash of which parameters are frozen, in one control all-gather
+on the default group (``Ring.agree``, ``about="backward"``; four fields for any number of
+models). Ranks that froze different parameters (``requires_grad=False`` on some ranks only:
+their reductions would leave them out) exchange the sets and raise ``RingMismatchError``
+naming them, before any collective of the backward. Ranks that disagree on ``no_sync``
+exchange each model's state (a second control all-gather, only then) and raise
 ``RingMismatchError`` on every rank, naming each rank's state, before any collective of the
 backward. Ranks that disagree on the parameters exchange their sets (a second control
 all-gather, only then) and every rank gives the parameters some other rank uses, and it does
@@ -41,6 +44,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
+from .._dist import RingMismatchError
 from .._hash import stable_hash_ints
 from ..engine.integrity import ANY, mismatch_error
 
@@ -196,10 +200,13 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
         return None
     leaves, hidden = None, False
     skipped, sets = [], []  # per model: no_sync on; (entries, bits, replaying)
+    frozen, frozen_names = [], []  # per parameter of the models that reduce: requires_grad off
     for use in uses:
         sync = use.sync_on()
         skipped.append(int(not sync))
         entries = use.entries() if sync else []
+        frozen += [int(e.leaf is None) for e in entries]
+        frozen_names += [e.name for e in entries]
         replaying = completing is not None and use.reduction is completing
         bits = None
         if entries and replaying:
@@ -210,12 +217,13 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
             bits = [int(e.leaf is not None and (id(e.leaf) in leaves or e.has_grad()))
                     for e in entries]
         sets.append((entries, bits, replaying))
-    # Three fields for any number of models (a control vector holds 25): what differs is
+    # Four fields for any number of models (a control vector holds 25): what differs is
     # exchanged afterwards, only where it does.
     flat = [b for _, bits, _ in sets for b in bits or ()]
     fields = [("booster.no_sync of each boosted model (hash)", stable_hash_ints(skipped), ANY),
               ("parameters with a gradient (hash)", stable_hash_ints(_packed(flat)), ANY),
-              ("a reentrant checkpoint in the graph", int(hidden), ANY)]
+              ("a reentrant checkpoint in the graph", int(hidden), ANY),
+              ("frozen parameters (hash)", stable_hash_ints(_packed(frozen)), ANY)]
     rows = ring.agree(True, "", fields=fields, about="backward", called="booster.backward",
                       hint=_HINT)
     if rows is None:
@@ -228,6 +236,8 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
                              "booster.backward", _HINT)
         if err is not None:  # (the states differ where their hashes do)
             raise err
+    if len({row[3] for row in rows}) > 1:  # (every rank sees it)
+        _refuse_frozen_on_some_ranks(ring, frozen, frozen_names)
     # (where a rank's graph hides parameters, "no rank has it" is not known)
     hidden = any(row[2] for row in rows)
     union = flat
@@ -251,6 +261,29 @@ def agree_before_backward(ring, uses: Sequence[GradUse], loss,
                     entry.give_zero()
                 zeroed.append(entry.name)
     return zeroed or None
+
+
+def _refuse_frozen_on_some_ranks(ring, frozen: List[int], names: List[str]) -> None:
+    """RingMismatchError on every rank, before any collective of the backward, naming the
+    parameters frozen (``requires_grad=False``) on some ranks only: a reduction leaves a frozen
+    parameter out, so the ranks' reduce-scatters / all-reduces would differ in size (before:
+    gloo aborted a process)."""
+    rows = ring.gather_ints(frozen, "backward")
+    if rows is None:
+        return
+    differ = [j for j in range(len(frozen)) if len({row[j] for row in rows}) > 1]
+    if not differ:  # (hashes of equal sets do not differ: never here)
+        return
+    j = differ[0]
+    on = [r for r, row in enumerate(rows) if row[j]]
+    off = [r for r, row in enumerate(rows) if not row[j]]
+    shown = [names[i] for i in differ[:4]] + (["..."] if len(differ) > 4 else [])
+    raise RingMismatchError(
+        f"ringseq: booster.backward: parameter(s) {shown} are frozen (requires_grad=False) on "
+        f"some ranks only ({names[j]}: frozen on rank(s) {on}, not on rank(s) {off}), so the "
+        f"ranks' gradient reductions would differ in size. Freeze or unfreeze a parameter on "
+        f"every rank alike. Nothing was reduced; the gradients of this backward were not "
+        f"accumulated.")
 
 
 def _packed(bits: List[int]) -> List[int]:

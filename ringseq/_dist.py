@@ -353,7 +353,8 @@ def _check_timeout(value, what: str) -> float:
     """A timeout in seconds: a real number in [1, 1e9] (NumPy's and 0-d tensors' too; bools
     refused; gloo's per-operation timeout in nanoseconds overflows above about 1e10 s)."""
     real = isinstance(value, numbers.Real) or (
-        torch.is_tensor(value) and value.dim() == 0 and not value.is_complex())
+        torch.is_tensor(value) and value.dim() == 0 and not value.is_complex()
+        and not value.is_meta)  # (a meta tensor has no value: torch's bare .item() error)
     if not real or isinstance(value, bool) or (
             torch.is_tensor(value) and value.dtype == torch.bool):
         raise TypeError(f"{what} must be a number of seconds (>= 1, finite), got {value!r} "

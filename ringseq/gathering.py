@@ -46,9 +46,12 @@ class _Unshard(torch.autograd.Function):
         ctx.lay, ctx.group, ctx.world_size, ctx.rank, ctx.dim = lay, group, world_size, rank, dim
         ctx.call = call
         xc = x.contiguous()
-        parts = [torch.empty_like(xc) for _ in range(world_size)]  # W x (.., s_local, ..)
-        dist.all_gather(parts, xc, group=group)
-        return scattered(lay, parts, dim)  # (.., s_local * W, ..)
+        # as bytes: every dtype travels, those the backend has no type for too (gloo: uint16,
+        # float8; before: its bare "Invalid scalar type" on every rank)
+        raw = xc.view(torch.uint8)  # (.., s_local, .., last * itemsize)
+        parts = [torch.empty_like(raw) for _ in range(world_size)]  # W x raw's shape
+        dist.all_gather(parts, raw, group=group)
+        return scattered(lay, [p.view(xc.dtype) for p in parts], dim)  # (.., s_local * W, ..)
 
     @staticmethod
     def backward(ctx, grad):

@@ -528,3 +528,14 @@ def test_a_shard_size_is_taken_as_a_number_or_a_size_string():
     for size in (0, -5, 0.5, True, float("inf"), float("nan"), "0.1B", "lots"):
         with pytest.raises(ValueError, match=r"^save_model: max_shard_size must be a positive "):
             shard_bytes(size)
+
+
+def test_a_file_path_ending_in_a_separator_is_refused_naming_it(tmp_path):
+    """(before: NotADirectoryError naming a temporary file '..XXXX.tmp' the user never
+    passed, nothing about the slash)"""
+    from ringseq.plugin.sharded_checkpoint import DistributedCheckpointIO
+    path = os.path.join(str(tmp_path), "ckpt", "model.pt") + os.sep
+    with pytest.raises(ValueError, match=rf"^save_model: '{path}' ends in '{os.sep}', a "
+                                         r"directory's path; this checkpoint is a file"):
+        DistributedCheckpointIO().save_model(torch.nn.Linear(2, 2), path)
+    assert not os.path.exists(os.path.join(str(tmp_path), "ckpt"))  # nothing written

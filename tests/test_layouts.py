@@ -173,14 +173,21 @@ def _unshard_with_another_number_of_dims():
     import torch.distributed as dist
     from utils import error_text
     x = torch.zeros(2, 4, 3) if dist.get_rank() == 0 else torch.zeros(2, 4, 3, 1)
-    return error_text(lambda: ringseq.unshard(x))
+    # dtypes gloo has no type for travel as bytes (before: its bare "Invalid scalar type")
+    whole = torch.arange(-8, 8, dtype=torch.float32).view(1, 16) / 4  # (1, 16)
+    exact = {str(dt): bool(torch.equal(ringseq.unshard(ringseq.shard(whole.to(dt), "zigzag"),
+                                                       "zigzag").view(torch.uint8),
+                                       whole.to(dt).view(torch.uint8)))
+             for dt in (torch.uint16, torch.float8_e4m3fn, torch.bool, torch.complex64)}
+    return error_text(lambda: ringseq.unshard(x)), exact
 
 
-def test_unshard_names_a_different_number_of_dims_and_nothing_else():
+def test_unshard_names_a_different_number_of_dims_and_carries_every_dtype():
     """(before: the fields after the shape were compared one place apart, and the message
     showed a dtype torch.bits16 and a dim 201034069 nobody passed, differently per rank)"""
-    errors = run_ranks(_unshard_with_another_number_of_dims, 2)
+    errors, exact = zip(*run_ranks(_unshard_with_another_number_of_dims, 2))
     assert errors[0] == errors[1], errors  # the same verdict on every rank
+    assert all(all(e.values()) for e in exact), exact
     assert errors[0].startswith("RingMismatchError: ringseq: unshard: the ranks of the ring were "
                                 "called with different arguments: ndim (rank 0: 3, rank 1: 4); "
                                 "shape[3] (rank 0: -1, rank 1: 1). "), errors[0]
@@ -451,6 +458,13 @@ def test_local_helpers_refuse_a_world_size_below_one():
             call()
     with pytest.raises(ValueError, match=r"^unshard_local: unknown layout 'zigzg'"):
         unshard_local([torch.zeros(1, 4)] * 2, "zigzg")
+    # a rank that is no int (before: 0.5 blamed the layout for a float32 result, True was 1)
+    for rank, shown in ((0.5, r"0\.5 \(float\)"), (True, r"True \(bool\)")):
+        with pytest.raises(ValueError, match=rf"^positions_local: rank must be an int, got "
+                                             rf"{shown}"):
+            positions_local(8, "contiguous", 2, rank)
+        with pytest.raises(ValueError, match=r"^shard_local: rank must be an int"):
+            shard_local(torch.zeros(1, 8), "zigzag", 2, rank)
 
 
 def test_shard_is_differentiable_and_copies():

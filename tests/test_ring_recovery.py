@@ -2009,7 +2009,8 @@ def test_timeout_seconds_of_any_real_type_and_an_int_beyond_float():
             ringseq.set_ring_timeout(10 ** 400)
         with pytest.raises(ValueError, match=r"got an int of about 5001 digits$"):
             ringseq.set_ring_timeout(10 ** 5000)  # (beyond what Python prints)
-        for value in (torch.tensor(True), torch.tensor([30.0])):
+        # (a meta tensor has no value: before, torch's bare ".item() cannot be called")
+        for value in (torch.tensor(True), torch.tensor([30.0]), torch.tensor(30.0, device="meta")):
             with pytest.raises(TypeError, match="^set_ring_timeout: seconds must be a number"):
                 ringseq.set_ring_timeout(value)
     finally:

@@ -537,5 +537,9 @@ def layout_name_of_code(code: int) -> str:
 def check_rank(rank, world_size):
     if (as_int(world_size) or 0) < 1:  # (a NumPy int too)
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    # (before: rank 0.5 reached the layout, which was blamed for a float32 result; True was
+    # rank 1)
+    if as_int(rank) is None:
+        raise ValueError(f"rank must be an int, got {given(rank)}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")

@@ -129,7 +129,12 @@ def _save_state_of(owner, path: str) -> None:
 def wrong_kind(path: str, directory: bool):
     """A ValueError naming the call when ``path`` is an existing directory where the
     checkpoint is a file (``directory`` False) or the other way round, else None. (Before:
-    FileExistsError / IsADirectoryError naming a temporary file the user never passed.)"""
+    FileExistsError / IsADirectoryError naming a temporary file the user never passed.) A
+    file's path that ends in a separator is refused too: it names a directory (before:
+    NotADirectoryError naming a temporary file '..XXXX.tmp')."""
+    if not directory and isinstance(path, str) and path.endswith(("/", os.sep)):
+        return ValueError(f"{current_call()}: {path!r} ends in {path[-1]!r}, a directory's "
+                          f"path; this checkpoint is a file: pass the path of a file")
     if not (os.path.isfile(path) if directory else os.path.isdir(path)):
         return None
     kind, other = ("a directory", "a file") if directory else ("a file", "a directory")

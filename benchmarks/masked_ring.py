@@ -44,6 +44,9 @@ def document_lengths(mix: str, total: int, seed: int = 0):
     an explicit comma list (the last one absorbs the rest)."""
     rng = random.Random(seed)
     if mix == "seeded":
+        if total < 10:  # (before: random.sample's "Sample larger than population")
+            raise ValueError(f"'seeded' cuts the sequence at 9 places: it needs at least 10 "
+                             f"tokens, got {total}")
         cuts = sorted(rng.sample(range(1, total), 9))
         bounds = [0] + cuts + [total]
         return [b - a for a, b in zip(bounds, bounds[1:])]
@@ -208,8 +211,10 @@ def _cases(args):
         lay = Documents(cu)
         mask = lay.mask(True)
         work = visible_pairs(lay, world, s_local, mask)
+        # (the lengths the run used in the JSON: a comma list's last one absorbs the rest, so
+        # "--docs 10,50" at 128 tokens ran 10 and 118)
         return [{"name": f"docs {args.docs} ({len(lens)} documents)", "layout": lay,
-                 "window": (-1, -1), "cu": cu, "work": work}]
+                 "window": (-1, -1), "cu": cu, "work": work, "doc_lengths": lens}]
     cases = []
     for name in args.layouts:
         lay = get_layout(name)
@@ -227,6 +232,8 @@ def _run_all(args, device):
         if dist.get_rank() == 0:
             progress(f"{case['name']}: W={dist.get_world_size()} s={args.seqlen}")
         res = _rank(args, case)
+        if "doc_lengths" in case:
+            res["doc_lengths"] = case["doc_lengths"]
         res.update(name=case["name"], work_max=max(case["work"]), work_all=sum(case["work"]),
                    work_max_over_mean=max(case["work"]) / (sum(case["work"]) / len(case["work"])))
         out.append(res)
@@ -275,7 +282,7 @@ def main_masked(args, launched, device):
     load.print_summary(W * threads)
     print(format_table(rows, columns), flush=True)
     write_json(args.json, {"benchmark": "bench_ring masked", "environment": environment(device),
-                           "args": {k: str(v) for k, v in vars(args).items()}, "results": rows,
+                           "args": vars(args), "results": rows,  # (numbers as numbers)
                            "machine_load": load.as_dict()})
     failed = [r for r in rows if not r["check_ok"]]
     for r in failed:

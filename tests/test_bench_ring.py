@@ -96,6 +96,9 @@ _USAGE_CASES = [
     # (before: silently ignored by the masked jobs)
     (["--window", "64", "--batch", "2"], "--batch does not apply"),
     (["--docs", "seeded", "--causal", "false"], "--causal does not apply"),
+    # (before: random.sample's "Sample larger than population or is negative")
+    (["--docs", "seeded", "--seqlen", "8"], "'seeded' cuts the sequence at 9 places: it needs "
+                                            "at least 10 tokens, got 8"),
     (["--window", "64", "--modes", "fwd"], "--modes does not apply"),
     # (before: no mode ran and the run exited 0)
     (["--sp-mode", ","], "--sp-mode needs at least one mode"),
@@ -185,10 +188,12 @@ def test_sp_mode_run_checks_bytes_and_numbers_and_reports_the_load(tmp_path):
     _load_reported(proc.stdout, data)
 
 
-@pytest.mark.parametrize("job", [["--window", "64"], ["--docs", "seeded"]])
+@pytest.mark.parametrize("job", [["--window", "64"], ["--docs", "100,50"]])
 def test_masked_jobs_run_and_report_the_load(tmp_path, job):
     """--window / --docs: every case's row is written, and the machine's load is reported
-    (before: not reported)."""
+    (before: not reported); the arguments are written as the numbers they are, and a
+    documents row has the lengths it ran (before: strings, and "100,50" without the 874
+    tokens the last document absorbs)."""
     out = tmp_path / "masked.json"
     proc = _bench(*job, "--world-size", "2", "--seqlen", "1024", "--repeats", "1",
                   "--json", str(out))
@@ -199,6 +204,9 @@ def test_masked_jobs_run_and_report_the_load(tmp_path, job):
         assert r["ms"] > 0 and r["overhead"] == pytest.approx(r["ms"] / r["compute_ms"]), r
         # the ring's output against float64 attention with the case's mask
         assert r["check_ok"] and r["max_err"] <= 2 * r["plain_err"] + 1e-6, r
+        if job[0] == "--docs":
+            assert r["doc_lengths"] == [100, 924], r
+    assert data["args"]["world_size"] == 2 and data["args"]["seqlen"] == 1024, data["args"]
     _load_reported(proc.stdout, data)
 
 

@@ -223,7 +223,8 @@ def fitting_sp_modes(modes, all_modes: bool, world: int, heads: int, ulysses_siz
                 if _misfit(m, world, heads, ulysses_size, inner_ring_size) is None
                 and _distinct(m, world, ulysses_size, inner_ring_size)]
     for mode in modes:
-        problem = _misfit(mode, world, heads, ulysses_size, inner_ring_size)
+        problem = _misfit(mode, world, heads, ulysses_size, inner_ring_size) or \
+            _repeats(mode, world, ulysses_size, inner_ring_size)
         if problem is not None:
             raise SystemExit(f"--sp-mode {mode}: {problem}")
     return modes
@@ -255,11 +256,27 @@ def _misfit(mode, world, heads, ulysses_size, inner_ring_size):
 
 def _distinct(mode, world, ulysses_size, inner_ring_size) -> bool:
     """Whether ``mode`` runs something the other modes of ``all`` do not (sizes that fit)."""
+    return _repeats(mode, world, ulysses_size, inner_ring_size) is None
+
+
+def _repeats(mode, world, ulysses_size, inner_ring_size):
+    """Which other mode ``mode`` runs at these sizes (sizes that fit), or None. A named mode
+    that does is refused (before: run and labelled as asked, a hybrid 1x2 or a double ring of
+    one inner ring moving no all-to-all / outer-ring bytes)."""
     U, I = mode_sizes(mode, world, ulysses_size, inner_ring_size)
     R = world // U
-    if (mode.startswith("hybrid") and (R == 1 or U == 1)) or (mode == "ulysses" and U == 1):
-        return False  # (the Ulysses mode; a Ulysses degree of one: the plain or double ring)
-    return I is None or R > I  # (one inner ring: the plain ring or the hybrid)
+    if mode.startswith("hybrid") and R == 1:
+        return (f"a ring of --world-size {world} / --ulysses-size {U} = 1 rank: that is the "
+                f"Ulysses mode (--sp-mode ulysses)")
+    if mode.startswith("hybrid") and U == 1:
+        return ("--ulysses-size 1 moves no heads: that is the "
+                + ("double ring (--sp-mode double_ring)" if I else "plain ring (--sp-mode ring)"))
+    if mode == "ulysses" and U == 1:
+        return "--world-size 1: a Ulysses degree of 1 moves nothing (run 2 ranks or more)"
+    if I is not None and R <= I:
+        return (f"--inner-ring-size {I} is the whole ring of {R} ranks: one inner ring is the "
+                + ("plain ring (--sp-mode ring)" if U == 1 else "hybrid (--sp-mode hybrid)"))
+    return None
 
 
 def main_sp(args, launched, device):

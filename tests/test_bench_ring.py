@@ -103,6 +103,13 @@ _USAGE_CASES = [
     # (before: no mode ran and the run exited 0)
     (["--sp-mode", ","], "--sp-mode needs at least one mode"),
     # (before: a plain ring labelled a double ring, held to the double ring's byte formula)
+    # (before: run and labelled as asked, moving none of the mode's own bytes)
+    (["--sp-mode", "hybrid", "--ulysses-size", "1", "--world-size", "2"],
+     "--sp-mode hybrid: --ulysses-size 1 moves no heads: that is the plain ring"),
+    (["--sp-mode", "double_ring", "--inner-ring-size", "2", "--world-size", "2"],
+     "--sp-mode double_ring: --inner-ring-size 2 is the whole ring of 2 ranks"),
+    (["--sp-mode", "ulysses", "--world-size", "1"],
+     "--sp-mode ulysses: --world-size 1: a Ulysses degree of 1 moves nothing"),
     (["--sp-mode", "double_ring", "--inner-ring-size", "1", "--world-size", "4"],
      "--inner-ring-size 1 must be at least 2"),
 ]

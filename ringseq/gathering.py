@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._dist import named_for
+from ._hash import ints_field
 from .engine.ring import get_ring, group_info_or_refuse
 from .layouts import get_layout
 from .layouts.sharding import scattered, seq_dim, shard_local
@@ -114,7 +115,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     problem, lay, code = None, None, -1
     try:
         lay = get_layout(layout, "unshard")
-        code = lay.code
+        code = lay.signature_code  # (a documents layout's boundaries: their own field below)
         dim = seq_dim("unshard", x_local, dim)
         if x_local.is_meta:  # (no data: the all-gather would return at once on this rank only)
             raise ValueError("unshard: x_local must be a tensor with data (CPU or CUDA), got "
@@ -133,7 +134,9 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     dtype = getattr(x_local, "dtype", None)
     fields = _shape_fields(shape) + (
         ("dtype", _ALL_DTYPES.index(dtype) if dtype in _ALL_DTYPES else -1, _ALL_DTYPES),
-        ("layout", code, "layout"), ("dim", dim))
+        ("layout", code, "layout"), ("dim", dim),
+        # (shown by value, around the first difference; before: "layout #<hash>" per rank)
+        ints_field("layout documents (cu_seqlens)", getattr(lay, "documents", None)))
     ring = get_ring(group, "unshard")
     call = ring.control_count  # (the number this forward's agreement runs under)
     ring.agree(problem is None, str(problem), error=problem, about="unshard", called="unshard",

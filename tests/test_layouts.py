@@ -179,15 +179,23 @@ def _unshard_with_another_number_of_dims():
                                                        "zigzag").view(torch.uint8),
                                        whole.to(dt).view(torch.uint8)))
              for dt in (torch.uint16, torch.float8_e4m3fn, torch.bool, torch.complex64)}
-    return error_text(lambda: ringseq.unshard(x)), exact
+    from ringseq.layouts import Documents
+    docs = Documents((0, 5, 24) if dist.get_rank() == 0 else (0, 7, 24))
+    return (error_text(lambda: ringseq.unshard(x)), exact,
+            error_text(lambda: ringseq.unshard(torch.zeros(1, 12), docs)))
 
 
 def test_unshard_names_a_different_number_of_dims_and_carries_every_dtype():
     """(before: the fields after the shape were compared one place apart, and the message
     showed a dtype torch.bits16 and a dim 201034069 nobody passed, differently per rank)"""
-    errors, exact = zip(*run_ranks(_unshard_with_another_number_of_dims, 2))
+    errors, exact, documents = zip(*run_ranks(_unshard_with_another_number_of_dims, 2))
     assert errors[0] == errors[1], errors  # the same verdict on every rank
     assert all(all(e.values()) for e in exact), exact
+    # documents' boundaries by value (before: "layout #1351998109" and "layout #175476331")
+    for error in documents:
+        assert error.startswith("RingMismatchError") and "layout documents (cu_seqlens)" in \
+            error and "[0, 5, 24]" in error and "[0, 7, 24]" in error, error
+        assert "layout #" not in error and "layout (" not in error, error
     assert errors[0].startswith("RingMismatchError: ringseq: unshard: the ranks of the ring were "
                                 "called with different arguments: ndim (rank 0: 3, rank 1: 4); "
                                 "shape[3] (rank 0: -1, rank 1: 1). "), errors[0]

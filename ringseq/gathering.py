@@ -49,7 +49,10 @@ class _Unshard(torch.autograd.Function):
         xc = x.contiguous()
         # as bytes: every dtype travels, those the backend has no type for too (gloo: uint16,
         # float8; before: its bare "Invalid scalar type" on every rank)
-        raw = xc.view(torch.uint8)  # (.., s_local, .., last * itemsize)
+        # (through a flat view: a last dim of size 1 may keep any stride in a "contiguous"
+        # tensor, which a dtype view refuses)
+        raw = xc.reshape(-1).view(torch.uint8).view(
+            *xc.shape[:-1], xc.shape[-1] * xc.element_size())  # (.., last * itemsize)
         parts = [torch.empty_like(raw) for _ in range(world_size)]  # W x raw's shape
         dist.all_gather(parts, raw, group=group)
         return scattered(lay, [p.view(xc.dtype) for p in parts], dim)  # (.., s_local * W, ..)

@@ -181,6 +181,11 @@ def _unshard_with_another_number_of_dims():
              for dt in (torch.uint16, torch.float8_e4m3fn, torch.bool, torch.complex64)}
     from ringseq.layouts import Documents
     docs = Documents((0, 5, 24) if dist.get_rank() == 0 else (0, 7, 24))
+    # a (b, s, 1) shard made by a transpose: "contiguous", its last dim's stride not 1 (the
+    # first byte view refused it)
+    odd = torch.arange(8.0).view(2, 1, 4).transpose(1, 2) + dist.get_rank()  # (2, 4, 1)
+    base = torch.arange(8.0).view(2, 4, 1)
+    exact["odd stride"] = bool(torch.equal(ringseq.unshard(odd), torch.cat([base, base + 1], 1)))
     return (error_text(lambda: ringseq.unshard(x)), exact,
             error_text(lambda: ringseq.unshard(torch.zeros(1, 12), docs)))
 
@@ -284,10 +289,24 @@ def _ranks_given_different_parameters():
     same = Rotated(1)
     ring = ringseq.ring_flash_attn_func(*(ringseq.shard(q, same),) * 3, layout=same)
     want = ringseq.shard(ringseq.flash_attn_func(q, q, q, backend="reference"), same)
+    # equal layouts still pair: a copy of a used one, one edited after use (before, with the
+    # code cached on the instance: RingMismatchError), one holding attributes of other kinds
+    # (not compared; before: a dict or a meta tensor crashed the call)
+    import copy
+    used = Rotated(0)
+    ringseq.unshard(ringseq.shard(q, used), used)
+    edited = copy.copy(used) if rank == 0 else Rotated(1)
+    edited.k = 1
+    edited.table, edited.buffer = {"a": torch.float32, 1: "x"}, torch.empty(2, device="meta")
+
+    def equal_layouts():
+        out = ringseq.ring_flash_attn_func(*(ringseq.shard(q, edited),) * 3, layout=edited)
+        return float((out - want).abs().max())
     return {"ring": error_text(lambda: ringseq.ring_flash_attn_func(
                 *(ringseq.shard(q, lay),) * 3, layout=lay)),
             "unshard": error_text(lambda: ringseq.unshard(ringseq.shard(q, lay), lay)),
             "same parameters": float((ring - want).abs().max()),
+            "equal layouts": equal_layouts(),
             "codes": (Rotated(0).code != Rotated(1).code, Rotated(1).code == same.code)}
 
 
@@ -299,7 +318,7 @@ def test_ranks_given_one_layout_class_with_different_parameters_raise_everywhere
         assert r["codes"] == (True, True), r
         for call in ("ring", "unshard"):
             assert r[call].startswith("RingMismatchError") and "layout" in r[call], r[call]
-        assert r["same parameters"] < 1e-12, r
+        assert r["same parameters"] < 1e-12 and r["equal layouts"] < 1e-12, r
 
 
 def test_a_backward_runs_its_forwards_layout_after_the_name_is_registered_again():
@@ -468,10 +487,10 @@ def test_local_helpers_refuse_a_world_size_below_one():
         unshard_local([torch.zeros(1, 4)] * 2, "zigzg")
     # a rank that is no int (before: 0.5 blamed the layout for a float32 result, True was 1)
     for rank, shown in ((0.5, r"0\.5 \(float\)"), (True, r"True \(bool\)")):
-        with pytest.raises(ValueError, match=rf"^positions_local: rank must be an int, got "
-                                             rf"{shown}"):
+        with pytest.raises(TypeError, match=rf"^positions_local: rank must be an int, got "
+                                            rf"{shown}"):
             positions_local(8, "contiguous", 2, rank)
-        with pytest.raises(ValueError, match=r"^shard_local: rank must be an int"):
+        with pytest.raises(TypeError, match=r"^shard_local: rank must be an int"):
             shard_local(torch.zeros(1, 8), "zigzag", 2, rank)
 
 

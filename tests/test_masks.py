@@ -306,6 +306,12 @@ def test_bad_cu_seqlens_raise():
         ringseq.ring_flash_attn_func(q, k, v, window_size=(-3, 0))
 
 
+class _MyDocuments(Documents):
+    """A user's subclass of Documents that keeps its code."""
+
+    name = "my_documents"
+
+
 def _documents_that_differ():
     import torch.distributed as dist
 
@@ -319,6 +325,11 @@ def _documents_that_differ():
         # the same boundaries, another documents layout on rank 1
         "layouts": error_text(lambda: ringseq.ring_flash_attn_varlen_func(
             q, q, q, [0, 10, 24], causal=True, layout=None if r == 0 else "documents_contiguous")),
+        # a user's subclass, other boundaries on rank 1 (with its attributes compared in its
+        # code, the boundaries appeared a second time as a layout difference)
+        "subclass": error_text(lambda: ringseq.ring_flash_attn_func(
+            q[None], q[None], q[None], causal=True,
+            layout=_MyDocuments([0, 10, 24] if r == 0 else [0, 11, 24]))),
     }
 
 
@@ -332,6 +343,9 @@ def test_a_documents_mismatch_names_the_boundaries_and_the_layouts():
         assert "layout" not in res["boundaries"].split("different arguments:")[1].split(".")[0], res
         assert "layout (rank 0: 'documents', rank 1: 'documents_contiguous')" in res["layouts"], res
         assert "#" not in res["layouts"], res
+        mine = res["subclass"]
+        assert mine.startswith("RingMismatchError") and "[0, 11, 24]" in mine, res
+        assert "layout" not in mine.split("different arguments:")[1].split(".")[0], res
 
 
 class _ShiftedContiguous(ringseq.layouts.DocumentsContiguous):

@@ -89,37 +89,32 @@ def layout_cached(obj, key, compute):
     return value
 
 
-def _stable_text(value) -> Optional[str]:
-    """``value`` as text that is the same on every rank for equal values (numbers, strings,
-    tensors by their values, tuples / lists / dicts of them, layouts by their code); None for
-    anything else (an object's text may name its address, which differs between ranks)."""
+def _scalar_text(value, depth: int = 0) -> Optional[str]:
+    """``value`` as text that is the same on every rank for equal values when it is a number,
+    a string, a bool, None, or a tuple / list of them (nested at most 4 deep); None for
+    anything else (tensors, dicts, devices, objects: not compared)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)
-    if isinstance(value, torch.Tensor):
-        return f"tensor({value.dtype}, {tuple(value.shape)}, {value.detach().cpu().tolist()})"
-    if isinstance(value, Layout):
-        return f"layout {value.code}"
-    if isinstance(value, (tuple, list)):
-        parts = [_stable_text(v) for v in value]
+    if isinstance(value, (tuple, list)) and depth < 4:
+        parts = [_scalar_text(v, depth + 1) for v in value]
         return None if None in parts else "(" + ", ".join(parts) + ")"
-    if isinstance(value, dict):
-        parts = sorted((_stable_text(k), _stable_text(v)) for k, v in value.items())
-        return None if any(None in p for p in parts) else repr(parts)
     return None
 
 
 def _parameters_text(layout) -> str:
-    """The public attributes of a user's layout instance (``self.k = k`` in ``__init__``, a
-    dataclass's fields) as stable text; an attribute of another kind by its type's name only
-    (such a layout overrides :attr:`Layout.code` to compare it)."""
+    """The public scalar attributes of a user's layout instance (``self.k = k`` in
+    ``__init__``, a dataclass's fields) as text that is the same on every rank for equal
+    values. Computed at every call: a few attributes, and a copied or edited layout shows its
+    own values."""
     state = dict(vars(layout)) if hasattr(layout, "__dict__") else {}
     for name in getattr(type(layout), "__slots__", ()):
         if hasattr(layout, name):
             state[name] = getattr(layout, name)
     parts = []
     for name in sorted(k for k in state if not k.startswith("_")):  # (not the caches)
-        text = _stable_text(state[name])
-        parts.append(f"{name}={type(state[name]).__qualname__ if text is None else text}")
+        text = _scalar_text(state[name])
+        if text is not None:
+            parts.append(f"{name}={text}")
     return ", ".join(parts)
 
 
@@ -143,25 +138,33 @@ class Layout:
     def code(self) -> int:
         """A small integer naming this layout in cross-rank checks (stable across ranks): of
         its name and, for a layout defined outside ringseq, its class (two classes that kept
-        one name are told apart) and its parameters: the instance's public attributes (a
-        shift ``self.k``, a permutation tensor, a dataclass's fields) by value, so ranks
-        given different parameters raise ``RingMismatchError`` instead of pairing silently.
-        An attribute that is not a number, string, tensor, layout or a tuple / list / dict of
-        them counts by its type only: a layout holding one overrides this to include it, as
-        :class:`ringseq.layouts.Documents` does with its boundaries."""
+        one name are told apart) and its scalar parameters: the instance's public attributes
+        that are numbers, strings, bools, None or tuples / lists of them (a shift ``self.k``,
+        a dataclass's fields), by value, so ranks given different ones raise
+        ``RingMismatchError`` instead of pairing silently (before: ``Rotated(0)`` on one rank
+        and ``Rotated(1)`` on another computed wrong outputs without a word). Other
+        attributes (tensors, dicts, objects) are not compared: a layout whose placement
+        depends on one overrides this to include it, as :class:`ringseq.layouts.Documents`
+        does with its boundaries. An attribute that differs between the ranks by design (a
+        device name) starts with ``_``, or the layout overrides this."""
         cls = type(self)
         if _built_in(cls):
             return stable_code(self.name)
+        params = _parameters_text(self)
+        return self._class_code() if not params else stable_code(
+            f"{self._class_text()}({params})")
+
+    def _class_text(self) -> str:
+        cls = type(self)
         # (a script's classes live in __main__ on the launching process and in __mp_main__
         # on the ranks multiprocessing spawns from it: one module)
         module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
-        # (before: name and class only, and ranks given Rot(0) and Rot(1) computed wrong
-        # outputs without a word)
-        def compute():
-            return stable_code(f"{self.name}@{module}.{cls.__qualname__}"
-                               f"({_parameters_text(self)})")
-        # (cached as its schedules are: a layout is data, and a tensor parameter is read once)
-        return layout_cached(self, "code", compute) if hasattr(self, "__dict__") else compute()
+        return f"{self.name}@{module}.{cls.__qualname__}"
+
+    def _class_code(self) -> int:
+        """:attr:`code` without the parameters: the name (and a user's class) only."""
+        return (stable_code(self.name) if _built_in(type(self)) else
+                stable_code(self._class_text()))
 
     @property
     def signature_code(self) -> int:
@@ -539,7 +542,7 @@ def check_rank(rank, world_size):
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     # (before: rank 0.5 reached the layout, which was blamed for a float32 result; True was
     # rank 1)
-    if as_int(rank) is None:
-        raise ValueError(f"rank must be an int, got {given(rank)}")
+    if as_int(rank) is None:  # (a value of the wrong kind: TypeError)
+        raise TypeError(f"rank must be an int, got {given(rank)}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")

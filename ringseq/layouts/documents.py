@@ -36,7 +36,7 @@ class _DocumentLayout(Layout):
         # subclass that puts parameters of its own into its code keeps that code whole.
         if type(self).code is not _DocumentLayout.code:
             return self.code
-        return Layout.code.fget(self)
+        return self._class_code()  # (not its attributes: its boundaries are compared apart)
 
     def _positions(self, seqlen, world_size, rank):
         runs = self.runs(seqlen, world_size, rank)

@@ -115,12 +115,6 @@ class ModelShape:
                             f"its sizes, got {type(config).__name__}{hint}")
         get = (config.get if isinstance(config, Mapping)
                else lambda k, d=None: getattr(config, k, d))
-        if not isinstance(config, Mapping) and not any(hasattr(config, k) for k in _REQUIRED):
-            # (a list, a tuple, any object without a single size: before, KeyError naming
-            # hidden_size as if only that were missing)
-            raise TypeError(f"estimate_memory: config must be a transformers config or a dict of "
-                            f"its sizes, got {type(config).__name__} without any of "
-                            f"{', '.join(_REQUIRED)}")
         model_type = str(get("model_type", "") or "")
         for k in _EXPERT_KEYS:
             if get(k, None) is not None and not _is_whole(get(k, None)):
@@ -142,6 +136,13 @@ class ModelShape:
                              f"of a Llama of the same sizes, pass ringseq.memory.estimate_memory "
                              f"a dict of the sizes without model_type ({{k: v for k, v in "
                              f"config.to_dict().items() if k != 'model_type'}})")
+        if not isinstance(config, Mapping) and not any(hasattr(config, k) for k in _REQUIRED):
+            # (a list, a tuple, any object without a single size: before, KeyError naming
+            # hidden_size as if only that were missing; after the model type's check, which
+            # names a composite config holding its sizes in sub-configs)
+            raise TypeError(f"estimate_memory: config must be a transformers config or a dict of "
+                            f"its sizes, got {type(config).__name__} without any of "
+                            f"{', '.join(_REQUIRED)}")
         missing = object()
         vals = {}
         for key in _REQUIRED:
@@ -1107,8 +1108,8 @@ def _cost_key(est: MemoryEstimate):
             _MODE_RANK[est.sp_mode], est.total)
 
 
-#: The largest world whose meshes :func:`meshes` lists (2**24 ranks: every divisor pair of a
-#: world this size is listed in seconds; a huge highly divisible one would take hours).
+#: The largest world whose meshes :func:`meshes` lists (2**24 ranks: a power of two's in a
+#: second, a highly divisible one's, 8,648,640, in about 10 s; past it, minutes to hours).
 MESHES_WORLD_MAX = 1 << 24
 
 
@@ -1196,7 +1197,11 @@ def _search(config, *, world_size, seqlen, device_memory, **kwargs):
         estimate_memory(config, seqlen=seqlen, world_size=world_size, sp_size=1,
                         sp_mode="ulysses", **kwargs)
     estimated, left_out = [], {}
-    for mesh in meshes(config, world_size, kwargs.get("precision", "bf16")):
+    try:
+        listed = meshes(config, world_size, kwargs.get("precision", "bf16"))
+    except ValueError as exc:  # (its world-size limit, named for the call made)
+        raise ValueError(f"fitting_meshes: {str(exc).removeprefix('meshes: ')}") from None
+    for mesh in listed:
         try:
             estimated.append(estimate_memory(config, seqlen=seqlen, **mesh, **kwargs))
         except ValueError as exc:

@@ -668,6 +668,14 @@ def test_huge_worlds_and_configs_of_another_kind_are_answered_at_once():
                                              rf"to list its meshes, got {world}"):
             mem.meshes(TINY, world)
     assert [m["tp_size"] for m in mem.meshes(TINY, 2 ** 24)][:1] == [1]  # (the largest: listed)
+    with pytest.raises(ValueError, match=r"^fitting_meshes: world_size must be at most 16777216"):
+        mem.fitting_meshes(TINY, world_size=2 ** 25, seqlen=4096, device_memory=GiB)
+    # (a config object without sizes of its own is named by its type first: a composite
+    # transformers config keeps them in sub-configs)
+    import types
+    with pytest.raises(ValueError, match=r"^estimate_memory: config 'mixtral' is a mixture of "
+                                         r"experts"):
+        est(types.SimpleNamespace(model_type="mixtral", num_local_experts=8))
     for config in ([1, 2], (TINY,), object()):
         with pytest.raises(TypeError, match=r"^estimate_memory: config must be a transformers "
                                             r"config or a dict of its sizes, got "

@@ -237,6 +237,13 @@ def _worker_steps_w2(tmp):
     out["plain backward after a cleared one"] = (_error(lambda: opt.clip_grad_by_norm(1.0)),
                                                  _error(opt.step))
     opt.zero_grad()
+    # ... and cleared through the model (before, with the first fix: stepped)
+    booster.backward(crit(model(**batches[3]), batches[3]), opt)
+    model.zero_grad()
+    crit(model(**batches[3]), batches[3]).backward()
+    out["plain backward after model.zero_grad"] = (
+        _error(lambda: opt.clip_grad_by_norm(1.0)), _error(opt.step))
+    opt.zero_grad()
 
     # fp16: a step without gradients steps nothing, and the next one steps
     opt.zero_grad()
@@ -370,11 +377,14 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
         assert r["after a rollback"] is None, r["after a rollback"]
         assert r["plain backward"].startswith("ValueError: OptimizerWrapper.step: "
                                               "precision='fp16', but no loss was scaled"), r
-        clip, step = r["plain backward after a cleared one"]
-        assert clip.startswith("ValueError: clip_grad_by_norm: precision='fp16', but no loss "
-                               "was scaled through this optimizer since its last step"), clip
-        assert step.startswith("ValueError: OptimizerWrapper.step: precision='fp16', but no "
-                               "loss was scaled"), step
+        for case in ("plain backward after a cleared one",
+                     "plain backward after model.zero_grad"):
+            clip, step = r[case]
+            assert clip.startswith("ValueError: clip_grad_by_norm: precision='fp16', but no "
+                                   "loss was scaled through this optimizer since its last "
+                                   "step"), (case, clip)
+            assert step.startswith("ValueError: OptimizerWrapper.step: precision='fp16', but "
+                                   "no loss was scaled"), (case, step)
         unsaved, saved = r["scales"]
         assert saved == unsaved == [65536.0, 65536.0, 131072.0, 131072.0], r["scales"]
         assert r["zero probe"].startswith("ValueError: OptimizerWrapper.step: a backward "

@@ -43,7 +43,8 @@ class Booster:
     def backward(self, loss: torch.Tensor, optimizer) -> None:
         """``optimizer.backward(loss)`` for a boosted optimizer (grad scaling for fp16), else
         ``loss.backward()``. First, one agreement of the ranks (``plugin.grad_agreement``):
-        RingMismatchError on every rank when they disagree on ``no_sync``, and zero gradients
+        RingMismatchError on every rank when they disagree on ``no_sync`` or froze different
+        parameters (``requires_grad=False`` on some ranks only), and zero gradients
         for the parameters other ranks use and this one does not (FSDP, tensor
         parallelism). An exception on one rank is reported to its ring peers when they
         may still be inside a ring call of the backward (see ``ModelWrapper``); this rank then

@@ -282,8 +282,10 @@ def _refuse_frozen_on_some_ranks(ring, frozen: List[int], names: List[str]) -> N
         f"ringseq: booster.backward: parameter(s) {shown} are frozen (requires_grad=False) on "
         f"some ranks only ({names[j]}: frozen on rank(s) {on}, not on rank(s) {off}), so the "
         f"ranks' gradient reductions would differ in size. Freeze or unfreeze a parameter on "
-        f"every rank alike. Nothing was reduced; the gradients of this backward were not "
-        f"accumulated.")
+        f"every rank alike, then clear the gradients (optimizer.zero_grad()) and call "
+        f"booster.reset() on every rank (FSDP keeps the refused forward's gathered "
+        f"parameters until then). Nothing was reduced; the gradients of this backward were "
+        f"not accumulated.")
 
 
 def _packed(bits: List[int]) -> List[int]:

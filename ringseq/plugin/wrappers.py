@@ -746,6 +746,10 @@ class OptimizerWrapper:
         #: fp16: a loss scaled through the plugin's scaler reached this optimizer's
         #: parameters since its last step (any of the optimizers sharing it scaled it)
         self._scaled = False
+        #: fp16: the gradient tensors the last scaled backward left (weakly): gradients that
+        #: are other tensors (cleared through model.zero_grad(), then a plain backward) are
+        #: not scaled ones, whatever ``_scaled`` says
+        self._scaled_grads = ()
         #: fp16: the last step used the scaled gradients, and no loss was scaled since
         self._stepped_scaled = False
         if scaler is not None:
@@ -774,6 +778,7 @@ class OptimizerWrapper:
                 user._scaled = user._scaled or any(
                     p.grad is not None for group in user.optim.param_groups
                     for p in group["params"])
+                user._scaled_grads = [weakref.ref(t) for t in map(_local, user._grads())]
                 user._stepped_scaled = user._stepped_scaled and not user._scaled
 
     def step(self, *args, **kwargs):
@@ -809,14 +814,15 @@ class OptimizerWrapper:
                 f"checkpoint on every rank first (booster.load_model and "
                 f"booster.load_optimizer)")
         grads = self._grads()
-        if refusal is None and self.scaler is not None and grads and not self._scaled \
+        scaled = self._holds_scaled(grads)
+        if refusal is None and self.scaler is not None and grads and not scaled \
                 and self._stepped_scaled:
             refusal = ValueError(
                 "OptimizerWrapper.step: precision='fp16', and the last step already used "
                 "these gradients (no loss was scaled through booster.backward since: the grad "
                 "scaler takes one step per scaled backward); not stepping again. Clear the "
                 "gradients (optimizer.zero_grad()) and run the next backward first")
-        elif refusal is None and self.scaler is not None and grads and not self._scaled:
+        elif refusal is None and self.scaler is not None and grads and not scaled:
             refusal = ValueError(
                 "OptimizerWrapper.step: precision='fp16', but no loss was scaled through "
                 "this optimizer (booster.backward(loss, optimizer) scales it), so the "
@@ -932,7 +938,7 @@ class OptimizerWrapper:
                 raise failure
             max_norm, norm_type = float(max_norm), float(norm_type)
             grads = self._grads()
-            if self.scaler is not None and grads and not self._scaled:
+            if self.scaler is not None and grads and not self._holds_scaled(grads):
                 # (before: unscaled all the same, the norm and the gradients 65536 times too
                 # small, as the step that followed)
                 raise ValueError(
@@ -1013,6 +1019,17 @@ class OptimizerWrapper:
         # (no loss scaled since: a plain backward next is refused by step and clip; before,
         # the flag of the cleared backward let a step apply 1/65536 of such gradients)
         self._scaled = self._stepped_scaled = False
+        self._scaled_grads = ()
+
+    def _holds_scaled(self, grads) -> bool:
+        """fp16: whether ``grads`` (the optimizer's gradients now) are those a loss scaled
+        through :meth:`backward` left: the flag, and the same tensors (before: gradients
+        cleared through ``model.zero_grad()`` and made again by a plain backward passed, and
+        a step applied 1/65536 of them)."""
+        if not self._scaled:
+            return False
+        left = {id(t) for t in (ref() for ref in self._scaled_grads) if t is not None}
+        return all(id(_local(g)) in left for g in grads)
 
     def add_param_group(self, param_group: dict) -> None:
         """The wrapped optimizer's ``add_param_group``, for parameters of the boosted model;
@@ -1080,7 +1097,7 @@ class OptimizerWrapper:
     def __getattr__(self, name):
         # not yet set (unpickling): no recursion
         if name in ("optim", "scaler", "model", "_step", "reduced", "failed_step",
-                    "_unscaled_grads", "_scaled", "_stepped_scaled"):
+                    "_unscaled_grads", "_scaled", "_scaled_grads", "_stepped_scaled"):
             raise AttributeError(name)
         return getattr(self.optim, name)
 

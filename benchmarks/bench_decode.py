@@ -9,7 +9,8 @@ the peak memory of a step above the inputs, and a check that both agree with the
 result on every sequence of the batch (each error at most 2x plain attention's in the same
 dtype, plus the shared float floor; a NaN counts as an infinite error). A ringseq row failing
 it, or the last context-parallel step failing it on any rank (part 2: against float64
-attention over the gathered cache), fails the run
+attention over the cache and the decoded tokens as generated, not as the ranks wrote them),
+fails the run
 (exit status 1, after the tables and the JSON); torch's SDPA failing it is warned about.
 
 Part 2, context parallel (``--world-size`` local gloo ranks, one thread each): the cache of
@@ -194,7 +195,8 @@ def _decode_data(length, steps, b, h, h_kv, d, dtype):
 
 
 def _cp_rank(args, device):
-    """On every rank: a sharded cache of each --cp-cache length; CP decode vs gathered cache."""
+    """On every rank: a sharded cache of each --cp-cache length; CP decode against float64
+    attention over the tokens as generated, and timed against decoding the gathered cache."""
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = DTYPES[args.dtype]
     h, h_kv, d, b = args.heads, args.heads_kv, args.headdim, args.cp_batch
@@ -358,7 +360,7 @@ def main(argv=None):
              f"{r['plain_err']:.2e} + {CHECK_FLOOR[DTYPES[args.dtype]]:.0e}"
              for r in rows if r["check"] == "FAIL"]
     wrong += [f"context parallel W={r['world']} cache={r['cache']}: the last step's max error "
-              f"{r['cp_max_err']:.2e} against float64 over the gathered cache (worst rank), more "
+              f"{r['cp_max_err']:.2e} against float64 over the generated cache (worst rank), more "
               f"than 2 x plain {args.dtype} attention's {r['cp_plain_err']:.2e} + "
               f"{CHECK_FLOOR[DTYPES[args.dtype]]:.0e}" for r in cp_rows if r["cp_check"] == "FAIL"]
     if wrong:

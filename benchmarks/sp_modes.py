@@ -215,7 +215,8 @@ def report_sp(args, rows, device, load):
 def fitting_sp_modes(modes, all_modes: bool, world: int, heads: int, ulysses_size: int,
                      inner_ring_size: int):
     """The modes to run: SystemExit (a usage error's text) for a mode whose sizes do not fit
-    the world size and the heads; with ``all_modes`` those modes are left out instead, and so
+    the world size and the heads, or that would run another mode at these sizes (naming it);
+    with ``all_modes`` those modes are left out instead, and so
     are the modes that would repeat another here (a hybrid whose ring is one rank is the
     Ulysses mode, a double ring of one inner ring the plain ring)."""
     if all_modes:
@@ -265,12 +266,13 @@ def _repeats(mode, world, ulysses_size, inner_ring_size):
     one inner ring moving no all-to-all / outer-ring bytes)."""
     U, I = mode_sizes(mode, world, ulysses_size, inner_ring_size)
     R = world // U
+    if mode.startswith("hybrid") and U == 1:  # (the mode it runs, itself not refused here)
+        return ("--ulysses-size 1 moves no heads: that is the "
+                + ("double ring (--sp-mode double_ring)" if I and R > I
+                   else "plain ring (--sp-mode ring)"))
     if mode.startswith("hybrid") and R == 1:
         return (f"a ring of --world-size {world} / --ulysses-size {U} = 1 rank: that is the "
                 f"Ulysses mode (--sp-mode ulysses)")
-    if mode.startswith("hybrid") and U == 1:
-        return ("--ulysses-size 1 moves no heads: that is the "
-                + ("double ring (--sp-mode double_ring)" if I else "plain ring (--sp-mode ring)"))
     if mode == "ulysses" and U == 1:
         return "--world-size 1: a Ulysses degree of 1 moves nothing (run 2 ranks or more)"
     if I is not None and R <= I:

@@ -184,3 +184,21 @@ def test_benchmark_json_is_strict_and_failed_rows_read_back_as_floats(tmp_path):
     assert back["max_err"] == math.inf and math.isnan(back["plain_err"])
     table = gpu_check_summary.ring_table(gpu_check_summary.ring_rows(str(tmp_path)))
     assert any("inf" in line and "FAILED" in line for line in table), table
+
+
+def test_one_command_line_that_hangs_or_dies_fails_alone(tmp_path):
+    """The batch of tests/command_lines.py: a command line past its time is stopped and named,
+    the next ones run, and those after a dying child are reported as not run (before: the
+    whole batch failed, without naming the case, and ran again for each case)."""
+    script = tmp_path / "cli.py"
+    script.write_text("import os, sys, time\n"
+                      "if sys.argv[1:] == ['sleep']: time.sleep(60)\n"
+                      "if sys.argv[1:] == ['die']: os._exit(7)\n"
+                      "print('ran', sys.argv[1:])\n"
+                      "sys.exit(2 if sys.argv[1:] == ['bad'] else 0)\n")
+    runs = run_command_lines(str(script), [["bad"], ["sleep"], ["ok"], ["die"], ["ok"]],
+                             cwd=str(tmp_path), per_case=3)
+    assert [r.returncode for r in runs] == [2, 124, 0, -1, -1], runs
+    assert runs[0].stdout == "ran ['bad']\n" and runs[2].stdout == "ran ['ok']\n", runs
+    assert "did not finish within 3 s" in runs[1].stderr, runs[1]
+    assert "ended before this command line finished (exit status 7" in runs[4].stderr, runs[4]

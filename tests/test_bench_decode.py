@@ -94,7 +94,7 @@ def test_a_nan_output_or_a_context_parallel_mismatch_fails_the_run(monkeypatch, 
         bench_decode.main(argv[:-1])
     assert stop.value.code == 1
     assert ("FAILED: context parallel W=2 cache=512: the last step's max error 5.00e-01 "
-            "against float64 over the gathered cache (worst rank), more than 2 x plain fp32 "
+            "against float64 over the generated cache (worst rank), more than 2 x plain fp32 "
             "attention's 1.00e-07 + 1e-06") in capsys.readouterr().out
 
 

@@ -2063,9 +2063,12 @@ def test_a_ring_decode_failing_on_one_rank_raises_everywhere(w2, case):
     _is_error(w2[1][case]["call"], ("RuntimeError",), "injected fault")
     _is_error(w2[0][case]["call"], ("RingPeerError",), "rank(s) [1]",
               "ring_flash_attn_with_kvcache")
-    # before the ring timeout: the failure report, not the timeout, ends the peer's wait (a bound
-    # of 2 s failed once at 2.04 s, the compiled call's trace on a loaded 2-core VM)
-    assert w2[0][case]["call"][2] < TIMEOUT, w2[0][case]
+    # the failure report, not the timeout, ends the peer's wait: RingPeerError, not
+    # RingTimeoutError (above). The eager call's report comes before the ring timeout; the
+    # compiled call's time includes both ranks' tracing, which on a loaded 2-core VM took
+    # 2.04 s and, with other jobs running, 6.1 s: bounded by _is_error's FAST only
+    if case == "kvcache_failure":
+        assert w2[0][case]["call"][2] < TIMEOUT, w2[0][case]
     for r in w2:
         _exact_ok(r[case]["after"])
 

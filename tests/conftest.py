@@ -5,36 +5,16 @@ import os
 
 import pytest
 
-from ringseq.kernels.extension import cpu_isa_levels
+from utils import cpu_isa_forced, isa_levels
 
 
-def _isa_params():
-    """Every ISA level this CPU and build run, or only the one RINGSEQ_CPU_ISA forces (the
-    re-runs of tests/test_isa_levels.py set it: each level once, not every level per re-run)."""
-    forced = os.environ.get("RINGSEQ_CPU_ISA")
-    levels = cpu_isa_levels()
-    return [forced] if forced in levels else levels
-
-
-@pytest.fixture(params=_isa_params())
+@pytest.fixture(params=isa_levels())
 def isa(request):
     """Runs the test with RINGSEQ_CPU_ISA=<level> for every ISA level this CPU and build run
     (none when ringseq._C is not built; only the forced one under RINGSEQ_CPU_ISA); the cached
     choice is dropped before and after, so the next kernel call reads the variable."""
-    import ringseq._C
-
-    old = os.environ.get("RINGSEQ_CPU_ISA")
-    os.environ["RINGSEQ_CPU_ISA"] = request.param
-    ringseq._C._set_cpu_isa(None)
-    try:
-        assert ringseq._C.cpu_isa() == request.param
+    with cpu_isa_forced(request.param):
         yield request.param
-    finally:
-        if old is None:
-            os.environ.pop("RINGSEQ_CPU_ISA", None)
-        else:
-            os.environ["RINGSEQ_CPU_ISA"] = old
-        ringseq._C._set_cpu_isa(None)
 
 
 @pytest.fixture(scope="session")

@@ -70,8 +70,8 @@ MODULES = {
     # test_plugin.py's (issue 25's case)
     "avx2": ["test_cpu_accuracy.py", "test_ops.py", "test_ring.py", "test_masked_ring.py",
              "test_sp_modes.py", "test_plugin.py"],
-    # (test_cpu_accuracy.py: every test takes the isa fixture, which the main run already ran at
-    # baseline with the same torch)
+    # (test_cpu_accuracy.py: every test runs at every level, through the isa fixture or
+    # isa_levels(), which the main run already ran at baseline with the same torch)
     "baseline": ["test_kernel_cpu.py", "test_ops.py"],
 }
 # the level the main run uses (RINGSEQ_CPU_ISA unset: auto's choice, dispatch.cpp: auto_level)

@@ -17,7 +17,8 @@ import torch
 
 import ringseq  # noqa: F401
 import ringseq._C  # noqa: F401  (registers torch.ops.ringseq)
-from utils import assert_close_per_design, reference_grads, scaled_floor
+from utils import (assert_close_per_design, cpu_isa_forced, isa_levels, reference_grads,
+                   scaled_floor)
 
 f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 ops = torch.ops.ringseq
@@ -88,13 +89,25 @@ def case_id(c):
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_fwd_bwd_and_bwd_accum_match_reference(case):
+    _check_kernel(case, *_references(case))
+
+
+def _references(case):
+    """(inputs, float64 reference, plain same-dtype reference, floor) of ``case``: torch's,
+    the same at every kernel ISA level."""
     b, s_q, s_k, h, h_kv, d, causal, dtype, layout = case
     q, k, v, dout = make_inputs(b, s_q, s_k, h, h_kv, d, dtype, layout)
     scale = d ** -0.5
     ref = reference_grads(q, k, v, dout, scale, causal, dtype=torch.float64)
     plain = reference_grads(q, k, v, dout, scale, causal, dtype=dtype)
-    floor = case_floor(dtype, ref)
+    return (q, k, v, dout, scale), ref, plain, case_floor(dtype, ref)
 
+
+def _check_kernel(case, inputs, ref, plain, floor):
+    """The kernel's forward, backward and accumulating backward against the references, per
+    docs/design.md's rule."""
+    b, s_q, s_k, h, h_kv, d, causal, dtype, layout = case
+    q, k, v, dout, scale = inputs
     out, lse = ops.fwd(q, k, v, scale, causal)
     assert out.dtype == dtype and lse.dtype == acc_dtype(dtype)
     assert lse.shape == (b, h, s_q)
@@ -295,9 +308,16 @@ ISA_CASES = [c for c in CASES if c[1] < 1000] + [
 
 
 @pytest.mark.parametrize("case", ISA_CASES, ids=[case_id(c) for c in ISA_CASES])
-def test_every_isa_level_matches_reference(isa, case):
-    test_fwd_bwd_and_bwd_accum_match_reference(case)  # asserts per docs/design.md
-    assert ringseq._C.cpu_isa() == isa  # ... and ran at the level under test
+def test_every_isa_level_matches_reference(case):
+    # every level in one test: the references (torch's, 10x the kernel's time) once
+    refs = _references(case)
+    for isa in isa_levels():
+        with cpu_isa_forced(isa):
+            try:
+                _check_kernel(case, *refs)  # asserts per docs/design.md
+            except AssertionError as exc:
+                raise AssertionError(f"ISA level {isa}: {exc}") from exc
+            assert ringseq._C.cpu_isa() == isa  # ... and ran at the level under test
 
 
 # A worker thread packs the rows that several of its items read (the forward's K/V of a kv

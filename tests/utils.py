@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -180,3 +181,32 @@ class SwitchableAttention(torch.nn.Module):
         b, s = x.shape[:2]
         q, k, v = (f(x).view(b, s, -1, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
         return self.o(self.sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
+def isa_levels() -> list:
+    """Every ISA level this CPU and build run, or only the one RINGSEQ_CPU_ISA forces (the
+    re-runs of tests/test_isa_levels.py set it: each level once, not every level per re-run)."""
+    from ringseq.kernels.extension import cpu_isa_levels
+    forced = os.environ.get("RINGSEQ_CPU_ISA")
+    levels = cpu_isa_levels()
+    return [forced] if forced in levels else levels
+
+
+@contextlib.contextmanager
+def cpu_isa_forced(level: str):
+    """The kernel at ISA ``level`` inside (RINGSEQ_CPU_ISA set, the cached choice dropped
+    before and after, so the next kernel call reads the variable)."""
+    import ringseq._C
+
+    old = os.environ.get("RINGSEQ_CPU_ISA")
+    os.environ["RINGSEQ_CPU_ISA"] = level
+    ringseq._C._set_cpu_isa(None)
+    try:
+        assert ringseq._C.cpu_isa() == level
+        yield level
+    finally:
+        if old is None:
+            os.environ.pop("RINGSEQ_CPU_ISA", None)
+        else:
+            os.environ["RINGSEQ_CPU_ISA"] = old
+        ringseq._C._set_cpu_isa(None)

@@ -966,8 +966,8 @@ class RingSequenceParallelPlugin(Plugin):
     def before_backward(self, loss, completing=None) -> None:
         """The agreement before every ``booster.backward`` (``grad_agreement``): raises
         RingMismatchError on every rank when the ranks disagree on ``booster.no_sync`` or froze
-        different parameters, and gives zero gradients to the parameters other ranks use and this one does not.
-        ``completing``: the reduction a rank whose forward failed completes instead of a
+        different parameters, and gives zero gradients to the parameters other ranks use and
+        this one does not. ``completing``: the reduction a rank whose forward failed completes instead of a
         backward (``loss`` None)."""
         if self._grad_uses and dist.is_initialized() and dist.get_world_size() > 1:
             from .grad_agreement import agree_before_backward

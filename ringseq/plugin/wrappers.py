@@ -896,8 +896,8 @@ class OptimizerWrapper:
         Raises ValueError on every rank for a ``max_norm`` that is not a finite number >= 0 (a
         negative one reversed the gradients, NaN made every parameter NaN) or a
         ``norm_type`` that is not > 0 (inf included) on any rank, under fp16 for gradients no
-        loss scaled through ``booster.backward`` since the last step or ``zero_grad``, for gradients not summed
-        over the ranks yet (inside gradient accumulation: backward passes inside
+        loss scaled through ``booster.backward`` since the last step or ``zero_grad``, for
+        gradients not summed over the ranks yet (inside gradient accumulation: backward passes inside
         ``booster.no_sync`` and none after them; their norm is not the step's), and
         :class:`ringseq.RingMismatchError` for ranks that pass other ``max_norm``,
         ``norm_type`` or ``error_if_nonfinite`` values (each would clip by its own factor);

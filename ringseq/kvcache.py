@@ -28,7 +28,8 @@ from ._dist import RingPeerError, RingTimeoutError, group_info, named_for
 from ._hash import ints_field
 from .engine.integrity import FWD, operation_field
 from .engine.ring import get_ring
-from .kernels.checks import FLOAT_DTYPES, accum_dtype, given, refuse_dtensors, resolve_scale
+from .kernels.checks import (FLOAT_DTYPES, accum_dtype, check_tensor_of_rank, refuse_dtensors,
+                             resolve_scale)
 from .kernels.spans import check_softcap
 from .kernels.extension import ExtensionBackend, extension_available
 from .layouts import Layout
@@ -42,12 +43,7 @@ _RING_FN = "ring_flash_attn_with_kvcache"
 
 # ------------------------------------------------------------------------------ arguments
 def _check_tensor(fn: str, name: str, t, dims: int, layout: str) -> None:
-    # (the attention entry points' words: InputForm.to_flash)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a {dims}-dim tensor {layout}, got {given(t)}")
-    if t.dim() != dims:
-        raise ValueError(f"{fn}: {name} must be a {dims}-dim tensor {layout}, got {t.dim()} dims "
-                         f"with shape {tuple(t.shape)}")
+    check_tensor_of_rank(fn, name, t, dims, layout)  # (the attention entry points' words)
     if t.is_meta:  # (no data: its values are read, as counts too)
         raise ValueError(f"{fn}: {name} must be a tensor with data (CPU or CUDA), got one on "
                          f"the meta device")

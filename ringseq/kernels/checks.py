@@ -53,6 +53,16 @@ def given(x) -> str:
     return f"{x!r} ({type(x).__name__})"
 
 
+def check_tensor_of_rank(fn: str, name: str, t, dims: int, layout: str) -> None:
+    """TypeError (naming ``fn`` and ``name``) unless ``t`` is a tensor, ValueError unless it
+    has ``dims`` dimensions (``layout`` names them): the words of every entry point's tensors."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a {dims}-dim tensor {layout}, got {given(t)}")
+    if t.dim() != dims:
+        raise ValueError(f"{fn}: {name} must be a {dims}-dim tensor {layout}, got {t.dim()} dims "
+                         f"with shape {tuple(t.shape)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class InputForm:
     """How the caller passed q, k, v: its names for them, the shapes it gives them
@@ -78,12 +88,7 @@ class InputForm:
         number of dimensions. The one check of the tensors' kind and rank for every form."""
         dims = 3 if self.kind == "varlen" else 4
         for name, t, layout in zip(self.names, (q, k, v), self.layouts + self.layouts[1:]):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{fn}: {name} must be a {dims}-dim tensor {layout}, got "
-                                f"{given(t)}")
-            if t.dim() != dims:
-                raise ValueError(f"{fn}: {name} must be a {dims}-dim tensor {layout}, got "
-                                 f"{t.dim()} dims with shape {tuple(t.shape)}")
+            check_tensor_of_rank(fn, name, t, dims, layout)
         if self.kind == "sdpa":
             return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.kind == "varlen":

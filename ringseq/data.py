@@ -57,12 +57,17 @@ def _packed_documents(batch: Mapping, b: int, s: int,
     return docs
 
 
+def _check_integer(name: str, t: torch.Tensor, what: str) -> None:
+    """ValueError for a floating-point, complex or bool ``batch[name]`` (ids and labels)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"shard_batch: batch[{name!r}] must hold integer {what} (int64), "
+                         f"got dtype {t.dtype}")
+
+
 def _targets(name: str, labels: torch.Tensor) -> torch.Tensor:
     """``labels`` as int64 (byte-sized labels would wrap ignore_index, -100, to a real class,
     156); ValueError for floating-point or bool labels."""
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ValueError(f"shard_batch: batch[{name!r}] must hold integer class ids (int64), "
-                         f"got dtype {labels.dtype}")
+    _check_integer(name, labels, "class ids")
     return labels.to(torch.int64)
 
 
@@ -73,8 +78,9 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         batch: a mapping holding the full sequences (identical on every rank of ``group``):
             ``input_ids`` (b, s) int64 and/or ``inputs_embeds`` (b, s, hidden) (at least one),
             optionally ``attention_mask`` (b, s), ``position_ids`` (b, s) or (1, s),
-            ``labels`` (b, s) int64 with ``ignore_index`` for tokens without a target,
-            ``token_type_ids`` (b, s). Other keys are passed through unchanged.
+            ``labels`` (b, s) int64 with ``ignore_index`` for tokens without a target, or
+            ``shift_labels`` (b, s) int64: targets already shifted (sharded as given; not
+            both), ``token_type_ids`` (b, s). Other keys are passed through unchanged.
             **Packed batches** (many documents in one row, each attending only to itself): a
             (1, total) batch with ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (the global document
             boundaries; one of them alone is taken for both) and/or position ids that restart
@@ -96,7 +102,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         the given ones, else made from ``ringseq.positions``: global positions, or positions
         within each document for packed batches) -- rotary embeddings need them;
         ``attention_mask`` (b, s // W): only when given (all ones);
-        ``shift_labels`` (b, s // W) int64 (only when ``labels`` was given): the target of each
+        ``shift_labels`` (b, s // W) int64 (when ``labels`` or ``shift_labels`` was given;
+        from ``labels``:) the target of each
         local token, i.e. ``labels`` shifted left by one over the FULL sequence before
         sharding, ``ignore_index`` after the last token (and after the last token of every
         document of a packed batch: no target crosses a document). There is no ``labels``
@@ -108,7 +115,9 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
 
     Raises:
         ValueError: an ``attention_mask`` with any zero (padding cannot be expressed by a
-            causal ring; pack sequences instead), no ``input_ids`` / ``inputs_embeds``,
+            causal ring; pack sequences instead) or a value other than 0 and 1, no
+            ``input_ids`` / ``inputs_embeds``, ``input_ids`` of a floating-point or bool dtype,
+            both ``labels`` and ``shift_labels``,
             tensors whose sequence lengths, batch sizes or ranks differ from theirs ((b, s);
             (b, s, hidden) for ``inputs_embeds``; ``position_ids`` also (1, s)), a length the
             layout cannot split (``W``; ``2W`` for zigzag; the total for ``"documents"``),
@@ -133,6 +142,13 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
         raise ValueError(f"shard_batch: batch[{key!r}] must be a tensor of shape "
                          f"{'(b, s)' if key == 'input_ids' else '(b, s, hidden)'} (a batch "
                          f"dimension first), got {given(batch[key])}")
+    if key == "input_ids":  # (float ids failed later, in the model's embedding)
+        _check_integer(key, batch[key], "token ids")
+    if batch.get("labels") is not None and batch.get("shift_labels") is not None:
+        # (before: the caller's shift_labels were replaced by the shifted labels without a word)
+        raise ValueError("shard_batch: the batch has both 'labels' and 'shift_labels'; give "
+                         "'labels' (shifted here over the full sequence) or 'shift_labels' "
+                         "(targets already shifted: sharded as given), not both")
     b, s = batch[key].shape[:2]
     if s == 0:
         raise ValueError(f"shard_batch: batch[{key!r}] holds no tokens (shape "
@@ -198,6 +214,10 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     mask = batch.get("attention_mask")
     if mask is not None:
         check_len("attention_mask", mask)
+        if not bool(((mask == 0) | (mask == 1)).all()):  # (0.5 passed as "not padding")
+            raise ValueError(f"shard_batch: attention_mask must hold 0 (padding) and 1 "
+                             f"(tokens), got other values, e.g. "
+                             f"{mask[(mask != 0) & (mask != 1)][0].item()!r}")
         if not bool(mask.bool().all()):
             n = int((~mask.bool()).sum())
             raise ValueError(f"shard_batch: attention_mask has {n} zero (padding) entries; "
@@ -223,7 +243,7 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
             local = document_positions(docs, local)
         out["position_ids"] = local.unsqueeze(0).expand(b, -1).contiguous()
 
-    if batch.get("shift_labels") is not None and batch.get("labels") is None:
+    if batch.get("shift_labels") is not None:
         # already targets (shifted by the caller): only shard them
         check_len("shift_labels", batch["shift_labels"])
         out["shift_labels"] = shard_local(_targets("shift_labels", batch["shift_labels"]), lay,

@@ -611,6 +611,18 @@ def test_shard_batch_gives_int64_targets_and_positions_whatever_their_dtype():
     # (before: torch's "cannot reshape tensor of 0 elements")
     ({"input_ids": torch.zeros(1, 0, dtype=torch.long), "position_ids": torch.zeros(1, 0)}, {},
      ValueError, "shard_batch: batch['input_ids'] holds no tokens (shape (1, 0))"),
+    # (before: float ids were sharded and failed in the model's embedding)
+    ({"input_ids": torch.zeros(1, 8)}, {}, ValueError,
+     "shard_batch: batch['input_ids'] must hold integer token ids (int64), got dtype "
+     "torch.float32"),
+    # (before: the caller's shift_labels were replaced by the shifted labels without a word)
+    ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "labels": torch.zeros(1, 8).long(),
+      "shift_labels": torch.full((1, 8), 7)}, {}, ValueError,
+     "shard_batch: the batch has both 'labels' and 'shift_labels'; give 'labels'"),
+    # (before: 0.5 passed as "no padding")
+    ({"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.full((1, 8), .5)},
+     {}, ValueError, "shard_batch: attention_mask must hold 0 (padding) and 1 (tokens), got "
+                     "other values, e.g. 0.5"),
 ])
 def test_shard_batch_refuses_an_ignore_index_or_ids_it_would_misread(batch, kwargs, kind,
                                                                       message):

@@ -743,6 +743,20 @@ def test_sharded_loader_checks_its_arguments_when_built():
             ShardedDataLoader(loader, None, "zigzag", 0, **bad)
 
 
+def test_sharded_loader_names_itself_and_the_batch_for_a_length_off_seq_multiple():
+    """(before: the message named neither the loader nor the batch, as its others do)"""
+    from torch.utils.data import DataLoader
+
+    from ringseq.plugin.dataloader import ShardedDataLoader
+    data = [{"input_ids": torch.arange(4)} for _ in range(2)]
+    loader = ShardedDataLoader(DataLoader(data, batch_size=1), None, "contiguous", 0,
+                               seq_multiple=3)
+    with pytest.raises(ValueError, match=r"^data-parallel rank 0: ShardedDataLoader \(batch 1\): "
+                                         r"a sequence of 4 tokens cannot be split .* must be a "
+                                         r"multiple of 3 \(seq_multiple\)$"):
+        next(iter(loader))
+
+
 def test_a_batch_digest_covers_what_decides_the_training():
     """Ranks of one data-parallel group whose batches differ only in their targets
     (shift_labels), document boundaries (cu_seq_lens_q / _k) or masks get other digests, so

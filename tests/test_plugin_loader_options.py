@@ -333,6 +333,12 @@ def test_samples_of_other_lengths_without_packing_are_named(w4):
      "ValueError: pack_documents: multiple must be an int >= 1"),
     ([{"input_ids": [1]}], {"multiple": 2.5},
      "TypeError: pack_documents: multiple must be an int, got 2.5 (float)"),
+    # (before: one sample given alone was iterated by its keys, and blamed on 'input_ids';
+    # None gave Python's bare "'NoneType' object is not iterable")
+    ({"input_ids": [1, 2]}, {}, "TypeError: pack_documents: samples must be a list of mappings "
+                                "with 'input_ids' (s,), got {'input_ids': [1, 2]} (dict)"),
+    (None, {}, "TypeError: pack_documents: samples must be a list of mappings with 'input_ids' "
+               "(s,), got None (NoneType)"),
 ])
 def test_pack_documents_names_the_sample_it_cannot_pack(samples, kwargs, expected):
     """Before: a bare KeyError 'input_ids', torch's indexing errors, a (2, s) sample packed as

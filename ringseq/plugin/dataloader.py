@@ -300,9 +300,10 @@ class ShardedDataLoader:
                 ids = batch.get("input_ids")
                 if self.seq_multiple > 1 and torch.is_tensor(ids) and \
                         ids.shape[-1] % self.seq_multiple:
-                    raise ValueError(f"a sequence of {ids.shape[-1]} tokens cannot be split over "
-                                     f"the sequence- and tensor-parallel ranks: its length must "
-                                     f"be a multiple of {self.seq_multiple}")
+                    raise ValueError(f"ShardedDataLoader (batch {self.step + 1}): a sequence of "
+                                     f"{ids.shape[-1]} tokens cannot be split over the "
+                                     f"sequence- and tensor-parallel ranks: its length must be "
+                                     f"a multiple of {self.seq_multiple} (seq_multiple)")
             except ValueError as exc:
                 error = ValueError(f"data-parallel rank {self.dp_rank}: {exc}")
                 error.__cause__ = exc
@@ -458,6 +459,10 @@ def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict
     if round_to < 1:
         raise ValueError(f"pack_documents: multiple must be an int >= 1 (what the packed "
                          f"length is rounded up to), got {round_to}")
+    if isinstance(samples, (Mapping, str, bytes)) or not hasattr(samples, "__iter__"):
+        # (one sample given alone was iterated by its keys: "samples[0] ... got 'input_ids'")
+        raise TypeError(f"pack_documents: samples must be a list of mappings with 'input_ids' "
+                        f"(s,), got {given(samples)}")
     samples = list(samples)
     if not samples:
         raise ValueError("pack_documents: samples is empty; a batch needs at least one sample")

@@ -10,6 +10,8 @@ degrees above nheads_kv (the K/V replication rule), 5:5 where the degree allows 
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -354,6 +356,7 @@ def _errors(sps, pairs):
                 out[f"pack_fault_{mode}_{stage}"] = ("no error", time.monotonic() - t0)
             except Exception as exc:  # noqa: BLE001 - the test asserts on the type
                 out[f"pack_fault_{mode}_{stage}"] = (type(exc).__name__, time.monotonic() - t0)
+                out[f"pack_fault_{mode}_{stage}_text"] = str(exc)
             finally:
                 uly_mod._pieces = pieces
             sp_.reset()
@@ -780,6 +783,16 @@ def test_ranks_that_disagree_on_the_ring_layout_raise_before_data_moves():
             e["ring_layout"], e["ring_layout"]
 
 
+def _names_only_global_rank_1_as_failed(text):
+    """Every rank a RingBrokenError says failed is global rank 1, the one that did: "rank r"
+    of a group numbered as the world, "rank r (global rank g)" of a subgroup, "global rank g"
+    of another ring's report (before: a rank whose inner ring broke was reported by the outer
+    ring as failed: "rank 0 (global rank 0) failed in its forward: RingBrokenError ...")."""
+    named = [int(m.group(2) or m.group(1)) for m in re.finditer(
+        r"rank (\d+)(?: \(global rank (\d+)\))? failed in its", text)]
+    assert named and set(named) == {1}, (named, text)
+
+
 def test_exact_after_errors_and_through_lse():
     for e in _errors_of():
         assert e["after_errors_err"] < 1e-12, e["after_errors_err"]
@@ -796,6 +809,8 @@ def test_exact_after_errors_and_through_lse():
                 assert kind == ("MemoryError" if e["rank"] == 1 else "RingBrokenError"), \
                     (mode, stage, e["rank"], kind)
                 assert seconds < 20, (mode, stage, seconds)
+                if e["rank"] != 1:
+                    _names_only_global_rank_1_as_failed(e[f"pack_fault_{mode}_{stage}_text"])
         assert e["after_pack_faults_err"] < 1e-5, e["after_pack_faults_err"]
         for stage in ("forward", "backward"):
             kind, seconds = e[f"lap_fault_{stage}"]
@@ -804,6 +819,8 @@ def test_exact_after_errors_and_through_lse():
             assert seconds < 20, (stage, seconds)
             if e["rank"] >= 2:  # their rings are subgroups: ranks named globally too
                 assert "global rank" in e[f"lap_fault_{stage}_text"], e[f"lap_fault_{stage}_text"]
+            if e["rank"] != 1:
+                _names_only_global_rank_1_as_failed(e[f"lap_fault_{stage}_text"])
         assert e["after_lap_faults_err"] < 1e-5, e["after_lap_faults_err"]
         assert e["lse_grad_err"] < 1e-12, e["lse_grad_err"]
         assert e["lse_grad_err_double"] < 1e-12, e["lse_grad_err_double"]

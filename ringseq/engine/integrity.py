@@ -323,9 +323,17 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
     failed = [r for r, row in enumerate(rows) if row[1] not in (OK, INVALID)]
     if failed:
         what = {FAILED: "failed", BROKEN: "was already broken", DESYNC: "saw a desynchronized ring"}
-        detail = "; ".join(f"{name(r)} {what.get(rows[r][1], 'failed')} in its "
-                           f"{_failed_call_name(rows[r])}"
-                           + (f": {messages[r]}" if messages.get(r) else "") for r in failed)
+        members = list(getattr(ring.transport, "members", None) or range(len(rows)))
+
+        def failure(r, rank_name):
+            text = messages.get(r, "")
+            if text.startswith(_RELAYED):  # (a rank that only heard of a failure elsewhere)
+                return (f"{rank_name} stopped because another ring it is in broke, where "
+                        f"{text[len(_RELAYED):]}")
+            return (f"{rank_name} {what.get(rows[r][1], 'failed')} in its "
+                    f"{_failed_call_name(rows[r])}" + (f": {text}" if text else ""))
+
+        detail = "; ".join(failure(r, name(r)) for r in failed)
         own = ring.broken
         err = RingBrokenError(
             f"ringseq: {called + ': ' if called else ''}the ring is broken: {detail}. The "
@@ -333,6 +341,12 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
             f"ringseq.reset_ring(group) is called on all of them "
             f"(sp.reset() for the groups of ringseq.make_sp_groups: it resets each)"
             + (f" (this rank's original error: {type(own).__name__}: {own})" if own else ""))
+        # What a rank raising this inside another ring's call (a hybrid or double ring's
+        # outer call) reports there: the failures by global rank, not "this rank failed"
+        # (before: the outer ring named an innocent rank as the one that failed).
+        err.ringseq_origin = "; ".join(
+            messages[r][len(_RELAYED):] if messages.get(r, "").startswith(_RELAYED)
+            else failure(r, f"global rank {members[r]}") for r in failed)
         ring.mark_broken(err)
         raise err from own
     if invalid:
@@ -481,7 +495,7 @@ class RingCall:
         status = BROKEN if ring.broken is not None else (FAILED if self.failure else OK)
         self._seq = ring._seq
         rows = gather(ring, self.kind, status, self.values,
-                      None if self.failure is None else describe_error(self.failure))
+                      None if self.failure is None else failure_report(self.failure))
         if status == FAILED:  # the peers learn it from the rows and raise RingBrokenError
             ring.mark_broken(self.failure)
             raise self.failure
@@ -521,7 +535,7 @@ class RingCall:
         status = FAILED if self.failure else (DESYNC if desync else OK)
         # (the call's kind travels along: a peer's failure is named by the call it failed in)
         rows = gather(ring, END, status, (self.kind,),
-                      None if self.failure is None else describe_error(self.failure))
+                      None if self.failure is None else failure_report(self.failure))
         if status == FAILED:
             ring.mark_broken(self.failure)
             raise self.failure
@@ -567,6 +581,21 @@ class RingCall:
                         f"of its {_call_name(self.kind, self._seq)} (signature {self.sig}) but "
                         f"the previous rank (global rank {prev}) sent {theirs}")
         return "ringseq: ring desynchronized (a received exchange header did not match)"
+
+
+_RELAYED = "[relayed] "  # (a report of a ring's failure that another ring's rank raised)
+
+
+def failure_report(exc: BaseException) -> str:
+    """What a ring's control collective tells the peers of this rank's failure ``exc``:
+    :func:`describe_error`, but for a ``RingBrokenError`` that reports other ranks' failures
+    (:func:`judge`'s, raised in a ring this rank is also in: a hybrid or double ring's inner
+    ring) those failures, by global rank, marked as relayed, so that the peers do not read
+    it as this rank's own failure."""
+    origin = getattr(exc, "ringseq_origin", None)
+    if isinstance(exc, RingBrokenError) and origin:
+        return _RELAYED + origin
+    return describe_error(exc)
 
 
 def describe_error(exc: BaseException) -> str:

@@ -27,7 +27,7 @@ from .._dist import (RingMismatchError, RingTimeoutError, consistency_check_mode
                      group_info, is_initialized, named_for, real_object, ring_timeout)
 from .integrity import (_N_FIELDS, BROKEN, CHECK, CONTROL_WORDS, FAIL, FAILED, FIELD0,
                         INVALID, OK, RingCall, agreement_code, broken_ring_error,
-                        control_name, control_vector, describe_error, gather, judge,
+                        control_name, control_vector, failure_report, gather, judge,
                         mismatch_error)
 from .transport import RingComm, Transport, _timeout_exc
 
@@ -190,7 +190,7 @@ class Ring:
             # (outside torch.func's interpreters: a refusal made inside jvp or vmap would pass
             # the control collective's own tensors through their wrappers)
             with self._hold(), _outside_transforms():
-                rows = gather(self, kind, status, (), describe_error(exc), about)
+                rows = gather(self, kind, status, (), failure_report(exc), about)
                 if rows is not None:
                     others = [r for r, row in enumerate(rows) if r != self.rank and row[1] not in
                               (OK, INVALID)]
@@ -331,7 +331,7 @@ class Ring:
             return
         self._broken = exc
         with self._hold():
-            gather(self, FAIL, 1, (), describe_error(exc))
+            gather(self, FAIL, 1, (), failure_report(exc))
 
     def take_failure_report(self, cause: BaseException) -> None:
         """Meets a peer's :meth:`report_failure` that waits on this ring's control channel:

@@ -725,6 +725,34 @@ def test_available_backends_lists_what_runs_and_names_bad_arguments():
             available_backends(*args)
 
 
+@pytest.mark.skipif(not extension_available(), reason="ringseq._C is not built")
+def test_a_forced_cpu_level_that_cannot_run_is_named_by_the_call_and_not_listed(monkeypatch):
+    """RINGSEQ_CPU_ISA naming no level, or a level this CPU lacks (where one is built): the
+    backend lists leave 'ringseq' out, and a call that would run it raises RuntimeError naming
+    the function called and the level (before: listed as available, and the kernel's error
+    named no function); backend='reference' still runs."""
+    from ringseq.kernels import available_backends
+    from ringseq.kernels.extension import _C
+    lacking = [lv for lv in _C.cpu_isa_built() if lv not in _C.cpu_isa_supported()]
+    q = torch.randn(1, 8, 2, 16)  # (b, s, h, d)
+    try:
+        for level in ["sse9", *lacking]:
+            monkeypatch.setenv("RINGSEQ_CPU_ISA", level)
+            _C._set_cpu_isa(None)  # (the next call reads the variable)
+            assert "ringseq" not in available_backends("cpu", torch.float32, 16), level
+            for backend in (None, "ringseq"):
+                with pytest.raises(RuntimeError, match=rf"^flash_attn_func: RINGSEQ_CPU_ISA"
+                                                       rf".*{level}"):
+                    ringseq.flash_attn_func(q, q, q, backend=backend)
+            with pytest.raises(RuntimeError, match=rf"^get_backend: RINGSEQ_CPU_ISA.*{level}"):
+                get_backend()
+            out = ringseq.flash_attn_func(q, q, q, causal=True, backend="reference")
+            assert torch.isfinite(out).all()
+    finally:
+        monkeypatch.delenv("RINGSEQ_CPU_ISA")
+        _C._set_cpu_isa(None)
+
+
 def _dtensor_inputs():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -15,7 +15,8 @@ import torch
 from .registry import backend_by_key, backend_key
 from .base import AttentionBackend, compute_delta
 from .checks import FLOAT_DTYPES, accum_dtype, check_qkv, resolve_scale
-from .extension import ExtensionBackend, extension_available, extension_has_cuda
+from .extension import (ExtensionBackend, extension_available, extension_has_cuda,
+                        forced_level_error)
 from .flash_attn import FlashAttnBackend, flash_attn_module
 from .reference import ReferenceBackend
 from .sdpa import SdpaBackend
@@ -54,13 +55,20 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
 
     ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim) and
     the features, else "sdpa" on CUDA (where it can: no soft-cap, no float64), else
-    "reference". Raises ValueError (naming ``fn``) for an unknown name (TypeError for a value
+    "reference". Raises RuntimeError (naming ``fn``) on CPU for ``backend`` None or "ringseq"
+    when ``RINGSEQ_CPU_ISA`` forces a level this CPU or build lacks, ValueError (naming ``fn``) for an unknown name (TypeError for a value
     that is not a name) and for a given backend (a name or an instance: the same checks)
     that cannot run such inputs, NotImplementedError naming the backends that can when a given
     backend cannot compute the features.
     """
     device = torch.device("cpu") if device is None else torch.device(device)
     dtype_, headdim_ = dtype or torch.float32, headdim or 64
+    if device.type == "cpu" and (backend is None or isinstance(backend, ExtensionBackend) or (
+            isinstance(backend, str) and backend == "ringseq")):
+        forced = forced_level_error()
+        if forced is not None:  # (as documented: the level asked for, or an error naming it;
+            # before: listed as available, then the kernel's error without the function's name)
+            raise RuntimeError(f"{fn}: {forced}")
 
     def can(name) -> bool:
         be = _instance(name)

@@ -49,6 +49,19 @@ def cpu_isa() -> str | None:
     return None if _C is None else _C.cpu_isa()
 
 
+def forced_level_error() -> str | None:
+    """The error of a ``RINGSEQ_CPU_ISA`` level this CPU or this build lacks (an unknown
+    name too), None where the CPU kernel's level runs (or ringseq._C is not built). Not read
+    while torch.compile traces (the kernel raises it then)."""
+    if _C is None or torch.compiler.is_compiling():
+        return None
+    try:
+        _C.cpu_isa()  # (the level chosen at the first call is kept: a lookup after it)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def cpu_isa_levels() -> list:
     """ISA levels built into ringseq._C that this CPU can run, lowest first ([] if not built)."""
     return [] if _C is None else list(_C.cpu_isa_supported())
@@ -201,6 +214,8 @@ class ExtensionBackend(AttentionBackend):
                 return f"the CUDA kernel supports head dims 64 and 128, got {headdim}"
         elif device.type != "cpu":
             return f"ringseq kernels run on CPU and CUDA tensors, got {device}"
+        else:
+            return forced_level_error()
         return None
 
     # Plain calls keep the operators' original argument lists; spans / softcap are appended only

@@ -530,6 +530,31 @@ def test_flash_attn_backend_gives_empty_rows_lse_minus_inf(monkeypatch):
     assert torch.isneginf(lse[:, :, 0]).all() and (lse[:, :, 1:] == 0).all(), lse
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "reference"] + (["ringseq"] if extension_available()
+                                                              else []))
+def test_a_query_whose_every_score_is_minus_inf_gives_out_0_and_lse_minus_inf(backend):
+    """As the README says, for every backend: a -inf in a query (keys positive there) makes
+    every score of its row -inf: out 0, lse -inf (+inf under return_attn_probs), alone and
+    over a ring of 4 (before: 'sdpa' gave lse 0, and log 4 after the ring's merge). The
+    other rows keep the float64 reference's values."""
+    import math
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 8, dtype=torch.float64) for _ in range(3))  # (b, s, h, d)
+    k[..., 0] = k[..., 0].abs() + 0.1
+    q[0, 2, 1, 0] = -math.inf  # (row 2 of head 1)
+    seen = torch.ones(1, 2, 8, dtype=torch.bool)  # (b, h, s)
+    seen[0, 1, 2] = False
+    want_out, want_lse = ringseq.flash_attn_func(q, k, v, return_lse=True, backend="reference")
+    for out, lse in (ringseq.flash_attn_func(q, k, v, return_lse=True, backend=backend),
+                     ringseq.simulate_ring(q, k, v, world_size=4, backend=backend)):
+        assert (out[0, 2, 1] == 0).all() and torch.isneginf(lse[0, 1, 2]), (out[0, 2], lse)
+        assert torch.allclose(lse[seen], want_lse[seen], atol=1e-12)
+        assert torch.allclose(out.transpose(1, 2)[seen], want_out.transpose(1, 2)[seen],
+                              atol=1e-12)
+    _, lse, _ = ringseq.flash_attn_func(q, k, v, return_attn_probs=True, backend=backend)
+    assert torch.isposinf(lse[0, 1, 2]), lse
+
+
 def test_forward_mode_ad_and_torch_func_transforms_are_refused():
     """The operator's derivative is its backward: forward-mode AD (torch.func.jvp, dual
     tensors) raises instead of giving a zero tangent without a word (before: jvp's tangent was
@@ -635,6 +660,11 @@ def test_zero_heads_and_a_group_that_is_not_one_are_named():
         with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup "
                                             r"or None .* got " + repr(group).replace("[", r"\[")):
             ringseq.ring_flash_attn_func(q, q, q, group=group)
+    # the ring accessors name themselves (before: get_ring's message named no function)
+    for name in ("get_ring", "get_comm", "reset_ring"):
+        with pytest.raises(TypeError, match=rf"^{name}: group must be a torch.distributed "
+                                            rf"ProcessGroup or None .* got 'x' \(str\)"):
+            getattr(ringseq, name)("x")
 
 
 def test_a_backend_refusing_the_lse_gradient_names_the_function():

@@ -385,18 +385,22 @@ _LOCAL: Dict[str, Ring] = {}
 def get_ring(group=None, fn: Optional[str] = None) -> Ring:
     """The cached :class:`Ring` of ``group``: a process group (None: the default group), or a
     :class:`Transport`. Process groups are held weakly, so destroyed groups do not keep their
-    rings (and buffers) alive. Raises ValueError for a group this process is not in, naming
-    ``fn`` (the public function called) when given.
+    rings (and buffers) alive.
 
     Never traced by dynamo: traced, the lookup in ``_RINGS`` (a WeakKeyDictionary keyed by
     the process group) is guarded on the dictionary's type only, so the frame compiled at the
     first call (no ring yet) made a new Ring -- control counter 0, new channels under the
-    old names -- at every later compiled call."""
+    old names -- at every later compiled call.
+
+    Raises TypeError for a ``group`` that is no process group, Ring or Transport, and
+    ValueError for a group this process is not in, both naming ``fn`` ("get_ring" when
+    called directly: before, its errors named no function)."""
+    fn = fn or "get_ring"
     group = real_object(group)
     if isinstance(group, Ring):
         return group
     if isinstance(group, Transport):
-        check_transport(fn or "get_ring", group)
+        check_transport(fn, group)
         key = group.ring_key
         ring = _RINGS.get(key)
         if ring is None:

@@ -52,6 +52,22 @@ def _zero_unseen_rows(out_bhsd, lse, s_q, s_k, causal, bias=None):
     return out_bhsd, lse
 
 
+def _rows_of_neg_inf_scores(qt, kt, scale, causal, bias, rows: int = 512):
+    """(b, h, s_q) bool: the rows whose every visible score is -inf (a -inf in the query,
+    say), computed in blocks of ``rows`` query rows; NaN rows are not among them."""
+    s_q, s_k = qt.shape[-2], kt.shape[-2]
+    hidden = None if bias is None else torch.isneginf(bias)  # (s_q, s_k)
+    if hidden is None and causal:
+        hidden = ~causal_mask(s_q, s_k, qt.device)
+    found = []
+    for i in range(0, s_q, rows):
+        scores = torch.matmul(qt[..., i:i + rows, :], kt.transpose(-1, -2)) * scale
+        if hidden is not None:  # (b, h, rows, s_k)
+            scores.masked_fill_(hidden[i:i + rows], float("-inf"))
+        found.append(torch.isneginf(scores).all(dim=-1))
+    return torch.cat(found, dim=-1)
+
+
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     supports_delta = False
@@ -97,6 +113,14 @@ class SdpaBackend(AttentionBackend):
             lse = lse[..., :s_q]  # the CUDA kernel pads lse to a multiple of 32 rows
         lse = lse.to(self.accum_dtype(q.dtype)).contiguous()
         out, lse = _zero_unseen_rows(out, lse, s_q, s_k, causal, bias if spans is not None else None)
+        if bool(torch.isinf(q).any()) or bool(torch.isinf(k).any()):
+            # torch's ops give lse 0 for a row whose every score is -inf; the contract says
+            # -inf (out 0), which the ring's merge needs (before: lse log W over W blocks).
+            # Found only where q or k holds an infinity (one check per call otherwise).
+            unseen = _rows_of_neg_inf_scores(qt, kt, scale, causal, bias)  # (b, h, s_q)
+            if bool(unseen.any()):
+                lse.masked_fill_(unseen, float("-inf"))
+                out.masked_fill_(unseen[..., None], 0.0)
         return out.transpose(1, 2), lse  # (b, s_q, h, d), (b, h, s_q)
 
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta, spans=None, softcap=0.0):

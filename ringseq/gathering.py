@@ -137,7 +137,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     dtype = getattr(x_local, "dtype", None)
     fields = _shape_fields(shape) + (
         ("dtype", _ALL_DTYPES.index(dtype) if dtype in _ALL_DTYPES else -1, _ALL_DTYPES),
-        ("layout", code, "layout"), ("dim", dim),
+        ("layout", code, "layout", "?" if lay is None else lay.signature_text(code)), ("dim", dim),
         # (shown by value, around the first difference; before: "layout #<hash>" per rank)
         ints_field("layout documents (cu_seqlens)", getattr(lay, "documents", None)))
     ring = get_ring(group, "unshard")

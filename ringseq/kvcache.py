@@ -32,7 +32,7 @@ from .kernels.checks import (FLOAT_DTYPES, accum_dtype, check_tensor_of_rank, re
                              resolve_scale)
 from .kernels.spans import check_softcap
 from .kernels.extension import ExtensionBackend, extension_available
-from .layouts import Layout
+from .layouts import Layout, layout_field
 from .spec import dtype_code, float_field, named_layout
 
 __all__ = ["flash_attn_with_kvcache", "ring_flash_attn_with_kvcache"]
@@ -745,7 +745,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         operation_field("ring kv-cache decoding"),
         ("batch", b), ("seqlen_q", s_q), ("nheads", h), ("headdim", d), ("nheads_k", h_kv),
         ("dtype", dtype_code(q.dtype), "dtype"), ("seqlen_new", s_new),
-        ("prefill_len", int(prefill_len)), ("layout", lay.signature_code, "layout"),
+        ("prefill_len", int(prefill_len)), layout_field("layout", lay),
         ints_field("layout documents (cu_seqlens)", lay.documents),
         ("causal", causal, "bool"), ("window left", window[0]), ("window right", window[1]),
         float_field("softmax_scale", scale, q.dtype), float_field("softcap", softcap, q.dtype),

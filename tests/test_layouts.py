@@ -313,11 +313,15 @@ def _ranks_given_different_parameters():
 def test_ranks_given_one_layout_class_with_different_parameters_raise_everywhere():
     """A user's layout compares its instance's parameters (``self.k``) across the ranks.
     Before: name and class only, and ranks given Rotated(0) and Rotated(1) got an unshard
-    holding one chunk twice and ring outputs off by 1.19, without a word."""
+    holding one chunk twice and ring outputs off by 1.19, without a word. The message shows
+    every rank's layout, class and parameters (before: "layout #<hash>" per rank)."""
+    shown = ("rank 0: rotated_test@custom_layout.Rotated(k=0), "
+             "rank 1: rotated_test@custom_layout.Rotated(k=1)")
     for r in run_ranks(_ranks_given_different_parameters, 2):
         assert r["codes"] == (True, True), r
         for call in ("ring", "unshard"):
-            assert r[call].startswith("RingMismatchError") and "layout" in r[call], r[call]
+            assert r[call].startswith("RingMismatchError") and f"layout ({shown})" in r[call], \
+                r[call]
         assert r["same parameters"] < 1e-12 and r["equal layouts"] < 1e-12, r
 
 

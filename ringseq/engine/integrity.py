@@ -256,6 +256,20 @@ def gather(ring, kind: int, status: int, fields: Sequence[int] = (),
     return rows
 
 
+def _listed_texts(ring, text: str, name) -> str:
+    """Every rank's ``text`` (a layout field's) in one more control exchange, shown per
+    rank."""
+    seq = ring._seq
+    ring._seq += 1
+    words = torch.cat([control_vector(CHECK, OK, seq, (), 0),
+                       _message_words(text)])  # (CONTROL_WORDS + message words,)
+    got = ring.control(words, CHECK, seq)
+    if got is None:
+        return "differ"
+    return ", ".join(f"{name(r)}: {_message_text(row[CONTROL_WORDS:].contiguous())}"
+                     for r, row in enumerate(got))
+
+
 def _listed_values(ring, values: Sequence[int], name, hashes: Sequence[int]) -> str:
     """Every rank's ``values`` (an INTS field's; the first 64 and their count) in one more
     control exchange, shown per rank around the first index where ranks differ; where they
@@ -396,6 +410,9 @@ def mismatch_error(ring, values: List[List[int]], signature: Sequence[tuple], ca
         if len(set(column)) > 1 and fkind == INTS:
             # (every rank sees the same rows, so every rank makes this exchange)
             diffs.append(f"{f[0]} ({_listed_values(ring, f[3], name, column)})")
+        elif len(set(column)) > 1 and fkind == "layout" and len(f) > 3:
+            # (layout_field's: each rank knows its own layout only; the texts travel)
+            diffs.append(f"{f[0]} ({_listed_texts(ring, f[3], name)})")
         elif len(set(column)) > 1 and fkind != ANY:
             per_rank = ", ".join(f"{name(r)}: {describe_field(fkind, c)}"
                                  for r, c in enumerate(column))

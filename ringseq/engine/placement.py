@@ -24,7 +24,7 @@ import torch
 
 from .._dist import named_for, real_object
 from ..kernels.grad import attention_backward
-from ..layouts import LAYOUTS, Layout
+from ..layouts import LAYOUTS, Layout, layout_field
 from ..layouts.base import _built_in
 from ..spec import AttnSpec, check_user_layout, local_spans
 from .loops import ring_backward, ring_forward
@@ -143,7 +143,7 @@ class Placement:
         a ring) adds to its own call's signature, so that the ranks of the whole group agree
         on them before any byte moves: this placement's ring layout, if it has one."""
         return (() if self.layout is None else
-                (("ring layout", self.layout.signature_code, "layout"),))
+                (layout_field("ring layout", self.layout),))
 
 
 class LocalPlacement(Placement):

@@ -16,7 +16,7 @@ import torch
 
 from ..kernels.spans import as_spans_tensor
 from .integrity import operation_field
-from ..layouts import BlockTask, Layout, span_keys
+from ..layouts import BlockTask, Layout, layout_field, span_keys
 from ..spec import AttnSpec, check_user_layout
 
 __all__ = ["PlannedTask", "RingPlan", "make_plan"]
@@ -168,7 +168,7 @@ def _make_plan(spec, layout, world_size, rank, q_shape, nheads_kv, dtype, comm_k
     schedule = tuple(tuple(PlannedTask(t.q, t.kv, t.causal, as_spans_tensor(t.spans))
                            for t in step) for step in sched)
     signature = (operation_field("ring attention"),) + spec.signature(
-        q_shape, nheads_kv, dtype, extra=(("layout", layout.signature_code, "layout"),
+        q_shape, nheads_kv, dtype, extra=(layout_field("layout", layout),
                                           ("world size", world_size)))
     return RingPlan(spec=spec, layout=layout, world_size=world_size, rank=rank,
                     schedule=schedule, hops=hops, signature=signature, kv_rows=kv_rows,

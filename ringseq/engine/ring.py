@@ -269,8 +269,9 @@ class Ring:
     def check(self, fields: Sequence[tuple], about: str = "argument check",
               fn: str = "Ring.check") -> None:
         """One argument check outside a ring call: ``fields`` are at most 24 ``(name, int or
-        bool[, kind])`` (or ``(name, code, "ints", values)``: ``ringseq._hash.ints_field``), the
-        same names and kinds in the same order on every rank. Raises on every rank:
+        bool[, kind])`` (or ``(name, code, "ints", values)``: ``ringseq._hash.ints_field``;
+        ``(name, code, "layout", text)``: ``ringseq.layouts.layout_field``, each rank's text
+        shown on a mismatch), the same names and kinds in the same order on every rank. Raises on every rank:
         ``RingMismatchError`` when ranks pass other values, or other names or another number
         of fields; TypeError / ValueError (naming ``fn``) for malformed fields on the ranks
         given them, RingPeerError on the others (and RingBrokenError / RingDesyncError as a
@@ -285,7 +286,8 @@ class Ring:
         with self._hold():
             # (a code of the names and kinds goes first: ranks comparing fields by position
             # alone passed lists of other lengths or names on some ranks)
-            kinds = repr([(f[0], f[2] if len(f) > 2 else "int") for f in fields])
+            # (and whether a field carries values or a text, which a mismatch exchanges)
+            kinds = repr([(f[0], f[2] if len(f) > 2 else "int", len(f)) for f in fields])
             rows = gather(self, CHECK, BROKEN if self._broken is not None else OK,
                           [stable_code(kinds)] + [f[1] for f in fields], None, code)
             if rows is None:
@@ -454,7 +456,8 @@ def _checked_fields(fn: str, fields) -> Tuple[tuple, ...]:
     out = []
     for i, f in enumerate(fields):
         value = None
-        if isinstance(f, (list, tuple)) and (len(f) in (2, 3) or len(f) == 4 and f[2] == "ints"):
+        if isinstance(f, (list, tuple)) and (len(f) in (2, 3) or len(f) == 4 and (
+                f[2] == "ints" or f[2] == "layout" and isinstance(f[3], str))):
             value = int(f[1]) if is_bool(f[1]) else as_int(f[1])  # (a flag: 0 or 1)
         if value is None or not isinstance(f[0], str):
             raise TypeError(f"{fn}: fields[{i}] must be a (name: str, value: int or bool) "
@@ -465,7 +468,7 @@ def _checked_fields(fn: str, fields) -> Tuple[tuple, ...]:
                                 or isinstance(f[2], tuple)):  # (and "ints", as 4)
             raise ValueError(f"{fn}: fields[{i}] ({f[0]!r}): a kind must be one of "
                              f"{sorted(_FIELD_KINDS)} or a tuple of choices, got {f[2]!r}")
-        if len(f) == 4:  # ("ints": its values travel on a mismatch: checked here, not there)
+        if len(f) == 4 and f[2] == "ints":  # (its values travel on a mismatch: checked here)
             values = [as_int(x) for x in f[3]] if isinstance(f[3], (list, tuple)) else [None]
             if any(x is None or not -2 ** 63 <= x < 2 ** 63 for x in values):
                 raise TypeError(f"{fn}: fields[{i}] ({f[0]!r}): an \"ints\" field's values "

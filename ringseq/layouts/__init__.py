@@ -7,8 +7,8 @@ step computes; ``shard`` / ``positions`` / ``unshard_local`` move tokens accordi
 per-batch ``"documents"`` (:mod:`.documents`).
 """
 from ..masks import AttnMask
-from .base import (LAYOUTS, BlockTask, Layout, check_rank, get_layout, layout_name_of_code,
-                   masked_tasks, merge_intervals, register_layout, span_keys)
+from .base import (LAYOUTS, BlockTask, Layout, check_rank, get_layout, layout_field,
+                   layout_name_of_code, masked_tasks, merge_intervals, register_layout, span_keys)
 from .builtin import Contiguous, Stripe, Zigzag
 from .documents import (DOCUMENTS, Documents, DocumentsContiguous, DocumentsZigzag,
                         PerBatchDocuments, document_positions, documents_layout)
@@ -18,7 +18,7 @@ __all__ = [
     "AttnMask", "BlockTask", "Contiguous", "DOCUMENTS", "Documents", "DocumentsContiguous",
     "DocumentsZigzag", "LAYOUTS", "Layout",
     "PerBatchDocuments", "Stripe", "Zigzag", "check_rank", "document_positions",
-    "documents_layout", "get_layout", "layout_name_of_code", "masked_tasks", "merge_intervals",
+    "documents_layout", "get_layout", "layout_field", "layout_name_of_code", "masked_tasks", "merge_intervals",
     "positions",
     "positions_local", "register_layout", "shard", "shard_local", "span_keys", "unshard_local",
 ]

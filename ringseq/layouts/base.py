@@ -43,8 +43,9 @@ from .._args import as_int, given, is_bool
 from .._hash import stable_code
 from ..masks import AttnMask, Run, span_tasks
 
-__all__ = ["BlockTask", "LAYOUTS", "Layout", "check_rank", "get_layout", "layout_name_of_code",
-           "masked_tasks", "merge_intervals", "register_layout", "span_keys"]
+__all__ = ["BlockTask", "LAYOUTS", "Layout", "check_rank", "get_layout", "layout_field",
+           "layout_name_of_code", "masked_tasks", "merge_intervals", "register_layout",
+           "span_keys"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,22 @@ class Layout:
         (cu_seqlens): a layout whose parameters are those documents leaves them out there, so
         that a mismatch names the layout and the documents each once."""
         return self.code
+
+    def signature_text(self, code: Optional[int] = None) -> str:
+        """How a mismatch shows this layout on every rank (the ranks exchange these texts
+        then; each rank knows only its own layout): a built-in layout's name; a user's
+        layout's name, class and the scalar parameters its :attr:`code` compares (before:
+        ``layout #<hash>`` per rank). ``code``: the code compared (default
+        :attr:`signature_code`); a user's own ``code`` override is shown by its value."""
+        code = self.signature_code if code is None else code
+        if _built_in(type(self)):
+            return repr(self.name)
+        if code == self._class_code():
+            return self._class_text()
+        params = _parameters_text(self)
+        if type(self).code is Layout.code and params:
+            return f"{self._class_text()}({params})"
+        return f"{self._class_text()} (code {code})"
 
     def multiple(self, world_size: int) -> int:
         """The global sequence length must be a multiple of this."""
@@ -527,6 +544,14 @@ def get_layout(layout: Union[str, Layout], fn: str = "get_layout") -> Layout:
         raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {sorted(LAYOUTS)} "
                          f"or a ringseq.layouts.Layout instance")
     return LAYOUTS[layout]
+
+
+def layout_field(name: str, layout: Layout, code: Optional[int] = None) -> tuple:
+    """The cross-rank signature field ``(name, code, "layout", text)`` comparing ``layout``
+    by its :attr:`Layout.signature_code` (or ``code``); ``text``
+    (:meth:`Layout.signature_text`) is what a mismatch shows for each rank."""
+    code = layout.signature_code if code is None else code
+    return (name, code, "layout", layout.signature_text(code))
 
 
 def layout_name_of_code(code: int) -> str:

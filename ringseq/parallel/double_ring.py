@@ -46,7 +46,7 @@ from ..engine.plan import PlannedTask, RingPlan, make_plan
 from ..engine.ring import Ring, get_ring, meet_as_failed, refuse_on_error
 from ..kernels import AttentionBackend, compute_delta
 from ..kernels.merge import merge_into
-from ..layouts import AttnMask, Layout, masked_tasks
+from ..layouts import AttnMask, Layout, layout_field, masked_tasks
 from ..layouts.base import layout_cached
 from ..spec import AttnSpec, check_user_layout
 
@@ -159,7 +159,7 @@ def _outer_plan(spec: AttnSpec, layout: Layout, outer: Ring, inner: Ring, q_shap
         not _InnerLayout(layout, R, I, o, p).nothing_to_do(s, spec.mask) for o in range(O))),
         default=0)
     signature = (operation_field("double-ring attention"),) + spec.signature(
-        q_shape, nheads_kv, dtype, extra=(("layout", layout.signature_code, "layout"),
+        q_shape, nheads_kv, dtype, extra=(layout_field("layout", layout),
                                           ("world size", R), ("inner ring", I)))
     return RingPlan(spec=spec, layout=layout, world_size=O, rank=outer.rank,
                     schedule=tuple(schedule), hops=hops, signature=signature, kv_len=s,

@@ -17,7 +17,7 @@ from .._args import as_int, check_ignore_index, given, int_if_integer, is_bool
 from .._dist import named_for
 from .._hash import ints_field, stable_code
 from ..engine.ring import get_ring, reset_ring
-from ..layouts import PerBatchDocuments, get_layout
+from ..layouts import PerBatchDocuments, get_layout, layout_field
 from ..parallel.dims import ParallelDims, renamed_dims_error, sharding_refusal
 from ..parallel.groups import SP_MODES
 from .base import Plugin
@@ -116,7 +116,7 @@ def _option_fields(dims: ParallelDims, layout, precision: str, ignore_index: int
             # groups of one ring; ranks must build alike)
             ("inner_ring_size given", int(inner_ring_given), "bool"),
             ("ulysses_inner", -1 if ulysses_inner is None else int(bool(ulysses_inner))),
-            ("layout", layout.code, "layout"),
+            layout_field("layout", layout, layout.code),
             ("precision", tuple(PRECISIONS).index(precision), tuple(PRECISIONS)),
             ("ignore_index", int(ignore_index)),
             ("activation_checkpointing", int(bool(activation_checkpointing)), "bool"),

@@ -20,7 +20,6 @@ S, H, HKV, D = 16, 4, 2, 8
 def _worker():
     import ringseq
     import torch.distributed as dist
-    from ringseq.kernels.checks import CHECK_COUNTS
 
     torch.manual_seed(dist.get_rank())
     q = torch.randn(1, S, H, D)
@@ -86,18 +85,18 @@ def _worker():
         ref_ins = [t.clone().requires_grad_() for t in (q, k, v)]
         want = fn(*ref_ins)
         want.float().sum().backward()
+        # (a gradient missing on either side is a failure: before, it was skipped, and a
+        # compiled path that dropped k's and v's gradients scored 0)
         err = max([float((got - want).abs().max())]
-                  + [float((a - b).abs().max()) for a, b in zip(grads, [t.grad for t in ref_ins])
-                     if a is not None and b is not None])
+                  + [float("inf") if a is None or b is None else float((a - b).abs().max())
+                     for a, b in zip(grads, [t.grad for t in ref_ins])])
         results[name] = err
-    results["_checks"] = dict(CHECK_COUNTS)
     return results
 
 
 def test_every_public_function_compiles_cold_with_fullgraph():
     per_rank = run_ranks(_worker, 2, timeout=600)
     for rank, res in enumerate(per_rank):
-        res.pop("_checks")
         assert len(res) == 17 + 4, sorted(res)  # (every public function, 4 of them dynamic)
         for name, err in res.items():
             assert err < 1e-5, f"rank {rank} {name}: compiled differs from eager by {err}"

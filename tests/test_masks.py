@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import random
+import re
 
 import pytest
 import torch
@@ -381,7 +382,10 @@ def test_a_documents_layout_with_parameters_of_its_own_is_compared_whole():
     (a review's repro: a subclass whose code adds a shift paired silently, errors of 1.42)."""
     from dist_utils import run_ranks
     for res in run_ranks(_shifted_documents, 2, timeout=120, env={"RINGSEQ_TIMEOUT": "20"}):
-        assert res.startswith("RingMismatchError") and "layout (rank 0: layout #" in res, res
+        # each rank's layout shown with its parameters (before: "layout #<hash>")
+        assert res.startswith("RingMismatchError") and re.search(
+            r"layout \(rank 0: documents_contiguous@test_masks\._ShiftedContiguous\(.*shift=0\) "
+            r"\(code \d+\), rank 1: .*shift=1\) \(code \d+\)\)", res), res
 
 
 def _hybrid_documents_forms():

@@ -228,6 +228,12 @@ def _errors(sps, pairs):
             [torch.tensor([[0], [1]])])),
         "tables_inner_0": error_text(lambda: sp_groups_from_tables(
             [torch.tensor([[0], [1]]), torch.tensor([[2], [3]])], inner_ring_size=0)),
+        # (before: truncated to ranks 0, 1, 2 and 3 without a word)
+        "float_tables": error_text(lambda: sp_groups_from_tables(
+            [torch.tensor([[0.6, 1.7], [2.2, 3.9]])])),
+        # rank 3 passes another table (before: the message showed the tables' hashes only)
+        "tables_differ": error_text(lambda: sp_groups_from_tables(
+            [torch.tensor([[0, 1], [2, 3]] if rank != 3 else [[0, 2], [1, 3]])])),
         # (before: "no" read as true, a Ulysses-inner placement)
         "ulysses_inner_word": error_text(lambda: ringseq.make_sp_groups(2, ulysses_inner="no")),
         # documents the hybrid's ring cannot cut into equal chunks (before: raised from deep
@@ -657,6 +663,12 @@ def test_group_tables_that_cannot_make_groups_raise_on_every_rank():
             "the group []"), e["partial_tables"]
         assert e["tables_inner_0"] == ("ValueError: sp_groups_from_tables: inner_ring_size must "
                                        "be a positive integer or None, got 0"), e
+        assert e["float_tables"] == ("ValueError: sp_groups_from_tables: tables[0] must hold "
+                                     "int global ranks, got dtype torch.float32"), e
+        assert e["tables_differ"].startswith("RingMismatchError") and e["tables_differ"].endswith(
+            "rank 0 passed tables [[[0, 1], [2, 3]]], inner_ring_size None, ulysses_inner True; "
+            "rank 3 passed tables [[[0, 2], [1, 3]]], inner_ring_size None, ulysses_inner "
+            "True"), e["tables_differ"]
         assert e["ulysses_inner_word"] == ("TypeError: make_sp_groups: ulysses_inner must be a "
                                            "bool, got 'no'"), e
         assert e["after_tables"] == 2  # group creation still in step on every rank

@@ -133,6 +133,13 @@ def _errors(state_dict):
     sp_down = DeviceMesh("cpu", [[1, 0], [3, 2]], mesh_dim_names=("dp", "sp"))
     out["sp_down_zero0"] = error_text(lambda: P(sp_size=2, mesh=sp_down))
     out["sp_down_zero3"] = error_text(lambda: P(sp_size=2, zero_stage=3, mesh=sp_down))
+    # ... but not in a double ring or the hybrid (before: named sp_groups_from_tables' table)
+    out["sp_down_double"] = error_text(lambda: P(sp_size=4, inner_ring_size=2, mesh=DeviceMesh(
+        "cpu", [[1, 0, 3, 2]], mesh_dim_names=("dp", "sp"))))
+    out["sp_down_hybrid"] = error_text(lambda: P(sp_size=4, sp_mode="hybrid", ulysses_size=2,
+                                               mesh=DeviceMesh("cpu", [[[1, 0], [3, 2]]],
+                                                               mesh_dim_names=("dp", "sp_r",
+                                                                               "sp_u"))))
     # (before: told to "use zero_stage=0", which it was)
     out["tp_down_zero0"] = error_text(lambda: P(sp_size=2, tp_size=2, mesh=DeviceMesh(
         "cpu", [[[2, 3], [0, 1]]], mesh_dim_names=("dp", "sp", "tp"))))
@@ -284,6 +291,19 @@ def test_a_mesh_whose_dp_dim_does_not_count_up_raises_on_every_rank(run):
 def test_fsdp_refuses_a_mesh_whose_dp_x_sp_ranks_do_not_count_up(run):
     for e in _raised(run, "sp_down_zero0"):
         assert e == "no error", e
+    for e in _raised(run, "sp_down_double"):
+        assert e == ("ValueError: RingSequenceParallelPlugin: the mesh's sequence-parallel dims "
+                     "('sp',) must hold increasing global ranks in sp_mode='ring' with "
+                     "inner_ring_size=2 (process groups order their ranks by global rank, which "
+                     "the ring ranks must follow), got [1, 0, 3, 2] at dp index 0; only a plain "
+                     "ring (sp_mode='ring' without inner_ring_size) takes a permuted sp dim (at "
+                     "zero stage 0 without tensor parallelism)"), e
+    for e in _raised(run, "sp_down_hybrid"):
+        assert e.startswith("ValueError: RingSequenceParallelPlugin: the mesh's "
+                            "sequence-parallel dims ('sp_r', 'sp_u') must hold increasing global "
+                            "ranks in sp_mode='hybrid' (process groups order their ranks by "
+                            "global rank, which the Ulysses and ring ranks must follow), got "
+                            "[[1, 0], [3, 2]] at dp index 0;"), e
     for e in _raised(run, "sp_down_zero3"):
         assert e == ("ValueError: RingSequenceParallelPlugin: zero_stage 2 and 3 need a mesh "
                      "whose dp x sp ranks (flattened in that order) count up for each tp "

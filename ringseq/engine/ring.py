@@ -287,7 +287,9 @@ class Ring:
             # (a code of the names and kinds goes first: ranks comparing fields by position
             # alone passed lists of other lengths or names on some ranks)
             # (and whether a field carries values or a text, which a mismatch exchanges)
-            kinds = repr([(f[0], f[2] if len(f) > 2 else "int", len(f)) for f in fields])
+            kinds = repr([(f[0], f[2] if len(f) > 2 else "int") + (("text",) if len(f) > 3 and
+                                                                   f[2] == "layout" else ())
+                          for f in fields])
             rows = gather(self, CHECK, BROKEN if self._broken is not None else OK,
                           [stable_code(kinds)] + [f[1] for f in fields], None, code)
             if rows is None:

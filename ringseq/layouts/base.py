@@ -186,9 +186,10 @@ class Layout:
         if code == self._class_code():
             return self._class_text()
         params = _parameters_text(self)
-        if type(self).code is Layout.code and params:
-            return f"{self._class_text()}({params})"
-        return f"{self._class_text()} (code {code})"
+        text = self._class_text() + (f"({params})" if params else "")
+        if len(text) > 200:
+            text = text[:200] + "...)"
+        return text if type(self).code is Layout.code and params else f"{text} (code {code})"
 
     def multiple(self, world_size: int) -> int:
         """The global sequence length must be a multiple of this."""

@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from .._args import as_int, int_if_integer, is_bool, shown_divisors
-from .._dist import agree_on_fields, group_info, is_initialized, with_message
+from .._dist import (RingMismatchError, agree_on_fields, group_info, is_initialized,
+                     with_message)
 from .._hash import stable_hash_ints
 from ..data import shard_batch
 from ..layouts import Layout, get_layout, positions_local, shard_local
@@ -317,8 +318,11 @@ def sp_groups_from_tables(tables: Sequence[torch.Tensor], inner_ring_size: Optio
     # Every rank must create the same groups (new_group is collective over the default
     # group): a rank refusing alone, or ranks given other tables, would leave the rest
     # waiting in new_group.
-    agree_on_fields(problem is None, str(problem), (("tables and options", digest, None),),
-                    error=problem, what="sp_groups_from_tables")
+    try:
+        agree_on_fields(problem is None, str(problem), (("tables and options", digest, None),),
+                        error=problem, what="sp_groups_from_tables")
+    except RingMismatchError as exc:  # (raised on every rank alike: all exchange the tables)
+        raise _with_every_ranks_tables(exc, tables, ulysses_inner, inner_ring_size) from None
     mine = [i for i, t in enumerate(tables) if bool((t == me).any())]
     double = 1 < I < R
     out = {}
@@ -362,6 +366,24 @@ def sp_groups_from_tables(tables: Sequence[torch.Tensor], inner_ring_size: Optio
         coords=tuple(coords))
 
 
+def _with_every_ranks_tables(exc, tables, ulysses_inner, inner_ring_size) -> Exception:
+    """``exc`` (the ranks' tables or options differ) with every rank's tables and options
+    (before: their hashes alone), gathered from every rank, the first that differ from rank
+    0's shown."""
+    mine = ([torch.as_tensor(t).tolist() for t in tables], repr(inner_ring_size),
+            repr(ulysses_inner))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    other = next((r for r in range(len(every)) if every[r] != every[0]), 0)
+
+    def shown(r):
+        text = (f"tables {every[r][0]}, inner_ring_size {every[r][1]}, ulysses_inner "
+                f"{every[r][2]}")
+        return text if len(text) <= 300 else text[:300] + "..."
+    return RingMismatchError(f"{exc}: rank 0 passed {shown(0)}; rank {other} passed "
+                             f"{shown(other)}")
+
+
 def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
     """``(tables as int64 tensors, R, U, I)``; TypeError / ValueError naming
     sp_groups_from_tables for what cannot make one set of groups over ``world_size`` ranks."""
@@ -369,10 +391,15 @@ def _checked_tables(tables, inner_ring_size, ulysses_inner, world_size: int):
     if not is_bool(ulysses_inner):
         raise TypeError(f"{fn}: ulysses_inner must be a bool, got {ulysses_inner!r}")
     try:
-        tables = [torch.as_tensor(t, dtype=torch.long) for t in tables]
+        given_tables = [torch.as_tensor(t) for t in tables]
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{fn}: tables must be a list of (R, U) int tensors of global ranks "
                          f"({type(exc).__name__}: {exc})") from None
+    for i, t in enumerate(given_tables):  # (before: 0.6 and 1.7 were taken as ranks 0 and 1)
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{fn}: tables[{i}] must hold int global ranks, got dtype "
+                             f"{t.dtype}")
+    tables = [t.to(torch.long) for t in given_tables]
     if not tables or tables[0].dim() != 2 or tables[0].numel() == 0:
         raise ValueError(f"{fn}: tables must be a non-empty list of (R, U) int tensors of global "
                          f"ranks, got {[tuple(t.shape) for t in tables]}")

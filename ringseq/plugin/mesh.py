@@ -282,8 +282,20 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
     elif names[:3] == SP_MESH_DIMS[False]:
         table = table.transpose(1, 2)            # (dp, R, U, tp)
     # one sequence-parallel group per (dp, tp) index, created in the same order on every rank
-    sp = sp_groups_from_tables([table[d, :, :, t] for d in range(table.shape[0])
-                                for t in range(table.shape[3])], None if I == R else I, ui)
+    tables = [table[d, :, :, t] for d in range(table.shape[0]) for t in range(table.shape[3])]
+    for i, t in enumerate(tables):
+        if not ((t[1:] > t[:-1]).all() and (t[:, 1:] > t[:, :-1]).all()):
+            # (before: refused by sp_groups_from_tables, naming its argument, not the mesh)
+            raise ValueError(f"the mesh's sequence-parallel dims {names[1:3 if U > 1 else 2]} "
+                             f"must hold increasing global ranks in sp_mode={sp_mode!r}"
+                             f"{f' with inner_ring_size={I}' if I < R else ''} (process "
+                             f"groups order their ranks by global rank, which the "
+                             f"{'Ulysses and ' if U > 1 else ''}ring ranks must follow), got "
+                             f"{t.squeeze(-1).tolist() if U == 1 else t.tolist()} at dp index "
+                             f"{i // table.shape[3]}; only a plain ring (sp_mode='ring' "
+                             f"without inner_ring_size) takes a permuted sp dim (at zero "
+                             f"stage 0 without tensor parallelism)")
+    sp = sp_groups_from_tables(tables, None if I == R else I, ui)
     sp_dims = tuple(n for n in names if n.startswith("sp"))
     return _with_tp(MeshGroups(mesh=mesh, dp_size=table.shape[0], sp_size=sp.size,
                                dp_rank=mesh.get_local_rank("dp"), sp_rank=sp.rank,

@@ -427,9 +427,117 @@ def test_a_mask_window_the_layer_contradicts_is_refused():
     from ringseq.integrations.transformers import _window_of_mask
     marked = torch.ones(1, 1, 4, 4).bool()
     marked.ringseq_window = 24
-    assert _window_of_mask("L", marked, None) == 24 and _window_of_mask("L", marked, 24) == 24
-    assert _window_of_mask("L", None, 16) == 16
+    assert _window_of_mask("L", marked, None) == (24, False)
+    assert _window_of_mask("L", marked, 24) == (24, False)
+    assert _window_of_mask("L", None, 16) == (16, False)
+    marked.ringseq_window_inclusive = True  # (transformers' bidirectional overlay's)
+    assert _window_of_mask("L", marked, 24) == (24, True)
     with pytest.raises(ValueError, match=r"^L: the layer passes sliding_window=16, but its "
                                          r"attention mask was built with a sliding window of "
                                          r"24 tokens"):
         _window_of_mask("L", marked, 16)
+
+
+def _t5gemma(dtype=torch.float32, layer_types=("sliding_attention", "full_attention")):
+    """T5Gemma with an encoder sliding window of 8 (transformers' bidirectional overlay:
+    |q - k| <= 8, two keys more per row than (7, 7))."""
+    torch.manual_seed(0)
+    side = dict(SMALL, head_dim=16, max_position_embeddings=256, sliding_window=8,
+                layer_types=list(layer_types), query_pre_attn_scalar=16,
+                attn_logit_softcapping=None, final_logit_softcapping=None)
+    cfg = transformers.T5GemmaConfig(encoder=transformers.T5GemmaModuleConfig(**side),
+                                     decoder=transformers.T5GemmaModuleConfig(**side),
+                                     dropout_rate=0.0, attention_dropout=0.0, vocab_size=128)
+    return transformers.T5GemmaForConditionalGeneration(cfg).to(dtype).eval()
+
+
+def _deepseek(dtype=torch.float32):
+    """DeepSeek-V3's latent attention: value heads of 12 beside query / key heads of 24."""
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **dict(SMALL, num_key_value_heads=4), q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+        experts_implementation="eager")).to(dtype).eval()
+
+
+def _encoder_decoder_and_latent_ranks():
+    import ringseq
+    from ringseq.integrations.transformers import apply
+    t5 = apply(_t5gemma(), layout="zigzag")
+    enc, dec = _ids().clamp(min=1), _ids().flip(1).clamp(min=1)  # (T5Gemma pads 0)
+    batch = ringseq.shard_batch({"input_ids": enc}, layout="zigzag")
+    dec_local = ringseq.shard(dec, "zigzag", dim=1)
+    positions = ringseq.positions(SEQ, "zigzag")[None].expand(2, -1)
+    padded = torch.ones(2, SEQ, dtype=torch.long)
+    padded[0, 5:8] = padded[1, 20:22] = 0  # (on both ranks' shards)
+    padded = ringseq.shard(padded, "zigzag", dim=1)
+    out = {}
+    with torch.no_grad():
+        out["t5gemma"] = ringseq.unshard(t5(**batch, decoder_input_ids=dec_local,
+                                            decoder_position_ids=positions,
+                                            use_cache=False).logits, "zigzag")
+        out["decoder positions left out"] = error_text(lambda: t5(
+            **batch, decoder_input_ids=dec_local, use_cache=False))
+        out["decoder padding"] = error_text(lambda: t5(
+            **batch, decoder_input_ids=dec_local, decoder_position_ids=positions,
+            decoder_attention_mask=padded, use_cache=False))
+        deepseek = apply(_deepseek(), layout="zigzag")
+        out["deepseek"] = ringseq.unshard(deepseek(**ringseq.shard_batch(
+            {"input_ids": enc}, layout="zigzag"), use_cache=False).logits, "zigzag")
+        out["labels"] = error_text(lambda: deepseek(**batch, labels=batch["input_ids"],
+                                                    use_cache=False))
+    return out
+
+
+def test_encoder_decoder_windows_latent_attention_and_labels_over_a_ring():
+    """At W=2 (zigzag):
+    - T5Gemma's encoder window is transformers' inclusive bidirectional one, |q - k| <= w
+      (before: run as (w - 1, w - 1), logits 0.09 off without a word);
+    - its decoder's inputs are checked apart from the encoder's: decoder position ids left
+      out and a decoder padding mask are refused on every rank (before: the check ran once
+      per model call, at the encoder's first layer, and both passed: logits 0.01 and 0.25
+      off);
+    - DeepSeek-V3's latent attention (value heads smaller than query / key heads) runs
+      exactly (before: refused at every forward with the kernels' head-dim message);
+    - labels given to the model are refused (before: each rank's loss shifted its shard's
+      labels within the shard).
+    Logits against the float64 models with eager attention (the design rule)."""
+    enc, dec = _ids().clamp(min=1), _ids().flip(1).clamp(min=1)  # (T5Gemma pads 0)
+    wants = {}
+    for name, build, kwargs in (("t5gemma", _t5gemma, dict(decoder_input_ids=dec)),
+                                ("deepseek", _deepseek, {})):
+        pair = []
+        for dtype in (torch.float64, torch.float32):
+            model = build(dtype)
+            model.set_attn_implementation("eager")
+            with torch.no_grad():
+                pair.append(model(input_ids=enc, **kwargs, use_cache=False).logits)
+        wants[name] = pair
+    for rank, r in enumerate(run_ranks(_encoder_decoder_and_latent_ranks, 2, timeout=240)):
+        for name, (want64, plain) in wants.items():
+            assert_close_per_design(r[name], want64, plain, f"rank {rank} {name} logits", 2.0,
+                                    scaled_floor(torch.float32, want64))
+        assert r["decoder positions left out"].startswith(
+            "ValueError: T5GemmaSelfAttention: ringseq attention cannot compute this exactly: "
+            "position_ids that are not the global positions"), r
+        assert r["decoder padding"].startswith(
+            "ValueError: T5GemmaSelfAttention: ringseq attention cannot compute this exactly: "
+            "an attention_mask with padding"), r
+        assert r["labels"].startswith(
+            "ValueError: DeepseekV3Attention: ringseq attention cannot compute this exactly: "
+            "labels passed to the model over 2 ranks"), r
+
+
+def test_attention_modules_without_a_scale_attribute_are_named():
+    """(before: ModernBERT, whose attention dispatches through the interface but takes its
+    scale per call, was told it did not dispatch)"""
+    from ringseq.integrations.transformers import apply
+    model = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=2,
+        sep_token_id=1))
+    with pytest.raises(ValueError, match=r"^apply: ModernBertForMaskedLM has no attention "
+                                         r"modules .*; its ModernBertAttention modules hold no "
+                                         r"`scaling` attribute$"):
+        apply(model)

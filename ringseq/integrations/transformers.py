@@ -47,7 +47,7 @@ import inspect
 import re
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -97,6 +97,10 @@ class RingSettings:
     # versions), document boundaries, local length: every layer of one forward gets the same,
     # so they are checked (and agreed on across ranks) once per forward.
     _checked: tuple = field(default=(None, None, None, None, None), repr=False, compare=False)
+    # The stacks of attention layers (apply's ``_ringseq_stack``: an encoder's, a decoder's
+    # self- and cross-attention) checked in the model call ``_checked`` names: each stack
+    # gets its own inputs (a decoder its own position ids and mask), so each is checked.
+    _stacks_checked: tuple = field(default=(), repr=False, compare=False)
     # Model calls begun (the base model's forward pre-hook counts them on every rank alike):
     # the first layer of each call checks its inputs on every rank, so whether the collective
     # runs never depends on a rank's own tensor identities (a batch reused on one rank only).
@@ -116,6 +120,9 @@ class RingSettings:
     # The running model call's logits_to_keep (generate() passes 1), None when it keeps all:
     # over several ranks each would keep its own shard's last tokens, which is refused.
     _logits_kept: Any = field(default=None, repr=False, compare=False)
+    # Whether the running model call was given ``labels``: over several ranks the model's own
+    # loss would shift each shard's labels within the shard and average per rank (refused).
+    _labels_given: bool = field(default=False, repr=False, compare=False)
 
     def __deepcopy__(self, memo):
         # A process group cannot be copied, and a copied model runs on the same ring.
@@ -154,9 +161,10 @@ def _marked(mark, t) -> bool:
 
 @torch.compiler.disable  # host reads and a collective: run between graphs, on real tensors
 def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attention_mask,
-                       position_ids, q_local: int, device) -> None:
+                       position_ids, q_local: int, device, stack: str = "") -> None:
     """Refuses padding masks and wrong position ids; agrees across ranks before raising (the
-    message starts with ``name``, the attention module's class)."""
+    message starts with ``name``, the attention module's class). ``stack``: the layer's
+    stack (see ``RingSettings._stacks_checked``)."""
     world_size, rank = group_info(settings.group)
     kept = settings._logits_kept if world_size > 1 else None
     # the mask as given to the model (ringseq_mask hands the layers its last kv_length columns)
@@ -165,9 +173,13 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
     if world_size > 1:
         # Whether the agreement below runs is the same on every rank, so it depends on no rank's
         # own inputs (a mask on one rank only, a tensor reused on one rank only): once per model
-        # call (the base model's hook counts them on every rank alike, and every layer of a call
-        # gets the call's inputs), and at every call of a layer used on its own.
-        if settings._in_call > 0 and checked_call == settings._calls:
+        # call and stack of layers (the base model's hook counts the calls on every rank alike,
+        # the stacks are the model's structure, and every layer of a stack gets the call's
+        # inputs; before: once per call, and an encoder-decoder model's decoder went
+        # unchecked, its position ids and padding mask included), and at every call of a
+        # layer used on its own.
+        if settings._in_call > 0 and checked_call == settings._calls and \
+                stack in settings._stacks_checked:
             return
     elif (attention_mask is None and position_ids is None) or (
             checked_call == settings._calls and _marked(mask_mark, attention_mask)
@@ -181,6 +193,15 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
                         f"ranks: each rank would keep the logits of its own shard's last tokens, "
                         f"not the sequence's; generate() runs on one process only; over a ring "
                         f"compute every position's logits and gather them with ringseq.unshard")
+    if world_size > 1 and settings._labels_given:
+        # (before: each rank's loss shifted its own shard's labels, pairing tokens of chunks
+        # that are not neighbours under zigzag, and averaged per rank: another loss on every
+        # rank, without a word)
+        problems.append(f"labels passed to the model over {world_size} ranks: its own loss "
+                        f"would shift each rank's shard of the labels within the shard and "
+                        f"average per rank; leave labels out of the model call and pass the "
+                        f"shift_labels of ringseq.shard_batch to ringseq.sharded_cross_entropy "
+                        f"(the plugin's criterion does)")
     refusal = getattr(attention_mask, "ringseq_refusal", None)  # set by ringseq_mask
     if refusal is not None:
         problems.append(refusal)
@@ -251,6 +272,8 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
         not problems, f"{name}: ringseq attention cannot compute this exactly: "
         + "; ".join(problems),
         about="attention inputs")
+    settings._stacks_checked = (settings._stacks_checked if checked_call == settings._calls
+                                else ()) + (stack,)
     settings._checked = (_input_mark(attention_mask), _input_mark(position_ids), docs, q_local,
                          settings._calls)
 
@@ -293,17 +316,24 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         attention_mask, "ringseq_causal", getattr(module, "is_causal", True))
     # A refusal here reaches the other ranks (their input check or ring call raises
     # RingPeerError naming this rank) instead of leaving them waiting.
+    dv = value.shape[-1] if torch.is_tensor(value) else None
+    if torch.is_tensor(query) and torch.is_tensor(key) and dv is not None and \
+            key.shape[-1] == query.shape[-1] > dv:
+        # Latent attention (DeepSeek-V2/V3, MiniCPM3): values of a smaller head dim. Zero
+        # columns added to V give zero output columns, cut off below: exact (before: refused
+        # at every forward with the kernels' head-dim message).
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))
     with refuse_on_error(settings.group, FWD):
         # (b, h, s, d) -> (b, s, h, d) as views: the ring reads strided inputs without a copy
         # (the errors name transformers' query / key / value in its (b, h, s, d))
         q, k, v = SDPA_FORM.to_flash(name, query, key, value)
         _check_layer_kind(name, module, kwargs)
         _check_cross_attention(name, query, key, causal)
-        sliding_window = _window_of_mask(name, attention_mask, sliding_window)
+        sliding_window, inclusive = _window_of_mask(name, attention_mask, sliding_window)
         if getattr(attention_mask, "ringseq_no_mask", False):  # (ringseq_mask's marker)
             attention_mask = None
         layout, docs, window = _checked_call(name, settings, query, key, value, dropout,
-                                             sliding_window, kwargs)
+                                             sliding_window, kwargs, inclusive)
     s_local = query.shape[2]
     if torch._C._current_graph_task_id() == -1:
         # (not in a checkpointed layer's recompute: its forward checked these very inputs,
@@ -313,34 +343,39 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         if positions is None:
             positions = _model_positions(settings, s_local, query.device)
         _check_inputs_once(name, settings, layout, docs, attention_mask, positions, s_local,
-                           query.device)
+                           query.device, getattr(module, "_ringseq_stack", ""))
     if scaling is None:
         scaling = getattr(module, "scaling", None)
     if settings.sp is not None:
         out = _usp(name, q, k, v, 0.0, scaling, bool(causal), settings.sp, settings.ring_layout,
                    False, settings.backend, None, window, 0.0 if softcap is None else softcap,
                    docs, form=SDPA_FORM)
-        return out, None
-    out = ring_attention(name, q, k, v, softmax_scale=scaling, causal=bool(causal),
-                         window_size=window, group=settings.group, layout=layout,
-                         backend=settings.backend, softcap=0.0 if softcap is None else softcap,
-                         cu_seqlens=docs, form=SDPA_FORM)
-    return out, None
+    else:
+        out = ring_attention(name, q, k, v, softmax_scale=scaling, causal=bool(causal),
+                             window_size=window, group=settings.group, layout=layout,
+                             backend=settings.backend,
+                             softcap=0.0 if softcap is None else softcap, cu_seqlens=docs,
+                             form=SDPA_FORM)
+    return (out if out.shape[-1] == dv else out[..., :dv]), None
 
 
 def _window_of_mask(name: str, attention_mask, sliding_window):
-    """The layer's sliding window: the ``sliding_window`` it passes, else the one its mask was
-    built with (``ringseq_mask`` marks it). Some models (PhiMoE, Qwen2-MoE) build a
-    sliding-window mask and call the attention without the argument: the window was dropped,
-    and the layer ran full causal attention. ValueError where the two differ."""
+    """``(window, inclusive)``: the layer's sliding window, the ``sliding_window`` it passes,
+    else the one its mask was built with (``ringseq_mask`` marks it). Some models (PhiMoE,
+    Qwen2-MoE) build a sliding-window mask and call the attention without the argument: the
+    window was dropped, and the layer ran full causal attention. ``inclusive``: the mask's
+    window is transformers' bidirectional overlay, which sees ``window`` keys on each side
+    (|q - k| <= window; the causal overlay sees ``window`` keys, itself included). ValueError
+    where the two windows differ."""
     built = getattr(attention_mask, "ringseq_window", None)
+    inclusive = bool(getattr(attention_mask, "ringseq_window_inclusive", False))
     if built is None:
-        return sliding_window
+        return sliding_window, False
     if sliding_window is not None and int(sliding_window) != built:
         raise ValueError(f"{name}: the layer passes sliding_window={sliding_window}, but its "
                          f"attention mask was built with a sliding window of {built} tokens; "
                          f"ringseq attention cannot tell which one the model means")
-    return built
+    return built, inclusive
 
 
 def _check_cross_attention(name, query, key, causal) -> None:
@@ -381,9 +416,11 @@ def _check_layer_kind(name, module, kwargs) -> None:
                          f"would run as full causal attention)")
 
 
-def _checked_call(name, settings, query, key, value, dropout, sliding_window, kwargs):
+def _checked_call(name, settings, query, key, value, dropout, sliding_window, kwargs,
+                  inclusive: bool = False):
     """This call's (layout bound to the batch, documents, window); ValueError for what ring
-    attention cannot compute exactly (see the module doc)."""
+    attention cannot compute exactly (see the module doc). ``inclusive``: see
+    :func:`_window_of_mask`."""
     if kwargs.get("output_attentions"):
         raise ValueError(f"{name}: output_attentions=True is not supported by ringseq attention "
                          f"(attention probabilities are never materialized); use "
@@ -425,7 +462,9 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
         if sw is None or sw < 1:
             raise ValueError(f"{name}: sliding_window must be an int >= 1, got "
                              f"{sliding_window!r}")
-        window = (sw - 1, sw - 1)
+        # (before: (w - 1, w - 1) for T5Gemma's encoder too, whose mask sees |q - k| <= w:
+        # two keys fewer per row than the model, outputs 0.09 off without a word)
+        window = (sw, sw) if inclusive else (sw - 1, sw - 1)
     return layout, docs, window
 
 
@@ -496,6 +535,7 @@ def _capture_documents(module, args, kwargs):
         kept = kwargs.get("logits_to_keep", kwargs.get("num_logits_to_keep"))
         settings._logits_kept = (None if kept is None or (isinstance(kept, int) and kept == 0)
                                  else kept)
+        settings._labels_given = kwargs.get("labels") is not None
 
 
 def _forget_documents(module, args, kwargs, output):
@@ -503,6 +543,7 @@ def _forget_documents(module, args, kwargs, output):
     if settings is not None:
         settings._model_documents = False
         settings._logits_kept = None
+        settings._labels_given = False
 
 
 def _forget_positions(module, args, kwargs, output):
@@ -745,7 +786,7 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
     function carries is marked on what is returned (``ringseq_window``; where there is no
     mask, on an all-ones stand-in marked ``ringseq_no_mask``), for the layers that do not
     pass it to the attention themselves."""
-    window = _causal_window(mask_function)
+    window, inclusive = _mask_window(mask_function)
     # PaliGemma's language model: its attention modules are not causal
     # (use_bidirectional_attention), but the model's mask is (create_causal_mask): the
     # mask's structure decides, as it does in transformers' own attention functions (before:
@@ -768,6 +809,7 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
         marker = torch.ones((), dtype=torch.bool, device=kwargs.get("device")).expand(
             batch_size, 1, q_length, kv_length)  # (b, 1, q, kv), no memory
         marker.ringseq_no_mask, marker.ringseq_window = True, window
+        marker.ringseq_window_inclusive = inclusive
         if causal is not None:
             marker.ringseq_causal = causal
         return marker
@@ -779,6 +821,7 @@ def ringseq_mask(batch_size: int = None, q_length: int = None, kv_length: int = 
         attention_mask.ringseq_whole_mask = whole
         if window is not None:
             attention_mask.ringseq_window = window
+            attention_mask.ringseq_window_inclusive = inclusive
         if causal is not None:
             attention_mask.ringseq_causal = causal
     return attention_mask
@@ -803,15 +846,20 @@ def _mask_parts(mask_function):
             stack.extend(value if isinstance(value, (tuple, list)) else [value])
 
 
-def _causal_window(mask_function) -> Optional[int]:
-    """The sliding window (tokens a query sees, itself included) of transformers'
-    ``sliding_window_overlay`` in a mask function, or None."""
+def _mask_window(mask_function) -> Tuple[Optional[int], bool]:
+    """``(window, inclusive)`` of the sliding window in a transformers mask function:
+    ``sliding_window_overlay``'s (tokens a query sees, itself included; ``inclusive``
+    False) or ``sliding_window_bidirectional_overlay``'s (keys seen on each side,
+    |q - k| <= window; True), or ``(None, False)``."""
     for fn in _mask_parts(mask_function):
-        if getattr(fn, "__qualname__", "").startswith("sliding_window_overlay."):
-            for cell in fn.__closure__ or ():
-                if isinstance(cell.cell_contents, int):
-                    return int(cell.cell_contents)
-    return None
+        qualname = getattr(fn, "__qualname__", "")
+        for overlay, inclusive in (("sliding_window_overlay.", False),
+                                   ("sliding_window_bidirectional_overlay.", True)):
+            if qualname.startswith(overlay):
+                for cell in fn.__closure__ or ():
+                    if isinstance(cell.cell_contents, int):
+                        return int(cell.cell_contents), inclusive
+    return None, False
 
 
 # transformers' mask parts that keep a causal mask causal (a blockwise overlay with blocks is
@@ -836,7 +884,7 @@ def _has_blockwise_overlay(mask_function) -> bool:
     least one block: its block ids are -1 for tokens outside every block, so a text-only
     input (Gemma 3's all-zero ``token_type_ids``) adds nothing to the mask. Other
     compositions are the ring's own structure: causal or not (the module's ``is_causal``),
-    sliding windows (:func:`_causal_window`), packed documents (checked through position
+    sliding windows (:func:`_mask_window`), packed documents (checked through position
     ids)."""
     for fn in _mask_parts(mask_function):
         if getattr(fn, "__qualname__", "").startswith("blockwise_overlay."):
@@ -975,11 +1023,22 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
         group_info(group, "apply")  # raises for a group this process is not in
     modules = _attention_modules(model)
     if not modules:
+        # (named by what they lack: before, ModernBERT's, which dispatch through the interface
+        # but take their scale per call, were told they did not dispatch)
+        unscaled = sorted({type(m).__name__ for m in model.modules()
+                           if "Attention" in type(m).__name__ and not hasattr(m, "scaling")})
+        found = (f"; its {', '.join(unscaled)} modules hold no `scaling` attribute" if unscaled else
+                 "; it has none")
         raise ValueError(f"apply: {type(model).__name__} has no attention modules that ringseq "
                          f"can switch: it switches modules named *Attention* that hold their "
                          f"softmax scale as a `scaling` attribute and dispatch through "
-                         f"transformers' AttentionInterface")
+                         f"transformers' AttentionInterface{found}")
     _check_ring_exact(model, modules)
+    # each stack of attention layers (an encoder's, a decoder's self- and cross-attention:
+    # their names with the layer indices left out) checks its own inputs at every model call
+    names = {id(m): n for n, m in model.named_modules()}
+    for m in modules:
+        m._ringseq_stack = re.sub(r"\.\d+(?=\.|$)", ".*", names.get(id(m), ""))
     _check_whole_sequence_terms(model)
     _check_positions_exact(model, modules)
     _check_position_terms(model, modules)

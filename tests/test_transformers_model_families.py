@@ -455,7 +455,8 @@ def _deepseek(dtype=torch.float32):
     """DeepSeek-V3's latent attention: value heads of 12 beside query / key heads of 24."""
     torch.manual_seed(0)
     return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        **dict(SMALL, num_key_value_heads=4), q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        **dict(SMALL, num_key_value_heads=4), q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
         experts_implementation="eager")).to(dtype).eval()

@@ -271,11 +271,11 @@ class Ring:
         """One argument check outside a ring call: ``fields`` are at most 24 ``(name, int or
         bool[, kind])`` (or ``(name, code, "ints", values)``: ``ringseq._hash.ints_field``;
         ``(name, code, "layout", text)``: ``ringseq.layouts.layout_field``, each rank's text
-        shown on a mismatch), the same names and kinds in the same order on every rank. Raises on every rank:
-        ``RingMismatchError`` when ranks pass other values, or other names or another number
-        of fields; TypeError / ValueError (naming ``fn``) for malformed fields on the ranks
-        given them, RingPeerError on the others (and RingBrokenError / RingDesyncError as a
-        call's begin would)."""
+        shown on a mismatch), the same names and kinds in the same order on every rank.
+        Raises on every rank: ``RingMismatchError`` when ranks pass other values, or other
+        names or another number of fields; TypeError / ValueError (naming ``fn``) for
+        malformed fields on the ranks given them, RingPeerError on the others (and
+        RingBrokenError / RingDesyncError as a call's begin would)."""
         code = agreement_code(about)
         self._read_settings(CHECK, about=code)
         try:

@@ -55,11 +55,12 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
 
     ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim) and
     the features, else "sdpa" on CUDA (where it can: no soft-cap, no float64), else
-    "reference". Raises RuntimeError (naming ``fn``) on CPU for ``backend`` None or "ringseq"
-    when ``RINGSEQ_CPU_ISA`` forces a level this CPU or build lacks, ValueError (naming ``fn``) for an unknown name (TypeError for a value
-    that is not a name) and for a given backend (a name or an instance: the same checks)
-    that cannot run such inputs, NotImplementedError naming the backends that can when a given
-    backend cannot compute the features.
+    "reference". Raises RuntimeError (naming ``fn``) on CPU for ``backend`` None or
+    "ringseq" when ``RINGSEQ_CPU_ISA`` forces a level this CPU or build lacks, ValueError
+    (naming ``fn``) for an unknown name (TypeError for a value that is not a name) and for a
+    given backend (a name or an instance: the same checks) that cannot run such inputs,
+    NotImplementedError naming the backends that can when a given backend cannot compute
+    the features.
     """
     device = torch.device("cpu") if device is None else torch.device(device)
     dtype_, headdim_ = dtype or torch.float32, headdim or 64

@@ -18,7 +18,7 @@ __all__ = [
     "AttnMask", "BlockTask", "Contiguous", "DOCUMENTS", "Documents", "DocumentsContiguous",
     "DocumentsZigzag", "LAYOUTS", "Layout",
     "PerBatchDocuments", "Stripe", "Zigzag", "check_rank", "document_positions",
-    "documents_layout", "get_layout", "layout_field", "layout_name_of_code", "masked_tasks", "merge_intervals",
-    "positions",
+    "documents_layout", "get_layout", "layout_field", "layout_name_of_code", "masked_tasks",
+    "merge_intervals", "positions",
     "positions_local", "register_layout", "shard", "shard_local", "span_keys", "unshard_local",
 ]

@@ -115,10 +115,13 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
         return scattered(lay, [x_local], dim) if reorder else x_local
     # Whatever this rank refuses is agreed on before the all-gather, which the other ranks
     # would otherwise wait in.
-    problem, lay, code = None, None, -1
+    problem, lay, code, text = None, None, -1, "?"
     try:
         lay = get_layout(layout, "unshard")
         code = lay.signature_code  # (a documents layout's boundaries: their own field below)
+        # (here: a user layout whose text raises is refused like its other errors, not raised
+        # on this rank alone before the agreement, pairing the peers with its next call)
+        text = lay.signature_text(code)
         dim = seq_dim("unshard", x_local, dim)
         if x_local.is_meta:  # (no data: the all-gather would return at once on this rank only)
             raise ValueError("unshard: x_local must be a tensor with data (CPU or CUDA), got "
@@ -137,7 +140,7 @@ def unshard(x_local: torch.Tensor, layout="contiguous", group=None, dim: int = 1
     dtype = getattr(x_local, "dtype", None)
     fields = _shape_fields(shape) + (
         ("dtype", _ALL_DTYPES.index(dtype) if dtype in _ALL_DTYPES else -1, _ALL_DTYPES),
-        ("layout", code, "layout", "?" if lay is None else lay.signature_text(code)), ("dim", dim),
+        ("layout", code, "layout", text), ("dim", dim),
         # (shown by value, around the first difference; before: "layout #<hash>" per rank)
         ints_field("layout documents (cu_seqlens)", getattr(lay, "documents", None)))
     ring = get_ring(group, "unshard")

@@ -325,6 +325,29 @@ def test_ranks_given_one_layout_class_with_different_parameters_raise_everywhere
         assert r["same parameters"] < 1e-12 and r["equal layouts"] < 1e-12, r
 
 
+def test_a_layout_field_shows_what_tells_layouts_apart():
+    """What a mismatch shows for each rank's layout (exchanged between the ranks): a built-in
+    layout's name; the plugin's documents layout (its code holds the boundaries) with its
+    boundaries and code (a review's repro: shown as 'documents' on every rank); a user's
+    layout by class and parameters, cut at 200 characters with its code (a first version
+    showed two long layouts alike)."""
+    from custom_layout import Rotated
+
+    from ringseq.layouts import Documents, get_layout, layout_field
+    assert layout_field("l", get_layout("zigzag"))[3] == "'zigzag'"
+    docs = Documents([0, 8, 16])
+    assert layout_field("l", docs, docs.code)[3] == \
+        f"'documents' of documents (0, 8, 16) (code {docs.code})"
+    assert layout_field("l", docs)[3] == "'documents'"  # (the ring compares them apart)
+    long = [Rotated(1), Rotated(1)]
+    for i, lay in enumerate(long):
+        lay.table = tuple(range(100)) + (i,)
+    texts = [layout_field("l", lay)[3] for lay in long]
+    assert texts[0] != texts[1] and all(t.startswith("rotated_test@custom_layout.Rotated(k=1, "
+                                                     "table=(0, 1, 2") for t in texts), texts
+    assert all(t.endswith(f"...) (code {lay.code})") for t, lay in zip(texts, long)), texts
+
+
 def test_a_backward_runs_its_forwards_layout_after_the_name_is_registered_again():
     """(before: the backward looked a registered layout up by name, and ran the plan of one
     registered under that name after the forward: wrong gradients, no error)"""

@@ -553,6 +553,16 @@ def test_a_query_whose_every_score_is_minus_inf_gives_out_0_and_lse_minus_inf(ba
                               atol=1e-12)
     _, lse, _ = ringseq.flash_attn_func(q, k, v, return_attn_probs=True, backend=backend)
     assert torch.isposinf(lse[0, 1, 2]), lse
+    # fp16 rows whose products exceed fp16's range before the scale are ordinary rows, also
+    # beside a -inf in another batch row (a review's repro: a first version zeroed them)
+    q, k = torch.full((2, 8, 1, 64), -40.0).half(), (torch.rand(2, 8, 1, 64) * 2 + 40).half()
+    v = torch.randn(2, 8, 1, 64).half()
+    q[1, 3, 0, 0] = -math.inf
+    out, lse = ringseq.flash_attn_func(q, k, v, return_lse=True, backend=backend)
+    want_out, want_lse = ringseq.flash_attn_func(q.double(), k.double(), v.double(),
+                                                 return_lse=True, backend="reference")
+    assert torch.isfinite(lse[0]).all() and (lse[0] - want_lse[0]).abs().max() < 1, lse
+    assert (out[0].double() - want_out[0]).abs().max() < 1e-2
 
 
 def test_forward_mode_ad_and_torch_func_transforms_are_refused():
@@ -775,7 +785,8 @@ def test_a_forced_cpu_level_that_cannot_run_is_named_by_the_call_and_not_listed(
                                                        rf".*{level}"):
                     ringseq.flash_attn_func(q, q, q, backend=backend)
             with pytest.raises(RuntimeError, match=rf"^get_backend: RINGSEQ_CPU_ISA.*{level}"):
-                get_backend()
+                get_backend(device="cpu")
+            get_backend("ringseq")  # (a name checked before any input, as apply does)
             out = ringseq.flash_attn_func(q, q, q, causal=True, backend="reference")
             assert torch.isfinite(out).all()
     finally:

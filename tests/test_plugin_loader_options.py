@@ -348,6 +348,22 @@ def test_pack_documents_names_the_sample_it_cannot_pack(samples, kwargs, expecte
     assert error_text(lambda: pack_documents(samples, **kwargs)).startswith(expected)
 
 
+def test_pack_documents_takes_a_sequence_that_only_indexes():
+    """A Subset-like sequence (__getitem__ and __len__, no __iter__) is packed, as before the
+    check of samples' kind (a review's repro)."""
+    from ringseq.plugin.dataloader import pack_documents
+
+    class Indexed:
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            if i >= 2:
+                raise IndexError(i)
+            return {"input_ids": [i + 1, i + 2]}
+    assert pack_documents(Indexed())["input_ids"].tolist() == [[1, 2, 2, 3]]
+
+
 def test_pack_documents_takes_tokenizer_rows_and_keeps_the_padding_label():
     """(1, s) tensors (a tokenizer's return_tensors="pt"), labels=None and uint8 ids: the
     result is int64, and the padding's ignore_index stays -100 (before: uint8 wrapped it to

@@ -328,6 +328,13 @@ def _case_check_consistent():
                 [("seqlen", "one" if rank else 1)])),
             "too_many": _capture(lambda: check_consistent([("f", 0)] * (24 + rank))),
             "ints": _capture(lambda: check_consistent([ints_field("docs", (0, 5 + rank, 9))])),
+            # a layout field's text is shown per rank; texts that do not tell the ranks apart
+            # are shown with their codes; a text on one rank only is named
+            "texts": _capture(lambda: check_consistent([("lay", rank, "layout", f"L{rank}")])),
+            "same_texts": _capture(lambda: check_consistent([("lay", rank, "layout", "L")])),
+            "text_on_one": _capture(lambda: check_consistent(
+                [("lay", 0, "layout", "L") if rank else ("lay", 0, "layout")])),
+            "bad_text": _capture(lambda: check_consistent([("lay", 0, "layout", 7)])),
             "after": _capture(lambda: check_consistent(same)), **_checks_off_refusal()}
 
 
@@ -818,14 +825,24 @@ def test_check_consistent_raises_on_every_rank(w2):
         assert r["off_malformed"][0] == ("TypeError" if rank else "ok"), r["off_malformed"]
         assert r["off_next_call"] == ("ok", (1, 8, 2, 8)), r["off_next_call"]
         assert r["values"][0] == "RingMismatchError" and "seqlen (" in r["values"][1], r
-        for case in ("count", "names"):
+        for case in ("count", "names", "text_on_one"):
             assert r[case][0] == "RingMismatchError", r[case]
             assert r[case][1].startswith("check_consistent: the ranks passed other fields "
-                                         "(names, kinds, order or count)"), r[case]
+                                         "(names, kinds, order or count, or a layout field "
+                                         "with a text on some ranks only)"), r[case]
+        assert r["texts"][0] == "RingMismatchError" and "lay (rank 0: L0, rank 1: L1)" in \
+            r["texts"][1], r["texts"]
+        assert r["same_texts"][0] == "RingMismatchError" and "lay (rank 0: L (#0), rank 1: L " \
+            "(#1))" in r["same_texts"][1], r["same_texts"]
+        assert r["bad_text"][:2] == ("TypeError", "check_consistent: fields[0] must be a (name: "
+                                     "str, value: int or bool) tuple (with a kind; or (name, "
+                                     "value, \"ints\", values), (name, value, \"layout\", text: "
+                                     "str)), got ('lay', 0, 'layout', 7)"), r["bad_text"]
         if rank == 1:
             assert r["malformed"][:2] == ("TypeError", "check_consistent: fields[0] must be a "
-                                          "(name: str, value: int or bool) tuple, got ('seqlen', "
-                                          "'one')")
+                                          "(name: str, value: int or bool) tuple (with a kind; "
+                                          "or (name, value, \"ints\", values), (name, value, "
+                                          "\"layout\", text: str)), got ('seqlen', 'one')")
             assert r["too_many"][:2] == ("ValueError", "check_consistent: at most 24 fields, "
                                          "got 25")
         else:

@@ -303,7 +303,7 @@ def test_fsdp_refuses_a_mesh_whose_dp_x_sp_ranks_do_not_count_up(run):
                             "sequence-parallel dims ('sp_r', 'sp_u') must hold increasing global "
                             "ranks in sp_mode='hybrid' (process groups order their ranks by "
                             "global rank, which the Ulysses and ring ranks must follow), got "
-                            "[[1, 0], [3, 2]] at dp index 0;"), e
+                            "[[1, 0], [3, 2]] as (ring, Ulysses) rows at dp index 0;"), e
     for e in _raised(run, "sp_down_zero3"):
         assert e == ("ValueError: RingSequenceParallelPlugin: zero_stage 2 and 3 need a mesh "
                      "whose dp x sp ranks (flattened in that order) count up for each tp "

@@ -256,9 +256,10 @@ def gather(ring, kind: int, status: int, fields: Sequence[int] = (),
     return rows
 
 
-def _listed_texts(ring, text: str, name) -> str:
+def _listed_texts(ring, text: str, name, codes: Sequence[int]) -> str:
     """Every rank's ``text`` (a layout field's) in one more control exchange, shown per
-    rank."""
+    rank; with the field's ``codes`` where the texts (cut to the message's bytes) do not
+    tell the ranks apart."""
     seq = ring._seq
     ring._seq += 1
     words = torch.cat([control_vector(CHECK, OK, seq, (), 0),
@@ -266,8 +267,10 @@ def _listed_texts(ring, text: str, name) -> str:
     got = ring.control(words, CHECK, seq)
     if got is None:
         return "differ"
-    return ", ".join(f"{name(r)}: {_message_text(row[CONTROL_WORDS:].contiguous())}"
-                     for r, row in enumerate(got))
+    texts = [_message_text(row[CONTROL_WORDS:].contiguous()) for row in got]
+    if len(set(texts)) < len(set(codes)):
+        texts = [f"{t} (#{c})" for t, c in zip(texts, codes)]
+    return ", ".join(f"{name(r)}: {t}" for r, t in enumerate(texts))
 
 
 def _listed_values(ring, values: Sequence[int], name, hashes: Sequence[int]) -> str:
@@ -412,7 +415,7 @@ def mismatch_error(ring, values: List[List[int]], signature: Sequence[tuple], ca
             diffs.append(f"{f[0]} ({_listed_values(ring, f[3], name, column)})")
         elif len(set(column)) > 1 and fkind == "layout" and len(f) > 3:
             # (layout_field's: each rank knows its own layout only; the texts travel)
-            diffs.append(f"{f[0]} ({_listed_texts(ring, f[3], name)})")
+            diffs.append(f"{f[0]} ({_listed_texts(ring, f[3], name, column)})")
         elif len(set(column)) > 1 and fkind != ANY:
             per_rank = ", ".join(f"{name(r)}: {describe_field(fkind, c)}"
                                  for r, c in enumerate(column))

@@ -298,7 +298,8 @@ class Ring:
             others = [r for r, row in enumerate(rows) if row[FIELD0] != rows[self.rank][FIELD0]]
             if others:
                 raise RingMismatchError(
-                    f"{fn}: the ranks passed other fields (names, kinds, order or count): this "
+                    f"{fn}: the ranks passed other fields (names, kinds, order or count, or "
+                    f"a layout field with a text on some ranks only): this "
                     f"rank (rank {self.rank} of the group) {names}, rank(s) {others} others")
             err = mismatch_error(self, [row[FIELD0 + 1:FIELD0 + 1 + len(fields)]
                                         for row in rows], fields, called=fn,
@@ -463,7 +464,8 @@ def _checked_fields(fn: str, fields) -> Tuple[tuple, ...]:
             value = int(f[1]) if is_bool(f[1]) else as_int(f[1])  # (a flag: 0 or 1)
         if value is None or not isinstance(f[0], str):
             raise TypeError(f"{fn}: fields[{i}] must be a (name: str, value: int or bool) "
-                            f"tuple, got {f!r}")
+                            f"tuple (with a kind; or (name, value, \"ints\", values), "
+                            f"(name, value, \"layout\", text: str)), got {f!r}")
         if not -2 ** 63 <= value < 2 ** 63:
             raise ValueError(f"{fn}: fields[{i}] ({f[0]!r}) must fit in int64, got {value}")
         if len(f) == 3 and not (isinstance(f[2], str) and f[2] in _FIELD_KINDS

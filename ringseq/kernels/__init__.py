@@ -55,17 +55,20 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
 
     ``backend=None`` picks "ringseq" where its kernels support (device, dtype, headdim) and
     the features, else "sdpa" on CUDA (where it can: no soft-cap, no float64), else
-    "reference". Raises RuntimeError (naming ``fn``) on CPU for ``backend`` None or
-    "ringseq" when ``RINGSEQ_CPU_ISA`` forces a level this CPU or build lacks, ValueError
+    "reference". Raises RuntimeError (naming ``fn``) for a CPU ``device`` (given) and
+    ``backend`` None or "ringseq" when ``RINGSEQ_CPU_ISA`` forces a level this CPU or build
+    lacks, ValueError
     (naming ``fn``) for an unknown name (TypeError for a value that is not a name) and for a
     given backend (a name or an instance: the same checks) that cannot run such inputs,
     NotImplementedError naming the backends that can when a given backend cannot compute
     the features.
     """
+    given_device = device is not None  # (apply checks a name before any input exists)
     device = torch.device("cpu") if device is None else torch.device(device)
     dtype_, headdim_ = dtype or torch.float32, headdim or 64
-    if device.type == "cpu" and (backend is None or isinstance(backend, ExtensionBackend) or (
-            isinstance(backend, str) and backend == "ringseq")):
+    if given_device and device.type == "cpu" and (
+            backend is None or isinstance(backend, ExtensionBackend) or (
+                isinstance(backend, str) and backend == "ringseq")):
         forced = forced_level_error()
         if forced is not None:  # (as documented: the level asked for, or an error naming it;
             # before: listed as available, then the kernel's error without the function's name)
@@ -131,7 +134,10 @@ def available_backends(device="cpu", dtype=torch.float32, headdim=64) -> list[st
                         f"({type(headdim).__name__})") from None
     if headdim < 1:
         raise ValueError(f"{fn}: headdim must be >= 1, got {headdim}")
-    return [n for n in BACKEND_NAMES if _instance(n).unsupported_reason(device, dtype, headdim) is None]
+    # (a RINGSEQ_CPU_ISA level this CPU lacks: every CPU kernel call raises)
+    lacking = device.type == "cpu" and forced_level_error() is not None
+    return [n for n in BACKEND_NAMES if _instance(n).unsupported_reason(device, dtype, headdim)
+            is None and not (lacking and n == "ringseq")]
 
 
 __all__ = [

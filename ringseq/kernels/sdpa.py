@@ -52,20 +52,28 @@ def _zero_unseen_rows(out_bhsd, lse, s_q, s_k, causal, bias=None):
     return out_bhsd, lse
 
 
-def _rows_of_neg_inf_scores(qt, kt, scale, causal, bias, rows: int = 512):
-    """(b, h, s_q) bool: the rows whose every visible score is -inf (a -inf in the query,
-    say), computed in blocks of ``rows`` query rows; NaN rows are not among them."""
+def _rows_of_neg_inf_scores(out_bhsd, lse, qt, kt, scale, causal, bias):
+    """(b, h, s_q) bool, or None for none: the rows whose every visible score is -inf (a
+    -inf in the query, say). torch's ops give such a row lse 0 and out 0: only rows that
+    look so are checked, each by its scores in float32, the scale applied before the product
+    (an fp16 product that overflows is no -inf score); NaN rows are not among them.
+    ``bias``: the (s_q, s_k) bias of :func:`_bias` or None."""
+    looks = lse == 0  # (b, h, s_q)
+    if not bool(looks.any()):
+        return None
+    looks &= (out_bhsd == 0).all(dim=-1)
+    if not bool(looks.any()):
+        return None
     s_q, s_k = qt.shape[-2], kt.shape[-2]
     hidden = None if bias is None else torch.isneginf(bias)  # (s_q, s_k)
     if hidden is None and causal:
         hidden = ~causal_mask(s_q, s_k, qt.device)
-    found = []
-    for i in range(0, s_q, rows):
-        scores = torch.matmul(qt[..., i:i + rows, :], kt.transpose(-1, -2)) * scale
-        if hidden is not None:  # (b, h, rows, s_k)
-            scores.masked_fill_(hidden[i:i + rows], float("-inf"))
-        found.append(torch.isneginf(scores).all(dim=-1))
-    return torch.cat(found, dim=-1)
+    for b, h, i in looks.nonzero().tolist():  # (few: rows torch gave lse 0 and out 0)
+        scores = (kt[b, h].float() @ (qt[b, h, i].float() * scale))  # (s_k,)
+        if hidden is not None:
+            scores = scores.masked_fill(hidden[i], float("-inf"))
+        looks[b, h, i] = bool(torch.isneginf(scores).all())
+    return looks
 
 
 class SdpaBackend(AttentionBackend):
@@ -97,7 +105,7 @@ class SdpaBackend(AttentionBackend):
         qt = q.transpose(1, 2)  # (b, h, s_q, d)
         kt = expand_kv(k, h).transpose(1, 2)  # (b, h, s_k, d)
         vt = expand_kv(v, h).transpose(1, 2)
-        bias = _bias(s_q, s_k, causal, q.dtype, q.device, spans)
+        bias = bias2d = _bias(s_q, s_k, causal, q.dtype, q.device, spans)  # (s_q, s_k)
         is_causal = causal and bias is None
         if q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -113,14 +121,12 @@ class SdpaBackend(AttentionBackend):
             lse = lse[..., :s_q]  # the CUDA kernel pads lse to a multiple of 32 rows
         lse = lse.to(self.accum_dtype(q.dtype)).contiguous()
         out, lse = _zero_unseen_rows(out, lse, s_q, s_k, causal, bias if spans is not None else None)
-        if bool(torch.isinf(q).any()) or bool(torch.isinf(k).any()):
-            # torch's ops give lse 0 for a row whose every score is -inf; the contract says
-            # -inf (out 0), which the ring's merge needs (before: lse log W over W blocks).
-            # Found only where q or k holds an infinity (one check per call otherwise).
-            unseen = _rows_of_neg_inf_scores(qt, kt, scale, causal, bias)  # (b, h, s_q)
-            if bool(unseen.any()):
-                lse.masked_fill_(unseen, float("-inf"))
-                out.masked_fill_(unseen[..., None], 0.0)
+        # torch's ops give lse 0 for a row whose every score is -inf; the contract says -inf
+        # (out 0), which the ring's merge needs (before: lse log W over W blocks)
+        unseen = _rows_of_neg_inf_scores(out, lse, qt, kt, scale, causal, bias2d)
+        if unseen is not None:  # (b, h, s_q)
+            lse.masked_fill_(unseen, float("-inf"))
+            out.masked_fill_(unseen[..., None], 0.0)
         return out.transpose(1, 2), lse  # (b, s_q, h, d), (b, h, s_q)
 
     def _bwd(self, dout, q, k, v, out, lse, scale, causal, delta, spans=None, softcap=0.0):

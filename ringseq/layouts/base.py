@@ -182,13 +182,19 @@ class Layout:
         :attr:`signature_code`); a user's own ``code`` override is shown by its value."""
         code = self.signature_code if code is None else code
         if _built_in(type(self)):
-            return repr(self.name)
+            if code == stable_code(self.name):
+                return repr(self.name)
+            # (a built-in layout's code holding its boundaries, as the plugin compares it:
+            # shown by its code too, where boundaries cut short could look alike)
+            docs = tuple(self.documents or ())
+            shown = ", ".join(map(str, docs[:16])) + (", ..." if len(docs) > 16 else "")
+            return f"{self.name!r} of documents ({shown}) (code {code})"
         if code == self._class_code():
             return self._class_text()
         params = _parameters_text(self)
         text = self._class_text() + (f"({params})" if params else "")
-        if len(text) > 200:
-            text = text[:200] + "...)"
+        if len(text) > 200:  # (cut: the code tells cut texts apart)
+            return f"{text[:200]}...) (code {code})"
         return text if type(self).code is Layout.code and params else f"{text} (code {code})"
 
     def multiple(self, world_size: int) -> int:

@@ -459,11 +459,15 @@ def pack_documents(samples, multiple: int = 1, ignore_index: int = -100) -> dict
     if round_to < 1:
         raise ValueError(f"pack_documents: multiple must be an int >= 1 (what the packed "
                          f"length is rounded up to), got {round_to}")
-    if isinstance(samples, (Mapping, str, bytes)) or not hasattr(samples, "__iter__"):
-        # (one sample given alone was iterated by its keys: "samples[0] ... got 'input_ids'")
+    try:
+        # (one sample given alone was iterated by its keys: "samples[0] ... got 'input_ids'";
+        # None gave Python's "'NoneType' object is not iterable")
+        if isinstance(samples, (Mapping, str, bytes)):
+            raise TypeError
+        samples = list(samples)  # (a sequence with __getitem__ only, e.g. a Subset, too)
+    except TypeError:
         raise TypeError(f"pack_documents: samples must be a list of mappings with 'input_ids' "
-                        f"(s,), got {given(samples)}")
-    samples = list(samples)
+                        f"(s,), got {given(samples)}") from None
     if not samples:
         raise ValueError("pack_documents: samples is empty; a batch needs at least one sample")
     ids, labels, cu = [], [], [0]

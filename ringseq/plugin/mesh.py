@@ -286,12 +286,15 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
     for i, t in enumerate(tables):
         if not ((t[1:] > t[:-1]).all() and (t[:, 1:] > t[:, :-1]).all()):
             # (before: refused by sp_groups_from_tables, naming its argument, not the mesh)
-            raise ValueError(f"the mesh's sequence-parallel dims {names[1:3 if U > 1 else 2]} "
+            # (the ring dim alone at U = 1: a double ring's 'sp_u' has size 1)
+            dims = tuple(n for n in names if n.startswith("sp") and (U > 1 or n != "sp_u"))
+            raise ValueError(f"the mesh's sequence-parallel dims {dims} "
                              f"must hold increasing global ranks in sp_mode={sp_mode!r}"
                              f"{f' with inner_ring_size={I}' if I < R else ''} (process "
                              f"groups order their ranks by global rank, which the "
                              f"{'Ulysses and ' if U > 1 else ''}ring ranks must follow), got "
-                             f"{t.squeeze(-1).tolist() if U == 1 else t.tolist()} at dp index "
+                             f"{t.squeeze(-1).tolist() if U == 1 else t.tolist()}"
+                             f"{' as (ring, Ulysses) rows' if U > 1 else ''} at dp index "
                              f"{i // table.shape[3]}; only a plain ring (sp_mode='ring' "
                              f"without inner_ring_size) takes a permuted sp dim (at zero "
                              f"stage 0 without tensor parallelism)")

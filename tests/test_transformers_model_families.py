@@ -431,7 +431,14 @@ def test_a_mask_window_the_layer_contradicts_is_refused():
     assert _window_of_mask("L", marked, 24) == (24, False)
     assert _window_of_mask("L", None, 16) == (16, False)
     marked.ringseq_window_inclusive = True  # (transformers' bidirectional overlay's)
-    assert _window_of_mask("L", marked, 24) == (24, True)
+    # its layers pass w (T5Gemma) or w + 1 (EmbeddingGemma 2, Ultrabert: a review's repro,
+    # refused by a first version)
+    assert _window_of_mask("L", marked, 24) == _window_of_mask("L", marked, 25) == (24, True)
+    with pytest.raises(ValueError, match=r"^L: the layer passes sliding_window=26, but its "
+                                         r"attention mask was built with a sliding window of "
+                                         r"24 tokens on each side"):
+        _window_of_mask("L", marked, 26)
+    marked.ringseq_window_inclusive = False
     with pytest.raises(ValueError, match=r"^L: the layer passes sliding_window=16, but its "
                                          r"attention mask was built with a sliding window of "
                                          r"24 tokens"):

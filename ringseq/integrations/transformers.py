@@ -32,8 +32,9 @@ the ring's control channel, where the condition is only visible on some ranks): 
 ``output_attentions=True`` (the probabilities are never materialized), a KV cache holding
 earlier tokens, position ids that are not the global positions of the local tokens
 (forgetting ``position_ids`` makes every rank's RoPE start at 0), attention sinks, chunked
-attention layers and bidirectional blocks of image tokens (transformers' blockwise overlay,
-which :func:`ringseq_mask` hands to the input check). Position ids are checked from the
+attention layers, bidirectional blocks of image tokens (transformers' blockwise overlay,
+which :func:`ringseq_mask` hands to the input check) and, over several ranks, ``labels`` given
+to a causal LM (its loss would shift each shard's labels within the shard). Position ids are checked from the
 model's own call where the attention function gets none (GPT-BigCode). :func:`apply` refuses
 models whose tokens also meet outside softmax attention (hybrids' Mamba, short-convolution
 and linear-attention layers), ALiBi position biases, heads that pool the sequence (sequence
@@ -120,8 +121,8 @@ class RingSettings:
     # The running model call's logits_to_keep (generate() passes 1), None when it keeps all:
     # over several ranks each would keep its own shard's last tokens, which is refused.
     _logits_kept: Any = field(default=None, repr=False, compare=False)
-    # Whether the running model call was given ``labels``: over several ranks the model's own
-    # loss would shift each shard's labels within the shard and average per rank (refused).
+    # Whether the running model call, a causal LM's, was given ``labels``: over several ranks
+    # its own loss would shift each shard's labels within the shard (refused).
     _labels_given: bool = field(default=False, repr=False, compare=False)
 
     def __deepcopy__(self, memo):
@@ -272,8 +273,9 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
         not problems, f"{name}: ringseq attention cannot compute this exactly: "
         + "; ".join(problems),
         about="attention inputs")
-    settings._stacks_checked = (settings._stacks_checked if checked_call == settings._calls
-                                else ()) + (stack,)
+    stacks = settings._stacks_checked if checked_call == settings._calls else ()
+    # (once each: a layer called on its own, outside a model call, checks at every call)
+    settings._stacks_checked = stacks if stack in stacks else stacks + (stack,)
     settings._checked = (_input_mark(attention_mask), _input_mark(position_ids), docs, q_local,
                          settings._calls)
 
@@ -287,24 +289,29 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
 
     Args (transformers' calling convention):
         module: the attention module; must carry ``ringseq_settings`` (set by :func:`apply`).
-        query: (b, h, s_local, d); key, value: (b, h_kv, s_local, d), ``h % h_kv == 0``
-            (GQA: K/V heads travel the ring unexpanded, no ``repeat_kv``). Any float dtype the
-            ring supports; the output has query's dtype.
+        query: (b, h, s_local, d); key: (b, h_kv, s_local, d), ``h % h_kv == 0`` (GQA: K/V
+            heads travel the ring unexpanded, no ``repeat_kv``); value: (b, h_kv, s_local,
+            d_v), ``d_v <= d`` (latent attention's smaller value heads: V is padded with
+            zero columns to d and the output cut back to d_v). Any float dtype the ring
+            supports; the output has query's dtype.
         attention_mask: None or a 2D (b, s_local) mask that is all ones.
         dropout: must be 0 (transformers passes the module's dropout while training).
         scaling: softmax scale; default ``module.scaling``, else ``d ** -0.5``.
         is_causal: default ``module.is_causal`` (True when absent).
         sliding_window: None, or the layer's window: a token sees itself and the
             ``sliding_window - 1`` tokens before it (transformers' convention, flash-attn's
-            ``window_size=(sliding_window - 1, sliding_window - 1)``); each layer passes its own.
+            ``window_size=(sliding_window - 1, sliding_window - 1)``); each layer passes its
+            own. Where the layer's mask is transformers' bidirectional window overlay
+            (|q - k| <= w: T5Gemma, EmbeddingGemma 2), the mask's ``(w, w)`` (the layer passes
+            w or w + 1).
         softcap: None, or the logit soft-cap (Gemma 2's ``attn_logit_softcapping``).
         kwargs: ``position_ids`` (checked against the layout), ``cu_seq_lens_q`` /
             ``cu_seq_lens_k`` (GLOBAL document boundaries of a packed batch, as
             ``ringseq.shard_batch`` returns them), ``output_attentions`` (must be falsy),
             ``s_aux`` (attention sinks: must be None); the rest is ignored.
 
-    Returns ``(out, None)`` with out (b, s_local, h, d) -- transformers reshapes it to
-    (b, s_local, h * d) -- and no attention weights.
+    Returns ``(out, None)`` with out (b, s_local, h, d_v) -- transformers reshapes it to
+    (b, s_local, h * d_v) -- and no attention weights.
 
     Raises ValueError for what ring attention cannot compute exactly (see the module doc),
     before any payload moves: on the other ranks RingPeerError naming this one (through the
@@ -371,10 +378,14 @@ def _window_of_mask(name: str, attention_mask, sliding_window):
     inclusive = bool(getattr(attention_mask, "ringseq_window_inclusive", False))
     if built is None:
         return sliding_window, False
-    if sliding_window is not None and int(sliding_window) != built:
+    # (an inclusive mask's layer passes w (T5Gemma) or w + 1, flash-attn's count for the same
+    # band (EmbeddingGemma 2, Ultrabert): both are the mask's window)
+    if sliding_window is not None and int(sliding_window) != built and not (
+            inclusive and int(sliding_window) == built + 1):
         raise ValueError(f"{name}: the layer passes sliding_window={sliding_window}, but its "
-                         f"attention mask was built with a sliding window of {built} tokens; "
-                         f"ringseq attention cannot tell which one the model means")
+                         f"attention mask was built with a sliding window of {built} tokens"
+                         f"{' on each side' if inclusive else ''}; ringseq attention cannot "
+                         f"tell which one the model means")
     return built, inclusive
 
 
@@ -535,7 +546,9 @@ def _capture_documents(module, args, kwargs):
         kept = kwargs.get("logits_to_keep", kwargs.get("num_logits_to_keep"))
         settings._logits_kept = (None if kept is None or (isinstance(kept, int) and kept == 0)
                                  else kept)
-        settings._labels_given = kwargs.get("labels") is not None
+        # (a causal LM's loss shifts the labels; other heads' per-token losses do not)
+        settings._labels_given = (kwargs.get("labels") is not None
+                                  and getattr(module, "loss_type", None) == "ForCausalLM")
 
 
 def _forget_documents(module, args, kwargs, output):

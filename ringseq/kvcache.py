@@ -180,12 +180,14 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return reach(b.storage_offset() - a.storage_offset(), 0)
 
 
-def _check_leftpad(fn: str, pads, lengths, s_new: int) -> None:
-    """ValueError unless every row's left padding lies in [0, its keys after the append]."""
+def _check_leftpad(fn: str, pads, lengths, s_new: int, implied: bool = False) -> None:
+    """ValueError unless every row's left padding lies in [0, its keys after the append].
+    ``implied``: cache_seqlens was not given (``lengths``: the whole cache per row)."""
     if any(a < 0 or a > n + s_new for a, n in zip(pads, lengths)):
         raise ValueError(f"{fn}: cache_leftpad entries must lie in [0, cache_seqlens + "
                          f"seqlen_new], got cache_leftpad = {pads} for cache_seqlens = "
-                         f"{lengths} and seqlen_new = {s_new}")
+                         f"{lengths}{' (not given: the whole cache)' if implied else ''} and "
+                         f"seqlen_new = {s_new}")
 
 
 def _head_contiguous(*tensors):
@@ -433,7 +435,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          f"{host_idx}")
     pads = None if leftpad is None else _given_values(cache_leftpad, b)
     if host is not None and pads is not None:
-        _check_leftpad(fn, pads, host, s_new)
+        _check_leftpad(fn, pads, host, s_new, implied=cache_seqlens is None)
     _check_rotary(fn, rotary_cos, rotary_sin, q, k is not None, s_c)
     # a window at least as wide as the cache is none (flash-attn's rule, the kernels' too):
     # the queries are then rotated as unwindowed ones

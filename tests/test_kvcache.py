@@ -691,6 +691,12 @@ def test_ring_decoding_single_rank_matches_the_single_device_call_at_its_edges()
         ring_flash_attn_with_kvcache(q, *[c.clone() for c in caches], lengths, k, v,
                                      cache_leftpad=torch.tensor([5, 0], dtype=torch.int32),
                                      causal=True, prefill_len=0)
+    # without cache_seqlens the lengths shown are said to be the whole cache (before: shown
+    # as if given)
+    with pytest.raises(ValueError, match=r"for cache_seqlens = \[\d+, \d+\] \(not given: the "
+                                         r"whole cache\) and seqlen_new = 0"):
+        flash_attn_with_kvcache(q, *[c.clone() for c in caches],
+                                cache_leftpad=torch.tensor([99, 0], dtype=torch.int32))
 
 
 def test_batch_zero_returns_empty_results():

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["apply_fsdp", "fsdp_no_sync"]
+__all__ = ["apply_fsdp", "fsdp_no_sync", "reshard_gathered"]
 
 
 def apply_fsdp(model: nn.Module, mesh, zero_stage: int, layers: Iterable[nn.Module],
@@ -64,6 +64,18 @@ def apply_fsdp(model: nn.Module, mesh, zero_stage: int, layers: Iterable[nn.Modu
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def reshard_gathered(model: nn.Module) -> None:
+    """Frees the parameters a forward without a backward left gathered in ``model``'s FSDP
+    units (at zero stage 2 every unit keeps them, ``reshard_after_forward=False``; at 3 the
+    root unit): a no-op for units holding only their shards, and local (no collective).
+    Needed before anything that reads or writes the shards: an optimizer step (the next
+    forward would otherwise find the units gathered and compute with the parameters of
+    before the step) and a checkpoint (it would read the gathered tensors as unsharded)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def check_fsdp_units(model: nn.Module, layers: Iterable[nn.Module],

@@ -58,10 +58,8 @@ def _reshard(model) -> None:
     ``no_grad``) the model's parameters are plain full tensors, and a checkpoint would read
     them as unsharded (a "full" state dict of DTensor shards, torch's KeyError naming the
     optimizer's parameters). Every FSDP module is resharded first (a no-op where it is)."""
-    from torch.distributed.fsdp import FSDPModule
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    from ..parallel.fsdp import reshard_gathered
+    reshard_gathered(model)
 
 
 def _holds_dtensors(optimizer) -> bool:

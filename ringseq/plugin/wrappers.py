@@ -834,6 +834,13 @@ class OptimizerWrapper:
                                  about="optimizer step refusal")
         elif refusal is not None:
             raise refusal
+        if self.model is not None:
+            # A forward since the backward (an evaluation) left FSDP units gathered: the step
+            # updates the shards, and the next forward would find the units gathered and
+            # compute with the parameters of before the step (before: that step's loss and
+            # gradients 10-44 % off at zero stages 2 and 3, without a word).
+            from ..parallel.fsdp import reshard_gathered
+            reshard_gathered(self.model)
         try:
             if self.scaler is None or not grads:
                 # (no gradient: nothing to unscale, and GradScaler would assert; a step of

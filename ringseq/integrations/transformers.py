@@ -34,8 +34,8 @@ earlier tokens, position ids that are not the global positions of the local toke
 (forgetting ``position_ids`` makes every rank's RoPE start at 0), attention sinks, chunked
 attention layers, bidirectional blocks of image tokens (transformers' blockwise overlay,
 which :func:`ringseq_mask` hands to the input check) and, over several ranks, ``labels`` given
-to a causal LM (its loss would shift each shard's labels within the shard). Position ids are checked from the
-model's own call where the attention function gets none (GPT-BigCode). :func:`apply` refuses
+to a causal LM (its loss would shift each shard's labels within the shard). Position ids are
+checked from the model's own call where the attention function gets none (GPT-BigCode). :func:`apply` refuses
 models whose tokens also meet outside softmax attention (hybrids' Mamba, short-convolution
 and linear-attention layers), ALiBi position biases, heads that pool the sequence (sequence
 classification) and embeddings computed over the whole row (ESM-2's ``token_dropout``,

@@ -37,10 +37,10 @@ which :func:`ringseq_mask` hands to the input check) and, over several ranks, ``
 to a causal LM (its loss would shift each shard's labels within the shard). Position ids are
 checked from the model's own call where the attention function gets none (GPT-BigCode).
 :func:`apply` refuses models whose tokens also meet outside softmax attention (hybrids' Mamba,
-short-convolution and linear-attention layers), ALiBi position biases, heads that pool the sequence (sequence
-classification) and embeddings computed over the whole row (ESM-2's ``token_dropout``,
-MobileBERT's ``trigram_input``). Sub-models whose attention modules ringseq does not switch (a
-multimodal model's vision or audio tower) keep their implementation.
+short-convolution and linear-attention layers), ALiBi position biases, heads that pool the
+sequence (sequence classification) and embeddings computed over the whole row (ESM-2's
+``token_dropout``, MobileBERT's ``trigram_input``). Sub-models whose attention modules ringseq
+does not switch (a multimodal model's vision or audio tower) keep their implementation.
 """
 from __future__ import annotations
 

@@ -57,11 +57,10 @@ def get_backend(backend=None, device=None, dtype=None, headdim=None, *, spans: b
     the features, else "sdpa" on CUDA (where it can: no soft-cap, no float64), else
     "reference". Raises RuntimeError (naming ``fn``) for a CPU ``device`` (given) and
     ``backend`` None or "ringseq" when ``RINGSEQ_CPU_ISA`` forces a level this CPU or build
-    lacks, ValueError
-    (naming ``fn``) for an unknown name (TypeError for a value that is not a name) and for a
-    given backend (a name or an instance: the same checks) that cannot run such inputs,
-    NotImplementedError naming the backends that can when a given backend cannot compute
-    the features.
+    lacks; ValueError (naming ``fn``) for an unknown name (TypeError for a value that is not
+    a name) and for a given backend (a name or an instance: the same checks) that cannot run
+    such inputs; NotImplementedError naming the backends that can when a given backend
+    cannot compute the features.
     """
     given_device = device is not None  # (apply checks a name before any input exists)
     device = torch.device("cpu") if device is None else torch.device(device)

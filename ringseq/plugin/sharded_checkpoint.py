@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .._dist import agree_on_fields, agree_or_raise
+from ..parallel.fsdp import reshard_gathered
 from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
                          _load, _save, _unwrap, _with_scaler_state, _write, on_writer,
                          read_file, save_scaler, wrong_kind)
@@ -52,16 +53,6 @@ def _is_sharded(model) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _reshard(model) -> None:
-    """FSDP2 at zero stage 2 (``reshard_after_forward=False``) keeps the parameters a forward
-    gathered until a backward reshards them; after a forward without one (an evaluation under
-    ``no_grad``) the model's parameters are plain full tensors, and a checkpoint would read
-    them as unsharded (a "full" state dict of DTensor shards, torch's KeyError naming the
-    optimizer's parameters). Every FSDP module is resharded first (a no-op where it is)."""
-    from ..parallel.fsdp import reshard_gathered
-    reshard_gathered(model)
-
-
 def _holds_dtensors(optimizer) -> bool:
     """Whether an optimizer (boosted or the user's own object) holds sharded parameters."""
     from torch.distributed.tensor import DTensor
@@ -73,7 +64,7 @@ def _holds_dtensors(optimizer) -> bool:
 def full_model_state_dict(model) -> dict:
     """The full state dict of ``model`` (any sharding) on rank 0, as CPU tensors; ``{}`` on
     the other ranks of a sharded model. Collective when the model is sharded."""
-    _reshard(model)
+    reshard_gathered(model)
     if not _is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -353,7 +344,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         ``model`` on any mesh, all or nothing: every rank reads the whole checkpoint and checks
         its keys and (global) shapes against the model before any rank changes a parameter."""
         inner = _unwrap(model)
-        _reshard(inner)
+        reshard_gathered(inner)
         if not _is_sharded(inner) and not os.path.isdir(checkpoint):
             return super().load_model(model, checkpoint, strict=strict)
         placed = {}
@@ -389,7 +380,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         ``torch.optim`` state dict file (and ``<path>.grad_scaler``)."""
         model = getattr(optimizer, "model", None)
         if model is not None:
-            _reshard(model)
+            reshard_gathered(model)
         # (the user's own optimizer object after boost holds the sharded parameters too)
         params_sharded = _holds_dtensors(optimizer) or (model is not None and _is_sharded(model))
         if sharded is None:
@@ -469,7 +460,7 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                                         f"directory", int(is_dir),
                                         lambda v: "a directory" if v else "not a directory"),))
         if model is not None:
-            _reshard(model)
+            reshard_gathered(model)
         if model is None and (is_dir or _holds_dtensors(optimizer)):
             raise ValueError(f"load_optimizer: {checkpoint!r} is a sharded optimizer checkpoint "
                              f"or the parameters are sharded: pass the boosted optimizer "

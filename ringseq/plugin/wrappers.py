@@ -20,6 +20,7 @@ from .._args import given
 from .._dist import RingError, RingMismatchError, add_note, global_rank, ring_timeout
 from ..engine.integrity import call_tag
 from ..engine.ring import get_ring
+from ..parallel.fsdp import reshard_gathered
 from ..loss import RING_REPORT_WAITS, report_own_failure, sharded_cross_entropy
 from ..spec import float_field
 from .dataloader import INPUTS_EMBEDS_UNDER_TP
@@ -839,7 +840,6 @@ class OptimizerWrapper:
             # updates the shards, and the next forward would find the units gathered and
             # compute with the parameters of before the step (before: that step's loss and
             # gradients 10-44 % off at zero stages 2 and 3, without a word).
-            from ..parallel.fsdp import reshard_gathered
             reshard_gathered(self.model)
         try:
             if self.scaler is None or not grads:

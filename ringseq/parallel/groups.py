@@ -277,10 +277,14 @@ def _local_groups(U: int, R: int, I: int) -> SequenceParallelGroups:
                                   ulysses_inner=True, coords=((0, 0),))
 
 
+def ranks_increase(t: torch.Tensor) -> bool:
+    """Whether an (R, U) table's global ranks increase along both dims (what process groups,
+    ordering their ranks by global rank, need of a sequence-parallel group)."""
+    return bool((t[:, 1:] > t[:, :-1]).all()) and bool((t[1:, :] > t[:-1, :]).all())
+
+
 def _check_table(t: torch.Tensor) -> None:
-    rows_ok = bool((t[:, 1:] > t[:, :-1]).all()) if t.shape[1] > 1 else True
-    cols_ok = bool((t[1:, :] > t[:-1, :]).all()) if t.shape[0] > 1 else True
-    if not (rows_ok and cols_ok):
+    if not ranks_increase(t):
         raise ValueError(f"sp_groups_from_tables: tables: the global ranks of a "
                          f"sequence-parallel group must increase along its ring and Ulysses "
                          f"dims (process groups order their ranks by global rank), got the "

@@ -232,7 +232,7 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
     communication) for sizes that do not divide the world / sp size / ring size (naming the
     ones that do), an unknown mode, or a mesh with other dim names or sizes.
     """
-    from ..parallel.groups import resolve_sp_sizes, sp_groups_from_tables
+    from ..parallel.groups import ranks_increase, resolve_sp_sizes, sp_groups_from_tables
     world = _world_size()
     if mesh is None:
         _check_sp_size(sp_size, world, tp_size)
@@ -284,7 +284,7 @@ def build_sp_mesh(sp_size, sp_mode: str, ulysses_size=None, inner_ring_size=None
     # one sequence-parallel group per (dp, tp) index, created in the same order on every rank
     tables = [table[d, :, :, t] for d in range(table.shape[0]) for t in range(table.shape[3])]
     for i, t in enumerate(tables):
-        if not ((t[1:] > t[:-1]).all() and (t[:, 1:] > t[:, :-1]).all()):
+        if not ranks_increase(t):  # (sp_groups_from_tables' own rule, named by the mesh)
             # (before: refused by sp_groups_from_tables, naming its argument, not the mesh)
             # (the ring dim alone at U = 1: a double ring's 'sp_u' has size 1)
             dims = tuple(n for n in names if n.startswith("sp") and (U > 1 or n != "sp_u"))

@@ -140,12 +140,17 @@ struct FwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
-  void* out = nullptr;   // (b, s_q, h, d), element type `dtype` (accumulation type if accumulate)
+  // (b, s_q, h, d), element type `dtype` (the accumulation type with accumulate or out_acc)
+  void* out = nullptr;
   void* lse = nullptr;   // (b, h, s_q), float64 for kFloat64 inputs, float32 otherwise
   // accumulate == true: out/lse already hold a running (out, lse) pair (rows with lse = -inf
   // hold nothing) and the kernel merges this block into them exactly, in place. This is the
   // ring's merge without a block-sized temporary.
   bool accumulate = false;
+  // out_acc == true (CPU kernel only): out is written in the accumulation type instead of
+  // being rounded to `dtype`. A partial result merged with others afterwards (the ring's
+  // KV-cache decoding) is then rounded once, after its merge.
+  bool out_acc = false;
   RowStrides q_strides, k_strides, v_strides, out_strides;
   StatStrides lse_strides;
   SpanList spans;

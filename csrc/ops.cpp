@@ -545,7 +545,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& seqlens_k, const std::optional<at::Tensor>& leftpad_k,
     const std::optional<at::Tensor>& batch_idx, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, double softcap, int64_t num_splits) {
+    int64_t window_left, int64_t window_right, double softcap, int64_t num_splits, bool out_acc) {
   check_4d(q, "q", "(batch, seqlen_q, nheads, headdim)");
   check_4d(k_cache, "k_cache", "(batch_cache, seqlen_cache, nheads_kv, headdim)");
   check_4d(v_cache, "v_cache", "(batch_cache, seqlen_cache, nheads_kv, headdim)");
@@ -559,6 +559,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
                     "-1 (unbounded), got (", window_left, ", ", window_right, ")");
   TORCH_CHECK_VALUE(num_splits >= 0, "num_splits must be >= 0 (0: chosen from the shape), got ",
                     num_splits);
+  TORCH_CHECK_VALUE(!out_acc || q.is_cpu(), "out_acc=True (out in the accumulation dtype) runs on "
+                    "CPU only, got q on ", q.device());
   // Shapes, dtypes, devices and head counts as any call, on the first batch rows of the cache
   // (a view: check_qkv compares batch sizes, which cache_batch_idx decouples).
   const int64_t rows = std::min(q.size(0), k_cache.size(0));
@@ -583,11 +585,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
                         k_cache.size(0), ")");
     }
   }
-  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);  // (b, s_q, h, d)
+  // (b, s_q, h, d), in the accumulation dtype with out_acc (a partial result merged later)
+  auto out = at::empty_like(q, out_acc ? q.options().dtype(accum_type(q.scalar_type())) : q.options(),
+                            at::MemoryFormat::Contiguous);
   auto lse = at::empty({shape.batch, shape.nheads, shape.seqlen_q},
                        q.options().dtype(accum_type(q.scalar_type())));  // (b, h, s_q)
   if (out.numel() == 0) return {out, lse};
   FwdParams p = fwd_params(shape, q, k_cache, v_cache, out, lse);
+  p.out_acc = out_acc;
   p.kv.seqlens = seqlens;
   p.kv.leftpad = leftpad;
   p.kv.batch_idx = bidx;
@@ -691,11 +696,12 @@ TORCH_LIBRARY(ringseq, m) {
   // cache_seqlens[b]) of cache row cache_batch_idx[b] of k_cache / v_cache (batch_cache,
   // seqlen_cache, h_kv, d); causal and the window (-1: unbounded) bottom-right aligned to
   // them. int32 (b,) index tensors on q's device. num_splits: key splits, 0 = from the shape.
+  // out_acc (CPU only): out in the accumulation dtype, for partial results merged afterwards.
   m.def(
       "fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens,"
       " Tensor? cache_leftpad, Tensor? cache_batch_idx, float softmax_scale, bool causal,"
-      " int window_left=-1, int window_right=-1, float softcap=0.0, int num_splits=0)"
-      " -> (Tensor out, Tensor lse)");
+      " int window_left=-1, int window_right=-1, float softcap=0.0, int num_splits=0,"
+      " bool out_acc=False) -> (Tensor out, Tensor lse)");
 }
 
 // Every operator's ValueErrors name it ("ringseq::bwd: lse must be ..."): the checks above

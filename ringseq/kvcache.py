@@ -268,21 +268,22 @@ def _rotary_q_positions(cache_seqlens, s_q, causal_or_local):
 
 # ------------------------------------------------------------------------------ attention
 def _attend_cache(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale, causal, window,
-                  softcap, num_splits):
+                  softcap, num_splits, out_acc=False):
     """(out, lse) of q (b, s_q, h, d) against keys [leftpad[b], seqlens[b]) of cache row
     batch_idx[b], causal / window bottom-right aligned to them; lse -inf where a row sees no
     key. ringseq's kernel where it runs the inputs, else plain torch math (float32, float64 for
-    float64 inputs)."""
+    float64 inputs). out is in q's dtype; with out_acc, a partial result merged afterwards, in
+    the accumulation dtype (lse's), except from the CUDA kernel, which writes q's dtype only."""
     if _kernel_runs(q.device.type, q.dtype, q.shape[-1]) and k_cache.stride(-1) == 1:
         return torch.ops.ringseq.fwd_kvcache(q, k_cache, v_cache, seqlens, leftpad, batch_idx,
                                              scale, causal, window[0], window[1], softcap,
-                                             num_splits)
+                                             num_splits, out_acc and q.device.type == "cpu")
     return _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale, causal,
-                               window, softcap)
+                               window, softcap, out_acc)
 
 
 def _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale, causal, window,
-                        softcap):
+                        softcap, out_acc=False):
     """The same in plain torch math: gathers the cache rows (a copy of the caches' size)."""
     b, s_q, h, d = q.shape
     s_c, h_kv = k_cache.shape[1], k_cache.shape[2]
@@ -314,7 +315,8 @@ def _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale,
     p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)  # (b, s_q, h, d), strides of the product's
     # (b, h, s_q, d): made contiguous like the kernel's (and flash-attn's) output
-    return out.to(dtype=q.dtype, memory_format=torch.contiguous_format), lse.to(acc)
+    return (out.to(dtype=acc if out_acc else q.dtype, memory_format=torch.contiguous_format),
+            lse.to(acc))
 
 
 def _flash_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -830,8 +832,10 @@ def _local_decode(plan, payload):
     end_old = lengths.long()
     local_end = homes.count(end_old).to(torch.int32)
     local_start = torch.minimum(homes.count(first), local_end.long()).to(torch.int32)
+    # Partials in the accumulation dtype: rounding each to bf16 / fp16 before the merge cost
+    # up to 15x plain attention's error where the ranks' partials cancel.
     out_r, lse_r = _attend_cache(q, kc, vc, local_end, local_start, None, scale, False, (-1, -1),
-                                 softcap, plan["num_splits"])
+                                 softcap, plan["num_splits"], out_acc=True)
     new_part = None
     if k is not None:
         # The new tokens go to their homes; the block of queries x new keys is computed on
@@ -847,7 +851,7 @@ def _local_decode(plan, payload):
         # empty cache) hides those keys here too
         new_start = (starts.long() - end_old).clamp(0, s_new).to(torch.int32)
         new_part = _attend_cache(q, k, v, new_len, new_start, None, scale, causal, window,
-                                 softcap, 0)
+                                 softcap, 0, out_acc=True)
     payload[..., :d] = out_r
     payload[..., d] = lse_r.transpose(1, 2)
     return new_part
@@ -859,8 +863,9 @@ if extension_available():
     @torch.library.register_fake("ringseq::fwd_kvcache")
     def _fwd_kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,
                           softmax_scale, causal, window_left=-1, window_right=-1, softcap=0.0,
-                          num_splits=0):
+                          num_splits=0, out_acc=False):
         b, s_q, h, _ = q.shape
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty_like(q, dtype=accum_dtype(q.dtype) if out_acc else q.dtype,
+                               memory_format=torch.contiguous_format)
         lse = q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
         return out, lse

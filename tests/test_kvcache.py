@@ -276,6 +276,23 @@ def test_num_splits_change_rounding_only():
         assert_close_per_design(lse, ref[1], plain[1], "lse", floor=scaled_floor(f32, ref[1]))
 
 
+@pytest.mark.parametrize("dtype", [bf16, f16])
+@pytest.mark.parametrize("s_q, h_kv, num_splits", [(1, 2, 0), (1, 8, 1), (5, 2, 3)])
+def test_out_acc_is_the_output_before_its_rounding(isa, dtype, s_q, h_kv, num_splits):
+    # The kernel's out_acc (for partial results merged afterwards, as the ring's decode does)
+    # writes the float32 output that the default call rounds to the inputs' dtype: at every
+    # CPU level, with and without key splits and with GQA rows (a single query per head group).
+    q, kc, vc = _decode_inputs(b=2, h_kv=h_kv, cap=900, dtype=dtype)
+    q = torch.randn(2, s_q, 8, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    lengths = torch.tensor([900, 317], dtype=torch.int32)
+    args = (q, kc, vc, lengths, None, None, 0.125, True, -1, -1, 0.0, num_splits)
+    out, lse = torch.ops.ringseq.fwd_kvcache(*args)
+    out_acc, lse_acc = torch.ops.ringseq.fwd_kvcache(*args, True)
+    assert out.dtype == dtype and out_acc.dtype == f32 and out_acc.shape == out.shape
+    assert torch.equal(out_acc.to(dtype), out) and torch.equal(lse_acc, lse)
+    assert not torch.equal(out_acc, out.float())  # (it was not rounded)
+
+
 def test_results_do_not_depend_on_thread_count():
     q, kc, vc = _decode_inputs(b=1, cap=3000)
     lengths = torch.tensor([2999], dtype=torch.int32)
@@ -597,6 +614,44 @@ def test_ring_decoding_is_exact_and_moves_no_kv(world):
             assert ("k_cache_shard / v_cache_shard on rank 0 have capacity (dim 1) 4, but 5 "
                     "slots are needed on it for 9 tokens" in caught[10])
             assert rank == 0 or "rank(s) [0]" in caught[10]
+
+
+def _ring_decode_with_cancelling_partials(dtype, offset):
+    """A ring decode of W=2 whose ranks' partial outputs are large and of opposite sign (V
+    offset +offset on rank 0's half of the prompt, -offset on rank 1's), with two new tokens
+    appended; returns (out, q, K, V) with K, V the global cache after the call."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    b, n, h, h_kv, d = 2, 128, 4, 2, 64  # (n: the prompt's tokens)
+    q = (torch.randn(b, 2, h, d, generator=gen) * 0.1).to(dtype)
+    K = torch.randn(b, n + 2, h_kv, d, generator=gen)
+    V = torch.randn(b, n + 2, h_kv, d, generator=gen) * 0.5
+    V[:, :n // 2] += offset
+    V[:, n // 2:n] -= offset
+    K, V = K.to(dtype), V.to(dtype)
+    kc = torch.zeros(b, n // world + 2, h_kv, d, dtype=dtype)  # (b, cap_local, h_kv, d)
+    vc = torch.zeros_like(kc)
+    kc[:, :n // world] = ringseq.layouts.shard_local(K[:, :n], "contiguous", world, rank)
+    vc[:, :n // world] = ringseq.layouts.shard_local(V[:, :n], "contiguous", world, rank)
+    out = ring_flash_attn_with_kvcache(q, kc, vc, n, K[:, n:], V[:, n:], layout="contiguous",
+                                       causal=True, prefill_len=n)
+    return out, q, K, V
+
+
+@pytest.mark.parametrize("dtype", [bf16, f16])
+def test_ring_decoding_rounds_once_after_the_merge(dtype):
+    # Each rank's part of a decode stays float32 until the parts are merged (before: rounded
+    # to bf16 / fp16 first, and where the parts cancel the result was 15x further from float64
+    # than plain attention in the same dtype). The new tokens' part is merged the same way.
+    results = run_ranks(_ring_decode_with_cancelling_partials, 2, dtype, 30.0, timeout=120)
+    out, q, K, V = results[0]
+    assert torch.equal(out, results[1][0])
+    masks = [visible(2, K.shape[1], True, (-1, -1))] * 2
+    ref = attention_rows(q, list(K), list(V), masks, 64 ** -0.5, 0.0, f64)[0]
+    plain = attention_rows(q, list(K), list(V), masks, 64 ** -0.5, 0.0, dtype)[0]
+    assert ref.abs().max() < 1.0  # (the parts, about +-30 each, cancel)
+    assert_close_per_design(out, ref, plain, "out", floor=scaled_floor(dtype, ref))
 
 
 def _ring_errors():

@@ -184,6 +184,7 @@ void flash_fwd_cuda(const FwdParams& params, cudaStream_t stream) {
   check_no_pending_error();
   check_shape(params.shape, params.dtype, params.config);
   if (params.accumulate) invalid("the forward kernel has no accumulate (merge) mode yet");
+  if (params.out_acc) invalid("the forward kernel writes out in the inputs' dtype only (out_acc: CPU)");
   check_spans(params.spans);
   if (params.kv.seqlens != nullptr && params.spans.count > 0) invalid("a KV-cache call takes no spans");
   if (params.shape.batch == 0 || params.shape.seqlen_q == 0 || params.shape.nheads == 0) return;

@@ -121,6 +121,8 @@ void fwd_impl(const FwdParams& p) {
   const in_t* v = static_cast<const in_t*>(p.v);
   // Accumulate mode: out/lse hold a running (out, lse) pair in T, read and then rewritten.
   const bool merge = p.accumulate;
+  // out in T: a running pair (merge), or a partial result the caller merges (out_acc).
+  const bool out_in_acc = merge || p.out_acc;
   T* lse = static_cast<T*>(p.lse);
 
   // K and V rows of an item's keys, packed once per thread and kv head (HeadRows) where other
@@ -485,7 +487,7 @@ void fwd_impl(const FwdParams& p) {
     }
     if (n_splits > 1) {
       store_rows(o, dpad, rows, d, alpha, part_o.get() + part_at * d, d, /*accumulate=*/false);
-    } else if (merge) {
+    } else if (out_in_acc) {
       store_rows(o, dpad, rows, d, alpha, row_ptr(static_cast<T*>(p.out), p.out_strides, b, qr0, h),
                  p.out_strides.row, /*accumulate=*/false);
     } else {
@@ -508,7 +510,6 @@ void fwd_impl(const FwdParams& p) {
     const int64_t qr0 = sp.q_start + tile.r0;
     const int64_t split_stride = part_rows;
     T* lse_rows = lse + b * p.lse_strides.batch + h * p.lse_strides.head + qr0;
-    in_t* out_rows = row_ptr(static_cast<in_t*>(p.out), p.out_strides, b, qr0, h);
     T* o = acc.get();
     for (int64_t i = 0; i < tile.rows; ++i) {
       const int64_t at = (b * sh.nheads + h) * sh.seqlen_q + qr0 + i;
@@ -535,8 +536,16 @@ void fwd_impl(const FwdParams& p) {
         const T inv = T(1) / l;
         for (int64_t c = 0; c < d; ++c) o[c] *= inv;
       }
-      store_rows(o, dpad, 1, d, static_cast<const T*>(nullptr), out_rows + i * p.out_strides.row,
-                 p.out_strides.row, /*accumulate=*/false);
+      // (accumulate mode has no splits: out_in_acc is out_acc here)
+      if (out_in_acc) {
+        store_rows(o, dpad, 1, d, static_cast<const T*>(nullptr),
+                   row_ptr(static_cast<T*>(p.out), p.out_strides, b, qr0 + i, h), p.out_strides.row,
+                   /*accumulate=*/false);
+      } else {
+        store_rows(o, dpad, 1, d, static_cast<const T*>(nullptr),
+                   row_ptr(static_cast<in_t*>(p.out), p.out_strides, b, qr0 + i, h),
+                   p.out_strides.row, /*accumulate=*/false);
+      }
     }
   };
   run_items(items, [&] { return Scratch<T>(dpad); }, merge_item);

@@ -242,7 +242,9 @@ def report(args, rows, balance, memory, device, load):
           f"rank (compute-only timed by {'thread CPU time' if clock == 'cpu' else 'wall time'}); "
           "err = max |out - float64| on a query slice (plain = same-dtype attention's error)")
     for r in rows:
-        r["status"] = "WARN" if r["warnings"] else ("ok" if not r.get("remeasured") else "ok (2nd)")
+        # (a wrong result is no timing warning: FAIL, as the exit status says)
+        r["status"] = ("FAIL" if not r["check_ok"] else "WARN" if r["warnings"] else
+                       "ok" if not r.get("remeasured") else "ok (2nd)")
     columns = [("layout", "layout", "{}"), ("causal", "causal", "{}"), ("mode", "mode", "{}"),
                ("ms", "ms", "{:.1f}"), ("tflops", "TFLOP/s (all ranks)", "{:.4f}"),
                ("peak_mib_per_rank", "peak MiB/rank", "{:.1f}"),
@@ -309,8 +311,11 @@ def main(argv=None):
         _first_line("bench_ring: starting (importing torch and ringseq) ...")
     sys.path.insert(0, HERE)
     import warnings
-    # The main job's install command has no NumPy; torch warns about that on import.
+    # The main job's install command has no NumPy; torch warns about that on import, here and
+    # in each rank's interpreter (the fork server's, which reads the variable).
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (
+        os.environ.get("PYTHONWARNINGS"), "ignore:Failed to initialize NumPy")))
     import torch.distributed as dist
 
     import common

@@ -182,6 +182,7 @@ def main(argv=None):
             print(f"{name:<19} {cpu:<8} {len(body):>5} {r['cycles_per_iter']:>11.2f} {r['ipc']:>5.2f} "
                   f"{r['block_rthroughput']:>11.2f} {'-' if fmas is None else f'{fmas:.2f}':>9}")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"so": so, "mca": mca_bin, "mca_version": version, "rows": rows}, f,
                       indent=2)

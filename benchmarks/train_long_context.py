@@ -175,6 +175,12 @@ def parse_args(argv=None):
     if local % args.tp:
         p.error(f"--seqlen {args.seqlen}: {local} tokens per sequence-parallel rank cannot be "
                 f"split over --tp {args.tp}")
+    if args.compose and not args.no_peer:  # (the DDP x sp comparison: sp x tp ranks in a ring)
+        try:
+            layout.check_seqlen(args.seqlen, sp * args.tp)
+        except ValueError as exc:
+            p.error(f"--seqlen {args.seqlen} over the {sp * args.tp} ranks of the DDP x "
+                    f"sp{sp * args.tp} comparison run (--no-peer leaves it out): {exc}")
     if args.intermediate is None:
         args.intermediate = -(-(8 * args.hidden // 3) // 64) * 64
     if args.tp > 1:  # (the plugin's own rules, before any rank starts)

@@ -180,7 +180,7 @@ def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, caus
                           deterministic=deterministic, return_attn_probs=return_attn_probs,
                           group=group, layout=layout, return_lse=return_lse, backend=backend,
                           grad_comm_dtype=grad_comm_dtype, softcap=softcap,
-                          takes_documents=False)
+                          takes_documents=False, form=FLASH_FORM.packed("kv"))
 
 
 def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -197,7 +197,7 @@ def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causa
                           deterministic=deterministic, return_attn_probs=return_attn_probs,
                           group=group, layout=layout, return_lse=return_lse, backend=backend,
                           grad_comm_dtype=grad_comm_dtype, softcap=softcap,
-                          takes_documents=False)
+                          takes_documents=False, form=FLASH_FORM.packed("qkv"))
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen=None, dropout_p=0.0,
@@ -254,7 +254,8 @@ def ring_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, max_seqlen=None, dro
     k, v = unpack(fn, group, lambda f, t: split_packed_varlen(f, "kv", t, 2, "nheads_kv"), kv)
     return _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size,
                         alibi_slopes, deterministic, return_attn_probs, group, layout,
-                        return_lse, backend, grad_comm_dtype, softcap)
+                        return_lse, backend, grad_comm_dtype, softcap,
+                        RING_VARLEN_FORM.packed("kv"))
 
 
 def ring_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen=None, dropout_p=0.0,
@@ -269,16 +270,17 @@ def ring_flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen=None, drop
     q, k, v = unpack(fn, group, lambda f, t: split_packed_varlen(f, "qkv", t, 3, "nheads"), qkv)
     return _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size,
                         alibi_slopes, deterministic, return_attn_probs, group, layout,
-                        return_lse, backend, grad_comm_dtype, softcap)
+                        return_lse, backend, grad_comm_dtype, softcap,
+                        RING_VARLEN_FORM.packed("qkv"))
 
 
 def _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, window_size,
                  alibi_slopes, deterministic, return_attn_probs, group, layout, return_lse,
-                 backend, grad_comm_dtype, softcap):
+                 backend, grad_comm_dtype, softcap, form=RING_VARLEN_FORM):
     """The varlen ring functions' one body: 3-dim (total_local, nheads, headdim) inputs as a
-    batch of one."""
+    batch of one (``form``: as the function called names them)."""
     with refuse_on_error(group, FWD):
-        q, k, v = RING_VARLEN_FORM.to_flash(fn, q, k, v)  # (1, total_local, h, d) views
+        q, k, v = form.to_flash(fn, q, k, v)  # (1, total_local, h, d) views
     res = ring_attention(fn, q, k, v, dropout_p=dropout_p,
                          softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                          alibi_slopes=alibi_slopes, deterministic=deterministic,
@@ -286,7 +288,7 @@ def _ring_varlen(fn, q, k, v, cu_seqlens, dropout_p, softmax_scale, causal, wind
                          layout="documents" if layout is None else layout,
                          return_lse=return_lse, backend=backend,
                          grad_comm_dtype=grad_comm_dtype, softcap=softcap, cu_seqlens=cu_seqlens,
-                         needs_documents=True, form=RING_VARLEN_FORM)
+                         needs_documents=True, form=form)
     if isinstance(res, tuple):
         return (res[0][0], res[1][0]) + tuple(res[2:])  # out (s, h, d), lse (h, s)
     return res[0]

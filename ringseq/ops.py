@@ -21,7 +21,7 @@ from ._args import (as_int, check_cu_seqlens, check_returns, given, split_kv, sp
 from .engine.op import run_attention
 from .engine.placement import LOCAL
 from .kernels import AttentionBackend, available_backends, get_backend
-from .kernels.checks import VARLEN_FORM
+from .kernels.checks import FLASH_FORM, VARLEN_FORM
 from .spec import attn_spec, local_spans
 
 __all__ = ["AttentionBackend", "available_backends", "flash_attn_func", "flash_attn_kvpacked_func",
@@ -40,11 +40,12 @@ def returns(out, lse, return_attn_probs: bool, return_lse: bool):
 
 
 def _flash(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           deterministic, return_attn_probs, return_lse, backend):
+           deterministic, return_attn_probs, return_lse, backend, form=FLASH_FORM):
     check_returns(fn, return_attn_probs, return_lse)
     spec = attn_spec(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                      causal=causal, window_size=window_size, softcap=softcap,
-                     alibi_slopes=alibi_slopes, deterministic=deterministic, backend=backend)
+                     alibi_slopes=alibi_slopes, deterministic=deterministic, backend=backend,
+                     form=form)
     out, lse = run_attention(q, k, v, spec, LOCAL)  # (its window's span: LOCAL builds it)
     return returns(out, lse, return_attn_probs, return_lse)
 
@@ -123,7 +124,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     fn = "flash_attn_kvpacked_func"
     k, v = split_kv(fn, kv)
     return _flash(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                  alibi_slopes, deterministic, return_attn_probs, return_lse, backend)
+                  alibi_slopes, deterministic, return_attn_probs, return_lse, backend,
+                  FLASH_FORM.packed("kv"))
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -136,24 +138,28 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     fn = "flash_attn_qkvpacked_func"
     q, k, v = split_qkv(fn, qkv)
     return _flash(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                  alibi_slopes, deterministic, return_attn_probs, return_lse, backend)
+                  alibi_slopes, deterministic, return_attn_probs, return_lse, backend,
+                  FLASH_FORM.packed("qkv"))
 
 
 def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs, block_table, return_lse, backend):
+            return_attn_probs, block_table, return_lse, backend, form=VARLEN_FORM,
+            lengths=("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")):
+    """The varlen functions' one body; ``form`` and ``lengths`` name the tensors and the
+    length arguments as the function called takes them (a packed form's one cu_seqlens)."""
     check_returns(fn, return_attn_probs, return_lse)
     if block_table is not None:
         raise NotImplementedError(f"{fn}: block_table (a paged KV cache) is not supported; pass "
                                   f"block_table=None")
-    q4, k4, v4 = VARLEN_FORM.to_flash(fn, q, k, v)  # (1, total, h, d) views
-    cu_k = check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, k.shape[0], "the packed length")
-    cu_q = check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], "the packed length")
+    q4, k4, v4 = form.to_flash(fn, q, k, v)  # (1, total, h, d) views
+    cu_k = check_cu_seqlens(fn, lengths[1], cu_seqlens_k, k.shape[0], "the packed length")
+    cu_q = check_cu_seqlens(fn, lengths[0], cu_seqlens_q, q.shape[0], "the packed length")
     if len(cu_q) != len(cu_k):
         raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {len(cu_q) - 1} and {len(cu_k) - 1}")
     limits = {}
-    for name, cu, mx in (("max_seqlen_q", cu_q, max_seqlen_q), ("max_seqlen_k", cu_k, max_seqlen_k)):
+    for name, cu, mx in ((lengths[2], cu_q, max_seqlen_q), (lengths[3], cu_k, max_seqlen_k)):
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         # NumPy's integers and 0-d integer tensors too (np.diff(cu).max()); a SymInt
         # (torch.compile) as it is
@@ -170,9 +176,9 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     spec = attn_spec(fn, q4, k4, v4, dropout_p=dropout_p, softmax_scale=softmax_scale,
                      causal=causal, window_size=window_size, softcap=softcap,
                      alibi_slopes=alibi_slopes, deterministic=deterministic, backend=backend,
-                     varlen=True, form=VARLEN_FORM)
+                     varlen=True, form=form)
     spec = local_spans(spec, q.shape[0], k.shape[0], cu_q, cu_k,
-                       window_clamp=limits["max_seqlen_k"])
+                       window_clamp=limits[lengths[3]])
     out, lse = run_attention(q4, k4, v4, spec, LOCAL)
     return returns(out[0], lse[0], return_attn_probs, return_lse)  # (total_q, h, d), (h, total_q)
 
@@ -229,7 +235,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     k, v = split_packed_varlen(fn, "kv", kv, 2, "nheads_kv")
     return _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   deterministic, return_attn_probs, None, return_lse, backend)
+                   deterministic, return_attn_probs, None, return_lse, backend,
+                   VARLEN_FORM.packed("kv"))
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -244,4 +251,5 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     q, k, v = split_packed_varlen(fn, "qkv", qkv, 3, "nheads")
     return _varlen(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs, None, return_lse, backend)
+                   return_attn_probs, None, return_lse, backend, VARLEN_FORM.packed("qkv"),
+                   ("cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen"))

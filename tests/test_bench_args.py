@@ -46,6 +46,10 @@ _USAGE_CASES = [
     ("train_long_context.py", ["--lr", "nan"], "--lr: must be a finite positive number"),
     ("train_long_context.py", ["--seed", str(10 ** 20)], "--seed must be below 2**63"),
     ("train_long_context.py", ["--layout", "documents"], "--layout documents: the tokens here"),
+    # the DDP x sp comparison of a --tp run rings over sp x tp ranks (before: the first
+    # configuration trained, then every rank failed in the second, exit status 3, no JSON)
+    ("train_long_context.py", ["--world-size", "2", "--tp", "2", "--seqlen", "6"],
+     "--seqlen 6 over the 2 ranks of the DDP x sp2 comparison run (--no-peer leaves it out)"),
     # (before: one message for both rules, naming no value)
     ("train_long_context.py", ["--heads", "4", "--kv-heads", "3"],
      "--heads 4 must be a multiple of --kv-heads 3"),
@@ -132,6 +136,27 @@ def test_bench_decode_checks_part_twos_lengths_only_where_part_two_runs():
     assert args.no_cp and args.cp_cache == [16384]
     with pytest.raises(SystemExit):
         bench_decode.parse_args(["--world-size", "3", "--cp-cache", "16384"])
+
+
+def test_the_json_path_is_tried_without_leaving_folders(tmp_path):
+    """--json is tried while the arguments are read; the folders that try made are removed
+    again, whether a later argument is refused (before: left behind) or not (the results'
+    writer makes them)."""
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import bench_decode
+    from common import write_json
+    target = tmp_path / "new" / "sub" / "out.json"
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--json", str(target), "--world-size", "3", "--cp-cache", "16384"])
+    assert not (tmp_path / "new").exists()
+    args = bench_decode.parse_args(["--json", str(target)])
+    assert args.json == str(target) and not (tmp_path / "new").exists()
+    write_json(args.json, {"ok": 1})
+    assert target.read_text().strip().startswith("{")
+    with pytest.raises(SystemExit):  # (a folder that cannot be made: nothing made either)
+        bench_decode.parse_args(["--json", str(target / "x.json")])
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out.json"]
 
 
 @pytest.mark.skipif(not (shutil.which("llvm-mca") and shutil.which("objdump")),

@@ -290,6 +290,9 @@ def test_a_wrong_result_on_one_rank_fails_the_spot_check(tmp_path):
                           cwd=ROOT, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "spot check failed" in proc.stdout, proc.stdout[-3000:]
+    # the table's check column says FAIL, not the WARN of a timing warning
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("contiguous ")]
+    assert rows and all(r[-1] == "FAIL" for r in rows), proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("job, rank", [(["--layouts", "contiguous", "--modes", "fwd"], "0"),

@@ -196,6 +196,9 @@ def _worker_calls(tmp):
     out["colossalai_shard"] = error_text(lambda: booster.save_model(
         model, target, shard=True, size_per_shard=1))
     out["typo"] = error_text(lambda: booster.save_model(model, target, max_shard=1000))
+    # (save_optimizer's own option is hinted, not save_model's: before, "see max_shard_size")
+    out["colossalai_shard_optimizer"] = error_text(lambda: booster.save_optimizer(
+        opt, target, shard=True, size_per_shard=1))
     out["one_rank_typo"] = error_text(lambda: booster.save_model(
         model, target, **({"max_shard": 1000} if rank == 1 else {})))
     for size in (0, True, "0.1B"):
@@ -291,6 +294,9 @@ def test_ranks_given_different_paths_write_nothing(w2_calls, key, fn, path):
 @pytest.mark.parametrize("key, expected", [
     ("colossalai_shard", "TypeError: save_model: unexpected keyword argument(s) ['shard', "
                          "'size_per_shard']; it takes ['max_shard_size']"),
+    ("colossalai_shard_optimizer", "TypeError: save_optimizer: unexpected keyword argument(s) "
+                                   "['shard', 'size_per_shard']; it takes ['sharded'] (shard: "
+                                   "see sharded)"),
     ("typo", "TypeError: save_model: unexpected keyword argument(s) ['max_shard']"),
     ("size_0", "ValueError: save_model: max_shard_size must be a positive number of bytes"),
     ("size_True", "ValueError: save_model: max_shard_size must be a positive number of bytes"),
@@ -298,7 +304,7 @@ def test_ranks_given_different_paths_write_nothing(w2_calls, key, fn, path):
     ("sharded_no", "TypeError: save_optimizer: sharded must be a bool or None, got 'no'"),
     ("strict_no", "TypeError: load_model: strict must be a bool, got 'no'"),
     ("not_a_path", "TypeError: save_model: checkpoint must be a path (str or os.PathLike), "
-                   "got int"),
+                   "got 3 (int)"),
     ("model_as_optimizer", "TypeError: save_optimizer: optimizer must be a "
                            "torch.optim.Optimizer (the boosted optimizer), got ModelWrapper "
                            "(without param_groups)"),
@@ -395,7 +401,26 @@ def _worker_fails_inside(tmp):
 
     booster.save_model(model, f"{tmp}/model.pt")
     step()
+    # rank 0 runs out of memory copying the second tensor of the state it gathers for a save
+    # (before: rank 1 went on to gather the third and waited there until the process group's
+    # timeout); nothing is written
+    from ringseq.plugin import sharded_checkpoint
+    real_copy, copies = sharded_checkpoint._host_copy, []
+
+    def copy_fails_second(t):
+        copies.append(t)
+        if len(copies) == 2:
+            raise MemoryError("simulated: out of memory copying the state")
+        return real_copy(t)
+    sharded_checkpoint._host_copy = copy_fails_second
+    try:
+        out["save_model copy"] = error_text(lambda: booster.save_model(model, f"{tmp}/m2.pt"))
+    finally:
+        sharded_checkpoint._host_copy = real_copy
+    out["save_model copy wrote nothing"] = not os.path.exists(f"{tmp}/m2.pt")
     for key, module, name, call in (
+            ("save_model", dsd, "get_model_state_dict",
+             lambda: booster.save_model(model, f"{tmp}/m3.pt")),
             ("save_optimizer", dsd, "get_optimizer_state_dict",
              lambda: booster.save_optimizer(opt, f"{tmp}/optim")),
             ("load_model", dtensor, "distribute_tensor",
@@ -435,7 +460,14 @@ def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_r
     group's timeout)"""
     results = run_ranks(_worker_fails_inside, 2, str(tmp_path), timeout=120)
     for rank, r in enumerate(results):
-        for key in ("save_optimizer", "load_model", "load_optimizer"):
+        text = r["save_model copy"]
+        if rank == 0:
+            assert text.startswith("MemoryError") and "simulated" in text, text
+        else:
+            assert text.startswith("ValueError: save_model: copying 'lin.bias'"), text
+            assert "of the model's state failed on another rank" in text, text
+        assert r["save_model copy wrote nothing"], r
+        for key in ("save_model", "save_optimizer", "load_model", "load_optimizer"):
             if rank == 1:
                 assert r[key].startswith("MemoryError") and "simulated" in r[key], r[key]
             else:
@@ -514,6 +546,58 @@ def test_a_save_failing_part_way_loads_no_mix_of_two_saves(tmp_path, monkeypatch
             io.load_optimizer(opt, path)
         assert int(opt.unwrap().state[model.weight]["step"]) == 3  # (unchanged)
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_a_checkpoint_of_another_kind_is_refused_by_what_it_is(tmp_path):
+    """A directory or file that is not the checkpoint the call loads is refused by what it is
+    (before: FileNotFoundError of an index or .metadata file, KeyError 'weight_map', an empty
+    EOFError, or "0 parameter group(s)" for a directory of model weights)."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from ringseq.plugin.sharded_checkpoint import DistributedCheckpointIO
+    from ringseq.plugin.wrappers import OptimizerWrapper
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = OptimizerWrapper(torch.optim.AdamW(model.parameters()), None, model=model)
+    opt.backward(model(torch.ones(4, 3)).sum())
+    opt.step()
+    io = DistributedCheckpointIO()
+    shards, optim = str(tmp_path / "shards"), str(tmp_path / "optim")
+    io.save_model(model, shards, max_shard_size=16)
+    io.save_optimizer(opt, optim, sharded=True)
+    no_map, empty_dir = tmp_path / "no_map", tmp_path / "empty_dir"
+    no_map.mkdir(), empty_dir.mkdir()
+    (no_map / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}}))
+    (tmp_path / "empty.pt").write_bytes(b"")
+    dcp.save({"weight": model.weight.detach().clone()}, checkpoint_id=str(tmp_path / "weights"))
+    def load_model(path):
+        return io.load_model(model, path)
+
+    def load_optimizer(path):
+        return io.load_optimizer(opt, path)
+    for call, path, words in (
+            (load_model, optim, "is a directory without pytorch_model.bin.index.json: not a "
+                                "model checkpoint .*: it holds torch.distributed.checkpoint's "
+                                r"\.metadata, an optimizer checkpoint \(for load_optimizer\)"),
+            (load_model, empty_dir, "is a directory without pytorch_model.bin.index.json: not a "
+                                    r"model checkpoint save_model wrote, or one whose save "
+                                    r"failed part way \(the index is written last\)$"),
+            (load_model, no_map, r"has no weight_map \(parameter name -> shard file\)"),
+            (load_model, tmp_path / "empty.pt", r"is empty \(0 bytes\)"),
+            (load_optimizer, shards, r"has no \.metadata: not an optimizer checkpoint directory "
+                                     ".*: it holds pytorch_model.bin.index.json, a model "
+                                     r"checkpoint \(for load_model\)"),
+            (load_optimizer, empty_dir, r"has no \.metadata: not an optimizer checkpoint"),
+            (load_optimizer, tmp_path / "weights", r"holds no optimizer state \(its metadata "
+                                                   r"names \['weight'\]")):
+        with pytest.raises(ValueError, match=f"^load_(model|optimizer): rank 0: loading the "
+                                             f"checkpoint .* failed .*{words}"):
+            call(str(path))
+    io.load_model(model, shards)  # (the right kinds load)
+    io.load_optimizer(opt, optim)
 
 
 def test_a_shard_size_is_taken_as_a_number_or_a_size_string():

@@ -527,6 +527,39 @@ def test_a_strided_head_dim_is_named_by_its_own_stride():
         ringseq.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
 
 
+def test_packed_forms_name_what_the_caller_passed():
+    """The packed forms' errors name their own arguments: qkv's parts, one cu_seqlens and
+    max_seqlen (before: q / k / v, cu_seqlens_k and max_seqlen_q, which they do not take)."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(10, 3, 2, 32, generator=g)[..., ::2]  # (total, 3, h, d), head stride 2
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    for fn, args, words in (
+            ("flash_attn_varlen_qkvpacked_func", (qkv.contiguous(), cu, 3),
+             "max_seqlen must be >= the longest sequence (6), got 3"),
+            ("flash_attn_varlen_qkvpacked_func", (qkv.contiguous(), cu, 6.0),
+             "max_seqlen must be an int"),
+            ("flash_attn_varlen_qkvpacked_func", (qkv.contiguous(), cu[:-1], 6),
+             "cu_seqlens must end at the packed length (10), got 4"),
+            ("flash_attn_varlen_qkvpacked_func", (qkv, cu, 6),
+             "qkv's q part must be contiguous in its last (head) dimension"),
+            ("flash_attn_varlen_kvpacked_func", (qkv[:, 0].contiguous(), qkv[:, 1:], cu, cu, 6, 6),
+             "kv's k part must be contiguous in its last (head) dimension"),
+            ("flash_attn_qkvpacked_func", (qkv[None],),
+             "qkv's q part must be contiguous in its last (head) dimension"),
+            ("flash_attn_kvpacked_func", (qkv[None, :, 0].contiguous(), qkv[None, :, 1:]),
+             "kv's k part must be contiguous in its last (head) dimension"),
+            ("ring_flash_attn_qkvpacked_func", (qkv[None],),
+             "qkv's q part must be contiguous in its last (head) dimension"),
+            ("ring_flash_attn_kvpacked_func", (qkv[None, :, 0].contiguous(), qkv[None, :, 1:]),
+             "kv's k part must be contiguous in its last (head) dimension"),
+            ("ring_flash_attn_varlen_qkvpacked_func", (qkv, cu),
+             "qkv's q part must be contiguous in its last (head) dimension"),
+            ("ring_flash_attn_varlen_kvpacked_func", (qkv[:, 0].contiguous(), qkv[:, 1:], cu),
+             "kv's k part must be contiguous in its last (head) dimension")):
+        with pytest.raises((TypeError, ValueError), match=f"^{fn}: {re.escape(words)}"):
+            getattr(ringseq, fn)(*args)
+
+
 # ring-flash-attention's varlen ring signatures (ringseq defaults max_seqlen to None: unused)
 _RFA_VARLEN = {
     "ring_flash_attn_varlen_func": ["q", "k", "v"],

@@ -95,6 +95,12 @@ class InputForm:
             return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, h, d) views
         return q, k, v
 
+    def packed(self, packed: str) -> "InputForm":
+        """This form for a call given ``packed`` (``"kv"`` or ``"qkv"``) instead of those
+        tensors: they are named as its parts ("qkv's k part"), what the caller can fix."""
+        parts = tuple(f"{packed}'s {name} part" for name in packed)
+        return dataclasses.replace(self, names=self.names[:3 - len(parts)] + parts)
+
 
 FLASH_FORM = InputForm()
 SDPA_FORM = InputForm(("query", "key", "value"), "sdpa",

@@ -176,7 +176,10 @@ def saving_failed(error: BaseException, path: str) -> BaseException:
 
 
 def read_file(path: str):
-    """One checkpoint file as CPU tensors; ``weights_only=True``: a checkpoint cannot run code."""
+    """One checkpoint file as CPU tensors; ``weights_only=True``: a checkpoint cannot run code.
+    ValueError for an empty file (torch.load's EOFError says nothing)."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise ValueError(f"{path!r} is empty (0 bytes): not a checkpoint file a save wrote")
     return torch.load(path, map_location="cpu", weights_only=True)
 
 

@@ -30,9 +30,11 @@ _CALL = threading.local()  # the checkpoint call this thread is inside (nested c
 # (code ported from its Booster passes them), any other value refused
 _COLOSSALAI_DEFAULTS = {"shard": False, "gather_dtensor": True, "prefix": None,
                         "use_safetensors": False, "size_per_shard": 1024}
-# ColossalAI's names for what the plugin's calls take otherwise
-_COLOSSALAI = {"shard": "max_shard_size", "size_per_shard": "max_shard_size (ColossalAI's "
-               "size_per_shard=N MB is max_shard_size=f'{N}MiB')"}
+# ColossalAI's names for what the plugin's calls take otherwise: its keyword -> (the plugin's
+# parameter, the hint), hinted where the call takes that parameter
+_COLOSSALAI = {"shard": (("max_shard_size", "max_shard_size"), ("sharded", "sharded")),
+               "size_per_shard": (("max_shard_size", "max_shard_size (ColossalAI's "
+                                   "size_per_shard=N MB is max_shard_size=f'{N}MiB')"),)}
 
 
 def current_call() -> str:
@@ -64,7 +66,7 @@ def shard_bytes(size, fn: str = "save_model") -> int:
 def _check_path(fn: str, checkpoint) -> str:
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(f"{fn}: checkpoint must be a path (str or os.PathLike), got "
-                        f"{type(checkpoint).__name__}")
+                        f"{checkpoint!r} ({type(checkpoint).__name__})")
     path = os.fspath(checkpoint)
     if not isinstance(path, str) or not path:
         raise TypeError(f"{fn}: checkpoint must be a non-empty str path, got {checkpoint!r}")
@@ -109,7 +111,8 @@ def _bind(fn: str, method, self, args, kwargs) -> inspect.BoundArguments:
     unknown = sorted(set(kwargs) - set(signature.parameters))
     if unknown:
         takes = list(signature.parameters)[3:]  # (after self, the object and the path)
-        hints = [f"{k}: see {_COLOSSALAI[k]}" for k in unknown if k in _COLOSSALAI]
+        hints = [f"{k}: see {hint}" for k in unknown for param, hint in _COLOSSALAI.get(k, ())
+                 if param in signature.parameters]
         raise TypeError(f"{fn}: unexpected keyword argument(s) {unknown}; it takes "
                         f"{takes or 'no other arguments'}" + (f" ({'; '.join(hints)})"
                                                               if hints else ""))

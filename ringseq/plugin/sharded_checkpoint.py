@@ -63,13 +63,46 @@ def _holds_dtensors(optimizer) -> bool:
 
 def full_model_state_dict(model) -> dict:
     """The full state dict of ``model`` (any sharding) on rank 0, as CPU tensors; ``{}`` on
-    the other ranks of a sharded model. Collective when the model is sharded."""
+    the other ranks of a sharded model.
+
+    Collective when the model is sharded: the ranks gather it tensor by tensor and agree after
+    laying out their shards and after each tensor's copy on rank 0 that every rank succeeded
+    (torch's full-state gather has no such point: a rank that failed alone, out of memory for
+    its copy, left the others in the next gather until the process group's timeout). Raises
+    the failing rank's error there and ValueError on the other ranks."""
     reshard_gathered(model)
     if not _is_sharded(model):
         return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+    state, error = None, None
+    try:  # (local: this rank's shards under the model's names)
+        state = get_model_state_dict(model)
+    except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+        error = exc
+    fn = current_call()
+    agree_or_raise(error is None, f"{fn}: collecting the model's state failed: {error!r}",
+                   error=error,
+                   peer_message=f"{fn}: collecting the model's state failed on another rank")
+    full, keep = {}, dist.get_rank() == 0
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # (collective)
+        try:
+            if keep:
+                full[key] = _host_copy(value)
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            error = exc
+        agree_or_raise(error is None, f"{fn}: copying {key!r} of the model's state to the host "
+                       f"failed: {error!r}", error=error,
+                       peer_message=f"{fn}: copying {key!r} of the model's state failed on "
+                                    f"another rank")
+    return full
+
+
+def _host_copy(t):
+    """A state dict value as rank 0 keeps it: a CPU tensor (non-tensor values as they are)."""
+    return t.detach().cpu() if torch.is_tensor(t) else t
 
 
 def _write_shards(state: dict, directory: str, max_bytes: int) -> None:
@@ -105,8 +138,21 @@ def _remove_if_there(path: str) -> None:
 def read_full_state_dict(path: str) -> dict:
     """A full state dict from one file or a directory of transformers-style shards."""
     if os.path.isdir(path):
-        with open(os.path.join(path, INDEX_NAME)) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        index = os.path.join(path, INDEX_NAME)
+        if not os.path.isfile(index):
+            other = (": it holds torch.distributed.checkpoint's .metadata, an optimizer "
+                     "checkpoint (for load_optimizer)"
+                     if os.path.isfile(os.path.join(path, ".metadata")) else "")
+            raise ValueError(f"{path!r} is a directory without {INDEX_NAME}: not a model "
+                             f"checkpoint save_model wrote, or one whose save failed part way "
+                             f"(the index is written last){other}")
+        with open(index) as f:
+            meta = json.load(f)
+        weight_map = meta.get("weight_map") if isinstance(meta, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index!r} has no weight_map (parameter name -> shard file): not "
+                             f"an index save_model wrote")
+        files = sorted(set(weight_map.values()))
         state = {}
         for name in files:
             state.update(read_file(os.path.join(path, name)))
@@ -205,10 +251,27 @@ def _checkpoint_exception_text(exc, path: str, what: str) -> str:
 def _dcp_state_names(path: str) -> set:
     """The parameter names a ``torch.distributed.checkpoint`` optimizer directory holds state
     for (from its metadata: keys ``optimizer.state.<parameter name>.<entry>``)."""
-    import torch.distributed.checkpoint as dcp
     prefix = "optimizer.state."
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return {k[len(prefix):].rpartition(".")[0] for k in keys if k.startswith(prefix)}
+    return {k[len(prefix):].rpartition(".")[0] for k in _dcp_keys(path) if k.startswith(prefix)}
+
+
+def _dcp_keys(path: str) -> list:
+    """The state dict keys in the metadata of the optimizer checkpoint directory ``path``.
+    ValueError when it has no metadata (another kind of directory, or a save that failed part
+    way: the metadata is written last) or no optimizer state."""
+    import torch.distributed.checkpoint as dcp
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        other = (f": it holds {INDEX_NAME}, a model checkpoint (for load_model)"
+                 if os.path.isfile(os.path.join(path, INDEX_NAME)) else "")
+        raise ValueError(f"{path!r} has no .metadata: not an optimizer "
+                         f"checkpoint directory save_optimizer wrote, or one whose save failed "
+                         f"part way (the metadata is written last){other}")
+    keys = list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    if not any(k.startswith("optimizer.") for k in keys):
+        raise ValueError(f"{path!r} holds no optimizer state (its metadata "
+                         f"names {keys[:3]}...): not an optimizer checkpoint save_optimizer "
+                         f"wrote")
+    return keys
 
 
 def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
@@ -223,8 +286,7 @@ def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
     ``initial_lr``, which a learning-rate scheduler attached here adds to each group, is not
     asked of a checkpoint saved without one (taken out of ``own``'s groups; the load keeps
     the live value), as the single-file format loads it."""
-    import torch.distributed.checkpoint as dcp
-    keys = list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    keys = _dcp_keys(path)
     group_prefix, state_prefix = "optimizer.param_groups.", "optimizer.state."
     settings: dict = {}
     for key in keys:

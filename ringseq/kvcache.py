@@ -779,7 +779,7 @@ def _ring_decode(plan, group, world):
     failure = None
     try:
         new_part = _local_decode(plan, payload)
-    except (Exception, KeyboardInterrupt) as exc:  # re-raised below, after the gather
+    except BaseException as exc:  # re-raised below, after the gather (SystemExit too)
         failure, new_part = exc, None
         flat[-1] = 1.0
     if world > 1:

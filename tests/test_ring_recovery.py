@@ -1559,7 +1559,8 @@ _TP_CASES = ("layer 1 forward", "layer 1 backward", "embedding backward", "gradi
              "gradient probe", "after a double backward", "layer 1 reduce-scatter")
 
 
-def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing, unused):
+def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing, unused,
+                        error="MemoryError"):
     """W=4 as sp 2 x tp 2 (zero stage 0: the plugin's own gradient sync; zero stage 2/3:
     FSDP's collectives over dp x sp interleaved with the tp ones, its post-backward summing
     the partial-sum gradients over tp before its reduce-scatter). Rank 1 raises at
@@ -1613,7 +1614,8 @@ def _worker_tp_failures(plugin_kwargs, cases, biases, hf_checkpointing, unused):
             # which runs its forward under no_grad too)
             if rank == 1 and failing["at"] == name and (
                     name not in _NO_GRAD_CASES or failing["in no_grad forward"]):
-                raise MemoryError("injected: out of memory")
+                raise {"MemoryError": MemoryError, "SystemExit": SystemExit}[error](
+                    "injected: out of memory")
         if phase == "forward":
             module.register_forward_hook(fail_on_rank_1)
         else:
@@ -1703,6 +1705,32 @@ def test_step_failure_on_one_rank_raises_everywhere_under_tp(plugin_kwargs, bias
             assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
         return
     _assert_trains_as_one_process(res, biases=biases, unused=unused)
+
+
+def test_a_system_exit_on_one_rank_is_a_failure_like_any_other():
+    """sys.exit() on one rank (a SIGTERM handler's, say) in a forward or a backward at sp 2 x
+    tp 2 raises on every rank within seconds, as an exception does, and training goes on
+    exactly after zero_grad and booster.reset(). Before, it skipped the failure handling: the
+    failed rank's reset passed and its next forward met its tp peer, still in the failed
+    step's backward collectives (both waited until the process group's timeout); the other
+    two raised RingTimeoutError after three ring timeouts."""
+    cases = ("layer 1 forward", "layer 1 backward")
+    res = run_ranks(_worker_tp_failures, 4, {}, cases, False, False, False, "SystemExit",
+                    timeout=300, env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    for rank, r in enumerate(res):
+        assert r["first"][0] == "ok" and r["after"][0] == "ok", r
+        for case in ("at first",) + cases:
+            if rank == 1:
+                _is_error(r[case], ("SystemExit",), "injected")
+            elif rank == 3:
+                _is_error(r[case], ("RingBrokenError",), "global rank 1) failed")
+            elif case != "layer 1 backward":
+                _is_error(r[case], ("RingPeerError",), "failed where this rank did not",
+                          "SystemExit")
+            else:
+                _is_error(r[case], ("RingPeerError",), "did not end on rank(s) [",
+                          "rank 1: SystemExit: injected", "booster.reset()")
+    _assert_trains_as_one_process(res, biases=False, unused=False)
 
 
 def _worker_evaluation_on_one_dp_group():

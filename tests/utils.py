@@ -14,7 +14,8 @@ def capture(fn):
     t0 = time.monotonic()
     try:
         return ("ok", fn())
-    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and message
+    except BaseException as exc:  # noqa: BLE001 - the parent asserts on type and message
+        # (SystemExit, KeyboardInterrupt too: a rank's own failure of those kinds)
         return (type(exc).__name__, str(exc), time.monotonic() - t0)
 
 

@@ -514,7 +514,7 @@ class FailureReporter:
         try:
             try:
                 yield
-            except (Exception, KeyboardInterrupt) as exc:
+            except BaseException as exc:  # SystemExit too (a SIGTERM handler's sys.exit())
                 if dist.is_initialized():
                     self._after_failure(phase, exc, self.ring.calls - before, reduction,
                                         agreed_at_end, loss)
@@ -854,7 +854,7 @@ class OptimizerWrapper:
                 update_due(self.scaler)  # (once per iteration: the plugin's optimizers share it)
                 self._unscaled_grads, self._scaled = None, False
                 self._stepped_scaled = True
-        except (Exception, KeyboardInterrupt) as exc:
+        except BaseException as exc:  # (SystemExit too: the peers would wait in the vote)
             self._vote(exc)
             raise
         self._vote(None)
@@ -957,7 +957,7 @@ class OptimizerWrapper:
             if self.scaler is not None and grads and not self._unscaled():
                 self.scaler.unscale_(self.optim)
             share = local_norm_share(grads, norm_type)
-        except (Exception, KeyboardInterrupt) as exc:  # re-raised by the agreement
+        except BaseException as exc:  # re-raised by the agreement (SystemExit too)
             failure = exc
         if dist.is_initialized():
             get_ring(None).agree(failure is None, f"{type(failure).__name__}: {failure}",

@@ -24,6 +24,7 @@ ringseq's own options (``return_lse``, ``backend``, ``grad_comm_dtype``) are key
 from __future__ import annotations
 
 from ._args import split_kv, split_qkv
+from .kernels.checks import FLASH_FORM
 from .nn import ring_attention, unpack
 
 __all__ = ["zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
@@ -33,13 +34,13 @@ __all__ = ["zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func"
 
 def _bound(fn, layout, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
            deterministic, return_attn_probs, group, return_lse, backend, grad_comm_dtype,
-           softcap=0.0):
-    # errors name the function that was called
+           softcap=0.0, form=FLASH_FORM):
+    # errors name the function that was called, and the tensors as it takes them (``form``)
     return ring_attention(fn, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                           causal=causal, window_size=window_size, alibi_slopes=alibi_slopes,
                           deterministic=deterministic, return_attn_probs=return_attn_probs,
                           group=group, layout=layout, return_lse=return_lse, backend=backend,
-                          grad_comm_dtype=grad_comm_dtype, softcap=softcap)
+                          grad_comm_dtype=grad_comm_dtype, softcap=softcap, form=form)
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -64,7 +65,7 @@ def zigzag_ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=Non
     k, v = unpack(fn, group, split_kv, kv)
     return _bound(fn, "zigzag", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
-                  grad_comm_dtype, softcap)
+                  grad_comm_dtype, softcap, FLASH_FORM.packed("kv"))
 
 
 def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -77,7 +78,7 @@ def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None
     q, k, v = unpack(fn, group, split_qkv, qkv)
     return _bound(fn, "zigzag", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
-                  grad_comm_dtype, softcap)
+                  grad_comm_dtype, softcap, FLASH_FORM.packed("qkv"))
 
 
 def stripe_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -101,7 +102,7 @@ def stripe_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, ca
     k, v = unpack(fn, group, split_kv, kv)
     return _bound(fn, "stripe", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
-                  grad_comm_dtype, softcap)
+                  grad_comm_dtype, softcap, FLASH_FORM.packed("kv"))
 
 
 def stripe_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -114,4 +115,4 @@ def stripe_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, cau
     q, k, v = unpack(fn, group, split_qkv, qkv)
     return _bound(fn, "stripe", q, k, v, dropout_p, softmax_scale, causal, window_size,
                   alibi_slopes, deterministic, return_attn_probs, group, return_lse, backend,
-                  grad_comm_dtype, softcap)
+                  grad_comm_dtype, softcap, FLASH_FORM.packed("qkv"))

@@ -300,6 +300,7 @@ def plot(path, rows):
     ax.set_ylabel("ms (busiest rank)")
     ax.legend()
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # (--plot's folders)
     fig.savefig(path, dpi=120)
     progress(f"wrote {path}")
 

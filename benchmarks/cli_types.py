@@ -51,36 +51,38 @@ def positive_float(text):
 
 def json_path(text):
     """A path the results can be written to, tried before any work starts (a run should not
-    end, minutes later, in a traceback about its output file): its directory is created and
-    the file opened for appending; the file and folders this made are removed again (a run
-    refused for another argument leaves nothing; the results' writer makes them)."""
+    end, minutes later, in a traceback about its output file). Where its folder exists, the
+    file is opened for appending (a file this made is removed again); where it does not, the
+    nearest folder above it that exists must be writable: nothing is made (a run refused for
+    another argument leaves nothing behind; the results' writer makes the folders). Ranks of
+    a launcher check the same path at once: nothing here removes what another rank made."""
     if str(text).endswith(("/", os.sep)):  # (abspath drops the slash; open would not)
         raise argparse.ArgumentTypeError(f"{text!r} ends in '/': a directory, not a file path")
     path = os.path.abspath(text)
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file path")
+    folder = nearest = os.path.dirname(path)
+    while not os.path.exists(nearest):
+        nearest = os.path.dirname(nearest)
+    if nearest != folder:
+        if not os.path.isdir(nearest):
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {nearest!r} is a file, "
+                                             f"not a folder")
+        if not os.access(nearest, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: no permission to make "
+                                             f"folders in {nearest!r}")
+        return text
     existed = os.path.exists(path)
-    made, folder = [], os.path.dirname(path)  # (the folders missing, deepest first)
-    while folder and not os.path.exists(folder) and folder != os.path.dirname(folder):
-        made.append(folder)
-        folder = os.path.dirname(folder)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "a"):
             pass
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror or exc}") from None
-    finally:
-        if not existed:
-            try:
-                os.remove(path)
-            except OSError:  # (never made, or another rank of a launcher removed it first)
-                pass
-        for folder in made:
-            try:
-                os.rmdir(folder)
-            except OSError:  # (never made, removed by another rank, or used meanwhile)
-                pass
+    if not existed:
+        try:
+            os.remove(path)
+        except FileNotFoundError:  # (another rank of a launcher removed it first)
+            pass
     return text
 
 

@@ -360,6 +360,10 @@ def test_a_save_without_a_grad_scaler_removes_an_earlier_ones_file(w2_calls):
         assert r["scaler_saved"] and not r["scaler_left"], r
 
 
+class _Config:
+    """An object of a class of its own: not what torch.load(weights_only=True) reads."""
+
+
 def _worker_fails_inside(tmp):
     """Zero stage 3: rank 1 runs out of memory (simulated) where a checkpoint call works on
     this rank alone, before or between the collectives: laying out its optimizer state for a
@@ -407,17 +411,27 @@ def _worker_fails_inside(tmp):
     from ringseq.plugin import sharded_checkpoint
     real_copy, copies = sharded_checkpoint._host_copy, []
 
-    def copy_fails_second(t):
+    def copy_fails_second(key, t):
         copies.append(t)
         if len(copies) == 2:
             raise MemoryError("simulated: out of memory copying the state")
-        return real_copy(t)
+        return real_copy(key, t)
     sharded_checkpoint._host_copy = copy_fails_second
     try:
         out["save_model copy"] = error_text(lambda: booster.save_model(model, f"{tmp}/m2.pt"))
     finally:
         sharded_checkpoint._host_copy = real_copy
     out["save_model copy wrote nothing"] = not os.path.exists(f"{tmp}/m2.pt")
+    # a module's extra state that torch.load(weights_only=True) cannot read back: refused at
+    # the save on every rank (as torch's gather refused it; the tensor-by-tensor gather at
+    # first wrote it, and load_model then failed)
+    linear = type(model.unwrap().lin)
+    linear.get_extra_state = lambda self: {"note": "v1", "config": _Config()}
+    try:
+        out["extra state"] = error_text(lambda: booster.save_model(model, f"{tmp}/m4.pt"))
+    finally:
+        del linear.get_extra_state
+    out["extra state wrote nothing"] = not os.path.exists(f"{tmp}/m4.pt")
     for key, module, name, call in (
             ("save_model", dsd, "get_model_state_dict",
              lambda: booster.save_model(model, f"{tmp}/m3.pt")),
@@ -467,6 +481,14 @@ def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_r
             assert text.startswith("ValueError: save_model: copying 'lin.bias'"), text
             assert "of the model's state failed on another rank" in text, text
         assert r["save_model copy wrote nothing"], r
+        text = r["extra state"]
+        if rank == 0:
+            assert text.startswith("TypeError: save_model: the model's state entry "
+                                   "'lin._extra_state' holds a _Config: load_model reads"), text
+        else:
+            assert text.startswith("ValueError: save_model: copying 'lin._extra_state' of the "
+                                   "model's state failed on another rank"), text
+        assert r["extra state wrote nothing"], r
         for key in ("save_model", "save_optimizer", "load_model", "load_optimizer"):
             if rank == 1:
                 assert r[key].startswith("MemoryError") and "simulated" in r[key], r[key]
@@ -598,6 +620,10 @@ def test_a_checkpoint_of_another_kind_is_refused_by_what_it_is(tmp_path):
             call(str(path))
     io.load_model(model, shards)  # (the right kinds load)
     io.load_optimizer(opt, optim)
+    # a state dict given as the path: named by its kind, its repr cut short
+    with pytest.raises(TypeError, match=r"^save_model: checkpoint must be a path \(str or "
+                                        r"os.PathLike\), got OrderedDict\(.{0,60}\(OrderedDict\)$"):
+        io.save_model(model, model.state_dict())
 
 
 def test_a_shard_size_is_taken_as_a_number_or_a_size_string():

@@ -12,6 +12,7 @@ import math
 import numbers
 import os
 import re
+import reprlib
 import threading
 from typing import Optional
 
@@ -66,7 +67,7 @@ def shard_bytes(size, fn: str = "save_model") -> int:
 def _check_path(fn: str, checkpoint) -> str:
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(f"{fn}: checkpoint must be a path (str or os.PathLike), got "
-                        f"{checkpoint!r} ({type(checkpoint).__name__})")
+                        f"{reprlib.repr(checkpoint)} ({type(checkpoint).__name__})")
     path = os.fspath(checkpoint)
     if not isinstance(path, str) or not path:
         raise TypeError(f"{fn}: checkpoint must be a non-empty str path, got {checkpoint!r}")

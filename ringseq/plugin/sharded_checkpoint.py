@@ -1,9 +1,11 @@
 """Checkpoints of sharded (FSDP / tensor-parallel) and replicated training state.
 
 Model: always the FULL state dict, the same keys and tensors as the plain model built without
-ringseq, from any mesh. Sharded parameters are gathered with
-``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True,
-cpu_offload=True)`` (collective; only rank 0 keeps the result) and written by rank 0, either as
+ringseq, from any mesh. The state dict of this rank's shards, under the plain model's names
+(``torch.distributed.checkpoint.state_dict.get_model_state_dict``), is gathered tensor by
+tensor (``DTensor.full_tensor``, collective; only rank 0 keeps a CPU copy), the ranks agreeing
+after each copy that every rank succeeded (:func:`full_model_state_dict`), and written by rank
+0, either as
 one ``torch.save`` file or, with ``max_shard_size``, as transformers-style shards in a
 directory (``pytorch_model-00001-of-0000N.bin`` + ``pytorch_model.bin.index.json``: a
 ``weight_map`` from key to file), which transformers' ``load_sharded_checkpoint``
@@ -69,7 +71,12 @@ def full_model_state_dict(model) -> dict:
     laying out their shards and after each tensor's copy on rank 0 that every rank succeeded
     (torch's full-state gather has no such point: a rank that failed alone, out of memory for
     its copy, left the others in the next gather until the process group's timeout). Raises
-    the failing rank's error there and ValueError on the other ranks."""
+    the failing rank's error there and ValueError on the other ranks; TypeError (on rank 0,
+    ValueError on the others) for an entry that is no tensor, number, string or list, tuple or
+    dict of them (a module's extra state of another kind), which ``load_model`` could not
+    read. A failure inside a gather itself (one rank out of memory for the full tensor) is
+    the process group's: the others wait in it until that rank's process ends or the group's
+    timeout."""
     reshard_gathered(model)
     if not _is_sharded(model):
         return model.state_dict()
@@ -90,7 +97,7 @@ def full_model_state_dict(model) -> dict:
             value = value.full_tensor()  # (collective)
         try:
             if keep:
-                full[key] = _host_copy(value)
+                full[key] = _host_copy(key, value)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             error = exc
         agree_or_raise(error is None, f"{fn}: copying {key!r} of the model's state to the host "
@@ -100,9 +107,25 @@ def full_model_state_dict(model) -> dict:
     return full
 
 
-def _host_copy(t):
-    """A state dict value as rank 0 keeps it: a CPU tensor (non-tensor values as they are)."""
-    return t.detach().cpu() if torch.is_tensor(t) else t
+_PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
+
+
+def _host_copy(key: str, value):
+    """A state dict entry as rank 0 keeps it: tensors on the CPU, in lists, tuples and dicts
+    too; numbers and strings as they are. TypeError for anything else, which
+    ``torch.load(weights_only=True)`` (``load_model``) could not read back."""
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    if isinstance(value, _PLAIN_VALUES):
+        return value
+    if type(value) in (list, tuple):
+        return type(value)(_host_copy(key, v) for v in value)
+    if type(value) is dict:
+        return {k: _host_copy(key, v) for k, v in value.items()}
+    raise TypeError(f"{current_call()}: the model's state entry {key!r} holds a "
+                    f"{type(value).__name__}: load_model reads checkpoints with "
+                    f"torch.load(weights_only=True), which takes tensors, numbers, strings and "
+                    f"lists, tuples and dicts of them (return such from get_extra_state)")
 
 
 def _write_shards(state: dict, directory: str, max_bytes: int) -> None:

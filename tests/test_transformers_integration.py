@@ -116,6 +116,8 @@ def _ring_run(arch, state_dict, layout, group, seed):
 
 
 def _error_cases(state_dict):
+    import inspect
+
     import torch.distributed as dist
 
     import ringseq
@@ -158,6 +160,17 @@ def _error_cases(state_dict):
             lambda: model(**batch, logits_to_keep=1, use_cache=False))
         out["logits_to_keep_0"] = error_text(
             lambda: model(**batch, logits_to_keep=0, use_cache=False))
+        # the same given by position (before: not seen, so each rank's own loss / last logits)
+        params = list(inspect.signature(model.forward).parameters)
+
+        def by_position(**named):
+            return [named.get(n) for n in params[:1 + max(map(params.index, named))]]
+        out["labels_positional"] = error_text(lambda: model(*by_position(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+            labels=batch["input_ids"], use_cache=False)))
+        out["logits_to_keep_positional"] = error_text(lambda: model(*by_position(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+            logits_to_keep=1)))
 
     dropout_model = apply(_model("llama", attention_dropout=0.1)).train()
     out["dropout_train"] = error_text(lambda: dropout_model(**batch, use_cache=False))
@@ -335,6 +348,8 @@ def test_sharded_cross_entropy_value_and_grad(w2):
     ("dropout_train", "dropout"),
     ("generate", "logits_to_keep=1 (model.generate() passes 1) over 2 ranks"),
     ("logits_to_keep", "logits_to_keep=1 (model.generate() passes 1) over 2 ranks"),
+    ("labels_positional", "labels passed to the model over 2 ranks"),
+    ("logits_to_keep_positional", "logits_to_keep=1 (model.generate() passes 1) over 2 ranks"),
 ])
 def test_unsupported_inputs_raise_clearly(w2, name, needle):
     for rank, res in enumerate(w2):
@@ -449,6 +464,24 @@ def test_a_call_without_a_mask_after_one_with_an_all_ones_mask(state_dicts):
         assert_close_per_design(got, ref64, plain, name, 2.0, scaled_floor(torch.float32, ref64))
 
 
+def test_an_applied_model_pickles_after_a_call(state_dicts):
+    """torch.save(model) of an applied model after a call, and the copy computes the same
+    (before: TypeError, the weak references its input check keeps could not be pickled)."""
+    import io
+
+    from ringseq.integrations.transformers import apply
+    ids = _batch(14)[0][:1, :8]
+    model = apply(_model("llama", state_dicts["llama"]).eval())
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(copy(input_ids=ids, use_cache=False).logits, want)
+
+
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous", "stripe", "documents"])
 def test_single_process_generate_takes_any_length_under_any_layout(state_dicts, layout):
     """generate(use_cache=False) on one process adds a token per step: a model switched with
@@ -464,8 +497,10 @@ def test_single_process_generate_takes_any_length_under_any_layout(state_dicts, 
     got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
     assert torch.equal(got, want), (got, want)
     if layout == "zigzag":  # with the cache generate() uses by default: told what works
-        with pytest.raises(ValueError, match=r"a KV cache is not supported: pass use_cache=False; "
-                                             r"generate\(\) works so on one process only"):
+        with pytest.raises(ValueError, match=r"a KV cache is not supported: pass use_cache=False, "
+                                             r"and input_ids: .* generate\(\) works so in a run "
+                                             r"of one process, or after "
+                                             r"model.set_attn_implementation\('sdpa'\)"):
             model.generate(ids, max_new_tokens=2, do_sample=False)
         # a left-padded prompt: the padding named alone (before: also told to pass packed
         # documents' boundaries, for the position ids generate() makes for padded rows)

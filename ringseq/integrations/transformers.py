@@ -129,6 +129,13 @@ class RingSettings:
         # A process group cannot be copied, and a copied model runs on the same ring.
         return self
 
+    def __getstate__(self):
+        # (pickling an applied model, torch.save(model): the checked inputs' weak references
+        # cannot be pickled and mean nothing in another process; the next call checks again)
+        state = dict(self.__dict__)
+        state.update(_checked=(None,) * 5, _stacks_checked=())
+        return state
+
 
 def _settings(module) -> RingSettings:
     s = getattr(module, "ringseq_settings", None)
@@ -192,8 +199,11 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
         shown = f"{kept!r}" if not torch.is_tensor(kept) else "a tensor of indices"
         problems.append(f"logits_to_keep={shown} (model.generate() passes 1) over {world_size} "
                         f"ranks: each rank would keep the logits of its own shard's last tokens, "
-                        f"not the sequence's; generate() runs on one process only; over a ring "
-                        f"compute every position's logits and gather them with ringseq.unshard")
+                        f"not the sequence's. generate() runs on one process: a run of one, or "
+                        f"model.set_attn_implementation('sdpa') on the rank that generates (and "
+                        f"'ringseq' after it; called on one rank with ringseq attention, it "
+                        f"waits for its peers); over a ring compute every position's logits and "
+                        f"gather them with ringseq.unshard")
     if world_size > 1 and settings._labels_given:
         # (before: each rank's loss shifted its own shard's labels, pairing tokens of chunks
         # that are not neighbours under zigzag, and averaged per rank: another loss on every
@@ -444,7 +454,9 @@ def _checked_call(name, settings, query, key, value, dropout, sliding_window, kw
         raise ValueError(f"{name}: query has {query.shape[2]} local tokens but key has "
                          f"{key.shape[2]}; ringseq attention needs the keys of exactly the "
                          f"current tokens (a KV cache is not supported: pass "
-                         f"use_cache=False; generate() works so on one process only)")
+                         f"use_cache=False, and input_ids: generate(inputs_embeds=...) turns the "
+                         f"cache on; generate() works so in a run of one process, or after "
+                         f"model.set_attn_implementation('sdpa'))")
     docs = _documents(name, kwargs)
     if docs is None and settings._model_documents:
         raise ValueError(f"{name}: the model was called with packed documents' boundaries "
@@ -537,11 +549,31 @@ def _given_documents(kwargs) -> bool:
     return kwargs.get("cu_seq_lens_q") is not None
 
 
+def _call_arguments(module, args, kwargs) -> dict:
+    """The arguments of a call of ``module`` by name, those given by position included (and
+    its ``**kwargs`` flattened in); ``kwargs`` as given when the call does not bind (the
+    model's forward will say why)."""
+    if not args:
+        return kwargs
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except TypeError:
+        return kwargs
+    named = {}
+    for name, value in bound.arguments.items():
+        if bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named
+
+
 def _capture_documents(module, args, kwargs):
     """Forward pre-hook on the model ``apply`` was given, where it is not the base model: it
     may take the packed documents' boundaries and not hand them on (FalconForCausalLM)."""
     settings = getattr(module, "ringseq_settings", None)
     if settings is not None:
+        kwargs = _call_arguments(module, args, kwargs)  # (labels by position: seen too)
         settings._model_documents = _given_documents(kwargs)
         kept = kwargs.get("logits_to_keep", kwargs.get("num_logits_to_keep"))
         settings._logits_kept = (None if kept is None or (isinstance(kept, int) and kept == 0)
@@ -987,7 +1019,10 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
 
     Args:
         model: a ``PreTrainedModel`` whose attention uses ``AttentionInterface`` (Llama,
-            Mistral, Qwen2/3, Gemma, ... in current transformers).
+            Mistral, Qwen2/3, Gemma, ... in current transformers): the model you call, head
+            included. Given its base model (``model.model``), the ring runs in the outer
+            model too, but what only the outer model takes (``labels``, ``logits_to_keep``)
+            is not seen, so not refused over several ranks.
         group: process group of the sequence-parallel ranks (None: the default group), or a
             ``ringseq.SequenceParallelGroups`` (then the ``sp_*`` arguments may be omitted).
             The model's inputs must then be sharded over it: ``ringseq.shard_batch(..., group)``

@@ -224,6 +224,16 @@ def _case_threads():
     ref = ringseq.shard(ringseq.flash_attn_func(*full, causal=True, backend="reference"), "zigzag")
     main = ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag")
     result["main_err"] = max_err(main, ref)
+    # threads of other names on the ranks of a fresh group: their names are shown (before:
+    # hashes of them)
+    group = dist.new_group(list(range(w)))
+
+    def named():
+        result["named"] = _capture(lambda: ringseq.ring_flash_attn_func(
+            *loc, causal=True, layout="zigzag", group=group))
+    t = threading.Thread(target=named, name=f"loader of rank {dist.get_rank()}")
+    t.start()
+    t.join(60)
     return result
 
 
@@ -289,6 +299,29 @@ def _case_backward_tag():
         return _err((out.detach(), q.grad, k.grad, v.grad), want)
 
     return {"backward": _capture(backward)}
+
+
+def _case_tags_with_checks_off():
+    """With the checks off, ranks at alike calls under other tags (a step apart) raise
+    RingDesyncError naming both tags, and the ring works again after reset_ring (before: the
+    exchange headers carried no tag and the ranks paired silently)."""
+    rank, w = dist.get_rank(), dist.get_world_size()
+    full = _full(8, 6 * w)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    want = _reference_shards(full, "zigzag")[0]
+
+    def call():
+        return ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag")
+    ringseq.set_consistency_check(False)
+    try:
+        with ringseq.call_tag(1 + rank):
+            res = {"call": _capture(call)}
+        ringseq.reset_ring()
+        with ringseq.call_tag(7):
+            res["after"] = _capture(lambda: float((call() - want).abs().max()))
+    finally:
+        ringseq.set_consistency_check(True)
+    return res
 
 
 def _case_empty_batch():
@@ -563,6 +596,7 @@ def _worker_w2(tmp):
            "threads": _case_threads(),
            "before_call": _case_failure_before_the_call(),
            "backward_tag": _case_backward_tag(),
+           "tags_checks_off": _case_tags_with_checks_off(),
            "empty_batch": _case_empty_batch(),
            "check_consistent": _case_check_consistent(),
            "compile": _case_compile(),
@@ -768,6 +802,8 @@ def test_concurrent_threads_get_a_clear_error(w2):
         t = res["threads"]
         _is_fast_error(t["other"], "RuntimeError", "is bound to thread", "own process group")
         assert t["main_err"] < 1e-10, t
+        _is_fast_error(t["named"], "RingMismatchError", "calling thread (rank 0: loader of "
+                       "rank 0, rank 1: loader of rank 1)")
 
 
 def test_failure_before_a_call_opens_raises_on_every_rank_at_once(w2):
@@ -800,6 +836,14 @@ def test_backward_carries_its_forward_call_tag(w2):
         kind, err = res["backward_tag"]["backward"][:2]
         assert kind == "ok", res["backward_tag"]
         assert err < 1e-10
+
+
+def test_call_tags_are_compared_with_the_checks_off_too(w2):
+    for rank, res in enumerate(w2):
+        r = res["tags_checks_off"]
+        assert r["call"][0] == "RingDesyncError", r
+        assert f"(tag {1 + rank})" in r["call"][1] and f"(tag {2 - rank})" in r["call"][1], r
+        assert r["after"][0] == "ok" and r["after"][1] < 1e-12, r
 
 
 def test_check_consistent_raises_on_every_rank(w2):

@@ -62,6 +62,9 @@ ANY = "any"
 # calls on a ring: ranks in different operations meet in one control collective, and their
 # other fields, named and ordered per operation, cannot be compared.
 OPERATION = "operation"
+# A field ``(name, code, TEXT, text)`` of a call's signature: compared by its code; on a
+# mismatch each rank's text is shown (exchanged then, as a layout field's).
+TEXT = "text"
 _OPERATIONS = ("ring attention", "double-ring attention", "Ulysses attention",
                "ring kv-cache decoding")
 
@@ -413,7 +416,7 @@ def mismatch_error(ring, values: List[List[int]], signature: Sequence[tuple], ca
         if len(set(column)) > 1 and fkind == INTS:
             # (every rank sees the same rows, so every rank makes this exchange)
             diffs.append(f"{f[0]} ({_listed_values(ring, f[3], name, column)})")
-        elif len(set(column)) > 1 and fkind == "layout" and len(f) > 3:
+        elif len(set(column)) > 1 and fkind in ("layout", TEXT) and len(f) > 3:
             # (layout_field's: each rank knows its own layout only; the texts travel)
             diffs.append(f"{f[0]} ({_listed_texts(ring, f[3], name, column)})")
         elif len(set(column)) > 1 and fkind != ANY:
@@ -528,8 +531,10 @@ class RingCall:
             return  # no exchange: no header
         # Filled element by element with Python scalars: on CUDA these are small kernels,
         # where a host->device copy of a (pageable) list would synchronize the stream.
-        self._base = torch.empty(4, dtype=torch.int64, device=self.device)
-        for i, value in enumerate((_MAGIC, self._seq, self.kind, self.sig)):
+        # The call tag too: with the checks off the headers are all that compares ranks, and
+        # ranks a step apart (alike calls, as many of them) pair otherwise.
+        self._base = torch.empty(5, dtype=torch.int64, device=self.device)
+        for i, value in enumerate((_MAGIC, self._seq, self.kind, self.sig, current_tag())):
             self._base[i] = value
         self._bad = torch.zeros((), dtype=torch.bool, device=self.device)
 
@@ -572,9 +577,10 @@ class RingCall:
         exchange's index."""
         step = self.exchanges
         self.exchanges += 1
-        header[:4].copy_(self._base)
+        header[:4].copy_(self._base[:4])
         header[4] = step
-        header[5:] = 0
+        header[5] = self._base[4]  # (the call tag)
+        header[6:] = 0
         return step
 
     def check(self, header: torch.Tensor, step: int) -> None:
@@ -582,7 +588,8 @@ class RingCall:
         synchronization: the verdict is read in end())."""
         got = header.clone()
         self._received.append(got)
-        self._bad.logical_or_((got[:4] != self._base).any() | (got[4] != step))
+        self._bad.logical_or_((got[:4] != self._base[:4]).any() | (got[4] != step)
+                              | (got[5] != self._base[4]))
 
     def _desync_message(self) -> Optional[str]:
         # (reading the verdict synchronizes with the device: only when headers travelled)
@@ -590,16 +597,16 @@ class RingCall:
             return None
         ring = self.ring
         prev = getattr(ring.transport, "prev_rank", (ring.rank - 1) % ring.world_size)
-        base = self._base.tolist()
+        base = self._base.tolist()  # magic, seq, kind, signature, tag
         for step, got in enumerate(self._received):
-            g = got.tolist()
-            if g[:4] != base or g[4] != step:
-                theirs = (f"a header of its {_call_name(g[2], g[1])} (signature {g[3]}) at "
-                          f"exchange {g[4]}" if g[0] == _MAGIC else
+            g = got.tolist()  # magic, seq, kind, signature, exchange, tag
+            if g[:4] != base[:4] or g[4] != step or g[5] != base[4]:
+                theirs = (f"a header of its {_call_name(g[2], g[1], g[5])} (signature {g[3]}) "
+                          f"at exchange {g[4]}" if g[0] == _MAGIC else
                           "data without a ringseq header (foreign or corrupted)")
                 return (f"ringseq: ring desynchronized: rank {ring.rank} was at exchange {step} "
-                        f"of its {_call_name(self.kind, self._seq)} (signature {self.sig}) but "
-                        f"the previous rank (global rank {prev}) sent {theirs}")
+                        f"of its {_call_name(self.kind, self._seq, base[4])} (signature "
+                        f"{self.sig}) but the previous rank (global rank {prev}) sent {theirs}")
         return "ringseq: ring desynchronized (a received exchange header did not match)"
 
 

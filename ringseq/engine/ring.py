@@ -26,7 +26,7 @@ from .._dist import (RingMismatchError, RingTimeoutError, consistency_check_mode
                      defaults_for_malformed_settings,
                      group_info, is_initialized, named_for, real_object, ring_timeout)
 from .integrity import (_N_FIELDS, BROKEN, CHECK, CONTROL_WORDS, FAIL, FAILED, FIELD0,
-                        INVALID, OK, RingCall, agreement_code, broken_ring_error,
+                        INVALID, OK, TEXT, RingCall, agreement_code, broken_ring_error,
                         control_name, control_vector, failure_report, gather, judge,
                         mismatch_error)
 from .transport import RingComm, Transport, _timeout_exc
@@ -138,8 +138,9 @@ class Ring:
                     f"own process group")
             # Two threads per rank on one group would pair one rank's thread with another
             # rank's other thread: the calling thread's name is part of the signature.
-            signature = tuple(signature) + (("calling thread (hash of its name)",
-                                             stable_code(_thread_name())),)
+            thread = _thread_name()
+            signature = tuple(signature) + (("calling thread", stable_code(thread), TEXT,
+                                             thread),)
         call = RingCall(self, kind, signature, device, name)
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(

@@ -273,11 +273,11 @@ def set_consistency_check(mode=True) -> None:
     skipped its backward) raise :class:`RingDesyncError`; a rank failing inside a call makes
     every rank raise :class:`RingBrokenError` -- before any payload of a mismatching call
     moves, so nothing hangs and nothing is computed from mismatched data.
-    ``False`` / ``"off"``: no control collectives. Exchange headers still catch ranks a
-    different number of ring calls apart on the rank next to the one out of step
-    (RingDesyncError), but not call tags (ranks a step apart whose steps' calls are alike pair
-    silently), ranks that disagree on sizes may hang or abort in the transport, a failing rank can leave its peers waiting
-    until the ring timeout, and a rank that fails inside a call (it still completes the
+    ``False`` / ``"off"``: no control collectives. Exchange headers still catch desynchronized
+    steps (ranks a different number of ring calls apart, or under other call tags) on the rank
+    next to the one out of step (RingDesyncError), but ranks that disagree on sizes may hang
+    or abort in the transport, a failing rank can leave its peers waiting until the ring
+    timeout, and a rank that fails inside a call (it still completes the
     call's exchanges) can leave its peers with results that silently miss its part, e.g. dK/dV
     without its contribution: only the failing rank raises. Turn the checks off only where
     every call is known to succeed on every rank. (Ulysses' backward then exchanges a

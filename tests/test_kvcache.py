@@ -636,7 +636,8 @@ def _ring_decode_with_cancelling_parts(dtype, case):
     else:
         mean = q[:, 0].view(b, h_kv, h // h_kv, d).mean(2)  # (b, h_kv, d)
         # scores of about log(n / 2) against the ~0 of the prompt's keys: weight ~ the prompt's
-        K[:, n:] = (mean / mean.norm(dim=-1, keepdim=True) ** 2 * math.log(n / 2) * d ** 0.5)[:, None]
+        key = mean / mean.norm(dim=-1, keepdim=True) ** 2 * math.log(n / 2) * d ** 0.5
+        K[:, n:] = key[:, None]  # (b, 2, h_kv, d)
         V[:, :n] += 30.0
         V[:, n:] -= 30.0
     q, K, V = q.to(dtype), K.to(dtype), V.to(dtype)

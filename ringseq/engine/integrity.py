@@ -44,12 +44,16 @@ from .._dist import (RingBrokenError, RingDesyncError, RingMismatchError, RingPe
                      RingTimeoutError)
 from .._hash import INTS, stable_hash_ints
 
-__all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BYTES", "HEADER_WORDS", "KIND_NAMES",
+__all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BASE_WORDS", "HEADER_BYTES", "HEADER_WORDS",
+           "KIND_NAMES",
            "RingCall", "agreement_code", "call_tag", "current_tag", "describe_field", "judge",
            "mismatch_error", "operation_field"]
 
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8  # travels with every exchange (a multiple of 64: no padding)
+# What a call's headers share: magic, sequence number, kind, signature hash, call tag (each
+# header adds its exchange's index)
+HEADER_BASE_WORDS = 5
 _MAGIC = 0x52534551  # "RSEQ"
 # Kinds of control operations (calls use FWD / BWD; the same numbers travel in headers).
 FWD, BWD, FAIL, CHECK, END = 1, 2, 3, 4, 5
@@ -533,7 +537,7 @@ class RingCall:
         # where a host->device copy of a (pageable) list would synchronize the stream.
         # The call tag too: with the checks off the headers are all that compares ranks, and
         # ranks a step apart (alike calls, as many of them) pair otherwise.
-        self._base = torch.empty(5, dtype=torch.int64, device=self.device)
+        self._base = torch.empty(HEADER_BASE_WORDS, dtype=torch.int64, device=self.device)
         for i, value in enumerate((_MAGIC, self._seq, self.kind, self.sig, current_tag())):
             self._base[i] = value
         self._bad = torch.zeros((), dtype=torch.bool, device=self.device)

@@ -44,10 +44,9 @@ from .._dist import (RingBrokenError, RingDesyncError, RingMismatchError, RingPe
                      RingTimeoutError)
 from .._hash import INTS, stable_hash_ints
 
-__all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BASE_WORDS", "HEADER_BYTES", "HEADER_WORDS",
-           "KIND_NAMES",
-           "RingCall", "agreement_code", "call_tag", "current_tag", "describe_field", "judge",
-           "mismatch_error", "operation_field"]
+__all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BASE_WORDS", "HEADER_BYTES",
+           "HEADER_WORDS", "KIND_NAMES", "RingCall", "agreement_code", "call_tag", "current_tag",
+           "describe_field", "judge", "mismatch_error", "operation_field"]
 
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8  # travels with every exchange (a multiple of 64: no padding)

@@ -324,6 +324,27 @@ def _case_tags_with_checks_off():
     return res
 
 
+def _case_backward_order():
+    """Two alike calls (same shapes, same tag) whose backwards the ranks run in another
+    order: every rank raises RingMismatchError naming the forwards, and the next call is exact
+    (before: the backwards paired, A's with B's, and every gradient was wrong, no error)."""
+    rank, w = dist.get_rank(), dist.get_world_size()
+    calls = {}
+    with ringseq.call_tag(3):
+        for name, seed in (("A", 21), ("B", 22)):
+            loc = [ringseq.shard(t, "zigzag").requires_grad_() for t in _full(seed, 6 * w)]
+            calls[name] = ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag")
+    res = {}
+    for name in ("AB" if rank == 0 else "BA"):
+        res[name] = _capture(lambda: calls[name].sum().backward())
+    full = _full(23, 6 * w)
+    loc = [ringseq.shard(t, "zigzag") for t in full]
+    want = _reference_shards(full, "zigzag")[0]
+    res["after"] = _capture(lambda: float((ringseq.ring_flash_attn_func(
+        *loc, causal=True, layout="zigzag") - want).abs().max()))
+    return res
+
+
 def _case_empty_batch():
     """A batch of zero rows (its gradient arrives expanded, with stride 0) runs forward and
     backward like flash_attn_func, twice: the ring is not left broken."""
@@ -597,6 +618,7 @@ def _worker_w2(tmp):
            "before_call": _case_failure_before_the_call(),
            "backward_tag": _case_backward_tag(),
            "tags_checks_off": _case_tags_with_checks_off(),
+           "backward_order": _case_backward_order(),
            "empty_batch": _case_empty_batch(),
            "check_consistent": _case_check_consistent(),
            "compile": _case_compile(),
@@ -843,6 +865,16 @@ def test_call_tags_are_compared_with_the_checks_off_too(w2):
         r = res["tags_checks_off"]
         assert r["call"][0] == "RingDesyncError", r
         assert f"(tag {1 + rank})" in r["call"][1] and f"(tag {2 - rank})" in r["call"][1], r
+        assert r["after"][0] == "ok" and r["after"][1] < 1e-12, r
+
+
+def test_backwards_run_in_another_order_raise_on_every_rank(w2):
+    for res in w2:
+        r = res["backward_order"]
+        for name in "AB":
+            assert r[name][0] == "RingMismatchError", r
+            assert "the control count of its forward (alike calls' backwards run in another " \
+                   "order?) (rank 0: " in r[name][1], r
         assert r["after"][0] == "ok" and r["after"][1] < 1e-12, r
 
 

@@ -36,7 +36,7 @@ dK/dV error of float32 transit (tests/test_ring.py::test_grad_comm_dtype_accurac
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -203,8 +203,11 @@ def ring_forward(q, k, v, plan: RingPlan, ring: Ring):
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=None):
-    """(dq, dk, dv) in the input dtype (failures as in :func:`ring_forward`)."""
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=None,
+                  forward: Optional[int] = None):
+    """(dq, dk, dv) in the input dtype (failures as in :func:`ring_forward`). ``forward``: the
+    control count its forward's begin ran under (``Ring.control_count``), compared between
+    the ranks as a field of the call's signature."""
     b, s, h, d = q.shape
     be, scale, gdt = plan.backend, plan.softmax_scale, plan.grad_comm_dtype
     acc = be.accum_dtype(q.dtype)
@@ -231,8 +234,10 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
             be.require_lse_grad()
         except RuntimeError as exc:
             ring.refuse(BWD, named_for(plan.spec.fn, exc))
-    with ring.open_call(BWD, plan.signature, q.device, bind=False,
-                        name=plan.spec.fn) as call:
+    signature = plan.signature + ((("the control count of its forward (alike calls' backwards "
+                                    "run in another order?)", forward),)
+                                  if forward is not None else ())
+    with ring.open_call(BWD, signature, q.device, bind=False, name=plan.spec.fn) as call:
         bufs = delta = dq = scratch = own = None
         with call.guard():
             delta = be.delta(dout, out, grad_lse)  # (b, h, s), once for every block

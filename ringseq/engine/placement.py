@@ -222,14 +222,20 @@ class RingPlacement(Placement):
         # refusal of the call, so the peers raise instead of waiting in their begin collective.
         with refuse_on_error(self.group, FWD):
             plan, ring = self._plan(q, k, spec)
+        call = ring.control_count  # (the number this forward's begin runs under)
         out, lse = ring_forward(q, k, v, plan, ring)
-        return out.to(q.dtype), lse, []
+        return out.to(q.dtype), lse, [torch.tensor(call, dtype=torch.int64)]  # ()
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         with refuse_on_error(self.group, BWD):
             plan, ring = self._plan(q, k, spec)
             dout = ring_dout(dout, dlse, out, spec)
-        return ring_backward(dout, q, k, v, out, lse, plan, ring, dlse)
+        # The backward names its forward: ranks running the backwards of two alike calls in
+        # another order (same shapes and tag) raise instead of pairing them.
+        return ring_backward(dout, q, k, v, out, lse, plan, ring, dlse, forward=int(saved[0]))
+
+    def saved_like(self, q, k, v, spec):
+        return [torch.empty((), dtype=torch.int64)]
 
 
 def ring_dout(dout, dlse, out, spec: AttnSpec) -> torch.Tensor:

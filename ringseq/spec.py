@@ -91,9 +91,10 @@ class AttnSpec:
     # -- the custom operator's encoding --------------------------------------------------------
     def key(self) -> str:
         """Everything but the documents and spans (which travel as tensors) as one string:
-        the same options give the same string, so a compiled graph keeps one constant."""
+        the same options give the same string, so a compiled graph keeps one constant. It
+        begins with the operator's format (:data:`OPERATOR_FORMAT`)."""
         gdt = str(self.grad_comm_dtype).replace("torch.", "")
-        return "|".join((self.fn, float(self.softmax_scale).hex(), str(int(self.causal)),
+        return "|".join((_FORMAT_FIELD, self.fn, float(self.softmax_scale).hex(), str(int(self.causal)),
                          str(self.window[0]), str(self.window[1]), float(self.softcap).hex(),
                          backend_key(self.backend), gdt, str(int(self.needs_grad))))
 
@@ -156,9 +157,20 @@ def float_field_text(bits: int) -> str:
     return repr(x)
 
 
+# The format of the attention operator's outputs and saved tensors, which the spec key (a
+# constant of every compiled graph) carries: torch.compile's on-disk caches key a graph by its
+# code and constants, not by the operator's implementation, so a graph compiled by a ringseq
+# whose operator saved other tensors would be reused (its backward then unpacks another list).
+# Raise it whenever the operator's fake outputs change.
+OPERATOR_FORMAT = 2  # 2: the ring placements save the control counts their backwards name
+_FORMAT_FIELD = f"format{OPERATOR_FORMAT}"
+
+
 @functools.lru_cache(maxsize=256)
 def _scalars_from_key(key: str) -> AttnSpec:
-    fn, scale, causal, left, right, softcap, be, gdt, grad = key.split("|")
+    fmt, fn, scale, causal, left, right, softcap, be, gdt, grad = key.split("|")
+    if fmt != _FORMAT_FIELD:
+        raise ValueError(f"a key of format {fmt!r}, not this ringseq's {_FORMAT_FIELD!r}")
     return AttnSpec(fn=fn, softmax_scale=float.fromhex(scale),
                     mask=AttnMask(causal=causal == "1", window=(int(left), int(right))),
                     softcap=float.fromhex(softcap), backend=backend_by_key(be),
@@ -172,8 +184,9 @@ def spec_from_key(key: str, documents: Optional[torch.Tensor] = None,
     try:
         spec = _scalars_from_key(key)
     except (ValueError, TypeError, AttributeError):
-        raise ValueError(f"ringseq::attention: spec must be a key made by AttnSpec.key() (9 "
-                         f"fields separated by '|'), got {key!r}") from None
+        raise ValueError(f"ringseq::attention: spec must be a key made by AttnSpec.key() of "
+                         f"this ringseq (10 fields separated by '|', the first "
+                         f"{_FORMAT_FIELD!r}), got {key!r}") from None
     if documents is None and spans is None:
         return spec
     mask = spec.mask if documents is None else dataclasses.replace(

@@ -301,6 +301,13 @@ def test_the_attention_operator_names_a_key_it_cannot_read():
     with pytest.raises(ValueError, match=r"^ringseq::attention: spec must be a key made by "
                                          r"AttnSpec.key\(\) .*got 'garbage'"):
         op(q, k, v, "garbage", "local", None, None)
+    # a key of another operator format (a graph compiled by another ringseq, from torch's
+    # cache, whose backward would unpack another list of saved tensors)
+    other = spec.replace(spec.split("|")[0], "format1", 1)
+    with pytest.raises(ValueError, match=r"^ringseq::attention: spec must be a key made by "
+                                         r"AttnSpec.key\(\) of this ringseq \(10 fields .* the "
+                                         r"first 'format\d+'\), got 'format1\|"):
+        op(q, k, v, other, "local", None, None)
     for placement in ("nonsense", "ring|zigzag"):
         with pytest.raises(ValueError, match=rf"^ringseq::attention: placement must be a key "
                                              rf"made by a placement's key\(\) .*got "

@@ -203,11 +203,20 @@ def ring_forward(q, k, v, plan: RingPlan, ring: Ring):
     return out, lse
 
 
+def backward_signature(signature: Sequence[tuple], forward: Optional[int]) -> tuple:
+    """A backward call's signature: its forward's, and (where given) the ring's control count
+    at that forward (``Ring.control_count``, the same on every rank of a healthy ring), so that
+    ranks running the backwards of alike calls in another order raise instead of pairing
+    them."""
+    return tuple(signature) + (((("the control count of its forward (alike calls' backwards "
+                                  "run in another order?)"), forward),)
+                               if forward is not None else ())
+
+
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=None,
                   forward: Optional[int] = None):
     """(dq, dk, dv) in the input dtype (failures as in :func:`ring_forward`). ``forward``: the
-    control count its forward's begin ran under (``Ring.control_count``), compared between
-    the ranks as a field of the call's signature."""
+    ring's control count at its forward (:func:`backward_signature`)."""
     b, s, h, d = q.shape
     be, scale, gdt = plan.backend, plan.softmax_scale, plan.grad_comm_dtype
     acc = be.accum_dtype(q.dtype)
@@ -234,10 +243,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
             be.require_lse_grad()
         except RuntimeError as exc:
             ring.refuse(BWD, named_for(plan.spec.fn, exc))
-    signature = plan.signature + ((("the control count of its forward (alike calls' backwards "
-                                    "run in another order?)", forward),)
-                                  if forward is not None else ())
-    with ring.open_call(BWD, signature, q.device, bind=False, name=plan.spec.fn) as call:
+    with ring.open_call(BWD, backward_signature(plan.signature, forward), q.device, bind=False,
+                        name=plan.spec.fn) as call:
         bufs = delta = dq = scratch = own = None
         with call.guard():
             delta = be.delta(dout, out, grad_lse)  # (b, h, s), once for every block

@@ -222,7 +222,7 @@ class RingPlacement(Placement):
         # refusal of the call, so the peers raise instead of waiting in their begin collective.
         with refuse_on_error(self.group, FWD):
             plan, ring = self._plan(q, k, spec)
-        call = ring.control_count  # (the number this forward's begin runs under)
+        call = ring.control_count  # (which its backward names: loops.backward_signature)
         out, lse = ring_forward(q, k, v, plan, ring)
         return out.to(q.dtype), lse, [torch.tensor(call, dtype=torch.int64)]  # ()
 

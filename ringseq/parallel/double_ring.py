@@ -39,7 +39,7 @@ from typing import Tuple
 import torch
 
 from ..engine.integrity import BWD, FWD, operation_field
-from ..engine.loops import ring_backward, ring_forward
+from ..engine.loops import backward_signature, ring_backward, ring_forward
 from ..engine.placement import (Placement, group_from_key, group_key, layout_from_key,
                                 layout_key, register_placement, ring_dout)
 from ..engine.plan import PlannedTask, RingPlan, make_plan
@@ -201,13 +201,15 @@ class DoubleRingPlacement(Placement):
         # (a failure before the call opens is this rank's refusal: RingPlacement.forward)
         with refuse_on_error(self.ring_group, FWD):
             plan, outer, whole = self._plan(q, k, spec)
+        # (the rings' control counts at this forward, which its backward names: RingPlacement)
+        counts = torch.tensor([whole.control_count, outer.control_count], dtype=torch.int64)
         with whole.open_call(FWD, plan.signature, q.device, name=plan.spec.fn) as call:
             call.begin()
             out = lse = None
             with call.guard():
                 out, lse = ring_forward(q, k, v, plan, outer)
             call.end()
-        return out.to(q.dtype), lse, []
+        return out.to(q.dtype), lse, [counts]
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         with refuse_on_error(self.ring_group, BWD):
@@ -215,14 +217,19 @@ class DoubleRingPlacement(Placement):
                 spec.backend.require_lse_grad(spec.fn)
             plan, outer, whole = self._plan(q, k, spec)
             dout = ring_dout(dout, dlse, out, spec)
-        with whole.open_call(BWD, plan.signature, q.device, bind=False,
-                             name=plan.spec.fn) as call:
+        whole_count, outer_count = saved[0].tolist()
+        with whole.open_call(BWD, backward_signature(plan.signature, whole_count), q.device,
+                             bind=False, name=plan.spec.fn) as call:
             call.begin()
             grads = None
             with call.guard():
-                grads = ring_backward(dout, q, k, v, out, lse, plan, outer, dlse)
+                grads = ring_backward(dout, q, k, v, out, lse, plan, outer, dlse,
+                                      forward=outer_count)
             call.end()
         return grads
+
+    def saved_like(self, q, k, v, spec):
+        return [torch.empty(2, dtype=torch.int64)]
 
 
 def _parse(rest: str) -> DoubleRingPlacement:

@@ -62,12 +62,12 @@ def json_path(text):
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file path")
     folder = nearest = os.path.dirname(path)
-    while not os.path.exists(nearest):
+    while not os.path.lexists(nearest):  # (a dangling link is in the way: refused below)
         nearest = os.path.dirname(nearest)
     if nearest != folder:
         if not os.path.isdir(nearest):
-            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {nearest!r} is a file, "
-                                             f"not a folder")
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {nearest!r} is not a "
+                                             f"folder (a file, or a link to nothing)")
         if not os.access(nearest, os.W_OK | os.X_OK):
             raise argparse.ArgumentTypeError(f"cannot write {text!r}: no permission to make "
                                              f"folders in {nearest!r}")

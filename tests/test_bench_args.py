@@ -139,9 +139,10 @@ def test_bench_decode_checks_part_twos_lengths_only_where_part_two_runs():
 
 
 def test_the_json_path_is_tried_without_leaving_folders(tmp_path):
-    """--json is tried while the arguments are read; the folders that try made are removed
-    again, whether a later argument is refused (before: left behind) or not (the results'
-    writer makes them)."""
+    """--json is tried while the arguments are read, and no folder is made then: a later
+    argument refused leaves nothing behind (before: the folders stayed; removing them again
+    made ranks of a launcher refuse each other's path); the results' writer makes them. A file
+    or a dangling link where a folder must be is refused at once."""
     if BENCH not in sys.path:
         sys.path.insert(0, BENCH)
     import bench_decode
@@ -157,6 +158,9 @@ def test_the_json_path_is_tried_without_leaving_folders(tmp_path):
     with pytest.raises(SystemExit):  # (a folder that cannot be made: nothing made either)
         bench_decode.parse_args(["--json", str(target / "x.json")])
     assert sorted(p.name for p in target.parent.iterdir()) == ["out.json"]
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(SystemExit):  # (before: taken, and the run ended in FileExistsError)
+        bench_decode.parse_args(["--json", str(tmp_path / "link" / "out.json")])
 
 
 @pytest.mark.skipif(not (shutil.which("llvm-mca") and shutil.which("objdump")),

@@ -432,6 +432,20 @@ def _worker_fails_inside(tmp):
     finally:
         del linear.get_extra_state
     out["extra state wrote nothing"] = not os.path.exists(f"{tmp}/m4.pt")
+    # an OrderedDict and a torch.Size (subclasses of dict and tuple) are saved as torch's
+    # gather saved them, and load back (a first version of the gather refused them)
+    import collections
+    got = []
+    linear.get_extra_state = lambda self: collections.OrderedDict(
+        scale=torch.full((2,), 3.0), shape=torch.Size([4, 4]))
+    linear.set_extra_state = lambda self, state: got.append(state)
+    try:
+        booster.save_model(model, f"{tmp}/m5.pt")
+        out["extra state load"] = error_text(lambda: booster.load_model(model, f"{tmp}/m5.pt"))
+    finally:
+        del linear.get_extra_state, linear.set_extra_state
+    out["extra state loaded"] = [(sorted(s), s["scale"].tolist(), tuple(s["shape"]))
+                                 for s in got]
     for key, module, name, call in (
             ("save_model", dsd, "get_model_state_dict",
              lambda: booster.save_model(model, f"{tmp}/m3.pt")),
@@ -484,11 +498,14 @@ def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_r
         text = r["extra state"]
         if rank == 0:
             assert text.startswith("TypeError: save_model: the model's state entry "
-                                   "'lin._extra_state' holds a _Config: load_model reads"), text
+                                   "'lin._extra_state' holds a _Config: save_model writes "
+                                   "tensors, Python's numbers"), text
         else:
             assert text.startswith("ValueError: save_model: copying 'lin._extra_state' of the "
                                    "model's state failed on another rank"), text
         assert r["extra state wrote nothing"], r
+        assert r["extra state load"] == "no error", r
+        assert r["extra state loaded"] == [(["scale", "shape"], [3.0, 3.0], (4, 4))], r
         for key in ("save_model", "save_optimizer", "load_model", "load_optimizer"):
             if rank == 1:
                 assert r[key].startswith("MemoryError") and "simulated" in r[key], r[key]

@@ -111,21 +111,24 @@ _PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
 
 
 def _host_copy(key: str, value):
-    """A state dict entry as rank 0 keeps it: tensors on the CPU, in lists, tuples and dicts
-    too; numbers and strings as they are. TypeError for anything else, which
-    ``torch.load(weights_only=True)`` (``load_model``) could not read back."""
+    """A state dict entry as rank 0 keeps it (as torch's full-state gather kept it): tensors
+    on the CPU; dicts, lists and tuples (subclasses too: an OrderedDict, a torch.Size) as
+    plain ones of their entries; Python's own numbers, strings, bytes and None as they are.
+    TypeError for anything else (a module's extra state of a class of its own, a subclass of
+    int or str such as an IntEnum): ``torch.load(weights_only=True)``, what ``load_model``
+    reads with, refuses such objects."""
     if torch.is_tensor(value):
         return value.detach().cpu()
-    if isinstance(value, _PLAIN_VALUES):
+    if type(value) in _PLAIN_VALUES:
         return value
-    if type(value) in (list, tuple):
-        return type(value)(_host_copy(key, v) for v in value)
-    if type(value) is dict:
+    if isinstance(value, dict):
         return {k: _host_copy(key, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return (list if isinstance(value, list) else tuple)(_host_copy(key, v) for v in value)
     raise TypeError(f"{current_call()}: the model's state entry {key!r} holds a "
-                    f"{type(value).__name__}: load_model reads checkpoints with "
-                    f"torch.load(weights_only=True), which takes tensors, numbers, strings and "
-                    f"lists, tuples and dicts of them (return such from get_extra_state)")
+                    f"{type(value).__name__}: save_model writes tensors, Python's numbers, "
+                    f"strings, bytes and None, and dicts, lists and tuples of them, which "
+                    f"load_model reads back (return such from get_extra_state)")
 
 
 def _write_shards(state: dict, directory: str, max_bytes: int) -> None:
@@ -166,6 +169,9 @@ def read_full_state_dict(path: str) -> dict:
             other = (": it holds torch.distributed.checkpoint's .metadata, an optimizer "
                      "checkpoint (for load_optimizer)"
                      if os.path.isfile(os.path.join(path, ".metadata")) else "")
+            if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+                other = (": it holds model.safetensors.index.json, transformers' "
+                         "save_pretrained format (load it with from_pretrained)")
             raise ValueError(f"{path!r} is a directory without {INDEX_NAME}: not a model "
                              f"checkpoint save_model wrote, or one whose save failed part way "
                              f"(the index is written last){other}")

@@ -94,9 +94,10 @@ class AttnSpec:
         the same options give the same string, so a compiled graph keeps one constant. It
         begins with the operator's format (:data:`OPERATOR_FORMAT`)."""
         gdt = str(self.grad_comm_dtype).replace("torch.", "")
-        return "|".join((_FORMAT_FIELD, self.fn, float(self.softmax_scale).hex(), str(int(self.causal)),
-                         str(self.window[0]), str(self.window[1]), float(self.softcap).hex(),
-                         backend_key(self.backend), gdt, str(int(self.needs_grad))))
+        return "|".join((_FORMAT_FIELD, self.fn, float(self.softmax_scale).hex(),
+                         str(int(self.causal)), str(self.window[0]), str(self.window[1]),
+                         float(self.softcap).hex(), backend_key(self.backend), gdt,
+                         str(int(self.needs_grad))))
 
     def documents_tensor(self) -> Optional[torch.Tensor]:
         """The documents as the custom operator takes them (an int64 CPU tensor) or None."""

@@ -84,6 +84,7 @@ def _rank(args, device):
     control_s = (time.perf_counter() - t0) / 200
     call = integrity.RingCall(comm, integrity.FWD, (("x", 1),), "cpu")
     call._base = torch.zeros(integrity.HEADER_BASE_WORDS, dtype=torch.int64)
+    call._expect = call._base.clone()
     call._bad = torch.zeros((), dtype=torch.bool)
     header = torch.zeros(integrity.HEADER_WORDS, dtype=torch.int64)
     t0 = time.perf_counter()

@@ -142,7 +142,7 @@ def sharded_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
         local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index,
                                     reduction="sum")
         local_count = (flat_labels != ignore_index).sum().to(acc)
-    except Exception as exc:
+    except BaseException as exc:  # (SystemExit too)
         # This rank cannot give its numbers: it meets the others' agreement as a failure, so
         # they raise there instead of waiting, and no later collective pairs wrongly.
         report_own_failure(group, exc)

@@ -825,7 +825,8 @@ def test_concurrent_threads_get_a_clear_error(w2):
         _is_fast_error(t["other"], "RuntimeError", "is bound to thread", "own process group")
         assert t["main_err"] < 1e-10, t
         _is_fast_error(t["named"], "RingMismatchError", "calling thread (rank 0: loader of "
-                       "rank 0, rank 1: loader of rank 1)")
+                       "rank 0, rank 1: loader of rank 1). Call from threads of the same name "
+                       "on every rank")
 
 
 def test_failure_before_a_call_opens_raises_on_every_rank_at_once(w2):
@@ -873,8 +874,9 @@ def test_backwards_run_in_another_order_raise_on_every_rank(w2):
         r = res["backward_order"]
         for name in "AB":
             assert r[name][0] == "RingMismatchError", r
-            assert "the control count of its forward (alike calls' backwards run in another " \
-                   "order?) (rank 0: " in r[name][1], r
+            assert "its forward (control count) (rank 0: " in r[name][1], r
+            assert r[name][1].endswith("run the backwards of alike calls (same shapes and call "
+                                       "tag) in the same order on every rank."), r
         assert r["after"][0] == "ok" and r["after"][1] < 1e-12, r
 
 

@@ -172,6 +172,11 @@ def _error_cases(state_dict):
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
             logits_to_keep=1)))
 
+    # pickling a model applied over a process group (before: cannot pickle 'ProcessGroup')
+    import pickle
+    grouped = apply(_model("llama", state_dict), group=dist.group.WORLD)
+    out["pickle_group"] = error_text(lambda: pickle.dumps(grouped))
+
     dropout_model = apply(_model("llama", attention_dropout=0.1)).train()
     out["dropout_train"] = error_text(lambda: dropout_model(**batch, use_cache=False))
     dropout_model.eval()
@@ -359,6 +364,13 @@ def test_unsupported_inputs_raise_clearly(w2, name, needle):
         assert msg.startswith(kind), f"rank {rank} {name}: {msg}"
         want = needle or ("rank(s) [0] of the group failed" if peer else "padding")
         assert want in msg, f"rank {rank} {name}: {msg}"
+
+
+def test_a_model_applied_over_a_process_group_says_why_it_does_not_pickle(w2):
+    for res in w2:
+        msg = res["errors"]["pickle_group"]
+        assert msg.startswith("TypeError: ringseq: a model applied with group= (a process "
+                              "group, or SequenceParallelGroups) cannot be pickled"), msg
 
 
 def test_local_length_the_layout_cannot_place_raises_on_every_rank(w2):

@@ -16,7 +16,7 @@ Ulysses or hybrid attention, opened on the call's :class:`ringseq.engine.ring.Ri
   rank's own error there and :class:`ringseq.RingPeerError` (naming the rank and its message)
   on the others (the ring stays usable).
 * **Exchange headers**: every exchange carries an 8-word header (magic, call sequence number,
-  kind, signature hash, exchange index) in the same buffer as its payload, checked after
+  kind, signature hash, exchange index, call tag) in the same buffer as its payload, checked after
   ``wait()``; the comparison runs where the buffer lives (on CUDA: on the device) and its
   verdict is read once, at the end of the call. A mismatch raises RingDesyncError naming both
   ranks' views. It is what still protects a ring whose control collectives are off.
@@ -50,9 +50,9 @@ __all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BASE_WORDS", "HEADER_BY
 
 HEADER_WORDS = 8
 HEADER_BYTES = HEADER_WORDS * 8  # travels with every exchange (a multiple of 64: no padding)
-# What a call's headers share: magic, sequence number, kind, signature hash, call tag (each
-# header adds its exchange's index)
-HEADER_BASE_WORDS = 5
+# A header's words that carry something: magic, sequence number, kind, signature hash,
+# exchange index, call tag (the rest are zero)
+HEADER_BASE_WORDS = 6
 _MAGIC = 0x52534551  # "RSEQ"
 # Kinds of control operations (calls use FWD / BWD; the same numbers travel in headers).
 FWD, BWD, FAIL, CHECK, END = 1, 2, 3, 4, 5
@@ -113,7 +113,9 @@ def call_tag(tag: int):
 
     The tag belongs to the calling thread (a ``contextvars`` variable): other threads keep
     theirs. The backward of an attention call carries its forward's tag, wherever and
-    whenever it runs. Under ``torch.compile(fullgraph=True)`` enter the block outside the
+    whenever it runs; a forward recomputed in the backward (activation checkpointing) runs
+    under the tag current there, so run such backwards under the same tag on every rank (the
+    plugin does: its step's). Under ``torch.compile(fullgraph=True)`` enter the block outside the
     compiled function (dynamo does not trace setting a context variable; without fullgraph
     it breaks the graph there). Raises TypeError when ``tag`` is not an int, ValueError when
     it is outside int64 (it travels in the calls' int64 control vectors)."""
@@ -428,13 +430,26 @@ def mismatch_error(ring, values: List[List[int]], signature: Sequence[tuple], ca
             diffs.append(f"{f[0]} ({per_rank})")
     if not diffs:
         return None
+    # (a field that says what to do where it differs: its own advice, not the shards')
+    own = [_FIELD_HINTS[f[0]] for j, f in enumerate(signature) if f[0] in _FIELD_HINTS
+           and len({row[j] for row in values}) > 1]
     return RingMismatchError(
         f"ringseq: {called + ': ' if called else ''}the ranks of the ring were called with "
-        f"different arguments: " + "; ".join(diffs) + ". " + (hint or _SAME_SHARDS))
+        f"different arguments: " + "; ".join(diffs) + ". " + (" ".join(own) or hint
+                                                                 or _SAME_SHARDS))
 
 
 _SAME_SHARDS = ("Every rank of the group must pass shards of the same shape, dtype, layout and "
                 "options.")
+# Signature fields of the ring's own (not of the arguments), and what to do where they differ
+THREAD_FIELD = "calling thread"
+FORWARD_FIELD = "its forward (control count)"
+_FIELD_HINTS = {
+    THREAD_FIELD: "Call from threads of the same name on every rank (threads that run one "
+                  "function on different data need names of their own: threading.Thread("
+                  "name=...)), or give each thread its own process group.",
+    FORWARD_FIELD: "Each backward names the forward it belongs to: run the backwards of alike "
+                   "calls (same shapes and call tag) in the same order on every rank."}
 
 
 class RingCall:
@@ -535,10 +550,12 @@ class RingCall:
         # Filled element by element with Python scalars: on CUDA these are small kernels,
         # where a host->device copy of a (pageable) list would synchronize the stream.
         # The call tag too: with the checks off the headers are all that compares ranks, and
-        # ranks a step apart (alike calls, as many of them) pair otherwise.
+        # ranks a step apart (alike calls, as many of them) pair otherwise. Word 4, the
+        # exchange's index, is set per exchange (stamp; check's copy, _expect).
         self._base = torch.empty(HEADER_BASE_WORDS, dtype=torch.int64, device=self.device)
-        for i, value in enumerate((_MAGIC, self._seq, self.kind, self.sig, current_tag())):
+        for i, value in enumerate((_MAGIC, self._seq, self.kind, self.sig, 0, current_tag())):
             self._base[i] = value
+        self._expect = self._base.clone()
         self._bad = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def any_rank(self, name: str) -> bool:
@@ -580,10 +597,9 @@ class RingCall:
         exchange's index."""
         step = self.exchanges
         self.exchanges += 1
-        header[:4].copy_(self._base[:4])
+        header[:HEADER_BASE_WORDS].copy_(self._base)
         header[4] = step
-        header[5] = self._base[4]  # (the call tag)
-        header[6:] = 0
+        header[HEADER_BASE_WORDS:] = 0
         return step
 
     def check(self, header: torch.Tensor, step: int) -> None:
@@ -591,8 +607,8 @@ class RingCall:
         synchronization: the verdict is read in end())."""
         got = header.clone()
         self._received.append(got)
-        self._bad.logical_or_((got[:4] != self._base[:4]).any() | (got[4] != step)
-                              | (got[5] != self._base[4]))
+        self._expect[4] = step  # (in stream order: the previous check has compared already)
+        self._bad.logical_or_((got[:HEADER_BASE_WORDS] != self._expect).any())
 
     def _desync_message(self) -> Optional[str]:
         # (reading the verdict synchronizes with the device: only when headers travelled)
@@ -600,15 +616,15 @@ class RingCall:
             return None
         ring = self.ring
         prev = getattr(ring.transport, "prev_rank", (ring.rank - 1) % ring.world_size)
-        base = self._base.tolist()  # magic, seq, kind, signature, tag
+        base = self._base.tolist()  # magic, seq, kind, signature, (exchange), tag
         for step, got in enumerate(self._received):
             g = got.tolist()  # magic, seq, kind, signature, exchange, tag
-            if g[:4] != base[:4] or g[4] != step or g[5] != base[4]:
+            if g[:4] != base[:4] or g[4] != step or g[5] != base[5]:
                 theirs = (f"a header of its {_call_name(g[2], g[1], g[5])} (signature {g[3]}) "
                           f"at exchange {g[4]}" if g[0] == _MAGIC else
                           "data without a ringseq header (foreign or corrupted)")
                 return (f"ringseq: ring desynchronized: rank {ring.rank} was at exchange {step} "
-                        f"of its {_call_name(self.kind, self._seq, base[4])} (signature "
+                        f"of its {_call_name(self.kind, self._seq, base[5])} (signature "
                         f"{self.sig}) but the previous rank (global rank {prev}) sent {theirs}")
         return "ringseq: ring desynchronized (a received exchange header did not match)"
 

@@ -42,7 +42,7 @@ import torch
 
 from .._dist import named_for
 from .counting import record
-from .integrity import BWD, FWD, HEADER_WORDS, RingCall
+from .integrity import BWD, FORWARD_FIELD, FWD, HEADER_WORDS, RingCall
 from .plan import RingPlan
 from .ring import Ring
 from .transport import InterruptedWait, deferred_interrupts
@@ -208,9 +208,7 @@ def backward_signature(signature: Sequence[tuple], forward: Optional[int]) -> tu
     at that forward (``Ring.control_count``, the same on every rank of a healthy ring), so that
     ranks running the backwards of alike calls in another order raise instead of pairing
     them."""
-    return tuple(signature) + (((("the control count of its forward (alike calls' backwards "
-                                  "run in another order?)"), forward),)
-                               if forward is not None else ())
+    return tuple(signature) + (((FORWARD_FIELD, forward),) if forward is not None else ())
 
 
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=None,

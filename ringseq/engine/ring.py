@@ -26,9 +26,9 @@ from .._dist import (RingMismatchError, RingTimeoutError, consistency_check_mode
                      defaults_for_malformed_settings,
                      group_info, is_initialized, named_for, real_object, ring_timeout)
 from .integrity import (_N_FIELDS, BROKEN, CHECK, CONTROL_WORDS, FAIL, FAILED, FIELD0,
-                        INVALID, OK, TEXT, RingCall, agreement_code, broken_ring_error,
-                        control_name, control_vector, failure_report, gather, judge,
-                        mismatch_error)
+                        INVALID, OK, TEXT, THREAD_FIELD, RingCall, agreement_code,
+                        broken_ring_error, control_name, control_vector, failure_report,
+                        gather, judge, mismatch_error)
 from .transport import RingComm, Transport, _timeout_exc
 
 __all__ = ["Ring", "check_consistent", "get_comm", "get_ring", "group_info_or_refuse",
@@ -139,8 +139,7 @@ class Ring:
             # Two threads per rank on one group would pair one rank's thread with another
             # rank's other thread: the calling thread's name is part of the signature.
             thread = _thread_name()
-            signature = tuple(signature) + (("calling thread", stable_code(thread), TEXT,
-                                             thread),)
+            signature = tuple(signature) + ((THREAD_FIELD, stable_code(thread), TEXT, thread),)
         call = RingCall(self, kind, signature, device, name)
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(

@@ -132,6 +132,11 @@ class RingSettings:
     def __getstate__(self):
         # (pickling an applied model, torch.save(model): the checked inputs' weak references
         # cannot be pickled and mean nothing in another process; the next call checks again)
+        if self.sp is not None or isinstance(self.group, torch.distributed.ProcessGroup):
+            raise TypeError("ringseq: a model applied with group= (a process group, or "
+                            "SequenceParallelGroups) cannot be pickled, since process groups "
+                            "cannot: save its state_dict(), or pickle the model before apply "
+                            "(a model applied with group=None pickles)")
         state = dict(self.__dict__)
         state.update(_checked=(None,) * 5, _stacks_checked=())
         return state

@@ -1149,7 +1149,7 @@ class SequenceParallelLoss:
     def __call__(self, outputs, batch) -> torch.Tensor:
         try:
             logits, targets = self._logits_and_targets(outputs, batch)
-        except Exception as exc:
+        except BaseException as exc:  # (SystemExit too)
             # The other ranks are about to wait for this one in the loss's agreement.
             report_own_failure(self.group, exc)
             if self.reporter is not None:  # (a ring peer's forward may have raised too)
@@ -1158,7 +1158,7 @@ class SequenceParallelLoss:
         try:
             loss = sharded_cross_entropy(logits, targets, group=self.group,
                                          ignore_index=self.ignore_index)
-        except Exception as exc:  # a peer's forward raised (RingPeerError), or this loss
+        except BaseException as exc:  # a peer's forward raised (RingPeerError), or this loss
             if self.reporter is not None:
                 self.reporter.take_ring_reports(exc)
             raise

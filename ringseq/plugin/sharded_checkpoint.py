@@ -5,9 +5,8 @@ ringseq, from any mesh. The state dict of this rank's shards, under the plain mo
 (``torch.distributed.checkpoint.state_dict.get_model_state_dict``), is gathered tensor by
 tensor (``DTensor.full_tensor``, collective; only rank 0 keeps a CPU copy), the ranks agreeing
 after each copy that every rank succeeded (:func:`full_model_state_dict`), and written by rank
-0, either as
-one ``torch.save`` file or, with ``max_shard_size``, as transformers-style shards in a
-directory (``pytorch_model-00001-of-0000N.bin`` + ``pytorch_model.bin.index.json``: a
+0, either as one ``torch.save`` file or, with ``max_shard_size``, as transformers-style shards
+in a directory (``pytorch_model-00001-of-0000N.bin`` + ``pytorch_model.bin.index.json``: a
 ``weight_map`` from key to file), which transformers' ``load_sharded_checkpoint``
 (``transformers.trainer_utils`` in transformers 5, ``modeling_utils`` in 4.x) or plain
 ``torch.load`` of each shard reads. Loading reads the full state dict on every rank and cuts
@@ -292,14 +291,13 @@ def _dcp_keys(path: str) -> list:
     if not os.path.isfile(os.path.join(path, ".metadata")):
         other = (f": it holds {INDEX_NAME}, a model checkpoint (for load_model)"
                  if os.path.isfile(os.path.join(path, INDEX_NAME)) else "")
-        raise ValueError(f"{path!r} has no .metadata: not an optimizer "
-                         f"checkpoint directory save_optimizer wrote, or one whose save failed "
-                         f"part way (the metadata is written last){other}")
+        raise ValueError(f"{path!r} has no .metadata: not an optimizer checkpoint directory "
+                         f"save_optimizer wrote, or one whose save failed part way (the "
+                         f"metadata is written last){other}")
     keys = list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     if not any(k.startswith("optimizer.") for k in keys):
-        raise ValueError(f"{path!r} holds no optimizer state (its metadata "
-                         f"names {keys[:3]}...): not an optimizer checkpoint save_optimizer "
-                         f"wrote")
+        raise ValueError(f"{path!r} holds no optimizer state (its metadata names "
+                         f"{keys[:3]}...): not an optimizer checkpoint save_optimizer wrote")
     return keys
 
 

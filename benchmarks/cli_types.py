@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 
 
 def positive_int(text):
@@ -53,9 +54,10 @@ def json_path(text):
     """A path the results can be written to, tried before any work starts (a run should not
     end, minutes later, in a traceback about its output file). Where its folder exists, the
     file is opened for appending (a file this made is removed again); where it does not, the
-    nearest folder above it that exists must be writable: nothing is made (a run refused for
-    another argument leaves nothing behind; the results' writer makes the folders). Ranks of
-    a launcher check the same path at once: nothing here removes what another rank made."""
+    nearest folder above it that exists must take a new folder (one of a name of its own is
+    made there and removed again); the path's folders are not made (a run refused for another
+    argument leaves nothing behind; the results' writer makes them). Ranks of a launcher
+    check the same path at once: nothing here removes what another rank made."""
     if str(text).endswith(("/", os.sep)):  # (abspath drops the slash; open would not)
         raise argparse.ArgumentTypeError(f"{text!r} ends in '/': a directory, not a file path")
     path = os.path.abspath(text)
@@ -68,9 +70,11 @@ def json_path(text):
         if not os.path.isdir(nearest):
             raise argparse.ArgumentTypeError(f"cannot write {text!r}: {nearest!r} is not a "
                                              f"folder (a file, or a link to nothing)")
-        if not os.access(nearest, os.W_OK | os.X_OK):
-            raise argparse.ArgumentTypeError(f"cannot write {text!r}: no permission to make "
-                                             f"folders in {nearest!r}")
+        try:  # (permissions alone do not tell: root may write anywhere but in /proc)
+            os.rmdir(tempfile.mkdtemp(prefix=".ringseq-check-", dir=nearest))
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: cannot make folders in "
+                                             f"{nearest!r}: {exc.strerror or exc}") from None
         return text
     existed = os.path.exists(path)
     try:

@@ -540,13 +540,7 @@ def _capture_positions(module, args, kwargs):
     settings._model_documents = settings._model_documents or _given_documents(kwargs)
     if not getattr(module, "_ringseq_takes_positions", False):
         return  # (apply refused such a model that encodes positions)
-    pos = kwargs.get("position_ids")
-    if pos is None and args:
-        try:
-            pos = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments.get(
-                "position_ids")
-        except TypeError:  # the call itself is wrong: the model's forward will say so
-            pos = None
+    pos = _call_arguments(module, args, kwargs).get("position_ids")
     settings._model_positions = pos if pos is not None else _MODEL_DEFAULT_POSITIONS
 
 

@@ -123,6 +123,19 @@ void fwd_impl(const FwdParams& p) {
   const bool merge = p.accumulate;
   // out in T: a running pair (merge), or a partial result the caller merges (out_acc).
   const bool out_in_acc = merge || p.out_acc;
+  // `rows` rows of out at (b, r0, h) from src (row stride dpad), each times its row_scale
+  // (nullptr: 1), in T or rounded to the input type.
+  auto store_out = [&](const T* src, int64_t rows, const T* row_scale, int64_t b, int64_t r0,
+                       int64_t h) {
+    if (out_in_acc) {
+      store_rows(src, dpad, rows, d, row_scale, row_ptr(static_cast<T*>(p.out), p.out_strides, b, r0, h),
+                 p.out_strides.row, /*accumulate=*/false);
+    } else {
+      store_rows(src, dpad, rows, d, row_scale,
+                 row_ptr(static_cast<in_t*>(p.out), p.out_strides, b, r0, h), p.out_strides.row,
+                 /*accumulate=*/false);
+    }
+  };
   T* lse = static_cast<T*>(p.lse);
 
   // K and V rows of an item's keys, packed once per thread and kv head (HeadRows) where other
@@ -487,12 +500,8 @@ void fwd_impl(const FwdParams& p) {
     }
     if (n_splits > 1) {
       store_rows(o, dpad, rows, d, alpha, part_o.get() + part_at * d, d, /*accumulate=*/false);
-    } else if (out_in_acc) {
-      store_rows(o, dpad, rows, d, alpha, row_ptr(static_cast<T*>(p.out), p.out_strides, b, qr0, h),
-                 p.out_strides.row, /*accumulate=*/false);
     } else {
-      store_rows(o, dpad, rows, d, alpha, row_ptr(static_cast<in_t*>(p.out), p.out_strides, b, qr0, h),
-                 p.out_strides.row, /*accumulate=*/false);
+      store_out(o, rows, alpha, b, qr0, h);
     }
   };
 
@@ -536,16 +545,7 @@ void fwd_impl(const FwdParams& p) {
         const T inv = T(1) / l;
         for (int64_t c = 0; c < d; ++c) o[c] *= inv;
       }
-      // (accumulate mode has no splits: out_in_acc is out_acc here)
-      if (out_in_acc) {
-        store_rows(o, dpad, 1, d, static_cast<const T*>(nullptr),
-                   row_ptr(static_cast<T*>(p.out), p.out_strides, b, qr0 + i, h), p.out_strides.row,
-                   /*accumulate=*/false);
-      } else {
-        store_rows(o, dpad, 1, d, static_cast<const T*>(nullptr),
-                   row_ptr(static_cast<in_t*>(p.out), p.out_strides, b, qr0 + i, h),
-                   p.out_strides.row, /*accumulate=*/false);
-      }
+      store_out(o, 1, nullptr, b, qr0 + i, h);
     }
   };
   run_items(items, [&] { return Scratch<T>(dpad); }, merge_item);

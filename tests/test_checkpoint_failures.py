@@ -364,6 +364,37 @@ class _Config:
     """An object of a class of its own: not what torch.load(weights_only=True) reads."""
 
 
+def _extra_states(booster, model, tmp, out, kind):
+    """save_model of a module's extra state, into ``out[kind + ...]``: what
+    torch.load(weights_only=True) cannot read back is refused at the save on every rank,
+    nothing written (before: the replicated path wrote it, and load_model failed); what it
+    reads back (an OrderedDict, a torch.Size, a dtype, a device, a set, a complex) is saved and
+    loads (the tensor-by-tensor gather's first two versions refused the first two, then the
+    next four)."""
+    import collections
+    linear = type(model.unwrap().lin)
+    linear.get_extra_state = lambda self: {"note": "v1", "config": _Config()}
+    path = f"{tmp}/{kind}_extra.pt"
+    try:
+        out[kind + " extra state"] = error_text(lambda: booster.save_model(model, path))
+    finally:
+        del linear.get_extra_state
+    out[kind + " extra state wrote nothing"] = not os.path.exists(path)
+    got, path = [], f"{tmp}/{kind}_extra_ok.pt"
+    linear.get_extra_state = lambda self: collections.OrderedDict(
+        scale=torch.full((2,), 3.0), shape=torch.Size([4, 4]), dtype=torch.bfloat16,
+        device=torch.device("cpu"), tags={"a"}, z=1 + 2j)
+    linear.set_extra_state = lambda self, state: got.append(state)
+    try:
+        out[kind + " extra state save"] = error_text(lambda: booster.save_model(model, path))
+        out[kind + " extra state load"] = error_text(lambda: booster.load_model(model, path))
+    finally:
+        del linear.get_extra_state, linear.set_extra_state
+    out[kind + " extra state loaded"] = [
+        (s["scale"].tolist(), s["shape"], s["dtype"], s["device"], s["tags"],
+         s["z"]) for s in got]
+
+
 def _worker_fails_inside(tmp):
     """Zero stage 3: rank 1 runs out of memory (simulated) where a checkpoint call works on
     this rank alone, before or between the collectives: laying out its optimizer state for a
@@ -379,6 +410,7 @@ def _worker_fails_inside(tmp):
     booster.backward(model(torch.randn(2, 4)).sum(), opt)
     opt.step()
     booster.save_optimizer(opt, f"{tmp}/optim.pt")
+    _extra_states(booster, model, tmp, out, "replicated")
     booster = Booster(RingSequenceParallelPlugin(sp_size=1, zero_stage=3))
     torch.manual_seed(0)
     net = _Net()
@@ -422,30 +454,7 @@ def _worker_fails_inside(tmp):
     finally:
         sharded_checkpoint._host_copy = real_copy
     out["save_model copy wrote nothing"] = not os.path.exists(f"{tmp}/m2.pt")
-    # a module's extra state that torch.load(weights_only=True) cannot read back: refused at
-    # the save on every rank (as torch's gather refused it; the tensor-by-tensor gather at
-    # first wrote it, and load_model then failed)
-    linear = type(model.unwrap().lin)
-    linear.get_extra_state = lambda self: {"note": "v1", "config": _Config()}
-    try:
-        out["extra state"] = error_text(lambda: booster.save_model(model, f"{tmp}/m4.pt"))
-    finally:
-        del linear.get_extra_state
-    out["extra state wrote nothing"] = not os.path.exists(f"{tmp}/m4.pt")
-    # an OrderedDict and a torch.Size (subclasses of dict and tuple) are saved as torch's
-    # gather saved them, and load back (a first version of the gather refused them)
-    import collections
-    got = []
-    linear.get_extra_state = lambda self: collections.OrderedDict(
-        scale=torch.full((2,), 3.0), shape=torch.Size([4, 4]))
-    linear.set_extra_state = lambda self, state: got.append(state)
-    try:
-        booster.save_model(model, f"{tmp}/m5.pt")
-        out["extra state load"] = error_text(lambda: booster.load_model(model, f"{tmp}/m5.pt"))
-    finally:
-        del linear.get_extra_state, linear.set_extra_state
-    out["extra state loaded"] = [(sorted(s), s["scale"].tolist(), tuple(s["shape"]))
-                                 for s in got]
+    _extra_states(booster, model, tmp, out, "sharded")
     for key, module, name, call in (
             ("save_model", dsd, "get_model_state_dict",
              lambda: booster.save_model(model, f"{tmp}/m3.pt")),
@@ -495,17 +504,21 @@ def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_r
             assert text.startswith("ValueError: save_model: copying 'lin.bias'"), text
             assert "of the model's state failed on another rank" in text, text
         assert r["save_model copy wrote nothing"], r
-        text = r["extra state"]
-        if rank == 0:
-            assert text.startswith("TypeError: save_model: the model's state entry "
-                                   "'lin._extra_state' holds a _Config: save_model writes "
-                                   "tensors, Python's numbers"), text
-        else:
-            assert text.startswith("ValueError: save_model: copying 'lin._extra_state' of the "
-                                   "model's state failed on another rank"), text
-        assert r["extra state wrote nothing"], r
-        assert r["extra state load"] == "no error", r
-        assert r["extra state loaded"] == [(["scale", "shape"], [3.0, 3.0], (4, 4))], r
+        for kind in ("replicated", "sharded"):
+            text = r[kind + " extra state"]
+            if rank == 0:
+                assert text.startswith("TypeError: save_model: rank 0: saving the checkpoint"), text
+                assert ("TypeError: save_model: the state entry 'lin._extra_state' (dict) cannot "
+                        "be read back by torch.load(weights_only=True), which the loads read "
+                        "with (it holds a test_checkpoint_failures._Config)") in text, text
+            else:
+                assert text.startswith("ValueError: save_model: rank 0 failed to write the "
+                                       "checkpoint"), text
+            assert r[kind + " extra state wrote nothing"], r
+            assert r[kind + " extra state save"] == r[kind + " extra state load"] == "no error", r
+            assert r[kind + " extra state loaded"] == [
+                ([3.0, 3.0], torch.Size([4, 4]), torch.bfloat16,
+                 torch.device("cpu"), {"a"}, 1 + 2j)], r
         for key in ("save_model", "save_optimizer", "load_model", "load_optimizer"):
             if rank == 1:
                 assert r[key].startswith("MemoryError") and "simulated" in r[key], r[key]

@@ -9,7 +9,9 @@ loading.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import re
 import stat
 import tempfile
 import warnings
@@ -116,14 +118,42 @@ def _umask() -> int:
     return mask
 
 
-def _save(obj, path: str) -> None:
-    on_writer(path, lambda: _write(obj, path))
-
-
 def _save_state_of(owner, path: str) -> None:
     """``owner.state_dict()`` taken inside the writing rank's write (the others need none): an
-    error there is agreed on, where one raised before the agreement left the others waiting."""
-    on_writer(path, lambda: _write(owner.state_dict(), path))
+    error there is agreed on, where one raised before the agreement left the others waiting.
+    An entry the loads cannot read back is refused (:func:`refuse_unloadable`), nothing
+    written (before: written, and the load failed)."""
+    def write():
+        state = owner.state_dict()
+        refuse_unloadable(state)
+        _write(state, path)
+    on_writer(path, write)
+
+
+def refuse_unloadable(state: dict) -> None:
+    """TypeError naming the call and the entry of the state dict ``state`` whose value (not a
+    tensor) ``torch.load(weights_only=True)``, what every load here reads with, cannot read
+    back: a module's extra state holding an object of a class of its own, an IntEnum, a slice.
+    Tried by a round trip through memory, so exactly what the loads accept passes (dtypes,
+    devices, sets, OrderedDicts, classes registered with
+    ``torch.serialization.add_safe_globals``). Run by the writing rank inside its write."""
+    for key, value in state.items():
+        if torch.is_tensor(value):
+            continue
+        buffer = io.BytesIO()
+        try:
+            torch.save(value, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - re-raised as the TypeError below
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+            reason = f"it holds a {found.group(1)}" if found else f"{type(exc).__name__}: {exc}"
+            raise TypeError(
+                f"{current_call()}: the state entry {key!r} ({type(value).__name__}) "
+                f"cannot be read back by torch.load(weights_only=True), which the loads "
+                f"read with ({reason}): keep a module's extra state to tensors, Python's "
+                f"numbers and strings, dtypes, devices and containers of them, or register "
+                f"its classes with torch.serialization.add_safe_globals") from exc
 
 
 def wrong_kind(path: str, directory: bool):

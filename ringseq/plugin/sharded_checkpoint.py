@@ -37,8 +37,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .._dist import agree_on_fields, agree_or_raise
 from ..parallel.fsdp import reshard_gathered
 from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
-                         _load, _save, _unwrap, _with_scaler_state, _write, on_writer,
-                         read_file, save_scaler, wrong_kind)
+                         _load, _unwrap, _with_scaler_state, _write, on_writer,
+                         read_file, refuse_unloadable, save_scaler, wrong_kind)
 from .checkpoint_call import checkpoint_call, current_call, shard_bytes
 
 # The fp16 grad scaler's state inside a sharded optimizer checkpoint's directory.
@@ -70,10 +70,7 @@ def full_model_state_dict(model) -> dict:
     laying out their shards and after each tensor's copy on rank 0 that every rank succeeded
     (torch's full-state gather has no such point: a rank that failed alone, out of memory for
     its copy, left the others in the next gather until the process group's timeout). Raises
-    the failing rank's error there and ValueError on the other ranks; TypeError (on rank 0,
-    ValueError on the others) for an entry that is no tensor, number, string or list, tuple or
-    dict of them (a module's extra state of another kind), which ``load_model`` could not
-    read. A failure inside a gather itself (one rank out of memory for the full tensor) is
+    the failing rank's error there and ValueError on the other ranks. A failure inside a gather itself (one rank out of memory for the full tensor) is
     the process group's: the others wait in it until that rank's process ends or the group's
     timeout."""
     reshard_gathered(model)
@@ -106,28 +103,11 @@ def full_model_state_dict(model) -> dict:
     return full
 
 
-_PLAIN_VALUES = (bool, int, float, str, bytes, type(None))
-
-
 def _host_copy(key: str, value):
-    """A state dict entry as rank 0 keeps it (as torch's full-state gather kept it): tensors
-    on the CPU; dicts, lists and tuples (subclasses too: an OrderedDict, a torch.Size) as
-    plain ones of their entries; Python's own numbers, strings, bytes and None as they are.
-    TypeError for anything else (a module's extra state of a class of its own, a subclass of
-    int or str such as an IntEnum): ``torch.load(weights_only=True)``, what ``load_model``
-    reads with, refuses such objects."""
-    if torch.is_tensor(value):
-        return value.detach().cpu()
-    if type(value) in _PLAIN_VALUES:
-        return value
-    if isinstance(value, dict):
-        return {k: _host_copy(key, v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return (list if isinstance(value, list) else tuple)(_host_copy(key, v) for v in value)
-    raise TypeError(f"{current_call()}: the model's state entry {key!r} holds a "
-                    f"{type(value).__name__}: save_model writes tensors, Python's numbers, "
-                    f"strings, bytes and None, and dicts, lists and tuples of them, which "
-                    f"load_model reads back (return such from get_extra_state)")
+    """A state dict entry as rank 0 keeps it: a tensor on the CPU, anything else (a module's
+    extra state) as it is; the write refuses what the load cannot read back
+    (:func:`refuse_unloadable`). ``key``: the entry's name, for a test's failing copy."""
+    return value.detach().cpu() if torch.is_tensor(value) else value
 
 
 def _write_shards(state: dict, directory: str, max_bytes: int) -> None:
@@ -421,11 +401,15 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         (bytes, or e.g. ``"2GB"``) as transformers-style shards into the directory
         ``checkpoint``."""
         limit = None if max_shard_size is None else shard_bytes(max_shard_size)
-        state = full_model_state_dict(_unwrap(model))
-        if limit is None:
-            _save(state, checkpoint)
-            return
-        on_writer(checkpoint, lambda: _write_shards(state, checkpoint, limit), directory=True)
+        state = full_model_state_dict(_unwrap(model))  # ({} off rank 0 when sharded)
+
+        def write():
+            refuse_unloadable(state)
+            if limit is None:
+                _write(state, checkpoint)
+            else:
+                _write_shards(state, checkpoint, limit)
+        on_writer(checkpoint, write, directory=limit is not None)
 
     @checkpoint_call
     def load_model(self, model, checkpoint: str, strict: bool = True):

@@ -10,6 +10,7 @@ degrees above nheads_kv (the K/V replication rule), 5:5 where the degree allows 
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -648,6 +649,70 @@ def test_double_ring_carries_k_v_only_as_far_as_a_lap_needs(mask, outer):
         assert (double.get("ring_outer", 0) > 0) == (outer > 0), double
         if not outer:
             assert sum(double.values()) == sum(ring.values()), (ring, double)
+
+
+def _counted_across_threads():
+    """Bytes and calls counted for a ring call whose backward runs on the calling thread, then
+    on another thread (as autograd's device thread runs it on a GPU); and for Ulysses calls of
+    an empty batch (nothing moves) and of one sequence."""
+    import threading
+
+    import ringseq
+    from ringseq import commstats
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (ringseq.shard(torch.randn(1, 32, 2, 8, generator=g), "zigzag")
+                     for _ in range(4))  # (1, 16, 2, 8)
+    got = {}
+    for where in ("calling thread", "other thread"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with commstats.count_bytes() as c:
+            out = ringseq.ring_flash_attn_func(*leaves, causal=True, layout="zigzag")
+            if where == "calling thread":
+                out.backward(dout)
+            else:
+                worker = threading.Thread(target=out.backward, args=(dout,))
+                worker.start()
+                worker.join()
+        got[where] = (dict(c.bytes), dict(c.calls))
+    for b in (0, 1):
+        x = torch.randn(b, 8, 4, 8, generator=g, requires_grad=True)  # (b, 8, 4, 8)
+        with commstats.count_bytes() as c:
+            ringseq.ulysses_attn_func(x, x, x, causal=True).sum().backward()
+        got[f"ulysses b={b}"] = (dict(c.bytes), dict(c.calls))
+    return got
+
+
+def test_counters_count_a_backward_on_any_thread_and_no_all_to_all_that_moves_nothing():
+    """(before: the counters were per thread: a backward on autograd's device thread, on a
+    GPU, counted nothing, and bench_ring --sp-mode would report no backward bytes; an empty
+    batch's all-to-alls counted 4 calls of 0 bytes)"""
+    for got in run_ranks(_counted_across_threads, 2, timeout=120):
+        same, other = got["calling thread"], got["other thread"]
+        assert same == other and same[1]["ring"] > 1, got
+        assert got["ulysses b=0"] == ({}, {}), got
+        # (q, k and v over, out back; in the backward dout over, dq, dk and dv back)
+        assert got["ulysses b=1"][1] == {"all_to_all": 4}, got
+
+
+@pytest.mark.parametrize("kind, nbytes, error", [
+    (None, 5, "TypeError: ringseq.commstats.record: kind must be a str (such as 'ring'), "
+              "got None"),
+    ("ring", 1.9, "TypeError: ringseq.commstats.record: nbytes must be an int (bytes sent), "
+                  "got 1.9 (float)"),
+    ("ring", "12", "TypeError: ringseq.commstats.record: nbytes must be an int"),
+    ("ring", -100, "ValueError: ringseq.commstats.record: kind must be non-empty and nbytes "
+                   ">= 0, got kind='ring', nbytes=-100"),
+    ("", 3, "ValueError: ringseq.commstats.record: kind must be non-empty"),
+])
+@pytest.mark.parametrize("counting", [False, True], ids=["no_counter", "counting"])
+def test_record_refuses_what_is_no_byte_count(kind, nbytes, error, counting):
+    """(before: -100, 1.9 (as 1), '12' and kind None were added; 'abc' raised int()'s own
+    message, and only while a counter was active)"""
+    from ringseq import commstats
+    with commstats.count_bytes() if counting else contextlib.nullcontext() as c:
+        assert error_text(lambda: commstats.record(kind, nbytes)).startswith(error)
+    if counting:
+        assert c.total == 0 and not c.calls, c
 
 
 def _errors_of(w=4):

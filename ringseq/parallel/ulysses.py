@@ -138,8 +138,8 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
     if send is None:  # this rank failed: its part of the exchange is zeros
         send = torch.zeros((degree, offset), dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
-    record("all_to_all", send.numel() * (degree - 1) // degree)
     if offset:  # nothing to move (an empty batch): the same on every rank (the signature)
+        record("all_to_all", send.numel() * (degree - 1) // degree)
         transport.all_to_all(send, recv)
     shapes = []
     for t, sd, gd, chunk, off, nbytes in layout:

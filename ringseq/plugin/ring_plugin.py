@@ -798,7 +798,8 @@ class RingSequenceParallelPlugin(Plugin):
             if self.activation_checkpointing and hf_checkpointing(model):
                 raise ValueError(f"boost: {BOTH_CHECKPOINTINGS.format(type(model).__name__)}")
         except (ValueError, TypeError) as exc:
-            refusal = exc
+            # (the tensor-parallel plan's refusals are raised below the call they belong to)
+            refusal = named_for("boost", exc)
         get_ring(None).agree(refusal is None, str(refusal), error=refusal,
                              fields=_model_fields(model) if refusal is None else (),
                              about="boosted model")

@@ -46,3 +46,26 @@ class Rotated(Layout):
 
     def _tasks(self, rank, src, world_size, s_local):
         return [BlockTask(slice(0, s_local), slice(0, s_local), False)]  # (full attention only)
+
+
+class RotatedCausal(Layout):
+    """:class:`Rotated` with causal tasks, compared by identity (no ``__eq__``): what a
+    user's layout with a parameter usually is."""
+
+    name = "rotated_causal_test"
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def _positions(self, seqlen, world_size, rank):
+        n = seqlen // world_size
+        c = (rank + self.k) % world_size
+        return torch.arange(c * n, (c + 1) * n)
+
+    def _tasks(self, rank, src, world_size, s_local):
+        mine, theirs = (rank + self.k) % world_size, (src + self.k) % world_size
+        if theirs == mine:
+            return [BlockTask(slice(0, s_local), slice(0, s_local), True)]
+        if theirs < mine:  # an earlier chunk: seen whole
+            return [BlockTask(slice(0, s_local), slice(0, s_local), False)]
+        return []

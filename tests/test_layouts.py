@@ -325,6 +325,85 @@ def test_ranks_given_one_layout_class_with_different_parameters_raise_everywhere
         assert r["same parameters"] < 1e-12 and r["equal layouts"] < 1e-12, r
 
 
+def _edited_after_a_call():
+    """A user's layout (compared by identity) used in a causal ring call at k=0, then edited
+    to k=1 on every rank, then back to k=0 on rank 1 only: (errors against float64 of the
+    calls, the error text of the last)."""
+    import torch.distributed as dist
+    from custom_layout import RotatedCausal
+    from utils import error_text
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    lay, errors = RotatedCausal(0), []
+    for shift in (0, 1):
+        lay.k = shift
+        out = ringseq.ring_flash_attn_func(*(ringseq.shard(t, lay) for t in (q, k, v)),
+                                           causal=True, layout=lay)
+        want = ringseq.flash_attn_func(q, k, v, causal=True, backend="reference")
+        errors.append(float((out - ringseq.shard(want, lay)).abs().max()))
+    if dist.get_rank() == 1:
+        lay.k = 0
+    return errors, error_text(lambda: ringseq.ring_flash_attn_func(
+        *(ringseq.shard(t, lay) for t in (q, k, v)), causal=True, layout=lay))
+
+
+def test_a_layout_edited_after_a_call_is_planned_and_compared_by_its_new_values():
+    """(before: the plan and schedules of its first call's values were kept: outputs off by
+    2.41 without a word, and ranks holding k=1 and k=0 paired)"""
+    for errors, text in run_ranks(_edited_after_a_call, 2):
+        assert max(errors) < 1e-12, errors
+        assert text.startswith("RingMismatchError") and (
+            "layout (rank 0: rotated_causal_test@custom_layout.RotatedCausal(k=1), "
+            "rank 1: rotated_causal_test@custom_layout.RotatedCausal(k=0))") in text, text
+
+
+def test_a_copy_of_a_used_layout_edited_gets_its_own_schedule():
+    """``copy.copy`` shares the instance's schedule cache (before: the copy edited to k=1 ran
+    the schedule of k=0, 2.41 off); so do three world sizes in one process."""
+    import copy
+
+    from custom_layout import RotatedCausal
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    want = ringseq.flash_attn_func(q, k, v, causal=True, backend="reference")
+    used = RotatedCausal(0)
+    for w in (2, 3, 4):
+        ringseq.simulate_ring(q, k, v, used, w, causal=True, backend="reference")
+        edited = copy.copy(used)
+        for shift in (1, 2):
+            edited.k = shift
+            out = ringseq.simulate_ring(q, k, v, edited, w, causal=True, backend="reference")[0]
+            assert float((out - want).abs().max()) < 1e-12, (w, shift)
+
+
+@pytest.mark.parametrize("layout, args, error", [
+    ("zigzag", (8, 2, -1), "rank -1 is outside a world of size 2"),
+    ("zigzag", (8, 2, 2), "rank 2 is outside a world of size 2"),
+    ("zigzag", (7, 2, 0), "layout 'zigzag' with world size 2 needs a sequence length that is "
+                          "a positive multiple of 4; got 7"),
+    ("contiguous", (8, 0, 0), "world_size must be a positive int, got 0"),
+    ("stripe", (8.0, 2, 0), "layout 'stripe': seqlen must be an int, got 8.0 (float)"),
+    ("documents", (8, 2, -1), "rank -1 is outside a world of size 2"),
+    ("documents", (8, 2, 2), "rank 2 is outside a world of size 2"),
+    ("documents", (9, 2, 0), "layout 'documents' was built for a packed sequence of 8 "
+                           "tokens (cu_seqlens), got 9"),
+    ("documents_zigzag", (8, 2, -1), "rank -1 is outside a world of size 2"),
+])
+def test_runs_refuses_what_positions_refuses(layout, args, error):
+    """``Layout.runs`` (public, and ``Documents(...).runs`` in the README): before, rank -1 gave
+    rank W - 1's runs, rank W a bare IndexError, and zigzag's runs of length 7 left 3 tokens
+    out."""
+    from ringseq.layouts import Documents, DocumentsZigzag, get_layout
+    docs = [0, 3, 8]
+    lay = {"documents": Documents(docs), "documents_zigzag": DocumentsZigzag([0, 4, 8])}.get(
+        layout) or get_layout(layout)
+    with pytest.raises((ValueError, TypeError)) as info:
+        lay.runs(*args)
+    assert str(info.value).startswith(error), info.value
+    with pytest.raises(type(info.value), match=re.escape(error)):
+        lay.positions(*args)
+
+
 def test_a_layout_field_shows_what_tells_layouts_apart():
     """What a mismatch shows for each rank's layout (exchanged between the ranks): a built-in
     layout's name; the plugin's documents layout (its code holds the boundaries) with its

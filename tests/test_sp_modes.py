@@ -715,6 +715,23 @@ def test_record_refuses_what_is_no_byte_count(kind, nbytes, error, counting):
         assert c.total == 0 and not c.calls, c
 
 
+def _unshard_unbound_documents():
+    import ringseq
+    from utils import error_text
+    sp = ringseq.make_sp_groups(2)  # (Ulysses 2 x ring 2)
+    local = torch.zeros(1, 4, 2, 4)  # (b, s_local, h, d)
+    return error_text(lambda: ringseq.unshard(local, sp.data_layout("documents"),
+                                              group=sp.group))
+
+
+def test_unshard_on_a_2d_group_refuses_an_unbound_documents_layout_before_gathering():
+    """(before: refused after the all-gather, inside the scatter, naming no function; the
+    plain ring refused it before, as here)"""
+    for text in run_ranks(_unshard_unbound_documents, 4, timeout=120):
+        assert text.startswith("ValueError: unshard: layout 'documents' is per batch: bind it "
+                               "to the batch's document boundaries first"), text
+
+
 def _errors_of(w=4):
     cases, per_rank = _results_for(w)
     return [res[len(cases)] for res in per_rank]

@@ -148,12 +148,15 @@ def make_plan(spec: AttnSpec, layout: Layout, world_size: int, rank: int,
     layout, whose schedule it takes (:func:`ringseq.spec.check_user_layout`: ValueError or
     NotImplementedError naming ``spec.fn``): here, where every ring call plans at run time,
     also under torch.compile, whose trace of the checks broke the graph."""
-    return _make_plan(spec, layout, world_size, rank, tuple(q_shape), nheads_kv, dtype,
-                      comm_kind)
+    # (keyed by the layout's code too: a user's layout edited after a call is planned, and
+    # compared across ranks, by its new values; its object alone hashes by identity)
+    return _make_plan(spec, layout, layout.code, world_size, rank, tuple(q_shape), nheads_kv,
+                      dtype, comm_kind)
 
 
 @functools.lru_cache(maxsize=128)
-def _make_plan(spec, layout, world_size, rank, q_shape, nheads_kv, dtype, comm_kind):
+def _make_plan(spec, layout, layout_code, world_size, rank, q_shape, nheads_kv, dtype,
+               comm_kind):
     b, s, h, d = q_shape
     check_user_layout(spec, layout, world_size, s)  # (cached with the plan)
     mask = spec.mask

@@ -73,7 +73,12 @@ SCHEDULE_CACHE_ENTRIES = 256
 
 def layout_cached(obj, key, compute):
     """``compute()`` cached under ``key`` on ``obj`` (a layout), least recently used entries
-    dropped past :data:`SCHEDULE_CACHE_ENTRIES`."""
+    dropped past :data:`SCHEDULE_CACHE_ENTRIES`. A user's layout is cached under its
+    parameters too (:attr:`Layout.code` and their text): one edited after a call, or a
+    ``copy.copy`` of it (which shares the cache) edited, gets the schedules of its new values
+    (before: those of its first call's, and a wrong output without a word)."""
+    if not _built_in(type(obj)):
+        key = (obj.code, _parameters_text(obj), key)
     cache = obj.__dict__.get("_schedules")
     if cache is None:
         cache = obj.__dict__.setdefault("_schedules", OrderedDict())
@@ -236,13 +241,7 @@ class Layout:
         cannot split, when a layout's ``_positions`` returns another shape or dtype, and when
         a layout of your own gives positions that over the ranks are not a permutation of
         ``range(seqlen)`` (checked once per length and world size)."""
-        try:
-            seqlen = operator.index(seqlen)
-        except TypeError:
-            raise TypeError(f"layout {self.name!r}: seqlen must be an int, got {seqlen!r} "
-                            f"({type(seqlen).__name__})") from None
-        check_rank(rank, world_size)
-        self.check_seqlen(seqlen, world_size)
+        seqlen = self._checked_placement(seqlen, world_size, rank)
         pos = self._checked_positions(seqlen, world_size, rank)
         if not _built_in(type(self)._positions):
             # a layout of the user's: its ranks' positions together must be a permutation,
@@ -251,6 +250,18 @@ class Layout:
             layout_cached(self, ("permutation", seqlen, world_size),
                           lambda: self._check_permutation(seqlen, world_size))
         return pos
+
+    def _checked_placement(self, seqlen, world_size, rank) -> int:
+        """``seqlen`` as an int once it, ``world_size`` and ``rank`` name a placement of this
+        layout; TypeError / ValueError naming what does not (as :meth:`positions` raises)."""
+        try:
+            seqlen = operator.index(seqlen)
+        except TypeError:
+            raise TypeError(f"layout {self.name!r}: seqlen must be an int, got {seqlen!r} "
+                            f"({type(seqlen).__name__})") from None
+        check_rank(rank, world_size)
+        self.check_seqlen(seqlen, world_size)
+        return seqlen
 
     def check_positions(self, seqlen: int, world_size: int) -> None:
         """ValueError unless the ranks' positions at ``seqlen`` are a permutation (a layout of
@@ -392,8 +403,16 @@ class Layout:
         return layout_cached(self, ("kv_rows", world_size, s_local, mask), compute)
 
     def runs(self, seqlen: int, world_size: int, rank: int) -> Tuple[Run, ...]:
-        """Rank's local rows as maximal runs of evenly spaced global positions (generic:
-        compressed from ``positions``; built-in layouts say it directly)."""
+        """Rank's local rows as maximal runs of evenly spaced global positions. Raises as
+        :meth:`positions` does for a ``seqlen``, ``world_size`` or ``rank`` that names no
+        placement (before: rank -1 gave rank W - 1's runs, an odd zigzag length runs that
+        left tokens out)."""
+        seqlen = self._checked_placement(seqlen, world_size, rank)
+        return self._runs(seqlen, world_size, rank)
+
+    def _runs(self, seqlen: int, world_size: int, rank: int) -> Tuple[Run, ...]:
+        """:meth:`runs` of checked arguments (generic: compressed from ``positions``; built-in
+        layouts say it directly)."""
         pos = self.positions(seqlen, world_size, rank).tolist()
         runs, a = [], 0
         while a < len(pos):

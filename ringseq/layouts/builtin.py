@@ -16,7 +16,7 @@ class Contiguous(Layout):
         n = seqlen // world_size
         return torch.arange(rank * n, (rank + 1) * n)
 
-    def runs(self, seqlen, world_size, rank):
+    def _runs(self, seqlen, world_size, rank):
         n = seqlen // world_size
         return (Run(0, n, rank * n, 1),)
 
@@ -49,7 +49,7 @@ class Zigzag(Layout):
                           torch.arange((2 * world_size - 1 - rank) * c,
                                        (2 * world_size - rank) * c)])
 
-    def runs(self, seqlen, world_size, rank):
+    def _runs(self, seqlen, world_size, rank):
         c = seqlen // (2 * world_size)
         return (Run(0, c, rank * c, 1), Run(c, c, (2 * world_size - 1 - rank) * c, 1))
 
@@ -86,7 +86,7 @@ class Stripe(Layout):
     def _positions(self, seqlen, world_size, rank):
         return torch.arange(rank, seqlen, world_size)
 
-    def runs(self, seqlen, world_size, rank):
+    def _runs(self, seqlen, world_size, rank):
         return (Run(0, seqlen // world_size, rank, world_size),)
 
     def _tasks(self, rank, src, world_size, s_local):

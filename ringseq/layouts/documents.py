@@ -202,8 +202,7 @@ class Documents(_DocumentLayout):
                              f"(the total must be a multiple of the world size), got "
                              f"{s_local}")
 
-    def runs(self, seqlen, world_size, rank):
-        self.check_seqlen(seqlen, world_size)
+    def _runs(self, seqlen, world_size, rank):
         runs, local = [], 0
         for start, n in self._layout(world_size)[rank]:
             runs.append(Run(local, n, start, 1))
@@ -236,8 +235,7 @@ class _SplitEveryDocument(_DocumentLayout):
     def check_local_seqlen(self, s_local: int, world_size: int) -> None:
         self.check_seqlen(s_local * world_size, world_size)
 
-    def runs(self, seqlen, world_size, rank):
-        self.check_seqlen(seqlen, world_size)
+    def _runs(self, seqlen, world_size, rank):
         n = self.pieces(world_size)
         runs, local = [], 0
         for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]):

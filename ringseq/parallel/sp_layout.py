@@ -60,6 +60,12 @@ class SequenceParallelLayout(Layout):
         self.base.check_seqlen(seqlen, self.ring_size)
         return n
 
+    def check_local_seqlen(self, s_local: int, world_size: int) -> None:
+        super().check_local_seqlen(s_local, world_size)
+        # ... and from a local length, before unshard's all-gather (a per-batch documents
+        # layout that was never bound: before, refused after it, naming no function)
+        self.base.check_local_seqlen(s_local * self.ulysses_size, self.ring_size)
+
     def _check_world(self, world_size):
         if world_size != self.ring_size * self.ulysses_size:
             raise ValueError(f"layout {self.name!r} is for a group of {self.ring_size} x "

@@ -62,3 +62,19 @@ def test_every_backward_reduces_once_even_after_a_failed_one():
     with sync.no_sync():
         model(x).sum().backward()
     assert marks.count == 3  # no reduction inside no_sync
+
+
+def test_a_nested_no_sync_leaves_the_sum_off_until_the_outer_block_ends():
+    """As DDP's no_sync (before: the inner block's end turned the sum on, the next backward
+    inside the outer block summed, and the step refused "2 backward passes summed")."""
+    model = nn.Linear(4, 1)
+    marks = _Marks()
+    sync = ReplicatedGradSync(model, group=None, reduced=marks)
+    x = torch.randn(3, 4)
+    with sync.no_sync():
+        with sync.no_sync():
+            model(x).sum().backward()
+        model(x).sum().backward()  # (inside the outer block)
+        assert marks.count == 0
+    model(x).sum().backward()
+    assert marks.count == 1

@@ -98,9 +98,28 @@ def _worker_no_sync_only(plugin_kwargs):
     opt.zero_grad()
     # the last micro-batch inside no_sync after a summed one: refused too, named as such
     refused_after_summed = _error(lambda: micro_batches(synced_last=False, synced_first=True))
+    opt.zero_grad()
+
+    # three micro-batches, the first two inside no_sync: the first inside a nested block or
+    # not; the gradients before the step, and what the step raised
+    def three(nested):
+        with booster.no_sync(model, opt):
+            if nested:
+                with booster.no_sync(model, opt):
+                    booster.backward(crit(model(**batches[0]), batches[0]), opt)
+            else:
+                booster.backward(crit(model(**batches[0]), batches[0]), opt)
+            booster.backward(crit(model(**batches[1]), batches[1]), opt)  # (in the outer)
+        booster.backward(crit(model(**batches[0]), batches[0]), opt)  # (a rank has 2 at dp 2)
+        grads = [_whole(p.grad) for p in model.unwrap().parameters() if p.grad is not None]
+        return grads, _error(opt.step) if nested else opt.zero_grad()
+    flat, _ = three(nested=False)
+    nested, nested_step = three(nested=True)
     ringseq.reset_ring()
     return {"refused": refused, "moved": moved, "after": after,
-            "refused_after_summed": refused_after_summed}
+            "refused_after_summed": refused_after_summed,
+            "nested": (len(flat) == len(nested) and max(
+                float((a - b).abs().max()) for a, b in zip(flat, nested)), nested_step)}
 
 
 @pytest.mark.parametrize("plugin_kwargs", [
@@ -123,6 +142,10 @@ def test_a_step_after_no_sync_micro_batches_only_is_refused(plugin_kwargs):
         assert "Run the LAST micro-batch" in r["refused"]
         assert r["refused_after_summed"] is not None and \
             r["refused_after_summed"].startswith(after_summed), r["refused_after_summed"]
+        # a nested block leaves the sum off until the outer one ends, as DDP's own no_sync
+        # (before, tp at zero 0: the inner block's end turned it on, and the step refused "2
+        # backward passes summed"; FSDP reduced once more)
+        assert r["nested"] == (0.0, None), r["nested"]
         assert r["moved"] == 0.0
     fresh = run_ranks(_worker_accumulation_only, 4, plugin_kwargs, timeout=200, env=_TIMEOUT)
     for r, f in zip(res, fresh):
@@ -244,6 +267,40 @@ def _worker_steps_w2(tmp):
     out["plain backward after model.zero_grad"] = (
         _error(lambda: opt.clip_grad_by_norm(1.0)), _error(opt.step))
     opt.zero_grad()
+    # ... and through the model with set_to_none=False: the same tensors, zeroed in place
+    # (before: stepped, applying 1/65536 of the plain gradients)
+    booster.backward(crit(model(**batches[3]), batches[3]), opt)
+    model.zero_grad(set_to_none=False)
+    crit(model(**batches[3]), batches[3]).backward()
+    out["plain backward after model.zero_grad(set_to_none=False)"] = (
+        _error(lambda: opt.clip_grad_by_norm(1.0)), _error(opt.step))
+    opt.zero_grad()
+    # fp16: gradients replaced out of place after a clip are refused naming that (before:
+    # "no loss was scaled ... run the backward through booster.backward", which it was)
+    booster.backward(crit(model(**batches[3]), batches[3]), opt)
+    opt.clip_grad_by_norm(1e9)
+    for p in model.unwrap().parameters():
+        if p.grad is not None:
+            p.grad = p.grad.clamp(-10.0, 10.0)
+    out["replaced after a clip"] = _error(opt.step)
+    opt.zero_grad()
+    # fp16: gradients that overflow, clipped with error_if_nonfinite=True: raised naming the
+    # loss scale, which comes down for the next backward (before: no step recorded the
+    # overflow, the scale stayed, and every iteration raised the same)
+    weight = model.unwrap().model.layers[0].mlp.up_proj.weight
+    hook = weight.register_hook(lambda g: g * math.inf)
+    scales = []
+    for i in range(2):
+        booster.backward(crit(model(**batches[3]), batches[3]), opt)
+        scales.append(float(opt.scaler.get_scale()))
+        out[f"overflow clip {i}"] = _error(
+            lambda: opt.clip_grad_by_norm(1.0, error_if_nonfinite=True))
+        opt.zero_grad()
+    hook.remove()
+    booster.backward(crit(model(**batches[3]), batches[3]), opt)
+    out["overflow scales"] = scales + [float(opt.scaler.get_scale())]
+    out["after the overflows"] = _sgd_error(opt, model, opt.step)
+    opt.zero_grad()
 
     # fp16: a step without gradients steps nothing, and the next one steps
     opt.zero_grad()
@@ -360,7 +417,7 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
         assert r["summed twice"].startswith("ValueError: OptimizerWrapper.step: 2 backward")
         assert r["empty step"] is None, r
         for case in ("two optimizers", "one loss", "after model.zero_grad",
-                     "in place after a clip", "after an empty step"):
+                     "in place after a clip", "after an empty step", "after the overflows"):
             err, largest = r[case]
             # (one float32 rounding of the weight; before: 2x, and 65536x, the update)
             assert largest > 0 and err <= 1e-2 * largest, (case, err, largest)
@@ -378,13 +435,28 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
         assert r["plain backward"].startswith("ValueError: OptimizerWrapper.step: "
                                               "precision='fp16', but no loss was scaled"), r
         for case in ("plain backward after a cleared one",
-                     "plain backward after model.zero_grad"):
+                     "plain backward after model.zero_grad",
+                     "plain backward after model.zero_grad(set_to_none=False)"):
             clip, step = r[case]
             assert clip.startswith("ValueError: clip_grad_by_norm: precision='fp16', but no "
                                    "loss was scaled through this optimizer since its last "
                                    "step"), (case, clip)
             assert step.startswith("ValueError: OptimizerWrapper.step: precision='fp16', but "
                                    "no loss was scaled"), (case, step)
+        assert r["replaced after a clip"].startswith(
+            "ValueError: OptimizerWrapper.step: precision='fp16', and the gradients are not the "
+            "tensors booster.backward left (replaced since, as by p.grad = p.grad.clamp(...) "
+            "after a clip"), r["replaced after a clip"]
+        first, second, after = r["overflow scales"]
+        assert second == first / 2 and after == first / 4, r["overflow scales"]
+        for i, scale in enumerate((first, second)):
+            assert r[f"overflow clip {i}"] == (
+                f"RuntimeError: clip_grad_by_norm: the total norm of order 2.0 of the gradients "
+                f"is nan, so they cannot be clipped: with precision='fp16' the loss scale "
+                f"{scale:g} overflowed them (or the loss is not finite); the grad scaler lowered "
+                f"it to {scale / 2:g} for the next backward. Skip this step "
+                f"(optimizer.zero_grad()), or pass error_if_nonfinite=False: the step then "
+                f"skips itself"), r[f"overflow clip {i}"]
         unsaved, saved = r["scales"]
         assert saved == unsaved == [65536.0, 65536.0, 131072.0, 131072.0], r["scales"]
         assert r["zero probe"].startswith("ValueError: OptimizerWrapper.step: a backward "

@@ -84,6 +84,11 @@ def _worker(tmp):
     if rank != 2:
         shaped.register_parameter("bias", torch.nn.Parameter(torch.zeros(6)))
     out["shapes"] = _timed(lambda: Booster(plugin=plugin()).boost(shaped))
+    # one parameter frozen on rank 1 only: named (before: the trainable elements' counts only)
+    frozen = _llama(torch.float32)
+    if rank == 1:
+        frozen.model.norm.weight.requires_grad_(False)
+    out["frozen"] = _timed(lambda: Booster(plugin=plugin()).boost(frozen))
 
     def first_batch(seed):
         loader = booster.plugin.prepare_dataloader(_data(), batch_size=2, shuffle=True, seed=seed)
@@ -151,8 +156,21 @@ def _assert_everywhere(results, case, own, peers=None, needle="", own_rank=None)
 def test_ranks_that_disagree_raise_together(tmp_path):
     results = run_ranks(_worker, 4, str(tmp_path), timeout=240,
                         env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+    # (named for the plugin and boost, with their own advice: before, neither, and the
+    # attention calls' "must pass shards of the same shape")
     _assert_everywhere(results, "sp_size", "RingMismatchError",
                        needle="sp_size (rank 0: 2, rank 1: 4, rank 2: 4, rank 3: 4)")
+    _assert_everywhere(results, "sp_size", "RingMismatchError",
+                       needle="ringseq: RingSequenceParallelPlugin: the ranks of the ring")
+    _assert_everywhere(results, "sp_size", "RingMismatchError",
+                       needle="Every rank must build the plugin with the same options")
+    _assert_everywhere(results, "frozen", "RingMismatchError",
+                       needle="ringseq: boost: the ranks of the ring were called with different "
+                              "arguments: trainable parameter elements (rank 0: ")
+    _assert_everywhere(results, "frozen", "RingMismatchError",
+                       needle="frozen parameters (rank 0: none, rank 1: model.norm.weight, "
+                              "rank 2: none, rank 3: none). Every rank must boost the same "
+                              "model")
     _assert_everywhere(results, "zero_ignore", "RingMismatchError", needle="zero_stage (rank 0: 3")
     _assert_everywhere(results, "zero_ignore", "RingMismatchError",
                        needle="ignore_index (rank 0: 0, rank 1: -100")

@@ -151,9 +151,15 @@ class HeldGrads:
 @contextlib.contextmanager
 def fsdp_no_sync(model: nn.Module):
     """Backward passes inside accumulate unsharded gradients without reducing them; the
-    first backward after the block reduces the accumulated sum."""
+    first backward after the outermost block reduces the accumulated sum (a nested block's
+    end leaves the reduction off: before, it turned it on, and the next backward inside the
+    outer block reduced)."""
+    depth = getattr(model, "_ringseq_no_sync_depth", 0)
+    model._ringseq_no_sync_depth = depth + 1
     model.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        model._ringseq_no_sync_depth = depth
+        if depth == 0:
+            model.set_requires_gradient_sync(True)

@@ -141,8 +141,10 @@ class ReplicatedGradSync:
 
     @contextlib.contextmanager
     def no_sync(self):
-        self.enabled = False
+        # (restores what it found: a block nested in another leaves the sum off until the
+        # outer one ends, as DDP's no_sync; before, the inner block's end turned it on)
+        before, self.enabled = self.enabled, False
         try:
             yield
         finally:
-            self.enabled = True
+            self.enabled = before

@@ -16,6 +16,7 @@ from torch.utils.data import (DataLoader, IterableDataset, RandomSampler,
 from .._args import as_int, check_ignore_index, given, int_if_integer, is_bool
 from .._dist import named_for
 from .._hash import ints_field, stable_code
+from ..engine.integrity import TEXT
 from ..engine.ring import get_ring, reset_ring
 from ..layouts import PerBatchDocuments, get_layout, layout_field
 from ..parallel.dims import ParallelDims, renamed_dims_error, sharding_refusal
@@ -142,11 +143,15 @@ def _model_fields(model: nn.Module) -> tuple:
     # names, shapes and dtypes of every tensor, in order: what rank 0's broadcast pairs
     def layout(named) -> int:
         return stable_code("|".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in named))
+    # (by name, shown where the ranks differ: the elements alone did not say which)
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    shown = ", ".join(frozen[:8]) + (f" ... ({len(frozen)} in all)" if len(frozen) > 8 else "")
     return (("parameters", len(params)),
             *((f"{str(dtype).replace('torch.', '')} parameter elements", n)
               for dtype, n in per_dtype.items()),
             ("parameter elements of other dtypes", other),
             ("trainable parameter elements", sum(p.numel() for p in params if p.requires_grad)),
+            ("frozen parameters", stable_code("|".join(frozen)), TEXT, shown or "none"),
             ("parameter names, shapes and dtypes (hash)", layout(model.named_parameters())),
             ("buffer names, shapes and dtypes (hash)", layout(_persistent_buffers(model))))
 
@@ -398,7 +403,10 @@ class RingSequenceParallelPlugin(Plugin):
                 exc = renamed_dims_error(type(self).__name__, exc)
             refusal, fields = named_for(type(self).__name__, exc), ()
         get_ring(None).agree(refusal is None, str(refusal), error=refusal, fields=fields,
-                             about="plugin options")
+                             about="plugin options", called=type(self).__name__,
+                             hint="Every rank must build the plugin with the same options "
+                                  "(inner_ring_size and ulysses_size not given are those "
+                                  "sp_size and sp_mode imply).")
         plain_ring = (sp_mode == "ring" and ulysses_size in (None, 1)
                       and inner_ring_size is None and ulysses_inner is None)
         try:  # (a passed mesh is checked there: the same object on every rank)
@@ -802,7 +810,9 @@ class RingSequenceParallelPlugin(Plugin):
             refusal = named_for("boost", exc)
         get_ring(None).agree(refusal is None, str(refusal), error=refusal,
                              fields=_model_fields(model) if refusal is None else (),
-                             about="boosted model")
+                             about="boosted model", called="boost",
+                             hint="Every rank must boost the same model: the same parameters "
+                                  "and buffers (names, shapes, dtypes), frozen alike.")
         # (apply() refuses head counts the Ulysses degree cannot split before switching;
         # its refusals, on every rank alike, leave the model as it was)
         switch_attention(model, self.sp_group, self.layout, self.backend, self.policy,

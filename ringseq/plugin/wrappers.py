@@ -127,6 +127,16 @@ class ModelWrapper(nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         if self._reduced is not None:
             self._reduced.clear()
+        # fp16: this model's optimizers forget the loss scaled before; gradients zeroed in
+        # place (set_to_none=False) and made again by a plain backward are the same tensors,
+        # and passed as scaled ones: a step applied 1/65536 of them
+        scaler = getattr(self._precision, "scaler", None)
+        if scaler is not None:
+            mine = {id(p) for p in self.parameters()}
+            for user in list(getattr(scaler, "_ringseq_users", ())):
+                if any(id(p) in mine for group in user.optim.param_groups
+                       for p in group["params"]):
+                    user._forget_gradients()
 
     def _refuse_unfrozen(self, user: nn.Module) -> None:
         frozen = [n for n, p in self.trained_at_boost if not p.requires_grad]
@@ -824,11 +834,7 @@ class OptimizerWrapper:
                 "scaler takes one step per scaled backward); not stepping again. Clear the "
                 "gradients (optimizer.zero_grad()) and run the next backward first")
         elif refusal is None and self.scaler is not None and grads and not scaled:
-            refusal = ValueError(
-                "OptimizerWrapper.step: precision='fp16', but no loss was scaled through "
-                "this optimizer (booster.backward(loss, optimizer) scales it), so the "
-                "gradients are not scaled ones and the grad scaler cannot unscale them; "
-                "not stepping. Run the backward through booster.backward")
+            refusal = ValueError(f"OptimizerWrapper.step: {self._not_scaled()}; not stepping")
         if dist.is_initialized():
             # (without it the others would step and then wait in the vote after the step)
             get_ring(None).agree(refusal is None, str(refusal), error=refusal,
@@ -948,11 +954,7 @@ class OptimizerWrapper:
             if self.scaler is not None and grads and not self._holds_scaled(grads):
                 # (before: unscaled all the same, the norm and the gradients 65536 times too
                 # small, as the step that followed)
-                raise ValueError(
-                    "clip_grad_by_norm: precision='fp16', but no loss was scaled through this "
-                    "optimizer since its last step or zero_grad (booster.backward(loss, "
-                    "optimizer) scales it), so the gradients are not scaled ones and the grad "
-                    "scaler cannot unscale them. Run the backward through booster.backward")
+                raise ValueError(f"clip_grad_by_norm: {self._not_scaled()}")
             # (no gradient: nothing to unscale, and GradScaler would assert, as in step)
             if self.scaler is not None and grads and not self._unscaled():
                 self.scaler.unscale_(self.optim)
@@ -969,9 +971,22 @@ class OptimizerWrapper:
             raise failure
         total = total_norm(share, norm_type)
         if error_if_nonfinite and not math.isfinite(total):
-            raise RuntimeError(f"clip_grad_by_norm: the total norm of order {norm_type} of the "
-                               f"gradients is {total}, so they cannot be clipped (pass "
-                               f"error_if_nonfinite=False to clip anyway)")
+            text = (f"clip_grad_by_norm: the total norm of order {norm_type} of the gradients "
+                    f"is {total}, so they cannot be clipped")
+            if self.scaler is not None:
+                # An overflow of the loss scale (or a NaN loss): the scaler's update is due
+                # now, since no step records it (before: the scale never came down, and every
+                # iteration after raised the same)
+                scale = float(self.scaler.get_scale())
+                update_due(self.scaler)
+                settle_scaler(self.scaler)
+                raise RuntimeError(
+                    f"{text}: with precision='fp16' the loss scale {scale:g} overflowed them "
+                    f"(or the loss is not finite); the grad scaler lowered it to "
+                    f"{float(self.scaler.get_scale()):g} for the next backward. Skip this step "
+                    f"(optimizer.zero_grad()), or pass error_if_nonfinite=False: the step then "
+                    f"skips itself")
+            raise RuntimeError(f"{text} (pass error_if_nonfinite=False to clip anyway)")
         # As torch's clip: the norm in the gradients' promoted dtype, the factor
         # max_norm / (norm + 1e-6) at most 1 in it (a NaN norm makes every gradient NaN, so
         # that nothing steps on half-clipped gradients)
@@ -1022,11 +1037,28 @@ class OptimizerWrapper:
         self.optim.zero_grad(set_to_none=set_to_none)
         if self.reduced is not None:
             self.reduced.clear()
+        self._forget_gradients()
+
+    def _forget_gradients(self) -> None:
+        """fp16: the gradients were cleared (this optimizer's or the model's zero_grad): no
+        loss is scaled since, so a plain backward next is refused by step and clip (before,
+        the flag of the cleared backward let a step apply 1/65536 of such gradients)."""
         self._forget_unscale()
-        # (no loss scaled since: a plain backward next is refused by step and clip; before,
-        # the flag of the cleared backward let a step apply 1/65536 of such gradients)
         self._scaled = self._stepped_scaled = False
         self._scaled_grads = ()
+
+    def _not_scaled(self) -> str:
+        """Why the gradients are not the scaled ones the grad scaler can unscale (fp16)."""
+        if self._scaled:
+            return ("precision='fp16', and the gradients are not the tensors booster.backward "
+                    "left (replaced since, as by p.grad = p.grad.clamp(...) after a clip, or "
+                    "made by a plain backward), so the grad scaler cannot tell whether they "
+                    "are scaled ones. Change gradients in place (p.grad.clamp_(...)), and run "
+                    "every backward through booster.backward")
+        return ("precision='fp16', but no loss was scaled through this optimizer since its "
+                "last step or zero_grad (booster.backward(loss, optimizer) scales it), so the "
+                "gradients are not scaled ones and the grad scaler cannot unscale them. Run "
+                "the backward through booster.backward")
 
     def _holds_scaled(self, grads) -> bool:
         """fp16: whether ``grads`` (the optimizer's gradients now) are those a loss scaled

@@ -283,8 +283,7 @@ def exchange_error(comm: "RingComm", exc: RuntimeError, timeout: Optional[dateti
         f"ringseq: {comm.who()} {what} a ring exchange with its peers "
         f"(receiving from global rank {frm}, sending to global rank "
         f"{to}): a peer stalled, died or left the ring call "
-        f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on every "
-        f"rank makes the ring usable again)")
+        f"(ringseq.set_ring_timeout changes the limit; {comm.recovery()})")
 
 
 _EPOCHS: Dict[str, int] = {}  # ring channels made so far per process group name (this process)
@@ -423,6 +422,14 @@ class RingComm(Transport):
                 + ", ".join(f"global rank {r} alone {n} time(s)" for r, n in behind.items())
                 + ", then once on every rank")
 
+    def recovery(self) -> str:
+        """What makes the ring usable again, for an error's message: reset_ring on every rank;
+        where the ranks' channels come from different numbers of resets (reset_ring on some
+        ranks only: then that advice never works, and the checks' agreement that would say so
+        is off or not reached), how to bring them level first (:meth:`reset_mismatch`)."""
+        return self.reset_mismatch() or ("ringseq.reset_ring(group) on every rank makes the "
+                                         "ring usable again")
+
     def rebuild(self) -> None:
         # New channels under a new name: a gloo pair that timed out stays closed. Every rank
         # rebuilds as often as the others (reset_ring on every rank), so the names match;
@@ -457,8 +464,7 @@ class RingComm(Transport):
                 f"ringseq: {self.who()} {what} its ring peers ({self.describe_peers()}) "
                 f"opening the ring's {purpose} channel ({type(exc).__name__}: {exc}): a peer "
                 f"stalled, died or left the ring call, or the store's host is gone "
-                f"(ringseq.set_ring_timeout changes the limit; ringseq.reset_ring(group) on "
-                f"every rank makes the ring usable again)") from exc
+                f"(ringseq.set_ring_timeout changes the limit; {self.recovery()})") from exc
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor,
                  reverse: bool = False) -> Optional[_Pending]:
@@ -497,7 +503,7 @@ class RingComm(Transport):
             raise RingTimeoutError(
                 f"ringseq: {self.who()} lost its all-to-all peers ({self.describe_peers()}; "
                 f"{type(exc).__name__}: {exc}): a peer stalled, died or left the call "
-                f"(ringseq.reset_ring(group) on every rank makes the group usable again)") from exc
+                f"({self.recovery()})") from exc
 
     # -- the control collective ----------------------------------------------------------------
     def control(self, words: torch.Tensor) -> Optional[torch.Tensor]:

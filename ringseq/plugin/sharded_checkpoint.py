@@ -70,9 +70,10 @@ def full_model_state_dict(model) -> dict:
     laying out their shards and after each tensor's copy on rank 0 that every rank succeeded
     (torch's full-state gather has no such point: a rank that failed alone, out of memory for
     its copy, left the others in the next gather until the process group's timeout). Raises
-    the failing rank's error there and ValueError on the other ranks. A failure inside a gather itself (one rank out of memory for the full tensor) is
-    the process group's: the others wait in it until that rank's process ends or the group's
-    timeout."""
+    the failing rank's error there and ValueError on the other ranks. A failure inside a
+    gather itself (one rank out of memory for the full tensor) is the process group's: the
+    others wait in it until that rank's process ends or the group's timeout. What the load
+    could not read back is refused by the writer (:func:`refuse_unloadable`)."""
     reshard_gathered(model)
     if not _is_sharded(model):
         return model.state_dict()

@@ -368,9 +368,9 @@ def _extra_states(booster, model, tmp, out, kind):
     """save_model of a module's extra state, into ``out[kind + ...]``: what
     torch.load(weights_only=True) cannot read back is refused at the save on every rank,
     nothing written (before: the replicated path wrote it, and load_model failed); what it
-    reads back (an OrderedDict, a torch.Size, a dtype, a device, a set, a complex) is saved and
-    loads (the tensor-by-tensor gather's first two versions refused the first two, then the
-    next four)."""
+    reads back (an OrderedDict, a torch.Size, a dtype, a device, a set, a complex, a
+    defaultdict, written as a dict) is saved and loads (the tensor-by-tensor gather's first
+    versions refused the first two, then the next four, then the defaultdict)."""
     import collections
     linear = type(model.unwrap().lin)
     linear.get_extra_state = lambda self: {"note": "v1", "config": _Config()}
@@ -381,9 +381,10 @@ def _extra_states(booster, model, tmp, out, kind):
         del linear.get_extra_state
     out[kind + " extra state wrote nothing"] = not os.path.exists(path)
     got, path = [], f"{tmp}/{kind}_extra_ok.pt"
+    counts = collections.defaultdict(int, docs=3)  # (written as a plain dict)
     linear.get_extra_state = lambda self: collections.OrderedDict(
         scale=torch.full((2,), 3.0), shape=torch.Size([4, 4]), dtype=torch.bfloat16,
-        device=torch.device("cpu"), tags={"a"}, z=1 + 2j)
+        device=torch.device("cpu"), tags={"a"}, z=1 + 2j, counts=counts)
     linear.set_extra_state = lambda self, state: got.append(state)
     try:
         out[kind + " extra state save"] = error_text(lambda: booster.save_model(model, path))
@@ -392,7 +393,7 @@ def _extra_states(booster, model, tmp, out, kind):
         del linear.get_extra_state, linear.set_extra_state
     out[kind + " extra state loaded"] = [
         (s["scale"].tolist(), s["shape"], s["dtype"], s["device"], s["tags"],
-         s["z"]) for s in got]
+         s["z"], s["counts"]) for s in got]
 
 
 def _worker_fails_inside(tmp):
@@ -508,7 +509,7 @@ def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_r
             text = r[kind + " extra state"]
             if rank == 0:
                 assert text.startswith("TypeError: save_model: rank 0: saving the checkpoint"), text
-                assert ("TypeError: save_model: the state entry 'lin._extra_state' (dict) cannot "
+                assert (" failed: TypeError: the state entry 'lin._extra_state' (dict) cannot "
                         "be read back by torch.load(weights_only=True), which the loads read "
                         "with (it holds a test_checkpoint_failures._Config)") in text, text
             else:
@@ -518,7 +519,7 @@ def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_r
             assert r[kind + " extra state save"] == r[kind + " extra state load"] == "no error", r
             assert r[kind + " extra state loaded"] == [
                 ([3.0, 3.0], torch.Size([4, 4]), torch.bfloat16,
-                 torch.device("cpu"), {"a"}, 1 + 2j)], r
+                 torch.device("cpu"), {"a"}, 1 + 2j, {"docs": 3})], r
         for key in ("save_model", "save_optimizer", "load_model", "load_optimizer"):
             if rank == 1:
                 assert r[key].startswith("MemoryError") and "simulated" in r[key], r[key]

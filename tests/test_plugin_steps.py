@@ -194,6 +194,24 @@ def _worker_steps_w2(tmp):
                      opt_a)
     out["halved once"] = float(opt_a.scaler.get_scale())
     out["one loss"] = _sgd_error(opt_b, b, lambda: (opt_a.step(), opt_b.step()))
+    # ... and A's clip raising on its overflow (error_if_nonfinite) leaves B's step at the
+    # scale B's gradients were scaled with, B clipping after it or before it (before, with
+    # the first fix: the scale halved at the raise, B's update 2x, or 1/32768 of, the true)
+    for case in ("B clips after A raised", "B clipped before A raised"):
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        hook = a.unwrap().model.layers[0].mlp.up_proj.weight.register_hook(
+            lambda g: g * math.inf)
+        booster.backward(crit(a(**batches[2]), batches[2]), opt_a)
+        hook.remove()
+        booster.backward(crit(b(**batches[2]), batches[2]), opt_b)
+        if case == "B clipped before A raised":
+            opt_b.clip_grad_by_norm(1e9)
+        out[case + ": A"] = _error(lambda: opt_a.clip_grad_by_norm(1.0, error_if_nonfinite=True))
+        opt_a.zero_grad()
+        if case == "B clips after A raised":
+            opt_b.clip_grad_by_norm(1e9)
+        out[case] = _sgd_error(opt_b, b, opt_b.step, clipped=True)
 
     # fp16: clip, a refused step, gradients cleared through the model, a new backward, a
     # second clip (as fp32 allows), the step
@@ -290,11 +308,13 @@ def _worker_steps_w2(tmp):
     weight = model.unwrap().model.layers[0].mlp.up_proj.weight
     hook = weight.register_hook(lambda g: g * math.inf)
     scales = []
-    for i in range(2):
+    for i in range(3):
         booster.backward(crit(model(**batches[3]), batches[3]), opt)
         scales.append(float(opt.scaler.get_scale()))
         out[f"overflow clip {i}"] = _error(
             lambda: opt.clip_grad_by_norm(1.0, error_if_nonfinite=True))
+        if i == 2:  # a step all the same skips itself, and the scale comes down once
+            out["step after the raise"] = _error(opt.step)
         opt.zero_grad()
     hook.remove()
     booster.backward(crit(model(**batches[3]), batches[3]), opt)
@@ -417,7 +437,8 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
         assert r["summed twice"].startswith("ValueError: OptimizerWrapper.step: 2 backward")
         assert r["empty step"] is None, r
         for case in ("two optimizers", "one loss", "after model.zero_grad",
-                     "in place after a clip", "after an empty step", "after the overflows"):
+                     "in place after a clip", "after an empty step", "after the overflows",
+                     "B clips after A raised", "B clipped before A raised"):
             err, largest = r[case]
             # (one float32 rounding of the weight; before: 2x, and 65536x, the update)
             assert largest > 0 and err <= 1e-2 * largest, (case, err, largest)
@@ -447,13 +468,16 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
             "ValueError: OptimizerWrapper.step: precision='fp16', and the gradients are not the "
             "tensors booster.backward left (replaced since, as by p.grad = p.grad.clamp(...) "
             "after a clip"), r["replaced after a clip"]
-        first, second, after = r["overflow scales"]
-        assert second == first / 2 and after == first / 4, r["overflow scales"]
-        for i, scale in enumerate((first, second)):
+        scales = r["overflow scales"]
+        assert scales == [scales[0] / 2 ** i for i in range(4)], scales
+        assert r["step after the raise"] is None, r["step after the raise"]
+        for case in ("B clips after A raised", "B clipped before A raised"):
+            assert r[case + ": A"].startswith("RuntimeError: clip_grad_by_norm: the total norm"), r
+        for i, scale in enumerate(scales[:3]):
             assert r[f"overflow clip {i}"] == (
                 f"RuntimeError: clip_grad_by_norm: the total norm of order 2.0 of the gradients "
                 f"is nan, so they cannot be clipped: with precision='fp16' the loss scale "
-                f"{scale:g} overflowed them (or the loss is not finite); the grad scaler lowered "
+                f"{scale:g} overflowed them (or the loss is not finite); the grad scaler lowers "
                 f"it to {scale / 2:g} for the next backward. Skip this step "
                 f"(optimizer.zero_grad()), or pass error_if_nonfinite=False: the step then "
                 f"skips itself"), r[f"overflow clip {i}"]

@@ -653,8 +653,10 @@ def test_double_ring_carries_k_v_only_as_far_as_a_lap_needs(mask, outer):
 
 def _counted_across_threads():
     """Bytes and calls counted for a ring call whose backward runs on the calling thread, then
-    on another thread (as autograd's device thread runs it on a GPU); and for Ulysses calls of
-    an empty batch (nothing moves) and of one sequence."""
+    on a thread Python's threading did not start (as autograd's device thread runs it on a
+    GPU); for a whole call on a thread of threading's, on a group of its own; and for Ulysses
+    calls of an empty batch (nothing moves) and of one sequence."""
+    import _thread
     import threading
 
     import ringseq
@@ -662,17 +664,40 @@ def _counted_across_threads():
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (ringseq.shard(torch.randn(1, 32, 2, 8, generator=g), "zigzag")
                      for _ in range(4))  # (1, 16, 2, 8)
+    own_group = dist.new_group([0, 1])
+
+    def raw_thread(fn, *args):  # (a thread threading did not start, joined)
+        done = _thread.allocate_lock()
+        done.acquire()
+
+        def run():
+            try:
+                fn(*args)
+            finally:
+                done.release()
+        _thread.start_new_thread(run, ())
+        done.acquire()
+
+    def whole_call():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ringseq.ring_flash_attn_func(*leaves, causal=True, layout="zigzag",
+                                     group=own_group).backward(dout)
+
     got = {}
-    for where in ("calling thread", "other thread"):
+    for where in ("calling thread", "other thread", "thread of its own"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         with commstats.count_bytes() as c:
+            if where == "thread of its own":
+                worker = threading.Thread(target=whole_call, name="own")
+                worker.start()
+                worker.join()
+                got[where] = (dict(c.bytes), dict(c.calls))
+                continue
             out = ringseq.ring_flash_attn_func(*leaves, causal=True, layout="zigzag")
             if where == "calling thread":
                 out.backward(dout)
             else:
-                worker = threading.Thread(target=out.backward, args=(dout,))
-                worker.start()
-                worker.join()
+                raw_thread(out.backward, dout)
         got[where] = (dict(c.bytes), dict(c.calls))
     for b in (0, 1):
         x = torch.randn(b, 8, 4, 8, generator=g, requires_grad=True)  # (b, 8, 4, 8)
@@ -689,6 +714,7 @@ def test_counters_count_a_backward_on_any_thread_and_no_all_to_all_that_moves_no
     for got in run_ranks(_counted_across_threads, 2, timeout=120):
         same, other = got["calling thread"], got["other thread"]
         assert same == other and same[1]["ring"] > 1, got
+        assert got["thread of its own"] == ({}, {}), got
         assert got["ulysses b=0"] == ({}, {}), got
         # (q, k and v over, out back; in the backward dout over, dq, dk and dv back)
         assert got["ulysses b=1"][1] == {"all_to_all": 4}, got

@@ -2,9 +2,11 @@
 
 Sequence-parallel attention moves data in two ways: ring exchanges (the engine records each
 one under its plan's label: ``"ring"``, or ``"ring_inner"`` / ``"ring_outer"`` in a double ring)
-and all-to-alls (:mod:`ringseq.parallel.ulysses`). Both report to the counters that are
-active in this process (this rank), from any of its threads: on a GPU, autograd runs the
-backward on a worker thread of its own, whose bytes count in the block as its forward's do::
+and all-to-alls (:mod:`ringseq.parallel.ulysses`). Both report to the counters the calling
+thread opened and, from a thread Python's ``threading`` did not start, to every counter open
+in the process: on a GPU, autograd runs the backward on a device thread of its own, whose
+bytes so count in the block as the forward's do. Threads started through ``threading`` (each
+running rings on a process group of its own, say) count their own bytes only::
 
     import ringseq
     from ringseq import commstats
@@ -17,11 +19,11 @@ backward on a worker thread of its own, whose bytes count in the block as its fo
 Counted is what leaves the rank: every byte of a ring exchange's send buffer, and the
 ``(U - 1) / U`` of an all-to-all's send buffer that goes to the other ``U - 1`` ranks (the chunk a
 rank keeps for itself is not sent); a ring exchange's buffer holds its 64-byte header and pads
-each segment to 64 bytes. Not counted: the cross-rank consistency checks, two control
-all-gathers of 31 int64 per rank at the begin and end of every ring call's forward and
-backward (a hybrid or double ring makes one ring call per ring it runs: 4 and 8 pairs a pass
-at 2 x 2; none with the checks off). Counting costs a few Python operations per exchange.
-Threads of one process that count at once each count the others' bytes too.
+each segment but the last it sends to 64 bytes. Not counted: the cross-rank consistency
+checks, two control all-gathers of 31 int64 per rank at the begin and end of every ring
+call's forward and backward (a hybrid or double ring makes one ring call per ring it runs: 4
+and 8 pairs a pass at 2 x 2; none with the checks off). Counting costs a few Python
+operations per exchange.
 """
 from __future__ import annotations
 
@@ -33,9 +35,9 @@ from typing import Dict, Iterator, List
 
 __all__ = ["CommCounter", "count_bytes", "record"]
 
-# The counters open in this process; read without the lock on the hot path (a list's
-# truthiness is atomic), changed and added to under it.
-_ACTIVE: List["CommCounter"] = []
+# The counters open in this process by the thread that opened them; read without the lock on
+# the hot path (a dict's truthiness is atomic), changed and added to under it.
+_ACTIVE: Dict[int, List["CommCounter"]] = {}
 _LOCK = threading.Lock()
 
 
@@ -64,20 +66,24 @@ class CommCounter:
 
 @contextmanager
 def count_bytes() -> Iterator[CommCounter]:
-    """Counts the bytes this rank sends inside the block, from any thread (nested blocks
-    each count)."""
-    counter = CommCounter()
+    """Counts the bytes this rank sends inside the block from this thread and from threads
+    Python's ``threading`` did not start (autograd's device threads; nested blocks each
+    count)."""
+    counter, me = CommCounter(), threading.get_ident()
     with _LOCK:
-        _ACTIVE.append(counter)
+        _ACTIVE.setdefault(me, []).append(counter)
     try:
         yield counter
     finally:
         with _LOCK:
-            _ACTIVE.remove(counter)
+            _ACTIVE[me].remove(counter)
+            if not _ACTIVE[me]:
+                del _ACTIVE[me]
 
 
 def record(kind: str, nbytes: int) -> None:
-    """Adds ``nbytes`` sent as ``kind`` to every active counter (nothing when none is).
+    """Adds ``nbytes`` sent as ``kind`` to the counters the calling thread opened (every open
+    one, from a thread Python's ``threading`` did not start; nothing when none is).
 
     Raises:
         TypeError: ``kind`` is no str, or ``nbytes`` no int.
@@ -92,6 +98,9 @@ def record(kind: str, nbytes: int) -> None:
         raise ValueError(f"{fn}: kind must be non-empty and nbytes >= 0, got kind={kind!r}, "
                          f"nbytes={nbytes!r}")
     if _ACTIVE:
+        # (threading sees a thread it did not start as a dummy one: autograd's device threads)
+        foreign = isinstance(threading.current_thread(), threading._DummyThread)
         with _LOCK:
-            for c in _ACTIVE:
+            for c in ([c for cs in _ACTIVE.values() for c in cs] if foreign else
+                      _ACTIVE.get(threading.get_ident(), ())):
                 c.add(kind, nbytes)

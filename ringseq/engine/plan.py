@@ -17,6 +17,7 @@ import torch
 from ..kernels.spans import as_spans_tensor
 from .integrity import operation_field
 from ..layouts import BlockTask, Layout, layout_field, span_keys
+from ..layouts.base import values_key
 from ..spec import AttnSpec, check_user_layout
 
 __all__ = ["PlannedTask", "RingPlan", "make_plan"]
@@ -148,14 +149,14 @@ def make_plan(spec: AttnSpec, layout: Layout, world_size: int, rank: int,
     layout, whose schedule it takes (:func:`ringseq.spec.check_user_layout`: ValueError or
     NotImplementedError naming ``spec.fn``): here, where every ring call plans at run time,
     also under torch.compile, whose trace of the checks broke the graph."""
-    # (keyed by the layout's code too: a user's layout edited after a call is planned, and
-    # compared across ranks, by its new values; its object alone hashes by identity)
-    return _make_plan(spec, layout, layout.code, world_size, rank, tuple(q_shape), nheads_kv,
-                      dtype, comm_kind)
+    # (keyed by a user's layout's values too: one edited after a call is planned, and compared
+    # across ranks, by its new values; its object alone hashes by identity)
+    return _make_plan(spec, layout, values_key(layout), world_size, rank, tuple(q_shape),
+                      nheads_kv, dtype, comm_kind)
 
 
 @functools.lru_cache(maxsize=128)
-def _make_plan(spec, layout, layout_code, world_size, rank, q_shape, nheads_kv, dtype,
+def _make_plan(spec, layout, layout_values, world_size, rank, q_shape, nheads_kv, dtype,
                comm_kind):
     b, s, h, d = q_shape
     check_user_layout(spec, layout, world_size, s)  # (cached with the plan)

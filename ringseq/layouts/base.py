@@ -73,12 +73,11 @@ SCHEDULE_CACHE_ENTRIES = 256
 
 def layout_cached(obj, key, compute):
     """``compute()`` cached under ``key`` on ``obj`` (a layout), least recently used entries
-    dropped past :data:`SCHEDULE_CACHE_ENTRIES`. A user's layout is cached under its
-    parameters too (:attr:`Layout.code` and their text): one edited after a call, or a
-    ``copy.copy`` of it (which shares the cache) edited, gets the schedules of its new values
-    (before: those of its first call's, and a wrong output without a word)."""
-    if not _built_in(type(obj)):
-        key = (obj.code, _parameters_text(obj), key)
+    dropped past :data:`SCHEDULE_CACHE_ENTRIES`. A user's layout is cached under its values
+    too (:func:`values_key`)."""
+    values = values_key(obj)
+    if values is not None:
+        key = (values, key)
     cache = obj.__dict__.get("_schedules")
     if cache is None:
         cache = obj.__dict__.setdefault("_schedules", OrderedDict())
@@ -95,6 +94,22 @@ def layout_cached(obj, key, compute):
     return value
 
 
+def values_key(layout) -> Optional[tuple]:
+    """What a user's layout is cached under beside the object (schedules, plans): its
+    parameters' text and, where it overrides :attr:`Layout.code`, its code. One edited after a
+    call, or a ``copy.copy`` of it (which shares the instance's cache) edited, so gets the
+    schedules of its new values (before: those of its first call's, and a wrong output without
+    a word). None for a built-in layout, whose values never change (nothing to compute on the
+    hot path: a documents layout's code hashes all its boundaries)."""
+    cls = type(layout)
+    if _built_in(cls):
+        return None
+    return (_parameters_text(layout), None if cls.code is Layout.code else layout.code)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
 def _scalar_text(value, depth: int = 0) -> Optional[str]:
     """``value`` as text that is the same on every rank for equal values when it is a number,
     a string, a bool, None, or a tuple / list of them (nested at most 4 deep); None for
@@ -102,6 +117,8 @@ def _scalar_text(value, depth: int = 0) -> Optional[str]:
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)
     if isinstance(value, (tuple, list)) and depth < 4:
+        if all(type(v) in _PLAIN for v in value):  # (a long flat list: one join, not a call
+            return "(" + ", ".join(map(repr, value)) + ")"  # per entry)
         parts = [_scalar_text(v, depth + 1) for v in value]
         return None if None in parts else "(" + ", ".join(parts) + ")"
     return None

@@ -39,7 +39,7 @@ class _DocumentLayout(Layout):
         return self._class_code()  # (not its attributes: its boundaries are compared apart)
 
     def _positions(self, seqlen, world_size, rank):
-        runs = self.runs(seqlen, world_size, rank)
+        runs = self._runs(seqlen, world_size, rank)  # (positions checked the arguments)
         if not runs:
             return torch.zeros(0, dtype=torch.int64)
         return torch.cat([torch.arange(r.start, r.start + r.length) for r in runs])

@@ -47,7 +47,7 @@ from ..engine.ring import Ring, get_ring, meet_as_failed, refuse_on_error
 from ..kernels import AttentionBackend, compute_delta
 from ..kernels.merge import merge_into
 from ..layouts import AttnMask, Layout, layout_field, masked_tasks
-from ..layouts.base import layout_cached
+from ..layouts.base import layout_cached, values_key
 from ..spec import AttnSpec, check_user_layout
 
 __all__ = ["DoubleRingPlacement", "InnerLap"]
@@ -140,9 +140,17 @@ class InnerLap(AttentionBackend):
         dv_accum.add_(dv)
 
 
+def _outer_plan(spec: AttnSpec, layout: Layout, outer: Ring, inner: Ring,
+                q_shape: Tuple[int, ...], nheads_kv: int, dtype: torch.dtype) -> RingPlan:
+    """The outer ring's (cached) plan; a user's layout keyed by its values too (as
+    :func:`ringseq.engine.plan.make_plan`: before, one edited after a call ran its old laps)."""
+    return _cached_outer_plan(spec, layout, values_key(layout), outer, inner, q_shape,
+                              nheads_kv, dtype)
+
+
 @functools.lru_cache(maxsize=32)
-def _outer_plan(spec: AttnSpec, layout: Layout, outer: Ring, inner: Ring, q_shape: Tuple[int, ...],
-                nheads_kv: int, dtype: torch.dtype) -> RingPlan:
+def _cached_outer_plan(spec: AttnSpec, layout: Layout, layout_values, outer: Ring, inner: Ring,
+                       q_shape: Tuple[int, ...], nheads_kv: int, dtype: torch.dtype) -> RingPlan:
     I, O = inner.world_size, outer.world_size
     R, s = I * O, q_shape[1]
     rows = slice(0, s)

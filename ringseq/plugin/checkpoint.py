@@ -131,29 +131,31 @@ def _save_state_of(owner, path: str) -> None:
 
 
 def refuse_unloadable(state: dict) -> None:
-    """TypeError naming the call and the entry of the state dict ``state`` whose value (not a
-    tensor) ``torch.load(weights_only=True)``, what every load here reads with, cannot read
-    back: a module's extra state holding an object of a class of its own, an IntEnum, a slice.
-    Tried by a round trip through memory, so exactly what the loads accept passes (dtypes,
-    devices, sets, OrderedDicts, classes registered with
-    ``torch.serialization.add_safe_globals``). Run by the writing rank inside its write."""
+    """TypeError naming the entry of the state dict ``state`` whose value (not a tensor), as
+    :func:`_write` writes it, ``torch.load(weights_only=True)`` (what every load here reads
+    with) cannot read back: a module's extra state or a scheduler's lambda holding an object
+    of a class of its own, an IntEnum, a slice. Tried by a round trip through memory, so
+    exactly what the loads accept passes (dtypes, devices, sets, dict subclasses, which the
+    write makes plain dicts, classes registered with
+    ``torch.serialization.add_safe_globals``). Run by the writing rank inside its write, whose
+    error names the call (:func:`on_writer`)."""
     for key, value in state.items():
         if torch.is_tensor(value):
             continue
         buffer = io.BytesIO()
         try:
-            torch.save(value, buffer)
+            torch.save(_to_cpu(value), buffer)
             buffer.seek(0)
-            torch.load(buffer, weights_only=True)
+            torch.load(buffer, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - re-raised as the TypeError below
             found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
             reason = f"it holds a {found.group(1)}" if found else f"{type(exc).__name__}: {exc}"
             raise TypeError(
-                f"{current_call()}: the state entry {key!r} ({type(value).__name__}) "
-                f"cannot be read back by torch.load(weights_only=True), which the loads "
-                f"read with ({reason}): keep a module's extra state to tensors, Python's "
-                f"numbers and strings, dtypes, devices and containers of them, or register "
-                f"its classes with torch.serialization.add_safe_globals") from exc
+                f"the state entry {key!r} ({type(value).__name__}) cannot be read back by "
+                f"torch.load(weights_only=True), which the loads read with ({reason}): keep "
+                f"it to tensors, Python's numbers and strings, dtypes, devices and "
+                f"containers of them (a module's extra state: what get_extra_state returns), "
+                f"or register its classes with torch.serialization.add_safe_globals") from exc
 
 
 def wrong_kind(path: str, directory: bool):
@@ -466,6 +468,7 @@ def scaler_state(optimizer):
     copy._lazy_init_scale_growth_tracker(scaler._scale.device)  # (a step ran: it has one)
     copy._per_optimizer_states = scaler._per_optimizer_states  # (read by the update only)
     copy._ringseq_update_due = True
+    copy._ringseq_overflow = getattr(scaler, "_ringseq_overflow", False)
     settle_scaler(copy)
     return copy.state_dict()
 
@@ -531,7 +534,7 @@ def _with_scaler_state(optimizer, scaler_file: str, read_optimizer):
             scaler.load_state_dict(scaler_state)
             # (the loaded scale is settled: no update of the steps before the load is due,
             # and no optimizer's step or unscale of them is recorded)
-            scaler._ringseq_update_due = False
+            scaler._ringseq_update_due = scaler._ringseq_overflow = False
             scaler._per_optimizer_states.clear()
 
     return read, apply_scaler

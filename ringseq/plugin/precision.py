@@ -72,13 +72,29 @@ def update_due(scaler) -> None:
     scaler._ringseq_update_due = True
 
 
+def overflowed(scaler) -> None:
+    """An overflow no step will record (``clip_grad_by_norm(error_if_nonfinite=True)`` raised
+    on it): the update due before the next loss backs off once for it. (Not now: the other
+    optimizers of the iteration still hold gradients of the current scale.)"""
+    scaler._ringseq_overflow = True
+    update_due(scaler)
+
+
 def settle_scaler(scaler) -> None:
     """Runs the update the steps since the last one left due (once, however many optimizers
     stepped): the scale for the next loss, or for a checkpoint, reflects every overflow of
-    the iteration. Nothing where no step recorded its inf checks since (GradScaler asserts
-    on an update without them)."""
+    the iteration, one a clip raised on (:func:`overflowed`) included. Nothing where no step
+    recorded its inf checks and no clip an overflow (GradScaler asserts on an update without
+    them)."""
     if scaler is None or not getattr(scaler, "_ringseq_update_due", False):
         return
     scaler._ringseq_update_due = False
-    if any(state.get("found_inf_per_device") for state in scaler._per_optimizer_states.values()):
-        scaler.update()
+    overflow, scaler._ringseq_overflow = getattr(scaler, "_ringseq_overflow", False), False
+    found = [inf for state in scaler._per_optimizer_states.values()
+             for inf in state.get("found_inf_per_device", {}).values()]
+    if found and (not overflow or any(bool(inf) for inf in found)):
+        scaler.update()  # (an overflow a step recorded as well backs off once)
+    elif overflow:
+        # GradScaler's own backoff for an inf, which no step recorded here
+        scaler.update(new_scale=float(scaler.get_scale()) * scaler.get_backoff_factor())
+        scaler._growth_tracker.fill_(0)

@@ -25,7 +25,7 @@ from ..loss import RING_REPORT_WAITS, report_own_failure, sharded_cross_entropy
 from ..spec import float_field
 from .dataloader import INPUTS_EMBEDS_UNDER_TP
 from .grad_norm import local_norm_share, scale_, total_norm
-from .precision import settle_scaler, update_due
+from .precision import overflowed, settle_scaler, update_due
 
 __all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads",
            "SequenceParallelLoss", "StepTag"]
@@ -974,18 +974,17 @@ class OptimizerWrapper:
             text = (f"clip_grad_by_norm: the total norm of order {norm_type} of the gradients "
                     f"is {total}, so they cannot be clipped")
             if self.scaler is not None:
-                # An overflow of the loss scale (or a NaN loss): the scaler's update is due
-                # now, since no step records it (before: the scale never came down, and every
-                # iteration after raised the same)
+                # An overflow of the loss scale (or a NaN loss), which no step records: the
+                # update before the next loss backs off for it (before: the scale never came
+                # down, and every iteration after raised the same)
                 scale = float(self.scaler.get_scale())
-                update_due(self.scaler)
-                settle_scaler(self.scaler)
+                overflowed(self.scaler)
                 raise RuntimeError(
                     f"{text}: with precision='fp16' the loss scale {scale:g} overflowed them "
-                    f"(or the loss is not finite); the grad scaler lowered it to "
-                    f"{float(self.scaler.get_scale()):g} for the next backward. Skip this step "
-                    f"(optimizer.zero_grad()), or pass error_if_nonfinite=False: the step then "
-                    f"skips itself")
+                    f"(or the loss is not finite); the grad scaler lowers it to "
+                    f"{scale * self.scaler.get_backoff_factor():g} for the next backward. Skip "
+                    f"this step (optimizer.zero_grad()), or pass error_if_nonfinite=False: the "
+                    f"step then skips itself")
             raise RuntimeError(f"{text} (pass error_if_nonfinite=False to clip anyway)")
         # As torch's clip: the norm in the gradients' promoted dtype, the factor
         # max_norm / (norm + 1e-6) at most 1 in it (a NaN norm makes every gradient NaN, so

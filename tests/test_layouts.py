@@ -357,6 +357,36 @@ def test_a_layout_edited_after_a_call_is_planned_and_compared_by_its_new_values(
             "rank 1: rotated_causal_test@custom_layout.RotatedCausal(k=0))") in text, text
 
 
+def _edited_in_a_double_ring():
+    """:func:`_edited_after_a_call` through usp_attn_func's double ring (2 inner rings of 2)."""
+    import torch.distributed as dist
+    from custom_layout import RotatedCausal
+    from utils import error_text
+    sp = ringseq.make_sp_groups(1, 2)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    want = ringseq.flash_attn_func(q, k, v, causal=True, backend="reference")
+    lay, errors = RotatedCausal(0), []
+
+    def call():
+        return ringseq.usp_attn_func(*(sp.shard(t, lay) for t in (q, k, v)), causal=True,
+                                     sp=sp, layout=lay)
+    for shift in (0, 1):
+        lay.k = shift
+        errors.append(float((call() - sp.shard(want, lay)).abs().max()))
+    if dist.get_rank() == 1:
+        lay.k = 0
+    return errors, error_text(call)
+
+
+def test_a_layout_edited_after_a_double_ring_call_is_planned_by_its_new_values():
+    """(before: the outer ring's plan, cached by the layout object, kept its first laps: 2.18
+    off, and a rank edited alone paired)"""
+    for errors, text in run_ranks(_edited_in_a_double_ring, 4, timeout=120):
+        assert max(errors) < 1e-12, errors
+        assert text.startswith("RingMismatchError") and "RotatedCausal(k=0)" in text, text
+
+
 def test_a_copy_of_a_used_layout_edited_gets_its_own_schedule():
     """``copy.copy`` shares the instance's schedule cache (before: the copy edited to k=1 ran
     the schedule of k=0, 2.41 off); so do three world sizes in one process."""

@@ -909,7 +909,8 @@ class OptimizerWrapper:
         Raises ValueError on every rank for a ``max_norm`` that is not a finite number >= 0 (a
         negative one reversed the gradients, NaN made every parameter NaN) or a
         ``norm_type`` that is not > 0 (inf included) on any rank, under fp16 for gradients no
-        loss scaled through ``booster.backward`` since the last step or ``zero_grad``, for
+        loss scaled through ``booster.backward`` since the last step or the optimizer's or the
+        model's ``zero_grad``, or that replaced those it left (not changed in place), for
         gradients not summed over the ranks yet (inside gradient accumulation: backward passes inside
         ``booster.no_sync`` and none after them; their norm is not the step's), and
         :class:`ringseq.RingMismatchError` for ranks that pass other ``max_norm``,
@@ -920,7 +921,9 @@ class OptimizerWrapper:
         A rank that fails computing its share (out of memory, say) raises its error, and the
         others :class:`ringseq.RingPeerError` naming it, before any gradient is clipped (the
         ranks agree on the control channel before the all-reduce, which they would otherwise
-        wait in). ``error_if_nonfinite``: RuntimeError on every rank for an inf / NaN norm."""
+        wait in). ``error_if_nonfinite``: RuntimeError on every rank for an inf / NaN norm;
+        under fp16 (an overflow of the loss scale) the scaler backs off once for it at its next
+        update, before the next backward (no step records it)."""
         grads, failure, fields = [], None, []
         for name, value, ok, want in (
                 ("max_norm", max_norm, lambda x: 0.0 <= x < math.inf, "a finite number >= 0"),

@@ -23,13 +23,13 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from ._args import check_alibi_slopes, check_bool, check_softmax_scale, parse_window
+from ._args import as_int, check_alibi_slopes, check_bool, check_softmax_scale, parse_window
 from ._dist import RingPeerError, RingTimeoutError, group_info, named_for
 from ._hash import ints_field
 from .engine.integrity import FWD, operation_field
 from .engine.ring import get_ring
-from .kernels.checks import (FLOAT_DTYPES, accum_dtype, check_tensor_of_rank, refuse_dtensors,
-                             resolve_scale)
+from .kernels.checks import (FLOAT_DTYPES, accum_dtype, check_tensor_of_rank, given,
+                             refuse_dtensors, resolve_scale)
 from .kernels.spans import check_softcap
 from .kernels.extension import ExtensionBackend, extension_available
 from .layouts import Layout, layout_field
@@ -398,7 +398,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         NotImplementedError: ``block_table`` or ``alibi_slopes`` given.
     """
     fn = _FN
-    softmax_scale, window, softcap = _check_options(
+    softmax_scale, window, softcap, num_splits = _check_options(
         fn, softmax_scale, causal, rotary_interleaved, return_softmax_lse, window_size, softcap,
         alibi_slopes, num_splits)
     if block_table is not None:
@@ -638,7 +638,8 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
 
 def _check_options(fn, softmax_scale, causal, rotary_interleaved, return_softmax_lse,
                    window_size, softcap, alibi_slopes, num_splits):
-    """The scalar options of both decoding functions; returns (softmax_scale, window, softcap)."""
+    """The scalar options of both decoding functions; returns (softmax_scale, window, softcap,
+    num_splits as an int)."""
     softmax_scale = check_softmax_scale(fn, softmax_scale)
     check_bool(fn, "causal", causal)
     check_bool(fn, "rotary_interleaved", rotary_interleaved)
@@ -646,10 +647,17 @@ def _check_options(fn, softmax_scale, causal, rotary_interleaved, return_softmax
     window = parse_window(fn, window_size)
     softcap = check_softcap(softcap, fn)
     check_alibi_slopes(fn, alibi_slopes)
-    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
-        raise ValueError(f"{fn}: num_splits must be an int >= 0 (0: chosen from the shape), got "
-                         f"{num_splits!r}")
-    return softmax_scale, window, softcap
+    # (an int of any kind, as the other counts; bounded: before, 2**63 failed inside the
+    # operator after the new keys were written, or, in the ring, in packing the call's
+    # signature on that rank alone, its peers waiting for the ring timeout)
+    splits = as_int(num_splits)
+    if splits is None:
+        raise TypeError(f"{fn}: num_splits must be an int (0: chosen from the shape), got "
+                        f"{given(num_splits)}")
+    if not 0 <= splits < 2 ** 31:
+        raise ValueError(f"{fn}: num_splits must be an int in [0, 2**31) (0: chosen from the "
+                         f"shape), got {splits}")
+    return softmax_scale, window, softcap, splits
 
 
 def _check_new_kv(fn, q, k, v, h_kv):
@@ -677,7 +685,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
                rotary_interleaved, cache_leftpad, alibi_slopes, num_splits, return_softmax_lse,
                prefill_len):
     """Checks a ring decoding call on this rank; returns what _ring_decode needs."""
-    softmax_scale, window, softcap = _check_options(
+    softmax_scale, window, softcap, num_splits = _check_options(
         fn, softmax_scale, causal, rotary_interleaved, return_softmax_lse, window_size, softcap,
         alibi_slopes, num_splits)
     # (resolved and checked as the other layout-taking entry points do: before, a user's
@@ -687,11 +695,14 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         multiple = lay._checked_multiple(world)
     except ValueError as exc:
         raise named_for(fn, exc) from None
-    if not isinstance(prefill_len, numbers.Integral) or isinstance(prefill_len, bool) \
-            or prefill_len < 0 or (prefill_len and prefill_len % multiple):
-        raise ValueError(f"{fn}: prefill_len must be 0 or a positive multiple of "
-                         f"{multiple} (layout {lay.name!r} over {world} ranks), got "
-                         f"{prefill_len!r}")
+    rule = (f"0 or a positive multiple of {multiple} (layout {lay.name!r} over {world} "
+            f"ranks)")
+    length = as_int(prefill_len)
+    if length is None:
+        raise TypeError(f"{fn}: prefill_len must be an int, {rule}, got {given(prefill_len)}")
+    if length < 0 or length % multiple:
+        raise ValueError(f"{fn}: prefill_len must be {rule}, got {length}")
+    prefill_len = length
     refuse_dtensors(fn, (("q", q), ("k_cache_shard", k_cache_shard),
                          ("v_cache_shard", v_cache_shard), ("k", k), ("v", v)))
     cap, h_kv = _check_q_and_caches(fn, q, k_cache_shard, v_cache_shard,

@@ -31,7 +31,7 @@ from ._hash import ints_field
 from .kernels import AttentionBackend, backend_by_key, backend_key, check_qkv, get_backend
 from .kernels.checks import FLASH_FORM, InputForm
 from .kernels.checks import count_check, resolve_scale
-from .kernels.spans import as_spans_tensor, check_softcap, document_spans
+from .kernels.spans import UNBOUNDED, as_spans_tensor, check_softcap, document_spans
 from .masks import AttnMask
 
 __all__ = ["AttnSpec", "attn_spec", "bound_layout", "check_grad_comm_dtype", "check_layout",
@@ -286,8 +286,8 @@ def local_spans(spec: AttnSpec, seqlen_q: int, seqlen_k: int, cu_seqlens_q=None,
     window = spec.window
     if window_clamp is not None:
         window = tuple(-1 if w >= window_clamp else w for w in window)
-        if window[0] >= 0 and window[1] < 0:  # (flash-attn's set_params_fprop)
-            window = (window[0], window_clamp)
+        if window[0] >= 0 and window[1] < 0:  # (flash-attn's set_params_fprop; no wider than
+            window = (window[0], min(window_clamp, UNBOUNDED))  # int64 spans hold)
     rows = [sp for sp in document_spans(cu_seqlens_q, cu_seqlens_k, spec.causal, window)
             if sp[1] > 0 and sp[3] > 0]  # empty documents give nothing: out 0, lse -inf
     spans = as_spans_tensor(rows) if rows else torch.zeros((0, 6), dtype=torch.int64)
@@ -350,23 +350,28 @@ def documents_name(cu_seqlens) -> str:
 
 
 def check_global_documents(spec: AttnSpec, world_size: int, s_local: int,
-                           documents_name: str = "cu_seqlens") -> None:
+                           documents_name: str = "cu_seqlens", layouts: bool = True) -> None:
     """The call's documents (``documents_name``: where the caller gave them) end at the
     global length, ``s_local`` tokens on each of ``world_size`` ranks; ValueError naming
     ``spec.fn`` (and the per-rank boundaries ring-flash-attention passes, when they look like
-    them)."""
+    them; ``layouts``: the call places tokens by a layout, whose documents forms the message
+    names)."""
     total = s_local * world_size
-    if spec.documents is not None and spec.documents[-1] != total:
-        raise ValueError(
-            f"{spec.fn}: {documents_name} must be the GLOBAL document boundaries of the whole "
-            f"packed sequence (the same on every rank, ending at the global length {total} = "
-            f"local length {s_local} x world size {world_size}), got boundaries ending at "
-            f"{spec.documents[-1]}" + (" (per-rank boundaries, as ring-flash-attention passes "
-                                       "them? Its shards, each document cut into W pieces, "
-                                       "are layout='documents_contiguous' (zigzag_ring_...: "
-                                       "'documents_zigzag'); the default 'documents' places "
-                                       "other tokens on each rank)"
-                                       if spec.documents[-1] == s_local else ""))
+    if spec.documents is None or spec.documents[-1] == total:
+        return
+    hint = ""
+    if spec.documents[-1] == s_local:
+        hint = (" (per-rank boundaries, as ring-flash-attention passes them? Its shards, each "
+                "document cut into W pieces, are layout='documents_contiguous' "
+                "(zigzag_ring_...: 'documents_zigzag'); the default 'documents' places other "
+                "tokens on each rank)" if layouts else
+                " (per-rank boundaries, as ring-flash-attention passes them? Pass those of the "
+                "whole sequence, whose contiguous shards the ranks hold)")
+    raise ValueError(
+        f"{spec.fn}: {documents_name} must be the GLOBAL document boundaries of the whole "
+        f"packed sequence (the same on every rank, ending at the global length {total} = "
+        f"local length {s_local} x world size {world_size}), got boundaries ending at "
+        f"{spec.documents[-1]}{hint}")
 
 
 def named_layout(fn: str, layout, takes_documents: bool = True):

@@ -394,6 +394,15 @@ def test_bad_values_are_refused_before_the_cache_changes():
         with pytest.raises(ValueError, match=rf"flash_attn_with_kvcache: {name} (values )?must "
                                              rf"fit in int32"):
             flash_attn_with_kvcache(q, kc, vc, k, k.clone(), **kwargs)
+    # num_splits past int64 (before: the operator's "Expected a value of type 'int'" after the
+    # new keys were written), of another kind (before: ValueError without the kind)
+    for value, exc, text in (
+            (2 ** 63, ValueError, r"must be an int in \[0, 2\*\*31\) \(0: chosen from the shape\), "
+                                  r"got 9223372036854775808"),
+            (1.0, TypeError, r"must be an int \(0: chosen from the shape\), got 1.0 \(float\)")):
+        with pytest.raises(exc, match=rf"^flash_attn_with_kvcache: num_splits {text}$"):
+            flash_attn_with_kvcache(q, kc, vc, k, k.clone(), cache_seqlens=3, num_splits=value)
+        assert torch.equal(kc, before)
     with pytest.raises(ValueError, match=r"rotary_cos / rotary_sin need at least 19 rows"):
         flash_attn_with_kvcache(torch.randn(1, 4, 8, 64), kc, vc, k, k.clone(), cache_seqlens=15,
                                 causal=True, rotary_cos=torch.ones(16, 8),
@@ -597,7 +606,7 @@ def test_ring_decoding_is_exact_and_moves_no_kv(world):
             assert "prefill_len" in caught[1]  # bad on every rank: raised on every rank
             assert "window_size (2, 0) with seqlen_q = 2" in caught[2]
             assert "NotImplementedError" in caught[2]
-            assert "num_splits must be an int >= 0" in caught[3]
+            assert "num_splits must be an int in [0, 2**31)" in caught[3]
             assert "different arguments" in caught[4]  # (their values shown, not hashes)
             assert "cache_seqlens (rank 0: [8] (1 value), rank 1: [6] (1 value)" in caught[4]
             assert "ring_flash_attn_with_kvcache" in caught[4]

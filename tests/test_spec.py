@@ -67,6 +67,36 @@ def test_windows_wider_than_any_sequence_are_none(window, s_q, s_k):
     assert torch.equal(got, ringseq.flash_attn_with_kvcache(q[:, :1], k, v, window_size=same))
 
 
+def test_a_max_seqlen_wider_than_any_window_opens_the_right_side_as_unbounded():
+    """flash-attn's rule: a window (left, -1) reaches max_seqlen_k to the right; a max_seqlen_k
+    of 2**63 is unbounded too (before: an int64 overflow packing the spans)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(8, 2, 16, generator=g) for _ in range(3))  # (total, h, d)
+    cu = torch.tensor([0, 8])
+    got = ringseq.flash_attn_varlen_func(q, k, v, cu, cu, 8, 2 ** 63, window_size=(2, -1))
+    assert torch.equal(got, ringseq.flash_attn_varlen_func(q, k, v, cu, cu, 8, 8,
+                                                           window_size=(2, -1)))
+
+
+def test_out_of_range_numbers_are_refused_by_name():
+    """(before: softcap=10**400 raised a bare OverflowError; a tensor softcap printed its
+    values; a NumPy float16 softmax_scale warned twice of an overflow in a cast)"""
+    import warnings
+
+    import numpy as np
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"^flash_attn_func: softcap must be 0.0 \(off\) or within "
+                                         r"float32's range .*, got an int of 401 digits$"):
+        ringseq.flash_attn_func(q, q, q, softcap=10 ** 400)
+    with pytest.raises(TypeError, match=r"^flash_attn_func: softcap must be a float \(0.0: off\), "
+                                        r"got a torch.Tensor of shape \(2, 3\)$"):
+        ringseq.flash_attn_func(q, q, q, softcap=torch.full((2, 3), 5.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ringseq.flash_attn_func(q, q, q, softmax_scale=np.float16(0.25))
+    assert torch.equal(got, ringseq.flash_attn_func(q, q, q, softmax_scale=0.25))
+
+
 @pytest.mark.parametrize("kw, exc, text", [
     ({"dropout_p": 0.1}, NotImplementedError, "dropout_p=0.1"),
     ({"softmax_scale": True}, TypeError, "softmax_scale must be a float"),

@@ -29,7 +29,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .checks import count_check
+from .checks import count_check, given
 
 UNBOUNDED = 2 ** 62  # band_lo = -UNBOUNDED / band_hi = UNBOUNDED: no bound on that side
 
@@ -85,9 +85,13 @@ def check_softcap(softcap, fn: str = "attention") -> float:
     and >= 0 (0 = off); both name ``fn``."""
     count_check("check_softcap")
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"{fn}: softcap must be a float (0.0: off), got {softcap!r} "
-                        f"({type(softcap).__name__})")
-    softcap = float(softcap)
+        raise TypeError(f"{fn}: softcap must be a float (0.0: off), got {given(softcap)}")
+    try:
+        softcap = float(softcap)
+    except OverflowError:  # (an int past float's range: beyond float32's too)
+        raise ValueError(f"{fn}: softcap must be 0.0 (off) or within float32's range "
+                         f"[{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}], got an int of "
+                         f"{len(str(abs(softcap)))} digits") from None
     # (comparisons, not math.isfinite: under torch.compile(dynamic=True) a default float is a
     # symbolic float, which math.isfinite cannot take; NaN fails both comparisons)
     if not 0.0 <= softcap < math.inf:

@@ -55,7 +55,7 @@ from ..engine.placement import (LOCAL, Placement, group_from_key, group_key, pla
 from ..engine.ring import get_ring, refuse_on_error, ring_size
 from ..kernels import accum_dtype
 from ..ops import returns
-from ..spec import AttnSpec, attn_spec, check_self_attention, local_spans
+from ..spec import attn_spec, check_global_documents, check_self_attention, local_spans
 
 __all__ = ["UlyssesPlacement", "kv_replication", "ulysses_attn_func", "ulysses_heads",
            "valid_ulysses_degrees"]
@@ -326,17 +326,8 @@ def ulysses_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causa
         check_self_attention(spec, q, k)
         degree = ring_size(group, fn)
         ulysses_heads(q.shape[2], k.shape[2], degree, fn=fn)
-        spec = local_spans(gathered(spec, q.shape[1] * degree), *(q.shape[1] * degree,) * 2)
+        check_global_documents(spec, degree, q.shape[1], layouts=False)
+        spec = local_spans(spec, *(q.shape[1] * degree,) * 2)
     placement = LOCAL if degree == 1 else UlyssesPlacement(group, LOCAL)
     out, lse = run_attention(q, k, v, spec, placement)
     return returns(out, lse, False, return_lse)
-
-
-def gathered(spec: AttnSpec, total: int) -> AttnSpec:
-    """``spec`` for attention over the whole gathered sequence of ``total`` tokens: its
-    documents must be the GLOBAL boundaries (ValueError naming ``spec.fn`` otherwise)."""
-    if spec.documents is not None and spec.documents[-1] != total:
-        raise ValueError(f"{spec.fn}: cu_seqlens must be the GLOBAL document boundaries of the "
-                         f"whole sequence (ending at {total}), got boundaries ending at "
-                         f"{spec.documents[-1]}")
-    return spec

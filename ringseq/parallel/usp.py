@@ -25,7 +25,7 @@ from ..spec import (attn_spec, bound_layout, check_global_documents, check_layou
                     check_self_attention, local_spans, named_layout)
 from .double_ring import DoubleRingPlacement
 from .groups import SequenceParallelGroups
-from .ulysses import UlyssesPlacement, gathered, ulysses_heads
+from .ulysses import UlyssesPlacement, ulysses_heads
 
 __all__ = ["usp_attn_func", "usp_placement", "usp_sdpa"]
 
@@ -130,14 +130,16 @@ def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, 
         ulysses_heads(q.shape[2], k.shape[2], U, fn=fn)
         part = q.shape[1] * U  # tokens of a ring part (after the all-to-all)
         # (in the caller's terms: q.shape[1] tokens on each of the U x R ranks)
-        check_global_documents(spec, U * R, q.shape[1], documents_name(cu_seqlens))
+        # (a ring of one runs the documents contiguously, whatever the layout)
+        check_global_documents(spec, U * R, q.shape[1], documents_name(cu_seqlens),
+                               layouts=R > 1)
         bound = bound_layout(fn, given, spec.documents)
         if R > 1:
             lay = given
             check_layout(spec, bound, R, part, documents_name(cu_seqlens))
         else:
             lay = get_layout("contiguous")
-            spec = local_spans(gathered(spec, part), part, part)
+            spec = local_spans(spec, part, part)
     out, lse = run_attention(q, k, v, spec, usp_placement(sp, lay))
     return returns(out, lse, False, return_lse)
 

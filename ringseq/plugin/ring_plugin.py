@@ -748,11 +748,11 @@ class RingSequenceParallelPlugin(Plugin):
         an optimizer with state where sharding replaces the parameters, 0-dim parameters under
         zero_stage 2/3, or an unsupported criterion (see :meth:`_criterion`); RingPeerError on
         the ranks that did not refuse; RingMismatchError (every rank) for models whose
-        parameters differ between
-        ranks in count, elements per dtype, trainable elements or which are frozen (named),
-        or whose parameters and buffers differ in name, shape or dtype. Every mesh starts from rank 0's weights: DDP
-        broadcasts them; where DDP is not used (FSDP, tensor parallelism, a frozen model) the
-        parameters and buffers are broadcast from rank 0 before sharding (collective).
+        parameters differ between ranks in count, elements per dtype, trainable elements or
+        which are frozen (named), or whose parameters and buffers differ in name, shape or
+        dtype. Every mesh starts from rank 0's weights: DDP broadcasts them; where DDP is not
+        used (FSDP, tensor parallelism, a frozen model) the parameters and buffers are
+        broadcast from rank 0 before sharding (collective).
         """
         from ..parallel.modules import decoder_layers
         from ..parallel.optim import check_rebindable, parameter_names, rebind_optimizer

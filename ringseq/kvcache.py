@@ -629,7 +629,8 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     # RingBrokenError), its signature opening with the operation as theirs do: a peer in ring
     # or Ulysses attention raises RingMismatchError naming both operations (before: a desync,
     # which broke the ring), and the ring stays usable.
-    get_ring(group).agree(problem is None, str(problem), kind=FWD, error=problem,
+    get_ring(group).agree(problem is None, f"{type(problem).__name__}: {problem}", kind=FWD,
+                          error=problem,
                           fields=() if plan is None else plan["signature"],
                           about=None, called=fn)
     with torch.no_grad():

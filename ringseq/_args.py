@@ -207,7 +207,7 @@ def _window_entry(w):
     # (integer dtypes with data only: a complex or meta tensor is no size)
     if isinstance(w, torch.Tensor) and w.numel() == 1 and not w.is_meta \
             and not w.is_floating_point() and not w.is_complex() and w.dtype != torch.bool:
-        return int(w.item())
+        return _window_entry_on_host(w)
     if isinstance(w, numbers.Integral) and not isinstance(w, bool):
         # (operator.index, not int: under torch.compile an int argument that took other values
         # becomes symbolic, and index() is what dynamo specializes to a plain int -- the
@@ -241,6 +241,15 @@ def parse_window(fn: str, window_size) -> Tuple[int, int]:
     # sequence a tensor can hold, and the band's bounds (positions minus the width) would
     # leave int64 past it.
     return tuple(-1 if e >= UNBOUNDED else e for e in (left, right))
+
+
+@torch.compiler.disable(reason="ringseq reads a window_size given as tensors on the host, "
+                        "which a graph cannot: under torch.compile(fullgraph=True) pass ints")
+def _window_entry_on_host(w: torch.Tensor) -> int:
+    """A window entry given as a 1-element tensor, read on the host (under torch.compile a
+    graph break whose reason names the way out, as for cu_seqlens: before, fullgraph=True
+    failed tracing str() of an unbacked int, naming neither)."""
+    return int(w.item())
 
 
 @torch.compiler.disable(reason="ringseq reads document boundaries (cu_seqlens) given as a "

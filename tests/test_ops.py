@@ -692,6 +692,90 @@ def test_a_backend_refusing_the_lse_gradient_names_the_function():
         (out.sum() + lse.sum()).backward()
 
 
+def test_a_compiled_sdpa_call_returning_lse_backpropagates_its_output_alone():
+    """Compiled, the backward gets zeros for an lse no loss reached (eager: None): taken as no
+    gradient (before: refused as if the lse reached the loss); one that does is refused."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 2, 16, generator=g)
+
+    def attn(x):
+        return ringseq.flash_attn_func(x, x, x, return_lse=True, backend="sdpa")
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    grads = []
+    for fn in (attn, compiled):
+        x = q.clone().requires_grad_()
+        fn(x)[0].sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(*grads)
+    x = q.clone().requires_grad_()
+    out, lse = compiled(x)
+    with pytest.raises(RuntimeError, match=r"^flash_attn_func: backend 'sdpa' cannot "
+                                           r"backpropagate through lse"):
+        (out.sum() + lse.sum()).backward()
+
+
+def test_a_backend_or_layout_made_inside_a_compiled_function_is_refused():
+    """The operator looks it up at run time by a key registered at trace time, for dynamo's
+    copy of it, whose attributes the compiled code never sets (before: a backend's class
+    defaults used silently, 1.06 off here, or AttributeError at run time)."""
+    from ringseq.kernels.reference import ReferenceBackend
+
+    class Scaled(ReferenceBackend):
+        name = "scaled_test"
+        temperature = 1.0
+
+        def __init__(self, temperature):
+            super().__init__()
+            self.temperature = temperature
+
+        def _fwd(self, q, k, v, scale, causal, spans=None, softcap=0.0):
+            return super()._fwd(q, k, v, scale * self.temperature, causal, spans=spans,
+                                softcap=softcap)
+    q = torch.randn(1, 6, 2, 8)
+    made = Scaled(4.0)
+    calls = {"inside": lambda x: ringseq.flash_attn_func(x, x, x, backend=Scaled(4.0)),
+             "outside": lambda x: ringseq.flash_attn_func(x, x, x, backend=made)}
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"ringseq: the attention backend Scaled is made inside "
+                                        r"the function torch.compile compiles"):
+        torch.compile(calls["inside"], fullgraph=True, backend="aot_eager")(q)
+    got = torch.compile(calls["outside"], fullgraph=True, backend="aot_eager")(q)
+    assert torch.equal(got, calls["outside"](q))
+
+
+def test_a_window_of_tensors_under_fullgraph_names_the_way_out():
+    """(before: "Failed to trace builtin operator `str`", naming neither)"""
+    q = torch.randn(1, 6, 2, 8)
+
+    def attn(left):
+        return ringseq.flash_attn_func(q, q, q, causal=True, window_size=(left, 0))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"ringseq reads a window_size given as tensors on the "
+                                        r"host, which a graph cannot: under "
+                                        r"torch.compile\(fullgraph=True\) pass ints"):
+        torch.compile(attn, fullgraph=True, backend="aot_eager")(torch.tensor(2))
+    got = torch.compile(attn, backend="aot_eager")(torch.tensor(2))  # (a graph break)
+    assert torch.equal(got, attn(2))
+
+
+def test_the_raw_operators_refuse_what_they_cannot_differentiate():
+    """(before: torch.func.jvp of torch.ops.ringseq.fwd gave a zero tangent, and a backward
+    through fwd_kvcache left q without a gradient, with a warning only)"""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 2, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    with pytest.raises(RuntimeError, match=r"^torch.ops.ringseq.fwd: torch.func transforms "
+                                           r"\(jvp here"):
+        torch.func.jvp(lambda x: torch.ops.ringseq.fwd(x, k, v, 0.5, True)[0], (q,),
+                       (torch.ones_like(q),))
+    x = q.clone().requires_grad_()
+    n = torch.tensor([4], dtype=torch.int32)
+    out, _ = torch.ops.ringseq.fwd_kvcache(x, k, v, n, None, None, 0.5, True)
+    with pytest.raises(RuntimeError, match=r"^torch.ops.ringseq.fwd_kvcache has no derivative: "
+                                           r"KV-cache decoding is inference only"):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_a_window_that_changes_between_compiled_calls(dynamic):
     """An int argument that takes a second value becomes symbolic under torch.compile (at once

@@ -23,7 +23,8 @@ from typing import Dict, List
 import torch
 
 from .._dist import named_for, real_object
-from ..kernels.grad import attention_backward
+from ..kernels.grad import attention_backward, nonzero_or_none
+from ..kernels.registry import refuse_made_while_tracing
 from ..layouts import LAYOUTS, Layout, layout_field
 from ..layouts.base import _built_in
 from ..spec import AttnSpec, check_user_layout, local_spans
@@ -53,6 +54,7 @@ def object_key(obj, prefix: str) -> str:
     obj = real_object(obj)
     key = _KEYS.get(id(obj))
     if key is None:
+        refuse_made_while_tracing(obj, prefix)
         key = f"{prefix}#{next(_IDS)}"
         _OBJECTS[key] = obj
         _KEYS[id(obj)] = key
@@ -172,6 +174,8 @@ class LocalPlacement(Placement):
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         spec = self._with_spans(spec, q, k)
+        if not spec.backend.supports_delta:
+            dlse = nonzero_or_none(dlse)
         if dlse is not None and not spec.backend.supports_delta:
             try:
                 spec.backend.require_lse_grad()

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-__all__ = ["backend_by_key", "backend_key"]
+__all__ = ["backend_by_key", "backend_key", "refuse_made_while_tracing"]
 
 # Weak: a backend made for one call dies with it; the autograd graph keeps the ones its
 # backward needs alive.
@@ -21,8 +21,31 @@ _BY_KEY: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _NEXT_KEY = itertools.count()
 
 
+def refuse_made_while_tracing(obj, what: str) -> None:
+    """RuntimeError when torch.compile is tracing the code that made ``obj`` (a backend or a
+    layout made inside the compiled function): the key registered at trace time names
+    dynamo's copy of it, whose attributes the compiled code sets on another object when it
+    runs, so the operator would find an object without them (before: a backend's or a
+    layout's class defaults used silently, or an AttributeError at run time). Best effort:
+    nothing where torch's tracer internals are not the ones read here."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.base import AttributeMutationNew
+        var = InstructionTranslator.current_tx().output.side_effects.id_to_variable.get(id(obj))
+        made_here = var is not None and isinstance(var.mutation_type, AttributeMutationNew)
+    except Exception:  # noqa: BLE001 - not tracing, or another torch
+        return
+    if made_here:
+        raise RuntimeError(
+            f"ringseq: the {what} {type(obj).__name__} is made inside the function torch.compile "
+            f"compiles, and the compiled attention call would look it up at run time without "
+            f"the attributes its __init__ sets; make it outside that function (a module-level "
+            f"object, an argument, a closure) and pass it in")
+
+
 @torch.compiler.assume_constant_result
 def _register(be) -> str:
+    refuse_made_while_tracing(be, "attention backend")
     # the name only labels the key: '|' separates the fields of the keys that carry it
     key = f"{str(be.name).replace('|', '/')}#{next(_NEXT_KEY)}"
     _BY_KEY[key] = be

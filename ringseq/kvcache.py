@@ -33,6 +33,7 @@ from .kernels.checks import (FLOAT_DTYPES, accum_dtype, check_tensor_of_rank, gi
 from .kernels.spans import check_softcap
 from .kernels.extension import ExtensionBackend, extension_available
 from .layouts import Layout, layout_field
+from .layouts.base import values_key
 from .spec import dtype_code, float_field, named_layout
 
 __all__ = ["flash_attn_with_kvcache", "ring_flash_attn_with_kvcache"]
@@ -495,7 +496,8 @@ class _Homes:
                 raise ValueError(f"layout {layout.name!r}: a rank's positions must increase in its "
                                  f"local order for a sharded KV cache, got {pos[:8].tolist()}...")
             self.local_pos = pos.to(device)
-            self.owner = _prefill_owner(layout, prefill_len, world).to(device)
+            self.owner = _prefill_owner(layout, values_key(layout), prefill_len, world).to(
+                device)
         else:
             self.local_pos = torch.zeros(0, dtype=torch.long, device=device)
             self.owner = torch.zeros(0, dtype=torch.long, device=device)
@@ -521,7 +523,8 @@ class _Homes:
 
 
 @functools.lru_cache(maxsize=16)
-def _prefill_owner(layout: Layout, prefill_len: int, world: int) -> torch.Tensor:
+def _prefill_owner(layout: Layout, layout_values, prefill_len: int, world: int) -> torch.Tensor:
+    # (``layout_values``: a user's layout edited after a call owns by its new values)
     owner = torch.empty(prefill_len, dtype=torch.long)
     for r in range(world):
         owner[layout.positions(prefill_len, world, r)] = r

@@ -4,6 +4,7 @@ different steps is refused like a plain file, rank 0's own save error names the 
 and a planted temporary index name is not written through."""
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -364,14 +365,17 @@ class _Config:
     """An object of a class of its own: not what torch.load(weights_only=True) reads."""
 
 
+_Pair = collections.namedtuple("_Pair", "lo hi")  # (read back once add_safe_globals names it)
+
+
 def _extra_states(booster, model, tmp, out, kind):
     """save_model of a module's extra state, into ``out[kind + ...]``: what
     torch.load(weights_only=True) cannot read back is refused at the save on every rank,
     nothing written (before: the replicated path wrote it, and load_model failed); what it
     reads back (an OrderedDict, a torch.Size, a dtype, a device, a set, a complex, a
-    defaultdict, written as a dict) is saved and loads (the tensor-by-tensor gather's first
-    versions refused the first two, then the next four, then the defaultdict)."""
-    import collections
+    defaultdict, written as a dict, a namedtuple its class registered) is saved and loads (the
+    tensor-by-tensor gather's first versions refused the first two, then the next four, then
+    the defaultdict, then the namedtuple, which the write failed on before)."""
     linear = type(model.unwrap().lin)
     linear.get_extra_state = lambda self: {"note": "v1", "config": _Config()}
     path = f"{tmp}/{kind}_extra.pt"
@@ -382,9 +386,10 @@ def _extra_states(booster, model, tmp, out, kind):
     out[kind + " extra state wrote nothing"] = not os.path.exists(path)
     got, path = [], f"{tmp}/{kind}_extra_ok.pt"
     counts = collections.defaultdict(int, docs=3)  # (written as a plain dict)
+    torch.serialization.add_safe_globals([_Pair])
     linear.get_extra_state = lambda self: collections.OrderedDict(
         scale=torch.full((2,), 3.0), shape=torch.Size([4, 4]), dtype=torch.bfloat16,
-        device=torch.device("cpu"), tags={"a"}, z=1 + 2j, counts=counts)
+        device=torch.device("cpu"), tags={"a"}, z=1 + 2j, counts=counts, pair=_Pair(1, 2))
     linear.set_extra_state = lambda self, state: got.append(state)
     try:
         out[kind + " extra state save"] = error_text(lambda: booster.save_model(model, path))
@@ -393,7 +398,7 @@ def _extra_states(booster, model, tmp, out, kind):
         del linear.get_extra_state, linear.set_extra_state
     out[kind + " extra state loaded"] = [
         (s["scale"].tolist(), s["shape"], s["dtype"], s["device"], s["tags"],
-         s["z"], s["counts"]) for s in got]
+         s["z"], s["counts"], s["pair"]) for s in got]
 
 
 def _worker_fails_inside(tmp):
@@ -519,7 +524,7 @@ def test_a_rank_failing_alone_inside_a_sharded_checkpoint_call_raises_on_every_r
             assert r[kind + " extra state save"] == r[kind + " extra state load"] == "no error", r
             assert r[kind + " extra state loaded"] == [
                 ([3.0, 3.0], torch.Size([4, 4]), torch.bfloat16,
-                 torch.device("cpu"), {"a"}, 1 + 2j, {"docs": 3})], r
+                 torch.device("cpu"), {"a"}, 1 + 2j, {"docs": 3}, _Pair(1, 2))], r
         for key in ("save_model", "save_optimizer", "load_model", "load_optimizer"):
             if rank == 1:
                 assert r[key].startswith("MemoryError") and "simulated" in r[key], r[key]

@@ -819,3 +819,35 @@ def test_a_ring_decode_names_its_layouts_documents_and_a_per_batch_layout():
                                     "'documents' is per batch: it needs each batch's GLOBAL "
                                     "document boundaries, which ring_flash_attn_with_kvcache "
                                     "does not take; pass a layout bound to them"), per_batch
+
+
+def _decode_with_an_edited_layout():
+    """Two decode steps (the second reads the token the first wrote, at a prefill position)
+    with a user's layout edited after a call, and with a fresh one of the same values."""
+    import torch.distributed as dist
+
+    import ringseq
+    from custom_layout import RotatedCausal
+    rank, world, prefill = dist.get_rank(), 2, 8
+    g = torch.Generator().manual_seed(0)
+    K, V = (torch.randn(1, 16, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k1, v1 = (torch.randn(1, 1, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+
+    def decode(lay):
+        kc = torch.zeros(1, prefill // world + 4, 2, 8, dtype=torch.float64)  # (b, cap, h, d)
+        vc = torch.zeros_like(kc)
+        kc[:, :prefill // world] = ringseq.layouts.shard_local(K[:, :prefill], lay, world, rank)
+        vc[:, :prefill // world] = ringseq.layouts.shard_local(V[:, :prefill], lay, world, rank)
+        return torch.cat([ringseq.ring_flash_attn_with_kvcache(
+            q, kc, vc, torch.tensor([n], dtype=torch.int32), k1, v1, layout=lay, causal=True,
+            prefill_len=prefill) for n in (4, 5)])
+    edited = RotatedCausal(0)
+    decode(edited)
+    edited.k = 1
+    return float((decode(edited) - decode(RotatedCausal(1))).abs().max())
+
+
+def test_a_layout_edited_after_a_decode_places_new_tokens_by_its_new_values():
+    """(before: the prefill's owners were cached by the layout object: the token went to the
+    rank of the old values, and the next step was 0.657 off)"""
+    assert run_ranks(_decode_with_an_edited_layout, 2, timeout=120) == [0.0, 0.0]

@@ -197,7 +197,9 @@ def _worker_steps_w2(tmp):
     # ... and A's clip raising on its overflow (error_if_nonfinite) leaves B's step at the
     # scale B's gradients were scaled with, B clipping after it or before it (before, with
     # the first fix: the scale halved at the raise, B's update 2x, or 1/32768 of, the true)
-    for case in ("B clips after A raised", "B clipped before A raised"):
+    # ... and A saved after it raised (before: the save's copy of the scaler updated the live
+    # records, and B's step skipped on the writing rank alone)
+    for case in ("B clips after A raised", "B clipped before A raised", "A saved after it raised"):
         opt_a.zero_grad()
         opt_b.zero_grad()
         hook = a.unwrap().model.layers[0].mlp.up_proj.weight.register_hook(
@@ -205,9 +207,11 @@ def _worker_steps_w2(tmp):
         booster.backward(crit(a(**batches[2]), batches[2]), opt_a)
         hook.remove()
         booster.backward(crit(b(**batches[2]), batches[2]), opt_b)
-        if case == "B clipped before A raised":
+        if case != "B clips after A raised":
             opt_b.clip_grad_by_norm(1e9)
         out[case + ": A"] = _error(lambda: opt_a.clip_grad_by_norm(1.0, error_if_nonfinite=True))
+        if case == "A saved after it raised":
+            booster.save_optimizer(opt_a, f"{tmp}/a_after_raise.pt")
         opt_a.zero_grad()
         if case == "B clips after A raised":
             opt_b.clip_grad_by_norm(1e9)
@@ -438,7 +442,8 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
         assert r["empty step"] is None, r
         for case in ("two optimizers", "one loss", "after model.zero_grad",
                      "in place after a clip", "after an empty step", "after the overflows",
-                     "B clips after A raised", "B clipped before A raised"):
+                     "B clips after A raised", "B clipped before A raised",
+                     "A saved after it raised"):
             err, largest = r[case]
             # (one float32 rounding of the weight; before: 2x, and 65536x, the update)
             assert largest > 0 and err <= 1e-2 * largest, (case, err, largest)
@@ -471,7 +476,8 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
         scales = r["overflow scales"]
         assert scales == [scales[0] / 2 ** i for i in range(4)], scales
         assert r["step after the raise"] is None, r["step after the raise"]
-        for case in ("B clips after A raised", "B clipped before A raised"):
+        for case in ("B clips after A raised", "B clipped before A raised",
+                     "A saved after it raised"):
             assert r[case + ": A"].startswith("RuntimeError: clip_grad_by_norm: the total norm"), r
         for i, scale in enumerate(scales[:3]):
             assert r[f"overflow clip {i}"] == (

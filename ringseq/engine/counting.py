@@ -6,7 +6,8 @@ and all-to-alls (:mod:`ringseq.parallel.ulysses`). Both report to the counters t
 thread opened and, from a thread Python's ``threading`` did not start, to every counter open
 in the process: on a GPU, autograd runs the backward on a device thread of its own, whose
 bytes so count in the block as the forward's do. Threads started through ``threading`` (each
-running rings on a process group of its own, say) count their own bytes only::
+running rings on a process group of its own, say) count their own bytes, except on a GPU their
+backward passes', which count in every thread's open counters::
 
     import ringseq
     from ringseq import commstats

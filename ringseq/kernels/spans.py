@@ -91,7 +91,7 @@ def check_softcap(softcap, fn: str = "attention") -> float:
     except OverflowError:  # (an int past float's range: beyond float32's too)
         raise ValueError(f"{fn}: softcap must be 0.0 (off) or within float32's range "
                          f"[{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}], got an int of "
-                         f"{len(str(abs(softcap)))} digits") from None
+                         f"{abs(softcap).bit_length()} bits") from None
     # (comparisons, not math.isfinite: under torch.compile(dynamic=True) a default float is a
     # symbolic float, which math.isfinite cannot take; NaN fails both comparisons)
     if not 0.0 <= softcap < math.inf:

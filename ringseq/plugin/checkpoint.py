@@ -37,13 +37,17 @@ def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _to_cpu(obj):
+def _to_cpu(obj, empty: bool = False):
+    """``obj`` with its tensors on the CPU (``empty``: as empty tensors of their dtypes, what
+    :func:`refuse_unloadable` tries to read back without copying any data); dicts as plain
+    dicts, lists and tuples of their type (a namedtuple by its fields)."""
     if torch.is_tensor(obj):
-        return obj.detach().cpu()
+        return torch.empty(0, dtype=obj.dtype) if empty else obj.detach().cpu()
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: _to_cpu(v, empty) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        items = (_to_cpu(v, empty) for v in obj)
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 
 
@@ -144,7 +148,7 @@ def refuse_unloadable(state: dict) -> None:
             continue
         buffer = io.BytesIO()
         try:
-            torch.save(_to_cpu(value), buffer)
+            torch.save(_to_cpu(value, empty=True), buffer)
             buffer.seek(0)
             torch.load(buffer, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - re-raised as the TypeError below
@@ -466,7 +470,13 @@ def scaler_state(optimizer):
     copy = torch.amp.GradScaler(scaler._device)
     copy.load_state_dict(scaler.state_dict())
     copy._lazy_init_scale_growth_tracker(scaler._scale.device)  # (a step ran: it has one)
-    copy._per_optimizer_states = scaler._per_optimizer_states  # (read by the update only)
+    # (copies of the records: GradScaler.update sums every optimizer's inf flag into the first
+    # record in place, which, shared, made that optimizer's step skip on the writing rank
+    # alone)
+    copy._per_optimizer_states = {
+        key: {**state, "found_inf_per_device": {
+            device: found.clone() for device, found in state["found_inf_per_device"].items()}}
+        for key, state in scaler._per_optimizer_states.items()}
     copy._ringseq_update_due = True
     copy._ringseq_overflow = getattr(scaler, "_ringseq_overflow", False)
     settle_scaler(copy)

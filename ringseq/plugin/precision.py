@@ -74,8 +74,10 @@ def update_due(scaler) -> None:
 
 def overflowed(scaler) -> None:
     """An overflow no step will record (``clip_grad_by_norm(error_if_nonfinite=True)`` raised
-    on it): the update due before the next loss backs off once for it. (Not now: the other
-    optimizers of the iteration still hold gradients of the current scale.)"""
+    on it): as for a step that skipped, the update before the next loss scaled through
+    ``booster.backward`` backs off once for it. (Not at once: the other optimizers of the
+    iteration may hold gradients of the current scale still to be unscaled. Like a step's,
+    the update also comes before another optimizer's next micro-batch.)"""
     scaler._ringseq_overflow = True
     update_due(scaler)
 

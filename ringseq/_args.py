@@ -133,8 +133,11 @@ def check_softmax_scale(fn: str, softmax_scale, name: str = "softmax_scale"):
         raise ValueError(f"{fn}: {name} must be finite, got {softmax_scale!r}")
     # (the kernels scale in float32 for 16- and 32-bit inputs: beyond its range, NaN outputs;
     # compared as a float: a NumPy float16 cast the bound to its own type, inf, with a warning)
-    value = softmax_scale if isinstance(softmax_scale, (int, float) + _SYM_NUMBERS) else float(
-        softmax_scale)
+    try:
+        value = softmax_scale if isinstance(softmax_scale, (int, float) + _SYM_NUMBERS) else \
+            float(softmax_scale)
+    except OverflowError:  # (a Fraction past float's range)
+        value = math.inf
     if not -_FLOAT32_MAX <= value <= _FLOAT32_MAX:
         raise ValueError(f"{fn}: {name} must be within float32's range (|scale| <= "
                          f"{_FLOAT32_MAX:.4g}), got {softmax_scale!r}")

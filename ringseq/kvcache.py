@@ -369,8 +369,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             ``softcap * tanh(x / softcap)``; 0 is off). window_size may be ints or tensors.
         rotary_interleaved: bool, see rotary_cos.
         alibi_slopes: must be None (NotImplementedError).
-        num_splits: int >= 0: how many ranges the keys of each query tile are cut into and
-            computed in parallel (then merged exactly); 0 chooses from the shape (only when
+        num_splits: int in [0, 2**31): how many ranges the keys of each query tile are cut
+            into and computed in parallel (then merged exactly); 0 chooses from the shape (only when
             batch x heads leaves threads / SMs idle). Results agree to rounding whatever it is.
         return_softmax_lse: also return lse (batch, nheads, seqlen_q), float32 (float64 for
             float64 inputs), natural log of the softmax normalizer, +inf for rows that see no

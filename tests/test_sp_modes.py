@@ -758,6 +758,36 @@ def test_unshard_on_a_2d_group_refuses_an_unbound_documents_layout_before_gather
                                "to the batch's document boundaries first"), text
 
 
+def _compiled_sdpa_out_only():
+    """Ulysses and the double ring (2 x 2) with backend 'sdpa' returning lse, compiled and
+    eager, the loss of out alone: the largest difference of the input's gradients."""
+    import ringseq
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(1, 8, 4, 8, generator=g)  # (b, s_local, h, d)
+    sp = ringseq.make_sp_groups(1, 2)
+    calls = {"ulysses": lambda t: ringseq.ulysses_attn_func(t, t, t, return_lse=True,
+                                                            backend="sdpa"),
+             "double ring": lambda t: ringseq.usp_attn_func(t, t, t, sp=sp, return_lse=True,
+                                                            backend="sdpa")}
+    got = {}
+    for name, fn in calls.items():
+        torch._dynamo.reset()
+        grads = []
+        for run in (fn, torch.compile(fn, backend="aot_eager")):
+            t = x.clone().requires_grad_()
+            run(t)[0].sum().backward()
+            grads.append(t.grad)
+        got[name] = float((grads[0] - grads[1]).abs().max())
+    return got
+
+
+def test_compiled_sdpa_calls_returning_lse_backpropagate_their_output_alone():
+    """(before: compiled, the backward got zeros for the lse and refused, "cannot backpropagate
+    through lse"; eager passes None)"""
+    for got in run_ranks(_compiled_sdpa_out_only, 4, timeout=300):
+        assert got == {"ulysses": 0.0, "double ring": 0.0}, got
+
+
 def _errors_of(w=4):
     cases, per_rank = _results_for(w)
     return [res[len(cases)] for res in per_rank]

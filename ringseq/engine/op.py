@@ -164,8 +164,7 @@ def _refuse_at_functorch_layer(op, name: str) -> None:
             with api.redispatch_to_next():
                 result = op(*inner, **inner_kwargs)
             return api.wrap_tensors(result)
-        fn = (spec_from_key(args[3]).fn if len(args) > 3 and isinstance(args[3], str) else
-              f"torch.ops.ringseq.{name}")
+        fn = spec_from_key(args[3]).fn if len(args) > 3 and isinstance(args[3], str) else name
         raise RuntimeError(f"{fn}: torch.func transforms ({kind.lower()} here; jvp, grad, vmap, "
                            f"jacrev, ...) and forward-mode AD are not supported by ringseq "
                            f"attention, compiled or not: its derivative is defined by its "
@@ -177,9 +176,6 @@ def _refuse_at_functorch_layer(op, name: str) -> None:
 
 
 _refuse_at_functorch_layer(torch.ops.ringseq.attention.default, "attention")
-if hasattr(torch.ops.ringseq, "fwd"):  # (the raw kernel's operator: the extension's)
-    # (its autograd rule is its backward only: torch.func.jvp gave a zero tangent)
-    _refuse_at_functorch_layer(torch.ops.ringseq.fwd.default, "fwd")
 
 
 def run_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec,

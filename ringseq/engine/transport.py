@@ -405,7 +405,13 @@ class RingComm(Transport):
             return None
         me = dist.get_rank()
         try:
-            store = dist.distributed_c10d._get_default_store()
+            # A hint only, read through this thread's own client with a short limit: a store
+            # host that stalled would hold the default store's client for its own timeout
+            # (30 minutes under torchrun) after the ring's ran out
+            store = _own_store_client()
+            if store is dist.distributed_c10d._get_default_store():
+                return None  # (no client of its own to bound)
+            store.set_timeout(datetime.timedelta(seconds=min(2.0, ring_timeout())))
             seen = {r: int(store.get(self._epoch_key(r))) for r in self.members
                     if r != me and store.check([self._epoch_key(r)])}
         except Exception:  # noqa: BLE001 - a hint only: the store may be gone too

@@ -176,11 +176,6 @@ if _C is not None:
         torch.library.register_autograd(f"ringseq::{name}", _not_differentiable(
             name, "differentiating the gradient of torch.ops.ringseq.fwd (create_graph=True, "
                   "e.g. a gradient penalty) is not supported"))
-    # The KV-cache decode is inference only: a backward through the raw operator must raise,
-    # not leave the inputs without gradients (torch warns only)
-    torch.library.register_autograd("ringseq::fwd_kvcache", _not_differentiable(
-        "fwd_kvcache", "KV-cache decoding is inference only (run it under torch.no_grad(); "
-                       "train through torch.ops.ringseq.fwd or flash_attn_func)"))
 
 
 

@@ -22,25 +22,29 @@ _NEXT_KEY = itertools.count()
 
 
 def refuse_made_while_tracing(obj, what: str) -> None:
-    """RuntimeError when torch.compile is tracing the code that made ``obj`` (a backend or a
-    layout made inside the compiled function): the key registered at trace time names
-    dynamo's copy of it, whose attributes the compiled code sets on another object when it
-    runs, so the operator would find an object without them (before: a backend's or a
-    layout's class defaults used silently, or an AttributeError at run time). Best effort:
-    nothing where torch's tracer internals are not the ones read here."""
+    """RuntimeError when torch.compile is tracing the code that made ``obj`` and set
+    attributes on it (a backend or a layout with parameters made inside the compiled
+    function): the key registered at trace time names dynamo's copy of it, whose attributes
+    the compiled code sets on another object when it runs, so the operator would find an
+    object without them (before: a backend's or a layout's class defaults used silently, or an
+    AttributeError at run time). One without attributes of its own is the same object either
+    way, and passes. Best effort: nothing where torch's tracer internals are not the ones
+    read here."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         from torch._dynamo.variables.base import AttributeMutationNew
-        var = InstructionTranslator.current_tx().output.side_effects.id_to_variable.get(id(obj))
-        made_here = var is not None and isinstance(var.mutation_type, AttributeMutationNew)
+        side_effects = InstructionTranslator.current_tx().output.side_effects
+        var = side_effects.id_to_variable.get(id(obj))
+        set_here = (var is not None and isinstance(var.mutation_type, AttributeMutationNew)
+                    and bool(side_effects.store_attr_mutations.get(var)))
     except Exception:  # noqa: BLE001 - not tracing, or another torch
         return
-    if made_here:
+    if set_here:
         raise RuntimeError(
-            f"ringseq: the {what} {type(obj).__name__} is made inside the function torch.compile "
-            f"compiles, and the compiled attention call would look it up at run time without "
-            f"the attributes its __init__ sets; make it outside that function (a module-level "
-            f"object, an argument, a closure) and pass it in")
+            f"ringseq: the {what} {type(obj).__name__} is made, and its attributes set, inside "
+            f"the function torch.compile compiles; the compiled attention call would look it up "
+            f"at run time without them. Make it outside that function (a module-level object, "
+            f"an argument, a closure) and pass it in")
 
 
 @torch.compiler.assume_constant_result

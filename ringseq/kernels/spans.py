@@ -88,10 +88,10 @@ def check_softcap(softcap, fn: str = "attention") -> float:
         raise TypeError(f"{fn}: softcap must be a float (0.0: off), got {given(softcap)}")
     try:
         softcap = float(softcap)
-    except OverflowError:  # (an int past float's range: beyond float32's too)
+    except OverflowError:  # (an int or a Fraction past float's range: beyond float32's too)
         raise ValueError(f"{fn}: softcap must be 0.0 (off) or within float32's range "
-                         f"[{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}], got an int of "
-                         f"{abs(softcap).bit_length()} bits") from None
+                         f"[{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}], got a value past "
+                         f"float's range ({type(softcap).__name__})") from None
     # (comparisons, not math.isfinite: under torch.compile(dynamic=True) a default float is a
     # symbolic float, which math.isfinite cannot take; NaN fails both comparisons)
     if not 0.0 <= softcap < math.inf:

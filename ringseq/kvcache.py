@@ -471,7 +471,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             v_cache.index_put_((rows, cols), v)
             seqlens = seqlens + s_new
         out, lse = _attend_cache(q, k_cache, v_cache, seqlens, leftpad, bidx, scale, causal,
-                                 window, softcap, int(num_splits))
+                                 window, softcap, num_splits)
     return (out, _flash_lse(lse)) if return_softmax_lse else out
 
 
@@ -770,13 +770,13 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         float_field("softmax_scale", scale, q.dtype), float_field("softcap", softcap, q.dtype),
         ("rotary_dim", 0 if rotary_cos is None else 2 * rotary_cos.shape[1]),
         ("rotary_interleaved", rotary_interleaved, "bool"),
-        ("return_softmax_lse", return_softmax_lse, "bool"), ("num_splits", int(num_splits)),
+        ("return_softmax_lse", return_softmax_lse, "bool"), ("num_splits", num_splits),
         ints_field("cache_seqlens", host), ints_field("cache_leftpad", pads),
     )
     return dict(q=q, kc=k_cache_shard, vc=v_cache_shard, k=k, v=v, lengths=lengths,
                 starts=starts, homes=homes, rank=rank, causal=causal, window=window,
                 softcap=softcap, scale=scale, rotary=(rotary_cos, rotary_sin,
-                rotary_interleaved), num_splits=int(num_splits),
+                rotary_interleaved), num_splits=num_splits,
                 return_lse=return_softmax_lse, signature=signature)
 
 

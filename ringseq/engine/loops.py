@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._dist import named_for
-from ..kernels.grad import nonzero_or_none
+from ..kernels.grad import lse_grad_for
 from .counting import record
 from .integrity import BWD, FORWARD_FIELD, FWD, HEADER_WORDS, RingCall
 from .plan import RingPlan
@@ -234,8 +234,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: Ring, grad_lse=
         # block starts it instead, so exchange 1 carries no accumulator.
         names, rev = payloads[1]
         payloads[1] = (tuple(n for n in names if n != "acc"), rev)
-    if not be.supports_delta:
-        grad_lse = nonzero_or_none(grad_lse)
+    grad_lse = lse_grad_for(be, grad_lse)
     if grad_lse is not None and not be.supports_delta:
         # Refused before the call opens, meeting the peers' begin (they raise RingPeerError;
         # with the checks off nothing meets them, as for any refusal): the ring stays usable,

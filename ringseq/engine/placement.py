@@ -23,7 +23,7 @@ from typing import Dict, List
 import torch
 
 from .._dist import named_for, real_object
-from ..kernels.grad import attention_backward, nonzero_or_none
+from ..kernels.grad import attention_backward, lse_grad_for
 from ..kernels.registry import refuse_made_while_tracing
 from ..layouts import LAYOUTS, Layout, layout_field
 from ..layouts.base import _built_in
@@ -174,8 +174,7 @@ class LocalPlacement(Placement):
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         spec = self._with_spans(spec, q, k)
-        if not spec.backend.supports_delta:
-            dlse = nonzero_or_none(dlse)
+        dlse = lse_grad_for(spec.backend, dlse)
         if dlse is not None and not spec.backend.supports_delta:
             try:
                 spec.backend.require_lse_grad()

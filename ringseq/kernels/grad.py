@@ -14,7 +14,7 @@ from torch import Tensor
 from .base import AttentionBackend
 from .checks import accum_dtype
 
-__all__ = ["attention_backward", "fake_attention_outputs", "fake_checks", "nonzero_or_none"]
+__all__ = ["attention_backward", "fake_attention_outputs", "fake_checks", "lse_grad_for"]
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -57,12 +57,15 @@ def fake_attention_outputs(q: Tensor) -> Tuple[Tensor, Tensor]:
     return out, q.new_empty((b, h, s_q), dtype=accum_dtype(q.dtype))
 
 
-def nonzero_or_none(grad_lse: Optional[Tensor]) -> Optional[Tensor]:
-    """``grad_lse``, or None where it is all zeros (it then changes no gradient). For backends
-    that cannot take an lse gradient: torch.compile's backward hands in zeros for an lse that
-    reached no loss, where eager autograd hands in None (before: refused under compile alone).
-    Reads one bool back from the device, only for such backends given an lse gradient."""
-    return grad_lse if grad_lse is not None and bool(grad_lse.any()) else None
+def lse_grad_for(be: AttentionBackend, grad_lse: Optional[Tensor]) -> Optional[Tensor]:
+    """The lse gradient a backward of ``be`` takes: ``grad_lse``, or None where ``be`` cannot
+    take one and it is all zeros (it then changes no gradient): torch.compile's backward hands
+    in zeros for an lse that reached no loss, where eager autograd hands in None (before:
+    refused under compile alone). Reads one bool back from the device, only for such
+    backends given an lse gradient."""
+    if be.supports_delta or grad_lse is None:
+        return grad_lse
+    return grad_lse if bool(grad_lse.any()) else None
 
 
 def attention_backward(be: AttentionBackend, q, k, v, out, lse, softmax_scale: float,

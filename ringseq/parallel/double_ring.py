@@ -45,7 +45,7 @@ from ..engine.placement import (Placement, group_from_key, group_key, layout_fro
 from ..engine.plan import PlannedTask, RingPlan, make_plan
 from ..engine.ring import Ring, get_ring, meet_as_failed, refuse_on_error
 from ..kernels import AttentionBackend, compute_delta
-from ..kernels.grad import nonzero_or_none
+from ..kernels.grad import lse_grad_for
 from ..kernels.merge import merge_into
 from ..layouts import AttnMask, Layout, layout_field, masked_tasks
 from ..layouts.base import layout_cached, values_key
@@ -222,8 +222,7 @@ class DoubleRingPlacement(Placement):
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         with refuse_on_error(self.ring_group, BWD):
-            if not spec.backend.supports_delta:  # (compiled: zeros for an lse no loss reached)
-                dlse = nonzero_or_none(dlse)
+            dlse = lse_grad_for(spec.backend, dlse)  # (compiled: zeros for an unused lse)
             if dlse is not None:  # (RuntimeError for a kernel without lse gradients)
                 spec.backend.require_lse_grad(spec.fn)
             plan, outer, whole = self._plan(q, k, spec)

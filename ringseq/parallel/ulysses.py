@@ -54,7 +54,7 @@ from ..engine.placement import (LOCAL, Placement, group_from_key, group_key, pla
                                 register_placement)
 from ..engine.ring import get_ring, refuse_on_error, ring_size
 from ..kernels import accum_dtype
-from ..kernels.grad import nonzero_or_none
+from ..kernels.grad import lse_grad_for
 from ..ops import returns
 from ..spec import attn_spec, check_global_documents, check_self_attention, local_spans
 
@@ -222,8 +222,7 @@ class UlyssesPlacement(Placement):
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         with refuse_on_error(self.control_group, BWD):
             comm, U, rep, sig = self._setup(q, k, spec)
-            if not spec.backend.supports_delta:  # (compiled: zeros for an lse no loss reached)
-                dlse = nonzero_or_none(dlse)
+            dlse = lse_grad_for(spec.backend, dlse)  # (compiled: zeros for an unused lse)
             if dlse is not None:  # (RuntimeError for a kernel without lse gradients)
                 spec.backend.require_lse_grad(spec.fn)
             q_h, k_h, v_h, out_h, lse_h, *inner_saved = saved

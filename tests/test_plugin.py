@@ -341,6 +341,10 @@ def _error_cases(state_dict, ckpt_dir):
         _model(state_dict), criterion=_CrossEntropyWithZLoss()))
     out["loss_ignore_index"] = error_text(lambda: booster.boost(
         _model(state_dict), criterion=SequenceParallelLoss(ignore_index=-1)))
+    # a loss over the sequence-parallel group alone: each dp group's own mean (before: taken,
+    # and every gradient came out dp times too large)
+    out["loss_sp_group"] = error_text(lambda: booster.boost(
+        _model(state_dict), criterion=SequenceParallelLoss(group=booster.plugin.sp_group)))
     twice = _model(state_dict)
     booster.boost(twice)
     out["boost_twice"] = error_text(lambda: booster.boost(twice))
@@ -665,6 +669,11 @@ def test_misconfigurations_fail_on_every_rank(run):
             e["ce_subclass"] and "cannot be used as is" in e["ce_subclass"], e["ce_subclass"]
         assert e["loss_ignore_index"].startswith("ValueError: boost: criterion") and \
             "'ignore_index': -1" in e["loss_ignore_index"], e["loss_ignore_index"]
+        assert e["loss_sp_group"] == (
+            "ValueError: boost: criterion SequenceParallelLoss(ignore_index=-100, group of 2 "
+            "ranks) averages over a group of 2 ranks; the plugin's gradients are those of the "
+            "token mean over all 4 ranks (dp x sp x tp): pass criterion=None or "
+            "SequenceParallelLoss(group=None)"), e["loss_sp_group"]
         assert e["boost_twice"].startswith("ValueError: boost: this LlamaForCausalLM was "
                                            "already boosted (by this plugin"), e["boost_twice"]
         assert e["boost_compiled"] == (

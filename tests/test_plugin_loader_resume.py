@@ -191,6 +191,16 @@ def _worker(tmp):
     idiom_resumed.load_state_dict(idiom.state_dict())
     idiom_resumed.sampler.set_epoch(idiom_resumed.epoch)
     out["sampler_idiom_resumed"] = _batches(idiom_resumed)
+    # a loop that never calls set_epoch: each whole iteration moves to the next epoch, live
+    # as after a resume (before: live it repeated epoch 0's order, resumed it ran epoch 1's)
+    unset = loader()
+    out["unset_live"] = [_batches(unset), _batches(unset)]
+    out["unset_epoch"] = unset.epoch
+    unset = loader()
+    _batches(unset)
+    unset_resumed = loader()
+    unset_resumed.load_state_dict(unset.state_dict())
+    out["unset_resumed"] = _batches(unset_resumed)
     bad = loader()
     bad.sampler.set_epoch(-1 if rank == 1 else 0)
     out["sampler_epoch_bad"] = error_text(lambda: _batches(bad))
@@ -281,6 +291,13 @@ def test_an_epoch_left_with_break_is_not_resumed_after_the_next_epoch_is_set(w4)
         assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (2, 0, 2)
         state = r["kept_iterator_dropped"]
         assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (2, 1, 0)
+
+
+def test_a_loop_without_set_epoch_runs_the_epochs_a_resumed_run_runs(w4):
+    for r in w4:
+        assert r["unset_live"] == [r["full"][0], r["full"][1]]
+        assert r["unset_epoch"] == 2
+        assert r["unset_resumed"] == r["full"][1]
 
 
 def test_a_state_of_an_epoch_with_no_batches_keeps_its_epoch():

@@ -593,9 +593,17 @@ def test_documents_layout_takes_a_one_document_row():
         assert batch["max_length_q"] == 16
         assert batch["position_ids"].tolist() == [list(range(16))]
         assert batch["shift_labels"].tolist() == [list(range(1, 16)) + [-100]]
-    # positions that do not count from 0 are no document of a packed batch
-    with pytest.raises(ValueError, match="position_ids of a packed batch"):
+    # positions that do not count from 0 are no document of a packed batch: the message
+    # shows the first wrong position and says what a row without restarts is
+    with pytest.raises(ValueError, match=r"position_ids of a packed batch .* got 5 at token 0, "
+                                         r"expected 0 \(a one-row batch without cu_seq_lens_q "
+                                         r"whose position_ids never restart is one document"):
         ringseq.shard_batch({"input_ids": ids, "position_ids": torch.arange(5, 21)[None]},
+                            layout="documents")
+    with pytest.raises(ValueError, match=r"got 3 at token 5, expected 2 \(the document there "
+                                         r"starts at token 3\)$"):
+        ringseq.shard_batch({"input_ids": ids[:, :8],
+                             "position_ids": torch.tensor([[0, 1, 2, 0, 1, 3, 0, 1]])},
                             layout="documents")
     # position ids of another length are named (before: advice to pass cu_seqlens)
     with pytest.raises(ValueError, match=r"^shard_batch: batch\['position_ids'\] must have "

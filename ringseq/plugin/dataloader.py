@@ -143,7 +143,9 @@ class ShardedDataLoader:
         return self.loader.batch_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffles (with ``shuffle=True``) consistently on all ranks; call once per epoch.
+        """Reshuffles (with ``shuffle=True``) consistently on all ranks. An iteration that
+        hands out its whole epoch moves the loader to the next epoch by itself; set_epoch
+        chooses another.
 
         After an iteration (a whole one, or one left with ``break``), the loader stands at the
         start of ``epoch``, which its next iteration runs from its first batch:
@@ -169,6 +171,20 @@ class ShardedDataLoader:
         if isinstance(self.loader.sampler, DistributedSampler):
             self.loader.sampler.set_epoch(epoch)
 
+    def _epoch_ended(self, epoch: int, token: object) -> None:
+        """After the whole of ``epoch`` was handed out, the next iteration runs ``epoch + 1``
+        unless an epoch was set meanwhile: what a state saved now resumes (before, a loop that
+        never called set_epoch repeated the epoch's order live, and a resumed run followed the
+        next epoch's: other samples)."""
+        sampler = self.loader.sampler
+        if (self._current is not token or self._epoch_set_while_live or self._epoch != epoch
+                or (isinstance(sampler, DistributedSampler) and sampler.epoch != epoch)
+                or epoch + 1 >= INT64_LIMIT):
+            return
+        self._epoch = epoch + 1
+        if isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(epoch + 1)
+
     def _take_sampler_epoch(self, called: str) -> None:
         """Takes an epoch set on the DistributedSampler itself (``loader.sampler.set_epoch``,
         which orders the samples) as :meth:`set_epoch`: without it the loader kept saving
@@ -181,8 +197,9 @@ class ShardedDataLoader:
 
     @property
     def epoch(self) -> int:
-        """The epoch set last (:meth:`set_epoch`, on the sampler too, or restored by
-        :meth:`load_state_dict`)."""
+        """The epoch the next iteration runs: the one set last (:meth:`set_epoch`, on the
+        sampler too, or restored by :meth:`load_state_dict`), or the next one after an
+        iteration handed out all of it."""
         self._take_sampler_epoch("ShardedDataLoader.epoch")
         return self._epoch
 
@@ -417,6 +434,7 @@ class ShardedDataLoader:
                         f"batch this epoch (its dataset, {type(self.dataset).__name__}, yielded "
                         f"nothing): a training loop over it would do nothing")
                 if out is None:
+                    self._epoch_ended(epoch, token)
                     return
                 self.step += 1
                 batches += 1

@@ -641,6 +641,15 @@ class RingSequenceParallelPlugin(Plugin):
                 raise ValueError(f"boost: criterion {criterion!r} has {theirs}, the plugin "
                                  f"{mine}; pass criterion=None (the plugin builds its "
                                  f"SequenceParallelLoss) or make them equal")
+            # (a loss averaged over the sequence-parallel group alone gave each dp group its
+            # own loss, and gradients dp times too large: the plugin sums them over all ranks)
+            group = criterion.group
+            if group is not None and dist.get_world_size(group) != _world_size():
+                raise ValueError(f"boost: criterion {criterion!r} averages over a group of "
+                                 f"{dist.get_world_size(group)} ranks; the plugin's gradients "
+                                 f"are those of the token mean over all {_world_size()} ranks "
+                                 f"(dp x sp x tp): pass criterion=None or "
+                                 f"SequenceParallelLoss(group=None)")
         if getattr(criterion, "sequence_parallel_aware", False):
             return criterion
         # (a subclass with its own forward computes something else: refused below)

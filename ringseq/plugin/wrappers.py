@@ -1235,4 +1235,6 @@ class SequenceParallelLoss:
 
     def __repr__(self):
         tp = f", tp={self.tp_size}" if self.tp_size > 1 else ""
-        return f"SequenceParallelLoss(ignore_index={self.ignore_index}{tp})"
+        group = ("" if self.group is None else
+                 f", group of {dist.get_world_size(self.group)} ranks")
+        return f"SequenceParallelLoss(ignore_index={self.ignore_index}{tp}{group})"

@@ -61,6 +61,8 @@ def expected_bytes(b, s, h, h_kv, d, itemsize, U, R, I=None, acc_itemsize=4):
     a2a = (U - 1) * tok * (2 * h + 2 * h_kv * rep) * itemsize // U if U > 1 else 0
     # the forward's lse travels back with its output: acc_itemsize bytes per token and head
     a2a_lse = (U - 1) * (b * s // (U * R)) * h * acc_itemsize // U if U > 1 else 0
+    # both all-to-alls of each direction send each of the U - 1 peers the call's header too
+    a2a += 2 * (U - 1) * HEADER_BYTES if U > 1 else 0
     blk = 2 * tok * U * (h_kv * rep // U)  # K and V elements of one ring block
     I = I or R
     O = R // I

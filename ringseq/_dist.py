@@ -275,7 +275,8 @@ def set_consistency_check(mode=True) -> None:
     moves, so nothing hangs and nothing is computed from mismatched data.
     ``False`` / ``"off"``: no control collectives. Exchange headers still catch desynchronized
     steps (ranks a different number of ring calls apart, or under other call tags) on the rank
-    next to the one out of step (RingDesyncError), but ranks that disagree on sizes may hang
+    next to the one out of step (Ulysses: on its all-to-all peers) (RingDesyncError), but
+    ranks that disagree on sizes may hang
     or abort in the transport, a failing rank can leave its peers waiting until the ring
     timeout, and a rank that fails inside a call (it still completes the
     call's exchanges) can leave its peers with results that silently miss its part, e.g. dK/dV

@@ -163,7 +163,8 @@ def float_field_text(bits: int) -> str:
 # code and constants, not by the operator's implementation, so a graph compiled by a ringseq
 # whose operator saved other tensors would be reused (its backward then unpacks another list).
 # Raise it whenever the operator's fake outputs change.
-OPERATOR_FORMAT = 2  # 2: the ring placements save the control counts their backwards name
+OPERATOR_FORMAT = 3  # 2: the ring placements save the control counts their backwards name;
+#                     3: the Ulysses placement too
 _FORMAT_FIELD = f"format{OPERATOR_FORMAT}"
 
 

@@ -301,17 +301,28 @@ def _case_backward_tag():
     return {"backward": _capture(backward)}
 
 
-def _case_tags_with_checks_off():
+_LAYOUT_OF = {"ring": "zigzag", "ulysses": "contiguous"}  # (Ulysses takes sequence shards)
+
+
+def _attend(attn, q, k, v):
+    """Causal attention of the local shards through ``attn``: "ring" or "ulysses"."""
+    if attn == "ring":
+        return ringseq.ring_flash_attn_func(q, k, v, causal=True, layout="zigzag")
+    return ringseq.ulysses_attn_func(q, k, v, causal=True)
+
+
+def _case_tags_with_checks_off(attn):
     """With the checks off, ranks at alike calls under other tags (a step apart) raise
     RingDesyncError naming both tags, and the ring works again after reset_ring (before: the
-    exchange headers carried no tag and the ranks paired silently)."""
+    exchange headers carried no tag and the ranks paired silently; Ulysses' all-to-alls
+    carried no header until the forty-fourth session)."""
     rank, w = dist.get_rank(), dist.get_world_size()
     full = _full(8, 6 * w)
-    loc = [ringseq.shard(t, "zigzag") for t in full]
-    want = _reference_shards(full, "zigzag")[0]
+    loc = [ringseq.shard(t, _LAYOUT_OF[attn]) for t in full]
+    want = _reference_shards(full, _LAYOUT_OF[attn])[0]
 
     def call():
-        return ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag")
+        return _attend(attn, *loc)
     ringseq.set_consistency_check(False)
     try:
         with ringseq.call_tag(1 + rank):
@@ -324,24 +335,25 @@ def _case_tags_with_checks_off():
     return res
 
 
-def _case_backward_order():
+def _case_backward_order(attn):
     """Two alike calls (same shapes, same tag) whose backwards the ranks run in another
     order: every rank raises RingMismatchError naming the forwards, and the next call is exact
-    (before: the backwards paired, A's with B's, and every gradient was wrong, no error)."""
+    (before: the backwards paired, A's with B's, and every gradient was wrong, no error; in
+    Ulysses until the forty-fourth session, A's dout moved to B's head shards)."""
     rank, w = dist.get_rank(), dist.get_world_size()
+    layout = _LAYOUT_OF[attn]
     calls = {}
     with ringseq.call_tag(3):
         for name, seed in (("A", 21), ("B", 22)):
-            loc = [ringseq.shard(t, "zigzag").requires_grad_() for t in _full(seed, 6 * w)]
-            calls[name] = ringseq.ring_flash_attn_func(*loc, causal=True, layout="zigzag")
+            loc = [ringseq.shard(t, layout).requires_grad_() for t in _full(seed, 6 * w)]
+            calls[name] = _attend(attn, *loc)
     res = {}
     for name in ("AB" if rank == 0 else "BA"):
         res[name] = _capture(lambda: calls[name].sum().backward())
     full = _full(23, 6 * w)
-    loc = [ringseq.shard(t, "zigzag") for t in full]
-    want = _reference_shards(full, "zigzag")[0]
-    res["after"] = _capture(lambda: float((ringseq.ring_flash_attn_func(
-        *loc, causal=True, layout="zigzag") - want).abs().max()))
+    loc = [ringseq.shard(t, layout) for t in full]
+    want = _reference_shards(full, layout)[0]
+    res["after"] = _capture(lambda: float((_attend(attn, *loc) - want).abs().max()))
     return res
 
 
@@ -617,8 +629,10 @@ def _worker_w2(tmp):
            "threads": _case_threads(),
            "before_call": _case_failure_before_the_call(),
            "backward_tag": _case_backward_tag(),
-           "tags_checks_off": _case_tags_with_checks_off(),
-           "backward_order": _case_backward_order(),
+           "tags_checks_off": _case_tags_with_checks_off("ring"),
+           "tags_checks_off_ulysses": _case_tags_with_checks_off("ulysses"),
+           "backward_order": _case_backward_order("ring"),
+           "backward_order_ulysses": _case_backward_order("ulysses"),
            "empty_batch": _case_empty_batch(),
            "check_consistent": _case_check_consistent(),
            "compile": _case_compile(),
@@ -861,19 +875,22 @@ def test_backward_carries_its_forward_call_tag(w2):
         assert err < 1e-10
 
 
-def test_call_tags_are_compared_with_the_checks_off_too(w2):
+@pytest.mark.parametrize("attn", ["ring", "ulysses"])
+def test_call_tags_are_compared_with_the_checks_off_too(w2, attn):
     for rank, res in enumerate(w2):
-        r = res["tags_checks_off"]
+        r = res["tags_checks_off" + ("" if attn == "ring" else "_ulysses")]
         assert r["call"][0] == "RingDesyncError", r
         assert f"(tag {1 + rank})" in r["call"][1] and f"(tag {2 - rank})" in r["call"][1], r
         assert r["after"][0] == "ok" and r["after"][1] < 1e-12, r
 
 
-def test_backwards_run_in_another_order_raise_on_every_rank(w2):
+@pytest.mark.parametrize("attn", ["ring", "ulysses"])
+def test_backwards_run_in_another_order_raise_on_every_rank(w2, attn):
     for res in w2:
-        r = res["backward_order"]
+        r = res["backward_order" + ("" if attn == "ring" else "_ulysses")]
         for name in "AB":
             assert r[name][0] == "RingMismatchError", r
+            assert f"{attn}_" in r[name][1], r  # (the function named)
             assert "its forward (control count) (rank 0: " in r[name][1], r
             assert r[name][1].endswith("run the backwards of alike calls (same shapes and call "
                                        "tag) in the same order on every rank."), r

@@ -568,6 +568,7 @@ def _bytes_expected(case):
     tok = case["b"] * case["s"] // (U * R) * case["d"]  # elements per head of a rank's shard
     rep = kv_replication(hkv, U)
     a2a = 2 * (U - 1) * tok * (2 * h + 2 * hkv * rep) * e // U  # fwd (qkv, out) + bwd
+    a2a += 4 * (U - 1) * HEADER_BYTES  # the 4 all-to-alls send each peer the call's header
     if U > 1:  # the float32 lse comes back with the output, in the same all-to-all
         a2a += (U - 1) * case["b"] * case["s"] // (U * R) * h * 4 // U
     kv_blk = 2 * tok * U * (hkv * rep // U)  # elements of one ring block (K and V)

@@ -483,7 +483,8 @@ class RingCall:
         self._seq = None
         self._base = None
         self._bad = None
-        self._received: List[torch.Tensor] = []
+        #: (exchange index, received header, sender's name or None: the previous rank)
+        self._received: List[Tuple[int, torch.Tensor, Optional[str]]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> "RingCall":
@@ -602,11 +603,18 @@ class RingCall:
         header[HEADER_BASE_WORDS:] = 0
         return step
 
-    def check(self, header: torch.Tensor, step: int) -> None:
+    @property
+    def stamps_headers(self) -> bool:
+        """Whether this call's exchanges carry headers (after begin(), on a ring of several
+        ranks)."""
+        return self._base is not None
+
+    def check(self, header: torch.Tensor, step: int, sender: Optional[str] = None) -> None:
         """Compares a received header with this rank's view of exchange ``step`` (no host
-        synchronization: the verdict is read in end())."""
+        synchronization: the verdict is read in end()). ``sender``: who sent it, for the
+        message (None: the ring's previous rank)."""
         got = header.clone()
-        self._received.append(got)
+        self._received.append((step, got, sender))
         self._expect[4] = step  # (in stream order: the previous check has compared already)
         self._bad.logical_or_((got[:HEADER_BASE_WORDS] != self._expect).any())
 
@@ -617,7 +625,7 @@ class RingCall:
         ring = self.ring
         prev = getattr(ring.transport, "prev_rank", (ring.rank - 1) % ring.world_size)
         base = self._base.tolist()  # magic, seq, kind, signature, (exchange), tag
-        for step, got in enumerate(self._received):
+        for step, got, sender in self._received:
             g = got.tolist()  # magic, seq, kind, signature, exchange, tag
             if g[:4] != base[:4] or g[4] != step or g[5] != base[5]:
                 theirs = (f"a header of its {_call_name(g[2], g[1], g[5])} (signature {g[3]}) "
@@ -625,7 +633,8 @@ class RingCall:
                           "data without a ringseq header (foreign or corrupted)")
                 return (f"ringseq: ring desynchronized: rank {ring.rank} was at exchange {step} "
                         f"of its {_call_name(self.kind, self._seq, base[5])} (signature "
-                        f"{self.sig}) but the previous rank (global rank {prev}) sent {theirs}")
+                        f"{self.sig}) but "
+                        f"{sender or f'the previous rank (global rank {prev})'} sent {theirs}")
         return "ringseq: ring desynchronized (a received exchange header did not match)"
 
 

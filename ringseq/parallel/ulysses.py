@@ -48,7 +48,9 @@ import torch
 
 from .._args import autocast_inputs, check_returns
 from ..engine.counting import record
-from ..engine.integrity import ANY, BWD, FWD, operation_field
+from ..engine.loops import backward_signature
+from .._dist import global_rank
+from ..engine.integrity import ANY, BWD, FWD, HEADER_BYTES, operation_field
 from ..engine.op import run_attention
 from ..engine.placement import (LOCAL, Placement, group_from_key, group_key, placement_from_key,
                                 register_placement)
@@ -109,6 +111,14 @@ def _pieces(t: torch.Tensor, dim: int, degree: int):
     return t.unflatten(dim, (degree, t.shape[dim] // degree)).movedim(dim, 0)
 
 
+def _global_name(transport, u: int) -> str:
+    """``global rank N`` of member ``u`` of ``transport``'s group, for messages."""
+    try:
+        return f"global rank {global_rank(transport.group, u)}"
+    except Exception:  # noqa: BLE001  (a transport without a process group: the simulator)
+        return f"rank {u} of its group"
+
+
 def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
                call=None) -> List[torch.Tensor]:
     """One all-to-all over ``transport`` (degree ``U``) of several tensors of any dtypes in one
@@ -118,10 +128,14 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
     recorded as ``"all_to_all"``. With ``call`` (an open RingCall), a failure of this rank's
     packing or unpacking (an out-of-memory error) is recorded by the call's guard and the rank
     still takes part in the exchange (zeros, then zero outputs): the peers raise at the call's
-    end instead of waiting in the all-to-all."""
+    end instead of waiting in the all-to-all. Where the call stamps headers, each piece
+    carries the call's header ahead of its data (HEADER_BYTES), checked on arrival: with the
+    checks off these are all that finds a peer in another call, step or tag."""
     degree = transport.world_size
     guard = call.guard if call is not None else contextlib.nullcontext
-    layout, offset = [], 0
+    headers = call is not None and call.stamps_headers
+    start = HEADER_BYTES if headers else 0
+    layout, offset = [], start
     for t, sd, gd in moves:
         chunk = list(t.shape)
         chunk[sd] //= degree
@@ -139,9 +153,18 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
     if send is None:  # this rank failed: its part of the exchange is zeros
         send = torch.zeros((degree, offset), dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
-    if offset:  # nothing to move (an empty batch): the same on every rank (the signature)
+    if offset > start:  # nothing to move (an empty batch): the same on every rank (signature)
+        if headers:  # (a failed rank's too: its peers then learn of the failure at the end)
+            words = send[:, :HEADER_BYTES].view(torch.int64)  # (degree, HEADER_WORDS)
+            step = call.stamp(words[0])
+            words[1:] = words[0]
         record("all_to_all", send.numel() * (degree - 1) // degree)
         transport.all_to_all(send, recv)
+        if headers:
+            for u in range(degree):
+                if u != transport.rank:
+                    call.check(recv[u, :HEADER_BYTES].view(torch.int64), step,
+                               f"its all-to-all peer ({_global_name(transport, u)})")
     shapes = []
     for t, sd, gd, chunk, off, nbytes in layout:
         shape = list(chunk)
@@ -199,6 +222,7 @@ class UlyssesPlacement(Placement):
             if rep > 1:  # (b, s, h_kv * rep, d): each K/V head once per rank that reads it
                 k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
             ring = get_ring(self.control_group)
+        count = ring.control_count  # (which its backward names: loops.backward_signature)
         with ring.open_call(FWD, sig, q.device, name=spec.fn) as call:
             call.begin()
             # (b, s, heads, d) sequence shards -> (b, U * s, heads / U, d) head shards
@@ -217,7 +241,8 @@ class UlyssesPlacement(Placement):
             # out (b, U * s, h / U, d) -> (b, s, h, d); lse (b, h / U, U * s) -> (b, h, s)
             out, lse = all_to_all(comm, [(out_h, 1, 2), (lse_h, 2, 1)], call)
             call.end()
-        return out, lse, [q_h, k_h, v_h, out_h, lse_h, *inner_saved]
+        return out, lse, [torch.tensor(count, dtype=torch.int64),  # ()
+                          q_h, k_h, v_h, out_h, lse_h, *inner_saved]
 
     def backward(self, dout, dlse, q, k, v, out, lse, saved, spec):
         with refuse_on_error(self.control_group, BWD):
@@ -225,14 +250,17 @@ class UlyssesPlacement(Placement):
             dlse = lse_grad_for(spec.backend, dlse)  # (compiled: zeros for an unused lse)
             if dlse is not None:  # (RuntimeError for a kernel without lse gradients)
                 spec.backend.require_lse_grad(spec.fn)
-            q_h, k_h, v_h, out_h, lse_h, *inner_saved = saved
+            count, q_h, k_h, v_h, out_h, lse_h, *inner_saved = saved
             h_kv = k.shape[2]
             if dout is None:
                 dout = torch.zeros_like(out)
             ring = get_ring(self.control_group)
         # A gradient into lse moves with dout when any rank has one (zeros from the others:
         # exact, the lse term of the backward is then 0 for their rows); ranks may differ.
-        sig = sig + (("gradient into lse", dlse is not None, ANY),)
+        # The backward names its forward: ranks running the backwards of two alike calls in
+        # another order raise instead of pairing one's dout with the other's head shards.
+        sig = backward_signature(sig + (("gradient into lse", dlse is not None, ANY),),
+                                 int(count))
         with ring.open_call(BWD, sig, q.device, bind=False, name=spec.fn) as call:
             call.begin()
             with_dlse = call.any_rank("gradient into lse")
@@ -268,7 +296,7 @@ class UlyssesPlacement(Placement):
         q_h = q.new_empty((b, s * U, h // U, d))
         kv_h = k.new_empty((b, s * U, k.shape[2] * rep // U, d))
         lse_h = q.new_empty((b, h // U, s * U), dtype=accum_dtype(q.dtype))
-        return [q_h, kv_h, kv_h.clone(), q_h.clone(), lse_h,
+        return [torch.empty((), dtype=torch.int64), q_h, kv_h, kv_h.clone(), q_h.clone(), lse_h,
                 *self.inner.saved_like(q_h, kv_h, kv_h, spec)]
 
 

@@ -304,7 +304,8 @@ def _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale,
     # a window at least as wide as the cache is no window (flash-attn's rule, the kernel's too)
     lo, hi = (-1 if w >= s_c else w for w in window)
     # Not in place: the first term is (b, 1, s_c), the masks below broadcast it to (b, s_q, s_c).
-    vis = (j >= 0) & (j < k_len[:, None, None])
+    read = (j >= 0) & (j < k_len[:, None, None])  # (b, 1, s_c): the slots of this call's keys
+    vis = read
     if lo >= 0:
         vis = vis & (j >= i + off - lo)
     if hi >= 0:
@@ -314,6 +315,9 @@ def _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale,
     s = s.masked_fill(~vis[:, None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (b, h, s_q)
     p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
+    # The other slots may hold anything (torch.empty's NaN): their p is 0, but 0 * NaN is NaN
+    # (before: every output row NaN where the kernel, which never reads them, was exact)
+    v = v.masked_fill(~read[:, 0, :, None, None], 0)
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)  # (b, s_q, h, d), strides of the product's
     # (b, h, s_q, d): made contiguous like the kernel's (and flash-attn's) output
     return (out.to(dtype=acc if out_acc else q.dtype, memory_format=torch.contiguous_format),
@@ -357,8 +361,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             query at ``cache_seqlens`` (flash-attn's rule). Needs k and v.
         cache_seqlens: int, or (batch,) int32 tensor: each row's cache length before the new
             keys (None: the whole cache, ``seqlen_cache``; required with k and v).
-        cache_batch_idx: None (rows 0..batch-1) or (batch,) int32 indices into the cache rows.
-            With k and v, repeated indices given as ints or a CPU tensor are refused
+        cache_batch_idx: None (rows 0..batch-1) or a (batch,) int32 / int64 tensor of indices
+            into the cache rows (TypeError for ints or a list). With k and v, repeated indices
+            in a CPU tensor are refused
             (ValueError: two rows' keys would be written into one cache row); in a CUDA
             tensor they are not read back, and which row's keys end up stored is unspecified
             (as in flash-attn).
@@ -393,7 +398,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             and, when k and v are appended, for caches that share memory (one tensor as both,
             overlapping views of one buffer), a cache whose rows share memory (expanded /
             broadcast: a stride of 0) and a ``cache_batch_idx`` that names a row twice.
-            Index values given as ints or CPU tensors are checked; values in CUDA
+            Lengths given as ints, and values in CPU tensors, are checked; values in CUDA
             tensors are not read back (no synchronization): a row whose lengths or index are
             out of range gets NaN instead of reading outside the cache.
         NotImplementedError: ``block_table`` or ``alibi_slopes`` given.
@@ -578,6 +583,9 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
         group: the process group (None: default group; no process group: one rank).
         layout: "contiguous", "zigzag", "stripe" or a Layout (its positions must increase in
             each rank's local order, as the built-in ones do): how the prefill was sharded.
+            A layout bound to a packed prefill's documents (``Documents(cu_seqlens)``): the
+            query attends to its own document alone (positions from ``prefill_len`` on
+            continue the last one); then one query and at most one new token per call.
         softmax_scale, softcap, alibi_slopes (must be None), num_splits: as
             :func:`flash_attn_with_kvcache`.
         causal: queries are the LAST seqlen_q positions of the cache after the append; causal
@@ -728,6 +736,19 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
         raise NotImplementedError(f"{fn}: window_size {window} with seqlen_q = {s_q} > 1 is "
                                   f"not supported: pass one query per call, or "
                                   f"window_size=(-1, -1)")
+    doc_starts = None
+    if lay.documents is not None and len(lay.documents) > 2:
+        # The query sees its own document only: one lower bound on the keys' positions, which
+        # holds for one query whose new keys (at most itself) lie in its document. (Before:
+        # a decode after a packed prefill attended to every document, without a word.)
+        if s_q > 1 or s_new > 1:
+            raise NotImplementedError(
+                f"{fn}: layout {lay.name!r} holds {len(lay.documents) - 1} documents, whose "
+                f"tokens attend to their own document alone; that is supported for one query "
+                f"and at most one new token per call, got seqlen_q = {s_q}, seqlen_new = "
+                f"{s_new}")
+        doc_starts = torch.tensor(lay.documents[:-1], dtype=torch.long,
+                                  device=q.device)  # (documents,)
     lengths = _row_ints(fn, "cache_seqlens", cache_seqlens, b, q.device, allow_int=True)
     starts = (torch.zeros(b, dtype=torch.int32, device=q.device) if cache_leftpad is None else
               _row_ints(fn, "cache_leftpad", cache_leftpad, b, q.device))
@@ -776,7 +797,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
     return dict(q=q, kc=k_cache_shard, vc=v_cache_shard, k=k, v=v, lengths=lengths,
                 starts=starts, homes=homes, rank=rank, causal=causal, window=window,
                 softcap=softcap, scale=scale, rotary=(rotary_cos, rotary_sin,
-                rotary_interleaved), num_splits=num_splits,
+                rotary_interleaved), num_splits=num_splits, doc_starts=doc_starts,
                 return_lse=return_softmax_lse, signature=signature)
 
 
@@ -844,6 +865,11 @@ def _local_decode(plan, payload):
     first = starts.long()
     if window[0] >= 0:  # one query, at position lengths + s_new - 1
         first = torch.maximum(first, lengths.long() + s_new - 1 - window[0])
+    doc_starts = plan["doc_starts"]
+    if doc_starts is not None:  # one query, at that position: the start of its document
+        at = (lengths.long() + s_new - 1).clamp(min=0)  # (b,)
+        first = torch.maximum(first, doc_starts[torch.searchsorted(doc_starts, at, right=True)
+                                                - 1])
     end_old = lengths.long()
     local_end = homes.count(end_old).to(torch.int32)
     local_start = torch.minimum(homes.count(first), local_end.long()).to(torch.int32)

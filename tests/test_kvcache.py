@@ -214,6 +214,29 @@ def test_plain_torch_path_meets_the_same_rule(case, monkeypatch):
     run_flash_case(case, seed=5)
 
 
+@pytest.mark.parametrize("path", ["kernel", "plain torch"])
+def test_slots_the_call_does_not_read_may_hold_nan(path, monkeypatch):
+    """A cache made with torch.empty holds anything past each row's keys and before its left
+    pad: the output is that of a cache holding zeros there (before, on the plain-torch path:
+    every output row NaN, since 0 * NaN is NaN in p @ v)."""
+    if path == "plain torch":
+        monkeypatch.setattr(ringseq.kvcache, "_kernel_runs", lambda *args: False)
+    q, kc, vc = _decode_inputs(b=2, cap=40)
+    k, v = (torch.randn(2, 1, 2, 64, generator=torch.Generator().manual_seed(1))
+            for _ in range(2))
+    seqlens, leftpad = torch.tensor([10, 25], dtype=torch.int32), torch.tensor([0, 4])
+    outs = []
+    for fill in (0.0, float("nan"), float("inf")):
+        kf, vf = kc.clone(), vc.clone()
+        for row, (lo, hi) in enumerate(zip(leftpad.tolist(), seqlens.tolist())):
+            for t in (kf, vf):  # (the appended key lands at slot hi)
+                t[row, :lo], t[row, hi:] = fill, fill
+        outs.append(flash_attn_with_kvcache(q, kf, vf, k, v, cache_seqlens=seqlens,
+                                            cache_leftpad=leftpad, causal=True))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
 def test_signature_is_flash_attns():
     # flash-attn 2's flash_attn_interface.flash_attn_with_kvcache, parameter for parameter
     import ast
@@ -804,6 +827,51 @@ def _decode_layouts_that_differ():
     return [error_text(lambda: ring_flash_attn_with_kvcache(q, kc, kc.clone(), 48, layout=lay,
                                                             prefill_len=48))
             for lay in (Documents([0, 10, 48] if r == 0 else [0, 20, 48]), "documents")]
+
+
+def _decode_after_a_packed_prefill():
+    """One decode step over 2 ranks after a prefill of documents [0, 6) and [6, 16): row 0
+    continues the last document (position 16), row 1 writes position 4, in the first."""
+    import torch.distributed as dist
+
+    from ringseq.layouts import Documents, shard_local
+    from utils import error_text
+    rank, world, prefill = dist.get_rank(), 2, 16
+    lay = Documents([0, 6, 16])
+    g = torch.Generator().manual_seed(3)
+    K, V = (torch.randn(2, prefill + 1, 2, 8, generator=g, dtype=torch.float64)
+            for _ in range(2))  # (b, s, h_k, d)
+    q, k, v = (torch.randn(2, 1, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    kc = torch.zeros(2, prefill // world + 2, 2, 8, dtype=torch.float64)  # (b, cap, h_k, d)
+    vc = torch.zeros_like(kc)
+    kc[:, :prefill // world] = shard_local(K[:, :prefill], lay, world, rank)
+    vc[:, :prefill // world] = shard_local(V[:, :prefill], lay, world, rank)
+    lengths = torch.tensor([16, 4], dtype=torch.int32)
+    out = ring_flash_attn_with_kvcache(q, kc, vc, lengths, k, v, layout=lay,
+                                       prefill_len=prefill)
+    # the float64 reference: each row's query over its own document's keys, itself included
+    want = []
+    for row, (start, end) in enumerate([(6, 16), (0, 4)]):
+        keys = torch.cat((K[row, start:end], k[row]))  # (keys, h_k, d)
+        vals = torch.cat((V[row, start:end], v[row]))
+        p = torch.einsum("hd,khd->hk", q[row, 0], keys).mul(8 ** -0.5).softmax(-1)
+        want.append(torch.einsum("hk,khd->hd", p, vals))
+    two = error_text(lambda: ring_flash_attn_with_kvcache(
+        q.expand(2, 2, 2, 8), kc, vc, lengths, k.expand(2, 2, 2, 8), v.expand(2, 2, 2, 8),
+        layout=lay, prefill_len=prefill))
+    return float((out[:, 0] - torch.stack(want)).abs().max()), two
+
+
+def test_a_decode_after_a_packed_prefill_attends_to_its_own_document():
+    """(Before: a Documents(cu_seqlens) layout was taken for the placement alone, and the
+    query attended to every document: 1.13 off in float64.)"""
+    for err, two in run_ranks(_decode_after_a_packed_prefill, 2, timeout=120,
+                              env={"RINGSEQ_TIMEOUT": "20"}):
+        assert err < 1e-12, err
+        assert two.startswith("NotImplementedError: ring_flash_attn_with_kvcache: layout "
+                              "'documents' holds 2 documents, whose tokens attend to their own "
+                              "document alone; that is supported for one query and at most one "
+                              "new token per call, got seqlen_q = 2, seqlen_new = 2"), two
 
 
 def test_a_ring_decode_names_its_layouts_documents_and_a_per_batch_layout():

@@ -549,3 +549,78 @@ def test_attention_modules_without_a_scale_attribute_are_named():
                                          r"modules .*; its ModernBertAttention modules hold no "
                                          r"`scaling` attribute$"):
         apply(model)
+
+
+def _gemma3_two_layer_types():
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **SMALL, head_dim=16, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"])).eval()
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=128, attn_pdrop=0.0, resid_pdrop=0.0,
+        embd_pdrop=0.0)).eval()
+
+
+def _per_type_mask_and_labels_ranks():
+    import torch.distributed as dist
+
+    import ringseq
+    from ringseq.integrations.transformers import apply
+    rank, ids = dist.get_rank(), _ids()[:1, :16]
+    gemma = apply(_gemma3_two_layer_types(), layout="contiguous")
+    batch = ringseq.shard_batch({"input_ids": ids}, layout="contiguous")
+    mask = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril()[:, :, 8 * rank:8 * rank + 8]
+    mask[..., :3] = False  # (this rank's rows of a 4D mask: the first 3 keys hidden)
+    out = {"mask for the second layer type": error_text(lambda: gemma(
+        **batch, attention_mask={"sliding_attention": None, "full_attention": mask},
+        use_cache=False))}
+    gpt2 = apply(_gpt2(), layout="contiguous")
+    out["gpt2 labels"] = error_text(lambda: gpt2(**batch, labels=batch["input_ids"],
+                                                 use_cache=False))
+    return out
+
+
+def test_masks_per_layer_type_and_a_default_causal_loss_are_checked_over_a_ring():
+    """At W=2:
+    - a mask given per layer type (transformers takes {"full_attention": ...,
+      "sliding_attention": ...}) is checked for each type (before: at the first layer only,
+      and a 4D mask for the second type was dropped without a word: 4.56 off);
+    - labels given to GPT-2, whose loss type transformers maps to the causal-LM loss by
+      default, are refused (before: only loss_type "ForCausalLM" was, and each rank computed
+      another, wrong loss)."""
+    for r in run_ranks(_per_type_mask_and_labels_ranks, 2, timeout=180):
+        assert r["mask for the second layer type"].startswith(
+            "ValueError: Gemma3Attention: ringseq attention cannot compute this exactly: a 4D "
+            "attention mask of shape (1, 1, 8, 16)"), r
+        assert r["gpt2 labels"].startswith(
+            "ValueError: GPT2Attention: ringseq attention cannot compute this exactly: labels "
+            "passed to the model over 2 ranks"), r
+
+
+def test_per_layer_kv_heads_are_no_error_of_apply():
+    """Gemma 4 configs whose full-attention layers have their own K/V head count (transformers
+    raises its RuntimeError when the count is read as one): apply switches the model, and it
+    computes what eager attention does (before: apply raised transformers' error)."""
+    from ringseq.integrations.transformers import apply
+    cfg = transformers.Gemma4TextConfig(
+        **SMALL, head_dim=16, global_head_dim=32,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"], attention_k_eq_v=True,
+        num_global_key_value_heads=1)
+    ids = _ids()[:1, :12]
+    logits = {}
+    for dtype in (torch.float64, torch.float32):
+        torch.manual_seed(0)
+        model = transformers.Gemma4ForCausalLM(cfg).to(dtype).eval()
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            logits[dtype] = model(ids, use_cache=False).logits
+    apply(model)  # (the float32 model)
+    with torch.no_grad():
+        got = model(ids, use_cache=False).logits
+    assert_close_per_design(got, logits[torch.float64], logits[torch.float32], "logits", 2.0,
+                            scaled_floor(torch.float32, logits[torch.float64]))

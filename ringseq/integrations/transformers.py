@@ -578,8 +578,22 @@ def _capture_documents(module, args, kwargs):
         settings._logits_kept = (None if kept is None or (isinstance(kept, int) and kept == 0)
                                  else kept)
         # (a causal LM's loss shifts the labels; other heads' per-token losses do not)
-        settings._labels_given = (kwargs.get("labels") is not None
-                                  and getattr(module, "loss_type", None) == "ForCausalLM")
+        settings._labels_given = kwargs.get("labels") is not None and _shifts_labels(module)
+
+
+def _shifts_labels(model) -> bool:
+    """Whether ``model``'s own loss is transformers' causal-LM loss, which shifts the labels:
+    its ``loss_type`` maps to it, or it has none, or an unknown one (transformers then falls
+    back to it: GPT-2's heads, decoder-only ``*ForConditionalGeneration`` models; before,
+    only "ForCausalLM" was seen, and their labels gave each rank another, wrong loss).
+    Encoder-decoder models compute their own, per-token loss."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    loss = getattr(model, "_loss_function", None)  # (set through the loss_function setter)
+    if loss is None:
+        loss = LOSS_MAPPING.get(getattr(model, "loss_type", None), ForCausalLMLoss)
+    return loss is ForCausalLMLoss
 
 
 def _forget_documents(module, args, kwargs, output):
@@ -968,12 +982,25 @@ def _attention_modules(model: torch.nn.Module):
             and id(getattr(m, "config", None)) not in towers]
 
 
+def config_heads(cfg) -> tuple:
+    """(num_attention_heads, num_key_value_heads) of a transformers config for the upfront
+    head checks; None for a count it has none of, or holds per layer (Gemma 4's per-layer
+    K/V heads: reading the attribute raises transformers' RuntimeError, which apply and boost
+    raised as it was). The attention calls check each layer's heads."""
+    def read(name):
+        try:
+            value = getattr(cfg, name, None)
+        except RuntimeError:  # (AmbiguousGlobalPerLayerAttributeError)
+            return None
+        return None if value is None else int(value)
+    return read("num_attention_heads"), read("num_key_value_heads")
+
+
 def _model_heads(model) -> tuple:
-    cfg = getattr(model, "config", None)
-    h = getattr(cfg, "num_attention_heads", None)
+    h, h_kv = config_heads(getattr(model, "config", None))
     if h is None:
         return None, None
-    return int(h), int(getattr(cfg, "num_key_value_heads", None) or h)
+    return h, h_kv or h
 
 
 def _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inner):
@@ -1082,10 +1109,16 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
                          f"transformers' AttentionInterface{found}")
     _check_ring_exact(model, modules)
     # each stack of attention layers (an encoder's, a decoder's self- and cross-attention:
-    # their names with the layer indices left out) checks its own inputs at every model call
+    # their names with the layer indices left out) checks its own inputs at every model call,
+    # each type of layer on its own: a model's masks may be keyed by layer type
+    # ({"full_attention": ..., "sliding_attention": ...}; before, over several ranks, a 4D mask
+    # given to the second type alone was never looked at, and ring attention dropped it)
     names = {id(m): n for n, m in model.named_modules()}
     for m in modules:
-        m._ringseq_stack = re.sub(r"\.\d+(?=\.|$)", ".*", names.get(id(m), ""))
+        kind = [str(getattr(m, a)) for a in ("layer_type", "attention_type", "is_sliding")
+                if getattr(m, a, None) is not None]
+        m._ringseq_stack = re.sub(r"\.\d+(?=\.|$)", ".*", names.get(id(m), "")) + (
+            f" [{', '.join(kind)}]" if kind else "")
     _check_whole_sequence_terms(model)
     _check_positions_exact(model, modules)
     _check_position_terms(model, modules)

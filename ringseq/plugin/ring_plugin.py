@@ -792,9 +792,8 @@ class RingSequenceParallelPlugin(Plugin):
             dataloader = self._dataloader(dataloader)
             dims = self.dims
             if is_transformers_model(model):
-                cfg = model.config
-                dims = dims.with_model(getattr(cfg, "num_attention_heads", None),
-                                       getattr(cfg, "num_key_value_heads", None), fn="boost")
+                from ..integrations.transformers import config_heads
+                dims = dims.with_model(*config_heads(model.config), fn="boost")
             plan = None
             if dims.tp_size > 1:
                 from ..parallel.tp import resolve_tp_plan

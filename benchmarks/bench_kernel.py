@@ -404,6 +404,13 @@ def parse_args(argv=None):
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
         p.error(f"--device takes cpu, cuda or cuda:N, got {args.device!r}")
+    # options that do nothing here are refused (before: taken, and silently ignored)
+    if device.type == "cpu" and args.tile_configs != "0":
+        p.error(f"--tile-configs {args.tile_configs}: tile configurations of the CUDA kernel; "
+                f"the CPU kernel has none (--device cpu)")
+    if (device.type != "cpu" or args.isa == "current") and args.sdpa_isa != "match":
+        p.error(f"--sdpa-isa {args.sdpa_isa}: applies to the per-level CPU run (--isa other "
+                f"than 'current', on CPU)")
     known = set(SDPA_PEERS) | set(BACKEND_NAMES)
     for option in ("backends", "ratio_to"):
         bad = [n for n in (getattr(args, option) or "").split(",") if n and n not in known]
@@ -709,6 +716,11 @@ def main(argv=None):
                            "core_probe_gflops": probe,
                            "args": {k: v for k, v in vars(args).items()}, "results": rows,
                            "failed_children": failed})
+    if rows and not shown:
+        # (e.g. --backends flash_attn on a CPU: before, an empty table and exit status 0)
+        print("FAILED: no row was timed: every backend asked for was skipped here (the reasons "
+              "above)", flush=True)
+        raise SystemExit(1)
     wrong = [r for r in rows if r.get("check") == "FAIL"]
     for r in wrong:
         # (the forward's error where it failed, else the gradients')

@@ -317,6 +317,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (
         os.environ.get("PYTHONWARNINGS"), "ignore:Failed to initialize NumPy")))
+    import torch
     import torch.distributed as dist
 
     import common
@@ -331,8 +332,16 @@ def main(argv=None):
         args.world_size = max(1, min(4, usable_cores()))
     check_args(args, launched, device)
     args.physical_cores = usable_cores()
-    args.threads_per_rank = args.threads_per_rank or 1
-    args.threads = threads_per_rank(args.threads_per_rank, args.world_size)
+    requested, args.threads_per_rank = args.threads_per_rank, args.threads_per_rank or 1
+    if launched and device.type == "cpu":
+        # Each launched rank is its own process: it runs (and the report states) its own torch
+        # thread count, --threads-per-rank where given, else the launcher's (torchrun sets
+        # OMP_NUM_THREADS=1). Before, the report stated the requested count, which no rank ran.
+        if requested:
+            torch.set_num_threads(requested)
+        args.threads = torch.get_num_threads()
+    else:
+        args.threads = threads_per_rank(args.threads_per_rank, args.world_size)
     del args.parser  # not picklable into the ranks
     if args.sp_mode is not None:
         from sp_modes import main_sp

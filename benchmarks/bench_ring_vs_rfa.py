@@ -164,6 +164,9 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.world_size < 2:  # (before: gloo's "Pair is not connected" inside ring-flash-attn)
         p.error(f"--world-size {a.world_size}: a ring needs 2 ranks or more")
+    if a.headdim > 256:  # (before: timed, with the stand-in of flash-attn's kernel)
+        p.error(f"--headdim {a.headdim}: flash-attn 2, ring-flash-attn's kernel, takes head "
+                f"dims up to 256")
     if a.seqlen % (2 * a.world_size):
         p.error(f"--seqlen {a.seqlen} must be a multiple of 2 x --world-size = "
                 f"{2 * a.world_size} (zigzag cuts the sequence into that many chunks)")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from common import (PeakMemory, attention_flops, cpu_header, environment, format_table,  # noqa: E402
                     init_launched_group, max_over_ranks, mib, progress, run_with_load, spot_check,
-                    spawn_cpu_ranks, threads_per_rank, time_ms, write_json)
+                    spawn_cpu_ranks, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq import commstats  # noqa: E402
@@ -180,7 +180,7 @@ def run_rank_sp(args, device):
 
 def report_sp(args, rows, device, load):
     world = args.world_size if not dist.is_initialized() else dist.get_world_size()
-    threads = threads_per_rank(args.threads_per_rank, world)
+    threads = args.threads  # (bench_ring's: what the ranks run, launched or spawned)
     layout = sp_layout_of(args)
     print(f"# bench_ring --sp-mode: total s={args.seqlen} b={args.batch} h={args.heads} "
           f"h_kv={args.heads_kv or args.heads} d={args.headdim} {args.dtype} on {device}, "
@@ -295,7 +295,7 @@ def main_sp(args, launched, device):
         progress(f"--sp-mode all: leaving out {', '.join(left_out)} (sizes that do not fit "
                  f"--world-size {world} and --heads {args.heads}, or the same as another mode "
                  f"here)")
-    threads = threads_per_rank(args.threads_per_rank, world)
+    threads = args.threads  # (bench_ring's: what the ranks run, launched or spawned)
     if launched:
         init_launched_group(device, args.timeout)
         rows, load = run_with_load(True, device, world * threads,

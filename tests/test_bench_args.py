@@ -66,6 +66,13 @@ _USAGE_CASES = [
     ("bench_kernel.py", ["--json", "/"], "--json: '/' ends in '/': a directory"),
     # (before: accepted; the kernels take 0..2)
     ("bench_kernel.py", ["--tile-configs", "0,5"], "--tile-configs: must be 0, 1 or 2"),
+    # (before: taken on CPU, and nothing done with them)
+    ("bench_kernel.py", ["--device", "cpu", "--tile-configs", "1"],
+     "--tile-configs 1: tile configurations of the CUDA kernel; the CPU kernel has none"),
+    ("bench_kernel.py", ["--device", "cpu", "--isa", "current", "--sdpa-isa", "native"],
+     "--sdpa-isa native: applies to the per-level CPU run"),
+    ("bench_ring_vs_rfa.py", ["--headdim", "288"], "--headdim 288: flash-attn 2, "
+     "ring-flash-attn's kernel, takes head dims up to 256"),
     # (before: tracebacks from the kernels, some after rows had been timed)
     ("bench_kernel.py", ["--softcap", "inf"], "--softcap: softcap must be a finite float"),
     ("bench_kernel.py", ["--softcap", "1e39"], "--softcap: softcap must be 0.0 (off) or within"),

@@ -309,3 +309,17 @@ def test_ratio_to_must_name_a_timed_peer():
         bench_kernel.parse_args(["--device", "cpu", "--backends", "ringseq", "--ratio-to",
                                  "torch_sdpa"])
     assert stop.value.code == 2
+
+
+def test_a_run_that_times_no_row_fails():
+    """Every backend asked for skipped here (flash_attn on a machine without it): exit status
+    1 naming it (before: an empty table and exit status 0)."""
+    import importlib.util
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed here: its rows are timed")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernel.py"),
+                           "--device", "cpu", "--isa", "current", "--backends", "flash_attn",
+                           "--seqlens", "64", "--headdims", "64", "--repeats", "1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "FAILED: no row was timed: every backend asked for was skipped here" in proc.stdout

@@ -265,16 +265,20 @@ if os.environ.get("RINGSEQ_TEST_FAULT_RANK"):
                                  ["--sp-mode", "ulysses"]], ids=["ring", "sp-mode"])
 def test_under_torchrun_the_report_says_how_busy_the_machine_was(tmp_path, job):
     """Under torchrun rank 0 subtracts every rank's CPU time from the machine's, as for
-    spawned ranks (before: no line about other processes, and null in the JSON)."""
+    spawned ranks (before: no line about other processes, and null in the JSON). The ranks
+    run --threads-per-rank's count, which the report states (before: the launcher's
+    OMP_NUM_THREADS ran, 2 here, while the report said 1)."""
     out = tmp_path / "ring.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", BENCH, "--seqlen", "512", *job,
-                           "--repeats", "1", "--json", str(out)],
+                           "--repeats", "1", "--threads-per-rank", "1", "--json", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="2"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "this run's ranks use 2" in proc.stdout, proc.stdout[-3000:]
-    _load_reported(proc.stdout, json.loads(out.read_text()))
+    report = json.loads(out.read_text())
+    assert report["environment"]["cpu_threads"] == 1, report["environment"]
+    _load_reported(proc.stdout, report)
 
 
 def test_a_wrong_result_on_one_rank_fails_the_spot_check(tmp_path):

@@ -17,6 +17,9 @@ def _refuse(q, dropout_p, window_size_left, window_size_right, softcap, alibi_sl
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError(f"peer stand-in: flash-attn 2 takes fp16 and bf16 inputs only, got "
                            f"{q.dtype}")
+    if q.shape[-1] > 256:  # (before: timed, a setup no flash-attn 2 installation runs)
+        raise RuntimeError(f"peer stand-in: flash-attn 2 takes head dims up to 256, got "
+                           f"{q.shape[-1]}")
     if dropout_p:
         raise NotImplementedError(f"peer stand-in: dropout_p={dropout_p}, only 0 is supported")
     if (window_size_left, window_size_right) != (-1, -1):

@@ -839,9 +839,12 @@ def test_model_heads_are_named_by_their_config_keys():
 
 def test_heads_that_cannot_be_split_raise():
     for e in _errors_of():
-        for key in ("heads5", "heads5_usp"):
+        # the degrees listed are those the group's ranks also take (before: [1, 5], and 5
+        # cannot be made of 2 or 4 ranks)
+        for key, ranks in (("heads5", 2), ("heads5_usp", 4)):
             assert e[key].startswith("ValueError"), e[key]
-            assert "=5" in e[key] and "degree of 2" in e[key] and "[1, 5]" in e[key], e[key]
+            assert "=5" in e[key] and "degree of 2" in e[key] and e[key].endswith(
+                f"degrees that divide it and the {ranks} sequence-parallel ranks: [1]"), e[key]
 
 
 def test_dropout_raises():
@@ -1151,3 +1154,47 @@ def test_a_documents_layout_keeps_its_documents_in_every_sp_mode():
                         t - s for t, s in zip(tokens, doc_start)], where
                     assert batch["shift_labels"][r] == [
                         -100 if t in ends else 48 * r + t + 1 for t in tokens], where
+
+
+def _ulysses_stall():
+    """Rank 1 stalls in its forward's kernel past the ring timeout (2 s): rank 0 waits in the
+    output's all-to-all. Then sp.reset() on every rank, and the next call."""
+    import time
+
+    import ringseq
+    from ringseq.kernels import base
+    rank = dist.get_rank()
+    ringseq.set_ring_timeout(2)
+    sp = ringseq.make_sp_groups(2)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    loc = [sp.shard(t, "contiguous") for t in (q, k, v)]
+    real = base.AttentionBackend.run_fwd
+
+    def stalled(self, *args, **kwargs):
+        time.sleep(5)
+        return real(self, *args, **kwargs)
+    if rank == 1:
+        base.AttentionBackend.run_fwd = stalled
+    try:
+        failed = error_text(lambda: ringseq.usp_attn_func(*loc, sp=sp, layout="contiguous"))
+    finally:
+        base.AttentionBackend.run_fwd = real
+    dist.barrier()
+    sp.reset()
+    out = ringseq.usp_attn_func(*loc, sp=sp, layout="contiguous")
+    want = sp.shard(ringseq.flash_attn_func(q, k, v, backend="reference"), "contiguous")
+    ringseq.set_ring_timeout(1800)
+    return failed, float((out - want).abs().max())
+
+
+def test_a_stalled_all_to_all_names_the_timeout_and_the_reset():
+    """(before: "lost its all-to-all peers" for a timeout, and reset_ring(group) alone as the
+    way back, which left the Ulysses group of a hybrid closed)"""
+    failed, err = run_ranks(_ulysses_stall, 2, timeout=120)[0]
+    assert failed.startswith("RingTimeoutError: ringseq: rank 0 waited more than 2 s for its "
+                             "all-to-all peers (global ranks [1]): a peer stalled, died or left "
+                             "the call (ringseq.set_ring_timeout changes the limit;"), failed
+    assert failed.endswith("for the groups of ringseq.make_sp_groups, sp.reset() on every rank "
+                           "resets each)"), failed
+    assert err < 1e-12, err

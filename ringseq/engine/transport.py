@@ -506,10 +506,15 @@ class RingComm(Transport):
             else:
                 dist.all_to_all_single(recv, send, group=self.group)
         except RuntimeError as exc:
+            # (before: "lost its all-to-all peers" for a timeout too, and only reset_ring's
+            # advice, which leaves a hybrid's Ulysses group closed)
+            what = (f"waited more than {ring_timeout():.0f} s for" if _timeout_exc(exc) else
+                    f"lost the connection ({type(exc).__name__}: {exc}) to")
             raise RingTimeoutError(
-                f"ringseq: {self.who()} lost its all-to-all peers ({self.describe_peers()}; "
-                f"{type(exc).__name__}: {exc}): a peer stalled, died or left the call "
-                f"({self.recovery()})") from exc
+                f"ringseq: {self.who()} {what} its all-to-all peers ({self.describe_peers()}): "
+                f"a peer stalled, died or left the call (ringseq.set_ring_timeout changes the "
+                f"limit; {self.recovery()}; for the groups of ringseq.make_sp_groups, "
+                f"sp.reset() on every rank resets each)") from exc
 
     # -- the control collective ----------------------------------------------------------------
     def control(self, words: torch.Tensor) -> Optional[torch.Tensor]:

@@ -84,11 +84,13 @@ def kv_replication(nheads_kv: int, degree: int) -> int:
 
 
 def ulysses_heads(nheads: int, nheads_kv: int, degree: int, what: str = "nheads",
-                  fn: str = "ulysses", what_kv: str = "nheads_kv") -> Tuple[int, int, int]:
+                  fn: str = "ulysses", what_kv: str = "nheads_kv",
+                  ranks: Optional[int] = None) -> Tuple[int, int, int]:
     """``(query heads per rank, K/V replication, K/V heads per rank)`` for a Ulysses degree.
 
     Raises ValueError (naming ``fn``) when ``degree`` does not divide ``nheads`` (naming both
-    and the degrees that divide ``nheads``) or ``nheads_kv`` does not divide ``nheads``."""
+    and the degrees that divide ``nheads``, and ``ranks``, the sequence-parallel ranks the
+    degree splits, where given) or ``nheads_kv`` does not divide ``nheads``."""
     if degree < 1:
         raise ValueError(f"{fn}: the Ulysses degree must be a positive integer, got {degree}")
     if nheads_kv < 1 or nheads % nheads_kv:
@@ -97,7 +99,9 @@ def ulysses_heads(nheads: int, nheads_kv: int, degree: int, what: str = "nheads"
         raise ValueError(
             f"{fn}: {what}={nheads} query heads cannot be split over a Ulysses degree of "
             f"{degree}: each rank of the all-to-all takes {what} / degree heads, so the degree "
-            f"must divide {nheads}; degrees that divide it: {valid_ulysses_degrees(nheads)}")
+            f"must divide {nheads}; degrees that divide it"
+            + (f" and the {ranks} sequence-parallel ranks" if ranks is not None else "")
+            + f": {valid_ulysses_degrees(nheads, ranks)}")
     rep = kv_replication(nheads_kv, degree)
     return nheads // degree, rep, nheads_kv * rep // degree
 
@@ -355,7 +359,7 @@ def ulysses_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causa
                          backend=backend, documents=cu_seqlens)
         check_self_attention(spec, q, k)
         degree = ring_size(group, fn)
-        ulysses_heads(q.shape[2], k.shape[2], degree, fn=fn)
+        ulysses_heads(q.shape[2], k.shape[2], degree, fn=fn, ranks=degree)
         check_global_documents(spec, degree, q.shape[1], layouts=False)
         spec = local_spans(spec, *(q.shape[1] * degree,) * 2)
     placement = LOCAL if degree == 1 else UlyssesPlacement(group, LOCAL)

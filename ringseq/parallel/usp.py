@@ -127,7 +127,8 @@ def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, 
                          documents=given.documents if cu_seqlens is None else cu_seqlens,
                          form=form)
         check_self_attention(spec, q, k, form)
-        ulysses_heads(q.shape[2], k.shape[2], U, fn=fn)
+        # (the degrees listed: those that also divide sp's ranks, which make_sp_groups takes)
+        ulysses_heads(q.shape[2], k.shape[2], U, fn=fn, ranks=U * R)
         part = q.shape[1] * U  # tokens of a ring part (after the all-to-all)
         # (in the caller's terms: q.shape[1] tokens on each of the U x R ranks)
         # (a ring of one runs the documents contiguously, whatever the layout)

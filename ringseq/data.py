@@ -51,20 +51,22 @@ def _packed_documents(batch: Mapping, b: int, s: int,
     check_cu_seqlens("shard_batch", "cu_seq_lens_q", docs, s, "the batch's length")
     if pos is not None:
         want = document_positions(docs, torch.arange(s, device=pos.device))
-        wrong = (pos.reshape(-1, s) != want).nonzero()  # (mismatches, 2): row, token
+        rows_of = pos.reshape(-1, s)  # (1, s), or (3, s) for M-RoPE's three rows
+        wrong = (rows_of != want).nonzero()  # (mismatches, 2): row, token
         if len(wrong):
             row, i = wrong[0].tolist()
             # (a row with neither restarts nor cu_seq_lens is one document: a chunk of a
             # longer sequence, positions 5, 6, ..., was refused as a wrongly packed batch)
             what = ("a one-row batch without cu_seq_lens_q whose position_ids never restart "
                     "is one document, positions 0 .. s-1; a chunk of a longer sequence takes "
-                    "another layout, e.g. zigzag" if docs == (0, s) and
-                    cu_q is None and cu_k is None else
+                    "another layout, e.g. zigzag" if docs == (0, s) and cu_q is None and
+                    cu_k is None and int(rows_of[row, 0]) != 0 else
                     f"the document there starts at token {max(d for d in docs if d <= i)}")
+            at = f"token {i} of position row {row}" if len(rows_of) > 1 else f"token {i}"
             raise ValueError(f"shard_batch: the position_ids of a packed batch must restart at "
                              f"0 in every document and count up by one (0, 1, 2, ... per "
-                             f"document); got {int(pos.reshape(-1, s)[row, i])} at token {i}, "
-                             f"expected {int(want[i])} ({what})")
+                             f"document); got {int(rows_of[row, i])} at {at}, expected "
+                             f"{int(want[i])} ({what})")
     return docs
 
 

@@ -737,7 +737,8 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
                                   f"not supported: pass one query per call, or "
                                   f"window_size=(-1, -1)")
     doc_starts = None
-    if lay.documents is not None and len(lay.documents) > 2:
+    if lay.documents is not None and len(lay.documents) > 2 and prefill_len:
+        # (prefill_len 0: the layout placed no token, and no document was prefilled)
         # The query sees its own document only: one lower bound on the keys' positions, which
         # holds for one query whose new keys (at most itself) lie in its document. (Before:
         # a decode after a packed prefill attended to every document, without a word.)

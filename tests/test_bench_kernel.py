@@ -323,3 +323,16 @@ def test_a_run_that_times_no_row_fails():
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "FAILED: no row was timed: every backend asked for was skipped here" in proc.stdout
+
+
+def test_a_per_level_run_whose_sdpa_child_skips_every_row_still_reports():
+    """The native-SDPA child takes no soft-cap: its rows are skipped, and ringseq's rows are
+    the run's result (a first version of the no-row failure failed the whole run there)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernel.py"),
+                           "--device", "cpu", "--isa", "baseline", "--sdpa-isa", "native",
+                           "--softcap", "30", "--seqlens", "64", "--headdims", "64", "--modes",
+                           "fwd", "--warmup", "0", "--repeats", "1", "--heads", "2",
+                           "--threads", "1"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no soft-cap in SDPA" in proc.stdout and "FAILED" not in proc.stdout

@@ -874,6 +874,19 @@ def test_a_decode_after_a_packed_prefill_attends_to_its_own_document():
                               "new token per call, got seqlen_q = 2, seqlen_new = 2"), two
 
 
+def test_a_documents_layout_with_nothing_prefilled_masks_nothing():
+    """prefill_len=0: the layout placed no token, so its documents hide none (a first version
+    of the document mask hid the keys before its last document's start)."""
+    from ringseq.layouts import Documents
+    g = torch.Generator().manual_seed(0)
+    kc, vc = (torch.randn(1, 20, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(1, 1, 2, 8, generator=g, dtype=torch.float64)
+    want = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), cache_seqlens=10)
+    got = ring_flash_attn_with_kvcache(q, kc, vc, 10, layout=Documents([0, 6, 16]),
+                                       prefill_len=0)
+    assert torch.equal(got, want)
+
+
 def test_a_ring_decode_names_its_layouts_documents_and_a_per_batch_layout():
     """(Before: a mismatch of Documents(cu) layouts showed "layout #<hash>" per rank, and
     layout="documents" was told to pass cu_seqlens, which this function does not take.)"""

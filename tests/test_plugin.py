@@ -947,3 +947,33 @@ def test_a_stateless_parameter_in_an_optimizer_file_is_refused_for_sharded_param
             "the optimizer file holds no state for 2 parameter(s)" in text and \
             "sharded=True" in text, text
         assert states == 0, states  # nothing applied
+
+
+def _estimate_around_a_forward_worker():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ringseq
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=64))
+    plugin = RingSequenceParallelPlugin(sp_size=2, zero_stage=2, precision="bf16")
+    model, *_ = Booster(plugin=plugin).boost(model)
+    before = plugin.estimate_memory(model, 64).total
+    batch = ringseq.shard_batch({"input_ids": torch.arange(32)[None] % 64},
+                                group=plugin.sp_group, layout=plugin.data_layout)
+    model.eval()
+    with torch.no_grad():  # (FSDP2 leaves its bfloat16 compute copies registered after it)
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    refused = error_text(lambda: plugin.estimate_memory(model, 64))
+    return before, refused, (plugin.estimate_memory(model, 64).total
+                             if refused == "no error" else None)
+
+
+def test_a_float32_model_under_fsdp_is_estimated_after_a_forward():
+    """FSDP2 registers its bf16 compute copies as the parameters between a forward and the
+    next step: the estimate reads the dtypes the model was boosted with (a first version of
+    the float32 check refused such a model as a bfloat16 one)."""
+    for before, refused, after in run_ranks(_estimate_around_a_forward_worker, 2, timeout=180):
+        assert refused == "no error" and after == before, (refused, before, after)

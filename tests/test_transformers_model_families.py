@@ -581,6 +581,20 @@ def _per_type_mask_and_labels_ranks():
     gpt2 = apply(_gpt2(), layout="contiguous")
     out["gpt2 labels"] = error_text(lambda: gpt2(**batch, labels=batch["input_ids"],
                                                  use_cache=False))
+    # an encoder-decoder makes its decoder inputs from the labels, shifted right within the
+    # rank's shard (before: wrong logits past the shard border, no error)
+    t5 = apply(_t5gemma(), layout="contiguous")
+    out["t5gemma labels alone"] = error_text(lambda: t5(
+        input_ids=batch["input_ids"].clamp(min=1), position_ids=batch["position_ids"],
+        labels=batch["input_ids"].clamp(min=1), use_cache=False))
+    # ELECTRA's pre-training head: no loss type, no generation, a per-token loss: taken
+    torch.manual_seed(0)
+    electra = apply(transformers.ElectraForPreTraining(transformers.ElectraConfig(
+        vocab_size=128, embedding_size=32, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)).eval(), layout="contiguous")
+    out["electra labels"] = error_text(lambda: electra(
+        **batch, labels=(batch["input_ids"] % 2).float()))
     return out
 
 
@@ -591,7 +605,8 @@ def test_masks_per_layer_type_and_a_default_causal_loss_are_checked_over_a_ring(
       and a 4D mask for the second type was dropped without a word: 4.56 off);
     - labels given to GPT-2, whose loss type transformers maps to the causal-LM loss by
       default, are refused (before: only loss_type "ForCausalLM" was, and each rank computed
-      another, wrong loss)."""
+      another, wrong loss), and to an encoder-decoder without decoder inputs; ELECTRA's
+      pre-training head, whose loss is per token, takes them."""
     for r in run_ranks(_per_type_mask_and_labels_ranks, 2, timeout=180):
         assert r["mask for the second layer type"].startswith(
             "ValueError: Gemma3Attention: ringseq attention cannot compute this exactly: a 4D "
@@ -599,6 +614,11 @@ def test_masks_per_layer_type_and_a_default_causal_loss_are_checked_over_a_ring(
         assert r["gpt2 labels"].startswith(
             "ValueError: GPT2Attention: ringseq attention cannot compute this exactly: labels "
             "passed to the model over 2 ranks"), r
+        assert r["t5gemma labels alone"].startswith(
+            "ValueError: T5GemmaSelfAttention: ringseq attention cannot compute this exactly: "
+            "labels passed to the model over 2 ranks: its own loss (or an encoder-decoder's "
+            "decoder inputs made from them)"), r
+        assert r["electra labels"] == "no error", r
 
 
 def test_per_layer_kv_heads_are_no_error_of_apply():

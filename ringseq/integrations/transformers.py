@@ -214,8 +214,9 @@ def _check_inputs_once(name: str, settings: RingSettings, layout, docs, attentio
         # that are not neighbours under zigzag, and averaged per rank: another loss on every
         # rank, without a word)
         problems.append(f"labels passed to the model over {world_size} ranks: its own loss "
-                        f"would shift each rank's shard of the labels within the shard and "
-                        f"average per rank; leave labels out of the model call and pass the "
+                        f"(or an encoder-decoder's decoder inputs made from them) would shift "
+                        f"each rank's shard of the labels within the shard and average per "
+                        f"rank; leave labels out of the model call and pass the "
                         f"shift_labels of ringseq.shard_batch to ringseq.sharded_cross_entropy "
                         f"(the plugin's criterion does)")
     refusal = getattr(attention_mask, "ringseq_refusal", None)  # set by ringseq_mask
@@ -578,21 +579,28 @@ def _capture_documents(module, args, kwargs):
         settings._logits_kept = (None if kept is None or (isinstance(kept, int) and kept == 0)
                                  else kept)
         # (a causal LM's loss shifts the labels; other heads' per-token losses do not)
-        settings._labels_given = kwargs.get("labels") is not None and _shifts_labels(module)
+        settings._labels_given = (kwargs.get("labels") is not None
+                                  and _shifts_labels(module, kwargs))
 
 
-def _shifts_labels(model) -> bool:
-    """Whether ``model``'s own loss is transformers' causal-LM loss, which shifts the labels:
-    its ``loss_type`` maps to it, or it has none, or an unknown one (transformers then falls
-    back to it: GPT-2's heads, decoder-only ``*ForConditionalGeneration`` models; before,
-    only "ForCausalLM" was seen, and their labels gave each rank another, wrong loss).
-    Encoder-decoder models compute their own, per-token loss."""
+def _shifts_labels(model, kwargs) -> bool:
+    """Whether labels given to ``model`` (with the call's other ``kwargs``) are shifted along
+    the sequence: its own loss is transformers' causal-LM loss (its ``loss_type`` maps to it,
+    or it has none, or an unknown one, which transformers falls back to, and it generates:
+    GPT-2's heads, decoder-only ``*ForConditionalGeneration`` models; before, only
+    "ForCausalLM" was seen, and their labels gave each rank another, wrong loss), or it is an
+    encoder-decoder model that makes its decoder inputs from them (no ``decoder_input_ids``:
+    they shift the labels right, within each rank's shard). A model without a generation head
+    and a loss type (ELECTRA's pre-training head) computes its own, per-token loss."""
+    from transformers import GenerationMixin
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return False
+        return (kwargs.get("decoder_input_ids") is None
+                and kwargs.get("decoder_inputs_embeds") is None)
     loss = getattr(model, "_loss_function", None)  # (set through the loss_function setter)
     if loss is None:
-        loss = LOSS_MAPPING.get(getattr(model, "loss_type", None), ForCausalLMLoss)
+        loss = LOSS_MAPPING.get(getattr(model, "loss_type", None),
+                                ForCausalLMLoss if isinstance(model, GenerationMixin) else None)
     return loss is ForCausalLMLoss
 
 

@@ -121,6 +121,9 @@ class ShardedDataLoader:
         self._current: Optional[object] = None
         self._epoch_set_while_live = False
         self._epoch = 0  # the epoch set last (set_epoch), which the next iteration runs
+        #: whether an epoch was ever set (set_epoch, the sampler's, a loaded state's): a loop
+        #: that never sets one repeats epoch 0's order, and its saved states resume that
+        self._epoch_set_ever = False
         #: the epoch of the latest iteration and the batches it handed out (None: none yet)
         self._iterated: Optional[LoaderPosition] = None
         #: a position inside an epoch that load_state_dict restored, for the next iteration
@@ -143,9 +146,7 @@ class ShardedDataLoader:
         return self.loader.batch_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffles (with ``shuffle=True``) consistently on all ranks. An iteration that
-        hands out its whole epoch moves the loader to the next epoch by itself; set_epoch
-        chooses another.
+        """Reshuffles (with ``shuffle=True``) consistently on all ranks; call once per epoch.
 
         After an iteration (a whole one, or one left with ``break``), the loader stands at the
         start of ``epoch``, which its next iteration runs from its first batch:
@@ -163,6 +164,7 @@ class ShardedDataLoader:
         Raises TypeError for an ``epoch`` that is not an int, ValueError for one below 0 or
         from 2**63 on (neither the sampler's seed nor a saved state takes it)."""
         epoch = _valid_epoch(epoch, "ShardedDataLoader.set_epoch")
+        self._epoch_set_ever = True
         if self._current is not None:  # (the running iteration goes on: saved as it stands)
             self._epoch_set_while_live = True
         else:
@@ -170,20 +172,6 @@ class ShardedDataLoader:
         self._epoch = epoch
         if isinstance(self.loader.sampler, DistributedSampler):
             self.loader.sampler.set_epoch(epoch)
-
-    def _epoch_ended(self, epoch: int, token: object) -> None:
-        """After the whole of ``epoch`` was handed out, the next iteration runs ``epoch + 1``
-        unless an epoch was set meanwhile: what a state saved now resumes (before, a loop that
-        never called set_epoch repeated the epoch's order live, and a resumed run followed the
-        next epoch's: other samples)."""
-        sampler = self.loader.sampler
-        if (self._current is not token or self._epoch_set_while_live or self._epoch != epoch
-                or (isinstance(sampler, DistributedSampler) and sampler.epoch != epoch)
-                or epoch + 1 >= INT64_LIMIT):
-            return
-        self._epoch = epoch + 1
-        if isinstance(sampler, DistributedSampler):
-            sampler.set_epoch(epoch + 1)
 
     def _take_sampler_epoch(self, called: str) -> None:
         """Takes an epoch set on the DistributedSampler itself (``loader.sampler.set_epoch``,
@@ -197,9 +185,8 @@ class ShardedDataLoader:
 
     @property
     def epoch(self) -> int:
-        """The epoch the next iteration runs: the one set last (:meth:`set_epoch`, on the
-        sampler too, or restored by :meth:`load_state_dict`), or the next one after an
-        iteration handed out all of it."""
+        """The epoch set last (:meth:`set_epoch`, on the sampler too, or restored by
+        :meth:`load_state_dict`)."""
         self._take_sampler_epoch("ShardedDataLoader.epoch")
         return self._epoch
 
@@ -223,13 +210,14 @@ class ShardedDataLoader:
                             f"its epochs end (and this loader's position) cannot be saved; "
                             f"save the position of the dataset's own stream instead") from None
         return state_of(LoaderPosition(self.step, position.epoch, position.batches),
-                        batches_per_epoch, loader_settings(self.loader))
+                        batches_per_epoch, loader_settings(self.loader), self._epoch_set_ever)
 
     def load_state_dict(self, state) -> None:
         """Restores :meth:`state_dict`'s position; collective (every rank, before iterating).
 
         The batch count continues from the saved one, and :attr:`epoch` becomes the saved
-        epoch (the next one when the saved epoch had ended). A state saved inside an epoch
+        epoch (the next one when the saved epoch had ended, unless the saving loader's epoch
+        was never set: its loop repeats the epoch). A state saved inside an epoch
         makes the next iteration hand out that epoch's remaining batches, the same samples
         the uninterrupted run would have trained on, without loading the others; it needs the
         plugin's sampler (a loader from ``prepare_dataloader`` or ``boost``) and the saved
@@ -261,6 +249,7 @@ class ShardedDataLoader:
         self.step = position.step
         self._current = None  # (an iterator from before the load no longer saves its place)
         self.set_epoch(position.epoch)
+        self._epoch_set_ever = state.get("epoch_set", True)
         self._iterated = None
         self._resume = position if position.batches else None
 
@@ -434,7 +423,6 @@ class ShardedDataLoader:
                         f"batch this epoch (its dataset, {type(self.dataset).__name__}, yielded "
                         f"nothing): a training loop over it would do nothing")
                 if out is None:
-                    self._epoch_ended(epoch, token)
                     return
                 self.step += 1
                 batches += 1

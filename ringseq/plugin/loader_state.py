@@ -63,13 +63,15 @@ def loader_settings(loader) -> dict:
             "dataset_length": len(loader.dataset) if hasattr(loader.dataset, "__len__") else -1}
 
 
-def state_of(position: LoaderPosition, batches_per_epoch: int, settings: dict) -> dict:
+def state_of(position: LoaderPosition, batches_per_epoch: int, settings: dict,
+             epoch_set: bool = True) -> dict:
     """The state dict of ``position`` in a loader of ``settings`` with ``batches_per_epoch``
     batches (plain ints and bools: torch.save, json and torch.distributed.checkpoint take it
-    as it is)."""
+    as it is); ``epoch_set``: whether the loader's epoch was ever set (see
+    :func:`read_loader_state`)."""
     return {"format": _FORMAT, "version": _VERSION, "step": position.step,
             "epoch": position.epoch, "batches_in_epoch": position.batches,
-            "batches_per_epoch": batches_per_epoch, **settings}
+            "batches_per_epoch": batches_per_epoch, "epoch_set": epoch_set, **settings}
 
 
 def _int_entry(state: Mapping, key: str) -> int:
@@ -91,7 +93,9 @@ def read_loader_state(state, settings: dict, resumable: bool) -> LoaderPosition:
     the loader draws the same samples for the same batch: ``resumable`` (the plugin's
     :class:`ResumableDistributedSampler`) and every setting equal to the saved one. A position
     at an epoch's start restores that epoch and the batch count under any settings; one at an
-    epoch's end, the next epoch.
+    epoch's end, the next epoch, or the same one again where the loader's epoch was never set
+    (``state["epoch_set"]`` False: its loop repeats the epoch's order, as DistributedSampler's
+    does without set_epoch; a state without the entry counts as set).
 
     Raises TypeError for a state that is not a mapping or an entry that is no int; ValueError
     for a negative entry, another format or version, a missing entry, more batches than its
@@ -110,6 +114,9 @@ def read_loader_state(state, settings: dict, resumable: bool) -> LoaderPosition:
         raise ValueError(f"{_LOAD}: state lacks {', '.join(map(repr, missing))}")
     position = LoaderPosition(_int_entry(state, "step"), _int_entry(state, "epoch"),
                               _int_entry(state, "batches_in_epoch"))
+    epoch_set = state.get("epoch_set", True)
+    if not isinstance(epoch_set, bool):
+        raise TypeError(f"{_LOAD}: state['epoch_set'] must be a bool, got {given(epoch_set)}")
     saved_per_epoch = _int_entry(state, "batches_per_epoch")
     if position.batches > min(position.step, saved_per_epoch):
         raise ValueError(f"{_LOAD}: state has {position.batches} batches handed out in its "
@@ -118,7 +125,9 @@ def read_loader_state(state, settings: dict, resumable: bool) -> LoaderPosition:
     if position.batches == 0:  # (first: an epoch of no batches has not ended before one)
         return position
     if position.batches == saved_per_epoch:  # the epoch ended: the next one starts afresh
-        return LoaderPosition(position.step, position.epoch + 1, 0)
+        # (a loop that never sets the epoch runs the same one again: before, its resumed run
+        # followed the next epoch's order, other samples than the uninterrupted run's)
+        return LoaderPosition(position.step, position.epoch + epoch_set, 0)
     if not resumable:
         raise ValueError(f"{_LOAD}: the state stopped after batch {position.batches} of "
                          f"{saved_per_epoch} in epoch {position.epoch}; resuming inside an "

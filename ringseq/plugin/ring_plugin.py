@@ -643,13 +643,14 @@ class RingSequenceParallelPlugin(Plugin):
                                  f"SequenceParallelLoss) or make them equal")
             # (a loss averaged over the sequence-parallel group alone gave each dp group its
             # own loss, and gradients dp times too large: the plugin sums them over all ranks)
-            group = criterion.group
-            if group is not None and dist.get_world_size(group) != _world_size():
-                raise ValueError(f"boost: criterion {criterion!r} averages over a group of "
-                                 f"{dist.get_world_size(group)} ranks; the plugin's gradients "
-                                 f"are those of the token mean over all {_world_size()} ranks "
-                                 f"(dp x sp x tp): pass criterion=None or "
-                                 f"SequenceParallelLoss(group=None)")
+            size = None if criterion.group is None else dist.get_world_size(criterion.group)
+            if size is not None and size != _world_size():
+                over = (f"a group of {size} ranks" if size > 0 else
+                        "a group this rank is not in")  # (-1 there)
+                raise ValueError(f"boost: criterion {criterion!r} averages over {over}; the "
+                                 f"plugin's gradients are those of the token mean over all "
+                                 f"{_world_size()} ranks (dp x sp x tp): pass criterion=None "
+                                 f"or SequenceParallelLoss(group=None)")
         if getattr(criterion, "sequence_parallel_aware", False):
             return criterion
         # (a subclass with its own forward computes something else: refused below)
@@ -908,6 +909,9 @@ class RingSequenceParallelPlugin(Plugin):
             dataloader.tag = step
         model = ModelWrapper(model, self.precision, self.reporter, step, reduced)
         model._reduction = reduction
+        # (before any forward: FSDP2 then registers its compute-dtype copies as the parameters)
+        model.param_dtypes = frozenset(p.dtype for p in user_model.parameters()
+                                       if p.is_floating_point())
         # The ranks a forward's collectives reach agree at the end of a forward under no_grad:
         # at zero stage 2/3 every rank (FSDP's all-gathers); at zero stage 0 those of its
         # model replica (the ring, tp), so that evaluating on one data-parallel group alone
@@ -1084,8 +1088,9 @@ class RingSequenceParallelPlugin(Plugin):
                              f"whose attention blocks allocate other temporaries (sdpa: 6-13 % "
                              f"more at 2048-8192 tokens in our measurement; reference: the s x "
                              f"s scores)")
-        other = sorted({str(p.dtype) for p in inner.parameters()
-                        if p.is_floating_point() and p.dtype != torch.float32})
+        dtypes = (model.param_dtypes if isinstance(model, ModelWrapper) else
+                  {p.dtype for p in inner.parameters() if p.is_floating_point()})
+        other = sorted(str(d) for d in dtypes if d != torch.float32)
         if other:
             raise ValueError(f"estimate_memory: the estimate models float32 parameters (the "
                              f"plugin's precision={self.precision.name!r} sets the compute "

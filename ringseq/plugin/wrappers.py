@@ -119,6 +119,9 @@ class ModelWrapper(nn.Module):
         self.tp_split = 1
         #: the plugin's activation checkpointing is on (transformers' on top is refused)
         self.checkpointed = False
+        #: the dtypes of the model's floating-point parameters as boost sharded them (FSDP2
+        #: swaps in its compute-dtype copies between a forward and its backward)
+        self.param_dtypes = frozenset()
         #: a forward under no_grad ends with the agreement of the ranks its collectives reach
         #: (``FailureReporter.forward_ended``, over ``no_grad_group``)
         self.agrees_after_no_grad_forward = False
@@ -1235,6 +1238,7 @@ class SequenceParallelLoss:
 
     def __repr__(self):
         tp = f", tp={self.tp_size}" if self.tp_size > 1 else ""
-        group = ("" if self.group is None else
-                 f", group of {dist.get_world_size(self.group)} ranks")
+        size = None if self.group is None else dist.get_world_size(self.group)
+        group = ("" if size is None else f", group of {size} ranks" if size > 0 else
+                 ", a group without this rank")  # (-1: this rank is not a member)
         return f"SequenceParallelLoss(ignore_index={self.ignore_index}{tp}{group})"

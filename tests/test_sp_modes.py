@@ -839,12 +839,14 @@ def test_model_heads_are_named_by_their_config_keys():
 
 def test_heads_that_cannot_be_split_raise():
     for e in _errors_of():
-        # the degrees listed are those the group's ranks also take (before: [1, 5], and 5
-        # cannot be made of 2 or 4 ranks)
-        for key, ranks in (("heads5", 2), ("heads5_usp", 4)):
+        # usp_attn_func lists the degrees its groups' ranks also take (before: [1, 5], and 5
+        # cannot be made of 4 ranks); ulysses_attn_func's degree is its group's size: every
+        # degree that divides the heads is a group it could run on
+        for key, tail in (("heads5", "degrees that divide it: [1, 5]"),
+                          ("heads5_usp", "degrees that divide it and the 4 sequence-parallel "
+                                         "ranks: [1]")):
             assert e[key].startswith("ValueError"), e[key]
-            assert "=5" in e[key] and "degree of 2" in e[key] and e[key].endswith(
-                f"degrees that divide it and the {ranks} sequence-parallel ranks: [1]"), e[key]
+            assert "=5" in e[key] and "degree of 2" in e[key] and e[key].endswith(tail), e[key]
 
 
 def test_dropout_raises():

@@ -631,8 +631,9 @@ class RingCall:
                 theirs = (f"a header of its {_call_name(g[2], g[1], g[5])} (signature {g[3]}) "
                           f"at exchange {g[4]}" if g[0] == _MAGIC else
                           "data without a ringseq header (foreign or corrupted)")
-                return (f"ringseq: ring desynchronized: rank {ring.rank} was at exchange {step} "
-                        f"of its {_call_name(self.kind, self._seq, base[5])} (signature "
+                # (who(): the group rank with its global rank where they differ, as the sender)
+                return (f"ringseq: ring desynchronized: {ring.transport.who()} was at exchange "
+                        f"{step} of its {_call_name(self.kind, self._seq, base[5])} (signature "
                         f"{self.sig}) but "
                         f"{sender or f'the previous rank (global rank {prev})'} sent {theirs}")
         return "ringseq: ring desynchronized (a received exchange header did not match)"

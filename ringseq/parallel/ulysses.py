@@ -27,13 +27,16 @@ Communication per rank per call, with ``b`` batch, ``s`` global length, ``d`` he
 bytes per element: forward ``(U - 1) / U * b * (s / U) * ((2 h + 2 h_kv * rep) * d * e + 4 h)``
 bytes (q, k, v in; out and the float32 lse back), backward the same plus ``4 h`` per token when
 a gradient flows into lse (dout in; dq, dk, dv back). Each direction is one all-to-all of one
-packed buffer, padded to 8-byte pieces.
+packed buffer, padded to 8-byte pieces, plus the call's 64-byte integrity header to each of the
+``U - 1`` peers in each all-to-all (checked where the consistency checks are off: there it is
+what finds a peer in another call, step or tag).
 
 The whole exchange is one placement of the engine (:class:`UlyssesPlacement`): two all-to-alls
 around any inner placement (the local kernel; the ring or the double ring in USP), run inside
 one custom operator and bracketed by the integrity protocol on the whole sequence-parallel
 group (begin/end agreement, a failing rank still completes both all-to-alls with zeros, so its
-peers raise instead of waiting; ``reset_ring`` rebuilds what a timeout broke). Windows,
+peers raise instead of waiting; ``reset_ring`` on the group, ``sp.reset()`` for the groups of
+``make_sp_groups``, rebuilds what a timeout broke). Windows,
 soft-capping and packed documents (global ``cu_seqlens``) work as in the ring: after the
 all-to-all each rank holds the whole sequence in global order, where they are plain spans.
 """
@@ -133,11 +136,14 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
     packing or unpacking (an out-of-memory error) is recorded by the call's guard and the rank
     still takes part in the exchange (zeros, then zero outputs): the peers raise at the call's
     end instead of waiting in the all-to-all. Where the call stamps headers, each piece
-    carries the call's header ahead of its data (HEADER_BYTES), checked on arrival: with the
-    checks off these are all that finds a peer in another call, step or tag."""
+    carries room for the call's header ahead of its data (HEADER_BYTES), stamped and checked
+    with the consistency checks off: there they are all that finds a peer in another call,
+    step or tag. (With the checks on, the call's begin compared all that, and reading the
+    headers' verdict would wait for the device at every call's end.)"""
     degree = transport.world_size
     guard = call.guard if call is not None else contextlib.nullcontext
     headers = call is not None and call.stamps_headers
+    verify = headers and not call.gathered
     start = HEADER_BYTES if headers else 0
     layout, offset = [], start
     for t, sd, gd in moves:
@@ -158,13 +164,15 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
         send = torch.zeros((degree, offset), dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
     if offset > start:  # nothing to move (an empty batch): the same on every rank (signature)
-        if headers:  # (a failed rank's too: its peers then learn of the failure at the end)
+        if verify:  # (a failed rank's too: its peers then learn of the failure at the end)
             words = send[:, :HEADER_BYTES].view(torch.int64)  # (degree, HEADER_WORDS)
             step = call.stamp(words[0])
             words[1:] = words[0]
+        elif headers:  # (no uninitialized bytes on the wire)
+            send[:, :HEADER_BYTES].zero_()
         record("all_to_all", send.numel() * (degree - 1) // degree)
         transport.all_to_all(send, recv)
-        if headers:
+        if verify:
             for u in range(degree):
                 if u != transport.rank:
                     call.check(recv[u, :HEADER_BYTES].view(torch.int64), step,
@@ -192,8 +200,9 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
 class UlyssesPlacement(Placement):
     """Two all-to-alls over ``group`` (degree ``U``) around the ``inner`` placement, bracketed
     by the integrity protocol on ``control_group`` (the whole sequence-parallel group, so a
-    refusal or failure on any rank of a 2-D group reaches every rank). Saves the head-sharded
-    q, k, v, out and lse (and the inner placement's own) for the backward."""
+    refusal or failure on any rank of a 2-D group reaches every rank). Saves the control
+    ring's count at the forward (which its backward names), the head-sharded q, k, v, out and
+    lse (and the inner placement's own) for the backward."""
 
     backward_reads_inputs = False  # it reads the head shards it saved
 
@@ -359,7 +368,7 @@ def ulysses_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale=None, causa
                          backend=backend, documents=cu_seqlens)
         check_self_attention(spec, q, k)
         degree = ring_size(group, fn)
-        ulysses_heads(q.shape[2], k.shape[2], degree, fn=fn, ranks=degree)
+        ulysses_heads(q.shape[2], k.shape[2], degree, fn=fn)
         check_global_documents(spec, degree, q.shape[1], layouts=False)
         spec = local_spans(spec, *(q.shape[1] * degree,) * 2)
     placement = LOCAL if degree == 1 else UlyssesPlacement(group, LOCAL)

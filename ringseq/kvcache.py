@@ -583,9 +583,10 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
         group: the process group (None: default group; no process group: one rank).
         layout: "contiguous", "zigzag", "stripe" or a Layout (its positions must increase in
             each rank's local order, as the built-in ones do): how the prefill was sharded.
-            A layout bound to a packed prefill's documents (``Documents(cu_seqlens)``): the
-            query attends to its own document alone (positions from ``prefill_len`` on
-            continue the last one); then one query and at most one new token per call.
+            A layout bound to a packed prefill's documents (``Documents(cu_seqlens)``), with
+            ``prefill_len`` > 0: the query attends to its own document alone (positions from
+            ``prefill_len`` on continue the last one); then one query and at most one new
+            token per call.
         softmax_scale, softcap, alibi_slopes (must be None), num_splits: as
             :func:`flash_attn_with_kvcache`.
         causal: queries are the LAST seqlen_q positions of the cache after the append; causal

@@ -201,6 +201,14 @@ def _worker(tmp):
     unset_resumed = loader()
     unset_resumed.load_state_dict(unset.state_dict())
     out["unset_resumed"] = _batches(unset_resumed)
+    out["unset_saved_again"] = unset_resumed.state_dict()["epoch_set"]
+    # the sampler idiom with the epoch the loader already has is a set epoch too
+    idiom0 = loader()
+    idiom0.sampler.set_epoch(0)
+    _batches(idiom0)
+    after_idiom0 = loader()
+    after_idiom0.load_state_dict(idiom0.state_dict())
+    out["idiom0_resumed_epoch"] = after_idiom0.epoch
     bad = loader()
     bad.sampler.set_epoch(-1 if rank == 1 else 0)
     out["sampler_epoch_bad"] = error_text(lambda: _batches(bad))
@@ -298,6 +306,8 @@ def test_a_loop_without_set_epoch_runs_the_epochs_a_resumed_run_runs(w4):
         assert r["unset_live"] == [r["full"][0], r["full"][0]]
         assert r["unset_epoch"] == 0
         assert r["unset_resumed"] == r["full"][0]
+        assert r["unset_saved_again"] is False  # (a resumed loop that never sets it either)
+        assert r["idiom0_resumed_epoch"] == 1
 
 
 def test_a_state_of_an_epoch_with_no_batches_keeps_its_epoch():

@@ -50,10 +50,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .._args import autocast_inputs, check_returns
-from ..engine.counting import record
-from ..engine.loops import backward_signature
 from .._dist import global_rank
+from ..engine.counting import record
 from ..engine.integrity import ANY, BWD, FWD, HEADER_BYTES, operation_field
+from ..engine.loops import backward_signature
 from ..engine.op import run_attention
 from ..engine.placement import (LOCAL, Placement, group_from_key, group_key, placement_from_key,
                                 register_placement)

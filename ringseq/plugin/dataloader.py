@@ -121,9 +121,6 @@ class ShardedDataLoader:
         self._current: Optional[object] = None
         self._epoch_set_while_live = False
         self._epoch = 0  # the epoch set last (set_epoch), which the next iteration runs
-        #: whether an epoch was ever set (set_epoch, the sampler's, a loaded state's): a loop
-        #: that never sets one repeats epoch 0's order, and its saved states resume that
-        self._epoch_set_ever = False
         #: the epoch of the latest iteration and the batches it handed out (None: none yet)
         self._iterated: Optional[LoaderPosition] = None
         #: a position inside an epoch that load_state_dict restored, for the next iteration
@@ -164,7 +161,6 @@ class ShardedDataLoader:
         Raises TypeError for an ``epoch`` that is not an int, ValueError for one below 0 or
         from 2**63 on (neither the sampler's seed nor a saved state takes it)."""
         epoch = _valid_epoch(epoch, "ShardedDataLoader.set_epoch")
-        self._epoch_set_ever = True
         if self._current is not None:  # (the running iteration goes on: saved as it stands)
             self._epoch_set_while_live = True
         else:
@@ -209,8 +205,15 @@ class ShardedDataLoader:
                             f"({type(self.loader.dataset).__name__}) has no length, so where "
                             f"its epochs end (and this loader's position) cannot be saved; "
                             f"save the position of the dataset's own stream instead") from None
+        # Whether the epoch was ever set (a loop that never sets it repeats epoch 0's order,
+        # which its state must resume) is known for the plugin's sampler, which records its
+        # set_epoch (this loader's and the sampler idiom's); another DistributedSampler's
+        # set_epoch to its current epoch leaves no trace: counted as set, as before.
+        sampler = self.loader.sampler
+        epoch_set = (sampler.epoch_set if isinstance(sampler, ResumableDistributedSampler)
+                     else True)
         return state_of(LoaderPosition(self.step, position.epoch, position.batches),
-                        batches_per_epoch, loader_settings(self.loader), self._epoch_set_ever)
+                        batches_per_epoch, loader_settings(self.loader), epoch_set)
 
     def load_state_dict(self, state) -> None:
         """Restores :meth:`state_dict`'s position; collective (every rank, before iterating).
@@ -249,7 +252,9 @@ class ShardedDataLoader:
         self.step = position.step
         self._current = None  # (an iterator from before the load no longer saves its place)
         self.set_epoch(position.epoch)
-        self._epoch_set_ever = state.get("epoch_set", True)
+        if isinstance(sampler, ResumableDistributedSampler):
+            # (whether the saving loader's epoch was ever set, not this set_epoch: state_dict)
+            sampler.epoch_set = state.get("epoch_set", True)
         self._iterated = None
         self._resume = position if position.batches else None
 

@@ -30,6 +30,13 @@ class ResumableDistributedSampler(DistributedSampler):
     also with worker processes)."""
 
     skip = 0
+    #: whether set_epoch was ever called (the same epoch as before too: ShardedDataLoader
+    #: cannot see that on the epoch itself)
+    epoch_set = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch_set = True
+        super().set_epoch(epoch)
 
     def __iter__(self):
         # (a generator: the skip is taken when the iteration starts. A DataLoader with worker

@@ -198,10 +198,16 @@ def _worker(tmp):
     out["unset_epoch"] = unset.epoch
     unset = loader()
     _batches(unset)
+    state = unset.state_dict()  # (the start of the epoch the loop runs again)
+    out["unset_state"] = (state["epoch"], state["batches_in_epoch"])
     unset_resumed = loader()
-    unset_resumed.load_state_dict(unset.state_dict())
+    unset_resumed.load_state_dict(state)
     out["unset_resumed"] = _batches(unset_resumed)
-    out["unset_saved_again"] = unset_resumed.state_dict()["epoch_set"]
+    unset_resumed.set_epoch(0)  # (set after the load: its end now resumes epoch 1)
+    _batches(unset_resumed)
+    after_set = loader()
+    after_set.load_state_dict(unset_resumed.state_dict())
+    out["unset_set_after_load"] = after_set.epoch
     # the sampler idiom with the epoch the loader already has is a set epoch too
     idiom0 = loader()
     idiom0.sampler.set_epoch(0)
@@ -306,7 +312,8 @@ def test_a_loop_without_set_epoch_runs_the_epochs_a_resumed_run_runs(w4):
         assert r["unset_live"] == [r["full"][0], r["full"][0]]
         assert r["unset_epoch"] == 0
         assert r["unset_resumed"] == r["full"][0]
-        assert r["unset_saved_again"] is False  # (a resumed loop that never sets it either)
+        assert r["unset_state"] == (0, 0), r["unset_state"]
+        assert r["unset_set_after_load"] == 1
         assert r["idiom0_resumed_epoch"] == 1
 
 

@@ -164,7 +164,7 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
         send = torch.zeros((degree, offset), dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
     if offset > start:  # nothing to move (an empty batch): the same on every rank (signature)
-        if verify:  # (a failed rank's too: its peers then learn of the failure at the end)
+        if verify:  # (a failed rank's zeros too: they still pair with the right call)
             words = send[:, :HEADER_BYTES].view(torch.int64)  # (degree, HEADER_WORDS)
             step = call.stamp(words[0])
             words[1:] = words[0]

@@ -205,22 +205,23 @@ class ShardedDataLoader:
                             f"({type(self.loader.dataset).__name__}) has no length, so where "
                             f"its epochs end (and this loader's position) cannot be saved; "
                             f"save the position of the dataset's own stream instead") from None
-        # Whether the epoch was ever set (a loop that never sets it repeats epoch 0's order,
-        # which its state must resume) is known for the plugin's sampler, which records its
-        # set_epoch (this loader's and the sampler idiom's); another DistributedSampler's
-        # set_epoch to its current epoch leaves no trace: counted as set, as before.
         sampler = self.loader.sampler
-        epoch_set = (sampler.epoch_set if isinstance(sampler, ResumableDistributedSampler)
-                     else True)
+        if (position.batches and position.batches == batches_per_epoch
+                and isinstance(sampler, ResumableDistributedSampler) and not sampler.epoch_set):
+            # A loop that never set the epoch runs the ended one again (DistributedSampler's
+            # order without set_epoch): its next iteration starts that epoch, which a state
+            # that says it ended would resume as the next (before: other samples than the
+            # uninterrupted run's). The plugin's sampler records its set_epoch (this loader's
+            # and the sampler idiom's); other samplers' states assume the next epoch is set.
+            position = LoaderPosition(position.step, position.epoch, 0)
         return state_of(LoaderPosition(self.step, position.epoch, position.batches),
-                        batches_per_epoch, loader_settings(self.loader), epoch_set)
+                        batches_per_epoch, loader_settings(self.loader))
 
     def load_state_dict(self, state) -> None:
         """Restores :meth:`state_dict`'s position; collective (every rank, before iterating).
 
         The batch count continues from the saved one, and :attr:`epoch` becomes the saved
-        epoch (the next one when the saved epoch had ended, unless the saving loader's epoch
-        was never set: its loop repeats the epoch). A state saved inside an epoch
+        epoch (the next one when the saved epoch had ended). A state saved inside an epoch
         makes the next iteration hand out that epoch's remaining batches, the same samples
         the uninterrupted run would have trained on, without loading the others; it needs the
         plugin's sampler (a loader from ``prepare_dataloader`` or ``boost``) and the saved
@@ -253,8 +254,7 @@ class ShardedDataLoader:
         self._current = None  # (an iterator from before the load no longer saves its place)
         self.set_epoch(position.epoch)
         if isinstance(sampler, ResumableDistributedSampler):
-            # (whether the saving loader's epoch was ever set, not this set_epoch: state_dict)
-            sampler.epoch_set = state.get("epoch_set", True)
+            sampler.epoch_set = False  # (this set_epoch is the load's, not the loop's)
         self._iterated = None
         self._resume = position if position.batches else None
 

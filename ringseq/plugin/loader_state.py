@@ -30,8 +30,8 @@ class ResumableDistributedSampler(DistributedSampler):
     also with worker processes)."""
 
     skip = 0
-    #: whether set_epoch was ever called (the same epoch as before too: ShardedDataLoader
-    #: cannot see that on the epoch itself)
+    #: whether the loop called set_epoch since the loader was made or loaded (the same epoch
+    #: as before too, which ShardedDataLoader cannot see on the epoch itself)
     epoch_set = False
 
     def set_epoch(self, epoch: int) -> None:
@@ -70,15 +70,13 @@ def loader_settings(loader) -> dict:
             "dataset_length": len(loader.dataset) if hasattr(loader.dataset, "__len__") else -1}
 
 
-def state_of(position: LoaderPosition, batches_per_epoch: int, settings: dict,
-             epoch_set: bool = True) -> dict:
+def state_of(position: LoaderPosition, batches_per_epoch: int, settings: dict) -> dict:
     """The state dict of ``position`` in a loader of ``settings`` with ``batches_per_epoch``
     batches (plain ints and bools: torch.save, json and torch.distributed.checkpoint take it
-    as it is); ``epoch_set``: whether the loader's epoch was ever set (see
-    :func:`read_loader_state`)."""
+    as it is)."""
     return {"format": _FORMAT, "version": _VERSION, "step": position.step,
             "epoch": position.epoch, "batches_in_epoch": position.batches,
-            "batches_per_epoch": batches_per_epoch, "epoch_set": epoch_set, **settings}
+            "batches_per_epoch": batches_per_epoch, **settings}
 
 
 def _int_entry(state: Mapping, key: str) -> int:
@@ -100,9 +98,7 @@ def read_loader_state(state, settings: dict, resumable: bool) -> LoaderPosition:
     the loader draws the same samples for the same batch: ``resumable`` (the plugin's
     :class:`ResumableDistributedSampler`) and every setting equal to the saved one. A position
     at an epoch's start restores that epoch and the batch count under any settings; one at an
-    epoch's end, the next epoch, or the same one again where the loader's epoch was never set
-    (``state["epoch_set"]`` False: its loop repeats the epoch's order, as DistributedSampler's
-    does without set_epoch; a state without the entry counts as set).
+    epoch's end, the next epoch.
 
     Raises TypeError for a state that is not a mapping or an entry that is no int; ValueError
     for a negative entry, another format or version, a missing entry, more batches than its
@@ -121,9 +117,6 @@ def read_loader_state(state, settings: dict, resumable: bool) -> LoaderPosition:
         raise ValueError(f"{_LOAD}: state lacks {', '.join(map(repr, missing))}")
     position = LoaderPosition(_int_entry(state, "step"), _int_entry(state, "epoch"),
                               _int_entry(state, "batches_in_epoch"))
-    epoch_set = state.get("epoch_set", True)
-    if not isinstance(epoch_set, bool):
-        raise TypeError(f"{_LOAD}: state['epoch_set'] must be a bool, got {given(epoch_set)}")
     saved_per_epoch = _int_entry(state, "batches_per_epoch")
     if position.batches > min(position.step, saved_per_epoch):
         raise ValueError(f"{_LOAD}: state has {position.batches} batches handed out in its "
@@ -132,9 +125,7 @@ def read_loader_state(state, settings: dict, resumable: bool) -> LoaderPosition:
     if position.batches == 0:  # (first: an epoch of no batches has not ended before one)
         return position
     if position.batches == saved_per_epoch:  # the epoch ended: the next one starts afresh
-        # (a loop that never sets the epoch runs the same one again: before, its resumed run
-        # followed the next epoch's order, other samples than the uninterrupted run's)
-        return LoaderPosition(position.step, position.epoch + epoch_set, 0)
+        return LoaderPosition(position.step, position.epoch + 1, 0)
     if not resumable:
         raise ValueError(f"{_LOAD}: the state stopped after batch {position.batches} of "
                          f"{saved_per_epoch} in epoch {position.epoch}; resuming inside an "

@@ -31,7 +31,8 @@ the loss. There ``--dtype`` is the plugin's precision (autocast over float32 wei
 the dtype of the weights, and the run also prints ``plugin.estimate_memory`` (ringseq.memory)
 next to the measured peak per rank (on GPUs ``torch.cuda.max_memory_allocated``; on CPUs the
 resident-set high-water mark, which is no tensor count: benchmarks/memory_check.py compares the
-estimate with MemTracker instead).
+estimate with MemTracker instead; with a ``--backend`` the estimate does not model it prints
+why there is none).
 
 ``--sp N --tp T --zero Z --ac`` (any of them implies ``--plugin``) compose tensor parallelism
 (DTensor, Megatron sequence parallelism), FSDP2 (zero_stage 2/3) and activation checkpointing

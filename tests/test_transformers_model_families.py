@@ -469,6 +469,13 @@ def _deepseek(dtype=torch.float32):
         experts_implementation="eager")).to(dtype).eval()
 
 
+def _assert_inexact(results: dict, key: str, module: str, what: str) -> None:
+    """``results[key]`` is the refusal, on this rank, of a call ring attention would not
+    compute exactly, by ``module`` (the attention class), starting with ``what``."""
+    assert results[key].startswith(f"ValueError: {module}: ringseq attention cannot compute "
+                                   f"this exactly: {what}"), results
+
+
 def _encoder_decoder_and_latent_ranks():
     import ringseq
     from ringseq.integrations.transformers import apply
@@ -526,15 +533,12 @@ def test_encoder_decoder_windows_latent_attention_and_labels_over_a_ring():
         for name, (want64, plain) in wants.items():
             assert_close_per_design(r[name], want64, plain, f"rank {rank} {name} logits", 2.0,
                                     scaled_floor(torch.float32, want64))
-        assert r["decoder positions left out"].startswith(
-            "ValueError: T5GemmaSelfAttention: ringseq attention cannot compute this exactly: "
-            "position_ids that are not the global positions"), r
-        assert r["decoder padding"].startswith(
-            "ValueError: T5GemmaSelfAttention: ringseq attention cannot compute this exactly: "
-            "an attention_mask with padding"), r
-        assert r["labels"].startswith(
-            "ValueError: DeepseekV3Attention: ringseq attention cannot compute this exactly: "
-            "labels passed to the model over 2 ranks"), r
+        _assert_inexact(r, "decoder positions left out", "T5GemmaSelfAttention",
+                        "position_ids that are not the global positions")
+        _assert_inexact(r, "decoder padding", "T5GemmaSelfAttention",
+                        "an attention_mask with padding")
+        _assert_inexact(r, "labels", "DeepseekV3Attention",
+                        "labels passed to the model over 2 ranks")
 
 
 def test_attention_modules_without_a_scale_attribute_are_named():
@@ -608,16 +612,13 @@ def test_masks_per_layer_type_and_a_default_causal_loss_are_checked_over_a_ring(
       another, wrong loss), and to an encoder-decoder without decoder inputs; ELECTRA's
       pre-training head, whose loss is per token, takes them."""
     for r in run_ranks(_per_type_mask_and_labels_ranks, 2, timeout=180):
-        assert r["mask for the second layer type"].startswith(
-            "ValueError: Gemma3Attention: ringseq attention cannot compute this exactly: a 4D "
-            "attention mask of shape (1, 1, 8, 16)"), r
-        assert r["gpt2 labels"].startswith(
-            "ValueError: GPT2Attention: ringseq attention cannot compute this exactly: labels "
-            "passed to the model over 2 ranks"), r
-        assert r["t5gemma labels alone"].startswith(
-            "ValueError: T5GemmaSelfAttention: ringseq attention cannot compute this exactly: "
-            "labels passed to the model over 2 ranks: its own loss (or an encoder-decoder's "
-            "decoder inputs made from them)"), r
+        _assert_inexact(r, "mask for the second layer type", "Gemma3Attention",
+                        "a 4D attention mask of shape (1, 1, 8, 16)")
+        _assert_inexact(r, "gpt2 labels", "GPT2Attention",
+                        "labels passed to the model over 2 ranks")
+        _assert_inexact(r, "t5gemma labels alone", "T5GemmaSelfAttention",
+                        "labels passed to the model over 2 ranks: its own loss (or an "
+                        "encoder-decoder's decoder inputs made from them)")
         assert r["electra labels"] == "no error", r
 
 

@@ -86,6 +86,12 @@ class Transport:
         """The peers, for error messages."""
         return f"ranks {[r for r in range(self.world_size) if r != self.rank]}"
 
+    def peer_name(self, rank: int) -> str:
+        """Member ``rank`` of the group, for error messages: its global rank where the
+        transport knows its members' (``members``, as RingComm does)."""
+        members = getattr(self, "members", None)
+        return f"global rank {members[rank]}" if members else f"rank {rank} of its group"
+
     @property
     def ring_key(self):
         """The object the ring's integrity state is kept for (two transports over the same

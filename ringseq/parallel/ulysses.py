@@ -50,7 +50,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .._args import autocast_inputs, check_returns
-from .._dist import global_rank
 from ..engine.counting import record
 from ..engine.integrity import ANY, BWD, FWD, HEADER_BYTES, operation_field
 from ..engine.loops import backward_signature
@@ -118,14 +117,6 @@ def _pieces(t: torch.Tensor, dim: int, degree: int):
     return t.unflatten(dim, (degree, t.shape[dim] // degree)).movedim(dim, 0)
 
 
-def _global_name(transport, u: int) -> str:
-    """``global rank N`` of member ``u`` of ``transport``'s group, for messages."""
-    try:
-        return f"global rank {global_rank(transport.group, u)}"
-    except Exception:  # noqa: BLE001  (a transport without a process group: the simulator)
-        return f"rank {u} of its group"
-
-
 def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
                call=None) -> List[torch.Tensor]:
     """One all-to-all over ``transport`` (degree ``U``) of several tensors of any dtypes in one
@@ -176,7 +167,7 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
             for u in range(degree):
                 if u != transport.rank:
                     call.check(recv[u, :HEADER_BYTES].view(torch.int64), step,
-                               f"its all-to-all peer ({_global_name(transport, u)})")
+                               f"its all-to-all peer ({transport.peer_name(u)})")
     shapes = []
     for t, sd, gd, chunk, off, nbytes in layout:
         shape = list(chunk)

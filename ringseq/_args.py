@@ -25,12 +25,12 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .kernels.checks import SDPA_FORM, count_check, given
-from .kernels.spans import UNBOUNDED
+from .kernels.checks import SDPA_FORM, check_bool, count_check, given, is_bool
+from .kernels.spans import parse_window
 
 __all__ = ["autocast_inputs", "check_alibi_slopes", "check_bool", "check_cu_seqlens",
-           "check_dropout", "check_returns", "check_softmax_scale", "given", "parse_window",
-           "sdpa_inputs", "split_kv", "split_qkv"]
+           "check_dropout", "check_returns", "check_softmax_scale", "given", "is_bool",
+           "parse_window", "sdpa_inputs", "split_kv", "split_qkv"]
 
 WINDOW_OFF = (-1, -1)
 
@@ -103,22 +103,6 @@ def int_if_integer(value):
     sizes pass as ints), else ``value`` itself, for the caller's check to refuse and name."""
     number = as_int(value)
     return value if number is None else number
-
-
-def is_bool(value) -> bool:
-    """A bool, NumPy's included (NumPy 2 names its type ``bool``, NumPy 1 ``bool_``)."""
-    kind = type(value)
-    return isinstance(value, bool) or (kind.__module__ == "numpy"
-                                       and kind.__name__ in ("bool", "bool_"))
-
-
-def check_bool(fn: str, name: str, value) -> bool:
-    """``value`` as a Python bool when it is a bool (NumPy's included, as :func:`is_bool`);
-    TypeError naming ``name`` otherwise (0/1, None and tensors are refused: a flag is never
-    inferred from a number)."""
-    if not is_bool(value):
-        raise TypeError(f"{fn}: {name} must be a bool (True or False), got {given(value)}")
-    return bool(value)
 
 
 def check_softmax_scale(fn: str, softmax_scale, name: str = "softmax_scale"):
@@ -202,57 +186,6 @@ def check_alibi_slopes(fn: str, alibi_slopes) -> None:
     if alibi_slopes is not None:
         raise NotImplementedError(f"{fn}: alibi_slopes is not supported by ringseq (got "
                                   f"{given(alibi_slopes)}); pass alibi_slopes=None")
-
-
-def _window_entry(w):
-    # flash-attn's own tests pass window sizes as ints, as a 2-element tensor, or as a tuple of
-    # 0-d tensors; bools are never sizes
-    # (integer dtypes with data only: a complex or meta tensor is no size)
-    if isinstance(w, torch.Tensor) and w.numel() == 1 and not w.is_meta \
-            and not w.is_floating_point() and not w.is_complex() and w.dtype != torch.bool:
-        return _window_entry_on_host(w)
-    if isinstance(w, numbers.Integral) and not isinstance(w, bool):
-        # (operator.index, not int: under torch.compile an int argument that took other values
-        # becomes symbolic, and index() is what dynamo specializes to a plain int -- the
-        # operator's spec string cannot hold a symbol)
-        return operator.index(w)
-    return None
-
-
-def parse_window(fn: str, window_size) -> Tuple[int, int]:
-    """flash-attn's ``window_size=(left, right)``: ints (or integer tensors: a 2-element tensor
-    or 0-d tensors), ``-1`` unbounded on that side. Returns ``(left, right)`` as ints;
-    TypeError / ValueError naming ``window_size`` otherwise."""
-    count_check("parse_window")
-    items = window_size
-    if isinstance(window_size, torch.Tensor):
-        items = list(window_size.reshape(-1)) if window_size.numel() == 2 else None
-    entries = ([_window_entry(w) for w in items]
-               if isinstance(items, (tuple, list)) and len(items) == 2 else [None])
-    if any(e is None for e in entries):
-        why = ("" if not isinstance(window_size, torch.Tensor) else
-               " on the meta device (no values)" if window_size.is_meta else
-               f" of dtype {window_size.dtype}")
-        raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints or integer "
-                        f"tensors, (-1, -1) for no window, got {given(window_size)}{why}")
-    left, right = entries
-    if left < -1 or right < -1:
-        raise ValueError(f"{fn}: window_size entries must be >= 0, or -1 for unbounded, got "
-                         f"({left}, {right})")
-    # A window at least as wide as the keys is none (flash-attn's kernels clamp it; so does
-    # spec.local_spans for the local calls); one of UNBOUNDED or more is that for every
-    # sequence a tensor can hold, and the band's bounds (positions minus the width) would
-    # leave int64 past it.
-    return tuple(-1 if e >= UNBOUNDED else e for e in (left, right))
-
-
-@torch.compiler.disable(reason="ringseq reads a window_size given as tensors on the host, "
-                        "which a graph cannot: under torch.compile(fullgraph=True) pass ints")
-def _window_entry_on_host(w: torch.Tensor) -> int:
-    """A window entry given as a 1-element tensor, read on the host (under torch.compile a
-    graph break whose reason names the way out, as for cu_seqlens: before, fullgraph=True
-    failed tracing str() of an unbacked int, naming neither)."""
-    return int(w.item())
 
 
 @torch.compiler.disable(reason="ringseq reads document boundaries (cu_seqlens) given as a "

@@ -301,8 +301,11 @@ def _attend_cache_torch(q, k_cache, v_cache, seqlens, leftpad, batch_idx, scale,
     j = torch.arange(s_c, device=q.device)[None, None, :] - start[:, None, None]  # (b, 1, s_c)
     i = torch.arange(s_q, device=q.device)[None, :, None]  # (1, s_q, 1)
     off = (k_len - s_q)[:, None, None]
-    # a window at least as wide as the cache is no window (flash-attn's rule, the kernel's too)
+    # a window at least as wide as the cache is no window, and with the left side bounded an
+    # unbounded right side is the cache's width (flash-attn's rule, the kernel's too)
     lo, hi = (-1 if w >= s_c else w for w in window)
+    if lo >= 0 and hi < 0:
+        hi = s_c
     # Not in place: the first term is (b, 1, s_c), the masks below broadcast it to (b, s_q, s_c).
     read = (j >= 0) & (j < k_len[:, None, None])  # (b, 1, s_c): the slots of this call's keys
     vis = read

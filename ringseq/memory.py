@@ -613,7 +613,8 @@ class _Terms:
                 held += gathered_in
             self.mlp_fwd_layer = self.layer + held
         # ---- checkpointing: per layer the input (torch.utils.checkpoint saves it) plus the
-        # attention output and lse (kept so the recompute does not run the ring again)
+        # attention operator's outputs (attn_out above: kept so the recompute does not run
+        # the ring or the all-to-alls again)
         self.layer_ckpt = self.residual + self.attn_out
         # ---- saved outside the layers -------------------------------------------------------
         # The last layer's output (final norm's input), the final norm, the LM head's input
@@ -1042,8 +1043,9 @@ def estimate_memory(config, *, seqlen: int, micro_batch: int = 1, world_size: in
         precision: "fp32", "bf16" or "fp16" (as the plugin's ``precision``).
         optimizer: "adamw" (torch's foreach implementation, its default on CUDA),
             "adamw_fused" or "adamw_forloop" (the default on CPU).
-        activation_checkpointing: per decoder layer, keeping the attention output and lse
-            (the recompute does not run the ring again).
+        activation_checkpointing: per decoder layer, keeping the attention operator's outputs
+            (output and lse; Ulysses and hybrid also the head shards: the recompute does not
+            run the ring or the all-to-alls again).
         sp_mode, ulysses_size: as ``RingSequenceParallelPlugin``.
         layout: the plugin's data layout (a name or a ``ringseq.layouts.Layout``): it decides
             only what ``seqlen`` must be a multiple of.

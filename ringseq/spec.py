@@ -31,7 +31,7 @@ from ._hash import ints_field
 from .kernels import AttentionBackend, backend_by_key, backend_key, check_qkv, get_backend
 from .kernels.checks import FLASH_FORM, InputForm
 from .kernels.checks import count_check, resolve_scale
-from .kernels.spans import UNBOUNDED, as_spans_tensor, check_softcap, document_spans
+from .kernels.spans import UNBOUNDED, as_spans_tensor, check_softcap, spans_of_documents
 from .masks import AttnMask
 
 __all__ = ["AttnSpec", "attn_spec", "bound_layout", "check_grad_comm_dtype", "check_layout",
@@ -276,8 +276,9 @@ def local_spans(spec: AttnSpec, seqlen_q: int, seqlen_k: int, cu_seqlens_q=None,
     ``window_clamp``: flash-attn 2's rule for a window side given as wide as this or
     unbounded (its kernels clamp at ``seqlen_k``, varlen at ``max_seqlen_k``): a side at least
     this wide is unbounded, and with the left side bounded an unbounded right side is this
-    wide, which cuts the keys of the first ``seqlen_q - seqlen_k - 1`` rows of a document with
-    more queries than keys (the left side never binds at this width)."""
+    wide, which hides every key from the first ``seqlen_q - seqlen_k - window_clamp`` rows of
+    a document with that many more queries than keys (the left side never binds at this
+    width)."""
     if cu_seqlens_q is None:
         if spec.window == (-1, -1) and spec.documents is None:
             return spec
@@ -289,7 +290,7 @@ def local_spans(spec: AttnSpec, seqlen_q: int, seqlen_k: int, cu_seqlens_q=None,
         window = tuple(-1 if w >= window_clamp else w for w in window)
         if window[0] >= 0 and window[1] < 0:  # (flash-attn's set_params_fprop; no wider than
             window = (window[0], min(window_clamp, UNBOUNDED))  # int64 spans hold)
-    rows = [sp for sp in document_spans(cu_seqlens_q, cu_seqlens_k, spec.causal, window)
+    rows = [sp for sp in spans_of_documents(cu_seqlens_q, cu_seqlens_k, spec.causal, window)
             if sp[1] > 0 and sp[3] > 0]  # empty documents give nothing: out 0, lse -inf
     spans = as_spans_tensor(rows) if rows else torch.zeros((0, 6), dtype=torch.int64)
     return dataclasses.replace(spec, spans=spans)

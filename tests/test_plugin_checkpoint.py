@@ -103,16 +103,29 @@ def test_unreadable_grad_scaler_state_leaves_the_optimizer_unchanged(tmp_path, s
 def test_unreadable_optimizer_directory_raises_a_value_error(tmp_path):
     """torch.distributed.checkpoint's loader raises a CheckpointException, which is a
     BaseException (an ``except Exception`` does not catch it): the plugin raises a ValueError
-    naming the path and each failed rank's error instead."""
+    naming the path, each failed rank's error and the file that is cut short or missing
+    (before: "rank 0: EOFError: ", no file), or the metadata file it could not read (before:
+    "UnpicklingError: pickle data was truncated" alone)."""
     model, opt = _stepped_optimizer(None)
     path = str(tmp_path / "optim")
     io = DistributedCheckpointIO()
     io.save_optimizer(opt, path, sharded=True)
     data = os.path.join(path, "__0_0.distcp")
+    size = os.path.getsize(data)
     with open(data, "r+b") as f:
-        f.truncate(os.path.getsize(data) // 2)
+        f.truncate(size // 2)
     with pytest.raises(ValueError, match=r"torch\.distributed\.checkpoint could not load .*optim"
-                                         r"'.*rank 0: "):
+                                         r"'.*rank 0: ") as cut:
+        io.load_optimizer(opt, path)
+    assert f"__0_0.distcp holds {size // 2} bytes, its metadata places data up to byte " \
+           f"{size} (truncated or removed after the save)" in str(cut.value), str(cut.value)
+    os.remove(data)
+    with pytest.raises(ValueError, match=r"__0_0\.distcp is missing \(truncated or removed"):
+        io.load_optimizer(opt, path)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(b"garbage")
+    with pytest.raises(ValueError, match=re.escape(f"{os.path.join(path, '.metadata')!r} could "
+                                                   f"not be read (UnpicklingError: ")):
         io.load_optimizer(opt, path)
 
 

@@ -190,6 +190,27 @@ def test_document_spans_refuses_boundaries_that_are_no_documents(cu_q, cu_k, err
                                                                                  [0, 3, 5])
 
 
+@pytest.mark.parametrize("fn", ["document_spans", "window_band"])
+@pytest.mark.parametrize("kwargs, error, words", [
+    # before: (-2, 0) was an unbounded left side, full attention where every entry point refuses
+    ({"window_size": (-2, 0)}, ValueError,
+     "window_size entries must be >= 0, or -1 for unbounded, got (-2, 0)"),
+    # before: a float band, refused later by the kernel as "spans[0]"
+    ({"window_size": (2.5, 0)}, TypeError, "window_size must be a pair (left, right) of ints"),
+    ({"window_size": 3}, TypeError, "window_size must be a pair (left, right) of ints"),
+    # before: any truthy value built a causal band
+    ({"causal": "no"}, TypeError, "causal must be a bool (True or False), got 'no' (str)"),
+    ({"causal": 1}, TypeError, "causal must be a bool (True or False), got 1 (int)"),
+])
+def test_span_helpers_check_window_and_causal_as_the_entry_points_do(fn, kwargs, error, words):
+    call = {"document_spans": lambda **kw: document_spans([0, 4], [0, 4], **kw),
+            "window_band": lambda **kw: window_band(4, 4, **kw)}[fn]
+    with pytest.raises(error, match="^" + re.escape(f"{fn}: {words}")):
+        call(**kwargs)
+    # a window as wide as every tensor's sequence is no window, as at the entry points
+    assert call(window_size=(UNBOUNDED, 0), causal=True) == call(window_size=(-1, 0), causal=True)
+
+
 @needs_ext
 def test_documents_with_windows_and_different_q_k_lengths():
     """flash-attn varlen semantics: each document is its own bottom-right problem."""

@@ -96,6 +96,11 @@ def _whole_sequence_case(case):
     if case == "bert_pretraining":  # the next-sentence head reads the pooler
         return (T.BertForPreTraining(T.BertConfig(**bert)),
                 r"BertForPreTraining's head pools the sequence")
+    if case == "bert_pooler":  # a base model's pooler over the first token
+        return (T.BertModel(T.BertConfig(**bert)),
+                r"BertModel pools the sequence in its module 'pooler' \(the first token\): each "
+                r"rank would pool its own shard's. Leave it out \(`pooler = None`, or "
+                r"add_pooling_layer=False")
     if case == "esm_token_dropout":
         return (T.EsmForMaskedLM(T.EsmConfig(**bert, position_embedding_type="rotary",
                                              token_dropout=True, mask_token_id=32,
@@ -110,19 +115,23 @@ def _whole_sequence_case(case):
 
 
 @pytest.mark.parametrize("case", ["bert_classifier", "qwen3_classifier", "bert_pretraining",
-                                  "esm_token_dropout", "mobilebert_trigram"])
+                                  "bert_pooler", "esm_token_dropout", "mobilebert_trigram"])
 def test_what_reads_the_whole_sequence_outside_attention_is_refused_by_apply(case):
     """Before: accepted, and at W=2 zigzag a classifier's logits were 6e-2 (BERT) and 2e-1
-    (Qwen3) off on rank 1, ESM-2's with <mask> tokens 7e-2 and MobileBERT's 9e-2 at the shard
-    borders. The base model, and the masked-LM heads without these options, stay accepted."""
+    (Qwen3) off on rank 1, a base BERT's pooler_output 0.43, ESM-2's with <mask> tokens 7e-2
+    and MobileBERT's 9e-2 at the shard borders. The base model without its pooler, and the
+    masked-LM heads without these options, stay accepted."""
     from ringseq.integrations.transformers import apply
     torch.manual_seed(0)
     model, needle = _whole_sequence_case(case)
     with pytest.raises(ValueError, match=r"^apply: " + needle):
         apply(model)
-    apply(transformers.BertModel(transformers.BertConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        vocab_size=128)))
+    bert = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, vocab_size=128)
+    apply(transformers.BertModel(bert, add_pooling_layer=False))
+    without = transformers.BertModel(bert)
+    without.pooler = None
+    apply(without)
 
 
 def _paligemma():
@@ -645,3 +654,118 @@ def test_per_layer_kv_heads_are_no_error_of_apply():
         got = model(ids, use_cache=False).logits
     assert_close_per_design(got, logits[torch.float64], logits[torch.float32], "logits", 2.0,
                             scaled_floor(torch.float32, logits[torch.float64]))
+
+
+class _CustomAttention(torch.nn.Module):
+    """An attention module of the AttentionInterface look (a `scaling`, an *Attention name)
+    whose forward calls SDPA itself, as a user's subclass may."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.scaling, self.config = inner, inner.scaling, inner.config
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        a, (b, s, _) = self.inner, hidden_states.shape
+        q, k, v = (p(hidden_states).view(b, s, -1, a.head_dim).transpose(1, 2)
+                   for p in (a.q_proj, a.k_proj, a.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=True)
+        return a.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
+
+
+_CustomAttention.__name__ = "MyLlamaAttention"
+
+
+def test_an_attention_module_that_does_not_dispatch_is_refused_at_its_first_call():
+    """Before: apply switched the config and the module, which then attended over its own
+    shard alone on every rank (logits 0.22 off at W=2, no error). Its first call now raises;
+    a model that dispatches keeps no hook after its first call."""
+    from ringseq.integrations.transformers import apply
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
+    apply(model)
+    ids = _ids()[:1, :16]
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    assert all(layer.self_attn._ringseq_dispatch_watch is None for layer in model.model.layers)
+    custom = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
+    custom.model.layers[1].self_attn = _CustomAttention(custom.model.layers[1].self_attn)
+    apply(custom)
+    with pytest.raises(ValueError, match=r"^apply: MyLlamaAttention \(model\.layers\.\*\.self_attn"
+                                         r"\) returned without calling ringseq's attention: its "
+                                         r"forward computes attention itself"):
+        with torch.no_grad():
+            custom(ids, use_cache=False)
+
+
+def _fused_model(attention_out: int, mlp_in: int):
+    """A model of plain modules whose config says hidden 32, 4 heads, 2 K/V heads of 8 and
+    intermediate 48: a (4 + 2 * 2) * 8 = 64-wide projection in the attention is [q | k | v],
+    a 2 * 48 = 96-wide one in the MLP [gate | up]."""
+    from types import SimpleNamespace
+
+    class FusedAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scaling, self.wide, self.out = 8 ** -0.5, torch.nn.Linear(32, attention_out), \
+                torch.nn.Linear(32, 32)
+
+    layer = torch.nn.Module()
+    layer.attn, layer.mlp = FusedAttention(), torch.nn.Module()
+    layer.mlp.w_in, layer.mlp.w_out = torch.nn.Linear(32, mlp_in), torch.nn.Linear(48, 32)
+    model = torch.nn.Module()
+    model.emb, model.layers = torch.nn.Embedding(16, 32), torch.nn.ModuleList([layer])
+    model.config = SimpleNamespace(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=48)
+    return model
+
+
+def test_tp_plans_refuse_fused_projections_mixtures_of_experts_and_gathers_inside():
+    """Before: 'colwise' on Glm4's fused gate_up_proj was accepted, and each tp rank paired
+    gate columns with gate columns (loss 4.899 against 5.224, no error); Mixtral, Qwen2-MoE and
+    Qwen3-MoE passed boost and failed at their first forward inside DTensor; Phi-3's plan was
+    refused naming its o_proj's style, and a 'colwise_gather_output' on a projection inside
+    the model was dropped as if it were on the LM head."""
+    from ringseq.parallel.tp import resolve_tp_plan
+    T = transformers
+    torch.manual_seed(0)
+    small = dict(SMALL, pad_token_id=0)
+    attention = {f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"}
+    attention["model.layers.*.self_attn.o_proj"] = "rowwise"
+    glm4 = T.Glm4ForCausalLM(T.Glm4Config(**small))
+    fused_mlp = r"model\.layers\.0\.mlp\.gate_up_proj \(Linear, 256 outputs\) is a fused " \
+                r"projection, \[gate \| up\] side by side, planned '{}'.*silently wrong.*leave " \
+                r"this MLP out of the plan"
+    with pytest.raises(ValueError, match=fused_mlp.format("colwise_gather_output")):
+        resolve_tp_plan(glm4, 2)
+    with pytest.raises(ValueError, match=fused_mlp.format("colwise")):
+        resolve_tp_plan(glm4, 2, {**attention, "model.layers.*.mlp.gate_up_proj": "colwise",
+                                  "model.layers.*.mlp.down_proj": "rowwise"})
+    resolve_tp_plan(glm4, 2, attention)  # the MLP replicated: exact (checked at W=4 sp2 x tp2)
+    with pytest.raises(ValueError, match=r"qkv_proj \(Linear, 128 outputs\) is a fused "
+                                         r"projection, \[q \| k \| v\].*instead of tp_size"):
+        resolve_tp_plan(T.Phi3ForCausalLM(T.Phi3Config(**small)), 2)
+    for cls, config, setting in ((T.MixtralForCausalLM, T.MixtralConfig, r"num_local_experts=8"),
+                                 (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig,
+                                  r"num_(local_)?experts=\d+")):
+        with pytest.raises(ValueError, match=rf"is a mixture-of-experts model \(config\."
+                                             rf"{setting}.*instead of tp_size"):
+            resolve_tp_plan(cls(config(**small)), 2)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj': "
+                                         r"'colwise_gather_output' is accepted on the embedding "
+                                         r"and the LM head only"):
+        resolve_tp_plan(T.Olmo2ForCausalLM(T.Olmo2Config(**small)), 2)
+    # Llama's gate and up projections are (4 + 2 * 2) * 16 = 128 wide, as a fused [q | k | v]
+    # would be: two of them in the block are no fused one; the LM head may gather its output
+    llama = T.LlamaForCausalLM(T.LlamaConfig(**small))
+    resolve_tp_plan(llama, 2)
+    resolve_tp_plan(llama, 2, {**attention, "lm_head": "colwise_gather_output"})
+    # unknown names: judged by width where a block splits one layer only
+    plan = {"layers.*.attn.wide": "colwise", "layers.*.attn.out": "rowwise"}
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wide .* \[q \| k \| v\]"):
+        resolve_tp_plan(_fused_model(64, 48), 2, plan)
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.w_in .* \[gate \| up\]"):
+        resolve_tp_plan(_fused_model(32, 96), 2, {"layers.*.mlp.w_in": "colwise",
+                                                  "layers.*.mlp.w_out": "rowwise"})

@@ -333,6 +333,8 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     before any payload moves: on the other ranks RingPeerError naming this one (through the
     ring's control channel).
     """
+    if not torch.compiler.is_compiling():  # (a traced count would guard on its value)
+        _DISPATCHES.count += 1
     settings = _settings(module)
     name = type(module).__name__
     causal = is_causal if is_causal is not None else getattr(
@@ -374,8 +376,13 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                    False, settings.backend, None, window, 0.0 if softcap is None else softcap,
                    docs, form=SDPA_FORM)
     else:
+        # With a batch's documents: the layout the model was switched with, which the ring
+        # binds to them, not this batch's own (a compiled model guarded on that object's
+        # identity: a recompile per batch of new boundaries, then, past dynamo's limit of 8,
+        # the attention's frame ran eagerly)
         out = ring_attention(name, q, k, v, softmax_scale=scaling, causal=bool(causal),
-                             window_size=window, group=settings.group, layout=layout,
+                             window_size=window, group=settings.group,
+                             layout=settings.layout if docs is not None else layout,
                              backend=settings.backend,
                              softcap=0.0 if softcap is None else softcap, cu_seqlens=docs,
                              form=SDPA_FORM)
@@ -652,6 +659,44 @@ def _base_model(model):
     return getattr(inner, "base_model", inner)
 
 
+class _DISPATCHES:
+    """Calls of :func:`ringseq_attention_forward` in this process so far (eager ones)."""
+    count = 0
+
+
+def _watch_dispatch(module) -> None:
+    """Hooks a switched attention module's next call (once; the hooks go once it dispatched):
+    a module whose forward computes attention itself instead of dispatching through
+    AttentionInterface (a subclass calling SDPA) still has an ``*Attention`` name and a
+    ``scaling``, and transformers switches its config; only its call tells (before: each rank
+    attended to its own shard alone, logits 0.22 off at W=2, no error)."""
+    if getattr(module, "_ringseq_dispatch_watch", None) is None:
+        module._ringseq_dispatch_watch = (module.register_forward_pre_hook(_count_before),
+                                          module.register_forward_hook(_check_dispatched))
+
+
+def _count_before(module, args):
+    if not torch.compiler.is_compiling():
+        module._ringseq_dispatches_before = _DISPATCHES.count
+
+
+def _check_dispatched(module, args, output):
+    before = getattr(module, "_ringseq_dispatches_before", None)
+    if torch.compiler.is_compiling() or before is None:
+        return  # (a compiled first call: checked at the next eager one)
+    if _DISPATCHES.count > before:  # (itself, or an attention module inside it)
+        for handle in module._ringseq_dispatch_watch:
+            handle.remove()
+        module._ringseq_dispatch_watch = None
+        return
+    raise ValueError(f"apply: {type(module).__name__} ({getattr(module, '_ringseq_stack', '')}) "
+                     f"returned without calling ringseq's attention: its forward computes "
+                     f"attention itself instead of dispatching through transformers' "
+                     f"AttentionInterface (ALL_ATTENTION_FUNCTIONS[config._attn_implementation]),"
+                     f" so each rank attended to its own shard only. Dispatch through the "
+                     f"interface, or use ringseq.nn.RingAttention in it")
+
+
 def _watch_model_positions(model, settings: RingSettings) -> None:
     """Hooks the base model's forward (once per model) so that attention functions called
     without ``position_ids`` check the ones the model was called with, and so that each model
@@ -790,6 +835,7 @@ def _check_positions_exact(model, modules) -> None:
 def _text_config(config):
     """A multimodal config's language model's sub-config (the config itself otherwise)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
 
 def _check_ring_exact(model, modules) -> None:
     """ValueError (raised by :func:`apply`, before any communication) for models whose tokens
@@ -979,15 +1025,33 @@ def _attention_modules(model: torch.nn.Module):
     multimodal model's vision or audio tower (their ``config`` is a sub-config named so:
     each rank runs whole images there, and a ring would shard their patches; before:
     Qwen2-VL's vision attention was switched, and refused every image)."""
-    config = getattr(model, "config", None)
-    text = _text_config(config)
-    towers = {id(sub) for name in (getattr(config, "sub_configs", None) or {})
-              for sub in [getattr(config, name, None)]
-              if sub is not None and sub is not text
-              and any(word in name.lower() for word in _TOWER_WORDS)}
+    towers = _tower_configs(model)
     return [m for m in model.modules()
             if "Attention" in type(m).__name__ and hasattr(m, "scaling")
             and id(getattr(m, "config", None)) not in towers]
+
+
+def _tower_configs(model) -> set:
+    """ids of a multimodal config's sub-configs of its encoders of other inputs (vision,
+    audio: named so), which ringseq leaves as they are."""
+    config = getattr(model, "config", None)
+    text = _text_config(config)
+    return {id(sub) for name in (getattr(config, "sub_configs", None) or {})
+            for sub in [getattr(config, name, None)]
+            if sub is not None and sub is not text
+            and any(word in name.lower() for word in _TOWER_WORDS)}
+
+
+def _poolers(model) -> list:
+    """Names of the modules named ``pooler`` outside the encoders of other inputs (BERT's:
+    a dense layer over the first token)."""
+    towers, tower_names, out = _tower_configs(model), [], []
+    for name, m in model.named_modules():
+        if id(getattr(m, "config", None)) in towers:
+            tower_names.append(name + ".")
+        elif name.rsplit(".", 1)[-1] == "pooler" and not name.startswith(tuple(tower_names)):
+            out.append(name)
+    return out
 
 
 def config_heads(cfg) -> tuple:
@@ -1158,6 +1222,7 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
                          f"its own shard only")
     for m in modules:
         m.ringseq_settings = settings
+        _watch_dispatch(m)
     _watch_model_positions(model, settings)
     return model
 
@@ -1174,13 +1239,18 @@ def _check_whole_sequence_terms(model) -> None:
     rescaled by its fraction of <mask> tokens) and MobileBERT's ``trigram_input`` (each
     embedding joined with its neighbours': wrong at every shard border)."""
     name = type(model).__name__
-    pools = name.endswith(_POOLING_HEADS) or ("PreTraining" in name and any(
-        n.rsplit(".", 1)[-1] == "pooler" for n, _ in model.named_modules()))
-    if pools:
+    poolers = _poolers(model)
+    if name.endswith(_POOLING_HEADS) or ("PreTraining" in name and poolers):
         raise ValueError(f"apply: {name}'s head pools the sequence (its first token, its last "
                          f"one, or all of it): each rank would pool its own shard's; switch the "
                          f"base model ({type(_base_model(model)).__name__}) and pool the "
                          f"gathered hidden states (ringseq.unshard)")
+    if poolers:
+        # (before: accepted, and pooler_output was each rank's own shard's first token)
+        raise ValueError(f"apply: {name} pools the sequence in its module {poolers[0]!r} (the "
+                         f"first token): each rank would pool its own shard's. Leave it out "
+                         f"(`{poolers[0]} = None`, or add_pooling_layer=False where the model "
+                         f"takes it) and pool the gathered hidden states (ringseq.unshard)")
     config = getattr(model, "config", None)
     text = _text_config(config)
     for attr, what in (("token_dropout", "rescales each row's embeddings by the fraction of "

@@ -53,6 +53,22 @@ def given(x) -> str:
     return f"{x!r} ({type(x).__name__})"
 
 
+def is_bool(value) -> bool:
+    """A bool, NumPy's included (NumPy 2 names its type ``bool``, NumPy 1 ``bool_``)."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy"
+                                       and kind.__name__ in ("bool", "bool_"))
+
+
+def check_bool(fn: str, name: str, value) -> bool:
+    """``value`` as a Python bool when it is a bool (NumPy's included, as :func:`is_bool`);
+    TypeError naming ``name`` otherwise (0/1, None and tensors are refused: a flag is never
+    inferred from a number)."""
+    if not is_bool(value):
+        raise TypeError(f"{fn}: {name} must be a bool (True or False), got {given(value)}")
+    return bool(value)
+
+
 def check_tensor_of_rank(fn: str, name: str, t, dims: int, layout: str) -> None:
     """TypeError (naming ``fn`` and ``name``) unless ``t`` is a tensor, ValueError unless it
     has ``dims`` dimensions (``layout`` names them): the words of every entry point's tensors."""

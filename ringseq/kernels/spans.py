@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Iterable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .checks import count_check, given
+from .checks import check_bool, count_check, given
 
 UNBOUNDED = 2 ** 62  # band_lo = -UNBOUNDED / band_hi = UNBOUNDED: no bound on that side
 
@@ -193,11 +194,71 @@ def covered_rows(spans: Optional[torch.Tensor], seqlen_q: int, seqlen_k: int):
     return q, k
 
 
+def _window_entry(w):
+    # flash-attn's own tests pass window sizes as ints, as a 2-element tensor, or as a tuple of
+    # 0-d tensors; bools are never sizes
+    # (integer dtypes with data only: a complex or meta tensor is no size)
+    if isinstance(w, torch.Tensor) and w.numel() == 1 and not w.is_meta \
+            and not w.is_floating_point() and not w.is_complex() and w.dtype != torch.bool:
+        return _window_entry_on_host(w)
+    if isinstance(w, numbers.Integral) and not isinstance(w, bool):
+        # (operator.index, not int: under torch.compile an int argument that took other values
+        # becomes symbolic, and index() is what dynamo specializes to a plain int -- the
+        # operator's spec string cannot hold a symbol)
+        return operator.index(w)
+    return None
+
+
+def parse_window(fn: str, window_size) -> Tuple[int, int]:
+    """flash-attn's ``window_size=(left, right)``: ints (or integer tensors: a 2-element tensor
+    or 0-d tensors), ``-1`` unbounded on that side. Returns ``(left, right)`` as ints;
+    TypeError / ValueError naming ``window_size`` otherwise."""
+    count_check("parse_window")
+    items = window_size
+    if isinstance(window_size, torch.Tensor):
+        items = list(window_size.reshape(-1)) if window_size.numel() == 2 else None
+    entries = ([_window_entry(w) for w in items]
+               if isinstance(items, (tuple, list)) and len(items) == 2 else [None])
+    if any(e is None for e in entries):
+        why = ("" if not isinstance(window_size, torch.Tensor) else
+               " on the meta device (no values)" if window_size.is_meta else
+               f" of dtype {window_size.dtype}")
+        raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints or integer "
+                        f"tensors, (-1, -1) for no window, got {given(window_size)}{why}")
+    left, right = entries
+    if left < -1 or right < -1:
+        raise ValueError(f"{fn}: window_size entries must be >= 0, or -1 for unbounded, got "
+                         f"({left}, {right})")
+    # A window at least as wide as the keys is none (flash-attn's kernels clamp it; so does
+    # spec.local_spans for the local calls); one of UNBOUNDED or more is that for every
+    # sequence a tensor can hold, and the band's bounds (positions minus the width) would
+    # leave int64 past it.
+    return tuple(-1 if e >= UNBOUNDED else e for e in (left, right))
+
+
+@torch.compiler.disable(reason="ringseq reads a window_size given as tensors on the host, "
+                        "which a graph cannot: under torch.compile(fullgraph=True) pass ints")
+def _window_entry_on_host(w: torch.Tensor) -> int:
+    """A window entry given as a 1-element tensor, read on the host (under torch.compile a
+    graph break whose reason names the way out, as for cu_seqlens: before, fullgraph=True
+    failed tracing str() of an unbacked int, naming neither)."""
+    return int(w.item())
+
+
 def window_band(seqlen_q: int, seqlen_k: int, window_size: Tuple[int, int] = (-1, -1),
                 causal: bool = False) -> Tuple[int, int]:
     """(band_lo, band_hi) of flash-attn's ``window_size=(left, right)`` (-1: unbounded) and
     ``causal``, bottom-right aligned: query i sees key j iff
-    ``i + s_k - s_q - left <= j <= i + s_k - s_q + right`` (and ``j <= i + s_k - s_q`` when causal)."""
+    ``i + s_k - s_q - left <= j <= i + s_k - s_q + right`` (and ``j <= i + s_k - s_q`` when causal).
+    Raises TypeError / ValueError naming ``window_size`` or ``causal`` as the attention entry
+    points do (before: ``(-2, 0)`` became an unbounded side and ``causal="no"`` a causal band)."""
+    return _band(seqlen_q, seqlen_k, parse_window("window_band", window_size),
+                 check_bool("window_band", "causal", causal))
+
+
+def _band(seqlen_q: int, seqlen_k: int, window_size: Tuple[int, int], causal: bool
+          ) -> Tuple[int, int]:
+    # window_band for a window and flag already checked (spec.local_spans' clamped windows)
     left, right = window_size
     off = seqlen_k - seqlen_q
     lo = -UNBOUNDED if left < 0 else off - left
@@ -236,7 +297,16 @@ def document_spans(cu_seqlens_q: Sequence[int], cu_seqlens_k: Sequence[int], cau
     """One span per document of a packed batch (flash-attn varlen semantics: each document is
     its own bottom-right aligned problem). ``cu_seqlens_*`` are the cumulative boundaries
     ``[0, n_0, n_0 + n_1, ...]`` of the documents' q and kv rows: ints (or integer tensors),
-    starting at 0, never decreasing; raises TypeError / ValueError naming the argument."""
+    starting at 0, never decreasing; ``causal`` and ``window_size`` as in
+    :func:`window_band`. Raises TypeError / ValueError naming the argument."""
+    return spans_of_documents(cu_seqlens_q, cu_seqlens_k,
+                              check_bool("document_spans", "causal", causal),
+                              parse_window("document_spans", window_size))
+
+
+def spans_of_documents(cu_seqlens_q, cu_seqlens_k, causal: bool, window: Tuple[int, int]) -> list:
+    """:func:`document_spans` with ``causal`` and ``window`` already checked (an entry point's
+    spec; spec.local_spans clamps the window to widths the public check would refuse)."""
     cq, ck = (_boundaries(n, cu) for n, cu in (("cu_seqlens_q", cu_seqlens_q),
                                                 ("cu_seqlens_k", cu_seqlens_k)))
     if len(cq) != len(ck):
@@ -245,5 +315,5 @@ def document_spans(cu_seqlens_q: Sequence[int], cu_seqlens_k: Sequence[int], cau
     out = []
     for d in range(len(cq) - 1):
         ql, kl = cq[d + 1] - cq[d], ck[d + 1] - ck[d]
-        out.append(Span(cq[d], ql, ck[d], kl, *window_band(ql, kl, window_size, causal)))
+        out.append(Span(cq[d], ql, ck[d], kl, *_band(ql, kl, window, causal)))
     return out

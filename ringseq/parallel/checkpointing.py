@@ -7,9 +7,12 @@ h, d), its lse, (b, h, s_local) float32, and what the mode saves for its backwar
 everything else of the layer is recomputed in the backward.
 When the recompute reaches the attention it gets the kept outputs back instead of running the
 operator, so no K/V block travels the ring again: the exchanges of a training step are the
-forward lap and the backward lap, with or without checkpointing. The kept bytes per layer are
-b * s_local * h * d in the input dtype plus 4 * b * h * s_local, instead of every activation
-of the layer.
+forward lap and the backward lap, with or without checkpointing. The kept bytes per layer are,
+for the ring and the double ring, b * s_local * h * d in the input dtype plus
+4 * b * h * s_local, instead of every activation of the layer; Ulysses and the hybrid mode
+also keep what their backward needs, the head shards of q, k, v (K/V repeated where the
+degree exceeds the K/V heads) and of the output: about four times that at h_kv = h / 2
+(docs/memory.md counts each term).
 
 This covers every mode, all of them inside that one operator: the ring, Ulysses (its
 all-to-alls are not repeated either), the hybrid mode and the double ring. Tensor-parallel

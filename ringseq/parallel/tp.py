@@ -40,6 +40,7 @@ parameters need no tp reduction. docs/parallelism.md has the whole argument.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -191,12 +192,100 @@ def _check_divisible(name: str, module: nn.Module, style: str, tp: int) -> None:
                          f"divides {size}")
 
 
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _config_int(config, name: str) -> Optional[int]:
+    try:  # (Gemma 4's per-layer K/V head counts raise on reading)
+        value = getattr(config, name, None)
+    except Exception:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# names of fused projections in transformers models ([q | k | v], [gate | up] side by side)
+_FUSED_NAMES = ("qkv_proj", "gate_up_proj", "query_key_value", "Wqkv", "W_pack", "qkv")
+
+
+def _fused_outputs(model: nn.Module, name: str, module: nn.Module, alone: bool,
+                   in_attention: bool) -> Optional[str]:
+    """What the outputs of the linear layer ``name`` pack when they are several projections
+    side by side ("[q | k | v]", "[gate | up]"), by its name, or, where it is the only layer
+    its block splits by columns, by its width against the model's config (three layers q, k,
+    v or two gate, up of such a width are no fused one); None otherwise."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in _FUSED_NAMES:
+        return "[gate | up]" if leaf == "gate_up_proj" else "[q | k | v]"
+    if not alone:
+        return None
+    cfg = _text_config(model)
+    out = getattr(module, "out_features", None)
+    heads, kv = _config_int(cfg, "num_attention_heads"), _config_int(cfg, "num_key_value_heads")
+    hidden, inter = _config_int(cfg, "hidden_size"), _config_int(cfg, "intermediate_size")
+    head_dim = _config_int(cfg, "head_dim") or (hidden // heads if hidden and heads else None)
+    if in_attention and heads and head_dim and out == (heads + 2 * (kv or heads)) * head_dim:
+        return "[q | k | v]"
+    if not in_attention and inter and out == 2 * inter:
+        return "[gate | up]"
+    return None
+
+
+def _refuse_fused(name: str, module: nn.Module, style: str, packs: str) -> None:
+    advice = ("leave this MLP out of the plan: it then runs replicated on each tp rank's "
+              "tokens" if "gate" in packs else
+              "this attention cannot be split over tp; train the model with sp_size and "
+              "zero_stage=3 (FSDP2) instead of tp_size")
+    raise ValueError(f"tensor parallelism: {name} ({type(module).__name__}, "
+                     f"{getattr(module, 'out_features', '?')} outputs) is a fused projection, "
+                     f"{packs} side by side, planned {style!r}: split by columns, each tp rank "
+                     f"would hold a contiguous part of them and the model would pair the wrong "
+                     f"columns (silently wrong). ringseq does not split fused projections; "
+                     f"{advice}")
+
+
+# plan names that split a linear layer's outputs over the tp ranks
+_BY_COLUMNS = ("colwise", "colwise_gather_output", "colwise_rep")
+
+# config attributes naming a mixture-of-experts layer's experts
+_EXPERT_SETTINGS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _refuse_experts(model: nn.Module) -> None:
+    cfg = _text_config(model)
+    for attr in _EXPERT_SETTINGS:
+        value = _config_int(cfg, attr)
+        if value is not None and value > 1:
+            raise ValueError(
+                f"tensor parallelism: {type(model).__name__} is a mixture-of-experts model "
+                f"(config.{attr}={value}): its router and experts take the tokens flattened, "
+                f"which the plan neither splits nor can run replicated on a tp rank's share "
+                f"of the sequence (before: DTensor errors at the first forward). Train it "
+                f"with sp_size and zero_stage=3 (FSDP2) instead of tp_size")
+
+
 def _names_to_styles(model: nn.Module, named: Dict[str, str], tp: int, source: str,
                      tied: list) -> TensorParallelPlan:
+    _refuse_experts(model)
     emb = _input_embedding(model)
     modules = dict(model.named_modules())
     styles: Dict[str, object] = {}
     linear, blocks, replicated_inside = {}, {}, set()
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    # the layers each block splits by columns (a fused projection is its block's only one);
+    # refused before the other entries are read (Phi-3's plan: its qkv_proj's words, not
+    # the style on the o_proj before it)
+    by_columns = Counter(n.rpartition(".")[0] for n, s in named.items() if s in _BY_COLUMNS)
+    for name, style in named.items():
+        module, parent = modules[name], name.rpartition(".")[0]
+        if style in _BY_COLUMNS and isinstance(module, nn.Linear) and module is not head:
+            packs = _fused_outputs(model, name, module, by_columns[parent] == 1,
+                                   _mixes_tokens(modules.get(parent, model)))
+            if packs is not None:
+                _refuse_fused(name, module, style, packs)
     for name, style in named.items():
         module = modules[name]
         if style in ("colwise", "rowwise"):
@@ -206,8 +295,14 @@ def _names_to_styles(model: nn.Module, named: Dict[str, str], tp: int, source: s
             blocks.setdefault(parent, set()).add(style)
         elif style == "replicated_with_grad_allreduce":
             replicated_inside.add(name)
-        elif style in _REPLACED_STYLES:
+        elif style in _REPLACED_STYLES and not (isinstance(module, nn.Linear)
+                                                and module is not head):
             continue  # the embedding / LM head / norms: replicated on this rank's share below
+        elif style in _REPLACED_STYLES:
+            raise ValueError(f"tensor parallelism: the plan entry {name!r}: {style!r} is "
+                             f"accepted on the embedding and the LM head only, which ringseq "
+                             f"replaces; {name} ({type(module).__name__}) is a projection "
+                             f"inside the model (supported there: {list(TP_STYLE_NAMES)})")
         else:
             raise ValueError(f"tensor parallelism: the plan entry {name!r}: {style!r} is not "
                              f"supported; supported: {list(TP_STYLE_NAMES)} (and "

@@ -238,8 +238,9 @@ class RingSequenceParallelPlugin(Plugin):
             backward; parameters, gradients and optimizer state are 1 / (dp x sp) per rank).
             1 raises (see ``ringseq.parallel.dims.ParallelDims``).
         activation_checkpointing (keyword-only): recompute every decoder layer in the backward,
-            keeping the ring attention's output and lse so that no ring communication is
-            repeated (``ringseq.parallel.checkpointing``).
+            keeping the attention operator's outputs (the output and lse; under Ulysses and
+            the hybrid mode also the head shards of q, k, v and the output) so that no ring
+            or all-to-all communication is repeated (``ringseq.parallel.checkpointing``).
         tp_plan (keyword-only): for models without a declared transformers plan, a dict of
             module-name patterns to ``"colwise"`` / ``"rowwise"`` /
             ``"replicated_with_grad_allreduce"`` or to torch ``ParallelStyle`` objects.

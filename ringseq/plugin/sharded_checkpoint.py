@@ -230,8 +230,46 @@ def _dcp_read(state: dict, path: str) -> dict:
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as exc:
-        raise ValueError(_checkpoint_exception_text(exc, path, "load")) from None
+        damaged = _damaged_files(path)
+        raise ValueError(_checkpoint_exception_text(exc, path, "load")
+                         + (f"; {damaged} (truncated or removed after the save)" if damaged
+                            else "")) from None
     return state
+
+
+def _dcp_metadata(path: str):
+    """The metadata of the ``torch.distributed.checkpoint`` directory ``path``; ValueError
+    naming its ``.metadata`` file when that cannot be read (before: the unpickler's words
+    alone, "pickle data was truncated", naming no file)."""
+    import torch.distributed.checkpoint as dcp
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:
+        raise ValueError(f"{os.path.join(path, '.metadata')!r} could not be read "
+                         f"({type(exc).__name__}: {exc}): the directory's metadata is damaged "
+                         f"or not torch.distributed.checkpoint's") from None
+
+
+def _damaged_files(path: str) -> str:
+    """The data files of the directory ``path`` that are missing or shorter than its metadata
+    says, as text ('' when none, or when the metadata cannot be read): what a failed load
+    names (before: "rank 0: EOFError: " for a truncated file, naming none)."""
+    try:
+        ends: dict = {}
+        for info in (_dcp_metadata(path).storage_data or {}).values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                           info.offset + info.length)
+    except (ValueError, AttributeError, TypeError):
+        return ""
+    damaged = []
+    for name, end in sorted(ends.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            damaged.append(f"{name} is missing")
+        elif os.path.getsize(file) < end:
+            damaged.append(f"{name} holds {os.path.getsize(file)} bytes, its metadata places "
+                           f"data up to byte {end}")
+    return "; ".join(damaged)
 
 
 def _fqn_optimizer_state(optimizer, plain: dict) -> dict:
@@ -253,7 +291,9 @@ def _fqn_optimizer_state(optimizer, plain: dict) -> dict:
 def _checkpoint_exception_text(exc, path: str, what: str) -> str:
     # (torch gives each failed rank's (exception, traceback))
     failures = {r: f[0] if isinstance(f, tuple) else f for r, f in exc.failures.items()}
-    causes = "; ".join(f"rank {r}: {type(f).__name__}: {f}" for r, f in sorted(failures.items()))
+    causes = "; ".join(f"rank {r}: {type(f).__name__}: {f}" if str(f) else
+                       f"rank {r}: {type(f).__name__} (no message)"
+                       for r, f in sorted(failures.items()))
     return f"{current_call()}: torch.distributed.checkpoint could not {what} {path!r}: {causes}"
 
 
@@ -268,14 +308,13 @@ def _dcp_keys(path: str) -> list:
     """The state dict keys in the metadata of the optimizer checkpoint directory ``path``.
     ValueError when it has no metadata (another kind of directory, or a save that failed part
     way: the metadata is written last) or no optimizer state."""
-    import torch.distributed.checkpoint as dcp
     if not os.path.isfile(os.path.join(path, ".metadata")):
         other = (f": it holds {INDEX_NAME}, a model checkpoint (for load_model)"
                  if os.path.isfile(os.path.join(path, INDEX_NAME)) else "")
         raise ValueError(f"{path!r} has no .metadata: not an optimizer checkpoint directory "
                          f"save_optimizer wrote, or one whose save failed part way (the "
                          f"metadata is written last){other}")
-    keys = list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    keys = list(_dcp_metadata(path).state_dict_metadata)
     if not any(k.startswith("optimizer.") for k in keys):
         raise ValueError(f"{path!r} holds no optimizer state (its metadata names "
                          f"{keys[:3]}...): not an optimizer checkpoint save_optimizer wrote")

@@ -169,7 +169,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     lead = key  # the tensor whose (b, s) the others must have
     lay = get_layout(layout, "shard_batch")
     inner = getattr(lay, "base", lay)  # (a hybrid mode's layout wraps the documents layout)
-    per_batch = isinstance(inner, PerBatchDocuments)
+    per_batch = isinstance(inner, PerBatchDocuments) or getattr(lay, "per_batch_documents",
+                                                                 False)
     # (Ulysses alone: the wrapper carries the boundaries its contiguous split does not)
     layout_docs = getattr(lay, "documents", None) or getattr(inner, "documents", None)
     if layout_docs is None:

@@ -47,6 +47,9 @@ class _Unshard(torch.autograd.Function):
         ctx.lay, ctx.group, ctx.world_size, ctx.rank, ctx.dim = lay, group, world_size, rank, dim
         ctx.call = call
         xc = x.contiguous()
+        if xc.numel() == 0:  # (every rank: the shapes were agreed on; before, a last dim of
+            # size 0 failed viewing the bytes back, torch's error naming nothing of ours)
+            return scattered(lay, [xc] * world_size, dim)
         # as bytes: every dtype travels, those the backend has no type for too (gloo: uint16,
         # float8; before: its bare "Invalid scalar type" on every rank)
         # (through a flat view: a last dim of size 1 may keep any stride in a "contiguous"

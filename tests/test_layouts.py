@@ -186,6 +186,12 @@ def _unshard_with_another_number_of_dims():
     odd = torch.arange(8.0).view(2, 1, 4).transpose(1, 2) + dist.get_rank()  # (2, 4, 1)
     base = torch.arange(8.0).view(2, 4, 1)
     exact["odd stride"] = bool(torch.equal(ringseq.unshard(odd), torch.cat([base, base + 1], 1)))
+    # a last dim of size 0 (before: torch's "self.stride(1) must be divisible by 4" after the
+    # all-gather, on every rank)
+    empty = torch.zeros(2, 8, 0, requires_grad=True)
+    gathered = ringseq.unshard(ringseq.shard(empty, "zigzag"), "zigzag")
+    gathered.sum().backward()
+    exact["empty last dim"] = gathered.shape == (2, 8, 0) and empty.grad.shape == (2, 8, 0)
     return (error_text(lambda: ringseq.unshard(x)), exact,
             error_text(lambda: ringseq.unshard(torch.zeros(1, 12), docs)))
 

@@ -742,6 +742,39 @@ def test_record_refuses_what_is_no_byte_count(kind, nbytes, error, counting):
         assert c.total == 0 and not c.calls, c
 
 
+def _ulysses_documents():
+    """Ulysses alone (U = 2, R = 1) with layout "documents": what shard_batch gives a packed
+    batch, and the attention on it against float64 attention within each document."""
+    import ringseq
+    sp = ringseq.make_sp_groups(2)
+    ids = torch.arange(16).view(1, 16)
+    batch = sp.shard_batch({"input_ids": ids, "labels": ids,
+                            "cu_seq_lens_q": torch.tensor([0, 6, 16])}, "documents")
+    rows = error_text(lambda: sp.shard_batch({"input_ids": ids.view(2, 8)}, "documents"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    want = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(t[:, a:b].transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+        for a, b in ((0, 6), (6, 16))], dim=1)
+    local = [sp.shard(t, "contiguous") for t in (q, k, v)]  # (Ulysses alone splits so)
+    out = ringseq.usp_attn_func(*local, causal=True, sp=sp, layout="documents",
+                                cu_seqlens=batch["cu_seq_lens_q"])
+    return (batch["cu_seq_lens_q"].tolist(), batch["position_ids"].tolist(), rows,
+            max_err(out, sp.shard(want, "contiguous")))
+
+
+def test_ulysses_alone_shards_packed_batches_for_the_documents_layout():
+    """Before: under Ulysses alone shard_batch gave a packed batch no boundaries (and took
+    rows without any), which usp_attn_func then refused, asking for shard_batch's
+    cu_seq_lens_q; the ring, the hybrid and the double ring gave them."""
+    for rank, (cu, pos, rows, err) in enumerate(run_ranks(_ulysses_documents, 2, timeout=120)):
+        assert cu == [0, 6, 16], cu
+        assert pos == [[0, 1, 2, 3, 4, 5, 0, 1]] if rank == 0 else [[2, 3, 4, 5, 6, 7, 8, 9]], pos
+        assert rows.startswith("ValueError: shard_batch: layout 'documents' balances the "
+                               "documents of a packed batch"), rows
+        assert err < 1e-12, err
+
+
 def _unshard_unbound_documents():
     import ringseq
     from utils import error_text

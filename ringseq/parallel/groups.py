@@ -49,7 +49,7 @@ from .._dist import (RingMismatchError, agree_on_fields, group_info, is_initiali
                      with_message)
 from .._hash import stable_hash_ints
 from ..data import shard_batch
-from ..layouts import Layout, get_layout, positions_local, shard_local
+from ..layouts import Layout, PerBatchDocuments, get_layout, positions_local, shard_local
 from .sp_layout import SequenceParallelLayout, ring_layout
 from .ulysses import ulysses_heads, valid_ulysses_degrees
 
@@ -207,14 +207,18 @@ class SequenceParallelGroups:
         if self.ulysses_size == 1:
             # (a group of one: the Documents layout itself, which keeps every token in place)
             return lay if docs is None else get_layout(layout)
-        key = (id(lay), lay.name, docs)
+        # (before: under Ulysses alone shard_batch saw the contiguous split only, and gave a
+        # packed batch no boundaries, which usp_attn_func then asked for)
+        per_batch = isinstance(get_layout(layout), PerBatchDocuments) and lay is not \
+            get_layout(layout)
+        key = (id(lay), lay.name, docs, per_batch)
         cache = self.__dict__.setdefault("_layouts", {})
         hit = cache.get(key)
         if hit is None or hit.base is not lay:
             if len(cache) > 16:  # (a Documents layout per batch would grow it without end)
                 cache.clear()
             hit = SequenceParallelLayout(lay, self.ring_size, self.ulysses_size, self.coords,
-                                         docs)
+                                         docs, per_batch)
             cache[key] = hit
         return hit
 

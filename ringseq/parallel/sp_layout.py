@@ -32,13 +32,18 @@ class SequenceParallelLayout(Layout):
     ``documents``: the global document boundaries of the user's layout (a
     ``Documents(cu_seqlens)``) where ``base`` does not carry them (a ring of one splits
     contiguously), else None: ``shard_batch`` still stops positions and targets at them.
+    ``per_batch_documents``: the user's layout is the per-batch ``"documents"`` that a ring of
+    one replaced by contiguous: ``shard_batch`` still takes each batch's boundaries (and
+    refuses rows without them) as under the other modes.
     """
 
     def __init__(self, base: Layout, ring_size: int, ulysses_size: int,
-                 coords: Sequence[Tuple[int, int]], documents=None):
+                 coords: Sequence[Tuple[int, int]], documents=None,
+                 per_batch_documents: bool = False):
         self.base, self.ring_size, self.ulysses_size = base, ring_size, ulysses_size
         self.coords = tuple(tuple(c) for c in coords)
         self.documents = documents if getattr(base, "documents", None) is None else None
+        self.per_batch_documents = per_batch_documents
         order = "u" if all(c == (f // ulysses_size, f % ulysses_size)
                            for f, c in enumerate(self.coords)) else "r"
         self.name = f"{base.name}|sp[R={ring_size},U={ulysses_size},{order}-inner]"
@@ -96,7 +101,8 @@ class SequenceParallelLayout(Layout):
                 cache.clear()
             hit = cache[id(base)] = SequenceParallelLayout(base, self.ring_size,
                                                            self.ulysses_size, self.coords,
-                                                           self.documents)
+                                                           self.documents,
+                                                           self.per_batch_documents)
         return hit
 
     def _tasks(self, rank, src, world_size, s_local):

@@ -1357,6 +1357,8 @@ def main(argv=None) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if v is not None and v > MAX_SIZE:  # (before: a traceback naming an inner function)
+            p.error(f"--{name.replace('_', '-')} must be at most 2**63 - 1 (int64), got {v}")
     if args.world_size > MESHES_WORLD_MAX:  # (before: the header, then no end)
         p.error(f"--world-size must be at most {MESHES_WORLD_MAX} (the meshes listed), got "
                 f"{args.world_size}")
@@ -1412,7 +1414,10 @@ def main(argv=None) -> int:
                 rows.append(e)
                 if e.seqlen + _seq_step(mesh) > SEARCH_LIMIT:
                     capped.add(id(e))
-        rows.sort(key=lambda e: (-e.seqlen,) + _cost_key(e))
+        # (capped rows first, together: a mesh whose length step does not divide the limit
+        # stops below it, 67108860 on 6 ranks, and sorted below rows it is no shorter than)
+        rows.sort(key=lambda e: (-(SEARCH_LIMIT if id(e) in capped else e.seqlen),)
+                  + _cost_key(e))
         print(f"\n## the longest sequence each mesh fits ({len(rows)} meshes)")
         print(_table([mesh_cells(e) + (
             f">= {e.seqlen} (search limit)" if id(e) in capped else str(e.seqlen),

@@ -513,6 +513,11 @@ def test_cli_max_seqlen(llama8b_json, capsys):
     # (before: the header, then no end)
     (["--seqlen", "1024", "--world-size", "1000000007"],
      "--world-size must be at most 16777216 (the meshes listed), got 1000000007"),
+    # (before: a traceback naming fitting_meshes / max_seqlen and their keywords)
+    (["--seqlen", "9" * 20], "--seqlen must be at most 2**63 - 1 (int64), got " + "9" * 20),
+    (["--max-seqlen", "--micro-batch", "9" * 20], "--micro-batch must be at most 2**63 - 1"),
+    (["--seqlen", "1024", "--gradient-accumulation-steps", "9" * 20],
+     "--gradient-accumulation-steps must be at most 2**63 - 1"),
 ])
 def test_cli_argument_errors(llama8b_json, capsys, argv, match):
     base = ["--config", llama8b_json, "--world-size", "8"]
@@ -570,6 +575,26 @@ def test_cli_max_seqlen_marks_meshes_at_the_search_limit(tmp_path, capsys):
     assert mem.main(["--config", str(path), "--world-size", "2", "--device-memory", "8GiB",
                      "--max-seqlen"]) == 0
     assert "(search limit)" not in capsys.readouterr().out
+    # on 6 ranks a mesh whose length step does not divide the limit stops below it, and is
+    # listed with the others that reach it (before: below every mesh it is no shorter than)
+    assert mem.main(["--config", str(path), "--world-size", "6", "--device-memory", "1TiB",
+                     "--max-seqlen"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "GiB" not in line
+            and ("search limit" in line or line[:2].strip().isdigit())]
+    capped = ["(search limit)" in line for line in rows]
+    assert any(">= 67108860 (search limit)" in line for line in rows), rows
+    assert capped == sorted(capped, reverse=True), rows
+
+
+def test_cli_on_the_largest_world_it_takes_answers_in_seconds(llama8b_json, capsys):
+    """(before: each hybrid mesh's estimate built the coordinates of its 2**24 ranks, and
+    the command printed its header, then nothing for hours)"""
+    import time
+    start = time.monotonic()
+    assert mem.main(["--config", llama8b_json, "--seqlen", str(1 << 25), "--world-size",
+                     str(mem.MESHES_WORLD_MAX), "--device-memory", "80GiB"]) == 0
+    assert "hybrid u" in capsys.readouterr().out
+    assert time.monotonic() - start < 120
 
 
 def test_cli_says_which_meshes_a_length_left_out(llama8b_json, capsys):

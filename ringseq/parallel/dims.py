@@ -223,15 +223,14 @@ class ParallelDims:
         mode the plugin's loader shards with the layout itself, also over one rank (zigzag:
         an even length at sp 1); the other modes split a ring of one contiguously."""
         from ..layouts import get_layout
-        from .sp_layout import SequenceParallelLayout, ring_layout
+        from .sp_layout import ring_layout, sp_multiple
         lay = (get_layout(layout, "seq_multiple") if self.sp_mode == "ring"
                else ring_layout(layout, self.ring_size, "seq_multiple"))
         if self.ulysses_size == 1:
             m = lay.multiple(self.sp_size)
-        else:
-            U, R = self.ulysses_size, self.ring_size
-            coords = [(f // U, f % U) for f in range(R * U)]  # placement does not matter
-            m = SequenceParallelLayout(lay, R, U, coords).multiple(self.sp_size)
+        else:  # (the placement does not matter; before, its coordinates were built: a
+            # memory estimate of a 2**24-rank mesh took seconds, and the CLI hours)
+            m = sp_multiple(lay, self.ring_size, self.ulysses_size)
         st = self.sp_size * self.tp_size
         return m * st // math.gcd(m, st)
 

@@ -10,7 +10,7 @@ import torch
 from .._hash import stable_code
 from ..layouts import Layout, get_layout
 
-__all__ = ["SequenceParallelLayout", "ring_layout"]
+__all__ = ["SequenceParallelLayout", "ring_layout", "sp_multiple"]
 
 
 def ring_layout(layout, ring_size: int, fn: str = "ring_layout") -> Layout:
@@ -19,6 +19,15 @@ def ring_layout(layout, ring_size: int, fn: str = "ring_layout") -> Layout:
     ring of one."""
     lay = get_layout(layout, fn)
     return get_layout("contiguous") if ring_size == 1 else lay
+
+
+def sp_multiple(base: Layout, ring_size: int, ulysses_size: int) -> int:
+    """What a sequence over ring ``ring_size`` x Ulysses ``ulysses_size`` ranks must be a
+    multiple of: each ring shard (``base`` over the ring) splits into ``ulysses_size`` equal
+    parts. (Without building the group's coordinates: the memory planner asks this of meshes
+    of millions of ranks.)"""
+    mb = base.multiple(ring_size) // ring_size
+    return ring_size * (mb * ulysses_size // math.gcd(mb, ulysses_size))
 
 
 class SequenceParallelLayout(Layout):
@@ -55,8 +64,7 @@ class SequenceParallelLayout(Layout):
 
     def multiple(self, world_size):
         self._check_world(world_size)
-        mb = self.base.multiple(self.ring_size) // self.ring_size
-        return self.ring_size * (mb * self.ulysses_size // math.gcd(mb, self.ulysses_size))
+        return sp_multiple(self.base, self.ring_size, self.ulysses_size)
 
     def check_seqlen(self, seqlen: int, world_size: int) -> int:
         n = super().check_seqlen(seqlen, world_size)

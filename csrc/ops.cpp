@@ -599,8 +599,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   p.kv.batch_cache = k_cache.size(0);
   // A window wider than the cache is no window (as flash-attn treats it); this keeps the
   // kernels' 32-bit index sums in range. With the left side bounded, an unbounded right side
-  // is the cache's width (flash-attn's set_params_fprop): with more queries than twice the
-  // keys, the first s_q - k_len - s_c rows see none.
+  // is the cache's width, its capacity (flash-attn's set_params_fprop): the first
+  // s_q - k_len - s_c rows, where that is positive, see no key.
   p.kv.window_left = window_left >= shape.seqlen_k ? -1 : window_left;
   p.kv.window_right = window_right >= shape.seqlen_k ? -1 : window_right;
   if (p.kv.window_left >= 0 && p.kv.window_right < 0) p.kv.window_right = shape.seqlen_k;

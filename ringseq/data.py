@@ -169,8 +169,10 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
     lead = key  # the tensor whose (b, s) the others must have
     lay = get_layout(layout, "shard_batch")
     inner = getattr(lay, "base", lay)  # (a hybrid mode's layout wraps the documents layout)
-    per_batch = isinstance(inner, PerBatchDocuments) or getattr(lay, "per_batch_documents",
-                                                                 False)
+    # (Ulysses alone: the wrapper names the per-batch layout its contiguous split replaced)
+    per_batch_name = inner.name if isinstance(inner, PerBatchDocuments) else getattr(
+        lay, "per_batch_documents", None)
+    per_batch = per_batch_name is not None
     # (Ulysses alone: the wrapper carries the boundaries its contiguous split does not)
     layout_docs = getattr(lay, "documents", None) or getattr(inner, "documents", None)
     if layout_docs is None:
@@ -180,8 +182,8 @@ def shard_batch(batch: Mapping, group=None, layout="zigzag", ignore_index: int =
                              f"(sequence length {s} from batch[{key!r}]), got "
                              f"{given(batch.get('position_ids'))}")
         if per_batch and docs is None:  # (several rows, not packed)
-            raise ValueError(f"shard_batch: layout 'documents' balances the documents of a "
-                             f"packed batch: one row with cu_seq_lens_q or position ids that "
+            raise ValueError(f"shard_batch: layout {per_batch_name!r} balances the documents of "
+                             f"a packed batch: one row with cu_seq_lens_q or position ids that "
                              f"restart at 0 per document (DataCollatorWithFlattening's), got "
                              f"{b} rows without document boundaries; use a layout such as "
                              f"'zigzag', or Documents(cu_seqlens) for rows packed alike")

@@ -47,9 +47,6 @@ class _Unshard(torch.autograd.Function):
         ctx.lay, ctx.group, ctx.world_size, ctx.rank, ctx.dim = lay, group, world_size, rank, dim
         ctx.call = call
         xc = x.contiguous()
-        if xc.numel() == 0:  # (every rank: the shapes were agreed on; before, a last dim of
-            # size 0 failed viewing the bytes back, torch's error naming nothing of ours)
-            return scattered(lay, [xc] * world_size, dim)
         # as bytes: every dtype travels, those the backend has no type for too (gloo: uint16,
         # float8; before: its bare "Invalid scalar type" on every rank)
         # (through a flat view: a last dim of size 1 may keep any stride in a "contiguous"
@@ -58,7 +55,10 @@ class _Unshard(torch.autograd.Function):
             *xc.shape[:-1], xc.shape[-1] * xc.element_size())  # (.., last * itemsize)
         parts = [torch.empty_like(raw) for _ in range(world_size)]  # W x raw's shape
         dist.all_gather(parts, raw, group=group)
-        return scattered(lay, [p.view(xc.dtype) for p in parts], dim)  # (.., s_local * W, ..)
+        # (back through a flat view too: a last dim of size 0 refused the dtype view, torch's
+        # "stride(1) must be divisible by 4" after the all-gather, on every rank)
+        return scattered(lay, [p.reshape(-1).view(xc.dtype).view(xc.shape) for p in parts],
+                         dim)  # (.., s_local * W, ..)
 
     @staticmethod
     def backward(ctx, grad):

@@ -350,8 +350,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Masks are bottom-right aligned to the valid keys (``k_len`` of them): query i sees key j
     (0-based from ``cache_leftpad``) iff ``j <= i + k_len - seqlen_q`` when causal and
     ``i + k_len - seqlen_q - left <= j <= i + k_len - seqlen_q + right`` with
-    ``window_size = (left, right)`` (-1: unbounded). A row that sees no key gives 0 (and lse
-    +inf, as flash-attn).
+    ``window_size = (left, right)`` (-1: unbounded; flash-attn 2's rule: a side of at least
+    ``seqlen_cache`` is unbounded, and with the left side bounded an unbounded right side is
+    ``seqlen_cache`` wide, so the first ``seqlen_q - k_len - seqlen_cache`` rows see no key). A
+    row that sees no key gives 0 (and lse +inf, as flash-attn).
 
     Args:
         q: (batch, seqlen_q, nheads, headdim).

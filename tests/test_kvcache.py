@@ -504,24 +504,26 @@ def test_a_window_as_wide_as_the_cache_is_no_window_on_the_torch_path(monkeypatc
 
 @pytest.mark.parametrize("path", ["kernel", "plain torch"])
 def test_a_bounded_left_side_bounds_the_right_side_at_the_cache_width(path, monkeypatch):
-    """flash-attn's rule, as flash_attn_func follows it: with the left side bounded, an
-    unbounded right side is the cache's width, so with more queries than twice the keys the
-    first s_q - k_len - s_c rows see none (out 0, lse +inf). Before, both paths let them
-    attend to the whole cache (off by up to 1.7 against flash_attn_func with the same tensors)."""
+    """flash-attn's rule, as flash_attn_func follows it with seqlen_k: with the left side
+    bounded, an unbounded right side is as wide as the cache's capacity (6 slots here, 4 of
+    them filled), so the first s_q - k_len - capacity = 12 - 4 - 6 = 2 rows see no key (out 0,
+    lse +inf). Before, both paths let them attend to every key (off by up to 1.7 against
+    flash_attn_func with the same tensors)."""
     if path == "plain torch":
         monkeypatch.setattr(ringseq.kvcache, "_kernel_runs", lambda *args: False)
     elif not ringseq.kvcache._kernel_runs("cpu", f32, 16):
         pytest.skip("the extension is not built")
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(1, 10, 2, 16, generator=g)
-    kc, vc = (torch.randn(1, 4, 2, 16, generator=g) for _ in range(2))
-    for window in ((2, -1), (0, -1), (4, -1)):  # (4, -1): as wide as the cache, no window
+    q = torch.randn(1, 12, 2, 16, generator=g)
+    kc, vc = (torch.randn(1, 6, 2, 16, generator=g) for _ in range(2))
+    for window in ((2, -1), (0, -1), (6, -1)):  # (6, -1): as wide as the cache, no window
         out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=4, window_size=window,
                                            return_softmax_lse=True)
-        want, want_lse, _ = ringseq.flash_attn_func(q.double(), kc.double(), vc.double(),
-                                                    window_size=window, return_attn_probs=True)
-        plain = ringseq.flash_attn_func(q, kc, vc, window_size=window, backend="reference")
-        blind = 10 - 4 - 4 if window[0] < 4 else 0
+        rule = (-1, -1) if window[0] >= 6 else (window[0], 6)
+        masks = [visible(12, 4, False, rule)]
+        want, want_lse = attention_rows(q, kc[:, :4], vc[:, :4], masks, 16 ** -0.5, 0.0, f64)
+        plain, _ = attention_rows(q, kc[:, :4], vc[:, :4], masks, 16 ** -0.5, 0.0, f32)
+        blind = 2 if window[0] < 6 else 0
         assert torch.isinf(lse[..., :blind]).all() and (lse[..., :blind] > 0).all(), window
         assert not out[:, :blind].any() and torch.isfinite(lse[..., blind:]).all(), window
         assert_close_per_design(out, want, plain, name=f"out {window}")

@@ -750,7 +750,9 @@ def _ulysses_documents():
     ids = torch.arange(16).view(1, 16)
     batch = sp.shard_batch({"input_ids": ids, "labels": ids,
                             "cu_seq_lens_q": torch.tensor([0, 6, 16])}, "documents")
-    rows = error_text(lambda: sp.shard_batch({"input_ids": ids.view(2, 8)}, "documents"))
+    rows = [error_text(lambda: sp.shard_batch({"input_ids": ids.view(2, 8)}, name))
+            for name in ("documents", "documents_zigzag")]
+    plain = sp.shard_batch({"input_ids": ids}, "documents")  # one row: one document
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
     want = torch.cat([torch.nn.functional.scaled_dot_product_attention(
@@ -760,19 +762,23 @@ def _ulysses_documents():
     out = ringseq.usp_attn_func(*local, causal=True, sp=sp, layout="documents",
                                 cu_seqlens=batch["cu_seq_lens_q"])
     return (batch["cu_seq_lens_q"].tolist(), batch["position_ids"].tolist(), rows,
-            max_err(out, sp.shard(want, "contiguous")))
+            max_err(out, sp.shard(want, "contiguous")), plain["cu_seq_lens_q"].tolist())
 
 
-def test_ulysses_alone_shards_packed_batches_for_the_documents_layout():
-    """Before: under Ulysses alone shard_batch gave a packed batch no boundaries (and took
-    rows without any), which usp_attn_func then refused, asking for shard_batch's
-    cu_seq_lens_q; the ring, the hybrid and the double ring gave them."""
-    for rank, (cu, pos, rows, err) in enumerate(run_ranks(_ulysses_documents, 2, timeout=120)):
+def test_ulysses_alone_shards_batches_for_the_documents_layouts_as_the_other_modes():
+    """Before: under Ulysses alone shard_batch gave a one-row batch without boundaries none
+    (usp_attn_func then refused it, asking for shard_batch's cu_seq_lens_q) and took unpacked
+    rows; the ring, the hybrid and the double ring give the one its one document and refuse
+    the others. A packed batch's boundaries and the attention on them, as before."""
+    for rank, (cu, pos, rows, err, plain) in enumerate(run_ranks(_ulysses_documents, 2,
+                                                                 timeout=120)):
         assert cu == [0, 6, 16], cu
-        assert pos == [[0, 1, 2, 3, 4, 5, 0, 1]] if rank == 0 else [[2, 3, 4, 5, 6, 7, 8, 9]], pos
-        assert rows.startswith("ValueError: shard_batch: layout 'documents' balances the "
-                               "documents of a packed batch"), rows
+        assert pos == ([[0, 1, 2, 3, 4, 5, 0, 1]] if rank == 0 else [[2, 3, 4, 5, 6, 7, 8, 9]])
+        for name, text in zip(("documents", "documents_zigzag"), rows):
+            assert text.startswith(f"ValueError: shard_batch: layout '{name}' balances the "
+                                   f"documents of a packed batch"), text
         assert err < 1e-12, err
+        assert plain == [0, 16], plain
 
 
 def _unshard_unbound_documents():

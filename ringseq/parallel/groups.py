@@ -195,8 +195,10 @@ class SequenceParallelGroups:
         """The layout of the tokens over :attr:`group` for ring layout ``layout`` (the layout
         itself when U = 1, else a :class:`SequenceParallelLayout`; with R = 1 the ring layout
         does not apply and the split is contiguous, but a ``Documents(cu_seqlens)`` layout's
-        boundaries still stop the positions and targets of ``shard_batch``). ValueError for an
-        unknown layout."""
+        boundaries still stop the positions and targets of ``shard_batch``, and a per-batch
+        documents layout (``"documents"``, ``"documents_zigzag"``, ...) still makes it take
+        each batch's boundaries and refuse rows without them). ValueError for an unknown
+        layout."""
         if isinstance(layout, SequenceParallelLayout) and layout.coords == self.coords and \
                 (layout.ring_size, layout.ulysses_size) == (self.ring_size, self.ulysses_size):
             return layout  # (this group's data layout already: plugin.data_layout, say)
@@ -207,10 +209,12 @@ class SequenceParallelGroups:
         if self.ulysses_size == 1:
             # (a group of one: the Documents layout itself, which keeps every token in place)
             return lay if docs is None else get_layout(layout)
-        # (before: under Ulysses alone shard_batch saw the contiguous split only, and gave a
-        # packed batch no boundaries, which usp_attn_func then asked for)
-        per_batch = isinstance(get_layout(layout), PerBatchDocuments) and lay is not \
-            get_layout(layout)
+        # (before: under Ulysses alone shard_batch saw the contiguous split only: a one-row
+        # batch without boundaries got none, which usp_attn_func then asked for, and unpacked
+        # rows were taken)
+        user = get_layout(layout)
+        per_batch = user.name if isinstance(user, PerBatchDocuments) and lay is not user \
+            else None
         key = (id(lay), lay.name, docs, per_batch)
         cache = self.__dict__.setdefault("_layouts", {})
         hit = cache.get(key)

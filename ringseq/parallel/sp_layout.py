@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -41,14 +41,15 @@ class SequenceParallelLayout(Layout):
     ``documents``: the global document boundaries of the user's layout (a
     ``Documents(cu_seqlens)``) where ``base`` does not carry them (a ring of one splits
     contiguously), else None: ``shard_batch`` still stops positions and targets at them.
-    ``per_batch_documents``: the user's layout is the per-batch ``"documents"`` that a ring of
-    one replaced by contiguous: ``shard_batch`` still takes each batch's boundaries (and
-    refuses rows without them) as under the other modes.
+    ``per_batch_documents``: the name of the user's per-batch documents layout (``"documents"``,
+    ``"documents_zigzag"``, ...) where a ring of one replaced it by contiguous, else None:
+    ``shard_batch`` still takes each batch's boundaries (and refuses rows without them) as
+    under the other modes.
     """
 
     def __init__(self, base: Layout, ring_size: int, ulysses_size: int,
                  coords: Sequence[Tuple[int, int]], documents=None,
-                 per_batch_documents: bool = False):
+                 per_batch_documents: Optional[str] = None):
         self.base, self.ring_size, self.ulysses_size = base, ring_size, ulysses_size
         self.coords = tuple(tuple(c) for c in coords)
         self.documents = documents if getattr(base, "documents", None) is None else None

@@ -683,18 +683,25 @@ def _count_before(module, args):
 def _check_dispatched(module, args, output):
     before = getattr(module, "_ringseq_dispatches_before", None)
     if torch.compiler.is_compiling() or before is None:
-        return  # (a compiled first call: checked at the next eager one)
+        return  # (a compiled call: checked at the next eager one)
+    if getattr(module.forward, "_torchdynamo_orig_callable", None) is not None or getattr(
+            getattr(module, "config", None), "_attn_implementation",
+            ATTN_IMPLEMENTATION) != ATTN_IMPLEMENTATION:
+        # (its own forward compiled, where the count does not run; or switched away from
+        # ringseq since, sdpa to generate: checked at a later call)
+        return
     if _DISPATCHES.count > before:  # (itself, or an attention module inside it)
         for handle in module._ringseq_dispatch_watch:
             handle.remove()
         module._ringseq_dispatch_watch = None
         return
     raise ValueError(f"apply: {type(module).__name__} ({getattr(module, '_ringseq_stack', '')}) "
-                     f"returned without calling ringseq's attention: its forward computes "
-                     f"attention itself instead of dispatching through transformers' "
-                     f"AttentionInterface (ALL_ATTENTION_FUNCTIONS[config._attn_implementation]),"
-                     f" so each rank attended to its own shard only. Dispatch through the "
-                     f"interface, or use ringseq.nn.RingAttention in it")
+                     f"returned from its first call since apply without calling ringseq's "
+                     f"attention: its forward computes attention itself instead of "
+                     f"dispatching through transformers' AttentionInterface "
+                     f"(ALL_ATTENTION_FUNCTIONS[config._attn_implementation]), so each rank "
+                     f"attended to its own shard only. Dispatch through the interface, or use "
+                     f"ringseq.nn.RingAttention in it")
 
 
 def _watch_model_positions(model, settings: RingSettings) -> None:
@@ -1155,7 +1162,9 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     from ``padding_idx + 1`` (RoBERTa), whose attention transformers cannot switch (it does
     not dispatch through AttentionInterface: XGLM), sizes that do not divide the
     group, or ``num_attention_heads`` not divisible by the Ulysses degree (naming the degrees
-    that work) -- all before any communication.
+    that work) -- all before any communication. An attention module that returns from its
+    first call (with the model still switched to ringseq) without having called ringseq's
+    attention, computing attention itself (a subclass calling SDPA), raises ValueError then.
     """
     try:  # (checked here, not at the first forward; the errors name apply)
         lay = get_layout(layout, "apply")
@@ -1194,6 +1203,7 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     _check_whole_sequence_terms(model)
     _check_positions_exact(model, modules)
     _check_position_terms(model, modules)
+    _check_pooler(model)  # (last: a model refused above would not fit without its pooler)
     sp = _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inner)
     if sp is None:
         settings = RingSettings(group=group, layout=lay, backend=backend)
@@ -1245,12 +1255,6 @@ def _check_whole_sequence_terms(model) -> None:
                          f"one, or all of it): each rank would pool its own shard's; switch the "
                          f"base model ({type(_base_model(model)).__name__}) and pool the "
                          f"gathered hidden states (ringseq.unshard)")
-    if poolers:
-        # (before: accepted, and pooler_output was each rank's own shard's first token)
-        raise ValueError(f"apply: {name} pools the sequence in its module {poolers[0]!r} (the "
-                         f"first token): each rank would pool its own shard's. Leave it out "
-                         f"(`{poolers[0]} = None`, or add_pooling_layer=False where the model "
-                         f"takes it) and pool the gathered hidden states (ringseq.unshard)")
     config = getattr(model, "config", None)
     text = _text_config(config)
     for attr, what in (("token_dropout", "rescales each row's embeddings by the fraction of "
@@ -1260,6 +1264,19 @@ def _check_whole_sequence_terms(model) -> None:
             raise ValueError(f"apply: {name} {what} (config.{attr}=True): each rank would "
                              f"compute it from its own shard of the sequence, giving other "
                              f"outputs")
+
+
+def _check_pooler(model) -> None:
+    """ValueError (raised by :func:`apply`) for a base model's own pooler (BERT's: a dense
+    layer over the first token; before: accepted, and pooler_output was each rank's own
+    shard's first token, 0.43 off on rank 1 at W=2)."""
+    poolers = _poolers(model)
+    if poolers:
+        raise ValueError(f"apply: {type(model).__name__} pools the sequence in its module "
+                         f"{poolers[0]!r} (the first token): each rank would pool its own "
+                         f"shard's. Leave it out (`{poolers[0]} = None`, or "
+                         f"add_pooling_layer=False where the model takes it) and pool the "
+                         f"gathered hidden states (ringseq.unshard)")
 
 
 def _check_position_terms(model, modules) -> None:

@@ -206,48 +206,50 @@ def _config_int(config, name: str) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-# names of fused projections in transformers models ([q | k | v], [gate | up] side by side)
-_FUSED_NAMES = ("qkv_proj", "gate_up_proj", "query_key_value", "Wqkv", "W_pack", "qkv")
+# plan names of a block's projections: those gathering their output mark the projections
+# whose output columns do not split by heads (transformers declares them so)
+_BLOCK_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
 
 
-def _fused_outputs(model: nn.Module, name: str, module: nn.Module, alone: bool,
-                   in_attention: bool) -> Optional[str]:
-    """What the outputs of the linear layer ``name`` pack when they are several projections
-    side by side ("[q | k | v]", "[gate | up]"), by its name, or, where it is the only layer
-    its block splits by columns, by its width against the model's config (three layers q, k,
-    v or two gate, up of such a width are no fused one); None otherwise."""
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf in _FUSED_NAMES:
-        return "[gate | up]" if leaf == "gate_up_proj" else "[q | k | v]"
-    if not alone:
-        return None
-    cfg = _text_config(model)
-    out = getattr(module, "out_features", None)
-    heads, kv = _config_int(cfg, "num_attention_heads"), _config_int(cfg, "num_key_value_heads")
-    hidden, inter = _config_int(cfg, "hidden_size"), _config_int(cfg, "intermediate_size")
-    head_dim = _config_int(cfg, "head_dim") or (hidden // heads if hidden and heads else None)
-    if in_attention and heads and head_dim and out == (heads + 2 * (kv or heads)) * head_dim:
-        return "[q | k | v]"
-    if not in_attention and inter and out == 2 * inter:
-        return "[gate | up]"
-    return None
+def _gathered_inside(model: nn.Module, named: Dict[str, str]) -> Dict[str, str]:
+    """The linear layers ``named`` (module name -> plan name) plans ``"colwise_gather_output"``
+    inside a block (another projection of the plan next to them; not the LM head), with the
+    style: their output columns are no heads' own -- [q | k | v] or [gate | up] side by side
+    (Phi-3's qkv_proj, GLM-4's gate_up_proj), or a norm over all heads after them (OLMo 2) --
+    so a split by columns is wrong and only a gather of the whole output right, which ringseq
+    does not run inside a block."""
+    modules = dict(model.named_modules())
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    in_block = Counter(n.rpartition(".")[0] for n, s in named.items() if s in _BLOCK_STYLES)
+    return {n: s for n, s in named.items()
+            if s == "colwise_gather_output" and isinstance(modules.get(n), nn.Linear)
+            and modules[n] is not head and in_block[n.rpartition(".")[0]] > 1}
 
 
-def _refuse_fused(name: str, module: nn.Module, style: str, packs: str) -> None:
-    advice = ("leave this MLP out of the plan: it then runs replicated on each tp rank's "
-              "tokens" if "gate" in packs else
-              "this attention cannot be split over tp; train the model with sp_size and "
-              "zero_stage=3 (FSDP2) instead of tp_size")
-    raise ValueError(f"tensor parallelism: {name} ({type(module).__name__}, "
-                     f"{getattr(module, 'out_features', '?')} outputs) is a fused projection, "
-                     f"{packs} side by side, planned {style!r}: split by columns, each tp rank "
-                     f"would hold a contiguous part of them and the model would pair the wrong "
-                     f"columns (silently wrong). ringseq does not split fused projections; "
-                     f"{advice}")
+def _refuse_gathered(model: nn.Module, named: Dict[str, str], source: str) -> None:
+    """ValueError for a projection that the plan, or the model's own declared plan, gathers
+    inside a block (:func:`_gathered_inside`). Before: 'colwise' on GLM-4's fused gate_up_proj
+    was accepted, and each tp rank paired gate columns with gate columns (loss 4.899 against
+    5.224, no error); Phi-3's declared plan was refused naming its o_proj's style."""
+    declared = transformers_tp_plan(model)
+    declared = _gathered_inside(model, _expand(model, declared)) if declared else {}
+    for name, style in named.items():
+        if style == "colwise_gather_output" and name in _gathered_inside(model, named):
+            why = f"the plan ({source}) gathers its output ('colwise_gather_output')"
+        elif style in ("colwise", "colwise_rep") and name in declared:
+            why = (f"it is planned {style!r}, but {type(model).__name__} declares it "
+                   f"'colwise_gather_output' (config.base_model_tp_plan)")
+        else:
+            continue
+        raise ValueError(
+            f"tensor parallelism: {name}: {why}: its output columns do not split by heads (a "
+            f"fused [q | k | v] or [gate | up] side by side, or a norm over all heads after "
+            f"it), so a split by columns pairs the wrong columns, and ringseq gathers nothing "
+            f"inside a block. Leave its block out of the plan (an MLP then runs replicated on "
+            f"each tp rank's tokens; an attention cannot be split over tp: train with sp_size "
+            f"and zero_stage=3, FSDP2, instead of tp_size)")
 
-
-# plan names that split a linear layer's outputs over the tp ranks
-_BY_COLUMNS = ("colwise", "colwise_gather_output", "colwise_rep")
 
 # config attributes naming a mixture-of-experts layer's experts
 _EXPERT_SETTINGS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -273,19 +275,7 @@ def _names_to_styles(model: nn.Module, named: Dict[str, str], tp: int, source: s
     modules = dict(model.named_modules())
     styles: Dict[str, object] = {}
     linear, blocks, replicated_inside = {}, {}, set()
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    # the layers each block splits by columns (a fused projection is its block's only one);
-    # refused before the other entries are read (Phi-3's plan: its qkv_proj's words, not
-    # the style on the o_proj before it)
-    by_columns = Counter(n.rpartition(".")[0] for n, s in named.items() if s in _BY_COLUMNS)
-    for name, style in named.items():
-        module, parent = modules[name], name.rpartition(".")[0]
-        if style in _BY_COLUMNS and isinstance(module, nn.Linear) and module is not head:
-            packs = _fused_outputs(model, name, module, by_columns[parent] == 1,
-                                   _mixes_tokens(modules.get(parent, model)))
-            if packs is not None:
-                _refuse_fused(name, module, style, packs)
+    _refuse_gathered(model, named, source)
     for name, style in named.items():
         module = modules[name]
         if style in ("colwise", "rowwise"):
@@ -295,14 +285,8 @@ def _names_to_styles(model: nn.Module, named: Dict[str, str], tp: int, source: s
             blocks.setdefault(parent, set()).add(style)
         elif style == "replicated_with_grad_allreduce":
             replicated_inside.add(name)
-        elif style in _REPLACED_STYLES and not (isinstance(module, nn.Linear)
-                                                and module is not head):
-            continue  # the embedding / LM head / norms: replicated on this rank's share below
         elif style in _REPLACED_STYLES:
-            raise ValueError(f"tensor parallelism: the plan entry {name!r}: {style!r} is "
-                             f"accepted on the embedding and the LM head only, which ringseq "
-                             f"replaces; {name} ({type(module).__name__}) is a projection "
-                             f"inside the model (supported there: {list(TP_STYLE_NAMES)})")
+            continue  # the embedding / LM head / norms: replicated on this rank's share below
         else:
             raise ValueError(f"tensor parallelism: the plan entry {name!r}: {style!r} is not "
                              f"supported; supported: {list(TP_STYLE_NAMES)} (and "

@@ -28,6 +28,7 @@ from common import (PeakMemory, attention_flops, cpu_header, environment, format
 
 import ringseq  # noqa: E402
 from ringseq import commstats  # noqa: E402
+from ringseq._dist import consistency_check_mode  # noqa: E402
 from ringseq.engine.integrity import HEADER_BYTES  # noqa: E402
 from ringseq.ulysses import kv_replication  # noqa: E402
 
@@ -53,30 +54,42 @@ def mode_sizes(mode, world, ulysses_size, inner_ring_size):
             "hybrid_double_ring": (ulysses_size, inner_ring_size)}[mode]
 
 
-def expected_bytes(b, s, h, h_kv, d, itemsize, U, R, I=None, acc_itemsize=4):
-    """Bytes one rank sends per call from the formulas of docs/sp_modes.md:
-    ``{"fwd": ..., "bwd": ...}`` (full attention or a layout without idle laps)."""
-    tok = b * s // (U * R) * d  # elements per head of one rank's shard
+def _padded(nbytes: int, to: int) -> int:
+    return -(-nbytes // to) * to
+
+
+def expected_bytes(b, s, h, h_kv, d, itemsize, U, R, I=None, acc_itemsize=4, lse_grad=False):
+    """Bytes one rank sends per call from the formulas of docs/sp_modes.md, with the padding
+    the packing adds (all-to-all pieces to 8 bytes, a ring's dK/dV accumulator segment to 64):
+    ``{"fwd": ..., "bwd": ...}`` (full attention or a layout without idle laps). ``lse_grad``:
+    the backward's all-to-all carries an lse gradient, as with the consistency checks off
+    (before, left out: "= formula" read False for correct counts)."""
+    rows = b * s // (U * R)  # (batch x tokens) of one rank's shard
+    tok = rows * d  # elements per head of one rank's shard
     rep = kv_replication(h_kv, U)
-    a2a = (U - 1) * tok * (2 * h + 2 * h_kv * rep) * itemsize // U if U > 1 else 0
-    # the forward's lse travels back with its output: acc_itemsize bytes per token and head
-    a2a_lse = (U - 1) * (b * s // (U * R)) * h * acc_itemsize // U if U > 1 else 0
-    # both all-to-alls of each direction send each of the U - 1 peers the call's header too
-    a2a += 2 * (U - 1) * HEADER_BYTES if U > 1 else 0
+    fwd_a2a = bwd_a2a = 0
+    if U > 1:  # what each of the U - 1 peers gets: the header, then each piece padded
+        q, kv = tok * (h // U) * itemsize, tok * (h_kv * rep // U) * itemsize
+        lse = rows * (h // U) * acc_itemsize  # (the forward's, back with its output)
+        qkv, out = _padded(q, 8) + 2 * _padded(kv, 8), _padded(q, 8) + _padded(lse, 8)
+        dout = _padded(q, 8) + (_padded(lse, 8) if lse_grad else 0)
+        fwd_a2a = (U - 1) * (2 * HEADER_BYTES + qkv + out)
+        bwd_a2a = (U - 1) * (2 * HEADER_BYTES + dout + qkv)  # (dq, dk, dv as q, k, v)
     blk = 2 * tok * U * (h_kv * rep // U)  # K and V elements of one ring block
     I = I or R
     O = R // I
     fwd_ring = (R - 1) * blk * itemsize if R > 1 else 0
     bwd_ring = 0
     if R > 1:
-        bwd_ring = (R - 1) * blk * itemsize + (R + (O if I < R else 0)) * blk * acc_itemsize
+        bwd_ring = (R - 1) * blk * itemsize + (R + (O if I < R else 0)) * _padded(
+            blk * acc_itemsize, 64)
         # every exchange also carries the ring's integrity header: the forward posts W - 1
         # exchanges and the backward W + 1 on a ring of W (a double ring: the outer ring of O
         # plus one inner lap of I per outer step)
         laps = [(O, 1), (I, O)] if I < R else [(R, 1)]  # (ring size, passes per call)
         fwd_ring += sum((w - 1) * n for w, n in laps if w > 1) * HEADER_BYTES
         bwd_ring += sum((w + 1) * n for w, n in laps if w > 1) * HEADER_BYTES
-    return {"fwd": a2a + a2a_lse + fwd_ring, "bwd": a2a + bwd_ring}
+    return {"fwd": fwd_a2a + fwd_ring, "bwd": bwd_a2a + bwd_ring}
 
 
 def _max(x, device):
@@ -147,7 +160,8 @@ def run_rank_sp(args, device):
         excess = _max(err - 2 * plain_err, device)
         err, plain_err = _max(err, device), _max(plain_err, device)
         exp = expected_bytes(args.batch, args.seqlen, args.heads, h_kv, args.headdim,
-                             dtype.itemsize, U, R, I, 8 if dtype == torch.float64 else 4)
+                             dtype.itemsize, U, R, I, 8 if dtype == torch.float64 else 4,
+                             lse_grad=consistency_check_mode() == "off")
         flops = attention_flops(args.batch, args.heads, args.seqlen, args.seqlen,
                                 args.headdim, causal, "fwd_bwd")  # (the whole call's)
         flops_rank = flops / world

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ._args import as_int, check_alibi_slopes, check_bool, check_softmax_scale, parse_window
 from ._dist import RingPeerError, RingTimeoutError, group_info, named_for
 from ._hash import ints_field
+from .engine.counting import record
 from .engine.integrity import FWD, operation_field
 from .engine.ring import get_ring
 from .kernels.checks import (FLOAT_DTYPES, accum_dtype, check_tensor_of_rank, given,
@@ -829,6 +830,9 @@ def _ring_decode(plan, group, world):
         # A rank that failed still meets the others in the gather (they would wait there
         # until the process group's timeout), and every rank learns who failed.
         parts = [torch.empty_like(flat) for _ in range(world)]
+        # (counted as what leaves the rank: its part, to each of the others; before, a
+        # decode's traffic was missing from commstats' counters)
+        record("all_gather", (world - 1) * flat.numel() * flat.element_size())
         dist.all_gather(parts, flat, group=group)
         failed = torch.stack([part[-1] for part in parts]).nonzero().flatten().tolist()
         if failure is not None:

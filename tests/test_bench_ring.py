@@ -18,9 +18,10 @@ BENCH = os.path.join(ROOT, "benchmarks", "bench_ring.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
-def _bench(*args, timeout=300):
+def _bench(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, BENCH, *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout)
+                          cwd=ROOT, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def test_help_describes_every_option():
@@ -193,6 +194,24 @@ def test_sp_mode_run_checks_bytes_and_numbers_and_reports_the_load(tmp_path):
         # Ulysses' 4.4 MiB here; both need about the same)
         assert 0.5 * ulysses <= ring <= 2 * ulysses, (ring, ulysses)
     _load_reported(proc.stdout, data)
+
+
+@pytest.mark.parametrize("checks", ["1", "0"])
+def test_sp_mode_formulas_count_the_padding_and_the_checks_off_lse_slot(tmp_path, checks):
+    """At a shape whose dK/dV accumulator segment (48 bytes) and all-to-all pieces (12 bytes)
+    are padded, and with the consistency checks off (Ulysses' backward then always carries
+    the lse gradient's slot), the counted bytes still equal the formulas (before: "= formula"
+    read False for correct counts)."""
+    out = tmp_path / "sp.json"
+    proc = _bench("--sp-mode", "ring,ulysses", "--world-size", "2", "--seqlen", "12",
+                  "--heads", "2", "--headdim", "1", "--dtype", "bf16", "--repeats", "1",
+                  "--warmup", "0", "--check-rows", "2", "--json", str(out),
+                  env={"RINGSEQ_CHECK_CONSISTENCY": checks})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in rows] == ["ring", "ulysses"]
+    for r in rows:
+        assert r["check_ok"] and r["bytes_as_formula"], r
 
 
 @pytest.mark.parametrize("job", [["--window", "64"], ["--docs", "100,50"]])

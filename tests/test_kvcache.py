@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ringseq
-from ringseq import flash_attn_with_kvcache, ring_flash_attn_with_kvcache
+from ringseq import commstats, flash_attn_with_kvcache, ring_flash_attn_with_kvcache
 from dist_utils import RankError, run_ranks
 from utils import assert_close_per_design, scaled_floor
 
@@ -593,7 +593,7 @@ def _ring_decode_worker(cases, check_errors):
             # collective that agrees on the arguments).
             ringseq.set_consistency_check(step % 2 == 0)
             controls = ringseq.get_ring()._seq
-            with _count_collectives() as sent:
+            with _count_collectives() as sent, commstats.count_bytes() as counted:
                 out, lse = ring_flash_attn_with_kvcache(
                     q, kc, vc, lengths, k_new, v_new, layout=layout, causal=True,
                     window_size=window, softcap=case["softcap"], cache_leftpad=leftpad,
@@ -601,6 +601,10 @@ def _ring_decode_worker(cases, check_errors):
             gathers = [n for op, n in sent if op == "all_gather"]
             assert gathers == [b * s_q * h * (d + 1) + 1], sent
             assert len(sent) == 1, sent
+            # counted as what leaves the rank (before: nothing, commstats read {})
+            itemsize = 8 if dtype == f64 else 4  # (float32 partials, float64 for float64)
+            assert counted.bytes == {"all_gather": (world - 1) * gathers[0] * itemsize}, \
+                counted.bytes
             # + the argument agreement on the ring's control channel, when the check is on
             assert ringseq.get_ring()._seq - controls == (1 if step % 2 == 0 else 0)
             ringseq.set_consistency_check(True)

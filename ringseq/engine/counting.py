@@ -1,8 +1,10 @@
 """Measured communication: bytes each rank sends, counted where the bytes are handed over.
 
-Sequence-parallel attention moves data in two ways: ring exchanges (the engine records each
-one under its plan's label: ``"ring"``, or ``"ring_inner"`` / ``"ring_outer"`` in a double ring)
-and all-to-alls (:mod:`ringseq.parallel.ulysses`). Both report to the counters the calling
+Sequence-parallel attention moves data in three ways: ring exchanges (the engine records each
+one under its plan's label: ``"ring"``, or ``"ring_inner"`` / ``"ring_outer"`` in a double ring),
+all-to-alls (:mod:`ringseq.parallel.ulysses`) and the all-gather of a context-parallel KV-cache
+decode's partial results (``"all_gather"``, :func:`ringseq.ring_flash_attn_with_kvcache`). All
+report to the counters the calling
 thread opened and, from a thread Python's ``threading`` did not start, to every counter open
 in the process: on a GPU, autograd runs the backward on a device thread of its own, whose
 bytes so count in the block as the forward's do. Threads started through ``threading`` (each
@@ -22,8 +24,9 @@ Counted is what leaves the rank: every byte of a ring exchange's send buffer, an
 rank keeps for itself is not sent); a ring exchange's buffer holds its 64-byte header and pads
 each segment but the last it sends to 64 bytes. Not counted: the cross-rank consistency
 checks, two control all-gathers of 31 int64 per rank at the begin and end of every ring
-call's forward and backward (a hybrid or double ring makes one ring call per ring it runs: 4
-and 8 pairs a pass at 2 x 2; none with the checks off). Counting costs a few Python
+call's forward and backward (a hybrid makes one ring call per ring it runs; a double ring one
+for the whole ring, one for the outer ring and one per inner lap with work, so with laps
+skipped the ranks make different numbers; none with the checks off). Counting costs a few Python
 operations per exchange.
 """
 from __future__ import annotations

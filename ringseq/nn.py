@@ -134,8 +134,9 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
             ``"input"`` (or e.g. ``torch.bfloat16``): one rounding per ring hop; for 16-bit
             inputs about 2/3 of the backward traffic as W grows (K/V and accumulators both
             2 bytes an element instead of 2 and 4; float32 inputs: ``"input"`` changes
-            nothing, ``torch.bfloat16`` about 3/4). Measured for bf16 inputs at W=4 (tests/test_ring.py): about
-            2x the dK/dV error of float32 transit, about the error of plain bf16 attention;
+            nothing, ``torch.bfloat16`` about 3/4). Measured for bf16 inputs at W=4
+            (tests/test_ring.py): about 2x the dK/dV error of float32 transit, about the
+            error of plain bf16 attention;
             bounded by float32 transit's error + W * 2**-8 * max|dK|. out, lse and dQ are
             unaffected. float16 transit can overflow (partial sums above 65504 become inf);
             prefer bfloat16.

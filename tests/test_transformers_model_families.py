@@ -764,8 +764,8 @@ def test_tp_plans_refuse_gathers_inside_blocks_and_mixtures_of_experts():
     for cls, config, name in ((T.Phi3ForCausalLM, T.Phi3Config, "self_attn.qkv_proj"),
                               (T.Olmo2ForCausalLM, T.Olmo2Config, "self_attn.q_proj")):
         with pytest.raises(ValueError, match=rf"^tensor parallelism: model\.layers\.0\.{name}: "
-                                             rf"the plan .* gathers its output \('colwise_gather_output'\)"
-                                             + columns):
+                                             rf"the plan .* gathers its output "
+                                             rf"\('colwise_gather_output'\)" + columns):
             resolve_tp_plan(cls(config(**small)), 2)
     for cls, config, setting in ((T.MixtralForCausalLM, T.MixtralConfig, r"num_local_experts=8"),
                                  (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig,

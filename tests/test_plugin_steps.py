@@ -500,6 +500,54 @@ def test_steps_after_clears_clips_and_fp16_scaling(tmp_path):
     assert "rank 1: ValueError: booster.backward: DDP did not sum" in peer, peer
 
 
+def _worker_fp16_refused_clip_and_one_rank_inf():
+    import torch.distributed as dist
+    rank, out = dist.get_rank(), {}
+    booster, model, opt, crit, batches = _boosted({"sp_size": 2, "precision": "fp16"})
+    booster.backward(crit(model(**batches[0]), batches[0]), opt)
+    out["refused"] = _error(lambda: opt.clip_grad_by_norm(1.0 + rank))  # (ranks differ)
+    out["retry"] = _error(lambda: opt.clip_grad_by_norm(1.0))
+    model.unwrap().zero_grad()  # (the user's own module: the optimizer sees new tensors)
+    booster.backward(crit(model(**batches[1]), batches[1]), opt)
+    out["step after a refused clip"] = _sgd_error(opt, model, opt.step)
+    # an inf in rank 1's gradients after their sum (a gradient touched there)
+    opt.zero_grad()
+    booster.backward(crit(model(**batches[2]), batches[2]), opt)
+    if rank == 1:
+        grad = next(p.grad for p in model.unwrap().parameters() if p.grad is not None)
+        grad.view(-1)[0] = float("inf")
+    before = [_whole(p) for p in model.unwrap().parameters()]
+    scale = float(opt.scaler.get_scale())
+    opt.step()
+    out["stepped"] = any(not torch.equal(_whole(p), b)
+                         for p, b in zip(model.unwrap().parameters(), before))
+    opt.zero_grad()
+    booster.backward(crit(model(**batches[3]), batches[3]), opt)  # (the update comes first)
+    out["scales"] = (scale, float(opt.scaler.get_scale()))
+    out["by value"] = _error(lambda: opt.clip_grad_by_value(1.0))
+    return out
+
+
+def test_fp16_a_refused_clip_and_an_inf_on_one_rank_leave_the_ranks_alike():
+    """A clip the ranks' agreement refused had unscaled the gradients without marking them:
+    a retry raised torch's "unscale_() has already been called", and a step after new
+    gradients applied them 65536 times too large. An inf in one rank's gradients after their
+    sum made that rank alone skip and halve its scale: the replicas parted, and every later
+    sum mixed two scales. Now every rank retries, steps by LR x the gradient, skips alike and
+    halves alike."""
+    for rank, r in enumerate(run_ranks(_worker_fp16_refused_clip_and_one_rank_inf, 2,
+                                       timeout=300, env=_TIMEOUT)):
+        assert r["refused"].startswith("RingMismatchError") and "max_norm" in r["refused"], r
+        assert r["retry"] is None, r["retry"]
+        err, largest = r["step after a refused clip"]
+        assert largest > 0 and err <= 1e-2 * largest, (err, largest)
+        assert not r["stepped"], (rank, r)
+        assert r["scales"] == (65536.0, 32768.0), (rank, r["scales"])
+        # (before: "'SGD' object has no attribute", naming the wrapped optimizer)
+        assert r["by value"].startswith("AttributeError: OptimizerWrapper (the boosted SGD) has "
+                                        "no attribute 'clip_grad_by_value'"), r["by value"]
+
+
 def _worker_odd_shard_under_tp(sp_size, one_replica):
     """sp ``sp_size`` x tp 2: the boosted model called with a shard one token short (every
     rank alike, or only on the ranks of dp index 0, whose peers step as usual), then

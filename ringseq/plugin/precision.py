@@ -72,6 +72,22 @@ def update_due(scaler) -> None:
     scaler._ringseq_update_due = True
 
 
+def found_inf(scaler, optim) -> bool:
+    """Whether the unscale of ``optim``'s gradients through ``scaler`` found an inf or NaN on
+    this rank."""
+    state = scaler._per_optimizer_states.get(id(optim), {})
+    return any(bool(inf) for inf in state.get("found_inf_per_device", {}).values())
+
+
+def mark_inf(scaler, optim) -> None:
+    """Another rank's unscaled gradients hold an inf or NaN: ``optim``'s step through
+    ``scaler`` skips on this rank too, and the update backs off as there (before: only that
+    rank skipped and lowered its scale; the replicas parted, and every sum after mixed two
+    scales)."""
+    for inf in scaler._per_optimizer_states[id(optim)]["found_inf_per_device"].values():
+        inf.fill_(1.0)
+
+
 def overflowed(scaler) -> None:
     """An overflow no step will record (``clip_grad_by_norm(error_if_nonfinite=True)`` raised
     on it): as for a step that skipped, the update before the next loss scaled through

@@ -18,14 +18,14 @@ from torch.amp.grad_scaler import OptState
 
 from .._args import given
 from .._dist import RingError, RingMismatchError, add_note, global_rank, ring_timeout
-from ..engine.integrity import call_tag
+from ..engine.integrity import ANY, call_tag
 from ..engine.ring import get_ring
 from ..parallel.fsdp import reshard_gathered
 from ..loss import RING_REPORT_WAITS, report_own_failure, sharded_cross_entropy
 from ..spec import float_field
 from .dataloader import INPUTS_EMBEDS_UNDER_TP
 from .grad_norm import local_norm_share, scale_, total_norm
-from .precision import overflowed, settle_scaler, update_due
+from .precision import found_inf, mark_inf, overflowed, settle_scaler, update_due
 
 __all__ = ["FailureReporter", "ModelWrapper", "OptimizerWrapper", "ReducedGrads",
            "SequenceParallelLoss", "StepTag"]
@@ -838,10 +838,24 @@ class OptimizerWrapper:
                 "gradients (optimizer.zero_grad()) and run the next backward first")
         elif refusal is None and self.scaler is not None and grads and not scaled:
             refusal = ValueError(f"OptimizerWrapper.step: {self._not_scaled()}; not stepping")
+        inf = False
+        if refusal is None and self.scaler is not None and grads:
+            try:  # (unscaled here, so that the ranks agree on whether one found an inf)
+                self._unscale(grads)
+                inf = found_inf(self.scaler, self.optim)
+            except Exception as exc:
+                refusal = exc
         if dist.is_initialized():
             # (without it the others would step and then wait in the vote after the step)
-            get_ring(None).agree(refusal is None, str(refusal), error=refusal,
-                                 about="optimizer step refusal")
+            rows = get_ring(None).agree(refusal is None, str(refusal), error=refusal,
+                                        about="optimizer step refusal",
+                                        fields=(("inf or NaN in the unscaled gradients",
+                                                 int(inf), ANY),))
+            if rows and any(row[0] for row in rows) and not inf and self.scaler is not None \
+                    and grads:
+                # Every rank skips the step when one rank's gradients overflowed after their
+                # sum (before: that rank alone skipped and backed off, the replicas parted)
+                mark_inf(self.scaler, self.optim)
         elif refusal is not None:
             raise refusal
         if self.model is not None:
@@ -856,8 +870,8 @@ class OptimizerWrapper:
                 # nothing, as without fp16)
                 out = self.optim.step(*args, **kwargs)
             else:
-                # Every rank holds the same all-reduced gradients, so every rank makes the
-                # same skip decision and the replicas stay identical.
+                # Every rank makes the same skip decision (an inf in any rank's unscaled
+                # gradients marks them on every rank, agreed above): the replicas stay alike.
                 self._unscaled()  # (forgets the mark of gradients no longer there)
                 out = self.scaler.step(self.optim, *args, **kwargs)
                 update_due(self.scaler)  # (once per iteration: the plugin's optimizers share it)
@@ -962,8 +976,8 @@ class OptimizerWrapper:
                 # small, as the step that followed)
                 raise ValueError(f"clip_grad_by_norm: {self._not_scaled()}")
             # (no gradient: nothing to unscale, and GradScaler would assert, as in step)
-            if self.scaler is not None and grads and not self._unscaled():
-                self.scaler.unscale_(self.optim)
+            if self.scaler is not None and grads:
+                self._unscale(grads)
             share = local_norm_share(grads, norm_type)
         except BaseException as exc:  # re-raised by the agreement (SystemExit too)
             failure = exc
@@ -1003,9 +1017,16 @@ class OptimizerWrapper:
         factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if not math.isfinite(total) or total + 1e-6 > max_norm:  # (else a factor of 1)
             scale_(grads, factor)
-        if self.scaler is not None:
-            self._unscaled_grads = [weakref.ref(t) for t in map(_local, grads)]
         return norm
+
+    def _unscale(self, grads) -> None:
+        """fp16: unscales ``grads`` (the optimizer's gradients) unless they already are, and
+        marks them so, at once: a clip refused after it by the ranks' agreement left them
+        unscaled unmarked (before: a retry raised torch's "unscale_() has already been
+        called", and a step after new gradients applied them 65536 times too large)."""
+        if not self._unscaled():
+            self.scaler.unscale_(self.optim)
+            self._unscaled_grads = [weakref.ref(t) for t in map(_local, grads)]
 
     def _named_params(self) -> list:
         """(name, parameter) of the optimizer's parameters (a shape where the model is not
@@ -1143,7 +1164,15 @@ class OptimizerWrapper:
         if name in ("optim", "scaler", "model", "_step", "reduced", "failed_step",
                     "_unscaled_grads", "_scaled", "_scaled_grads", "_stepped_scaled"):
             raise AttributeError(name)
-        return getattr(self.optim, name)
+        try:
+            return getattr(self.optim, name)
+        except AttributeError:
+            # (before: "'SGD' object has no attribute ...", naming the wrapped optimizer)
+            hint = ("; it clips by norm only (clip_grad_by_norm), which under fp16 unscales "
+                    "the gradients first" if name.startswith("clip_grad") else "")
+            raise AttributeError(f"OptimizerWrapper (the boosted {type(self.optim).__name__}) "
+                                 f"has no attribute {name!r}, nor has the optimizer it "
+                                 f"wraps{hint}") from None
 
     def __repr__(self):
         return f"OptimizerWrapper({self.optim!r}, scaler={self.scaler is not None})"

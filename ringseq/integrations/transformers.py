@@ -1203,8 +1203,9 @@ def apply(model: torch.nn.Module, group=None, layout="zigzag", backend: Optional
     _check_whole_sequence_terms(model)
     _check_positions_exact(model, modules)
     _check_position_terms(model, modules)
-    _check_pooler(model)  # (last: a model refused above would not fit without its pooler)
     sp = _sp_groups(model, group, sp_mode, ulysses_size, inner_ring_size, ulysses_inner)
+    # (after the refusals a model without its pooler would meet too, before the switch)
+    _check_pooler(model)
     if sp is None:
         settings = RingSettings(group=group, layout=lay, backend=backend)
     else:

@@ -192,20 +192,6 @@ def _check_divisible(name: str, module: nn.Module, style: str, tp: int) -> None:
                          f"divides {size}")
 
 
-def _text_config(model: nn.Module):
-    config = getattr(model, "config", None)
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
-
-
-def _config_int(config, name: str) -> Optional[int]:
-    try:  # (Gemma 4's per-layer K/V head counts raise on reading)
-        value = getattr(config, name, None)
-    except Exception:
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 # plan names of a block's projections: those gathering their output mark the projections
 # whose output columns do not split by heads (transformers declares them so)
 _BLOCK_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
@@ -251,21 +237,26 @@ def _refuse_gathered(model: nn.Module, named: Dict[str, str], source: str) -> No
             f"and zero_stage=3, FSDP2, instead of tp_size)")
 
 
-# config attributes naming a mixture-of-experts layer's experts
-_EXPERT_SETTINGS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+def _is_experts(name: str, module: nn.Module) -> bool:
+    """A mixture-of-experts layer's experts or sparse block: a module named ``experts``, a
+    class named so (MixtralExperts, Qwen2MoeSparseMoeBlock, ...), or parameters of more than
+    two dims (experts' weights stacked)."""
+    cls = type(module).__name__
+    return (name.rsplit(".", 1)[-1] == "experts" or "Experts" in cls or "SparseMoe" in cls
+            or any(p.dim() > 2 for p in module.parameters(recurse=False)))
 
 
 def _refuse_experts(model: nn.Module) -> None:
-    cfg = _text_config(model)
-    for attr in _EXPERT_SETTINGS:
-        value = _config_int(cfg, attr)
-        if value is not None and value > 1:
-            raise ValueError(
-                f"tensor parallelism: {type(model).__name__} is a mixture-of-experts model "
-                f"(config.{attr}={value}): its router and experts take the tokens flattened, "
-                f"which the plan neither splits nor can run replicated on a tp rank's share "
-                f"of the sequence (before: DTensor errors at the first forward). Train it "
-                f"with sp_size and zero_stage=3 (FSDP2) instead of tp_size")
+    """ValueError for a model with mixture-of-experts layers (by its modules: a config with
+    expert counts whose layers are all dense, Qwen2-MoE's mlp_only_layers, trains as before)."""
+    name = next((n for n, m in model.named_modules() if n and _is_experts(n, m)), None)
+    if name is not None:
+        raise ValueError(
+            f"tensor parallelism: {type(model).__name__} has mixture-of-experts layers "
+            f"({name}, {type(model.get_submodule(name)).__name__}): their router and experts "
+            f"take the tokens flattened, which the plan neither splits nor can run replicated "
+            f"on a tp rank's share of the sequence (before: DTensor errors at the first "
+            f"forward). Train it with sp_size and zero_stage=3 (FSDP2) instead of tp_size")
 
 
 def _names_to_styles(model: nn.Module, named: Dict[str, str], tp: int, source: str,

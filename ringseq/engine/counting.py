@@ -46,10 +46,10 @@ _LOCK = threading.Lock()
 
 
 class CommCounter:
-    """Bytes sent (``bytes``) and the number of exchanges or all-to-alls that sent them
-    (``calls``: one per ring exchange, several per attention call; an all-to-all with nothing
-    to move is none) per kind (``"ring"``, ``"ring_inner"``, ``"ring_outer"``,
-    ``"all_to_all"``), on this rank."""
+    """Bytes sent (``bytes``) and the number of exchanges, all-to-alls or all-gathers that sent
+    them (``calls``: one per ring exchange, several per attention call; an all-to-all with
+    nothing to move is none; one all-gather per KV-cache decode) per kind (``"ring"``,
+    ``"ring_inner"``, ``"ring_outer"``, ``"all_to_all"``, ``"all_gather"``), on this rank."""
 
     def __init__(self) -> None:
         self.bytes: Dict[str, int] = defaultdict(int)

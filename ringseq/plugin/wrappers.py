@@ -840,22 +840,17 @@ class OptimizerWrapper:
             refusal = ValueError(f"OptimizerWrapper.step: {self._not_scaled()}; not stepping")
         inf = False
         if refusal is None and self.scaler is not None and grads:
-            try:  # (unscaled here, so that the ranks agree on whether one found an inf)
-                self._unscale(grads)
-                inf = found_inf(self.scaler, self.optim)
+            try:  # (read, not unscaled: a step a peer refuses leaves the gradients as they are)
+                inf = found_inf(self.scaler, self.optim) if self._unscaled() else bool(
+                    torch.stack([~torch.isfinite(_local(g)).all() for g in grads]).any())
             except Exception as exc:
                 refusal = exc
+        rows = None
         if dist.is_initialized():
             # (without it the others would step and then wait in the vote after the step)
             rows = get_ring(None).agree(refusal is None, str(refusal), error=refusal,
                                         about="optimizer step refusal",
-                                        fields=(("inf or NaN in the unscaled gradients",
-                                                 int(inf), ANY),))
-            if rows and any(row[0] for row in rows) and not inf and self.scaler is not None \
-                    and grads:
-                # Every rank skips the step when one rank's gradients overflowed after their
-                # sum (before: that rank alone skipped and backed off, the replicas parted)
-                mark_inf(self.scaler, self.optim)
+                                        fields=(("inf or NaN in the gradients", int(inf), ANY),))
         elif refusal is not None:
             raise refusal
         if self.model is not None:
@@ -870,9 +865,13 @@ class OptimizerWrapper:
                 # nothing, as without fp16)
                 out = self.optim.step(*args, **kwargs)
             else:
-                # Every rank makes the same skip decision (an inf in any rank's unscaled
-                # gradients marks them on every rank, agreed above): the replicas stay alike.
-                self._unscaled()  # (forgets the mark of gradients no longer there)
+                self._unscale(grads)
+                if rows and any(row[0] for row in rows) and not found_inf(self.scaler,
+                                                                          self.optim):
+                    # Every rank skips the step when one rank's gradients overflowed after
+                    # their sum (agreed above; before: that rank alone skipped and backed off,
+                    # and the replicas parted)
+                    mark_inf(self.scaler, self.optim)
                 out = self.scaler.step(self.optim, *args, **kwargs)
                 update_due(self.scaler)  # (once per iteration: the plugin's optimizers share it)
                 self._unscaled_grads, self._scaled = None, False

@@ -18,8 +18,8 @@ and dQ/dK keep the factor ``softmax_scale``. ``softcap = 0`` is off.
 This module is the one place where spans given as Python objects become the int64 CPU
 tensor the operators take (:func:`as_spans_tensor`), and where they are checked in Python
 (:func:`check_spans`, the same rules as csrc/ops.cpp). :func:`window_band` and
-:func:`document_spans` turn flash-attn's ``window_size`` and varlen documents into bands and
-spans.
+:func:`document_spans` turn flash-attn's ``window_size`` (checked by :func:`parse_window`, as
+at every entry point) and varlen documents into bands and spans.
 """
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ all-to-alls (:mod:`ringseq.parallel.ulysses`) and the all-gather of a context-pa
 decode's partial results (``"all_gather"``, :func:`ringseq.ring_flash_attn_with_kvcache`). All
 report to the counters the calling thread opened and, from a thread Python's ``threading``
 did not start, to every counter open in the process: on a GPU, autograd runs the backward on a
-device thread of its own, whose bytes so count in the block as the forward's do. Threads started through ``threading`` (each
-running rings on a process group of its own, say) count their own bytes, except on a GPU their
-backward passes', which count in every thread's open counters::
+device thread of its own, whose bytes so count in the block as the forward's do. Threads
+started through ``threading`` (each running rings on a process group of its own, say) count
+their own bytes, except on a GPU their backward passes', which count in every thread's open
+counters::
 
     import ringseq
     from ringseq import commstats

@@ -1250,8 +1250,7 @@ def _check_whole_sequence_terms(model) -> None:
     rescaled by its fraction of <mask> tokens) and MobileBERT's ``trigram_input`` (each
     embedding joined with its neighbours': wrong at every shard border)."""
     name = type(model).__name__
-    poolers = _poolers(model)
-    if name.endswith(_POOLING_HEADS) or ("PreTraining" in name and poolers):
+    if name.endswith(_POOLING_HEADS) or ("PreTraining" in name and _poolers(model)):
         raise ValueError(f"apply: {name}'s head pools the sequence (its first token, its last "
                          f"one, or all of it): each rank would pool its own shard's; switch the "
                          f"base model ({type(_base_model(model)).__name__}) and pool the "

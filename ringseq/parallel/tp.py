@@ -220,8 +220,9 @@ def _refuse_gathered(model: nn.Module, named: Dict[str, str], source: str) -> No
     5.224, no error); Phi-3's declared plan was refused naming its o_proj's style."""
     declared = transformers_tp_plan(model)
     declared = _gathered_inside(model, _expand(model, declared)) if declared else {}
+    gathered = _gathered_inside(model, named)  # (once: it walks the model's modules)
     for name, style in named.items():
-        if style == "colwise_gather_output" and name in _gathered_inside(model, named):
+        if name in gathered:
             why = f"the plan ({source}) gathers its output ('colwise_gather_output')"
         elif style in ("colwise", "colwise_rep") and name in declared:
             why = (f"it is planned {style!r}, but {type(model).__name__} declares it "

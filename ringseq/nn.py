@@ -24,7 +24,7 @@ from ._args import (autocast_inputs, check_bool, check_returns, check_softmax_sc
 from .engine.integrity import FWD
 from .engine.op import run_attention
 from .engine.placement import RingPlacement
-from .engine.ring import refuse_on_error, ring_size
+from .engine.ring import get_ring, refuse_on_error, ring_size
 from .ops import returns
 from .kernels import check_backend_name
 from .kernels.checks import FLASH_FORM, RING_VARLEN_FORM, SDPA_FORM, InputForm
@@ -343,6 +343,7 @@ class RingAttention(nn.Module):
         check_softmax_scale("RingAttention", softmax_scale)
         check_backend_name("RingAttention", backend)
         check_grad_comm_dtype("RingAttention", grad_comm_dtype)
+        get_ring(group, "RingAttention")  # (a group's type and this rank's membership)
         self.group = group
         self.layout = named_layout("RingAttention", layout, takes_documents=False)
         self.causal = bool(causal)
@@ -382,4 +383,9 @@ class RingAttention(nn.Module):
         return super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
 
     def extra_repr(self) -> str:
-        return f"layout={self.layout.name!r}, causal={self.causal}, backend={self.backend!r}"
+        # (what changes the output or the traffic, so that two modules that differ print so)
+        extra = "".join(f", {name}={getattr(self, name)!r}"
+                        for name in ("softmax_scale", "grad_comm_dtype")
+                        if getattr(self, name) is not None)
+        return (f"layout={self.layout.name!r}, causal={self.causal}, backend={self.backend!r}"
+                + extra)

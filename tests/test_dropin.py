@@ -430,6 +430,15 @@ def test_ring_sdpa_and_module_check_their_arguments():
     with pytest.raises(ValueError, match="^RingAttention: grad_comm_dtype must be None, 'input', "
                                          ".*got torch.int8"):
         ringseq.RingAttention(grad_comm_dtype=torch.int8)
+    with pytest.raises(TypeError, match="^RingAttention: group must be a torch.distributed "
+                                        "ProcessGroup or None .*got 'world' \\(str\\)"):
+        ringseq.RingAttention(group="world")
+    # the repr shows what changes the output (before: the same text for these two)
+    assert repr(ringseq.RingAttention(causal=True)) == (
+        "RingAttention(layout='contiguous', causal=True, backend=None)")
+    assert repr(ringseq.RingAttention(causal=True, softmax_scale=3.0, grad_comm_dtype="input")) \
+        == ("RingAttention(layout='contiguous', causal=True, backend=None, softmax_scale=3.0, "
+            "grad_comm_dtype='input')")
     # SDPA's order: the 5th positional argument is dropout_p; ringseq has no dropout
     with pytest.raises(NotImplementedError, match="ring_sdpa: dropout_p=0.1 is not supported.*"
                        "5th positional argument is dropout_p.*pass the scale as scale="):

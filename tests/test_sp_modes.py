@@ -191,6 +191,18 @@ def _one_rank_without_groups(hybrid, x8):
     return res
 
 
+def _thirds():
+    """A user's contiguous layout whose global length must be a multiple of 3W."""
+    from ringseq.layouts.builtin import Contiguous
+
+    class Thirds(Contiguous):
+        name = "thirds_test"
+
+        def multiple(self, world_size):
+            return 3 * world_size
+    return Thirds()
+
+
 def _errors(sps, pairs):
     import ringseq
     from ringseq.parallel.groups import sp_groups_from_tables
@@ -239,6 +251,11 @@ def _errors(sps, pairs):
         "ulysses_inner_word": error_text(lambda: ringseq.make_sp_groups(2, ulysses_inner="no")),
         # documents the hybrid's ring cannot cut into equal chunks (before: raised from deep
         # inside shard without naming shard_batch)
+        # a local length the hybrid's ring cannot place: 2 x 4 = 8 tokens, not a multiple of
+        # 3 x 2 (before: the ring part's length, 4, named as the local one, and the part's
+        # multiple, 3, as the local one's)
+        "hybrid_length": _expected_error(lambda: ringseq.usp_attn_func(
+            x8[:, :2], x8[:, :2], x8[:, :2], sp=hybrid, layout=_thirds())),
         "hybrid_docs": error_text(lambda: hybrid.shard_batch(pack_documents(
             [{"input_ids": torch.arange(n) + 1} for n in (1, 8, 1, 13, 13)], multiple=4),
             "documents_contiguous")),
@@ -854,7 +871,11 @@ def test_group_tables_that_cannot_make_groups_raise_on_every_rank():
         assert e["numpy_sizes"] == (2, 2, 2, 4), e["numpy_sizes"]
         assert e["hybrid_docs"].startswith(
             "ValueError: shard_batch: layout 'documents_contiguous' cuts every document into 2 "
-            "equal chunks"), e["hybrid_docs"]
+            "equal chunks (a ring of 2 ranks)"), e["hybrid_docs"]
+        assert e["hybrid_length"] == (
+            "ValueError: usp_attn_func: layout 'thirds_test' over a ring of 2 ranks of Ulysses "
+            "groups of 2 needs local shards whose length is a positive multiple of 3 (global "
+            "length a multiple of 12); got a local length of 2"), e["hybrid_length"]
 
 
 def test_model_heads_are_named_by_their_config_keys():
@@ -1236,6 +1257,6 @@ def test_a_stalled_all_to_all_names_the_timeout_and_the_reset():
     assert failed.startswith("RingTimeoutError: ringseq: rank 0 waited more than 2 s for its "
                              "all-to-all peers (global ranks [1]): a peer stalled, died or left "
                              "the call (ringseq.set_ring_timeout changes the limit;"), failed
-    assert failed.endswith("for the groups of ringseq.make_sp_groups, sp.reset() on every rank "
-                           "resets each)"), failed
+    assert failed.endswith("(sp.reset() for the groups of ringseq.make_sp_groups: it resets "
+                           "each) makes the ring usable again)"), failed
     assert err < 1e-12, err

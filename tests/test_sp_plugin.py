@@ -64,12 +64,41 @@ def _train(cfg, state_dict):
         if len(losses) == STEPS:
             break
     sp = plugin.sp
-    return {"losses": losses, "grads": step_grads[0], "step_grads": step_grads,
-            "local_lens": sorted(local_lens),
-            "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()},
-            "mode": sp.mode, "sizes": (plugin.dp_size, sp.ulysses_size, sp.ring_size,
-                                       sp.inner_ring_size), "ulysses_inner": sp.ulysses_inner,
-            "repr": repr(plugin)}
+    out = {"losses": losses, "grads": step_grads[0], "step_grads": step_grads,
+           "local_lens": sorted(local_lens),
+           "weights": {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()},
+           "mode": sp.mode, "sizes": (plugin.dp_size, sp.ulysses_size, sp.ring_size,
+                                      sp.inner_ring_size), "ulysses_inner": sp.ulysses_inner,
+           "repr": repr(plugin)}
+    out["failure"] = _fail_then_reset(booster, model, opt, criterion, batch)
+    return out
+
+
+def _fail_then_reset(booster, model, opt, criterion, batch):
+    """After the compared steps: a step whose layer 1 raises on rank 1 before its attention,
+    then the recovery the errors give, then a step. Returns this rank's error text and the
+    next step's loss."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+
+    def fail_on_rank_1(*_):
+        if rank == 1:
+            raise MemoryError("injected: out of memory")
+    hook = model.unwrap().model.layers[1].self_attn.q_proj.register_forward_hook(fail_on_rank_1)
+    try:
+        booster.backward(criterion(model(**batch), batch), opt)
+        opt.step()
+        error = "no error"
+    except Exception as exc:  # noqa: BLE001 - the test reads its text
+        error = f"{type(exc).__name__}: {exc}"
+    hook.remove()
+    opt.zero_grad()
+    booster.reset()
+    loss = criterion(model(**batch), batch)
+    booster.backward(loss, opt)
+    opt.step()
+    opt.zero_grad()
+    return error, float(loss.detach())
 
 
 def _apply_case(state_dict):
@@ -219,6 +248,16 @@ def test_training_parity_in_every_mode(run, case):
                                     scaled_floor(torch.float32, ref["grads"][name]))
         for name, w in got["weights"].items():
             assert torch.equal(w, first["weights"][name]), f"rank {r}: {name} diverged"
+        # a step failing on rank 1: every other rank's error gives the plugin's recovery
+        # (before, a ring's error gave ringseq.reset_ring / sp.reset(), after which the next
+        # step failed inside DDP or FSDP); after it the next step runs alike on every rank
+        error, loss_after = got["failure"]
+        if r == 1:
+            assert error.startswith("MemoryError: injected"), error
+        else:
+            assert error.startswith(("RingBrokenError", "RingPeerError")), error
+            assert "booster.reset()" in error and "reset_ring" not in error, error
+        assert loss_after == first["failure"][1] and loss_after == loss_after, (r, loss_after)
 
 
 def test_apply_with_sp_mode(run):

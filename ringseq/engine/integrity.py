@@ -147,12 +147,14 @@ def control_vector(kind: int, status: int, seq: int, fields: Sequence[int] = (),
     return torch.tensor(words + [0] * (CONTROL_WORDS - len(words)), dtype=torch.int64)
 
 
-def broken_ring_error(cause: BaseException) -> RingBrokenError:
-    """What a call on a ring broken by ``cause`` raises where no control collective ran (the
-    checks off): with them on, the peers' rows say it."""
+def broken_ring_error(ring) -> RingBrokenError:
+    """What a call on ``ring``, broken by an earlier failure, raises where no control
+    collective ran (the checks off, or channels a timeout closed): with them on, the peers'
+    rows say it."""
+    cause = ring.broken
     err = RingBrokenError(f"ringseq: the ring is broken by an earlier failure "
-                          f"({type(cause).__name__}: {cause}); call ringseq.reset_ring(group) "
-                          f"on every rank (sp.reset() for the groups of ringseq.make_sp_groups)")
+                          f"({type(cause).__name__}: {cause}); to reset it: "
+                          f"{ring.transport.reset_advice}")
     err.__cause__ = cause
     return err
 
@@ -362,9 +364,8 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
         own = ring.broken
         err = RingBrokenError(
             f"ringseq: {called + ': ' if called else ''}the ring is broken: {detail}. The "
-            f"results of this call are invalid; every rank raises until "
-            f"ringseq.reset_ring(group) is called on all of them "
-            f"(sp.reset() for the groups of ringseq.make_sp_groups: it resets each)"
+            f"results of this call are invalid; every rank raises until the ring is reset: "
+            f"{ring.transport.reset_advice}"
             + (f" (this rank's original error: {type(own).__name__}: {own})" if own else ""))
         # What a rank raising this inside another ring's call (a hybrid or double ring's
         # outer call) reports there: the failures by global rank, not "this rank failed"
@@ -388,7 +389,7 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
             f"ringseq: the ranks of the ring are at different ring calls ({detail}): a rank "
             f"skipped or repeated a call (e.g. its backward or its optimizer step), or raised "
             f"outside ring attention without reporting it and went on. Bring the ranks back in "
-            f"step (the same call tag), then call ringseq.reset_ring(group) on every rank")
+            f"step (the same call tag), then reset the ring: {ring.transport.reset_advice}")
         ring.mark_broken(err)
         raise err
     for j, f in enumerate(signature):
@@ -533,7 +534,7 @@ class RingCall:
             # a timeout closed the channels (gloo closes the pairs it gave up on): no peer can
             # be met on them, and their error would read as a new timeout (before:
             # "waited more than N s" at once); the ring is broken until reset_ring
-            raise broken_ring_error(ring.broken)
+            raise broken_ring_error(ring)
         status = BROKEN if ring.broken is not None else (FAILED if self.failure else OK)
         self._seq = ring._seq
         rows = gather(ring, self.kind, status, self.values,
@@ -545,7 +546,7 @@ class RingCall:
         if rows is not None:
             judge(ring, rows, self.kind, self.signature, self.name)
         elif ring.broken is not None:
-            raise broken_ring_error(ring.broken)
+            raise broken_ring_error(ring)
         if ring.world_size == 1:
             return  # no exchange: no header
         # Filled element by element with Python scalars: on CUDA these are small kernels,

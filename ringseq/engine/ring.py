@@ -104,8 +104,8 @@ class Ring:
                 f"a peer stopped calling (stalled, died, or "
                 f"raised outside ringseq without reporting it), gave up waiting for this rank, "
                 f"or passes another process group object with the same members "
-                f"({type(exc).__name__}: {exc}). Call ringseq.reset_ring(group) on every rank "
-                f"once they are back in step (ringseq.set_ring_timeout changes the limit)"
+                f"({type(exc).__name__}: {exc}). Once they are back in step, reset the ring: "
+                f"{self.transport.reset_advice} (ringseq.set_ring_timeout changes the limit)"
                 + (f". Also, {mismatch}" if mismatch else ""))
             self.mark_broken(err)
             raise err from exc
@@ -233,7 +233,7 @@ class Ring:
             if not ok and raise_own:
                 raise error if error is not None else ValueError(message)
             if about is None and self._broken is not None:  # (as a call's begin raises)
-                raise broken_ring_error(self._broken)
+                raise broken_ring_error(self)
             return None
         status = INVALID if not ok else (
             BROKEN if about is None and self._broken is not None else OK)

@@ -56,6 +56,11 @@ class Transport:
     #: the ranks are threads of one process (the simulator): no thread binding, and the
     #: calling thread's name is not part of a call's signature
     ranks_are_threads: bool = False
+    #: what makes the ring usable again after a failure, for the errors' messages; a ring's
+    #: owner may set its own (the plugin's rings: booster.reset(), which also resets the
+    #: steps' state that reset_ring leaves broken)
+    reset_advice: str = ("ringseq.reset_ring(group) on every rank (sp.reset() for the groups "
+                         "of ringseq.make_sp_groups: it resets each)")
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, reverse: bool = False):
         """Posts send-to-next and receive-from-previous of two contiguous tensors of equal size
@@ -439,8 +444,7 @@ class RingComm(Transport):
         where the ranks' channels come from different numbers of resets (reset_ring on some
         ranks only: then that advice never works, and the checks' agreement that would say so
         is off or not reached), how to bring them level first (:meth:`reset_mismatch`)."""
-        return self.reset_mismatch() or ("ringseq.reset_ring(group) on every rank makes the "
-                                         "ring usable again")
+        return self.reset_mismatch() or f"{self.reset_advice} makes the ring usable again"
 
     def rebuild(self) -> None:
         # New channels under a new name: a gloo pair that timed out stays closed. Every rank
@@ -519,8 +523,7 @@ class RingComm(Transport):
             raise RingTimeoutError(
                 f"ringseq: {self.who()} {what} its all-to-all peers ({self.describe_peers()}): "
                 f"a peer stalled, died or left the call (ringseq.set_ring_timeout changes the "
-                f"limit; {self.recovery()}; for the groups of ringseq.make_sp_groups, "
-                f"sp.reset() on every rank resets each)") from exc
+                f"limit; {self.recovery()})") from exc
 
     # -- the control collective ----------------------------------------------------------------
     def control(self, words: torch.Tensor) -> Optional[torch.Tensor]:

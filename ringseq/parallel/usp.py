@@ -8,6 +8,7 @@ plain ring.
 """
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import torch
@@ -22,7 +23,7 @@ from ..kernels.checks import FLASH_FORM, SDPA_FORM, InputForm
 from ..layouts import Layout, get_layout
 from ..ops import returns
 from ..spec import (attn_spec, bound_layout, check_global_documents, check_layout, documents_name,
-                    check_self_attention, local_spans, named_layout)
+                    check_self_attention, local_spans, named_layout, named_layout_error)
 from .double_ring import DoubleRingPlacement
 from .groups import SequenceParallelGroups
 from .ulysses import UlyssesPlacement, ulysses_heads
@@ -137,12 +138,31 @@ def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, 
         bound = bound_layout(fn, given, spec.documents)
         if R > 1:
             lay = given
+            if U > 1:
+                _check_local_length(spec, bound, U, R, q.shape[1])
             check_layout(spec, bound, R, part, documents_name(cu_seqlens))
         else:
             lay = get_layout("contiguous")
             spec = local_spans(spec, part, part)
     out, lse = run_attention(q, k, v, spec, usp_placement(sp, lay))
     return returns(out, lse, False, return_lse)
+
+
+def _check_local_length(spec, layout, U: int, R: int, s_local: int) -> None:
+    """The hybrid's length rule in the caller's terms: the ring lays out ring parts of U local
+    shards, so the global length must be a multiple of the layout's multiple over R ranks
+    and of U x R (before: the ring's check named the part's length as the local one, and the
+    part's multiple). ValueError naming ``spec.fn``."""
+    try:
+        ring_multiple = layout._checked_multiple(R)
+    except ValueError as exc:  # (a user's layout's multiple)
+        raise named_layout_error(spec, exc) from None
+    need = math.lcm(ring_multiple, U * R)
+    if s_local <= 0 or s_local * U * R % need:
+        raise ValueError(f"{spec.fn}: layout {layout.name!r} over a ring of {R} ranks of "
+                         f"Ulysses groups of {U} needs local shards whose length is a positive "
+                         f"multiple of {need // (U * R)} (global length a multiple of {need}); "
+                         f"got a local length of {s_local}")
 
 
 def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,

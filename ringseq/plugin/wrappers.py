@@ -61,6 +61,11 @@ BOTH_CHECKPOINTINGS = (
     "refused forward, then booster.reset() on every rank)")
 
 
+#: what makes a plugin's broken ring usable again (its rings' errors say it)
+RESET_ADVICE = ("optimizer.zero_grad() and booster.reset() on every rank (booster.reset() "
+                "resets every ring of the plugin and the step's data-parallel state)")
+
+
 class ModelWrapper(nn.Module):
     """The boosted model: data-parallel wrapper + autocast around the user's model.
 
@@ -422,11 +427,13 @@ class ReducedGrads:
         if self.held is not None and self.held.any():
             # (whether a reduced backward came first or not: FSDP does not count them)
             raise ValueError(
-                "OptimizerWrapper.step: FSDP holds the gradients of backward passes that ran "
-                "inside booster.no_sync(model) and were never reduced over the ranks (the "
-                "optimizer would not see them, and they would go into the next step); not "
-                "stepping. Run the LAST micro-batch of a step outside no_sync: its backward "
-                "reduces them all; clear the gradients with optimizer.zero_grad() or "
+                "OptimizerWrapper.step: FSDP holds gradients that were never reduced over the "
+                "ranks (the optimizer would not see them, and they would go into the next "
+                "step); not stepping. Either backward passes ran inside booster.no_sync(model) "
+                "and the step's last micro-batch did too (run the LAST micro-batch outside "
+                "no_sync: its backward reduces them all), or an earlier step raised and was "
+                "not reset (after a failed step: optimizer.zero_grad() and booster.reset() on "
+                "every rank). Clear the gradients with optimizer.zero_grad() or "
                 "model.zero_grad() before the next step")
         if self.count > 1:
             raise ValueError(

@@ -17,7 +17,8 @@ Definitions (also in the README):
   load balance  = contiguous causal time / zigzag causal time at the same shape; its ideal
                   is the ratio of the busiest ranks' visible (query, key) pairs (2 - 1/W:
                   1.5 at W=2).
-  spot check    = each rank's first --check-rows query rows against float64 attention over
+  spot check    = --check-rows query rows of each rank, spread over its shard (zigzag's two
+                  chunks included), against float64 attention over
                   the full sequence; passes when the error is at most 2x that of plain
                   same-dtype attention plus a small floor.
 
@@ -155,6 +156,8 @@ def check_args(args, launched, device):
         p.error(f"--plot {args.plot}: needs matplotlib (pip install matplotlib)")
     if args.heads_kv is not None and args.heads % args.heads_kv:
         p.error(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
+    if args.docs is not None and not args.docs.strip(" ,"):  # (before: dropped, no job)
+        p.error(f"--docs {args.docs!r}: give seeded, longtail or a comma list of lengths")
     if args.window is not None and args.docs:
         p.error("--window and --docs are two jobs: pass one of them")
     if args.docs:  # the Documents layout's job: --layouts play no part
@@ -203,8 +206,9 @@ def check_args(args, launched, device):
     for name in args.layouts:
         try:
             layout = get_layout(name, "--layouts")
-        except ValueError as exc:
-            p.error(str(exc))
+        except ValueError:  # (get_layout's list has the per-batch layouts, refused below)
+            p.error(f"--layouts {name!r}: expected a comma list of contiguous, zigzag and "
+                    f"stripe (packed documents: --docs)")
         if isinstance(layout, PerBatchDocuments):
             p.error(f"--layouts {name}: a layout of packed documents needs each batch's "
                     f"boundaries; time it with --docs (seeded, longtail or lengths) instead")

@@ -109,18 +109,28 @@ def _hidden(pos, s_k, causal, window, cu_seqlens) -> torch.Tensor:
     return hidden
 
 
+def checked_rows(s_local: int, rows: int) -> torch.Tensor:
+    """The local query rows a spot check compares: ``rows`` of the shard's ``s_local``,
+    evenly spaced from the first to the last, so that every chunk of a layout that holds
+    several (zigzag's two) is checked (before: the first rows, all in zigzag's first chunk,
+    so a wrong second chunk passed)."""
+    rows = min(rows, s_local)
+    return torch.linspace(0, s_local - 1, rows, dtype=torch.float64).round().long().unique()
+
+
 def spot_check(full, out_local, positions, causal, rows, window=(-1, -1), cu_seqlens=None):
-    """Max |out - float64| on this rank's first ``rows`` queries (``positions``: their global
-    positions), and plain same-dtype attention's error there (docs/design.md's tolerance
-    base). full = (q, k, v) of the whole sequence; ``window`` and ``cu_seqlens`` as
-    :func:`plain_attention`."""
+    """Max |out - float64| on ``rows`` of this rank's queries spread over its shard
+    (:func:`checked_rows`; ``positions``: the global positions of all its queries), and plain
+    same-dtype attention's error there (docs/design.md's tolerance base). full = (q, k, v) of
+    the whole sequence; ``window`` and ``cu_seqlens`` as :func:`plain_attention`."""
     q, k, v = full
-    pos = positions[:rows]
+    local = checked_rows(out_local.shape[1], rows)  # (rows,)
+    pos = positions[local]
     mask = dict(window=window, cu_seqlens=cu_seqlens)
     ref = plain_attention(q, k, v, torch.float64, causal, pos, **mask)
     plain = (plain_attention(q, k, v, q.dtype, causal, pos, **mask) if q.dtype != torch.float64
              else ref)
-    return (float((out_local[:, :rows].double().cpu() - ref).abs().max()),
+    return (float((out_local[:, local.to(out_local.device)].double().cpu() - ref).abs().max()),
             float((plain.double() - ref).abs().max()))
 
 

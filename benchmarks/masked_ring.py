@@ -139,9 +139,10 @@ def _rank(args, case):
     # The backward's kernels get the ring's own merged out / lse: their cost depends on the
     # values (exp of far-negative scores is cheap), so stand-ins would time another workload.
     out0, lse0 = ringseq.ring_flash_attn_func(qd, kd, vd, return_lse=True, **kw)
-    # The ring's output against float64 attention with the same mask on this rank's first
-    # --check-rows queries (each rank's error against its own plain error: the worst excess)
-    rows = min(args.check_rows, q.shape[1])
+    # The ring's output against float64 attention with the same mask on --check-rows queries
+    # spread over this rank's shard (each rank's error against its own plain error: the
+    # worst excess)
+    rows = args.check_rows
     pos = ringseq.layouts.positions_local(s, bound, world, rank)
     err, plain_err = spot_check(full, out0, pos, True, rows, window=case["window"],
                                 cu_seqlens=case["cu"])

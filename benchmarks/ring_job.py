@@ -11,7 +11,7 @@ Per row, on every rank (rank 0 prints the stages):
                 time on CPU ranks with one thread (what the kernels cost this rank; other
                 processes sharing its core inflate it far less than wall time), wall time
                 otherwise; median per rank, busiest rank.
-  spot check    the first ``--check-rows`` query rows against float64 attention.
+  spot check    ``--check-rows`` query rows spread over the shard against float64 attention.
 
 Invariants (the definitions rule out anything else): ring overhead >= 0.95, spot check
 error <= 2x plain same-dtype attention's + floor, load balance <= the ideal of the schedules'
@@ -139,10 +139,9 @@ def compute_clock(args, device):
 
 
 def _spot_check(args, layout, causal, full, out_local, group):
-    """common.spot_check on this rank's first ``--check-rows`` query rows of ``layout``."""
-    n = min(args.check_rows, out_local.shape[1])
-    pos = ringseq.positions(full[0].shape[1], layout, group)[:n]
-    return spot_check(full, out_local, pos, causal, n)
+    """common.spot_check on ``--check-rows`` query rows of this rank's shard of ``layout``."""
+    pos = ringseq.positions(full[0].shape[1], layout, group)
+    return spot_check(full, out_local, pos, causal, args.check_rows)
 
 
 def busiest_pairs(layout, world, seqlen, causal):

@@ -85,20 +85,24 @@ def parse_args(argv=None):
     p.add_argument("--world-size", type=positive_int, default=2,
                    help="local ranks to spawn (ignored under torchrun)")
     p.add_argument("--seqlen", type=positive_int, default=8192, help="total (global) sequence length")
-    p.add_argument("--batch", type=positive_int, default=1)
-    p.add_argument("--layers", type=positive_int, default=4)
-    p.add_argument("--hidden", type=positive_int, default=256)
-    p.add_argument("--heads", type=positive_int, default=4)
-    p.add_argument("--kv-heads", type=positive_int, default=2)
+    p.add_argument("--batch", type=positive_int, default=1,
+                   help="sequences per step (global; split over the data-parallel ranks)")
+    p.add_argument("--layers", type=positive_int, default=4, help="decoder layers")
+    p.add_argument("--hidden", type=positive_int, default=256,
+                   help="hidden size (a multiple of --heads)")
+    p.add_argument("--heads", type=positive_int, default=4, help="query heads")
+    p.add_argument("--kv-heads", type=positive_int, default=2,
+                   help="key/value heads (dividing --heads)")
     p.add_argument("--intermediate", type=positive_int, default=None,
                    help="MLP width (default: 8/3 x hidden rounded up to 64, as Llama)")
-    p.add_argument("--vocab", type=positive_int, default=2048)
-    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--vocab", type=positive_int, default=2048, help="vocabulary size")
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "contiguous", "stripe"),
+                   help="how the sequence is split over the ranks (default zigzag)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default fp32 on CPU, bf16 on GPU")
     p.add_argument("--steps", type=positive_int, default=5, help="timed training steps")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps first")
-    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW's learning rate")
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every decoder layer")
     p.add_argument("--backend", default=None, help="block kernel backend (default: best)")
@@ -130,13 +134,7 @@ def parse_args(argv=None):
         args.plugin = True
     if args.compose and args.checkpointing:
         p.error("--checkpointing is transformers' recompute without the plugin; use --ac")
-    try:
-        layout = get_layout(args.layout, "--layout")
-    except ValueError as exc:
-        p.error(str(exc))
-    if layout.name.startswith("documents"):  # (its boundaries come from packed data)
-        p.error(f"--layout {args.layout}: the tokens here are one unpacked sequence; use "
-                f"zigzag, contiguous or stripe")
+    layout = get_layout(args.layout)  # (one of --layout's choices)
     if args.seed >= 2 ** 63:
         p.error(f"--seed must be below 2**63, got {args.seed}")
     if args.heads % args.kv_heads:

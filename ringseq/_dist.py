@@ -48,7 +48,9 @@ def group_info(group=None, fn: Optional[str] = None) -> Tuple[int, int]:
         raise TypeError(f"{_named(fn)}group= takes a torch.distributed process group, got a "
                         "SequenceParallelGroups (make_sp_groups): use its own methods "
                         "sp.shard(x, layout), sp.shard_batch(batch, layout), "
-                        "sp.positions(seqlen, layout), or usp_attn_func(..., sp=sp)")
+                        "sp.positions(seqlen, layout), or usp_attn_func(..., sp=sp); where "
+                        "a function takes no sp= (ring_flash_attn_with_kvcache), "
+                        "group=sp.group with layout=sp.data_layout(layout)")
     if group is not None and not isinstance(group, (dist.ProcessGroup, int)):
         # (an int: what torch.distributed.new_group returns to ranks outside the group)
         raise TypeError(f"{_named(fn)}group must be a torch.distributed ProcessGroup or None "

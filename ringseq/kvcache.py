@@ -21,20 +21,19 @@ import functools
 import numbers
 
 import torch
-import torch.distributed as dist
 
 from ._args import as_int, check_alibi_slopes, check_bool, check_softmax_scale, parse_window
-from ._dist import RingPeerError, RingTimeoutError, group_info, named_for
+from ._dist import RingPeerError, group_info, named_for
 from ._hash import ints_field
-from .engine.counting import record
 from .engine.integrity import FWD, operation_field
-from .engine.ring import get_ring
+from .engine.ring import get_ring, refuse_on_error
 from .kernels.checks import (FLOAT_DTYPES, accum_dtype, check_tensor_of_rank, given,
                              refuse_dtensors, resolve_scale)
 from .kernels.spans import check_softcap
 from .kernels.extension import ExtensionBackend, extension_available
 from .layouts import Layout, layout_field
 from .layouts.base import values_key
+from .parallel.ulysses import all_to_all
 from .spec import dtype_code, float_field, named_layout
 
 __all__ = ["flash_attn_with_kvcache", "ring_flash_attn_with_kvcache"]
@@ -555,6 +554,10 @@ def _merge_partials(outs: torch.Tensor, lses: torch.Tensor):
     return out, lse
 
 
+@torch.compiler.disable(reason="ringseq's ring_flash_attn_with_kvcache runs between graphs "
+                               "(host reads, and a ring call whose failure on one rank must "
+                               "reach its peers): compile the code around it without "
+                               "fullgraph=True")
 def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens, k=None, v=None,
                                  group=None, layout="contiguous", softmax_scale=None,
                                  causal=True, window_size=(-1, -1), softcap=0.0,
@@ -568,7 +571,13 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     call's queries (the same on every rank) attend locally to every rank's shard; the partial
     (out, lse) merge exactly by their log-sum-exp after one all-gather of
     ``batch * seqlen_q * nheads * (headdim + 1) + 1`` floats per rank (the last: whether the
-    rank failed). No key or value moves.
+    rank failed), made of an all-to-all on the ring's own channel. No key or value moves. It
+    is a ring call like attention (``ringseq.engine.integrity``): the ring is bound to the
+    first thread that calls it, a stalled peer raises RingTimeoutError after the ring timeout,
+    and with the checks off the gather's headers catch ranks at other calls or call tags.
+    With a group of ``ringseq.make_sp_groups`` (a hybrid or double ring prefill), pass
+    ``group=sp.group`` and ``layout=sp.data_layout(layout)``. Runs between graphs under
+    ``torch.compile``.
 
     Where tokens live (every rank computes every home from ``prefill_len``, ``W`` and
     ``layout``, nothing is exchanged): position ``t < prefill_len`` on the rank and at the
@@ -615,42 +624,22 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     rank raises on every rank (``ringseq.RingPeerError`` on the others), and ranks called with
     different shapes, dtypes, options, ``prefill_len``, layout or (CPU tensors or ints)
     ``cache_seqlens`` / ``cache_leftpad`` values raise ``ringseq.RingMismatchError`` (a
-    ValueError) on every rank, naming what differs. One control collective per call; with the
-    checks off, only the all-gather (ranks that disagree then compute wrong outputs).
+    ValueError) on every rank, naming what differs. A failure in one rank's part raises there
+    and as ``ringseq.RingPeerError`` on the others, the checks off too; the ring stays usable.
+    Two control collectives per call (its begin and end); with the checks off, only the
+    gather (ranks that disagree on arguments then compute wrong outputs).
     """
     fn = _RING_FN
-    try:
-        world, rank = group_info(group, "ring_flash_attn_with_kvcache")
-    except TypeError as exc:
-        # not a group at all: the peers, waiting in the agreement below on a group this rank
-        # cannot know, would pair their call with this rank's next one; the default group's
-        # ring is where a group=None peer waits (a peer of another group times out instead)
-        if dist.is_initialized():
-            try:
-                get_ring(None).agree(False, str(exc), kind=FWD, error=exc, about=None,
-                                     called=fn)
-            except RingTimeoutError as timeout:  # (peers of another group: its own error)
-                raise exc from timeout
-        raise
-    problem = None
-    try:
+    # A refusal (a user layout's too; a group that is no process group: on the default
+    # group's ring, where a group=None peer waits) meets the peers' begin below: they raise
+    # RingPeerError naming this rank and its message instead of waiting, and the ring stays
+    # usable.
+    with refuse_on_error(group, FWD):
+        world, rank = group_info(group, fn)
         plan = _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, rank,
                           layout, softmax_scale, causal, window_size, softcap, rotary_cos,
                           rotary_sin, rotary_interleaved, cache_leftpad, alibi_slopes,
                           num_splits, return_softmax_lse, prefill_len)
-    except Exception as exc:  # noqa: BLE001 - any refusal (a user layout's too) meets the peers
-        problem, plan = exc, None
-    # On the ring's control channel: the other ranks raise RingPeerError naming this one (and
-    # its message) instead of waiting in the all-gather, and ranks whose calls differ
-    # (shapes, options, cache_seqlens) raise RingMismatchError on every rank.
-    # Met like an attention call's begin (kind FWD, no agreement word; a broken ring raises
-    # RingBrokenError), its signature opening with the operation as theirs do: a peer in ring
-    # or Ulysses attention raises RingMismatchError naming both operations (before: a desync,
-    # which broke the ring), and the ring stays usable.
-    get_ring(group).agree(problem is None, f"{type(problem).__name__}: {problem}", kind=FWD,
-                          error=problem,
-                          fields=() if plan is None else plan["signature"],
-                          about=None, called=fn)
     with torch.no_grad():
         return _ring_decode(plan, group, world)
 
@@ -811,30 +800,39 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
 
 @torch.compiler.disable
 def _ring_decode(plan, group, world):
-    """This rank's part of the call, gathered with the others' and merged. Never traced by
-    dynamo: compiled, a failure raised as the graph ran skipped the ``except`` below, and the
-    peers waited in the all-gather for a rank that had left."""
+    """This rank's part of the call, gathered with the others' and merged: a ring call
+    (``Ring.open_call``), so the ring's protections hold as for attention: one thread per
+    ring (its name in the signature), the begin and end control collectives, the gather on
+    the ring's own channel under the ring timeout, and, with the checks off, headers naming
+    the call and its tag (before: a plain all-gather on the user's group, which paired two
+    threads' calls across ranks and ranks a step apart, and waited for the process group's
+    timeout). Never traced by dynamo: compiled, a failure raised as the graph ran skipped
+    the ``except`` below, and the peers waited in the gather for a rank that had left."""
     q = plan["q"]
     b, s_q, h, d = q.shape
     acc = accum_dtype(q.dtype)
-    # (out, lse) of this rank's part and, last, whether it failed: one all-gather of it
-    flat = torch.zeros(b * s_q * h * (d + 1) + 1, dtype=acc, device=q.device)
-    payload = flat[:-1].view(b, s_q, h, d + 1)
-    failure = None
-    try:
-        new_part = _local_decode(plan, payload)
-    except BaseException as exc:  # re-raised below, after the gather (SystemExit too)
-        failure, new_part = exc, None
-        flat[-1] = 1.0
+    ring = get_ring(group)
+    with ring.open_call(FWD, plan["signature"], q.device, name=_RING_FN) as call:
+        call.begin()
+        # (out, lse) of this rank's part and, last, whether it failed: gathered in one piece.
+        # The failure travels in the payload rather than through the call's end, so that
+        # every rank completes the call and the ring stays usable (and, with the checks off,
+        # the peers still learn of it).
+        flat = torch.zeros(b * s_q * h * (d + 1) + 1, dtype=acc, device=q.device)
+        payload = flat[:-1].view(b, s_q, h, d + 1)
+        failure = None
+        try:
+            new_part = _local_decode(plan, payload)
+        except BaseException as exc:  # re-raised below, after the gather (SystemExit too)
+            failure, new_part = exc, None
+            flat[-1] = 1.0
+        if world > 1:
+            # every rank's flat from one all-to-all of W copies (what an all-gather moves)
+            parts, = all_to_all(ring.transport, [(flat.expand(world, -1), 0, 0)], call,
+                                record_as="all_gather")  # (W, n)
+        call.end()
     if world > 1:
-        # A rank that failed still meets the others in the gather (they would wait there
-        # until the process group's timeout), and every rank learns who failed.
-        parts = [torch.empty_like(flat) for _ in range(world)]
-        # (counted as what leaves the rank: its part, to each of the others; before, a
-        # decode's traffic was missing from commstats' counters)
-        record("all_gather", (world - 1) * flat.numel() * flat.element_size())
-        dist.all_gather(parts, flat, group=group)
-        failed = torch.stack([part[-1] for part in parts]).nonzero().flatten().tolist()
+        failed = parts[:, -1].nonzero().flatten().tolist()
         if failure is not None:
             raise failure
         if failed:
@@ -842,7 +840,7 @@ def _ring_decode(plan, group, world):
                                 f"group failed computing their part of the call where this rank "
                                 f"did not (see their errors); no output on any rank. Repeat the "
                                 f"call with the same cache_seqlens on every rank", ranks=failed)
-        gathered = torch.stack([part[:-1].view(b, s_q, h, d + 1) for part in parts])
+        gathered = parts[:, :-1].reshape(world, b, s_q, h, d + 1)
     elif failure is not None:
         raise failure
     else:

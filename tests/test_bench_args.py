@@ -25,7 +25,8 @@ _USAGE_CASES = [
     ("bench_kernel.py", ["--masks", "64"], "--masks takes W:C1,C2"),
     ("bench_decode.py", ["--cp-cache", "1001"], "--cp-cache 1001: zigzag over --world-size 2"),
     ("bench_decode.py", ["--world-size", "0"], "--world-size: must be a positive integer"),
-    ("train_long_context.py", ["--layout", "foo"], "--layout: unknown layout 'foo'"),
+    ("train_long_context.py", ["--layout", "foo"], "--layout: invalid choice: 'foo' (choose "
+                                                   "from 'zigzag', 'contiguous', 'stripe')"),
     ("train_long_context.py", ["--seqlen", "1001"], "--seqlen 1001 over 2"),
     ("train_long_context.py", ["--steps", "0"], "--steps: must be a positive integer"),
     # (before: tracebacks, failures after the ranks started, or silently accepted)
@@ -45,7 +46,8 @@ _USAGE_CASES = [
                                                                       "MLP width"),
     ("train_long_context.py", ["--lr", "nan"], "--lr: must be a finite positive number"),
     ("train_long_context.py", ["--seed", str(10 ** 20)], "--seed must be below 2**63"),
-    ("train_long_context.py", ["--layout", "documents"], "--layout documents: the tokens here"),
+    ("train_long_context.py", ["--layout", "documents"], "--layout: invalid choice: "
+                                                         "'documents'"),
     # the DDP x sp comparison of a --tp run rings over sp x tp ranks (before: the first
     # configuration trained, then every rank failed in the second, exit status 3, no JSON)
     ("train_long_context.py", ["--world-size", "2", "--tp", "2", "--seqlen", "6"],

@@ -54,7 +54,11 @@ def test_sp_mode_all_runs_the_modes_that_fit_and_differ():
 
 # (command line, what its usage error says)
 _USAGE_CASES = [
-    (["--layouts", "foo"], "--layouts: unknown layout 'foo'"),
+    # (before: get_layout's list, with the per-batch layouts refused below and "a Layout
+    # instance", which a command line cannot give)
+    (["--layouts", "foo"], "--layouts 'foo': expected a comma list of contiguous, zigzag and "
+                           "stripe (packed documents: --docs)"),
+    (["--docs="], "--docs '': give seeded, longtail or a comma list of lengths"),  # (dropped)
     (["--seqlen", "1000", "--world-size", "3", "--layouts", "zigzag"], "multiple of 6"),
     (["--modes", "fwd,bwd"], "'bwd' not among fwd, fwd_bwd"),
     (["--heads", "8", "--heads-kv", "3"], "--heads-kv 3 must divide --heads 8"),
@@ -264,14 +268,19 @@ def test_the_ranks_cpu_time_is_not_counted_as_other_processes_load():
 
 _FAULT = """import os
 if os.environ.get("RINGSEQ_TEST_FAULT_RANK"):
-    import ringseq, torch.distributed as dist
+    import ringseq, torch, torch.distributed as dist
     def _faulty(call):
         def faulty(*a, **k):
             out = call(*a, **k)
             if dist.is_initialized() and \
                     dist.get_rank() == int(os.environ["RINGSEQ_TEST_FAULT_RANK"]):
                 fault = float(os.environ.get("RINGSEQ_TEST_FAULT", "1.5e-2"))
-                out = (out[0] + fault,) + out[1:] if isinstance(out, tuple) else out + fault
+                o = out[0] if isinstance(out, tuple) else out
+                if os.environ.get("RINGSEQ_TEST_FAULT_ROWS") == "tail":  # the last half only
+                    o = torch.cat([o[:, :o.shape[1] // 2], o[:, o.shape[1] // 2:] + fault], 1)
+                else:
+                    o = o + fault
+                out = (o,) + out[1:] if isinstance(out, tuple) else o
             return out
         return faulty
     ringseq.ring_flash_attn_func = _faulty(ringseq.ring_flash_attn_func)
@@ -302,18 +311,20 @@ def test_under_torchrun_the_report_says_how_busy_the_machine_was(tmp_path, job):
 def test_a_wrong_result_on_one_rank_fails_the_spot_check(tmp_path):
     """Each rank's error is bounded by its own rows' plain error: 1.5e-2 added to rank 1's
     bf16 output (its rows' plain error ~3e-3, bound ~7e-3) fails the row, exit status 1
-    (before: compared with rank 0's larger plain error, 1.1e-2, and passed)."""
+    (before: compared with rank 0's larger plain error, 1.1e-2, and passed). The fault is in
+    the last half of the shard's rows only, zigzag's second chunk: the checked rows span the
+    shard (before: its first --check-rows rows, all in the first chunk; the row passed)."""
     (tmp_path / "sitecustomize.py").write_text(_FAULT)
-    env = dict(os.environ, RINGSEQ_TEST_FAULT_RANK="1",
+    env = dict(os.environ, RINGSEQ_TEST_FAULT_RANK="1", RINGSEQ_TEST_FAULT_ROWS="tail",
                PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, BENCH, "--world-size", "2", "--seqlen", "1024",
-                           "--heads", "2", "--dtype", "bf16", "--layouts", "contiguous",
+                           "--heads", "2", "--dtype", "bf16", "--layouts", "zigzag",
                            "--modes", "fwd", "--repeats", "1"], capture_output=True, text=True,
                           cwd=ROOT, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "spot check failed" in proc.stdout, proc.stdout[-3000:]
     # the table's check column says FAIL, not the WARN of a timing warning
-    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("contiguous ")]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("zigzag ")]
     assert rows and all(r[-1] == "FAIL" for r in rows), proc.stdout[-3000:]
 
 

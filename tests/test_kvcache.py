@@ -21,6 +21,7 @@ import torch
 
 import ringseq
 from ringseq import commstats, flash_attn_with_kvcache, ring_flash_attn_with_kvcache
+from ringseq.engine.integrity import HEADER_BYTES
 from dist_utils import RankError, run_ranks
 from utils import assert_close_per_design, scaled_floor
 
@@ -532,11 +533,18 @@ def test_a_bounded_left_side_bounds_the_right_side_at_the_cache_width(path, monk
 
 # ------------------------------------------------------------------------- context parallel
 class _count_collectives:
-    """Records (op, elements sent) of torch.distributed's all_gather / all_reduce calls."""
+    """Records (op, elements sent) of torch.distributed's all_gather / all_reduce calls and
+    of the default group's ring's all-to-alls (bytes sent, the rank's own piece included)."""
 
     def __enter__(self):
         import torch.distributed as dist
         self.sent, self.saved = [], (dist.all_gather, dist.all_reduce)
+        self.transport = ringseq.get_ring().transport
+
+        def all_to_all(send, recv):
+            self.sent.append(("all_to_all", send.numel()))
+            return type(self.transport).all_to_all(self.transport, send, recv)
+        self.transport.all_to_all = all_to_all
 
         def gather(parts, t, *a, **kw):
             self.sent.append(("all_gather", t.numel()))
@@ -551,6 +559,7 @@ class _count_collectives:
     def __exit__(self, *exc):
         import torch.distributed as dist
         dist.all_gather, dist.all_reduce = self.saved
+        del self.transport.all_to_all
 
 
 def _ring_decode_worker(cases, check_errors):
@@ -589,8 +598,9 @@ def _ring_decode_worker(cases, check_errors):
             window = case["window"] if s_q == 1 else (-1, -1)
             # Every other step without the consistency check: then the call's only
             # communication is one all-gather of (out, lse), b * s_q * h * (d + 1) values, and
-            # of whether the rank's part failed (one more) (with it, also one control
-            # collective that agrees on the arguments).
+            # of whether the rank's part failed (one more), made of an all-to-all on the
+            # ring's channel, with the call's header ahead (with the checks, also the begin
+            # and end control collectives, which agree on the arguments and on the end).
             ringseq.set_consistency_check(step % 2 == 0)
             controls = ringseq.get_ring()._seq
             with _count_collectives() as sent, commstats.count_bytes() as counted:
@@ -598,15 +608,16 @@ def _ring_decode_worker(cases, check_errors):
                     q, kc, vc, lengths, k_new, v_new, layout=layout, causal=True,
                     window_size=window, softcap=case["softcap"], cache_leftpad=leftpad,
                     return_softmax_lse=True, prefill_len=P)
-            gathers = [n for op, n in sent if op == "all_gather"]
-            assert gathers == [b * s_q * h * (d + 1) + 1], sent
-            assert len(sent) == 1, sent
-            # counted as what leaves the rank (before: nothing, commstats read {})
             itemsize = 8 if dtype == f64 else 4  # (float32 partials, float64 for float64)
-            assert counted.bytes == {"all_gather": (world - 1) * gathers[0] * itemsize}, \
-                counted.bytes
-            # + the argument agreement on the ring's control channel, when the check is on
-            assert ringseq.get_ring()._seq - controls == (1 if step % 2 == 0 else 0)
+            # a piece per peer: the call's header (zeros with the checks on), then the values,
+            # padded to 8 bytes
+            piece = HEADER_BYTES + -(-(b * s_q * h * (d + 1) + 1) * itemsize // 8) * 8
+            assert sent == [("all_to_all", world * piece)], sent  # (nothing on the group)
+            # counted as what leaves the rank (before: nothing, commstats read {})
+            assert counted.bytes == {"all_gather": (world - 1) * piece}, counted.bytes
+            # a ring call's begin and end (control collectives when the checks are on; counted
+            # either way, as the headers name them)
+            assert ringseq.get_ring()._seq - controls == 2
             ringseq.set_consistency_check(True)
             for bb in range(b):  # the global cache gets the same tokens
                 n = int(lengths[bb])
@@ -640,6 +651,117 @@ RING_CASES = [
     dict(layout="contiguous", dtype=f64, steps=[2, 1], b=1, h=2, h_kv=2, d=8, prefill=0,
          lengths=[5], leftpad=None, window=(-1, -1), softcap=0.0, seed=4),
 ]
+
+
+def _ring_decode_protections():
+    """A ring decode is a ring call like attention: (a) a second thread's call on the same
+    group is refused at once; (b) a peer stalled inside its part makes the others raise
+    RingTimeoutError after the ring timeout; (c) with the checks off, ranks under other call
+    tags raise RingDesyncError from the headers. After reset_ring a decode is exact again.
+    Returns what each case raised and the last decode's error against float64."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+    import ringseq.kvcache as kvcache
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 4, 16, generator=g)
+    K, V = (torch.randn(1, 8, 2, 16, generator=g) for _ in range(2))  # the whole prompt
+
+    def decode():
+        kc, vc = (ringseq.shard(t, "zigzag") for t in (K, V))  # (1, 4, 2, 16)
+        return ring_flash_attn_with_kvcache(q, kc, vc, 8, layout="zigzag", prefill_len=8)
+
+    def caught(fn):
+        try:
+            fn()
+            return "no error"
+        except Exception as exc:  # noqa: BLE001 - the test reads its text
+            return f"{type(exc).__name__}: {exc}"
+
+    out = {}
+    decode()  # (binds the ring to this thread)
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(caught(decode)), name="other")
+    other.start()
+    other.join()
+    out["thread"] = seen[0]
+    # (b) rank 1 stalls inside its part for 3 s, over a ring timeout of 1 s
+    ringseq.set_ring_timeout(1)
+    local = kvcache._local_decode
+
+    def stalled(*a, **kw):
+        time.sleep(3)
+        return local(*a, **kw)
+    if rank == 1:
+        kvcache._local_decode = stalled
+    start = time.monotonic()
+    out["stalled"] = caught(decode), time.monotonic() - start
+    kvcache._local_decode = local
+    time.sleep(3 - out["stalled"][1] if rank == 0 else 0)  # (both past the stall)
+    ringseq.set_ring_timeout(60)
+    dist.barrier()
+    ringseq.reset_ring()
+    # (c) checks off, other call tags
+    ringseq.set_consistency_check(False)
+    with ringseq.call_tag(7 + rank):
+        out["tags"] = caught(decode)
+    ringseq.set_consistency_check(True)
+    ringseq.reset_ring()
+    got = decode()
+    want = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q.double(),
+                                      K.double().repeat_interleave(2, 2)) / 4, -1)
+    want = torch.einsum("bhqk,bkhd->bqhd", want, V.double().repeat_interleave(2, 2))
+    out["err"] = float((got.double() - want).abs().max())
+    # a sequence-parallel group (Ulysses 2 here): refused with the way that works, which is
+    # exact on the cache its shard left
+    sp = ringseq.make_sp_groups(2)
+    kc, vc = (sp.shard(t, "zigzag") for t in (K, V))
+    out["sp"] = caught(lambda: ring_flash_attn_with_kvcache(q, kc, vc, 8, group=sp,
+                                                            prefill_len=8))
+    got = ring_flash_attn_with_kvcache(q, kc, vc, 8, group=sp.group,
+                                       layout=sp.data_layout("zigzag"), prefill_len=8)
+    out["sp_err"] = float((got.double() - want).abs().max())
+    return out
+
+
+def test_a_ring_decode_under_fullgraph_names_the_way_out():
+    """(before: dynamo's errors from inside ringseq's checks, one per argument: a
+    data-dependent guard whose hint was torch._check, or a data pointer comparison)"""
+    kc, vc = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2, 16)
+    for prefill in (8, 0):
+        compiled = torch.compile(lambda q: ring_flash_attn_with_kvcache(
+            q, kc, vc, 8, prefill_len=prefill), fullgraph=True, backend="eager")
+        with pytest.raises(Exception, match="ring_flash_attn_with_kvcache runs between graphs "
+                                            ".*compile the code around it without "
+                                            "fullgraph=True"):
+            compiled(torch.randn(1, 1, 4, 16))
+
+
+def test_a_ring_decode_is_protected_as_ring_calls_are():
+    """(before: a plain all-gather on the group: a second thread's calls ran and, started in
+    another order on the two ranks, paired with the other thread's (outputs 9 off); a stalled
+    peer was waited for until the process group's timeout; with the checks off, ranks under
+    other tags paired silently)"""
+    res = run_ranks(_ring_decode_protections, 2, timeout=120)
+    for rank, r in enumerate(res):
+        assert r["thread"].startswith("RuntimeError: ring_flash_attn_with_kvcache: this ring "
+                                      "(process group of 2 ranks) is bound to thread"), r
+        if rank == 0:
+            kind, took = r["stalled"][0].split(":")[0], r["stalled"][1]
+            assert kind == "RingTimeoutError" and took < 2.9, r["stalled"]
+            assert "waited more than 1 s" in r["stalled"][0], r["stalled"]
+        else:  # (back after its peer left: the ring's channel is gone, or times out)
+            assert r["stalled"][0].startswith(("RingTimeoutError", "RingBrokenError")), r
+        assert r["tags"].startswith("RingDesyncError"), r["tags"]
+        assert "tag 7" in r["tags"] and "tag 8" in r["tags"], r["tags"]
+        assert r["err"] < 1e-5 and r["sp_err"] < 1e-5, r
+        assert r["sp"].startswith("TypeError: ring_flash_attn_with_kvcache: group= takes a "
+                                  "torch.distributed process group, got a "
+                                  "SequenceParallelGroups"), r["sp"]
+        assert r["sp"].endswith("where a function takes no sp= (ring_flash_attn_with_kvcache), "
+                                "group=sp.group with layout=sp.data_layout(layout)"), r["sp"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -118,12 +118,12 @@ def _pieces(t: torch.Tensor, dim: int, degree: int):
 
 
 def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
-               call=None) -> List[torch.Tensor]:
+               call=None, record_as: str = "all_to_all") -> List[torch.Tensor]:
     """One all-to-all over ``transport`` (degree ``U``) of several tensors of any dtypes in one
     packed byte buffer. ``moves`` holds ``(tensor, scatter_dim, gather_dim)``: chunk ``u`` of
     the tensor along ``scatter_dim`` goes to rank ``u``; what arrives is concatenated along
     ``gather_dim`` in rank order. Returns new tensors; the bytes that leave the rank are
-    recorded as ``"all_to_all"``. With ``call`` (an open RingCall), a failure of this rank's
+    recorded as ``record_as`` (an all-gather made of one: ``"all_gather"``). With ``call`` (an open RingCall), a failure of this rank's
     packing or unpacking (an out-of-memory error) is recorded by the call's guard and the rank
     still takes part in the exchange (zeros, then zero outputs): the peers raise at the call's
     end instead of waiting in the all-to-all. Where the call stamps headers, each piece
@@ -161,7 +161,7 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
             words[1:] = words[0]
         elif headers:  # (no uninitialized bytes on the wire)
             send[:, :HEADER_BYTES].zero_()
-        record("all_to_all", send.numel() * (degree - 1) // degree)
+        record(record_as, send.numel() * (degree - 1) // degree)
         transport.all_to_all(send, recv)
         if verify:
             for u in range(degree):

@@ -123,9 +123,9 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
     packed byte buffer. ``moves`` holds ``(tensor, scatter_dim, gather_dim)``: chunk ``u`` of
     the tensor along ``scatter_dim`` goes to rank ``u``; what arrives is concatenated along
     ``gather_dim`` in rank order. Returns new tensors; the bytes that leave the rank are
-    recorded as ``record_as`` (an all-gather made of one: ``"all_gather"``). With ``call`` (an open RingCall), a failure of this rank's
-    packing or unpacking (an out-of-memory error) is recorded by the call's guard and the rank
-    still takes part in the exchange (zeros, then zero outputs): the peers raise at the call's
+    recorded as ``record_as`` (an all-gather made of one: ``"all_gather"``). With ``call`` (an
+    open RingCall), a failure of this rank's packing or unpacking (an out-of-memory error) is
+    recorded by the call's guard and the rank still takes part in the exchange (zeros, then zero outputs): the peers raise at the call's
     end instead of waiting in the all-to-all. Where the call stamps headers, each piece
     carries room for the call's header ahead of its data (HEADER_BYTES), stamped and checked
     with the consistency checks off: there they are all that finds a peer in another call,

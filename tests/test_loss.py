@@ -140,6 +140,31 @@ def test_the_plugins_loss_names_outputs_without_logits_and_a_batch_without_targe
                        criterion(logits, targets))
 
 
+def test_the_plugins_loss_under_tp_takes_unflattened_logits_and_checks_its_tp_arguments():
+    """Under tensor parallelism each tp rank's logits are a share of every row: flattened
+    logits (b * s / t, V) and targets (b * s,) pass the length rule but cannot be cut alike
+    (before: a contiguous cut of the flat targets, the wrong tokens, no error)."""
+    from ringseq.plugin.wrappers import SequenceParallelLoss
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 5, generator=g, dtype=torch.float64)  # (b, s_local / t, V)
+    targets = torch.randint(0, 5, (2, 8), generator=g)  # (b, s_local)
+    criterion = SequenceParallelLoss(tp_size=2, tp_rank=1)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[:, 4:].flatten())
+    assert torch.allclose(criterion(logits, targets), want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"^with tp_size=2 the criterion needs logits .*got "
+                                         r"logits \(8, 5\).*pass them unflattened$"):
+        criterion(logits.flatten(0, 1), targets.flatten())
+    with pytest.raises(ValueError, match=r"^SequenceParallelLoss: tp_size must be >= 1 and "
+                                         r"tp_rank in \[0, tp_size\), got tp_size=2, "
+                                         r"tp_rank=5$"):
+        SequenceParallelLoss(tp_size=2, tp_rank=5)
+    with pytest.raises(ValueError, match=r"got tp_size=0, tp_rank=0$"):  # (before: as 1)
+        SequenceParallelLoss(tp_size=0)
+    with pytest.raises(TypeError, match=r"^SequenceParallelLoss: tp_size and tp_rank must be "
+                                        r"ints, got tp_size=2.0"):
+        SequenceParallelLoss(tp_size=2.0)
+
+
 def _worker_failing_report_and_loss():
     import time
     rank = torch.distributed.get_rank()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.amp.grad_scaler import OptState
 
-from .._args import given
+from .._args import as_int, given
 from .._dist import RingError, RingMismatchError, add_note, global_rank, ring_timeout
 from ..engine.integrity import ANY, call_tag
 from ..engine.ring import get_ring
@@ -1212,9 +1212,16 @@ class SequenceParallelLoss:
     sequence_parallel_aware = True
 
     def __init__(self, group=None, ignore_index: int = -100, tp_size: int = 1, tp_rank: int = 0):
+        size, rank = as_int(tp_size), as_int(tp_rank)
+        if size is None or rank is None:
+            raise TypeError(f"SequenceParallelLoss: tp_size and tp_rank must be ints, got "
+                            f"tp_size={given(tp_size)}, tp_rank={given(tp_rank)}")
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"SequenceParallelLoss: tp_size must be >= 1 and tp_rank in "
+                             f"[0, tp_size), got tp_size={size}, tp_rank={rank}")
         self.group = group
         self.ignore_index = ignore_index
-        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_size, self.tp_rank = size, rank
         #: the plugin's FailureReporter, told when the loss ran (or None)
         self.reporter = None
 
@@ -1262,13 +1269,18 @@ class SequenceParallelLoss:
 
     def _tp_share(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         n, t = targets.shape[-1], self.tp_size
-        if logits.dim() < 2 or logits.shape[-2] * t != n:
+        # (b, s, vocab) and (b, s) only: flattened ones, (b * s / t, vocab) and (b * s,), pass
+        # the length rule but pair each tp rank's logits, a share of every row, with a
+        # contiguous cut of the flat targets (before: wrong targets, no error)
+        if logits.dim() < 3 or targets.dim() != logits.dim() - 1 or \
+                logits.shape[:-2] != targets.shape[:-1] or logits.shape[-2] * t != n:
             raise ValueError(
                 f"with tp_size={t} the criterion needs logits of this tensor-parallel rank's "
-                f"share of the sequence, (b, {n} / {t}, vocab), for targets {tuple(targets.shape)}"
-                f"; got logits {tuple(logits.shape)}. Logits of the whole local sequence on every "
-                f"tp rank would count each token {t} times: keep the model's last norm and LM "
-                f"head sequence-parallel (ringseq.parallel.tp)")
+                f"share of the sequence, (b, {n} / {t}, vocab), for targets (b, s_local) = "
+                f"{tuple(targets.shape)}; got logits {tuple(logits.shape)}. Logits of the whole "
+                f"local sequence on every tp rank would count each token {t} times: keep the "
+                f"model's last norm and LM head sequence-parallel (ringseq.parallel.tp); "
+                f"flattened logits and targets cannot be cut alike: pass them unflattened")
         return targets.narrow(-1, self.tp_rank * (n // t), n // t)
 
     def __repr__(self):

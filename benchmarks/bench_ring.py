@@ -244,7 +244,8 @@ def report(args, rows, balance, memory, device, load):
     clock = rows[0]["compute_clock"] if rows else "wall"
     print("# overhead = ring time / the same kernel calls without communication on the busiest "
           f"rank (compute-only timed by {'thread CPU time' if clock == 'cpu' else 'wall time'}); "
-          "err = max |out - float64| on a query slice (plain = same-dtype attention's error)")
+          "err = max |out - float64| on --check-rows rows spread over each shard (plain = "
+          "same-dtype attention's error)")
     for r in rows:
         # (a wrong result is no timing warning: FAIL, as the exit status says)
         r["status"] = ("FAIL" if not r["check_ok"] else "WARN" if r["warnings"] else

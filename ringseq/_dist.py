@@ -32,30 +32,45 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def group_info(group=None, fn: Optional[str] = None) -> Tuple[int, int]:
-    """(world_size, rank in ``group``); (1, 0) without an initialized process group. ``fn``:
-    the public function that was called, named first in the errors.
+#: what makes a broken ring usable again, for the errors' messages
+RESET_ADVICE = ("ringseq.reset_ring(group) on every rank of the ring (sp.reset() for the "
+                "groups of ringseq.make_sp_groups: it resets each; after a boosted model's "
+                "failed step: optimizer.zero_grad() and booster.reset() on every rank, which "
+                "reset the plugin's rings and the step's data-parallel state)")
 
-    Raises TypeError for a ``SequenceParallelGroups`` (its own methods split for its mode) and
-    anything else that is not a process group (a name, a list of ranks);
-    ValueError when a group is passed but torch.distributed is not initialized, or
-    when this process is not a member of ``group`` (torch reports rank -1 there, which would
-    otherwise surface as nonsense sizes much later)."""
+
+def check_group_type(group, fn: Optional[str] = None) -> None:
+    """TypeError naming ``fn`` for a ``group`` that is no process group (None, a
+    ProcessGroup, or the int torch.distributed.new_group returns to ranks outside it): a
+    ``SequenceParallelGroups`` (its own methods split for its mode), a name, a list of ranks.
+    Membership is not checked (:func:`group_info` does)."""
     # (a process group first: dynamo, tracing a caller, fails on hasattr of one)
     if not isinstance(group, dist.ProcessGroup) and hasattr(group, "shard_batch") \
             and hasattr(group, "ulysses_size"):
         # a SequenceParallelGroups: its own methods split for its mode (group_info is plain)
+        decode = ("; for a decode, group=sp.group with layout=sp.data_layout(layout)"
+                  if fn == "ring_flash_attn_with_kvcache" else "")
         raise TypeError(f"{_named(fn)}group= takes a torch.distributed process group, got a "
                         "SequenceParallelGroups (make_sp_groups): use its own methods "
                         "sp.shard(x, layout), sp.shard_batch(batch, layout), "
-                        "sp.positions(seqlen, layout), or usp_attn_func(..., sp=sp); where "
-                        "a function takes no sp= (ring_flash_attn_with_kvcache), "
-                        "group=sp.group with layout=sp.data_layout(layout)")
+                        f"sp.positions(seqlen, layout), or usp_attn_func(..., sp=sp){decode}")
     if group is not None and not isinstance(group, (dist.ProcessGroup, int)):
         # (an int: what torch.distributed.new_group returns to ranks outside the group)
         raise TypeError(f"{_named(fn)}group must be a torch.distributed ProcessGroup or None "
                         f"(the default "
                         f"group), got {group!r} ({type(group).__name__})")
+
+
+def group_info(group=None, fn: Optional[str] = None) -> Tuple[int, int]:
+    """(world_size, rank in ``group``); (1, 0) without an initialized process group. ``fn``:
+    the public function that was called, named first in the errors.
+
+    Raises TypeError for a ``SequenceParallelGroups`` (its own methods split for its mode) and
+    anything else that is not a process group (a name, a list of ranks:
+    :func:`check_group_type`); ValueError when a group is passed but torch.distributed is not
+    initialized, or when this process is not a member of ``group`` (torch reports rank -1
+    there, which would otherwise surface as nonsense sizes much later)."""
+    check_group_type(group, fn)
     if not is_initialized():
         if group is not None:
             raise ValueError(f"{_named(fn)}group={group!r} was passed but torch.distributed "

@@ -21,10 +21,12 @@ from torch import nn
 
 from ._args import (autocast_inputs, check_bool, check_returns, check_softmax_scale, sdpa_inputs,
                     split_kv, split_packed_varlen, split_qkv)
+from ._dist import check_group_type
 from .engine.integrity import FWD
 from .engine.op import run_attention
 from .engine.placement import RingPlacement
-from .engine.ring import get_ring, refuse_on_error, ring_size
+from .engine.ring import Ring, refuse_on_error, ring_size
+from .engine.transport import Transport
 from .ops import returns
 from .kernels import check_backend_name
 from .kernels.checks import FLASH_FORM, RING_VARLEN_FORM, SDPA_FORM, InputForm
@@ -343,7 +345,10 @@ class RingAttention(nn.Module):
         check_softmax_scale("RingAttention", softmax_scale)
         check_backend_name("RingAttention", backend)
         check_grad_comm_dtype("RingAttention", grad_comm_dtype)
-        get_ring(group, "RingAttention")  # (a group's type and this rank's membership)
+        # (its type only: a model built on every rank may run this module on its group's
+        # ranks alone, and build it inside a compiled function)
+        if not isinstance(group, (Ring, Transport)):
+            check_group_type(group, "RingAttention")
         self.group = group
         self.layout = named_layout("RingAttention", layout, takes_documents=False)
         self.causal = bool(causal)

@@ -433,6 +433,11 @@ def test_ring_sdpa_and_module_check_their_arguments():
     with pytest.raises(TypeError, match="^RingAttention: group must be a torch.distributed "
                                         "ProcessGroup or None .*got 'world' \\(str\\)"):
         ringseq.RingAttention(group="world")
+    # built inside a compiled function: the group's type is checked, nothing more
+    compiled = torch.compile(lambda x: ringseq.RingAttention(causal=True)(x, x, x),
+                             fullgraph=True, backend="eager")
+    x = q.transpose(1, 2)
+    assert torch.equal(compiled(x), ringseq.RingAttention(causal=True)(x, x, x))
     # the repr shows what changes the output (before: the same text for these two)
     assert repr(ringseq.RingAttention(causal=True)) == (
         "RingAttention(layout='contiguous', causal=True, backend=None)")

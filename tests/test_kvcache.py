@@ -760,8 +760,8 @@ def test_a_ring_decode_is_protected_as_ring_calls_are():
         assert r["sp"].startswith("TypeError: ring_flash_attn_with_kvcache: group= takes a "
                                   "torch.distributed process group, got a "
                                   "SequenceParallelGroups"), r["sp"]
-        assert r["sp"].endswith("where a function takes no sp= (ring_flash_attn_with_kvcache), "
-                                "group=sp.group with layout=sp.data_layout(layout)"), r["sp"]
+        assert r["sp"].endswith("usp_attn_func(..., sp=sp); for a decode, group=sp.group with "
+                                "layout=sp.data_layout(layout)"), r["sp"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -64,14 +64,15 @@ def test_ring_on_these_shards_is_exact(layout, world):
 def test_documents_that_do_not_divide_are_named():
     with pytest.raises(ValueError, match=r"'documents_zigzag' cuts every document into 4 equal "
                                          r"chunks \(a ring of 2 ranks\).* and 2 of 2 documents "
-                                         r"whose length is not \(document 0: 10, document 1: "
-                                         r"6\)$"):
+                                         r"whose length is not a multiple of 4 \(document 0: "
+                                         r"10, document 1: 6\)$"):
         shard_local(torch.zeros(1, 16), DocumentsZigzag((0, 10, 16)), 2, 0)
     # only those that do not divide, counted, the first five named
     lengths = (4, 5, 8, 1, 3, 7, 9, 11)
     cu = tuple(sum(lengths[:i]) for i in range(len(lengths) + 1))
-    with pytest.raises(ValueError, match=r"and 6 of 8 documents whose length is not \(document "
-                                         r"1: 5, document 3: 1, document 4: 3, document 5: 7, "
+    with pytest.raises(ValueError, match=r"and 6 of 8 documents whose length is not a "
+                                         r"multiple of 4 \(document 1: 5, document 3: 1, "
+                                         r"document 4: 3, document 5: 7, "
                                          r"document 6: 9, \.\.\.\)$"):
         shard_local(torch.zeros(1, cu[-1]), DocumentsZigzag(cu), 2, 0)
 

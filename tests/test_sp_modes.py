@@ -191,8 +191,9 @@ def _one_rank_without_groups(hybrid, x8):
     return res
 
 
-def _thirds():
-    """A user's contiguous layout whose global length must be a multiple of 3W."""
+def _thirds(own_check=False):
+    """A user's contiguous layout whose global length must be a multiple of 3W; with
+    ``own_check``, a check_local_seqlen of its own that takes any positive length."""
     from ringseq.layouts.builtin import Contiguous
 
     class Thirds(Contiguous):
@@ -200,7 +201,14 @@ def _thirds():
 
         def multiple(self, world_size):
             return 3 * world_size
-    return Thirds()
+
+    class Loose(Thirds):
+        name = "loose_test"
+
+        def check_local_seqlen(self, s_local, world_size):
+            if s_local < 1:
+                raise ValueError(f"layout {self.name!r}: a positive local length, got {s_local}")
+    return Loose() if own_check else Thirds()
 
 
 def _errors(sps, pairs):
@@ -256,6 +264,11 @@ def _errors(sps, pairs):
         # multiple, 3, as the local one's)
         "hybrid_length": _expected_error(lambda: ringseq.usp_attn_func(
             x8[:, :2], x8[:, :2], x8[:, :2], sp=hybrid, layout=_thirds())),
+        # ... a layout with its own local check keeps it (as the ring does)
+        "hybrid_own_check": _expected_error(lambda: ringseq.usp_attn_func(
+            x8[:, :2], x8[:, :2], x8[:, :2], sp=hybrid, layout=_thirds(own_check=True))),
+        # a module built on every rank, run on its group's ranks alone (rank 2 and 3: outside)
+        "module_outside": error_text(lambda: ringseq.RingAttention(group=first_pair)),
         "hybrid_docs": error_text(lambda: hybrid.shard_batch(pack_documents(
             [{"input_ids": torch.arange(n) + 1} for n in (1, 8, 1, 13, 13)], multiple=4),
             "documents_contiguous")),
@@ -872,6 +885,8 @@ def test_group_tables_that_cannot_make_groups_raise_on_every_rank():
         assert e["hybrid_docs"].startswith(
             "ValueError: shard_batch: layout 'documents_contiguous' cuts every document into 2 "
             "equal chunks (a ring of 2 ranks)"), e["hybrid_docs"]
+        assert e["hybrid_own_check"] == "no error", e["hybrid_own_check"]
+        assert e["module_outside"] == "no error", e["module_outside"]
         assert e["hybrid_length"] == (
             "ValueError: usp_attn_func: layout 'thirds_test' over a ring of 2 ranks of Ulysses "
             "groups of 2 needs local shards whose length is a positive multiple of 3 (global "
@@ -1258,5 +1273,8 @@ def test_a_stalled_all_to_all_names_the_timeout_and_the_reset():
                              "all-to-all peers (global ranks [1]): a peer stalled, died or left "
                              "the call (ringseq.set_ring_timeout changes the limit;"), failed
     assert failed.endswith("(sp.reset() for the groups of ringseq.make_sp_groups: it resets "
-                           "each) makes the ring usable again)"), failed
+                           "each; after a boosted model's failed step: optimizer.zero_grad() "
+                           "and booster.reset() on every rank, which reset the plugin's rings "
+                           "and the step's data-parallel state) makes the ring usable again)"), \
+        failed
     assert err < 1e-12, err

@@ -40,8 +40,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .._dist import (RingBrokenError, RingDesyncError, RingMismatchError, RingPeerError,
-                     RingTimeoutError)
+from .._dist import (RESET_ADVICE, RingBrokenError, RingDesyncError, RingMismatchError,
+                     RingPeerError, RingTimeoutError)
 from .._hash import INTS, stable_hash_ints
 
 __all__ = ["BWD", "CHECK", "END", "FAIL", "FWD", "HEADER_BASE_WORDS", "HEADER_BYTES",
@@ -154,7 +154,7 @@ def broken_ring_error(ring) -> RingBrokenError:
     cause = ring.broken
     err = RingBrokenError(f"ringseq: the ring is broken by an earlier failure "
                           f"({type(cause).__name__}: {cause}); to reset it: "
-                          f"{ring.transport.reset_advice}")
+                          f"{RESET_ADVICE}")
     err.__cause__ = cause
     return err
 
@@ -365,7 +365,7 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
         err = RingBrokenError(
             f"ringseq: {called + ': ' if called else ''}the ring is broken: {detail}. The "
             f"results of this call are invalid; every rank raises until the ring is reset: "
-            f"{ring.transport.reset_advice}"
+            f"{RESET_ADVICE}"
             + (f" (this rank's original error: {type(own).__name__}: {own})" if own else ""))
         # What a rank raising this inside another ring's call (a hybrid or double ring's
         # outer call) reports there: the failures by global rank, not "this rank failed"
@@ -389,7 +389,7 @@ def judge(ring, rows: List[List[int]], kind: int, signature: Sequence[tuple] = (
             f"ringseq: the ranks of the ring are at different ring calls ({detail}): a rank "
             f"skipped or repeated a call (e.g. its backward or its optimizer step), or raised "
             f"outside ring attention without reporting it and went on. Bring the ranks back in "
-            f"step (the same call tag), then reset the ring: {ring.transport.reset_advice}")
+            f"step (the same call tag), then reset the ring: {RESET_ADVICE}")
         ring.mark_broken(err)
         raise err
     for j, f in enumerate(signature):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .._args import as_int, given, is_bool
 from .._hash import stable_code
-from .._dist import (RingMismatchError, RingTimeoutError, consistency_check_mode,
+from .._dist import (RESET_ADVICE, RingMismatchError, RingTimeoutError, consistency_check_mode,
                      defaults_for_malformed_settings,
                      group_info, is_initialized, named_for, real_object, ring_timeout)
 from .integrity import (_N_FIELDS, BROKEN, CHECK, CONTROL_WORDS, FAIL, FAILED, FIELD0,
@@ -105,7 +105,7 @@ class Ring:
                 f"raised outside ringseq without reporting it), gave up waiting for this rank, "
                 f"or passes another process group object with the same members "
                 f"({type(exc).__name__}: {exc}). Once they are back in step, reset the ring: "
-                f"{self.transport.reset_advice} (ringseq.set_ring_timeout changes the limit)"
+                f"{RESET_ADVICE} (ringseq.set_ring_timeout changes the limit)"
                 + (f". Also, {mismatch}" if mismatch else ""))
             self.mark_broken(err)
             raise err from exc

@@ -43,7 +43,8 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from .._dist import RingTimeoutError, global_rank, group_info, is_initialized, ring_timeout
+from .._dist import (RESET_ADVICE, RingTimeoutError, global_rank, group_info, is_initialized,
+                     ring_timeout)
 
 __all__ = ["RingComm", "Transport"]
 
@@ -56,11 +57,6 @@ class Transport:
     #: the ranks are threads of one process (the simulator): no thread binding, and the
     #: calling thread's name is not part of a call's signature
     ranks_are_threads: bool = False
-    #: what makes the ring usable again after a failure, for the errors' messages; a ring's
-    #: owner may set its own (the plugin's rings: booster.reset(), which also resets the
-    #: steps' state that reset_ring leaves broken)
-    reset_advice: str = ("ringseq.reset_ring(group) on every rank (sp.reset() for the groups "
-                         "of ringseq.make_sp_groups: it resets each)")
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, reverse: bool = False):
         """Posts send-to-next and receive-from-previous of two contiguous tensors of equal size
@@ -444,7 +440,7 @@ class RingComm(Transport):
         where the ranks' channels come from different numbers of resets (reset_ring on some
         ranks only: then that advice never works, and the checks' agreement that would say so
         is off or not reached), how to bring them level first (:meth:`reset_mismatch`)."""
-        return self.reset_mismatch() or f"{self.reset_advice} makes the ring usable again"
+        return self.reset_mismatch() or f"{RESET_ADVICE} makes the ring usable again"
 
     def rebuild(self) -> None:
         # New channels under a new name: a gloo pair that timed out stays closed. Every rank

@@ -228,12 +228,13 @@ class _SplitEveryDocument(_DocumentLayout):
         if seqlen != self.cu_seqlens[-1] or bad:
             # (the ring's size: under the hybrid the ring of Ulysses groups, not the group)
             shown = ", ".join(f"document {i}: {n_i}" for i, n_i in bad[:5])
+            shown += ", ..." if len(bad) > 5 else ""
             raise ValueError(
                 f"layout {self.name!r} cuts every document into {n} equal chunks (a ring of "
                 f"{world_size} ranks): it needs a packed sequence of {self.cu_seqlens[-1]} "
                 f"tokens (cu_seqlens) whose every document length is a multiple of {n}; got "
                 f"{seqlen} tokens" + (f" and {len(bad)} of {len(lengths)} documents whose "
-                f"length is not ({shown}{', ...' if len(bad) > 5 else ''})" if bad else ""))
+                                      f"length is not a multiple of {n} ({shown})" if bad else ""))
         return seqlen // world_size
 
     def check_local_seqlen(self, s_local: int, world_size: int) -> None:

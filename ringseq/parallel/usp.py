@@ -8,7 +8,6 @@ plain ring.
 """
 from __future__ import annotations
 
-import math
 from typing import Tuple
 
 import torch
@@ -26,6 +25,7 @@ from ..spec import (attn_spec, bound_layout, check_global_documents, check_layou
                     check_self_attention, local_spans, named_layout, named_layout_error)
 from .double_ring import DoubleRingPlacement
 from .groups import SequenceParallelGroups
+from .sp_layout import sp_multiple
 from .ulysses import UlyssesPlacement, ulysses_heads
 
 __all__ = ["usp_attn_func", "usp_placement", "usp_sdpa"]
@@ -148,16 +148,21 @@ def _usp(fn, q, k, v, dropout_p, softmax_scale, causal, sp, layout, return_lse, 
     return returns(out, lse, False, return_lse)
 
 
-def _check_local_length(spec, layout, U: int, R: int, s_local: int) -> None:
-    """The hybrid's length rule in the caller's terms: the ring lays out ring parts of U local
-    shards, so the global length must be a multiple of the layout's multiple over R ranks
-    and of U x R (before: the ring's check named the part's length as the local one, and the
-    part's multiple). ValueError naming ``spec.fn``."""
+def _check_local_length(spec, layout: Layout, U: int, R: int, s_local: int) -> None:
+    """The hybrid's length rule in the caller's terms, for a layout whose rule is
+    ``multiple()`` (Layout's own ``check_local_seqlen``; a layout with a check of its own
+    keeps it, in check_layout): the ring lays out ring parts of U local shards, so the
+    global length must be a multiple of :func:`sp_multiple` (the same lengths the ring's
+    check takes; before, its message named the part's length and multiple as the local
+    ones). ValueError (NotImplementedError for a user's missing ``multiple``) naming
+    ``spec.fn``."""
+    if type(layout).check_local_seqlen is not Layout.check_local_seqlen:
+        return
     try:
-        ring_multiple = layout._checked_multiple(R)
-    except ValueError as exc:  # (a user's layout's multiple)
+        layout._checked_multiple(R)  # (a user's multiple(), checked as the ring would)
+        need = sp_multiple(layout, R, U)
+    except (ValueError, NotImplementedError) as exc:
         raise named_layout_error(spec, exc) from None
-    need = math.lcm(ring_multiple, U * R)
     if s_local <= 0 or s_local * U * R % need:
         raise ValueError(f"{spec.fn}: layout {layout.name!r} over a ring of {R} ranks of "
                          f"Ulysses groups of {U} needs local shards whose length is a positive "

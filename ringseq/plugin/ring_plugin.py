@@ -29,9 +29,8 @@ from .mesh import _world_size, build_mesh, build_sp_mesh, check_sharded_order
 from .policy import is_transformers_model, switch_attention
 from .precision import PRECISIONS, Precision, check_precision_name
 from .sharded_checkpoint import DistributedCheckpointIO
-from .wrappers import (BOTH_CHECKPOINTINGS, RESET_ADVICE, FailureReporter, ModelWrapper,
-                       OptimizerWrapper, ReducedGrads, SequenceParallelLoss, StepTag,
-                       hf_checkpointing)
+from .wrappers import (BOTH_CHECKPOINTINGS, FailureReporter, ModelWrapper, OptimizerWrapper,
+                       ReducedGrads, SequenceParallelLoss, StepTag, hf_checkpointing)
 
 __all__ = ["RingSequenceParallelPlugin"]
 
@@ -423,12 +422,6 @@ class RingSequenceParallelPlugin(Plugin):
             raise named_for(type(self).__name__, exc) from exc.__cause__
         if self.dims.sharded:
             self.groups.dp_sp_mesh()  # its process group, now, on every rank alike
-        # A broken ring's errors say how to reset it: on the plugin's rings booster.reset(),
-        # which also resets the steps' state (DDP's reducer, FSDP's iteration state) that
-        # reset_ring alone leaves broken (before: reset_ring / sp.reset() advised, and the
-        # next step failed inside DDP or FSDP, blaming something else).
-        for group in [self.sp_group, None] + (self.sp.process_groups() if self.sp else []):
-            get_ring(group).transport.reset_advice = RESET_ADVICE
         self.sp_mode = sp_mode
         self.activation_checkpointing = bool(activation_checkpointing)
         self.tp_plan = tp_plan

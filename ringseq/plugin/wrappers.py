@@ -61,11 +61,6 @@ BOTH_CHECKPOINTINGS = (
     "refused forward, then booster.reset() on every rank)")
 
 
-#: what makes a plugin's broken ring usable again (its rings' errors say it)
-RESET_ADVICE = ("optimizer.zero_grad() and booster.reset() on every rank (booster.reset() "
-                "resets every ring of the plugin and the step's data-parallel state)")
-
-
 class ModelWrapper(nn.Module):
     """The boosted model: data-parallel wrapper + autocast around the user's model.
 

@@ -571,10 +571,12 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     call's queries (the same on every rank) attend locally to every rank's shard; the partial
     (out, lse) merge exactly by their log-sum-exp after one all-gather of
     ``batch * seqlen_q * nheads * (headdim + 1) + 1`` floats per rank (the last: whether the
-    rank failed), made of an all-to-all on the ring's own channel. No key or value moves. It
-    is a ring call like attention (``ringseq.engine.integrity``): the ring is bound to the
-    first thread that calls it, a stalled peer raises RingTimeoutError after the ring timeout,
-    and with the checks off the gather's headers catch ranks at other calls or call tags.
+    rank failed), made of an all-to-all on the ring's channel. No key or value moves. On
+    several ranks it is a ring call like attention (``ringseq.engine.integrity``): the ring
+    is bound to the first thread that calls it, a peer stalled in its part raises
+    RingTimeoutError after the ring timeout (CPU tensors; on NCCL its watchdog, as for the
+    ring's exchanges), and with the checks off the gather's headers catch ranks at other
+    calls, with other arguments or under other call tags.
     With a group of ``ringseq.make_sp_groups`` (a hybrid or double ring prefill), pass
     ``group=sp.group`` and ``layout=sp.data_layout(layout)``. Runs between graphs under
     ``torch.compile``.
@@ -626,8 +628,9 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     ``cache_seqlens`` / ``cache_leftpad`` values raise ``ringseq.RingMismatchError`` (a
     ValueError) on every rank, naming what differs. A failure in one rank's part raises there
     and as ``ringseq.RingPeerError`` on the others, the checks off too; the ring stays usable.
-    Two control collectives per call (its begin and end); with the checks off, only the
-    gather (ranks that disagree on arguments then compute wrong outputs).
+    One control collective per call (its begin); with the checks off, only the gather, whose
+    headers make ranks at other calls, with other arguments or under other call tags raise
+    ``ringseq.RingDesyncError`` (the ring is then broken until ``ringseq.reset_ring``).
     """
     fn = _RING_FN
     # A refusal (a user layout's too; a group that is no process group: on the default
@@ -800,51 +803,59 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
 
 @torch.compiler.disable
 def _ring_decode(plan, group, world):
-    """This rank's part of the call, gathered with the others' and merged: a ring call
-    (``Ring.open_call``), so the ring's protections hold as for attention: one thread per
-    ring (its name in the signature), the begin and end control collectives, the gather on
-    the ring's own channel under the ring timeout, and, with the checks off, headers naming
-    the call and its tag (before: a plain all-gather on the user's group, which paired two
-    threads' calls across ranks and ranks a step apart, and waited for the process group's
-    timeout). Never traced by dynamo: compiled, a failure raised as the graph ran skipped
-    the ``except`` below, and the peers waited in the gather for a rank that had left."""
+    """This rank's part of the call, gathered with the others' and merged. On several ranks a
+    ring call (``Ring.open_call``), so the ring's protections hold as for attention: one
+    thread per ring (its name in the signature), the begin control collective, the gather
+    on the ring's channel (gloo: under the ring timeout; NCCL: its own watchdog, as the
+    ring's exchanges) and, with the checks off, headers naming the call, its signature and
+    its tag (before: a plain all-gather on the user's group, which paired two threads' calls
+    across ranks and ranks a step apart, and waited for the process group's timeout). A
+    rank whose part fails sends a payload whose last value says so (0 where 1 says whole):
+    every rank completes the call, the failing one raises its error, the others
+    RingPeerError, and the ring stays usable; so the call has no end collective (a second
+    control collective, a third of a decode step's time). On one rank (no process group)
+    no call is opened: decodes from several threads run side by side, as before. Never
+    traced by dynamo: compiled, a failure raised as the graph ran skipped the ``except``
+    below, and the peers waited in the gather for a rank that had left."""
     q = plan["q"]
     b, s_q, h, d = q.shape
     acc = accum_dtype(q.dtype)
-    ring = get_ring(group)
-    with ring.open_call(FWD, plan["signature"], q.device, name=_RING_FN) as call:
-        call.begin()
-        # (out, lse) of this rank's part and, last, whether it failed: gathered in one piece.
-        # The failure travels in the payload rather than through the call's end, so that
-        # every rank completes the call and the ring stays usable (and, with the checks off,
-        # the peers still learn of it).
-        flat = torch.zeros(b * s_q * h * (d + 1) + 1, dtype=acc, device=q.device)
-        payload = flat[:-1].view(b, s_q, h, d + 1)
-        failure = None
-        try:
-            new_part = _local_decode(plan, payload)
-        except BaseException as exc:  # re-raised below, after the gather (SystemExit too)
-            failure, new_part = exc, None
-            flat[-1] = 1.0
-        if world > 1:
-            # every rank's flat from one all-to-all of W copies (what an all-gather moves)
-            parts, = all_to_all(ring.transport, [(flat.expand(world, -1), 0, 0)], call,
-                                record_as="all_gather")  # (W, n)
-        call.end()
-    if world > 1:
-        failed = parts[:, -1].nonzero().flatten().tolist()
+    n = b * s_q * h * (d + 1)
+    failure = flat = None
+    try:  # (the allocation too: a rank out of memory still sends its zeros)
+        # (out, lse) of this rank's part and, last, whether it is whole: gathered in one piece
+        flat = torch.zeros(n + 1, dtype=acc, device=q.device)
+        new_part = _local_decode(plan, flat[:-1].view(b, s_q, h, d + 1))
+        flat[-1] = 1.0
+    except BaseException as exc:  # re-raised below, after the gather (SystemExit too)
+        failure, new_part = exc, None
+    if world == 1:
         if failure is not None:
             raise failure
+        gathered = flat[:-1].view(1, b, s_q, h, d + 1)  # (W, b, s_q, h, d + 1)
+    else:
+        if flat is None or failure is not None:
+            flat = torch.zeros(n + 1, dtype=acc, device=q.device)  # (a part not whole: 0)
+        ring = get_ring(group)
+        with ring.open_call(FWD, plan["signature"], q.device, name=_RING_FN) as call:
+            call.begin()
+            # every rank's flat from one all-to-all of W copies (what an all-gather moves); a
+            # failure packing or unpacking it here sends or leaves zeros, as a part's failure
+            parts, = all_to_all(ring.transport, [(flat.expand(world, -1), 0, 0)], call,
+                                record_as="all_gather")  # (W, n + 1)
+            if not call.ok:
+                failure, call.failure = failure or call.failure, None
+            if not call.gathered:
+                call.end()  # (checks off: no collective, the headers' verdict)
+        if failure is not None:
+            raise failure
+        failed = (parts[:, -1] == 0).nonzero().flatten().tolist()
         if failed:
             raise RingPeerError(f"ringseq: ring_flash_attn_with_kvcache: rank(s) {failed} of the "
                                 f"group failed computing their part of the call where this rank "
                                 f"did not (see their errors); no output on any rank. Repeat the "
                                 f"call with the same cache_seqlens on every rank", ranks=failed)
         gathered = parts[:, :-1].reshape(world, b, s_q, h, d + 1)
-    elif failure is not None:
-        raise failure
-    else:
-        gathered = payload.unsqueeze(0)  # (W, b, s_q, h, d + 1)
     outs, lses = gathered[..., :d], gathered[..., d].transpose(2, 3)  # (W, b, h, s_q)
     if new_part is not None:
         out_n, lse_n = new_part

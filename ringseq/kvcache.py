@@ -630,7 +630,8 @@ def ring_flash_attn_with_kvcache(q, k_cache_shard, v_cache_shard, cache_seqlens,
     and as ``ringseq.RingPeerError`` on the others, the checks off too; the ring stays usable.
     One control collective per call (its begin); with the checks off, only the gather, whose
     headers make ranks at other calls, with other arguments or under other call tags raise
-    ``ringseq.RingDesyncError`` (the ring is then broken until ``ringseq.reset_ring``).
+    ``ringseq.RingDesyncError`` (the ring is then broken until ``ringseq.reset_ring``), where
+    their sizes agree (other sizes can hang or abort in the transport, as for attention).
     """
     fn = _RING_FN
     # A refusal (a user layout's too; a group that is no process group: on the default
@@ -834,16 +835,20 @@ def _ring_decode(plan, group, world):
             raise failure
         gathered = flat[:-1].view(1, b, s_q, h, d + 1)  # (W, b, s_q, h, d + 1)
     else:
-        if flat is None or failure is not None:
-            flat = torch.zeros(n + 1, dtype=acc, device=q.device)  # (a part not whole: 0)
         ring = get_ring(group)
+        if flat is None:
+            # no buffer to send (out of memory): refused at the call's begin instead, where
+            # the peers raise RingPeerError naming this rank (a second try at the allocation
+            # would likely fail outside the call, and the peers would pair with its next one)
+            ring.refuse(FWD, failure)
         with ring.open_call(FWD, plan["signature"], q.device, name=_RING_FN) as call:
             call.begin()
             # every rank's flat from one all-to-all of W copies (what an all-gather moves); a
-            # failure packing or unpacking it here sends or leaves zeros, as a part's failure
+            # failure packing it here sends zeros, which the peers read as a part's failure
+            # (a failure unpacking it, a view, would raise here alone: their outputs whole)
             parts, = all_to_all(ring.transport, [(flat.expand(world, -1), 0, 0)], call,
                                 record_as="all_gather")  # (W, n + 1)
-            if not call.ok:
+            if not call.ok:  # (reported through the payload: not at a call end, which breaks)
                 failure, call.failure = failure or call.failure, None
             if not call.gathered:
                 call.end()  # (checks off: no collective, the headers' verdict)

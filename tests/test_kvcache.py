@@ -720,6 +720,22 @@ def _ring_decode_protections():
         out[f"part_fails_checks_{checks}"] = caught(decode)
         kvcache._local_decode = local
     ringseq.set_consistency_check(True)
+    # ... packing the gathered payload fails on rank 1 (zeros go out, read as a failed part);
+    # the payload's buffer cannot be allocated on rank 1 (refused at the call's begin)
+    import ringseq.parallel.ulysses as ulysses
+    pieces = ulysses._pieces
+    if rank == 1:
+        ulysses._pieces = failing
+    out["packing_fails"] = caught(decode)
+    ulysses._pieces = pieces
+
+    class NoZeros:  # (kvcache's torch, whose zeros() raise)
+        def __getattr__(self, name):
+            return failing if name == "zeros" else getattr(torch, name)
+    if rank == 1:
+        kvcache.torch = NoZeros()
+    out["buffer_fails"] = caught(decode)
+    kvcache.torch = torch
     got = decode()
     want = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q.double(),
                                       K.double().repeat_interleave(2, 2)) / 4, -1)
@@ -791,11 +807,13 @@ def test_a_ring_decode_is_protected_as_ring_calls_are():
         else:  # (back after its peer left: the ring's channel is gone, or times out)
             assert r["stalled"][0].startswith(("RingTimeoutError", "RingBrokenError")), r
         assert r["tags"].startswith("RingDesyncError"), r["tags"]
-        for checks in (True, False):
-            got = r[f"part_fails_checks_{checks}"]
-            assert got.startswith("MemoryError: injected" if rank == 1 else
-                                  "RingPeerError: ringseq: ring_flash_attn_with_kvcache: "
-                                  "rank(s) [1] of the group failed"), (checks, got)
+        for case in ("part_fails_checks_True", "part_fails_checks_False", "packing_fails"):
+            assert r[case].startswith("MemoryError: injected" if rank == 1 else
+                                      "RingPeerError: ringseq: ring_flash_attn_with_kvcache: "
+                                      "rank(s) [1] of the group failed"), (case, r[case])
+        assert r["buffer_fails"].startswith(
+            "MemoryError: injected" if rank == 1 else "RingPeerError: ringseq: forward not run: "
+            "rank(s) [1] of the ring refused the call's arguments (rank 1: MemoryError"), r
         assert "tag 7" in r["tags"] and "tag 8" in r["tags"], r["tags"]
         assert r["err"] < 1e-5 and r["sp_err"] < 1e-5, r
         assert r["sp"].startswith("TypeError: ring_flash_attn_with_kvcache: group= takes a "

@@ -14,7 +14,10 @@ Ulysses or hybrid attention, opened on the call's :class:`ringseq.engine.ring.Ri
   (one skipped its backward, or runs another step: different tags) raise
   :class:`ringseq.RingDesyncError`; an argument that one rank alone finds invalid raises that
   rank's own error there and :class:`ringseq.RingPeerError` (naming the rank and its message)
-  on the others (the ring stays usable).
+  on the others (the ring stays usable). (A context-parallel KV-cache decode,
+  ``ringseq.ring_flash_attn_with_kvcache``, begins so and has no end collective: a failure in
+  a rank's part travels in its gathered payload, the others raise RingPeerError, and the ring
+  stays usable.)
 * **Exchange headers**: every exchange carries an 8-word header (magic, call sequence number,
   kind, signature hash, exchange index, call tag) in the same buffer as its payload, checked after
   ``wait()``; the comparison runs where the buffer lives (on CUDA: on the device) and its

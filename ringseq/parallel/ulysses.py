@@ -145,14 +145,16 @@ def all_to_all(transport, moves: Sequence[Tuple[torch.Tensor, int, int]],
         layout.append((t, sd, gd, chunk, offset, nbytes))
         offset += -(-nbytes // _ALIGN) * _ALIGN
     device = moves[0][0].device
-    send = None
+    send = packed = None
     with guard():
         send = torch.empty((degree, offset), dtype=torch.uint8, device=device)
         for t, sd, gd, chunk, off, nbytes in layout:
             if nbytes:  # (an empty byte slice cannot be viewed as a wider dtype)
                 send[:, off:off + nbytes].view(t.dtype).view(degree, *chunk).copy_(
                     _pieces(t, sd, degree))
-    if send is None:  # this rank failed: its part of the exchange is zeros
+        packed = send
+    if packed is None:  # this rank failed: its part of the exchange is zeros (not what an
+        # unfinished packing left in the buffer: the ring decode's peers read a flag there)
         send = torch.zeros((degree, offset), dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
     if offset > start:  # nothing to move (an empty batch): the same on every rank (signature)

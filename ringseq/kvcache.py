@@ -810,39 +810,42 @@ def _ring_decode(plan, group, world):
     on the ring's channel (gloo: under the ring timeout; NCCL: its own watchdog, as the
     ring's exchanges) and, with the checks off, headers naming the call, its signature and
     its tag (before: a plain all-gather on the user's group, which paired two threads' calls
-    across ranks and ranks a step apart, and waited for the process group's timeout). A
-    rank whose part fails sends a payload whose last value says so (0 where 1 says whole):
-    every rank completes the call, the failing one raises its error, the others
-    RingPeerError, and the ring stays usable; so the call has no end collective (a second
-    control collective, a third of a decode step's time). On one rank (no process group)
-    no call is opened: decodes from several threads run side by side, as before. Never
-    traced by dynamo: compiled, a failure raised as the graph ran skipped the ``except``
-    below, and the peers waited in the gather for a rank that had left."""
+    across ranks and ranks a step apart, and waited for the process group's timeout). The
+    caches are written after the call's begin: a call the ranks disagree on leaves them as
+    they were. A rank whose part fails sends a payload whose last value says so (0 where 1
+    says whole): every rank completes the call, the failing one raises its error, the
+    others RingPeerError, and the ring stays usable; so the call has no end collective (a
+    second control collective, about a third of a small decode step's time). A rank that
+    cannot allocate the payload refuses the call at its begin. On one rank (no process
+    group) no call is opened: decodes from several threads run side by side, as before.
+    Never traced by dynamo: compiled, a failure raised as the graph ran skipped the
+    ``except`` below, and the peers waited in the gather for a rank that had left."""
     q = plan["q"]
     b, s_q, h, d = q.shape
     acc = accum_dtype(q.dtype)
-    n = b * s_q * h * (d + 1)
-    failure = flat = None
-    try:  # (the allocation too: a rank out of memory still sends its zeros)
-        # (out, lse) of this rank's part and, last, whether it is whole: gathered in one piece
-        flat = torch.zeros(n + 1, dtype=acc, device=q.device)
-        new_part = _local_decode(plan, flat[:-1].view(b, s_q, h, d + 1))
-        flat[-1] = 1.0
-    except BaseException as exc:  # re-raised below, after the gather (SystemExit too)
-        failure, new_part = exc, None
+    # (out, lse) of this rank's part and, last, whether it is whole: gathered in one piece
+    try:
+        flat = torch.zeros(b * s_q * h * (d + 1) + 1, dtype=acc, device=q.device)
+    except BaseException as exc:  # (out of memory): refused at the call's begin, where the
+        if world > 1:  # peers raise RingPeerError naming this rank, instead of waiting
+            get_ring(group).refuse(FWD, exc)
+        raise
+    payload = flat[:-1].view(b, s_q, h, d + 1)
     if world == 1:
-        if failure is not None:
-            raise failure
-        gathered = flat[:-1].view(1, b, s_q, h, d + 1)  # (W, b, s_q, h, d + 1)
+        new_part = _local_decode(plan, payload)
+        gathered = payload.unsqueeze(0)  # (W, b, s_q, h, d + 1)
     else:
+        failure = new_part = None
         ring = get_ring(group)
-        if flat is None:
-            # no buffer to send (out of memory): refused at the call's begin instead, where
-            # the peers raise RingPeerError naming this rank (a second try at the allocation
-            # would likely fail outside the call, and the peers would pair with its next one)
-            ring.refuse(FWD, failure)
         with ring.open_call(FWD, plan["signature"], q.device, name=_RING_FN) as call:
+            # (before this rank's part writes the new keys: a call the ranks disagree on, or
+            # another thread's, leaves the caches as they were)
             call.begin()
+            try:
+                new_part = _local_decode(plan, payload)
+                flat[-1] = 1.0
+            except BaseException as exc:  # re-raised below, after the gather (SystemExit too)
+                failure = exc
             # every rank's flat from one all-to-all of W copies (what an all-gather moves); a
             # failure packing it here sends zeros, which the peers read as a part's failure
             # (a failure unpacking it, a view, would raise here alone: their outputs whole)

@@ -736,6 +736,14 @@ def _ring_decode_protections():
         kvcache.torch = NoZeros()
     out["buffer_fails"] = caught(decode)
     kvcache.torch = torch
+    # (e) ranks that disagree (cache_seqlens 8 and 7) raise before any cache is written
+    kc, vc = (ringseq.shard(t, "zigzag").contiguous() for t in (K, V))
+    kc, vc = torch.cat([kc, torch.zeros_like(kc)], 1), torch.cat([vc, torch.zeros_like(vc)], 1)
+    before = kc.clone(), vc.clone()
+    new = torch.randn(1, 1, 2, 16, generator=g)
+    out["disagree"] = caught(lambda: ring_flash_attn_with_kvcache(
+        q, kc, vc, 8 - rank, new, new.clone(), layout="zigzag", prefill_len=8))
+    out["caches_untouched"] = torch.equal(kc, before[0]) and torch.equal(vc, before[1])
     got = decode()
     want = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q.double(),
                                       K.double().repeat_interleave(2, 2)) / 4, -1)
@@ -804,13 +812,16 @@ def test_a_ring_decode_is_protected_as_ring_calls_are():
             kind, took = r["stalled"][0].split(":")[0], r["stalled"][1]
             assert kind == "RingTimeoutError" and took < 2.9, r["stalled"]
             assert "waited more than 1 s" in r["stalled"][0], r["stalled"]
-        else:  # (back after its peer left: the ring's channel is gone, or times out)
-            assert r["stalled"][0].startswith(("RingTimeoutError", "RingBrokenError")), r
+        else:  # (back after its peer left: the peer's part had arrived, so its own result
+            # is whole; or the channel is gone; its next call meets rank 0's broken ring)
+            assert r["stalled"][0].startswith(("no error", "RingTimeoutError",
+                                               "RingBrokenError")), r
         assert r["tags"].startswith("RingDesyncError"), r["tags"]
         for case in ("part_fails_checks_True", "part_fails_checks_False", "packing_fails"):
             assert r[case].startswith("MemoryError: injected" if rank == 1 else
                                       "RingPeerError: ringseq: ring_flash_attn_with_kvcache: "
                                       "rank(s) [1] of the group failed"), (case, r[case])
+        assert r["disagree"].startswith("RingMismatchError") and r["caches_untouched"], r
         assert r["buffer_fails"].startswith(
             "MemoryError: injected" if rank == 1 else "RingPeerError: ringseq: forward not run: "
             "rank(s) [1] of the ring refused the call's arguments (rank 1: MemoryError"), r

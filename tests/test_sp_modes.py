@@ -888,9 +888,9 @@ def test_group_tables_that_cannot_make_groups_raise_on_every_rank():
         assert e["hybrid_own_check"] == "no error", e["hybrid_own_check"]
         assert e["module_outside"] == "no error", e["module_outside"]
         assert e["hybrid_length"] == (
-            "ValueError: usp_attn_func: layout 'thirds_test' over a ring of 2 ranks of Ulysses "
-            "groups of 2 needs local shards whose length is a positive multiple of 3 (global "
-            "length a multiple of 12); got a local length of 2"), e["hybrid_length"]
+            "ValueError: usp_attn_func: layout 'thirds_test' over Ulysses 2 x ring 2 ranks "
+            "needs local shards whose length is a positive multiple of 3 (global length a "
+            "multiple of 12); got a local length of 2"), e["hybrid_length"]
 
 
 def test_model_heads_are_named_by_their_config_keys():

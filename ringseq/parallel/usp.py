@@ -164,10 +164,10 @@ def _check_local_length(spec, layout: Layout, U: int, R: int, s_local: int) -> N
     except (ValueError, NotImplementedError) as exc:
         raise named_layout_error(spec, exc) from None
     if s_local <= 0 or s_local * U * R % need:
-        raise ValueError(f"{spec.fn}: layout {layout.name!r} over a ring of {R} ranks of "
-                         f"Ulysses groups of {U} needs local shards whose length is a positive "
-                         f"multiple of {need // (U * R)} (global length a multiple of {need}); "
-                         f"got a local length of {s_local}")
+        raise ValueError(f"{spec.fn}: layout {layout.name!r} over Ulysses {U} x ring {R} "
+                         f"ranks needs local shards whose length is a positive multiple of "
+                         f"{need // (U * R)} (global length a multiple of {need}); got a local "
+                         f"length of {s_local}")
 
 
 def usp_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,

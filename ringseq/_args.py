@@ -85,6 +85,22 @@ def as_int(value) -> Optional[int]:
         return None
 
 
+def check_size_and_rank(fn: str, size_name: str, size, rank_name: str, rank,
+                        owner: str = "") -> Tuple[int, int]:
+    """(size, rank) as Python ints: a group's size >= 1 and a rank in [0, size). TypeError
+    naming ``fn`` for values that are no ints, ValueError for others; ``owner`` (e.g. "the
+    transport's ") names whose they are."""
+    s, r = as_int(size), as_int(rank)
+    if s is None or r is None:
+        raise TypeError(f"{fn}: {owner}{size_name} and {rank_name} must be ints, got "
+                        f"{size_name}={size!r}, {rank_name}={rank!r}")
+    if s < 1 or not 0 <= r < s:
+        raise ValueError(f"{fn}: {owner}{size_name} must be >= 1 and {'its ' if owner else ''}"
+                         f"{rank_name} in [0, {size_name}), got {size_name}={s}, "
+                         f"{rank_name}={r}")
+    return s, r
+
+
 def check_ignore_index(fn: str, ignore_index) -> int:
     """``ignore_index`` (the label of no target) as a Python int, of any int kind (NumPy's, a
     0-d tensor): the one rule of every function that takes it. TypeError for anything else (True

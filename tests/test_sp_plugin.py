@@ -1,7 +1,8 @@
 """RingSequenceParallelPlugin in its sequence-parallel modes, on 4 spawned gloo ranks (CPU):
 five AdamW steps of the tiny transformers Llama of tests/test_plugin.py (4 heads, 2 K/V heads)
 against single-process training on the whole global batch, checked step by step on the run's
-own trajectory with that file's tolerance rule (``assert_steps_match_single_process``).
+own trajectory with that file's tolerance rule (``assert_steps_match_single_process``), then
+a step failing on one rank, the recovery its peers' errors give, and a step after it.
 
 Modes (one spawn): ``ulysses`` on 4 ranks (4 > 2 K/V heads: K/V replicated twice) and on 2 x
 dp 2, ``hybrid`` 2 x 2 (zigzag on the ring, Ulysses inner) and ring inner through a user's

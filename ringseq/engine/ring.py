@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .._args import as_int, given, is_bool
+from .._args import as_int, check_size_and_rank, given, is_bool
 from .._hash import stable_code
 from .._dist import (RESET_ADVICE, RingMismatchError, RingTimeoutError, consistency_check_mode,
                      defaults_for_malformed_settings,
@@ -488,13 +488,8 @@ def check_transport(fn: str, transport) -> None:
     if not isinstance(transport, Transport):
         raise TypeError(f"{fn}: transport must be a ringseq.comm.Transport, got "
                         f"{given(transport)}")
-    world, rank = as_int(transport.world_size), as_int(transport.rank)
-    if world is None or rank is None:
-        raise TypeError(f"{fn}: the transport's world_size and rank must be ints, got "
-                        f"world_size={transport.world_size!r}, rank={transport.rank!r}")
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"{fn}: the transport's world_size must be >= 1 and its rank in "
-                         f"[0, world_size), got world_size={world}, rank={rank}")
+    check_size_and_rank(fn, "world_size", transport.world_size, "rank", transport.rank,
+                        owner="the transport's ")
 
 
 def reset_ring(group=None) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.amp.grad_scaler import OptState
 
-from .._args import as_int, given
+from .._args import check_size_and_rank, given
 from .._dist import RingError, RingMismatchError, add_note, global_rank, ring_timeout
 from ..engine.integrity import ANY, call_tag
 from ..engine.ring import get_ring
@@ -1207,13 +1207,8 @@ class SequenceParallelLoss:
     sequence_parallel_aware = True
 
     def __init__(self, group=None, ignore_index: int = -100, tp_size: int = 1, tp_rank: int = 0):
-        size, rank = as_int(tp_size), as_int(tp_rank)
-        if size is None or rank is None:
-            raise TypeError(f"SequenceParallelLoss: tp_size and tp_rank must be ints, got "
-                            f"tp_size={given(tp_size)}, tp_rank={given(tp_rank)}")
-        if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"SequenceParallelLoss: tp_size must be >= 1 and tp_rank in "
-                             f"[0, tp_size), got tp_size={size}, tp_rank={rank}")
+        size, rank = check_size_and_rank("SequenceParallelLoss", "tp_size", tp_size, "tp_rank",
+                                         tp_rank)
         self.group = group
         self.ignore_index = ignore_index
         self.tp_size, self.tp_rank = size, rank

@@ -32,6 +32,7 @@ step is one non-causal task over all local rows. ``contiguous`` is the natural c
 """
 from __future__ import annotations
 
+import numbers
 import operator
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -111,11 +112,21 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def _scalar_text(value, depth: int = 0) -> Optional[str]:
-    """``value`` as text that is the same on every rank for equal values when it is a number,
-    a string, a bool, None, or a tuple / list of them (nested at most 4 deep); None for
-    anything else (tensors, dicts, devices, objects: not compared)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    """``value`` as text that is the same on every rank for equal values when it is a number
+    (NumPy's too, shown as the Python number it equals), a string, a bool, None, or a tuple /
+    list of them (nested at most 4 deep); None for anything else (tensors, dicts, devices,
+    objects: not compared)."""
+    if type(value) in _PLAIN:
         return repr(value)
+    # (a NumPy scalar read from an array or a config: before, left out of the comparison and
+    # of the cache key, so ranks given np.int64(2) and np.int64(4) paired silently; shown as
+    # the Python value it equals, as a subclass of int, float or str is)
+    if is_bool(value):
+        return repr(bool(value))
+    if not isinstance(value, torch.Tensor):
+        for kind in (numbers.Integral, numbers.Real, str):
+            if isinstance(value, kind):
+                return repr({numbers.Integral: int, numbers.Real: float}.get(kind, str)(value))
     if isinstance(value, (tuple, list)) and depth < 4:
         if all(type(v) in _PLAIN for v in value):  # (a long flat list: one join, not a call
             return "(" + ", ".join(map(repr, value)) + ")"  # per entry)
@@ -314,10 +325,12 @@ class Layout:
 
     def check_tasks(self, world_size: int, s_local: int) -> None:
         """ValueError unless the causal block tasks of a layout of the user's (``_tasks``)
-        are, for every rank and source, BlockTasks whose rows lie inside the shard (checked
-        once per world size and local length, the same on every rank; a built-in layout
-        needs nothing). Before, a task naming rows past the shard was cut short by slicing:
-        keys were dropped without a word."""
+        are, for every rank and source, BlockTasks without spans whose rows lie inside the
+        shard and which together give every query row the keys it sees (those at positions up
+        to its own) exactly once (checked once per world size and local length, the same on
+        every rank; a built-in layout needs nothing). Before, a task naming rows past the
+        shard was cut short by slicing, and tasks that missed keys, repeated them or gave
+        later ones computed wrong outputs, all without a word."""
         tasks = type(self)._tasks
         # (a user's class with the base's: one left undefined; ringseq's own layouts without
         # _tasks make their schedules themselves)
@@ -329,6 +342,8 @@ class Layout:
         def refuse(rank, src, what, got):
             raise ValueError(f"layout {self.name!r}: _tasks({rank}, {src}, {world_size}, "
                              f"{s_local}) must return {what}, got {got}")
+        positions = [self._checked_positions(s_local * world_size, world_size, r).cpu()
+                     for r in range(world_size)]  # W x (s_local,)
         for rank in range(world_size):
             for src in range(world_size):
                 tasks = self._tasks(rank, src, world_size, s_local)
@@ -343,6 +358,18 @@ class Layout:
                                    f"inside the shard, [0, {s_local})", repr(rows))
                     if not is_bool(task.causal):
                         refuse(rank, src, "tasks whose causal is a bool", repr(task.causal))
+                    if task.spans is not None:  # (the kernel's spans are made from masks)
+                        refuse(rank, src, "tasks without spans (windows and documents are "
+                               "masks: pass window_size or the documents)",
+                               f"spans {_cut(repr(task.spans), 80)}")
+                miss = _coverage_miss(positions[rank], positions[src], tasks, s_local)
+                if miss is not None:
+                    row, seen, given_keys = miss
+                    refuse(rank, src, f"tasks that give each query row the keys of rank "
+                           f"{src}'s shard at positions up to its own (causal attention) "
+                           f"exactly once", f"tasks that give local row {row} (position "
+                           f"{int(positions[rank][row])}) {given_keys} keys where it sees "
+                           f"{seen}" + (" (not those it sees)" if seen == given_keys else ""))
         return True
 
     def identity_on_one_rank(self, seqlen: int) -> bool:
@@ -479,6 +506,43 @@ class Layout:
 
     def __repr__(self):
         return f"Layout({self.name!r})"
+
+
+def _cut(text: str, length: int) -> str:
+    return text if len(text) <= length else text[:length] + "..."
+
+
+def _coverage_miss(q_pos: torch.Tensor, kv_pos: torch.Tensor, tasks,
+                   s_local: int) -> Optional[Tuple[int, int, int]]:
+    """The first local query row (global position ``q_pos[row]``) whose causal ``tasks``
+    against a shard holding ``kv_pos`` do not give it the keys it sees -- those at positions
+    up to its own -- exactly once, as ``(row, keys it sees, keys the tasks give)``; None when
+    every row's do. Counted per row with a random weight per key, so that a row given as many
+    keys as it sees but other ones is caught too (but for a chance of about 2**-20)."""
+    weight = torch.randint(1 << 20, (s_local,), generator=torch.Generator().manual_seed(0))
+    prefix = torch.zeros(s_local + 1, dtype=torch.int64)  # (s_local + 1,) weights up to a row
+    prefix[1:] = weight.cumsum(0)
+    order = kv_pos.argsort()
+    by_position = torch.zeros(s_local + 1, dtype=torch.int64)  # (s_local + 1,) by key position
+    by_position[1:] = weight[order].cumsum(0)
+    seen = torch.searchsorted(kv_pos[order], q_pos, right=True)  # (s_local,) keys each row sees
+    count = torch.zeros(s_local, dtype=torch.int64)  # (s_local,) keys the tasks give each row
+    total = torch.zeros(s_local, dtype=torch.int64)  # (s_local,) and their weights
+    for task in tasks:
+        q0, q1, _ = task.q.indices(s_local)
+        k0, k1, _ = task.kv.indices(s_local)
+        if q1 <= q0 or k1 <= k0:
+            continue
+        n = torch.full((q1 - q0,), k1 - k0)  # (q rows,) keys per row
+        if task.causal:  # (bottom-right aligned: row i sees i + 1 + len(kv) - len(q) keys)
+            n = (torch.arange(q1 - q0) + (k1 - k0) - (q1 - q0) + 1).clamp(0, k1 - k0)
+        count[q0:q1] += n
+        total[q0:q1] += prefix[k0 + n] - prefix[k0]
+    bad = ((count != seen) | (total != by_position[seen])).nonzero()
+    if not bad.numel():
+        return None
+    row = int(bad[0])
+    return row, int(seen[row]), int(count[row])
 
 
 def _rows_inside(rows, s_local: int) -> bool:

@@ -93,6 +93,13 @@ def _worker():
     out["prepare_iterable"] = error_text(lambda: prepare(_Stream(), batch_size=2))
     out["prepare_int"] = error_text(lambda: prepare(5, batch_size=2))
     out["boost_list"] = error_text(lambda: Booster(plugin).boost(_Net(), dataloader=[1]))
+    # worker processes handing out batches as they finish them (before: taken, and the
+    # ranks' orders and a resumed epoch's skipped batches could differ from those trained on)
+    out["prepare_unordered_workers"] = error_text(lambda: prepare(
+        _data(), batch_size=2, num_workers=1, in_order=False))
+    out["boost_unordered_workers"] = error_text(lambda: Booster(plugin).boost(
+        _Net(), dataloader=DataLoader(_data(), batch_size=2, num_workers=1, in_order=False)))
+    out["unordered_without_workers"] = len(prepare(_data(), batch_size=2, in_order=False))
     # a sampler over a part of the dataset (before: boost trained on all 16 samples)
     from torch.utils.data import RandomSampler, SequentialSampler
     for name, sampler in (("sequential", SequentialSampler(range(4))),
@@ -249,6 +256,13 @@ def test_prepare_dataloader_refuses_settings_it_would_misread(w4, key, expected)
                     "and indexing), got 5 (int)"),
     ("boost_list", "ValueError: boost: dataloader must be a torch DataLoader or the result of "
                    "plugin.prepare_dataloader, got list"),
+    ("prepare_unordered_workers", "ValueError: prepare_dataloader: in_order must be True "
+                                  "(DataLoader's default) with worker processes, got False "
+                                  "(bool) with num_workers=1: batches handed out as the workers "
+                                  "finish them come in another order on each rank and cannot "
+                                  "be resumed"),
+    ("boost_unordered_workers", "ValueError: boost: dataloader's in_order must be True "
+                                "(DataLoader's default) with worker processes, got False"),
     ("subset_sequential", "ValueError: boost: dataloader: the plugin rebuilds the loader with "
                           "its own DistributedSampler over the data-parallel groups, which "
                           "would drop this loader's sampler SequentialSampler (it draws from "
@@ -267,6 +281,8 @@ def test_datasets_and_samplers_the_plugin_would_misread_are_refused(w4, key, exp
 def test_samplers_over_the_whole_dataset_and_batch_read_datasets_are_taken(w4):
     for r in w4:  # 16 samples / 2 dp groups / 2 a batch
         assert r["whole_range_sequential"] == r["whole_range_random"] == r["getitems"] == 4, r
+        # (in_order=False without worker processes changes nothing: taken)
+        assert r["unordered_without_workers"] == 4, r
 
 
 def test_an_iterable_dataset_that_yields_nothing_raises_on_every_rank(w4):

@@ -215,6 +215,16 @@ def _worker(tmp):
     after_idiom0 = loader()
     after_idiom0.load_state_dict(idiom0.state_dict())
     out["idiom0_resumed_epoch"] = after_idiom0.epoch
+    # the sampler idiom setting the epoch it has again, after a loop left with break
+    again = loader()
+    again.sampler.set_epoch(1)
+    _batches(again, 2)
+    again.sampler.set_epoch(1)
+    out["idiom_again_state"] = again.state_dict()
+    again_resumed = loader()
+    again_resumed.load_state_dict(out["idiom_again_state"])
+    again_resumed.sampler.set_epoch(again_resumed.epoch)
+    out["idiom_again_resumed"] = _batches(again_resumed)
     bad = loader()
     bad.sampler.set_epoch(-1 if rank == 1 else 0)
     out["sampler_epoch_bad"] = error_text(lambda: _batches(bad))
@@ -272,6 +282,17 @@ def test_an_epoch_set_on_the_sampler_is_the_loaders_epoch(w4):
         expected = ("ValueError: ShardedDataLoader: loader.sampler's epoch: epoch must be an "
                     "int within [0, 2**63), got -1") if rank == 1 else "RingPeerError"
         assert r["sampler_epoch_bad"].startswith(expected), (rank, r["sampler_epoch_bad"])
+
+
+def test_the_sampler_idiom_setting_the_same_epoch_again_restarts_it(w4):
+    """After a loop left with ``break``, ``loader.sampler.set_epoch(e)`` with the epoch the
+    loader has restarts epoch ``e``, as ``loader.set_epoch(e)`` does (before: the left loop's
+    position was saved, and the resumed run skipped the epoch's first two batches, which the
+    uninterrupted run trains on)."""
+    for r in w4:
+        state = r["idiom_again_state"]
+        assert (state["step"], state["epoch"], state["batches_in_epoch"]) == (2, 1, 0)
+        assert r["idiom_again_resumed"] == r["full"][1]
 
 
 def test_the_batches_before_the_checkpoint_are_not_fetched_again(w4):

@@ -121,6 +121,9 @@ class ShardedDataLoader:
         self._current: Optional[object] = None
         self._epoch_set_while_live = False
         self._epoch = 0  # the epoch set last (set_epoch), which the next iteration runs
+        #: the sampler's set_epoch calls (ResumableDistributedSampler.epoch_calls) as of the
+        #: loader's last look: more since are the sampler idiom's, the same epoch's too
+        self._sampler_calls = getattr(loader.sampler, "epoch_calls", 0)
         #: the epoch of the latest iteration and the batches it handed out (None: none yet)
         self._iterated: Optional[LoaderPosition] = None
         #: a position inside an epoch that load_state_dict restored, for the next iteration
@@ -168,6 +171,7 @@ class ShardedDataLoader:
         self._epoch = epoch
         if isinstance(self.loader.sampler, DistributedSampler):
             self.loader.sampler.set_epoch(epoch)
+            self._sampler_calls = getattr(self.loader.sampler, "epoch_calls", 0)
 
     def _take_sampler_epoch(self, called: str) -> None:
         """Takes an epoch set on the DistributedSampler itself (``loader.sampler.set_epoch``,
@@ -176,7 +180,13 @@ class ShardedDataLoader:
         twice on some samples and never on others. TypeError / ValueError, naming
         ``called``, for an epoch :meth:`set_epoch` refuses."""
         sampler = self.loader.sampler
-        if isinstance(sampler, DistributedSampler) and sampler.epoch != self._epoch:
+        # (the same epoch set again counts too: after a loop left with `break`, it restarts
+        # that epoch, as loader.set_epoch does; before, the loader kept the broken loop's
+        # position, and a resumed run skipped batches the uninterrupted one trained on. A
+        # sampler not the plugin's shows its calls by a changed epoch only)
+        if isinstance(sampler, DistributedSampler) and (
+                sampler.epoch != self._epoch
+                or getattr(sampler, "epoch_calls", 0) != self._sampler_calls):
             self.set_epoch(_valid_epoch(sampler.epoch, f"{called}: loader.sampler's epoch"))
 
     @property

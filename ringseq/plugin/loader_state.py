@@ -33,9 +33,13 @@ class ResumableDistributedSampler(DistributedSampler):
     #: whether the loop called set_epoch since the loader was made or loaded (the same epoch
     #: as before too, which ShardedDataLoader cannot see on the epoch itself)
     epoch_set = False
+    #: set_epoch calls so far: ShardedDataLoader takes a call on the sampler
+    #: (``loader.sampler.set_epoch(e)``) by this, an epoch set again as well as a new one
+    epoch_calls = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch_set = True
+        self.epoch_calls += 1
         super().set_epoch(epoch)
 
     def __iter__(self):

@@ -557,7 +557,9 @@ class RingSequenceParallelPlugin(Plugin):
         them; a subset is a ``torch.utils.data.Subset``), for ``pack=True`` with a
         ``collate_fn`` (packing is the collate function), for a ``batch_size`` < 1 and for a
         ``seed`` outside [-2**63, 2**63) (the sampler seeds a ``torch.Generator`` with seed +
-        epoch, which must stay below 2**64); TypeError for a dataset without a length or
+        epoch, which must stay below 2**64), for ``in_order`` other than True with
+        ``num_workers`` > 0 (batches in the order the workers finish them differ between
+        the ranks and from the order a resumed loader skips); TypeError for a dataset without a length or
         indexing (``__getitem__``, or ``__getitems__`` with a ``batch_size``), for a
         ``batch_size`` or ``seed`` that is not an int, and for ``shuffle``, ``drop_last``,
         ``pin_memory`` or ``pack`` that is not a bool. A loader that gives no
@@ -606,6 +608,16 @@ class RingSequenceParallelPlugin(Plugin):
                     f"seed, drop_last); got {type(kwargs[key]).__name__}. For a subset (a "
                     f"train split) pass torch.utils.data.Subset(dataset, indices)")
             kwargs.pop(key, None)
+        in_order = kwargs.get("in_order", True)
+        if num_workers and not (is_bool(in_order) and in_order):
+            # (worker processes then hand out batches in the order they finish them: before,
+            # the ranks of a sequence-parallel group could pair shards of different batches,
+            # and a resumed loader skipped other batches than those trained on)
+            raise ValueError(
+                f"{fn}: in_order must be True (DataLoader's default) with worker processes, got "
+                f"{given(in_order)} with num_workers={num_workers}: batches handed out as the "
+                f"workers finish them come in another order on each rank and cannot be "
+                f"resumed")
         if pack:
             if kwargs.get("collate_fn") is not None:  # (None: DataLoader's default)
                 raise ValueError("prepare_dataloader(pack=True) packs the batch itself; drop the "

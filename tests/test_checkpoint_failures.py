@@ -202,6 +202,12 @@ def _worker_calls(tmp):
         opt, target, shard=True, size_per_shard=1))
     out["one_rank_typo"] = error_text(lambda: booster.save_model(
         model, target, **({"max_shard": 1000} if rank == 1 else {})))
+    # (before: Python's TypeError on rank 1, the ring timeout on rank 0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.optim, lambda s: 1.0)
+    out["one_rank_typo_scheduler"] = error_text(lambda: booster.save_lr_scheduler(
+        sched, target, **({"prefix": "x"} if rank == 1 else {})))
+    out["one_rank_typo_scheduler_load"] = error_text(lambda: booster.load_lr_scheduler(
+        sched, target, **({"prefix": "x"} if rank == 1 else {})))
     for size in (0, True, "0.1B"):
         out[f"size_{size}"] = error_text(lambda: booster.save_model(model, target,
                                                                       max_shard_size=size))
@@ -345,6 +351,11 @@ def test_arguments_a_checkpoint_call_does_not_take_are_refused_on_every_rank(w2_
     assert w2_calls[1]["one_rank_typo"].startswith(
         "TypeError: save_model: unexpected keyword argument(s) ['max_shard']")
     assert w2_calls[0]["one_rank_typo"].startswith("RingPeerError"), w2_calls[0]
+    for call in ("save_lr_scheduler", "load_lr_scheduler"):
+        key = "one_rank_typo_scheduler" + ("_load" if call.startswith("load") else "")
+        assert w2_calls[1][key].startswith(
+            f"TypeError: {call}: unexpected keyword argument(s) ['prefix']"), w2_calls[1][key]
+        assert w2_calls[0][key].startswith("RingPeerError"), w2_calls[0][key]
 
 
 def test_options_that_differ_between_ranks_are_refused_and_keywords_are_taken(w2_calls):

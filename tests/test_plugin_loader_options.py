@@ -100,6 +100,12 @@ def _worker():
     out["boost_unordered_workers"] = error_text(lambda: Booster(plugin).boost(
         _Net(), dataloader=DataLoader(_data(), batch_size=2, num_workers=1, in_order=False)))
     out["unordered_without_workers"] = len(prepare(_data(), batch_size=2, in_order=False))
+    # ColossalAI's prepare_dataloader(distributed_sampler_cls=...) (before: DataLoader's
+    # "unexpected keyword argument", naming no call of ringseq's); None is its default
+    out["prepare_sampler_cls"] = error_text(lambda: prepare(
+        _data(), batch_size=2, distributed_sampler_cls=torch.utils.data.DistributedSampler))
+    out["prepare_sampler_cls_none"] = len(prepare(_data(), batch_size=2,
+                                                  distributed_sampler_cls=None))
     # a sampler over a part of the dataset (before: boost trained on all 16 samples)
     from torch.utils.data import RandomSampler, SequentialSampler
     for name, sampler in (("sequential", SequentialSampler(range(4))),
@@ -261,6 +267,10 @@ def test_prepare_dataloader_refuses_settings_it_would_misread(w4, key, expected)
                                   "(bool) with num_workers=1: batches handed out as the workers "
                                   "finish them come in another order on each rank and cannot "
                                   "be resumed"),
+    ("prepare_sampler_cls", "ValueError: prepare_dataloader: distributed_sampler_cls= cannot be "
+                            "used: the plugin splits the samples over the data-parallel groups "
+                            "with its own DistributedSampler (shuffle, seed, drop_last); got "
+                            "DistributedSampler."),
     ("boost_unordered_workers", "ValueError: boost: dataloader's in_order must be True "
                                 "(DataLoader's default) with worker processes, got False"),
     ("subset_sequential", "ValueError: boost: dataloader: the plugin rebuilds the loader with "
@@ -282,7 +292,7 @@ def test_samplers_over_the_whole_dataset_and_batch_read_datasets_are_taken(w4):
     for r in w4:  # 16 samples / 2 dp groups / 2 a batch
         assert r["whole_range_sequential"] == r["whole_range_random"] == r["getitems"] == 4, r
         # (in_order=False without worker processes changes nothing: taken)
-        assert r["unordered_without_workers"] == 4, r
+        assert r["unordered_without_workers"] == r["prepare_sampler_cls_none"] == 4, r
 
 
 def test_an_iterable_dataset_that_yields_nothing_raises_on_every_rank(w4):

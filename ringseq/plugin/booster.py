@@ -115,8 +115,13 @@ class Booster:
         if getattr(optimizer, "failed_step", None) is not None:
             optimizer.failed_step = None
 
-    def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
+    # (keywords passed on as save_model's are: one the call does not take is refused on every
+    # rank, agreed on; before, Python's TypeError on the rank given it and the ring timeout on
+    # the others)
+    def save_lr_scheduler(self, lr_scheduler, checkpoint: str, **kwargs) -> None:
+        """Writes ``lr_scheduler.state_dict()`` (one file); collective."""
+        self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint, **kwargs)
 
-    def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
+    def load_lr_scheduler(self, lr_scheduler, checkpoint: str, **kwargs) -> None:
+        """Loads a state written by ``save_lr_scheduler``; collective."""
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint, **kwargs)

@@ -553,11 +553,12 @@ class RingSequenceParallelPlugin(Plugin):
                 ``layout="documents"`` for balanced causal work.
 
         Raises ValueError for an iterable-style dataset (it cannot be split by index over dp),
-        for ``sampler=`` / ``batch_sampler=`` (the plugin's DistributedSampler would replace
-        them; a subset is a ``torch.utils.data.Subset``), for ``pack=True`` with a
-        ``collate_fn`` (packing is the collate function), for a ``batch_size`` < 1 and for a
-        ``seed`` outside [-2**63, 2**63) (the sampler seeds a ``torch.Generator`` with seed +
-        epoch, which must stay below 2**64), for ``in_order`` other than True with
+        for ``sampler=`` / ``batch_sampler=`` / ``distributed_sampler_cls=`` (the plugin's
+        DistributedSampler would replace them; a subset is a ``torch.utils.data.Subset``),
+        for ``pack=True`` with a ``collate_fn`` (packing is the collate function), for a
+        ``batch_size`` < 1 and for a ``seed`` outside [-2**63, 2**63) (the sampler seeds a
+        ``torch.Generator`` with seed + epoch, which must stay below 2**64), for ``in_order``
+        other than True with
         ``num_workers`` > 0 (batches in the order the workers finish them differ between
         the ranks and from the order a resumed loader skips); TypeError for a dataset without
         a length or indexing (``__getitem__``, or ``__getitems__`` with a ``batch_size``), for a
@@ -600,13 +601,17 @@ class RingSequenceParallelPlugin(Plugin):
         if not (hasattr(dataset, "__len__") and indexed):
             raise TypeError(f"{fn}: dataset must be a map-style dataset (len and indexing), got "
                             f"{given(dataset)}")
-        for key in ("sampler", "batch_sampler"):
-            if kwargs.get(key) is not None:
+        # (distributed_sampler_cls: ColossalAI's prepare_dataloader takes one; None is its
+        # default)
+        for key in ("sampler", "batch_sampler", "distributed_sampler_cls"):
+            value = kwargs.get(key)
+            if value is not None:
                 raise ValueError(
                     f"prepare_dataloader: {key}= cannot be used: the plugin splits the samples "
                     f"over the data-parallel groups with its own DistributedSampler (shuffle, "
-                    f"seed, drop_last); got {type(kwargs[key]).__name__}. For a subset (a "
-                    f"train split) pass torch.utils.data.Subset(dataset, indices)")
+                    f"seed, drop_last); got "
+                    f"{(value if isinstance(value, type) else type(value)).__name__}. For a "
+                    f"subset (a train split) pass torch.utils.data.Subset(dataset, indices)")
             kwargs.pop(key, None)
         in_order = kwargs.get("in_order", True)
         if num_workers and not (is_bool(in_order) and in_order):

@@ -591,6 +591,35 @@ class _Terms:
         # ... and in the forward, once the attention has returned
         self.layer_attn_fwd = self.layer_attn_part
         self.prod = e * I * T  # the MLP product, freed by down_proj's backward
+        # Under tp the rowwise projections (o_proj, down_proj: RowwiseParallel with the output
+        # sharded along the sequence) reduce-scatter their partial output: the matmul's
+        # (b, T, h) output in e, then torch's funcol reduce_scatter_tensor, which scatters
+        # along dim 0 only, chunks it along the sequence (dim 1) and concatenates the chunks
+        # into a contiguous (tp, T / tp, h) copy, and the (b, T / tp, h) result: measured, the
+        # forward's peak of the last layer's MLP (at down_proj's reduce-scatter).
+        self.rs_fwd = (2 * e * h * T + e * h * Tr) if p.tp > 1 else 0
+        # The recompute of a checkpointed layer (torch.utils.checkpoint, non-reentrant) at the
+        # start of its backward, at the rotary embedding (transformers' apply_rotary_pos_emb:
+        # q * cos + rotate_half(q) * sin, then k's): q, k, v out of their projections (e,
+        # T tokens, this rank's heads) held as LlamaAttention's locals; q * cos, the rotated
+        # half times sin and their sum, in the rotary tables' dtype (float32 but in mp: the
+        # bf16 q promotes), 3 x q's at q's add, or q's sum and 3 x k's at k's add.
+        r = 2 if regime == "mp" else f32
+        self.qkv_out = e * (a + 2 * k) * d * T
+        self.rope_tmp = r * d * T * max(3 * a, a + 3 * k)
+        # ... what the recompute has saved by then: the first norm and the q/k/v inputs
+        # (autocast: their bf16 casts; else the norm output or tp's all-gathered input), and
+        # the locals the attention module and the decoder layer hold (as at the MLP below:
+        # the norm output where the projections do not save that very tensor, and under
+        # autocast with tp the float32 all-gathered input, which no backward saves).
+        self.recompute_attn = norm * Tr + normed_attn
+        # The gradient of down_proj's output as its backward receives it: the bf16 cast of the
+        # float32 residual gradient under autocast (T / tp tokens), under tp all-gathered to
+        # all T tokens (the reduce-scatter's backward), in e; alive until down_proj's backward
+        # has made its input gradient (and, under checkpointing, through the layer's recompute,
+        # which down_proj's backward starts).
+        self.grad_down_out = ((e * h * Tr if regime == "autocast" else 0)
+                              + (e * h * T if p.tp > 1 else 0))
         # The forward of a layer's MLP at its product (silu(gate) * up): what the layer's
         # locals hold besides the saved tensors. The decoder layer holds the post-attention
         # norm's output (float32 under autocast and fp32, bf16 in mp) where the projections
@@ -602,6 +631,12 @@ class _Terms:
         # all-gathered copy), silu(gate), up and the product.
         norm_out = (2 if regime == "mp" else f32) * h * Tr
         gathered_in = norm_out * p.tp if p.tp > 1 else 0
+        self.recompute_held = ((norm_out if (regime == "autocast" or p.tp > 1) else 0)
+                               + (gathered_in if regime == "autocast" else 0))
+        # ... and at the recompute's MLP product (where it stops: torch.utils.checkpoint's
+        # early stop, down_proj's input being the last tensor it saves): besides, the mid
+        # residual where it is not saved (mp)
+        self.recompute_mlp_held = self.recompute_held + (self.residual - res_saved)
         if p.ckpt:
             self.mlp_fwd_layer = (2 * self.residual + self.attn_out + norm_out + gathered_in
                                   + 3 * e * I * T)
@@ -708,6 +743,9 @@ class _Terms:
         self.grad_down, self.grad_mlp_o = gb * down, gb * mlp_o
         self.wcopy_down = e * down if regime == "autocast" else 0
         self.wcopy_mlp_o = e * (mlp_o - h) if regime == "autocast" else 0
+        # the q/k/v weights' copies (the recompute casts them again before the rotary)
+        self.wcopy_qkv = (self.wcopy_layer - self.wcopy_mlp_o - e * down
+                          if regime == "autocast" else 0)
         # the LM head's (the embedding's, when tied) and the final norm's gradients exist from
         # the LM head's backward on (under FSDP2 unsharded until the root's post_backward at
         # the end of the backward); an untied embedding's only after the last layer's
@@ -793,9 +831,11 @@ class _Terms:
                       - 2 * out_lse)
             inner = (ring_out - out_lse)
             a2a_out = 2 * out_lse
-            self.attn_fwd = held + max(a2a_in, inner, a2a_out)
+            transient = max(a2a_in, inner, a2a_out)
         else:
-            self.attn_fwd = held + ring_out
+            transient = ring_out
+        # (then o_proj's reduce-scatter under tp, the operator's transients freed)
+        self.attn_fwd = held + max(transient, self.rs_fwd)
         # ---- optimizer step -------------------------------------------------------------
         if p.optimizer == "adamw":  # foreach (torch's default on CUDA): sqrt of every exp_avg_sq
             self.opt_tmp = f32 * P // N
@@ -869,10 +909,12 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         + (t.layer_ckpt if p.ckpt else t.layer_attn_fwd),
         weight_copies=L * t.wcopy_layer - t.wcopy_mlp_o,
         comm_buffers=gathered("forward"), temporaries=t.attn_fwd)
-    # The last layer's MLP in the forward, at its product: every weight copy made
+    # The last layer's MLP in the forward, at its product (under tp at down_proj's
+    # reduce-scatter, its transients besides): every weight copy made
     add("forward, last layer's MLP",
         activations=(L - 1) * per_layer + t.rope + t.batch + t.mlp_fwd_layer,
-        weight_copies=L * t.wcopy_layer, comm_buffers=gathered("forward"))
+        weight_copies=L * t.wcopy_layer, comm_buffers=gathered("forward"),
+        temporaries=t.rs_fwd)
     # The final norm's forward, at its output: every layer's activations and the norm's
     add("forward, final norm",
         activations=L * per_layer + t.rope + t.batch + t.final_norm_fwd,
@@ -911,10 +953,28 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         extra = t.ckpt_input_extra if p.ckpt else 0
         layer = t.layer + extra
         acts = below + t.rope + t.batch
-        # MLP backward (at the product's gradients): all of this layer saved except the
-        # product; down_proj's gradient made, its weight copy released
+        if p.ckpt:
+            # checkpointing: the layer's recompute at the rotary embedding, before any of its
+            # own gradients (the layer's input and kept attention outputs, what the recompute
+            # saved and holds so far, the gradient from above)
+            add(f"backward, {label} layer's recompute (rotary)", unreduced=l + 1,
+                temporaries=(t.g + t.grad_down_out + t.qkv_out + t.rope_tmp + t.recompute_held
+                             + rs_above),
+                grads=grads, comm_buffers=gathered("layer", l), weight_copies=t.wcopy_qkv,
+                activations=acts + t.layer_ckpt + t.recompute_attn)
+            # the recompute at the MLP's product, where it stops: the whole layer saved again
+            # (its weights cast again under autocast), its locals, the gradient from above
+            add(f"backward, {label} layer's recompute (MLP)", unreduced=l + 1,
+                temporaries=t.g + t.grad_down_out + t.recompute_mlp_held + rs_above,
+                grads=grads, comm_buffers=gathered("layer", l), weight_copies=t.wcopy_layer,
+                activations=acts + layer)
+        # MLP backward: at down_proj's input gradient (the product still saved, the gradient
+        # of down_proj's output, the product's gradient), then at the product's gradients
+        # (all of this layer saved except the product; the product's gradient and those of
+        # silu(gate) and up); down_proj's weight gradient made, its weight copy released
         add(f"backward, {label} layer's MLP", unreduced=l + 1,
-            temporaries=t.g + t.mlp_bwd + rs_above, grads=grads + t.grad_down,
+            temporaries=t.g + max(2 * t.prod + t.grad_down_out, t.mlp_bwd) + rs_above,
+            grads=grads + t.grad_down,
             comm_buffers=gathered("layer", l),
             weight_copies=wc - t.wcopy_down, activations=acts + layer - t.prod)
         # attention backward: the MLP's and o_proj's gradients made, their copies released

@@ -333,8 +333,10 @@ class Layout:
         later ones computed wrong outputs, all without a word."""
         tasks = type(self)._tasks
         # (a user's class with the base's: one left undefined; ringseq's own layouts without
-        # _tasks make their schedules themselves)
-        if not _built_in(tasks) or tasks is Layout._tasks and not _built_in(type(self)):
+        # _tasks make their schedules themselves; a built-in class's tasks under a user's
+        # positions hold for the built-in's positions only)
+        if (not _built_in(tasks) or not _built_in(type(self)._positions)
+                or tasks is Layout._tasks and not _built_in(type(self))):
             layout_cached(self, ("tasks", world_size, s_local),
                           lambda: self._check_tasks(world_size, s_local))
 
@@ -344,6 +346,7 @@ class Layout:
                              f"{s_local}) must return {what}, got {got}")
         positions = [self._checked_positions(s_local * world_size, world_size, r).cpu()
                      for r in range(world_size)]  # W x (s_local,)
+        keys = _KeyWeights(positions, s_local)
         for rank in range(world_size):
             for src in range(world_size):
                 tasks = self._tasks(rank, src, world_size, s_local)
@@ -362,7 +365,7 @@ class Layout:
                         refuse(rank, src, "tasks without spans (windows and documents are "
                                "masks: pass window_size or the documents)",
                                f"spans {_cut(repr(task.spans), 80)}")
-                miss = _coverage_miss(positions[rank], positions[src], tasks, s_local)
+                miss = keys.coverage_miss(positions[rank], src, tasks)
                 if miss is not None:
                     row, seen, given_keys = miss
                     refuse(rank, src, f"tasks that give each query row the keys of rank "
@@ -512,37 +515,55 @@ def _cut(text: str, length: int) -> str:
     return text if len(text) <= length else text[:length] + "..."
 
 
-def _coverage_miss(q_pos: torch.Tensor, kv_pos: torch.Tensor, tasks,
-                   s_local: int) -> Optional[Tuple[int, int, int]]:
-    """The first local query row (global position ``q_pos[row]``) whose causal ``tasks``
-    against a shard holding ``kv_pos`` do not give it the keys it sees -- those at positions
-    up to its own -- exactly once, as ``(row, keys it sees, keys the tasks give)``; None when
-    every row's do. Counted per row with a random weight per key, so that a row given as many
-    keys as it sees but other ones is caught too (but for a chance of about 2**-20)."""
-    weight = torch.randint(1 << 20, (s_local,), generator=torch.Generator().manual_seed(0))
-    prefix = torch.zeros(s_local + 1, dtype=torch.int64)  # (s_local + 1,) weights up to a row
-    prefix[1:] = weight.cumsum(0)
-    order = kv_pos.argsort()
-    by_position = torch.zeros(s_local + 1, dtype=torch.int64)  # (s_local + 1,) by key position
-    by_position[1:] = weight[order].cumsum(0)
-    seen = torch.searchsorted(kv_pos[order], q_pos, right=True)  # (s_local,) keys each row sees
-    count = torch.zeros(s_local, dtype=torch.int64)  # (s_local,) keys the tasks give each row
-    total = torch.zeros(s_local, dtype=torch.int64)  # (s_local,) and their weights
-    for task in tasks:
-        q0, q1, _ = task.q.indices(s_local)
-        k0, k1, _ = task.kv.indices(s_local)
-        if q1 <= q0 or k1 <= k0:
-            continue
-        n = torch.full((q1 - q0,), k1 - k0)  # (q rows,) keys per row
-        if task.causal:  # (bottom-right aligned: row i sees i + 1 + len(kv) - len(q) keys)
-            n = (torch.arange(q1 - q0) + (k1 - k0) - (q1 - q0) + 1).clamp(0, k1 - k0)
-        count[q0:q1] += n
-        total[q0:q1] += prefix[k0 + n] - prefix[k0]
-    bad = ((count != seen) | (total != by_position[seen])).nonzero()
-    if not bad.numel():
-        return None
-    row = int(bad[0])
-    return row, int(seen[row]), int(count[row])
+class _KeyWeights:
+    """A random weight per key row (the same for every source shard), and per source rank
+    its positions in order with the weights' running sums in that order: what
+    :meth:`coverage_miss` compares a rank's causal tasks with."""
+
+    def __init__(self, positions: List[torch.Tensor], s_local: int):
+        self.s_local = s_local
+        weight = torch.randint(1 << 20, (s_local,), generator=torch.Generator().manual_seed(0))
+        self.prefix = _running_sums(weight)  # (s_local + 1,) the weights of rows [0, i)
+        self.sources = []  # per source rank: (positions sorted, running sums in that order)
+        for pos in positions:
+            order = pos.argsort()
+            self.sources.append((pos[order], _running_sums(weight[order])))
+
+    def coverage_miss(self, q_pos: torch.Tensor, src: int,
+                      tasks) -> Optional[Tuple[int, int, int]]:
+        """The first local query row (global position ``q_pos[row]``) whose causal
+        ``tasks`` against rank ``src``'s shard do not give it the keys it sees -- those at
+        positions up to its own -- exactly once, as ``(row, keys it sees, keys the tasks
+        give)``; None when every row's do. Counted per row with the keys' weights, so that a
+        row given as many keys as it sees but other ones is caught too (but for a chance of
+        about 2**-20)."""
+        s_local = self.s_local
+        sorted_pos, by_position = self.sources[src]
+        seen = torch.searchsorted(sorted_pos, q_pos, right=True)  # (s_local,) keys per row
+        count = torch.zeros(s_local, dtype=torch.int64)  # (s_local,) keys the tasks give
+        total = torch.zeros(s_local, dtype=torch.int64)  # (s_local,) and their weights
+        for task in tasks:
+            q0, q1, _ = task.q.indices(s_local)
+            k0, k1, _ = task.kv.indices(s_local)
+            if q1 <= q0 or k1 <= k0:
+                continue
+            n = torch.full((q1 - q0,), k1 - k0)  # (q rows,) keys per row
+            if task.causal:  # (bottom-right aligned: row i sees i + 1 + len(kv) - len(q))
+                n = (torch.arange(q1 - q0) + (k1 - k0) - (q1 - q0) + 1).clamp(0, k1 - k0)
+            count[q0:q1] += n
+            total[q0:q1] += self.prefix[k0 + n] - self.prefix[k0]
+        bad = ((count != seen) | (total != by_position[seen])).nonzero()
+        if not bad.numel():
+            return None
+        row = int(bad[0])
+        return row, int(seen[row]), int(count[row])
+
+
+def _running_sums(values: torch.Tensor) -> torch.Tensor:
+    """``(n + 1,)``: the sums of ``values[:i]``."""
+    sums = torch.zeros(values.numel() + 1, dtype=values.dtype)
+    sums[1:] = values.cumsum(0)
+    return sums
 
 
 def _rows_inside(rows, s_local: int) -> bool:

@@ -558,13 +558,12 @@ class RingSequenceParallelPlugin(Plugin):
         for ``pack=True`` with a ``collate_fn`` (packing is the collate function), for a
         ``batch_size`` < 1 and for a ``seed`` outside [-2**63, 2**63) (the sampler seeds a
         ``torch.Generator`` with seed + epoch, which must stay below 2**64), for ``in_order``
-        other than True with
-        ``num_workers`` > 0 (batches in the order the workers finish them differ between
-        the ranks and from the order a resumed loader skips); TypeError for a dataset without
-        a length or indexing (``__getitem__``, or ``__getitems__`` with a ``batch_size``), for a
-        ``batch_size`` or ``seed`` that is not an int, and for ``shuffle``, ``drop_last``,
-        ``pin_memory`` or ``pack`` that is not a bool. A loader that gives no
-        batch per epoch raises when iterated (see :class:`ShardedDataLoader`).
+        other than True with ``num_workers`` > 0 (batches in the order the workers finish them
+        differ between the ranks and from the order a resumed loader skips); TypeError for a
+        dataset without a length or indexing (``__getitem__``, or ``__getitems__`` with a
+        ``batch_size``), for a ``batch_size`` or ``seed`` that is not an int, and for
+        ``shuffle``, ``drop_last``, ``pin_memory`` or ``pack`` that is not a bool. A loader
+        that gives no batch per epoch raises when iterated (see :class:`ShardedDataLoader`).
         """
         fn = "prepare_dataloader"
         for name, value in (("shuffle", shuffle), ("drop_last", drop_last),

@@ -598,6 +598,10 @@ class _Terms:
         # into a contiguous (tp, T / tp, h) copy, and the (b, T / tp, h) result: measured, the
         # forward's peak of the last layer's MLP (at down_proj's reduce-scatter).
         self.rs_fwd = (2 * e * h * T + e * h * Tr) if p.tp > 1 else 0
+        # ... beside the MLP's locals at its product (counted with the layer): under
+        # checkpointing silu(gate) and up are gone by down_proj's reduce-scatter (nothing saves
+        # them), only the product is left, so the larger of the two points counts
+        self.rs_fwd_mlp = max(0, self.rs_fwd - 2 * self.prod) if p.ckpt else self.rs_fwd
         # The recompute of a checkpointed layer (torch.utils.checkpoint, non-reentrant) at the
         # start of its backward, at the rotary embedding (transformers' apply_rotary_pos_emb:
         # q * cos + rotate_half(q) * sin, then k's): q, k, v out of their projections (e,
@@ -914,7 +918,7 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
     add("forward, last layer's MLP",
         activations=(L - 1) * per_layer + t.rope + t.batch + t.mlp_fwd_layer,
         weight_copies=L * t.wcopy_layer, comm_buffers=gathered("forward"),
-        temporaries=t.rs_fwd)
+        temporaries=t.rs_fwd_mlp)
     # The final norm's forward, at its output: every layer's activations and the norm's
     add("forward, final norm",
         activations=L * per_layer + t.rope + t.batch + t.final_norm_fwd,

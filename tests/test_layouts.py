@@ -280,13 +280,9 @@ def test_a_custom_layout_is_checked_where_a_ring_call_takes_it():
     other_keys = tasks_layout("test_other_keys", lambda r, src, s: [
         BlockTask(slice(i, i + 1), slice(s - 1 - i, s), False) for i in range(s)]
         if src == r else whole(s, False) if src < r else [])
-    class PositionsOnly(Contiguous):  # contiguous's tasks, chunks in reverse rank order
-        name = "test_positions_only"
-
-        def _positions(self, seqlen, world_size, rank):
-            n = seqlen // world_size
-            return torch.arange((world_size - 1 - rank) * n, (world_size - rank) * n)
-
+    # contiguous's tasks under chunks in reverse rank order
+    positions_only = type("PositionsOnly", (Contiguous,), {
+        "name": "test_positions_only", "_positions": _ReversedChunks._positions})
     spans = tasks_layout("test_spans", lambda r, src, s: [BlockTask(
         slice(0, s), slice(0, s), False, spans=((0, 99, 0, 99, -5, 0),))] if src == r else [])
     q = torch.randn(1, 16, 2, 8, dtype=torch.float64)  # (b, s, h, d)
@@ -317,7 +313,7 @@ def test_a_custom_layout_is_checked_where_a_ring_call_takes_it():
         (other_keys(), True, ValueError, r"layout 'test_other_keys': _tasks\(0, 0, 2, 8\) .* "
                                          r"local row 0 \(position 0\) 1 keys where it sees 1 "
                                          r"\(not those it sees\)$"),
-        (PositionsOnly(), True, ValueError, r"layout 'test_positions_only': _tasks\(0, 1, 2, 8\) "
+        (positions_only(), True, ValueError, r"layout 'test_positions_only': _tasks\(0, 1, 2, 8\) "
                                             r".* local row 0 \(position 8\) 0 keys where it "
                                             r"sees 8$"),
         (spans(), True, ValueError, r"layout 'test_spans': _tasks\(0, 0, 2, 8\) must return tasks "

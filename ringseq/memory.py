@@ -635,6 +635,8 @@ class _Terms:
         # all-gathered copy), silu(gate), up and the product.
         norm_out = (2 if regime == "mp" else f32) * h * Tr
         gathered_in = norm_out * p.tp if p.tp > 1 else 0
+        # the locals a layer's recompute holds (see recompute_attn above): the norm output
+        # where the projections save another tensor, the float32 gathered input under autocast
         self.recompute_held = ((norm_out if (regime == "autocast" or p.tp > 1) else 0)
                                + (gathered_in if regime == "autocast" else 0))
         # ... and at the recompute's MLP product (where it stops: torch.utils.checkpoint's

@@ -427,13 +427,14 @@ def test_a_subclass_of_a_built_in_layout_is_placed_by_its_own_positions(layout):
 
 def _edited_after_a_call(number: str):
     """A user's layout (compared by identity) used in a causal ring call at k=0, then edited
-    to k=1 on every rank, then back to k=0 on rank 1 only, k a Python int or NumPy's int64
-    (``number``): (errors against float64 of the calls, the error text of the last)."""
+    to k=1 on every rank, then back to k=0 on rank 1 only, k a Python int, NumPy's int64 or a
+    0-d NumPy array (``number``): (errors against float64 of the calls, the error text of the
+    last)."""
     import numpy as np
     import torch.distributed as dist
     from custom_layout import RotatedCausal
     from utils import error_text
-    kind = {"int": int, "numpy.int64": np.int64}[number]
+    kind = {"int": int, "numpy.int64": np.int64, "numpy 0-d array": np.array}[number]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
     lay, errors = RotatedCausal(kind(0)), []
@@ -449,7 +450,7 @@ def _edited_after_a_call(number: str):
         *(ringseq.shard(t, lay) for t in (q, k, v)), causal=True, layout=lay))
 
 
-@pytest.mark.parametrize("number", ["int", "numpy.int64"])
+@pytest.mark.parametrize("number", ["int", "numpy.int64", "numpy 0-d array"])
 def test_a_layout_edited_after_a_call_is_planned_and_compared_by_its_new_values(number):
     """(before: the plan and schedules of its first call's values were kept: outputs off by
     2.41 without a word, and ranks holding k=1 and k=0 paired; with NumPy's int64 values, until

@@ -113,9 +113,11 @@ _PLAIN = (bool, int, float, str, type(None))
 
 def _scalar_text(value, depth: int = 0) -> Optional[str]:
     """``value`` as text that is the same on every rank for equal values when it is a number
-    (NumPy's too, shown as the Python number it equals), a string, a bool, None, or a tuple /
-    list of them (nested at most 4 deep); None for anything else (tensors, dicts, devices,
-    objects: not compared)."""
+    (NumPy's too, a 0-d array included, shown as the Python number it equals), a string, a
+    bool, None, or a tuple / list of them (nested at most 4 deep); None for anything else
+    (tensors, dicts, devices, objects: not compared)."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        value = value.item()  # (a 0-d array, as np.load gives one: its Python value)
     if type(value) in _PLAIN:
         return repr(value)
     # (a NumPy scalar read from an array or a config: before, left out of the comparison and

@@ -1207,3 +1207,45 @@ def test_lists_differing_past_the_64th_value_name_the_rank_that_differs():
                            hashes)
     assert shown.endswith("the first 64 agree; alike after them: rank(s) [0, 1, 3] / "
                           "rank(s) [2]"), shown
+
+
+def _desync_relayed_with_the_checks_off():
+    """With the checks off, W=4: rank 2 alone on another layout (a plain ring), then rank 1
+    alone under another call tag (Ulysses 2 x ring 2); then, reset, an exact call."""
+    rank = dist.get_rank()
+    full = _full(11, 32)
+    res = {}
+    ringseq.set_consistency_check(False)
+    try:
+        layout = "zigzag" if rank == 2 else "contiguous"
+        loc = [ringseq.shard(t, layout) for t in full]
+        res["layout"] = _capture(lambda: ringseq.ring_flash_attn_func(*loc, causal=True,
+                                                                       layout=layout))
+        ringseq.reset_ring()
+        sp = ringseq.make_sp_groups(2)
+        loc = [sp.shard(t, "zigzag") for t in full]
+        with ringseq.call_tag(101 if rank == 1 else 100):
+            res["tag"] = _capture(lambda: ringseq.usp_attn_func(*loc, causal=True, sp=sp,
+                                                                layout="zigzag"))
+        sp.reset()
+        want = sp.shard(ringseq.flash_attn_func(*full, causal=True, backend="reference"),
+                        "zigzag")
+        res["after"] = _capture(lambda: max_err(ringseq.usp_attn_func(
+            *loc, causal=True, sp=sp, layout="zigzag"), want))
+    finally:
+        ringseq.set_consistency_check(True)
+    return res
+
+
+def test_a_desync_reaches_every_rank_with_the_checks_off():
+    """A rank that saw a desynchronized header marks what it sends on, so the ranks after it
+    raise too (before: with rank 2 on another layout, ranks 0 and 1 returned outputs 0.66 and
+    0.47 off without a word; under the hybrid, a tag differing on rank 1 left rank 2 0.67 off,
+    the zeros of a rank whose inner ring had raised taken as its part)."""
+    for rank, r in enumerate(run_ranks(_desync_relayed_with_the_checks_off, 4, timeout=120)):
+        for case in ("layout", "tag"):
+            assert r[case][0] == "RingDesyncError", (rank, case, r[case])
+        if rank in (0, 1):  # (after rank 3, which received rank 2's header)
+            assert "marked as sent after it, or a rank before it, saw the ring " \
+                   "desynchronized" in r["layout"][1], r["layout"]
+        assert r["after"][0] == "ok" and r["after"][1] < 1e-12, (rank, r["after"])

@@ -57,6 +57,9 @@ HEADER_BYTES = HEADER_WORDS * 8  # travels with every exchange (a multiple of 64
 # exchange index, call tag (the rest are zero)
 HEADER_BASE_WORDS = 6
 _MAGIC = 0x52534551  # "RSEQ"
+# The magic of a header sent with the checks off by a rank that saw the ring desynchronized
+# earlier in the same call: the ranks after it raise too (see RingCall.stamp)
+_MAGIC_RELAYED = 0x52534552  # "RSER"
 # Kinds of control operations (calls use FWD / BWD; the same numbers travel in headers).
 FWD, BWD, FAIL, CHECK, END = 1, 2, 3, 4, 5
 KIND_NAMES = {FWD: "forward", BWD: "backward", FAIL: "failure report", CHECK: "argument check",
@@ -605,6 +608,18 @@ class RingCall:
         header[:HEADER_BASE_WORDS].copy_(self._base)
         header[4] = step
         header[HEADER_BASE_WORDS:] = 0
+        if not self.ring.checks_on:
+            # With the checks off the headers are all that reaches the other ranks: a rank
+            # that received a bad header earlier in this call (or whose inner ring did: a
+            # RingDesyncError recorded as its failure) marks what it sends on, so the ranks
+            # after it raise RingDesyncError too (before: only the rank next to the one out of
+            # step raised, and those after it computed with the blocks it forwarded, or its
+            # zeros, without a word). On the device: no synchronization. (A rank's own failure
+            # is not relayed: its peers' results miss its part, as documented.)
+            if isinstance(self.failure, RingDesyncError):
+                header[0] = _MAGIC_RELAYED
+            else:
+                header[0].add_(self._bad.to(torch.int64), alpha=_MAGIC_RELAYED - _MAGIC)
         return step
 
     @property
@@ -634,6 +649,11 @@ class RingCall:
             if g[:4] != base[:4] or g[4] != step or g[5] != base[5]:
                 theirs = (f"a header of its {_call_name(g[2], g[1], g[5])} (signature {g[3]}) "
                           f"at exchange {g[4]}" if g[0] == _MAGIC else
+                          f"a header of its {_call_name(g[2], g[1], g[5])} at exchange {g[4]} "
+                          f"marked as sent after it, or a rank before it, saw the ring "
+                          f"desynchronized in this call (the checks are off: the first rank "
+                          f"out of step raised its own error)"
+                          if g[0] == _MAGIC_RELAYED else
                           "data without a ringseq header (foreign or corrupted)")
                 # (who(): the group rank with its global rank where they differ, as the sender)
                 return (f"ringseq: ring desynchronized: {ring.transport.who()} was at exchange "

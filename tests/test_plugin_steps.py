@@ -254,6 +254,9 @@ def _worker_steps_w2(tmp):
         if clip_and_refuse:
             refused = _error(lambda: opt.clip_grad_by_norm(1e9))
             assert refused.startswith("ValueError: clip_grad_by_norm: every backward"), refused
+            # (DDP: the forward decides; before, the clip's text named the backward alone)
+            assert "(under DDP: its forward did, which decides)" in refused, refused
+            assert "(its forward and backward outside no_sync)" in refused, refused
             refused = _error(opt.step)
             assert refused.startswith("ValueError: OptimizerWrapper.step: every backward")
         booster.backward(crit(model(**batches[1]), batches[1]), opt)

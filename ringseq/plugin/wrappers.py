@@ -390,7 +390,10 @@ class ReducedGrads:
         if self.unreduced_after:
             return "a backward inside booster.no_sync(model) followed the one that summed them"
         if self.unreduced_only:
-            return "every backward since the last step or zero_grad ran inside no_sync"
+            # (under DDP the forward decides: a backward outside no_sync whose forward ran
+            # inside it sums nothing either)
+            return ("every backward since the last step or zero_grad ran inside no_sync (under "
+                    "DDP: its forward did, which decides)")
         if self.held is not None and self.held.any():
             return "FSDP holds the gradients of backward passes inside no_sync, never reduced"
         return None
@@ -966,7 +969,8 @@ class OptimizerWrapper:
             failure = ValueError(
                 f"clip_grad_by_norm: {unsummed}, so the gradients are not summed over the "
                 f"ranks yet and their norm is not the step's; clip after the backward of the "
-                f"LAST micro-batch (outside no_sync), right before step")
+                f"LAST micro-batch (its forward and backward outside no_sync), right before "
+                f"step")
         try:
             if failure is not None:
                 raise failure

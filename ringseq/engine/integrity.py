@@ -611,11 +611,12 @@ class RingCall:
         if not self.ring.checks_on:
             # With the checks off the headers are all that reaches the other ranks: a rank
             # that received a bad header earlier in this call (or whose inner ring did: a
-            # RingDesyncError recorded as its failure) marks what it sends on, so the ranks
-            # after it raise RingDesyncError too (before: only the rank next to the one out of
-            # step raised, and those after it computed with the blocks it forwarded, or its
-            # zeros, without a word). On the device: no synchronization. (A rank's own failure
-            # is not relayed: its peers' results miss its part, as documented.)
+            # RingDesyncError recorded as its failure) marks what it sends on, so the ranks its
+            # data reaches raise RingDesyncError too, one rank per exchange (before: only the
+            # rank next to the one out of step raised, and those after it computed with the
+            # blocks it forwarded, or its zeros, without a word). On the device: no
+            # synchronization. (A rank's own failure is not relayed: its peers' results miss
+            # its part, as documented.)
             if isinstance(self.failure, RingDesyncError):
                 header[0] = _MAGIC_RELAYED
             else:

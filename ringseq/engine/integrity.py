@@ -620,7 +620,7 @@ class RingCall:
             if isinstance(self.failure, RingDesyncError):
                 header[0] = _MAGIC_RELAYED
             else:
-                header[0].add_(self._bad.to(torch.int64), alpha=_MAGIC_RELAYED - _MAGIC)
+                header[0].add_(self._bad, alpha=_MAGIC_RELAYED - _MAGIC)
         return step
 
     @property

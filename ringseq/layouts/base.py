@@ -116,15 +116,14 @@ def _scalar_text(value, depth: int = 0) -> Optional[str]:
     (NumPy's too, a 0-d array included, shown as the Python number it equals), a string, a
     bool, None, or a tuple / list of them (nested at most 4 deep); None for anything else
     (tensors, dicts, devices, objects: not compared)."""
+    # (a NumPy scalar or 0-d array, read from an array, a config or np.load: before, left out
+    # of the comparison and of the cache key, so ranks given np.int64(2) and np.int64(4)
+    # paired silently; compared as the Python value it holds)
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        value = value.item()  # (a 0-d array, as np.load gives one: its Python value)
+        value = value.item()
     if type(value) in _PLAIN:
         return repr(value)
-    # (a NumPy scalar read from an array or a config: before, left out of the comparison and
-    # of the cache key, so ranks given np.int64(2) and np.int64(4) paired silently; shown as
-    # the Python value it equals, as a subclass of int, float or str is)
-    if is_bool(value):
-        return repr(bool(value))
+    # (a subclass of int, float or str, another library's number: as the value it equals)
     if not isinstance(value, torch.Tensor):
         for kind in (numbers.Integral, numbers.Real, str):
             if isinstance(value, kind):

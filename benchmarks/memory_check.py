@@ -149,6 +149,10 @@ CONFIGS = [
          micro_batches=2),
     _cfg("B sp4 zero3 bf16 s2048 ckpt accum2", "B", "bf16", 2048, sp_size=4, zero_stage=3,
          activation_checkpointing=True, micro_batches=2),
+    # (a tied embedding under DDP / tp: the LM head's gradient pending to the embedding's)
+    _cfg("B sp2 ring bf16 s2048 accum2", "B", "bf16", 2048, sp_size=2, micro_batches=2),
+    _cfg("B sp2 tp2 bf16 s2048 accum2", "B", "bf16", 2048, sp_size=2, tp_size=2,
+         micro_batches=2),
     # -- the double ring: the inner rings keep exchange buffers of their own
     _cfg("C sp4 double ring (inner 2) fp32 s2048", "C", "fp32", 2048, quick=True, sp_size=4,
          inner_ring_size=2),

@@ -709,6 +709,13 @@ class _Terms:
         # skips the reduce-scatter), each unit's until its reduce in the last micro-batch.
         self.accumulated_layer = f32 * p.layer_params() if p.accum > 1 else 0
         self.accumulated_root = f32 * p.root_params() if p.accum > 1 else 0
+        # A tied embedding's gradient from the LM head waits in autograd's input buffer of
+        # the shared weight until the embedding's backward adds its own: with accumulation
+        # (zero 0) the weight's .grad exists besides it, so it is one float32 (V, h) tensor
+        # more from the LM head's backward to the embedding's (measured: model B sp 2 bf16
+        # accum 2, 0.0625 MiB; FSDP2 reduces its unsharded gradients otherwise).
+        self.tied_pending = (f32 * s.vocab * s.hidden
+                             if s.tied and p.accum > 1 and p.zero == 0 else 0)
         # DDP: the reducer's gradient buckets, float32, the size of all gradients (grads are
         # copied in and out: gradient_as_bucket_view=False); the plugin uses no DDP on 1 rank.
         # With tp > 1 there is no DDP (it cannot take DTensor parameters):
@@ -886,10 +893,12 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
 
     out: List[Tuple[str, Dict[str, int]]] = []
 
-    def add(name, unreduced: int = L, accumulating: bool = True, **live):
+    def add(name, unreduced: int = L, accumulating: bool = True, head_done: bool = False,
+            **live):
         """A moment; ``unreduced``: the decoder layers whose accumulated gradients FSDP2 has
         not reduced yet at it (gradient accumulation; the root's count until the end);
-        ``accumulating``: whether it is part of a micro-batch's forward or backward."""
+        ``accumulating``: whether it is part of a micro-batch's forward or backward;
+        ``head_done``: whether it lies between the LM head's backward and the embedding's."""
         d = dict(persistent)
         for key, v in live.items():
             d[key] = d.get(key, 0) + v
@@ -897,8 +906,8 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
             pass
         elif t.accumulated_root and p.zero == 0:
             # a micro-batch after the first: every gradient exists, and each new one is added
-            # to it in place (freed at once: no new gradient is held)
-            d["grads"] = t.grads
+            # to it in place (freed at once: no new gradient is held but a tied head's)
+            d["grads"] = t.grads + (t.tied_pending if head_done else 0)
         elif t.accumulated_root:
             d["grads"] = (d.get("grads", 0) + t.accumulated_root
                           + unreduced * t.accumulated_layer)
@@ -936,7 +945,8 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         comm_buffers=gathered("after forward"), logits_loss=t.loss_bwd)
     # The final norm's backward, after the LM head's: every layer's activations, the LM
     # head's gradient and the norm's backward temporaries.
-    add("backward, final norm", grads=t.head_grads, comm_buffers=gathered("final norm"),
+    add("backward, final norm", head_done=True, grads=t.head_grads,
+        comm_buffers=gathered("final norm"),
         weight_copies=wcopies_bwd - t.e_vocab,
         activations=L * per_layer + t.rope + t.batch + t.final - t.head_in - t.norm_xr,
         temporaries=t.norm_bwd)
@@ -964,13 +974,14 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
             # own gradients (the layer's input and kept attention outputs, what the recompute
             # saved and holds so far, the gradient from above)
             add(f"backward, {label} layer's recompute (rotary)", unreduced=l + 1,
+                head_done=True,
                 temporaries=(t.g + t.grad_down_out + t.qkv_out + t.rope_tmp + t.recompute_held
                              + rs_above),
                 grads=grads, comm_buffers=gathered("layer", l), weight_copies=t.wcopy_qkv,
                 activations=acts + t.layer_ckpt + t.recompute_attn)
             # the recompute at the MLP's product, where it stops: the whole layer saved again
             # (its weights cast again under autocast), its locals, the gradient from above
-            add(f"backward, {label} layer's recompute (MLP)", unreduced=l + 1,
+            add(f"backward, {label} layer's recompute (MLP)", unreduced=l + 1, head_done=True,
                 temporaries=t.g + t.grad_down_out + t.recompute_mlp_held + rs_above,
                 grads=grads, comm_buffers=gathered("layer", l), weight_copies=t.wcopy_layer,
                 activations=acts + layer)
@@ -978,13 +989,13 @@ def _moments(p: _Plan, t: _Terms) -> List[Tuple[str, Dict[str, int]]]:
         # of down_proj's output, the product's gradient), then at the product's gradients
         # (all of this layer saved except the product; the product's gradient and those of
         # silu(gate) and up); down_proj's weight gradient made, its weight copy released
-        add(f"backward, {label} layer's MLP", unreduced=l + 1,
+        add(f"backward, {label} layer's MLP", unreduced=l + 1, head_done=True,
             temporaries=t.g + max(2 * t.prod + t.grad_down_out, t.mlp_bwd) + rs_above,
             grads=grads + t.grad_down,
             comm_buffers=gathered("layer", l),
             weight_copies=wc - t.wcopy_down, activations=acts + layer - t.prod)
         # attention backward: the MLP's and o_proj's gradients made, their copies released
-        add(f"backward, {label} layer's attention", unreduced=l + 1,
+        add(f"backward, {label} layer's attention", unreduced=l + 1, head_done=True,
             temporaries=t.g + t.attn_bwd + rs_above, grads=grads + t.grad_mlp_o,
             comm_buffers=gathered("layer", l), weight_copies=wc - t.wcopy_mlp_o,
             activations=acts + t.layer_attn_part + extra)

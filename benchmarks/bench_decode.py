@@ -16,10 +16,11 @@ fails the run
 Part 2, context parallel (``--world-size`` local gloo ranks, one thread each): the cache of
 ``--cp-cache`` tokens stays sharded (zigzag prefill, ``ringseq.ring_flash_attn_with_kvcache``):
 latency per token (each rank attends to its shard, one all-gather of (out, lse)) against
-gathering the cache onto one rank once and decoding there (the one-time gather's time and
-memory are reported too), plus each one's peak memory per rank. The table shows the largest
-value over the ranks (a token is done when the slowest rank is); the JSON keeps every rank's
-(``per_rank``).
+gathering the whole cache once (one all-gather: every rank then holds it, as a gather onto one
+rank would leave that rank) and decoding over it (rank 0's decode is timed; the one-time
+gather's time and memory are reported too), plus each one's peak memory per rank. The table
+shows the largest value over the ranks (a token is done when the slowest rank is); the JSON
+keeps every rank's (``per_rank``).
 
 Timing: the median of ``--repeats``; with one torch thread the calling thread's CPU time (which
 other jobs on the machine do not inflate), otherwise wall time. Part 2 reports wall time per

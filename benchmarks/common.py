@@ -134,6 +134,12 @@ def spot_check(full, out_local, positions, causal, rows, window=(-1, -1), cu_seq
             float((plain.double() - ref).abs().max()))
 
 
+def worst(*errors: float) -> float:
+    """The largest of spot-check errors, a NaN as inf (Python's max keeps or drops a NaN by
+    the order of its arguments)."""
+    return max(float("inf") if e != e else e for e in errors)
+
+
 def max_over_ranks(values, device=None) -> torch.Tensor:
     """(len(values),) float64: each value's maximum over the ranks of the default group, a
     NaN on any rank as inf. (gloo's MAX drops a NaN or keeps it by the order of its operands:

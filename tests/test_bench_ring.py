@@ -269,10 +269,13 @@ def test_the_ranks_cpu_time_is_not_counted_as_other_processes_load():
 _FAULT = """import os
 if os.environ.get("RINGSEQ_TEST_FAULT_RANK"):
     import ringseq, torch, torch.distributed as dist
+    _calls = [0]
     def _faulty(call):
         def faulty(*a, **k):
             out = call(*a, **k)
+            _calls[0] += 1  # (RINGSEQ_TEST_FAULT_FROM_CALL: this process's calls before it pass)
             if dist.is_initialized() and \
+                    _calls[0] >= int(os.environ.get("RINGSEQ_TEST_FAULT_FROM_CALL", "1")) and \
                     dist.get_rank() == int(os.environ["RINGSEQ_TEST_FAULT_RANK"]):
                 fault = float(os.environ.get("RINGSEQ_TEST_FAULT", "1.5e-2"))
                 o = out[0] if isinstance(out, tuple) else out
@@ -343,6 +346,29 @@ def test_an_all_nan_result_on_one_rank_fails_the_spot_check(tmp_path, job, rank)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "spot check failed" in proc.stdout.lower() and " inf " in proc.stdout, \
         proc.stdout[-3000:]
+    data = json.loads(out.read_text())
+    rows = data.get("results") or data["sp_modes"]
+    assert rows and not any(r["check_ok"] for r in rows), rows
+
+
+@pytest.mark.parametrize("job", [["--layouts", "contiguous", "--modes", "fwd"],
+                                 ["--sp-mode", "ring"]], ids=["layout", "sp-mode"])
+def test_a_result_wrong_only_in_the_timed_calls_fails_the_spot_check(tmp_path, job):
+    """With --warmup 0 --repeats 1 a row makes three calls: the first, the peak-memory call
+    (the sp-mode job: a warm-up, then the peak-memory call) and the timed one. A fault from
+    the third call on (a defect of reused exchange buffers or cached plans) fails the row:
+    the last timed call's output is spot-checked too (before: only a call on fresh buffers
+    was, and the run exited 0 with every timed call wrong)."""
+    (tmp_path / "sitecustomize.py").write_text(_FAULT)
+    env = dict(os.environ, RINGSEQ_TEST_FAULT_RANK="1", RINGSEQ_TEST_FAULT_FROM_CALL="3",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "ring.json"
+    proc = subprocess.run([sys.executable, BENCH, "--world-size", "2", "--seqlen", "512", *job,
+                           "--causal", "true", "--repeats", "1", "--warmup", "0",
+                           "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "spot check failed" in proc.stdout.lower(), proc.stdout[-3000:]
     data = json.loads(out.read_text())
     rows = data.get("results") or data["sp_modes"]
     assert rows and not any(r["check_ok"] for r in rows), rows

@@ -8,8 +8,8 @@ the call with checks. Spawns local CPU ranks.
 
 Its invariants: the output and gradients are bitwise the same with and without the control
 collectives (the checks change no number), and the output is within 2x plain float32
-attention's error of float64 on each rank's first 64 queries (a NaN counts as infinite); a
-failure of either exits 1 after the report.
+attention's error of float64 on 64 queries of each rank spread from its shard's first to its
+last (a NaN counts as infinite); a failure of either exits 1 after the report.
 
     python benchmarks/bench_integrity.py --world-size 2 --seqlen 8192
 """

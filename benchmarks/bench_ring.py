@@ -160,7 +160,18 @@ def check_args(args, launched, device):
         p.error(f"--docs {args.docs!r}: give seeded, longtail or a comma list of lengths")
     if args.window is not None and args.docs:
         p.error("--window and --docs are two jobs: pass one of them")
+    def changed(dest):  # an option set to other than its default (argparse applies its type)
+        default = p.get_default(dest)
+        for action in p._actions:
+            if action.dest == dest and isinstance(default, str) and action.type is not None:
+                default = action.type(default)
+        return getattr(args, dest) != default
+
     if args.docs:  # the Documents layout's job: --layouts play no part
+        if changed("layouts"):  # (before: dropped without a word, the Documents layout ran)
+            p.error(f"--layouts {','.join(args.layouts)} with --docs: the documents job runs "
+                    f"the Documents layout only; drop --layouts (or time the layouts "
+                    f"without --docs)")
         from masked_ring import document_lengths
         try:
             lengths = document_lengths(args.docs, args.seqlen)
@@ -194,6 +205,12 @@ def check_args(args, launched, device):
             if given:
                 p.error(f"--sp-mode compares the modes at one shape, forward+backward, causal "
                         f"or not: {what} does not apply to it")
+    if args.sp_mode is None:  # (before: taken and ignored)
+        for dest, flag in (("ulysses_size", "--ulysses-size"),
+                           ("inner_ring_size", "--inner-ring-size")):
+            if changed(dest):
+                p.error(f"{flag} {getattr(args, dest)}: sizes a mode of --sp-mode; the layout "
+                        f"rows and the masked jobs run the plain ring (pass --sp-mode too)")
     args.modes = args.modes or ["fwd", "fwd_bwd"]
     if args.sp_mode is not None:  # the same checks as sp_modes.main_sp, as usage errors
         from sp_modes import fitting_sp_modes, parse_sp_modes

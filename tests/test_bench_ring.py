@@ -117,6 +117,11 @@ _USAGE_CASES = [
      "--sp-mode ulysses: --world-size 1: a Ulysses degree of 1 moves nothing"),
     (["--sp-mode", "double_ring", "--inner-ring-size", "1", "--world-size", "4"],
      "--inner-ring-size 1 must be at least 2"),
+    # (before: taken and ignored: the Documents layout ran, the plain ring ran)
+    (["--docs", "seeded", "--layouts", "stripe"],
+     "--layouts stripe with --docs: the documents job runs the Documents layout only"),
+    (["--ulysses-size", "4"], "--ulysses-size 4: sizes a mode of --sp-mode"),
+    (["--window", "64", "--inner-ring-size", "4"], "--inner-ring-size 4: sizes a mode of --sp-mode"),
 ]
 
 

@@ -10,6 +10,10 @@ GPUs, MFU.
 
 Without a launcher (and without a GPU) it spawns ``--world-size`` local CPU ranks on gloo;
 under ``torchrun`` it uses the launcher's ranks (NCCL on GPUs, one GPU per local rank).
+Its invariant: the first step's loss (the weights as built) equals the unsharded model's on the
+whole sequence, computed once on rank 0 before the steps (transformers' own attention, untimed;
+1e-5 relative in fp32, 2e-3 in bf16), and every loss is finite; a run that breaks either prints
+FAILED after its report, writes its JSON and exits with status 1.
 
     python benchmarks/train_long_context.py                       # 2 local CPU ranks, ~1 min
     python benchmarks/train_long_context.py --world-size 4 --seqlen 16384 --checkpointing
@@ -358,6 +362,8 @@ def run_rank(args, device):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(args.seed + 1)  # the same full batch on every rank
     ids = torch.randint(0, args.vocab, (args.batch, args.seqlen), generator=g).to(device)
+    reference = unsharded_loss(args, dtype, device, ids) if main else None
+    dist.barrier()
     batch = ringseq.shard_batch({"input_ids": ids, "labels": ids}, layout=args.layout)
     targets = batch.pop("shift_labels")
 
@@ -371,7 +377,44 @@ def run_rank(args, device):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return _run_steps(args, device, step, model, 1)
+    res = _run_steps(args, device, step, model, 1)
+    if main:
+        # invariant: the first step's loss (the weights as built) is the unsharded model's
+        # on the whole sequence (before: only a finite loss was required, and ring attention
+        # outputs halved on every rank passed)
+        first, tol = res["losses"][0], REFERENCE_TOL[args.dtype]
+        res["reference_loss"] = reference
+        if not abs(first - reference) <= tol * abs(reference):
+            res["failed"].append(
+                f"the first step's loss {first:.7f} is not the unsharded model's "
+                f"{reference:.7f} on the same weights and tokens (tolerance {tol:g} relative)")
+    return res
+
+
+# the first step's loss against the unsharded model's, relative: rounding only (both sum the
+# same logits in the same dtype; measured on CPU fp32 below 1e-6), far below what a wrong ring
+# moves it (halved attention outputs: 1.6e-4 at the default shape)
+REFERENCE_TOL = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 2e-3}
+
+
+@torch.no_grad()
+def unsharded_loss(args, dtype, device, ids) -> float:
+    """The mean next-token loss of the model as built (same seed, transformers' own attention)
+    on the whole ``ids`` (b, seqlen) on one rank: the reference of the first step's loss. The
+    LM head and the loss run in chunks of 4096 tokens, so that the full sequence's logits
+    (s x vocab) are never held at once."""
+    model = build_model(args, dtype, device, switch=False).eval()
+    hidden = model.model(input_ids=ids).last_hidden_state  # (b, s, h)
+    total, count = 0.0, 0
+    for a in range(0, args.seqlen - 1, 4096):
+        b = min(a + 4096, args.seqlen - 1)
+        logits = model.lm_head(hidden[:, a:b]).float()  # (b, chunk, vocab)
+        total += float(torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), ids[:, a + 1:b + 1].flatten(), reduction="sum"))
+        count += logits.shape[0] * logits.shape[1]
+    del model, hidden
+    gc.collect()
+    return total / count
 
 
 def _run_steps(args, device, step_fn, model, dp, estimate=None, ac=False, peak=None):

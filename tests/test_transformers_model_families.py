@@ -237,6 +237,50 @@ def test_a_multimodal_models_vision_tower_keeps_its_attention():
     assert switched and not any("Vision" in n for n in switched), switched
 
 
+def _qwen2_vl(dtype=torch.float32):
+    T = transformers
+    torch.manual_seed(0)
+    model = T.Qwen2VLForConditionalGeneration(T.Qwen2VLConfig(
+        text_config=dict(**SMALL, head_dim=16, max_position_embeddings=256,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2),
+        image_token_id=100, vision_start_token_id=101, vision_end_token_id=102,
+        video_token_id=103))
+    return model.to(dtype).eval()
+
+
+def _qwen2_vl_ranks():
+    import ringseq
+    from ringseq.integrations.transformers import apply
+    model = apply(_qwen2_vl(), layout="zigzag")
+    batch = ringseq.shard_batch({"input_ids": _ids()}, layout="zigzag")
+    pos = batch.pop("position_ids")  # (b, s_local): the global positions of the rank's tokens
+    local = torch.arange(pos.shape[-1]).expand_as(pos)  # numbered from 0 on every rank
+    with torch.no_grad():
+        # 4-row ids: the text row, then M-RoPE's temporal, height and width rows
+        four = torch.stack([pos, pos, pos, pos])  # (4, b, s_local)
+        logits = ringseq.unshard(model(**batch, position_ids=four, use_cache=False).logits,
+                                 "zigzag")
+        rope_from_0 = torch.stack([pos, local, local, local])
+        wrong = error_text(lambda: model(**batch, position_ids=rope_from_0, use_cache=False))
+    return logits, wrong
+
+
+def test_every_row_of_mrope_position_ids_is_checked():
+    """Qwen2-VL takes 4-row position ids and hands its attention the text row only; the other
+    three rotate q and k. W=2, text only: the 4-row ids of shard_batch's positions match one
+    process; rope rows numbered from 0 on every rank are refused on every rank (before: only
+    the text row was checked, logits 1.2e-3 off without a word)."""
+    want64 = _qwen2_vl(torch.float64)(input_ids=_ids(), use_cache=False).logits.detach()
+    plain = _qwen2_vl()(input_ids=_ids(), use_cache=False).logits.detach()
+    for rank, (logits, wrong) in enumerate(run_ranks(_qwen2_vl_ranks, 2, timeout=120)):
+        assert_close_per_design(logits, want64, plain, f"rank {rank} logits", 2.0,
+                                scaled_floor(torch.float32, want64))
+        assert wrong.startswith("ValueError: Qwen2VLAttention: ringseq attention cannot "
+                                "compute this exactly: position_ids that are not the global "
+                                "positions of this rank's tokens under layout 'zigzag'"), wrong
+
+
 def test_alibi_is_refused_by_apply():
     from ringseq.integrations.transformers import apply
     torch.manual_seed(0)

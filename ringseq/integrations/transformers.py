@@ -365,8 +365,16 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         # and another forward since, of other inputs, would make it check and agree again,
         # a collective the recompute of a selective checkpoint may not add)
         positions = kwargs.get("position_ids")
+        called = settings._model_positions
         if positions is None:
             positions = _model_positions(settings, s_local, query.device)
+        elif torch.is_tensor(called) and called.shape[-1] == positions.shape[-1] and \
+                called.numel() > positions.numel():
+            # the model's own, every row: M-RoPE models (Qwen2-VL, Qwen2.5-VL) take 4-row
+            # position ids, pass the attention the text row and rotate q and k by the other
+            # three (before: only the text row was checked, and rope rows numbered from 0 on
+            # every rank gave logits 1.2e-3 off without a word)
+            positions = called
         _check_inputs_once(name, settings, layout, docs, attention_mask, positions, s_local,
                            query.device, getattr(module, "_ringseq_stack", ""))
     if scaling is None:

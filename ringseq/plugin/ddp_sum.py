@@ -139,9 +139,15 @@ class DdpSum(Completion):
             # got none left its bucket (and those after it) unsent, and the backward ended
             # without an error, the gradients partly unsummed. The unsent buckets go as
             # zeros first: ranks that used the parameter wait in their all-reduce.
+            # (named where they show: no gradient at all, as after zero_grad(set_to_none);
+            # under accumulation an earlier micro-batch's gradient hides them)
+            unused = [n for n, p in self.ddp.module.named_parameters()
+                      if p.requires_grad and p.grad is None]
+            named = (f" ({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''})"
+                     if unused else "")
             error = ValueError(
                 "booster.backward: DDP did not sum every gradient of this backward over the "
-                "ranks: a parameter that requires a gradient got none (unused in the "
+                f"ranks: a parameter that requires a gradient got none{named} (unused in the "
                 "forward), so its bucket was never sent and the gradients are partly this "
                 "rank's own. Skip the step (optimizer.zero_grad() and booster.reset() on "
                 "every rank) and pass ddp_kwargs={'find_unused_parameters': True} to "

@@ -516,6 +516,35 @@ def _case_many_groups():
     return {"kept": len(comm._RINGS) - before}
 
 
+def _case_many_double_rings(rounds=3):
+    """Double rings (two inner rings of 2 on 4 ranks) created, used (forward and backward)
+    and destroyed, one after another: none of their rings -- the whole ring's, the inner's,
+    the outer's -- is kept alive, as for a plain ring's group. Each round's double ring is
+    exact: a later double ring of the same sizes plans like the first on rings of its own."""
+    import gc
+    import weakref
+
+    from ringseq.engine.ring import get_ring
+    full = _full(21, 8 * dist.get_world_size())
+    want = _reference_shards(full, "zigzag")
+    rings, errs = [], []
+    for _ in range(rounds):
+        sp = ringseq.make_sp_groups(1, 2)
+        assert sp.double_ring
+        loc = [sp.shard(t, "zigzag").requires_grad_() for t in full]
+        out = ringseq.usp_attn_func(*loc, causal=True, sp=sp, layout="zigzag")
+        out.backward(torch.ones_like(out))
+        errs.append(_err([out.detach()] + [t.grad for t in loc], want))
+        groups = sp.process_groups()  # the whole ring, the inner ring, the outer ring
+        rings += [weakref.ref(get_ring(g)) for g in groups]
+        for g in groups:
+            dist.destroy_process_group(g)
+        del sp, g, groups, loc, out
+    gc.collect()
+    return {"rings": len(rings), "kept": sum(ref() is not None for ref in rings),
+            "max_err": max(errs)}
+
+
 def _case_stalled_peer():
     """A peer stops calling ring attention: the waiting rank gets a ringseq timeout error."""
     import time
@@ -694,7 +723,7 @@ def _worker_w4():
     rank = dist.get_rank()
     res = {"fault": _case_fault_inside_call(fail_rank=2), "skip_backward": _case_skip_backward(),
            "nan": {lay: _case_nan(lay) for lay in ("contiguous", "zigzag", "stripe")},
-           "fuzz": _case_fuzz()}
+           "fuzz": _case_fuzz(), "many_double_rings": _case_many_double_rings()}
     # a rank outside a group calls shard / positions / unshard
     g = dist.new_group([0, 1])
     if rank >= 2:
@@ -1016,6 +1045,15 @@ def test_destroyed_groups_do_not_keep_their_rings(w2):
         assert res["many_groups"]["kept"] <= 1, res["many_groups"]
 
 
+def test_destroyed_double_ring_groups_do_not_keep_their_rings(w4):
+    # (before: the double ring's cached outer plans held its inner and outer rings, and their
+    # exchange buffers, past the groups' destruction: 6 of these 9 rings)
+    for res in w4:
+        c = res["many_double_rings"]
+        assert c["rings"] == 9 and c["kept"] == 0, c
+        assert c["max_err"] < 1e-9, c
+
+
 def test_stalled_peer_times_out_with_a_ringseq_message(w2):
     res = w2[0]["stalled"]["stalled"]
     assert res[0] == "RingTimeoutError" and "ringseq" in res[1] and "peers" in res[1], res
@@ -1103,8 +1141,8 @@ def test_unshard_of_shards_that_differ_raises_on_every_rank(w2):
             if rank == 1:
                 _is_fast_error(got[key], "ValueError", own)
             else:  # (with rank 1's message: before, "see their errors")
-                _is_fast_error(got[key], "RingPeerError", f"rank(s) [1] of the group failed "
-                                                          f"where this rank did not (rank 1: ")
+                _is_fast_error(got[key], "RingPeerError", "rank(s) [1] of the group failed "
+                                                          "where this rank did not (rank 1: ")
                 assert own in got[key][1], got[key]
         _is_fast_error(got["backward_order"], "RingMismatchError",
                        "unshard (backward): the ranks of the ring were called with different "

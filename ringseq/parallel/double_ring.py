@@ -33,8 +33,9 @@ failure on any rank reaches all ``R``), besides the outer and inner rings' own.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -94,14 +95,29 @@ class _InnerLayout(Layout):
 
 
 class InnerLap(AttentionBackend):
-    """The block kernel of one outer step: a lap of the inner ring (see the module doc)."""
+    """The block kernel of one outer step: a lap of the inner ring (see the module doc).
+
+    ``inner`` is None in the cached outer plan, which holds no ring (before, a cache entry
+    outlived its process groups and kept their rings and exchange buffers alive, though
+    get_ring holds groups weakly); each call binds the laps to its inner ring (:meth:`on`)."""
 
     name = "double_ring_lap"
     supports_spans = supports_softcap = True  # (the lap applies the spec's own)
     supports_delta = True  # the lap folds a caller's delta into its lse gradient
 
-    def __init__(self, spec: AttnSpec, inner: Ring, lap: _InnerLayout):
+    def __init__(self, spec: AttnSpec, inner: Optional[Ring], lap: _InnerLayout):
         self.spec, self.inner, self.lap = spec, inner, lap
+
+    def on(self, inner: Ring) -> "InnerLap":
+        """This lap on the inner ring ``inner``."""
+        return InnerLap(self.spec, inner, self.lap)
+
+    def _ring(self) -> Ring:
+        # (unbound, refuse_on_error / meet_as_failed would take None for the default group)
+        if self.inner is None:
+            raise RuntimeError("ringseq: an inner lap of the double ring ran unbound to its "
+                               "inner ring (InnerLap.on)")
+        return self.inner
 
     def accum_dtype(self, dtype):
         return self.spec.backend.accum_dtype(dtype)
@@ -109,19 +125,20 @@ class InnerLap(AttentionBackend):
     def _plan(self, q, k, kind: int) -> RingPlan:
         # (before the inner call opens, inside the outer call: a failure fails the inner call
         # on every rank of the inner ring)
-        with refuse_on_error(self.inner, kind, failed=True):
-            return make_plan(self.spec, self.lap, self.inner.world_size, self.inner.rank,
+        inner = self._ring()
+        with refuse_on_error(inner, kind, failed=True):
+            return make_plan(self.spec, self.lap, inner.world_size, inner.rank,
                              q.shape, k.shape[2], q.dtype, "ring_inner")
 
     def join_failed(self, kind: int) -> None:
         # This rank's outer call failed earlier: its inner peers still open this lap's call.
-        meet_as_failed(self.inner, kind)
+        meet_as_failed(self._ring(), kind)
 
     def _fwd(self, q, k, v, scale, causal, **_):
-        return ring_forward(q, k, v, self._plan(q, k, FWD), self.inner)
+        return ring_forward(q, k, v, self._plan(q, k, FWD), self._ring())
 
     def _fwd_accum(self, q, k, v, scale, causal, out_acc, lse_acc, **_) -> None:
-        o_b, l_b = ring_forward(q, k, v, self._plan(q, k, FWD), self.inner)
+        o_b, l_b = ring_forward(q, k, v, self._plan(q, k, FWD), self._ring())
         merge_into(out_acc, lse_acc, o_b, l_b)
 
     def _bwd_accum(self, dout, q, k, v, out, lse, scale, causal, delta, dq_accum, dk_accum,
@@ -132,9 +149,9 @@ class InnerLap(AttentionBackend):
         # a caller's lse gradient for it before the call)
         grad_lse = None
         if self.spec.backend.supports_delta:
-            with refuse_on_error(self.inner, BWD, failed=True):
+            with refuse_on_error(self._ring(), BWD, failed=True):
                 grad_lse = compute_delta(dout, out) - delta
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, self._plan(q, k, BWD), self.inner,
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, self._plan(q, k, BWD), self._ring(),
                                    grad_lse)
         dq_accum.add_(dq)
         dk_accum.add_(dk)
@@ -143,24 +160,34 @@ class InnerLap(AttentionBackend):
 
 def _outer_plan(spec: AttnSpec, layout: Layout, outer: Ring, inner: Ring,
                 q_shape: Tuple[int, ...], nheads_kv: int, dtype: torch.dtype) -> RingPlan:
-    """The outer ring's (cached) plan; a user's layout keyed by its values too (as
-    :func:`ringseq.engine.plan.make_plan`: before, one edited after a call ran its old laps)."""
-    return _cached_outer_plan(spec, layout, values_key(layout), outer, inner, q_shape,
-                              nheads_kv, dtype)
+    """The outer ring's plan, its laps on ``inner``: the cached plan of the ring sizes and
+    this rank's place (a user's layout keyed by its values too, as
+    :func:`ringseq.engine.plan.make_plan`: before, one edited after a call ran its old laps),
+    bound to the call's inner ring. The cache holds no Ring: keyed by the rings themselves,
+    with every lap holding the inner one, it kept the rings and exchange buffers of destroyed
+    groups alive (up to its 32 entries)."""
+    plan = _cached_outer_plan(spec, layout, values_key(layout), outer.world_size,
+                              inner.world_size, outer.rank, q_shape, nheads_kv, dtype)
+    # (the binding is per call, O small objects: the planning itself stays cached)
+    return dataclasses.replace(plan, schedule=tuple(
+        tuple(PlannedTask(t.q, t.kv, t.causal, t.spans, t.kernel.on(inner)) for t in step)
+        for step in plan.schedule))
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_outer_plan(spec: AttnSpec, layout: Layout, layout_values, outer: Ring, inner: Ring,
-                       q_shape: Tuple[int, ...], nheads_kv: int, dtype: torch.dtype) -> RingPlan:
-    I, O = inner.world_size, outer.world_size
+def _cached_outer_plan(spec: AttnSpec, layout: Layout, layout_values, O: int, I: int,
+                       node: int, q_shape: Tuple[int, ...], nheads_kv: int,
+                       dtype: torch.dtype) -> RingPlan:
+    # (``node``: this rank's rank in the outer ring, i.e. which inner ring it is in; the laps
+    # are unbound: _outer_plan gives them each call's inner ring)
     R, s = I * O, q_shape[1]
     rows = slice(0, s)
     schedule = []
     for p in range(O):
-        lap = _InnerLayout(layout, R, I, outer.rank, p)
+        lap = _InnerLayout(layout, R, I, node, p)
         empty = lap.nothing_to_do(s, spec.mask)
         schedule.append(() if empty else
-                        (PlannedTask(rows, rows, False, None, InnerLap(spec, inner, lap)),))
+                        (PlannedTask(rows, rows, False, None, InnerLap(spec, None, lap)),))
     # K/V travel the outer ring only as far as some inner ring still has a lap to run (a
     # window or documents can leave the later laps idle everywhere; before, every call made
     # the full outer lap with whole blocks, even when no rank needed another's K/V)
@@ -170,7 +197,7 @@ def _cached_outer_plan(spec: AttnSpec, layout: Layout, layout_values, outer: Rin
     signature = (operation_field("double-ring attention"),) + spec.signature(
         q_shape, nheads_kv, dtype, extra=(layout_field("layout", layout),
                                           ("world size", R), ("inner ring", I)))
-    return RingPlan(spec=spec, layout=layout, world_size=O, rank=outer.rank,
+    return RingPlan(spec=spec, layout=layout, world_size=O, rank=node,
                     schedule=tuple(schedule), hops=hops, signature=signature, kv_len=s,
                     comm_kind="ring_outer")
 

@@ -9,7 +9,9 @@
 * an optimizer without state keeps none after a failed load, and a rank that cannot stage
   the state (out of memory) makes every rank raise instead of waiting in the collective load;
 * the user's own optimizer object (not the boosted one) is refused for sharded checkpoints;
-* the intact checkpoints then load exactly.
+* the intact checkpoints then load exactly;
+* (one process) a model file with an entry of the model's shape that load_state_dict cannot
+  copy (a meta, sparse, quantized or complex tensor) is refused before anything is copied.
 
 The model is FSDP2 (``fully_shard``) over both ranks: every parameter is a DTensor whose local
 shard is half of it.
@@ -17,8 +19,10 @@ shard is half of it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
+import pytest
 import torch
 from torch import nn
 
@@ -210,3 +214,42 @@ def test_sharded_checkpoints_load_all_or_nothing(tmp_path):
         # FileExistsError, naming no call)
         assert got["save_onto_file"].startswith("ValueError: save_optimizer: "), got
         assert "is a file; this checkpoint is a directory" in got["save_onto_file"], got
+
+
+@pytest.mark.parametrize("kind, found", [
+    ("meta", "a meta float32 tensor in the checkpoint, a float32 one in the model: a meta "
+             "tensor holds no data"),
+    ("sparse", "a sparse_coo float32 tensor in the checkpoint, a float32 one in the model: "
+               "load_state_dict cannot copy one layout into the other"),
+    ("quantized", "a qint8 tensor in the checkpoint, a float32 one in the model: "
+                  "load_state_dict cannot copy a quantized tensor into an unquantized one"),
+    ("complex", "a complex64 tensor in the checkpoint, a float32 one in the model: copying it "
+                "would discard the imaginary part")],
+                         ids=["meta", "sparse", "quantized", "complex"])
+def test_an_entry_load_state_dict_cannot_copy_changes_nothing(tmp_path, kind, found):
+    """One process, the replicated path: a file whose last entry has the model's shape but
+    cannot be copied into it (no data, another layout, quantized) is refused before anything
+    is copied, naming load_model, the file, the entry, what it found and what the model holds
+    (before: torch's own RuntimeError after the three entries before it were copied; a complex
+    entry loaded with its imaginary part dropped)."""
+    import warnings
+
+    from ringseq.plugin.sharded_checkpoint import DistributedCheckpointIO
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    state = {k: torch.full_like(v, 7.0) for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (quantized tensors: deprecated)
+        state["1.bias"] = {
+            "meta": lambda: torch.empty(3, device="meta"),
+            "sparse": lambda: torch.zeros(3).to_sparse(),
+            "quantized": lambda: torch.quantize_per_tensor(torch.ones(3), 0.5, 0, torch.qint8),
+            "complex": lambda: torch.zeros(3, dtype=torch.complex64)}[kind]()
+    path = str(tmp_path / f"{kind}.pt")
+    torch.save(state, path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"^load_model: rank 0: loading the checkpoint "
+                                         f"{re.escape(repr(path))} failed \\(nothing was loaded "
+                                         f"on any rank\\): .*1\\.bias: {re.escape(found)}"):
+        DistributedCheckpointIO().load_model(model, path)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -1,7 +1,9 @@
 """Checkpoints when something goes wrong: a failed sharded save never leaves a directory that
 loads as a mix of old and new shards, an unsharded optimizer directory given to the ranks at
 different steps is refused like a plain file, rank 0's own save error names the checkpoint,
-and a planted temporary index name is not written through."""
+a planted temporary index name is not written through, a replicated load's digest reads every
+kind of tensor a file holds (and its failure on one rank raises on every rank at once), and a
+damaged model directory is refused naming the file."""
 from __future__ import annotations
 
 import collections
@@ -372,6 +374,133 @@ def test_a_save_without_a_grad_scaler_removes_an_earlier_ones_file(w2_calls):
         assert r["scaler_saved"] and not r["scaler_left"], r
 
 
+#: tensors a state dict can hold that the replicated load's digest once raised on (after the
+#: ranks' vote: a rank reading one alone raised, its peers waited the ring timeout)
+_ODD_TENSORS = {
+    "sparse": lambda: torch.eye(3).to_sparse(),
+    "sparse_csr": lambda: torch.eye(3).to_sparse_csr(),
+    "meta": lambda: torch.empty(3, device="meta"),
+    "quantized": lambda: torch.quantize_per_tensor(torch.ones(3), 0.5, 0, torch.qint8),
+}
+
+
+def _worker_digest(tmp):
+    """Replicated loads (dp 2) of files holding tensors the digest once raised on, on every
+    rank or on rank 1 alone; the digest failing on rank 1 alone; a module's extra state
+    holding a sparse tensor saved and loaded."""
+    import time
+    import warnings
+
+    import torch.distributed as dist
+
+    import ringseq.plugin.checkpoint as ck
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    warnings.simplefilter("ignore")  # (quantized and sparse CSR tensors: beta, deprecated)
+    rank, out = dist.get_rank(), {}
+    booster = Booster(RingSequenceParallelPlugin(sp_size=1))  # dp 2: replicated state
+    torch.manual_seed(0)
+    net = _Net()
+    model, opt, *_ = booster.boost(net, torch.optim.Adam(net.parameters(), lr=0.1))
+    good = f"{tmp}/good.pt"
+    booster.save_model(model, good)
+    for kind, make in _ODD_TENSORS.items():  # the good file and one extra entry
+        if rank == 0:
+            torch.save({**torch.load(good, weights_only=True), "extra": make()},
+                       f"{tmp}/extra_{kind}.pt")
+    dist.barrier()
+    for kind in _ODD_TENSORS:  # every rank reads the file: strict=False passes the extra entry
+        out[f"{kind} on every rank"] = error_text(
+            lambda: booster.load_model(model, f"{tmp}/extra_{kind}.pt", strict=False))
+    booster.backward(model(torch.randn(2, 4)).sum(), opt)
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    for kind in _ODD_TENSORS:
+        # rank 1's node holds the file with the extra entry at the good file's path
+        start = time.monotonic()
+        with node_copy(good, f"{tmp}/extra_{kind}.pt", active=rank == 1):
+            out[f"{kind} on one rank"] = error_text(
+                lambda: booster.load_model(model, good, strict=False))
+        out[f"{kind} on one rank seconds"] = time.monotonic() - start
+    # the digest failing on rank 1 alone (out of memory, say)
+    real = ck.state_digest
+    if rank == 1:
+        def failing(state):
+            raise MemoryError("injected")
+        ck.state_digest = failing
+    start = time.monotonic()
+    try:
+        out["digest fails on one rank"] = error_text(lambda: booster.load_model(model, good))
+    finally:
+        ck.state_digest = real
+    out["digest fails on one rank seconds"] = time.monotonic() - start
+    out["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    # a module's extra state holding a sparse tensor: saved, so it must load (before: saved,
+    # then "reshape is not implemented for sparse tensors" on every rank at the load)
+    linear, got = type(model.unwrap().lin), []
+    linear.get_extra_state = lambda self: {"adjacency": torch.eye(3).to_sparse()}
+    linear.set_extra_state = lambda self, state: got.append(state)
+    try:
+        out["sparse extra state save"] = error_text(
+            lambda: booster.save_model(model, f"{tmp}/sparse_extra.pt"))
+        out["sparse extra state load"] = error_text(
+            lambda: booster.load_model(model, f"{tmp}/sparse_extra.pt"))
+    finally:
+        del linear.get_extra_state, linear.set_extra_state
+    out["sparse extra state loaded"] = [
+        (s["adjacency"].layout, s["adjacency"].to_dense().tolist()) for s in got]
+    return out
+
+
+@pytest.fixture(scope="module")
+def w2_digest(tmp_path_factory):
+    return run_ranks(_worker_digest, 2, str(tmp_path_factory.mktemp("digest")), timeout=240,
+                     env={"RINGSEQ_TIMEOUT": "20"})
+
+
+@pytest.mark.parametrize("kind", sorted(_ODD_TENSORS))
+def test_a_file_holding_a_sparse_meta_or_quantized_tensor_loads_on_every_rank(w2_digest, kind):
+    for r in w2_digest:
+        assert r[f"{kind} on every rank"] == "no error", r[f"{kind} on every rank"]
+
+
+@pytest.mark.parametrize("kind", sorted(_ODD_TENSORS))
+def test_one_ranks_file_holding_such_a_tensor_is_refused_on_every_rank_at_once(w2_digest,
+                                                                               kind):
+    """(before: a bare RuntimeError on rank 1, and rank 0 waited the ring timeout)"""
+    for r in w2_digest:
+        error = r[f"{kind} on one rank"]
+        assert error.startswith("ValueError: load_model: loading the checkpoint ") and \
+            "good.pt': the ranks read different contents" in error, error
+        assert r[f"{kind} on one rank seconds"] < 10, r
+        assert r["unchanged"], r
+
+
+def test_a_digest_failing_on_one_rank_raises_on_every_rank_at_once(w2_digest):
+    """Comparing what the ranks read is voted on as the read is: the failing rank raises its
+    own error naming the call and the checkpoint, the others RingPeerError at once (before:
+    rank 1's bare error, rank 0 waited the ring timeout)."""
+    failed, peer = w2_digest[1], w2_digest[0]
+    assert failed["digest fails on one rank"].startswith(
+        "MemoryError: load_model: rank 1: loading the checkpoint "), failed
+    assert "good.pt' failed (nothing was loaded on any rank)" in \
+        failed["digest fails on one rank"], failed
+    assert failed["digest fails on one rank"].endswith("MemoryError: injected"), failed
+    assert peer["digest fails on one rank"].startswith("RingPeerError: "), peer
+    assert "good.pt' failed (nothing was loaded" in peer["digest fails on one rank"], peer
+    for r in w2_digest:
+        assert r["digest fails on one rank seconds"] < 10, r
+        assert r["unchanged"], r
+
+
+def test_an_extra_state_holding_a_sparse_tensor_round_trips(w2_digest):
+    """README: save_model refuses what the load cannot read back, so what it writes loads."""
+    for r in w2_digest:
+        assert r["sparse extra state save"] == "no error", r
+        assert r["sparse extra state load"] == "no error", r
+        assert r["sparse extra state loaded"] == [
+            (torch.sparse_coo, torch.eye(3).tolist())], r
+
+
 class _Config:
     """An object of a class of its own: not what torch.load(weights_only=True) reads."""
 
@@ -671,6 +800,44 @@ def test_a_checkpoint_of_another_kind_is_refused_by_what_it_is(tmp_path):
     with pytest.raises(TypeError, match=r"^save_model: checkpoint must be a path \(str or "
                                         r"os.PathLike\), got OrderedDict\(.{0,60}\(OrderedDict\)$"):
         io.save_model(model, model.state_dict())
+
+
+def test_a_damaged_model_directory_is_refused_naming_the_file(tmp_path):
+    """A shard index cut short and a shard holding a list are refused naming load_model, the
+    file, what it holds and what was expected, nothing changed (before: the JSON decoder's
+    words naming no file; dict.update's "cannot convert dictionary update sequence")."""
+    import json
+    import re
+
+    from ringseq.plugin.sharded_checkpoint import INDEX_NAME, DistributedCheckpointIO
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    io, directory = DistributedCheckpointIO(), str(tmp_path / "model")
+    io.save_model(model, directory, max_shard_size=16)  # (one file per tensor)
+    index = os.path.join(directory, INDEX_NAME)
+    with open(index) as f:
+        text = f.read()
+    shard = os.path.join(directory, json.loads(text)["weight_map"]["1.bias"])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with open(index, "w") as f:
+        f.write(text[:len(text) // 2])
+    with pytest.raises(ValueError, match=f"^load_model: rank 0: loading the checkpoint "
+                                         f"{re.escape(repr(directory))} failed .*: ValueError: "
+                                         f"{re.escape(repr(index))} is not the JSON index "
+                                         f"save_model writes \\(Unterminated string"):
+        io.load_model(model, directory)
+    with open(index, "w") as f:
+        f.write(text)
+    torch.save([1, 2, 3], shard)
+    with pytest.raises(ValueError, match=f"^load_model: rank 0: loading the checkpoint "
+                                         f"{re.escape(repr(directory))} failed .*: ValueError: "
+                                         f"{re.escape(repr(shard))}, a shard {INDEX_NAME} names, "
+                                         f"holds a list, not the dict of tensors"):
+        io.load_model(model, directory)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_a_shard_size_is_taken_as_a_number_or_a_size_string():

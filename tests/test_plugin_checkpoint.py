@@ -1,5 +1,7 @@
 """The plugin's checkpoints on one process: the fp16 grad scaler's state is saved and restored
-with the optimizer in both formats, the state of a parameter frozen after it trained is kept,
+with the optimizer in both formats (and its file missing is refused in both), another optimizer
+class's checkpoint is refused naming what differs, the state of a parameter frozen after it
+trained is kept,
 and a checkpoint that cannot be read or does not fit changes nothing (the multi-rank
 checkpoints, their votes and errors are in tests/test_plugin.py, tests/test_compose.py and
 tests/test_checkpoint_all_or_nothing.py; here only a plain file read into FSDP shards)."""
@@ -39,6 +41,66 @@ def test_optimizer_checkpoint_keeps_the_grad_scaler(tmp_path, sharded):
     assert scaler.get_scale() == 8.0
     for k, v in opt.unwrap().state[model.weight].items():
         assert torch.equal(v, saved_state[k]), k
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "directory"])
+def test_an_optimizer_checkpoint_whose_grad_scaler_file_is_gone_is_refused(tmp_path, sharded):
+    """The save records that it wrote the grad scaler's state (the file in its save id, the
+    directory in its metadata): a load without that file is refused, nothing changed (before:
+    the directory loaded and kept the live loss scale, 1024 where 8 was saved)."""
+    scaler = torch.amp.GradScaler("cpu")
+    model, opt = _stepped_optimizer(scaler)
+    scaler.update(new_scale=8.0)
+    path = str(tmp_path / ("optim" if sharded else "optim.pt"))
+    io = DistributedCheckpointIO()
+    io.save_optimizer(opt, path, sharded=sharded)
+    scaler_file = os.path.join(path, "grad_scaler.pt") if sharded else path + ".grad_scaler"
+    os.remove(scaler_file)
+    scaler.update(new_scale=1024.0)
+    for v in opt.unwrap().state[model.weight].values():
+        v.zero_()
+    with pytest.raises(ValueError, match=r"^load_optimizer: rank 0: loading the checkpoint .*"
+                                         r"nothing was loaded on any rank.*" +
+                                         re.escape(f"{scaler_file!r} is missing, but the "
+                                                   f"optimizer state in {path!r} was saved "
+                                                   f"with the grad scaler's")):
+        io.load_optimizer(opt, path)
+    assert scaler.get_scale() == 1024.0
+    assert all(not v.any() for v in opt.unwrap().state[model.weight].values())
+
+
+def test_an_optimizer_directory_saved_before_the_scaler_record_still_loads(tmp_path,
+                                                                             monkeypatch):
+    """A directory written before ringseq recorded the grad scaler's file in its metadata:
+    its grad_scaler.pt loads where it is there, and the optimizer state alone where it is not
+    (as it did); one saved without a scaler loads into an optimizer that has one."""
+    import torch.distributed.checkpoint as dcp
+
+    from ringseq.plugin.checkpoint import _SAVE_KEY
+    scaler = torch.amp.GradScaler("cpu")
+    model, opt = _stepped_optimizer(scaler)
+    scaler.update(new_scale=8.0)
+    io = DistributedCheckpointIO()
+    real_save = dcp.save
+
+    def save_without_the_record(state, **kwargs):  # (what an earlier ringseq wrote)
+        return real_save({k: v for k, v in state.items() if k != _SAVE_KEY}, **kwargs)
+    monkeypatch.setattr(dcp, "save", save_without_the_record)
+    old = str(tmp_path / "old")
+    io.save_optimizer(opt, old, sharded=True)
+    monkeypatch.undo()
+    scaler.update(new_scale=1024.0)
+    io.load_optimizer(opt, old)
+    assert scaler.get_scale() == 8.0
+    os.remove(os.path.join(old, "grad_scaler.pt"))
+    scaler.update(new_scale=1024.0)
+    io.load_optimizer(opt, old)
+    assert scaler.get_scale() == 1024.0
+    _, without = _stepped_optimizer(None)
+    io.save_optimizer(without, str(tmp_path / "without"), sharded=True)
+    assert not os.path.exists(tmp_path / "without" / "grad_scaler.pt")
+    io.load_optimizer(opt, str(tmp_path / "without"))
+    assert scaler.get_scale() == 1024.0
 
 
 def test_plain_optimizer_file_of_a_sharded_model_is_refused(tmp_path, monkeypatch):
@@ -196,6 +258,34 @@ def test_files_of_another_optimizer_class_or_scheduler_are_refused(tmp_path):
     torch.save(other, paths["sched"])
     io.load_lr_scheduler(torch.optim.lr_scheduler.LinearLR(
         torch.optim.AdamW(model.parameters(), lr=1e-3), total_iters=4), paths["sched"])
+
+
+def test_another_optimizer_classs_checkpoint_is_named_by_what_differs(tmp_path):
+    """An Adam directory into Adamax names the state entries that differ and the class (before:
+    "state for 2 parameter(s) this optimizer does not ...: a checkpoint of another model",
+    though they are its parameters); an Adam file into SGD lists the settings the file holds
+    (before: 'nesterov' too, which SGD's __setstate__ had added to the copy it checked)."""
+    model, adam = _stepped_optimizer(None)
+    io = DistributedCheckpointIO()
+    directory, file = str(tmp_path / "adam"), str(tmp_path / "adam.pt")
+    io.save_optimizer(adam, directory, sharded=True)
+    io.save_optimizer(adam, file)
+    adamax = OptimizerWrapper(torch.optim.Adamax(model.parameters()), None, model=model)
+    with pytest.raises(ValueError, match=re.escape(
+            "the checkpoint holds other optimizer state entries for 2 parameter(s) of this "
+            "optimizer (['bias', 'weight']): 'bias' has ['exp_avg', 'exp_avg_sq', 'step'] "
+            "there, this Adamax keeps ['exp_avg', 'exp_inf', 'step']: a checkpoint of another "
+            "optimizer class")):
+        io.load_optimizer(adamax, directory)
+    assert not adamax.unwrap().state
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = sorted(k for k in torch.load(file, weights_only=True)["param_groups"][0]
+                   if k != "params")
+    with pytest.raises(ValueError, match=re.escape(f"lacks the settings ['dampening', "
+                                                   f"'momentum'] of SGD (a state dict of "
+                                                   f"another optimizer class? it has {saved})")):
+        io.load_optimizer(sgd, file)
+    assert "nesterov" not in saved
 
 
 def test_a_parameter_that_never_had_state_round_trips_in_the_directory_format(tmp_path):

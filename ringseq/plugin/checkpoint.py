@@ -259,8 +259,19 @@ def _check_same_state(path: str, state) -> None:
         # nothing to compare with; or a broken ring (a failed step's vote timed out), which
         # must not keep the checkpoint that repairs the step from loading
         return
-    rows = ring.agree(True, "", about="checkpoint load",
-                      fields=(("checkpoint digest", state_digest(state), ANY),))
+    # The digest reads every tensor the file held: whatever fails there (a kind of tensor it
+    # cannot read, out of memory) is voted on, as the read and the check were, so the peers of
+    # a rank failing alone raise at once instead of waiting the ring timeout in this agreement
+    error, digest = None, 0
+    try:
+        digest = state_digest(state)
+    except Exception as exc:  # noqa: BLE001 - re-raised on this rank by the agreement
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        error = with_message(exc, f"{current_call()}: rank {rank}: loading the checkpoint "
+                                  f"{path!r} failed (nothing was loaded on any rank): comparing "
+                                  f"what the ranks read failed: {type(exc).__name__}: {exc}")
+    rows = ring.agree(error is None, str(error or ""), error=error, about="checkpoint load",
+                      fields=(("checkpoint digest", digest, ANY),))
     split = differing_digests([(0, digest) for (digest,) in rows or ()])
     if split:
         raise ValueError(f"{current_call()}: loading the checkpoint {path!r}: the ranks read "
@@ -289,10 +300,44 @@ def _check_model_state(model, state, strict: bool) -> None:
         if torch.is_tensor(mine) and torch.is_tensor(value) and mine.shape != value.shape:
             problems.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, "
                             f"{tuple(mine.shape)} in the model")
+        elif torch.is_tensor(mine) and torch.is_tensor(value):
+            uncopyable = _uncopyable(value, mine)
+            if uncopyable:
+                problems.append(f"{key}: {uncopyable}")
         elif mine is not None and torch.is_tensor(mine) != torch.is_tensor(value):
             problems.append(f"{key}: a {type(value).__name__} in the checkpoint")
     if problems:
         raise ValueError("the checkpoint does not fit the model: " + "; ".join(problems))
+
+
+def _tensor_kind(t: torch.Tensor) -> str:
+    """What a tensor is, as the refusals name it: ``"sparse_coo float32"``, ``"meta float32"``,
+    ``"quantized torch.qint8"``, ``"float32"``."""
+    layout = "" if t.layout == torch.strided else f"{str(t.layout).replace('torch.', '')} "
+    device = "meta " if t.is_meta else ""
+    return f"{device}{layout}{str(t.dtype).replace('torch.', '')}"
+
+
+def _uncopyable(value: torch.Tensor, mine: torch.Tensor):
+    """Why ``load_state_dict`` could not copy the checkpoint's tensor ``value`` into the
+    model's ``mine`` of the same shape (it raises at that entry after copying the ones before
+    it), or would copy it wrongly; None where it copies. Kinds, not values: a meta tensor has
+    no data to copy; sparse and strided layouts do not copy into each other; a quantized
+    tensor does not copy into an unquantized one; a complex tensor into a real one would lose
+    its imaginary part (torch only warns). Other dtypes convert, as ``load_state_dict``
+    converts them."""
+    found, expected = _tensor_kind(value), _tensor_kind(mine)
+    if value.is_meta and not mine.is_meta:
+        reason = "a meta tensor holds no data (saved from a model on the meta device?)"
+    elif value.layout != mine.layout:
+        reason = "load_state_dict cannot copy one layout into the other"
+    elif value.is_quantized and not mine.is_quantized:  # (a float one quantizes as it copies)
+        reason = "load_state_dict cannot copy a quantized tensor into an unquantized one"
+    elif value.is_complex() and not mine.is_complex():
+        reason = "copying it would discard the imaginary part"
+    else:
+        return None
+    return f"a {found} tensor in the checkpoint, a {expected} one in the model: {reason}"
 
 
 def _check_optimizer_state(optimizer, state) -> None:
@@ -401,6 +446,10 @@ def _check_group_settings(optimizer, saved_groups) -> None:
     optimizer class (Adam's into SGD: no ``momentum``) loads and fails at the next step. Run on
     copies of the groups in a bare object of the class."""
     groups = [dict(g) for g in saved_groups]
+    # (the keys as saved: __setstate__ below fills the class's newer settings into the copies,
+    # which the message must not list as the checkpoint's -- before, an Adam file into SGD
+    # "had" nesterov)
+    saved_keys = [sorted(str(k) for k in g if k != "params") for g in saved_groups]
     try:
         probe = object.__new__(type(optimizer))
         probe.__setstate__({"defaults": dict(optimizer.defaults), "state": {},
@@ -412,7 +461,7 @@ def _check_group_settings(optimizer, saved_groups) -> None:
         if missing:
             raise ValueError(f"group {i} of the checkpoint lacks the settings {missing} of "
                              f"{type(optimizer).__name__} (a state dict of another optimizer "
-                             f"class? it has {sorted(k for k in group if k != 'params')})")
+                             f"class? it has {saved_keys[i]})")
 
 
 def _check_scheduler_state(lr_scheduler, state) -> None:
@@ -483,9 +532,9 @@ def scaler_state(optimizer):
     return copy.state_dict()
 
 
-def save_scaler(optimizer, scaler_file: str) -> None:
-    """Writes :func:`scaler_state` to ``scaler_file`` (removes the file without a scaler)."""
-    state = scaler_state(optimizer)
+def save_scaler(state, scaler_file: str) -> None:
+    """Writes ``state`` (:func:`scaler_state`) to ``scaler_file`` (removes the file where it
+    is None: no scaler)."""
     on_writer(scaler_file, lambda: _write_all([(state, scaler_file)]))
 
 
@@ -515,7 +564,10 @@ def _with_scaler_state(optimizer, scaler_file: str, read_optimizer):
     returns ``(optimizer state, scaler state or None)``, both read before either is applied, so
     a scaler file that cannot be read leaves the optimizer unchanged too. A pair written by
     :func:`marked_pair` must match: a scaler file of another save is refused (ValueError), one
-    the save did not write is ignored, and one it wrote must be there."""
+    the save did not write is ignored, and one it wrote must be there. ``read_optimizer`` of a
+    directory gives its record the same way, without an id (``{"scaler": bool}``); a state
+    without a record (a directory saved before ringseq kept one) loads a scaler file where
+    there is one."""
     scaler = getattr(optimizer, "scaler", None)
 
     def read(path):
@@ -527,13 +579,15 @@ def _with_scaler_state(optimizer, scaler_file: str, read_optimizer):
             if save is not None:
                 raise ValueError(f"{scaler_file!r} is missing, but the optimizer state in "
                                  f"{path!r} was saved with the grad scaler's (a save that "
-                                 f"failed part way?): load a complete checkpoint")
+                                 f"failed part way, or the file removed after it?): load a "
+                                 f"complete checkpoint")
             return state, None
         scaler_state = read_file(scaler_file)
         if not isinstance(scaler_state, dict) or not scaler_state:
             raise ValueError(f"{scaler_file!r} holds no grad scaler state")
         scaler_save = scaler_state.pop(_SAVE_KEY, None)
-        if save is not None and scaler_save != save.get("id"):
+        # (a directory records no id: its metadata, written last, is what marks a save whole)
+        if save is not None and "id" in save and scaler_save != save["id"]:
             raise ValueError(f"{scaler_file!r} holds the grad scaler's state of another save "
                              f"than the optimizer state in {path!r} (a save that failed part "
                              f"way?): load a complete checkpoint")

@@ -4,9 +4,12 @@ data-parallel group must share, a replicated checkpoint every rank reads.
 A digest is 31 bits (``ringseq._hash``) over each tensor's shape, the sum of its elements' bits
 and their position-weighted sum (int64, wrapping), over at most ``_SAMPLE`` elements per
 tensor (larger tensors by an evenly strided sample): another batch, or another step's
-weights, changes it. Not a cryptographic hash, and a change confined to elements outside the
-sample of a large tensor goes unseen: it tells a different batch or file from the expected one,
-for about 10 ms per large tensor (a 131072 x 4096 ``inputs_embeds`` in full took 6.6 s).
+weights, changes it. Tensors of other kinds are read by what defines them: a sparse tensor by
+its indices and values, a quantized one by its integers and their scale and zero point, a
+meta one by its dtype and shape, a nested one by its components. Not a cryptographic hash,
+and a change confined to elements outside the sample of a large tensor goes unseen: it tells
+a different batch or file from the expected one, for about 10 ms per large tensor (a
+131072 x 4096 ``inputs_embeds`` in full took 6.6 s).
 """
 from __future__ import annotations
 
@@ -29,11 +32,56 @@ def _wrap64(v: int) -> int:
 
 
 def _tensor_words(t: torch.Tensor) -> List[int]:
-    flat = t.detach()
+    """The words of one tensor: a strided tensor's shape and element sums (:func:`_dense_words`);
+    any other kind a state can hold by what defines it, behind a negative tag (a strided
+    tensor's first word, its number of dims, is never negative), so that no tensor a file can
+    hold raises here (before: sparse, meta and quantized tensors did, on the rank that read
+    one alone, after the ranks' vote, and its peers waited the ring timeout)."""
+    t = t.detach()
+    if t.is_nested:  # (its components, one by one: reshape cannot flatten it)
+        parts = t.unbind()
+        return [-1, len(parts), *(w for part in parts for w in _tensor_words(part))]
+    if t.is_meta:  # no data: what it is, shape and dtype
+        return [-2, *_text_words(str(t.dtype)), len(t.shape), *t.shape]
+    if t.is_quantized:  # the stored integers and how they map to values
+        scheme = t.qscheme()
+        if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            mapping = _dense_words(torch.tensor([t.q_scale()], dtype=torch.float64)) + \
+                [int(t.q_zero_point())]
+        else:
+            mapping = [*_dense_words(t.q_per_channel_scales()),
+                       *_dense_words(t.q_per_channel_zero_points()), t.q_per_channel_axis()]
+        return [-3, *_text_words(str(scheme)), *_dense_words(t.int_repr()), *mapping]
+    parts = _SPARSE_PARTS.get(t.layout)
+    if parts is not None:  # indices and values as stored (not coalesced: no copy)
+        return [-4, *_text_words(str(t.layout)), len(t.shape), *t.shape,
+                *(w for part in parts(t) for w in _dense_words(part))]
+    return _dense_words(t)
+
+
+#: a sparse tensor's parts by layout (COO's as stored, coalesced or not)
+_SPARSE_PARTS = {
+    torch.sparse_coo: lambda t: (t._indices(), t._values()),
+    torch.sparse_csr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_bsr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_csc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+    torch.sparse_bsc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+}
+
+
+def _text_words(text: str) -> List[int]:
+    return [len(text), *text.encode()]
+
+
+def _dense_words(t: torch.Tensor) -> List[int]:
+    """A strided tensor's words: its shape, the sum of its elements' bits and their
+    position-weighted sum (over at most ``_SAMPLE`` of them)."""
+    flat = t
     if flat.is_complex():
         flat = torch.view_as_real(flat)
     flat = flat.reshape(-1)
-    if flat.is_floating_point():
+    if flat.is_floating_point() or str(flat.dtype).startswith("torch.bits"):
+        # (bits dtypes have no arithmetic either: their bits as integers)
         flat = flat.view(_BITS[flat.element_size()])
     elif flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)

@@ -36,13 +36,19 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from .._dist import agree_on_fields, agree_or_raise
 from ..parallel.fsdp import reshard_gathered
-from .checkpoint import (ReplicatedCheckpointIO, _check_model_state, _check_optimizer_state,
-                         _load, _unwrap, _with_scaler_state, _write, on_writer,
-                         read_file, refuse_unloadable, save_scaler, wrong_kind)
+from .checkpoint import (_SAVE_KEY, ReplicatedCheckpointIO, _check_model_state,
+                         _check_optimizer_state, _load, _unwrap, _with_scaler_state, _write,
+                         on_writer, read_file, refuse_unloadable, save_scaler, scaler_state,
+                         wrong_kind)
 from .checkpoint_call import checkpoint_call, current_call, shard_bytes
 
 # The fp16 grad scaler's state inside a sharded optimizer checkpoint's directory.
 _SCALER_FILE = "grad_scaler.pt"
+# Whether the save wrote the grad scaler's file, recorded in the directory's metadata (the
+# entry "ringseq_save.grad_scaler", beside the optimizer's) as the plain file records it in its
+# save id: without it a directory whose grad_scaler.pt is gone loaded and kept the live loss
+# scale. (A bool alike on every rank: dcp keeps one rank's copy of a non-tensor entry.)
+_SCALER_RECORD = f"{_SAVE_KEY}.grad_scaler"
 
 __all__ = ["DistributedCheckpointIO", "INDEX_NAME"]
 
@@ -155,16 +161,28 @@ def read_full_state_dict(path: str) -> dict:
             raise ValueError(f"{path!r} is a directory without {INDEX_NAME}: not a model "
                              f"checkpoint save_model wrote, or one whose save failed part way "
                              f"(the index is written last){other}")
-        with open(index) as f:
-            meta = json.load(f)
+        try:
+            with open(index) as f:
+                meta = json.load(f)
+        except (ValueError, UnicodeDecodeError) as exc:  # (JSONDecodeError is a ValueError)
+            # (before: the decoder's words alone, naming no file)
+            raise ValueError(f"{index!r} is not the JSON index save_model writes ({exc}): "
+                             f"damaged or cut short after the save") from None
         weight_map = meta.get("weight_map") if isinstance(meta, dict) else None
-        if not isinstance(weight_map, dict):
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(name, str) for name in weight_map.values()):
             raise ValueError(f"{index!r} has no weight_map (parameter name -> shard file): not "
                              f"an index save_model wrote")
         files = sorted(set(weight_map.values()))
         state = {}
         for name in files:
-            state.update(read_file(os.path.join(path, name)))
+            shard = read_file(os.path.join(path, name))
+            if not isinstance(shard, dict):
+                # (before: dict.update's TypeError, naming no file)
+                raise ValueError(f"{os.path.join(path, name)!r}, a shard {INDEX_NAME} names, "
+                                 f"holds a {type(shard).__name__}, not the dict of tensors "
+                                 f"(parameter name -> tensor) save_model writes")
+            state.update(shard)
         return state
     return read_file(path)
 
@@ -321,12 +339,14 @@ def _dcp_keys(path: str) -> list:
     return keys
 
 
-def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
+def _check_dcp_optimizer_layout(path: str, own: dict, cls: str = "optimizer") -> None:
     """What ``dcp.load`` does not check, from the directory's metadata (the same on every
-    rank) against this optimizer's own state dict ``own`` (parameter names): the number of
+    rank) against this optimizer's own state dict ``own`` (parameter names; ``cls``: the
+    optimizer's class name, which the messages name; the directory records none): the number of
     parameter groups and the settings each needs, and state for exactly this optimizer's
-    parameters (``dcp.load`` reads only the entries it is asked for: a checkpoint of a larger
-    model, or with more groups, loaded without a word). ValueError naming what differs.
+    parameters and with the entries this class keeps (``dcp.load`` reads only the entries it is
+    asked for: a checkpoint of a larger model, or with more groups, loaded without a word).
+    ValueError naming what differs.
     A parameter with no state at all in the checkpoint had none when it was saved (it never
     got a gradient: an embedding under ``inputs_embeds``): it is taken out of ``own``, so it
     is neither read nor given state; part of a parameter's state missing is an error.
@@ -353,24 +373,46 @@ def _check_dcp_optimizer_layout(path: str, own: dict) -> None:
                              f"by another torch version?)")
         if "initial_lr" not in settings.get(i, set()):
             group.pop("initial_lr", None)
-    saved = {k[len(state_prefix):] for k in keys if k.startswith(state_prefix)}
-    wanted = {f"{name}.{entry}" for name, entries in own["state"].items() for entry in entries}
+    saved: dict = {}  # parameter name -> its state entries in the checkpoint
+    for key in keys:  # ("optimizer.state.<parameter name>.<state entry>")
+        if key.startswith(state_prefix):
+            name, _, entry = key[len(state_prefix):].rpartition(".")
+            saved.setdefault(name, set()).add(entry)
+    wanted = {name: set(entries) for name, entries in own["state"].items()}
+    names = {name for group in groups for name in group["params"]}  # this optimizer's
 
-    def params(entries):  # "<parameter name>.<state entry>" -> the parameter names
-        return sorted({e.rpartition(".")[0] for e in entries})
-    extra, lacking = params(saved - wanted), params(wanted - saved)
-    stateless = set(lacking) - set(params(saved))
-    lacking = [name for name in lacking if name not in stateless]
-    for name in stateless:
+    def listed(items):
+        items = sorted(items)
+        return f"{items[:4]}{' ...' if len(items) > 4 else ''}"
+    for name in set(wanted) - set(saved):  # (no state when saved: none loaded)
         del own["state"][name]
-    if extra:
-        raise ValueError(f"the checkpoint holds optimizer state for {len(extra)} parameter(s) "
-                         f"this optimizer does not ({extra[:4]}{' ...' if len(extra) > 4 else ''}"
-                         f"): a checkpoint of another model or of more parameters")
+    foreign = set(saved) - names
+    if foreign:
+        raise ValueError(f"the checkpoint holds optimizer state for {len(foreign)} parameter(s) "
+                         f"this optimizer does not ({listed(foreign)}): a checkpoint of "
+                         f"another model or of more parameters")
+    # this optimizer's parameters whose entries differ from the ones its class keeps (before:
+    # named "parameters this optimizer does not" have, "a checkpoint of another model")
+    other = {name: entries for name, entries in saved.items()
+             if name in wanted and entries - wanted[name]}
+    if other:
+        name = min(other)
+        raise ValueError(f"the checkpoint holds other optimizer state entries for "
+                         f"{len(other)} parameter(s) of this optimizer ({listed(other)}): "
+                         f"{name!r} has {sorted(saved[name])} there, this "
+                         f"{cls} keeps {sorted(wanted[name])}: a checkpoint of "
+                         f"another optimizer class, or of other settings")
+    unkept = set(saved) - set(wanted)
+    if unkept:
+        raise ValueError(f"the checkpoint holds optimizer state for {len(unkept)} parameter(s) "
+                         f"({listed(unkept)}) that this {cls} keeps none for: a "
+                         f"checkpoint of another optimizer class, or of other settings")
+    lacking = {name for name, entries in saved.items() if wanted[name] - entries}
     if lacking:
+        name = min(lacking)
         raise ValueError(f"the checkpoint holds only part of the optimizer state for "
-                         f"{len(lacking)} parameter(s) of this optimizer ({lacking[:4]}"
-                         f"{' ...' if len(lacking) > 4 else ''})")
+                         f"{len(lacking)} parameter(s) of this optimizer ({listed(lacking)}): "
+                         f"{name!r} lacks {sorted(wanted[name] - saved[name])}")
 
 
 @contextlib.contextmanager
@@ -550,9 +592,11 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
         # The grad scaler's state goes in before the metadata, which dcp writes last: a save
         # failing at either leaves no metadata, refused at load (before, a scaler write that
         # failed after dcp's left the new optimizer state beside the old loss scale).
-        save_scaler(optimizer, os.path.join(checkpoint, _SCALER_FILE))
+        scaler = scaler_state(optimizer)
+        save_scaler(scaler, os.path.join(checkpoint, _SCALER_FILE))
         try:  # collective: raises on every rank when one fails
-            dcp.save({"optimizer": state}, checkpoint_id=checkpoint)
+            dcp.save({"optimizer": state, _SAVE_KEY: {"grad_scaler": scaler is not None}},
+                     checkpoint_id=checkpoint)
         except CheckpointException as exc:  # a BaseException: `except Exception` misses it
             raise ValueError(_checkpoint_exception_text(exc, checkpoint, "save to")) from None
 
@@ -589,10 +633,13 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                              # the staged copy's with the checkpoint's)
 
             def read_optimizer(path):  # this mesh's layout, filled in from the checkpoint
-                staged, error = None, None
+                staged, error, record = None, None, False
                 try:
+                    # the save's record of the grad scaler's file, where the directory has one
+                    # (the same metadata on every rank: every rank asks dcp for it or none)
+                    record = _SCALER_RECORD in _dcp_keys(path)
                     own = _own_optimizer_state(model, opt, _dcp_state_names(path))
-                    _check_dcp_optimizer_layout(path, own)
+                    _check_dcp_optimizer_layout(path, own, type(opt).__name__)
                     own_groups[:] = [list(g["params"]) for g in own["param_groups"]]
                     staged = _empty_like_state(own)
                 except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
@@ -602,7 +649,15 @@ class DistributedCheckpointIO(ReplicatedCheckpointIO):
                 agree_or_raise(error is None, f"staging the optimizer state failed: {error!r}",
                                error=error, peer_message="staging the optimizer state failed "
                                                          "on another rank")
-                return _dcp_read({"optimizer": staged}, path)["optimizer"]
+                wanted = {"optimizer": staged}
+                if record:
+                    wanted[_SAVE_KEY] = {"grad_scaler": False}  # (filled in by dcp.load)
+                read = _dcp_read(wanted, path)
+                if not record:  # (saved before the record: a scaler file there is loaded)
+                    return read["optimizer"]
+                # (as the plain file's save id, which _with_scaler_state's read takes out)
+                return {**read["optimizer"],
+                        _SAVE_KEY: {"scaler": bool(read[_SAVE_KEY]["grad_scaler"])}}
 
             def check(states):  # (dcp.load matched every key it was asked for and its shape)
                 _check_group_members(states[0], own_groups)

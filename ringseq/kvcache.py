@@ -30,7 +30,7 @@ from .engine.ring import get_ring, refuse_on_error
 from .kernels.checks import (FLOAT_DTYPES, accum_dtype, check_tensor_of_rank, given,
                              refuse_dtensors, resolve_scale)
 from .kernels.spans import check_softcap
-from .kernels.extension import ExtensionBackend, extension_available
+from .kernels.extension import ExtensionBackend, extension_available, forced_level_error
 from .layouts import Layout, layout_field
 from .layouts.base import values_key
 from .parallel.ulysses import all_to_all
@@ -195,6 +195,17 @@ def _head_contiguous(*tensors):
     """The tensors (None passes) with a contiguous head dimension: the only one the kernels
     need contiguous (flash-attn copies the others' too)."""
     return tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def _check_forced_level(fn: str, q: torch.Tensor) -> None:
+    """RuntimeError naming ``fn`` for a ``RINGSEQ_CPU_ISA`` level that cannot run, where the
+    call would run ringseq's CPU kernel (as every other entry point raises it), before any
+    cache is written (before: the kernel's message alone, after the new keys were appended,
+    so a retry appended them twice)."""
+    if q.device.type == "cpu" and _kernel_runs("cpu", q.dtype, q.shape[-1]):
+        forced = forced_level_error()
+        if forced is not None:
+            raise RuntimeError(f"{fn}: {forced}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -464,6 +475,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"{fn}: cache_batch_idx names a cache row twice ({host_idx}) while "
                              f"k and v are appended: both rows' new keys would be written into "
                              f"the same cache row")
+    _check_forced_level(fn, q)
     scale = resolve_scale(softmax_scale, d)
     with torch.no_grad():
         q, k, v = _head_contiguous(q, k, v)
@@ -778,6 +790,7 @@ def _ring_plan(fn, q, k_cache_shard, v_cache_shard, cache_seqlens, k, v, world, 
                              f"capacity (dim 1) {cap}, but {need} slots are needed on it for "
                              f"{last} tokens (max(cache_seqlens) + seqlen_new, prefill_len = "
                              f"{prefill_len}, {world} ranks)")
+    _check_forced_level(fn, q)
     scale = resolve_scale(softmax_scale, d)
     # What every rank must pass alike (the docstring's "the same on every rank"; the cache
     # shards' capacity may differ). cache_seqlens and cache_leftpad are compared by a hash of

@@ -850,7 +850,8 @@ def test_a_forced_cpu_level_that_cannot_run_is_named_by_the_call_and_not_listed(
     """RINGSEQ_CPU_ISA naming no level, or a level this CPU lacks (where one is built): the
     backend lists leave 'ringseq' out, and a call that would run it raises RuntimeError naming
     the function called and the level (before: listed as available, and the kernel's error
-    named no function); backend='reference' still runs."""
+    named no function); backend='reference' still runs. flash_attn_with_kvcache raises it too,
+    before it appends the new keys (before: the kernel's message, after writing them)."""
     from ringseq.kernels import available_backends
     from ringseq.kernels.extension import _C
     lacking = [lv for lv in _C.cpu_isa_built() if lv not in _C.cpu_isa_supported()]
@@ -869,6 +870,12 @@ def test_a_forced_cpu_level_that_cannot_run_is_named_by_the_call_and_not_listed(
             get_backend("ringseq")  # (a name checked before any input, as apply does)
             out = ringseq.flash_attn_func(q, q, q, causal=True, backend="reference")
             assert torch.isfinite(out).all()
+            cache = torch.zeros(1, 16, 2, 16)  # (b, capacity, h_kv, d)
+            with pytest.raises(RuntimeError, match=rf"^flash_attn_with_kvcache: "
+                                                   rf"RINGSEQ_CPU_ISA.*{level}"):
+                ringseq.flash_attn_with_kvcache(q[:, :1], cache, cache.clone(), k=q[:, :1],
+                                                v=q[:, :1], cache_seqlens=3)
+            assert not cache.any()  # nothing appended
     finally:
         monkeypatch.delenv("RINGSEQ_CPU_ISA")
         _C._set_cpu_isa(None)
@@ -941,3 +948,21 @@ def test_a_backend_without_block_gradients_runs_ring_inference_and_is_refused_fo
         assert r["training"].startswith(
             "ValueError: ring_flash_attn_func: backend 'forward_only_test' cannot compute a "
             "block's gradients from the merged output of a ring"), r
+
+
+def test_a_value_of_another_kind_is_named_briefly():
+    """An error shows an array by its type and shape and cuts any other value's repr (before:
+    a (1, 512, 8, 64) nested list given for q put 5 million characters into the message)."""
+    import numpy as np
+    k = torch.randn(1, 4, 2, 8)  # (b, s, h_kv, d)
+    nested = torch.zeros(1, 512, 8, 64).tolist()
+    with pytest.raises(TypeError) as info:
+        ringseq.flash_attn_func(nested, k, k)
+    text = str(info.value)
+    assert text.startswith("flash_attn_func: q must be a 4-dim tensor") and len(text) < 400, \
+        text[:500]
+    assert text.endswith("characters) (list)"), text
+    with pytest.raises(TypeError, match=r"got a numpy.ndarray of shape \(1, 512, 8, 64\)$"):
+        ringseq.flash_attn_func(np.zeros((1, 512, 8, 64)), k, k)
+    with pytest.raises(TypeError, match=r"got 3 \(int\)$"):
+        ringseq.flash_attn_func(3, k, k)

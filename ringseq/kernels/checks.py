@@ -47,10 +47,19 @@ def resolve_scale(softmax_scale, headdim: int) -> float:
 
 
 def given(x) -> str:
-    """How a value appears in an error message."""
+    """How a value appears in an error message: a tensor by its shape, an array by its type and
+    shape, anything else by its repr cut to 200 characters (before: a nested list given for q
+    put its whole repr, 5 million characters, into the message)."""
     if isinstance(x, torch.Tensor):
         return f"a torch.Tensor of shape {tuple(x.shape)}"
-    return f"{x!r} ({type(x).__name__})"
+    shape = getattr(x, "shape", None)
+    if isinstance(shape, tuple) and shape and all(isinstance(n, int) for n in shape):
+        # (an array; a NumPy scalar, shape (), shows its value)
+        return f"a {type(x).__module__}.{type(x).__name__} of shape {shape}"
+    text = repr(x)
+    if len(text) > 200:
+        text = f"{text[:160]} ... ({len(text)} characters)"
+    return f"{text} ({type(x).__name__})"
 
 
 def is_bool(value) -> bool:

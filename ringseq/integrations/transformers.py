@@ -368,12 +368,13 @@ def ringseq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         called = settings._model_positions
         if positions is None:
             positions = _model_positions(settings, s_local, query.device)
-        elif torch.is_tensor(called) and called.shape[-1] == positions.shape[-1] and \
-                called.numel() > positions.numel():
+        elif torch.is_tensor(called) and called.dim() == positions.dim() + 1 and \
+                called.shape[1:] == positions.shape and bool((called[0] == positions).all()):
             # the model's own, every row: M-RoPE models (Qwen2-VL, Qwen2.5-VL) take 4-row
-            # position ids, pass the attention the text row and rotate q and k by the other
-            # three (before: only the text row was checked, and rope rows numbered from 0 on
-            # every rank gave logits 1.2e-3 off without a word)
+            # position ids, pass the attention the text row (the first) and rotate q and k by
+            # the other three (before: only the text row was checked, and rope rows numbered
+            # from 0 on every rank gave logits 1.2e-3 off without a word). Only then: an
+            # encoder-decoder's decoder gets positions of its own, not the model call's.
             positions = called
         _check_inputs_once(name, settings, layout, docs, attention_mask, positions, s_local,
                            query.device, getattr(module, "_ringseq_stack", ""))

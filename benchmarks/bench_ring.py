@@ -75,7 +75,7 @@ def build_parser():
                         "kernel any)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="input dtype: bf16, fp16, fp32 or fp64 (default fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--layouts", type=comma_list(None), default="contiguous,zigzag,stripe",
+    p.add_argument("--layouts", type=comma_list(None), default=None,
                    help="comma list of layouts: contiguous, zigzag, stripe, or a name given to "
                         "ringseq.register_layout (default all three; the load balance needs "
                         "contiguous and zigzag)")
@@ -117,9 +117,9 @@ def build_parser():
                    help="instead of the layout rows: a comma list of ring, ulysses, hybrid, "
                         "double_ring, hybrid_double_ring, or 'all' (benchmarks/sp_modes.py: "
                         "bytes per rank per call and time in each mode)")
-    p.add_argument("--ulysses-size", type=positive_int, default=2, metavar="U",
+    p.add_argument("--ulysses-size", type=positive_int, default=None, metavar="U",
                    help="Ulysses degree of the hybrid modes, dividing W and --heads (default 2)")
-    p.add_argument("--inner-ring-size", type=positive_int, default=2, metavar="I",
+    p.add_argument("--inner-ring-size", type=positive_int, default=None, metavar="I",
                    help="inner ring size of the double-ring modes (default 2)")
     # masked ring attention (benchmarks/masked_ring.py): instead of the layout jobs
     p.add_argument("--window", type=positive_int, default=None, metavar="L",
@@ -160,15 +160,9 @@ def check_args(args, launched, device):
         p.error(f"--docs {args.docs!r}: give seeded, longtail or a comma list of lengths")
     if args.window is not None and args.docs:
         p.error("--window and --docs are two jobs: pass one of them")
-    def changed(dest):  # an option set to other than its default (argparse applies its type)
-        default = p.get_default(dest)
-        for action in p._actions:
-            if action.dest == dest and isinstance(default, str) and action.type is not None:
-                default = action.type(default)
-        return getattr(args, dest) != default
-
     if args.docs:  # the Documents layout's job: --layouts play no part
-        if changed("layouts"):  # (before: dropped without a word, the Documents layout ran)
+        if args.layouts is not None:  # (before: dropped without a word, the Documents
+            # layout ran)
             p.error(f"--layouts {','.join(args.layouts)} with --docs: the documents job runs "
                     f"the Documents layout only; drop --layouts (or time the layouts "
                     f"without --docs)")
@@ -208,9 +202,13 @@ def check_args(args, launched, device):
     if args.sp_mode is None:  # (before: taken and ignored)
         for dest, flag in (("ulysses_size", "--ulysses-size"),
                            ("inner_ring_size", "--inner-ring-size")):
-            if changed(dest):
+            if getattr(args, dest) is not None:
                 p.error(f"{flag} {getattr(args, dest)}: sizes a mode of --sp-mode; the layout "
                         f"rows and the masked jobs run the plain ring (pass --sp-mode too)")
+    # the defaults of the options above (None: not given, which the refusals above tell)
+    args.layouts = args.layouts or ["contiguous", "zigzag", "stripe"]
+    args.ulysses_size = args.ulysses_size or 2
+    args.inner_ring_size = args.inner_ring_size or 2
     args.modes = args.modes or ["fwd", "fwd_bwd"]
     if args.sp_mode is not None:  # the same checks as sp_modes.main_sp, as usage errors
         from sp_modes import fitting_sp_modes, parse_sp_modes

@@ -140,6 +140,15 @@ def worst(*errors: float) -> float:
     return max(float("inf") if e != e else e for e in errors)
 
 
+def keep_failed_check(first: dict, row: dict) -> dict:
+    """``row``, a measurement repeated after ``first`` (an overhead below the bar), with
+    ``first``'s spot check where that one failed: a wrong result, which may well time fast,
+    must not pass by being measured again (before: the repeat's check replaced it)."""
+    if not first["check_ok"]:
+        row.update(check_ok=False, max_err=first["max_err"], plain_err=first["plain_err"])
+    return row
+
+
 def max_over_ranks(values, device=None) -> torch.Tensor:
     """(len(values),) float64: each value's maximum over the ranks of the default group, a
     NaN on any rank as inf. (gloo's MAX drops a NaN or keeps it by the order of its operands:

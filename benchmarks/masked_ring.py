@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from common import (CHECK_FLOOR, DTYPES, PeakMemory, cpu_header, environment, format_table,
-                    max_over_ranks, mib, progress, run_with_load, spawn_cpu_ranks, spot_check,
-                    threads_per_rank, time_ms, write_json)
+                    keep_failed_check, max_over_ranks, mib, progress, run_with_load,
+                    spawn_cpu_ranks, spot_check, threads_per_rank, time_ms, write_json)
 
 import ringseq  # noqa: E402
 from ringseq import commstats  # noqa: E402
@@ -249,7 +249,7 @@ def _run_all(args, device):
             if main:
                 progress(f"  overhead {first:.3f} < {MIN_OVERHEAD}: measuring this case once "
                          f"more")
-            res = _rank(args, case)
+            res = keep_failed_check(res, _rank(args, case))
             res["remeasured"], res["warnings"] = True, []
             if res["ms"] / res["compute_ms"] < MIN_OVERHEAD:
                 res["warnings"].append(

@@ -37,11 +37,9 @@ def _packed_documents(batch: Mapping, b: int, s: int,
                 check_cu_seqlens("shard_batch", "cu_seq_lens_k", cu_k) != docs:
             raise ValueError("shard_batch: cu_seq_lens_k differs from cu_seq_lens_q; ring "
                              "attention packs queries and keys the same way")
-    elif rows is not None and pos.dim() <= 2 and bool((rows[:, 0] == 0).all()) and \
-            bool((rows[:, 1:] == 0).any()):
-        # (packed rows start at 0 and restart there; before, any 0 after the first token made
-        # a packed batch: reversed positions and M-RoPE's (3, b, s) rows were refused as
-        # wrongly packed, not for what they are)
+    elif rows is not None and pos.dim() <= 2 and bool((rows[:, 1:] == 0).any()):
+        # (M-RoPE's (3, b, s) rows are no packed batch: named by their shape below; before,
+        # an image's zeros in its height and width rows were refused as a wrongly packed one)
         restarts = (rows[0, 1:] == 0).nonzero().flatten() + 1  # (documents - 1,)
         docs = (0, *restarts.tolist(), s)
     elif per_batch_layout and b == 1 and (pos is None or rows is not None):

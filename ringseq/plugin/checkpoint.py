@@ -312,7 +312,7 @@ def _check_model_state(model, state, strict: bool) -> None:
 
 def _tensor_kind(t: torch.Tensor) -> str:
     """What a tensor is, as the refusals name it: ``"sparse_coo float32"``, ``"meta float32"``,
-    ``"quantized torch.qint8"``, ``"float32"``."""
+    ``"qint8"`` (a quantized dtype), ``"float32"``."""
     layout = "" if t.layout == torch.strided else f"{str(t.layout).replace('torch.', '')} "
     device = "meta " if t.is_meta else ""
     return f"{device}{layout}{str(t.dtype).replace('torch.', '')}"

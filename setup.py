@@ -42,9 +42,14 @@ def fail(message):
 try:
     import torch
     from torch.utils import cpp_extension
-except ImportError:
-    fail("torch must be installed before ringseq is built: `pip install torch` (or "
-         "`pip install torch==2.13.0` for a CPU build), then `pip install --no-build-isolation -e .`")
+except ImportError as exc:
+    # (pip's default isolated build cannot see the torch already installed: before, this said
+    # to install torch, which the user had done)
+    fail(f"torch cannot be imported where ringseq is being built ({exc}). pip builds in an "
+         f"isolated environment unless told not to, and that environment does not see the "
+         f"torch you installed: `pip install --no-build-isolation -e .` (or `.`). Without "
+         f"torch at all, install it first: `pip install torch` (or `pip install "
+         f"torch==2.13.0` for a CPU build)")
 
 
 def require_bdist_wheel():
@@ -173,12 +178,34 @@ def want_cuda():
     return True, f"{why}, CUDA toolkit {cuda_home}"
 
 
-def compiler_accepts(flag):
-    """Whether the C++ compiler setuptools will use accepts `flag` (preprocesses an empty file)."""
+def cxx_command():
+    """The C++ compiler setuptools will use, as a command (CXX, else Python's configured one)."""
     import shlex
     import sysconfig
 
-    cxx = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
+    return shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
+
+
+def compiler_found() -> bool:
+    import shutil
+
+    cxx = cxx_command()
+    return bool(cxx) and shutil.which(cxx[0]) is not None
+
+
+def require_compiler():
+    """Stops the build when there is no C++ compiler to run (before: each ISA level's flags
+    were reported as rejected, then ninja failed with "c++: not found" in a long log)."""
+    if not compiler_found():
+        cxx = cxx_command()
+        fail(f"no C++ compiler: {cxx[0] if cxx else '(empty CXX)'!r} (the CXX variable, else "
+             f"the compiler Python was configured with) is not on PATH; install one (e.g. "
+             f"`apt-get install g++`) or point CXX at it, then build again")
+
+
+def compiler_accepts(flag):
+    """Whether the C++ compiler setuptools will use accepts `flag` (preprocesses an empty file)."""
+    cxx = cxx_command()
     try:
         return subprocess.run([*cxx, flag, "-x", "c++", "-E", "-o", os.devnull, os.devnull],
                               capture_output=True).returncode == 0
@@ -213,7 +240,9 @@ X86_ISA_FLAGS = {
 
 
 def cpu_isa_levels():
-    """{level: flags} of the CPU kernel's ISA levels this build compiles."""
+    """{level: flags} of the CPU kernel's ISA levels this build compiles (without a compiler,
+    every level asked for: the build stops at its start, saying so, and metadata such as
+    ``setup.py --version`` needs none)."""
     import platform
 
     extra = os.environ.get("RINGSEQ_CPU_FLAGS", "").split()
@@ -229,9 +258,10 @@ def cpu_isa_levels():
     if "baseline" not in names:
         names.insert(0, "baseline")  # the fallback every CPU can run
     levels = {}
+    found = compiler_found()
     for n in names:
         flags = candidates[n]
-        if all(compiler_accepts(f) for f in flags):
+        if not found or all(compiler_accepts(f) for f in flags):
             levels[n] = flags + extra
         else:
             print(f"ringseq: the compiler rejects {' '.join(flags)}: CPU ISA level {n} not built")
@@ -269,6 +299,7 @@ class BuildExtWithIsaLevels(cpp_extension.BuildExtension):
     def build_extension(self, ext):
         import time
 
+        require_compiler()
         levels = getattr(ext, "cpu_isa_levels", None) or {}
         cuda_units = [s for s in ext.sources if s.endswith(".cu")]
         host_units = [s for s in ext.sources if not s.endswith(".cu")]
@@ -281,8 +312,9 @@ class BuildExtWithIsaLevels(cpp_extension.BuildExtension):
         say(f"compiling up to {total} translation units: {counts['cpu_isa']} CPU kernel "
             f"({len(CPU_ISA_SOURCES)} per ISA level x {len(levels)}), {counts['host']} host "
             f"C++, {counts['cuda']} CUDA; about {about} with {jobs} parallel job(s) "
-            f"(MAX_JOBS) on a recent core; ninja skips units already up to date and prints "
-            f"[n/N] as it goes")
+            f"(MAX_JOBS) on a recent core; ninja prints [n/N] as it goes (and skips units "
+            f"already up to date in the same build folder: `python setup.py build_ext "
+            f"--inplace` again, not a new pip install, which builds in a new temporary one)")
         start = time.time()
         done = 0
 

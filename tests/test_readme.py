@@ -145,6 +145,52 @@ def test_a_setuptools_that_cannot_build_wheels_stops_with_what_to_do():
     assert "`pip install -U setuptools`" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_build_without_torch_or_a_compiler_says_which_and_what_to_do(tmp_path):
+    """torch hidden (pip's isolated build does not see the installed one): the message names
+    the isolation and --no-build-isolation (before: "torch must be installed", which it was).
+    No compiler (CXX names none on PATH): one message at the build's start, and metadata still
+    answers (before: every ISA level "rejected", then ninja's "c++: not found" in a long log
+    with tracebacks)."""
+    hidden = ("import runpy, sys\n"
+              "sys.modules['torch'] = None\n"
+              "sys.argv = ['setup.py', '--version']\n"
+              "runpy.run_path('setup.py', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", hidden], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, RINGSEQ_CUDA="0"), timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "ringseq build error: torch cannot be imported where ringseq is being built" in \
+        proc.stderr and "`pip install --no-build-isolation -e .`" in proc.stderr, proc.stderr
+    env = dict(os.environ, RINGSEQ_CUDA="0", CXX=str(tmp_path / "no-such-c++"))
+    proc = subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "rejects" not in proc.stdout, proc.stdout + proc.stderr
+    build = str(tmp_path / "build")
+    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-temp", build,
+                           "--build-lib", build], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert f"ringseq build error: no C++ compiler: '{tmp_path / 'no-such-c++'}'" in \
+        proc.stderr, proc.stderr
+
+
+def test_a_package_without_its_extension_says_where_and_how_to_build_it():
+    """Without ringseq/_C*.so (a checkout never built, or one shadowing an installed ringseq)
+    the Python backends run, and backend='ringseq' names the folder and the build (before:
+    Python's "partially initialized module ... circular import")."""
+    probe = ("import sys\n"
+             "sys.modules['ringseq._C'] = None\n"
+             "import torch, ringseq\n"
+             "q = torch.randn(1, 8, 2, 16)\n"
+             "assert ringseq.flash_attn_func(q, q, q).shape == q.shape\n"
+             "ringseq.flash_attn_func(q, q, q, backend='ringseq')\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ringseq._C is not built: " + os.path.join(ROOT, "ringseq") + " has no compiled " \
+           "ringseq/_C*.so (build it there with `pip install --no-build-isolation -e .`" in \
+        proc.stderr, proc.stderr
+
+
 def test_import_without_numpy_is_quiet():
     """Without NumPy, `import torch` warns "Failed to initialize NumPy"; `import ringseq`
     must not (the main job's install has no NumPy). NumPy is hidden by a None entry in

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -210,16 +212,19 @@ def _wrong_tensor_cases():
            r"^ring_sdpa: key must be a 4-dim tensor \(batch, nheads_kv, seqlen, headdim\), got "
            r"None")
     # transformers' attention function: its (b, h, s, d) names and shapes, under the layer's name
-    from ringseq.integrations.transformers import RingSettings, ringseq_attention_forward
+    # (where transformers, an optional dependency, is installed: before, the whole suite stopped
+    # at collection without it)
+    if importlib.util.find_spec("transformers") is not None:
+        from ringseq.integrations.transformers import RingSettings, ringseq_attention_forward
 
-    class LlamaAttention(torch.nn.Module):
-        ringseq_settings = RingSettings()
+        class LlamaAttention(torch.nn.Module):
+            ringseq_settings = RingSettings()
 
-    yield ("transformers query",
-           lambda: ringseq_attention_forward(LlamaAttention(), q.transpose(1, 2)[0],
-                                             k.transpose(1, 2), v.transpose(1, 2), None),
-           ValueError, r"^LlamaAttention: query must be a 4-dim tensor \(batch, nheads, seqlen, "
-                       r"headdim\), got 3 dims with shape \(4, 16, 8\)")
+        yield ("transformers query",
+               lambda: ringseq_attention_forward(LlamaAttention(), q.transpose(1, 2)[0],
+                                                 k.transpose(1, 2), v.transpose(1, 2), None),
+               ValueError, r"^LlamaAttention: query must be a 4-dim tensor \(batch, nheads, "
+                           r"seqlen, headdim\), got 3 dims with shape \(4, 16, 8\)")
     yield ("varlen 4 dims",
            lambda: ringseq.flash_attn_varlen_func(q, *flat[1:], cu, cu, 16, 16), ValueError,
            r"^flash_attn_varlen_func: q must be a 3-dim tensor \(total, nheads, headdim\), got "

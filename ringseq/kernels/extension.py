@@ -31,6 +31,21 @@ except ImportError as exc:  # not built: the Python backends still work
     _IMPORT_ERROR = exc
 
 
+def _not_built_reason() -> str:
+    """Why ringseq._C is missing, and what to do. A package without the compiled file (a
+    checkout never built, or one that shadows an installed ringseq: python run from its root)
+    said Python's words for it, "partially initialized module ... circular import", which
+    named neither the folder nor the build."""
+    import os
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    exc = _IMPORT_ERROR
+    if getattr(exc, "name", None) in ("_C", "ringseq._C") or "'_C'" in str(exc):
+        return (f"ringseq._C is not built: {package} has no compiled ringseq/_C*.so (build it "
+                f"there with `pip install --no-build-isolation -e .`, or run from outside a "
+                f"source checkout to use an installed ringseq)")
+    return f"ringseq._C in {package} failed to load ({exc})"
+
+
 def extension_available() -> bool:
     return _C is not None
 
@@ -204,7 +219,7 @@ class ExtensionBackend(AttentionBackend):
 
     def unsupported_reason(self, device, dtype, headdim):
         if _C is None:
-            return f"ringseq._C is not built ({_IMPORT_ERROR})"
+            return _not_built_reason()
         if device.type == "cuda":
             if not extension_has_cuda():
                 return "ringseq was built without CUDA kernels"

@@ -1773,6 +1773,159 @@ def test_evaluating_on_one_data_parallel_group_leaves_the_others_in_step():
         assert r.get("evaluation", ("ok",))[0] == "ok" and r["next step"][0] == "ok", r
 
 
+# The plugin's forward starts with one agreement (ModelWrapper._agree_on_inputs) where its
+# first collective is not a ring call: tensor parallelism, FSDP, DDP. W = 4, the loader
+# boosted with the model, SGD, float64.
+_FORWARD_AGREEMENT_CONFIGS = {"sp2 x tp2, zero 3": {"tp_size": 2, "zero_stage": 3},
+                              "sp2 x dp2, zero 3": {"zero_stage": 3},
+                              "sp2 x dp2, zero 0 (DDP)": {"zero_stage": 0}}
+
+
+def _worker_forward_agreement(configs):
+    """For each plugin configuration: a first step; then rank 1 fetches two batches (it
+    raised in its own code at batch 2 and went on) and runs its forward on batch 3 while the
+    others run batch 2; ``optimizer.zero_grad()`` and ``booster.reset()`` on every rank, a
+    fresh loader iteration (batch 1 again). Under tensor parallelism rank 1 then passes
+    another shard than its tp peer (a longer sequence, a bad token id where rank 1's tp
+    slice does not keep it, another batch), and nothing is repaired. Last, the step on
+    batch 1 (two steps on batch 1 in all), and the control operations a forward adds to the
+    default group's ring with the checks on and off (steps that do not step)."""
+    from ringseq.plugin import Booster, RingSequenceParallelPlugin
+    ringseq.set_ring_timeout(TIMEOUT)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(2)
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (8, 16), generator=g)]
+    results = {}
+    for name, plugin_kwargs in configs.items():
+        plugin = RingSequenceParallelPlugin(sp_size=2, layout="zigzag", **plugin_kwargs)
+        booster = Booster(plugin=plugin)
+        inner = _tiny_llama().double()
+        model, opt, crit, loader, _ = booster.boost(
+            inner, torch.optim.SGD(inner.parameters(), lr=0.1),
+            dataloader=plugin.prepare_dataloader(data, batch_size=1))
+
+        def step(batch):
+            booster.backward(crit(model(**batch), batch), opt)
+            opt.step()
+            opt.zero_grad()
+
+        it = iter(loader)
+        out = {"first": _capture(lambda: step(next(it)))}
+
+        def skipped():
+            batch = next(it)
+            if rank == 1:
+                batch = next(it)
+            step(batch)
+
+        out["skipped"] = _capture(skipped)
+        opt.zero_grad()
+        booster.reset()
+        it = iter(loader)
+        batch = next(it)  # batch 1 again, on every rank
+        if plugin.tp_size > 1:
+            longer = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(7))
+            bad, other = dict(batch), ringseq.shard_batch(
+                {k: v[None] for k, v in data[5].items()}, group=plugin.sp_group,
+                layout="zigzag")
+            bad["input_ids"] = batch["input_ids"].clone()
+            bad["input_ids"][0, 0] = 10_000
+            for case, mine in (("longer shard", ringseq.shard_batch(
+                    {"input_ids": longer, "labels": longer}, group=plugin.sp_group,
+                    layout="zigzag")), ("bad token", bad), ("other batch", other)):
+                out[case] = _capture(lambda: step(mine if rank == 1 else batch))
+        out["back"] = _capture(lambda: step(batch))
+        ring = ringseq.get_ring(None)
+        controls = []
+        for checks in (True, False):  # (a step without the optimizer's: nothing trains)
+            ringseq.set_consistency_check(checks)
+            before = ring.control_count
+            outputs = model(**batch)
+            controls.append(ring.control_count - before)
+            booster.backward(crit(outputs, batch), opt)
+            opt.zero_grad()
+        ringseq.set_consistency_check(True)
+        out["controls"] = controls
+        out["params"] = [getattr(p, "full_tensor", p.detach)().detach().clone()
+                         for p in inner.parameters()]
+        out["dp"] = plugin.dp_size
+        results[name] = out
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def forward_agreement():
+    return run_ranks(_worker_forward_agreement, 4, _FORWARD_AGREEMENT_CONFIGS, timeout=400,
+                     env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
+
+
+def _two_steps_on(samples):
+    """Two SGD steps on one process over ``samples`` (one global batch: the mean of their
+    next-token losses), float64."""
+    model = _tiny_llama().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.cat([s["input_ids"][None] for s in samples])
+    for _ in range(2):
+        logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64),
+                                                 ids[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("config", list(_FORWARD_AGREEMENT_CONFIGS))
+def test_a_rank_a_batch_ahead_raises_everywhere_before_the_forwards_collectives(
+        forward_agreement, config):
+    # Before: the forward's first collective is tp's all-gather, FSDP's or DDP's, which carry
+    # no call tag: gloo aborted the processes ("Received data size doesn't match expected
+    # size"), or they waited for the timeout and booster.reset() could not recover.
+    for r in forward_agreement:
+        res = r[config]
+        assert res["first"][0] == "ok", res["first"]
+        _is_error(res["skipped"], ("RingDesyncError",), "rank 1: batch agreement",
+                  "rank 0: forward inputs agreement", "(tag 2)")
+        assert res["back"][0] == "ok", res["back"]
+
+
+@pytest.mark.parametrize("config", list(_FORWARD_AGREEMENT_CONFIGS))
+def test_training_after_a_forward_refused_by_the_agreement_is_exact(forward_agreement, config):
+    g = torch.Generator().manual_seed(2)
+    data = [{"input_ids": t} for t in torch.randint(0, 64, (8, 16), generator=g)]
+    want = _two_steps_on(data[:forward_agreement[0][config]["dp"]])
+    for r in forward_agreement:
+        for got, ref in zip(r[config]["params"], want):
+            assert max_err(got, ref) < 1e-10
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("longer shard", "input_ids shapes rank 0: (1, 8), rank 1: (1, 12)"),
+    ("bad token", "batch digests (input_ids, position_ids, ...) rank 0: 0x"),
+    ("other batch", "batch digests (input_ids, position_ids, ...) rank 0: 0x")])
+def test_tensor_parallel_peers_given_other_inputs_raise_everywhere(forward_agreement, case,
+                                                                   needle):
+    # Before: a longer shard on one rank aborted its tp peer in gloo; a bad token id or
+    # another batch on one rank went unseen (each tp rank keeps its own part of the shard it
+    # is given: the token was dropped, and the model trained on a mix of two batches).
+    messages = set()
+    for r in forward_agreement:
+        res = r["sp2 x tp2, zero 3"][case]
+        _is_error(res, ("RingMismatchError",), "LlamaForCausalLM (boosted forward): the ranks "
+                  "of one tensor-parallel group were given different inputs", needle,
+                  "Nothing ran")
+        messages.add(res[1])
+    assert len(messages) == 1, messages  # every rank judged the same rows
+
+
+@pytest.mark.parametrize("config", list(_FORWARD_AGREEMENT_CONFIGS))
+def test_the_forward_agreement_is_one_control_operation_and_none_with_checks_off(
+        forward_agreement, config):
+    for r in forward_agreement:
+        assert r[config]["controls"] == [1, 0], r[config]["controls"]
+
+
 def _worker_subgroup_stall():
     """W=4 in two rings of 2 ({0, 1} and {2, 3}); global rank 3 stalls past the timeout: its
     ring peer, global rank 2 (rank 0 of its group), times out naming the peer by its global

@@ -85,7 +85,8 @@ _OPERATIONS = ("ring attention", "double-ring attention", "Ulysses attention",
 AGREEMENTS = ("argument check", "optimizer step", "optimizer step refusal", "batch", "loss",
               "attention inputs", "plugin options", "boosted model", "checkpoint load",
               "loader state", "checkpoint call", "backward", "unshard", "unshard backward",
-              "failure report taken", "clip_grad_by_norm", "optimizer param group")
+              "failure report taken", "clip_grad_by_norm", "optimizer param group",
+              "forward inputs")
 
 
 def agreement_code(about: str) -> int:

@@ -937,6 +937,17 @@ class RingSequenceParallelPlugin(Plugin):
         model.agrees_after_no_grad_forward = (dist.is_initialized()
                                               and dist.get_world_size(group) > 1)
         self.reporter.no_grad_group = group
+        # ... and agree on their inputs (the call tag, the loader's batch number, and the tp
+        # peers' inputs) before the forward's first collective where that may be one that
+        # carries neither (ModelWrapper._agree_on_inputs): tp's, FSDP's all-gathers, DDP's
+        # (with gradients only: under no_grad DDP runs none). Where the first one is a ring
+        # call, the call itself compares tags and shapes, and nothing is added.
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        model.agrees_before_forward = several and (
+            dims.tp_size > 1 or dims.zero_stage >= 2
+            or isinstance(model.module, nn.parallel.DistributedDataParallel))
+        model.agrees_before_no_grad_forward = (model.agrees_after_no_grad_forward
+                                               and (dims.tp_size > 1 or dims.zero_stage >= 2))
         if frozen or isinstance(model.module, nn.parallel.DistributedDataParallel):
             # DDP sums only the parameters that required gradients when it was built (and a
             # frozen model has no sum at all): unfreezing one later must be refused
@@ -951,6 +962,10 @@ class RingSequenceParallelPlugin(Plugin):
         model.needs_input_ids = plan is not None and plan.source != "tp_plan styles"
         model.needs_position_ids = model.needs_input_ids and is_transformers_model(user_model)
         model.tp_split = dims.tp_size if model.needs_input_ids else 1
+        if model.needs_input_ids:
+            # (the plan slices the same shard on every tp rank: their inputs must be equal; a
+            # plan of the user's own styles may take other inputs per tp rank: not compared)
+            model.tp_peers = min(dist.get_process_group_ranks(self.groups.tp_group))
         model.checkpointed = self.activation_checkpointing
         if dataloader is not None:
             dataloader.needs_input_ids = model.needs_input_ids

@@ -17,13 +17,15 @@ from torch import nn
 from torch.amp.grad_scaler import OptState
 
 from .._args import check_size_and_rank, given
-from .._dist import RingError, RingMismatchError, add_note, global_rank, ring_timeout
+from .._dist import (RingDesyncError, RingError, RingMismatchError, add_note, global_rank,
+                     ring_timeout)
 from ..engine.integrity import ANY, call_tag
 from ..engine.ring import get_ring
 from ..parallel.fsdp import reshard_gathered
 from ..loss import RING_REPORT_WAITS, report_own_failure, sharded_cross_entropy
 from ..spec import float_field
 from .dataloader import INPUTS_EMBEDS_UNDER_TP
+from .digest import batch_digest
 from .grad_norm import local_norm_share, scale_, total_norm
 from .precision import found_inf, mark_inf, overflowed, settle_scaler, update_due
 
@@ -125,6 +127,15 @@ class ModelWrapper(nn.Module):
         #: a forward under no_grad ends with the agreement of the ranks its collectives reach
         #: (``FailureReporter.forward_ended``, over ``no_grad_group``)
         self.agrees_after_no_grad_forward = False
+        #: a forward with gradients / under no_grad starts with the agreement on its inputs
+        #: (:meth:`_agree_on_inputs`): set by boost where its first collective may be one
+        #: that carries no call tag and no shapes (a tp, FSDP or DDP one), not a ring call
+        self.agrees_before_forward = False
+        self.agrees_before_no_grad_forward = False
+        #: the global rank of the first member of this rank's tensor-parallel group where
+        #: the plan splits the sequence at the embedding (None: tp_size 1, or a plan of the
+        #: user's own styles): the ranks of one tp group must be given the same inputs
+        self.tp_peers = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -178,6 +189,89 @@ class ModelWrapper(nn.Module):
             return stack
         return contextlib.nullcontext()
 
+    @torch.compiler.disable  # (host code on a process group: a compiled model runs it eagerly)
+    def _agree_on_inputs(self, user: nn.Module, ids, kwargs, refusal) -> bool:
+        """The agreement that starts a forward whose first collective may be a tensor-parallel,
+        FSDP or DDP one (``agrees_before_forward`` / ``agrees_before_no_grad_forward``): one
+        control all-gather before any collective of the forward, over the ranks the forward
+        reaches (with gradients the default group, where the loader and the loss agree;
+        under no_grad ``FailureReporter.no_grad_group``). Unlike ring calls, those collectives
+        carry neither the step's call tag nor the inputs' shapes: a rank a batch ahead (it
+        skipped a step) or given a longer shard or other tokens than its tp peers aborted in
+        gloo ("Received data size doesn't match expected size"), waited for the timeout, or
+        trained on a mix of two batches (each tp rank keeps its own part of the sequence it
+        was given). Raises on every rank: RingDesyncError where a rank is at another
+        agreement or step (its control vector carries the call tag, the loader's batch
+        number: a rank that fetched one batch more meets the others' forward with its
+        loader's agreement), ``refusal`` on this rank and RingPeerError on the others, and
+        RingMismatchError where the ranks of one tensor-parallel group were given inputs of
+        other shapes or values (a digest of the model's batch inputs, ``batch_digest``).
+        Returns whether it ran (not with the consistency checks off: nothing is then
+        compared, and nothing costs)."""
+        grad = torch.is_grad_enabled()
+        if not (self.agrees_before_forward if grad else self.agrees_before_no_grad_forward):
+            return False
+        group = None if grad else self._reporter.no_grad_group
+        ring = get_ring(group)
+        try:
+            if not ring.checks_on:
+                return False
+        except ValueError:  # (a malformed check mode: agree refuses it on every rank)
+            pass
+        fields = ()
+        if self.tp_peers is not None:
+            inputs = dict(kwargs)
+            if torch.is_tensor(ids):
+                inputs["input_ids"] = ids
+            shape = next((tuple(t.shape[:2]) for t in (ids, kwargs.get("inputs_embeds"))
+                          if torch.is_tensor(t) and t.dim() >= 2), (0, 0))
+            ok = refusal is None
+            fields = (("tensor-parallel group", self.tp_peers, ANY),
+                      ("input rows", shape[0] if ok else 0, ANY),
+                      ("input length", shape[1] if ok else 0, ANY),
+                      ("input digest", batch_digest(inputs) if ok else 0, ANY))
+        name = type(user).__name__
+        try:
+            rows = ring.agree(refusal is None, str(refusal), error=refusal, fields=fields,
+                              about="forward inputs", called=f"{name} (boosted forward)")
+        except RingDesyncError as exc:
+            add_note(exc, f"ringseq: raised by {name}'s boosted forward, whose agreement "
+                          f"carries the call tag: the number of the boosted loader's batch "
+                          f"(tag {self._step.value} here); a rank at its loader's batch "
+                          f"agreement there fetched another batch (it skipped a step). "
+                          f"Bring every rank to the same batch: optimizer.zero_grad() and "
+                          f"booster.reset() on every rank, then a new loader iteration "
+                          f"(or load the loader's state) on every rank")
+            raise
+        if rows is not None and fields:
+            self._check_tp_inputs(name, group, rows)
+        return True
+
+    @staticmethod
+    def _check_tp_inputs(name: str, group, rows) -> None:
+        """RingMismatchError (on every rank: each judges the same gathered rows) when the
+        ranks of one tensor-parallel group were given inputs of other shapes or values."""
+        groups = {}
+        for r, (peers, rows_, length, digest) in enumerate(rows):
+            groups.setdefault(peers, []).append((global_rank(group, r), rows_, length, digest))
+        detail = []
+        for members in groups.values():
+            ranks = [m[0] for m in members]
+            if len({m[1:3] for m in members}) > 1:
+                detail.append(f"tensor-parallel ranks {ranks}: input_ids shapes " + ", ".join(
+                    f"rank {m[0]}: ({m[1]}, {m[2]})" for m in members))
+            elif len({m[3] for m in members}) > 1:
+                detail.append(f"tensor-parallel ranks {ranks}: batch digests (input_ids, "
+                              f"position_ids, ...) " + ", ".join(
+                                  f"rank {m[0]}: {m[3]:#010x}" for m in members))
+        if detail:
+            raise RingMismatchError(
+                f"{name} (boosted forward): the ranks of one tensor-parallel group were given "
+                f"different inputs ({'; '.join(detail)}); expected the same batch on every "
+                f"rank of a tensor-parallel group (each keeps its own part of the same "
+                f"sequence shard: the boosted loader gives them one). Nothing ran; the "
+                f"rings stay usable")
+
     def unwrap(self) -> nn.Module:
         m = self.module
         return m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
@@ -190,36 +284,46 @@ class ModelWrapper(nn.Module):
                 with self._precision.autocast():
                     return self.module(*args, **kwargs)
             user = self.unwrap()
-            # Refusals of what the model was boosted for, raised before any collective and
+            # Refusals of what the model was boosted for, made before any collective and
             # outside the failure reporting, so that nothing needs repair (those of frozen or
             # unfrozen parameters, which a rank may make alone, fail the forward below): every
             # rank holds the same parameters, and the boosted loader refuses inputs_embeds under
-            # tp on every rank at once (batches of the user's own that differ in kind between
-            # data-parallel groups leave the other groups waiting for the ring timeout).
+            # tp on every rank at once. Where the forward starts with an agreement
+            # (_agree_on_inputs) they are raised there, so a rank refusing alone (batches of
+            # the user's own) makes the others raise RingPeerError; elsewhere here (and the
+            # other data-parallel groups wait for the ring timeout).
+            refusal, reported = None, False
+            agrees = self.agrees_after_no_grad_forward and not torch.is_grad_enabled()
+            ids = kwargs.get("input_ids", args[0] if args else None)
             if self.needs_input_ids and kwargs.get("inputs_embeds") is not None:
-                raise ValueError(f"{type(user).__name__}: {INPUTS_EMBEDS_UNDER_TP}")
-            if self.needs_position_ids and kwargs.get("position_ids") is None and len(args) < 3:
+                refusal = ValueError(f"{type(user).__name__}: {INPUTS_EMBEDS_UNDER_TP}")
+            elif self.needs_position_ids and kwargs.get("position_ids") is None and \
+                    len(args) < 3:
                 # the plan shortens the sequence at the embedding: the model would make
                 # positions for a tp rank's part of its shard and fail in its rotary tables
                 # with a bare shape error (before ringseq's own check of the positions)
-                raise ValueError(f"{type(user).__name__}: position_ids are needed with "
-                                 f"tp_size > 1 (the tensor-parallel plan splits the sequence "
-                                 f"at the input embedding, so the model cannot number the "
-                                 f"tokens itself); pass the batch's position_ids "
-                                 f"(ringseq.shard_batch and the boosted loader make them)")
-            agrees = self.agrees_after_no_grad_forward and not torch.is_grad_enabled()
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if self.tp_split > 1 and torch.is_tensor(ids) and ids.dim() == 2 and \
+                refusal = ValueError(f"{type(user).__name__}: position_ids are needed with "
+                                     f"tp_size > 1 (the tensor-parallel plan splits the "
+                                     f"sequence at the input embedding, so the model cannot "
+                                     f"number the tokens itself); pass the batch's "
+                                     f"position_ids (ringseq.shard_batch and the boosted "
+                                     f"loader make them)")
+            elif self.tp_split > 1 and torch.is_tensor(ids) and ids.dim() == 2 and \
                     ids.shape[1] % self.tp_split:
                 # (before: refused inside the plan's split, after a forward's collectives
-                # began, so that booster.reset() refused and the processes had to restart)
-                exc = ValueError(f"{type(user).__name__}: a sequence shard of {ids.shape[1]} "
-                                 f"tokens cannot be split over tp_size={self.tp_split} ranks "
-                                 f"(the tensor-parallel plan splits it at the input "
-                                 f"embedding); its length must be a multiple of "
-                                 f"{self.tp_split} (the boosted loader's batches are)")
-                self._reporter.report_refusal(exc, agrees)
-                raise exc
+                # began, so that booster.reset() refused and the processes had to restart;
+                # the other replicas hear of it at their loss)
+                refusal, reported = ValueError(
+                    f"{type(user).__name__}: a sequence shard of {ids.shape[1]} tokens "
+                    f"cannot be split over tp_size={self.tp_split} ranks (the "
+                    f"tensor-parallel plan splits it at the input embedding); its length "
+                    f"must be a multiple of {self.tp_split} (the boosted loader's batches "
+                    f"are)"), True
+            # (raises on every rank where the agreement runs, the refusal included)
+            if not self._agree_on_inputs(user, ids, kwargs, refusal) and refusal is not None:
+                if reported:
+                    self._reporter.report_refusal(refusal, agrees)
+                raise refusal
             hf_recomputes = user.training and hf_checkpointing(user)  # (read once per forward)
             self._reporter.backward_calls_per_forward = 2 if hf_recomputes else 1
             if self._reduction is not None:

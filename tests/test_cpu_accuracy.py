@@ -112,7 +112,7 @@ def test_fp32_error_within_design_rule_at_every_head_dim(s_q, s_k, d, causal, so
 
 
 @pytest.mark.parametrize("s_q, s_k, h, h_kv, d, causal", [
-    (1, 1, 300, 2, 128, False),   # before: dv 2.8x (an audit's seeds: 5.3x); now 1.0x
+    (1, 8, 512, 2, 128, False),   # before: dk 3.2x, dv 4.5x; now 1.6x, 2.0x
     (4, 64, 256, 1, 128, False),  # before: dk 4.2x, dv 3.5x; now 2.2x, 2.4x
     (1, 64, 512, 1, 64, False),   # before: dk 4.5x, dv 6.0x; now 2.3x, 2.0x
     (64, 64, 64, 1, 64, True),    # many rows per head besides: 1.6x, 1.3x either way

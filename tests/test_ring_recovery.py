@@ -1737,7 +1737,8 @@ def test_a_system_exit_on_one_rank_is_a_failure_like_any_other():
 
 def _worker_evaluation_on_one_dp_group():
     """W=4 as dp 2 x tp 2 (sp 1) at zero stage 0: after a good step only the ranks of global
-    rank 0's tp group evaluate (a forward under no_grad), then every rank steps."""
+    rank 0's tp group evaluate (a forward under no_grad; then one in eval mode with gradients
+    on), then every rank steps."""
     ringseq.set_ring_timeout(TIMEOUT)
     rank = dist.get_rank()
     inner = _tiny_llama().double()
@@ -1758,6 +1759,9 @@ def _worker_evaluation_on_one_dp_group():
             dist.get_process_group_ranks(plugin.groups.tp_group):
         with torch.no_grad():
             out["evaluation"] = _capture(lambda: float(model(**batch).logits.sum()))
+        model.eval()
+        out["evaluation, gradients on"] = _capture(lambda: float(model(**batch).logits.sum()))
+        model.train()
     out["next step"] = _capture(step)
     return out
 
@@ -1765,12 +1769,15 @@ def _worker_evaluation_on_one_dp_group():
 def test_evaluating_on_one_data_parallel_group_leaves_the_others_in_step():
     # (the agreement at the end of a forward under no_grad spans every rank only where every
     # rank takes part in every forward: at zero stage 0 with dp 2 it would have paired group
-    # 0's evaluation with group 1's next loss)
+    # 0's evaluation with group 1's next loss). In eval mode with gradients on the forward's
+    # first agreement spans the ranks it reaches too (before, the default group's: the
+    # evaluation timed out, or paired with the other group's step, which then desynced)
     res = run_ranks(_worker_evaluation_on_one_dp_group, 4, timeout=300,
                     env={"RINGSEQ_TIMEOUT": str(TIMEOUT)})
     assert sum("evaluation" in r for r in res) == 2, res
     for r in res:
-        assert r.get("evaluation", ("ok",))[0] == "ok" and r["next step"][0] == "ok", r
+        for case in ("evaluation", "evaluation, gradients on", "next step"):
+            assert r.get(case, ("ok",))[0] == "ok", (case, r)
 
 
 # The plugin's forward starts with one agreement (ModelWrapper._agree_on_inputs) where its

@@ -194,8 +194,10 @@ class ModelWrapper(nn.Module):
         """The agreement that starts a forward whose first collective may be a tensor-parallel,
         FSDP or DDP one (``agrees_before_forward`` / ``agrees_before_no_grad_forward``): one
         control all-gather before any collective of the forward, over the ranks the forward
-        reaches (with gradients the default group, where the loader and the loss agree;
-        under no_grad ``FailureReporter.no_grad_group``). Unlike ring calls, those collectives
+        reaches (a training step's -- gradients on, the model in training mode -- the default
+        group, where the loader and the loss agree; an evaluation's -- under no_grad, or in
+        eval mode -- ``FailureReporter.no_grad_group``, so that evaluating on one
+        data-parallel group at zero 0 stays possible). Unlike ring calls, those collectives
         carry neither the step's call tag nor the inputs' shapes: a rank a batch ahead (it
         skipped a step) or given a longer shard or other tokens than its tp peers aborted in
         gloo ("Received data size doesn't match expected size"), waited for the timeout, or
@@ -208,10 +210,13 @@ class ModelWrapper(nn.Module):
         other shapes or values (a digest of the model's batch inputs, ``batch_digest``).
         Returns whether it ran (not with the consistency checks off: nothing is then
         compared, and nothing costs)."""
-        grad = torch.is_grad_enabled()
-        if not (self.agrees_before_forward if grad else self.agrees_before_no_grad_forward):
+        # (an evaluation with gradients on, in eval mode, agrees as one under no_grad: before,
+        # it agreed over the default group, and on one data-parallel group alone it waited
+        # for the timeout or paired with the other group's training step)
+        step = torch.is_grad_enabled() and user.training
+        if not (self.agrees_before_forward if step else self.agrees_before_no_grad_forward):
             return False
-        group = None if grad else self._reporter.no_grad_group
+        group = None if step else self._reporter.no_grad_group
         ring = get_ring(group)
         try:
             if not ring.checks_on:

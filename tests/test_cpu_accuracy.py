@@ -121,8 +121,9 @@ def test_fp32_key_gradients_of_a_wide_gqa_group_within_design_rule(s_q, s_k, h, 
                                                                      causal):
     # dK and dV of a key tile sum every query row of every head of the group; with one chain
     # of all of them (a decode-shaped backward, or wide MQA) dv reached 5.3x plain float32's
-    # error, which sums each head alone and the heads pairwise. Now partial sums of 16 rows,
-    # summed in turn (csrc/cpu/kernels/flash_bwd.cpp, kTileRows). (Rows that
+    # error, which sums each head alone and the heads pairwise. Now a partial sum added into
+    # the tile's at a head's end once it holds 16 rows (csrc/cpu/kernels/flash_bwd.cpp,
+    # kTileRows). (Rows that
     # see one to three keys are the documented exception for dq and dk, docs/kernels.md; out,
     # lse and dq of one head's rows are the other tests'.)
     for isa, worst in _worst_ratios(1, h, s_q, s_k, d, causal, range(3), h_kv=h_kv,

@@ -237,6 +237,20 @@ def test_a_multimodal_models_vision_tower_keeps_its_attention():
     assert switched and not any("Vision" in n for n in switched), switched
 
 
+def _assert_exact_and_wrong_positions_refused(build, ranks, module):
+    """``ranks`` at W=2 returns (the unsharded logits, the error text of a call with wrong
+    positions): the logits of ``build()``'s model within flash-attn's rule of float64, and
+    the call refused on every rank by ``module``'s position check."""
+    want64 = build(torch.float64)(input_ids=_ids(), use_cache=False).logits.detach()
+    plain = build()(input_ids=_ids(), use_cache=False).logits.detach()
+    for rank, (logits, wrong) in enumerate(run_ranks(ranks, 2, timeout=120)):
+        assert_close_per_design(logits, want64, plain, f"rank {rank} logits", 2.0,
+                                scaled_floor(torch.float32, want64))
+        assert wrong.startswith(f"ValueError: {module}: ringseq attention cannot compute this "
+                                f"exactly: position_ids that are not the global positions of "
+                                f"this rank's tokens under layout 'zigzag'"), wrong
+
+
 def _qwen2_vl(dtype=torch.float32):
     T = transformers
     torch.manual_seed(0)
@@ -271,14 +285,7 @@ def test_every_row_of_mrope_position_ids_is_checked():
     three rotate q and k. W=2, text only: the 4-row ids of shard_batch's positions match one
     process; rope rows numbered from 0 on every rank are refused on every rank (before: only
     the text row was checked, logits 1.2e-3 off without a word)."""
-    want64 = _qwen2_vl(torch.float64)(input_ids=_ids(), use_cache=False).logits.detach()
-    plain = _qwen2_vl()(input_ids=_ids(), use_cache=False).logits.detach()
-    for rank, (logits, wrong) in enumerate(run_ranks(_qwen2_vl_ranks, 2, timeout=120)):
-        assert_close_per_design(logits, want64, plain, f"rank {rank} logits", 2.0,
-                                scaled_floor(torch.float32, want64))
-        assert wrong.startswith("ValueError: Qwen2VLAttention: ringseq attention cannot "
-                                "compute this exactly: position_ids that are not the global "
-                                "positions of this rank's tokens under layout 'zigzag'"), wrong
+    _assert_exact_and_wrong_positions_refused(_qwen2_vl, _qwen2_vl_ranks, "Qwen2VLAttention")
 
 
 def test_alibi_is_refused_by_apply():
@@ -396,14 +403,7 @@ def test_bigcode_positions_are_checked_from_the_model_call():
     """GPT-BigCode hands its attention no position ids. W=2: with shard_batch's positions the
     logits match one process; without them (before: every rank embedded positions from 0,
     logits off by 0.7, no error) every rank raises."""
-    want64 = _bigcode(torch.float64)(input_ids=_ids(), use_cache=False).logits.detach()
-    plain = _bigcode()(input_ids=_ids(), use_cache=False).logits.detach()
-    for rank, (logits, forgot) in enumerate(run_ranks(_bigcode_ranks, 2, timeout=120)):
-        assert_close_per_design(logits, want64, plain, f"rank {rank} logits", 2.0,
-                                scaled_floor(torch.float32, want64))
-        assert forgot.startswith("ValueError: GPTBigCodeAttention: ringseq attention cannot "
-                                 "compute this exactly: position_ids that are not the global "
-                                 "positions of this rank's tokens under layout 'zigzag'"), forgot
+    _assert_exact_and_wrong_positions_refused(_bigcode, _bigcode_ranks, "GPTBigCodeAttention")
 
 
 def test_bigcode_packed_documents_without_boundaries_are_refused_on_one_process():

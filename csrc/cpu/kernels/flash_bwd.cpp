@@ -219,8 +219,8 @@ void bwd_impl(const BwdParams& p) {
     Scratch<T> dvt, dkt, dqb;
     // float path: one block's scale·Q rows for S (kt holds Kᵀ unscaled)
     Scratch<T> qsbuf;
-    // a key tile's dK and dV (amx: dKᵀ and dVᵀ) summed over the partial sums of at most
-    // kTileRows query rows each (see work)
+    // a key tile's dK and dV (amx: dKᵀ and dVᵀ) summed over the partial sums of its heads
+    // (one or a few heads each, kTileRows rows or more; see work)
     Scratch<T> dksum, dvsum;
   };
   auto make_state = [&] {
@@ -303,10 +303,11 @@ void bwd_impl(const BwdParams& p) {
       // GQA group: one chain of that many terms per element, where plain attention sums each
       // head's alone and the heads pairwise (with one query row per head and 300 heads, dV
       // reached 5.3x plain float32's error). The products go into partial sums (dk / dv, amx:
-      // dkt / dvt) of at most kTileRows rows each, added into dksum / dvsum (amx: transposed
-      // as dkt / dvt are) as each fills up: about kTileRows + rows / kTileRows terms per
-      // chain. A tile of fewer rows keeps its one partial sum (no pass at all); otherwise one
-      // add per block of bm rows (bm >= kTileRows), under 1 % of the block's products.
+      // dkt / dvt), added into dksum / dvsum (amx: transposed as dkt / dvt are) at the end
+      // of a head once they hold kTileRows rows or more: a head's rows stay one chain (as
+      // they were, within the rule), the heads' partial sums another. A tile of fewer rows
+      // keeps its one partial sum (no pass at all); otherwise one add per head or group of
+      // heads, not per block of rows (a long sequence's blocks pay nothing).
       constexpr int64_t kTileRows = 16;
       const int64_t sum_elems = amx ? d * ldt : n * dpad;
       T* part_k = amx ? st.dkt.get() : dk;
@@ -511,8 +512,9 @@ void bwd_impl(const BwdParams& p) {
                                qk_band);  // dQ += dS·K
           }
           pending += m;
-          if (pending >= kTileRows) add_partials();
         }
+        // (at a head's end: a head's own rows stay one chain, as they always were)
+        if (pending >= kTileRows) add_partials();
       }
       if (summed && pending > 0) add_partials();
       // the tile's dK and dV: the sums, or the one partial sum of a tile of few rows
